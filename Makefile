@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# torch is pinned to 2.13.0: on the project's CPU machines that installs the
+# local CPU build; an unpinned `torch` would pull several GB of CUDA wheels.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(BIN)/dreampipe: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/dreampipe
+
+demo: setup
+	$(BIN)/dreampipe demo
+
+test: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/python benchmarks/bench_planner.py
+	$(BIN)/python benchmarks/bench_simulator.py
+	$(BIN)/dreampipe bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,58 @@
+"""The ``dreampipe`` command: a thin layer over the library.
+
+Each sub-command lives in its own module with a ``register(subparsers)``
+function that adds its parser and sets ``func`` to a handler returning the
+exit status. Errors a user can cause (:class:`DreampipeError`) are printed
+as one line on stderr with exit status 2, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from dreampipe.errors import DreampipeError
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = ("profile", "plan", "simulate", "train")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dreampipe",
+        description=(
+            "PipeDream-style pipeline-parallel training for PyTorch: profile a model per "
+            "layer, plan stages and replicas for a cluster, simulate any schedule, and train."
+        ),
+        epilog="Run 'dreampipe COMMAND --help' for the options of each command.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMANDS:
+        importlib.import_module(f"dreampipe.cli.{name}").register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        status: int = args.func(args)
+    except DreampipeError as exc:
+        print(f"dreampipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The exception hierarchy users see.
+
+Every error a user can cause is a :class:`DreampipeError`; each subclass also
+derives from the builtin it refines (``ValueError``, ``TimeoutError``) so that
+code catching the builtin keeps working. Messages name the offending value
+and the fix.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DreampipeError",
+    "PeerTimeoutError",
+    "PlanError",
+    "ProfileError",
+    "ScheduleError",
+    "StageMismatchError",
+    "TopologyError",
+]
+
+
+class DreampipeError(Exception):
+    """Base class of every error dreampipe raises on purpose."""
+
+
+class ProfileError(DreampipeError, ValueError):
+    """A layer profile (ours or PipeDream's graph.txt) is malformed."""
+
+
+class TopologyError(DreampipeError, ValueError):
+    """A cluster description makes no sense (zero workers, bad bandwidth...)."""
+
+
+class PlanError(DreampipeError, ValueError):
+    """No valid plan exists, or a plan does not fit the model or cluster."""
+
+
+class ScheduleError(DreampipeError, ValueError):
+    """A schedule is malformed, would deadlock, or does not fit its plan."""
+
+
+class StageMismatchError(DreampipeError, ValueError):
+    """Two stages disagree on the shape or dtype of a tensor between them."""
+
+
+class PeerTimeoutError(DreampipeError, TimeoutError):
+    """A rank waited past its deadline for a peer."""

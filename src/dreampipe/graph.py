@@ -1,0 +1,261 @@
+"""LayerGraph: the per-layer profile every other part plans and simulates on.
+
+A profile is an ordered list of layers (a topological order) with measured
+forward/backward times, output activation size and parameter size, all for
+the whole minibatch it was measured at, plus the data-flow edges between
+layers (a chain for ``nn.Sequential``, a DAG for residual models). It is plain
+data: frozen dataclasses that round-trip through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dreampipe.errors import ProfileError
+
+__all__ = ["FORMAT_VERSION", "Layer", "LayerGraph", "load_graph"]
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One profiled layer. Times in milliseconds, sizes in bytes, per minibatch."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    activation_bytes: int
+    parameter_bytes: int
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
+            value = getattr(self, what)
+            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+                raise ProfileError(
+                    f"layer {self.name!r} has {what}={value!r}; "
+                    "times and sizes must be non-negative numbers"
+                )
+
+    @property
+    def compute_ms(self) -> float:
+        """Forward plus backward time, the planner's ``T_l``."""
+        return self.forward_ms + self.backward_ms
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """Layers in topological order plus edges ``(producer, consumer)`` by index.
+
+    ``batch_size`` is the minibatch the profile was measured at (0 if unknown,
+    as in PipeDream's graph.txt).
+    """
+
+    layers: tuple[Layer, ...]
+    edges: tuple[tuple[int, int], ...] = ()
+    batch_size: int = 0
+    model: str = ""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ProfileError("the profile has no layers; profile a model with at least one layer")
+        if self.batch_size < 0:
+            raise ProfileError(f"batch_size={self.batch_size} is negative")
+        n = len(self.layers)
+        seen: set[str] = set()
+        for layer in self.layers:
+            if layer.name in seen:
+                raise ProfileError(f"layer name {layer.name!r} appears twice; names must be unique")
+            seen.add(layer.name)
+        for src, dst in self.edges:
+            if not (0 <= src < n and 0 <= dst < n):
+                raise ProfileError(
+                    f"edge {src}->{dst} names a layer outside 0..{n - 1}; "
+                    "every edge must join two profiled layers"
+                )
+            if src == dst:
+                raise ProfileError(f"edge {src}->{dst} is a self-loop on {self.layers[src].name!r}")
+            if src > dst:
+                raise ProfileError(
+                    f"edge {self.layers[src].name!r}->{self.layers[dst].name!r} points backwards "
+                    "in the layer order: the graph has a cycle or the layers are not in "
+                    "topological order"
+                )
+
+    # ---- construction -------------------------------------------------
+    @classmethod
+    def chain(
+        cls, layers: Sequence[Layer], batch_size: int = 0, model: str = ""
+    ) -> LayerGraph:
+        """A straight pipeline of ``layers``: each feeds the next."""
+        edges = tuple((i, i + 1) for i in range(len(layers) - 1))
+        return cls(tuple(layers), edges, batch_size, model)
+
+    @classmethod
+    def from_named_edges(
+        cls,
+        layers: Sequence[Layer],
+        edges: Iterable[tuple[str, str]],
+        batch_size: int = 0,
+        model: str = "",
+    ) -> LayerGraph:
+        """Build from edges given by layer name, sorting layers topologically.
+
+        The sort is stable: among ready layers the earliest in ``layers`` goes
+        first. A cycle or an unknown name raises :class:`ProfileError`.
+        """
+        index = {layer.name: i for i, layer in enumerate(layers)}
+        if len(index) != len(layers):
+            dup = next(n for n in index if sum(1 for x in layers if x.name == n) > 1)
+            raise ProfileError(f"layer name {dup!r} appears twice; names must be unique")
+        pairs: list[tuple[int, int]] = []
+        for src, dst in edges:
+            for end in (src, dst):
+                if end not in index:
+                    raise ProfileError(f"edge {src!r} -> {dst!r} names unknown layer {end!r}")
+            pairs.append((index[src], index[dst]))
+        order = _topological_order(len(layers), pairs, [x.name for x in layers])
+        position = {old: new for new, old in enumerate(order)}
+        new_edges = sorted({(position[s], position[d]) for s, d in pairs})
+        return cls(tuple(layers[i] for i in order), tuple(new_edges), batch_size, model)
+
+    # ---- queries --------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_chain(self) -> bool:
+        """True when every layer feeds exactly the next one."""
+        return set(self.edges) == {(i, i + 1) for i in range(len(self.layers) - 1)}
+
+    def cut_activation_bytes(self, k: int) -> int:
+        """Bytes crossing a cut between layers ``k-1`` and ``k`` (prefix ``0..k-1``).
+
+        The sum of the outputs of every layer before the cut that has a
+        consumer after it (DESIGN.md §3). For a chain that is ``a_{k-1}``.
+        """
+        if not 0 < k < len(self.layers):
+            raise ValueError(f"a cut must lie strictly inside 1..{len(self.layers) - 1}, got {k}")
+        crossing = {src for src, dst in self.edges if src < k <= dst}
+        return sum(self.layers[i].activation_bytes for i in crossing)
+
+    def cut_bytes(self) -> list[int]:
+        """``cut_bytes()[k]`` = :meth:`cut_activation_bytes` for k in 1..n-1; [0] is 0."""
+        n = len(self.layers)
+        out = [0] * n
+        for src, dst in self.edges:
+            for k in range(src + 1, dst + 1):
+                out[k] += self.layers[src].activation_bytes
+        return out
+
+    def total_ms(self) -> float:
+        """Forward plus backward time of the whole model, per minibatch."""
+        return sum(layer.compute_ms for layer in self.layers)
+
+    def total_parameter_bytes(self) -> int:
+        return sum(layer.parameter_bytes for layer in self.layers)
+
+    # ---- JSON -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "dreampipe.layergraph",
+            "version": FORMAT_VERSION,
+            "model": self.model,
+            "batch_size": self.batch_size,
+            "layers": [
+                {
+                    "name": x.name,
+                    "description": x.description,
+                    "forward_ms": x.forward_ms,
+                    "backward_ms": x.backward_ms,
+                    "activation_bytes": x.activation_bytes,
+                    "parameter_bytes": x.parameter_bytes,
+                }
+                for x in self.layers
+            ],
+            "edges": [list(e) for e in self.edges],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LayerGraph:
+        if data.get("format") != "dreampipe.layergraph":
+            raise ProfileError(
+                f"format={data.get('format')!r}: not a dreampipe profile "
+                "(expected 'dreampipe.layergraph'); for PipeDream's graph.txt use load_graph()"
+            )
+        if data.get("version") != FORMAT_VERSION:
+            raise ProfileError(
+                f"profile format version {data.get('version')!r} is not supported; "
+                f"this dreampipe reads version {FORMAT_VERSION}: re-run `dreampipe profile`"
+            )
+        try:
+            layers = tuple(Layer(**x) for x in data["layers"])
+            edges = tuple((int(a), int(b)) for a, b in data["edges"])
+            return cls(
+                layers, edges, int(data.get("batch_size", 0)), str(data.get("model", "")),
+                dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ProfileError(f"malformed dreampipe profile: {exc!r}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> LayerGraph:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ProfileError("profile JSON must be an object")
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def load_graph(path: str | Path) -> LayerGraph:
+    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
+    text = p.read_text()
+    if text.lstrip().startswith("{"):
+        return LayerGraph.from_json(text)
+    from dreampipe.graph_txt import parse_graph_txt
+
+    return parse_graph_txt(text, model=p.stem)
+
+
+def _topological_order(n: int, edges: Sequence[tuple[int, int]], names: Sequence[str]) -> list[int]:
+    """Kahn's algorithm, stable in the original order; raises on a cycle."""
+    import heapq
+
+    indegree = [0] * n
+    succ: list[list[int]] = [[] for _ in range(n)]
+    for s, d in edges:
+        succ[s].append(d)
+        indegree[d] += 1
+    ready = [i for i in range(n) if indegree[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for d in succ[i]:
+            indegree[d] -= 1
+            if indegree[d] == 0:
+                heapq.heappush(ready, d)
+    if len(order) != n:
+        stuck = [names[i] for i in range(n) if indegree[i] > 0]
+        raise ProfileError(f"the layer graph has a cycle through {stuck[:5]}; edges must form a DAG")
+    return order

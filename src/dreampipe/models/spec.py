@@ -1,0 +1,61 @@
+"""ModelSpec: a zoo model as a list of layers that any stage can build alone.
+
+A pipeline stage builds only its own layers, yet every stage must start
+from the same weights a single process would have. So a model is described
+as a list of layer factories, and layer ``i`` is always built right after
+``torch.manual_seed(seed + i)``: building layers 4..7 alone gives the same
+weights as building 0..7 and keeping 4..7.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["LayerFactory", "ModelSpec"]
+
+LayerFactory = Callable[[], nn.Module]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model the profiler, planner and runtime can all use.
+
+    ``sample_input(batch)`` returns an input batch, ``sample_target(batch)``
+    matching targets, and ``loss_fn(output, target)`` a scalar loss (mean
+    over the batch).
+    """
+
+    name: str
+    layer_factories: Sequence[tuple[str, LayerFactory]]
+    sample_input: Callable[[int], torch.Tensor]
+    sample_target: Callable[[int], torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    default_batch_size: int = 32
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_factories)
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [name for name, _ in self.layer_factories]
+
+    def build(self, first: int = 0, last: int | None = None, seed: int = 0) -> nn.Sequential:
+        """Layers ``first..last`` (inclusive) as an ``nn.Sequential``, named as in the zoo."""
+        last = self.num_layers - 1 if last is None else last
+        if not 0 <= first <= last < self.num_layers:
+            raise ValueError(
+                f"layers {first}..{last} are outside 0..{self.num_layers - 1} of {self.name}"
+            )
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        with torch.random.fork_rng(devices=[]):
+            for i in range(first, last + 1):
+                name, factory = self.layer_factories[i]
+                torch.manual_seed(seed + i)
+                layers[name] = factory()
+        return nn.Sequential(layers)

@@ -1,0 +1,267 @@
+"""Plan: how a model is cut into stages and how many workers each stage gets.
+
+A plan is plain data produced by the planner (or written by hand) and read by
+the schedules, the simulator and the runtime. Stage ``s`` spans layers
+``first..last`` (inclusive, indices in the profile's order), is replicated
+``replicas`` ways (data-parallel within the stage) and lives on ``ranks``.
+Ranks are numbered stage by stage: stage 0 holds ranks ``0..r0-1`` and so on.
+
+The config string is the paper's: ``"15-1"`` (stage 0 on 15 workers, stage 1
+on one), ``"straight"`` (every stage on one worker, more than one stage) and
+``"16"`` (one stage on 16 workers: pure data parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dreampipe.errors import PlanError
+
+__all__ = ["Plan", "Stage", "config_string", "stages_from_config"]
+
+_FORMAT = "dreampipe.plan"
+_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage. Times are per minibatch, for the whole stage.
+
+    ``compute_s`` is forward+backward of the stage's layers for one minibatch
+    on one worker; ``comm_s`` is the time to send its output forward and the
+    gradient back across the cut after it; ``allreduce_s`` the time of one
+    all-reduce of its weights among its replicas; ``memory_bytes`` the
+    predicted peak per worker (weights x stashed versions + activations).
+    """
+
+    first: int
+    last: int
+    replicas: int
+    ranks: tuple[int, ...]
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    allreduce_s: float = 0.0
+    memory_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.first < 0 or self.last < self.first:
+            raise PlanError(f"stage layers {self.first}..{self.last} are empty or negative")
+        if self.replicas < 1:
+            raise PlanError(f"stage {self.first}..{self.last} has {self.replicas} replicas; needs >= 1")
+        if len(self.ranks) != self.replicas:
+            raise PlanError(
+                f"stage {self.first}..{self.last} has {self.replicas} replicas "
+                f"but ranks {list(self.ranks)}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.last - self.first + 1
+
+    @property
+    def time_s(self) -> float:
+        """Predicted time per minibatch of this stage in steady state (PipeDream's T)."""
+        return max(self.compute_s / self.replicas, self.allreduce_s / self.replicas, self.comm_s)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in pipeline order plus the predictions the planner made for them.
+
+    ``baselines_s`` maps a strategy name (``"dp"``, ``"straight"``, ``"gpipe"``)
+    to its predicted time per minibatch under the same cost model.
+    """
+
+    stages: tuple[Stage, ...]
+    num_layers: int
+    batch_size: int = 0
+    model: str = ""
+    topology: str = ""
+    time_per_minibatch_s: float = 0.0
+    baselines_s: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
+    layer_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        expect = 0
+        for i, st in enumerate(self.stages):
+            if st.first != expect:
+                raise PlanError(
+                    f"stage {i} starts at layer {st.first} but the previous stage ended at "
+                    f"{expect - 1}; stages must cover the layers contiguously"
+                )
+            expect = st.last + 1
+        if expect != self.num_layers:
+            raise PlanError(
+                f"stages cover layers 0..{expect - 1} but the model has {self.num_layers} layers"
+            )
+        ranks = [r for st in self.stages for r in st.ranks]
+        if sorted(ranks) != list(range(len(ranks))):
+            raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
+
+    @classmethod
+    def from_config(
+        cls, num_layers: int, bounds: Sequence[int], replicas: Sequence[int], **kw: Any
+    ) -> Plan:
+        """A plan with cost fields left at zero: stage s is ``bounds[s]..bounds[s+1]-1``.
+
+        ``bounds`` starts with 0 and lists each stage's first layer;
+        ``Plan.from_config(8, [0, 4], [1, 1])`` is two stages of four layers.
+        """
+        if len(bounds) != len(replicas) or not bounds or bounds[0] != 0:
+            raise PlanError(
+                f"bounds {list(bounds)} and replicas {list(replicas)} must have one entry per "
+                "stage, and bounds must start at layer 0"
+            )
+        edges = [*bounds, num_layers]
+        stages, rank = [], 0
+        for s, r in enumerate(replicas):
+            stages.append(Stage(edges[s], edges[s + 1] - 1, r, tuple(range(rank, rank + r))))
+            rank += r
+        return cls(tuple(stages), num_layers, **kw)
+
+    # ---- derived --------------------------------------------------------
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def workers_used(self) -> int:
+        return sum(st.replicas for st in self.stages)
+
+    @property
+    def config(self) -> str:
+        return config_string([st.replicas for st in self.stages])
+
+    @property
+    def throughput_minibatches_per_s(self) -> float:
+        return 1.0 / self.time_per_minibatch_s if self.time_per_minibatch_s > 0 else 0.0
+
+    def stage_of_rank(self, rank: int) -> int:
+        for s, st in enumerate(self.stages):
+            if rank in st.ranks:
+                return s
+        raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
+
+    def speedup_over(self, baseline: str) -> float:
+        """Predicted speedup of this plan over ``baseline`` (``dp``, ``straight``, ``gpipe``)."""
+        if baseline not in self.baselines_s:
+            raise PlanError(f"no prediction for {baseline!r}; have {sorted(self.baselines_s)}")
+        if self.time_per_minibatch_s <= 0:
+            return 0.0
+        return self.baselines_s[baseline] / self.time_per_minibatch_s
+
+    # ---- JSON -----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "model": self.model,
+            "topology": self.topology,
+            "batch_size": self.batch_size,
+            "num_layers": self.num_layers,
+            "layer_names": list(self.layer_names),
+            "config": self.config,
+            "time_per_minibatch_s": self.time_per_minibatch_s,
+            "baselines_s": dict(self.baselines_s),
+            "stages": [
+                {
+                    "first": st.first,
+                    "last": st.last,
+                    "replicas": st.replicas,
+                    "ranks": list(st.ranks),
+                    "compute_s": st.compute_s,
+                    "comm_s": st.comm_s,
+                    "allreduce_s": st.allreduce_s,
+                    "memory_bytes": st.memory_bytes,
+                }
+                for st in self.stages
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if data.get("format") != _FORMAT:
+            raise PlanError(f"format={data.get('format')!r}: not a dreampipe plan")
+        if data.get("version") != _VERSION:
+            raise PlanError(f"plan format version {data.get('version')!r} is not {_VERSION}")
+        try:
+            stages = tuple(
+                Stage(
+                    int(s["first"]), int(s["last"]), int(s["replicas"]),
+                    tuple(int(r) for r in s["ranks"]), float(s["compute_s"]),
+                    float(s["comm_s"]), float(s["allreduce_s"]), int(s["memory_bytes"]),
+                )
+                for s in data["stages"]
+            )
+            return cls(
+                stages, int(data["num_layers"]), int(data["batch_size"]), str(data["model"]),
+                str(data["topology"]), float(data["time_per_minibatch_s"]),
+                {str(k): float(v) for k, v in data["baselines_s"].items()},
+                tuple(str(x) for x in data.get("layer_names", [])),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, PlanError):
+                raise
+            raise PlanError(f"malformed plan JSON: {exc!r}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"cannot read plan {str(path)!r}: {exc}") from exc
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    def __str__(self) -> str:
+        head = f"plan {self.config} for {self.model or 'model'} on {self.workers_used} workers"
+        if self.time_per_minibatch_s > 0:
+            head += (
+                f": {self.time_per_minibatch_s * 1e3:.2f} ms/minibatch, "
+                f"{self.throughput_minibatches_per_s:.2f} minibatches/s"
+            )
+        lines = [head]
+        for s, st in enumerate(self.stages):
+            names = ""
+            if self.layer_names:
+                names = f" ({self.layer_names[st.first]} .. {self.layer_names[st.last]})"
+            lines.append(
+                f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas} "
+                f"ranks {list(st.ranks)}"
+            )
+        return "\n".join(lines)
+
+
+def config_string(replicas: Sequence[int]) -> str:
+    """The paper's config string for per-stage replica counts."""
+    if len(replicas) > 1 and all(r == 1 for r in replicas):
+        return "straight"
+    return "-".join(str(r) for r in replicas)
+
+
+def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
+    """Parse ``"2-1-1"`` into ``[2, 1, 1]``; ``"straight"`` needs ``num_stages``."""
+    if config == "straight":
+        if not num_stages or num_stages < 2:
+            raise PlanError("config 'straight' needs the number of stages (at least 2)")
+        return [1] * num_stages
+    try:
+        reps = [int(x) for x in config.split("-")]
+    except ValueError:
+        raise PlanError(
+            f"config {config!r} is not like '2-1-1', '16' or 'straight'"
+        ) from None
+    if any(r < 1 for r in reps):
+        raise PlanError(f"config {config!r} has a stage with fewer than 1 replica")
+    return reps

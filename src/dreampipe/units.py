@@ -1,0 +1,64 @@
+"""Parse and print human quantities: ``16GB``, ``10Gbps``, ``12GB/s``.
+
+Sizes use powers of 1000 for ``KB``/``MB``/``GB`` and 1024 for ``KiB``/``MiB``/
+``GiB``. Bandwidths accept bits (``Gbps``, ``Gb/s``) or bytes (``GB/s``,
+``GBps``) per second and are returned in bytes per second.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
+
+_NUM = r"(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?"
+_SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _split(text: str) -> tuple[float, str]:
+    m = re.fullmatch(_NUM + r"\s*([A-Za-z/]*)", text.strip())
+    if not m:
+        raise ValueError(f"{text!r} is not a quantity; write e.g. 16GB or 10Gbps")
+    value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
+    return value, m.group(3)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"16GB"`` -> 16e9, ``"16GiB"`` -> 16*2**30, a bare number is bytes."""
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        value, unit = _split(text)
+    m = re.fullmatch(r"(?i)([kmgt]i?)?b?", unit)
+    if not m:
+        raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")
+    if value < 0:
+        raise ValueError(f"{text!r} is negative; sizes must be >= 0")
+    return round(value * _SCALE[(m.group(1) or "").lower()])
+
+
+def parse_bandwidth(text: str | int | float) -> float:
+    """``"10Gbps"`` -> 1.25e9 bytes/s; ``"12GB/s"`` -> 12e9; a bare number is bytes/s."""
+    if isinstance(text, int | float):
+        value, unit = float(text), ""
+    else:
+        value, unit = _split(text)
+    m = re.fullmatch(r"([kmgtKMGT]i?)?(b|B)?(ps|/s)?", unit)
+    if not m or (unit and not m.group(2)):
+        raise ValueError(
+            f"{text!r}: unknown bandwidth unit {unit!r}; use e.g. 10Gbps, 25Gb/s or 12GB/s"
+        )
+    if value <= 0:
+        raise ValueError(f"bandwidth {text!r} must be positive")
+    scale = _SCALE[(m.group(1) or "").lower()]
+    bits = m.group(2) == "b"
+    return value * scale / (8 if bits else 1)
+
+
+def format_bytes(n: float) -> str:
+    """Short human size: ``1.6 GB``, ``512 B``."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
