@@ -1,0 +1,58 @@
+"""``cnn``: the classic MNIST pipeline example, five layers.
+
+::
+
+    1×S×S ─conv1─▶ 16×S/2×S/2 ─conv2─▶ 32×S/4×S/4 ─fc1─▶ 200 ─fc2─▶ 200 ─out─▶ 10
+
+Each conv layer is Conv(5×5, same padding) + ReLU + MaxPool(2), so at the
+default ``image_size=28`` the feature maps are 16@14×14 and 32@7×7. The
+scikit-learn 8×8 digits work either as ``image_size=8`` (maps 4×4 and 2×2)
+or resized to 28×28; any size divisible by 4 does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dreampipe.errors import ProfileError
+from dreampipe.models.spec import LayerFactory, ModelSpec
+
+__all__ = ["cnn"]
+
+
+def cnn(image_size: int = 28, channels: int = 1, classes: int = 10, hidden: int = 200) -> ModelSpec:
+    """Conv 1→16, Conv 16→32, Dense ``hidden``, Dense ``hidden``, Output ``classes``."""
+    if image_size < 4 or image_size % 4:
+        raise ProfileError(
+            f"cnn image_size={image_size}: use a multiple of 4 (two 2×2 poolings), e.g. 8 or 28"
+        )
+    flat = 32 * (image_size // 4) ** 2
+
+    def conv(cin: int, cout: int) -> LayerFactory:
+        return lambda: nn.Sequential(
+            nn.Conv2d(cin, cout, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(2)
+        )
+
+    factories: list[tuple[str, LayerFactory]] = [
+        ("conv1", conv(channels, 16)),
+        ("conv2", conv(16, 32)),
+        ("fc1", lambda: nn.Sequential(nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU())),
+        ("fc2", lambda: nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU())),
+        ("out", lambda: nn.Linear(hidden, classes)),
+    ]
+
+    def sample_input(batch: int) -> torch.Tensor:
+        return torch.randn(batch, channels, image_size, image_size)
+
+    def sample_target(batch: int) -> torch.Tensor:
+        return torch.randint(0, classes, (batch,))
+
+    return ModelSpec(
+        name="cnn",
+        layer_factories=factories,
+        sample_input=sample_input,
+        sample_target=sample_target,
+        loss_fn=nn.functional.cross_entropy,
+        default_batch_size=64,
+    )
