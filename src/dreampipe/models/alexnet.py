@@ -18,7 +18,7 @@ __all__ = ["alexnet"]
 
 
 def alexnet(image_size: int = 64, width_divisor: int = 4, classes: int = 10) -> ModelSpec:
-    """AlexNet on ``image_size``² RGB images (at least 63)."""
+    """AlexNet on ``image_size``^2 RGB images (at least 63)."""
     side = _feature_side(image_size)
     if side < 1:
         raise ProfileError(f"alexnet image_size={image_size} is too small; use 63 or more")

@@ -2,12 +2,12 @@
 
 ::
 
-    1×S×S ─conv1─▶ 16×S/2×S/2 ─conv2─▶ 32×S/4×S/4 ─fc1─▶ 200 ─fc2─▶ 200 ─out─▶ 10
+    1xSxS ─conv1─▶ 16xS/2xS/2 ─conv2─▶ 32xS/4xS/4 ─fc1─▶ 200 ─fc2─▶ 200 ─out─▶ 10
 
-Each conv layer is Conv(5×5, same padding) + ReLU + MaxPool(2), so at the
-default ``image_size=28`` the feature maps are 16@14×14 and 32@7×7. The
-scikit-learn 8×8 digits work either as ``image_size=8`` (maps 4×4 and 2×2)
-or resized to 28×28; any size divisible by 4 does.
+Each conv layer is Conv(5x5, same padding) + ReLU + MaxPool(2), so at the
+default ``image_size=28`` the feature maps are 16@14x14 and 32@7x7. The
+scikit-learn 8x8 digits work either as ``image_size=8`` (maps 4x4 and 2x2)
+or resized to 28x28; any size divisible by 4 does.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def cnn(image_size: int = 28, channels: int = 1, classes: int = 10, hidden: int 
     """Conv 1→16, Conv 16→32, Dense ``hidden``, Dense ``hidden``, Output ``classes``."""
     if image_size < 4 or image_size % 4:
         raise ProfileError(
-            f"cnn image_size={image_size}: use a multiple of 4 (two 2×2 poolings), e.g. 8 or 28"
+            f"cnn image_size={image_size}: use a multiple of 4 (two 2x2 poolings), e.g. 8 or 28"
         )
     flat = 32 * (image_size // 4) ** 2
 

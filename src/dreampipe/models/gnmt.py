@@ -99,7 +99,8 @@ class _Classifier(nn.Module):
         self.proj = nn.Linear(hidden, vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x[..., : self.hidden])
+        logits: torch.Tensor = self.proj(x[..., : self.hidden])
+        return logits
 
 
 def gnmt(

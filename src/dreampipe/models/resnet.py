@@ -6,7 +6,7 @@ model is still a straight ``nn.Sequential``::
     stem ─▶ layer1_0 … layer1_2 ─▶ layer2_0 … layer2_3 ─▶ layer3_0 … layer3_5
          ─▶ layer4_0 … layer4_2 ─▶ head            (18 layers)
 
-``stem`` is conv 7×7/2 + BN + ReLU + max-pool, ``head`` is global average
+``stem`` is conv 7x7/2 + BN + ReLU + max-pool, ``head`` is global average
 pool + fc. ``width_divisor`` divides every channel count;
 ``image_size=224, width_divisor=1, classes=1000`` is the paper's model.
 """
@@ -26,7 +26,7 @@ _EXPANSION = 4
 
 
 class Bottleneck(nn.Module):
-    """1×1 → 3×3 (stride) → 1×1 convolutions plus the skip: ``relu(f(x) + skip(x))``."""
+    """1x1 → 3x3 (stride) → 1x1 convolutions plus the skip: ``relu(f(x) + skip(x))``."""
 
     def __init__(self, cin: int, width: int, stride: int) -> None:
         super().__init__()
@@ -48,11 +48,12 @@ class Bottleneck(nn.Module):
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.relu(self.bn2(self.conv2(out)))
         out = self.bn3(self.conv3(out))
-        return self.relu(out + self.downsample(x))
+        result: torch.Tensor = self.relu(out + self.downsample(x))
+        return result
 
 
 def resnet50(image_size: int = 32, width_divisor: int = 4, classes: int = 10) -> ModelSpec:
-    """ResNet-50 on ``image_size``² RGB images (at least 32)."""
+    """ResNet-50 on ``image_size``^2 RGB images (at least 32)."""
     if image_size < 32:
         raise ProfileError(f"resnet50 image_size={image_size}: use 32 or more")
     if width_divisor < 1 or 64 % width_divisor:

@@ -31,7 +31,8 @@ class _Embed(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.token(tokens) + self.position(positions)
+        out: torch.Tensor = self.token(tokens) + self.position(positions)
+        return out
 
 
 class TransformerBlock(nn.Module):
@@ -57,7 +58,8 @@ class TransformerBlock(nn.Module):
         )
         attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.dropout(self.proj(attn.transpose(1, 2).reshape(b, t, d)))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 def transformer(

@@ -1,6 +1,6 @@
 """``vgg16``: VGG-16 (Simonyan & Zisserman), scaled down for CPUs by default.
 
-Layers: each 3×3 convolution with its ReLU is one layer, each max-pool is
+Layers: each 3x3 convolution with its ReLU is one layer, each max-pool is
 one layer, then three classifier layers (``fc6``, ``fc7``, ``fc8``): 21 in
 all. ``width_divisor`` divides every channel count and the 4096-wide
 classifier; ``width_divisor=1, image_size=224, classes=1000`` is the paper's
@@ -27,10 +27,10 @@ _CONFIG: tuple[tuple[int, ...], ...] = (
 
 
 def vgg16(image_size: int = 32, width_divisor: int = 4, classes: int = 10) -> ModelSpec:
-    """VGG-16 on ``image_size``² RGB images (a multiple of 32)."""
+    """VGG-16 on ``image_size``^2 RGB images (a multiple of 32)."""
     if image_size < 32 or image_size % 32:
         raise ProfileError(
-            f"vgg16 image_size={image_size}: use a multiple of 32 (five 2×2 poolings), e.g. 32"
+            f"vgg16 image_size={image_size}: use a multiple of 32 (five 2x2 poolings), e.g. 32"
         )
     if width_divisor < 1 or 64 % width_divisor:
         raise ProfileError(f"vgg16 width_divisor={width_divisor}: use a divisor of 64, e.g. 4")
