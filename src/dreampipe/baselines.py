@@ -1,0 +1,275 @@
+"""Reference trainers that ``dreampipe bench`` measures dreampipe against.
+
+Each baseline trains the bench workload (:class:`Workload`) with PyTorch's
+own machinery and no dreampipe code on the hot path:
+
+- ``torch-1f1b`` / ``torch-gpipe``: ``torch.distributed.pipelining`` with a
+  :class:`~torch.distributed.pipelining.PipelineStage` per rank built from the
+  same :meth:`ModelSpec.build` slices and ``Schedule1F1B`` / ``ScheduleGPipe``;
+- ``ddp``: ``DistributedDataParallel``, each rank a share of the update;
+- ``single``: one process, the whole update as one batch.
+
+Every baseline runs in fresh processes started by :func:`run_processes`:
+a free port, one thread per rank unless asked otherwise, a hard deadline,
+child tracebacks surfaced, and no process left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dreampipe.errors import DreampipeError
+from dreampipe.models import ModelSpec, get_model
+
+__all__ = [
+    "Baseline",
+    "BaselineError",
+    "Workload",
+    "free_port",
+    "run_baseline",
+    "run_processes",
+]
+
+log = logging.getLogger(__name__)
+
+
+class BaselineError(DreampipeError, RuntimeError):
+    """A baseline's worker process failed or ran past its deadline."""
+
+
+class Baseline(Enum):
+    TORCH_1F1B = "torch-1f1b"
+    TORCH_GPIPE = "torch-gpipe"
+    DDP = "ddp"
+    SINGLE_1THREAD = "single-1thread"
+    SINGLE_2THREADS = "single-2threads"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The bench workload: the zoo ``mlp`` cut in two, ``batch`` samples per update.
+
+    ``steps`` timed weight updates follow ``warmup`` untimed ones; the
+    pipelines split each update into ``microbatches`` microbatches.
+    """
+
+    layers: int = 8
+    width: int = 1024
+    batch: int = 256
+    microbatches: int = 8
+    steps: int = 20
+    warmup: int = 3
+    lr: float = 0.01
+    seed: int = 0
+    stage_bounds: tuple[int, ...] = (0, 4)
+
+    def __post_init__(self) -> None:
+        if self.batch % self.microbatches:
+            raise DreampipeError(
+                f"bench batch {self.batch} is not divisible by {self.microbatches} microbatches"
+            )
+        if self.steps < 1 or self.warmup < 0:
+            raise DreampipeError(
+                f"bench steps={self.steps}, warmup={self.warmup}: use steps >= 1, warmup >= 0"
+            )
+
+    def spec(self) -> ModelSpec:
+        return get_model("mlp", layers=self.layers, width=self.width)
+
+    def stage_range(self, stage: int) -> tuple[int, int]:
+        edges = [*self.stage_bounds, self.layers]
+        return edges[stage], edges[stage + 1] - 1
+
+    def data(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One fixed synthetic batch, reused every step so data costs nothing."""
+        spec = self.spec()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed + 1000)
+            return spec.sample_input(batch), spec.sample_target(batch)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+WorkerFn = Callable[[int, int, Any], Any]
+
+
+def _child(fn: WorkerFn, rank: int, world: int, port: int, threads: int, arg: Any,
+           out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    try:
+        if world > 1:
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+            )
+        out.put(("ok", rank, fn(rank, world, arg)))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(fn: WorkerFn, world: int, arg: Any, *, threads: int = 1,
+                  timeout_s: float = 300.0) -> list[Any]:
+    """Run ``fn(rank, world, arg)`` on ``world`` fresh processes; their results by rank.
+
+    With ``world > 1`` the processes share a gloo process group on a free
+    port. A child's exception, a child dying, or the deadline passing stops
+    every child and raises :class:`BaselineError` with the child's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, threads, arg, out), daemon=True)
+             for r in range(world)]
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BaselineError(
+                    f"{_name(fn)} ran past its {timeout_s:.0f} s deadline "
+                    f"(ranks done: {sorted(results)}); raise --timeout or lower --steps"
+                )
+            try:
+                status, rank, payload = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in results and p.exitcode not in (None, 0)]
+                if dead:
+                    raise BaselineError(
+                        f"{_name(fn)}: rank {dead[0][0]} died with exit code {dead[0][1]}"
+                    ) from None
+                continue
+            if status == "error":
+                raise BaselineError(f"{_name(fn)} failed on rank {rank}:\n{payload.rstrip()}")
+            results[rank] = payload
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        out.close()
+    return [results[r] for r in range(world)]
+
+
+def _name(fn: WorkerFn) -> str:
+    return fn.__name__.lstrip("_")
+
+
+def _timed(steps: int, warmup: int, step: Callable[[], None], sync: bool) -> float:
+    """Seconds for ``steps`` calls of ``step`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        step()
+    if sync:
+        dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if sync:
+        dist.barrier()
+    return time.perf_counter() - start
+
+
+def _torch_pipeline(rank: int, world: int, arg: tuple[Workload, bool]) -> float:
+    """One rank of ``torch.distributed.pipelining`` (1F1B or GPipe); samples/s."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    work, one_f_one_b = arg
+    spec = work.spec()
+    first, last = work.stage_range(rank)
+    module = spec.build(first, last, seed=work.seed)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
+    kind = Schedule1F1B if one_f_one_b else ScheduleGPipe
+    sched = kind(stage, n_microbatches=work.microbatches, loss_fn=spec.loss_fn)
+    opt = torch.optim.SGD(module.parameters(), lr=work.lr)
+    x, y = work.data(work.batch)
+
+    def step() -> None:
+        if rank == 0:
+            sched.step(x)
+        elif rank == world - 1:
+            sched.step(target=y, losses=[], return_outputs=False)
+        else:
+            sched.step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    elapsed = _timed(work.steps, work.warmup, step, sync=True)
+    return work.steps * work.batch / elapsed
+
+
+def _ddp(rank: int, world: int, work: Workload) -> float:
+    """One rank of ``DistributedDataParallel`` with ``batch / world`` samples; samples/s."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    spec = work.spec()
+    model = DistributedDataParallel(spec.build(seed=work.seed))
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    share = work.batch // world
+    x, y = work.data(work.batch)
+    x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+    def step() -> None:
+        torch.autograd.backward(spec.loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    elapsed = _timed(work.steps, work.warmup, step, sync=True)
+    return work.steps * work.batch / elapsed
+
+
+def _single(rank: int, world: int, work: Workload) -> float:
+    """The whole update as one batch in one process; samples/s."""
+    spec = work.spec()
+    model: nn.Module = spec.build(seed=work.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    x, y = work.data(work.batch)
+
+    def step() -> None:
+        torch.autograd.backward(spec.loss_fn(model(x), y))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    elapsed = _timed(work.steps, work.warmup, step, sync=False)
+    return work.steps * work.batch / elapsed
+
+
+def run_baseline(which: Baseline, work: Workload, *, timeout_s: float = 300.0) -> float:
+    """Samples per second of ``which`` on ``work``, each in its own fresh processes."""
+    pipeline_ranks = len(work.stage_bounds)
+    log.info("baseline %s: %d timed steps after %d warm-up", which.value, work.steps, work.warmup)
+    if which is Baseline.TORCH_1F1B:
+        res = run_processes(_torch_pipeline, pipeline_ranks, (work, True), timeout_s=timeout_s)
+    elif which is Baseline.TORCH_GPIPE:
+        res = run_processes(_torch_pipeline, pipeline_ranks, (work, False), timeout_s=timeout_s)
+    elif which is Baseline.DDP:
+        res = run_processes(_ddp, 2, work, timeout_s=timeout_s)
+    elif which is Baseline.SINGLE_1THREAD:
+        res = run_processes(_single, 1, work, threads=1, timeout_s=timeout_s)
+    else:
+        res = run_processes(_single, 1, work, threads=2, timeout_s=timeout_s)
+    return float(res[0])
