@@ -3,7 +3,10 @@
 An :class:`Action` is ``(kind, stage, unit)``; ``unit`` is the minibatch
 number for PipeDream's asynchronous schedule and the global microbatch
 number for the synchronous ones (microbatch ``u`` belongs to update
-``u // units_per_update``). Its text form is short and parses back::
+``u // units_per_update``). ``ALLREDUCE`` and ``STEP`` carry the minibatch
+that triggers them: the minibatch itself in PipeDream's schedule, the update
+number ``k`` (the k-th minibatch of microbatches) in the synchronous ones.
+Its text form is short and parses back::
 
     F3  B3  SEND_F3  RECV_F3  SEND_B3  RECV_B3  ALLREDUCE3  STEP3
 
@@ -16,8 +19,9 @@ stage 2 that owns unit 3.
 
 from __future__ import annotations
 
+import bisect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from dreampipe.errors import ScheduleError
@@ -35,6 +39,10 @@ class ActionKind(Enum):
     ALLREDUCE = "ALLREDUCE"
     STEP = "STEP"
 
+    # Members are singletons: identity hashing is correct and much faster than
+    # Enum's default, which matters for schedules of millions of actions.
+    __hash__ = object.__hash__
+
 
 class ScheduleKind(Enum):
     PIPEDREAM = "pipedream"
@@ -44,6 +52,7 @@ class ScheduleKind(Enum):
     NAIVE = "naive"
 
 
+_HEADER = re.compile(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$")
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B)(\d+)$")
 
 
@@ -81,6 +90,7 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     num_units: int
     units_per_update: int = 1
+    _firsts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.actions) != sum(self.replicas):
@@ -88,6 +98,10 @@ class Schedule:
                 f"{len(self.actions)} action lists for {sum(self.replicas)} ranks "
                 f"(replicas {list(self.replicas)})"
             )
+        firsts = [0]
+        for r in self.replicas:
+            firsts.append(firsts[-1] + r)
+        object.__setattr__(self, "_firsts", tuple(firsts))
 
     @property
     def num_stages(self) -> int:
@@ -98,22 +112,19 @@ class Schedule:
         return len(self.actions)
 
     def stage_of_rank(self, rank: int) -> int:
-        total = 0
-        for s, r in enumerate(self.replicas):
-            total += r
-            if rank < total:
-                return s
-        raise ScheduleError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
+        if not 0 <= rank < self.num_ranks:
+            raise ScheduleError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
+        return bisect.bisect_right(self._firsts, rank) - 1
 
     def first_rank(self, stage: int) -> int:
-        return sum(self.replicas[:stage])
+        return self._firsts[stage]
 
     def replica_of_rank(self, rank: int) -> int:
         return rank - self.first_rank(self.stage_of_rank(rank))
 
     def rank_of(self, stage: int, unit: int) -> int:
         """The rank of ``stage`` that runs ``unit`` (round-robin over replicas)."""
-        return self.first_rank(stage) + unit % self.replicas[stage]
+        return self._firsts[stage] + unit % self.replicas[stage]
 
     def peer(self, rank: int, action: Action) -> int | None:
         """The rank a send/receive talks to; None for other kinds."""
@@ -123,6 +134,19 @@ class Schedule:
         if k in (ActionKind.RECV_F, ActionKind.SEND_B):
             return self.rank_of(action.stage - 1, action.unit)
         return None
+
+    def allreduce_round(self, action: Action) -> int:
+        """Which all-reduce of its stage ``action`` (an ALLREDUCE) joins.
+
+        The replicas of a stage all-reduce together when their rounds agree.
+        PipeDream's schedule all-reduces after every round of ``r`` minibatches
+        (``ALLREDUCE<u>`` on each replica, round ``u // r``); the synchronous
+        schedules number their all-reduces by update, ``ALLREDUCE<k>`` for the
+        k-th minibatch, so the round is ``k``.
+        """
+        if self.kind is ScheduleKind.PIPEDREAM:
+            return action.unit // self.replicas[action.stage]
+        return action.unit
 
     def to_text(self) -> str:
         lines = [f"# {self.kind.value} replicas={'-'.join(map(str, self.replicas))} "
@@ -134,9 +158,11 @@ class Schedule:
     @classmethod
     def from_text(cls, text: str) -> Schedule:
         rows = [ln for ln in text.splitlines() if ln.strip()]
-        m = re.match(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$", rows[0] if rows else "")
+        m = _HEADER.match(rows[0] if rows else "")
         if not m:
-            raise ScheduleError("schedule text must start with '# KIND replicas=.. units=.. per_update=..'")
+            raise ScheduleError(
+                "schedule text must start with '# KIND replicas=.. units=.. per_update=..'"
+            )
         try:
             kind = ScheduleKind(m.group(1))
         except ValueError:

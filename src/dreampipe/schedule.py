@@ -1,0 +1,260 @@
+"""The five schedules of DESIGN.md §4, built as data and lowered by passes.
+
+:func:`build_schedule` is the one entry point; the runtime executes its
+result and the simulator times it. It runs three pure steps::
+
+    compute_schedule   per-rank F/B order            F0 F1 B0 F2 B1 B2
+    lower_communication  + RECV before / SEND after   RECV_F0 F0 SEND_F0 ...
+    lower_updates      + ALLREDUCE / STEP            ... B2 SEND_B2 STEP2
+
+then :func:`dreampipe.validate.validate`. Ranks execute their list in order,
+blocking on receives (and all-reduces) and never on sends (``isend``).
+
+PipeDream's asynchronous 1F1B on a straight 4-stage pipeline (stage s runs
+``n-s`` forwards before its first backward, then one forward, one backward;
+``STEP`` after every backward)::
+
+    stage 0 | F0 F1 F2 F3          B0 F4    B1 F5    B2 F6 ...
+    stage 1 |    F0 F1 F2       B0 F3    B1 F4    B2 F5 ...
+    stage 2 |       F0 F1    B0 F2    B1 F3    B2 F4 ...
+    stage 3 |          F0 B0 F1 B1 F2 B2 F3 B3 F4 ...
+
+In general a replica of stage s admits ``ceil(sum(replicas[s:]) / replicas[s])``
+units before its first backward: ``NOAM = ceil(workers / replicas[0])`` at the
+input stage, ``n-s`` in a straight pipeline. Unit ``u`` runs on replica
+``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.errors import ScheduleError
+
+__all__ = [
+    "build_schedule",
+    "compute_schedule",
+    "lower_communication",
+    "lower_updates",
+    "warmup_forwards",
+]
+
+_F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
+
+
+def build_schedule(
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1
+) -> Schedule:
+    """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
+
+    ``num_units`` minibatches (PipeDream) or microbatches (the synchronous
+    schedules, ``units_per_update`` per minibatch and weight update).
+    """
+    from dreampipe.validate import validate
+
+    schedule = lower_updates(
+        lower_communication(compute_schedule(replicas, kind, num_units, units_per_update))
+    )
+    validate(schedule)
+    return schedule
+
+
+def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
+    """Forwards a replica of ``stage`` runs before its first backward (1F1B).
+
+    The units in flight downstream of and at the stage, shared among its
+    replicas: ``ceil(sum(replicas[stage:]) / replicas[stage])``.
+    """
+    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+
+
+def compute_schedule(
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1
+) -> Schedule:
+    """Per-rank forward/backward order only, before any lowering pass.
+
+    - PIPEDREAM: 1F1B over all units after :func:`warmup_forwards`, no flush.
+    - FLUSH: the same per minibatch of ``units_per_update`` microbatches,
+      warm-up capped by the microbatches a replica holds (PipeDream-Flush).
+    - GPIPE: per minibatch all forwards in unit order, then all backwards in
+      reverse unit order (the last microbatch's backward first, as GPipe does).
+    - DP: one stage; each replica runs forward then backward of each unit.
+    - NAIVE: forward then backward of each unit; a stage's next forward waits
+      for the previous unit's gradient, so one unit at a time is in flight.
+    """
+    reps = _check(replicas, kind, num_units, units_per_update)
+    per_update = num_units if kind is ScheduleKind.PIPEDREAM else units_per_update
+    order = _ORDERS[kind]
+    actions: list[tuple[Action, ...]] = []
+    for stage, r in enumerate(reps):
+        for replica in range(r):
+            acts: list[Action] = []
+            for first in range(0, num_units, per_update):
+                units = [u for u in range(first, first + per_update) if u % r == replica]
+                acts += order(units, warmup_forwards(reps, stage), stage)
+            actions.append(tuple(acts))
+    return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
+
+
+def lower_communication(schedule: Schedule) -> Schedule:
+    """Add ``RECV_F`` before each forward and ``SEND_F`` after it (except at the
+    ends of the pipeline), ``RECV_B`` before each backward and ``SEND_B`` after.
+    """
+    last = schedule.num_stages - 1
+    out: list[tuple[Action, ...]] = []
+    for acts in schedule.actions:
+        lowered: list[Action] = []
+        for a in acts:
+            s, u = a.stage, a.unit
+            if a.kind is _F:
+                if s > 0:
+                    lowered.append(Action(ActionKind.RECV_F, s, u))
+                lowered.append(a)
+                if s < last:
+                    lowered.append(Action(ActionKind.SEND_F, s, u))
+            elif a.kind is _B:
+                if s < last:
+                    lowered.append(Action(ActionKind.RECV_B, s, u))
+                lowered.append(a)
+                if s > 0:
+                    lowered.append(Action(ActionKind.SEND_B, s, u))
+            else:
+                lowered.append(a)
+        out.append(tuple(lowered))
+    return _replace(schedule, out)
+
+
+def lower_updates(schedule: Schedule) -> Schedule:
+    """Add the weight updates: ``ALLREDUCE`` (replicated stages only) and ``STEP``.
+
+    PipeDream: after every backward ``B<u>`` (and its ``SEND_B``), ``STEP<u>``,
+    preceded by ``ALLREDUCE<u>`` when the stage has replicas (they all-reduce
+    round ``u // r`` together). Synchronous schedules: ``ALLREDUCE<k> STEP<k>``
+    once per minibatch k, after the rank's last action of it, even on a
+    replica that ran none of its microbatches (it contributes zero gradient).
+    """
+    if schedule.kind is ScheduleKind.PIPEDREAM:
+        return _replace(schedule, [_per_backward(schedule, acts) for acts in schedule.actions])
+    return _replace(schedule, [
+        _per_update(schedule, schedule.stage_of_rank(rank), acts)
+        for rank, acts in enumerate(schedule.actions)
+    ])
+
+
+# ---- per-minibatch orders of one replica -----------------------------------
+def _one_f_one_b(units: list[int], warmup: int, stage: int) -> list[Action]:
+    w = min(warmup, len(units))
+    acts = [Action(_F, stage, u) for u in units[:w]]
+    for j, u in enumerate(units):
+        acts.append(Action(_B, stage, u))
+        if j + w < len(units):
+            acts.append(Action(_F, stage, units[j + w]))
+    return acts
+
+
+def _all_forward_all_backward(units: list[int], _warmup: int, stage: int) -> list[Action]:
+    return [Action(_F, stage, u) for u in units] + [Action(_B, stage, u) for u in reversed(units)]
+
+
+def _one_at_a_time(units: list[int], _warmup: int, stage: int) -> list[Action]:
+    return [Action(k, stage, u) for u in units for k in (_F, _B)]
+
+
+_ORDERS: dict[ScheduleKind, Callable[[list[int], int, int], list[Action]]] = {
+    ScheduleKind.PIPEDREAM: _one_f_one_b,
+    ScheduleKind.FLUSH: _one_f_one_b,
+    ScheduleKind.GPIPE: _all_forward_all_backward,
+    ScheduleKind.DP: _one_at_a_time,
+    ScheduleKind.NAIVE: _one_at_a_time,
+}
+
+
+# ---- update passes ----------------------------------------------------------
+def _per_backward(schedule: Schedule, acts: tuple[Action, ...]) -> tuple[Action, ...]:
+    out: list[Action] = []
+    pending: Action | None = None
+    for a in acts:
+        if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending.unit):
+            out += _update_actions(schedule, pending.stage, pending.unit)
+            pending = None
+        out.append(a)
+        if a.kind is _B:
+            pending = a
+    if pending is not None:
+        out += _update_actions(schedule, pending.stage, pending.unit)
+    return tuple(out)
+
+
+def _per_update(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
+    m = schedule.units_per_update
+    out: list[Action] = []
+    done = 0
+    for a in acts:
+        while a.unit // m > done:
+            out += _update_actions(schedule, stage, done)
+            done += 1
+        out.append(a)
+    while done < schedule.num_units // m:
+        out += _update_actions(schedule, stage, done)
+        done += 1
+    return tuple(out)
+
+
+def _update_actions(schedule: Schedule, stage: int, unit: int) -> list[Action]:
+    step = Action(ActionKind.STEP, stage, unit)
+    if schedule.replicas[stage] > 1:
+        return [Action(ActionKind.ALLREDUCE, stage, unit), step]
+    return [step]
+
+
+def _replace(schedule: Schedule, actions: Sequence[tuple[Action, ...]]) -> Schedule:
+    return Schedule(
+        schedule.kind, schedule.replicas, tuple(actions), schedule.num_units,
+        schedule.units_per_update,
+    )
+
+
+def _check(
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int
+) -> tuple[int, ...]:
+    reps = tuple(int(r) for r in replicas)
+    if not reps or any(r < 1 for r in reps):
+        raise ScheduleError(
+            f"replicas {list(replicas)} must list at least one stage, each with >= 1 replica"
+        )
+    if num_units < 1:
+        raise ScheduleError(f"{num_units} units to run; run at least 1")
+    if units_per_update < 1:
+        raise ScheduleError(f"units_per_update={units_per_update}; use 1 or more")
+    if num_units % units_per_update:
+        fix = (num_units // units_per_update + 1) * units_per_update
+        raise ScheduleError(
+            f"{num_units} units do not split into minibatches of {units_per_update}; "
+            f"run {fix} units or change the microbatches per minibatch"
+        )
+    if kind is ScheduleKind.PIPEDREAM:
+        if units_per_update != 1:
+            raise ScheduleError(
+                f"units_per_update={units_per_update} with the pipedream schedule, which updates "
+                "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
+            )
+        lcm = math.lcm(*reps)
+        if num_units % lcm:
+            raise ScheduleError(
+                f"{num_units} minibatches leave a partial all-reduce round for replicas "
+                f"{list(reps)}; run a multiple of {lcm}, e.g. {(num_units // lcm + 1) * lcm}"
+            )
+    if kind is ScheduleKind.DP:
+        if len(reps) != 1:
+            raise ScheduleError(
+                f"the dp schedule runs one stage, got replicas {list(reps)}; "
+                f"use replicas ({sum(reps)},)"
+            )
+        if units_per_update % reps[0]:
+            raise ScheduleError(
+                f"dp over {reps[0]} workers with {units_per_update} units per update; "
+                f"use a multiple of {reps[0]} so every worker gets the same share"
+            )
+    return reps

@@ -1,0 +1,233 @@
+"""Check a schedule before anything runs it.
+
+:func:`validate` checks, in order: every action sits on a rank of its stage;
+each unit's forward and backward run exactly once per stage, on the rank
+``Schedule.rank_of`` names, forward first; data arrives before it is used
+(``RECV_F<u>`` before ``F<u>``, ``F<u>`` before ``SEND_F<u>``, likewise for
+backward); every send has exactly one receive on its peer; and a dry run in
+the runtime's semantics terminates (receives and all-reduces block, sends and
+compute never do). A failure raises :class:`ScheduleError` with the rank-by-step
+grid around the offending action, marked ``>F3<``::
+
+    deadlock: rank 0 waits at RECV_B0 and rank 1 waits at RECV_F1 ...
+    step         0        1        2        3
+    rank 0 s0  F0       SEND_F0  >RECV_B0< F1
+    rank 1 s1  RECV_F0  F0       >RECV_F1< B0
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Sequence
+
+from dreampipe.actions import Action, ActionKind, Schedule
+from dreampipe.errors import ScheduleError
+
+__all__ = ["format_grid", "validate"]
+
+_K = ActionKind
+# (earlier, later): on one rank, `earlier<u>` must come before `later<u>`.
+_ORDER = (
+    (_K.RECV_F, _K.FORWARD),
+    (_K.FORWARD, _K.SEND_F),
+    (_K.FORWARD, _K.BACKWARD),
+    (_K.RECV_B, _K.BACKWARD),
+    (_K.BACKWARD, _K.SEND_B),
+)
+_WINDOW = 8
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` with a marked grid if ``schedule`` is unsound."""
+    _check_stages(schedule)
+    _check_units(schedule)
+    _check_order(schedule)
+    _check_pairs(schedule)
+    _dry_run(schedule)
+
+
+def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> str:
+    """The rank-by-step grid; ``marks`` are ``(rank, step)`` cells shown ``>X<``.
+
+    Only the steps around the first mark are shown (all of them when short).
+    """
+    width = max((len(a) for a in schedule.actions), default=0)
+    centre = min((step for _, step in marks), default=0)
+    lo = max(0, centre - _WINDOW)
+    hi = min(width, max(centre, max((s for _, s in marks), default=0)) + _WINDOW + 1)
+    marked = set(marks)
+    cells: list[list[str]] = []
+    for rank, acts in enumerate(schedule.actions):
+        row = []
+        for step in range(lo, hi):
+            text = str(acts[step]) if step < len(acts) else ""
+            row.append(f">{text or '(end)'}<" if (rank, step) in marked else text)
+        cells.append(row)
+    widths = [max([len(str(lo + j))] + [len(r[j]) for r in cells]) for j in range(hi - lo)]
+    heads = [f"rank {r} s{schedule.stage_of_rank(r)}" for r in range(schedule.num_ranks)]
+    left = max(len(h) for h in heads)
+    lines = ["step".ljust(left) + "  " + "  ".join(
+        str(lo + j).ljust(w) for j, w in enumerate(widths))]
+    if lo > 0:
+        lines[0] += f"  (steps {lo}..{hi - 1} of {width})"
+    for head, row in zip(heads, cells, strict=True):
+        lines.append(head.ljust(left) + "  " + "  ".join(
+            c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _fail(schedule: Schedule, sentence: str, marks: Sequence[tuple[int, int]]) -> ScheduleError:
+    return ScheduleError(f"{sentence}\n{format_grid(schedule, marks)}")
+
+
+def _check_stages(schedule: Schedule) -> None:
+    for rank, acts in enumerate(schedule.actions):
+        stage = schedule.stage_of_rank(rank)
+        for step, a in enumerate(acts):
+            if a.stage != stage:
+                raise _fail(schedule, f"rank {rank} holds stage {stage} but action {a} at step "
+                            f"{step} is for stage {a.stage}; move it to a rank of stage "
+                            f"{a.stage}", [(rank, step)])
+
+
+def _check_units(schedule: Schedule) -> None:
+    where: dict[tuple[ActionKind, int, int], list[tuple[int, int]]] = {}
+    for rank, acts in enumerate(schedule.actions):
+        for step, a in enumerate(acts):
+            if a.kind in (_K.FORWARD, _K.BACKWARD):
+                where.setdefault((a.kind, a.stage, a.unit), []).append((rank, step))
+    for (kind, stage, unit), places in where.items():
+        if not 0 <= unit < schedule.num_units:
+            raise _fail(schedule, f"{kind.value}{unit} at stage {stage} is outside units "
+                        f"0..{schedule.num_units - 1}", places[:1])
+        if len(places) > 1:
+            raise _fail(schedule, f"{kind.value}{unit} runs {len(places)} times at stage "
+                        f"{stage}; each unit runs once per stage", places)
+        owner = schedule.rank_of(stage, unit)
+        if places[0][0] != owner:
+            raise _fail(schedule, f"{kind.value}{unit} of stage {stage} is on rank "
+                        f"{places[0][0]} but round robin puts unit {unit} on rank {owner}",
+                        places)
+    for stage in range(schedule.num_stages):
+        for kind in (_K.FORWARD, _K.BACKWARD):
+            for unit in range(schedule.num_units):
+                if (kind, stage, unit) not in where:
+                    owner = schedule.rank_of(stage, unit)
+                    raise _fail(schedule, f"{kind.value}{unit} of stage {stage} is missing; "
+                                f"add it to rank {owner}", [(owner, len(schedule.actions[owner]))])
+
+
+def _check_order(schedule: Schedule) -> None:
+    last = schedule.num_stages - 1
+    for rank, acts in enumerate(schedule.actions):
+        pos = {(a.kind, a.unit): step for step, a in enumerate(acts)}
+        for earlier, later in _ORDER:
+            for step, a in enumerate(acts):
+                if a.kind is not later:
+                    continue
+                needed = _needed(earlier, later, a.stage, last)
+                before = pos.get((earlier, a.unit))
+                if needed and before is None:
+                    raise _fail(schedule, f"rank {rank} runs {a} without {earlier.value}"
+                                f"{a.unit}; add it before step {step}", [(rank, step)])
+                if before is not None and before > step:
+                    raise _fail(schedule, f"rank {rank} runs {a} at step {step} before "
+                                f"{earlier.value}{a.unit} at step {before}; swap them",
+                                [(rank, step), (rank, before)])
+
+
+def _needed(earlier: ActionKind, later: ActionKind, stage: int, last: int) -> bool:
+    if earlier is _K.RECV_F:
+        return stage > 0
+    if earlier is _K.RECV_B:
+        return stage < last
+    return later is _K.BACKWARD
+
+
+def _check_pairs(schedule: Schedule) -> None:
+    sends: Counter[tuple[int, int, int]] = Counter()
+    recvs: Counter[tuple[int, int, int]] = Counter()
+    where: dict[tuple[int, int, int], tuple[int, int]] = {}
+    last = schedule.num_stages - 1
+    for rank, acts in enumerate(schedule.actions):
+        for step, a in enumerate(acts):
+            key = _transfer_key(a)
+            if key is None:
+                continue
+            owner = schedule.rank_of(a.stage, a.unit)
+            if rank != owner:
+                raise _fail(schedule, f"{a} of stage {a.stage} is on rank {rank} but round "
+                            f"robin puts unit {a.unit} on rank {owner}; move it", [(rank, step)])
+            target = a.stage + (1 if a.kind is _K.SEND_F or a.kind is _K.RECV_B else -1)
+            if not 0 <= target <= last:
+                raise _fail(schedule, f"rank {rank} (stage {a.stage}) runs {a}, which talks to "
+                            f"stage {target} outside 0..{last}; remove it", [(rank, step)])
+            where.setdefault(key, (rank, step))
+            (sends if a.kind is _K.SEND_F or a.kind is _K.SEND_B else recvs)[key] += 1
+    for key in sends.keys() | recvs.keys():
+        if sends[key] != recvs[key]:
+            backward, stage, unit = key
+            what = "B" if backward else "F"
+            src = schedule.rank_of(stage, unit)
+            dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
+            raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sends[key]} "
+                        f"time(s) but rank {dst} receives it {recvs[key]} time(s); every "
+                        f"SEND_{what} needs exactly one RECV_{what} on its peer", [where[key]])
+
+
+def _transfer_key(a: Action) -> tuple[int, int, int] | None:
+    """(1 if gradient else 0, sending stage, unit) of a send/receive, else None.
+
+    Ranks are implied: both ends sit on ``rank_of(stage, unit)`` of their stage.
+    """
+    k = a.kind
+    if k is _K.SEND_F:
+        return (0, a.stage, a.unit)
+    if k is _K.RECV_F:
+        return (0, a.stage - 1, a.unit)
+    if k is _K.SEND_B:
+        return (1, a.stage, a.unit)
+    if k is _K.RECV_B:
+        return (1, a.stage + 1, a.unit)
+    return None
+
+
+def _dry_run(schedule: Schedule) -> None:
+    """Execute in order: receives wait for their send, all-reduces for all replicas."""
+    acts = schedule.actions
+    pc = [0] * len(acts)
+    sent: set[tuple[int, int, int]] = set()
+    waiting: dict[tuple[int, int, int] | tuple[int, int], list[int]] = {}
+    arrived: dict[tuple[int, int], set[int]] = {}
+    ready = deque(range(len(acts)))
+    while ready:
+        rank = ready.popleft()
+        mine = acts[rank]
+        i = pc[rank]
+        while i < len(mine):
+            a = mine[i]
+            key = _transfer_key(a)
+            if key is not None:
+                if a.kind is _K.SEND_F or a.kind is _K.SEND_B:
+                    sent.add(key)
+                    ready.extend(waiting.pop(key, ()))
+                elif key not in sent:
+                    waiting.setdefault(key, []).append(rank)
+                    break
+            elif a.kind is _K.ALLREDUCE:
+                group = (a.stage, schedule.allreduce_round(a))
+                members = arrived.setdefault(group, set())
+                members.add(rank)
+                if len(members) < schedule.replicas[a.stage]:
+                    waiting.setdefault(group, []).append(rank)
+                    break
+                ready.extend(r for r in waiting.pop(group, ()) if r != rank)
+            i += 1
+        pc[rank] = i
+    stuck = [r for r in range(len(acts)) if pc[r] < len(acts[r])]
+    if stuck:
+        parts = [f"rank {r} waits at {acts[r][pc[r]]}" for r in stuck[:6]]
+        raise _fail(schedule, "deadlock: " + ", ".join(parts) + (
+            ", ..." if len(stuck) > 6 else "") + "; no rank can move (each waits for a send "
+            "or all-reduce that comes later on another rank); reorder the actions",
+            [(r, pc[r]) for r in stuck])
