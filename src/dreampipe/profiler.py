@@ -1,0 +1,423 @@
+"""Per-layer profiler: run a model once, then time every layer on its own.
+
+What a layer is:
+
+- ``nn.Sequential``: each child module; edges form a chain.
+- any other module: traced with ``torch.fx``; each ``call_module``,
+  ``call_function`` and ``call_method`` node whose output holds a tensor is a
+  layer, except indexing (``getitem``/``getattr``), which is glue. Edges come
+  from the traced graph (through glue), so a residual ``x + f(x)`` is a DAG.
+
+How it measures (all in training mode, autograd on)::
+
+    1. record   x ─▶ L0 ─▶ L1 ─▶ … ─▶ loss      one real pass; keep every layer's
+                                                 inputs, outputs and d(loss)/d(output)
+    2. per layer, warmup + repeats times:
+         fresh leaf copies of the recorded inputs
+         forward:  out = L(inputs)                                  timed
+         backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
+
+The median of the ``repeats`` timings is reported. The backward is the
+layer's own backward: gradients for its inputs (when they carry gradient in
+real training) and its parameters, with the real upstream gradient. The
+loss itself is not timed. ``autograd.grad`` never touches ``.grad``, and
+afterwards the buffers (BatchNorm running stats), the train/eval flags and
+the torch RNG state are restored, so the user's model and RNG are as before.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import operator
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from dreampipe.errors import ProfileError
+from dreampipe.graph import Layer, LayerGraph
+from dreampipe.models.spec import ModelSpec
+
+__all__ = ["profile_model", "profile_spec"]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+_Env = dict[str, Any]
+_INPUT = "__input__"
+_GLUE_FUNCTIONS = (operator.getitem, builtins.getattr)
+
+
+@dataclass
+class _Step:
+    """One executable node: reads ``deps`` from the environment, writes ``key``."""
+
+    key: str
+    deps: tuple[str, ...]
+    run: Callable[[_Env], Any]
+    name: str
+    description: str
+    params: tuple[nn.Parameter, ...]
+    may_be_layer: bool
+
+
+def profile_model(
+    model: nn.Module,
+    sample_input: Tensor,
+    loss_fn: Callable[..., Tensor],
+    target: Tensor | None = None,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Progress | None = None,
+    name: str = "",
+) -> LayerGraph:
+    """Profile ``model`` on ``sample_input``; ``loss_fn(output, target)`` gives the loss.
+
+    With ``target=None`` the loss is ``loss_fn(output)``. ``progress(done,
+    total)`` is called after each layer. The graph's ``batch_size`` is the
+    first dimension of ``sample_input``.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ProfileError(
+            f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0"
+        )
+    steps, output_key = _steps(model)
+    cuda = sample_input.device.type == "cuda"
+    devices = [sample_input.device.index or 0] if cuda else []
+    modes = {m: m.training for m in model.modules()}
+    saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            model.train()
+            env, grads = _record(steps, output_key, sample_input, loss_fn, target)
+            layers, edges = _time_layers(steps, env, grads, warmup, repeats, cuda, progress)
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved_buffers:
+                buffer.copy_(value)
+        for module, training in modes.items():
+            module.training = training
+    batch = int(sample_input.shape[0]) if sample_input.dim() > 0 else 1
+    meta = {
+        "device": str(sample_input.device),
+        "threads": torch.get_num_threads(),
+        "warmup": warmup,
+        "repeats": repeats,
+        "torch": torch.__version__,
+    }
+    log.info("profiled %d layers of %s at batch %d", len(layers), name or "model", batch)
+    return LayerGraph(tuple(layers), tuple(edges), batch, name, meta)
+
+
+def profile_spec(
+    spec: ModelSpec,
+    batch_size: int | None = None,
+    *,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: Progress | None = None,
+    seed: int = 0,
+) -> LayerGraph:
+    """Profile a zoo model built with ``seed`` at ``batch_size`` (default: the spec's)."""
+    batch = spec.default_batch_size if batch_size is None else batch_size
+    if batch < 1:
+        raise ProfileError(f"batch size {batch} must be at least 1")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        sample, target = spec.sample_input(batch), spec.sample_target(batch)
+    model = spec.build(seed=seed)
+    return profile_model(
+        model, sample, spec.loss_fn, target,
+        warmup=warmup, repeats=repeats, progress=progress, name=spec.name,
+    )
+
+
+# ---- turning a model into steps ---------------------------------------------
+def _steps(model: nn.Module) -> tuple[list[_Step], str]:
+    if isinstance(model, nn.Sequential):
+        return _sequential_steps(model)
+    return _fx_steps(model)
+
+
+def _sequential_steps(model: nn.Sequential) -> tuple[list[_Step], str]:
+    children = list(model.named_children())
+    if not children:
+        raise ProfileError("the nn.Sequential has no layers; give it at least one child module")
+    steps: list[_Step] = []
+    prev = _INPUT
+    for child_name, child in children:
+        steps.append(_Step(
+            key=child_name, deps=(prev,), run=_call_child(child, prev), name=child_name,
+            description=_describe_module(child), params=tuple(child.parameters()),
+            may_be_layer=True,
+        ))
+        prev = child_name
+    return steps, prev
+
+
+def _call_child(child: nn.Module, dep: str) -> Callable[[_Env], Any]:
+    return lambda env: child(env[dep])
+
+
+def _fx_steps(model: nn.Module) -> tuple[list[_Step], str]:
+    try:
+        gm = torch.fx.symbolic_trace(model)
+    except Exception as exc:
+        raise ProfileError(
+            f"cannot trace {type(model).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
+            "wrap its layers in an nn.Sequential or remove data-dependent control flow"
+        ) from exc
+    steps: list[_Step] = []
+    output_key = ""
+    names: set[str] = set()
+    placeholders = 0
+    for node in gm.graph.nodes:
+        deps = tuple(n.name for n in node.all_input_nodes)
+        if node.op == "placeholder":
+            placeholders += 1
+            if placeholders > 1 and not node.args:
+                raise ProfileError(
+                    f"{type(model).__name__}.forward takes a second input {node.target!r}; "
+                    "the profiler feeds one sample input: give it a default or pack the inputs"
+                )
+            steps.append(_glue(node.name, deps, _placeholder(placeholders, node.args)))
+        elif node.op == "get_attr":
+            steps.append(_glue(node.name, deps, _constant(_fetch_attr(gm, str(node.target)))))
+        elif node.op == "output":
+            output_key = node.name
+            steps.append(_glue(node.name, deps, _node_runner(gm, node)))
+        else:
+            steps.append(_fx_layer(gm, node, deps, names))
+    return steps, output_key
+
+
+def _fx_layer(gm: torch.fx.GraphModule, node: torch.fx.Node, deps: tuple[str, ...],
+              names: set[str]) -> _Step:
+    params: tuple[nn.Parameter, ...] = ()
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        label, description = str(node.target), _describe_module(module)
+        params = tuple(module.parameters())
+    elif node.op == "call_method":
+        label, description = node.name, f"Tensor.{node.target}"
+    else:
+        label = node.name
+        description = getattr(node.target, "__name__", str(node.target))
+    unique, k = label, 1
+    while unique in names:
+        unique, k = f"{label}#{k}", k + 1
+    names.add(unique)
+    glue = node.op == "call_function" and node.target in _GLUE_FUNCTIONS
+    return _Step(node.name, deps, _node_runner(gm, node), unique, description, params, not glue)
+
+
+def _glue(key: str, deps: tuple[str, ...], run: Callable[[_Env], Any]) -> _Step:
+    return _Step(key, deps, run, key, "", (), may_be_layer=False)
+
+
+def _placeholder(position: int, defaults: tuple[Any, ...]) -> Callable[[_Env], Any]:
+    if position == 1:
+        return lambda env: env[_INPUT]
+    return lambda env: defaults[0]
+
+
+def _constant(value: Any) -> Callable[[_Env], Any]:
+    return lambda env: value
+
+
+def _fetch_attr(gm: nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _node_runner(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[[_Env], Any]:
+    """Execute one fx node on values looked up by node name (as ``torch.fx.Interpreter``)."""
+
+    def run(env: _Env) -> Any:
+        args: Any = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
+        kwargs: Any = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
+        if node.op == "call_module":
+            return gm.get_submodule(str(node.target))(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+        if node.op == "output":
+            return args[0]
+        target: Callable[..., Any] = node.target  # type: ignore[assignment]
+        return target(*args, **kwargs)
+
+    return run
+
+
+def _describe_module(module: nn.Module) -> str:
+    """``Conv2d(1, 16, ...)`` for a leaf, the children joined by ``+`` for a Sequential."""
+    if isinstance(module, nn.Sequential):
+        return " + ".join(_describe_module(child) for child in module.children())
+    if any(True for _ in module.children()):
+        return type(module).__name__
+    extra = " ".join(module.extra_repr().split())
+    return f"{type(module).__name__}({extra})"
+
+
+# ---- measuring --------------------------------------------------------------
+def _record(
+    steps: list[_Step],
+    output_key: str,
+    sample_input: Tensor,
+    loss_fn: Callable[..., Tensor],
+    target: Tensor | None,
+) -> tuple[_Env, dict[str, list[Tensor | None]]]:
+    """One real forward + loss; return detached values and d(loss)/d(each output tensor)."""
+    env: _Env = {_INPUT: sample_input}
+    for step in steps:
+        env[step.key] = step.run(env)
+    output = env[output_key]
+    loss = loss_fn(output) if target is None else loss_fn(output, target)
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ProfileError(
+            f"the loss function returned {type(loss).__name__} "
+            f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}; it must return a scalar"
+        )
+    wanted = [(s.key, i, t) for s in steps if s.may_be_layer
+              for i, t in enumerate(_tensors(env[s.key])) if t.requires_grad]
+    grads: dict[str, list[Tensor | None]] = {
+        s.key: [None] * len(list(_tensors(env[s.key]))) for s in steps
+    }
+    if wanted and loss.requires_grad:
+        found = torch.autograd.grad(loss, [t for _, _, t in wanted], allow_unused=True)
+        for (key, i, _), grad in zip(wanted, found, strict=True):
+            grads[key][i] = grad
+    return {k: _detach(v) for k, v in env.items()}, grads
+
+
+def _time_layers(
+    steps: list[_Step],
+    env: _Env,
+    grads: dict[str, list[Tensor | None]],
+    warmup: int,
+    repeats: int,
+    cuda: bool,
+    progress: Progress | None,
+) -> tuple[list[Layer], list[tuple[int, int]]]:
+    layer_steps = [s for s in steps if s.may_be_layer and any(True for _ in _tensors(env[s.key]))]
+    is_layer = {s.key: i for i, s in enumerate(layer_steps)}
+    sources: dict[str, set[int]] = {}
+    edges: set[tuple[int, int]] = set()
+    layers: list[Layer] = []
+    counted: set[int] = set()
+    for step in steps:
+        feeding = set().union(*(sources.get(d, set()) for d in step.deps))
+        if step.key not in is_layer:
+            sources[step.key] = feeding
+            continue
+        index = is_layer[step.key]
+        sources[step.key] = {index}
+        edges.update((src, index) for src in feeding)
+        params = list(step.params) + [v for d in step.deps if isinstance(v := env[d], nn.Parameter)]
+        forward_ms, backward_ms = _time_step(step, env, grads[step.key], params, warmup,
+                                             repeats, cuda)
+        fresh = [p for p in params if id(p) not in counted]
+        counted.update(id(p) for p in fresh)
+        layers.append(Layer(
+            name=step.name,
+            forward_ms=forward_ms,
+            backward_ms=backward_ms,
+            activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in fresh),
+            description=step.description,
+        ))
+        if progress is not None:
+            progress(len(layers), len(layer_steps))
+    return layers, sorted(edges)
+
+
+def _time_step(
+    step: _Step,
+    env: _Env,
+    out_grads: list[Tensor | None],
+    params: list[nn.Parameter],
+    warmup: int,
+    repeats: int,
+    cuda: bool,
+) -> tuple[float, float]:
+    """Median forward and backward milliseconds of one layer run on its own."""
+    trainable = [p for p in params if p.requires_grad]
+    forward: list[float] = []
+    backward: list[float] = []
+    for r in range(warmup + repeats):
+        leaves: list[Tensor] = []
+        inputs = {d: _fresh(env[d], leaves) for d in step.deps}
+        _sync(cuda)
+        t0 = time.perf_counter()
+        out = step.run(inputs)
+        _sync(cuda)
+        t1 = time.perf_counter()
+        pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
+                 if g is not None and o.requires_grad]
+        targets = leaves + trainable
+        t2 = t3 = 0.0
+        if pairs and targets:
+            _sync(cuda)
+            t2 = time.perf_counter()
+            torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                                allow_unused=True)
+            _sync(cuda)
+            t3 = time.perf_counter()
+        if r >= warmup:
+            forward.append((t1 - t0) * 1e3)
+            backward.append((t3 - t2) * 1e3)
+    return statistics.median(forward), statistics.median(backward)
+
+
+def _fresh(value: Any, leaves: list[Tensor]) -> Any:
+    """A copy safe to run on: activations become new leaves (cloned, so in-place ops work)."""
+    if isinstance(value, nn.Parameter):
+        return value
+    if isinstance(value, Tensor):
+        if value.requires_grad:
+            leaf = value.detach().clone().requires_grad_(True)
+            leaves.append(leaf)
+            return leaf.clone()
+        return value.clone()
+    if isinstance(value, tuple | list):
+        return type(value)(_fresh(v, leaves) for v in value)
+    if isinstance(value, dict):
+        return {k: _fresh(v, leaves) for k, v in value.items()}
+    return value
+
+
+def _detach(value: Any) -> Any:
+    """Cut the autograd graph; tensors that carried gradient stay marked ``requires_grad``."""
+    if isinstance(value, nn.Parameter):
+        return value
+    if isinstance(value, Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, tuple | list):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor in a (nested) tuple/list/dict output, in a fixed order."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
