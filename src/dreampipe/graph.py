@@ -150,8 +150,11 @@ class LayerGraph:
         """``cut_bytes()[k]`` = :meth:`cut_activation_bytes` for k in 1..n-1; [0] is 0."""
         n = len(self.layers)
         out = [0] * n
+        last_consumer: dict[int, int] = {}
         for src, dst in self.edges:
-            for k in range(src + 1, dst + 1):
+            last_consumer[src] = max(last_consumer.get(src, dst), dst)
+        for src, last in last_consumer.items():
+            for k in range(src + 1, last + 1):
                 out[k] += self.layers[src].activation_bytes
         return out
 
@@ -257,5 +260,7 @@ def _topological_order(n: int, edges: Sequence[tuple[int, int]], names: Sequence
                 heapq.heappush(ready, d)
     if len(order) != n:
         stuck = [names[i] for i in range(n) if indegree[i] > 0]
-        raise ProfileError(f"the layer graph has a cycle through {stuck[:5]}; edges must form a DAG")
+        raise ProfileError(
+            f"the layer graph has a cycle through {stuck[:5]}; edges must form a DAG"
+        )
     return order

@@ -1,0 +1,160 @@
+"""LayerGraph: JSON round-trip, validation errors, cut sizes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dreampipe.errors import ProfileError
+from dreampipe.graph import FORMAT_VERSION, Layer, LayerGraph, load_graph
+
+_times = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+_sizes = st.integers(min_value=0, max_value=2**40)
+
+
+@st.composite
+def graphs(draw: st.DrawFn) -> LayerGraph:
+    n = draw(st.integers(min_value=1, max_value=12))
+    names = draw(st.lists(st.text(min_size=1, max_size=8), min_size=n, max_size=n, unique=True))
+    layers = [
+        Layer(name, draw(_times), draw(_times), draw(_sizes), draw(_sizes), draw(st.text()))
+        for name in names
+    ]
+    pairs = [(i, j) for i in range(n) for j in range(i + 1, n)]
+    edges = draw(st.lists(st.sampled_from(pairs), unique=True)) if pairs else []
+    return LayerGraph(
+        tuple(layers), tuple(sorted(edges)), draw(st.integers(0, 4096)), draw(st.text(max_size=8))
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(graphs())
+def test_json_round_trip(graph: LayerGraph) -> None:
+    back = LayerGraph.from_json(graph.to_json())
+    assert back == graph
+    assert back.layers == graph.layers
+    assert back.edges == graph.edges
+    assert back.batch_size == graph.batch_size
+    assert back.model == graph.model
+
+
+@settings(max_examples=60, deadline=None)
+@given(graphs())
+def test_cut_bytes_sum_outputs_with_a_consumer_after_the_cut(graph: LayerGraph) -> None:
+    cuts = graph.cut_bytes()
+    for k in range(1, len(graph)):
+        crossing = {s for s, d in graph.edges if s < k and d >= k}
+        expected = sum(graph.layers[s].activation_bytes for s in crossing)
+        assert cuts[k] == expected == graph.cut_activation_bytes(k)
+
+
+def test_save_and_load_file(tmp_path: Path) -> None:
+    graph = LayerGraph.chain(
+        [Layer("a", 1.0, 2.0, 10, 20), Layer("b", 0.5, 0.25, 5, 0)], batch_size=8, model="m"
+    )
+    path = tmp_path / "p.json"
+    graph.save(path)
+    assert load_graph(path) == graph
+    assert load_graph(path).is_chain
+
+
+def test_chain_cut_is_previous_output() -> None:
+    layers = [Layer(f"l{i}", 1.0, 1.0, 100 * (i + 1), 0) for i in range(4)]
+    graph = LayerGraph.chain(layers)
+    assert [graph.cut_activation_bytes(k) for k in range(1, 4)] == [
+        layers[k - 1].activation_bytes for k in range(1, 4)
+    ]
+
+
+def test_from_named_edges_sorts_topologically() -> None:
+    layers = [Layer(n, 1.0, 1.0, 1, 1) for n in ("c", "a", "b")]
+    graph = LayerGraph.from_named_edges(layers, [("a", "b"), ("b", "c")])
+    assert [x.name for x in graph.layers] == ["a", "b", "c"]
+    assert graph.edges == ((0, 1), (1, 2))
+
+
+# ---- bad inputs: each a ProfileError naming the offending value ----------------
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("forward_ms", -1.0), ("backward_ms", math.nan), ("activation_bytes", -7),
+     ("parameter_bytes", "12")],
+)
+def test_bad_layer_value(field: str, value: Any) -> None:
+    kwargs: dict[str, Any] = dict(
+        name="conv", forward_ms=1.0, backward_ms=1.0, activation_bytes=1, parameter_bytes=1
+    )
+    kwargs[field] = value
+    with pytest.raises(ProfileError, match=field) as info:
+        Layer(**kwargs)
+    assert repr(value) in str(info.value)
+    assert "conv" in str(info.value)
+
+
+def _two() -> tuple[Layer, ...]:
+    return (Layer("a", 1.0, 1.0, 1, 1), Layer("b", 1.0, 1.0, 1, 1))
+
+
+def test_edge_to_unknown_layer_index() -> None:
+    with pytest.raises(ProfileError, match="0->5"):
+        LayerGraph(_two(), ((0, 5),))
+
+
+def test_edge_to_unknown_layer_name() -> None:
+    with pytest.raises(ProfileError, match="'ghost'"):
+        LayerGraph.from_named_edges(_two(), [("a", "ghost")])
+
+
+def test_cycle() -> None:
+    with pytest.raises(ProfileError, match="cycle"):
+        LayerGraph.from_named_edges(_two(), [("a", "b"), ("b", "a")])
+    with pytest.raises(ProfileError, match="'b'->'a'"):
+        LayerGraph(_two(), ((1, 0),))
+
+
+def test_duplicate_names() -> None:
+    twice = (Layer("same", 1.0, 1.0, 1, 1), Layer("same", 1.0, 1.0, 1, 1))
+    with pytest.raises(ProfileError, match="'same'"):
+        LayerGraph(twice)
+    with pytest.raises(ProfileError, match="'same'"):
+        LayerGraph.from_named_edges(twice, [])
+
+
+def test_empty_and_negative_batch() -> None:
+    with pytest.raises(ProfileError, match="no layers"):
+        LayerGraph(())
+    with pytest.raises(ProfileError, match="-3"):
+        LayerGraph(_two(), batch_size=-3)
+
+
+def _doc(**changes: Any) -> str:
+    data = LayerGraph.chain(list(_two())).to_dict()
+    data.update(changes)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (_doc(format="pipedream"), "'pipedream'"),
+        (_doc(version=FORMAT_VERSION + 1), str(FORMAT_VERSION + 1)),
+        (_doc(layers=[{"name": "a"}]), "malformed"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be an object"),
+    ],
+    ids=["format", "version", "missing-fields", "syntax", "not-object"],
+)
+def test_bad_json(text: str, needle: str) -> None:
+    with pytest.raises(ProfileError, match=needle):
+        LayerGraph.from_json(text)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ProfileError, match=r"nope\.json"):
+        load_graph(missing)
