@@ -146,7 +146,7 @@ def _steps(model: nn.Module) -> tuple[list[_Step], str]:
 
 
 def _sequential_steps(model: nn.Sequential) -> tuple[list[_Step], str]:
-    children = list(model.named_children())
+    children = list(model._modules.items())
     if not children:
         raise ProfileError("the nn.Sequential has no layers; give it at least one child module")
     steps: list[_Step] = []

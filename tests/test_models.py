@@ -1,0 +1,90 @@
+"""The model zoo: every model builds, trains a step, and splits into identical stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from dreampipe.errors import ProfileError
+from dreampipe.models import ZOO, get_model
+
+ALL = ("mlp", "cnn", "vgg16", "alexnet", "resnet50", "gnmt", "transformer")
+BATCH = 3
+
+
+def test_zoo_has_every_model() -> None:
+    assert set(ALL) <= set(ZOO)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_forward_backward_layer_by_layer(name: str) -> None:
+    spec = get_model(name)
+    model = spec.build()
+    torch.manual_seed(0)
+    x, target = spec.sample_input(BATCH), spec.sample_target(BATCH)
+    h = x
+    for layer in model:
+        h = layer(h)
+        assert isinstance(h, Tensor), f"{name}: a layer must return one tensor"
+        assert h.shape[0] == BATCH
+    loss = spec.loss_fn(h, target)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    loss.backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"{name}: parameters without gradient {missing}"
+    assert len(model) == spec.num_layers == len(spec.layer_names)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_stages_rebuild_the_same_weights(name: str) -> None:
+    spec = get_model(name)
+    full = spec.build(seed=5)
+    n = spec.num_layers
+    cut = n // 2
+    head, tail = spec.build(0, cut - 1, seed=5), spec.build(cut, n - 1, seed=5)
+    full_state = full.state_dict()
+    parts = {**head.state_dict(), **tail.state_dict()}
+    assert parts.keys() == full_state.keys()
+    for key, value in parts.items():
+        assert torch.equal(value, full_state[key]), key
+    other = spec.build(seed=6).state_dict()
+    assert any(not torch.equal(other[k], v) for k, v in full_state.items() if v.is_floating_point())
+
+    for module in (full, head, tail):
+        module.eval()
+    torch.manual_seed(0)
+    x = spec.sample_input(BATCH)
+    with torch.no_grad():
+        assert torch.equal(tail(head(x)), full(x))
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs", "needle"),
+    [
+        ("cnn", {"image_size": 10}, "image_size=10"),
+        ("vgg16", {"image_size": 48}, "image_size=48"),
+        ("vgg16", {"width_divisor": 3}, "width_divisor=3"),
+        ("alexnet", {"image_size": 32}, "image_size=32"),
+        ("resnet50", {"image_size": 16}, "image_size=16"),
+        ("gnmt", {"hidden": 33}, "hidden=33"),
+        ("gnmt", {"layers": 1}, "layers=1"),
+        ("transformer", {"dim": 30, "heads": 4}, "dim=30"),
+    ],
+)
+def test_bad_sizes(name: str, kwargs: dict[str, int], needle: str) -> None:
+    with pytest.raises(ProfileError, match=needle):
+        get_model(name, **kwargs)
+
+
+def test_cnn_on_8x8_digits_shape() -> None:
+    spec = get_model("cnn", image_size=8)
+    out = spec.build()(spec.sample_input(2))
+    assert out.shape == (2, 10)
+
+
+def test_unknown_model_lists_the_zoo() -> None:
+    with pytest.raises(ProfileError, match="'resnet51'") as info:
+        get_model("resnet51")
+    for name in ALL:
+        assert name in str(info.value)
