@@ -1,0 +1,114 @@
+"""``dreampipe profile`` and ``dreampipe show``, run in-process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from dreampipe.cli import main
+from dreampipe.graph import load_graph
+from dreampipe.models import get_model
+
+_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s")
+
+
+def _rows(out: str) -> list[tuple[int, str]]:
+    return [(int(m.group(1)), m.group(2)) for line in out.splitlines() if (m := _ROW.match(line))]
+
+
+def test_show_pipedream_vgg16(pipedream_profiles: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(pipedream_profiles / "vgg16.txt")]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert [i for i, _ in rows] == list(range(41))
+    assert "41 layers" in out and "total" in out and "Conv2d(3, 64" in out
+    graph = load_graph(pipedream_profiles / "vgg16.txt")
+    assert [name for _, name in rows] == [x.name for x in graph.layers]
+
+
+def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "cnn.json"
+    argv = ["profile", "cnn", "--batch-size", "8", "--repeats", "1", "--warmup", "0",
+            "-o", str(out_file)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    names = get_model("cnn").layer_names
+    assert [name for _, name in _rows(printed)] == names
+    assert f"wrote {out_file}" in printed
+    graph = load_graph(out_file)
+    assert graph.batch_size == 8 and [x.name for x in graph.layers] == names
+
+    assert main(["show", str(out_file)]) == 0
+    shown = capsys.readouterr().out
+    assert [name for _, name in _rows(shown)] == names
+    assert "batch 8" in shown and "chain, 4 edges" in shown
+
+
+def test_bad_model_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "vgg17"]) == 2
+    err = capsys.readouterr().err
+    assert "'vgg17'" in err and "vgg16" in err and "file.py:function" in err
+    assert "Traceback" not in err
+
+
+_USER_MODEL = '''
+import torch
+from torch import nn
+
+def build(batch_size=4):
+    model = nn.Sequential(nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 1))
+    return model, torch.randn(batch_size, 3), lambda out: out.square().mean()
+
+def with_target():
+    model = nn.Sequential(nn.Linear(3, 2))
+    return model, torch.randn(6, 3), nn.functional.cross_entropy, torch.tensor([0, 1] * 3)
+
+def broken():
+    return 42
+'''
+
+
+def test_profile_user_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "mymodel.py"
+    source.write_text(_USER_MODEL)
+    out_file = tmp_path / "p.json"
+    assert main(["profile", f"{source}:build", "--batch-size", "5", "--repeats", "1",
+                 "-o", str(out_file)]) == 0
+    assert [name for _, name in _rows(capsys.readouterr().out)] == ["0", "1", "2"]
+    assert load_graph(out_file).batch_size == 5
+    assert main(["profile", f"{source}:with_target", "--repeats", "1"]) == 0
+    assert "batch 6" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("ref", "needle"),
+    [("{dir}/mymodel.py:missing", "no function 'missing'"),
+     ("{dir}/mymodel.py:broken", "returned int"),
+     ("{dir}/absent.py:build", "does not exist")],
+)
+def test_profile_user_file_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  ref: str, needle: str) -> None:
+    (tmp_path / "mymodel.py").write_text(_USER_MODEL)
+    assert main(["profile", ref.format(dir=tmp_path)]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_show_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(tmp_path / "none.json")]) == 2
+    assert "none.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("command", "options"),
+    [("profile", ["MODEL", "--batch-size", "--output", "--repeats", "--warmup", "file.py"]),
+     ("show", ["FILE", "graph.txt"])],
+)
+def test_help(command: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    for option in options:
+        assert option in text
