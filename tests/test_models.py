@@ -30,7 +30,7 @@ def test_forward_backward_layer_by_layer(name: str) -> None:
         assert h.shape[0] == BATCH
     loss = spec.loss_fn(h, target)
     assert loss.dim() == 0 and torch.isfinite(loss)
-    loss.backward()
+    torch.autograd.backward([loss])
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"{name}: parameters without gradient {missing}"
     assert len(model) == spec.num_layers == len(spec.layer_names)

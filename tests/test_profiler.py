@@ -45,7 +45,8 @@ class Residual(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.relu(self.fc1(x))
         y = h + self.bn(self.fc2(h))
-        return self.fc3(torch.matmul(y, self.scale))
+        out: Tensor = self.fc3(torch.matmul(y, self.scale))
+        return out
 
 
 def _assert_untouched(model: nn.Module, before: dict[str, Tensor], rng: Tensor,
@@ -158,9 +159,8 @@ class Untraceable(nn.Module):
         self.fc = nn.Linear(2, 2)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.sum() > 0:
-            return self.fc(x)
-        return x
+        out: Tensor = self.fc(x) if x.sum() > 0 else x
+        return out
 
 
 @pytest.mark.parametrize(
