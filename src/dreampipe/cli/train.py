@@ -1,12 +1,303 @@
-"""Placeholder: the `train` sub-command module is being written."""
+"""``dreampipe train``, ``demo`` and ``bench``: run models for real.
+
+``train`` profiles, plans and trains one zoo model on local worker processes
+(or under ``torchrun``); ``demo`` is the README's main job; ``bench``
+measures dreampipe's schedules against PyTorch's own pipelining and DDP.
+The work is done by :mod:`dreampipe.job`, :mod:`dreampipe.demo` and
+:mod:`dreampipe.bench`; this module parses, checks and prints.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from pathlib import Path
 from typing import Any
 
-__all__ = ["register"]
+from dreampipe.actions import ScheduleKind
+from dreampipe.errors import PlanError
+
+__all__ = ["parse_model_args", "register", "torchrun_world"]
+
+_SCHEDULES = [k.value for k in ScheduleKind]
+_DATASETS = ("synthetic", "digits", "mnist")
 
 
-def register(sub: "argparse._SubParsersAction[Any]") -> None:
-    """Add nothing yet."""
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    """Add the ``train``, ``demo`` and ``bench`` sub-commands."""
+    _register_train(sub)
+    _register_demo(sub)
+    _register_bench(sub)
+
+
+# ---- train ------------------------------------------------------------------
+def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
+    from dreampipe.models import ZOO
+
+    p = sub.add_parser(
+        "train",
+        help="train a zoo model with pipeline parallelism on local workers or under torchrun",
+        description=(
+            "Profile MODEL on this machine, plan it for the workers at hand (or use --plan, or "
+            "force a partition with --config/--stages), print the predicted throughput, then "
+            "train: on one machine dreampipe starts --workers local processes itself (gloo, one "
+            "thread each); under 'torchrun --nnodes .. --nproc-per-node ..' it uses torchrun's "
+            "processes (RANK/WORLD_SIZE) instead and prints on rank 0 only."
+        ),
+    )
+    p.add_argument("model", choices=sorted(ZOO), help="zoo model to train")
+    p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="size the model, e.g. --model-arg layers=4 --model-arg width=256 "
+                        "(repeatable; see the zoo function's parameters)")
+    p.add_argument("--workers", type=int, default=None,
+                   help="local worker processes (default: the --config's total, else 2); "
+                        "under torchrun the world size is used and this must match it if given")
+    g = p.add_argument_group("plan")
+    g.add_argument("--plan", metavar="FILE", help="use this plan JSON (from 'dreampipe plan')")
+    g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP)")
+    g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
+    g = p.add_argument_group("training")
+    g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
+                   help="pipedream: async 1F1B with weight stashing (default); 1f1b-flush, "
+                        "gpipe: synchronous microbatched; dp: data parallel; naive: one "
+                        "microbatch at a time")
+    g.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default: sgd")
+    g.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
+    g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
+    g.add_argument("--batch-size", type=int, default=32,
+                   help="samples per weight update (default: 32)")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches per update for the synchronous schedules; must divide "
+                        "--batch-size; pipedream needs 1 (default: 1)")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=None,
+                        help="weight updates to run (pipedream: minibatches); default 10")
+    length.add_argument("--epochs", type=float, default=None,
+                        help="passes over the training set instead of --steps")
+    g.add_argument("--seed", type=int, default=0, help="weights and data order (default: 0)")
+    g.add_argument("--dataset", choices=_DATASETS, default="synthetic",
+                   help="synthetic random data (default), scikit-learn's 8x8 digits, or an "
+                        "MNIST IDX directory given by --data-dir")
+    g.add_argument("--data-dir", help="directory of the MNIST IDX files for --dataset mnist")
+    g.add_argument("--vertical-sync", action="store_true",
+                   help="every stage runs a minibatch with its input stage's weight version")
+    g.add_argument("--no-stash", action="store_true",
+                   help="turn weight stashing off (naive async pipelining, to show why it "
+                        "matters)")
+    g.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds any rank waits for a peer before failing (default: 60)")
+    g = p.add_argument_group("output")
+    g.add_argument("--trace", metavar="OUT.json",
+                   help="write every rank's measured actions as a Chrome trace")
+    g.add_argument("--timeline", metavar="OUT.png", help="draw the measured timeline")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout (samples_per_s, final_loss, accuracy, "
+                        "predicted_samples_per_s, ...) and nothing else there")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+
+def parse_model_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
+    """``["layers=4", "width=0.5", "act=relu"]`` into typed ``(key, value)`` pairs."""
+    out: list[tuple[str, Any]] = []
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key:
+            raise PlanError(f"--model-arg {item!r}: write KEY=VALUE, e.g. layers=4")
+        value: Any = raw
+        for cast in (int, float):
+            try:
+                value = cast(raw)
+                break
+            except ValueError:
+                continue
+        out.append((key, value))
+    return tuple(out)
+
+
+def torchrun_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when started by torchrun (or any env:// launcher), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _check_train_args(args: argparse.Namespace) -> None:
+    if args.workers is not None and args.workers < 1:
+        raise PlanError(f"--workers {args.workers}: use at least 1 worker")
+    if args.batch_size < 1:
+        raise PlanError(f"--batch-size {args.batch_size}: use at least 1 sample per update")
+    if args.microbatches < 1:
+        raise PlanError(f"--microbatches {args.microbatches}: use at least 1")
+    if args.batch_size % args.microbatches:
+        raise PlanError(
+            f"--batch-size {args.batch_size} is not divisible by --microbatches "
+            f"{args.microbatches}; pick a batch size that is a multiple of it"
+        )
+    if args.schedule == "pipedream" and args.microbatches != 1:
+        raise PlanError(
+            f"--microbatches {args.microbatches} with --schedule pipedream: PipeDream updates "
+            "after every minibatch; use --microbatches 1 or a synchronous schedule"
+        )
+    if args.steps is not None and args.steps < 1:
+        raise PlanError(f"--steps {args.steps}: use at least 1")
+    if args.plan and (args.config or args.stages):
+        raise PlanError("--plan with --config/--stages: give a plan file or a partition, not both")
+    if args.dataset == "mnist" and not args.data_dir:
+        raise PlanError("--dataset mnist needs --data-dir DIR holding the MNIST IDX files")
+    if args.timeout <= 0:
+        raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dreampipe.job import TrainRequest, run_train
+
+    _check_train_args(args)
+    world = torchrun_world()
+    req = TrainRequest(
+        model=args.model,
+        model_kwargs=parse_model_args(args.model_arg),
+        workers=args.workers,
+        plan_path=args.plan,
+        config=args.config,
+        stages=args.stages,
+        schedule=ScheduleKind(args.schedule),
+        optimizer=args.optimizer,
+        lr=args.lr,
+        momentum=args.momentum,
+        minibatch_size=args.batch_size,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        epochs=args.epochs,
+        seed=args.seed,
+        dataset=args.dataset,
+        data_dir=args.data_dir,
+        vertical_sync=args.vertical_sync,
+        stash=not args.no_stash,
+        timeout_s=args.timeout,
+        record_events=bool(args.trace or args.timeline),
+        progress=not args.no_progress,
+    )
+    say = _printer(args.json)
+    report = run_train(req, torchrun=world, say=say)
+    if report is None:
+        return 0
+    res = report.result
+    if args.trace:
+        from dreampipe.trace import write_chrome_trace
+
+        write_chrome_trace(list(res.events), args.trace)
+        say(f"trace: {args.trace}")
+    if args.timeline:
+        from dreampipe.timeline import draw_timeline
+
+        draw_timeline(list(res.events), args.timeline,
+                      title=f"{args.model} {report.plan.config} {args.schedule} (measured)")
+        say(f"timeline: {args.timeline}")
+    summary = report.summary()
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        ratio = res.samples_per_s / report.predicted_samples_per_s \
+            if report.predicted_samples_per_s > 0 else float("nan")
+        say(f"throughput: measured {res.samples_per_s:.1f} samples/s, predicted "
+            f"{report.predicted_samples_per_s:.1f} (measured/predicted {ratio:.2f})")
+        say(f"final loss {res.final_loss:.4f}"
+            + (f", test accuracy {res.accuracy:.2%}" if res.accuracy is not None else ""))
+    return 0
+
+
+def _printer(quiet_stdout: bool) -> Any:
+    """Human lines go to stdout, or to stderr when stdout is reserved for JSON."""
+    stream = sys.stderr if quiet_stdout else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=stream, flush=True)
+
+    return say
+
+
+# ---- demo -------------------------------------------------------------------
+def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="profile, plan and train a CNN on handwritten digits with PipeDream vs DP",
+        description=(
+            "The main job: profile the 'cnn' zoo model on scikit-learn's handwritten digits, "
+            "plan it for 2 local workers, train it with PipeDream (async 1F1B, weight "
+            "stashing) and, for comparison, with data parallelism for the same epochs, then "
+            "print test accuracy and throughput of both and write the measured PipeDream "
+            "timeline as a PNG. A few minutes on 2 CPU cores."
+        ),
+    )
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over the training digits (default: the demo's tuned value)")
+    p.add_argument("--out", default="dreampipe-demo",
+                   help="directory for the timeline PNG and the plan (default: dreampipe-demo)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data order (default: 0)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from dreampipe.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(seed=args.seed, out_dir=Path(args.out), progress=not args.no_progress)
+    if args.epochs is not None:
+        if args.epochs <= 0:
+            raise PlanError(f"--epochs {args.epochs}: use a positive number of epochs")
+        opts = opts.with_epochs(args.epochs)
+    run_demo(opts, say=_printer(False))
+    return 0
+
+
+# ---- bench ------------------------------------------------------------------
+def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
+    from dreampipe.bench import BENCH_NAMES
+
+    p = sub.add_parser(
+        "bench",
+        help="measure dreampipe's schedules against torch.distributed.pipelining and DDP",
+        description=(
+            "Train one workload (the zoo mlp, 8 layers of 1024, 2 stages of 4 layers, one "
+            "thread per worker, 256 samples per update as 8 microbatches of 32) under "
+            "dreampipe's 1f1b-flush, gpipe and pipedream (minibatches of 128, one update each), "
+            "PyTorch's Schedule1F1B and ScheduleGPipe, DDP on 2 workers and one process with 1 "
+            "and 2 threads; every run in its own processes, with the same number of samples and "
+            "warm-up excluded. Prints samples/s, dreampipe/torch ratios, and the simulator's "
+            "prediction for dreampipe's schedules from a profile taken here."
+        ),
+    )
+    p.add_argument("--steps", type=int, default=20,
+                   help="timed updates of 256 samples per run (default: 20)")
+    p.add_argument("--warmup", type=int, default=3,
+                   help="untimed updates before timing starts (default: 3)")
+    p.add_argument("--only", nargs="+", choices=BENCH_NAMES, metavar="NAME",
+                   help=f"run only these: {', '.join(BENCH_NAMES)}")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="hard limit in seconds for each run (default: 300)")
+    p.add_argument("--json", action="store_true",
+                   help='print one JSON object {"results": {NAME: {"samples_per_s": x}}} only')
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from dreampipe.bench import BenchOptions, format_table, run_bench
+
+    if args.steps < 1 or args.warmup < 0:
+        raise PlanError(f"--steps {args.steps} --warmup {args.warmup}: use steps >= 1, "
+                        "warmup >= 0")
+    if args.timeout <= 0:
+        raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+    opts = BenchOptions(steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+                        progress=not args.no_progress)
+    names = tuple(args.only) if args.only else None
+    report = run_bench(opts, names)
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        print(format_table(report))
+    return 0

@@ -1,0 +1,269 @@
+"""``dreampipe bench``: dreampipe's schedules against PyTorch's own, on one workload.
+
+The workload is fixed so that runs compare: the zoo ``mlp`` (8 layers of
+1024), cut into 2 stages of 4 layers, one thread per worker, 256 samples per
+weight update as 8 microbatches of 32. dreampipe runs it under
+``1f1b-flush`` and ``gpipe``, and under ``pipedream`` with minibatches of 128
+and one update each (the PipeDream paper pairs a PipeDream minibatch with
+data parallelism's per-worker minibatch, here 256 / 2 workers). The
+baselines (:mod:`dreampipe.baselines`) are ``torch.distributed.pipelining``'s
+``Schedule1F1B`` and ``ScheduleGPipe``, DDP on 2 workers, and one process
+with 1 and with 2 threads.
+
+Every run trains on the same number of samples after warm-up updates that
+are not timed. For dreampipe's runs the timed window is read from the
+measured events: from the end of the input stage's last warm-up backward to
+the end of its last backward. The simulator's prediction for each of
+dreampipe's schedules, from a profile of the mlp taken here with one
+thread, is read over the same window of the simulated events.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dreampipe.actions import ActionKind, ScheduleKind
+from dreampipe.baselines import Baseline, Workload, run_baseline
+from dreampipe.errors import DreampipeError
+from dreampipe.events import Event
+from dreampipe.plan import Plan
+
+__all__ = [
+    "BENCH_NAMES",
+    "BenchEntry",
+    "BenchOptions",
+    "BenchReport",
+    "format_table",
+    "run_bench",
+    "window_samples_per_s",
+]
+
+log = logging.getLogger(__name__)
+
+_DREAMPIPE = {
+    "pipedream": ScheduleKind.PIPEDREAM,
+    "1f1b-flush": ScheduleKind.FLUSH,
+    "gpipe": ScheduleKind.GPIPE,
+}
+#: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
+BENCH_NAMES: tuple[str, ...] = (*_DREAMPIPE, *(b.value for b in Baseline))
+#: dreampipe's schedule beside the PyTorch schedule it is compared with.
+_PAIRS = (("1f1b-flush", "torch-1f1b"), ("pipedream", "torch-1f1b"), ("gpipe", "torch-gpipe"))
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """Timed updates, warm-up updates and the per-run hard limit."""
+
+    steps: int = 20
+    warmup: int = 3
+    timeout_s: float = 300.0
+    progress: bool = True
+    pipedream_minibatch: int = 128
+
+    def workload(self) -> Workload:
+        return Workload(steps=self.steps, warmup=self.warmup)
+
+
+@dataclass(frozen=True)
+class BenchEntry:
+    """One run: measured samples/s, and the simulator's prediction for dreampipe's."""
+
+    name: str
+    samples_per_s: float
+    predicted_samples_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    entries: tuple[BenchEntry, ...]
+    options: BenchOptions
+
+    def get(self, name: str) -> BenchEntry | None:
+        return next((e for e in self.entries if e.name == name), None)
+
+    def ratios(self) -> list[tuple[str, str, float]]:
+        """``(dreampipe name, torch name, ratio of samples/s)`` for the pairs that ran."""
+        out = []
+        for ours, theirs in _PAIRS:
+            a, b = self.get(ours), self.get(theirs)
+            if a is not None and b is not None and b.samples_per_s > 0:
+                out.append((ours, theirs, a.samples_per_s / b.samples_per_s))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        results: dict[str, dict[str, float]] = {}
+        for e in self.entries:
+            results[e.name] = {"samples_per_s": e.samples_per_s}
+            if e.predicted_samples_per_s is not None:
+                results[e.name]["predicted_samples_per_s"] = e.predicted_samples_per_s
+        return {
+            "results": results,
+            "ratios": {f"{a}/{b}": r for a, b, r in self.ratios()},
+            "steps": self.options.steps,
+            "warmup": self.options.warmup,
+        }
+
+
+def window_samples_per_s(
+    events: Sequence[Event], *, warmup_units: int, total_units: int, unit_samples: int
+) -> float:
+    """Samples/s between the input stage's last warm-up backward and its last backward.
+
+    Units ``warmup_units..total_units-1`` finish their backward at stage 0
+    inside that window; with no warm-up the window opens at the first event.
+    """
+    ends = {e.unit: e.end_s for e in events if e.stage == 0 and e.kind is ActionKind.BACKWARD}
+    needed = [total_units - 1] + ([warmup_units - 1] if warmup_units else [])
+    missing = [u for u in needed if u not in ends]
+    if missing:
+        raise DreampipeError(
+            f"the events lack the input stage's backward of unit(s) {missing}; time a window "
+            "on a run that recorded events for all its units"
+        )
+    start = ends[warmup_units - 1] if warmup_units else min(e.start_s for e in events)
+    span = ends[total_units - 1] - start
+    return (total_units - warmup_units) * unit_samples / span if span > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """How a dreampipe schedule cuts the workload into units."""
+
+    kind: ScheduleKind
+    minibatch: int
+    microbatches: int
+    updates: int
+    warmup_updates: int
+
+    @property
+    def unit_samples(self) -> int:
+        return self.minibatch // self.microbatches
+
+    @property
+    def warmup_units(self) -> int:
+        return self.warmup_updates * self.microbatches
+
+    @property
+    def total_units(self) -> int:
+        return (self.warmup_updates + self.updates) * self.microbatches
+
+
+def _shape(name: str, opts: BenchOptions, work: Workload) -> _Shape:
+    kind = _DREAMPIPE[name]
+    if kind is ScheduleKind.PIPEDREAM:
+        per = work.batch // opts.pipedream_minibatch
+        return _Shape(kind, opts.pipedream_minibatch, 1, work.steps * per, work.warmup * per)
+    return _Shape(kind, work.batch, work.microbatches, work.steps, work.warmup)
+
+
+def _plan(work: Workload) -> Plan:
+    return Plan.from_config(
+        work.layers, list(work.stage_bounds), [1] * len(work.stage_bounds), model="mlp"
+    )
+
+
+def _model_kwargs(work: Workload) -> tuple[tuple[str, Any], ...]:
+    return (("layers", work.layers), ("width", work.width))
+
+
+def _run_dreampipe(shape: _Shape, work: Workload, timeout_s: float) -> float:
+    from dreampipe.runtime import RunConfig, launch_local
+
+    cfg = RunConfig(
+        model="mlp", plan=_plan(work), schedule=shape.kind, minibatch_size=shape.minibatch,
+        microbatches=shape.microbatches, steps=shape.warmup_updates + shape.updates,
+        lr=work.lr, seed=work.seed, timeout_s=timeout_s, dataset="synthetic",
+        model_kwargs=_model_kwargs(work), record_events=True, evaluate=False,
+    )
+    result = launch_local(cfg, workers=len(work.stage_bounds))
+    return window_samples_per_s(
+        result.events, warmup_units=shape.warmup_units, total_units=shape.total_units,
+        unit_samples=shape.unit_samples,
+    )
+
+
+def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, float]:
+    """Simulated samples/s per schedule, from a one-thread profile at each unit size."""
+    from dreampipe import planner
+    from dreampipe.job import local_topology, profile_model
+    from dreampipe.schedule import build_schedule
+    from dreampipe.simulate import costs_from_profile, simulate
+
+    spec = work.spec()
+    topology = local_topology(len(work.stage_bounds))
+    graphs = {}
+    out = {}
+    for sh in shapes:
+        if sh.unit_samples not in graphs:
+            graphs[sh.unit_samples] = profile_model(spec, sh.unit_samples)
+        graph = graphs[sh.unit_samples]
+        plan = planner.evaluate(graph, topology, list(work.stage_bounds), [1, 1])
+        sched = build_schedule(
+            [1] * len(work.stage_bounds), sh.kind, sh.total_units,
+            units_per_update=sh.microbatches,
+        )
+        sim = simulate(sched, costs_from_profile(graph, plan, topology, unit_fraction=1.0))
+        out[sh.kind] = window_samples_per_s(
+            sim.events, warmup_units=sh.warmup_units, total_units=sh.total_units,
+            unit_samples=sh.unit_samples,
+        )
+    return out
+
+
+def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchReport:
+    """Run the named runs (default: all of :data:`BENCH_NAMES`), each in fresh processes."""
+    chosen = [n for n in BENCH_NAMES if names is None or n in names]
+    unknown = sorted(set(names or ()) - set(BENCH_NAMES))
+    if unknown:
+        raise DreampipeError(f"unknown bench run(s) {unknown}; choose from {list(BENCH_NAMES)}")
+    work = opts.workload()
+    shapes = {n: _shape(n, opts, work) for n in chosen if n in _DREAMPIPE}
+    predicted = _predict(list(shapes.values()), work) if shapes else {}
+    entries = []
+    for name in _progress(chosen, opts.progress):
+        if name in shapes:
+            rate = _run_dreampipe(shapes[name], work, opts.timeout_s)
+            entries.append(BenchEntry(name, rate, predicted[shapes[name].kind]))
+        else:
+            entries.append(BenchEntry(name, run_baseline(Baseline(name), work,
+                                                         timeout_s=opts.timeout_s)))
+        log.info("bench %s: %.1f samples/s", name, entries[-1].samples_per_s)
+    return BenchReport(tuple(entries), opts)
+
+
+def _progress(names: list[str], show: bool) -> Iterable[str]:
+    if not show:
+        return names
+    return _labelled(names)
+
+
+def _labelled(names: list[str]) -> Iterator[str]:
+    """A tqdm bar on stderr over the runs, showing the one running."""
+    from tqdm import tqdm
+
+    with tqdm(names, desc="bench", unit="run", leave=False) as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            yield name
+
+
+def format_table(report: BenchReport) -> str:
+    """The human table: samples/s, predicted, measured/predicted, then the ratios."""
+    opts = report.options
+    lines = [
+        f"mlp 8x1024, 2 stages of 4 layers, 256 samples/update, {opts.steps} timed updates "
+        f"after {opts.warmup} warm-up",
+        f"{'run':<16} {'samples/s':>10} {'predicted':>10} {'meas/pred':>9}",
+    ]
+    for e in report.entries:
+        pred = e.predicted_samples_per_s
+        pred_s = f"{pred:10.1f}" if pred else f"{'':>10}"
+        ratio = f"{e.samples_per_s / pred:9.2f}" if pred else f"{'':>9}"
+        lines.append(f"{e.name:<16} {e.samples_per_s:10.1f} {pred_s} {ratio}")
+    for ours, theirs, r in report.ratios():
+        lines.append(f"{ours} / {theirs}: {r:.2f}x")
+    return "\n".join(lines)

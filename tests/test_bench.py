@@ -1,0 +1,136 @@
+"""``dreampipe bench``: timing windows, the report, the baselines' process runner."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from dreampipe.actions import ActionKind
+from dreampipe.baselines import BaselineError, Workload, run_processes
+from dreampipe.bench import (
+    BENCH_NAMES,
+    BenchEntry,
+    BenchOptions,
+    BenchReport,
+    format_table,
+    window_samples_per_s,
+)
+from dreampipe.cli import main
+from dreampipe.errors import DreampipeError
+from dreampipe.events import Event
+
+
+def _pipeline_events(units: int, period: float, fill: float) -> list[Event]:
+    """Two stages; stage 0's backward of unit u ends at fill + u * period."""
+    out = []
+    for u in range(units):
+        end = fill + u * period
+        out.append(Event(0, 0, ActionKind.FORWARD, u, u * 0.01, u * 0.01 + 0.001))
+        out.append(Event(1, 1, ActionKind.BACKWARD, u, end - 0.02, end - 0.01))
+        out.append(Event(0, 0, ActionKind.BACKWARD, u, end - 0.005, end))
+    return out
+
+
+def test_window_excludes_warmup_and_counts_timed_units() -> None:
+    events = _pipeline_events(units=10, period=0.5, fill=3.0)
+    rate = window_samples_per_s(events, warmup_units=4, total_units=10, unit_samples=32)
+    # units 4..9 finish in the window from unit 3's end to unit 9's end: 6 periods
+    assert rate == pytest.approx(6 * 32 / (6 * 0.5))
+    whole = window_samples_per_s(events, warmup_units=0, total_units=10, unit_samples=32)
+    assert whole == pytest.approx(10 * 32 / (3.0 + 9 * 0.5))
+    assert whole < rate
+
+
+def test_window_needs_the_boundary_backwards() -> None:
+    events = _pipeline_events(units=3, period=0.5, fill=1.0)
+    with pytest.raises(DreampipeError, match=r"unit\(s\) \[5\]"):
+        window_samples_per_s(events, warmup_units=1, total_units=6, unit_samples=8)
+
+
+def _report() -> BenchReport:
+    entries = (
+        BenchEntry("pipedream", 3000.0, 2800.0),
+        BenchEntry("1f1b-flush", 2400.0, 2500.0),
+        BenchEntry("torch-1f1b", 1600.0),
+        BenchEntry("ddp", 2900.0),
+    )
+    return BenchReport(entries, BenchOptions(steps=5, warmup=1))
+
+
+def test_report_json_and_ratios() -> None:
+    data = json.loads(json.dumps(_report().to_json()))
+    assert set(data["results"]) == {"pipedream", "1f1b-flush", "torch-1f1b", "ddp"}
+    assert data["results"]["ddp"] == {"samples_per_s": 2900.0}
+    assert data["results"]["pipedream"]["predicted_samples_per_s"] == 2800.0
+    assert data["ratios"] == {
+        "1f1b-flush/torch-1f1b": pytest.approx(2400.0 / 1600.0),
+        "pipedream/torch-1f1b": pytest.approx(3000.0 / 1600.0),
+    }
+
+
+def test_table_lists_every_run_and_ratio() -> None:
+    table = format_table(_report())
+    for name in ("pipedream", "1f1b-flush", "torch-1f1b", "ddp"):
+        assert any(line.startswith(name) for line in table.splitlines())
+    assert "1f1b-flush / torch-1f1b: 1.50x" in table
+    assert "gpipe / torch-gpipe" not in table
+
+
+def test_workload_rejects_uneven_microbatches() -> None:
+    with pytest.raises(DreampipeError, match="not divisible"):
+        Workload(batch=250, microbatches=8)
+
+
+def _fails(rank: int, world: int, arg: int) -> int:
+    if rank == 1:
+        raise ValueError(f"rank {rank} refuses {arg}")
+    return rank
+
+
+def _sleeps(rank: int, world: int, arg: float) -> None:
+    time.sleep(arg)
+
+
+def _rank_times(rank: int, world: int, arg: int) -> int:
+    return rank * arg + world
+
+
+def test_processes_return_results_by_rank() -> None:
+    assert run_processes(_rank_times, 2, 10, timeout_s=60) == [2, 12]
+
+
+def test_child_traceback_is_surfaced() -> None:
+    with pytest.raises(BaselineError, match=r"(?s)rank 1.*ValueError: rank 1 refuses 7"):
+        run_processes(_fails, 2, 7, timeout_s=60)
+
+
+def test_deadline_stops_every_child() -> None:
+    start = time.monotonic()
+    with pytest.raises(BaselineError, match="deadline"):
+        run_processes(_sleeps, 1, 60.0, timeout_s=3)
+    assert time.monotonic() - start < 20
+
+
+def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["torch-1f1b", "ddp", "single-1thread"]
+    status = main(["bench", "--only", *names, "--steps", "2", "--warmup", "1", "--json",
+                   "--no-progress"])
+    assert status == 0
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["results"]) == set(names)
+    for name in names:
+        assert data["results"][name]["samples_per_s"] > 0
+
+
+def test_bench_names_are_the_issue_s() -> None:
+    assert set(BENCH_NAMES) == {
+        "pipedream", "1f1b-flush", "gpipe", "torch-1f1b", "torch-gpipe", "ddp",
+        "single-1thread", "single-2threads",
+    }
+
+
+def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--steps", "0"]) == 2
+    assert "--steps 0" in capsys.readouterr().err
