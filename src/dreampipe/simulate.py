@@ -14,9 +14,10 @@ Each rank runs its action list in order, exactly as the runtime does:
   ``allreduce_s`` later, or when the last of those backwards ends. The rank
   continues (to ``STEP``) only then.
 
-Memory per rank is ``parameter_bytes x weight versions held + stash_bytes x
-units in flight`` (a unit is in flight from its forward's start to its
-backward's end). A unit holds the weight version (optimizer steps taken) its
+Memory per rank is ``parameter_bytes x (weight versions held + 1) +
+stash_bytes x units in flight``, the planner's model (:mod:`dreampipe.costs`;
+the extra weights are the gradient buffer); a unit is in flight from its
+forward's start to its backward's end. A unit holds the weight version (optimizer steps taken) its
 forward ran with; the versions held are those of the units in flight plus
 the live one: 1 for the synchronous schedules, ``n-s`` at stage s of a
 straight n-stage PipeDream pipeline (weight stashing).
@@ -327,7 +328,7 @@ class _Memory:
         self.samples.add((versions, flight))
 
     def peak_memory(self, parameter_bytes: float, stash_bytes: float) -> float:
-        return max(v * parameter_bytes + f * stash_bytes for v, f in self.samples)
+        return max((v + 1) * parameter_bytes + f * stash_bytes for v, f in self.samples)
 
 
 def costs_from_profile(
@@ -338,8 +339,8 @@ def costs_from_profile(
     Compute, activations and stashed bytes scale linearly with
     ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
     all-reduce is a ring, ``2(r-1)/r x |w| / B`` over the slowest link
-    between its ranks. Stashed bytes per unit are the stage's layer outputs
-    plus its input (the activation crossing the cut before it).
+    between its ranks. Stashed bytes per unit are the stage's layer outputs,
+    as the planner counts them.
     """
     if plan.num_layers != len(graph):
         raise ScheduleError(
@@ -360,8 +361,7 @@ def costs_from_profile(
         bwd.append(sum(x.backward_ms for x in span) / 1e3 * unit_fraction)
         w = float(sum(x.parameter_bytes for x in span))
         params.append(w)
-        inbound = cuts[st.first] if s > 0 else 0
-        stash.append((sum(x.activation_bytes for x in span) + inbound) * unit_fraction)
+        stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
         allreduce.append(_ring_allreduce_s(w, st.ranks, topology))

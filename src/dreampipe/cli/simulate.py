@@ -1,12 +1,197 @@
-"""Placeholder: the `simulate` sub-command module is being written."""
+"""``dreampipe simulate``: run any schedule of a plan through the simulator.
+
+The input is a plan JSON (``dreampipe plan -o``) or a profile (ours or
+PipeDream's graph.txt), which is planned for ``--topology`` first. Units:
+PipeDream runs ``--minibatches`` minibatches; 1f1b-flush, gpipe and naive run
+``--minibatches`` minibatches of ``--microbatches`` microbatches each; dp runs
+the whole model on the plan's workers, one full minibatch per worker per
+update (as the planner's data-parallel baseline counts it).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
+from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
+
+from dreampipe.actions import ScheduleKind
+from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.graph import LayerGraph, load_graph
+from dreampipe.plan import Plan
+from dreampipe.schedule import build_schedule
+from dreampipe.simulate import SimCosts, SimResult, costs_from_plan, costs_from_profile, simulate
+from dreampipe.topology import Topology
+from dreampipe.units import format_bytes
 
 __all__ = ["register"]
 
+_DEFAULT_TOPOLOGY = "cluster-a"
 
-def register(sub: "argparse._SubParsersAction[Any]") -> None:
-    """Add nothing yet."""
+
+def register(sub: argparse._SubParsersAction[Any]) -> None:
+    """Add the ``simulate`` sub-command."""
+    p = sub.add_parser(
+        "simulate",
+        help="simulate a schedule of a plan: throughput, bubble, memory, timeline",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("source", metavar="PLAN_OR_PROFILE",
+                   help="plan JSON, or a profile (JSON or PipeDream graph.txt) to plan first")
+    p.add_argument("--topology", metavar="T",
+                   help=f"cluster: preset (cluster-a/b/c) or shape like 4x4 (default: the "
+                        f"plan's own, else {_DEFAULT_TOPOLOGY})")
+    p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
+                   default=ScheduleKind.PIPEDREAM.value, help="schedule (default: pipedream)")
+    p.add_argument("--minibatches", type=int, metavar="N",
+                   help="minibatches to run (default: 4 per worker for pipedream and dp, 8 for "
+                        "the others; rounded up to whole all-reduce rounds)")
+    p.add_argument("--microbatches", type=int, metavar="M",
+                   help="microbatches per minibatch for 1f1b-flush, gpipe and naive "
+                        "(default: 4 per stage, GPipe's guidance)")
+    p.add_argument("--profile", type=Path, metavar="FILE",
+                   help="with a plan JSON: the profile it was made from, for exact costs and "
+                        "memory (without it, costs come from the plan's predictions)")
+    p.add_argument("--timeline", type=Path, metavar="OUT.png", help="draw a Gantt chart here")
+    p.add_argument("--trace", type=Path, metavar="OUT.json",
+                   help="write a Chrome trace here (opens in ui.perfetto.dev)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    kind = ScheduleKind(args.schedule)
+    with tqdm(total=4, desc="simulate", unit="step", file=sys.stderr, disable=None,
+              leave=False) as bar:
+        plan, graph, topology = _load(args)
+        bar.update()
+        replicas, units, per_update, fraction = _units(args, kind, plan)
+        costs = _costs(plan, graph, topology, kind, fraction)
+        schedule = build_schedule(replicas, kind, units, per_update)
+        bar.update()
+        wants_events = args.timeline is not None or args.trace is not None
+        result = simulate(schedule, costs, record_events=wants_events)
+        bar.update()
+        title = (f"{plan.model or 'model'}: {kind.value}, config {result.config}, "
+                 f"{topology.name or topology.shape}")
+        if args.timeline is not None:
+            from dreampipe.timeline import draw_timeline
+
+            draw_timeline(result.events, args.timeline, title, schedule.num_ranks)
+        if args.trace is not None:
+            from dreampipe.trace import write_chrome_trace
+
+            write_chrome_trace(result.events, args.trace)
+        bar.update()
+    info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
+            "minibatches": units // per_update if kind is not ScheduleKind.PIPEDREAM else units,
+            "units": units, "units_per_update": per_update,
+            "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
+            "memory_known": graph is not None}
+    if args.json:
+        print(json.dumps({**result.summary(), **info}))
+    else:
+        print(_report(result, info, schedule.replicas))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
+    source = Path(args.source)
+    data = _json_object(source)
+    if data is not None and data.get("format") == "dreampipe.plan":
+        plan = Plan.from_dict(data)
+        topology = Topology.parse(args.topology or plan.topology or _DEFAULT_TOPOLOGY)
+        graph = load_graph(args.profile) if args.profile is not None else None
+        return plan, graph, topology
+    if args.profile is not None:
+        raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
+                        "drop --profile")
+    graph = load_graph(source)
+    topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY)
+    from dreampipe.planner import plan as make_plan
+
+    return make_plan(graph, topology), graph, topology
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise PlanError(f"cannot read {str(path)!r}: {exc.strerror}; check the path") from exc
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{str(path)!r} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else None
+
+
+def _units(
+    args: argparse.Namespace, kind: ScheduleKind, plan: Plan
+) -> tuple[tuple[int, ...], int, int, float]:
+    """(replicas, units, units per update, unit fraction) for the chosen schedule."""
+    replicas = tuple(st.replicas for st in plan.stages)
+    workers = plan.workers_used
+    for name in ("minibatches", "microbatches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ScheduleError(f"--{name} {value}; use 1 or more")
+    if kind is ScheduleKind.PIPEDREAM:
+        lcm = math.lcm(*replicas)
+        wanted = args.minibatches or 4 * workers
+        return replicas, -(-wanted // lcm) * lcm, 1, 1.0
+    if kind is ScheduleKind.DP:
+        wanted = args.minibatches or 4 * workers
+        return (workers,), -(-wanted // workers) * workers, workers, 1.0
+    micro = args.microbatches or 4 * plan.num_stages
+    return replicas, (args.minibatches or 8) * micro, micro, 1.0 / micro
+
+
+def _costs(
+    plan: Plan, graph: LayerGraph | None, topology: Topology, kind: ScheduleKind, fraction: float
+) -> SimCosts:
+    if graph is None:
+        if kind is ScheduleKind.DP:
+            raise ScheduleError("the dp schedule re-plans the model as one stage and needs its "
+                                "layers; pass --profile with the plan's profile")
+        return costs_from_plan(plan, topology, fraction)
+    if kind is ScheduleKind.DP:
+        plan = Plan.from_config(len(graph), [0], [plan.workers_used], model=plan.model)
+    return costs_from_profile(graph, plan, topology, fraction)
+
+
+def _report(result: SimResult, info: dict[str, Any], replicas: tuple[int, ...]) -> str:
+    per = "" if info["units"] == info["minibatches"] else (
+        f" ({info['units']} units, {info['units_per_update']} per update)")
+    lines = [
+        f"schedule    {result.kind.value}, config {result.config} on {sum(replicas)} workers "
+        f"({info['topology']}), {info['minibatches']} minibatches{per}",
+        f"throughput  {result.throughput_minibatches_per_s:.3f} minibatches/s over "
+        f"{result.makespan_s:.3f} s"
+        + (f" (planner predicted {info['predicted_minibatches_per_s']:.3f} for plan "
+           f"{info['plan_config']} in steady state)"
+           if info["predicted_minibatches_per_s"] > 0 else ""),
+        f"bubble      {100 * result.bubble_fraction:.1f}% of rank time idle",
+        "",
+        f"{'rank':>4} {'stage':>5} {'busy s':>9} {'idle s':>9} {'idle %':>6} "
+        f"{'peak memory':>12} {'versions':>8} {'in flight':>9}",
+    ]
+    firsts = [sum(replicas[:s]) for s in range(len(replicas))]
+    for rank in range(sum(replicas)):
+        stage = max(s for s, f in enumerate(firsts) if f <= rank)
+        idle = result.idle_s[rank]
+        memory = (format_bytes(result.peak_memory_bytes[rank]) if info["memory_known"]
+                  else "n/a")
+        lines.append(
+            f"{rank:>4} {stage:>5} {result.busy_s[rank]:>9.3f} {idle:>9.3f} "
+            f"{100 * idle / result.makespan_s if result.makespan_s else 0:>5.1f}% "
+            f"{memory:>12} {result.peak_versions[rank]:>8} {result.peak_in_flight[rank]:>9}")
+    if not info["memory_known"]:
+        lines.append("peak memory needs the profile: pass --profile with the plan JSON")
+    return "\n".join(lines)
