@@ -1,0 +1,121 @@
+"""Input checks that run before any rank sends anything.
+
+Every rank (and :func:`~dreampipe.runtime.launch.launch_local`, in the
+parent) runs them, so a bad run fails the same way everywhere instead of
+leaving a peer waiting. The stage-output check builds each stage on the
+``meta`` device and runs it on a shape-only sample: no memory, no compute.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from dreampipe.actions import ScheduleKind
+from dreampipe.data import DATASETS, DatasetError
+from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.models.spec import ModelSpec
+from dreampipe.runtime.config import RunConfig
+
+__all__ = ["check_config", "check_stage_outputs"]
+
+_log = logging.getLogger(__name__)
+
+
+def check_config(cfg: RunConfig, spec: ModelSpec, world: int | None = None) -> None:
+    """Raise a :class:`~dreampipe.errors.DreampipeError` naming what is wrong and the fix."""
+    plan = cfg.plan
+    if world is not None and world != plan.workers_used:
+        raise PlanError(
+            f"the plan {plan.config} uses {plan.workers_used} workers but {world} were started; "
+            f"start {plan.workers_used} workers or plan for {world}"
+        )
+    if plan.num_stages > spec.num_layers:
+        raise PlanError(
+            f"the plan has {plan.num_stages} stages but {spec.name} has only "
+            f"{spec.num_layers} layers; use at most {spec.num_layers} stages"
+        )
+    if plan.num_layers != spec.num_layers:
+        raise PlanError(
+            f"the plan is for a model of {plan.num_layers} layers but {spec.name} has "
+            f"{spec.num_layers}; plan again for this model"
+        )
+    if plan.layer_names and tuple(plan.layer_names) != tuple(spec.layer_names):
+        diff = next(
+            i for i, (a, b) in enumerate(zip(plan.layer_names, spec.layer_names, strict=True))
+            if a != b
+        )
+        raise PlanError(
+            f"the plan is for another model: its layer {diff} is {plan.layer_names[diff]!r} but "
+            f"{spec.name}'s is {spec.layer_names[diff]!r}; plan again for this model"
+        )
+    _check_numbers(cfg)
+    _check_schedule(cfg)
+    if cfg.dataset not in DATASETS:
+        raise DatasetError(f"unknown dataset {cfg.dataset!r}; use one of {', '.join(DATASETS)}")
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    for name in ("minibatch_size", "microbatches", "steps"):
+        if getattr(cfg, name) < 1:
+            raise ScheduleError(f"{name}={getattr(cfg, name)}; use 1 or more")
+    if cfg.lr <= 0:
+        raise ScheduleError(f"learning rate {cfg.lr}; use a positive value such as 0.01")
+    if cfg.timeout_s <= 0:
+        raise ScheduleError(f"timeout_s={cfg.timeout_s}; use a positive number of seconds")
+    units = cfg.units_per_update
+    if cfg.minibatch_size % units:
+        what = (
+            f"{cfg.workers} workers x {cfg.microbatches} microbatches = {units} units"
+            if cfg.schedule is ScheduleKind.DP
+            else f"{cfg.microbatches} microbatches"
+        )
+        divisors = [d for d in range(2, cfg.minibatch_size + 1) if cfg.minibatch_size % d == 0]
+        near = sorted(divisors, key=lambda d: abs(d - units))[:2]
+        hint = " or ".join(str(d) for d in sorted(near)) if near else "1"
+        raise ScheduleError(
+            f"{what} do not divide a minibatch of {cfg.minibatch_size}; "
+            f"use a divisor such as {hint}"
+        )
+
+
+def _check_schedule(cfg: RunConfig) -> None:
+    kind = cfg.schedule
+    if kind is ScheduleKind.PIPEDREAM and cfg.microbatches != 1:
+        raise ScheduleError(
+            f"the pipedream schedule updates after every minibatch, so microbatches must be 1 "
+            f"(got {cfg.microbatches}); use the 1f1b-flush schedule to split minibatches"
+        )
+    if kind is not ScheduleKind.PIPEDREAM and (cfg.vertical_sync or not cfg.stash):
+        raise ScheduleError(
+            f"vertical sync and turning weight stashing off apply to the pipedream schedule "
+            f"only; {kind.value} updates all stages together"
+        )
+    if kind is ScheduleKind.DP and cfg.plan.num_stages != 1:
+        raise ScheduleError(
+            f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "
+            f"got {cfg.plan.config}"
+        )
+
+
+def check_stage_outputs(cfg: RunConfig, spec: ModelSpec) -> None:
+    """Every stage but the last must return one tensor (checked on the meta device)."""
+    try:
+        with torch.device("meta"):
+            x: object = spec.sample_input(max(1, cfg.unit_size))
+            for s, st in enumerate(cfg.plan.stages[:-1]):
+                module = spec.build(st.first, st.last, cfg.seed)
+                assert isinstance(x, Tensor)
+                x = module(x)
+                if not isinstance(x, Tensor):
+                    raise PlanError(
+                        f"stage {s} (layers {st.first}..{st.last}) returns a "
+                        f"{type(x).__name__}, not a tensor; dreampipe passes one tensor between "
+                        "stages: cut the model after a layer that returns a tensor"
+                    )
+    except PlanError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        _log.debug("meta-device dry run of %s not possible: %s", spec.name, exc)

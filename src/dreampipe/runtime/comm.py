@@ -1,0 +1,261 @@
+"""Point-to-point and all-reduce traffic of one rank, every wait with a deadline.
+
+Activations go forward and gradients back with ``isend``/``irecv`` on
+torch.distributed (gloo on CPU, NCCL on GPU). The shape and dtype of the
+tensor crossing each link are agreed once: the first activation a rank sends
+to a peer is preceded by a small header (ndim, dtype, shape); afterwards the
+receiver knows what to allocate and can post its receives early, and every
+later send is checked against the agreement. A gradient has the shape of the
+activation it answers, so it needs no header. Messages are tagged by unit::
+
+    tag = 4 * unit + {0: activation, 1: gradient, 2: weight version, 3: header}
+
+With vertical sync every activation is followed by its unit's weight version
+(one int64). A wait that passes ``timeout_s`` raises
+:class:`~dreampipe.errors.PeerTimeoutError` naming this rank, its stage, the
+peer, the action and the unit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.errors import PeerTimeoutError, StageMismatchError
+
+__all__ = ["Comm"]
+
+_ACT, _GRAD, _VER, _HDR = range(4)
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)
+_POLL_S = 100e-6
+
+Spec = tuple[tuple[int, ...], torch.dtype]
+
+
+@dataclass
+class _Recv:
+    action: Action
+    peer: int
+    header: Tensor | None = None
+    header_work: Any = None
+    buf: Tensor | None = None
+    work: Any = None
+    version: Tensor | None = None
+    version_work: Any = None
+
+
+def _tag(unit: int, kind: int) -> int:
+    return 4 * unit + kind
+
+
+def _encode(spec: Spec, device: torch.device) -> Tensor:
+    shape, dtype = spec
+    if len(shape) > _MAX_DIMS or dtype not in _DTYPES:
+        raise StageMismatchError(
+            f"cannot send a {dtype} tensor of shape {shape} between stages; dreampipe sends "
+            f"tensors of at most {_MAX_DIMS} dimensions and dtypes {[str(d) for d in _DTYPES]}"
+        )
+    head = [len(shape), _DTYPES.index(dtype), *shape, *([0] * (_MAX_DIMS - len(shape)))]
+    return torch.tensor(head, dtype=torch.int64, device=device)
+
+
+def _decode(header: Tensor) -> Spec:
+    values = [int(v) for v in header.tolist()]
+    return tuple(values[2 : 2 + values[0]]), _DTYPES[values[1]]
+
+
+class Comm:
+    """The sends and receives of rank ``rank`` (pipeline stage ``stage``)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+        *,
+        vertical_sync: bool = False,
+    ) -> None:
+        self.schedule = schedule
+        self.rank = rank
+        self.stage = schedule.stage_of_rank(rank)
+        self.device = device
+        self.timeout_s = timeout_s
+        self.vertical_sync = vertical_sync
+        self._blocking = dist.get_backend() == "gloo"
+        self._unit_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
+        self._in_spec: Spec | None = None
+        self._in_links: set[int] = set()
+        self._out_spec: Spec | None = None
+        self._out_links: set[int] = set()
+        self._sent: dict[int, Spec] = {}
+        self._recvs: dict[tuple[ActionKind, int], _Recv] = {}
+        self._sends: list[tuple[Any, Action, int, Tensor]] = []
+
+    # ---- waiting ---------------------------------------------------------
+    def _describe(self, action: Action, peer: str) -> str:
+        return (
+            f"rank {self.rank} (stage {self.stage}) waited more than {self.timeout_s:g} s for "
+            f"{peer} in {action} ({self._unit_name} {action.unit})"
+        )
+
+    def _wait(self, work: Any, action: Action, peer: str) -> None:
+        start = time.monotonic()
+        try:
+            if self._blocking:
+                work.wait(timeout=timedelta(seconds=self.timeout_s))
+                return
+            while not work.is_completed():
+                if time.monotonic() - start > self.timeout_s:
+                    raise PeerTimeoutError(self._describe(action, peer))
+                time.sleep(_POLL_S)
+            work.wait()
+        except RuntimeError as exc:
+            waited = time.monotonic() - start
+            raise PeerTimeoutError(
+                f"{self._describe(action, peer)}: failed after {waited:.1f} s: {exc}"
+            ) from exc
+
+    # ---- receives --------------------------------------------------------
+    def post(self, action: Action) -> bool:
+        """Post the receive for ``action`` now; False if it cannot be posted yet."""
+        key = (action.kind, action.unit)
+        if key in self._recvs:
+            return True
+        peer = self.schedule.peer(self.rank, action)
+        assert peer is not None
+        r = _Recv(action, peer)
+        if action.kind is ActionKind.RECV_F:
+            if peer in self._in_links:
+                assert self._in_spec is not None
+                self._post_data(r, self._in_spec, _ACT)
+            else:
+                if any(x.peer == peer and x.header is not None for x in self._recvs.values()):
+                    return False
+                r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+                r.header_work = dist.irecv(r.header, peer, tag=_tag(action.unit, _HDR))
+            if self.vertical_sync:
+                r.version = torch.empty(1, dtype=torch.int64, device=self.device)
+                r.version_work = dist.irecv(r.version, peer, tag=_tag(action.unit, _VER))
+        else:
+            spec = self._sent.get(action.unit)
+            if spec is None:
+                return False
+            self._post_data(r, spec, _GRAD)
+        self._recvs[key] = r
+        return True
+
+    def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
+        r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
+        r.work = dist.irecv(r.buf, r.peer, tag=_tag(r.action.unit, kind))
+
+    def take(self, action: Action) -> tuple[Tensor, int | None]:
+        """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
+        if not self.post(action):
+            raise RuntimeError(f"rank {self.rank} cannot receive {action} before sending its input")
+        r = self._recvs.pop((action.kind, action.unit))
+        peer = f"rank {r.peer} (stage {self.schedule.stage_of_rank(r.peer)})"
+        if r.header is not None:
+            self._wait(r.header_work, action, peer)
+            self._agree_input(_decode(r.header), r.peer)
+            assert self._in_spec is not None
+            self._post_data(r, self._in_spec, _ACT)
+        version = None
+        if r.version is not None:
+            self._wait(r.version_work, action, peer)
+            version = int(r.version.item())
+        self._wait(r.work, action, peer)
+        assert r.buf is not None
+        return r.buf, version
+
+    def _agree_input(self, spec: Spec, peer: int) -> None:
+        if self._in_spec is not None and spec != self._in_spec:
+            raise StageMismatchError(
+                f"stage {self.stage} (rank {self.rank}) expects "
+                f"{self._describe_spec(self._in_spec)} from stage {self.stage - 1} but rank "
+                f"{peer} (stage {self.stage - 1}) sends "
+                f"{self._describe_spec(spec)}; every replica must produce the same shape"
+            )
+        self._in_spec = spec
+        self._in_links.add(peer)
+
+    @staticmethod
+    def _describe_spec(spec: Spec) -> str:
+        return f"{spec[1]} tensors of shape {list(spec[0])}"
+
+    # ---- sends -----------------------------------------------------------
+    def send(self, action: Action, tensor: Tensor, version: int | None = None) -> None:
+        """Post the send for ``action`` (SEND_F or SEND_B); it completes in the background."""
+        peer = self.schedule.peer(self.rank, action)
+        assert peer is not None
+        data = tensor.detach()
+        if not data.is_contiguous():
+            data = data.contiguous()
+        if action.kind is ActionKind.SEND_F:
+            spec: Spec = (tuple(data.shape), data.dtype)
+            if self._out_spec is None:
+                self._out_spec = spec
+            elif spec != self._out_spec:
+                raise StageMismatchError(
+                    f"stage {self.stage} (rank {self.rank}) produced "
+                    f"{self._describe_spec(spec)} for {self._unit_name} {action.unit} but agreed "
+                    f"on {self._describe_spec(self._out_spec)} with stage {self.stage + 1}; "
+                    "every unit must have the same shape"
+                )
+            if peer not in self._out_links:
+                header = _encode(spec, self.device)
+                self._sends.append(
+                    (dist.isend(header, peer, tag=_tag(action.unit, _HDR)), action, peer, header)
+                )
+                self._out_links.add(peer)
+            if self.vertical_sync:
+                assert version is not None
+                v = torch.tensor([version], dtype=torch.int64, device=self.device)
+                self._sends.append(
+                    (dist.isend(v, peer, tag=_tag(action.unit, _VER)), action, peer, v)
+                )
+            self._sent[action.unit] = spec
+            kind = _ACT
+        else:
+            kind = _GRAD
+        work = dist.isend(data, peer, tag=_tag(action.unit, kind))
+        self._sends.append((work, action, peer, data))
+        if len(self._sends) > 16:
+            self._sends = [s for s in self._sends if not s[0].is_completed()]
+
+    def forget(self, unit: int) -> None:
+        """Drop bookkeeping for ``unit`` once its gradient has arrived."""
+        self._sent.pop(unit, None)
+
+    def drain(self) -> None:
+        """Wait for every posted send to complete."""
+        for work, action, peer, _ in self._sends:
+            self._wait(work, action, f"rank {peer} (stage {self.schedule.stage_of_rank(peer)})")
+        self._sends.clear()
+
+    # ---- all-reduce ------------------------------------------------------
+    def allreduce(self, grads: list[Tensor], group: Any, action: Action, scale: float) -> None:
+        """Sum ``grads`` over the replicas of this stage in place, then multiply by ``scale``."""
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+        replicas = self.schedule.replicas[self.stage]
+        first = self.schedule.first_rank(self.stage)
+        self._wait(work, action, f"ranks {first}..{first + replicas - 1} (all-reduce)")
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n

@@ -1,0 +1,271 @@
+"""Start ranks: locally with :func:`launch_local`, or under torchrun with :func:`run_from_env`.
+
+``launch_local`` spawns one process per worker on this machine (spawn
+context, one thread each on CPU, gloo on 127.0.0.1 and a free port) and
+supervises them::
+
+    parent ── checks cfg ── spawn ranks ── wait for results / failures / exits
+                                              │ a rank fails ──▶ grace 1 s for
+                                              │ the others' reports, terminate
+                                              ▼ the rest, raise with tracebacks
+                                            RunResult (from rank 0)
+
+No process outlives the call: children are terminated on any failure, on the
+optional overall deadline, and exit by themselves if the parent dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dreampipe.errors import DreampipeError
+from dreampipe.runtime.checks import check_config, check_stage_outputs
+from dreampipe.runtime.config import RunConfig, RunResult, resolve_model
+from dreampipe.runtime.engine import RankReport, RankRunner, barrier
+from dreampipe.runtime.results import assemble
+
+__all__ = ["WorkerError", "launch_local", "run_from_env", "run_rank"]
+
+_log = logging.getLogger(__name__)
+_GRACE_S = 1.0
+_MIN_SETUP_S = 60.0
+
+
+class WorkerError(DreampipeError, RuntimeError):
+    """A worker process failed with an error that is not a DreampipeError, or ran too long."""
+
+
+def run_rank(cfg: RunConfig, rank: int, world: int, device: torch.device) -> RunResult | None:
+    """Train as ``rank`` of an initialised process group; the result on rank 0."""
+    from dreampipe.schedule import build_schedule
+
+    spec = resolve_model(cfg)
+    check_config(cfg, spec, world)
+    schedule = build_schedule(
+        [st.replicas for st in cfg.plan.stages], cfg.schedule, cfg.num_units,
+        cfg.units_per_update,
+    )
+    groups = {
+        s: dist.new_group(list(st.ranks))
+        for s, st in enumerate(cfg.plan.stages)
+        if st.replicas > 1
+    }
+    runner = RankRunner(cfg, spec, schedule, rank, device, groups)
+    barrier(max(cfg.timeout_s, _MIN_SETUP_S))
+    report = runner.run(time.perf_counter())
+    if report.replica == 0:
+        report.state = runner.final_state()
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0)
+    if rank != 0:
+        return None
+    assert gathered is not None
+    reports: list[RankReport] = [r for r in gathered if isinstance(r, RankReport)]
+    return assemble(cfg, spec, reports, runner.data)
+
+
+def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> RunResult | None:
+    spec = resolve_model(cfg)
+    check_config(cfg, spec, world)
+    check_stage_outputs(cfg, spec)
+    backend = cfg.backend_name
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, rank=rank, world_size=world,
+        timeout=timedelta(seconds=max(cfg.timeout_s, _MIN_SETUP_S)),
+    )
+    result = run_rank(cfg, rank, world, device)
+    dist.destroy_process_group()
+    return result
+
+
+def run_from_env(cfg: RunConfig) -> RunResult | None:
+    """Train under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT); result on rank 0."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except KeyError as exc:
+        raise WorkerError(
+            f"{exc.args[0]} is not set: run under torchrun, or use launch_local on one machine"
+        ) from None
+    return _init_and_run(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+# ---- local launch ----------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _watch_parent(parent: int) -> None:
+    def loop() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
+    """Plain pickle: tensors travel by value, not as shared memory the exiting child owns."""
+    conn.send_bytes(pickle.dumps(msg))
+
+
+def _child(cfg: RunConfig, rank: int, world: int, port: int, conn: Connection, parent: int) -> None:
+    _watch_parent(parent)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+    )
+    if not torch.cuda.is_available():
+        torch.set_num_threads(1)
+    code = 0
+    try:
+        _send(conn, ("ok", rank, _init_and_run(cfg, rank, world, rank)))
+    except BaseException as exc:
+        code = 1
+        kind = type(exc) if isinstance(exc, DreampipeError) else None
+        _send(conn, ("err", rank, kind, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def launch_local(
+    cfg: RunConfig, workers: int | None = None, *, deadline_s: float | None = None
+) -> RunResult:
+    """Train with ``workers`` (default: the plan's) processes on this machine.
+
+    ``deadline_s`` bounds the whole run; None leaves only the per-wait
+    ``cfg.timeout_s``. A failing rank's error is raised here, as its own
+    DreampipeError class when it is one, with every failed rank's traceback.
+    """
+    world = cfg.workers if workers is None else workers
+    spec = resolve_model(cfg)
+    check_config(cfg, spec, world)
+    check_stage_outputs(cfg, spec)
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs, conns = [], []
+    try:
+        for rank in range(world):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child, args=(cfg, rank, world, port, send, os.getpid()),
+                name=f"dreampipe-rank{rank}", daemon=True,
+            )
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        return _supervise(cfg, procs, conns, deadline_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
+
+
+def _supervise(
+    cfg: RunConfig, procs: list[Any], conns: list[Connection], deadline_s: float | None
+) -> RunResult:
+    start = time.monotonic()
+    deadline = None if deadline_s is None else start + deadline_s
+    results: dict[int, Any] = {}
+    failures: dict[int, tuple[Any, str, str]] = {}
+    open_conns = dict(enumerate(conns))
+    grace_until: float | None = None
+    while open_conns:
+        now = time.monotonic()
+        limits = [t for t in (deadline, grace_until) if t is not None]
+        if limits and now >= min(limits):
+            break
+        timeout = min(limits) - now if limits else None
+        ready = wait(list(open_conns.values()), timeout)
+        for obj in ready:
+            rank = next(r for r, c in open_conns.items() if c is obj)
+            conn = open_conns[rank]
+            del open_conns[rank]
+            try:
+                msg: tuple[Any, ...] = pickle.loads(conn.recv_bytes())
+            except EOFError:
+                procs[rank].join(1.0)
+                failures[rank] = (
+                    None, f"exited with code {procs[rank].exitcode} without a result", ""
+                )
+            else:
+                if msg[0] == "ok":
+                    results[rank] = msg[2]
+                else:
+                    failures[rank] = (msg[2], msg[3], msg[4])
+            if rank in failures and grace_until is None:
+                grace_until = time.monotonic() + _GRACE_S
+    for p in procs:
+        if p.is_alive() and (failures or open_conns):
+            p.terminate()
+    for p in procs:
+        p.join(5.0)
+    if failures:
+        raise _failure(cfg, procs, failures)
+    if open_conns:
+        raise WorkerError(
+            f"the run passed its deadline of {deadline_s:g} s; ranks {sorted(open_conns)} "
+            "were still running and have been terminated"
+        )
+    result = results.get(0)
+    if not isinstance(result, RunResult):
+        raise WorkerError("rank 0 finished without a result")
+    return result
+
+
+def _failure(
+    cfg: RunConfig, procs: list[Any], failures: dict[int, tuple[Any, str, str]]
+) -> Exception:
+    def stage(rank: int) -> str:
+        try:
+            return f"stage {cfg.plan.stage_of_rank(rank)}"
+        except DreampipeError:
+            return "no stage"
+
+    order = sorted(failures, key=lambda r: (failures[r][0] is None, r))
+    first = order[0]
+    kind, message, _ = failures[first]
+    codes = {rank: p.exitcode for rank, p in enumerate(procs)}
+    lines = [f"rank {first} ({stage(first)}) failed: {message}"]
+    lines += [f"rank {r} ({stage(r)}) also failed: {failures[r][1]}" for r in order[1:]]
+    lines.append(f"exit codes by rank: {codes}")
+    for r in order:
+        if failures[r][2]:
+            lines.append(f"--- traceback of rank {r} ---\n{failures[r][2].rstrip()}")
+    text = "\n".join(lines)
+    if isinstance(kind, type) and issubclass(kind, DreampipeError):
+        try:
+            return kind(text)
+        except TypeError:
+            pass
+    return WorkerError(text)

@@ -1,0 +1,258 @@
+"""One rank's share of the model: its layers, live weights and stashed versions.
+
+**Weight stashing** (PipeDream, DESIGN §5). The forward of unit ``u`` runs
+functionally (``torch.func.functional_call``) on a *version* of the weights,
+so the autograd graph holds that version; ``u``'s backward differentiates the
+same graph, and the gradient goes to the live parameters, which a real
+``torch.optim`` optimizer updates. Versions are copy-on-write::
+
+    live weights  w3 ──F5──F6──STEP──▶ w4 ──F7──STEP──▶ w5
+    version 3     shares w3's storage (no copy) while nothing changed it;
+                  at STEP, if a backward (B5, B6) still needs it, the live
+                  parameters move to a fresh copy and version 3 keeps the old
+                  storage; freed when its last backward is done.
+
+So a stage copies its weights at most once per update, and only when an
+unfinished unit needs the old values; stage ``s`` of a straight ``n``-stage
+pipeline holds at most ``n - s`` versions (one per unit in flight).
+
+**Vertical sync.** Unit ``u`` names the version the input stage used; every
+stage runs ``u`` with that version number of its own weights. A stage keeps
+every version from the one named by the newest unit it received onwards
+(versions never decrease along the units), plus those held by unfinished
+units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
+updates ahead of the input stage).
+
+**No stashing** (``stash=False``) is PipeDream's *naive pipelining*, kept to
+show why stashing matters: the forward runs on the live weights without
+keeping a graph; the backward recomputes the forward from the stashed input
+with the live weights *as they are then*, i.e. after the updates made while
+the unit was in flight, so forward and backward see different weights.
+(BatchNorm statistics are updated by both passes.)
+
+Buffers (BatchNorm running statistics) are not versioned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dreampipe.errors import PlanError, ScheduleError
+
+__all__ = ["StageModule"]
+
+_log = logging.getLogger(__name__)
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass
+class _Version:
+    number: int
+    tensors: dict[str, Tensor]
+    live: bool
+    refs: int = 0
+
+
+@dataclass
+class _InFlight:
+    input: Tensor
+    output: Tensor | None
+    version: _Version | None
+    target: Tensor | None
+    scale: float
+
+
+class StageModule:
+    """Layers ``module`` of pipeline stage ``stage`` with its optimizer and versions.
+
+    ``input_grad``: whether the stage sends a gradient back (stages after the
+    first). The last stage's ``forward`` gets the target and returns the loss.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        *,
+        stage: int,
+        input_grad: bool,
+        stash: bool = True,
+        vertical_sync: bool = False,
+        loss_fn: LossFn | None = None,
+    ) -> None:
+        self.module = module
+        self.stage = stage
+        self.input_grad = input_grad
+        self.stash = stash
+        self.vertical_sync = vertical_sync
+        self.loss_fn = loss_fn
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]
+        self.optimizer = optimizer(self._params)
+        self._grads: list[Tensor | None] = [None] * len(self._params)
+        self._versions: dict[int, _Version] = {}
+        self._inflight: dict[int, _InFlight] = {}
+        self._floor: int | None = None
+        self.version = 0
+        self.peak_versions = 0
+
+    # ---- versions --------------------------------------------------------
+    @property
+    def versions_held(self) -> int:
+        """Stored weight versions, the live one included when a unit uses it."""
+        return len(self._versions)
+
+    def note_version(self, number: int) -> None:
+        """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
+        self._floor = number
+        for v in [v for v in self._versions.values() if v.number < number and v.refs == 0]:
+            self._drop(v)
+
+    def _needed_later(self, number: int) -> bool:
+        return self._floor is not None and number >= self._floor
+
+    def _live_version(self) -> _Version:
+        pairs = zip(self._names, self._params, strict=True)
+        tensors = {n: p.data.requires_grad_(True) for n, p in pairs}
+        v = _Version(self.version, tensors, live=True)
+        self._versions[self.version] = v
+        self.peak_versions = max(self.peak_versions, len(self._versions))
+        return v
+
+    def _acquire(self, number: int | None) -> _Version:
+        number = self.version if number is None else number
+        v = self._versions.get(number)
+        if v is None:
+            if number != self.version:
+                raise ScheduleError(
+                    f"stage {self.stage} has no weight version {number} (it is at version "
+                    f"{self.version}, holds {sorted(self._versions)}); vertical sync needs a "
+                    "schedule in which later stages are never behind the input stage"
+                )
+            v = self._live_version()
+        v.refs += 1
+        return v
+
+    def _release(self, v: _Version) -> None:
+        v.refs -= 1
+        if v.refs == 0 and not v.live and not self._needed_later(v.number):
+            self._drop(v)
+
+    def _drop(self, v: _Version) -> None:
+        if v.live:
+            return
+        del self._versions[v.number]
+
+    # ---- compute ---------------------------------------------------------
+    def forward(
+        self,
+        unit: int,
+        x: Tensor,
+        *,
+        version: int | None = None,
+        target: Tensor | None = None,
+        scale: float = 1.0,
+    ) -> Tensor:
+        """Run unit ``unit``; returns the output (or, with ``target``, the unscaled loss).
+
+        ``version`` (vertical sync) picks a stored version; None uses the newest.
+        ``scale`` multiplies the loss before the backward (microbatch share).
+        """
+        if self.input_grad and x.is_floating_point():
+            x.requires_grad_(True)
+        if self.stash:
+            v = self._acquire(version)
+            out, report = self._compute(v.tensors, x, target, scale)
+            self._inflight[unit] = _InFlight(x, out, v, target, scale)
+            return report
+        with torch.no_grad():
+            _, report = self._compute(None, x, target, scale)
+        self._inflight[unit] = _InFlight(x, None, None, target, scale)
+        return report
+
+    def _compute(
+        self, tensors: dict[str, Tensor] | None, x: Tensor, target: Tensor | None, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """(tensor to differentiate, what forward reports: output or unscaled loss)."""
+        out = self.module(x) if tensors is None else functional_call(self.module, tensors, (x,))
+        if not isinstance(out, Tensor):
+            raise PlanError(
+                f"stage {self.stage} returned a {type(out).__name__}, not a tensor; dreampipe "
+                "passes one tensor between stages: cut the model after a layer returning a tensor"
+            )
+        if target is None:
+            return out, out
+        if self.loss_fn is None:
+            raise PlanError(f"stage {self.stage} got a target but has no loss function")
+        loss = self.loss_fn(out, target)
+        return (loss * scale if scale != 1.0 else loss), loss.detach()
+
+    def backward(self, unit: int, grad: Tensor | None = None) -> Tensor | None:
+        """Backward of ``unit``: accumulate weight gradients, return the input's gradient.
+
+        ``grad`` is the gradient of the stage output (None on the last stage,
+        whose output is the loss).
+        """
+        st = self._inflight.pop(unit)
+        if st.version is None:
+            v = self._acquire(None)
+            out, _ = self._compute(v.tensors, st.input, st.target, st.scale)
+        else:
+            assert st.output is not None
+            v, out = st.version, st.output
+        want_input = self.input_grad and st.input.requires_grad
+        inputs = ([st.input] if want_input else []) + list(v.tensors.values())
+        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        self._release(v)
+        weight_grads = grads[1:] if want_input else grads
+        for i, g in enumerate(weight_grads):
+            if g is None:
+                continue
+            acc = self._grads[i]
+            if acc is None:
+                self._grads[i] = g
+            else:
+                acc.add_(g)
+        return grads[0] if want_input else None
+
+    # ---- update ----------------------------------------------------------
+    def gradients(self) -> list[Tensor]:
+        """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
+        out = []
+        for i, p in enumerate(self._params):
+            g = self._grads[i]
+            if g is None:
+                g = torch.zeros_like(p)
+                self._grads[i] = g
+            out.append(g)
+        return out
+
+    def step(self) -> None:
+        """Apply the accumulated gradient to the live weights (copy-on-write, see above)."""
+        cur = self._versions.get(self.version)
+        if cur is None and self._needed_later(self.version):
+            cur = self._live_version()
+        if cur is not None and cur.live:
+            if cur.refs > 0 or self._needed_later(cur.number):
+                for p in self._params:
+                    p.data = p.data.clone()
+                cur.live = False
+            else:
+                del self._versions[cur.number]
+        for p, g in zip(self._params, self._grads, strict=True):
+            p.grad = g
+        self.optimizer.step()
+        for p in self._params:
+            p.grad = None
+        self._grads = [None] * len(self._params)
+        self.version += 1
+        _log.debug("stage %d at version %d holds %s", self.stage, self.version,
+                   sorted(self._versions))
