@@ -1,0 +1,130 @@
+"""The planner's cost model: small named terms, each vectorised with NumPy.
+
+Every term is per minibatch and in seconds or bytes. Compute, the all-reduce
+of a replicated stage and the transfers across a cut run on different
+engines and overlap, so a stage's steady-state time is the *max* of its
+terms, never their sum (PipeDream, §3.1)::
+
+    stage i..j on m replicas:   T = max(compute, allreduce) / m
+    cut before layer k:         2 * a_k / B        (activations out, gradients back)
+    pipeline:                   A = max over stages and cuts
+
+Memory per worker follows DESIGN §5: a stage keeps one weight version and one
+minibatch of stashed activations per minibatch it has in flight, plus one
+gradient buffer::
+
+    versions = ceil(workers from this stage to the end / replicas of this stage)
+    memory   = versions * (weights + activations) + weights
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "GPIPE_MICROBATCHES_PER_STAGE",
+    "FloatArray",
+    "allreduce_time",
+    "cut_time",
+    "gpipe_time",
+    "max_versions",
+    "replicated_stage_time",
+    "stage_memory",
+    "versions_in_flight",
+]
+
+FloatArray = npt.NDArray[np.float64]
+
+#: GPipe's own guidance (Huang et al., 2019): the bubble is negligible with at
+#: least four microbatches per stage, so the GPipe baseline uses ``4 * stages``.
+GPIPE_MICROBATCHES_PER_STAGE = 4
+
+
+def allreduce_time(weight_bytes: FloatArray | float, replicas: int, bandwidth: float) -> FloatArray:
+    """Time for ``replicas`` workers to synchronise a stage's weights: ``2(m-1)|w|/B``.
+
+    The paper's term (DESIGN §3): ring all-reduce moves ``2(m-1)/m |w|`` per
+    worker, once for each of the ``m`` minibatches the replicas run in
+    parallel. It overlaps the backward pass, hence the max in
+    :func:`replicated_stage_time`.
+    """
+    return np.asarray(2.0 * (replicas - 1) * np.asarray(weight_bytes, dtype=np.float64) / bandwidth)
+
+
+def replicated_stage_time(
+    inner_s: FloatArray | float, weight_bytes: FloatArray | float, replicas: int, bandwidth: float
+) -> FloatArray:
+    """``T = max(inner, allreduce) / m``: one stage replicated ``m`` ways.
+
+    ``inner_s`` is the stage's time on one unit (the sum of its layers'
+    forward+backward times, or one level down the hierarchy the best
+    pipeline inside a server). Compute and all-reduce overlap, hence max;
+    ``m`` replicas take minibatches round-robin, hence the division.
+    """
+    inner = np.asarray(inner_s, dtype=np.float64)
+    sync = allreduce_time(weight_bytes, replicas, bandwidth)
+    return np.asarray(np.maximum(inner, sync) / replicas)
+
+
+def cut_time(activation_bytes: FloatArray | float, bandwidth: float) -> FloatArray:
+    """``2a/B``: activations forward and their gradients back across a cut.
+
+    Transfers overlap compute on both sides, so the cut is one more term in
+    the pipeline's max, not an addition to a stage.
+    """
+    return np.asarray(2.0 * np.asarray(activation_bytes, dtype=np.float64) / bandwidth)
+
+
+def versions_in_flight(workers_to_end: int, replicas: int) -> int:
+    """Minibatches (and weight versions) a stage holds: ``ceil(F / r)``.
+
+    PipeDream's 1F1B admits ``NOAM = ceil(workers / replicas_of_input)``
+    minibatches; the same count from a stage's own position gives ``n - s``
+    for stage ``s`` of a straight ``n``-stage pipeline (DESIGN §5).
+    """
+    return -(-workers_to_end // replicas)
+
+
+def stage_memory(
+    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int
+) -> FloatArray:
+    """Bytes per worker: ``versions * (weights + activations) + weights``.
+
+    Weight stashing keeps one weight version and one minibatch of stashed
+    activations per minibatch in flight; the extra ``weights`` is the
+    gradient buffer.
+    """
+    w = np.asarray(weight_bytes, dtype=np.float64)
+    a = np.asarray(activation_bytes, dtype=np.float64)
+    return np.asarray(versions * (w + a) + w)
+
+
+def max_versions(
+    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float
+) -> FloatArray:
+    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`).
+
+    0 or less means the stage does not fit at all; a stage of neither
+    weights nor activations can hold any number (``inf``).
+    """
+    w = np.asarray(weight_bytes, dtype=np.float64)
+    per = w + np.asarray(activation_bytes, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.floor((memory_bytes - w) / per)
+    return np.asarray(np.where(per > 0, k, np.inf))
+
+
+def gpipe_time(slowest_stage_s: float, num_stages: int, microbatches: int | None = None) -> float:
+    """GPipe's time per minibatch: ``(M + p - 1) / M`` times the slowest stage.
+
+    A minibatch split into ``M`` microbatches fills and drains a ``p``-stage
+    pipeline once per update (the bubble), then flushes::
+
+        stage 0 |F1 F2 F3 F4|         |B4 B3 B2 B1|
+        stage 1 |   F1 F2 F3 F4|   |B4 B3 B2 B1|
+
+    ``M`` defaults to ``GPIPE_MICROBATCHES_PER_STAGE * p``.
+    """
+    m = microbatches if microbatches is not None else GPIPE_MICROBATCHES_PER_STAGE * num_stages
+    return (m + num_stages - 1) / m * slowest_stage_s

@@ -1,0 +1,345 @@
+"""The planner: cost terms, exactness against brute force, options, errors, real profiles."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dreampipe.costs import (
+    allreduce_time,
+    cut_time,
+    gpipe_time,
+    max_versions,
+    replicated_stage_time,
+    stage_memory,
+    versions_in_flight,
+)
+from dreampipe.errors import DreampipeError, PlanError
+from dreampipe.graph import Layer, LayerGraph, load_graph
+from dreampipe.planner import evaluate, plan
+from dreampipe.topology import Level, Topology
+
+PROFILES = Path("/work/shared/profiles/pipedream")
+
+
+# ---- cost terms -------------------------------------------------------------
+def test_allreduce_is_zero_for_one_replica_and_linear_in_weights() -> None:
+    assert float(allreduce_time(1e9, 1, 1e9)) == 0.0
+    assert float(allreduce_time(1e9, 4, 1e9)) == pytest.approx(6.0)
+    assert float(allreduce_time(2e9, 4, 1e9)) == pytest.approx(12.0)
+
+
+def test_replicated_stage_time_is_max_over_replicas() -> None:
+    # compute-bound: 8 s of compute over 4 replicas; the all-reduce (6 s) hides under it
+    assert float(replicated_stage_time(8.0, 1e9, 4, 1e9)) == pytest.approx(2.0)
+    # communication-bound: all-reduce 6 s dominates 1 s of compute
+    assert float(replicated_stage_time(1.0, 1e9, 4, 1e9)) == pytest.approx(1.5)
+
+
+def test_cut_time_counts_both_directions() -> None:
+    assert float(cut_time(5e8, 1e9)) == pytest.approx(1.0)
+
+
+def test_versions_follow_design_section_5() -> None:
+    n = 5  # straight pipeline: stage s keeps n - s versions
+    assert [versions_in_flight(n - s, 1) for s in range(n)] == [5, 4, 3, 2, 1]
+    assert versions_in_flight(16, 15) == 2  # NOAM of a 15-1 input stage
+    assert versions_in_flight(16, 16) == 1
+
+
+def test_memory_and_max_versions_are_inverse() -> None:
+    w, a = 3e8, 1e9
+    for v in range(1, 6):
+        mem = float(stage_memory(w, a, v))
+        assert mem == pytest.approx(v * (w + a) + w)
+        assert float(max_versions(w, a, mem)) == v
+        assert float(max_versions(w, a, mem - 1)) == v - 1
+    assert math.isinf(float(max_versions(0.0, 0.0, 1.0)))
+
+
+def test_gpipe_bubble() -> None:
+    assert gpipe_time(1.0, 1) == pytest.approx(1.0)
+    assert gpipe_time(1.0, 4, microbatches=4) == pytest.approx(7 / 4)
+    assert gpipe_time(1.0, 4) == pytest.approx(19 / 16)
+
+
+# ---- brute force: the same hierarchical cost model, written the plain way -----
+def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to give ``parts`` stages at least one unit each, ``total`` in all."""
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        edges = (0, *cuts, total)
+        yield tuple(b - a for a, b in itertools.pairwise(edges))
+
+
+def _partitions(i: int, j: int) -> Iterator[list[tuple[int, int]]]:
+    """Every split of layers i..j into consecutive non-empty ranges."""
+    inner = list(range(i + 1, j + 1))
+    for k in range(len(inner) + 1):
+        for starts in itertools.combinations(inner, k):
+            edges = [i, *starts, j + 1]
+            yield [(a, b - 1) for a, b in itertools.pairwise(edges)]
+
+
+def _brute(graph: LayerGraph, levels: Sequence[Level], fewer: bool, straight: bool) -> float:
+    t = [x.compute_ms / 1e3 for x in graph.layers]
+    w = [x.parameter_bytes for x in graph.layers]
+    n = len(t)
+    cut = [sum(graph.layers[a].activation_bytes for a in {a for a, b in graph.edges if a < k <= b})
+           for k in range(n + 1)]
+
+    def best(k: int, i: int, j: int, m: int) -> float:
+        bw = levels[k].bandwidth
+        out = math.inf
+        budgets = range(1, m + 1) if fewer else [m]
+        for part in _partitions(i, j):
+            for budget in budgets:
+                if straight and budget != len(part):
+                    continue
+                for reps in _compositions(budget, len(part)):
+                    worst = 0.0
+                    for (a, b), r in zip(part, reps, strict=True):
+                        inner = sum(t[a:b + 1]) if k == 0 else best(k - 1, a, b,
+                                                                    levels[k - 1].count)
+                        worst = max(worst, max(inner, 2 * (r - 1) * sum(w[a:b + 1]) / bw) / r)
+                        if b < j:
+                            worst = max(worst, 2 * cut[b + 1] / bw)
+                    out = min(out, worst)
+        return out
+
+    return best(len(levels) - 1, 0, n - 1, levels[-1].count)
+
+
+@st.composite
+def _chains(draw: st.DrawFn, max_layers: int = 6) -> LayerGraph:
+    n = draw(st.integers(1, max_layers))
+    layers = [
+        Layer(
+            f"l{i}",
+            draw(st.floats(0.1, 20.0)),
+            draw(st.floats(0.1, 40.0)),
+            draw(st.integers(0, 10**8)),
+            draw(st.sampled_from([0, 10**5, 10**7, 10**8, 10**9])),
+        )
+        for i in range(n)
+    ]
+    return LayerGraph.chain(layers, model="random")
+
+
+_BW = st.sampled_from([1e8, 1e9, 1e10])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_chains(), st.integers(1, 4), _BW, st.booleans(), st.booleans())
+def test_one_level_dp_equals_brute_force(
+    graph: LayerGraph, workers: int, bw: float, fewer: bool, straight: bool
+) -> None:
+    topo = Topology((Level(workers, bw),))
+    expect = _brute(graph, topo.levels, fewer, straight)
+    if math.isinf(expect):
+        with pytest.raises(PlanError, match="allow fewer workers"):
+            plan(graph, topo, allow_fewer_workers=fewer, straight=straight)
+        return
+    got = plan(graph, topo, allow_fewer_workers=fewer, straight=straight)
+    assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
+    assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
+    assert got.workers_used <= workers
+    if not fewer:
+        assert got.workers_used == workers
+    if straight:
+        assert all(s.replicas == 1 for s in got.stages)
+    again = evaluate(graph, topo, [s.first for s in got.stages], [s.replicas for s in got.stages])
+    assert again.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_chains(5), st.integers(1, 3), st.integers(1, 2), _BW, _BW, st.booleans())
+def test_two_level_dp_equals_brute_force(
+    graph: LayerGraph, inner: int, outer: int, bw_in: float, bw_out: float, fewer: bool
+) -> None:
+    topo = Topology((Level(inner, bw_in), Level(outer, bw_out)))
+    expect = _brute(graph, topo.levels, fewer, False)
+    got = plan(graph, topo, allow_fewer_workers=fewer, also_flat=False)
+    assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
+    assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
+    flat = _brute(graph, topo.flat().levels, fewer, False)
+    both = plan(graph, topo, allow_fewer_workers=fewer)
+    assert both.time_per_minibatch_s == pytest.approx(min(expect, flat), rel=1e-9)
+
+
+def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
+    for part in _partitions(0, n - 1):
+        for budget in range(len(part), workers + 1):
+            for reps in _compositions(budget, len(part)):
+                yield [(a, b, r) for (a, b), r in zip(part, reps, strict=True)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(_chains(5), st.integers(1, 4), _BW, st.floats(0.05, 1.0), st.integers(1, 5))
+def test_memory_and_max_stages_equal_brute_force(
+    graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int
+) -> None:
+    n = len(graph)
+    max_stages = min(max_stages, n)
+    total = graph.total_parameter_bytes() + sum(x.activation_bytes for x in graph.layers)
+    memory = max(1, int(frac * 2 * total))
+    topo = Topology((Level(workers, bw),))
+    best = math.inf
+    for stages in _flat_plans(n, workers):
+        if len(stages) > max_stages:
+            continue
+        cand = evaluate(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages])
+        if all(s.memory_bytes <= memory for s in cand.stages):
+            best = min(best, cand.time_per_minibatch_s)
+    if math.isinf(best):
+        with pytest.raises(PlanError, match="smallest needs about"):
+            plan(graph, topo, memory_bytes=memory, max_stages=max_stages)
+        return
+    got = plan(graph, topo, memory_bytes=memory, max_stages=max_stages)
+    assert got.time_per_minibatch_s == pytest.approx(best, rel=1e-9)
+    assert got.num_stages <= max_stages
+    assert all(s.memory_bytes <= memory for s in got.stages)
+
+
+@settings(max_examples=15, deadline=None)
+@given(_chains(6), st.integers(1, 3))
+def test_two_level_plans_fit_their_memory(graph: LayerGraph, max_stages: int) -> None:
+    topo = Topology((Level(2, 1e10), Level(2, 1e9)))
+    per_layer = max(2 * x.parameter_bytes + x.activation_bytes for x in graph.layers)
+    memory = 3 * per_layer + 1
+    try:
+        got = plan(graph, topo, memory_bytes=memory, max_stages=min(max_stages, len(graph)))
+    except PlanError as exc:
+        assert "smallest needs" in str(exc)
+        return
+    assert all(s.memory_bytes <= memory for s in got.stages)
+    assert got.num_stages <= max_stages
+
+
+def _dag() -> LayerGraph:
+    acts = [10, 1, 1, 5, 1]  # MB; a chain would cut after layer 1 or 2
+    layers = [Layer(f"n{i}", 1.0 + i, 2.0, 10**6 * a, 10**6) for i, a in enumerate(acts)]
+    edges = ((0, 1), (1, 2), (0, 3), (2, 3), (3, 4))  # layer 0's output skips to layer 3
+    return LayerGraph(tuple(layers), edges, model="dag")
+
+
+def test_dag_cuts_include_skip_connections() -> None:
+    graph = _dag()
+    slow = Topology((Level(2, 1e6),))  # communication dominates: the cheapest cut wins
+    got = plan(graph, slow, straight=True, allow_fewer_workers=False)
+    expect = _brute(graph, slow.levels, False, True)
+    assert got.time_per_minibatch_s == pytest.approx(expect)
+    # the cut before layer 3 carries layers 0 and 2 (10 MB + 1 MB), not only layer 2
+    cut = evaluate(graph, slow, [0, 3], [1, 1]).stages[0].comm_s
+    assert cut == pytest.approx(2 * 11e6 / 1e6)
+    assert got.stages[0].last == 3  # the cut before layer 4 carries only 5 MB
+
+
+# ---- options and errors ------------------------------------------------------
+def _toy(n: int = 6) -> LayerGraph:
+    layers = [Layer(f"l{i}", 5.0, 10.0, 10**6, 10**6) for i in range(n)]
+    return LayerGraph.chain(layers, batch_size=32, model="toy")
+
+
+def test_plan_fields() -> None:
+    got = plan(_toy(), Topology.parse("2x2"))
+    assert got.model == "toy" and got.batch_size == 32 and got.num_layers == 6
+    assert got.layer_names == tuple(f"l{i}" for i in range(6))
+    assert "2x2" in got.topology
+    assert set(got.baselines_s) == {"dp", "straight", "gpipe"}
+    assert got.speedup_over("dp") >= 1.0 - 1e-12
+    assert got.speedup_over("straight") >= 1.0 - 1e-12
+    assert [r for s in got.stages for r in s.ranks] == list(range(got.workers_used))
+
+
+def test_fewer_workers_when_more_would_be_slower() -> None:
+    # one heavy-weight layer on a slow link: replicating only adds all-reduce time
+    graph = LayerGraph.chain([Layer("fc", 1.0, 1.0, 10, 10**9)])
+    topo = Topology((Level(8, 1e9),))
+    assert plan(graph, topo).workers_used == 1
+    forced = plan(graph, topo, allow_fewer_workers=False)
+    assert forced.workers_used == 8
+    assert forced.time_per_minibatch_s > plan(graph, topo).time_per_minibatch_s
+
+
+def test_errors_name_the_value_and_fix() -> None:
+    graph, topo = _toy(3), Topology.parse("4")
+    with pytest.raises(PlanError, match=r"max_stages=4 .* 3 layers"):
+        plan(graph, topo, max_stages=4)
+    with pytest.raises(PlanError, match="max_stages=0"):
+        plan(graph, topo, max_stages=0)
+    with pytest.raises(PlanError, match="allow fewer workers"):
+        plan(graph, topo, straight=True, allow_fewer_workers=False)
+    with pytest.raises(PlanError, match=r"no plan fits in 1 B .* smallest needs about 5\.0 MB"):
+        plan(graph, topo, memory_bytes=1)
+    with pytest.raises(PlanError, match="4 stages forced on 3 layers"):
+        evaluate(graph, topo, [0, 1, 2, 3], [1, 1, 1, 1])
+    with pytest.raises(PlanError, match="needs 5 workers but the topology has 4"):
+        evaluate(graph, topo, [0, 1], [4, 1])
+    with pytest.raises(PlanError, match="must start at 0"):
+        evaluate(graph, topo, [0, 2, 1], [1, 1, 1])
+    with pytest.raises(DreampipeError, match="at least 1 unit"):
+        Topology((Level(0, 1e9),))
+
+
+def test_least_memory_is_tight() -> None:
+    graph, topo = _toy(3), Topology.parse("4")
+    with pytest.raises(PlanError) as info:
+        plan(graph, topo, memory_bytes=10**6)
+    need = float(str(info.value).split("about ")[1].split(" MB")[0]) * 1e6
+    plan(graph, topo, memory_bytes=int(need * 1.02))
+    with pytest.raises(PlanError):
+        plan(graph, topo, memory_bytes=int(need * 0.97))
+
+
+def test_evaluate_uses_slowest_link() -> None:
+    graph = _toy(4)
+    topo = Topology((Level(2, 1e10), Level(2, 1e8)))
+    inside = evaluate(graph, topo, [0, 2], [1, 1]).stages[0]
+    across = evaluate(graph, topo, [0, 2], [2, 1]).stages[0]
+    assert inside.comm_s == pytest.approx(2 * 1e6 / 1e10)
+    assert across.comm_s == pytest.approx(2 * 1e6 / 1e8)
+    assert across.allreduce_s == pytest.approx(2 * 1 * 2e6 / 1e10)
+
+
+def test_planner_is_numpy_not_torch() -> None:
+    import dreampipe.planner as mod
+
+    assert "torch" not in Path(mod.__file__).read_text()
+    assert isinstance(np.asarray(allreduce_time(1.0, 2, 1.0)), np.ndarray)
+
+
+# ---- the shared PipeDream profiles ------------------------------------------
+PINNED = {
+    ("vgg16", "cluster-a"): ("12-1-1", 5.0),
+    ("vgg16", "cluster-b"): ("15-1", 2.5),
+    ("alexnet", "cluster-a"): ("15-1", 3.0),
+    ("alexnet", "cluster-b"): ("15-1", 1.5),
+    ("resnet18", "cluster-a"): ("15-1", 1.1),
+    ("resnet18", "cluster-b"): ("16", 1.0),
+    ("gnmt", "cluster-a"): ("1-1-2-1-1-2-1-2-1", 20.0),
+    ("gnmt", "cluster-b"): ("2-4-2-3-5", 20.0),
+}
+
+
+@pytest.mark.parametrize(("model", "cluster"), sorted(PINNED))
+def test_pinned_plans_on_pipedream_profiles(model: str, cluster: str) -> None:
+    config, min_speedup = PINNED[model, cluster]
+    graph = load_graph(PROFILES / f"{model}.txt")
+    got = plan(graph, Topology.parse(cluster))
+    assert got.config == config
+    assert got.speedup_over("dp") >= min_speedup
+    assert got.speedup_over("straight") >= 1.0 - 1e-12
+    assert max(s.time_s for s in got.stages) == pytest.approx(got.time_per_minibatch_s)
+    if model in ("vgg16", "alexnet"):
+        head, tail = got.stages[0], got.stages[-1]
+        assert head.replicas >= 12 and tail.replicas == 1
+        descs = [x.description for x in graph.layers]
+        assert any("Conv2d" in d for d in descs[head.first:head.last + 1])
+        assert any("Linear" in d for d in descs[tail.first:tail.last + 1])
