@@ -1,0 +1,67 @@
+"""How long planning takes: every shared PipeDream profile on cluster-a, cluster-b and 64x8.
+
+PipeDream's own optimizer needs about 19 s for ResNet-50 (~180 layers) on a
+4x4 topology; dreampipe should stay well under a second at that size. Two
+synthetic chains of ResNet-50's size stand in for it (the shared profiles
+stop at 71 layers). Prints a table; times are the best of ``--repeat`` runs.
+
+    python benchmarks/bench_planner.py [--profiles DIR] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from dreampipe.graph import Layer, LayerGraph, load_graph
+from dreampipe.planner import plan
+from dreampipe.topology import Topology
+
+__all__ = ["main", "synthetic_chain"]
+
+TOPOLOGIES = ("cluster-a", "cluster-b", "64x8")
+
+
+def synthetic_chain(n: int, seed: int = 0) -> LayerGraph:
+    """A chain shaped like a CNN: activations shrink, weights grow along the model."""
+    rng = random.Random(seed)
+    layers = []
+    for i in range(n):
+        depth = i / max(1, n - 1)
+        layers.append(Layer(
+            f"layer{i}", rng.uniform(0.5, 4.0), rng.uniform(1.0, 8.0),
+            int(4e8 * (1 - depth) ** 2 * rng.uniform(0.5, 1.5)) + 10**5,
+            int(1e7 * depth ** 2 * rng.uniform(0.0, 2.0)),
+        ))
+    return LayerGraph.chain(layers, batch_size=64, model=f"synth{n}-s{seed}")
+
+
+def _time(graph: LayerGraph, topo: Topology, repeat: int) -> tuple[float, str, float, float]:
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = plan(graph, topo)
+        best = min(best, time.perf_counter() - start)
+    return best, result.config, result.time_per_minibatch_s, result.speedup_over("dp")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--profiles", type=Path, default=Path("/work/shared/profiles/pipedream"))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    graphs = [load_graph(p) for p in sorted(args.profiles.glob("*.txt")) if p.stem != "LICENSE"]
+    graphs += [synthetic_chain(180, seed=1), synthetic_chain(180, seed=2)]
+    print(f"{'model':<12} {'layers':>6} {'topology':<10} {'plan s':>8} {'ms/mb':>8} "
+          f"{'x dp':>7}  config")
+    for graph in graphs:
+        for name in TOPOLOGIES:
+            secs, config, tpm, speedup = _time(graph, Topology.parse(name), args.repeat)
+            print(f"{graph.model:<12} {len(graph):>6} {name:<10} {secs:>8.3f} {tpm * 1e3:>8.1f} "
+                  f"{speedup:>7.2f}  {config}")
+
+
+if __name__ == "__main__":
+    main()
