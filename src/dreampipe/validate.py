@@ -147,7 +147,7 @@ def _needed(earlier: ActionKind, later: ActionKind, stage: int, last: int) -> bo
 def _check_pairs(schedule: Schedule) -> None:
     sends: Counter[tuple[int, int, int]] = Counter()
     recvs: Counter[tuple[int, int, int]] = Counter()
-    where: dict[tuple[int, int, int], tuple[int, int]] = {}
+    where: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
@@ -162,7 +162,7 @@ def _check_pairs(schedule: Schedule) -> None:
             if not 0 <= target <= last:
                 raise _fail(schedule, f"rank {rank} (stage {a.stage}) runs {a}, which talks to "
                             f"stage {target} outside 0..{last}; remove it", [(rank, step)])
-            where.setdefault(key, (rank, step))
+            where.setdefault(key, []).append((rank, step))
             (sends if a.kind is _K.SEND_F or a.kind is _K.SEND_B else recvs)[key] += 1
     for key in sends.keys() | recvs.keys():
         if sends[key] != recvs[key]:
@@ -172,7 +172,7 @@ def _check_pairs(schedule: Schedule) -> None:
             dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
             raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sends[key]} "
                         f"time(s) but rank {dst} receives it {recvs[key]} time(s); every "
-                        f"SEND_{what} needs exactly one RECV_{what} on its peer", [where[key]])
+                        f"SEND_{what} needs exactly one RECV_{what} on its peer", where[key])
 
 
 def _transfer_key(a: Action) -> tuple[int, int, int] | None:

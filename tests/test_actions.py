@@ -1,0 +1,71 @@
+"""Actions and Schedule: text forms, peers, rounds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.errors import ScheduleError
+from dreampipe.schedule import build_schedule
+
+
+@given(st.sampled_from(list(ActionKind)), st.integers(0, 7), st.integers(0, 10**6))
+def test_action_text_parses_back(kind: ActionKind, stage: int, unit: int) -> None:
+    a = Action(kind, stage, unit)
+    assert Action.parse(str(a), stage) == a
+
+
+@pytest.mark.parametrize("text", ["G3", "F", "F-1", "SEND3", "f3", "STEP3x"])
+def test_bad_action_text_is_rejected(text: str) -> None:
+    with pytest.raises(ScheduleError, match="not an action"):
+        Action.parse(text, 0)
+
+
+def test_text_form_examples() -> None:
+    assert str(Action(ActionKind.SEND_B, 1, 3)) == "SEND_B3"
+    assert str(Action(ActionKind.ALLREDUCE, 0, 12)) == "ALLREDUCE12"
+    assert Action.parse("RECV_F7", 2) == Action(ActionKind.RECV_F, 2, 7)
+
+
+@pytest.mark.parametrize("kind", list(ScheduleKind))
+def test_schedule_text_round_trip(kind: ScheduleKind) -> None:
+    replicas = (4,) if kind is ScheduleKind.DP else (2, 1, 3)
+    per = 4 if kind is ScheduleKind.DP else (1 if kind is ScheduleKind.PIPEDREAM else 3)
+    sched = build_schedule(replicas, kind, 12, per)
+    assert Schedule.from_text(sched.to_text()) == sched
+
+
+def test_layout_queries() -> None:
+    sched = Schedule(ScheduleKind.PIPEDREAM, (2, 1, 3), tuple(() for _ in range(6)), 6)
+    assert [sched.stage_of_rank(r) for r in range(6)] == [0, 0, 1, 2, 2, 2]
+    assert [sched.first_rank(s) for s in range(3)] == [0, 2, 3]
+    assert [sched.replica_of_rank(r) for r in range(6)] == [0, 1, 0, 0, 1, 2]
+    assert [sched.rank_of(2, u) for u in range(6)] == [3, 4, 5, 3, 4, 5]
+    assert sched.peer(1, Action(ActionKind.SEND_F, 0, 5)) == 2
+    assert sched.peer(2, Action(ActionKind.SEND_F, 1, 5)) == 5
+    assert sched.peer(5, Action(ActionKind.SEND_B, 2, 5)) == 2
+    assert sched.peer(2, Action(ActionKind.SEND_B, 1, 5)) == 1
+    assert sched.peer(0, Action(ActionKind.FORWARD, 0, 0)) is None
+    with pytest.raises(ScheduleError, match="rank 6"):
+        sched.stage_of_rank(6)
+
+
+def test_allreduce_round() -> None:
+    async_ = Schedule(ScheduleKind.PIPEDREAM, (3, 1), tuple(() for _ in range(4)), 6)
+    rounds = [async_.allreduce_round(Action(ActionKind.ALLREDUCE, 0, u)) for u in range(6)]
+    assert rounds == [0, 0, 0, 1, 1, 1]
+    sync = Schedule(ScheduleKind.FLUSH, (3, 1), tuple(() for _ in range(4)), 6, 3)
+    assert sync.allreduce_round(Action(ActionKind.ALLREDUCE, 0, 1)) == 1
+
+
+def test_schedule_needs_one_list_per_rank() -> None:
+    with pytest.raises(ScheduleError, match="3 action lists for 4 ranks"):
+        Schedule(ScheduleKind.GPIPE, (2, 2), ((), (), ()), 1)
+
+
+@pytest.mark.parametrize("header", ["", "# bogus replicas=1 units=1 per_update=1", "1: F0"])
+def test_from_text_rejects_bad_header(header: str) -> None:
+    with pytest.raises(ScheduleError):
+        Schedule.from_text(header)

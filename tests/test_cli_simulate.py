@@ -1,0 +1,92 @@
+"""dreampipe simulate: plan JSON or profile in, report / JSON / timeline / trace out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dreampipe.cli import main
+from dreampipe.graph import Layer, LayerGraph
+from dreampipe.plan import Plan
+
+VGG = Path("/work/shared/profiles/pipedream/vgg16.txt")
+
+
+def _profile(tmp_path: Path) -> Path:
+    layers = [Layer(f"l{i}", 2.0 + i, 4.0 + i, 10**6, 10**5) for i in range(6)]
+    path = tmp_path / "profile.json"
+    LayerGraph.chain(layers, batch_size=16, model="toy").save(path)
+    return path
+
+
+def _plan(tmp_path: Path, replicas: list[int]) -> Path:
+    bounds = [0, 2, 4][: len(replicas)]
+    path = tmp_path / "plan.json"
+    Plan.from_config(6, bounds, replicas, model="toy", topology="4").save(path)
+    return path
+
+
+def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> dict[str, object]:
+    assert main(argv) == 0
+    data: dict[str, object] = json.loads(capsys.readouterr().out)
+    return data
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b-flush", "gpipe", "dp", "naive"])
+def test_every_schedule_on_a_plan_with_its_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], schedule: str
+) -> None:
+    plan, prof = _plan(tmp_path, [2, 1, 1]), _profile(tmp_path)
+    data = _json(capsys, ["simulate", str(plan), "--profile", str(prof), "--schedule", schedule,
+                          "--minibatches", "6", "--microbatches", "4", "--json"])
+    assert data["schedule"] == schedule
+    assert float(data["throughput_minibatches_per_s"]) > 0  # type: ignore[arg-type]
+    assert 0 <= float(data["bubble_fraction"]) < 1  # type: ignore[arg-type]
+    memory = data["peak_memory_bytes"]
+    assert isinstance(memory, list) and len(memory) == 4 and min(memory) > 0
+    expected_units = {"pipedream": 6, "dp": 8, "naive": 24, "gpipe": 24, "1f1b-flush": 24}
+    assert data["units"] == expected_units[schedule]
+
+
+def test_human_report_lists_every_rank(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", str(_plan(tmp_path, [1, 1, 1])), "--minibatches", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "pipedream, config 1-1-1 on 3 workers" in out
+    assert "bubble" in out and "throughput" in out
+    rows = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]
+    assert len(rows) == 3
+    assert "n/a" in out and "--profile" in out
+
+
+def test_profile_is_planned_then_drawn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png, trace = tmp_path / "vgg.png", tmp_path / "vgg.json"
+    data = _json(capsys, ["simulate", str(VGG), "--topology", "cluster-a", "--timeline", str(png),
+                          "--trace", str(trace), "--json"])
+    assert data["schedule"] == "pipedream" and data["topology"] == "cluster-a"
+    assert png.read_bytes().startswith(b"\x89PNG")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e["ph"] == "X" and e["name"] == "F0" for e in events)
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--schedule", "dp"], "pass --profile"),
+    (["--minibatches", "0"], "--minibatches 0"),
+    (["--topology", "2"], "larger --topology"),
+])
+def test_user_errors_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], match: str
+) -> None:
+    plan = _plan(tmp_path, [2, 1, 1])
+    extra = ["--profile", str(_profile(tmp_path))] if "--topology" in argv else []
+    assert main(["simulate", str(plan), *extra, *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and err.count("\n") == 1
+
+
+def test_missing_file_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", str(tmp_path / "nope.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -1,0 +1,149 @@
+"""build_schedule: the five schedules, their orders, lowering passes and input errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.errors import ScheduleError
+from dreampipe.schedule import (
+    build_schedule,
+    compute_schedule,
+    lower_communication,
+    lower_updates,
+    warmup_forwards,
+)
+
+K = ActionKind
+S = ScheduleKind
+
+
+def _words(text: str) -> list[str]:
+    return text.split()
+
+
+def _compute(acts: tuple[Action, ...]) -> list[str]:
+    return [str(a) for a in acts if a.kind in (K.FORWARD, K.BACKWARD)]
+
+
+def _forwards_before_first_backward(acts: tuple[Action, ...]) -> int:
+    kinds = [a.kind for a in acts if a.kind in (K.FORWARD, K.BACKWARD)]
+    return kinds.index(K.BACKWARD)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 7])
+def test_pipedream_straight_warmup_is_n_minus_s(n: int) -> None:
+    sched = build_schedule([1] * n, S.PIPEDREAM, 3 * n)
+    for s in range(n):
+        assert _forwards_before_first_backward(sched.actions[s]) == n - s
+
+
+def test_pipedream_straight_order_is_one_forward_one_backward() -> None:
+    sched = build_schedule([1, 1, 1], S.PIPEDREAM, 6)
+    assert _compute(sched.actions[0]) == _words("F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5")
+    assert _compute(sched.actions[2]) == _words("F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5")
+
+
+@pytest.mark.parametrize("replicas", [(3, 1), (2, 1, 1), (15, 1), (2, 3, 1), (4, 4, 4, 4)])
+def test_pipedream_input_stage_admits_noam(replicas: tuple[int, ...]) -> None:
+    units = 3 * math.lcm(*replicas) * max(replicas)
+    sched = build_schedule(replicas, S.PIPEDREAM, units)
+    noam = math.ceil(sum(replicas) / replicas[0])
+    assert warmup_forwards(replicas, 0) == noam
+    for rank in range(replicas[0]):
+        assert _forwards_before_first_backward(sched.actions[rank]) == noam
+
+
+def test_round_robin_replicas_run_forward_and_backward_of_their_units() -> None:
+    sched = build_schedule((3, 1), S.PIPEDREAM, 9)
+    for rank in range(3):
+        units = {a.unit for a in sched.actions[rank] if a.kind in (K.FORWARD, K.BACKWARD)}
+        assert units == {u for u in range(9) if u % 3 == rank}
+
+
+def test_pipedream_updates_after_every_backward() -> None:
+    sched = build_schedule((2, 1), S.PIPEDREAM, 4)
+    assert [str(a) for a in sched.actions[2]] == _words(
+        "RECV_F0 F0 B0 SEND_B0 STEP0 RECV_F1 F1 B1 SEND_B1 STEP1 "
+        "RECV_F2 F2 B2 SEND_B2 STEP2 RECV_F3 F3 B3 SEND_B3 STEP3")
+    assert [str(a) for a in sched.actions[1]] == _words(
+        "F1 SEND_F1 F3 SEND_F3 RECV_B1 B1 ALLREDUCE1 STEP1 RECV_B3 B3 ALLREDUCE3 STEP3")
+
+
+def test_flush_one_update_per_minibatch_with_capped_warmup() -> None:
+    sched = build_schedule((1, 1, 1), S.FLUSH, 8, 2)
+    text0 = [str(a) for a in sched.actions[0] if a.kind not in (K.SEND_F, K.RECV_B)]
+    assert text0 == _words("F0 F1 B0 B1 STEP0 F2 F3 B2 B3 STEP1 F4 F5 B4 B5 STEP2 "
+                           "F6 F7 B6 B7 STEP3")
+    long = build_schedule((1, 1, 1), S.FLUSH, 8, 8)
+    assert _compute(long.actions[0])[:4] == ["F0", "F1", "F2", "B0"]
+    assert _compute(long.actions[1])[:3] == ["F0", "F1", "B0"]
+
+
+def test_gpipe_all_forwards_then_backwards_last_first() -> None:
+    sched = build_schedule((1, 1), S.GPIPE, 6, 3)
+    assert _compute(sched.actions[1]) == _words("F0 F1 F2 B2 B1 B0 F3 F4 F5 B5 B4 B3")
+    steps = [a for a in sched.actions[0] if a.kind is K.STEP]
+    assert [a.unit for a in steps] == [0, 1]
+
+
+def test_dp_each_update_allreduces_then_steps() -> None:
+    sched = build_schedule((2,), S.DP, 8, 4)
+    assert [str(a) for a in sched.actions[1]] == _words(
+        "F1 B1 F3 B3 ALLREDUCE0 STEP0 F5 B5 F7 B7 ALLREDUCE1 STEP1")
+
+
+def test_naive_runs_each_unit_through_before_the_next() -> None:
+    sched = build_schedule((1, 1), S.NAIVE, 2, 2)
+    assert [str(a) for a in sched.actions[0]] == _words(
+        "F0 SEND_F0 RECV_B0 B0 F1 SEND_F1 RECV_B1 B1 STEP0")
+
+
+def test_sync_replica_without_units_still_joins_the_allreduce() -> None:
+    sched = build_schedule((3, 1), S.FLUSH, 2, 1)
+    assert [str(a) for a in sched.actions[2]] == _words("ALLREDUCE0 STEP0 ALLREDUCE1 STEP1")
+
+
+def test_lower_communication_wraps_compute_with_transfers() -> None:
+    base = compute_schedule((1, 1, 1), S.NAIVE, 1, 1)
+    assert [str(a) for a in base.actions[1]] == ["F0", "B0"]
+    lowered = lower_communication(base)
+    assert [str(a) for a in lowered.actions[0]] == ["F0", "SEND_F0", "RECV_B0", "B0"]
+    assert [str(a) for a in lowered.actions[1]] == [
+        "RECV_F0", "F0", "SEND_F0", "RECV_B0", "B0", "SEND_B0"]
+    assert [str(a) for a in lowered.actions[2]] == ["RECV_F0", "F0", "B0", "SEND_B0"]
+
+
+def test_lower_updates_alone() -> None:
+    base = compute_schedule((2,), S.DP, 4, 2)
+    done = lower_updates(base)
+    assert [str(a) for a in done.actions[0]] == _words(
+        "F0 B0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1")
+
+
+@pytest.mark.parametrize(("replicas", "kind", "units", "per", "match"), [
+    ((1, 1), S.GPIPE, 0, 1, "at least 1"),
+    ((1, 1), S.GPIPE, 5, 2, "run 6 units"),
+    ((1, 0), S.GPIPE, 4, 2, "at least one stage"),
+    ((), S.GPIPE, 4, 2, "at least one stage"),
+    ((1, 1), S.PIPEDREAM, 4, 2, "units_per_update=2"),
+    ((3, 1), S.PIPEDREAM, 4, 1, "multiple of 3"),
+    ((2, 2), S.DP, 4, 4, "use replicas \\(4,\\)"),
+    ((4,), S.DP, 6, 6, "multiple of 4"),
+    ((1,), S.FLUSH, 4, 0, "units_per_update=0"),
+])
+def test_bad_inputs_say_how_to_fix(
+    replicas: tuple[int, ...], kind: ScheduleKind, units: int, per: int, match: str
+) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        build_schedule(replicas, kind, units, per)
+
+
+def test_build_schedule_returns_plain_data() -> None:
+    sched = build_schedule([2, 1], S.PIPEDREAM, 4)
+    assert isinstance(sched, Schedule)
+    assert sched.replicas == (2, 1) and sched.num_units == 4 and sched.units_per_update == 1
+    total_f = sum(1 for acts in sched.actions for a in acts if a.kind is K.FORWARD)
+    assert total_f == 4 * 2

@@ -1,0 +1,182 @@
+"""The simulator against closed forms, plus costs from a profile."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import pytest
+
+from dreampipe.actions import ActionKind, ScheduleKind
+from dreampipe.errors import ScheduleError
+from dreampipe.graph import Layer, LayerGraph
+from dreampipe.plan import Plan
+from dreampipe.schedule import build_schedule
+from dreampipe.simulate import SimCosts, costs_from_plan, costs_from_profile, simulate
+from dreampipe.topology import Level, Topology
+
+S = ScheduleKind
+K = ActionKind
+
+
+def _equal(p: int, f: float = 1.0, b: float = 2.0, **kw: Any) -> SimCosts:
+    return SimCosts((f,) * p, (b,) * p, **kw)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+@pytest.mark.parametrize("kind", [S.GPIPE, S.FLUSH])
+def test_sync_bubble_is_p_minus_1_over_m_plus_p_minus_1(p: int, m: int, kind: ScheduleKind) -> None:
+    result = simulate(build_schedule([1] * p, kind, 3 * m, m), _equal(p, 1.0, 2.5))
+    assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+    assert result.makespan_s == pytest.approx(3 * (m + p - 1) * 3.5)
+
+
+@pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 2), (6, 16)])
+def test_flush_keeps_at_most_p_microbatches_at_stage_0(p: int, m: int) -> None:
+    flush = simulate(build_schedule([1] * p, S.FLUSH, 2 * m, m), _equal(p))
+    gpipe = simulate(build_schedule([1] * p, S.GPIPE, 2 * m, m), _equal(p))
+    assert flush.peak_in_flight[0] == min(p, m)
+    assert gpipe.peak_in_flight[0] == m
+    assert flush.peak_versions == (1,) * p
+
+
+def test_pipedream_bubble_tends_to_zero_on_balanced_stages() -> None:
+    bubbles = [simulate(build_schedule([1] * 4, S.PIPEDREAM, n), _equal(4),
+                        record_events=False).bubble_fraction for n in (4, 16, 64, 256)]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert bubbles[-1] < 0.015 < bubbles[0]
+    steady = simulate(build_schedule([1] * 4, S.PIPEDREAM, 400), _equal(4), record_events=False)
+    assert steady.throughput_minibatches_per_s == pytest.approx(1 / 3.0, rel=0.02)
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_straight_async_stage_s_holds_n_minus_s_versions(n: int) -> None:
+    w, a = 1000.0, 10.0
+    result = simulate(build_schedule([1] * n, S.PIPEDREAM, 5 * n),
+                      _equal(n, parameter_bytes=(w,) * n, stash_bytes=(a,) * n))
+    assert result.peak_versions == tuple(n - s for s in range(n))
+    assert result.peak_in_flight == tuple(n - s for s in range(n))
+    assert result.peak_memory_bytes == tuple(
+        int((n - s + 1) * w + (n - s) * a) for s in range(n))
+
+
+def test_every_schedule_of_every_small_config_simulates() -> None:
+    configs = [(1,) * p for p in range(1, 9)] + [(3, 1), (2, 1, 1), (15, 1)]
+    runs = 0
+    for replicas in configs:
+        n = len(replicas)
+        costs = SimCosts(tuple(0.1 * (s + 1) for s in range(n)), (0.2,) * n,
+                         (1e3,) * (n - 1), bandwidth=1e6, allreduce_s=(0.05,) * n)
+        for m in range(1, 17):
+            for kind in (S.FLUSH, S.GPIPE, S.NAIVE):
+                result = simulate(build_schedule(replicas, kind, m, m), costs, record_events=False)
+                assert result.makespan_s > 0 and 0 <= result.bubble_fraction < 1
+                runs += 1
+            lcm = math.lcm(*replicas)
+            result = simulate(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
+                              record_events=False)
+            assert result.makespan_s > 0
+            workers = sum(replicas)
+            dp = simulate(build_schedule((workers,), S.DP, workers * m, workers),
+                          SimCosts((0.3,), (0.6,), allreduce_s=(0.1,)), record_events=False)
+            assert dp.makespan_s == pytest.approx(m * 0.9)
+            runs += 2
+    assert runs == len(configs) * 16 * 5
+
+
+def test_one_transfer_each_way_adds_bytes_over_bandwidth() -> None:
+    costs = SimCosts((1.0, 2.0), (3.0, 4.0), (500.0,), (250.0,), bandwidth=100.0)
+    result = simulate(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
+    assert result.makespan_s == pytest.approx(1 + 5 + 2 + 4 + 2.5 + 3)
+    sends = [e for e in result.events if e.kind is K.SEND_F]
+    assert [(e.rank, e.start_s, e.end_s) for e in sends] == [(0, 1.0, 6.0)]
+    recvs = [e for e in result.events if e.kind is K.RECV_B]
+    assert [(e.rank, e.start_s, e.end_s) for e in recvs] == [(0, 12.0, 14.5)]
+
+
+def test_link_carries_one_transfer_at_a_time_and_sender_computes_on() -> None:
+    costs = SimCosts((0.5, 0.0), (0.0, 0.0), (100.0,), bandwidth=100.0)
+    result = simulate(build_schedule([1, 1], S.GPIPE, 4, 4), costs)
+    arrivals = sorted(e.end_s for e in result.events if e.kind is K.SEND_F)
+    assert arrivals == pytest.approx([1.5, 2.5, 3.5, 4.5])
+    forwards = sorted(e.end_s for e in result.events if e.kind is K.FORWARD and e.rank == 0)
+    assert forwards == pytest.approx([0.5, 1.0, 1.5, 2.0])
+
+
+def test_topology_bandwidth_between_ranks() -> None:
+    topo = Topology((Level(2, 1000.0), Level(2, 10.0)))
+    costs = SimCosts((0.0,) * 4, (0.0,) * 4, (100.0,) * 3, bandwidth=topo)
+    result = simulate(build_schedule([1] * 4, S.NAIVE, 1, 1), costs)
+    hops = {e.rank: e.duration_s for e in result.events if e.kind is K.SEND_F}
+    assert hops == pytest.approx({0: 0.1, 1: 10.0, 2: 0.1})
+
+
+def test_allreduce_overlaps_the_backward_it_follows() -> None:
+    slow = simulate(build_schedule((2,), S.DP, 2, 2), SimCosts((1.0,), (2.0,), allreduce_s=(5.0,)))
+    assert slow.makespan_s == pytest.approx(1 + 5)
+    fast = simulate(build_schedule((2,), S.DP, 2, 2), SimCosts((1.0,), (2.0,), allreduce_s=(0.5,)))
+    assert fast.makespan_s == pytest.approx(3.0)
+    reduces = [e for e in slow.events if e.kind is K.ALLREDUCE]
+    assert [(e.start_s, e.end_s) for e in reduces] == [(1.0, 6.0), (1.0, 6.0)]
+
+
+def test_busy_idle_and_throughput_definitions() -> None:
+    result = simulate(build_schedule([1, 1], S.GPIPE, 4, 2),
+                      SimCosts((1.0, 1.0), (1.0, 1.0), step_s=(0.5, 0.5), unit_fraction=0.5))
+    assert result.busy_s == (4 * 2.0 + 2 * 0.5,) * 2
+    assert sum(result.busy_s) + sum(result.idle_s) == pytest.approx(2 * result.makespan_s)
+    assert result.throughput_minibatches_per_s == pytest.approx(2 / result.makespan_s)
+    assert result.summary()["schedule"] == "gpipe"
+    compute = sorted((e.start_s, e.end_s) for e in result.events
+                     if e.rank == 0 and e.kind in (K.FORWARD, K.BACKWARD, K.STEP))
+    assert all(a[1] <= b[0] + 1e-12 for a, b in itertools.pairwise(compute))
+
+
+def test_costs_must_match_the_schedule() -> None:
+    with pytest.raises(ScheduleError, match="3 stages"):
+        simulate(build_schedule([1, 1], S.GPIPE, 2, 2), _equal(3))
+    with pytest.raises(ScheduleError, match="allreduce_s has 1 entries; give 2"):
+        SimCosts((1.0, 1.0), (1.0, 1.0), allreduce_s=(1.0,))
+    with pytest.raises(ScheduleError, match="forward_s and backward_s"):
+        SimCosts((1.0,), ())
+
+
+def _graph() -> LayerGraph:
+    layers = [Layer(f"l{i}", 10.0 * (i + 1), 20.0 * (i + 1), 1000 * (i + 1), 4000 * i)
+              for i in range(4)]
+    return LayerGraph.chain(layers, batch_size=8)
+
+
+def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
+    topo = Topology((Level(2, 1e6), Level(2, 1e3)))
+    plan = Plan.from_config(4, [0, 2], [1, 3])
+    costs = costs_from_profile(_graph(), plan, topo, unit_fraction=0.5)
+    assert costs.forward_s == pytest.approx((0.015, 0.035))
+    assert costs.backward_s == pytest.approx((0.03, 0.07))
+    assert costs.activation_bytes == pytest.approx((1000.0,))
+    assert costs.parameter_bytes == (4000.0, 20000.0)
+    assert costs.stash_bytes == pytest.approx((1500.0, 3500.0))
+    assert costs.allreduce_s == pytest.approx((0.0, 2 * 2 / 3 * 20000 / 1e3))
+    assert costs.bandwidth_between(0, 1) == 1e6
+
+
+def test_costs_from_profile_rejects_a_mismatched_profile() -> None:
+    with pytest.raises(ScheduleError, match="3 layers but the profile has 4"):
+        costs_from_profile(_graph(), Plan.from_config(3, [0], [1]), Topology.parse("4"))
+    with pytest.raises(ScheduleError, match="larger --topology"):
+        costs_from_profile(_graph(), Plan.from_config(4, [0], [8]), Topology.parse("4"))
+
+
+def test_costs_from_plan_uses_the_plan_predictions() -> None:
+    base = Plan.from_config(4, [0, 2], [1, 1])
+    stages = tuple(
+        type(st)(st.first, st.last, st.replicas, st.ranks, compute_s=0.3, comm_s=0.2)
+        for st in base.stages)
+    plan = Plan(stages, 4)
+    costs = costs_from_plan(plan, Topology.parse("2", bandwidths=["100B/s"]))
+    assert costs.forward_s == pytest.approx((0.1, 0.1))
+    assert costs.backward_s == pytest.approx((0.2, 0.2))
+    result = simulate(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
+    assert result.makespan_s == pytest.approx(0.6 + 0.2)

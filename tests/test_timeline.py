@@ -1,0 +1,88 @@
+"""Timelines: PNG Gantt charts and Chrome traces of simulated and measured events."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from dreampipe.actions import ActionKind, ScheduleKind
+from dreampipe.events import Event
+from dreampipe.schedule import build_schedule
+from dreampipe.simulate import SimCosts, simulate
+from dreampipe.timeline import draw_timeline
+from dreampipe.trace import chrome_trace, write_chrome_trace
+
+K = ActionKind
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _simulated() -> list[Event]:
+    costs = SimCosts((1e-3, 2e-3, 1e-3), (2e-3, 4e-3, 2e-3), (1e3, 1e3), bandwidth=1e6,
+                     allreduce_s=(0.0, 1e-3, 0.0))
+    return list(simulate(build_schedule((1, 2, 1), ScheduleKind.PIPEDREAM, 8), costs).events)
+
+
+def _measured() -> list[Event]:
+    """Like the runtime's: wall-clock offset, gaps, overlapping communication."""
+    t0 = 1_700_000_000.0
+    out = []
+    for u in range(30):
+        out.append(Event(0, 0, K.FORWARD, u, t0 + 0.01 * u, t0 + 0.01 * u + 0.004))
+        out.append(Event(0, 0, K.SEND_F, u, t0 + 0.01 * u + 0.004, t0 + 0.01 * u + 0.03))
+        out.append(Event(1, 1, K.FORWARD, u, t0 + 0.01 * u + 0.03, t0 + 0.01 * u + 0.035))
+    return out
+
+
+@pytest.mark.parametrize("events", [_simulated(), _measured()], ids=["simulated", "measured"])
+def test_draw_timeline_writes_a_png(tmp_path: Path, events: list[Event]) -> None:
+    path = tmp_path / "t.png"
+    draw_timeline(events, path, title="test", num_ranks=5)
+    data = path.read_bytes()
+    assert data.startswith(_PNG) and len(data) > 10_000
+
+
+def test_draw_timeline_window_and_no_comm(tmp_path: Path) -> None:
+    events = _simulated()
+    path = tmp_path / "w.png"
+    draw_timeline(events, path, comm=False, window_s=(0.005, 0.02))
+    assert path.read_bytes().startswith(_PNG)
+
+
+def test_draw_timeline_of_nothing_still_draws(tmp_path: Path) -> None:
+    path = tmp_path / "empty.png"
+    draw_timeline([], path, num_ranks=2)
+    assert path.read_bytes().startswith(_PNG)
+
+
+@pytest.mark.parametrize("events", [_simulated(), _measured()], ids=["simulated", "measured"])
+def test_chrome_trace_structure(tmp_path: Path, events: list[Event]) -> None:
+    path = tmp_path / "t.json"
+    write_chrome_trace(events, path)
+    trace = json.loads(path.read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(slices) == len(events)
+    assert {e["pid"] for e in slices} == {e.rank for e in events}
+    assert min(e["ts"] for e in slices) == 0
+    first = min(events, key=lambda e: e.start_s)
+    longest = max(e.end_s - first.start_s for e in events)
+    assert max(e["ts"] + e["dur"] for e in slices) == pytest.approx(longest * 1e6, rel=1e-6)
+    assert {e["name"] for e in slices} == {e.label for e in events}
+    names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert len(names) == len({e.rank for e in events})
+
+
+def test_chrome_trace_lanes_never_overlap() -> None:
+    trace = chrome_trace(_measured())
+    lanes: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for e in trace["traceEvents"]:
+        if e["ph"] == "X":
+            lanes.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert len({tid for _, tid in lanes}) > 2
+    for spans in lanes.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(spans))
+    compute = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("F")]
+    assert {e["tid"] for e in compute} == {0}
