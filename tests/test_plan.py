@@ -1,0 +1,110 @@
+"""Plan: construction checks, config strings, derived figures and JSON round-trip."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dreampipe.errors import PlanError
+from dreampipe.plan import Plan, Stage, config_string, stages_from_config
+
+
+def _plan() -> Plan:
+    return Plan.from_config(
+        8, [0, 5], [3, 1], model="toy", topology="4", batch_size=32,
+        time_per_minibatch_s=0.5, baselines_s={"dp": 1.5, "straight": 1.0},
+        layer_names=tuple(f"l{i}" for i in range(8)),
+    )
+
+
+def test_from_config_numbers_ranks_stage_by_stage() -> None:
+    plan = _plan()
+    assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 4, 3), (5, 7, 1)]
+    assert [s.ranks for s in plan.stages] == [(0, 1, 2), (3,)]
+    assert plan.workers_used == 4 and plan.num_stages == 2
+    assert plan.stage_of_rank(2) == 0 and plan.stage_of_rank(3) == 1
+    with pytest.raises(PlanError, match="rank 4"):
+        plan.stage_of_rank(4)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "config"),
+    [([15, 1], "15-1"), ([1, 1, 1], "straight"), ([16], "16"), ([1], "1"), ([2, 1, 1], "2-1-1")],
+)
+def test_config_strings(replicas: list[int], config: str) -> None:
+    assert config_string(replicas) == config
+    assert stages_from_config(config, len(replicas)) == replicas
+
+
+def test_bad_config_strings() -> None:
+    with pytest.raises(PlanError, match="needs the number of stages"):
+        stages_from_config("straight")
+    with pytest.raises(PlanError, match="'2-x' is not like"):
+        stages_from_config("2-x")
+    with pytest.raises(PlanError, match="fewer than 1 replica"):
+        stages_from_config("2-0")
+
+
+def test_predictions() -> None:
+    plan = _plan()
+    assert plan.throughput_minibatches_per_s == pytest.approx(2.0)
+    assert plan.speedup_over("dp") == pytest.approx(3.0)
+    assert plan.speedup_over("straight") == pytest.approx(2.0)
+    with pytest.raises(PlanError, match="'gpipe'"):
+        plan.speedup_over("gpipe")
+
+
+def test_stage_time_is_max_of_its_terms() -> None:
+    stage = Stage(0, 3, 4, (0, 1, 2, 3), compute_s=8.0, comm_s=1.0, allreduce_s=6.0)
+    assert stage.time_s == pytest.approx(2.0)
+    assert Stage(0, 0, 2, (0, 1), compute_s=1.0, comm_s=3.0).time_s == pytest.approx(3.0)
+    assert stage.num_layers == 4
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    plan = _plan()
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan
+    assert again.baselines_s == plan.baselines_s and again.layer_names == plan.layer_names
+    assert again.config == "3-1"
+
+
+def test_str_lists_stages() -> None:
+    text = str(_plan())
+    assert "plan 3-1 for toy on 4 workers: 500.00 ms/minibatch" in text
+    assert "stage 1: layers 5..7 (l5 .. l7) x1 ranks [3]" in text
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Plan.from_config(8, [0, 4], [1]), "one entry per stage"),
+        (lambda: Plan.from_config(8, [1, 4], [1, 1]), "must start at layer 0"),
+        (lambda: Plan.from_config(8, [0, 9], [1, 1]), "empty or negative"),
+        (lambda: Plan((), 3), "at least one stage"),
+        (lambda: Plan((Stage(0, 1, 1, (0,)),), 3), "model has 3 layers"),
+        (lambda: Plan((Stage(0, 0, 1, (0,)), Stage(2, 2, 1, (1,))), 3), "contiguously"),
+        (lambda: Plan((Stage(0, 0, 1, (1,)),), 1), "each used once"),
+        (lambda: Stage(0, 0, 0, ()), "needs >= 1"),
+        (lambda: Stage(0, 0, 2, (0,)), "but ranks"),
+    ],
+)
+def test_invalid_plans(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(PlanError, match=message):
+        build()
+
+
+def test_load_errors(tmp_path: Path) -> None:
+    with pytest.raises(PlanError, match="cannot read plan"):
+        Plan.load(tmp_path / "missing.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(PlanError, match="not a dreampipe plan"):
+        Plan.load(bad)
+    bad.write_text('{"format": "dreampipe.plan", "version": 1}')
+    with pytest.raises(PlanError, match="malformed plan JSON"):
+        Plan.load(bad)

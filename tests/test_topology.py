@@ -1,0 +1,92 @@
+"""Topology: parsing shapes and presets, bandwidth between workers, clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dreampipe.errors import DreampipeError, TopologyError
+from dreampipe.topology import DEFAULT_BANDWIDTHS, PRESETS, Level, Topology
+from dreampipe.units import parse_bandwidth
+
+
+def test_shape_is_outermost_first_levels_innermost_first() -> None:
+    topo = Topology.parse("2x8")
+    assert [lv.count for lv in topo.levels] == [8, 2]
+    assert topo.shape == "2x8" and topo.num_workers == 16
+    assert topo.levels[0].bandwidth == parse_bandwidth(DEFAULT_BANDWIDTHS[0])
+    assert topo.levels[1].bandwidth == parse_bandwidth(DEFAULT_BANDWIDTHS[1])
+
+
+def test_flat_and_deep_shapes() -> None:
+    assert [lv.count for lv in Topology.parse("16").levels] == [16]
+    deep = Topology.parse("2x2x4", ["50GB/s", "10GB/s"])
+    assert [lv.count for lv in deep.levels] == [4, 2, 2]
+    # missing outer bandwidths repeat the last one given
+    assert [lv.bandwidth for lv in deep.levels] == [50e9, 10e9, 10e9]
+
+
+def test_presets_match_the_paper_clusters() -> None:
+    a, b, c = PRESETS["cluster-a"], PRESETS["cluster-b"], PRESETS["cluster-c"]
+    assert (a.shape, b.shape, c.num_workers) == ("4x4", "2x8", 4)
+    assert a.levels[1].bandwidth == pytest.approx(10e9 / 8)  # 10 Gbps
+    assert b.levels[1].bandwidth == pytest.approx(25e9 / 8)  # 25 Gbps
+    assert a.memory_bytes == b.memory_bytes == 16 * 10**9 and c.memory_bytes == 12 * 10**9
+    assert Topology.parse("cluster-a") == a
+
+
+def test_preset_overrides() -> None:
+    topo = Topology.parse("cluster-b", ["100GB/s"], memory="32GB")
+    assert topo.name == "cluster-b" and topo.shape == "2x8"
+    assert topo.levels[0].bandwidth == 100e9
+    assert topo.memory_bytes == 32 * 10**9
+
+
+def test_bandwidth_between() -> None:
+    topo = Topology.parse("4x4", ["10GB/s", "1GB/s"])
+    assert math.isinf(topo.bandwidth_between(3, 3))
+    assert topo.bandwidth_between(0, 3) == 10e9  # same server
+    assert topo.bandwidth_between(3, 4) == 1e9  # neighbours across servers
+    assert topo.bandwidth_between(15, 0) == 1e9
+
+
+def test_flat_takes_the_slowest_link() -> None:
+    flat = Topology.parse("cluster-a").flat()
+    assert len(flat.levels) == 1 and flat.num_workers == 16
+    assert flat.levels[0].bandwidth == pytest.approx(10e9 / 8)
+
+
+def test_describe_names_everything() -> None:
+    text = Topology.parse("cluster-a").describe()
+    assert "cluster-a" in text and "16 workers" in text and "16.0 GB" in text
+
+
+@pytest.mark.parametrize(
+    ("spec", "bandwidths", "message"),
+    [
+        ("0", None, "level of 0 workers"),
+        ("4x0", None, "level of 0 workers"),
+        ("cluster-z", None, "cluster-a, cluster-b, cluster-c"),
+        ("4 by 4", None, "shape like 16, 4x4"),
+        ("4x4", ["1GB/s", "1GB/s", "1GB/s"], "3 bandwidths for 2 levels"),
+        ("4x4", ["0Gbps"], "must be positive"),
+        ("4x4", ["fast"], "not a quantity"),
+    ],
+)
+def test_nonsense_is_rejected(spec: str, bandwidths: list[str] | None, message: str) -> None:
+    with pytest.raises(TopologyError, match=message):
+        Topology.parse(spec, bandwidths)
+
+
+def test_direct_construction_is_checked() -> None:
+    with pytest.raises(DreampipeError, match="at least 1 unit"):
+        Level(0, 1e9)
+    with pytest.raises(TopologyError, match="positive and finite"):
+        Level(4, -1.0)
+    with pytest.raises(TopologyError, match="at least one level"):
+        Topology(())
+    with pytest.raises(TopologyError, match="must be positive"):
+        Topology((Level(2, 1e9),), memory_bytes=0)
+    with pytest.raises(TopologyError, match="'-1GB' is not a quantity"):
+        Topology.parse("4", memory="-1GB")

@@ -1,0 +1,63 @@
+"""Human quantities: sizes and bandwidths in, short sizes out."""
+
+from __future__ import annotations
+
+import pytest
+
+from dreampipe.units import format_bytes, parse_bandwidth, parse_bytes
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("16GB", 16 * 10**9),
+        ("16 GB", 16 * 10**9),
+        ("16GiB", 16 * 2**30),
+        ("512", 512),
+        ("1.5MB", 1_500_000),
+        ("2e3KB", 2_000_000),
+        ("12gb", 12 * 10**9),
+        (1024, 1024),
+        (2.5, 2),
+    ],
+)
+def test_parse_bytes(text: str | int | float, expect: int) -> None:
+    assert parse_bytes(text) == expect
+
+
+@pytest.mark.parametrize(
+    ("text", "expect"),
+    [
+        ("10Gbps", 1.25e9),
+        ("25Gb/s", 3.125e9),
+        ("12GB/s", 12e9),
+        ("12GBps", 12e9),
+        ("100Mbps", 12.5e6),
+        ("1Gibps", 2**30 / 8),
+        ("1e9", 1e9),
+        (5e8, 5e8),
+    ],
+)
+def test_parse_bandwidth(text: str | float, expect: float) -> None:
+    assert parse_bandwidth(text) == pytest.approx(expect)
+
+
+@pytest.mark.parametrize("text", ["fast", "16XB", "-1GB", "GB", ""])
+def test_bad_sizes_name_the_value(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_bytes(text)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["fast", "10G", "10GHz", "0Gbps", "-5Gbps"])
+def test_bad_bandwidths_are_rejected(text: str) -> None:
+    with pytest.raises(ValueError, match=r"bandwidth|quantity|positive"):
+        parse_bandwidth(text)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1_600_000_000) == "1.6 GB"
+    assert format_bytes(178_000_000) == "178.0 MB"
+    assert format_bytes(2.5e12) == "2.5 TB"
+    assert parse_bytes(format_bytes(3_000_000_000).replace(" ", "")) == 3_000_000_000
