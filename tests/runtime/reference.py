@@ -1,0 +1,116 @@
+"""Single-process models of what a dreampipe run must compute (DESIGN.md §5).
+
+Written from DESIGN's rules, not from the runtime's code, so the runtime's
+tests can catch it doing something else:
+
+- synchronous schedules (GPipe, 1F1B-flush, data parallel, naive): one
+  model, one optimizer step per minibatch on the mean loss of the minibatch;
+- PipeDream's asynchronous 1F1B with weight stashing: stage ``s`` runs
+  minibatch ``t`` (forward and backward) with the version of its weights
+  after ``max(0, t // r_s - K_s + 1)`` of its updates, where ``K_s`` is the
+  number of minibatches a replica of stage ``s`` admits before its first
+  backward (``n - s`` in a straight pipeline, so the versions used for ``t``
+  are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
+  round of ``r_s`` minibatches with the mean of their gradients;
+- vertical sync: every stage uses the input stage's version for ``t``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dreampipe.data import Dataset
+from dreampipe.models.spec import ModelSpec
+
+__all__ = ["OptFactory", "admitted", "reference_pipedream", "reference_sync", "sgd"]
+
+OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def sgd(lr: float, momentum: float = 0.0) -> OptFactory:
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def reference_sync(
+    spec: ModelSpec, data: Dataset, *, steps: int, minibatch: int, seed: int, opt: OptFactory
+) -> tuple[list[float], dict[str, Tensor]]:
+    """Plain training: update k on samples k*minibatch.. with the mean loss."""
+    model = spec.build(0, spec.num_layers - 1, seed)
+    optimizer = opt(list(model.parameters()))
+    losses = []
+    for k in range(steps):
+        x, y = data.batch(k, minibatch)
+        loss = spec.loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def admitted(replicas: Sequence[int], stage: int) -> int:
+    """Minibatches a replica of ``stage`` starts before its first backward (DESIGN §4)."""
+    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+
+
+def reference_pipedream(
+    spec: ModelSpec,
+    data: Dataset,
+    *,
+    bounds: Sequence[int],
+    replicas: Sequence[int],
+    steps: int,
+    minibatch: int,
+    seed: int,
+    opt: OptFactory,
+    vertical_sync: bool = False,
+) -> tuple[list[float], dict[str, Tensor]]:
+    """PipeDream's delayed updates; returns per-minibatch losses and the final weights."""
+    edges = [*bounds, spec.num_layers]
+    n = len(replicas)
+    stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
+    optims = [opt(list(m.parameters())) for m in stages]
+    history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
+    pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
+
+    def version(s: int, t: int) -> int:
+        return max(0, t // replicas[s] - admitted(replicas, s) + 1)
+
+    losses = []
+    for t in range(steps):
+        x, y = data.batch(t, minibatch)
+        leaves = []
+        for s in range(n):
+            v = version(0, t) if vertical_sync else version(s, t)
+            assert v < len(history[s]), f"stage {s} has no version {v} yet at minibatch {t}"
+            params = {k: w.clone().requires_grad_(True) for k, w in history[s][v].items()}
+            leaves.append(params)
+            x = functional_call(stages[s], params, (x,))
+        loss = spec.loss_fn(x, y)
+        losses.append(float(loss.detach()))
+        flat = [p for params in leaves for p in params.values()]
+        grads = list(torch.autograd.grad(loss, flat))
+        for s in range(n):
+            count = len(leaves[s])
+            pending[s].append(grads[:count])
+            grads = grads[count:]
+            if len(pending[s]) == replicas[s]:
+                mean = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
+                for p, g in zip(stages[s].parameters(), mean, strict=True):
+                    p.grad = g
+                optims[s].step()
+                pending[s].clear()
+                history[s].append(_snapshot(stages[s]))
+    state: dict[str, Tensor] = {}
+    for m in stages:
+        state.update({k: v.detach().clone() for k, v in m.state_dict().items()})
+    return losses, state
+
+
+def _snapshot(module: nn.Module) -> dict[str, Tensor]:
+    return {k: p.detach().clone() for k, p in module.named_parameters()}

@@ -1,0 +1,130 @@
+"""Multi-process runs against the single-process references (DESIGN.md §5).
+
+Each run trains a 4-layer mlp of width 16 on 2-3 local gloo ranks and
+compares every update's loss and every final parameter with
+:mod:`runtime.reference` (rtol 1e-5, atol 4e-5, float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dreampipe.actions import ScheduleKind
+from dreampipe.data import load_dataset
+from dreampipe.models import get_model
+from dreampipe.plan import Plan
+from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
+
+from .reference import reference_pipedream, reference_sync, sgd
+
+RTOL, ATOL = 1e-5, 4e-5
+MODEL_KW = (("layers", 4), ("width", 16))
+SEED = 3
+
+
+def _spec():  # type: ignore[no-untyped-def]
+    return get_model("mlp", **dict(MODEL_KW))
+
+
+def _run(bounds: list[int], replicas: list[int], **kw: object) -> RunResult:
+    cfg = RunConfig(
+        model="mlp", plan=Plan.from_config(4, bounds, replicas), model_kwargs=MODEL_KW,
+        seed=SEED, timeout_s=30.0, **kw,  # type: ignore[arg-type]
+    )
+    return launch_local(cfg, deadline_s=100.0)
+
+
+def _assert_matches(result: RunResult, losses: list[float], state: dict[str, torch.Tensor]) -> None:
+    torch.testing.assert_close(
+        torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL
+    )
+    got = {k: v for s in result.stage_states for k, v in s.items()}
+    assert sorted(got) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def _max_diff(result: RunResult, state: dict[str, torch.Tensor]) -> float:
+    got = {k: v for s in result.stage_states for k, v in s.items()}
+    return max(float((got[k] - v).abs().max()) for k, v in state.items())
+
+
+SYNC_CASES = [
+    (ScheduleKind.FLUSH, [0, 2], [1, 1], 4, OptimizerKind.SGD),
+    (ScheduleKind.GPIPE, [0, 2], [1, 1], 4, OptimizerKind.ADAM),
+    (ScheduleKind.DP, [0], [2], 2, OptimizerKind.SGD),
+    (ScheduleKind.FLUSH, [0, 1, 3], [1, 1, 1], 4, OptimizerKind.ADAM),
+    (ScheduleKind.GPIPE, [0, 2], [2, 1], 4, OptimizerKind.SGD),
+    (ScheduleKind.NAIVE, [0, 1, 2], [1, 1, 1], 2, OptimizerKind.SGD),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("kind", "bounds", "replicas", "micro", "opt"), SYNC_CASES,
+    ids=[f"{c[0].value}-{'-'.join(map(str, c[2]))}" for c in SYNC_CASES],
+)
+def test_sync_schedules_equal_gradient_accumulation(
+    kind: ScheduleKind, bounds: list[int], replicas: list[int], micro: int, opt: OptimizerKind
+) -> None:
+    lr = 0.01 if opt is OptimizerKind.ADAM else 0.2
+    result = _run(
+        bounds, replicas, schedule=kind, minibatch_size=16, microbatches=micro, steps=3,
+        optimizer=opt, lr=lr, momentum=0.0,
+    )
+    data = load_dataset("synthetic", _spec(), seed=SEED)
+    if opt is OptimizerKind.ADAM:
+        factory = lambda ps: torch.optim.Adam(ps, lr=lr)  # noqa: E731
+    else:
+        factory = sgd(lr)
+    losses, state = reference_sync(_spec(), data, steps=3, minibatch=16, seed=SEED, opt=factory)
+    assert len(result.losses) == 3
+    _assert_matches(result, losses, state)
+
+
+PIPE_CASES = [
+    ([0, 2], [1, 1], False, 0.0),
+    ([0, 1, 3], [1, 1, 1], False, 0.9),
+    ([0, 1, 3], [1, 1, 1], True, 0.0),
+    ([0, 2], [2, 1], False, 0.0),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("bounds", "replicas", "vsync", "momentum"), PIPE_CASES,
+    ids=["straight-2", "straight-3-momentum", "straight-3-vsync", "replicated-2-1"],
+)
+def test_pipedream_matches_delayed_update_rule(
+    bounds: list[int], replicas: list[int], vsync: bool, momentum: float
+) -> None:
+    steps = 6
+    result = _run(
+        bounds, replicas, schedule=ScheduleKind.PIPEDREAM, minibatch_size=8, steps=steps,
+        lr=0.3, momentum=momentum, vertical_sync=vsync, record_events=True,
+    )
+    data = load_dataset("synthetic", _spec(), seed=SEED)
+    losses, state = reference_pipedream(
+        _spec(), data, bounds=bounds, replicas=replicas, steps=steps, minibatch=8, seed=SEED,
+        opt=sgd(0.3, momentum), vertical_sync=vsync,
+    )
+    _assert_matches(result, losses, state)
+    ranks = {e.rank for e in result.events}
+    assert ranks == set(range(sum(replicas)))
+    assert all(0 <= e.start_s <= e.end_s <= result.elapsed_s + 1e-3 for e in result.events)
+
+
+@pytest.mark.timeout(120)
+def test_without_stashing_the_delayed_update_rule_breaks() -> None:
+    bounds, replicas = [0, 1, 3], [1, 1, 1]
+    result = _run(
+        bounds, replicas, schedule=ScheduleKind.PIPEDREAM, minibatch_size=8, steps=6, lr=0.3,
+        stash=False,
+    )
+    data = load_dataset("synthetic", _spec(), seed=SEED)
+    _, state = reference_pipedream(
+        _spec(), data, bounds=bounds, replicas=replicas, steps=6, minibatch=8, seed=SEED,
+        opt=sgd(0.3),
+    )
+    assert _max_diff(result, state) > 10 * ATOL
