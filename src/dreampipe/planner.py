@@ -21,6 +21,11 @@ counted inside one unit of the level above; a plan fits iff its slack is
 >= 0 once placed, and placing a block of slack ``x`` on ``m'`` units with
 ``n`` units after it gives ``m' x - n * unit_gpus``. Exact on one level; on
 more, the inner plans are chosen for speed among those that fit at the end.
+
+The hierarchy forces every outer stage onto whole servers, so a paper config
+such as ``15-1`` on 2x8 cannot be expressed; :func:`plan` therefore also
+solves the flat problem at the slowest link (any layout, pessimistic links)
+and keeps whichever predicts the shorter time.
 """
 
 from __future__ import annotations
@@ -116,9 +121,13 @@ class _Options:
 
 
 def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, IntArray]:
-    """``min_t max(x[i, t], y[t, c])`` and its argmin, skipping ``t < i`` and ``j <= i``."""
+    """``min_t max(x[i, t], y[t, c])`` and its argmin, skipping ``t < i`` and ``j <= i``.
+
+    The cube is laid out ``[i, c, t]`` so the reduction runs over contiguous memory.
+    """
     rows, width = x.shape
     cols = y.shape[1]
+    y_t = np.ascontiguousarray(y.T)
     val = np.full((rows, cols), np.inf)
     arg = np.zeros((rows, cols), dtype=np.int64)
     i0 = 0
@@ -128,9 +137,9 @@ def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, I
             break
         block = (width - i0) * (cols - c0)
         i1 = min(rows, i0 + max(1, _CUBE // block))
-        cube = np.maximum(x[i0:i1, i0:, None], y[None, i0:, c0:])
-        a = cube.argmin(axis=1)
-        val[i0:i1, c0:] = np.take_along_axis(cube, a[:, None, :], axis=1)[:, 0, :]
+        cube = np.maximum(x[i0:i1, None, i0:], y_t[None, c0:, i0:])
+        a = cube.argmin(axis=2)
+        val[i0:i1, c0:] = np.take_along_axis(cube, a[:, :, None], axis=2)[:, :, 0]
         arg[i0:i1, c0:] = a + i0
         i0 = i1
     return val, arg
