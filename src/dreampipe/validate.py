@@ -26,14 +26,20 @@ from dreampipe.errors import ScheduleError
 __all__ = ["format_grid", "validate"]
 
 _K = ActionKind
-# (earlier, later): on one rank, `earlier<u>` must come before `later<u>`.
-_ORDER = (
-    (_K.RECV_F, _K.FORWARD),
-    (_K.FORWARD, _K.SEND_F),
-    (_K.FORWARD, _K.BACKWARD),
-    (_K.RECV_B, _K.BACKWARD),
-    (_K.BACKWARD, _K.SEND_B),
-)
+# On one rank, `earlier<u>` must come before `later<u>`: later -> earlier kinds.
+_EARLIER = {
+    _K.FORWARD: (_K.RECV_F,),
+    _K.SEND_F: (_K.FORWARD,),
+    _K.BACKWARD: (_K.FORWARD, _K.RECV_B),
+    _K.SEND_B: (_K.BACKWARD,),
+}
+# kind -> (1 if gradient, offset to the sending stage, is a send, offset to the peer stage)
+_TRANSFER = {
+    _K.SEND_F: (0, 0, True, 1),
+    _K.RECV_F: (0, -1, False, -1),
+    _K.SEND_B: (1, 0, True, -1),
+    _K.RECV_B: (1, 1, False, 1),
+}
 _WINDOW = 8
 
 
@@ -91,46 +97,48 @@ def _check_stages(schedule: Schedule) -> None:
 
 
 def _check_units(schedule: Schedule) -> None:
-    where: dict[tuple[ActionKind, int, int], list[tuple[int, int]]] = {}
+    where: dict[tuple[bool, int, int], tuple[int, int]] = {}
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
-            if a.kind in (_K.FORWARD, _K.BACKWARD):
-                where.setdefault((a.kind, a.stage, a.unit), []).append((rank, step))
-    for (kind, stage, unit), places in where.items():
+            k = a.kind
+            if k is _K.FORWARD or k is _K.BACKWARD:
+                key = (k is _K.FORWARD, a.stage, a.unit)
+                if key in where:
+                    raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each unit "
+                                "runs once per stage", [where[key], (rank, step)])
+                where[key] = (rank, step)
+    for (forward, stage, unit), (rank, step) in where.items():
+        name = f"{'F' if forward else 'B'}{unit}"
         if not 0 <= unit < schedule.num_units:
-            raise _fail(schedule, f"{kind.value}{unit} at stage {stage} is outside units "
-                        f"0..{schedule.num_units - 1}", places[:1])
-        if len(places) > 1:
-            raise _fail(schedule, f"{kind.value}{unit} runs {len(places)} times at stage "
-                        f"{stage}; each unit runs once per stage", places)
+            raise _fail(schedule, f"{name} at stage {stage} is outside units "
+                        f"0..{schedule.num_units - 1}", [(rank, step)])
         owner = schedule.rank_of(stage, unit)
-        if places[0][0] != owner:
-            raise _fail(schedule, f"{kind.value}{unit} of stage {stage} is on rank "
-                        f"{places[0][0]} but round robin puts unit {unit} on rank {owner}",
-                        places)
-    for stage in range(schedule.num_stages):
-        for kind in (_K.FORWARD, _K.BACKWARD):
-            for unit in range(schedule.num_units):
-                if (kind, stage, unit) not in where:
-                    owner = schedule.rank_of(stage, unit)
-                    raise _fail(schedule, f"{kind.value}{unit} of stage {stage} is missing; "
-                                f"add it to rank {owner}", [(owner, len(schedule.actions[owner]))])
+        if rank != owner:
+            raise _fail(schedule, f"{name} of stage {stage} is on rank {rank} but round robin "
+                        f"puts unit {unit} on rank {owner}", [(rank, step)])
+    if len(where) != 2 * schedule.num_stages * schedule.num_units:
+        for stage in range(schedule.num_stages):
+            for forward in (True, False):
+                for unit in range(schedule.num_units):
+                    if (forward, stage, unit) not in where:
+                        owner = schedule.rank_of(stage, unit)
+                        raise _fail(schedule, f"{'F' if forward else 'B'}{unit} of stage "
+                                    f"{stage} is missing; add it to rank {owner}",
+                                    [(owner, len(schedule.actions[owner]))])
 
 
 def _check_order(schedule: Schedule) -> None:
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
         pos = {(a.kind, a.unit): step for step, a in enumerate(acts)}
-        for earlier, later in _ORDER:
-            for step, a in enumerate(acts):
-                if a.kind is not later:
-                    continue
-                needed = _needed(earlier, later, a.stage, last)
+        for step, a in enumerate(acts):
+            for earlier in _EARLIER.get(a.kind, ()):
                 before = pos.get((earlier, a.unit))
-                if needed and before is None:
-                    raise _fail(schedule, f"rank {rank} runs {a} without {earlier.value}"
-                                f"{a.unit}; add it before step {step}", [(rank, step)])
-                if before is not None and before > step:
+                if before is None:
+                    if _needed(earlier, a.kind, a.stage, last):
+                        raise _fail(schedule, f"rank {rank} runs {a} without {earlier.value}"
+                                    f"{a.unit}; add it before step {step}", [(rank, step)])
+                elif before > step:
                     raise _fail(schedule, f"rank {rank} runs {a} at step {step} before "
                                 f"{earlier.value}{a.unit} at step {before}; swap them",
                                 [(rank, step), (rank, before)])
@@ -145,34 +153,37 @@ def _needed(earlier: ActionKind, later: ActionKind, stage: int, last: int) -> bo
 
 
 def _check_pairs(schedule: Schedule) -> None:
-    sends: Counter[tuple[int, int, int]] = Counter()
-    recvs: Counter[tuple[int, int, int]] = Counter()
-    where: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    sends: list[tuple[int, int, int]] = []
+    recvs: list[tuple[int, int, int]] = []
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
-            key = _transfer_key(a)
-            if key is None:
+            info = _TRANSFER.get(a.kind)
+            if info is None:
                 continue
+            backward, offset, is_send, towards = info
             owner = schedule.rank_of(a.stage, a.unit)
             if rank != owner:
                 raise _fail(schedule, f"{a} of stage {a.stage} is on rank {rank} but round "
                             f"robin puts unit {a.unit} on rank {owner}; move it", [(rank, step)])
-            target = a.stage + (1 if a.kind is _K.SEND_F or a.kind is _K.RECV_B else -1)
-            if not 0 <= target <= last:
+            if not 0 <= a.stage + towards <= last:
                 raise _fail(schedule, f"rank {rank} (stage {a.stage}) runs {a}, which talks to "
-                            f"stage {target} outside 0..{last}; remove it", [(rank, step)])
-            where.setdefault(key, []).append((rank, step))
-            (sends if a.kind is _K.SEND_F or a.kind is _K.SEND_B else recvs)[key] += 1
-    for key in sends.keys() | recvs.keys():
-        if sends[key] != recvs[key]:
-            backward, stage, unit = key
-            what = "B" if backward else "F"
-            src = schedule.rank_of(stage, unit)
-            dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
-            raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sends[key]} "
-                        f"time(s) but rank {dst} receives it {recvs[key]} time(s); every "
-                        f"SEND_{what} needs exactly one RECV_{what} on its peer", where[key])
+                            f"stage {a.stage + towards} outside 0..{last}; remove it",
+                            [(rank, step)])
+            (sends if is_send else recvs).append((backward, a.stage + offset, a.unit))
+    sent, received = Counter(sends), Counter(recvs)
+    if dict.__eq__(sent, received):  # plain dict comparison, in C
+        return
+    key = next(k for k in sent.keys() | received.keys() if sent[k] != received[k])
+    backward, stage, unit = key
+    what = "B" if backward else "F"
+    src = schedule.rank_of(stage, unit)
+    dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
+    where = [(rank, step) for rank, acts in enumerate(schedule.actions)
+             for step, a in enumerate(acts) if _transfer_key(a) == key]
+    raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sent[key]} "
+                f"time(s) but rank {dst} receives it {received[key]} time(s); every "
+                f"SEND_{what} needs exactly one RECV_{what} on its peer", where)
 
 
 def _transfer_key(a: Action) -> tuple[int, int, int] | None:
@@ -180,16 +191,8 @@ def _transfer_key(a: Action) -> tuple[int, int, int] | None:
 
     Ranks are implied: both ends sit on ``rank_of(stage, unit)`` of their stage.
     """
-    k = a.kind
-    if k is _K.SEND_F:
-        return (0, a.stage, a.unit)
-    if k is _K.RECV_F:
-        return (0, a.stage - 1, a.unit)
-    if k is _K.SEND_B:
-        return (1, a.stage, a.unit)
-    if k is _K.RECV_B:
-        return (1, a.stage + 1, a.unit)
-    return None
+    info = _TRANSFER.get(a.kind)
+    return None if info is None else (info[0], a.stage + info[1], a.unit)
 
 
 def _dry_run(schedule: Schedule) -> None:
@@ -206,9 +209,10 @@ def _dry_run(schedule: Schedule) -> None:
         i = pc[rank]
         while i < len(mine):
             a = mine[i]
-            key = _transfer_key(a)
-            if key is not None:
-                if a.kind is _K.SEND_F or a.kind is _K.SEND_B:
+            info = _TRANSFER.get(a.kind)
+            if info is not None:
+                key = (info[0], a.stage + info[1], a.unit)
+                if info[2]:
                     sent.add(key)
                     ready.extend(waiting.pop(key, ()))
                 elif key not in sent:

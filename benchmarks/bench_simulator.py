@@ -1,0 +1,77 @@
+"""How fast schedules are built (with validation) and simulated on 64 workers.
+
+1,000 minibatches on a 64-worker plan should take seconds, not minutes.
+Plans: a 64-stage straight pipeline, 16 stages x 4 replicas and 64-way data
+parallelism, plus 1F1B-flush and GPipe on 16 stages with microbatches.
+Stage costs are VGG-like (uneven), transfers go over cluster links. Prints a
+table; times are the best of ``--repeat`` runs.
+
+    python benchmarks/bench_simulator.py [--minibatches 1000] [--repeat 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Sequence
+
+from dreampipe.actions import ScheduleKind
+from dreampipe.schedule import build_schedule
+from dreampipe.simulate import SimCosts, simulate
+from dreampipe.topology import Topology
+
+__all__ = ["main"]
+
+_CASES: tuple[tuple[str, tuple[int, ...], ScheduleKind, int], ...] = (
+    ("64 straight", (1,) * 64, ScheduleKind.PIPEDREAM, 1),
+    ("16 x 4", (4,) * 16, ScheduleKind.PIPEDREAM, 1),
+    ("dp 64", (64,), ScheduleKind.DP, 64),
+    ("16 straight", (1,) * 16, ScheduleKind.FLUSH, 8),
+    ("16 straight", (1,) * 16, ScheduleKind.GPIPE, 8),
+)
+
+
+def _costs(replicas: Sequence[int], fraction: float) -> SimCosts:
+    n = len(replicas)
+    weights = [1.0 + math.sin(s) ** 2 for s in range(n)]
+    return SimCosts(
+        tuple(0.010 * w * fraction for w in weights),
+        tuple(0.020 * w * fraction for w in weights),
+        tuple(4e6 * fraction for _ in range(n - 1)),
+        bandwidth=Topology.parse("8x8", ["50GB/s", "25Gbps"]),
+        allreduce_s=tuple(0.005 if r > 1 else 0.0 for r in replicas),
+        parameter_bytes=(1e7,) * n,
+        stash_bytes=(4e7 * fraction,) * n,
+        unit_fraction=fraction,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minibatches", type=int, default=1000)
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args(argv)
+    print(f"{'plan':<12} {'schedule':<10} {'units':>6} {'actions':>8} {'build s':>8} "
+          f"{'simulate s':>10} {'total s':>8} {'mb/s':>8} {'bubble':>7}")
+    for name, replicas, kind, per_update in _CASES:
+        units = args.minibatches * per_update if kind is not ScheduleKind.DP else args.minibatches
+        fraction = 1.0 if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.DP) else 1 / per_update
+        per = per_update if kind is not ScheduleKind.DP else replicas[0]
+        units = -(-units // per) * per
+        build_s = sim_s = math.inf
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            schedule = build_schedule(replicas, kind, units, per)
+            t1 = time.perf_counter()
+            result = simulate(schedule, _costs(replicas, fraction))
+            t2 = time.perf_counter()
+            build_s, sim_s = min(build_s, t1 - t0), min(sim_s, t2 - t1)
+        actions = sum(len(a) for a in schedule.actions)
+        print(f"{name:<12} {kind.value:<10} {units:>6} {actions:>8} {build_s:>8.2f} "
+              f"{sim_s:>10.2f} {build_s + sim_s:>8.2f} "
+              f"{result.throughput_minibatches_per_s:>8.2f} {result.bubble_fraction:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()
