@@ -55,7 +55,7 @@ def test_human_report_lists_every_rank(
 ) -> None:
     assert main(["simulate", str(_plan(tmp_path, [1, 1, 1])), "--minibatches", "5"]) == 0
     out = capsys.readouterr().out
-    assert "pipedream, config 1-1-1 on 3 workers" in out
+    assert "pipedream, config straight on 3 workers" in out
     assert "bubble" in out and "throughput" in out
     rows = [ln for ln in out.splitlines() if ln.strip()[:1].isdigit()]
     assert len(rows) == 3

@@ -35,7 +35,7 @@ from dreampipe.actions import ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
 from dreampipe.events import Event
 from dreampipe.graph import LayerGraph
-from dreampipe.plan import Plan
+from dreampipe.plan import Plan, config_string
 from dreampipe.topology import Topology
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate"]
@@ -190,7 +190,7 @@ class _Run:
         params, stash = self.c.parameter_bytes, self.c.stash_bytes
         return SimResult(
             kind=s.kind,
-            config="-".join(map(str, s.replicas)),
+            config=config_string(s.replicas),
             num_units=s.num_units,
             makespan_s=makespan,
             throughput_minibatches_per_s=(

@@ -57,7 +57,8 @@ def draw_timeline(
     ``num_ranks`` forces the row count (ranks without events stay empty);
     ``comm=False`` leaves communication out; ``window_s`` = ``(start, end)``
     in the events' own seconds draws only that span. Zero-length events
-    (free transfers, instant optimizer steps) are not drawn.
+    (free transfers, instant optimizer steps) are not drawn; others are at
+    least a pixel wide.
     """
     import matplotlib
 
@@ -74,11 +75,12 @@ def draw_timeline(
     span_ms = max((end - origin) * 1e3, 1e-6)
     ranks = num_ranks if num_ranks is not None else 1 + max((e.rank for e in events), default=0)
     fig, ax = plt.subplots(figsize=(_WIDTH_IN, 1.2 + 0.42 * ranks))
+    px_ms = span_ms / (fig.get_figwidth() * fig.dpi * 0.85)
     bars: dict[tuple[int, ActionKind], list[tuple[float, float]]] = {}
     for e in shown:
         bars.setdefault((e.rank, e.kind), []).append(
-            ((e.start_s - origin) * 1e3, (e.end_s - e.start_s) * 1e3))
-    min_edged_ms = 6 * span_ms / (fig.get_figwidth() * fig.dpi)
+            ((e.start_s - origin) * 1e3, max((e.end_s - e.start_s) * 1e3, px_ms)))
+    min_edged_ms = 6 * px_ms
     for (rank, kind), spans in bars.items():
         low, height = _BAND[kind]
         edged = kind in (_K.FORWARD, _K.BACKWARD)

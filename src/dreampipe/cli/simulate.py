@@ -20,7 +20,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dreampipe.actions import ScheduleKind
-from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.errors import PlanError, ScheduleError, TopologyError
 from dreampipe.graph import LayerGraph, load_graph
 from dreampipe.plan import Plan
 from dreampipe.schedule import build_schedule
@@ -105,7 +105,8 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     data = _json_object(source)
     if data is not None and data.get("format") == "dreampipe.plan":
         plan = Plan.from_dict(data)
-        topology = Topology.parse(args.topology or plan.topology or _DEFAULT_TOPOLOGY)
+        topology = (Topology.parse(args.topology) if args.topology
+                    else _plan_topology(plan.topology))
         graph = load_graph(args.profile) if args.profile is not None else None
         return plan, graph, topology
     if args.profile is not None:
@@ -116,6 +117,19 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     from dreampipe.planner import plan as make_plan
 
     return make_plan(graph, topology), graph, topology
+
+
+def _plan_topology(text: str) -> Topology:
+    """The topology a plan names: a spec (``4x4``) or a description starting with one."""
+    for spec in (text, *text.split()[:1]):
+        try:
+            return Topology.parse(spec)
+        except TopologyError:
+            continue
+    if not text:
+        return Topology.parse(_DEFAULT_TOPOLOGY)
+    raise TopologyError(f"the plan's topology {text!r} is not a preset or shape; "
+                        "pass --topology (e.g. cluster-a or 4x4)")
 
 
 def _json_object(path: Path) -> dict[str, Any] | None:
