@@ -73,7 +73,7 @@ def _check_numbers(cfg: RunConfig) -> None:
             else f"{cfg.microbatches} microbatches"
         )
         divisors = [d for d in range(2, cfg.minibatch_size + 1) if cfg.minibatch_size % d == 0]
-        near = sorted(divisors, key=lambda d: abs(d - units))[:2]
+        near = sorted(divisors, key=lambda d: (d < units, abs(d - units)))[:2]
         hint = " or ".join(str(d) for d in sorted(near)) if near else "1"
         raise ScheduleError(
             f"{what} do not divide a minibatch of {cfg.minibatch_size}; "

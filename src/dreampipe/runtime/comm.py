@@ -247,6 +247,8 @@ class Comm:
     # ---- all-reduce ------------------------------------------------------
     def allreduce(self, grads: list[Tensor], group: Any, action: Action, scale: float) -> None:
         """Sum ``grads`` over the replicas of this stage in place, then multiply by ``scale``."""
+        if not grads:
+            return
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=group, async_op=True)
         replicas = self.schedule.replicas[self.stage]

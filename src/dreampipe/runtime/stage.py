@@ -96,7 +96,7 @@ class StageModule:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self.optimizer = optimizer(self._params)
+        self.optimizer = optimizer(self._params) if self._params else None
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
@@ -249,7 +249,8 @@ class StageModule:
                 del self._versions[cur.number]
         for p, g in zip(self._params, self._grads, strict=True):
             p.grad = g
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         for p in self._params:
             p.grad = None
         self._grads = [None] * len(self._params)

@@ -1,0 +1,100 @@
+"""Errors, not hangs: bad inputs fail before any send, a stalled peer fails every rank."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+import time
+
+import pytest
+
+from dreampipe.actions import ScheduleKind
+from dreampipe.errors import PeerTimeoutError, PlanError, ScheduleError
+from dreampipe.plan import Plan
+from dreampipe.runtime import RunConfig, launch_local
+
+MODEL_KW = (("layers", 4), ("width", 16))
+
+
+def _cfg(plan: Plan, **kw: object) -> RunConfig:
+    return RunConfig(model="mlp", plan=plan, model_kwargs=MODEL_KW, **kw)  # type: ignore[arg-type]
+
+
+BAD = [
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.FLUSH,
+             minibatch_size=256, microbatches=3),
+        ScheduleError, "3 microbatches do not divide a minibatch of 256; use a divisor such as 4 or 8",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=30,
+             microbatches=2),
+        ScheduleError, "2 workers x 2 microbatches = 4 units do not divide a minibatch of 30",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1]), microbatches=4),
+        ScheduleError, "microbatches must be 1 \\(got 4\\)",
+    ),
+    (
+        _cfg(Plan.from_config(5, [0, 1, 2, 3, 4], [1] * 5)),
+        PlanError, "5 stages but mlp has only 4 layers",
+    ),
+    (
+        _cfg(Plan.from_config(6, [0, 3], [1, 1])),
+        PlanError, "model of 6 layers but mlp has 4",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1], layer_names=("fc0", "fc1", "conv", "fc3"))),
+        PlanError, "layer 2 is 'conv' but mlp's is 'fc2'",
+    ),
+    (
+        RunConfig(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
+                  plan=Plan.from_config(5, [0, 3], [1, 1])),
+        PlanError, "stage 0 \\(layers 0..2\\) returns a tuple, not a tensor",
+    ),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("cfg", "error", "message"), BAD, ids=[m for _, _, m in BAD])
+def test_bad_inputs_raise_before_any_process_starts(
+    cfg: RunConfig, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        launch_local(cfg)
+    assert mp.active_children() == []
+
+
+@pytest.mark.timeout(30)
+def test_worker_count_must_match_the_plan() -> None:
+    with pytest.raises(PlanError, match="uses 2 workers but 3 were started"):
+        launch_local(_cfg(Plan.from_config(4, [0, 2], [1, 1])), workers=3)
+
+
+@pytest.mark.timeout(90)
+def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
+    timeout = 3.0
+    cfg = RunConfig(
+        model="runtime.models_for_tests:stall_mlp", model_kwargs=MODEL_KW,
+        plan=Plan.from_config(5, [0, 2, 3], [1, 1, 1]), steps=3, minibatch_size=4,
+        timeout_s=timeout,
+    )
+    start = time.monotonic()
+    with pytest.raises(PeerTimeoutError) as info:
+        launch_local(cfg, deadline_s=60.0)
+    elapsed = time.monotonic() - start
+    text = str(info.value)
+    assert re.search(
+        r"rank 0 \(stage 0\) waited more than 3 s for rank 1 \(stage 1\) in RECV_B0 "
+        r"\(minibatch 0\)", text,
+    ), text
+    assert re.search(
+        r"rank 2 \(stage 2\) waited more than 3 s for rank 1 \(stage 1\) in RECV_F0 "
+        r"\(minibatch 0\)", text,
+    ), text
+    codes = re.search(r"exit codes by rank: \{0: (-?\d+), 1: (-?\d+), 2: (-?\d+)\}", text)
+    assert codes is not None, text
+    assert all(int(c) != 0 for c in codes.groups())
+    assert "--- traceback of rank 0 ---" in text
+    assert elapsed < timeout + 30.0
+    assert mp.active_children() == []
