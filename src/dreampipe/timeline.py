@@ -101,7 +101,7 @@ def draw_timeline(
         for r in range(ranks)])
     ax.set_ylim(ranks, 0)
     ax.set_xlim(0, span_ms)
-    ax.set_xlabel("time (ms)" + (f" from {origin * 1e3:.1f} ms" if origin else ""))
+    ax.set_xlabel("time (ms)" if origin == 0 else "time (ms from the first event shown)")
     for r in range(1, ranks):
         ax.axhline(r, color="#e0e0e0", linewidth=0.6)
     kinds = {e.kind for e in shown}
@@ -127,7 +127,7 @@ def _write_units(ax: object, events: Sequence[Event], origin: float, span_ms: fl
         if e.kind not in (_K.FORWARD, _K.BACKWARD):
             continue
         width_ms = (e.end_s - e.start_s) * 1e3
-        if width_ms * px_per_ms < 7 * len(str(e.unit)) + 4:
+        if width_ms * px_per_ms < 5.5 * len(str(e.unit)) + 3:
             continue
         ax.text((e.start_s - origin) * 1e3 + width_ms / 2, e.rank + 0.5,  # type: ignore[attr-defined]
                 str(e.unit), ha="center", va="center", color="white", fontsize=7, clip_on=True)

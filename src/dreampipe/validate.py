@@ -9,10 +9,10 @@ the runtime's semantics terminates (receives and all-reduces block, sends and
 compute never do). A failure raises :class:`ScheduleError` with the rank-by-step
 grid around the offending action, marked ``>F3<``::
 
-    deadlock: rank 0 waits at RECV_B0 and rank 1 waits at RECV_F1 ...
-    step         0        1        2        3
-    rank 0 s0  F0       SEND_F0  >RECV_B0< F1
-    rank 1 s1  RECV_F0  F0       >RECV_F1< B0
+    deadlock: rank 0 waits at RECV_B0, rank 1 waits at RECV_F0; no rank can move ...
+    step       0          1          2        3        4
+    rank 0 s0  F0         >RECV_B0<  SEND_F0  B0       STEP0
+    rank 1 s1  >RECV_F0<  F0         B0       SEND_B0  STEP0
 """
 
 from __future__ import annotations
