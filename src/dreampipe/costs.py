@@ -15,16 +15,25 @@ gradient buffer::
 
     versions = ceil(workers from this stage to the end / replicas of this stage)
     memory   = versions * (weights + activations) + weights
+
+:class:`RangeCosts` holds the profile's sums over every layer range, the
+inputs of these terms for any candidate stage.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import numpy as np
 import numpy.typing as npt
+
+from dreampipe.graph import LayerGraph
 
 __all__ = [
     "GPIPE_MICROBATCHES_PER_STAGE",
     "FloatArray",
+    "RangeCosts",
     "allreduce_time",
     "cut_time",
     "gpipe_time",
@@ -128,3 +137,47 @@ def gpipe_time(slowest_stage_s: float, num_stages: int, microbatches: int | None
     """
     m = microbatches if microbatches is not None else GPIPE_MICROBATCHES_PER_STAGE * num_stages
     return (m + num_stages - 1) / m * slowest_stage_s
+
+
+@dataclass(frozen=True)
+class RangeCosts:
+    """Range sums of a profile: entry ``[i, j]`` covers layers ``i..j`` (seconds, bytes).
+
+    ``compute_s`` is ``inf`` where ``i > j`` so that empty ranges never win a min;
+    ``cut_bytes[k]`` is what crosses the cut before layer ``k`` (DAG rule).
+    """
+
+    compute_s: FloatArray
+    weights: FloatArray
+    activations: FloatArray
+    cut_bytes: FloatArray
+
+    @classmethod
+    def of(cls, graph: LayerGraph) -> RangeCosts:
+        def sums(values: Sequence[float], empty: float) -> FloatArray:
+            prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
+            table = prefix[None, 1:] - prefix[:-1, None]
+            n = len(values)
+            return np.where(np.triu(np.ones((n, n), dtype=bool)), table, empty)
+
+        layers = graph.layers
+        return cls(
+            sums([x.compute_ms / 1e3 for x in layers], np.inf),
+            sums([x.parameter_bytes for x in layers], 0.0),
+            sums([x.activation_bytes for x in layers], 0.0),
+            np.asarray(graph.cut_bytes(), dtype=np.float64),
+        )
+
+    @property
+    def n(self) -> int:
+        return int(self.compute_s.shape[0])
+
+    def memories(self, spans: Sequence[tuple[int, int, int]]) -> list[int]:
+        """Bytes per worker of each stage ``(first, last, replicas)`` of one pipeline."""
+        out, to_end = [], sum(r for _, _, r in spans)
+        for first, last, r in spans:
+            v = versions_in_flight(to_end, r)
+            mem = stage_memory(self.weights[first, last], self.activations[first, last], v)
+            out.append(round(float(mem)))
+            to_end -= r
+        return out

@@ -41,13 +41,13 @@ import numpy.typing as npt
 
 from dreampipe.costs import (
     FloatArray,
+    RangeCosts,
     allreduce_time,
     cut_time,
     gpipe_time,
     max_versions,
     replicated_stage_time,
     stage_memory,
-    versions_in_flight,
 )
 from dreampipe.errors import PlanError
 from dreampipe.graph import LayerGraph
@@ -67,36 +67,6 @@ _CUBE = 1 << 21  # elements per min-max block, bounds temporary memory
 #: :func:`plan` also tries the flat model up to this many workers; beyond, a
 #: stage spans whole servers out of many and server alignment costs little.
 FLAT_MAX_WORKERS = 64
-
-
-@dataclass(frozen=True)
-class _Profile:
-    """Range sums of the layer profile: ``[i, j]`` covers layers ``i..j``."""
-
-    compute_s: FloatArray  # inf where i > j
-    weights: FloatArray
-    activations: FloatArray
-    cut_bytes: FloatArray  # [k]: bytes crossing the cut before layer k
-
-    @classmethod
-    def of(cls, graph: LayerGraph) -> _Profile:
-        def sums(values: Sequence[float], empty: float) -> FloatArray:
-            prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
-            table = prefix[None, 1:] - prefix[:-1, None]
-            n = len(values)
-            return np.where(np.triu(np.ones((n, n), dtype=bool)), table, empty)
-
-        layers = graph.layers
-        return cls(
-            sums([x.compute_ms / 1e3 for x in layers], np.inf),
-            sums([x.parameter_bytes for x in layers], 0.0),
-            sums([x.activation_bytes for x in layers], 0.0),
-            np.asarray(graph.cut_bytes(), dtype=np.float64),
-        )
-
-    @property
-    def n(self) -> int:
-        return int(self.compute_s.shape[0])
 
 
 @dataclass(frozen=True)
@@ -145,8 +115,21 @@ def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, I
     return val, arg
 
 
+def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
+    """Slots the first stage's inner plan may use when the whole has slot ``q``.
+
+    Slot ``q`` allows ``q + 1`` stages; a stage at the bottom level is exactly
+    one, higher up it is a block whose inner plan takes ``qs + 1`` of them.
+    """
+    if not limited:
+        return [0]
+    if bottom:
+        return [0] if q >= 1 else []
+    return range(q)
+
+
 def _solve_level(
-    prof: _Profile,
+    prof: RangeCosts,
     inner_time: FloatArray,
     inner_slack: FloatArray | None,
     count: int,
@@ -193,9 +176,7 @@ def _solve_level(
                 split[q, :, :, m][better] = _SINGLE
                 units[q, :, :, m][better] = m
                 slot_of[q, :, :, m][better] = q
-            inner_slots = ([0] if q >= 1 else []) if bottom and limited else (
-                range(q) if limited else [0])
-            for qs in inner_slots:
+            for qs in _inner_slots(q, bottom, limited):
                 rest_q = q - qs - 1 if limited else 0
                 for mu in range(1, min(m - 1, max_units) + 1):
                     x = np.maximum(stage_t[qs, mu][:, : n - 1], cut[None, : n - 1])
@@ -220,7 +201,7 @@ def _solve_level(
     return _Table(time, slack, split, units, slot_of, first_col)
 
 
-def _solve(prof: _Profile, topo: Topology, opts: _Options) -> list[_Table]:
+def _solve(prof: RangeCosts, topo: Topology, opts: _Options) -> list[_Table]:
     """All levels' tables, innermost first; the last holds the answer."""
     n = prof.n
     inner_time = np.broadcast_to(prof.compute_s, (opts.slots, n, n))
@@ -254,7 +235,7 @@ class _Flat:
 
 
 def _flatten(
-    prof: _Profile, topo: Topology, tables: list[_Table], opts: _Options, k: int,
+    prof: RangeCosts, topo: Topology, tables: list[_Table], opts: _Options, k: int,
     i: int, j: int, m: int, q: int, outer: int, ar_share: float,
 ) -> list[_Flat]:
     """Back-track level ``k``'s pipeline over ``i..j`` on ``m`` units into flat stages."""
@@ -282,19 +263,8 @@ def _flatten(
         q = q - qs - 1 if opts.limited else 0
 
 
-def _memories(prof: _Profile, spans: Sequence[tuple[int, int, int]]) -> list[int]:
-    """Per-worker memory of each stage ``(first, last, replicas)``, DESIGN §5 versions."""
-    out, to_end = [], sum(r for _, _, r in spans)
-    for first, last, r in spans:
-        v = versions_in_flight(to_end, r)
-        out.append(round(float(stage_memory(prof.weights[first, last],
-                                            prof.activations[first, last], v))))
-        to_end -= r
-    return out
-
-
 def _best(
-    prof: _Profile, models: Sequence[Topology], opts: _Options
+    prof: RangeCosts, models: Sequence[Topology], opts: _Options
 ) -> tuple[float, list[_Flat]] | None:
     """The fastest plan over the cost ``models`` (first wins ties), or None if none fits."""
     found: tuple[float, list[_Flat]] | None = None
@@ -316,7 +286,9 @@ def _models(topo: Topology, also_flat: bool) -> list[Topology]:
     return [topo]
 
 
-def _baselines(prof: _Profile, models: Sequence[Topology], memory: int | None) -> dict[str, float]:
+def _baselines(
+    prof: RangeCosts, models: Sequence[Topology], memory: int | None
+) -> dict[str, float]:
     """Data parallelism, the best straight pipeline and GPipe on it, same cost models."""
     out: dict[str, float] = {}
     if memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
@@ -335,7 +307,7 @@ def _baselines(prof: _Profile, models: Sequence[Topology], memory: int | None) -
     return out
 
 
-def _least_memory(prof: _Profile, models: Sequence[Topology], opts: _Options) -> int:
+def _least_memory(prof: RangeCosts, models: Sequence[Topology], opts: _Options) -> int:
     """Smallest device memory (within 1%) at which some plan fits."""
     w, a = np.diag(prof.weights), np.diag(prof.activations)
     lo = float(np.max(2 * w + a))
@@ -381,7 +353,7 @@ def plan(
     ``also_flat`` also solves the one-level problem at the slowest link
     (stages need not align with servers) and keeps it when faster.
     """
-    prof = _Profile.of(graph)
+    prof = RangeCosts.of(graph)
     if memory_bytes is not None and memory_bytes <= 0:
         raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
     opts = _Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
@@ -404,7 +376,7 @@ def plan(
     value, flat = best
     spans = [(f.first, f.last, f.replicas) for f in flat]
     stages, rank = [], 0
-    for f, mem in zip(flat, _memories(prof, spans), strict=True):
+    for f, mem in zip(flat, prof.memories(spans), strict=True):
         stages.append(Stage(
             f.first, f.last, f.replicas, tuple(range(rank, rank + f.replicas)),
             compute_s=float(prof.compute_s[f.first, f.last]), comm_s=f.comm_s,
@@ -428,7 +400,7 @@ def evaluate(
     each all-reduce and each cut runs at the slowest link its ranks span.
     On a one-level topology this equals the DP's cost of the same plan.
     """
-    prof = _Profile.of(graph)
+    prof = RangeCosts.of(graph)
     n = prof.n
     if len(bounds) > n:
         raise PlanError(f"{len(bounds)} stages forced on {n} layers; a stage needs a layer")
@@ -449,7 +421,7 @@ def evaluate(
     spans = [(edges[s], edges[s + 1] - 1, r) for s, r in enumerate(replicas)]
     firsts = [sum(replicas[:s]) for s in range(len(replicas) + 1)]
     stages = []
-    for s, ((first, last, r), mem) in enumerate(zip(spans, _memories(prof, spans), strict=True)):
+    for s, ((first, last, r), mem) in enumerate(zip(spans, prof.memories(spans), strict=True)):
         bw = topology.bandwidth_between(firsts[s], firsts[s + 1] - 1)
         comm = 0.0
         if s + 1 < len(spans):
