@@ -117,7 +117,7 @@ def _brute(graph: LayerGraph, levels: Sequence[Level], fewer: bool, straight: bo
 
 
 @st.composite
-def _chains(draw: st.DrawFn, max_layers: int = 6) -> LayerGraph:
+def _graphs(draw: st.DrawFn, max_layers: int = 6) -> LayerGraph:
     n = draw(st.integers(1, max_layers))
     layers = [
         Layer(
@@ -129,14 +129,16 @@ def _chains(draw: st.DrawFn, max_layers: int = 6) -> LayerGraph:
         )
         for i in range(n)
     ]
-    return LayerGraph.chain(layers, model="random")
+    skips = draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=3))
+    edges = {(i, i + 1) for i in range(n - 1)} | {(a, b) for a, b in skips if b > a + 1}
+    return LayerGraph(tuple(layers), tuple(sorted(edges)), model="random")  # a DAG
 
 
 _BW = st.sampled_from([1e8, 1e9, 1e10])
 
 
 @settings(max_examples=300, deadline=None)
-@given(_chains(), st.integers(1, 4), _BW, st.booleans(), st.booleans())
+@given(_graphs(), st.integers(1, 4), _BW, st.booleans(), st.booleans())
 def test_one_level_dp_equals_brute_force(
     graph: LayerGraph, workers: int, bw: float, fewer: bool, straight: bool
 ) -> None:
@@ -159,7 +161,7 @@ def test_one_level_dp_equals_brute_force(
 
 
 @settings(max_examples=150, deadline=None)
-@given(_chains(5), st.integers(1, 3), st.integers(1, 2), _BW, _BW, st.booleans())
+@given(_graphs(5), st.integers(1, 3), st.integers(1, 2), _BW, _BW, st.booleans())
 def test_two_level_dp_equals_brute_force(
     graph: LayerGraph, inner: int, outer: int, bw_in: float, bw_out: float, fewer: bool
 ) -> None:
@@ -181,7 +183,7 @@ def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_chains(5), st.integers(1, 4), _BW, st.floats(0.2, 1.0), st.integers(1, 5))
+@given(_graphs(5), st.integers(1, 4), _BW, st.floats(0.2, 1.0), st.integers(1, 5))
 def test_memory_and_max_stages_equal_brute_force(
     graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int
 ) -> None:
@@ -224,7 +226,7 @@ def test_inner_cut_is_shared_by_replicated_servers() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(_chains(6), st.integers(1, 3))
+@given(_graphs(6), st.integers(1, 3))
 def test_two_level_plans_fit_their_memory(graph: LayerGraph, max_stages: int) -> None:
     topo = Topology((Level(2, 1e10), Level(2, 1e9)))
     per_layer = max(2 * x.parameter_bytes + x.activation_bytes for x in graph.layers)
