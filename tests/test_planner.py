@@ -175,6 +175,18 @@ def test_two_level_dp_equals_brute_force(
     assert both.time_per_minibatch_s == pytest.approx(min(expect, flat), rel=1e-9)
 
 
+@settings(max_examples=25, deadline=None)
+@given(_graphs(4), _BW, _BW, st.booleans())
+def test_three_levels_equal_brute_force(
+    graph: LayerGraph, bw_mid: float, bw_out: float, fewer: bool
+) -> None:
+    topo = Topology((Level(2, 1e10), Level(2, bw_mid), Level(2, bw_out)))
+    got = plan(graph, topo, allow_fewer_workers=fewer, also_flat=False)
+    expect = _brute(graph, topo.levels, fewer, False)
+    assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
+    assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
+
+
 def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
     for part in _partitions(0, n - 1):
         for budget in range(len(part), workers + 1):
