@@ -90,3 +90,22 @@ def test_layer_label() -> None:
     assert len(layer_label(graph, 1)) <= 26
     named = LayerGraph.chain([Layer("encoder.conv", 1.0, 1.0, 1, 1, "Conv2d(...)")])
     assert layer_label(named, 0) == "encoder.conv"
+
+
+def test_dreampipe_json_profile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    layers = [Layer(f"block{i}", 2.0, 4.0, 10**6, 10**5 * (i + 1)) for i in range(6)]
+    profile = tmp_path / "toy.json"
+    LayerGraph.chain(layers, batch_size=16, model="toy").save(profile)
+    code, out, _ = _run(capsys, str(profile), "-t", "2x2")
+    assert code == 0
+    assert "model: toy, 6 layers, minibatch 16" in out
+    assert "block0 .. block" in out and "samples/s" in out
+
+
+def test_baseline_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    gnmt = VGG.with_name("gnmt.txt")
+    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB")
+    assert code == 0
+    assert "data parallelism: does not fit in memory" in out
+    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB", "--json")
+    assert json.loads(out)["speedup_over_dp"] is None
