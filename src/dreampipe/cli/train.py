@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError
 
-__all__ = ["parse_model_args", "register", "torchrun_world"]
+__all__ = ["parse_model_args", "register"]
 
 _SCHEDULES = [k.value for k in ScheduleKind]
 _DATASETS = ("synthetic", "digits", "mnist")
@@ -117,13 +116,6 @@ def parse_model_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def torchrun_world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when started by torchrun (or any env:// launcher), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
 def _check_train_args(args: argparse.Namespace) -> None:
     if args.workers is not None and args.workers < 1:
         raise PlanError(f"--workers {args.workers}: use at least 1 worker")
@@ -152,7 +144,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.job import TrainRequest, run_train
+    from dreampipe.training import TrainRequest, run_train, torchrun_world
 
     _check_train_args(args)
     world = torchrun_world()

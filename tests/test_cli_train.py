@@ -1,0 +1,153 @@
+"""``dreampipe train`` and ``demo``: argument checks, plan choice, a tiny real run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dreampipe.actions import ActionKind, ScheduleKind
+from dreampipe.cli import main
+from dreampipe.cli.train import parse_model_args
+from dreampipe.demo import DemoOptions, timeline_window
+from dreampipe.errors import PlanError
+from dreampipe.events import Event
+from dreampipe.graph import Layer, LayerGraph
+from dreampipe.job import (
+    choose_plan,
+    local_topology,
+    parse_stage_bounds,
+    predict_samples_per_s,
+    steps_for_epochs,
+    unit_size,
+    units_per_update,
+)
+from dreampipe.training import torchrun_world
+
+
+def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--workers", "0"], "--workers 0"),
+        (["--workers", "-3"], "--workers -3"),
+        (["--schedule", "gpipe", "--batch-size", "30", "--microbatches", "4"],
+         "--batch-size 30 is not divisible by --microbatches 4"),
+        (["--microbatches", "2"], "--microbatches 2 with --schedule pipedream"),
+        (["--plan", "p.json", "--config", "2-1"], "--plan with --config"),
+        (["--steps", "0"], "--steps 0"),
+        (["--dataset", "mnist"], "--data-dir"),
+        (["--timeout", "0"], "--timeout 0"),
+        (["--model-arg", "layers"], "KEY=VALUE"),
+    ],
+)
+def test_train_rejects_bad_arguments(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    err = _fails(["train", "mlp", *argv], capsys)
+    assert err.startswith("dreampipe train: error:")
+    assert needle in err
+
+
+def test_train_rejects_mismatched_torchrun_world(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert torchrun_world() == (0, 3)
+    err = _fails(["train", "mlp", "--workers", "2", "--no-progress"], capsys)
+    assert "torchrun started 3 processes" in err
+
+
+def test_model_args_are_typed() -> None:
+    assert parse_model_args(["layers=4", "scale=0.5", "name=x"]) == (
+        ("layers", 4), ("scale", 0.5), ("name", "x"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("1,4", "must start at 0"), ("0,4,4", "increase"), ("0,8", "layer 8"), ("0,a", "e.g. 0,4")],
+)
+def test_stage_bounds_are_checked(text: str, needle: str) -> None:
+    with pytest.raises(PlanError, match=needle):
+        parse_stage_bounds(text, 8)
+    assert parse_stage_bounds("0,3,5", 8) == [0, 3, 5]
+
+
+def test_units_follow_the_runtime() -> None:
+    assert units_per_update(ScheduleKind.PIPEDREAM, 1, 4) == 1
+    assert units_per_update(ScheduleKind.GPIPE, 8, 4) == 8
+    assert units_per_update(ScheduleKind.DP, 2, 4) == 8
+    assert unit_size(ScheduleKind.FLUSH, 256, 8) == 32
+    assert unit_size(ScheduleKind.DP, 256, 1, 2) == 128
+    with pytest.raises(PlanError, match="3 workers"):
+        unit_size(ScheduleKind.DP, 256, 1, 3)
+
+
+def test_steps_cover_the_epochs() -> None:
+    assert steps_for_epochs(2, 1000, 32) * 32 >= 2000
+    assert (steps_for_epochs(2, 1000, 32) - 1) * 32 < 2000
+    with pytest.raises(PlanError, match="--epochs 0"):
+        steps_for_epochs(0, 1000, 32)
+
+
+def _graph(times_ms: list[float], batch: int = 32) -> LayerGraph:
+    layers = tuple(
+        Layer(f"l{i}", t / 3, 2 * t / 3, 4 * batch * 1024, 4 * 1024 * 1024)
+        for i, t in enumerate(times_ms)
+    )
+    edges = tuple((i, i + 1) for i in range(len(layers) - 1))
+    return LayerGraph(layers, edges, batch, "toy")
+
+
+def test_forced_partition_is_evaluated_as_given() -> None:
+    graph = _graph([4.0, 4.0, 4.0, 4.0])
+    plan = choose_plan(graph, 3, config="2-1", stages="0,3")
+    assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 2, 2), (3, 3, 1)]
+    straight = choose_plan(graph, 2, stages="0,2")
+    assert straight.config == "straight"
+    with pytest.raises(PlanError, match="needs 3 workers, not 2"):
+        choose_plan(graph, 2, config="2-1", stages="0,3")
+    with pytest.raises(PlanError, match="2 stages but --stages"):
+        choose_plan(graph, 3, config="2-1", stages="0,1,2")
+
+
+def test_prediction_matches_a_balanced_pipeline() -> None:
+    graph = _graph([6.0] * 4)
+    plan = choose_plan(graph, 2, stages="0,2")
+    steps = 200
+    rate = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM, minibatch_size=32,
+                                 microbatches=1, steps=steps)
+    one_stage_s = 2 * 6.0 / 1e3
+    assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
+    assert local_topology(2).num_workers == 2
+
+
+def test_timeline_window_keeps_the_asked_units() -> None:
+    events = [Event(0, 0, ActionKind.FORWARD, u, u, u + 0.5) for u in range(20)]
+    kept = timeline_window(tuple(events), 3, 5)
+    assert [e.unit for e in kept] == [3, 4, 5, 6, 7]
+    with pytest.raises(PlanError, match="--epochs -1"):
+        DemoOptions().with_epochs(-1)
+
+
+def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=64",
+            "--workers", "2", "--stages", "0,2", "--steps", "6", "--batch-size", "16",
+            "--json", "--no-progress", "--timeout", "60"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1
+    data = json.loads(out[0])
+    assert data["samples_per_s"] > 0
+    assert data["predicted_samples_per_s"] > 0
+    assert data["config"] == "straight"
+    assert len(data["losses"]) == 6
+    assert data["final_loss"] == data["losses"][-1]
