@@ -109,3 +109,15 @@ def test_baseline_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert "data parallelism: does not fit in memory" in out
     code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB", "--json")
     assert json.loads(out)["speedup_over_dp"] is None
+
+
+def test_simulator_confirms_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--json")
+    data = json.loads(out)
+    predicted = data["throughput_minibatches_per_s"]
+    assert code == 0 and predicted > 0
+    # Start-up makes the simulated run a little slower than the steady state.
+    assert 0.85 * predicted < data["simulated_minibatches_per_s"] <= 1.05 * predicted
+    assert data["simulated_minibatches"] % 15 == 0  # whole all-reduce rounds of the 15-1 plan
+    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b")
+    assert "simulated:" in out and "of the prediction" in out

@@ -14,6 +14,7 @@ from dreampipe.schedule import (
     lower_communication,
     lower_updates,
     warmup_forwards,
+    whole_rounds,
 )
 
 K = ActionKind
@@ -147,3 +148,9 @@ def test_build_schedule_returns_plain_data() -> None:
     assert sched.replicas == (2, 1) and sched.num_units == 4 and sched.units_per_update == 1
     total_f = sum(1 for acts in sched.actions for a in acts if a.kind is K.FORWARD)
     assert total_f == 4 * 2
+
+
+@pytest.mark.parametrize(("replicas", "wanted", "expected"),
+                         [((1, 1), 5, 5), ((2, 1), 5, 6), ((3, 2), 7, 12), ((4,), 0, 4)])
+def test_whole_rounds(replicas: tuple[int, ...], wanted: int, expected: int) -> None:
+    assert whole_rounds(replicas, wanted) == expected

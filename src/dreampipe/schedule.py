@@ -39,6 +39,7 @@ __all__ = [
     "lower_communication",
     "lower_updates",
     "warmup_forwards",
+    "whole_rounds",
 ]
 
 _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -68,6 +69,16 @@ def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
     replicas: ``ceil(sum(replicas[stage:]) / replicas[stage])``.
     """
     return math.ceil(sum(replicas[stage:]) / replicas[stage])
+
+
+def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
+    """The fewest PipeDream minibatches >= ``wanted`` that end on a whole all-reduce round.
+
+    Replicas of a stage all-reduce once per round of ``replicas[s]`` units, so
+    a run must be a multiple of the lcm of the replica counts.
+    """
+    lcm = math.lcm(*replicas)
+    return -(-max(wanted, 1) // lcm) * lcm
 
 
 def compute_schedule(

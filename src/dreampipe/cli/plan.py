@@ -16,13 +16,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dreampipe.actions import ScheduleKind
 from dreampipe.graph import LayerGraph, load_graph
 from dreampipe.plan import Plan
 from dreampipe.planner import plan
+from dreampipe.schedule import build_schedule, whole_rounds
+from dreampipe.simulate import SimResult, costs_from_profile, simulate
 from dreampipe.topology import PRESETS, Topology
 from dreampipe.units import format_bytes
 
-__all__ = ["format_plan", "layer_label", "plan_summary", "register"]
+__all__ = ["confirm_by_simulation", "format_plan", "layer_label", "plan_summary", "register"]
 
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 
@@ -74,16 +77,44 @@ def _run(args: argparse.Namespace) -> int:
         max_stages=args.max_stages,
     )
     seconds = time.perf_counter() - start
+    sim = confirm_by_simulation(result, graph, topo)
     if args.output:
         result.save(args.output)
     if args.json:
-        json.dump(plan_summary(result, seconds), sys.stdout)
+        summary = plan_summary(result, seconds)
+        summary["simulated_minibatches_per_s"] = sim.throughput_minibatches_per_s
+        summary["simulated_minibatches"] = sim.num_units
+        json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_plan(result, graph, topo, seconds))
+        print(_format_confirmation(result, sim))
         if args.output:
             print(f"plan saved to {args.output}")
     return 0
+
+
+def confirm_by_simulation(result: Plan, graph: LayerGraph, topo: Topology) -> SimResult:
+    """Run the plan's PipeDream schedule through the simulator to check the prediction.
+
+    The planner's figure is the steady state; the simulation includes the
+    pipeline's start-up, so it runs enough minibatches (at least 16 per
+    worker, in whole all-reduce rounds) for start-up to matter little.
+    """
+    replicas = [st.replicas for st in result.stages]
+    units = whole_rounds(replicas, 16 * result.workers_used)
+    schedule = build_schedule(replicas, ScheduleKind.PIPEDREAM, units)
+    return simulate(schedule, costs_from_profile(graph, result, topo), record_events=False)
+
+
+def _format_confirmation(result: Plan, sim: SimResult) -> str:
+    predicted = result.throughput_minibatches_per_s
+    ratio = sim.throughput_minibatches_per_s / predicted if predicted > 0 else 0.0
+    return (
+        f"simulated: {sim.throughput_minibatches_per_s:.2f} minibatches/s over "
+        f"{sim.num_units} minibatches with start-up ({ratio:.0%} of the prediction; "
+        f"{sim.bubble_fraction:.0%} of worker time idle)"
+    )
 
 
 def plan_summary(result: Plan, plan_time_s: float | None = None) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError, ScheduleError, TopologyError
 from dreampipe.graph import LayerGraph, load_graph
 from dreampipe.plan import Plan
-from dreampipe.schedule import build_schedule
+from dreampipe.schedule import build_schedule, whole_rounds
 from dreampipe.simulate import SimCosts, SimResult, costs_from_plan, costs_from_profile, simulate
 from dreampipe.topology import Topology
 from dreampipe.units import format_bytes
@@ -157,9 +156,7 @@ def _units(
         if value is not None and value < 1:
             raise ScheduleError(f"--{name} {value}; use 1 or more")
     if kind is ScheduleKind.PIPEDREAM:
-        lcm = math.lcm(*replicas)
-        wanted = args.minibatches or 4 * workers
-        return replicas, -(-wanted // lcm) * lcm, 1, 1.0
+        return replicas, whole_rounds(replicas, args.minibatches or 4 * workers), 1, 1.0
     if kind is ScheduleKind.DP:
         wanted = args.minibatches or 4 * workers
         return (workers,), -(-wanted // workers) * workers, workers, 1.0
