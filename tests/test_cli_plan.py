@@ -6,13 +6,14 @@ import json
 from pathlib import Path
 
 import pytest
+from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.cli.plan import layer_label
 from dreampipe.graph import Layer, LayerGraph, load_graph
 from dreampipe.plan import Plan
 
-VGG = Path("/work/shared/profiles/pipedream/vgg16.txt")
+VGG = PROFILES / "vgg16.txt"
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

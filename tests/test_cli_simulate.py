@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.graph import Layer, LayerGraph
 from dreampipe.plan import Plan
 
-VGG = Path("/work/shared/profiles/pipedream/vgg16.txt")
+VGG = PROFILES / "vgg16.txt"
 
 
 def _profile(tmp_path: Path) -> Path:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from shared_profiles import PROFILES
 
 from dreampipe.costs import (
     allreduce_time,
@@ -25,8 +26,6 @@ from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.graph import Layer, LayerGraph, load_graph
 from dreampipe.planner import evaluate, plan
 from dreampipe.topology import Level, Topology
-
-PROFILES = Path("/work/shared/profiles/pipedream")
 
 
 # ---- cost terms -------------------------------------------------------------
