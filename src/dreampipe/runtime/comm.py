@@ -39,6 +39,7 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _POLL_S = 100e-6
+_MAX_SENDS = 16
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -231,8 +232,8 @@ class Comm:
             kind = _GRAD
         work = dist.isend(data, peer, tag=_tag(action.unit, kind))
         self._sends.append((work, action, peer, data))
-        if len(self._sends) > 16:
-            self._sends = [s for s in self._sends if not s[0].is_completed()]
+        if len(self._sends) > _MAX_SENDS:
+            self._settle(_MAX_SENDS // 2)
 
     def forget(self, unit: int) -> None:
         """Drop bookkeeping for ``unit`` once its gradient has arrived."""
@@ -240,9 +241,14 @@ class Comm:
 
     def drain(self) -> None:
         """Wait for every posted send to complete."""
-        for work, action, peer, _ in self._sends:
+        self._settle(0)
+
+    def _settle(self, keep: int) -> None:
+        """Wait for the oldest sends (long done, normally) until ``keep`` remain."""
+        done = len(self._sends) - keep
+        for work, action, peer, _ in self._sends[:done]:
             self._wait(work, action, f"rank {peer} (stage {self.schedule.stage_of_rank(peer)})")
-        self._sends.clear()
+        del self._sends[:done]
 
     # ---- all-reduce ------------------------------------------------------
     def allreduce(self, grads: list[Tensor], group: Any, action: Action, scale: float) -> None:
