@@ -27,13 +27,17 @@ from torch.func import functional_call
 from dreampipe.data import Dataset
 from dreampipe.models.spec import ModelSpec
 
-__all__ = ["OptFactory", "admitted", "reference_pipedream", "reference_sync", "sgd"]
+__all__ = ["OptFactory", "adam", "admitted", "reference_pipedream", "reference_sync", "sgd"]
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 def sgd(lr: float, momentum: float = 0.0) -> OptFactory:
     return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def adam(lr: float) -> OptFactory:
+    return lambda params: torch.optim.Adam(params, lr=lr)
 
 
 def reference_sync(
@@ -47,7 +51,7 @@ def reference_sync(
         x, y = data.batch(k, minibatch)
         loss = spec.loss_fn(model(x), y)
         optimizer.zero_grad()
-        loss.backward()
+        torch.autograd.backward(loss)
         optimizer.step()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -12,18 +12,18 @@ import torch
 
 from dreampipe.actions import ScheduleKind
 from dreampipe.data import load_dataset
-from dreampipe.models import get_model
+from dreampipe.models import ModelSpec, get_model
 from dreampipe.plan import Plan
 from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
 
-from .reference import reference_pipedream, reference_sync, sgd
+from .reference import adam, reference_pipedream, reference_sync, sgd
 
 RTOL, ATOL = 1e-5, 4e-5
 MODEL_KW = (("layers", 4), ("width", 16))
 SEED = 3
 
 
-def _spec():  # type: ignore[no-untyped-def]
+def _spec() -> ModelSpec:
     return get_model("mlp", **dict(MODEL_KW))
 
 
@@ -74,10 +74,7 @@ def test_sync_schedules_equal_gradient_accumulation(
         optimizer=opt, lr=lr, momentum=0.0,
     )
     data = load_dataset("synthetic", _spec(), seed=SEED)
-    if opt is OptimizerKind.ADAM:
-        factory = lambda ps: torch.optim.Adam(ps, lr=lr)  # noqa: E731
-    else:
-        factory = sgd(lr)
+    factory = adam(lr) if opt is OptimizerKind.ADAM else sgd(lr)
     losses, state = reference_sync(_spec(), data, steps=3, minibatch=16, seed=SEED, opt=factory)
     assert len(result.losses) == 3
     _assert_matches(result, losses, state)

@@ -24,7 +24,8 @@ BAD = [
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.FLUSH,
              minibatch_size=256, microbatches=3),
-        ScheduleError, "3 microbatches do not divide a minibatch of 256; use a divisor such as 4 or 8",
+        ScheduleError,
+        "3 microbatches do not divide a minibatch of 256; use a divisor such as 4 or 8",
     ),
     (
         _cfg(Plan.from_config(4, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=30,

@@ -125,6 +125,7 @@ class RankRunner:
             ActionKind.STEP: self._step,
         }
         self._bar: Any = None
+        self._bar_start = 0.0
 
     # ---- handlers ----------------------------------------------------------
     def _batch(self, unit: int) -> tuple[Tensor, Tensor]:
@@ -173,10 +174,10 @@ class RankRunner:
             self._grads_out[a.unit] = gin
         if self._bar is not None:
             self._bar.update(1)
-            rate = self._bar.format_dict.get("rate") or 0.0
+            elapsed = time.perf_counter() - self._bar_start
+            rate = self._bar.n * self.cfg.unit_size / elapsed if elapsed > 0 else 0.0
             self._bar.set_postfix(
-                loss=f"{float(self._losses[a.unit]):.4f}",
-                samples_per_s=f"{rate * self.cfg.unit_size:.0f}",
+                loss=f"{float(self._losses[a.unit]):.4f}", samples_per_s=f"{rate:.0f}",
                 refresh=False,
             )
 
@@ -236,6 +237,7 @@ class RankRunner:
         total = sum(1 for a in actions if a.kind is ActionKind.BACKWARD)
         unit = "minibatch" if self.pipedream else "microbatch"
         self._bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+        self._bar_start = time.perf_counter()
 
     def final_state(self) -> dict[str, Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.module.module.state_dict().items()}
