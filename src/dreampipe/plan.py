@@ -51,7 +51,9 @@ class Stage:
         if self.first < 0 or self.last < self.first:
             raise PlanError(f"stage layers {self.first}..{self.last} are empty or negative")
         if self.replicas < 1:
-            raise PlanError(f"stage {self.first}..{self.last} has {self.replicas} replicas; needs >= 1")
+            raise PlanError(
+                f"stage {self.first}..{self.last} has {self.replicas} replicas; needs >= 1"
+            )
         if len(self.ranks) != self.replicas:
             raise PlanError(
                 f"stage {self.first}..{self.last} has {self.replicas} replicas "

@@ -113,7 +113,9 @@ class Topology:
         elif re.fullmatch(r"\d+(x\d+)*", spec):
             counts = [int(x) for x in reversed(spec.split("x"))]
             if any(c < 1 for c in counts):
-                raise TopologyError(f"topology {spec!r} has a level of 0 workers; every count must be >= 1")
+                raise TopologyError(
+                    f"topology {spec!r} has a level of 0 workers; every count must be >= 1"
+                )
             topo = cls._with_bandwidths(counts, bandwidths or DEFAULT_BANDWIDTHS[: len(counts)], "")
         else:
             raise TopologyError(
@@ -139,7 +141,9 @@ class Topology:
             )
         figures = list(bandwidths) + [bandwidths[-1]] * (len(counts) - len(bandwidths))
         try:
-            levels = tuple(Level(c, parse_bandwidth(b)) for c, b in zip(counts, figures, strict=True))
+            levels = tuple(
+                Level(c, parse_bandwidth(b)) for c, b in zip(counts, figures, strict=True)
+            )
         except ValueError as exc:
             if isinstance(exc, TopologyError):
                 raise
