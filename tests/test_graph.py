@@ -146,8 +146,10 @@ def _doc(**changes: Any) -> str:
         (_doc(layers=[{"name": "a"}]), "malformed"),
         ("{not json", "not valid JSON"),
         ("[1, 2]", "must be an object"),
+        (_doc(edges=[["a", "b"]]), "malformed"),
+        (_doc(batch_size="big"), "malformed"),
     ],
-    ids=["format", "version", "missing-fields", "syntax", "not-object"],
+    ids=["format", "version", "missing-fields", "syntax", "not-object", "edge-names", "batch"],
 )
 def test_bad_json(text: str, needle: str) -> None:
     with pytest.raises(ProfileError, match=needle):
@@ -158,3 +160,10 @@ def test_missing_file(tmp_path: Path) -> None:
     missing = tmp_path / "nope.json"
     with pytest.raises(ProfileError, match=r"nope\.json"):
         load_graph(missing)
+
+
+def test_binary_file_is_a_profile_error(tmp_path: Path) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\x7fELF\x02\x01\xd0\xff\xfe")
+    with pytest.raises(ProfileError, match=r"model\.bin.*not text"):
+        load_graph(binary)

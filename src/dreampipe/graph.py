@@ -206,8 +206,12 @@ class LayerGraph:
                 layers, edges, int(data.get("batch_size", 0)), str(data.get("model", "")),
                 dict(data.get("meta", {})),
             )
-        except (KeyError, TypeError) as exc:
-            raise ProfileError(f"malformed dreampipe profile: {exc!r}") from exc
+        except ProfileError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProfileError(
+                f"malformed dreampipe profile: {exc!r}; re-run `dreampipe profile` to write it"
+            ) from exc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -231,7 +235,13 @@ def load_graph(path: str | Path) -> LayerGraph:
     p = Path(path)
     if not p.is_file():
         raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise ProfileError(
+            f"profile {str(p)!r} is not text; "
+            "give a dreampipe JSON profile or a PipeDream graph.txt"
+        ) from None
     if text.lstrip().startswith("{"):
         return LayerGraph.from_json(text)
     from dreampipe.graph_txt import parse_graph_txt
