@@ -78,6 +78,13 @@ def test_errors_are_one_line(
     assert err.count("\n") == 1
 
 
+def test_unwritable_output_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "no-such-dir" / "plan.json"
+    code, _, err = _run(capsys, str(VGG), "-t", "4", "-o", str(target))
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("dreampipe plan: error:") and str(target) in err
+
+
 def test_empty_profile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     empty = tmp_path / "graph.txt"
     empty.write_text("\n")

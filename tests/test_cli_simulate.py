@@ -91,3 +91,15 @@ def test_user_errors_are_one_line(
 def test_missing_file_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["simulate", str(tmp_path / "nope.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--trace", "--timeline"])
+def test_unwritable_output_is_a_user_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    plan = _plan(tmp_path, [2, 1, 1])
+    target = tmp_path / "no-such-dir" / "out"
+    assert main(["simulate", str(plan), option, str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dreampipe simulate: error:") and str(target) in err
+    assert err.count("\n") == 1

@@ -3,7 +3,9 @@
 Each sub-command lives in its own module with a ``register(subparsers)``
 function that adds its parser and sets ``func`` to a handler returning the
 exit status. Errors a user can cause (:class:`DreampipeError`) are printed
-as one line on stderr with exit status 2, never as a traceback.
+as one line on stderr with exit status 2, never as a traceback; so is a
+file the user named that cannot be read or written (an ``OSError`` with a
+file name).
 """
 
 from __future__ import annotations
@@ -47,6 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         status: int = args.func(args)
     except DreampipeError as exc:
         print(f"dreampipe {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        print(
+            f"dreampipe {args.command}: error: {exc.strerror or exc}: {str(exc.filename)!r}; "
+            "check the path and its permissions",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
