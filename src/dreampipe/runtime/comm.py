@@ -10,7 +10,9 @@ activation it answers, so it needs no header. Messages are tagged by unit::
 
     tag = 4 * unit + {0: activation, 1: gradient, 2: weight version, 3: header}
 
-With vertical sync every activation is followed by its unit's weight version
+Activations and gradients travel on two process groups of their own, so a
+gradient going back never queues behind an activation arriving on the same
+connection. With vertical sync every activation is followed by its unit's weight version
 (one int64). A wait that passes ``timeout_s`` raises
 :class:`~dreampipe.errors.PeerTimeoutError` naming this rank, its stage, the
 peer, the action and the unit.
@@ -87,6 +89,7 @@ class Comm:
         timeout_s: float,
         *,
         vertical_sync: bool = False,
+        groups: tuple[Any, Any] = (None, None),
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -95,6 +98,7 @@ class Comm:
         self.timeout_s = timeout_s
         self.vertical_sync = vertical_sync
         self._blocking = dist.get_backend() == "gloo"
+        self._fwd, self._bwd = groups
         self._unit_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
         self._in_spec: Spec | None = None
         self._in_links: set[int] = set()
@@ -145,10 +149,14 @@ class Comm:
                 if any(x.peer == peer and x.header is not None for x in self._recvs.values()):
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-                r.header_work = dist.irecv(r.header, peer, tag=_tag(action.unit, _HDR))
+                r.header_work = dist.irecv(
+                    r.header, peer, tag=_tag(action.unit, _HDR), group=self._fwd
+                )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
-                r.version_work = dist.irecv(r.version, peer, tag=_tag(action.unit, _VER))
+                r.version_work = dist.irecv(
+                    r.version, peer, tag=_tag(action.unit, _VER), group=self._fwd
+                )
         else:
             spec = self._sent.get(action.unit)
             if spec is None:
@@ -159,7 +167,8 @@ class Comm:
 
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
-        r.work = dist.irecv(r.buf, r.peer, tag=_tag(r.action.unit, kind))
+        group = self._fwd if kind == _ACT else self._bwd
+        r.work = dist.irecv(r.buf, r.peer, tag=_tag(r.action.unit, kind), group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
@@ -217,20 +226,26 @@ class Comm:
             if peer not in self._out_links:
                 header = _encode(spec, self.device)
                 self._sends.append(
-                    (dist.isend(header, peer, tag=_tag(action.unit, _HDR)), action, peer, header)
+                    (
+                        dist.isend(header, peer, tag=_tag(action.unit, _HDR), group=self._fwd),
+                        action, peer, header,
+                    )
                 )
                 self._out_links.add(peer)
             if self.vertical_sync:
                 assert version is not None
                 v = torch.tensor([version], dtype=torch.int64, device=self.device)
                 self._sends.append(
-                    (dist.isend(v, peer, tag=_tag(action.unit, _VER)), action, peer, v)
+                    (
+                        dist.isend(v, peer, tag=_tag(action.unit, _VER), group=self._fwd),
+                        action, peer, v,
+                    )
                 )
             self._sent[action.unit] = spec
-            kind = _ACT
+            kind, group = _ACT, self._fwd
         else:
-            kind = _GRAD
-        work = dist.isend(data, peer, tag=_tag(action.unit, kind))
+            kind, group = _GRAD, self._bwd
+        work = dist.isend(data, peer, tag=_tag(action.unit, kind), group=group)
         self._sends.append((work, action, peer, data))
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)

@@ -83,6 +83,7 @@ class RankRunner:
         rank: int,
         device: torch.device,
         groups: dict[int, Any],
+        links: tuple[Any, Any] = (None, None),
     ) -> None:
         self.cfg = cfg
         self.schedule = schedule
@@ -102,7 +103,9 @@ class RankRunner:
             vertical_sync=cfg.vertical_sync,
             loss_fn=spec.loss_fn,
         )
-        self.comm = Comm(schedule, rank, device, cfg.timeout_s, vertical_sync=cfg.vertical_sync)
+        self.comm = Comm(
+            schedule, rank, device, cfg.timeout_s, vertical_sync=cfg.vertical_sync, groups=links
+        )
         self.data: Dataset | None = None
         if self.stage == 0 or self.last:
             self.data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)

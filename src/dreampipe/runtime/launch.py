@@ -61,12 +61,14 @@ def run_rank(cfg: RunConfig, rank: int, world: int, device: torch.device) -> Run
         [st.replicas for st in cfg.plan.stages], cfg.schedule, cfg.num_units,
         cfg.units_per_update,
     )
+    everyone = list(range(world))
+    links = (dist.new_group(everyone), dist.new_group(everyone))
     groups = {
         s: dist.new_group(list(st.ranks))
         for s, st in enumerate(cfg.plan.stages)
         if st.replicas > 1
     }
-    runner = RankRunner(cfg, spec, schedule, rank, device, groups)
+    runner = RankRunner(cfg, spec, schedule, rank, device, groups, links)
     barrier(max(cfg.timeout_s, _MIN_SETUP_S))
     report = runner.run(time.perf_counter())
     if report.replica == 0:
