@@ -86,13 +86,17 @@ def test_profile_user_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     ("ref", "needle"),
     [("{dir}/mymodel.py:missing", "no function 'missing'"),
      ("{dir}/mymodel.py:broken", "returned int"),
-     ("{dir}/absent.py:build", "does not exist")],
+     ("{dir}/absent.py:build", "does not exist"),
+     ("{dir}/typo.py:build", "SyntaxError"),
+     ("{dir}/mymodel.py:with_target --batch-size 3", "takes no batch_size")],
 )
 def test_profile_user_file_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   ref: str, needle: str) -> None:
     (tmp_path / "mymodel.py").write_text(_USER_MODEL)
-    assert main(["profile", ref.format(dir=tmp_path)]) == 2
-    assert needle in capsys.readouterr().err
+    (tmp_path / "typo.py").write_text(_USER_MODEL + "\ndef oops(:\n")
+    assert main(["profile", *ref.format(dir=tmp_path).split()]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1
 
 
 def test_show_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -139,12 +140,23 @@ def _load_user_model(
     if spec is None or spec.loader is None:
         raise ProfileError(f"cannot import {path_text!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ProfileError(
+            f"cannot import {path_text!r}: SyntaxError at line {exc.lineno}: {exc.msg}; "
+            "fix the file"
+        ) from exc
     func = getattr(module, func_name, None)
     if not callable(func):
         raise ProfileError(
             f"{path_text} has no function {func_name!r}; "
             "define one returning (model, sample_input, loss_fn[, target])"
+        )
+    if batch_size is not None and not _takes_batch_size(func):
+        raise ProfileError(
+            f"{ref} takes no batch_size argument but --batch-size {batch_size} was given; "
+            "add a batch_size parameter or drop --batch-size"
         )
     result = func() if batch_size is None else func(batch_size=batch_size)
     if not isinstance(result, tuple) or len(result) not in (3, 4):
@@ -162,3 +174,15 @@ def _load_user_model(
     if target is not None and not isinstance(target, Tensor):
         raise ProfileError(f"{ref} returned a {type(target).__name__} target; expected a Tensor")
     return model, sample, loss_fn, target
+
+
+def _takes_batch_size(func: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return True  # no signature to check: let the call decide
+    return any(
+        p.kind is p.VAR_KEYWORD
+        or (p.name == "batch_size" and p.kind is not p.POSITIONAL_ONLY)
+        for p in params
+    )
