@@ -2,7 +2,24 @@
 
 profile -> LayerGraph -> plan(topology) -> Plan -> schedule -> Schedule ->
 simulate() or the runtime. See DESIGN.md for the map.
+
+The functions whose module has the same name are exported under longer
+names, so that ``dreampipe.plan``, ``dreampipe.validate`` and
+``dreampipe.simulate`` stay the modules:
+
+- ``plan_pipeline`` is :func:`dreampipe.planner.plan`, ``evaluate_plan``
+  :func:`dreampipe.planner.evaluate`;
+- ``validate_schedule`` is :func:`dreampipe.validate.validate`;
+- ``simulate_schedule`` is :func:`dreampipe.simulate.simulate`.
+
+``import dreampipe`` stays light: the names that need NumPy or torch
+(the planner, the profiler, the model zoo) load on first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import (
@@ -17,6 +34,19 @@ from dreampipe.errors import (
 from dreampipe.events import Event
 from dreampipe.graph import Layer, LayerGraph, load_graph
 from dreampipe.plan import Plan, Stage
+from dreampipe.schedule import build_schedule
+from dreampipe.simulate import SimCosts, SimResult, costs_from_plan, costs_from_profile
+from dreampipe.simulate import simulate as simulate_schedule
+from dreampipe.timeline import draw_timeline
+from dreampipe.topology import Topology
+from dreampipe.trace import write_chrome_trace
+from dreampipe.validate import validate as validate_schedule
+
+if TYPE_CHECKING:
+    from dreampipe.models import ModelSpec, get_model
+    from dreampipe.planner import evaluate as evaluate_plan
+    from dreampipe.planner import plan as plan_pipeline
+    from dreampipe.profiler import profile_model, profile_spec
 
 __all__ = [
     "Action",
@@ -25,6 +55,7 @@ __all__ = [
     "Event",
     "Layer",
     "LayerGraph",
+    "ModelSpec",
     "PeerTimeoutError",
     "Plan",
     "PlanError",
@@ -32,10 +63,49 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleKind",
+    "SimCosts",
+    "SimResult",
     "Stage",
     "StageMismatchError",
+    "Topology",
     "TopologyError",
+    "build_schedule",
+    "costs_from_plan",
+    "costs_from_profile",
+    "draw_timeline",
+    "evaluate_plan",
+    "get_model",
     "load_graph",
+    "plan_pipeline",
+    "profile_model",
+    "profile_spec",
+    "simulate_schedule",
+    "validate_schedule",
+    "write_chrome_trace",
 ]
 
 __version__ = "0.1.0"
+
+# name -> (module, attribute), imported on first access
+_LAZY = {
+    "ModelSpec": ("dreampipe.models", "ModelSpec"),
+    "get_model": ("dreampipe.models", "get_model"),
+    "evaluate_plan": ("dreampipe.planner", "evaluate"),
+    "plan_pipeline": ("dreampipe.planner", "plan"),
+    "profile_model": ("dreampipe.profiler", "profile_model"),
+    "profile_spec": ("dreampipe.profiler", "profile_spec"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the NumPy- and torch-backed entry points when first used."""
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dreampipe' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = getattr(importlib.import_module(module), attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
