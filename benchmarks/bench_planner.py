@@ -4,6 +4,8 @@ PipeDream's own optimizer needs about 19 s for ResNet-50 (~180 layers) on a
 4x4 topology; dreampipe should stay well under a second at that size. Two
 synthetic chains of ResNet-50's size stand in for it (the shared profiles
 stop at 71 layers). Prints a table; times are the best of ``--repeat`` runs.
+The profiles are looked for beside the clone (``<repo>/../shared``, as in CI),
+then in the workspace copy.
 
     python benchmarks/bench_planner.py [--profiles DIR] [--repeat 3]
 """
@@ -22,6 +24,10 @@ from dreampipe.topology import Topology
 __all__ = ["main", "synthetic_chain"]
 
 TOPOLOGIES = ("cluster-a", "cluster-b", "64x8")
+_PROFILE_DIRS = (
+    Path(__file__).resolve().parents[2] / "shared/profiles/pipedream",
+    Path("/work/shared/profiles/pipedream"),
+)
 
 
 def synthetic_chain(n: int, seed: int = 0) -> LayerGraph:
@@ -47,12 +53,20 @@ def _time(graph: LayerGraph, topo: Topology, repeat: int) -> tuple[float, str, f
     return best, result.config, result.time_per_minibatch_s, result.speedup_over("dp")
 
 
+def _default_profiles() -> Path:
+    """The first of :data:`_PROFILE_DIRS` that holds the profiles (else the first)."""
+    return next((d for d in _PROFILE_DIRS if (d / "vgg16.txt").is_file()), _PROFILE_DIRS[0])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profiles", type=Path, default=Path("/work/shared/profiles/pipedream"))
+    parser.add_argument("--profiles", type=Path, default=_default_profiles(),
+                        help="folder of PipeDream graph.txt profiles (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     graphs = [load_graph(p) for p in sorted(args.profiles.glob("*.txt")) if p.stem != "LICENSE"]
+    if not graphs:
+        parser.error(f"no PipeDream profiles (*.txt) in {args.profiles}; pass --profiles DIR")
     graphs += [synthetic_chain(180, seed=1), synthetic_chain(180, seed=2)]
     print(f"{'model':<12} {'layers':>6} {'topology':<10} {'plan s':>8} {'ms/mb':>8} "
           f"{'x dp':>7}  config")
