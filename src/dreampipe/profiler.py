@@ -1,12 +1,9 @@
 """Per-layer profiler: run a model once, then time every layer on its own.
 
-What a layer is:
-
-- ``nn.Sequential``: each child module; edges form a chain.
-- any other module: traced with ``torch.fx``; each ``call_module``,
-  ``call_function`` and ``call_method`` node whose output holds a tensor is a
-  layer, except indexing (``getitem``/``getattr``), which is glue. Edges come
-  from the traced graph (through glue), so a residual ``x + f(x)`` is a DAG.
+What a layer is: a step of :mod:`dreampipe.model_steps` (a child of an
+``nn.Sequential``, or a torch.fx node) whose output holds a tensor. Edges
+come from the steps' data flow (through glue), so a residual ``x + f(x)``
+is a DAG.
 
 How it measures (all in training mode, autograd on)::
 
@@ -27,13 +24,10 @@ the torch RNG state are restored, so the user's model and RNG are as before.
 
 from __future__ import annotations
 
-import builtins
 import logging
-import operator
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +35,7 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ProfileError
 from dreampipe.graph import Layer, LayerGraph
+from dreampipe.model_steps import INPUT, Env, Step, model_steps
 from dreampipe.models.spec import ModelSpec
 
 __all__ = ["profile_model", "profile_spec"]
@@ -48,22 +43,6 @@ __all__ = ["profile_model", "profile_spec"]
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-_Env = dict[str, Any]
-_INPUT = "__input__"
-_GLUE_FUNCTIONS = (operator.getitem, builtins.getattr)
-
-
-@dataclass
-class _Step:
-    """One executable node: reads ``deps`` from the environment, writes ``key``."""
-
-    key: str
-    deps: tuple[str, ...]
-    run: Callable[[_Env], Any]
-    name: str
-    description: str
-    params: tuple[nn.Parameter, ...]
-    may_be_layer: bool
 
 
 def profile_model(
@@ -87,7 +66,7 @@ def profile_model(
         raise ProfileError(
             f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0"
         )
-    steps, output_key = _steps(model)
+    steps, output_key = model_steps(model)
     cuda = sample_input.device.type == "cuda"
     devices = [sample_input.device.index or 0] if cuda else []
     modes = {m: m.training for m in model.modules()}
@@ -138,144 +117,15 @@ def profile_spec(
     )
 
 
-# ---- turning a model into steps ---------------------------------------------
-def _steps(model: nn.Module) -> tuple[list[_Step], str]:
-    if isinstance(model, nn.Sequential):
-        return _sequential_steps(model)
-    return _fx_steps(model)
-
-
-def _sequential_steps(model: nn.Sequential) -> tuple[list[_Step], str]:
-    children = list(model._modules.items())
-    if not children:
-        raise ProfileError("the nn.Sequential has no layers; give it at least one child module")
-    steps: list[_Step] = []
-    prev = _INPUT
-    for child_name, child in children:
-        steps.append(_Step(
-            key=child_name, deps=(prev,), run=_call_child(child, prev), name=child_name,
-            description=_describe_module(child), params=tuple(child.parameters()),
-            may_be_layer=True,
-        ))
-        prev = child_name
-    return steps, prev
-
-
-def _call_child(child: nn.Module, dep: str) -> Callable[[_Env], Any]:
-    return lambda env: child(env[dep])
-
-
-def _fx_steps(model: nn.Module) -> tuple[list[_Step], str]:
-    try:
-        gm = torch.fx.symbolic_trace(model)
-    except Exception as exc:
-        raise ProfileError(
-            f"cannot trace {type(model).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-            "wrap its layers in an nn.Sequential or remove data-dependent control flow"
-        ) from exc
-    steps: list[_Step] = []
-    output_key = ""
-    names: set[str] = set()
-    placeholders = 0
-    for node in gm.graph.nodes:
-        deps = tuple(n.name for n in node.all_input_nodes)
-        if node.op == "placeholder":
-            placeholders += 1
-            if placeholders > 1 and not node.args:
-                raise ProfileError(
-                    f"{type(model).__name__}.forward takes a second input {node.target!r}; "
-                    "the profiler feeds one sample input: give it a default or pack the inputs"
-                )
-            steps.append(_glue(node.name, deps, _placeholder(placeholders, node.args)))
-        elif node.op == "get_attr":
-            steps.append(_glue(node.name, deps, _constant(_fetch_attr(gm, str(node.target)))))
-        elif node.op == "output":
-            output_key = node.name
-            steps.append(_glue(node.name, deps, _node_runner(gm, node)))
-        else:
-            steps.append(_fx_layer(gm, node, deps, names))
-    return steps, output_key
-
-
-def _fx_layer(gm: torch.fx.GraphModule, node: torch.fx.Node, deps: tuple[str, ...],
-              names: set[str]) -> _Step:
-    params: tuple[nn.Parameter, ...] = ()
-    if node.op == "call_module":
-        module = gm.get_submodule(str(node.target))
-        label, description = str(node.target), _describe_module(module)
-        params = tuple(module.parameters())
-    elif node.op == "call_method":
-        label, description = node.name, f"Tensor.{node.target}"
-    else:
-        label = node.name
-        description = getattr(node.target, "__name__", str(node.target))
-    unique, k = label, 1
-    while unique in names:
-        unique, k = f"{label}#{k}", k + 1
-    names.add(unique)
-    glue = node.op == "call_function" and node.target in _GLUE_FUNCTIONS
-    return _Step(node.name, deps, _node_runner(gm, node), unique, description, params, not glue)
-
-
-def _glue(key: str, deps: tuple[str, ...], run: Callable[[_Env], Any]) -> _Step:
-    return _Step(key, deps, run, key, "", (), may_be_layer=False)
-
-
-def _placeholder(position: int, defaults: tuple[Any, ...]) -> Callable[[_Env], Any]:
-    if position == 1:
-        return lambda env: env[_INPUT]
-    return lambda env: defaults[0]
-
-
-def _constant(value: Any) -> Callable[[_Env], Any]:
-    return lambda env: value
-
-
-def _fetch_attr(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def _node_runner(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Callable[[_Env], Any]:
-    """Execute one fx node on values looked up by node name (as ``torch.fx.Interpreter``)."""
-
-    def run(env: _Env) -> Any:
-        args: Any = torch.fx.node.map_arg(node.args, lambda n: env[n.name])
-        kwargs: Any = torch.fx.node.map_arg(node.kwargs, lambda n: env[n.name])
-        if node.op == "call_module":
-            return gm.get_submodule(str(node.target))(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], str(node.target))(*args[1:], **kwargs)
-        if node.op == "output":
-            return args[0]
-        target: Callable[..., Any] = node.target  # type: ignore[assignment]
-        return target(*args, **kwargs)
-
-    return run
-
-
-def _describe_module(module: nn.Module) -> str:
-    """``Conv2d(1, 16, ...)`` for a leaf, the children joined by ``+`` for a Sequential."""
-    if isinstance(module, nn.Sequential):
-        return " + ".join(_describe_module(child) for child in module.children())
-    if any(True for _ in module.children()):
-        return type(module).__name__
-    extra = " ".join(module.extra_repr().split())
-    return f"{type(module).__name__}({extra})"
-
-
-# ---- measuring --------------------------------------------------------------
 def _record(
-    steps: list[_Step],
+    steps: list[Step],
     output_key: str,
     sample_input: Tensor,
     loss_fn: Callable[..., Tensor],
     target: Tensor | None,
-) -> tuple[_Env, dict[str, list[Tensor | None]]]:
+) -> tuple[Env, dict[str, list[Tensor | None]]]:
     """One real forward + loss; return detached values and d(loss)/d(each output tensor)."""
-    env: _Env = {_INPUT: sample_input}
+    env: Env = {INPUT: sample_input}
     for step in steps:
         env[step.key] = step.run(env)
     output = env[output_key]
@@ -298,8 +148,8 @@ def _record(
 
 
 def _time_layers(
-    steps: list[_Step],
-    env: _Env,
+    steps: list[Step],
+    env: Env,
     grads: dict[str, list[Tensor | None]],
     warmup: int,
     repeats: int,
@@ -339,8 +189,8 @@ def _time_layers(
 
 
 def _time_step(
-    step: _Step,
-    env: _Env,
+    step: Step,
+    env: Env,
     out_grads: list[Tensor | None],
     params: list[nn.Parameter],
     warmup: int,
