@@ -8,11 +8,10 @@ Layers ``conv1 pool1 conv2 pool2 conv3 conv4 conv5 pool3 fc6 fc7 fc8``
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dreampipe.errors import ProfileError
-from dreampipe.models.spec import LayerFactory, ModelSpec
+from dreampipe.models.spec import LayerFactory, ModelSpec, image_classifier
 
 __all__ = ["alexnet"]
 
@@ -46,19 +45,9 @@ def alexnet(image_size: int = 64, width_divisor: int = 4, classes: int = 10) -> 
         ("fc8", lambda: nn.Linear(hidden, classes)),
     ]
 
-    def sample_input(batch: int) -> torch.Tensor:
-        return torch.randn(batch, 3, image_size, image_size)
-
-    def sample_target(batch: int) -> torch.Tensor:
-        return torch.randint(0, classes, (batch,))
-
-    return ModelSpec(
-        name="alexnet",
-        layer_factories=factories,
-        sample_input=sample_input,
-        sample_target=sample_target,
-        loss_fn=nn.functional.cross_entropy,
-        default_batch_size=32,
+    return image_classifier(
+        "alexnet", factories, channels=3, image_size=image_size,
+        classes=classes, default_batch_size=32,
     )
 
 

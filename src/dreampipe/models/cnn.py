@@ -12,11 +12,10 @@ or resized to 28x28; any size divisible by 4 does.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dreampipe.errors import ProfileError
-from dreampipe.models.spec import LayerFactory, ModelSpec
+from dreampipe.models.spec import LayerFactory, ModelSpec, image_classifier
 
 __all__ = ["cnn"]
 
@@ -42,17 +41,7 @@ def cnn(image_size: int = 28, channels: int = 1, classes: int = 10, hidden: int 
         ("out", lambda: nn.Linear(hidden, classes)),
     ]
 
-    def sample_input(batch: int) -> torch.Tensor:
-        return torch.randn(batch, channels, image_size, image_size)
-
-    def sample_target(batch: int) -> torch.Tensor:
-        return torch.randint(0, classes, (batch,))
-
-    return ModelSpec(
-        name="cnn",
-        layer_factories=factories,
-        sample_input=sample_input,
-        sample_target=sample_target,
-        loss_fn=nn.functional.cross_entropy,
-        default_batch_size=64,
+    return image_classifier(
+        "cnn", factories, channels=channels, image_size=image_size,
+        classes=classes, default_batch_size=64,
     )

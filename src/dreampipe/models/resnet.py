@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dreampipe.errors import ProfileError
-from dreampipe.models.spec import LayerFactory, ModelSpec
+from dreampipe.models.spec import LayerFactory, ModelSpec, image_classifier
 
 __all__ = ["Bottleneck", "resnet50"]
 
@@ -70,19 +70,9 @@ def resnet50(image_size: int = 32, width_divisor: int = 4, classes: int = 10) ->
     factories.append(("head", lambda: nn.Sequential(
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))))
 
-    def sample_input(batch: int) -> torch.Tensor:
-        return torch.randn(batch, 3, image_size, image_size)
-
-    def sample_target(batch: int) -> torch.Tensor:
-        return torch.randint(0, classes, (batch,))
-
-    return ModelSpec(
-        name="resnet50",
-        layer_factories=factories,
-        sample_input=sample_input,
-        sample_target=sample_target,
-        loss_fn=nn.functional.cross_entropy,
-        default_batch_size=32,
+    return image_classifier(
+        "resnet50", factories, channels=3, image_size=image_size,
+        classes=classes, default_batch_size=32,
     )
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["LayerFactory", "ModelSpec"]
+__all__ = ["LayerFactory", "ModelSpec", "image_classifier"]
 
 LayerFactory = Callable[[], nn.Module]
 
@@ -59,3 +59,30 @@ class ModelSpec:
                 torch.manual_seed(seed + i)
                 layers[name] = factory()
         return nn.Sequential(layers)
+
+
+def image_classifier(
+    name: str,
+    factories: Sequence[tuple[str, LayerFactory]],
+    *,
+    channels: int,
+    image_size: int,
+    classes: int,
+    default_batch_size: int,
+) -> ModelSpec:
+    """A zoo classifier: random ``channels x image_size²`` images, labels, cross-entropy."""
+
+    def sample_input(batch: int) -> torch.Tensor:
+        return torch.randn(batch, channels, image_size, image_size)
+
+    def sample_target(batch: int) -> torch.Tensor:
+        return torch.randint(0, classes, (batch,))
+
+    return ModelSpec(
+        name=name,
+        layer_factories=factories,
+        sample_input=sample_input,
+        sample_target=sample_target,
+        loss_fn=nn.functional.cross_entropy,
+        default_batch_size=default_batch_size,
+    )

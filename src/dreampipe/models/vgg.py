@@ -9,11 +9,10 @@ model.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dreampipe.errors import ProfileError
-from dreampipe.models.spec import LayerFactory, ModelSpec
+from dreampipe.models.spec import LayerFactory, ModelSpec, image_classifier
 
 __all__ = ["vgg16"]
 
@@ -51,19 +50,9 @@ def vgg16(image_size: int = 32, width_divisor: int = 4, classes: int = 10) -> Mo
         ("fc8", lambda: nn.Linear(hidden, classes)),
     ]
 
-    def sample_input(batch: int) -> torch.Tensor:
-        return torch.randn(batch, 3, image_size, image_size)
-
-    def sample_target(batch: int) -> torch.Tensor:
-        return torch.randint(0, classes, (batch,))
-
-    return ModelSpec(
-        name="vgg16",
-        layer_factories=factories,
-        sample_input=sample_input,
-        sample_target=sample_target,
-        loss_fn=nn.functional.cross_entropy,
-        default_batch_size=32,
+    return image_classifier(
+        "vgg16", factories, channels=3, image_size=image_size,
+        classes=classes, default_batch_size=32,
     )
 
 
