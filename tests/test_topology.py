@@ -88,5 +88,5 @@ def test_direct_construction_is_checked() -> None:
         Topology(())
     with pytest.raises(TopologyError, match="must be positive"):
         Topology((Level(2, 1e9),), memory_bytes=0)
-    with pytest.raises(TopologyError, match="'-1GB' is not a quantity"):
+    with pytest.raises(TopologyError, match="'-1GB' is negative"):
         Topology.parse("4", memory="-1GB")

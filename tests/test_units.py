@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from dreampipe.errors import DreampipeError, QuantityError
 from dreampipe.units import format_bytes, parse_bandwidth, parse_bytes
 
 
@@ -42,16 +45,24 @@ def test_parse_bandwidth(text: str | float, expect: float) -> None:
     assert parse_bandwidth(text) == pytest.approx(expect)
 
 
-@pytest.mark.parametrize("text", ["fast", "16XB", "-1GB", "GB", ""])
-def test_bad_sizes_name_the_value(text: str) -> None:
-    with pytest.raises(ValueError) as info:
+@pytest.mark.parametrize("text", ["fast", "16XB", "-1GB", "GB", "", math.nan, math.inf])
+def test_bad_sizes_name_the_value(text: str | float) -> None:
+    with pytest.raises(QuantityError) as info:
         parse_bytes(text)
     assert repr(text) in str(info.value)
+    assert isinstance(info.value, DreampipeError) and isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("text", ["fast", "10G", "10GHz", "0Gbps", "-5Gbps"])
-def test_bad_bandwidths_are_rejected(text: str) -> None:
-    with pytest.raises(ValueError, match=r"bandwidth|quantity|positive"):
+def test_negative_quantities_say_so() -> None:
+    with pytest.raises(QuantityError, match="negative"):
+        parse_bytes("-1GB")
+    with pytest.raises(QuantityError, match="positive"):
+        parse_bandwidth("-1Gbps")
+
+
+@pytest.mark.parametrize("text", ["fast", "10G", "10GHz", "0Gbps", "-5Gbps", math.nan])
+def test_bad_bandwidths_are_rejected(text: str | float) -> None:
+    with pytest.raises(QuantityError, match=r"bandwidth|quantity|positive"):
         parse_bandwidth(text)
 
 

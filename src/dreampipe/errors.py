@@ -13,6 +13,7 @@ __all__ = [
     "PeerTimeoutError",
     "PlanError",
     "ProfileError",
+    "QuantityError",
     "ScheduleError",
     "StageMismatchError",
     "TopologyError",
@@ -25,6 +26,10 @@ class DreampipeError(Exception):
 
 class ProfileError(DreampipeError, ValueError):
     """A layer profile (ours or PipeDream's graph.txt) is malformed."""
+
+
+class QuantityError(DreampipeError, ValueError):
+    """A size or bandwidth (``16GB``, ``10Gbps``) cannot be read or is out of range."""
 
 
 class TopologyError(DreampipeError, ValueError):

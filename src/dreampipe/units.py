@@ -7,11 +7,14 @@ Sizes use powers of 1000 for ``KB``/``MB``/``GB`` and 1024 for ``KiB``/``MiB``/
 
 from __future__ import annotations
 
+import math
 import re
+
+from dreampipe.errors import QuantityError
 
 __all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
 
-_NUM = r"(\d+(?:\.\d*)?|\.\d+)(?:e([+-]?\d+))?"
+_NUM = r"(-?(?:\d+(?:\.\d*)?|\.\d+))(?:e([+-]?\d+))?"
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -19,7 +22,7 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
 def _split(text: str) -> tuple[float, str]:
     m = re.fullmatch(_NUM + r"\s*([A-Za-z/]*)", text.strip())
     if not m:
-        raise ValueError(f"{text!r} is not a quantity; write e.g. 16GB or 10Gbps")
+        raise QuantityError(f"{text!r} is not a quantity; write e.g. 16GB or 10Gbps")
     value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
     return value, m.group(3)
 
@@ -32,9 +35,11 @@ def parse_bytes(text: str | int | float) -> int:
         value, unit = _split(text)
     m = re.fullmatch(r"(?i)([kmgt]i?)?b?", unit)
     if not m:
-        raise ValueError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")
+        raise QuantityError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")
+    if not math.isfinite(value):
+        raise QuantityError(f"{text!r} is not a finite size; give e.g. 16GB")
     if value < 0:
-        raise ValueError(f"{text!r} is negative; sizes must be >= 0")
+        raise QuantityError(f"{text!r} is negative; sizes must be >= 0")
     return round(value * _SCALE[(m.group(1) or "").lower()])
 
 
@@ -46,11 +51,11 @@ def parse_bandwidth(text: str | int | float) -> float:
         value, unit = _split(text)
     m = re.fullmatch(r"([kmgtKMGT]i?)?(b|B)?(ps|/s)?", unit)
     if not m or (unit and not m.group(2)):
-        raise ValueError(
+        raise QuantityError(
             f"{text!r}: unknown bandwidth unit {unit!r}; use e.g. 10Gbps, 25Gb/s or 12GB/s"
         )
-    if value <= 0:
-        raise ValueError(f"bandwidth {text!r} must be positive")
+    if math.isnan(value) or value <= 0:
+        raise QuantityError(f"bandwidth {text!r} must be positive, e.g. 10Gbps")
     scale = _SCALE[(m.group(1) or "").lower()]
     bits = m.group(2) == "b"
     return value * scale / (8 if bits else 1)
