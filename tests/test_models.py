@@ -70,6 +70,7 @@ def test_stages_rebuild_the_same_weights(name: str) -> None:
         ("gnmt", {"hidden": 33}, "hidden=33"),
         ("gnmt", {"layers": 1}, "layers=1"),
         ("transformer", {"dim": 30, "heads": 4}, "dim=30"),
+        ("mlp", {"layers": 0}, "layers=0"),
     ],
 )
 def test_bad_sizes(name: str, kwargs: dict[str, int], needle: str) -> None:

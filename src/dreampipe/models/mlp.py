@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dreampipe.errors import ProfileError
 from dreampipe.models.spec import LayerFactory, ModelSpec
 
 __all__ = ["mlp"]
@@ -20,7 +21,7 @@ def mlp(
     profiled layers.
     """
     if layers < 1:
-        raise ValueError(f"mlp needs at least 1 layer, got {layers}")
+        raise ProfileError(f"mlp layers={layers}: use at least 1")
 
     def block(i: int) -> LayerFactory:
         fan_in = in_features if i == 0 else width
