@@ -157,6 +157,7 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 
 def _child(cfg: RunConfig, rank: int, world: int, port: int, conn: Connection, parent: int) -> None:
+    """One local rank: torchrun's environment, then exactly what torchrun runs."""
     _watch_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -166,7 +167,7 @@ def _child(cfg: RunConfig, rank: int, world: int, port: int, conn: Connection, p
         torch.set_num_threads(1)
     code = 0
     try:
-        _send(conn, ("ok", rank, _init_and_run(cfg, rank, world, rank)))
+        _send(conn, ("ok", rank, run_from_env(cfg)))
     except BaseException as exc:
         code = 1
         kind = type(exc) if isinstance(exc, DreampipeError) else None
