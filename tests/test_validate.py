@@ -74,6 +74,19 @@ def test_allreduce_rounds_out_of_order_deadlock() -> None:
     assert ">ALLREDUCE0<" in str(info.value) and ">ALLREDUCE1<" in str(info.value)
 
 
+def test_allreduce_joined_twice_is_rejected() -> None:
+    # The runtime pairs collectives by order: rank 0's second ALLREDUCE0 would
+    # meet rank 1's ALLREDUCE1 and rank 0's ALLREDUCE1 would wait forever.
+    broken = """# dp replicas=2 units=4 per_update=2
+0: F0 B0 ALLREDUCE0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1
+1: F1 B1 ALLREDUCE0 STEP0 F3 B3 ALLREDUCE1 STEP1
+"""
+    with pytest.raises(ScheduleError, match="2 times") as info:
+        validate(_sched(broken))
+    message = str(info.value)
+    assert message.count(">ALLREDUCE0<") == 2 and "rank 0 s0" in message
+
+
 def test_unit_on_the_wrong_replica_is_rejected() -> None:
     broken = """# dp replicas=2 units=2 per_update=2
 0: F1 B1 ALLREDUCE0 STEP0

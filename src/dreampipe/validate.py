@@ -2,7 +2,8 @@
 
 :func:`validate` checks, in order: every action sits on a rank of its stage;
 each unit's forward and backward run exactly once per stage, on the rank
-``Schedule.rank_of`` names, forward first; data arrives before it is used
+``Schedule.rank_of`` names, forward first; a rank joins each all-reduce round
+once; data arrives before it is used
 (``RECV_F<u>`` before ``F<u>``, ``F<u>`` before ``SEND_F<u>``, likewise for
 backward); every send has exactly one receive on its peer; and a dry run in
 the runtime's semantics terminates (receives and all-reduces block, sends and
@@ -47,6 +48,7 @@ def validate(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` with a marked grid if ``schedule`` is unsound."""
     _check_stages(schedule)
     _check_units(schedule)
+    _check_allreduces(schedule)
     _check_order(schedule)
     _check_pairs(schedule)
     _dry_run(schedule)
@@ -125,6 +127,22 @@ def _check_units(schedule: Schedule) -> None:
                         raise _fail(schedule, f"{'F' if forward else 'B'}{unit} of stage "
                                     f"{stage} is missing; add it to rank {owner}",
                                     [(owner, len(schedule.actions[owner]))])
+
+
+def _check_allreduces(schedule: Schedule) -> None:
+    """A rank joins each all-reduce round once: collectives pair up by order at run time."""
+    for rank, acts in enumerate(schedule.actions):
+        seen: dict[int, int] = {}
+        for step, a in enumerate(acts):
+            if a.kind is not _K.ALLREDUCE:
+                continue
+            rnd = schedule.allreduce_round(a)
+            if rnd in seen:
+                raise _fail(schedule, f"rank {rank} joins all-reduce round {rnd} of stage "
+                            f"{a.stage} 2 times ({a} at steps {seen[rnd]} and {step}); its "
+                            "replicas would pair it with a later round and hang: remove one",
+                            [(rank, seen[rnd]), (rank, step)])
+            seen[rnd] = step
 
 
 def _check_order(schedule: Schedule) -> None:
