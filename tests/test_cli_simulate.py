@@ -103,3 +103,12 @@ def test_unwritable_output_is_a_user_error(
     err = capsys.readouterr().err
     assert err.startswith("dreampipe simulate: error:") and str(target) in err
     assert err.count("\n") == 1
+
+
+def test_binary_input_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(b"\xd0\xff\xfe\x00")
+    assert main(["simulate", str(binary)]) == 2
+    err = capsys.readouterr().err
+    assert "not text" in err and err.count("\n") == 1
+

@@ -108,3 +108,11 @@ def test_load_errors(tmp_path: Path) -> None:
     bad.write_text('{"format": "dreampipe.plan", "version": 1}')
     with pytest.raises(PlanError, match="malformed plan JSON"):
         Plan.load(bad)
+
+
+def test_load_binary_file(tmp_path: Path) -> None:
+    binary = tmp_path / "plan.bin"
+    binary.write_bytes(b"\xd0\xff\xfe\x00")
+    with pytest.raises(PlanError, match=r"cannot read plan .*plan\.bin"):
+        Plan.load(binary)
+

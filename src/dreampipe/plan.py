@@ -219,8 +219,10 @@ class Plan:
     def load(cls, path: str | Path) -> Plan:
         try:
             data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PlanError(f"cannot read plan {str(path)!r}: {exc}") from exc
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise PlanError(
+                f"cannot read plan {str(path)!r}: {exc}; give a plan JSON from 'dreampipe plan -o'"
+            ) from exc
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:

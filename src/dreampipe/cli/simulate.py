@@ -136,6 +136,8 @@ def _json_object(path: Path) -> dict[str, Any] | None:
         text = path.read_text()
     except OSError as exc:
         raise PlanError(f"cannot read {str(path)!r}: {exc.strerror}; check the path") from exc
+    except UnicodeDecodeError:
+        return None  # not a plan; load_graph says what it is not
     if not text.lstrip().startswith("{"):
         return None
     try:
