@@ -315,6 +315,8 @@ def test_errors_name_the_value_and_fix() -> None:
         evaluate(graph, topo, [0, 2, 1], [1, 1, 1])
     with pytest.raises(DreampipeError, match="at least 1 unit"):
         Topology((Level(0, 1e9),))
+    with pytest.raises(PlanError, match=rf"{10**20} units; .* at most 4096"):
+        plan(graph, Topology.parse(str(10**20)))
 
 
 def test_least_memory_is_tight() -> None:

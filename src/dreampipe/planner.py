@@ -35,13 +35,16 @@ from dreampipe.planner_dp import Options, best_plan
 from dreampipe.topology import Topology
 from dreampipe.units import format_bytes
 
-__all__ = ["FLAT_MAX_WORKERS", "evaluate", "plan"]
+__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate", "plan"]
 
 log = logging.getLogger(__name__)
 
 #: :func:`plan` also tries the flat model up to this many workers; beyond, a
 #: stage spans whole servers out of many and server alignment costs little.
 FLAT_MAX_WORKERS = 64
+
+#: The DP's work grows with the square of a level's unit count (seconds at 1024).
+MAX_LEVEL_UNITS = 4096
 
 
 def _models(topo: Topology, also_flat: bool) -> list[Topology]:
@@ -119,6 +122,13 @@ def plan(
     (stages need not align with servers) and keeps it when faster.
     """
     prof = RangeCosts.of(graph)
+    for level in topology.levels:
+        if level.count > MAX_LEVEL_UNITS:
+            raise PlanError(
+                f"topology {topology.shape} has a level of {level.count} units; the planner "
+                f"takes at most {MAX_LEVEL_UNITS} per level: describe the cluster as a "
+                "hierarchy such as 64x64"
+            )
     if memory_bytes is not None and memory_bytes <= 0:
         raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
     opts = Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
