@@ -101,6 +101,7 @@ class StageModule:
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._floor: int | None = None
+        self._touched: dict[int, _Version] = {}
         self.version = 0
         self.peak_versions = 0
 
@@ -149,7 +150,27 @@ class StageModule:
     def _drop(self, v: _Version) -> None:
         if v.live:
             return
+        self._harvest(v)
         del self._versions[v.number]
+
+    def _harvest(self, v: _Version) -> None:
+        """Move the weight gradients autograd accumulated on ``v``'s tensors to the update."""
+        if self._touched.pop(v.number, None) is None:
+            return
+        for i, leaf in enumerate(v.tensors.values()):
+            g = leaf.grad
+            if g is None:
+                continue
+            leaf.grad = None
+            acc = self._grads[i]
+            if acc is None:
+                self._grads[i] = g
+            else:
+                acc.add_(g)
+
+    def _harvest_all(self) -> None:
+        for v in list(self._touched.values()):
+            self._harvest(v)
 
     # ---- compute ---------------------------------------------------------
     def forward(
@@ -199,7 +220,10 @@ class StageModule:
         """Backward of ``unit``: accumulate weight gradients, return the input's gradient.
 
         ``grad`` is the gradient of the stage output (None on the last stage,
-        whose output is the loss).
+        whose output is the loss). Autograd accumulates the weight gradients on
+        the version's tensors (units sharing a version, like the microbatches
+        of one update, add up there without extra copies); they move to the
+        update at the next all-reduce or step, or when the version is freed.
         """
         st = self._inflight.pop(unit)
         if st.version is None:
@@ -209,23 +233,16 @@ class StageModule:
             assert st.output is not None
             v, out = st.version, st.output
         want_input = self.input_grad and st.input.requires_grad
-        inputs = ([st.input] if want_input else []) + list(v.tensors.values())
-        grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
+        leaves = list(v.tensors.values())
+        torch.autograd.backward(out, grad, inputs=[st.input, *leaves] if want_input else leaves)
+        self._touched[v.number] = v
         self._release(v)
-        weight_grads = grads[1:] if want_input else grads
-        for i, g in enumerate(weight_grads):
-            if g is None:
-                continue
-            acc = self._grads[i]
-            if acc is None:
-                self._grads[i] = g
-            else:
-                acc.add_(g)
-        return grads[0] if want_input else None
+        return st.input.grad if want_input else None
 
     # ---- update ----------------------------------------------------------
     def gradients(self) -> list[Tensor]:
         """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
+        self._harvest_all()
         out = []
         for i, p in enumerate(self._params):
             g = self._grads[i]
@@ -237,6 +254,7 @@ class StageModule:
 
     def step(self) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, see above)."""
+        self._harvest_all()
         cur = self._versions.get(self.version)
         if cur is None and self._needed_later(self.version):
             cur = self._live_version()
