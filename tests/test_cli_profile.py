@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,15 @@ def test_help(command: str, options: list[str], capsys: pytest.CaptureFixture[st
     text = capsys.readouterr().out
     for option in options:
         assert option in text
+
+
+def test_profile_plan_simulate_register_without_torch() -> None:
+    code = (
+        "import argparse, importlib, sys\n"
+        "sub = argparse.ArgumentParser().add_subparsers()\n"
+        "for name in ('profile', 'plan', 'simulate'):\n"
+        "    importlib.import_module(f'dreampipe.cli.{name}').register(sub)\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

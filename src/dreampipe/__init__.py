@@ -44,7 +44,8 @@ from dreampipe.trace import write_chrome_trace
 from dreampipe.validate import validate as validate_schedule
 
 if TYPE_CHECKING:
-    from dreampipe.models import ModelSpec, get_model
+    from dreampipe.models import get_model
+    from dreampipe.models.spec import ModelSpec
     from dreampipe.planner import evaluate as evaluate_plan
     from dreampipe.planner import plan as plan_pipeline
     from dreampipe.profiler import profile_model, profile_spec
@@ -90,7 +91,7 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute), imported on first access
 _LAZY = {
-    "ModelSpec": ("dreampipe.models", "ModelSpec"),
+    "ModelSpec": ("dreampipe.models.spec", "ModelSpec"),
     "get_model": ("dreampipe.models", "get_model"),
     "evaluate_plan": ("dreampipe.planner", "evaluate"),
     "plan_pipeline": ("dreampipe.planner", "plan"),

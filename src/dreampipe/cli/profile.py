@@ -15,14 +15,16 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor, nn
 from tqdm import tqdm
 
 from dreampipe.errors import ProfileError
 from dreampipe.graph import LayerGraph, load_graph
 from dreampipe.report import format_profile_summary, format_profile_table
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 __all__ = ["register"]
 
@@ -130,6 +132,8 @@ def _load_user_model(
     ref: str, batch_size: int | None
 ) -> tuple[nn.Module, Tensor, Callable[..., Tensor], Tensor | None]:
     """Import ``file.py`` and call ``function`` from ``file.py:function``."""
+    from torch import Tensor, nn
+
     path_text, _, func_name = ref.rpartition(":")
     path = Path(path_text)
     if not path.is_file():

@@ -9,29 +9,39 @@ profile in seconds on a CPU.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ProfileError
-from dreampipe.models.alexnet import alexnet
-from dreampipe.models.cnn import cnn
-from dreampipe.models.gnmt import gnmt
-from dreampipe.models.mlp import mlp
-from dreampipe.models.resnet import resnet50
-from dreampipe.models.spec import ModelSpec
-from dreampipe.models.transformer import transformer
-from dreampipe.models.vgg import vgg16
+
+if TYPE_CHECKING:
+    from dreampipe.models.spec import ModelSpec
 
 __all__ = ["ZOO", "ModelSpec", "get_model"]
 
+
+def _lazy(module: str, function: str) -> Callable[..., ModelSpec]:
+    """The zoo constructor ``module.function``, imported (with torch) on first call."""
+
+    def build(**kwargs: Any) -> ModelSpec:
+        constructor: Callable[..., ModelSpec] = getattr(
+            importlib.import_module(f"dreampipe.models.{module}"), function
+        )
+        return constructor(**kwargs)
+
+    build.__name__ = build.__qualname__ = function
+    return build
+
+
 ZOO: dict[str, Callable[..., ModelSpec]] = {
-    "mlp": mlp,
-    "cnn": cnn,
-    "vgg16": vgg16,
-    "alexnet": alexnet,
-    "resnet50": resnet50,
-    "gnmt": gnmt,
-    "transformer": transformer,
+    "mlp": _lazy("mlp", "mlp"),
+    "cnn": _lazy("cnn", "cnn"),
+    "vgg16": _lazy("vgg", "vgg16"),
+    "alexnet": _lazy("alexnet", "alexnet"),
+    "resnet50": _lazy("resnet", "resnet50"),
+    "gnmt": _lazy("gnmt", "gnmt"),
+    "transformer": _lazy("transformer", "transformer"),
 }
 
 
@@ -40,3 +50,12 @@ def get_model(name: str, **kwargs: Any) -> ModelSpec:
     if name not in ZOO:
         raise ProfileError(f"unknown model {name!r}; the zoo has {', '.join(sorted(ZOO))}")
     return ZOO[name](**kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    """``ModelSpec`` needs torch: import it on first use, so the zoo's names load fast."""
+    if name == "ModelSpec":
+        from dreampipe.models.spec import ModelSpec
+
+        return ModelSpec
+    raise AttributeError(f"module 'dreampipe.models' has no attribute {name!r}")
