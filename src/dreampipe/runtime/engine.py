@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -237,6 +238,7 @@ class RankRunner:
             return
         from tqdm import tqdm
 
+        tqdm.set_lock(threading.RLock())
         total = sum(1 for a in actions if a.kind is ActionKind.BACKWARD)
         unit = "minibatch" if self.pipedream else "microbatch"
         self._bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
