@@ -13,6 +13,8 @@ import torch
 from dreampipe.data import DatasetError, load_dataset
 from dreampipe.models import get_model
 
+__all__: list[str] = []
+
 
 def test_batches_are_a_deterministic_shuffled_stream() -> None:
     spec = get_model("mlp", layers=2, width=8)

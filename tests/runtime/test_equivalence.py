@@ -18,6 +18,8 @@ from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
 
 from .reference import adam, reference_pipedream, reference_sync, sgd
 
+__all__: list[str] = []
+
 RTOL, ATOL = 1e-5, 4e-5
 MODEL_KW = (("layers", 4), ("width", 16))
 SEED = 3

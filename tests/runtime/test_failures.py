@@ -13,6 +13,8 @@ from dreampipe.errors import PeerTimeoutError, PlanError, ScheduleError
 from dreampipe.plan import Plan
 from dreampipe.runtime import RunConfig, launch_local
 
+__all__: list[str] = []
+
 MODEL_KW = (("layers", 4), ("width", 16))
 
 

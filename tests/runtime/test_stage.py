@@ -9,6 +9,8 @@ from torch import nn
 from dreampipe.errors import PlanError, ScheduleError
 from dreampipe.runtime.stage import StageModule
 
+__all__: list[str] = []
+
 
 def _stage(*, stage: int = 0, vertical_sync: bool = False, stash: bool = True) -> StageModule:
     torch.manual_seed(0)

@@ -18,6 +18,8 @@ from dreampipe.models import get_model
 
 from .reference import reference_sync, sgd
 
+__all__: list[str] = []
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -8,6 +8,8 @@ from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.plan import Plan
 from dreampipe.runtime import RunConfig, launch_local
 
+__all__: list[str] = []
+
 
 @pytest.mark.timeout(120)
 def test_pipedream_learns_digits_and_records_every_action() -> None:

@@ -10,6 +10,8 @@ from dreampipe.actions import ScheduleKind
 from dreampipe.plan import Plan
 from dreampipe.runtime import RunConfig, run_from_env
 
+__all__: list[str] = []
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     cfg = RunConfig(

@@ -42,7 +42,7 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import OptimizerKind, RunConfig
 from dreampipe.runtime.stage import StageModule
 
-__all__ = ["LOOKAHEAD", "RankReport", "RankRunner", "make_optimizer"]
+__all__ = ["LOOKAHEAD", "RankReport", "RankRunner", "barrier", "make_optimizer"]
 
 _log = logging.getLogger(__name__)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
@@ -13,6 +15,7 @@ from dreampipe.runtime.engine import RankReport
 __all__ = ["assemble", "evaluate"]
 
 _EVAL_BATCH = 256
+_log = logging.getLogger(__name__)
 
 
 def assemble(
@@ -22,6 +25,8 @@ def assemble(
     unit_losses: dict[int, float] = {}
     for rep in reports:
         unit_losses.update(rep.losses)
+        _log.debug("rank %d (stage %d) held at most %d weight versions, loop %.3f s",
+                   rep.rank, rep.stage, rep.peak_versions, rep.loop_s)
     per = cfg.units_per_update
     losses = tuple(
         sum(unit_losses[u] for u in range(k * per, (k + 1) * per)) / per
