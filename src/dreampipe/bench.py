@@ -21,9 +21,14 @@ thread, is read over the same window of the simulated events.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.baselines import Baseline, Workload, run_baseline
@@ -50,6 +55,10 @@ _DREAMPIPE = {
 }
 #: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
 BENCH_NAMES: tuple[str, ...] = (*_DREAMPIPE, *(b.value for b in Baseline))
+#: Timed repeats per layer in the bench's profile (more than the default: less noise).
+_REPEATS = 10
+#: Longest wait of a dreampipe rank for its peer; the whole run has ``--timeout``.
+_PEER_TIMEOUT_S = 60.0
 #: dreampipe's schedule beside the PyTorch schedule it is compared with.
 _PAIRS = (("1f1b-flush", "torch-1f1b"), ("pipedream", "torch-1f1b"), ("gpipe", "torch-gpipe"))
 
@@ -176,18 +185,70 @@ def _run_dreampipe(shape: _Shape, work: Workload, timeout_s: float) -> float:
     cfg = RunConfig(
         model="mlp", plan=_plan(work), schedule=shape.kind, minibatch_size=shape.minibatch,
         microbatches=shape.microbatches, steps=shape.warmup_updates + shape.updates,
-        lr=work.lr, seed=work.seed, timeout_s=timeout_s, dataset="synthetic",
-        model_kwargs=_model_kwargs(work), record_events=True, evaluate=False,
+        lr=work.lr, seed=work.seed, timeout_s=min(timeout_s, _PEER_TIMEOUT_S),
+        dataset="synthetic", model_kwargs=_model_kwargs(work), record_events=True,
+        evaluate=False,
     )
-    result = launch_local(cfg, workers=len(work.stage_bounds))
+    result = launch_local(cfg, workers=len(work.stage_bounds), deadline_s=timeout_s)
     return window_samples_per_s(
         result.events, warmup_units=shape.warmup_units, total_units=shape.total_units,
         unit_samples=shape.unit_samples,
     )
 
 
+def _update_seconds(work: Workload, stash: bool) -> tuple[float, ...]:
+    """Per stage: one SGD step, plus (``stash``) the copy-on-write of the weights.
+
+    PipeDream's stage keeps the old weights for units still in flight when it
+    updates (DESIGN.md section 5), which costs one copy of its weights; the
+    last stage never has a unit in flight at its step. Medians of a few
+    timings here, one thread.
+    """
+    spec = work.spec()
+    out = []
+    with torch.random.fork_rng(devices=[]), _one_thread():
+        for s in range(len(work.stage_bounds)):
+            params = list(spec.build(*work.stage_range(s), seed=work.seed).parameters())
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            opt = torch.optim.SGD(params, lr=work.lr)
+            cost = _median_s(opt.step)
+            if stash and s < len(work.stage_bounds) - 1:
+                cost += _median_s(_copier(params))
+            out.append(cost)
+    return tuple(out)
+
+
+def _copier(params: list[torch.nn.Parameter]) -> Callable[[], object]:
+    return lambda: [p.detach().clone() for p in params]
+
+
+def _median_s(fn: Callable[[], object], repeats: int = 9) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, float]:
-    """Simulated samples/s per schedule, from a one-thread profile at each unit size."""
+    """Simulated samples/s per schedule, from a one-thread profile at each unit size.
+
+    The layer profile gives each unit's forward and backward; the weight
+    update after each minibatch is timed here too (:func:`_update_seconds`).
+    """
     from dreampipe import planner
     from dreampipe.job import local_topology, profile_model
     from dreampipe.schedule import build_schedule
@@ -199,14 +260,16 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
     out = {}
     for sh in shapes:
         if sh.unit_samples not in graphs:
-            graphs[sh.unit_samples] = profile_model(spec, sh.unit_samples)
+            graphs[sh.unit_samples] = profile_model(spec, sh.unit_samples, repeats=_REPEATS)
         graph = graphs[sh.unit_samples]
         plan = planner.evaluate(graph, topology, list(work.stage_bounds), [1, 1])
         sched = build_schedule(
             [1] * len(work.stage_bounds), sh.kind, sh.total_units,
             units_per_update=sh.microbatches,
         )
-        sim = simulate(sched, costs_from_profile(graph, plan, topology, unit_fraction=1.0))
+        costs = replace(costs_from_profile(graph, plan, topology, unit_fraction=1.0),
+                        step_s=_update_seconds(work, sh.kind is ScheduleKind.PIPEDREAM))
+        sim = simulate(sched, costs)
         out[sh.kind] = window_samples_per_s(
             sim.events, warmup_units=sh.warmup_units, total_units=sh.total_units,
             unit_samples=sh.unit_samples,

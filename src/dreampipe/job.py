@@ -83,14 +83,14 @@ def unit_size(kind: ScheduleKind, minibatch_size: int, microbatches: int, worker
     return minibatch_size // per
 
 
-def profile_model(spec: ModelSpec, batch_size: int) -> LayerGraph:
+def profile_model(spec: ModelSpec, batch_size: int, *, repeats: int = 5) -> LayerGraph:
     """Profile ``spec`` at ``batch_size`` with one thread, as each worker runs."""
     from dreampipe.profiler import profile_spec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return profile_spec(spec, batch_size=batch_size)
+        return profile_spec(spec, batch_size=batch_size, repeats=repeats)
     finally:
         torch.set_num_threads(threads)
 
