@@ -12,11 +12,14 @@ from dreampipe.runtime.stage import StageModule
 __all__: list[str] = []
 
 
-def _stage(*, stage: int = 0, vertical_sync: bool = False, stash: bool = True) -> StageModule:
+def _module() -> nn.Sequential:
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _stage(*, stage: int = 0, vertical_sync: bool = False, stash: bool = True) -> StageModule:
     return StageModule(
-        module, lambda ps: torch.optim.SGD(ps, lr=0.5), stage=stage, input_grad=stage > 0,
+        _module(), lambda ps: torch.optim.SGD(ps, lr=0.5), stage=stage, input_grad=stage > 0,
         stash=stash, vertical_sync=vertical_sync,
     )
 
@@ -62,7 +65,7 @@ def test_forwards_share_the_live_weights_until_a_step() -> None:
 
 
 def test_backward_uses_the_forward_version() -> None:
-    st, plain = _stage(), _stage()
+    st, plain = _stage(), _module()
     x0, x1 = torch.randn(5, 3), torch.randn(5, 3)
     st.forward(0, x0)
     st.forward(1, x1)
@@ -70,8 +73,8 @@ def test_backward_uses_the_forward_version() -> None:
     st.step()
     st.backward(1, torch.ones(5, 2))
     grads = [g.clone() for g in st.gradients()]
-    plain.module(x1).backward(torch.ones(5, 2))
-    for g, p in zip(grads, plain.module.parameters(), strict=True):
+    plain(x1).backward(torch.ones(5, 2))
+    for g, p in zip(grads, plain.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad)
 
 
@@ -84,10 +87,10 @@ def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
     st.step()
     st.backward(1, torch.ones(5, 2))
     grads = [g.clone() for g in st.gradients()]
-    newest = _stage()
-    newest.module.load_state_dict(st.module.state_dict())
-    newest.module(x1).backward(torch.ones(5, 2))
-    for g, p in zip(grads, newest.module.parameters(), strict=True):
+    newest = _module()
+    newest.load_state_dict(st.module.state_dict())
+    newest(x1).backward(torch.ones(5, 2))
+    for g, p in zip(grads, newest.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad)
 
 

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.runtime.fused import fuse_linear_gradients
 
 __all__ = ["StageModule"]
 
@@ -98,6 +99,7 @@ class StageModule:
         self._params = [p for _, p in named]
         self.optimizer = optimizer(self._params) if self._params else None
         self._grads: list[Tensor | None] = [None] * len(self._params)
+        fuse_linear_gradients(module, self._names, self)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._floor: int | None = None
@@ -162,11 +164,7 @@ class StageModule:
             if g is None:
                 continue
             leaf.grad = None
-            acc = self._grads[i]
-            if acc is None:
-                self._grads[i] = g
-            else:
-                acc.add_(g)
+            self.add_grad(i, g)
 
     def _harvest_all(self) -> None:
         for v in list(self._touched.values()):
@@ -240,6 +238,21 @@ class StageModule:
         return st.input.grad if want_input else None
 
     # ---- update ----------------------------------------------------------
+    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        """``grad[index] += a @ b`` (fused Linear layers, see :mod:`.fused`)."""
+        acc = self._grads[index]
+        if acc is None:
+            self._grads[index] = torch.mm(a, b)
+        else:
+            acc.addmm_(a, b)
+
+    def add_grad(self, index: int, g: Tensor) -> None:
+        acc = self._grads[index]
+        if acc is None:
+            self._grads[index] = g
+        else:
+            acc.add_(g)
+
     def gradients(self) -> list[Tensor]:
         """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
         self._harvest_all()

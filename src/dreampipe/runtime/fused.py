@@ -1,0 +1,90 @@
+"""Linear layers that add their weight gradient straight into the update's gradient.
+
+A stage accumulates weight gradients over the units of one update (the
+microbatches of a synchronous schedule, a replica's round in PipeDream's).
+Done the plain way, every unit's backward writes a fresh ``grad_W = g^T x``
+and then adds it to the accumulator: three passes over the weight-sized
+buffers per unit. Here ``nn.Linear`` layers compute ``acc += g^T x`` with one
+GEMM (``addmm_``, beta = 1), as Megatron-LM's fused weight-gradient
+accumulation does, and autograd only carries the input gradient::
+
+    plain   grad_W = g^T x      (write)      acc += grad_W   (read, read, write)
+    fused   acc.addmm_(g^T, x)  (read, write)
+
+The layer's forward is unchanged; other layers keep autograd's usual path.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["GradientSink", "fuse_linear_gradients"]
+
+
+class GradientSink(Protocol):
+    """Where fused layers put weight gradients (by parameter index)."""
+
+    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        """``grad[index] += a @ b``."""
+
+    def add_grad(self, index: int, g: Tensor) -> None:
+        """``grad[index] += g``."""
+
+
+class _LinearAccumulate(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, sink: GradientSink,
+        w_index: int, b_index: int | None,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.sink, ctx.w_index, ctx.b_index = sink, w_index, b_index
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        ctx.sink.add_grad_mm(ctx.w_index, g2.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.b_index is not None:
+            ctx.sink.add_grad(ctx.b_index, g2.sum(0))
+        gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        return gx, None, None, None, None, None
+
+
+def _forward(layer: nn.Linear, sink: GradientSink, w_index: int, b_index: int | None,
+             x: Tensor) -> Tensor:
+    weight, bias = layer.weight, layer.bias
+    if torch.is_grad_enabled() and weight.requires_grad and x.dim() >= 2:
+        out: Tensor = _LinearAccumulate.apply(  # type: ignore[no-untyped-call]
+            x, weight, bias, sink, w_index, b_index
+        )
+        return out
+    return F.linear(x, weight, bias)
+
+
+def fuse_linear_gradients(module: nn.Module, names: list[str], sink: GradientSink) -> int:
+    """Switch ``module``'s ``nn.Linear`` layers to fused accumulation; returns how many.
+
+    ``names[i]`` is the name of the parameter whose gradient ``sink`` keeps at
+    index ``i``. Layers with a parameter outside ``names`` (tied or frozen
+    weights) keep the plain path.
+    """
+    index = {name: i for i, name in enumerate(names)}
+    fused = 0
+    for qual, layer in module.named_modules():
+        if type(layer) is not nn.Linear:
+            continue
+        prefix = f"{qual}." if qual else ""
+        w_index = index.get(f"{prefix}weight")
+        b_index = index.get(f"{prefix}bias") if layer.bias is not None else None
+        if w_index is None or (layer.bias is not None and b_index is None):
+            continue
+        layer.forward = partial(_forward, layer, sink, w_index, b_index)  # type: ignore[method-assign]
+        fused += 1
+    return fused

@@ -1,0 +1,57 @@
+"""Fused Linear gradient accumulation equals autograd's accumulated gradients."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from dreampipe.runtime.fused import fuse_linear_gradients
+
+__all__: list[str] = []
+
+
+class _Sink:
+    def __init__(self, n: int) -> None:
+        self.grads: list[Tensor | None] = [None] * n
+
+    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        g = a @ b
+        acc = self.grads[index]
+        self.grads[index] = g if acc is None else acc + g
+
+    def add_grad(self, index: int, g: Tensor) -> None:
+        acc = self.grads[index]
+        self.grads[index] = g if acc is None else acc + g
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3, bias=False))
+
+
+def test_fused_layers_accumulate_the_same_gradients() -> None:
+    plain, fused = _model(), _model()
+    names = [n for n, _ in fused.named_parameters()]
+    sink = _Sink(len(names))
+    assert fuse_linear_gradients(fused, names, sink) == 2
+    xs = [torch.randn(2, 6, 4) for _ in range(3)]
+    for x in xs:
+        plain(x).square().sum().backward()
+        xin = x.clone().requires_grad_(True)
+        fused(xin).square().sum().backward()
+        xref = x.clone().requires_grad_(True)
+        plain_in = _model()
+        plain_in(xref).square().sum().backward()
+        torch.testing.assert_close(xin.grad, xref.grad)
+    for (name, p), g in zip(plain.named_parameters(), sink.grads, strict=True):
+        assert g is not None, name
+        torch.testing.assert_close(g, p.grad, msg=name)
+    assert all(p.grad is None for p in fused.parameters())
+
+
+def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:
+    model = _model()
+    sink = _Sink(1)
+    assert fuse_linear_gradients(model, ["0.weight"], sink) == 0
+    model(torch.randn(2, 4)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
