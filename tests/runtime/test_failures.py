@@ -39,6 +39,19 @@ BAD = [
         ScheduleError, "microbatches must be 1 \\(got 4\\)",
     ),
     (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1]), vertical_sync=True, stash=False),
+        ScheduleError, "vertical sync .* needs weight stashing",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.GPIPE, microbatches=2,
+             vertical_sync=True),
+        ScheduleError, "apply to the pipedream schedule only",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.DP),
+        ScheduleError, "the dp schedule needs a one-stage plan",
+    ),
+    (
         _cfg(Plan.from_config(5, [0, 1, 2, 3, 4], [1] * 5)),
         PlanError, "5 stages but mlp has only 4 layers",
     ),

@@ -93,6 +93,11 @@ def _check_schedule(cfg: RunConfig) -> None:
             f"vertical sync and turning weight stashing off apply to the pipedream schedule "
             f"only; {kind.value} updates all stages together"
         )
+    if cfg.vertical_sync and not cfg.stash:
+        raise ScheduleError(
+            "vertical sync runs every stage on a stashed weight version; it needs weight "
+            "stashing: drop --no-stash or --vertical-sync"
+        )
     if kind is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "

@@ -30,7 +30,9 @@ with the live weights *as they are then*, i.e. after the updates made while
 the unit was in flight, so forward and backward see different weights.
 (BatchNorm statistics are updated by both passes.)
 
-Buffers (BatchNorm running statistics) are not versioned.
+Buffers (BatchNorm running statistics) are not versioned. Weight gradients
+of all units between two updates add up in one buffer per parameter;
+``nn.Linear`` layers add theirs with a single GEMM (:mod:`.fused`).
 """
 
 from __future__ import annotations
