@@ -56,7 +56,7 @@ _DREAMPIPE = {
 #: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
 BENCH_NAMES: tuple[str, ...] = (*_DREAMPIPE, *(b.value for b in Baseline))
 #: Timed repeats per layer in the bench's profile (more than the default: less noise).
-_REPEATS = 10
+_REPEATS = 25
 #: Longest wait of a dreampipe rank for its peer; the whole run has ``--timeout``.
 _PEER_TIMEOUT_S = 60.0
 #: dreampipe's schedule beside the PyTorch schedule it is compared with.

@@ -54,7 +54,7 @@ class DemoOptions:
     momentum: float = 0.0
     workers: int = 2
     seed: int = 0
-    out_dir: Path = Path("dreampipe-demo")
+    out_dir: Path = Path("out/demo")
     progress: bool = True
     timeline_units: int = 12
 

@@ -226,8 +226,8 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
     )
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the training digits (default: the demo's tuned value)")
-    p.add_argument("--out", default="dreampipe-demo",
-                   help="directory for the timeline PNG and the plan (default: dreampipe-demo)")
+    p.add_argument("--out", default="out/demo",
+                   help="directory for the timeline PNG, trace and plan (default: out/demo)")
     p.add_argument("--seed", type=int, default=0, help="weights and data order (default: 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_demo)
