@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
-from dreampipe.demo import DemoOptions, timeline_window
+from dreampipe.demo import DemoOptions, _pipeline_plan, timeline_window
 from dreampipe.errors import PlanError
 from dreampipe.events import Event
 from dreampipe.graph import Layer, LayerGraph
@@ -22,7 +26,7 @@ from dreampipe.job import (
     unit_size,
     units_per_update,
 )
-from dreampipe.training import torchrun_world
+from dreampipe.training import share_plan, torchrun_world
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -151,3 +155,37 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["config"] == "straight"
     assert len(data["losses"]) == 6
     assert data["final_loss"] == data["losses"][-1]
+
+
+def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
+    # tiny weights, heavy compute: one stage on both workers is the planner's best
+    layers = tuple(Layer(f"l{i}", 2.0, 4.0, 4 * 32 * 1024, 1024) for i in range(4))
+    graph = LayerGraph(layers, tuple((i, i + 1) for i in range(3)), 32, "toy")
+    said: list[str] = []
+    plan = _pipeline_plan(graph, 2, said.append)
+    assert plan.num_stages == 2
+    assert plan.config == "straight"
+    assert len(said) == 1 and "data parallel" in said[0]
+
+
+def test_plan_sharing_needs_the_torchrun_agent_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with pytest.raises(PlanError, match="--config/--stages"):
+        share_plan(None, 5.0)
+
+
+def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "dreampipe"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "--no-python", str(exe), "train", "mlp", "--model-arg", "layers=4",
+           "--model-arg", "width=32", "--steps", "4", "--batch-size", "8", "--json",
+           "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, done.stdout
+    data = json.loads(lines[0])
+    assert len(data["losses"]) == 4
+    assert sum(r for _, _, r in data["stages"]) == 2
