@@ -86,7 +86,7 @@ def test_sequential_profile() -> None:
         assert layer.backward_ms > 0
         assert layer.activation_bytes == _nbytes(out)
         assert layer.parameter_bytes == sum(_nbytes(p) for p in child.parameters())
-    assert calls == [(i, len(children)) for i in range(1, len(children) + 1)]
+    assert calls == [(i, 4) for i in range(1, 5)]  # warmup + repeats passes
 
 
 def test_residual_fx_profile() -> None:

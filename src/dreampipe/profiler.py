@@ -1,4 +1,4 @@
-"""Per-layer profiler: run a model once, then time every layer on its own.
+"""Per-layer profiler: run a model once, then time every layer in training order.
 
 What a layer is: a step of :mod:`dreampipe.model_steps` (a child of an
 ``nn.Sequential``, or a torch.fx node) whose output holds a tensor. Edges
@@ -9,10 +9,11 @@ How it measures (all in training mode, autograd on)::
 
     1. record   x ─▶ L0 ─▶ L1 ─▶ … ─▶ loss      one real pass; keep every layer's
                                                  inputs, outputs and d(loss)/d(output)
-    2. per layer, warmup + repeats times:
-         fresh leaf copies of the recorded inputs
-         forward:  out = L(inputs)                                  timed
-         backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
+    2. warmup + repeats passes in training order:
+         each layer in model order, on fresh leaf copies of its recorded inputs
+           forward:  out = L(inputs)                                     timed
+         then each layer in reverse order
+           backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
 
 The median of the ``repeats`` timings is reported. The backward is the
 layer's own backward: gradients for its inputs (when they carry gradient in
@@ -160,19 +161,22 @@ def _time_layers(
     is_layer = {s.key: i for i, s in enumerate(layer_steps)}
     sources: dict[str, set[int]] = {}
     edges: set[tuple[int, int]] = set()
-    layers: list[Layer] = []
-    counted: set[int] = set()
+    step_params: list[list[nn.Parameter]] = []
     for step in steps:
         feeding = set().union(*(sources.get(d, set()) for d in step.deps))
         if step.key not in is_layer:
             sources[step.key] = feeding
             continue
-        index = is_layer[step.key]
-        sources[step.key] = {index}
-        edges.update((src, index) for src in feeding)
-        params = list(step.params) + [v for d in step.deps if isinstance(v := env[d], nn.Parameter)]
-        forward_ms, backward_ms = _time_step(step, env, grads[step.key], params, warmup,
-                                             repeats, cuda)
+        sources[step.key] = {is_layer[step.key]}
+        edges.update((src, is_layer[step.key]) for src in feeding)
+        step_params.append(
+            list(step.params) + [v for d in step.deps if isinstance(v := env[d], nn.Parameter)]
+        )
+    times = _time_passes(layer_steps, step_params, env, grads, warmup, repeats, cuda, progress)
+    layers: list[Layer] = []
+    counted: set[int] = set()
+    for step, params, (forward_ms, backward_ms) in zip(layer_steps, step_params, times,
+                                                       strict=True):
         fresh = [p for p in params if id(p) not in counted]
         counted.update(id(p) for p in fresh)
         layers.append(Layer(
@@ -183,47 +187,67 @@ def _time_layers(
             parameter_bytes=sum(p.numel() * p.element_size() for p in fresh),
             description=step.description,
         ))
-        if progress is not None:
-            progress(len(layers), len(layer_steps))
     return layers, sorted(edges)
 
 
-def _time_step(
-    step: Step,
+def _time_passes(
+    layer_steps: list[Step],
+    step_params: list[list[nn.Parameter]],
     env: Env,
-    out_grads: list[Tensor | None],
-    params: list[nn.Parameter],
+    grads: dict[str, list[Tensor | None]],
     warmup: int,
     repeats: int,
     cuda: bool,
-) -> tuple[float, float]:
-    """Median forward and backward milliseconds of one layer run on its own."""
-    trainable = [p for p in params if p.requires_grad]
-    forward: list[float] = []
-    backward: list[float] = []
-    for r in range(warmup + repeats):
-        leaves: list[Tensor] = []
-        inputs = {d: _fresh(env[d], leaves) for d in step.deps}
-        _sync(cuda)
-        t0 = time.perf_counter()
-        out = step.run(inputs)
-        _sync(cuda)
-        t1 = time.perf_counter()
-        pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
-                 if g is not None and o.requires_grad]
-        targets = leaves + trainable
-        t2 = t3 = 0.0
-        if pairs and targets:
+    progress: Progress | None,
+) -> list[tuple[float, float]]:
+    """Median forward and backward milliseconds of every layer, timed in training order.
+
+    Each pass runs every layer's forward in model order, then every layer's
+    backward in reverse, as a training step does, so a layer's weights are
+    as cold or warm in the cache as they are in training (timing one layer
+    over and over would keep them hot and under-state its time).
+    """
+    forward: list[list[float]] = [[] for _ in layer_steps]
+    backward: list[list[float]] = [[] for _ in layer_steps]
+    passes = warmup + repeats
+    for r in range(passes):
+        runs: list[tuple[Any, list[Tensor]] | None] = []
+        for i, step in enumerate(layer_steps):
+            leaves: list[Tensor] = []
+            inputs = {d: _fresh(env[d], leaves) for d in step.deps}
             _sync(cuda)
-            t2 = time.perf_counter()
-            torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
-                                allow_unused=True)
+            t0 = time.perf_counter()
+            out = step.run(inputs)
             _sync(cuda)
-            t3 = time.perf_counter()
-        if r >= warmup:
-            forward.append((t1 - t0) * 1e3)
-            backward.append((t3 - t2) * 1e3)
-    return statistics.median(forward), statistics.median(backward)
+            if r >= warmup:
+                forward[i].append((time.perf_counter() - t0) * 1e3)
+            runs.append((out, leaves))
+        for i in reversed(range(len(layer_steps))):
+            run, runs[i] = runs[i], None
+            assert run is not None
+            seconds = _time_backward(run[0], grads[layer_steps[i].key],
+                                     run[1] + [p for p in step_params[i] if p.requires_grad], cuda)
+            if r >= warmup:
+                backward[i].append(seconds * 1e3)
+        if progress is not None:
+            progress(r + 1, passes)
+    return [(statistics.median(f), statistics.median(b))
+            for f, b in zip(forward, backward, strict=True)]
+
+
+def _time_backward(
+    out: Any, out_grads: list[Tensor | None], targets: list[Tensor], cuda: bool
+) -> float:
+    """Seconds of one layer's own backward with the real upstream gradient (0 if none)."""
+    pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
+             if g is not None and o.requires_grad]
+    if not (pairs and targets):
+        return 0.0
+    _sync(cuda)
+    t0 = time.perf_counter()
+    torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
+    _sync(cuda)
+    return time.perf_counter() - t0
 
 
 def _fresh(value: Any, leaves: list[Tensor]) -> Any:

@@ -89,7 +89,7 @@ def _profile(args: argparse.Namespace) -> int:
     model_ref: str = args.model
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
-    with tqdm(desc=f"profiling {model_ref}", unit="layer", file=sys.stderr,
+    with tqdm(desc=f"profiling {model_ref}", unit="pass", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
