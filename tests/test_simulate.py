@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -180,3 +181,14 @@ def test_costs_from_plan_uses_the_plan_predictions() -> None:
     assert costs.backward_s == pytest.approx((0.2, 0.2))
     result = simulate(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(0.6 + 0.2)
+
+
+def test_send_overhead_occupies_the_sender() -> None:
+    sched = build_schedule([1, 1], ScheduleKind.GPIPE, 4, units_per_update=4)
+    base = SimCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), activation_bytes=(100.0,))
+    slow = replace(base, send_overhead_s=0.5, send_copy_bandwidth=100.0)
+    quick, loaded = simulate(sched, base), simulate(sched, slow)
+    # Stage 0 posts 4 sends in a row, each costing 0.5 s + 100 B / (100 B/s) of its own time.
+    assert loaded.makespan_s > quick.makespan_s + 1.5
+    with pytest.raises(ScheduleError, match="send_overhead_s"):
+        replace(base, send_overhead_s=-1.0)

@@ -250,9 +250,9 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
     update after each minibatch is timed here too (:func:`_update_seconds`).
     """
     from dreampipe import planner
-    from dreampipe.job import local_topology, profile_model
+    from dreampipe.job import local_costs, local_topology, profile_model
     from dreampipe.schedule import build_schedule
-    from dreampipe.simulate import costs_from_profile, simulate
+    from dreampipe.simulate import simulate
 
     spec = work.spec()
     topology = local_topology(len(work.stage_bounds))
@@ -267,7 +267,7 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
             [1] * len(work.stage_bounds), sh.kind, sh.total_units,
             units_per_update=sh.microbatches,
         )
-        costs = replace(costs_from_profile(graph, plan, topology, unit_fraction=1.0),
+        costs = replace(local_costs(graph, plan, unit_fraction=1.0),
                         step_s=_update_seconds(work, sh.kind is ScheduleKind.PIPEDREAM))
         sim = simulate(sched, costs)
         out[sh.kind] = window_samples_per_s(

@@ -16,11 +16,12 @@ time, so the figure matters little.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,10 +32,16 @@ from dreampipe.models import ModelSpec, get_model
 from dreampipe.plan import Plan, stages_from_config
 from dreampipe.topology import Topology
 
+if TYPE_CHECKING:
+    from dreampipe.simulate import SimCosts
+
 __all__ = [
     "LOCAL_BANDWIDTH",
+    "LOCAL_SEND_COPY_BANDWIDTH",
+    "LOCAL_SEND_OVERHEAD_S",
     "choose_plan",
     "forced_partition",
+    "local_costs",
     "local_topology",
     "model_spec",
     "parse_stage_bounds",
@@ -49,6 +56,11 @@ log = logging.getLogger(__name__)
 
 #: Bandwidth between two worker processes on one machine (gloo over loopback).
 LOCAL_BANDWIDTH = "1GB/s"
+#: Host time a CPU worker spends posting one gloo send: a fixed part plus a copy.
+#: Read off the runtime's measured SEND events for the bench's mlp on the
+#: project's 2-core machine (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
+LOCAL_SEND_OVERHEAD_S = 0.19e-3
+LOCAL_SEND_COPY_BANDWIDTH = 2.6e9
 
 
 def local_topology(workers: int) -> Topology:
@@ -56,6 +68,17 @@ def local_topology(workers: int) -> Topology:
     if workers < 1:
         raise PlanError(f"--workers {workers}: use at least 1 worker")
     return Topology.parse(str(workers), bandwidths=[LOCAL_BANDWIDTH])
+
+
+def local_costs(graph: LayerGraph, plan: Plan, unit_fraction: float) -> SimCosts:
+    """Simulator costs of ``plan`` on this machine's workers, host send time included."""
+    from dreampipe.simulate import costs_from_profile
+
+    costs = costs_from_profile(graph, plan, local_topology(plan.workers_used), unit_fraction)
+    return dataclasses.replace(
+        costs, send_overhead_s=LOCAL_SEND_OVERHEAD_S,
+        send_copy_bandwidth=LOCAL_SEND_COPY_BANDWIDTH,
+    )
 
 
 def units_per_update(kind: ScheduleKind, microbatches: int, workers: int) -> int:
@@ -172,15 +195,14 @@ def predict_samples_per_s(
     scheduled unit costs what the profile measured.
     """
     from dreampipe.schedule import build_schedule
-    from dreampipe.simulate import costs_from_profile, simulate
+    from dreampipe.simulate import simulate
 
     unit = unit_size(kind, minibatch_size, microbatches, plan.workers_used)
     per_update = units_per_update(kind, microbatches, plan.workers_used)
     replicas = [st.replicas for st in plan.stages]
     schedule = build_schedule(replicas, kind, steps * per_update, units_per_update=per_update)
-    topology = local_topology(plan.workers_used)
     fraction = unit / graph.batch_size if graph.batch_size else 1.0
-    result = simulate(schedule, costs_from_profile(graph, plan, topology, unit_fraction=fraction))
+    result = simulate(schedule, local_costs(graph, plan, fraction))
     events = result.events
     span = max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
     if span <= 0:

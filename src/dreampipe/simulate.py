@@ -6,7 +6,10 @@ Each rank runs its action list in order, exactly as the runtime does:
 - ``SEND`` is non-blocking: the transfer starts when the directed link
   (sender rank -> receiver rank) is free, lasts ``bytes / bandwidth`` and
   holds the link until it ends (one transfer at a time per link), while the
-  sender computes on (communication overlaps compute);
+  sender computes on (communication overlaps compute). Posting it occupies
+  the sender for ``send_overhead_s + bytes / send_copy_bandwidth`` (zero by
+  default; on CPU backends such as gloo the host copies the message on the
+  cores that compute);
 - ``RECV`` waits until the data has arrived;
 - ``ALLREDUCE`` joins the stage's replicas for the same round. Gradients go
   out while the backward produces them (bucketed, as in PyTorch DDP), so it
@@ -54,7 +57,8 @@ class SimCosts:
     is worker i), a rank-by-rank table, or one figure for every link
     (``math.inf``: free communication). Empty per-stage tuples mean zeros.
     ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
-    is reported in profiled minibatches.
+    is reported in profiled minibatches. ``send_overhead_s`` and
+    ``send_copy_bandwidth`` give the sender's own time to post one message.
     """
 
     forward_s: tuple[float, ...]
@@ -67,6 +71,8 @@ class SimCosts:
     stash_bytes: tuple[float, ...] = ()
     step_s: tuple[float, ...] = ()
     unit_fraction: float = 1.0
+    send_overhead_s: float = 0.0
+    send_copy_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -88,6 +94,11 @@ class SimCosts:
         object.__setattr__(self, "gradient_bytes", grads)
         if not self.unit_fraction > 0:
             raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
+        if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
+            raise ScheduleError(
+                f"send_overhead_s={self.send_overhead_s}, send_copy_bandwidth="
+                f"{self.send_copy_bandwidth}: give an overhead >= 0 and a bandwidth > 0"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -228,6 +239,7 @@ class _Run:
                 fwd = k is _K.SEND_F
                 dst = self.s.rank_of(st + 1 if fwd else st - 1, a.unit)
                 size = c.activation_bytes[st] if fwd else c.gradient_bytes[st - 1]
+                clock += c.send_overhead_s + size / c.send_copy_bandwidth
                 start = max(clock, self.link_free.get((rank, dst), 0.0))
                 end = start + self._transfer_s(rank, dst, size)
                 self.link_free[(rank, dst)] = end
