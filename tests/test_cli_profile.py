@@ -130,3 +130,13 @@ def test_profile_plan_simulate_register_without_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_output_into_a_closed_pipe_is_quiet(pipedream_profiles: Path) -> None:
+    script = (
+        f"{sys.executable} -m dreampipe show {pipedream_profiles / 'vgg16.txt'} | head -1"
+    )
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", script], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.startswith("model vgg16")
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr

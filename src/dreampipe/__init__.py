@@ -13,7 +13,7 @@ names, so that ``dreampipe.plan``, ``dreampipe.validate`` and
 - ``simulate_schedule`` is :func:`dreampipe.simulate.simulate`.
 
 ``import dreampipe`` stays light: the names that need NumPy or torch
-(the planner, the profiler, the model zoo) load on first use.
+(the planner, the profiler, the model zoo, the runtime) load on first use.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from dreampipe.planner import evaluate as evaluate_plan
     from dreampipe.planner import plan as plan_pipeline
     from dreampipe.profiler import profile_model, profile_spec
+    from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local, run_from_env
 
 __all__ = [
     "Action",
@@ -58,11 +59,14 @@ __all__ = [
     "Layer",
     "LayerGraph",
     "ModelSpec",
+    "OptimizerKind",
     "PeerTimeoutError",
     "Plan",
     "PlanError",
     "ProfileError",
     "QuantityError",
+    "RunConfig",
+    "RunResult",
     "Schedule",
     "ScheduleError",
     "ScheduleKind",
@@ -78,10 +82,12 @@ __all__ = [
     "draw_timeline",
     "evaluate_plan",
     "get_model",
+    "launch_local",
     "load_graph",
     "plan_pipeline",
     "profile_model",
     "profile_spec",
+    "run_from_env",
     "simulate_schedule",
     "validate_schedule",
     "write_chrome_trace",
@@ -97,6 +103,11 @@ _LAZY = {
     "plan_pipeline": ("dreampipe.planner", "plan"),
     "profile_model": ("dreampipe.profiler", "profile_model"),
     "profile_spec": ("dreampipe.profiler", "profile_spec"),
+    "OptimizerKind": ("dreampipe.runtime", "OptimizerKind"),
+    "RunConfig": ("dreampipe.runtime", "RunConfig"),
+    "RunResult": ("dreampipe.runtime", "RunResult"),
+    "launch_local": ("dreampipe.runtime", "launch_local"),
+    "run_from_env": ("dreampipe.runtime", "run_from_env"),
 }
 
 
