@@ -133,10 +133,9 @@ def test_profile_plan_simulate_register_without_torch() -> None:
 
 
 def test_output_into_a_closed_pipe_is_quiet(pipedream_profiles: Path) -> None:
-    script = (
-        f"{sys.executable} -m dreampipe show {pipedream_profiles / 'vgg16.txt'} | head -1"
-    )
+    # The reader exits at once (long before Python has started), so every print fails.
+    script = f"{sys.executable} -m dreampipe show {pipedream_profiles / 'vgg16.txt'} | true"
     out = subprocess.run(["bash", "-o", "pipefail", "-c", script], capture_output=True,
                          text=True, timeout=60)
-    assert out.stdout.startswith("model vgg16")
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
+    assert out.returncode == 141
