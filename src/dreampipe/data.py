@@ -70,17 +70,32 @@ class Dataset:
 
     def batch(self, unit: int, size: int) -> tuple[Tensor, Tensor]:
         """Samples ``unit*size .. (unit+1)*size-1`` of the shuffled training stream."""
-        n = self.train_x.shape[0]
-        pos = torch.arange(unit * size, (unit + 1) * size)
-        epochs = pos // n
-        first, last = int(epochs[0]), int(epochs[-1])
-        if first == last:
-            sel = self._perm(first)[pos % n]
-        else:
-            sel = torch.cat(
-                [self._perm(e)[pos[epochs == e] % n] for e in range(first, last + 1)]
-            )
+        sel = self._select(unit, size)
         return self.train_x[sel], self.train_y[sel]
+
+    def targets(self, unit: int, size: int) -> Tensor:
+        """The labels of :meth:`batch` alone (what the last pipeline stage needs)."""
+        return self.train_y[self._select(unit, size)]
+
+    def _select(self, unit: int, size: int) -> Tensor:
+        """Indices of unit ``unit``'s samples in the training split.
+
+        A unit inside one epoch is a slice of that epoch's permutation, found
+        with integer arithmetic: a training step calls this between large
+        GEMMs that leave the CPU caches cold, where every extra small tensor
+        op costs tens of microseconds, not one or two.
+        """
+        n = self.train_x.shape[0]
+        start = unit * size
+        first, last = start // n, (start + size - 1) // n
+        if first == last:
+            offset = start - first * n
+            return self._perm(first)[offset : offset + size]
+        pos = torch.arange(start, start + size)
+        epochs = pos // n
+        return torch.cat(
+            [self._perm(e)[pos[epochs == e] % n] for e in range(first, last + 1)]
+        )
 
     def _perm(self, epoch: int) -> Tensor:
         perm = self._perms.get(epoch)

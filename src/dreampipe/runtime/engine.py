@@ -155,7 +155,10 @@ class RankRunner:
             if version is not None:
                 self.module.note_version(version)
             if self.last:
-                target = self._batch(u)[1]
+                assert self.data is not None
+                target = self.data.targets(u, self.cfg.unit_size).to(
+                    self.device, non_blocking=True
+                )
         out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
         if self.last:
             self._losses[u] = out
