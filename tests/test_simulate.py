@@ -163,6 +163,25 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
     assert costs.bandwidth_between(0, 1) == 1e6
 
 
+def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
+    from dreampipe import job
+
+    for bounds in ([0], [0, 2], [0, 1, 3]):
+        plan = Plan.from_config(4, bounds, [1] * len(bounds))
+        base = costs_from_profile(_graph(), plan, job.local_topology(len(bounds)), 0.5)
+        costs = job.local_costs(_graph(), plan, unit_fraction=0.5)
+        extra = [job.LOCAL_STAGE_FORWARD_S] * len(bounds)
+        extra[0] += job.LOCAL_BATCH_LOAD_S
+        if len(bounds) > 1:
+            extra[-1] += job.LOCAL_BATCH_LOAD_S
+        extra[-1] += job.LOCAL_LOSS_S
+        assert costs.forward_s == pytest.approx(
+            tuple(f + e for f, e in zip(base.forward_s, extra, strict=True))
+        )
+        assert costs.backward_s == base.backward_s
+        assert costs.send_overhead_s == job.LOCAL_SEND_OVERHEAD_S
+
+
 def test_costs_from_profile_rejects_a_mismatched_profile() -> None:
     with pytest.raises(ScheduleError, match="3 layers but the profile has 4"):
         costs_from_profile(_graph(), Plan.from_config(3, [0], [1]), Topology.parse("4"))

@@ -37,8 +37,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LOCAL_BANDWIDTH",
+    "LOCAL_BATCH_LOAD_S",
+    "LOCAL_LOSS_S",
     "LOCAL_SEND_COPY_BANDWIDTH",
     "LOCAL_SEND_OVERHEAD_S",
+    "LOCAL_STAGE_FORWARD_S",
     "choose_plan",
     "forced_partition",
     "local_costs",
@@ -61,6 +64,20 @@ LOCAL_BANDWIDTH = "1GB/s"
 #: project's 2-core machine (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
 LOCAL_SEND_OVERHEAD_S = 0.19e-3
 LOCAL_SEND_COPY_BANDWIDTH = 2.6e9
+#: Host time of a runtime forward that the layer profile does not time, per
+#: unit and stage. Each runs right after the GEMMs of the previous backward
+#: have left the caches cold, where a small tensor op costs 30-60 us instead
+#: of 1-4 us, so they were measured that way (12 1024x1024 GEMMs before each
+#: call) on the project's 2-core machine. ``StageModule.forward`` (the
+#: stashed version put in by ``functional_call``, the bookkeeping) took
+#: 0.31 ms against 0.19 ms for calling the same 4 mlp layers (width 16, so
+#: that nothing but the overhead is left) directly: 0.1 ms.
+LOCAL_STAGE_FORWARD_S = 0.10e-3
+#: Loading a unit's samples (input stage) or labels (last stage), cold: 0.07 ms.
+LOCAL_BATCH_LOAD_S = 0.07e-3
+#: The last stage's loss, which the profile leaves out (it times layers):
+#: 0.06 ms for the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
+LOCAL_LOSS_S = 0.06e-3
 
 
 def local_topology(workers: int) -> Topology:
@@ -71,12 +88,22 @@ def local_topology(workers: int) -> Topology:
 
 
 def local_costs(graph: LayerGraph, plan: Plan, unit_fraction: float) -> SimCosts:
-    """Simulator costs of ``plan`` on this machine's workers, host send time included."""
+    """Simulator costs of ``plan`` on this machine's workers.
+
+    The profile's layer times plus the host time the runtime spends around
+    them: posting each send (:data:`LOCAL_SEND_OVERHEAD_S`), and in each
+    forward the stage's own overhead, loading the unit's data and the loss.
+    """
     from dreampipe.simulate import costs_from_profile
 
     costs = costs_from_profile(graph, plan, local_topology(plan.workers_used), unit_fraction)
+    forward = [f + LOCAL_STAGE_FORWARD_S for f in costs.forward_s]
+    forward[0] += LOCAL_BATCH_LOAD_S
+    if len(forward) > 1:
+        forward[-1] += LOCAL_BATCH_LOAD_S
+    forward[-1] += LOCAL_LOSS_S
     return dataclasses.replace(
-        costs, send_overhead_s=LOCAL_SEND_OVERHEAD_S,
+        costs, forward_s=tuple(forward), send_overhead_s=LOCAL_SEND_OVERHEAD_S,
         send_copy_bandwidth=LOCAL_SEND_COPY_BANDWIDTH,
     )
 
