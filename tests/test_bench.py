@@ -8,13 +8,14 @@ import time
 import pytest
 
 from dreampipe.actions import ActionKind
-from dreampipe.baselines import BaselineError, Workload, run_processes
+from dreampipe.baselines import Baseline, BaselineError, Workload, run_processes
 from dreampipe.bench import (
     BENCH_NAMES,
     BenchEntry,
     BenchOptions,
     BenchReport,
     format_table,
+    run_bench,
     window_samples_per_s,
 )
 from dreampipe.cli import main
@@ -116,7 +117,7 @@ def test_deadline_stops_every_child() -> None:
 def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     names = ["torch-1f1b", "ddp", "single-1thread"]
     status = main(["bench", "--only", *names, "--steps", "2", "--warmup", "1", "--json",
-                   "--no-progress"])
+                   "--no-progress", "--rounds", "1"])
     assert status == 0
     data = json.loads(capsys.readouterr().out)
     assert set(data["results"]) == set(names)
@@ -134,3 +135,21 @@ def test_bench_names_are_the_issue_s() -> None:
 def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err
+
+
+def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dreampipe.bench as bench
+
+    calls: list[str] = []
+    rates = {"ddp": iter([1.0, 5.0, 3.0]), "single-1thread": iter([9.0, 7.0, 8.0])}
+
+    def fake(which: Baseline, work: object, *, timeout_s: float) -> float:
+        calls.append(which.value)
+        return next(rates[which.value])
+
+    monkeypatch.setattr(bench, "run_baseline", fake)
+    report = run_bench(BenchOptions(progress=False, rounds=3), ["ddp", "single-1thread"])
+    assert calls == ["ddp", "single-1thread"] * 3
+    assert [(e.name, e.samples_per_s) for e in report.entries] == [
+        ("ddp", 3.0), ("single-1thread", 8.0)]
+    assert report.to_json()["rounds"] == 3

@@ -65,13 +65,19 @@ _PAIRS = (("1f1b-flush", "torch-1f1b"), ("pipedream", "torch-1f1b"), ("gpipe", "
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """Timed updates, warm-up updates and the per-run hard limit."""
+    """Timed updates, warm-up updates, rounds and the per-run hard limit.
+
+    Every run is repeated ``rounds`` times, interleaved (all runs once, then
+    all again), and its median is reported, so that a burst of load on a
+    shared machine does not decide a ratio.
+    """
 
     steps: int = 20
     warmup: int = 3
     timeout_s: float = 300.0
     progress: bool = True
     pipedream_minibatch: int = 128
+    rounds: int = 3
 
     def workload(self) -> Workload:
         return Workload(steps=self.steps, warmup=self.warmup)
@@ -114,6 +120,7 @@ class BenchReport:
             "ratios": {f"{a}/{b}": r for a, b, r in self.ratios()},
             "steps": self.options.steps,
             "warmup": self.options.warmup,
+            "rounds": self.options.rounds,
         }
 
 
@@ -286,15 +293,19 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
     work = opts.workload()
     shapes = {n: _shape(n, opts, work) for n in chosen if n in _DREAMPIPE}
     predicted = _predict(list(shapes.values()), work) if shapes else {}
-    entries = []
-    for name in _progress(chosen, opts.progress):
+    rates: dict[str, list[float]] = {name: [] for name in chosen}
+    for name in _progress(chosen * opts.rounds, opts.progress):
         if name in shapes:
             rate = _run_dreampipe(shapes[name], work, opts.timeout_s)
-            entries.append(BenchEntry(name, rate, predicted[shapes[name].kind]))
         else:
-            entries.append(BenchEntry(name, run_baseline(Baseline(name), work,
-                                                         timeout_s=opts.timeout_s)))
-        log.info("bench %s: %.1f samples/s", name, entries[-1].samples_per_s)
+            rate = run_baseline(Baseline(name), work, timeout_s=opts.timeout_s)
+        rates[name].append(rate)
+        log.info("bench %s: %.1f samples/s", name, rate)
+    entries = [
+        BenchEntry(name, statistics.median(rates[name]),
+                   predicted[shapes[name].kind] if name in shapes else None)
+        for name in chosen
+    ]
     return BenchReport(tuple(entries), opts)
 
 
@@ -319,7 +330,7 @@ def format_table(report: BenchReport) -> str:
     opts = report.options
     lines = [
         f"mlp 8x1024, 2 stages of 4 layers, 256 samples/update, {opts.steps} timed updates "
-        f"after {opts.warmup} warm-up",
+        f"after {opts.warmup} warm-up, median of {opts.rounds} interleaved rounds",
         f"{'run':<16} {'samples/s':>10} {'predicted':>10} {'meas/pred':>9}",
     ]
     for e in report.entries:

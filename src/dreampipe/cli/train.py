@@ -266,6 +266,9 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
                    help="timed updates of 256 samples per run (default: 20)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed updates before timing starts (default: 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="repeat every run this many times, interleaved, and report the "
+                        "median (default: 3)")
     p.add_argument("--only", nargs="+", choices=BENCH_NAMES, metavar="NAME",
                    help=f"run only these: {', '.join(BENCH_NAMES)}")
     p.add_argument("--timeout", type=float, default=300.0,
@@ -284,8 +287,10 @@ def _bench(args: argparse.Namespace) -> int:
                         "warmup >= 0")
     if args.timeout <= 0:
         raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+    if args.rounds < 1:
+        raise PlanError(f"--rounds {args.rounds}: use at least 1")
     opts = BenchOptions(steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, rounds=args.rounds)
     names = tuple(args.only) if args.only else None
     report = run_bench(opts, names)
     if args.json:
