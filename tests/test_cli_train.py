@@ -60,6 +60,33 @@ def test_train_rejects_bad_arguments(
     assert needle in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--vertical-sync", "--no-stash"], "drop --no-stash or --vertical-sync"),
+        (["--schedule", "gpipe", "--vertical-sync"], "apply to the pipedream schedule only"),
+        (["--lr", "0"], "learning rate 0"),
+        (["--dataset", "mnist", "--data-dir", "{tmp}"], "train-images-idx3-ubyte"),
+        (["--plan", "{tmp}/missing.json"], "missing.json"),
+        (["--workers", "3", "--config", "2-1", "--stages", "0,9"], "--stages '0,9'"),
+        (["--timeline", "{tmp}/no/such/dir/x.png"], "no/such/dir"),
+        (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
+    ],
+)
+def test_train_rejects_bad_options_before_profiling(
+    argv: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def no_profiling(*_: object, **__: object) -> None:
+        raise AssertionError("profiled before checking the options")
+
+    monkeypatch.setattr("dreampipe.training.profile_model", no_profiling)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    err = _fails(["train", "mlp", "--no-progress", *argv], capsys)
+    assert err.startswith("dreampipe train: error:")
+    assert needle.replace("{tmp}", str(tmp_path)) in err
+
+
 def test_train_rejects_mismatched_torchrun_world(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

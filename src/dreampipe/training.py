@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PeerTimeoutError, PlanError
-from dreampipe.graph import LayerGraph
 from dreampipe.job import (
     choose_plan,
     forced_partition,
@@ -37,6 +36,7 @@ from dreampipe.models import ModelSpec
 from dreampipe.plan import Plan, stages_from_config
 
 if TYPE_CHECKING:
+    from dreampipe.data import Dataset
     from dreampipe.runtime import RunResult
 
 __all__ = ["TrainReport", "TrainRequest", "run_train", "share_plan", "torchrun_world"]
@@ -154,7 +154,6 @@ def run_train(
     """
     spec = model_spec(req.model, req.model_kwargs)
     workers = _workers(req, torchrun)
-    steps = _steps(req, spec)
     if req.schedule is ScheduleKind.DP and req.plan_path is None and req.config is None:
         req = replace(req, config=str(workers), stages=None)
     unit = unit_size(req.schedule, req.minibatch_size, req.microbatches,
@@ -164,18 +163,23 @@ def run_train(
     plan: Plan | None = None
     predicted = 0.0
     if lead:
+        data, given = _check_before_profiling(req, spec, workers, fixed_world=torchrun is not None)
+        steps = _steps(req, data)
         graph = profile_model(spec, unit)
-        plan = _plan(req, spec, graph, workers, fixed_world=torchrun is not None)
+        plan = given or choose_plan(graph, workers, config=req.config, stages=req.stages,
+                                    allow_fewer_workers=torchrun is None)
         predicted = predict_samples_per_s(
             graph, plan, req.schedule, minibatch_size=req.minibatch_size,
             microbatches=req.microbatches, steps=steps,
         )
-    elif req.plan_path is not None:
-        plan = _load_plan(req, spec, workers, fixed_world=True)
     else:
-        forced = forced_partition(spec.num_layers, workers, req.config, req.stages)
-        if forced is not None:
-            plan = Plan.from_config(spec.num_layers, *forced, model=spec.name)
+        steps = _steps(req, _load_data(req, spec) if req.epochs is not None else None)
+        if req.plan_path is not None:
+            plan = _load_plan(req, spec, workers, fixed_world=True)
+        else:
+            forced = forced_partition(spec.num_layers, workers, req.config, req.stages)
+            if forced is not None:
+                plan = Plan.from_config(spec.num_layers, *forced, model=spec.name)
     if plan is None or (torchrun is not None and _planner_chose(req)):
         plan = share_plan(plan, req.timeout_s)
     if plan.workers_used < workers:
@@ -228,23 +232,39 @@ def _workers(req: TrainRequest, torchrun: tuple[int, int] | None) -> int:
     return 2
 
 
-def _steps(req: TrainRequest, spec: ModelSpec) -> int:
+def _check_before_profiling(
+    req: TrainRequest, spec: ModelSpec, workers: int, fixed_world: bool
+) -> tuple[Dataset, Plan | None]:
+    """Fail on a bad option, dataset, plan file or partition now, not after profiling.
+
+    Returns the dataset (loading it is the check that it exists and fits the
+    model) and the plan from ``--plan``, if one was given.
+    """
+    from dreampipe.runtime.checks import check_options
+
+    check_options(req.schedule, microbatches=req.microbatches,
+                  vertical_sync=req.vertical_sync, stash=req.stash, lr=req.lr)
+    data = _load_data(req, spec)
+    if req.plan_path is not None:
+        return data, _load_plan(req, spec, workers, fixed_world)
+    forced_partition(spec.num_layers, workers, req.config, req.stages)
+    return data, None
+
+
+def _load_data(req: TrainRequest, spec: ModelSpec) -> Dataset:
+    from dreampipe.data import load_dataset
+
+    return load_dataset(req.dataset, spec, data_dir=req.data_dir, seed=req.seed)
+
+
+def _steps(req: TrainRequest, data: Dataset | None) -> int:
+    """``req.steps``, else the updates in ``req.epochs`` of ``data``, else 10."""
     if req.steps is not None:
         return req.steps
     if req.epochs is None:
         return 10
-    from dreampipe.data import load_dataset
-
-    data = load_dataset(req.dataset, spec, data_dir=req.data_dir, seed=req.seed)
+    assert data is not None
     return steps_for_epochs(req.epochs, int(data.train_x.shape[0]), req.minibatch_size)
-
-
-def _plan(req: TrainRequest, spec: ModelSpec, graph: LayerGraph, workers: int,
-          fixed_world: bool) -> Plan:
-    if req.plan_path is None:
-        return choose_plan(graph, workers, config=req.config, stages=req.stages,
-                           allow_fewer_workers=not fixed_world)
-    return _load_plan(req, spec, workers, fixed_world)
 
 
 def _load_plan(req: TrainRequest, spec: ModelSpec, workers: int, fixed_world: bool) -> Plan:

@@ -141,6 +141,12 @@ def _check_train_args(args: argparse.Namespace) -> None:
         raise PlanError("--dataset mnist needs --data-dir DIR holding the MNIST IDX files")
     if args.timeout <= 0:
         raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+    for flag, path in (("--trace", args.trace), ("--timeline", args.timeline)):
+        if path and not Path(path).resolve().parent.is_dir():
+            raise PlanError(
+                f"{flag} {path}: directory {str(Path(path).parent)!r} does not exist; "
+                "create it or write elsewhere"
+            )
 
 
 def _train(args: argparse.Namespace) -> int:

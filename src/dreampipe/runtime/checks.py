@@ -19,7 +19,7 @@ from dreampipe.errors import PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig
 
-__all__ = ["check_config", "check_stage_outputs"]
+__all__ = ["check_config", "check_options", "check_stage_outputs"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,8 +61,6 @@ def _check_numbers(cfg: RunConfig) -> None:
     for name in ("minibatch_size", "microbatches", "steps"):
         if getattr(cfg, name) < 1:
             raise ScheduleError(f"{name}={getattr(cfg, name)}; use 1 or more")
-    if cfg.lr <= 0:
-        raise ScheduleError(f"learning rate {cfg.lr}; use a positive value such as 0.01")
     if cfg.timeout_s <= 0:
         raise ScheduleError(f"timeout_s={cfg.timeout_s}; use a positive number of seconds")
     units = cfg.units_per_update
@@ -81,23 +79,35 @@ def _check_numbers(cfg: RunConfig) -> None:
         )
 
 
-def _check_schedule(cfg: RunConfig) -> None:
-    kind = cfg.schedule
-    if kind is ScheduleKind.PIPEDREAM and cfg.microbatches != 1:
+def check_options(
+    kind: ScheduleKind, *, microbatches: int, vertical_sync: bool, stash: bool, lr: float
+) -> None:
+    """The checks that need no plan, so a caller can run them before profiling."""
+    if lr <= 0:
+        raise ScheduleError(f"learning rate {lr}; use a positive value such as 0.01")
+    if kind is ScheduleKind.PIPEDREAM and microbatches != 1:
         raise ScheduleError(
             f"the pipedream schedule updates after every minibatch, so microbatches must be 1 "
-            f"(got {cfg.microbatches}); use the 1f1b-flush schedule to split minibatches"
+            f"(got {microbatches}); use the 1f1b-flush schedule to split minibatches"
         )
-    if kind is not ScheduleKind.PIPEDREAM and (cfg.vertical_sync or not cfg.stash):
+    if kind is not ScheduleKind.PIPEDREAM and (vertical_sync or not stash):
         raise ScheduleError(
             f"vertical sync and turning weight stashing off apply to the pipedream schedule "
             f"only; {kind.value} updates all stages together"
         )
-    if cfg.vertical_sync and not cfg.stash:
+    if vertical_sync and not stash:
         raise ScheduleError(
             "vertical sync runs every stage on a stashed weight version; it needs weight "
             "stashing: drop --no-stash or --vertical-sync"
         )
+
+
+def _check_schedule(cfg: RunConfig) -> None:
+    kind = cfg.schedule
+    check_options(
+        kind, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync, stash=cfg.stash,
+        lr=cfg.lr,
+    )
     if kind is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "
