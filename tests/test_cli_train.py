@@ -50,6 +50,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--dataset", "mnist"], "--data-dir"),
         (["--timeout", "0"], "--timeout 0"),
         (["--model-arg", "layers"], "KEY=VALUE"),
+        (["--model-arg", "width=abc"], "model 'mlp' with {'width': 'abc'}"),
+        (["--model-arg", "width=-4"], "model 'mlp' with {'width': -4}"),
     ],
 )
 def test_train_rejects_bad_arguments(

@@ -245,11 +245,21 @@ def steps_for_epochs(epochs: float, train_samples: int, minibatch_size: int) -> 
 
 
 def model_spec(name: str, model_kwargs: Sequence[tuple[str, Any]] = ()) -> ModelSpec:
-    """The zoo model ``name`` sized by ``model_kwargs``; a bad size is a :class:`PlanError`."""
+    """The zoo model ``name`` sized by ``model_kwargs``; a bad size is a :class:`PlanError`.
+
+    The layers are built once on the ``meta`` device (no memory, no compute),
+    so a size of the wrong type or sign fails here, not inside profiling.
+    """
     try:
-        return get_model(name, **dict(model_kwargs))
-    except (TypeError, ValueError) as exc:
+        spec = get_model(name, **dict(model_kwargs))
+        with torch.device("meta"):
+            spec.build(seed=0)
+    except (TypeError, ValueError, RuntimeError) as exc:
         if isinstance(exc, PlanError):
             raise
-        raise PlanError(f"model {name!r} with {dict(model_kwargs)}: {exc}") from None
+        raise PlanError(
+            f"model {name!r} with {dict(model_kwargs)}: {exc}; give --model-arg values the "
+            f"zoo function {name}() accepts"
+        ) from None
+    return spec
 
