@@ -111,6 +111,9 @@ def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
     codes = re.search(r"exit codes by rank: \{0: (-?\d+), 1: (-?\d+), 2: (-?\d+)\}", text)
     assert codes is not None, text
     assert all(int(c) != 0 for c in codes.groups())
+    assert text.splitlines()[0].endswith(
+        "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
+    ), text
     assert "--- traceback of rank 0 ---" in text
     assert elapsed < timeout + 30.0
     assert mp.active_children() == []

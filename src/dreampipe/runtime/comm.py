@@ -42,6 +42,7 @@ _DTYPES = (
 )
 _POLL_S = 100e-6
 _MAX_SENDS = 16
+_HINT = "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
 
 Spec = tuple[tuple[int, ...], torch.dtype]
 
@@ -123,13 +124,14 @@ class Comm:
                 return
             while not work.is_completed():
                 if time.monotonic() - start > self.timeout_s:
-                    raise PeerTimeoutError(self._describe(action, peer))
+                    raise PeerTimeoutError(f"{self._describe(action, peer)}; {_HINT}")
                 time.sleep(_POLL_S)
             work.wait()
         except RuntimeError as exc:
             waited = time.monotonic() - start
+            reason = str(exc).strip().split("\n", 1)[0] or type(exc).__name__
             raise PeerTimeoutError(
-                f"{self._describe(action, peer)}: failed after {waited:.1f} s: {exc}"
+                f"{self._describe(action, peer)}: failed after {waited:.1f} s ({reason}); {_HINT}"
             ) from exc
 
     # ---- receives --------------------------------------------------------
