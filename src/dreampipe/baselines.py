@@ -52,6 +52,8 @@ class BaselineError(DreampipeError, RuntimeError):
 
 
 class Baseline(Enum):
+    """A PyTorch-only run the bench compares dreampipe with."""
+
     TORCH_1F1B = "torch-1f1b"
     TORCH_GPIPE = "torch-gpipe"
     DDP = "ddp"
@@ -88,9 +90,11 @@ class Workload:
             )
 
     def spec(self) -> ModelSpec:
+        """The zoo mlp this workload trains."""
         return get_model("mlp", layers=self.layers, width=self.width)
 
     def stage_range(self, stage: int) -> tuple[int, int]:
+        """First and last layer (inclusive) of pipeline stage ``stage``."""
         edges = [*self.stage_bounds, self.layers]
         return edges[stage], edges[stage + 1] - 1
 

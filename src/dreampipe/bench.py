@@ -80,6 +80,7 @@ class BenchOptions:
     rounds: int = 3
 
     def workload(self) -> Workload:
+        """The bench workload at these options' steps and warm-up."""
         return Workload(steps=self.steps, warmup=self.warmup)
 
 
@@ -94,10 +95,13 @@ class BenchEntry:
 
 @dataclass(frozen=True)
 class BenchReport:
+    """Every bench run's median result, with the options they ran under."""
+
     entries: tuple[BenchEntry, ...]
     options: BenchOptions
 
     def get(self, name: str) -> BenchEntry | None:
+        """The entry of run ``name``, None if it did not run."""
         return next((e for e in self.entries if e.name == name), None)
 
     def ratios(self) -> list[tuple[str, str, float]]:
@@ -110,6 +114,7 @@ class BenchReport:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object."""
         results: dict[str, dict[str, float]] = {}
         for e in self.entries:
             results[e.name] = {"samples_per_s": e.samples_per_s}

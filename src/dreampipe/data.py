@@ -66,6 +66,7 @@ class Dataset:
 
     @property
     def has_test(self) -> bool:
+        """Whether a test split came with the data (synthetic has none)."""
         return self.test_x is not None and self.test_y is not None
 
     def batch(self, unit: int, size: int) -> tuple[Tensor, Tensor]:

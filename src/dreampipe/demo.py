@@ -59,6 +59,7 @@ class DemoOptions:
     timeline_units: int = 12
 
     def with_epochs(self, epochs: float) -> DemoOptions:
+        """These options with ``epochs`` passes over the digits (checked positive)."""
         if epochs <= 0:
             raise PlanError(f"--epochs {epochs}: use a positive number of epochs")
         return replace(self, epochs=epochs)

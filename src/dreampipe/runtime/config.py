@@ -40,6 +40,8 @@ __all__ = [
 
 
 class OptimizerKind(Enum):
+    """The ``torch.optim`` optimizer each stage builds for its parameters."""
+
     SGD = "sgd"
     ADAM = "adam"
 
@@ -81,10 +83,12 @@ class RunConfig:
 
     @property
     def workers(self) -> int:
+        """Processes the plan uses (every replica of every stage)."""
         return self.plan.workers_used
 
     @property
     def units_per_update(self) -> int:
+        """Scheduled units (minibatches or microbatches) per weight update; see above."""
         if self.schedule is ScheduleKind.PIPEDREAM:
             return 1
         if self.schedule is ScheduleKind.DP:
@@ -98,10 +102,12 @@ class RunConfig:
 
     @property
     def num_units(self) -> int:
+        """Units in the whole run."""
         return self.steps * self.units_per_update
 
     @property
     def backend_name(self) -> str:
+        """``backend``, else NCCL with CUDA and gloo without."""
         if self.backend is not None:
             return self.backend
         return "nccl" if torch.cuda.is_available() else "gloo"

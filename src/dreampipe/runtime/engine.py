@@ -6,7 +6,7 @@ the receives of the next few actions early so communication overlaps
 compute::
 
     actions   RECV_F4  F4  SEND_F4  RECV_B2  B2  SEND_B2  STEP2  RECV_F5 ...
-    posted    ^^^^^^^ ...  (irecv for RECV_* within LOOKAHEAD actions ahead)
+    posted    ^^^^^^^ ...  (irecv for RECV_* within _LOOKAHEAD actions ahead)
 
 Labels: the input stage and the last stage both index the same
 :class:`~dreampipe.data.Dataset` with ``batch(unit, unit_size)``, so the last
@@ -42,11 +42,11 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import OptimizerKind, RunConfig
 from dreampipe.runtime.stage import StageModule
 
-__all__ = ["LOOKAHEAD", "RankReport", "RankRunner", "barrier", "make_optimizer"]
+__all__ = ["RankReport", "RankRunner", "barrier"]
 
 _log = logging.getLogger(__name__)
 
-LOOKAHEAD = 8
+_LOOKAHEAD = 8
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
@@ -64,7 +64,10 @@ class RankReport:
     peak_versions: int = 0
 
 
-def make_optimizer(cfg: RunConfig) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+def _make_optimizer(
+    cfg: RunConfig,
+) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """The optimizer factory a stage calls with its own parameters (each rank builds its own)."""
     def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         if cfg.optimizer is OptimizerKind.ADAM:
             return torch.optim.Adam(params, lr=cfg.lr)
@@ -97,7 +100,7 @@ class RankRunner:
         module = spec.build(st.first, st.last, cfg.seed).to(device).train()
         self.module = StageModule(
             module,
-            make_optimizer(cfg),
+            _make_optimizer(cfg),
             stage=self.stage,
             input_grad=self.stage > 0,
             stash=cfg.stash,
@@ -211,7 +214,7 @@ class RankRunner:
         self._open_progress(actions)
         try:
             for i, a in enumerate(actions):
-                while nxt < len(recv_at) and recv_at[nxt] <= i + LOOKAHEAD:
+                while nxt < len(recv_at) and recv_at[nxt] <= i + _LOOKAHEAD:
                     if not post(actions[recv_at[nxt]]):
                         break
                     nxt += 1
@@ -248,6 +251,7 @@ class RankRunner:
         self._bar_start = time.perf_counter()
 
     def final_state(self) -> dict[str, Tensor]:
+        """This stage's trained ``state_dict``, copied to the CPU for rank 0."""
         return {k: v.detach().cpu().clone() for k, v in self.module.module.state_dict().items()}
 
 

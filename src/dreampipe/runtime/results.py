@@ -12,7 +12,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.engine import RankReport
 
-__all__ = ["assemble", "evaluate"]
+__all__ = ["assemble"]
 
 _EVAL_BATCH = 256
 _log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def assemble(
             states[rep.stage] = rep.state
     accuracy = None
     if cfg.evaluate and data is not None and data.has_test:
-        accuracy = evaluate(cfg, spec, states, data)
+        accuracy = _evaluate(cfg, spec, states, data)
     events = sorted((e for rep in reports for e in rep.events), key=lambda e: (e.start_s, e.rank))
     return RunResult(
         samples_per_s=cfg.steps * cfg.minibatch_size / elapsed if elapsed > 0 else 0.0,
@@ -52,7 +52,7 @@ def assemble(
     )
 
 
-def evaluate(
+def _evaluate(
     cfg: RunConfig, spec: ModelSpec, states: list[dict[str, Tensor]], data: Dataset
 ) -> float | None:
     """Top-1 accuracy of the trained model (all stages joined on this rank) on the test split."""

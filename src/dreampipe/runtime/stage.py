@@ -249,6 +249,7 @@ class StageModule:
             acc.addmm_(a, b)
 
     def add_grad(self, index: int, g: Tensor) -> None:
+        """``grad[index] += g`` (fused Linear biases, and gradients harvested off a version)."""
         acc = self._grads[index]
         if acc is None:
             self._grads[index] = g
