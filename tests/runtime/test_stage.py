@@ -64,15 +64,20 @@ def test_forwards_share_the_live_weights_until_a_step() -> None:
     assert not torch.equal(live.detach(), before)
 
 
-def test_backward_uses_the_forward_version() -> None:
-    st, plain = _stage(), _module()
+def _second_unit_gradients(st: StageModule) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """F0 F1 B0 STEP B1: unit 1's input and the weight gradients its backward left."""
     x0, x1 = torch.randn(5, 3), torch.randn(5, 3)
     st.forward(0, x0)
     st.forward(1, x1)
     st.backward(0, torch.ones(5, 2))
     st.step()
     st.backward(1, torch.ones(5, 2))
-    grads = [g.clone() for g in st.gradients()]
+    return x1, [g.clone() for g in st.gradients()]
+
+
+def test_backward_uses_the_forward_version() -> None:
+    x1, grads = _second_unit_gradients(_stage())
+    plain = _module()
     plain(x1).backward(torch.ones(5, 2))
     for g, p in zip(grads, plain.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad)
@@ -80,13 +85,7 @@ def test_backward_uses_the_forward_version() -> None:
 
 def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
     st = _stage(stash=False)
-    x0, x1 = torch.randn(5, 3), torch.randn(5, 3)
-    st.forward(0, x0)
-    st.forward(1, x1)
-    st.backward(0, torch.ones(5, 2))
-    st.step()
-    st.backward(1, torch.ones(5, 2))
-    grads = [g.clone() for g in st.gradients()]
+    x1, grads = _second_unit_gradients(st)
     newest = _module()
     newest.load_state_dict(st.module.state_dict())
     newest(x1).backward(torch.ones(5, 2))
