@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from dreampipe.models import get_model
 from dreampipe.models.spec import ModelSpec
 
-__all__ = ["stall_mlp", "tuple_mlp"]
+__all__ = ["crash_mlp", "stall_mlp", "tuple_mlp"]
 
 
 class _Stall(nn.Module):
@@ -18,6 +18,15 @@ class _Stall(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "meta":
             time.sleep(3600)
+        return x
+
+
+class _Crash(nn.Module):
+    """Raises on real data (not on the meta device used by the input checks)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "meta":
+            raise ValueError("crash layer reached")
         return x
 
 
@@ -39,6 +48,11 @@ def _with_layer(index: int, name: str, layer: type[nn.Module], **kw: int) -> Mod
 def stall_mlp(**kw: int) -> ModelSpec:
     """An mlp with a layer at index 2 that never returns."""
     return _with_layer(2, "stall", _Stall, **kw)
+
+
+def crash_mlp(**kw: int) -> ModelSpec:
+    """An mlp with a layer at index 2 that raises a ValueError."""
+    return _with_layer(2, "crash", _Crash, **kw)
 
 
 def tuple_mlp(**kw: int) -> ModelSpec:

@@ -11,7 +11,7 @@ import pytest
 from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PeerTimeoutError, PlanError, ScheduleError
 from dreampipe.plan import Plan
-from dreampipe.runtime import RunConfig, launch_local
+from dreampipe.runtime import RunConfig, WorkerError, launch_local
 
 __all__: list[str] = []
 
@@ -116,4 +116,21 @@ def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
     ), text
     assert "--- traceback of rank 0 ---" in text
     assert elapsed < timeout + 30.0
+    assert mp.active_children() == []
+
+
+@pytest.mark.timeout(90)
+def test_the_failing_rank_comes_first_not_the_peers_it_left_waiting() -> None:
+    cfg = RunConfig(
+        model="runtime.models_for_tests:crash_mlp", model_kwargs=MODEL_KW,
+        plan=Plan.from_config(5, [0, 2], [1, 1]), steps=3, minibatch_size=4, timeout_s=30.0,
+    )
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch_local(cfg, deadline_s=60.0)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "rank 1 (stage 1) failed: ValueError: crash layer reached", lines[0]
+    left = [ln for ln in lines if ln.startswith("rank 0 (stage 0) also failed")]
+    assert all("waited more than" not in ln and "lost rank 1" in ln for ln in left), left
+    assert time.monotonic() - start < 30.0
     assert mp.active_children() == []

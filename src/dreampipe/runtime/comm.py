@@ -130,9 +130,13 @@ class Comm:
         except RuntimeError as exc:
             waited = time.monotonic() - start
             reason = str(exc).strip().split("\n", 1)[0] or type(exc).__name__
-            raise PeerTimeoutError(
-                f"{self._describe(action, peer)}: failed after {waited:.1f} s ({reason}); {_HINT}"
-            ) from exc
+            if waited < self.timeout_s:
+                raise PeerTimeoutError(
+                    f"rank {self.rank} (stage {self.stage}) lost {peer} in {action} "
+                    f"({self._unit_name} {action.unit}) after {waited:.1f} s ({reason}); "
+                    "that rank failed or exited first: see its own error"
+                ) from exc
+            raise PeerTimeoutError(f"{self._describe(action, peer)} ({reason}); {_HINT}") from exc
 
     # ---- receives --------------------------------------------------------
     def post(self, action: Action) -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.errors import DreampipeError
+from dreampipe.errors import DreampipeError, PeerTimeoutError
 from dreampipe.runtime.checks import check_config, check_stage_outputs
 from dreampipe.runtime.config import RunConfig, RunResult, resolve_model
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
@@ -280,7 +280,12 @@ def _failure(
         except DreampipeError:
             return "no stage"
 
-    order = sorted(failures, key=lambda r: (failures[r][0] is None, r))
+    def follows(rank: int) -> bool:
+        """A peer timeout (or lost peer) is what a failing rank leaves its peers with."""
+        kind = failures[rank][0]
+        return isinstance(kind, type) and issubclass(kind, PeerTimeoutError)
+
+    order = sorted(failures, key=lambda r: (follows(r), r))
     first = order[0]
     kind, message, _ = failures[first]
     codes = {rank: p.exitcode for rank, p in enumerate(procs)}
