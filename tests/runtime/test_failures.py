@@ -48,6 +48,14 @@ BAD = [
         ScheduleError, "apply to the pipedream schedule only",
     ),
     (
+        _cfg(Plan.from_config(4, [0, 2], [2, 1]), vertical_sync=True),
+        ScheduleError, "vertical sync needs the same replica count in every stage \\(got 2-1\\)",
+    ),
+    (
+        _cfg(Plan.from_config(4, [0, 2], [1, 2]), vertical_sync=True),
+        ScheduleError, "vertical sync needs the same replica count in every stage \\(got 1-2\\)",
+    ),
+    (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.DP),
         ScheduleError, "the dp schedule needs a one-stage plan",
     ),

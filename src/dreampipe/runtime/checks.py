@@ -108,6 +108,14 @@ def _check_schedule(cfg: RunConfig) -> None:
         kind, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync, stash=cfg.stash,
         lr=cfg.lr,
     )
+    replicas = {st.replicas for st in cfg.plan.stages}
+    if cfg.vertical_sync and len(replicas) > 1:
+        raise ScheduleError(
+            f"vertical sync needs the same replica count in every stage (got "
+            f"{cfg.plan.config}): a stage's version counts its own updates, so stages that "
+            "update at different rates name different weights by one number (and the faster "
+            "one keeps ever more versions); drop --vertical-sync or replicate stages equally"
+        )
     if kind is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "

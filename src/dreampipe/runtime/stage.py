@@ -21,7 +21,9 @@ stage runs ``u`` with that version number of its own weights. A stage keeps
 every version from the one named by the newest unit it received onwards
 (versions never decrease along the units), plus those held by unfinished
 units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
-updates ahead of the input stage).
+updates ahead of the input stage). Stages must update at one rate, i.e. have
+equal replica counts (:mod:`.checks` says so before a run): otherwise one
+version number names different weights on different stages.
 
 **No stashing** (``stash=False``) is PipeDream's *naive pipelining*, kept to
 show why stashing matters: the forward runs on the live weights without
