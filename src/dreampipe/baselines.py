@@ -20,7 +20,6 @@ import logging
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -34,12 +33,12 @@ from torch import nn
 
 from dreampipe.errors import DreampipeError
 from dreampipe.models import ModelSpec, get_model
+from dreampipe.runtime.launch import free_port
 
 __all__ = [
     "Baseline",
     "BaselineError",
     "Workload",
-    "free_port",
     "run_baseline",
     "run_processes",
 ]
@@ -104,13 +103,6 @@ class Workload:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed + 1000)
             return spec.sample_input(batch), spec.sample_target(batch)
-
-
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 WorkerFn = Callable[[int, int, Any], Any]

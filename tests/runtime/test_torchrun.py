@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,11 @@ import torch
 
 from dreampipe.data import load_dataset
 from dreampipe.models import get_model
+from dreampipe.runtime.launch import free_port
 
 from .reference import reference_sync, sgd
 
 __all__: list[str] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.timeout(120)
@@ -33,7 +27,7 @@ def test_run_from_env_under_torchrun() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script),
     ]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,

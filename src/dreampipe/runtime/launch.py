@@ -39,7 +39,7 @@ from dreampipe.runtime.config import RunConfig, RunResult, resolve_model
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
 from dreampipe.runtime.results import assemble
 
-__all__ = ["WorkerError", "launch_local", "run_from_env", "run_rank"]
+__all__ = ["WorkerError", "free_port", "launch_local", "run_from_env", "run_rank"]
 
 _log = logging.getLogger(__name__)
 _GRACE_S = 1.0
@@ -135,7 +135,8 @@ def run_from_env(cfg: RunConfig) -> RunResult | None:
 
 
 # ---- local launch ----------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago (for a local rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -192,7 +193,7 @@ def launch_local(
     check_config(cfg, spec, world)
     check_stage_outputs(cfg, spec)
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs, conns = [], []
     try:
         for rank in range(world):
