@@ -25,8 +25,8 @@ from dreampipe.job import (
     predict_samples_per_s,
     steps_for_epochs,
     unit_size,
-    units_per_update,
 )
+from dreampipe.runtime.config import units_per_update
 from dreampipe.training import share_plan, torchrun_world
 
 

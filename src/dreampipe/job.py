@@ -30,6 +30,7 @@ from dreampipe.errors import PlanError
 from dreampipe.graph import LayerGraph
 from dreampipe.models import ModelSpec, get_model
 from dreampipe.plan import Plan, stages_from_config
+from dreampipe.runtime.config import units_per_update
 from dreampipe.topology import Topology
 
 if TYPE_CHECKING:
@@ -52,7 +53,6 @@ __all__ = [
     "profile_model",
     "steps_for_epochs",
     "unit_size",
-    "units_per_update",
 ]
 
 log = logging.getLogger(__name__)
@@ -108,21 +108,8 @@ def local_costs(graph: LayerGraph, plan: Plan, unit_fraction: float) -> SimCosts
     )
 
 
-def units_per_update(kind: ScheduleKind, microbatches: int, workers: int) -> int:
-    """Scheduled units per weight update, as the runtime cuts them.
-
-    One minibatch for PipeDream; ``microbatches`` for the pipelined
-    synchronous schedules; ``microbatches`` per worker for data parallelism.
-    """
-    if kind is ScheduleKind.PIPEDREAM:
-        return 1
-    if kind is ScheduleKind.DP:
-        return microbatches * workers
-    return microbatches
-
-
 def unit_size(kind: ScheduleKind, minibatch_size: int, microbatches: int, workers: int = 1) -> int:
-    """Samples in one scheduled unit (see :func:`units_per_update`)."""
+    """Samples in one scheduled unit (see :func:`~dreampipe.runtime.config.units_per_update`)."""
     per = units_per_update(kind, microbatches, workers)
     if minibatch_size % per:
         raise PlanError(

@@ -36,7 +36,21 @@ __all__ = [
     "RunConfig",
     "RunResult",
     "resolve_model",
+    "units_per_update",
 ]
+
+
+def units_per_update(kind: ScheduleKind, microbatches: int, workers: int) -> int:
+    """Scheduled units per weight update (the table above).
+
+    One minibatch for PipeDream; ``microbatches`` for the pipelined
+    synchronous schedules; ``microbatches`` per worker for data parallelism.
+    """
+    if kind is ScheduleKind.PIPEDREAM:
+        return 1
+    if kind is ScheduleKind.DP:
+        return microbatches * workers
+    return microbatches
 
 
 class OptimizerKind(Enum):
@@ -89,11 +103,7 @@ class RunConfig:
     @property
     def units_per_update(self) -> int:
         """Scheduled units (minibatches or microbatches) per weight update; see above."""
-        if self.schedule is ScheduleKind.PIPEDREAM:
-            return 1
-        if self.schedule is ScheduleKind.DP:
-            return self.workers * self.microbatches
-        return self.microbatches
+        return units_per_update(self.schedule, self.microbatches, self.workers)
 
     @property
     def unit_size(self) -> int:
