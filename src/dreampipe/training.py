@@ -163,8 +163,7 @@ def run_train(
     plan: Plan | None = None
     predicted = 0.0
     if lead:
-        data, given = _check_before_profiling(req, spec, workers, fixed_world=torchrun is not None)
-        steps = _steps(req, data)
+        steps, given = _check_before_profiling(req, spec, workers, fixed_world=torchrun is not None)
         graph = profile_model(spec, unit)
         plan = given or choose_plan(graph, workers, config=req.config, stages=req.stages,
                                     allow_fewer_workers=torchrun is None)
@@ -234,21 +233,22 @@ def _workers(req: TrainRequest, torchrun: tuple[int, int] | None) -> int:
 
 def _check_before_profiling(
     req: TrainRequest, spec: ModelSpec, workers: int, fixed_world: bool
-) -> tuple[Dataset, Plan | None]:
+) -> tuple[int, Plan | None]:
     """Fail on a bad option, dataset, plan file or partition now, not after profiling.
 
-    Returns the dataset (loading it is the check that it exists and fits the
-    model) and the plan from ``--plan``, if one was given.
+    Loading the dataset is the check that it exists and fits the model (the
+    workers load their own). Returns the number of steps and the plan from
+    ``--plan``, if one was given.
     """
     from dreampipe.runtime.checks import check_options
 
     check_options(req.schedule, microbatches=req.microbatches,
                   vertical_sync=req.vertical_sync, stash=req.stash, lr=req.lr)
-    data = _load_data(req, spec)
+    steps = _steps(req, _load_data(req, spec))
     if req.plan_path is not None:
-        return data, _load_plan(req, spec, workers, fixed_world)
+        return steps, _load_plan(req, spec, workers, fixed_world)
     forced_partition(spec.num_layers, workers, req.config, req.stages)
-    return data, None
+    return steps, None
 
 
 def _load_data(req: TrainRequest, spec: ModelSpec) -> Dataset:
