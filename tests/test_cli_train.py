@@ -73,6 +73,7 @@ def test_train_rejects_bad_arguments(
         (["--workers", "3", "--config", "2-1", "--stages", "0,9"], "--stages '0,9'"),
         (["--timeline", "{tmp}/no/such/dir/x.png"], "no/such/dir"),
         (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
+        (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(

@@ -142,6 +142,9 @@ def _check_train_args(args: argparse.Namespace) -> None:
     if args.timeout <= 0:
         raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
     for flag, path in (("--trace", args.trace), ("--timeline", args.timeline)):
+        if path and Path(path).is_dir():
+            raise PlanError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
+                            f"{Path(path) / ('trace.json' if flag == '--trace' else 'run.png')}")
         if path and not Path(path).resolve().parent.is_dir():
             raise PlanError(
                 f"{flag} {path}: directory {str(Path(path).parent)!r} does not exist; "
