@@ -192,6 +192,22 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["final_loss"] == data["losses"][-1]
 
 
+def test_steps_from_epochs_round_up_to_whole_all_reduce_rounds(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 3/64 of the 2048 synthetic samples in minibatches of 32 is 3 minibatches; two
+    # replicas of one stage all-reduce every 2, so the run takes 4
+    argv = ["train", "mlp", "--model-arg", "layers=2", "--model-arg", "width=16",
+            "--config", "2", "--epochs", "0.046875", "--json", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["steps"] == 4
+
+
+def test_steps_must_fill_whole_all_reduce_rounds(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _fails(["train", "mlp", "--config", "2", "--steps", "3", "--no-progress"], capsys)
+    assert "--steps 3" in err and "--steps 4" in err, err
+
+
 def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
     # tiny weights, heavy compute: one stage on both workers is the planner's best
     layers = tuple(Layer(f"l{i}", 2.0, 4.0, 4 * 32 * 1024, 1024) for i in range(4))

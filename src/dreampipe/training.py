@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PeerTimeoutError, PlanError
+from dreampipe.graph import LayerGraph
 from dreampipe.job import (
     choose_plan,
     forced_partition,
@@ -161,16 +163,12 @@ def run_train(
     lead = torchrun is None or torchrun[0] == 0
     talk = say if say is not None and lead else _quiet
     plan: Plan | None = None
-    predicted = 0.0
+    graph: LayerGraph | None = None
     if lead:
         steps, given = _check_before_profiling(req, spec, workers, fixed_world=torchrun is not None)
         graph = profile_model(spec, unit)
         plan = given or choose_plan(graph, workers, config=req.config, stages=req.stages,
                                     allow_fewer_workers=torchrun is None)
-        predicted = predict_samples_per_s(
-            graph, plan, req.schedule, minibatch_size=req.minibatch_size,
-            microbatches=req.microbatches, steps=steps,
-        )
     else:
         steps = _steps(req, _load_data(req, spec) if req.epochs is not None else None)
         if req.plan_path is not None:
@@ -181,6 +179,11 @@ def run_train(
                 plan = Plan.from_config(spec.num_layers, *forced, model=spec.name)
     if plan is None or (torchrun is not None and _planner_chose(req)):
         plan = share_plan(plan, req.timeout_s)
+    steps = _whole_rounds(req, plan, steps, talk)
+    predicted = 0.0 if graph is None else predict_samples_per_s(
+        graph, plan, req.schedule, minibatch_size=req.minibatch_size,
+        microbatches=req.microbatches, steps=steps,
+    )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     talk(str(plan))
@@ -249,6 +252,28 @@ def _check_before_profiling(
         return steps, _load_plan(req, spec, workers, fixed_world)
     forced_partition(spec.num_layers, workers, req.config, req.stages)
     return steps, None
+
+
+def _whole_rounds(req: TrainRequest, plan: Plan, steps: int, talk: Say) -> int:
+    """``steps``, made whole rounds of PipeDream's all-reduce for replicated stages.
+
+    Replicas of a stage take minibatches round-robin and all-reduce after
+    each round, so the run must end on a round: steps from ``--epochs`` are
+    rounded up, an explicit ``--steps`` that is not a multiple is an error.
+    """
+    if req.schedule is not ScheduleKind.PIPEDREAM:
+        return steps
+    rounds = math.lcm(*(st.replicas for st in plan.stages))
+    whole = -(-steps // rounds) * rounds
+    if whole == steps:
+        return steps
+    if req.steps is not None:
+        raise PlanError(
+            f"--steps {steps}: the plan {plan.config} all-reduces replicated stages every "
+            f"{rounds} minibatches; use --steps {whole}"
+        )
+    talk(f"{steps} steps rounded up to {whole}, whole all-reduce rounds of {rounds}")
+    return whole
 
 
 def _load_data(req: TrainRequest, spec: ModelSpec) -> Dataset:
