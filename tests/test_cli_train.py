@@ -15,7 +15,7 @@ from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
 from dreampipe.demo import DemoOptions, _pipeline_plan, timeline_window
-from dreampipe.errors import PlanError
+from dreampipe.errors import PeerTimeoutError, PlanError
 from dreampipe.events import Event
 from dreampipe.graph import Layer, LayerGraph
 from dreampipe.job import (
@@ -240,3 +240,26 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
     data = json.loads(lines[0])
     assert len(data["losses"]) == 4
     assert sum(r for _, _, r in data["stages"]) == 2
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_worker_tracebacks_are_hidden_unless_verbose(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verbose: bool
+) -> None:
+    import dreampipe.training
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise PeerTimeoutError(
+            "rank 0 (stage 0) failed: waited 3 s for rank 1 in RECV_B0 (minibatch 0)\n"
+            "exit codes by rank: {0: 1, 1: -15}\n"
+            "--- traceback of rank 0 ---\nTraceback (most recent call last):\n  boom"
+        )
+
+    monkeypatch.setattr(dreampipe.training, "run_train", fails)
+    argv = ["-v"] if verbose else []
+    assert main([*argv, "train", "mlp", "--workers", "2", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dreampipe train: error: rank 0 (stage 0) failed: waited 3 s")
+    assert "exit codes by rank" in err
+    assert ("Traceback (most recent call last)" in err) is verbose
+    assert ("run with -v" in err) is not verbose

@@ -9,6 +9,7 @@ and the fix.
 from __future__ import annotations
 
 __all__ = [
+    "TRACEBACK_HEADER",
     "DreampipeError",
     "PeerTimeoutError",
     "PlanError",
@@ -18,6 +19,11 @@ __all__ = [
     "StageMismatchError",
     "TopologyError",
 ]
+
+
+#: Starts each worker traceback appended to an error raised from worker processes,
+#: so that the command line can show the summary above it and hide the rest.
+TRACEBACK_HEADER = "--- traceback of rank"
 
 
 class DreampipeError(Exception):

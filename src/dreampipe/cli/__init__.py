@@ -17,7 +17,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from dreampipe.errors import DreampipeError
+from dreampipe.errors import TRACEBACK_HEADER, DreampipeError
 
 __all__ = ["build_parser", "main"]
 
@@ -49,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except DreampipeError as exc:
-        print(f"dreampipe {args.command}: error: {exc}", file=sys.stderr)
+        print(f"dreampipe {args.command}: error: {_summary(str(exc), args.verbose)}",
+              file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader (``| head``) went away: stop quietly, as Unix tools do.
@@ -68,3 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return status
+
+
+def _summary(message: str, verbose: bool) -> str:
+    """An error without the workers' tracebacks appended to it, unless ``-v``."""
+    head, found, _ = message.partition("\n" + TRACEBACK_HEADER)
+    if not found or verbose:
+        return message
+    return f"{head}\n(run with -v to see each failed rank's traceback)"

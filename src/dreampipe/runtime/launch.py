@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.errors import DreampipeError, PeerTimeoutError
+from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError
 from dreampipe.runtime.checks import check_config, check_stage_outputs
 from dreampipe.runtime.config import RunConfig, RunResult, resolve_model
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
@@ -295,7 +295,7 @@ def _failure(
     lines.append(f"exit codes by rank: {codes}")
     for r in order:
         if failures[r][2]:
-            lines.append(f"--- traceback of rank {r} ---\n{failures[r][2].rstrip()}")
+            lines.append(f"{TRACEBACK_HEADER} {r} ---\n{failures[r][2].rstrip()}")
     text = "\n".join(lines)
     if isinstance(kind, type) and issubclass(kind, DreampipeError):
         try:
