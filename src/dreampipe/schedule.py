@@ -251,11 +251,11 @@ def _check(
                 f"units_per_update={units_per_update} with the pipedream schedule, which updates "
                 "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
             )
-        lcm = math.lcm(*reps)
-        if num_units % lcm:
+        whole = whole_rounds(reps, num_units)
+        if whole != num_units:
             raise ScheduleError(
                 f"{num_units} minibatches leave a partial all-reduce round for replicas "
-                f"{list(reps)}; run a multiple of {lcm}, e.g. {(num_units // lcm + 1) * lcm}"
+                f"{list(reps)}; run a multiple of {math.lcm(*reps)}, e.g. {whole}"
             )
     if kind is ScheduleKind.DP:
         if len(reps) != 1:

@@ -263,8 +263,11 @@ def _whole_rounds(req: TrainRequest, plan: Plan, steps: int, talk: Say) -> int:
     """
     if req.schedule is not ScheduleKind.PIPEDREAM:
         return steps
-    rounds = math.lcm(*(st.replicas for st in plan.stages))
-    whole = -(-steps // rounds) * rounds
+    from dreampipe.schedule import whole_rounds
+
+    replicas = [st.replicas for st in plan.stages]
+    rounds = math.lcm(*replicas)
+    whole = whole_rounds(replicas, steps)
     if whole == steps:
         return steps
     if req.steps is not None:
