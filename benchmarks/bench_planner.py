@@ -17,9 +17,10 @@ import random
 import time
 from pathlib import Path
 
-from dreampipe.graph import Layer, LayerGraph, load_graph
-from dreampipe.planner import plan
-from dreampipe.topology import Topology
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.load import load_graph
 
 __all__ = ["main", "synthetic_chain"]
 
@@ -48,7 +49,7 @@ def _time(graph: LayerGraph, topo: Topology, repeat: int) -> tuple[float, str, f
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
-        result = plan(graph, topo)
+        result = plan_pipeline(graph, topo)
         best = min(best, time.perf_counter() - start)
     return best, result.config, result.time_per_minibatch_s, result.speedup_over("dp")
 

@@ -16,10 +16,10 @@ import math
 import time
 from collections.abc import Sequence
 
-from dreampipe.actions import ScheduleKind
-from dreampipe.schedule import build_schedule
-from dreampipe.simulate import SimCosts, simulate
-from dreampipe.topology import Topology
+from dreampipe.planning.topology import Topology
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 
 __all__ = ["main"]
 
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             t0 = time.perf_counter()
             schedule = build_schedule(replicas, kind, units, per)
             t1 = time.perf_counter()
-            result = simulate(schedule, _costs(replicas, fraction))
+            result = simulate_schedule(schedule, _costs(replicas, fraction))
             t2 = time.perf_counter()
             build_s, sim_s = min(build_s, t1 - t0), min(sim_s, t2 - t1)
         actions = sum(len(a) for a in schedule.actions)

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
-from dreampipe.schedule import build_schedule
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
 
 
 @given(st.sampled_from(list(ActionKind)), st.integers(0, 7), st.integers(0, 10**6))

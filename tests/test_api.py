@@ -29,19 +29,22 @@ def test_every_public_name_resolves() -> None:
 
 def test_lazy_names_are_the_library_functions() -> None:
     from dreampipe.models import get_model
-    from dreampipe.planner import evaluate, plan
-    from dreampipe.profiler import profile_model
+    from dreampipe.planning.planner import evaluate_plan, plan_pipeline
+    from dreampipe.profiling.profiler import profile_model
 
-    assert dreampipe.plan_pipeline is plan
-    assert dreampipe.evaluate_plan is evaluate
+    assert dreampipe.plan_pipeline is plan_pipeline
+    assert dreampipe.evaluate_plan is evaluate_plan
     assert dreampipe.profile_model is profile_model
     assert dreampipe.get_model is get_model
 
 
 def test_modules_are_not_shadowed() -> None:
-    for module in ("plan", "planner", "validate", "simulate", "schedule", "timeline", "trace"):
+    for module in ("planning.plan", "planning.planner", "scheduling.validator",
+                   "simulation.simulator", "scheduling.build", "simulation.timeline",
+                   "simulation.trace"):
+        package, _, name = module.partition(".")
         imported = importlib.import_module(f"dreampipe.{module}")
-        assert getattr(dreampipe, module) is imported, module
+        assert getattr(getattr(dreampipe, package), name) is imported, module
 
 
 def test_unknown_name_is_an_attribute_error() -> None:

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
-from dreampipe.actions import ActionKind
-from dreampipe.baselines import Baseline, BaselineError, Workload, run_processes
-from dreampipe.bench import (
+from dreampipe.cli import main
+from dreampipe.errors import DreampipeError
+from dreampipe.jobs.baselines import Baseline, BaselineError, Workload, run_processes
+from dreampipe.jobs.bench import (
     BENCH_NAMES,
     BenchEntry,
     BenchOptions,
@@ -18,9 +19,8 @@ from dreampipe.bench import (
     run_bench,
     window_samples_per_s,
 )
-from dreampipe.cli import main
-from dreampipe.errors import DreampipeError
-from dreampipe.events import Event
+from dreampipe.scheduling.actions import ActionKind
+from dreampipe.scheduling.events import Event
 
 
 def _pipeline_events(units: int, period: float, fill: float) -> list[Event]:
@@ -138,7 +138,7 @@ def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dreampipe.bench as bench
+    import dreampipe.jobs.bench as bench
 
     calls: list[str] = []
     rates = {"ddp": iter([1.0, 5.0, 3.0]), "single-1thread": iter([9.0, 7.0, 8.0])}

@@ -10,8 +10,9 @@ from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.cli.plan import layer_label
-from dreampipe.graph import Layer, LayerGraph, load_graph
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.load import load_graph
 
 VGG = PROFILES / "vgg16.txt"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dreampipe.cli import main
-from dreampipe.graph import load_graph
 from dreampipe.models import get_model
+from dreampipe.profiling.load import load_graph
 
 _ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s")
 

@@ -9,8 +9,8 @@ import pytest
 from shared_profiles import PROFILES
 
 from dreampipe.cli import main
-from dreampipe.graph import Layer, LayerGraph
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import Layer, LayerGraph
 
 VGG = PROFILES / "vgg16.txt"
 

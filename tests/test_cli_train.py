@@ -10,15 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dreampipe import job
-from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
-from dreampipe.demo import DemoOptions, _pipeline_plan, timeline_window
 from dreampipe.errors import PeerTimeoutError, PlanError
-from dreampipe.events import Event
-from dreampipe.graph import Layer, LayerGraph
-from dreampipe.job import (
+from dreampipe.jobs import local
+from dreampipe.jobs.demo import DemoOptions, _pipeline_plan, timeline_window
+from dreampipe.jobs.local import (
     choose_plan,
     local_topology,
     parse_stage_bounds,
@@ -26,8 +23,11 @@ from dreampipe.job import (
     steps_for_epochs,
     unit_size,
 )
+from dreampipe.jobs.train import share_plan, torchrun_world
+from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runtime.config import units_per_update
-from dreampipe.training import share_plan, torchrun_world
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.scheduling.events import Event
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -83,7 +83,7 @@ def test_train_rejects_bad_options_before_profiling(
     def no_profiling(*_: object, **__: object) -> None:
         raise AssertionError("profiled before checking the options")
 
-    monkeypatch.setattr("dreampipe.training.profile_model", no_profiling)
+    monkeypatch.setattr("dreampipe.jobs.train.profile_model", no_profiling)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     err = _fails(["train", "mlp", "--no-progress", *argv], capsys)
     assert err.startswith("dreampipe train: error:")
@@ -162,8 +162,8 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
                                  microbatches=1, steps=steps)
     # the last stage's two layers, plus the host time local costs charge it per
     # minibatch: its forward's overhead, label load and loss, and its gradient send
-    host_s = (job.LOCAL_STAGE_FORWARD_S + job.LOCAL_BATCH_LOAD_S + job.LOCAL_LOSS_S
-              + job.LOCAL_SEND_OVERHEAD_S + 4 * 32 * 1024 / job.LOCAL_SEND_COPY_BANDWIDTH)
+    host_s = (local.LOCAL_STAGE_FORWARD_S + local.LOCAL_BATCH_LOAD_S + local.LOCAL_LOSS_S
+              + local.LOCAL_SEND_OVERHEAD_S + 4 * 32 * 1024 / local.LOCAL_SEND_COPY_BANDWIDTH)
     one_stage_s = 2 * 6.0 / 1e3 + host_s
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
     assert local_topology(2).num_workers == 2
@@ -246,7 +246,7 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
 def test_worker_tracebacks_are_hidden_unless_verbose(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    import dreampipe.training
+    import dreampipe.jobs.train
 
     def fails(*args: object, **kwargs: object) -> None:
         raise PeerTimeoutError(
@@ -255,7 +255,7 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
             "--- traceback of rank 0 ---\nTraceback (most recent call last):\n  boom"
         )
 
-    monkeypatch.setattr(dreampipe.training, "run_train", fails)
+    monkeypatch.setattr(dreampipe.jobs.train, "run_train", fails)
     argv = ["-v"] if verbose else []
     assert main([*argv, "train", "mlp", "--workers", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err

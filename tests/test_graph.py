@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ProfileError
-from dreampipe.graph import FORMAT_VERSION, Layer, LayerGraph, load_graph
+from dreampipe.profiling.graph import FORMAT_VERSION, Layer, LayerGraph
+from dreampipe.profiling.load import load_graph
 
 _times = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
 _sizes = st.integers(min_value=0, max_value=2**40)

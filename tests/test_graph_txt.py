@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from dreampipe.errors import ProfileError
-from dreampipe.graph import load_graph
-from dreampipe.graph_txt import parse_graph_txt
+from dreampipe.profiling.graph_txt import parse_graph_txt
+from dreampipe.profiling.load import load_graph
 
 LAYER_COUNTS = {"vgg16": 41, "alexnet": 23, "resnet18": 71, "gnmt": 48}
 

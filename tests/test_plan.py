@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dreampipe.errors import PlanError
-from dreampipe.plan import Plan, Stage, config_string, stages_from_config
+from dreampipe.planning.plan import Plan, Stage, config_string, stages_from_config
 
 
 def _plan() -> Plan:
@@ -105,7 +105,7 @@ def test_load_errors(tmp_path: Path) -> None:
     bad.write_text('{"format": "other"}')
     with pytest.raises(PlanError, match="not a dreampipe plan"):
         Plan.load(bad)
-    bad.write_text('{"format": "dreampipe.plan", "version": 1}')
+    bad.write_text('{"format": "dreampipe.planning.plan", "version": 1}')
     with pytest.raises(PlanError, match="malformed plan JSON"):
         Plan.load(bad)
 

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from shared_profiles import PROFILES
 
-from dreampipe.costs import (
+from dreampipe.errors import DreampipeError, PlanError
+from dreampipe.planning.costs import (
     allreduce_time,
     cut_time,
     gpipe_time,
@@ -22,10 +23,10 @@ from dreampipe.costs import (
     stage_memory,
     versions_in_flight,
 )
-from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.graph import Layer, LayerGraph, load_graph
-from dreampipe.planner import evaluate, plan
-from dreampipe.topology import Level, Topology
+from dreampipe.planning.planner import evaluate_plan, plan_pipeline
+from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.load import load_graph
 
 
 # ---- cost terms -------------------------------------------------------------
@@ -145,9 +146,9 @@ def test_one_level_dp_equals_brute_force(
     expect = _brute(graph, topo.levels, fewer, straight)
     if math.isinf(expect):
         with pytest.raises(PlanError, match="allow fewer workers"):
-            plan(graph, topo, allow_fewer_workers=fewer, straight=straight)
+            plan_pipeline(graph, topo, allow_fewer_workers=fewer, straight=straight)
         return
-    got = plan(graph, topo, allow_fewer_workers=fewer, straight=straight)
+    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, straight=straight)
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
     assert got.workers_used <= workers
@@ -155,7 +156,9 @@ def test_one_level_dp_equals_brute_force(
         assert got.workers_used == workers
     if straight:
         assert all(s.replicas == 1 for s in got.stages)
-    again = evaluate(graph, topo, [s.first for s in got.stages], [s.replicas for s in got.stages])
+    again = evaluate_plan(
+        graph, topo, [s.first for s in got.stages], [s.replicas for s in got.stages]
+    )
     assert again.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
 
 
@@ -166,11 +169,11 @@ def test_two_level_dp_equals_brute_force(
 ) -> None:
     topo = Topology((Level(inner, bw_in), Level(outer, bw_out)))
     expect = _brute(graph, topo.levels, fewer, False)
-    got = plan(graph, topo, allow_fewer_workers=fewer, also_flat=False)
+    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False)
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
     flat = _brute(graph, topo.flat().levels, fewer, False)
-    both = plan(graph, topo, allow_fewer_workers=fewer)
+    both = plan_pipeline(graph, topo, allow_fewer_workers=fewer)
     assert both.time_per_minibatch_s == pytest.approx(min(expect, flat), rel=1e-9)
 
 
@@ -180,7 +183,7 @@ def test_three_levels_equal_brute_force(
     graph: LayerGraph, bw_mid: float, bw_out: float, fewer: bool
 ) -> None:
     topo = Topology((Level(2, 1e10), Level(2, bw_mid), Level(2, bw_out)))
-    got = plan(graph, topo, allow_fewer_workers=fewer, also_flat=False)
+    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False)
     expect = _brute(graph, topo.levels, fewer, False)
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
@@ -201,21 +204,21 @@ def test_memory_and_max_stages_equal_brute_force(
     n = len(graph)
     max_stages = min(max_stages, n)
     topo = Topology((Level(workers, bw),))
-    free = plan(graph, topo, max_stages=max_stages)
+    free = plan_pipeline(graph, topo, max_stages=max_stages)
     assert free.num_stages <= max_stages
     memory = max(1, int(frac * max(s.memory_bytes for s in free.stages)))  # usually binds
     best = math.inf
     for stages in _flat_plans(n, workers):
         if len(stages) > max_stages:
             continue
-        cand = evaluate(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages])
+        cand = evaluate_plan(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages])
         if all(s.memory_bytes <= memory for s in cand.stages):
             best = min(best, cand.time_per_minibatch_s)
     if math.isinf(best):
         with pytest.raises(PlanError, match="smallest needs about"):
-            plan(graph, topo, memory_bytes=memory, max_stages=max_stages)
+            plan_pipeline(graph, topo, memory_bytes=memory, max_stages=max_stages)
         return
-    got = plan(graph, topo, memory_bytes=memory, max_stages=max_stages)
+    got = plan_pipeline(graph, topo, memory_bytes=memory, max_stages=max_stages)
     assert got.time_per_minibatch_s == pytest.approx(best, rel=1e-9)
     assert got.num_stages <= max_stages
     assert all(s.memory_bytes <= memory for s in got.stages)
@@ -228,7 +231,7 @@ def test_inner_cut_is_shared_by_replicated_servers() -> None:
     layers = [Layer("a", 16.0, 24.0, 30 * 10**6, 10**8), Layer("b", 16.0, 24.0, 1, 10**8)]
     graph = LayerGraph.chain(layers)
     topo = Topology((Level(2, 1e9), Level(2, 1e12)))
-    got = plan(graph, topo, also_flat=False)
+    got = plan_pipeline(graph, topo, also_flat=False)
     assert got.config == "2-2"
     assert got.time_per_minibatch_s == pytest.approx(0.030)
     assert got.stages[0].comm_s == pytest.approx(0.030)
@@ -243,7 +246,9 @@ def test_two_level_plans_fit_their_memory(graph: LayerGraph, max_stages: int) ->
     per_layer = max(2 * x.parameter_bytes + x.activation_bytes for x in graph.layers)
     memory = 3 * per_layer + 1
     try:
-        got = plan(graph, topo, memory_bytes=memory, max_stages=min(max_stages, len(graph)))
+        got = plan_pipeline(
+            graph, topo, memory_bytes=memory, max_stages=min(max_stages, len(graph))
+        )
     except PlanError as exc:
         assert "smallest needs" in str(exc)
         return
@@ -261,11 +266,11 @@ def _dag() -> LayerGraph:
 def test_dag_cuts_include_skip_connections() -> None:
     graph = _dag()
     slow = Topology((Level(2, 1e6),))  # communication dominates: the cheapest cut wins
-    got = plan(graph, slow, straight=True, allow_fewer_workers=False)
+    got = plan_pipeline(graph, slow, straight=True, allow_fewer_workers=False)
     expect = _brute(graph, slow.levels, False, True)
     assert got.time_per_minibatch_s == pytest.approx(expect)
     # the cut before layer 3 carries layers 0 and 2 (10 MB + 1 MB), not only layer 2
-    cut = evaluate(graph, slow, [0, 3], [1, 1]).stages[0].comm_s
+    cut = evaluate_plan(graph, slow, [0, 3], [1, 1]).stages[0].comm_s
     assert cut == pytest.approx(2 * 11e6 / 1e6)
     assert got.stages[0].last == 3  # the cut before layer 4 carries only 5 MB
 
@@ -277,7 +282,7 @@ def _toy(n: int = 6) -> LayerGraph:
 
 
 def test_plan_fields() -> None:
-    got = plan(_toy(), Topology.parse("2x2"))
+    got = plan_pipeline(_toy(), Topology.parse("2x2"))
     assert got.model == "toy" and got.batch_size == 32 and got.num_layers == 6
     assert got.layer_names == tuple(f"l{i}" for i in range(6))
     assert "2x2" in got.topology
@@ -291,56 +296,56 @@ def test_fewer_workers_when_more_would_be_slower() -> None:
     # one heavy-weight layer on a slow link: replicating only adds all-reduce time
     graph = LayerGraph.chain([Layer("fc", 1.0, 1.0, 10, 10**9)])
     topo = Topology((Level(8, 1e9),))
-    assert plan(graph, topo).workers_used == 1
-    forced = plan(graph, topo, allow_fewer_workers=False)
+    assert plan_pipeline(graph, topo).workers_used == 1
+    forced = plan_pipeline(graph, topo, allow_fewer_workers=False)
     assert forced.workers_used == 8
-    assert forced.time_per_minibatch_s > plan(graph, topo).time_per_minibatch_s
+    assert forced.time_per_minibatch_s > plan_pipeline(graph, topo).time_per_minibatch_s
 
 
 def test_errors_name_the_value_and_fix() -> None:
     graph, topo = _toy(3), Topology.parse("4")
     with pytest.raises(PlanError, match=r"max_stages=4 .* 3 layers"):
-        plan(graph, topo, max_stages=4)
+        plan_pipeline(graph, topo, max_stages=4)
     with pytest.raises(PlanError, match="max_stages=0"):
-        plan(graph, topo, max_stages=0)
+        plan_pipeline(graph, topo, max_stages=0)
     with pytest.raises(PlanError, match="allow fewer workers"):
-        plan(graph, topo, straight=True, allow_fewer_workers=False)
+        plan_pipeline(graph, topo, straight=True, allow_fewer_workers=False)
     with pytest.raises(PlanError, match=r"no plan fits in 1 B .* smallest needs about 5\.0 MB"):
-        plan(graph, topo, memory_bytes=1)
+        plan_pipeline(graph, topo, memory_bytes=1)
     with pytest.raises(PlanError, match="4 stages forced on 3 layers"):
-        evaluate(graph, topo, [0, 1, 2, 3], [1, 1, 1, 1])
+        evaluate_plan(graph, topo, [0, 1, 2, 3], [1, 1, 1, 1])
     with pytest.raises(PlanError, match="needs 5 workers but the topology has 4"):
-        evaluate(graph, topo, [0, 1], [4, 1])
+        evaluate_plan(graph, topo, [0, 1], [4, 1])
     with pytest.raises(PlanError, match="must start at 0"):
-        evaluate(graph, topo, [0, 2, 1], [1, 1, 1])
+        evaluate_plan(graph, topo, [0, 2, 1], [1, 1, 1])
     with pytest.raises(DreampipeError, match="at least 1 unit"):
         Topology((Level(0, 1e9),))
     with pytest.raises(PlanError, match=rf"{10**20} units; .* at most 4096"):
-        plan(graph, Topology.parse(str(10**20)))
+        plan_pipeline(graph, Topology.parse(str(10**20)))
 
 
 def test_least_memory_is_tight() -> None:
     graph, topo = _toy(3), Topology.parse("4")
     with pytest.raises(PlanError) as info:
-        plan(graph, topo, memory_bytes=10**6)
+        plan_pipeline(graph, topo, memory_bytes=10**6)
     need = float(str(info.value).split("about ")[1].split(" MB")[0]) * 1e6
-    plan(graph, topo, memory_bytes=int(need * 1.02))
+    plan_pipeline(graph, topo, memory_bytes=int(need * 1.02))
     with pytest.raises(PlanError):
-        plan(graph, topo, memory_bytes=int(need * 0.97))
+        plan_pipeline(graph, topo, memory_bytes=int(need * 0.97))
 
 
 def test_evaluate_uses_slowest_link() -> None:
     graph = _toy(4)
     topo = Topology((Level(2, 1e10), Level(2, 1e8)))
-    inside = evaluate(graph, topo, [0, 2], [1, 1]).stages[0]
-    across = evaluate(graph, topo, [0, 2], [2, 1]).stages[0]
+    inside = evaluate_plan(graph, topo, [0, 2], [1, 1]).stages[0]
+    across = evaluate_plan(graph, topo, [0, 2], [2, 1]).stages[0]
     assert inside.comm_s == pytest.approx(2 * 1e6 / 1e10)
     assert across.comm_s == pytest.approx(2 * 1e6 / 1e8)
     assert across.allreduce_s == pytest.approx(2 * 1 * 2e6 / 1e10)
 
 
 def test_planner_is_numpy_not_torch() -> None:
-    import dreampipe.planner as mod
+    import dreampipe.planning.planner as mod
 
     assert "torch" not in Path(mod.__file__).read_text()
     assert isinstance(np.asarray(allreduce_time(1.0, 2, 1.0)), np.ndarray)
@@ -363,7 +368,7 @@ PINNED = {
 def test_pinned_plans_on_pipedream_profiles(model: str, cluster: str) -> None:
     config, min_speedup = PINNED[model, cluster]
     graph = load_graph(PROFILES / f"{model}.txt")
-    got = plan(graph, Topology.parse(cluster))
+    got = plan_pipeline(graph, Topology.parse(cluster))
     assert got.config == config
     assert got.speedup_over("dp") >= min_speedup
     assert got.speedup_over("straight") >= 1.0 - 1e-12

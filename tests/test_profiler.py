@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ProfileError
 from dreampipe.models import get_model
-from dreampipe.profiler import profile_model, profile_spec
+from dreampipe.profiling.profiler import profile_model, profile_spec
 
 F = nn.functional
 

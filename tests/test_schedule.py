@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
-from dreampipe.schedule import (
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.build import (
     build_schedule,
     compute_schedule,
     lower_communication,

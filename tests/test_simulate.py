@@ -9,13 +9,18 @@ from typing import Any
 
 import pytest
 
-from dreampipe.actions import ActionKind, ScheduleKind
 from dreampipe.errors import ScheduleError
-from dreampipe.graph import Layer, LayerGraph
-from dreampipe.plan import Plan
-from dreampipe.schedule import build_schedule
-from dreampipe.simulate import SimCosts, costs_from_plan, costs_from_profile, simulate
-from dreampipe.topology import Level, Topology
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.simulator import (
+    SimCosts,
+    costs_from_plan,
+    costs_from_profile,
+    simulate_schedule,
+)
 
 S = ScheduleKind
 K = ActionKind
@@ -29,33 +34,35 @@ def _equal(p: int, f: float = 1.0, b: float = 2.0, **kw: Any) -> SimCosts:
 @pytest.mark.parametrize("m", [1, 2, 4, 7])
 @pytest.mark.parametrize("kind", [S.GPIPE, S.FLUSH])
 def test_sync_bubble_is_p_minus_1_over_m_plus_p_minus_1(p: int, m: int, kind: ScheduleKind) -> None:
-    result = simulate(build_schedule([1] * p, kind, 3 * m, m), _equal(p, 1.0, 2.5))
+    result = simulate_schedule(build_schedule([1] * p, kind, 3 * m, m), _equal(p, 1.0, 2.5))
     assert result.bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
     assert result.makespan_s == pytest.approx(3 * (m + p - 1) * 3.5)
 
 
 @pytest.mark.parametrize(("p", "m"), [(4, 8), (4, 2), (6, 16)])
 def test_flush_keeps_at_most_p_microbatches_at_stage_0(p: int, m: int) -> None:
-    flush = simulate(build_schedule([1] * p, S.FLUSH, 2 * m, m), _equal(p))
-    gpipe = simulate(build_schedule([1] * p, S.GPIPE, 2 * m, m), _equal(p))
+    flush = simulate_schedule(build_schedule([1] * p, S.FLUSH, 2 * m, m), _equal(p))
+    gpipe = simulate_schedule(build_schedule([1] * p, S.GPIPE, 2 * m, m), _equal(p))
     assert flush.peak_in_flight[0] == min(p, m)
     assert gpipe.peak_in_flight[0] == m
     assert flush.peak_versions == (1,) * p
 
 
 def test_pipedream_bubble_tends_to_zero_on_balanced_stages() -> None:
-    bubbles = [simulate(build_schedule([1] * 4, S.PIPEDREAM, n), _equal(4),
+    bubbles = [simulate_schedule(build_schedule([1] * 4, S.PIPEDREAM, n), _equal(4),
                         record_events=False).bubble_fraction for n in (4, 16, 64, 256)]
     assert bubbles == sorted(bubbles, reverse=True)
     assert bubbles[-1] < 0.015 < bubbles[0]
-    steady = simulate(build_schedule([1] * 4, S.PIPEDREAM, 400), _equal(4), record_events=False)
+    steady = simulate_schedule(
+        build_schedule([1] * 4, S.PIPEDREAM, 400), _equal(4), record_events=False
+    )
     assert steady.throughput_minibatches_per_s == pytest.approx(1 / 3.0, rel=0.02)
 
 
 @pytest.mark.parametrize("n", [2, 4, 6])
 def test_straight_async_stage_s_holds_n_minus_s_versions(n: int) -> None:
     w, a = 1000.0, 10.0
-    result = simulate(build_schedule([1] * n, S.PIPEDREAM, 5 * n),
+    result = simulate_schedule(build_schedule([1] * n, S.PIPEDREAM, 5 * n),
                       _equal(n, parameter_bytes=(w,) * n, stash_bytes=(a,) * n))
     assert result.peak_versions == tuple(n - s for s in range(n))
     assert result.peak_in_flight == tuple(n - s for s in range(n))
@@ -72,15 +79,17 @@ def test_every_schedule_of_every_small_config_simulates() -> None:
                          (1e3,) * (n - 1), bandwidth=1e6, allreduce_s=(0.05,) * n)
         for m in range(1, 17):
             for kind in (S.FLUSH, S.GPIPE, S.NAIVE):
-                result = simulate(build_schedule(replicas, kind, m, m), costs, record_events=False)
+                result = simulate_schedule(
+                    build_schedule(replicas, kind, m, m), costs, record_events=False
+                )
                 assert result.makespan_s > 0 and 0 <= result.bubble_fraction < 1
                 runs += 1
             lcm = math.lcm(*replicas)
-            result = simulate(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
+            result = simulate_schedule(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
                               record_events=False)
             assert result.makespan_s > 0
             workers = sum(replicas)
-            dp = simulate(build_schedule((workers,), S.DP, workers * m, workers),
+            dp = simulate_schedule(build_schedule((workers,), S.DP, workers * m, workers),
                           SimCosts((0.3,), (0.6,), allreduce_s=(0.1,)), record_events=False)
             assert dp.makespan_s == pytest.approx(m * 0.9)
             runs += 2
@@ -89,7 +98,7 @@ def test_every_schedule_of_every_small_config_simulates() -> None:
 
 def test_one_transfer_each_way_adds_bytes_over_bandwidth() -> None:
     costs = SimCosts((1.0, 2.0), (3.0, 4.0), (500.0,), (250.0,), bandwidth=100.0)
-    result = simulate(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
+    result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(1 + 5 + 2 + 4 + 2.5 + 3)
     sends = [e for e in result.events if e.kind is K.SEND_F]
     assert [(e.rank, e.start_s, e.end_s) for e in sends] == [(0, 1.0, 6.0)]
@@ -99,7 +108,7 @@ def test_one_transfer_each_way_adds_bytes_over_bandwidth() -> None:
 
 def test_link_carries_one_transfer_at_a_time_and_sender_computes_on() -> None:
     costs = SimCosts((0.5, 0.0), (0.0, 0.0), (100.0,), bandwidth=100.0)
-    result = simulate(build_schedule([1, 1], S.GPIPE, 4, 4), costs)
+    result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 4), costs)
     arrivals = sorted(e.end_s for e in result.events if e.kind is K.SEND_F)
     assert arrivals == pytest.approx([1.5, 2.5, 3.5, 4.5])
     forwards = sorted(e.end_s for e in result.events if e.kind is K.FORWARD and e.rank == 0)
@@ -109,22 +118,23 @@ def test_link_carries_one_transfer_at_a_time_and_sender_computes_on() -> None:
 def test_topology_bandwidth_between_ranks() -> None:
     topo = Topology((Level(2, 1000.0), Level(2, 10.0)))
     costs = SimCosts((0.0,) * 4, (0.0,) * 4, (100.0,) * 3, bandwidth=topo)
-    result = simulate(build_schedule([1] * 4, S.NAIVE, 1, 1), costs)
+    result = simulate_schedule(build_schedule([1] * 4, S.NAIVE, 1, 1), costs)
     hops = {e.rank: e.duration_s for e in result.events if e.kind is K.SEND_F}
     assert hops == pytest.approx({0: 0.1, 1: 10.0, 2: 0.1})
 
 
 def test_allreduce_overlaps_the_backward_it_follows() -> None:
-    slow = simulate(build_schedule((2,), S.DP, 2, 2), SimCosts((1.0,), (2.0,), allreduce_s=(5.0,)))
+    dp = build_schedule((2,), S.DP, 2, 2)
+    slow = simulate_schedule(dp, SimCosts((1.0,), (2.0,), allreduce_s=(5.0,)))
     assert slow.makespan_s == pytest.approx(1 + 5)
-    fast = simulate(build_schedule((2,), S.DP, 2, 2), SimCosts((1.0,), (2.0,), allreduce_s=(0.5,)))
+    fast = simulate_schedule(dp, SimCosts((1.0,), (2.0,), allreduce_s=(0.5,)))
     assert fast.makespan_s == pytest.approx(3.0)
     reduces = [e for e in slow.events if e.kind is K.ALLREDUCE]
     assert [(e.start_s, e.end_s) for e in reduces] == [(1.0, 6.0), (1.0, 6.0)]
 
 
 def test_busy_idle_and_throughput_definitions() -> None:
-    result = simulate(build_schedule([1, 1], S.GPIPE, 4, 2),
+    result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 2),
                       SimCosts((1.0, 1.0), (1.0, 1.0), step_s=(0.5, 0.5), unit_fraction=0.5))
     assert result.busy_s == (4 * 2.0 + 2 * 0.5,) * 2
     assert sum(result.busy_s) + sum(result.idle_s) == pytest.approx(2 * result.makespan_s)
@@ -137,7 +147,7 @@ def test_busy_idle_and_throughput_definitions() -> None:
 
 def test_costs_must_match_the_schedule() -> None:
     with pytest.raises(ScheduleError, match="3 stages"):
-        simulate(build_schedule([1, 1], S.GPIPE, 2, 2), _equal(3))
+        simulate_schedule(build_schedule([1, 1], S.GPIPE, 2, 2), _equal(3))
     with pytest.raises(ScheduleError, match="allreduce_s has 1 entries; give 2"):
         SimCosts((1.0, 1.0), (1.0, 1.0), allreduce_s=(1.0,))
     with pytest.raises(ScheduleError, match="forward_s and backward_s"):
@@ -164,22 +174,22 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
 
 
 def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
-    from dreampipe import job
+    from dreampipe.jobs import local
 
     for bounds in ([0], [0, 2], [0, 1, 3]):
         plan = Plan.from_config(4, bounds, [1] * len(bounds))
-        base = costs_from_profile(_graph(), plan, job.local_topology(len(bounds)), 0.5)
-        costs = job.local_costs(_graph(), plan, unit_fraction=0.5)
-        extra = [job.LOCAL_STAGE_FORWARD_S] * len(bounds)
-        extra[0] += job.LOCAL_BATCH_LOAD_S
+        base = costs_from_profile(_graph(), plan, local.local_topology(len(bounds)), 0.5)
+        costs = local.local_costs(_graph(), plan, unit_fraction=0.5)
+        extra = [local.LOCAL_STAGE_FORWARD_S] * len(bounds)
+        extra[0] += local.LOCAL_BATCH_LOAD_S
         if len(bounds) > 1:
-            extra[-1] += job.LOCAL_BATCH_LOAD_S
-        extra[-1] += job.LOCAL_LOSS_S
+            extra[-1] += local.LOCAL_BATCH_LOAD_S
+        extra[-1] += local.LOCAL_LOSS_S
         assert costs.forward_s == pytest.approx(
             tuple(f + e for f, e in zip(base.forward_s, extra, strict=True))
         )
         assert costs.backward_s == base.backward_s
-        assert costs.send_overhead_s == job.LOCAL_SEND_OVERHEAD_S
+        assert costs.send_overhead_s == local.LOCAL_SEND_OVERHEAD_S
 
 
 def test_costs_from_profile_rejects_a_mismatched_profile() -> None:
@@ -198,7 +208,7 @@ def test_costs_from_plan_uses_the_plan_predictions() -> None:
     costs = costs_from_plan(plan, Topology.parse("2", bandwidths=["100B/s"]))
     assert costs.forward_s == pytest.approx((0.1, 0.1))
     assert costs.backward_s == pytest.approx((0.2, 0.2))
-    result = simulate(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
+    result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(0.6 + 0.2)
 
 
@@ -206,7 +216,7 @@ def test_send_overhead_occupies_the_sender() -> None:
     sched = build_schedule([1, 1], ScheduleKind.GPIPE, 4, units_per_update=4)
     base = SimCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), activation_bytes=(100.0,))
     slow = replace(base, send_overhead_s=0.5, send_copy_bandwidth=100.0)
-    quick, loaded = simulate(sched, base), simulate(sched, slow)
+    quick, loaded = simulate_schedule(sched, base), simulate_schedule(sched, slow)
     # Stage 0 posts 4 sends in a row, each costing 0.5 s + 100 B / (100 B/s) of its own time.
     assert loaded.makespan_s > quick.makespan_s + 1.5
     with pytest.raises(ScheduleError, match="send_overhead_s"):

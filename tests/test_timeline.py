@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from dreampipe.actions import ActionKind, ScheduleKind
-from dreampipe.events import Event
-from dreampipe.schedule import build_schedule
-from dreampipe.simulate import SimCosts, simulate
-from dreampipe.timeline import draw_timeline
-from dreampipe.trace import chrome_trace, write_chrome_trace
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.events import Event
+from dreampipe.simulation.simulator import SimCosts, simulate_schedule
+from dreampipe.simulation.timeline import draw_timeline
+from dreampipe.simulation.trace import chrome_trace, write_chrome_trace
 
 K = ActionKind
 _PNG = b"\x89PNG\r\n\x1a\n"
@@ -22,7 +22,8 @@ _PNG = b"\x89PNG\r\n\x1a\n"
 def _simulated() -> list[Event]:
     costs = SimCosts((1e-3, 2e-3, 1e-3), (2e-3, 4e-3, 2e-3), (1e3, 1e3), bandwidth=1e6,
                      allreduce_s=(0.0, 1e-3, 0.0))
-    return list(simulate(build_schedule((1, 2, 1), ScheduleKind.PIPEDREAM, 8), costs).events)
+    schedule = build_schedule((1, 2, 1), ScheduleKind.PIPEDREAM, 8)
+    return list(simulate_schedule(schedule, costs).events)
 
 
 def _measured() -> list[Event]:

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from dreampipe.errors import DreampipeError, TopologyError
-from dreampipe.topology import DEFAULT_BANDWIDTHS, PRESETS, Level, Topology
-from dreampipe.units import parse_bandwidth
+from dreampipe.planning.topology import DEFAULT_BANDWIDTHS, PRESETS, Level, Topology
+from dreampipe.quantities import parse_bandwidth
 
 
 def test_shape_is_outermost_first_levels_innermost_first() -> None:

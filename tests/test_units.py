@@ -7,7 +7,7 @@ import math
 import pytest
 
 from dreampipe.errors import DreampipeError, QuantityError
-from dreampipe.units import format_bytes, parse_bandwidth, parse_bytes
+from dreampipe.quantities import format_bytes, parse_bandwidth, parse_bytes
 
 
 @pytest.mark.parametrize(

@@ -1,13 +1,13 @@
-"""validate(): hand-broken schedules are rejected with a marked rank-by-step grid."""
+"""validate_schedule(): hand-broken schedules are rejected with a marked rank-by-step grid."""
 
 from __future__ import annotations
 
 import pytest
 
-from dreampipe.actions import Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
-from dreampipe.schedule import build_schedule
-from dreampipe.validate import format_grid, validate
+from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.validator import format_grid, validate_schedule
 
 
 def _sched(text: str) -> Schedule:
@@ -21,12 +21,12 @@ GOOD = """# gpipe replicas=1-1 units=2 per_update=2
 
 
 def test_good_schedule_passes() -> None:
-    validate(_sched(GOOD))
+    validate_schedule(_sched(GOOD))
 
 
 def _rejects(text: str, *needles: str) -> str:
     with pytest.raises(ScheduleError) as info:
-        validate(_sched(text))
+        validate_schedule(_sched(text))
     message = str(info.value)
     for needle in needles:
         assert needle in message, message
@@ -70,7 +70,7 @@ def test_allreduce_rounds_out_of_order_deadlock() -> None:
 1: F1 B1 ALLREDUCE1 STEP1 F3 B3 ALLREDUCE0 STEP0
 """
     with pytest.raises(ScheduleError, match="deadlock") as info:
-        validate(_sched(broken))
+        validate_schedule(_sched(broken))
     assert ">ALLREDUCE0<" in str(info.value) and ">ALLREDUCE1<" in str(info.value)
 
 
@@ -82,7 +82,7 @@ def test_allreduce_joined_twice_is_rejected() -> None:
 1: F1 B1 ALLREDUCE0 STEP0 F3 B3 ALLREDUCE1 STEP1
 """
     with pytest.raises(ScheduleError, match="2 times") as info:
-        validate(_sched(broken))
+        validate_schedule(_sched(broken))
     message = str(info.value)
     assert message.count(">ALLREDUCE0<") == 2 and "rank 0 s0" in message
 
@@ -93,29 +93,29 @@ def test_unit_on_the_wrong_replica_is_rejected() -> None:
 1: F0 B0 ALLREDUCE0 STEP0
 """
     with pytest.raises(ScheduleError, match="round robin puts unit 1 on rank 1"):
-        validate(_sched(broken))
+        validate_schedule(_sched(broken))
 
 
 def test_missing_and_duplicate_units_are_rejected() -> None:
     with pytest.raises(ScheduleError, match="B1 of stage 0 is missing"):
-        validate(_sched("# dp replicas=1 units=2 per_update=1\n0: F0 B0 STEP0 F1 STEP1\n"))
+        validate_schedule(_sched("# dp replicas=1 units=2 per_update=1\n0: F0 B0 STEP0 F1 STEP1\n"))
     with pytest.raises(ScheduleError, match="runs 2 times"):
-        validate(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F0 B0 STEP0\n"))
+        validate_schedule(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F0 B0 STEP0\n"))
     with pytest.raises(ScheduleError, match=r"outside units 0\.\.0"):
-        validate(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F5 B5 STEP0\n"))
+        validate_schedule(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F5 B5 STEP0\n"))
 
 
 def test_send_off_the_end_of_the_pipeline_is_rejected() -> None:
     broken = GOOD.replace("1: RECV_F0 F0 RECV_F1 F1 B1", "1: RECV_F0 F0 SEND_F0 RECV_F1 F1 B1")
     with pytest.raises(ScheduleError, match=r"talks to stage 2 outside 0\.\.1"):
-        validate(_sched(broken))
+        validate_schedule(_sched(broken))
 
 
 @pytest.mark.parametrize("kind", list(ScheduleKind))
 def test_built_schedules_validate(kind: ScheduleKind) -> None:
     replicas = (3,) if kind is ScheduleKind.DP else (2, 1, 2)
     per = 3 if kind is ScheduleKind.DP else (1 if kind is ScheduleKind.PIPEDREAM else 4)
-    validate(build_schedule(replicas, kind, 12, per))
+    validate_schedule(build_schedule(replicas, kind, 12, per))
 
 
 def test_grid_windows_long_schedules_around_the_mark() -> None:

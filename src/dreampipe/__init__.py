@@ -1,16 +1,12 @@
 """dreampipe: PipeDream-style generalized pipeline parallelism for PyTorch.
 
-profile -> LayerGraph -> plan(topology) -> Plan -> schedule -> Schedule ->
-simulate() or the runtime. See DESIGN.md for the map.
+The package's folders follow the flow (docs/architecture.md)::
 
-The functions whose module has the same name are exported under longer
-names, so that ``dreampipe.plan``, ``dreampipe.validate`` and
-``dreampipe.simulate`` stay the modules:
+    profiling -> LayerGraph -> planning -> Plan -> scheduling -> Schedule
+                                                      |-> simulation (predicted events)
+                                                      '-> runtime    (measured events)
 
-- ``plan_pipeline`` is :func:`dreampipe.planner.plan`, ``evaluate_plan``
-  :func:`dreampipe.planner.evaluate`;
-- ``validate_schedule`` is :func:`dreampipe.validate.validate`;
-- ``simulate_schedule`` is :func:`dreampipe.simulate.simulate`.
+with ``jobs`` (train, demo, bench) and ``cli`` on top and ``models`` beside.
 
 ``import dreampipe`` stays light: the names that need NumPy or torch
 (the planner, the profiler, the model zoo, the runtime) load on first use.
@@ -21,7 +17,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import (
     DreampipeError,
     PeerTimeoutError,
@@ -32,23 +27,29 @@ from dreampipe.errors import (
     StageMismatchError,
     TopologyError,
 )
-from dreampipe.events import Event
-from dreampipe.graph import Layer, LayerGraph, load_graph
-from dreampipe.plan import Plan, Stage
-from dreampipe.schedule import build_schedule
-from dreampipe.simulate import SimCosts, SimResult, costs_from_plan, costs_from_profile
-from dreampipe.simulate import simulate as simulate_schedule
-from dreampipe.timeline import draw_timeline
-from dreampipe.topology import Topology
-from dreampipe.trace import write_chrome_trace
-from dreampipe.validate import validate as validate_schedule
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.load import load_graph
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.validator import validate_schedule
+from dreampipe.simulation.simulator import (
+    SimCosts,
+    SimResult,
+    costs_from_plan,
+    costs_from_profile,
+    simulate_schedule,
+)
+from dreampipe.simulation.timeline import draw_timeline
+from dreampipe.simulation.trace import write_chrome_trace
 
 if TYPE_CHECKING:
     from dreampipe.models import get_model
     from dreampipe.models.spec import ModelSpec
-    from dreampipe.planner import evaluate as evaluate_plan
-    from dreampipe.planner import plan as plan_pipeline
-    from dreampipe.profiler import profile_model, profile_spec
+    from dreampipe.planning.planner import evaluate_plan, plan_pipeline
+    from dreampipe.profiling.profiler import profile_model, profile_spec
     from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local, run_from_env
 
 __all__ = [
@@ -99,10 +100,10 @@ __version__ = "0.1.0"
 _LAZY = {
     "ModelSpec": ("dreampipe.models.spec", "ModelSpec"),
     "get_model": ("dreampipe.models", "get_model"),
-    "evaluate_plan": ("dreampipe.planner", "evaluate"),
-    "plan_pipeline": ("dreampipe.planner", "plan"),
-    "profile_model": ("dreampipe.profiler", "profile_model"),
-    "profile_spec": ("dreampipe.profiler", "profile_spec"),
+    "evaluate_plan": ("dreampipe.planning.planner", "evaluate_plan"),
+    "plan_pipeline": ("dreampipe.planning.planner", "plan_pipeline"),
+    "profile_model": ("dreampipe.profiling.profiler", "profile_model"),
+    "profile_spec": ("dreampipe.profiling.profiler", "profile_spec"),
     "OptimizerKind": ("dreampipe.runtime", "OptimizerKind"),
     "RunConfig": ("dreampipe.runtime", "RunConfig"),
     "RunResult": ("dreampipe.runtime", "RunResult"),

@@ -24,8 +24,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from dreampipe.data import Dataset
 from dreampipe.models.spec import ModelSpec
+from dreampipe.runtime.data import Dataset
 
 __all__ = ["OptFactory", "adam", "admitted", "reference_pipedream", "reference_sync", "sgd"]
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from dreampipe.data import DatasetError, load_dataset
 from dreampipe.models import get_model
+from dreampipe.runtime.data import DatasetError, load_dataset
 
 __all__: list[str] = []
 

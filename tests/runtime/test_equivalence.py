@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dreampipe.actions import ScheduleKind
-from dreampipe.data import load_dataset
 from dreampipe.models import ModelSpec, get_model
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
+from dreampipe.runtime.data import load_dataset
+from dreampipe.scheduling.actions import ScheduleKind
 
 from .reference import adam, reference_pipedream, reference_sync, sgd
 

@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PeerTimeoutError, PlanError, ScheduleError
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime import RunConfig, WorkerError, launch_local
+from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dreampipe.data import load_dataset
 from dreampipe.models import get_model
+from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.launch import free_port
 
 from .reference import reference_sync, sgd

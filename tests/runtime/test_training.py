@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dreampipe.actions import ActionKind, ScheduleKind
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime import RunConfig, launch_local
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 
 __all__: list[str] = []
 

@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from dreampipe.actions import ScheduleKind
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime import RunConfig, run_from_env
+from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
 

@@ -16,14 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dreampipe.actions import ScheduleKind
-from dreampipe.graph import LayerGraph, load_graph
-from dreampipe.plan import Plan
-from dreampipe.planner import plan
-from dreampipe.schedule import build_schedule, whole_rounds
-from dreampipe.simulate import SimResult, costs_from_profile, simulate
-from dreampipe.topology import PRESETS, Topology
-from dreampipe.units import format_bytes
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import PRESETS, Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.load import load_graph
+from dreampipe.quantities import format_bytes
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule, whole_rounds
+from dreampipe.simulation.simulator import SimResult, costs_from_profile, simulate_schedule
 
 __all__ = ["confirm_by_simulation", "format_plan", "layer_label", "plan_summary", "register"]
 
@@ -71,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     graph = load_graph(args.profile)
     topo = Topology.parse(args.topology, args.bandwidth, args.memory)
     start = time.perf_counter()
-    result = plan(
+    result = plan_pipeline(
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
         straight=args.straight, allow_fewer_workers=not args.all_workers,
         max_stages=args.max_stages,
@@ -104,7 +105,7 @@ def confirm_by_simulation(result: Plan, graph: LayerGraph, topo: Topology) -> Si
     replicas = [st.replicas for st in result.stages]
     units = whole_rounds(replicas, 16 * result.workers_used)
     schedule = build_schedule(replicas, ScheduleKind.PIPEDREAM, units)
-    return simulate(schedule, costs_from_profile(graph, result, topo), record_events=False)
+    return simulate_schedule(schedule, costs_from_profile(graph, result, topo), record_events=False)
 
 
 def _format_confirmation(result: Plan, sim: SimResult) -> str:

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from dreampipe.cli.profile_table import format_profile_summary, format_profile_table
 from dreampipe.errors import ProfileError
-from dreampipe.graph import LayerGraph, load_graph
-from dreampipe.report import format_profile_summary, format_profile_table
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.load import load_graph
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -84,7 +85,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     from dreampipe.models import ZOO, get_model
-    from dreampipe.profiler import profile_model, profile_spec
+    from dreampipe.profiling.profiler import profile_model, profile_spec
 
     model_ref: str = args.model
     if args.batch_size is not None and args.batch_size < 1:

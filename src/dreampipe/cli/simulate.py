@@ -18,14 +18,21 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError, ScheduleError, TopologyError
-from dreampipe.graph import LayerGraph, load_graph
-from dreampipe.plan import Plan
-from dreampipe.schedule import build_schedule, whole_rounds
-from dreampipe.simulate import SimCosts, SimResult, costs_from_plan, costs_from_profile, simulate
-from dreampipe.topology import Topology
-from dreampipe.units import format_bytes
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.load import load_graph
+from dreampipe.quantities import format_bytes
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule, whole_rounds
+from dreampipe.simulation.simulator import (
+    SimCosts,
+    SimResult,
+    costs_from_plan,
+    costs_from_profile,
+    simulate_schedule,
+)
 
 __all__ = ["register"]
 
@@ -74,16 +81,16 @@ def _run(args: argparse.Namespace) -> int:
         schedule = build_schedule(replicas, kind, units, per_update)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
-        result = simulate(schedule, costs, record_events=wants_events)
+        result = simulate_schedule(schedule, costs, record_events=wants_events)
         bar.update()
         title = (f"{plan.model or 'model'}: {kind.value}, config {result.config}, "
                  f"{topology.name or topology.shape}")
         if args.timeline is not None:
-            from dreampipe.timeline import draw_timeline
+            from dreampipe.simulation.timeline import draw_timeline
 
             draw_timeline(result.events, args.timeline, title, schedule.num_ranks)
         if args.trace is not None:
-            from dreampipe.trace import write_chrome_trace
+            from dreampipe.simulation.trace import write_chrome_trace
 
             write_chrome_trace(result.events, args.trace)
         bar.update()
@@ -102,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     source = Path(args.source)
     data = _json_object(source)
-    if data is not None and data.get("format") == "dreampipe.plan":
+    if data is not None and data.get("format") == "dreampipe.planning.plan":
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology
                     else _plan_topology(plan.topology))
@@ -113,9 +120,9 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
                         "drop --profile")
     graph = load_graph(source)
     topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY)
-    from dreampipe.planner import plan as make_plan
+    from dreampipe.planning.planner import plan_pipeline
 
-    return make_plan(graph, topology), graph, topology
+    return plan_pipeline(graph, topology), graph, topology
 
 
 def _plan_topology(text: str) -> Topology:

@@ -3,8 +3,8 @@
 ``train`` profiles, plans and trains one zoo model on local worker processes
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
-The work is done by :mod:`dreampipe.job`, :mod:`dreampipe.demo` and
-:mod:`dreampipe.bench`; this module parses, checks and prints.
+The work is done by :mod:`dreampipe.jobs.local`, :mod:`dreampipe.jobs.demo` and
+:mod:`dreampipe.jobs.bench`; this module parses, checks and prints.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError
+from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["parse_model_args", "register"]
 
@@ -153,7 +153,7 @@ def _check_train_args(args: argparse.Namespace) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.training import TrainRequest, run_train, torchrun_world
+    from dreampipe.jobs.train import TrainRequest, run_train, torchrun_world
 
     _check_train_args(args)
     world = torchrun_world()
@@ -187,12 +187,12 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     res = report.result
     if args.trace:
-        from dreampipe.trace import write_chrome_trace
+        from dreampipe.simulation.trace import write_chrome_trace
 
         write_chrome_trace(list(res.events), args.trace)
         say(f"trace: {args.trace}")
     if args.timeline:
-        from dreampipe.timeline import draw_timeline
+        from dreampipe.simulation.timeline import draw_timeline
 
         draw_timeline(list(res.events), args.timeline,
                       title=f"{args.model} {report.plan.config} {args.schedule} (measured)")
@@ -243,7 +243,7 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dreampipe.demo import DemoOptions, run_demo
+    from dreampipe.jobs.demo import DemoOptions, run_demo
 
     opts = DemoOptions(seed=args.seed, out_dir=Path(args.out), progress=not args.no_progress)
     if args.epochs is not None:
@@ -256,7 +256,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------
 def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.bench import BENCH_NAMES
+    from dreampipe.jobs.bench import BENCH_NAMES
 
     p = sub.add_parser(
         "bench",
@@ -289,7 +289,7 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dreampipe.bench import BenchOptions, format_table, run_bench
+    from dreampipe.jobs.bench import BenchOptions, format_table, run_bench
 
     if args.steps < 1 or args.warmup < 0:
         raise PlanError(f"--steps {args.steps} --warmup {args.warmup}: use steps >= 1, "

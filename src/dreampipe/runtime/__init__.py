@@ -1,4 +1,4 @@
-"""The runtime: train a :class:`~dreampipe.plan.Plan` for real on torch.distributed.
+"""The runtime: train a :class:`~dreampipe.planning.plan.Plan` for real on torch.distributed.
 
 ``launch_local(cfg)`` on one machine, ``run_from_env(cfg)`` under torchrun;
 both return a :class:`RunResult` (``run_from_env`` on rank 0 only).

@@ -13,11 +13,11 @@ import logging
 import torch
 from torch import Tensor
 
-from dreampipe.actions import ScheduleKind
-from dreampipe.data import DATASETS, DatasetError
 from dreampipe.errors import PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig
+from dreampipe.runtime.data import DATASETS, DatasetError
+from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["check_config", "check_options", "check_stage_outputs"]
 

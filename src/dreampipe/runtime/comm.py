@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import PeerTimeoutError, StageMismatchError
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Comm"]
 

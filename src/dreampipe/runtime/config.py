@@ -1,7 +1,7 @@
 """What to run and what came back: :class:`RunConfig` and :class:`RunResult`.
 
 A run trains ``steps`` weight updates of ``minibatch_size`` samples each. How
-an update is cut into *units* (the ``unit`` of every :class:`~dreampipe.actions.Action`)
+an update is cut into *units* (the ``unit`` of every :class:`~dreampipe.scheduling.actions.Action`)
 depends on the schedule::
 
     schedule                units per update            samples per unit
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError
-from dreampipe.events import Event
 from dreampipe.models import get_model
 from dreampipe.models.spec import ModelSpec
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.events import Event
 
 __all__ = [
     "OptimizerKind",

@@ -1,4 +1,4 @@
-"""Run one rank's action list from the :class:`~dreampipe.actions.Schedule`.
+"""Run one rank's action list from the :class:`~dreampipe.scheduling.actions.Schedule`.
 
 The engine never re-derives the order: it executes ``schedule.actions[rank]``
 in order, one small handler per action kind, and only looks ahead to post
@@ -9,7 +9,7 @@ compute::
     posted    ^^^^^^^ ...  (irecv for RECV_* within _LOOKAHEAD actions ahead)
 
 Labels: the input stage and the last stage both index the same
-:class:`~dreampipe.data.Dataset` with ``batch(unit, unit_size)``, so the last
+:class:`~dreampipe.runtime.data.Dataset` with ``batch(unit, unit_size)``, so the last
 stage loads a unit's targets itself and nothing but activations and
 gradients crosses the pipeline.
 
@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
-from dreampipe.data import Dataset, load_dataset
-from dreampipe.events import Event
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import OptimizerKind, RunConfig
+from dreampipe.runtime.data import Dataset, load_dataset
 from dreampipe.runtime.stage import StageModule
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.events import Event
 
 __all__ = ["RankReport", "RankRunner", "barrier"]
 

@@ -53,7 +53,7 @@ class WorkerError(DreampipeError, RuntimeError):
 
 def run_rank(cfg: RunConfig, rank: int, world: int, device: torch.device) -> RunResult | None:
     """Train as ``rank`` of an initialised process group; the result on rank 0."""
-    from dreampipe.schedule import build_schedule
+    from dreampipe.scheduling.build import build_schedule
 
     spec = resolve_model(cfg)
     check_config(cfg, spec, world)

@@ -7,9 +7,9 @@ import logging
 import torch
 from torch import Tensor
 
-from dreampipe.data import Dataset
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunResult
+from dreampipe.runtime.data import Dataset
 from dreampipe.runtime.engine import RankReport
 
 __all__ = ["assemble"]

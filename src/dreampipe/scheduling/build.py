@@ -7,7 +7,7 @@ result and the simulator times it. It runs three pure steps::
     lower_communication  + RECV before / SEND after   RECV_F0 F0 SEND_F0 ...
     lower_updates      + ALLREDUCE / STEP            ... B2 SEND_B2 STEP2
 
-then :func:`dreampipe.validate.validate`. Ranks execute their list in order,
+then :func:`dreampipe.scheduling.validator.validate`. Ranks execute their list in order,
 blocking on receives (and all-reduces) and never on sends (``isend``).
 
 PipeDream's asynchronous 1F1B on a straight 4-stage pipeline (stage s runs
@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dreampipe.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = [
     "build_schedule",
@@ -53,12 +53,12 @@ def build_schedule(
     ``num_units`` minibatches (PipeDream) or microbatches (the synchronous
     schedules, ``units_per_update`` per minibatch and weight update).
     """
-    from dreampipe.validate import validate
+    from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(
         lower_communication(compute_schedule(replicas, kind, num_units, units_per_update))
     )
-    validate(schedule)
+    validate_schedule(schedule)
     return schedule
 
 

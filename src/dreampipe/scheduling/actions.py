@@ -80,7 +80,7 @@ class Schedule:
     """Per-rank ordered action lists, plus the layout needed to find peers.
 
     ``replicas[s]`` is stage s's replica count; ranks are numbered stage by
-    stage as in :class:`dreampipe.plan.Plan`. ``num_units`` units are run in
+    stage as in :class:`dreampipe.planning.plan.Plan`. ``num_units`` units are run in
     all, ``units_per_update`` of them between optimizer steps (1 for
     PipeDream's per-minibatch updates).
     """

@@ -11,8 +11,8 @@
 
 from __future__ import annotations
 
-from dreampipe.graph import LayerGraph
-from dreampipe.units import format_bytes
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
 
 __all__ = ["format_profile_summary", "format_profile_table"]
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dreampipe.graph import LayerGraph
+from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
     "GPIPE_MICROBATCHES_PER_STAGE",

@@ -18,7 +18,7 @@ from typing import Any
 
 from dreampipe.errors import ProfileError
 
-__all__ = ["FORMAT_VERSION", "Layer", "LayerGraph", "load_graph"]
+__all__ = ["FORMAT_VERSION", "Layer", "LayerGraph"]
 
 FORMAT_VERSION = 1
 
@@ -228,25 +228,6 @@ class LayerGraph:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
-
-
-def load_graph(path: str | Path) -> LayerGraph:
-    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content."""
-    p = Path(path)
-    if not p.is_file():
-        raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
-    try:
-        text = p.read_text()
-    except UnicodeDecodeError:
-        raise ProfileError(
-            f"profile {str(p)!r} is not text; "
-            "give a dreampipe JSON profile or a PipeDream graph.txt"
-        ) from None
-    if text.lstrip().startswith("{"):
-        return LayerGraph.from_json(text)
-    from dreampipe.graph_txt import parse_graph_txt
-
-    return parse_graph_txt(text, model=p.stem)
 
 
 def _topological_order(n: int, edges: Sequence[tuple[int, int]], names: Sequence[str]) -> list[int]:

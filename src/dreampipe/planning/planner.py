@@ -1,6 +1,6 @@
 """The planner's entry points: the fastest plan for a cluster, or the cost of a given one.
 
-:func:`plan` runs PipeDream's dynamic program (:mod:`dreampipe.planner_dp`)
+:func:`plan` runs PipeDream's dynamic program (:mod:`dreampipe.planning.dp`)
 on the topology and reads the winning partition back as a :class:`Plan`,
 with the same cost model's predictions for plain data parallelism, the best
 straight pipeline and GPipe. :func:`evaluate` costs a partition given by hand.
@@ -20,7 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from dreampipe.costs import (
+from dreampipe.errors import PlanError
+from dreampipe.planning.costs import (
     RangeCosts,
     allreduce_time,
     cut_time,
@@ -28,14 +29,13 @@ from dreampipe.costs import (
     replicated_stage_time,
     stage_memory,
 )
-from dreampipe.errors import PlanError
-from dreampipe.graph import LayerGraph
-from dreampipe.plan import Plan, Stage
-from dreampipe.planner_dp import Options, best_plan
-from dreampipe.topology import Topology
-from dreampipe.units import format_bytes
+from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
 
-__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate", "plan"]
+__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "plan_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _check_slots(max_stages: int | None, n: int) -> int:
     return max_stages
 
 
-def plan(
+def plan_pipeline(
     graph: LayerGraph,
     topology: Topology,
     *,
@@ -166,7 +166,7 @@ def plan(
     return result
 
 
-def evaluate(
+def evaluate_plan(
     graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int]
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.

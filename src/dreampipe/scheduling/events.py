@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dreampipe.actions import Action, ActionKind
+from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["Event", "load_events", "save_events"]
 

@@ -12,7 +12,7 @@ where ``A_below`` is the level below's optimum on one whole unit (the sum of
 layer times at the bottom). DESIGN writes the recurrence peeling the last
 stage; peeling the *first* gives the same minimum over all partitions and
 lets each stage know how many workers lie after it, which the memory rule
-(versions in flight, :mod:`dreampipe.costs`) needs. The inner min over
+(versions in flight, :mod:`dreampipe.planning.costs`) needs. The inner min over
 ``(t, m')`` is a min-max matrix product, done in NumPy.
 
 Memory in a hierarchy: each table entry also keeps the *slack* of its plan,
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from dreampipe.costs import (
+from dreampipe.planning.costs import (
     FloatArray,
     RangeCosts,
     allreduce_time,
@@ -41,7 +41,7 @@ from dreampipe.costs import (
     max_versions,
     replicated_stage_time,
 )
-from dreampipe.topology import Topology
+from dreampipe.planning.topology import Topology
 
 __all__ = ["FlatStage", "Options", "best_plan"]
 

@@ -22,10 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PeerTimeoutError, PlanError
-from dreampipe.graph import LayerGraph
-from dreampipe.job import (
+from dreampipe.jobs.local import (
     choose_plan,
     forced_partition,
     model_spec,
@@ -35,11 +33,13 @@ from dreampipe.job import (
     unit_size,
 )
 from dreampipe.models import ModelSpec
-from dreampipe.plan import Plan, stages_from_config
+from dreampipe.planning.plan import Plan, stages_from_config
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
-    from dreampipe.data import Dataset
     from dreampipe.runtime import RunResult
+    from dreampipe.runtime.data import Dataset
 
 __all__ = ["TrainReport", "TrainRequest", "run_train", "share_plan", "torchrun_world"]
 
@@ -263,7 +263,7 @@ def _whole_rounds(req: TrainRequest, plan: Plan, steps: int, talk: Say) -> int:
     """
     if req.schedule is not ScheduleKind.PIPEDREAM:
         return steps
-    from dreampipe.schedule import whole_rounds
+    from dreampipe.scheduling.build import whole_rounds
 
     replicas = [st.replicas for st in plan.stages]
     rounds = math.lcm(*replicas)
@@ -280,7 +280,7 @@ def _whole_rounds(req: TrainRequest, plan: Plan, steps: int, talk: Say) -> int:
 
 
 def _load_data(req: TrainRequest, spec: ModelSpec) -> Dataset:
-    from dreampipe.data import load_dataset
+    from dreampipe.runtime.data import load_dataset
 
     return load_dataset(req.dataset, spec, data_dir=req.data_dir, seed=req.seed)
 

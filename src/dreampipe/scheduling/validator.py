@@ -21,10 +21,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Sequence
 
-from dreampipe.actions import Action, ActionKind, Schedule
 from dreampipe.errors import ScheduleError
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule
 
-__all__ = ["format_grid", "validate"]
+__all__ = ["format_grid", "validate_schedule"]
 
 _K = ActionKind
 # On one rank, `earlier<u>` must come before `later<u>`: later -> earlier kinds.
@@ -44,7 +44,7 @@ _TRANSFER = {
 _WINDOW = 8
 
 
-def validate(schedule: Schedule) -> None:
+def validate_schedule(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` with a marked grid if ``schedule`` is unsound."""
     _check_stages(schedule)
     _check_units(schedule)

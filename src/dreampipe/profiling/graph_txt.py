@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from dreampipe.errors import ProfileError
-from dreampipe.graph import Layer, LayerGraph
+from dreampipe.profiling.graph import Layer, LayerGraph
 
 __all__ = ["parse_graph_txt"]
 

@@ -1,7 +1,7 @@
 """``dreampipe demo``: the whole flow on a real data set, in a few minutes on a CPU.
 
 It profiles the zoo ``cnn`` (the classic MNIST pipeline CNN, 28x28 inputs:
-the 8x8 digits are resized by :mod:`dreampipe.data`) on a batch of
+the 8x8 digits are resized by :mod:`dreampipe.runtime.data`) on a batch of
 scikit-learn's handwritten digits, plans it for 2 local workers, trains it
 with PipeDream's asynchronous 1F1B and weight stashing, then trains it again
 with data parallelism for the same number of epochs, and reports test
@@ -27,14 +27,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError
-from dreampipe.graph import LayerGraph
-from dreampipe.plan import Plan
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
-    from dreampipe.events import Event
     from dreampipe.runtime import RunResult
+    from dreampipe.scheduling.events import Event
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo", "timeline_window"]
 
@@ -81,9 +81,9 @@ def _profile(opts: DemoOptions) -> LayerGraph:
     """Per-layer times of the cnn on a real minibatch of digits, with one thread."""
     import torch
 
-    from dreampipe.data import load_dataset
-    from dreampipe.job import model_spec
-    from dreampipe.profiler import profile_model
+    from dreampipe.jobs.local import model_spec
+    from dreampipe.profiling.profiler import profile_model
+    from dreampipe.runtime.data import load_dataset
 
     spec = model_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)
@@ -97,14 +97,14 @@ def _profile(opts: DemoOptions) -> LayerGraph:
 
 
 def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
-    from dreampipe import planner
-    from dreampipe.job import local_topology
+    from dreampipe.jobs.local import local_topology
+    from dreampipe.planning import planner
 
     topology = local_topology(workers)
-    best = planner.plan(graph, topology, allow_fewer_workers=False)
+    best = planner.plan_pipeline(graph, topology, allow_fewer_workers=False)
     if best.num_stages > 1:
         return best
-    straight = planner.plan(graph, topology, straight=True, allow_fewer_workers=False)
+    straight = planner.plan_pipeline(graph, topology, straight=True, allow_fewer_workers=False)
     say(f"the planner's best plan is data parallel ({best.time_per_minibatch_s * 1e3:.2f} "
         f"ms/minibatch); to show pipelining the demo runs its best straight pipeline "
         f"({straight.time_per_minibatch_s * 1e3:.2f} ms/minibatch)")
@@ -118,11 +118,11 @@ def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[E
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     """Profile, plan, train with PipeDream and with DP, draw; lines go to ``say``."""
-    from dreampipe.data import load_dataset
-    from dreampipe.job import model_spec, predict_samples_per_s, steps_for_epochs
+    from dreampipe.jobs.local import model_spec, predict_samples_per_s, steps_for_epochs
     from dreampipe.runtime import RunConfig, launch_local
-    from dreampipe.timeline import draw_timeline
-    from dreampipe.trace import write_chrome_trace
+    from dreampipe.runtime.data import load_dataset
+    from dreampipe.simulation.timeline import draw_timeline
+    from dreampipe.simulation.trace import write_chrome_trace
 
     spec = model_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)

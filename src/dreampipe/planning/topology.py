@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dreampipe.errors import TopologyError
-from dreampipe.units import format_bytes, parse_bandwidth, parse_bytes
+from dreampipe.quantities import format_bytes, parse_bandwidth, parse_bytes
 
 __all__ = ["DEFAULT_BANDWIDTHS", "PRESETS", "Level", "Topology"]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from dreampipe.actions import ActionKind
-from dreampipe.events import Event
+from dreampipe.scheduling.actions import ActionKind
+from dreampipe.scheduling.events import Event
 
 __all__ = ["COLOURS", "draw_timeline"]
 

@@ -6,7 +6,7 @@ weight update as 8 microbatches of 32. dreampipe runs it under
 ``1f1b-flush`` and ``gpipe``, and under ``pipedream`` with minibatches of 128
 and one update each (the PipeDream paper pairs a PipeDream minibatch with
 data parallelism's per-worker minibatch, here 256 / 2 workers). The
-baselines (:mod:`dreampipe.baselines`) are ``torch.distributed.pipelining``'s
+baselines (:mod:`dreampipe.jobs.baselines`) are ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` and ``ScheduleGPipe``, DDP on 2 workers, and one process
 with 1 and with 2 threads.
 
@@ -30,11 +30,11 @@ from typing import Any
 
 import torch
 
-from dreampipe.actions import ActionKind, ScheduleKind
-from dreampipe.baselines import Baseline, Workload, run_baseline
 from dreampipe.errors import DreampipeError
-from dreampipe.events import Event
-from dreampipe.plan import Plan
+from dreampipe.jobs.baselines import Baseline, Workload, run_baseline
+from dreampipe.planning.plan import Plan
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.scheduling.events import Event
 
 __all__ = [
     "BENCH_NAMES",
@@ -261,10 +261,10 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
     The layer profile gives each unit's forward and backward; the weight
     update after each minibatch is timed here too (:func:`_update_seconds`).
     """
-    from dreampipe import planner
-    from dreampipe.job import local_costs, local_topology, profile_model
-    from dreampipe.schedule import build_schedule
-    from dreampipe.simulate import simulate
+    from dreampipe.jobs.local import local_costs, local_topology, profile_model
+    from dreampipe.planning import planner
+    from dreampipe.scheduling.build import build_schedule
+    from dreampipe.simulation.simulator import simulate_schedule
 
     spec = work.spec()
     topology = local_topology(len(work.stage_bounds))
@@ -274,14 +274,14 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
         if sh.unit_samples not in graphs:
             graphs[sh.unit_samples] = profile_model(spec, sh.unit_samples, repeats=_REPEATS)
         graph = graphs[sh.unit_samples]
-        plan = planner.evaluate(graph, topology, list(work.stage_bounds), [1, 1])
+        plan = planner.evaluate_plan(graph, topology, list(work.stage_bounds), [1, 1])
         sched = build_schedule(
             [1] * len(work.stage_bounds), sh.kind, sh.total_units,
             units_per_update=sh.microbatches,
         )
         costs = replace(local_costs(graph, plan, unit_fraction=1.0),
                         step_s=_update_seconds(work, sh.kind is ScheduleKind.PIPEDREAM))
-        sim = simulate(sched, costs)
+        sim = simulate_schedule(sched, costs)
         out[sh.kind] = window_samples_per_s(
             sim.events, warmup_units=sh.warmup_units, total_units=sh.total_units,
             unit_samples=sh.unit_samples,

@@ -25,16 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dreampipe.actions import ScheduleKind
 from dreampipe.errors import PlanError
-from dreampipe.graph import LayerGraph
 from dreampipe.models import ModelSpec, get_model
-from dreampipe.plan import Plan, stages_from_config
+from dreampipe.planning.plan import Plan, stages_from_config
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.config import units_per_update
-from dreampipe.topology import Topology
+from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
-    from dreampipe.simulate import SimCosts
+    from dreampipe.simulation.simulator import SimCosts
 
 __all__ = [
     "LOCAL_BANDWIDTH",
@@ -94,7 +94,7 @@ def local_costs(graph: LayerGraph, plan: Plan, unit_fraction: float) -> SimCosts
     them: posting each send (:data:`LOCAL_SEND_OVERHEAD_S`), and in each
     forward the stage's own overhead, loading the unit's data and the loss.
     """
-    from dreampipe.simulate import costs_from_profile
+    from dreampipe.simulation.simulator import costs_from_profile
 
     costs = costs_from_profile(graph, plan, local_topology(plan.workers_used), unit_fraction)
     forward = [f + LOCAL_STAGE_FORWARD_S for f in costs.forward_s]
@@ -122,7 +122,7 @@ def unit_size(kind: ScheduleKind, minibatch_size: int, microbatches: int, worker
 
 def profile_model(spec: ModelSpec, batch_size: int, *, repeats: int = 5) -> LayerGraph:
     """Profile ``spec`` at ``batch_size`` with one thread, as each worker runs."""
-    from dreampipe.profiler import profile_spec
+    from dreampipe.profiling.profiler import profile_spec
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -185,13 +185,13 @@ def choose_plan(
     allow_fewer_workers: bool = True,
 ) -> Plan:
     """The planner's best plan for ``workers`` local workers, or the forced partition costed."""
-    from dreampipe import planner
+    from dreampipe.planning import planner
 
     topology = local_topology(workers)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
-        return planner.plan(graph, topology, allow_fewer_workers=allow_fewer_workers)
-    return planner.evaluate(graph, topology, *forced)
+        return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers)
+    return planner.evaluate_plan(graph, topology, *forced)
 
 
 def predict_samples_per_s(
@@ -208,15 +208,15 @@ def predict_samples_per_s(
     ``graph`` must be profiled at :func:`unit_size` samples, so each
     scheduled unit costs what the profile measured.
     """
-    from dreampipe.schedule import build_schedule
-    from dreampipe.simulate import simulate
+    from dreampipe.scheduling.build import build_schedule
+    from dreampipe.simulation.simulator import simulate_schedule
 
     unit = unit_size(kind, minibatch_size, microbatches, plan.workers_used)
     per_update = units_per_update(kind, microbatches, plan.workers_used)
     replicas = [st.replicas for st in plan.stages]
     schedule = build_schedule(replicas, kind, steps * per_update, units_per_update=per_update)
     fraction = unit / graph.batch_size if graph.batch_size else 1.0
-    result = simulate(schedule, local_costs(graph, plan, fraction))
+    result = simulate_schedule(schedule, local_costs(graph, plan, fraction))
     events = result.events
     span = max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
     if span <= 0:

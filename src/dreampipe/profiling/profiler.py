@@ -1,6 +1,6 @@
 """Per-layer profiler: run a model once, then time every layer in training order.
 
-What a layer is: a step of :mod:`dreampipe.model_steps` (a child of an
+What a layer is: a step of :mod:`dreampipe.profiling.model_steps` (a child of an
 ``nn.Sequential``, or a torch.fx node) whose output holds a tensor. Edges
 come from the steps' data flow (through glue), so a residual ``x + f(x)``
 is a DAG.
@@ -35,9 +35,9 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.errors import ProfileError
-from dreampipe.graph import Layer, LayerGraph
-from dreampipe.model_steps import INPUT, Env, Step, model_steps
 from dreampipe.models.spec import ModelSpec
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
 
 __all__ = ["profile_model", "profile_spec"]
 

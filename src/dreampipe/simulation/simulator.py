@@ -18,7 +18,7 @@ Each rank runs its action list in order, exactly as the runtime does:
   continues (to ``STEP``) only then.
 
 Memory per rank is ``parameter_bytes x (weight versions held + 1) +
-stash_bytes x units in flight``, the planner's model (:mod:`dreampipe.costs`;
+stash_bytes x units in flight``, the planner's model (:mod:`dreampipe.planning.costs`;
 the extra weights are the gradient buffer); a unit is in flight from its
 forward's start to its backward's end. A unit holds the weight version (optimizer steps taken) its
 forward ran with; the versions held are those of the units in flight plus
@@ -34,14 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dreampipe.actions import ActionKind, Schedule, ScheduleKind
 from dreampipe.errors import ScheduleError
-from dreampipe.events import Event
-from dreampipe.graph import LayerGraph
-from dreampipe.plan import Plan, config_string
-from dreampipe.topology import Topology
+from dreampipe.planning.plan import Plan, config_string
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.events import Event
 
-__all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate"]
+__all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
 _K = ActionKind
 Bandwidth = Topology | tuple[tuple[float, ...], ...] | float
@@ -153,7 +153,9 @@ class SimResult:
         }
 
 
-def simulate(schedule: Schedule, costs: SimCosts, *, record_events: bool = True) -> SimResult:
+def simulate_schedule(
+    schedule: Schedule, costs: SimCosts, *, record_events: bool = True
+) -> SimResult:
     """Time ``schedule`` under ``costs``; ``record_events=False`` skips the event list."""
     if costs.num_stages != schedule.num_stages:
         raise ScheduleError(

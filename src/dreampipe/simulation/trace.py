@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dreampipe.actions import ActionKind
-from dreampipe.events import Event
+from dreampipe.scheduling.actions import ActionKind
+from dreampipe.scheduling.events import Event
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 

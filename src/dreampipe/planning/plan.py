@@ -23,7 +23,7 @@ from dreampipe.errors import PlanError
 
 __all__ = ["Plan", "Stage", "config_string", "stages_from_config"]
 
-_FORMAT = "dreampipe.plan"
+_FORMAT = "dreampipe.planning.plan"
 _VERSION = 1
 
 

@@ -1,0 +1,6 @@
+"""Jobs: the whole flow on this machine, as the CLI's commands run it.
+
+``train`` profiles, plans, predicts and runs a model; ``demo`` does it on
+real data beside data parallelism; ``bench`` compares dreampipe's schedules
+with PyTorch's own (``baselines``).
+"""

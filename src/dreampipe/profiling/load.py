@@ -1,0 +1,31 @@
+"""Load a layer profile from a file: dreampipe's JSON or PipeDream's ``graph.txt``.
+
+The format is told by content, so a user never names it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dreampipe.errors import ProfileError
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.graph_txt import parse_graph_txt
+
+__all__ = ["load_graph"]
+
+
+def load_graph(path: str | Path) -> LayerGraph:
+    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise ProfileError(
+            f"profile {str(p)!r} is not text; "
+            "give a dreampipe JSON profile or a PipeDream graph.txt"
+        ) from None
+    if text.lstrip().startswith("{"):
+        return LayerGraph.from_json(text)
+    return parse_graph_txt(text, model=p.stem)

@@ -1,0 +1,6 @@
+"""Scheduling: a plan's stages as per-rank action lists (a :class:`Schedule`).
+
+``actions`` is the data and what each action means; ``build`` makes the five
+schedules and lowers them; ``validator`` checks one before anything runs it;
+``events`` is what a rank did, predicted or measured.
+"""

@@ -1,0 +1,132 @@
+"""The package's layers: each folder imports only from the folders below it.
+
+The flow reads bottom-up: profiling -> planning -> scheduling -> simulation
+and runtime -> jobs -> cli, with ``models`` (what is profiled and run) and
+the shared ``errors``/``quantities`` below everything. Every import counts,
+at module level and inside functions, except those under ``TYPE_CHECKING``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dreampipe
+
+_ROOT = Path(dreampipe.__file__).parent
+#: Lowest first; a module may import its own layer and the ones before it.
+_LAYERS = (
+    ("errors", "quantities"),
+    ("models",),
+    ("profiling",),
+    ("planning",),
+    ("scheduling",),
+    ("simulation", "runtime"),
+    ("jobs",),
+    ("cli",),
+)
+_RANK = {part: i for i, parts in enumerate(_LAYERS) for part in parts}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(_ROOT.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Every ``dreampipe.*`` module ``path`` (in ``package``) imports, outside TYPE_CHECKING."""
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("dreampipe"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            if not base.startswith("dreampipe"):
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else base)
+    return found
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split(".")[1:])
+    return (_ROOT / rel).with_suffix(".py").is_file() or (_ROOT / rel / "__init__.py").is_file()
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return _RANK.get(parts[1]) if len(parts) > 1 else None
+
+
+def _package(path: Path) -> str:
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p, _package(p)) for p in sorted(_ROOT.rglob("*.py"))}
+
+
+def test_every_folder_has_a_layer() -> None:
+    tops = {p.name.removesuffix(".py") for p in _ROOT.iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").is_file()) and not p.name.startswith("_")}
+    assert tops == set(_RANK)
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    bad = []
+    for module, imported in _graph().items():
+        mine = _layer(module)
+        if mine is None:
+            continue  # dreampipe/__init__ and __main__ sit on top
+        for other in imported:
+            theirs = _layer(other)
+            if theirs is None or theirs > mine:
+                bad.append(f"{module} imports {other}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycle() -> None:
+    graph = {m: {o for o in imps if o != m} for m, imps in _graph().items()}
+    # a package's __init__ imports its own modules; an edge back to it is no cycle of ideas
+    state: dict[str, int] = {}
+    cycle: list[str] = []
+
+    def visit(node: str, path: list[str]) -> bool:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if nxt.startswith(node + "."):
+                continue
+            if state.get(nxt) == 1:
+                cycle.extend(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                return True
+            if state.get(nxt) is None and visit(nxt, [*path, nxt]):
+                return True
+        state[node] = 2
+        return False
+
+    for start in sorted(graph):
+        if state.get(start) is None and visit(start, [start]):
+            break
+    assert not cycle, " -> ".join(cycle)
+
+
+def test_the_checks_can_fail(tmp_path: Path) -> None:
+    source = tmp_path / "mod.py"
+    source.write_text("from dreampipe.cli import main\nfrom .graph import Layer\n"
+                      "if TYPE_CHECKING:\n    import dreampipe.jobs\n")
+    assert _imports(source, "dreampipe.profiling") == {"dreampipe.cli",
+                                                       "dreampipe.profiling.graph"}
+    assert _layer("dreampipe.cli") > _layer("dreampipe.profiling.graph")  # type: ignore[operator]
