@@ -36,9 +36,9 @@ def _costs(replicas: Sequence[int], fraction: float) -> SimCosts:
     n = len(replicas)
     weights = [1.0 + math.sin(s) ** 2 for s in range(n)]
     return SimCosts(
-        tuple(0.010 * w * fraction for w in weights),
-        tuple(0.020 * w * fraction for w in weights),
-        tuple(4e6 * fraction for _ in range(n - 1)),
+        forward_s=tuple(0.010 * w * fraction for w in weights),
+        backward_s=tuple(0.020 * w * fraction for w in weights),
+        activation_bytes=tuple(4e6 * fraction for _ in range(n - 1)),
         bandwidth=Topology.parse("8x8", ["50GB/s", "25Gbps"]),
         allreduce_s=tuple(0.005 if r > 1 else 0.0 for r in replicas),
         parameter_bytes=(1e7,) * n,

@@ -52,12 +52,24 @@ def test_layout_queries() -> None:
         sched.stage_of_rank(6)
 
 
-def test_allreduce_round() -> None:
-    async_ = Schedule(ScheduleKind.PIPEDREAM, (3, 1), tuple(() for _ in range(4)), 6)
-    rounds = [async_.allreduce_round(Action(ActionKind.ALLREDUCE, 0, u)) for u in range(6)]
-    assert rounds == [0, 0, 0, 1, 1, 1]
-    sync = Schedule(ScheduleKind.FLUSH, (3, 1), tuple(() for _ in range(4)), 6, 3)
-    assert sync.allreduce_round(Action(ActionKind.ALLREDUCE, 0, 1)) == 1
+def test_allreduce_round_is_the_update_number_in_every_schedule() -> None:
+    for kind, per in ((ScheduleKind.PIPEDREAM, 1), (ScheduleKind.FLUSH, 3)):
+        sched = build_schedule((3, 1), kind, 6, per)
+        rounds = [a.allreduce_round for a in sched.actions[1] if a.kind is ActionKind.ALLREDUCE]
+        steps = [a.unit for a in sched.actions[1] if a.kind is ActionKind.STEP]
+        assert rounds == steps == [0, 1]
+    with pytest.raises(ScheduleError, match="STEP1 joins no all-reduce round"):
+        _ = Action(ActionKind.STEP, 0, 1).allreduce_round
+
+
+def test_transfer_semantics() -> None:
+    send, recv = Action(ActionKind.SEND_F, 1, 4), Action(ActionKind.RECV_F, 2, 4)
+    assert send.transfer_key == recv.transfer_key == (0, 1, 4)
+    assert Action(ActionKind.SEND_B, 2, 4).transfer_key == Action(
+        ActionKind.RECV_B, 1, 4).transfer_key == (1, 2, 4)
+    assert (send.peer_stage, recv.peer_stage) == (2, 1)
+    assert Action(ActionKind.FORWARD, 1, 4).transfer_key is None
+    assert send.is_send and not recv.is_send
 
 
 def test_schedule_needs_one_list_per_rank() -> None:

@@ -70,7 +70,7 @@ def test_pipedream_updates_after_every_backward() -> None:
         "RECV_F0 F0 B0 SEND_B0 STEP0 RECV_F1 F1 B1 SEND_B1 STEP1 "
         "RECV_F2 F2 B2 SEND_B2 STEP2 RECV_F3 F3 B3 SEND_B3 STEP3")
     assert [str(a) for a in sched.actions[1]] == _words(
-        "F1 SEND_F1 F3 SEND_F3 RECV_B1 B1 ALLREDUCE1 STEP1 RECV_B3 B3 ALLREDUCE3 STEP3")
+        "F1 SEND_F1 F3 SEND_F3 RECV_B1 B1 ALLREDUCE0 STEP0 RECV_B3 B3 ALLREDUCE1 STEP1")
 
 
 def test_flush_one_update_per_minibatch_with_capped_warmup() -> None:

@@ -14,7 +14,8 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
-from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.build import build_schedule, warmup_forwards
+from dreampipe.scheduling.validator import validate_schedule
 from dreampipe.simulation.simulator import (
     SimCosts,
     costs_from_plan,
@@ -27,7 +28,7 @@ K = ActionKind
 
 
 def _equal(p: int, f: float = 1.0, b: float = 2.0, **kw: Any) -> SimCosts:
-    return SimCosts((f,) * p, (b,) * p, **kw)
+    return SimCosts(forward_s=(f,) * p, backward_s=(b,) * p, **kw)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 5])
@@ -70,34 +71,46 @@ def test_straight_async_stage_s_holds_n_minus_s_versions(n: int) -> None:
         int((n - s + 1) * w + (n - s) * a) for s in range(n))
 
 
-def test_every_schedule_of_every_small_config_simulates() -> None:
-    configs = [(1,) * p for p in range(1, 9)] + [(3, 1), (2, 1, 1), (15, 1)]
-    runs = 0
-    for replicas in configs:
-        n = len(replicas)
-        costs = SimCosts(tuple(0.1 * (s + 1) for s in range(n)), (0.2,) * n,
-                         (1e3,) * (n - 1), bandwidth=1e6, allreduce_s=(0.05,) * n)
-        for m in range(1, 17):
-            for kind in (S.FLUSH, S.GPIPE, S.NAIVE):
-                result = simulate_schedule(
-                    build_schedule(replicas, kind, m, m), costs, record_events=False
-                )
-                assert result.makespan_s > 0 and 0 <= result.bubble_fraction < 1
-                runs += 1
-            lcm = math.lcm(*replicas)
-            result = simulate_schedule(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
-                              record_events=False)
-            assert result.makespan_s > 0
-            workers = sum(replicas)
-            dp = simulate_schedule(build_schedule((workers,), S.DP, workers * m, workers),
-                          SimCosts((0.3,), (0.6,), allreduce_s=(0.1,)), record_events=False)
-            assert dp.makespan_s == pytest.approx(m * 0.9)
-            runs += 2
-    assert runs == len(configs) * 16 * 5
+@pytest.mark.parametrize(
+    "replicas", [(1,) * p for p in range(1, 9)] + [(3, 1), (2, 1, 1), (15, 1)]
+)
+def test_every_schedule_of_every_small_config_simulates(replicas: tuple[int, ...]) -> None:
+    n, workers = len(replicas), sum(replicas)
+    straight = all(r == 1 for r in replicas)
+    uneven = SimCosts(forward_s=tuple(0.1 * (s + 1) for s in range(n)), backward_s=(0.2,) * n,
+                      activation_bytes=(1e3,) * (n - 1), bandwidth=1e6, allreduce_s=(0.05,) * n)
+    costs = _equal(n, 1.0, 2.5) if straight else uneven
+    one_pass = sum(costs.forward_s) + sum(costs.backward_s)
+    for m in range(1, 17):
+        for kind in (S.FLUSH, S.GPIPE, S.NAIVE):
+            schedule = build_schedule(replicas, kind, m, m)
+            result = simulate_schedule(schedule, costs, record_events=False)
+            validate_schedule(schedule)
+            assert sum(result.busy_s) == pytest.approx(
+                m * sum(f + b for f, b in zip(costs.forward_s, costs.backward_s, strict=True)))
+            assert result.makespan_s >= one_pass - 1e-9
+            if straight and kind is S.NAIVE:
+                assert result.makespan_s == pytest.approx(m * one_pass)
+            elif straight:
+                assert result.bubble_fraction == pytest.approx((n - 1) / (m + n - 1))
+            else:
+                assert 0 < result.bubble_fraction < 1
+        lcm = math.lcm(*replicas)
+        result = simulate_schedule(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
+                                   record_events=False)
+        assert result.peak_in_flight == tuple(
+            min(warmup_forwards(replicas, s), lcm * m // r)
+            for s, r in enumerate(replicas) for _ in range(r))
+        assert result.makespan_s >= max(max(result.busy_s), one_pass - 1e-9)
+        dp = simulate_schedule(build_schedule((workers,), S.DP, workers * m, workers),
+                               SimCosts(forward_s=(0.3,), backward_s=(0.6,), allreduce_s=(0.1,)),
+                               record_events=False)
+        assert dp.makespan_s == pytest.approx(m * 0.9)
 
 
 def test_one_transfer_each_way_adds_bytes_over_bandwidth() -> None:
-    costs = SimCosts((1.0, 2.0), (3.0, 4.0), (500.0,), (250.0,), bandwidth=100.0)
+    costs = SimCosts(forward_s=(1.0, 2.0), backward_s=(3.0, 4.0), activation_bytes=(500.0,),
+                     gradient_bytes=(250.0,), bandwidth=100.0)
     result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(1 + 5 + 2 + 4 + 2.5 + 3)
     sends = [e for e in result.events if e.kind is K.SEND_F]
@@ -107,7 +120,8 @@ def test_one_transfer_each_way_adds_bytes_over_bandwidth() -> None:
 
 
 def test_link_carries_one_transfer_at_a_time_and_sender_computes_on() -> None:
-    costs = SimCosts((0.5, 0.0), (0.0, 0.0), (100.0,), bandwidth=100.0)
+    costs = SimCosts(forward_s=(0.5, 0.0), backward_s=(0.0, 0.0), activation_bytes=(100.0,),
+                     bandwidth=100.0)
     result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 4), costs)
     arrivals = sorted(e.end_s for e in result.events if e.kind is K.SEND_F)
     assert arrivals == pytest.approx([1.5, 2.5, 3.5, 4.5])
@@ -117,7 +131,8 @@ def test_link_carries_one_transfer_at_a_time_and_sender_computes_on() -> None:
 
 def test_topology_bandwidth_between_ranks() -> None:
     topo = Topology((Level(2, 1000.0), Level(2, 10.0)))
-    costs = SimCosts((0.0,) * 4, (0.0,) * 4, (100.0,) * 3, bandwidth=topo)
+    costs = SimCosts(forward_s=(0.0,) * 4, backward_s=(0.0,) * 4, activation_bytes=(100.0,) * 3,
+                     bandwidth=topo)
     result = simulate_schedule(build_schedule([1] * 4, S.NAIVE, 1, 1), costs)
     hops = {e.rank: e.duration_s for e in result.events if e.kind is K.SEND_F}
     assert hops == pytest.approx({0: 0.1, 1: 10.0, 2: 0.1})
@@ -125,9 +140,9 @@ def test_topology_bandwidth_between_ranks() -> None:
 
 def test_allreduce_overlaps_the_backward_it_follows() -> None:
     dp = build_schedule((2,), S.DP, 2, 2)
-    slow = simulate_schedule(dp, SimCosts((1.0,), (2.0,), allreduce_s=(5.0,)))
+    slow = simulate_schedule(dp, SimCosts(forward_s=(1.0,), backward_s=(2.0,), allreduce_s=(5.0,)))
     assert slow.makespan_s == pytest.approx(1 + 5)
-    fast = simulate_schedule(dp, SimCosts((1.0,), (2.0,), allreduce_s=(0.5,)))
+    fast = simulate_schedule(dp, SimCosts(forward_s=(1.0,), backward_s=(2.0,), allreduce_s=(0.5,)))
     assert fast.makespan_s == pytest.approx(3.0)
     reduces = [e for e in slow.events if e.kind is K.ALLREDUCE]
     assert [(e.start_s, e.end_s) for e in reduces] == [(1.0, 6.0), (1.0, 6.0)]
@@ -135,7 +150,8 @@ def test_allreduce_overlaps_the_backward_it_follows() -> None:
 
 def test_busy_idle_and_throughput_definitions() -> None:
     result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 2),
-                      SimCosts((1.0, 1.0), (1.0, 1.0), step_s=(0.5, 0.5), unit_fraction=0.5))
+                      SimCosts(forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), step_s=(0.5, 0.5),
+                               unit_fraction=0.5))
     assert result.busy_s == (4 * 2.0 + 2 * 0.5,) * 2
     assert sum(result.busy_s) + sum(result.idle_s) == pytest.approx(2 * result.makespan_s)
     assert result.throughput_minibatches_per_s == pytest.approx(2 / result.makespan_s)
@@ -149,9 +165,9 @@ def test_costs_must_match_the_schedule() -> None:
     with pytest.raises(ScheduleError, match="3 stages"):
         simulate_schedule(build_schedule([1, 1], S.GPIPE, 2, 2), _equal(3))
     with pytest.raises(ScheduleError, match="allreduce_s has 1 entries; give 2"):
-        SimCosts((1.0, 1.0), (1.0, 1.0), allreduce_s=(1.0,))
+        SimCosts(forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), allreduce_s=(1.0,))
     with pytest.raises(ScheduleError, match="forward_s and backward_s"):
-        SimCosts((1.0,), ())
+        SimCosts(forward_s=(1.0,), backward_s=())
 
 
 def _graph() -> LayerGraph:
@@ -202,9 +218,10 @@ def test_costs_from_profile_rejects_a_mismatched_profile() -> None:
 def test_costs_from_plan_uses_the_plan_predictions() -> None:
     base = Plan.from_config(4, [0, 2], [1, 1])
     stages = tuple(
-        type(st)(st.first, st.last, st.replicas, st.ranks, compute_s=0.3, comm_s=0.2)
+        type(st)(first=st.first, last=st.last, replicas=st.replicas, ranks=st.ranks,
+                 compute_s=0.3, comm_s=0.2)
         for st in base.stages)
-    plan = Plan(stages, 4)
+    plan = Plan(stages=stages, num_layers=4)
     costs = costs_from_plan(plan, Topology.parse("2", bandwidths=["100B/s"]))
     assert costs.forward_s == pytest.approx((0.1, 0.1))
     assert costs.backward_s == pytest.approx((0.2, 0.2))

@@ -20,8 +20,8 @@ _PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _simulated() -> list[Event]:
-    costs = SimCosts((1e-3, 2e-3, 1e-3), (2e-3, 4e-3, 2e-3), (1e3, 1e3), bandwidth=1e6,
-                     allreduce_s=(0.0, 1e-3, 0.0))
+    costs = SimCosts(forward_s=(1e-3, 2e-3, 1e-3), backward_s=(2e-3, 4e-3, 2e-3),
+                     activation_bytes=(1e3, 1e3), bandwidth=1e6, allreduce_s=(0.0, 1e-3, 0.0))
     schedule = build_schedule((1, 2, 1), ScheduleKind.PIPEDREAM, 8)
     return list(simulate_schedule(schedule, costs).events)
 

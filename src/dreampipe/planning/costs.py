@@ -14,7 +14,11 @@ minibatch of stashed activations per minibatch it has in flight, plus one
 gradient buffer::
 
     versions = ceil(workers from this stage to the end / replicas of this stage)
-    memory   = versions * (weights + activations) + weights
+    memory   = weights * (versions + 1) + activations * in flight
+
+(in the steady state the versions equal the minibatches in flight). The
+simulator (:mod:`dreampipe.simulation`) and the schedule builder take these
+same terms: the ring all-reduce, the memory formula and the in-flight count.
 
 :class:`RangeCosts` holds the profile's sums over every layer range, the
 inputs of these terms for any candidate stage.
@@ -38,7 +42,9 @@ __all__ = [
     "cut_time",
     "gpipe_time",
     "max_versions",
+    "memory_bytes",
     "replicated_stage_time",
+    "ring_allreduce_time",
     "stage_memory",
     "versions_in_flight",
 ]
@@ -50,15 +56,29 @@ FloatArray = npt.NDArray[np.float64]
 GPIPE_MICROBATCHES_PER_STAGE = 4
 
 
+def ring_allreduce_time(
+    weight_bytes: FloatArray | float, replicas: int, bandwidth: float, rounds: int = 1
+) -> FloatArray:
+    """``rounds`` ring all-reduces of ``|w|`` over ``replicas`` workers: ``2(m-1)/m |w|/B`` each.
+
+    Each worker sends and receives ``2(m-1)/m`` of the weights per round
+    (reduce-scatter, then all-gather). The factor ``2(m-1) rounds / m`` is
+    formed before it scales the weights, so whole multiples of ``m`` rounds
+    are exact.
+    """
+    factor = 2.0 * (replicas - 1) * rounds / replicas
+    return np.asarray(factor * np.asarray(weight_bytes, dtype=np.float64) / bandwidth)
+
+
 def allreduce_time(weight_bytes: FloatArray | float, replicas: int, bandwidth: float) -> FloatArray:
     """Time for ``replicas`` workers to synchronise a stage's weights: ``2(m-1)|w|/B``.
 
-    The paper's term (DESIGN §3): ring all-reduce moves ``2(m-1)/m |w|`` per
-    worker, once for each of the ``m`` minibatches the replicas run in
-    parallel. It overlaps the backward pass, hence the max in
+    The paper's term (DESIGN §3): one :func:`ring_allreduce_time` for each of
+    the ``m`` minibatches the replicas run in parallel, ``m`` rounds in all.
+    It overlaps the backward pass, hence the max in
     :func:`replicated_stage_time`.
     """
-    return np.asarray(2.0 * (replicas - 1) * np.asarray(weight_bytes, dtype=np.float64) / bandwidth)
+    return ring_allreduce_time(weight_bytes, replicas, bandwidth, rounds=replicas)
 
 
 def replicated_stage_time(
@@ -95,18 +115,32 @@ def versions_in_flight(workers_to_end: int, replicas: int) -> int:
     return -(-workers_to_end // replicas)
 
 
-def stage_memory(
-    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int
+def memory_bytes(
+    weight_bytes: FloatArray | float,
+    activation_bytes: FloatArray | float,
+    versions: int,
+    in_flight: int,
 ) -> FloatArray:
-    """Bytes per worker: ``versions * (weights + activations) + weights``.
+    """Bytes per worker: ``weights * (versions + 1) + activations * in_flight``.
 
-    Weight stashing keeps one weight version and one minibatch of stashed
-    activations per minibatch in flight; the extra ``weights`` is the
-    gradient buffer.
+    Weight stashing keeps ``versions`` weight versions (the live one among
+    them) and one unit of stashed activations per unit in flight; the extra
+    ``weights`` is the gradient buffer.
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
-    return np.asarray(versions * (w + a) + w)
+    return np.asarray((versions + 1) * w + in_flight * a)
+
+
+def stage_memory(
+    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int
+) -> FloatArray:
+    """Bytes per worker in the steady state, one version per minibatch in flight.
+
+    :func:`memory_bytes` with ``in_flight = versions``:
+    ``versions * (weights + activations) + weights``.
+    """
+    return memory_bytes(weight_bytes, activation_bytes, versions, versions)
 
 
 def max_versions(

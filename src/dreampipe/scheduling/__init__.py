@@ -1,6 +1,8 @@
 """Scheduling: a plan's stages as per-rank action lists (a :class:`Schedule`).
 
 ``actions`` is the data and what each action means; ``build`` makes the five
-schedules and lowers them; ``validator`` checks one before anything runs it;
-``events`` is what a rank did, predicted or measured.
+schedules and lowers them; ``stepping`` runs ranks through their lists by
+those meanings (the validator's dry run, the simulator's clock); ``validator``
+checks one before anything runs it; ``events`` is what a rank did, predicted
+or measured.
 """

@@ -1,12 +1,15 @@
-"""Actions and schedules as plain data: what each rank does, in order.
+"""Actions and schedules as plain data: what each rank does, and what that means.
 
-An :class:`Action` is ``(kind, stage, unit)``; ``unit`` is the minibatch
-number for PipeDream's asynchronous schedule and the global microbatch
-number for the synchronous ones (microbatch ``u`` belongs to update
-``u // units_per_update``). ``ALLREDUCE`` and ``STEP`` carry the minibatch
-that triggers them: the minibatch itself in PipeDream's schedule, the update
-number ``k`` (the k-th minibatch of microbatches) in the synchronous ones.
-Its text form is short and parses back::
+An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B`` and the
+sends and receives the number is the unit: the minibatch in PipeDream's
+asynchronous schedule, the global microbatch in the synchronous ones
+(microbatch ``u`` belongs to update ``u // units_per_update``). ``ALLREDUCE``
+and ``STEP`` carry the update number ``k`` in every schedule: a rank's k-th
+weight update, and the all-reduce round its stage's replicas join together.
+A synchronous schedule updates once per minibatch (``k`` is the minibatch);
+PipeDream updates after every backward, so ``B<u>`` is followed by
+``ALLREDUCE<k> STEP<k>`` with ``k = u // replicas`` (each replica's k-th
+unit). Its text form is short and parses back::
 
     F3  B3  SEND_F3  RECV_F3  SEND_B3  RECV_B3  ALLREDUCE3  STEP3
 
@@ -15,6 +18,14 @@ writes one line per rank and ``Schedule.from_text`` reads it back. Peers are
 derived, never stored: unit ``u`` of stage ``s`` runs on replica
 ``u mod replicas[s]`` (1F1B-RR), so ``SEND_F3`` at stage 1 goes to the rank of
 stage 2 that owns unit 3.
+
+What an action means is written here once, for the validator, the simulator
+and the runtime alike. Compute and sends never wait; a receive waits for the
+send of the same :attr:`Action.transfer_key`; an ``ALLREDUCE`` waits for every
+replica of its stage to join its :attr:`Action.allreduce_round`. A send or
+receive talks to :attr:`Action.peer_stage`, on the rank
+:meth:`Schedule.peer` names. :mod:`dreampipe.scheduling.stepping` runs ranks
+by these rules.
 """
 
 from __future__ import annotations
@@ -26,7 +37,11 @@ from enum import Enum
 
 from dreampipe.errors import ScheduleError
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind"]
+__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey"]
+
+#: ``(0 activations / 1 gradients, sending stage, unit)``: equal for a send
+#: and the receive it pairs with.
+TransferKey = tuple[int, int, int]
 
 
 class ActionKind(Enum):
@@ -52,6 +67,16 @@ class ScheduleKind(Enum):
     NAIVE = "naive"
 
 
+_K = ActionKind
+# kind -> (1 if gradient, offset to the sending stage, offset to the peer stage)
+_TRANSFER = {
+    _K.SEND_F: (0, 0, 1),
+    _K.RECV_F: (0, -1, -1),
+    _K.SEND_B: (1, 0, -1),
+    _K.RECV_B: (1, 1, 1),
+}
+_SENDS = frozenset((_K.SEND_F, _K.SEND_B))
+
 _HEADER = re.compile(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$")
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B)(\d+)$")
 
@@ -64,6 +89,35 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.unit}"
+
+    @property
+    def is_send(self) -> bool:
+        """A send: posted without waiting (``isend``)."""
+        return self.kind in _SENDS
+
+    @property
+    def transfer_key(self) -> TransferKey | None:
+        """``(1 if gradient else 0, sending stage, unit)`` of a send or receive, else None.
+
+        A send and the receive it pairs with share the key; both ends sit on
+        ``Schedule.rank_of(stage, unit)`` of their stage.
+        """
+        info = _TRANSFER.get(self.kind)
+        return None if info is None else (info[0], self.stage + info[1], self.unit)
+
+    @property
+    def peer_stage(self) -> int | None:
+        """The stage a send or receive talks to (one up or down); None for other kinds."""
+        info = _TRANSFER.get(self.kind)
+        return None if info is None else self.stage + info[2]
+
+    @property
+    def allreduce_round(self) -> int:
+        """The round an ``ALLREDUCE`` joins with its stage's replicas: its number,
+        the update number, in every schedule."""
+        if self.kind is not _K.ALLREDUCE:
+            raise ScheduleError(f"{self} joins no all-reduce round; ask an ALLREDUCE action")
+        return self.unit
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Action:
@@ -128,25 +182,8 @@ class Schedule:
 
     def peer(self, rank: int, action: Action) -> int | None:
         """The rank a send/receive talks to; None for other kinds."""
-        k = action.kind
-        if k in (ActionKind.SEND_F, ActionKind.RECV_B):
-            return self.rank_of(action.stage + 1, action.unit)
-        if k in (ActionKind.RECV_F, ActionKind.SEND_B):
-            return self.rank_of(action.stage - 1, action.unit)
-        return None
-
-    def allreduce_round(self, action: Action) -> int:
-        """Which all-reduce of its stage ``action`` (an ALLREDUCE) joins.
-
-        The replicas of a stage all-reduce together when their rounds agree.
-        PipeDream's schedule all-reduces after every round of ``r`` minibatches
-        (``ALLREDUCE<u>`` on each replica, round ``u // r``); the synchronous
-        schedules number their all-reduces by update, ``ALLREDUCE<k>`` for the
-        k-th minibatch, so the round is ``k``.
-        """
-        if self.kind is ScheduleKind.PIPEDREAM:
-            return action.unit // self.replicas[action.stage]
-        return action.unit
+        stage = action.peer_stage
+        return None if stage is None else self.rank_of(stage, action.unit)
 
     def to_text(self) -> str:
         lines = [f"# {self.kind.value} replicas={'-'.join(map(str, self.replicas))} "

@@ -66,9 +66,12 @@ def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
     """Forwards a replica of ``stage`` runs before its first backward (1F1B).
 
     The units in flight downstream of and at the stage, shared among its
-    replicas: ``ceil(sum(replicas[stage:]) / replicas[stage])``.
+    replicas: ``ceil(sum(replicas[stage:]) / replicas[stage])``, the planner's
+    :func:`dreampipe.planning.costs.versions_in_flight`.
     """
-    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+    from dreampipe.planning.costs import versions_in_flight  # NumPy: only when building
+
+    return versions_in_flight(sum(replicas[stage:]), replicas[stage])
 
 
 def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
@@ -140,11 +143,12 @@ def lower_communication(schedule: Schedule) -> Schedule:
 def lower_updates(schedule: Schedule) -> Schedule:
     """Add the weight updates: ``ALLREDUCE`` (replicated stages only) and ``STEP``.
 
-    PipeDream: after every backward ``B<u>`` (and its ``SEND_B``), ``STEP<u>``,
-    preceded by ``ALLREDUCE<u>`` when the stage has replicas (they all-reduce
-    round ``u // r`` together). Synchronous schedules: ``ALLREDUCE<k> STEP<k>``
-    once per minibatch k, after the rank's last action of it, even on a
-    replica that ran none of its microbatches (it contributes zero gradient).
+    Both carry the update number ``k``, the all-reduce round of the stage's
+    replicas. PipeDream: after every backward ``B<u>`` (and its ``SEND_B``),
+    ``STEP<k>`` with ``k = u // r`` on a stage of ``r`` replicas, preceded by
+    ``ALLREDUCE<k>`` when ``r > 1``. Synchronous schedules: ``ALLREDUCE<k>
+    STEP<k>`` once per minibatch k, after the rank's last action of it, even on
+    a replica that ran none of its microbatches (it contributes zero gradient).
     """
     if schedule.kind is ScheduleKind.PIPEDREAM:
         return _replace(schedule, [_per_backward(schedule, acts) for acts in schedule.actions])
@@ -188,14 +192,19 @@ def _per_backward(schedule: Schedule, acts: tuple[Action, ...]) -> tuple[Action,
     pending: Action | None = None
     for a in acts:
         if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending.unit):
-            out += _update_actions(schedule, pending.stage, pending.unit)
+            out += _update_actions(schedule, pending.stage, _update_of(schedule, pending))
             pending = None
         out.append(a)
         if a.kind is _B:
             pending = a
     if pending is not None:
-        out += _update_actions(schedule, pending.stage, pending.unit)
+        out += _update_actions(schedule, pending.stage, _update_of(schedule, pending))
     return tuple(out)
+
+
+def _update_of(schedule: Schedule, backward: Action) -> int:
+    """PipeDream's update number after ``backward``: the replica's k-th unit."""
+    return backward.unit // schedule.replicas[backward.stage]
 
 
 def _per_update(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
@@ -213,10 +222,10 @@ def _per_update(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tup
     return tuple(out)
 
 
-def _update_actions(schedule: Schedule, stage: int, unit: int) -> list[Action]:
-    step = Action(ActionKind.STEP, stage, unit)
+def _update_actions(schedule: Schedule, stage: int, update: int) -> list[Action]:
+    step = Action(ActionKind.STEP, stage, update)
     if schedule.replicas[stage] > 1:
-        return [Action(ActionKind.ALLREDUCE, stage, unit), step]
+        return [Action(ActionKind.ALLREDUCE, stage, update), step]
     return [step]
 
 

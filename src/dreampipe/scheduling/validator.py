@@ -7,7 +7,8 @@ once; data arrives before it is used
 (``RECV_F<u>`` before ``F<u>``, ``F<u>`` before ``SEND_F<u>``, likewise for
 backward); every send has exactly one receive on its peer; and a dry run in
 the runtime's semantics terminates (receives and all-reduces block, sends and
-compute never do). A failure raises :class:`ScheduleError` with the rank-by-step
+compute never do: :class:`dreampipe.scheduling.stepping.Stepper`, the core the
+simulator times). A failure raises :class:`ScheduleError` with the rank-by-step
 grid around the offending action, marked ``>F3<``::
 
     deadlock: rank 0 waits at RECV_B0, rank 1 waits at RECV_F0; no rank can move ...
@@ -18,28 +19,25 @@ grid around the offending action, marked ``>F3<``::
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 
 from dreampipe.errors import ScheduleError
-from dreampipe.scheduling.actions import Action, ActionKind, Schedule
+from dreampipe.scheduling.actions import ActionKind, Schedule, TransferKey
+from dreampipe.scheduling.stepping import Stepper
 
 __all__ = ["format_grid", "validate_schedule"]
 
 _K = ActionKind
+# Module constants for the loops over every action: an Enum member looked up
+# on its class costs more than the rest of a step (Python 3.11).
+_F, _B, _ALLREDUCE = _K.FORWARD, _K.BACKWARD, _K.ALLREDUCE
 # On one rank, `earlier<u>` must come before `later<u>`: later -> earlier kinds.
 _EARLIER = {
     _K.FORWARD: (_K.RECV_F,),
     _K.SEND_F: (_K.FORWARD,),
     _K.BACKWARD: (_K.FORWARD, _K.RECV_B),
     _K.SEND_B: (_K.BACKWARD,),
-}
-# kind -> (1 if gradient, offset to the sending stage, is a send, offset to the peer stage)
-_TRANSFER = {
-    _K.SEND_F: (0, 0, True, 1),
-    _K.RECV_F: (0, -1, False, -1),
-    _K.SEND_B: (1, 0, True, -1),
-    _K.RECV_B: (1, 1, False, 1),
 }
 _WINDOW = 8
 
@@ -103,8 +101,8 @@ def _check_units(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
             k = a.kind
-            if k is _K.FORWARD or k is _K.BACKWARD:
-                key = (k is _K.FORWARD, a.stage, a.unit)
+            if k is _F or k is _B:
+                key = (k is _F, a.stage, a.unit)
                 if key in where:
                     raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each unit "
                                 "runs once per stage", [where[key], (rank, step)])
@@ -134,9 +132,9 @@ def _check_allreduces(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
         seen: dict[int, int] = {}
         for step, a in enumerate(acts):
-            if a.kind is not _K.ALLREDUCE:
+            if a.kind is not _ALLREDUCE:
                 continue
-            rnd = schedule.allreduce_round(a)
+            rnd = a.allreduce_round
             if rnd in seen:
                 raise _fail(schedule, f"rank {rank} joins all-reduce round {rnd} of stage "
                             f"{a.stage} 2 times ({a} at steps {seen[rnd]} and {step}); its "
@@ -171,24 +169,21 @@ def _needed(earlier: ActionKind, later: ActionKind, stage: int, last: int) -> bo
 
 
 def _check_pairs(schedule: Schedule) -> None:
-    sends: list[tuple[int, int, int]] = []
-    recvs: list[tuple[int, int, int]] = []
+    sends: list[TransferKey] = []
+    recvs: list[TransferKey] = []
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
-            info = _TRANSFER.get(a.kind)
-            if info is None:
+            key = a.transfer_key
+            if key is None:
                 continue
-            backward, offset, is_send, towards = info
             owner = schedule.rank_of(a.stage, a.unit)
             if rank != owner:
                 raise _fail(schedule, f"{a} of stage {a.stage} is on rank {rank} but round "
                             f"robin puts unit {a.unit} on rank {owner}; move it", [(rank, step)])
-            if not 0 <= a.stage + towards <= last:
-                raise _fail(schedule, f"rank {rank} (stage {a.stage}) runs {a}, which talks to "
-                            f"stage {a.stage + towards} outside 0..{last}; remove it",
-                            [(rank, step)])
-            (sends if is_send else recvs).append((backward, a.stage + offset, a.unit))
+            if a.stage == 0 or a.stage == last:
+                _check_peer_stage(schedule, rank, step)
+            (sends if a.is_send else recvs).append(key)
     sent, received = Counter(sends), Counter(recvs)
     if dict.__eq__(sent, received):  # plain dict comparison, in C
         return
@@ -198,56 +193,26 @@ def _check_pairs(schedule: Schedule) -> None:
     src = schedule.rank_of(stage, unit)
     dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
     where = [(rank, step) for rank, acts in enumerate(schedule.actions)
-             for step, a in enumerate(acts) if _transfer_key(a) == key]
+             for step, a in enumerate(acts) if a.transfer_key == key]
     raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sent[key]} "
                 f"time(s) but rank {dst} receives it {received[key]} time(s); every "
                 f"SEND_{what} needs exactly one RECV_{what} on its peer", where)
 
 
-def _transfer_key(a: Action) -> tuple[int, int, int] | None:
-    """(1 if gradient else 0, sending stage, unit) of a send/receive, else None.
-
-    Ranks are implied: both ends sit on ``rank_of(stage, unit)`` of their stage.
-    """
-    info = _TRANSFER.get(a.kind)
-    return None if info is None else (info[0], a.stage + info[1], a.unit)
+def _check_peer_stage(schedule: Schedule, rank: int, step: int) -> None:
+    a, last = schedule.actions[rank][step], schedule.num_stages - 1
+    towards = a.peer_stage
+    if towards is not None and not 0 <= towards <= last:
+        raise _fail(schedule, f"rank {rank} (stage {a.stage}) runs {a}, which talks to "
+                    f"stage {towards} outside 0..{last}; remove it", [(rank, step)])
 
 
 def _dry_run(schedule: Schedule) -> None:
-    """Execute in order: receives wait for their send, all-reduces for all replicas."""
-    acts = schedule.actions
-    pc = [0] * len(acts)
-    sent: set[tuple[int, int, int]] = set()
-    waiting: dict[tuple[int, int, int] | tuple[int, int], list[int]] = {}
-    arrived: dict[tuple[int, int], set[int]] = {}
-    ready = deque(range(len(acts)))
-    while ready:
-        rank = ready.popleft()
-        mine = acts[rank]
-        i = pc[rank]
-        while i < len(mine):
-            a = mine[i]
-            info = _TRANSFER.get(a.kind)
-            if info is not None:
-                key = (info[0], a.stage + info[1], a.unit)
-                if info[2]:
-                    sent.add(key)
-                    ready.extend(waiting.pop(key, ()))
-                elif key not in sent:
-                    waiting.setdefault(key, []).append(rank)
-                    break
-            elif a.kind is _K.ALLREDUCE:
-                group = (a.stage, schedule.allreduce_round(a))
-                members = arrived.setdefault(group, set())
-                members.add(rank)
-                if len(members) < schedule.replicas[a.stage]:
-                    waiting.setdefault(group, []).append(rank)
-                    break
-                ready.extend(r for r in waiting.pop(group, ()) if r != rank)
-            i += 1
-        pc[rank] = i
-    stuck = [r for r in range(len(acts)) if pc[r] < len(acts[r])]
+    """Step every rank in zero time (:class:`Stepper`); ranks left blocked deadlock."""
+    stepper = Stepper(schedule)
+    stuck = stepper.run()
     if stuck:
+        acts, pc = schedule.actions, stepper.position
         parts = [f"rank {r} waits at {acts[r][pc[r]]}" for r in stuck[:6]]
         raise _fail(schedule, "deadlock: " + ", ".join(parts) + (
             ", ..." if len(stuck) > 6 else "") + "; no rank can move (each waits for a send "

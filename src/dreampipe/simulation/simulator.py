@@ -17,10 +17,15 @@ Each rank runs its action list in order, exactly as the runtime does:
   ``allreduce_s`` later, or when the last of those backwards ends. The rank
   continues (to ``STEP``) only then.
 
+The ranks step through their lists on the one stepping core the validator
+dry-runs (:class:`dreampipe.scheduling.stepping.Stepper`); this module only
+puts times on its steps. Costs come from :mod:`dreampipe.simulation.costs`.
+
 Memory per rank is ``parameter_bytes x (weight versions held + 1) +
-stash_bytes x units in flight``, the planner's model (:mod:`dreampipe.planning.costs`;
-the extra weights are the gradient buffer); a unit is in flight from its
-forward's start to its backward's end. A unit holds the weight version (optimizer steps taken) its
+stash_bytes x units in flight``, the planner's
+:func:`dreampipe.planning.costs.memory_bytes` (the extra weights are the
+gradient buffer); a unit is in flight from its forward's start to its
+backward's end. A unit holds the weight version (optimizer steps taken) its
 forward ran with; the versions held are those of the units in flight plus
 the live one: 1 for the synchronous schedules, ``n-s`` at stage s of a
 straight n-stage PipeDream pipeline (weight stashing).
@@ -35,81 +40,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreampipe.errors import ScheduleError
-from dreampipe.planning.plan import Plan, config_string
-from dreampipe.planning.topology import Topology
-from dreampipe.profiling.graph import LayerGraph
-from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
+from dreampipe.planning.plan import config_string
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.stepping import Span, Stepper
+from dreampipe.simulation.costs import SimCosts, costs_from_plan, costs_from_profile
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
-_K = ActionKind
-Bandwidth = Topology | tuple[tuple[float, ...], ...] | float
-
-
-@dataclass(frozen=True)
-class SimCosts:
-    """Costs per stage and per unit (one minibatch or microbatch), in s and bytes.
-
-    ``activation_bytes[s]``/``gradient_bytes[s]`` cross the cut between stage
-    s and s+1 (forward and backward; gradients default to the activations).
-    ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
-    is worker i), a rank-by-rank table, or one figure for every link
-    (``math.inf``: free communication). Empty per-stage tuples mean zeros.
-    ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
-    is reported in profiled minibatches. ``send_overhead_s`` and
-    ``send_copy_bandwidth`` give the sender's own time to post one message.
-    """
-
-    forward_s: tuple[float, ...]
-    backward_s: tuple[float, ...]
-    activation_bytes: tuple[float, ...] = ()
-    gradient_bytes: tuple[float, ...] = ()
-    bandwidth: Bandwidth = math.inf
-    allreduce_s: tuple[float, ...] = ()
-    parameter_bytes: tuple[float, ...] = ()
-    stash_bytes: tuple[float, ...] = ()
-    step_s: tuple[float, ...] = ()
-    unit_fraction: float = 1.0
-    send_overhead_s: float = 0.0
-    send_copy_bandwidth: float = math.inf
-
-    def __post_init__(self) -> None:
-        n = len(self.forward_s)
-        if n == 0 or len(self.backward_s) != n:
-            raise ScheduleError(
-                f"costs need forward_s and backward_s for every stage, got {len(self.forward_s)} "
-                f"and {len(self.backward_s)} entries"
-            )
-        defaults = {"activation_bytes": n - 1, "allreduce_s": n, "parameter_bytes": n,
-                    "stash_bytes": n, "step_s": n}
-        for name, size in defaults.items():
-            value = tuple(getattr(self, name)) or (0.0,) * size
-            if len(value) != size:
-                raise ScheduleError(f"costs.{name} has {len(value)} entries; give {size}")
-            object.__setattr__(self, name, value)
-        grads = tuple(self.gradient_bytes) or self.activation_bytes
-        if len(grads) != n - 1:
-            raise ScheduleError(f"costs.gradient_bytes has {len(grads)} entries; give {n - 1}")
-        object.__setattr__(self, "gradient_bytes", grads)
-        if not self.unit_fraction > 0:
-            raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
-        if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
-            raise ScheduleError(
-                f"send_overhead_s={self.send_overhead_s}, send_copy_bandwidth="
-                f"{self.send_copy_bandwidth}: give an overhead >= 0 and a bandwidth > 0"
-            )
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.forward_s)
-
-    def bandwidth_between(self, a: int, b: int) -> float:
-        if isinstance(self.bandwidth, Topology):
-            return self.bandwidth.bandwidth_between(a, b)
-        if isinstance(self.bandwidth, tuple):
-            return self.bandwidth[a][b]
-        return float(self.bandwidth)
+_F, _B, _SEND_F = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND_F
 
 
 @dataclass(frozen=True)
@@ -162,40 +101,33 @@ def simulate_schedule(
             f"costs describe {costs.num_stages} stages but the schedule has "
             f"{schedule.num_stages}; build both from the same plan"
         )
-    return _Run(schedule, costs, record_events).result()
+    run = _Run(schedule, costs, record_events)
+    stuck = run.run()
+    if stuck:
+        at = schedule.actions[stuck[0]][run.position[stuck[0]]]
+        raise ScheduleError(
+            f"simulation stopped with ranks {stuck} blocked (rank {stuck[0]} at "
+            f"{at}); run validate() on the schedule"
+        )
+    return run.result()
 
 
-class _Run:
-    """The event loop: each rank advances until it blocks; sends wake receivers."""
+class _Run(Stepper):
+    """The stepping core with times: compute, links, all-reduces, memory, events."""
 
     def __init__(self, schedule: Schedule, costs: SimCosts, record: bool) -> None:
-        self.s, self.c, self.record = schedule, costs, record
+        super().__init__(schedule)
+        self.c, self.record = costs, record
         ranks = schedule.num_ranks
-        self.clock = [0.0] * ranks
         self.busy = [0.0] * ranks
         self.last_b_start = [0.0] * ranks
         self.events: list[Event] = []
-        self.arrival: dict[tuple[int, int, int], tuple[float, float]] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.bandwidth: dict[tuple[int, int], float] = {}
-        self.waiting: dict[Any, list[int]] = {}
-        self.groups: dict[tuple[int, int], list[int]] = {}
-        self.done: dict[tuple[int, int], tuple[float, float]] = {}
         self.memory = [_Memory() for _ in range(ranks)]
 
     def result(self) -> SimResult:
-        s = self.s
-        pc = [0] * s.num_ranks
-        ready = list(range(s.num_ranks))
-        while ready:
-            rank = ready.pop()
-            pc[rank] = self._advance(rank, pc[rank], ready)
-        stuck = [r for r in range(s.num_ranks) if pc[r] < len(s.actions[r])]
-        if stuck:
-            raise ScheduleError(
-                f"simulation stopped with ranks {stuck} blocked (rank {stuck[0]} at "
-                f"{s.actions[stuck[0]][pc[stuck[0]]]}); run validate() on the schedule"
-            )
+        s = self.schedule
         makespan = max(self.clock, default=0.0)
         idle = tuple(max(0.0, makespan - b) for b in self.busy)
         total = makespan * s.num_ranks
@@ -219,83 +151,56 @@ class _Run:
             events=tuple(sorted(self.events, key=lambda e: (e.start_s, e.rank))),
         )
 
-    def _advance(self, rank: int, i: int, ready: list[int]) -> int:
-        acts, c, clock = self.s.actions[rank], self.c, self.clock[rank]
-        mem, record, events = self.memory[rank], self.record, self.events
-        while i < len(acts):
-            a = acts[i]
-            k, st = a.kind, a.stage
-            if k is _K.FORWARD or k is _K.BACKWARD or k is _K.STEP:
-                dur = c.forward_s[st] if k is _K.FORWARD else (
-                    c.backward_s[st] if k is _K.BACKWARD else c.step_s[st])
-                start, clock = clock, clock + dur
-                self.busy[rank] += dur
-                if k is _K.FORWARD:
-                    mem.forward(a.unit)
-                elif k is _K.BACKWARD:
-                    self.last_b_start[rank] = start
-                    mem.backward(a.unit)
-                else:
-                    mem.step()
-            elif k is _K.SEND_F or k is _K.SEND_B:
-                fwd = k is _K.SEND_F
-                dst = self.s.rank_of(st + 1 if fwd else st - 1, a.unit)
-                size = c.activation_bytes[st] if fwd else c.gradient_bytes[st - 1]
-                clock += c.send_overhead_s + size / c.send_copy_bandwidth
-                start = max(clock, self.link_free.get((rank, dst), 0.0))
-                end = start + self._transfer_s(rank, dst, size)
-                self.link_free[(rank, dst)] = end
-                key = (0 if fwd else 1, st, a.unit)
-                self.arrival[key] = (start, end)
-                ready.extend(self.waiting.pop(key, ()))
-                if record:
-                    events.append(Event(rank, st, k, a.unit, start, end))
-                i += 1
-                continue
-            elif k is _K.RECV_F or k is _K.RECV_B:
-                key = (0, st - 1, a.unit) if k is _K.RECV_F else (1, st + 1, a.unit)
-                got = self.arrival.get(key)
-                if got is None:
-                    self.waiting.setdefault(key, []).append(rank)
-                    break
-                start, end = got
-                clock = max(clock, end)
-                if record:
-                    events.append(Event(rank, st, k, a.unit, start, end))
-                i += 1
-                continue
-            else:
-                self.clock[rank] = clock
-                done = self._allreduce(rank, st, self.s.allreduce_round(a), ready)
-                if done is None:
-                    break
-                start, clock = done
-            if record:
-                events.append(Event(rank, st, k, a.unit, start, clock))
-            i += 1
-        self.clock[rank] = clock
-        return i
+    def compute(self, rank: int, action: Action, clock: float) -> float:
+        k, st, c = action.kind, action.stage, self.c
+        mem = self.memory[rank]
+        if k is _F:
+            dur = c.forward_s[st]
+            mem.forward(action.unit)
+        elif k is _B:
+            dur = c.backward_s[st]
+            self.last_b_start[rank] = clock
+            mem.backward(action.unit)
+        else:
+            dur = c.step_s[st]
+            mem.step()
+        self.busy[rank] += dur
+        if self.record:
+            self.events.append(Event(rank, st, k, action.unit, clock, clock + dur))
+        return clock + dur
 
-    def _allreduce(
-        self, rank: int, stage: int, rnd: int, ready: list[int]
-    ) -> tuple[float, float] | None:
-        """(start, end) once every replica of ``stage`` has arrived, else None."""
-        group = (stage, rnd)
-        done = self.done.get(group)
-        if done is not None:
-            return done
-        members = self.groups.setdefault(group, [])
-        members.append(rank)
-        if len(members) < self.s.replicas[stage]:
-            self.waiting.setdefault(group, []).append(rank)
-            return None
-        ready.extend(self.waiting.pop(group, ()))
+    def send(self, rank: int, action: Action, clock: float) -> tuple[float, Span]:
+        c, st = self.c, action.stage
+        dst = self.schedule.peer(rank, action)
+        assert dst is not None
+        size = c.activation_bytes[st] if action.kind is _SEND_F else c.gradient_bytes[st - 1]
+        clock += c.send_overhead_s + size / c.send_copy_bandwidth
+        start = max(clock, self.link_free.get((rank, dst), 0.0))
+        end = start + self._transfer_s(rank, dst, size)
+        self.link_free[(rank, dst)] = end
+        if self.record:
+            self.events.append(Event(rank, st, action.kind, action.unit, start, end))
+        return clock, (start, end)
+
+    def receive(self, rank: int, action: Action, clock: float, transfer: Span) -> float:
+        start, end = transfer
+        if self.record:
+            self.events.append(Event(rank, action.stage, action.kind, action.unit, start, end))
+        return max(clock, end)
+
+    def allreduce(self, stage: int, members: Sequence[int]) -> Span:
+        """Starts with the latest of the members' preceding backwards (gradients go
+        out as they are produced); ends ``allreduce_s`` later or when the last
+        member arrives."""
         arrived = max(self.clock[m] for m in members)
         cost = self.c.allreduce_s[stage]
         start = max(self.last_b_start[m] for m in members) if cost > 0 else arrived
-        done = self.done[group] = (start, max(arrived, start + cost))
-        del self.groups[group]
-        return done
+        return start, max(arrived, start + cost)
+
+    def joined(self, rank: int, action: Action, span: Span) -> float:
+        if self.record:
+            self.events.append(Event(rank, action.stage, action.kind, action.unit, *span))
+        return span[1]
 
     def _transfer_s(self, src: int, dst: int, size: float) -> float:
         if size <= 0:
@@ -342,71 +247,7 @@ class _Memory:
         self.samples.add((versions, flight))
 
     def peak_memory(self, parameter_bytes: float, stash_bytes: float) -> float:
-        return max((v + 1) * parameter_bytes + f * stash_bytes for v, f in self.samples)
+        from dreampipe.planning.costs import memory_bytes  # NumPy: only when used
 
-
-def costs_from_profile(
-    graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0
-) -> SimCosts:
-    """Per-unit costs of ``plan``'s stages from the layer profile.
-
-    Compute, activations and stashed bytes scale linearly with
-    ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
-    all-reduce is a ring, ``2(r-1)/r x |w| / B`` over the slowest link
-    between its ranks. Stashed bytes per unit are the stage's layer outputs,
-    as the planner counts them.
-    """
-    if plan.num_layers != len(graph):
-        raise ScheduleError(
-            f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
-            "simulate a plan with the profile it was made from"
-        )
-    if plan.workers_used > topology.num_workers:
-        raise ScheduleError(
-            f"the plan uses {plan.workers_used} workers but topology {topology.shape} has "
-            f"{topology.num_workers}; pick a larger --topology"
-        )
-    cuts = graph.cut_bytes()
-    layers = graph.layers
-    fwd, bwd, act, params, stash, allreduce = [], [], [], [], [], []
-    for s, st in enumerate(plan.stages):
-        span = layers[st.first:st.last + 1]
-        fwd.append(sum(x.forward_ms for x in span) / 1e3 * unit_fraction)
-        bwd.append(sum(x.backward_ms for x in span) / 1e3 * unit_fraction)
-        w = float(sum(x.parameter_bytes for x in span))
-        params.append(w)
-        stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
-        if s + 1 < plan.num_stages:
-            act.append(cuts[st.last + 1] * unit_fraction)
-        allreduce.append(_ring_allreduce_s(w, st.ranks, topology))
-    return SimCosts(
-        tuple(fwd), tuple(bwd), tuple(act), (), topology, tuple(allreduce), tuple(params),
-        tuple(stash), (), unit_fraction,
-    )
-
-
-def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) -> SimCosts:
-    """Approximate costs from a plan's own predictions, when no profile is at hand.
-
-    Forward takes a third of ``compute_s`` and backward two thirds (the usual
-    ratio); each direction of the cut moves ``comm_s / 2`` worth of bytes at
-    the slowest link across it; memory is unknown (zero).
-    """
-    fwd = tuple(st.compute_s / 3 * unit_fraction for st in plan.stages)
-    bwd = tuple(2 * st.compute_s / 3 * unit_fraction for st in plan.stages)
-    act = []
-    for a, b in zip(plan.stages, plan.stages[1:], strict=False):
-        bw = min(topology.bandwidth_between(x, y) for x in a.ranks for y in b.ranks)
-        act.append(a.comm_s / 2 * bw * unit_fraction if math.isfinite(bw) else 0.0)
-    return SimCosts(
-        fwd, bwd, tuple(act), (), topology, tuple(st.allreduce_s for st in plan.stages),
-        unit_fraction=unit_fraction,
-    )
-
-
-def _ring_allreduce_s(parameter_bytes: float, ranks: Sequence[int], topology: Topology) -> float:
-    r = len(ranks)
-    if r < 2 or parameter_bytes <= 0:
-        return 0.0
-    bw = min(topology.bandwidth_between(a, b) for a in ranks for b in ranks if a != b)
-    return 2 * (r - 1) / r * parameter_bytes / bw
+        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f))
+                   for v, f in self.samples)

@@ -1,0 +1,139 @@
+"""The one stepping core: run every rank through its action list as the runtime would.
+
+Each rank executes its list in order. Compute and sends never wait; a
+receive waits until the send of the same :attr:`~Action.transfer_key` has been
+posted; an all-reduce waits until every replica of its stage has joined the
+same round. A blocked rank is parked under what it waits for and woken when
+that happens::
+
+    ready -> advance rank until it blocks or ends
+               SEND       post key, wake the receiver parked on it
+               RECV       key posted? go on : park on key
+               ALLREDUCE  last of the replicas? wake the others : park on round
+
+The validator's dry run uses :class:`Stepper` as it is (every action takes no
+time; ranks left blocked are a deadlock). The simulator subclasses it and
+overrides the hooks (:meth:`~Stepper.compute`, :meth:`~Stepper.send`,
+:meth:`~Stepper.receive`, :meth:`~Stepper.allreduce`,
+:meth:`~Stepper.joined`) to put times on the same steps. Each rank carries a
+clock that the hooks advance; transfers and all-reduces carry a
+``(start, end)`` span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, TransferKey
+
+__all__ = ["Span", "Stepper"]
+
+#: ``(start, end)`` of a transfer or an all-reduce, in seconds.
+Span = tuple[float, float]
+
+# Module constants: an Enum member looked up on its class costs more than
+# the rest of a step (Python 3.11).
+_F, _B, _STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP
+_SEND_F, _SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
+_RECV_F, _RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
+_NOTHING: Span = (0.0, 0.0)
+
+
+class Stepper:
+    """Advances the ranks of ``schedule`` until none can move; hooks add timing.
+
+    ``position[r]`` is the index of rank r's next action and ``clock[r]`` its
+    time there (kept current whenever the rank blocks, and before
+    :meth:`allreduce` reads it).
+    """
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.schedule = schedule
+        self.position = [0] * schedule.num_ranks
+        self.clock = [0.0] * schedule.num_ranks
+        self._posted: dict[TransferKey, Span] = {}
+        self._parked: dict[TransferKey | tuple[int, int], list[int]] = {}
+        self._joined: dict[tuple[int, int], list[int]] = {}
+        self._rounds: dict[tuple[int, int], Span] = {}
+
+    def run(self) -> list[int]:
+        """Step until no rank can move; the ranks left blocked (empty: all finished)."""
+        ready = list(range(self.schedule.num_ranks))
+        while ready:
+            self._advance(ready.pop(), ready)
+        acts = self.schedule.actions
+        return [r for r, i in enumerate(self.position) if i < len(acts[r])]
+
+    # ---- hooks: zero time by default -----------------------------------------
+    def compute(self, rank: int, action: Action, clock: float) -> float:
+        """Run ``F``/``B``/``STEP`` starting at ``clock``; the clock after it."""
+        return clock
+
+    def send(self, rank: int, action: Action, clock: float) -> tuple[float, Span]:
+        """Post a send at ``clock``; the sender's clock after posting, and the
+        span of the transfer (what its receive waits for)."""
+        return clock, _NOTHING
+
+    def receive(self, rank: int, action: Action, clock: float, transfer: Span) -> float:
+        """A receive at ``clock`` whose ``transfer`` was posted; the clock after it."""
+        return clock
+
+    def allreduce(self, stage: int, members: Sequence[int]) -> Span:
+        """Once per round, when the last replica joins: the all-reduce's span.
+        ``self.clock[m]`` is each member's arrival."""
+        return _NOTHING
+
+    def joined(self, rank: int, action: Action, span: Span) -> float:
+        """A member leaves the all-reduce ``span``; its clock after it."""
+        return span[1]
+
+    # ---- the loop --------------------------------------------------------------
+    def _advance(self, rank: int, ready: list[int]) -> None:
+        acts = self.schedule.actions[rank]
+        i, clock = self.position[rank], self.clock[rank]
+        posted, parked = self._posted, self._parked
+        compute, send, receive = self.compute, self.send, self.receive
+        while i < len(acts):
+            a = acts[i]
+            k = a.kind
+            if k is _F or k is _B or k is _STEP:
+                clock = compute(rank, a, clock)
+            elif k is _SEND_F or k is _SEND_B:
+                key = a.transfer_key
+                assert key is not None
+                clock, posted[key] = send(rank, a, clock)
+                woken = parked.pop(key, None)
+                if woken:
+                    ready.extend(woken)
+            elif k is _RECV_F or k is _RECV_B:
+                key = a.transfer_key
+                assert key is not None
+                got = posted.get(key)
+                if got is None:
+                    parked.setdefault(key, []).append(rank)
+                    break
+                clock = receive(rank, a, clock, got)
+            else:
+                self.clock[rank] = clock
+                span = self._join(rank, a, ready)
+                if span is None:
+                    break
+                clock = self.joined(rank, a, span)
+            i += 1
+        self.position[rank], self.clock[rank] = i, clock
+
+    def _join(self, rank: int, action: Action, ready: list[int]) -> Span | None:
+        """The round's span once every replica of the stage joined, else None (parked)."""
+        group = (action.stage, action.allreduce_round)
+        span = self._rounds.get(group)
+        if span is not None:
+            return span
+        members = self._joined.setdefault(group, [])
+        members.append(rank)
+        if len(members) < self.schedule.replicas[action.stage]:
+            self._parked.setdefault(group, []).append(rank)
+            return None
+        ready.extend(self._parked.pop(group, ()))
+        span = self._rounds[group] = self.allreduce(action.stage, members)
+        del self._joined[group]
+        return span

@@ -1,0 +1,158 @@
+"""What the simulator charges: per-stage, per-unit costs, from a profile or a plan.
+
+:class:`SimCosts` holds seconds and bytes per stage and per unit (one
+minibatch or microbatch); :func:`costs_from_profile` derives them from the
+layer profile with the planner's terms (:mod:`dreampipe.planning.costs`),
+:func:`costs_from_plan` from a plan's own predictions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dreampipe.errors import ScheduleError
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["Bandwidth", "SimCosts", "costs_from_plan", "costs_from_profile"]
+
+Bandwidth = Topology | tuple[tuple[float, ...], ...] | float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimCosts:
+    """Costs per stage and per unit (one minibatch or microbatch), in s and bytes.
+
+    ``activation_bytes[s]``/``gradient_bytes[s]`` cross the cut between stage
+    s and s+1 (forward and backward; gradients default to the activations).
+    ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
+    is worker i), a rank-by-rank table, or one figure for every link
+    (``math.inf``: free communication). Empty per-stage tuples mean zeros.
+    ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
+    is reported in profiled minibatches. ``send_overhead_s`` and
+    ``send_copy_bandwidth`` give the sender's own time to post one message.
+    """
+
+    forward_s: tuple[float, ...]
+    backward_s: tuple[float, ...]
+    activation_bytes: tuple[float, ...] = ()
+    gradient_bytes: tuple[float, ...] = ()
+    bandwidth: Bandwidth = math.inf
+    allreduce_s: tuple[float, ...] = ()
+    parameter_bytes: tuple[float, ...] = ()
+    stash_bytes: tuple[float, ...] = ()
+    step_s: tuple[float, ...] = ()
+    unit_fraction: float = 1.0
+    send_overhead_s: float = 0.0
+    send_copy_bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_s)
+        if n == 0 or len(self.backward_s) != n:
+            raise ScheduleError(
+                f"costs need forward_s and backward_s for every stage, got {len(self.forward_s)} "
+                f"and {len(self.backward_s)} entries"
+            )
+        defaults = {"activation_bytes": n - 1, "allreduce_s": n, "parameter_bytes": n,
+                    "stash_bytes": n, "step_s": n}
+        for name, size in defaults.items():
+            value = tuple(getattr(self, name)) or (0.0,) * size
+            if len(value) != size:
+                raise ScheduleError(f"costs.{name} has {len(value)} entries; give {size}")
+            object.__setattr__(self, name, value)
+        grads = tuple(self.gradient_bytes) or self.activation_bytes
+        if len(grads) != n - 1:
+            raise ScheduleError(f"costs.gradient_bytes has {len(grads)} entries; give {n - 1}")
+        object.__setattr__(self, "gradient_bytes", grads)
+        if not self.unit_fraction > 0:
+            raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
+        if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
+            raise ScheduleError(
+                f"send_overhead_s={self.send_overhead_s}, send_copy_bandwidth="
+                f"{self.send_copy_bandwidth}: give an overhead >= 0 and a bandwidth > 0"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.forward_s)
+
+    def bandwidth_between(self, a: int, b: int) -> float:
+        if isinstance(self.bandwidth, Topology):
+            return self.bandwidth.bandwidth_between(a, b)
+        if isinstance(self.bandwidth, tuple):
+            return self.bandwidth[a][b]
+        return float(self.bandwidth)
+
+
+def costs_from_profile(
+    graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0
+) -> SimCosts:
+    """Per-unit costs of ``plan``'s stages from the layer profile.
+
+    Compute, activations and stashed bytes scale linearly with
+    ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
+    all-reduce is a ring, ``2(r-1)/r x |w| / B`` over the slowest link
+    between its ranks. Stashed bytes per unit are the stage's layer outputs,
+    as the planner counts them.
+    """
+    if plan.num_layers != len(graph):
+        raise ScheduleError(
+            f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
+            "simulate a plan with the profile it was made from"
+        )
+    if plan.workers_used > topology.num_workers:
+        raise ScheduleError(
+            f"the plan uses {plan.workers_used} workers but topology {topology.shape} has "
+            f"{topology.num_workers}; pick a larger --topology"
+        )
+    cuts = graph.cut_bytes()
+    layers = graph.layers
+    fwd, bwd, act, params, stash, allreduce = [], [], [], [], [], []
+    for s, st in enumerate(plan.stages):
+        span = layers[st.first:st.last + 1]
+        fwd.append(sum(x.forward_ms for x in span) / 1e3 * unit_fraction)
+        bwd.append(sum(x.backward_ms for x in span) / 1e3 * unit_fraction)
+        w = float(sum(x.parameter_bytes for x in span))
+        params.append(w)
+        stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
+        if s + 1 < plan.num_stages:
+            act.append(cuts[st.last + 1] * unit_fraction)
+        allreduce.append(_ring_allreduce_s(w, st.ranks, topology))
+    return SimCosts(
+        forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
+        bandwidth=topology, allreduce_s=tuple(allreduce), parameter_bytes=tuple(params),
+        stash_bytes=tuple(stash), unit_fraction=unit_fraction,
+    )
+
+
+def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) -> SimCosts:
+    """Approximate costs from a plan's own predictions, when no profile is at hand.
+
+    Forward takes a third of ``compute_s`` and backward two thirds (the usual
+    ratio); each direction of the cut moves ``comm_s / 2`` worth of bytes at
+    the slowest link across it; memory is unknown (zero).
+    """
+    fwd = tuple(st.compute_s / 3 * unit_fraction for st in plan.stages)
+    bwd = tuple(2 * st.compute_s / 3 * unit_fraction for st in plan.stages)
+    act = []
+    for a, b in zip(plan.stages, plan.stages[1:], strict=False):
+        bw = min(topology.bandwidth_between(x, y) for x in a.ranks for y in b.ranks)
+        act.append(a.comm_s / 2 * bw * unit_fraction if math.isfinite(bw) else 0.0)
+    return SimCosts(
+        forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act), bandwidth=topology,
+        allreduce_s=tuple(st.allreduce_s for st in plan.stages), unit_fraction=unit_fraction,
+    )
+
+
+def _ring_allreduce_s(parameter_bytes: float, ranks: Sequence[int], topology: Topology) -> float:
+    """One ring all-reduce of a stage's weights over the slowest link between its ranks."""
+    from dreampipe.planning.costs import ring_allreduce_time  # NumPy: only when used
+
+    r = len(ranks)
+    if r < 2 or parameter_bytes <= 0:
+        return 0.0
+    bw = min(topology.bandwidth_between(a, b) for a in ranks for b in ranks if a != b)
+    return float(ring_allreduce_time(parameter_bytes, r, bw))
