@@ -110,7 +110,7 @@ def test_no_import_cycle() -> None:
             if nxt.startswith(node + "."):
                 continue
             if state.get(nxt) == 1:
-                cycle.extend(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                cycle.extend([*path[path.index(nxt):], nxt] if nxt in path else [node, nxt])
                 return True
             if state.get(nxt) is None and visit(nxt, [*path, nxt]):
                 return True

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.cli.plan import layer_label
-from dreampipe.planning.plan import Plan
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 
 VGG = PROFILES / "vgg16.txt"
+_LABELS = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -23,41 +29,80 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
+def _expected(
+    profile: Path, topology: str, bandwidths: list[str] | None = None, memory: str | None = None,
+    **options: bool,
+) -> tuple[Plan, Topology]:
+    """What the library plans for the same profile and topology: the figures the CLI must show."""
+    topo = Topology.parse(topology, bandwidths, memory)
+    plan = plan_pipeline(
+        load_graph(profile), topo, memory_bytes=topo.memory_bytes if memory else None, **options
+    )
+    return plan, topo
+
+
+def _spans(stages: list[dict[str, Any]] | tuple[Stage, ...]) -> list[tuple[int, int, int]]:
+    return [
+        (s["first"], s["last"], s["replicas"]) if isinstance(s, dict)
+        else (s.first, s.last, s.replicas)
+        for s in stages
+    ]
+
+
 def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, str(VGG), "--topology", "cluster-a")
+    plan, topo = _expected(VGG, "cluster-a")
     assert code == 0
-    assert out.startswith("topology: cluster-a 4x4 = 16 workers")
+    assert out.startswith(f"topology: {topo.describe()}\n")
     assert "Conv2d" in out or "Input" in out  # descriptions stand in for bare nodeN names
-    assert "config 12-1-1 on 14 of 16 workers" in out
-    for label in ("over data parallelism", "over a straight pipeline", "over GPipe"):
-        assert label in out
-    rows = [line for line in out.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]
-    assert len(rows) == 3
+    assert (
+        f"config {plan.config} on {plan.workers_used} of {topo.num_workers} workers: "
+        f"{plan.time_per_minibatch_s * 1e3:.2f} ms per minibatch"
+    ) in out
+    for key, label in _LABELS:
+        line = f"{plan.speedup_over(key):6.2f}x over {label} ({plan.baselines_s[key] * 1e3:.2f} ms)"
+        assert line in out, line
+    rows = [line.split() for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\.\.\d+", line)]
+    assert [row[1] for row in rows] == [f"{s.first}..{s.last}" for s in plan.stages]
+    assert [int(row[-7]) for row in rows] == [s.replicas for s in plan.stages]
+    assert [float(row[-3]) for row in rows] == pytest.approx(
+        [round(s.time_s * 1e3, 2) for s in plan.stages]
+    )
 
 
 def test_json_is_one_object(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
-    code, out, _ = _run(capsys, str(VGG), "-t", "4x4", "-b", "10GB/s", "-b", "10Gbps",
+    bandwidths = ["10GB/s", "10Gbps"]
+    code, out, _ = _run(capsys, str(VGG), "-t", "4x4", "-b", bandwidths[0], "-b", bandwidths[1],
                         "--json", "-o", str(target))
+    plan, _ = _expected(VGG, "4x4", bandwidths)
     assert code == 0
     data = json.loads(out)
-    assert data["config"] == "12-1-1"
-    spans = [(s["first"], s["last"], s["replicas"]) for s in data["stages"]]
-    assert spans == [(0, 31, 12), (32, 34, 1), (35, 40, 1)]
-    assert data["workers_used"] == 14
-    assert data["speedup_over_dp"] > 5
-    assert data["speedup_over_straight"] > 1 and data["speedup_over_gpipe"] > 1
-    assert data["time_per_minibatch_s"] == pytest.approx(Plan.load(target).time_per_minibatch_s)
-    assert Plan.load(target).config == "12-1-1"
+    assert data["config"] == plan.config
+    assert _spans(data["stages"]) == _spans(plan.stages)
+    assert data["workers_used"] == plan.workers_used
+    assert data["time_per_minibatch_s"] == pytest.approx(plan.time_per_minibatch_s)
+    assert data["throughput_minibatches_per_s"] == pytest.approx(plan.throughput_minibatches_per_s)
+    for key, _ in _LABELS:
+        assert data[f"speedup_over_{key}"] == pytest.approx(plan.speedup_over(key)), key
+    saved = Plan.load(target)
+    assert saved.config == plan.config and _spans(saved.stages) == _spans(plan.stages)
+    assert saved.time_per_minibatch_s == pytest.approx(plan.time_per_minibatch_s)
 
 
 def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, str(VGG), "-t", "cluster-a", "--straight", "--json")
-    assert code == 0
-    assert all(s["replicas"] == 1 for s in json.loads(out)["stages"])
+    data = json.loads(out)
+    plan, _ = _expected(VGG, "cluster-a", straight=True)
+    assert code == 0 and all(s["replicas"] == 1 for s in data["stages"])
+    assert _spans(data["stages"]) == _spans(plan.stages)
+    assert data["time_per_minibatch_s"] == pytest.approx(plan.time_per_minibatch_s)
     code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--memory", "40GB", "--json")
     data = json.loads(out)
+    plan, _ = _expected(VGG, "cluster-b", memory="40GB")
     assert code == 0 and all(s["memory_bytes"] <= 40e9 for s in data["stages"])
+    assert _spans(data["stages"]) == _spans(plan.stages)
+    assert [s["memory_bytes"] for s in data["stages"]] == [s.memory_bytes for s in plan.stages]
 
 
 @pytest.mark.parametrize(
@@ -106,27 +151,42 @@ def test_dreampipe_json_profile(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     profile = tmp_path / "toy.json"
     LayerGraph.chain(layers, batch_size=16, model="toy").save(profile)
     code, out, _ = _run(capsys, str(profile), "-t", "2x2")
+    plan, topo = _expected(profile, "2x2")
     assert code == 0
     assert "model: toy, 6 layers, minibatch 16" in out
+    rate = plan.throughput_minibatches_per_s
+    assert (
+        f"config {plan.config} on {plan.workers_used} of {topo.num_workers} workers: "
+        f"{plan.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate:.2f} minibatches/s "
+        f"= {rate * 16:.0f} samples/s"
+    ) in out
     assert "block0 .. block" in out and "samples/s" in out
 
 
 def test_baseline_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     gnmt = VGG.with_name("gnmt.txt")
+    plan, _ = _expected(gnmt, "cluster-b", memory="1GB")
+    assert "dp" not in plan.baselines_s  # the library finds no data-parallel plan in 1 GB
     code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB")
     assert code == 0
     assert "data parallelism: does not fit in memory" in out
+    assert f"config {plan.config} on {plan.workers_used} of 16 workers" in out
     code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB", "--json")
-    assert json.loads(out)["speedup_over_dp"] is None
+    data = json.loads(out)
+    assert data["speedup_over_dp"] is None
+    assert data["speedup_over_straight"] == pytest.approx(plan.speedup_over("straight"))
 
 
 def test_simulator_confirms_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--json")
     data = json.loads(out)
+    plan, _ = _expected(VGG, "cluster-b")
     predicted = data["throughput_minibatches_per_s"]
-    assert code == 0 and predicted > 0
+    assert code == 0 and predicted == pytest.approx(plan.throughput_minibatches_per_s)
     # Start-up makes the simulated run a little slower than the steady state.
     assert 0.85 * predicted < data["simulated_minibatches_per_s"] <= 1.05 * predicted
-    assert data["simulated_minibatches"] % 15 == 0  # whole all-reduce rounds of the 15-1 plan
+    # whole all-reduce rounds: a multiple of every stage's replica count, >= 16 per worker
+    assert data["simulated_minibatches"] % math.lcm(*(s.replicas for s in plan.stages)) == 0
+    assert data["simulated_minibatches"] >= 16 * plan.workers_used
     code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b")
     assert "simulated:" in out and "of the prediction" in out

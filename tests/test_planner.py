@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -344,14 +345,32 @@ def test_evaluate_uses_slowest_link() -> None:
     assert across.allreduce_s == pytest.approx(2 * 1 * 2e6 / 1e10)
 
 
-def test_planner_is_numpy_not_torch() -> None:
-    import dreampipe.planning.planner as mod
+_NO_TORCH = """
+import sys
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(4)])
+plan = plan_pipeline(graph, Topology.parse("2x2"))
+assert plan.num_stages >= 1, plan
+print(",".join(sorted(m for m in ("torch", "numpy") if m in sys.modules)))
+"""
 
-    assert "torch" not in Path(mod.__file__).read_text()
+
+def test_planner_is_numpy_not_torch() -> None:
+    # A fresh interpreter: this test process has torch loaded already.
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_TORCH], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "numpy"
     assert isinstance(np.asarray(allreduce_time(1.0, 2, 1.0)), np.ndarray)
 
 
 # ---- the shared PipeDream profiles ------------------------------------------
+# The configs below are what the planner chooses today for PipeDream's own V100
+# profiles: a regression guard of the plans themselves (a change in the cost model
+# or the DP that moves them must be looked at), not figures taken from the paper.
+# The speedups are lower bounds; exactness is covered by the brute-force tests above.
 PINNED = {
     ("vgg16", "cluster-a"): ("12-1-1", 5.0),
     ("vgg16", "cluster-b"): ("15-1", 2.5),

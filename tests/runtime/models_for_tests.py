@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
+from functools import partial
 
+import torch
 from torch import Tensor, nn
 
 from dreampipe.models import get_model
-from dreampipe.models.spec import ModelSpec
+from dreampipe.models.spec import LayerFactory, ModelSpec
 
-__all__ = ["crash_mlp", "stall_mlp", "tuple_mlp"]
+__all__ = ["bn_mlp", "crash_mlp", "stall_mlp", "tuple_mlp"]
 
 
 class _Stall(nn.Module):
@@ -58,3 +60,32 @@ def crash_mlp(**kw: int) -> ModelSpec:
 def tuple_mlp(**kw: int) -> ModelSpec:
     """An mlp with a layer at index 2 that returns a pair of tensors."""
     return _with_layer(2, "pair", _Pair, **kw)
+
+
+def bn_mlp(layers: int = 4, width: int = 16, in_features: int = 12, classes: int = 5) -> ModelSpec:
+    """``layers - 1`` blocks Linear -> BatchNorm1d -> ReLU, then a Linear classifier.
+
+    A model with buffers (running statistics) that its forward updates, and a
+    forward that depends on the whole (micro)batch, for the equivalence tests.
+    """
+    if layers < 2:
+        raise ValueError(f"bn_mlp layers={layers}: use at least 2")
+
+    def block(fan_in: int) -> nn.Module:
+        return nn.Sequential(nn.Linear(fan_in, width), nn.BatchNorm1d(width), nn.ReLU())
+
+    factories: list[tuple[str, LayerFactory]] = [
+        (f"block{i}", partial(block, in_features if i == 0 else width)) for i in range(layers - 1)
+    ]
+    factories.append(("out", partial(nn.Linear, width, classes)))
+
+    def sample_input(batch: int) -> Tensor:
+        return torch.randn(batch, in_features)
+
+    def sample_target(batch: int) -> Tensor:
+        return torch.randint(0, classes, (batch,))
+
+    return ModelSpec(
+        name="bn_mlp", layer_factories=factories, sample_input=sample_input,
+        sample_target=sample_target, loss_fn=nn.functional.cross_entropy,
+    )

@@ -4,7 +4,8 @@ Written from DESIGN's rules, not from the runtime's code, so the runtime's
 tests can catch it doing something else:
 
 - synchronous schedules (GPipe, 1F1B-flush, data parallel, naive): one
-  model, one optimizer step per minibatch on the mean loss of the minibatch;
+  model, one optimizer step per minibatch on the mean loss of the minibatch,
+  accumulated over its microbatches in order;
 - PipeDream's asynchronous 1F1B with weight stashing: stage ``s`` runs
   minibatch ``t`` (forward and backward) with the version of its weights
   after ``max(0, t // r_s - K_s + 1)`` of its updates, where ``K_s`` is the
@@ -12,7 +13,12 @@ tests can catch it doing something else:
   backward (``n - s`` in a straight pipeline, so the versions used for ``t``
   are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
   round of ``r_s`` minibatches with the mean of their gradients;
-- vertical sync: every stage uses the input stage's version for ``t``.
+- vertical sync: every stage uses the input stage's version for ``t``;
+- buffers (BatchNorm running statistics) are not versioned: every forward
+  runs on the stage's live buffers and updates them, stage by stage in
+  minibatch order (only parameters are passed to ``functional_call``). The
+  reference holds one set of buffers per stage, so it models buffers only
+  for stages of one replica.
 """
 
 from __future__ import annotations
@@ -41,19 +47,41 @@ def adam(lr: float) -> OptFactory:
 
 
 def reference_sync(
-    spec: ModelSpec, data: Dataset, *, steps: int, minibatch: int, seed: int, opt: OptFactory
+    spec: ModelSpec,
+    data: Dataset,
+    *,
+    steps: int,
+    minibatch: int,
+    seed: int,
+    opt: OptFactory,
+    microbatches: int = 1,
 ) -> tuple[list[float], dict[str, Tensor]]:
-    """Plain training: update k on samples k*minibatch.. with the mean loss."""
+    """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices.
+
+    Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is unit
+    ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
+    loss counts ``1 / microbatches`` (so the update is the gradient of the mean
+    loss of the minibatch). Layers whose forward depends on the batch
+    (BatchNorm) see one microbatch at a time and update their running
+    statistics once per microbatch, in order. The loss of an update is the mean
+    of its microbatch losses.
+    """
+    if minibatch % microbatches:
+        raise ValueError(f"{microbatches} microbatches do not divide a minibatch of {minibatch}")
+    size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
     losses = []
     for k in range(steps):
-        x, y = data.batch(k, minibatch)
-        loss = spec.loss_fn(model(x), y)
         optimizer.zero_grad()
-        torch.autograd.backward(loss)
+        total = 0.0
+        for m in range(microbatches):
+            x, y = data.batch(k * microbatches + m, size)
+            loss = spec.loss_fn(model(x), y)
+            torch.autograd.backward(loss / microbatches)
+            total += float(loss.detach())
         optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(total / microbatches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

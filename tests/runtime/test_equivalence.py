@@ -1,11 +1,18 @@
 """Multi-process runs against the single-process references (DESIGN.md §5).
 
-Each run trains a 4-layer mlp of width 16 on 2-3 local gloo ranks and
-compares every update's loss and every final parameter with
-:mod:`runtime.reference` (rtol 1e-5, atol 4e-5, float32).
+Each run trains a small model on 2-3 local gloo ranks and compares every
+update's loss and every final parameter and buffer with
+:mod:`runtime.reference` (rtol 1e-5, atol 4e-5, float32): mostly a 4-layer
+mlp of width 16, plus the zoo's conv ``cnn`` (8x8 images) and an mlp with
+BatchNorm (:func:`runtime.models_for_tests.bn_mlp`), whose running
+statistics are buffers the weight versions do not cover.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -16,23 +23,40 @@ from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
 from dreampipe.runtime.data import load_dataset
 from dreampipe.scheduling.actions import ScheduleKind
 
+from .models_for_tests import bn_mlp
 from .reference import adam, reference_pipedream, reference_sync, sgd
 
 __all__: list[str] = []
 
 RTOL, ATOL = 1e-5, 4e-5
-MODEL_KW = (("layers", 4), ("width", 16))
 SEED = 3
 
 
+@dataclass(frozen=True)
+class Model:
+    """A model as the runtime names it (``RunConfig.model``) and as the test builds it."""
+
+    name: str
+    factory: Callable[..., ModelSpec]
+    kwargs: tuple[tuple[str, Any], ...]
+
+    def spec(self) -> ModelSpec:
+        return self.factory(**dict(self.kwargs))
+
+
+MLP = Model("mlp", lambda **kw: get_model("mlp", **kw), (("layers", 4), ("width", 16)))
+CNN = Model("cnn", lambda **kw: get_model("cnn", **kw), (("image_size", 8), ("hidden", 16)))
+BN_MLP = Model("runtime.models_for_tests:bn_mlp", bn_mlp, (("layers", 4), ("width", 16)))
+
+
 def _spec() -> ModelSpec:
-    return get_model("mlp", **dict(MODEL_KW))
+    return MLP.spec()
 
 
-def _run(bounds: list[int], replicas: list[int], **kw: object) -> RunResult:
+def _run(bounds: list[int], replicas: list[int], model: Model = MLP, **kw: object) -> RunResult:
     cfg = RunConfig(
-        model="mlp", plan=Plan.from_config(4, bounds, replicas), model_kwargs=MODEL_KW,
-        seed=SEED, timeout_s=30.0, **kw,  # type: ignore[arg-type]
+        model=model.name, plan=Plan.from_config(model.spec().num_layers, bounds, replicas),
+        model_kwargs=model.kwargs, seed=SEED, timeout_s=30.0, **kw,  # type: ignore[arg-type]
     )
     return launch_local(cfg, deadline_s=100.0)
 
@@ -50,6 +74,11 @@ def _assert_matches(result: RunResult, losses: list[float], state: dict[str, tor
 def _max_diff(result: RunResult, state: dict[str, torch.Tensor]) -> float:
     got = {k: v for s in result.stage_states for k, v in s.items()}
     return max(float((got[k] - v).abs().max()) for k, v in state.items())
+
+
+def _units(kind: ScheduleKind, micro: int, replicas: list[int]) -> int:
+    """Microbatches per update (DESIGN §4): ``micro`` per worker for data parallelism."""
+    return micro * sum(replicas) if kind is ScheduleKind.DP else micro
 
 
 SYNC_CASES = [
@@ -77,7 +106,31 @@ def test_sync_schedules_equal_gradient_accumulation(
     )
     data = load_dataset("synthetic", _spec(), seed=SEED)
     factory = adam(lr) if opt is OptimizerKind.ADAM else sgd(lr)
-    losses, state = reference_sync(_spec(), data, steps=3, minibatch=16, seed=SEED, opt=factory)
+    losses, state = reference_sync(
+        _spec(), data, steps=3, minibatch=16, seed=SEED, opt=factory,
+        microbatches=_units(kind, micro, replicas),
+    )
+    assert len(result.losses) == 3
+    _assert_matches(result, losses, state)
+
+
+OTHER_MODELS = [CNN, BN_MLP]
+OTHER_IDS = ["cnn", "bn_mlp"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", OTHER_MODELS, ids=OTHER_IDS)
+def test_flush_equals_gradient_accumulation_on_other_models(model: Model) -> None:
+    # 4 microbatches of 4: BatchNorm normalises each microbatch and updates its
+    # running statistics 4 times per update, in the reference as in the runtime.
+    result = _run(
+        [0, 2], [1, 1], model, schedule=ScheduleKind.FLUSH, minibatch_size=16, microbatches=4,
+        steps=3, lr=0.2,
+    )
+    data = load_dataset("synthetic", model.spec(), seed=SEED)
+    losses, state = reference_sync(
+        model.spec(), data, steps=3, minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=4
+    )
     assert len(result.losses) == 3
     _assert_matches(result, losses, state)
 
@@ -112,6 +165,24 @@ def test_pipedream_matches_delayed_update_rule(
     ranks = {e.rank for e in result.events}
     assert ranks == set(range(sum(replicas)))
     assert all(0 <= e.start_s <= e.end_s <= result.elapsed_s + 1e-3 for e in result.events)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("model", OTHER_MODELS, ids=OTHER_IDS)
+def test_pipedream_matches_delayed_update_rule_on_other_models(model: Model) -> None:
+    # functional_call on stashed versions of the conv / BatchNorm weights; the
+    # BatchNorm running statistics are live buffers updated by every forward.
+    bounds, replicas, steps = [0, 2], [1, 1], 6
+    result = _run(
+        bounds, replicas, model, schedule=ScheduleKind.PIPEDREAM, minibatch_size=8, steps=steps,
+        lr=0.3,
+    )
+    data = load_dataset("synthetic", model.spec(), seed=SEED)
+    losses, state = reference_pipedream(
+        model.spec(), data, bounds=bounds, replicas=replicas, steps=steps, minibatch=8,
+        seed=SEED, opt=sgd(0.3),
+    )
+    _assert_matches(result, losses, state)
 
 
 @pytest.mark.timeout(120)
