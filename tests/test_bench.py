@@ -8,8 +8,8 @@ import time
 import pytest
 
 from dreampipe.cli import main
-from dreampipe.errors import DreampipeError
-from dreampipe.jobs.baselines import Baseline, BaselineError, Workload, run_processes
+from dreampipe.errors import BaselineError, DreampipeError, WorkerError
+from dreampipe.jobs.baselines import Baseline, Workload
 from dreampipe.jobs.bench import (
     BENCH_NAMES,
     BenchEntry,
@@ -19,6 +19,7 @@ from dreampipe.jobs.bench import (
     run_bench,
     window_samples_per_s,
 )
+from dreampipe.runtime.launch import run_processes
 from dreampipe.scheduling.actions import ActionKind
 from dreampipe.scheduling.events import Event
 
@@ -99,18 +100,20 @@ def _rank_times(rank: int, world: int, arg: int) -> int:
 
 
 def test_processes_return_results_by_rank() -> None:
-    assert run_processes(_rank_times, 2, 10, timeout_s=60) == [2, 12]
+    assert run_processes(_rank_times, 2, 10, deadline_s=60) == [2, 12]
 
 
 def test_child_traceback_is_surfaced() -> None:
     with pytest.raises(BaselineError, match=r"(?s)rank 1.*ValueError: rank 1 refuses 7"):
-        run_processes(_fails, 2, 7, timeout_s=60)
+        run_processes(_fails, 2, 7, deadline_s=60, error=BaselineError)
+    with pytest.raises(WorkerError, match=r"(?s)rank 1 failed.*refuses 8"):
+        run_processes(_fails, 2, 8, deadline_s=60)
 
 
 def test_deadline_stops_every_child() -> None:
     start = time.monotonic()
     with pytest.raises(BaselineError, match="deadline"):
-        run_processes(_sleeps, 1, 60.0, timeout_s=3)
+        run_processes(_sleeps, 1, 60.0, deadline_s=3, error=BaselineError)
     assert time.monotonic() - start < 20
 
 
@@ -125,11 +128,30 @@ def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert data["results"][name]["samples_per_s"] > 0
 
 
-def test_bench_names_are_the_issue_s() -> None:
-    assert set(BENCH_NAMES) == {
-        "pipedream", "1f1b-flush", "gpipe", "torch-1f1b", "torch-gpipe", "ddp",
-        "single-1thread", "single-2threads",
-    }
+def test_every_bench_name_has_a_runner_and_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dreampipe.jobs.bench as bench
+
+    ran: list[str] = []
+
+    def baseline(which: Baseline, work: object, *, timeout_s: float) -> float:
+        ran.append(which.value)
+        return 1.0
+
+    def dreampipe(shape: bench._Shape, work: object, timeout_s: float) -> float:
+        ran.append(shape.layout.kind.value)
+        return 2.0
+
+    def predict(shapes: list[bench._Shape], work: object) -> dict[object, float]:
+        return {sh.layout.kind: 3.0 for sh in shapes}
+
+    monkeypatch.setattr(bench, "run_baseline", baseline)
+    monkeypatch.setattr(bench, "_run_dreampipe", dreampipe)
+    monkeypatch.setattr(bench, "_predict", predict)
+    report = run_bench(BenchOptions(progress=False, rounds=1))
+    assert ran == list(BENCH_NAMES), "every name runs once, in order, by its own runner"
+    assert list(report.to_json()["results"]) == list(BENCH_NAMES)
+    rows = format_table(report).splitlines()[2:2 + len(BENCH_NAMES)]
+    assert [row.split()[0] for row in rows] == list(BENCH_NAMES)
 
 
 def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,20 +12,13 @@ import pytest
 
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
-from dreampipe.errors import PeerTimeoutError, PlanError
-from dreampipe.jobs import local
+from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.jobs.demo import DemoOptions, _pipeline_plan, timeline_window
-from dreampipe.jobs.local import (
-    choose_plan,
-    local_topology,
-    parse_stage_bounds,
-    predict_samples_per_s,
-    steps_for_epochs,
-    unit_size,
-)
+from dreampipe.jobs.local import choose_plan, predict_samples_per_s
+from dreampipe.jobs.machine import PROJECT_MACHINE, local_topology
 from dreampipe.jobs.train import share_plan, torchrun_world
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.runtime.config import units_per_update
+from dreampipe.runtime.data import steps_for_epochs
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -45,7 +38,8 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--schedule", "gpipe", "--batch-size", "30", "--microbatches", "4"],
          "--batch-size 30 is not divisible by --microbatches 4"),
         (["--microbatches", "2"], "--microbatches 2 with --schedule pipedream"),
-        (["--plan", "p.json", "--config", "2-1"], "--plan with --config"),
+        (["--plan", "p.json", "--config", "2-1"],
+         "--plan 'p.json' with config/stages: give a plan file or a partition"),
         (["--steps", "0"], "--steps 0"),
         (["--dataset", "mnist"], "--data-dir"),
         (["--timeout", "0"], "--timeout 0"),
@@ -67,7 +61,7 @@ def test_train_rejects_bad_arguments(
     [
         (["--vertical-sync", "--no-stash"], "drop --no-stash or --vertical-sync"),
         (["--schedule", "gpipe", "--vertical-sync"], "apply to the pipedream schedule only"),
-        (["--lr", "0"], "learning rate 0"),
+        (["--lr", "0"], "--lr 0.0: the learning rate must be positive"),
         (["--dataset", "mnist", "--data-dir", "{tmp}"], "train-images-idx3-ubyte"),
         (["--plan", "{tmp}/missing.json"], "missing.json"),
         (["--workers", "3", "--config", "2-1", "--stages", "0,9"], "--stages '0,9'"),
@@ -83,7 +77,7 @@ def test_train_rejects_bad_options_before_profiling(
     def no_profiling(*_: object, **__: object) -> None:
         raise AssertionError("profiled before checking the options")
 
-    monkeypatch.setattr("dreampipe.jobs.train.profile_model", no_profiling)
+    monkeypatch.setattr("dreampipe.jobs.train.profile_as_worker", no_profiling)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     err = _fails(["train", "mlp", "--no-progress", *argv], capsys)
     assert err.startswith("dreampipe train: error:")
@@ -106,30 +100,10 @@ def test_model_args_are_typed() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    ("text", "needle"),
-    [("1,4", "must start at 0"), ("0,4,4", "increase"), ("0,8", "layer 8"), ("0,a", "e.g. 0,4")],
-)
-def test_stage_bounds_are_checked(text: str, needle: str) -> None:
-    with pytest.raises(PlanError, match=needle):
-        parse_stage_bounds(text, 8)
-    assert parse_stage_bounds("0,3,5", 8) == [0, 3, 5]
-
-
-def test_units_follow_the_runtime() -> None:
-    assert units_per_update(ScheduleKind.PIPEDREAM, 1, 4) == 1
-    assert units_per_update(ScheduleKind.GPIPE, 8, 4) == 8
-    assert units_per_update(ScheduleKind.DP, 2, 4) == 8
-    assert unit_size(ScheduleKind.FLUSH, 256, 8) == 32
-    assert unit_size(ScheduleKind.DP, 256, 1, 2) == 128
-    with pytest.raises(PlanError, match="3 workers"):
-        unit_size(ScheduleKind.DP, 256, 1, 3)
-
-
 def test_steps_cover_the_epochs() -> None:
     assert steps_for_epochs(2, 1000, 32) * 32 >= 2000
     assert (steps_for_epochs(2, 1000, 32) - 1) * 32 < 2000
-    with pytest.raises(PlanError, match="--epochs 0"):
+    with pytest.raises(ConfigError, match="epochs=0"):
         steps_for_epochs(0, 1000, 32)
 
 
@@ -148,9 +122,9 @@ def test_forced_partition_is_evaluated_as_given() -> None:
     assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 2, 2), (3, 3, 1)]
     straight = choose_plan(graph, 2, stages="0,2")
     assert straight.config == "straight"
-    with pytest.raises(PlanError, match="needs 3 workers, not 2"):
+    with pytest.raises(ConfigError, match="needs 3 workers, not 2"):
         choose_plan(graph, 2, config="2-1", stages="0,3")
-    with pytest.raises(PlanError, match="2 stages but --stages"):
+    with pytest.raises(ConfigError, match="2 stages but stages="):
         choose_plan(graph, 3, config="2-1", stages="0,1,2")
 
 
@@ -162,8 +136,9 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
                                  microbatches=1, steps=steps)
     # the last stage's two layers, plus the host time local costs charge it per
     # minibatch: its forward's overhead, label load and loss, and its gradient send
-    host_s = (local.LOCAL_STAGE_FORWARD_S + local.LOCAL_BATCH_LOAD_S + local.LOCAL_LOSS_S
-              + local.LOCAL_SEND_OVERHEAD_S + 4 * 32 * 1024 / local.LOCAL_SEND_COPY_BANDWIDTH)
+    m = PROJECT_MACHINE
+    host_s = (m.stage_forward_s + m.batch_load_s + m.loss_s
+              + m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth)
     one_stage_s = 2 * 6.0 / 1e3 + host_s
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
     assert local_topology(2).num_workers == 2
@@ -173,7 +148,7 @@ def test_timeline_window_keeps_the_asked_units() -> None:
     events = [Event(0, 0, ActionKind.FORWARD, u, u, u + 0.5) for u in range(20)]
     kept = timeline_window(tuple(events), 3, 5)
     assert [e.unit for e in kept] == [3, 4, 5, 6, 7]
-    with pytest.raises(PlanError, match="--epochs -1"):
+    with pytest.raises(ConfigError, match="epochs=-1"):
         DemoOptions().with_epochs(-1)
 
 
@@ -221,7 +196,7 @@ def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
 
 def test_plan_sharing_needs_the_torchrun_agent_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(PlanError, match="--config/--stages"):
+    with pytest.raises(PlanError, match="config/stages"):
         share_plan(None, 5.0)
 
 

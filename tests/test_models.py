@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor
 
-from dreampipe.errors import ProfileError
+from dreampipe.errors import ConfigError, ProfileError
 from dreampipe.models import ZOO, get_model
+from dreampipe.models.resolve import ModelSample, resolve, resolve_spec
+from dreampipe.models.spec import ModelSpec
 
 ALL = ("mlp", "cnn", "vgg16", "alexnet", "resnet50", "gnmt", "transformer")
 BATCH = 3
@@ -89,3 +93,48 @@ def test_unknown_model_lists_the_zoo() -> None:
         get_model("resnet51")
     for name in ALL:
         assert name in str(info.value)
+
+
+_USER_FILE = """
+import torch
+from torch import nn
+from dreampipe.models import get_model
+
+def spec(layers=2):
+    return get_model("mlp", layers=layers, width=8)
+
+def sample(batch_size=4):
+    return nn.Linear(3, 1), torch.randn(batch_size, 3), lambda out: out.mean()
+"""
+
+
+def test_every_form_resolves_the_same_way(tmp_path: Path) -> None:
+    source = tmp_path / "user_models.py"
+    source.write_text(_USER_FILE)
+    zoo = resolve("mlp", (("layers", 2),))
+    module = resolve("dreampipe.models:get_model", (("name", "mlp"), ("layers", 2)))
+    from_file = resolve(f"{source}:spec", (("layers", 3),))
+    assert isinstance(zoo, ModelSpec) and isinstance(module, ModelSpec)
+    assert isinstance(from_file, ModelSpec) and from_file.num_layers == 3
+    assert zoo.layer_names == module.layer_names
+    sample = resolve(f"{source}:sample", batch_size=5)
+    assert isinstance(sample, ModelSample) and sample.sample_input.shape[0] == 5
+
+
+@pytest.mark.parametrize(
+    ("ref", "kwargs", "needle"),
+    [
+        ("nosuch", (), "unknown model 'nosuch'"),
+        ("mlp", (("width", -4),), "model 'mlp' with {'width': -4}"),
+        ("no_such_pkg.mod:build", (), "cannot import 'build' from 'no_such_pkg.mod'"),
+        ("{dir}/user_models.py:sample", (), "can be profiled but not trained"),
+        ("{dir}/user_models.py:missing", (), "no function 'missing'"),
+    ],
+)
+def test_a_spec_for_training_or_one_line(
+    tmp_path: Path, ref: str, kwargs: tuple[tuple[str, int], ...], needle: str
+) -> None:
+    (tmp_path / "user_models.py").write_text(_USER_FILE)
+    with pytest.raises(ConfigError, match=needle) as info:
+        resolve_spec(ref.format(dir=tmp_path), kwargs)
+    assert "\n" not in str(info.value)

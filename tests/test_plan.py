@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dreampipe.errors import PlanError
-from dreampipe.planning.plan import Plan, Stage, config_string, stages_from_config
+from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.plan import (
+    Plan,
+    Stage,
+    config_string,
+    parse_stage_bounds,
+    stages_from_config,
+)
 
 
 def _plan() -> Plan:
@@ -17,6 +23,10 @@ def _plan() -> Plan:
         time_per_minibatch_s=0.5, baselines_s={"dp": 1.5, "straight": 1.0},
         layer_names=tuple(f"l{i}" for i in range(8)),
     )
+
+
+def _st(first: int, last: int, rank: int) -> Stage:
+    return Stage(first=first, last=last, replicas=1, ranks=(rank,))
 
 
 def test_from_config_numbers_ranks_stage_by_stage() -> None:
@@ -57,9 +67,11 @@ def test_predictions() -> None:
 
 
 def test_stage_time_is_max_of_its_terms() -> None:
-    stage = Stage(0, 3, 4, (0, 1, 2, 3), compute_s=8.0, comm_s=1.0, allreduce_s=6.0)
+    stage = Stage(first=0, last=3, replicas=4, ranks=(0, 1, 2, 3), compute_s=8.0, comm_s=1.0,
+                  allreduce_s=6.0)
     assert stage.time_s == pytest.approx(2.0)
-    assert Stage(0, 0, 2, (0, 1), compute_s=1.0, comm_s=3.0).time_s == pytest.approx(3.0)
+    pair = Stage(first=0, last=0, replicas=2, ranks=(0, 1), compute_s=1.0, comm_s=3.0)
+    assert pair.time_s == pytest.approx(3.0)
     assert stage.num_layers == 4
 
 
@@ -85,12 +97,12 @@ def test_str_lists_stages() -> None:
         (lambda: Plan.from_config(8, [0, 4], [1]), "one entry per stage"),
         (lambda: Plan.from_config(8, [1, 4], [1, 1]), "must start at layer 0"),
         (lambda: Plan.from_config(8, [0, 9], [1, 1]), "empty or negative"),
-        (lambda: Plan((), 3), "at least one stage"),
-        (lambda: Plan((Stage(0, 1, 1, (0,)),), 3), "model has 3 layers"),
-        (lambda: Plan((Stage(0, 0, 1, (0,)), Stage(2, 2, 1, (1,))), 3), "contiguously"),
-        (lambda: Plan((Stage(0, 0, 1, (1,)),), 1), "each used once"),
-        (lambda: Stage(0, 0, 0, ()), "needs >= 1"),
-        (lambda: Stage(0, 0, 2, (0,)), "but ranks"),
+        (lambda: Plan(stages=(), num_layers=3), "at least one stage"),
+        (lambda: Plan(stages=(_st(0, 1, 0),), num_layers=3), "model has 3 layers"),
+        (lambda: Plan(stages=(_st(0, 0, 0), _st(2, 2, 1)), num_layers=3), "contiguously"),
+        (lambda: Plan(stages=(_st(0, 0, 1),), num_layers=1), "each used once"),
+        (lambda: Stage(first=0, last=0, replicas=0, ranks=()), "needs >= 1"),
+        (lambda: Stage(first=0, last=0, replicas=2, ranks=(0,)), "but ranks"),
     ],
 )
 def test_invalid_plans(build: Callable[[], object], message: str) -> None:
@@ -105,7 +117,7 @@ def test_load_errors(tmp_path: Path) -> None:
     bad.write_text('{"format": "other"}')
     with pytest.raises(PlanError, match="not a dreampipe plan"):
         Plan.load(bad)
-    bad.write_text('{"format": "dreampipe.planning.plan", "version": 1}')
+    bad.write_text('{"format": "dreampipe.plan", "version": 1}')
     with pytest.raises(PlanError, match="malformed plan JSON"):
         Plan.load(bad)
 
@@ -116,3 +128,15 @@ def test_load_binary_file(tmp_path: Path) -> None:
     with pytest.raises(PlanError, match=r"cannot read plan .*plan\.bin"):
         Plan.load(binary)
 
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [("1,4", "must start at 0"), ("0,4,4", "increase"), ("0,8", "layer 8"), ("0,a", "e.g. 0,4")],
+)
+def test_stage_bounds_are_checked(text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle) as info:
+        parse_stage_bounds(text, 8)
+    assert info.value.parameters == ("stages",)
+    assert f"stages={text!r}" in str(info.value)
+    assert parse_stage_bounds("0,3,5", 8) == [0, 3, 5]

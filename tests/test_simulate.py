@@ -190,22 +190,24 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
 
 
 def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
-    from dreampipe.jobs import local
+    from dreampipe.jobs import machine
+
+    m = machine.PROJECT_MACHINE
 
     for bounds in ([0], [0, 2], [0, 1, 3]):
         plan = Plan.from_config(4, bounds, [1] * len(bounds))
-        base = costs_from_profile(_graph(), plan, local.local_topology(len(bounds)), 0.5)
-        costs = local.local_costs(_graph(), plan, unit_fraction=0.5)
-        extra = [local.LOCAL_STAGE_FORWARD_S] * len(bounds)
-        extra[0] += local.LOCAL_BATCH_LOAD_S
+        base = costs_from_profile(_graph(), plan, machine.local_topology(len(bounds)), 0.5)
+        costs = machine.local_costs(_graph(), plan, unit_fraction=0.5)
+        extra = [m.stage_forward_s] * len(bounds)
+        extra[0] += m.batch_load_s
         if len(bounds) > 1:
-            extra[-1] += local.LOCAL_BATCH_LOAD_S
-        extra[-1] += local.LOCAL_LOSS_S
+            extra[-1] += m.batch_load_s
+        extra[-1] += m.loss_s
         assert costs.forward_s == pytest.approx(
             tuple(f + e for f, e in zip(base.forward_s, extra, strict=True))
         )
         assert costs.backward_s == base.backward_s
-        assert costs.send_overhead_s == local.LOCAL_SEND_OVERHEAD_S
+        assert costs.send_overhead_s == m.send_overhead_s
 
 
 def test_costs_from_profile_rejects_a_mismatched_profile() -> None:

@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import (
+    ConfigError,
     DreampipeError,
     PeerTimeoutError,
     PlanError,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Action",
     "ActionKind",
+    "ConfigError",
     "DreampipeError",
     "Event",
     "Layer",

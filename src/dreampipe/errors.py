@@ -10,6 +10,9 @@ from __future__ import annotations
 
 __all__ = [
     "TRACEBACK_HEADER",
+    "BaselineError",
+    "ConfigError",
+    "DatasetError",
     "DreampipeError",
     "PeerTimeoutError",
     "PlanError",
@@ -18,6 +21,7 @@ __all__ = [
     "ScheduleError",
     "StageMismatchError",
     "TopologyError",
+    "WorkerError",
 ]
 
 
@@ -28,6 +32,31 @@ TRACEBACK_HEADER = "--- traceback of rank"
 
 class DreampipeError(Exception):
     """Base class of every error dreampipe raises on purpose."""
+
+
+class ConfigError(DreampipeError, ValueError):
+    """An option is out of range or conflicts with another.
+
+    The message writes each offending option as ``name=value`` (the library's
+    parameter names); ``parameters`` lists those names so that a front end
+    can say them its own way (the command line writes ``--microbatches 3``).
+    """
+
+    def __init__(self, message: str, *parameters: str) -> None:
+        super().__init__(message)
+        self.parameters = parameters
+
+
+class DatasetError(DreampipeError, ValueError):
+    """A data set is unknown, missing, or does not fit the model."""
+
+
+class WorkerError(DreampipeError, RuntimeError):
+    """A worker process failed with an error that is not a DreampipeError, or ran too long."""
+
+
+class BaselineError(DreampipeError, RuntimeError):
+    """A bench baseline's worker process failed or ran past its deadline."""
 
 
 class ProfileError(DreampipeError, ValueError):

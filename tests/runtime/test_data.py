@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from dreampipe.errors import ConfigError, DatasetError
 from dreampipe.models import get_model
-from dreampipe.runtime.data import DatasetError, load_dataset
+from dreampipe.runtime.data import load_dataset
 
 __all__: list[str] = []
 
@@ -80,7 +81,7 @@ def test_mnist_reads_idx_files(tmp_path: Path) -> None:
 def test_missing_mnist_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(DatasetError, match=r"train-images-idx3-ubyte .* not found"):
         load_dataset("mnist", get_model("cnn"), data_dir=str(tmp_path))
-    with pytest.raises(DatasetError, match="needs data_dir"):
+    with pytest.raises(ConfigError, match="needs data_dir="):
         load_dataset("mnist", get_model("cnn"))
     with pytest.raises(DatasetError, match="unknown dataset 'cifar'"):
         load_dataset("cifar", get_model("cnn"))

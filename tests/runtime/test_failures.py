@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from dreampipe.errors import PeerTimeoutError, PlanError, ScheduleError
+from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError, ScheduleError, WorkerError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime import RunConfig, WorkerError, launch_local
+from dreampipe.runtime import RunConfig, launch_local
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
@@ -26,34 +26,35 @@ BAD = [
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.FLUSH,
              minibatch_size=256, microbatches=3),
-        ScheduleError,
-        "3 microbatches do not divide a minibatch of 256; use a divisor such as 4 or 8",
+        ConfigError,
+        "minibatch_size=256 is not divisible by microbatches=3; .* split it into 4 or 8 units",
     ),
     (
         _cfg(Plan.from_config(4, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=30,
              microbatches=2),
-        ScheduleError, "2 workers x 2 microbatches = 4 units do not divide a minibatch of 30",
+        ConfigError,
+        "minibatch_size=30 is not divisible by 2 workers x microbatches=2 = 4 units",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), microbatches=4),
-        ScheduleError, "microbatches must be 1 \\(got 4\\)",
+        ConfigError, "microbatches=4 with schedule=pipedream",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), vertical_sync=True, stash=False),
-        ScheduleError, "vertical sync .* needs weight stashing",
+        ConfigError, "vertical sync .* needs weight stashing",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.GPIPE, microbatches=2,
              vertical_sync=True),
-        ScheduleError, "apply to the pipedream schedule only",
+        ConfigError, "apply to the pipedream schedule only",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [2, 1]), vertical_sync=True),
-        ScheduleError, "vertical sync needs the same replica count in every stage \\(got 2-1\\)",
+        ConfigError, "vertical sync needs the same replica count in every stage \\(got 2-1\\)",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 2]), vertical_sync=True),
-        ScheduleError, "vertical sync needs the same replica count in every stage \\(got 1-2\\)",
+        ConfigError, "vertical sync needs the same replica count in every stage \\(got 1-2\\)",
     ),
     (
         _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.DP),

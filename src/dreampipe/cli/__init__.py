@@ -5,7 +5,9 @@ function that adds its parser and sets ``func`` to a handler returning the
 exit status. Errors a user can cause (:class:`DreampipeError`) are printed
 as one line on stderr with exit status 2, never as a traceback; so is a
 file the user named that cannot be read or written (an ``OSError`` with a
-file name).
+file name). A :class:`ConfigError` names the library's parameters
+(``microbatches=3``); they are printed as the flags that set them
+(``--microbatches 3``).
 """
 
 from __future__ import annotations
@@ -14,14 +16,35 @@ import argparse
 import importlib
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 
-from dreampipe.errors import TRACEBACK_HEADER, DreampipeError
+from dreampipe.errors import TRACEBACK_HEADER, ConfigError, DreampipeError
 
 __all__ = ["build_parser", "main"]
 
 _COMMANDS = ("profile", "plan", "simulate", "train")
+#: A library parameter as written in a ConfigError, and the flag that sets it.
+_FLAGS = {
+    "batch_size=": "--batch-size ",
+    "config=": "--config ",
+    "data_dir=": "--data-dir ",
+    "epochs=": "--epochs ",
+    "lr=": "--lr ",
+    "microbatches=": "--microbatches ",
+    "minibatch_size=": "--batch-size ",
+    "minibatches=": "--minibatches ",
+    "plan_path=": "--plan ",
+    "schedule=": "--schedule ",
+    "stages=": "--stages ",
+    "stash=False": "--no-stash",
+    "steps=": "--steps ",
+    "timeout_s=": "--timeout ",
+    "vertical_sync=True": "--vertical-sync",
+    "warmup=": "--warmup ",
+    "workers=": "--workers ",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except DreampipeError as exc:
-        print(f"dreampipe {args.command}: error: {_summary(str(exc), args.verbose)}",
+        print(f"dreampipe {args.command}: error: {_summary(_as_flags(exc), args.verbose)}",
               file=sys.stderr)
         return 2
     except BrokenPipeError:
@@ -77,3 +100,14 @@ def _summary(message: str, verbose: bool) -> str:
     if not found or verbose:
         return message
     return f"{head}\n(run with -v to see each failed rank's traceback)"
+
+
+def _as_flags(exc: DreampipeError) -> str:
+    """The message, with a ConfigError's parameters written as the flags that set them."""
+    message = str(exc)
+    if not isinstance(exc, ConfigError):
+        return message
+    for written, flag in _FLAGS.items():
+        if written.partition("=")[0] in exc.parameters:
+            message = re.sub(rf"\b{re.escape(written)}", flag, message)
+    return message

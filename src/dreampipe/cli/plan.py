@@ -23,7 +23,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.build import build_schedule, whole_rounds
+from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.simulator import SimResult, costs_from_profile, simulate_schedule
 
 __all__ = ["confirm_by_simulation", "format_plan", "layer_label", "plan_summary", "register"]
@@ -103,8 +103,8 @@ def confirm_by_simulation(result: Plan, graph: LayerGraph, topo: Topology) -> Si
     worker, in whole all-reduce rounds) for start-up to matter little.
     """
     replicas = [st.replicas for st in result.stages]
-    units = whole_rounds(replicas, 16 * result.workers_used)
-    schedule = build_schedule(replicas, ScheduleKind.PIPEDREAM, units)
+    layout = UnitLayout(kind=ScheduleKind.PIPEDREAM)
+    schedule = layout.build(replicas, layout.whole_rounds(replicas, 16 * result.workers_used))
     return simulate_schedule(schedule, costs_from_profile(graph, result, topo), record_events=False)
 
 

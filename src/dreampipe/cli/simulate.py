@@ -18,14 +18,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dreampipe.errors import PlanError, ScheduleError, TopologyError
+from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.build import build_schedule, whole_rounds
+from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.simulator import (
     SimCosts,
     SimResult,
@@ -76,9 +76,9 @@ def _run(args: argparse.Namespace) -> int:
               leave=False) as bar:
         plan, graph, topology = _load(args)
         bar.update()
-        replicas, units, per_update, fraction = _units(args, kind, plan)
-        costs = _costs(plan, graph, topology, kind, fraction)
-        schedule = build_schedule(replicas, kind, units, per_update)
+        replicas, layout, updates = _units(args, kind, plan)
+        costs = _costs(plan, graph, topology, kind, layout.unit_fraction)
+        schedule = layout.build(replicas, updates)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
         result = simulate_schedule(schedule, costs, record_events=wants_events)
@@ -95,8 +95,8 @@ def _run(args: argparse.Namespace) -> int:
             write_chrome_trace(result.events, args.trace)
         bar.update()
     info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
-            "minibatches": units // per_update if kind is not ScheduleKind.PIPEDREAM else units,
-            "units": units, "units_per_update": per_update,
+            "minibatches": updates,
+            "units": layout.num_units(updates), "units_per_update": layout.units_per_update,
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
             "memory_known": graph is not None}
     if args.json:
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     source = Path(args.source)
     data = _json_object(source)
-    if data is not None and data.get("format") == "dreampipe.planning.plan":
+    if data is not None and data.get("format") == "dreampipe.plan":
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology
                     else _plan_topology(plan.topology))
@@ -156,21 +156,25 @@ def _json_object(path: Path) -> dict[str, Any] | None:
 
 def _units(
     args: argparse.Namespace, kind: ScheduleKind, plan: Plan
-) -> tuple[tuple[int, ...], int, int, float]:
-    """(replicas, units, units per update, unit fraction) for the chosen schedule."""
+) -> tuple[tuple[int, ...], UnitLayout, int]:
+    """(replicas, unit layout, weight updates) for the chosen schedule.
+
+    Sizes count profiled minibatches, so the layouts carry no sample counts.
+    """
     replicas = tuple(st.replicas for st in plan.stages)
     workers = plan.workers_used
     for name in ("minibatches", "microbatches"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            raise ScheduleError(f"--{name} {value}; use 1 or more")
+            raise ConfigError(f"{name}={value}; use 1 or more", name)
     if kind is ScheduleKind.PIPEDREAM:
-        return replicas, whole_rounds(replicas, args.minibatches or 4 * workers), 1, 1.0
+        layout = UnitLayout(kind=kind)
+        return replicas, layout, layout.whole_rounds(replicas, args.minibatches or 4 * workers)
     if kind is ScheduleKind.DP:
-        wanted = args.minibatches or 4 * workers
-        return (workers,), -(-wanted // workers) * workers, workers, 1.0
-    micro = args.microbatches or 4 * plan.num_stages
-    return replicas, (args.minibatches or 8) * micro, micro, 1.0 / micro
+        layout = UnitLayout(kind=kind, workers=workers)
+        return (workers,), layout, layout.updates_covering(args.minibatches or 4 * workers)
+    layout = UnitLayout(kind=kind, microbatches=args.microbatches or 4 * plan.num_stages)
+    return replicas, layout, args.minibatches or 8
 
 
 def _costs(

@@ -1,6 +1,6 @@
 """``dreampipe train``, ``demo`` and ``bench``: run models for real.
 
-``train`` profiles, plans and trains one zoo model on local worker processes
+``train`` profiles, plans and trains one model on local worker processes
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
 The work is done by :mod:`dreampipe.jobs.local`, :mod:`dreampipe.jobs.demo` and
@@ -13,10 +13,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError
 from dreampipe.scheduling.actions import ScheduleKind
+
+if TYPE_CHECKING:
+    from dreampipe.jobs.train import TrainRequest
 
 __all__ = ["parse_model_args", "register"]
 
@@ -33,11 +36,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 # ---- train ------------------------------------------------------------------
 def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.models import ZOO
-
     p = sub.add_parser(
         "train",
-        help="train a zoo model with pipeline parallelism on local workers or under torchrun",
+        help="train a model with pipeline parallelism on local workers or under torchrun",
         description=(
             "Profile MODEL on this machine, plan it for the workers at hand (or use --plan, or "
             "force a partition with --config/--stages), print the predicted throughput, then "
@@ -46,7 +47,9 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
             "processes (RANK/WORLD_SIZE) instead and prints on rank 0 only."
         ),
     )
-    p.add_argument("model", choices=sorted(ZOO), help="zoo model to train")
+    p.add_argument("model", metavar="MODEL",
+                   help="zoo name, package.module:function or path/to/file.py:function "
+                        "returning a ModelSpec")
     p.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="size the model, e.g. --model-arg layers=4 --model-arg width=256 "
                         "(repeatable; see the zoo function's parameters)")
@@ -104,7 +107,7 @@ def parse_model_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
     for item in items:
         key, eq, raw = item.partition("=")
         if not eq or not key:
-            raise PlanError(f"--model-arg {item!r}: write KEY=VALUE, e.g. layers=4")
+            raise ConfigError(f"--model-arg {item!r}: write KEY=VALUE, e.g. layers=4")
         value: Any = raw
         for cast in (int, float):
             try:
@@ -116,62 +119,34 @@ def parse_model_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def _check_train_args(args: argparse.Namespace) -> None:
-    if args.workers is not None and args.workers < 1:
-        raise PlanError(f"--workers {args.workers}: use at least 1 worker")
-    if args.batch_size < 1:
-        raise PlanError(f"--batch-size {args.batch_size}: use at least 1 sample per update")
-    if args.microbatches < 1:
-        raise PlanError(f"--microbatches {args.microbatches}: use at least 1")
-    if args.batch_size % args.microbatches:
-        raise PlanError(
-            f"--batch-size {args.batch_size} is not divisible by --microbatches "
-            f"{args.microbatches}; pick a batch size that is a multiple of it"
-        )
-    if args.schedule == "pipedream" and args.microbatches != 1:
-        raise PlanError(
-            f"--microbatches {args.microbatches} with --schedule pipedream: PipeDream updates "
-            "after every minibatch; use --microbatches 1 or a synchronous schedule"
-        )
-    if args.steps is not None and args.steps < 1:
-        raise PlanError(f"--steps {args.steps}: use at least 1")
-    if args.plan and (args.config or args.stages):
-        raise PlanError("--plan with --config/--stages: give a plan file or a partition, not both")
-    if args.dataset == "mnist" and not args.data_dir:
-        raise PlanError("--dataset mnist needs --data-dir DIR holding the MNIST IDX files")
-    if args.timeout <= 0:
-        raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+def _check_output_paths(args: argparse.Namespace) -> None:
+    """``--trace`` and ``--timeline`` name files in existing directories."""
     for flag, path in (("--trace", args.trace), ("--timeline", args.timeline)):
         if path and Path(path).is_dir():
-            raise PlanError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
-                            f"{Path(path) / ('trace.json' if flag == '--trace' else 'run.png')}")
+            raise ConfigError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
+                              f"{Path(path) / ('trace.json' if flag == '--trace' else 'run.png')}")
         if path and not Path(path).resolve().parent.is_dir():
-            raise PlanError(
+            raise ConfigError(
                 f"{flag} {path}: directory {str(Path(path).parent)!r} does not exist; "
                 "create it or write elsewhere"
             )
 
 
-def _train(args: argparse.Namespace) -> int:
-    from dreampipe.jobs.train import TrainRequest, run_train, torchrun_world
+def _request(args: argparse.Namespace) -> TrainRequest:
+    """The train job the arguments ask for."""
+    from dreampipe.jobs.train import PlanSource, TrainRequest
+    from dreampipe.runtime.config import OptimizerKind, RunOptions
 
-    _check_train_args(args)
-    world = torchrun_world()
-    req = TrainRequest(
+    run = RunOptions(
         model=args.model,
         model_kwargs=parse_model_args(args.model_arg),
-        workers=args.workers,
-        plan_path=args.plan,
-        config=args.config,
-        stages=args.stages,
         schedule=ScheduleKind(args.schedule),
-        optimizer=args.optimizer,
+        optimizer=OptimizerKind(args.optimizer),
         lr=args.lr,
         momentum=args.momentum,
         minibatch_size=args.batch_size,
         microbatches=args.microbatches,
-        steps=args.steps,
-        epochs=args.epochs,
+        steps=10 if args.steps is None else args.steps,
         seed=args.seed,
         dataset=args.dataset,
         data_dir=args.data_dir,
@@ -181,8 +156,21 @@ def _train(args: argparse.Namespace) -> int:
         record_events=bool(args.trace or args.timeline),
         progress=not args.no_progress,
     )
+    return TrainRequest(
+        run=run,
+        plan=PlanSource(path=args.plan, config=args.config, stages=args.stages),
+        workers=args.workers,
+        epochs=args.epochs,
+        exact_steps=args.steps is not None,
+    )
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dreampipe.jobs.train import run_train, torchrun_world
+
+    _check_output_paths(args)
     say = _printer(args.json)
-    report = run_train(req, torchrun=world, say=say)
+    report = run_train(_request(args), torchrun=torchrun_world(), say=say)
     if report is None:
         return 0
     res = report.result
@@ -247,8 +235,6 @@ def _demo(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(seed=args.seed, out_dir=Path(args.out), progress=not args.no_progress)
     if args.epochs is not None:
-        if args.epochs <= 0:
-            raise PlanError(f"--epochs {args.epochs}: use a positive number of epochs")
         opts = opts.with_epochs(args.epochs)
     run_demo(opts, say=_printer(False))
     return 0
@@ -291,13 +277,10 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 def _bench(args: argparse.Namespace) -> int:
     from dreampipe.jobs.bench import BenchOptions, format_table, run_bench
 
-    if args.steps < 1 or args.warmup < 0:
-        raise PlanError(f"--steps {args.steps} --warmup {args.warmup}: use steps >= 1, "
-                        "warmup >= 0")
     if args.timeout <= 0:
-        raise PlanError(f"--timeout {args.timeout}: use a positive number of seconds")
+        raise ConfigError(f"--timeout {args.timeout}: use a positive number of seconds")
     if args.rounds < 1:
-        raise PlanError(f"--rounds {args.rounds}: use at least 1")
+        raise ConfigError(f"--rounds {args.rounds}: use at least 1")
     opts = BenchOptions(steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
                         progress=not args.no_progress, rounds=args.rounds)
     names = tuple(args.only) if args.only else None

@@ -2,5 +2,6 @@
 
 ``train`` profiles, plans, predicts and runs a model; ``demo`` does it on
 real data beside data parallelism; ``bench`` compares dreampipe's schedules
-with PyTorch's own (``baselines``).
+with PyTorch's own (``baselines``). ``local`` plans and predicts for the
+workers at hand, on the topology and calibration of ``machine``.
 """

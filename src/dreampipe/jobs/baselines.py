@@ -9,19 +9,16 @@ own machinery and no dreampipe code on the hot path:
 - ``ddp``: ``DistributedDataParallel``, each rank a share of the update;
 - ``single``: one process, the whole update as one batch.
 
-Every baseline runs in fresh processes started by :func:`run_processes`:
-a free port, one thread per rank unless asked otherwise, a hard deadline,
-child tracebacks surfaced, and no process left behind.
+Every baseline runs in fresh processes started by dreampipe's one launcher,
+:func:`dreampipe.runtime.launch.run_processes`: a free port, one thread per
+rank unless asked otherwise, a hard deadline, child tracebacks surfaced, and
+no process left behind.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
-import queue
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -31,23 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dreampipe.errors import DreampipeError
+from dreampipe.errors import BaselineError, ConfigError, DreampipeError
 from dreampipe.models import ModelSpec, get_model
-from dreampipe.runtime.launch import free_port
+from dreampipe.runtime.launch import RankFn, run_processes
 
-__all__ = [
-    "Baseline",
-    "BaselineError",
-    "Workload",
-    "run_baseline",
-    "run_processes",
-]
+__all__ = ["Baseline", "Workload", "run_baseline"]
 
 log = logging.getLogger(__name__)
-
-
-class BaselineError(DreampipeError, RuntimeError):
-    """A baseline's worker process failed or ran past its deadline."""
 
 
 class Baseline(Enum):
@@ -84,8 +71,9 @@ class Workload:
                 f"bench batch {self.batch} is not divisible by {self.microbatches} microbatches"
             )
         if self.steps < 1 or self.warmup < 0:
-            raise DreampipeError(
-                f"bench steps={self.steps}, warmup={self.warmup}: use steps >= 1, warmup >= 0"
+            raise ConfigError(
+                f"bench steps={self.steps}, warmup={self.warmup}: use at least 1 timed step "
+                "and no negative warm-up", "steps", "warmup",
             )
 
     def spec(self) -> ModelSpec:
@@ -105,75 +93,23 @@ class Workload:
             return spec.sample_input(batch), spec.sample_target(batch)
 
 
-WorkerFn = Callable[[int, int, Any], Any]
-
-
-def _child(fn: WorkerFn, rank: int, world: int, port: int, threads: int, arg: Any,
-           out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
-    torch.set_num_threads(threads)
+def _in_group(rank: int, world: int, arg: tuple[RankFn, Any]) -> Any:
+    """``fn(rank, world, arg)`` inside a gloo process group of the ``world`` ranks (if > 1)."""
+    fn, inner = arg
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        if world > 1:
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-            )
-        out.put(("ok", rank, fn(rank, world, arg)))
-    except BaseException:
-        out.put(("error", rank, traceback.format_exc()))
+        return fn(rank, world, inner)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run_processes(fn: WorkerFn, world: int, arg: Any, *, threads: int = 1,
-                  timeout_s: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world, arg)`` on ``world`` fresh processes; their results by rank.
-
-    With ``world > 1`` the processes share a gloo process group on a free
-    port. A child's exception, a child dying, or the deadline passing stops
-    every child and raises :class:`BaselineError` with the child's traceback.
-    """
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, threads, arg, out), daemon=True)
-             for r in range(world)]
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.start()
-        while len(results) < world:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise BaselineError(
-                    f"{_name(fn)} ran past its {timeout_s:.0f} s deadline "
-                    f"(ranks done: {sorted(results)}); raise --timeout or lower --steps"
-                )
-            try:
-                status, rank, payload = out.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if r not in results and p.exitcode not in (None, 0)]
-                if dead:
-                    raise BaselineError(
-                        f"{_name(fn)}: rank {dead[0][0]} died with exit code {dead[0][1]}"
-                    ) from None
-                continue
-            if status == "error":
-                raise BaselineError(f"{_name(fn)} failed on rank {rank}:\n{payload.rstrip()}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-        out.close()
-    return [results[r] for r in range(world)]
-
-
-def _name(fn: WorkerFn) -> str:
-    return fn.__name__.lstrip("_")
+def _on_processes(fn: RankFn, world: int, arg: Any, *, threads: int = 1,
+                  timeout_s: float) -> list[Any]:
+    """``fn`` on ``world`` fresh processes sharing a gloo group, through the one launcher."""
+    return run_processes(_in_group, world, (fn, arg), threads=threads, deadline_s=timeout_s,
+                         error=BaselineError)
 
 
 def _timed(steps: int, warmup: int, step: Callable[[], None], sync: bool) -> float:
@@ -259,13 +195,13 @@ def run_baseline(which: Baseline, work: Workload, *, timeout_s: float = 300.0) -
     pipeline_ranks = len(work.stage_bounds)
     log.info("baseline %s: %d timed steps after %d warm-up", which.value, work.steps, work.warmup)
     if which is Baseline.TORCH_1F1B:
-        res = run_processes(_torch_pipeline, pipeline_ranks, (work, True), timeout_s=timeout_s)
+        res = _on_processes(_torch_pipeline, pipeline_ranks, (work, True), timeout_s=timeout_s)
     elif which is Baseline.TORCH_GPIPE:
-        res = run_processes(_torch_pipeline, pipeline_ranks, (work, False), timeout_s=timeout_s)
+        res = _on_processes(_torch_pipeline, pipeline_ranks, (work, False), timeout_s=timeout_s)
     elif which is Baseline.DDP:
-        res = run_processes(_ddp, 2, work, timeout_s=timeout_s)
+        res = _on_processes(_ddp, 2, work, timeout_s=timeout_s)
     elif which is Baseline.SINGLE_1THREAD:
-        res = run_processes(_single, 1, work, threads=1, timeout_s=timeout_s)
+        res = _on_processes(_single, 1, work, threads=1, timeout_s=timeout_s)
     else:
-        res = run_processes(_single, 1, work, threads=2, timeout_s=timeout_s)
+        res = _on_processes(_single, 1, work, threads=2, timeout_s=timeout_s)
     return float(res[0])

@@ -24,7 +24,6 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,9 +31,13 @@ import torch
 
 from dreampipe.errors import DreampipeError
 from dreampipe.jobs.baselines import Baseline, Workload, run_baseline
+from dreampipe.jobs.local import profile_as_worker
+from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.launch import pinned_threads
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.units import UnitLayout
 
 __all__ = [
     "BENCH_NAMES",
@@ -152,33 +155,29 @@ def window_samples_per_s(
 
 @dataclass(frozen=True)
 class _Shape:
-    """How a dreampipe schedule cuts the workload into units."""
+    """How a dreampipe schedule cuts the workload: its units, and updates timed and not."""
 
-    kind: ScheduleKind
-    minibatch: int
-    microbatches: int
+    layout: UnitLayout
     updates: int
     warmup_updates: int
 
     @property
-    def unit_samples(self) -> int:
-        return self.minibatch // self.microbatches
-
-    @property
     def warmup_units(self) -> int:
-        return self.warmup_updates * self.microbatches
+        return self.layout.num_units(self.warmup_updates)
 
     @property
     def total_units(self) -> int:
-        return (self.warmup_updates + self.updates) * self.microbatches
+        return self.layout.num_units(self.warmup_updates + self.updates)
 
 
 def _shape(name: str, opts: BenchOptions, work: Workload) -> _Shape:
     kind = _DREAMPIPE[name]
     if kind is ScheduleKind.PIPEDREAM:
         per = work.batch // opts.pipedream_minibatch
-        return _Shape(kind, opts.pipedream_minibatch, 1, work.steps * per, work.warmup * per)
-    return _Shape(kind, work.batch, work.microbatches, work.steps, work.warmup)
+        layout = UnitLayout(kind=kind, minibatch_size=opts.pipedream_minibatch)
+        return _Shape(layout, work.steps * per, work.warmup * per)
+    layout = UnitLayout(kind=kind, minibatch_size=work.batch, microbatches=work.microbatches)
+    return _Shape(layout, work.steps, work.warmup)
 
 
 def _plan(work: Workload) -> Plan:
@@ -194,9 +193,12 @@ def _model_kwargs(work: Workload) -> tuple[tuple[str, Any], ...]:
 def _run_dreampipe(shape: _Shape, work: Workload, timeout_s: float) -> float:
     from dreampipe.runtime import RunConfig, launch_local
 
+    layout = shape.layout
     cfg = RunConfig(
-        model="mlp", plan=_plan(work), schedule=shape.kind, minibatch_size=shape.minibatch,
-        microbatches=shape.microbatches, steps=shape.warmup_updates + shape.updates,
+        model="mlp", plan=_plan(work), schedule=layout.kind,
+        minibatch_size=layout.unit_size * layout.units_per_update,
+        microbatches=layout.microbatches,
+        steps=shape.warmup_updates + shape.updates,
         lr=work.lr, seed=work.seed, timeout_s=min(timeout_s, _PEER_TIMEOUT_S),
         dataset="synthetic", model_kwargs=_model_kwargs(work), record_events=True,
         evaluate=False,
@@ -204,7 +206,7 @@ def _run_dreampipe(shape: _Shape, work: Workload, timeout_s: float) -> float:
     result = launch_local(cfg, workers=len(work.stage_bounds), deadline_s=timeout_s)
     return window_samples_per_s(
         result.events, warmup_units=shape.warmup_units, total_units=shape.total_units,
-        unit_samples=shape.unit_samples,
+        unit_samples=layout.unit_size,
     )
 
 
@@ -218,7 +220,7 @@ def _update_seconds(work: Workload, stash: bool) -> tuple[float, ...]:
     """
     spec = work.spec()
     out = []
-    with torch.random.fork_rng(devices=[]), _one_thread():
+    with torch.random.fork_rng(devices=[]), pinned_threads(1):
         for s in range(len(work.stage_bounds)):
             params = list(spec.build(*work.stage_range(s), seed=work.seed).parameters())
             for p in params:
@@ -245,25 +247,13 @@ def _median_s(fn: Callable[[], object], repeats: int = 9) -> float:
     return statistics.median(times)
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, float]:
     """Simulated samples/s per schedule, from a one-thread profile at each unit size.
 
     The layer profile gives each unit's forward and backward; the weight
     update after each minibatch is timed here too (:func:`_update_seconds`).
     """
-    from dreampipe.jobs.local import local_costs, local_topology, profile_model
     from dreampipe.planning import planner
-    from dreampipe.scheduling.build import build_schedule
     from dreampipe.simulation.simulator import simulate_schedule
 
     spec = work.spec()
@@ -271,20 +261,19 @@ def _predict(shapes: Sequence[_Shape], work: Workload) -> dict[ScheduleKind, flo
     graphs = {}
     out = {}
     for sh in shapes:
-        if sh.unit_samples not in graphs:
-            graphs[sh.unit_samples] = profile_model(spec, sh.unit_samples, repeats=_REPEATS)
-        graph = graphs[sh.unit_samples]
+        layout = sh.layout
+        if layout.unit_size not in graphs:
+            graphs[layout.unit_size] = profile_as_worker(spec, layout.unit_size,
+                                                         repeats=_REPEATS)
+        graph = graphs[layout.unit_size]
         plan = planner.evaluate_plan(graph, topology, list(work.stage_bounds), [1, 1])
-        sched = build_schedule(
-            [1] * len(work.stage_bounds), sh.kind, sh.total_units,
-            units_per_update=sh.microbatches,
-        )
+        sched = layout.build([1] * len(work.stage_bounds), sh.warmup_updates + sh.updates)
         costs = replace(local_costs(graph, plan, unit_fraction=1.0),
-                        step_s=_update_seconds(work, sh.kind is ScheduleKind.PIPEDREAM))
+                        step_s=_update_seconds(work, layout.kind is ScheduleKind.PIPEDREAM))
         sim = simulate_schedule(sched, costs)
-        out[sh.kind] = window_samples_per_s(
+        out[layout.kind] = window_samples_per_s(
             sim.events, warmup_units=sh.warmup_units, total_units=sh.total_units,
-            unit_samples=sh.unit_samples,
+            unit_samples=layout.unit_size,
         )
     return out
 
@@ -308,7 +297,7 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
         log.info("bench %s: %.1f samples/s", name, rate)
     entries = [
         BenchEntry(name, statistics.median(rates[name]),
-                   predicted[shapes[name].kind] if name in shapes else None)
+                   predicted[shapes[name].layout.kind] if name in shapes else None)
         for name in chosen
     ]
     return BenchReport(tuple(entries), opts)

@@ -27,9 +27,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError
+from dreampipe.jobs.local import predict_samples_per_s
+from dreampipe.jobs.machine import local_topology
+from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.launch import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
@@ -61,7 +65,7 @@ class DemoOptions:
     def with_epochs(self, epochs: float) -> DemoOptions:
         """These options with ``epochs`` passes over the digits (checked positive)."""
         if epochs <= 0:
-            raise PlanError(f"--epochs {epochs}: use a positive number of epochs")
+            raise ConfigError(f"epochs={epochs}: use a positive number of epochs", "epochs")
         return replace(self, epochs=epochs)
 
 
@@ -79,25 +83,17 @@ class DemoResult:
 
 def _profile(opts: DemoOptions) -> LayerGraph:
     """Per-layer times of the cnn on a real minibatch of digits, with one thread."""
-    import torch
-
-    from dreampipe.jobs.local import model_spec
     from dreampipe.profiling.profiler import profile_model
     from dreampipe.runtime.data import load_dataset
 
-    spec = model_spec(_MODEL, _MODEL_KWARGS)
+    spec = resolve_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)
     x, y = data.batch(0, opts.minibatch_size)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with pinned_threads(1):
         return profile_model(spec.build(seed=opts.seed), x, spec.loss_fn, y, name=_MODEL)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
-    from dreampipe.jobs.local import local_topology
     from dreampipe.planning import planner
 
     topology = local_topology(workers)
@@ -118,13 +114,12 @@ def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[E
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     """Profile, plan, train with PipeDream and with DP, draw; lines go to ``say``."""
-    from dreampipe.jobs.local import model_spec, predict_samples_per_s, steps_for_epochs
     from dreampipe.runtime import RunConfig, launch_local
-    from dreampipe.runtime.data import load_dataset
+    from dreampipe.runtime.data import load_dataset, steps_for_epochs
     from dreampipe.simulation.timeline import draw_timeline
     from dreampipe.simulation.trace import write_chrome_trace
 
-    spec = model_spec(_MODEL, _MODEL_KWARGS)
+    spec = resolve_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)
     train_n = int(data.train_x.shape[0])
     test_n = int(data.test_x.shape[0]) if data.test_x is not None else 0
@@ -144,7 +139,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     )
     say(f"training with PipeDream (1F1B, weight stashing): {opts.epochs:g} epochs, "
         f"{steps} minibatches of {opts.minibatch_size}")
-    pipedream = launch_local(replace(base, record_events=True))
+    pipedream = launch_local(replace(base, record_events=True), spec=spec)
     dp_batch = opts.minibatch_size * opts.workers
     dp_steps = steps_for_epochs(opts.epochs, train_n, dp_batch)
     dp_plan = Plan.from_config(spec.num_layers, [0], [opts.workers], model=_MODEL)
@@ -152,7 +147,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
         f"{dp_steps} updates of {dp_batch}, learning rate x{opts.workers}")
     dp = launch_local(replace(base, plan=dp_plan, schedule=ScheduleKind.DP,
                               minibatch_size=dp_batch, steps=dp_steps,
-                              lr=opts.lr * opts.workers))
+                              lr=opts.lr * opts.workers), spec=spec)
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     timeline, trace = opts.out_dir / "pipedream-timeline.png", opts.out_dir / "pipedream-trace.json"
     first = max(0, steps // 2 - opts.timeline_units // 2)

@@ -7,7 +7,7 @@ profile is a measurement and differs a little from rank to rank. So only
 rank 0 profiles and plans; when the planner chose the plan, rank 0 publishes
 it in torchrun's own rendezvous store (the agent's TCP store at
 ``MASTER_ADDR:MASTER_PORT``) and the other ranks read it from there. A plan
-file or a forced ``--config``/``--stages`` partition needs no exchange.
+file or a forced partition needs no exchange.
 """
 
 from __future__ import annotations
@@ -17,67 +17,87 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.errors import PeerTimeoutError, PlanError
+from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.jobs.local import (
     choose_plan,
     forced_partition,
-    model_spec,
     predict_samples_per_s,
-    profile_model,
-    steps_for_epochs,
-    unit_size,
+    profile_as_worker,
 )
-from dreampipe.models import ModelSpec
+from dreampipe.models.resolve import resolve_spec
+from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan, stages_from_config
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.checks import check_options
+from dreampipe.runtime.config import RunConfig, RunOptions
+from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
     from dreampipe.runtime import RunResult
     from dreampipe.runtime.data import Dataset
 
-__all__ = ["TrainReport", "TrainRequest", "run_train", "share_plan", "torchrun_world"]
+__all__ = [
+    "PlanSource",
+    "TrainReport",
+    "TrainRequest",
+    "run_train",
+    "share_plan",
+    "torchrun_world",
+]
 
 log = logging.getLogger(__name__)
 
 Say = Callable[[str], None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class PlanSource:
+    """Where a train job's plan comes from: a plan file, a forced partition, else the planner.
+
+    ``config`` (``"2-1"``) and ``stages`` (``"0,4"``) force replicas per
+    stage and first layers, as :func:`~dreampipe.jobs.local.forced_partition` reads them.
+    """
+
+    path: str | None = None
+    config: str | None = None
+    stages: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and (self.config or self.stages):
+            raise ConfigError(
+                f"plan_path={self.path!r} with config/stages: give a plan file or a partition, "
+                "not both", "plan_path",
+            )
+
+    @property
+    def planner_chooses(self) -> bool:
+        """Neither a file nor a partition: the planner picks the plan."""
+        return self.path is None and self.config is None and self.stages is None
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainRequest:
     """What ``dreampipe train`` was asked to do (see its ``--help``).
 
-    ``workers`` None means: the forced config's total, else 2. ``steps`` and
-    ``epochs`` both None means 10 steps.
+    ``run`` is the run but for its plan, which comes from ``plan``.
+    ``workers`` None means: the forced config's total, else 2. ``epochs``
+    replaces ``run.steps`` with the updates that cover that many passes over
+    the data. Steps are rounded up to whole all-reduce rounds of the plan,
+    unless ``exact_steps`` (they were asked for): then a partial round is an error.
     """
 
-    model: str
-    model_kwargs: tuple[tuple[str, Any], ...] = ()
+    run: RunOptions
+    plan: PlanSource = PlanSource()
     workers: int | None = None
-    plan_path: str | None = None
-    config: str | None = None
-    stages: str | None = None
-    schedule: ScheduleKind = ScheduleKind.PIPEDREAM
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    minibatch_size: int = 32
-    microbatches: int = 1
-    steps: int | None = None
     epochs: float | None = None
-    seed: int = 0
-    dataset: str = "synthetic"
-    data_dir: str | None = None
-    vertical_sync: bool = False
-    stash: bool = True
-    timeout_s: float = 60.0
-    record_events: bool = False
-    progress: bool = True
+    exact_steps: bool = False
 
 
 @dataclass(frozen=True)
@@ -118,14 +138,14 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
     """Rank 0 passes its ``plan``; every other rank passes None and gets rank 0's.
 
     Uses the torchrun agent's store; other launchers need a plan every rank
-    can compute alone (``--plan`` or ``--config``/``--stages``).
+    can compute alone (a plan file or a forced partition).
     """
     import torch.distributed as dist
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         raise PlanError(
             "this launcher has no torchrun agent store to share rank 0's plan through; "
-            "give every rank the same plan with --plan FILE or --config/--stages"
+            "give every rank the same plan: a plan file or a forced partition (config/stages)"
         )
     store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -141,7 +161,7 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
     except RuntimeError as exc:
         raise PeerTimeoutError(
             f"rank {os.environ.get('RANK')} waited {timeout_s:g} s for rank 0's plan ({exc}); "
-            "check rank 0's output, or raise --timeout"
+            "check rank 0's output, or raise timeout_s"
         ) from exc
 
 
@@ -154,63 +174,56 @@ def run_train(
     torchrun; otherwise dreampipe starts the local workers itself. ``say``
     receives the human-readable lines (plan, prediction) on the reporting rank.
     """
-    spec = model_spec(req.model, req.model_kwargs)
+    opts = req.run
+    spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
-    if req.schedule is ScheduleKind.DP and req.plan_path is None and req.config is None:
-        req = replace(req, config=str(workers), stages=None)
-    unit = unit_size(req.schedule, req.minibatch_size, req.microbatches,
-                     workers if req.schedule is ScheduleKind.DP else 1)
+    source = req.plan
+    if opts.schedule is ScheduleKind.DP and source.path is None and source.config is None:
+        source = PlanSource(config=str(workers))
+    layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
+                        microbatches=opts.microbatches, workers=workers)
     lead = torchrun is None or torchrun[0] == 0
     talk = say if say is not None and lead else _quiet
     plan: Plan | None = None
     graph: LayerGraph | None = None
     if lead:
-        steps, given = _check_before_profiling(req, spec, workers, fixed_world=torchrun is not None)
-        graph = profile_model(spec, unit)
-        plan = given or choose_plan(graph, workers, config=req.config, stages=req.stages,
+        steps, given = _check_before_profiling(req, source, spec, workers,
+                                               fixed_world=torchrun is not None)
+        graph = profile_as_worker(spec, layout.unit_size)
+        plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None)
     else:
-        steps = _steps(req, _load_data(req, spec) if req.epochs is not None else None)
-        if req.plan_path is not None:
-            plan = _load_plan(req, spec, workers, fixed_world=True)
+        steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
+        if source.path is not None:
+            plan = _load_plan(source.path, spec, workers, fixed_world=True)
         else:
-            forced = forced_partition(spec.num_layers, workers, req.config, req.stages)
+            forced = forced_partition(spec.num_layers, workers, source.config, source.stages)
             if forced is not None:
                 plan = Plan.from_config(spec.num_layers, *forced, model=spec.name)
-    if plan is None or (torchrun is not None and _planner_chose(req)):
-        plan = share_plan(plan, req.timeout_s)
-    steps = _whole_rounds(req, plan, steps, talk)
+    if plan is None or (torchrun is not None and source.planner_chooses):
+        plan = share_plan(plan, opts.timeout_s)
+    steps = _whole_rounds(req, layout, plan, steps, talk)
     predicted = 0.0 if graph is None else predict_samples_per_s(
-        graph, plan, req.schedule, minibatch_size=req.minibatch_size,
-        microbatches=req.microbatches, steps=steps,
+        graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
+        microbatches=opts.microbatches, steps=steps,
     )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     talk(str(plan))
-    talk(f"predicted: {predicted:.1f} samples/s ({req.schedule.value}, {steps} updates of "
-         f"{req.minibatch_size} samples)")
-    result = _run(req, plan, steps, torchrun is not None)
+    talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
+         f"{opts.minibatch_size} samples)")
+    result = _run(opts.with_plan(plan, steps), spec, torchrun is not None)
     if result is None:
         return None
     return TrainReport(plan, steps, predicted, result)
 
 
-def _run(req: TrainRequest, plan: Plan, steps: int, under_torchrun: bool) -> RunResult | None:
-    from dreampipe.runtime import OptimizerKind, RunConfig, launch_local, run_from_env
+def _run(cfg: RunConfig, spec: ModelSpec, under_torchrun: bool) -> RunResult | None:
+    from dreampipe.runtime import launch_local, run_from_env
 
-    cfg = RunConfig(
-        model=req.model, plan=plan, schedule=req.schedule, minibatch_size=req.minibatch_size,
-        microbatches=req.microbatches, steps=steps, optimizer=OptimizerKind(req.optimizer),
-        lr=req.lr, momentum=req.momentum, seed=req.seed, stash=req.stash,
-        vertical_sync=req.vertical_sync, timeout_s=req.timeout_s, dataset=req.dataset,
-        data_dir=req.data_dir, model_kwargs=req.model_kwargs, record_events=req.record_events,
-        progress=req.progress,
-    )
-    return run_from_env(cfg) if under_torchrun else launch_local(cfg, workers=plan.workers_used)
-
-
-def _planner_chose(req: TrainRequest) -> bool:
-    return req.plan_path is None and req.config is None and req.stages is None
+    if under_torchrun:
+        return run_from_env(cfg)
+    return launch_local(cfg, workers=cfg.workers, spec=spec)
 
 
 def _quiet(_line: str) -> None:
@@ -221,91 +234,83 @@ def _workers(req: TrainRequest, torchrun: tuple[int, int] | None) -> int:
     if torchrun is not None:
         world = torchrun[1]
         if req.workers is not None and req.workers != world:
-            raise PlanError(
-                f"--workers {req.workers} but torchrun started {world} processes; drop "
-                "--workers or make them agree"
+            raise ConfigError(
+                f"workers={req.workers} but torchrun started {world} processes; leave workers "
+                "out or make them agree", "workers",
             )
         return world
     if req.workers is not None:
         return req.workers
-    if req.config:
-        stages = len(req.stages.split(",")) if req.stages else None
-        return sum(stages_from_config(req.config, stages))
+    if req.plan.config:
+        stages = len(req.plan.stages.split(",")) if req.plan.stages else None
+        return sum(stages_from_config(req.plan.config, stages))
     return 2
 
 
 def _check_before_profiling(
-    req: TrainRequest, spec: ModelSpec, workers: int, fixed_world: bool
+    req: TrainRequest, source: PlanSource, spec: ModelSpec, workers: int, fixed_world: bool
 ) -> tuple[int, Plan | None]:
     """Fail on a bad option, dataset, plan file or partition now, not after profiling.
 
     Loading the dataset is the check that it exists and fits the model (the
     workers load their own). Returns the number of steps and the plan from
-    ``--plan``, if one was given.
+    the plan file, if one was given.
     """
-    from dreampipe.runtime.checks import check_options
-
-    check_options(req.schedule, microbatches=req.microbatches,
-                  vertical_sync=req.vertical_sync, stash=req.stash, lr=req.lr)
-    steps = _steps(req, _load_data(req, spec))
-    if req.plan_path is not None:
-        return steps, _load_plan(req, spec, workers, fixed_world)
-    forced_partition(spec.num_layers, workers, req.config, req.stages)
+    check_options(req.run)
+    steps = _steps(req, _load_data(req.run, spec))
+    if source.path is not None:
+        return steps, _load_plan(source.path, spec, workers, fixed_world)
+    forced_partition(spec.num_layers, workers, source.config, source.stages)
     return steps, None
 
 
-def _whole_rounds(req: TrainRequest, plan: Plan, steps: int, talk: Say) -> int:
+def _whole_rounds(
+    req: TrainRequest, layout: UnitLayout, plan: Plan, steps: int, talk: Say
+) -> int:
     """``steps``, made whole rounds of PipeDream's all-reduce for replicated stages.
 
     Replicas of a stage take minibatches round-robin and all-reduce after
-    each round, so the run must end on a round: steps from ``--epochs`` are
-    rounded up, an explicit ``--steps`` that is not a multiple is an error.
+    each round, so the run must end on a round: steps from epochs or the
+    default are rounded up, steps asked for exactly that are not a multiple
+    are an error.
     """
-    if req.schedule is not ScheduleKind.PIPEDREAM:
-        return steps
-    from dreampipe.scheduling.build import whole_rounds
-
     replicas = [st.replicas for st in plan.stages]
-    rounds = math.lcm(*replicas)
-    whole = whole_rounds(replicas, steps)
+    whole = layout.whole_rounds(replicas, steps)
     if whole == steps:
         return steps
-    if req.steps is not None:
-        raise PlanError(
-            f"--steps {steps}: the plan {plan.config} all-reduces replicated stages every "
-            f"{rounds} minibatches; use --steps {whole}"
+    rounds = math.lcm(*replicas)
+    if req.exact_steps:
+        raise ConfigError(
+            f"steps={steps}: the plan {plan.config} all-reduces replicated stages every "
+            f"{rounds} minibatches; use steps={whole}", "steps",
         )
     talk(f"{steps} steps rounded up to {whole}, whole all-reduce rounds of {rounds}")
     return whole
 
 
-def _load_data(req: TrainRequest, spec: ModelSpec) -> Dataset:
-    from dreampipe.runtime.data import load_dataset
-
-    return load_dataset(req.dataset, spec, data_dir=req.data_dir, seed=req.seed)
+def _load_data(opts: RunOptions, spec: ModelSpec) -> Dataset:
+    return load_dataset(opts.dataset, spec, data_dir=opts.data_dir, seed=opts.seed)
 
 
 def _steps(req: TrainRequest, data: Dataset | None) -> int:
-    """``req.steps``, else the updates in ``req.epochs`` of ``data``, else 10."""
-    if req.steps is not None:
-        return req.steps
+    """The updates in ``req.epochs`` of ``data``, else ``req.run.steps``."""
     if req.epochs is None:
-        return 10
+        return req.run.steps
     assert data is not None
-    return steps_for_epochs(req.epochs, int(data.train_x.shape[0]), req.minibatch_size)
+    return steps_for_epochs(req.epochs, int(data.train_x.shape[0]), req.run.minibatch_size)
 
 
-def _load_plan(req: TrainRequest, spec: ModelSpec, workers: int, fixed_world: bool) -> Plan:
-    plan = Plan.load(Path(str(req.plan_path)))
+def _load_plan(path: str, spec: ModelSpec, workers: int, fixed_world: bool) -> Plan:
+    plan = Plan.load(Path(path))
     if plan.num_layers != spec.num_layers or (plan.model and plan.model != spec.name):
         raise PlanError(
-            f"plan {req.plan_path!r} is for {plan.model or 'a model'} with {plan.num_layers} "
+            f"plan {path!r} is for {plan.model or 'a model'} with {plan.num_layers} "
             f"layers, not {spec.name} with {spec.num_layers}; plan this model with "
             "'dreampipe plan'"
         )
     if plan.workers_used > workers or (fixed_world and plan.workers_used != workers):
-        raise PlanError(
-            f"plan {req.plan_path!r} uses {plan.workers_used} workers but {workers} are "
-            f"available; use --workers {plan.workers_used}"
+        raise ConfigError(
+            f"plan {path!r} uses {plan.workers_used} workers but {workers} are "
+            f"available; use workers={plan.workers_used}", "workers",
         )
     return plan

@@ -13,21 +13,22 @@ on one), ``"straight"`` (every stage on one worker, more than one stage) and
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 
-__all__ = ["Plan", "Stage", "config_string", "stages_from_config"]
+__all__ = ["Plan", "Stage", "config_string", "parse_stage_bounds", "stages_from_config"]
 
-_FORMAT = "dreampipe.planning.plan"
+_FORMAT = "dreampipe.plan"
 _VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Stage:
     """One pipeline stage. Times are per minibatch, for the whole stage.
 
@@ -70,7 +71,7 @@ class Stage:
         return max(self.compute_s / self.replicas, self.allreduce_s / self.replicas, self.comm_s)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """Stages in pipeline order plus the predictions the planner made for them.
 
@@ -123,9 +124,10 @@ class Plan:
         edges = [*bounds, num_layers]
         stages, rank = [], 0
         for s, r in enumerate(replicas):
-            stages.append(Stage(edges[s], edges[s + 1] - 1, r, tuple(range(rank, rank + r))))
+            stages.append(Stage(first=edges[s], last=edges[s + 1] - 1, replicas=r,
+                                ranks=tuple(range(rank, rank + r))))
             rank += r
-        return cls(tuple(stages), num_layers, **kw)
+        return cls(stages=tuple(stages), num_layers=num_layers, **kw)
 
     # ---- derived --------------------------------------------------------
     @property
@@ -195,17 +197,20 @@ class Plan:
         try:
             stages = tuple(
                 Stage(
-                    int(s["first"]), int(s["last"]), int(s["replicas"]),
-                    tuple(int(r) for r in s["ranks"]), float(s["compute_s"]),
-                    float(s["comm_s"]), float(s["allreduce_s"]), int(s["memory_bytes"]),
+                    first=int(s["first"]), last=int(s["last"]), replicas=int(s["replicas"]),
+                    ranks=tuple(int(r) for r in s["ranks"]), compute_s=float(s["compute_s"]),
+                    comm_s=float(s["comm_s"]), allreduce_s=float(s["allreduce_s"]),
+                    memory_bytes=int(s["memory_bytes"]),
                 )
                 for s in data["stages"]
             )
             return cls(
-                stages, int(data["num_layers"]), int(data["batch_size"]), str(data["model"]),
-                str(data["topology"]), float(data["time_per_minibatch_s"]),
-                {str(k): float(v) for k, v in data["baselines_s"].items()},
-                tuple(str(x) for x in data.get("layer_names", [])),
+                stages=stages, num_layers=int(data["num_layers"]),
+                batch_size=int(data["batch_size"]), model=str(data["model"]),
+                topology=str(data["topology"]),
+                time_per_minibatch_s=float(data["time_per_minibatch_s"]),
+                baselines_s={str(k): float(v) for k, v in data["baselines_s"].items()},
+                layer_names=tuple(str(x) for x in data.get("layer_names", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
@@ -269,3 +274,21 @@ def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
     if any(r < 1 for r in reps):
         raise PlanError(f"config {config!r} has a stage with fewer than 1 replica")
     return reps
+
+
+def parse_stage_bounds(text: str, num_layers: int) -> list[int]:
+    """``"0,4"`` (the first layer of each stage) into ``[0, 4]``, checked against the model."""
+    try:
+        bounds = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"stages={text!r}: list the first layer of each stage, e.g. 0,4", "stages"
+        ) from None
+    if bounds[0] != 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
+        raise ConfigError(f"stages={text!r} must start at 0 and increase, e.g. 0,4", "stages")
+    if bounds[-1] >= num_layers:
+        raise ConfigError(
+            f"stages={text!r} starts a stage at layer {bounds[-1]} but the model has "
+            f"{num_layers} layers (0..{num_layers - 1})", "stages",
+        )
+    return bounds

@@ -153,14 +153,17 @@ def plan_pipeline(
     stages, rank = [], 0
     for f, mem in zip(flat, prof.memories(spans), strict=True):
         stages.append(Stage(
-            f.first, f.last, f.replicas, tuple(range(rank, rank + f.replicas)),
+            first=f.first, last=f.last, replicas=f.replicas,
+            ranks=tuple(range(rank, rank + f.replicas)),
             compute_s=float(prof.compute_s[f.first, f.last]), comm_s=f.comm_s,
             allreduce_s=f.allreduce_share * f.replicas, memory_bytes=mem,
         ))
         rank += f.replicas
     result = Plan(
-        tuple(stages), prof.n, graph.batch_size, graph.model, topology.describe(), value,
-        _baselines(prof, models, memory_bytes), tuple(x.name for x in graph.layers),
+        stages=tuple(stages), num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
+        topology=topology.describe(), time_per_minibatch_s=value,
+        baselines_s=_baselines(prof, models, memory_bytes),
+        layer_names=tuple(x.name for x in graph.layers),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result
@@ -203,13 +206,14 @@ def evaluate_plan(
             link = topology.bandwidth_between(firsts[s], firsts[s + 2] - 1)
             comm = float(cut_time(prof.cut_bytes[last + 1], link))
         stages.append(Stage(
-            first, last, r, tuple(range(firsts[s], firsts[s + 1])),
+            first=first, last=last, replicas=r, ranks=tuple(range(firsts[s], firsts[s + 1])),
             compute_s=float(prof.compute_s[first, last]), comm_s=comm,
             allreduce_s=float(allreduce_time(prof.weights[first, last], r, bw)) if r > 1 else 0.0,
             memory_bytes=mem,
         ))
     return Plan(
-        tuple(stages), n, graph.batch_size, graph.model, topology.describe(),
-        max(st.time_s for st in stages), _baselines(prof, _models(topology, True), None),
-        tuple(x.name for x in graph.layers),
+        stages=tuple(stages), num_layers=n, batch_size=graph.batch_size, model=graph.model,
+        topology=topology.describe(), time_per_minibatch_s=max(st.time_s for st in stages),
+        baselines_s=_baselines(prof, _models(topology, True), None),
+        layer_names=tuple(x.name for x in graph.layers),
     )

@@ -4,16 +4,15 @@
 both return a :class:`RunResult` (``run_from_env`` on rank 0 only).
 """
 
-from dreampipe.runtime.config import OptimizerKind, RunConfig, RunResult, resolve_model
-from dreampipe.runtime.launch import WorkerError, launch_local, run_from_env, run_rank
+from dreampipe.runtime.config import OptimizerKind, RunConfig, RunOptions, RunResult
+from dreampipe.runtime.launch import launch_local, run_from_env, run_rank
 
 __all__ = [
     "OptimizerKind",
     "RunConfig",
+    "RunOptions",
     "RunResult",
-    "WorkerError",
     "launch_local",
-    "resolve_model",
     "run_from_env",
     "run_rank",
 ]

@@ -13,10 +13,10 @@ import logging
 import torch
 from torch import Tensor
 
-from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
-from dreampipe.runtime.config import RunConfig
-from dreampipe.runtime.data import DATASETS, DatasetError
+from dreampipe.runtime.config import RunConfig, RunOptions
+from dreampipe.runtime.data import DATASETS
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["check_config", "check_options", "check_stage_outputs"]
@@ -51,72 +51,50 @@ def check_config(cfg: RunConfig, spec: ModelSpec, world: int | None = None) -> N
             f"the plan is for another model: its layer {diff} is {plan.layer_names[diff]!r} but "
             f"{spec.name}'s is {spec.layer_names[diff]!r}; plan again for this model"
         )
-    _check_numbers(cfg)
+    check_options(cfg)
+    _ = cfg.layout
     _check_schedule(cfg)
-    if cfg.dataset not in DATASETS:
-        raise DatasetError(f"unknown dataset {cfg.dataset!r}; use one of {', '.join(DATASETS)}")
 
 
-def _check_numbers(cfg: RunConfig) -> None:
-    for name in ("minibatch_size", "microbatches", "steps"):
-        if getattr(cfg, name) < 1:
-            raise ScheduleError(f"{name}={getattr(cfg, name)}; use 1 or more")
-    if cfg.timeout_s <= 0:
-        raise ScheduleError(f"timeout_s={cfg.timeout_s}; use a positive number of seconds")
-    units = cfg.units_per_update
-    if cfg.minibatch_size % units:
-        what = (
-            f"{cfg.workers} workers x {cfg.microbatches} microbatches = {units} units"
-            if cfg.schedule is ScheduleKind.DP
-            else f"{cfg.microbatches} microbatches"
-        )
-        divisors = [d for d in range(2, cfg.minibatch_size + 1) if cfg.minibatch_size % d == 0]
-        near = sorted(divisors, key=lambda d: (d < units, abs(d - units)))[:2]
-        hint = " or ".join(str(d) for d in sorted(near)) if near else "1"
-        raise ScheduleError(
-            f"{what} do not divide a minibatch of {cfg.minibatch_size}; "
-            f"use a divisor such as {hint}"
-        )
+def check_options(opts: RunOptions) -> None:
+    """The checks that need no plan, so a job can run them before profiling.
 
-
-def check_options(
-    kind: ScheduleKind, *, microbatches: int, vertical_sync: bool, stash: bool, lr: float
-) -> None:
-    """The checks that need no plan, so a caller can run them before profiling."""
-    if lr <= 0:
-        raise ScheduleError(f"learning rate {lr}; use a positive value such as 0.01")
-    if kind is ScheduleKind.PIPEDREAM and microbatches != 1:
-        raise ScheduleError(
-            f"the pipedream schedule updates after every minibatch, so microbatches must be 1 "
-            f"(got {microbatches}); use the 1f1b-flush schedule to split minibatches"
-        )
-    if kind is not ScheduleKind.PIPEDREAM and (vertical_sync or not stash):
-        raise ScheduleError(
+    How an update splits into units is :class:`~dreampipe.scheduling.units.UnitLayout`'s
+    rule, checked where a layout is made.
+    """
+    if opts.steps < 1:
+        raise ConfigError(f"steps={opts.steps}; use 1 or more", "steps")
+    if opts.timeout_s <= 0:
+        raise ConfigError(f"timeout_s={opts.timeout_s}; use a positive number of seconds",
+                          "timeout_s")
+    if opts.lr <= 0:
+        raise ConfigError(f"lr={opts.lr}: the learning rate must be positive, such as 0.01",
+                          "lr")
+    if opts.schedule is not ScheduleKind.PIPEDREAM and (opts.vertical_sync or not opts.stash):
+        raise ConfigError(
             f"vertical sync and turning weight stashing off apply to the pipedream schedule "
-            f"only; {kind.value} updates all stages together"
+            f"only; {opts.schedule.value} updates all stages together"
         )
-    if vertical_sync and not stash:
-        raise ScheduleError(
+    if opts.vertical_sync and not opts.stash:
+        raise ConfigError(
             "vertical sync runs every stage on a stashed weight version; it needs weight "
-            "stashing: drop --no-stash or --vertical-sync"
+            "stashing: drop stash=False or vertical_sync=True", "stash", "vertical_sync",
         )
+    if opts.dataset not in DATASETS:
+        raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
 
 
 def _check_schedule(cfg: RunConfig) -> None:
-    kind = cfg.schedule
-    check_options(
-        kind, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync, stash=cfg.stash,
-        lr=cfg.lr,
-    )
     replicas = {st.replicas for st in cfg.plan.stages}
     if cfg.vertical_sync and len(replicas) > 1:
-        raise ScheduleError(
+        raise ConfigError(
             f"vertical sync needs the same replica count in every stage (got "
             f"{cfg.plan.config}): a stage's version counts its own updates, so stages that "
             "update at different rates name different weights by one number (and the faster "
-            "one keeps ever more versions); drop --vertical-sync or replicate stages equally"
+            "one keeps ever more versions); drop vertical_sync=True or replicate stages equally",
+            "vertical_sync",
         )
-    if kind is ScheduleKind.DP and cfg.plan.num_stages != 1:
+    if cfg.schedule is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "
             f"got {cfg.plan.config}"
@@ -127,7 +105,7 @@ def check_stage_outputs(cfg: RunConfig, spec: ModelSpec) -> None:
     """Every stage but the last must return one tensor (checked on the meta device)."""
     try:
         with torch.device("meta"):
-            x: object = spec.sample_input(max(1, cfg.unit_size))
+            x: object = spec.sample_input(max(1, cfg.layout.unit_size))
             for s, st in enumerate(cfg.plan.stages[:-1]):
                 module = spec.build(st.first, st.last, cfg.seed)
                 assert isinstance(x, Tensor)

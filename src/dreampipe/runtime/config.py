@@ -1,56 +1,27 @@
 """What to run and what came back: :class:`RunConfig` and :class:`RunResult`.
 
-A run trains ``steps`` weight updates of ``minibatch_size`` samples each. How
-an update is cut into *units* (the ``unit`` of every :class:`~dreampipe.scheduling.actions.Action`)
-depends on the schedule::
-
-    schedule                units per update            samples per unit
-    pipedream               1 (a unit is a minibatch)   minibatch_size
-    1f1b-flush/gpipe/naive  microbatches                minibatch_size / microbatches
-    dp on N workers         N * microbatches            minibatch_size / (N * microbatches)
-
-so for ``dp`` the ``microbatches`` option counts microbatches *per worker*
-(gradient accumulation on each worker), and every worker gets the same share.
-Unit ``u`` always holds samples ``u*size .. (u+1)*size-1`` of the data stream,
-so the same run split into more microbatches sees the same samples.
+A run trains ``steps`` weight updates of ``minibatch_size`` samples each;
+how an update is cut into scheduled units is
+:class:`~dreampipe.scheduling.units.UnitLayout`'s (:attr:`RunConfig.layout`).
+:class:`RunOptions` is everything but the plan, so a job can hold a run's
+options before it has planned.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from typing import Any
 
 import torch
 
-from dreampipe.errors import PlanError
-from dreampipe.models import get_model
-from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.units import UnitLayout
 
-__all__ = [
-    "OptimizerKind",
-    "RunConfig",
-    "RunResult",
-    "resolve_model",
-    "units_per_update",
-]
-
-
-def units_per_update(kind: ScheduleKind, microbatches: int, workers: int) -> int:
-    """Scheduled units per weight update (the table above).
-
-    One minibatch for PipeDream; ``microbatches`` for the pipelined
-    synchronous schedules; ``microbatches`` per worker for data parallelism.
-    """
-    if kind is ScheduleKind.PIPEDREAM:
-        return 1
-    if kind is ScheduleKind.DP:
-        return microbatches * workers
-    return microbatches
+__all__ = ["OptimizerKind", "RunConfig", "RunOptions", "RunResult"]
 
 
 class OptimizerKind(Enum):
@@ -60,22 +31,21 @@ class OptimizerKind(Enum):
     ADAM = "adam"
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """Everything a training run needs; identical on every rank.
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """Everything a training run needs but its plan; identical on every rank.
 
-    ``model`` is a zoo name (:func:`dreampipe.models.get_model`) or
-    ``"package.module:factory"``, a function returning a
-    :class:`~dreampipe.models.spec.ModelSpec` (called with ``model_kwargs``).
-    ``stash=False`` turns weight stashing off (PipeDream's "naive pipelining",
-    see :mod:`dreampipe.runtime.stage`); ``vertical_sync`` makes every stage
-    run a minibatch with the weight version its input stage used.
-    ``timeout_s`` bounds every wait for a peer. ``backend`` None picks NCCL
-    when CUDA is available, gloo otherwise.
+    ``model`` is a reference :func:`dreampipe.models.resolve.resolve_spec`
+    accepts (a zoo name, ``package.module:factory`` or ``file.py:function``
+    returning a :class:`~dreampipe.models.spec.ModelSpec`), called with
+    ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
+    "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
+    makes every stage run a minibatch with the weight version its input stage
+    used. ``timeout_s`` bounds every wait for a peer. ``backend`` None picks
+    NCCL when CUDA is available, gloo otherwise.
     """
 
     model: str
-    plan: Plan
     schedule: ScheduleKind = ScheduleKind.PIPEDREAM
     minibatch_size: int = 32
     microbatches: int = 1
@@ -95,25 +65,28 @@ class RunConfig:
     backend: str | None = None
     progress: bool = False
 
+    def with_plan(self, plan: Plan, steps: int) -> RunConfig:
+        """These options run as ``steps`` updates of ``plan``."""
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return RunConfig(**{**fields, "steps": steps}, plan=plan)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(RunOptions):
+    """:class:`RunOptions` plus the plan they run."""
+
+    plan: Plan
+
     @property
     def workers(self) -> int:
         """Processes the plan uses (every replica of every stage)."""
         return self.plan.workers_used
 
-    @property
-    def units_per_update(self) -> int:
-        """Scheduled units (minibatches or microbatches) per weight update; see above."""
-        return units_per_update(self.schedule, self.microbatches, self.workers)
-
-    @property
-    def unit_size(self) -> int:
-        """Samples per unit (minibatch or microbatch)."""
-        return self.minibatch_size // self.units_per_update
-
-    @property
-    def num_units(self) -> int:
-        """Units in the whole run."""
-        return self.steps * self.units_per_update
+    @cached_property
+    def layout(self) -> UnitLayout:
+        """How each update is cut into units; raises a ConfigError if it cannot be."""
+        return UnitLayout(kind=self.schedule, minibatch_size=self.minibatch_size,
+                          microbatches=self.microbatches, workers=self.workers)
 
     @property
     def backend_name(self) -> str:
@@ -140,23 +113,3 @@ class RunResult:
     elapsed_s: float
     stage_states: tuple[dict[str, torch.Tensor], ...]
 
-
-def resolve_model(cfg: RunConfig) -> ModelSpec:
-    """The :class:`ModelSpec` named by ``cfg.model`` (zoo name or ``module:factory``)."""
-    kwargs = dict(cfg.model_kwargs)
-    if ":" not in cfg.model:
-        return get_model(cfg.model, **kwargs)
-    module_name, _, attr = cfg.model.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise PlanError(
-            f"model {cfg.model!r}: cannot import {attr!r} from {module_name!r} ({exc}); "
-            "give a zoo name or 'package.module:function' returning a ModelSpec"
-        ) from exc
-    spec = factory(**kwargs)
-    if not isinstance(spec, ModelSpec):
-        raise PlanError(
-            f"model {cfg.model!r} returned {type(spec).__name__}, not a ModelSpec"
-        )
-    return spec

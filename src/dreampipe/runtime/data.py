@@ -21,6 +21,7 @@ Datasets:
 from __future__ import annotations
 
 import gzip
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dreampipe.errors import DreampipeError
+from dreampipe.errors import ConfigError, DatasetError
 from dreampipe.models.spec import ModelSpec
 
-__all__ = ["DATASETS", "Dataset", "DatasetError", "load_dataset"]
+__all__ = ["DATASETS", "Dataset", "load_dataset", "steps_for_epochs"]
 
 DATASETS = ("synthetic", "digits", "mnist")
 _SYNTHETIC_SAMPLES = 2048
@@ -46,10 +47,6 @@ _MNIST_FILES = (
     "t10k-labels-idx1-ubyte",
 )
 _MNIST_MEAN, _MNIST_STD = 0.1307, 0.3081
-
-
-class DatasetError(DreampipeError, ValueError):
-    """A dataset is unknown, missing, or does not fit the model's input."""
 
 
 @dataclass(frozen=True)
@@ -160,9 +157,9 @@ def _digits(spec: ModelSpec, seed: int) -> Dataset:
 
 def _mnist(spec: ModelSpec, data_dir: str | None, seed: int) -> Dataset:
     if data_dir is None:
-        raise DatasetError(
-            "the mnist dataset needs data_dir, a directory holding "
-            + ", ".join(_MNIST_FILES) + " (each optionally .gz)"
+        raise ConfigError(
+            "the mnist dataset needs data_dir=DIR, a directory holding "
+            + ", ".join(_MNIST_FILES) + " (each optionally .gz)", "data_dir",
         )
     arrays = [_read_idx(_find(Path(data_dir), f)) for f in _MNIST_FILES]
     train_x, train_y, test_x, test_y = (torch.as_tensor(a) for a in arrays)
@@ -230,3 +227,10 @@ def _shape_for(spec: ModelSpec, images: Tensor, name: str) -> Tensor:
         f"model {spec.name} takes inputs of shape {tuple(probe.shape)}; {name} fits "
         "(N, C, H, W) image models or (N, features) flat models"
     )
+
+
+def steps_for_epochs(epochs: float, train_samples: int, minibatch_size: int) -> int:
+    """Weight updates (PipeDream: minibatches) that cover ``epochs`` passes over the data."""
+    if epochs <= 0:
+        raise ConfigError(f"epochs={epochs}: use a positive number of epochs", "epochs")
+    return max(1, math.ceil(epochs * train_samples / minibatch_size))

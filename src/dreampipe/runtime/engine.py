@@ -137,7 +137,7 @@ class RankRunner:
     # ---- handlers ----------------------------------------------------------
     def _batch(self, unit: int) -> tuple[Tensor, Tensor]:
         assert self.data is not None
-        x, y = self.data.batch(unit, self.cfg.unit_size)
+        x, y = self.data.batch(unit, self.cfg.layout.unit_size)
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def _recv_f(self, a: Action) -> None:
@@ -159,7 +159,7 @@ class RankRunner:
                 self.module.note_version(version)
             if self.last:
                 assert self.data is not None
-                target = self.data.targets(u, self.cfg.unit_size).to(
+                target = self.data.targets(u, self.cfg.layout.unit_size).to(
                     self.device, non_blocking=True
                 )
         out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
@@ -185,7 +185,7 @@ class RankRunner:
         if self._bar is not None:
             self._bar.update(1)
             elapsed = time.perf_counter() - self._bar_start
-            rate = self._bar.n * self.cfg.unit_size / elapsed if elapsed > 0 else 0.0
+            rate = self._bar.n * self.cfg.layout.unit_size / elapsed if elapsed > 0 else 0.0
             self._bar.set_postfix(
                 loss=f"{float(self._losses[a.unit]):.4f}", samples_per_s=f"{rate:.0f}",
                 refresh=False,

@@ -1,17 +1,20 @@
 """Start ranks: locally with :func:`launch_local`, or under torchrun with :func:`run_from_env`.
 
-``launch_local`` spawns one process per worker on this machine (spawn
-context, one thread each on CPU, gloo on 127.0.0.1 and a free port) and
+:func:`run_processes` is dreampipe's one process supervisor: it spawns one
+process per rank on this machine (spawn context, torchrun's environment on
+127.0.0.1 and a free port, one thread each unless asked otherwise) and
 supervises them::
 
-    parent ── checks cfg ── spawn ranks ── wait for results / failures / exits
-                                              │ a rank fails ──▶ grace 1 s for
-                                              │ the others' reports, terminate
-                                              ▼ the rest, raise with tracebacks
-                                            RunResult (from rank 0)
+    parent ── spawn ranks ── wait for results / failures / exits
+                                │ a rank fails ──▶ grace 1 s for
+                                │ the others' reports, terminate
+                                ▼ the rest, raise with tracebacks
+                              results by rank
 
 No process outlives the call: children are terminated on any failure, on the
 optional overall deadline, and exit by themselves if the parent dies.
+``launch_local`` checks a run in the parent and trains it that way; the
+bench's PyTorch baselines run through the same supervisor.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -33,34 +38,56 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError
+from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError, WorkerError
+from dreampipe.models.resolve import resolve_spec
+from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.checks import check_config, check_stage_outputs
-from dreampipe.runtime.config import RunConfig, RunResult, resolve_model
+from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
 from dreampipe.runtime.results import assemble
 
-__all__ = ["WorkerError", "free_port", "launch_local", "run_from_env", "run_rank"]
+__all__ = [
+    "RankFn",
+    "free_port",
+    "launch_local",
+    "pinned_threads",
+    "run_from_env",
+    "run_processes",
+    "run_rank",
+]
 
 _log = logging.getLogger(__name__)
 _GRACE_S = 1.0
 _MIN_SETUP_S = 60.0
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
+#: What each rank of :func:`run_processes` runs: ``fn(rank, world, arg)``.
+RankFn = Callable[[int, int, Any], Any]
 
-class WorkerError(DreampipeError, RuntimeError):
-    """A worker process failed with an error that is not a DreampipeError, or ran too long."""
+
+@contextmanager
+def pinned_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``threads`` inside the block, restored after.
+
+    A CPU worker runs on one thread, so profiles and costs meant for workers
+    are measured that way too.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
-def run_rank(cfg: RunConfig, rank: int, world: int, device: torch.device) -> RunResult | None:
-    """Train as ``rank`` of an initialised process group; the result on rank 0."""
-    from dreampipe.scheduling.build import build_schedule
+def run_rank(
+    cfg: RunConfig, rank: int, world: int, device: torch.device, *, spec: ModelSpec
+) -> RunResult | None:
+    """Train as ``rank`` of an initialised process group; the result on rank 0.
 
-    spec = resolve_model(cfg)
-    check_config(cfg, spec, world)
-    schedule = build_schedule(
-        [st.replicas for st in cfg.plan.stages], cfg.schedule, cfg.num_units,
-        cfg.units_per_update,
-    )
+    ``spec`` is ``cfg.model`` resolved, and ``cfg`` already checked against it.
+    """
+    schedule = cfg.layout.build([st.replicas for st in cfg.plan.stages], cfg.steps)
     everyone = list(range(world))
     links = (dist.new_group(everyone), dist.new_group(everyone))
     groups = {
@@ -83,7 +110,7 @@ def run_rank(cfg: RunConfig, rank: int, world: int, device: torch.device) -> Run
 
 
 def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> RunResult | None:
-    spec = resolve_model(cfg)
+    spec = resolve_spec(cfg.model, cfg.model_kwargs)
     check_config(cfg, spec, world)
     check_stage_outputs(cfg, spec)
     backend = cfg.backend_name
@@ -97,7 +124,7 @@ def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Run
         backend, rank=rank, world_size=world,
         timeout=timedelta(seconds=max(cfg.timeout_s, _MIN_SETUP_S)),
     )
-    result = run_rank(cfg, rank, world, device)
+    result = run_rank(cfg, rank, world, device, spec=spec)
     dist.destroy_process_group()
     return result
 
@@ -134,12 +161,100 @@ def run_from_env(cfg: RunConfig) -> RunResult | None:
     return _init_and_run(cfg, rank, world, int(os.environ.get("LOCAL_RANK", "0")))
 
 
-# ---- local launch ----------------------------------------------------------
+# ---- local processes --------------------------------------------------------
 def free_port() -> int:
     """A TCP port on localhost that was free a moment ago (for a local rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def launch_local(
+    cfg: RunConfig,
+    workers: int | None = None,
+    *,
+    deadline_s: float | None = None,
+    spec: ModelSpec | None = None,
+) -> RunResult:
+    """Train with ``workers`` (default: the plan's) processes on this machine.
+
+    ``deadline_s`` bounds the whole run; None leaves only the per-wait
+    ``cfg.timeout_s``. ``spec`` is ``cfg.model`` when the caller has resolved
+    it already. A failing rank's error is raised here, as its own
+    DreampipeError class when it is one, with every failed rank's traceback.
+    """
+    world = cfg.workers if workers is None else workers
+    spec = resolve_spec(cfg.model, cfg.model_kwargs) if spec is None else spec
+    check_config(cfg, spec, world)
+    check_stage_outputs(cfg, spec)
+
+    def where(rank: int) -> str:
+        try:
+            return f"stage {cfg.plan.stage_of_rank(rank)}"
+        except DreampipeError:
+            return "no stage"
+
+    results = run_processes(
+        _train_rank, world, cfg, threads=None if torch.cuda.is_available() else 1,
+        deadline_s=deadline_s, where=where,
+    )
+    if not isinstance(results[0], RunResult):
+        raise WorkerError("rank 0 finished without a result")
+    return results[0]
+
+
+def _train_rank(_rank: int, _world: int, cfg: RunConfig) -> RunResult | None:
+    """One local rank: exactly what torchrun runs, in torchrun's environment."""
+    return run_from_env(cfg)
+
+
+def run_processes(
+    fn: RankFn,
+    world: int,
+    arg: Any,
+    *,
+    threads: int | None = 1,
+    deadline_s: float | None = None,
+    where: Callable[[int], str] | None = None,
+    error: type[DreampipeError] | None = None,
+) -> list[Any]:
+    """``fn(rank, world, arg)`` on ``world`` fresh processes; their results by rank.
+
+    Each process has torchrun's environment (``MASTER_ADDR``/``PORT`` on a
+    free local port, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and runs on
+    ``threads`` threads (None: torch's default). A rank's exception, a rank
+    dying or ``deadline_s`` passing stops every rank and raises ``error``
+    with each failed rank's traceback; ``error`` None raises the first
+    rank's own class when it is a DreampipeError, else
+    :class:`~dreampipe.errors.WorkerError`. ``where(rank)`` names a rank's
+    part in the message (e.g. its stage).
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, conns = [], []
+    try:
+        for rank in range(world):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_child, args=(fn, arg, rank, world, port, threads, send, os.getpid()),
+                name=f"dreampipe-rank{rank}", daemon=True,
+            )
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        return _supervise(procs, conns, deadline_s, where, error)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(5.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in conns:
+            c.close()
 
 
 def _watch_parent(parent: int) -> None:
@@ -157,18 +272,22 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
     conn.send_bytes(pickle.dumps(msg))
 
 
-def _child(cfg: RunConfig, rank: int, world: int, port: int, conn: Connection, parent: int) -> None:
-    """One local rank: torchrun's environment, then exactly what torchrun runs."""
+def _child(
+    fn: RankFn, arg: Any, rank: int, world: int, port: int, threads: int | None,
+    conn: Connection, parent: int,
+) -> None:
+    """One local rank: torchrun's environment, then ``fn``; its result or error to the parent."""
     _watch_parent(parent)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )
-    if not torch.cuda.is_available():
-        torch.set_num_threads(1)
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     code = 0
     try:
-        _send(conn, ("ok", rank, run_from_env(cfg)))
+        with pinned_threads(threads) if threads is not None else nullcontext():
+            _send(conn, ("ok", rank, fn(rank, world, arg)))
     except BaseException as exc:
         code = 1
         kind = type(exc) if isinstance(exc, DreampipeError) else None
@@ -179,50 +298,13 @@ def _child(cfg: RunConfig, rank: int, world: int, port: int, conn: Connection, p
     os._exit(code)
 
 
-def launch_local(
-    cfg: RunConfig, workers: int | None = None, *, deadline_s: float | None = None
-) -> RunResult:
-    """Train with ``workers`` (default: the plan's) processes on this machine.
-
-    ``deadline_s`` bounds the whole run; None leaves only the per-wait
-    ``cfg.timeout_s``. A failing rank's error is raised here, as its own
-    DreampipeError class when it is one, with every failed rank's traceback.
-    """
-    world = cfg.workers if workers is None else workers
-    spec = resolve_model(cfg)
-    check_config(cfg, spec, world)
-    check_stage_outputs(cfg, spec)
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs, conns = [], []
-    try:
-        for rank in range(world):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_child, args=(cfg, rank, world, port, send, os.getpid()),
-                name=f"dreampipe-rank{rank}", daemon=True,
-            )
-            p.start()
-            send.close()
-            procs.append(p)
-            conns.append(recv)
-        return _supervise(cfg, procs, conns, deadline_s)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
-
-
 def _supervise(
-    cfg: RunConfig, procs: list[Any], conns: list[Connection], deadline_s: float | None
-) -> RunResult:
+    procs: list[Any],
+    conns: list[Connection],
+    deadline_s: float | None,
+    where: Callable[[int], str] | None,
+    error: type[DreampipeError] | None,
+) -> list[Any]:
     start = time.monotonic()
     deadline = None if deadline_s is None else start + deadline_s
     results: dict[int, Any] = {}
@@ -260,26 +342,23 @@ def _supervise(
     for p in procs:
         p.join(5.0)
     if failures:
-        raise _failure(cfg, procs, failures)
+        raise _failure(procs, failures, where, error)
     if open_conns:
-        raise WorkerError(
+        raise (error or WorkerError)(
             f"the run passed its deadline of {deadline_s:g} s; ranks {sorted(open_conns)} "
             "were still running and have been terminated"
         )
-    result = results.get(0)
-    if not isinstance(result, RunResult):
-        raise WorkerError("rank 0 finished without a result")
-    return result
+    return [results.get(rank) for rank in range(len(procs))]
 
 
 def _failure(
-    cfg: RunConfig, procs: list[Any], failures: dict[int, tuple[Any, str, str]]
+    procs: list[Any],
+    failures: dict[int, tuple[Any, str, str]],
+    where: Callable[[int], str] | None,
+    error: type[DreampipeError] | None,
 ) -> Exception:
-    def stage(rank: int) -> str:
-        try:
-            return f"stage {cfg.plan.stage_of_rank(rank)}"
-        except DreampipeError:
-            return "no stage"
+    def who(rank: int) -> str:
+        return f"rank {rank} ({where(rank)})" if where is not None else f"rank {rank}"
 
     def follows(rank: int) -> bool:
         """A peer timeout (or lost peer) is what a failing rank leaves its peers with."""
@@ -290,13 +369,15 @@ def _failure(
     first = order[0]
     kind, message, _ = failures[first]
     codes = {rank: p.exitcode for rank, p in enumerate(procs)}
-    lines = [f"rank {first} ({stage(first)}) failed: {message}"]
-    lines += [f"rank {r} ({stage(r)}) also failed: {failures[r][1]}" for r in order[1:]]
+    lines = [f"{who(first)} failed: {message}"]
+    lines += [f"{who(r)} also failed: {failures[r][1]}" for r in order[1:]]
     lines.append(f"exit codes by rank: {codes}")
     for r in order:
         if failures[r][2]:
             lines.append(f"{TRACEBACK_HEADER} {r} ---\n{failures[r][2].rstrip()}")
     text = "\n".join(lines)
+    if error is not None:
+        return error(text)
     if isinstance(kind, type) and issubclass(kind, DreampipeError):
         try:
             return kind(text)

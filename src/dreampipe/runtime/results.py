@@ -27,7 +27,7 @@ def assemble(
         unit_losses.update(rep.losses)
         _log.debug("rank %d (stage %d) held at most %d weight versions, loop %.3f s",
                    rep.rank, rep.stage, rep.peak_versions, rep.loop_s)
-    per = cfg.units_per_update
+    per = cfg.layout.units_per_update
     losses = tuple(
         sum(unit_losses[u] for u in range(k * per, (k + 1) * per)) / per
         for k in range(cfg.steps)

@@ -1,0 +1,95 @@
+"""This machine as the planner and the simulator see it: topology, calibration, costs.
+
+Local workers are ``N`` processes on one level, all joined by gloo over the
+loopback interface. The layer profile times only the layers; the runtime
+spends host time around them too. :class:`LocalCalibration` holds both
+kinds of figure, each with how it was measured, so that a prediction for
+this machine can add what the profile leaves out. :data:`PROJECT_MACHINE`
+is the project's 2-core development machine, the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+
+if TYPE_CHECKING:
+    from dreampipe.simulation.simulator import SimCosts
+
+__all__ = ["PROJECT_MACHINE", "LocalCalibration", "local_costs", "local_topology"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LocalCalibration:
+    """Measured figures of one machine's local workers; seconds and bytes/s."""
+
+    #: Between two worker processes (gloo over loopback): what a 1 MB
+    #: ``send``/``recv`` ping-pong between two local gloo processes sustained
+    #: (0.5 to 4 GB/s, noisy). For the models trained on a CPU communication
+    #: is a small part of the time, so the figure matters little.
+    bandwidth: str
+    #: Host time to post one gloo send: a fixed part plus a copy at
+    #: ``send_copy_bandwidth``. Read off the runtime's measured SEND events for
+    #: the bench's mlp (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
+    send_overhead_s: float
+    send_copy_bandwidth: float
+    #: A runtime forward's own host time per unit and stage, which the layer
+    #: profile does not time: ``StageModule.forward`` (the stashed version put
+    #: in by ``functional_call``, the bookkeeping) against calling the same 4
+    #: mlp layers of width 16 directly, each call right after 12 1024x1024
+    #: GEMMs (as after a backward, caches cold): 0.31 ms against 0.19 ms.
+    stage_forward_s: float
+    #: Loading a unit's samples (input stage) or labels (last stage), cold.
+    batch_load_s: float
+    #: The last stage's loss, which the profile leaves out (it times layers):
+    #: the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
+    loss_s: float
+
+
+#: The project's 2-core development machine, where every figure above was measured.
+PROJECT_MACHINE = LocalCalibration(
+    bandwidth="1GB/s",
+    send_overhead_s=0.19e-3,
+    send_copy_bandwidth=2.6e9,
+    stage_forward_s=0.10e-3,
+    batch_load_s=0.07e-3,
+    loss_s=0.06e-3,
+)
+
+
+def local_topology(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> Topology:
+    """This machine as ``workers`` workers on one level at ``machine.bandwidth``."""
+    if workers < 1:
+        raise ConfigError(f"workers={workers}: use at least 1 worker", "workers")
+    return Topology.parse(str(workers), bandwidths=[machine.bandwidth])
+
+
+def local_costs(
+    graph: LayerGraph, plan: Plan, unit_fraction: float,
+    machine: LocalCalibration = PROJECT_MACHINE,
+) -> SimCosts:
+    """Simulator costs of ``plan`` on this machine's workers.
+
+    The profile's layer times plus the host time the runtime spends around
+    them: posting each send, and in each forward the stage's own overhead,
+    loading the unit's data and the loss.
+    """
+    from dreampipe.simulation.simulator import costs_from_profile
+
+    topology = local_topology(plan.workers_used, machine)
+    costs = costs_from_profile(graph, plan, topology, unit_fraction)
+    forward = [f + machine.stage_forward_s for f in costs.forward_s]
+    forward[0] += machine.batch_load_s
+    if len(forward) > 1:
+        forward[-1] += machine.batch_load_s
+    forward[-1] += machine.loss_s
+    return dataclasses.replace(
+        costs, forward_s=tuple(forward), send_overhead_s=machine.send_overhead_s,
+        send_copy_bandwidth=machine.send_copy_bandwidth,
+    )

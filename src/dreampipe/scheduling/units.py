@@ -1,0 +1,112 @@
+"""How a weight update is cut into scheduled units, and every size that follows.
+
+A run trains ``steps`` weight updates of ``minibatch_size`` samples each. The
+``unit`` of every :class:`~dreampipe.scheduling.actions.Action` is one piece
+of an update, and the piece depends on the schedule::
+
+    schedule                units per update            samples per unit
+    pipedream               1 (a unit is a minibatch)   minibatch_size
+    1f1b-flush/gpipe/naive  microbatches                minibatch_size / microbatches
+    dp on N workers         N * microbatches            minibatch_size / (N * microbatches)
+
+so for ``dp`` the ``microbatches`` count is *per worker* (gradient
+accumulation on each worker), and every worker gets the same share. Unit
+``u`` holds samples ``u*size .. (u+1)*size-1`` of the data stream, so the same
+run split into more microbatches sees the same samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dreampipe.errors import ConfigError
+from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.build import build_schedule, whole_rounds
+
+__all__ = ["UnitLayout"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitLayout:
+    """The table above for one run; checked when made, so every size it gives is whole.
+
+    ``minibatch_size`` None leaves sample counts out: the simulator counts in
+    profiled minibatches and asks only for :attr:`unit_fraction`.
+    """
+
+    kind: ScheduleKind
+    minibatch_size: int | None = None
+    microbatches: int = 1
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("minibatch_size", "microbatches", "workers"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value}; use 1 or more", name)
+        if self.kind is ScheduleKind.PIPEDREAM and self.microbatches != 1:
+            raise ConfigError(
+                f"microbatches={self.microbatches} with schedule=pipedream: PipeDream updates "
+                "after every minibatch; use microbatches=1 or a synchronous schedule "
+                "(1f1b-flush) to split minibatches",
+                "microbatches", "schedule",
+            )
+        size, units = self.minibatch_size, self.units_per_update
+        if size is not None and size % units:
+            raise ConfigError(self._indivisible(size, units), "minibatch_size", "microbatches")
+
+    def _indivisible(self, size: int, units: int) -> str:
+        what = f"microbatches={self.microbatches}"
+        if self.kind is ScheduleKind.DP:
+            what = f"{self.workers} workers x {what} = {units} units"
+        divisors = [d for d in range(2, size + 1) if size % d == 0]
+        near = sorted(sorted(divisors, key=lambda d: (d < units, abs(d - units)))[:2])
+        hint = " or ".join(str(d) for d in near) if near else "1"
+        return (f"minibatch_size={size} is not divisible by {what}; use a multiple of "
+                f"{units} samples per update, or split it into {hint} units")
+
+    @property
+    def units_per_update(self) -> int:
+        """Scheduled units per weight update (the table above)."""
+        if self.kind is ScheduleKind.PIPEDREAM:
+            return 1
+        if self.kind is ScheduleKind.DP:
+            return self.microbatches * self.workers
+        return self.microbatches
+
+    @property
+    def unit_size(self) -> int:
+        """Samples per unit (minibatch or microbatch)."""
+        if self.minibatch_size is None:
+            raise ConfigError("minibatch_size is not set: this layout counts units only",
+                              "minibatch_size")
+        return self.minibatch_size // self.units_per_update
+
+    @property
+    def unit_fraction(self) -> float:
+        """A unit's share of one worker's minibatch: 1 for pipedream, else 1/microbatches.
+
+        A dp worker's minibatch is its share of the update, so ``dp`` with one
+        microbatch runs one whole minibatch per worker per update.
+        """
+        return 1.0 if self.kind is ScheduleKind.PIPEDREAM else 1.0 / self.microbatches
+
+    def num_units(self, steps: int) -> int:
+        """Units in ``steps`` weight updates."""
+        return steps * self.units_per_update
+
+    def updates_covering(self, worker_minibatches: int) -> int:
+        """The fewest updates that run ``worker_minibatches`` minibatches, shared by the workers."""
+        per = self.workers if self.kind is ScheduleKind.DP else 1
+        return -(-worker_minibatches // per)
+
+    def whole_rounds(self, replicas: Sequence[int], steps: int) -> int:
+        """``steps`` rounded up to whole all-reduce rounds (pipedream's replicated stages)."""
+        if self.kind is not ScheduleKind.PIPEDREAM:
+            return steps
+        return whole_rounds(replicas, steps)
+
+    def build(self, replicas: Sequence[int], steps: int) -> Schedule:
+        """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways."""
+        return build_schedule(replicas, self.kind, self.num_units(steps), self.units_per_update)
