@@ -158,35 +158,33 @@ def _ddp(rank: int, world: int, work: Workload) -> float:
     """One rank of ``DistributedDataParallel`` with ``batch / world`` samples; samples/s."""
     from torch.nn.parallel import DistributedDataParallel
 
-    spec = work.spec()
-    model = DistributedDataParallel(spec.build(seed=work.seed))
-    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    model = DistributedDataParallel(work.spec().build(seed=work.seed))
     share = work.batch // world
     x, y = work.data(work.batch)
     x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-
-    def step() -> None:
-        torch.autograd.backward(spec.loss_fn(model(x), y))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    elapsed = _timed(work.steps, work.warmup, step, sync=True)
-    return work.steps * work.batch / elapsed
+    return _whole_model_rate(work, model, x, y, sync=True)
 
 
 def _single(rank: int, world: int, work: Workload) -> float:
     """The whole update as one batch in one process; samples/s."""
-    spec = work.spec()
-    model: nn.Module = spec.build(seed=work.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    model: nn.Module = work.spec().build(seed=work.seed)
     x, y = work.data(work.batch)
+    return _whole_model_rate(work, model, x, y, sync=False)
+
+
+def _whole_model_rate(
+    work: Workload, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, sync: bool
+) -> float:
+    """Samples/s of plain SGD steps of ``model`` on ``(x, y)``: the update's share of a rank."""
+    loss_fn = work.spec().loss_fn
+    opt = torch.optim.SGD(model.parameters(), lr=work.lr)
 
     def step() -> None:
-        torch.autograd.backward(spec.loss_fn(model(x), y))
+        torch.autograd.backward(loss_fn(model(x), y))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    elapsed = _timed(work.steps, work.warmup, step, sync=False)
+    elapsed = _timed(work.steps, work.warmup, step, sync=sync)
     return work.steps * work.batch / elapsed
 
 
