@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dreampipe.planning.costs import CostModel
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import PRESETS, Topology
@@ -62,6 +63,12 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--all-workers", action="store_true",
                    help="use every worker even when fewer would be faster")
     p.add_argument("--max-stages", type=int, metavar="N", help="at most N stages")
+    p.add_argument("--cost-model", choices=[c.value for c in CostModel],
+                   default=CostModel.DREAMPIPE.value,
+                   help="dreampipe (default): compute and communication overlap (max), ring "
+                        "all-reduce 2(m-1)/m|w|/B per minibatch; pipedream: PipeDream's own "
+                        "optimizer term for term, (compute + 4(m-1)/m|w|/B)/m added, Input "
+                        "zeroed, every worker used, no memory limit")
     p.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="save the plan here")
     p.add_argument("--json", action="store_true",
                    help="print exactly one JSON object on stdout instead of the table")
@@ -75,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     result = plan_pipeline(
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
         straight=args.straight, allow_fewer_workers=not args.all_workers,
-        max_stages=args.max_stages,
+        max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
     )
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo)
@@ -90,6 +97,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         print(format_plan(result, graph, topo, seconds))
         print(_format_confirmation(result, sim))
+        if args.cost_model == CostModel.PIPEDREAM:
+            print(f"pipedream model: pipeline {result.time_per_minibatch_s * 1e3:.2f} ms, "
+                  f"data parallel {result.baselines_s['dp'] * 1e3:.2f} ms per minibatch")
         if args.output:
             print(f"plan saved to {args.output}")
     return 0

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +37,8 @@ from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
     "GPIPE_MICROBATCHES_PER_STAGE",
+    "BoolArray",
+    "CostModel",
     "FloatArray",
     "RangeCosts",
     "allreduce_time",
@@ -50,6 +53,20 @@ __all__ = [
 ]
 
 FloatArray = npt.NDArray[np.float64]
+BoolArray = npt.NDArray[np.bool_]
+
+
+class CostModel(StrEnum):
+    """Which cost terms the planner's DP uses; both run through the same DP.
+
+    ``DREAMPIPE`` (default): the terms of this module, compute and
+    communication overlapped (max). ``PIPEDREAM``: PipeDream's own optimizer,
+    term for term (:mod:`dreampipe.planning.pipedream_costs`), to reproduce
+    its published figures.
+    """
+
+    DREAMPIPE = "dreampipe"
+    PIPEDREAM = "pipedream"
 
 #: GPipe's own guidance (Huang et al., 2019): the bubble is negligible with at
 #: least four microbatches per stage, so the GPipe baseline uses ``4 * stages``.
@@ -178,13 +195,16 @@ class RangeCosts:
     """Range sums of a profile: entry ``[i, j]`` covers layers ``i..j`` (seconds, bytes).
 
     ``compute_s`` is ``inf`` where ``i > j`` so that empty ranges never win a min;
-    ``cut_bytes[k]`` is what crosses the cut before layer ``k`` (DAG rule).
+    ``cut_bytes[k]`` is what crosses the cut before layer ``k`` (DAG rule);
+    ``stage_ok[s, e]``, when given, says whether a stage after a cut may span
+    ``s..e`` (PipeDream's cut rule over its states; None: any range).
     """
 
     compute_s: FloatArray
     weights: FloatArray
     activations: FloatArray
     cut_bytes: FloatArray
+    stage_ok: BoolArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph) -> RangeCosts:

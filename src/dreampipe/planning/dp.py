@@ -21,6 +21,12 @@ counted inside one unit of the level above; a plan fits iff its slack is
 >= 0 once placed, and placing a block of slack ``x`` on ``m'`` units with
 ``n`` units after it gives ``m' x - n * unit_gpus``. Exact on one level; on
 more, the inner plans are chosen for speed among those that fit at the end.
+
+The stage term is a parameter (:class:`~dreampipe.planning.costs.CostModel`):
+under ``PIPEDREAM`` a stage costs PipeDream's additive term, a stage after a
+cut must obey ``RangeCosts.stage_ok`` and costs the plain term, and the
+first stage of a range on all of a level's units divides its all-reduce by
+the units below (PipeDream's outer-level rule); the DP is the same.
 """
 
 from __future__ import annotations
@@ -34,12 +40,18 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import (
+    CostModel,
     FloatArray,
     RangeCosts,
     allreduce_time,
     cut_time,
     max_versions,
     replicated_stage_time,
+)
+from dreampipe.planning.pipedream_costs import (
+    pipedream_allreduce_time,
+    pipedream_stage_time,
+    pipedream_transfer_time,
 )
 from dreampipe.planning.topology import Topology
 
@@ -67,13 +79,14 @@ class _Table:
 
 @dataclass(frozen=True)
 class Options:
-    """What the search may do: memory per device, replication, idle workers, stage count."""
+    """What the search may do: memory per device, replication, idle workers, stage count, terms."""
 
     memory_bytes: int | None
     straight: bool
     allow_fewer: bool
     slots: int  # max_stages, or 1 for unlimited
     limited: bool  # slot q means "at most q+1 stages"; else one unlimited slot
+    model: CostModel = CostModel.DREAMPIPE
 
 
 def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, IntArray]:
@@ -114,6 +127,35 @@ def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
     return range(q)
 
 
+_StageTimes = dict[tuple[int, int], FloatArray]
+
+
+def _stage_times(
+    prof: RangeCosts, inner_time: FloatArray, slots: int, max_units: int, bandwidth: float,
+    below: int, model: CostModel,
+) -> tuple[_StageTimes, _StageTimes]:
+    """Stage times ``[(slot, m)] -> [i, j]``: after a cut, and first of a whole level's range.
+
+    The two differ only under ``PIPEDREAM`` (cut rule; all-reduce shared by
+    the ``below`` units of a server); otherwise they are the same table.
+    """
+    keys = [(q, m) for q in range(slots) for m in range(1, max_units + 1)]
+    if model is CostModel.DREAMPIPE:
+        same = {(q, m): replicated_stage_time(inner_time[q], prof.weights, m, bandwidth)
+                for q, m in keys}
+        return same, same
+    after, first = {}, {}
+    n = prof.n
+    before = np.concatenate([[0.0], prof.cut_bytes[:-1]])[:, None]  # out(s - 1)
+    after_out = np.where(np.arange(n) < n - 1, prof.cut_bytes, 0.0)[None, :]  # out(e)
+    for q, m in keys:
+        t = np.maximum(pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth),
+                       pipedream_transfer_time(np.maximum(before, after_out), m, bandwidth))
+        first[q, m] = pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth, below)
+        after[q, m] = t if prof.stage_ok is None else np.where(prof.stage_ok, t, np.inf)
+    return after, first
+
+
 def _solve_level(
     prof: RangeCosts,
     inner_time: FloatArray,
@@ -121,6 +163,7 @@ def _solve_level(
     count: int,
     bandwidth: float,
     unit_gpus: int,
+    below: int,
     bottom: bool,
     top: bool,
     opts: Options,
@@ -136,14 +179,15 @@ def _solve_level(
     units = np.zeros(shape, dtype=np.int64)
     slot_of = np.zeros(shape, dtype=np.int64)
     max_units = 1 if opts.straight else count
-    stage_t = {
-        (q, m): replicated_stage_time(inner_time[q], prof.weights, m, bandwidth)
-        for q in range(slots)
-        for m in range(1, max_units + 1)
-    }
+    after_cut, first_stage = _stage_times(
+        prof, inner_time, slots, max_units, bandwidth, below, opts.model
+    )
     cut = cut_time(prof.cut_bytes[1:], bandwidth)  # [t]: cut after layer t
+    if opts.model is CostModel.PIPEDREAM:
+        cut = np.zeros_like(cut)  # charged on the stage after the cut instead
     limited = opts.limited
     for m in range(1, count + 1):
+        stage_t = first_stage if m == count else after_cut
         for q in range(slots):
             best, best_slack = time[q, :, :, m], slack[q, :, :, m]
             if opts.allow_fewer and m > 1:
@@ -199,8 +243,9 @@ def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> list[_Table]:
     unit_gpus = 1
     last = len(topo.levels) - 1
     for k, level in enumerate(topo.levels):
+        below = topo.levels[k - 1].count if k else 1
         table = _solve_level(
-            prof, inner_time, inner_slack, level.count, level.bandwidth, unit_gpus,
+            prof, inner_time, inner_slack, level.count, level.bandwidth, unit_gpus, below,
             k == 0, k == last, opts,
         )
         tables.append(table)
@@ -237,7 +282,11 @@ def _flatten(
             continue
         last = j if code == _SINGLE else code
         mu, qs = int(table.units[q, i, c, m]), int(table.slot[q, i, c, m])
-        ar = float(allreduce_time(prof.weights[i, last], mu, level.bandwidth)) / (mu * outer)
+        if opts.model is CostModel.PIPEDREAM:
+            ar = float(pipedream_allreduce_time(prof.weights[i, last], mu, level.bandwidth))
+        else:
+            ar = float(allreduce_time(prof.weights[i, last], mu, level.bandwidth))
+        ar /= mu * outer
         share = max(ar_share, ar)
         if k == 0:
             out.append(FlatStage(i, last, mu * outer, share))

@@ -9,6 +9,11 @@ The hierarchy forces every outer stage onto whole servers, so a paper config
 such as ``15-1`` on 2x8 cannot be expressed; :func:`plan` therefore also
 solves the flat problem at the slowest link (any layout, pessimistic links)
 and keeps whichever predicts the shorter time.
+
+``cost_model=CostModel.PIPEDREAM`` runs the same DP on PipeDream's own terms
+(:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
+only, every worker used, as its optimizer does; the plan's time is its
+pipeline time and ``baselines_s["dp"]`` its data-parallel time.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import numpy as np
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import (
+    CostModel,
     RangeCosts,
     allreduce_time,
     cut_time,
@@ -30,6 +36,12 @@ from dreampipe.planning.costs import (
     stage_memory,
 )
 from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.pipedream_costs import (
+    pipedream_dp_time,
+    pipedream_stage_time,
+    pipedream_states,
+    pipedream_transfer_time,
+)
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -55,11 +67,16 @@ def _models(topo: Topology, also_flat: bool) -> list[Topology]:
 
 
 def _baselines(
-    prof: RangeCosts, models: Sequence[Topology], memory: int | None
+    prof: RangeCosts, models: Sequence[Topology], memory: int | None,
+    model: CostModel = CostModel.DREAMPIPE,
 ) -> dict[str, float]:
     """Data parallelism, the best straight pipeline and GPipe on it, same cost models."""
     out: dict[str, float] = {}
-    if memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
+    if model is CostModel.PIPEDREAM:
+        levels = [(lv.count, lv.bandwidth) for lv in models[0].levels]
+        out["dp"] = pipedream_dp_time(float(prof.compute_s[0, -1]), float(prof.weights[0, -1]),
+                                      levels)
+    elif memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
         dps = []
         for topo in models:
             dp = float(prof.compute_s[0, -1])
@@ -68,7 +85,7 @@ def _baselines(
                                                  level.bandwidth))
             dps.append(dp)
         out["dp"] = min(dps)
-    straight = best_plan(prof, models, Options(memory, True, True, 1, False))
+    straight = best_plan(prof, models, Options(memory, True, True, 1, False, model))
     if straight is not None:
         out["straight"] = straight[0]
         out["gpipe"] = gpipe_time(straight[0], len(straight[1]))
@@ -111,6 +128,7 @@ def plan_pipeline(
     allow_fewer_workers: bool = True,
     max_stages: int | None = None,
     also_flat: bool = True,
+    cost_model: CostModel = CostModel.DREAMPIPE,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's cost model.
 
@@ -120,7 +138,12 @@ def plan_pipeline(
     ``max_stages`` caps the number of stages of the flattened plan;
     ``also_flat`` also solves the one-level problem at the slowest link
     (stages need not align with servers) and keeps it when faster.
+    ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
+    optimizer, which plans hierarchically on every worker without a memory
+    limit, so it ignores ``also_flat`` and ``allow_fewer_workers``.
     """
+    if cost_model is CostModel.PIPEDREAM:
+        return _plan_pipedream(graph, topology, memory_bytes, straight, max_stages)
     prof = RangeCosts.of(graph)
     for level in topology.levels:
         if level.count > MAX_LEVEL_UNITS:
@@ -169,14 +192,59 @@ def plan_pipeline(
     return result
 
 
+def _plan_pipedream(
+    graph: LayerGraph, topology: Topology, memory_bytes: int | None, straight: bool,
+    max_stages: int | None,
+) -> Plan:
+    """:func:`plan_pipeline` under PipeDream's terms, over its states, shown as layer ranges."""
+    if memory_bytes is not None:
+        raise PlanError(
+            f"memory_bytes={memory_bytes}: the pipedream cost model reproduces PipeDream's "
+            "optimizer without a memory limit; drop --memory or use --cost-model dreampipe"
+        )
+    states = pipedream_states(graph)
+    prof = states.costs
+    opts = Options(None, straight, False, _check_slots(max_stages, prof.n),
+                   max_stages is not None, CostModel.PIPEDREAM)
+    best = best_plan(prof, [topology], opts)
+    if best is None:
+        raise PlanError(
+            f"no plan uses exactly {topology.num_workers} workers on PipeDream's {prof.n} "
+            f"states with straight={straight}, max_stages={max_stages}; allow replication, "
+            "raise max_stages or use --cost-model dreampipe"
+        )
+    value, flat = best
+    layers = RangeCosts.of(graph)
+    stages, rank, first = [], 0, 0
+    for s, f in enumerate(flat):
+        last = len(graph.layers) - 1 if s == len(flat) - 1 else states.last_layer[f.last]
+        stages.append(Stage(
+            first=first, last=last, replicas=f.replicas,
+            ranks=tuple(range(rank, rank + f.replicas)),
+            compute_s=float(prof.compute_s[f.first, f.last]),
+            allreduce_s=f.allreduce_share * f.replicas,
+            memory_bytes=layers.memories([(first, last, f.replicas)])[0],
+        ))
+        rank, first = rank + f.replicas, last + 1
+    return Plan(
+        stages=tuple(stages), num_layers=len(graph.layers), batch_size=graph.batch_size,
+        model=graph.model, topology=topology.describe(), time_per_minibatch_s=value,
+        baselines_s=_baselines(prof, [topology], None, CostModel.PIPEDREAM),
+        layer_names=tuple(x.name for x in graph.layers),
+    )
+
+
 def evaluate_plan(
-    graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int]
+    graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
+    cost_model: CostModel = CostModel.DREAMPIPE,
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
     Ranks are numbered stage by stage and laid on the topology in order;
     each all-reduce and each cut runs at the slowest link its ranks span.
     On a one-level topology this equals the DP's cost of the same plan.
+    Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
+    ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
     """
     prof = RangeCosts.of(graph)
     n = prof.n
@@ -211,9 +279,30 @@ def evaluate_plan(
             allreduce_s=float(allreduce_time(prof.weights[first, last], r, bw)) if r > 1 else 0.0,
             memory_bytes=mem,
         ))
+    slowest = max(st.time_s for st in stages)
+    if cost_model is CostModel.PIPEDREAM:
+        slowest = _pipedream_time(graph, topology, stages)
     return Plan(
         stages=tuple(stages), num_layers=n, batch_size=graph.batch_size, model=graph.model,
-        topology=topology.describe(), time_per_minibatch_s=max(st.time_s for st in stages),
+        topology=topology.describe(), time_per_minibatch_s=slowest,
         baselines_s=_baselines(prof, _models(topology, True), None),
         layer_names=tuple(x.name for x in graph.layers),
     )
+
+
+def _pipedream_time(graph: LayerGraph, topology: Topology, stages: Sequence[Stage]) -> float:
+    """PipeDream's time of given stages: ``(compute + 4(r-1)/r|w|/B)/r``, cuts ``2a/(B r)``."""
+    layers = graph.layers
+    worst = 0.0
+    for s, st in enumerate(stages):
+        span = range(st.first, st.last + 1)
+        compute = sum(layers[i].compute_ms / 1e3 for i in span
+                      if not layers[i].description.startswith("Input"))
+        weights = float(sum(layers[i].parameter_bytes for i in span))
+        bw = topology.bandwidth_between(st.ranks[0], st.ranks[-1])
+        worst = max(worst, float(pipedream_stage_time(compute, weights, st.replicas, bw)))
+        if s > 0:
+            link = topology.bandwidth_between(stages[s - 1].ranks[0], st.ranks[-1])
+            cut = graph.cut_activation_bytes(st.first)
+            worst = max(worst, float(pipedream_transfer_time(cut, st.replicas, link)))
+    return worst
