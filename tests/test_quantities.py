@@ -72,3 +72,41 @@ def test_format_bytes() -> None:
     assert format_bytes(178_000_000) == "178.0 MB"
     assert format_bytes(2.5e12) == "2.5 TB"
     assert parse_bytes(format_bytes(3_000_000_000).replace(" ", "")) == 3_000_000_000
+
+
+@pytest.mark.parametrize(
+    "text", ["1e400GB/s", "1e99999999999GB/s", "1" + "0" * 400 + "Gbps", math.inf, -math.inf]
+)
+def test_bandwidths_that_overflow_are_rejected(text: str | float) -> None:
+    with pytest.raises(QuantityError, match=r"finite|positive") as info:
+        parse_bandwidth(text)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["1e400GB", "1e308TiB", "1e99999999999B"])
+def test_sizes_that_overflow_are_rejected(text: str) -> None:
+    with pytest.raises(QuantityError, match="not a finite size") as info:
+        parse_bytes(text)
+    assert repr(text) in str(info.value)
+
+
+def test_tiny_exponents_read_as_zero() -> None:
+    assert parse_bytes("1e-400GB") == 0
+    with pytest.raises(QuantityError, match="positive"):
+        parse_bandwidth("1e-400GB/s")
+
+
+@pytest.mark.parametrize("text", ["10", " 10 ", "1e9", "2.5"])
+def test_a_bandwidth_text_without_a_unit_can_be_refused(text: str) -> None:
+    with pytest.raises(QuantityError, match="has no unit") as info:
+        parse_bandwidth(text, require_unit=True)
+    message = str(info.value)
+    assert repr(text) in message
+    assert f"{text.strip()}GB/s" in message and f"{text.strip()}Gbps" in message
+
+
+def test_require_unit_still_takes_numbers_and_units() -> None:
+    assert parse_bandwidth(5e8, require_unit=True) == 5e8
+    assert parse_bandwidth(100, require_unit=True) == 100.0
+    assert parse_bandwidth("10Gbps", require_unit=True) == pytest.approx(1.25e9)
+    assert parse_bandwidth("100B/s", require_unit=True) == 100.0

@@ -2,7 +2,10 @@
 
 Sizes use powers of 1000 for ``KB``/``MB``/``GB`` and 1024 for ``KiB``/``MiB``/
 ``GiB``. Bandwidths accept bits (``Gbps``, ``Gb/s``) or bytes (``GB/s``,
-``GBps``) per second and are returned in bytes per second.
+``GBps``) per second and are returned in bytes per second. Every result is
+finite: ``1e400GB`` is an error, not ``inf``. A bare number is bytes (per
+second); :func:`parse_bandwidth` can insist on a unit (``require_unit``), as
+user-written text should, since ``10`` could mean bits or bytes.
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ from dreampipe.errors import QuantityError
 
 __all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
 
-_NUM = r"(-?(?:\d+(?:\.\d*)?|\.\d+))(?:e([+-]?\d+))?"
+_NUM = r"(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)"
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
           "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
 def _split(text: str) -> tuple[float, str]:
+    """The number and the unit of ``text``; a huge exponent reads as ``inf``, never raises."""
     m = re.fullmatch(_NUM + r"\s*([A-Za-z/]*)", text.strip())
     if not m:
         raise QuantityError(f"{text!r} is not a quantity; write e.g. 16GB or 10Gbps")
-    value = float(m.group(1)) * (10 ** int(m.group(2)) if m.group(2) else 1)
-    return value, m.group(3)
+    return float(m.group(1)), m.group(2)
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -36,19 +39,31 @@ def parse_bytes(text: str | int | float) -> int:
     m = re.fullmatch(r"(?i)([kmgt]i?)?b?", unit)
     if not m:
         raise QuantityError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")
-    if not math.isfinite(value):
+    if math.isnan(value):
         raise QuantityError(f"{text!r} is not a finite size; give e.g. 16GB")
     if value < 0:
         raise QuantityError(f"{text!r} is negative; sizes must be >= 0")
-    return round(value * _SCALE[(m.group(1) or "").lower()])
+    value *= _SCALE[(m.group(1) or "").lower()]
+    if not math.isfinite(value):
+        raise QuantityError(f"{text!r} is not a finite size; give e.g. 16GB")
+    return round(value)
 
 
-def parse_bandwidth(text: str | int | float) -> float:
-    """``"10Gbps"`` -> 1.25e9 bytes/s; ``"12GB/s"`` -> 12e9; a bare number is bytes/s."""
+def parse_bandwidth(text: str | int | float, *, require_unit: bool = False) -> float:
+    """``"10Gbps"`` -> 1.25e9 bytes/s; ``"12GB/s"`` -> 12e9; a bare number is bytes/s.
+
+    With ``require_unit`` a string without a unit (``"10"``) is an error,
+    since it could mean bits or bytes; a Python number is still bytes/s.
+    """
     if isinstance(text, int | float):
         value, unit = float(text), ""
     else:
         value, unit = _split(text)
+        if require_unit and not unit:
+            raise QuantityError(
+                f"bandwidth {text!r} has no unit; write e.g. {text.strip()}GB/s (bytes) "
+                f"or {text.strip()}Gbps (bits)"
+            )
     m = re.fullmatch(r"([kmgtKMGT]i?)?(b|B)?(ps|/s)?", unit)
     if not m or (unit and not m.group(2)):
         raise QuantityError(
@@ -58,7 +73,12 @@ def parse_bandwidth(text: str | int | float) -> float:
         raise QuantityError(f"bandwidth {text!r} must be positive, e.g. 10Gbps")
     scale = _SCALE[(m.group(1) or "").lower()]
     bits = m.group(2) == "b"
-    return value * scale / (8 if bits else 1)
+    result = value * scale / (8 if bits else 1)
+    if not math.isfinite(result) or result <= 0:
+        raise QuantityError(
+            f"bandwidth {text!r} is not a finite positive number of bytes/s; give e.g. 10Gbps"
+        )
+    return result
 
 
 def format_bytes(n: float) -> str:

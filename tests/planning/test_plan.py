@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +18,9 @@ from dreampipe.planning.plan import (
     parse_stage_bounds,
     stages_from_config,
 )
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
 
 
 def _plan() -> Plan:
@@ -140,3 +146,53 @@ def test_stage_bounds_are_checked(text: str, needle: str) -> None:
     assert info.value.parameters == ("stages",)
     assert f"stages={text!r}" in str(info.value)
     assert parse_stage_bounds("0,3,5", 8) == [0, 3, 5]
+
+
+# ---- predictions are finite, so plan JSON is strict JSON ----------------------------
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -1.0])
+@pytest.mark.parametrize("field", ["compute_s", "comm_s", "allreduce_s"])
+def test_stage_figures_must_be_finite(field: str, value: float) -> None:
+    kwargs: dict[str, Any] = {field: value}
+    with pytest.raises(PlanError, match=field) as info:
+        Stage(first=0, last=1, replicas=1, ranks=(0,), **kwargs)
+    assert repr(value) in str(info.value) and "finite" in str(info.value)
+
+
+@pytest.mark.parametrize("value", [math.inf, math.nan])
+def test_plan_figures_must_be_finite(value: float) -> None:
+    with pytest.raises(PlanError, match="time_per_minibatch_s"):
+        Plan.from_config(4, [0], [1], time_per_minibatch_s=value)
+    with pytest.raises(PlanError, match="baselines_s\\['dp'\\]"):
+        Plan.from_config(4, [0], [1], baselines_s={"dp": value})
+
+
+def test_a_plan_file_with_infinity_is_rejected(tmp_path: Path) -> None:
+    data = _plan().to_dict()
+    data["stages"][0]["comm_s"] = math.inf
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))  # Python writes the invalid token Infinity
+    with pytest.raises(PlanError, match="comm_s=inf"):
+        Plan.load(path)
+
+
+def test_a_zero_time_plan_is_strict_json_with_unknown_throughput() -> None:
+    plan = Plan.from_config(4, [0], [2], baselines_s={"dp": 0.0})
+    assert plan.throughput_minibatches_per_s == 0.0 and plan.speedup_over("dp") == 0.0
+    json.dumps(plan.to_dict(), allow_nan=False)
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+
+
+def test_a_plan_without_prediction_is_strict_json() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    assert plan.throughput_minibatches_per_s == 0.0
+    json.loads(plan.to_json(), parse_constant=_refuse)
+
+
+def test_an_all_zero_profile_is_refused_by_the_planner() -> None:
+    layers = [Layer(f"l{i}", 0.0, 0.0, 0, 0) for i in range(4)]
+    with pytest.raises(PlanError, match="every layer of the profile takes 0 ms"):
+        plan_pipeline(LayerGraph.chain(layers), Topology.parse("4"))
+
+
+def _refuse(token: str) -> float:
+    raise AssertionError(f"plan JSON holds {token}")

@@ -21,10 +21,14 @@ def test_shape_is_outermost_first_levels_innermost_first() -> None:
 
 def test_flat_and_deep_shapes() -> None:
     assert [lv.count for lv in Topology.parse("16").levels] == [16]
-    deep = Topology.parse("2x2x4", ["50GB/s", "10GB/s"])
+    deep = Topology.parse("2x2x4", ["50GB/s", "10GB/s", "1GB/s"])
     assert [lv.count for lv in deep.levels] == [4, 2, 2]
-    # missing outer bandwidths repeat the last one given
-    assert [lv.bandwidth for lv in deep.levels] == [50e9, 10e9, 10e9]
+    assert [lv.bandwidth for lv in deep.levels] == [50e9, 10e9, 1e9]
+    # without bandwidths, outer levels beyond the defaults repeat the last default
+    default = Topology.parse("2x2x4")
+    assert [lv.bandwidth for lv in default.levels] == [
+        parse_bandwidth(DEFAULT_BANDWIDTHS[0]), *[parse_bandwidth(DEFAULT_BANDWIDTHS[1])] * 2
+    ]
 
 
 def test_presets_match_the_paper_clusters() -> None:
@@ -90,3 +94,52 @@ def test_direct_construction_is_checked() -> None:
         Topology((Level(2, 1e9),), memory_bytes=0)
     with pytest.raises(TopologyError, match="'-1GB' is negative"):
         Topology.parse("4", memory="-1GB")
+
+
+# ---- bandwidths: one per level, with a unit, finite ------------------------------
+@pytest.mark.parametrize(
+    ("spec", "bandwidths", "needles"),
+    [
+        ("4x4", ["10GB/s"], ["'4x4' has 2 levels", "needs 2 bandwidths", "innermost first",
+                             "got 1: ['10GB/s']"]),
+        ("2x2x4", ["50GB/s", "10GB/s"], ["has 3 levels", "needs 3 bandwidths", "got 2"]),
+        ("4x4", ["10"], ["bandwidth '10' has no unit", "10GB/s", "10Gbps"]),
+        ("4x4", ["10GB/s", "1e9"], ["'1e9' has no unit"]),
+        ("4x4", ["1e400GB/s", "1GB/s"], ["'1e400GB/s'", "finite"]),
+        ("4", ["1e-320B/s"], ["'1e-320B/s'", "below 1 byte/s"]),
+        ("cluster-a", ["1GB/s", "1GB/s", "1GB/s"], ["3 bandwidths for 2 levels", "cluster-a"]),
+        ("cluster-a", ["10"], ["'10' has no unit"]),
+    ],
+)
+def test_bad_bandwidths_name_the_value_and_the_fix(
+    spec: str, bandwidths: list[str], needles: list[str]
+) -> None:
+    with pytest.raises(TopologyError) as info:
+        Topology.parse(spec, bandwidths)
+    for needle in needles:
+        assert needle in str(info.value)
+
+
+def test_numbers_from_python_are_bytes_per_second() -> None:
+    topo = Topology.parse("4x4", [1e10, 1.25e9])
+    assert [lv.bandwidth for lv in topo.levels] == [1e10, 1.25e9]
+    with pytest.raises(TopologyError, match="finite"):
+        Topology.parse("4", [math.inf])
+
+
+def test_a_preset_keeps_its_outer_bandwidths() -> None:
+    topo = Topology.parse("cluster-b", ["100GB/s"])
+    assert topo.levels[0].bandwidth == 100e9
+    assert topo.levels[1].bandwidth == PRESETS["cluster-b"].levels[1].bandwidth
+    both = Topology.parse("cluster-b", ["100GB/s", "1GB/s"])
+    assert [lv.bandwidth for lv in both.levels] == [100e9, 1e9]
+
+
+def test_one_bandwidth_for_one_level() -> None:
+    assert Topology.parse("8", ["1GB/s"]).levels[0].bandwidth == 1e9
+
+
+def test_a_level_slower_than_one_byte_per_second_is_rejected() -> None:
+    with pytest.raises(TopologyError, match="at least 1 byte/s"):
+        Level(4, 0.5)
+    assert Level(4, 1.0).bandwidth == 1.0

@@ -168,3 +168,29 @@ def test_binary_file_is_a_profile_error(tmp_path: Path) -> None:
     binary.write_bytes(b"\x7fELF\x02\x01\xd0\xff\xfe")
     with pytest.raises(ProfileError, match=r"model\.bin.*not text"):
         load_graph(binary)
+
+
+# ---- non-finite figures: rejected where the profile is read, naming layer and field ----
+@pytest.mark.parametrize("value", [math.inf, -math.inf, 1e400])
+@pytest.mark.parametrize(
+    "field", ["forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"]
+)
+def test_non_finite_layer_value(field: str, value: float) -> None:
+    kwargs: dict[str, Any] = dict(
+        name="conv", forward_ms=1.0, backward_ms=1.0, activation_bytes=1, parameter_bytes=1
+    )
+    kwargs[field] = value
+    with pytest.raises(ProfileError, match=field) as info:
+        Layer(**kwargs)
+    assert "'conv'" in str(info.value) and "finite" in str(info.value)
+
+
+@pytest.mark.parametrize(("field", "token"), [("forward_ms", "Infinity"),
+                                               ("activation_bytes", "1e400"),
+                                               ("backward_ms", "NaN")])
+def test_json_profile_with_a_non_finite_value(field: str, token: str) -> None:
+    data = LayerGraph.chain(list(_two())).to_dict()
+    data["layers"][1][field] = "PLACEHOLDER"
+    text = json.dumps(data).replace('"PLACEHOLDER"', token)
+    with pytest.raises(ProfileError, match=f"layer 'b' has {field}="):
+        LayerGraph.from_json(text)

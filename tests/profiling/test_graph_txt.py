@@ -109,3 +109,25 @@ def test_malformed_graph_txt(text: str, needles: list[str]) -> None:
         parse_graph_txt(text)
     for needle in needles:
         assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400", "[1.0; inf]"])
+@pytest.mark.parametrize(
+    "field", ["forward_compute_time", "backward_compute_time", "activation_size",
+              "parameter_size"]
+)
+def test_non_finite_values_name_the_layer_and_field(field: str, value: str) -> None:
+    text = re.sub(rf"{field}=[^,\s]+", f"{field}={value}", _GOOD.splitlines()[0], count=1)
+    assert value in text
+    with pytest.raises(ProfileError) as info:
+        parse_graph_txt(text + "\n")
+    message = str(info.value)
+    assert "line 1" in message and "node1" in message and f"{field}={value!r}" in message
+    assert "finite" in message
+
+
+def test_non_finite_values_through_load_graph(tmp_path: Path) -> None:
+    path = tmp_path / "graph.txt"
+    path.write_text(_GOOD.replace("=1.5", "=inf", 1))
+    with pytest.raises(ProfileError, match="not finite"):
+        load_graph(path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,8 @@ class Stage:
                 f"stage {self.first}..{self.last} has {self.replicas} replicas "
                 f"but ranks {list(self.ranks)}"
             )
+        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes"):
+            _check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
 
     @property
     def num_layers(self) -> int:
@@ -77,6 +80,13 @@ class Plan:
 
     ``baselines_s`` maps a strategy name (``"dp"``, ``"straight"``, ``"gpipe"``)
     to its predicted time per minibatch under the same cost model.
+
+    Every time and size is finite and >= 0, checked on construction (a
+    :class:`PlanError` names the figure), so :meth:`to_dict` never holds
+    ``Infinity`` or ``NaN``, which JSON cannot carry. A time of 0 means "no
+    prediction" (cost fields left at zero, or a profile whose layers take no
+    time): :attr:`throughput_minibatches_per_s` and :meth:`speedup_over` are
+    then 0.0, read as unknown, never an infinite throughput.
     """
 
     stages: tuple[Stage, ...]
@@ -106,6 +116,9 @@ class Plan:
         ranks = [r for st in self.stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
+        _check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
+        for key, value in self.baselines_s.items():
+            _check_figure("the plan", f"baselines_s[{key!r}]", value)
 
     @classmethod
     def from_config(
@@ -144,6 +157,7 @@ class Plan:
 
     @property
     def throughput_minibatches_per_s(self) -> float:
+        """Minibatches per second in steady state; 0.0 when there is no prediction."""
         return 1.0 / self.time_per_minibatch_s if self.time_per_minibatch_s > 0 else 0.0
 
     def stage_of_rank(self, rank: int) -> int:
@@ -218,7 +232,8 @@ class Plan:
             raise PlanError(f"malformed plan JSON: {exc!r}") from exc
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1)
+        """Strict JSON: no ``Infinity`` or ``NaN`` (see the class docstring)."""
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -250,6 +265,19 @@ class Plan:
                 f"ranks {list(st.ranks)}"
             )
         return "\n".join(lines)
+
+
+def _check_figure(owner: str, what: str, value: float) -> None:
+    """A predicted time or size must be a finite number >= 0."""
+    try:
+        ok = math.isfinite(value) and value >= 0
+    except TypeError:
+        ok = False
+    if not ok:
+        raise PlanError(
+            f"{owner} has {what}={value!r}; predicted times and sizes must be finite and "
+            ">= 0 (re-run 'dreampipe plan' on a profile with finite times and sizes)"
+        )
 
 
 def config_string(replicas: Sequence[int]) -> str:

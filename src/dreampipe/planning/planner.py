@@ -142,6 +142,12 @@ def plan_pipeline(
     optimizer, which plans hierarchically on every worker without a memory
     limit, so it ignores ``also_flat`` and ``allow_fewer_workers``.
     """
+    if graph.total_ms() <= 0:
+        raise PlanError(
+            "every layer of the profile takes 0 ms forward and backward, so every plan "
+            "takes 0 ms and none is better than another; profile the model again "
+            "('dreampipe profile') or give the layers their real times"
+        )
     if cost_model is CostModel.PIPEDREAM:
         return _plan_pipedream(graph, topology, memory_bytes, straight, max_stages)
     prof = RangeCosts.of(graph)

@@ -34,6 +34,8 @@ __all__ = ["DEFAULT_BANDWIDTHS", "PRESETS", "Level", "Topology"]
 #: Used by :meth:`Topology.parse` when no bandwidths are given: innermost level
 #: PCIe (10 GB/s), every outer level 10 Gbps Ethernet.
 DEFAULT_BANDWIDTHS = ("10GB/s", "10Gbps")
+#: The slowest link a level may have, in bytes/s.
+_MIN_BANDWIDTH = 1.0
 
 
 @dataclass(frozen=True)
@@ -44,8 +46,11 @@ class Level:
     def __post_init__(self) -> None:
         if self.count < 1:
             raise TopologyError(f"a level needs at least 1 unit, got {self.count}")
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)):
-            raise TopologyError(f"bandwidth {self.bandwidth!r} bytes/s must be positive and finite")
+        if not (self.bandwidth >= _MIN_BANDWIDTH and math.isfinite(self.bandwidth)):
+            raise TopologyError(
+                f"bandwidth {self.bandwidth!r} bytes/s must be positive and finite, at least "
+                "1 byte/s (slower links overflow the cost model); give e.g. 10Gbps"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,23 +105,44 @@ class Topology:
     ) -> Topology:
         """A preset name, or ``"4x4"`` / ``"16"`` (outermost first).
 
-        ``bandwidths`` lists one figure per level, innermost first; missing
-        outer levels take the last default. ``memory`` overrides the device
-        memory (``"16GB"``).
+        ``bandwidths`` lists one figure per level, innermost first: a string
+        with its unit (``"10GB/s"``, ``"10Gbps"``; a bare ``"10"`` is an error)
+        or a number of bytes/s. A shape needs one per level, or none for
+        :data:`DEFAULT_BANDWIDTHS` (the last repeated outwards); a preset may
+        override only its inner levels, the outer ones keeping the preset's.
+        ``memory`` overrides the device memory (``"16GB"``).
         """
         spec = spec.strip()
         if spec in PRESETS:
-            topo = PRESETS[spec]
+            preset = PRESETS[spec]
+            topo = preset
             if bandwidths:
-                topo = cls._with_bandwidths([lv.count for lv in topo.levels], bandwidths, topo.name)
-                topo = cls(topo.levels, PRESETS[spec].memory_bytes, spec)
+                known = [lv.bandwidth for lv in preset.levels]
+                figures = _parse_bandwidths(bandwidths, len(known), spec)
+                topo = cls(
+                    tuple(Level(lv.count, bw) for lv, bw in
+                          zip(preset.levels, figures + known[len(figures):], strict=True)),
+                    preset.memory_bytes, spec,
+                )
         elif re.fullmatch(r"\d+(x\d+)*", spec):
             counts = [int(x) for x in reversed(spec.split("x"))]
             if any(c < 1 for c in counts):
                 raise TopologyError(
                     f"topology {spec!r} has a level of 0 workers; every count must be >= 1"
                 )
-            topo = cls._with_bandwidths(counts, bandwidths or DEFAULT_BANDWIDTHS[: len(counts)], "")
+            if bandwidths:
+                figures = _parse_bandwidths(bandwidths, len(counts), spec)
+                if len(figures) < len(counts):
+                    raise TopologyError(
+                        f"topology {spec!r} has {len(counts)} levels, so it needs "
+                        f"{len(counts)} bandwidths, one per level, innermost first "
+                        f"(e.g. {_example(len(counts))}); got {len(figures)}: {list(bandwidths)}"
+                    )
+            else:
+                defaults = DEFAULT_BANDWIDTHS[: len(counts)]
+                figures = [parse_bandwidth(b) for b in defaults]
+                figures += figures[-1:] * (len(counts) - len(figures))
+            topo = cls(tuple(Level(c, bw) for c, bw in zip(counts, figures, strict=True)))
         else:
             raise TopologyError(
                 f"unknown topology {spec!r}; use a preset ({', '.join(sorted(PRESETS))}) "
@@ -130,25 +156,32 @@ class Topology:
             topo = cls(topo.levels, mem, topo.name)
         return topo
 
-    @classmethod
-    def _with_bandwidths(
-        cls, counts: Sequence[int], bandwidths: Sequence[str | float], name: str
-    ) -> Topology:
-        if len(bandwidths) > len(counts):
+
+def _example(levels: int) -> str:
+    """Bandwidths to suggest for ``levels`` levels, innermost first."""
+    return " then ".join(["10GB/s", *["10Gbps"] * (levels - 1)])
+
+
+def _parse_bandwidths(
+    bandwidths: Sequence[str | float], levels: int, spec: str
+) -> list[float]:
+    """Each figure in bytes/s (strings need a unit); at most one per level."""
+    try:
+        figures = [parse_bandwidth(b, require_unit=True) for b in bandwidths]
+    except ValueError as exc:
+        raise TopologyError(str(exc)) from None
+    for text, figure in zip(bandwidths, figures, strict=True):
+        if figure < _MIN_BANDWIDTH:
             raise TopologyError(
-                f"{len(bandwidths)} bandwidths for {len(counts)} levels; give one per level, "
-                "innermost first"
+                f"bandwidth {text!r} is {figure:g} bytes/s, below 1 byte/s, the slowest link "
+                "the cost model takes; give e.g. 10Gbps"
             )
-        figures = list(bandwidths) + [bandwidths[-1]] * (len(counts) - len(bandwidths))
-        try:
-            levels = tuple(
-                Level(c, parse_bandwidth(b)) for c, b in zip(counts, figures, strict=True)
-            )
-        except ValueError as exc:
-            if isinstance(exc, TopologyError):
-                raise
-            raise TopologyError(str(exc)) from None
-        return cls(levels, name=name)
+    if len(figures) > levels:
+        raise TopologyError(
+            f"{len(figures)} bandwidths for {levels} levels of topology {spec!r}; "
+            "give one per level, innermost first"
+        )
+    return figures
 
 
 def _preset(name: str, counts: Sequence[int], bws: Sequence[str], memory: str) -> Topology:

@@ -25,7 +25,11 @@ FORMAT_VERSION = 1
 
 @dataclass(frozen=True)
 class Layer:
-    """One profiled layer. Times in milliseconds, sizes in bytes, per minibatch."""
+    """One profiled layer. Times in milliseconds, sizes in bytes, per minibatch.
+
+    Each figure must be a finite number >= 0: ``inf`` or ``nan`` is a broken
+    measurement and would surface later as a baffling planner error.
+    """
 
     name: str
     forward_ms: float
@@ -37,10 +41,10 @@ class Layer:
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
             value = getattr(self, what)
-            if not isinstance(value, int | float) or math.isnan(value) or value < 0:
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ProfileError(
                     f"layer {self.name!r} has {what}={value!r}; "
-                    "times and sizes must be non-negative numbers"
+                    "times and sizes must be finite non-negative numbers"
                 )
 
     @property

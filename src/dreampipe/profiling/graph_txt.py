@@ -14,6 +14,7 @@ node number, so the order is deterministic.
 
 from __future__ import annotations
 
+import math
 import re
 
 from dreampipe.errors import ProfileError
@@ -55,7 +56,7 @@ def _parse_node(name: str, description: str, stats: str, lineno: int) -> Layer:
         key = key.strip()
         if not sep or key not in _FIELDS:
             raise ProfileError(f"graph.txt line {lineno}: unexpected field {part.strip()!r}")
-        values[key] = _number(raw.strip(), key, lineno)
+        values[key] = _number(raw.strip(), key, lineno, name)
     missing = [f for f in _FIELDS if f not in values]
     if missing:
         raise ProfileError(f"graph.txt line {lineno}: {name} lacks {', '.join(missing)}")
@@ -85,9 +86,18 @@ def _split_stats(stats: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
-def _number(raw: str, key: str, lineno: int) -> float:
+def _number(raw: str, key: str, lineno: int, name: str) -> float:
+    """A field's value, a ``[a; b]`` list summed; it must be finite."""
     items = raw[1:-1].split(";") if raw.startswith("[") and raw.endswith("]") else [raw]
     try:
-        return sum(float(x) for x in items)
+        value = sum(float(x) for x in items)
     except ValueError:
-        raise ProfileError(f"graph.txt line {lineno}: {key}={raw!r} is not a number") from None
+        raise ProfileError(
+            f"graph.txt line {lineno}: {name} has {key}={raw!r}, which is not a number"
+        ) from None
+    if not math.isfinite(value):
+        raise ProfileError(
+            f"graph.txt line {lineno}: {name} has {key}={raw!r}, which is not finite; "
+            "times and sizes must be finite non-negative numbers"
+        )
+    return value
