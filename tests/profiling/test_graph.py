@@ -87,12 +87,8 @@ def test_from_named_edges_sorts_topologically() -> None:
      ("parameter_bytes", "12")],
 )
 def test_bad_layer_value(field: str, value: Any) -> None:
-    kwargs: dict[str, Any] = dict(
-        name="conv", forward_ms=1.0, backward_ms=1.0, activation_bytes=1, parameter_bytes=1
-    )
-    kwargs[field] = value
     with pytest.raises(ProfileError, match=field) as info:
-        Layer(**kwargs)
+        _layer_with(field, value)
     assert repr(value) in str(info.value)
     assert "conv" in str(info.value)
 
@@ -176,12 +172,8 @@ def test_binary_file_is_a_profile_error(tmp_path: Path) -> None:
     "field", ["forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"]
 )
 def test_non_finite_layer_value(field: str, value: float) -> None:
-    kwargs: dict[str, Any] = dict(
-        name="conv", forward_ms=1.0, backward_ms=1.0, activation_bytes=1, parameter_bytes=1
-    )
-    kwargs[field] = value
     with pytest.raises(ProfileError, match=field) as info:
-        Layer(**kwargs)
+        _layer_with(field, value)
     assert "'conv'" in str(info.value) and "finite" in str(info.value)
 
 
@@ -194,3 +186,12 @@ def test_json_profile_with_a_non_finite_value(field: str, token: str) -> None:
     text = json.dumps(data).replace('"PLACEHOLDER"', token)
     with pytest.raises(ProfileError, match=f"layer 'b' has {field}="):
         LayerGraph.from_json(text)
+
+
+def _layer_with(field: str, value: Any) -> Layer:
+    """A valid conv layer but for ``field`` set to ``value``."""
+    kwargs: dict[str, Any] = dict(
+        name="conv", forward_ms=1.0, backward_ms=1.0, activation_bytes=1, parameter_bytes=1
+    )
+    kwargs[field] = value
+    return Layer(**kwargs)
