@@ -19,7 +19,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
-from dreampipe.planning.plan import Plan
+from dreampipe.planning.plan import PLAN_FORMAT, Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     source = Path(args.source)
     data = _json_object(source)
-    if data is not None and data.get("format") == "dreampipe.plan":
+    if data is not None and data.get("format") == PLAN_FORMAT:
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology
                     else _plan_topology(plan.topology))

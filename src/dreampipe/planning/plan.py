@@ -23,9 +23,17 @@ from typing import Any
 
 from dreampipe.errors import ConfigError, PlanError
 
-__all__ = ["Plan", "Stage", "config_string", "parse_stage_bounds", "stages_from_config"]
+__all__ = [
+    "PLAN_FORMAT",
+    "Plan",
+    "Stage",
+    "config_string",
+    "parse_stage_bounds",
+    "stages_from_config",
+]
 
-_FORMAT = "dreampipe.plan"
+#: The "format" tag of a plan JSON file; a file with another tag is not a plan.
+PLAN_FORMAT = "dreampipe.plan"
 _VERSION = 1
 
 
@@ -177,7 +185,7 @@ class Plan:
     # ---- JSON -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
-            "format": _FORMAT,
+            "format": PLAN_FORMAT,
             "version": _VERSION,
             "model": self.model,
             "topology": self.topology,
@@ -204,7 +212,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("format") != _FORMAT:
+        if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"format={data.get('format')!r}: not a dreampipe plan")
         if data.get("version") != _VERSION:
             raise PlanError(f"plan format version {data.get('version')!r} is not {_VERSION}")
