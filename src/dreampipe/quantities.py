@@ -15,7 +15,7 @@ import re
 
 from dreampipe.errors import QuantityError
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_bytes"]
+__all__ = ["format_bytes", "format_duration", "parse_bandwidth", "parse_bytes", "parse_duration"]
 
 _NUM = r"(-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?)"
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -79,6 +79,39 @@ def parse_bandwidth(text: str | int | float, *, require_unit: bool = False) -> f
             f"bandwidth {text!r} is not a finite positive number of bytes/s; give e.g. 10Gbps"
         )
     return result
+
+
+_SECONDS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_duration(text: str | int | float, *, require_unit: bool = False) -> float:
+    """``"10us"`` -> 1e-5 seconds; ``"0.5ms"``, ``"2s"``, ``"100ns"``; a bare number is seconds.
+
+    Used for link latencies; with ``require_unit`` a unitless string is an
+    error, since ``"10"`` could mean any of them.
+    """
+    if isinstance(text, int | float):
+        value, unit = float(text), "s"
+    else:
+        m = re.fullmatch(_NUM + r"\s*([a-zµ]*)", text.strip())
+        if not m:
+            raise QuantityError(f"{text!r} is not a duration; write e.g. 10us or 0.5ms")
+        value, unit = float(m.group(1)), m.group(2) or ("" if require_unit else "s")
+    if unit not in _SECONDS:
+        hint = "has no unit" if not unit else f"has unknown unit {unit!r}"
+        raise QuantityError(f"duration {text!r} {hint}; use s, ms, us or ns, e.g. 10us")
+    seconds = value * _SECONDS[unit]
+    if not math.isfinite(seconds) or seconds < 0:
+        raise QuantityError(f"duration {text!r} must be finite and >= 0, e.g. 10us")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short human duration: ``10 us``, ``1.5 ms``, ``2.0 s``."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e9:.3g} ns"
 
 
 def format_bytes(n: float) -> str:

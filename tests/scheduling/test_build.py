@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dreampipe.errors import ScheduleError
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
@@ -16,6 +18,7 @@ from dreampipe.scheduling.build import (
     warmup_forwards,
     whole_rounds,
 )
+from dreampipe.scheduling.validator import validate_schedule
 
 K = ActionKind
 S = ScheduleKind
@@ -130,7 +133,6 @@ def test_lower_updates_alone() -> None:
     ((1, 0), S.GPIPE, 4, 2, "at least one stage"),
     ((), S.GPIPE, 4, 2, "at least one stage"),
     ((1, 1), S.PIPEDREAM, 4, 2, "units_per_update=2"),
-    ((3, 1), S.PIPEDREAM, 4, 1, "multiple of 3"),
     ((2, 2), S.DP, 4, 4, "use replicas \\(4,\\)"),
     ((4,), S.DP, 6, 6, "multiple of 4"),
     ((1,), S.FLUSH, 4, 0, "units_per_update=0"),
@@ -154,3 +156,46 @@ def test_build_schedule_returns_plain_data() -> None:
                          [((1, 1), 5, 5), ((2, 1), 5, 6), ((3, 2), 7, 12), ((4,), 0, 4)])
 def test_whole_rounds(replicas: tuple[int, ...], wanted: int, expected: int) -> None:
     assert whole_rounds(replicas, wanted) == expected
+
+
+def _rounds(acts: tuple[Action, ...], kind: ActionKind) -> list[int]:
+    return [a.unit for a in acts if a.kind is kind]
+
+
+def test_partial_last_round_is_joined_by_every_replica() -> None:
+    # 5 minibatches: stage 0 (3 replicas) runs rounds {0,1,2} {3,4}; stage 1 (2
+    # replicas) {0,1} {2,3} {4}. A replica with no unit in the last round joins it last.
+    sched = build_schedule((3, 2), S.PIPEDREAM, 5)
+    assert [str(a) for a in sched.actions[2]] == _words(
+        "F2 SEND_F2 RECV_B2 B2 ALLREDUCE0 STEP0 ALLREDUCE1 STEP1")
+    assert [str(a) for a in sched.actions[4]] == _words(
+        "RECV_F1 F1 B1 SEND_B1 ALLREDUCE0 STEP0 RECV_F3 F3 B3 SEND_B3 ALLREDUCE1 STEP1 "
+        "ALLREDUCE2 STEP2")
+    assert _rounds(sched.actions[3], K.ALLREDUCE) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("replicas", "units"), [
+    ((3, 2), 5), ((3, 2), 7), ((3, 2), 1), ((5, 7), 3), ((5, 7), 34), ((5, 7), 36),
+    ((1, 4, 1), 6), ((2,), 3),
+])
+def test_any_number_of_minibatches_builds(replicas: tuple[int, ...], units: int) -> None:
+    assert units % math.lcm(*replicas)  # not whole rounds
+    sched = build_schedule(replicas, S.PIPEDREAM, units)
+    for rank, acts in enumerate(sched.actions):
+        r = replicas[sched.stage_of_rank(rank)]
+        rounds = list(range(-(-units // r)))
+        assert _rounds(acts, K.STEP) == rounds
+        assert _rounds(acts, K.ALLREDUCE) == (rounds if r > 1 else [])
+    assert sum(a.kind is K.BACKWARD for acts in sched.actions for a in acts) == (
+        units * len(replicas))
+
+
+@settings(max_examples=60, deadline=None)
+@given(replicas=st.lists(st.integers(1, 7), min_size=1, max_size=4),
+       units=st.integers(1, 60))
+def test_validator_accepts_every_pipedream_schedule(replicas: list[int], units: int) -> None:
+    sched = build_schedule(replicas, S.PIPEDREAM, units)  # validates
+    validate_schedule(sched)
+    # Every replica takes the same updates, one per round of its stage.
+    for rank, acts in enumerate(sched.actions):
+        assert len(_rounds(acts, K.STEP)) == -(-units // replicas[sched.stage_of_rank(rank)])

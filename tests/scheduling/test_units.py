@@ -76,3 +76,10 @@ def test_a_layout_without_samples_counts_profiled_minibatches() -> None:
 def test_pipedream_runs_whole_all_reduce_rounds() -> None:
     assert UnitLayout(kind=S.PIPEDREAM).whole_rounds([2, 3], 7) == 12
     assert UnitLayout(kind=S.FLUSH).whole_rounds([2, 3], 7) == 7
+
+
+def test_pipedream_builds_any_number_of_steps() -> None:
+    layout = UnitLayout(kind=S.PIPEDREAM)
+    schedule = layout.build([2, 3], 7)  # 7 is not whole rounds of 2 and 3: the last is partial
+    assert schedule.num_units == 7
+    assert layout.whole_rounds([2, 3], 7) == 12  # what training runs instead

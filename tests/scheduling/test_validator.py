@@ -126,3 +126,19 @@ def test_grid_windows_long_schedules_around_the_mark() -> None:
     assert "(steps 52..68 of" in lines[0]
     assert lines[2].count(">") == 1 and f">{sched.actions[1][60]}<" in lines[2]
     assert str(sched.actions[0][0]) not in lines[1].split()
+
+
+def test_replica_skipping_a_round_is_rejected() -> None:
+    # 3 minibatches on 2 replicas: round 1 holds only unit 2 (replica 0), and
+    # replica 1 must still join it or replica 0 waits forever at ALLREDUCE1.
+    broken = """# pipedream replicas=2 units=3 per_update=1
+0: F0 B0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1
+1: F1 B1 ALLREDUCE0 STEP0
+"""
+    with pytest.raises(ScheduleError, match="rank 1, a replica of the same stage, never") as info:
+        validate_schedule(_sched(broken))
+    message = str(info.value)
+    assert "add ALLREDUCE1 STEP1 to rank 1" in message
+    assert ">ALLREDUCE1<" in message and ">(end)<" in message
+    validate_schedule(_sched(broken.replace("ALLREDUCE0 STEP0\n", "ALLREDUCE0 STEP0 "
+                                            "ALLREDUCE1 STEP1\n")))

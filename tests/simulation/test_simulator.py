@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.plan import Plan
+from dreampipe.planning.sync import Sync, SyncKind
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
@@ -185,7 +187,11 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
     assert costs.activation_bytes == pytest.approx((1000.0,))
     assert costs.parameter_bytes == (4000.0, 20000.0)
     assert costs.stash_bytes == pytest.approx((1500.0, 3500.0))
-    assert costs.allreduce_s == pytest.approx((0.0, 2 * 2 / 3 * 20000 / 1e3))
+    # workers 1 | 2, 3: a hierarchical ring, 2 in server 1 then 2 servers (the default)
+    inside, across = 2 * 1 / 2 * 20000 / 1e6, 2 * 1 / 2 * 20000 / 1e3
+    assert costs.allreduce_s == pytest.approx((0.0, inside + across))
+    ring = costs_from_profile(_graph(), plan, topo, 0.5, Sync(SyncKind.RING))
+    assert ring.allreduce_s == pytest.approx((0.0, 2 * 2 / 3 * 20000 / 1e3))
     assert costs.bandwidth_between(0, 1) == 1e6
 
 
@@ -240,3 +246,49 @@ def test_send_overhead_occupies_the_sender() -> None:
     assert loaded.makespan_s > quick.makespan_s + 1.5
     with pytest.raises(ScheduleError, match="send_overhead_s"):
         replace(base, send_overhead_s=-1.0)
+
+
+@pytest.mark.parametrize(("replicas", "units"), [((3, 2), 7), ((3, 2), 5), ((5, 7), 36),
+                                                 ((5, 7), 3), ((11, 13, 17, 19), 100)])
+def test_partial_last_round_simulates(replicas: tuple[int, ...], units: int) -> None:
+    n = len(replicas)
+    costs = _equal(n, 1.0, 2.0, step_s=(0.25,) * n, allreduce_s=(0.5,) * n,
+                   activation_bytes=(10.0,) * (n - 1), bandwidth=100.0)
+    sched = build_schedule(replicas, S.PIPEDREAM, units)
+    result = simulate_schedule(sched, costs)
+    steps = [-(-units // r) for r in replicas]  # every replica steps once per round
+    assert sum(result.busy_s) == pytest.approx(
+        units * n * 3.0 + 0.25 * sum(r * k for r, k in zip(replicas, steps, strict=True)))
+    reduces = Counter((e.stage, e.unit) for e in result.events if e.kind is K.ALLREDUCE)
+    assert reduces == {(s, k): r for s, r in enumerate(replicas) if r > 1 for k in range(steps[s])}
+    spans = {(e.stage, e.unit): (e.start_s, e.end_s)
+             for e in result.events if e.kind is K.ALLREDUCE}
+    for e in result.events:  # the replicas of a round leave it together
+        if e.kind is K.ALLREDUCE:
+            assert (e.start_s, e.end_s) == spans[(e.stage, e.unit)]
+
+
+def test_steady_throughput_leaves_out_start_up_and_drain() -> None:
+    # Straight, balanced: one minibatch per F+B = 3 s once the pipeline is full.
+    sched = build_schedule([1] * 4, S.PIPEDREAM, 40)
+    result = simulate_schedule(sched, _equal(4), record_events=False)
+    assert result.throughput_minibatches_per_s < 0.95 / 3.0
+    assert result.steady_throughput_minibatches_per_s == pytest.approx(1 / 3.0)
+    assert result.steady_units == 40 - 2 * 4 - 1
+    assert result.summary()["steady_units"] == result.steady_units
+
+
+def test_steady_window_counts_replicas_that_finish_together() -> None:
+    # 4 replicas finish each round at the same instant: 4 units per 3 s, exactly.
+    # The window runs from the end of round 1 (the 4th finish) to the end of
+    # round 8 (the 4th from the last): rounds 2..8 finish in it.
+    result = simulate_schedule(build_schedule([4], S.PIPEDREAM, 40), _equal(1),
+                               record_events=False)
+    assert result.steady_throughput_minibatches_per_s == pytest.approx(4 / 3.0)
+    assert result.steady_units == 7 * 4
+
+
+def test_too_short_a_run_has_no_steady_window() -> None:
+    result = simulate_schedule(build_schedule([1] * 4, S.PIPEDREAM, 9), _equal(4))
+    assert result.steady_units == 0
+    assert result.steady_throughput_minibatches_per_s == result.throughput_minibatches_per_s

@@ -4,6 +4,15 @@ Reads a dreampipe JSON profile or a PipeDream ``graph.txt``, runs the
 planner and prints each stage with its costs and the predicted speedups
 over data parallelism, a straight pipeline and GPipe; ``--json`` prints one
 JSON object instead and ``-o`` saves the plan for ``simulate`` and ``train``.
+
+Then it checks the prediction by simulating the plan's PipeDream schedule
+(:func:`confirm_by_simulation`, off with ``--no-check``). The check is
+bounded at any scale: it simulates warm-up, drain and a few minibatches per
+worker, at most ``--check-minibatches`` and at most
+:data:`CHECK_STAGE_MINIBATCHES` / stages of them (the work, and so the time
+and memory, grow with minibatches x stages), and it may end on a partial
+all-reduce round, so replica counts such as 11-13-17-19 do not force
+lcm = 46189 minibatches.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dreampipe.cli.links import add_link_arguments, sync_from, topology_from
+from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
@@ -24,12 +35,29 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.build import build_schedule, warmup_forwards
 from dreampipe.simulation.simulator import SimResult, costs_from_profile, simulate_schedule
 
-__all__ = ["confirm_by_simulation", "format_plan", "layer_label", "plan_summary", "register"]
+__all__ = [
+    "CHECK_MINIBATCHES",
+    "CHECK_STAGE_MINIBATCHES",
+    "check_minibatches",
+    "confirm_by_simulation",
+    "format_plan",
+    "layer_label",
+    "plan_summary",
+    "register",
+]
 
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
+
+#: The check simulates at most this many minibatches unless ``--check-minibatches`` says.
+CHECK_MINIBATCHES = 8192
+#: ... and at most this many minibatches x stages whatever the cap: about 7 actions each,
+#: a few microseconds per action to build, validate and simulate, so a few seconds.
+CHECK_STAGE_MINIBATCHES = 50_000
+#: Minibatches per worker in the check's steady window (between warm-up and drain).
+_STEADY_PER_WORKER = 4
 
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
@@ -52,12 +80,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="dreampipe profile JSON or PipeDream graph.txt")
     p.add_argument("--topology", "-t", required=True, metavar="T",
                    help="a preset or a shape like 16, 4x4 (servers x devices)")
-    p.add_argument("--bandwidth", "-b", action="append", metavar="B",
-                   help="bandwidth of one level, innermost first, e.g. 10GB/s then 10Gbps "
-                        "(repeat per level; default: the preset's, or PCIe then 10Gbps)")
-    p.add_argument("--memory", metavar="SIZE",
-                   help="device memory, e.g. 16GB: reject stages whose stashed weights and "
-                        "activations do not fit (default: no limit)")
+    add_link_arguments(p)
     p.add_argument("--straight", action="store_true",
                    help="no replication: one worker per stage")
     p.add_argument("--all-workers", action="store_true",
@@ -65,38 +88,55 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--max-stages", type=int, metavar="N", help="at most N stages")
     p.add_argument("--cost-model", choices=[c.value for c in CostModel],
                    default=CostModel.DREAMPIPE.value,
-                   help="dreampipe (default): compute and communication overlap (max), ring "
-                        "all-reduce 2(m-1)/m|w|/B per minibatch; pipedream: PipeDream's own "
+                   help="dreampipe (default): one all-reduce per round (--sync) overlapped "
+                        "with the backward, every link priced where it is crossed, Input "
+                        "zeroed; pipedream: PipeDream's own "
                         "optimizer term for term, (compute + 4(m-1)/m|w|/B)/m added, Input "
                         "zeroed, every worker used, no memory limit")
     p.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="save the plan here")
     p.add_argument("--json", action="store_true",
                    help="print exactly one JSON object on stdout instead of the table")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="do not check the prediction by simulating the plan's PipeDream "
+                        "schedule afterwards (the check takes seconds at most; the JSON then "
+                        "says \"check_skipped\": true)")
+    p.add_argument("--check-minibatches", type=_at_least_one, default=CHECK_MINIBATCHES,
+                   metavar="N",
+                   help=f"simulate at most N minibatches in the check (default "
+                        f"{CHECK_MINIBATCHES}): warm-up, drain and {_STEADY_PER_WORKER} per "
+                        f"worker are enough for the steady state, and at most "
+                        f"{CHECK_STAGE_MINIBATCHES} / stages are run whatever N, which keeps "
+                        "the check to seconds; 'dreampipe simulate' runs any number")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     graph = load_graph(args.profile)
-    topo = Topology.parse(args.topology, args.bandwidth, args.memory)
+    topo = topology_from(args)
     start = time.perf_counter()
     result = plan_pipeline(
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
         straight=args.straight, allow_fewer_workers=not args.all_workers,
         max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
+        sync=sync_from(args),
     )
     seconds = time.perf_counter() - start
-    sim = confirm_by_simulation(result, graph, topo)
+    sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
     if args.output:
         result.save(args.output)
     if args.json:
         summary = plan_summary(result, seconds)
-        summary["simulated_minibatches_per_s"] = sim.throughput_minibatches_per_s
-        summary["simulated_minibatches"] = sim.num_units
+        summary["check_skipped"] = sim is None
+        summary["simulated_minibatches"] = None if sim is None else sim.num_units
+        summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_units
+        summary["simulated_minibatches_per_s"] = (
+            None if sim is None else sim.steady_throughput_minibatches_per_s)
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_plan(result, graph, topo, seconds))
-        print(_format_confirmation(result, sim))
+        if sim is not None:
+            print(_format_confirmation(result, sim))
         if args.cost_model == CostModel.PIPEDREAM:
             print(f"pipedream model: pipeline {result.time_per_minibatch_s * 1e3:.2f} ms, "
                   f"data parallel {result.baselines_s['dp'] * 1e3:.2f} ms per minibatch")
@@ -105,26 +145,59 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def confirm_by_simulation(result: Plan, graph: LayerGraph, topo: Topology) -> SimResult:
+def _at_least_one(text: str) -> int:
+    """``--check-minibatches``: a whole number >= 1 (argparse reports anything else)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number >= 1; give e.g. {CHECK_MINIBATCHES}, "
+            "or --no-check to skip the check")
+    return value
+
+
+def check_minibatches(result: Plan, cap: int = CHECK_MINIBATCHES) -> int:
+    """How many minibatches :func:`confirm_by_simulation` runs for ``result``.
+
+    Enough for a steady state: the input stage's warm-up (every unit it admits
+    before its first backward), as many again for the drain, and
+    ``_STEADY_PER_WORKER`` per worker between them; at most ``cap``, and at
+    most :data:`CHECK_STAGE_MINIBATCHES` / stages so the time stays bounded.
+    """
+    if cap < 1:
+        raise ConfigError(f"cap={cap} minibatches; use 1 or more", "cap")
+    replicas = [st.replicas for st in result.stages]
+    warm = replicas[0] * warmup_forwards(replicas, 0)
+    wanted = 2 * warm + _STEADY_PER_WORKER * result.workers_used
+    return max(1, min(wanted, cap, CHECK_STAGE_MINIBATCHES // len(replicas)))
+
+
+def confirm_by_simulation(
+    result: Plan, graph: LayerGraph, topo: Topology, cap: int = CHECK_MINIBATCHES
+) -> SimResult:
     """Run the plan's PipeDream schedule through the simulator to check the prediction.
 
-    The planner's figure is the steady state; the simulation includes the
-    pipeline's start-up, so it runs enough minibatches (at least 16 per
-    worker, in whole all-reduce rounds) for start-up to matter little.
+    Simulates :func:`check_minibatches` minibatches, ending on a partial
+    all-reduce round where the count is not a multiple of a stage's
+    replicas. Compare the result's ``steady_throughput_minibatches_per_s``
+    (start-up and drain left out) with the planner's steady-state figure.
     """
-    replicas = [st.replicas for st in result.stages]
-    layout = UnitLayout(kind=ScheduleKind.PIPEDREAM)
-    schedule = layout.build(replicas, layout.whole_rounds(replicas, 16 * result.workers_used))
+    schedule = build_schedule([st.replicas for st in result.stages], ScheduleKind.PIPEDREAM,
+                              check_minibatches(result, cap))
     return simulate_schedule(schedule, costs_from_profile(graph, result, topo), record_events=False)
 
 
 def _format_confirmation(result: Plan, sim: SimResult) -> str:
     predicted = result.throughput_minibatches_per_s
-    ratio = sim.throughput_minibatches_per_s / predicted if predicted > 0 else 0.0
+    rate = sim.steady_throughput_minibatches_per_s
+    ratio = rate / predicted if predicted > 0 else 0.0
+    window = (f"{sim.steady_units} in the steady state" if sim.steady_units
+              else "too few for a steady state: start-up and drain included")
     return (
-        f"simulated: {sim.throughput_minibatches_per_s:.2f} minibatches/s over "
-        f"{sim.num_units} minibatches with start-up ({ratio:.0%} of the prediction; "
-        f"{sim.bubble_fraction:.0%} of worker time idle)"
+        f"simulated: {rate:.2f} minibatches/s over {sim.num_units} minibatches ({window}; "
+        f"{ratio:.0%} of the prediction; {sim.bubble_fraction:.0%} of worker time idle)"
     )
 
 

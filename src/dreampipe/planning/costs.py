@@ -1,13 +1,19 @@
 """The planner's cost model: small named terms, each vectorised with NumPy.
 
-Every term is per minibatch and in seconds or bytes. Compute, the all-reduce
-of a replicated stage and the transfers across a cut run on different
-engines and overlap, so a stage's steady-state time is the *max* of its
-terms, never their sum (PipeDream, §3.1)::
+Every term is per minibatch and in seconds or bytes. A replicated stage's
+``r`` replicas run ``r`` minibatches per round, then all-reduce their
+gradients once (:mod:`dreampipe.planning.sync` prices the algorithm). The
+all-reduce starts with the backward, bucket by bucket as DDP does, so it
+hides behind the backward but never behind the forward. Transfers across a
+cut run on their own links and overlap compute, so a pipeline's time is the
+*max* of its terms, never their sum::
 
-    stage i..j on m replicas:   T = max(compute, allreduce) / m
-    cut before layer k:         2 * a_k / B        (activations out, gradients back)
+    stage i..j on r replicas:   T = max(C, F + allreduce) / r     (C = F + backward)
+    cut before layer k:         2 (alpha + a_k / B) / copies      (activations out, gradients back)
     pipeline:                   A = max over stages and cuts
+
+``Input`` nodes of a PipeDream profile are zeroed: their time is data
+loading, which overlaps training (PipeDream's optimizer zeroes them too).
 
 Memory per worker follows DESIGN §5: a stage keeps one weight version and one
 minibatch of stashed activations per minibatch it has in flight, plus one
@@ -18,7 +24,7 @@ gradient buffer::
 
 (in the steady state the versions equal the minibatches in flight). The
 simulator (:mod:`dreampipe.simulation`) and the schedule builder take these
-same terms: the ring all-reduce, the memory formula and the in-flight count.
+same terms.
 
 :class:`RangeCosts` holds the profile's sums over every layer range, the
 inputs of these terms for any candidate stage.
@@ -41,14 +47,12 @@ __all__ = [
     "CostModel",
     "FloatArray",
     "RangeCosts",
-    "allreduce_time",
     "cut_time",
     "gpipe_time",
     "max_versions",
     "memory_bytes",
-    "replicated_stage_time",
-    "ring_allreduce_time",
     "stage_memory",
+    "stage_time",
     "versions_in_flight",
 ]
 
@@ -59,8 +63,9 @@ BoolArray = npt.NDArray[np.bool_]
 class CostModel(StrEnum):
     """Which cost terms the planner's DP uses; both run through the same DP.
 
-    ``DREAMPIPE`` (default): the terms of this module, compute and
-    communication overlapped (max). ``PIPEDREAM``: PipeDream's own optimizer,
+    ``DREAMPIPE`` (default): the terms of this module, one all-reduce per
+    round overlapped with the backward, links priced where they are crossed.
+    ``PIPEDREAM``: PipeDream's own optimizer,
     term for term (:mod:`dreampipe.planning.pipedream_costs`), to reproduce
     its published figures.
     """
@@ -73,53 +78,31 @@ class CostModel(StrEnum):
 GPIPE_MICROBATCHES_PER_STAGE = 4
 
 
-def ring_allreduce_time(
-    weight_bytes: FloatArray | float, replicas: int, bandwidth: float, rounds: int = 1
+def stage_time(
+    compute_s: FloatArray | float, forward_s: FloatArray | float,
+    allreduce_s: FloatArray | float, replicas: int,
 ) -> FloatArray:
-    """``rounds`` ring all-reduces of ``|w|`` over ``replicas`` workers: ``2(m-1)/m |w|/B`` each.
+    """``max(C, F + allreduce) / r``: one stage replicated ``r`` ways, per minibatch.
 
-    Each worker sends and receives ``2(m-1)/m`` of the weights per round
-    (reduce-scatter, then all-gather). The factor ``2(m-1) rounds / m`` is
-    formed before it scales the weights, so whole multiples of ``m`` rounds
-    are exact.
+    Each replica runs one minibatch of the round (forward ``F``, then the
+    backward ``C - F``), and the round's all-reduce overlaps that backward
+    only; ``r`` replicas share the minibatches, hence the division.
     """
-    factor = 2.0 * (replicas - 1) * rounds / replicas
-    return np.asarray(factor * np.asarray(weight_bytes, dtype=np.float64) / bandwidth)
+    c = np.asarray(compute_s, dtype=np.float64)
+    late = np.asarray(forward_s, dtype=np.float64) + np.asarray(allreduce_s, dtype=np.float64)
+    return np.asarray(np.maximum(c, late) / replicas)
 
 
-def allreduce_time(weight_bytes: FloatArray | float, replicas: int, bandwidth: float) -> FloatArray:
-    """Time for ``replicas`` workers to synchronise a stage's weights: ``2(m-1)|w|/B``.
-
-    The paper's term (DESIGN §3): one :func:`ring_allreduce_time` for each of
-    the ``m`` minibatches the replicas run in parallel, ``m`` rounds in all.
-    It overlaps the backward pass, hence the max in
-    :func:`replicated_stage_time`.
-    """
-    return ring_allreduce_time(weight_bytes, replicas, bandwidth, rounds=replicas)
-
-
-def replicated_stage_time(
-    inner_s: FloatArray | float, weight_bytes: FloatArray | float, replicas: int, bandwidth: float
+def cut_time(
+    activation_bytes: FloatArray | float, bandwidth: float, latency: float = 0.0
 ) -> FloatArray:
-    """``T = max(inner, allreduce) / m``: one stage replicated ``m`` ways.
-
-    ``inner_s`` is the stage's time on one unit (the sum of its layers'
-    forward+backward times, or one level down the hierarchy the best
-    pipeline inside a server). Compute and all-reduce overlap, hence max;
-    ``m`` replicas take minibatches round-robin, hence the division.
-    """
-    inner = np.asarray(inner_s, dtype=np.float64)
-    sync = allreduce_time(weight_bytes, replicas, bandwidth)
-    return np.asarray(np.maximum(inner, sync) / replicas)
-
-
-def cut_time(activation_bytes: FloatArray | float, bandwidth: float) -> FloatArray:
-    """``2a/B``: activations forward and their gradients back across a cut.
+    """``2 (alpha + a/B)``: activations forward and their gradients back across a cut.
 
     Transfers overlap compute on both sides, so the cut is one more term in
     the pipeline's max, not an addition to a stage.
     """
-    return np.asarray(2.0 * np.asarray(activation_bytes, dtype=np.float64) / bandwidth)
+    a = np.asarray(activation_bytes, dtype=np.float64)
+    return np.asarray(2.0 * (latency + a / bandwidth))
 
 
 def versions_in_flight(workers_to_end: int, replicas: int) -> int:
@@ -195,6 +178,7 @@ class RangeCosts:
     """Range sums of a profile: entry ``[i, j]`` covers layers ``i..j`` (seconds, bytes).
 
     ``compute_s`` is ``inf`` where ``i > j`` so that empty ranges never win a min;
+    ``forward_s`` is the forward part of it (None: not split, taken as 0);
     ``cut_bytes[k]`` is what crosses the cut before layer ``k`` (DAG rule);
     ``stage_ok[s, e]``, when given, says whether a stage after a cut may span
     ``s..e`` (PipeDream's cut rule over its states; None: any range).
@@ -205,9 +189,11 @@ class RangeCosts:
     activations: FloatArray
     cut_bytes: FloatArray
     stage_ok: BoolArray | None = None
+    forward_s: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph) -> RangeCosts:
+        """The sums of ``graph``, ``Input`` nodes' times zeroed (module doc)."""
         def sums(values: Sequence[float], empty: float) -> FloatArray:
             prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
             table = prefix[None, 1:] - prefix[:-1, None]
@@ -215,12 +201,19 @@ class RangeCosts:
             return np.where(np.triu(np.ones((n, n), dtype=bool)), table, empty)
 
         layers = graph.layers
+        work = [0.0 if x.is_input else 1e-3 for x in layers]
         return cls(
-            sums([x.compute_ms / 1e3 for x in layers], np.inf),
+            sums([x.compute_ms * k for x, k in zip(layers, work, strict=True)], np.inf),
             sums([x.parameter_bytes for x in layers], 0.0),
             sums([x.activation_bytes for x in layers], 0.0),
             np.asarray(graph.cut_bytes(), dtype=np.float64),
+            forward_s=sums([x.forward_ms * k for x, k in zip(layers, work, strict=True)], 0.0),
         )
+
+    @property
+    def forward(self) -> FloatArray:
+        """``forward_s``, or zeros where the profile does not split forward from backward."""
+        return self.forward_s if self.forward_s is not None else np.zeros_like(self.weights)
 
     @property
     def n(self) -> int:

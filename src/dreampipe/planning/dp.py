@@ -3,17 +3,25 @@
 Level k of the topology groups ``m_k`` units of level k-1 (DESIGN §3). At
 each level the best pipeline over layers ``i..j`` on ``m`` units is::
 
-    A(i..j, m) = min( T(i..j, m),                               one stage, m replicas
+    A(i..j, m) = min( T(i..j, m),                               one stage, m units
                       min over i<=t<j, 1<=m'<m of
-                      max( T(i..t, m'), 2 a_t+1 / B, A(t+1..j, m-m') ) )
-    T(i..t, m') = max( A_below(i..t), 2(m'-1) |w| / B ) / m'
+                      max( T(i..t, m'), cut(t), A(t+1..j, m-m') ) )
+    T(i..t, m') = A_below(i..t | m', context) / m'       (a block of m' whole units)
+    T(i..t, m)  = max(C, F + allreduce(w, (m, context))) / m       (at the bottom)
 
-where ``A_below`` is the level below's optimum on one whole unit (the sum of
-layer times at the bottom). DESIGN writes the recurrence peeling the last
-stage; peeling the *first* gives the same minimum over all partitions and
-lets each stage know how many workers lie after it, which the memory rule
-(versions in flight, :mod:`dreampipe.planning.costs`) needs. The inner min over
-``(t, m')`` is a min-max matrix product, done in NumPy.
+A replicated stage's all-reduce depends on how its replicas spread over
+*every* level (:func:`dreampipe.planning.sync.allreduce_seconds`), so each
+level's table is solved once per *context*, the units the enclosing blocks
+use at the levels above (``(m_1, m_2, ...)``); the bottom level then prices
+each stage's all-reduce on its true layout, and every cut at the level it
+crosses. The result equals :func:`~dreampipe.planning.planner.evaluate_plan`
+of the same layout, term for term.
+
+DESIGN writes the recurrence peeling the last stage; peeling the *first*
+gives the same minimum over all partitions and lets each stage know how many
+workers lie after it, which the memory rule (versions in flight,
+:mod:`dreampipe.planning.costs`) needs. The inner min over ``(t, m')`` is a
+min-max matrix product, done in NumPy.
 
 Memory in a hierarchy: each table entry also keeps the *slack* of its plan,
 ``min over stages of (versions that fit x replicas - workers to the end)``,
@@ -22,15 +30,16 @@ counted inside one unit of the level above; a plan fits iff its slack is
 ``n`` units after it gives ``m' x - n * unit_gpus``. Exact on one level; on
 more, the inner plans are chosen for speed among those that fit at the end.
 
-The stage term is a parameter (:class:`~dreampipe.planning.costs.CostModel`):
-under ``PIPEDREAM`` a stage costs PipeDream's additive term, a stage after a
-cut must obey ``RangeCosts.stage_ok`` and costs the plain term, and the
-first stage of a range on all of a level's units divides its all-reduce by
-the units below (PipeDream's outer-level rule); the DP is the same.
+Under ``CostModel.PIPEDREAM`` a stage costs PipeDream's additive term at its
+own level (no context), a stage after a cut must obey ``RangeCosts.stage_ok``
+and costs the plain term, and the first stage of a range on all of a level's
+units divides its all-reduce by the units below (PipeDream's outer-level
+rule); the DP is the same.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Sequence
@@ -43,16 +52,16 @@ from dreampipe.planning.costs import (
     CostModel,
     FloatArray,
     RangeCosts,
-    allreduce_time,
     cut_time,
     max_versions,
-    replicated_stage_time,
+    stage_time,
 )
 from dreampipe.planning.pipedream_costs import (
     pipedream_allreduce_time,
     pipedream_stage_time,
     pipedream_transfer_time,
 )
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync, allreduce_seconds
 from dreampipe.planning.topology import Topology
 
 __all__ = ["FlatStage", "Options", "best_plan"]
@@ -87,6 +96,10 @@ class Options:
     slots: int  # max_stages, or 1 for unlimited
     limited: bool  # slot q means "at most q+1 stages"; else one unlimited slot
     model: CostModel = CostModel.DREAMPIPE
+    sync: Sync = DEFAULT_SYNC
+
+
+Context = tuple[int, ...]  # units used by each enclosing block, level k+1 outwards
 
 
 def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, IntArray]:
@@ -128,47 +141,47 @@ def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
 
 
 _StageTimes = dict[tuple[int, int], FloatArray]
+_Tables = list[dict[Context, "_Table"]]
 
 
-def _stage_times(
+def _pipedream_stage_times(
     prof: RangeCosts, inner_time: FloatArray, slots: int, max_units: int, bandwidth: float,
-    below: int, model: CostModel,
+    below: int,
 ) -> tuple[_StageTimes, _StageTimes]:
-    """Stage times ``[(slot, m)] -> [i, j]``: after a cut, and first of a whole level's range.
-
-    The two differ only under ``PIPEDREAM`` (cut rule; all-reduce shared by
-    the ``below`` units of a server); otherwise they are the same table.
-    """
-    keys = [(q, m) for q in range(slots) for m in range(1, max_units + 1)]
-    if model is CostModel.DREAMPIPE:
-        same = {(q, m): replicated_stage_time(inner_time[q], prof.weights, m, bandwidth)
-                for q, m in keys}
-        return same, same
+    """PipeDream's stage times ``[(slot, m)] -> [i, j]``: after a cut, and first of a whole
+    level's range (its all-reduce shared by the ``below`` units of a server)."""
     after, first = {}, {}
     n = prof.n
     before = np.concatenate([[0.0], prof.cut_bytes[:-1]])[:, None]  # out(s - 1)
     after_out = np.where(np.arange(n) < n - 1, prof.cut_bytes, 0.0)[None, :]  # out(e)
-    for q, m in keys:
-        t = np.maximum(pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth),
-                       pipedream_transfer_time(np.maximum(before, after_out), m, bandwidth))
-        first[q, m] = pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth, below)
-        after[q, m] = t if prof.stage_ok is None else np.where(prof.stage_ok, t, np.inf)
+    for q in range(slots):
+        for m in range(1, max_units + 1):
+            t = np.maximum(pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth),
+                           pipedream_transfer_time(np.maximum(before, after_out), m, bandwidth))
+            first[q, m] = pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth, below)
+            after[q, m] = t if prof.stage_ok is None else np.where(prof.stage_ok, t, np.inf)
     return after, first
 
 
 def _solve_level(
     prof: RangeCosts,
-    inner_time: FloatArray,
-    inner_slack: FloatArray | None,
+    after_cut: _StageTimes,
+    first_stage: _StageTimes,
+    block_slack: dict[tuple[int, int], FloatArray] | None,
     count: int,
-    bandwidth: float,
+    cut: FloatArray,
     unit_gpus: int,
-    below: int,
     bottom: bool,
     top: bool,
     opts: Options,
 ) -> _Table:
-    """Fill one level's table for every range (or, at the top, every suffix)."""
+    """Fill one level's table for every range (or, at the top, every suffix).
+
+    ``after_cut[q, m]`` / ``first_stage[q, m]`` are the times of a stage on
+    ``m`` units (one level down: a block, its inner plan in slot ``q``);
+    ``block_slack[q, m]`` the memory slack of one unit of such a block;
+    ``cut[t]`` the cut after layer ``t``.
+    """
     n, slots = prof.n, opts.slots
     first_col = n - 1 if top else 0
     cols = n - first_col
@@ -179,12 +192,6 @@ def _solve_level(
     units = np.zeros(shape, dtype=np.int64)
     slot_of = np.zeros(shape, dtype=np.int64)
     max_units = 1 if opts.straight else count
-    after_cut, first_stage = _stage_times(
-        prof, inner_time, slots, max_units, bandwidth, below, opts.model
-    )
-    cut = cut_time(prof.cut_bytes[1:], bandwidth)  # [t]: cut after layer t
-    if opts.model is CostModel.PIPEDREAM:
-        cut = np.zeros_like(cut)  # charged on the stage after the cut instead
     limited = opts.limited
     for m in range(1, count + 1):
         stage_t = first_stage if m == count else after_cut
@@ -196,12 +203,12 @@ def _solve_level(
                 split[q, :, :, m] = _FEWER
             if m <= max_units:
                 single = stage_t[q, m][:, first_col:].copy()
-                if inner_slack is not None:
-                    fit_slack = m * inner_slack[q][:, first_col:]
+                if block_slack is not None:
+                    fit_slack = m * block_slack[q, m][:, first_col:]
                     single[fit_slack < 0] = np.inf
                 better = single < best
                 best[better] = single[better]
-                if inner_slack is not None:
+                if block_slack is not None:
                     best_slack[better] = fit_slack[better]
                 split[q, :, :, m][better] = _SINGLE
                 units[q, :, :, m][better] = m
@@ -210,8 +217,9 @@ def _solve_level(
                 rest_q = q - qs - 1 if limited else 0
                 for mu in range(1, min(m - 1, max_units) + 1):
                     x = np.maximum(stage_t[qs, mu][:, : n - 1], cut[None, : n - 1])
-                    if inner_slack is not None:
-                        stage_slack = mu * inner_slack[qs][:, : n - 1] - (m - mu) * unit_gpus
+                    if block_slack is not None:
+                        stage_slack = (mu * block_slack[qs, mu][:, : n - 1]
+                                       - (m - mu) * unit_gpus)
                         x[stage_slack < 0] = np.inf
                     y = time[rest_q, 1:, :, m - mu]
                     val, arg = _minmax(x, y, first_col)
@@ -222,7 +230,7 @@ def _solve_level(
                     split[q, :, :, m][better] = arg[better]
                     units[q, :, :, m][better] = mu
                     slot_of[q, :, :, m][better] = qs
-                    if inner_slack is not None:
+                    if block_slack is not None:
                         rows, cidx = np.nonzero(better)
                         t = arg[better]
                         best_slack[better] = np.minimum(
@@ -231,49 +239,105 @@ def _solve_level(
     return _Table(time, slack, split, units, slot_of, first_col)
 
 
-def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> list[_Table]:
-    """All levels' tables, innermost first; the last holds the answer."""
+def _contexts(topo: Topology, k: int, opts: Options) -> list[Context]:
+    """The contexts level ``k`` is solved in: every choice of units above it (dreampipe)."""
+    if opts.model is CostModel.PIPEDREAM:
+        return [()]
+    tops = [1 if opts.straight else lv.count for lv in topo.levels[k + 1:]]
+    return list(itertools.product(*(range(1, c + 1) for c in tops)))
+
+
+def _bottom_times(
+    prof: RangeCosts, topo: Topology, ctx: Context, opts: Options, max_units: int,
+) -> _StageTimes:
+    """``max(C, F + allreduce) / m`` of a bottom stage on ``m`` workers in context ``ctx``."""
+    out = {}
+    for m in range(1, max_units + 1):
+        ar = allreduce_seconds(prof.weights, (m, *ctx), topo.levels, opts.sync)
+        t = stage_time(prof.compute_s, prof.forward, ar, m)
+        for q in range(opts.slots):
+            out[q, m] = t
+    return out
+
+
+def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
+    """All levels' tables by context, innermost first; the last holds the answer."""
     n = prof.n
-    inner_time = np.broadcast_to(prof.compute_s, (opts.slots, n, n))
-    inner_slack: FloatArray | None = None
+    fits = None
     if opts.memory_bytes is not None:
         fits = max_versions(prof.weights, prof.activations, opts.memory_bytes) - 1.0
-        inner_slack = np.broadcast_to(fits, (opts.slots, n, n))
-    tables: list[_Table] = []
+    tables: _Tables = []
     unit_gpus = 1
     last = len(topo.levels) - 1
+    pipedream = opts.model is CostModel.PIPEDREAM
     for k, level in enumerate(topo.levels):
-        below = topo.levels[k - 1].count if k else 1
-        table = _solve_level(
-            prof, inner_time, inner_slack, level.count, level.bandwidth, unit_gpus, below,
-            k == 0, k == last, opts,
-        )
-        tables.append(table)
-        inner_time = table.time[..., level.count]
-        inner_slack = None if inner_slack is None else table.slack[..., level.count]
+        max_units = 1 if opts.straight else level.count
+        cut = cut_time(prof.cut_bytes[1:], level.bandwidth, level.latency)  # [t]: after t
+        if pipedream:
+            cut = np.zeros_like(cut)  # charged on the stage after the cut instead
+        solved: dict[Context, _Table] = {}
+        for ctx in _contexts(topo, k, opts):
+            keys = [(q, m) for q in range(opts.slots) for m in range(1, max_units + 1)]
+            if k == 0:
+                inner_time = np.broadcast_to(prof.compute_s, (opts.slots, n, n))
+                block_slack = None if fits is None else {key: fits for key in keys}
+            else:
+                below = topo.levels[k - 1].count
+                inner = {m: tables[k - 1][() if pipedream else (m, *ctx)] for m in
+                         range(1, max_units + 1)}
+                inner_time = inner[1].time[..., below]
+                block_slack = None if fits is None else {
+                    (q, m): inner[m].slack[q, ..., below] for q, m in keys}
+            if pipedream:
+                below_units = topo.levels[k - 1].count if k else 1
+                after, first = _pipedream_stage_times(
+                    prof, inner_time, opts.slots, max_units, level.bandwidth, below_units)
+            elif k == 0:
+                after = first = _bottom_times(prof, topo, ctx, opts, max_units)
+            else:
+                after = first = {(q, m): inner[m].time[q, ..., below] / m for q, m in keys}
+            solved[ctx] = _solve_level(prof, after, first, block_slack, level.count, cut,
+                                       unit_gpus, k == 0, k == last, opts)
+        tables.append(solved)
         unit_gpus *= level.count
-        log.debug("level %d (%d units) solved", k, level.count)
+        log.debug("level %d (%d units, %d contexts) solved", k, level.count, len(solved))
     return tables
 
 
 @dataclass
 class FlatStage:
-    """One stage of the back-tracked plan, in layers and workers of the whole cluster."""
+    """One stage of the back-tracked plan: layers, the workers that hold it, its terms.
+
+    ``allreduce_s`` is one all-reduce of the stage's weights among its
+    replicas per round; ``comm_s`` the cut after it, per minibatch.
+    """
 
     first: int
     last: int
-    replicas: int
-    allreduce_share: float
+    workers: tuple[int, ...]
+    allreduce_s: float
     comm_s: float = 0.0
+
+    @property
+    def replicas(self) -> int:
+        return len(self.workers)
 
 
 def _flatten(
-    prof: RangeCosts, topo: Topology, tables: list[_Table], opts: Options, k: int,
-    i: int, j: int, m: int, q: int, outer: int, ar_share: float,
+    prof: RangeCosts, topo: Topology, tables: _Tables, opts: Options, k: int,
+    i: int, j: int, m: int, q: int, ctx: Context, bases: list[int], ar_share: float,
 ) -> list[FlatStage]:
-    """Back-track level ``k``'s pipeline over ``i..j`` on ``m`` units into flat stages."""
-    table, level = tables[k], topo.levels[k]
+    """Back-track level ``k``'s pipeline over ``i..j`` on ``m`` units into flat stages.
+
+    ``bases`` are the first workers of every copy of the enclosing block;
+    a stage on ``mu`` units from unit ``u`` holds, in every copy, the workers
+    of those units.
+    """
+    pipedream = opts.model is CostModel.PIPEDREAM
+    table, level = tables[k][ctx], topo.levels[k]
+    size = math.prod(lv.count for lv in topo.levels[:k])  # workers per unit of this level
     out: list[FlatStage] = []
+    unit = 0
     while True:
         c = j - table.first_col
         code = int(table.split[q, i, c, m])
@@ -282,21 +346,25 @@ def _flatten(
             continue
         last = j if code == _SINGLE else code
         mu, qs = int(table.units[q, i, c, m]), int(table.slot[q, i, c, m])
-        if opts.model is CostModel.PIPEDREAM:
+        placed = [b + (unit + x) * size for b in bases for x in range(mu)]
+        share = ar_share
+        if pipedream:
             ar = float(pipedream_allreduce_time(prof.weights[i, last], mu, level.bandwidth))
-        else:
-            ar = float(allreduce_time(prof.weights[i, last], mu, level.bandwidth))
-        ar /= mu * outer
-        share = max(ar_share, ar)
+            share = max(ar_share, ar / len(placed))
         if k == 0:
-            out.append(FlatStage(i, last, mu * outer, share))
+            w = prof.weights[i, last]
+            ar = share * len(placed) if pipedream else float(
+                allreduce_seconds(w, (mu, *ctx), topo.levels, opts.sync))
+            out.append(FlatStage(i, last, tuple(sorted(placed)), ar))
         else:
+            inner_ctx = () if pipedream else (mu, *ctx)
             out += _flatten(prof, topo, tables, opts, k - 1, i, last,
-                            topo.levels[k - 1].count, qs, mu * outer, share)
+                            topo.levels[k - 1].count, qs, inner_ctx, placed, share)
         if code == _SINGLE:
             return out
-        out[-1].comm_s = float(cut_time(prof.cut_bytes[last + 1], level.bandwidth)) / outer
-        i, m = last + 1, m - mu
+        out[-1].comm_s = float(cut_time(prof.cut_bytes[last + 1], level.bandwidth,
+                                        0.0 if pipedream else level.latency)) / len(bases)
+        i, m, unit = last + 1, m - mu, unit + mu
         q = q - qs - 1 if opts.limited else 0
 
 
@@ -309,8 +377,8 @@ def best_plan(
         tables = _solve(prof, topo, opts)
         top = len(tables) - 1
         count, q = topo.levels[-1].count, opts.slots - 1
-        value = float(tables[top].time[q, 0, 0, count])
+        value = float(tables[top][()].time[q, 0, 0, count])
         if math.isfinite(value) and (found is None or value < found[0]):
-            flat = _flatten(prof, topo, tables, opts, top, 0, prof.n - 1, count, q, 1, 0.0)
+            flat = _flatten(prof, topo, tables, opts, top, 0, prof.n - 1, count, q, (), [0], 0.0)
             found = (value, flat)
     return found

@@ -5,6 +5,9 @@ the schedules, the simulator and the runtime. Stage ``s`` spans layers
 ``first..last`` (inclusive, indices in the profile's order), is replicated
 ``replicas`` ways (data-parallel within the stage) and lives on ``ranks``.
 Ranks are numbered stage by stage: stage 0 holds ranks ``0..r0-1`` and so on.
+``workers`` says where those ranks sit on the topology the plan was made for
+(worker ``w`` is device ``w mod 4`` of server ``w // 4`` on ``4x4``): the
+planner may spread a stage over servers, and its costs assume that layout.
 
 The config string is the paper's: ``"15-1"`` (stage 0 on 15 workers, stage 1
 on one), ``"straight"`` (every stage on one worker, more than one stage) and
@@ -44,8 +47,11 @@ class Stage:
     ``compute_s`` is forward+backward of the stage's layers for one minibatch
     on one worker; ``comm_s`` is the time to send its output forward and the
     gradient back across the cut after it; ``allreduce_s`` the time of one
-    all-reduce of its weights among its replicas; ``memory_bytes`` the
-    predicted peak per worker (weights x stashed versions + activations).
+    all-reduce of its weights among its replicas; ``forward_s`` the forward
+    part of ``compute_s`` (the all-reduce can only hide behind the rest);
+    ``memory_bytes`` the predicted peak per worker (weights x stashed
+    versions + activations). ``workers`` are the topology positions of
+    ``ranks``, in the same order (empty: the ranks themselves).
     """
 
     first: int
@@ -56,6 +62,8 @@ class Stage:
     comm_s: float = 0.0
     allreduce_s: float = 0.0
     memory_bytes: int = 0
+    forward_s: float = 0.0
+    workers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -69,8 +77,23 @@ class Stage:
                 f"stage {self.first}..{self.last} has {self.replicas} replicas "
                 f"but ranks {list(self.ranks)}"
             )
-        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes"):
+        if self.workers and len(self.workers) != self.replicas:
+            raise PlanError(
+                f"stage {self.first}..{self.last} has {self.replicas} replicas "
+                f"but workers {list(self.workers)}"
+            )
+        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s"):
             _check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
+        if self.forward_s > self.compute_s:
+            raise PlanError(
+                f"stage {self.first}..{self.last} has forward_s={self.forward_s} above "
+                f"compute_s={self.compute_s}; the forward is part of forward+backward"
+            )
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """Where the stage's replicas sit on the topology: ``workers``, else ``ranks``."""
+        return self.workers or self.ranks
 
     @property
     def num_layers(self) -> int:
@@ -78,8 +101,13 @@ class Stage:
 
     @property
     def time_s(self) -> float:
-        """Predicted time per minibatch of this stage in steady state (PipeDream's T)."""
-        return max(self.compute_s / self.replicas, self.allreduce_s / self.replicas, self.comm_s)
+        """Predicted time per minibatch in steady state: ``max(C, F + allreduce) / r``, or the cut.
+
+        Each replica runs one minibatch per round; the round's all-reduce
+        overlaps the backward (``C - F``), never the forward.
+        """
+        round_s = max(self.compute_s, self.forward_s + self.allreduce_s)
+        return max(round_s / self.replicas, self.comm_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +152,9 @@ class Plan:
         ranks = [r for st in self.stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
+        placed = [w for st in self.stages for w in st.placement]
+        if len(set(placed)) != len(placed) or min(placed) < 0:
+            raise PlanError(f"workers {placed} must be distinct positions >= 0")
         _check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
         for key, value in self.baselines_s.items():
             _check_figure("the plan", f"baselines_s[{key!r}]", value)
@@ -205,6 +236,8 @@ class Plan:
                     "comm_s": st.comm_s,
                     "allreduce_s": st.allreduce_s,
                     "memory_bytes": st.memory_bytes,
+                    "forward_s": st.forward_s,
+                    "workers": list(st.workers),
                 }
                 for st in self.stages
             ],
@@ -223,6 +256,8 @@ class Plan:
                     ranks=tuple(int(r) for r in s["ranks"]), compute_s=float(s["compute_s"]),
                     comm_s=float(s["comm_s"]), allreduce_s=float(s["allreduce_s"]),
                     memory_bytes=int(s["memory_bytes"]),
+                    forward_s=float(s.get("forward_s", 0.0)),
+                    workers=tuple(int(w) for w in s.get("workers", [])),
                 )
                 for s in data["stages"]
             )

@@ -5,10 +5,13 @@ on the topology and reads the winning partition back as a :class:`Plan`,
 with the same cost model's predictions for plain data parallelism, the best
 straight pipeline and GPipe. :func:`evaluate` costs a partition given by hand.
 
-The hierarchy forces every outer stage onto whole servers, so a paper config
-such as ``15-1`` on 2x8 cannot be expressed; :func:`plan` therefore also
-solves the flat problem at the slowest link (any layout, pessimistic links)
-and keeps whichever predicts the shorter time.
+Every reported time is :func:`dreampipe.planning.pricing.price_stages` of
+the plan's layout, so ``evaluate_plan`` of a plan's own stages and workers
+gives back its time. The hierarchy forces every outer stage onto whole
+servers, so a paper config such as ``15-1`` on 2x8 cannot be expressed;
+:func:`plan` therefore also solves the flat problem at the slowest link
+(any layout), prices its answer on the real links and keeps whichever is
+faster.
 
 ``cost_model=CostModel.PIPEDREAM`` runs the same DP on PipeDream's own terms
 (:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
@@ -29,13 +32,10 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.costs import (
     CostModel,
     RangeCosts,
-    allreduce_time,
-    cut_time,
     gpipe_time,
-    replicated_stage_time,
     stage_memory,
 )
-from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.dp import FlatStage, Options, best_plan
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
     pipedream_stage_time,
@@ -43,6 +43,8 @@ from dreampipe.planning.pipedream_costs import (
     pipedream_transfer_time,
 )
 from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -66,29 +68,52 @@ def _models(topo: Topology, also_flat: bool) -> list[Topology]:
     return [topo]
 
 
+def _priced(
+    prof: RangeCosts, topology: Topology, flat: Sequence[FlatStage], sync: Sync
+) -> tuple[Stage, ...]:
+    """The DP's stages priced on the real topology (see the module doc)."""
+    return price_stages(prof, topology, [(f.first, f.last) for f in flat],
+                        [f.workers for f in flat], sync)
+
+
+def _fastest(
+    prof: RangeCosts, topology: Topology, models: Sequence[Topology], opts: Options
+) -> tuple[Stage, ...] | None:
+    """The best plan over the cost ``models``, each priced on ``topology``; None if none fits."""
+    found: tuple[Stage, ...] | None = None
+    for model in models:
+        best = best_plan(prof, [model], opts)
+        if best is None:
+            continue
+        stages = _priced(prof, topology, best[1], opts.sync)
+        if found is None or slowest(stages) < slowest(found):
+            found = stages
+    return found
+
+
 def _baselines(
-    prof: RangeCosts, models: Sequence[Topology], memory: int | None,
+    prof: RangeCosts, topology: Topology, memory: int | None, sync: Sync,
     model: CostModel = CostModel.DREAMPIPE,
 ) -> dict[str, float]:
-    """Data parallelism, the best straight pipeline and GPipe on it, same cost models."""
+    """Data parallelism, the best straight pipeline and GPipe on it, same cost model."""
     out: dict[str, float] = {}
     if model is CostModel.PIPEDREAM:
-        levels = [(lv.count, lv.bandwidth) for lv in models[0].levels]
+        levels = [(lv.count, lv.bandwidth) for lv in topology.levels]
         out["dp"] = pipedream_dp_time(float(prof.compute_s[0, -1]), float(prof.weights[0, -1]),
                                       levels)
-    elif memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
-        dps = []
-        for topo in models:
-            dp = float(prof.compute_s[0, -1])
-            for level in topo.levels:
-                dp = float(replicated_stage_time(dp, prof.weights[0, -1], level.count,
-                                                 level.bandwidth))
-            dps.append(dp)
-        out["dp"] = min(dps)
-    straight = best_plan(prof, models, Options(memory, True, True, 1, False, model))
+        found = best_plan(prof, [topology], Options(None, True, True, 1, False, model))
+        if found is not None:
+            out["straight"] = found[0]
+            out["gpipe"] = gpipe_time(found[0], len(found[1]))
+        return out
+    if memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
+        everyone = [range(topology.num_workers)]
+        out["dp"] = slowest(price_stages(prof, topology, [(0, prof.n - 1)], everyone, sync))
+    opts = Options(memory, True, True, 1, False, model, sync)
+    straight = _fastest(prof, topology, _models(topology, True), opts)
     if straight is not None:
-        out["straight"] = straight[0]
-        out["gpipe"] = gpipe_time(straight[0], len(straight[1]))
+        out["straight"] = slowest(straight)
+        out["gpipe"] = gpipe_time(out["straight"], len(straight))
     return out
 
 
@@ -100,7 +125,8 @@ def _least_memory(prof: RangeCosts, models: Sequence[Topology], opts: Options) -
                + prof.weights[0, -1])
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
-        trial = Options(math.ceil(mid), opts.straight, opts.allow_fewer, opts.slots, opts.limited)
+        trial = Options(math.ceil(mid), opts.straight, opts.allow_fewer, opts.slots, opts.limited,
+                        opts.model, opts.sync)
         if best_plan(prof, models, trial) is None:
             lo = mid
         else:
@@ -129,28 +155,31 @@ def plan_pipeline(
     max_stages: int | None = None,
     also_flat: bool = True,
     cost_model: CostModel = CostModel.DREAMPIPE,
+    sync: Sync = DEFAULT_SYNC,
 ) -> Plan:
-    """The fastest plan for ``graph`` on ``topology`` under PipeDream's cost model.
+    """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
     ``memory_bytes`` rejects stages that do not fit (None: no limit, like
     PipeDream's optimizer by default); ``straight`` forbids replication;
     ``allow_fewer_workers`` lets idle workers stay idle when that is faster;
     ``max_stages`` caps the number of stages of the flattened plan;
     ``also_flat`` also solves the one-level problem at the slowest link
-    (stages need not align with servers) and keeps it when faster.
+    (stages need not align with servers) and keeps it when faster;
+    ``sync`` is the all-reduce algorithm of replicated stages.
     ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
     optimizer, which plans hierarchically on every worker without a memory
-    limit, so it ignores ``also_flat`` and ``allow_fewer_workers``.
+    limit, so it ignores ``also_flat``, ``allow_fewer_workers`` and ``sync``.
     """
-    if graph.total_ms() <= 0:
+    prof = RangeCosts.of(graph)
+    if graph.total_ms() <= 0 or float(prof.compute_s[0, -1]) <= 0:
         raise PlanError(
-            "every layer of the profile takes 0 ms forward and backward, so every plan "
-            "takes 0 ms and none is better than another; profile the model again "
-            "('dreampipe profile') or give the layers their real times"
+            "every layer of the profile takes 0 ms forward and backward (Input nodes, which "
+            "are data loading, count as 0), so every plan takes 0 ms and none is better than "
+            "another; profile the model again ('dreampipe profile') or give the layers their "
+            "real times"
         )
     if cost_model is CostModel.PIPEDREAM:
         return _plan_pipedream(graph, topology, memory_bytes, straight, max_stages)
-    prof = RangeCosts.of(graph)
     for level in topology.levels:
         if level.count > MAX_LEVEL_UNITS:
             raise PlanError(
@@ -161,11 +190,12 @@ def plan_pipeline(
     if memory_bytes is not None and memory_bytes <= 0:
         raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
     opts = Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
-                    max_stages is not None)
+                   max_stages is not None, CostModel.DREAMPIPE, sync)
     models = _models(topology, also_flat)
-    best = best_plan(prof, models, opts)
-    if best is None:
-        free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited)
+    stages = _fastest(prof, topology, models, opts)
+    if stages is None:
+        free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
+                       CostModel.DREAMPIPE, sync)
         if memory_bytes is None or best_plan(prof, models, free) is None:
             raise PlanError(
                 f"no plan uses exactly {topology.num_workers} workers on {prof.n} layers "
@@ -177,21 +207,10 @@ def plan_pipeline(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    value, flat = best
-    spans = [(f.first, f.last, f.replicas) for f in flat]
-    stages, rank = [], 0
-    for f, mem in zip(flat, prof.memories(spans), strict=True):
-        stages.append(Stage(
-            first=f.first, last=f.last, replicas=f.replicas,
-            ranks=tuple(range(rank, rank + f.replicas)),
-            compute_s=float(prof.compute_s[f.first, f.last]), comm_s=f.comm_s,
-            allreduce_s=f.allreduce_share * f.replicas, memory_bytes=mem,
-        ))
-        rank += f.replicas
     result = Plan(
-        stages=tuple(stages), num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
-        topology=topology.describe(), time_per_minibatch_s=value,
-        baselines_s=_baselines(prof, models, memory_bytes),
+        stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
+        topology=topology.describe(), time_per_minibatch_s=slowest(stages),
+        baselines_s=_baselines(prof, topology, memory_bytes, sync),
         layer_names=tuple(x.name for x in graph.layers),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
@@ -227,30 +246,31 @@ def _plan_pipedream(
         stages.append(Stage(
             first=first, last=last, replicas=f.replicas,
             ranks=tuple(range(rank, rank + f.replicas)),
-            compute_s=float(prof.compute_s[f.first, f.last]),
-            allreduce_s=f.allreduce_share * f.replicas,
+            compute_s=float(prof.compute_s[f.first, f.last]), allreduce_s=f.allreduce_s,
             memory_bytes=layers.memories([(first, last, f.replicas)])[0],
         ))
         rank, first = rank + f.replicas, last + 1
     return Plan(
         stages=tuple(stages), num_layers=len(graph.layers), batch_size=graph.batch_size,
         model=graph.model, topology=topology.describe(), time_per_minibatch_s=value,
-        baselines_s=_baselines(prof, [topology], None, CostModel.PIPEDREAM),
+        baselines_s=_baselines(prof, topology, None, Sync(), CostModel.PIPEDREAM),
         layer_names=tuple(x.name for x in graph.layers),
     )
 
 
 def evaluate_plan(
     graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
-    cost_model: CostModel = CostModel.DREAMPIPE,
+    cost_model: CostModel = CostModel.DREAMPIPE, *,
+    workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
-    Ranks are numbered stage by stage and laid on the topology in order;
-    each all-reduce and each cut runs at the slowest link its ranks span.
-    On a one-level topology this equals the DP's cost of the same plan.
-    Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
-    ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
+    ``workers[s]`` places stage s on the topology (default: ranks laid in
+    order, stage by stage); each all-reduce and cut is priced on the links
+    its workers use, with the planner's own terms, so a plan's stages and
+    workers evaluate to the plan's time. Under ``CostModel.PIPEDREAM`` each
+    stage costs PipeDream's additive term, ``Input`` layers zeroed, and a cut
+    ``2a/(B r)`` on the stage after it.
     """
     prof = RangeCosts.of(graph)
     n = prof.n
@@ -270,28 +290,26 @@ def evaluate_plan(
             f"config {'-'.join(map(str, replicas))} needs {sum(replicas)} workers but the "
             f"topology has {topology.num_workers}; use a larger topology or fewer replicas"
         )
-    spans = [(edges[s], edges[s + 1] - 1, r) for s, r in enumerate(replicas)]
     firsts = [sum(replicas[:s]) for s in range(len(replicas) + 1)]
-    stages = []
-    for s, ((first, last, r), mem) in enumerate(zip(spans, prof.memories(spans), strict=True)):
-        bw = topology.bandwidth_between(firsts[s], firsts[s + 1] - 1)
-        comm = 0.0
-        if s + 1 < len(spans):
-            link = topology.bandwidth_between(firsts[s], firsts[s + 2] - 1)
-            comm = float(cut_time(prof.cut_bytes[last + 1], link))
-        stages.append(Stage(
-            first=first, last=last, replicas=r, ranks=tuple(range(firsts[s], firsts[s + 1])),
-            compute_s=float(prof.compute_s[first, last]), comm_s=comm,
-            allreduce_s=float(allreduce_time(prof.weights[first, last], r, bw)) if r > 1 else 0.0,
-            memory_bytes=mem,
-        ))
-    slowest = max(st.time_s for st in stages)
+    placed: list[Sequence[int]] = [range(firsts[s], firsts[s + 1]) for s in range(len(replicas))]
+    if workers is not None:
+        placed = [list(w) for w in workers]
+        flat = [w for ws in placed for w in ws]
+        if ([len(w) for w in placed] != list(replicas) or len(set(flat)) != len(flat)
+                or not all(0 <= w < topology.num_workers for w in flat)):
+            raise PlanError(
+                f"workers {[list(w) for w in placed]}: need {list(replicas)} distinct workers "
+                f"per stage, each in 0..{topology.num_workers - 1}"
+            )
+    spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
+    stages = price_stages(prof, topology, spans, placed, sync)
+    time = slowest(stages)
     if cost_model is CostModel.PIPEDREAM:
-        slowest = _pipedream_time(graph, topology, stages)
+        time = _pipedream_time(graph, topology, stages)
     return Plan(
-        stages=tuple(stages), num_layers=n, batch_size=graph.batch_size, model=graph.model,
-        topology=topology.describe(), time_per_minibatch_s=slowest,
-        baselines_s=_baselines(prof, _models(topology, True), None),
+        stages=stages, num_layers=n, batch_size=graph.batch_size, model=graph.model,
+        topology=topology.describe(), time_per_minibatch_s=time,
+        baselines_s=_baselines(prof, topology, None, sync),
         layer_names=tuple(x.name for x in graph.layers),
     )
 
@@ -305,10 +323,10 @@ def _pipedream_time(graph: LayerGraph, topology: Topology, stages: Sequence[Stag
         compute = sum(layers[i].compute_ms / 1e3 for i in span
                       if not layers[i].description.startswith("Input"))
         weights = float(sum(layers[i].parameter_bytes for i in span))
-        bw = topology.bandwidth_between(st.ranks[0], st.ranks[-1])
+        bw = topology.bandwidth_between(min(st.placement), max(st.placement))
         worst = max(worst, float(pipedream_stage_time(compute, weights, st.replicas, bw)))
         if s > 0:
-            link = topology.bandwidth_between(stages[s - 1].ranks[0], st.ranks[-1])
+            link = topology.bandwidth_between(min(stages[s - 1].placement), max(st.placement))
             cut = graph.cut_activation_bytes(st.first)
             worst = max(worst, float(pipedream_transfer_time(cut, st.replicas, link)))
     return worst

@@ -17,6 +17,12 @@ cluster-c  4 servers x 1 Titan X 12 GB             --           40 Gbps
 
 10 GB/s is what a PCIe 3.0 x16 link sustains in practice; 50 GB/s is one
 V100 NVLink 2.0 brick pair (2 x 25 GB/s) per direction.
+
+Each level also has a ``latency``, the fixed cost of one message on its
+links (the alpha of the alpha-beta model): 10 us inside a server and 50 us
+between servers by default, the order of a small NCCL or gloo message. The
+bandwidth of an outer level is that of one unit's link (a server's NIC),
+which everything the unit sends across that level shares.
 """
 
 from __future__ import annotations
@@ -27,23 +33,40 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dreampipe.errors import TopologyError
-from dreampipe.quantities import format_bytes, parse_bandwidth, parse_bytes
+from dreampipe.quantities import (
+    format_bytes,
+    format_duration,
+    parse_bandwidth,
+    parse_bytes,
+    parse_duration,
+)
 
-__all__ = ["DEFAULT_BANDWIDTHS", "PRESETS", "Level", "Topology"]
+__all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_LATENCIES", "PRESETS", "Level", "Topology"]
 
 #: Used by :meth:`Topology.parse` when no bandwidths are given: innermost level
 #: PCIe (10 GB/s), every outer level 10 Gbps Ethernet.
 DEFAULT_BANDWIDTHS = ("10GB/s", "10Gbps")
+#: Per-message latency of each level when none is given: innermost 10 us,
+#: every outer level 50 us.
+DEFAULT_LATENCIES = ("10us", "50us")
 #: The slowest link a level may have, in bytes/s.
 _MIN_BANDWIDTH = 1.0
 
 
 @dataclass(frozen=True)
 class Level:
+    """``count`` units of the level below, joined by links of ``bandwidth`` bytes/s
+    and ``latency`` seconds per message."""
+
     count: int
     bandwidth: float
+    latency: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (0.0 <= self.latency < math.inf):
+            raise TopologyError(
+                f"latency {self.latency!r} s must be finite and >= 0; give e.g. 10us"
+            )
         if self.count < 1:
             raise TopologyError(f"a level needs at least 1 unit, got {self.count}")
         if not (self.bandwidth >= _MIN_BANDWIDTH and math.isfinite(self.bandwidth)):
@@ -85,13 +108,25 @@ class Topology:
                 return level.bandwidth
         return self.levels[-1].bandwidth
 
+    def level_between(self, a: int, b: int) -> int:
+        """The outermost level the path between workers ``a != b`` crosses."""
+        size = 1
+        for k, level in enumerate(self.levels):
+            size *= level.count
+            if a // size == b // size:
+                return k
+        return len(self.levels) - 1
+
     def flat(self) -> Topology:
-        """One level of all workers at the slowest bandwidth."""
+        """One level of all workers at the slowest bandwidth and the largest latency."""
         bw = min(level.bandwidth for level in self.levels)
-        return Topology((Level(self.num_workers, bw),), self.memory_bytes, self.name)
+        lat = max(level.latency for level in self.levels)
+        return Topology((Level(self.num_workers, bw, lat),), self.memory_bytes, self.name)
 
     def describe(self) -> str:
-        parts = [f"{lv.count} @ {format_bytes(lv.bandwidth)}/s" for lv in reversed(self.levels)]
+        parts = [f"{lv.count} @ {format_bytes(lv.bandwidth)}/s"
+                 + (f" {format_duration(lv.latency)}" if lv.latency else "")
+                 for lv in reversed(self.levels)]
         label = f"{self.name} " if self.name else ""
         return (f"{label}{self.shape} = {self.num_workers} workers "
                 f"({' x '.join(parts)}), {format_bytes(self.memory_bytes)} each")
@@ -102,6 +137,7 @@ class Topology:
         spec: str,
         bandwidths: Sequence[str | float] | None = None,
         memory: str | int | None = None,
+        latencies: Sequence[str | float] | None = None,
     ) -> Topology:
         """A preset name, or ``"4x4"`` / ``"16"`` (outermost first).
 
@@ -110,7 +146,9 @@ class Topology:
         or a number of bytes/s. A shape needs one per level, or none for
         :data:`DEFAULT_BANDWIDTHS` (the last repeated outwards); a preset may
         override only its inner levels, the outer ones keeping the preset's.
-        ``memory`` overrides the device memory (``"16GB"``).
+        ``memory`` overrides the device memory (``"16GB"``). ``latencies``
+        works as ``bandwidths`` does (``"10us"``; default
+        :data:`DEFAULT_LATENCIES`, the last repeated outwards).
         """
         spec = spec.strip()
         if spec in PRESETS:
@@ -142,12 +180,20 @@ class Topology:
                 defaults = DEFAULT_BANDWIDTHS[: len(counts)]
                 figures = [parse_bandwidth(b) for b in defaults]
                 figures += figures[-1:] * (len(counts) - len(figures))
-            topo = cls(tuple(Level(c, bw) for c, bw in zip(counts, figures, strict=True)))
+            lats = _default_latencies(len(counts))
+            topo = cls(tuple(Level(c, bw, lat)
+                             for c, bw, lat in zip(counts, figures, lats, strict=True)))
         else:
             raise TopologyError(
                 f"unknown topology {spec!r}; use a preset ({', '.join(sorted(PRESETS))}) "
                 "or a shape like 16, 4x4 or 2x8"
             )
+        if latencies:
+            figures = _parse_latencies(latencies, len(topo.levels), spec)
+            lats = figures + [lv.latency for lv in topo.levels[len(figures):]]
+            topo = cls(tuple(Level(lv.count, lv.bandwidth, lat)
+                             for lv, lat in zip(topo.levels, lats, strict=True)),
+                       topo.memory_bytes, topo.name)
         if memory is not None:
             try:
                 mem = parse_bytes(memory)
@@ -184,8 +230,30 @@ def _parse_bandwidths(
     return figures
 
 
+def _default_latencies(levels: int) -> list[float]:
+    """:data:`DEFAULT_LATENCIES` for ``levels`` levels, the last repeated outwards."""
+    figures = [parse_duration(x) for x in DEFAULT_LATENCIES[:levels]]
+    return figures + figures[-1:] * (levels - len(figures))
+
+
+def _parse_latencies(latencies: Sequence[str | float], levels: int, spec: str) -> list[float]:
+    """Each latency in seconds (strings need a unit); at most one per level."""
+    try:
+        figures = [parse_duration(x, require_unit=True) for x in latencies]
+    except ValueError as exc:
+        raise TopologyError(str(exc)) from None
+    if len(figures) > levels:
+        raise TopologyError(
+            f"{len(figures)} latencies for {levels} levels of topology {spec!r}; "
+            "give one per level, innermost first"
+        )
+    return figures
+
+
 def _preset(name: str, counts: Sequence[int], bws: Sequence[str], memory: str) -> Topology:
-    levels = tuple(Level(c, parse_bandwidth(b)) for c, b in zip(counts, bws, strict=True))
+    lats = _default_latencies(len(counts))
+    levels = tuple(Level(c, parse_bandwidth(b), lat)
+                   for c, b, lat in zip(counts, bws, lats, strict=True))
     return Topology(levels, parse_bytes(memory), name)
 
 

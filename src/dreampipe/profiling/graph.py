@@ -52,6 +52,11 @@ class Layer:
         """Forward plus backward time, the planner's ``T_l``."""
         return self.forward_ms + self.backward_ms
 
+    @property
+    def is_input(self) -> bool:
+        """An ``Input`` node of a PipeDream profile: its time is data loading, not model work."""
+        return self.description.startswith("Input")
+
 
 @dataclass(frozen=True)
 class LayerGraph:

@@ -23,6 +23,13 @@ In general a replica of stage s admits ``ceil(sum(replicas[s:]) / replicas[s])``
 units before its first backward: ``NOAM = ceil(workers / replicas[0])`` at the
 input stage, ``n-s`` in a straight pipeline. Unit ``u`` runs on replica
 ``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
+
+A PipeDream run may end with a partial all-reduce round: with 5 minibatches a
+stage of 3 replicas runs rounds {0,1,2} and {3,4}, and its third replica, with
+no unit in round 1, still joins ``ALLREDUCE1 STEP1`` at the end of its list
+(with no gradient), so every replica takes the same updates and nothing
+waits forever. Any number of minibatches is a valid run; replica counts that
+share no factor no longer force a multiple of their least common multiple.
 """
 
 from __future__ import annotations
@@ -77,8 +84,12 @@ def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
 def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
     """The fewest PipeDream minibatches >= ``wanted`` that end on a whole all-reduce round.
 
-    Replicas of a stage all-reduce once per round of ``replicas[s]`` units, so
-    a run must be a multiple of the lcm of the replica counts.
+    Replicas of a stage all-reduce once per round of ``replicas[s]`` units; a
+    multiple of the lcm of the replica counts makes every round of every stage
+    whole. No schedule needs it (a run may end on a partial round, see the
+    module docstring); training uses it so that each update averages the same
+    number of minibatches. It can be huge for coprime counts (lcm(11, 13, 17,
+    19) = 46189): do not use it to size a simulation.
     """
     lcm = math.lcm(*replicas)
     return -(-max(wanted, 1) // lcm) * lcm
@@ -106,7 +117,7 @@ def compute_schedule(
         for replica in range(r):
             acts: list[Action] = []
             for first in range(0, num_units, per_update):
-                units = [u for u in range(first, first + per_update) if u % r == replica]
+                units = list(range(first + (replica - first) % r, first + per_update, r))
                 acts += order(units, warmup_forwards(reps, stage), stage)
             actions.append(tuple(acts))
     return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
@@ -146,14 +157,15 @@ def lower_updates(schedule: Schedule) -> Schedule:
     Both carry the update number ``k``, the all-reduce round of the stage's
     replicas. PipeDream: after every backward ``B<u>`` (and its ``SEND_B``),
     ``STEP<k>`` with ``k = u // r`` on a stage of ``r`` replicas, preceded by
-    ``ALLREDUCE<k>`` when ``r > 1``. Synchronous schedules: ``ALLREDUCE<k>
-    STEP<k>`` once per minibatch k, after the rank's last action of it, even on
-    a replica that ran none of its microbatches (it contributes zero gradient).
+    ``ALLREDUCE<k>`` when ``r > 1``; a replica with no unit in the last,
+    partial round joins its ``ALLREDUCE<k> STEP<k>`` at the end. Synchronous
+    schedules: ``ALLREDUCE<k> STEP<k>`` once per minibatch k, after the rank's
+    last action of it, even on a replica that ran none of its microbatches (it
+    contributes zero gradient).
     """
-    if schedule.kind is ScheduleKind.PIPEDREAM:
-        return _replace(schedule, [_per_backward(schedule, acts) for acts in schedule.actions])
+    per = _per_backward if schedule.kind is ScheduleKind.PIPEDREAM else _per_update
     return _replace(schedule, [
-        _per_update(schedule, schedule.stage_of_rank(rank), acts)
+        per(schedule, schedule.stage_of_rank(rank), acts)
         for rank, acts in enumerate(schedule.actions)
     ])
 
@@ -187,24 +199,29 @@ _ORDERS: dict[ScheduleKind, Callable[[list[int], int, int], list[Action]]] = {
 
 
 # ---- update passes ----------------------------------------------------------
-def _per_backward(schedule: Schedule, acts: tuple[Action, ...]) -> tuple[Action, ...]:
+def _per_backward(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
+    """PipeDream: an update after each backward (and its ``SEND_B``), the k-th for
+    the replica's k-th unit ``u`` (``k = u // r``); then the rounds the replica
+    has no unit in (only the last, when it is partial), so that it still joins
+    every all-reduce round of its stage."""
+    r = schedule.replicas[stage]
     out: list[Action] = []
     pending: Action | None = None
+    done = 0
     for a in acts:
         if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending.unit):
-            out += _update_actions(schedule, pending.stage, _update_of(schedule, pending))
+            done = pending.unit // r + 1
+            out += _update_actions(schedule, stage, done - 1)
             pending = None
         out.append(a)
         if a.kind is _B:
             pending = a
     if pending is not None:
-        out += _update_actions(schedule, pending.stage, _update_of(schedule, pending))
+        done = pending.unit // r + 1
+        out += _update_actions(schedule, stage, done - 1)
+    for k in range(done, -(-schedule.num_units // r)):
+        out += _update_actions(schedule, stage, k)
     return tuple(out)
-
-
-def _update_of(schedule: Schedule, backward: Action) -> int:
-    """PipeDream's update number after ``backward``: the replica's k-th unit."""
-    return backward.unit // schedule.replicas[backward.stage]
 
 
 def _per_update(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
@@ -254,18 +271,11 @@ def _check(
             f"{num_units} units do not split into minibatches of {units_per_update}; "
             f"run {fix} units or change the microbatches per minibatch"
         )
-    if kind is ScheduleKind.PIPEDREAM:
-        if units_per_update != 1:
-            raise ScheduleError(
-                f"units_per_update={units_per_update} with the pipedream schedule, which updates "
-                "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
-            )
-        whole = whole_rounds(reps, num_units)
-        if whole != num_units:
-            raise ScheduleError(
-                f"{num_units} minibatches leave a partial all-reduce round for replicas "
-                f"{list(reps)}; run a multiple of {math.lcm(*reps)}, e.g. {whole}"
-            )
+    if kind is ScheduleKind.PIPEDREAM and units_per_update != 1:
+        raise ScheduleError(
+            f"units_per_update={units_per_update} with the pipedream schedule, which updates "
+            "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
+        )
     if kind is ScheduleKind.DP:
         if len(reps) != 1:
             raise ScheduleError(

@@ -102,7 +102,11 @@ class UnitLayout:
         return -(-worker_minibatches // per)
 
     def whole_rounds(self, replicas: Sequence[int], steps: int) -> int:
-        """``steps`` rounded up to whole all-reduce rounds (pipedream's replicated stages)."""
+        """``steps`` rounded up to whole all-reduce rounds (pipedream's replicated stages).
+
+        :meth:`build` takes any ``steps`` (the last round may be partial); this is
+        for a run whose every update should average a whole round, as training's.
+        """
         if self.kind is not ScheduleKind.PIPEDREAM:
             return steps
         return whole_rounds(replicas, steps)

@@ -3,7 +3,9 @@
 :func:`validate` checks, in order: every action sits on a rank of its stage;
 each unit's forward and backward run exactly once per stage, on the rank
 ``Schedule.rank_of`` names, forward first; a rank joins each all-reduce round
-once; data arrives before it is used
+once, and every replica of a stage joins the same rounds (a replica with no
+unit in a round, as in PipeDream's partial last round, joins it all the
+same); data arrives before it is used
 (``RECV_F<u>`` before ``F<u>``, ``F<u>`` before ``SEND_F<u>``, likewise for
 backward); every send has exactly one receive on its peer; and a dry run in
 the runtime's semantics terminates (receives and all-reduces block, sends and
@@ -128,7 +130,10 @@ def _check_units(schedule: Schedule) -> None:
 
 
 def _check_allreduces(schedule: Schedule) -> None:
-    """A rank joins each all-reduce round once: collectives pair up by order at run time."""
+    """A rank joins each all-reduce round once, and its stage's replicas join the same
+    rounds: collectives pair up by order at run time, so a round some replica
+    skips would hang the others (or pair them with a later round)."""
+    rounds: list[dict[int, int]] = []
     for rank, acts in enumerate(schedule.actions):
         seen: dict[int, int] = {}
         for step, a in enumerate(acts):
@@ -141,6 +146,19 @@ def _check_allreduces(schedule: Schedule) -> None:
                             "replicas would pair it with a later round and hang: remove one",
                             [(rank, seen[rnd]), (rank, step)])
             seen[rnd] = step
+        rounds.append(seen)
+    for rank in range(schedule.num_ranks):
+        stage = schedule.stage_of_rank(rank)
+        first = schedule.first_rank(stage)
+        differ = rounds[first].keys() ^ rounds[rank].keys()
+        if differ:
+            rnd = min(differ)
+            has, lacks = (first, rank) if rnd in rounds[first] else (rank, first)
+            raise _fail(schedule, f"rank {has} joins all-reduce round {rnd} of stage {stage} "
+                        f"but rank {lacks}, a replica of the same stage, never does, so rank "
+                        f"{has} would wait forever; add ALLREDUCE{rnd} STEP{rnd} to rank {lacks} "
+                        "(a replica with no unit in the round joins with no gradient)",
+                        [(has, rounds[has][rnd]), (lacks, len(schedule.actions[lacks]))])
 
 
 def _check_order(schedule: Schedule) -> None:

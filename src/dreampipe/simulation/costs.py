@@ -9,13 +9,16 @@ layer profile with the planner's terms (:mod:`dreampipe.planning.costs`),
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
+
+if TYPE_CHECKING:
+    from dreampipe.planning.sync import Sync
 
 __all__ = ["Bandwidth", "SimCosts", "costs_from_plan", "costs_from_profile"]
 
@@ -88,16 +91,26 @@ class SimCosts:
 
 
 def costs_from_profile(
-    graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0
+    graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0,
+    sync: Sync | None = None,
 ) -> SimCosts:
     """Per-unit costs of ``plan``'s stages from the layer profile.
 
     Compute, activations and stashed bytes scale linearly with
     ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
-    all-reduce is a ring, ``2(r-1)/r x |w| / B`` over the slowest link
-    between its ranks. Stashed bytes per unit are the stage's layer outputs,
-    as the planner counts them.
+    all-reduce is the planner's (:func:`dreampipe.planning.pricing.
+    stage_allreduce_seconds`, ``sync`` over the workers that hold it,
+    default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
+    transfer runs at the link between the workers of its two ranks.
+    ``Input`` layers cost nothing (data loading, as the planner counts them).
+    Stashed bytes per unit are the stage's layer outputs, as the planner
+    counts them.
     """
+    from dreampipe.planning.pricing import stage_allreduce_seconds  # NumPy: only when used
+    from dreampipe.planning.sync import DEFAULT_SYNC
+
+    how = DEFAULT_SYNC if sync is None else sync
+
     if plan.num_layers != len(graph):
         raise ScheduleError(
             f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
@@ -113,17 +126,19 @@ def costs_from_profile(
     fwd, bwd, act, params, stash, allreduce = [], [], [], [], [], []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
-        fwd.append(sum(x.forward_ms for x in span) / 1e3 * unit_fraction)
-        bwd.append(sum(x.backward_ms for x in span) / 1e3 * unit_fraction)
+        work = [x for x in span if not x.is_input]
+        fwd.append(sum(x.forward_ms for x in work) / 1e3 * unit_fraction)
+        bwd.append(sum(x.backward_ms for x in work) / 1e3 * unit_fraction)
         w = float(sum(x.parameter_bytes for x in span))
         params.append(w)
         stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
-        allreduce.append(_ring_allreduce_s(w, st.ranks, topology))
+        allreduce.append(stage_allreduce_seconds(w, st.placement, topology, how))
     return SimCosts(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
-        bandwidth=topology, allreduce_s=tuple(allreduce), parameter_bytes=tuple(params),
+        bandwidth=_links(plan, topology), allreduce_s=tuple(allreduce),
+        parameter_bytes=tuple(params),
         stash_bytes=tuple(stash), unit_fraction=unit_fraction,
     )
 
@@ -147,12 +162,12 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
     )
 
 
-def _ring_allreduce_s(parameter_bytes: float, ranks: Sequence[int], topology: Topology) -> float:
-    """One ring all-reduce of a stage's weights over the slowest link between its ranks."""
-    from dreampipe.planning.costs import ring_allreduce_time  # NumPy: only when used
-
-    r = len(ranks)
-    if r < 2 or parameter_bytes <= 0:
-        return 0.0
-    bw = min(topology.bandwidth_between(a, b) for a in ranks for b in ranks if a != b)
-    return float(ring_allreduce_time(parameter_bytes, r, bw))
+def _links(plan: Plan, topology: Topology) -> Bandwidth:
+    """Bandwidth between schedule ranks: the topology itself when rank i sits on worker i,
+    else a table through the plan's placement."""
+    where = {r: w for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)}
+    if all(r == w for r, w in where.items()):
+        return topology
+    n = len(where)
+    return tuple(tuple(topology.bandwidth_between(where[a], where[b]) for b in range(n))
+                 for a in range(n))

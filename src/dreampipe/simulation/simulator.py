@@ -33,6 +33,7 @@ straight n-stage PipeDream pipeline (weight stashing).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -60,6 +61,16 @@ class SimResult:
     makespan`` (a PipeDream unit is one minibatch; with microbatches of
     ``1/M`` of one, ``M`` units make a minibatch). ``bubble_fraction`` is
     the rank time not spent on F/B/STEP over ``ranks x makespan``.
+
+    ``steady_throughput_minibatches_per_s`` leaves start-up and drain out, to
+    compare with the planner's steady-state figure: a unit is finished when
+    its backward at the input stage ends; with ``w`` units in flight there at
+    most (the sum of ``peak_in_flight`` over its replicas), the rate between
+    the ``w``-th finish and the ``w``-th from the last. ``steady_units`` is the
+    number of units finished in that window (after its start, up to its end);
+    0 when the run is too short to have one (fewer than ``2w + 2`` units, or
+    all of the window's finishing at once), and the steady figure is then the
+    whole run's.
     """
 
     kind: ScheduleKind
@@ -67,6 +78,8 @@ class SimResult:
     num_units: int
     makespan_s: float
     throughput_minibatches_per_s: float
+    steady_throughput_minibatches_per_s: float
+    steady_units: int
     busy_s: tuple[float, ...]
     idle_s: tuple[float, ...]
     bubble_fraction: float
@@ -83,6 +96,8 @@ class SimResult:
             "num_units": self.num_units,
             "makespan_s": self.makespan_s,
             "throughput_minibatches_per_s": self.throughput_minibatches_per_s,
+            "steady_throughput_minibatches_per_s": self.steady_throughput_minibatches_per_s,
+            "steady_units": self.steady_units,
             "bubble_fraction": self.bubble_fraction,
             "busy_s": list(self.busy_s),
             "idle_s": list(self.idle_s),
@@ -121,6 +136,7 @@ class _Run(Stepper):
         ranks = schedule.num_ranks
         self.busy = [0.0] * ranks
         self.last_b_start = [0.0] * ranks
+        self.finished: list[float] = []
         self.events: list[Event] = []
         self.link_free: dict[tuple[int, int], float] = {}
         self.bandwidth: dict[tuple[int, int], float] = {}
@@ -133,13 +149,18 @@ class _Run(Stepper):
         total = makespan * s.num_ranks
         stages = [s.stage_of_rank(r) for r in range(s.num_ranks)]
         params, stash = self.c.parameter_bytes, self.c.stash_bytes
+        fraction = self.c.unit_fraction
+        throughput = s.num_units * fraction / makespan if makespan > 0 else math.inf
+        warm = sum(m.peak_in_flight for m in self.memory[: s.replicas[0]])
+        steady, window = _steady_rate(sorted(self.finished), warm, fraction)
         return SimResult(
             kind=s.kind,
             config=config_string(s.replicas),
             num_units=s.num_units,
             makespan_s=makespan,
-            throughput_minibatches_per_s=(
-                s.num_units * self.c.unit_fraction / makespan if makespan > 0 else math.inf),
+            throughput_minibatches_per_s=throughput,
+            steady_throughput_minibatches_per_s=throughput if steady is None else steady,
+            steady_units=window,
             busy_s=tuple(self.busy),
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
@@ -160,6 +181,8 @@ class _Run(Stepper):
         elif k is _B:
             dur = c.backward_s[st]
             self.last_b_start[rank] = clock
+            if st == 0:
+                self.finished.append(clock + dur)
             mem.backward(action.unit)
         else:
             dur = c.step_s[st]
@@ -209,6 +232,21 @@ class _Run(Stepper):
         if bw is None:
             bw = self.bandwidth[(src, dst)] = self.c.bandwidth_between(src, dst)
         return size / bw
+
+
+def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[float | None, int]:
+    """Minibatches per second from the ``warm``-th finish time ``t0`` to the ``warm``-th
+    from the last ``t1`` (start-up and drain left out), and the units finished
+    in ``(t0, t1]``; ``(None, 0)`` when there is no such window. Counting by
+    time, not by index, keeps replicas that finish together (a round of data
+    parallelism) from being counted at one end of the window and not the other.
+    """
+    lo, hi = warm, len(finished) - 1 - warm
+    if hi <= lo or finished[hi] <= finished[lo]:
+        return None, 0
+    t0, t1 = finished[lo], finished[hi]
+    units = bisect.bisect_right(finished, t1) - bisect.bisect_right(finished, t0)
+    return units * fraction / (t1 - t0), units
 
 
 class _Memory:

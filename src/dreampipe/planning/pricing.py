@@ -1,0 +1,88 @@
+"""The cost of a laid-out pipeline: the default model's terms for stages on given workers.
+
+One function prices every plan the planner reports, so the DP's optimum,
+:func:`~dreampipe.planning.planner.evaluate_plan` of a partition chosen by
+hand, the baselines and the simulator's all-reduce all read the same terms
+(:mod:`dreampipe.planning.costs`, :mod:`dreampipe.planning.sync`):
+
+- a stage on workers ``W`` all-reduces over ``replica_groups(W)``, once per
+  round, hidden behind its backward only: ``max(C, F + allreduce) / r``;
+- the cut after it crosses the innermost level at which it meets the next
+  stage's workers, and is shared by the copies of the pipeline at that
+  level (one per unit of that level holding the stage)::
+
+      4x4, stage A on workers {0, 1, 4, 5}, stage B on {2, 3, 6, 7}:
+      A and B meet inside servers 0 and 1 (level 0, 2 copies):
+      cut = 2 (alpha_0 + a / B_0) / 2
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from dreampipe.planning.costs import RangeCosts, cut_time
+from dreampipe.planning.plan import Stage
+from dreampipe.planning.sync import Sync, allreduce_seconds, replica_groups
+from dreampipe.planning.topology import Topology
+
+__all__ = ["cut_seconds", "price_stages", "slowest", "stage_allreduce_seconds"]
+
+
+def stage_allreduce_seconds(
+    weight_bytes: float, workers: Sequence[int], topology: Topology, sync: Sync
+) -> float:
+    """One all-reduce of a stage's weights among its replicas on ``workers``."""
+    if len(workers) < 2:
+        return 0.0
+    groups = replica_groups(workers, topology)
+    return float(allreduce_seconds(weight_bytes, groups, topology.levels, sync, len(workers)))
+
+
+def cut_seconds(
+    activation_bytes: float, senders: Sequence[int], receivers: Sequence[int], topology: Topology
+) -> float:
+    """Per minibatch, the cut between stages on ``senders`` and ``receivers`` (module doc)."""
+    size = 1
+    for level in topology.levels:
+        size *= level.count
+        held = {w // size for w in senders}
+        if held & {w // size for w in receivers} or level is topology.levels[-1]:
+            one = float(cut_time(activation_bytes, level.bandwidth, level.latency))
+            return one / len(held)
+    raise AssertionError("unreachable: the outermost level holds every worker")
+
+
+def price_stages(
+    prof: RangeCosts,
+    topology: Topology,
+    spans: Sequence[tuple[int, int]],
+    placements: Sequence[Sequence[int]],
+    sync: Sync,
+) -> tuple[Stage, ...]:
+    """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced."""
+    replicas = [len(p) for p in placements]
+    memories = prof.memories([(f, e, r) for (f, e), r in zip(spans, replicas, strict=True)])
+    stages, rank = [], 0
+    for s, ((first, last), workers) in enumerate(zip(spans, placements, strict=True)):
+        comm = 0.0
+        if s + 1 < len(spans):
+            comm = cut_seconds(float(prof.cut_bytes[last + 1]), workers, placements[s + 1],
+                               topology)
+        r = len(workers)
+        stages.append(Stage(
+            first=first, last=last, replicas=r, ranks=tuple(range(rank, rank + r)),
+            compute_s=float(prof.compute_s[first, last]),
+            forward_s=min(float(prof.forward[first, last]), float(prof.compute_s[first, last])),
+            comm_s=comm,
+            allreduce_s=stage_allreduce_seconds(float(prof.weights[first, last]), workers,
+                                                topology, sync),
+            memory_bytes=memories[s], workers=tuple(sorted(workers)),
+        ))
+        rank += r
+    return tuple(stages)
+
+
+def slowest(stages: Sequence[Stage]) -> float:
+    """The pipeline's time per minibatch: its slowest stage or cut."""
+    return max((st.time_s for st in stages), default=math.inf)
