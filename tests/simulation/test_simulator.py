@@ -150,6 +150,14 @@ def test_allreduce_overlaps_the_backward_it_follows() -> None:
     assert [(e.start_s, e.end_s) for e in reduces] == [(1.0, 6.0), (1.0, 6.0)]
 
 
+def test_allreduce_starts_its_delay_into_the_backward() -> None:
+    dp = build_schedule((2,), S.DP, 2, 2)
+    costs = SimCosts(forward_s=(1.0,), backward_s=(2.0,), allreduce_s=(5.0,),
+                     allreduce_delay_s=(1.5,))
+    reduces = [e for e in simulate_schedule(dp, costs).events if e.kind is K.ALLREDUCE]
+    assert [(e.start_s, e.end_s) for e in reduces] == [(2.5, 7.5), (2.5, 7.5)]
+
+
 def test_busy_idle_and_throughput_definitions() -> None:
     result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 2),
                       SimCosts(forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), step_s=(0.5, 0.5),

@@ -3,12 +3,14 @@
 Every term is per minibatch and in seconds or bytes. A replicated stage's
 ``r`` replicas run ``r`` minibatches per round, then all-reduce their
 gradients once (:mod:`dreampipe.planning.sync` prices the algorithm). The
-all-reduce starts with the backward, bucket by bucket as DDP does, so it
-hides behind the backward but never behind the forward. Transfers across a
-cut run on their own links and overlap compute, so a pipeline's time is the
-*max* of its terms, never their sum::
+all-reduce goes out during the backward, bucket by bucket as DDP does, as
+each layer's gradient becomes final (last layer first), so it hides behind
+the backward of the layers below the first one with weights, never behind
+the forward. Transfers across a cut run on their own links and overlap
+compute, so a pipeline's time is the *max* of its terms, never their sum::
 
-    stage i..j on r replicas:   T = max(C, F + allreduce) / r     (C = F + backward)
+    stage i..j on r replicas:   T = max(C, F + end) / r           (C = F + backward)
+    all-reduce end:             end = alpha + max over k of (B_k..j + |w|_i..k / B')
     cut before layer k:         2 (alpha + a_k / B) / copies      (activations out, gradients back)
     pipeline:                   A = max over stages and cuts
 
@@ -47,6 +49,7 @@ __all__ = [
     "CostModel",
     "FloatArray",
     "RangeCosts",
+    "allreduce_end",
     "cut_time",
     "gpipe_time",
     "max_versions",
@@ -80,17 +83,53 @@ GPIPE_MICROBATCHES_PER_STAGE = 4
 
 def stage_time(
     compute_s: FloatArray | float, forward_s: FloatArray | float,
-    allreduce_s: FloatArray | float, replicas: int,
+    allreduce_end_s: FloatArray | float, replicas: int,
 ) -> FloatArray:
-    """``max(C, F + allreduce) / r``: one stage replicated ``r`` ways, per minibatch.
+    """``max(C, F + end) / r``: one stage replicated ``r`` ways, per minibatch.
 
     Each replica runs one minibatch of the round (forward ``F``, then the
-    backward ``C - F``), and the round's all-reduce overlaps that backward
+    backward ``C - F``); the round's all-reduce ends ``end`` after that
+    backward starts (:func:`allreduce_end`), so it overlaps the backward
     only; ``r`` replicas share the minibatches, hence the division.
     """
     c = np.asarray(compute_s, dtype=np.float64)
-    late = np.asarray(forward_s, dtype=np.float64) + np.asarray(allreduce_s, dtype=np.float64)
+    late = np.asarray(forward_s, dtype=np.float64) + np.asarray(allreduce_end_s, dtype=np.float64)
     return np.asarray(np.maximum(c, late) / replicas)
+
+
+def allreduce_end(
+    backward_s: FloatArray | Sequence[float], weight_bytes: FloatArray | Sequence[float],
+    latency: float, per_byte: float,
+) -> FloatArray:
+    """Seconds from a stage's backward start to its all-reduce's end, for every layer range.
+
+    ``backward_s[l]`` and ``weight_bytes[l]`` are layer ``l``'s; entry ``[i, j]``
+    is the stage of layers ``i..j`` (0 where it has no weights). The backward
+    runs the layers last to first, and layer ``k``'s gradient is final once
+    the backward of ``k..j`` is done; buckets go out in that order on one
+    link, so what is left to send then is the weights of ``i..k``. A queue
+    served in order ends at the latest of those::
+
+        end(i..j) = latency + max over k in i..j with |w_k| > 0 of
+                              ( B_k..j + per_byte * |w|_i..k )
+
+        backward     | layer j | layer j-1 | ... | layer i |
+        all-reduce             | w_j | w_j-1 .............. w_i |  <- end
+
+    It is the whole all-reduce after the last weighted layer's backward at
+    the least, and ``B_i..j`` plus the last bucket at the most.
+    """
+    b = np.asarray(backward_s, dtype=np.float64)
+    w = np.asarray(weight_bytes, dtype=np.float64)
+    pb = np.concatenate([[0.0], np.cumsum(b)])
+    pw = np.concatenate([[0.0], np.cumsum(w)])
+    n = len(b)
+    h = np.where(w > 0, per_byte * pw[1:] - pb[:-1], -np.inf)
+    later = np.triu(np.ones((n, n), dtype=bool))
+    best = np.maximum.accumulate(np.where(later, h[None, :], -np.inf), axis=1)
+    end = latency + pb[None, 1:] - per_byte * pw[:-1, None] + best
+    weighted = (pw[None, 1:] - pw[:-1, None]) > 0
+    return np.asarray(np.where(later & weighted, end, 0.0))
 
 
 def cut_time(
@@ -182,6 +221,8 @@ class RangeCosts:
     ``cut_bytes[k]`` is what crosses the cut before layer ``k`` (DAG rule);
     ``stage_ok[s, e]``, when given, says whether a stage after a cut may span
     ``s..e`` (PipeDream's cut rule over its states; None: any range).
+    ``layer_backward_s`` and ``layer_weights`` are each layer's own, for
+    :meth:`allreduce_end` (the default model; None under PipeDream's).
     """
 
     compute_s: FloatArray
@@ -190,6 +231,8 @@ class RangeCosts:
     cut_bytes: FloatArray
     stage_ok: BoolArray | None = None
     forward_s: FloatArray | None = None
+    layer_backward_s: FloatArray | None = None
+    layer_weights: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph) -> RangeCosts:
@@ -202,13 +245,22 @@ class RangeCosts:
 
         layers = graph.layers
         work = [0.0 if x.is_input else 1e-3 for x in layers]
+        weights = [x.parameter_bytes for x in layers]
         return cls(
             sums([x.compute_ms * k for x, k in zip(layers, work, strict=True)], np.inf),
-            sums([x.parameter_bytes for x in layers], 0.0),
+            sums(weights, 0.0),
             sums([x.activation_bytes for x in layers], 0.0),
             np.asarray(graph.cut_bytes(), dtype=np.float64),
             forward_s=sums([x.forward_ms * k for x, k in zip(layers, work, strict=True)], 0.0),
+            layer_backward_s=np.asarray(
+                [x.backward_ms * k for x, k in zip(layers, work, strict=True)], dtype=np.float64),
+            layer_weights=np.asarray(weights, dtype=np.float64),
         )
+
+    def allreduce_end(self, latency: float, per_byte: float) -> FloatArray:
+        """:func:`allreduce_end` of every range of this profile."""
+        assert self.layer_backward_s is not None and self.layer_weights is not None
+        return allreduce_end(self.layer_backward_s, self.layer_weights, latency, per_byte)
 
     @property
     def forward(self) -> FloatArray:

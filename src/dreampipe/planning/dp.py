@@ -61,7 +61,7 @@ from dreampipe.planning.pipedream_costs import (
     pipedream_stage_time,
     pipedream_transfer_time,
 )
-from dreampipe.planning.sync import DEFAULT_SYNC, Sync, allreduce_seconds
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync, allreduce_seconds, allreduce_terms
 from dreampipe.planning.topology import Topology
 
 __all__ = ["FlatStage", "Options", "best_plan"]
@@ -250,11 +250,12 @@ def _contexts(topo: Topology, k: int, opts: Options) -> list[Context]:
 def _bottom_times(
     prof: RangeCosts, topo: Topology, ctx: Context, opts: Options, max_units: int,
 ) -> _StageTimes:
-    """``max(C, F + allreduce) / m`` of a bottom stage on ``m`` workers in context ``ctx``."""
+    """``max(C, F + end) / m`` of a bottom stage on ``m`` workers in context ``ctx``."""
     out = {}
     for m in range(1, max_units + 1):
-        ar = allreduce_seconds(prof.weights, (m, *ctx), topo.levels, opts.sync)
-        t = stage_time(prof.compute_s, prof.forward, ar, m)
+        lat, per = allreduce_terms((m, *ctx), topo.levels, opts.sync)
+        end = prof.allreduce_end(lat, per) if lat or per else 0.0
+        t = stage_time(prof.compute_s, prof.forward, end, m)
         for q in range(opts.slots):
             out[q, m] = t
     return out

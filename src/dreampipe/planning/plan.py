@@ -47,7 +47,9 @@ class Stage:
     ``compute_s`` is forward+backward of the stage's layers for one minibatch
     on one worker; ``comm_s`` is the time to send its output forward and the
     gradient back across the cut after it; ``allreduce_s`` the time of one
-    all-reduce of its weights among its replicas; ``forward_s`` the forward
+    all-reduce of its weights among its replicas, which ends
+    ``allreduce_delay_s`` later than if it could start with the backward
+    (gradients become final layer by layer); ``forward_s`` the forward
     part of ``compute_s`` (the all-reduce can only hide behind the rest);
     ``memory_bytes`` the predicted peak per worker (weights x stashed
     versions + activations). ``workers`` are the topology positions of
@@ -64,6 +66,7 @@ class Stage:
     memory_bytes: int = 0
     forward_s: float = 0.0
     workers: tuple[int, ...] = ()
+    allreduce_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -82,7 +85,8 @@ class Stage:
                 f"stage {self.first}..{self.last} has {self.replicas} replicas "
                 f"but workers {list(self.workers)}"
             )
-        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s"):
+        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s",
+                     "allreduce_delay_s"):
             _check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
         if self.forward_s > self.compute_s:
             raise PlanError(
@@ -101,12 +105,13 @@ class Stage:
 
     @property
     def time_s(self) -> float:
-        """Predicted time per minibatch in steady state: ``max(C, F + allreduce) / r``, or the cut.
+        """Time per minibatch in steady state: ``max(C, F + delay + allreduce) / r``, or the cut.
 
         Each replica runs one minibatch per round; the round's all-reduce
-        overlaps the backward (``C - F``), never the forward.
+        overlaps the backward (``C - F``) after its delay, never the forward.
         """
-        round_s = max(self.compute_s, self.forward_s + self.allreduce_s)
+        round_s = max(self.compute_s,
+                      self.forward_s + self.allreduce_delay_s + self.allreduce_s)
         return max(round_s / self.replicas, self.comm_s)
 
 
@@ -235,6 +240,7 @@ class Plan:
                     "compute_s": st.compute_s,
                     "comm_s": st.comm_s,
                     "allreduce_s": st.allreduce_s,
+                    "allreduce_delay_s": st.allreduce_delay_s,
                     "memory_bytes": st.memory_bytes,
                     "forward_s": st.forward_s,
                     "workers": list(st.workers),
@@ -255,6 +261,7 @@ class Plan:
                     first=int(s["first"]), last=int(s["last"]), replicas=int(s["replicas"]),
                     ranks=tuple(int(r) for r in s["ranks"]), compute_s=float(s["compute_s"]),
                     comm_s=float(s["comm_s"]), allreduce_s=float(s["allreduce_s"]),
+                    allreduce_delay_s=float(s.get("allreduce_delay_s", 0.0)),
                     memory_bytes=int(s["memory_bytes"]),
                     forward_s=float(s.get("forward_s", 0.0)),
                     workers=tuple(int(w) for w in s.get("workers", [])),

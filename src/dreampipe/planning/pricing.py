@@ -6,7 +6,9 @@ hand, the baselines and the simulator's all-reduce all read the same terms
 (:mod:`dreampipe.planning.costs`, :mod:`dreampipe.planning.sync`):
 
 - a stage on workers ``W`` all-reduces over ``replica_groups(W)``, once per
-  round, hidden behind its backward only: ``max(C, F + allreduce) / r``;
+  round, hidden behind its backward only, from the moment its last weighted
+  layer's gradient is final: ``max(C, F + delay + allreduce) / r``
+  (:func:`~dreampipe.planning.costs.allreduce_end`);
 - the cut after it crosses the innermost level at which it meets the next
   stage's workers, and is shared by the copies of the pipeline at that
   level (one per unit of that level holding the stage)::
@@ -21,22 +23,33 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from dreampipe.planning.costs import RangeCosts, cut_time
+from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
 from dreampipe.planning.plan import Stage
-from dreampipe.planning.sync import Sync, allreduce_seconds, replica_groups
+from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["cut_seconds", "price_stages", "slowest", "stage_allreduce_seconds"]
+__all__ = ["cut_seconds", "price_stages", "slowest", "stage_allreduce"]
 
 
-def stage_allreduce_seconds(
-    weight_bytes: float, workers: Sequence[int], topology: Topology, sync: Sync
-) -> float:
-    """One all-reduce of a stage's weights among its replicas on ``workers``."""
-    if len(workers) < 2:
-        return 0.0
+def stage_allreduce(
+    backward_s: FloatArray | Sequence[float], weight_bytes: FloatArray | Sequence[float],
+    workers: Sequence[int],
+    topology: Topology, sync: Sync,
+) -> tuple[float, float]:
+    """``(all-reduce s, delay s)`` of a stage whose layers have these backwards and weights.
+
+    The all-reduce is one of the stage's weights among its replicas on
+    ``workers``; the delay is how long into the backward it ends later than
+    if it had started with the backward (``allreduce_end - allreduce``).
+    """
+    total = float(sum(weight_bytes))
+    if len(workers) < 2 or total <= 0:
+        return 0.0, 0.0
     groups = replica_groups(workers, topology)
-    return float(allreduce_seconds(weight_bytes, groups, topology.levels, sync, len(workers)))
+    lat, per = allreduce_terms(groups, topology.levels, sync, len(workers))
+    ar = lat + per * total
+    end = float(allreduce_end(backward_s, weight_bytes, lat, per)[0, -1])
+    return ar, max(0.0, end - ar)
 
 
 def cut_seconds(
@@ -70,13 +83,15 @@ def price_stages(
             comm = cut_seconds(float(prof.cut_bytes[last + 1]), workers, placements[s + 1],
                                topology)
         r = len(workers)
+        assert prof.layer_backward_s is not None and prof.layer_weights is not None
+        ar, delay = stage_allreduce(prof.layer_backward_s[first:last + 1],
+                                    prof.layer_weights[first:last + 1], workers, topology, sync)
         stages.append(Stage(
             first=first, last=last, replicas=r, ranks=tuple(range(rank, rank + r)),
             compute_s=float(prof.compute_s[first, last]),
             forward_s=min(float(prof.forward[first, last]), float(prof.compute_s[first, last])),
             comm_s=comm,
-            allreduce_s=stage_allreduce_seconds(float(prof.weights[first, last]), workers,
-                                                topology, sync),
+            allreduce_s=ar, allreduce_delay_s=delay,
             memory_bytes=memories[s], workers=tuple(sorted(workers)),
         ))
         rank += r

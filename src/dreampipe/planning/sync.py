@@ -37,7 +37,9 @@ import numpy.typing as npt
 from dreampipe.errors import PlanError
 from dreampipe.planning.topology import Level, Topology
 
-__all__ = ["DEFAULT_SYNC", "Sync", "SyncKind", "allreduce_seconds", "replica_groups"]
+__all__ = [
+    "DEFAULT_SYNC", "Sync", "SyncKind", "allreduce_seconds", "allreduce_terms", "replica_groups",
+]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -93,6 +95,20 @@ def _terms(
     return 2 * alpha, 2 * max(1.0, p / sync.shards) * beta
 
 
+def allreduce_terms(
+    groups: Sequence[int], levels: Sequence[Level], sync: Sync, replicas: int | None = None,
+) -> tuple[float, float]:
+    """``(latency s, s per byte)``: one all-reduce of ``n`` bytes takes ``latency + n * per``.
+
+    The same layout arguments as :func:`allreduce_seconds`; the split lets a
+    caller price part of a stage's weights (a bucket) with the same terms.
+    """
+    if len(groups) != len(levels):
+        raise PlanError(f"replica groups {list(groups)} need one entry per level ({len(levels)})")
+    p = math.prod(groups) if replicas is None else replicas
+    return _terms(groups, levels, sync, p)
+
+
 def allreduce_seconds(
     weight_bytes: FloatArray | float, groups: Sequence[int], levels: Sequence[Level], sync: Sync,
     replicas: int | None = None,
@@ -103,10 +119,7 @@ def allreduce_seconds(
     ``replicas`` is ``p`` when the layout is uneven (default ``prod(groups)``).
     A stage without weights has nothing to synchronise and costs 0.
     """
-    if len(groups) != len(levels):
-        raise PlanError(f"replica groups {list(groups)} need one entry per level ({len(levels)})")
-    p = math.prod(groups) if replicas is None else replicas
-    lat, per = _terms(groups, levels, sync, p)
+    lat, per = allreduce_terms(groups, levels, sync, replicas)
     w = np.asarray(weight_bytes, dtype=np.float64)
     return np.asarray(np.where(w > 0, lat + per * w, 0.0))
 

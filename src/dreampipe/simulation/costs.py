@@ -37,6 +37,9 @@ class SimCosts:
     ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
     is reported in profiled minibatches. ``send_overhead_s`` and
     ``send_copy_bandwidth`` give the sender's own time to post one message.
+    ``allreduce_delay_s[s]`` is how far into its backward stage s's
+    all-reduce can start at the earliest, taken as one block on one link
+    (:func:`dreampipe.planning.costs.allreduce_end` less the all-reduce).
     """
 
     forward_s: tuple[float, ...]
@@ -45,6 +48,7 @@ class SimCosts:
     gradient_bytes: tuple[float, ...] = ()
     bandwidth: Bandwidth = math.inf
     allreduce_s: tuple[float, ...] = ()
+    allreduce_delay_s: tuple[float, ...] = ()
     parameter_bytes: tuple[float, ...] = ()
     stash_bytes: tuple[float, ...] = ()
     step_s: tuple[float, ...] = ()
@@ -59,8 +63,8 @@ class SimCosts:
                 f"costs need forward_s and backward_s for every stage, got {len(self.forward_s)} "
                 f"and {len(self.backward_s)} entries"
             )
-        defaults = {"activation_bytes": n - 1, "allreduce_s": n, "parameter_bytes": n,
-                    "stash_bytes": n, "step_s": n}
+        defaults = {"activation_bytes": n - 1, "allreduce_s": n, "allreduce_delay_s": n,
+                    "parameter_bytes": n, "stash_bytes": n, "step_s": n}
         for name, size in defaults.items():
             value = tuple(getattr(self, name)) or (0.0,) * size
             if len(value) != size:
@@ -98,15 +102,15 @@ def costs_from_profile(
 
     Compute, activations and stashed bytes scale linearly with
     ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
-    all-reduce is the planner's (:func:`dreampipe.planning.pricing.
-    stage_allreduce_seconds`, ``sync`` over the workers that hold it,
-    default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
+    all-reduce and its delay are the planner's (:func:`dreampipe.planning.
+    pricing.stage_allreduce` on the unit's backward, ``sync`` over the workers
+    that hold it, default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
     transfer runs at the link between the workers of its two ranks.
     ``Input`` layers cost nothing (data loading, as the planner counts them).
     Stashed bytes per unit are the stage's layer outputs, as the planner
     counts them.
     """
-    from dreampipe.planning.pricing import stage_allreduce_seconds  # NumPy: only when used
+    from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.sync import DEFAULT_SYNC
 
     how = DEFAULT_SYNC if sync is None else sync
@@ -123,22 +127,25 @@ def costs_from_profile(
         )
     cuts = graph.cut_bytes()
     layers = graph.layers
-    fwd, bwd, act, params, stash, allreduce = [], [], [], [], [], []
+    fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
         work = [x for x in span if not x.is_input]
         fwd.append(sum(x.forward_ms for x in work) / 1e3 * unit_fraction)
-        bwd.append(sum(x.backward_ms for x in work) / 1e3 * unit_fraction)
-        w = float(sum(x.parameter_bytes for x in span))
-        params.append(w)
+        backward = [0.0 if x.is_input else x.backward_ms / 1e3 * unit_fraction for x in span]
+        bwd.append(sum(backward))
+        weights = [float(x.parameter_bytes) for x in span]
+        params.append(sum(weights))
         stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
-        allreduce.append(stage_allreduce_seconds(w, st.placement, topology, how))
+        ar, late = stage_allreduce(backward, weights, st.placement, topology, how)
+        allreduce.append(ar)
+        delay.append(late)
     return SimCosts(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
         bandwidth=_links(plan, topology), allreduce_s=tuple(allreduce),
-        parameter_bytes=tuple(params),
+        allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
         stash_bytes=tuple(stash), unit_fraction=unit_fraction,
     )
 
@@ -158,7 +165,9 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
         act.append(a.comm_s / 2 * bw * unit_fraction if math.isfinite(bw) else 0.0)
     return SimCosts(
         forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act), bandwidth=topology,
-        allreduce_s=tuple(st.allreduce_s for st in plan.stages), unit_fraction=unit_fraction,
+        allreduce_s=tuple(st.allreduce_s for st in plan.stages),
+        allreduce_delay_s=tuple(st.allreduce_delay_s * unit_fraction for st in plan.stages),
+        unit_fraction=unit_fraction,
     )
 
 

@@ -13,9 +13,9 @@ Each rank runs its action list in order, exactly as the runtime does:
 - ``RECV`` waits until the data has arrived;
 - ``ALLREDUCE`` joins the stage's replicas for the same round. Gradients go
   out while the backward produces them (bucketed, as in PyTorch DDP), so it
-  starts with the latest of the replicas' preceding backwards and ends
-  ``allreduce_s`` later, or when the last of those backwards ends. The rank
-  continues (to ``STEP``) only then.
+  starts ``allreduce_delay_s`` into the latest of the replicas' preceding
+  backwards and ends ``allreduce_s`` later, or when the last of those
+  backwards ends. The rank continues (to ``STEP``) only then.
 
 The ranks step through their lists on the one stepping core the validator
 dry-runs (:class:`dreampipe.scheduling.stepping.Stepper`); this module only
@@ -212,12 +212,13 @@ class _Run(Stepper):
         return max(clock, end)
 
     def allreduce(self, stage: int, members: Sequence[int]) -> Span:
-        """Starts with the latest of the members' preceding backwards (gradients go
-        out as they are produced); ends ``allreduce_s`` later or when the last
-        member arrives."""
+        """Starts ``allreduce_delay_s`` into the latest of the members' preceding
+        backwards (gradients go out as they are produced); ends ``allreduce_s``
+        later or when the last member arrives."""
         arrived = max(self.clock[m] for m in members)
         cost = self.c.allreduce_s[stage]
-        start = max(self.last_b_start[m] for m in members) if cost > 0 else arrived
+        delay = self.c.allreduce_delay_s[stage]
+        start = max(self.last_b_start[m] for m in members) + delay if cost > 0 else arrived
         return start, max(arrived, start + cost)
 
     def joined(self, rank: int, action: Action, span: Span) -> float:
