@@ -6,12 +6,13 @@ import time
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.models import get_model
 from dreampipe.models.spec import LayerFactory, ModelSpec
 
-__all__ = ["bn_mlp", "crash_mlp", "stall_mlp", "tuple_mlp"]
+__all__ = ["bn_mlp", "crash_mlp", "crash_replica_mlp", "stall_mlp", "tuple_mlp"]
 
 
 class _Stall(nn.Module):
@@ -29,6 +30,15 @@ class _Crash(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "meta":
             raise ValueError("crash layer reached")
+        return x
+
+
+class _CrashOnRank1(nn.Module):
+    """Raises on rank 1's real data only: its replica peers are left in the all-reduce."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "meta" and dist.is_initialized() and dist.get_rank() == 1:
+            raise ValueError("crash on rank 1")
         return x
 
 
@@ -55,6 +65,11 @@ def stall_mlp(**kw: int) -> ModelSpec:
 def crash_mlp(**kw: int) -> ModelSpec:
     """An mlp with a layer at index 2 that raises a ValueError."""
     return _with_layer(2, "crash", _Crash, **kw)
+
+
+def crash_replica_mlp(**kw: int) -> ModelSpec:
+    """An mlp with a layer at index 2 that raises a ValueError on rank 1 only."""
+    return _with_layer(2, "crash", _CrashOnRank1, **kw)
 
 
 def tuple_mlp(**kw: int) -> ModelSpec:

@@ -15,7 +15,8 @@ gradient going back never queues behind an activation arriving on the same
 connection. With vertical sync every activation is followed by its unit's weight version
 (one int64). A wait that passes ``timeout_s`` raises
 :class:`~dreampipe.errors.PeerTimeoutError` naming this rank, its stage, the
-peer, the action and the unit.
+peer, the action and the unit; the gradient all-reduce of replicated stages
+(:mod:`.buckets`) waits the same way, through :meth:`Comm.wait_allreduce`.
 """
 
 from __future__ import annotations
@@ -272,19 +273,8 @@ class Comm:
         del self._sends[:done]
 
     # ---- all-reduce ------------------------------------------------------
-    def allreduce(self, grads: list[Tensor], group: Any, action: Action, scale: float) -> None:
-        """Sum ``grads`` over the replicas of this stage in place, then multiply by ``scale``."""
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        work = dist.all_reduce(flat, group=group, async_op=True)
+    def wait_allreduce(self, work: Any, action: Action) -> None:
+        """Wait for an all-reduce over this stage's replicas (a bucket of ``action``'s round)."""
         replicas = self.schedule.replicas[self.stage]
         first = self.schedule.first_rank(self.stage)
         self._wait(work, action, f"ranks {first}..{first + replicas - 1} (all-reduce)")
-        if scale != 1.0:
-            flat.mul_(scale)
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n

@@ -8,6 +8,16 @@ compute::
     actions   RECV_F4  F4  SEND_F4  RECV_B2  B2  SEND_B2  STEP2  RECV_F5 ...
     posted    ^^^^^^^ ...  (irecv for RECV_* within _LOOKAHEAD actions ahead)
 
+Gradient all-reduce (replicated stages): the engine marks, once, each
+``BACKWARD`` that is the last before the rank's next ``ALLREDUCE``; only that
+backward hands its gradients to :class:`~dreampipe.runtime.buckets.GradientBuckets`
+as they become final, so the buckets' all-reduces run during it. Earlier
+backwards of the round only accumulate; ``ALLREDUCE<k>`` waits for the
+buckets and applies the scale::
+
+    actions   F6  B6  F7  B7* SEND_B7  ALLREDUCE3  STEP3      (* marked)
+    buckets               [b0 b1 b2 ...]  wait, scale
+
 Labels: the input stage and the last stage both index the same
 :class:`~dreampipe.runtime.data.Dataset` with ``batch(unit, unit_size)``, so the last
 stage loads a unit's targets itself and nothing but activations and
@@ -35,6 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.models.spec import ModelSpec
+from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import OptimizerKind, RunConfig
 from dreampipe.runtime.data import Dataset, load_dataset
@@ -42,7 +53,7 @@ from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
-__all__ = ["RankReport", "RankRunner", "barrier"]
+__all__ = ["RankReport", "RankRunner", "barrier", "round_ends"]
 
 _log = logging.getLogger(__name__)
 
@@ -62,6 +73,19 @@ class RankReport:
     events: list[Event] = field(default_factory=list)
     state: dict[str, Tensor] | None = None
     peak_versions: int = 0
+
+
+def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
+    """Units whose ``BACKWARD`` is the last before the rank's next ``ALLREDUCE``."""
+    ends: set[int] = set()
+    last: int | None = None
+    for a in actions:
+        if a.kind is ActionKind.BACKWARD:
+            last = a.unit
+        elif a.kind is ActionKind.ALLREDUCE and last is not None:
+            ends.add(last)
+            last = None
+    return frozenset(ends)
 
 
 def _make_optimizer(
@@ -116,6 +140,8 @@ class RankRunner:
         self.pipedream = schedule.kind is ScheduleKind.PIPEDREAM
         self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
         self.allreduce_scale = 1.0 / schedule.replicas[self.stage] if self.pipedream else 1.0
+        self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
+        self._round_ends = round_ends(schedule.actions[rank])
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
         self._outputs: dict[int, tuple[Tensor, int | None]] = {}
         self._grads_in: dict[int, Tensor] = {}
@@ -178,7 +204,8 @@ class RankRunner:
 
     def _backward(self, a: Action) -> None:
         grad = None if self.last else self._grads_in.pop(a.unit)
-        gin = self.module.backward(a.unit, grad)
+        on_ready = self.buckets.ready if a.unit in self._round_ends else None
+        gin = self.module.backward(a.unit, grad, on_ready=on_ready)
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.unit] = gin
@@ -195,7 +222,7 @@ class RankRunner:
         self.comm.send(a, self._grads_out.pop(a.unit))
 
     def _allreduce(self, a: Action) -> None:
-        self.comm.allreduce(self.module.gradients(), self.group, a, self.allreduce_scale)
+        self.buckets.finish(self.module.gradients(), a, self.allreduce_scale)
 
     def _step(self, a: Action) -> None:
         self.module.step()

@@ -12,6 +12,11 @@ accumulation does, and autograd only carries the input gradient::
     fused   acc.addmm_(g^T, x)  (read, write)
 
 The layer's forward is unchanged; other layers keep autograd's usual path.
+The weight and bias still get their post-accumulate-grad hooks, after every
+GEMM that adds to them (autograd runs a leaf's accumulation, with no gradient
+here, once all the nodes feeding it are done): that is how
+:class:`~dreampipe.runtime.stage.StageModule` knows a fused gradient is final
+and its all-reduce bucket may start.
 """
 
 from __future__ import annotations

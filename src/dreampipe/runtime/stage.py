@@ -35,6 +35,15 @@ the unit was in flight, so forward and backward see different weights.
 Buffers (BatchNorm running statistics) are not versioned. Weight gradients
 of all units between two updates add up in one buffer per parameter;
 ``nn.Linear`` layers add theirs with a single GEMM (:mod:`.fused`).
+
+**Gradients final during the backward.** The backward that completes a
+round (the last before an all-reduce) can report each parameter's
+accumulated gradient the moment it is final, so its all-reduce starts while
+the backward still runs (:mod:`.buckets`). The signal is the post-accumulate
+hook of the version's leaf tensor: autograd runs it once per backward, after
+every node feeding that leaf, fused Linear GEMMs included (they return no
+gradient for the weight, but the hook still runs after them). Parameters
+outside the graph are reported when the backward ends.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -63,6 +73,15 @@ class _Version:
     tensors: dict[str, Tensor]
     live: bool
     refs: int = 0
+
+
+@dataclass
+class _Round:
+    """The backward completing a round: who to tell, and the versions to harvest from."""
+
+    on_ready: Callable[[int, Tensor], None]
+    leaves: list[list[Tensor]]
+    reported: list[bool]
 
 
 @dataclass
@@ -103,6 +122,7 @@ class StageModule:
         self._params = [p for _, p in named]
         self.optimizer = optimizer(self._params) if self._params else None
         self._grads: list[Tensor | None] = [None] * len(self._params)
+        self._round: _Round | None = None
         fuse_linear_gradients(module, self._names, self)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
@@ -112,6 +132,11 @@ class StageModule:
         self.peak_versions = 0
 
     # ---- versions --------------------------------------------------------
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The trained parameters, in gradient index order (registration order)."""
+        return self._params
+
     @property
     def versions_held(self) -> int:
         """Stored weight versions, the live one included when a unit uses it."""
@@ -129,6 +154,10 @@ class StageModule:
     def _live_version(self) -> _Version:
         pairs = zip(self._names, self._params, strict=True)
         tensors = {n: p.data.requires_grad_(True) for n, p in pairs}
+        for i, leaf in enumerate(tensors.values()):
+            leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                partial(self._leaf_done, i)
+            )
         v = _Version(self.version, tensors, live=True)
         self._versions[self.version] = v
         self.peak_versions = max(self.peak_versions, len(self._versions))
@@ -218,7 +247,13 @@ class StageModule:
         loss = self.loss_fn(out, target)
         return (loss * scale if scale != 1.0 else loss), loss.detach()
 
-    def backward(self, unit: int, grad: Tensor | None = None) -> Tensor | None:
+    def backward(
+        self,
+        unit: int,
+        grad: Tensor | None = None,
+        *,
+        on_ready: Callable[[int, Tensor], None] | None = None,
+    ) -> Tensor | None:
         """Backward of ``unit``: accumulate weight gradients, return the input's gradient.
 
         ``grad`` is the gradient of the stage output (None on the last stage,
@@ -226,6 +261,12 @@ class StageModule:
         the version's tensors (units sharing a version, like the microbatches
         of one update, add up there without extra copies); they move to the
         update at the next all-reduce or step, or when the version is freed.
+
+        ``on_ready`` marks the backward that completes a round: it is called
+        once per parameter, ``on_ready(index, gradient)``, as soon as that
+        parameter's gradient summed over the whole round is final (mostly
+        during the backward, the rest before this returns). The gradient
+        tensor is the one :meth:`gradients` returns until the next step.
         """
         st = self._inflight.pop(unit)
         if st.version is None:
@@ -236,10 +277,50 @@ class StageModule:
             v, out = st.version, st.output
         want_input = self.input_grad and st.input.requires_grad
         leaves = list(v.tensors.values())
-        torch.autograd.backward(out, grad, inputs=[st.input, *leaves] if want_input else leaves)
+        if on_ready is not None:
+            held = [*self._touched.values()]
+            held += [v] if v.number not in self._touched else []
+            self._round = _Round(
+                on_ready, [list(h.tensors.values()) for h in held], [False] * len(leaves)
+            )
+        try:
+            torch.autograd.backward(
+                out, grad, inputs=[st.input, *leaves] if want_input else leaves
+            )
+            if self._round is not None:
+                for i, done in enumerate(self._round.reported):
+                    if not done:
+                        self._report(self._round, i)
+        finally:
+            self._round = None
         self._touched[v.number] = v
         self._release(v)
         return st.input.grad if want_input else None
+
+    def _leaf_done(self, index: int, _leaf: Tensor) -> None:
+        """Post-accumulate hook of a version's leaf: in a round's last backward, report it."""
+        if self._round is not None and not self._round.reported[index]:
+            self._report(self._round, index)
+
+    def _report(self, rnd: _Round, index: int) -> None:
+        """Harvest parameter ``index`` off every version the round touched, then report it.
+
+        The sum is the one :meth:`gradients` takes after the backward, bit for
+        bit: the same terms in the same order (every schedule touches one
+        version per round, since each step harvests them all).
+        """
+        for leaves in rnd.leaves:
+            leaf = leaves[index]
+            g = leaf.grad
+            if g is not None:
+                leaf.grad = None
+                self.add_grad(index, g)
+        acc = self._grads[index]
+        if acc is None:
+            acc = torch.zeros_like(self._params[index])
+            self._grads[index] = acc
+        rnd.reported[index] = True
+        rnd.on_ready(index, acc)
 
     # ---- update ----------------------------------------------------------
     def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:

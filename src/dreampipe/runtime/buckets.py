@@ -1,0 +1,146 @@
+"""Gradient buckets all-reduced while the backward that completes a round still runs.
+
+What DDP does: the replicas of a stage sum their gradients in *buckets* of
+about :data:`BUCKET_CAP_MB` each, and a bucket's all-reduce starts
+(``async_op=True``) as soon as every gradient in it is final, so the
+communication of the late layers overlaps the backward of the early ones::
+
+    backward   ── layer n ── layer n-1 ── ... ── layer 1 ──|
+    all-reduce            └ bucket 0 ─┘ └ bucket 1 ─┘ ... └ bucket k ─┘
+    ALLREDUCE<k> action                                   wait, scale ──|
+
+Parameters go into buckets in reverse registration order, the order their
+gradients become ready in the backward. Buckets start strictly in that
+order, each once it and every bucket before it is ready, so every replica
+issues the same sequence of collectives even where its gradients become
+ready in another order (or never: a replica with no unit in a round starts
+all its buckets at the ``ALLREDUCE`` action). The ``ALLREDUCE`` action
+starts whatever has not started, waits for every bucket, multiplies by the
+scale and copies the sums back: the same sum then scale, in the same dtype,
+as one all-reduce over all gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dreampipe.scheduling.actions import Action
+
+__all__ = ["BUCKET_CAP_MB", "GradientBuckets"]
+
+#: Bucket size in MB (1e6 bytes), as DDP's ``bucket_cap_mb``. Below DDP's
+#: 25: the planner prices each layer's gradient as going out once that
+#: layer's backward is done (:func:`dreampipe.planning.costs.allreduce_end`),
+#: and a layer of a few MB or more is then a bucket of its own, as priced.
+BUCKET_CAP_MB = 4.0
+
+#: ``wait(work, action)``: wait for an all-reduce, raising an error that names ``action``.
+Wait = Callable[[Any, Action], None]
+
+
+@dataclass
+class _Bucket:
+    indices: list[int]
+    grads: list[Tensor | None]
+    missing: int = 0
+    flat: Tensor | None = None
+    work: Any = None
+    shared: bool = False
+
+
+class GradientBuckets:
+    """The all-reduce of one stage's gradients over ``group``, in buckets of ``cap_mb``.
+
+    ``params[i]`` is the parameter of gradient index ``i``. Call :meth:`ready`
+    once per index as its gradient becomes final, then :meth:`finish` at the
+    ``ALLREDUCE`` action. ``cap_mb`` None takes :data:`BUCKET_CAP_MB` as it
+    is now (tests shrink it to get many buckets out of a small model). A
+    bucket closes once it holds ``cap_mb`` or more, or at a change of dtype.
+    """
+
+    def __init__(
+        self, params: Sequence[Tensor], group: Any, wait: Wait, cap_mb: float | None = None
+    ) -> None:
+        self.group = group
+        self._wait = wait
+        self._buckets: list[_Bucket] = []
+        self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
+        cap = (BUCKET_CAP_MB if cap_mb is None else cap_mb) * 1e6
+        size = 0.0
+        for i in reversed(range(len(params))):
+            p = params[i]
+            last = self._buckets[-1] if self._buckets else None
+            if last is None or size >= cap or params[last.indices[0]].dtype != p.dtype:
+                last = _Bucket([], [])
+                self._buckets.append(last)
+                size = 0.0
+            self._where[i] = (len(self._buckets) - 1, len(last.indices))
+            last.indices.append(i)
+            size += p.numel() * p.element_size()
+        self._next = 0  # the first bucket not started yet
+        self._reset()
+
+    @property
+    def sizes(self) -> list[int]:
+        """The number of parameters in each bucket, in launch order."""
+        return [len(b.indices) for b in self._buckets]
+
+    def _reset(self) -> None:
+        for b in self._buckets:
+            b.grads = [None] * len(b.indices)
+            b.missing = len(b.indices)
+            b.flat = b.work = None
+        self._next = 0
+
+    def ready(self, index: int, grad: Tensor) -> None:
+        """Gradient ``index`` is final: start every bucket that can now start, in order."""
+        b, k = self._where[index]
+        bucket = self._buckets[b]
+        if bucket.grads[k] is None:
+            bucket.missing -= 1
+        bucket.grads[k] = grad
+        while self._next < len(self._buckets) and self._buckets[self._next].missing == 0:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [g for g in bucket.grads if g is not None]  # all of them: none is missing
+        if len(grads) == 1 and grads[0].is_contiguous():
+            bucket.flat, bucket.shared = grads[0].view(-1), True
+        else:
+            bucket.flat, bucket.shared = torch.cat([g.reshape(-1) for g in grads]), False
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+
+    def finish(self, grads: Sequence[Tensor], action: Action, scale: float) -> None:
+        """Sum every gradient over the replicas in place, then multiply by ``scale``.
+
+        ``grads`` are the stage's gradients by index; those not yet reported
+        ready are taken from here (all of them on a replica that ran no
+        backward in the round). Waits name ``action``.
+        """
+        try:
+            for i, g in enumerate(grads):
+                b, k = self._where[i]
+                if self._buckets[b].grads[k] is None:
+                    self.ready(i, g)
+            for bucket in self._buckets:
+                self._wait(bucket.work, action)
+                assert bucket.flat is not None
+                if scale != 1.0:
+                    bucket.flat.mul_(scale)
+                if bucket.shared:
+                    continue
+                offset = 0
+                for grad in bucket.grads:
+                    assert grad is not None
+                    n = grad.numel()
+                    grad.copy_(bucket.flat[offset : offset + n].view_as(grad))
+                    offset += n
+        finally:
+            self._reset()
