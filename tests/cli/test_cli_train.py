@@ -206,10 +206,16 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
            "2", "--no-python", str(exe), "train", "mlp", "--model-arg", "layers=4",
            "--model-arg", "width=32", "--steps", "4", "--batch-size", "8", "--json",
            "--no-progress"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT) prints its Python stacks.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env=env, check=False)
-    assert done.returncode == 0, done.stderr[-2000:]
+    err = done.stderr
+    if len(err) > 8000:  # the ranks' own errors come first, torchrun's summary last
+        err = f"{err[:6000]}\n[... {len(err) - 8000} characters left out ...]\n{err[-2000:]}"
+    assert done.returncode == 0, (
+        f"exit {done.returncode}\n--- stderr ---\n{err}\n--- stdout ---\n{done.stdout[-4000:]}"
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, done.stdout
     data = json.loads(lines[0])

@@ -20,6 +20,7 @@ bench's PyTorch baselines run through the same supervisor.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -102,11 +103,20 @@ def run_rank(
         report.state = runner.final_state()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
+    data = runner.data
+    # Every rank is past its last message before any tears its groups down. The
+    # runner refers to itself (its bound action handlers, the gradient buckets'
+    # wait): collect it now, or its process groups, with their gloo threads and
+    # sockets, outlive destroy_process_group and go at interpreter shutdown,
+    # after the peers have gone.
+    barrier(max(cfg.timeout_s, _MIN_SETUP_S))
+    del runner
+    gc.collect()
     if rank != 0:
         return None
     assert gathered is not None
     reports: list[RankReport] = [r for r in gathered if isinstance(r, RankReport)]
-    return assemble(cfg, spec, reports, runner.data)
+    return assemble(cfg, spec, reports, data)
 
 
 def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> RunResult | None:
