@@ -1,0 +1,105 @@
+"""Predicted and measured steady-state throughput of workers joined by a known link.
+
+:mod:`dreampipe.jobs.local` predicts for this machine's local workers, on
+loopback at :data:`~dreampipe.jobs.machine.PROJECT_MACHINE`'s bandwidth.
+Workers on a real (or shaped) network differ in one figure, the link's
+bandwidth: :func:`on_link` is the same calibration at another bandwidth and
+:func:`simulate_on` the simulator's run of a plan there.
+
+Both a measured run (the runtime's recorded events) and a simulated one are
+read the same way by :func:`window_rates`, so that predicted and measured
+throughput cover the same window: start-up and drain left out, the steady
+state cut into equal windows of whole all-reduce rounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from dreampipe.errors import ConfigError
+from dreampipe.jobs.machine import PROJECT_MACHINE, LocalCalibration, local_costs
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.units import UnitLayout
+
+if TYPE_CHECKING:
+    from dreampipe.simulation.simulator import SimResult
+
+__all__ = ["on_link", "round_units", "simulate_on", "window_rates"]
+
+
+def on_link(bandwidth: str, machine: LocalCalibration = PROJECT_MACHINE) -> LocalCalibration:
+    """``machine``'s calibration with its workers joined at ``bandwidth`` (``"50MB/s"``).
+
+    The host-side figures (send overhead, per-stage time) stay: they are the
+    workers' own, whatever joins them.
+    """
+    return dataclasses.replace(machine, bandwidth=bandwidth)
+
+
+def simulate_on(
+    graph: LayerGraph,
+    plan: Plan,
+    kind: ScheduleKind,
+    *,
+    minibatch_size: int,
+    steps: int,
+    machine: LocalCalibration,
+    microbatches: int = 1,
+) -> SimResult:
+    """The simulator's run of ``steps`` updates of ``plan`` on ``machine``'s workers.
+
+    What :func:`~dreampipe.jobs.local.predict_samples_per_s` simulates, on a
+    given calibration (:func:`on_link`), with its events for
+    :func:`window_rates`. ``graph`` must be profiled at the layout's unit size.
+    """
+    from dreampipe.simulation.simulator import simulate_schedule
+
+    layout = UnitLayout(kind=kind, minibatch_size=minibatch_size, microbatches=microbatches,
+                        workers=plan.workers_used)
+    schedule = layout.build([st.replicas for st in plan.stages], steps)
+    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    return simulate_schedule(schedule, local_costs(graph, plan, fraction, machine))
+
+
+def round_units(plan: Plan) -> int:
+    """Units in one all-reduce round of the input stage (1 when it is not replicated)."""
+    return plan.stages[0].replicas
+
+
+def window_rates(
+    events: Sequence[Event], *, unit_size: int, skip_units: int, window_units: int
+) -> list[float]:
+    """Samples/s in each window of ``window_units`` finished units after ``skip_units``.
+
+    A unit is finished when its backward at the input stage (stage 0) ends:
+    the last thing a pipeline does with it, and for a replicated input stage
+    the end of its round's compute. Windows run from the ``skip_units``-th
+    finish to the ``skip_units + window_units``-th, then on, as many whole
+    windows as the events hold. Make both counts multiples of
+    :func:`round_units` so that each window holds whole all-reduce rounds.
+    """
+    if skip_units < 1 or window_units < 1:
+        raise ConfigError(
+            f"skip_units={skip_units}, window_units={window_units}: skip at least the first "
+            "unit (the window starts at a finish) and make windows of 1 unit or more",
+            "skip_units", "window_units",
+        )
+    ends = sorted(e.end_s for e in events if e.kind is ActionKind.BACKWARD and e.stage == 0)
+    rates = []
+    start = skip_units - 1
+    while start + window_units < len(ends):
+        span = ends[start + window_units] - ends[start]
+        rates.append(window_units * unit_size / span if span > 0 else math.inf)
+        start += window_units
+    if not rates:
+        raise ConfigError(
+            f"{len(ends)} finished units hold no window of {window_units} after the first "
+            f"{skip_units}; run more steps", "skip_units", "window_units",
+        )
+    return rates

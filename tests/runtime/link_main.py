@@ -1,0 +1,88 @@
+"""One rank of the shaped-link test, started by ``ip netns exec`` in its own namespace.
+
+The environment is torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) plus GLOO_SOCKET_IFNAME; ``argv[1]`` is a JSON job:
+
+- ``"probe": {"bytes": n, "repeats": k}`` (optional): first, in a process
+  group of its own on ``MASTER_PORT + 1``, gloo ``send``s ``n`` bytes from
+  rank 1 to rank 0 ``k`` times and times each (the link's real throughput);
+- ``"train"``: :class:`RunConfig` fields (``plan`` as a plan's JSON object,
+  ``schedule`` by value), trained with ``run_from_env`` as under torchrun.
+
+Rank 0 prints one line ``RESULT <json>``: the probe's MB/s, the run's
+throughput and its recorded events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime import RunConfig, run_from_env
+from dreampipe.scheduling.actions import ScheduleKind
+
+__all__: list[str] = []
+
+MARK = "RESULT "
+
+
+def probe(nbytes: int, repeats: int) -> list[float]:
+    """MB/s of each gloo send of ``nbytes`` from rank 1 to rank 0 (timed on both, between
+    barriers)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    rates = []
+    for i in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 1:
+            dist.send(buf, 0)
+        else:
+            dist.recv(buf, 1)
+        dist.barrier()
+        if i:  # the first one connects the pair
+            rates.append(nbytes / (time.perf_counter() - start) / 1e6)
+    dist.destroy_process_group()
+    return rates
+
+
+def train(fields: dict[str, Any]) -> dict[str, Any] | None:
+    fields = dict(fields)
+    fields["plan"] = Plan.from_dict(fields["plan"])
+    fields["schedule"] = ScheduleKind(fields["schedule"])
+    fields["model_kwargs"] = tuple(tuple(kv) for kv in fields["model_kwargs"])
+    result = run_from_env(RunConfig(**fields))
+    if result is None:
+        return None
+    return {
+        "samples_per_s": result.samples_per_s,
+        "elapsed_s": result.elapsed_s,
+        "final_loss": result.final_loss,
+        "events": [e.to_dict() for e in result.events],
+    }
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    job = json.loads(sys.argv[1])
+    out: dict[str, Any] = {}
+    if "probe" in job:
+        out["probe_mb_per_s"] = probe(int(job["probe"]["bytes"]), int(job["probe"]["repeats"]))
+    result = train(job["train"])
+    if result is not None:
+        print(MARK + json.dumps({**out, **result}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
