@@ -55,6 +55,14 @@ def test_allreduce_end_waits_for_the_first_weighted_layer_then_queues() -> None:
         pytest.approx(5.0 + 0.01))
 
 
+def test_allreduce_end_without_overlap_follows_the_whole_backward() -> None:
+    # the same stage with communication on the computing cores: 6 s of backward, then 3 s
+    end = allreduce_end([1.0, 2.0, 3.0], [0.0, 10.0, 20.0], 0.5, 0.1, overlap=False)
+    assert float(end[0, 2]) == pytest.approx(6.0 + 3.0 + 0.5)
+    assert float(end[2, 2]) == pytest.approx(3.0 + 2.0 + 0.5)
+    assert float(end[0, 0]) == 0.0
+
+
 def test_cut_time_counts_both_directions_and_latency() -> None:
     assert float(cut_time(5e8, 1e9)) == pytest.approx(1.0)
     assert float(cut_time(5e8, 1e9, 0.25)) == pytest.approx(1.5)
@@ -121,23 +129,26 @@ def _allreduce(n: float, groups: Sequence[int], levels: Sequence[Level], sync: S
 
 def _allreduce_end(
     backward: Sequence[float], weights: Sequence[float], groups: Sequence[int],
-    levels: Sequence[Level], sync: Sync,
+    levels: Sequence[Level], sync: Sync, overlap: bool = True,
 ) -> float:
     """When a stage's all-reduce ends after its backward starts, by running the queue:
     the backward goes from the last layer down, each weighted layer's bytes join
-    one link in that order as its backward ends, and the latency is paid once."""
+    one link in that order as its backward ends (without overlap: once the whole
+    backward has), and the latency is paid once."""
     latency = 2 * _allreduce(1.0, groups, levels, sync) - _allreduce(2.0, groups, levels, sync)
     clock = link = 0.0
     for b, w in zip(reversed(backward), reversed(weights), strict=True):
-        clock += b
+        clock += b if overlap else 0.0
         if w > 0:
+            if not overlap:
+                clock = sum(backward)
             link = max(link, clock) + _allreduce(w, groups, levels, sync) - latency
     return latency + link if sum(weights) > 0 and math.prod(groups) > 1 else 0.0
 
 
 def _brute(
     graph: LayerGraph, levels: Sequence[Level], fewer: bool, straight: bool,
-    sync: Sync = DEFAULT_SYNC,
+    sync: Sync = DEFAULT_SYNC, overlap: bool = True,
 ) -> float:
     zero = [0.0 if x.is_input else 1e-3 for x in graph.layers]
     t = [x.compute_ms * z for x, z in zip(graph.layers, zero, strict=True)]
@@ -161,7 +172,7 @@ def _brute(
                     for (a, b), r in zip(part, reps, strict=True):
                         if k == 0:
                             end = _allreduce_end(bwd[a:b + 1], w[a:b + 1], (r, *ctx), levels,
-                                                 sync)
+                                                 sync, overlap)
                             stage = max(sum(t[a:b + 1]), sum(f[a:b + 1]) + end) / r
                         else:
                             stage = best(k - 1, a, b, levels[k - 1].count, (r, *ctx)) / r
@@ -207,13 +218,14 @@ def _same_time_by_evaluate(graph: LayerGraph, topo: Topology, got: Plan, sync: S
 
 
 @settings(max_examples=300, deadline=None)
-@given(_graphs(), st.integers(1, 4), _BW, _LAT, st.booleans(), st.booleans(), _SYNC)
+@given(_graphs(), st.integers(1, 4), _BW, _LAT, st.booleans(), st.booleans(), _SYNC,
+       st.booleans())
 def test_one_level_dp_equals_brute_force(
     graph: LayerGraph, workers: int, bw: float, lat: float, fewer: bool, straight: bool,
-    sync: Sync,
+    sync: Sync, overlap: bool,
 ) -> None:
-    topo = Topology((Level(workers, bw, lat),))
-    expect = _brute(graph, topo.levels, fewer, straight, sync)
+    topo = Topology((Level(workers, bw, lat),), overlap=overlap)
+    expect = _brute(graph, topo.levels, fewer, straight, sync, overlap)
     if math.isinf(expect):
         with pytest.raises(PlanError, match="allow fewer workers"):
             plan_pipeline(graph, topo, allow_fewer_workers=fewer, straight=straight, sync=sync)
@@ -233,13 +245,15 @@ def test_one_level_dp_equals_brute_force(
 
 
 @settings(max_examples=150, deadline=None)
-@given(_graphs(5), st.integers(1, 3), st.integers(1, 3), _BW, _BW, _LAT, st.booleans(), _SYNC)
+@given(_graphs(5), st.integers(1, 3), st.integers(1, 3), _BW, _BW, _LAT, st.booleans(), _SYNC,
+       st.booleans())
 def test_two_level_dp_equals_brute_force(
     graph: LayerGraph, inner: int, outer: int, bw_in: float, bw_out: float, lat: float,
-    fewer: bool, sync: Sync,
+    fewer: bool, sync: Sync, overlap: bool,
 ) -> None:
-    topo = Topology((Level(inner, bw_in, lat / 10), Level(outer, bw_out, lat)))
-    expect = _brute(graph, topo.levels, fewer, False, sync)
+    topo = Topology((Level(inner, bw_in, lat / 10), Level(outer, bw_out, lat)),
+                    overlap=overlap)
+    expect = _brute(graph, topo.levels, fewer, False, sync, overlap)
     got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)

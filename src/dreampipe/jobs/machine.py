@@ -29,11 +29,14 @@ __all__ = ["PROJECT_MACHINE", "LocalCalibration", "local_costs", "local_topology
 class LocalCalibration:
     """Measured figures of one machine's local workers; seconds and bytes/s."""
 
-    #: Between two worker processes (gloo over loopback): what a 1 MB
-    #: ``send``/``recv`` ping-pong between two local gloo processes sustained
-    #: (0.5 to 4 GB/s, noisy). For the models trained on a CPU communication
-    #: is a small part of the time, so the figure matters little.
+    #: Between two worker processes (gloo over loopback): the bandwidth at
+    #: which the planner's ring term gives the time the runtime's bucketed
+    #: gradient all-reduce of the mlp's 25.5 MB took between two local
+    #: workers (``python benchmarks/calibrate_local.py``: median 44.6 ms).
     bandwidth: str
+    #: Parameter bytes one SGD step updates per second on one worker (the
+    #: runtime's ``STEP``; same command: 6.0 ms for the mlp's 25.5 MB).
+    step_bandwidth: float
     #: Host time to post one gloo send: a fixed part plus a copy at
     #: ``send_copy_bandwidth``. Read off the runtime's measured SEND events for
     #: the bench's mlp (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
@@ -50,11 +53,18 @@ class LocalCalibration:
     #: The last stage's loss, which the profile leaves out (it times layers):
     #: the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
     loss_s: float
+    #: Whether gradient all-reduces overlap the backward. Not here: gloo
+    #: moves and sums the bytes on the cores that compute, so an all-reduce
+    #: started during the backward slows it as much as it hides (``train mlp
+    #: --schedule dp`` on 2 workers: the backward takes 52 ms beside the
+    #: bucketed all-reduce of 25 MB, 22 ms alone).
+    overlap: bool = False
 
 
 #: The project's 2-core development machine, where every figure above was measured.
 PROJECT_MACHINE = LocalCalibration(
-    bandwidth="1GB/s",
+    bandwidth="572MB/s",
+    step_bandwidth=4.22e9,
     send_overhead_s=0.19e-3,
     send_copy_bandwidth=2.6e9,
     stage_forward_s=0.10e-3,
@@ -67,7 +77,8 @@ def local_topology(workers: int, machine: LocalCalibration = PROJECT_MACHINE) ->
     """This machine as ``workers`` workers on one level at ``machine.bandwidth``."""
     if workers < 1:
         raise ConfigError(f"workers={workers}: use at least 1 worker", "workers")
-    return Topology.parse(str(workers), bandwidths=[machine.bandwidth])
+    parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth])
+    return dataclasses.replace(parsed, overlap=machine.overlap)
 
 
 def local_costs(
@@ -77,8 +88,8 @@ def local_costs(
     """Simulator costs of ``plan`` on this machine's workers.
 
     The profile's layer times plus the host time the runtime spends around
-    them: posting each send, and in each forward the stage's own overhead,
-    loading the unit's data and the loss.
+    them: posting each send, in each forward the stage's own overhead,
+    loading the unit's data and the loss, and each weight update.
     """
     from dreampipe.simulation.simulator import costs_from_profile
 
@@ -92,4 +103,5 @@ def local_costs(
     return dataclasses.replace(
         costs, forward_s=tuple(forward), send_overhead_s=machine.send_overhead_s,
         send_copy_bandwidth=machine.send_copy_bandwidth,
+        step_s=tuple(p / machine.step_bandwidth for p in costs.parameter_bytes),
     )

@@ -99,7 +99,7 @@ def stage_time(
 
 def allreduce_end(
     backward_s: FloatArray | Sequence[float], weight_bytes: FloatArray | Sequence[float],
-    latency: float, per_byte: float,
+    latency: float, per_byte: float, *, overlap: bool = True,
 ) -> FloatArray:
     """Seconds from a stage's backward start to its all-reduce's end, for every layer range.
 
@@ -117,17 +117,23 @@ def allreduce_end(
         all-reduce             | w_j | w_j-1 .............. w_i |  <- end
 
     It is the whole all-reduce after the last weighted layer's backward at
-    the least, and ``B_i..j`` plus the last bucket at the most.
+    the least, and ``B_i..j`` plus the last bucket at the most. Without
+    ``overlap`` (communication on the computing cores, see
+    :class:`~dreampipe.planning.topology.Topology`) it is the whole backward
+    and then the whole all-reduce: ``B_i..j + latency + per_byte * |w|_i..j``.
     """
     b = np.asarray(backward_s, dtype=np.float64)
     w = np.asarray(weight_bytes, dtype=np.float64)
     pb = np.concatenate([[0.0], np.cumsum(b)])
     pw = np.concatenate([[0.0], np.cumsum(w)])
     n = len(b)
-    h = np.where(w > 0, per_byte * pw[1:] - pb[:-1], -np.inf)
     later = np.triu(np.ones((n, n), dtype=bool))
-    best = np.maximum.accumulate(np.where(later, h[None, :], -np.inf), axis=1)
-    end = latency + pb[None, 1:] - per_byte * pw[:-1, None] + best
+    if overlap:
+        h = np.where(w > 0, per_byte * pw[1:] - pb[:-1], -np.inf)
+        best = np.maximum.accumulate(np.where(later, h[None, :], -np.inf), axis=1)
+        end = latency + pb[None, 1:] - per_byte * pw[:-1, None] + best
+    else:
+        end = latency + (pb[None, 1:] - pb[:-1, None]) + per_byte * (pw[None, 1:] - pw[:-1, None])
     weighted = (pw[None, 1:] - pw[:-1, None]) > 0
     return np.asarray(np.where(later & weighted, end, 0.0))
 
@@ -257,10 +263,12 @@ class RangeCosts:
             layer_weights=np.asarray(weights, dtype=np.float64),
         )
 
-    def allreduce_end(self, latency: float, per_byte: float) -> FloatArray:
+    def allreduce_end(self, latency: float, per_byte: float, *, overlap: bool = True
+                      ) -> FloatArray:
         """:func:`allreduce_end` of every range of this profile."""
         assert self.layer_backward_s is not None and self.layer_weights is not None
-        return allreduce_end(self.layer_backward_s, self.layer_weights, latency, per_byte)
+        return allreduce_end(self.layer_backward_s, self.layer_weights, latency, per_byte,
+                             overlap=overlap)
 
     @property
     def forward(self) -> FloatArray:

@@ -254,7 +254,7 @@ def _bottom_times(
     out = {}
     for m in range(1, max_units + 1):
         lat, per = allreduce_terms((m, *ctx), topo.levels, opts.sync)
-        end = prof.allreduce_end(lat, per) if lat or per else 0.0
+        end = prof.allreduce_end(lat, per, overlap=topo.overlap) if lat or per else 0.0
         t = stage_time(prof.compute_s, prof.forward, end, m)
         for q in range(opts.slots):
             out[q, m] = t

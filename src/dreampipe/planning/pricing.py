@@ -48,7 +48,7 @@ def stage_allreduce(
     groups = replica_groups(workers, topology)
     lat, per = allreduce_terms(groups, topology.levels, sync, len(workers))
     ar = lat + per * total
-    end = float(allreduce_end(backward_s, weight_bytes, lat, per)[0, -1])
+    end = float(allreduce_end(backward_s, weight_bytes, lat, per, overlap=topology.overlap)[0, -1])
     return ar, max(0.0, end - ar)
 
 

@@ -78,9 +78,19 @@ class Level:
 
 @dataclass(frozen=True)
 class Topology:
+    """Levels innermost first, device memory, a name.
+
+    ``overlap`` says whether communication overlaps compute: True for
+    devices with their own copy engines and network cards (GPUs); False
+    where the workers' communication runs on the cores that compute (CPU
+    workers on one machine, gloo over loopback), so that a gradient
+    all-reduce costs its time after the backward instead of hiding in it.
+    """
+
     levels: tuple[Level, ...]
     memory_bytes: int = 16 * 10**9
     name: str = ""
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -121,7 +131,8 @@ class Topology:
         """One level of all workers at the slowest bandwidth and the largest latency."""
         bw = min(level.bandwidth for level in self.levels)
         lat = max(level.latency for level in self.levels)
-        return Topology((Level(self.num_workers, bw, lat),), self.memory_bytes, self.name)
+        return Topology((Level(self.num_workers, bw, lat),), self.memory_bytes, self.name,
+                        self.overlap)
 
     def describe(self) -> str:
         parts = [f"{lv.count} @ {format_bytes(lv.bandwidth)}/s"
