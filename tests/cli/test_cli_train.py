@@ -128,6 +128,21 @@ def test_forced_partition_is_evaluated_as_given() -> None:
         choose_plan(graph, 3, config="2-1", stages="0,1,2")
 
 
+def test_config_alone_gets_the_fastest_cuts() -> None:
+    # 2-1 on 1+1+1+1+4 ms with small weights: the replicated stage takes the
+    # 4 ms of light layers (2 ms per minibatch on 2 replicas), the single one the 4 ms layer
+    layers = tuple(Layer(f"l{i}", t / 3, 2 * t / 3, 1024, 1024)
+                   for i, t in enumerate([1.0, 1.0, 1.0, 1.0, 4.0]))
+    graph = LayerGraph(layers, tuple((i, i + 1) for i in range(4)), 32, "toy")
+    plan = choose_plan(graph, 3, config="2-1")
+    assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 3, 2), (4, 4, 1)]
+    cuts = [choose_plan(graph, 3, config="2-1", stages=f"0,{k}") for k in range(1, 5)]
+    assert plan.time_per_minibatch_s == min(c.time_per_minibatch_s for c in cuts)
+    assert choose_plan(graph, 5, config="straight").num_stages == 5
+    with pytest.raises(ConfigError, match="6 stages but the model has 5 layers"):
+        choose_plan(graph, 6, config="straight")
+
+
 def test_prediction_matches_a_balanced_pipeline() -> None:
     graph = _graph([6.0] * 4)
     plan = choose_plan(graph, 2, stages="0,2")
@@ -135,10 +150,12 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     rate = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM, minibatch_size=32,
                                  microbatches=1, steps=steps)
     # the last stage's two layers, plus the host time local costs charge it per
-    # minibatch: its forward's overhead, label load and loss, and its gradient send
+    # minibatch: its forward's overhead, label load and loss, its gradient send
+    # and the SGD step of its 8 MiB of weights
     m = PROJECT_MACHINE
     host_s = (m.stage_forward_s + m.batch_load_s + m.loss_s
-              + m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth)
+              + m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth
+              + 2 * 4 * 1024 * 1024 / m.step_bandwidth)
     one_stage_s = 2 * 6.0 / 1e3 + host_s
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
     assert local_topology(2).num_workers == 2
@@ -197,7 +214,7 @@ def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
 
 def test_plan_sharing_needs_the_torchrun_agent_store(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(PlanError, match="config/stages"):
+    with pytest.raises(PlanError, match="a plan file, or stages"):
         share_plan(None, 5.0)
 
 

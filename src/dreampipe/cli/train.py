@@ -58,7 +58,8 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "under torchrun the world size is used and this must match it if given")
     g = p.add_argument_group("plan")
     g.add_argument("--plan", metavar="FILE", help="use this plan JSON (from 'dreampipe plan')")
-    g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP)")
+    g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP); "
+                                    "without --stages the planner places the cuts")
     g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
     g = p.add_argument_group("training")
     g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",

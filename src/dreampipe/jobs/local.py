@@ -10,12 +10,15 @@ predicted beside measured.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import math
 
 from dreampipe.errors import ConfigError
 from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan, parse_stage_bounds, stages_from_config
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.launch import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
@@ -24,6 +27,9 @@ from dreampipe.scheduling.units import UnitLayout
 __all__ = ["choose_plan", "forced_partition", "predict_samples_per_s", "profile_as_worker"]
 
 log = logging.getLogger(__name__)
+
+#: The most partitions ``choose_plan`` prices to place the cuts of a forced config.
+_MAX_CUT_CHOICES = 20_000
 
 
 def profile_as_worker(spec: ModelSpec, batch_size: int, *, repeats: int = 5) -> LayerGraph:
@@ -36,23 +42,34 @@ def profile_as_worker(spec: ModelSpec, batch_size: int, *, repeats: int = 5) -> 
 
 def forced_partition(
     num_layers: int, workers: int, config: str | None, stages: str | None
-) -> tuple[list[int], list[int]] | None:
+) -> tuple[list[int] | None, list[int]] | None:
     """``(bounds, replicas)`` forced by ``config``/``stages``, or None to plan.
 
     ``config`` (``"2-1"``) and ``stages`` (``"0,4"``) give one replica count
     and one first layer per stage; ``stages`` alone means one worker per
-    stage, ``config`` alone a single stage.
+    stage. ``config`` alone leaves the cuts to :func:`choose_plan` (bounds
+    None), except for one stage, which starts at layer 0; ``"straight"``
+    alone is one stage per worker.
     """
     if config is None and stages is None:
         return None
-    bounds = parse_stage_bounds(stages, num_layers) if stages is not None else [0]
-    replicas = stages_from_config(config, len(bounds)) if config else [1] * len(bounds)
-    if len(replicas) != len(bounds):
-        raise ConfigError(
-            f"config={config!r} has {len(replicas)} stages but stages="
-            f"{stages or '0'!r} starts {len(bounds)}; give one first layer per stage",
-            "config", "stages",
-        )
+    if stages is None:
+        assert config is not None
+        replicas = stages_from_config(config, workers)
+        if len(replicas) > num_layers:
+            raise ConfigError(
+                f"config={config!r} has {len(replicas)} stages but the model has "
+                f"{num_layers} layers; use at most {num_layers} stages", "config",
+            )
+        bounds = None if len(replicas) > 1 else [0]
+    else:
+        bounds = parse_stage_bounds(stages, num_layers)
+        replicas = stages_from_config(config, len(bounds)) if config else [1] * len(bounds)
+        if len(replicas) != len(bounds):
+            raise ConfigError(
+                f"config={config!r} has {len(replicas)} stages but stages={stages!r} starts "
+                f"{len(bounds)}; give one first layer per stage", "config", "stages",
+            )
     if sum(replicas) != workers:
         raise ConfigError(
             f"config={config or 'straight'!r} needs {sum(replicas)} workers, not {workers}; "
@@ -69,14 +86,40 @@ def choose_plan(
     stages: str | None = None,
     allow_fewer_workers: bool = True,
 ) -> Plan:
-    """The planner's best plan for ``workers`` local workers, or the forced partition costed."""
+    """The planner's best plan for ``workers`` local workers, or the forced partition costed.
+
+    A ``config`` without ``stages`` gets the cuts the planner prices fastest
+    for those replica counts.
+    """
     from dreampipe.planning import planner
 
     topology = local_topology(workers)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers)
-    return planner.evaluate_plan(graph, topology, *forced)
+    bounds, replicas = forced
+    if bounds is not None:
+        return planner.evaluate_plan(graph, topology, bounds, replicas)
+    return _best_cuts(graph, topology, replicas)
+
+
+def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int]) -> Plan:
+    """The fastest partition into ``len(replicas)`` stages with these replica counts."""
+    from dreampipe.planning import planner
+
+    n, k = len(graph.layers), len(replicas)
+    if math.comb(n - 1, k - 1) > _MAX_CUT_CHOICES:
+        raise ConfigError(
+            f"config={'-'.join(map(str, replicas))!r} on {n} layers leaves "
+            f"{math.comb(n - 1, k - 1)} ways to cut; give the first layer of each stage "
+            "with stages (e.g. 0,4)", "stages",
+        )
+    plans = (planner.evaluate_plan(graph, topology, [0, *cuts], replicas)
+             for cuts in itertools.combinations(range(1, n), k - 1))
+    best = min(plans, key=lambda plan: plan.time_per_minibatch_s)
+    log.info("config %s: the fastest cuts start stages at %s", best.config,
+             [st.first for st in best.stages])
+    return best
 
 
 def predict_samples_per_s(

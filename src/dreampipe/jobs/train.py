@@ -78,8 +78,8 @@ class PlanSource:
 
     @property
     def planner_chooses(self) -> bool:
-        """Neither a file nor a partition: the planner picks the plan."""
-        return self.path is None and self.config is None and self.stages is None
+        """No file and no first layers: rank 0's planner picks the plan or its cuts."""
+        return self.path is None and self.stages is None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +145,7 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         raise PlanError(
             "this launcher has no torchrun agent store to share rank 0's plan through; "
-            "give every rank the same plan: a plan file or a forced partition (config/stages)"
+            "give every rank the same plan: a plan file, or stages (with config if replicated)"
         )
     store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -198,8 +198,8 @@ def run_train(
             plan = _load_plan(source.path, spec, workers, fixed_world=True)
         else:
             forced = forced_partition(spec.num_layers, workers, source.config, source.stages)
-            if forced is not None:
-                plan = Plan.from_config(spec.num_layers, *forced, model=spec.name)
+            if forced is not None and forced[0] is not None:
+                plan = Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
     if plan is None or (torchrun is not None and source.planner_chooses):
         plan = share_plan(plan, opts.timeout_s)
     steps = _whole_rounds(req, layout, plan, steps, talk)

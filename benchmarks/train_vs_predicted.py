@@ -1,0 +1,97 @@
+"""How close ``dreampipe train``'s prediction is to what it measures on this machine.
+
+Runs ``dreampipe train MODEL --json`` in fresh processes for the mlp, the cnn
+and the transformer under ``pipedream``, ``1f1b-flush`` (4 microbatches)
+and ``dp`` on 2 local workers, and a replicated ``--config 2-1`` on 3,
+each ``--rounds`` times interleaved (every run once, then every run again),
+and prints each run's measured/predicted ratio: median with its spread,
+and PASS when the median is within ``--tolerance`` of 1. Both figures cover
+the same window: the measurement times the ranks' schedule loops, the
+prediction simulates that whole schedule.
+
+    python benchmarks/train_vs_predicted.py [--rounds 3] [--only mlp-dp ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+__all__ = ["RUNS", "main"]
+
+
+@dataclass(frozen=True)
+class _Run:
+    name: str
+    args: tuple[str, ...]
+
+
+def _runs() -> tuple[_Run, ...]:
+    steps = {"mlp": "300", "cnn": "300", "transformer": "40"}
+    schedules = {"pipedream": (), "1f1b-flush": ("--microbatches", "4"), "dp": ()}
+    runs = [
+        _Run(f"{model}-{kind}",
+             (model, "--workers", "2", "--steps", n, "--schedule", kind, *extra))
+        for model, n in steps.items() for kind, extra in schedules.items()
+    ]
+    runs += [_Run(f"{model}-2-1", (model, "--config", "2-1", "--steps", n))
+             for model, n in steps.items()]
+    return tuple(runs)
+
+
+RUNS = _runs()
+
+
+def _train(run: _Run, timeout_s: float) -> tuple[float, float]:
+    """Measured and predicted samples/s of one fresh ``dreampipe train``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dreampipe", "train", *run.args, "--json", "--no-progress"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{run.name}: {' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    out = json.loads(done.stdout)
+    return float(out["samples_per_s"]), float(out["predicted_samples_per_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--tolerance", type=float, default=0.15,
+                        help="largest |measured/predicted - 1| that passes (default 0.15)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", choices=[r.name for r in RUNS],
+                        help="run a subset: " + ", ".join(r.name for r in RUNS))
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one run may take (default 600)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: run at least 1 round")
+    runs = [r for r in RUNS if not args.only or r.name in args.only]
+    got: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runs}
+    for k in range(args.rounds):
+        for run in runs:
+            got[run.name].append(_train(run, args.timeout))
+            meas, pred = got[run.name][-1]
+            print(f"round {k + 1}: {run.name:18} measured {meas:8.1f}  predicted {pred:8.1f}",
+                  file=sys.stderr, flush=True)
+    print(f"{'run':18} {'measured':>9} {'predicted':>9} {'meas/pred median (range)':>26}")
+    failed = 0
+    for run in runs:
+        ratios = [m / p for m, p in got[run.name]]
+        mid = statistics.median(ratios)
+        ok = abs(mid - 1) <= args.tolerance
+        failed += not ok
+        print(f"{run.name:18} {statistics.median(m for m, _ in got[run.name]):9.1f} "
+              f"{statistics.median(p for _, p in got[run.name]):9.1f} "
+              f"{mid:12.2f} ({min(ratios):.2f}-{max(ratios):.2f})  {'PASS' if ok else 'FAIL'}")
+    print(f"{len(runs) - failed} of {len(runs)} within {args.tolerance:.0%}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
