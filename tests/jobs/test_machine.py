@@ -1,0 +1,40 @@
+"""This machine's costs: what local_costs adds to the profile, and shared cores."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from dreampipe.jobs.machine import PROJECT_MACHINE, local_costs, local_topology
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import Layer, LayerGraph
+
+_GRAPH = LayerGraph(
+    tuple(Layer(f"l{i}", 2.0, 4.0, 32 * 1024, 4 * 1024 * 1024) for i in range(4)),
+    tuple((i, i + 1) for i in range(3)), 32, "toy",
+)
+
+
+def test_each_update_costs_its_parameters_at_the_step_bandwidth() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    costs = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=2))
+    step = 2 * 4 * 1024 * 1024 / PROJECT_MACHINE.step_bandwidth
+    assert costs.step_s == pytest.approx((step, step))
+
+
+def test_more_workers_than_cores_share_them() -> None:
+    # 2-1 on 3 workers: on 2 cores every host-side cost is 3/2 of its cost on 3
+    plan = Plan.from_config(4, [0, 2], [2, 1])
+    roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=3))
+    tight = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=2))
+    for name in ("forward_s", "backward_s", "step_s", "allreduce_s"):
+        assert getattr(tight, name) == pytest.approx(
+            tuple(1.5 * x for x in getattr(roomy, name))), name
+    assert roomy.allreduce_s[0] > 0
+    assert tight.send_overhead_s == pytest.approx(1.5 * roomy.send_overhead_s)
+
+
+def test_local_workers_do_not_overlap_communication() -> None:
+    assert not local_topology(2).overlap
+    assert PROJECT_MACHINE.cores >= 1
