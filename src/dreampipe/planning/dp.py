@@ -21,7 +21,9 @@ DESIGN writes the recurrence peeling the last stage; peeling the *first*
 gives the same minimum over all partitions and lets each stage know how many
 workers lie after it, which the memory rule (versions in flight,
 :mod:`dreampipe.planning.costs`) needs. The inner min over ``(t, m')`` is a
-min-max matrix product, done in NumPy.
+min-max matrix product (:mod:`dreampipe.planning.minmax`), done in NumPy for
+all of a level's contexts and all ``m'`` at once, and pruned exactly by the
+time of one stage on every unit, which bounds the optimum (:func:`_limits`).
 
 Memory in a hierarchy: each table entry also keeps the *slack* of its plan,
 ``min over stages of (versions that fit x replicas - workers to the end)``,
@@ -56,11 +58,8 @@ from dreampipe.planning.costs import (
     max_versions,
     stage_time,
 )
-from dreampipe.planning.pipedream_costs import (
-    pipedream_allreduce_time,
-    pipedream_stage_time,
-    pipedream_transfer_time,
-)
+from dreampipe.planning.minmax import best_splits
+from dreampipe.planning.pipedream_costs import pipedream_allreduce_time, pipedream_stage_times
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, allreduce_seconds, allreduce_terms
 from dreampipe.planning.topology import Topology
 
@@ -71,12 +70,12 @@ log = logging.getLogger(__name__)
 IntArray = npt.NDArray[np.int64]
 _SINGLE = -1  # split code: the whole range is one stage
 _FEWER = -2  # split code: the optimum uses one unit fewer
-_CUBE = 1 << 21  # elements per min-max block, bounds temporary memory
 
 
 @dataclass(frozen=True)
 class _Table:
-    """One level's DP: entries ``[slot, i, j - first_col, units]``."""
+    """One level's DP: entries ``[slot, i, j - first_col, units]``; while a level is
+    solved, every array has a leading axis over its contexts."""
 
     time: FloatArray
     slack: FloatArray
@@ -84,6 +83,11 @@ class _Table:
     units: IntArray  # units of the first stage
     slot: IntArray  # stage-count slot of the first stage's inner plan
     first_col: int
+
+    def context(self, k: int) -> _Table:
+        """Context ``k``'s table, a view."""
+        return _Table(self.time[k], self.slack[k], self.split[k], self.units[k], self.slot[k],
+                      self.first_col)
 
 
 @dataclass(frozen=True)
@@ -102,31 +106,6 @@ class Options:
 Context = tuple[int, ...]  # units used by each enclosing block, level k+1 outwards
 
 
-def _minmax(x: FloatArray, y: FloatArray, first_col: int) -> tuple[FloatArray, IntArray]:
-    """``min_t max(x[i, t], y[t, c])`` and its argmin, skipping ``t < i`` and ``j <= i``.
-
-    The cube is laid out ``[i, c, t]`` so the reduction runs over contiguous memory.
-    """
-    rows, width = x.shape
-    cols = y.shape[1]
-    y_t = np.ascontiguousarray(y.T)
-    val = np.full((rows, cols), np.inf)
-    arg = np.zeros((rows, cols), dtype=np.int64)
-    i0 = 0
-    while i0 < min(rows, width):
-        c0 = max(0, i0 + 1 - first_col)
-        if c0 >= cols:
-            break
-        block = (width - i0) * (cols - c0)
-        i1 = min(rows, i0 + max(1, _CUBE // block))
-        cube = np.maximum(x[i0:i1, None, i0:], y_t[None, c0:, i0:])
-        a = cube.argmin(axis=2)
-        val[i0:i1, c0:] = np.take_along_axis(cube, a[:, :, None], axis=2)[:, :, 0]
-        arg[i0:i1, c0:] = a + i0
-        i0 = i1
-    return val, arg
-
-
 def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
     """Slots the first stage's inner plan may use when the whole has slot ``q``.
 
@@ -140,103 +119,105 @@ def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
     return range(q)
 
 
-_StageTimes = dict[tuple[int, int], FloatArray]
+_StageTimes = dict[tuple[int, int], FloatArray]  # (slot, units) -> [context, i, j]
 _Tables = list[dict[Context, "_Table"]]
 
 
-def _pipedream_stage_times(
-    prof: RangeCosts, inner_time: FloatArray, slots: int, max_units: int, bandwidth: float,
-    below: int,
-) -> tuple[_StageTimes, _StageTimes]:
-    """PipeDream's stage times ``[(slot, m)] -> [i, j]``: after a cut, and first of a whole
-    level's range (its all-reduce shared by the ``below`` units of a server)."""
-    after, first = {}, {}
-    n = prof.n
-    before = np.concatenate([[0.0], prof.cut_bytes[:-1]])[:, None]  # out(s - 1)
-    after_out = np.where(np.arange(n) < n - 1, prof.cut_bytes, 0.0)[None, :]  # out(e)
-    for q in range(slots):
-        for m in range(1, max_units + 1):
-            t = np.maximum(pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth),
-                           pipedream_transfer_time(np.maximum(before, after_out), m, bandwidth))
-            first[q, m] = pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth, below)
-            after[q, m] = t if prof.stage_ok is None else np.where(prof.stage_ok, t, np.inf)
-    return after, first
+def _split_first(
+    table: _Table, q: int, m: int, cands: Sequence[tuple[int, int]], stage_t: _StageTimes,
+    block_slack: _StageTimes | None, cut: FloatArray, unit_gpus: int, limited: bool,
+    limit: FloatArray,
+) -> None:
+    """Improve ``table``'s slot ``q`` on ``m`` units by a first stage, then the rest.
+
+    ``cands`` are the first stage's ``(inner slot, units)`` in the plain loop's
+    order, which :func:`~dreampipe.planning.minmax.best_splits` keeps on ties;
+    ``limit[k]`` bounds the parts of a plan worth finding (:func:`_limits`).
+    """
+    n = table.time.shape[2]
+    qs = np.array([s for s, _ in cands])
+    mu = np.array([u for _, u in cands])
+    rest_q = q - qs - 1 if limited else np.zeros_like(qs)
+    x = np.stack([np.maximum(stage_t[s, u][:, :, : n - 1], cut[: n - 1]) for s, u in cands],
+                 axis=2)  # [context, i, candidate, t]
+    stage_slack = None
+    if block_slack is not None:
+        stage_slack = np.stack([u * block_slack[s, u][:, :, : n - 1] - (m - u) * unit_gpus
+                                for s, u in cands], axis=2)
+        x[stage_slack < 0] = np.inf
+    # [context, c, candidate, t]: the rest t+1..c on the units left
+    y = np.ascontiguousarray(table.time[:, rest_q, 1:, :, m - mu].transpose(1, 3, 0, 2))
+    best = table.time[:, q, :, :, m]
+    val, arg_u, arg_t = best_splits(x, y, best, limit, table.first_col)
+    better = val < best
+    if not better.any():
+        return
+    k, i, c = np.nonzero(better)
+    u, t = arg_u[better], arg_t[better]
+    best[better] = val[better]
+    table.split[:, q, :, :, m][better] = t
+    table.units[:, q, :, :, m][better] = mu[u]
+    table.slot[:, q, :, :, m][better] = qs[u]
+    if stage_slack is not None:
+        table.slack[:, q, :, :, m][better] = np.minimum(
+            stage_slack[k, i, u, t], table.slack[k, rest_q[u], t + 1, c, m - mu[u]])
 
 
 def _solve_level(
     prof: RangeCosts,
     after_cut: _StageTimes,
     first_stage: _StageTimes,
-    block_slack: dict[tuple[int, int], FloatArray] | None,
+    block_slack: _StageTimes | None,
     count: int,
     cut: FloatArray,
     unit_gpus: int,
     bottom: bool,
     top: bool,
     opts: Options,
+    limit: FloatArray,
 ) -> _Table:
-    """Fill one level's table for every range (or, at the top, every suffix).
+    """Fill one level's table for every range (or, at the top, every suffix), every context.
 
-    ``after_cut[q, m]`` / ``first_stage[q, m]`` are the times of a stage on
-    ``m`` units (one level down: a block, its inner plan in slot ``q``);
-    ``block_slack[q, m]`` the memory slack of one unit of such a block;
-    ``cut[t]`` the cut after layer ``t``.
+    ``after_cut[q, m]`` / ``first_stage[q, m]`` are the times ``[context, i, j]``
+    of a stage on ``m`` units (one level down: a block, its inner plan in
+    slot ``q``); ``block_slack[q, m]`` the memory slack of one unit of such a
+    block; ``cut[t]`` the cut after layer ``t``; ``limit`` as in :func:`_split_first`.
     """
     n, slots = prof.n, opts.slots
+    contexts = next(iter(after_cut.values())).shape[0]
     first_col = n - 1 if top else 0
-    cols = n - first_col
-    shape = (slots, n, cols, count + 1)
-    time = np.full(shape, np.inf)
-    slack = np.full(shape, np.inf)
-    split = np.full(shape, _SINGLE, dtype=np.int64)
-    units = np.zeros(shape, dtype=np.int64)
-    slot_of = np.zeros(shape, dtype=np.int64)
+    shape = (contexts, slots, n, n - first_col, count + 1)
+    table = _Table(np.full(shape, np.inf), np.full(shape, np.inf),
+                   np.full(shape, _SINGLE, dtype=np.int64), np.zeros(shape, dtype=np.int64),
+                   np.zeros(shape, dtype=np.int64), first_col)
+    time, slack = table.time, table.slack
     max_units = 1 if opts.straight else count
-    limited = opts.limited
     for m in range(1, count + 1):
         stage_t = first_stage if m == count else after_cut
         for q in range(slots):
-            best, best_slack = time[q, :, :, m], slack[q, :, :, m]
+            best, best_slack = time[:, q, :, :, m], slack[:, q, :, :, m]
             if opts.allow_fewer and m > 1:
-                best[:] = time[q, :, :, m - 1]
-                best_slack[:] = slack[q, :, :, m - 1]
-                split[q, :, :, m] = _FEWER
+                best[:] = time[:, q, :, :, m - 1]
+                best_slack[:] = slack[:, q, :, :, m - 1]
+                table.split[:, q, :, :, m] = _FEWER
             if m <= max_units:
-                single = stage_t[q, m][:, first_col:].copy()
+                single = stage_t[q, m][:, :, first_col:].copy()
                 if block_slack is not None:
-                    fit_slack = m * block_slack[q, m][:, first_col:]
+                    fit_slack = m * block_slack[q, m][:, :, first_col:]
                     single[fit_slack < 0] = np.inf
                 better = single < best
                 best[better] = single[better]
                 if block_slack is not None:
                     best_slack[better] = fit_slack[better]
-                split[q, :, :, m][better] = _SINGLE
-                units[q, :, :, m][better] = m
-                slot_of[q, :, :, m][better] = q
-            for qs in _inner_slots(q, bottom, limited):
-                rest_q = q - qs - 1 if limited else 0
-                for mu in range(1, min(m - 1, max_units) + 1):
-                    x = np.maximum(stage_t[qs, mu][:, : n - 1], cut[None, : n - 1])
-                    if block_slack is not None:
-                        stage_slack = (mu * block_slack[qs, mu][:, : n - 1]
-                                       - (m - mu) * unit_gpus)
-                        x[stage_slack < 0] = np.inf
-                    y = time[rest_q, 1:, :, m - mu]
-                    val, arg = _minmax(x, y, first_col)
-                    better = val < best
-                    if not better.any():
-                        continue
-                    best[better] = val[better]
-                    split[q, :, :, m][better] = arg[better]
-                    units[q, :, :, m][better] = mu
-                    slot_of[q, :, :, m][better] = qs
-                    if block_slack is not None:
-                        rows, cidx = np.nonzero(better)
-                        t = arg[better]
-                        best_slack[better] = np.minimum(
-                            stage_slack[rows, t], slack[rest_q, t + 1, cidx, m - mu]
-                        )
-    return _Table(time, slack, split, units, slot_of, first_col)
+                table.split[:, q, :, :, m][better] = _SINGLE
+                table.units[:, q, :, :, m][better] = m
+                table.slot[:, q, :, :, m][better] = q
+            cands = [(qs, mu) for qs in _inner_slots(q, bottom, opts.limited)
+                     for mu in range(1, min(m - 1, max_units) + 1)]
+            if cands:
+                _split_first(table, q, m, cands, stage_t, block_slack, cut, unit_gpus,
+                             opts.limited, limit)
+    return table
 
 
 def _contexts(topo: Topology, k: int, opts: Options) -> list[Context]:
@@ -248,17 +229,40 @@ def _contexts(topo: Topology, k: int, opts: Options) -> list[Context]:
 
 
 def _bottom_times(
-    prof: RangeCosts, topo: Topology, ctx: Context, opts: Options, max_units: int,
+    prof: RangeCosts, topo: Topology, contexts: Sequence[Context], opts: Options, max_units: int,
 ) -> _StageTimes:
-    """``max(C, F + end) / m`` of a bottom stage on ``m`` workers in context ``ctx``."""
+    """``max(C, F + end) / m`` of a bottom stage on ``m`` workers in each context."""
     out = {}
     for m in range(1, max_units + 1):
-        lat, per = allreduce_terms((m, *ctx), topo.levels, opts.sync)
-        end = prof.allreduce_end(lat, per, overlap=topo.overlap) if lat or per else 0.0
-        t = stage_time(prof.compute_s, prof.forward, end, m)
+        t = np.empty((len(contexts), prof.n, prof.n))
+        for k, ctx in enumerate(contexts):
+            lat, per = allreduce_terms((m, *ctx), topo.levels, opts.sync)
+            end = prof.allreduce_end(lat, per, overlap=topo.overlap) if lat or per else 0.0
+            t[k] = stage_time(prof.compute_s, prof.forward, end, m)
         for q in range(opts.slots):
             out[q, m] = t
     return out
+
+
+def _limits(
+    topo: Topology, k: int, contexts: Sequence[Context], opts: Options, bottom: _StageTimes,
+) -> FloatArray:
+    """How slow a part of level ``k``'s tables may be and still be in an optimal plan.
+
+    One stage on every unit of every level is a plan the DP considers; its
+    time, ``bottom[0, count]`` in the context of all units above divided by
+    each level's count above as the DP divides, bounds the optimum. A level-k
+    entry in context ``(m_k+1, ...)`` counts ``1 / (m_k+1 ...)`` of its time
+    in the plan, so one above the bound times that product is in no optimal
+    plan (1e-9 of margin for the order of the divisions). Without the bound
+    (memory limits, no replication, PipeDream's terms): ``inf``.
+    """
+    if opts.memory_bytes is not None or opts.straight or opts.model is CostModel.PIPEDREAM:
+        return np.full(len(contexts), np.inf)
+    bound = float(bottom[0, topo.levels[0].count][-1, 0, -1])
+    for level in topo.levels[1:]:
+        bound /= level.count
+    return np.array([bound * math.prod(ctx) * (1 + 1e-9) for ctx in contexts])
 
 
 def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
@@ -276,32 +280,35 @@ def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
         cut = cut_time(prof.cut_bytes[1:], level.bandwidth, level.latency)  # [t]: after t
         if pipedream:
             cut = np.zeros_like(cut)  # charged on the stage after the cut instead
-        solved: dict[Context, _Table] = {}
-        for ctx in _contexts(topo, k, opts):
-            keys = [(q, m) for q in range(opts.slots) for m in range(1, max_units + 1)]
-            if k == 0:
-                inner_time = np.broadcast_to(prof.compute_s, (opts.slots, n, n))
-                block_slack = None if fits is None else {key: fits for key in keys}
-            else:
-                below = topo.levels[k - 1].count
-                inner = {m: tables[k - 1][() if pipedream else (m, *ctx)] for m in
-                         range(1, max_units + 1)}
-                inner_time = inner[1].time[..., below]
-                block_slack = None if fits is None else {
-                    (q, m): inner[m].slack[q, ..., below] for q, m in keys}
-            if pipedream:
-                below_units = topo.levels[k - 1].count if k else 1
-                after, first = _pipedream_stage_times(
-                    prof, inner_time, opts.slots, max_units, level.bandwidth, below_units)
-            elif k == 0:
-                after = first = _bottom_times(prof, topo, ctx, opts, max_units)
-            else:
-                after = first = {(q, m): inner[m].time[q, ..., below] / m for q, m in keys}
-            solved[ctx] = _solve_level(prof, after, first, block_slack, level.count, cut,
-                                       unit_gpus, k == 0, k == last, opts)
-        tables.append(solved)
+        ctxs = _contexts(topo, k, opts)
+        keys = [(q, m) for q in range(opts.slots) for m in range(1, max_units + 1)]
+        if k == 0:
+            inner_time = np.broadcast_to(prof.compute_s, (opts.slots, n, n))
+            block_slack = None if fits is None else {
+                key: np.broadcast_to(fits, (len(ctxs), n, n)) for key in keys}
+        else:
+            below = topo.levels[k - 1].count
+            inner = {m: [tables[k - 1][() if pipedream else (m, *ctx)] for ctx in ctxs]
+                     for m in range(1, max_units + 1)}
+            inner_time = inner[1][0].time[..., below]
+            block_slack = None if fits is None else {
+                (q, m): np.stack([t.slack[q, ..., below] for t in inner[m]]) for q, m in keys}
+        if pipedream:
+            below_units = topo.levels[k - 1].count if k else 1
+            after, first = pipedream_stage_times(
+                prof, inner_time, opts.slots, max_units, level.bandwidth, below_units)
+        elif k == 0:
+            after = first = _bottom_times(prof, topo, ctxs, opts, max_units)
+            bottom = after
+        else:
+            after = first = {(q, m): np.stack([t.time[q, ..., below] for t in inner[m]]) / m
+                             for q, m in keys}
+        limit = np.full(len(ctxs), np.inf) if pipedream else _limits(topo, k, ctxs, opts, bottom)
+        table = _solve_level(prof, after, first, block_slack, level.count, cut, unit_gpus,
+                             k == 0, k == last, opts, limit)
+        tables.append({ctx: table.context(c) for c, ctx in enumerate(ctxs)})
         unit_gpus *= level.count
-        log.debug("level %d (%d units, %d contexts) solved", k, level.count, len(solved))
+        log.debug("level %d (%d units, %d contexts) solved", k, level.count, len(ctxs))
     return tables
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "pipedream_allreduce_time",
     "pipedream_dp_time",
     "pipedream_stage_time",
+    "pipedream_stage_times",
     "pipedream_states",
     "pipedream_transfer_time",
 ]
@@ -218,3 +219,24 @@ def pipedream_states(graph: LayerGraph) -> PipeDreamStates:
         ok,
     )
     return PipeDreamStates(costs, tuple(max(m) for m in members))
+
+
+def pipedream_stage_times(
+    prof: RangeCosts, inner_time: FloatArray, slots: int, max_units: int, bandwidth: float,
+    below: int,
+) -> tuple[dict[tuple[int, int], FloatArray], dict[tuple[int, int], FloatArray]]:
+    """PipeDream's stage times ``[(slot, m)] -> [1, i, j]`` (its one context): after a cut,
+    and first of a whole level's range (its all-reduce shared by the ``below`` units of a
+    server)."""
+    after, first = {}, {}
+    n = prof.n
+    before = np.concatenate([[0.0], prof.cut_bytes[:-1]])[:, None]  # out(s - 1)
+    after_out = np.where(np.arange(n) < n - 1, prof.cut_bytes, 0.0)[None, :]  # out(e)
+    for q in range(slots):
+        for m in range(1, max_units + 1):
+            t = np.maximum(pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth),
+                           pipedream_transfer_time(np.maximum(before, after_out), m, bandwidth))
+            first[q, m] = pipedream_stage_time(inner_time[q], prof.weights, m, bandwidth,
+                                               below)[None]
+            after[q, m] = (t if prof.stage_ok is None else np.where(prof.stage_ok, t, np.inf))[None]
+    return after, first
