@@ -20,7 +20,19 @@ def test_each_update_costs_its_parameters_at_the_step_bandwidth() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
     costs = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=2))
     step = 2 * 4 * 1024 * 1024 / PROJECT_MACHINE.step_bandwidth
-    assert costs.step_s == pytest.approx((step, step))
+    assert costs.step_s == pytest.approx((step * PROJECT_MACHINE.corun_slowdown,) * 2)
+
+
+def test_workers_side_by_side_compute_slower_than_the_profile() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    alone, beside = local_costs(_GRAPH, plan, 1.0, quiet), local_costs(_GRAPH, plan, 1.0, busy)
+    assert beside.backward_s == pytest.approx(tuple(1.25 * b for b in alone.backward_s))
+    assert beside.forward_s == pytest.approx(tuple(1.25 * f for f in alone.forward_s))
+    one = Plan.from_config(4, [0], [1])  # one worker has no busy peer
+    assert local_costs(_GRAPH, one, 1.0, busy).backward_s == local_costs(
+        _GRAPH, one, 1.0, quiet).backward_s
 
 
 def test_more_workers_than_cores_share_them() -> None:

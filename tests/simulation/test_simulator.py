@@ -206,7 +206,7 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
 def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
     from dreampipe.jobs import machine
 
-    m = replace(machine.PROJECT_MACHINE, cores=4)  # a core per worker
+    m = replace(machine.PROJECT_MACHINE, cores=4, corun_slowdown=1.0)  # a quiet core each
 
     for bounds in ([0], [0, 2], [0, 1, 3]):
         plan = Plan.from_config(4, bounds, [1] * len(bounds))

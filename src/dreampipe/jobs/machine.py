@@ -38,6 +38,11 @@ class LocalCalibration:
     #: Parameter bytes one SGD step updates per second on one worker (the
     #: runtime's ``STEP``; same command: 6.0 ms for the mlp's 25.5 MB).
     step_bandwidth: float
+    #: How much slower a worker's forward and backward run beside another
+    #: busy worker than alone, as the layer profile is taken: the cores share
+    #: caches and memory bandwidth (same command: the mlp at minibatch 32,
+    #: 51.9 ms alone, 54.1 ms beside a busy worker).
+    corun_slowdown: float
     #: Host time to post one gloo send: a fixed part plus a copy at
     #: ``send_copy_bandwidth``. Read off the runtime's measured SEND events for
     #: the bench's mlp (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
@@ -71,6 +76,7 @@ class LocalCalibration:
 PROJECT_MACHINE = LocalCalibration(
     bandwidth="572MB/s",
     step_bandwidth=4.22e9,
+    corun_slowdown=1.043,
     send_overhead_s=0.19e-3,
     send_copy_bandwidth=2.6e9,
     stage_forward_s=0.10e-3,
@@ -95,9 +101,10 @@ def local_costs(
 
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward the stage's own overhead,
-    loading the unit's data and the loss, and each weight update. With more
-    workers than ``machine.cores`` every host-side cost stretches by
-    ``workers / cores``.
+    loading the unit's data and the loss, and each weight update. Compute
+    and updates run ``machine.corun_slowdown`` slower when workers run side
+    by side, and with more workers than ``machine.cores`` every host-side
+    cost stretches by ``workers / cores``.
     """
     from dreampipe.simulation.simulator import costs_from_profile
 
@@ -109,12 +116,13 @@ def local_costs(
         forward[-1] += machine.batch_load_s
     forward[-1] += machine.loss_s
     share = max(1.0, plan.workers_used / machine.cores)
+    busy = share * (machine.corun_slowdown if plan.workers_used > 1 else 1.0)
     return dataclasses.replace(
-        costs, forward_s=tuple(f * share for f in forward),
-        backward_s=tuple(b * share for b in costs.backward_s),
+        costs, forward_s=tuple(f * busy for f in forward),
+        backward_s=tuple(b * busy for b in costs.backward_s),
         allreduce_s=tuple(a * share for a in costs.allreduce_s),
         allreduce_delay_s=tuple(d * share for d in costs.allreduce_delay_s),
         send_overhead_s=machine.send_overhead_s * share,
         send_copy_bandwidth=machine.send_copy_bandwidth / share,
-        step_s=tuple(p / machine.step_bandwidth * share for p in costs.parameter_bytes),
+        step_s=tuple(p / machine.step_bandwidth * busy for p in costs.parameter_bytes),
     )
