@@ -102,7 +102,14 @@ def _check_schedule(cfg: RunConfig) -> None:
 
 
 def check_stage_outputs(cfg: RunConfig, spec: ModelSpec) -> None:
-    """Every stage but the last must return one tensor (checked on the meta device)."""
+    """Every stage but the last must return one tensor (checked on the meta device).
+
+    This is the early check, before any process starts. A model that cannot
+    run on the meta device (an op without a meta kernel, data-dependent
+    shapes) skips it with a debug log line; the same rule is then enforced
+    by each stage's first forward (:class:`~dreampipe.runtime.stage.StageModule`),
+    which raises the same kind of error naming the stage.
+    """
     try:
         with torch.device("meta"):
             x: object = spec.sample_input(max(1, cfg.layout.unit_size))
