@@ -50,3 +50,13 @@ def test_more_workers_than_cores_share_them() -> None:
 def test_local_workers_do_not_overlap_communication() -> None:
     assert not local_topology(2).overlap
     assert PROJECT_MACHINE.cores >= 1
+
+
+def test_an_all_reduce_without_overlap_starts_when_the_slowed_backward_ends() -> None:
+    # local workers do not overlap: the all-reduce waits for the whole backward,
+    # which runs corun_slowdown slower beside a busy worker
+    plan = Plan.from_config(4, [0], [2])
+    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    costs = local_costs(_GRAPH, plan, 1.0, busy)
+    assert costs.allreduce_s[0] > 0
+    assert costs.allreduce_delay_s == pytest.approx(costs.backward_s)

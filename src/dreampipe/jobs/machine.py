@@ -104,7 +104,8 @@ def local_costs(
     loading the unit's data and the loss, and each weight update. Compute
     and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
-    cost stretches by ``workers / cores``.
+    cost stretches by ``workers / cores``. An all-reduce's start, measured
+    into the backward, stretches with the backward it waits on.
     """
     from dreampipe.simulation.simulator import costs_from_profile
 
@@ -121,7 +122,7 @@ def local_costs(
         costs, forward_s=tuple(f * busy for f in forward),
         backward_s=tuple(b * busy for b in costs.backward_s),
         allreduce_s=tuple(a * share for a in costs.allreduce_s),
-        allreduce_delay_s=tuple(d * share for d in costs.allreduce_delay_s),
+        allreduce_delay_s=tuple(d * busy for d in costs.allreduce_delay_s),
         send_overhead_s=machine.send_overhead_s * share,
         send_copy_bandwidth=machine.send_copy_bandwidth / share,
         step_s=tuple(p / machine.step_bandwidth * busy for p in costs.parameter_bytes),
