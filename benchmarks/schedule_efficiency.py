@@ -44,7 +44,7 @@ def efficiency(replicas: tuple[int, ...], *, allreduce_s: float = 0.0,
     )
     schedule = build_schedule(replicas, ScheduleKind.PIPEDREAM, 60 * math.lcm(*replicas))
     result = simulate_schedule(schedule, costs, record_events=False)
-    return result.steady_throughput_minibatches_per_s * _PERIOD
+    return float(result.steady_throughput_minibatches_per_s) * _PERIOD
 
 
 def main() -> None:
