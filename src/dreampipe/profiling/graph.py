@@ -230,9 +230,9 @@ class LayerGraph:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ProfileError(f"profile is not valid JSON: {exc}") from exc
+            raise ProfileError(f"not valid JSON ({exc})") from exc
         if not isinstance(data, dict):
-            raise ProfileError("profile JSON must be an object")
+            raise ProfileError("a profile in JSON must be an object")
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:

@@ -15,7 +15,11 @@ __all__ = ["load_graph"]
 
 
 def load_graph(path: str | Path) -> LayerGraph:
-    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content."""
+    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content.
+
+    Every :class:`ProfileError` names the file, so a user with several
+    profiles knows which one to fix.
+    """
     p = Path(path)
     if not p.is_file():
         raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
@@ -26,6 +30,9 @@ def load_graph(path: str | Path) -> LayerGraph:
             f"profile {str(p)!r} is not text; "
             "give a dreampipe JSON profile or a PipeDream graph.txt"
         ) from None
-    if text.lstrip().startswith("{"):
-        return LayerGraph.from_json(text)
-    return parse_graph_txt(text, model=p.stem)
+    try:
+        if text.lstrip().startswith("{"):
+            return LayerGraph.from_json(text)
+        return parse_graph_txt(text, model=p.stem)
+    except ProfileError as exc:
+        raise ProfileError(f"profile {str(p)!r}: {exc}") from exc

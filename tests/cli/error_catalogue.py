@@ -1,0 +1,218 @@
+"""The catalogue of bad inputs: each case, the command that hits it, and the one line it prints.
+
+``tests/cli/test_error_catalogue.py`` runs every case and checks it exits 2
+with one specific line before any worker starts; ``docs/errors.md`` is
+generated from the same cases, so it cannot drift::
+
+    python tests/cli/error_catalogue.py          # rewrite docs/errors.md
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CASES", "Case", "Outcome", "render", "run_case"]
+
+_DOC = Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+_NODE = ("node{i} -- {desc} -- forward_compute_time={f}, backward_compute_time=2.0, "
+         "activation_size=100.0, parameter_size=80.0\n")
+
+
+def _graph_txt(*, forwards: tuple[float, ...] = (0.0, 1.0, 1.0), extra_nodes: str = "",
+               extra_edges: str = "") -> str:
+    """A 3-node PipeDream graph.txt (Input, two Linears) with optional additions."""
+    descs = ("Input0", "Linear(4, 4)", "Linear(4, 4)")
+    nodes = "".join(_NODE.format(i=i + 1, desc=d, f=f) for i, (d, f) in
+                    enumerate(zip(descs, forwards, strict=True)))
+    return nodes + extra_nodes + "\tnode1 -- node2\n\tnode2 -- node3\n" + extra_edges
+
+
+def _profile_json(forward_ms: float = 1.0, *, scale: float = 1.0) -> str:
+    """Our JSON profile of a 4-layer chain, every time x ``scale``; layer ``l2`` then gets
+    ``forward_ms`` written straight into the JSON (``inf`` as the token ``Infinity``)."""
+    from dreampipe.profiling.graph import Layer, LayerGraph
+
+    layers = [Layer(f"l{i}", scale, 2.0 * scale, 1000, 1000) for i in range(4)]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "p.json"
+        LayerGraph.chain(layers, batch_size=8).save(path)
+        data = json.loads(path.read_text())
+    data["layers"][2]["forward_ms"] = forward_ms
+    return json.dumps(data)
+
+
+def _plan_json(layers: int, model: str) -> str:
+    """A 2-stage straight plan of ``layers`` layers for ``model`` (as ``plan -o`` saves it)."""
+    from dreampipe.planning.plan import Plan
+
+    return json.dumps(Plan.from_config(layers, [0, layers // 2], [1, 1], model=model).to_dict())
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad input: ``argv`` for ``dreampipe`` (``{dir}`` is a scratch folder holding
+    ``files``), and words its one-line error must contain."""
+
+    id: str
+    area: str
+    what: str
+    argv: tuple[str, ...]
+    needles: tuple[str, ...]
+    files: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a case printed: exit code, standard output, standard error ({dir} put back)."""
+
+    code: int
+    out: str
+    err: str
+
+
+def run_case(case: Case, main: Callable[[list[str]], int]) -> Outcome:
+    """Run ``case`` through ``main`` in this process, in a fresh scratch folder."""
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, text in case.files:
+            (Path(scratch) / name).write_text(text)
+        argv = [a.replace("{dir}", scratch) for a in case.argv]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+        return Outcome(code, out.getvalue().replace(scratch, "{dir}"),
+                       err.getvalue().replace(scratch, "{dir}"))
+
+
+_G = ("g.txt", _graph_txt())
+_P = ("p.json", _profile_json())
+_PLAN = '{"format": "dreampipe.plan"'
+
+CASES: tuple[Case, ...] = (
+    # ---- profiles ----------------------------------------------------------------
+    Case("graph-cycle", "profile", "a graph.txt whose edges form a cycle",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("cycle", "node2", "node3"),
+         (("g.txt", _graph_txt(extra_edges="\tnode3 -- node2\n")),)),
+    Case("graph-duplicate", "profile", "a graph.txt that names a node twice",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("'node2'", "twice"),
+         (("g.txt", _graph_txt(extra_nodes=_NODE.format(i=2, desc="ReLU", f=1.0))),)),
+    Case("graph-negative", "profile", "a graph.txt with a negative time",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("line 2", "forward_ms=-1.0"),
+         (("g.txt", _graph_txt(forwards=(0.0, -1.0, 1.0))),)),
+    Case("graph-empty", "profile", "an empty graph.txt",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("no node lines",),
+         (("g.txt", ""),)),
+    Case("graph-garbage", "profile", "a graph.txt line that is neither node nor edge",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("line 1", "'garbage'"),
+         (("g.txt", "garbage\n"),)),
+    Case("graph-dangling", "profile", "an edge to a node that does not exist",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s"), ("'node9'", "unknown"),
+         (("g.txt", _graph_txt(extra_edges="\tnode1 -- node9\n")),)),
+    Case("profile-infinite", "profile", "a JSON profile with an infinite time",
+         ("plan", "{dir}/p.json", "-t", "2", "-b", "1GB/s"), ("inf",),
+         (("p.json", _profile_json(float("inf"))),)),
+    Case("profile-zero", "profile", "a profile whose every time is zero",
+         ("plan", "{dir}/p.json", "-t", "2", "-b", "1GB/s"), ("0 ms", "profile the model again"),
+         (("p.json", _profile_json(0.0, scale=0.0)),)),
+    Case("profile-missing", "profile", "a profile path that does not exist",
+         ("plan", "{dir}/nothing.json", "-t", "2", "-b", "1GB/s"), ("nothing.json",)),
+    Case("profile-not-json", "profile", "a .json profile that is not JSON",
+         ("show", "{dir}/p.json"), ("p.json", "not valid JSON"), (("p.json", "{not json"),)),
+    # ---- topologies ---------------------------------------------------------------
+    Case("bandwidth-no-unit", "topology", "a bandwidth without a unit",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "10"), ("'10'", "no unit"), (_G,)),
+    Case("bandwidth-overflow", "topology", "a bandwidth too large to be a number",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1e400GB/s"), ("'1e400GB/s'", "finite"),
+         (_G,)),
+    Case("bandwidth-one-for-two-levels", "topology", "one bandwidth for a two-level cluster",
+         ("plan", "{dir}/g.txt", "-t", "4x4", "-b", "10GB/s"), ("2 levels", "got 1"), (_G,)),
+    Case("topology-zero", "topology", "a cluster shape with zero workers",
+         ("plan", "{dir}/g.txt", "-t", "0x4"), ("0x4",), (_G,)),
+    Case("topology-unknown", "topology", "a cluster name that is neither preset nor shape",
+         ("plan", "{dir}/g.txt", "-t", "cluster-z"), ("cluster-z",), (_G,)),
+    Case("memory-unreadable", "topology", "a memory size that is not a size",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s", "--memory", "lots"), ("'lots'",),
+         (_G,)),
+    # ---- plans and simulation ------------------------------------------------------
+    Case("plan-not-json", "plan", "a plan file that is not JSON",
+         ("simulate", "{dir}/plan.json"), ("plan.json",), (("plan.json", _PLAN),)),
+    Case("plan-wrong-profile", "plan", "a plan simulated with another model's profile",
+         ("simulate", "{dir}/plan.json", "--profile", "{dir}/g.txt"), ("layers",),
+         (_G, ("plan.json", _plan_json(9, "other"))),),
+    Case("simulate-no-minibatches", "plan", "zero minibatches to simulate",
+         ("simulate", "{dir}/p.json", "--minibatches", "0"), ("--minibatches",), (_P,)),
+    Case("simulate-no-microbatches", "plan", "zero microbatches per minibatch",
+         ("simulate", "{dir}/p.json", "--schedule", "gpipe", "--microbatches", "0"),
+         ("--microbatches",), (_P,)),
+    Case("timeline-unwritable", "plan", "a timeline path inside a file",
+         ("simulate", "{dir}/p.json", "--timeline", "{dir}/p.json/t.png"), ("t.png",), (_P,)),
+    # ---- training -----------------------------------------------------------------
+    Case("train-config-workers", "train", "--config that does not match --workers",
+         ("train", "mlp", "--config", "2-1", "--workers", "2"), ("2-1", "3 workers"),),
+    Case("train-no-steps", "train", "zero steps",
+         ("train", "mlp", "--steps", "0"), ("steps",)),
+    Case("train-microbatches-divide", "train", "microbatches that do not divide the batch",
+         ("train", "mlp", "--schedule", "1f1b-flush", "--batch-size", "32",
+          "--microbatches", "3"), ("3", "32")),
+    Case("train-pipedream-microbatches", "train", "microbatches with the pipedream schedule",
+         ("train", "mlp", "--microbatches", "4"), ("pipedream",)),
+    Case("train-unknown-model", "train", "a model the zoo does not have",
+         ("train", "nosuchmodel"), ("nosuchmodel",)),
+    Case("train-model-arg", "train", "a --model-arg without '='",
+         ("train", "mlp", "--model-arg", "layers"), ("layers",)),
+    Case("train-timeout", "train", "a negative timeout",
+         ("train", "mlp", "--timeout", "-1"), ("timeout",)),
+    Case("train-stages-range", "train", "a stage that starts past the last layer",
+         ("train", "mlp", "--stages", "0,99"), ("99",)),
+    Case("train-mnist-missing", "train", "MNIST from a folder without it",
+         ("train", "mlp", "--dataset", "mnist", "--data-dir", "{dir}/none"), ("none",)),
+    Case("train-trace-unwritable", "train", "a trace path inside a file",
+         ("train", "mlp", "--trace", "{dir}/p.json/t.json"), ("t.json",), (_P,)),
+    Case("train-plan-other-model", "train", "a plan made for another model",
+         ("train", "mlp", "--plan", "{dir}/plan.json"), ("plan.json", "cnn"),
+         (("plan.json", _plan_json(9, "cnn")),)),
+)
+
+
+def render(outcomes: dict[str, Outcome]) -> str:
+    """``docs/errors.md``: every case by area, with its command and the line it prints."""
+    lines = [
+        "# Errors users can cause, and what dreampipe says",
+        "",
+        "Every case below exits with status 2 and prints one line naming the",
+        "offending value and the fix, before any worker process starts.",
+        "Generated from `tests/cli/error_catalogue.py` (`python tests/cli/error_catalogue.py`",
+        "rewrites it; `tests/cli/test_error_catalogue.py` fails when it is stale).",
+        "`{dir}` stands for the folder holding the bad file.",
+    ]
+    area = ""
+    for case in CASES:
+        if case.area != area:
+            area = case.area
+            lines += ["", f"## {area}", "", "| case | input | command | message |",
+                      "| --- | --- | --- | --- |"]
+        command = " ".join(("dreampipe", *case.argv)).replace("|", "\\|")
+        message = outcomes[case.id].err.strip().replace("|", "\\|")
+        lines.append(f"| `{case.id}` | {case.what} | `{command}` | {message} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_doc() -> None:
+    from dreampipe.cli import main
+
+    outcomes = {case.id: run_case(case, main) for case in CASES}
+    _DOC.write_text(render(outcomes))
+    print(f"wrote {_DOC} ({len(CASES)} cases)")
+
+
+if __name__ == "__main__":
+    sys.exit(_write_doc())
