@@ -1,0 +1,211 @@
+"""The operator search: the fastest split of every layer of a chain over ``t`` workers.
+
+Tofu coarsens the graph, then runs a dynamic program over the coarsened
+chain for the splits that move the fewest bytes. dreampipe does the same
+with two changes: the objective is time (compute share plus collectives,
+not hidden), so replication and batch splits compete with tensor splits
+(Tofu's "worse than data parallelism for small models" cannot happen: all
+batch is one of the candidates), and a memory limit per worker is honoured
+exactly, by keeping for each layout every (time, memory) pair no other pair
+beats on both.
+
+Coarsening groups each layer with the elementwise layers after it::
+
+    Linear  ReLU  Dropout | Linear  GELU | LayerNorm | Linear
+    '---- group 0 ------'  '-- group 1 -' '-group 2-' '-group 3-'
+
+A group runs its head under one :class:`~dreampipe.planning.splits.Split`
+and its elementwise tail in one layout (a partial sum is reduced first).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dreampipe.errors import PlanError
+from dreampipe.planning.splits import (
+    Collective,
+    Layout,
+    OpKind,
+    Split,
+    op_kind,
+    reshard,
+    split_cost,
+    splits_for,
+)
+from dreampipe.profiling.graph import Layer, LayerGraph
+
+__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits"]
+
+_TAIL_LAYOUTS = {Layout.REPLICATED: Split.REPLICA, Layout.BATCH: Split.BATCH,
+                 Layout.FEATURE: Split.OUT}
+_SOURCES = (Layout.REPLICATED, Layout.BATCH)  # data loads whole or by batch share, for free
+
+
+@dataclass(frozen=True)
+class Link:
+    """The workers' interconnect: bytes/s and seconds per message round."""
+
+    bandwidth: float
+    latency_s: float = 0.0
+
+    def seconds(self, collective: Collective | None, size: float, t: int) -> float:
+        """A ring ``collective`` of a ``size``-byte tensor over ``t`` workers."""
+        if collective is None or t <= 1 or size <= 0:
+            return 0.0
+        return collective.steps(t) * self.latency_s + collective.wire_fraction(t) * size / (
+            self.bandwidth)
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """The chosen split of every layer, with its time and memory per worker.
+
+    ``time_s`` is compute plus collectives per minibatch; ``memory_bytes``
+    weights, gradients and stashed outputs per worker; ``comm_s`` the
+    collectives' share of the time.
+    """
+
+    workers: int
+    splits: tuple[Split, ...]
+    layouts: tuple[Layout, ...]
+    time_s: float
+    comm_s: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class _Point:
+    time: float
+    comm: float
+    memory: float
+    splits: tuple[Split, ...]
+    layouts: tuple[Layout, ...]
+
+
+def coarsen(graph: LayerGraph) -> list[list[int]]:
+    """Layer indices grouped: each layer that is not elementwise starts a group, and
+    the elementwise layers after it join it (leading ones form their own group)."""
+    _require_chain(graph)
+    groups: list[list[int]] = []
+    for i, layer in enumerate(graph.layers):
+        if op_kind(layer) is OpKind.ELEMENTWISE and groups:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def layer_costs(layer: Layer, split: Split, t: int, link: Link,
+                input_bytes: float) -> tuple[float, float, float]:
+    """``(seconds, collective seconds, bytes per worker)`` of one layer under ``split``."""
+    c = split_cost(layer, op_kind(layer), split, t, input_bytes)
+    comm = sum(link.seconds(what, size, t) for what, size in c.collectives)
+    return c.compute_ms / 1e3 + comm, comm, 2 * c.weight_bytes + c.activation_bytes
+
+
+def search_splits(graph: LayerGraph, workers: int, link: Link,
+                  memory_bytes: float | None = None) -> SplitPlan:
+    """The fastest split of ``graph`` (a chain) over ``workers`` that fits ``memory_bytes``.
+
+    Exact over the coarsened chain: the dynamic program keeps, per layout of
+    the activation between groups, every (time, memory) pair not beaten on
+    both, so the memory limit costs no optimality. A partial sum left at the
+    end is all-reduced for the loss.
+    """
+    if workers < 1:
+        raise PlanError(f"workers={workers}; split over at least 1 worker")
+    limit = math.inf if memory_bytes is None else memory_bytes
+    finals = _finals(graph, workers, link, limit)
+    if not finals:
+        smallest = min(p.memory for p in _finals(graph, workers, link, math.inf))
+        raise PlanError(
+            f"no split of {graph.model or 'the model'} over {workers} workers fits "
+            f"{limit:.4g} bytes per worker; the smallest needs {smallest:.4g}: add workers "
+            "or memory"
+        )
+    best = min(finals, key=lambda p: (p.time, p.memory))
+    return SplitPlan(workers, best.splits, best.layouts, best.time, best.comm, best.memory)
+
+
+def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:
+    """Every (time, memory)-optimal way to run the whole chain within ``limit``."""
+    layers = graph.layers
+    frontier: dict[Layout, list[_Point]] = {lay: [_Point(0.0, 0.0, 0.0, (), ())]
+                                            for lay in _SOURCES}
+    for group in coarsen(graph):
+        grown: dict[Layout, list[_Point]] = {}
+        for src, points in frontier.items():
+            for out, extra in _group_options(layers, group, src, t, link):
+                for p in points:
+                    q = _Point(p.time + extra.time, p.comm + extra.comm,
+                               p.memory + extra.memory, p.splits + extra.splits,
+                               p.layouts + extra.layouts)
+                    if q.memory <= limit:
+                        grown.setdefault(out, []).append(q)
+        frontier = {lay: _pareto(pts) for lay, pts in grown.items()}
+    reduce = link.seconds(Collective.ALL_REDUCE, float(layers[-1].activation_bytes), t)
+    return [p if lay is not Layout.PARTIAL else
+            _Point(p.time + reduce, p.comm + reduce, p.memory, p.splits, p.layouts)
+            for lay, pts in frontier.items() for p in pts]
+
+
+def _group_options(
+    layers: tuple[Layer, ...], group: list[int], src: Layout, t: int, link: Link
+) -> list[tuple[Layout, _Point]]:
+    """Each way to run ``group`` from an input in ``src``: its output layout and costs."""
+    head, tail = layers[group[0]], [layers[i] for i in group[1:]]
+    options: list[tuple[Layout, _Point]] = []
+    size = _input_bytes(layers, group[0])
+    for split in splits_for(op_kind(head)):
+        c = split_cost(head, op_kind(head), split, t, size)
+        time, comm, memory = layer_costs(head, split, t, link, size)
+        move = _reshard_seconds(src, c.needs, size, t, link)
+        base = _Point(time + move, comm + move, memory, (split,), (c.gives,))
+        if not tail:
+            options.append((c.gives, base))
+            continue
+        for lay, tail_split in _TAIL_LAYOUTS.items():
+            reduce = _reshard_seconds(c.gives, lay, float(head.activation_bytes), t, link)
+            costs = [layer_costs(x, tail_split, t, link, float(head.activation_bytes))
+                     for x in tail]
+            options.append((lay, _Point(
+                base.time + reduce + sum(x[0] for x in costs),
+                base.comm + reduce + sum(x[1] for x in costs),
+                base.memory + sum(x[2] for x in costs),
+                base.splits + (tail_split,) * len(tail),
+                base.layouts + (lay,) * len(tail),
+            )))
+    return options
+
+
+def _reshard_seconds(src: Layout, dst: Layout, size: float, t: int, link: Link) -> float:
+    forward, backward = reshard(src, dst)
+    return link.seconds(forward, size, t) + link.seconds(backward, size, t)
+
+
+def _input_bytes(layers: tuple[Layer, ...], index: int) -> float:
+    """The bytes of layer ``index``'s input: the previous layer's output (the first
+    layer's own output size stands in for the data it reads)."""
+    return float(layers[max(index - 1, 0)].activation_bytes)
+
+
+def _pareto(points: list[_Point]) -> list[_Point]:
+    """The points no other point beats in both time and memory (ties: the first kept)."""
+    kept: list[_Point] = []
+    best_memory = math.inf
+    for p in sorted(points, key=lambda q: (q.time, q.memory)):
+        if p.memory < best_memory:
+            kept.append(p)
+            best_memory = p.memory
+    return kept
+
+
+def _require_chain(graph: LayerGraph) -> None:
+    chain = {(i, i + 1) for i in range(len(graph) - 1)}
+    if set(graph.edges) != chain:
+        raise PlanError(
+            f"operator search needs a chain of layers; {graph.model or 'this model'} has "
+            f"{len(graph.edges)} edges that are not one layer after another"
+        )

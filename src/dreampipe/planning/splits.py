@@ -1,0 +1,186 @@
+"""Operator partitioning as data: how each kind of layer can be split over ``t`` workers.
+
+Tofu (Wang et al., "Supporting very large models using automatic dataflow
+graph partitioning") splits every operator's tensors across workers. Here a
+layer runs under one :class:`Split` over all ``t`` workers of a group, and the
+activation between two layers is in one :class:`Layout`::
+
+    split     input layout   output layout   extra collective
+    REPLICA   REPLICATED     REPLICATED      none (every worker computes it all)
+    BATCH     BATCH          BATCH           all-reduce of the weight gradients
+    OUT       REPLICATED     FEATURE         all-reduce of the input gradient
+                                             (weights split by output rows, so
+                                             each worker's dx is a partial sum)
+    IN        FEATURE        PARTIAL         none (weights split by input columns;
+                                             the output is a sum still to reduce)
+
+An ``OUT`` layer followed by an ``IN`` layer is Megatron-LM's MLP: one
+all-reduce forward (the partial sum) and one backward (the input gradient).
+
+A weighted layer (``Linear``, ``Conv2d``, ``Embedding``, attention
+projections) may take any of them; an elementwise one (activations, dropout)
+passes any layout but ``PARTIAL`` through; a layer dreampipe cannot read takes
+``REPLICA`` or ``BATCH``. Between layers, :func:`reshard_bytes` prices turning
+one layout into another, forward and backward, as ring collectives move them.
+Sizes are the profile's, for the whole minibatch; per-worker figures divide
+them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+from dreampipe.profiling.graph import Layer
+
+__all__ = ["Collective", "Layout", "OpKind", "Split", "SplitCost", "op_kind", "reshard",
+           "split_cost", "splits_for"]
+
+
+class Split(Enum):
+    """How one layer's work is divided among the ``t`` workers of its group."""
+
+    REPLICA = "replica"
+    BATCH = "batch"
+    OUT = "out"
+    IN = "in"
+
+
+class Layout(Enum):
+    """How an activation (and its gradient) lies across the workers."""
+
+    REPLICATED = "replicated"
+    BATCH = "batch"
+    FEATURE = "feature"
+    PARTIAL = "partial"
+
+
+class OpKind(Enum):
+    """What the splitter knows about a layer, read from its description."""
+
+    WEIGHTED = "weighted"
+    ELEMENTWISE = "elementwise"
+    OTHER = "other"
+
+
+class Collective(Enum):
+    """A ring collective over ``t`` workers; :meth:`wire_fraction` of the tensor each sends."""
+
+    ALL_GATHER = "all-gather"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_REDUCE = "all-reduce"
+    ALL_TO_ALL = "all-to-all"
+
+    def wire_fraction(self, t: int) -> float:
+        """Bytes each worker sends, as a fraction of the whole tensor (ring algorithms)."""
+        if t <= 1:
+            return 0.0
+        if self is Collective.ALL_REDUCE:
+            return 2 * (t - 1) / t
+        if self is Collective.ALL_TO_ALL:
+            return (t - 1) / t**2
+        return (t - 1) / t
+
+    def steps(self, t: int) -> int:
+        """Latency-bound message rounds: ``t - 1`` per ring pass."""
+        if t <= 1:
+            return 0
+        return 2 * (t - 1) if self is Collective.ALL_REDUCE else t - 1
+
+
+_WEIGHTED = re.compile(r"^(Linear|Conv[123]d|Embedding|LazyLinear|Bilinear)\b")
+_ELEMENTWISE = re.compile(
+    r"^(ReLU|ReLU6|GELU|SiLU|Tanh|Sigmoid|LeakyReLU|ELU|Dropout\d?d?|Identity|Softplus|Mish)\b"
+)
+
+_SPLITS = {
+    OpKind.WEIGHTED: (Split.REPLICA, Split.BATCH, Split.OUT, Split.IN),
+    OpKind.ELEMENTWISE: (Split.REPLICA, Split.BATCH, Split.OUT),
+    OpKind.OTHER: (Split.REPLICA, Split.BATCH),
+}
+
+
+def op_kind(layer: Layer) -> OpKind:
+    """The layer's kind from its description (``Linear(4, 8)``, ``ReLU()``...)."""
+    text = layer.description.strip()
+    if _WEIGHTED.match(text) and layer.parameter_bytes > 0:
+        return OpKind.WEIGHTED
+    if _ELEMENTWISE.match(text):
+        return OpKind.ELEMENTWISE
+    return OpKind.OTHER
+
+
+def splits_for(kind: OpKind) -> tuple[Split, ...]:
+    """The splits a layer of ``kind`` can run under (an elementwise ``OUT`` keeps features
+    split: it passes a ``FEATURE`` activation through)."""
+    return _SPLITS[kind]
+
+
+@dataclass(frozen=True)
+class SplitCost:
+    """One layer under one split on ``t`` workers, per worker and per minibatch.
+
+    ``compute_ms`` is its forward plus backward share; ``weight_bytes`` its
+    share of the weights (the gradients take as much again); ``activation_bytes``
+    its share of the output it stashes for the backward; ``collectives`` the
+    collectives it runs itself, each with the bytes of the whole tensor: the
+    weight-gradient all-reduce of a batch split, the input-gradient all-reduce
+    of an output split.
+    """
+
+    split: Split
+    needs: Layout
+    gives: Layout
+    compute_ms: float
+    weight_bytes: float
+    activation_bytes: float
+    collectives: tuple[tuple[Collective, float], ...] = ()
+
+
+def split_cost(layer: Layer, kind: OpKind, split: Split, t: int,
+               input_bytes: float = 0.0) -> SplitCost:
+    """What ``layer`` (whose input is ``input_bytes``) costs each of ``t`` workers."""
+    if split not in splits_for(kind):
+        raise ValueError(f"a {kind.value} layer ({layer.name!r}) cannot take split {split.value}")
+    w, a, c = float(layer.parameter_bytes), float(layer.activation_bytes), layer.compute_ms
+    if split is Split.REPLICA:
+        return SplitCost(split, Layout.REPLICATED, Layout.REPLICATED, c, w, a)
+    if split is Split.BATCH:
+        sync = ((Collective.ALL_REDUCE, w),) if w > 0 else ()
+        return SplitCost(split, Layout.BATCH, Layout.BATCH, c / t, w, a / t, sync)
+    if kind is OpKind.ELEMENTWISE:  # OUT on an elementwise layer: features stay split
+        return SplitCost(split, Layout.FEATURE, Layout.FEATURE, c / t, w, a / t)
+    if split is Split.OUT:
+        return SplitCost(split, Layout.REPLICATED, Layout.FEATURE, c / t, w / t, a / t,
+                         ((Collective.ALL_REDUCE, input_bytes),))
+    return SplitCost(split, Layout.FEATURE, Layout.PARTIAL, c / t, w / t, a)
+
+
+# (from, to) -> (forward collective, backward collective); missing pairs are free
+_RESHARD: dict[tuple[Layout, Layout], tuple[Collective | None, Collective | None]] = {
+    (Layout.REPLICATED, Layout.BATCH): (None, Collective.ALL_GATHER),
+    (Layout.REPLICATED, Layout.FEATURE): (None, Collective.ALL_GATHER),
+    (Layout.BATCH, Layout.REPLICATED): (Collective.ALL_GATHER, None),
+    (Layout.FEATURE, Layout.REPLICATED): (Collective.ALL_GATHER, None),
+    (Layout.BATCH, Layout.FEATURE): (Collective.ALL_TO_ALL, Collective.ALL_TO_ALL),
+    (Layout.FEATURE, Layout.BATCH): (Collective.ALL_TO_ALL, Collective.ALL_TO_ALL),
+    (Layout.PARTIAL, Layout.REPLICATED): (Collective.ALL_REDUCE, None),
+    (Layout.PARTIAL, Layout.BATCH): (Collective.REDUCE_SCATTER, Collective.ALL_GATHER),
+    (Layout.PARTIAL, Layout.FEATURE): (Collective.REDUCE_SCATTER, Collective.ALL_GATHER),
+}
+
+
+def reshard(src: Layout, dst: Layout) -> tuple[Collective | None, Collective | None]:
+    """The collectives that turn an activation from ``src`` into ``dst`` (forward) and
+    bring its gradient back (backward); ``(None, None)`` when nothing moves.
+
+    Slicing a replicated tensor is free forward, but its gradient comes back
+    split and is gathered; a partial sum is reduced forward and its gradient,
+    needed whole by every worker's partial product, is gathered back.
+    """
+    if src is dst:
+        return None, None
+    if dst is Layout.PARTIAL:
+        raise ValueError(f"no layer takes a partial sum as input (asked {src.value} -> partial)")
+    return _RESHARD[(src, dst)]
