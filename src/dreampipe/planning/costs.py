@@ -50,6 +50,7 @@ __all__ = [
     "FloatArray",
     "RangeCosts",
     "allreduce_end",
+    "allreduce_ends",
     "cut_time",
     "gpipe_time",
     "max_versions",
@@ -122,18 +123,34 @@ def allreduce_end(
     :class:`~dreampipe.planning.topology.Topology`) it is the whole backward
     and then the whole all-reduce: ``B_i..j + latency + per_byte * |w|_i..j``.
     """
+    ends = allreduce_ends(backward_s, weight_bytes, np.array([latency]), np.array([per_byte]),
+                          overlap=overlap)
+    return np.asarray(ends[0])
+
+
+def allreduce_ends(
+    backward_s: FloatArray | Sequence[float], weight_bytes: FloatArray | Sequence[float],
+    latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True,
+) -> FloatArray:
+    """:func:`allreduce_end` for many all-reduces at once: entry ``[p, i, j]`` has the terms
+    ``latency[p]``, ``per_byte[p]``; one NumPy pass instead of a call per layout
+    (the planner prices every layout of a level's contexts), the same value bit for bit.
+    """
     b = np.asarray(backward_s, dtype=np.float64)
     w = np.asarray(weight_bytes, dtype=np.float64)
+    lat = np.asarray(latency, dtype=np.float64)[:, None, None]
+    per = np.asarray(per_byte, dtype=np.float64)[:, None, None]
     pb = np.concatenate([[0.0], np.cumsum(b)])
     pw = np.concatenate([[0.0], np.cumsum(w)])
     n = len(b)
     later = np.triu(np.ones((n, n), dtype=bool))
     if overlap:
-        h = np.where(w > 0, per_byte * pw[1:] - pb[:-1], -np.inf)
-        best = np.maximum.accumulate(np.where(later, h[None, :], -np.inf), axis=1)
-        end = latency + pb[None, 1:] - per_byte * pw[:-1, None] + best
+        h = np.where(w > 0, per * pw[1:] - pb[:-1], -np.inf)  # [p, 1, k]
+        best = np.maximum.accumulate(np.where(later, h, -np.inf), axis=2)
+        end = lat + pb[None, None, 1:] - per * pw[None, :-1, None] + best
     else:
-        end = latency + (pb[None, 1:] - pb[:-1, None]) + per_byte * (pw[None, 1:] - pw[:-1, None])
+        end = (lat + (pb[None, 1:] - pb[:-1, None])
+               + per * (pw[None, None, 1:] - pw[None, :-1, None]))
     weighted = (pw[None, 1:] - pw[:-1, None]) > 0
     return np.asarray(np.where(later & weighted, end, 0.0))
 
@@ -263,12 +280,12 @@ class RangeCosts:
             layer_weights=np.asarray(weights, dtype=np.float64),
         )
 
-    def allreduce_end(self, latency: float, per_byte: float, *, overlap: bool = True
-                      ) -> FloatArray:
-        """:func:`allreduce_end` of every range of this profile."""
+    def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
+                       ) -> FloatArray:
+        """:func:`allreduce_ends` of every range of this profile, ``[terms, i, j]``."""
         assert self.layer_backward_s is not None and self.layer_weights is not None
-        return allreduce_end(self.layer_backward_s, self.layer_weights, latency, per_byte,
-                             overlap=overlap)
+        return allreduce_ends(self.layer_backward_s, self.layer_weights, latency, per_byte,
+                              overlap=overlap)
 
     @property
     def forward(self) -> FloatArray:
