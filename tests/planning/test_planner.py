@@ -17,6 +17,7 @@ from shared_profiles import PROFILES
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.planning.costs import (
     allreduce_end,
+    allreduce_ends,
     cut_time,
     gpipe_time,
     max_versions,
@@ -61,6 +62,20 @@ def test_allreduce_end_without_overlap_follows_the_whole_backward() -> None:
     assert float(end[0, 2]) == pytest.approx(6.0 + 3.0 + 0.5)
     assert float(end[2, 2]) == pytest.approx(3.0 + 2.0 + 0.5)
     assert float(end[0, 0]) == 0.0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_allreduce_ends_price_each_layout_as_alone(overlap: bool) -> None:
+    # the planner prices all of a level's layouts in one call: each row, bit for bit, is
+    # that layout's own allreduce_end (some layers without weights, one layout without terms)
+    rng = np.random.default_rng(3)
+    backward = rng.random(9)
+    weights = np.where(rng.random(9) < 0.3, 0.0, rng.random(9) * 1e6)
+    lat, per = np.array([0.0, 1e-5, 3e-4, 0.0]), np.array([0.0, 2e-9, 1e-10, 5e-9])
+    ends = allreduce_ends(backward, weights, lat, per, overlap=overlap)
+    for p in range(len(lat)):
+        alone = allreduce_end(backward, weights, float(lat[p]), float(per[p]), overlap=overlap)
+        assert np.array_equal(ends[p], alone)
 
 
 def test_cut_time_counts_both_directions_and_latency() -> None:

@@ -76,10 +76,12 @@ def best_splits(
     arg_u = np.zeros((contexts, rows, cols), dtype=np.int64)
     arg_t = np.zeros((contexts, rows, cols), dtype=np.int64)
     side = max(1, min(_MAX_SIDE, math.isqrt(max(1, _TILE // max(1, cands * width)))))
+    # one column (the top level's suffixes): as many rows as a square tile's entries
+    rows_side = side if cols > 1 else min(_MAX_SIDE, side * side)
     lim = limit[:, None, None]
     y_low = {c0: _low(y, c0, c0 + side) for c0 in range(0, cols, side)}
-    for i0 in range(0, min(rows, width), side):
-        i1 = min(rows, i0 + side)
+    for i0 in range(0, min(rows, width), rows_side):
+        i1 = min(rows, i0 + rows_side)
         x_low = _low(x, i0, i1)
         for c0 in range(max(0, i0 + 1 - first_col) // side * side, cols, side):
             c1 = min(cols, c0 + side)
