@@ -144,15 +144,17 @@ def allreduce_ends(
     pw = np.concatenate([[0.0], np.cumsum(w)])
     n = len(b)
     later = np.triu(np.ones((n, n), dtype=bool))
-    if overlap:
+    if overlap:  # in place on one [p, i, j] array: the planner passes thousands of layouts
         h = np.where(w > 0, per * pw[1:] - pb[:-1], -np.inf)  # [p, 1, k]
-        best = np.maximum.accumulate(np.where(later, h, -np.inf), axis=2)
-        end = lat + pb[None, None, 1:] - per * pw[None, :-1, None] + best
+        end = np.where(later, h, -np.inf)
+        np.maximum.accumulate(end, axis=2, out=end)
+        end += lat + pb[None, None, 1:] - per * pw[None, :-1, None]
     else:
         end = (lat + (pb[None, 1:] - pb[:-1, None])
                + per * (pw[None, None, 1:] - pw[None, :-1, None]))
     weighted = (pw[None, 1:] - pw[:-1, None]) > 0
-    return np.asarray(np.where(later & weighted, end, 0.0))
+    np.copyto(end, 0.0, where=~(later & weighted))
+    return np.asarray(end)
 
 
 def cut_time(
