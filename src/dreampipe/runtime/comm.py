@@ -278,3 +278,7 @@ class Comm:
         replicas = self.schedule.replicas[self.stage]
         first = self.schedule.first_rank(self.stage)
         self._wait(work, action, f"ranks {first}..{first + replicas - 1} (all-reduce)")
+
+    def wait_world(self, work: Any, action: Action) -> None:
+        """Wait for an all-reduce over every rank (the global gradient norm of ``action``)."""
+        self._wait(work, action, "every rank (gradient norm all-reduce)")
