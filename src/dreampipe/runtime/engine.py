@@ -69,7 +69,6 @@ _log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 8
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
-_UPDATES = (ActionKind.ALLREDUCE, ActionKind.STEP)
 
 
 class UnitData(Protocol):
@@ -283,14 +282,6 @@ class RankRunner:
             g.mul_(coef)
 
     # ---- loop ----------------------------------------------------------------
-    def _need(self, a: Action) -> int:
-        """The last unit whose data ``a`` needs: its own, or its round's last for an update."""
-        if a.kind not in _UPDATES:
-            return a.unit
-        per = self.schedule.replicas[self.stage] if self.pipedream else (
-            self.schedule.units_per_update)
-        return (a.unit + 1) * per - 1
-
     def advance(self, given: int | None = None) -> None:
         """Execute the next actions, up to the first that needs a unit ``>= given``.
 
@@ -299,7 +290,8 @@ class RankRunner:
         """
         actions = self.schedule.actions[self.rank]
         stop = self._pos
-        while stop < len(actions) and (given is None or self._need(actions[stop]) < given):
+        need = self.schedule.last_unit
+        while stop < len(actions) and (given is None or need(actions[stop]) < given):
             stop += 1
         self._stop = stop
         recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
