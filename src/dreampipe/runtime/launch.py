@@ -43,6 +43,7 @@ from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError,
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.checks import check_config, check_stage_outputs
+from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
@@ -91,13 +92,7 @@ def run_rank(
     ``spec`` is ``cfg.model`` resolved, and ``cfg`` already checked against it.
     """
     schedule = cfg.layout.build([st.replicas for st in cfg.plan.stages], cfg.steps)
-    everyone = list(range(world))
-    links = (dist.new_group(everyone), dist.new_group(everyone))
-    groups = {
-        s: dist.new_group(list(st.ranks))
-        for s, st in enumerate(cfg.plan.stages)
-        if st.replicas > 1
-    }
+    links, groups = process_groups([st.ranks for st in cfg.plan.stages])
     stage = schedule.stage_of_rank(rank)
     st = cfg.plan.stages[stage]
     module = StageModule(

@@ -142,6 +142,11 @@ class StageModule:
         return self._params
 
     @property
+    def module_param_names(self) -> list[str]:
+        """The trained parameters' names in the module, in :attr:`params` order."""
+        return self._names
+
+    @property
     def versions_held(self) -> int:
         """Stored weight versions, the live one included when a unit uses it."""
         return len(self._versions)
