@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -17,13 +15,6 @@ from dreampipe.api.split import split_layers
 __all__: list[str] = []
 
 RTOL, ATOL = 1e-5, 4e-5
-
-
-@pytest.fixture(autouse=True)
-def _no_group_left() -> Iterator[None]:
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _model() -> nn.Sequential:

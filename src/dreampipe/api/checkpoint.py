@@ -6,8 +6,8 @@ Keys are the original model's names, so a checkpoint loads into any plan
     model.<fqn>           every parameter and buffer (replicas write one copy)
     optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
     param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
-                          update count and the parameter's non-tensor state
-    progress              minibatches consumed and rank 0's RNG state
+                          update count and the parameter's non-tensor state (pickled)
+    progress              minibatches consumed and rank 0's RNG state (pickled)
 
 A save is atomic: every rank writes ``DIR/step-N.tmp``; after a barrier
 rank 0 renames it ``DIR/step-N`` and writes the marker ``COMMITTED`` last
@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,11 +61,12 @@ def _complete(directory: Path) -> list[Path]:
 
 def find(path: Path) -> Path:
     """The checkpoint ``path`` names: itself if committed, else its newest committed step."""
-    if (path / MARKER).is_file():
+    temporary = path.name.endswith(".tmp")
+    if (path / MARKER).is_file() and not temporary:
         _verify(path)
         return path
     parent_done = _complete(path.parent) if path.parent != path else []
-    if path.is_dir() and (_STEP.match(path.name) or path.name.endswith(".tmp")):
+    if path.is_dir() and (_STEP.match(path.name) or temporary):
         last = f"the last complete one is {parent_done[-1]}" if parent_done else (
             "there is no complete one beside it")
         raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER} marker: the "
@@ -130,11 +133,12 @@ def _stage_state(pipe: Pipeline) -> dict[str, Any]:
             fqn = names[id(p)]
             per = opt.state.get(p, {}) if opt is not None else {}
             state.update({f"optim.{fqn}.{k}": v for k, v in per.items() if isinstance(v, Tensor)})
-            state[f"param.{fqn}"] = {
+            state[f"param.{fqn}"] = pickle.dumps({
                 "group": hyper, "scheduler": sched, "version": module.version,
                 "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
-            }
-    state["progress"] = {"minibatches": pipe.minibatches, "rng": torch.get_rng_state()}
+            })
+    state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
+                                      "rng": torch.get_rng_state()})
     return state
 
 
@@ -186,8 +190,9 @@ def load(path: Path, pipe: Pipeline) -> int:
     module.module.load_state_dict(
         {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
     opt = module.optimizer
+    objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
     for p, fqn in zip(module.params, names, strict=True):
-        info = state[f"param.{fqn}"]
+        info = objects[f"param.{fqn}"]
         per: dict[str, Any] = dict(info["state"])
         prefix = f"optim.{fqn}."
         per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
@@ -196,14 +201,14 @@ def load(path: Path, pipe: Pipeline) -> int:
             opt.state[p] = per
         module.version = int(info["version"])
     if opt is not None and names:
-        first = state[f"param.{names[0]}"]
+        first = objects[f"param.{names[0]}"]
         for group in opt.param_groups:
             group.update(first["group"])
         if pipe.scheduler is not None and first["scheduler"] is not None:
             pipe.scheduler.load_state_dict(first["scheduler"])
-    torch.set_rng_state(state["progress"]["rng"])
+    torch.set_rng_state(objects["progress"]["rng"])
     _log.info("resumed from %s", path)
-    return int(state["progress"]["minibatches"])
+    return int(objects["progress"]["minibatches"])
 
 
 def load_model_state(path: str | Path) -> dict[str, Tensor]:
@@ -212,5 +217,7 @@ def load_model_state(path: str | Path) -> dict[str, Tensor]:
     meta = _metadata(found)
     keys = [k for k in meta if k.startswith("model.")]
     state = _placeholders(meta, keys)
-    dcp_load(state, checkpoint_id=str(found), no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, checkpoint_id=str(found), no_dist=True)
     return {k[len("model."):]: v for k, v in state.items()}
