@@ -41,7 +41,7 @@ from dreampipe.errors import CheckpointError
 if TYPE_CHECKING:
     from dreampipe.api.pipeline import Pipeline
 
-__all__ = ["MARKER", "check_keys", "find", "load", "load_model_state", "save"]
+__all__ = ["MARKER", "check_keys", "find", "load", "load_model_state", "minibatches_of", "save"]
 
 _log = logging.getLogger(__name__)
 
@@ -77,6 +77,11 @@ def find(path: Path) -> Path:
                               "(or --checkpoint-dir) first")
     _verify(done[-1])
     return done[-1]
+
+
+def minibatches_of(path: Path) -> int:
+    """The minibatches consumed when the committed checkpoint ``path`` was saved."""
+    return int(json.loads((path / MARKER).read_text())["minibatches"])
 
 
 def _verify(path: Path) -> None:

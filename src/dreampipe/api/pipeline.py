@@ -58,6 +58,7 @@ from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
+from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
 __all__ = ["EvalResult", "Pipeline"]
@@ -97,8 +98,10 @@ class Pipeline:
     stage's own; the scheduler steps after every weight update of its stage.
     ``max_grad_norm`` clips each update by the global norm over all stages;
     ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
-    ``resume`` loads the newest complete checkpoint in a directory
-    (:meth:`save`). The layers are trained in place.
+    ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
+    show why it matters); ``record_events`` keeps what this rank did, with
+    times (:attr:`events`). ``resume`` loads the newest complete checkpoint
+    in a directory (:meth:`save`). The layers are trained in place.
     """
 
     def __init__(
@@ -115,6 +118,8 @@ class Pipeline:
         max_grad_norm: float | None = None,
         autocast: torch.dtype | None = None,
         vertical_sync: bool = False,
+        stash: bool = True,
+        record_events: bool = False,
         resume: str | Path | None = None,
         seed: int = 0,
         timeout_s: float = 60.0,
@@ -136,7 +141,7 @@ class Pipeline:
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
         check_plan(self.plan, self._names, world)
         self.replicas = [st.replicas for st in self.plan.stages]
-        _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm)
+        _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
@@ -146,7 +151,8 @@ class Pipeline:
         st = self.plan.stages[stage]
         self.module = StageModule(
             build_stage(self._layers, st.first, st.last, self.device, seed), optimizer,
-            stage=stage, input_grad=stage > 0, vertical_sync=vertical_sync, loss_fn=loss_fn,
+            stage=stage, input_grad=stage > 0, stash=stash, vertical_sync=vertical_sync,
+            loss_fn=loss_fn,
         )
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:
@@ -155,7 +161,7 @@ class Pipeline:
         self.minibatches = 0
         self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
                                    unit_size=unit_size, max_grad_norm=max_grad_norm,
-                                   autocast=autocast)
+                                   autocast=autocast, record_events=record_events)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages])
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._horizon = _HORIZON
@@ -254,6 +260,11 @@ class Pipeline:
         loss_sum, samples, correct, labels = totals.tolist()
         return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
 
+    @property
+    def events(self) -> list[Event]:
+        """What this rank did, with times from :attr:`RankRunner.t0` (``record_events``)."""
+        return self.runner.events
+
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
         self._drain()
@@ -283,13 +294,16 @@ def _shapes(batch: Batch) -> list[tuple[int, ...]]:
 
 
 def _check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
-                    max_grad_norm: float | None) -> None:
+                    max_grad_norm: float | None, stash: bool) -> None:
     if kind is ScheduleKind.DP and len(replicas) != 1:
         raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
                             f"{len(replicas)} stages; use plan='auto'")
-    if kind is not ScheduleKind.PIPEDREAM and vsync:
-        raise ConfigError(f"vertical_sync=True applies to schedule='pipedream' only, not "
-                          f"{kind.value}", "vertical_sync")
+    if kind is not ScheduleKind.PIPEDREAM and (vsync or not stash):
+        raise ConfigError(f"vertical_sync=True and stash=False apply to schedule='pipedream' "
+                          f"only, not {kind.value}", "vertical_sync", "stash")
+    if vsync and not stash:
+        raise ConfigError("vertical sync runs every stage on a stashed weight version; drop "
+                          "stash=False or vertical_sync=True", "stash", "vertical_sync")
     if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
             vsync or max_grad_norm is not None):
         what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"

@@ -184,7 +184,7 @@ class RankRunner:
         }
         self._bar: Any = None
         self._bar_start = 0.0
-        self._t0 = time.perf_counter()
+        self.t0 = time.perf_counter()
         self._pos = 0
         self._stop = 0
         self._posted = 0
@@ -306,7 +306,7 @@ class RankRunner:
             if record:
                 start = clock()
                 handlers[a.kind](a)
-                self.events.append(Event.of(self.rank, a, start - self._t0, clock() - self._t0))
+                self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0))
             else:
                 handlers[a.kind](a)
             self._pos = i + 1
@@ -340,7 +340,7 @@ class RankRunner:
 
     def run(self, t0: float) -> RankReport:
         """Execute every action; times in the report are relative to ``t0``."""
-        self._t0 = t0
+        self.t0 = t0
         self._open_progress(self.schedule.actions[self.rank])
         try:
             self.advance()
