@@ -40,7 +40,7 @@ def _assert_matches(got: dict[str, Any], losses: list[float], state: dict[str, t
         torch.testing.assert_close(got["state"][name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
-SYNC = [("1f1b-flush", [0, 2], [1, 1], 4), ("gpipe", [0, 2], [2, 1], 4)]
+SYNC = [("1f1b-flush", [0, 2], [1, 1], 4)]
 
 
 @pytest.mark.timeout(120)
@@ -67,11 +67,13 @@ PIPE = [([0, 1, 3], [1, 1, 1], True), ([0, 2], [2, 1], False)]
 def test_pipedream_through_the_api_matches_the_delayed_update_rule(
     bounds: list[int], replicas: list[int], vsync: bool
 ) -> None:
-    got = _run(sum(replicas), schedule="pipedream", bounds=bounds, replicas=replicas, steps=6,
+    # 5 minibatches: the replicated stage ends on a partial round of one
+    got = _run(sum(replicas), schedule="pipedream", bounds=bounds, replicas=replicas, steps=5,
                minibatch=8, lr=0.3, momentum=0.9, vertical_sync=vsync)
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=SEED), bounds=bounds, replicas=replicas,
-        steps=6, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
+        steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
+        partial_round=True,
     )
     _assert_matches(got, losses, state)
