@@ -85,6 +85,8 @@ def test_a_two_stage_checkpoint_resumes_on_three_workers_and_loads_into_a_plain_
     second = run_processes(train_zoo, 3, {**job, "bounds": [0, 1], "replicas": [2, 1],
                                           "steps": 2, "resume": str(tmp_path)},
                            deadline_s=90.0)[0]
+    for k, v in first["state"].items():  # loaded on plan 2-1, 3 workers: the same weights
+        assert torch.equal(second["loaded"][k], v), k
     # momentum buffers and the data position moved too: 3 + 2 updates are 5 straight ones
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=5,

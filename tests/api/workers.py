@@ -32,6 +32,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
         timeout_s=30.0,
     )
+    loaded = pipe.full_state_dict() if "resume" in job else None
     start = pipe.minibatches
     for k in range(start, start + job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))
@@ -39,4 +40,5 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     pipe.close()
-    return {"losses": losses, "state": state, "saved": saved} if rank == 0 else None
+    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded}
+    return out if rank == 0 else None

@@ -35,7 +35,8 @@ class Feed:
         self._targets: dict[int, Tensor] = {}
 
     def _cut(self, t: Tensor, j: int) -> Tensor:
-        return t[j * self.unit_size : (j + 1) * self.unit_size].to(self.device, non_blocking=True)
+        # a copy: the caller may reuse its batch tensor while this unit is still in flight
+        return t[j * self.unit_size : (j + 1) * self.unit_size].to(self.device, copy=True)
 
     def add(self, index: int, batch: Batch) -> None:
         """Minibatch ``index`` of the segment."""

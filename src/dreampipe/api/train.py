@@ -108,10 +108,9 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
         stash=cfg.stash, record_events=cfg.record_events, seed=cfg.seed,
         resume=ckpt.directory if ckpt.resume else None, timeout_s=cfg.timeout_s,
     )
-    try:
-        return _train(pipe, job, data, rank, world)
-    finally:
-        pipe.close()
+    result = _train(pipe, job, data, rank, world)  # on an error the launcher ends every rank
+    pipe.close()
+    return result
 
 
 def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunResult | None:
