@@ -24,7 +24,7 @@ test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks examples
 	$(BIN)/mypy
 
 bench: setup

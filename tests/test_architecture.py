@@ -1,7 +1,7 @@
 """The package's layers: each folder imports only from the folders below it.
 
 The flow reads bottom-up: profiling -> planning -> scheduling -> simulation
-and runtime -> jobs -> cli, with ``models`` (what is profiled and run) and
+and runtime -> jobs -> api -> cli, with ``models`` (what is profiled and run) and
 the shared ``errors``/``quantities`` below everything. Every import counts,
 at module level and inside functions, except those under ``TYPE_CHECKING``.
 """
@@ -23,6 +23,7 @@ _LAYERS = (
     ("scheduling",),
     ("simulation", "runtime"),
     ("jobs",),
+    ("api",),
     ("cli",),
 )
 _RANK = {part: i for i, parts in enumerate(_LAYERS) for part in parts}

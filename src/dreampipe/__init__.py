@@ -6,10 +6,13 @@ The package's folders follow the flow (docs/architecture.md)::
                                                       |-> simulation (predicted events)
                                                       '-> runtime    (measured events)
 
-with ``jobs`` (train, demo, bench) and ``cli`` on top and ``models`` beside.
+with ``jobs`` (train, demo, bench), ``api`` (the Pipeline) and ``cli`` on top and
+``models`` beside.
 
-``import dreampipe`` stays light: the names that need NumPy or torch
-(the planner, the profiler, the model zoo, the runtime) load on first use.
+``dreampipe.Pipeline`` trains your own model, data, optimizer and loop on a
+plan (``api/``). ``import dreampipe`` stays light: the names that need NumPy
+or torch (the Pipeline, the planner, the profiler, the model zoo, the
+runtime) load on first use.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import (
+    CheckpointError,
     ConfigError,
     DreampipeError,
     PeerTimeoutError,
@@ -47,6 +51,7 @@ from dreampipe.simulation.timeline import draw_timeline
 from dreampipe.simulation.trace import write_chrome_trace
 
 if TYPE_CHECKING:
+    from dreampipe.api import EvalResult, Pipeline, load_model_state
     from dreampipe.models import get_model
     from dreampipe.models.spec import ModelSpec
     from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -56,14 +61,17 @@ if TYPE_CHECKING:
 __all__ = [
     "Action",
     "ActionKind",
+    "CheckpointError",
     "ConfigError",
     "DreampipeError",
+    "EvalResult",
     "Event",
     "Layer",
     "LayerGraph",
     "ModelSpec",
     "OptimizerKind",
     "PeerTimeoutError",
+    "Pipeline",
     "Plan",
     "PlanError",
     "ProfileError",
@@ -87,6 +95,7 @@ __all__ = [
     "get_model",
     "launch_local",
     "load_graph",
+    "load_model_state",
     "plan_pipeline",
     "profile_model",
     "profile_spec",
@@ -100,6 +109,9 @@ __version__ = "0.1.0"
 
 # name -> (module, attribute), imported on first access
 _LAZY = {
+    "Pipeline": ("dreampipe.api", "Pipeline"),
+    "EvalResult": ("dreampipe.api", "EvalResult"),
+    "load_model_state": ("dreampipe.api", "load_model_state"),
     "ModelSpec": ("dreampipe.models.spec", "ModelSpec"),
     "get_model": ("dreampipe.models", "get_model"),
     "evaluate_plan": ("dreampipe.planning.planner", "evaluate_plan"),

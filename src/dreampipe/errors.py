@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "TRACEBACK_HEADER",
     "BaselineError",
+    "CheckpointError",
     "ConfigError",
     "DatasetError",
     "DreampipeError",
@@ -49,6 +50,10 @@ class ConfigError(DreampipeError, ValueError):
 
 class DatasetError(DreampipeError, ValueError):
     """A data set is unknown, missing, or does not fit the model."""
+
+
+class CheckpointError(DreampipeError, ValueError):
+    """A checkpoint is missing, uncommitted, damaged, or of another model."""
 
 
 class WorkerError(DreampipeError, RuntimeError):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -245,7 +246,7 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
 def test_worker_tracebacks_are_hidden_unless_verbose(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    import dreampipe.jobs.train
+    import dreampipe.api.train
 
     def fails(*args: object, **kwargs: object) -> None:
         raise PeerTimeoutError(
@@ -254,7 +255,7 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
             "--- traceback of rank 0 ---\nTraceback (most recent call last):\n  boom"
         )
 
-    monkeypatch.setattr(dreampipe.jobs.train, "run_train", fails)
+    monkeypatch.setattr(dreampipe.api.train, "run_train", fails)
     argv = ["-v"] if verbose else []
     assert main([*argv, "train", "mlp", "--workers", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err
@@ -262,3 +263,28 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
     assert "exit codes by rank" in err
     assert ("Traceback (most recent call last)" in err) is verbose
     assert ("run with -v" in err) is not verbose
+
+
+def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--workers",
+            "2", "--schedule", "1f1b-flush", "--batch-size", "16", "--json", "--no-progress"]
+    ckpt = ["--checkpoint-dir", str(tmp_path)]
+
+    def final(*extra: str) -> dict[str, Any]:
+        assert main([*base, *extra]) == 0, capsys.readouterr().err
+        result: dict[str, Any] = json.loads(capsys.readouterr().out)
+        return result
+
+    straight = final("--steps", "8")
+    first = final("--steps", "4", *ckpt, "--checkpoint-every", "4")
+    assert (tmp_path / "step-4" / "COMMITTED").is_file()
+    resumed = final("--steps", "8", *ckpt, "--resume")
+    assert len(first["losses"]) == len(resumed["losses"]) == 4
+    assert resumed["losses"] == straight["losses"][4:]
+    assert resumed["final_loss"] == straight["final_loss"]
+    err = _fails([*base, "--steps", "4", *ckpt, "--resume"], capsys)
+    assert "--steps 4 but the checkpoint is at 4 minibatches" in err, err
+    err = _fails([*base, "--steps", "4", "--resume"], capsys)
+    assert "need --checkpoint-dir DIR" in err, err

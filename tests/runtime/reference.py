@@ -101,8 +101,13 @@ def reference_pipedream(
     seed: int,
     opt: OptFactory,
     vertical_sync: bool = False,
+    partial_round: bool = False,
 ) -> tuple[list[float], dict[str, Tensor]]:
-    """PipeDream's delayed updates; returns per-minibatch losses and the final weights."""
+    """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
+
+    ``partial_round``: a run that ends inside a replicated stage's round still
+    updates with the mean of that round's minibatches (``Pipeline.finish``).
+    """
     edges = [*bounds, spec.num_layers]
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
@@ -131,7 +136,8 @@ def reference_pipedream(
             count = len(leaves[s])
             pending[s].append(grads[:count])
             grads = grads[count:]
-            if len(pending[s]) == replicas[s]:
+            if len(pending[s]) == replicas[s] or (partial_round and t == steps - 1
+                                                   and pending[s]):
                 mean = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
                 for p, g in zip(stages[s].parameters(), mean, strict=True):
                     p.grad = g

@@ -28,6 +28,8 @@ _COMMANDS = ("profile", "plan", "simulate", "train")
 #: A library parameter as written in a ConfigError, and the flag that sets it.
 _FLAGS = {
     "batch_size=": "--batch-size ",
+    "checkpoint_every=": "--checkpoint-every ",
+    "checkpoint_dir=": "--checkpoint-dir ",
     "config=": "--config ",
     "data_dir=": "--data-dir ",
     "epochs=": "--epochs ",
@@ -36,6 +38,7 @@ _FLAGS = {
     "minibatch_size=": "--batch-size ",
     "minibatches=": "--minibatches ",
     "plan_path=": "--plan ",
+    "resume=True": "--resume",
     "schedule=": "--schedule ",
     "stages=": "--stages ",
     "stash=False": "--no-stash",

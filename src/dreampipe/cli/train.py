@@ -3,8 +3,9 @@
 ``train`` profiles, plans and trains one model on local worker processes
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
-The work is done by :mod:`dreampipe.jobs.local`, :mod:`dreampipe.jobs.demo` and
-:mod:`dreampipe.jobs.bench`; this module parses, checks and prints.
+The work is done by :mod:`dreampipe.api.train` (on :class:`dreampipe.Pipeline`),
+:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.jobs.bench`; this module
+parses, checks and prints.
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "matters)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any rank waits for a peer before failing (default: 60)")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save checkpoints as DIR/step-N (torch.distributed.checkpoint)")
+    g.add_argument("--checkpoint-every", type=int, metavar="N",
+                   help="save every N weight updates (pipedream: minibatches) into "
+                        "--checkpoint-dir")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir; "
+                        "--steps stays the total")
     g = p.add_argument_group("output")
     g.add_argument("--trace", metavar="OUT.json",
                    help="write every rank's measured actions as a Chrome trace")
@@ -167,11 +177,17 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.jobs.train import run_train, torchrun_world
+    from dreampipe.api.train import Checkpoints, run_train
+    from dreampipe.jobs.train import torchrun_world
 
     _check_output_paths(args)
+    checkpoints = Checkpoints(
+        directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
+        every=args.checkpoint_every, resume=args.resume,
+    )
     say = _printer(args.json)
-    report = run_train(_request(args), torchrun=torchrun_world(), say=say)
+    report = run_train(_request(args), torchrun=torchrun_world(), say=say,
+                       checkpoints=checkpoints)
     if report is None:
         return 0
     res = report.result

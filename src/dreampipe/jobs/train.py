@@ -1,4 +1,7 @@
-"""``dreampipe train``'s job: plan, predict and run, locally or under torchrun.
+"""``dreampipe train``'s plan choice: check, profile, plan and predict, locally or under torchrun.
+
+The run itself is :func:`dreampipe.api.train.run_train`'s, on a
+:class:`~dreampipe.api.Pipeline` per rank.
 
 Locally, dreampipe profiles the model, plans it for the workers asked for,
 and starts those worker processes itself. Under ``torchrun`` the processes
@@ -33,7 +36,7 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan, stages_from_config
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.checks import check_options
+from dreampipe.runtime.checks import check_config, check_options
 from dreampipe.runtime.config import RunConfig, RunOptions
 from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.scheduling.actions import ScheduleKind
@@ -45,9 +48,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PlanSource",
+    "PlannedRun",
     "TrainReport",
     "TrainRequest",
-    "run_train",
+    "plan_train",
     "share_plan",
     "torchrun_world",
 ]
@@ -165,14 +169,23 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
         ) from exc
 
 
-def run_train(
+@dataclass(frozen=True)
+class PlannedRun:
+    """A train job ready to run: the run with its plan, its model and the prediction."""
+
+    cfg: RunConfig
+    spec: ModelSpec
+    predicted_samples_per_s: float
+
+
+def plan_train(
     req: TrainRequest, *, torchrun: tuple[int, int] | None = None, say: Say | None = None
-) -> TrainReport | None:
-    """Profile, plan, predict and train; the report (None on torchrun ranks other than 0).
+) -> PlannedRun:
+    """Check, profile, plan and predict a train job (the run is :mod:`dreampipe.api.train`'s).
 
     ``torchrun`` is ``(rank, world_size)`` when the processes were started by
-    torchrun; otherwise dreampipe starts the local workers itself. ``say``
-    receives the human-readable lines (plan, prediction) on the reporting rank.
+    torchrun; otherwise the job plans for local workers. ``say`` receives the
+    human-readable lines (plan, prediction) on the reporting rank.
     """
     opts = req.run
     spec = resolve_spec(opts.model, opts.model_kwargs)
@@ -212,18 +225,9 @@ def run_train(
     talk(str(plan))
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
-    result = _run(opts.with_plan(plan, steps), spec, torchrun is not None)
-    if result is None:
-        return None
-    return TrainReport(plan, steps, predicted, result)
-
-
-def _run(cfg: RunConfig, spec: ModelSpec, under_torchrun: bool) -> RunResult | None:
-    from dreampipe.runtime import launch_local, run_from_env
-
-    if under_torchrun:
-        return run_from_env(cfg)
-    return launch_local(cfg, workers=cfg.workers, spec=spec)
+    cfg = opts.with_plan(plan, steps)
+    check_config(cfg, spec, plan.workers_used)
+    return PlannedRun(cfg, spec, predicted)
 
 
 def _quiet(_line: str) -> None:

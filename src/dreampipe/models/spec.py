@@ -60,6 +60,19 @@ class ModelSpec:
                 layers[name] = factory()
         return nn.Sequential(layers)
 
+    def build_partly(self, first: int, last: int, seed: int = 0) -> nn.Sequential:
+        """The whole model with only layers ``first..last`` real (as :meth:`build` makes
+        them) and every other layer on the ``meta`` device: what one pipeline rank needs."""
+        real = self.build(first, last, seed)
+        layers: OrderedDict[str, nn.Module] = OrderedDict()
+        for i, (name, factory) in enumerate(self.layer_factories):
+            if first <= i <= last:
+                layers[name] = real.get_submodule(name)
+            else:
+                with torch.device("meta"):
+                    layers[name] = factory()
+        return nn.Sequential(layers)
+
 
 def image_classifier(
     name: str,

@@ -22,6 +22,7 @@ peer, the action and the unit; the gradient all-reduce of replicated stages
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -33,7 +34,7 @@ from torch import Tensor
 from dreampipe.errors import PeerTimeoutError, StageMismatchError
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
-__all__ = ["Comm"]
+__all__ = ["Comm", "process_groups"]
 
 _ACT, _GRAD, _VER, _HDR = range(4)
 _MAX_DIMS = 8
@@ -78,6 +79,20 @@ def _encode(spec: Spec, device: torch.device) -> Tensor:
 def _decode(header: Tensor) -> Spec:
     values = [int(v) for v in header.tolist()]
     return tuple(values[2 : 2 + values[0]]), _DTYPES[values[1]]
+
+
+def process_groups(
+    stage_ranks: Sequence[Sequence[int]],
+) -> tuple[tuple[Any, Any], dict[int, Any]]:
+    """The groups a run talks on; every rank creates them, in this order.
+
+    Returns the two link groups over every rank (activations, gradients: see
+    above) and one group per replicated stage (its gradient all-reduce).
+    """
+    everyone = list(range(sum(len(r) for r in stage_ranks)))
+    links = (dist.new_group(everyone), dist.new_group(everyone))
+    groups = {s: dist.new_group(list(r)) for s, r in enumerate(stage_ranks) if len(r) > 1}
+    return links, groups
 
 
 class Comm:
@@ -278,3 +293,7 @@ class Comm:
         replicas = self.schedule.replicas[self.stage]
         first = self.schedule.first_rank(self.stage)
         self._wait(work, action, f"ranks {first}..{first + replicas - 1} (all-reduce)")
+
+    def wait_world(self, work: Any, action: Action) -> None:
+        """Wait for an all-reduce over every rank (the global gradient norm of ``action``)."""
+        self._wait(work, action, "every rank (gradient norm all-reduce)")

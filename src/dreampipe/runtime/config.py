@@ -9,6 +9,7 @@ options before it has planned.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.engine import RunnerOptions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -65,6 +67,15 @@ class RunOptions:
     backend: str | None = None
     progress: bool = False
 
+    def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        """What each stage calls with its own parameters to build its optimizer."""
+        def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+            if self.optimizer is OptimizerKind.ADAM:
+                return torch.optim.Adam(params, lr=self.lr)
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+
+        return build
+
     def with_plan(self, plan: Plan, steps: int) -> RunConfig:
         """These options run as ``steps`` updates of ``plan``."""
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -87,6 +98,14 @@ class RunConfig(RunOptions):
         """How each update is cut into units; raises a ConfigError if it cannot be."""
         return UnitLayout(kind=self.schedule, minibatch_size=self.minibatch_size,
                           microbatches=self.microbatches, workers=self.workers)
+
+    def runner_options(self) -> RunnerOptions:
+        """The options every rank's :class:`~dreampipe.runtime.engine.RankRunner` runs with."""
+        return RunnerOptions(
+            timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
+            record_events=self.record_events, progress=self.progress,
+            unit_size=self.layout.unit_size,
+        )
 
     @property
     def backend_name(self) -> str:

@@ -18,47 +18,86 @@ buckets and applies the scale::
     actions   F6  B6  F7  B7* SEND_B7  ALLREDUCE3  STEP3      (* marked)
     buckets               [b0 b1 b2 ...]  wait, scale
 
-Labels: the input stage and the last stage both index the same
-:class:`~dreampipe.runtime.data.Dataset` with ``batch(unit, unit_size)``, so the last
-stage loads a unit's targets itself and nothing but activations and
-gradients crosses the pipeline.
+Data: the input stage and the last stage both read a :class:`UnitData`
+(``inputs(unit)``, ``targets(unit)``): a built-in
+:class:`~dreampipe.runtime.data.Dataset` indexed by unit, or the minibatches
+a user hands to :class:`dreampipe.api.Pipeline`. So the last stage loads a
+unit's targets itself and nothing but activations and gradients crosses the
+pipeline.
+
+Incremental execution: :meth:`RankRunner.advance` runs the rank's actions in
+order and stops before the first one whose unit has not been given yet
+(``ALLREDUCE``/``STEP`` need the last unit of their round); receives are
+posted early only inside that runnable prefix. Every rank sees the same
+count, so all stop consistently. :meth:`RankRunner.switch` replaces the
+schedule by one that extends the same prefix (a longer horizon, or the
+exact run whose tail drains the pipeline) and checks that it does.
 
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
 multiplied by ``1 / units_per_update``, so the sum of the microbatch
 gradients (accumulated on a rank, then all-reduce-*summed* over replicas) is
 the gradient of the mean loss over the whole minibatch. In PipeDream's
-schedule a unit is a minibatch; replicas sum then divide by their number.
+schedule a unit is a minibatch; replicas sum then divide by the units of
+the round (their number, except in a run's last, partial round).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.config import OptimizerKind, RunConfig
-from dreampipe.runtime.data import Dataset, load_dataset
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
-__all__ = ["RankReport", "RankRunner", "barrier", "round_ends"]
+__all__ = ["RankReport", "RankRunner", "RunnerOptions", "UnitData", "barrier", "round_ends"]
 
 _log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 8
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
+
+
+class UnitData(Protocol):
+    """The samples of a unit, the same on every rank that asks."""
+
+    def inputs(self, unit: int) -> Tensor | tuple[Tensor, ...]:
+        """The input stage's input of ``unit``."""
+
+    def targets(self, unit: int) -> Tensor:
+        """The last stage's targets of ``unit``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions:
+    """How a rank runs its actions (identical on every rank).
+
+    ``max_grad_norm`` clips every update's gradient by its global norm over
+    all stages (one small all-reduce over the world per update);
+    ``autocast`` runs forwards under ``torch.autocast`` with that dtype.
+    ``unit_size`` only feeds the progress bar's samples/s.
+    """
+
+    timeout_s: float = 60.0
+    vertical_sync: bool = False
+    record_events: bool = False
+    progress: bool = False
+    unit_size: int = 1
+    max_grad_norm: float | None = None
+    autocast: torch.dtype | None = None
 
 
 @dataclass
@@ -88,65 +127,51 @@ def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
     return frozenset(ends)
 
 
-def _make_optimizer(
-    cfg: RunConfig,
-) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-    """The optimizer factory a stage calls with its own parameters (each rank builds its own)."""
-    def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        if cfg.optimizer is OptimizerKind.ADAM:
-            return torch.optim.Adam(params, lr=cfg.lr)
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
-
-    return build
-
-
 class RankRunner:
-    """One rank's stage, data and links; :meth:`run` executes its actions."""
+    """One rank's stage, data and links; :meth:`run` (or :meth:`advance`) executes its actions.
+
+    ``clip_group`` is the world group the gradient-norm all-reduce uses
+    (with ``max_grad_norm``); ``after_step`` runs after every weight update
+    (a learning-rate scheduler's step).
+    """
 
     def __init__(
         self,
-        cfg: RunConfig,
-        spec: ModelSpec,
         schedule: Schedule,
         rank: int,
         device: torch.device,
+        module: StageModule,
+        data: UnitData | None,
+        opts: RunnerOptions,
+        *,
         groups: dict[int, Any],
         links: tuple[Any, Any] = (None, None),
+        clip_group: Any = None,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.opts = opts
         self.schedule = schedule
         self.rank = rank
         self.device = device
         self.stage = schedule.stage_of_rank(rank)
         self.last = self.stage == schedule.num_stages - 1
         self.group = groups.get(self.stage)
-        st = cfg.plan.stages[self.stage]
-        module = spec.build(st.first, st.last, cfg.seed).to(device).train()
-        self.module = StageModule(
-            module,
-            _make_optimizer(cfg),
-            stage=self.stage,
-            input_grad=self.stage > 0,
-            stash=cfg.stash,
-            vertical_sync=cfg.vertical_sync,
-            loss_fn=spec.loss_fn,
-        )
+        self.module = module
+        self.data = data
         self.comm = Comm(
-            schedule, rank, device, cfg.timeout_s, vertical_sync=cfg.vertical_sync, groups=links
+            schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
         )
-        self.data: Dataset | None = None
-        if self.stage == 0 or self.last:
-            self.data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
         self.pipedream = schedule.kind is ScheduleKind.PIPEDREAM
         self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
-        self.allreduce_scale = 1.0 / schedule.replicas[self.stage] if self.pipedream else 1.0
         self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
-        self._round_ends = round_ends(schedule.actions[rank])
+        self._clip_group = clip_group
+        self._after_step = after_step
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
         self._outputs: dict[int, tuple[Tensor, int | None]] = {}
         self._grads_in: dict[int, Tensor] = {}
         self._grads_out: dict[int, Tensor] = {}
-        self._losses: dict[int, Tensor] = {}
+        self.losses: dict[int, Tensor] = {}
+        self.events: list[Event] = []
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.RECV_F: self._recv_f,
             ActionKind.FORWARD: self._forward,
@@ -159,13 +184,18 @@ class RankRunner:
         }
         self._bar: Any = None
         self._bar_start = 0.0
+        self.t0 = time.perf_counter()
+        self._pos = 0
+        self._stop = 0
+        self._posted = 0
+        self._index_schedule()
+
+    def _index_schedule(self) -> None:
+        actions = self.schedule.actions[self.rank]
+        self._recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
+        self._round_ends = round_ends(actions)
 
     # ---- handlers ----------------------------------------------------------
-    def _batch(self, unit: int) -> tuple[Tensor, Tensor]:
-        assert self.data is not None
-        x, y = self.data.batch(unit, self.cfg.layout.unit_size)
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-
     def _recv_f(self, a: Action) -> None:
         self._inputs[a.unit] = self.comm.take(a)
 
@@ -173,24 +203,25 @@ class RankRunner:
         u = a.unit
         target = None
         version: int | None = None
+        assert self.data is not None or self.stage > 0
+        x: Tensor | tuple[Tensor, ...]
         if self.stage == 0:
-            x, y = self._batch(u)
-            if self.last:
-                target = y
-            if self.cfg.vertical_sync:
+            assert self.data is not None
+            x = self.data.inputs(u)
+            if self.opts.vertical_sync:
                 version = self.module.version
         else:
             x, version = self._inputs.pop(u)
             if version is not None:
                 self.module.note_version(version)
-            if self.last:
-                assert self.data is not None
-                target = self.data.targets(u, self.cfg.layout.unit_size).to(
-                    self.device, non_blocking=True
-                )
-        out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
         if self.last:
-            self._losses[u] = out
+            assert self.data is not None
+            target = self.data.targets(u)
+        cast = self.opts.autocast
+        with torch.autocast(self.device.type, cast) if cast is not None else nullcontext():
+            out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
+        if self.last:
+            self.losses[u] = out
         else:
             self._outputs[u] = (out, version)
 
@@ -212,9 +243,9 @@ class RankRunner:
         if self._bar is not None:
             self._bar.update(1)
             elapsed = time.perf_counter() - self._bar_start
-            rate = self._bar.n * self.cfg.layout.unit_size / elapsed if elapsed > 0 else 0.0
+            rate = self._bar.n * self.opts.unit_size / elapsed if elapsed > 0 else 0.0
             self._bar.set_postfix(
-                loss=f"{float(self._losses[a.unit]):.4f}", samples_per_s=f"{rate:.0f}",
+                loss=f"{float(self.losses[a.unit]):.4f}", samples_per_s=f"{rate:.0f}",
                 refresh=False,
             )
 
@@ -222,52 +253,115 @@ class RankRunner:
         self.comm.send(a, self._grads_out.pop(a.unit))
 
     def _allreduce(self, a: Action) -> None:
-        self.buckets.finish(self.module.gradients(), a, self.allreduce_scale)
+        scale = 1.0
+        if self.pipedream:
+            r = self.schedule.replicas[self.stage]
+            scale = 1.0 / min(r, self.schedule.num_units - a.unit * r)
+        self.buckets.finish(self.module.gradients(), a, scale)
 
     def _step(self, a: Action) -> None:
+        if self.opts.max_grad_norm is not None:
+            self._clip(a, self.opts.max_grad_norm)
         self.module.step()
+        if self._after_step is not None:
+            self._after_step()
+
+    def _clip(self, a: Action, max_norm: float) -> None:
+        """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
+        ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
+        stage counted once (its replicas hold the same all-reduced gradient)."""
+        grads = self.module.gradients()
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.schedule.replica_of_rank(self.rank) == 0:
+            for g in grads:
+                sq += torch.linalg.vector_norm(g, 2).double() ** 2
+        work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
+        self.comm.wait_world(work, a)
+        coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
+        for g in grads:
+            g.mul_(coef)
 
     # ---- loop ----------------------------------------------------------------
+    def advance(self, given: int | None = None) -> None:
+        """Execute the next actions, up to the first that needs a unit ``>= given``.
+
+        ``given`` None runs to the end of the schedule. Receives are posted
+        up to :data:`_LOOKAHEAD` actions ahead, never past that stop.
+        """
+        actions = self.schedule.actions[self.rank]
+        stop = self._pos
+        need = self.schedule.last_unit
+        while stop < len(actions) and (given is None or need(actions[stop]) < given):
+            stop += 1
+        self._stop = stop
+        recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
+        record, clock = self.opts.record_events, time.perf_counter
+        for i in range(self._pos, stop):
+            while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
+                   and recv_at[self._posted] < stop):
+                if not post(actions[recv_at[self._posted]]):
+                    break
+                self._posted += 1
+            a = actions[i]
+            if record:
+                start = clock()
+                handlers[a.kind](a)
+                self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0))
+            else:
+                handlers[a.kind](a)
+            self._pos = i + 1
+
+    @property
+    def done(self) -> bool:
+        """Whether every action of the schedule has run."""
+        return self._pos == len(self.schedule.actions[self.rank])
+
+    def switch(self, schedule: Schedule) -> None:
+        """Continue with ``schedule``, which must begin with the runnable prefix so far."""
+        old, new = self.schedule.actions[self.rank], schedule.actions[self.rank]
+        assert new[: self._stop] == old[: self._stop], (
+            f"rank {self.rank}: the new schedule does not extend the prefix it ran"
+        )
+        self.schedule = schedule
+        self.comm.schedule = schedule
+        self._index_schedule()
+
+    def restart(self, schedule: Schedule) -> None:
+        """Start ``schedule`` from its first action (a new segment: the pipeline fills again)."""
+        assert self.done and not (self._inputs or self._outputs or self._grads_in), (
+            f"rank {self.rank} restarts with work in flight"
+        )
+        self.comm.drain()
+        self.schedule = schedule
+        self.comm.schedule = schedule
+        self._pos = self._stop = self._posted = 0
+        self.losses = {}
+        self._index_schedule()
+
     def run(self, t0: float) -> RankReport:
         """Execute every action; times in the report are relative to ``t0``."""
-        actions = self.schedule.actions[self.rank]
-        recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
-        nxt = 0
-        handlers = self._handlers
-        post = self.comm.post
-        events: list[Event] = []
-        record = self.cfg.record_events
-        clock = time.perf_counter
-        self._open_progress(actions)
+        self.t0 = t0
+        self._open_progress(self.schedule.actions[self.rank])
         try:
-            for i, a in enumerate(actions):
-                while nxt < len(recv_at) and recv_at[nxt] <= i + _LOOKAHEAD:
-                    if not post(actions[recv_at[nxt]]):
-                        break
-                    nxt += 1
-                if record:
-                    start = clock()
-                    handlers[a.kind](a)
-                    events.append(Event.of(self.rank, a, start - t0, clock() - t0))
-                else:
-                    handlers[a.kind](a)
+            self.advance()
             self.comm.drain()
         finally:
             if self._bar is not None:
                 self._bar.close()
-        loop_s = clock() - t0
+        loop_s = time.perf_counter() - t0
         return RankReport(
             rank=self.rank,
             stage=self.stage,
             replica=self.schedule.replica_of_rank(self.rank),
             loop_s=loop_s,
-            losses={u: float(v) for u, v in self._losses.items()},
-            events=events,
+            losses={u: float(v) for u, v in self.losses.items()},
+            events=self.events,
             peak_versions=self.module.peak_versions,
         )
 
     def _open_progress(self, actions: tuple[Action, ...]) -> None:
-        if not (self.cfg.progress and self.last and self.schedule.replica_of_rank(self.rank) == 0):
+        if not (self.opts.progress and self.last
+                and self.schedule.replica_of_rank(self.rank) == 0):
             return
         from tqdm import tqdm
 

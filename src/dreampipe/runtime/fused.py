@@ -11,7 +11,8 @@ accumulation does, and autograd only carries the input gradient::
     plain   grad_W = g^T x      (write)      acc += grad_W   (read, read, write)
     fused   acc.addmm_(g^T, x)  (read, write)
 
-The layer's forward is unchanged; other layers keep autograd's usual path.
+The layer's forward is unchanged; other layers, and every layer under
+``torch.autocast`` (which casts inside ``F.linear``), keep autograd's usual path.
 The weight and bias still get their post-accumulate-grad hooks, after every
 GEMM that adds to them (autograd runs a leaf's accumulation, with no gradient
 here, once all the nodes feeding it are done): that is how
@@ -65,7 +66,8 @@ class _LinearAccumulate(torch.autograd.Function):
 def _forward(layer: nn.Linear, sink: GradientSink, w_index: int, b_index: int | None,
              x: Tensor) -> Tensor:
     weight, bias = layer.weight, layer.bias
-    if torch.is_grad_enabled() and weight.requires_grad and x.dim() >= 2:
+    if (torch.is_grad_enabled() and weight.requires_grad and x.dim() >= 2
+            and not torch.is_autocast_enabled(x.device.type)):
         out: Tensor = _LinearAccumulate.apply(  # type: ignore[no-untyped-call]
             x, weight, bias, sink, w_index, b_index
         )

@@ -43,9 +43,12 @@ from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError,
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.checks import check_config, check_stage_outputs
+from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunConfig, RunResult
+from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
 from dreampipe.runtime.results import assemble
+from dreampipe.runtime.stage import StageModule
 
 __all__ = [
     "RankFn",
@@ -89,21 +92,26 @@ def run_rank(
     ``spec`` is ``cfg.model`` resolved, and ``cfg`` already checked against it.
     """
     schedule = cfg.layout.build([st.replicas for st in cfg.plan.stages], cfg.steps)
-    everyone = list(range(world))
-    links = (dist.new_group(everyone), dist.new_group(everyone))
-    groups = {
-        s: dist.new_group(list(st.ranks))
-        for s, st in enumerate(cfg.plan.stages)
-        if st.replicas > 1
-    }
-    runner = RankRunner(cfg, spec, schedule, rank, device, groups, links)
+    links, groups = process_groups([st.ranks for st in cfg.plan.stages])
+    stage = schedule.stage_of_rank(rank)
+    st = cfg.plan.stages[stage]
+    module = StageModule(
+        spec.build(st.first, st.last, cfg.seed).to(device).train(), cfg.optimizer_factory(),
+        stage=stage, input_grad=stage > 0, stash=cfg.stash, vertical_sync=cfg.vertical_sync,
+        loss_fn=spec.loss_fn,
+    )
+    data = None
+    if stage in (0, cfg.plan.num_stages - 1):
+        data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
+    units = data.units(cfg.layout.unit_size) if data is not None else None
+    runner = RankRunner(schedule, rank, device, module, units, cfg.runner_options(),
+                        groups=groups, links=links)
     barrier(max(cfg.timeout_s, _MIN_SETUP_S))
     report = runner.run(time.perf_counter())
     if report.replica == 0:
         report.state = runner.final_state()
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
-    data = runner.data
     # Every rank is past its last message before any tears its groups down. The
     # runner refers to itself (its bound action handlers, the gradient buckets'
     # wait): collect it now, or its process groups, with their gloo threads and

@@ -84,9 +84,13 @@ class _Round:
     reported: list[bool]
 
 
+#: A stage's input: one tensor, or (first stage only) the tuple of the model's inputs.
+StageInput = Tensor | tuple[Tensor, ...]
+
+
 @dataclass
 class _InFlight:
-    input: Tensor
+    input: StageInput
     output: Tensor | None
     version: _Version | None
     target: Tensor | None
@@ -136,6 +140,11 @@ class StageModule:
     def params(self) -> list[nn.Parameter]:
         """The trained parameters, in gradient index order (registration order)."""
         return self._params
+
+    @property
+    def module_param_names(self) -> list[str]:
+        """The trained parameters' names in the module, in :attr:`params` order."""
+        return self._names
 
     @property
     def versions_held(self) -> int:
@@ -207,7 +216,7 @@ class StageModule:
     def forward(
         self,
         unit: int,
-        x: Tensor,
+        x: StageInput,
         *,
         version: int | None = None,
         target: Tensor | None = None,
@@ -218,7 +227,7 @@ class StageModule:
         ``version`` (vertical sync) picks a stored version; None uses the newest.
         ``scale`` multiplies the loss before the backward (microbatch share).
         """
-        if self.input_grad and x.is_floating_point():
+        if self.input_grad and isinstance(x, Tensor) and x.is_floating_point():
             x.requires_grad_(True)
         if self.stash:
             v = self._acquire(version)
@@ -231,10 +240,13 @@ class StageModule:
         return report
 
     def _compute(
-        self, tensors: dict[str, Tensor] | None, x: Tensor, target: Tensor | None, scale: float
+        self, tensors: dict[str, Tensor] | None, x: StageInput, target: Tensor | None,
+        scale: float,
     ) -> tuple[Tensor, Tensor]:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
-        out = self.module(x) if tensors is None else functional_call(self.module, tensors, (x,))
+        args = x if isinstance(x, tuple) else (x,)
+        out = self.module(*args) if tensors is None else functional_call(
+            self.module, tensors, args)
         if not isinstance(out, Tensor):
             raise PlanError(
                 f"stage {self.stage} returned a {type(out).__name__}, not a tensor; dreampipe "
@@ -275,7 +287,8 @@ class StageModule:
         else:
             assert st.output is not None
             v, out = st.version, st.output
-        want_input = self.input_grad and st.input.requires_grad
+        x = st.input if isinstance(st.input, Tensor) else None
+        want_input = self.input_grad and x is not None and x.requires_grad
         leaves = list(v.tensors.values())
         if on_ready is not None:
             held = [*self._touched.values()]
@@ -285,7 +298,7 @@ class StageModule:
             )
         try:
             torch.autograd.backward(
-                out, grad, inputs=[st.input, *leaves] if want_input else leaves
+                out, grad, inputs=[x, *leaves] if want_input and x is not None else leaves
             )
             if self._round is not None:
                 for i, done in enumerate(self._round.reported):
@@ -295,7 +308,7 @@ class StageModule:
             self._round = None
         self._touched[v.number] = v
         self._release(v)
-        return st.input.grad if want_input else None
+        return x.grad if want_input and x is not None else None
 
     def _leaf_done(self, index: int, _leaf: Tensor) -> None:
         """Post-accumulate hook of a version's leaf: in a round's last backward, report it."""

@@ -180,6 +180,20 @@ class Schedule:
         """The rank of ``stage`` that runs ``unit`` (round-robin over replicas)."""
         return self._firsts[stage] + unit % self.replicas[stage]
 
+    def last_unit(self, action: Action) -> int:
+        """The last unit whose data ``action`` needs: its own, or its round's last.
+
+        An update (``ALLREDUCE``/``STEP`` k) needs every unit of its round: the
+        ``replicas`` units of round k (PipeDream), or update k's microbatches.
+        A runtime fed one minibatch at a time stops before the first action that
+        needs a unit not yet given.
+        """
+        if action.kind is not _K.ALLREDUCE and action.kind is not _K.STEP:
+            return action.unit
+        per = (self.replicas[action.stage] if self.kind is ScheduleKind.PIPEDREAM
+               else self.units_per_update)
+        return (action.unit + 1) * per - 1
+
     def peer(self, rank: int, action: Action) -> int | None:
         """The rank a send/receive talks to; None for other kinds."""
         stage = action.peer_stage

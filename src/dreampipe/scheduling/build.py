@@ -43,6 +43,7 @@ from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleK
 __all__ = [
     "build_schedule",
     "compute_schedule",
+    "forward_only",
     "lower_communication",
     "lower_updates",
     "warmup_forwards",
@@ -121,6 +122,17 @@ def compute_schedule(
                 acts += order(units, warmup_forwards(reps, stage), stage)
             actions.append(tuple(acts))
     return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
+
+
+def forward_only(replicas: Sequence[int], num_units: int) -> Schedule:
+    """Forwards alone (evaluation): each replica runs its units in order, round-robin.
+
+    GPipe's schedule of one update over ``num_units`` units with its
+    backward, gradient and update actions left out.
+    """
+    full = build_schedule(replicas, ScheduleKind.GPIPE, num_units, num_units)
+    keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
+    return _replace(full, [tuple(a for a in acts if a.kind in keep) for acts in full.actions])
 
 
 def lower_communication(schedule: Schedule) -> Schedule:

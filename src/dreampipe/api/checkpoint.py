@@ -1,0 +1,228 @@
+"""Checkpoints of a Pipeline with ``torch.distributed.checkpoint`` (DCP).
+
+Keys are the original model's names, so a checkpoint loads into any plan
+(other cuts, replica counts, world size) and into the plain model::
+
+    model.<fqn>           every parameter and buffer (replicas write one copy)
+    optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
+    param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
+                          update count and the parameter's non-tensor state (pickled)
+    progress              minibatches consumed and rank 0's RNG state (pickled)
+
+A save is atomic: every rank writes ``DIR/step-N.tmp``; after a barrier
+rank 0 renames it ``DIR/step-N`` and writes the marker ``COMMITTED`` last
+(the size of every file, so a truncated file is found before loading).
+A directory without the marker is never loaded. :func:`load_model_state`
+reads the weights alone into a plain ``nn.Module``'s keys, without a
+process group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from dreampipe.api.split import Chain, Layers
+from dreampipe.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from dreampipe.api.pipeline import Pipeline
+
+__all__ = ["MARKER", "check_keys", "find", "load", "load_model_state", "minibatches_of", "save"]
+
+_log = logging.getLogger(__name__)
+
+MARKER = "COMMITTED"
+_STEP = re.compile(r"^step-(\d+)$")
+_LIST = 6
+
+
+def _complete(directory: Path) -> list[Path]:
+    """The committed ``step-N`` checkpoints in ``directory``, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir()
+             and (m := _STEP.match(p.name)) and (p / MARKER).is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def find(path: Path) -> Path:
+    """The checkpoint ``path`` names: itself if committed, else its newest committed step."""
+    temporary = path.name.endswith(".tmp")
+    if (path / MARKER).is_file() and not temporary:
+        _verify(path)
+        return path
+    parent_done = _complete(path.parent) if path.parent != path else []
+    if path.is_dir() and (_STEP.match(path.name) or temporary):
+        last = f"the last complete one is {parent_done[-1]}" if parent_done else (
+            "there is no complete one beside it")
+        raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER} marker: the "
+                              f"save did not finish); {last}")
+    done = _complete(path)
+    if not done:
+        raise CheckpointError(f"no complete checkpoint in {path}; save one with pipe.save(DIR) "
+                              "(or --checkpoint-dir) first")
+    _verify(done[-1])
+    return done[-1]
+
+
+def minibatches_of(path: Path) -> int:
+    """The minibatches consumed when the committed checkpoint ``path`` was saved."""
+    return int(json.loads((path / MARKER).read_text())["minibatches"])
+
+
+def _verify(path: Path) -> None:
+    sizes: dict[str, int] = json.loads((path / MARKER).read_text())["files"]
+    for name, size in sizes.items():
+        f = path / name
+        got = f.stat().st_size if f.is_file() else None
+        if got != size:
+            older = [p for p in _complete(path.parent) if p != path]
+            hint = f"resume from {older[-1]}" if older else "save a new one"
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {name} is "
+                f"{'missing' if got is None else f'{got} bytes'}, the commit recorded {size} "
+                f"bytes (truncated or overwritten); {hint}")
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    try:
+        return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception as exc:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}; "
+                              "it is damaged: resume from another one") from exc
+
+
+def check_keys(path: Path, layers: Layers) -> None:
+    """The checkpoint's weights must be the model's, by name and shape."""
+    meta = _metadata(path)
+    saved = {k[len("model."):]: v for k, v in meta.items() if k.startswith("model.")}
+    model = Chain(layers).state_dict()
+    missing = [k for k in model if k not in saved]
+    unexpected = [k for k in saved if k not in model]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path} is of another model: missing keys {missing[:_LIST]}"
+            f"{'...' if len(missing) > _LIST else ''}, unexpected keys {unexpected[:_LIST]}"
+            f"{'...' if len(unexpected) > _LIST else ''}; resume from a checkpoint of this model")
+    for k, t in model.items():
+        if tuple(saved[k].size) != tuple(t.shape):
+            raise CheckpointError(f"checkpoint {path} holds {k} of shape {list(saved[k].size)}, "
+                                  f"the model's is {list(t.shape)}; resume from a checkpoint of "
+                                  "this model")
+
+
+def _stage_state(pipe: Pipeline) -> dict[str, Any]:
+    module = pipe.module
+    state: dict[str, Any] = {f"model.{k}": v for k, v in module.module.state_dict().items()}
+    opt = module.optimizer
+    sched = pipe.scheduler.state_dict() if pipe.scheduler is not None else None
+    names = dict(zip(map(id, module.params), module.module_param_names, strict=True))
+    groups = opt.param_groups if opt is not None else []
+    for group in groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            fqn = names[id(p)]
+            per = opt.state.get(p, {}) if opt is not None else {}
+            state.update({f"optim.{fqn}.{k}": v for k, v in per.items() if isinstance(v, Tensor)})
+            state[f"param.{fqn}"] = pickle.dumps({
+                "group": hyper, "scheduler": sched, "version": module.version,
+                "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
+            })
+    state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
+                                      "rng": torch.get_rng_state()})
+    return state
+
+
+def save(directory: Path, pipe: Pipeline) -> Path:
+    """Write ``directory/step-N`` atomically (a collective: every rank calls it)."""
+    final = directory / f"step-{pipe.minibatches}"
+    tmp = directory / f"{final.name}.tmp"
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    dcp_save(_stage_state(pipe), checkpoint_id=str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        sizes = {p.name: p.stat().st_size for p in final.iterdir() if p.is_file()}
+        marker = final / f"{MARKER}.tmp"
+        marker.write_text(json.dumps({"minibatches": pipe.minibatches, "files": sizes}))
+        marker.rename(final / MARKER)
+    dist.barrier()
+    _log.info("saved checkpoint %s", final)
+    return final
+
+
+def _placeholders(meta: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in keys:
+        md = meta[k]
+        size = getattr(md, "size", None)
+        out[k] = "" if size is None else torch.empty(tuple(size), dtype=md.properties.dtype)
+    return out
+
+
+def load(path: Path, pipe: Pipeline) -> int:
+    """Load ``path`` into this rank's stage; the minibatches it had consumed."""
+    meta = _metadata(path)
+    module = pipe.module
+    names = module.module_param_names
+    keys = [f"model.{k}" for k in module.module.state_dict()] + [f"param.{n}" for n in names]
+    keys += [k for k in meta if any(k.startswith(f"optim.{n}.") for n in names)]
+    keys.append("progress")
+    state = _placeholders(meta, keys)
+    try:
+        dcp_load(state, checkpoint_id=str(path))
+    except Exception as exc:
+        raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: "
+                              f"{str(exc)[:300]}; resume from another one") from exc
+    module.module.load_state_dict(
+        {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
+    opt = module.optimizer
+    objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
+    for p, fqn in zip(module.params, names, strict=True):
+        info = objects[f"param.{fqn}"]
+        per: dict[str, Any] = dict(info["state"])
+        prefix = f"optim.{fqn}."
+        per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
+                    if k.startswith(prefix)})
+        if opt is not None and per:
+            opt.state[p] = per
+        module.version = int(info["version"])
+    if opt is not None and names:
+        first = objects[f"param.{names[0]}"]
+        for group in opt.param_groups:
+            group.update(first["group"])
+        if pipe.scheduler is not None and first["scheduler"] is not None:
+            pipe.scheduler.load_state_dict(first["scheduler"])
+    torch.set_rng_state(objects["progress"]["rng"])
+    _log.info("resumed from %s", path)
+    return int(objects["progress"]["minibatches"])
+
+
+def load_model_state(path: str | Path) -> dict[str, Tensor]:
+    """The weights of a checkpoint as a plain ``state_dict`` (no process group needed)."""
+    found = find(Path(path))
+    meta = _metadata(found)
+    keys = [k for k in meta if k.startswith("model.")]
+    state = _placeholders(meta, keys)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_load(state, checkpoint_id=str(found), no_dist=True)
+    return {k[len("model."):]: v for k, v in state.items()}

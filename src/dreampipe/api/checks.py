@@ -1,0 +1,129 @@
+"""Checks of a Pipeline's inputs that every rank runs before anything is sent.
+
+Each rank sees the same model, example, loss, optimizer factory and batch
+stream, so each raises the same error at the same point and no peer is
+left waiting. The model check runs the whole model on the ``meta`` device
+(shapes only, no memory, no compute), stage by stage.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dreampipe.api.split import Chain, Layers
+from dreampipe.errors import ConfigError, DatasetError, PlanError
+from dreampipe.planning.plan import Plan
+
+__all__ = [
+    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_stages_on_meta",
+]
+
+_log = logging.getLogger(__name__)
+
+#: A minibatch: the input (a tensor or a tuple of tensors) and the target.
+Batch = tuple[Tensor | tuple[Tensor, ...], Tensor]
+
+
+def _describe(t: Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)}"
+
+
+def _signature(x: Tensor | tuple[Tensor, ...]) -> list[str]:
+    return [_describe(t) for t in (x if isinstance(x, tuple) else (x,))]
+
+
+def check_batch(index: int, batch: Batch, example: Batch) -> None:
+    """Minibatch ``index`` must have the example's shapes and dtypes (input and target)."""
+    for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
+        if _signature(got) != _signature(want):
+            raise DatasetError(
+                f"minibatch {index}'s {what} is {', '.join(_signature(got))} but example's is "
+                f"{', '.join(_signature(want))}; give every step a minibatch shaped like "
+                "example (a DataLoader with drop_last=True drops a short last batch)"
+            )
+
+
+def check_optimizer(factory: Callable[[list[nn.Parameter]], Any]) -> None:
+    """The factory must return a ``torch.optim.Optimizer`` (tried on a one-element parameter)."""
+    got = factory([nn.Parameter(torch.zeros(1))])
+    if not isinstance(got, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer returned a {type(got).__name__}, not a torch.optim.Optimizer; pass a "
+            "function of the parameters, e.g. optimizer=lambda params: "
+            "torch.optim.AdamW(params, lr=3e-4)", "optimizer",
+        )
+
+
+def check_plan(plan: Plan, names: Sequence[str], world: int) -> None:
+    """The plan must cover exactly the model's layers and use every rank."""
+    if plan.num_layers != len(names):
+        raise PlanError(
+            f"the plan covers {plan.num_layers} layers but the model has {len(names)}; plan "
+            "this model (plan='auto')"
+        )
+    if plan.layer_names and tuple(plan.layer_names) != tuple(names):
+        i = next(i for i, (a, b) in enumerate(zip(plan.layer_names, names, strict=True)) if a != b)
+        raise PlanError(
+            f"the plan is for another model: its layer {i} is {plan.layer_names[i]!r}, the "
+            f"model's is {names[i]!r}; plan this model (plan='auto')"
+        )
+    if plan.workers_used != world:
+        raise PlanError(
+            f"the plan {plan.config} uses {plan.workers_used} workers but {world} were started; "
+            f"start {plan.workers_used} or plan for {world} (plan='auto')"
+        )
+
+
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def check_stages_on_meta(
+    layers: Layers, plan: Plan, example: Batch, loss_fn: Callable[..., Any], unit_size: int
+) -> None:
+    """Every stage but the last returns one tensor, and the loss is a scalar.
+
+    Runs on the meta device with the example's first ``unit_size`` samples. A
+    model or loss that cannot run on meta (an op without a meta kernel, a
+    data-dependent shape) skips the check with a debug log line; the runtime
+    then raises the same errors at the first forward.
+    """
+    x: Any = tuple(_meta(t[:unit_size]) for t in example[0]) if isinstance(
+        example[0], tuple) else (_meta(example[0][:unit_size]),)
+    try:
+        for s, st in enumerate(plan.stages):
+            stage = Chain(layers[st.first : st.last + 1])
+            tensors = {k: _meta(v) for k, v in (*stage.named_parameters(),
+                                                 *stage.named_buffers())}
+            out = functional_call(stage, tensors, x)
+            if not isinstance(out, Tensor):
+                raise PlanError(
+                    f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) "
+                    f"returns a {type(out).__name__}, not a tensor; dreampipe passes one tensor "
+                    "between stages: cut after a layer that returns a tensor"
+                )
+            x = (out,)
+        loss = loss_fn(x[0], _meta(example[1][:unit_size]))
+    except PlanError:
+        raise
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
+        _log.debug("meta-device dry run not possible: %s", exc)
+        return
+    check_loss(loss)
+
+
+def check_loss(loss: Any) -> None:
+    """``loss_fn`` must return a scalar tensor (the mean over the batch, say)."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, Tensor) else (
+            f"a {type(loss).__name__}")
+        raise ConfigError(
+            f"loss_fn returned {what}, not a scalar; return one number per minibatch, e.g. "
+            "the mean (reduction='mean')", "loss_fn",
+        )

@@ -1,0 +1,336 @@
+"""``dreampipe.Pipeline``: train your own model, data, optimizer and loop with a plan.
+
+Every rank runs the same script (under ``torchrun``, or one process alone)::
+
+    pipe = Pipeline(model, example=(x, y), loss_fn=F.cross_entropy,
+                    optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    for x, y in loader:          # the same stream on every rank
+        pipe.step(x, y)
+    losses = pipe.finish()       # per-minibatch losses, the same on every rank
+
+Each rank builds only its stage's layers (:mod:`.split`) and runs the rank's
+actions of the one :class:`~dreampipe.scheduling.actions.Schedule` with the
+runtime's :class:`~dreampipe.runtime.engine.RankRunner`, incrementally:
+
+    step(x, y)   record minibatch n (cut into units, :mod:`.feed`), then run this
+                 rank's actions of a schedule built for a long horizon, stopping
+                 before the first that needs a unit not given yet
+    finish()     build the schedule of exactly the n minibatches given (its
+                 prefix is what ran: :meth:`RankRunner.switch` checks it) and
+                 run the rest, the drain; the next step() starts a new segment
+
+A synchronous schedule's step is one whole weight update. PipeDream keeps
+minibatches in flight across steps, with weight stashing, vertical sync and
+1F1B-RR as in ``dreampipe train``. A segment that ends inside an all-reduce
+round of a replicated stage (5 minibatches on a stage of 2 replicas) ends
+with a partial round: its update averages the minibatches of that round.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dreampipe.api import checkpoint
+from dreampipe.api.checks import (
+    Batch,
+    check_batch,
+    check_optimizer,
+    check_plan,
+    check_stages_on_meta,
+)
+from dreampipe.api.feed import Batches, Feed
+from dreampipe.api.plans import PlanArg, resolve_plan
+from dreampipe.api.split import build_stage, split_layers
+from dreampipe.errors import ConfigError, ScheduleError
+from dreampipe.runtime.comm import Comm, process_groups
+from dreampipe.runtime.engine import RankRunner, RunnerOptions
+from dreampipe.runtime.forwards import run_forwards
+from dreampipe.runtime.stage import StageModule
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import forward_only
+from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.units import UnitLayout
+
+__all__ = ["EvalResult", "Pipeline"]
+
+_log = logging.getLogger(__name__)
+_HORIZON = 32
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean loss per sample; top-1 accuracy when the targets are class labels."""
+
+    loss: float
+    accuracy: float | None
+
+
+def _kind(schedule: str | ScheduleKind) -> ScheduleKind:
+    if isinstance(schedule, ScheduleKind):
+        return schedule
+    try:
+        return ScheduleKind(schedule)
+    except ValueError:
+        names = ", ".join(k.value for k in ScheduleKind)
+        raise ConfigError(f"schedule={schedule!r}; use one of {names}", "schedule") from None
+
+
+class Pipeline:
+    """A model trained by a plan's stages, one rank each; see the module docstring.
+
+    ``model``: an ``nn.Sequential`` or an fx-traceable module whose forward is a
+    chain of submodule calls, possibly on the meta device. ``example``: one
+    minibatch ``(input, target)``; every step's minibatch must match its
+    shapes. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each
+    stage's own; the scheduler steps after every weight update of its stage.
+    ``max_grad_norm`` clips each update by the global norm over all stages;
+    ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
+    ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
+    show why it matters); ``record_events`` keeps what this rank did, with
+    times (:attr:`events`). ``resume`` loads the newest complete checkpoint
+    in a directory (:meth:`save`). The layers are trained in place.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        example: Batch,
+        loss_fn: Callable[[Tensor, Tensor], Tensor],
+        optimizer: OptimizerFactory,
+        lr_scheduler: SchedulerFactory | None = None,
+        schedule: str | ScheduleKind = "pipedream",
+        plan: PlanArg = "auto",
+        microbatches: int = 1,
+        max_grad_norm: float | None = None,
+        autocast: torch.dtype | None = None,
+        vertical_sync: bool = False,
+        stash: bool = True,
+        record_events: bool = False,
+        resume: str | Path | None = None,
+        seed: int = 0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.kind = _kind(schedule)
+        self._layers = split_layers(model)
+        self._names = [name for name, _ in self._layers]
+        check_optimizer(optimizer)
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm={max_grad_norm}; use a positive norm or None",
+                              "max_grad_norm")
+        self._example = example
+        self._owns_group = _init_process_group(timeout_s)
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
+                                 microbatches=microbatches, workers=world)
+        unit_size = self.layout.unit_size
+        self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
+                                 loss_fn=loss_fn, unit_size=unit_size, seed=seed)
+        check_plan(self.plan, self._names, world)
+        self.replicas = [st.replicas for st in self.plan.stages]
+        _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
+        check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
+        found = checkpoint.find(Path(resume)) if resume is not None else None
+        if found is not None:
+            checkpoint.check_keys(found, self._layers)
+        self.device = _device()
+        stage = self.plan.stage_of_rank(self.rank)
+        st = self.plan.stages[stage]
+        self.module = StageModule(
+            build_stage(self._layers, st.first, st.last, self.device, seed), optimizer,
+            stage=stage, input_grad=stage > 0, stash=stash, vertical_sync=vertical_sync,
+            loss_fn=loss_fn,
+        )
+        self.scheduler = None
+        if lr_scheduler is not None and self.module.optimizer is not None:
+            self.scheduler = lr_scheduler(self.module.optimizer)
+        self.loss_fn = loss_fn
+        self.minibatches = 0
+        self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
+                                   unit_size=unit_size, max_grad_norm=max_grad_norm,
+                                   autocast=autocast, record_events=record_events)
+        self._links, groups = process_groups([st.ranks for st in self.plan.stages])
+        clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
+        self._horizon = _HORIZON
+        self.runner = RankRunner(
+            self.layout.build(self.replicas, self._horizon), self.rank, self.device,
+            self.module, None, self._opts, groups=groups, links=self._links,
+            clip_group=clip_group, after_step=self._after_step,
+        )
+        self._segment = 0
+        self._pending: list[float] = []
+        self._feed = self._new_feed()
+        if found is not None:
+            self.minibatches = checkpoint.load(found, self)
+
+    # ---- training ----------------------------------------------------------
+    def _after_step(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _new_feed(self) -> Feed:
+        sched = self.runner.schedule
+        stage = sched.stage_of_rank(self.rank)
+        mine = sched.replica_of_rank(self.rank)
+        reps, last = self.replicas[stage], stage == len(self.replicas) - 1
+        feed = Feed(
+            unit_size=self.layout.unit_size, units_per_update=self.layout.units_per_update,
+            device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
+            wants_targets=lambda u: last and u % reps == mine,
+        )
+        self.runner.data = feed
+        return feed
+
+    def step(self, x: Tensor | tuple[Tensor, ...], y: Tensor) -> None:
+        """Train on one more minibatch (the same on every rank); see the module docstring."""
+        check_batch(self.minibatches, (x, y), self._example)
+        if self._segment == 0 and self.runner.done:
+            self._horizon = _HORIZON
+            self.runner.restart(self.layout.build(self.replicas, self._horizon))
+            self._feed = self._new_feed()
+        self._feed.add(self._segment, (x, y))
+        self._segment += 1
+        self.minibatches += 1
+        if 2 * self._segment > self._horizon:
+            self._horizon *= 4
+            self.runner.switch(self.layout.build(self.replicas, self._horizon))
+        self.runner.advance(self._segment * self.layout.units_per_update)
+
+    def _drain(self) -> None:
+        """Run the segment's exact schedule to its end and collect its losses."""
+        n = self._segment
+        if n == 0:
+            return
+        self.runner.switch(self.layout.build(self.replicas, n))
+        self.runner.advance()
+        self.runner.comm.drain()
+        per = self.layout.units_per_update
+        unit_losses = torch.zeros(n * per, dtype=torch.float64)
+        for u, loss in self.runner.losses.items():
+            unit_losses[u] = float(loss)
+        dist.all_reduce(unit_losses)
+        values = unit_losses.tolist()
+        self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
+        self._segment = 0
+
+    def finish(self) -> list[float]:
+        """Drain the pipeline; the losses of the minibatches since the last finish, in order."""
+        self._drain()
+        out, self._pending = self._pending, []
+        return out
+
+    # ---- evaluation and state ------------------------------------------------
+    def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
+        """Forwards of every batch with the current weights (drains first); same on every rank."""
+        self._drain()
+        batches = [(x, y) for x, y in loader]
+        totals = torch.zeros(4, dtype=torch.float64)
+        start = 0
+        while start < len(batches):  # runs of one shape: the links agree on one shape each
+            end = start + 1
+            while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
+                end += 1
+            sched = forward_only(self.replicas, end - start)
+            comm = Comm(sched, self.rank, self.device, self._opts.timeout_s, groups=self._links)
+            self.module.module.eval()
+            try:
+                scores = run_forwards(sched, self.rank, self.module.module, self.loss_fn,
+                                      Batches(batches[start:end], self.device), comm,
+                                      self._opts.autocast)
+            finally:
+                self.module.module.train()
+            for s in scores.values():
+                totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
+                                       dtype=torch.float64)
+            start = end
+        dist.all_reduce(totals)
+        loss_sum, samples, correct, labels = totals.tolist()
+        return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
+
+    @property
+    def events(self) -> list[Event]:
+        """What this rank did, with times from :attr:`RankRunner.t0` (``record_events``)."""
+        return self.runner.events
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
+        self._drain()
+        mine = None
+        if self.runner.schedule.replica_of_rank(self.rank) == 0:
+            mine = {k: v.detach().cpu().clone() for k, v in self.module.module.state_dict().items()}
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        return {k: v for part in gathered if part is not None for k, v in part.items()}
+
+    def save(self, directory: str | Path) -> Path:
+        """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
+        self._drain()
+        return checkpoint.save(Path(directory), self)
+
+    def close(self) -> None:
+        """Drain, and end the process group if this Pipeline started it."""
+        self._drain()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False
+
+
+def _shapes(batch: Batch) -> list[tuple[int, ...]]:
+    x, y = batch
+    return [tuple(t.shape) for t in (*(x if isinstance(x, tuple) else (x,)), y)]
+
+
+def _check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
+                    max_grad_norm: float | None, stash: bool) -> None:
+    if kind is ScheduleKind.DP and len(replicas) != 1:
+        raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
+                            f"{len(replicas)} stages; use plan='auto'")
+    if kind is not ScheduleKind.PIPEDREAM and (vsync or not stash):
+        raise ConfigError(f"vertical_sync=True and stash=False apply to schedule='pipedream' "
+                          f"only, not {kind.value}", "vertical_sync", "stash")
+    if vsync and not stash:
+        raise ConfigError("vertical sync runs every stage on a stashed weight version; drop "
+                          "stash=False or vertical_sync=True", "stash", "vertical_sync")
+    if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
+            vsync or max_grad_norm is not None):
+        what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"
+        raise ConfigError(
+            f"{what} with pipedream needs every stage replicated equally (got "
+            f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
+            "common update to share; use a plan with equal replica counts", "plan",
+        )
+
+
+def _init_process_group(timeout_s: float) -> bool:
+    """Join torchrun's group (env://), or make a group of one; True if this started one."""
+    if dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=max(timeout_s, 60.0))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")

@@ -1,0 +1,86 @@
+"""The plan a Pipeline runs: given, read from a file, or profiled and planned on rank 0.
+
+``plan="auto"`` profiles the model on rank 0 (one thread, as a worker runs,
+on a unit of the example) and plans it for the world it runs in with the
+jobs' plan choice (:func:`dreampipe.jobs.local.choose_plan`); rank 0 then
+broadcasts the plan over the process group, so every rank runs the same
+one whatever launched them. The ``dp`` schedule always runs one stage on
+every worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dreampipe.api.checks import Batch
+from dreampipe.api.split import Layers, build_stage
+from dreampipe.errors import DreampipeError, PlanError
+from dreampipe.jobs.local import choose_plan
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.launch import pinned_threads
+from dreampipe.scheduling.actions import ScheduleKind
+
+__all__ = ["PlanArg", "resolve_plan"]
+
+_log = logging.getLogger(__name__)
+
+#: What ``Pipeline(plan=...)`` takes.
+PlanArg = Plan | str | Path
+
+
+def resolve_plan(
+    plan: PlanArg, *, layers: Layers, kind: ScheduleKind, example: Batch,
+    loss_fn: Callable[..., Any], unit_size: int, seed: int,
+) -> Plan:
+    """The plan every rank runs (a collective when rank 0 has to plan)."""
+    n, world = len(layers), dist.get_world_size()
+    if isinstance(plan, Plan):
+        return plan
+    if str(plan) != "auto":
+        if not Path(plan).is_file():
+            raise PlanError(f"plan={str(plan)!r} is neither 'auto', a Plan, nor a plan file")
+        return Plan.load(plan)
+    if kind is ScheduleKind.DP or world == 1:
+        return Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = _profile_and_plan(layers, example, loss_fn, unit_size, seed).to_json()
+        except DreampipeError as exc:  # every rank fails alike, none waits for a plan
+            box[0] = exc
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], DreampipeError):
+        raise box[0]
+    return Plan.from_dict(json.loads(box[0]))
+
+
+def _profile_and_plan(
+    layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int
+) -> Plan:
+    from dreampipe.profiling.profiler import profile_model
+
+    chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
+    model = nn.Sequential(*chain.layers)
+    if isinstance(example[0], tuple):
+        raise PlanError("plan='auto' profiles models of one input tensor; for a model of "
+                        f"{len(example[0])} inputs give plan= a Plan or a plan file")
+    with pinned_threads(1):
+        graph = profile_model(model, example[0][:unit_size], loss_fn, example[1][:unit_size])
+    if len(graph.layers) != len(layers):
+        raise PlanError(
+            f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
+            "give plan= a Plan or a plan file for this model"
+        )
+    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False)
+    _log.info("planned %s", plan.config)
+    return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))

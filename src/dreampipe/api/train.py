@@ -1,0 +1,170 @@
+"""``dreampipe train``'s run: a zoo model on a built-in dataset, one Pipeline per rank.
+
+:func:`~dreampipe.jobs.train.plan_train` checks, profiles, plans and
+predicts; then every rank (local processes started by the runtime's
+launcher, or torchrun's) builds its stage of the model (the other layers on
+the meta device), feeds the Pipeline the dataset's minibatches in order and
+saves a checkpoint every ``every`` minibatches. ``--steps`` is the total:
+a resumed run continues from the checkpoint's data position to it.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dreampipe.api import checkpoint
+from dreampipe.api.pipeline import Pipeline
+from dreampipe.errors import ConfigError, WorkerError
+from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
+from dreampipe.models.resolve import resolve_spec
+from dreampipe.runtime.config import RunConfig, RunResult
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.engine import RankReport, barrier
+from dreampipe.runtime.launch import run_processes
+
+__all__ = ["Checkpoints", "run_train"]
+
+_EVAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Where and how often a train job saves, and whether it resumes from there."""
+
+    directory: Path | None = None
+    every: int | None = None
+    resume: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.every is not None or self.resume) and self.directory is None:
+            raise ConfigError("checkpoint_every=N and resume=True need checkpoint_dir=DIR",
+                              "checkpoint_dir")
+        if self.every is not None and self.every < 1:
+            raise ConfigError(f"checkpoint_every={self.every}; use 1 or more",
+                              "checkpoint_every")
+
+
+@dataclass(frozen=True)
+class _Job:
+    cfg: RunConfig
+    checkpoints: Checkpoints
+
+
+def run_train(
+    req: TrainRequest, *, torchrun: tuple[int, int] | None = None, say: Say | None = None,
+    checkpoints: Checkpoints | None = None,
+) -> TrainReport | None:
+    """Plan, then train; the report (None on torchrun ranks other than 0)."""
+    ckpt = checkpoints or Checkpoints()
+    if req.epochs is None:
+        _check_resume(ckpt, req.run.steps)  # before profiling
+    planned = plan_train(req, torchrun=torchrun, say=say)
+    cfg = planned.cfg
+    _check_resume(ckpt, cfg.steps)
+    job = _Job(cfg, ckpt)
+    if torchrun is not None:
+        result = _train_rank(torchrun[0], torchrun[1], job)
+    else:
+        def where(rank: int) -> str:
+            return f"stage {cfg.plan.stage_of_rank(rank)}"
+
+        results = run_processes(_train_rank, cfg.workers, job,
+                                threads=None if torch.cuda.is_available() else 1, where=where)
+        result = results[0]
+        if not isinstance(result, RunResult):
+            raise WorkerError("rank 0 finished without a result")
+    if result is None:
+        return None
+    return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result)
+
+
+def _check_resume(ckpt: Checkpoints, steps: int) -> None:
+    """A resumed run needs a committed checkpoint short of ``steps``, the total."""
+    if ckpt.resume and ckpt.directory is not None:
+        done = checkpoint.minibatches_of(checkpoint.find(ckpt.directory))
+        if done >= steps:
+            raise ConfigError(f"steps={steps} but the checkpoint is at {done} minibatches; "
+                              f"steps is the total: use more than {done}", "steps")
+
+
+def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
+    """One rank: build its stage, train to ``cfg.steps`` minibatches, report to rank 0."""
+    cfg, ckpt = job.cfg, job.checkpoints
+    spec = resolve_spec(cfg.model, cfg.model_kwargs)
+    stage = cfg.plan.stage_of_rank(rank)
+    st = cfg.plan.stages[stage]
+    data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
+    pipe = Pipeline(
+        spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),
+        loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
+        plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
+        stash=cfg.stash, record_events=cfg.record_events, seed=cfg.seed,
+        resume=ckpt.directory if ckpt.resume else None, timeout_s=cfg.timeout_s,
+    )
+    result = _train(pipe, job, data, rank, world)  # on an error the launcher ends every rank
+    pipe.close()
+    return result
+
+
+def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunResult | None:
+    cfg, ckpt = job.cfg, job.checkpoints
+    start = pipe.minibatches
+    bar = _progress(cfg, rank, world, start)
+    barrier(max(cfg.timeout_s, 60.0))
+    t0 = pipe.runner.t0 = time.perf_counter()
+    for k in range(start, cfg.steps):
+        pipe.step(*data.batch(k, cfg.minibatch_size))
+        if ckpt.every is not None and ckpt.directory is not None and (k + 1) % ckpt.every == 0:
+            pipe.save(ckpt.directory)
+        if bar is not None:
+            bar.update(1)
+    losses = pipe.finish()
+    loop_s = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    accuracy = None
+    if cfg.evaluate and data.has_test:
+        n = len(data.test_y)
+        batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
+                   for i in range(0, n, _EVAL_BATCH)]
+        accuracy = pipe.evaluate(batches).accuracy
+    replica = pipe.runner.schedule.replica_of_rank(rank)
+    state = None
+    if replica == 0:
+        state = {k: v.detach().cpu().clone() for k, v in pipe.module.module.state_dict().items()}
+    report = RankReport(rank=rank, stage=pipe.module.stage, replica=replica, loop_s=loop_s,
+                        events=pipe.events, state=state)
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
+    dist.gather_object(report, gathered, dst=0)
+    if gathered is None:
+        return None
+    reports = [r for r in gathered if isinstance(r, RankReport)]
+    states: list[dict[str, torch.Tensor]] = [{} for _ in cfg.plan.stages]
+    for r in reports:
+        if r.state is not None:
+            states[r.stage] = r.state
+    elapsed = max(r.loop_s for r in reports)
+    return RunResult(
+        samples_per_s=(cfg.steps - start) * cfg.minibatch_size / elapsed if elapsed else 0.0,
+        final_loss=losses[-1], losses=tuple(losses), accuracy=accuracy,
+        events=tuple(sorted((e for r in reports for e in r.events),
+                            key=lambda e: (e.start_s, e.rank))),
+        elapsed_s=elapsed, stage_states=tuple(states),
+    )
+
+
+def _progress(cfg: RunConfig, rank: int, world: int, start: int) -> Any:
+    """A progress bar on the last rank, counting minibatches."""
+    if not cfg.progress or rank != world - 1:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, unit="minibatch", file=sys.stderr,
+                dynamic_ncols=True)

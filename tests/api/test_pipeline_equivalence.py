@@ -1,0 +1,79 @@
+"""Multi-process Pipeline runs against the single-process references (DESIGN.md §5).
+
+The same rules as ``tests/runtime/test_equivalence.py``, reached through the
+public API: the user's model (the zoo's 4-layer mlp built whole), data fed
+minibatch by minibatch, a user optimizer factory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from runtime.reference import reference_pipedream, reference_sync, sgd
+
+from dreampipe.models import get_model
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.launch import run_processes
+
+from .workers import train_zoo
+
+__all__: list[str] = []
+
+RTOL, ATOL = 1e-5, 4e-5
+SEED = 3
+
+
+def _run(world: int, **job: Any) -> dict[str, Any]:
+    out = run_processes(train_zoo, world, {"seed": SEED, **job}, deadline_s=90.0)
+    assert isinstance(out[0], dict)
+    return out[0]
+
+
+def _assert_matches(got: dict[str, Any], losses: list[float], state: dict[str, torch.Tensor]
+                    ) -> None:
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses),
+                               rtol=RTOL, atol=ATOL)
+    assert sorted(got["state"]) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(got["state"][name], value, rtol=RTOL, atol=ATOL, msg=name)
+
+
+SYNC = [("1f1b-flush", [0, 2], [1, 1], 4)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("schedule", "bounds", "replicas", "micro"), SYNC,
+                         ids=[f"{c[0]}-{'-'.join(map(str, c[2]))}" for c in SYNC])
+def test_sync_schedules_through_the_api_equal_gradient_accumulation(
+    schedule: str, bounds: list[int], replicas: list[int], micro: int
+) -> None:
+    got = _run(sum(replicas), schedule=schedule, bounds=bounds, replicas=replicas, steps=3,
+               minibatch=16, microbatches=micro, lr=0.2)
+    spec = get_model("mlp", layers=4, width=16)
+    units = micro * sum(replicas) if schedule == "dp" else micro
+    losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=3,
+                                   minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=units)
+    _assert_matches(got, losses, state)
+
+
+PIPE = [([0, 1, 3], [1, 1, 1], True), ([0, 2], [2, 1], False)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bounds", "replicas", "vsync"), PIPE,
+                         ids=["straight-3-vsync", "replicated-2-1"])
+def test_pipedream_through_the_api_matches_the_delayed_update_rule(
+    bounds: list[int], replicas: list[int], vsync: bool
+) -> None:
+    # 5 minibatches: the replicated stage ends on a partial round of one
+    got = _run(sum(replicas), schedule="pipedream", bounds=bounds, replicas=replicas, steps=5,
+               minibatch=8, lr=0.3, momentum=0.9, vertical_sync=vsync)
+    spec = get_model("mlp", layers=4, width=16)
+    losses, state = reference_pipedream(
+        spec, load_dataset("synthetic", spec, seed=SEED), bounds=bounds, replicas=replicas,
+        steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
+        partial_round=True,
+    )
+    _assert_matches(got, losses, state)

@@ -1,0 +1,123 @@
+"""Bad input: each a clear error, raised before the pipeline sends anything."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dreampipe
+from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError
+
+__all__: list[str] = []
+
+
+EXAMPLE = (torch.randn(4, 6), torch.randint(0, 3, (4,)))
+
+
+def _model(width: int = 8) -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, 3))
+
+
+def _pipe(model: nn.Module | None = None, **kw: Any) -> dreampipe.Pipeline:
+    args: dict[str, Any] = {"example": EXAMPLE, "loss_fn": F.cross_entropy,
+                            "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+                            "schedule": "1f1b-flush", **kw}
+    return dreampipe.Pipeline(_model() if model is None else model, **args)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x) + x)
+
+
+def test_a_model_that_is_no_chain_of_layers_names_the_module_and_node() -> None:
+    with pytest.raises(PlanError, match=r"cannot split _Residual at node 'add'.*chain"):
+        _pipe(_Residual())
+
+
+def test_a_batch_shaped_unlike_the_example_names_both_shapes() -> None:
+    pipe = _pipe()
+    pipe.step(*EXAMPLE)
+    with pytest.raises(DatasetError, match=r"minibatch 1's input is torch.float32 \[3, 6\] but "
+                                           r"example's is torch.float32 \[4, 6\].*drop_last"):
+        pipe.step(EXAMPLE[0][:3], EXAMPLE[1][:3])
+
+
+def test_a_loss_that_is_not_a_scalar() -> None:
+    with pytest.raises(ConfigError,
+                       match=r"loss_fn returned a tensor of shape \[4\], not a scalar"):
+        _pipe(loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
+
+
+def test_an_optimizer_factory_that_returns_something_else() -> None:
+    with pytest.raises(ConfigError,
+                       match=r"optimizer returned a list, not a torch.optim.Optimizer"):
+        _pipe(optimizer=lambda params: list(params))
+
+
+def test_unknown_schedule_lists_the_names() -> None:
+    with pytest.raises(ConfigError, match=r"schedule='1f1b'; use one of pipedream, 1f1b-flush"):
+        _pipe(schedule="1f1b")
+
+
+def test_resume_with_a_plan_that_does_not_cover_the_model() -> None:
+    plan = dreampipe.Plan.from_config(2, [0], [1])
+    with pytest.raises(PlanError, match=r"the plan covers 2 layers but the model has 3"):
+        _pipe(plan=plan, resume="/nonexistent")
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    pipe = _pipe()
+    pipe.step(*EXAMPLE)
+    first = pipe.save(tmp_path)
+    pipe.step(*EXAMPLE)
+    pipe.save(tmp_path)
+    pipe.close()
+    return first
+
+
+def test_a_checkpoint_of_another_model_names_missing_and_unexpected_keys(saved: Path) -> None:
+    other = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.ReLU(), nn.Linear(8, 3))
+    with pytest.raises(CheckpointError, match=r"another model: missing keys \['3.weight', "
+                                              r"'3.bias'\], unexpected keys \['2.weight', "
+                                              r"'2.bias'\]"):
+        _pipe(other, resume=saved.parent)
+    with pytest.raises(CheckpointError, match=r"holds 0.weight of shape \[8, 6\], the model's "
+                                              r"is \[5, 6\]"):
+        _pipe(_model(width=5), resume=saved.parent)
+
+
+def test_a_truncated_checkpoint_file_is_never_loaded(saved: Path) -> None:
+    newest = saved.parent / "step-2"
+    data = next(newest.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=rf"{newest} is damaged: {data.name} is 100 bytes"
+                                              rf".*resume from {saved}"):
+        _pipe(resume=saved.parent)
+
+
+def test_an_uncommitted_checkpoint_is_never_loaded_and_the_error_names_the_last_complete(
+    saved: Path,
+) -> None:
+    newest = saved.parent / "step-2"
+    (newest / "COMMITTED").unlink()
+    shutil.copytree(newest, saved.parent / "step-3.tmp")
+    with pytest.raises(CheckpointError, match=rf"{newest} was never committed.*the last "
+                                              rf"complete one is {saved}"):
+        _pipe(resume=newest)
+    with pytest.raises(CheckpointError, match=r"was never committed"):
+        _pipe(resume=saved.parent / "step-3.tmp")
+    pipe = _pipe(resume=saved.parent)  # the directory: its newest committed checkpoint
+    assert pipe.minibatches == 1

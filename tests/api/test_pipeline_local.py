@@ -1,0 +1,138 @@
+"""The Pipeline in this process, one worker: options against plain PyTorch loops."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import dreampipe
+from dreampipe.api.split import split_layers
+
+__all__: list[str] = []
+
+RTOL, ATOL = 1e-5, 4e-5
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3))
+
+
+def _data(n: int = 8) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen))
+            for _ in range(n)]
+
+
+def _warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 3)
+
+
+def _reference(model: nn.Module, data: list[tuple[Tensor, Tensor]], micro: int,
+               clip: float | None = None) -> tuple[list[float], dict[str, Tensor]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _warmup)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            loss = F.cross_entropy(model(xm), ym)
+            (loss / micro).backward()
+            total += float(loss.detach())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        losses.append(total / micro)
+    return losses, model.state_dict()
+
+
+def _pipe(model: nn.Module, data: list[tuple[Tensor, Tensor]], **kw: object
+          ) -> dreampipe.Pipeline:
+    return dreampipe.Pipeline(
+        model, example=data[0], loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
+def test_one_worker_flush_equals_accumulation_with_scheduler_and_clipping(
+    clip: float | None,
+) -> None:
+    data = _data()
+    want_losses, want = _reference(_model(), data, micro=2, clip=clip)
+    pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2, max_grad_norm=clip)
+    for x, y in data[:5]:  # two segments: the pipeline fills again after finish()
+        pipe.step(x, y)
+    losses = pipe.finish()
+    for x, y in data[5:]:
+        pipe.step(x, y)
+    losses += pipe.finish()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
+                               rtol=RTOL, atol=ATOL)
+    got = pipe.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+    assert pipe.scheduler is not None and pipe.scheduler.last_epoch == len(data)
+    pipe.close()
+
+
+def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> None:
+    data = _data(3)
+    model = _model()
+    pipe = _pipe(copy.deepcopy(model), data, schedule="pipedream")
+    batches = [data[0], (data[1][0][:5], data[1][1][:5])]  # a short last batch
+    result = pipe.evaluate(batches)
+    with torch.no_grad():
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        out = model(x)
+    assert result.loss == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-5)
+    assert result.accuracy == pytest.approx(float((out.argmax(1) == y).float().mean()))
+    pipe.close()
+
+
+def test_autocast_trains_in_bfloat16() -> None:
+    data = _data()
+    pipe = _pipe(_model(), data, schedule="pipedream", autocast=torch.bfloat16)
+    for x, y in data * 3:
+        pipe.step(x, y)
+    losses = pipe.finish()
+    assert sum(losses[-4:]) < sum(losses[:4])
+    pipe.close()
+
+
+class _Net(nn.Module):
+    """An fx-traceable module whose forward is a chain of submodule calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks[1](self.blocks[0](self.embed(x))))
+
+
+def test_a_meta_model_is_materialised_by_per_layer_seeds_under_its_own_names() -> None:
+    with torch.device("meta"):
+        net = _Net()
+    assert [n for n, _ in split_layers(net)] == ["embed", "blocks.0", "blocks.1", "head"]
+    data = _data(1)
+    pipe = _pipe(net, data, schedule="1f1b-flush", seed=5)
+    got = pipe.full_state_dict()
+    plain = _Net()
+    for i, (_, layer) in enumerate(split_layers(plain)):
+        torch.manual_seed(5 + i)
+        layer.reset_parameters()  # type: ignore[operator]
+    assert sorted(got) == sorted(plain.state_dict())
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    pipe.close()

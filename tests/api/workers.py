@@ -1,0 +1,44 @@
+"""Rank functions for the Pipeline tests, run by the runtime's launcher (one process each)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dreampipe.api import Pipeline
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.data import load_dataset
+
+__all__ = ["train_zoo"]
+
+
+def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """Train the zoo's mlp through the Pipeline on the synthetic stream; rank 0 reports.
+
+    ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
+    momentum, seed; optional ``save`` (a directory) and ``resume``.
+    """
+    spec = get_model("mlp", layers=4, width=16)
+    data = load_dataset("synthetic", spec, seed=job["seed"])
+    plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
+    lr, momentum = job["lr"], job.get("momentum", 0.0)
+    pipe = Pipeline(
+        spec.build(0, spec.num_layers - 1, job["seed"]),
+        example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+        schedule=job["schedule"], plan=plan, microbatches=job.get("microbatches", 1),
+        vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
+        timeout_s=30.0,
+    )
+    loaded = pipe.full_state_dict() if "resume" in job else None
+    start = pipe.minibatches
+    for k in range(start, start + job["steps"]):
+        pipe.step(*data.batch(k, job["minibatch"]))
+    losses = pipe.finish()
+    saved = str(pipe.save(job["save"])) if "save" in job else None
+    state = pipe.full_state_dict()
+    pipe.close()
+    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded}
+    return out if rank == 0 else None
