@@ -81,7 +81,9 @@ def run_case(case: Case, main: Callable[[list[str]], int]) -> Outcome:
     """Run ``case`` through ``main`` in this process, in a fresh scratch folder."""
     with tempfile.TemporaryDirectory() as scratch:
         for name, text in case.files:
-            (Path(scratch) / name).write_text(text)
+            path = Path(scratch) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
         argv = [a.replace("{dir}", scratch) for a in case.argv]
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -180,6 +182,17 @@ CASES: tuple[Case, ...] = (
     Case("train-plan-other-model", "train", "a plan made for another model",
          ("train", "mlp", "--plan", "{dir}/plan.json"), ("plan.json", "cnn"),
          (("plan.json", _plan_json(9, "cnn")),)),
+    # ---- checkpoints --------------------------------------------------------------
+    Case("resume-without-dir", "checkpoint", "--resume without a checkpoint folder",
+         ("train", "mlp", "--resume"), ("--resume needs --checkpoint-dir",)),
+    Case("every-without-dir", "checkpoint", "--checkpoint-every without a checkpoint folder",
+         ("train", "mlp", "--checkpoint-every", "5"), ("--checkpoint-every 5 needs",)),
+    Case("every-zero", "checkpoint", "a checkpoint every 0 updates",
+         ("train", "mlp", "--checkpoint-dir", "{dir}/ck", "--checkpoint-every", "0"),
+         ("--checkpoint-every 0",)),
+    Case("resume-uncommitted", "checkpoint", "resuming from a save that never committed",
+         ("train", "mlp", "--checkpoint-dir", "{dir}/ck", "--resume"),
+         ("no complete checkpoint", "ck"), (("ck/step-10.tmp/.metadata", "partial"),)),
 )
 
 
@@ -192,7 +205,10 @@ def render(outcomes: dict[str, Outcome]) -> str:
         "offending value and the fix, before any worker process starts.",
         "Generated from `tests/cli/error_catalogue.py` (`python tests/cli/error_catalogue.py`",
         "rewrites it; `tests/cli/test_error_catalogue.py` fails when it is stale).",
-        "`{dir}` stands for the folder holding the bad file.",
+        "`{dir}` stands for the folder holding the bad file. The `Pipeline` API raises",
+        "its own (a model it cannot split, a batch unlike the example, a loss that is not",
+        "a scalar, a checkpoint from another model...) as exceptions before any send;",
+        "`tests/api/test_pipeline_errors.py` checks each.",
     ]
     area = ""
     for case in CASES:

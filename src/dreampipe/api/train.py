@@ -44,8 +44,10 @@ class Checkpoints:
 
     def __post_init__(self) -> None:
         if (self.every is not None or self.resume) and self.directory is None:
-            raise ConfigError("checkpoint_every=N and resume=True need checkpoint_dir=DIR",
-                              "checkpoint_dir")
+            asked = "resume" if self.resume else "checkpoint_every"
+            given = "resume=True" if self.resume else f"checkpoint_every={self.every}"
+            raise ConfigError(f"{given} needs checkpoint_dir=DIR, the folder checkpoints are "
+                              "saved in and resumed from", asked, "checkpoint_dir")
         if self.every is not None and self.every < 1:
             raise ConfigError(f"checkpoint_every={self.every}; use 1 or more",
                               "checkpoint_every")
