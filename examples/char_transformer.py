@@ -119,7 +119,7 @@ def train(schedule: str, plan: dreampipe.Plan | str, vocab: int, train_data: Ten
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
