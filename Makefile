@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/dreampipe demo
 
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples

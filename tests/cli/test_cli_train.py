@@ -287,4 +287,4 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
     err = _fails([*base, "--steps", "4", *ckpt, "--resume"], capsys)
     assert "--steps 4 but the checkpoint is at 4 minibatches" in err, err
     err = _fails([*base, "--steps", "4", "--resume"], capsys)
-    assert "need --checkpoint-dir DIR" in err, err
+    assert "--resume needs --checkpoint-dir DIR" in err, err
