@@ -19,6 +19,7 @@ from torch.func import functional_call
 from dreampipe.api.split import Chain, Layers
 from dreampipe.errors import ConfigError, DatasetError, PlanError
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.stage import tensor_output
 
 __all__ = [
     "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_stages_on_meta",
@@ -101,14 +102,8 @@ def check_stages_on_meta(
             stage = Chain(layers[st.first : st.last + 1])
             tensors = {k: _meta(v) for k, v in (*stage.named_parameters(),
                                                  *stage.named_buffers())}
-            out = functional_call(stage, tensors, x)
-            if not isinstance(out, Tensor):
-                raise PlanError(
-                    f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) "
-                    f"returns a {type(out).__name__}, not a tensor; dreampipe passes one tensor "
-                    "between stages: cut after a layer that returns a tensor"
-                )
-            x = (out,)
+            where = f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) returns"
+            x = (tensor_output(functional_call(stage, tensors, x), where),)
         loss = loss_fn(x[0], _meta(example[1][:unit_size]))
     except PlanError:
         raise

@@ -270,7 +270,7 @@ class Pipeline:
         self._drain()
         mine = None
         if self.runner.schedule.replica_of_rank(self.rank) == 0:
-            mine = {k: v.detach().cpu().clone() for k, v in self.module.module.state_dict().items()}
+            mine = self.runner.final_state()
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {k: v for part in gathered if part is not None for k, v in part.items()}

@@ -28,6 +28,7 @@ from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, barrier
 from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.results import sorted_events, stage_states
 
 __all__ = ["Checkpoints", "run_train"]
 
@@ -140,7 +141,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
     replica = pipe.runner.schedule.replica_of_rank(rank)
     state = None
     if replica == 0:
-        state = {k: v.detach().cpu().clone() for k, v in pipe.module.module.state_dict().items()}
+        state = pipe.runner.final_state()
     report = RankReport(rank=rank, stage=pipe.module.stage, replica=replica, loop_s=loop_s,
                         events=pipe.events, state=state)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
@@ -148,17 +149,12 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
     if gathered is None:
         return None
     reports = [r for r in gathered if isinstance(r, RankReport)]
-    states: list[dict[str, torch.Tensor]] = [{} for _ in cfg.plan.stages]
-    for r in reports:
-        if r.state is not None:
-            states[r.stage] = r.state
     elapsed = max(r.loop_s for r in reports)
     return RunResult(
         samples_per_s=(cfg.steps - start) * cfg.minibatch_size / elapsed if elapsed else 0.0,
         final_loss=losses[-1], losses=tuple(losses), accuracy=accuracy,
-        events=tuple(sorted((e for r in reports for e in r.events),
-                            key=lambda e: (e.start_s, e.rank))),
-        elapsed_s=elapsed, stage_states=tuple(states),
+        events=sorted_events(reports), elapsed_s=elapsed,
+        stage_states=tuple(stage_states(reports, cfg.plan.num_stages)),
     )
 
 

@@ -17,6 +17,7 @@ from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunOptions
 from dreampipe.runtime.data import DATASETS
+from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["check_config", "check_options", "check_stage_outputs"]
@@ -116,13 +117,7 @@ def check_stage_outputs(cfg: RunConfig, spec: ModelSpec) -> None:
             for s, st in enumerate(cfg.plan.stages[:-1]):
                 module = spec.build(st.first, st.last, cfg.seed)
                 assert isinstance(x, Tensor)
-                x = module(x)
-                if not isinstance(x, Tensor):
-                    raise PlanError(
-                        f"stage {s} (layers {st.first}..{st.last}) returns a "
-                        f"{type(x).__name__}, not a tensor; dreampipe passes one tensor between "
-                        "stages: cut the model after a layer that returns a tensor"
-                    )
+                x = tensor_output(module(x), f"stage {s} (layers {st.first}..{st.last}) returns")
     except PlanError:
         raise
     except (RuntimeError, NotImplementedError, TypeError) as exc:

@@ -11,8 +11,9 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import Dataset
 from dreampipe.runtime.engine import RankReport
+from dreampipe.scheduling.events import Event
 
-__all__ = ["assemble"]
+__all__ = ["assemble", "sorted_events", "stage_states"]
 
 _EVAL_BATCH = 256
 _log = logging.getLogger(__name__)
@@ -33,23 +34,34 @@ def assemble(
         for k in range(cfg.steps)
     )
     elapsed = max(rep.loop_s for rep in reports)
-    states: list[dict[str, Tensor]] = [{} for _ in cfg.plan.stages]
-    for rep in reports:
-        if rep.replica == 0 and rep.state is not None:
-            states[rep.stage] = rep.state
+    states = stage_states(reports, cfg.plan.num_stages)
     accuracy = None
     if cfg.evaluate and data is not None and data.has_test:
         accuracy = _evaluate(cfg, spec, states, data)
-    events = sorted((e for rep in reports for e in rep.events), key=lambda e: (e.start_s, e.rank))
     return RunResult(
         samples_per_s=cfg.steps * cfg.minibatch_size / elapsed if elapsed > 0 else 0.0,
         final_loss=losses[-1],
         losses=losses,
         accuracy=accuracy,
-        events=tuple(events),
+        events=sorted_events(reports),
         elapsed_s=elapsed,
         stage_states=tuple(states),
     )
+
+
+def stage_states(reports: list[RankReport], num_stages: int) -> list[dict[str, Tensor]]:
+    """Each stage's final ``state_dict``, from the report of its replica 0."""
+    states: list[dict[str, Tensor]] = [{} for _ in range(num_stages)]
+    for rep in reports:
+        if rep.replica == 0 and rep.state is not None:
+            states[rep.stage] = rep.state
+    return states
+
+
+def sorted_events(reports: list[RankReport]) -> tuple[Event, ...]:
+    """Every rank's events on the one time line, in start order."""
+    return tuple(sorted((e for rep in reports for e in rep.events),
+                        key=lambda e: (e.start_s, e.rank)))
 
 
 def _evaluate(

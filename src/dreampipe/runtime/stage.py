@@ -60,12 +60,23 @@ from torch.func import functional_call
 from dreampipe.errors import PlanError, ScheduleError
 from dreampipe.runtime.fused import fuse_linear_gradients
 
-__all__ = ["StageModule"]
+__all__ = ["StageModule", "tensor_output"]
 
 _log = logging.getLogger(__name__)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
+
+
+def tensor_output(out: object, where: str) -> Tensor:
+    """``out`` if it is one tensor, the only thing a stage may pass on; else a PlanError
+    that starts with ``where`` (``"stage 0 returned"``) and says where to cut instead."""
+    if not isinstance(out, Tensor):
+        raise PlanError(
+            f"{where} a {type(out).__name__}, not a tensor; dreampipe passes one tensor "
+            "between stages: cut the model after a layer that returns a tensor"
+        )
+    return out
 
 @dataclass
 class _Version:
@@ -247,11 +258,7 @@ class StageModule:
         args = x if isinstance(x, tuple) else (x,)
         out = self.module(*args) if tensors is None else functional_call(
             self.module, tensors, args)
-        if not isinstance(out, Tensor):
-            raise PlanError(
-                f"stage {self.stage} returned a {type(out).__name__}, not a tensor; dreampipe "
-                "passes one tensor between stages: cut the model after a layer returning a tensor"
-            )
+        out = tensor_output(out, f"stage {self.stage} returned")
         if target is None:
             return out, out
         if self.loss_fn is None:
