@@ -1,9 +1,9 @@
 """Start ranks: locally with :func:`launch_local`, or under torchrun with :func:`run_from_env`.
 
-:func:`run_processes` is dreampipe's one process supervisor: it spawns one
-process per rank on this machine (spawn context, torchrun's environment on
-127.0.0.1 and a free port, one thread each unless asked otherwise) and
-supervises them::
+:func:`run_processes` is dreampipe's one process supervisor: it starts one
+process per rank on this machine (forked from a server that has imported
+torch once, else spawned; torchrun's environment on 127.0.0.1 and a free
+port, one thread each unless asked otherwise) and supervises them::
 
     parent ── spawn ranks ── wait for results / failures / exits
                                 │ a rank fails ──▶ grace 1 s for
@@ -63,6 +63,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _GRACE_S = 1.0
 _MIN_SETUP_S = 60.0
+#: What the forkserver imports once for every rank it forks.
+_PRELOAD = ["torch", "torch.distributed", "dreampipe.runtime", "dreampipe.api"]
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 #: What each rank of :func:`run_processes` runs: ``fn(rank, world, arg)``.
@@ -247,14 +249,15 @@ def run_processes(
     :class:`~dreampipe.errors.WorkerError`. ``where(rank)`` names a rank's
     part in the message (e.g. its stage).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     procs, conns = [], []
     try:
         for rank in range(world):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_child, args=(fn, arg, rank, world, port, threads, send, os.getpid()),
+                target=_child,
+                args=(fn, arg, rank, world, port, threads, send, os.getpid(), dict(os.environ)),
                 name=f"dreampipe-rank{rank}", daemon=True,
             )
             p.start()
@@ -275,11 +278,29 @@ def run_processes(
             c.close()
 
 
+def _context() -> Any:
+    """Where ranks come from: forkserver with torch imported once, else spawn.
+
+    A spawned rank imports torch again (seconds on a small CPU machine); a
+    rank forked from the server starts at once. The server imports only
+    (no thread pool, no CUDA context yet), so forking it is safe.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _watch_parent(parent: int) -> None:
+    """Exit when ``parent`` (the supervisor, not the forkserver) is gone."""
+
     def loop() -> None:
         while True:
             time.sleep(0.5)
-            if os.getppid() != parent:
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
                 os._exit(1)
 
     threading.Thread(target=loop, daemon=True).start()
@@ -292,10 +313,13 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 def _child(
     fn: RankFn, arg: Any, rank: int, world: int, port: int, threads: int | None,
-    conn: Connection, parent: int,
+    conn: Connection, parent: int, environ: dict[str, str],
 ) -> None:
-    """One local rank: torchrun's environment, then ``fn``; its result or error to the parent."""
+    """One local rank: the parent's and torchrun's environment, then ``fn``; its result or
+    error to the parent."""
     _watch_parent(parent)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
