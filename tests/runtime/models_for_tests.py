@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,7 +14,9 @@ from torch import Tensor, nn
 from dreampipe.models import get_model
 from dreampipe.models.spec import LayerFactory, ModelSpec
 
-__all__ = ["bn_mlp", "crash_mlp", "crash_replica_mlp", "inf_mlp", "stall_mlp", "tuple_mlp"]
+__all__ = [
+    "bn_mlp", "crash_mlp", "crash_replica_mlp", "inf_mlp", "ready_mlp", "stall_mlp", "tuple_mlp",
+]
 
 
 class _Stall(nn.Module):
@@ -57,6 +61,24 @@ class _InfAt(nn.Module):
         return x + float("inf") if self.calls - 1 == self.at else x
 
 
+class _Ready(nn.Module):
+    """Identity that, at its first forward on real data, writes ``<folder>/rank<RANK>``
+    holding its pid: how a test finds the process running it, to signal it from outside."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        self.told = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "meta" and not self.told and "RANK" in os.environ:
+            self.told = True  # a worker's first unit (not the profiler's, nor the meta check)
+            mark = self.folder / f"rank{os.environ['RANK']}"
+            mark.with_suffix(".tmp").write_text(str(os.getpid()))
+            mark.with_suffix(".tmp").rename(mark)
+        return x
+
+
 class _Pair(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x, x
@@ -90,6 +112,11 @@ def crash_replica_mlp(**kw: int) -> ModelSpec:
 def inf_mlp(at: int, **kw: int) -> ModelSpec:
     """An mlp with a layer at index 2 that outputs inf at its ``at``-th unit, finite before."""
     return _with_layer(2, "inf", partial(_InfAt, at), **kw)
+
+
+def ready_mlp(ready: str, **kw: int) -> ModelSpec:
+    """An mlp with a layer at index 2 that tells folder ``ready`` its pid (see ``_Ready``)."""
+    return _with_layer(2, "ready", partial(_Ready, ready), **kw)
 
 
 def tuple_mlp(**kw: int) -> ModelSpec:
