@@ -17,6 +17,9 @@ from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
+from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
 
 __all__: list[str] = []
 
@@ -57,6 +60,18 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
     out = {"losses": losses, "state": pipe.full_state_dict(), "skipped": pipe.skipped}
     pipe.close()
     return out
+
+
+def test_the_check_sees_nan_and_inf_but_not_a_sum_that_overflows() -> None:
+    layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=4, microbatches=2, workers=2)
+    guard = NonFiniteGuard(OnNonFinite.STOP, layout.build([1, 1], 3), 0, torch.device("cpu"))
+    x = torch.ones(2, 2)
+    guard.check(Action(ActionKind.FORWARD, 0, 3), torch.full((2, 2), 3e38), x, False)
+    with pytest.raises(NonFiniteError, match=r"^minibatch 1 \(microbatch 1 of 2\): the output "
+                       r"of stage 0 \(rank 0\) is not finite \(2 of 4 values are nan or inf\); "
+                       "its input was finite"):
+        guard.check(Action(ActionKind.FORWARD, 0, 3),
+                    torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]]), x, False)
 
 
 @pytest.mark.timeout(90)
