@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "DatasetError",
     "DreampipeError",
+    "NonFiniteError",
     "PeerTimeoutError",
     "PlanError",
     "ProfileError",
@@ -90,3 +91,7 @@ class StageMismatchError(DreampipeError, ValueError):
 
 class PeerTimeoutError(DreampipeError, TimeoutError):
     """A rank waited past its deadline for a peer."""
+
+
+class NonFiniteError(DreampipeError, FloatingPointError):
+    """A forward output or a loss holds NaN or inf (the run stops instead of training on it)."""

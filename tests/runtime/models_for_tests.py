@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,7 +14,9 @@ from torch import Tensor, nn
 from dreampipe.models import get_model
 from dreampipe.models.spec import LayerFactory, ModelSpec
 
-__all__ = ["bn_mlp", "crash_mlp", "crash_replica_mlp", "stall_mlp", "tuple_mlp"]
+__all__ = [
+    "bn_mlp", "crash_mlp", "crash_replica_mlp", "inf_mlp", "ready_mlp", "stall_mlp", "tuple_mlp",
+]
 
 
 class _Stall(nn.Module):
@@ -42,12 +46,45 @@ class _CrashOnRank1(nn.Module):
         return x
 
 
+class _InfAt(nn.Module):
+    """Identity, except that its ``at``-th forward on real data (from 0) returns +inf."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type == "meta":
+            return x
+        self.calls += 1
+        return x + float("inf") if self.calls - 1 == self.at else x
+
+
+class _Ready(nn.Module):
+    """Identity that, at its first forward on real data, writes ``<folder>/rank<RANK>``
+    holding its pid: how a test finds the process running it, to signal it from outside."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        self.told = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.device.type != "meta" and not self.told and "RANK" in os.environ:
+            self.told = True  # a worker's first unit (not the profiler's, nor the meta check)
+            mark = self.folder / f"rank{os.environ['RANK']}"
+            mark.with_suffix(".tmp").write_text(str(os.getpid()))
+            mark.with_suffix(".tmp").rename(mark)
+        return x
+
+
 class _Pair(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         return x, x
 
 
-def _with_layer(index: int, name: str, layer: type[nn.Module], **kw: int) -> ModelSpec:
+def _with_layer(index: int, name: str, layer: LayerFactory, **kw: int) -> ModelSpec:
     base = get_model("mlp", **kw)
     factories = list(base.layer_factories)
     factories.insert(index, (name, layer))
@@ -70,6 +107,16 @@ def crash_mlp(**kw: int) -> ModelSpec:
 def crash_replica_mlp(**kw: int) -> ModelSpec:
     """An mlp with a layer at index 2 that raises a ValueError on rank 1 only."""
     return _with_layer(2, "crash", _CrashOnRank1, **kw)
+
+
+def inf_mlp(at: int, **kw: int) -> ModelSpec:
+    """An mlp with a layer at index 2 that outputs inf at its ``at``-th unit, finite before."""
+    return _with_layer(2, "inf", partial(_InfAt, at), **kw)
+
+
+def ready_mlp(ready: str, **kw: int) -> ModelSpec:
+    """An mlp with a layer at index 2 that tells folder ``ready`` its pid (see ``_Ready``)."""
+    return _with_layer(2, "ready", partial(_Ready, ready), **kw)
 
 
 def tuple_mlp(**kw: int) -> ModelSpec:

@@ -33,8 +33,9 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.engine import RankRunner, RunnerOptions
 from dreampipe.runtime.forwards import run_forwards
+from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
@@ -65,6 +67,7 @@ __all__ = ["EvalResult", "Pipeline"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
+_E = TypeVar("_E", bound=Enum)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -78,14 +81,15 @@ class EvalResult:
     accuracy: float | None
 
 
-def _kind(schedule: str | ScheduleKind) -> ScheduleKind:
-    if isinstance(schedule, ScheduleKind):
-        return schedule
+def _choice(value: str | _E, kind: type[_E], name: str) -> _E:
+    """``value`` as a member of the enum ``kind``; a ConfigError naming ``name`` if none."""
+    if isinstance(value, kind):
+        return value
     try:
-        return ScheduleKind(schedule)
+        return kind(value)
     except ValueError:
-        names = ", ".join(k.value for k in ScheduleKind)
-        raise ConfigError(f"schedule={schedule!r}; use one of {names}", "schedule") from None
+        names = ", ".join(k.value for k in kind)
+        raise ConfigError(f"{name}={value!r}; use one of {names}", name) from None
 
 
 class Pipeline:
@@ -101,7 +105,10 @@ class Pipeline:
     ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
     show why it matters); ``record_events`` keeps what this rank did, with
     times (:attr:`events`). ``resume`` loads the newest complete checkpoint
-    in a directory (:meth:`save`). The layers are trained in place.
+    in a directory (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a
+    synchronous schedule, ``"skip"``) says what a NaN or inf in a stage's
+    output or the loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches
+    skipped are in :attr:`skipped`. The layers are trained in place.
     """
 
     def __init__(
@@ -123,8 +130,11 @@ class Pipeline:
         resume: str | Path | None = None,
         seed: int = 0,
         timeout_s: float = 60.0,
+        on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
     ) -> None:
-        self.kind = _kind(schedule)
+        self.kind = _choice(schedule, ScheduleKind, "schedule")
+        policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
+        check_policy(policy, self.kind)
         self._layers = split_layers(model)
         self._names = [name for name, _ in self._layers]
         check_optimizer(optimizer)
@@ -161,7 +171,8 @@ class Pipeline:
         self.minibatches = 0
         self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
                                    unit_size=unit_size, max_grad_norm=max_grad_norm,
-                                   autocast=autocast, record_events=record_events)
+                                   autocast=autocast, record_events=record_events,
+                                   on_nonfinite=policy)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages])
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._horizon = _HORIZON
@@ -201,6 +212,8 @@ class Pipeline:
             self._horizon = _HORIZON
             self.runner.restart(self.layout.build(self.replicas, self._horizon))
             self._feed = self._new_feed()
+        if self._segment == 0:
+            self.runner.guard.first_minibatch = self.minibatches
         self._feed.add(self._segment, (x, y))
         self._segment += 1
         self.minibatches += 1
@@ -259,6 +272,11 @@ class Pipeline:
         dist.all_reduce(totals)
         loss_sum, samples, correct, labels = totals.tolist()
         return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
+
+    @property
+    def skipped(self) -> list[int]:
+        """The minibatches whose update was skipped for a non-finite value (``on_nonfinite``)."""
+        return list(self.runner.guard.skipped)
 
     @property
     def events(self) -> list[Event]:

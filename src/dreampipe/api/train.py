@@ -110,6 +110,7 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
         plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
         stash=cfg.stash, record_events=cfg.record_events, seed=cfg.seed,
         resume=ckpt.directory if ckpt.resume else None, timeout_s=cfg.timeout_s,
+        on_nonfinite=cfg.on_nonfinite,
     )
     result = _train(pipe, job, data, rank, world)  # on an error the launcher ends every rank
     pipe.close()

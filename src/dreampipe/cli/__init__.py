@@ -37,6 +37,7 @@ _FLAGS = {
     "microbatches=": "--microbatches ",
     "minibatch_size=": "--batch-size ",
     "minibatches=": "--minibatches ",
+    "on_nonfinite=": "--on-nonfinite ",
     "plan_path=": "--plan ",
     "resume=True": "--resume",
     "schedule=": "--schedule ",

@@ -92,6 +92,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "matters)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any rank waits for a peer before failing (default: 60)")
+    g.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="a NaN or inf stage output or loss: stop with an error naming the "
+                        "minibatch and the stage (default), or skip that minibatch's update "
+                        "(synchronous schedules)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save checkpoints as DIR/step-N (torch.distributed.checkpoint)")
@@ -147,6 +151,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
     from dreampipe.jobs.train import PlanSource, TrainRequest
     from dreampipe.runtime.config import OptimizerKind, RunOptions
+    from dreampipe.runtime.nonfinite import OnNonFinite
 
     run = RunOptions(
         model=args.model,
@@ -164,6 +169,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         vertical_sync=args.vertical_sync,
         stash=not args.no_stash,
         timeout_s=args.timeout,
+        on_nonfinite=OnNonFinite(args.on_nonfinite),
         record_events=bool(args.trace or args.timeline),
         progress=not args.no_progress,
     )

@@ -85,15 +85,17 @@ def choose_plan(
     config: str | None = None,
     stages: str | None = None,
     allow_fewer_workers: bool = True,
+    nodes: int = 1,
 ) -> Plan:
     """The planner's best plan for ``workers`` local workers, or the forced partition costed.
 
     A ``config`` without ``stages`` gets the cuts the planner prices fastest
-    for those replica counts.
+    for those replica counts. ``nodes`` > 1 (a torchrun job over several
+    nodes) plans on two levels, the nodes as servers (:func:`local_topology`).
     """
     from dreampipe.planning import planner
 
-    topology = local_topology(workers)
+    topology = local_topology(workers, nodes=nodes)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers)
@@ -130,11 +132,12 @@ def predict_samples_per_s(
     minibatch_size: int,
     microbatches: int,
     steps: int,
+    nodes: int = 1,
 ) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` under ``kind``.
 
     ``graph`` must be profiled at the layout's unit size, so each scheduled
-    unit costs what the profile measured.
+    unit costs what the profile measured; ``nodes`` as for :func:`choose_plan`.
     """
     from dreampipe.simulation.simulator import simulate_schedule
 
@@ -142,7 +145,7 @@ def predict_samples_per_s(
                         workers=plan.workers_used)
     schedule = layout.build([st.replicas for st in plan.stages], steps)
     fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
-    result = simulate_schedule(schedule, local_costs(graph, plan, fraction))
+    result = simulate_schedule(schedule, local_costs(graph, plan, fraction, nodes=nodes))
     events = result.events
     span = max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
     if span <= 0:

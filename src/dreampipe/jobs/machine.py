@@ -1,10 +1,17 @@
 """This machine as the planner and the simulator see it: topology, calibration, costs.
 
 Local workers are ``N`` processes on one level, all joined by gloo over the
-loopback interface. The layer profile times only the layers; the runtime
-spends host time around them too. :class:`LocalCalibration` holds both
-kinds of figure, each with how it was measured, so that a prediction for
-this machine can add what the profile leaves out. :data:`PROJECT_MACHINE`
+loopback interface. A torchrun job over several nodes adds an outer level,
+the nodes as servers::
+
+    nodes x workers per node      inner: machine.bandwidth (measured here)
+    2     x 2                     outer: the link between nodes, not measured:
+                                  Topology's default outer figure (10 Gbps)
+
+The layer profile times only the layers; the runtime spends host time
+around them too. :class:`LocalCalibration` holds both kinds of figure,
+each with how it was measured, so that a prediction for this machine can
+add what the profile leaves out. :data:`PROJECT_MACHINE`
 is the project's 2-core development machine, the default.
 """
 
@@ -17,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.planning.topology import Topology
+from dreampipe.planning.topology import DEFAULT_BANDWIDTHS, Topology
 from dreampipe.profiling.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -85,17 +92,24 @@ PROJECT_MACHINE = LocalCalibration(
 )
 
 
-def local_topology(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> Topology:
-    """This machine as ``workers`` workers on one level at ``machine.bandwidth``."""
+def local_topology(
+    workers: int, machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1
+) -> Topology:
+    """``workers`` workers at ``machine.bandwidth``: one level, or with ``nodes`` > 1
+    (``workers / nodes`` on each) two, the nodes joined at the default outer bandwidth."""
     if workers < 1:
         raise ConfigError(f"workers={workers}: use at least 1 worker", "workers")
-    parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth])
+    if nodes > 1 and workers % nodes == 0:
+        parsed = Topology.parse(f"{nodes}x{workers // nodes}",
+                                bandwidths=[machine.bandwidth, DEFAULT_BANDWIDTHS[-1]])
+    else:
+        parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth])
     return dataclasses.replace(parsed, overlap=machine.overlap)
 
 
 def local_costs(
     graph: LayerGraph, plan: Plan, unit_fraction: float,
-    machine: LocalCalibration = PROJECT_MACHINE,
+    machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1,
 ) -> SimCosts:
     """Simulator costs of ``plan`` on this machine's workers.
 
@@ -105,11 +119,12 @@ def local_costs(
     and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
     cost stretches by ``workers / cores``. An all-reduce's start, measured
-    into the backward, stretches with the backward it waits on.
+    into the backward, stretches with the backward it waits on. ``nodes``:
+    see :func:`local_topology`.
     """
     from dreampipe.simulation.simulator import costs_from_profile
 
-    topology = local_topology(plan.workers_used, machine)
+    topology = local_topology(plan.workers_used, machine, nodes=nodes)
     costs = costs_from_profile(graph, plan, topology, unit_fraction)
     forward = [f + machine.stage_forward_s for f in costs.forward_s]
     forward[0] += machine.batch_load_s

@@ -53,6 +53,7 @@ __all__ = [
     "TrainRequest",
     "plan_train",
     "share_plan",
+    "torchrun_nodes",
     "torchrun_world",
 ]
 
@@ -124,6 +125,7 @@ class TrainReport:
             "elapsed_s": res.elapsed_s,
             "steps": self.steps,
             "config": self.plan.config,
+            "topology": self.plan.topology,
             "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
         }
         if res.accuracy is not None:
@@ -136,6 +138,20 @@ def torchrun_world() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
+
+
+def torchrun_nodes(world: int) -> int:
+    """The nodes of a torchrun job of ``world`` processes: ``world / LOCAL_WORLD_SIZE``.
+
+    1 when torchrun did not say, or the nodes run different numbers of processes
+    (the planner then sees one level).
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        log.info("LOCAL_WORLD_SIZE=%d does not divide %d workers: planning on one level",
+                 local, world)
+        return 1
+    return world // local
 
 
 def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
@@ -196,6 +212,7 @@ def plan_train(
     layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
                         microbatches=opts.microbatches, workers=workers)
     lead = torchrun is None or torchrun[0] == 0
+    nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
     plan: Plan | None = None
     graph: LayerGraph | None = None
@@ -204,7 +221,7 @@ def plan_train(
                                                fixed_world=torchrun is not None)
         graph = profile_as_worker(spec, layout.unit_size)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
-                                    allow_fewer_workers=torchrun is None)
+                                    allow_fewer_workers=torchrun is None, nodes=nodes)
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         if source.path is not None:
@@ -218,7 +235,7 @@ def plan_train(
     steps = _whole_rounds(req, layout, plan, steps, talk)
     predicted = 0.0 if graph is None else predict_samples_per_s(
         graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
-        microbatches=opts.microbatches, steps=steps,
+        microbatches=opts.microbatches, steps=steps, nodes=nodes,
     )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")

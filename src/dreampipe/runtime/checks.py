@@ -17,6 +17,7 @@ from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunOptions
 from dreampipe.runtime.data import DATASETS
+from dreampipe.runtime.nonfinite import check_policy
 from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 
@@ -81,6 +82,7 @@ def check_options(opts: RunOptions) -> None:
             "vertical sync runs every stage on a stashed weight version; it needs weight "
             "stashing: drop stash=False or vertical_sync=True", "stash", "vertical_sync",
         )
+    check_policy(opts.on_nonfinite, opts.schedule)
     if opts.dataset not in DATASETS:
         raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
 

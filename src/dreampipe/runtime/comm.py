@@ -295,5 +295,6 @@ class Comm:
         self._wait(work, action, f"ranks {first}..{first + replicas - 1} (all-reduce)")
 
     def wait_world(self, work: Any, action: Action) -> None:
-        """Wait for an all-reduce over every rank (the global gradient norm of ``action``)."""
-        self._wait(work, action, "every rank (gradient norm all-reduce)")
+        """Wait for an all-reduce over every rank at ``action`` (the global gradient norm,
+        or whether to skip a non-finite update)."""
+        self._wait(work, action, "every rank (all-reduce over the world)")

@@ -19,6 +19,7 @@ import torch
 
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.engine import RunnerOptions
+from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -43,8 +44,9 @@ class RunOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``timeout_s`` bounds every wait for a peer. ``backend`` None picks
-    NCCL when CUDA is available, gloo otherwise.
+    used. ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says
+    what a NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
+    ``backend`` None picks NCCL when CUDA is available, gloo otherwise.
     """
 
     model: str
@@ -66,6 +68,7 @@ class RunOptions:
     evaluate: bool = True
     backend: str | None = None
     progress: bool = False
+    on_nonfinite: OnNonFinite = OnNonFinite.STOP
 
     def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         """What each stage calls with its own parameters to build its optimizer."""
@@ -104,7 +107,7 @@ class RunConfig(RunOptions):
         return RunnerOptions(
             timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
             record_events=self.record_events, progress=self.progress,
-            unit_size=self.layout.unit_size,
+            unit_size=self.layout.unit_size, on_nonfinite=self.on_nonfinite,
         )
 
     @property

@@ -59,6 +59,7 @@ from torch import Tensor
 
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
+from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -88,7 +89,8 @@ class RunnerOptions:
     ``max_grad_norm`` clips every update's gradient by its global norm over
     all stages (one small all-reduce over the world per update);
     ``autocast`` runs forwards under ``torch.autocast`` with that dtype.
-    ``unit_size`` only feeds the progress bar's samples/s.
+    ``unit_size`` only feeds the progress bar's samples/s. ``on_nonfinite``
+    says what a NaN or inf output or loss does (:mod:`.nonfinite`).
     """
 
     timeout_s: float = 60.0
@@ -98,6 +100,7 @@ class RunnerOptions:
     unit_size: int = 1
     max_grad_norm: float | None = None
     autocast: torch.dtype | None = None
+    on_nonfinite: OnNonFinite = OnNonFinite.STOP
 
 
 @dataclass
@@ -130,9 +133,10 @@ def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
 class RankRunner:
     """One rank's stage, data and links; :meth:`run` (or :meth:`advance`) executes its actions.
 
-    ``clip_group`` is the world group the gradient-norm all-reduce uses
-    (with ``max_grad_norm``); ``after_step`` runs after every weight update
-    (a learning-rate scheduler's step).
+    ``clip_group`` is the world group the gradient-norm all-reduce (with
+    ``max_grad_norm``) and the non-finite agreement (``on_nonfinite`` skip)
+    use, None for the default group; ``after_step`` runs after every weight
+    update (a learning-rate scheduler's step).
     """
 
     def __init__(
@@ -164,6 +168,7 @@ class RankRunner:
         self.pipedream = schedule.kind is ScheduleKind.PIPEDREAM
         self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
         self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
+        self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._clip_group = clip_group
         self._after_step = after_step
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
@@ -220,6 +225,7 @@ class RankRunner:
         cast = self.opts.autocast
         with torch.autocast(self.device.type, cast) if cast is not None else nullcontext():
             out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
+        self.guard.check(a, out, x, self.last)
         if self.last:
             self.losses[u] = out
         else:
@@ -260,6 +266,9 @@ class RankRunner:
         self.buckets.finish(self.module.gradients(), a, scale)
 
     def _step(self, a: Action) -> None:
+        if self.guard.skips(a, self._clip_group, self.comm.wait_world):
+            self.module.step(apply=False)
+            return
         if self.opts.max_grad_norm is not None:
             self._clip(a, self.opts.max_grad_norm)
         self.module.step()
@@ -323,7 +332,7 @@ class RankRunner:
             f"rank {self.rank}: the new schedule does not extend the prefix it ran"
         )
         self.schedule = schedule
-        self.comm.schedule = schedule
+        self.comm.schedule = self.guard.schedule = schedule
         self._index_schedule()
 
     def restart(self, schedule: Schedule) -> None:
@@ -333,7 +342,7 @@ class RankRunner:
         )
         self.comm.drain()
         self.schedule = schedule
-        self.comm.schedule = schedule
+        self.comm.schedule = self.guard.schedule = schedule
         self._pos = self._stop = self._posted = 0
         self.losses = {}
         self._index_schedule()

@@ -19,12 +19,14 @@ bench's PyTorch baselines run through the same supervisor.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import sys
 import threading
@@ -381,10 +383,15 @@ def _supervise(
     for p in procs:
         if p.is_alive() and (failures or open_conns):
             p.terminate()
+            with contextlib.suppress(ProcessLookupError):  # a stopped rank ends only once
+                os.kill(p.pid, signal.SIGCONT)             # continued
     for p in procs:
         p.join(5.0)
+        if p.is_alive() and (failures or open_conns):
+            p.kill()
+            p.join()
     if failures:
-        raise _failure(procs, failures, where, error)
+        raise _failure(procs, failures, sorted(open_conns), where, error)
     if open_conns:
         raise (error or WorkerError)(
             f"the run passed its deadline of {deadline_s:g} s; ranks {sorted(open_conns)} "
@@ -396,6 +403,7 @@ def _supervise(
 def _failure(
     procs: list[Any],
     failures: dict[int, tuple[Any, str, str]],
+    running: list[int],
     where: Callable[[int], str] | None,
     error: type[DreampipeError] | None,
 ) -> Exception:
@@ -413,6 +421,7 @@ def _failure(
     codes = {rank: p.exitcode for rank, p in enumerate(procs)}
     lines = [f"{who(first)} failed: {message}"]
     lines += [f"{who(r)} also failed: {failures[r][1]}" for r in order[1:]]
+    lines += [f"{who(r)} had not finished (busy, hung or stopped) and was ended" for r in running]
     lines.append(f"exit codes by rank: {codes}")
     for r in order:
         if failures[r][2]:

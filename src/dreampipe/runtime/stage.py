@@ -371,8 +371,12 @@ class StageModule:
             out.append(g)
         return out
 
-    def step(self) -> None:
-        """Apply the accumulated gradient to the live weights (copy-on-write, see above)."""
+    def step(self, *, apply: bool = True) -> None:
+        """Apply the accumulated gradient to the live weights (copy-on-write, see above).
+
+        ``apply=False`` drops the gradient instead (a skipped update): the
+        weights and the optimizer's state stay as they were.
+        """
         self._harvest_all()
         cur = self._versions.get(self.version)
         if cur is None and self._needed_later(self.version):
@@ -384,9 +388,9 @@ class StageModule:
                 cur.live = False
             else:
                 del self._versions[cur.number]
-        for p, g in zip(self._params, self._grads, strict=True):
-            p.grad = g
-        if self.optimizer is not None:
+        if apply and self.optimizer is not None:
+            for p, g in zip(self._params, self._grads, strict=True):
+                p.grad = g
             self.optimizer.step()
         for p in self._params:
             p.grad = None

@@ -1,0 +1,150 @@
+"""NaN and inf in training: stop at the first one, or skip the minibatch that made it.
+
+Every forward of a training unit checks what it hands on, the stage's output
+(or, on the last stage, the loss), by its sum: NaN and inf carry into a sum,
+so a finite sum means finite values, and only a sum that is not finite (it
+may also overflow) is checked value by value. One reduction, no temporary:
+measured on one thread, 20 us against 40 ms for the forward of 4
+``Linear(1024, 1024)`` at batch 32 (``torch.isfinite(t).all()``, 0.5 ms),
+20 us against 0.5 ms for a toy stage of width 16. What happens then is
+:class:`OnNonFinite`:
+
+- ``STOP`` raises :class:`~dreampipe.errors.NonFiniteError` on the rank that
+  saw it, naming the minibatch, the stage and whether its input was already
+  bad (the data) or the stage's layers made it. A stage never sends a bad
+  output on, so the stage named is where the value first appeared; its
+  peers then fail as having lost it.
+- ``SKIP`` (synchronous schedules) lets the minibatch run to its ``STEP``,
+  where every rank joins one all-reduce of "the first stage that saw a
+  non-finite value in this update" (MIN over the world): if any did, every
+  stage drops the update's gradient and leaves its weights as they were.
+  The pipeline's sends, receives and gradient all-reduces run as usual, so
+  no rank waits for a message that never comes. Buffers (BatchNorm running
+  statistics) that the minibatch's forwards updated are not rolled back.
+  PipeDream's schedule updates each stage at its own time, with no common
+  point to agree at; it accepts ``STOP`` only (:mod:`.checks` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dreampipe.errors import ConfigError, NonFiniteError
+from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
+
+__all__ = ["NonFiniteGuard", "OnNonFinite", "check_policy"]
+
+_log = logging.getLogger(__name__)
+
+
+class OnNonFinite(Enum):
+    """What a run does when a forward output or a loss holds NaN or inf."""
+
+    STOP = "stop"
+    SKIP = "skip"
+
+
+def check_policy(policy: OnNonFinite, kind: ScheduleKind) -> None:
+    """``SKIP`` needs a synchronous schedule (see above): a ConfigError otherwise."""
+    if policy is OnNonFinite.SKIP and kind is ScheduleKind.PIPEDREAM:
+        raise ConfigError(
+            "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
+            "where every stage updates at the same step; pipedream updates each stage at its "
+            "own time: use on_nonfinite=stop with it", "on_nonfinite", "schedule",
+        )
+
+
+def _what(t: Tensor) -> str:
+    """``"3 of 80 values are nan"`` (or inf, or nan and inf)."""
+    nan = int(torch.isnan(t).sum())
+    bad = int((~torch.isfinite(t)).sum())
+    kinds = "nan" if nan == bad else "inf" if nan == 0 else "nan or inf"
+    return f"{bad} of {t.numel()} values are {kinds}"
+
+
+def _all_finite(t: Tensor) -> bool:
+    """Whether every value of ``t`` is finite; see the module docstring."""
+    with torch.no_grad():
+        return math.isfinite(float(t.detach().sum())) or bool(torch.isfinite(t).all())
+
+
+def _finite(x: Tensor | tuple[Tensor, ...]) -> bool:
+    parts = x if isinstance(x, tuple) else (x,)
+    return all(bool(torch.isfinite(p).all()) for p in parts if p.is_floating_point())
+
+
+class NonFiniteGuard:
+    """One rank's check of its forwards, and (``SKIP``) the agreement at each update."""
+
+    def __init__(
+        self, policy: OnNonFinite, schedule: Schedule, rank: int, device: torch.device
+    ) -> None:
+        self.policy = policy
+        self.device = device
+        self.schedule = schedule
+        self.rank = rank
+        self.stage = schedule.stage_of_rank(rank)
+        self.first_minibatch = 0
+        self.skipped: list[int] = []
+        self._bad: set[int] = set()
+
+    def _minibatch(self, unit: int) -> int:
+        if self.schedule.kind is ScheduleKind.PIPEDREAM:
+            return unit
+        return unit // self.schedule.units_per_update
+
+    def check(self, a: Action, out: Tensor, x: Tensor | tuple[Tensor, ...], last: bool) -> None:
+        """After forward ``a``: ``out`` is the stage's output, or the loss when ``last``."""
+        if _all_finite(out):
+            return
+        k = self._minibatch(a.unit)
+        if self.policy is OnNonFinite.SKIP:
+            self._bad.add(k)
+            return
+        mb = self.first_minibatch + k
+        per = self.schedule.units_per_update
+        part = "" if per == 1 else f" (microbatch {a.unit % per} of {per})"
+        what = "loss" if last else "output"
+        where = f"stage {self.stage} (rank {self.rank})"
+        if not _finite(x):
+            cause = (f"its input was not finite already: check minibatch {mb} of the data"
+                     if self.stage == 0 else "its input from the previous stage was not finite")
+        else:
+            cause = (f"its input was finite, so the layers of stage {self.stage} made it: "
+                     "lower the learning rate or check those layers")
+        raise NonFiniteError(
+            f"minibatch {mb}{part}: the {what} of {where} is not finite ({_what(out)}); "
+            f"{cause}, or skip such minibatches with on_nonfinite=skip "
+            "(--on-nonfinite skip)"
+        )
+
+    def skips(self, a: Action, group: Any, wait: Any) -> bool:
+        """At ``STEP`` ``a``: whether any stage saw a non-finite value in this update.
+
+        A collective over ``group`` (every rank) when the policy is ``SKIP``;
+        ``wait(work, a)`` waits for it with the run's deadline.
+        """
+        if self.policy is OnNonFinite.STOP:
+            return False
+        n = self.schedule.num_stages
+        first = torch.tensor([self.stage if a.unit in self._bad else n], dtype=torch.int64,
+                             device=self.device)
+        self._bad.discard(a.unit)
+        work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group, async_op=True)
+        wait(work, a)
+        stage = int(first.item())
+        if stage == n:
+            return False
+        mb = self.first_minibatch + a.unit
+        self.skipped.append(mb)
+        if self.rank == 0:
+            _log.warning("skipped minibatch %d: a non-finite value first appeared at stage %d; "
+                         "no stage updated its weights with it", mb, stage)
+        return True

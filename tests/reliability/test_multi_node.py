@@ -1,0 +1,111 @@
+"""``dreampipe train`` under two torchrun agents (``--nnodes 2``, c10d rendezvous) on 127.0.0.1.
+
+Each agent is one node with one worker, so the pipeline's two stages sit on
+two nodes: the plan is made on a 2-level topology (workers inside a node,
+nodes as servers), and 1F1B-flush across the nodes equals gradient
+accumulation in one process, weights read back from the run's checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runtime.reference import reference_sync, sgd
+
+import dreampipe
+from dreampipe.jobs.machine import local_topology
+from dreampipe.jobs.train import torchrun_nodes
+from dreampipe.models import get_model
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.launch import free_port
+
+__all__: list[str] = []
+
+_TESTS = Path(__file__).resolve().parents[1]
+_SRC = Path(dreampipe.__file__).resolve().parents[1]
+STEPS = 3
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root`` (torchrun starts its workers in sessions of their own,
+    so killing an agent's process group leaves them)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill(agents: list[subprocess.Popen[bytes]]) -> None:
+    for agent in agents:
+        for pid in [*_descendants(agent.pid), agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_plan_on_two_levels_and_equal_gradient_accumulation(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join([str(_SRC), str(_TESTS)])}
+    train = ["-m", "dreampipe", "train", "mlp", "--model-arg", "layers=4", "--model-arg",
+             "width=16", "--stages", "0,2", "--schedule", "1f1b-flush", "--microbatches", "2",
+             "--batch-size", "16", "--steps", str(STEPS), "--checkpoint-dir",
+             str(tmp_path / "ck"), "--checkpoint-every", str(STEPS), "--json", "--no-progress",
+             "--timeout", "60"]
+    agents: list[subprocess.Popen[bytes]] = []
+    try:
+        for node in (0, 1):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"dp{os.getpid()}",
+                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+                   "--max-restarts", "0", *train]
+            with (tmp_path / f"out{node}").open("wb") as out, \
+                    (tmp_path / f"err{node}").open("wb") as err:
+                agents.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
+                                               cwd=tmp_path, start_new_session=True))
+        codes = [agent.wait(timeout=240) for agent in agents]
+    finally:
+        _kill(agents)
+    errs = [(tmp_path / f"err{n}").read_text(errors="replace")[-3000:] for n in (0, 1)]
+    assert codes == [0, 0], errs
+    lines = [ln for n in (0, 1) for ln in (tmp_path / f"out{n}").read_text().splitlines()
+             if ln.startswith("{")]
+    assert len(lines) == 1, (lines, errs)  # rank 0 reports, on whichever node it ran
+    got = json.loads(lines[0])
+    assert got["topology"].startswith("2x1 = 2 workers ("), got["topology"]  # nodes x per node
+    assert got["stages"] == [[0, 1, 1], [2, 3, 1]]
+    spec = get_model("mlp", layers=4, width=16)
+    losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,
+                                   minibatch=16, seed=0, opt=sgd(0.01), microbatches=2)
+    assert got["losses"] == pytest.approx(losses, rel=1e-5, abs=4e-5)
+    weights = dreampipe.load_model_state(tmp_path / "ck")
+    assert sorted(weights) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=4e-5, msg=name)
+
+
+def test_torchrun_nodes_become_the_outer_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert torchrun_nodes(4) == 2
+    assert [lv.count for lv in local_topology(4, nodes=2).levels] == [2, 2]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # uneven nodes: one level
+    assert torchrun_nodes(4) == 1
+    assert [lv.count for lv in local_topology(4, nodes=1).levels] == [4]

@@ -1,0 +1,143 @@
+"""A NaN or inf stops the run naming the minibatch and the stage, or (skip) drops that update."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dreampipe.api import Pipeline
+from dreampipe.cli import main
+from dreampipe.errors import ConfigError, NonFiniteError
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
+from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
+
+__all__: list[str] = []
+
+SEED = 5
+MINIBATCH = 8
+
+
+def _train(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Train the mlp through a Pipeline per job, in one process group, on the synthetic
+    stream; minibatch ``job["nan"]`` gets a NaN, those in ``job["drop"]`` are left out."""
+    dist.init_process_group("gloo")
+    try:
+        return [_train_one(job) for job in jobs]
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_one(job: dict[str, Any]) -> dict[str, Any]:
+    spec = get_model("mlp", layers=4, width=16)
+    data = load_dataset("synthetic", spec, seed=SEED)
+    pipe = Pipeline(
+        spec.build(0, spec.num_layers - 1, SEED), example=data.batch(0, MINIBATCH),
+        loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
+        schedule=job["schedule"],
+        plan=Plan.from_config(spec.num_layers, job["bounds"], job["replicas"]),
+        microbatches=job.get("microbatches", 1), on_nonfinite=job["on_nonfinite"],
+        timeout_s=30.0,
+    )
+    for k in range(job["steps"]):
+        if k in job.get("drop", ()):
+            continue
+        x, y = data.batch(k, MINIBATCH)
+        if k == job.get("nan"):
+            x = x.clone()
+            x[MINIBATCH - 1, 0] = float("nan")
+        pipe.step(x, y)
+    losses = pipe.finish()
+    out = {"losses": losses, "state": pipe.full_state_dict(), "skipped": pipe.skipped}
+    pipe.close()
+    return out
+
+
+def test_the_check_sees_nan_and_inf_but_not_a_sum_that_overflows() -> None:
+    layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=4, microbatches=2, workers=2)
+    guard = NonFiniteGuard(OnNonFinite.STOP, layout.build([1, 1], 3), 0, torch.device("cpu"))
+    x = torch.ones(2, 2)
+    guard.check(Action(ActionKind.FORWARD, 0, 3), torch.full((2, 2), 3e38), x, False)
+    with pytest.raises(NonFiniteError, match=r"^minibatch 1 \(microbatch 1 of 2\): the output "
+                       r"of stage 0 \(rank 0\) is not finite \(2 of 4 values are nan or inf\); "
+                       "its input was finite"):
+        guard.check(Action(ActionKind.FORWARD, 0, 3),
+                    torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]]), x, False)
+
+
+@pytest.mark.timeout(90)
+def test_a_nan_in_the_data_stops_every_rank_naming_the_minibatch_and_the_input_stage() -> None:
+    with pytest.raises(NonFiniteError) as info:
+        run_processes(_train, 2, [{"schedule": "pipedream", "bounds": [0, 2],
+                                   "replicas": [1, 1], "steps": 6, "nan": 3,
+                                   "on_nonfinite": "stop"}], deadline_s=60.0)
+    first = str(info.value).splitlines()[0]
+    assert first == (
+        "rank 0 failed: NonFiniteError: minibatch 3: the output of stage 0 (rank 0) is not "
+        "finite (16 of 128 values are nan); its input was not finite already: check "
+        "minibatch 3 of the data, or skip such minibatches with on_nonfinite=skip "
+        "(--on-nonfinite skip)"
+    ), first
+    assert "rank 1 also failed" in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_skip_needs_a_synchronous_schedule() -> None:
+    spec = get_model("mlp", layers=4, width=16)
+    with pytest.raises(ConfigError, match="on_nonfinite=skip needs a synchronous schedule"):
+        Pipeline(spec.build(0, 3, SEED),
+                 example=(spec.sample_input(MINIBATCH), spec.sample_target(MINIBATCH)),
+                 loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                 on_nonfinite="skip")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_skipped_minibatch_leaves_the_weights_of_a_run_that_never_saw_it() -> None:
+    # dp on 2 workers: the replicas still all-reduce the skipped update's (NaN) gradient
+    job = {"schedule": "dp", "bounds": [0], "replicas": [2], "steps": 5, "microbatches": 2,
+           "on_nonfinite": "skip"}
+    ranks = run_processes(_train, 2, [{**job, "nan": 2}, {**job, "drop": (2,)}],
+                          deadline_s=90.0)
+    assert [skipped["skipped"] for skipped, _ in ranks] == [[2], [2]]
+    got, never = ranks[0]
+    assert never["skipped"] == []
+    assert math.isnan(got["losses"][2])
+    assert got["losses"][:2] + got["losses"][3:] == never["losses"]
+    assert sorted(got["state"]) == sorted(never["state"])
+    for name, value in never["state"].items():
+        assert torch.equal(got["state"][name], value), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_train_stops_at_an_inf_a_stage_makes_or_skips_it(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    base = ["train", "runtime.models_for_tests:inf_mlp", "--model-arg", "layers=4",
+            "--model-arg", "width=16", "--workers", "2", "--stages", "0,2", "--steps", "6",
+            "--batch-size", "8", "--no-progress", "--timeout", "30"]
+    assert main([*base, "--model-arg", "at=3"]) == 2
+    err = capfd.readouterr().err
+    assert err.startswith(
+        "dreampipe train: error: rank 1 (stage 1) failed: NonFiniteError: minibatch 3: the "
+        "loss of stage 1 (rank 1) is not finite (1 of 1 values are nan); its input was "
+        "finite, so the layers of stage 1 made it"
+    ), err
+    # two microbatches a minibatch: the 7th unit is minibatch 3's second
+    argv = [*base, "--model-arg", "at=7", "--schedule", "1f1b-flush", "--microbatches", "2",
+            "--on-nonfinite", "skip", "--json"]
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    assert "skipped minibatch 3: a non-finite value first appeared at stage 1" in err, err
+    losses = json.loads(out)["losses"]
+    assert [math.isnan(v) for v in losses] == [False, False, False, True, False, False]
