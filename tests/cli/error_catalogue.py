@@ -193,9 +193,15 @@ CASES: tuple[Case, ...] = (
     Case("every-zero", "checkpoint", "a checkpoint every 0 updates",
          ("train", "mlp", "--checkpoint-dir", "{dir}/ck", "--checkpoint-every", "0"),
          ("--checkpoint-every 0",)),
-    Case("resume-uncommitted", "checkpoint", "resuming from a save that never committed",
+    Case("resume-damaged", "checkpoint", "resuming from a checkpoint whose file was cut short",
          ("train", "mlp", "--checkpoint-dir", "{dir}/ck", "--resume"),
-         ("no complete checkpoint", "ck"), (("ck/step-10.tmp/.metadata", "partial"),)),
+         ("ck/step-10 is damaged", ".metadata is 7 bytes", "100 bytes"),
+         (("ck/step-10/.metadata", "partial"),
+          ("ck/step-10/COMMITTED", '{"minibatches": 10, "files": {".metadata": 100}}'))),
+    Case("resume-past-steps", "checkpoint", "resuming a run whose checkpoint is past --steps",
+         ("train", "mlp", "--checkpoint-dir", "{dir}/ck", "--resume", "--steps", "5"),
+         ("--steps 5", "at 10 minibatches"),
+         (("ck/step-10/COMMITTED", '{"minibatches": 10, "files": {}}'),)),
 )
 
 

@@ -12,9 +12,11 @@ Keys are the original model's names, so a checkpoint loads into any plan
 A save is atomic: every rank writes ``DIR/step-N.tmp``; after a barrier
 rank 0 renames it ``DIR/step-N`` and writes the marker ``COMMITTED`` last
 (the size of every file, so a truncated file is found before loading).
-A directory without the marker is never loaded. :func:`load_model_state`
-reads the weights alone into a plain ``nn.Module``'s keys, without a
-process group.
+A directory without the marker is never loaded (:func:`partial` lists them,
+to be removed). The marker also records the plan and schedule that saved,
+so a run resumed on another plan can say what changed (:func:`saved_plan`).
+:func:`load_model_state` reads the weights alone into a plain
+``nn.Module``'s keys, without a process group.
 """
 
 from __future__ import annotations
@@ -36,17 +38,31 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dreampipe.api.split import Chain, Layers
-from dreampipe.errors import CheckpointError
+from dreampipe.errors import CheckpointError, PlanError
+from dreampipe.planning.plan import Plan
 
 if TYPE_CHECKING:
     from dreampipe.api.pipeline import Pipeline
 
-__all__ = ["MARKER", "check_keys", "find", "load", "load_model_state", "minibatches_of", "save"]
+__all__ = [
+    "MARKER",
+    "check_keys",
+    "find",
+    "latest",
+    "load",
+    "load_model_state",
+    "minibatches_of",
+    "partial",
+    "resume_note",
+    "save",
+    "saved_plan",
+]
 
 _log = logging.getLogger(__name__)
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d+)$")
+_PARTIAL = re.compile(r"^step-(\d+)(\.tmp)?$")
 _LIST = 6
 
 
@@ -57,6 +73,24 @@ def _complete(directory: Path) -> list[Path]:
     found = [(int(m.group(1)), p) for p in directory.iterdir() if p.is_dir()
              and (m := _STEP.match(p.name)) and (p / MARKER).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def latest(directory: Path) -> Path | None:
+    """The newest committed checkpoint in ``directory`` (checked whole), or None if none is."""
+    done = _complete(directory)
+    if not done:
+        return None
+    _verify(done[-1])
+    return done[-1]
+
+
+def partial(directory: Path) -> list[Path]:
+    """Saves in ``directory`` that never committed (``step-N.tmp``, ``step-N`` without marker)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir()
+                  if p.is_dir() and _PARTIAL.match(p.name) and not (
+                      _STEP.match(p.name) and (p / MARKER).is_file()))
 
 
 def find(path: Path) -> Path:
@@ -84,6 +118,18 @@ def minibatches_of(path: Path) -> int:
     return int(json.loads((path / MARKER).read_text())["minibatches"])
 
 
+def saved_plan(path: Path) -> Plan | None:
+    """The plan that saved the committed checkpoint ``path`` (None if it did not record one)."""
+    recorded = json.loads((path / MARKER).read_text()).get("plan")
+    if recorded is None:
+        return None
+    try:
+        return Plan.from_dict(recorded)
+    except PlanError as exc:
+        raise CheckpointError(f"checkpoint {path} records a plan dreampipe cannot read ({exc}); "
+                              "it is damaged: resume from another one") from exc
+
+
 def _verify(path: Path) -> None:
     sizes: dict[str, int] = json.loads((path / MARKER).read_text())["files"]
     for name, size in sizes.items():
@@ -104,6 +150,24 @@ def _metadata(path: Path) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}; "
                               "it is damaged: resume from another one") from exc
+
+
+def _brief(plan: Plan) -> str:
+    stages = ", ".join(f"layers {st.first}..{st.last} x{st.replicas}" for st in plan.stages)
+    return f"{plan.config} ({stages}) on {plan.workers_used} workers"
+
+
+def resume_note(path: Path, plan: Plan) -> str:
+    """One line: where a run resumes, with the plan that saved and the plan that goes on."""
+    old = saved_plan(path)
+    if old is None:
+        was = "saved by a plan it did not record"
+    elif (old.num_layers, [(st.first, st.replicas) for st in old.stages]) == (
+            plan.num_layers, [(st.first, st.replicas) for st in plan.stages]):
+        was = f"on the same plan {_brief(plan)}"
+    else:
+        was = f"saved by plan {_brief(old)}, re-planned to {_brief(plan)}"
+    return f"resuming from {path} at minibatch {minibatches_of(path)}, {was}"
 
 
 def check_keys(path: Path, layers: Layers) -> None:
@@ -162,7 +226,9 @@ def save(directory: Path, pipe: Pipeline) -> Path:
         tmp.rename(final)
         sizes = {p.name: p.stat().st_size for p in final.iterdir() if p.is_file()}
         marker = final / f"{MARKER}.tmp"
-        marker.write_text(json.dumps({"minibatches": pipe.minibatches, "files": sizes}))
+        marker.write_text(json.dumps({"minibatches": pipe.minibatches, "files": sizes,
+                                      "schedule": pipe.kind.value,
+                                      "plan": pipe.plan.to_dict()}))
         marker.rename(final / MARKER)
     dist.barrier()
     _log.info("saved checkpoint %s", final)
@@ -180,6 +246,7 @@ def _placeholders(meta: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 
 def load(path: Path, pipe: Pipeline) -> int:
     """Load ``path`` into this rank's stage; the minibatches it had consumed."""
+    _log.info("%s", resume_note(path, pipe.plan))
     meta = _metadata(path)
     module = pipe.module
     names = module.module_param_names
@@ -212,7 +279,6 @@ def load(path: Path, pipe: Pipeline) -> int:
         if pipe.scheduler is not None and first["scheduler"] is not None:
             pipe.scheduler.load_state_dict(first["scheduler"])
     torch.set_rng_state(objects["progress"]["rng"])
-    _log.info("resumed from %s", path)
     return int(objects["progress"]["minibatches"])
 
 

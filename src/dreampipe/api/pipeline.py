@@ -339,11 +339,30 @@ def _init_process_group(timeout_s: float) -> bool:
     timeout = timedelta(seconds=max(timeout_s, 60.0))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
     return True
+
+
+def _attempt_store(timeout: timedelta) -> dict[str, Any]:
+    """Under torchrun, its agent's store seen under a prefix of this attempt (restart count).
+
+    torchrun's static rendezvous (``--master-addr``/``--master-port``) keeps one
+    store across restarts: without the prefix a restarted group would read the
+    addresses of the ranks it replaced and fail to connect.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )
+    prefix = f"dreampipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    mine = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+    return {"store": mine, "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _device() -> torch.device:

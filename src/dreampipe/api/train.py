@@ -6,10 +6,20 @@ launcher, or torchrun's) builds its stage of the model (the other layers on
 the meta device), feeds the Pipeline the dataset's minibatches in order and
 saves a checkpoint every ``every`` minibatches. ``--steps`` is the total:
 a resumed run continues from the checkpoint's data position to it.
+
+``resume`` means "continue from the newest committed checkpoint in the
+folder if there is one, else start at minibatch 0", so one command serves
+a first start and every ``torchrun --max-restarts`` restart (and an
+elastic restart on fewer processes, which re-plans for its world: the plan
+that saved is in the checkpoint, and the run says both). Saves that never
+committed are removed. With a data log, rank 0 appends each minibatch it
+trains (:mod:`.datalog`), so a restarted run can be audited.
 """
 
 from __future__ import annotations
 
+import logging
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dreampipe.api import checkpoint
+from dreampipe.api.datalog import DataLog
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
@@ -32,16 +43,19 @@ from dreampipe.runtime.results import sorted_events, stage_states
 
 __all__ = ["Checkpoints", "run_train"]
 
+_log = logging.getLogger(__name__)
 _EVAL_BATCH = 256
 
 
 @dataclass(frozen=True)
 class Checkpoints:
-    """Where and how often a train job saves, and whether it resumes from there."""
+    """Where and how often a train job saves, whether it resumes from there (if it can),
+    and the data log it appends to (see the module docstring)."""
 
     directory: Path | None = None
     every: int | None = None
     resume: bool = False
+    data_log: Path | None = None
 
     def __post_init__(self) -> None:
         if (self.every is not None or self.resume) and self.directory is None:
@@ -58,6 +72,7 @@ class Checkpoints:
 class _Job:
     cfg: RunConfig
     checkpoints: Checkpoints
+    resume_from: Path | None
 
 
 def run_train(
@@ -67,11 +82,13 @@ def run_train(
     """Plan, then train; the report (None on torchrun ranks other than 0)."""
     ckpt = checkpoints or Checkpoints()
     if req.epochs is None:
-        _check_resume(ckpt, req.run.steps)  # before profiling
+        _resume_point(ckpt, req.run.steps)  # before profiling
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
-    _check_resume(ckpt, cfg.steps)
-    job = _Job(cfg, ckpt)
+    found = _resume_point(ckpt, cfg.steps)
+    if torchrun is None or torchrun[0] == 0:
+        _tidy(ckpt, found, cfg, say)
+    job = _Job(cfg, ckpt, found)
     if torchrun is not None:
         result = _train_rank(torchrun[0], torchrun[1], job)
     else:
@@ -88,18 +105,38 @@ def run_train(
     return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result)
 
 
-def _check_resume(ckpt: Checkpoints, steps: int) -> None:
-    """A resumed run needs a committed checkpoint short of ``steps``, the total."""
-    if ckpt.resume and ckpt.directory is not None:
-        done = checkpoint.minibatches_of(checkpoint.find(ckpt.directory))
-        if done >= steps:
-            raise ConfigError(f"steps={steps} but the checkpoint is at {done} minibatches; "
-                              f"steps is the total: use more than {done}", "steps")
+def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
+    """The checkpoint a resumed run continues from (None: none yet), short of ``steps``."""
+    if not ckpt.resume or ckpt.directory is None:
+        return None
+    found = checkpoint.latest(ckpt.directory)
+    if found is not None and (done := checkpoint.minibatches_of(found)) >= steps:
+        raise ConfigError(f"steps={steps} but the checkpoint is at {done} minibatches; "
+                          f"steps is the total: use more than {done}", "steps")
+    return found
+
+
+def _tidy(ckpt: Checkpoints, found: Path | None, cfg: RunConfig, say: Say | None) -> None:
+    """Remove the saves that never committed, and say where the run starts (the lead only)."""
+    if ckpt.directory is None:
+        return
+    lines = []
+    for stale in checkpoint.partial(ckpt.directory):
+        shutil.rmtree(stale, ignore_errors=True)
+        lines.append(f"removed {stale}: its save never committed")
+    if found is not None:
+        lines.append(checkpoint.resume_note(found, cfg.plan))
+    elif ckpt.resume:
+        lines.append(f"no committed checkpoint in {ckpt.directory} yet: starting at minibatch 0")
+    for line in lines:
+        _log.info("%s", line)
+        if say is not None:
+            say(line)
 
 
 def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     """One rank: build its stage, train to ``cfg.steps`` minibatches, report to rank 0."""
-    cfg, ckpt = job.cfg, job.checkpoints
+    cfg = job.cfg
     spec = resolve_spec(cfg.model, cfg.model_kwargs)
     stage = cfg.plan.stage_of_rank(rank)
     st = cfg.plan.stages[stage]
@@ -109,7 +146,7 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
         plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
         stash=cfg.stash, record_events=cfg.record_events, seed=cfg.seed,
-        resume=ckpt.directory if ckpt.resume else None, timeout_s=cfg.timeout_s,
+        resume=job.resume_from, timeout_s=cfg.timeout_s,
         on_nonfinite=cfg.on_nonfinite,
     )
     result = _train(pipe, job, data, rank, world)  # on an error the launcher ends every rank
@@ -121,14 +158,23 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
     cfg, ckpt = job.cfg, job.checkpoints
     start = pipe.minibatches
     bar = _progress(cfg, rank, world, start)
+    log = None
+    if ckpt.data_log is not None and rank == 0:
+        log = DataLog(ckpt.data_log, start=start, steps=cfg.steps, plan=cfg.plan.config,
+                      workers=world)
     barrier(max(cfg.timeout_s, 60.0))
     t0 = pipe.runner.t0 = time.perf_counter()
     for k in range(start, cfg.steps):
-        pipe.step(*data.batch(k, cfg.minibatch_size))
+        batch = data.batch(k, cfg.minibatch_size)
+        pipe.step(*batch)
+        if log is not None:
+            log.record(k, *batch)
         if ckpt.every is not None and ckpt.directory is not None and (k + 1) % ckpt.every == 0:
             pipe.save(ckpt.directory)
         if bar is not None:
             bar.update(1)
+    if log is not None:
+        log.close()
     losses = pipe.finish()
     loop_s = time.perf_counter() - t0
     if bar is not None:

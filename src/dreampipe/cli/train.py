@@ -96,15 +96,25 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="a NaN or inf stage output or loss: stop with an error naming the "
                         "minibatch and the stage (default), or skip that minibatch's update "
                         "(synchronous schedules)")
-    g = p.add_argument_group("checkpoints")
+    g = p.add_argument_group(
+        "checkpoints and restarts",
+        "Under 'torchrun --max-restarts N', give the same command --checkpoint-dir, "
+        "--checkpoint-every and --resume: the first start finds no checkpoint and starts at "
+        "step 0; a group restarted after a rank died (or on fewer processes, re-planned for "
+        "them) continues from the last committed checkpoint.",
+    )
     g.add_argument("--checkpoint-dir", metavar="DIR",
                    help="save checkpoints as DIR/step-N (torch.distributed.checkpoint)")
     g.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="save every N weight updates (pipedream: minibatches) into "
                         "--checkpoint-dir")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest complete checkpoint in --checkpoint-dir; "
-                        "--steps stays the total")
+                   help="continue from the newest committed checkpoint in --checkpoint-dir, "
+                        "or start at step 0 if there is none yet; saves that never committed "
+                        "are removed; --steps stays the total")
+    g.add_argument("--data-log", metavar="FILE",
+                   help="append one JSON line per minibatch trained (its index and a hash of "
+                        "its samples) and one per start or restart (the step it resumed at)")
     g = p.add_argument_group("output")
     g.add_argument("--trace", metavar="OUT.json",
                    help="write every rank's measured actions as a Chrome trace")
@@ -190,6 +200,7 @@ def _train(args: argparse.Namespace) -> int:
     checkpoints = Checkpoints(
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         every=args.checkpoint_every, resume=args.resume,
+        data_log=Path(args.data_log) if args.data_log else None,
     )
     say = _printer(args.json)
     report = run_train(_request(args), torchrun=torchrun_world(), say=say,
