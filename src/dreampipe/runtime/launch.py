@@ -35,6 +35,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -259,7 +260,7 @@ def run_processes(
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, arg, rank, world, port, threads, send, os.getpid(), dict(os.environ)),
+                args=(fn, arg, rank, world, port, threads, send, os.getpid(), _Inherited()),
                 name=f"dreampipe-rank{rank}", daemon=True,
             )
             p.start()
@@ -294,6 +295,39 @@ def _context() -> Any:
     return ctx
 
 
+class _Inherited:
+    """What a spawned rank inherits from its launcher, for a forked one too.
+
+    A rank forked by the forkserver starts with the server's environment,
+    stdout and stderr as they were when the server started; pickled into
+    the child, this carries the launcher's as they are now (the file
+    descriptors travel as the start method passes them).
+    """
+
+    def __init__(self, environ: dict[str, str] | None = None,
+                 fds: tuple[int, int] | None = None) -> None:
+        self.environ = dict(os.environ) if environ is None else environ
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_received, (self.environ, reduction.DupFd(1), reduction.DupFd(2)))
+
+    def apply(self) -> None:
+        """In the child: take the environment, write to the launcher's stdout and stderr."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        if self.fds is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, target in zip(self.fds, (1, 2), strict=True):
+                os.dup2(fd, target)
+                os.close(fd)
+
+
+def _received(environ: dict[str, str], out: Any, err: Any) -> _Inherited:
+    return _Inherited(environ, (out.detach(), err.detach()))
+
+
 def _watch_parent(parent: int) -> None:
     """Exit when ``parent`` (the supervisor, not the forkserver) is gone."""
 
@@ -315,13 +349,12 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 def _child(
     fn: RankFn, arg: Any, rank: int, world: int, port: int, threads: int | None,
-    conn: Connection, parent: int, environ: dict[str, str],
+    conn: Connection, parent: int, inherited: _Inherited,
 ) -> None:
     """One local rank: the parent's and torchrun's environment, then ``fn``; its result or
     error to the parent."""
     _watch_parent(parent)
-    os.environ.clear()
-    os.environ.update(environ)
+    inherited.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
