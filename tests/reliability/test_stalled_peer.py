@@ -36,6 +36,15 @@ def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``ancestor`` started ``pid``, directly or through the launcher's forkserver."""
+    while pid > 1:
+        pid = _ppid(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def _training(folder: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """``dreampipe train`` on ``ready_mlp`` (4 layers of 16) with ``args``; yields the
@@ -57,7 +66,7 @@ def _training(folder: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes
             assert time.monotonic() < deadline, "rank 1 never started training"
             time.sleep(0.01)
         pid = int(mark.read_text())
-        assert _ppid(pid) == proc.pid, "the pid written is not a worker of this command"
+        assert _descends_from(pid, proc.pid), "the pid written is not a worker of this command"
         yield proc, pid
     finally:
         if pid is not None:
