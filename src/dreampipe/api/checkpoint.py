@@ -154,7 +154,8 @@ def _metadata(path: Path) -> dict[str, Any]:
 
 def _brief(plan: Plan) -> str:
     stages = ", ".join(f"layers {st.first}..{st.last} x{st.replicas}" for st in plan.stages)
-    return f"{plan.config} ({stages}) on {plan.workers_used} workers"
+    n = plan.workers_used
+    return f"{plan.config} ({stages}) on {n} worker{'s' if n > 1 else ''}"
 
 
 def resume_note(path: Path, plan: Plan) -> str:

@@ -104,14 +104,14 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
         "them) continues from the last committed checkpoint.",
     )
     g.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="save checkpoints as DIR/step-N (torch.distributed.checkpoint)")
+                   help="save checkpoints as DIR/step-N (torch.distributed.checkpoint); saves "
+                        "there that never committed (a crash mid-save) are removed at the start")
     g.add_argument("--checkpoint-every", type=int, metavar="N",
                    help="save every N weight updates (pipedream: minibatches) into "
                         "--checkpoint-dir")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --checkpoint-dir, "
-                        "or start at step 0 if there is none yet; saves that never committed "
-                        "are removed; --steps stays the total")
+                        "or start at step 0 if there is none yet; --steps stays the total")
     g.add_argument("--data-log", metavar="FILE",
                    help="append one JSON line per minibatch trained (its index and a hash of "
                         "its samples) and one per start or restart (the step it resumed at)")
