@@ -4,7 +4,7 @@
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
 The work is done by :mod:`dreampipe.api.train` (on :class:`dreampipe.Pipeline`),
-:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.jobs.bench`; this module
+:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.api.bench`; this module
 parses, checks and prints.
 """
 
@@ -259,7 +259,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------
 def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.jobs.bench import BENCH_NAMES
+    from dreampipe.api.bench import BENCH_NAMES
     from dreampipe.jobs.workloads import WorkloadKind
 
     p = sub.add_parser(
@@ -302,7 +302,7 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dreampipe.jobs.bench import BenchOptions, run_bench
+    from dreampipe.api.bench import BenchOptions, run_bench
     from dreampipe.jobs.bench_report import format_table
     from dreampipe.jobs.workloads import WorkloadKind
 

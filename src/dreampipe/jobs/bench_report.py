@@ -144,5 +144,5 @@ def format_table(report: BenchReport) -> str:
         lines.append("ratios of medians (min-max of the same-round ratios):")
     for r in ratios:
         name = f"{r.run} / {r.baseline}"
-        lines.append(f"  {name:<34} {r.value:5.2f}x ({r.low:.2f}-{r.high:.2f})  {r.about}")
+        lines.append(f"  {name:<34} {r.value:.2f}x ({r.low:.2f}-{r.high:.2f})  {r.about}")
     return "\n".join(lines)

@@ -1,10 +1,10 @@
 """dreampipe's own bench runs, and the simulator's prediction for each.
 
-A run trains the workload with :class:`dreampipe.Pipeline`, as a user's
-script would: ``1f1b-flush`` and ``gpipe`` give it one update of ``batch``
-samples per step, cut into the workload's microbatches; ``pipedream`` gives
-it minibatches of ``batch / 2`` with one update each. The run is started and
-timed as every bench run is (:mod:`dreampipe.jobs.bench_process`).
+``1f1b-flush`` (with and without fused weight-gradient accumulation) and
+``gpipe`` train one update of ``batch`` samples per step, cut into the
+workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
+with one update each. :mod:`dreampipe.api.bench` runs them on
+:class:`dreampipe.Pipeline`.
 
 The prediction profiles the model here with one thread at each unit size
 (the profiler times autograd's plain path, so it does not know fused
@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dreampipe.jobs.bench_process import run_ranks, timed_rate
 from dreampipe.jobs.local import profile_as_worker
 from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.jobs.workloads import Workload
@@ -29,12 +28,10 @@ from dreampipe.runtime.launch import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["DreampipeRun", "predict", "run_dreampipe"]
+__all__ = ["DREAMPIPE_RUNS", "DreampipeRun", "predict"]
 
 #: Timed repeats per layer in the bench's profile (more than the default: less noise).
 _REPEATS = 25
-#: Longest wait of a dreampipe rank for its peer; the whole run has the bench's timeout.
-_PEER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -60,31 +57,13 @@ class DreampipeRun:
         return updates * work.batch // self.minibatch(work)
 
 
-def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
-    """One rank of a dreampipe run on :class:`dreampipe.Pipeline`; samples/s."""
-    from dreampipe.api.pipeline import Pipeline
-
-    run, work = arg
-    spec = work.spec()
-    first, last = work.stage_range(rank)
-    x, y = work.data(run.minibatch(work))
-    pipe = Pipeline(
-        spec.build_partly(first, last, work.seed), example=(x, y), loss_fn=spec.loss_fn,
-        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), schedule=run.kind,
-        plan=work.plan(), microbatches=run.layout(work).microbatches,
-        fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
-    )
-    rate = timed_rate(lambda: pipe.step(x, y), steps=run.steps(work, work.steps),
-                      warmup=run.steps(work, work.warmup), samples_per_step=run.minibatch(work),
-                      drain=pipe.finish)
-    pipe.close()
-    return rate
-
-
-def run_dreampipe(run: DreampipeRun, work: Workload, timeout_s: float) -> float:
-    """Samples/s of ``run`` on ``work``, in fresh processes."""
-    return run_ranks(_rank, len(work.stage_bounds), (run, work), timeout_s=timeout_s)
-
+#: dreampipe's runs by bench name, in the order the bench runs them.
+DREAMPIPE_RUNS = {
+    "pipedream": DreampipeRun(ScheduleKind.PIPEDREAM),
+    "1f1b-flush": DreampipeRun(ScheduleKind.FLUSH),
+    "1f1b-flush-unfused": DreampipeRun(ScheduleKind.FLUSH, fused_accumulation=False),
+    "gpipe": DreampipeRun(ScheduleKind.GPIPE),
+}
 
 def _update_seconds(work: Workload, stash: bool) -> tuple[float, ...]:
     """Per stage: one SGD step, plus (``stash``) the copy-on-write of the weights.

@@ -2,16 +2,16 @@
 
 One workload (:mod:`dreampipe.jobs.workloads`: the mlp, or GPT-style
 transformer blocks), cut into 2 stages, one thread per worker. dreampipe
-runs it under ``pipedream`` (minibatches of ``batch / 2``, one update each),
-``1f1b-flush`` with and without fused weight-gradient accumulation, and
-``gpipe`` (:mod:`dreampipe.jobs.bench_dreampipe`); the baselines
-(:mod:`dreampipe.jobs.baselines`) are ``torch.distributed.pipelining``'s
-1F1B (with dreampipe's process set-up, as PyTorch ships, and with big
-microbatches) and GPipe, DDP on 2 workers, and one process with 1 and 2
-threads. Every run starts and is timed the same way
-(:mod:`dreampipe.jobs.bench_process`); every run is repeated in
-interleaved rounds (all runs once, then all again), so that a burst of load
-on a shared machine does not decide a ratio (:mod:`dreampipe.jobs.bench_report`).
+trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
+would, under ``pipedream``, ``1f1b-flush`` with and without fused
+weight-gradient accumulation, and ``gpipe`` (:mod:`dreampipe.jobs.bench_runs`);
+the baselines (:mod:`dreampipe.jobs.baselines`) are
+``torch.distributed.pipelining``'s 1F1B (with dreampipe's process set-up, as
+PyTorch ships, and with big microbatches) and GPipe, DDP on 2 workers, and
+one process with 1 and 2 threads. Every run starts and is timed the same
+way (:mod:`dreampipe.jobs.bench_process`) and is repeated in interleaved
+rounds (all runs once, then all again), so that a burst of load on a shared
+machine does not decide a ratio (:mod:`dreampipe.jobs.bench_report`).
 """
 
 from __future__ import annotations
@@ -20,25 +20,24 @@ import logging
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
+from dreampipe.api.pipeline import Pipeline
 from dreampipe.errors import DreampipeError
 from dreampipe.jobs.baselines import Baseline, baseline_unit, run_baseline
-from dreampipe.jobs.bench_dreampipe import DreampipeRun, predict, run_dreampipe
+from dreampipe.jobs.bench_process import run_ranks, timed_rate
 from dreampipe.jobs.bench_report import BenchEntry, BenchReport
+from dreampipe.jobs.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
 from dreampipe.jobs.workloads import Workload, WorkloadKind
-from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["BENCH_NAMES", "BenchOptions", "run_bench"]
 
 log = logging.getLogger(__name__)
 
-_DREAMPIPE = {
-    "pipedream": DreampipeRun(ScheduleKind.PIPEDREAM),
-    "1f1b-flush": DreampipeRun(ScheduleKind.FLUSH),
-    "1f1b-flush-unfused": DreampipeRun(ScheduleKind.FLUSH, fused_accumulation=False),
-    "gpipe": DreampipeRun(ScheduleKind.GPIPE),
-}
 #: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
-BENCH_NAMES: tuple[str, ...] = (*_DREAMPIPE, *(b.value for b in Baseline))
+BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUNS, *(b.value for b in Baseline))
+#: Longest wait of a dreampipe rank for its peer; the whole run has the bench's timeout.
+_PEER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,33 @@ class BenchOptions:
         return Workload.of(self.workload, steps=self.steps, warmup=self.warmup)
 
 
+def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
+    """One rank of a dreampipe run; samples/s."""
+    run, work = arg
+    spec = work.spec()
+    first, last = work.stage_range(rank)
+    x, y = work.data(run.minibatch(work))
+    pipe = Pipeline(
+        spec.build_partly(first, last, work.seed), example=(x, y), loss_fn=spec.loss_fn,
+        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), schedule=run.kind,
+        plan=work.plan(), microbatches=run.layout(work).microbatches,
+        fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
+    )
+    rate = timed_rate(lambda: pipe.step(x, y), steps=run.steps(work, work.steps),
+                      warmup=run.steps(work, work.warmup), samples_per_step=run.minibatch(work),
+                      drain=pipe.finish)
+    pipe.close()
+    return rate
+
+
+def run_dreampipe(run: DreampipeRun, work: Workload, timeout_s: float) -> float:
+    """Samples/s of ``run`` on ``work``, in fresh processes."""
+    return run_ranks(_rank, len(work.stage_bounds), (run, work), timeout_s=timeout_s)
+
+
 def _unit(name: str, work: Workload) -> int:
-    if name in _DREAMPIPE:
-        return _DREAMPIPE[name].layout(work).unit_size
+    if name in DREAMPIPE_RUNS:
+        return DREAMPIPE_RUNS[name].layout(work).unit_size
     return baseline_unit(Baseline(name), work)
 
 
@@ -70,19 +93,19 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
         raise DreampipeError(f"unknown bench run(s) {unknown}; choose from {list(BENCH_NAMES)}")
     chosen = [n for n in BENCH_NAMES if names is None or n in names]
     work = opts.work()
-    ours = [_DREAMPIPE[n] for n in chosen if n in _DREAMPIPE]
+    ours = [DREAMPIPE_RUNS[n] for n in chosen if n in DREAMPIPE_RUNS]
     predicted = predict(ours, work) if ours else {}
     rates: dict[str, list[float]] = {name: [] for name in chosen}
     for name in _progress(chosen * opts.rounds, opts.progress):
-        if name in _DREAMPIPE:
-            rate = run_dreampipe(_DREAMPIPE[name], work, opts.timeout_s)
+        if name in DREAMPIPE_RUNS:
+            rate = run_dreampipe(DREAMPIPE_RUNS[name], work, opts.timeout_s)
         else:
             rate = run_baseline(Baseline(name), work, timeout_s=opts.timeout_s)
         rates[name].append(rate)
         log.info("bench %s: %.1f samples/s", name, rate)
     entries = [
         BenchEntry(name, tuple(rates[name]), _unit(name, work),
-                   predicted[_DREAMPIPE[name]] if name in _DREAMPIPE else None)
+                   predicted[DREAMPIPE_RUNS[name]] if name in DREAMPIPE_RUNS else None)
         for name in chosen
     ]
     return BenchReport(tuple(entries), work)
