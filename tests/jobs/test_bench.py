@@ -129,12 +129,12 @@ def test_processes_return_results_by_rank() -> None:
 
 
 def test_every_process_gets_the_heap_policy() -> None:
-    nbytes = 8 * 2**20
+    nbytes = 24 * 2**20  # under both the kept threshold (32 MB) and glibc's dynamic maximum
     kept = run_processes(_mmapped_while_holding, 1, nbytes, deadline_s=60)
     stock = run_processes(_mmapped_while_holding, 1, nbytes, deadline_s=60,
                           heap=HeapPolicy.STOCK)
-    assert kept == [0], "dreampipe's heap serves 8 MB from the heap"
-    assert stock[0] >= nbytes, "glibc's default maps 8 MB on its own"
+    assert kept == [0], "dreampipe's heap serves 24 MB from the heap"
+    assert stock[0] >= nbytes, "glibc's default maps 24 MB on its own"
 
 
 def test_child_traceback_is_surfaced() -> None:
@@ -219,21 +219,21 @@ def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    names = ["pipedream", "torch-1f1b", "ddp"]
+    names = ["torch-1f1b", "ddp", "single-1thread"]
     data = _cli_json(capsys, "--only", *names)
     assert data["workload"] == "mlp"
     assert list(data["results"]) == names
     for name in names:
         assert data["results"][name]["samples_per_s"] > 0
-    assert data["results"]["pipedream"]["predicted_samples_per_s"] > 0
-    assert set(data["ratios"]) == {"pipedream/ddp", "pipedream/torch-1f1b"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_bench_cli_transformer(capsys: pytest.CaptureFixture[str]) -> None:
-    names = ["1f1b-flush-unfused", "torch-1f1b-stock"]
+    names = ["pipedream", "torch-1f1b-stock"]
     data = _cli_json(capsys, "--workload", "transformer", "--only", *names)
     assert data["workload"] == "transformer"
-    assert [data["results"][n]["unit"] for n in names] == [2, 2]
+    assert [data["results"][n]["unit"] for n in names] == [8, 2]
     assert all(data["results"][n]["samples_per_s"] > 0 for n in names)
+    assert data["results"]["pipedream"]["predicted_samples_per_s"] > 0
+    assert data["ratios"] == {}, "no ratio pairs these two"
