@@ -1,88 +1,96 @@
-"""``dreampipe bench``: timing windows, the report, the baselines' process runner."""
+"""``dreampipe bench``: one process set-up and one timing for every run, the report, the CLI."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
+from typing import Any
 
 import pytest
 
+from dreampipe.api.bench import BENCH_NAMES, BenchOptions, run_bench
 from dreampipe.cli import main
 from dreampipe.errors import BaselineError, DreampipeError, WorkerError
-from dreampipe.jobs.baselines import Baseline, Workload
-from dreampipe.jobs.bench import (
-    BENCH_NAMES,
-    BenchEntry,
-    BenchOptions,
-    BenchReport,
-    format_table,
-    run_bench,
-    window_samples_per_s,
-)
-from dreampipe.runtime.launch import run_processes
-from dreampipe.scheduling.actions import ActionKind
-from dreampipe.scheduling.events import Event
+from dreampipe.jobs.bench_process import timed_rate
+from dreampipe.jobs.bench_report import BenchEntry, BenchReport, format_table
+from dreampipe.jobs.workloads import Workload, WorkloadKind
+from dreampipe.runtime.launch import HeapPolicy, run_processes
+
+__all__: list[str] = []
 
 
-def _pipeline_events(units: int, period: float, fill: float) -> list[Event]:
-    """Two stages; stage 0's backward of unit u ends at fill + u * period."""
-    out = []
-    for u in range(units):
-        end = fill + u * period
-        out.append(Event(0, 0, ActionKind.FORWARD, u, u * 0.01, u * 0.01 + 0.001))
-        out.append(Event(1, 1, ActionKind.BACKWARD, u, end - 0.02, end - 0.01))
-        out.append(Event(0, 0, ActionKind.BACKWARD, u, end - 0.005, end))
-    return out
+def test_timed_rate_counts_the_timed_steps_and_their_drain_only() -> None:
+    calls: list[str] = []
+
+    def step() -> None:
+        calls.append("step")
+        time.sleep(0.5 if len(calls) <= 2 else 0.0)  # slow warm-up steps
+
+    def drain() -> None:
+        calls.append("drain")
+        time.sleep(0.0 if calls.count("drain") == 1 else 0.1)
+
+    rate = timed_rate(step, steps=3, warmup=2, samples_per_step=8, drain=drain)
+    assert calls == ["step", "step", "drain", "step", "step", "step", "drain"]
+    assert 3 * 8 / 1.0 < rate <= 3 * 8 / 0.1, "warm-up left out, the timed drain counted"
 
 
-def test_window_excludes_warmup_and_counts_timed_units() -> None:
-    events = _pipeline_events(units=10, period=0.5, fill=3.0)
-    rate = window_samples_per_s(events, warmup_units=4, total_units=10, unit_samples=32)
-    # units 4..9 finish in the window from unit 3's end to unit 9's end: 6 periods
-    assert rate == pytest.approx(6 * 32 / (6 * 0.5))
-    whole = window_samples_per_s(events, warmup_units=0, total_units=10, unit_samples=32)
-    assert whole == pytest.approx(10 * 32 / (3.0 + 9 * 0.5))
-    assert whole < rate
+def _report(rounds: int = 3) -> BenchReport:
+    def entry(name: str, rates: tuple[float, ...], unit: int, pred: float | None = None
+              ) -> BenchEntry:
+        return BenchEntry(name, rates[:rounds], unit, pred)
 
-
-def test_window_needs_the_boundary_backwards() -> None:
-    events = _pipeline_events(units=3, period=0.5, fill=1.0)
-    with pytest.raises(DreampipeError, match=r"unit\(s\) \[5\]"):
-        window_samples_per_s(events, warmup_units=1, total_units=6, unit_samples=8)
-
-
-def _report() -> BenchReport:
     entries = (
-        BenchEntry("pipedream", 3000.0, 2800.0),
-        BenchEntry("1f1b-flush", 2400.0, 2500.0),
-        BenchEntry("torch-1f1b", 1600.0),
-        BenchEntry("ddp", 2900.0),
+        entry("pipedream", (3000.0, 2800.0, 3300.0), 128, 2900.0),
+        entry("1f1b-flush", (2400.0, 2000.0, 2500.0), 32, 2500.0),
+        entry("1f1b-flush-unfused", (2000.0, 1800.0, 2100.0), 32, 2500.0),
+        entry("torch-1f1b", (1600.0, 1500.0, 2000.0), 32),
+        entry("torch-1f1b-stock", (1200.0, 1000.0, 1300.0), 32),
+        entry("ddp", (2900.0, 2000.0, 2200.0), 128),
     )
-    return BenchReport(entries, BenchOptions(steps=5, warmup=1))
+    return BenchReport(entries, Workload(steps=5, warmup=1))
 
 
-def test_report_json_and_ratios() -> None:
+def test_report_json_keeps_its_keys_and_adds_rounds_and_spreads() -> None:
     data = json.loads(json.dumps(_report().to_json()))
-    assert set(data["results"]) == {"pipedream", "1f1b-flush", "torch-1f1b", "ddp"}
-    assert data["results"]["ddp"] == {"samples_per_s": 2900.0}
-    assert data["results"]["pipedream"]["predicted_samples_per_s"] == 2800.0
+    assert data["workload"] == "mlp"
+    assert (data["steps"], data["warmup"], data["rounds"]) == (5, 1, 3)
+    assert data["results"]["ddp"] == {"samples_per_s": 2200.0, "min": 2000.0, "max": 2900.0,
+                                      "rounds": [2900.0, 2000.0, 2200.0], "unit": 128}
+    assert data["results"]["pipedream"]["predicted_samples_per_s"] == 2900.0
     assert data["ratios"] == {
+        "1f1b-flush/torch-1f1b-stock": pytest.approx(2400.0 / 1200.0),
         "1f1b-flush/torch-1f1b": pytest.approx(2400.0 / 1600.0),
+        "1f1b-flush-unfused/torch-1f1b": pytest.approx(2000.0 / 1600.0),
+        "pipedream/ddp": pytest.approx(3000.0 / 2200.0),
         "pipedream/torch-1f1b": pytest.approx(3000.0 / 1600.0),
     }
+    # each round's own pair: 3000/2900, 2800/2000, 3300/2200
+    assert data["ratio_ranges"]["pipedream/ddp"] == pytest.approx([3000 / 2900, 1.5])
 
 
-def test_table_lists_every_run_and_ratio() -> None:
+def test_table_shows_medians_spreads_and_every_ratio() -> None:
     table = format_table(_report())
-    for name in ("pipedream", "1f1b-flush", "torch-1f1b", "ddp"):
-        assert any(line.startswith(name) for line in table.splitlines())
-    assert "1f1b-flush / torch-1f1b: 1.50x" in table
-    assert "gpipe / torch-gpipe" not in table
+    rows = {line.split()[0]: line for line in table.splitlines()}
+    assert rows["ddp"].split()[1:4] == ["128", "2200.0", "2000-2900"]
+    # rounds' own ratios: 2000/1600, 1800/1500, 2100/2000
+    assert "1f1b-flush-unfused / torch-1f1b    1.25x (1.05-1.25)  same kernels" in table
+    assert "pipedream / ddp" in table and "gpipe / torch-gpipe" not in table
+    assert "median and min-max of 3 interleaved rounds" in table
 
 
-def test_workload_rejects_uneven_microbatches() -> None:
+def test_workloads_cut_their_model_in_two() -> None:
     with pytest.raises(DreampipeError, match="not divisible"):
         Workload(batch=250, microbatches=8)
+    mlp = Workload.of(WorkloadKind.MLP)
+    assert (mlp.batch, mlp.microbatch, mlp.per_worker) == (256, 32, 128)
+    gpt = Workload.of(WorkloadKind.TRANSFORMER, steps=2)
+    spec = gpt.spec()
+    assert [gpt.stage_range(s) for s in (0, 1)] == [(0, 2), (3, spec.num_layers - 1)]
+    assert spec.layer_names[1:5] == ["block0", "block1", "block2", "block3"]
+    assert gpt.plan().layer_names == tuple(spec.layer_names)
+    assert (gpt.batch, gpt.microbatch, gpt.per_worker, gpt.steps) == (16, 2, 8, 2)
 
 
 def _fails(rank: int, world: int, arg: int) -> int:
@@ -99,8 +107,34 @@ def _rank_times(rank: int, world: int, arg: int) -> int:
     return rank * arg + world
 
 
+def _mmapped_while_holding(rank: int, world: int, nbytes: int) -> int:
+    """Bytes glibc serves by ``mmap`` for a fresh ``nbytes`` tensor in this process."""
+    import torch
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks",
+                    "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _Info
+    before = libc.mallinfo2().hblkhd
+    held = torch.empty(nbytes, dtype=torch.uint8)
+    after = libc.mallinfo2().hblkhd
+    del held
+    return int(after - before)
+
+
 def test_processes_return_results_by_rank() -> None:
     assert run_processes(_rank_times, 2, 10, deadline_s=60) == [2, 12]
+
+
+def test_every_process_gets_the_heap_policy() -> None:
+    nbytes = 24 * 2**20  # under both the kept threshold (32 MB) and glibc's dynamic maximum
+    kept = run_processes(_mmapped_while_holding, 1, nbytes, deadline_s=60)
+    stock = run_processes(_mmapped_while_holding, 1, nbytes, deadline_s=60,
+                          heap=HeapPolicy.STOCK)
+    assert kept == [0], "dreampipe's heap serves 24 MB from the heap"
+    assert stock[0] >= nbytes, "glibc's default maps 24 MB on its own"
 
 
 def test_child_traceback_is_surfaced() -> None:
@@ -117,41 +151,57 @@ def test_deadline_stops_every_child() -> None:
     assert time.monotonic() - start < 20
 
 
-def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    names = ["torch-1f1b", "ddp", "single-1thread"]
-    status = main(["bench", "--only", *names, "--steps", "2", "--warmup", "1", "--json",
-                   "--no-progress", "--rounds", "1"])
-    assert status == 0
-    data = json.loads(capsys.readouterr().out)
-    assert set(data["results"]) == set(names)
-    for name in names:
-        assert data["results"][name]["samples_per_s"] > 0
+def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each name is one launch through the one launcher: threads, heap, world, what runs."""
+    import dreampipe.api.bench as bench
+    import dreampipe.jobs.bench_process as process
+
+    launched: list[dict[str, Any]] = []
+
+    def launch(fn: Any, world: int, arg: Any, **kw: Any) -> list[float]:
+        inner_fn, inner = arg
+        launched.append({"fn": inner_fn.__name__, "world": world, "arg": inner, **kw})
+        return [float(len(launched))] * world
+
+    monkeypatch.setattr(process, "run_processes", launch)
+    monkeypatch.setattr(bench, "predict", lambda runs, work: {r: 1.0 for r in runs})
+    report = run_bench(BenchOptions(progress=False, rounds=1, timeout_s=50.0))
+    assert [e.name for e in report.entries] == list(BENCH_NAMES)
+    assert [e.samples_per_s for e in report.entries] == [float(i + 1) for i in
+                                                         range(len(BENCH_NAMES))]
+    by_name = dict(zip(BENCH_NAMES, launched, strict=True))
+    for name, call in by_name.items():
+        stock = name == "torch-1f1b-stock"
+        assert call["heap"] is (HeapPolicy.STOCK if stock else HeapPolicy.KEEP_FREED), name
+        assert call["threads"] == (2 if name == "single-2threads" else 1), name
+        assert call["world"] == (1 if name.startswith("single") else 2), name
+        assert call["deadline_s"] == 50.0
+    assert {by_name[n]["fn"] for n in ("pipedream", "1f1b-flush", "gpipe")} == {"_rank"}
+    assert [by_name[n]["arg"][0].fused_accumulation for n in ("1f1b-flush",
+                                                              "1f1b-flush-unfused")] == [True,
+                                                                                         False]
+    assert by_name["torch-1f1b-big"]["arg"].microbatch == 128
+    units = {e.name: e.unit for e in report.entries}
+    assert (units["pipedream"], units["1f1b-flush"], units["torch-1f1b-big"],
+            units["single-1thread"]) == (128, 32, 128, 256)
 
 
-def test_every_bench_name_has_a_runner_and_a_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dreampipe.jobs.bench as bench
+def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dreampipe.api.bench as bench
 
-    ran: list[str] = []
+    calls: list[str] = []
+    rates = {"ddp": iter([1.0, 5.0, 3.0]), "single-1thread": iter([9.0, 7.0, 8.0])}
 
-    def baseline(which: Baseline, work: object, *, timeout_s: float) -> float:
-        ran.append(which.value)
-        return 1.0
+    def fake(which: Any, work: object, *, timeout_s: float) -> float:
+        calls.append(which.value)
+        return next(rates[which.value])
 
-    def dreampipe(shape: bench._Shape, work: object, timeout_s: float) -> float:
-        ran.append(shape.layout.kind.value)
-        return 2.0
-
-    def predict(shapes: list[bench._Shape], work: object) -> dict[object, float]:
-        return {sh.layout.kind: 3.0 for sh in shapes}
-
-    monkeypatch.setattr(bench, "run_baseline", baseline)
-    monkeypatch.setattr(bench, "_run_dreampipe", dreampipe)
-    monkeypatch.setattr(bench, "_predict", predict)
-    report = run_bench(BenchOptions(progress=False, rounds=1))
-    assert ran == list(BENCH_NAMES), "every name runs once, in order, by its own runner"
-    assert list(report.to_json()["results"]) == list(BENCH_NAMES)
-    rows = format_table(report).splitlines()[2:2 + len(BENCH_NAMES)]
-    assert [row.split()[0] for row in rows] == list(BENCH_NAMES)
+    monkeypatch.setattr(bench, "run_baseline", fake)
+    report = run_bench(BenchOptions(progress=False, rounds=3), ["ddp", "single-1thread"])
+    assert calls == ["ddp", "single-1thread"] * 3
+    assert [(e.name, e.samples_per_s, e.rounds) for e in report.entries] == [
+        ("ddp", 3.0, (1.0, 5.0, 3.0)), ("single-1thread", 8.0, (9.0, 7.0, 8.0))]
+    assert report.to_json()["rounds"] == 3
 
 
 def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,19 +209,31 @@ def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None
     assert "--steps 0" in capsys.readouterr().err
 
 
-def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dreampipe.jobs.bench as bench
+def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    status = main(["bench", *args, "--steps", "1", "--warmup", "1", "--json", "--no-progress",
+                   "--rounds", "1"])
+    assert status == 0
+    data: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return data
 
-    calls: list[str] = []
-    rates = {"ddp": iter([1.0, 5.0, 3.0]), "single-1thread": iter([9.0, 7.0, 8.0])}
 
-    def fake(which: Baseline, work: object, *, timeout_s: float) -> float:
-        calls.append(which.value)
-        return next(rates[which.value])
+@pytest.mark.timeout(240)
+def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["torch-1f1b", "ddp", "single-1thread"]
+    data = _cli_json(capsys, "--only", *names)
+    assert data["workload"] == "mlp"
+    assert list(data["results"]) == names
+    for name in names:
+        assert data["results"][name]["samples_per_s"] > 0
 
-    monkeypatch.setattr(bench, "run_baseline", fake)
-    report = run_bench(BenchOptions(progress=False, rounds=3), ["ddp", "single-1thread"])
-    assert calls == ["ddp", "single-1thread"] * 3
-    assert [(e.name, e.samples_per_s) for e in report.entries] == [
-        ("ddp", 3.0), ("single-1thread", 8.0)]
-    assert report.to_json()["rounds"] == 3
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_cli_transformer(capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["pipedream", "torch-1f1b-stock"]
+    data = _cli_json(capsys, "--workload", "transformer", "--only", *names)
+    assert data["workload"] == "transformer"
+    assert [data["results"][n]["unit"] for n in names] == [8, 2]
+    assert all(data["results"][n]["samples_per_s"] > 0 for n in names)
+    assert data["results"]["pipedream"]["predicted_samples_per_s"] > 0
+    assert data["ratios"] == {}, "no ratio pairs these two"

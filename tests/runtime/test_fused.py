@@ -55,3 +55,26 @@ def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:
     assert fuse_linear_gradients(model, ["0.weight"], sink) == 0
     model(torch.randn(2, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_stage_can_keep_autograd_for_its_linear_layers() -> None:
+    """``fused_accumulation=False`` leaves every layer alone and makes the same update."""
+    from dreampipe.runtime.stage import StageModule
+
+    stages = [
+        StageModule(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                    input_grad=False, fused_accumulation=fused)
+        for fused in (True, False)
+    ]
+    torch.manual_seed(2)
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    for st in stages:
+        for u, x in enumerate(xs):
+            st.forward(u, x)
+            st.backward(u, torch.ones(5, 3))
+        st.step()
+    fused, plain = (st.module for st in stages)
+    assert "forward" in vars(fused[0]) and "forward" not in vars(plain[0])
+    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    assert not torch.equal(plain[0].weight, _model()[0].weight), "the step changed the weights"

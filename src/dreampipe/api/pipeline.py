@@ -103,12 +103,14 @@ class Pipeline:
     ``max_grad_norm`` clips each update by the global norm over all stages;
     ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
     ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
-    show why it matters); ``record_events`` keeps what this rank did, with
-    times (:attr:`events`). ``resume`` loads the newest complete checkpoint
-    in a directory (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a
-    synchronous schedule, ``"skip"``) says what a NaN or inf in a stage's
-    output or the loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches
-    skipped are in :attr:`skipped`. The layers are trained in place.
+    show why it matters); ``fused_accumulation=False`` keeps autograd's plain
+    weight gradients for ``nn.Linear`` (:mod:`dreampipe.runtime.fused`);
+    ``record_events`` keeps what this rank did, with times (:attr:`events`).
+    ``resume`` loads the newest complete checkpoint in a directory
+    (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
+    schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
+    loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches skipped
+    are in :attr:`skipped`. The layers are trained in place.
     """
 
     def __init__(
@@ -126,6 +128,7 @@ class Pipeline:
         autocast: torch.dtype | None = None,
         vertical_sync: bool = False,
         stash: bool = True,
+        fused_accumulation: bool = True,
         record_events: bool = False,
         resume: str | Path | None = None,
         seed: int = 0,
@@ -162,7 +165,7 @@ class Pipeline:
         self.module = StageModule(
             build_stage(self._layers, st.first, st.last, self.device, seed), optimizer,
             stage=stage, input_grad=stage > 0, stash=stash, vertical_sync=vertical_sync,
-            loss_fn=loss_fn,
+            loss_fn=loss_fn, fused_accumulation=fused_accumulation,
         )
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:

@@ -145,7 +145,8 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
         spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
         plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
-        stash=cfg.stash, record_events=cfg.record_events, seed=cfg.seed,
+        stash=cfg.stash, fused_accumulation=cfg.fused_accumulation,
+        record_events=cfg.record_events, seed=cfg.seed,
         resume=job.resume_from, timeout_s=cfg.timeout_s,
         on_nonfinite=cfg.on_nonfinite,
     )

@@ -4,7 +4,7 @@
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
 The work is done by :mod:`dreampipe.api.train` (on :class:`dreampipe.Pipeline`),
-:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.jobs.bench`; this module
+:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.api.bench`; this module
 parses, checks and prints.
 """
 
@@ -276,46 +276,60 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------
 def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.jobs.bench import BENCH_NAMES
+    from dreampipe.api.bench import BENCH_NAMES
+    from dreampipe.jobs.workloads import WorkloadKind
 
     p = sub.add_parser(
         "bench",
         help="measure dreampipe's schedules against torch.distributed.pipelining and DDP",
         description=(
-            "Train one workload (the zoo mlp, 8 layers of 1024, 2 stages of 4 layers, one "
-            "thread per worker, 256 samples per update as 8 microbatches of 32) under "
-            "dreampipe's 1f1b-flush, gpipe and pipedream (minibatches of 128, one update each), "
-            "PyTorch's Schedule1F1B and ScheduleGPipe, DDP on 2 workers and one process with 1 "
-            "and 2 threads; every run in its own processes, with the same number of samples and "
-            "warm-up excluded. Prints samples/s, dreampipe/torch ratios, and the simulator's "
-            "prediction for dreampipe's schedules from a profile taken here."
+            "Train one workload, cut into 2 stages with one thread per worker, under "
+            "dreampipe's pipedream (minibatches of half an update, one update each), "
+            "1f1b-flush with and without fused weight-gradient accumulation, and gpipe; "
+            "PyTorch's Schedule1F1B (with dreampipe's process set-up, as PyTorch ships, and "
+            "with microbatches of pipedream's minibatch size) and ScheduleGPipe, DDP on 2 "
+            "workers and one process with 1 and 2 threads. Every run in its own processes "
+            "with the same set-up, timed by wall clock between barriers on all ranks after "
+            "untimed warm-up updates. Prints each run's median samples/s over interleaved "
+            "rounds with the min-max, the simulator's prediction for dreampipe's runs, and "
+            "ratios that separate schedule, kernel and set-up effects."
         ),
     )
+    p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="mlp",
+                   help="mlp: 8 Linear layers of 1024, 256 samples per update as 8 "
+                        "microbatches of 32; transformer: 4 GPT-style blocks of width 256 "
+                        "over 32 tokens, 16 sequences per update as 8 microbatches of 2 "
+                        "(default: mlp)")
     p.add_argument("--steps", type=int, default=20,
-                   help="timed updates of 256 samples per run (default: 20)")
+                   help="timed updates per run; torch-1f1b-big trains as many samples in "
+                        "updates 4 times as big (default: 20)")
     p.add_argument("--warmup", type=int, default=3,
                    help="untimed updates before timing starts (default: 3)")
     p.add_argument("--rounds", type=int, default=3,
                    help="repeat every run this many times, interleaved, and report the "
-                        "median (default: 3)")
+                        "median and min-max (default: 3)")
     p.add_argument("--only", nargs="+", choices=BENCH_NAMES, metavar="NAME",
                    help=f"run only these: {', '.join(BENCH_NAMES)}")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="hard limit in seconds for each run (default: 300)")
     p.add_argument("--json", action="store_true",
-                   help='print one JSON object {"results": {NAME: {"samples_per_s": x}}} only')
+                   help='print one JSON object {"workload": ..., "results": {NAME: '
+                        '{"samples_per_s": median, ...}}, "ratios": ...} only')
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dreampipe.jobs.bench import BenchOptions, format_table, run_bench
+    from dreampipe.api.bench import BenchOptions, run_bench
+    from dreampipe.jobs.bench_report import format_table
+    from dreampipe.jobs.workloads import WorkloadKind
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout {args.timeout}: use a positive number of seconds")
     if args.rounds < 1:
         raise ConfigError(f"--rounds {args.rounds}: use at least 1")
-    opts = BenchOptions(steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+    opts = BenchOptions(workload=WorkloadKind(args.workload), steps=args.steps,
+                        warmup=args.warmup, timeout_s=args.timeout,
                         progress=not args.no_progress, rounds=args.rounds)
     names = tuple(args.only) if args.only else None
     report = run_bench(opts, names)

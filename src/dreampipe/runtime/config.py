@@ -44,9 +44,12 @@ class RunOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says
-    what a NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
-    ``backend`` None picks NCCL when CUDA is available, gloo otherwise.
+    used. ``fused_accumulation=False`` keeps autograd's plain weight
+    gradients for ``nn.Linear`` layers instead of :mod:`~dreampipe.runtime.fused`'s
+    one-GEMM accumulation. ``timeout_s`` bounds every wait for a peer.
+    ``on_nonfinite`` says what a NaN or inf output or loss does
+    (:mod:`~dreampipe.runtime.nonfinite`). ``backend`` None picks NCCL when
+    CUDA is available, gloo otherwise.
     """
 
     model: str
@@ -60,6 +63,7 @@ class RunOptions:
     seed: int = 0
     stash: bool = True
     vertical_sync: bool = False
+    fused_accumulation: bool = True
     timeout_s: float = 60.0
     dataset: str = "synthetic"
     data_dir: str | None = None

@@ -33,8 +33,9 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
+from enum import Enum
 from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -54,10 +55,12 @@ from dreampipe.runtime.results import assemble
 from dreampipe.runtime.stage import StageModule
 
 __all__ = [
+    "HeapPolicy",
     "RankFn",
     "free_port",
     "launch_local",
     "pinned_threads",
+    "prepare_process",
     "run_from_env",
     "run_processes",
     "run_rank",
@@ -103,7 +106,7 @@ def run_rank(
     module = StageModule(
         spec.build(st.first, st.last, cfg.seed).to(device).train(), cfg.optimizer_factory(),
         stage=stage, input_grad=stage > 0, stash=cfg.stash, vertical_sync=cfg.vertical_sync,
-        loss_fn=spec.loss_fn,
+        loss_fn=spec.loss_fn, fused_accumulation=cfg.fused_accumulation,
     )
     data = None
     if stage in (0, cfg.plan.num_stages - 1):
@@ -138,8 +141,7 @@ def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Run
     check_stage_outputs(cfg, spec)
     backend = cfg.backend_name
     device = torch.device("cpu")
-    if backend != "nccl":
-        _keep_freed_memory()
+    prepare_process()
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -152,17 +154,33 @@ def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> Run
     return result
 
 
-def _keep_freed_memory() -> None:
-    """Let glibc reuse freed tensor memory instead of returning it to the kernel.
+class HeapPolicy(Enum):
+    """What a worker's glibc heap does with freed memory."""
 
-    Each backward allocates fresh multi-MB gradients and activations; with
-    glibc's defaults they are ``mmap``-ed and ``munmap``-ed every time and
-    every page faults again on first touch, which costs a CPU worker about a
-    fifth of its backward time. Raising the mmap and trim thresholds keeps
-    the memory in the heap for the next unit (the tuning "use a caching
-    allocator" advice gets you with jemalloc or tcmalloc).
+    #: dreampipe's set-up: keep freed tensor memory in the heap for the next unit.
+    KEEP_FREED = "keep-freed"
+    #: glibc's defaults, as a plain PyTorch process has them.
+    STOCK = "stock"
+
+
+def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KEEP_FREED) -> None:
+    """The set-up of every worker process: ``threads`` intra-op threads (None: as is), and the heap.
+
+    Every process :func:`run_processes` starts gets it, dreampipe's ranks and
+    the bench's PyTorch baselines alike, and so does a torchrun rank.
+    ``KEEP_FREED`` lets glibc reuse freed tensor memory instead of returning
+    it to the kernel: each backward allocates fresh multi-MB gradients and
+    activations; with glibc's defaults they are ``mmap``-ed and ``munmap``-ed
+    every time and every page faults again on first touch, which costs a CPU
+    worker about a fifth of its backward time. Raising the mmap and trim
+    thresholds keeps the memory in the heap for the next unit (the tuning
+    "use a caching allocator" advice gets you with jemalloc or tcmalloc). It
+    touches host memory only, so GPU workers are unaffected.
     """
-    if not sys.platform.startswith("linux"):
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    if heap is HeapPolicy.STOCK or not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -240,12 +258,14 @@ def run_processes(
     deadline_s: float | None = None,
     where: Callable[[int], str] | None = None,
     error: type[DreampipeError] | None = None,
+    heap: HeapPolicy = HeapPolicy.KEEP_FREED,
 ) -> list[Any]:
     """``fn(rank, world, arg)`` on ``world`` fresh processes; their results by rank.
 
     Each process has torchrun's environment (``MASTER_ADDR``/``PORT`` on a
-    free local port, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and runs on
-    ``threads`` threads (None: torch's default). A rank's exception, a rank
+    free local port, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and
+    :func:`prepare_process`'s set-up with ``threads`` threads (None: torch's
+    default) and ``heap``. A rank's exception, a rank
     dying or ``deadline_s`` passing stops every rank and raises ``error``
     with each failed rank's traceback; ``error`` None raises the first
     rank's own class when it is a DreampipeError, else
@@ -260,7 +280,8 @@ def run_processes(
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, arg, rank, world, port, threads, send, os.getpid(), _Inherited()),
+                args=(fn, arg, rank, world, port, (threads, heap), send, os.getpid(),
+                      _Inherited()),
                 name=f"dreampipe-rank{rank}", daemon=True,
             )
             p.start()
@@ -348,8 +369,8 @@ def _send(conn: Connection, msg: tuple[Any, ...]) -> None:
 
 
 def _child(
-    fn: RankFn, arg: Any, rank: int, world: int, port: int, threads: int | None,
-    conn: Connection, parent: int, inherited: _Inherited,
+    fn: RankFn, arg: Any, rank: int, world: int, port: int,
+    setup: tuple[int | None, HeapPolicy], conn: Connection, parent: int, inherited: _Inherited,
 ) -> None:
     """One local rank: the parent's and torchrun's environment, then ``fn``; its result or
     error to the parent."""
@@ -359,12 +380,10 @@ def _child(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
     )
-    if threads is not None:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
     code = 0
     try:
-        with pinned_threads(threads) if threads is not None else nullcontext():
-            _send(conn, ("ok", rank, fn(rank, world, arg)))
+        prepare_process(*setup)
+        _send(conn, ("ok", rank, fn(rank, world, arg)))
     except BaseException as exc:
         code = 1
         kind = type(exc) if isinstance(exc, DreampipeError) else None

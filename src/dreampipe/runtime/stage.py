@@ -113,6 +113,8 @@ class StageModule:
 
     ``input_grad``: whether the stage sends a gradient back (stages after the
     first). The last stage's ``forward`` gets the target and returns the loss.
+    ``fused_accumulation=False`` keeps autograd's plain weight gradients for
+    ``nn.Linear`` too (no :mod:`.fused` GEMMs), e.g. to compare kernels alike.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class StageModule:
         stash: bool = True,
         vertical_sync: bool = False,
         loss_fn: LossFn | None = None,
+        fused_accumulation: bool = True,
     ) -> None:
         self.module = module
         self.stage = stage
@@ -138,7 +141,8 @@ class StageModule:
         self.optimizer = optimizer(self._params) if self._params else None
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._round: _Round | None = None
-        fuse_linear_gradients(module, self._names, self)
+        if fused_accumulation:
+            fuse_linear_gradients(module, self._names, self)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._floor: int | None = None

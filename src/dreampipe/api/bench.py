@@ -1,0 +1,127 @@
+"""``dreampipe bench``: dreampipe's schedules against PyTorch's own, like for like.
+
+One workload (:mod:`dreampipe.jobs.workloads`: the mlp, or GPT-style
+transformer blocks), cut into 2 stages, one thread per worker. dreampipe
+trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
+would, under ``pipedream``, ``1f1b-flush`` with and without fused
+weight-gradient accumulation, and ``gpipe`` (:mod:`dreampipe.jobs.bench_runs`);
+the baselines (:mod:`dreampipe.jobs.baselines`) are
+``torch.distributed.pipelining``'s 1F1B (with dreampipe's process set-up, as
+PyTorch ships, and with big microbatches) and GPipe, DDP on 2 workers, and
+one process with 1 and 2 threads. Every run starts and is timed the same
+way (:mod:`dreampipe.jobs.bench_process`) and is repeated in interleaved
+rounds (all runs once, then all again), so that a burst of load on a shared
+machine does not decide a ratio (:mod:`dreampipe.jobs.bench_report`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dreampipe.api.pipeline import Pipeline
+from dreampipe.errors import DreampipeError
+from dreampipe.jobs.baselines import Baseline, baseline_unit, run_baseline
+from dreampipe.jobs.bench_process import run_ranks, timed_rate
+from dreampipe.jobs.bench_report import BenchEntry, BenchReport
+from dreampipe.jobs.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
+from dreampipe.jobs.workloads import Workload, WorkloadKind
+
+__all__ = ["BENCH_NAMES", "BenchOptions", "run_bench"]
+
+log = logging.getLogger(__name__)
+
+#: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
+BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUNS, *(b.value for b in Baseline))
+#: Longest wait of a dreampipe rank for its peer; the whole run has the bench's timeout.
+_PEER_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """The workload, timed and warm-up updates, rounds and the per-run hard limit."""
+
+    workload: WorkloadKind = WorkloadKind.MLP
+    steps: int = 20
+    warmup: int = 3
+    timeout_s: float = 300.0
+    progress: bool = True
+    rounds: int = 3
+
+    def work(self) -> Workload:
+        """The bench workload at these options' steps and warm-up."""
+        return Workload.of(self.workload, steps=self.steps, warmup=self.warmup)
+
+
+def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
+    """One rank of a dreampipe run; samples/s."""
+    run, work = arg
+    spec = work.spec()
+    first, last = work.stage_range(rank)
+    x, y = work.data(run.minibatch(work))
+    pipe = Pipeline(
+        spec.build_partly(first, last, work.seed), example=(x, y), loss_fn=spec.loss_fn,
+        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), schedule=run.kind,
+        plan=work.plan(), microbatches=run.layout(work).microbatches,
+        fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
+    )
+    rate = timed_rate(lambda: pipe.step(x, y), steps=run.steps(work, work.steps),
+                      warmup=run.steps(work, work.warmup), samples_per_step=run.minibatch(work),
+                      drain=pipe.finish)
+    pipe.close()
+    return rate
+
+
+def run_dreampipe(run: DreampipeRun, work: Workload, timeout_s: float) -> float:
+    """Samples/s of ``run`` on ``work``, in fresh processes."""
+    return run_ranks(_rank, len(work.stage_bounds), (run, work), timeout_s=timeout_s)
+
+
+def _unit(name: str, work: Workload) -> int:
+    if name in DREAMPIPE_RUNS:
+        return DREAMPIPE_RUNS[name].layout(work).unit_size
+    return baseline_unit(Baseline(name), work)
+
+
+def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchReport:
+    """Run the named runs (default: all of :data:`BENCH_NAMES`), each in fresh processes."""
+    unknown = sorted(set(names or ()) - set(BENCH_NAMES))
+    if unknown:
+        raise DreampipeError(f"unknown bench run(s) {unknown}; choose from {list(BENCH_NAMES)}")
+    chosen = [n for n in BENCH_NAMES if names is None or n in names]
+    work = opts.work()
+    ours = [DREAMPIPE_RUNS[n] for n in chosen if n in DREAMPIPE_RUNS]
+    predicted = predict(ours, work) if ours else {}
+    rates: dict[str, list[float]] = {name: [] for name in chosen}
+    for name in _progress(chosen * opts.rounds, opts.progress):
+        if name in DREAMPIPE_RUNS:
+            rate = run_dreampipe(DREAMPIPE_RUNS[name], work, opts.timeout_s)
+        else:
+            rate = run_baseline(Baseline(name), work, timeout_s=opts.timeout_s)
+        rates[name].append(rate)
+        log.info("bench %s: %.1f samples/s", name, rate)
+    entries = [
+        BenchEntry(name, tuple(rates[name]), _unit(name, work),
+                   predicted[DREAMPIPE_RUNS[name]] if name in DREAMPIPE_RUNS else None)
+        for name in chosen
+    ]
+    return BenchReport(tuple(entries), work)
+
+
+def _progress(names: list[str], show: bool) -> Iterable[str]:
+    if not show:
+        return names
+    return _labelled(names)
+
+
+def _labelled(names: list[str]) -> Iterator[str]:
+    """A tqdm bar on stderr over the runs, showing the one running."""
+    from tqdm import tqdm
+
+    with tqdm(names, desc="bench", unit="run", leave=False) as bar:
+        for name in bar:
+            bar.set_postfix_str(name)
+            yield name

@@ -1,0 +1,148 @@
+"""What ``dreampipe bench`` prints: medians over rounds with their spread, and the ratios.
+
+Each ratio is of two runs' medians; its spread is the lowest and highest of
+the ratios within one round (runs are interleaved, so a round's pair ran
+close together in time). The ratios decompose dreampipe's gains:
+
+==================================  ============================================
+``1f1b-flush / torch-1f1b-stock``   as each ships: dreampipe's kernels and heap
+                                    set-up against PyTorch's own
+``1f1b-flush / torch-1f1b``         the same process set-up
+``1f1b-flush-unfused / torch-1f1b`` the same kernels and set-up: the schedule
+                                    and runtime alone
+``pipedream / ddp``                 the paper's pairing, DDP at ``batch / 2``
+                                    samples per worker
+``pipedream / torch-1f1b-big``      torch's 1F1B with microbatches of
+                                    PipeDream's minibatch size
+``pipedream / torch-1f1b``          kept for comparison with older runs; not
+                                    like for like (units of ``batch / 2``
+                                    against microbatches)
+``gpipe / torch-gpipe``             GPipe against GPipe
+==================================  ============================================
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from dreampipe.jobs.workloads import Workload
+
+__all__ = ["RATIOS", "BenchEntry", "BenchReport", "Ratio", "format_table"]
+
+#: ``(run, baseline, what the ratio shows)``, in the order the table prints them.
+RATIOS: tuple[tuple[str, str, str], ...] = (
+    ("1f1b-flush", "torch-1f1b-stock", "as each ships (kernels and heap set-up)"),
+    ("1f1b-flush", "torch-1f1b", "same process set-up"),
+    ("1f1b-flush-unfused", "torch-1f1b", "same kernels, same set-up"),
+    ("pipedream", "ddp", "the paper's pairing: DDP, batch/2 per worker"),
+    ("pipedream", "torch-1f1b-big", "torch 1F1B, microbatches of pipedream's size"),
+    ("pipedream", "torch-1f1b", "not like for like: unit sizes differ"),
+    ("gpipe", "torch-gpipe", "same schedule"),
+)
+
+
+@dataclass(frozen=True)
+class BenchEntry:
+    """One run: samples/s of each round, its unit size, the simulator's prediction if any."""
+
+    name: str
+    rounds: tuple[float, ...]
+    unit: int
+    predicted_samples_per_s: float | None = None
+
+    @property
+    def samples_per_s(self) -> float:
+        """The median over rounds."""
+        return statistics.median(self.rounds)
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """``run / baseline`` of medians, with the lowest and highest same-round ratio."""
+
+    run: str
+    baseline: str
+    about: str
+    value: float
+    low: float
+    high: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.run}/{self.baseline}"
+
+
+@dataclass(frozen=True)
+class BenchReport:
+    """Every run's rounds, with the workload and rounds they ran under."""
+
+    entries: tuple[BenchEntry, ...]
+    work: Workload
+
+    def get(self, name: str) -> BenchEntry | None:
+        """The entry of run ``name``, None if it did not run."""
+        return next((e for e in self.entries if e.name == name), None)
+
+    def ratios(self) -> list[Ratio]:
+        """The ratios of :data:`RATIOS` whose two runs both ran."""
+        out = []
+        for run, base, about in RATIOS:
+            a, b = self.get(run), self.get(base)
+            if a is None or b is None or b.samples_per_s <= 0:
+                continue
+            paired = [x / y for x, y in zip(a.rounds, b.rounds, strict=True) if y > 0]
+            out.append(Ratio(run, base, about, a.samples_per_s / b.samples_per_s,
+                             min(paired), max(paired)))
+        return out
+
+    @property
+    def rounds(self) -> int:
+        return max((len(e.rounds) for e in self.entries), default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        """The ``--json`` object."""
+        results: dict[str, dict[str, Any]] = {}
+        for e in self.entries:
+            results[e.name] = {"samples_per_s": e.samples_per_s, "min": min(e.rounds),
+                               "max": max(e.rounds), "rounds": list(e.rounds), "unit": e.unit}
+            if e.predicted_samples_per_s is not None:
+                results[e.name]["predicted_samples_per_s"] = e.predicted_samples_per_s
+        ratios = self.ratios()
+        return {
+            "workload": self.work.kind.value,
+            "results": results,
+            "ratios": {r.key: r.value for r in ratios},
+            "ratio_ranges": {r.key: [r.low, r.high] for r in ratios},
+            "steps": self.work.steps,
+            "warmup": self.work.warmup,
+            "rounds": self.rounds,
+        }
+
+
+def format_table(report: BenchReport) -> str:
+    """Runs (median, min-max, prediction), then the ratios with their spread."""
+    work = report.work
+    lines = [
+        work.describe(),
+        f"{work.steps} timed updates after {work.warmup} warm-up, wall clock between barriers "
+        f"on all ranks; median and min-max of {report.rounds} interleaved rounds; "
+        "unit: samples per forward/backward",
+        f"{'run':<19} {'unit':>4} {'samples/s':>10} {'min-max':>15} {'predicted':>10} "
+        f"{'meas/pred':>9}",
+    ]
+    for e in report.entries:
+        pred = e.predicted_samples_per_s
+        spread = f"{min(e.rounds):.0f}-{max(e.rounds):.0f}"
+        pred_s = f"{pred:10.1f}" if pred else f"{'':>10}"
+        meas = f"{e.samples_per_s / pred:9.2f}" if pred else f"{'':>9}"
+        lines.append(f"{e.name:<19} {e.unit:>4} {e.samples_per_s:10.1f} {spread:>15} "
+                     f"{pred_s} {meas}".rstrip())
+    ratios = report.ratios()
+    if ratios:
+        lines.append("ratios of medians (min-max of the same-round ratios):")
+    for r in ratios:
+        name = f"{r.run} / {r.baseline}"
+        lines.append(f"  {name:<34} {r.value:.2f}x ({r.low:.2f}-{r.high:.2f})  {r.about}")
+    return "\n".join(lines)
