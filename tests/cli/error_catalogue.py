@@ -185,6 +185,9 @@ CASES: tuple[Case, ...] = (
     Case("train-plan-other-model", "train", "a plan made for another model",
          ("train", "mlp", "--plan", "{dir}/plan.json"), ("plan.json", "cnn"),
          (("plan.json", _plan_json(9, "cnn")),)),
+    Case("train-memory-stage", "train", "a forced partition whose stage does not fit --memory",
+         ("train", "mlp", "--config", "straight", "--stages", "0,4", "--memory", "8MB"),
+         ("--memory 8000000", "stage 0 (layers 0..3) needs about", "raise the limit")),
     # ---- checkpoints --------------------------------------------------------------
     Case("resume-without-dir", "checkpoint", "--resume without a checkpoint folder",
          ("train", "mlp", "--resume"), ("--resume needs --checkpoint-dir",)),

@@ -39,6 +39,12 @@ from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, barrier
 from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.memory import (
+    Baseline,
+    finish_measuring,
+    release_freed_memory,
+    start_measuring,
+)
 from dreampipe.runtime.results import sorted_events, stage_states
 
 __all__ = ["Checkpoints", "run_train"]
@@ -102,7 +108,8 @@ def run_train(
             raise WorkerError("rank 0 finished without a result")
     if result is None:
         return None
-    return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result)
+    return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result,
+                       planned.predicted_memory)
 
 
 def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
@@ -141,6 +148,8 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     stage = cfg.plan.stage_of_rank(rank)
     st = cfg.plan.stages[stage]
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
+    release_freed_memory()
+    baseline = start_measuring()  # before the stage's layers exist
     pipe = Pipeline(
         spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
@@ -150,12 +159,13 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
         resume=job.resume_from, timeout_s=cfg.timeout_s,
         on_nonfinite=cfg.on_nonfinite,
     )
-    result = _train(pipe, job, data, rank, world)  # on an error the launcher ends every rank
+    result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
     pipe.close()
     return result
 
 
-def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunResult | None:
+def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int, baseline: Baseline
+           ) -> RunResult | None:
     cfg, ckpt = job.cfg, job.checkpoints
     start = pipe.minibatches
     bar = _progress(cfg, rank, world, start)
@@ -178,6 +188,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
         log.close()
     losses = pipe.finish()
     loop_s = time.perf_counter() - t0
+    memory = finish_measuring(baseline, rank, pipe.module.stage)
     if bar is not None:
         bar.close()
     accuracy = None
@@ -191,7 +202,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
     if replica == 0:
         state = pipe.runner.final_state()
     report = RankReport(rank=rank, stage=pipe.module.stage, replica=replica, loop_s=loop_s,
-                        events=pipe.events, state=state)
+                        events=pipe.events, state=state, memory=memory)
     gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(report, gathered, dst=0)
     if gathered is None:
@@ -203,6 +214,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int) -> RunRe
         final_loss=losses[-1], losses=tuple(losses), accuracy=accuracy,
         events=sorted_events(reports), elapsed_s=elapsed,
         stage_states=tuple(stage_states(reports, cfg.plan.num_stages)),
+        memory=tuple(r.memory for r in reports if r.memory is not None),
     )
 
 

@@ -34,6 +34,7 @@ _FLAGS = {
     "data_dir=": "--data-dir ",
     "epochs=": "--epochs ",
     "lr=": "--lr ",
+    "memory_bytes=": "--memory ",
     "microbatches=": "--microbatches ",
     "minibatch_size=": "--batch-size ",
     "minibatches=": "--minibatches ",

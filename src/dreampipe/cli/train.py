@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ConfigError
+from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
@@ -62,6 +63,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP); "
                                     "without --stages the planner places the cuts")
     g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
+    g.add_argument("--memory", metavar="SIZE",
+                   help="memory each worker has for training, e.g. 2GB: the planner keeps "
+                        "every stage's predicted peak within it, and a plan that does not fit "
+                        "is an error (default: no limit; see docs/memory.md)")
     g = p.add_argument_group("training")
     g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
                    help="pipedream: async 1F1B with weight stashing (default); 1f1b-flush, "
@@ -121,7 +126,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--timeline", metavar="OUT.png", help="draw the measured timeline")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object on stdout (samples_per_s, final_loss, accuracy, "
-                        "predicted_samples_per_s, ...) and nothing else there")
+                        "predicted_samples_per_s, memory per rank, ...) and nothing else there")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_train)
 
@@ -189,6 +194,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         workers=args.workers,
         epochs=args.epochs,
         exact_steps=args.steps is not None,
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory),
     )
 
 
@@ -229,7 +235,23 @@ def _train(args: argparse.Namespace) -> int:
             f"{report.predicted_samples_per_s:.1f} (measured/predicted {ratio:.2f})")
         say(f"final loss {res.final_loss:.4f}"
             + (f", test accuracy {res.accuracy:.2%}" if res.accuracy is not None else ""))
+        for line in _memory_table(report.memory_rows()):
+            say(line)
     return 0
+
+
+def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Each rank's peak memory above its baseline against the planner's prediction."""
+    if not rows:
+        return []
+    lines = ["memory per rank (peak above the rank's baseline, docs/memory.md):",
+             f"  {'rank':>4} {'stage':>5} {'predicted':>10} {'measured':>10} {'ratio':>6}"]
+    for r in rows:
+        predicted = "-" if r["predicted_bytes"] is None else format_bytes(r["predicted_bytes"])
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        lines.append(f"  {r['rank']:>4} {r['stage']:>5} {predicted:>10} "
+                     f"{format_bytes(r['measured_bytes']):>10} {ratio:>6}")
+    return lines
 
 
 def _printer(quiet_stdout: bool) -> Any:

@@ -86,19 +86,23 @@ def choose_plan(
     stages: str | None = None,
     allow_fewer_workers: bool = True,
     nodes: int = 1,
+    memory_bytes: int | None = None,
 ) -> Plan:
     """The planner's best plan for ``workers`` local workers, or the forced partition costed.
 
     A ``config`` without ``stages`` gets the cuts the planner prices fastest
     for those replica counts. ``nodes`` > 1 (a torchrun job over several
     nodes) plans on two levels, the nodes as servers (:func:`local_topology`).
+    ``memory_bytes`` limits the planner's own choice (a forced partition is
+    the caller's to check).
     """
     from dreampipe.planning import planner
 
     topology = local_topology(workers, nodes=nodes)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
-        return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers)
+        return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers,
+                                     memory_bytes=memory_bytes)
     bounds, replicas = forced
     if bounds is not None:
         return planner.evaluate_plan(graph, topology, bounds, replicas)

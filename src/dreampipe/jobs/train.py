@@ -34,11 +34,13 @@ from dreampipe.jobs.local import (
 )
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
+from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan, stages_from_config
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.checks import check_config, check_options
 from dreampipe.runtime.config import RunConfig, RunOptions
 from dreampipe.runtime.data import load_dataset, steps_for_epochs
+from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
@@ -92,7 +94,9 @@ class TrainRequest:
     """What ``dreampipe train`` was asked to do (see its ``--help``).
 
     ``run`` is the run but for its plan, which comes from ``plan``.
-    ``workers`` None means: the forced config's total, else 2. ``epochs``
+    ``workers`` None means: the forced config's total, else 2. ``memory_bytes``
+    is each worker's memory: the planner plans within it, and a plan whose
+    predicted memory does not fit is an error. ``epochs``
     replaces ``run.steps`` with the updates that cover that many passes over
     the data. Steps are rounded up to whole all-reduce rounds of the plan,
     unless ``exact_steps`` (they were asked for): then a partial round is an error.
@@ -103,16 +107,35 @@ class TrainRequest:
     workers: int | None = None
     epochs: float | None = None
     exact_steps: bool = False
+    memory_bytes: int | None = None
 
 
 @dataclass(frozen=True)
 class TrainReport:
-    """The plan that ran, its predicted throughput and what the run measured."""
+    """The plan that ran, its predicted throughput and memory, and what the run measured.
+
+    ``predicted_memory`` holds the bytes each stage's workers are predicted
+    to add to their baseline (:func:`~dreampipe.runtime.memory.predict_memory`).
+    """
 
     plan: Plan
     steps: int
     predicted_samples_per_s: float
     result: RunResult
+    predicted_memory: tuple[int, ...] = ()
+
+    def memory_rows(self) -> list[dict[str, Any]]:
+        """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
+        rows = []
+        for m in self.result.memory:
+            predicted = self.predicted_memory[m.stage] if self.predicted_memory else None
+            rows.append({
+                "rank": m.rank, "stage": m.stage, "device": m.kind,
+                "predicted_bytes": predicted, "measured_bytes": m.used,
+                "baseline_bytes": m.baseline, "peak_bytes": m.peak,
+                "ratio": m.used / predicted if predicted else None,
+            })
+        return rows
 
     def summary(self) -> dict[str, Any]:
         """The ``--json`` object."""
@@ -127,6 +150,7 @@ class TrainReport:
             "config": self.plan.config,
             "topology": self.plan.topology,
             "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
+            "memory": self.memory_rows(),
         }
         if res.accuracy is not None:
             out["accuracy"] = res.accuracy
@@ -187,11 +211,13 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """A train job ready to run: the run with its plan, its model and the prediction."""
+    """A train job ready to run: the run with its plan, its model and the predictions
+    (memory per stage: empty where this rank did not profile)."""
 
     cfg: RunConfig
     spec: ModelSpec
     predicted_samples_per_s: float
+    predicted_memory: tuple[int, ...] = ()
 
 
 def plan_train(
@@ -221,7 +247,8 @@ def plan_train(
                                                fixed_world=torchrun is not None)
         graph = profile_as_worker(spec, layout.unit_size)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
-                                    allow_fewer_workers=torchrun is None, nodes=nodes)
+                                    allow_fewer_workers=torchrun is None, nodes=nodes,
+                                    memory_bytes=req.memory_bytes)
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         if source.path is not None:
@@ -244,7 +271,14 @@ def plan_train(
          f"{opts.minibatch_size} samples)")
     cfg = opts.with_plan(plan, steps)
     check_config(cfg, spec, plan.workers_used)
-    return PlannedRun(cfg, spec, predicted)
+    memory: tuple[int, ...] = ()
+    if graph is not None:
+        # long enough to fill the pipeline and the runtime's kept sends
+        horizon = min(steps, SENDS_KEPT + 2 * plan.workers_used)
+        memory = predict_memory(graph, plan, layout.build(
+            [st.replicas for st in plan.stages], horizon), opts)
+        check_memory(plan, memory, req.memory_bytes)
+    return PlannedRun(cfg, spec, predicted, memory)
 
 
 def _quiet(_line: str) -> None:

@@ -17,16 +17,24 @@ compute, so a pipeline's time is the *max* of its terms, never their sum::
 ``Input`` nodes of a PipeDream profile are zeroed: their time is data
 loading, which overlaps training (PipeDream's optimizer zeroes them too).
 
-Memory per worker follows DESIGN §5: a stage keeps one weight version and one
-minibatch of stashed activations per minibatch it has in flight, plus one
-gradient buffer::
+Memory per worker follows DESIGN §5, counting what the runtime holds: a
+stage keeps one weight version per minibatch in flight (the live one among
+them), one gradient buffer, its optimizer's state, and for each minibatch
+in flight its input and what its layers keep for the backward; a backward
+running through a layer briefly holds the gradients of what that layer keeps
+(about as many bytes: its largest layer's, ``working``); besides, the rank
+keeps its last ``SENDS_KEPT`` sent tensors until it reaps them::
 
     versions = ceil(workers from this stage to the end / replicas of this stage)
-    memory   = weights * (versions + 1) + activations * in flight
+    memory   = weights * (versions + 1 + optimizer) + (input + kept) * in flight
+               + working + SENDS_KEPT * sent
 
-(in the steady state the versions equal the minibatches in flight). The
-simulator (:mod:`dreampipe.simulation`) and the schedule builder take these
-same terms.
+(in the steady state the versions equal the minibatches in flight). Without
+weight stashing there is one version, a minibatch in flight keeps only its
+input, and one backward at a time recomputes what the layers keep
+(:func:`memory_bytes`). The simulator (:mod:`dreampipe.simulation`) and the
+schedule builder take these same terms; ``dreampipe train`` holds a run to
+them (``docs/memory.md``).
 
 :class:`RangeCosts` holds the profile's sums over every layer range, the
 inputs of these terms for any candidate stage.
@@ -45,6 +53,7 @@ from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
     "GPIPE_MICROBATCHES_PER_STAGE",
+    "SENDS_KEPT",
     "BoolArray",
     "CostModel",
     "FloatArray",
@@ -80,6 +89,10 @@ class CostModel(StrEnum):
 #: GPipe's own guidance (Huang et al., 2019): the bubble is negligible with at
 #: least four microbatches per stage, so the GPipe baseline uses ``4 * stages``.
 GPIPE_MICROBATCHES_PER_STAGE = 4
+
+#: Sent tensors a rank keeps: :mod:`dreampipe.runtime.comm` reaps its oldest
+#: sends only once more than this many are posted, so their tensors stay alive.
+SENDS_KEPT = 16
 
 
 def stage_time(
@@ -184,31 +197,58 @@ def memory_bytes(
     activation_bytes: FloatArray | float,
     versions: int,
     in_flight: int,
+    *,
+    input_bytes: FloatArray | float = 0.0,
+    sent_bytes: FloatArray | float = 0.0,
+    working_bytes: FloatArray | float = 0.0,
+    optimizer_copies: int = 0,
+    stash: bool = True,
+    sends_kept: int = SENDS_KEPT,
 ) -> FloatArray:
-    """Bytes per worker: ``weights * (versions + 1) + activations * in_flight``.
+    """Bytes per worker of a stage (module doc)::
 
-    Weight stashing keeps ``versions`` weight versions (the live one among
-    them) and one unit of stashed activations per unit in flight; the extra
-    ``weights`` is the gradient buffer.
+        stash      weights * (versions + 1 + optimizer) + (input + kept) * in_flight
+                   + working + sends
+        no stash   weights * (1 + 1 + optimizer) + input * in_flight + (input + kept)
+                   + working + sends
+
+    ``activation_bytes`` is what the stage's layers keep for the backward of
+    one unit (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
+    ``input_bytes`` the unit's input it received, ``sent_bytes`` the larger
+    tensor it sends (activation or gradient), kept ``sends_kept`` times (a run
+    of fewer sends keeps all of them); ``working_bytes`` what the backward
+    holds besides, the gradients of one layer's kept tensors.
+    ``versions`` counts the live weights; the extra ``weights`` is the gradient
+    buffer; ``optimizer_copies`` is the optimizer's state in weights (SGD 0,
+    with momentum 1, Adam 2). Without stashing a unit in flight keeps its
+    input only and the backward recomputes one unit's graph.
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
-    return np.asarray((versions + 1) * w + in_flight * a)
+    x = np.asarray(input_bytes, dtype=np.float64)
+    fixed = ((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
+             + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
+    if stash:
+        return np.asarray(fixed + versions * w + in_flight * (x + a))
+    return np.asarray(fixed + w + in_flight * x + x + a)
 
 
 def stage_memory(
-    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int
+    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int, *,
+    input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
+    working_bytes: FloatArray | float = 0.0,
 ) -> FloatArray:
-    """Bytes per worker in the steady state, one version per minibatch in flight.
-
-    :func:`memory_bytes` with ``in_flight = versions``:
-    ``versions * (weights + activations) + weights``.
-    """
-    return memory_bytes(weight_bytes, activation_bytes, versions, versions)
+    """Bytes per worker in the planner's steady state: stashing, one version per minibatch
+    in flight, an optimizer without state (:func:`memory_bytes` with ``in_flight = versions``)."""
+    return memory_bytes(weight_bytes, activation_bytes, versions, versions,
+                        input_bytes=input_bytes, sent_bytes=sent_bytes,
+                        working_bytes=working_bytes)
 
 
 def max_versions(
-    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float
+    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float,
+    *, input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
+    working_bytes: FloatArray | float = 0.0,
 ) -> FloatArray:
     """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`).
 
@@ -216,10 +256,20 @@ def max_versions(
     weights nor activations can hold any number (``inf``).
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
-    per = w + np.asarray(activation_bytes, dtype=np.float64)
+    fixed = stage_memory(w, 0.0, 0, sent_bytes=sent_bytes, working_bytes=working_bytes)
+    per = w + np.asarray(activation_bytes, dtype=np.float64) + np.asarray(input_bytes,
+                                                                           dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.floor((memory_bytes - w) / per)
+        k = np.floor((memory_bytes - fixed) / per)
     return np.asarray(np.where(per > 0, k, np.inf))
+
+
+def _range_max(values: Sequence[float]) -> FloatArray:
+    """``[i, j]``: the largest of ``values[i..j]`` (0 where ``i > j``)."""
+    v = np.asarray(values, dtype=np.float64)
+    n = len(v)
+    table = np.where(np.triu(np.ones((n, n), dtype=bool)), v[None, :], 0.0)
+    return np.asarray(np.maximum.accumulate(table, axis=1))
 
 
 def gpipe_time(slowest_stage_s: float, num_stages: int, microbatches: int | None = None) -> float:
@@ -248,6 +298,9 @@ class RangeCosts:
     ``s..e`` (PipeDream's cut rule over its states; None: any range).
     ``layer_backward_s`` and ``layer_weights`` are each layer's own, for
     :meth:`allreduce_end` (the default model; None under PipeDream's).
+    ``stashed`` sums what a unit in flight keeps of each layer
+    (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`; None: ``activations``)
+    and ``working`` is its largest over the range (None: 0).
     """
 
     compute_s: FloatArray
@@ -258,6 +311,8 @@ class RangeCosts:
     forward_s: FloatArray | None = None
     layer_backward_s: FloatArray | None = None
     layer_weights: FloatArray | None = None
+    stashed: FloatArray | None = None
+    working: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph) -> RangeCosts:
@@ -280,6 +335,8 @@ class RangeCosts:
             layer_backward_s=np.asarray(
                 [x.backward_ms * k for x, k in zip(layers, work, strict=True)], dtype=np.float64),
             layer_weights=np.asarray(weights, dtype=np.float64),
+            stashed=sums([x.stash_bytes for x in layers], 0.0),
+            working=_range_max([float(x.stash_bytes) for x in layers]),
         )
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
@@ -298,12 +355,49 @@ class RangeCosts:
     def n(self) -> int:
         return int(self.compute_s.shape[0])
 
+    @property
+    def kept(self) -> FloatArray:
+        """``[i, j]``: what one unit in flight keeps of layers ``i..j`` for the backward."""
+        return self.stashed if self.stashed is not None else self.activations
+
+    @property
+    def inputs(self) -> FloatArray:
+        """``[i, j]``: one unit's input to a stage that starts at layer ``i`` (the cut before)."""
+        return np.asarray(np.broadcast_to(self.cut_bytes[:, None], (self.n, self.n)))
+
+    @property
+    def sent(self) -> FloatArray:
+        """``[i, j]``: the larger tensor a stage ``i..j`` sends, its output or its input's
+        gradient (the cuts around it)."""
+        after = np.append(self.cut_bytes[1:], 0.0)
+        return np.asarray(np.maximum(self.cut_bytes[:, None], after[None, :]))
+
+    @property
+    def backward_working(self) -> FloatArray:
+        """``[i, j]``: what a backward through layers ``i..j`` holds besides (largest layer)."""
+        return self.working if self.working is not None else np.zeros_like(self.weights)
+
+    def max_versions(self, memory_bytes: float) -> FloatArray:
+        """:func:`max_versions` of every layer range in ``memory_bytes``."""
+        return max_versions(self.weights, self.kept, memory_bytes, input_bytes=self.inputs,
+                            sent_bytes=self.sent, working_bytes=self.backward_working)
+
+    def memory(self, first: int, last: int, versions: int, in_flight: int | None = None, *,
+               optimizer_copies: int = 0, stash: bool = True, sends_kept: int = SENDS_KEPT
+               ) -> int:
+        """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``)."""
+        return round(float(memory_bytes(
+            self.weights[first, last], self.kept[first, last], versions,
+            versions if in_flight is None else in_flight,
+            input_bytes=self.inputs[first, last], sent_bytes=self.sent[first, last],
+            working_bytes=self.backward_working[first, last],
+            optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
+        )))
+
     def memories(self, spans: Sequence[tuple[int, int, int]]) -> list[int]:
         """Bytes per worker of each stage ``(first, last, replicas)`` of one pipeline."""
         out, to_end = [], sum(r for _, _, r in spans)
         for first, last, r in spans:
-            v = versions_in_flight(to_end, r)
-            mem = stage_memory(self.weights[first, last], self.activations[first, last], v)
-            out.append(round(float(mem)))
+            out.append(self.memory(first, last, versions_in_flight(to_end, r)))
             to_end -= r
         return out

@@ -54,7 +54,6 @@ from dreampipe.planning.costs import (
     FloatArray,
     RangeCosts,
     cut_time,
-    max_versions,
     stage_time,
 )
 from dreampipe.planning.level import FEWER, SINGLE, Options, StageTimes, Table, solve_level
@@ -123,7 +122,7 @@ def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
     n = prof.n
     fits = None
     if opts.memory_bytes is not None:
-        fits = max_versions(prof.weights, prof.activations, opts.memory_bytes) - 1.0
+        fits = prof.max_versions(opts.memory_bytes) - 1.0
     tables: _Tables = []
     unit_gpus = 1
     last = len(topo.levels) - 1

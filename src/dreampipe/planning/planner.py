@@ -106,7 +106,7 @@ def _baselines(
             out["straight"] = found[0]
             out["gpipe"] = gpipe_time(found[0], len(found[1]))
         return out
-    if memory is None or stage_memory(prof.weights[0, -1], prof.activations[0, -1], 1) <= memory:
+    if memory is None or prof.memory(0, prof.n - 1, 1) <= memory:
         everyone = [range(topology.num_workers)]
         out["dp"] = slowest(price_stages(prof, topology, [(0, prof.n - 1)], everyone, sync))
     opts = Options(memory, True, True, 1, False, model, sync)
@@ -119,10 +119,8 @@ def _baselines(
 
 def _least_memory(prof: RangeCosts, models: Sequence[Topology], opts: Options) -> int:
     """Smallest device memory (within 1%) at which some plan fits."""
-    w, a = np.diag(prof.weights), np.diag(prof.activations)
-    lo = float(np.max(2 * w + a))
-    hi = float(models[0].num_workers * (prof.weights[0, -1] + prof.activations[0, -1])
-               + prof.weights[0, -1])
+    lo = float(np.max(stage_memory(np.diag(prof.weights), np.diag(prof.kept), 1)))
+    hi = float(stage_memory(prof.weights[0, -1], prof.kept[0, -1], models[0].num_workers))
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
         trial = Options(math.ceil(mid), opts.straight, opts.allow_fewer, opts.slots, opts.limited,

@@ -27,8 +27,13 @@ FORMAT_VERSION = 1
 class Layer:
     """One profiled layer. Times in milliseconds, sizes in bytes, per minibatch.
 
-    Each figure must be a finite number >= 0: ``inf`` or ``nan`` is a broken
-    measurement and would surface later as a baffling planner error.
+    ``saved_bytes`` is what a minibatch in flight keeps of this layer until its
+    backward: its output and every tensor autograd saves inside it (a ReLU's
+    result, a max-pool's indices), but not its inputs or parameters; None
+    where unknown (PipeDream's graph.txt), and then the output alone counts
+    (:attr:`stash_bytes`). Each figure must be a finite number >= 0: ``inf`` or
+    ``nan`` is a broken measurement and would surface later as a baffling
+    planner error.
     """
 
     name: str
@@ -37,10 +42,14 @@ class Layer:
     activation_bytes: int
     parameter_bytes: int
     description: str = ""
+    saved_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes"):
+        for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
+                     "saved_bytes"):
             value = getattr(self, what)
+            if value is None and what == "saved_bytes":
+                continue
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ProfileError(
                     f"layer {self.name!r} has {what}={value!r}; "
@@ -51,6 +60,11 @@ class Layer:
     def compute_ms(self) -> float:
         """Forward plus backward time, the planner's ``T_l``."""
         return self.forward_ms + self.backward_ms
+
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes a minibatch in flight keeps of this layer: ``saved_bytes``, else the output."""
+        return self.activation_bytes if self.saved_bytes is None else self.saved_bytes
 
     @property
     def is_input(self) -> bool:
@@ -189,6 +203,7 @@ class LayerGraph:
                     "backward_ms": x.backward_ms,
                     "activation_bytes": x.activation_bytes,
                     "parameter_bytes": x.parameter_bytes,
+                    **({} if x.saved_bytes is None else {"saved_bytes": x.saved_bytes}),
                 }
                 for x in self.layers
             ],

@@ -29,6 +29,8 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,8 +77,10 @@ def profile_model(
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             model.train()
-            env, grads = _record(steps, output_key, sample_input, loss_fn, target)
+            env, grads, saved = _record(steps, output_key, sample_input, loss_fn, target)
             layers, edges = _time_layers(steps, env, grads, warmup, repeats, cuda, progress)
+            layers = [replace(x, saved_bytes=_saved_bytes(saved[s.key], s, env))
+                      for x, s in zip(layers, _layer_steps(steps, env), strict=True)]
     finally:
         with torch.no_grad():
             for buffer, value in saved_buffers:
@@ -124,11 +128,16 @@ def _record(
     sample_input: Tensor,
     loss_fn: Callable[..., Tensor],
     target: Tensor | None,
-) -> tuple[Env, dict[str, list[Tensor | None]]]:
-    """One real forward + loss; return detached values and d(loss)/d(each output tensor)."""
+) -> tuple[Env, dict[str, list[Tensor | None]], dict[str, _Storages]]:
+    """One real forward + loss; return detached values, d(loss)/d(each output tensor) and
+    the storages autograd saved for the backward in each step."""
     env: Env = {INPUT: sample_input}
+    saved: dict[str, _Storages] = {}
     for step in steps:
-        env[step.key] = step.run(env)
+        noted: _Storages = {}
+        with torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, noted), _unpack):
+            env[step.key] = step.run(env)
+        saved[step.key] = noted
     output = env[output_key]
     loss = loss_fn(output) if target is None else loss_fn(output, target)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
@@ -145,7 +154,40 @@ def _record(
         found = torch.autograd.grad(loss, [t for _, _, t in wanted], allow_unused=True)
         for (key, i, _), grad in zip(wanted, found, strict=True):
             grads[key][i] = grad
-    return {k: _detach(v) for k, v in env.items()}, grads
+    return {k: _detach(v) for k, v in env.items()}, grads, saved
+
+
+#: Storages by address: their size in bytes.
+_Storages = dict[int, int]
+
+
+def _note_saved(found: _Storages, t: Tensor) -> Tensor:
+    """Pack hook: note the storage of a tensor autograd saves, keep the tensor as it is."""
+    found.update(_storages([t]))
+    return t
+
+
+def _unpack(t: Tensor) -> Tensor:
+    return t
+
+
+def _storages(tensors: Any) -> _Storages:
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in _tensors(tensors) if t.device.type != "meta"}
+
+
+def _saved_bytes(saved: _Storages, step: Step, env: Env) -> int:
+    """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
+    backward and its output, less its inputs' and parameters' (other layers' or weights)."""
+    held = {**saved, **_storages(env[step.key])}
+    for ptr in _storages([*(env[d] for d in step.deps), *step.params]):
+        held.pop(ptr, None)
+    return sum(held.values())
+
+
+def _layer_steps(steps: list[Step], env: Env) -> list[Step]:
+    """The steps that are layers: may be one, and output a tensor."""
+    return [s for s in steps if s.may_be_layer and any(True for _ in _tensors(env[s.key]))]
 
 
 def _time_layers(
@@ -157,7 +199,7 @@ def _time_layers(
     cuda: bool,
     progress: Progress | None,
 ) -> tuple[list[Layer], list[tuple[int, int]]]:
-    layer_steps = [s for s in steps if s.may_be_layer and any(True for _ in _tensors(env[s.key]))]
+    layer_steps = _layer_steps(steps, env)
     is_layer = {s.key: i for i, s in enumerate(layer_steps)}
     sources: dict[str, set[int]] = {}
     edges: set[tuple[int, int]] = set()

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.errors import PeerTimeoutError, StageMismatchError
+from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Comm", "process_groups"]
@@ -43,7 +44,7 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _POLL_S = 100e-6
-_MAX_SENDS = 16
+_MAX_SENDS = SENDS_KEPT  # the planner counts their memory
 _HINT = "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
 
 Spec = tuple[tuple[int, ...], torch.dtype]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -23,6 +23,9 @@ from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
+
+if TYPE_CHECKING:
+    from dreampipe.runtime.memory import MemoryUse
 
 __all__ = ["OptimizerKind", "RunConfig", "RunOptions", "RunResult"]
 
@@ -128,7 +131,8 @@ class RunResult:
 
     ``losses`` has one entry per weight update (per minibatch for pipedream):
     the mean loss of that update's samples, computed by the last stage.
-    ``stage_states`` holds each stage's final ``state_dict`` (replica 0), on CPU.
+    ``stage_states`` holds each stage's final ``state_dict`` (replica 0), on CPU;
+    ``memory`` each rank's peak memory, by rank, where the run measured it.
     """
 
     samples_per_s: float
@@ -138,4 +142,5 @@ class RunResult:
     events: tuple[Event, ...]
     elapsed_s: float
     stage_states: tuple[dict[str, torch.Tensor], ...]
+    memory: tuple[MemoryUse, ...] = ()
 

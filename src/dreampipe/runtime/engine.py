@@ -51,7 +51,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,9 @@ from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
+
+if TYPE_CHECKING:
+    from dreampipe.runtime.memory import MemoryUse
 
 __all__ = ["RankReport", "RankRunner", "RunnerOptions", "UnitData", "barrier", "round_ends"]
 
@@ -115,6 +118,7 @@ class RankReport:
     events: list[Event] = field(default_factory=list)
     state: dict[str, Tensor] | None = None
     peak_versions: int = 0
+    memory: MemoryUse | None = None
 
 
 def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:

@@ -107,8 +107,8 @@ def costs_from_profile(
     that hold it, default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
     transfer runs at the link between the workers of its two ranks.
     ``Input`` layers cost nothing (data loading, as the planner counts them).
-    Stashed bytes per unit are the stage's layer outputs, as the planner
-    counts them.
+    Stashed bytes per unit are the stage's input and what its layers keep
+    for the backward, as the planner counts them.
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.sync import DEFAULT_SYNC
@@ -136,7 +136,7 @@ def costs_from_profile(
         bwd.append(sum(backward))
         weights = [float(x.parameter_bytes) for x in span]
         params.append(sum(weights))
-        stash.append(sum(x.activation_bytes for x in span) * unit_fraction)
+        stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
         ar, late = stage_allreduce(backward, weights, st.placement, topology, how)

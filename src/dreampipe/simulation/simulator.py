@@ -22,9 +22,9 @@ dry-runs (:class:`dreampipe.scheduling.stepping.Stepper`); this module only
 puts times on its steps. Costs come from :mod:`dreampipe.simulation.costs`.
 
 Memory per rank is ``parameter_bytes x (weight versions held + 1) +
-stash_bytes x units in flight``, the planner's
-:func:`dreampipe.planning.costs.memory_bytes` (the extra weights are the
-gradient buffer); a unit is in flight from its forward's start to its
+stash_bytes x units in flight`` plus the sent tensors the rank keeps, the
+planner's :func:`dreampipe.planning.costs.memory_bytes` (the extra weights
+are the gradient buffer); a unit is in flight from its forward's start to its
 backward's end. A unit holds the weight version (optimizer steps taken) its
 forward ran with; the versions held are those of the units in flight plus
 the live one: 1 for the synchronous schedules, ``n-s`` at stage s of a
@@ -149,6 +149,8 @@ class _Run(Stepper):
         total = makespan * s.num_ranks
         stages = [s.stage_of_rank(r) for r in range(s.num_ranks)]
         params, stash = self.c.parameter_bytes, self.c.stash_bytes
+        cuts = (0.0, *self.c.activation_bytes, 0.0)
+        sent = [max(cuts[st], cuts[st + 1]) for st in range(len(params))]
         fraction = self.c.unit_fraction
         throughput = s.num_units * fraction / makespan if makespan > 0 else math.inf
         warm = sum(m.peak_in_flight for m in self.memory[: s.replicas[0]])
@@ -165,7 +167,7 @@ class _Run(Stepper):
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
             peak_memory_bytes=tuple(
-                int(m.peak_memory(params[st], stash[st])) for m, st in zip(
+                int(m.peak_memory(params[st], stash[st], sent[st])) for m, st in zip(
                     self.memory, stages, strict=True)),
             peak_versions=tuple(m.peak_versions for m in self.memory),
             peak_in_flight=tuple(m.peak_in_flight for m in self.memory),
@@ -285,8 +287,9 @@ class _Memory:
         self.peak_versions = max(self.peak_versions, versions)
         self.samples.add((versions, flight))
 
-    def peak_memory(self, parameter_bytes: float, stash_bytes: float) -> float:
+    def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float
+                    ) -> float:
         from dreampipe.planning.costs import memory_bytes  # NumPy: only when used
 
-        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f))
+        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes))
                    for v, f in self.samples)

@@ -1,0 +1,233 @@
+"""A rank's peak memory during training, above a baseline taken just before its stage is built.
+
+On CPU the peak is the process's resident high-water mark (``VmHWM`` in
+``/proc/self/status``); on GPU it is ``torch.cuda.max_memory_allocated``.
+Both include what the process held before training (torch's own code and
+libraries, the process group, the dataset), which says nothing about the
+plan. So :func:`start_measuring` runs right before the rank builds its stage:
+it returns freed heap memory to the kernel (``malloc_trim``), resets the
+high-water mark to the current resident size (Linux's ``/proc/self/clear_refs``)
+and takes that resident size as the baseline; on GPU it resets CUDA's peak
+statistics and takes the memory allocated then. :func:`finish_measuring`
+reads the peak when the training loop has drained (before the final weights
+are gathered) and adds to the baseline the library code paged in since
+(``RssFile`` grew by 5-10 MB in a run: torch's kernels, gloo), the same for
+any plan. ``peak - baseline`` is what training added: the
+stage's weights, their stashed versions, gradients, optimizer state and
+activations, the figure :func:`predict_memory` predicts with the planner's
+:func:`dreampipe.planning.costs.memory_bytes`.
+
+On CPU the resident set also counts memory the C allocator keeps after
+tensors are freed: glibc serves large blocks from its heap once one has been
+freed, and a heap fragmented by a pipeline's mix of weights, gradients and
+activations grew 30-40% past what was alive in our runs. A train rank
+therefore calls :func:`release_freed_memory` first: blocks of ``_MAP_AT``
+(1 MiB) or more get their own pages and go back to the kernel when freed, so
+the resident peak is what the rank held, as CUDA's allocated bytes are (at
+the cost of page faults on each fresh large tensor).
+
+The baseline is taken after torch has loaded what it loads lazily on a
+rank's first use of the meta device (its meta kernels, about 25 MB of
+Python objects, which the Pipeline's checks load anyway): code, not the plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dreampipe.errors import ConfigError
+from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
+from dreampipe.runtime.config import OptimizerKind, RunOptions
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+
+__all__ = ["Baseline", "MemoryUse", "check_memory", "finish_measuring", "optimizer_copies",
+           "predict_memory", "release_freed_memory", "start_measuring"]
+
+_log = logging.getLogger(__name__)
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_RESET_PEAK = "5"  # clear_refs: reset the high-water mark to the current resident size
+_SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
+_M_MMAP_THRESHOLD = -3
+_MAP_AT = 2**20
+
+
+@dataclass(frozen=True)
+class MemoryUse:
+    """One rank's memory in bytes: ``baseline`` before its stage was built, ``peak`` after.
+
+    ``kind`` is the device type: ``"cpu"`` (resident set) or ``"cuda"``
+    (bytes allocated by torch's CUDA allocator).
+    """
+
+    rank: int
+    stage: int
+    baseline: int
+    peak: int
+    kind: str
+
+    @property
+    def used(self) -> int:
+        """What training added: ``peak - baseline``."""
+        return self.peak - self.baseline
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What a rank held when :func:`start_measuring` ran, in bytes: all of it
+    (``resident``: VmRSS, or CUDA's allocated bytes) and the file-backed part
+    (``code``: RssFile, the libraries' pages; 0 on GPU)."""
+
+    device: torch.device
+    resident: int
+    code: int
+
+
+def start_measuring(device: torch.device | None = None) -> Baseline:
+    """Reset the peak to now and take the baseline (see the module doc).
+
+    ``device`` None is this rank's: CUDA device ``LOCAL_RANK`` if there is
+    CUDA, else the CPU. On CPU without ``/proc`` (not Linux) the peak cannot
+    be reset; the baseline is then 0 and the peak the process's lifetime peak.
+    """
+    if device is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
+            if torch.cuda.is_available() else torch.device("cpu")
+    _load_meta_kernels()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return Baseline(device, int(torch.cuda.memory_allocated(device)), 0)
+    if not _STATUS.exists():
+        return Baseline(device, 0, 0)
+    _trim_heap()
+    try:
+        _CLEAR_REFS.write_text(_RESET_PEAK)
+    except OSError as exc:
+        _log.warning("cannot reset the memory high-water mark (%s); the peak includes "
+                     "everything before training", exc)
+        return Baseline(device, 0, 0)
+    return Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile"))
+
+
+def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
+    """The peak since :func:`start_measuring`, against its baseline plus the library pages
+    paged in since (code: the same for any plan)."""
+    if base.device.type == "cuda":
+        torch.cuda.synchronize(base.device)
+        return MemoryUse(rank, stage, base.resident,
+                         int(torch.cuda.max_memory_allocated(base.device)), "cuda")
+    if not _STATUS.exists():
+        return MemoryUse(rank, stage, 0, 0, "cpu")
+    code = max(0, _status_bytes("RssFile") - base.code)
+    return MemoryUse(rank, stage, base.resident + code, _status_bytes("VmHWM"), "cpu")
+
+
+def release_freed_memory() -> None:
+    """Make glibc give freed blocks of 1 MiB or more back to the kernel (module doc)."""
+    libc = _libc()
+    if libc is not None and not libc.mallopt(_M_MMAP_THRESHOLD, _MAP_AT):
+        _log.debug("glibc refused the mmap threshold")
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError as exc:
+        _log.debug("no glibc: %s", exc)
+        return None
+
+
+def _status_bytes(key: str) -> int:
+    found = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    return int(found.group(1)) * 1024 if found else 0
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the kernel, so the baseline holds only live memory."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _load_meta_kernels() -> None:
+    """One op on the meta device: torch imports its meta kernels on the first."""
+    with torch.device("meta"):
+        F.cross_entropy(torch.ones(1, 2), torch.zeros(1, dtype=torch.long))
+
+
+def optimizer_copies(opts: RunOptions) -> int:
+    """The optimizer's state in copies of the weights: SGD 0, with momentum 1, Adam 2."""
+    if opts.optimizer is OptimizerKind.ADAM:
+        return 2
+    return 1 if opts.momentum else 0
+
+
+def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: RunOptions
+                   ) -> tuple[int, ...]:
+    """Bytes each stage's workers will add to their baseline when running ``schedule``.
+
+    :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest
+    rank of the stage reaches: the units in flight, the weight versions they
+    pin (one per unit in flight under PipeDream with stashing, plus the ``s``
+    updates stage ``s`` may be ahead with vertical sync; else one) and the
+    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``).
+    ``graph`` is profiled at the schedule's unit size.
+    """
+    costs = RangeCosts.of(graph)
+    flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
+    for rank, actions in enumerate(schedule.actions):
+        stage = schedule.stage_of_rank(rank)
+        flight[stage] = max(flight[stage], _peak_in_flight(actions))
+        sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
+    stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
+    out = []
+    for s, st in enumerate(plan.stages):
+        versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else 1
+        out.append(costs.memory(st.first, st.last, versions, flight[s],
+                                optimizer_copies=optimizer_copies(opts), stash=opts.stash,
+                                sends_kept=min(sends[s], SENDS_KEPT)))
+    return tuple(out)
+
+
+def _peak_in_flight(actions: tuple[Action, ...]) -> int:
+    """The most units whose forward ran and backward did not, along one rank's actions."""
+    now = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            now += 1
+            peak = max(peak, now)
+        elif a.kind is ActionKind.BACKWARD:
+            now -= 1
+    return peak
+
+
+def check_memory(plan: Plan, predicted: tuple[int, ...], limit: int | None) -> None:
+    """A ConfigError naming the first stage whose ``predicted`` bytes exceed ``limit``."""
+    if limit is None:
+        return
+    for s, (st, need) in enumerate(zip(plan.stages, predicted, strict=True)):
+        if need > limit:
+            raise ConfigError(
+                f"memory_bytes={limit} ({format_bytes(limit)} per worker) is too little: stage "
+                f"{s} (layers {st.first}..{st.last}) needs about {format_bytes(need)} for its "
+                "weights, their stashed versions, gradients, optimizer state and the "
+                "activations of its minibatches in flight; raise the limit, cut the model "
+                "into more stages, or train on smaller minibatches", "memory_bytes",
+            )
