@@ -103,6 +103,10 @@ class Study:
         machine's load drift."""
         return [_key(w, v, workers, seed) for w in Workload for v in self.variants]
 
+    def header(self) -> dict[str, Any]:
+        """These settings as the results file's JSON holds them."""
+        return json.loads(json.dumps(asdict(self)))  # type: ignore[no-any-return]
+
 
 STUDY = Study(seeds=(0, 1, 2), workers=(2, 4), variants=tuple(_BY_NAME),
               epochs={"digits": 10, "chars": 4}, steps={"digits": None, "chars": 30})
@@ -232,16 +236,12 @@ def _worker(study: Study, results: Path, keys: list[str]) -> None:
 
 
 # ---- the results file -------------------------------------------------------------
-def _header(study: Study) -> dict[str, Any]:
-    return json.loads(json.dumps(asdict(study)))  # type: ignore[no-any-return]
-
-
 def _load(path: Path, study: Study) -> dict[str, Any]:
     """The results so far; a file written for other settings is an error, not mixed in."""
     if not path.exists():
-        return {"study": _header(study), "runs": {}}
+        return {"study": study.header(), "runs": {}}
     data: dict[str, Any] = json.loads(path.read_text())
-    if data.get("study") != _header(study):
+    if data.get("study") != study.header():
         raise SystemExit(f"{path} holds a study with other settings ({data.get('study')}); "
                          "pass another --results file or delete it")
     return data
