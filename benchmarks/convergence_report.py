@@ -113,6 +113,7 @@ def _plot(data: dict[str, Any], workload: str, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     metric, goal = _METRICS[workload], targets(data).get(workload)
     workers = data["study"]["workers"]
@@ -134,6 +135,7 @@ def _plot(data: dict[str, Any], workload: str, path: Path) -> None:
             for ax, x in ((row[0], list(range(epochs))), (row[1], seconds)):
                 ax.plot(x, mean, color=colours[variant], label=variant, marker=".")
                 ax.fill_between(x, low, high, color=colours[variant], alpha=0.2)
+        row[0].xaxis.set_major_locator(MaxNLocator(integer=True))
         for ax, xlabel in ((row[0], "epoch"), (row[1], "training seconds (mean over seeds)")):
             if goal is not None:
                 ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label="target")
