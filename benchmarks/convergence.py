@@ -86,6 +86,8 @@ class Study:
     ``steps`` is the minibatches per epoch (None: the digits' whole training
     set, 44 minibatches of 32); an epoch of the characters is ``steps``
     minibatches of fresh random windows (the corpus is too large to pass over).
+    ``held_out_batches`` of ``batch`` windows score the characters; the corpus
+    is about the standard library's first ``corpus_bytes`` characters of source.
     """
 
     seeds: tuple[int, ...]
@@ -95,7 +97,6 @@ class Study:
     steps: dict[str, int | None]
     held_out_batches: int = 16
     batch: int = 32
-
     corpus_bytes: int = 3_000_000
 
     def keys(self, workers: int, seed: int) -> list[str]:
