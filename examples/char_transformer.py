@@ -16,82 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sysconfig
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from _workloads import char_corpus, gpt, straight_plan, token_loss, windows
+from torch import Tensor
 
 import dreampipe
-
-
-def corpus(max_bytes: int = 3_000_000) -> str:
-    """Standard library source, file by file in name order, up to ``max_bytes``."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    text, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        part = path.read_text(encoding="utf-8", errors="ignore")
-        text.append(part)
-        size += len(part)
-        if size >= max_bytes:
-            break
-    return "".join(text)
-
-
-class Embed(nn.Module):
-    """Token plus learned position embeddings."""
-
-    def __init__(self, vocab: int, dim: int, context: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(context, dim)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        return self.tokens(idx) + self.positions(pos)
-
-
-class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP, each with a residual."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
-
-
-def gpt(vocab: int, dim: int = 128, context: int = 64, layers: int = 4, heads: int = 4
-        ) -> nn.Sequential:
-    return nn.Sequential(Embed(vocab, dim, context), *(Block(dim, heads) for _ in range(layers)),
-                         nn.LayerNorm(dim), nn.Linear(dim, vocab))
-
-
-def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def windows(data: Tensor, batch: int, context: int, seed: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Random windows of ``context`` characters and the next character of each: the same
-    stream on every rank (one seeded generator)."""
-    gen = torch.Generator().manual_seed(seed)
-    while True:
-        start = torch.randint(0, len(data) - context - 1, (batch,), generator=gen)
-        idx = start[:, None] + torch.arange(context)
-        yield data[idx], data[idx + 1]
 
 
 def train(schedule: str, plan: dreampipe.Plan | str, vocab: int, train_data: Tensor,
@@ -126,21 +58,15 @@ def main() -> None:
     args = parser.parse_args()
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
-    text = corpus()
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lookup[c] for c in text])
-    split = len(data) * 9 // 10
-    held = windows(data[split:], args.batch, args.context, seed=2)
+    corpus = char_corpus()
+    held = windows(corpus.held_out, args.batch, args.context, seed=2)
     held_out = [next(held) for _ in range(8)]
     world = dist.get_world_size() if dist.is_initialized() else 1
-    layers = 7  # embed, 4 blocks, norm, head
-    straight = dreampipe.Plan.from_config(
-        layers, [round(i * layers / world) for i in range(world)], [1] * world)
+    straight = straight_plan(7, world)  # embed, 4 blocks, norm, head
     report = {
-        "chars": len(text), "vocab": len(chars), "workers": world,
-        "pipedream": train("pipedream", straight, len(chars), data[:split], held_out, args),
-        "dp": train("dp", "auto", len(chars), data[:split], held_out, args),
+        "chars": corpus.chars, "vocab": corpus.vocab, "workers": world,
+        "pipedream": train("pipedream", straight, corpus.vocab, corpus.train, held_out, args),
+        "dp": train("dp", "auto", corpus.vocab, corpus.train, held_out, args),
     }
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(json.dumps(report))

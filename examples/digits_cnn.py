@@ -4,7 +4,8 @@
     python examples/digits_cnn.py --epochs 2               # one process
 
 scikit-learn's 1797 handwritten 8x8 digits, 1437 for training (shuffled by
-a seeded ``DataLoader``, the same order on every rank) and 360 to test.
+a seeded ``DataLoader``, the same order on every rank) and 360 to test
+(``examples/_workloads.py``).
 """
 
 from __future__ import annotations
@@ -15,19 +16,10 @@ import json
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from _workloads import cnn, digits
+from torch.utils.data import DataLoader
 
 import dreampipe
-
-
-def cnn() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    )
 
 
 def main() -> None:
@@ -36,10 +28,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="stop after this many updates")
     parser.add_argument("--schedule", default="pipedream")
     args = parser.parse_args()
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target)
-    train_set, test_set = TensorDataset(x[:1437], y[:1437]), TensorDataset(x[1437:], y[1437:])
+    train_set, test_set = digits()
     loader = DataLoader(train_set, batch_size=32, shuffle=True, drop_last=True,
                         generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

@@ -1,0 +1,168 @@
+"""The convergence study's table and plots, from its results JSON (``convergence.py --report``).
+
+The table goes into ``convergence.md`` between two markers, so the prose
+around it is kept; the plots are ``convergence-<workload>.png``. Targets:
+97% held-out accuracy on the digits; on the characters, the held-out loss
+that every dp run reaches (the worst of their final losses, rounded up to
+the next 0.01).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BEGIN", "DIGITS_TARGET", "END", "table", "targets", "write"]
+
+BEGIN = "<!-- table: written by `python benchmarks/convergence.py --report` -->"
+END = "<!-- end of the written table -->"
+DIGITS_TARGET = 0.97
+
+
+@dataclass(frozen=True)
+class _Metric:
+    key: str
+    label: str
+    higher_is_better: bool
+
+    def meets(self, value: float, target: float) -> bool:
+        return value >= target if self.higher_is_better else value <= target
+
+
+_METRICS = {"digits": _Metric("test_accuracy", "held-out accuracy", True),
+            "chars": _Metric("test_loss", "held-out loss (nats per character)", False)}
+_TITLES = {"digits": "Digits CNN", "chars": "Character transformer"}
+
+
+def _groups(data: dict[str, Any]) -> Iterator[tuple[str, int, str, list[dict[str, Any]]]]:
+    """(workload, workers, variant, runs over seeds) in the study's order."""
+    study, runs = data["study"], data["runs"].values()
+    for workload in _METRICS:
+        for workers in study["workers"]:
+            for variant in study["variants"]:
+                found = [r for r in runs if (r["workload"], r["workers"], r["variant"])
+                         == (workload, workers, variant)]
+                if found:
+                    yield workload, workers, variant, sorted(found, key=lambda r: r["seed"])
+
+
+def targets(data: dict[str, Any]) -> dict[str, float]:
+    """Each workload's target; the characters' only once dp runs are in."""
+    out = {"digits": DIGITS_TARGET}
+    dp = [r["test_loss"][-1] for r in data["runs"].values()
+          if r["workload"] == "chars" and r["variant"] == "dp"]
+    if dp:  # rounded up, so a schedule equal to dp but for float rounding reaches it too
+        out["chars"] = math.ceil(max(dp) * 100) / 100
+    return out
+
+
+def _to_target(run: dict[str, Any], metric: _Metric, target: float) -> tuple[float, float]:
+    """Epochs and training seconds to the first evaluation at the target (inf: never)."""
+    for epoch, value in enumerate(run[metric.key]):
+        if value is not None and metric.meets(value, target):
+            return float(epoch), float(run["seconds"][epoch])
+    return math.inf, math.inf
+
+
+def _fmt(value: float, unit: str = "") -> str:
+    return "not reached" if math.isinf(value) else f"{value:.3g}{unit}"
+
+
+def table(data: dict[str, Any]) -> str:
+    """The markdown table: final figure, seeds at target, epochs and seconds to it, / dp."""
+    goal = targets(data)
+    lines = ["| workload | workers | schedule | final (mean ± std) | s per epoch | seeds at "
+             "target | epochs to target | seconds to target | time to target / dp's |",
+             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
+    medians: dict[tuple[str, int, str], float] = {}
+    rows = []
+    for workload, workers, variant, runs in _groups(data):
+        metric = _METRICS[workload]
+        finals = [r[metric.key][-1] for r in runs]
+        spread = statistics.stdev(finals) if len(finals) > 1 else 0.0
+        per_epoch = statistics.median(r["seconds"][-1] / (len(r["seconds"]) - 1) for r in runs)
+        reach = [_to_target(r, metric, goal[workload]) for r in runs] if workload in goal else []
+        epochs = statistics.median(e for e, _ in reach) if reach else math.inf
+        seconds = statistics.median(s for _, s in reach) if reach else math.inf
+        medians[workload, workers, variant] = seconds
+        hits = sum(not math.isinf(e) for e, _ in reach)
+        rows.append((workload, workers, variant, (
+            f"| {workload} | {workers} | {variant} | {statistics.fmean(finals):.3f} ± "
+            f"{spread:.3f} | {per_epoch:.2f} | {hits}/{len(runs)} | {_fmt(epochs)} | "
+            f"{_fmt(seconds)} |")))
+    for workload, workers, variant, row in rows:
+        dp = medians.get((workload, workers, "dp"), math.inf)
+        mine = medians[workload, workers, variant]
+        ratio = "-" if math.isinf(mine) or math.isinf(dp) else f"{mine / dp:.2f}"
+        lines.append(f"{row} {ratio} |")
+    said = ", ".join(f"{w}: {_METRICS[w].label} {'≥' if _METRICS[w].higher_is_better else '≤'}"
+                     f" {t:.4g}" for w, t in goal.items())
+    lines += ["", f"Targets: {said}. Epochs and seconds to target are medians over the "
+              "seeds, a seed that never reaches it counting as never; seconds are training "
+              "time only (evaluation left out)."]
+    return "\n".join(lines)
+
+
+def _plot(data: dict[str, Any], workload: str, path: Path) -> None:
+    """Rows: workers; columns: against epochs and against seconds; shade: min-max of seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    metric, goal = _METRICS[workload], targets(data).get(workload)
+    workers = data["study"]["workers"]
+    fig, axes = plt.subplots(len(workers), 2, figsize=(11, 4 * len(workers)), squeeze=False)
+    colours = {v: f"C{i}" for i, v in enumerate(data["study"]["variants"])}
+    trained = [x for wl, _, _, runs in _groups(data) if wl == workload
+               for r in runs for x in r[metric.key][1:]]
+    margin = 0.05 * (max(trained) - min(trained)) + 1e-3
+    ylim = (min(trained) - margin, max(trained) + margin)  # epoch 0 may lie outside
+    for w, variant_runs in ((w, [(v, r) for wl, n, v, r in _groups(data)
+                                 if (wl, n) == (workload, w)]) for w in workers):
+        row = axes[workers.index(w)]
+        for variant, runs in variant_runs:
+            epochs = min(len(r[metric.key]) for r in runs)
+            values = [[r[metric.key][e] for r in runs] for e in range(epochs)]
+            mean = [statistics.fmean(v) for v in values]
+            low, high = [min(v) for v in values], [max(v) for v in values]
+            seconds = [statistics.fmean(r["seconds"][e] for r in runs) for e in range(epochs)]
+            for ax, x in ((row[0], list(range(epochs))), (row[1], seconds)):
+                ax.plot(x, mean, color=colours[variant], label=variant, marker=".")
+                ax.fill_between(x, low, high, color=colours[variant], alpha=0.2)
+        row[0].xaxis.set_major_locator(MaxNLocator(integer=True))
+        for ax, xlabel in ((row[0], "epoch"), (row[1], "training seconds (mean over seeds)")):
+            if goal is not None:
+                ax.axhline(goal, color="grey", linestyle="--", linewidth=1, label="target")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(metric.label)
+            ax.set_ylim(*ylim)
+            ax.set_title(f"{_TITLES[workload]}, {w} workers")
+            ax.grid(alpha=0.3)
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write(data: dict[str, Any], docs: Path) -> list[Path]:
+    """The plots and the table in ``docs/convergence.md`` (made if missing); what it wrote."""
+    docs.mkdir(parents=True, exist_ok=True)
+    written = []
+    for workload in _METRICS:
+        if any(r["workload"] == workload for r in data["runs"].values()):
+            path = docs / f"convergence-{workload}.png"
+            _plot(data, workload, path)
+            written.append(path)
+    doc = docs / "convergence.md"
+    text = doc.read_text() if doc.exists() else f"# Convergence\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{doc} has lost its table markers; put back {BEGIN!r} and {END!r}")
+    head, rest = text.split(BEGIN, 1)
+    doc.write_text(f"{head}{BEGIN}\n{table(data)}\n{END}{rest.split(END, 1)[1]}")
+    return [*written, doc]

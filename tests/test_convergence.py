@@ -1,0 +1,63 @@
+"""``benchmarks/convergence.py``: the quick study as CI runs it, and the committed report."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import json
+import math
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+__all__: list[str] = []
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(_ROOT / "benchmarks"))
+    return importlib.import_module("convergence")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_quick_study_records_every_run_resumes_and_reports(
+        bench: ModuleType, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "quick.json"
+    argv = ["--quick", "--results", str(results), "--docs", str(tmp_path), "--timeout", "200"]
+    bench.main(argv)
+    data = json.loads(results.read_text())
+    study = bench.QUICK
+    assert set(data["runs"]) == {f"{w.value}/{v}/{n}/{s}" for w in bench.Workload
+                                 for v in study.variants for n in study.workers
+                                 for s in study.seeds}
+    for key, run in data["runs"].items():
+        evaluations = study.epochs[run["workload"]] + 1
+        assert len(run["seconds"]) == len(run["test_loss"]) == evaluations, key
+        assert all(b > a for a, b in itertools.pairwise(run["seconds"])), (key, run["seconds"])
+        assert all(math.isfinite(x) and x > 0 for x in run["test_loss"] + run["train_loss"][1:])
+        accuracy = run["test_accuracy"]
+        if run["workload"] == "digits":
+            assert all(0 <= a <= 1 for a in accuracy), (key, accuracy)
+        else:
+            assert accuracy == [None] * evaluations, key
+    for workload in bench.Workload:
+        assert (tmp_path / f"convergence-{workload.value}.png").read_bytes()[:4] == b"\x89PNG"
+    doc = (tmp_path / "convergence.md").read_text()
+    assert "| digits | 2 | pipedream-no-stash |" in doc and "| chars | 2 | dp |" in doc, doc
+    capfd.readouterr()
+    bench.main(argv)
+    assert "0 runs to do" in capfd.readouterr().out
+    assert json.loads(results.read_text()) == data
+
+
+def test_the_committed_table_is_written_from_the_committed_results(bench: ModuleType) -> None:
+    import convergence_report
+
+    data = json.loads((_ROOT / "docs" / "convergence.json").read_text())
+    assert data["study"] == bench.STUDY.header()
+    doc = (_ROOT / "docs" / "convergence.md").read_text()
+    assert convergence_report.table(data) in doc, "run python benchmarks/convergence.py --report"
