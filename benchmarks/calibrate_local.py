@@ -37,7 +37,7 @@ import torch.distributed as dist
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import GradientBuckets
-from dreampipe.runtime.launch import pinned_threads, run_processes
+from dreampipe.runtime.processes import pinned_threads, run_processes
 from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["main"]

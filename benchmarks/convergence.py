@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
-from dreampipe.runtime.launch import free_port
+from dreampipe.runtime.processes import free_port
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["QUICK", "STUDY", "VARIANTS", "Study", "Variant", "Workload", "main"]

@@ -17,7 +17,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
-from dreampipe.runtime.launch import free_port
+from dreampipe.runtime.processes import free_port
 
 __all__ = ["descendants", "started", "stop", "torchrun_command", "torchrun_json", "worker_env"]
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 import dreampipe
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.processes import run_processes
 
 from .workers import train_zoo
 

@@ -15,7 +15,7 @@ from runtime.reference import reference_pipedream, reference_sync, sgd
 
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.processes import run_processes
 
 from .workers import train_zoo
 

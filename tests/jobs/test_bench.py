@@ -15,7 +15,7 @@ from dreampipe.errors import BaselineError, DreampipeError, WorkerError
 from dreampipe.jobs.bench_process import timed_rate
 from dreampipe.jobs.bench_report import BenchEntry, BenchReport, format_table
 from dreampipe.jobs.workloads import Workload, WorkloadKind
-from dreampipe.runtime.launch import HeapPolicy, run_processes
+from dreampipe.runtime.processes import HeapPolicy, run_processes
 
 __all__: list[str] = []
 

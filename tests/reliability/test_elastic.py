@@ -19,7 +19,7 @@ import pytest
 from torchrun import descendants, started
 
 from dreampipe.cli import main
-from dreampipe.runtime.launch import free_port
+from dreampipe.runtime.processes import free_port
 
 from .jobs import effective, read_log, tail, train_argv, wait_for
 

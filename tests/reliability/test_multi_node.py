@@ -25,7 +25,7 @@ from dreampipe.jobs.machine import local_topology
 from dreampipe.jobs.train import torchrun_nodes
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.launch import free_port
+from dreampipe.runtime.processes import free_port
 
 __all__: list[str] = []
 

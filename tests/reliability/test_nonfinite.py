@@ -16,8 +16,8 @@ from dreampipe.errors import ConfigError, NonFiniteError
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.launch import run_processes
 from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
+from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 

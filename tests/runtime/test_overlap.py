@@ -26,7 +26,7 @@ from dreampipe.runtime import RunConfig, RunResult, launch_local, run_from_env
 from dreampipe.runtime import buckets as buckets_module
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.engine import round_ends
-from dreampipe.runtime.launch import run_processes
+from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 

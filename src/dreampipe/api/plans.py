@@ -27,7 +27,7 @@ from dreampipe.api.split import Layers, build_stage
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.jobs.local import choose_plan
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.launch import pinned_threads
+from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = ["PlanArg", "resolve_plan"]

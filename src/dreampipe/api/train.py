@@ -38,13 +38,13 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, barrier
-from dreampipe.runtime.launch import run_processes
 from dreampipe.runtime.memory import (
     Baseline,
     finish_measuring,
     release_freed_memory,
     start_measuring,
 )
+from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.results import sorted_events, stage_states
 
 __all__ = ["Checkpoints", "run_train"]

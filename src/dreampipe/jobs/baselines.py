@@ -8,7 +8,7 @@ with PyTorch's own machinery and no dreampipe code on the hot path:
   same :meth:`ModelSpec.build` slices and ``Schedule1F1B`` / ``ScheduleGPipe``,
   the workload's microbatches;
 - ``torch-1f1b-stock``: ``torch-1f1b`` in processes with glibc's default heap
-  (:class:`~dreampipe.runtime.launch.HeapPolicy`), PyTorch as it ships;
+  (:class:`~dreampipe.runtime.processes.HeapPolicy`), PyTorch as it ships;
 - ``torch-1f1b-big``: ``torch-1f1b`` with microbatches the size of
   PipeDream's minibatches (``batch / 2``), as many per update, so updates are
   4 times as big and fewer of them train about the same samples;
@@ -32,7 +32,7 @@ from torch import nn
 from dreampipe.errors import BaselineError
 from dreampipe.jobs.bench_process import run_ranks, timed_rate
 from dreampipe.jobs.workloads import Workload
-from dreampipe.runtime.launch import HeapPolicy, RankFn
+from dreampipe.runtime.processes import HeapPolicy, RankFn
 
 __all__ = ["Baseline", "baseline_unit", "run_baseline"]
 

@@ -1,8 +1,8 @@
 """How every ``dreampipe bench`` run is started and timed: one way for all of them.
 
 Each run, dreampipe's and PyTorch's alike, trains in fresh processes from
-the runtime's one launcher (:func:`dreampipe.runtime.launch.run_processes`),
-so each gets :func:`~dreampipe.runtime.launch.prepare_process`'s set-up (one
+the runtime's one launcher (:func:`dreampipe.runtime.processes.run_processes`),
+so each gets :func:`~dreampipe.runtime.processes.prepare_process`'s set-up (one
 thread, the heap policy), and joins one gloo process group when it has more
 than one rank. Each is timed by :func:`timed_rate`::
 
@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dreampipe.errors import DreampipeError
-from dreampipe.runtime.launch import HeapPolicy, RankFn, run_processes
+from dreampipe.runtime.processes import HeapPolicy, RankFn, run_processes
 
 __all__ = ["run_ranks", "timed_rate"]
 

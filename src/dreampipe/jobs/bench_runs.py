@@ -24,7 +24,7 @@ import torch
 from dreampipe.jobs.local import profile_as_worker
 from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.jobs.workloads import Workload
-from dreampipe.runtime.launch import pinned_threads
+from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 

@@ -33,7 +33,7 @@ from dreampipe.jobs.machine import local_topology
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.launch import pinned_threads
+from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:

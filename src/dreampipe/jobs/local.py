@@ -20,7 +20,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan, parse_stage_bounds, stages_from_config
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.launch import pinned_threads
+from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
