@@ -171,13 +171,13 @@ def test_dreampipe_json_profile(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 def test_baseline_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
     gnmt = VGG.with_name("gnmt.txt")
-    plan, _ = _expected(gnmt, "cluster-b", memory="1GB")
-    assert "dp" not in plan.baselines_s  # the library finds no data-parallel plan in 1 GB
-    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB")
+    plan, _ = _expected(gnmt, "cluster-b", memory="1.5GB")
+    assert "dp" not in plan.baselines_s  # the library finds no data-parallel plan in 1.5 GB
+    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1.5GB")
     assert code == 0
     assert "data parallelism: does not fit in memory" in out
     assert f"config {plan.config} on {plan.workers_used} of 16 workers" in out
-    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1GB", "--json")
+    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1.5GB", "--json")
     data = json.loads(out)
     assert data["speedup_over_dp"] is None
     assert data["speedup_over_straight"] == pytest.approx(plan.speedup_over("straight"))

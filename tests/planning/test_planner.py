@@ -412,7 +412,7 @@ def test_errors_name_the_value_and_fix() -> None:
         plan_pipeline(graph, topo, max_stages=0)
     with pytest.raises(PlanError, match="allow fewer workers"):
         plan_pipeline(graph, topo, straight=True, allow_fewer_workers=False)
-    with pytest.raises(PlanError, match=r"no plan fits in 1 B .* smallest needs about 9\.0 MB"):
+    with pytest.raises(PlanError, match=r"no plan fits in 1 B .* smallest needs about 10\.1 MB"):
         plan_pipeline(graph, topo, memory_bytes=1)
     with pytest.raises(PlanError, match="4 stages forced on 3 layers"):
         evaluate_plan(graph, topo, [0, 1, 2, 3], [1, 1, 1, 1])

@@ -260,6 +260,13 @@ def plan_train(
     if plan is None or (torchrun is not None and source.planner_chooses):
         plan = share_plan(plan, opts.timeout_s)
     steps = _whole_rounds(req, layout, plan, steps, talk)
+    memory: tuple[int, ...] = ()
+    if graph is not None:
+        # long enough to fill the pipeline and the runtime's kept sends
+        horizon = min(steps, SENDS_KEPT + 2 * plan.workers_used)
+        memory = predict_memory(graph, plan, layout.build(
+            [st.replicas for st in plan.stages], horizon), opts)
+        check_memory(plan, memory, req.memory_bytes)
     predicted = 0.0 if graph is None else predict_samples_per_s(
         graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
         microbatches=opts.microbatches, steps=steps, nodes=nodes,
@@ -271,13 +278,6 @@ def plan_train(
          f"{opts.minibatch_size} samples)")
     cfg = opts.with_plan(plan, steps)
     check_config(cfg, spec, plan.workers_used)
-    memory: tuple[int, ...] = ()
-    if graph is not None:
-        # long enough to fill the pipeline and the runtime's kept sends
-        horizon = min(steps, SENDS_KEPT + 2 * plan.workers_used)
-        memory = predict_memory(graph, plan, layout.build(
-            [st.replicas for st in plan.stages], horizon), opts)
-        check_memory(plan, memory, req.memory_bytes)
     return PlannedRun(cfg, spec, predicted, memory)
 
 
