@@ -41,10 +41,9 @@ from dreampipe.runtime.engine import RankReport, barrier
 from dreampipe.runtime.memory import (
     Baseline,
     finish_measuring,
-    release_freed_memory,
     start_measuring,
 )
-from dreampipe.runtime.processes import run_processes
+from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_processes
 from dreampipe.runtime.results import sorted_events, stage_states
 
 __all__ = ["Checkpoints", "run_train"]
@@ -148,7 +147,7 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     stage = cfg.plan.stage_of_rank(rank)
     st = cfg.plan.stages[stage]
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
-    release_freed_memory()
+    prepare_process(heap=HeapPolicy.RELEASE_FREED)
     baseline = start_measuring()  # before the stage's layers exist
     pipe = Pipeline(
         spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),

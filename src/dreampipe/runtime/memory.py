@@ -21,10 +21,11 @@ On CPU the resident set also counts memory the C allocator keeps after
 tensors are freed: glibc serves large blocks from its heap once one has been
 freed, and a heap fragmented by a pipeline's mix of weights, gradients and
 activations grew 30-40% past what was alive in our runs. A train rank
-therefore calls :func:`release_freed_memory` first: blocks of ``_MAP_AT``
-(1 MiB) or more get their own pages and go back to the kernel when freed, so
-the resident peak is what the rank held, as CUDA's allocated bytes are (at
-the cost of page faults on each fresh large tensor).
+therefore sets its heap to ``HeapPolicy.RELEASE_FREED``
+(:mod:`dreampipe.runtime.processes`) first: blocks of 1 MiB or more get
+their own pages and go back to the kernel when freed, so the resident peak
+is what the rank held, as CUDA's allocated bytes are (at the cost of page
+faults on each fresh large tensor).
 
 The baseline is taken after torch has loaded what it loads lazily on a
 rank's first use of the meta device (its meta kernels, about 25 MB of
@@ -54,15 +55,13 @@ from dreampipe.runtime.config import OptimizerKind, RunOptions
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Baseline", "MemoryUse", "check_memory", "finish_measuring", "optimizer_copies",
-           "predict_memory", "release_freed_memory", "start_measuring"]
+           "predict_memory", "start_measuring"]
 
 _log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _RESET_PEAK = "5"  # clear_refs: reset the high-water mark to the current resident size
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-_M_MMAP_THRESHOLD = -3
-_MAP_AT = 2**20
 
 
 @dataclass(frozen=True)
@@ -135,13 +134,6 @@ def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
         return MemoryUse(rank, stage, 0, 0, "cpu")
     code = max(0, _status_bytes("RssFile") - base.code)
     return MemoryUse(rank, stage, base.resident + code, _status_bytes("VmHWM"), "cpu")
-
-
-def release_freed_memory() -> None:
-    """Make glibc give freed blocks of 1 MiB or more back to the kernel (module doc)."""
-    libc = _libc()
-    if libc is not None and not libc.mallopt(_M_MMAP_THRESHOLD, _MAP_AT):
-        _log.debug("glibc refused the mmap threshold")
 
 
 def _libc() -> ctypes.CDLL | None:

@@ -83,6 +83,18 @@ class HeapPolicy(Enum):
     KEEP_FREED = "keep-freed"
     #: glibc's defaults, as a plain PyTorch process has them.
     STOCK = "stock"
+    #: blocks of 1 MiB or more get pages of their own, returned when freed, so the
+    #: resident size is what is alive (``dreampipe train``'s memory report), at
+    #: the cost of page faults on every fresh large tensor.
+    RELEASE_FREED = "release-freed"
+
+
+#: mallopt's settings per policy: (mmap threshold, trim threshold, top pad); the
+#: last two of RELEASE_FREED are glibc's defaults, undoing KEEP_FREED's.
+_HEAP_SETTINGS = {
+    HeapPolicy.KEEP_FREED: (32 * 2**20, 2**30, 64 * 2**20),
+    HeapPolicy.RELEASE_FREED: (2**20, 128 * 2**10, 128 * 2**10),
+}
 
 
 def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KEEP_FREED) -> None:
@@ -96,19 +108,21 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     every time and every page faults again on first touch, which costs a CPU
     worker about a fifth of its backward time. Raising the mmap and trim
     thresholds keeps the memory in the heap for the next unit (the tuning
-    "use a caching allocator" advice gets you with jemalloc or tcmalloc). It
-    touches host memory only, so GPU workers are unaffected.
+    "use a caching allocator" advice gets you with jemalloc or tcmalloc).
+    ``RELEASE_FREED`` does the opposite, for a rank that reports its peak
+    memory. It touches host memory only, so GPU workers are unaffected.
     """
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
-    if heap is HeapPolicy.STOCK or not sys.platform.startswith("linux"):
+    settings = _HEAP_SETTINGS.get(heap)
+    if settings is None or not sys.platform.startswith("linux"):
         return
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
-        libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
-        libc.mallopt(_M_TOP_PAD, 64 * 2**20)
+        for option, value in zip((_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, _M_TOP_PAD), settings,
+                                 strict=True):
+            libc.mallopt(option, value)
     except (OSError, AttributeError) as exc:
         _log.debug("cannot tune the allocator: %s", exc)
 
