@@ -12,6 +12,7 @@ __all__: list[str] = []
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_char_transformer_reports_held_out_loss_of_pipedream_and_dp() -> None:
     out = torchrun_json(EXAMPLES / "char_transformer.py", "--steps", "3", timeout_s=140.0)
@@ -20,6 +21,7 @@ def test_char_transformer_reports_held_out_loss_of_pipedream_and_dp() -> None:
         assert 0 < out[name]["held_out_loss"] < 10, out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_digits_cnn_trains_from_a_dataloader() -> None:
     out = torchrun_json(EXAMPLES / "digits_cnn.py", "--steps", "3")
