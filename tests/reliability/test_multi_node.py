@@ -8,10 +8,8 @@ accumulation in one process, weights read back from the run's checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from runtime.reference import reference_sync, sgd
+from torchrun import stop
 
 import dreampipe
 from dreampipe.jobs.machine import local_topology
@@ -32,30 +31,6 @@ __all__: list[str] = []
 _TESTS = Path(__file__).resolve().parents[1]
 _SRC = Path(dreampipe.__file__).resolve().parents[1]
 STEPS = 3
-
-
-def _descendants(root: int) -> list[int]:
-    """Every process below ``root`` (torchrun starts its workers in sessions of their own,
-    so killing an agent's process group leaves them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
-
-
-def _kill(agents: list[subprocess.Popen[bytes]]) -> None:
-    for agent in agents:
-        for pid in [*_descendants(agent.pid), agent.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        agent.wait()
 
 
 @pytest.mark.slow
@@ -83,7 +58,8 @@ def test_two_nodes_plan_on_two_levels_and_equal_gradient_accumulation(tmp_path: 
                                                cwd=tmp_path, start_new_session=True))
         codes = [agent.wait(timeout=240) for agent in agents]
     finally:
-        _kill(agents)
+        for agent in agents:
+            stop(agent)
     errs = [(tmp_path / f"err{n}").read_text(errors="replace")[-3000:] for n in (0, 1)]
     assert codes == [0, 0], errs
     lines = [ln for n in (0, 1) for ln in (tmp_path / f"out{n}").read_text().splitlines()

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from runtime.models_for_tests import ready_mlp
 from runtime.reference import reference_sync, sgd
+from torchrun import descendants
 
 import dreampipe
 from dreampipe.runtime.data import load_dataset
@@ -30,19 +31,6 @@ __all__: list[str] = []
 
 _TESTS = Path(__file__).resolve().parents[1]
 _SRC = Path(dreampipe.__file__).resolve().parents[1]
-
-
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    """Whether ``ancestor`` started ``pid``, directly or through the launcher's forkserver."""
-    while pid > 1:
-        pid = _ppid(pid)
-        if pid == ancestor:
-            return True
-    return False
 
 
 @contextlib.contextmanager
@@ -66,7 +54,7 @@ def _training(folder: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes
             assert time.monotonic() < deadline, "rank 1 never started training"
             time.sleep(0.01)
         pid = int(mark.read_text())
-        assert _descends_from(pid, proc.pid), "the pid written is not a worker of this command"
+        assert pid in descendants(proc.pid), "the pid written is not a worker of this command"
         yield proc, pid
     finally:
         if pid is not None:
