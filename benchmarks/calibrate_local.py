@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.profiling.corun import measure_corun
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import GradientBuckets
-from dreampipe.runtime.processes import pinned_threads, run_processes
+from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["main"]
@@ -52,21 +53,6 @@ class _Job:
 
 
 _BATCH = 32
-
-
-def _compute_seconds(model: str, repeats: int) -> list[float]:
-    """Seconds of one forward and backward of ``model`` at :data:`_BATCH`, after a warm-up."""
-    spec = resolve_spec(model, ())
-    net = spec.build(seed=0)
-    x, y = spec.sample_input(_BATCH), spec.sample_target(_BATCH)
-    took = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        net.zero_grad(set_to_none=True)
-        torch.autograd.backward(spec.loss_fn(net(x), y))
-        if i:
-            took.append(time.perf_counter() - start)
-    return took
 
 
 def _seconds(job: _Job) -> tuple[list[float], list[float], int]:
@@ -93,16 +79,11 @@ def _seconds(job: _Job) -> tuple[list[float], list[float], int]:
     return reduce_s, step_s, nbytes
 
 
-def _rank(rank: int, world: int, job: _Job) -> tuple[list[float], list[float], int, list[float]]:
-    """The communication figures, then compute timed on rank 0 while rank 1 computes too."""
+def _rank(rank: int, world: int, job: _Job) -> tuple[list[float], list[float], int]:
+    """The all-reduce and SGD-step figures, from both ranks at once."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        reduce_s, step_s, nbytes = _seconds(job)
-        dist.barrier()
-        # rank 1 runs 3 more rounds, so rank 0 is never timed alone
-        beside = _compute_seconds(job.model, job.repeats + 3 * rank)
-        dist.barrier()
-        return reduce_s, step_s, nbytes, beside
+        return _seconds(job)
     finally:
         dist.destroy_process_group()
 
@@ -124,22 +105,19 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: measure at least 1 round")
-    with pinned_threads(1):
-        alone = _compute_seconds(args.model, args.repeats)
     results = run_processes(_rank, 2, _Job(args.model, args.repeats), deadline_s=300.0)
-    reduce_s, step_s, nbytes, beside = results[0]
+    reduce_s, step_s, nbytes = results[0]
+    corun = measure_corun(args.model, _BATCH, repeats=args.repeats)
     bandwidth = nbytes / statistics.median(reduce_s)
     step_bandwidth = nbytes / statistics.median(step_s)
-    slowdown = statistics.median(beside) / statistics.median(alone)
     print(f"{args.model}: {format_bytes(nbytes)} of gradients")
     print(f"all-reduce on 2 workers: {_spread(reduce_s)} -> {format_bytes(bandwidth)}/s")
     print(f"SGD step:                {_spread(step_s)} -> {format_bytes(step_bandwidth)}/s")
-    print(f"forward+backward alone:  {_spread(alone)}")
-    print(f"beside a busy worker:    {_spread(beside)} -> x{slowdown:.3f}")
+    print(f"at minibatch {_BATCH}: {corun.describe()}")
     print("for LocalCalibration:")
     print(f'    bandwidth="{bandwidth / 1e6:.0f}MB/s",')
     print(f"    step_bandwidth={step_bandwidth:.3g},")
-    print(f"    corun_slowdown={slowdown:.3f},")
+    print(f"    corun_slowdown={corun.slowdown:.3f},")
 
 
 if __name__ == "__main__":

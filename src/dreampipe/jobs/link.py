@@ -23,6 +23,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.jobs.machine import PROJECT_MACHINE, LocalCalibration, local_costs
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import parse_bandwidth
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -37,9 +38,22 @@ def on_link(bandwidth: str, machine: LocalCalibration = PROJECT_MACHINE) -> Loca
     """``machine``'s calibration with its workers joined at ``bandwidth`` (``"50MB/s"``).
 
     The host-side figures (send overhead, per-stage time) stay: they are the
-    workers' own, whatever joins them.
+    workers' own, whatever joins them. Which of cores and wire sets an
+    all-reduce's pace decides the rest:
+
+    - a link at least as fast as ``machine.bandwidth`` (what gloo's copies
+      and sums on the computing cores reach, measured on loopback) changes
+      nothing: the cores stay the bottleneck, busy, so nothing overlaps;
+    - a slower link sets the rate, and while the bytes wait on the wire the
+      cores compute: the runtime's bucketed all-reduce, started during the
+      backward, overlaps it (``overlap``).
+
+    On a 25 MB/s veth the bench mlp's 50 MB all-reduce waited 1.52 s after
+    its 0.94 s backward, against 2.04 s predicted without the overlap.
     """
-    return dataclasses.replace(machine, bandwidth=bandwidth)
+    if parse_bandwidth(bandwidth) >= parse_bandwidth(machine.bandwidth):
+        return machine
+    return dataclasses.replace(machine, bandwidth=bandwidth, overlap=True)
 
 
 def simulate_on(
