@@ -34,8 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dreampipe.jobs.corun import measure_corun
 from dreampipe.models.resolve import resolve_spec
-from dreampipe.profiling.corun import measure_corun
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.processes import run_processes

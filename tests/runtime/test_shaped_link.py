@@ -22,13 +22,13 @@ from typing import Any
 
 import pytest
 
+from dreampipe.jobs.corun import Corun, measure_corun
 from dreampipe.jobs.link import on_link, round_units, simulate_on, window_rates
 from dreampipe.jobs.local import profile_as_worker
 from dreampipe.jobs.machine import LocalCalibration, local_topology
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
-from dreampipe.profiling.corun import Corun, measure_corun
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind

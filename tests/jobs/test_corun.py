@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dreampipe.errors import ConfigError
-from dreampipe.profiling.corun import Corun, measure_corun
+from dreampipe.jobs.corun import Corun, measure_corun
 
 __all__: list[str] = []
 
