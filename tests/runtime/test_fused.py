@@ -78,3 +78,32 @@ def test_a_stage_can_keep_autograd_for_its_linear_layers() -> None:
     for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
     assert not torch.equal(plain[0].weight, _model()[0].weight), "the step changed the weights"
+
+
+def test_a_held_backward_returns_the_input_gradient_before_the_weight_gemms() -> None:
+    """``hold=True``: the weight GEMMs wait for :meth:`run_held` (or the next backward
+    or step), then the gradients and the update equal the plain order bit for bit."""
+    from dreampipe.runtime.stage import StageModule
+
+    stages = [
+        StageModule(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=1, input_grad=True)
+        for _ in range(2)
+    ]
+    torch.manual_seed(3)
+    xs = [torch.randn(5, 4) for _ in range(3)]
+    ins = []
+    for hold, st in zip((False, True), stages, strict=True):
+        grads_in = []
+        for u, x in enumerate(xs):
+            st.forward(u, x.clone())
+            grads_in.append(st.backward(u, torch.ones(5, 3), hold=hold))
+            if hold and u == 0:
+                assert all(g is None for g in st._grads[::2]), "weight GEMMs ran early"  # noqa: SLF001
+                st.run_held()
+                assert all(g is not None for g in st._grads), "run_held left a GEMM"  # noqa: SLF001
+        ins.append(grads_in)
+        st.step()
+    for a, b in zip(*ins, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(stages[0].module.parameters(), stages[1].module.parameters(), strict=True):
+        assert torch.equal(a, b)

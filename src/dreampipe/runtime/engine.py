@@ -246,7 +246,7 @@ class RankRunner:
     def _backward(self, a: Action) -> None:
         grad = None if self.last else self._grads_in.pop(a.unit)
         on_ready = self.buckets.ready if a.unit in self._round_ends else None
-        gin = self.module.backward(a.unit, grad, on_ready=on_ready)
+        gin = self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.unit] = gin
@@ -261,6 +261,7 @@ class RankRunner:
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.unit))
+        self.module.run_held()
 
     def _allreduce(self, a: Action) -> None:
         scale = 1.0

@@ -18,6 +18,18 @@ GEMM that adds to them (autograd runs a leaf's accumulation, with no gradient
 here, once all the nodes feeding it are done): that is how
 :class:`~dreampipe.runtime.stage.StageModule` knows a fused gradient is final
 and its all-reduce bucket may start.
+
+Since autograd no longer needs the weight GEMMs, a stage that sends its input
+gradient back can hold them (:class:`DeferredGradients`) until that gradient
+is on its way: the previous stage waits for the input-gradient chain alone,
+about half of the backward of a Linear stack, and the held GEMMs run right
+after the send (PipeDream's ``SEND_B`` follows its ``BACKWARD``)::
+
+    plain     B: [ dX4 dW4  dX3 dW3  dX2 dW2  dX1 dW1 ] SEND_B
+    deferred  B: [ dX4 dX3 dX2 dX1 ] SEND_B [ dW4 dW3 dW2 dW1 ]
+
+The zero-bubble schedules of Qi et al. ("Zero Bubble Pipeline Parallelism",
+2023) split the backward the same way.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GradientSink", "fuse_linear_gradients"]
+__all__ = ["DeferredGradients", "GradientSink", "fuse_linear_gradients"]
 
 
 class GradientSink(Protocol):
@@ -40,6 +52,31 @@ class GradientSink(Protocol):
 
     def add_grad(self, index: int, g: Tensor) -> None:
         """``grad[index] += g``."""
+
+
+class DeferredGradients:
+    """A :class:`GradientSink` in front of ``sink`` that, while :attr:`holding`, keeps the
+    weight GEMMs for :meth:`run` (in the order they came, so sums are bit for bit the same)."""
+
+    def __init__(self, sink: GradientSink) -> None:
+        self._sink = sink
+        self._held: list[tuple[int, Tensor, Tensor]] = []
+        self.holding = False
+
+    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        if self.holding:
+            self._held.append((index, a, b))
+        else:
+            self._sink.add_grad_mm(index, a, b)
+
+    def add_grad(self, index: int, g: Tensor) -> None:
+        self._sink.add_grad(index, g)
+
+    def run(self) -> None:
+        """Do the held GEMMs now."""
+        for index, a, b in self._held:
+            self._sink.add_grad_mm(index, a, b)
+        self._held.clear()
 
 
 class _LinearAccumulate(torch.autograd.Function):

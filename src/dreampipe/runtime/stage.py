@@ -58,14 +58,13 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from dreampipe.errors import PlanError, ScheduleError
-from dreampipe.runtime.fused import fuse_linear_gradients
+from dreampipe.runtime.fused import DeferredGradients, fuse_linear_gradients
 
 __all__ = ["StageModule", "tensor_output"]
 
 _log = logging.getLogger(__name__)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
 
 
 def tensor_output(out: object, where: str) -> Tensor:
@@ -141,8 +140,9 @@ class StageModule:
         self.optimizer = optimizer(self._params) if self._params else None
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._round: _Round | None = None
+        self._held = DeferredGradients(self)
         if fused_accumulation:
-            fuse_linear_gradients(module, self._names, self)
+            fuse_linear_gradients(module, self._names, self._held)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._floor: int | None = None
@@ -224,6 +224,7 @@ class StageModule:
             self.add_grad(i, g)
 
     def _harvest_all(self) -> None:
+        self._held.run()
         for v in list(self._touched.values()):
             self._harvest(v)
 
@@ -276,6 +277,7 @@ class StageModule:
         grad: Tensor | None = None,
         *,
         on_ready: Callable[[int, Tensor], None] | None = None,
+        hold: bool = False,
     ) -> Tensor | None:
         """Backward of ``unit``: accumulate weight gradients, return the input's gradient.
 
@@ -290,7 +292,9 @@ class StageModule:
         parameter's gradient summed over the whole round is final (mostly
         during the backward, the rest before this returns). The gradient
         tensor is the one :meth:`gradients` returns until the next step.
+        ``hold`` (not with ``on_ready``) keeps fused weight GEMMs for :meth:`run_held`.
         """
+        self._held.run()
         st = self._inflight.pop(unit)
         if st.version is None:
             v = self._acquire(None)
@@ -307,6 +311,7 @@ class StageModule:
             self._round = _Round(
                 on_ready, [list(h.tensors.values()) for h in held], [False] * len(leaves)
             )
+        self._held.holding = hold and on_ready is None
         try:
             torch.autograd.backward(
                 out, grad, inputs=[x, *leaves] if want_input and x is not None else leaves
@@ -317,9 +322,14 @@ class StageModule:
                         self._report(self._round, i)
         finally:
             self._round = None
+            self._held.holding = False
         self._touched[v.number] = v
         self._release(v)
         return x.grad if want_input and x is not None else None
+
+    def run_held(self) -> None:
+        """The weight GEMMs a ``hold`` backward kept (its input gradient is on its way)."""
+        self._held.run()
 
     def _leaf_done(self, index: int, _leaf: Tensor) -> None:
         """Post-accumulate hook of a version's leaf: in a round's last backward, report it."""

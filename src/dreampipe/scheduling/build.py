@@ -34,6 +34,7 @@ share no factor no longer force a multiple of their least common multiple.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -60,7 +61,26 @@ def build_schedule(
 
     ``num_units`` minibatches (PipeDream) or microbatches (the synchronous
     schedules, ``units_per_update`` per minibatch and weight update).
+
+    A synchronous schedule is its period (:func:`_period` updates), built and
+    validated once, repeated with shifted units: no unit crosses an update, so
+    the repeat is what the passes would build, in time linear in the updates
+    (a training loop extends its schedule as it goes).
     """
+    _check(replicas, kind, num_units, units_per_update)
+    if kind is not ScheduleKind.PIPEDREAM:
+        block = _period(replicas, units_per_update) * units_per_update
+        if num_units > block and num_units % block == 0:
+            return _repeated(_built(tuple(replicas), kind, block, units_per_update),
+                             num_units // block)
+    return _built(tuple(replicas), kind, num_units, units_per_update)
+
+
+@functools.lru_cache(maxsize=32)
+def _built(
+    replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int
+) -> Schedule:
+    """The passes, then the validator (Schedules are immutable: one object serves all)."""
     from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(
@@ -68,6 +88,27 @@ def build_schedule(
     )
     validate_schedule(schedule)
     return schedule
+
+
+def _period(replicas: Sequence[int], units_per_update: int) -> int:
+    """Updates after which a synchronous schedule repeats: stage ``s`` deals update
+    ``k``'s microbatches to its replicas starting at ``k * units_per_update mod r_s``."""
+    return math.lcm(*(r // math.gcd(r, units_per_update) for r in replicas))
+
+
+def _repeated(block: Schedule, times: int) -> Schedule:
+    """``block`` run ``times`` times: units shift by its units, updates by its updates."""
+    units, updates = block.num_units, block.num_units // block.units_per_update
+    per_update = (ActionKind.ALLREDUCE, ActionKind.STEP)
+    actions = [
+        tuple(
+            Action(a.kind, a.stage, a.unit + j * (updates if a.kind in per_update else units))
+            for j in range(times) for a in acts
+        )
+        for acts in block.actions
+    ]
+    return Schedule(block.kind, block.replicas, tuple(actions), units * times,
+                    block.units_per_update)
 
 
 def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
