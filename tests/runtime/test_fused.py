@@ -98,9 +98,9 @@ def test_a_held_backward_returns_the_input_gradient_before_the_weight_gemms() ->
             st.forward(u, x.clone())
             grads_in.append(st.backward(u, torch.ones(5, 3), hold=hold))
             if hold and u == 0:
-                assert all(g is None for g in st._grads[::2]), "weight GEMMs ran early"  # noqa: SLF001
+                assert all(g is None for g in st._grads[::2]), "weight GEMMs ran early"
                 st.run_held()
-                assert all(g is not None for g in st._grads), "run_held left a GEMM"  # noqa: SLF001
+                assert all(g is not None for g in st._grads), "run_held left a GEMM"
         ins.append(grads_in)
         st.step()
     for a, b in zip(*ins, strict=True):
