@@ -199,3 +199,22 @@ def test_validator_accepts_every_pipedream_schedule(replicas: list[int], units: 
     # Every replica takes the same updates, one per round of its stage.
     for rank, acts in enumerate(sched.actions):
         assert len(_rounds(acts, K.STEP)) == -(-units // replicas[sched.stage_of_rank(rank)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from([ScheduleKind.FLUSH, ScheduleKind.GPIPE, ScheduleKind.NAIVE]),
+    replicas=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    per_update=st.integers(1, 6),
+    updates=st.integers(1, 9),
+)
+def test_a_synchronous_schedule_is_its_period_repeated(
+    kind: ScheduleKind, replicas: list[int], per_update: int, updates: int
+) -> None:
+    """The repeated period equals what the passes build for the whole run, and is valid."""
+    from dreampipe.scheduling.build import _built
+
+    direct = _built(tuple(replicas), kind, per_update * updates, per_update)
+    fast = build_schedule(replicas, kind, per_update * updates, per_update)
+    assert fast == direct
+    validate_schedule(fast)
