@@ -284,7 +284,11 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
     assert len(first["losses"]) == len(resumed["losses"]) == 4
     assert resumed["losses"] == straight["losses"][4:]
     assert resumed["final_loss"] == straight["final_loss"]
-    err = _fails([*base, "--steps", "4", *ckpt, "--resume"], capsys)
-    assert "--steps 4 but the checkpoint is at 4 minibatches" in err, err
+    # killed after its last save, the same command comes back with nothing left to train
+    assert main([*base, "--steps", "4", *ckpt, "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "" and "step-4 already holds all 4 minibatches: nothing left to train" in err
+    err = _fails([*base, "--steps", "3", *ckpt, "--resume"], capsys)
+    assert "--steps 3 but the checkpoint is at 4 minibatches" in err, err
     err = _fails([*base, "--steps", "4", "--resume"], capsys)
     assert "--resume needs --checkpoint-dir DIR" in err, err

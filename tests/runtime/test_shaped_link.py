@@ -98,7 +98,7 @@ def link() -> Any:
 @pytest.fixture(scope="module")
 def graph() -> LayerGraph:
     """The model profiled as each worker runs it (one thread, the minibatch a unit holds)."""
-    return profile_as_worker(resolve_spec(MODEL, KWARGS), MINIBATCH)
+    return profile_as_worker(resolve_spec(MODEL, KWARGS), MINIBATCH, repeats=3)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def corun() -> Corun:
     how much that slows each worker depends on the host (caches, memory
     bandwidth, a hypervisor's share), so the prediction takes it measured here.
     """
-    return measure_corun(MODEL, MINIBATCH, model_kwargs=KWARGS, repeats=3, deadline_s=120.0)
+    return measure_corun(MODEL, MINIBATCH, model_kwargs=KWARGS, repeats=2, deadline_s=120.0)
 
 
 @pytest.mark.slow

@@ -86,10 +86,14 @@ def run_train(
 ) -> TrainReport | None:
     """Plan, then train; the report (None on torchrun ranks other than 0)."""
     ckpt = checkpoints or Checkpoints()
-    if req.epochs is None:
-        _resume_point(ckpt, req.run.steps)  # before profiling
+    if req.epochs is None:  # before profiling
+        if _complete(ckpt, req.run.steps, say):
+            return None
+        _resume_point(ckpt, req.run.steps)
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
+    if _complete(ckpt, cfg.steps, say):
+        return None
     found = _resume_point(ckpt, cfg.steps)
     if torchrun is None or torchrun[0] == 0:
         _tidy(ckpt, found, cfg, say)
@@ -111,12 +115,31 @@ def run_train(
                        planned.predicted_memory)
 
 
+def _complete(ckpt: Checkpoints, steps: int, say: Say | None) -> bool:
+    """Whether a resumed run's newest checkpoint already holds all ``steps`` minibatches.
+
+    A run killed after its last save (evaluating, or exiting) comes back under
+    torchrun with the same command: it has nothing left to train, which is
+    not an error (exit 0), and saying so is all there is to do.
+    """
+    if not ckpt.resume or ckpt.directory is None:
+        return False
+    found = checkpoint.latest(ckpt.directory)
+    if found is None or checkpoint.minibatches_of(found) != steps:
+        return False
+    line = f"{found} already holds all {steps} minibatches: nothing left to train"
+    _log.info("%s", line)
+    if say is not None:
+        say(line)
+    return True
+
+
 def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
-    """The checkpoint a resumed run continues from (None: none yet), short of ``steps``."""
+    """The checkpoint a resumed run continues from (None: none yet), not past ``steps``."""
     if not ckpt.resume or ckpt.directory is None:
         return None
     found = checkpoint.latest(ckpt.directory)
-    if found is not None and (done := checkpoint.minibatches_of(found)) >= steps:
+    if found is not None and (done := checkpoint.minibatches_of(found)) > steps:
         raise ConfigError(f"steps={steps} but the checkpoint is at {done} minibatches; "
                           f"steps is the total: use more than {done}", "steps")
     return found

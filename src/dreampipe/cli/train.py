@@ -116,7 +116,8 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "--checkpoint-dir")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest committed checkpoint in --checkpoint-dir, "
-                        "or start at step 0 if there is none yet; --steps stays the total")
+                        "or start at step 0 if there is none yet; --steps stays the total (a "
+                        "checkpoint already at --steps: nothing left to train, exit 0)")
     g.add_argument("--data-log", metavar="FILE",
                    help="append one JSON line per minibatch trained (its index and a hash of "
                         "its samples) and one per start or restart (the step it resumed at)")
