@@ -34,7 +34,7 @@ def _train(args: tuple[str, ...], steps: int, timeout_s: float) -> list[dict[str
     """The ``memory`` rows of one fresh ``dreampipe train --json``."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dreampipe", "train", *args, "--workers", "2", "--config",
-           "straight", "--steps", str(steps), "--json", "--no-progress"]
+           "straight", "--steps", str(steps), "--json", "--no-progress", "--measure-memory"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
                           check=False)
     if done.returncode != 0:

@@ -26,7 +26,8 @@ _BATCH = {"mlp": 16, "cnn": 256}
 
 def _request(model: str, stash: bool, memory_bytes: int | None = None) -> TrainRequest:
     run = RunOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
-                     steps=4, stash=stash, progress=False, timeout_s=120.0)
+                     steps=4, stash=stash, progress=False, timeout_s=120.0,
+                     measure_memory=True)
     return TrainRequest(run=run, plan=PlanSource(config="straight", stages=_CUTS[model]),
                         workers=2, exact_steps=True, memory_bytes=memory_bytes)
 

@@ -170,8 +170,9 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     stage = cfg.plan.stage_of_rank(rank)
     st = cfg.plan.stages[stage]
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
-    prepare_process(heap=HeapPolicy.RELEASE_FREED)
-    baseline = start_measuring()  # before the stage's layers exist
+    # a resident size that is what is alive costs page faults: only when asked
+    prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)
+    baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
     pipe = Pipeline(
         spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
@@ -186,8 +187,8 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     return result
 
 
-def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int, baseline: Baseline
-           ) -> RunResult | None:
+def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
+           baseline: Baseline | None) -> RunResult | None:
     cfg, ckpt = job.cfg, job.checkpoints
     start = pipe.minibatches
     bar = _progress(cfg, rank, world, start)
@@ -210,7 +211,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int, baseline
         log.close()
     losses = pipe.finish()
     loop_s = time.perf_counter() - t0
-    memory = finish_measuring(baseline, rank, pipe.module.stage)
+    memory = None if baseline is None else finish_measuring(baseline, rank, pipe.module.stage)
     if bar is not None:
         bar.close()
     accuracy = None

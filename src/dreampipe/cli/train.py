@@ -67,6 +67,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="memory each worker has for training, e.g. 2GB: the planner keeps "
                         "every stage's predicted peak within it, and a plan that does not fit "
                         "is an error (default: no limit; see docs/memory.md)")
+    g.add_argument("--measure-memory", action="store_true",
+                   help="measure each rank's peak memory and print it beside the planner's "
+                        "prediction; on CPU, large tensors then get pages of their own, "
+                        "returned when freed, which makes training about a fifth slower")
     g = p.add_argument_group("training")
     g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
                    help="pipedream: async 1F1B with weight stashing (default); 1f1b-flush, "
@@ -187,6 +191,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         timeout_s=args.timeout,
         on_nonfinite=OnNonFinite(args.on_nonfinite),
         record_events=bool(args.trace or args.timeline),
+        measure_memory=args.measure_memory,
         progress=not args.no_progress,
     )
     return TrainRequest(

@@ -52,7 +52,9 @@ class RunOptions:
     one-GEMM accumulation. ``timeout_s`` bounds every wait for a peer.
     ``on_nonfinite`` says what a NaN or inf output or loss does
     (:mod:`~dreampipe.runtime.nonfinite`). ``backend`` None picks NCCL when
-    CUDA is available, gloo otherwise.
+    CUDA is available, gloo otherwise. ``measure_memory`` measures each
+    rank's peak memory (:mod:`~dreampipe.runtime.memory`); on CPU that gives
+    large tensors pages of their own, which slows training.
     """
 
     model: str
@@ -76,6 +78,7 @@ class RunOptions:
     backend: str | None = None
     progress: bool = False
     on_nonfinite: OnNonFinite = OnNonFinite.STOP
+    measure_memory: bool = False
 
     def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         """What each stage calls with its own parameters to build its optimizer."""
