@@ -71,16 +71,15 @@ def build_schedule(
     if kind is not ScheduleKind.PIPEDREAM:
         block = _period(replicas, units_per_update) * units_per_update
         if num_units > block and num_units % block == 0:
-            return _repeated(_built(tuple(replicas), kind, block, units_per_update),
+            return _repeated(_period_block(tuple(replicas), kind, block, units_per_update),
                              num_units // block)
     return _built(tuple(replicas), kind, num_units, units_per_update)
 
 
-@functools.lru_cache(maxsize=32)
 def _built(
     replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int
 ) -> Schedule:
-    """The passes, then the validator (Schedules are immutable: one object serves all)."""
+    """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(
@@ -88,6 +87,12 @@ def _built(
     )
     validate_schedule(schedule)
     return schedule
+
+
+#: One period of a synchronous schedule, kept: small, immutable and asked for again
+#: each time a training loop extends its schedule (whole runs are not kept: a
+#: simulation's can take gigabytes).
+_period_block = functools.lru_cache(maxsize=32)(_built)
 
 
 def _period(replicas: Sequence[int], units_per_update: int) -> int:
