@@ -86,15 +86,14 @@ def run_train(
 ) -> TrainReport | None:
     """Plan, then train; the report (None on torchrun ranks other than 0)."""
     ckpt = checkpoints or Checkpoints()
-    if req.epochs is None:  # before profiling
-        if _complete(ckpt, req.run.steps, say):
-            return None
-        _resume_point(ckpt, req.run.steps)
+    if req.epochs is None and _nothing_left(  # before profiling
+            _resume_point(ckpt, req.run.steps), req.run.steps, say):
+        return None
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
-    if _complete(ckpt, cfg.steps, say):
-        return None
     found = _resume_point(ckpt, cfg.steps)
+    if _nothing_left(found, cfg.steps, say):
+        return None
     if torchrun is None or torchrun[0] == 0:
         _tidy(ckpt, found, cfg, say)
     job = _Job(cfg, ckpt, found)
@@ -115,16 +114,13 @@ def run_train(
                        planned.predicted_memory)
 
 
-def _complete(ckpt: Checkpoints, steps: int, say: Say | None) -> bool:
-    """Whether a resumed run's newest checkpoint already holds all ``steps`` minibatches.
+def _nothing_left(found: Path | None, steps: int, say: Say | None) -> bool:
+    """Whether the checkpoint a run resumes from, ``found``, already holds all ``steps``.
 
     A run killed after its last save (evaluating, or exiting) comes back under
     torchrun with the same command: it has nothing left to train, which is
     not an error (exit 0), and saying so is all there is to do.
     """
-    if not ckpt.resume or ckpt.directory is None:
-        return False
-    found = checkpoint.latest(ckpt.directory)
     if found is None or checkpoint.minibatches_of(found) != steps:
         return False
     line = f"{found} already holds all {steps} minibatches: nothing left to train"

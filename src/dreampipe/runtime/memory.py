@@ -34,12 +34,10 @@ Python objects, which the Pipeline's checks load anyway): code, not the plan.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +50,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.config import OptimizerKind, RunOptions
+from dreampipe.runtime.processes import glibc
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Baseline", "MemoryUse", "check_memory", "finish_measuring", "optimizer_copies",
@@ -136,16 +135,6 @@ def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
     return MemoryUse(rank, stage, base.resident + code, _status_bytes("VmHWM"), "cpu")
 
 
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError as exc:
-        _log.debug("no glibc: %s", exc)
-        return None
-
-
 def _status_bytes(key: str) -> int:
     found = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
     return int(found.group(1)) * 1024 if found else 0
@@ -153,7 +142,7 @@ def _status_bytes(key: str) -> int:
 
 def _trim_heap() -> None:
     """Give freed heap pages back to the kernel, so the baseline holds only live memory."""
-    libc = _libc()
+    libc = glibc()
     if libc is not None:
         libc.malloc_trim(0)
 

@@ -45,6 +45,7 @@ __all__ = [
     "HeapPolicy",
     "RankFn",
     "free_port",
+    "glibc",
     "pinned_threads",
     "prepare_process",
     "run_processes",
@@ -116,15 +117,26 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
     settings = _HEAP_SETTINGS.get(heap)
-    if settings is None or not sys.platform.startswith("linux"):
+    libc = glibc() if settings is not None else None
+    if settings is None or libc is None:
         return
     try:
-        libc = ctypes.CDLL("libc.so.6")
         for option, value in zip((_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD, _M_TOP_PAD), settings,
                                  strict=True):
             libc.mallopt(option, value)
-    except (OSError, AttributeError) as exc:
+    except AttributeError as exc:
         _log.debug("cannot tune the allocator: %s", exc)
+
+
+def glibc() -> ctypes.CDLL | None:
+    """The C library where it is glibc (Linux), whose heap :class:`HeapPolicy` tunes; else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError as exc:
+        _log.debug("no glibc: %s", exc)
+        return None
 
 
 def free_port() -> int:
@@ -175,16 +187,25 @@ def run_processes(
             conns.append(recv)
         return _supervise(procs, conns, deadline_s, where, error)
     finally:
+        _end(procs, force=True)
+        for c in conns:
+            c.close()
+
+
+def _end(procs: list[Any], *, force: bool) -> None:
+    """Join every rank; with ``force`` first terminate the live ones (continuing a stopped
+    one, which would otherwise end only when continued) and kill any still alive after 5 s."""
+    if force:
         for p in procs:
             if p.is_alive():
                 p.terminate()
-        for p in procs:
-            p.join(5.0)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+    for p in procs:
+        p.join(5.0)
+        if force and p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _context() -> Any:
@@ -317,16 +338,7 @@ def _supervise(
                     failures[rank] = (msg[2], msg[3], msg[4])
             if rank in failures and grace_until is None:
                 grace_until = time.monotonic() + _GRACE_S
-    for p in procs:
-        if p.is_alive() and (failures or open_conns):
-            p.terminate()
-            with contextlib.suppress(ProcessLookupError):  # a stopped rank ends only once
-                os.kill(p.pid, signal.SIGCONT)             # continued
-    for p in procs:
-        p.join(5.0)
-        if p.is_alive() and (failures or open_conns):
-            p.kill()
-            p.join()
+    _end(procs, force=bool(failures or open_conns))
     if failures:
         raise _failure(procs, failures, sorted(open_conns), where, error)
     if open_conns:
