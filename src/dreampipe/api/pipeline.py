@@ -28,6 +28,7 @@ with a partial round: its update averages the minibatches of that round.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -51,13 +52,15 @@ from dreampipe.api.checks import (
 )
 from dreampipe.api.feed import Batches, Feed
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import build_stage, split_layers
+from dreampipe.api.split import build_split_stage, build_stage, split_layers
 from dreampipe.errors import ConfigError, ScheduleError
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.engine import RankRunner, RunnerOptions
 from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
@@ -155,6 +158,10 @@ class Pipeline:
         check_plan(self.plan, self._names, world)
         self.replicas = [st.replicas for st in self.plan.stages]
         _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
+        t = self.plan.tensor_parallel
+        if t > 1:
+            _check_split(self.plan, self.kind, max_grad_norm, resume)
+            self.layout = dataclasses.replace(self.layout, workers=world // t)
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
@@ -162,10 +169,17 @@ class Pipeline:
         self.device = _device()
         stage = self.plan.stage_of_rank(self.rank)
         st = self.plan.stages[stage]
+        #: The rank in the schedule (one per replica) and, in a split stage, the
+        #: worker's place among its replica's t workers (only place 0 reports).
+        self.srank, self.member = divmod(self.rank, t)
+        layers: nn.Module = build_stage(self._layers, st.first, st.last, self.device, seed) \
+            if t == 1 else build_split_stage(self._layers, st.first, st.last, st.splits,
+                                             tensor_mesh(world, t, self.device.type),
+                                             self.device, seed)
         self.module = StageModule(
-            build_stage(self._layers, st.first, st.last, self.device, seed), optimizer,
-            stage=stage, input_grad=stage > 0, stash=stash, vertical_sync=vertical_sync,
-            loss_fn=loss_fn, fused_accumulation=fused_accumulation,
+            layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
+            vertical_sync=vertical_sync, loss_fn=loss_fn,
+            fused_accumulation=fused_accumulation and t == 1,
         )
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:
@@ -176,11 +190,11 @@ class Pipeline:
                                    unit_size=unit_size, max_grad_norm=max_grad_norm,
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
-        self._links, groups = process_groups([st.ranks for st in self.plan.stages])
+        self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._horizon = _HORIZON
         self.runner = RankRunner(
-            self.layout.build(self.replicas, self._horizon), self.rank, self.device,
+            self.layout.build(self.replicas, self._horizon), self.srank, self.device,
             self.module, None, self._opts, groups=groups, links=self._links,
             clip_group=clip_group, after_step=self._after_step,
         )
@@ -197,8 +211,8 @@ class Pipeline:
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
-        stage = sched.stage_of_rank(self.rank)
-        mine = sched.replica_of_rank(self.rank)
+        stage = sched.stage_of_rank(self.srank)
+        mine = sched.replica_of_rank(self.srank)
         reps, last = self.replicas[stage], stage == len(self.replicas) - 1
         feed = Feed(
             unit_size=self.layout.unit_size, units_per_update=self.layout.units_per_update,
@@ -236,7 +250,7 @@ class Pipeline:
         per = self.layout.units_per_update
         unit_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
-            unit_losses[u] = float(loss)
+            unit_losses[u] = float(loss) if self.member == 0 else 0.0
         dist.all_reduce(unit_losses)
         values = unit_losses.tolist()
         self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
@@ -260,15 +274,15 @@ class Pipeline:
             while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
                 end += 1
             sched = forward_only(self.replicas, end - start)
-            comm = Comm(sched, self.rank, self.device, self._opts.timeout_s, groups=self._links)
+            comm = Comm(sched, self.srank, self.device, self._opts.timeout_s, groups=self._links)
             self.module.module.eval()
             try:
-                scores = run_forwards(sched, self.rank, self.module.module, self.loss_fn,
+                scores = run_forwards(sched, self.srank, self.module.module, self.loss_fn,
                                       Batches(batches[start:end], self.device), comm,
                                       self._opts.autocast)
             finally:
                 self.module.module.train()
-            for s in scores.values():
+            for s in scores.values() if self.member == 0 else ():
                 totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
                                        dtype=torch.float64)
             start = end
@@ -290,14 +304,19 @@ class Pipeline:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
         self._drain()
         mine = None
-        if self.runner.schedule.replica_of_rank(self.rank) == 0:
-            mine = self.runner.final_state()
+        if self.runner.schedule.replica_of_rank(self.srank) == 0:
+            mine = self.runner.final_state()  # gathers a split stage's DTensors: all its workers
+            mine = mine if self.member == 0 else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return {k: v for part in gathered if part is not None for k, v in part.items()}
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
+        if self.plan.tensor_parallel > 1:
+            raise ConfigError(
+                f"saving a checkpoint of plan {self.plan.config}: checkpoints of stages split "
+                "over workers are not supported yet; train without checkpoints", "checkpoint_dir")
         self._drain()
         return checkpoint.save(Path(directory), self)
 
@@ -333,6 +352,24 @@ def _check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
             f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
             "common update to share; use a plan with equal replica counts", "plan",
         )
+
+
+def _check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
+                 resume: str | Path | None) -> None:
+    """What a plan of tensor-split stages cannot run with yet, each a ConfigError."""
+    t = plan.tensor_parallel
+    if any(st.replicas > 1 for st in plan.stages) or kind is ScheduleKind.DP:
+        raise ConfigError(
+            f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
+            "one replica for now: use one replica per stage, or no split", "plan")
+    if max_grad_norm is not None:
+        raise ConfigError(
+            f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
+            "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
+    if resume is not None:
+        raise ConfigError(
+            f"resume={str(resume)!r}: checkpoints of stages split over {t} workers are not "
+            "supported yet; train without resume", "resume")
 
 
 def _init_process_group(timeout_s: float) -> bool:

@@ -27,10 +27,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.errors import PlanError
+from dreampipe.planning.splits import Split
+from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
-__all__ = ["Chain", "Layers", "build_stage", "is_meta", "split_layers"]
+__all__ = ["Chain", "Layers", "build_split_stage", "build_stage", "is_meta", "split_layers"]
 
 #: A model's layers in call order: ``(qualified name, module)``.
 Layers = list[tuple[str, nn.Module]]
@@ -125,3 +128,22 @@ def build_stage(
                     if callable(reset):
                         reset()
     return stage.to(device).train()
+
+
+def build_split_stage(
+    layers: Layers, first: int, last: int, splits: Sequence[Split], mesh: DeviceMesh,
+    device: torch.device, seed: int = 0,
+) -> SplitStage:
+    """Layers ``first..last`` split over ``mesh`` as ``splits`` says, each worker holding
+    its share: a layer on meta that is one ``nn.Linear`` split by rows or columns is drawn
+    share by share (:func:`~dreampipe.runtime.tensor_split.shard_linear`); any other is
+    built whole, as :func:`build_stage` does, then divided."""
+    for i, split in zip(range(first, last + 1), splits, strict=True):
+        layer = layers[i][1]
+        holders = [m for m in layer.modules() if any(True for _ in m.parameters(recurse=False))]
+        if (split in (Split.OUT, Split.IN) and is_meta(layer) and not any(True for _ in
+                layer.buffers()) and len(holders) == 1 and isinstance(holders[0], nn.Linear)):
+            shard_linear(holders[0], split, mesh, seed + i, device)
+        else:
+            build_stage(layers, i, i, device, seed)
+    return SplitStage(Chain(layers[first : last + 1]), splits, mesh)

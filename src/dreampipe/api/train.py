@@ -45,6 +45,7 @@ from dreampipe.runtime.memory import (
 )
 from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_processes
 from dreampipe.runtime.results import sorted_events, stage_states
+from dreampipe.runtime.tensor_split import load_dtensor_runtime
 
 __all__ = ["Checkpoints", "run_train"]
 
@@ -168,9 +169,16 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
     # a resident size that is what is alive costs page faults: only when asked
     prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)
+    if cfg.measure_memory and cfg.plan.tensor_parallel > 1:
+        load_dtensor_runtime()  # library, not the model's
     baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
+    if cfg.plan.tensor_parallel > 1:  # the Pipeline builds each worker's share only
+        with torch.device("meta"):
+            model = spec.build(seed=cfg.seed)
+    else:
+        model = spec.build_partly(st.first, st.last, cfg.seed)
     pipe = Pipeline(
-        spec.build_partly(st.first, st.last, cfg.seed), example=data.batch(0, cfg.minibatch_size),
+        model, example=data.batch(0, cfg.minibatch_size),
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
         plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
         stash=cfg.stash, fused_accumulation=cfg.fused_accumulation,
@@ -216,7 +224,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
         batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
                    for i in range(0, n, _EVAL_BATCH)]
         accuracy = pipe.evaluate(batches).accuracy
-    replica = pipe.runner.schedule.replica_of_rank(rank)
+    replica = pipe.runner.schedule.replica_of_rank(pipe.srank)
     state = None
     if replica == 0:
         state = pipe.runner.final_state()

@@ -4,6 +4,9 @@ Reads a dreampipe JSON profile or a PipeDream ``graph.txt``, runs the
 planner and prints each stage with its costs and the predicted speedups
 over data parallelism, a straight pipeline and GPipe; ``--json`` prints one
 JSON object instead and ``-o`` saves the plan for ``simulate`` and ``train``.
+A model that no layer plan fits in ``--memory`` gets a tensor-split plan
+(every layer split over ``t`` workers of one server, config ``1t4``), shown
+with what data parallelism and the smallest layer pipeline would need.
 
 Then it checks the prediction by simulating the plan's PipeDream schedule
 (:func:`confirm_by_simulation`, off with ``--no-check``). The check is
@@ -28,8 +31,8 @@ from typing import Any
 from dreampipe.cli.links import add_link_arguments, sync_from, topology_from
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
-from dreampipe.planning.plan import Plan
-from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.topology import PRESETS, Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
@@ -56,7 +59,7 @@ CHECK_MINIBATCHES = 8192
 #: ... and at most this many minibatches x stages whatever the cap: about 7 actions each,
 #: a few microseconds per action to build, validate and simulate, so a few seconds.
 CHECK_STAGE_MINIBATCHES = 50_000
-#: Minibatches per worker in the check's steady window (between warm-up and drain).
+#: Minibatches per schedule rank in the check's steady window (between warm-up and drain).
 _STEADY_PER_WORKER = 4
 
 
@@ -69,7 +72,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             "Run PipeDream's hierarchical dynamic program on a profile: choose where to cut "
             "the model and how many workers replicate each stage so that the slowest stage "
             "is as fast as possible. Prints each stage and the predicted speedup over data "
-            "parallelism, the best straight pipeline and GPipe."
+            "parallelism, the best straight pipeline and GPipe. A model too big for --memory "
+            "as any layer plan gets a tensor-split plan instead: every layer split over t = "
+            "2, 4, ... workers of one server (the fastest that fits), shown as config 1t4 "
+            "with each layer's split."
         ),
         epilog=(
             f"Presets: {', '.join(sorted(PRESETS))}. Example: dreampipe plan vgg16.txt "
@@ -126,6 +132,9 @@ def _run(args: argparse.Namespace) -> int:
         result.save(args.output)
     if args.json:
         summary = plan_summary(result, seconds)
+        needs = _split_needs(result, graph, topo)
+        if needs is not None:
+            summary["memory_needs_bytes"] = needs
         summary["check_skipped"] = sim is None
         summary["simulated_minibatches"] = None if sim is None else sim.num_units
         summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_units
@@ -163,14 +172,15 @@ def check_minibatches(result: Plan, cap: int = CHECK_MINIBATCHES) -> int:
 
     Enough for a steady state: the input stage's warm-up (every unit it admits
     before its first backward), as many again for the drain, and
-    ``_STEADY_PER_WORKER`` per worker between them; at most ``cap``, and at
-    most :data:`CHECK_STAGE_MINIBATCHES` / stages so the time stays bounded.
+    ``_STEADY_PER_WORKER`` per schedule rank (a tensor-split replica is one)
+    between them; at most ``cap``, and at most :data:`CHECK_STAGE_MINIBATCHES`
+    / stages so the time stays bounded.
     """
     if cap < 1:
         raise ConfigError(f"cap={cap} minibatches; use 1 or more", "cap")
     replicas = [st.replicas for st in result.stages]
     warm = replicas[0] * warmup_forwards(replicas, 0)
-    wanted = 2 * warm + _STEADY_PER_WORKER * result.workers_used
+    wanted = 2 * warm + _STEADY_PER_WORKER * sum(replicas)
     return max(1, min(wanted, cap, CHECK_STAGE_MINIBATCHES // len(replicas)))
 
 
@@ -181,8 +191,9 @@ def confirm_by_simulation(
 
     Simulates :func:`check_minibatches` minibatches, ending on a partial
     all-reduce round where the count is not a multiple of a stage's
-    replicas. Compare the result's ``steady_throughput_minibatches_per_s``
-    (start-up and drain left out) with the planner's steady-state figure.
+    replicas; a tensor-split replica is one schedule rank. Compare the
+    result's ``steady_throughput_minibatches_per_s`` (start-up and drain left
+    out) with the planner's steady-state figure.
     """
     schedule = build_schedule([st.replicas for st in result.stages], ScheduleKind.PIPEDREAM,
                               check_minibatches(result, cap))
@@ -237,11 +248,14 @@ def format_plan(
               f"{'ms/mb':>8} {'':>9}"]
     for s, st in enumerate(result.stages):
         names = f"{layer_label(graph, st.first)} .. {layer_label(graph, st.last)}"
+        copies = f"{st.replicas}t{st.tensor_parallel}" if st.tensor_parallel > 1 else st.replicas
         lines.append(
-            f"{s:>5} {f'{st.first}..{st.last}':>9}  {names:<56} {st.replicas:>3} "
+            f"{s:>5} {f'{st.first}..{st.last}':>9}  {names:<56} {copies:>3} "
             f"{st.compute_s * 1e3:>9.2f} {st.comm_s * 1e3:>8.2f} {st.allreduce_s * 1e3:>8.2f} "
             f"{st.time_s * 1e3:>8.2f} {format_bytes(st.memory_bytes):>9}"
         )
+    lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
+              if st.tensor_parallel > 1]
     rate = f"{result.throughput_minibatches_per_s:.2f} minibatches/s"
     if graph.batch_size:
         rate += f" = {result.throughput_minibatches_per_s * graph.batch_size:.0f} samples/s"
@@ -250,12 +264,37 @@ def format_plan(
         f"config {result.config} on {result.workers_used} of {topo.num_workers} workers: "
         f"{result.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate}",
     ]
+    needs = _split_needs(result, graph, topo)
     for key, label in _BASELINES:
         if key in result.baselines_s:
             lines.append(f"  {result.speedup_over(key):6.2f}x over {label} "
                          f"({result.baselines_s[key] * 1e3:.2f} ms)")
-        else:
+        elif needs is None:
             lines.append(f"  {label}: does not fit in memory")
+    if needs is not None:
+        lines += [
+            f"  data parallelism: does not fit (needs {format_bytes(needs['dp'])} per worker)",
+            f"  layer pipeline: does not fit (the smallest needs "
+            f"{format_bytes(needs['pipeline'])} per worker)",
+        ]
     if plan_time_s is not None:
         lines.append(f"planned in {plan_time_s:.3f} s")
     return "\n".join(lines)
+
+
+def _split_needs(result: Plan, graph: LayerGraph, topo: Topology) -> dict[str, int] | None:
+    """What data parallelism and the smallest layer pipeline need per worker, for a
+    tensor-split plan (the planner splits only when neither fits); None otherwise."""
+    return memory_needs(graph, topo) if result.tensor_parallel > 1 else None
+
+
+def _format_splits(index: int, stage: Stage) -> str:
+    """A split stage's splits, runs of layers with the same one merged: ``0..1 out, 2 in``."""
+    runs: list[tuple[int, int, str]] = []
+    for i, split in enumerate(stage.splits, start=stage.first):
+        if runs and runs[-1][2] == split.value:
+            runs[-1] = (runs[-1][0], i, split.value)
+        else:
+            runs.append((i, i, split.value))
+    text = ", ".join(f"{a} {name}" if a == b else f"{a}..{b} {name}" for a, b, name in runs)
+    return f"stage {index} split over {stage.tensor_parallel} workers: layers {text}"

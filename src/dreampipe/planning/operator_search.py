@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 from dreampipe.errors import PlanError
+from dreampipe.planning.costs import RangeCosts, memory_bytes
 from dreampipe.planning.splits import (
     Collective,
     Layout,
@@ -36,7 +37,7 @@ from dreampipe.planning.splits import (
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits"]
+__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits", "split_memory"]
 
 _TAIL_LAYOUTS = {Layout.REPLICATED: Split.REPLICA, Layout.BATCH: Split.BATCH,
                  Layout.FEATURE: Split.OUT}
@@ -178,6 +179,32 @@ def _group_options(
                 base.layouts + (lay,) * len(tail),
             )))
     return options
+
+
+def split_memory(
+    graph: LayerGraph, first: int, last: int, splits: tuple[Split, ...], t: int,
+    versions: int, in_flight: int, *, optimizer_copies: int = 0, stash: bool = True,
+) -> int:
+    """Bytes per worker of a stage of layers ``first..last`` split over ``t`` workers.
+
+    :func:`~dreampipe.planning.costs.memory_bytes` with each layer's weights
+    and kept tensors at its split's share; the stage's input, its sends and
+    the backward's working space are whole (a split stage reads and returns
+    replicated tensors).
+    """
+    costs = RangeCosts.of(graph)
+    weights = kept = 0.0
+    for i, split in zip(range(first, last + 1), splits, strict=True):
+        layer = graph.layers[i]
+        c = split_cost(layer, op_kind(layer), split, t, _input_bytes(graph.layers, i))
+        weights += c.weight_bytes
+        share = c.activation_bytes / layer.activation_bytes if layer.activation_bytes else 1.0
+        kept += layer.stash_bytes * share
+    return round(float(memory_bytes(
+        weights, kept, versions, in_flight, input_bytes=costs.inputs[first, last],
+        sent_bytes=costs.sent[first, last], working_bytes=costs.backward_working[first, last],
+        optimizer_copies=optimizer_copies, stash=stash,
+    )))
 
 
 def _reshard_seconds(src: Layout, dst: Layout, size: float, t: int, link: Link) -> float:

@@ -12,6 +12,14 @@ planner may spread a stage over servers, and its costs assume that layout.
 The config string is the paper's: ``"15-1"`` (stage 0 on 15 workers, stage 1
 on one), ``"straight"`` (every stage on one worker, more than one stage) and
 ``"16"`` (one stage on 16 workers: pure data parallelism).
+
+A stage may also be *tensor-split* (operator partitioning,
+:mod:`dreampipe.planning.operator_search`): each of its replicas runs on
+``tensor_parallel`` workers that hold a share of every layer's weights, as
+``splits`` says per layer. Its config token is ``"1t4"`` (one replica split
+over 4 workers). The schedule sees one rank per replica (``ranks``); the
+workers of schedule rank ``r`` are ``r * t .. r * t + t - 1``, so every stage
+has the same ``t`` (a pipeline x tensor mesh).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.splits import Split
 
 __all__ = [
     "PLAN_FORMAT",
@@ -54,6 +63,8 @@ class Stage:
     ``memory_bytes`` the predicted peak per worker (weights x stashed
     versions + activations). ``workers`` are the topology positions of
     ``ranks``, in the same order (empty: the ranks themselves).
+    ``tensor_parallel`` workers run each replica, with ``splits`` (one per
+    layer) saying how each layer's tensors are divided among them.
     """
 
     first: int
@@ -67,6 +78,8 @@ class Stage:
     forward_s: float = 0.0
     workers: tuple[int, ...] = ()
     allreduce_delay_s: float = 0.0
+    tensor_parallel: int = 1
+    splits: tuple[Split, ...] = ()
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -84,6 +97,13 @@ class Stage:
             raise PlanError(
                 f"stage {self.first}..{self.last} has {self.replicas} replicas "
                 f"but workers {list(self.workers)}"
+            )
+        if self.tensor_parallel < 1 or (self.tensor_parallel > 1) != bool(self.splits) or (
+                self.splits and len(self.splits) != self.num_layers):
+            raise PlanError(
+                f"stage {self.first}..{self.last} has tensor_parallel={self.tensor_parallel} "
+                f"and {len(self.splits)} splits; a stage split over t > 1 workers needs one "
+                f"split per layer ({self.num_layers}), one over 1 worker none"
             )
         for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s",
                      "allreduce_delay_s"):
@@ -157,6 +177,11 @@ class Plan:
         ranks = [r for st in self.stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
+        if len({st.tensor_parallel for st in self.stages}) > 1:
+            raise PlanError(
+                f"stages split over {[st.tensor_parallel for st in self.stages]} workers; "
+                "every stage must be split over the same number (a pipeline x tensor mesh)"
+            )
         placed = [w for st in self.stages for w in st.placement]
         if len(set(placed)) != len(placed) or min(placed) < 0:
             raise PlanError(f"workers {placed} must be distinct positions >= 0")
@@ -192,12 +217,17 @@ class Plan:
         return len(self.stages)
 
     @property
+    def tensor_parallel(self) -> int:
+        """The workers each replica of every stage is split over (1: no split)."""
+        return self.stages[0].tensor_parallel
+
+    @property
     def workers_used(self) -> int:
-        return sum(st.replicas for st in self.stages)
+        return sum(st.replicas for st in self.stages) * self.tensor_parallel
 
     @property
     def config(self) -> str:
-        return config_string([st.replicas for st in self.stages])
+        return config_string([st.replicas for st in self.stages], self.tensor_parallel)
 
     @property
     def throughput_minibatches_per_s(self) -> float:
@@ -205,8 +235,9 @@ class Plan:
         return 1.0 / self.time_per_minibatch_s if self.time_per_minibatch_s > 0 else 0.0
 
     def stage_of_rank(self, rank: int) -> int:
+        """The stage of worker ``rank`` (the workers of a split replica are adjacent)."""
         for s, st in enumerate(self.stages):
-            if rank in st.ranks:
+            if rank // self.tensor_parallel in st.ranks:
                 return s
         raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
 
@@ -244,6 +275,8 @@ class Plan:
                     "memory_bytes": st.memory_bytes,
                     "forward_s": st.forward_s,
                     "workers": list(st.workers),
+                    "tensor_parallel": st.tensor_parallel,
+                    "splits": [x.value for x in st.splits],
                 }
                 for st in self.stages
             ],
@@ -265,6 +298,8 @@ class Plan:
                     memory_bytes=int(s["memory_bytes"]),
                     forward_s=float(s.get("forward_s", 0.0)),
                     workers=tuple(int(w) for w in s.get("workers", [])),
+                    tensor_parallel=int(s.get("tensor_parallel", 1)),
+                    splits=tuple(Split(x) for x in s.get("splits", [])),
                 )
                 for s in data["stages"]
             )
@@ -310,8 +345,12 @@ class Plan:
             names = ""
             if self.layer_names:
                 names = f" ({self.layer_names[st.first]} .. {self.layer_names[st.last]})"
+            split = ""
+            if st.tensor_parallel > 1:
+                split = (f" split over {st.tensor_parallel} workers "
+                         f"({' '.join(x.value for x in st.splits)})")
             lines.append(
-                f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas} "
+                f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas}{split} "
                 f"ranks {list(st.ranks)}"
             )
         return "\n".join(lines)
@@ -330,8 +369,10 @@ def _check_figure(owner: str, what: str, value: float) -> None:
         )
 
 
-def config_string(replicas: Sequence[int]) -> str:
-    """The paper's config string for per-stage replica counts."""
+def config_string(replicas: Sequence[int], tensor_parallel: int = 1) -> str:
+    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4)."""
+    if tensor_parallel > 1:
+        return "-".join(f"{r}t{tensor_parallel}" for r in replicas)
     if len(replicas) > 1 and all(r == 1 for r in replicas):
         return "straight"
     return "-".join(str(r) for r in replicas)
@@ -343,6 +384,11 @@ def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
         if not num_stages or num_stages < 2:
             raise PlanError("config 'straight' needs the number of stages (at least 2)")
         return [1] * num_stages
+    if "t" in config:
+        raise PlanError(
+            f"config {config!r} splits stages over workers; a split plan comes from "
+            "'dreampipe plan --memory ... -o plan.json' (its splits per layer), given as --plan"
+        )
     try:
         reps = [int(x) for x in config.split("-")]
     except ValueError:

@@ -17,6 +17,12 @@ faster.
 (:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
 only, every worker used, as its optimizer does; the plan's time is its
 pipeline time and ``baselines_s["dp"]`` its data-parallel time.
+
+When a memory limit leaves no layer plan, :func:`plan_pipeline` splits every
+layer over ``t`` workers of one server instead (operator partitioning,
+:mod:`dreampipe.planning.split_stage`): the fastest split that fits, over
+``t = 2, 4, ...`` up to a server's workers. :func:`memory_needs` says what
+data parallelism and the least demanding layer plan need per worker.
 """
 
 from __future__ import annotations
@@ -44,12 +50,19 @@ from dreampipe.planning.pipedream_costs import (
 )
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.split_stage import (
+    best_split,
+    no_split_reason,
+    split_stage,
+    split_widths,
+)
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "plan_pipeline"]
+__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "memory_needs",
+           "plan_pipeline"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +145,20 @@ def _least_memory(prof: RangeCosts, models: Sequence[Topology], opts: Options) -
     return math.ceil(hi)
 
 
+def _needs(prof: RangeCosts, models: Sequence[Topology], opts: Options) -> dict[str, int]:
+    """Bytes per worker of data parallelism and of the least demanding layer plan (never
+    above the whole model on one worker, a plan whenever workers may idle)."""
+    dp, least = prof.memory(0, prof.n - 1, 1), _least_memory(prof, models, opts)
+    return {"dp": dp, "pipeline": min(dp, least) if opts.allow_fewer else least}
+
+
+def memory_needs(graph: LayerGraph, topology: Topology) -> dict[str, int]:
+    """Per-worker bytes of data parallelism (``"dp"``: the whole model on each worker)
+    and of the least demanding layer plan (``"pipeline"``, within 1%) on ``topology``."""
+    opts = Options(None, False, True, 1, False, CostModel.DREAMPIPE, DEFAULT_SYNC)
+    return _needs(RangeCosts.of(graph), _models(topology, True), opts)
+
+
 def _check_slots(max_stages: int | None, n: int) -> int:
     if max_stages is None:
         return 1
@@ -154,6 +181,7 @@ def plan_pipeline(
     also_flat: bool = True,
     cost_model: CostModel = CostModel.DREAMPIPE,
     sync: Sync = DEFAULT_SYNC,
+    tensor_split: bool = True,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -163,7 +191,10 @@ def plan_pipeline(
     ``max_stages`` caps the number of stages of the flattened plan;
     ``also_flat`` also solves the one-level problem at the slowest link
     (stages need not align with servers) and keeps it when faster;
-    ``sync`` is the all-reduce algorithm of replicated stages.
+    ``sync`` is the all-reduce algorithm of replicated stages;
+    ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
+    run as one stage with every layer split over workers of one server
+    (module doc; False: an error instead).
     ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
     optimizer, which plans hierarchically on every worker without a memory
     limit, so it ignores ``also_flat``, ``allow_fewer_workers`` and ``sync``.
@@ -200,7 +231,9 @@ def plan_pipeline(
                 f"with straight={straight}, max_stages={max_stages}; allow fewer workers, "
                 "allow replication or raise max_stages"
             )
-        need = _least_memory(prof, models, opts)
+        if tensor_split:
+            return _split_plan(graph, prof, topology, models, opts, memory_bytes)
+        need = _needs(prof, models, opts)["pipeline"]
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
@@ -209,6 +242,37 @@ def plan_pipeline(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
         baselines_s=_baselines(prof, topology, memory_bytes, sync),
+        layer_names=tuple(x.name for x in graph.layers),
+    )
+    log.info("planned %s: %s", graph.model or "model", result.config)
+    return result
+
+
+def _split_plan(
+    graph: LayerGraph, prof: RangeCosts, topology: Topology, models: Sequence[Topology],
+    opts: Options, memory_bytes: int,
+) -> Plan:
+    """One stage split over ``t`` workers of a server, for when no layer plan fits."""
+    needs = _needs(prof, models, opts)
+    widths = split_widths(topology, all_workers=not opts.allow_fewer)
+    found = best_split(graph, topology, memory_bytes, widths)
+    if found is None:
+        raise PlanError(
+            f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
+            f"about {format_bytes(needs['pipeline'])} as a layer pipeline, data parallelism "
+            f"needs {format_bytes(needs['dp'])} per worker and "
+            f"{no_split_reason(graph, topology, widths)}: raise --memory, use servers with more "
+            "workers (a split stays inside one) or profile a smaller minibatch"
+        )
+    log.info("data parallelism needs %s per worker and the smallest layer pipeline about %s, "
+             "more than %s: splitting every layer over %d workers",
+             format_bytes(needs["dp"]), format_bytes(needs["pipeline"]),
+             format_bytes(memory_bytes), found.workers)
+    stage = split_stage(graph, found)
+    result = Plan(
+        stages=(stage,), num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
+        topology=topology.describe(), time_per_minibatch_s=stage.compute_s,
+        baselines_s=_baselines(prof, topology, memory_bytes, opts.sync),
         layer_names=tuple(x.name for x in graph.layers),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)

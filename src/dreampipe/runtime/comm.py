@@ -83,17 +83,29 @@ def _decode(header: Tensor) -> Spec:
 
 
 def process_groups(
-    stage_ranks: Sequence[Sequence[int]],
+    stage_ranks: Sequence[Sequence[int]], tensor_parallel: int = 1,
 ) -> tuple[tuple[Any, Any], dict[int, Any]]:
     """The groups a run talks on; every rank creates them, in this order.
 
-    Returns the two link groups over every rank (activations, gradients: see
-    above) and one group per replicated stage (its gradient all-reduce).
+    Returns the two link groups (activations, gradients: see above) and one
+    group per replicated stage (its gradient all-reduce). Peers are named by
+    schedule rank, which is their rank in these groups: with stages split over
+    ``t`` workers, worker ``k`` of every replica talks on lane ``k``, the
+    workers ``r * t + k`` of every schedule rank ``r``; the groups returned
+    are this worker's lane's.
     """
-    everyone = list(range(sum(len(r) for r in stage_ranks)))
-    links = (dist.new_group(everyone), dist.new_group(everyone))
-    groups = {s: dist.new_group(list(r)) for s, r in enumerate(stage_ranks) if len(r) > 1}
-    return links, groups
+    ranks = sum(len(r) for r in stage_ranks)
+    mine = dist.get_rank() % tensor_parallel
+    out: tuple[tuple[Any, Any], dict[int, Any]] = ((None, None), {})
+    for lane in range(tensor_parallel):
+        def world(rs: Sequence[int], k: int = lane) -> list[int]:
+            return [r * tensor_parallel + k for r in rs]
+
+        links = (dist.new_group(world(range(ranks))), dist.new_group(world(range(ranks))))
+        groups = {s: dist.new_group(world(r)) for s, r in enumerate(stage_ranks) if len(r) > 1}
+        if lane == mine:
+            out = (links, groups)
+    return out
 
 
 class Comm:
@@ -173,12 +185,12 @@ class Comm:
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
-                    r.header, peer, tag=_tag(action.unit, _HDR), group=self._fwd
+                    r.header, group_src=peer, tag=_tag(action.unit, _HDR), group=self._fwd
                 )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
                 r.version_work = dist.irecv(
-                    r.version, peer, tag=_tag(action.unit, _VER), group=self._fwd
+                    r.version, group_src=peer, tag=_tag(action.unit, _VER), group=self._fwd
                 )
         else:
             spec = self._sent.get(action.unit)
@@ -191,7 +203,7 @@ class Comm:
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd
-        r.work = dist.irecv(r.buf, r.peer, tag=_tag(r.action.unit, kind), group=group)
+        r.work = dist.irecv(r.buf, group_src=r.peer, tag=_tag(r.action.unit, kind), group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
@@ -250,7 +262,8 @@ class Comm:
                 header = _encode(spec, self.device)
                 self._sends.append(
                     (
-                        dist.isend(header, peer, tag=_tag(action.unit, _HDR), group=self._fwd),
+                        dist.isend(header, group_dst=peer, tag=_tag(action.unit, _HDR),
+                                   group=self._fwd),
                         action, peer, header,
                     )
                 )
@@ -260,7 +273,7 @@ class Comm:
                 v = torch.tensor([version], dtype=torch.int64, device=self.device)
                 self._sends.append(
                     (
-                        dist.isend(v, peer, tag=_tag(action.unit, _VER), group=self._fwd),
+                        dist.isend(v, group_dst=peer, tag=_tag(action.unit, _VER), group=self._fwd),
                         action, peer, v,
                     )
                 )
@@ -268,7 +281,7 @@ class Comm:
             kind, group = _ACT, self._fwd
         else:
             kind, group = _GRAD, self._bwd
-        work = dist.isend(data, peer, tag=_tag(action.unit, kind), group=group)
+        work = dist.isend(data, group_dst=peer, tag=_tag(action.unit, kind), group=group)
         self._sends.append((work, action, peer, data))
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)

@@ -61,6 +61,7 @@ from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
 from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -386,8 +387,9 @@ class RankRunner:
         self._bar_start = time.perf_counter()
 
     def final_state(self) -> dict[str, Tensor]:
-        """This stage's trained ``state_dict``, copied to the CPU for rank 0."""
-        return {k: v.detach().cpu().clone() for k, v in self.module.module.state_dict().items()}
+        """This stage's trained ``state_dict``, copied to the CPU for rank 0 (a split
+        stage's weights gathered whole: every worker of the stage calls this)."""
+        return {k: v.detach().cpu().clone() for k, v in full_state(self.module.module).items()}
 
 
 def barrier(timeout_s: float) -> None:

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
+from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -181,6 +182,11 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: RunO
     out = []
     for s, st in enumerate(plan.stages):
         versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else 1
+        if st.tensor_parallel > 1:
+            out.append(split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
+                                    versions, flight[s], optimizer_copies=optimizer_copies(opts),
+                                    stash=opts.stash))
+            continue
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT)))

@@ -84,9 +84,10 @@ class HeapPolicy(Enum):
     KEEP_FREED = "keep-freed"
     #: glibc's defaults, as a plain PyTorch process has them.
     STOCK = "stock"
-    #: blocks of 1 MiB or more get pages of their own, returned when freed, so the
+    #: blocks of 64 KiB or more get pages of their own, returned when freed, so the
     #: resident size is what is alive (``dreampipe train``'s memory report), at
-    #: the cost of page faults on every fresh large tensor.
+    #: the cost of page faults on every fresh tensor. (Above 1 MiB, a split stage's
+    #: sub-MB activations left 3-7 MB of freed heap resident.)
     RELEASE_FREED = "release-freed"
 
 
@@ -94,7 +95,7 @@ class HeapPolicy(Enum):
 #: last two of RELEASE_FREED are glibc's defaults, undoing KEEP_FREED's.
 _HEAP_SETTINGS = {
     HeapPolicy.KEEP_FREED: (32 * 2**20, 2**30, 64 * 2**20),
-    HeapPolicy.RELEASE_FREED: (2**20, 128 * 2**10, 128 * 2**10),
+    HeapPolicy.RELEASE_FREED: (64 * 2**10, 128 * 2**10, 128 * 2**10),
 }
 
 

@@ -109,8 +109,16 @@ def costs_from_profile(
     ``Input`` layers cost nothing (data loading, as the planner counts them).
     Stashed bytes per unit are the stage's input and what its layers keep
     for the backward, as the planner counts them.
+
+    A tensor-split stage (``tensor_parallel > 1``) runs as its plan says:
+    forward+backward is its ``compute_s`` (the operator search's time, its
+    collectives included) and the forward ``forward_s``; its weights and
+    stashed outputs are one worker's share of each layer's (:func:`dreampipe.
+    planning.split_stage.layer_shares`). Schedule rank ``r`` sits on worker
+    ``r * t``, the first of its group.
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
+    from dreampipe.planning.split_stage import layer_shares
     from dreampipe.planning.sync import DEFAULT_SYNC
 
     how = DEFAULT_SYNC if sync is None else sync
@@ -130,16 +138,26 @@ def costs_from_profile(
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
-        work = [x for x in span if not x.is_input]
-        fwd.append(sum(x.forward_ms for x in work) / 1e3 * unit_fraction)
-        backward = [0.0 if x.is_input else x.backward_ms / 1e3 * unit_fraction for x in span]
-        bwd.append(sum(backward))
-        weights = [float(x.parameter_bytes) for x in span]
+        if st.tensor_parallel > 1:
+            shares = layer_shares(span, st.splits, st.tensor_parallel)
+            fwd.append(st.forward_s * unit_fraction)
+            bwd.append((st.compute_s - st.forward_s) * unit_fraction)
+            backward = [x.backward_ms / 1e3 * unit_fraction * c.compute_ms / x.compute_ms
+                        if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
+            weights = [c.weight_bytes for c in shares]
+            stash.append(sum(c.activation_bytes for c in shares) * unit_fraction)
+        else:
+            work = [x for x in span if not x.is_input]
+            fwd.append(sum(x.forward_ms for x in work) / 1e3 * unit_fraction)
+            backward = [0.0 if x.is_input else x.backward_ms / 1e3 * unit_fraction for x in span]
+            bwd.append(sum(backward))
+            weights = [float(x.parameter_bytes) for x in span]
+            stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
         params.append(sum(weights))
-        stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
-        ar, late = stage_allreduce(backward, weights, st.placement, topology, how)
+        placed = [w * st.tensor_parallel for w in st.placement]
+        ar, late = stage_allreduce(backward, weights, placed, topology, how)
         allreduce.append(ar)
         delay.append(late)
     return SimCosts(
@@ -173,8 +191,9 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
 
 def _links(plan: Plan, topology: Topology) -> Bandwidth:
     """Bandwidth between schedule ranks: the topology itself when rank i sits on worker i,
-    else a table through the plan's placement."""
-    where = {r: w for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)}
+    else a table through the plan's placement (a split rank at the first of its workers)."""
+    t = plan.tensor_parallel
+    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)}
     if all(r == w for r, w in where.items()):
         return topology
     n = len(where)

@@ -1,0 +1,119 @@
+"""A stage whose every layer is split over ``t`` workers of one server (operator partitioning).
+
+When no layer plan fits the memory limit, :func:`dreampipe.planning.planner.plan_pipeline`
+falls back to one such stage: it runs :func:`~dreampipe.planning.operator_search.search_splits`
+for ``t = 2, 4, ...`` up to the workers of one server (:func:`split_widths`), on the
+innermost level's link, and keeps the fastest split that fits (:func:`best_split`).
+:func:`split_stage` turns the search's answer into a :class:`Stage`; the simulator reads
+each worker's share of a split stage's layers with :func:`layer_shares`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dreampipe.errors import PlanError
+from dreampipe.planning.operator_search import Link, SplitPlan, search_splits, split_memory
+from dreampipe.planning.plan import Stage
+from dreampipe.planning.splits import Split, SplitCost, op_kind, split_cost
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.quantities import format_bytes
+
+__all__ = ["best_split", "layer_shares", "no_split_reason", "server_link",
+           "smallest_split_bytes", "split_stage", "split_widths"]
+
+
+def split_widths(topology: Topology, all_workers: bool = False) -> list[int]:
+    """The ``t`` tried: powers of two from 2 up to one server's workers (the innermost
+    level); with ``all_workers`` only a ``t`` that uses every worker of the topology."""
+    most = min(topology.levels[0].count, topology.num_workers)
+    widths, t = [], 2
+    while t <= most:
+        widths.append(t)
+        t *= 2
+    return [t for t in widths if t == topology.num_workers] if all_workers else widths
+
+
+def server_link(topology: Topology) -> Link:
+    """The link between the workers of one server, which a split's collectives cross."""
+    inner = topology.levels[0]
+    return Link(inner.bandwidth, inner.latency)
+
+
+def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
+               widths: Sequence[int]) -> SplitPlan | None:
+    """The fastest split over any of ``widths`` that fits ``memory_bytes`` per worker
+    (ties: fewer workers); None when none fits or ``graph`` is not a chain."""
+    if not graph.is_chain:
+        return None
+    best: SplitPlan | None = None
+    for t in sorted(widths):
+        try:
+            found = search_splits(graph, t, server_link(topology), memory_bytes)
+        except PlanError:
+            continue
+        if _memory(graph, found) > memory_bytes:  # the search leaves out the stage's I/O
+            continue
+        if best is None or found.time_s < best.time_s:
+            best = found
+    return best
+
+
+def smallest_split_bytes(graph: LayerGraph, topology: Topology, t: int) -> int:
+    """Bytes per worker (within 1%) of the least demanding split of ``graph`` over ``t``."""
+    link = server_link(topology)
+    hi = search_splits(graph, t, link).memory_bytes
+    lo = 0.0  # a split always holds something, so a limit of 0 fits none
+    while hi - lo > 0.005 * hi:
+        mid = (lo + hi) / 2
+        try:
+            hi = search_splits(graph, t, link, mid).memory_bytes
+        except PlanError:
+            lo = mid
+    return round(hi)
+
+
+def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int]) -> str:
+    """Why no tensor split fits: what the smallest over the largest of ``widths`` needs,
+    or why there is none."""
+    if not graph.is_chain:
+        return f"a tensor split needs a chain of layers, which {graph.model or 'it'} is not"
+    if not widths:
+        return (f"a tensor split needs 2, 4, 8... workers inside one server (topology "
+                f"{topology.shape} has {topology.levels[0].count}), and all "
+                f"{topology.num_workers} of them when idle workers are not allowed")
+    t = max(widths)
+    return (f"the smallest tensor split (over {t} workers) needs about "
+            f"{format_bytes(smallest_split_bytes(graph, topology, t))}")
+
+
+def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> list[SplitCost]:
+    """What each of ``layers``, split as ``splits`` over ``t`` workers, costs one worker."""
+    return [split_cost(layer, op_kind(layer), split, t)
+            for layer, split in zip(layers, splits, strict=True)]
+
+
+def split_stage(graph: LayerGraph, found: SplitPlan) -> Stage:
+    """One stage over every layer of ``graph``, run as ``found`` says on its workers.
+
+    Forward+backward is the search's time, collectives included; the forward
+    part is each layer's forward divided as its split divides its compute
+    (by ``t``, or whole when replicated).
+    """
+    forward = 0.0
+    for layer, share in zip(graph.layers, layer_shares(graph.layers, found.splits,
+                                                       found.workers), strict=True):
+        if layer.compute_ms > 0:
+            forward += layer.forward_ms / 1e3 * share.compute_ms / layer.compute_ms
+    return Stage(
+        first=0, last=len(graph) - 1, replicas=1, ranks=(0,), compute_s=found.time_s,
+        memory_bytes=_memory(graph, found), forward_s=min(forward, found.time_s),
+        tensor_parallel=found.workers, splits=found.splits,
+    )
+
+
+def _memory(graph: LayerGraph, found: SplitPlan) -> int:
+    """Bytes per worker of the one split stage ``found``, one minibatch in flight, as the
+    runtime's prediction counts them (:func:`~dreampipe.planning.operator_search.split_memory`)."""
+    return split_memory(graph, 0, len(graph) - 1, found.splits, found.workers, 1, 1)

@@ -1,0 +1,166 @@
+"""A tensor-split stage: its layers' weights divided over ``t`` workers with DTensor.
+
+The plan says, per layer, how its tensors are divided
+(:class:`~dreampipe.planning.splits.Split`); here that becomes DTensor
+placements on a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` of the
+stage's ``t`` workers, and the layout each layer reads its input in::
+
+    split     Linear weight (out, in)   bias        input        output
+    REPLICA   Replicate                 Replicate   Replicate    Replicate
+    BATCH     Replicate                 Replicate   Shard(0)     Shard(0)
+    OUT       Shard(0): rows            Shard(0)    Replicate    Shard(-1): features
+    IN        Shard(1): columns         Replicate   Shard(-1)    Partial: a sum to reduce
+
+DTensor runs the collectives: the redistribution of each layer's input to
+its layout (both ways in the backward), the reduction of a partial sum
+before a nonlinearity, the weight-gradient reduction of a batch split. The
+stage reads and returns plain tensors, replicated on its workers, so the
+pipeline around it, its schedules and weight stashing, are unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from dreampipe.errors import PlanError
+from dreampipe.planning.splits import Split
+
+__all__ = ["SplitStage", "full_state", "load_dtensor_runtime", "shard_linear", "tensor_mesh"]
+
+_INPUT: dict[Split, Placement] = {
+    Split.REPLICA: Replicate(), Split.BATCH: Shard(0), Split.OUT: Replicate(),
+    Split.IN: Shard(-1),
+}
+_BLOCKS = 8  # blocks of rows per share that shard_linear draws at a time
+_WEIGHT: dict[Split, tuple[Placement, Placement]] = {  # (weight, bias)
+    Split.OUT: (Shard(0), Shard(0)), Split.IN: (Shard(1), Replicate()),
+}
+
+
+def tensor_mesh(world: int, t: int, device_type: str) -> DeviceMesh:
+    """The mesh of this worker's replica: workers ``r*t .. r*t+t-1`` of ``world``.
+
+    A collective: every worker builds the whole (replicas x t) mesh.
+    """
+    grid = init_device_mesh(device_type, (world // t, t), mesh_dim_names=("replica", "tensor"))
+    return grid["tensor"]
+
+
+class SplitStage(nn.Module):
+    """``layers``' children (one per planned layer, same names) split over ``mesh`` as
+    ``splits`` says."""
+
+    def __init__(self, layers: nn.Module, splits: Sequence[Split], mesh: DeviceMesh) -> None:
+        super().__init__()
+        children = list(layers.named_children())
+        if len(children) != len(splits):
+            raise PlanError(
+                f"a split stage of {len(children)} layers got {len(splits)} splits; the plan "
+                "must give one split per layer"
+            )
+        for name, layer in children:
+            self.add_module(name, layer)
+        self.mesh = mesh
+        self._inputs = [(_INPUT[s],) for s in splits]
+        for (name, layer), split in zip(children, splits, strict=True):
+            _distribute(name, layer, split, mesh)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h: Any = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        for layer, placement in zip(self.children(), self._inputs, strict=True):
+            if tuple(h.placements) != placement:
+                h = h.redistribute(self.mesh, placement)
+            h = layer(h)
+        out: Tensor = h.redistribute(self.mesh, [Replicate()]).to_local()
+        return out
+
+
+def _distribute(name: str, layer: nn.Module, split: Split, mesh: DeviceMesh) -> None:
+    """Turn ``layer``'s parameters into DTensors placed for ``split``."""
+    linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+    if split in _WEIGHT and len(linears) != 1:
+        raise PlanError(
+            f"layer {name!r} ({type(layer).__name__}) has {len(linears)} Linear modules; "
+            f"split {split.value} divides the weights of exactly one, so plan it as "
+            "replica or batch"
+        )
+    placed: dict[int, Placement] = {}
+    if split in _WEIGHT:
+        weight, bias = _WEIGHT[split]
+        placed[id(linears[0].weight)] = weight
+        if linears[0].bias is not None:
+            placed[id(linears[0].bias)] = bias
+    for module in layer.modules():
+        for key, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p.data, DTensor):  # shard_linear made it
+                continue
+            where = placed.get(id(p), Replicate())
+            setattr(module, key, nn.Parameter(distribute_tensor(p.data, mesh, [where]),
+                                              requires_grad=p.requires_grad))
+
+
+def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
+                 device: torch.device) -> None:
+    """Give ``linear`` (on meta) this worker's share of the weights ``reset_parameters``
+    draws after ``torch.manual_seed(seed)``, never holding the whole weight.
+
+    The CPU generator draws a tensor's elements in order, so drawing the rows
+    in blocks, in order, gives the same values as one draw of the whole: each
+    worker draws every block and keeps its rows (``OUT``) or columns (``IN``)
+    of it. A worker holds its share plus one block of ``out / (8 t)`` rows.
+    """
+    out_f, in_f = linear.out_features, linear.in_features
+    t, k = mesh.size(), mesh.get_local_rank()
+    rows = _chunks(out_f, t)
+    lo, hi = rows[k] if split is Split.OUT else _chunks(in_f, t)[k]
+    weight = torch.empty(hi - lo, in_f) if split is Split.OUT else torch.empty(out_f, hi - lo)
+    step = max(1, -(-out_f // (_BLOCKS * t)))
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        bound = math.sqrt(3.0) * nn.init.calculate_gain("leaky_relu", math.sqrt(5)) / math.sqrt(
+            max(in_f, 1))
+        for a in range(0, out_f, step):
+            b = min(a + step, out_f)
+            block = torch.empty(b - a, in_f).uniform_(-bound, bound)
+            if split is Split.IN:
+                weight[a:b] = block[:, lo:hi]
+            elif a < hi and b > lo:
+                weight[max(a, lo) - lo : min(b, hi) - lo] = block[max(a, lo) - a : min(b, hi) - a]
+        bias = None
+        if linear.bias is not None:
+            edge = 1.0 / math.sqrt(in_f) if in_f > 0 else 0.0
+            bias = torch.empty(out_f).uniform_(-edge, edge)
+    w_place, b_place = _WEIGHT[split]
+    linear.weight = nn.Parameter(DTensor.from_local(
+        weight.to(device), mesh, [w_place], run_check=False, shape=torch.Size((out_f, in_f)),
+        stride=(in_f, 1)))
+    if bias is not None:
+        a, b = (lo, hi) if split is Split.OUT else (0, out_f)
+        linear.bias = nn.Parameter(DTensor.from_local(
+            bias[a:b].clone().to(device), mesh, [b_place], run_check=False,
+            shape=torch.Size((out_f,)), stride=(1,)))
+
+
+def load_dtensor_runtime() -> None:
+    """Import what DTensor imports on first use (``torch._dynamo``: about 26 MB of
+    modules), so a memory baseline taken after this counts that library as loaded."""
+    import torch._dynamo  # noqa: F401
+
+
+def _chunks(n: int, t: int) -> list[tuple[int, int]]:
+    """Where ``torch.chunk`` (DTensor's ``Shard``) cuts ``n`` into ``t`` pieces, empty ones last."""
+    size = -(-n // t)
+    return [(min(j * size, n), min((j + 1) * size, n)) for j in range(t)]
+
+
+def full_state(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s state with every DTensor gathered whole (a collective over its mesh)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in module.state_dict().items()}

@@ -1,0 +1,107 @@
+"""A model with one Linear too large for ``--memory`` trains split over 2 and 4 workers.
+
+The mlp's middle Linear is 4096 x 4096 (64 MB; 128 MB with its gradient):
+neither data parallelism nor any layer pipeline fits the limit, so the
+planner splits every layer over the workers (operator partitioning), and
+``dreampipe train`` runs that plan with DTensor on gloo. Its weights must
+equal one process training the whole model, and each rank's peak memory
+must be within a quarter of the plan's prediction.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from dreampipe.api.train import run_train
+from dreampipe.jobs.train import PlanSource, TrainRequest
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import Split
+from dreampipe.runtime.config import RunOptions
+from dreampipe.runtime.data import load_dataset
+from dreampipe.scheduling.actions import ScheduleKind
+
+from .reference import reference_pipedream, reference_sync, sgd
+
+__all__: list[str] = []
+
+KWARGS = (("layers", 3), ("width", 4096))
+MINIBATCH, STEPS, LR = 32, 4, 0.01
+#: Per worker: 2 workers fit only a split over 2 (about 70 MB); 4 only one over 4 (36 MB).
+LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_linear_too_big_for_memory_trains_split_like_one_process(
+    workers: int, caplog: pytest.LogCaptureFixture,
+) -> None:
+    run = RunOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
+                     lr=LR, schedule=ScheduleKind.FLUSH, progress=False,
+                     timeout_s=120.0, measure_memory=True)
+    request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
+                           memory_bytes=LIMITS[workers])
+    with caplog.at_level(logging.INFO, logger="dreampipe.planning.planner"):
+        report = run_train(request)
+    assert report is not None
+    assert report.plan.config == f"1t{workers}", str(report.plan)
+    said = caplog.text
+    assert "data parallelism needs" in said and "splitting every layer" in said, said
+
+    spec = get_model("mlp", **dict(KWARGS))
+    losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,
+                                   minibatch=MINIBATCH, seed=0, opt=sgd(LR))
+    got = report.result.stage_states[0]
+    assert sorted(got) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    assert report.result.losses == pytest.approx(losses, rel=1e-5, abs=4e-5)
+
+    rows = report.memory_rows()
+    print(f"\n{workers} workers, plan {report.plan.config}, limit {LIMITS[workers] / 1e6:.0f} MB: "
+          + ", ".join(f"rank {r['rank']} {r['measured_bytes'] / 1e6:.1f} MB measured / "
+                      f"{r['predicted_bytes'] / 1e6:.1f} predicted ({r['ratio']:.2f})"
+                      for r in rows))
+    assert sorted(r["rank"] for r in rows) == list(range(workers)), rows
+    for r in rows:
+        assert r["predicted_bytes"] <= LIMITS[workers], rows
+        assert r["predicted_bytes"] > 20e6, r  # the split weights dominate the noise
+        assert 0.75 <= r["ratio"] <= 1.25, rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path: Path) -> None:
+    """A pipeline x tensor mesh: 2 stages, each split over 2 workers (4 in all).
+
+    Worker ``k`` of stage 0 sends to worker ``k`` of stage 1 (its lane);
+    PipeDream's schedule stashes each stage's split weights per minibatch in
+    flight. The losses and weights must be PipeDream's single-process ones.
+    """
+    kwargs, steps = (("layers", 3), ("width", 256)), 6
+    spec = get_model("mlp", **dict(kwargs))
+    out, inner, head = Split.OUT, Split.IN, Split.REPLICA
+    plan = Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                              splits=(out, inner)),
+                        Stage(first=2, last=2, replicas=1, ranks=(1,), tensor_parallel=2,
+                              splits=(head,))),
+                num_layers=3, model="mlp", layer_names=tuple(n for n, _ in spec.layer_factories))
+    plan.save(tmp_path / "plan.json")
+    run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
+                     lr=LR, schedule=ScheduleKind.PIPEDREAM, progress=False, timeout_s=60.0)
+    report = run_train(TrainRequest(run=run, plan=PlanSource(path=str(tmp_path / "plan.json")),
+                                    workers=4, exact_steps=True))
+    assert report is not None and report.plan.config == "1t2-1t2"
+    losses, state = reference_pipedream(
+        spec, load_dataset("synthetic", spec, seed=0), bounds=[0, 2], replicas=[1, 1],
+        steps=steps, minibatch=MINIBATCH, seed=0, opt=sgd(LR))
+    got = {k: v for part in report.result.stage_states for k, v in part.items()}
+    assert sorted(got) == sorted(state)
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
+    assert report.result.losses == pytest.approx(losses, rel=1e-5, abs=4e-5)
