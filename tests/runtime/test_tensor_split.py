@@ -10,7 +10,6 @@ must be within a quarter of the plan's prediction.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import pytest
@@ -38,20 +37,20 @@ LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [2, 4])
-def test_a_linear_too_big_for_memory_trains_split_like_one_process(
-    workers: int, caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int) -> None:
     run = RunOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
                      lr=LR, schedule=ScheduleKind.FLUSH, progress=False,
                      timeout_s=120.0, measure_memory=True)
     request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
                            memory_bytes=LIMITS[workers])
-    with caplog.at_level(logging.INFO, logger="dreampipe.planning.planner"):
-        report = run_train(request)
+    said: list[str] = []
+    report = run_train(request, say=said.append)
     assert report is not None
     assert report.plan.config == f"1t{workers}", str(report.plan)
-    said = caplog.text
-    assert "data parallelism needs" in said and "splitting every layer" in said, said
+    unfit = [line for line in said if "does not fit (" in line]
+    assert [line.split(":")[0] for line in unfit] == ["data parallelism", "layer pipeline"], said
+    assert all(float(line.split("needs ")[1].split(" MB")[0]) * 1e6 > LIMITS[workers]
+               for line in unfit), said
 
     spec = get_model("mlp", **dict(KWARGS))
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,

@@ -33,6 +33,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
+from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.planning.topology import PRESETS, Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
@@ -272,11 +273,7 @@ def format_plan(
         elif needs is None:
             lines.append(f"  {label}: does not fit in memory")
     if needs is not None:
-        lines += [
-            f"  data parallelism: does not fit (needs {format_bytes(needs['dp'])} per worker)",
-            f"  layer pipeline: does not fit (the smallest needs "
-            f"{format_bytes(needs['pipeline'])} per worker)",
-        ]
+        lines += [f"  {line}" for line in unfit_lines(needs)]
     if plan_time_s is not None:
         lines.append(f"planned in {plan_time_s:.3f} s")
     return "\n".join(lines)

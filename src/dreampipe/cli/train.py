@@ -65,8 +65,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
     g.add_argument("--memory", metavar="SIZE",
                    help="memory each worker has for training, e.g. 2GB: the planner keeps "
-                        "every stage's predicted peak within it, and a plan that does not fit "
-                        "is an error (default: no limit; see docs/memory.md)")
+                        "every stage's predicted peak within it; when no layer plan fits it "
+                        "splits every layer over the workers (docs/operator-partitioning.md), "
+                        "and when nothing fits it is an error (default: no limit; see "
+                        "docs/memory.md)")
     g.add_argument("--measure-memory", action="store_true",
                    help="measure each rank's peak memory and print it beside the planner's "
                         "prediction; on CPU, large tensors then get pages of their own, "

@@ -32,10 +32,13 @@ from dreampipe.jobs.local import (
     predict_samples_per_s,
     profile_as_worker,
 )
+from dreampipe.jobs.machine import local_topology
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan, stages_from_config
+from dreampipe.planning.planner import memory_needs
+from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.checks import check_config, check_options
 from dreampipe.runtime.config import RunConfig, RunOptions
@@ -273,6 +276,9 @@ def plan_train(
     )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
+    if graph is not None and plan.tensor_parallel > 1 and req.memory_bytes is not None:
+        for line in unfit_lines(memory_needs(graph, local_topology(workers, nodes=nodes))):
+            talk(line)
     talk(str(plan))
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")

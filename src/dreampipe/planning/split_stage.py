@@ -21,7 +21,7 @@ from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.quantities import format_bytes
 
 __all__ = ["best_split", "layer_shares", "no_split_reason", "server_link",
-           "smallest_split_bytes", "split_stage", "split_widths"]
+           "smallest_split_bytes", "split_stage", "split_widths", "unfit_lines"]
 
 
 def split_widths(topology: Topology, all_workers: bool = False) -> list[int]:
@@ -117,3 +117,11 @@ def _memory(graph: LayerGraph, found: SplitPlan) -> int:
     """Bytes per worker of the one split stage ``found``, one minibatch in flight, as the
     runtime's prediction counts them (:func:`~dreampipe.planning.operator_search.split_memory`)."""
     return split_memory(graph, 0, len(graph) - 1, found.splits, found.workers, 1, 1)
+
+
+def unfit_lines(needs: dict[str, int]) -> list[str]:
+    """What a split plan's report says of the plans that did not fit, from
+    :func:`~dreampipe.planning.planner.memory_needs`."""
+    return [f"data parallelism: does not fit (needs {format_bytes(needs['dp'])} per worker)",
+            f"layer pipeline: does not fit (the smallest needs {format_bytes(needs['pipeline'])}"
+            " per worker)"]
