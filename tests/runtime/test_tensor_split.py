@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dreampipe.api.train import run_train
+from dreampipe.api.train import Checkpoints, run_train
+from dreampipe.errors import ConfigError
 from dreampipe.jobs.train import PlanSource, TrainRequest
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan, Stage
@@ -73,6 +74,27 @@ def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int)
         assert 0.75 <= r["ratio"] <= 1.25, rows
 
 
+def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> PlanSource:
+    """``1t2-1t2``: layers 0-1 split (out, in) over workers 0-1, the head over 2-3."""
+    spec = get_model("mlp", **dict(kwargs))
+    plan = Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                              splits=(Split.OUT, Split.IN)),
+                        Stage(first=2, last=2, replicas=1, ranks=(1,), tensor_parallel=2,
+                              splits=(Split.REPLICA,))),
+                num_layers=3, model="mlp", layer_names=tuple(n for n, _ in spec.layer_factories))
+    plan.save(tmp_path / "plan.json")
+    return PlanSource(path=str(tmp_path / "plan.json"))
+
+
+def test_checkpoints_of_split_stages_are_refused_before_training(tmp_path: Path) -> None:
+    kwargs = (("layers", 3), ("width", 64))
+    run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=4,
+                     progress=False)
+    request = TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs), workers=4)
+    with pytest.raises(ConfigError, match=r"1t2-1t2 splits .* without --checkpoint-every"):
+        run_train(request, checkpoints=Checkpoints(directory=str(tmp_path / "ck"), every=2))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path: Path) -> None:
@@ -84,16 +106,9 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     """
     kwargs, steps = (("layers", 3), ("width", 256)), 6
     spec = get_model("mlp", **dict(kwargs))
-    out, inner, head = Split.OUT, Split.IN, Split.REPLICA
-    plan = Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
-                              splits=(out, inner)),
-                        Stage(first=2, last=2, replicas=1, ranks=(1,), tensor_parallel=2,
-                              splits=(head,))),
-                num_layers=3, model="mlp", layer_names=tuple(n for n, _ in spec.layer_factories))
-    plan.save(tmp_path / "plan.json")
     run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
                      lr=LR, schedule=ScheduleKind.PIPEDREAM, progress=False, timeout_s=60.0)
-    report = run_train(TrainRequest(run=run, plan=PlanSource(path=str(tmp_path / "plan.json")),
+    report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
                                     workers=4, exact_steps=True))
     assert report is not None and report.plan.config == "1t2-1t2"
     losses, state = reference_pipedream(

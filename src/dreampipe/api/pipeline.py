@@ -358,10 +358,14 @@ def _check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
                  resume: str | Path | None) -> None:
     """What a plan of tensor-split stages cannot run with yet, each a ConfigError."""
     t = plan.tensor_parallel
-    if any(st.replicas > 1 for st in plan.stages) or kind is ScheduleKind.DP:
+    if any(st.replicas > 1 for st in plan.stages):
         raise ConfigError(
             f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
             "one replica for now: use one replica per stage, or no split", "plan")
+    if kind is ScheduleKind.DP:
+        raise ConfigError(
+            f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
+            "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
     if max_grad_norm is not None:
         raise ConfigError(
             f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
