@@ -104,7 +104,7 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     PipeDream's schedule stashes each stage's split weights per minibatch in
     flight. The losses and weights must be PipeDream's single-process ones.
     """
-    kwargs, steps = (("layers", 3), ("width", 256)), 6
+    kwargs, steps = (("layers", 3), ("width", 255)), 6  # uneven shares: 128 and 127
     spec = get_model("mlp", **dict(kwargs))
     run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
                      lr=LR, schedule=ScheduleKind.PIPEDREAM, progress=False, timeout_s=60.0)
