@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,5 +257,8 @@ def _progress(cfg: RunConfig, rank: int, world: int, start: int) -> Any:
         return None
     from tqdm import tqdm
 
+    # tqdm's default lock is a multiprocessing semaphore, which the rank leaves behind
+    # ("leaked semaphore objects" at exit); one bar per process needs a thread lock only
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=cfg.steps, initial=start, unit="minibatch", file=sys.stderr,
                 dynamic_ncols=True)
