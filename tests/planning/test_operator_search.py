@@ -64,6 +64,16 @@ def test_a_weighted_layer_splits_its_weights_only_by_features() -> None:
         split_cost(_relu("r", 1.0), OpKind.ELEMENTWISE, Split.IN, 4)
 
 
+def test_a_block_with_a_nonlinear_tail_reduces_its_input_split_sum_inside() -> None:
+    block = Layer("fc", 1.0, 2.0, 8 * _MB, 64 * _MB, "Linear(1024, 1024) + ReLU()")
+    assert op_kind(block) is OpKind.WEIGHTED
+    inp = split_cost(block, OpKind.WEIGHTED, Split.IN, 4)
+    assert (inp.needs, inp.gives) == (Layout.FEATURE, Layout.REPLICATED)
+    assert inp.collectives == ((Collective.ALL_REDUCE, 8 * _MB),)
+    plain = split_cost(_linear("fc", 64 * _MB, 8 * _MB), OpKind.WEIGHTED, Split.IN, 4)
+    assert plain.gives is Layout.PARTIAL and plain.collectives == ()
+
+
 def test_resharding_moves_what_each_direction_needs() -> None:
     assert reshard(Layout.BATCH, Layout.BATCH) == (None, None)
     assert reshard(Layout.REPLICATED, Layout.BATCH) == (None, Collective.ALL_GATHER)

@@ -13,12 +13,17 @@ activation between two layers is in one :class:`Layout`::
                                              each worker's dx is a partial sum)
     IN        FEATURE        PARTIAL         none (weights split by input columns;
                                              the output is a sum still to reduce)
+    IN on a   FEATURE        REPLICATED      all-reduce of the output (the block's
+    block                                    activation needs the whole sum)
 
 An ``OUT`` layer followed by an ``IN`` layer is Megatron-LM's MLP: one
 all-reduce forward (the partial sum) and one backward (the input gradient).
 
-A weighted layer (``Linear``, ``Conv2d``, ``Embedding``, attention
-projections) may take any of them; an elementwise one (activations, dropout)
+A profiled block ``Linear(...) + ReLU()`` is a weighted layer whose
+elementwise tail runs inside it, so under ``IN`` the sum is reduced within
+the block (as DTensor does before a nonlinearity). A weighted layer
+(``Linear``, ``Conv2d``, ``Embedding``, attention projections) may take
+any of them; an elementwise one (activations, dropout)
 passes any layout but ``PARTIAL`` through; a layer dreampipe cannot read takes
 ``REPLICA`` or ``BATCH``. Between layers, :func:`reshard_bytes` prices turning
 one layout into another, forward and backward, as ring collectives move them.
@@ -154,7 +159,17 @@ def split_cost(layer: Layer, kind: OpKind, split: Split, t: int,
     if split is Split.OUT:
         return SplitCost(split, Layout.REPLICATED, Layout.FEATURE, c / t, w / t, a / t,
                          ((Collective.ALL_REDUCE, input_bytes),))
+    if _elementwise_tail(layer):  # the tail is nonlinear in the sum: reduce it first
+        return SplitCost(split, Layout.FEATURE, Layout.REPLICATED, c / t, w / t, a,
+                         ((Collective.ALL_REDUCE, a),))
     return SplitCost(split, Layout.FEATURE, Layout.PARTIAL, c / t, w / t, a)
+
+
+def _elementwise_tail(layer: Layer) -> bool:
+    """Whether ``layer`` is a weighted module followed by elementwise ones, as a profiled
+    block describes itself: ``Linear(...) + ReLU()``."""
+    parts = layer.description.split(" + ")
+    return len(parts) > 1 and all(_ELEMENTWISE.match(x.strip()) for x in parts[1:])
 
 
 # (from, to) -> (forward collective, backward collective); missing pairs are free
