@@ -66,7 +66,7 @@ from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["EvalResult", "Pipeline"]
+__all__ = ["EvalResult", "Pipeline", "init_process_group"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
@@ -148,7 +148,7 @@ class Pipeline:
             raise ConfigError(f"max_grad_norm={max_grad_norm}; use a positive norm or None",
                               "max_grad_norm")
         self._example = example
-        self._owns_group = _init_process_group(timeout_s)
+        self._owns_group = init_process_group(timeout_s)
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                  microbatches=microbatches, workers=world)
@@ -376,7 +376,7 @@ def _check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
             "supported yet; train without resume", "resume")
 
 
-def _init_process_group(timeout_s: float) -> bool:
+def init_process_group(timeout_s: float) -> bool:
     """Join torchrun's group (env://), or make a group of one; True if this started one."""
     if dist.is_initialized():
         return False

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
-from dreampipe.api.pipeline import Pipeline
+from dreampipe.api.pipeline import Pipeline, init_process_group
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.models.resolve import resolve_spec
@@ -46,7 +46,7 @@ from dreampipe.runtime.memory import (
 )
 from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_processes
 from dreampipe.runtime.results import sorted_events, stage_states
-from dreampipe.runtime.tensor_split import load_dtensor_runtime
+from dreampipe.runtime.tensor_split import load_dtensor_runtime, tensor_mesh
 
 __all__ = ["Checkpoints", "run_train"]
 
@@ -175,8 +175,11 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
     # a resident size that is what is alive costs page faults: only when asked
     prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)
-    if cfg.measure_memory and cfg.plan.tensor_parallel > 1:
-        load_dtensor_runtime()  # library, not the model's
+    owns_group = False
+    if cfg.measure_memory and cfg.plan.tensor_parallel > 1:  # library, not the model's
+        owns_group = init_process_group(cfg.timeout_s)
+        where = "cuda" if torch.cuda.is_available() else "cpu"
+        load_dtensor_runtime(tensor_mesh(world, cfg.plan.tensor_parallel, where))
     baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
     if cfg.plan.tensor_parallel > 1:  # the Pipeline builds each worker's share only
         with torch.device("meta"):
@@ -194,6 +197,8 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     )
     result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
     pipe.close()
+    if owns_group:
+        dist.destroy_process_group()
     return result
 
 

@@ -148,10 +148,14 @@ def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
             shape=torch.Size((out_f,)), stride=(1,)))
 
 
-def load_dtensor_runtime() -> None:
-    """Import what DTensor imports on first use (``torch._dynamo``: about 26 MB of
-    modules), so a memory baseline taken after this counts that library as loaded."""
-    import torch._dynamo  # noqa: F401
+def load_dtensor_runtime(mesh: DeviceMesh) -> None:
+    """Run a small split stage once on ``mesh``: DTensor imports ``torch._dynamo`` (about
+    26 MB of modules) and builds its dispatch state on first use, library memory that
+    a baseline taken after this counts as there before the model."""
+    probe = SplitStage(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8),
+                                     nn.Linear(8, 8)), (Split.OUT, Split.IN, Split.REPLICA), mesh)
+    probe(torch.ones(2, 8)).sum().backward()
+    torch.optim.SGD(probe.parameters(), lr=0.1).step()
 
 
 def _chunks(n: int, t: int) -> list[tuple[int, int]]:
