@@ -9,7 +9,8 @@ import time
 import pytest
 
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError, ScheduleError, WorkerError
-from dreampipe.planning.plan import Plan
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import Split
 from dreampipe.runtime import RunConfig, launch_local
 from dreampipe.scheduling.actions import ScheduleKind
 
@@ -76,6 +77,12 @@ BAD = [
         RunConfig(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
                   plan=Plan.from_config(5, [0, 3], [1, 1])),
         PlanError, "stage 0 \\(layers 0..2\\) returns a tuple, not a tensor",
+    ),
+    (
+        _cfg(Plan(stages=(Stage(first=0, last=3, replicas=1, ranks=(0,), tensor_parallel=2,
+                                splits=(Split.OUT, Split.IN, Split.OUT, Split.IN)),),
+                  num_layers=4)),
+        ConfigError, "plan 1t2 splits its stages over 2 workers; launch_local",
     ),
 ]
 

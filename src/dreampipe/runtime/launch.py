@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.errors import DreampipeError, WorkerError
+from dreampipe.errors import ConfigError, DreampipeError, WorkerError
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.checks import check_config, check_stage_outputs
@@ -80,6 +80,7 @@ def run_rank(
 
 def _init_and_run(cfg: RunConfig, rank: int, world: int, local_rank: int) -> RunResult | None:
     spec = resolve_spec(cfg.model, cfg.model_kwargs)
+    _check_layer_plan(cfg)
     check_config(cfg, spec, world)
     check_stage_outputs(cfg, spec)
     backend = cfg.backend_name
@@ -124,6 +125,7 @@ def launch_local(
     """
     world = cfg.workers if workers is None else workers
     spec = resolve_spec(cfg.model, cfg.model_kwargs) if spec is None else spec
+    _check_layer_plan(cfg)
     check_config(cfg, spec, world)
     check_stage_outputs(cfg, spec)
 
@@ -140,6 +142,16 @@ def launch_local(
     if not isinstance(results[0], RunResult):
         raise WorkerError("rank 0 finished without a result")
     return results[0]
+
+
+def _check_layer_plan(cfg: RunConfig) -> None:
+    """These launchers run one worker per schedule rank: a plan whose stages are split
+    over workers (operator partitioning) runs through :class:`dreampipe.Pipeline`."""
+    if cfg.plan.tensor_parallel > 1:
+        raise ConfigError(
+            f"plan {cfg.plan.config} splits its stages over {cfg.plan.tensor_parallel} "
+            "workers; launch_local and run_from_env run layer plans only: train it with "
+            "'dreampipe train --plan FILE' or dreampipe.Pipeline", "plan")
 
 
 def _train_rank(_rank: int, _world: int, cfg: RunConfig) -> RunResult | None:
