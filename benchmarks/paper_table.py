@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dreampipe.cli.plan import confirm_by_simulation
+from dreampipe.planning.config import stages_from_config
 from dreampipe.planning.costs import CostModel
-from dreampipe.planning.plan import Plan, stages_from_config
+from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import PRESETS, Topology
 from dreampipe.profiling.graph import LayerGraph

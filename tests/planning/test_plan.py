@@ -11,13 +11,8 @@ from typing import Any
 import pytest
 
 from dreampipe.errors import ConfigError, PlanError
-from dreampipe.planning.plan import (
-    Plan,
-    Stage,
-    config_string,
-    parse_stage_bounds,
-    stages_from_config,
-)
+from dreampipe.planning.config import config_string, parse_stage_bounds, stages_from_config
+from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +21,11 @@ from dreampipe.api.split import Chain, Layers
 from dreampipe.errors import ConfigError, DatasetError, PlanError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
+from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
-    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_stages_on_meta",
+    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_split",
+    "check_stages_on_meta",
 ]
 
 _log = logging.getLogger(__name__)
@@ -122,3 +125,25 @@ def check_loss(loss: Any) -> None:
             f"loss_fn returned {what}, not a scalar; return one number per minibatch, e.g. "
             "the mean (reduction='mean')", "loss_fn",
         )
+
+
+def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
+                resume: str | Path | None) -> None:
+    """What a plan of tensor-split stages cannot run with yet, each a ConfigError."""
+    t = plan.tensor_parallel
+    if any(st.replicas > 1 for st in plan.stages):
+        raise ConfigError(
+            f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
+            "one replica for now: use one replica per stage, or no split", "plan")
+    if kind is ScheduleKind.DP:
+        raise ConfigError(
+            f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
+            "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
+    if max_grad_norm is not None:
+        raise ConfigError(
+            f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
+            "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
+    if resume is not None:
+        raise ConfigError(
+            f"resume={str(resume)!r}: checkpoints of stages split over {t} workers are not "
+            "supported yet; train without resume", "resume")

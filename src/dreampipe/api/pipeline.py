@@ -48,13 +48,13 @@ from dreampipe.api.checks import (
     check_batch,
     check_optimizer,
     check_plan,
+    check_split,
     check_stages_on_meta,
 )
 from dreampipe.api.feed import Batches, Feed
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import build_split_stage, build_stage, split_layers
 from dreampipe.errors import ConfigError, ScheduleError
-from dreampipe.planning.plan import Plan
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.engine import RankRunner, RunnerOptions
 from dreampipe.runtime.forwards import run_forwards
@@ -66,7 +66,7 @@ from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["EvalResult", "Pipeline", "init_process_group"]
+__all__ = ["EvalResult", "Pipeline", "init_process_group", "rank_device"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
@@ -160,13 +160,13 @@ class Pipeline:
         _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         t = self.plan.tensor_parallel
         if t > 1:
-            _check_split(self.plan, self.kind, max_grad_norm, resume)
+            check_split(self.plan, self.kind, max_grad_norm, resume)
             self.layout = dataclasses.replace(self.layout, workers=world // t)
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
-        self.device = _device()
+        self.device = rank_device()
         stage = self.plan.stage_of_rank(self.rank)
         st = self.plan.stages[stage]
         #: The rank in the schedule (one per replica) and, in a split stage, the
@@ -354,28 +354,6 @@ def _check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
         )
 
 
-def _check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
-                 resume: str | Path | None) -> None:
-    """What a plan of tensor-split stages cannot run with yet, each a ConfigError."""
-    t = plan.tensor_parallel
-    if any(st.replicas > 1 for st in plan.stages):
-        raise ConfigError(
-            f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
-            "one replica for now: use one replica per stage, or no split", "plan")
-    if kind is ScheduleKind.DP:
-        raise ConfigError(
-            f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
-            "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
-    if max_grad_norm is not None:
-        raise ConfigError(
-            f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
-            "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
-    if resume is not None:
-        raise ConfigError(
-            f"resume={str(resume)!r}: checkpoints of stages split over {t} workers are not "
-            "supported yet; train without resume", "resume")
-
-
 def init_process_group(timeout_s: float) -> bool:
     """Join torchrun's group (env://), or make a group of one; True if this started one."""
     if dist.is_initialized():
@@ -409,7 +387,8 @@ def _attempt_store(timeout: timedelta) -> dict[str, Any]:
             "world_size": int(os.environ["WORLD_SIZE"])}
 
 
-def _device() -> torch.device:
+def rank_device() -> torch.device:
+    """This rank's device: CUDA device ``LOCAL_RANK`` under NCCL (made current), else the CPU."""
     if dist.get_backend() == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
-from dreampipe.api.pipeline import Pipeline, init_process_group
+from dreampipe.api.pipeline import Pipeline, init_process_group, rank_device
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.models.resolve import resolve_spec
@@ -178,8 +178,7 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     owns_group = False
     if cfg.measure_memory and cfg.plan.tensor_parallel > 1:  # library, not the model's
         owns_group = init_process_group(cfg.timeout_s)
-        where = "cuda" if torch.cuda.is_available() else "cpu"
-        load_dtensor_runtime(tensor_mesh(world, cfg.plan.tensor_parallel, where))
+        load_dtensor_runtime(tensor_mesh(world, cfg.plan.tensor_parallel, rank_device().type))
     baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
     if cfg.plan.tensor_parallel > 1:  # the Pipeline builds each worker's share only
         with torch.device("meta"):

@@ -17,7 +17,8 @@ import math
 from dreampipe.errors import ConfigError
 from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.models.spec import ModelSpec
-from dreampipe.planning.plan import Plan, parse_stage_bounds, stages_from_config
+from dreampipe.planning.config import parse_stage_bounds, stages_from_config
+from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads

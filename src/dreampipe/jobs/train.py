@@ -35,8 +35,9 @@ from dreampipe.jobs.local import (
 from dreampipe.jobs.machine import local_topology
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
+from dreampipe.planning.config import stages_from_config
 from dreampipe.planning.costs import SENDS_KEPT
-from dreampipe.planning.plan import Plan, stages_from_config
+from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.profiling.graph import LayerGraph

@@ -24,7 +24,6 @@ has the same ``t`` (a pipeline x tensor mesh).
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from collections.abc import Sequence
@@ -32,17 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dreampipe.errors import ConfigError, PlanError
+from dreampipe.errors import PlanError
+from dreampipe.planning.config import config_string
 from dreampipe.planning.splits import Split
 
-__all__ = [
-    "PLAN_FORMAT",
-    "Plan",
-    "Stage",
-    "config_string",
-    "parse_stage_bounds",
-    "stages_from_config",
-]
+__all__ = ["PLAN_FORMAT", "Plan", "Stage"]
 
 #: The "format" tag of a plan JSON file; a file with another tag is not a plan.
 PLAN_FORMAT = "dreampipe.plan"
@@ -367,52 +360,3 @@ def _check_figure(owner: str, what: str, value: float) -> None:
             f"{owner} has {what}={value!r}; predicted times and sizes must be finite and "
             ">= 0 (re-run 'dreampipe plan' on a profile with finite times and sizes)"
         )
-
-
-def config_string(replicas: Sequence[int], tensor_parallel: int = 1) -> str:
-    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4)."""
-    if tensor_parallel > 1:
-        return "-".join(f"{r}t{tensor_parallel}" for r in replicas)
-    if len(replicas) > 1 and all(r == 1 for r in replicas):
-        return "straight"
-    return "-".join(str(r) for r in replicas)
-
-
-def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
-    """Parse ``"2-1-1"`` into ``[2, 1, 1]``; ``"straight"`` needs ``num_stages``."""
-    if config == "straight":
-        if not num_stages or num_stages < 2:
-            raise PlanError("config 'straight' needs the number of stages (at least 2)")
-        return [1] * num_stages
-    if "t" in config:
-        raise PlanError(
-            f"config {config!r} splits stages over workers; a split plan comes from "
-            "'dreampipe plan --memory ... -o plan.json' (its splits per layer), given as --plan"
-        )
-    try:
-        reps = [int(x) for x in config.split("-")]
-    except ValueError:
-        raise PlanError(
-            f"config {config!r} is not like '2-1-1', '16' or 'straight'"
-        ) from None
-    if any(r < 1 for r in reps):
-        raise PlanError(f"config {config!r} has a stage with fewer than 1 replica")
-    return reps
-
-
-def parse_stage_bounds(text: str, num_layers: int) -> list[int]:
-    """``"0,4"`` (the first layer of each stage) into ``[0, 4]``, checked against the model."""
-    try:
-        bounds = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"stages={text!r}: list the first layer of each stage, e.g. 0,4", "stages"
-        ) from None
-    if bounds[0] != 0 or any(b <= a for a, b in itertools.pairwise(bounds)):
-        raise ConfigError(f"stages={text!r} must start at 0 and increase, e.g. 0,4", "stages")
-    if bounds[-1] >= num_layers:
-        raise ConfigError(
-            f"stages={text!r} starts a stage at layer {bounds[-1]} but the model has "
-            f"{num_layers} layers (0..{num_layers - 1})", "stages",
-        )
-    return bounds

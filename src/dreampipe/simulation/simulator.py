@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreampipe.errors import ScheduleError
-from dreampipe.planning.plan import config_string
+from dreampipe.planning.config import config_string
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.stepping import Span, Stepper
