@@ -1,11 +1,14 @@
-"""Compute alone and beside a busy twin (:func:`measure_corun`)."""
+"""Compute alone and beside busy twins (:func:`measure_corun`, :func:`profile_beside`)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.corun import Corun, measure_corun
+from dreampipe.jobs.corun import Corun, measure_corun, profile_beside
+from dreampipe.jobs.machine import PROJECT_MACHINE, corun_twins
 
 __all__: list[str] = []
 
@@ -29,3 +32,26 @@ def test_slowdown_is_the_ratio_of_medians_and_described() -> None:
 def test_bad_arguments_are_refused_before_any_process(batch: int, repeats: int, what: str) -> None:
     with pytest.raises(ConfigError, match=f"{what}=0"):
         measure_corun("mlp", batch, repeats=repeats)
+
+
+def test_a_profile_beside_a_twin_times_every_layer_and_says_so() -> None:
+    graph = profile_beside("mlp", 8, 1, model_kwargs=(("width", 64),), repeats=2,
+                           deadline_s=60.0)
+    assert graph.meta["twins"] == 1
+    assert graph.batch_size == 8
+    assert [layer.name for layer in graph.layers] == [f"fc{i}" for i in range(len(graph.layers))]
+    assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in graph.layers)
+
+
+def test_a_profile_beside_no_twin_is_a_plain_profile_in_a_worker() -> None:
+    graph = profile_beside("mlp", 8, 0, model_kwargs=(("width", 64),), repeats=1,
+                           deadline_s=60.0)
+    assert graph.meta["twins"] == 0
+    with pytest.raises(ConfigError, match="twins=-1"):
+        profile_beside("mlp", 8, -1)
+
+
+def test_each_local_worker_computes_beside_the_others_up_to_the_cores() -> None:
+    machine = dataclasses.replace(PROJECT_MACHINE, cores=2)
+    assert [corun_twins(w, machine) for w in (1, 2, 3, 8)] == [0, 1, 1, 1]
+    assert corun_twins(3, dataclasses.replace(PROJECT_MACHINE, cores=4)) == 2

@@ -35,6 +35,20 @@ def test_workers_side_by_side_compute_slower_than_the_profile() -> None:
         _GRAPH, one, 1.0, quiet).backward_s
 
 
+def test_a_profile_taken_beside_busy_twins_already_holds_the_slowdown() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    beside = dataclasses.replace(_GRAPH, meta={"twins": 1})
+    assert local_costs(beside, plan, 1.0, busy) == local_costs(_GRAPH, plan, 1.0, quiet)
+    # one twin is not enough where three workers compute at once on four cores
+    wide = dataclasses.replace(busy, cores=4)
+    three = Plan.from_config(4, [0, 1, 2], [1, 1, 1])
+    assert local_costs(beside, three, 1.0, wide).forward_s == pytest.approx(
+        tuple(1.25 * f for f in local_costs(_GRAPH, three, 1.0, dataclasses.replace(
+            quiet, cores=4)).forward_s))
+
+
 def test_more_workers_than_cores_share_them() -> None:
     # 2-1 on 3 workers: on 2 cores every host-side cost is 3/2 of its cost on 3
     plan = Plan.from_config(4, [0, 2], [2, 1])

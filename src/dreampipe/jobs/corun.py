@@ -1,25 +1,36 @@
-"""How much slower a worker computes beside a busy twin than alone.
+"""How fast a worker computes beside busy twins, as local workers do in a run.
 
-The layer profile is taken in one process, alone on the machine. Local
-workers compute side by side, sharing caches, memory bandwidth and, on a
-virtual machine, whatever the host gives two busy cores at once, so
-:class:`~dreampipe.jobs.machine.LocalCalibration` scales their compute by a
-``corun_slowdown``. :func:`measure_corun` measures it for one model and
-batch as the machine is now::
+Local workers compute side by side, sharing caches, memory bandwidth and,
+on a virtual machine, whatever the host gives busy cores at once; how much
+that costs depends on the model and on the host (on the project's 2-core
+machine a transformer block ran 1.33x slower beside a busy twin, the mlp
+1.10x). Two measurements:
 
-    rank 0   [alone: warm-up, repeats] | [beside: warm-up, repeats]
-    rank 1   (waits at the barrier)    | [same work, 2 more rounds]
-                                       ^ barrier
+- :func:`profile_beside` takes the layer profile itself beside ``twins``
+  processes that train the same model at the same batch, so each layer's
+  time already holds the slowdown of this workload on this machine as it
+  is now (``dreampipe train``'s profile)::
 
-Rank 1 runs two rounds more than rank 0, so rank 0 is never timed alone.
+      rank 0        [profile: every layer, warm-up, repeats] ─send─▶ stop
+      rank 1..t     [forward+backward, forward+backward, ...]  ◀─ until told
+
+- :func:`measure_corun` times one model's forward and backward alone, then
+  beside a twin: the factor :class:`~dreampipe.jobs.machine.LocalCalibration`
+  keeps for profiles taken alone::
+
+      rank 0   [alone: warm-up, repeats] | [beside: warm-up, repeats]
+      rank 1   (waits at the barrier)    | [same work, 2 more rounds]
+                                         ^ barrier
+
+  Rank 1 runs two rounds more than rank 0, so rank 0 is never timed alone.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -27,9 +38,10 @@ import torch.distributed as dist
 
 from dreampipe.errors import ConfigError, ProfileError
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import run_processes
 
-__all__ = ["Corun", "measure_corun"]
+__all__ = ["Corun", "measure_corun", "profile_beside"]
 
 
 @dataclass(frozen=True)
@@ -98,15 +110,79 @@ def _rank(rank: int, world: int, job: _Job) -> Corun | None:
         dist.destroy_process_group()
 
 
+def _training_round(job: _Job, seed: int = 0) -> Callable[[], None]:
+    """One forward and backward of ``job``'s model at its batch, ready to run again."""
+    spec = resolve_spec(job.model, job.model_kwargs)
+    net = spec.build(seed=seed)
+    x, y = spec.sample_input(job.batch_size), spec.sample_target(job.batch_size)
+
+    def run() -> None:
+        net.zero_grad(set_to_none=True)
+        torch.autograd.backward(spec.loss_fn(net(x), y))
+
+    return run
+
+
 def _timed(job: _Job, repeats: int) -> tuple[float, ...]:
     """Seconds of each of ``repeats`` forward+backward rounds, after one warm-up."""
-    spec = resolve_spec(job.model, job.model_kwargs)
-    net = spec.build(seed=0)
-    x, y = spec.sample_input(job.batch_size), spec.sample_target(job.batch_size)
+    train_once = _training_round(job)
     took = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
-        net.zero_grad(set_to_none=True)
-        torch.autograd.backward(spec.loss_fn(net(x), y))
+        train_once()
         took.append(time.perf_counter() - start)
     return tuple(took[1:])
+
+
+def profile_beside(
+    model: str,
+    batch_size: int,
+    twins: int,
+    *,
+    model_kwargs: Sequence[tuple[str, Any]] = (),
+    repeats: int = 5,
+    deadline_s: float = 600.0,
+) -> LayerGraph:
+    """The layer profile of ``model`` at ``batch_size`` (one thread) beside ``twins`` busy twins.
+
+    Every process is a fresh one-thread worker with the runtime's set-up
+    (:func:`~dreampipe.runtime.processes.run_processes`); the twins run the
+    model's forward and backward at the same batch until the profile is
+    done. The graph's ``meta["twins"]`` says how many ran beside it.
+    """
+    if twins < 0:
+        raise ConfigError(f"twins={twins}: use 0 or more busy twins", "twins")
+    job = _Job(model, tuple(model_kwargs), batch_size, repeats)
+    results: list[LayerGraph | None] = run_processes(
+        _profile_rank, 1 + twins, job, deadline_s=deadline_s, error=ProfileError)
+    graph = results[0]
+    assert graph is not None
+    return replace(graph, meta={**graph.meta, "twins": twins})
+
+
+def _profile_rank(rank: int, world: int, job: _Job) -> LayerGraph | None:
+    """Rank 0 profiles once every twin computes, then broadcasts the stop; a twin
+    computes until the broadcast arrives (an asynchronous gloo collective completes
+    by itself, a point-to-point receive only inside ``wait``)."""
+    from dreampipe.profiling.profiler import profile_spec
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        flag = torch.zeros(1)
+        if rank == 0:
+            spec = resolve_spec(job.model, job.model_kwargs)
+            dist.barrier()  # every twin is computing
+            graph = profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats)
+            dist.broadcast(flag, 0)
+            return graph
+        train_once = _training_round(job, seed=rank)
+        train_once()
+        dist.barrier()
+        stop = dist.broadcast(flag, 0, async_op=True)
+        assert stop is not None  # async_op gives the work
+        while not stop.is_completed():
+            train_once()
+        stop.wait()
+        return None
+    finally:
+        dist.destroy_process_group()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from dreampipe.errors import ConfigError
 from dreampipe.jobs.machine import local_costs, local_topology
@@ -33,8 +35,22 @@ log = logging.getLogger(__name__)
 _MAX_CUT_CHOICES = 20_000
 
 
-def profile_as_worker(spec: ModelSpec, batch_size: int, *, repeats: int = 5) -> LayerGraph:
-    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs."""
+def profile_as_worker(
+    spec: ModelSpec, batch_size: int, *, repeats: int = 5, twins: int = 0, ref: str = "",
+    model_kwargs: Sequence[tuple[str, Any]] = (),
+) -> LayerGraph:
+    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs.
+
+    With ``twins`` > 0 the profile is taken beside that many busy processes
+    training the same model (``ref`` and ``model_kwargs`` name it for them),
+    as local workers compute side by side in a run
+    (:func:`dreampipe.jobs.corun.profile_beside`).
+    """
+    if twins > 0:
+        from dreampipe.jobs.corun import profile_beside
+
+        return profile_beside(ref, batch_size, twins, model_kwargs=model_kwargs,
+                              repeats=repeats)
     from dreampipe.profiling.profiler import profile_spec
 
     with pinned_threads(1):

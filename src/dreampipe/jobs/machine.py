@@ -30,7 +30,7 @@ from dreampipe.profiling.graph import LayerGraph
 if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimCosts
 
-__all__ = ["PROJECT_MACHINE", "LocalCalibration", "local_costs", "local_topology"]
+__all__ = ["PROJECT_MACHINE", "LocalCalibration", "corun_twins", "local_costs", "local_topology"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +92,24 @@ PROJECT_MACHINE = LocalCalibration(
 )
 
 
+def corun_twins(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> int:
+    """Busy twins to profile beside for a run of ``workers`` local workers: each worker
+    computes beside the others, as many at once as there are cores."""
+    return max(0, min(workers, machine.cores) - 1)
+
+
+def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) -> float:
+    """How much slower than ``graph`` says a worker computes beside the others.
+
+    None for one worker, or for a profile taken beside as many busy twins
+    (``meta["twins"]``, :func:`dreampipe.jobs.corun.profile_beside`) as
+    compute beside each worker; else the machine's calibrated figure.
+    """
+    if workers <= 1 or int(graph.meta.get("twins", 0)) >= corun_twins(workers, machine):
+        return 1.0
+    return machine.corun_slowdown
+
+
 def local_topology(
     workers: int, machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1
 ) -> Topology:
@@ -118,7 +136,8 @@ def local_costs(
     loading the unit's data and the loss, and each weight update. Compute
     and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
-    cost stretches by ``workers / cores``. An all-reduce's start, measured
+    cost stretches by ``workers / cores``; a profile taken beside busy
+    twins already holds the co-run slowdown. An all-reduce's start, measured
     into the backward, stretches with the backward it waits on. ``nodes``:
     see :func:`local_topology`.
     """
@@ -132,7 +151,7 @@ def local_costs(
         forward[-1] += machine.batch_load_s
     forward[-1] += machine.loss_s
     share = max(1.0, plan.workers_used / machine.cores)
-    busy = share * (machine.corun_slowdown if plan.workers_used > 1 else 1.0)
+    busy = share * _corun_factor(graph, plan.workers_used, machine)
     return dataclasses.replace(
         costs, forward_s=tuple(f * busy for f in forward),
         backward_s=tuple(b * busy for b in costs.backward_s),

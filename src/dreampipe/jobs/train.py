@@ -32,7 +32,7 @@ from dreampipe.jobs.local import (
     predict_samples_per_s,
     profile_as_worker,
 )
-from dreampipe.jobs.machine import local_topology
+from dreampipe.jobs.machine import corun_twins, local_topology
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
@@ -249,7 +249,9 @@ def plan_train(
     if lead:
         steps, given = _check_before_profiling(req, source, spec, workers,
                                                fixed_world=torchrun is not None)
-        graph = profile_as_worker(spec, layout.unit_size)
+        twins = corun_twins(workers) if torchrun is None else 0
+        graph = profile_as_worker(spec, layout.unit_size, twins=twins, ref=opts.model,
+                                  model_kwargs=opts.model_kwargs)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
                                     memory_bytes=req.memory_bytes)
