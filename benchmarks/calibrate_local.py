@@ -1,8 +1,8 @@
 """Measure this machine's communication and update figures for :class:`LocalCalibration`.
 
 The simulator predicts a local run from the layer profile plus figures the
-profile cannot see (:mod:`dreampipe.jobs.machine`). Two of them dominate
-on a CPU machine, and this command measures both the way the runtime
+profile cannot see (:mod:`dreampipe.jobs.machine`). This command measures
+those that dominate on a CPU machine the way the runtime
 incurs them, so that a user can rerun it on their own machine:
 
 - ``bandwidth``: two local worker processes (gloo, one thread each)
@@ -13,6 +13,9 @@ incurs them, so that a user can rerun it on their own machine:
   that time.
 - ``step_bandwidth``: bytes of parameters one plain SGD step updates per
   second on one worker (the runtime's ``STEP`` action).
+- ``stash_copy_bandwidth``: bytes of parameters per second a ``STEP``
+  copies when a unit in flight still needs the version it replaces
+  (weight stashing's copy-on-write, ``StageModule.step``).
 - ``corun_slowdown``: how much slower one worker's forward and backward of
   ``--model`` (minibatch 32, one thread) run while another worker computes
   the same beside it than alone: the cores share caches and memory
@@ -55,14 +58,14 @@ class _Job:
 _BATCH = 32
 
 
-def _seconds(job: _Job) -> tuple[list[float], list[float], int]:
-    """All-reduce and SGD-step seconds per round, and the gradient bytes."""
+def _seconds(job: _Job) -> tuple[list[float], list[float], list[float], int]:
+    """All-reduce, SGD-step and stash-copy seconds per round, and the gradient bytes."""
     params = list(resolve_spec(job.model, ()).build(seed=0).parameters())
     grads = [torch.ones_like(p) for p in params]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     buckets = GradientBuckets(params, None, lambda work, _a: work.wait())
     optimizer = torch.optim.SGD(params, lr=1e-3)
-    reduce_s, step_s = [], []
+    reduce_s, step_s, copy_s = [], [], []
     for i in range(job.repeats + 1):  # the first round warms up
         dist.barrier()
         start = time.perf_counter()
@@ -73,14 +76,19 @@ def _seconds(job: _Job) -> tuple[list[float], list[float], int]:
         start = time.perf_counter()
         optimizer.step()
         stepped = time.perf_counter() - start
+        start = time.perf_counter()
+        for p in params:  # StageModule.step's copy-on-write of a version still in use
+            p.data = p.data.clone()
+        copied = time.perf_counter() - start
         if i:
             reduce_s.append(took)
             step_s.append(stepped)
-    return reduce_s, step_s, nbytes
+            copy_s.append(copied)
+    return reduce_s, step_s, copy_s, nbytes
 
 
-def _rank(rank: int, world: int, job: _Job) -> tuple[list[float], list[float], int]:
-    """The all-reduce and SGD-step figures, from both ranks at once."""
+def _rank(rank: int, world: int, job: _Job) -> tuple[list[float], list[float], list[float], int]:
+    """The all-reduce, SGD-step and stash-copy figures, from both ranks at once."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         return _seconds(job)
@@ -96,8 +104,8 @@ def _spread(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Measure the all-reduce bandwidth between two local gloo workers, the "
-                    "SGD step rate and the slowdown of compute beside a busy worker, as the "
-                    "runtime incurs them, for LocalCalibration.")
+                    "SGD step and stash copy rates and the slowdown of compute beside a busy "
+                    "worker, as the runtime incurs them, for LocalCalibration.")
     parser.add_argument("--model", default="mlp",
                         help="zoo model whose parameters are all-reduced and stepped "
                              "(default: mlp, the train command's default model)")
@@ -106,18 +114,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: measure at least 1 round")
     results = run_processes(_rank, 2, _Job(args.model, args.repeats), deadline_s=300.0)
-    reduce_s, step_s, nbytes = results[0]
+    reduce_s, step_s, copy_s, nbytes = results[0]
     corun = measure_corun(args.model, _BATCH, repeats=args.repeats)
     bandwidth = nbytes / statistics.median(reduce_s)
     step_bandwidth = nbytes / statistics.median(step_s)
+    copy_bandwidth = nbytes / statistics.median(copy_s)
     print(f"{args.model}: {format_bytes(nbytes)} of gradients")
     print(f"all-reduce on 2 workers: {_spread(reduce_s)} -> {format_bytes(bandwidth)}/s")
     print(f"SGD step:                {_spread(step_s)} -> {format_bytes(step_bandwidth)}/s")
+    print(f"stash copy:              {_spread(copy_s)} -> {format_bytes(copy_bandwidth)}/s")
     print(f"at minibatch {_BATCH}: {corun.describe()}")
     print("for LocalCalibration:")
     print(f'    bandwidth="{bandwidth / 1e6:.0f}MB/s",')
     print(f"    step_bandwidth={step_bandwidth:.3g},")
     print(f"    corun_slowdown={corun.slowdown:.3f},")
+    print(f"    stash_copy_bandwidth={copy_bandwidth:.3g},")
 
 
 if __name__ == "__main__":

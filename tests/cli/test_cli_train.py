@@ -150,14 +150,19 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     steps = 200
     rate = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM, minibatch_size=32,
                                  microbatches=1, steps=steps)
-    # the last stage's two layers, plus the host time local costs charge it per
-    # minibatch: its forward's overhead, label load and loss and the SGD step of
-    # its 8 MiB of weights (slowed by a busy neighbour), and its gradient send
+    # the slower stage: each runs two layers plus the host time local costs charge
+    # per minibatch (slowed by a busy neighbour): its forward's overhead, its data
+    # (samples or labels), the SGD step of its 8 MiB of weights and one send; the
+    # last stage adds the loss, the first the copy its step makes of the weights
+    # that the minibatch in flight still holds (weight stashing)
     m = PROJECT_MACHINE
-    work_s = (2 * 6.0 / 1e3 + m.stage_forward_s + m.batch_load_s + m.loss_s
-              + 2 * 4 * 1024 * 1024 / m.step_bandwidth)
+    weights = 2 * 4 * 1024 * 1024
+    common_s = (2 * 6.0 / 1e3 + m.stage_forward_s + m.batch_load_s
+                + weights / m.step_bandwidth)
+    first_s, last_s = common_s + weights / m.stash_copy_bandwidth, common_s + m.loss_s
     send_s = m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth
-    one_stage_s = work_s * m.corun_slowdown + send_s
+    one_stage_s = max(first_s, last_s) * m.corun_slowdown + send_s
+    assert first_s > last_s
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
     assert local_topology(2).num_workers == 2
 

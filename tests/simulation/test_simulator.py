@@ -256,6 +256,28 @@ def test_send_overhead_occupies_the_sender() -> None:
         replace(base, send_overhead_s=-1.0)
 
 
+def test_a_step_copies_the_weights_a_unit_in_flight_still_holds() -> None:
+    # straight 2-stage PipeDream: stage 0 steps after B(u) with u+1 in flight on the
+    # live weights (copy-on-write: the copy), except after the last; stage 1 never
+    units = 6
+    sched = build_schedule([1, 1], S.PIPEDREAM, units)
+    base = SimCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), step_s=(0.25, 0.25),
+                    parameter_bytes=(50.0, 50.0))
+    copying = replace(base, stash_copy_bandwidth=100.0)
+    steps = [[e.end_s - e.start_s for e in simulate_schedule(sched, c).events
+              if e.kind is K.STEP and e.stage == 0] for c in (base, copying)]
+    assert steps[0] == pytest.approx([0.25] * units)
+    assert steps[1] == pytest.approx([0.75] * (units - 1) + [0.25])
+    stage1 = [e.end_s - e.start_s for e in simulate_schedule(sched, copying).events
+              if e.kind is K.STEP and e.stage == 1]
+    assert stage1 == pytest.approx([0.25] * units)
+    flush = build_schedule([1, 1], S.FLUSH, 4, units_per_update=4)  # nothing in flight
+    assert simulate_schedule(flush, copying).makespan_s == pytest.approx(
+        simulate_schedule(flush, base).makespan_s)
+    with pytest.raises(ScheduleError, match="stash_copy_bandwidth"):
+        replace(base, stash_copy_bandwidth=0.0)
+
+
 @pytest.mark.parametrize(("replicas", "units"), [((3, 2), 7), ((3, 2), 5), ((5, 7), 36),
                                                  ((5, 7), 3), ((11, 13, 17, 19), 100)])
 def test_partial_last_round_simulates(replicas: tuple[int, ...], units: int) -> None:

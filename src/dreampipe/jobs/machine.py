@@ -50,6 +50,13 @@ class LocalCalibration:
     #: caches and memory bandwidth (same command: the mlp at minibatch 32,
     #: 51.9 ms alone, 54.1 ms beside a busy worker).
     corun_slowdown: float
+    #: Parameter bytes per second a ``STEP`` copies when a unit in flight still
+    #: needs the version it replaces (weight stashing's copy-on-write: stage 0
+    #: of a 2-stage PipeDream pipeline copies at every step, stage 1 never).
+    #: Same command, which measured the copy at 0.81 of the step's rate (6.5
+    #: against 8.0 GB/s, on a faster host than the other figures'): that share
+    #: of ``step_bandwidth``.
+    stash_copy_bandwidth: float
     #: Host time to post one gloo send: a fixed part plus a copy at
     #: ``send_copy_bandwidth``. Read off the runtime's measured SEND events for
     #: the bench's mlp (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
@@ -83,6 +90,7 @@ class LocalCalibration:
 PROJECT_MACHINE = LocalCalibration(
     bandwidth="572MB/s",
     step_bandwidth=4.22e9,
+    stash_copy_bandwidth=3.42e9,
     corun_slowdown=1.043,
     send_overhead_s=0.19e-3,
     send_copy_bandwidth=2.6e9,
@@ -133,7 +141,8 @@ def local_costs(
 
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward the stage's own overhead,
-    loading the unit's data and the loss, and each weight update. Compute
+    loading the unit's data and the loss, and each weight update (with the
+    copy weight stashing makes where a unit in flight needs the old weights). Compute
     and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
     cost stretches by ``workers / cores``; a profile taken beside busy
@@ -160,4 +169,5 @@ def local_costs(
         send_overhead_s=machine.send_overhead_s * share,
         send_copy_bandwidth=machine.send_copy_bandwidth / share,
         step_s=tuple(p / machine.step_bandwidth * busy for p in costs.parameter_bytes),
+        stash_copy_bandwidth=machine.stash_copy_bandwidth / busy,
     )

@@ -37,6 +37,9 @@ class SimCosts:
     ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
     is reported in profiled minibatches. ``send_overhead_s`` and
     ``send_copy_bandwidth`` give the sender's own time to post one message.
+    ``stash_copy_bandwidth`` is the rate at which a ``STEP`` copies its
+    stage's parameters when a unit in flight still holds the version it
+    replaces (weight stashing's copy-on-write; ``math.inf``: free).
     ``allreduce_delay_s[s]`` is how far into its backward stage s's
     all-reduce can start at the earliest, taken as one block on one link
     (:func:`dreampipe.planning.costs.allreduce_end` less the all-reduce).
@@ -55,6 +58,7 @@ class SimCosts:
     unit_fraction: float = 1.0
     send_overhead_s: float = 0.0
     send_copy_bandwidth: float = math.inf
+    stash_copy_bandwidth: float = math.inf
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -80,6 +84,10 @@ class SimCosts:
             raise ScheduleError(
                 f"send_overhead_s={self.send_overhead_s}, send_copy_bandwidth="
                 f"{self.send_copy_bandwidth}: give an overhead >= 0 and a bandwidth > 0"
+            )
+        if not self.stash_copy_bandwidth > 0:
+            raise ScheduleError(
+                f"stash_copy_bandwidth={self.stash_copy_bandwidth}: give a bandwidth > 0"
             )
 
     @property

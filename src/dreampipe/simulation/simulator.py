@@ -2,7 +2,9 @@
 
 Each rank runs its action list in order, exactly as the runtime does:
 
-- ``F``/``B``/``STEP`` occupy the rank for the stage's cost per unit;
+- ``F``/``B``/``STEP`` occupy the rank for the stage's cost per unit; a
+  ``STEP`` while a unit in flight holds the live weights also copies them
+  (weight stashing's copy-on-write, at ``stash_copy_bandwidth``);
 - ``SEND`` is non-blocking: the transfer starts when the directed link
   (sender rank -> receiver rank) is free, lasts ``bytes / bandwidth`` and
   holds the link until it ends (one transfer at a time per link), while the
@@ -188,6 +190,8 @@ class _Run(Stepper):
             mem.backward(action.unit)
         else:
             dur = c.step_s[st]
+            if mem.pins_live():  # the live weights move to a copy (copy-on-write)
+                dur += c.parameter_bytes[st] / c.stash_copy_bandwidth
             mem.step()
         self.busy[rank] += dur
         if self.record:
@@ -279,6 +283,10 @@ class _Memory:
     def step(self) -> None:
         self.version += 1
         self._sample()
+
+    def pins_live(self) -> bool:
+        """Whether a unit in flight holds the live version, which a step then keeps."""
+        return self.version in self.counts
 
     def _sample(self) -> None:
         versions = len(self.counts) + (self.version not in self.counts)
