@@ -11,8 +11,8 @@ machine a transformer block ran 1.33x slower beside a busy twin, the mlp
   time already holds the slowdown of this workload on this machine as it
   is now (``dreampipe train``'s profile)::
 
-      rank 0        [profile: every layer, warm-up, repeats] ─send─▶ stop
-      rank 1..t     [forward+backward, forward+backward, ...]  ◀─ until told
+      rank 0      barrier [profile: every layer, warm-up, repeats] broadcast
+      rank 1..t   barrier [forward+backward, forward+backward, ...] until it lands
 
 - :func:`measure_corun` times one model's forward and backward alone, then
   beside a twin: the factor :class:`~dreampipe.jobs.machine.LocalCalibration`

@@ -48,7 +48,8 @@ class LocalCalibration:
     #: How much slower a worker's forward and backward run beside another
     #: busy worker than alone, as the layer profile is taken: the cores share
     #: caches and memory bandwidth (same command: the mlp at minibatch 32,
-    #: 51.9 ms alone, 54.1 ms beside a busy worker).
+    #: 51.9 ms alone, 54.1 ms beside a busy worker). Only for a profile taken
+    #: alone: ``dreampipe train`` profiles beside busy twins instead.
     corun_slowdown: float
     #: Parameter bytes per second a ``STEP`` copies when a unit in flight still
     #: needs the version it replaces (weight stashing's copy-on-write: stage 0
@@ -109,7 +110,7 @@ def corun_twins(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> in
 def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) -> float:
     """How much slower than ``graph`` says a worker computes beside the others.
 
-    None for one worker, or for a profile taken beside as many busy twins
+    No slowdown for one worker, or for a profile taken beside as many busy twins
     (``meta["twins"]``, :func:`dreampipe.jobs.corun.profile_beside`) as
     compute beside each worker; else the machine's calibrated figure.
     """
@@ -142,8 +143,8 @@ def local_costs(
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward the stage's own overhead,
     loading the unit's data and the loss, and each weight update (with the
-    copy weight stashing makes where a unit in flight needs the old weights). Compute
-    and updates run ``machine.corun_slowdown`` slower when workers run side
+    copy weight stashing makes where a unit in flight needs the old weights).
+    Compute and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
     cost stretches by ``workers / cores``; a profile taken beside busy
     twins already holds the co-run slowdown. An all-reduce's start, measured
