@@ -27,6 +27,7 @@ machine a transformer block ran 1.33x slower beside a busy twin, the mlp
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -166,6 +167,10 @@ def _profile_rank(rank: int, world: int, job: _Job) -> LayerGraph | None:
     by itself, a point-to-point receive only inside ``wait``)."""
     from dreampipe.profiling.profiler import profile_spec
 
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        # not a training rank: model code that acts on one (logs, files) stays quiet
+        # here, as in a profile taken in the launcher itself
+        os.environ.pop(name, None)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         flag = torch.zeros(1)
