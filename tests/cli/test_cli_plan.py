@@ -231,7 +231,7 @@ def test_coprime_replicas_are_checked_in_bounded_minibatches() -> None:
 
 @pytest.mark.parametrize(("replicas", "expected"), [
     ((1, 1), 2 * 2 + 4 * 2),                    # warm-up 2, drain 2, 4 per worker
-    ((3, 1), 2 * 3 * 2 + 4 * 4),                # 3 replicas admit ceil(4/3) = 2 each
+    ((3, 1), 2 * 3 * 3 + 4 * 4),                # 3 replicas admit ceil((4 + 4)/3) = 3 each
     ((1000, 100), CHECK_MINIBATCHES),           # 2 x 2000 + 4 x 1100 > the cap
     ((20,) * 40, CHECK_STAGE_MINIBATCHES // 40),  # deep and wide: the work bound
 ])

@@ -12,8 +12,9 @@ import pytest
 
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.config import config_string, parse_stage_bounds, stages_from_config
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.plan import Plan, Stage
-from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 
@@ -191,3 +192,32 @@ def test_an_all_zero_profile_is_refused_by_the_planner() -> None:
 
 def _refuse(token: str) -> float:
     raise AssertionError(f"plan JSON holds {token}")
+
+
+def test_in_flight_is_the_stages_own_else_the_default(tmp_path: Path) -> None:
+    assert _plan().in_flight == (3, 1)  # (4 + 2 x 2) / 3: the join buffer
+    stages = (Stage(first=0, last=4, replicas=3, ranks=(0, 1, 2), in_flight=2),
+              Stage(first=5, last=7, replicas=1, ranks=(3,), in_flight=1))
+    plan = Plan(stages=stages, num_layers=8)
+    assert plan.in_flight == (2, 1)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").in_flight == (2, 1)
+
+
+def test_in_flight_is_all_or_nothing() -> None:
+    stages = (Stage(first=0, last=4, replicas=3, ranks=(0, 1, 2), in_flight=2),
+              Stage(first=5, last=7, replicas=1, ranks=(3,)))
+    with pytest.raises(PlanError, match=r"hold \[2, 0\] minibatches in flight"):
+        Plan(stages=stages, num_layers=8)
+
+
+def test_a_memory_limit_keeps_the_deepest_join_buffer_that_fits() -> None:
+    layers = [Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(4)]
+    graph, topo = LayerGraph.chain(layers), Topology.parse("4")
+    free = evaluate_plan(graph, topo, [0, 2], [3, 1])
+    assert free.in_flight == in_flight_counts([3, 1]) == (3, 1)
+    need = max(s.memory_bytes for s in free.stages)
+    tight = evaluate_plan(graph, topo, [0, 2], [3, 1], memory_bytes=need - 1)
+    assert tight.in_flight == in_flight_counts([3, 1], 1) == (2, 1)
+    assert all(s.memory_bytes <= need - 1 for s in tight.stages)
+    assert tight.time_per_minibatch_s == free.time_per_minibatch_s

@@ -23,8 +23,8 @@ from dreampipe.planning.costs import (
     max_versions,
     stage_memory,
     stage_time,
-    versions_in_flight,
 )
+from dreampipe.planning.in_flight import versions_in_flight
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
@@ -313,7 +313,8 @@ def test_memory_and_max_stages_equal_brute_force(
     for stages in _flat_plans(n, workers):
         if len(stages) > max_stages:
             continue
-        cand = evaluate_plan(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages])
+        cand = evaluate_plan(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages],
+                             memory_bytes=memory)
         if all(s.memory_bytes <= memory for s in cand.stages):
             best = min(best, cand.time_per_minibatch_s)
     if math.isinf(best):

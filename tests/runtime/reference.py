@@ -86,8 +86,11 @@ def reference_sync(
 
 
 def admitted(replicas: Sequence[int], stage: int) -> int:
-    """Minibatches a replica of ``stage`` starts before its first backward (DESIGN §4)."""
-    return math.ceil(sum(replicas[stage:]) / replicas[stage])
+    """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
+    ``ceil(W / r)`` (DESIGN §4) plus the join buffer, two per replica beyond one of
+    this and later stages, except at the last stage (``docs/planner.md``)."""
+    joins = 0 if stage == len(replicas) - 1 else sum(r - 1 for r in replicas[stage:])
+    return math.ceil((sum(replicas[stage:]) + 2 * joins) / replicas[stage])
 
 
 def reference_pipedream(

@@ -9,13 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import (
     build_schedule,
     compute_schedule,
     lower_communication,
     lower_updates,
-    warmup_forwards,
     whole_rounds,
 )
 from dreampipe.scheduling.validator import validate_schedule
@@ -51,13 +51,56 @@ def test_pipedream_straight_order_is_one_forward_one_backward() -> None:
 
 
 @pytest.mark.parametrize("replicas", [(3, 1), (2, 1, 1), (15, 1), (2, 3, 1), (4, 4, 4, 4)])
-def test_pipedream_input_stage_admits_noam(replicas: tuple[int, ...]) -> None:
+def test_pipedream_input_stage_admits_noam_with_no_join_buffer(replicas: tuple[int, ...]) -> None:
     units = 3 * math.lcm(*replicas) * max(replicas)
-    sched = build_schedule(replicas, S.PIPEDREAM, units)
+    sched = build_schedule(replicas, S.PIPEDREAM, units, in_flight=in_flight_counts(replicas, 0))
     noam = math.ceil(sum(replicas) / replicas[0])
-    assert warmup_forwards(replicas, 0) == noam
     for rank in range(replicas[0]):
         assert _forwards_before_first_backward(sched.actions[rank]) == noam
+
+
+# (replicas, minibatches in flight per stage by default): ceil((W_s + 2 E_s) / r_s) with
+# E_s the replicas beyond one of stages s.. (0 at the last stage), worked by hand
+_JOINED = [
+    ((1, 1, 1), (3, 2, 1)),  # straight: PipeDream's n - s
+    ((4,), (1,)),  # data parallelism
+    ((3, 1), (3, 1)),  # (4 + 4) / 3
+    ((15, 1), (3, 1)),  # (16 + 28) / 15
+    ((1, 2), (5, 1)),  # (3 + 2) / 1
+    ((2, 3, 1), (6, 3, 1)),  # (6 + 6) / 2, (4 + 4) / 3
+    ((4, 4, 4, 4), (10, 8, 5, 1)),  # (16 + 24) / 4, (12 + 18) / 4, (8 + 12) / 4
+]
+
+
+@pytest.mark.parametrize(("replicas", "expect"), _JOINED)
+def test_pipedream_default_warmup_covers_the_all_reduce_joins(
+    replicas: tuple[int, ...], expect: tuple[int, ...]
+) -> None:
+    assert in_flight_counts(replicas) == expect
+    sched = build_schedule(replicas, S.PIPEDREAM, 4 * sum(expect) * max(replicas))
+    for rank, acts in enumerate(sched.actions):
+        assert _forwards_before_first_backward(acts) == expect[sched.stage_of_rank(rank)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(0, 3))
+def test_every_join_buffer_gives_a_valid_schedule(replicas: list[int], join: int) -> None:
+    counts = in_flight_counts(replicas, join)
+    assert all(c >= p for c, p in zip(counts, in_flight_counts(replicas, 0), strict=True))
+    units = 2 * sum(replicas) + 3
+    sched = build_schedule(replicas, S.PIPEDREAM, units, in_flight=counts)  # validated
+    for rank, acts in enumerate(sched.actions):
+        stage = sched.stage_of_rank(rank)
+        mine = sum(1 for a in acts if a.kind is K.FORWARD)
+        assert _forwards_before_first_backward(acts) == min(counts[stage], mine)
+
+
+@pytest.mark.parametrize(("kind", "counts"), [(S.PIPEDREAM, (2,)), (S.PIPEDREAM, (2, 0)),
+                                               (S.FLUSH, (2, 1))])
+def test_in_flight_must_fit_the_pipedream_schedule(kind: ScheduleKind,
+                                                   counts: tuple[int, ...]) -> None:
+    with pytest.raises(ScheduleError, match="one count >= 1 per stage"):
+        build_schedule((1, 1), kind, 4, 2 if kind is S.FLUSH else 1, in_flight=counts)
 
 
 def test_round_robin_replicas_run_forward_and_backward_of_their_units() -> None:

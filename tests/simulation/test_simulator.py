@@ -11,12 +11,13 @@ from typing import Any
 import pytest
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.sync import Sync, SyncKind
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
-from dreampipe.scheduling.build import build_schedule, warmup_forwards
+from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.validator import validate_schedule
 from dreampipe.simulation.simulator import (
     SimCosts,
@@ -101,7 +102,7 @@ def test_every_schedule_of_every_small_config_simulates(replicas: tuple[int, ...
         result = simulate_schedule(build_schedule(replicas, S.PIPEDREAM, lcm * m), costs,
                                    record_events=False)
         assert result.peak_in_flight == tuple(
-            min(warmup_forwards(replicas, s), lcm * m // r)
+            min(in_flight_counts(replicas)[s], lcm * m // r)
             for s, r in enumerate(replicas) for _ in range(r))
         assert result.makespan_s >= max(max(result.busy_s), one_pass - 1e-9)
         dp = simulate_schedule(build_schedule((workers,), S.DP, workers * m, workers),

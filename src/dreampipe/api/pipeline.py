@@ -61,7 +61,7 @@ from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import tensor_mesh
-from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -194,7 +194,7 @@ class Pipeline:
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._horizon = _HORIZON
         self.runner = RankRunner(
-            self.layout.build(self.replicas, self._horizon), self.srank, self.device,
+            self._schedule(self._horizon), self.srank, self.device,
             self.module, None, self._opts, groups=groups, links=self._links,
             clip_group=clip_group, after_step=self._after_step,
         )
@@ -208,6 +208,10 @@ class Pipeline:
     def _after_step(self) -> None:
         if self.scheduler is not None:
             self.scheduler.step()
+
+    def _schedule(self, minibatches: int) -> Schedule:
+        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight)."""
+        return self.layout.build(self.replicas, minibatches, self.plan.in_flight)
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
@@ -227,7 +231,7 @@ class Pipeline:
         check_batch(self.minibatches, (x, y), self._example)
         if self._segment == 0 and self.runner.done:
             self._horizon = _HORIZON
-            self.runner.restart(self.layout.build(self.replicas, self._horizon))
+            self.runner.restart(self._schedule(self._horizon))
             self._feed = self._new_feed()
         if self._segment == 0:
             self.runner.guard.first_minibatch = self.minibatches
@@ -236,7 +240,7 @@ class Pipeline:
         self.minibatches += 1
         if 2 * self._segment > self._horizon:
             self._horizon *= 4
-            self.runner.switch(self.layout.build(self.replicas, self._horizon))
+            self.runner.switch(self._schedule(self._horizon))
         self.runner.advance(self._segment * self.layout.units_per_update)
 
     def _drain(self) -> None:
@@ -244,7 +248,7 @@ class Pipeline:
         n = self._segment
         if n == 0:
             return
-        self.runner.switch(self.layout.build(self.replicas, n))
+        self.runner.switch(self._schedule(n))
         self.runner.advance()
         self.runner.comm.drain()
         per = self.layout.units_per_update

@@ -39,7 +39,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.build import build_schedule, warmup_forwards
+from dreampipe.scheduling.build import build_schedule
 from dreampipe.simulation.simulator import SimResult, costs_from_profile, simulate_schedule
 
 __all__ = [
@@ -180,7 +180,7 @@ def check_minibatches(result: Plan, cap: int = CHECK_MINIBATCHES) -> int:
     if cap < 1:
         raise ConfigError(f"cap={cap} minibatches; use 1 or more", "cap")
     replicas = [st.replicas for st in result.stages]
-    warm = replicas[0] * warmup_forwards(replicas, 0)
+    warm = replicas[0] * result.in_flight[0]
     wanted = 2 * warm + _STEADY_PER_WORKER * sum(replicas)
     return max(1, min(wanted, cap, CHECK_STAGE_MINIBATCHES // len(replicas)))
 
@@ -197,7 +197,7 @@ def confirm_by_simulation(
     out) with the planner's steady-state figure.
     """
     schedule = build_schedule([st.replicas for st in result.stages], ScheduleKind.PIPEDREAM,
-                              check_minibatches(result, cap))
+                              check_minibatches(result, cap), in_flight=result.in_flight)
     return simulate_schedule(schedule, costs_from_profile(graph, result, topo), record_events=False)
 
 

@@ -78,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.update()
         replicas, layout, updates = _units(args, kind, plan)
         costs = _costs(plan, graph, topology, kind, layout.unit_fraction)
-        schedule = layout.build(replicas, updates)
+        schedule = layout.build(replicas, updates, plan.in_flight)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
         result = simulate_schedule(schedule, costs, record_events=wants_events)

@@ -164,7 +164,7 @@ def predict_samples_per_s(
 
     layout = UnitLayout(kind=kind, minibatch_size=minibatch_size, microbatches=microbatches,
                         workers=plan.workers_used)
-    schedule = layout.build([st.replicas for st in plan.stages], steps)
+    schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
     fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
     result = simulate_schedule(schedule, local_costs(graph, plan, fraction, nodes=nodes))
     events = result.events

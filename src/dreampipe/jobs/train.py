@@ -269,9 +269,10 @@ def plan_train(
     memory: tuple[int, ...] = ()
     if graph is not None:
         # long enough to fill the pipeline and the runtime's kept sends
-        horizon = min(steps, SENDS_KEPT + 2 * plan.workers_used)
+        fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
+        horizon = min(steps, SENDS_KEPT + 2 * fill)
         memory = predict_memory(graph, plan, layout.build(
-            [st.replicas for st in plan.stages], horizon), opts)
+            [st.replicas for st in plan.stages], horizon, plan.in_flight), opts)
         check_memory(plan, memory, req.memory_bytes)
     predicted = 0.0 if graph is None else predict_samples_per_s(
         graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,

@@ -25,7 +25,7 @@ running through a layer briefly holds the gradients of what that layer keeps
 (about as many bytes: its largest layer's, ``working``); besides, the rank
 keeps its last ``SENDS_KEPT`` sent tensors until it reaps them::
 
-    versions = ceil(workers from this stage to the end / replicas of this stage)
+    versions = minibatches in flight (:mod:`dreampipe.planning.in_flight`)
     memory   = weights * (versions + 1 + optimizer) + (input + kept) * in flight
                + working + SENDS_KEPT * sent
 
@@ -49,6 +49,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -66,7 +67,6 @@ __all__ = [
     "memory_bytes",
     "stage_memory",
     "stage_time",
-    "versions_in_flight",
 ]
 
 FloatArray = npt.NDArray[np.float64]
@@ -180,16 +180,6 @@ def cut_time(
     """
     a = np.asarray(activation_bytes, dtype=np.float64)
     return np.asarray(2.0 * (latency + a / bandwidth))
-
-
-def versions_in_flight(workers_to_end: int, replicas: int) -> int:
-    """Minibatches (and weight versions) a stage holds: ``ceil(F / r)``.
-
-    PipeDream's 1F1B admits ``NOAM = ceil(workers / replicas_of_input)``
-    minibatches; the same count from a stage's own position gives ``n - s``
-    for stage ``s`` of a straight ``n``-stage pipeline (DESIGN §5).
-    """
-    return -(-workers_to_end // replicas)
 
 
 def memory_bytes(
@@ -394,10 +384,9 @@ class RangeCosts:
             optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
         )))
 
-    def memories(self, spans: Sequence[tuple[int, int, int]]) -> list[int]:
-        """Bytes per worker of each stage ``(first, last, replicas)`` of one pipeline."""
-        out, to_end = [], sum(r for _, _, r in spans)
-        for first, last, r in spans:
-            out.append(self.memory(first, last, versions_in_flight(to_end, r)))
-            to_end -= r
-        return out
+    def memories(self, spans: Sequence[tuple[int, int, int]], join: int) -> list[int]:
+        """Bytes per worker of each stage ``(first, last, replicas)`` of one pipeline,
+        holding :func:`~dreampipe.planning.in_flight.in_flight_counts` with ``join``."""
+        counts = in_flight_counts([r for _, _, r in spans], join)
+        return [self.memory(first, last, v) for (first, last, _), v in zip(spans, counts,
+                                                                            strict=True)]

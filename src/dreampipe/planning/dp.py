@@ -19,8 +19,10 @@ of the same layout, term for term.
 
 DESIGN writes the recurrence peeling the last stage; peeling the *first*
 gives the same minimum over all partitions and lets each stage know how many
-workers lie after it, which the memory rule (versions in flight,
-:mod:`dreampipe.planning.costs`) needs. The inner min over ``(t, m')`` is a
+workers lie after it, which the memory rule needs: PipeDream's minibatches in
+flight, ``ceil(W / r)`` (:mod:`dreampipe.planning.in_flight`; the plan then
+runs the deepest join buffer that fits, :func:`~dreampipe.planning.pricing.
+price_stages`). The inner min over ``(t, m')`` is a
 min-max matrix product (:mod:`dreampipe.planning.minmax`), done in NumPy for
 all of a level's contexts and all ``m'`` at once, and pruned exactly by the
 time of one stage on every unit, which bounds the optimum (:func:`_limits`).

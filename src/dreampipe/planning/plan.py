@@ -33,6 +33,7 @@ from typing import Any
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.config import config_string
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.splits import Split
 
 __all__ = ["PLAN_FORMAT", "Plan", "Stage"]
@@ -58,6 +59,9 @@ class Stage:
     ``ranks``, in the same order (empty: the ranks themselves).
     ``tensor_parallel`` workers run each replica, with ``splits`` (one per
     layer) saying how each layer's tensors are divided among them.
+    ``in_flight`` is the minibatches each replica holds under PipeDream's
+    schedule, its 1F1B warm-up (0: the default of
+    :mod:`dreampipe.planning.in_flight`).
     """
 
     first: int
@@ -73,6 +77,7 @@ class Stage:
     allreduce_delay_s: float = 0.0
     tensor_parallel: int = 1
     splits: tuple[Split, ...] = ()
+    in_flight: int = 0
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -175,6 +180,12 @@ class Plan:
                 f"stages split over {[st.tensor_parallel for st in self.stages]} workers; "
                 "every stage must be split over the same number (a pipeline x tensor mesh)"
             )
+        counts = [st.in_flight for st in self.stages]
+        if any(c < 0 for c in counts) or (0 in counts and any(counts)):
+            raise PlanError(
+                f"stages hold {counts} minibatches in flight; give every stage a count >= 1, "
+                "or 0 to all for the default"
+            )
         placed = [w for st in self.stages for w in st.placement]
         if len(set(placed)) != len(placed) or min(placed) < 0:
             raise PlanError(f"workers {placed} must be distinct positions >= 0")
@@ -227,6 +238,14 @@ class Plan:
         """Minibatches per second in steady state; 0.0 when there is no prediction."""
         return 1.0 / self.time_per_minibatch_s if self.time_per_minibatch_s > 0 else 0.0
 
+    @property
+    def in_flight(self) -> tuple[int, ...]:
+        """Minibatches each stage's replicas hold under PipeDream's schedule: the
+        stages' own counts, else :func:`~dreampipe.planning.in_flight.in_flight_counts`."""
+        if self.stages[0].in_flight:
+            return tuple(st.in_flight for st in self.stages)
+        return in_flight_counts([st.replicas for st in self.stages])
+
     def stage_of_rank(self, rank: int) -> int:
         """The stage of worker ``rank`` (the workers of a split replica are adjacent)."""
         for s, st in enumerate(self.stages):
@@ -270,6 +289,7 @@ class Plan:
                     "workers": list(st.workers),
                     "tensor_parallel": st.tensor_parallel,
                     "splits": [x.value for x in st.splits],
+                    "in_flight": st.in_flight,
                 }
                 for st in self.stages
             ],
@@ -293,6 +313,7 @@ class Plan:
                     workers=tuple(int(w) for w in s.get("workers", [])),
                     tensor_parallel=int(s.get("tensor_parallel", 1)),
                     splits=tuple(Split(x) for x in s.get("splits", [])),
+                    in_flight=int(s.get("in_flight", 0)),
                 )
                 for s in data["stages"]
             )

@@ -42,6 +42,7 @@ from dreampipe.planning.costs import (
     stage_memory,
 )
 from dreampipe.planning.dp import FlatStage, Options, best_plan
+from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
     pipedream_stage_time,
@@ -82,11 +83,11 @@ def _models(topo: Topology, also_flat: bool) -> list[Topology]:
 
 
 def _priced(
-    prof: RangeCosts, topology: Topology, flat: Sequence[FlatStage], sync: Sync
+    prof: RangeCosts, topology: Topology, flat: Sequence[FlatStage], opts: Options
 ) -> tuple[Stage, ...]:
     """The DP's stages priced on the real topology (see the module doc)."""
     return price_stages(prof, topology, [(f.first, f.last) for f in flat],
-                        [f.workers for f in flat], sync)
+                        [f.workers for f in flat], opts.sync, opts.memory_bytes)
 
 
 def _fastest(
@@ -98,7 +99,7 @@ def _fastest(
         best = best_plan(prof, [model], opts)
         if best is None:
             continue
-        stages = _priced(prof, topology, best[1], opts.sync)
+        stages = _priced(prof, topology, best[1], opts)
         if found is None or slowest(stages) < slowest(found):
             found = stages
     return found
@@ -301,17 +302,21 @@ def _plan_pipedream(
             "raise max_stages or use --cost-model dreampipe"
         )
     value, flat = best
-    layers = RangeCosts.of(graph)
-    stages, rank, first = [], 0, 0
+    spans, first = [], 0
     for s, f in enumerate(flat):
         last = len(graph.layers) - 1 if s == len(flat) - 1 else states.last_layer[f.last]
-        stages.append(Stage(
-            first=first, last=last, replicas=f.replicas,
-            ranks=tuple(range(rank, rank + f.replicas)),
-            compute_s=float(prof.compute_s[f.first, f.last]), allreduce_s=f.allreduce_s,
-            memory_bytes=layers.memories([(first, last, f.replicas)])[0],
-        ))
-        rank, first = rank + f.replicas, last + 1
+        spans.append((first, last, f.replicas))
+        first = last + 1
+    replicas = [f.replicas for f in flat]
+    memories = RangeCosts.of(graph).memories(spans, JOIN_BUFFERS[0])
+    counts = in_flight_counts(replicas, JOIN_BUFFERS[0])
+    stages = [
+        Stage(first=first, last=last, replicas=r, ranks=tuple(range(sum(replicas[:s]),
+                                                                 sum(replicas[:s + 1]))),
+              compute_s=float(prof.compute_s[f.first, f.last]), allreduce_s=f.allreduce_s,
+              memory_bytes=memories[s], in_flight=counts[s])
+        for s, ((first, last, r), f) in enumerate(zip(spans, flat, strict=True))
+    ]
     return Plan(
         stages=tuple(stages), num_layers=len(graph.layers), batch_size=graph.batch_size,
         model=graph.model, topology=topology.describe(), time_per_minibatch_s=value,
@@ -324,15 +329,17 @@ def evaluate_plan(
     graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
     cost_model: CostModel = CostModel.DREAMPIPE, *,
     workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
+    memory_bytes: int | None = None,
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
     ``workers[s]`` places stage s on the topology (default: ranks laid in
     order, stage by stage); each all-reduce and cut is priced on the links
     its workers use, with the planner's own terms, so a plan's stages and
-    workers evaluate to the plan's time. Under ``CostModel.PIPEDREAM`` each
-    stage costs PipeDream's additive term, ``Input`` layers zeroed, and a cut
-    ``2a/(B r)`` on the stage after it.
+    workers evaluate to the plan's time; ``memory_bytes`` picks the stages'
+    minibatches in flight as the planner does (:func:`price_stages`).
+    Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
+    ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
     """
     prof = RangeCosts.of(graph)
     n = prof.n
@@ -364,7 +371,7 @@ def evaluate_plan(
                 f"per stage, each in 0..{topology.num_workers - 1}"
             )
     spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
-    stages = price_stages(prof, topology, spans, placed, sync)
+    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes)
     time = slowest(stages)
     if cost_model is CostModel.PIPEDREAM:
         time = _pipedream_time(graph, topology, stages)

@@ -24,6 +24,7 @@ import math
 from collections.abc import Sequence
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
+from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
@@ -72,10 +73,21 @@ def price_stages(
     spans: Sequence[tuple[int, int]],
     placements: Sequence[Sequence[int]],
     sync: Sync,
+    memory_bytes: int | None = None,
 ) -> tuple[Stage, ...]:
-    """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced."""
+    """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
+
+    Each stage holds the deepest join buffer of
+    :data:`~dreampipe.planning.in_flight.JOIN_BUFFERS` whose stages all fit in
+    ``memory_bytes`` (PipeDream's count when none deeper does; None: no limit).
+    """
     replicas = [len(p) for p in placements]
-    memories = prof.memories([(f, e, r) for (f, e), r in zip(spans, replicas, strict=True)])
+    spans3 = [(f, e, r) for (f, e), r in zip(spans, replicas, strict=True)]
+    for join in JOIN_BUFFERS:
+        memories = prof.memories(spans3, join)
+        if memory_bytes is None or max(memories) <= memory_bytes:
+            break
+    counts = in_flight_counts(replicas, join)
     stages, rank = [], 0
     for s, ((first, last), workers) in enumerate(zip(spans, placements, strict=True)):
         comm = 0.0
@@ -92,7 +104,7 @@ def price_stages(
             forward_s=min(float(prof.forward[first, last]), float(prof.compute_s[first, last])),
             comm_s=comm,
             allreduce_s=ar, allreduce_delay_s=delay,
-            memory_bytes=memories[s], workers=tuple(sorted(workers)),
+            memory_bytes=memories[s], workers=tuple(sorted(workers)), in_flight=counts[s],
         ))
         rank += r
     return tuple(stages)

@@ -42,7 +42,8 @@ def run_rank(
 
     ``spec`` is ``cfg.model`` resolved, and ``cfg`` already checked against it.
     """
-    schedule = cfg.layout.build([st.replicas for st in cfg.plan.stages], cfg.steps)
+    schedule = cfg.layout.build([st.replicas for st in cfg.plan.stages], cfg.steps,
+                                cfg.plan.in_flight)
     links, groups = process_groups([st.ranks for st in cfg.plan.stages])
     stage = schedule.stage_of_rank(rank)
     st = cfg.plan.stages[stage]

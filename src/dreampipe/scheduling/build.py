@@ -19,10 +19,11 @@ PipeDream's asynchronous 1F1B on a straight 4-stage pipeline (stage s runs
     stage 2 |       F0 F1    B0 F2    B1 F3    B2 F4 ...
     stage 3 |          F0 B0 F1 B1 F2 B2 F3 B3 F4 ...
 
-In general a replica of stage s admits ``ceil(sum(replicas[s:]) / replicas[s])``
-units before its first backward: ``NOAM = ceil(workers / replicas[0])`` at the
-input stage, ``n-s`` in a straight pipeline. Unit ``u`` runs on replica
-``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
+In general a replica of stage s runs its stage's minibatches in flight
+before its first backward (:mod:`dreampipe.planning.in_flight`; ``n-s`` in a
+straight pipeline, as PipeDream's NOAM, and more before replicated stages,
+whose all-reduce joins would otherwise drain the pipeline). Unit ``u`` runs
+on replica ``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
 
 A PipeDream run may end with a partial all-reduce round: with 5 minibatches a
 stage of 3 replicas runs rounds {0,1,2} and {3,4}, and its third replica, with
@@ -39,6 +40,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = [
@@ -47,7 +49,6 @@ __all__ = [
     "forward_only",
     "lower_communication",
     "lower_updates",
-    "warmup_forwards",
     "whole_rounds",
 ]
 
@@ -55,36 +56,41 @@ _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
 def build_schedule(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
+    in_flight: Sequence[int] | None = None,
 ) -> Schedule:
     """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
 
     ``num_units`` minibatches (PipeDream) or microbatches (the synchronous
     schedules, ``units_per_update`` per minibatch and weight update).
+    ``in_flight`` gives PipeDream's minibatches in flight per stage (a plan's
+    :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
+    :func:`~dreampipe.planning.in_flight.in_flight_counts`).
 
     A synchronous schedule is its period (:func:`_period` updates), built and
     validated once, repeated with shifted units: no unit crosses an update, so
     the repeat is what the passes would build, in time linear in the updates
     (a training loop extends its schedule as it goes).
     """
-    _check(replicas, kind, num_units, units_per_update)
+    _check(replicas, kind, num_units, units_per_update, in_flight)
     if kind is not ScheduleKind.PIPEDREAM:
         block = _period(replicas, units_per_update) * units_per_update
         if num_units > block and num_units % block == 0:
             return _repeated(_period_block(tuple(replicas), kind, block, units_per_update),
                              num_units // block)
-    return _built(tuple(replicas), kind, num_units, units_per_update)
+    return _built(tuple(replicas), kind, num_units, units_per_update,
+                  None if in_flight is None else tuple(in_flight))
 
 
 def _built(
-    replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int
+    replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int,
+    in_flight: tuple[int, ...] | None = None,
 ) -> Schedule:
     """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
-    schedule = lower_updates(
-        lower_communication(compute_schedule(replicas, kind, num_units, units_per_update))
-    )
+    schedule = lower_updates(lower_communication(
+        compute_schedule(replicas, kind, num_units, units_per_update, in_flight)))
     validate_schedule(schedule)
     return schedule
 
@@ -116,18 +122,6 @@ def _repeated(block: Schedule, times: int) -> Schedule:
                     block.units_per_update)
 
 
-def warmup_forwards(replicas: Sequence[int], stage: int) -> int:
-    """Forwards a replica of ``stage`` runs before its first backward (1F1B).
-
-    The units in flight downstream of and at the stage, shared among its
-    replicas: ``ceil(sum(replicas[stage:]) / replicas[stage])``, the planner's
-    :func:`dreampipe.planning.costs.versions_in_flight`.
-    """
-    from dreampipe.planning.costs import versions_in_flight  # NumPy: only when building
-
-    return versions_in_flight(sum(replicas[stage:]), replicas[stage])
-
-
 def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
     """The fewest PipeDream minibatches >= ``wanted`` that end on a whole all-reduce round.
 
@@ -143,29 +137,35 @@ def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
 
 
 def compute_schedule(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
+    in_flight: Sequence[int] | None = None,
 ) -> Schedule:
     """Per-rank forward/backward order only, before any lowering pass.
 
-    - PIPEDREAM: 1F1B over all units after :func:`warmup_forwards`, no flush.
+    - PIPEDREAM: 1F1B over all units after ``in_flight`` forwards per stage
+      (:func:`build_schedule`), no flush.
     - FLUSH: the same per minibatch of ``units_per_update`` microbatches,
-      warm-up capped by the microbatches a replica holds (PipeDream-Flush).
+      warm-up PipeDream's count (one all-reduce per minibatch: no join
+      inside it to cover) capped by the microbatches a replica holds
+      (PipeDream-Flush).
     - GPIPE: per minibatch all forwards in unit order, then all backwards in
       reverse unit order (the last microbatch's backward first, as GPipe does).
     - DP: one stage; each replica runs forward then backward of each unit.
     - NAIVE: forward then backward of each unit; a stage's next forward waits
       for the previous unit's gradient, so one unit at a time is in flight.
     """
-    reps = _check(replicas, kind, num_units, units_per_update)
+    reps = _check(replicas, kind, num_units, units_per_update, in_flight)
     per_update = num_units if kind is ScheduleKind.PIPEDREAM else units_per_update
     order = _ORDERS[kind]
+    warmup = (tuple(in_flight) if in_flight is not None else in_flight_counts(reps)
+              ) if kind is ScheduleKind.PIPEDREAM else in_flight_counts(reps, 0)
     actions: list[tuple[Action, ...]] = []
     for stage, r in enumerate(reps):
         for replica in range(r):
             acts: list[Action] = []
             for first in range(0, num_units, per_update):
                 units = list(range(first + (replica - first) % r, first + per_update, r))
-                acts += order(units, warmup_forwards(reps, stage), stage)
+                acts += order(units, warmup[stage], stage)
             actions.append(tuple(acts))
     return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
 
@@ -312,12 +312,19 @@ def _replace(schedule: Schedule, actions: Sequence[tuple[Action, ...]]) -> Sched
 
 
 def _check(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int
+    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int,
+    in_flight: Sequence[int] | None,
 ) -> tuple[int, ...]:
     reps = tuple(int(r) for r in replicas)
     if not reps or any(r < 1 for r in reps):
         raise ScheduleError(
             f"replicas {list(replicas)} must list at least one stage, each with >= 1 replica"
+        )
+    if in_flight is not None and (kind is not ScheduleKind.PIPEDREAM or len(in_flight) != len(
+            reps) or any(w < 1 for w in in_flight)):
+        raise ScheduleError(
+            f"in_flight={list(in_flight)} with the {kind.value} schedule of {len(reps)} stages; "
+            "give one count >= 1 per stage, and only to the pipedream schedule"
         )
     if num_units < 1:
         raise ScheduleError(f"{num_units} units to run; run at least 1")

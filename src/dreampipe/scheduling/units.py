@@ -111,6 +111,14 @@ class UnitLayout:
             return steps
         return whole_rounds(replicas, steps)
 
-    def build(self, replicas: Sequence[int], steps: int) -> Schedule:
-        """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways."""
-        return build_schedule(replicas, self.kind, self.num_units(steps), self.units_per_update)
+    def build(
+        self, replicas: Sequence[int], steps: int, in_flight: Sequence[int] | None = None
+    ) -> Schedule:
+        """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways.
+
+        ``in_flight`` (a plan's :attr:`~dreampipe.planning.plan.Plan.in_flight`)
+        sets the pipedream schedule's warm-up; the synchronous ones have their own.
+        """
+        pipedream = self.kind is ScheduleKind.PIPEDREAM
+        return build_schedule(replicas, self.kind, self.num_units(steps), self.units_per_update,
+                              in_flight if pipedream else None)

@@ -1,0 +1,46 @@
+"""The planner's plans for PipeDream's own profiles, run through the simulator.
+
+The planner predicts a steady state; the schedule the runtime executes must
+reach it. Each plan is checked the way ``dreampipe plan`` checks it, and must
+simulate within 10% of its prediction. Without the join buffer of
+:mod:`dreampipe.planning.in_flight` (PipeDream's own counts), GNMT on cluster A
+runs at about half its prediction, which the second test keeps in view.
+"""
+
+from __future__ import annotations
+
+import pytest
+from shared_profiles import PROFILES
+
+from dreampipe.cli.plan import check_minibatches, confirm_by_simulation
+from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.load import load_graph
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.simulator import costs_from_profile, simulate_schedule
+
+_CASES = [(m, c) for c in ("cluster-a", "cluster-b") for m in ("alexnet", "gnmt", "resnet18",
+                                                                "vgg16")]
+
+
+@pytest.mark.parametrize(("model", "cluster"), _CASES)
+def test_plan_simulates_within_ten_percent_of_its_prediction(model: str, cluster: str) -> None:
+    graph, topo = load_graph(PROFILES / f"{model}.txt"), Topology.parse(cluster)
+    plan = plan_pipeline(graph, topo)
+    sim = confirm_by_simulation(plan, graph, topo)
+    assert sim.steady_units > 0
+    ratio = sim.steady_throughput_minibatches_per_s / plan.throughput_minibatches_per_s
+    assert 0.9 <= ratio <= 1.1, f"{model} {plan.config} on {cluster}: {ratio:.3f}"
+
+
+def test_pipedream_counts_leave_gnmt_on_cluster_a_short() -> None:
+    graph, topo = load_graph(PROFILES / "gnmt.txt"), Topology.parse("cluster-a")
+    plan = plan_pipeline(graph, topo)
+    replicas = [st.replicas for st in plan.stages]
+    assert max(replicas[1:]) > 1  # replicated stages behind the input
+    schedule = build_schedule(replicas, ScheduleKind.PIPEDREAM, check_minibatches(plan),
+                              in_flight=in_flight_counts(replicas, 0))
+    sim = simulate_schedule(schedule, costs_from_profile(graph, plan, topo), record_events=False)
+    assert sim.steady_throughput_minibatches_per_s < 0.7 * plan.throughput_minibatches_per_s
