@@ -49,7 +49,6 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -384,9 +383,8 @@ class RangeCosts:
             optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
         )))
 
-    def memories(self, spans: Sequence[tuple[int, int, int]], join: int) -> list[int]:
-        """Bytes per worker of each stage ``(first, last, replicas)`` of one pipeline,
-        holding :func:`~dreampipe.planning.in_flight.in_flight_counts` with ``join``."""
-        counts = in_flight_counts([r for _, _, r in spans], join)
-        return [self.memory(first, last, v) for (first, last, _), v in zip(spans, counts,
-                                                                            strict=True)]
+    def memories(self, spans: Sequence[tuple[int, int]], in_flight: Sequence[int]) -> list[int]:
+        """Bytes per worker of each stage ``(first, last)`` of one pipeline, holding
+        ``in_flight`` minibatches (:mod:`dreampipe.planning.in_flight`)."""
+        return [self.memory(first, last, v) for (first, last), v in zip(spans, in_flight,
+                                                                         strict=True)]

@@ -42,7 +42,7 @@ from dreampipe.planning.costs import (
     stage_memory,
 )
 from dreampipe.planning.dp import FlatStage, Options, best_plan
-from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
     pipedream_stage_time,
@@ -305,17 +305,18 @@ def _plan_pipedream(
     spans, first = [], 0
     for s, f in enumerate(flat):
         last = len(graph.layers) - 1 if s == len(flat) - 1 else states.last_layer[f.last]
-        spans.append((first, last, f.replicas))
+        spans.append((first, last))
         first = last + 1
     replicas = [f.replicas for f in flat]
-    memories = RangeCosts.of(graph).memories(spans, JOIN_BUFFERS[0])
-    counts = in_flight_counts(replicas, JOIN_BUFFERS[0])
+    firsts = [0, *itertools.accumulate(replicas)]
+    counts = in_flight_counts(replicas)
+    memories = RangeCosts.of(graph).memories(spans, counts)
     stages = [
-        Stage(first=first, last=last, replicas=r, ranks=tuple(range(sum(replicas[:s]),
-                                                                 sum(replicas[:s + 1]))),
+        Stage(first=first, last=last, replicas=f.replicas,
+              ranks=tuple(range(firsts[s], firsts[s + 1])),
               compute_s=float(prof.compute_s[f.first, f.last]), allreduce_s=f.allreduce_s,
               memory_bytes=memories[s], in_flight=counts[s])
-        for s, ((first, last, r), f) in enumerate(zip(spans, flat, strict=True))
+        for s, ((first, last), f) in enumerate(zip(spans, flat, strict=True))
     ]
     return Plan(
         stages=tuple(stages), num_layers=len(graph.layers), batch_size=graph.batch_size,

@@ -82,12 +82,11 @@ def price_stages(
     ``memory_bytes`` (PipeDream's count when none deeper does; None: no limit).
     """
     replicas = [len(p) for p in placements]
-    spans3 = [(f, e, r) for (f, e), r in zip(spans, replicas, strict=True)]
     for join in JOIN_BUFFERS:
-        memories = prof.memories(spans3, join)
+        counts = in_flight_counts(replicas, join)
+        memories = prof.memories(spans, counts)
         if memory_bytes is None or max(memories) <= memory_bytes:
             break
-    counts = in_flight_counts(replicas, join)
     stages, rank = [], 0
     for s, ((first, last), workers) in enumerate(zip(spans, placements, strict=True)):
         comm = 0.0
