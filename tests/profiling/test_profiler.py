@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -89,6 +90,22 @@ def test_sequential_profile() -> None:
     assert calls == [(i, 4) for i in range(1, 5)]  # warmup + repeats passes
 
 
+def test_a_minimum_time_times_more_passes_until_it_is_reached() -> None:
+    model = _sequential()
+    x, target = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    calls: list[tuple[int, int]] = []
+    start = time.perf_counter()
+    graph = profile_model(model, x, F.cross_entropy, target, warmup=1, repeats=2,
+                          min_time_s=0.2, progress=lambda done, total: calls.append((done, total)))
+    took = time.perf_counter() - start
+    timed = graph.meta["repeats"]
+    assert timed > 2 and took >= 0.2  # a pass of this model takes well under 0.1 s
+    assert calls[-1] == (1 + timed, 1 + timed)
+    assert [done for done, _ in calls] == list(range(1, 2 + timed))
+    quick = profile_model(model, x, F.cross_entropy, target, warmup=1, repeats=2)
+    assert quick.meta["repeats"] == 2
+
+
 def test_residual_fx_profile() -> None:
     torch.manual_seed(2)
     model = Residual()
@@ -170,9 +187,11 @@ class Untraceable(nn.Module):
         (nn.Sequential(), {}, "no layers"),
         (nn.Sequential(nn.Linear(2, 2)), {"repeats": 0}, "repeats=0"),
         (nn.Sequential(nn.Linear(2, 2)), {"warmup": -1}, "warmup=-1"),
+        (nn.Sequential(nn.Linear(2, 2)), {"min_time_s": -1.0}, "min_time_s=-1"),
+        (nn.Sequential(nn.Linear(2, 2)), {"min_time_s": float("nan")}, "min_time_s=nan"),
         (nn.Sequential(nn.Linear(2, 2)), {"loss_fn": lambda out: out}, "scalar"),
     ],
-    ids=["untraceable", "empty", "repeats", "warmup", "non-scalar-loss"],
+    ids=["untraceable", "empty", "repeats", "warmup", "min-time", "nan-time", "non-scalar-loss"],
 )
 def test_bad_profile_inputs(model: nn.Module, kwargs: dict[str, Any], needle: str) -> None:
     args: dict[str, Any] = {"loss_fn": lambda out: out.sum(), **kwargs}

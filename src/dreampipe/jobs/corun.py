@@ -6,13 +6,15 @@ that costs depends on the model and on the host (on the project's 2-core
 machine a transformer block ran 1.33x slower beside a busy twin, the mlp
 1.10x). Two measurements:
 
-- :func:`profile_beside` takes the layer profile itself beside ``twins``
-  processes that train the same model at the same batch, so each layer's
-  time already holds the slowdown of this workload on this machine as it
-  is now (``dreampipe train``'s profile)::
+- :func:`profile_beside` takes the layer profile in ``1 + twins`` processes
+  at once, each beside the others, so each layer's time already holds the
+  slowdown of this workload on this machine as it is now (``dreampipe
+  train``'s profile). The cores of a virtual machine need not run at one
+  speed (two one-thread processes on the project's machine ran the same
+  convolutions 40% apart), and a run's synchronous steps go at its slowest
+  worker's pace, so the profile kept is the slowest process's::
 
-      rank 0      barrier [profile: every layer, warm-up, repeats] broadcast
-      rank 1..t   barrier [forward+backward, forward+backward, ...] until it lands
+      rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, gather
 
 - :func:`measure_corun` times one model's forward and backward alone, then
   beside a twin: the factor :class:`~dreampipe.jobs.machine.LocalCalibration`
@@ -27,6 +29,7 @@ machine a transformer block ran 1.33x slower beside a busy twin, the mlp
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -43,6 +46,8 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["Corun", "measure_corun", "profile_beside"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class _Job:
     model_kwargs: tuple[tuple[str, Any], ...]
     batch_size: int
     repeats: int
+    min_time_s: float = 0.0
 
 
 def measure_corun(
@@ -142,29 +148,42 @@ def profile_beside(
     *,
     model_kwargs: Sequence[tuple[str, Any]] = (),
     repeats: int = 5,
+    min_time_s: float = 0.0,
     deadline_s: float = 600.0,
 ) -> LayerGraph:
     """The layer profile of ``model`` at ``batch_size`` (one thread) beside ``twins`` busy twins.
 
     Every process is a fresh one-thread worker with the runtime's set-up
-    (:func:`~dreampipe.runtime.processes.run_processes`); the twins run the
-    model's forward and backward at the same batch until the profile is
-    done. The graph's ``meta["twins"]`` says how many ran beside it.
+    (:func:`~dreampipe.runtime.processes.run_processes`) that profiles the
+    model (``repeats``, ``min_time_s`` as for
+    :func:`~dreampipe.profiling.profiler.profile_spec`), then runs its forward
+    and backward at the same batch until every process has profiled. The
+    slowest profile (largest forward+backward) is kept; its ``meta["twins"]``
+    says how many ran beside it, ``meta["profiles_ms"]`` every process's total.
     """
     if twins < 0:
         raise ConfigError(f"twins={twins}: use 0 or more busy twins", "twins")
-    job = _Job(model, tuple(model_kwargs), batch_size, repeats)
-    results: list[LayerGraph | None] = run_processes(
+    job = _Job(model, tuple(model_kwargs), batch_size, repeats, min_time_s)
+    results: list[list[LayerGraph] | None] = run_processes(
         _profile_rank, 1 + twins, job, deadline_s=deadline_s, error=ProfileError)
-    graph = results[0]
-    assert graph is not None
-    return replace(graph, meta={**graph.meta, "twins": twins})
+    graphs = results[0]
+    assert graphs is not None
+    totals = [_total_ms(g) for g in graphs]
+    slowest = graphs[totals.index(max(totals))]
+    log.info("profiled %s in %d processes at once: forward+backward %s ms; keeping the slowest",
+             model, len(graphs), ", ".join(f"{t:.2f}" for t in totals))
+    return replace(slowest, meta={**slowest.meta, "twins": twins,
+                                  "profiles_ms": [round(t, 3) for t in totals]})
 
 
-def _profile_rank(rank: int, world: int, job: _Job) -> LayerGraph | None:
-    """Rank 0 profiles once every twin computes, then broadcasts the stop; a twin
-    computes until the broadcast arrives (an asynchronous gloo collective completes
-    by itself, a point-to-point receive only inside ``wait``)."""
+def _total_ms(graph: LayerGraph) -> float:
+    return sum(layer.forward_ms + layer.backward_ms for layer in graph.layers)
+
+
+def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:
+    """Every rank profiles once all compute, then computes until all have profiled
+    (an asynchronous gloo collective completes by itself, a point-to-point receive
+    only inside ``wait``); rank 0 gathers the profiles."""
     from dreampipe.profiling.profiler import profile_spec
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
@@ -173,21 +192,19 @@ def _profile_rank(rank: int, world: int, job: _Job) -> LayerGraph | None:
         os.environ.pop(name, None)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        flag = torch.zeros(1)
-        if rank == 0:
-            spec = resolve_spec(job.model, job.model_kwargs)
-            dist.barrier()  # every twin is computing
-            graph = profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats)
-            dist.broadcast(flag, 0)
-            return graph
+        spec = resolve_spec(job.model, job.model_kwargs)
         train_once = _training_round(job, seed=rank)
         train_once()
-        dist.barrier()
-        stop = dist.broadcast(flag, 0, async_op=True)
-        assert stop is not None  # async_op gives the work
-        while not stop.is_completed():
+        dist.barrier()  # every process is ready to compute
+        graph = profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
+                             min_time_s=job.min_time_s)
+        done = dist.all_reduce(torch.zeros(1), async_op=True)
+        assert done is not None  # async_op gives the work
+        while not done.is_completed():
             train_once()
-        stop.wait()
-        return None
+        done.wait()
+        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(graph, gathered, dst=0)
+        return None if gathered is None else [g for g in gathered if isinstance(g, LayerGraph)]
     finally:
         dist.destroy_process_group()

@@ -36,8 +36,8 @@ _MAX_CUT_CHOICES = 20_000
 
 
 def profile_as_worker(
-    spec: ModelSpec, batch_size: int, *, repeats: int = 5, twins: int = 0, ref: str = "",
-    model_kwargs: Sequence[tuple[str, Any]] = (),
+    spec: ModelSpec, batch_size: int, *, repeats: int = 5, min_time_s: float = 0.0,
+    twins: int = 0, ref: str = "", model_kwargs: Sequence[tuple[str, Any]] = (),
 ) -> LayerGraph:
     """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs.
 
@@ -50,11 +50,11 @@ def profile_as_worker(
         from dreampipe.jobs.corun import profile_beside
 
         return profile_beside(ref, batch_size, twins, model_kwargs=model_kwargs,
-                              repeats=repeats)
+                              repeats=repeats, min_time_s=min_time_s)
     from dreampipe.profiling.profiler import profile_spec
 
     with pinned_threads(1):
-        return profile_spec(spec, batch_size=batch_size, repeats=repeats)
+        return profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s)
 
 
 def forced_partition(

@@ -65,6 +65,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: Seconds of timed passes in train's profile at least. A small model's 5 passes
+#: take a fraction of a second, and the project's machine drifts in speed over
+#: seconds: 6 profiles of the mlp at 8 samples with 5 passes gave 22-35 ms per
+#: forward+backward, 4 with 40 passes (1-2 s) 30-34 ms.
+PROFILE_MIN_S = 1.0
+
 Say = Callable[[str], None]
 
 
@@ -250,8 +256,8 @@ def plan_train(
         steps, given = _check_before_profiling(req, source, spec, workers,
                                                fixed_world=torchrun is not None)
         twins = corun_twins(workers) if torchrun is None else 0
-        graph = profile_as_worker(spec, layout.unit_size, twins=twins, ref=opts.model,
-                                  model_kwargs=opts.model_kwargs)
+        graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S, twins=twins,
+                                  ref=opts.model, model_kwargs=opts.model_kwargs)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
                                     memory_bytes=req.memory_bytes)

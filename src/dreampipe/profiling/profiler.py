@@ -29,7 +29,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -56,18 +56,22 @@ def profile_model(
     *,
     warmup: int = 2,
     repeats: int = 5,
+    min_time_s: float = 0.0,
     progress: Progress | None = None,
     name: str = "",
 ) -> LayerGraph:
     """Profile ``model`` on ``sample_input``; ``loss_fn(output, target)`` gives the loss.
 
     With ``target=None`` the loss is ``loss_fn(output)``. ``progress(done,
-    total)`` is called after each layer. The graph's ``batch_size`` is the
-    first dimension of ``sample_input``.
+    total)`` is called after each pass. The graph's ``batch_size`` is the
+    first dimension of ``sample_input``. ``min_time_s``: time more passes
+    than ``repeats`` until the timed ones took that long, so that the medians
+    of a small model span seconds, not a moment of a host whose speed drifts.
     """
-    if repeats < 1 or warmup < 0:
+    if repeats < 1 or warmup < 0 or not min_time_s >= 0:
         raise ProfileError(
-            f"repeats={repeats}, warmup={warmup}: need repeats >= 1 and warmup >= 0"
+            f"repeats={repeats}, warmup={warmup}, min_time_s={min_time_s}: need repeats >= 1, "
+            "warmup >= 0 and min_time_s >= 0"
         )
     steps, output_key = model_steps(model)
     cuda = sample_input.device.type == "cuda"
@@ -78,7 +82,9 @@ def profile_model(
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             model.train()
             env, grads, saved = _record(steps, output_key, sample_input, loss_fn, target)
-            layers, edges = _time_layers(steps, env, grads, warmup, repeats, cuda, progress)
+            layers, edges, timed = _time_layers(steps, env, grads, _Passes(warmup, repeats,
+                                                                           min_time_s), cuda,
+                                                progress)
             layers = [replace(x, saved_bytes=_saved_bytes(saved[s.key], s, env))
                       for x, s in zip(layers, _layer_steps(steps, env), strict=True)]
     finally:
@@ -92,7 +98,7 @@ def profile_model(
         "device": str(sample_input.device),
         "threads": torch.get_num_threads(),
         "warmup": warmup,
-        "repeats": repeats,
+        "repeats": timed,
         "torch": torch.__version__,
     }
     log.info("profiled %d layers of %s at batch %d", len(layers), name or "model", batch)
@@ -105,6 +111,7 @@ def profile_spec(
     *,
     warmup: int = 2,
     repeats: int = 5,
+    min_time_s: float = 0.0,
     progress: Progress | None = None,
     seed: int = 0,
 ) -> LayerGraph:
@@ -118,7 +125,8 @@ def profile_spec(
     model = spec.build(seed=seed)
     return profile_model(
         model, sample, spec.loss_fn, target,
-        warmup=warmup, repeats=repeats, progress=progress, name=spec.name,
+        warmup=warmup, repeats=repeats, min_time_s=min_time_s, progress=progress,
+        name=spec.name,
     )
 
 
@@ -194,11 +202,11 @@ def _time_layers(
     steps: list[Step],
     env: Env,
     grads: dict[str, list[Tensor | None]],
-    warmup: int,
-    repeats: int,
+    passes: _Passes,
     cuda: bool,
     progress: Progress | None,
-) -> tuple[list[Layer], list[tuple[int, int]]]:
+) -> tuple[list[Layer], list[tuple[int, int]], int]:
+    """The layers with their median times, the edges, and how many passes were timed."""
     layer_steps = _layer_steps(steps, env)
     is_layer = {s.key: i for i, s in enumerate(layer_steps)}
     sources: dict[str, set[int]] = {}
@@ -214,22 +222,33 @@ def _time_layers(
         step_params.append(
             list(step.params) + [v for d in step.deps if isinstance(v := env[d], nn.Parameter)]
         )
-    times = _time_passes(layer_steps, step_params, env, grads, warmup, repeats, cuda, progress)
+    times = _time_passes(layer_steps, step_params, env, grads, passes, cuda, progress)
     layers: list[Layer] = []
     counted: set[int] = set()
-    for step, params, (forward_ms, backward_ms) in zip(layer_steps, step_params, times,
-                                                       strict=True):
+    for step, params, (forward, backward) in zip(layer_steps, step_params, times, strict=True):
         fresh = [p for p in params if id(p) not in counted]
         counted.update(id(p) for p in fresh)
         layers.append(Layer(
             name=step.name,
-            forward_ms=forward_ms,
-            backward_ms=backward_ms,
+            forward_ms=statistics.median(forward),
+            backward_ms=statistics.median(backward),
             activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
             parameter_bytes=sum(p.numel() * p.element_size() for p in fresh),
             description=step.description,
         ))
-    return layers, sorted(edges)
+    return layers, sorted(edges), len(times[0][0]) if times else passes.repeats
+
+
+@dataclass(frozen=True)
+class _Passes:
+    """Untimed warm-up passes, then at least ``repeats`` timed ones lasting ``min_time_s``."""
+
+    warmup: int
+    repeats: int
+    min_time_s: float
+
+    def more(self, timed: int, timed_s: float) -> bool:
+        return timed < self.repeats or timed_s < self.min_time_s
 
 
 def _time_passes(
@@ -237,12 +256,11 @@ def _time_passes(
     step_params: list[list[nn.Parameter]],
     env: Env,
     grads: dict[str, list[Tensor | None]],
-    warmup: int,
-    repeats: int,
+    passes: _Passes,
     cuda: bool,
     progress: Progress | None,
-) -> list[tuple[float, float]]:
-    """Median forward and backward milliseconds of every layer, timed in training order.
+) -> list[tuple[list[float], list[float]]]:
+    """Every layer's forward and backward milliseconds of each timed pass, in training order.
 
     Each pass runs every layer's forward in model order, then every layer's
     backward in reverse, as a training step does, so a layer's weights are
@@ -251,8 +269,10 @@ def _time_passes(
     """
     forward: list[list[float]] = [[] for _ in layer_steps]
     backward: list[list[float]] = [[] for _ in layer_steps]
-    passes = warmup + repeats
-    for r in range(passes):
+    r = 0
+    timed_s = 0.0
+    while r < passes.warmup or passes.more(r - passes.warmup, timed_s):
+        start = time.perf_counter()
         runs: list[tuple[Any, list[Tensor]] | None] = []
         for i, step in enumerate(layer_steps):
             leaves: list[Tensor] = []
@@ -261,7 +281,7 @@ def _time_passes(
             t0 = time.perf_counter()
             out = step.run(inputs)
             _sync(cuda)
-            if r >= warmup:
+            if r >= passes.warmup:
                 forward[i].append((time.perf_counter() - t0) * 1e3)
             runs.append((out, leaves))
         for i in reversed(range(len(layer_steps))):
@@ -269,12 +289,14 @@ def _time_passes(
             assert run is not None
             seconds = _time_backward(run[0], grads[layer_steps[i].key],
                                      run[1] + [p for p in step_params[i] if p.requires_grad], cuda)
-            if r >= warmup:
+            if r >= passes.warmup:
                 backward[i].append(seconds * 1e3)
+        if r >= passes.warmup:
+            timed_s += time.perf_counter() - start
+        r += 1
         if progress is not None:
-            progress(r + 1, passes)
-    return [(statistics.median(f), statistics.median(b))
-            for f, b in zip(forward, backward, strict=True)]
+            progress(r, max(r, passes.warmup + passes.repeats))
+    return list(zip(forward, backward, strict=True))
 
 
 def _time_backward(
