@@ -74,3 +74,18 @@ def test_an_all_reduce_without_overlap_starts_when_the_slowed_backward_ends() ->
     costs = local_costs(_GRAPH, plan, 1.0, busy)
     assert costs.allreduce_s[0] > 0
     assert costs.allreduce_delay_s == pytest.approx(costs.backward_s)
+
+
+def test_the_runtimes_measured_overhead_scales_the_layers_instead_of_the_fixed_figure() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    plain = local_costs(_GRAPH, plan, 1.0, quiet)
+    measured = dataclasses.replace(_GRAPH, meta={"runtime_forward": 1.2,
+                                                 "runtime_backward": 1.1})
+    costs = local_costs(measured, plan, 1.0, quiet)
+    layers = 2 * 2.0e-3  # two layers of 2 ms forward and 4 ms backward per stage
+    extra = (quiet.batch_load_s, quiet.batch_load_s + quiet.loss_s)
+    assert costs.forward_s == pytest.approx(tuple(1.2 * layers + e for e in extra))
+    assert plain.forward_s == pytest.approx(
+        tuple(layers + quiet.stage_forward_s + e for e in extra))
+    assert costs.backward_s == pytest.approx(tuple(1.1 * b for b in plain.backward_s))

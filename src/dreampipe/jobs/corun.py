@@ -156,7 +156,8 @@ def profile_beside(
     Every process is a fresh one-thread worker with the runtime's set-up
     (:func:`~dreampipe.runtime.processes.run_processes`) that profiles the
     model (``repeats``, ``min_time_s`` as for
-    :func:`~dreampipe.profiling.profiler.profile_spec`), then runs its forward
+    :func:`~dreampipe.profiling.profiler.profile_spec`) and the runtime's
+    overhead (:mod:`~dreampipe.jobs.overhead`), then runs its forward
     and backward at the same batch until every process has profiled. The
     slowest profile (largest forward+backward) is kept; its ``meta["twins"]``
     says how many ran beside it, ``meta["profiles_ms"]`` every process's total.
@@ -184,6 +185,7 @@ def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:
     """Every rank profiles once all compute, then computes until all have profiled
     (an asynchronous gloo collective completes by itself, a point-to-point receive
     only inside ``wait``); rank 0 gathers the profiles."""
+    from dreampipe.jobs.overhead import with_runtime_overhead
     from dreampipe.profiling.profiler import profile_spec
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
@@ -196,8 +198,9 @@ def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:
         train_once = _training_round(job, seed=rank)
         train_once()
         dist.barrier()  # every process is ready to compute
-        graph = profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
-                             min_time_s=job.min_time_s)
+        graph = with_runtime_overhead(
+            profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
+                         min_time_s=job.min_time_s), spec)
         done = dist.all_reduce(torch.zeros(1), async_op=True)
         assert done is not None  # async_op gives the work
         while not done.is_completed():

@@ -39,7 +39,8 @@ def profile_as_worker(
     spec: ModelSpec, batch_size: int, *, repeats: int = 5, min_time_s: float = 0.0,
     twins: int = 0, ref: str = "", model_kwargs: Sequence[tuple[str, Any]] = (),
 ) -> LayerGraph:
-    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs.
+    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs, with the
+    runtime's overhead over the layers (:mod:`~dreampipe.jobs.overhead`).
 
     With ``twins`` > 0 the profile is taken beside that many busy processes
     training the same model (``ref`` and ``model_kwargs`` name it for them),
@@ -51,10 +52,12 @@ def profile_as_worker(
 
         return profile_beside(ref, batch_size, twins, model_kwargs=model_kwargs,
                               repeats=repeats, min_time_s=min_time_s)
+    from dreampipe.jobs.overhead import with_runtime_overhead
     from dreampipe.profiling.profiler import profile_spec
 
     with pinned_threads(1):
-        return profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s)
+        graph = profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s)
+        return with_runtime_overhead(graph, spec)
 
 
 def forced_partition(
