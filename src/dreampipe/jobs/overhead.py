@@ -35,11 +35,13 @@ __all__ = ["with_runtime_overhead"]
 _Round = Callable[[], tuple[float, float]]
 
 
-def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 10,
-                          min_time_s: float = 0.5) -> LayerGraph:
+def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 3,
+                          min_time_s: float = 0.25) -> LayerGraph:
     """``graph`` with the runtime's forward and backward over plain PyTorch's in its meta.
 
-    At least ``rounds`` rounds of each, and as many more as fill ``min_time_s``.
+    One untimed round of each, then at least ``rounds`` timed ones, and as many
+    more as fill ``min_time_s`` (a small model's rounds take milliseconds, a
+    large one's a second: its few rounds already span the drift).
     """
     batch = graph.batch_size or spec.default_batch_size
     with torch.random.fork_rng(devices=[]):
@@ -48,13 +50,13 @@ def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 1
     ways = (_plain(spec, x, y), _runtime(spec, x, y))
     took: tuple[list[tuple[float, float]], ...] = ([], [])
     start = time.perf_counter()
-    for k in range(2 + rounds):  # two untimed rounds first
+    k = 0
+    while k <= rounds or time.perf_counter() - start < min_time_s:  # round 0 is not timed
         for way, times in zip(ways, took, strict=True):
             got = way()
-            if k >= 2:
+            if k > 0:
                 times.append(got)
-        if k >= 1 + rounds and time.perf_counter() - start >= min_time_s:
-            break
+        k += 1
     plain, runtime = ([statistics.median(t[i] for t in times) for i in (0, 1)] for times in took)
     factors = [r / p if p > 0 else 1.0 for r, p in zip(runtime, plain, strict=True)]
     return replace(graph, meta={**graph.meta, "runtime_forward": round(factors[0], 4),
