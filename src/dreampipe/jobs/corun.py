@@ -169,16 +169,12 @@ def profile_beside(
         _profile_rank, 1 + twins, job, deadline_s=deadline_s, error=ProfileError)
     graphs = results[0]
     assert graphs is not None
-    totals = [_total_ms(g) for g in graphs]
+    totals = [g.total_ms() for g in graphs]
     slowest = graphs[totals.index(max(totals))]
     log.info("profiled %s in %d processes at once: forward+backward %s ms; keeping the slowest",
              model, len(graphs), ", ".join(f"{t:.2f}" for t in totals))
     return replace(slowest, meta={**slowest.meta, "twins": twins,
                                   "profiles_ms": [round(t, 3) for t in totals]})
-
-
-def _total_ms(graph: LayerGraph) -> float:
-    return sum(layer.forward_ms + layer.backward_ms for layer in graph.layers)
 
 
 def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:

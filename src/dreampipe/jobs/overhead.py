@@ -4,8 +4,8 @@ The layer profile times each layer as plain PyTorch runs it. A stage of the
 runtime runs the same layers through :class:`~dreampipe.runtime.stage.StageModule`:
 ``functional_call`` on a weight version (a cost per parameter tensor), the
 fused ``nn.Linear`` gradients, the post-accumulate hooks. How much that adds
-depends on the model, from 3% to 18% of a forward on the project's machine
-(the cnn at 16 samples, a transformer at 8 sequences). So this module runs
+depends on the model: on the project's machine 10-16% of a forward and
+3-17% of a backward for the mlp, cnn and transformer. So this module runs
 the whole model both ways, interleaved, so that the host's drift hits both
 alike::
 
