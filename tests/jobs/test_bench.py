@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import time
 from typing import Any
@@ -135,6 +136,21 @@ def test_every_process_gets_the_heap_policy() -> None:
                           heap=HeapPolicy.STOCK)
     assert kept == [0], "dreampipe's heap serves 24 MB from the heap"
     assert stock[0] >= nbytes, "glibc's default maps 24 MB on its own"
+
+
+def _frozen_and_full_collection_s(_rank: int, _world: int, _arg: None) -> tuple[int, float]:
+    start = time.perf_counter()
+    gc.collect()
+    return gc.get_freeze_count(), time.perf_counter() - start
+
+
+def test_every_process_but_a_stock_one_keeps_its_start_up_objects_from_the_collector() -> None:
+    [(frozen, took)] = run_processes(_frozen_and_full_collection_s, 1, None, deadline_s=60)
+    [(stock, stock_took)] = run_processes(_frozen_and_full_collection_s, 1, None,
+                                          deadline_s=60, heap=HeapPolicy.STOCK)
+    assert frozen > 100_000, "torch's modules and functions are frozen"
+    assert stock == 0
+    assert took < stock_took, "a full collection walks fewer objects"
 
 
 def test_child_traceback_is_surfaced() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -82,7 +83,8 @@ class HeapPolicy(Enum):
 
     #: dreampipe's set-up: keep freed tensor memory in the heap for the next unit.
     KEEP_FREED = "keep-freed"
-    #: glibc's defaults, as a plain PyTorch process has them.
+    #: glibc's defaults, and every object in the garbage collector's reach, as a
+    #: plain PyTorch process has them.
     STOCK = "stock"
     #: blocks of 64 KiB or more get pages of their own, returned when freed, so the
     #: resident size is what is alive (``dreampipe train``'s memory report), at
@@ -113,10 +115,19 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     "use a caching allocator" advice gets you with jemalloc or tcmalloc).
     ``RELEASE_FREED`` does the opposite, for a rank that reports its peak
     memory. It touches host memory only, so GPU workers are unaffected.
+
+    Unless ``STOCK``, it also freezes the objects alive so far (``gc.freeze``:
+    torch's and dreampipe's modules, classes and functions, about 250,000)
+    out of the garbage collector's reach. They live as long as the process,
+    and a full collection walked them all: 110-150 ms on the project's
+    machine, taken whenever enough objects had been allocated, such as by
+    building the schedule of a run's last 300 updates (7.5 ms without it).
     """
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    if heap is not HeapPolicy.STOCK:
+        gc.freeze()
     settings = _HEAP_SETTINGS.get(heap)
     libc = glibc() if settings is not None else None
     if settings is None or libc is None:
