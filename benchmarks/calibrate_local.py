@@ -21,8 +21,11 @@ incurs them, so that a user can rerun it on their own machine:
   the same beside it than alone: the cores share caches and memory
   bandwidth, and the layer profile is taken alone.
 
-It prints the median of ``--repeats`` rounds with their spread, and the two
-lines to put in ``PROJECT_MACHINE`` (or a calibration of your own)::
+``dreampipe train`` measures the first three itself, with its profile
+(:mod:`dreampipe.jobs.rates`, the same code), since they drift with the
+host; the fixed figures serve profiles taken alone (the bench, a torchrun
+job). It prints the median of ``--repeats`` rounds with their spread, and
+the lines to put in ``PROJECT_MACHINE`` (or a calibration of your own)::
 
     python benchmarks/calibrate_local.py [--model mlp] [--repeats 9]
 """
@@ -31,22 +34,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from dreampipe.jobs.corun import measure_corun
+from dreampipe.jobs.rates import HostRates, measure_rates
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.processes import run_processes
-from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["main"]
-
-_ACTION = Action(ActionKind.ALLREDUCE, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -58,45 +56,23 @@ class _Job:
 _BATCH = 32
 
 
-def _seconds(job: _Job) -> tuple[list[float], list[float], list[float], int]:
-    """All-reduce, SGD-step and stash-copy seconds per round, and the gradient bytes."""
+def _rates(job: _Job) -> HostRates:
+    """The runtime's bucketed all-reduce, SGD step and stash copy of ``job.model``'s
+    parameters, ``job.repeats`` rounds each after one untimed."""
     params = list(resolve_spec(job.model, ()).build(seed=0).parameters())
-    grads = [torch.ones_like(p) for p in params]
-    nbytes = sum(g.numel() * g.element_size() for g in grads)
-    buckets = GradientBuckets(params, None, lambda work, _a: work.wait())
-    optimizer = torch.optim.SGD(params, lr=1e-3)
-    reduce_s, step_s, copy_s = [], [], []
-    for i in range(job.repeats + 1):  # the first round warms up
-        dist.barrier()
-        start = time.perf_counter()
-        buckets.finish(grads, _ACTION, 0.5)
-        took = time.perf_counter() - start
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g
-        start = time.perf_counter()
-        optimizer.step()
-        stepped = time.perf_counter() - start
-        start = time.perf_counter()
-        for p in params:  # StageModule.step's copy-on-write of a version still in use
-            p.data = p.data.clone()
-        copied = time.perf_counter() - start
-        if i:
-            reduce_s.append(took)
-            step_s.append(stepped)
-            copy_s.append(copied)
-    return reduce_s, step_s, copy_s, nbytes
+    return measure_rates(params, rounds=job.repeats, min_time_s=0.0)
 
 
-def _rank(rank: int, world: int, job: _Job) -> tuple[list[float], list[float], list[float], int]:
+def _rank(rank: int, world: int, job: _Job) -> HostRates:
     """The all-reduce, SGD-step and stash-copy figures, from both ranks at once."""
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        return _seconds(job)
+        return _rates(job)
     finally:
         dist.destroy_process_group()
 
 
-def _spread(values: list[float]) -> str:
+def _spread(values: tuple[float, ...]) -> str:
     return f"median {statistics.median(values) * 1e3:.2f} ms " \
            f"({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})"
 
@@ -114,15 +90,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: measure at least 1 round")
     results = run_processes(_rank, 2, _Job(args.model, args.repeats), deadline_s=300.0)
-    reduce_s, step_s, copy_s, nbytes = results[0]
+    rates: HostRates = results[0]
     corun = measure_corun(args.model, _BATCH, repeats=args.repeats)
-    bandwidth = nbytes / statistics.median(reduce_s)
-    step_bandwidth = nbytes / statistics.median(step_s)
-    copy_bandwidth = nbytes / statistics.median(copy_s)
-    print(f"{args.model}: {format_bytes(nbytes)} of gradients")
-    print(f"all-reduce on 2 workers: {_spread(reduce_s)} -> {format_bytes(bandwidth)}/s")
-    print(f"SGD step:                {_spread(step_s)} -> {format_bytes(step_bandwidth)}/s")
-    print(f"stash copy:              {_spread(copy_s)} -> {format_bytes(copy_bandwidth)}/s")
+    bandwidth = rates.allreduce_bandwidth
+    step_bandwidth, copy_bandwidth = rates.step_bandwidth, rates.stash_copy_bandwidth
+    print(f"{args.model}: {format_bytes(rates.nbytes)} of gradients")
+    print(f"all-reduce on 2 workers: {_spread(rates.allreduce_s)} -> {format_bytes(bandwidth)}/s")
+    print(f"SGD step:                {_spread(rates.step_s)} -> {format_bytes(step_bandwidth)}/s")
+    print(f"stash copy:              {_spread(rates.copy_s)} -> {format_bytes(copy_bandwidth)}/s")
     print(f"at minibatch {_BATCH}: {corun.describe()}")
     print("for LocalCalibration:")
     print(f'    bandwidth="{bandwidth / 1e6:.0f}MB/s",')

@@ -38,12 +38,25 @@ def test_a_profile_beside_a_twin_times_every_layer_and_says_so() -> None:
     graph = profile_beside("mlp", 8, 1, model_kwargs=(("width", 64),), repeats=2,
                            deadline_s=60.0)
     assert graph.meta["twins"] == 1
+    assert "share" not in graph.meta  # no more processes than profile
+    assert graph.meta["allreduce_bandwidth"] > 0 and graph.meta["step_bandwidth"] > 0
     totals = graph.meta["profiles_ms"]
     assert len(totals) == 2  # both processes profiled; the slower one is kept
     assert graph.total_ms() == pytest.approx(max(totals), abs=1e-3)
     assert graph.batch_size == 8
     assert [layer.name for layer in graph.layers] == [f"fc{i}" for i in range(len(graph.layers))]
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in graph.layers)
+
+
+def test_a_crowd_beyond_the_cores_waits_then_measures_how_they_are_shared() -> None:
+    graph = profile_beside("mlp", 8, 1, crowd=1, model_kwargs=(("width", 64),), repeats=2,
+                           deadline_s=60.0)
+    assert len(graph.meta["profiles_ms"]) == 2  # the crowd does not profile
+    assert graph.meta["shared_by"] == 3
+    assert 0.5 < graph.meta["share"] < 10.0  # one thread each: 3 on 2 cores is about 1.5
+    assert graph.meta["allreduce_bandwidth"] > 0  # measured among the 2 that profiled
+    with pytest.raises(ConfigError, match="crowd=-1"):
+        profile_beside("mlp", 8, 1, crowd=-1)
 
 
 def test_a_profile_beside_no_twin_is_a_plain_profile_in_a_worker() -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dreampipe.jobs.machine import PROJECT_MACHINE, local_costs, local_topology
+from dreampipe.jobs.machine import PROJECT_MACHINE, corun_crowd, local_costs, local_topology
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 
@@ -59,6 +59,20 @@ def test_more_workers_than_cores_share_them() -> None:
             tuple(1.5 * x for x in getattr(roomy, name))), name
     assert roomy.allreduce_s[0] > 0
     assert tight.send_overhead_s == pytest.approx(1.5 * roomy.send_overhead_s)
+
+
+def test_the_pace_measured_for_as_many_workers_replaces_the_even_share() -> None:
+    plan = Plan.from_config(4, [0, 2], [2, 1])
+    tight = dataclasses.replace(PROJECT_MACHINE, cores=2)
+    roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(tight, cores=3))
+    paced = dataclasses.replace(_GRAPH, meta={"share": 1.8, "shared_by": 3})
+    costs = local_costs(paced, plan, 1.0, tight)
+    assert costs.backward_s == pytest.approx(tuple(1.8 * b for b in roomy.backward_s))
+    assert costs.send_overhead_s == pytest.approx(1.8 * roomy.send_overhead_s)
+    # a pace measured for 4 workers says nothing of 3: the even share stands
+    other = dataclasses.replace(_GRAPH, meta={"share": 1.8, "shared_by": 4})
+    assert local_costs(other, plan, 1.0, tight) == local_costs(_GRAPH, plan, 1.0, tight)
+    assert [corun_crowd(w, tight) for w in (1, 2, 3, 5)] == [0, 0, 1, 3]
 
 
 def test_local_workers_do_not_overlap_communication() -> None:

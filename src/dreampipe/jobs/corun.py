@@ -14,7 +14,7 @@ machine a transformer block ran 1.33x slower beside a busy twin, the mlp
   convolutions 40% apart), and a run's synchronous steps go at its slowest
   worker's pace, so the profile kept is the slowest process's::
 
-      rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, gather
+      rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, [rates], gather
 
 - :func:`measure_corun` times one model's forward and backward alone, then
   beside a twin: the factor :class:`~dreampipe.jobs.machine.LocalCalibration`
@@ -146,6 +146,7 @@ def profile_beside(
     batch_size: int,
     twins: int,
     *,
+    crowd: int = 0,
     model_kwargs: Sequence[tuple[str, Any]] = (),
     repeats: int = 5,
     min_time_s: float = 0.0,
@@ -158,32 +159,48 @@ def profile_beside(
     model (``repeats``, ``min_time_s`` as for
     :func:`~dreampipe.profiling.profiler.profile_spec`) and the runtime's
     overhead (:mod:`~dreampipe.jobs.overhead`), then runs its forward
-    and backward at the same batch until every process has profiled. The
-    slowest profile (largest forward+backward) is kept; its ``meta["twins"]``
-    says how many ran beside it, ``meta["profiles_ms"]`` every process's total.
+    and backward at the same batch until every process has profiled; then
+    all measure the all-reduce, step and stash-copy rates (:mod:`~dreampipe.jobs.rates`,
+    in ``meta``). The slowest profile (largest forward+backward) is kept; its
+    ``meta["twins"]`` says how many ran beside it, ``meta["profiles_ms"]`` every
+    process's total. ``crowd`` more processes (a run with more workers than
+    cores) wait meanwhile, then all train at once: :func:`_crowd_pace`.
     """
     if twins < 0:
         raise ConfigError(f"twins={twins}: use 0 or more busy twins", "twins")
+    if crowd < 0:
+        raise ConfigError(f"crowd={crowd}: use 0 or more processes", "crowd")
     job = _Job(model, tuple(model_kwargs), batch_size, repeats, min_time_s)
-    results: list[list[LayerGraph] | None] = run_processes(
-        _profile_rank, 1 + twins, job, deadline_s=deadline_s, error=ProfileError)
-    graphs = results[0]
-    assert graphs is not None
+    results: list[tuple[list[LayerGraph], float] | None] = run_processes(
+        _profile_rank, 1 + twins + crowd, (job, 1 + twins), deadline_s=deadline_s,
+        error=ProfileError)
+    found = results[0]
+    assert found is not None
+    graphs, share = found
     totals = [g.total_ms() for g in graphs]
     slowest = graphs[totals.index(max(totals))]
     log.info("profiled %s in %d processes at once: forward+backward %s ms; keeping the slowest",
              model, len(graphs), ", ".join(f"{t:.2f}" for t in totals))
-    return replace(slowest, meta={**slowest.meta, "twins": twins,
-                                  "profiles_ms": [round(t, 3) for t in totals]})
+    meta = {**slowest.meta, "twins": twins, "profiles_ms": [round(t, 3) for t in totals]}
+    if crowd:
+        log.info("%d processes train at %.2fx the time of %d", len(results), share, 1 + twins)
+        meta |= {"share": round(share, 4), "shared_by": 1 + twins + crowd}
+    return replace(slowest, meta=meta)
 
 
-def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:
-    """Every rank profiles once all compute, then computes until all have profiled
-    (an asynchronous gloo collective completes by itself, a point-to-point receive
-    only inside ``wait``); rank 0 gathers the profiles."""
+def _profile_rank(
+    rank: int, world: int, work: tuple[_Job, int]
+) -> tuple[list[LayerGraph], float] | None:
+    """The ``profiling`` first ranks profile once all compute, then compute until all
+    have profiled (an asynchronous gloo collective completes by itself, a point-to-point
+    receive only inside ``wait``), then measure the host's rates together
+    (:mod:`~dreampipe.jobs.rates`); the crowd waits, then all find the pace
+    (:func:`_crowd_pace`); rank 0 gathers the profiles and that pace."""
     from dreampipe.jobs.overhead import with_runtime_overhead
+    from dreampipe.jobs.rates import measure_rates, with_host_rates
     from dreampipe.profiling.profiler import profile_spec
 
+    job, profiling = work
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         # not a training rank: model code that acts on one (logs, files) stays quiet
         # here, as in a profile taken in the launcher itself
@@ -193,17 +210,61 @@ def _profile_rank(rank: int, world: int, job: _Job) -> list[LayerGraph] | None:
         spec = resolve_spec(job.model, job.model_kwargs)
         train_once = _training_round(job, seed=rank)
         train_once()
+        group = dist.new_group(list(range(profiling))) if profiling < world else None
         dist.barrier()  # every process is ready to compute
-        graph = with_runtime_overhead(
-            profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
-                         min_time_s=job.min_time_s), spec)
+        graph: LayerGraph | None = None
+        if rank < profiling:
+            graph = with_runtime_overhead(
+                profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
+                             min_time_s=job.min_time_s), spec)
         done = dist.all_reduce(torch.zeros(1), async_op=True)
         assert done is not None  # async_op gives the work
-        while not done.is_completed():
+        while rank < profiling and not done.is_completed():
             train_once()
         done.wait()
+        if graph is not None:
+            params = list(spec.build(seed=0).parameters())
+            graph = with_host_rates(graph, measure_rates(params, group=group))
+        share = _crowd_pace(train_once, rank, profiling) if profiling < world else 1.0
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(graph, gathered, dst=0)
-        return None if gathered is None else [g for g in gathered if isinstance(g, LayerGraph)]
+        return None if gathered is None else (
+            [g for g in gathered if isinstance(g, LayerGraph)], share)
     finally:
         dist.destroy_process_group()
+
+
+#: Seconds each process trains for in each phase of :func:`_crowd_pace`.
+_PACE_S = 1.0
+
+
+def _crowd_pace(train_once: Callable[[], None], rank: int, profiling: int) -> float:
+    """How much longer the slowest process's forward+backward takes with every process
+    training at once than the median one with only the ``profiling`` first ranks: the
+    share of the cores a worker gets in a run with more workers than cores, as the
+    host's scheduler gives it (a waiting worker takes none: gloo's waits sleep)::
+
+        ranks < profiling   barrier [train 1 s] barrier [train 1 s] barrier
+        the crowd           barrier (waits)     barrier [train 1 s] barrier
+    """
+    dist.barrier()
+    alone = _mean_pass_s(train_once) if rank < profiling else 0.0
+    dist.barrier()
+    crowded = _mean_pass_s(train_once)
+    dist.barrier()
+    paces = torch.tensor([[alone, crowded]], dtype=torch.float64)
+    every = [torch.zeros_like(paces) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, paces)
+    both = torch.cat(every)
+    alone_s = float(statistics.median(both[:profiling, 0].tolist()))
+    return float(both[:, 1].max()) / alone_s
+
+
+def _mean_pass_s(train_once: Callable[[], None]) -> float:
+    took: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < _PACE_S or len(took) < 2:
+        begin = time.perf_counter()
+        train_once()
+        took.append(time.perf_counter() - begin)
+    return statistics.mean(took)

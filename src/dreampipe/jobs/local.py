@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.machine import local_costs, local_topology
+from dreampipe.jobs.machine import local_costs, local_topology, measured_machine
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import parse_stage_bounds, stages_from_config
 from dreampipe.planning.plan import Plan
@@ -37,20 +37,21 @@ _MAX_CUT_CHOICES = 20_000
 
 def profile_as_worker(
     spec: ModelSpec, batch_size: int, *, repeats: int = 5, min_time_s: float = 0.0,
-    twins: int = 0, ref: str = "", model_kwargs: Sequence[tuple[str, Any]] = (),
+    twins: int = 0, crowd: int = 0, ref: str = "",
+    model_kwargs: Sequence[tuple[str, Any]] = (),
 ) -> LayerGraph:
     """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs, with the
     runtime's overhead over the layers (:mod:`~dreampipe.jobs.overhead`).
 
     With ``twins`` > 0 the profile is taken beside that many busy processes
     training the same model (``ref`` and ``model_kwargs`` name it for them),
-    as local workers compute side by side in a run
-    (:func:`dreampipe.jobs.corun.profile_beside`).
+    as local workers compute side by side in a run, and ``crowd`` more
+    measure how the cores are shared (:func:`dreampipe.jobs.corun.profile_beside`).
     """
     if twins > 0:
         from dreampipe.jobs.corun import profile_beside
 
-        return profile_beside(ref, batch_size, twins, model_kwargs=model_kwargs,
+        return profile_beside(ref, batch_size, twins, crowd=crowd, model_kwargs=model_kwargs,
                               repeats=repeats, min_time_s=min_time_s)
     from dreampipe.jobs.overhead import with_runtime_overhead
     from dreampipe.profiling.profiler import profile_spec
@@ -118,7 +119,7 @@ def choose_plan(
     """
     from dreampipe.planning import planner
 
-    topology = local_topology(workers, nodes=nodes)
+    topology = local_topology(workers, measured_machine(graph), nodes=nodes)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers,
@@ -169,7 +170,8 @@ def predict_samples_per_s(
                         workers=plan.workers_used)
     schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
     fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
-    result = simulate_schedule(schedule, local_costs(graph, plan, fraction, nodes=nodes))
+    result = simulate_schedule(schedule, local_costs(graph, plan, fraction, measured_machine(graph),
+                                                          nodes=nodes))
     events = result.events
     span = max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
     if span <= 0:

@@ -12,7 +12,9 @@ The layer profile times only the layers; the runtime spends host time
 around them too. :class:`LocalCalibration` holds both kinds of figure,
 each with how it was measured, so that a prediction for this machine can
 add what the profile leaves out. :data:`PROJECT_MACHINE`
-is the project's 2-core development machine, the default.
+is the project's 2-core development machine, the default;
+:func:`measured_machine` puts in the rates measured with a profile
+(:mod:`~dreampipe.jobs.rates`), since the host's drift moves them too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
@@ -30,12 +32,17 @@ from dreampipe.profiling.graph import LayerGraph
 if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimCosts
 
-__all__ = ["PROJECT_MACHINE", "LocalCalibration", "corun_twins", "local_costs", "local_topology"]
+__all__ = ["PROJECT_MACHINE", "LocalCalibration", "corun_crowd", "corun_twins", "local_costs",
+           "local_topology", "measured_machine"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalCalibration:
-    """Measured figures of one machine's local workers; seconds and bytes/s."""
+    """Measured figures of one machine's local workers; seconds and bytes/s.
+
+    ``bandwidth``, ``step_bandwidth`` and ``stash_copy_bandwidth`` give way to
+    the rates measured with a profile where it has them (:func:`measured_machine`).
+    """
 
     #: Between two worker processes (gloo over loopback): the bandwidth at
     #: which the planner's ring term gives the time the runtime's bucketed
@@ -79,13 +86,14 @@ class LocalCalibration:
     #: Whether gradient all-reduces overlap the backward. Not here: gloo
     #: moves and sums the bytes on the cores that compute, so an all-reduce
     #: started during the backward slows it as much as it hides (``train mlp
-    #: --schedule dp`` on 2 workers: the backward takes 52 ms beside the
-    #: bucketed all-reduce of 25 MB, 22 ms alone).
+    #: --schedule dp`` on 2 workers: the backward took 22.7 ms beside the
+    #: bucketed all-reduce of 25 MB and then waited 11.8 ms for it, 34.5 ms
+    #: in all; 10.3 ms alone plus the all-reduce's 24.2 ms alone is 34.5 ms).
     overlap: bool = False
-    #: Cores the workers share. More workers than cores share them evenly:
-    #: a gloo wait keeps its core busy, so even a waiting worker takes its
-    #: share (``train mlp --config 2-1`` on 3 workers and 2 cores measured
-    #: 0.64-0.67 of the prediction for 3 cores).
+    #: Cores the workers share. More workers than cores take turns on them
+    #: (a gloo wait sleeps: it takes no core), at the pace measured with the
+    #: profile (:func:`corun_crowd`), else evenly (``train mlp --config 2-1``
+    #: on 3 workers and 2 cores measured 0.64-0.67 of the prediction for 3 cores).
     cores: int = dataclasses.field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
 
@@ -121,6 +129,36 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
     return machine.corun_slowdown
 
 
+def corun_crowd(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> int:
+    """Workers beyond the cores: they wait while the others profile, then all train
+    at once to measure the pace the cores' sharing gives
+    (:func:`~dreampipe.jobs.corun.profile_beside`)."""
+    return max(0, workers - machine.cores)
+
+
+def _share(graph: LayerGraph, workers: int, machine: LocalCalibration) -> float:
+    """How much longer a worker takes when ``workers`` share ``machine.cores``: as measured
+    with the profile for this many workers (``meta["share"]``), else evenly."""
+    if workers <= machine.cores:
+        return 1.0
+    if int(graph.meta.get("shared_by", 0)) == workers:
+        return float(graph.meta["share"])
+    return workers / machine.cores
+
+
+def measured_machine(
+    graph: LayerGraph, machine: LocalCalibration = PROJECT_MACHINE
+) -> LocalCalibration:
+    """``machine`` with the rates measured beside ``graph``'s profile in place of its own
+    (``meta`` keys of :func:`~dreampipe.jobs.rates.with_host_rates`), as the host is now."""
+    meta = graph.meta
+    found: dict[str, Any] = {key: float(meta[key]) for key in
+                             ("step_bandwidth", "stash_copy_bandwidth") if key in meta}
+    if "allreduce_bandwidth" in meta:
+        found["bandwidth"] = f"{float(meta['allreduce_bandwidth']):.6g}B/s"
+    return dataclasses.replace(machine, **found)
+
+
 def local_topology(
     workers: int, machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1
 ) -> Topology:
@@ -150,7 +188,8 @@ def local_costs(
     copy weight stashing makes where a unit in flight needs the old weights).
     Compute and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
-    cost stretches by ``workers / cores``; a profile taken beside busy
+    cost stretches by the pace measured with the profile for that many
+    workers, else by ``workers / cores``; a profile taken beside busy
     twins already holds the co-run slowdown. An all-reduce's start, measured
     into the backward, stretches with the backward it waits on. ``nodes``:
     see :func:`local_topology`.
@@ -168,7 +207,7 @@ def local_costs(
     forward[0] += machine.batch_load_s
     if len(forward) > 1:
         forward[-1] += machine.batch_load_s
-    share = max(1.0, plan.workers_used / machine.cores)
+    share = _share(graph, plan.workers_used, machine)
     busy = share * _corun_factor(graph, plan.workers_used, machine)
     return dataclasses.replace(
         costs, forward_s=tuple(f * busy for f in forward),

@@ -32,7 +32,7 @@ from dreampipe.jobs.local import (
     predict_samples_per_s,
     profile_as_worker,
 )
-from dreampipe.jobs.machine import corun_twins, local_topology
+from dreampipe.jobs.machine import corun_crowd, corun_twins, local_topology, measured_machine
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
@@ -255,8 +255,10 @@ def plan_train(
     if lead:
         steps, given = _check_before_profiling(req, source, spec, workers,
                                                fixed_world=torchrun is not None)
-        twins = corun_twins(workers) if torchrun is None else 0
-        graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S, twins=twins,
+        local = torchrun is None
+        graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
+                                  twins=corun_twins(workers) if local else 0,
+                                  crowd=corun_crowd(workers) if local else 0,
                                   ref=opts.model, model_kwargs=opts.model_kwargs)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
@@ -287,7 +289,8 @@ def plan_train(
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     if graph is not None and plan.tensor_parallel > 1 and req.memory_bytes is not None:
-        for line in unfit_lines(memory_needs(graph, local_topology(workers, nodes=nodes))):
+        for line in unfit_lines(memory_needs(graph, local_topology(workers, measured_machine(graph),
+                                                                 nodes=nodes))):
             talk(line)
     talk(str(plan))
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "

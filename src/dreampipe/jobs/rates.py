@@ -1,0 +1,168 @@
+"""The host's all-reduce, update and stash-copy rates, measured with each local profile.
+
+A local run's prediction needs, beyond the layer times, how fast the workers
+all-reduce gradients (gloo over loopback), apply an SGD step and copy a
+stashed weight version. These are memory-bound and drift with the host as
+much as compute does: on the project's machine the mlp's 25.5 MB bucketed
+all-reduce took 44.6 ms one day and 27.7 ms another, its SGD step 6.0 ms
+and 3.8 ms. So the processes that profile beside each other
+(:func:`~dreampipe.jobs.corun.profile_beside`) also measure these, all at
+once, and keep them in the graph's meta, which
+:func:`~dreampipe.jobs.machine.measured_machine` puts in place of the fixed
+figures of :class:`~dreampipe.jobs.machine.LocalCalibration`::
+
+    every rank   barrier AR (untimed) | barrier AR | agree on n | barrier AR ... | steps | copies
+
+The all-reduce is the runtime's own (:class:`~dreampipe.runtime.buckets.GradientBuckets`:
+flatten, all-reduce, copy back), behind a barrier so it times the
+collective, not the ranks' skew.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.buckets import GradientBuckets
+from dreampipe.scheduling.actions import Action, ActionKind
+
+__all__ = ["HostRates", "measure_rates", "with_host_rates"]
+
+_ACTION = Action(ActionKind.ALLREDUCE, 0, 0)
+
+#: The most timed rounds of each kind, however quick a round is.
+_MAX_ROUNDS = 100
+
+#: Bytes written before each timed step or copy, more than a server CPU's last-level
+#: cache: in a run the forward and backward pass between two steps, so a step finds
+#: its weights and gradients in memory, not in cache (back to back, the mlp's 25 MB
+#: stepped at 9.8 GB/s on the project's machine, with its 32 MB cache; in a run, at
+#: about 5).
+_EVICT_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class HostRates:
+    """Seconds of each timed round of ``nbytes`` of parameters among ``world`` ranks
+    (no all-reduce rounds for one rank)."""
+
+    nbytes: int
+    world: int
+    allreduce_s: tuple[float, ...]
+    step_s: tuple[float, ...]
+    copy_s: tuple[float, ...]
+
+    @property
+    def allreduce_bandwidth(self) -> float:
+        """Bytes/s at which a ring's ``2 (w-1)/w n`` bytes per rank take the median time
+        (infinite for one rank, which all-reduces nothing)."""
+        if not self.allreduce_s:
+            return math.inf
+        ring = 2 * (self.world - 1) / self.world * self.nbytes
+        return ring / statistics.median(self.allreduce_s)
+
+    @property
+    def step_bandwidth(self) -> float:
+        """Parameter bytes one SGD step updates per second (the runtime's ``STEP``)."""
+        return self.nbytes / statistics.median(self.step_s)
+
+    @property
+    def stash_copy_bandwidth(self) -> float:
+        """Parameter bytes per second weight stashing's copy-on-write copies."""
+        return self.nbytes / statistics.median(self.copy_s)
+
+
+def measure_rates(
+    params: Sequence[Tensor], *, rounds: int = 3, min_time_s: float = 0.1, group: Any = None
+) -> HostRates:
+    """Time the all-reduce of ``params``' gradients over ``group``, an SGD step
+    and a stash copy of them (not ``params`` themselves): one untimed round, then at
+    least ``rounds`` filling ``min_time_s`` (the all-reduce's count agreed from the
+    slowest rank's first round). Every rank of ``group`` (None: the default group) must
+    call it with the same shapes.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: time at least 1 round")
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    weights = [p.detach().clone() for p in params]
+    grads = [torch.ones_like(w) for w in weights]
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    buckets = GradientBuckets(weights, group, _wait)
+    optimizer = torch.optim.SGD(weights, lr=1e-6)
+    for w, g in zip(weights, grads, strict=True):
+        w.grad = g
+    reduce_s: list[float] = []
+    if world > 1:
+        _allreduce_once(buckets, grads)
+        reduce_s.append(_allreduce_once(buckets, grads))
+        n = _agreed_rounds(reduce_s[0], rounds, min_time_s, group)
+        reduce_s += [_allreduce_once(buckets, grads) for _ in range(n - 1)]
+    cold = torch.empty(_EVICT_BYTES // 4)  # floats: written between rounds, as compute would
+    step_s = _until(optimizer.step, rounds, min_time_s, cold)
+    copy_s = _until(lambda: _copy(weights), rounds, min_time_s, cold)
+    return HostRates(nbytes, world, tuple(reduce_s), step_s, copy_s)
+
+
+def with_host_rates(graph: LayerGraph, rates: HostRates) -> LayerGraph:
+    """``graph`` with ``rates`` in its meta (bytes/s), for
+    :func:`~dreampipe.jobs.machine.measured_machine`; an all-reduce only among 2 or more."""
+    meta: dict[str, Any] = {**graph.meta, "step_bandwidth": rates.step_bandwidth,
+                            "stash_copy_bandwidth": rates.stash_copy_bandwidth}
+    if rates.world > 1:
+        meta["allreduce_bandwidth"] = rates.allreduce_bandwidth
+    return replace(graph, meta=meta)
+
+
+def _wait(work: Any, _action: Action) -> None:
+    work.wait()
+
+
+def _allreduce_once(buckets: GradientBuckets, grads: list[Tensor]) -> float:
+    dist.barrier(buckets.group)
+    start = time.perf_counter()
+    buckets.finish(list(grads), _ACTION, 1.0)
+    return time.perf_counter() - start
+
+
+def _agreed_rounds(first_s: float, rounds: int, min_time_s: float, group: Any) -> int:
+    """The same round count on every rank: from the slowest rank's first round."""
+    slowest = torch.tensor([first_s], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return _rounds_for(float(slowest.item()), rounds, min_time_s)
+
+
+def _rounds_for(one_s: float, rounds: int, min_time_s: float) -> int:
+    wanted = math.ceil(min_time_s / one_s) if one_s > 0 else rounds
+    return max(rounds, min(_MAX_ROUNDS, wanted))
+
+
+def _until(
+    work: Callable[[], Any], rounds: int, min_time_s: float, cold: Tensor
+) -> tuple[float, ...]:
+    """Seconds of each timed call of ``work``, after an untimed one: at least ``rounds``,
+    and more until ``min_time_s`` has passed (at most :data:`_MAX_ROUNDS`), each after
+    writing ``cold``, which evicts ``work``'s bytes from the caches."""
+    work()
+    took: list[float] = []
+    begin = time.perf_counter()
+    while len(took) < rounds or (len(took) < _MAX_ROUNDS
+                                 and time.perf_counter() - begin < min_time_s):
+        cold.fill_(len(took))
+        start = time.perf_counter()
+        work()
+        took.append(time.perf_counter() - start)
+    return tuple(took)
+
+
+def _copy(weights: list[Tensor]) -> None:
+    for w in weights:  # StageModule.step's copy-on-write of a version still in use
+        w.data = w.data.clone()
