@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import time
 
 import pytest
 
@@ -53,10 +55,27 @@ def test_a_crowd_beyond_the_cores_waits_then_measures_how_they_are_shared() -> N
                            deadline_s=60.0)
     assert len(graph.meta["profiles_ms"]) == 2  # the crowd does not profile
     assert graph.meta["shared_by"] == 3
+    assert graph.meta["share_cores"] == len(os.sched_getaffinity(0))
     assert 0.5 < graph.meta["share"] < 10.0  # one thread each: 3 on 2 cores is about 1.5
     assert graph.meta["allreduce_bandwidth"] > 0  # measured among the 2 that profiled
     with pytest.raises(ConfigError, match="crowd=-1"):
         profile_beside("mlp", 8, 1, crowd=-1)
+
+
+def test_a_pace_counts_the_passes_that_end_by_the_deadline() -> None:
+    from dreampipe.jobs.corun import _mean_pass_s
+
+    calls: list[float] = []
+
+    def pass_of_20_ms() -> None:
+        calls.append(time.time())
+        time.sleep(0.02)
+
+    mean = _mean_pass_s(pass_of_20_ms, time.time() + 0.2)
+    assert mean == pytest.approx(0.02, rel=0.5)
+    assert time.time() - calls[-1] < 0.1 and len(calls) >= 5  # it trained past the deadline
+    # one pass longer than the whole phase: that pass
+    assert _mean_pass_s(lambda: time.sleep(0.05), time.time() + 0.01) >= 0.05
 
 
 def test_a_profile_beside_no_twin_is_a_plain_profile_in_a_worker() -> None:

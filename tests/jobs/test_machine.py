@@ -65,13 +65,19 @@ def test_the_pace_measured_for_as_many_workers_replaces_the_even_share() -> None
     plan = Plan.from_config(4, [0, 2], [2, 1])
     tight = dataclasses.replace(PROJECT_MACHINE, cores=2)
     roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(tight, cores=3))
-    paced = dataclasses.replace(_GRAPH, meta={"share": 1.8, "shared_by": 3})
+    measured = {"share": 1.8, "shared_by": 3, "share_cores": 2}
+    paced = dataclasses.replace(_GRAPH, meta=measured)
     costs = local_costs(paced, plan, 1.0, tight)
     assert costs.backward_s == pytest.approx(tuple(1.8 * b for b in roomy.backward_s))
     assert costs.send_overhead_s == pytest.approx(1.8 * roomy.send_overhead_s)
-    # a pace measured for 4 workers says nothing of 3: the even share stands
-    other = dataclasses.replace(_GRAPH, meta={"share": 1.8, "shared_by": 4})
-    assert local_costs(other, plan, 1.0, tight) == local_costs(_GRAPH, plan, 1.0, tight)
+    even = local_costs(_GRAPH, plan, 1.0, tight)
+    # a pace measured for 4 workers, or on 4 cores, says nothing of 3 on 2
+    for wrong in ({"shared_by": 4}, {"share_cores": 4}):
+        other = dataclasses.replace(_GRAPH, meta=measured | wrong)
+        assert local_costs(other, plan, 1.0, tight) == even
+    # sharing cores never makes a worker faster than its profile, however noisy the pace
+    quick = dataclasses.replace(_GRAPH, meta=measured | {"share": 0.7})
+    assert local_costs(quick, plan, 1.0, tight).backward_s == roomy.backward_s
     assert [corun_crowd(w, tight) for w in (1, 2, 3, 5)] == [0, 0, 1, 3]
 
 

@@ -13,6 +13,7 @@ from dreampipe.jobs.machine import PROJECT_MACHINE, local_costs, measured_machin
 from dreampipe.jobs.rates import HostRates, measure_rates, with_host_rates
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.quantities import parse_bandwidth
 from dreampipe.runtime.processes import run_processes
 
 __all__: list[str] = []
@@ -76,5 +77,6 @@ def test_measured_rates_replace_the_machines_fixed_figures() -> None:
     assert measured_machine(_GRAPH) == PROJECT_MACHINE
     plan = Plan.from_config(4, [0], [2])
     fast, fixed = local_costs(graph, plan, 1.0, machine), local_costs(graph, plan, 1.0)
+    fixed_bandwidth = parse_bandwidth(PROJECT_MACHINE.bandwidth)
     assert fast.allreduce_s[0] == pytest.approx(
-        fixed.allreduce_s[0] * 572e6 / 1e9, rel=0.01)  # 572 MB/s: the fixed figure
+        fixed.allreduce_s[0] * fixed_bandwidth / 1e9, rel=0.01)

@@ -117,10 +117,11 @@ def _rank(rank: int, world: int, job: _Job) -> Corun | None:
         dist.destroy_process_group()
 
 
-def _training_round(job: _Job, seed: int = 0) -> Callable[[], None]:
-    """One forward and backward of ``job``'s model at its batch, ready to run again."""
+def _training_round(job: _Job, net: torch.nn.Module | None = None) -> Callable[[], None]:
+    """One forward and backward of ``net`` (None: a fresh ``job.model``) at ``job``'s batch,
+    ready to run again."""
     spec = resolve_spec(job.model, job.model_kwargs)
-    net = spec.build(seed=seed)
+    net = spec.build(seed=0) if net is None else net
     x, y = spec.sample_input(job.batch_size), spec.sample_target(job.batch_size)
 
     def run() -> None:
@@ -184,7 +185,8 @@ def profile_beside(
     meta = {**slowest.meta, "twins": twins, "profiles_ms": [round(t, 3) for t in totals]}
     if crowd:
         log.info("%d processes train at %.2fx the time of %d", len(results), share, 1 + twins)
-        meta |= {"share": round(share, 4), "shared_by": 1 + twins + crowd}
+        meta |= {"share": round(share, 4), "shared_by": 1 + twins + crowd,
+                 "share_cores": len(os.sched_getaffinity(0))}
     return replace(slowest, meta=meta)
 
 
@@ -208,7 +210,8 @@ def _profile_rank(
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         spec = resolve_spec(job.model, job.model_kwargs)
-        train_once = _training_round(job, seed=rank)
+        net = spec.build(seed=rank)
+        train_once = _training_round(job, net)
         train_once()
         group = dist.new_group(list(range(profiling))) if profiling < world else None
         dist.barrier()  # every process is ready to compute
@@ -223,8 +226,7 @@ def _profile_rank(
             train_once()
         done.wait()
         if graph is not None:
-            params = list(spec.build(seed=0).parameters())
-            graph = with_host_rates(graph, measure_rates(params, group=group))
+            graph = with_host_rates(graph, measure_rates(list(net.parameters()), group=group))
         share = _crowd_pace(train_once, rank, profiling) if profiling < world else 1.0
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(graph, gathered, dst=0)
@@ -240,31 +242,40 @@ _PACE_S = 1.0
 
 def _crowd_pace(train_once: Callable[[], None], rank: int, profiling: int) -> float:
     """How much longer the slowest process's forward+backward takes with every process
-    training at once than the median one with only the ``profiling`` first ranks: the
-    share of the cores a worker gets in a run with more workers than cores, as the
-    host's scheduler gives it (a waiting worker takes none: gloo's waits sleep)::
+    training at once than with only the ``profiling`` first ranks (the slowest of them,
+    whose profile is kept): the share of the cores a worker gets in a run with more
+    workers than cores, as the host's scheduler gives it (a waiting worker takes none:
+    gloo's waits sleep). Each phase ends at one instant on every rank::
 
-        ranks < profiling   barrier [train 1 s] barrier [train 1 s] barrier
-        the crowd           barrier (waits)     barrier [train 1 s] barrier
+        ranks < profiling   [train until t1] barrier [train until t2]
+        the crowd           (waits)          barrier [train until t2]
     """
+    deadline = _deadline()
+    alone = _mean_pass_s(train_once, deadline) if rank < profiling else 0.0
     dist.barrier()
-    alone = _mean_pass_s(train_once) if rank < profiling else 0.0
-    dist.barrier()
-    crowded = _mean_pass_s(train_once)
-    dist.barrier()
+    crowded = _mean_pass_s(train_once, _deadline())
     paces = torch.tensor([[alone, crowded]], dtype=torch.float64)
     every = [torch.zeros_like(paces) for _ in range(dist.get_world_size())]
     dist.all_gather(every, paces)
     both = torch.cat(every)
-    alone_s = float(statistics.median(both[:profiling, 0].tolist()))
-    return float(both[:, 1].max()) / alone_s
+    return float(both[:, 1].max()) / float(both[:profiling, 0].max())
 
 
-def _mean_pass_s(train_once: Callable[[], None]) -> float:
-    took: list[float] = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < _PACE_S or len(took) < 2:
-        begin = time.perf_counter()
+def _deadline() -> float:
+    """An instant :data:`_PACE_S` from rank 0's now, on the clock every local rank shares."""
+    instant = torch.tensor([time.time() + _PACE_S], dtype=torch.float64)
+    dist.broadcast(instant, src=0)
+    return float(instant.item())
+
+
+def _mean_pass_s(train_once: Callable[[], None], deadline: float) -> float:
+    """Mean seconds of the passes that end by ``deadline``; training goes on until one ends
+    after it, so that every process computes until then."""
+    start = time.time()
+    last_end, ended = start, 0
+    while True:
         train_once()
-        took.append(time.perf_counter() - begin)
-    return statistics.mean(took)
+        now = time.time()
+        if now > deadline:
+            return (last_end - start) / ended if ended else now - start
+        last_end, ended = now, ended + 1

@@ -48,7 +48,7 @@ def profile_as_worker(
     as local workers compute side by side in a run, and ``crowd`` more
     measure how the cores are shared (:func:`dreampipe.jobs.corun.profile_beside`).
     """
-    if twins > 0:
+    if twins > 0 or crowd > 0:
         from dreampipe.jobs.corun import profile_beside
 
         return profile_beside(ref, batch_size, twins, crowd=crowd, model_kwargs=model_kwargs,

@@ -50,7 +50,8 @@ class LocalCalibration:
     #: workers (``python benchmarks/calibrate_local.py``: median 44.6 ms).
     bandwidth: str
     #: Parameter bytes one SGD step updates per second on one worker (the
-    #: runtime's ``STEP``; same command: 6.0 ms for the mlp's 25.5 MB).
+    #: runtime's ``STEP``; same command, before it evicted the caches between
+    #: steps: 6.0 ms for the mlp's 25.5 MB).
     step_bandwidth: float
     #: How much slower a worker's forward and backward run beside another
     #: busy worker than alone, as the layer profile is taken: the cores share
@@ -92,8 +93,7 @@ class LocalCalibration:
     overlap: bool = False
     #: Cores the workers share. More workers than cores take turns on them
     #: (a gloo wait sleeps: it takes no core), at the pace measured with the
-    #: profile (:func:`corun_crowd`), else evenly (``train mlp --config 2-1``
-    #: on 3 workers and 2 cores measured 0.64-0.67 of the prediction for 3 cores).
+    #: profile (``profile_beside``'s crowd), else evenly.
     cores: int = dataclasses.field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
 
@@ -138,11 +138,13 @@ def corun_crowd(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> in
 
 def _share(graph: LayerGraph, workers: int, machine: LocalCalibration) -> float:
     """How much longer a worker takes when ``workers`` share ``machine.cores``: as measured
-    with the profile for this many workers (``meta["share"]``), else evenly."""
+    with the profile for this many workers on as many cores (``meta["share"]``), else
+    evenly (a plan on fewer workers than profiled, a profile from elsewhere)."""
     if workers <= machine.cores:
         return 1.0
-    if int(graph.meta.get("shared_by", 0)) == workers:
-        return float(graph.meta["share"])
+    meta = graph.meta
+    if meta.get("shared_by") == workers and meta.get("share_cores") == machine.cores:
+        return max(1.0, float(meta["share"]))
     return workers / machine.cores
 
 

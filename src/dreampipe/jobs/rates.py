@@ -14,8 +14,9 @@ figures of :class:`~dreampipe.jobs.machine.LocalCalibration`::
     every rank   barrier AR (untimed) | barrier AR | agree on n | barrier AR ... | steps | copies
 
 The all-reduce is the runtime's own (:class:`~dreampipe.runtime.buckets.GradientBuckets`:
-flatten, all-reduce, copy back), behind a barrier so it times the
-collective, not the ranks' skew.
+flatten, all-reduce, scale, copy back), behind a barrier so it times the
+collective, not the ranks' skew. Its time holds the per-message latency too,
+which the planner's term adds again: microseconds, against milliseconds here.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _wait(work: Any, _action: Action) -> None:
 def _allreduce_once(buckets: GradientBuckets, grads: list[Tensor]) -> float:
     dist.barrier(buckets.group)
     start = time.perf_counter()
-    buckets.finish(list(grads), _ACTION, 1.0)
+    buckets.finish(list(grads), _ACTION, 1.0 / dist.get_world_size(buckets.group))
     return time.perf_counter() - start
 
 

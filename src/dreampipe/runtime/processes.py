@@ -122,6 +122,8 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     and a full collection walked them all: 110-150 ms on the project's
     machine, taken whenever enough objects had been allocated, such as by
     building the schedule of a run's last 300 updates (7.5 ms without it).
+    Frozen objects are never collected, so garbage that is alive then (a
+    torchrun rank's own start-up) stays for the life of the process.
     """
     if threads is not None:
         os.environ["OMP_NUM_THREADS"] = str(threads)
