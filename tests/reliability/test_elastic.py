@@ -40,8 +40,12 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     assert main(first) == 0, capsys.readouterr().err
     before = json.loads(capsys.readouterr().out)
     assert before["config"] == "2-1"
+    # two stages forced: for a model this small the planner may rightly find one worker
+    # faster than two (it prices the host's measured all-reduce), and the group is what
+    # this test shrinks; the planner still cuts the layers for the new group
     with caplog.at_level(logging.INFO, logger="dreampipe.api.train"):
-        assert main(train_argv(ck, "--workers", "2", *_DIGITS, steps=40, every=10)) == 0
+        assert main(train_argv(ck, "--workers", "2", "--config", "1-1", *_DIGITS, steps=40,
+                               every=10)) == 0
     captured = capsys.readouterr()
     after = json.loads(captured.out)
 
