@@ -109,3 +109,10 @@ def test_the_runtimes_measured_overhead_scales_the_layers_instead_of_the_fixed_f
     assert plain.forward_s == pytest.approx(
         tuple(layers + quiet.stage_forward_s + e for e in extra))
     assert costs.backward_s == pytest.approx(tuple(1.1 * b for b in plain.backward_s))
+
+
+def test_the_profiles_passes_around_their_median_are_the_simulators_jitter() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    assert local_costs(_GRAPH, plan, 1.0).jitter == ()
+    timed = dataclasses.replace(_GRAPH, meta={"pass_ms": [10.0, 8.0, 12.0, 0.0, 30.0, 10.0]})
+    assert local_costs(timed, plan, 1.0).jitter == pytest.approx((1.0, 0.8, 1.2, 3.0, 1.0))

@@ -106,6 +106,30 @@ def test_a_minimum_time_times_more_passes_until_it_is_reached() -> None:
     assert quick.meta["repeats"] == 2
 
 
+class _Sleeps(nn.Module):
+    """A layer whose forward waits ``ms`` milliseconds first."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.ms, self.fc = ms, nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.ms / 1e3)
+        out: Tensor = self.fc(x)
+        return out
+
+
+def test_every_timed_pass_is_kept_whole() -> None:
+    model = nn.Sequential(_Sleeps(2.0), nn.ReLU(), _Sleeps(3.0), nn.Linear(6, 3))
+    x, target = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    graph = profile_model(model, x, F.cross_entropy, target, warmup=1, repeats=6)
+    passes = graph.meta["pass_ms"]
+    assert len(passes) == graph.meta["repeats"] == 6
+    assert min(passes) >= 5.0  # each pass holds both sleeps
+    assert graph.total_ms() >= 5.0
+    assert min(passes) <= 1.5 * graph.total_ms() and graph.total_ms() <= 1.5 * max(passes)
+
+
 def test_residual_fx_profile() -> None:
     torch.manual_seed(2)
     model = Residual()

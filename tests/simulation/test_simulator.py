@@ -323,3 +323,32 @@ def test_too_short_a_run_has_no_steady_window() -> None:
     result = simulate_schedule(build_schedule([1] * 4, S.PIPEDREAM, 9), _equal(4))
     assert result.steady_units == 0
     assert result.steady_throughput_minibatches_per_s == result.throughput_minibatches_per_s
+
+
+def test_jitter_scales_forwards_and_backwards_by_its_draws() -> None:
+    dp = build_schedule((2,), S.DP, 20, 2)
+    base = SimCosts(forward_s=(1.0,), backward_s=(2.0,), step_s=(0.5,))
+    assert simulate_schedule(dp, replace(base, jitter=(1.0,))).makespan_s == pytest.approx(
+        simulate_schedule(dp, base).makespan_s)
+    doubled = simulate_schedule(dp, replace(base, jitter=(2.0,)))
+    assert doubled.makespan_s == pytest.approx(10 * (2 * 3.0 + 0.5))
+    steps = [e.duration_s for e in doubled.events if e.kind is K.STEP]
+    assert steps == pytest.approx([0.5] * 20)
+
+
+def test_jitter_makes_replicas_wait_for_the_slower_and_repeats_exactly() -> None:
+    dp = build_schedule((2,), S.DP, 400, 2)
+    base = SimCosts(forward_s=(1.0,), backward_s=(2.0,), allreduce_s=(0.1,))
+    jittered = replace(base, jitter=(0.5, 1.5))  # mean 1: on its own, no slower
+    one = simulate_schedule(dp, jittered)
+    assert one.makespan_s == simulate_schedule(dp, jittered).makespan_s
+    steady = simulate_schedule(dp, base).makespan_s
+    # each round waits for the slower of two replicas: 3 x E[max of two draws] = 3 x 1.25
+    assert one.makespan_s > 1.15 * steady
+    assert one.makespan_s < 1.35 * steady
+
+
+def test_jitter_factors_must_be_positive_and_finite() -> None:
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ScheduleError, match="jitter"):
+            SimCosts(forward_s=(1.0,), backward_s=(1.0,), jitter=(1.0, bad))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -193,8 +194,10 @@ def local_costs(
     cost stretches by the pace measured with the profile for that many
     workers, else by ``workers / cores``; a profile taken beside busy
     twins already holds the co-run slowdown. An all-reduce's start, measured
-    into the backward, stretches with the backward it waits on. ``nodes``:
-    see :func:`local_topology`.
+    into the backward, stretches with the backward it waits on. Each
+    forward and backward varies as the profile's passes did around their
+    median (``SimCosts.jitter``), so replicas wait for the slower one and
+    stages for each other as on the host. ``nodes``: see :func:`local_topology`.
     """
     from dreampipe.simulation.simulator import costs_from_profile
 
@@ -220,4 +223,13 @@ def local_costs(
         send_copy_bandwidth=machine.send_copy_bandwidth / share,
         step_s=tuple(p / machine.step_bandwidth * busy for p in costs.parameter_bytes),
         stash_copy_bandwidth=machine.stash_copy_bandwidth / busy,
+        jitter=_jitter(graph),
     )
+
+
+def _jitter(graph: LayerGraph) -> tuple[float, ...]:
+    """Each profiled pass over the median pass (``meta["pass_ms"]``): how long a forward or
+    backward may take against the median the layer times hold; empty without passes."""
+    passes = [float(t) for t in graph.meta.get("pass_ms", ()) if float(t) > 0]
+    middle = statistics.median(passes) if passes else 0.0
+    return tuple(t / middle for t in passes) if middle > 0 else ()

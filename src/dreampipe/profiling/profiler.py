@@ -15,7 +15,8 @@ How it measures (all in training mode, autograd on)::
          then each layer in reverse order
            backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
 
-The median of the ``repeats`` timings is reported. The backward is the
+The median of the ``repeats`` timings is reported, and every timed pass's
+total in ``meta["pass_ms"]`` (how a whole pass varies). The backward is the
 layer's own backward: gradients for its inputs (when they carry gradient in
 real training) and its parameters, with the real upstream gradient. The
 loss itself is not timed. ``autograd.grad`` never touches ``.grad``, and
@@ -82,9 +83,9 @@ def profile_model(
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
             model.train()
             env, grads, saved = _record(steps, output_key, sample_input, loss_fn, target)
-            layers, edges, timed = _time_layers(steps, env, grads, _Passes(warmup, repeats,
-                                                                           min_time_s), cuda,
-                                                progress)
+            layers, edges, pass_ms = _time_layers(steps, env, grads,
+                                                  _Passes(warmup, repeats, min_time_s), cuda,
+                                                  progress)
             layers = [replace(x, saved_bytes=_saved_bytes(saved[s.key], s, env))
                       for x, s in zip(layers, _layer_steps(steps, env), strict=True)]
     finally:
@@ -98,7 +99,8 @@ def profile_model(
         "device": str(sample_input.device),
         "threads": torch.get_num_threads(),
         "warmup": warmup,
-        "repeats": timed,
+        "repeats": len(pass_ms) or repeats,
+        "pass_ms": [round(t, 4) for t in pass_ms],
         "torch": torch.__version__,
     }
     log.info("profiled %d layers of %s at batch %d", len(layers), name or "model", batch)
@@ -205,8 +207,9 @@ def _time_layers(
     passes: _Passes,
     cuda: bool,
     progress: Progress | None,
-) -> tuple[list[Layer], list[tuple[int, int]], int]:
-    """The layers with their median times, the edges, and how many passes were timed."""
+) -> tuple[list[Layer], list[tuple[int, int]], list[float]]:
+    """The layers with their median times, the edges, and each timed pass's milliseconds
+    (all layers' forward and backward: how a whole pass varies, which medians leave out)."""
     layer_steps = _layer_steps(steps, env)
     is_layer = {s.key: i for i, s in enumerate(layer_steps)}
     sources: dict[str, set[int]] = {}
@@ -236,7 +239,8 @@ def _time_layers(
             parameter_bytes=sum(p.numel() * p.element_size() for p in fresh),
             description=step.description,
         ))
-    return layers, sorted(edges), len(times[0][0]) if times else passes.repeats
+    columns = [t for pair in times for t in pair]
+    return layers, sorted(edges), [sum(one) for one in zip(*columns, strict=True)]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,11 @@ class SimCosts:
     ``allreduce_delay_s[s]`` is how far into its backward stage s's
     all-reduce can start at the earliest, taken as one block on one link
     (:func:`dreampipe.planning.costs.allreduce_end` less the all-reduce).
+    ``jitter``: factors each forward and backward multiplies its cost by, one
+    drawn per action (seeded: a simulation repeats exactly); how the
+    profile's passes varied around their median, so that replicas wait for
+    the slower one and stages for each other as in a run. Empty: every
+    action takes exactly its cost.
     """
 
     forward_s: tuple[float, ...]
@@ -59,6 +64,7 @@ class SimCosts:
     send_overhead_s: float = 0.0
     send_copy_bandwidth: float = math.inf
     stash_copy_bandwidth: float = math.inf
+    jitter: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -89,6 +95,9 @@ class SimCosts:
             raise ScheduleError(
                 f"stash_copy_bandwidth={self.stash_copy_bandwidth}: give a bandwidth > 0"
             )
+        bad = [f for f in self.jitter if not 0 < f < math.inf]
+        if bad:
+            raise ScheduleError(f"costs.jitter holds {bad[0]}; every factor must be finite and > 0")
 
     @property
     def num_stages(self) -> int:

@@ -2,7 +2,8 @@
 
 Each rank runs its action list in order, exactly as the runtime does:
 
-- ``F``/``B``/``STEP`` occupy the rank for the stage's cost per unit; a
+- ``F``/``B``/``STEP`` occupy the rank for the stage's cost per unit (an
+  ``F`` or ``B`` times a factor drawn from ``jitter``, if the costs have one); a
   ``STEP`` while a unit in flight holds the live weights also copies them
   (weight stashing's copy-on-write, at ``stash_copy_bandwidth``);
 - ``SEND`` is non-blocking: the transfer starts when the directed link
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -143,6 +145,7 @@ class _Run(Stepper):
         self.link_free: dict[tuple[int, int], float] = {}
         self.bandwidth: dict[tuple[int, int], float] = {}
         self.memory = [_Memory() for _ in range(ranks)]
+        self.draws = random.Random(0)
 
     def result(self) -> SimResult:
         s = self.schedule
@@ -180,10 +183,10 @@ class _Run(Stepper):
         k, st, c = action.kind, action.stage, self.c
         mem = self.memory[rank]
         if k is _F:
-            dur = c.forward_s[st]
+            dur = self._jittered(c.forward_s[st])
             mem.forward(action.unit)
         elif k is _B:
-            dur = c.backward_s[st]
+            dur = self._jittered(c.backward_s[st])
             self.last_b_start[rank] = clock
             if st == 0:
                 self.finished.append(clock + dur)
@@ -231,6 +234,10 @@ class _Run(Stepper):
         if self.record:
             self.events.append(Event(rank, action.stage, action.kind, action.unit, *span))
         return span[1]
+
+    def _jittered(self, cost: float) -> float:
+        jitter = self.c.jitter
+        return cost * jitter[self.draws.randrange(len(jitter))] if jitter else cost
 
     def _transfer_s(self, src: int, dst: int, size: float) -> float:
         if size <= 0:
