@@ -116,3 +116,15 @@ def test_the_profiles_passes_around_their_median_are_the_simulators_jitter() -> 
     assert local_costs(_GRAPH, plan, 1.0).jitter == ()
     timed = dataclasses.replace(_GRAPH, meta={"pass_ms": [10.0, 8.0, 12.0, 0.0, 30.0, 10.0]})
     assert local_costs(timed, plan, 1.0).jitter == pytest.approx((1.0, 0.8, 1.2, 3.0, 1.0))
+
+
+def test_the_loss_measured_with_the_profile_replaces_the_fixed_figure() -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    fixed = local_costs(_GRAPH, plan, 0.5, quiet)
+    timed = dataclasses.replace(_GRAPH, meta={"loss_forward_ms": 3.0, "loss_backward_ms": 5.0})
+    costs = local_costs(timed, plan, 0.5, quiet)
+    assert costs.forward_s[0] == fixed.forward_s[0]
+    assert costs.backward_s[0] == fixed.backward_s[0]
+    assert costs.forward_s[1] == pytest.approx(fixed.forward_s[1] - quiet.loss_s + 1.5e-3)
+    assert costs.backward_s[1] == pytest.approx(fixed.backward_s[1] + 2.5e-3)

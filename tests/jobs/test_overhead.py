@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from torch import Tensor
 
 from dreampipe.jobs.local import profile_as_worker
 from dreampipe.jobs.overhead import with_runtime_overhead
@@ -19,6 +24,25 @@ def test_the_profile_carries_the_runtimes_forward_and_backward_over_plain_pytorc
         factor = graph.meta[key]
         # same layers and same kernels: the runtime's bookkeeping costs, it does not halve them
         assert math.isfinite(factor) and 0.5 < factor < 5.0, (key, factor)
+    assert graph.meta["loss_forward_ms"] > 0 and graph.meta["loss_backward_ms"] > 0
+
+
+def test_the_loss_is_timed_on_the_models_output() -> None:
+    spec = get_model("mlp", layers=2, width=16)
+    slow = replace(spec, loss_fn=_sleepy(spec.loss_fn, 0.004))
+    graph = with_runtime_overhead(profile_spec(spec, batch_size=4, repeats=1), slow,
+                                  rounds=3, min_time_s=0.0)
+    assert graph.meta["loss_forward_ms"] >= 4.0  # the sleep is inside the loss's forward
+    assert graph.meta["loss_backward_ms"] < 4.0
+
+
+def _sleepy(loss_fn: Callable[[Tensor, Tensor], Tensor], seconds: float
+            ) -> Callable[[Tensor, Tensor], Tensor]:
+    def slow(out: Tensor, target: Tensor) -> Tensor:
+        time.sleep(seconds)
+        return loss_fn(out, target)
+
+    return slow
 
 
 def test_a_worker_profile_is_taken_with_the_runtime_overhead() -> None:

@@ -84,6 +84,8 @@ class LocalCalibration:
     batch_load_s: float
     #: The last stage's loss, which the profile leaves out (it times layers):
     #: the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
+    #: Used only for a profile without the loss's own times, which
+    #: :mod:`~dreampipe.jobs.overhead` measures with every local profile.
     loss_s: float
     #: Whether gradient all-reduces overlap the backward. Not here: gloo
     #: moves and sums the bytes on the cores that compute, so an all-reduce
@@ -187,7 +189,8 @@ def local_costs(
     them: posting each send, in each forward and backward the stage's own
     overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.jobs.overhead`
     measured with the profile, else the machine's ``stage_forward_s``), loading
-    the unit's data and the loss, and each weight update (with the
+    the unit's data, the loss (its forward and backward as measured with the
+    profile, else the machine's ``loss_s``), and each weight update (with the
     copy weight stashing makes where a unit in flight needs the old weights).
     Compute and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
@@ -208,7 +211,12 @@ def local_costs(
         forward = [f * float(graph.meta["runtime_forward"]) for f in costs.forward_s]
     else:
         forward = [f + machine.stage_forward_s for f in costs.forward_s]
-    forward[-1] += machine.loss_s
+    backward = [b * runtime_backward for b in costs.backward_s]
+    if "loss_forward_ms" in graph.meta:  # measured with the profile
+        forward[-1] += float(graph.meta["loss_forward_ms"]) / 1e3 * unit_fraction
+        backward[-1] += float(graph.meta["loss_backward_ms"]) / 1e3 * unit_fraction
+    else:
+        forward[-1] += machine.loss_s
     forward[0] += machine.batch_load_s
     if len(forward) > 1:
         forward[-1] += machine.batch_load_s
@@ -216,7 +224,7 @@ def local_costs(
     busy = share * _corun_factor(graph, plan.workers_used, machine)
     return dataclasses.replace(
         costs, forward_s=tuple(f * busy for f in forward),
-        backward_s=tuple(b * runtime_backward * busy for b in costs.backward_s),
+        backward_s=tuple(b * busy for b in backward),
         allreduce_s=tuple(a * share for a in costs.allreduce_s),
         allreduce_delay_s=tuple(d * runtime_backward * busy for d in costs.allreduce_delay_s),
         send_overhead_s=machine.send_overhead_s * share,

@@ -14,7 +14,11 @@ alike::
 
 and keeps the medians' ratios in the graph's meta (``runtime_forward``,
 ``runtime_backward``), which :func:`~dreampipe.jobs.machine.local_costs`
-multiplies each stage's layer times by.
+multiplies each stage's layer times by. The loss is not a layer, so the
+profile leaves it out, and it is not small for every model (a language
+model's cross-entropy over every position and the whole vocabulary): it is
+timed too, forward and backward on the model's output (``loss_forward_ms``,
+``loss_backward_ms``), and the last stage pays it.
 """
 
 from __future__ import annotations
@@ -59,8 +63,26 @@ def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 3
         k += 1
     plain, runtime = ([statistics.median(t[i] for t in times) for i in (0, 1)] for times in took)
     factors = [r / p if p > 0 else 1.0 for r, p in zip(runtime, plain, strict=True)]
+    loss = _loss_ms(spec, x, y, max(rounds, len(took[0])))
     return replace(graph, meta={**graph.meta, "runtime_forward": round(factors[0], 4),
-                                "runtime_backward": round(factors[1], 4)})
+                                "runtime_backward": round(factors[1], 4),
+                                "loss_forward_ms": round(loss[0], 4),
+                                "loss_backward_ms": round(loss[1], 4)})
+
+
+def _loss_ms(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor, rounds: int) -> tuple[float, float]:
+    """Median milliseconds of the loss on the model's output, forward and backward."""
+    with torch.no_grad():
+        out = spec.build(seed=0)(x)
+    took: list[tuple[float, float]] = []
+    for _ in range(rounds):
+        leaf = out.detach().requires_grad_(True)
+        t0 = time.perf_counter()
+        loss = spec.loss_fn(leaf, y)
+        t1 = time.perf_counter()
+        torch.autograd.backward(loss)
+        took.append(((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3))
+    return statistics.median(t[0] for t in took), statistics.median(t[1] for t in took)
 
 
 def _plain(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> _Round:
