@@ -24,7 +24,8 @@ incurs them, so that a user can rerun it on their own machine:
 ``dreampipe train`` measures the first three itself, with its profile
 (:mod:`dreampipe.jobs.rates`, the same code), since they drift with the
 host; the fixed figures serve profiles taken alone (the bench, a torchrun
-job). It prints the median of ``--repeats`` rounds with their spread, and
+job). It prints the mean of ``--repeats`` rounds of each rate (the
+co-run factor: a ratio of medians) with their spread, and
 the lines to put in ``PROJECT_MACHINE`` (or a calibration of your own)::
 
     python benchmarks/calibrate_local.py [--model mlp] [--repeats 9]
@@ -73,7 +74,7 @@ def _rank(rank: int, world: int, job: _Job) -> HostRates:
 
 
 def _spread(values: tuple[float, ...]) -> str:
-    return f"median {statistics.median(values) * 1e3:.2f} ms " \
+    return f"mean {statistics.fmean(values) * 1e3:.2f} ms " \
            f"({min(values) * 1e3:.2f}-{max(values) * 1e3:.2f})"
 
 

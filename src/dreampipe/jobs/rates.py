@@ -54,7 +54,8 @@ _EVICT_BYTES = 64 << 20
 @dataclass(frozen=True)
 class HostRates:
     """Seconds of each timed round of ``nbytes`` of parameters among ``world`` ranks
-    (no all-reduce rounds for one rank)."""
+    (no all-reduce rounds for one rank). The rates are over the mean round, not the
+    median: a run pays every round, the slow ones too."""
 
     nbytes: int
     world: int
@@ -64,22 +65,22 @@ class HostRates:
 
     @property
     def allreduce_bandwidth(self) -> float:
-        """Bytes/s at which a ring's ``2 (w-1)/w n`` bytes per rank take the median time
+        """Bytes/s at which a ring's ``2 (w-1)/w n`` bytes per rank take the mean time
         (infinite for one rank, which all-reduces nothing)."""
         if not self.allreduce_s:
             return math.inf
         ring = 2 * (self.world - 1) / self.world * self.nbytes
-        return ring / statistics.median(self.allreduce_s)
+        return ring / statistics.fmean(self.allreduce_s)
 
     @property
     def step_bandwidth(self) -> float:
         """Parameter bytes one SGD step updates per second (the runtime's ``STEP``)."""
-        return self.nbytes / statistics.median(self.step_s)
+        return self.nbytes / statistics.fmean(self.step_s)
 
     @property
     def stash_copy_bandwidth(self) -> float:
         """Parameter bytes per second weight stashing's copy-on-write copies."""
-        return self.nbytes / statistics.median(self.copy_s)
+        return self.nbytes / statistics.fmean(self.copy_s)
 
 
 def measure_rates(
