@@ -236,8 +236,18 @@ def _profile_rank(
         dist.destroy_process_group()
 
 
-#: Seconds each process trains for in each phase of :func:`_crowd_pace`.
-_PACE_S = 1.0
+#: Seconds each process trains for in each phase of :func:`_crowd_pace`, at the least.
+_PACE_S = 0.5
+#: Rank 0's passes alone a phase lasts at the least, so that a slow model's pace is a
+#: mean over passes too, not over one or two.
+_PACE_PASSES = 8
+#: Whether each phase is crowded: alone and crowded in mirrored order, so that a host
+#: whose speed drifts over the seconds slows both alike. Measured one after the other,
+#: 1 s each, the pace of 3 workers on the project's 2 cores ranged 1.18-1.74 for the
+#: cnn (six profiles in a row) and 1.27-1.85 for the transformer (four, a phase holding
+#: one or two of its passes); mirrored, with 8 passes at the least, 1.55-1.99 and
+#: 1.59-1.67: the transformer's is steadier, the cnn's is as unsteady as the host.
+_PHASES = (False, True, True, False)
 
 
 def _crowd_pace(train_once: Callable[[], None], rank: int, profiling: int) -> float:
@@ -245,25 +255,34 @@ def _crowd_pace(train_once: Callable[[], None], rank: int, profiling: int) -> fl
     training at once than with only the ``profiling`` first ranks (the slowest of them,
     whose profile is kept): the share of the cores a worker gets in a run with more
     workers than cores, as the host's scheduler gives it (a waiting worker takes none:
-    gloo's waits sleep). Each phase ends at one instant on every rank::
+    gloo's waits sleep). Each phase ends at one instant on every rank; each process's
+    pace is its mean over the phases of a kind::
 
-        ranks < profiling   [train until t1] barrier [train until t2]
-        the crowd           (waits)          barrier [train until t2]
+        ranks < profiling   [alone] | [crowded] | [crowded] | [alone]
+        the crowd           (waits) | [crowded] | [crowded] | (waits)
+                                    ^ barrier between phases
     """
-    deadline = _deadline()
-    alone = _mean_pass_s(train_once, deadline) if rank < profiling else 0.0
-    dist.barrier()
-    crowded = _mean_pass_s(train_once, _deadline())
-    paces = torch.tensor([[alone, crowded]], dtype=torch.float64)
+    start = time.time()
+    if rank == 0:
+        train_once()
+    phase_s = max(_PACE_S, _PACE_PASSES * (time.time() - start))  # rank 0's is broadcast
+    took: dict[bool, list[float]] = {False: [], True: []}
+    for crowded in _PHASES:
+        deadline = _deadline(phase_s)
+        if crowded or rank < profiling:
+            took[crowded].append(_mean_pass_s(train_once, deadline))
+        dist.barrier()
+    alone = statistics.fmean(took[False]) if took[False] else 0.0
+    paces = torch.tensor([[alone, statistics.fmean(took[True])]], dtype=torch.float64)
     every = [torch.zeros_like(paces) for _ in range(dist.get_world_size())]
     dist.all_gather(every, paces)
     both = torch.cat(every)
     return float(both[:, 1].max()) / float(both[:profiling, 0].max())
 
 
-def _deadline() -> float:
-    """An instant :data:`_PACE_S` from rank 0's now, on the clock every local rank shares."""
-    instant = torch.tensor([time.time() + _PACE_S], dtype=torch.float64)
+def _deadline(seconds: float) -> float:
+    """An instant rank 0's ``seconds`` from its now, on the clock every local rank shares."""
+    instant = torch.tensor([time.time() + seconds], dtype=torch.float64)
     dist.broadcast(instant, src=0)
     return float(instant.item())
 
