@@ -51,7 +51,8 @@ def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 3
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         x, y = spec.sample_input(batch), spec.sample_target(batch)
-    ways = (_plain(spec, x, y), _runtime(spec, x, y))
+    model = spec.build(seed=0)
+    ways = (_plain(model, spec, x, y), _runtime(spec, x, y))
     took: tuple[list[tuple[float, float]], ...] = ([], [])
     start = time.perf_counter()
     k = 0
@@ -63,17 +64,18 @@ def with_runtime_overhead(graph: LayerGraph, spec: ModelSpec, *, rounds: int = 3
         k += 1
     plain, runtime = ([statistics.median(t[i] for t in times) for i in (0, 1)] for times in took)
     factors = [r / p if p > 0 else 1.0 for r, p in zip(runtime, plain, strict=True)]
-    loss = _loss_ms(spec, x, y, max(rounds, len(took[0])))
+    loss = _loss_ms(model, spec, x, y, max(rounds, len(took[0])))
     return replace(graph, meta={**graph.meta, "runtime_forward": round(factors[0], 4),
                                 "runtime_backward": round(factors[1], 4),
                                 "loss_forward_ms": round(loss[0], 4),
                                 "loss_backward_ms": round(loss[1], 4)})
 
 
-def _loss_ms(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor, rounds: int) -> tuple[float, float]:
-    """Median milliseconds of the loss on the model's output, forward and backward."""
+def _loss_ms(model: torch.nn.Module, spec: ModelSpec, x: torch.Tensor, y: torch.Tensor,
+             rounds: int) -> tuple[float, float]:
+    """Median milliseconds of the loss on ``model``'s output, forward and backward."""
     with torch.no_grad():
-        out = spec.build(seed=0)(x)
+        out = model(x)
     took: list[tuple[float, float]] = []
     for _ in range(rounds):
         leaf = out.detach().requires_grad_(True)
@@ -85,8 +87,8 @@ def _loss_ms(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor, rounds: int) -> 
     return statistics.median(t[0] for t in took), statistics.median(t[1] for t in took)
 
 
-def _plain(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> _Round:
-    model = spec.build(seed=0)
+def _plain(model: torch.nn.Module, spec: ModelSpec, x: torch.Tensor, y: torch.Tensor
+           ) -> _Round:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
 
     def run() -> tuple[float, float]:
