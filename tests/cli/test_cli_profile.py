@@ -48,6 +48,18 @@ def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "batch 8" in shown and "chain, 4 edges" in shown
 
 
+def test_a_profile_sized_by_model_args_is_one_train_accepts(tmp_path: Path) -> None:
+    from dreampipe.jobs.local import saved_profile
+
+    out_file = tmp_path / "mlp.json"
+    assert main(["profile", "mlp", "--model-arg", "layers=3", "--model-arg", "width=24",
+                 "--batch-size", "4", "--repeats", "1", "-o", str(out_file)]) == 0
+    spec = get_model("mlp", layers=3, width=24)
+    graph = saved_profile(out_file, spec)
+    assert [x.name for x in graph.layers] == spec.layer_names == ["fc0", "fc1", "fc2"]
+    assert graph.layers[1].parameter_bytes == (24 * 24 + 24) * 4
+
+
 def test_bad_model_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", "vgg17"]) == 2
     err = capsys.readouterr().err

@@ -11,10 +11,12 @@ from typing import Any
 __all__ = ["effective", "read_log", "tail", "train_argv", "wait_for"]
 
 
-def train_argv(ck: Path, *extra: str, steps: int, every: int, width: int = 32) -> list[str]:
+def train_argv(ck: Path, *extra: str, steps: int, every: int, profile: Path) -> list[str]:
     """``dreampipe train`` of a 4-layer mlp, 1f1b-flush with momentum, saving into ``ck``
-    every ``every`` updates, resuming from there, its data log at ``ck/data.jsonl``."""
-    return ["train", "mlp", "--model-arg", "layers=4", "--model-arg", f"width={width}",
+    every ``every`` updates, resuming from there, its data log at ``ck/data.jsonl``,
+    planned with ``profile`` (the ``mlp_profile`` fixture's)."""
+    return ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--profile", str(profile),
             "--schedule", "1f1b-flush", "--steps", str(steps), "--batch-size", "16",
             "--lr", "0.05", "--momentum", "0.9", "--checkpoint-dir", str(ck),
             "--checkpoint-every", str(every), "--resume", "--data-log", str(ck / "data.jsonl"),

@@ -39,12 +39,12 @@ class _Kill:
 
 
 def _run(tmp_path: Path, name: str, plan: tuple[str, ...], nproc: int,
-         victim: int) -> tuple[Path, _Kill]:
+         victim: int, profile: Path) -> tuple[Path, _Kill]:
     """A torchrun job in ``tmp_path/name`` whose rank ``victim`` is killed mid-run."""
     ck = tmp_path / name
     options = ["--max-restarts", "1", "--log-dir", str(tmp_path / f"{name}-logs"), "--tee", "3"]
     cmd = torchrun_command("-m", "dreampipe", *train_argv(ck, *plan, steps=_STEPS,
-                                                          every=_EVERY),
+                                                          every=_EVERY, profile=profile),
                            nproc=nproc, options=options)
     out = tmp_path / f"{name}-torchrun"
     with started(cmd, out) as proc:
@@ -74,11 +74,11 @@ def _run(tmp_path: Path, name: str, plan: tuple[str, ...], nproc: int,
     (("--config", "2-1", "--stages", "0,2"), 3, 2),
 ], ids=["2-stage", "2-1"])
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_loses_nothing(
-    tmp_path: Path, plan: tuple[str, ...], nproc: int, victim: int
+    tmp_path: Path, plan: tuple[str, ...], nproc: int, victim: int, mlp_profile: Path
 ) -> None:
     ref = tmp_path / "uninterrupted"  # local workers: the same arithmetic, started faster
-    assert main(train_argv(ref, *plan, steps=_STEPS, every=_EVERY)) == 0
-    run, kill = _run(tmp_path, "killed", plan, nproc, victim)
+    assert main(train_argv(ref, *plan, steps=_STEPS, every=_EVERY, profile=mlp_profile)) == 0
+    run, kill = _run(tmp_path, "killed", plan, nproc, victim, mlp_profile)
 
     # the survivors are out within --timeout. Each saw the lost peer at once and said so in
     # one line (a replica waiting in its all-reduce names the all-reduce), or torchrun,

@@ -9,11 +9,15 @@ its output). The measured figure is the peak above the rank's baseline
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dreampipe.api.train import run_train
 from dreampipe.errors import ConfigError
 from dreampipe.jobs.train import PlanSource, TrainRequest
+from dreampipe.models import get_model
+from dreampipe.profiling.profiler import profile_spec
 from dreampipe.runtime.config import RunOptions
 
 _MODELS = {
@@ -24,20 +28,35 @@ _CUTS = {"mlp": "0,4", "cnn": "0,2"}
 _BATCH = {"mlp": 16, "cnn": 256}
 
 
-def _request(model: str, stash: bool, memory_bytes: int | None = None) -> TrainRequest:
+@pytest.fixture(scope="module")
+def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Each model profiled once at its minibatch (``train --profile``): the sizes, which
+    are what memory is predicted from, are those a run's own profile measures."""
+    folder = tmp_path_factory.mktemp("memory-profiles")
+    for model, kwargs in _MODELS.items():
+        profile_spec(get_model(model, **dict(kwargs)), batch_size=_BATCH[model], warmup=1,
+                     repeats=1).save(folder / f"{model}.json")
+    return {model: folder / f"{model}.json" for model in _MODELS}
+
+
+def _request(model: str, stash: bool, profile: Path, memory_bytes: int | None = None
+             ) -> TrainRequest:
     run = RunOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
                      steps=4, stash=stash, progress=False, timeout_s=120.0,
                      measure_memory=True)
     return TrainRequest(run=run, plan=PlanSource(config="straight", stages=_CUTS[model]),
-                        workers=2, exact_steps=True, memory_bytes=memory_bytes)
+                        workers=2, exact_steps=True, memory_bytes=memory_bytes,
+                        profile=str(profile))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("stash", [True, False], ids=["stash", "no-stash"])
 @pytest.mark.parametrize("model", ["mlp", "cnn"])
-def test_peak_memory_is_within_a_quarter_of_the_prediction(model: str, stash: bool) -> None:
-    report = run_train(_request(model, stash))
+def test_peak_memory_is_within_a_quarter_of_the_prediction(
+    model: str, stash: bool, profiles: dict[str, Path]
+) -> None:
+    report = run_train(_request(model, stash, profiles[model]))
     assert report is not None
     rows = report.memory_rows()
     assert [r["stage"] for r in rows] == [0, 1]
@@ -46,6 +65,8 @@ def test_peak_memory_is_within_a_quarter_of_the_prediction(model: str, stash: bo
         assert 0.75 <= r["ratio"] <= 1.25, rows
 
 
-def test_memory_that_no_stage_fits_is_an_error_before_training() -> None:
+def test_memory_that_no_stage_fits_is_an_error_before_training(
+    profiles: dict[str, Path]
+) -> None:
     with pytest.raises(ConfigError, match=r"stage 0 \(layers 0..3\) needs about .* MB"):
-        run_train(_request("mlp", True, memory_bytes=10**6))
+        run_train(_request("mlp", True, profiles["mlp"], memory_bytes=10**6))

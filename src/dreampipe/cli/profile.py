@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tqdm import tqdm
 
@@ -22,9 +22,6 @@ from dreampipe.cli.profile_table import format_profile_summary, format_profile_t
 from dreampipe.errors import ProfileError
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["register"]
 
@@ -52,6 +49,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     )
     profile.add_argument("model", metavar="MODEL",
                          help="zoo name, package.module:function or path/to/file.py:function")
+    profile.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                         help="size the model, e.g. --model-arg layers=4 (repeatable; as for "
+                              "'dreampipe train')")
     profile.add_argument(
         "--batch-size", type=int, metavar="N",
         help="minibatch size to measure at (default: the zoo model's own default)",
@@ -84,12 +84,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
+    from dreampipe.cli.train import parse_model_args
     from dreampipe.models.resolve import ModelSample, resolve
     from dreampipe.profiling.profiler import profile_model, profile_spec
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
-    model = resolve(args.model, batch_size=args.batch_size)
+    model = resolve(args.model, parse_model_args(args.model_arg), batch_size=args.batch_size)
     with tqdm(desc=f"profiling {args.model}", unit="pass", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:

@@ -60,6 +60,11 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "under torchrun the world size is used and this must match it if given")
     g = p.add_argument_group("plan")
     g.add_argument("--plan", metavar="FILE", help="use this plan JSON (from 'dreampipe plan')")
+    g.add_argument("--profile", metavar="FILE",
+                   help="plan and predict with this layer profile (from 'dreampipe profile "
+                        "--batch-size N -o FILE', the same MODEL and --model-arg) instead of "
+                        "profiling MODEL first: it starts seconds sooner, but the prediction "
+                        "lacks what workers computing side by side measure of each other")
     g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP); "
                                     "without --stages the planner places the cuts")
     g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
@@ -199,6 +204,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
     return TrainRequest(
         run=run,
         plan=PlanSource(path=args.plan, config=args.config, stages=args.stages),
+        profile=args.profile,
         workers=args.workers,
         epochs=args.epochs,
         exact_steps=args.steps is not None,

@@ -14,20 +14,23 @@ import itertools
 import logging
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, ProfileError
 from dreampipe.jobs.machine import local_costs, local_topology, measured_machine
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import parse_stage_bounds, stages_from_config
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["choose_plan", "forced_partition", "predict_samples_per_s", "profile_as_worker"]
+__all__ = ["choose_plan", "forced_partition", "predict_samples_per_s", "profile_as_worker",
+           "saved_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,41 @@ def profile_as_worker(
     with pinned_threads(1):
         graph = profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s)
         return with_runtime_overhead(graph, spec)
+
+
+def saved_profile(path: str | Path, spec: ModelSpec) -> LayerGraph:
+    """The layer profile in ``path`` (``dreampipe profile -o``), checked to be ``spec``'s.
+
+    A job given one plans and predicts with it instead of profiling first; its
+    times are per minibatch of its ``batch_size`` and scale to each unit's.
+    """
+    from dreampipe.profiling.load import load_graph
+
+    graph = load_graph(path)
+    names = [layer.name for layer in graph.layers]
+    if names != spec.layer_names or (graph.model and graph.model != spec.name):
+        raise ProfileError(
+            f"profile {str(path)!r} is of {graph.model or 'a model'} with {len(names)} layers "
+            f"({', '.join(names[:3])}, ..), not {spec.name} with {spec.num_layers} "
+            f"({', '.join(spec.layer_names[:3])}, ..); profile this model, sized as here, "
+            f"with 'dreampipe profile {spec.name} --model-arg KEY=VALUE .. --batch-size N "
+            "-o FILE.json'")
+    counted: set[int] = set()  # a weight two layers share is the first one's, as profiled
+    for layer, module in zip(graph.layers, spec.build(), strict=True):
+        fresh = [p for p in module.parameters() if id(p) not in counted]
+        counted.update(id(p) for p in fresh)
+        size = sum(p.numel() * p.element_size() for p in fresh)
+        if size != layer.parameter_bytes:
+            raise ProfileError(
+                f"profile {str(path)!r}: layer {layer.name} holds "
+                f"{format_bytes(layer.parameter_bytes)} of weights there and "
+                f"{format_bytes(size)} in {spec.name} here, so it was profiled at another "
+                "size; profile the model with the same --model-arg")
+    if graph.batch_size <= 0:
+        raise ProfileError(
+            f"profile {str(path)!r} does not say its batch size, so its times cannot be "
+            "scaled to a unit's; profile with 'dreampipe profile --batch-size N -o FILE.json'")
+    return graph
 
 
 def forced_partition(

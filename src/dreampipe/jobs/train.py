@@ -31,6 +31,7 @@ from dreampipe.jobs.local import (
     forced_partition,
     predict_samples_per_s,
     profile_as_worker,
+    saved_profile,
 )
 from dreampipe.jobs.machine import corun_crowd, corun_twins, local_topology, measured_machine
 from dreampipe.models.resolve import resolve_spec
@@ -103,7 +104,8 @@ class PlanSource:
 class TrainRequest:
     """What ``dreampipe train`` was asked to do (see its ``--help``).
 
-    ``run`` is the run but for its plan, which comes from ``plan``.
+    ``run`` is the run but for its plan, which comes from ``plan``. ``profile``
+    is a saved layer profile to plan and predict with instead of profiling first.
     ``workers`` None means: the forced config's total, else 2. ``memory_bytes``
     is each worker's memory: the planner plans within it, and a plan whose
     predicted memory does not fit is an error. ``epochs``
@@ -118,6 +120,7 @@ class TrainRequest:
     epochs: float | None = None
     exact_steps: bool = False
     memory_bytes: int | None = None
+    profile: str | None = None
 
 
 @dataclass(frozen=True)
@@ -256,10 +259,11 @@ def plan_train(
         steps, given = _check_before_profiling(req, source, spec, workers,
                                                fixed_world=torchrun is not None)
         local = torchrun is None
-        graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
-                                  twins=corun_twins(workers) if local else 0,
-                                  crowd=corun_crowd(workers) if local else 0,
-                                  ref=opts.model, model_kwargs=opts.model_kwargs)
+        graph = saved_profile(req.profile, spec) if req.profile is not None else (
+            profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
+                              twins=corun_twins(workers) if local else 0,
+                              crowd=corun_crowd(workers) if local else 0,
+                              ref=opts.model, model_kwargs=opts.model_kwargs))
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
                                     memory_bytes=req.memory_bytes)
