@@ -199,8 +199,10 @@ def predict_samples_per_s(
 ) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` under ``kind``.
 
-    ``graph`` must be profiled at the layout's unit size, so each scheduled
-    unit costs what the profile measured; ``nodes`` as for :func:`choose_plan`.
+    A ``graph`` profiled at the layout's unit size gives each scheduled unit
+    what the profile measured; one at another batch is scaled to it in
+    proportion (a saved profile, ``train --profile``); ``nodes`` as for
+    :func:`choose_plan`.
     """
     from dreampipe.simulation.simulator import simulate_schedule
 
