@@ -50,12 +50,15 @@ def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 def test_a_profile_sized_by_model_args_is_one_train_accepts(tmp_path: Path) -> None:
     from dreampipe.jobs.local import saved_profile
+    from dreampipe.runtime.processes import pinned_threads
 
     out_file = tmp_path / "mlp.json"
-    assert main(["profile", "mlp", "--model-arg", "layers=3", "--model-arg", "width=24",
-                 "--batch-size", "4", "--repeats", "1", "-o", str(out_file)]) == 0
-    spec = get_model("mlp", layers=3, width=24)
-    graph = saved_profile(out_file, spec)
+    with pinned_threads(1):  # as OMP_NUM_THREADS=1 would
+        assert main(["profile", "mlp", "--model-arg", "layers=3", "--model-arg", "width=24",
+                     "--batch-size", "4", "--repeats", "1", "-o", str(out_file)]) == 0
+    spec, sized = get_model("mlp", layers=3, width=24), (("layers", 3), ("width", 24))
+    graph = saved_profile(out_file, spec, 4, model_kwargs=sized)
+    assert graph.meta["model_kwargs"] == [list(kv) for kv in sized]
     assert [x.name for x in graph.layers] == spec.layer_names == ["fc0", "fc1", "fc2"]
     assert graph.layers[1].parameter_bytes == (24 * 24 + 24) * 4
 

@@ -14,7 +14,8 @@ __all__ = ["effective", "read_log", "tail", "train_argv", "wait_for"]
 def train_argv(ck: Path, *extra: str, steps: int, every: int, profile: Path) -> list[str]:
     """``dreampipe train`` of a 4-layer mlp, 1f1b-flush with momentum, saving into ``ck``
     every ``every`` updates, resuming from there, its data log at ``ck/data.jsonl``,
-    planned with ``profile`` (the ``mlp_profile`` fixture's)."""
+    planned with ``profile`` (the ``mlp_profile`` fixture's, at 16 samples: a
+    minibatch of these 1f1b-flush runs unless ``extra`` sets another batch size)."""
     return ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
             "--profile", str(profile),
             "--schedule", "1f1b-flush", "--steps", str(steps), "--batch-size", "16",

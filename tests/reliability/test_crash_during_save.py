@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,14 +32,14 @@ _PLAN = ("--config", "straight", "--stages", "0,2")
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_crash_during_a_save_leaves_the_last_checkpoint_and_resume_uses_it(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], mlp_profile: Path
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path]
 ) -> None:
     ck = tmp_path / "ck"
     partial = ck / f"step-{2 * _EVERY}.tmp"
     script = Path(__file__).with_name("paused_save.py")
     cmd = torchrun_command(str(script), partial.name,
                            *train_argv(ck, *_PLAN, steps=_STEPS, every=_EVERY,
-                                       profile=mlp_profile))
+                                       profile=mlp_profile(16)))
     with started(cmd, tmp_path / "torchrun") as proc:
         wait_for(f"both ranks' files in {partial.name}", lambda: all(
             (partial / f"__{r}_0.distcp").is_file() for r in (0, 1)),
@@ -59,7 +60,8 @@ def test_a_crash_during_a_save_leaves_the_last_checkpoint_and_resume_uses_it(
     model.load_state_dict(load_model_state(ck))  # every key, every shape
 
     # --resume removes the partial save and continues from the last whole one
-    assert main(train_argv(ck, *_PLAN, steps=_STEPS, every=_EVERY, profile=mlp_profile)) == 0
+    assert main(train_argv(ck, *_PLAN, steps=_STEPS, every=_EVERY,
+                           profile=mlp_profile(16))) == 0
     said = capsys.readouterr().err
     print(f"\ncrash during a save: {partial.name} left without {checkpoint.MARKER}; the next "
           f"run said:\n  " + "\n  ".join(ln for ln in said.splitlines()

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -34,11 +35,11 @@ _DIGITS = ("--dataset", "digits", "--lr", "0.1", "--batch-size", "32")
 @pytest.mark.timeout(240)
 def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture,
-    mlp_profile: Path,
+    mlp_profile: Callable[[int], Path],
 ) -> None:
     ck = tmp_path / "ck"
     first = train_argv(ck, "--workers", "3", "--config", "2-1", *_DIGITS, steps=30, every=10,
-                       profile=mlp_profile)
+                       profile=mlp_profile(32))
     assert main(first) == 0, capsys.readouterr().err
     before = json.loads(capsys.readouterr().out)
     assert before["config"] == "2-1"
@@ -47,7 +48,7 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     # this test shrinks; the planner still cuts the layers for the new group
     with caplog.at_level(logging.INFO, logger="dreampipe.api.train"):
         assert main(train_argv(ck, "--workers", "2", "--config", "1-1", *_DIGITS, steps=40,
-                               every=10, profile=mlp_profile)) == 0
+                               every=10, profile=mlp_profile(32))) == 0
     captured = capsys.readouterr()
     after = json.loads(captured.out)
 
@@ -71,7 +72,7 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     assert [k for k, _ in effective(read_log(ck / "data.jsonl"))] == list(range(40))
 
 
-def _agent(ck: Path, port: int, mlp_profile: Path, *, host: bool) -> list[str]:
+def _agent(ck: Path, port: int, profile: Path, *, host: bool) -> list[str]:
     """One torchrun agent of an elastic job of 1 to 2 nodes (one process each), c10d
     rendezvous on 127.0.0.1; ``host``: this one keeps the rendezvous store."""
     conf = (f"is_host={int(host)},last_call_timeout=5,keep_alive_interval=1,"
@@ -80,17 +81,18 @@ def _agent(ck: Path, port: int, mlp_profile: Path, *, host: bool) -> list[str]:
             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"127.0.0.1:{port}", "--rdzv-id", "elastic", "--rdzv-conf", conf,
             "--max-restarts", "1", "-m", "dreampipe", *train_argv(ck, steps=_STEPS, every=_EVERY,
-                                                            profile=mlp_profile)]
+                                                            profile=profile)]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_elastic_job_that_loses_a_node_re_plans_and_resumes(tmp_path: Path,
-                                                               mlp_profile: Path) -> None:
+def test_an_elastic_job_that_loses_a_node_re_plans_and_resumes(
+    tmp_path: Path, mlp_profile: Callable[[int], Path]
+) -> None:
     ck, port = tmp_path / "ck", free_port()
     log = ck / "data.jsonl"
-    with started(_agent(ck, port, mlp_profile, host=True), tmp_path / "a") as a:
-        with started(_agent(ck, port, mlp_profile, host=False), tmp_path / "b") as b:
+    with started(_agent(ck, port, mlp_profile(16), host=True), tmp_path / "a") as a:
+        with started(_agent(ck, port, mlp_profile(16), host=False), tmp_path / "b") as b:
             wait_for(f"minibatch {_EVERY + 3} in the data log", lambda: any(
                 ln.get("minibatch", -1) >= _EVERY + 3 for ln in read_log(log)),
                 lambda: a.poll() is None and b.poll() is None, 180.0)

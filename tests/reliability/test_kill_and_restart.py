@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,11 +75,12 @@ def _run(tmp_path: Path, name: str, plan: tuple[str, ...], nproc: int,
     (("--config", "2-1", "--stages", "0,2"), 3, 2),
 ], ids=["2-stage", "2-1"])
 def test_a_killed_rank_restarts_from_the_last_checkpoint_and_loses_nothing(
-    tmp_path: Path, plan: tuple[str, ...], nproc: int, victim: int, mlp_profile: Path
+    tmp_path: Path, plan: tuple[str, ...], nproc: int, victim: int,
+    mlp_profile: Callable[[int], Path],
 ) -> None:
     ref = tmp_path / "uninterrupted"  # local workers: the same arithmetic, started faster
-    assert main(train_argv(ref, *plan, steps=_STEPS, every=_EVERY, profile=mlp_profile)) == 0
-    run, kill = _run(tmp_path, "killed", plan, nproc, victim, mlp_profile)
+    assert main(train_argv(ref, *plan, steps=_STEPS, every=_EVERY, profile=mlp_profile(16))) == 0
+    run, kill = _run(tmp_path, "killed", plan, nproc, victim, mlp_profile(16))
 
     # the survivors are out within --timeout. Each saw the lost peer at once and said so in
     # one line (a replica waiting in its all-reduce names the all-reduce), or torchrun,

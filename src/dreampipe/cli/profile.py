@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,8 @@ def _profile(args: argparse.Namespace) -> int:
         else:
             graph = profile_spec(model, args.batch_size, warmup=args.warmup,
                                  repeats=args.repeats, progress=progress)
+            graph = replace(graph, meta={**graph.meta, "model_kwargs": [
+                [k, v] for k, v in parse_model_args(args.model_arg)]})
     _print(graph)
     if args.output is not None:
         graph.save(args.output)

@@ -64,23 +64,40 @@ def profile_as_worker(
         return with_runtime_overhead(graph, spec)
 
 
-def saved_profile(path: str | Path, spec: ModelSpec) -> LayerGraph:
-    """The layer profile in ``path`` (``dreampipe profile -o``), checked to be ``spec``'s.
+def saved_profile(path: str | Path, spec: ModelSpec, unit_size: int, *, ref: str = "",
+                  model_kwargs: Sequence[tuple[str, Any]] = ()) -> LayerGraph:
+    """The layer profile in ``path`` (``dreampipe profile -o``), checked to be ``spec``'s as
+    one worker runs it: its layers and their weights, one thread, batch ``unit_size``.
 
-    A job given one plans and predicts with it instead of profiling first; its
-    times are per minibatch of its ``batch_size`` and scale to each unit's.
+    A job given one plans and predicts with it instead of profiling first. The
+    runtime's overhead over the layers is measured now if the profile lacks it
+    (:mod:`~dreampipe.jobs.overhead`). Model arguments that change no weight
+    (an image size, a sequence length) are checked only where the profile
+    recorded them (``meta["model_kwargs"]``, as ``dreampipe profile`` does).
     """
+    from dreampipe.jobs.overhead import with_runtime_overhead
     from dreampipe.profiling.load import load_graph
 
+    args = "".join(f" --model-arg {k}={v}" for k, v in model_kwargs)
+    fix = (f"profile it as a worker runs it: OMP_NUM_THREADS=1 dreampipe profile "
+           f"{ref or spec.name}{args} --batch-size {unit_size} -o {path}")
     graph = load_graph(path)
+    where = f"profile {str(path)!r}"
+    if graph.batch_size != unit_size:
+        measured = (f"is of {graph.batch_size} samples" if graph.batch_size else
+                    "does not say its batch size (a PipeDream graph.txt never does)")
+        raise ProfileError(f"{where} {measured}, and each unit this run computes is "
+                           f"{unit_size}; {fix}")
     names = [layer.name for layer in graph.layers]
     if names != spec.layer_names or (graph.model and graph.model != spec.name):
         raise ProfileError(
-            f"profile {str(path)!r} is of {graph.model or 'a model'} with {len(names)} layers "
-            f"({', '.join(names[:3])}, ..), not {spec.name} with {spec.num_layers} "
-            f"({', '.join(spec.layer_names[:3])}, ..); profile this model, sized as here, "
-            f"with 'dreampipe profile {spec.name} --model-arg KEY=VALUE .. --batch-size N "
-            "-o FILE.json'")
+            f"{where} is of {graph.model or 'a model'} with {len(names)} layers "
+            f"({_some(names)}), not {spec.name} with {spec.num_layers} "
+            f"({_some(spec.layer_names)}); {fix}")
+    recorded = graph.meta.get("model_kwargs")
+    if recorded is not None and dict(recorded) != dict(model_kwargs):
+        raise ProfileError(f"{where} is of {spec.name} sized {dict(recorded)}, and this run "
+                           f"sizes it {dict(model_kwargs)}; {fix}")
     counted: set[int] = set()  # a weight two layers share is the first one's, as profiled
     for layer, module in zip(graph.layers, spec.build(), strict=True):
         fresh = [p for p in module.parameters() if id(p) not in counted]
@@ -88,15 +105,22 @@ def saved_profile(path: str | Path, spec: ModelSpec) -> LayerGraph:
         size = sum(p.numel() * p.element_size() for p in fresh)
         if size != layer.parameter_bytes:
             raise ProfileError(
-                f"profile {str(path)!r}: layer {layer.name} holds "
-                f"{format_bytes(layer.parameter_bytes)} of weights there and "
-                f"{format_bytes(size)} in {spec.name} here, so it was profiled at another "
-                "size; profile the model with the same --model-arg")
-    if graph.batch_size <= 0:
-        raise ProfileError(
-            f"profile {str(path)!r} does not say its batch size, so its times cannot be "
-            "scaled to a unit's; profile with 'dreampipe profile --batch-size N -o FILE.json'")
-    return graph
+                f"{where}: layer {layer.name} holds {format_bytes(layer.parameter_bytes)} of "
+                f"weights there and {format_bytes(size)} in {spec.name} here, so it was "
+                f"profiled at another size; {fix}")
+    threads = graph.meta.get("threads", 1)
+    if graph.meta.get("device", "cpu") == "cpu" and threads != 1:
+        raise ProfileError(f"{where} was taken on {threads} threads, and a local worker "
+                           f"computes on one; {fix}")
+    if "runtime_forward" in graph.meta:
+        return graph
+    with pinned_threads(1):
+        return with_runtime_overhead(graph, spec)
+
+
+def _some(names: Sequence[str]) -> str:
+    """The first three ``names``, and ``..`` if there are more."""
+    return ", ".join(names[:3]) + (", .." if len(names) > 3 else "")
 
 
 def forced_partition(

@@ -3,14 +3,15 @@
 The run itself is :func:`dreampipe.api.train.run_train`'s, on a
 :class:`~dreampipe.api.Pipeline` per rank.
 
-Locally, dreampipe profiles the model, plans it for the workers asked for,
-and starts those worker processes itself. Under ``torchrun`` the processes
-already exist, one per rank, and every rank must run the *same* plan; but a
-profile is a measurement and differs a little from rank to rank. So only
-rank 0 profiles and plans; when the planner chose the plan, rank 0 publishes
-it in torchrun's own rendezvous store (the agent's TCP store at
-``MASTER_ADDR:MASTER_PORT``) and the other ranks read it from there. A plan
-file or a forced partition needs no exchange.
+Locally, dreampipe profiles the model (or reads a saved profile of it),
+plans it for the workers asked for, and starts those worker processes
+itself. Under ``torchrun`` the processes already exist, one per rank, and
+every rank must run the *same* plan; but a profile is a measurement and
+differs a little from rank to rank. So only rank 0 profiles and plans; when
+the planner chose the plan, rank 0 publishes it in torchrun's own rendezvous
+store (the agent's TCP store at ``MASTER_ADDR:MASTER_PORT``) and the other
+ranks read it from there. A plan file or a forced partition needs no
+exchange.
 """
 
 from __future__ import annotations
@@ -259,11 +260,14 @@ def plan_train(
         steps, given = _check_before_profiling(req, source, spec, workers,
                                                fixed_world=torchrun is not None)
         local = torchrun is None
-        graph = saved_profile(req.profile, spec) if req.profile is not None else (
-            profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
-                              twins=corun_twins(workers) if local else 0,
-                              crowd=corun_crowd(workers) if local else 0,
-                              ref=opts.model, model_kwargs=opts.model_kwargs))
+        if req.profile is not None:
+            graph = saved_profile(req.profile, spec, layout.unit_size, ref=opts.model,
+                                  model_kwargs=opts.model_kwargs)
+        else:
+            graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
+                                      twins=corun_twins(workers) if local else 0,
+                                      crowd=corun_crowd(workers) if local else 0,
+                                      ref=opts.model, model_kwargs=opts.model_kwargs)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
                                     memory_bytes=req.memory_bytes)
