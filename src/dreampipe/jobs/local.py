@@ -225,8 +225,8 @@ def predict_samples_per_s(
 
     A ``graph`` profiled at the layout's unit size gives each scheduled unit
     what the profile measured; one at another batch is scaled to it in
-    proportion (a saved profile, ``train --profile``); ``nodes`` as for
-    :func:`choose_plan`.
+    proportion, a rough guess (``train`` refuses such a profile); ``nodes``
+    as for :func:`choose_plan`.
     """
     from dreampipe.simulation.simulator import simulate_schedule
 
