@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -283,10 +284,11 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
 
 
 def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path]
 ) -> None:
     base = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32", "--workers",
-            "2", "--schedule", "1f1b-flush", "--batch-size", "16", "--json", "--no-progress"]
+            "2", "--schedule", "1f1b-flush", "--batch-size", "16", "--json", "--no-progress",
+            "--profile", str(mlp_profile(16))]
     ckpt = ["--checkpoint-dir", str(tmp_path)]
 
     def final(*extra: str) -> dict[str, Any]:
