@@ -25,6 +25,7 @@ from runtime.reference import reference_sync, sgd
 from torchrun import descendants
 
 import dreampipe
+from dreampipe.jobs.local import profile_as_worker
 from dreampipe.runtime.data import load_dataset
 
 __all__: list[str] = []
@@ -33,16 +34,27 @@ _TESTS = Path(__file__).resolve().parents[1]
 _SRC = Path(dreampipe.__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``ready_mlp`` profiled as a worker computes 8 samples, the unit of both tests
+    (``train --profile``): they check a stop, not the prediction, and start sooner."""
+    path = tmp_path_factory.mktemp("ready-profile") / "ready_mlp.json"
+    spec = ready_mlp(str(path.parent), layers=4, width=16)  # tells no folder: no RANK here
+    profile_as_worker(spec, 8, repeats=2).save(path)
+    return path
+
+
 @contextlib.contextmanager
-def _training(folder: Path, *args: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    """``dreampipe train`` on ``ready_mlp`` (4 layers of 16) with ``args``; yields the
-    command and the pid of its rank 1 once that rank trains. Everything it started is
-    killed on the way out, the stopped rank first."""
+def _training(folder: Path, profile: Path, *args: str
+              ) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """``dreampipe train`` on ``ready_mlp`` (4 layers of 16), planned with ``profile``, with
+    ``args``; yields the command and the pid of its rank 1 once that rank trains.
+    Everything it started is killed on the way out, the stopped rank first."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(_SRC), str(_TESTS)])}
     cmd = [sys.executable, "-m", "dreampipe", "train", "runtime.models_for_tests:ready_mlp",
            "--model-arg", f"ready={folder}", "--model-arg", "layers=4", "--model-arg",
-           "width=16", "--no-progress", *args]
+           "width=16", "--no-progress", "--profile", str(profile), *args]
     with (folder / "out").open("wb") as out, (folder / "err").open("wb") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, start_new_session=True)
     pid: int | None = None
@@ -71,11 +83,13 @@ def _read(folder: Path, name: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_rank_stopped_past_the_timeout_fails_every_rank_naming_it(tmp_path: Path) -> None:
+def test_a_rank_stopped_past_the_timeout_fails_every_rank_naming_it(
+    tmp_path: Path, profile: Path
+) -> None:
     timeout = 4.0
     args = ("--workers", "3", "--stages", "0,2,4", "--steps", "1000", "--batch-size", "8",
             "--timeout", f"{timeout:g}")
-    with _training(tmp_path, *args) as (proc, pid):
+    with _training(tmp_path, profile, *args) as (proc, pid):
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         code = proc.wait(timeout=180)
@@ -102,11 +116,13 @@ def test_a_rank_stopped_past_the_timeout_fails_every_rank_naming_it(tmp_path: Pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_a_rank_stopped_for_a_moment_trains_as_if_never_stopped(tmp_path: Path) -> None:
+def test_a_rank_stopped_for_a_moment_trains_as_if_never_stopped(
+    tmp_path: Path, profile: Path
+) -> None:
     pause = 1.5
     args = ("--workers", "2", "--stages", "0,2", "--schedule", "1f1b-flush", "--microbatches",
             "2", "--steps", "6", "--batch-size", "16", "--timeout", "60", "--json")
-    with _training(tmp_path, *args) as (proc, pid):
+    with _training(tmp_path, profile, *args) as (proc, pid):
         os.kill(pid, signal.SIGSTOP)
         time.sleep(pause)
         os.kill(pid, signal.SIGCONT)
