@@ -91,7 +91,8 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
-    model = resolve(args.model, parse_model_args(args.model_arg), batch_size=args.batch_size)
+    sized = parse_model_args(args.model_arg)
+    model = resolve(args.model, sized, batch_size=args.batch_size)
     with tqdm(desc=f"profiling {args.model}", unit="pass", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:
@@ -106,8 +107,8 @@ def _profile(args: argparse.Namespace) -> int:
         else:
             graph = profile_spec(model, args.batch_size, warmup=args.warmup,
                                  repeats=args.repeats, progress=progress)
-            graph = replace(graph, meta={**graph.meta, "model_kwargs": [
-                [k, v] for k, v in parse_model_args(args.model_arg)]})
+            graph = replace(graph, meta={**graph.meta,
+                                         "model_kwargs": [[k, v] for k, v in sized]})
     _print(graph)
     if args.output is not None:
         graph.save(args.output)

@@ -61,10 +61,12 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g = p.add_argument_group("plan")
     g.add_argument("--plan", metavar="FILE", help="use this plan JSON (from 'dreampipe plan')")
     g.add_argument("--profile", metavar="FILE",
-                   help="plan and predict with this layer profile (from 'dreampipe profile "
-                        "--batch-size N -o FILE', the same MODEL and --model-arg) instead of "
-                        "profiling MODEL first: it starts seconds sooner, but the prediction "
-                        "lacks what workers computing side by side measure of each other")
+                   help="plan and predict with this layer profile instead of profiling "
+                        "MODEL first (from 'OMP_NUM_THREADS=1 dreampipe profile MODEL "
+                        "--model-arg .. --batch-size N -o FILE', N the samples a worker "
+                        "computes at once; a mismatch says the command): it starts seconds "
+                        "sooner, but the prediction lacks what workers computing side by "
+                        "side measure of each other")
     g.add_argument("--config", help="force replicas per stage, e.g. 2-1 or straight or 2 (DP); "
                                     "without --stages the planner places the cuts")
     g.add_argument("--stages", help="force the first layer of each stage, e.g. 0,4")
