@@ -77,6 +77,7 @@ def saved_profile(path: str | Path, spec: ModelSpec, unit_size: int, *, ref: str
     """
     from dreampipe.jobs.overhead import with_runtime_overhead
     from dreampipe.profiling.load import load_graph
+    from dreampipe.profiling.profiler import new_parameter_bytes
 
     args = "".join(f" --model-arg {k}={v}" for k, v in model_kwargs)
     fix = (f"profile it as a worker runs it: OMP_NUM_THREADS=1 dreampipe profile "
@@ -98,11 +99,9 @@ def saved_profile(path: str | Path, spec: ModelSpec, unit_size: int, *, ref: str
     if recorded is not None and dict(recorded) != dict(model_kwargs):
         raise ProfileError(f"{where} is of {spec.name} sized {dict(recorded)}, and this run "
                            f"sizes it {dict(model_kwargs)}; {fix}")
-    counted: set[int] = set()  # a weight two layers share is the first one's, as profiled
+    counted: set[int] = set()
     for layer, module in zip(graph.layers, spec.build(), strict=True):
-        fresh = [p for p in module.parameters() if id(p) not in counted]
-        counted.update(id(p) for p in fresh)
-        size = sum(p.numel() * p.element_size() for p in fresh)
+        size = new_parameter_bytes(module.parameters(), counted)  # as the profiler counts
         if size != layer.parameter_bytes:
             raise ProfileError(
                 f"{where}: layer {layer.name} holds {format_bytes(layer.parameter_bytes)} of "

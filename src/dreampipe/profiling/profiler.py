@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -42,11 +42,19 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
 
-__all__ = ["profile_model", "profile_spec"]
+__all__ = ["new_parameter_bytes", "profile_model", "profile_spec"]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+
+
+def new_parameter_bytes(params: Iterable[Tensor], counted: set[int]) -> int:
+    """Bytes of the ``params`` not yet in ``counted`` (by identity), which are added to it:
+    a weight two layers share is counted once, in the first layer that uses it."""
+    fresh = {id(p): p for p in params if id(p) not in counted}
+    counted.update(fresh)
+    return sum(p.numel() * p.element_size() for p in fresh.values())
 
 
 def profile_model(
@@ -229,14 +237,12 @@ def _time_layers(
     layers: list[Layer] = []
     counted: set[int] = set()
     for step, params, (forward, backward) in zip(layer_steps, step_params, times, strict=True):
-        fresh = [p for p in params if id(p) not in counted]
-        counted.update(id(p) for p in fresh)
         layers.append(Layer(
             name=step.name,
             forward_ms=statistics.median(forward),
             backward_ms=statistics.median(backward),
             activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
-            parameter_bytes=sum(p.numel() * p.element_size() for p in fresh),
+            parameter_bytes=new_parameter_bytes(params, counted),
             description=step.description,
         ))
     columns = [t for pair in times for t in pair]
