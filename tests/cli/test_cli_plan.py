@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -239,3 +241,20 @@ def test_check_minibatches_is_bounded(replicas: tuple[int, ...], expected: int) 
     plan = Plan.from_config(len(replicas), list(range(len(replicas))), replicas)
     assert check_minibatches(plan) == expected
     assert check_minibatches(plan, cap=5) == 5
+
+
+def test_the_parser_and_plan_never_load_torch() -> None:
+    """``dreampipe --help``, ``plan`` and ``simulate`` start without importing PyTorch
+    (seconds on a small machine): every command's parser, ``bench``'s choices included,
+    is built from names alone, and planning is pure."""
+    code = (
+        "import sys\n"
+        "from dreampipe.cli import main\n"
+        f"assert main(['plan', {str(VGG)!r}, '-t', '4x4']) == 0\n"
+        "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "plan" in done.stdout, done.stdout

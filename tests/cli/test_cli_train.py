@@ -248,11 +248,14 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
     assert sum(r for _, _, r in data["stages"]) == 2
 
 
-def test_train_with_its_progress_bar_leaves_nothing_behind(tmp_path: Path) -> None:
+def test_train_with_its_progress_bar_leaves_nothing_behind(
+    tmp_path: Path, mlp_profile: Callable[[int], Path]
+) -> None:
     """The bar's lock is a thread lock: no "leaked semaphore objects" warning at exit."""
     exe = Path(sys.executable).parent / "dreampipe"
-    cmd = [str(exe), "train", "mlp", "--model-arg", "layers=2", "--model-arg", "width=16",
-           "--workers", "2", "--steps", "4", "--batch-size", "8"]
+    cmd = [str(exe), "train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+           "--workers", "2", "--steps", "4", "--batch-size", "16",
+           "--profile", str(mlp_profile(16))]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, done.stderr[-4000:]

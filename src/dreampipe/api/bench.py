@@ -25,6 +25,7 @@ import torch
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.errors import DreampipeError
 from dreampipe.jobs.baselines import Baseline, baseline_unit, run_baseline
+from dreampipe.jobs.bench_names import BENCH_NAMES
 from dreampipe.jobs.bench_process import run_ranks, timed_rate
 from dreampipe.jobs.bench_report import BenchEntry, BenchReport
 from dreampipe.jobs.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
@@ -34,8 +35,6 @@ __all__ = ["BENCH_NAMES", "BenchOptions", "run_bench"]
 
 log = logging.getLogger(__name__)
 
-#: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
-BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUNS, *(b.value for b in Baseline))
 #: Longest wait of a dreampipe rank for its peer; the whole run has the bench's timeout.
 _PEER_TIMEOUT_S = 60.0
 

@@ -314,8 +314,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------
 def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.api.bench import BENCH_NAMES
-    from dreampipe.jobs.workloads import WorkloadKind
+    from dreampipe.jobs.bench_names import BENCH_NAMES, WorkloadKind
 
     p = sub.add_parser(
         "bench",
@@ -359,8 +358,8 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _bench(args: argparse.Namespace) -> int:
     from dreampipe.api.bench import BenchOptions, run_bench
+    from dreampipe.jobs.bench_names import WorkloadKind
     from dreampipe.jobs.bench_report import format_table
-    from dreampipe.jobs.workloads import WorkloadKind
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout {args.timeout}: use a positive number of seconds")

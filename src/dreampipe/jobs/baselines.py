@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 from torch import nn
 
 from dreampipe.errors import BaselineError
+from dreampipe.jobs.bench_names import Baseline
 from dreampipe.jobs.bench_process import run_ranks, timed_rate
 from dreampipe.jobs.workloads import Workload
 from dreampipe.runtime.processes import HeapPolicy, RankFn
@@ -37,18 +37,6 @@ from dreampipe.runtime.processes import HeapPolicy, RankFn
 __all__ = ["Baseline", "baseline_unit", "run_baseline"]
 
 log = logging.getLogger(__name__)
-
-
-class Baseline(Enum):
-    """A PyTorch-only run the bench compares dreampipe with."""
-
-    TORCH_1F1B = "torch-1f1b"
-    TORCH_1F1B_STOCK = "torch-1f1b-stock"
-    TORCH_1F1B_BIG = "torch-1f1b-big"
-    TORCH_GPIPE = "torch-gpipe"
-    DDP = "ddp"
-    SINGLE_1THREAD = "single-1thread"
-    SINGLE_2THREADS = "single-2threads"
 
 
 @dataclass(frozen=True)

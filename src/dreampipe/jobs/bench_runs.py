@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dreampipe.jobs.bench_names import DREAMPIPE_RUN_NAMES
 from dreampipe.jobs.local import profile_as_worker
 from dreampipe.jobs.machine import local_costs, local_topology
 from dreampipe.jobs.workloads import Workload
@@ -58,12 +59,12 @@ class DreampipeRun:
 
 
 #: dreampipe's runs by bench name, in the order the bench runs them.
-DREAMPIPE_RUNS = {
-    "pipedream": DreampipeRun(ScheduleKind.PIPEDREAM),
-    "1f1b-flush": DreampipeRun(ScheduleKind.FLUSH),
-    "1f1b-flush-unfused": DreampipeRun(ScheduleKind.FLUSH, fused_accumulation=False),
-    "gpipe": DreampipeRun(ScheduleKind.GPIPE),
-}
+DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
+    DreampipeRun(ScheduleKind.PIPEDREAM),
+    DreampipeRun(ScheduleKind.FLUSH),
+    DreampipeRun(ScheduleKind.FLUSH, fused_accumulation=False),
+    DreampipeRun(ScheduleKind.GPIPE),
+), strict=True))
 
 def _update_seconds(work: Workload, stash: bool) -> tuple[float, ...]:
     """Per stage: one SGD step, plus (``stash``) the copy-on-write of the weights.

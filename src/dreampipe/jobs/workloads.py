@@ -17,23 +17,16 @@ PipeDream minibatch with data parallelism's per-worker minibatch).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 
 from dreampipe.errors import ConfigError, DreampipeError
+from dreampipe.jobs.bench_names import WorkloadKind
 from dreampipe.models import ModelSpec, get_model
 from dreampipe.planning.plan import Plan
 
 __all__ = ["Workload", "WorkloadKind"]
-
-
-class WorkloadKind(Enum):
-    """A bench workload: which zoo model, how big, and where it is cut."""
-
-    MLP = "mlp"
-    TRANSFORMER = "transformer"
 
 
 @dataclass(frozen=True)

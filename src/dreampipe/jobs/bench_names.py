@@ -1,0 +1,39 @@
+"""The names of ``dreampipe bench``'s workloads and runs, without importing torch.
+
+The CLI builds every command's parser, ``bench``'s choices included, before
+it runs one; naming them here keeps ``dreampipe --help`` and the commands
+that never train (``plan``, ``simulate``) from loading PyTorch first, which
+takes seconds. :mod:`~dreampipe.jobs.workloads`, :mod:`~dreampipe.jobs.baselines`
+and :mod:`~dreampipe.jobs.bench_runs` build the runs behind these names.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+__all__ = ["BENCH_NAMES", "DREAMPIPE_RUN_NAMES", "Baseline", "WorkloadKind"]
+
+
+class WorkloadKind(Enum):
+    """A bench workload: which zoo model, how big, and where it is cut."""
+
+    MLP = "mlp"
+    TRANSFORMER = "transformer"
+
+
+class Baseline(Enum):
+    """A PyTorch-only run the bench compares dreampipe with."""
+
+    TORCH_1F1B = "torch-1f1b"
+    TORCH_1F1B_STOCK = "torch-1f1b-stock"
+    TORCH_1F1B_BIG = "torch-1f1b-big"
+    TORCH_GPIPE = "torch-gpipe"
+    DDP = "ddp"
+    SINGLE_1THREAD = "single-1thread"
+    SINGLE_2THREADS = "single-2threads"
+
+
+#: dreampipe's own runs, in the order the bench runs them.
+DREAMPIPE_RUN_NAMES: tuple[str, ...] = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "gpipe")
+#: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
+BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUN_NAMES, *(b.value for b in Baseline))
