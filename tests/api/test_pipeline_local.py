@@ -62,6 +62,17 @@ def _pipe(model: nn.Module, data: list[tuple[Tensor, Tensor]], **kw: object
     )
 
 
+def _assert_trained_like(pipe: dreampipe.Pipeline, losses: list[float],
+                         reference: tuple[list[float], dict[str, Tensor]]) -> None:
+    """The pipeline's losses and weights are the reference loop's."""
+    want_losses, want = reference
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
+                               rtol=RTOL, atol=ATOL)
+    got = pipe.full_state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+
+
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["plain", "clipped"])
 def test_one_worker_flush_equals_accumulation_with_scheduler_and_clipping(
     clip: float | None,
@@ -75,12 +86,41 @@ def test_one_worker_flush_equals_accumulation_with_scheduler_and_clipping(
     for x, y in data[5:]:
         pipe.step(x, y)
     losses += pipe.finish()
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses),
-                               rtol=RTOL, atol=ATOL)
-    got = pipe.full_state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(got[k], v, rtol=RTOL, atol=ATOL, msg=k)
+    _assert_trained_like(pipe, losses, (want_losses, want))
     assert pipe.scheduler is not None and pipe.scheduler.last_epoch == len(data)
+    pipe.close()
+
+
+def test_reserved_steps_never_stop_to_extend_the_schedule_and_train_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``reserve`` builds the schedule once; the steps train as if it had grown as they came."""
+    data = _data(40)  # past the first horizon (32): an unreserved loop extends it
+    want_losses, want = _reference(_model(), data, micro=2)
+    pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2)
+    with pytest.raises(dreampipe.ConfigError, match=r"reserve\(0\): reserve at least 1"):
+        pipe.reserve(0)
+    switches = 0
+    switch = pipe.runner.switch
+
+    def counted(schedule: object) -> None:
+        nonlocal switches
+        switches += 1
+        switch(schedule)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pipe.runner, "switch", counted)
+    pipe.reserve(5)
+    assert switches == 0  # 2 x 5 fits the first horizon
+    for x, y in data[:5]:
+        pipe.step(x, y)
+    losses = pipe.finish()  # one switch: to the exact schedule, to drain
+    assert switches == 1
+    pipe.reserve(len(data) - 5)  # a new segment, on its reserved schedule from the start
+    for x, y in data[5:]:
+        pipe.step(x, y)
+    assert switches == 1, "a reserved step stopped to extend the schedule"
+    losses += pipe.finish()
+    _assert_trained_like(pipe, losses, (want_losses, want))
     pipe.close()
 
 

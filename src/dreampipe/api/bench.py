@@ -67,9 +67,10 @@ def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
         plan=work.plan(), microbatches=run.layout(work).microbatches,
         fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
     )
-    rate = timed_rate(lambda: pipe.step(x, y), steps=run.steps(work, work.steps),
-                      warmup=run.steps(work, work.warmup), samples_per_step=run.minibatch(work),
-                      drain=pipe.finish)
+    steps, warmup = run.steps(work, work.steps), run.steps(work, work.warmup)
+    pipe.reserve(warmup + steps)  # as train does: no pause to extend the schedule while timed
+    rate = timed_rate(lambda: pipe.step(x, y), steps=steps, warmup=warmup,
+                      samples_per_step=run.minibatch(work), drain=pipe.finish)
     pipe.close()
     return rate
 

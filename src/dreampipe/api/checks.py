@@ -18,14 +18,14 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from dreampipe.api.split import Chain, Layers
-from dreampipe.errors import ConfigError, DatasetError, PlanError
+from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
-    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_split",
-    "check_stages_on_meta",
+    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_schedule",
+    "check_split", "check_stages_on_meta",
 ]
 
 _log = logging.getLogger(__name__)
@@ -147,3 +147,25 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
         raise ConfigError(
             f"resume={str(resume)!r}: checkpoints of stages split over {t} workers are not "
             "supported yet; train without resume", "resume")
+
+
+def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
+                    max_grad_norm: float | None, stash: bool) -> None:
+    """The schedule's options must fit it and the plan's replicas."""
+    if kind is ScheduleKind.DP and len(replicas) != 1:
+        raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
+                            f"{len(replicas)} stages; use plan='auto'")
+    if kind is not ScheduleKind.PIPEDREAM and (vsync or not stash):
+        raise ConfigError(f"vertical_sync=True and stash=False apply to schedule='pipedream' "
+                          f"only, not {kind.value}", "vertical_sync", "stash")
+    if vsync and not stash:
+        raise ConfigError("vertical sync runs every stage on a stashed weight version; drop "
+                          "stash=False or vertical_sync=True", "stash", "vertical_sync")
+    if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
+            vsync or max_grad_norm is not None):
+        what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"
+        raise ConfigError(
+            f"{what} with pipedream needs every stage replicated equally (got "
+            f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
+            "common update to share; use a plan with equal replica counts", "plan",
+        )

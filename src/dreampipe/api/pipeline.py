@@ -48,13 +48,14 @@ from dreampipe.api.checks import (
     check_batch,
     check_optimizer,
     check_plan,
+    check_schedule,
     check_split,
     check_stages_on_meta,
 )
 from dreampipe.api.feed import Batches, Feed
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import build_split_stage, build_stage, split_layers
-from dreampipe.errors import ConfigError, ScheduleError
+from dreampipe.errors import ConfigError
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.engine import RankRunner, RunnerOptions
 from dreampipe.runtime.forwards import run_forwards
@@ -157,7 +158,7 @@ class Pipeline:
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
         check_plan(self.plan, self._names, world)
         self.replicas = [st.replicas for st in self.plan.stages]
-        _check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
+        check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         t = self.plan.tensor_parallel
         if t > 1:
             check_split(self.plan, self.kind, max_grad_norm, resume)
@@ -230,9 +231,7 @@ class Pipeline:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         check_batch(self.minibatches, (x, y), self._example)
         if self._segment == 0 and self.runner.done:
-            self._horizon = _HORIZON
-            self.runner.restart(self._schedule(self._horizon))
-            self._feed = self._new_feed()
+            self._restart(_HORIZON)
         if self._segment == 0:
             self.runner.guard.first_minibatch = self.minibatches
         self._feed.add(self._segment, (x, y))
@@ -242,6 +241,31 @@ class Pipeline:
             self._horizon *= 4
             self.runner.switch(self._schedule(self._horizon))
         self.runner.advance(self._segment * self.layout.units_per_update)
+
+    def reserve(self, minibatches: int) -> None:
+        """Build the schedule for the next ``minibatches`` steps now, so that no
+        :meth:`step` among them stops to extend it.
+
+        Without it the schedule grows as steps come, 4 times longer each time
+        it runs short: a pause of milliseconds at first, of tenths of a second
+        a few thousand steps in, on every rank. A loop that knows its length
+        (``dreampipe train`` does) reserves it before it starts timing.
+        """
+        if minibatches < 1:
+            raise ConfigError(f"reserve({minibatches}): reserve at least 1 minibatch",
+                              "minibatches")
+        horizon = 2 * (self._segment + minibatches)
+        if self._segment == 0 and self.runner.done:
+            self._restart(max(_HORIZON, horizon))
+        elif horizon > self._horizon:
+            self._horizon = horizon
+            self.runner.switch(self._schedule(horizon))
+
+    def _restart(self, horizon: int) -> None:
+        """A new segment on a schedule of ``horizon`` minibatches (after a drain)."""
+        self._horizon = horizon
+        self.runner.restart(self._schedule(horizon))
+        self._feed = self._new_feed()
 
     def _drain(self) -> None:
         """Run the segment's exact schedule to its end and collect its losses."""
@@ -335,27 +359,6 @@ class Pipeline:
 def _shapes(batch: Batch) -> list[tuple[int, ...]]:
     x, y = batch
     return [tuple(t.shape) for t in (*(x if isinstance(x, tuple) else (x,)), y)]
-
-
-def _check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
-                    max_grad_norm: float | None, stash: bool) -> None:
-    if kind is ScheduleKind.DP and len(replicas) != 1:
-        raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
-                            f"{len(replicas)} stages; use plan='auto'")
-    if kind is not ScheduleKind.PIPEDREAM and (vsync or not stash):
-        raise ConfigError(f"vertical_sync=True and stash=False apply to schedule='pipedream' "
-                          f"only, not {kind.value}", "vertical_sync", "stash")
-    if vsync and not stash:
-        raise ConfigError("vertical sync runs every stage on a stashed weight version; drop "
-                          "stash=False or vertical_sync=True", "stash", "vertical_sync")
-    if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
-            vsync or max_grad_norm is not None):
-        what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"
-        raise ConfigError(
-            f"{what} with pipedream needs every stage replicated equally (got "
-            f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
-            "common update to share; use a plan with equal replica counts", "plan",
-        )
 
 
 def init_process_group(timeout_s: float) -> bool:

@@ -210,6 +210,8 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
     if ckpt.data_log is not None and rank == 0:
         log = DataLog(ckpt.data_log, start=start, steps=cfg.steps, plan=cfg.plan.config,
                       workers=world)
+    if cfg.steps > start:
+        pipe.reserve(cfg.steps - start)  # no pause to extend the schedule while timed
     barrier(max(cfg.timeout_s, 60.0))
     t0 = pipe.runner.t0 = time.perf_counter()
     for k in range(start, cfg.steps):
