@@ -291,6 +291,29 @@ def test_three_levels_equal_brute_force(
     _same_time_by_evaluate(graph, topo, got, DEFAULT_SYNC)
 
 
+@settings(max_examples=200, deadline=None)
+@given(_graphs(8), st.integers(1, 6), st.integers(1, 6),
+       st.sampled_from([1e9, 1e10, 1e11, 1e12]), st.sampled_from([1e8, 1e9, 1e10, 1e11]),
+       st.booleans(), _SYNC)
+def test_the_floor_prunes_no_part_of_an_optimal_plan(
+    graph: LayerGraph, inner: int, outer: int, bw_in: float, bw_out: float, fewer: bool,
+    sync: Sync,
+) -> None:
+    """The DP with its floor (``level.Floor``) plans what it plans without one, on
+    clusters too big for brute force, with links fast enough that the optimum is near
+    data parallelism's bound, where the floor prunes most."""
+    import dreampipe.planning.dp as dp
+
+    topo = Topology((Level(inner, bw_in), Level(outer, bw_out)))
+    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(dp, "_floor", lambda *_args: None)
+        want = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
+    assert got.time_per_minibatch_s == pytest.approx(want.time_per_minibatch_s, rel=1e-12)
+    assert [(s.first, s.placement) for s in got.stages] == [
+        (s.first, s.placement) for s in want.stages]
+
+
 def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
     for part in _partitions(0, n - 1):
         for budget in range(len(part), workers + 1):

@@ -58,7 +58,15 @@ from dreampipe.planning.costs import (
     cut_time,
     stage_time,
 )
-from dreampipe.planning.level import FEWER, SINGLE, Options, StageTimes, Table, solve_level
+from dreampipe.planning.level import (
+    FEWER,
+    SINGLE,
+    Floor,
+    Options,
+    StageTimes,
+    Table,
+    solve_level,
+)
 from dreampipe.planning.pipedream_costs import pipedream_allreduce_time, pipedream_stage_times
 from dreampipe.planning.sync import allreduce_seconds, allreduce_terms
 from dreampipe.planning.topology import Topology
@@ -98,25 +106,35 @@ def _bottom_times(
     return out
 
 
-def _limits(
-    topo: Topology, k: int, contexts: Sequence[Context], opts: Options, bottom: StageTimes,
-) -> FloatArray:
-    """How slow a part of level ``k``'s tables may be and still be in an optimal plan.
-
-    One stage on every unit of every level is a plan the DP considers; its
-    time, ``bottom[0, count]`` in the context of all units above divided by
-    each level's count above as the DP divides, bounds the optimum. A level-k
-    entry in context ``(m_k+1, ...)`` counts ``1 / (m_k+1 ...)`` of its time
-    in the plan, so one above the bound times that product is in no optimal
-    plan (1e-9 of margin for the order of the divisions). Without the bound
-    (memory limits, no replication, PipeDream's terms): ``inf``.
-    """
+def _bound(topo: Topology, opts: Options, bottom: StageTimes) -> float:
+    """How slow an optimal plan may be, at most: one stage on every unit of every level
+    is a plan the DP considers, and its time, ``bottom[0, count]`` in the context of all
+    units above divided by each level's count above as the DP divides, bounds the
+    optimum. ``inf`` (no bound) with memory limits, no replication, PipeDream's terms."""
     if opts.memory_bytes is not None or opts.straight or opts.model is CostModel.PIPEDREAM:
-        return np.full(len(contexts), np.inf)
+        return math.inf
     bound = float(bottom[0, topo.levels[0].count][-1, 0, -1])
     for level in topo.levels[1:]:
         bound /= level.count
+    return bound
+
+
+def _limits(contexts: Sequence[Context], bound: float) -> FloatArray:
+    """How slow a part of a level's tables may be and still be in an optimal plan.
+
+    An entry in context ``(m_k+1, ...)`` counts ``1 / (m_k+1 ...)`` of its time
+    in the plan, so one above ``bound`` (:func:`_bound`) times that product
+    is in no optimal plan (1e-9 of margin for the order of the divisions).
+    """
     return np.array([bound * math.prod(ctx) * (1 + 1e-9) for ctx in contexts])
+
+
+def _floor(prof: RangeCosts, topo: Topology, bound: float) -> Floor | None:
+    """The :class:`~dreampipe.planning.level.Floor` of ``bound`` (None without one)."""
+    if not math.isfinite(bound):
+        return None
+    whole = float(prof.compute_s[0, prof.n - 1])
+    return Floor(whole - prof.compute_s, bound * (1 + 1e-9), np.ones(1), topo.num_workers)
 
 
 def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
@@ -157,9 +175,12 @@ def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
         else:
             after = first = {(q, m): np.stack([t.time[q, below] for t in inner[m]]) / m
                              for q, m in keys}
-        limit = np.full(len(ctxs), np.inf) if pipedream else _limits(topo, k, ctxs, opts, bottom)
+        if k == 0:
+            bound = math.inf if pipedream else _bound(topo, opts, bottom)
+            floor = _floor(prof, topo, bound)
         table = solve_level(prof, after, first, block_slack, level.count, cut, unit_gpus,
-                             k == 0, k == last, opts, limit)
+                             k == 0, k == last, opts, _limits(ctxs, bound),
+                             None if floor is None else floor.of(ctxs))
         tables.append({ctx: table.context(c) for c, ctx in enumerate(ctxs)})
         unit_gpus *= level.count
         log.debug("level %d (%d units, %d contexts) solved", k, level.count, len(ctxs))

@@ -11,6 +11,7 @@ entries are contiguous.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from dreampipe.planning.costs import CostModel, FloatArray, RangeCosts
 from dreampipe.planning.minmax import best_splits
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 
-__all__ = ["FEWER", "SINGLE", "Options", "StageTimes", "Table", "solve_level"]
+__all__ = ["FEWER", "SINGLE", "Floor", "Options", "StageTimes", "Table", "solve_level"]
 
 IntArray = npt.NDArray[np.int64]
 SINGLE = -1  # split code: the whole range is one stage
@@ -59,6 +60,36 @@ class Options:
     sync: Sync = DEFAULT_SYNC
 
 
+@dataclass(frozen=True)
+class Floor:
+    """What the layers outside a range need, to prune entries no optimal plan holds.
+
+    A plan is at least as slow as ``outside[i, j]``, the compute of the layers
+    outside ``i..j``, over the workers left to them: every stage takes at
+    least its compute over its replicas, and the largest such ratio is at
+    least their sums' ratio. A level-``k`` range on ``m`` units in context
+    ``c`` takes ``m * unit_gpus * copies[c]`` of the ``workers``; where the rest
+    cannot finish within ``bound`` (an upper bound on the optimum: one stage
+    on every unit), the entry is in no optimal plan, and the search skips it.
+    """
+
+    outside: FloatArray  # [i, j]
+    bound: float
+    copies: FloatArray  # [context]: copies of a level-k block the context makes
+    workers: int
+
+    def of(self, contexts: Sequence[tuple[int, ...]]) -> Floor:
+        """This floor for a level solved in ``contexts`` (units each enclosing block uses)."""
+        copies = np.array([math.prod(ctx) for ctx in contexts], dtype=np.float64)
+        return Floor(self.outside, self.bound, copies, self.workers)
+
+    def hopeless(self, m: int, unit_gpus: int, first_col: int) -> npt.NDArray[np.bool_]:
+        """``[context, i, c]``: entries on ``m`` units whose outside cannot keep up."""
+        left = self.workers - m * unit_gpus * self.copies
+        return np.asarray(self.outside[None, :, first_col:] * (1 - 1e-9)
+                          > self.bound * left[:, None, None], dtype=bool)
+
+
 def _inner_slots(q: int, bottom: bool, limited: bool) -> Sequence[int]:
     """Slots the first stage's inner plan may use when the whole has slot ``q``.
 
@@ -91,6 +122,7 @@ def _first_parts(stage_t: StageTimes, cut: FloatArray, slots: int, units: int) -
 def _split_first(
     table: Table, rest: FloatArray, q: int, m: int, inner: Sequence[int], parts: FloatArray,
     block_slack: StageTimes | None, unit_gpus: int, limited: bool, limit: FloatArray,
+    hopeless: npt.NDArray[np.bool_] | None,
 ) -> None:
     """Improve ``table``'s slot ``q`` on ``m`` units by a first stage, then the rest.
 
@@ -99,7 +131,8 @@ def _split_first(
     keeps on ties: slices of ``parts`` (:func:`_first_parts`) and of ``rest``,
     ``[context, slot, c, units, t]``, the rest ``t+1..c`` on the units left;
     ``limit[k]`` bounds the parts of a plan worth finding
-    (``_limits`` in :mod:`dreampipe.planning.dp`).
+    (``_limits`` in :mod:`dreampipe.planning.dp`); ``hopeless`` entries
+    (:class:`Floor`) are not searched.
     """
     top = min(m - 1, parts.shape[3])
     qs = np.repeat(np.asarray(inner, dtype=np.int64), top)
@@ -116,7 +149,8 @@ def _split_first(
                                 for s, u in zip(qs, mu, strict=True)], axis=2)
         x = np.where(stage_slack < 0, np.inf, x)
     best = table.time[:, q, m]
-    val, arg_u, arg_t = best_splits(x, y, best, limit, table.first_col)
+    wanted = best if hopeless is None else np.where(hopeless, -np.inf, best)
+    val, arg_u, arg_t = best_splits(x, y, wanted, limit, table.first_col)
     better = val < best
     if not better.any():
         return
@@ -143,13 +177,15 @@ def solve_level(
     top: bool,
     opts: Options,
     limit: FloatArray,
+    floor: Floor | None = None,
 ) -> Table:
     """Fill one level's table for every range (or, at the top, every suffix), every context.
 
     ``after_cut[q, m]`` / ``first_stage[q, m]`` are the times ``[context, i, j]``
     of a stage on ``m`` units (one level down: a block, its inner plan in
     slot ``q``); ``block_slack[q, m]`` the memory slack of one unit of such a
-    block; ``cut[t]`` the cut after layer ``t``; ``limit`` as in :func:`_split_first`.
+    block; ``cut[t]`` the cut after layer ``t``; ``limit`` as in :func:`_split_first`;
+    ``floor`` prunes what no optimal plan holds (None: nothing).
     """
     n, slots = prof.n, opts.slots
     contexts = next(iter(after_cut.values())).shape[0]
@@ -168,6 +204,7 @@ def solve_level(
     rest = np.empty((contexts, slots, n - first_col, count + 1, n - 1))
     for m in range(1, count + 1):
         stage_t = first_stage if m == count else after_cut
+        hopeless = None if floor is None else floor.hopeless(m, unit_gpus, first_col)
         for q in range(slots):
             best = time[:, q, m]
             if opts.allow_fewer and m > 1:
@@ -191,6 +228,6 @@ def solve_level(
             if inner and m > 1 and units > 0:
                 _split_first(table, rest, q, m, inner,
                              first_parts if m == count else after_parts, block_slack, unit_gpus,
-                             opts.limited, limit)
+                             opts.limited, limit, hopeless)
         rest[:, :, :, m] = time[:, :, m, 1:].transpose(0, 1, 3, 2)
     return table
