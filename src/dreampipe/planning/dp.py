@@ -129,12 +129,15 @@ def _limits(contexts: Sequence[Context], bound: float) -> FloatArray:
     return np.array([bound * math.prod(ctx) * (1 + 1e-9) for ctx in contexts])
 
 
-def _floor(prof: RangeCosts, topo: Topology, bound: float) -> Floor | None:
-    """The :class:`~dreampipe.planning.level.Floor` of ``bound`` (None without one)."""
+def _floor(prof: RangeCosts, topo: Topology, contexts: Sequence[Context],
+           bound: float) -> Floor | None:
+    """The :class:`~dreampipe.planning.level.Floor` of a level solved in ``contexts``
+    (each copies the level's blocks ``prod(context)`` times); None without a bound."""
     if not math.isfinite(bound):
         return None
     whole = float(prof.compute_s[0, prof.n - 1])
-    return Floor(whole - prof.compute_s, bound * (1 + 1e-9), np.ones(1), topo.num_workers)
+    copies = np.array([math.prod(ctx) for ctx in contexts], dtype=np.float64)
+    return Floor(whole - prof.compute_s, bound * (1 + 1e-9), copies, topo.num_workers)
 
 
 def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
@@ -177,10 +180,9 @@ def _solve(prof: RangeCosts, topo: Topology, opts: Options) -> _Tables:
                              for q, m in keys}
         if k == 0:
             bound = math.inf if pipedream else _bound(topo, opts, bottom)
-            floor = _floor(prof, topo, bound)
         table = solve_level(prof, after, first, block_slack, level.count, cut, unit_gpus,
                              k == 0, k == last, opts, _limits(ctxs, bound),
-                             None if floor is None else floor.of(ctxs))
+                             _floor(prof, topo, ctxs, bound))
         tables.append({ctx: table.context(c) for c, ctx in enumerate(ctxs)})
         unit_gpus *= level.count
         log.debug("level %d (%d units, %d contexts) solved", k, level.count, len(ctxs))

@@ -11,7 +11,6 @@ entries are contiguous.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,11 +76,6 @@ class Floor:
     bound: float
     copies: FloatArray  # [context]: copies of a level-k block the context makes
     workers: int
-
-    def of(self, contexts: Sequence[tuple[int, ...]]) -> Floor:
-        """This floor for a level solved in ``contexts`` (units each enclosing block uses)."""
-        copies = np.array([math.prod(ctx) for ctx in contexts], dtype=np.float64)
-        return Floor(self.outside, self.bound, copies, self.workers)
 
     def hopeless(self, m: int, unit_gpus: int, first_col: int) -> npt.NDArray[np.bool_]:
         """``[context, i, c]``: entries on ``m`` units whose outside cannot keep up."""
