@@ -65,6 +65,31 @@ def test_workers_all_reduce_the_same_number_of_rounds_together() -> None:
     assert all(0 < r.allreduce_bandwidth < math.inf for r in results)
 
 
+def _turns_rank(rank: int, world: int, _job: None) -> tuple[HostRates, int]:
+    calls = [0]
+
+    def beside() -> None:
+        calls[0] += 1
+        time.sleep(0.002)
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rates = measure_rates([torch.zeros(64, 1024)], rounds=3, min_time_s=0.05,
+                              beside=beside)
+        return rates, calls[0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_with_a_training_round_beside_ranks_time_their_copies_in_turn_while_others_compute(
+) -> None:
+    results: list[tuple[HostRates, int]] = run_processes(_turns_rank, 2, None, deadline_s=60.0)
+    for rates, calls in results:
+        assert len(rates.copy_s) >= 3 and rates.stash_copy_bandwidth > 0
+        # the other rank timed 0.05 s of copies meanwhile: ~25 rounds of 2 ms
+        assert calls >= 5
+
+
 def test_measured_rates_replace_the_machines_fixed_figures() -> None:
     rates = HostRates(nbytes=10**6, world=2, allreduce_s=(1e-3,), step_s=(2e-4,),
                       copy_s=(4e-4,))

@@ -194,12 +194,11 @@ def _profile_rank(
     rank: int, world: int, work: tuple[_Job, int]
 ) -> tuple[list[LayerGraph], float] | None:
     """The ``profiling`` first ranks profile once all compute, then compute until all
-    have profiled (an asynchronous gloo collective completes by itself, a point-to-point
-    receive only inside ``wait``), then measure the host's rates together
+    have profiled, then measure the host's rates together
     (:mod:`~dreampipe.jobs.rates`); the crowd waits, then all find the pace
     (:func:`_crowd_pace`); rank 0 gathers the profiles and that pace."""
     from dreampipe.jobs.overhead import with_runtime_overhead
-    from dreampipe.jobs.rates import measure_rates, with_host_rates
+    from dreampipe.jobs.rates import compute_until_joined, measure_rates, with_host_rates
     from dreampipe.profiling.profiler import profile_spec
 
     job, profiling = work
@@ -220,13 +219,10 @@ def _profile_rank(
             graph = with_runtime_overhead(
                 profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
                              min_time_s=job.min_time_s), spec)
-        done = dist.all_reduce(torch.zeros(1), async_op=True)
-        assert done is not None  # async_op gives the work
-        while rank < profiling and not done.is_completed():
-            train_once()
-        done.wait()
+        compute_until_joined(train_once, rank < profiling)
         if graph is not None:
-            graph = with_host_rates(graph, measure_rates(list(net.parameters()), group=group))
+            graph = with_host_rates(graph, measure_rates(list(net.parameters()), group=group,
+                                                        beside=train_once))
         share = _crowd_pace(train_once, rank, profiling) if profiling < world else 1.0
         gathered: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(graph, gathered, dst=0)
