@@ -12,6 +12,10 @@ prediction simulates that whole schedule.
 Five rounds by default: the host's speed drifts over seconds, so a run can
 measure 20% off a prediction made from a profile taken seconds before it,
 either way, and a median of three still lands outside the band now and then.
+Every run trains for about 10 s (the transformer 120 steps, the others 300):
+the prediction is the steady state, and a shorter window measures the host's
+drift more than the run (40 transformer steps, 3-4 s, measured 255-407
+samples/s in five rounds of ``--config 2-1``).
 
     python benchmarks/train_vs_predicted.py [--rounds 5] [--only mlp-dp ...]
 """
@@ -36,7 +40,7 @@ class _Run:
 
 
 def _runs() -> tuple[_Run, ...]:
-    steps = {"mlp": "300", "cnn": "300", "transformer": "40"}
+    steps = {"mlp": "300", "cnn": "300", "transformer": "120"}
     schedules = {"pipedream": (), "1f1b-flush": ("--microbatches", "4"), "dp": ()}
     runs = [
         _Run(f"{model}-{kind}",
