@@ -81,7 +81,7 @@ _HEADER = re.compile(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$"
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B)(\d+)$")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True, order=True, slots=True)
 class Action:
     kind: ActionKind
     stage: int

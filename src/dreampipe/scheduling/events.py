@@ -18,7 +18,7 @@ from dreampipe.scheduling.actions import Action, ActionKind
 __all__ = ["Event", "load_events", "save_events"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Event:
     rank: int
     stage: int
