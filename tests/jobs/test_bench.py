@@ -220,6 +220,30 @@ def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch
     assert report.to_json()["rounds"] == 3
 
 
+def test_each_round_predicts_anew_and_the_report_keeps_the_median(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dreampipe.api.bench as bench
+
+    log: list[str] = []
+    predictions = iter([900.0, 1500.0, 1000.0])
+
+    def predict(runs: Any, work: object) -> dict[Any, float]:
+        log.append("predict")
+        value = next(predictions)
+        return {r: value for r in runs}
+
+    def run(which: Any, work: object, timeout_s: float) -> float:
+        log.append("run")
+        return 1.0
+
+    monkeypatch.setattr(bench, "predict", predict)
+    monkeypatch.setattr(bench, "run_dreampipe", run)
+    report = run_bench(BenchOptions(progress=False, rounds=3), ["pipedream"])
+    assert log == ["predict", "run"] * 3
+    assert report.entries[0].predicted_samples_per_s == 1000.0
+
+
 def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--steps", "0"]) == 2
     assert "--steps 0" in capsys.readouterr().err

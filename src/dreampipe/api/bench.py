@@ -17,6 +17,7 @@ machine does not decide a ratio (:mod:`dreampipe.jobs.bench_report`).
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -94,9 +95,11 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
     chosen = [n for n in BENCH_NAMES if names is None or n in names]
     work = opts.work()
     ours = [DREAMPIPE_RUNS[n] for n in chosen if n in DREAMPIPE_RUNS]
-    predicted = predict(ours, work) if ours else {}
+    predictions: list[dict[DreampipeRun, float]] = []
     rates: dict[str, list[float]] = {name: [] for name in chosen}
-    for name in _progress(chosen * opts.rounds, opts.progress):
+    for k, name in enumerate(_progress(chosen * opts.rounds, opts.progress)):
+        if ours and k % len(chosen) == 0:  # each round predicts anew: the host drifts
+            predictions.append(predict(ours, work))
         if name in DREAMPIPE_RUNS:
             rate = run_dreampipe(DREAMPIPE_RUNS[name], work, opts.timeout_s)
         else:
@@ -105,7 +108,8 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
         log.info("bench %s: %.1f samples/s", name, rate)
     entries = [
         BenchEntry(name, tuple(rates[name]), _unit(name, work),
-                   predicted[DREAMPIPE_RUNS[name]] if name in DREAMPIPE_RUNS else None)
+                   statistics.median(p[DREAMPIPE_RUNS[name]] for p in predictions)
+                   if name in DREAMPIPE_RUNS else None)
         for name in chosen
     ]
     return BenchReport(tuple(entries), work)

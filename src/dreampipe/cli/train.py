@@ -328,7 +328,8 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
             "workers and one process with 1 and 2 threads. Every run in its own processes "
             "with the same set-up, timed by wall clock between barriers on all ranks after "
             "untimed warm-up updates. Prints each run's median samples/s over interleaved "
-            "rounds with the min-max, the simulator's prediction for dreampipe's runs, and "
+            "rounds with the min-max, the simulator's prediction for dreampipe's runs "
+            "(the median of one per round, each profiled beside a busy twin), and "
             "ratios that separate schedule, kernel and set-up effects."
         ),
     )

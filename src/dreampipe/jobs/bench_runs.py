@@ -6,26 +6,24 @@ workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
 with one update each. :mod:`dreampipe.api.bench` runs them on
 :class:`dreampipe.Pipeline`.
 
-The prediction profiles the model here with one thread at each unit size
-(the profiler times autograd's plain path, so it does not know fused
-accumulation), times each stage's SGD step, and simulates the timed
-schedule, fill and drain included, as the measurement times it.
+The prediction profiles the model at each unit size as ``dreampipe train``
+does, one thread beside a busy twin, with the host's step and stash-copy
+rates measured then (the profiler times autograd's plain path, so it does
+not know fused accumulation), and simulates the timed schedule, fill and
+drain included, as the measurement times it. (Profiled alone, with a fixed
+co-run factor, the mlp's 1f1b-flush measured 0.71 of its prediction one day
+the host slowed busy pairs of workers more than usual.)
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-
-import torch
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from dreampipe.jobs.bench_names import DREAMPIPE_RUN_NAMES
 from dreampipe.jobs.local import profile_as_worker
-from dreampipe.jobs.machine import local_costs, local_topology
+from dreampipe.jobs.machine import corun_twins, local_costs, local_topology, measured_machine
 from dreampipe.jobs.workloads import Workload
-from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
@@ -66,62 +64,26 @@ DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
     DreampipeRun(ScheduleKind.GPIPE),
 ), strict=True))
 
-def _update_seconds(work: Workload, stash: bool) -> tuple[float, ...]:
-    """Per stage: one SGD step, plus (``stash``) the copy-on-write of the weights.
-
-    PipeDream's stage keeps the old weights for units still in flight when it
-    updates (DESIGN.md section 5), which costs one copy of its weights; the
-    last stage never has a unit in flight at its step. Medians of a few
-    timings here, one thread.
-    """
-    spec = work.spec()
-    out = []
-    with torch.random.fork_rng(devices=[]), pinned_threads(1):
-        for s in range(len(work.stage_bounds)):
-            params = list(spec.build(*work.stage_range(s), seed=work.seed).parameters())
-            for p in params:
-                p.grad = torch.zeros_like(p)
-            opt = torch.optim.SGD(params, lr=work.lr)
-            cost = _median_s(opt.step)
-            if stash and s < len(work.stage_bounds) - 1:
-                cost += _median_s(_copier(params))
-            out.append(cost)
-    return tuple(out)
-
-
-def _copier(params: list[torch.nn.Parameter]) -> Callable[[], object]:
-    return lambda: [p.detach().clone() for p in params]
-
-
-def _median_s(fn: Callable[[], object], repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, float]:
     """Simulated samples/s of each run's timed steps, from a one-thread profile here."""
     from dreampipe.planning import planner
     from dreampipe.simulation.simulator import simulate_schedule
 
     spec = work.spec()
-    topology = local_topology(len(work.stage_bounds))
-    replicas = [1] * len(work.stage_bounds)
+    workers = len(work.stage_bounds)
+    topology = local_topology(workers)
+    replicas = [1] * workers
     graphs = {}
     out = {}
     for run in runs:
         layout = run.layout(work)
         if layout.unit_size not in graphs:
-            graphs[layout.unit_size] = profile_as_worker(spec, layout.unit_size,
-                                                         repeats=_REPEATS)
+            graphs[layout.unit_size] = profile_as_worker(
+                spec, layout.unit_size, repeats=_REPEATS, twins=corun_twins(workers),
+                ref=work.kind.value, model_kwargs=work.model_kwargs)
         graph = graphs[layout.unit_size]
         plan = planner.evaluate_plan(graph, topology, list(work.stage_bounds), replicas)
-        costs = replace(local_costs(graph, plan, unit_fraction=1.0),
-                        step_s=_update_seconds(work, run.kind is ScheduleKind.PIPEDREAM))
+        costs = local_costs(graph, plan, 1.0, measured_machine(graph))
         steps = run.steps(work, work.steps)
         sim = simulate_schedule(layout.build(replicas, steps), costs, record_events=False)
         out[run] = steps * run.minibatch(work) / sim.makespan_s
