@@ -45,8 +45,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
-import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -60,6 +58,7 @@ from torch import Tensor
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
+from dreampipe.runtime.progress import ProgressBar
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
@@ -192,8 +191,7 @@ class RankRunner:
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
         }
-        self._bar: Any = None
-        self._bar_start = 0.0
+        self._bar: ProgressBar | None = None
         self.t0 = time.perf_counter()
         self._pos = 0
         self._stop = 0
@@ -252,13 +250,7 @@ class RankRunner:
             assert gin is not None
             self._grads_out[a.unit] = gin
         if self._bar is not None:
-            self._bar.update(1)
-            elapsed = time.perf_counter() - self._bar_start
-            rate = self._bar.n * self.opts.unit_size / elapsed if elapsed > 0 else 0.0
-            self._bar.set_postfix(
-                loss=f"{float(self.losses[a.unit]):.4f}", samples_per_s=f"{rate:.0f}",
-                refresh=False,
-            )
+            self._bar.update(self.losses[a.unit])
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.unit))
@@ -356,7 +348,10 @@ class RankRunner:
     def run(self, t0: float) -> RankReport:
         """Execute every action; times in the report are relative to ``t0``."""
         self.t0 = t0
-        self._open_progress(self.schedule.actions[self.rank])
+        if (self.opts.progress and self.last
+                and self.schedule.replica_of_rank(self.rank) == 0):
+            self._bar = ProgressBar(self.schedule.actions[self.rank], self.opts.unit_size,
+                                    pipedream=self.pipedream)
         try:
             self.advance()
             self.comm.drain()
@@ -373,18 +368,6 @@ class RankRunner:
             events=self.events,
             peak_versions=self.module.peak_versions,
         )
-
-    def _open_progress(self, actions: tuple[Action, ...]) -> None:
-        if not (self.opts.progress and self.last
-                and self.schedule.replica_of_rank(self.rank) == 0):
-            return
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())
-        total = sum(1 for a in actions if a.kind is ActionKind.BACKWARD)
-        unit = "minibatch" if self.pipedream else "microbatch"
-        self._bar = tqdm(total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
-        self._bar_start = time.perf_counter()
 
     def final_state(self) -> dict[str, Tensor]:
         """This stage's trained ``state_dict``, copied to the CPU for rank 0 (a split
