@@ -74,9 +74,12 @@ class LocalCalibration:
     send_copy_bandwidth: float
     #: A runtime forward's own host time per unit and stage, which the layer
     #: profile does not time: ``StageModule.forward`` (the stashed version put
-    #: in by ``functional_call``, the bookkeeping) against calling the same 4
+    #: in its parameters' places, the bookkeeping) against calling the same 4
     #: mlp layers of width 16 directly, each call right after 12 1024x1024
-    #: GEMMs (as after a backward, caches cold): 0.31 ms against 0.19 ms.
+    #: GEMMs (as after a backward, caches cold): 0.31 ms against 0.19 ms with
+    #: ``functional_call``; with :mod:`~dreampipe.runtime.slots`, on a slower
+    #: day, 0.53-0.56 ms against 0.36-0.37 ms, where ``functional_call`` gave
+    #: 0.66 ms against 0.35 ms: six tenths of the overhead.
     #: Used only for a profile without the factors that
     #: :mod:`~dreampipe.jobs.overhead` measures with every local profile.
     stage_forward_s: float
@@ -108,7 +111,7 @@ PROJECT_MACHINE = LocalCalibration(
     corun_slowdown=1.043,
     send_overhead_s=0.19e-3,
     send_copy_bandwidth=2.6e9,
-    stage_forward_s=0.10e-3,
+    stage_forward_s=0.06e-3,
     batch_load_s=0.07e-3,
     loss_s=0.06e-3,
 )

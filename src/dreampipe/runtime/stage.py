@@ -1,10 +1,11 @@
 """One rank's share of the model: its layers, live weights and stashed versions.
 
 **Weight stashing** (PipeDream, DESIGN §5). The forward of unit ``u`` runs
-functionally (``torch.func.functional_call``) on a *version* of the weights,
-so the autograd graph holds that version; ``u``'s backward differentiates the
-same graph, and the gradient goes to the live parameters, which a real
-``torch.optim`` optimizer updates. Versions are copy-on-write::
+functionally on a *version* of the weights (:mod:`.slots`, as
+``torch.func.functional_call`` does), so the autograd graph holds that
+version; ``u``'s backward differentiates the same graph, and the gradient
+goes to the live parameters, which a real ``torch.optim`` optimizer updates.
+Versions are copy-on-write::
 
     live weights  w3 ──F5──F6──STEP──▶ w4 ──F7──STEP──▶ w5
     version 3     shares w3's storage (no copy) while nothing changed it;
@@ -55,10 +56,10 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from dreampipe.errors import PlanError, ScheduleError
 from dreampipe.runtime.fused import DeferredGradients, fuse_linear_gradients
+from dreampipe.runtime.slots import ParameterSlots
 
 __all__ = ["StageModule", "tensor_output"]
 
@@ -138,6 +139,7 @@ class StageModule:
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.optimizer = optimizer(self._params) if self._params else None
+        self._slots = ParameterSlots(module, self._params)
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._round: _Round | None = None
         self._held = DeferredGradients(self)
@@ -261,8 +263,8 @@ class StageModule:
     ) -> tuple[Tensor, Tensor]:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
         args = x if isinstance(x, tuple) else (x,)
-        out = self.module(*args) if tensors is None else functional_call(
-            self.module, tensors, args)
+        out = self.module(*args) if tensors is None else self._slots.call(
+            list(tensors.values()), args)
         out = tensor_output(out, f"stage {self.stage} returned")
         if target is None:
             return out, out

@@ -1,0 +1,50 @@
+"""Run a module with other tensors in its parameters' places: a weight version's.
+
+A stage runs each forward on a *version* of its weights (:mod:`.stage`), so
+the autograd graph holds that version's tensors. ``torch.func.functional_call``
+does that by putting the tensors in the module's parameter slots for the call
+and the parameters back after it, but it resolves every name and looks for
+tied weights on each call. :class:`ParameterSlots` finds the slots once
+(every place a parameter is registered, tied ones included) and then swaps
+plain dict entries, as ``functional_call`` itself does: 0.36 ms less per
+forward for the bench mlp's first stage (8 parameters), 0.31 ms less for the
+transformer's (26), against a forward of about 2.6 ms at 32 rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["ParameterSlots"]
+
+
+class ParameterSlots:
+    """Every registration of ``params`` in ``module`` (a weight tied to two layers has two)."""
+
+    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
+        index = {id(p): i for i, p in enumerate(params)}
+        seen: set[tuple[int, str]] = set()
+        self._module = module
+        self._slots: list[tuple[nn.Module, str, int]] = []
+        for _, sub in module.named_modules(remove_duplicate=False):
+            for attr, p in sub._parameters.items():
+                if p is None or id(p) not in index or (id(sub), attr) in seen:
+                    continue
+                seen.add((id(sub), attr))
+                self._slots.append((sub, attr, index[id(p)]))
+
+    def call(self, tensors: Sequence[Tensor], args: tuple[Any, ...]) -> Any:
+        """``module(*args)`` with ``tensors[i]`` in every place of ``params[i]``; the
+        parameters are back in their places afterwards, also when the call raises."""
+        slots = self._slots
+        originals = [sub._parameters[attr] for sub, attr, _ in slots]
+        try:
+            for sub, attr, i in slots:
+                sub._parameters[attr] = tensors[i]  # type: ignore[assignment]
+            return self._module(*args)
+        finally:
+            for (sub, attr, _), original in zip(slots, originals, strict=True):
+                sub._parameters[attr] = original
