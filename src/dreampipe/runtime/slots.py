@@ -28,15 +28,11 @@ class ParameterSlots:
 
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter]) -> None:
         index = {id(p): i for i, p in enumerate(params)}
-        seen: set[tuple[int, str]] = set()
         self._module = module
-        self._slots: list[tuple[nn.Module, str, int]] = []
-        for _, sub in module.named_modules(remove_duplicate=False):
-            for attr, p in sub._parameters.items():
-                if p is None or id(p) not in index or (id(sub), attr) in seen:
-                    continue
-                seen.add((id(sub), attr))
-                self._slots.append((sub, attr, index[id(p)]))
+        self._slots = [  # each submodule once, each of its entries holding one of params
+            (sub, attr, index[id(p)]) for sub in module.modules()
+            for attr, p in sub._parameters.items() if p is not None and id(p) in index
+        ]
 
     def call(self, tensors: Sequence[Tensor], args: tuple[Any, ...]) -> Any:
         """``module(*args)`` with ``tensors[i]`` in every place of ``params[i]``; the
