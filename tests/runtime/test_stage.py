@@ -54,7 +54,7 @@ def test_forwards_share_the_live_weights_until_a_step() -> None:
     st.forward(0, torch.randn(5, 3))
     st.forward(1, torch.randn(5, 3))
     assert st.versions_held == 1
-    version = st._versions[0].tensors["0.weight"]
+    version = st._versions[0].tensors[0]  # 0.weight, the first parameter
     assert version.data_ptr() == live.data_ptr()
     before = live.detach().clone()
     st.backward(0, torch.ones(5, 2))

@@ -81,7 +81,7 @@ def tensor_output(out: object, where: str) -> Tensor:
 @dataclass
 class _Version:
     number: int
-    tensors: dict[str, Tensor]
+    tensors: list[Tensor]  # in parameter index order
     live: bool
     refs: int = 0
 
@@ -178,9 +178,8 @@ class StageModule:
         return self._floor is not None and number >= self._floor
 
     def _live_version(self) -> _Version:
-        pairs = zip(self._names, self._params, strict=True)
-        tensors = {n: p.data.requires_grad_(True) for n, p in pairs}
-        for i, leaf in enumerate(tensors.values()):
+        tensors = [p.data.requires_grad_(True) for p in self._params]
+        for i, leaf in enumerate(tensors):
             leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 partial(self._leaf_done, i)
             )
@@ -218,7 +217,7 @@ class StageModule:
         """Move the weight gradients autograd accumulated on ``v``'s tensors to the update."""
         if self._touched.pop(v.number, None) is None:
             return
-        for i, leaf in enumerate(v.tensors.values()):
+        for i, leaf in enumerate(v.tensors):
             g = leaf.grad
             if g is None:
                 continue
@@ -258,13 +257,12 @@ class StageModule:
         return report
 
     def _compute(
-        self, tensors: dict[str, Tensor] | None, x: StageInput, target: Tensor | None,
+        self, tensors: list[Tensor] | None, x: StageInput, target: Tensor | None,
         scale: float,
     ) -> tuple[Tensor, Tensor]:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
         args = x if isinstance(x, tuple) else (x,)
-        out = self.module(*args) if tensors is None else self._slots.call(
-            list(tensors.values()), args)
+        out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
         out = tensor_output(out, f"stage {self.stage} returned")
         if target is None:
             return out, out
@@ -306,12 +304,12 @@ class StageModule:
             v, out = st.version, st.output
         x = st.input if isinstance(st.input, Tensor) else None
         want_input = self.input_grad and x is not None and x.requires_grad
-        leaves = list(v.tensors.values())
+        leaves = v.tensors
         if on_ready is not None:
             held = [*self._touched.values()]
             held += [v] if v.number not in self._touched else []
             self._round = _Round(
-                on_ready, [list(h.tensors.values()) for h in held], [False] * len(leaves)
+                on_ready, [h.tensors for h in held], [False] * len(leaves)
             )
         self._held.holding = hold and on_ready is None
         try:
