@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import pytest
 import torch
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from dreampipe.runtime.fused import fuse_linear_gradients
+from dreampipe.runtime.fused import LinearGradients, fuse_linear_gradients
+from dreampipe.runtime.stage import StageModule
 
 __all__: list[str] = []
 
@@ -57,15 +63,14 @@ def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_a_stage_can_keep_autograd_for_its_linear_layers() -> None:
-    """``fused_accumulation=False`` leaves every layer alone and makes the same update."""
-    from dreampipe.runtime.stage import StageModule
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
 
-    stages = [
-        StageModule(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
-                    input_grad=False, fused_accumulation=fused)
-        for fused in (True, False)
-    ]
+
+def test_every_way_of_making_linear_gradients_makes_the_same_update() -> None:
+    """FUSED and PLAIN take over the Linear layers, AUTOGRAD leaves them alone; one update."""
+    modes = list(LinearGradients)
+    stages = [StageModule(_model(), _sgd, stage=0, input_grad=False, linear=m) for m in modes]
     torch.manual_seed(2)
     xs = [torch.randn(5, 4) for _ in range(3)]
     for st in stages:
@@ -73,22 +78,58 @@ def test_a_stage_can_keep_autograd_for_its_linear_layers() -> None:
             st.forward(u, x)
             st.backward(u, torch.ones(5, 3))
         st.step()
-    fused, plain = (st.module for st in stages)
-    assert "forward" in vars(fused[0]) and "forward" not in vars(plain[0])
-    for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(a, b, msg=name)
-    assert not torch.equal(plain[0].weight, _model()[0].weight), "the step changed the weights"
+    autograd = stages[modes.index(LinearGradients.AUTOGRAD)].module
+    assert "forward" not in vars(autograd[0])
+    for mode, st in zip(modes, stages, strict=True):
+        assert ("forward" in vars(st.module[0])) is (mode is not LinearGradients.AUTOGRAD)
+        for (name, a), b in zip(st.module.named_parameters(), autograd.parameters(),
+                                strict=True):
+            torch.testing.assert_close(a, b, msg=f"{mode} {name}")
+    assert not torch.equal(autograd[0].weight, _model()[0].weight), "the step changed the weights"
 
 
-def test_a_held_backward_returns_the_input_gradient_before_the_weight_gemms() -> None:
+class _Calls(TorchDispatchMode):
+    """The ATen operators run inside the block (the backward's included), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Callable[..., Any], types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.names.append(str(func.__name__).split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _kernels(mode: LinearGradients) -> dict[str, int]:
+    """The GEMMs, adds and sums of a stage's second backward of one update."""
+    st = StageModule(_model(), _sgd, stage=0, input_grad=False, linear=mode)
+    torch.manual_seed(4)
+    for u in range(2):
+        st.forward(u, torch.randn(5, 4))
+        calls = _Calls()
+        with calls:
+            st.backward(u, torch.ones(5, 3))
+    return {k: calls.names.count(k) for k in ("mm", "addmm_", "add_", "sum")}
+
+
+def test_plain_linear_gradients_run_autograds_kernels_and_fused_ones_fewer() -> None:
+    """PLAIN: each weight gradient a GEMM of its own and an ``add_`` into the sum, as
+    autograd's AccumulateGrad does; FUSED: one ``addmm_`` into the sum instead."""
+    autograd = _kernels(LinearGradients.AUTOGRAD)
+    assert autograd == {"mm": 3, "addmm_": 0, "add_": 3, "sum": 1}
+    assert _kernels(LinearGradients.PLAIN) == autograd
+    assert _kernels(LinearGradients.FUSED) == {"mm": 1, "addmm_": 2, "add_": 1, "sum": 1}
+
+
+@pytest.mark.parametrize("mode", [LinearGradients.FUSED, LinearGradients.PLAIN])
+def test_a_held_backward_returns_the_input_gradient_before_the_weight_gemms(
+    mode: LinearGradients,
+) -> None:
     """``hold=True``: the weight GEMMs wait for :meth:`run_held` (or the next backward
     or step), then the gradients and the update equal the plain order bit for bit."""
-    from dreampipe.runtime.stage import StageModule
-
-    stages = [
-        StageModule(_model(), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=1, input_grad=True)
-        for _ in range(2)
-    ]
+    stages = [StageModule(_model(), _sgd, stage=1, input_grad=True, linear=mode)
+              for _ in range(2)]
     torch.manual_seed(3)
     xs = [torch.randn(5, 4) for _ in range(3)]
     ins = []

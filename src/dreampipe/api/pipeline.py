@@ -59,6 +59,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.engine import RankRunner, RunnerOptions
 from dreampipe.runtime.forwards import run_forwards
+from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import tensor_mesh
@@ -107,8 +108,9 @@ class Pipeline:
     ``max_grad_norm`` clips each update by the global norm over all stages;
     ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
     ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
-    show why it matters); ``fused_accumulation=False`` keeps autograd's plain
-    weight gradients for ``nn.Linear`` (:mod:`dreampipe.runtime.fused`);
+    show why it matters); ``fused_accumulation=False`` makes ``nn.Linear``
+    weight gradients with autograd's kernels, in the same order
+    (:mod:`dreampipe.runtime.fused`);
     ``record_events`` keeps what this rank did, with times (:attr:`events`).
     ``resume`` loads the newest complete checkpoint in a directory
     (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
@@ -180,7 +182,7 @@ class Pipeline:
         self.module = StageModule(
             layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
             vertical_sync=vertical_sync, loss_fn=loss_fn,
-            fused_accumulation=fused_accumulation and t == 1,
+            linear=LinearGradients.of(fused_accumulation) if t == 1 else LinearGradients.AUTOGRAD,
         )
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:

@@ -47,14 +47,15 @@ class RunOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``fused_accumulation=False`` keeps autograd's plain weight
-    gradients for ``nn.Linear`` layers instead of :mod:`~dreampipe.runtime.fused`'s
-    one-GEMM accumulation. ``timeout_s`` bounds every wait for a peer.
-    ``on_nonfinite`` says what a NaN or inf output or loss does
-    (:mod:`~dreampipe.runtime.nonfinite`). ``backend`` None picks NCCL when
-    CUDA is available, gloo otherwise. ``measure_memory`` measures each
-    rank's peak memory (:mod:`~dreampipe.runtime.memory`); on CPU that gives
-    large tensors pages of their own, which slows training.
+    used. ``fused_accumulation=False`` makes ``nn.Linear`` weight gradients
+    with autograd's kernels (a GEMM, then an add) instead of
+    :mod:`~dreampipe.runtime.fused`'s one GEMM, in the same order.
+    ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says what a
+    NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
+    ``backend`` None picks NCCL when CUDA is available, gloo otherwise.
+    ``measure_memory`` measures each rank's peak memory
+    (:mod:`~dreampipe.runtime.memory`); on CPU that gives large tensors pages
+    of their own, which slows training.
     """
 
     model: str

@@ -29,11 +29,15 @@ after the send (PipeDream's ``SEND_B`` follows its ``BACKWARD``)::
     deferred  B: [ dX4 dX3 dX2 dX1 ] SEND_B [ dW4 dW3 dW2 dW1 ]
 
 The zero-bubble schedules of Qi et al. ("Zero Bubble Pipeline Parallelism",
-2023) split the backward the same way.
+2023) split the backward the same way. Holding is a matter of order, not of
+kernels: :attr:`LinearGradients.PLAIN` holds the weight GEMMs too but runs
+autograd's own kernels (the plain row above), so a bench can set the kernels
+apart from the schedule.
 """
 
 from __future__ import annotations
 
+from enum import Enum
 from functools import partial
 from typing import Any, Protocol
 
@@ -41,7 +45,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DeferredGradients", "GradientSink", "fuse_linear_gradients"]
+__all__ = ["DeferredGradients", "GradientSink", "LinearGradients", "fuse_linear_gradients"]
+
+
+class LinearGradients(Enum):
+    """How a stage's ``nn.Linear`` layers make their weight gradients."""
+
+    #: One GEMM adds each unit's gradient into the update's (``acc.addmm_(g^T, x)``).
+    FUSED = "fused"
+    #: Autograd's kernels, a GEMM and then an add (``acc += g^T x``), in the same order
+    #: as FUSED: a stage that sends an input gradient holds the GEMMs until it is sent.
+    PLAIN = "plain"
+    #: The layers are left alone: autograd's own path, nothing held (a split stage's
+    #: sharded weights take this path).
+    AUTOGRAD = "autograd"
+
+    @classmethod
+    def of(cls, fused_accumulation: bool) -> LinearGradients:
+        """The users' switch (``fused_accumulation``): FUSED, or PLAIN to compare kernels alike."""
+        return cls.FUSED if fused_accumulation else cls.PLAIN
 
 
 class GradientSink(Protocol):

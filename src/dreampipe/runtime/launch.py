@@ -25,6 +25,7 @@ from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import RankReport, RankRunner, barrier
+from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.processes import prepare_process, run_processes
 from dreampipe.runtime.results import assemble
 from dreampipe.runtime.stage import StageModule
@@ -50,7 +51,7 @@ def run_rank(
     module = StageModule(
         spec.build(st.first, st.last, cfg.seed).to(device).train(), cfg.optimizer_factory(),
         stage=stage, input_grad=stage > 0, stash=cfg.stash, vertical_sync=cfg.vertical_sync,
-        loss_fn=spec.loss_fn, fused_accumulation=cfg.fused_accumulation,
+        loss_fn=spec.loss_fn, linear=LinearGradients.of(cfg.fused_accumulation),
     )
     data = None
     if stage in (0, cfg.plan.num_stages - 1):

@@ -35,7 +35,8 @@ the unit was in flight, so forward and backward see different weights.
 
 Buffers (BatchNorm running statistics) are not versioned. Weight gradients
 of all units between two updates add up in one buffer per parameter;
-``nn.Linear`` layers add theirs with a single GEMM (:mod:`.fused`).
+``nn.Linear`` layers add theirs with a single GEMM, or autograd's GEMM and
+add (:class:`~dreampipe.runtime.fused.LinearGradients`).
 
 **Gradients final during the backward.** The backward that completes a
 round (the last before an all-reduce) can report each parameter's
@@ -58,7 +59,7 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError, ScheduleError
-from dreampipe.runtime.fused import DeferredGradients, fuse_linear_gradients
+from dreampipe.runtime.fused import DeferredGradients, LinearGradients, fuse_linear_gradients
 from dreampipe.runtime.slots import ParameterSlots
 
 __all__ = ["StageModule", "tensor_output"]
@@ -113,8 +114,8 @@ class StageModule:
 
     ``input_grad``: whether the stage sends a gradient back (stages after the
     first). The last stage's ``forward`` gets the target and returns the loss.
-    ``fused_accumulation=False`` keeps autograd's plain weight gradients for
-    ``nn.Linear`` too (no :mod:`.fused` GEMMs), e.g. to compare kernels alike.
+    ``linear`` says how ``nn.Linear`` layers make their weight gradients
+    (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class StageModule:
         stash: bool = True,
         vertical_sync: bool = False,
         loss_fn: LossFn | None = None,
-        fused_accumulation: bool = True,
+        linear: LinearGradients = LinearGradients.FUSED,
     ) -> None:
         self.module = module
         self.stage = stage
@@ -143,7 +144,8 @@ class StageModule:
         self._grads: list[Tensor | None] = [None] * len(self._params)
         self._round: _Round | None = None
         self._held = DeferredGradients(self)
-        if fused_accumulation:
+        self._fused = linear is LinearGradients.FUSED
+        if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
@@ -292,7 +294,7 @@ class StageModule:
         parameter's gradient summed over the whole round is final (mostly
         during the backward, the rest before this returns). The gradient
         tensor is the one :meth:`gradients` returns until the next step.
-        ``hold`` (not with ``on_ready``) keeps fused weight GEMMs for :meth:`run_held`.
+        ``hold`` (not with ``on_ready``) keeps Linear weight GEMMs for :meth:`run_held`.
         """
         self._held.run()
         st = self._inflight.pop(unit)
@@ -358,12 +360,12 @@ class StageModule:
 
     # ---- update ----------------------------------------------------------
     def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
-        """``grad[index] += a @ b`` (fused Linear layers, see :mod:`.fused`)."""
+        """``grad[index] += a @ b`` (Linear layers, see :mod:`.fused`): one GEMM when fused."""
         acc = self._grads[index]
-        if acc is None:
-            self._grads[index] = torch.mm(a, b)
-        else:
+        if acc is not None and self._fused:
             acc.addmm_(a, b)
+        else:
+            self.add_grad(index, torch.mm(a, b))
 
     def add_grad(self, index: int, g: Tensor) -> None:
         """``grad[index] += g`` (fused Linear biases, and gradients harvested off a version)."""
