@@ -197,6 +197,7 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
                                                               "1f1b-flush-unfused")] == [True,
                                                                                          False]
     assert by_name["torch-1f1b-big"]["arg"].microbatch == 128
+    assert [by_name[n]["arg"][1] for n in ("ddp", "ddp-no-allreduce")] == [True, False]
     units = {e.name: e.unit for e in report.entries}
     assert (units["pipedream"], units["1f1b-flush"], units["torch-1f1b-big"],
             units["single-1thread"]) == (128, 32, 128, 256)
@@ -259,7 +260,7 @@ def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
 
 @pytest.mark.timeout(240)
 def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    names = ["torch-1f1b", "ddp", "single-1thread"]
+    names = ["torch-1f1b", "ddp", "ddp-no-allreduce", "single-1thread"]
     data = _cli_json(capsys, "--only", *names)
     assert data["workload"] == "mlp"
     assert list(data["results"]) == names

@@ -13,6 +13,9 @@ with PyTorch's own machinery and no dreampipe code on the hot path:
   PipeDream's minibatches (``batch / 2``), as many per update, so updates are
   4 times as big and fewer of them train about the same samples;
 - ``ddp``: ``DistributedDataParallel`` on 2 workers, ``batch / 2`` samples each;
+- ``ddp-no-allreduce``: ``ddp`` with every backward under ``no_sync()``. It
+  does not train the model (the workers drift apart); it shows what DDP's
+  all-reduce costs, which is the time PipeDream sets out to save;
 - ``single-1thread`` / ``single-2threads``: one process, the whole update as one batch.
 
 Every baseline runs and is timed as dreampipe's runs are
@@ -21,8 +24,10 @@ Every baseline runs and is timed as dreampipe's runs are
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,15 +89,19 @@ def _torch_pipeline(rank: int, world: int, run: _TorchPipe) -> float:
                       samples_per_step=run.update)
 
 
-def _ddp(rank: int, world: int, work: Workload) -> float:
-    """One rank of ``DistributedDataParallel`` with ``batch / world`` samples; samples/s."""
+def _ddp(rank: int, world: int, arg: tuple[Workload, bool]) -> float:
+    """One rank of ``DistributedDataParallel`` with ``batch / world`` samples; samples/s.
+
+    ``arg``: the workload, and whether the backward all-reduces (else ``no_sync``).
+    """
     from torch.nn.parallel import DistributedDataParallel
 
+    work, sync = arg
     model = DistributedDataParallel(work.spec().build(seed=work.seed))
     share = work.per_worker
     x, y = work.data(work.batch)
     x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
-    return _whole_model_rate(work, model, x, y)
+    return _whole_model_rate(work, model, x, y, no_sync=None if sync else model.no_sync)
 
 
 def _single(rank: int, world: int, work: Workload) -> float:
@@ -102,13 +111,19 @@ def _single(rank: int, world: int, work: Workload) -> float:
     return _whole_model_rate(work, model, x, y)
 
 
-def _whole_model_rate(work: Workload, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
-    """Samples/s of plain SGD steps of ``model`` on ``(x, y)``: the update's share of a rank."""
+def _whole_model_rate(
+    work: Workload, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+) -> float:
+    """Samples/s of plain SGD steps of ``model`` on ``(x, y)``: the update's share of a rank
+    (each backward inside ``no_sync()`` if given)."""
     loss_fn = work.spec().loss_fn
     opt = torch.optim.SGD(model.parameters(), lr=work.lr)
+    around = no_sync or contextlib.nullcontext
 
     def step() -> None:
-        torch.autograd.backward(loss_fn(model(x), y))
+        with around():
+            torch.autograd.backward(loss_fn(model(x), y))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -117,7 +132,7 @@ def _whole_model_rate(work: Workload, model: nn.Module, x: torch.Tensor, y: torc
 
 def baseline_unit(which: Baseline, work: Workload) -> int:
     """Samples in one forward and backward of ``which``: a microbatch, a share, a batch."""
-    if which is Baseline.TORCH_1F1B_BIG or which is Baseline.DDP:
+    if which in (Baseline.TORCH_1F1B_BIG, Baseline.DDP, Baseline.DDP_NO_ALLREDUCE):
         return work.per_worker
     if which in (Baseline.SINGLE_1THREAD, Baseline.SINGLE_2THREADS):
         return work.batch
@@ -129,9 +144,9 @@ def run_baseline(which: Baseline, work: Workload, *, timeout_s: float = 300.0) -
     ranks = len(work.stage_bounds)
     log.info("baseline %s: %d timed steps after %d warm-up", which.value, work.steps, work.warmup)
     fn: RankFn
-    arg: Workload | _TorchPipe = work
-    if which is Baseline.DDP:
-        fn, world = _ddp, ranks
+    arg: Workload | _TorchPipe | tuple[Workload, bool] = work
+    if which in (Baseline.DDP, Baseline.DDP_NO_ALLREDUCE):
+        fn, world, arg = _ddp, ranks, (work, which is Baseline.DDP)
     elif which in (Baseline.SINGLE_1THREAD, Baseline.SINGLE_2THREADS):
         fn, world = _single, 1
     else:

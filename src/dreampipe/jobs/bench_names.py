@@ -29,6 +29,7 @@ class Baseline(Enum):
     TORCH_1F1B_BIG = "torch-1f1b-big"
     TORCH_GPIPE = "torch-gpipe"
     DDP = "ddp"
+    DDP_NO_ALLREDUCE = "ddp-no-allreduce"
     SINGLE_1THREAD = "single-1thread"
     SINGLE_2THREADS = "single-2threads"
 

@@ -12,6 +12,8 @@ close together in time). The ratios decompose dreampipe's gains:
                                     and runtime alone
 ``pipedream / ddp``                 the paper's pairing, DDP at ``batch / 2``
                                     samples per worker
+``ddp-no-allreduce / ddp``          what DDP's all-reduce costs it (the other
+                                    run leaves it out and does not train)
 ``pipedream / torch-1f1b-big``      torch's 1F1B with microbatches of
                                     PipeDream's minibatch size
 ``pipedream / torch-1f1b``          kept for comparison with older runs; not
@@ -37,6 +39,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("1f1b-flush", "torch-1f1b", "same process set-up"),
     ("1f1b-flush-unfused", "torch-1f1b", "same kernels, same set-up"),
     ("pipedream", "ddp", "the paper's pairing: DDP, batch/2 per worker"),
+    ("ddp-no-allreduce", "ddp", "DDP's compute alone (not training) over DDP"),
     ("pipedream", "torch-1f1b-big", "torch 1F1B, microbatches of pipedream's size"),
     ("pipedream", "torch-1f1b", "not like for like: unit sizes differ"),
     ("gpipe", "torch-gpipe", "same schedule"),
