@@ -45,7 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DeferredGradients", "GradientSink", "LinearGradients", "fuse_linear_gradients"]
+__all__ = [
+    "DeferredGradients", "GradientSink", "GradientSum", "LinearGradients", "fuse_linear_gradients",
+]
 
 
 class LinearGradients(Enum):
@@ -74,6 +76,50 @@ class GradientSink(Protocol):
 
     def add_grad(self, index: int, g: Tensor) -> None:
         """``grad[index] += g``."""
+
+
+class GradientSum:
+    """The update's weight gradients: one buffer per parameter, summed over its units.
+
+    A :class:`GradientSink`: with ``fused``, a Linear weight's GEMM adds into
+    the buffer (``addmm_``); without, it is a GEMM and an add, as autograd
+    makes it. A unit's first term becomes the buffer, with no copy.
+    """
+
+    def __init__(self, params: list[nn.Parameter], *, fused: bool) -> None:
+        self._params = params
+        self._fused = fused
+        self._sums: list[Tensor | None] = [None] * len(params)
+
+    def __getitem__(self, index: int) -> Tensor | None:
+        return self._sums[index]
+
+    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        acc = self._sums[index]
+        if acc is not None and self._fused:
+            acc.addmm_(a, b)
+        else:
+            self.add_grad(index, torch.mm(a, b))
+
+    def add_grad(self, index: int, g: Tensor) -> None:
+        acc = self._sums[index]
+        if acc is None:
+            self._sums[index] = g
+        else:
+            acc.add_(g)
+
+    def filled(self, index: int) -> Tensor:
+        """Parameter ``index``'s sum, zeros (kept) if nothing arrived."""
+        acc = self._sums[index]
+        if acc is None:
+            acc = torch.zeros_like(self._params[index])
+            self._sums[index] = acc
+        return acc
+
+    def take(self) -> list[Tensor | None]:
+        """Every sum (None where nothing arrived), starting the next update's."""
+        sums, self._sums = self._sums, [None] * len(self._params)
+        return sums
 
 
 class DeferredGradients:

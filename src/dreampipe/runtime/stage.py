@@ -59,7 +59,12 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError, ScheduleError
-from dreampipe.runtime.fused import DeferredGradients, LinearGradients, fuse_linear_gradients
+from dreampipe.runtime.fused import (
+    DeferredGradients,
+    GradientSum,
+    LinearGradients,
+    fuse_linear_gradients,
+)
 from dreampipe.runtime.slots import ParameterSlots
 
 __all__ = ["StageModule", "tensor_output"]
@@ -141,10 +146,9 @@ class StageModule:
         self._params = [p for _, p in named]
         self.optimizer = optimizer(self._params) if self._params else None
         self._slots = ParameterSlots(module, self._params)
-        self._grads: list[Tensor | None] = [None] * len(self._params)
+        self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
         self._round: _Round | None = None
-        self._held = DeferredGradients(self)
-        self._fused = linear is LinearGradients.FUSED
+        self._held = DeferredGradients(self._grads)
         if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
         self._versions: dict[int, _Version] = {}
@@ -224,7 +228,7 @@ class StageModule:
             if g is None:
                 continue
             leaf.grad = None
-            self.add_grad(i, g)
+            self._grads.add_grad(i, g)
 
     def _harvest_all(self) -> None:
         self._held.run()
@@ -350,42 +354,15 @@ class StageModule:
             g = leaf.grad
             if g is not None:
                 leaf.grad = None
-                self.add_grad(index, g)
-        acc = self._grads[index]
-        if acc is None:
-            acc = torch.zeros_like(self._params[index])
-            self._grads[index] = acc
+                self._grads.add_grad(index, g)
         rnd.reported[index] = True
-        rnd.on_ready(index, acc)
+        rnd.on_ready(index, self._grads.filled(index))
 
     # ---- update ----------------------------------------------------------
-    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
-        """``grad[index] += a @ b`` (Linear layers, see :mod:`.fused`): one GEMM when fused."""
-        acc = self._grads[index]
-        if acc is not None and self._fused:
-            acc.addmm_(a, b)
-        else:
-            self.add_grad(index, torch.mm(a, b))
-
-    def add_grad(self, index: int, g: Tensor) -> None:
-        """``grad[index] += g`` (fused Linear biases, and gradients harvested off a version)."""
-        acc = self._grads[index]
-        if acc is None:
-            self._grads[index] = g
-        else:
-            acc.add_(g)
-
     def gradients(self) -> list[Tensor]:
         """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
         self._harvest_all()
-        out = []
-        for i, p in enumerate(self._params):
-            g = self._grads[i]
-            if g is None:
-                g = torch.zeros_like(p)
-                self._grads[i] = g
-            out.append(g)
-        return out
+        return [self._grads.filled(i) for i in range(len(self._params))]
 
     def step(self, *, apply: bool = True) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, see above).
@@ -404,13 +381,13 @@ class StageModule:
                 cur.live = False
             else:
                 del self._versions[cur.number]
+        sums = self._grads.take()
         if apply and self.optimizer is not None:
-            for p, g in zip(self._params, self._grads, strict=True):
+            for p, g in zip(self._params, sums, strict=True):
                 p.grad = g
             self.optimizer.step()
         for p in self._params:
             p.grad = None
-        self._grads = [None] * len(self._params)
         self.version += 1
         _log.debug("stage %d at version %d holds %s", self.stage, self.version,
                    sorted(self._versions))
