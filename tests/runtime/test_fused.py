@@ -7,27 +7,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dreampipe.runtime.fused import GradientSum, LinearGradients, fuse_linear_gradients
 from dreampipe.runtime.stage import StageModule
 
 __all__: list[str] = []
-
-
-class _Sink:
-    def __init__(self, n: int) -> None:
-        self.grads: list[Tensor | None] = [None] * n
-
-    def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
-        g = a @ b
-        acc = self.grads[index]
-        self.grads[index] = g if acc is None else acc + g
-
-    def add_grad(self, index: int, g: Tensor) -> None:
-        acc = self.grads[index]
-        self.grads[index] = g if acc is None else acc + g
 
 
 def _model() -> nn.Sequential:
@@ -38,7 +24,7 @@ def _model() -> nn.Sequential:
 def test_fused_layers_accumulate_the_same_gradients() -> None:
     plain, fused = _model(), _model()
     names = [n for n, _ in fused.named_parameters()]
-    sink = _Sink(len(names))
+    sink = GradientSum(list(fused.parameters()), fused=True)
     assert fuse_linear_gradients(fused, names, sink) == 2
     xs = [torch.randn(2, 6, 4) for _ in range(3)]
     for x in xs:
@@ -49,7 +35,7 @@ def test_fused_layers_accumulate_the_same_gradients() -> None:
         plain_in = _model()
         plain_in(xref).square().sum().backward()
         torch.testing.assert_close(xin.grad, xref.grad)
-    for (name, p), g in zip(plain.named_parameters(), sink.grads, strict=True):
+    for (name, p), g in zip(plain.named_parameters(), sink.take(), strict=True):
         assert g is not None, name
         torch.testing.assert_close(g, p.grad, msg=name)
     assert all(p.grad is None for p in fused.parameters())
@@ -74,7 +60,7 @@ def test_a_gradient_sum_keeps_its_first_term_and_starts_afresh_after_take(fused:
 
 def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:
     model = _model()
-    sink = _Sink(1)
+    sink = GradientSum([model[0].weight], fused=True)
     assert fuse_linear_gradients(model, ["0.weight"], sink) == 0
     model(torch.randn(2, 4)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
