@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -53,6 +51,7 @@ from dreampipe.api.checks import (
     check_stages_on_meta,
 )
 from dreampipe.api.feed import Batches, Feed
+from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import build_split_stage, build_stage, split_layers
 from dreampipe.errors import ConfigError
@@ -68,7 +67,7 @@ from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["EvalResult", "Pipeline", "init_process_group", "rank_device"]
+__all__ = ["EvalResult", "Pipeline"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
@@ -358,45 +357,3 @@ class Pipeline:
 def _shapes(batch: Batch) -> list[tuple[int, ...]]:
     x, y = batch
     return [tuple(t.shape) for t in (*(x if isinstance(x, tuple) else (x,)), y)]
-
-
-def init_process_group(timeout_s: float) -> bool:
-    """Join torchrun's group (env://), or make a group of one; True if this started one."""
-    if dist.is_initialized():
-        return False
-    timeout = timedelta(seconds=max(timeout_s, 60.0))
-    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
-    else:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
-    return True
-
-
-def _attempt_store(timeout: timedelta) -> dict[str, Any]:
-    """Under torchrun, its agent's store seen under a prefix of this attempt (restart count).
-
-    torchrun's static rendezvous (``--master-addr``/``--master-port``) keeps one
-    store across restarts: without the prefix a restarted group would read the
-    addresses of the ranks it replaced and fail to connect.
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timeout,
-    )
-    prefix = f"dreampipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    mine = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
-    return {"store": mine, "rank": int(os.environ["RANK"]),
-            "world_size": int(os.environ["WORLD_SIZE"])}
-
-
-def rank_device() -> torch.device:
-    """This rank's device: CUDA device ``LOCAL_RANK`` under NCCL (made current), else the CPU."""
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-        return device
-    return torch.device("cpu")

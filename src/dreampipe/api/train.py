@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
-from dreampipe.api.pipeline import Pipeline, init_process_group, rank_device
+from dreampipe.api.group import init_process_group, rank_device
+from dreampipe.api.pipeline import Pipeline
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.models.resolve import resolve_spec

@@ -1,0 +1,59 @@
+"""Joining the process group a ``Pipeline`` trains in, and the rank's device.
+
+Under ``torchrun`` a rank joins its group through the environment (with the
+agent's store per restart attempt); a script run alone makes a gloo group of
+one, so the same code trains on one process or many.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_process_group", "rank_device"]
+
+
+def init_process_group(timeout_s: float) -> bool:
+    """Join torchrun's group (env://), or make a group of one; True if this started one."""
+    if dist.is_initialized():
+        return False
+    timeout = timedelta(seconds=max(timeout_s, 60.0))
+    if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+    else:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+def _attempt_store(timeout: timedelta) -> dict[str, Any]:
+    """Under torchrun, its agent's store seen under a prefix of this attempt (restart count).
+
+    torchrun's static rendezvous (``--master-addr``/``--master-port``) keeps one
+    store across restarts: without the prefix a restarted group would read the
+    addresses of the ranks it replaced and fail to connect.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timeout,
+    )
+    prefix = f"dreampipe/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    mine = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+    return {"store": mine, "rank": int(os.environ["RANK"]),
+            "world_size": int(os.environ["WORLD_SIZE"])}
+
+
+def rank_device() -> torch.device:
+    """This rank's device: CUDA device ``LOCAL_RANK`` under NCCL (made current), else the CPU."""
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
