@@ -77,3 +77,40 @@ def test_pipedream_through_the_api_matches_the_delayed_update_rule(
         partial_round=True,
     )
     _assert_matches(got, losses, state)
+
+
+CAPPED = [([0, 2], [1, 1], 3, 3), ([0, 2], [2, 1], 3, 2)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bounds", "replicas", "segment_units", "cap"), CAPPED,
+                         ids=["straight-2", "replicated-2-1"])
+def test_pipedream_drains_a_full_segment_as_finish_would(
+    bounds: list[int], replicas: list[int], segment_units: int, cap: int
+) -> None:
+    """A segment of ``cap`` minibatches (whole rounds of the replicated stage) drains.
+
+    Seven steps with the cap trains exactly as seven steps with ``finish()``
+    every ``cap`` steps, and no schedule ever holds more than the cap, while
+    the uncapped run's grew past it.
+    """
+    job = {"schedule": "pipedream", "bounds": bounds, "replicas": replicas, "steps": 7,
+           "minibatch": 8, "lr": 0.3, "momentum": 0.9}
+    capped = _run(sum(replicas), segment_units=segment_units, **job)
+    finished = _run(sum(replicas), finish_every=cap, **job)
+    assert capped["longest"] <= cap < finished["longest"]
+    assert capped["losses"] == finished["losses"]
+    for name, value in finished["state"].items():
+        assert torch.equal(capped["state"][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_sync_segments_drained_by_the_cap_train_as_one() -> None:
+    """1F1B with a flush drains at every update anyway: the cap changes nothing."""
+    got = _run(2, schedule="1f1b-flush", bounds=[0, 2], replicas=[1, 1], steps=5,
+               minibatch=16, microbatches=4, lr=0.2, segment_units=8)
+    assert got["longest"] <= 8
+    spec = get_model("mlp", layers=4, width=16)
+    losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=5,
+                                   minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=4)
+    _assert_matches(got, losses, state)

@@ -10,7 +10,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
+from dreampipe.api import pipeline as pipeline_module
 from dreampipe.api.split import split_layers
+from dreampipe.scheduling.actions import Schedule
+from dreampipe.scheduling.units import UnitLayout
 
 __all__: list[str] = []
 
@@ -123,6 +126,41 @@ def test_reserved_steps_never_stop_to_extend_the_schedule_and_train_alike(
     _assert_trained_like(pipe, losses, (want_losses, want))
     pipe.close()
 
+
+
+def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``SEGMENT_UNITS`` a step drains, as ``finish()`` would; nothing else changes.
+
+    A cap of 8 units is 4 minibatches of 2 microbatches: 11 reserved steps
+    drain twice, no schedule holds more than the cap, the full segments reuse
+    the one schedule built for them (the last, short one gets its own), and the
+    losses of all 11 steps come back from the one ``finish()``.
+    """
+    monkeypatch.setattr(pipeline_module, "SEGMENT_UNITS", 8)
+    built: list[int] = []
+    build = UnitLayout.build
+
+    def counted(layout: UnitLayout, replicas: list[int], steps: int,
+                in_flight: list[int] | None = None) -> Schedule:
+        built.append(steps)
+        return build(layout, replicas, steps, in_flight)
+
+    monkeypatch.setattr(UnitLayout, "build", counted)
+    data = _data(11)
+    want_losses, want = _reference(_model(), data, micro=2)
+    pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2)
+    pipe.reserve(len(data))
+    longest = 0
+    for x, y in data:
+        pipe.step(x, y)
+        longest = max(longest, pipe.runner.schedule.num_units)
+    losses = pipe.finish()
+    assert longest == 8
+    assert built == [4, 3], "a full segment rebuilt its schedule"
+    _assert_trained_like(pipe, losses, (want_losses, want))
+    pipe.close()
 
 def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> None:
     data = _data(3)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from dreampipe.api import Pipeline
+from dreampipe.api import pipeline as pipeline_module
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.data import load_dataset
@@ -18,8 +19,13 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     """Train the zoo's mlp through the Pipeline on the synthetic stream; rank 0 reports.
 
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
-    momentum, seed; optional ``save`` (a directory) and ``resume``.
+    momentum, seed; optional ``save`` (a directory) and ``resume``,
+    ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
+    ``finish()`` every that many steps). Rank 0 also reports the most units
+    its schedule ever held.
     """
+    if "segment_units" in job:
+        pipeline_module.SEGMENT_UNITS = job["segment_units"]
     spec = get_model("mlp", layers=4, width=16)
     data = load_dataset("synthetic", spec, seed=job["seed"])
     plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
@@ -34,11 +40,17 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     )
     loaded = pipe.full_state_dict() if "resume" in job else None
     start = pipe.minibatches
+    losses: list[float] = []
+    longest = 0
     for k in range(start, start + job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))
-    losses = pipe.finish()
+        longest = max(longest, pipe.runner.schedule.num_units)
+        if (k + 1 - start) % job.get("finish_every", job["steps"] + 1) == 0:
+            losses += pipe.finish()
+    losses += pipe.finish()
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     pipe.close()
-    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded}
+    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded,
+           "longest": longest}
     return out if rank == 0 else None

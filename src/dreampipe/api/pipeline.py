@@ -19,6 +19,14 @@ runtime's :class:`~dreampipe.runtime.engine.RankRunner`, incrementally:
                  prefix is what ran: :meth:`RankRunner.switch` checks it) and
                  run the rest, the drain; the next step() starts a new segment
 
+A segment holds at most :data:`SEGMENT_UNITS` units (rounded down to whole
+all-reduce rounds): the step that fills one drains it, as ``finish()`` would,
+and keeps its losses for the next ``finish()``. So a long stream of steps
+keeps its schedule's memory and build time bounded. Synchronous schedules
+train exactly as without the drain; PipeDream's pipeline empties and fills
+again there, as at the end of an epoch (a bubble of one pass through the
+stages every few thousand minibatches).
+
 A synchronous schedule's step is one whole weight update. PipeDream keeps
 minibatches in flight across steps, with weight stashing, vertical sync and
 1F1B-RR as in ``dreampipe train``. A segment that ends inside an all-reduce
@@ -30,6 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -67,10 +77,14 @@ from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["EvalResult", "Pipeline"]
+__all__ = ["SEGMENT_UNITS", "EvalResult", "Pipeline"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
+#: The most units a segment holds before :meth:`Pipeline.step` drains it.
+SEGMENT_UNITS = 8192
+#: Schedules kept for reuse: the horizons a segment grows through, and its drain.
+_KEPT_SCHEDULES = 6
 _E = TypeVar("_E", bound=Enum)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -194,7 +208,12 @@ class Pipeline:
                                    on_nonfinite=policy)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
-        self._horizon = _HORIZON
+        per_round = math.lcm(*self.replicas)
+        self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
+                        // per_round * per_round)
+        self._built: OrderedDict[int, Schedule] = OrderedDict()
+        self._reserved_to = 0
+        self._horizon = min(_HORIZON, self._cap)
         self.runner = RankRunner(
             self._schedule(self._horizon), self.srank, self.device,
             self.module, None, self._opts, groups=groups, links=self._links,
@@ -212,8 +231,17 @@ class Pipeline:
             self.scheduler.step()
 
     def _schedule(self, minibatches: int) -> Schedule:
-        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight)."""
-        return self.layout.build(self.replicas, minibatches, self.plan.in_flight)
+        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight).
+
+        The last few built are kept: every full segment grows through the same
+        horizons and drains on the same schedule."""
+        sched = self._built.pop(minibatches, None)
+        if sched is None:
+            sched = self.layout.build(self.replicas, minibatches, self.plan.in_flight)
+        self._built[minibatches] = sched
+        while len(self._built) > _KEPT_SCHEDULES:
+            self._built.popitem(last=False)
+        return sched
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
@@ -232,32 +260,43 @@ class Pipeline:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         check_batch(self.minibatches, (x, y), self._example)
         if self._segment == 0 and self.runner.done:
-            self._restart(_HORIZON)
+            self._restart(self._first_horizon())
         if self._segment == 0:
             self.runner.guard.first_minibatch = self.minibatches
         self._feed.add(self._segment, (x, y))
         self._segment += 1
         self.minibatches += 1
-        if 2 * self._segment > self._horizon:
-            self._horizon *= 4
+        if 2 * self._segment > self._horizon and self._horizon < self._cap:
+            self._horizon = min(4 * self._horizon, self._cap)
             self.runner.switch(self._schedule(self._horizon))
         self.runner.advance(self._segment * self.layout.units_per_update)
+        if self._segment == self._cap:
+            _log.debug("segment of %d minibatches full at minibatch %d: draining",
+                       self._cap, self.minibatches)
+            self._drain()
 
     def reserve(self, minibatches: int) -> None:
         """Build the schedule for the next ``minibatches`` steps now, so that no
         :meth:`step` among them pauses to extend it (it grows 4-fold whenever it
-        runs short otherwise: every rank pauses, longer each time, e.g. 0.2 s at
-        step 257 of 1f1b-flush with 8 microbatches). ``dreampipe train`` reserves
-        its steps before it starts timing."""
+        runs short otherwise, up to a full segment: every rank pauses, longer
+        each time, e.g. 0.2 s at step 257 of 1f1b-flush with 8 microbatches).
+        Segments that fill drain and start again on the same, kept schedule.
+        ``dreampipe train`` reserves its steps before it starts timing."""
         if minibatches < 1:
             raise ConfigError(f"reserve({minibatches}): reserve at least 1 minibatch",
                               "minibatches")
-        horizon = 2 * (self._segment + minibatches)
+        self._reserved_to = max(self._reserved_to, self.minibatches + minibatches)
+        horizon = min(self._cap, 2 * (self._segment + minibatches))
         if self._segment == 0 and self.runner.done:
-            self._restart(max(_HORIZON, horizon))
+            self._restart(self._first_horizon())
         elif horizon > self._horizon:
             self._horizon = horizon
             self.runner.switch(self._schedule(horizon))
+
+    def _first_horizon(self) -> int:
+        """A new segment's horizon: what is still reserved, within the segment cap."""
+        left = self._reserved_to - self.minibatches
+        return min(self._cap, max(_HORIZON, 2 * left))
 
     def _restart(self, horizon: int) -> None:
         """A new segment on a schedule of ``horizon`` minibatches (after a drain)."""
