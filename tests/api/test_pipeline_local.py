@@ -12,7 +12,7 @@ from torch import Tensor, nn
 import dreampipe
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.api.split import split_layers
-from dreampipe.scheduling.actions import Schedule
+from dreampipe.scheduling.actions import ActionKind, Schedule
 from dreampipe.scheduling.units import UnitLayout
 
 __all__: list[str] = []
@@ -135,8 +135,9 @@ def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
 
     A cap of 8 units is 4 minibatches of 2 microbatches: 11 reserved steps
     drain twice, no schedule holds more than the cap, the full segments reuse
-    the one schedule built for them (the last, short one gets its own), and the
-    losses of all 11 steps come back from the one ``finish()``.
+    the one schedule built for them (the last, short one gets its own), the
+    losses of all 11 steps come back from the one ``finish()``, and the events
+    number the units over the whole run, not from 0 in each segment.
     """
     monkeypatch.setattr(pipeline_module, "SEGMENT_UNITS", 8)
     built: list[int] = []
@@ -150,7 +151,7 @@ def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
     monkeypatch.setattr(UnitLayout, "build", counted)
     data = _data(11)
     want_losses, want = _reference(_model(), data, micro=2)
-    pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2)
+    pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2, record_events=True)
     pipe.reserve(len(data))
     longest = 0
     for x, y in data:
@@ -159,6 +160,8 @@ def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
     losses = pipe.finish()
     assert longest == 8
     assert built == [4, 3], "a full segment rebuilt its schedule"
+    forwards = [e.unit for e in pipe.events if e.kind is ActionKind.FORWARD]
+    assert forwards == list(range(2 * len(data)))
     _assert_trained_like(pipe, losses, (want_losses, want))
     pipe.close()
 

@@ -263,6 +263,7 @@ class Pipeline:
             self._restart(self._first_horizon())
         if self._segment == 0:
             self.runner.guard.first_minibatch = self.minibatches
+            self.runner.first_unit = self.minibatches * self.layout.units_per_update
         self._feed.add(self._segment, (x, y))
         self._segment += 1
         self.minibatches += 1

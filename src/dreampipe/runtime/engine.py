@@ -181,6 +181,9 @@ class RankRunner:
         self._grads_out: dict[int, Tensor] = {}
         self.losses: dict[int, Tensor] = {}
         self.events: list[Event] = []
+        #: The run's number for this schedule's unit 0 (a Pipeline's later
+        #: segments): events count units over the whole run.
+        self.first_unit = 0
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.RECV_F: self._recv_f,
             ActionKind.FORWARD: self._forward,
@@ -313,7 +316,8 @@ class RankRunner:
             if record:
                 start = clock()
                 handlers[a.kind](a)
-                self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0))
+                self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0,
+                                            self.first_unit))
             else:
                 handlers[a.kind](a)
             self._pos = i + 1

@@ -28,8 +28,10 @@ class Event:
     end_s: float
 
     @classmethod
-    def of(cls, rank: int, action: Action, start_s: float, end_s: float) -> Event:
-        return cls(rank, action.stage, action.kind, action.unit, start_s, end_s)
+    def of(cls, rank: int, action: Action, start_s: float, end_s: float,
+           first_unit: int = 0) -> Event:
+        """``action`` run from ``start_s`` to ``end_s``; its unit counted from ``first_unit``."""
+        return cls(rank, action.stage, action.kind, first_unit + action.unit, start_s, end_s)
 
     @property
     def duration_s(self) -> float:
