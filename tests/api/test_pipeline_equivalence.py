@@ -7,6 +7,7 @@ minibatch by minibatch, a user optimizer factory.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -92,13 +93,15 @@ def test_pipedream_drains_a_full_segment_as_finish_would(
 
     Seven steps with the cap trains exactly as seven steps with ``finish()``
     every ``cap`` steps, and no schedule ever holds more than the cap, while
-    the uncapped run's grew past it.
+    the uncapped run's grew past it. Rank 0's updates (one per round of its
+    stage's replicas) are numbered over the whole run.
     """
     job = {"schedule": "pipedream", "bounds": bounds, "replicas": replicas, "steps": 7,
            "minibatch": 8, "lr": 0.3, "momentum": 0.9}
-    capped = _run(sum(replicas), segment_units=segment_units, **job)
+    capped = _run(sum(replicas), segment_units=segment_units, record_events=True, **job)
     finished = _run(sum(replicas), finish_every=cap, **job)
     assert capped["longest"] <= cap < finished["longest"]
+    assert capped["updates"] == list(range(math.ceil(7 / replicas[0])))
     assert capped["losses"] == finished["losses"]
     for name, value in finished["state"].items():
         assert torch.equal(capped["state"][name], value), name

@@ -128,18 +128,19 @@ def test_reserved_steps_never_stop_to_extend_the_schedule_and_train_alike(
 
 
 
-def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
+def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_alike(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Past ``SEGMENT_UNITS`` a step drains, as ``finish()`` would; nothing else changes.
 
-    A cap of 8 units is 4 minibatches of 2 microbatches: 11 reserved steps
-    drain twice, no schedule holds more than the cap, the full segments reuse
-    the one schedule built for them (the last, short one gets its own), the
-    losses of all 11 steps come back from the one ``finish()``, and the events
-    number the units over the whole run, not from 0 in each segment.
+    A cap of 96 units is 48 minibatches of 2 microbatches: 115 reserved steps
+    run as segments of 48, 48 and 19. ``reserve`` builds every schedule they
+    run on (48 minibatches, and 38 for the last segment's horizon), so no step
+    builds one; no schedule holds more than the cap; the losses of all 115
+    steps come back from the one ``finish()``; and the events number units
+    and updates over the whole run, not from 0 in each segment.
     """
-    monkeypatch.setattr(pipeline_module, "SEGMENT_UNITS", 8)
+    monkeypatch.setattr(pipeline_module, "SEGMENT_UNITS", 96)
     built: list[int] = []
     build = UnitLayout.build
 
@@ -149,21 +150,26 @@ def test_a_long_stream_drains_full_segments_on_kept_schedules_and_trains_alike(
         return build(layout, replicas, steps, in_flight)
 
     monkeypatch.setattr(UnitLayout, "build", counted)
-    data = _data(11)
+    data = _data(115)
     want_losses, want = _reference(_model(), data, micro=2)
     pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2, record_events=True)
     pipe.reserve(len(data))
+    assert built == [32, 48, 38]
     longest = 0
     for x, y in data:
         pipe.step(x, y)
         longest = max(longest, pipe.runner.schedule.num_units)
+    assert built == [32, 48, 38], "a reserved step built a schedule"
     losses = pipe.finish()
-    assert longest == 8
-    assert built == [4, 3], "a full segment rebuilt its schedule"
+    assert longest == 96
+    assert built[3:] == [19]  # the drain of the last, short segment
     forwards = [e.unit for e in pipe.events if e.kind is ActionKind.FORWARD]
     assert forwards == list(range(2 * len(data)))
+    steps = [e.unit for e in pipe.events if e.kind is ActionKind.STEP]
+    assert steps == list(range(len(data)))
     _assert_trained_like(pipe, losses, (want_losses, want))
     pipe.close()
+
 
 def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> None:
     data = _data(3)

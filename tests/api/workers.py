@@ -11,6 +11,7 @@ from dreampipe.api import pipeline as pipeline_module
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.data import load_dataset
+from dreampipe.scheduling.actions import ActionKind
 
 __all__ = ["train_zoo"]
 
@@ -21,8 +22,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
     momentum, seed; optional ``save`` (a directory) and ``resume``,
     ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
-    ``finish()`` every that many steps). Rank 0 also reports the most units
-    its schedule ever held.
+    ``finish()`` every that many steps), ``record_events``. Rank 0 also
+    reports the most units its schedule ever held, and the numbers of its
+    ``STEP`` events.
     """
     if "segment_units" in job:
         pipeline_module.SEGMENT_UNITS = job["segment_units"]
@@ -36,7 +38,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         schedule=job["schedule"], plan=plan, microbatches=job.get("microbatches", 1),
         vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
-        timeout_s=30.0,
+        record_events=job.get("record_events", False), timeout_s=30.0,
     )
     loaded = pipe.full_state_dict() if "resume" in job else None
     start = pipe.minibatches
@@ -52,5 +54,6 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     state = pipe.full_state_dict()
     pipe.close()
     out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded,
-           "longest": longest}
+           "longest": longest,
+           "updates": [e.unit for e in pipe.events if e.kind is ActionKind.STEP]}
     return out if rank == 0 else None

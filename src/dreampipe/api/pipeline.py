@@ -19,13 +19,10 @@ runtime's :class:`~dreampipe.runtime.engine.RankRunner`, incrementally:
                  prefix is what ran: :meth:`RankRunner.switch` checks it) and
                  run the rest, the drain; the next step() starts a new segment
 
-A segment holds at most :data:`SEGMENT_UNITS` units (rounded down to whole
-all-reduce rounds): the step that fills one drains it, as ``finish()`` would,
-and keeps its losses for the next ``finish()``. So a long stream of steps
-keeps its schedule's memory and build time bounded. Synchronous schedules
-train exactly as without the drain; PipeDream's pipeline empties and fills
-again there, as at the end of an epoch (a bubble of one pass through the
-stages every few thousand minibatches).
+A segment holds at most :data:`SEGMENT_UNITS` units (whole all-reduce rounds):
+the step that fills one drains it as ``finish()`` would, keeping its losses, so
+a long stream's schedule stays bounded. Synchronous schedules train exactly as
+without the drain; PipeDream's pipeline empties and fills, as at an epoch's end.
 
 A synchronous schedule's step is one whole weight update. PipeDream keeps
 minibatches in flight across steps, with weight stashing, vertical sync and
@@ -260,7 +257,7 @@ class Pipeline:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         check_batch(self.minibatches, (x, y), self._example)
         if self._segment == 0 and self.runner.done:
-            self._restart(self._first_horizon())
+            self._restart(self._horizon_from(self.minibatches))
         if self._segment == 0:
             self.runner.guard.first_minibatch = self.minibatches
             self.runner.first_unit = self.minibatches * self.layout.units_per_update
@@ -281,23 +278,26 @@ class Pipeline:
         :meth:`step` among them pauses to extend it (it grows 4-fold whenever it
         runs short otherwise, up to a full segment: every rank pauses, longer
         each time, e.g. 0.2 s at step 257 of 1f1b-flush with 8 microbatches).
-        Segments that fill drain and start again on the same, kept schedule.
-        ``dreampipe train`` reserves its steps before it starts timing."""
+        Reserved steps past a full segment start the next ones on schedules
+        built here too. ``dreampipe train`` reserves its steps before it starts
+        timing."""
         if minibatches < 1:
             raise ConfigError(f"reserve({minibatches}): reserve at least 1 minibatch",
                               "minibatches")
         self._reserved_to = max(self._reserved_to, self.minibatches + minibatches)
-        horizon = min(self._cap, 2 * (self._segment + minibatches))
+        start = self.minibatches - self._segment
+        horizon = self._horizon_from(start)
         if self._segment == 0 and self.runner.done:
-            self._restart(self._first_horizon())
+            self._restart(horizon)
         elif horizon > self._horizon:
             self._horizon = horizon
             self.runner.switch(self._schedule(horizon))
+        for later in range(start + self._cap, self._reserved_to, self._cap):
+            self._schedule(self._horizon_from(later))
 
-    def _first_horizon(self) -> int:
-        """A new segment's horizon: what is still reserved, within the segment cap."""
-        left = self._reserved_to - self.minibatches
-        return min(self._cap, max(_HORIZON, 2 * left))
+    def _horizon_from(self, start: int) -> int:
+        """The horizon of a segment from minibatch ``start``: what is reserved, within the cap."""
+        return min(self._cap, max(_HORIZON, 2 * (self._reserved_to - start)))
 
     def _restart(self, horizon: int) -> None:
         """A new segment on a schedule of ``horizon`` minibatches (after a drain)."""

@@ -182,7 +182,7 @@ class RankRunner:
         self.losses: dict[int, Tensor] = {}
         self.events: list[Event] = []
         #: The run's number for this schedule's unit 0 (a Pipeline's later
-        #: segments): events count units over the whole run.
+        #: segments): events count units, and updates, over the whole run.
         self.first_unit = 0
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.RECV_F: self._recv_f,
@@ -306,6 +306,9 @@ class RankRunner:
         self._stop = stop
         recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
         record, clock = self.opts.record_events, time.perf_counter
+        per_update = (self.schedule.replicas[self.stage] if self.pipedream
+                      else self.schedule.units_per_update)
+        firsts = (self.first_unit, self.first_unit // per_update)
         for i in range(self._pos, stop):
             while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
                    and recv_at[self._posted] < stop):
@@ -317,7 +320,7 @@ class RankRunner:
                 start = clock()
                 handlers[a.kind](a)
                 self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0,
-                                            self.first_unit))
+                                            *firsts))
             else:
                 handlers[a.kind](a)
             self._pos = i + 1
