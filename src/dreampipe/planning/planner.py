@@ -1,15 +1,15 @@
 """The planner's entry points: the fastest plan for a cluster, or the cost of a given one.
 
-:func:`plan` runs PipeDream's dynamic program (:mod:`dreampipe.planning.dp`)
+:func:`plan_pipeline` runs PipeDream's dynamic program (:mod:`dreampipe.planning.dp`)
 on the topology and reads the winning partition back as a :class:`Plan`,
 with the same cost model's predictions for plain data parallelism, the best
-straight pipeline and GPipe. :func:`evaluate` costs a partition given by hand.
+straight pipeline and GPipe. :func:`evaluate_plan` costs a partition given by hand.
 
 Every reported time is :func:`dreampipe.planning.pricing.price_stages` of
 the plan's layout, so ``evaluate_plan`` of a plan's own stages and workers
 gives back its time. The hierarchy forces every outer stage onto whole
 servers, so a paper config such as ``15-1`` on 2x8 cannot be expressed;
-:func:`plan` therefore also solves the flat problem at the slowest link
+:func:`plan_pipeline` therefore also solves the flat problem at the slowest link
 (any layout), prices its answer on the real links and keeps whichever is
 faster.
 
@@ -35,12 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.costs import (
-    CostModel,
-    RangeCosts,
-    gpipe_time,
-    stage_memory,
-)
+from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time, stage_memory
 from dreampipe.planning.dp import FlatStage, Options, best_plan
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.pipedream_costs import (
@@ -51,12 +46,7 @@ from dreampipe.planning.pipedream_costs import (
 )
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
-from dreampipe.planning.split_stage import (
-    best_split,
-    no_split_reason,
-    split_stage,
-    split_widths,
-)
+from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -67,7 +57,7 @@ __all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "memory_needs
 
 log = logging.getLogger(__name__)
 
-#: :func:`plan` also tries the flat model up to this many workers; beyond, a
+#: :func:`plan_pipeline` also tries the flat model up to this many workers; beyond, a
 #: stage spans whole servers out of many and server alignment costs little.
 FLAT_MAX_WORKERS = 64
 
