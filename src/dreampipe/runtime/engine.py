@@ -306,9 +306,7 @@ class RankRunner:
         self._stop = stop
         recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
         record, clock = self.opts.record_events, time.perf_counter
-        per_update = (self.schedule.replicas[self.stage] if self.pipedream
-                      else self.schedule.units_per_update)
-        firsts = (self.first_unit, self.first_unit // per_update)
+        shift = (self.first_unit, self.first_unit // self.schedule.round_units(self.stage))
         for i in range(self._pos, stop):
             while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
                    and recv_at[self._posted] < stop):
@@ -319,8 +317,8 @@ class RankRunner:
             if record:
                 start = clock()
                 handlers[a.kind](a)
-                self.events.append(Event.of(self.rank, a, start - self.t0, clock() - self.t0,
-                                            *firsts))
+                self.events.append(Event.of(self.rank, a.shifted(*shift), start - self.t0,
+                                            clock() - self.t0))
             else:
                 handlers[a.kind](a)
             self._pos = i + 1

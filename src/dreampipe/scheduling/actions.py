@@ -76,6 +76,7 @@ _TRANSFER = {
     _K.RECV_B: (1, 1, 1),
 }
 _SENDS = frozenset((_K.SEND_F, _K.SEND_B))
+_PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP))  # numbered by update, not by unit
 
 _HEADER = re.compile(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$")
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B)(\d+)$")
@@ -89,6 +90,11 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind.value}{self.unit}"
+
+    def shifted(self, units: int, updates: int) -> Action:
+        """This action ``units`` units on, or ``updates`` updates for ``ALLREDUCE``/``STEP``."""
+        return Action(self.kind, self.stage,
+                      self.unit + (updates if self.kind in _PER_UPDATE else units))
 
     @property
     def is_send(self) -> bool:
@@ -188,11 +194,15 @@ class Schedule:
         A runtime fed one minibatch at a time stops before the first action that
         needs a unit not yet given.
         """
-        if action.kind is not _K.ALLREDUCE and action.kind is not _K.STEP:
+        if action.kind not in _PER_UPDATE:
             return action.unit
-        per = (self.replicas[action.stage] if self.kind is ScheduleKind.PIPEDREAM
-               else self.units_per_update)
-        return (action.unit + 1) * per - 1
+        return (action.unit + 1) * self.round_units(action.stage) - 1
+
+    def round_units(self, stage: int) -> int:
+        """Units in one update of ``stage``: its replicas' round (PipeDream), or the
+        update's microbatches."""
+        return (self.replicas[stage] if self.kind is ScheduleKind.PIPEDREAM
+                else self.units_per_update)
 
     def peer(self, rank: int, action: Action) -> int | None:
         """The rank a send/receive talks to; None for other kinds."""

@@ -110,12 +110,8 @@ def _period(replicas: Sequence[int], units_per_update: int) -> int:
 def _repeated(block: Schedule, times: int) -> Schedule:
     """``block`` run ``times`` times: units shift by its units, updates by its updates."""
     units, updates = block.num_units, block.num_units // block.units_per_update
-    per_update = (ActionKind.ALLREDUCE, ActionKind.STEP)
     actions = [
-        tuple(
-            Action(a.kind, a.stage, a.unit + j * (updates if a.kind in per_update else units))
-            for j in range(times) for a in acts
-        )
+        tuple(a.shifted(j * units, j * updates) for j in range(times) for a in acts)
         for acts in block.actions
     ]
     return Schedule(block.kind, block.replicas, tuple(actions), units * times,

@@ -17,8 +17,6 @@ from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["Event", "load_events", "save_events"]
 
-_PER_UPDATE = frozenset({ActionKind.ALLREDUCE, ActionKind.STEP})
-
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -30,12 +28,8 @@ class Event:
     end_s: float
 
     @classmethod
-    def of(cls, rank: int, action: Action, start_s: float, end_s: float,
-           first_unit: int = 0, first_update: int = 0) -> Event:
-        """``action`` run from ``start_s`` to ``end_s``, numbered from ``first_unit``, or
-        from ``first_update`` for ``ALLREDUCE`` and ``STEP`` (numbered by update)."""
-        first = first_update if action.kind in _PER_UPDATE else first_unit
-        return cls(rank, action.stage, action.kind, first + action.unit, start_s, end_s)
+    def of(cls, rank: int, action: Action, start_s: float, end_s: float) -> Event:
+        return cls(rank, action.stage, action.kind, action.unit, start_s, end_s)
 
     @property
     def duration_s(self) -> float:
