@@ -10,6 +10,7 @@ from dreampipe.api import Pipeline
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.data import load_dataset
 from dreampipe.scheduling.actions import ActionKind
 
@@ -22,12 +23,16 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
     momentum, seed; optional ``save`` (a directory) and ``resume``,
     ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
-    ``finish()`` every that many steps), ``record_events``. Rank 0 also
-    reports the most units its schedule ever held, and the numbers of its
-    ``STEP`` events.
+    ``finish()`` every that many steps), ``record_events``, ``evaluate`` (so
+    many held-out batches after every ``finish()``), ``post_ahead`` (False:
+    post no receive ahead, as on NCCL). Rank 0 also reports the most units its
+    schedule ever held, and the numbers of its ``STEP`` events; the last rank
+    reports, after each step, whether the next minibatch's receive is posted.
     """
     if "segment_units" in job:
         pipeline_module.SEGMENT_UNITS = job["segment_units"]
+    if not job.get("post_ahead", True):
+        Comm.posts_ahead = property(lambda self: False)  # type: ignore[method-assign,assignment]
     spec = get_model("mlp", layers=4, width=16)
     data = load_dataset("synthetic", spec, seed=job["seed"])
     plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
@@ -43,17 +48,25 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     loaded = pipe.full_state_dict() if "resume" in job else None
     start = pipe.minibatches
     losses: list[float] = []
+    evals: list[float] = []
+    ahead: list[bool] = []
     longest = 0
+    held_out = [data.batch(10_000 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
     for k in range(start, start + job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))
         longest = max(longest, pipe.runner.schedule.num_units)
+        ahead.append((ActionKind.RECV_F, k + 1) in pipe.runner.comm.pending_receives)
         if (k + 1 - start) % job.get("finish_every", job["steps"] + 1) == 0:
             losses += pipe.finish()
+            if held_out:
+                evals.append(pipe.evaluate(held_out).loss)
     losses += pipe.finish()
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     pipe.close()
     out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded,
-           "longest": longest,
+           "longest": longest, "evals": evals,
            "updates": [e.unit for e in pipe.events if e.kind is ActionKind.STEP]}
-    return out if rank == 0 else None
+    if rank == 0:
+        return out
+    return {"ahead": ahead} if rank == world - 1 else None

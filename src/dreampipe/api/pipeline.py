@@ -63,7 +63,8 @@ from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import build_split_stage, build_stage, split_layers
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.comm import Comm, process_groups
-from dreampipe.runtime.engine import RankRunner, RunnerOptions
+from dreampipe.runtime.config import RunnerOptions
+from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
@@ -267,7 +268,8 @@ class Pipeline:
         if 2 * self._segment > self._horizon and self._horizon < self._cap:
             self._horizon = min(4 * self._horizon, self._cap)
             self.runner.switch(self._schedule(self._horizon))
-        self.runner.advance(self._segment * self.layout.units_per_update)
+        per = self.layout.units_per_update
+        self.runner.advance(self._segment * per, post_until=(self._segment + 1) * per)
         if self._segment == self._cap:
             _log.debug("segment of %d minibatches full at minibatch %d: draining",
                        self._cap, self.minibatches)
@@ -340,7 +342,8 @@ class Pipeline:
             while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
                 end += 1
             sched = forward_only(self.replicas, end - start)
-            comm = Comm(sched, self.srank, self.device, self._opts.timeout_s, groups=self._links)
+            comm = Comm(sched, self.srank, self.device, self._opts.timeout_s, groups=self._links,
+                        evaluation=True)
             self.module.module.eval()
             try:
                 scores = run_forwards(sched, self.srank, self.module.module, self.loss_fn,

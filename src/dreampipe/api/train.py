@@ -39,14 +39,14 @@ from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.engine import RankReport, barrier
+from dreampipe.runtime.engine import barrier
 from dreampipe.runtime.memory import (
     Baseline,
     finish_measuring,
     start_measuring,
 )
 from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_processes
-from dreampipe.runtime.results import sorted_events, stage_states
+from dreampipe.runtime.results import RankReport, sorted_events, stage_states
 from dreampipe.runtime.tensor_split import load_dtensor_runtime, tensor_mesh
 
 __all__ = ["Checkpoints", "run_train"]

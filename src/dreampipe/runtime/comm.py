@@ -6,9 +6,23 @@ tensor crossing each link are agreed once: the first activation a rank sends
 to a peer is preceded by a small header (ndim, dtype, shape); afterwards the
 receiver knows what to allocate and can post its receives early, and every
 later send is checked against the agreement. A gradient has the shape of the
-activation it answers, so it needs no header. Messages are tagged by unit::
+activation it answers, so it needs no header. Messages are tagged by the
+unit's number over the whole run (:attr:`Comm.first_unit` numbers a
+schedule's unit 0), and an evaluation's traffic has tags of its own::
 
-    tag = 4 * unit + {0: activation, 1: gradient, 2: weight version, 3: header}
+    tag = 2**30 * evaluation + 4 * (run's unit mod 2**28)
+          + {0: activation, 1: gradient, 2: weight version, 3: header}
+
+**Posting ahead** (gloo). A sender whose receiver has not posted yet leaves
+its message to gloo's I/O thread, which must then win a core from the busy
+compute threads: with two ranks on two cores, the bench's stage 1 waited
+3-5 ms per minibatch for that in some runs. So a :class:`~dreampipe.api.Pipeline` lets a stage post the receives
+of the *next* minibatch before the user hands it over. If that minibatch
+never comes (``finish()``), the receive stays posted: the next segment's
+same unit takes it over (tags number units over the run), or, when a
+replicated stage's round-robin gives that unit to another replica, it is set
+aside: no message carries its tag (before tags wrap, 2**28 units later). NCCL does not post ahead: a
+receive without its send would hold up the stream it is queued on.
 
 Activations and gradients travel on two process groups of their own, so a
 gradient going back never queues behind an activation arriving on the same
@@ -44,6 +58,8 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _POLL_S = 100e-6
+_TAG_UNITS = 2**28  # tags stay below 2**31, c10d's limit
+_EVAL_TAGS = 2**30
 _MAX_SENDS = SENDS_KEPT  # the planner counts their memory
 _HINT = "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
 
@@ -54,6 +70,7 @@ Spec = tuple[tuple[int, ...], torch.dtype]
 class _Recv:
     action: Action
     peer: int
+    unit: int  # the run's number for the unit, which names its tags
     header: Tensor | None = None
     header_work: Any = None
     buf: Tensor | None = None
@@ -62,8 +79,8 @@ class _Recv:
     version_work: Any = None
 
 
-def _tag(unit: int, kind: int) -> int:
-    return 4 * unit + kind
+def _tag(unit: int, kind: int, evaluation: bool) -> int:
+    return _EVAL_TAGS * evaluation + 4 * (unit % _TAG_UNITS) + kind
 
 
 def _encode(spec: Spec, device: torch.device) -> Tensor:
@@ -120,6 +137,7 @@ class Comm:
         *,
         vertical_sync: bool = False,
         groups: tuple[Any, Any] = (None, None),
+        evaluation: bool = False,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -128,6 +146,9 @@ class Comm:
         self.timeout_s = timeout_s
         self.vertical_sync = vertical_sync
         self._blocking = dist.get_backend() == "gloo"
+        self._evaluation = evaluation
+        #: The run's number for the schedule's unit 0 (a Pipeline's later segments).
+        self.first_unit = 0
         self._fwd, self._bwd = groups
         self._unit_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
         self._in_spec: Spec | None = None
@@ -136,6 +157,7 @@ class Comm:
         self._out_links: set[int] = set()
         self._sent: dict[int, Spec] = {}
         self._recvs: dict[tuple[ActionKind, int], _Recv] = {}
+        self._set_aside: list[_Recv] = []
         self._sends: list[tuple[Any, Action, int, Tensor]] = []
 
     # ---- waiting ---------------------------------------------------------
@@ -168,14 +190,34 @@ class Comm:
             raise PeerTimeoutError(f"{self._describe(action, peer)} ({reason}); {_HINT}") from exc
 
     # ---- receives --------------------------------------------------------
+    @property
+    def posts_ahead(self) -> bool:
+        """Whether receives may be posted for units the run may not reach (gloo only)."""
+        return self._blocking
+
+    @property
+    def pending_receives(self) -> frozenset[tuple[ActionKind, int]]:
+        """The receives posted and not yet taken: (kind, the run's number for the unit)."""
+        return frozenset(self._recvs)
+
+    def _key(self, action: Action) -> tuple[ActionKind, int]:
+        return action.kind, self.first_unit + action.unit
+
+    def _tag(self, unit: int, kind: int) -> int:
+        """The tag of the run's unit ``unit`` (see the module docstring)."""
+        return _tag(unit, kind, self._evaluation)
+
     def post(self, action: Action) -> bool:
         """Post the receive for ``action`` now; False if it cannot be posted yet."""
-        key = (action.kind, action.unit)
-        if key in self._recvs:
-            return True
+        key = self._key(action)
         peer = self.schedule.peer(self.rank, action)
         assert peer is not None
-        r = _Recv(action, peer)
+        posted = self._recvs.get(key)
+        if posted is not None:
+            if posted.peer == peer:
+                return True
+            self._set_aside.append(self._recvs.pop(key))
+        r = _Recv(action, peer, key[1])
         if action.kind is ActionKind.RECV_F:
             if peer in self._in_links:
                 assert self._in_spec is not None
@@ -185,15 +227,15 @@ class Comm:
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
-                    r.header, group_src=peer, tag=_tag(action.unit, _HDR), group=self._fwd
+                    r.header, group_src=peer, tag=self._tag(r.unit, _HDR), group=self._fwd
                 )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
                 r.version_work = dist.irecv(
-                    r.version, group_src=peer, tag=_tag(action.unit, _VER), group=self._fwd
+                    r.version, group_src=peer, tag=self._tag(r.unit, _VER), group=self._fwd
                 )
         else:
-            spec = self._sent.get(action.unit)
+            spec = self._sent.get(key[1])
             if spec is None:
                 return False
             self._post_data(r, spec, _GRAD)
@@ -203,13 +245,13 @@ class Comm:
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd
-        r.work = dist.irecv(r.buf, group_src=r.peer, tag=_tag(r.action.unit, kind), group=group)
+        r.work = dist.irecv(r.buf, group_src=r.peer, tag=self._tag(r.unit, kind), group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
         if not self.post(action):
             raise RuntimeError(f"rank {self.rank} cannot receive {action} before sending its input")
-        r = self._recvs.pop((action.kind, action.unit))
+        r = self._recvs.pop(self._key(action))
         peer = f"rank {r.peer} (stage {self.schedule.stage_of_rank(r.peer)})"
         if r.header is not None:
             self._wait(r.header_work, action, peer)
@@ -244,6 +286,7 @@ class Comm:
         """Post the send for ``action`` (SEND_F or SEND_B); it completes in the background."""
         peer = self.schedule.peer(self.rank, action)
         assert peer is not None
+        unit = self.first_unit + action.unit
         data = tensor.detach()
         if not data.is_contiguous():
             data = data.contiguous()
@@ -262,7 +305,7 @@ class Comm:
                 header = _encode(spec, self.device)
                 self._sends.append(
                     (
-                        dist.isend(header, group_dst=peer, tag=_tag(action.unit, _HDR),
+                        dist.isend(header, group_dst=peer, tag=self._tag(unit, _HDR),
                                    group=self._fwd),
                         action, peer, header,
                     )
@@ -273,22 +316,23 @@ class Comm:
                 v = torch.tensor([version], dtype=torch.int64, device=self.device)
                 self._sends.append(
                     (
-                        dist.isend(v, group_dst=peer, tag=_tag(action.unit, _VER), group=self._fwd),
+                        dist.isend(v, group_dst=peer, tag=self._tag(unit, _VER),
+                                   group=self._fwd),
                         action, peer, v,
                     )
                 )
-            self._sent[action.unit] = spec
+            self._sent[unit] = spec
             kind, group = _ACT, self._fwd
         else:
             kind, group = _GRAD, self._bwd
-        work = dist.isend(data, group_dst=peer, tag=_tag(action.unit, kind), group=group)
+        work = dist.isend(data, group_dst=peer, tag=self._tag(unit, kind), group=group)
         self._sends.append((work, action, peer, data))
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)
 
     def forget(self, unit: int) -> None:
         """Drop bookkeeping for ``unit`` once its gradient has arrived."""
-        self._sent.pop(unit, None)
+        self._sent.pop(self.first_unit + unit, None)
 
     def drain(self) -> None:
         """Wait for every posted send to complete."""

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.engine import RunnerOptions
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -27,7 +26,7 @@ from dreampipe.scheduling.units import UnitLayout
 if TYPE_CHECKING:
     from dreampipe.runtime.memory import MemoryUse
 
-__all__ = ["OptimizerKind", "RunConfig", "RunOptions", "RunResult"]
+__all__ = ["OptimizerKind", "RunConfig", "RunOptions", "RunResult", "RunnerOptions"]
 
 
 class OptimizerKind(Enum):
@@ -35,6 +34,27 @@ class OptimizerKind(Enum):
 
     SGD = "sgd"
     ADAM = "adam"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunnerOptions:
+    """How a rank runs its actions (identical on every rank).
+
+    ``max_grad_norm`` clips every update's gradient by its global norm over
+    all stages (one small all-reduce over the world per update);
+    ``autocast`` runs forwards under ``torch.autocast`` with that dtype.
+    ``unit_size`` only feeds the progress bar's samples/s. ``on_nonfinite``
+    says what a NaN or inf output or loss does (:mod:`.nonfinite`).
+    """
+
+    timeout_s: float = 60.0
+    vertical_sync: bool = False
+    record_events: bool = False
+    progress: bool = False
+    unit_size: int = 1
+    max_grad_norm: float | None = None
+    autocast: torch.dtype | None = None
+    on_nonfinite: OnNonFinite = OnNonFinite.STOP
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,10 +28,17 @@ pipeline.
 Incremental execution: :meth:`RankRunner.advance` runs the rank's actions in
 order and stops before the first one whose unit has not been given yet
 (``ALLREDUCE``/``STEP`` need the last unit of their round); receives are
-posted early only inside that runnable prefix. Every rank sees the same
-count, so all stop consistently. :meth:`RankRunner.switch` replaces the
-schedule by one that extends the same prefix (a longer horizon, or the
-exact run whose tail drains the pipeline) and checks that it does.
+posted early inside that runnable prefix, and on gloo also inside the one
+the next minibatch would make runnable (``post_until``), so that a stage's
+sender finds them posted (:mod:`.comm`, "posting ahead")::
+
+    stage 1, given minibatch 4:  RECV_F4  F4  B4  SEND_B4  STEP4 | RECV_F5 ...
+    posted                       ^^^^^^^                         | ^^^^^^^ ahead
+
+Every rank sees the same count, so all stop consistently.
+:meth:`RankRunner.switch` replaces the schedule by one that extends the same
+prefix (a longer horizon, or the exact run whose tail drains the pipeline)
+and checks that it does.
 
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
 multiplied by ``1 / units_per_update``, so the sum of the microbatch
@@ -43,12 +50,12 @@ the round (their number, except in a run's last, partial round).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -57,17 +64,19 @@ from torch import Tensor
 
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
+from dreampipe.runtime.config import RunnerOptions
+from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.progress import ProgressBar
+from dreampipe.runtime.results import RankReport
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
 if TYPE_CHECKING:
-    from dreampipe.runtime.memory import MemoryUse
+    pass
 
-__all__ = ["RankReport", "RankRunner", "RunnerOptions", "UnitData", "barrier", "round_ends"]
+__all__ = ["RankRunner", "UnitData", "barrier", "round_ends"]
 
 _log = logging.getLogger(__name__)
 
@@ -83,42 +92,6 @@ class UnitData(Protocol):
 
     def targets(self, unit: int) -> Tensor:
         """The last stage's targets of ``unit``."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunnerOptions:
-    """How a rank runs its actions (identical on every rank).
-
-    ``max_grad_norm`` clips every update's gradient by its global norm over
-    all stages (one small all-reduce over the world per update);
-    ``autocast`` runs forwards under ``torch.autocast`` with that dtype.
-    ``unit_size`` only feeds the progress bar's samples/s. ``on_nonfinite``
-    says what a NaN or inf output or loss does (:mod:`.nonfinite`).
-    """
-
-    timeout_s: float = 60.0
-    vertical_sync: bool = False
-    record_events: bool = False
-    progress: bool = False
-    unit_size: int = 1
-    max_grad_norm: float | None = None
-    autocast: torch.dtype | None = None
-    on_nonfinite: OnNonFinite = OnNonFinite.STOP
-
-
-@dataclass
-class RankReport:
-    """What one rank measured; gathered on rank 0 to build the RunResult."""
-
-    rank: int
-    stage: int
-    replica: int
-    loop_s: float
-    losses: dict[int, float] = field(default_factory=dict)
-    events: list[Event] = field(default_factory=list)
-    state: dict[str, Tensor] | None = None
-    peak_versions: int = 0
-    memory: MemoryUse | None = None
 
 
 def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
@@ -181,9 +154,6 @@ class RankRunner:
         self._grads_out: dict[int, Tensor] = {}
         self.losses: dict[int, Tensor] = {}
         self.events: list[Event] = []
-        #: The run's number for this schedule's unit 0 (a Pipeline's later
-        #: segments): events count units, and updates, over the whole run.
-        self.first_unit = 0
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.RECV_F: self._recv_f,
             ActionKind.FORWARD: self._forward,
@@ -198,12 +168,24 @@ class RankRunner:
         self.t0 = time.perf_counter()
         self._pos = 0
         self._stop = 0
-        self._posted = 0
         self._index_schedule()
 
+    @property
+    def first_unit(self) -> int:
+        """The run's number for this schedule's unit 0 (a Pipeline's later segments):
+        events count units and updates, and messages are tagged, over the whole run."""
+        return self.comm.first_unit
+
+    @first_unit.setter
+    def first_unit(self, unit: int) -> None:
+        self.comm.first_unit = unit
+
     def _index_schedule(self) -> None:
+        """Index the receives; posting resumes at the first one not yet run (those
+        posted already, e.g. ahead of a switch, are found posted again)."""
         actions = self.schedule.actions[self.rank]
         self._recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
+        self._posted = bisect.bisect_left(self._recv_at, self._pos)
         self._round_ends = round_ends(actions)
 
     # ---- handlers ----------------------------------------------------------
@@ -292,24 +274,26 @@ class RankRunner:
             g.mul_(coef)
 
     # ---- loop ----------------------------------------------------------------
-    def advance(self, given: int | None = None) -> None:
+    def advance(self, given: int | None = None, post_until: int | None = None) -> None:
         """Execute the next actions, up to the first that needs a unit ``>= given``.
 
         ``given`` None runs to the end of the schedule. Receives are posted
-        up to :data:`_LOOKAHEAD` actions ahead, never past that stop.
+        up to :data:`_LOOKAHEAD` actions ahead, never past that stop, or, where
+        the backend allows it, past the stop that ``post_until`` would give.
         """
         actions = self.schedule.actions[self.rank]
-        stop = self._pos
-        need = self.schedule.last_unit
-        while stop < len(actions) and (given is None or need(actions[stop]) < given):
-            stop += 1
+        stop = self._runnable_end(self._pos, given)
         self._stop = stop
+        if post_until is not None and self.comm.posts_ahead:
+            post_stop = self._runnable_end(stop, post_until)
+        else:
+            post_stop = stop
         recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
         record, clock = self.opts.record_events, time.perf_counter
         shift = (self.first_unit, self.first_unit // self.schedule.round_units(self.stage))
         for i in range(self._pos, stop):
             while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
-                   and recv_at[self._posted] < stop):
+                   and recv_at[self._posted] < post_stop):
                 if not post(actions[recv_at[self._posted]]):
                     break
                 self._posted += 1
@@ -322,6 +306,16 @@ class RankRunner:
             else:
                 handlers[a.kind](a)
             self._pos = i + 1
+
+    def _runnable_end(self, start: int, given: int | None) -> int:
+        """The index of the first action from ``start`` on that needs a unit ``>= given``."""
+        actions = self.schedule.actions[self.rank]
+        if given is None:
+            return len(actions)
+        need, end = self.schedule.last_unit, start
+        while end < len(actions) and need(actions[end]) < given:
+            end += 1
+        return end
 
     @property
     def done(self) -> bool:
@@ -346,7 +340,7 @@ class RankRunner:
         self.comm.drain()
         self.schedule = schedule
         self.comm.schedule = self.guard.schedule = schedule
-        self._pos = self._stop = self._posted = 0
+        self._pos = self._stop = 0
         self.losses = {}
         self._index_schedule()
 

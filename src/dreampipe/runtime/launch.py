@@ -24,10 +24,10 @@ from dreampipe.runtime.checks import check_config, check_stage_outputs
 from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
-from dreampipe.runtime.engine import RankReport, RankRunner, barrier
+from dreampipe.runtime.engine import RankRunner, barrier
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.processes import prepare_process, run_processes
-from dreampipe.runtime.results import assemble
+from dreampipe.runtime.results import RankReport, assemble
 from dreampipe.runtime.stage import StageModule
 
 __all__ = ["launch_local", "run_from_env", "run_rank"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -10,13 +12,30 @@ from torch import Tensor
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import Dataset
-from dreampipe.runtime.engine import RankReport
 from dreampipe.scheduling.events import Event
 
-__all__ = ["assemble", "sorted_events", "stage_states"]
+if TYPE_CHECKING:
+    from dreampipe.runtime.memory import MemoryUse
+
+__all__ = ["RankReport", "assemble", "sorted_events", "stage_states"]
 
 _EVAL_BATCH = 256
 _log = logging.getLogger(__name__)
+
+
+@dataclass
+class RankReport:
+    """What one rank measured; gathered on rank 0 to build the RunResult."""
+
+    rank: int
+    stage: int
+    replica: int
+    loop_s: float
+    losses: dict[int, float] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    state: dict[str, Tensor] | None = None
+    peak_versions: int = 0
+    memory: MemoryUse | None = None
 
 
 def assemble(
