@@ -15,16 +15,17 @@ schedule's unit 0), and an evaluation's traffic has tags of its own::
 
 **Posting ahead** (gloo). A sender whose receiver has not posted yet leaves
 its message to gloo's I/O thread, which must then win a core from the busy
-compute threads: with two ranks on two cores, the bench's stage 1 waited
-3-5 ms per minibatch for that in some runs. So a
+compute threads: with two ranks on two cores, the bench's stage 1 waited 3-5
+ms per minibatch for that in some runs. So a
 :class:`~dreampipe.api.Pipeline` lets a stage post the receives of the
-*next* minibatch before the user hands it over. If that minibatch
-never comes (``finish()``), the receive stays posted: the next segment's
-same unit takes it over (tags number units over the run), or, when a
-replicated stage's round-robin gives that unit to another replica, it is set
-aside, with its buffer, until the run ends: no message carries its tag
-(before tags wrap, 2**28 units later), and gloo cannot cancel a receive. NCCL does not post ahead: a
-receive without its send would hold up the stream it is queued on.
+*next* minibatch before the user hands it over. If that minibatch never
+comes (``finish()``), the receive stays posted: the next segment's same unit
+takes it over (tags number units over the run), or, when a replicated
+stage's round-robin gives that unit to another replica, it is set aside,
+with its buffer, until the run ends: no message carries its tag (before tags
+wrap, 2**28 units later), and gloo cannot cancel a receive. NCCL does not
+post ahead: a receive without its send would hold up the stream it is queued
+on.
 
 Activations and gradients travel on two process groups of their own, so a
 gradient going back never queues behind an activation arriving on the same
