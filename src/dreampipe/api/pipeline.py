@@ -34,9 +34,9 @@ with a partial round: its update averages the minibatches of that round.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -209,7 +209,7 @@ class Pipeline:
         per_round = math.lcm(*self.replicas)
         self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
                         // per_round * per_round)
-        self._built: OrderedDict[int, Schedule] = OrderedDict()
+        self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
         self._reserved_to = 0
         self._horizon = min(_HORIZON, self._cap)
         self.runner = RankRunner(
@@ -228,18 +228,12 @@ class Pipeline:
         if self.scheduler is not None:
             self.scheduler.step()
 
-    def _schedule(self, minibatches: int) -> Schedule:
+    def _build_schedule(self, minibatches: int) -> Schedule:
         """The plan's schedule of ``minibatches`` updates (its own minibatches in flight).
 
-        The last few built are kept: every full segment grows through the same
-        horizons and drains on the same schedule."""
-        sched = self._built.pop(minibatches, None)
-        if sched is None:
-            sched = self.layout.build(self.replicas, minibatches, self.plan.in_flight)
-        self._built[minibatches] = sched
-        while len(self._built) > _KEPT_SCHEDULES:
-            self._built.popitem(last=False)
-        return sched
+        :attr:`_schedule` keeps the last few built: every full segment grows
+        through the same horizons and drains on the same schedule."""
+        return self.layout.build(self.replicas, minibatches, self.plan.in_flight)
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule

@@ -82,10 +82,6 @@ class _Recv:
     version_work: Any = None
 
 
-def _tag(unit: int, kind: int, evaluation: bool) -> int:
-    return _EVAL_TAGS * evaluation + 4 * (unit % _TAG_UNITS) + kind
-
-
 def _encode(spec: Spec, device: torch.device) -> Tensor:
     shape, dtype = spec
     if len(shape) > _MAX_DIMS or dtype not in _DTYPES:
@@ -208,7 +204,7 @@ class Comm:
 
     def _tag(self, unit: int, kind: int) -> int:
         """The tag of the run's unit ``unit`` (see the module docstring)."""
-        return _tag(unit, kind, self._evaluation)
+        return _EVAL_TAGS * self._evaluation + 4 * (unit % _TAG_UNITS) + kind
 
     def post(self, action: Action) -> bool:
         """Post the receive for ``action`` now; False if it cannot be posted yet."""

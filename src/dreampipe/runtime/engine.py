@@ -56,7 +56,7 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -72,9 +72,6 @@ from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["RankRunner", "UnitData", "barrier", "round_ends"]
 
