@@ -1,7 +1,7 @@
 """Measure this machine's communication and update figures for :class:`LocalCalibration`.
 
 The simulator predicts a local run from the layer profile plus figures the
-profile cannot see (:mod:`dreampipe.jobs.machine`). This command measures
+profile cannot see (:mod:`dreampipe.machine.calibration`). This command measures
 those that dominate on a CPU machine the way the runtime
 incurs them, so that a user can rerun it on their own machine:
 
@@ -22,7 +22,7 @@ incurs them, so that a user can rerun it on their own machine:
   bandwidth, and the layer profile is taken alone.
 
 ``dreampipe train`` measures the first three itself, with its profile
-(:mod:`dreampipe.jobs.rates`, the same code), since they drift with the
+(:mod:`dreampipe.machine.rates`, the same code), since they drift with the
 host; the fixed figures serve profiles taken alone (the bench, a torchrun
 job). It prints the mean of ``--repeats`` rounds of each rate (the
 co-run factor: a ratio of medians) with their spread, and
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dreampipe.jobs.corun import measure_corun
-from dreampipe.jobs.rates import HostRates, measure_rates
+from dreampipe.machine.corun import measure_corun
+from dreampipe.machine.rates import HostRates, measure_rates
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.processes import run_processes

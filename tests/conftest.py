@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from shared_profiles import PROFILES
 
-from dreampipe.jobs.local import profile_as_worker
+from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
 
 

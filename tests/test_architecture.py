@@ -1,7 +1,7 @@
 """The package's layers: each folder imports only from the folders below it.
 
 The flow reads bottom-up: profiling -> planning -> scheduling -> simulation
-and runtime -> jobs -> api -> cli, with ``models`` (what is profiled and run) and
+and runtime -> machine -> api -> commands -> cli, with ``models`` (what is profiled and run) and
 the shared ``errors``/``quantities`` below everything. Every import counts,
 at module level and inside functions, except those under ``TYPE_CHECKING``.
 """
@@ -22,8 +22,9 @@ _LAYERS = (
     ("planning",),
     ("scheduling",),
     ("simulation", "runtime"),
-    ("jobs",),
+    ("machine",),
     ("api",),
+    ("commands",),
     ("cli",),
 )
 _RANK = {part: i for i, parts in enumerate(_LAYERS) for part in parts}

@@ -6,8 +6,8 @@ The package's folders follow the flow (docs/architecture.md)::
                                                       |-> simulation (predicted events)
                                                       '-> runtime    (measured events)
 
-with ``jobs`` (train, demo, bench), ``api`` (the Pipeline) and ``cli`` on top and
-``models`` beside.
+with ``machine`` (this machine's calibration and plan choice), ``api`` (the
+Pipeline), ``commands`` (train, demo, bench) and ``cli`` on top and ``models`` beside.
 
 ``dreampipe.Pipeline`` trains your own model, data, optimizer and loop on a
 plan (``api/``). ``import dreampipe`` stays light: the names that need NumPy

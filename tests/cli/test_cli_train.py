@@ -14,11 +14,11 @@ import pytest
 
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
+from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
+from dreampipe.commands.train_plan import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.jobs.demo import DemoOptions, _pipeline_plan, timeline_window
-from dreampipe.jobs.local import choose_plan, predict_samples_per_s
-from dreampipe.jobs.machine import PROJECT_MACHINE, local_topology
-from dreampipe.jobs.train import share_plan, torchrun_world
+from dreampipe.machine.calibration import PROJECT_MACHINE, local_topology
+from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runtime.data import steps_for_epochs
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
@@ -79,7 +79,7 @@ def test_train_rejects_bad_options_before_profiling(
     def no_profiling(*_: object, **__: object) -> None:
         raise AssertionError("profiled before checking the options")
 
-    monkeypatch.setattr("dreampipe.jobs.train.profile_as_worker", no_profiling)
+    monkeypatch.setattr("dreampipe.commands.train_plan.profile_as_worker", no_profiling)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     err = _fails(["train", "mlp", "--no-progress", *argv], capsys)
     assert err.startswith("dreampipe train: error:")
@@ -267,7 +267,7 @@ def test_train_with_its_progress_bar_leaves_nothing_behind(
 def test_worker_tracebacks_are_hidden_unless_verbose(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    import dreampipe.api.train
+    import dreampipe.commands.train
 
     def fails(*args: object, **kwargs: object) -> None:
         raise PeerTimeoutError(
@@ -276,7 +276,7 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
             "--- traceback of rank 0 ---\nTraceback (most recent call last):\n  boom"
         )
 
-    monkeypatch.setattr(dreampipe.api.train, "run_train", fails)
+    monkeypatch.setattr(dreampipe.commands.train, "run_train", fails)
     argv = ["-v"] if verbose else []
     assert main([*argv, "train", "mlp", "--workers", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from dreampipe.api.train import run_train
+from dreampipe.commands.train import run_train
+from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.local import profile_as_worker
-from dreampipe.jobs.train import PlanSource, TrainRequest
+from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
 from dreampipe.runtime.config import RunOptions
 

@@ -20,8 +20,8 @@ from runtime.reference import reference_sync, sgd
 from torchrun import stop
 
 import dreampipe
-from dreampipe.jobs.machine import local_topology
-from dreampipe.jobs.train import torchrun_nodes
+from dreampipe.commands.train_plan import torchrun_nodes
+from dreampipe.machine.calibration import local_topology
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import free_port

@@ -25,7 +25,7 @@ from runtime.reference import reference_sync, sgd
 from torchrun import descendants
 
 import dreampipe
-from dreampipe.jobs.local import profile_as_worker
+from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.runtime.data import load_dataset
 
 __all__: list[str] = []

@@ -22,9 +22,9 @@ from typing import Any
 
 import pytest
 
-from dreampipe.jobs.link import on_link, round_units, simulate_on, window_rates
-from dreampipe.jobs.local import profile_as_worker
-from dreampipe.jobs.machine import LocalCalibration, local_costs, local_topology
+from dreampipe.machine.calibration import LocalCalibration, local_costs, local_topology
+from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
+from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -149,7 +149,7 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
     The topology is one level of 2 workers at ``bandwidth``. The planner
     (``plan_pipeline``) must pick ``winner``; each configuration's steady
     throughput, measured from the runtime's events, must be within 20% of
-    the simulator's for the same window (:func:`dreampipe.jobs.link.window_rates`)
+    the simulator's for the same window (:func:`dreampipe.machine.link.window_rates`)
     on this machine's calibration at that bandwidth, and the faster of the
     two measured, at one host speed, must be the one predicted. A gloo
     transfer first checks

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dreampipe.api.train import Checkpoints, run_train
+from dreampipe.commands.train import Checkpoints, run_train
+from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.train import PlanSource, TrainRequest
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split

@@ -205,7 +205,7 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
 
 
 def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
-    from dreampipe.jobs import machine
+    from dreampipe.machine import calibration as machine
 
     m = replace(machine.PROJECT_MACHINE, cores=4, corun_slowdown=1.0)  # a quiet core each
 

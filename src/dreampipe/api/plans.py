@@ -2,7 +2,7 @@
 
 ``plan="auto"`` profiles the model on rank 0 (one thread, as a worker runs,
 on a unit of the example) and plans it for the world it runs in with the
-jobs' plan choice (:func:`dreampipe.jobs.local.choose_plan`); rank 0 then
+jobs' plan choice (:func:`dreampipe.machine.local_plan.choose_plan`); rank 0 then
 broadcasts the plan over the process group, so every rank runs the same
 one whatever launched them. The ``dp`` schedule always runs one stage on
 every worker.
@@ -25,7 +25,7 @@ from torch import nn
 from dreampipe.api.checks import Batch
 from dreampipe.api.split import Layers, build_stage
 from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.jobs.local import choose_plan
+from dreampipe.machine.local_plan import choose_plan
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind

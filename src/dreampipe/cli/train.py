@@ -3,8 +3,8 @@
 ``train`` profiles, plans and trains one model on local worker processes
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
-The work is done by :mod:`dreampipe.api.train` (on :class:`dreampipe.Pipeline`),
-:mod:`dreampipe.jobs.demo` and :mod:`dreampipe.api.bench`; this module
+The work is done by :mod:`dreampipe.commands.train` (on :class:`dreampipe.Pipeline`),
+:mod:`dreampipe.commands.demo` and :mod:`dreampipe.commands.bench`; this module
 parses, checks and prints.
 """
 
@@ -21,7 +21,7 @@ from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
-    from dreampipe.jobs.train import TrainRequest
+    from dreampipe.commands.train_plan import TrainRequest
 
 __all__ = ["parse_model_args", "register"]
 
@@ -178,7 +178,7 @@ def _check_output_paths(args: argparse.Namespace) -> None:
 
 def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
-    from dreampipe.jobs.train import PlanSource, TrainRequest
+    from dreampipe.commands.train_plan import PlanSource, TrainRequest
     from dreampipe.runtime.config import OptimizerKind, RunOptions
     from dreampipe.runtime.nonfinite import OnNonFinite
 
@@ -215,8 +215,8 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.api.train import Checkpoints, run_train
-    from dreampipe.jobs.train import torchrun_world
+    from dreampipe.commands.train import Checkpoints, run_train
+    from dreampipe.commands.train_plan import torchrun_world
 
     _check_output_paths(args)
     checkpoints = Checkpoints(
@@ -303,7 +303,7 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from dreampipe.jobs.demo import DemoOptions, run_demo
+    from dreampipe.commands.demo import DemoOptions, run_demo
 
     opts = DemoOptions(seed=args.seed, out_dir=Path(args.out), progress=not args.no_progress)
     if args.epochs is not None:
@@ -314,7 +314,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 # ---- bench ------------------------------------------------------------------
 def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
-    from dreampipe.jobs.bench_names import BENCH_NAMES, WorkloadKind
+    from dreampipe.commands.bench_names import BENCH_NAMES, WorkloadKind
 
     p = sub.add_parser(
         "bench",
@@ -359,9 +359,9 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from dreampipe.api.bench import BenchOptions, run_bench
-    from dreampipe.jobs.bench_names import WorkloadKind
-    from dreampipe.jobs.bench_report import format_table
+    from dreampipe.commands.bench import BenchOptions, run_bench
+    from dreampipe.commands.bench_names import WorkloadKind
+    from dreampipe.commands.bench_report import format_table
 
     if args.timeout <= 0:
         raise ConfigError(f"--timeout {args.timeout}: use a positive number of seconds")

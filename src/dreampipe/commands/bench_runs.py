@@ -3,7 +3,7 @@
 ``1f1b-flush`` (with and without fused weight-gradient accumulation) and
 ``gpipe`` train one update of ``batch`` samples per step, cut into the
 workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
-with one update each. :mod:`dreampipe.api.bench` runs them on
+with one update each. :mod:`dreampipe.commands.bench` runs them on
 :class:`dreampipe.Pipeline`.
 
 The prediction profiles the model at each unit size as ``dreampipe train``
@@ -20,10 +20,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dreampipe.jobs.bench_names import DREAMPIPE_RUN_NAMES
-from dreampipe.jobs.local import profile_as_worker
-from dreampipe.jobs.machine import corun_twins, local_costs, local_topology, measured_machine
-from dreampipe.jobs.workloads import Workload
+from dreampipe.commands.bench_names import DREAMPIPE_RUN_NAMES
+from dreampipe.commands.workloads import Workload
+from dreampipe.machine.calibration import corun_twins, local_costs, local_topology, measured_machine
+from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 

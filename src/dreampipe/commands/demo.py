@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.local import predict_samples_per_s
-from dreampipe.jobs.machine import local_topology
+from dreampipe.machine.calibration import local_topology
+from dreampipe.machine.local_plan import predict_samples_per_s
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph

@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from dreampipe.jobs.workloads import Workload
+from dreampipe.commands.workloads import Workload
 
 __all__ = ["RATIOS", "BenchEntry", "BenchReport", "Ratio", "format_table"]
 

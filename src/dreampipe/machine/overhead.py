@@ -14,7 +14,7 @@ alike::
     runtime  F  B  step | F  B  step | ...      StageModule.forward/backward/step
 
 and keeps the medians' ratios in the graph's meta (``runtime_forward``,
-``runtime_backward``), which :func:`~dreampipe.jobs.machine.local_costs`
+``runtime_backward``), which :func:`~dreampipe.machine.calibration.local_costs`
 multiplies each stage's layer times by. The loss is not a layer, so the
 profile leaves it out, and it is not small for every model (a language
 model's cross-entropy over every position and the whole vocabulary): it is

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from dreampipe.commands.bench_names import WorkloadKind
 from dreampipe.errors import ConfigError, DreampipeError
-from dreampipe.jobs.bench_names import WorkloadKind
 from dreampipe.models import ModelSpec, get_model
 from dreampipe.planning.plan import Plan
 

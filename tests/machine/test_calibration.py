@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dreampipe.jobs.machine import PROJECT_MACHINE, corun_crowd, local_costs, local_topology
+from dreampipe.machine.calibration import PROJECT_MACHINE, corun_crowd, local_costs, local_topology
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 
+from dreampipe.commands import train_plan as train
+from dreampipe.commands.train_plan import PlanSource, TrainRequest, plan_train
 from dreampipe.errors import ProfileError
-from dreampipe.jobs import local, train
-from dreampipe.jobs.local import predict_samples_per_s, saved_profile
-from dreampipe.jobs.train import PlanSource, TrainRequest, plan_train
+from dreampipe.machine import local_plan as local
+from dreampipe.machine.local_plan import predict_samples_per_s, saved_profile
 from dreampipe.models import get_model
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph

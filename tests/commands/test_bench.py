@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from dreampipe.api.bench import BENCH_NAMES, BenchOptions, run_bench
 from dreampipe.cli import main
+from dreampipe.commands.bench import BENCH_NAMES, BenchOptions, run_bench
+from dreampipe.commands.bench_process import timed_rate
+from dreampipe.commands.bench_report import BenchEntry, BenchReport, format_table
+from dreampipe.commands.workloads import Workload, WorkloadKind
 from dreampipe.errors import BaselineError, DreampipeError, WorkerError
-from dreampipe.jobs.bench_process import timed_rate
-from dreampipe.jobs.bench_report import BenchEntry, BenchReport, format_table
-from dreampipe.jobs.workloads import Workload, WorkloadKind
 from dreampipe.runtime.processes import HeapPolicy, run_processes
 
 __all__: list[str] = []
@@ -169,8 +169,8 @@ def test_deadline_stops_every_child() -> None:
 
 def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each name is one launch through the one launcher: threads, heap, world, what runs."""
-    import dreampipe.api.bench as bench
-    import dreampipe.jobs.bench_process as process
+    import dreampipe.commands.bench as bench
+    import dreampipe.commands.bench_process as process
 
     launched: list[dict[str, Any]] = []
 
@@ -204,7 +204,7 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
-    import dreampipe.api.bench as bench
+    import dreampipe.commands.bench as bench
 
     calls: list[str] = []
     rates = {"ddp": iter([1.0, 5.0, 3.0]), "single-1thread": iter([9.0, 7.0, 8.0])}
@@ -224,7 +224,7 @@ def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch
 def test_each_round_predicts_anew_and_the_report_keeps_the_median(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import dreampipe.api.bench as bench
+    import dreampipe.commands.bench as bench
 
     log: list[str] = []
     predictions = iter([900.0, 1500.0, 1000.0])

@@ -1,17 +1,17 @@
 """``dreampipe bench``: dreampipe's schedules against PyTorch's own, like for like.
 
-One workload (:mod:`dreampipe.jobs.workloads`: the mlp, or GPT-style
+One workload (:mod:`dreampipe.commands.workloads`: the mlp, or GPT-style
 transformer blocks), cut into 2 stages, one thread per worker. dreampipe
 trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
 would, under ``pipedream``, ``1f1b-flush`` with and without fused
-weight-gradient accumulation, and ``gpipe`` (:mod:`dreampipe.jobs.bench_runs`);
-the baselines (:mod:`dreampipe.jobs.baselines`) are
+weight-gradient accumulation, and ``gpipe`` (:mod:`dreampipe.commands.bench_runs`);
+the baselines (:mod:`dreampipe.commands.baselines`) are
 ``torch.distributed.pipelining``'s 1F1B (with dreampipe's process set-up, as
 PyTorch ships, and with big microbatches) and GPipe, DDP on 2 workers, and
 one process with 1 and 2 threads. Every run starts and is timed the same
-way (:mod:`dreampipe.jobs.bench_process`) and is repeated in interleaved
+way (:mod:`dreampipe.commands.bench_process`) and is repeated in interleaved
 rounds (all runs once, then all again), so that a burst of load on a shared
-machine does not decide a ratio (:mod:`dreampipe.jobs.bench_report`).
+machine does not decide a ratio (:mod:`dreampipe.commands.bench_report`).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from dreampipe.api.pipeline import Pipeline
+from dreampipe.commands.baselines import Baseline, baseline_unit, run_baseline
+from dreampipe.commands.bench_names import BENCH_NAMES
+from dreampipe.commands.bench_process import run_ranks, timed_rate
+from dreampipe.commands.bench_report import BenchEntry, BenchReport
+from dreampipe.commands.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
+from dreampipe.commands.workloads import Workload, WorkloadKind
 from dreampipe.errors import DreampipeError
-from dreampipe.jobs.baselines import Baseline, baseline_unit, run_baseline
-from dreampipe.jobs.bench_names import BENCH_NAMES
-from dreampipe.jobs.bench_process import run_ranks, timed_rate
-from dreampipe.jobs.bench_report import BenchEntry, BenchReport
-from dreampipe.jobs.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
-from dreampipe.jobs.workloads import Workload, WorkloadKind
 
 __all__ = ["BENCH_NAMES", "BenchOptions", "run_bench"]
 

@@ -1,6 +1,6 @@
 """``dreampipe train``'s run: a zoo model on a built-in dataset, one Pipeline per rank.
 
-:func:`~dreampipe.jobs.train.plan_train` checks, profiles, plans and
+:func:`~dreampipe.commands.train_plan.plan_train` checks, profiles, plans and
 predicts; then every rank (local processes started by the runtime's
 launcher, or torchrun's) builds its stage of the model (the other layers on
 the meta device), feeds the Pipeline the dataset's minibatches in order and
@@ -34,8 +34,8 @@ from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.pipeline import Pipeline
+from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
-from dreampipe.jobs.train import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.corun import Corun, measure_corun, profile_beside
-from dreampipe.jobs.machine import PROJECT_MACHINE, corun_twins
+from dreampipe.machine.calibration import PROJECT_MACHINE, corun_twins
+from dreampipe.machine.corun import Corun, measure_corun, profile_beside
 
 __all__: list[str] = []
 
@@ -63,7 +63,7 @@ def test_a_crowd_beyond_the_cores_waits_then_measures_how_they_are_shared() -> N
 
 
 def test_a_pace_counts_the_passes_that_end_by_the_deadline() -> None:
-    from dreampipe.jobs.corun import _mean_pass_s
+    from dreampipe.machine.corun import _mean_pass_s
 
     calls: list[float] = []
 

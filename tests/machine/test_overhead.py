@@ -1,4 +1,4 @@
-"""The runtime's own forward and backward against plain PyTorch (:mod:`dreampipe.jobs.overhead`)."""
+"""The runtime's forward and backward beside plain PyTorch (:mod:`~dreampipe.machine.overhead`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from dreampipe.jobs.local import profile_as_worker
-from dreampipe.jobs.overhead import with_runtime_overhead
+from dreampipe.machine.local_plan import profile_as_worker
+from dreampipe.machine.overhead import with_runtime_overhead
 from dreampipe.models import get_model
 from dreampipe.profiling.profiler import profile_spec
 

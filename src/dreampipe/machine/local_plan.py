@@ -4,7 +4,7 @@
 before they run anything: profile the model on this machine (one thread, as
 each worker runs), plan it for the workers they have (or cost a partition
 the user forced), and ask the simulator what throughput that plan should
-reach on this machine (:mod:`dreampipe.jobs.machine`), so the run can print
+reach on this machine (:mod:`dreampipe.machine.calibration`), so the run can print
 predicted beside measured.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.errors import ConfigError, ProfileError
-from dreampipe.jobs.machine import local_costs, local_topology, measured_machine
+from dreampipe.machine.calibration import local_costs, local_topology, measured_machine
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import parse_stage_bounds, stages_from_config
 from dreampipe.planning.plan import Plan
@@ -44,19 +44,19 @@ def profile_as_worker(
     model_kwargs: Sequence[tuple[str, Any]] = (),
 ) -> LayerGraph:
     """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs, with the
-    runtime's overhead over the layers (:mod:`~dreampipe.jobs.overhead`).
+    runtime's overhead over the layers (:mod:`~dreampipe.machine.overhead`).
 
     With ``twins`` > 0 the profile is taken beside that many busy processes
     training the same model (``ref`` and ``model_kwargs`` name it for them),
     as local workers compute side by side in a run, and ``crowd`` more
-    measure how the cores are shared (:func:`dreampipe.jobs.corun.profile_beside`).
+    measure how the cores are shared (:func:`dreampipe.machine.corun.profile_beside`).
     """
     if twins > 0 or crowd > 0:
-        from dreampipe.jobs.corun import profile_beside
+        from dreampipe.machine.corun import profile_beside
 
         return profile_beside(ref, batch_size, twins, crowd=crowd, model_kwargs=model_kwargs,
                               repeats=repeats, min_time_s=min_time_s)
-    from dreampipe.jobs.overhead import with_runtime_overhead
+    from dreampipe.machine.overhead import with_runtime_overhead
     from dreampipe.profiling.profiler import profile_spec
 
     with pinned_threads(1):
@@ -71,11 +71,11 @@ def saved_profile(path: str | Path, spec: ModelSpec, unit_size: int, *, ref: str
 
     A job given one plans and predicts with it instead of profiling first. The
     runtime's overhead over the layers is measured now if the profile lacks it
-    (:mod:`~dreampipe.jobs.overhead`). Model arguments that change no weight
+    (:mod:`~dreampipe.machine.overhead`). Model arguments that change no weight
     (an image size, a sequence length) are checked only where the profile
     recorded them (``meta["model_kwargs"]``, as ``dreampipe profile`` does).
     """
-    from dreampipe.jobs.overhead import with_runtime_overhead
+    from dreampipe.machine.overhead import with_runtime_overhead
     from dreampipe.profiling.load import load_graph
     from dreampipe.profiling.profiler import new_parameter_bytes
 

@@ -1,6 +1,6 @@
 """Reference trainers that ``dreampipe bench`` measures dreampipe against.
 
-Each baseline trains the bench workload (:class:`~dreampipe.jobs.workloads.Workload`)
+Each baseline trains the bench workload (:class:`~dreampipe.commands.workloads.Workload`)
 with PyTorch's own machinery and no dreampipe code on the hot path:
 
 - ``torch-1f1b`` / ``torch-gpipe``: ``torch.distributed.pipelining`` with a
@@ -19,7 +19,7 @@ with PyTorch's own machinery and no dreampipe code on the hot path:
 - ``single-1thread`` / ``single-2threads``: one process, the whole update as one batch.
 
 Every baseline runs and is timed as dreampipe's runs are
-(:mod:`dreampipe.jobs.bench_process`).
+(:mod:`dreampipe.commands.bench_process`).
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dreampipe.commands.bench_names import Baseline
+from dreampipe.commands.bench_process import run_ranks, timed_rate
+from dreampipe.commands.workloads import Workload
 from dreampipe.errors import BaselineError
-from dreampipe.jobs.bench_names import Baseline
-from dreampipe.jobs.bench_process import run_ranks, timed_rate
-from dreampipe.jobs.workloads import Workload
 from dreampipe.runtime.processes import HeapPolicy, RankFn
 
 __all__ = ["Baseline", "baseline_unit", "run_baseline"]

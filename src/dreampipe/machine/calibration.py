@@ -14,7 +14,7 @@ each with how it was measured, so that a prediction for this machine can
 add what the profile leaves out. :data:`PROJECT_MACHINE`
 is the project's 2-core development machine, the default;
 :func:`measured_machine` puts in the rates measured with a profile
-(:mod:`~dreampipe.jobs.rates`), since the host's drift moves them too.
+(:mod:`~dreampipe.machine.rates`), since the host's drift moves them too.
 """
 
 from __future__ import annotations
@@ -81,14 +81,14 @@ class LocalCalibration:
     #: day, 0.53-0.56 ms against 0.36-0.37 ms, where ``functional_call`` gave
     #: 0.66 ms against 0.35 ms: six tenths of the overhead.
     #: Used only for a profile without the factors that
-    #: :mod:`~dreampipe.jobs.overhead` measures with every local profile.
+    #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
     stage_forward_s: float
     #: Loading a unit's samples (input stage) or labels (last stage), cold.
     batch_load_s: float
     #: The last stage's loss, which the profile leaves out (it times layers):
     #: the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
     #: Used only for a profile without the loss's own times, which
-    #: :mod:`~dreampipe.jobs.overhead` measures with every local profile.
+    #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
     loss_s: float
     #: Whether gradient all-reduces overlap the backward. Not here: gloo
     #: moves and sums the bytes on the cores that compute, so an all-reduce
@@ -127,7 +127,7 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
     """How much slower than ``graph`` says a worker computes beside the others.
 
     No slowdown for one worker, or for a profile taken beside as many busy twins
-    (``meta["twins"]``, :func:`dreampipe.jobs.corun.profile_beside`) as
+    (``meta["twins"]``, :func:`dreampipe.machine.corun.profile_beside`) as
     compute beside each worker; else the machine's calibrated figure.
     """
     if workers <= 1 or int(graph.meta.get("twins", 0)) >= corun_twins(workers, machine):
@@ -138,7 +138,7 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
 def corun_crowd(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> int:
     """Workers beyond the cores: they wait while the others profile, then all train
     at once to measure the pace the cores' sharing gives
-    (:func:`~dreampipe.jobs.corun.profile_beside`)."""
+    (:func:`~dreampipe.machine.corun.profile_beside`)."""
     return max(0, workers - machine.cores)
 
 
@@ -158,7 +158,7 @@ def measured_machine(
     graph: LayerGraph, machine: LocalCalibration = PROJECT_MACHINE
 ) -> LocalCalibration:
     """``machine`` with the rates measured beside ``graph``'s profile in place of its own
-    (``meta`` keys of :func:`~dreampipe.jobs.rates.with_host_rates`), as the host is now."""
+    (``meta`` keys of :func:`~dreampipe.machine.rates.with_host_rates`), as the host is now."""
     meta = graph.meta
     found: dict[str, Any] = {key: float(meta[key]) for key in
                              ("step_bandwidth", "stash_copy_bandwidth") if key in meta}
@@ -190,7 +190,7 @@ def local_costs(
 
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward and backward the stage's own
-    overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.jobs.overhead`
+    overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.machine.overhead`
     measured with the profile, else the machine's ``stage_forward_s``), loading
     the unit's data, the loss (its forward and backward as measured with the
     profile, else the machine's ``loss_s``), and each weight update (with the

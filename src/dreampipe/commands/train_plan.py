@@ -1,6 +1,6 @@
 """``dreampipe train``'s plan choice: check, profile, plan and predict, locally or under torchrun.
 
-The run itself is :func:`dreampipe.api.train.run_train`'s, on a
+The run itself is :func:`dreampipe.commands.train.run_train`'s, on a
 :class:`~dreampipe.api.Pipeline` per rank.
 
 Locally, dreampipe profiles the model (or reads a saved profile of it),
@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.jobs.local import (
+from dreampipe.machine.calibration import corun_crowd, corun_twins, local_topology, measured_machine
+from dreampipe.machine.local_plan import (
     choose_plan,
     forced_partition,
     predict_samples_per_s,
     profile_as_worker,
     saved_profile,
 )
-from dreampipe.jobs.machine import corun_crowd, corun_twins, local_topology, measured_machine
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
@@ -81,7 +81,7 @@ class PlanSource:
     """Where a train job's plan comes from: a plan file, a forced partition, else the planner.
 
     ``config`` (``"2-1"``) and ``stages`` (``"0,4"``) force replicas per
-    stage and first layers, as :func:`~dreampipe.jobs.local.forced_partition` reads them.
+    stage and first layers, as :func:`~dreampipe.machine.local_plan.forced_partition` reads them.
     """
 
     path: str | None = None
@@ -237,7 +237,7 @@ class PlannedRun:
 def plan_train(
     req: TrainRequest, *, torchrun: tuple[int, int] | None = None, say: Say | None = None
 ) -> PlannedRun:
-    """Check, profile, plan and predict a train job (the run is :mod:`dreampipe.api.train`'s).
+    """Check, profile, plan and predict a train job (the run is :mod:`dreampipe.commands.train`'s).
 
     ``torchrun`` is ``(rank, world_size)`` when the processes were started by
     torchrun; otherwise the job plans for local workers. ``say`` receives the

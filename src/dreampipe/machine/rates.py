@@ -6,10 +6,10 @@ stashed weight version. These are memory-bound and drift with the host as
 much as compute does: on the project's machine the mlp's 25.5 MB bucketed
 all-reduce took 44.6 ms one day and 27.7 ms another, its SGD step 6.0 ms
 and 3.8 ms. So the processes that profile beside each other
-(:func:`~dreampipe.jobs.corun.profile_beside`) also measure these, all at
+(:func:`~dreampipe.machine.corun.profile_beside`) also measure these, all at
 once, and keep them in the graph's meta, which
-:func:`~dreampipe.jobs.machine.measured_machine` puts in place of the fixed
-figures of :class:`~dreampipe.jobs.machine.LocalCalibration`::
+:func:`~dreampipe.machine.calibration.measured_machine` puts in place of the fixed
+figures of :class:`~dreampipe.machine.calibration.LocalCalibration`::
 
     every rank   barrier AR (untimed) | barrier AR | agree on n | barrier AR ... | steps
     rank 0       [copies]   | (trains)   |
@@ -132,7 +132,7 @@ def measure_rates(
 
 def with_host_rates(graph: LayerGraph, rates: HostRates) -> LayerGraph:
     """``graph`` with ``rates`` in its meta (bytes/s), for
-    :func:`~dreampipe.jobs.machine.measured_machine`; an all-reduce only among 2 or more."""
+    :func:`~dreampipe.machine.calibration.measured_machine`; an all-reduce only among 2 or more."""
     meta: dict[str, Any] = {**graph.meta, "step_bandwidth": rates.step_bandwidth,
                             "stash_copy_bandwidth": rates.stash_copy_bandwidth}
     if rates.world > 1:

@@ -17,7 +17,7 @@ machine a transformer block ran 1.33x slower beside a busy twin, the mlp
       rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, [rates], gather
 
 - :func:`measure_corun` times one model's forward and backward alone, then
-  beside a twin: the factor :class:`~dreampipe.jobs.machine.LocalCalibration`
+  beside a twin: the factor :class:`~dreampipe.machine.calibration.LocalCalibration`
   keeps for profiles taken alone::
 
       rank 0   [alone: warm-up, repeats] | [beside: warm-up, repeats]
@@ -159,9 +159,9 @@ def profile_beside(
     (:func:`~dreampipe.runtime.processes.run_processes`) that profiles the
     model (``repeats``, ``min_time_s`` as for
     :func:`~dreampipe.profiling.profiler.profile_spec`) and the runtime's
-    overhead (:mod:`~dreampipe.jobs.overhead`), then runs its forward
+    overhead (:mod:`~dreampipe.machine.overhead`), then runs its forward
     and backward at the same batch until every process has profiled; then
-    all measure the all-reduce, step and stash-copy rates (:mod:`~dreampipe.jobs.rates`,
+    all measure the all-reduce, step and stash-copy rates (:mod:`~dreampipe.machine.rates`,
     in ``meta``). The slowest profile (largest forward+backward) is kept; its
     ``meta["twins"]`` says how many ran beside it, ``meta["profiles_ms"]`` every
     process's total. ``crowd`` more processes (a run with more workers than
@@ -195,10 +195,10 @@ def _profile_rank(
 ) -> tuple[list[LayerGraph], float] | None:
     """The ``profiling`` first ranks profile once all compute, then compute until all
     have profiled, then measure the host's rates together
-    (:mod:`~dreampipe.jobs.rates`); the crowd waits, then all find the pace
+    (:mod:`~dreampipe.machine.rates`); the crowd waits, then all find the pace
     (:func:`_crowd_pace`); rank 0 gathers the profiles and that pace."""
-    from dreampipe.jobs.overhead import with_runtime_overhead
-    from dreampipe.jobs.rates import compute_until_joined, measure_rates, with_host_rates
+    from dreampipe.machine.overhead import with_runtime_overhead
+    from dreampipe.machine.rates import compute_until_joined, measure_rates, with_host_rates
     from dreampipe.profiling.profiler import profile_spec
 
     job, profiling = work

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from dreampipe.jobs.link import on_link
-from dreampipe.jobs.machine import PROJECT_MACHINE, local_costs, local_topology
+from dreampipe.machine.calibration import PROJECT_MACHINE, local_costs, local_topology
+from dreampipe.machine.link import on_link
 from dreampipe.planning.planner import evaluate_plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 

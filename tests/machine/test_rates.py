@@ -1,4 +1,4 @@
-"""The host's all-reduce, step and stash-copy rates (:mod:`dreampipe.jobs.rates`)."""
+"""The host's all-reduce, step and stash-copy rates (:mod:`dreampipe.machine.rates`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dreampipe.jobs.machine import PROJECT_MACHINE, local_costs, measured_machine
-from dreampipe.jobs.rates import HostRates, measure_rates, with_host_rates
+from dreampipe.machine.calibration import PROJECT_MACHINE, local_costs, measured_machine
+from dreampipe.machine.rates import HostRates, measure_rates, with_host_rates
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.quantities import parse_bandwidth

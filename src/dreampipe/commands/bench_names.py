@@ -3,8 +3,8 @@
 The CLI builds every command's parser, ``bench``'s choices included, before
 it runs one; naming them here keeps ``dreampipe --help`` and the commands
 that never train (``plan``, ``simulate``) from loading PyTorch first, which
-takes seconds. :mod:`~dreampipe.jobs.workloads`, :mod:`~dreampipe.jobs.baselines`
-and :mod:`~dreampipe.jobs.bench_runs` build the runs behind these names.
+takes seconds. :mod:`~dreampipe.commands.workloads`, :mod:`~dreampipe.commands.baselines`
+and :mod:`~dreampipe.commands.bench_runs` build the runs behind these names.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Predicted and measured steady-state throughput of workers joined by a known link.
 
-:mod:`dreampipe.jobs.local` predicts for this machine's local workers, on
-loopback at :data:`~dreampipe.jobs.machine.PROJECT_MACHINE`'s bandwidth.
+:mod:`dreampipe.machine.local_plan` predicts for this machine's local workers, on
+loopback at :data:`~dreampipe.machine.calibration.PROJECT_MACHINE`'s bandwidth.
 Workers on a real (or shaped) network differ in one figure, the link's
 bandwidth: :func:`on_link` is the same calibration at another bandwidth and
 :func:`simulate_on` the simulator's run of a plan there.
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dreampipe.errors import ConfigError
-from dreampipe.jobs.machine import PROJECT_MACHINE, LocalCalibration, local_costs
+from dreampipe.machine.calibration import PROJECT_MACHINE, LocalCalibration, local_costs
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth
@@ -68,7 +68,7 @@ def simulate_on(
 ) -> SimResult:
     """The simulator's run of ``steps`` updates of ``plan`` on ``machine``'s workers.
 
-    What :func:`~dreampipe.jobs.local.predict_samples_per_s` simulates, on a
+    What :func:`~dreampipe.machine.local_plan.predict_samples_per_s` simulates, on a
     given calibration (:func:`on_link`), with its events for
     :func:`window_rates`. ``graph`` must be profiled at the layout's unit size.
     """
