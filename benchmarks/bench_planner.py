@@ -1,13 +1,12 @@
-"""How long planning takes: every shared PipeDream profile on cluster-a, cluster-b and 64x8.
+"""How long planning takes: every bundled PipeDream profile on cluster-a, cluster-b and 64x8.
 
 PipeDream's own optimizer needs about 19 s for ResNet-50 (~180 layers) on a
 4x4 topology; dreampipe should stay well under a second at that size. Two
-synthetic chains of ResNet-50's size stand in for it (the shared profiles
+synthetic chains of ResNet-50's size stand in for it (the bundled profiles
 stop at 71 layers). Prints a table; times are the best of ``--repeat`` runs.
-The profiles are looked for beside the clone (``<repo>/../shared``, as in CI),
-then in the workspace copy.
+``--profile`` plans other profiles instead (files or ``pipedream:NAME``).
 
-    python benchmarks/bench_planner.py [--profiles DIR] [--repeat 3]
+    python benchmarks/bench_planner.py [--profile PROFILE ...] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -15,20 +14,16 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
 
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology
+from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 
 __all__ = ["main", "synthetic_chain"]
 
 TOPOLOGIES = ("cluster-a", "cluster-b", "64x8")
-_PROFILE_DIRS = (
-    Path(__file__).resolve().parents[2] / "shared/profiles/pipedream",
-    Path("/work/shared/profiles/pipedream"),
-)
 
 
 def synthetic_chain(n: int, seed: int = 0) -> LayerGraph:
@@ -54,20 +49,14 @@ def _time(graph: LayerGraph, topo: Topology, repeat: int) -> tuple[float, str, f
     return best, result.config, result.time_per_minibatch_s, result.speedup_over("dp")
 
 
-def _default_profiles() -> Path:
-    """The first of :data:`_PROFILE_DIRS` that holds the profiles (else the first)."""
-    return next((d for d in _PROFILE_DIRS if (d / "vgg16.txt").is_file()), _PROFILE_DIRS[0])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--profiles", type=Path, default=_default_profiles(),
-                        help="folder of PipeDream graph.txt profiles (default: %(default)s)")
+    parser.add_argument("--profile", action="append", metavar="PROFILE",
+                        help="a profile file or pipedream:NAME, repeatable (default: every "
+                             "bundled profile)")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    graphs = [load_graph(p) for p in sorted(args.profiles.glob("*.txt")) if p.stem != "LICENSE"]
-    if not graphs:
-        parser.error(f"no PipeDream profiles (*.txt) in {args.profiles}; pass --profiles DIR")
+    graphs = [load_graph(p) for p in args.profile or [b.spec for b in bundled_profiles()]]
     graphs += [synthetic_chain(180, seed=1), synthetic_chain(180, seed=2)]
     print(f"{'model':<12} {'layers':>6} {'topology':<10} {'plan s':>8} {'ms/mb':>8} "
           f"{'x dp':>7}  config")

@@ -1,6 +1,6 @@
 """Planner fidelity: dreampipe's plans beside PipeDream's paper (Table 3) and its optimizer.
 
-For every shared PipeDream V100 profile on clusters A, B and C, one Markdown
+For every bundled PipeDream V100 profile on clusters A, B and C, one Markdown
 row sets side by side: the configuration the paper measured and its speedup
 over data parallelism (Narayanan et al., SOSP 2019, Table 3); what
 PipeDream's own optimizer predicts on the same profile; dreampipe's planner
@@ -12,7 +12,7 @@ and the optimizer's published figures are constants; everything else is
 computed here. Prints the table and writes it, with an introduction, to
 ``docs/paper-table.md``.
 
-    python benchmarks/paper_table.py [--profiles DIR] [--out PATH] [--no-write]
+    python benchmarks/paper_table.py [--out PATH] [--no-write]
 """
 
 from __future__ import annotations
@@ -65,10 +65,6 @@ _MAX_PRICED_STAGES = 3
 _EXPOSED = 0.01
 _REPO = Path(__file__).resolve().parents[1]
 _DEFAULT_OUT = _REPO / "docs/paper-table.md"
-_PROFILE_DIRS = (
-    _REPO.parent / "shared/profiles/pipedream",
-    Path("/work/shared/profiles/pipedream"),
-)
 
 #: The clusters as PipeDream's optimizer was run for the figures in :data:`OPTIMIZER`
 #: (shape, bandwidths innermost first): A = 4x4 at 10 GB/s and 1.25 GB/s, B = 2x8 at
@@ -402,7 +398,7 @@ def render_doc(rows: Sequence[Row], presets_match: dict[str, bool]) -> str:
     return f"""# dreampipe against PipeDream's paper and optimizer
 
 This page is generated: `python benchmarks/paper_table.py` planned and
-simulated every PipeDream V100 profile shipped in `shared/profiles/pipedream/`
+simulated every PipeDream V100 profile bundled with dreampipe (`pipedream:NAME`)
 on clusters A, B and C (a few seconds) and wrote it; re-run that command
 after changing the planner (`--no-write` only prints the table). Side by
 side: the configuration the PipeDream paper measured and its speedup over
@@ -453,32 +449,21 @@ Rows to look at (computed):
 """
 
 
-def _default_profiles() -> Path:
-    """The first of :data:`_PROFILE_DIRS` that holds the profiles (else the first)."""
-    return next((d for d in _PROFILE_DIRS if (d / "vgg16.txt").is_file()), _PROFILE_DIRS[0])
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="\n\n".join(__doc__.split("\n\n")[:2]),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Runs one configuration at a time; takes a few seconds on two cores.",
     )
-    parser.add_argument("--profiles", type=Path, default=_default_profiles(), metavar="DIR",
-                        help="folder of PipeDream graph.txt profiles (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=_DEFAULT_OUT, metavar="PATH",
                         help="write the page here (default: %(default)s)")
     parser.add_argument("--no-write", action="store_true",
                         help="only print the table; write nothing")
     args = parser.parse_args(argv)
-    missing = [m for m in MODELS if not (args.profiles / f"{m}.txt").is_file()]
-    if missing:
-        parser.error(f"no {', '.join(m + '.txt' for m in missing)} in {args.profiles}; "
-                     "pass --profiles DIR")
     start = time.perf_counter()
     rows = []
     for model in MODELS:
-        graph = load_graph(args.profiles / f"{model}.txt")
+        graph = load_graph(f"pipedream:{model}")
         for cluster in CLUSTERS:
             rows.append(compute_row(graph, model, cluster))
     seconds = time.perf_counter() - start

@@ -1,21 +1,24 @@
-"""Shared fixtures: where PipeDream's own profiles live, and a saved mlp profile."""
+"""Shared fixtures: the folder of the bundled PipeDream profiles, and a saved mlp profile."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from importlib.resources import as_file
 from pathlib import Path
 
 import pytest
-from shared_profiles import PROFILES
 
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
+from dreampipe.profiling.bundled import bundled_profile
 
 
 @pytest.fixture(scope="session")
-def pipedream_profiles() -> Path:
-    """``<clone>/../shared/profiles/pipedream`` (as in CI), else the workspace copy."""
-    return PROFILES
+def pipedream_profiles() -> Iterator[Path]:
+    """The bundled PipeDream profiles' folder on disk, for tests that hand a file path on
+    (``pipedream:NAME`` names them where a path is not the point)."""
+    with as_file(bundled_profile("pipedream:vgg16").resource) as vgg16:
+        yield vgg16.parent
 
 
 @pytest.fixture(scope="session")

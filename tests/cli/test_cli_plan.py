@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.cli.plan import (
@@ -27,7 +26,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 
-VGG = PROFILES / "vgg16.txt"
+VGG = "pipedream:vgg16"
 _LABELS = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 
 
@@ -38,7 +37,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 
 def _expected(
-    profile: Path, topology: str, bandwidths: list[str] | None = None, memory: str | None = None,
+    profile: str, topology: str, bandwidths: list[str] | None = None, memory: str | None = None,
     **options: bool,
 ) -> tuple[Plan, Topology]:
     """What the library plans for the same profile and topology: the figures the CLI must show."""
@@ -58,7 +57,7 @@ def _spans(stages: list[dict[str, Any]] | tuple[Stage, ...]) -> list[tuple[int, 
 
 
 def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, str(VGG), "--topology", "cluster-a")
+    code, out, _ = _run(capsys, VGG, "--topology", "cluster-a")
     plan, topo = _expected(VGG, "cluster-a")
     assert code == 0
     assert out.startswith(f"topology: {topo.describe()}\n")
@@ -81,7 +80,7 @@ def test_human_output(capsys: pytest.CaptureFixture[str]) -> None:
 def test_json_is_one_object(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
     bandwidths = ["10GB/s", "10Gbps"]
-    code, out, _ = _run(capsys, str(VGG), "-t", "4x4", "-b", bandwidths[0], "-b", bandwidths[1],
+    code, out, _ = _run(capsys, VGG, "-t", "4x4", "-b", bandwidths[0], "-b", bandwidths[1],
                         "--json", "-o", str(target))
     plan, _ = _expected(VGG, "4x4", bandwidths)
     assert code == 0
@@ -99,13 +98,13 @@ def test_json_is_one_object(capsys: pytest.CaptureFixture[str], tmp_path: Path) 
 
 
 def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-a", "--straight", "--json")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-a", "--straight", "--json")
     data = json.loads(out)
     plan, _ = _expected(VGG, "cluster-a", straight=True)
     assert code == 0 and all(s["replicas"] == 1 for s in data["stages"])
     assert _spans(data["stages"]) == _spans(plan.stages)
     assert data["time_per_minibatch_s"] == pytest.approx(plan.time_per_minibatch_s)
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--memory", "40GB", "--json")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--memory", "40GB", "--json")
     data = json.loads(out)
     plan, _ = _expected(VGG, "cluster-b", memory="40GB")
     assert code == 0 and all(s["memory_bytes"] <= 40e9 for s in data["stages"])
@@ -117,10 +116,10 @@ def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None
     ("argv", "message"),
     [
         (["missing.txt", "-t", "4x4"], "does not exist"),
-        ([str(VGG), "-t", "cluster-z"], "unknown topology 'cluster-z'"),
-        ([str(VGG), "-t", "4x4", "-b", "fast"], "is not a quantity"),
-        ([str(VGG), "-t", "4x4", "--memory", "1GB"], "smallest needs about"),
-        ([str(VGG), "-t", "4x4", "--max-stages", "99"], "max_stages=99"),
+        ([VGG, "-t", "cluster-z"], "unknown topology 'cluster-z'"),
+        ([VGG, "-t", "4x4", "-b", "fast"], "is not a quantity"),
+        ([VGG, "-t", "4x4", "--memory", "1GB"], "smallest needs about"),
+        ([VGG, "-t", "4x4", "--max-stages", "99"], "max_stages=99"),
     ],
 )
 def test_errors_are_one_line(
@@ -134,7 +133,7 @@ def test_errors_are_one_line(
 
 def test_unwritable_output_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     target = tmp_path / "no-such-dir" / "plan.json"
-    code, _, err = _run(capsys, str(VGG), "-t", "4", "-o", str(target))
+    code, _, err = _run(capsys, VGG, "-t", "4", "-o", str(target))
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("dreampipe plan: error:") and str(target) in err
 
@@ -172,21 +171,21 @@ def test_dreampipe_json_profile(capsys: pytest.CaptureFixture[str], tmp_path: Pa
 
 
 def test_baseline_that_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
-    gnmt = VGG.with_name("gnmt.txt")
+    gnmt = "pipedream:gnmt"
     plan, _ = _expected(gnmt, "cluster-b", memory="1.5GB")
     assert "dp" not in plan.baselines_s  # the library finds no data-parallel plan in 1.5 GB
-    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1.5GB")
+    code, out, _ = _run(capsys, gnmt, "-t", "cluster-b", "--memory", "1.5GB")
     assert code == 0
     assert "data parallelism: does not fit in memory" in out
     assert f"config {plan.config} on {plan.workers_used} of 16 workers" in out
-    code, out, _ = _run(capsys, str(gnmt), "-t", "cluster-b", "--memory", "1.5GB", "--json")
+    code, out, _ = _run(capsys, gnmt, "-t", "cluster-b", "--memory", "1.5GB", "--json")
     data = json.loads(out)
     assert data["speedup_over_dp"] is None
     assert data["speedup_over_straight"] == pytest.approx(plan.speedup_over("straight"))
 
 
 def test_simulator_confirms_the_prediction(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--json")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--json")
     data = json.loads(out)
     plan, _ = _expected(VGG, "cluster-b")
     predicted = data["throughput_minibatches_per_s"]
@@ -196,25 +195,25 @@ def test_simulator_confirms_the_prediction(capsys: pytest.CaptureFixture[str]) -
     assert data["check_skipped"] is False
     assert data["simulated_minibatches"] == check_minibatches(plan) <= CHECK_MINIBATCHES
     assert 0 < data["simulated_steady_minibatches"] < data["simulated_minibatches"]
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b")
     assert "simulated:" in out and "of the prediction" in out and "in the steady state" in out
 
 
 def test_no_check_skips_the_simulation(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--no-check")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--no-check")
     assert code == 0 and "config " in out
     assert "simulated" not in out
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--no-check", "--json")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--no-check", "--json")
     data = json.loads(out)
     assert code == 0 and data["check_skipped"] is True
     assert data["simulated_minibatches"] is None and data["simulated_minibatches_per_s"] is None
 
 
 def test_check_minibatches_caps_the_check(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _run(capsys, str(VGG), "-t", "cluster-b", "--json", "--check-minibatches", "20")
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--json", "--check-minibatches", "20")
     assert code == 0 and json.loads(out)["simulated_minibatches"] == 20
     with pytest.raises(SystemExit) as info:
-        main(["plan", str(VGG), "-t", "cluster-b", "--check-minibatches", "0"])
+        main(["plan", VGG, "-t", "cluster-b", "--check-minibatches", "0"])
     assert info.value.code == 2
     assert "'0' is not a whole number >= 1" in capsys.readouterr().err
 
@@ -250,7 +249,7 @@ def test_the_parser_and_plan_never_load_torch() -> None:
     code = (
         "import sys\n"
         "from dreampipe.cli import main\n"
-        f"assert main(['plan', {str(VGG)!r}, '-t', '4x4']) == 0\n"
+        f"assert main(['plan', {VGG!r}, '-t', '4x4']) == 0\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not loaded, loaded[:5]\n"
     )

@@ -30,6 +30,51 @@ def test_show_pipedream_vgg16(pipedream_profiles: Path, capsys: pytest.CaptureFi
     assert [name for _, name in rows] == [x.name for x in graph.layers]
 
 
+@pytest.mark.parametrize("name", ["alexnet", "gnmt", "resnet18", "vgg16"])
+def test_show_a_bundled_profile_by_name(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", f"pipedream:{name}"]) == 0
+    out = capsys.readouterr().out
+    graph = load_graph(f"pipedream:{name}")
+    assert [n for _, n in _rows(out)] == [x.name for x in graph.layers]
+    assert out.startswith(f"model {name} · batch unknown · {len(graph)} layers · DAG")
+
+
+def test_show_list_names_every_bundled_profile(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["name", "model", "layers", "shape"]
+    listed = [line.split() for line in lines[1:]]
+    expected = []
+    for name in ("alexnet", "gnmt", "resnet18", "vgg16"):
+        graph = load_graph(f"pipedream:{name}")
+        shape = "chain" if graph.is_chain else "DAG"
+        expected.append([f"pipedream:{name}", name, str(len(graph)), shape])
+    assert listed == expected
+
+
+def test_show_an_unknown_bundled_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", "pipedream:nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dreampipe show: error: no bundled profile 'pipedream:nope'")
+    assert "pipedream:gnmt" in err and "dreampipe show --list" in err
+    assert len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["show"], ["show", "--list", "pipedream:gnmt"]])
+def test_show_takes_a_profile_or_list(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    assert "PROFILE" in capsys.readouterr().err
+
+
+def test_show_help_names_the_bundled_profiles(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["show", "--help"])
+    out = capsys.readouterr().out
+    assert "pipedream:NAME" in out and "--list" in out
+
+
 def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "cnn.json"
     argv = ["profile", "cnn", "--batch-size", "8", "--repeats", "1", "--warmup", "0",

@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
-from shared_profiles import PROFILES
 
 from dreampipe.cli import main
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-VGG = PROFILES / "vgg16.txt"
+VGG = "pipedream:vgg16"
 
 
 def _profile(tmp_path: Path) -> Path:
@@ -65,7 +64,7 @@ def test_human_report_lists_every_rank(
 
 def test_profile_is_planned_then_drawn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png, trace = tmp_path / "vgg.png", tmp_path / "vgg.json"
-    data = _json(capsys, ["simulate", str(VGG), "--topology", "cluster-a", "--timeline", str(png),
+    data = _json(capsys, ["simulate", VGG, "--topology", "cluster-a", "--timeline", str(png),
                           "--trace", str(trace), "--json"])
     assert data["schedule"] == "pipedream" and data["topology"] == "cluster-a"
     assert png.read_bytes().startswith(b"\x89PNG")

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shared_profiles import PROFILES
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import CostModel
@@ -50,7 +49,7 @@ _ROWS = [
 def test_reproduces_pipedream_rows(
     model: str, cluster: str, config: str, pipe_ms: float, dp_ms: float
 ) -> None:
-    plan = plan_pipeline(load_graph(PROFILES / f"{model}.txt"), _CLUSTERS[cluster],
+    plan = plan_pipeline(load_graph(f"pipedream:{model}"), _CLUSTERS[cluster],
                          cost_model=CostModel.PIPEDREAM)
     got = "-".join(str(s.replicas) for s in plan.stages)
     assert got == config or abs(plan.time_per_minibatch_s * 1e3 - pipe_ms) < 0.005
@@ -71,7 +70,7 @@ def test_terms_match_their_closed_forms() -> None:
 
 
 def test_input_is_zeroed_and_chain_states_are_layers() -> None:
-    graph = load_graph(PROFILES / "vgg16.txt")
+    graph = load_graph("pipedream:vgg16")
     states = pipedream_states(graph)
     assert states.costs.n == len(graph.layers) - 1
     total = sum(x.compute_ms for x in graph.layers if not x.description.startswith("Input"))
@@ -80,7 +79,7 @@ def test_input_is_zeroed_and_chain_states_are_layers() -> None:
 
 def test_memory_is_refused_under_pipedream() -> None:
     with pytest.raises(PlanError, match="drop --memory"):
-        plan_pipeline(load_graph(PROFILES / "vgg16.txt"), _CLUSTERS["C"],
+        plan_pipeline(load_graph("pipedream:vgg16"), _CLUSTERS["C"],
                       memory_bytes=10**9, cost_model=CostModel.PIPEDREAM)
 
 

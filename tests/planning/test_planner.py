@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from shared_profiles import PROFILES
 
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.planning.costs import (
@@ -498,7 +497,7 @@ def test_planner_is_numpy_not_torch() -> None:
     assert isinstance(np.asarray(stage_time(1.0, 0.5, 2.0, 2)), np.ndarray)
 
 
-# ---- the shared PipeDream profiles ------------------------------------------
+# ---- the bundled PipeDream profiles ------------------------------------------
 # The configs below are what the planner chooses today for PipeDream's own V100
 # profiles: a regression guard of the plans themselves (a change in the cost model
 # or the DP that moves them must be looked at), not figures taken from the paper.
@@ -518,7 +517,7 @@ PINNED = {
 @pytest.mark.parametrize(("model", "cluster"), sorted(PINNED))
 def test_pinned_plans_on_pipedream_profiles(model: str, cluster: str) -> None:
     config, min_speedup = PINNED[model, cluster]
-    graph = load_graph(PROFILES / f"{model}.txt")
+    graph = load_graph(f"pipedream:{model}")
     got = plan_pipeline(graph, Topology.parse(cluster))
     assert got.config == config
     assert got.speedup_over("dp") >= min_speedup

@@ -1,4 +1,4 @@
-"""PipeDream graph.txt import: every shared profile, checked against the raw text."""
+"""PipeDream graph.txt import: every bundled profile, checked against the raw text."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def _raw(path: Path) -> tuple[list[str], list[tuple[str, str]]]:
 
 
 @pytest.mark.parametrize("name", sorted(LAYER_COUNTS))
-def test_shared_profile_matches_file(pipedream_profiles: Path, name: str) -> None:
+def test_bundled_profile_matches_file(pipedream_profiles: Path, name: str) -> None:
     path = pipedream_profiles / f"{name}.txt"
     graph = load_graph(path)
     nodes, edges = _raw(path)

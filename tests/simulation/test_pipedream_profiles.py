@@ -10,7 +10,6 @@ runs at about half its prediction, which the second test keeps in view.
 from __future__ import annotations
 
 import pytest
-from shared_profiles import PROFILES
 
 from dreampipe.cli.plan import check_minibatches, confirm_by_simulation
 from dreampipe.planning.in_flight import in_flight_counts
@@ -27,7 +26,7 @@ _CASES = [(m, c) for c in ("cluster-a", "cluster-b") for m in ("alexnet", "gnmt"
 
 @pytest.mark.parametrize(("model", "cluster"), _CASES)
 def test_plan_simulates_within_ten_percent_of_its_prediction(model: str, cluster: str) -> None:
-    graph, topo = load_graph(PROFILES / f"{model}.txt"), Topology.parse(cluster)
+    graph, topo = load_graph(f"pipedream:{model}"), Topology.parse(cluster)
     plan = plan_pipeline(graph, topo)
     sim = confirm_by_simulation(plan, graph, topo)
     assert sim.steady_units > 0
@@ -36,7 +35,7 @@ def test_plan_simulates_within_ten_percent_of_its_prediction(model: str, cluster
 
 
 def test_pipedream_counts_leave_gnmt_on_cluster_a_short() -> None:
-    graph, topo = load_graph(PROFILES / "gnmt.txt"), Topology.parse("cluster-a")
+    graph, topo = load_graph("pipedream:gnmt"), Topology.parse("cluster-a")
     plan = plan_pipeline(graph, topo)
     replicas = [st.replicas for st in plan.stages]
     assert max(replicas[1:]) > 1  # replicated stages behind the input

@@ -79,12 +79,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             "with each layer's split."
         ),
         epilog=(
-            f"Presets: {', '.join(sorted(PRESETS))}. Example: dreampipe plan vgg16.txt "
+            f"Presets: {', '.join(sorted(PRESETS))}. Example: dreampipe plan pipedream:vgg16 "
             "--topology 4x4 --bandwidth 10GB/s --bandwidth 10Gbps -o plan.json"
         ),
     )
     p.add_argument("profile", type=Path, metavar="PROFILE",
-                   help="dreampipe profile JSON or PipeDream graph.txt")
+                   help="dreampipe profile JSON, PipeDream graph.txt or a bundled "
+                        "pipedream:NAME ('dreampipe show --list')")
     p.add_argument("--topology", "-t", required=True, metavar="T",
                    help="a preset or a shape like 16, 4x4 (servers x devices)")
     add_link_arguments(p)

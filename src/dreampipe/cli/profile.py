@@ -1,5 +1,8 @@
 """``dreampipe profile`` and ``dreampipe show``: measure a model, print a profile.
 
+``show`` takes a file or a bundled PipeDream profile (``pipedream:vgg16``);
+``show --list`` lists the bundled ones.
+
 ``profile MODEL`` takes what every command takes
 (:mod:`dreampipe.models.resolve`): a zoo name, ``package.module:function`` or
 ``path/to/file.py:function``. The function is called with no arguments (or
@@ -19,8 +22,13 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dreampipe.cli.profile_table import format_profile_summary, format_profile_table
+from dreampipe.cli.profile_table import (
+    format_bundled_list,
+    format_profile_summary,
+    format_profile_table,
+)
 from dreampipe.errors import ProfileError
+from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 
@@ -73,14 +81,20 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
     show = sub.add_parser(
         "show",
-        help="print a saved profile (dreampipe JSON or PipeDream graph.txt)",
+        help="print a profile (dreampipe JSON, PipeDream graph.txt or a bundled one)",
         description=(
-            "Print the per-layer table of a profile written by 'dreampipe profile -o' or of a "
-            "PipeDream graph.txt, with the model, batch size, layer count, and whether the "
-            "layers form a chain or a DAG."
+            "Print the per-layer table of a profile written by 'dreampipe profile -o', of a "
+            "PipeDream graph.txt, or of a bundled PipeDream profile (pipedream:NAME), with the "
+            "model, batch size, layer count, and whether the layers form a chain or a DAG. "
+            "--list lists the bundled profiles."
         ),
+        epilog="Example: dreampipe show pipedream:gnmt; dreampipe show --list",
     )
-    show.add_argument("file", metavar="FILE", type=Path, help="profile JSON or graph.txt")
+    what = show.add_mutually_exclusive_group(required=True)
+    what.add_argument("file", metavar="PROFILE", nargs="?",
+                      help="profile JSON, graph.txt or pipedream:NAME")
+    what.add_argument("--list", action="store_true",
+                      help="list the bundled PipeDream profiles (V100, by their authors)")
     show.set_defaults(func=_show)
 
 
@@ -117,6 +131,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    if args.list:
+        print(format_bundled_list([(p.spec, load_graph(p.spec)) for p in bundled_profiles()]))
+        return 0
     _print(load_graph(args.file))
     return 0
 

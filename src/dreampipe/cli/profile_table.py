@@ -14,7 +14,7 @@ from __future__ import annotations
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["format_profile_summary", "format_profile_table"]
+__all__ = ["format_bundled_list", "format_profile_summary", "format_profile_table"]
 
 _DESCRIPTION_WIDTH = 48
 
@@ -64,6 +64,23 @@ def format_profile_table(graph: LayerGraph) -> str:
         for row in table
     ]
     return "\n".join(lines)
+
+
+def format_bundled_list(profiles: list[tuple[str, LayerGraph]]) -> str:
+    """One row per named profile: its name, model, layer count and chain or DAG."""
+    header = ("name", "model", "layers", "shape")
+    rows = [
+        (spec, graph.model, str(len(graph)), "chain" if graph.is_chain else "DAG")
+        for spec, graph in profiles
+    ]
+    table = [header, *rows]
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    return "\n".join(
+        "  ".join(
+            cell.rjust(widths[c]) if c == 2 else cell.ljust(widths[c]) for c, cell in enumerate(row)
+        ).rstrip()
+        for row in table
+    )
 
 
 def _shorten(text: str) -> str:

@@ -1,7 +1,8 @@
 """``dreampipe simulate``: run any schedule of a plan through the simulator.
 
-The input is a plan JSON (``dreampipe plan -o``) or a profile (ours or
-PipeDream's graph.txt), which is planned for ``--topology`` first. Units:
+The input is a plan JSON (``dreampipe plan -o``) or a profile (ours,
+PipeDream's graph.txt or a bundled pipedream:NAME), which is planned for
+``--topology`` first. Units:
 PipeDream runs ``--minibatches`` minibatches; 1f1b-flush, gpipe and naive run
 ``--minibatches`` minibatches of ``--microbatches`` microbatches each; dp runs
 the whole model on the plan's workers, one full minibatch per worker per
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
 from dreampipe.planning.topology import Topology
+from dreampipe.profiling.bundled import is_bundled
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
@@ -48,7 +50,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", metavar="PLAN_OR_PROFILE",
-                   help="plan JSON, or a profile (JSON or PipeDream graph.txt) to plan first")
+                   help="plan JSON, or a profile (JSON, PipeDream graph.txt or pipedream:NAME) "
+                        "to plan first")
     p.add_argument("--topology", metavar="T",
                    help=f"cluster: preset (cluster-a/b/c) or shape like 4x4 (default: the "
                         f"plan's own, else {_DEFAULT_TOPOLOGY})")
@@ -108,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     source = Path(args.source)
-    data = _json_object(source)
+    data = None if is_bundled(args.source) else _json_object(source)
     if data is not None and data.get("format") == PLAN_FORMAT:
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology

@@ -1,6 +1,7 @@
-"""Load a layer profile from a file: dreampipe's JSON or PipeDream's ``graph.txt``.
+"""Load a layer profile: a file (dreampipe's JSON or PipeDream's ``graph.txt``) or a
+bundled profile named ``pipedream:NAME``.
 
-The format is told by content, so a user never names it.
+A file's format is told by content, so a user never names it.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dreampipe.errors import ProfileError
+from dreampipe.profiling.bundled import bundled_profile, is_bundled
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.graph_txt import parse_graph_txt
 
@@ -15,11 +17,15 @@ __all__ = ["load_graph"]
 
 
 def load_graph(path: str | Path) -> LayerGraph:
-    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content.
+    """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content; or the
+    bundled PipeDream profile ``pipedream:NAME`` (``dreampipe show --list`` lists them).
 
     Every :class:`ProfileError` names the file, so a user with several
     profiles knows which one to fix.
     """
+    if is_bundled(path):
+        profile = bundled_profile(path)
+        return parse_graph_txt(profile.read_text(), model=profile.name)
     p = Path(path)
     if not p.is_file():
         raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
