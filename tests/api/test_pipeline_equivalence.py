@@ -1,4 +1,4 @@
-"""Multi-process Pipeline runs against the single-process references (DESIGN.md §5).
+"""Multi-process Pipeline runs against the single-process references (docs/design.md §5).
 
 The same rules as ``tests/runtime/test_equivalence.py``, reached through the
 public API: the user's model (the zoo's 4-layer mlp built whole), data fed

@@ -1,6 +1,6 @@
-"""Single-process models of what a dreampipe run must compute (DESIGN.md §5).
+"""Single-process models of what a dreampipe run must compute (docs/design.md §5).
 
-Written from DESIGN's rules, not from the runtime's code, so the runtime's
+Written from the design's rules, not from the runtime's code, so the runtime's
 tests can catch it doing something else:
 
 - synchronous schedules (GPipe, 1F1B-flush, data parallel, naive): one
@@ -87,7 +87,7 @@ def reference_sync(
 
 def admitted(replicas: Sequence[int], stage: int) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
-    ``ceil(W / r)`` (DESIGN §4) plus the join buffer, two per replica beyond one of
+    ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, two per replica beyond one of
     this and later stages, except at the last stage (``docs/planner.md``)."""
     joins = 0 if stage == len(replicas) - 1 else sum(r - 1 for r in replicas[stage:])
     return math.ceil((sum(replicas[stage:]) + 2 * joins) / replicas[stage])

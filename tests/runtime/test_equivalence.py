@@ -1,4 +1,4 @@
-"""Multi-process runs against the single-process references (DESIGN.md §5).
+"""Multi-process runs against the single-process references (docs/design.md §5).
 
 Each run trains a small model on 2-3 local gloo ranks and compares every
 update's loss and every final parameter and buffer with
@@ -77,7 +77,7 @@ def _max_diff(result: RunResult, state: dict[str, torch.Tensor]) -> float:
 
 
 def _units(kind: ScheduleKind, micro: int, replicas: list[int]) -> int:
-    """Microbatches per update (DESIGN §4): ``micro`` per worker for data parallelism."""
+    """Microbatches per update (docs/design.md §7): ``micro`` per worker for data parallelism."""
     return micro * sum(replicas) if kind is ScheduleKind.DP else micro
 
 

@@ -17,7 +17,7 @@ compute, so a pipeline's time is the *max* of its terms, never their sum::
 ``Input`` nodes of a PipeDream profile are zeroed: their time is data
 loading, which overlaps training (PipeDream's optimizer zeroes them too).
 
-Memory per worker follows DESIGN §5, counting what the runtime holds: a
+Memory per worker follows docs/design.md §5, counting what the runtime holds: a
 stage keeps one weight version per minibatch in flight (the live one among
 them), one gradient buffer, its optimizer's state, and for each minibatch
 in flight its input and what its layers keep for the backward; a backward

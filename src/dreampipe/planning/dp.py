@@ -1,6 +1,6 @@
 """PipeDream's dynamic program over a topology's levels, as NumPy tables.
 
-Level k of the topology groups ``m_k`` units of level k-1 (DESIGN §3). At
+Level k of the topology groups ``m_k`` units of level k-1 (docs/design.md §4). At
 each level the best pipeline over layers ``i..j`` on ``m`` units is::
 
     A(i..j, m) = min( T(i..j, m),                               one stage, m units
@@ -17,7 +17,7 @@ each stage's all-reduce on its true layout, and every cut at the level it
 crosses. The result equals :func:`~dreampipe.planning.planner.evaluate_plan`
 of the same layout, term for term.
 
-DESIGN writes the recurrence peeling the last stage; peeling the *first*
+PipeDream writes the recurrence peeling the last stage; peeling the *first*
 gives the same minimum over all partitions and lets each stage know how many
 workers lie after it, which the memory rule needs: PipeDream's minibatches in
 flight, ``ceil(W / r)`` (:mod:`dreampipe.planning.in_flight`; the plan then

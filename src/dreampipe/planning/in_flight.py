@@ -2,7 +2,7 @@
 
 A replica of stage ``s`` runs that many forwards before its first backward
 (1F1B's warm-up) and stashes that many weight versions, so the count sets
-both throughput and memory. PipeDream's rule (NOAM, DESIGN §5) gives each
+both throughput and memory. PipeDream's rule (NOAM, docs/design.md §5) gives each
 worker from the stage to the end one minibatch, shared among the stage's
 replicas: ``ceil(W_s / r_s)``. It keeps a pipeline full when every unit
 moves on as soon as it is done.

@@ -162,7 +162,7 @@ class LayerGraph:
         """Bytes crossing a cut between layers ``k-1`` and ``k`` (prefix ``0..k-1``).
 
         The sum of the outputs of every layer before the cut that has a
-        consumer after it (DESIGN.md §3). For a chain that is ``a_{k-1}``.
+        consumer after it (docs/design.md §2). For a chain that is ``a_{k-1}``.
         """
         if not 0 < k < len(self.layers):
             raise ValueError(f"a cut must lie strictly inside 1..{len(self.layers) - 1}, got {k}")

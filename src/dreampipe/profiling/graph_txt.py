@@ -1,6 +1,6 @@
 """Read PipeDream's ``graph.txt`` profiles into a :class:`LayerGraph`.
 
-Format (PipeDream's profiler output, DESIGN.md §7)::
+Format (PipeDream's profiler output, docs/design.md §2)::
 
     node4 -- Conv2d(3, 64, ...) -- forward_compute_time=1.2, backward_compute_time=2.5, \
 activation_size=1024.0, parameter_size=7168.000

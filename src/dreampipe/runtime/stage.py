@@ -1,6 +1,6 @@
 """One rank's share of the model: its layers, live weights and stashed versions.
 
-**Weight stashing** (PipeDream, DESIGN §5). The forward of unit ``u`` runs
+**Weight stashing** (PipeDream, docs/design.md §5). The forward of unit ``u`` runs
 functionally on a *version* of the weights (:mod:`.slots`, as
 ``torch.func.functional_call`` does), so the autograd graph holds that
 version; ``u``'s backward differentiates the same graph, and the gradient

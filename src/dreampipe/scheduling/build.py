@@ -1,4 +1,4 @@
-"""The five schedules of DESIGN.md §4, built as data and lowered by passes.
+"""The five schedules of docs/design.md §7, built as data and lowered by passes.
 
 :func:`build_schedule` is the one entry point; the runtime executes its
 result and the simulator times it. It runs three pure steps::
