@@ -127,6 +127,9 @@ CASES: tuple[Case, ...] = (
          (("p.json", _profile_json(0.0, scale=0.0)),)),
     Case("profile-missing", "profile", "a profile path that does not exist",
          ("plan", "{dir}/nothing.json", "-t", "2", "-b", "1GB/s"), ("nothing.json",)),
+    Case("profile-bundled-unknown", "profile", "a bundled profile name that does not exist",
+         ("plan", "pipedream:nope", "-t", "2", "-b", "1GB/s"),
+         ("'pipedream:nope'", "pipedream:vgg16", "show --list")),
     Case("profile-not-json", "profile", "a .json profile that is not JSON",
          ("show", "{dir}/p.json"), ("p.json", "not valid JSON"), (("p.json", "{not json"),)),
     # ---- topologies ---------------------------------------------------------------

@@ -61,6 +61,18 @@ def test_only_the_scheme_names_a_bundled_profile(tmp_path: Path) -> None:
         load_graph(tmp_path / "vgg16.txt")
 
 
+@pytest.mark.parametrize("missing", ["vgg16", "vgg16.txt", "profiles/gnmt.txt"])
+def test_a_missing_file_named_like_a_bundled_profile_names_it(
+    tmp_path: Path, missing: str
+) -> None:
+    stem = Path(missing).stem
+    with pytest.raises(ProfileError, match=rf"does not exist.*bundled one is pipedream:{stem}$"):
+        load_graph(tmp_path / missing)
+    with pytest.raises(ProfileError) as caught:
+        load_graph(tmp_path / "mine.json")
+    assert "bundled" not in str(caught.value)
+
+
 def test_the_licence_and_readme_ship_beside_the_profiles() -> None:
     licence = (_FOLDER / "LICENSE.txt").read_text()
     assert licence.startswith("MIT License") and "Microsoft Corporation" in licence

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dreampipe.errors import ProfileError
-from dreampipe.profiling.bundled import bundled_profile, is_bundled
+from dreampipe.profiling.bundled import bundled_profile, bundled_profiles, is_bundled
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.graph_txt import parse_graph_txt
 
@@ -28,7 +28,9 @@ def load_graph(path: str | Path) -> LayerGraph:
         return parse_graph_txt(profile.read_text(), model=profile.name)
     p = Path(path)
     if not p.is_file():
-        raise ProfileError(f"profile {str(p)!r} does not exist or is not a file")
+        bundled = [b.spec for b in bundled_profiles() if b.name == p.stem]
+        hint = f"; the bundled one is {bundled[0]}" if bundled else ""
+        raise ProfileError(f"profile {str(p)!r} does not exist or is not a file{hint}")
     try:
         text = p.read_text()
     except UnicodeDecodeError:
