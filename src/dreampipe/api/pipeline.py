@@ -365,9 +365,8 @@ class Pipeline:
         return self.runner.events
 
     def start_clock(self) -> float:
-        """Time :attr:`events` from now on (call it on every rank after a barrier, so
-        that all ranks' events share one origin); returns that origin
-        (``time.perf_counter()``)."""
+        """Time :attr:`events` from now (``time.perf_counter()``, returned); called on every
+        rank after a barrier, all ranks' events share one origin."""
         t0 = time.perf_counter()
         self.runner.start_clock(t0)
         return t0

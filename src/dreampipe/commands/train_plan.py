@@ -26,13 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.commands.train_config import (
-    TrainConfig,
-    TrainOptions,
-    TrainResult,
-    check_config,
-    check_options,
-)
+from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.machine.calibration import corun_crowd, corun_twins, local_topology, measured_machine
 from dreampipe.machine.local_plan import (
@@ -56,6 +50,7 @@ from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
+    from dreampipe.commands.train_config import TrainResult
     from dreampipe.runtime.data import Dataset
 
 __all__ = [
