@@ -2,9 +2,10 @@
 
 :func:`~dreampipe.commands.train_plan.plan_train` checks, profiles, plans and
 predicts; then every rank (local processes that :func:`train_local` starts
-with the runtime's launcher, or torchrun's) builds its stage of the model (the other layers on
-the meta device), feeds the Pipeline the dataset's minibatches in order and
-saves a checkpoint every ``every`` minibatches. ``--steps`` is the total:
+with the runtime's launcher, or torchrun's, each calling :func:`train_rank`)
+builds its stage of the model (the other layers on the meta device), feeds
+the Pipeline the dataset's minibatches in order and saves a checkpoint
+every ``every`` minibatches. ``--steps`` is the total:
 a resumed run continues from the checkpoint's data position to it.
 
 ``resume`` means "continue from the newest committed checkpoint in the
@@ -123,7 +124,7 @@ def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResul
     DreampipeError class when it is one, with every failed rank's traceback.
     """
     cfg = job.cfg
-    check_config(cfg, resolve_spec(cfg.model, cfg.model_kwargs), cfg.workers)
+    check_config(cfg, resolve_spec(cfg.model, cfg.model_kwargs))
 
     def where(rank: int) -> str:
         return f"stage {cfg.plan.stage_of_rank(rank)}"
