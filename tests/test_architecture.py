@@ -100,28 +100,36 @@ def test_no_module_imports_a_higher_layer() -> None:
     assert not bad, "\n".join(sorted(bad))
 
 
-def test_no_import_cycle() -> None:
-    graph = {m: {o for o in imps if o != m} for m, imps in _graph().items()}
-    # a package's __init__ imports its own modules; an edge back to it is no cycle of ideas
+def _find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (module -> modules it imports), or [] if none.
+
+    Every edge counts: between two modules of one folder, and from a package's
+    ``__init__`` to its own modules (a module that imports its package while
+    that ``__init__`` imports the module closes a cycle through it).
+    """
+    edges = {m: {o for o in imps if o != m} for m, imps in graph.items()}
     state: dict[str, int] = {}
     cycle: list[str] = []
 
     def visit(node: str, path: list[str]) -> bool:
         state[node] = 1
-        for nxt in sorted(graph.get(node, ())):
-            if nxt.startswith(node + "."):
-                continue
+        for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
-                cycle.extend([*path[path.index(nxt):], nxt] if nxt in path else [node, nxt])
+                cycle.extend([*path[path.index(nxt):], nxt])
                 return True
             if state.get(nxt) is None and visit(nxt, [*path, nxt]):
                 return True
         state[node] = 2
         return False
 
-    for start in sorted(graph):
+    for start in sorted(edges):
         if state.get(start) is None and visit(start, [start]):
             break
+    return cycle
+
+
+def test_no_import_cycle() -> None:
+    cycle = _find_cycle(_graph())
     assert not cycle, " -> ".join(cycle)
 
 
@@ -132,3 +140,15 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert _imports(source, "dreampipe.profiling") == {"dreampipe.cli",
                                                        "dreampipe.profiling.graph"}
     assert _layer("dreampipe.cli") > _layer("dreampipe.profiling.graph")  # type: ignore[operator]
+
+    # an import cycle between two modules of one folder, and one through its __init__
+    pkg = "dreampipe.api"
+    (tmp_path / "a.py").write_text("from dreampipe.api.b import f\n")
+    (tmp_path / "b.py").write_text("from .a import g\nif TYPE_CHECKING:\n    from .c import h\n")
+    (tmp_path / "c.py").write_text("from dreampipe.api import Pipeline\n")
+    graph = {f"{pkg}.{m}": _imports(tmp_path / f"{m}.py", pkg) for m in "abc"}
+    assert _find_cycle(graph) == [f"{pkg}.a", f"{pkg}.b", f"{pkg}.a"]
+    del graph[f"{pkg}.a"]
+    assert _find_cycle(graph) == []  # b -> c under TYPE_CHECKING only
+    graph[pkg] = {f"{pkg}.c"}  # the package's __init__ imports c, which imports the package
+    assert _find_cycle(graph) == [pkg, f"{pkg}.c", pkg]

@@ -11,8 +11,8 @@ Pipeline), ``commands`` (train, demo, bench) and ``cli`` on top and ``models`` b
 
 ``dreampipe.Pipeline`` trains your own model, data, optimizer and loop on a
 plan (``api/``). ``import dreampipe`` stays light: the names that need NumPy
-or torch (the Pipeline, the planner, the profiler, the model zoo, the
-runtime) load on first use.
+or torch (the Pipeline, the planner, the profiler, the model zoo) load on
+first use.
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from dreampipe.models.spec import ModelSpec
     from dreampipe.planning.planner import evaluate_plan, plan_pipeline
     from dreampipe.profiling.profiler import profile_model, profile_spec
-    from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local, run_from_env
 
 __all__ = [
     "Action",
@@ -69,15 +68,12 @@ __all__ = [
     "Layer",
     "LayerGraph",
     "ModelSpec",
-    "OptimizerKind",
     "PeerTimeoutError",
     "Pipeline",
     "Plan",
     "PlanError",
     "ProfileError",
     "QuantityError",
-    "RunConfig",
-    "RunResult",
     "Schedule",
     "ScheduleError",
     "ScheduleKind",
@@ -93,13 +89,11 @@ __all__ = [
     "draw_timeline",
     "evaluate_plan",
     "get_model",
-    "launch_local",
     "load_graph",
     "load_model_state",
     "plan_pipeline",
     "profile_model",
     "profile_spec",
-    "run_from_env",
     "simulate_schedule",
     "validate_schedule",
     "write_chrome_trace",
@@ -118,11 +112,6 @@ _LAZY = {
     "plan_pipeline": ("dreampipe.planning.planner", "plan_pipeline"),
     "profile_model": ("dreampipe.profiling.profiler", "profile_model"),
     "profile_spec": ("dreampipe.profiling.profiler", "profile_spec"),
-    "OptimizerKind": ("dreampipe.runtime", "OptimizerKind"),
-    "RunConfig": ("dreampipe.runtime", "RunConfig"),
-    "RunResult": ("dreampipe.runtime", "RunResult"),
-    "launch_local": ("dreampipe.runtime", "launch_local"),
-    "run_from_env": ("dreampipe.runtime", "run_from_env"),
 }
 
 

@@ -18,15 +18,16 @@ def outcomes() -> dict[str, Outcome]:
     """Every case run once, with anything that would start workers made to fail loudly."""
     import torch.distributed as dist
 
-    import dreampipe.runtime.launch as launch
+    import dreampipe.commands.bench_process as bench_process
+    import dreampipe.commands.train as train
 
     def refuse(*_args: Any, **_kwargs: Any) -> None:
         raise AssertionError("a bad input reached the point of starting workers")
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dist, "init_process_group", refuse)
-        mp.setattr(launch, "run_processes", refuse)
-        mp.setattr(launch, "launch_local", refuse)
+        mp.setattr(train, "run_processes", refuse)
+        mp.setattr(bench_process, "run_processes", refuse)
         return {case.id: run_case(case, main) for case in CASES}
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from dreampipe.commands import train_plan as train
+from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest, plan_train
 from dreampipe.errors import ProfileError
 from dreampipe.machine import local_plan as local
@@ -16,7 +17,6 @@ from dreampipe.models import get_model
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.profiling.profiler import profile_spec
-from dreampipe.runtime.config import RunOptions
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 
@@ -104,7 +104,7 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
     monkeypatch.setattr(local, "profile_as_worker", no_profiling)
     measured = _altered(saved, tmp_path, runtime_forward=1.1, runtime_backward=1.05,
                         loss_forward_ms=0.01, loss_backward_ms=0.02)
-    run = RunOptions(model="mlp", model_kwargs=_KWARGS, schedule=ScheduleKind.FLUSH,
+    run = TrainOptions(model="mlp", model_kwargs=_KWARGS, schedule=ScheduleKind.FLUSH,
                      minibatch_size=32, microbatches=2, steps=6)
     planned = plan_train(TrainRequest(run=run, plan=PlanSource(config="1-1"), workers=2,
                                       profile=str(measured)))

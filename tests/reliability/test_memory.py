@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from dreampipe.commands.train import run_train
+from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.errors import ConfigError
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
-from dreampipe.runtime.config import RunOptions
 
 _MODELS = {
     "mlp": (("width", 2048), ("layers", 8)),
@@ -42,7 +42,7 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _request(model: str, stash: bool, profile: Path | None, memory_bytes: int | None = None
              ) -> TrainRequest:
-    run = RunOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
+    run = TrainOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
                      steps=4, stash=stash, progress=False, timeout_s=120.0,
                      measure_memory=True)
     return TrainRequest(run=run, plan=PlanSource(config="straight", stages=_CUTS[model]),

@@ -6,8 +6,9 @@ MASTER_PORT) plus GLOO_SOCKET_IFNAME; ``argv[1]`` is a JSON job:
 - ``"probe": {"bytes": n, "repeats": k}`` (optional): first, in a process
   group of its own on ``MASTER_PORT + 1``, gloo ``send``s ``n`` bytes from
   rank 1 to rank 0 ``k`` times and times each (the link's real throughput);
-- ``"train"``: :class:`RunConfig` fields (``plan`` as a plan's JSON object,
-  ``schedule`` by value), trained with ``run_from_env`` as under torchrun.
+- ``"train"``: :class:`~dreampipe.commands.train_config.TrainConfig` fields
+  (``plan`` as a plan's JSON object, ``schedule`` by value), trained as
+  ``dreampipe train`` trains a torchrun rank (one Pipeline).
 
 Rank 0 prints one line ``RESULT <json>``: the probe's MB/s, the run's
 throughput and its recorded events.
@@ -25,8 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dreampipe.commands.train import TrainJob, train_rank
+from dreampipe.commands.train_config import TrainConfig
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime import RunConfig, run_from_env
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
@@ -62,7 +64,8 @@ def train(fields: dict[str, Any]) -> dict[str, Any] | None:
     fields["plan"] = Plan.from_dict(fields["plan"])
     fields["schedule"] = ScheduleKind(fields["schedule"])
     fields["model_kwargs"] = tuple(tuple(kv) for kv in fields["model_kwargs"])
-    result = run_from_env(RunConfig(**fields))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = train_rank(rank, world, TrainJob(TrainConfig(**fields)))
     if result is None:
         return None
     return {

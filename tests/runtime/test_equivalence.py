@@ -1,11 +1,14 @@
 """Multi-process runs against the single-process references (docs/design.md §5).
 
-Each run trains a small model on 2-3 local gloo ranks and compares every
-update's loss and every final parameter and buffer with
+Each run trains a small model on 2-3 local gloo ranks, one Pipeline each, as
+``dreampipe train`` runs them (:func:`dreampipe.commands.train.train_local`),
+and compares every update's loss and every final parameter and buffer with
 :mod:`runtime.reference` (rtol 1e-5, atol 4e-5, float32): mostly a 4-layer
 mlp of width 16, plus the zoo's conv ``cnn`` (8x8 images) and an mlp with
 BatchNorm (:func:`runtime.models_for_tests.bn_mlp`), whose running
-statistics are buffers the weight versions do not cover.
+statistics are buffers the weight versions do not cover. The cases
+``tests/api/test_pipeline_equivalence.py`` covers (1f1b-flush on 1-1, and
+PipeDream with vertical sync and on 2-1) are not repeated here.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 
+from dreampipe.commands.train import TrainJob, train_local
+from dreampipe.commands.train_config import TrainConfig, TrainResult
 from dreampipe.models import ModelSpec, get_model
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime import OptimizerKind, RunConfig, RunResult, launch_local
+from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.data import load_dataset
 from dreampipe.scheduling.actions import ScheduleKind
 
@@ -34,7 +39,7 @@ SEED = 3
 
 @dataclass(frozen=True)
 class Model:
-    """A model as the runtime names it (``RunConfig.model``) and as the test builds it."""
+    """A model as a run names it (``TrainConfig.model``) and as the test builds it."""
 
     name: str
     factory: Callable[..., ModelSpec]
@@ -53,15 +58,17 @@ def _spec() -> ModelSpec:
     return MLP.spec()
 
 
-def _run(bounds: list[int], replicas: list[int], model: Model = MLP, **kw: object) -> RunResult:
-    cfg = RunConfig(
+def _run(bounds: list[int], replicas: list[int], model: Model = MLP, **kw: object
+         ) -> TrainResult:
+    cfg = TrainConfig(
         model=model.name, plan=Plan.from_config(model.spec().num_layers, bounds, replicas),
         model_kwargs=model.kwargs, seed=SEED, timeout_s=30.0, **kw,  # type: ignore[arg-type]
     )
-    return launch_local(cfg, deadline_s=100.0)
+    return train_local(TrainJob(cfg), deadline_s=100.0)
 
 
-def _assert_matches(result: RunResult, losses: list[float], state: dict[str, torch.Tensor]) -> None:
+def _assert_matches(result: TrainResult, losses: list[float], state: dict[str, torch.Tensor]
+                    ) -> None:
     torch.testing.assert_close(
         torch.tensor(result.losses), torch.tensor(losses), rtol=RTOL, atol=ATOL
     )
@@ -71,7 +78,7 @@ def _assert_matches(result: RunResult, losses: list[float], state: dict[str, tor
         torch.testing.assert_close(got[name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def _max_diff(result: RunResult, state: dict[str, torch.Tensor]) -> float:
+def _max_diff(result: TrainResult, state: dict[str, torch.Tensor]) -> float:
     got = {k: v for s in result.stage_states for k, v in s.items()}
     return max(float((got[k] - v).abs().max()) for k, v in state.items())
 
@@ -82,7 +89,6 @@ def _units(kind: ScheduleKind, micro: int, replicas: list[int]) -> int:
 
 
 SYNC_CASES = [
-    (ScheduleKind.FLUSH, [0, 2], [1, 1], 4, OptimizerKind.SGD),
     (ScheduleKind.GPIPE, [0, 2], [1, 1], 4, OptimizerKind.ADAM),
     (ScheduleKind.DP, [0], [2], 2, OptimizerKind.SGD),
     (ScheduleKind.FLUSH, [0, 1, 3], [1, 1, 1], 4, OptimizerKind.ADAM),
@@ -138,15 +144,13 @@ def test_flush_equals_gradient_accumulation_on_other_models(model: Model) -> Non
 PIPE_CASES = [
     ([0, 2], [1, 1], False, 0.0),
     ([0, 1, 3], [1, 1, 1], False, 0.9),
-    ([0, 1, 3], [1, 1, 1], True, 0.0),
-    ([0, 2], [2, 1], False, 0.0),
 ]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("bounds", "replicas", "vsync", "momentum"), PIPE_CASES,
-    ids=["straight-2", "straight-3-momentum", "straight-3-vsync", "replicated-2-1"],
+    ids=["straight-2", "straight-3-momentum"],
 )
 def test_pipedream_matches_delayed_update_rule(
     bounds: list[int], replicas: list[int], vsync: bool, momentum: float

@@ -1,4 +1,9 @@
-"""Errors, not hangs: bad inputs fail before any send, a stalled peer fails every rank."""
+"""Errors, not hangs: bad inputs fail before any send, a stalled peer fails every rank.
+
+Runs start as ``dreampipe train`` starts them (:func:`dreampipe.commands.train.train_local`,
+one Pipeline per local rank), or, for the Pipeline's own checks, straight
+from the runtime's launcher.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,15 @@ import re
 import time
 
 import pytest
+import torch
 
+from dreampipe.api import Pipeline
+from dreampipe.commands.train import TrainJob, train_local
+from dreampipe.commands.train_config import TrainConfig
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError, ScheduleError, WorkerError
-from dreampipe.planning.plan import Plan, Stage
-from dreampipe.planning.splits import Split
-from dreampipe.runtime import RunConfig, launch_local
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
@@ -19,8 +28,8 @@ __all__: list[str] = []
 MODEL_KW = (("layers", 4), ("width", 16))
 
 
-def _cfg(plan: Plan, **kw: object) -> RunConfig:
-    return RunConfig(model="mlp", plan=plan, model_kwargs=MODEL_KW, **kw)  # type: ignore[arg-type]
+def _cfg(plan: Plan, **kw: object) -> TrainConfig:
+    return TrainConfig(model="mlp", plan=plan, model_kwargs=MODEL_KW, **kw)  # type: ignore[arg-type]
 
 
 BAD = [
@@ -73,47 +82,55 @@ BAD = [
         _cfg(Plan.from_config(4, [0, 2], [1, 1], layer_names=("fc0", "fc1", "conv", "fc3"))),
         PlanError, "layer 2 is 'conv' but mlp's is 'fc2'",
     ),
-    (
-        RunConfig(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
-                  plan=Plan.from_config(5, [0, 3], [1, 1])),
-        PlanError, "stage 0 \\(layers 0..2\\) returns a tuple, not a tensor",
-    ),
-    (
-        _cfg(Plan(stages=(Stage(first=0, last=3, replicas=1, ranks=(0,), tensor_parallel=2,
-                                splits=(Split.OUT, Split.IN, Split.OUT, Split.IN)),),
-                  num_layers=4)),
-        ConfigError, "plan 1t2 splits its stages over 2 workers; launch_local",
-    ),
 ]
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(("cfg", "error", "message"), BAD, ids=[m for _, _, m in BAD])
 def test_bad_inputs_raise_before_any_process_starts(
-    cfg: RunConfig, error: type[Exception], message: str
+    cfg: TrainConfig, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        launch_local(cfg)
+        train_local(TrainJob(cfg))
     assert mp.active_children() == []
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
+def test_a_stage_that_returns_a_tuple_fails_every_rank_before_any_send() -> None:
+    cfg = TrainConfig(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
+                      plan=Plan.from_config(5, [0, 3], [1, 1]), steps=3, minibatch_size=4)
+    with pytest.raises(PlanError) as info:
+        train_local(TrainJob(cfg), deadline_s=50.0)
+    text = str(info.value)
+    assert re.search(r"stage 0 \(layers 0\.\.2\b.*\) returns a tuple, not a tensor", text), text
+    assert mp.active_children() == []
+
+
+def _pipeline_on(_rank: int, _world: int, plan: Plan) -> None:
+    """Build a Pipeline of ``plan`` on this rank (it checks the plan against the world)."""
+    spec = get_model("mlp", layers=4, width=16)
+    Pipeline(spec.build(0, 3, 0), example=(spec.sample_input(8), spec.sample_target(8)),
+             loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+             plan=plan, timeout_s=30.0)
+
+
+@pytest.mark.timeout(60)
 def test_worker_count_must_match_the_plan() -> None:
     with pytest.raises(PlanError, match="uses 2 workers but 3 were started"):
-        launch_local(_cfg(Plan.from_config(4, [0, 2], [1, 1])), workers=3)
+        run_processes(_pipeline_on, 3, Plan.from_config(4, [0, 2], [1, 1]), deadline_s=50.0)
 
 
 @pytest.mark.timeout(90)
 def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
     timeout = 3.0
-    cfg = RunConfig(
+    cfg = TrainConfig(
         model="runtime.models_for_tests:stall_mlp", model_kwargs=MODEL_KW,
         plan=Plan.from_config(5, [0, 2, 3], [1, 1, 1]), steps=3, minibatch_size=4,
         timeout_s=timeout,
     )
     start = time.monotonic()
     with pytest.raises(PeerTimeoutError) as info:
-        launch_local(cfg, deadline_s=60.0)
+        train_local(TrainJob(cfg), deadline_s=60.0)
     elapsed = time.monotonic() - start
     text = str(info.value)
     assert re.search(
@@ -137,13 +154,13 @@ def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
 
 @pytest.mark.timeout(90)
 def test_the_failing_rank_comes_first_not_the_peers_it_left_waiting() -> None:
-    cfg = RunConfig(
+    cfg = TrainConfig(
         model="runtime.models_for_tests:crash_mlp", model_kwargs=MODEL_KW,
         plan=Plan.from_config(5, [0, 2], [1, 1]), steps=3, minibatch_size=4, timeout_s=30.0,
     )
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        launch_local(cfg, deadline_s=60.0)
+        train_local(TrainJob(cfg), deadline_s=60.0)
     lines = str(info.value).splitlines()
     assert lines[0] == "rank 1 (stage 1) failed: ValueError: crash layer reached", lines[0]
     left = [ln for ln in lines if ln.startswith("rank 0 (stage 0) also failed")]

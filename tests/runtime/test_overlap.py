@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dreampipe.commands.train import TrainJob, train_local, train_rank
+from dreampipe.commands.train_config import TrainConfig, TrainResult
 from dreampipe.errors import WorkerError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime import RunConfig, RunResult, launch_local, run_from_env
 from dreampipe.runtime import buckets as buckets_module
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.engine import round_ends
@@ -196,7 +197,7 @@ def test_round_ends_are_the_last_backward_before_each_allreduce() -> None:
     assert round_ends(actions) == {2, 4}
 
 
-# ---- whole runs through the engine -------------------------------------------------
+# ---- whole runs: one Pipeline per rank, as dreampipe train runs them ----------------
 MODEL_KW = (("layers", 4), ("width", 16))
 RUNS = [
     ("dp-2", ScheduleKind.DP, [0], [2], 2, {0: 8, 1: 8}),
@@ -205,7 +206,7 @@ RUNS = [
 ]
 
 
-def _tiny_buckets(rank: int, world: int, cfg: RunConfig) -> tuple[RunResult | None, int]:
+def _tiny_buckets(rank: int, world: int, cfg: TrainConfig) -> tuple[TrainResult | None, int]:
     """One rank of ``cfg`` with a bucket per parameter; its result and all-reduce count."""
     buckets_module.BUCKET_CAP_MB = TINY_CAP_MB
     real = dist.all_reduce
@@ -217,7 +218,7 @@ def _tiny_buckets(rank: int, world: int, cfg: RunConfig) -> tuple[RunResult | No
 
     dist.all_reduce = counting  # type: ignore[assignment]
     try:
-        return run_from_env(cfg), calls[0]
+        return train_rank(rank, world, TrainJob(cfg)), calls[0]
     finally:
         dist.all_reduce = real
 
@@ -232,18 +233,19 @@ def test_runs_with_a_bucket_per_parameter_equal_runs_with_one_bucket(
     params_per_round: dict[int, int],
 ) -> None:
     steps = 3 if kind is not ScheduleKind.PIPEDREAM else 6
-    cfg = RunConfig(
+    cfg = TrainConfig(
         model="mlp", plan=Plan.from_config(4, bounds, replicas), model_kwargs=MODEL_KW,
         schedule=kind, minibatch_size=16 if kind is not ScheduleKind.PIPEDREAM else 8,
         microbatches=micro, steps=steps, lr=0.2, seed=3, timeout_s=30.0,
     )
-    one = launch_local(cfg, deadline_s=100.0)
+    one = train_local(TrainJob(cfg), deadline_s=100.0)
     ranks = run_processes(_tiny_buckets, sum(replicas), cfg, deadline_s=100.0)
     many = ranks[0][0]
-    assert isinstance(many, RunResult)
+    assert isinstance(many, TrainResult)
     rounds = steps // replicas[0] if kind is ScheduleKind.PIPEDREAM else steps
+    # one all-reduce per parameter and round, and the Pipeline's one of the losses at finish()
     assert {r: n for r, (_, n) in enumerate(ranks)} == {
-        r: n * rounds for r, n in params_per_round.items()
+        r: n * rounds + 1 for r, n in params_per_round.items()
     }
     assert many.losses == one.losses
     for a, b in zip(many.stage_states, one.stage_states, strict=True):
@@ -254,13 +256,13 @@ def test_runs_with_a_bucket_per_parameter_equal_runs_with_one_bucket(
 
 @pytest.mark.timeout(90)
 def test_a_replica_lost_during_the_allreduce_is_named_with_the_action() -> None:
-    cfg = RunConfig(
+    cfg = TrainConfig(
         model="runtime.models_for_tests:crash_replica_mlp", model_kwargs=MODEL_KW,
         plan=Plan.from_config(5, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=8,
         microbatches=1, steps=3, timeout_s=30.0,
     )
     with pytest.raises(WorkerError) as info:
-        launch_local(cfg, deadline_s=60.0)
+        train_local(TrainJob(cfg), deadline_s=60.0)
     lines = str(info.value).splitlines()
     assert lines[0] == "rank 1 (stage 0) failed: ValueError: crash on rank 1", lines[0]
     assert any(

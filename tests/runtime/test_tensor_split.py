@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from dreampipe.commands.train import Checkpoints, run_train
+from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.errors import ConfigError
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
-from dreampipe.runtime.config import RunOptions
 from dreampipe.runtime.data import load_dataset
 from dreampipe.scheduling.actions import ScheduleKind
 
@@ -39,7 +39,7 @@ LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [2, 4])
 def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int) -> None:
-    run = RunOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
+    run = TrainOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
                      lr=LR, schedule=ScheduleKind.FLUSH, progress=False,
                      timeout_s=120.0, measure_memory=True)
     request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
@@ -88,7 +88,7 @@ def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> Pl
 
 def test_checkpoints_of_split_stages_are_refused_before_training(tmp_path: Path) -> None:
     kwargs = (("layers", 3), ("width", 64))
-    run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=4,
+    run = TrainOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=4,
                      progress=False)
     request = TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs), workers=4)
     with pytest.raises(ConfigError, match=r"1t2-1t2 splits .* without --checkpoint-every"):
@@ -106,7 +106,7 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     """
     kwargs, steps = (("layers", 3), ("width", 255)), 6  # uneven shares: 128 and 127
     spec = get_model("mlp", **dict(kwargs))
-    run = RunOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
+    run = TrainOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
                      lr=LR, schedule=ScheduleKind.PIPEDREAM, progress=False, timeout_s=60.0)
     report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
                                     workers=4, exact_steps=True))

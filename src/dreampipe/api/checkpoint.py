@@ -272,7 +272,7 @@ def load(path: Path, pipe: Pipeline) -> int:
                     if k.startswith(prefix)})
         if opt is not None and per:
             opt.state[p] = per
-        module.version = int(info["version"])
+        module.resume_at(int(info["version"]))
     if opt is not None and names:
         first = objects[f"param.{names[0]}"]
         for group in opt.param_groups:

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import logging
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -201,7 +202,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.minibatches = 0
         self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
-                                   unit_size=unit_size, max_grad_norm=max_grad_norm,
+                                   max_grad_norm=max_grad_norm,
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
@@ -214,7 +215,7 @@ class Pipeline:
         self._horizon = min(_HORIZON, self._cap)
         self.runner = RankRunner(
             self._schedule(self._horizon), self.srank, self.device,
-            self.module, None, self._opts, groups=groups, links=self._links,
+            self.module, self._opts, groups=groups, links=self._links,
             clip_group=clip_group, after_step=self._after_step,
         )
         self._segment = 0
@@ -245,7 +246,7 @@ class Pipeline:
             device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
             wants_targets=lambda u: last and u % reps == mine,
         )
-        self.runner.data = feed
+        self.runner.feed(feed)
         return feed
 
     def step(self, x: Tensor | tuple[Tensor, ...], y: Tensor) -> None:
@@ -254,8 +255,8 @@ class Pipeline:
         if self._segment == 0 and self.runner.done:
             self._restart(self._horizon_from(self.minibatches))
         if self._segment == 0:
-            self.runner.guard.first_minibatch = self.minibatches
-            self.runner.first_unit = self.minibatches * self.layout.units_per_update
+            self.runner.start_segment(self.minibatches * self.layout.units_per_update,
+                                      self.minibatches)
         self._feed.add(self._segment, (x, y))
         self._segment += 1
         self.minibatches += 1
@@ -360,8 +361,15 @@ class Pipeline:
 
     @property
     def events(self) -> list[Event]:
-        """What this rank did, with times from :attr:`RankRunner.t0` (``record_events``)."""
+        """What this rank did, with times from :meth:`start_clock` (``record_events``)."""
         return self.runner.events
+
+    def start_clock(self) -> float:
+        """Time :attr:`events` from now (``time.perf_counter()``, returned); called on every
+        rank after a barrier, all ranks' events share one origin."""
+        t0 = time.perf_counter()
+        self.runner.start_clock(t0)
+        return t0
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""

@@ -178,11 +178,12 @@ def _check_output_paths(args: argparse.Namespace) -> None:
 
 def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
+    from dreampipe.commands.train_config import TrainOptions
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
-    from dreampipe.runtime.config import OptimizerKind, RunOptions
+    from dreampipe.runtime.config import OptimizerKind
     from dreampipe.runtime.nonfinite import OnNonFinite
 
-    run = RunOptions(
+    run = TrainOptions(
         model=args.model,
         model_kwargs=parse_model_args(args.model_arg),
         schedule=ScheduleKind(args.schedule),

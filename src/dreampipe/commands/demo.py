@@ -5,8 +5,10 @@ the 8x8 digits are resized by :mod:`dreampipe.runtime.data`) on a batch of
 scikit-learn's handwritten digits, plans it for 2 local workers, trains it
 with PipeDream's asynchronous 1F1B and weight stashing, then trains it again
 with data parallelism for the same number of epochs, and reports test
-accuracy and throughput of both beside the planner's prediction. The
-measured PipeDream timeline is drawn as a PNG.
+accuracy and throughput of both beside the planner's prediction. Both runs
+are ``dreampipe train``'s (:func:`~dreampipe.commands.train.train_local`: a
+:class:`~dreampipe.api.pipeline.Pipeline` per local rank). The measured
+PipeDream timeline is drawn as a PNG.
 
 If the planner's best plan for this small model is plain data parallelism
 (one stage on both workers), there is nothing to pipeline, so the demo says
@@ -37,7 +39,7 @@ from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 
 if TYPE_CHECKING:
-    from dreampipe.runtime import RunResult
+    from dreampipe.commands.train_config import TrainResult
     from dreampipe.scheduling.events import Event
 
 __all__ = ["DemoOptions", "DemoResult", "run_demo", "timeline_window"]
@@ -75,8 +77,8 @@ class DemoResult:
 
     plan: Plan
     predicted_samples_per_s: float
-    pipedream: RunResult
-    dp: RunResult
+    pipedream: TrainResult
+    dp: TrainResult
     timeline: Path
     trace: Path
 
@@ -114,7 +116,8 @@ def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[E
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     """Profile, plan, train with PipeDream and with DP, draw; lines go to ``say``."""
-    from dreampipe.runtime import RunConfig, launch_local
+    from dreampipe.commands.train import TrainJob, train_local
+    from dreampipe.commands.train_config import TrainConfig
     from dreampipe.runtime.data import load_dataset, steps_for_epochs
     from dreampipe.simulation.timeline import draw_timeline
     from dreampipe.simulation.trace import write_chrome_trace
@@ -132,22 +135,22 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     predicted = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM,
                                       minibatch_size=opts.minibatch_size, microbatches=1,
                                       steps=steps)
-    base = RunConfig(
+    base = TrainConfig(
         model=_MODEL, plan=plan, schedule=ScheduleKind.PIPEDREAM,
         minibatch_size=opts.minibatch_size, steps=steps, lr=opts.lr, momentum=opts.momentum,
         seed=opts.seed, dataset="digits", model_kwargs=_MODEL_KWARGS, progress=opts.progress,
     )
     say(f"training with PipeDream (1F1B, weight stashing): {opts.epochs:g} epochs, "
         f"{steps} minibatches of {opts.minibatch_size}")
-    pipedream = launch_local(replace(base, record_events=True), spec=spec)
+    pipedream = train_local(TrainJob(replace(base, record_events=True)))
     dp_batch = opts.minibatch_size * opts.workers
     dp_steps = steps_for_epochs(opts.epochs, train_n, dp_batch)
     dp_plan = Plan.from_config(spec.num_layers, [0], [opts.workers], model=_MODEL)
     say(f"training with data parallelism on {opts.workers} workers: {opts.epochs:g} epochs, "
         f"{dp_steps} updates of {dp_batch}, learning rate x{opts.workers}")
-    dp = launch_local(replace(base, plan=dp_plan, schedule=ScheduleKind.DP,
-                              minibatch_size=dp_batch, steps=dp_steps,
-                              lr=opts.lr * opts.workers), spec=spec)
+    dp = train_local(TrainJob(replace(base, plan=dp_plan, schedule=ScheduleKind.DP,
+                                      minibatch_size=dp_batch, steps=dp_steps,
+                                      lr=opts.lr * opts.workers)))
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     timeline, trace = opts.out_dir / "pipedream-timeline.png", opts.out_dir / "pipedream-trace.json"
     first = max(0, steps // 2 - opts.timeline_units // 2)

@@ -1,10 +1,11 @@
 """``dreampipe train``'s run: a zoo model on a built-in dataset, one Pipeline per rank.
 
 :func:`~dreampipe.commands.train_plan.plan_train` checks, profiles, plans and
-predicts; then every rank (local processes started by the runtime's
-launcher, or torchrun's) builds its stage of the model (the other layers on
-the meta device), feeds the Pipeline the dataset's minibatches in order and
-saves a checkpoint every ``every`` minibatches. ``--steps`` is the total:
+predicts; then every rank (local processes that :func:`train_local` starts
+with the runtime's launcher, or torchrun's, each calling :func:`train_rank`)
+builds its stage of the model (the other layers on the meta device), feeds
+the Pipeline the dataset's minibatches in order and saves a checkpoint
+every ``every`` minibatches. ``--steps`` is the total:
 a resumed run continues from the checkpoint's data position to it.
 
 ``resume`` means "continue from the newest committed checkpoint in the
@@ -34,10 +35,10 @@ from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.pipeline import Pipeline
+from dreampipe.commands.train_config import TrainConfig, TrainResult, check_config
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.resolve import resolve_spec
-from dreampipe.runtime.config import RunConfig, RunResult
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import barrier
 from dreampipe.runtime.memory import (
@@ -49,7 +50,7 @@ from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_process
 from dreampipe.runtime.results import RankReport, sorted_events, stage_states
 from dreampipe.runtime.tensor_split import load_dtensor_runtime, tensor_mesh
 
-__all__ = ["Checkpoints", "run_train"]
+__all__ = ["Checkpoints", "TrainJob", "run_train", "train_local", "train_rank"]
 
 _log = logging.getLogger(__name__)
 _EVAL_BATCH = 256
@@ -77,10 +78,12 @@ class Checkpoints:
 
 
 @dataclass(frozen=True)
-class _Job:
-    cfg: RunConfig
-    checkpoints: Checkpoints
-    resume_from: Path | None
+class TrainJob:
+    """What every rank trains: the run, where it saves, and the checkpoint it resumes from."""
+
+    cfg: TrainConfig
+    checkpoints: Checkpoints = Checkpoints()
+    resume_from: Path | None = None
 
 
 def run_train(
@@ -104,22 +107,33 @@ def run_train(
         return None
     if torchrun is None or torchrun[0] == 0:
         _tidy(ckpt, found, cfg, say)
-    job = _Job(cfg, ckpt, found)
-    if torchrun is not None:
-        result = _train_rank(torchrun[0], torchrun[1], job)
-    else:
-        def where(rank: int) -> str:
-            return f"stage {cfg.plan.stage_of_rank(rank)}"
-
-        results = run_processes(_train_rank, cfg.workers, job,
-                                threads=None if torch.cuda.is_available() else 1, where=where)
-        result = results[0]
-        if not isinstance(result, RunResult):
-            raise WorkerError("rank 0 finished without a result")
+    job = TrainJob(cfg, ckpt, found)
+    result = train_rank(*torchrun, job) if torchrun is not None else train_local(job)
     if result is None:
         return None
     return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result,
                        planned.predicted_memory)
+
+
+def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResult:
+    """Train ``job`` on the plan's workers, local processes; rank 0's result.
+
+    The run is checked here first, so a bad one fails before any process
+    starts. ``deadline_s`` bounds the whole run (None: only each wait's
+    ``timeout_s``). A failing rank's error is raised here, as its own
+    DreampipeError class when it is one, with every failed rank's traceback.
+    """
+    cfg = job.cfg
+    check_config(cfg, resolve_spec(cfg.model, cfg.model_kwargs))
+
+    def where(rank: int) -> str:
+        return f"stage {cfg.plan.stage_of_rank(rank)}"
+
+    results = run_processes(train_rank, cfg.workers, job, deadline_s=deadline_s,
+                            threads=None if torch.cuda.is_available() else 1, where=where)
+    if not isinstance(results[0], TrainResult):
+        raise WorkerError("rank 0 finished without a result")
+    return results[0]
 
 
 def _nothing_left(found: Path | None, steps: int, say: Say | None) -> bool:
@@ -149,7 +163,7 @@ def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
     return found
 
 
-def _tidy(ckpt: Checkpoints, found: Path | None, cfg: RunConfig, say: Say | None) -> None:
+def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | None) -> None:
     """Remove the saves that never committed, and say where the run starts (the lead only)."""
     if ckpt.directory is None:
         return
@@ -167,8 +181,9 @@ def _tidy(ckpt: Checkpoints, found: Path | None, cfg: RunConfig, say: Say | None
             say(line)
 
 
-def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
-    """One rank: build its stage, train to ``cfg.steps`` minibatches, report to rank 0."""
+def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
+    """One rank of ``job`` (a local process's or torchrun's): build its stage, train to
+    ``cfg.steps`` minibatches, report to rank 0; the result on rank 0."""
     cfg = job.cfg
     spec = resolve_spec(cfg.model, cfg.model_kwargs)
     stage = cfg.plan.stage_of_rank(rank)
@@ -202,8 +217,8 @@ def _train_rank(rank: int, world: int, job: _Job) -> RunResult | None:
     return result
 
 
-def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
-           baseline: Baseline | None) -> RunResult | None:
+def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
+           baseline: Baseline | None) -> TrainResult | None:
     cfg, ckpt = job.cfg, job.checkpoints
     start = pipe.minibatches
     bar = _progress(cfg, rank, world, start)
@@ -214,7 +229,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
     if cfg.steps > start:
         pipe.reserve(cfg.steps - start)  # no pause to extend the schedule while timed
     barrier(max(cfg.timeout_s, 60.0))
-    t0 = pipe.runner.t0 = time.perf_counter()
+    t0 = pipe.start_clock()
     for k in range(start, cfg.steps):
         batch = data.batch(k, cfg.minibatch_size)
         pipe.step(*batch)
@@ -249,7 +264,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
         return None
     reports = [r for r in gathered if isinstance(r, RankReport)]
     elapsed = max(r.loop_s for r in reports)
-    return RunResult(
+    return TrainResult(
         samples_per_s=(cfg.steps - start) * cfg.minibatch_size / elapsed if elapsed else 0.0,
         final_loss=losses[-1], losses=tuple(losses), accuracy=accuracy,
         events=sorted_events(reports), elapsed_s=elapsed,
@@ -258,7 +273,7 @@ def _train(pipe: Pipeline, job: _Job, data: Any, rank: int, world: int,
     )
 
 
-def _progress(cfg: RunConfig, rank: int, world: int, start: int) -> Any:
+def _progress(cfg: TrainConfig, rank: int, world: int, start: int) -> Any:
     """A progress bar on the last rank, counting minibatches."""
     if not cfg.progress or rank != world - 1:
         return None

@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.machine.calibration import corun_crowd, corun_twins, local_topology, measured_machine
 from dreampipe.machine.local_plan import (
@@ -43,15 +44,13 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.checks import check_config, check_options
-from dreampipe.runtime.config import RunConfig, RunOptions
 from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
-    from dreampipe.runtime import RunResult
+    from dreampipe.commands.train_config import TrainResult
     from dreampipe.runtime.data import Dataset
 
 __all__ = [
@@ -115,7 +114,7 @@ class TrainRequest:
     unless ``exact_steps`` (they were asked for): then a partial round is an error.
     """
 
-    run: RunOptions
+    run: TrainOptions
     plan: PlanSource = PlanSource()
     workers: int | None = None
     epochs: float | None = None
@@ -135,7 +134,7 @@ class TrainReport:
     plan: Plan
     steps: int
     predicted_samples_per_s: float
-    result: RunResult
+    result: TrainResult
     predicted_memory: tuple[int, ...] = ()
 
     def memory_rows(self) -> list[dict[str, Any]]:
@@ -228,7 +227,7 @@ class PlannedRun:
     """A train job ready to run: the run with its plan, its model and the predictions
     (memory per stage: empty where this rank did not profile)."""
 
-    cfg: RunConfig
+    cfg: TrainConfig
     spec: ModelSpec
     predicted_samples_per_s: float
     predicted_memory: tuple[int, ...] = ()
@@ -370,7 +369,7 @@ def _whole_rounds(
     return whole
 
 
-def _load_data(opts: RunOptions, spec: ModelSpec) -> Dataset:
+def _load_data(opts: TrainOptions, spec: ModelSpec) -> Dataset:
     return load_dataset(opts.dataset, spec, data_dir=opts.data_dir, seed=opts.seed)
 
 

@@ -1,18 +1,9 @@
-"""The runtime: train a :class:`~dreampipe.planning.plan.Plan` for real on torch.distributed.
+"""The runtime: one rank's share of a :class:`~dreampipe.scheduling.actions.Schedule`, for real.
 
-``launch_local(cfg)`` on one machine, ``run_from_env(cfg)`` under torchrun;
-both return a :class:`RunResult` (``run_from_env`` on rank 0 only).
+:class:`~dreampipe.runtime.engine.RankRunner` runs a rank's actions on its
+:class:`~dreampipe.runtime.stage.StageModule` over torch.distributed
+(:mod:`.comm`); :class:`dreampipe.Pipeline` (``api/``) is the one driver that
+builds and feeds it.
 """
 
-from dreampipe.runtime.config import OptimizerKind, RunConfig, RunOptions, RunResult
-from dreampipe.runtime.launch import launch_local, run_from_env, run_rank
-
-__all__ = [
-    "OptimizerKind",
-    "RunConfig",
-    "RunOptions",
-    "RunResult",
-    "launch_local",
-    "run_from_env",
-    "run_rank",
-]
+__all__: list[str] = []

@@ -33,7 +33,7 @@ from torch import Tensor
 from dreampipe.errors import ConfigError, DatasetError
 from dreampipe.models.spec import ModelSpec
 
-__all__ = ["DATASETS", "Dataset", "DatasetUnits", "load_dataset", "steps_for_epochs"]
+__all__ = ["DATASETS", "Dataset", "load_dataset", "steps_for_epochs"]
 
 DATASETS = ("synthetic", "digits", "mnist")
 _SYNTHETIC_SAMPLES = 2048
@@ -71,14 +71,6 @@ class Dataset:
         sel = self._select(unit, size)
         return self.train_x[sel], self.train_y[sel]
 
-    def targets(self, unit: int, size: int) -> Tensor:
-        """The labels of :meth:`batch` alone (what the last pipeline stage needs)."""
-        return self.train_y[self._select(unit, size)]
-
-    def units(self, size: int) -> DatasetUnits:
-        """This stream cut into units of ``size`` samples, as the runtime reads it."""
-        return DatasetUnits(self, size)
-
     def _select(self, unit: int, size: int) -> Tensor:
         """Indices of unit ``unit``'s samples in the training split.
 
@@ -107,22 +99,6 @@ class Dataset:
             self._perms.clear()
             self._perms[epoch] = perm
         return perm
-
-
-@dataclass(frozen=True)
-class DatasetUnits:
-    """A :class:`Dataset` read unit by unit (the runtime's ``UnitData``)."""
-
-    data: Dataset
-    size: int
-
-    def inputs(self, unit: int) -> Tensor:
-        """The samples of ``unit``."""
-        return self.data.train_x[self.data._select(unit, self.size)]
-
-    def targets(self, unit: int) -> Tensor:
-        """The labels of ``unit``."""
-        return self.data.targets(unit, self.size)
 
 
 def load_dataset(

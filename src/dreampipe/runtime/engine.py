@@ -19,9 +19,8 @@ buckets and applies the scale::
     buckets               [b0 b1 b2 ...]  wait, scale
 
 Data: the input stage and the last stage both read a :class:`UnitData`
-(``inputs(unit)``, ``targets(unit)``): a built-in
-:class:`~dreampipe.runtime.data.Dataset` indexed by unit, or the minibatches
-a user hands to :class:`dreampipe.api.Pipeline`. So the last stage loads a
+(``inputs(unit)``, ``targets(unit)``): the minibatches a user hands to
+:class:`dreampipe.api.Pipeline`, cut into units. So the last stage reads a
 unit's targets itself and nothing but activations and gradients crosses the
 pipeline.
 
@@ -66,8 +65,6 @@ from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.nonfinite import NonFiniteGuard
-from dreampipe.runtime.progress import ProgressBar
-from dreampipe.runtime.results import RankReport
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
@@ -105,7 +102,7 @@ def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
 
 
 class RankRunner:
-    """One rank's stage, data and links; :meth:`run` (or :meth:`advance`) executes its actions.
+    """One rank's stage, data and links; :meth:`advance` executes its actions, a stretch at a time.
 
     ``clip_group`` is the world group the gradient-norm all-reduce (with
     ``max_grad_norm``) and the non-finite agreement (``on_nonfinite`` skip)
@@ -119,7 +116,6 @@ class RankRunner:
         rank: int,
         device: torch.device,
         module: StageModule,
-        data: UnitData | None,
         opts: RunnerOptions,
         *,
         groups: dict[int, Any],
@@ -135,7 +131,7 @@ class RankRunner:
         self.last = self.stage == schedule.num_stages - 1
         self.group = groups.get(self.stage)
         self.module = module
-        self.data = data
+        self.data: UnitData | None = None
         self.comm = Comm(
             schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
         )
@@ -161,7 +157,6 @@ class RankRunner:
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
         }
-        self._bar: ProgressBar | None = None
         self.t0 = time.perf_counter()
         self._pos = 0
         self._stop = 0
@@ -173,9 +168,20 @@ class RankRunner:
         events count units and updates, and messages are tagged, over the whole run."""
         return self.comm.first_unit
 
-    @first_unit.setter
-    def first_unit(self, unit: int) -> None:
-        self.comm.first_unit = unit
+    def feed(self, data: UnitData) -> None:
+        """Take the units' samples from ``data`` from now on (the stages that read samples)."""
+        self.data = data
+
+    def start_segment(self, first_unit: int, first_minibatch: int) -> None:
+        """Number this schedule's units from ``first_unit`` and its minibatches from
+        ``first_minibatch`` in the run (events, message tags, skipped updates)."""
+        self.comm.first_unit = first_unit
+        self.guard.first_minibatch = first_minibatch
+
+    def start_clock(self, t0: float) -> None:
+        """Time events from ``t0`` (a ``time.perf_counter()`` taken on every rank after a
+        barrier, so that all ranks' events share one origin)."""
+        self.t0 = t0
 
     def _index_schedule(self) -> None:
         """Index the receives; posting resumes at the first one not yet run (those
@@ -231,8 +237,6 @@ class RankRunner:
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.unit] = gin
-        if self._bar is not None:
-            self._bar.update(self.losses[a.unit])
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.unit))
@@ -340,30 +344,6 @@ class RankRunner:
         self._pos = self._stop = 0
         self.losses = {}
         self._index_schedule()
-
-    def run(self, t0: float) -> RankReport:
-        """Execute every action; times in the report are relative to ``t0``."""
-        self.t0 = t0
-        if (self.opts.progress and self.last
-                and self.schedule.replica_of_rank(self.rank) == 0):
-            self._bar = ProgressBar(self.schedule.actions[self.rank], self.opts.unit_size,
-                                    pipedream=self.pipedream)
-        try:
-            self.advance()
-            self.comm.drain()
-        finally:
-            if self._bar is not None:
-                self._bar.close()
-        loop_s = time.perf_counter() - t0
-        return RankReport(
-            rank=self.rank,
-            stage=self.stage,
-            replica=self.schedule.replica_of_rank(self.rank),
-            loop_s=loop_s,
-            losses={u: float(v) for u, v in self.losses.items()},
-            events=self.events,
-            peak_versions=self.module.peak_versions,
-        )
 
     def final_state(self) -> dict[str, Tensor]:
         """This stage's trained ``state_dict``, copied to the CPU for rank 0 (a split

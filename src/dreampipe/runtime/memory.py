@@ -40,6 +40,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +51,12 @@ from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.config import OptimizerKind, RunOptions
+from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.processes import glibc
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
-__all__ = ["Baseline", "MemoryUse", "check_memory", "finish_measuring", "optimizer_copies",
-           "predict_memory", "start_measuring"]
+__all__ = ["Baseline", "MemoryUse", "TrainingChoices", "check_memory", "finish_measuring",
+           "optimizer_copies", "predict_memory", "start_measuring"]
 
 _log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
@@ -154,14 +155,27 @@ def _load_meta_kernels() -> None:
         F.cross_entropy(torch.ones(1, 2), torch.zeros(1, dtype=torch.long))
 
 
-def optimizer_copies(opts: RunOptions) -> int:
+class TrainingChoices(Protocol):
+    """What memory depends on among a run's options (``dreampipe train``'s have them)."""
+
+    @property
+    def optimizer(self) -> OptimizerKind: ...
+    @property
+    def momentum(self) -> float: ...
+    @property
+    def stash(self) -> bool: ...
+    @property
+    def vertical_sync(self) -> bool: ...
+
+
+def optimizer_copies(opts: TrainingChoices) -> int:
     """The optimizer's state in copies of the weights: SGD 0, with momentum 1, Adam 2."""
     if opts.optimizer is OptimizerKind.ADAM:
         return 2
     return 1 if opts.momentum else 0
 
 
-def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: RunOptions
+def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
                    ) -> tuple[int, ...]:
     """Bytes each stage's workers will add to their baseline when running ``schedule``.
 

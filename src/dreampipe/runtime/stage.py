@@ -174,6 +174,10 @@ class StageModule:
         """Stored weight versions, the live one included when a unit uses it."""
         return len(self._versions)
 
+    def resume_at(self, version: int) -> None:
+        """Count weight versions on from ``version``, a resumed checkpoint's."""
+        self.version = version
+
     def note_version(self, number: int) -> None:
         """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
         self._floor = number
