@@ -19,6 +19,8 @@ import statistics
 import time
 from pathlib import Path
 
+import _docs
+
 from dreampipe.cli.plan import confirm_by_simulation
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology
@@ -45,13 +47,15 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} ±{max(values) - min(values):5.2f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profiles", type=Path, default=_default_profiles(),
                         help="folder of PipeDream graph.txt profiles (default: %(default)s)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="ResNet and GNMT on 128x8 only")
-    args = parser.parse_args()
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
     paths = sorted(p for p in args.profiles.glob("*.txt") if p.stem != "LICENSE")
     if not paths:
         parser.error(f"no PipeDream profiles (*.txt) in {args.profiles}; pass --profiles DIR")
@@ -79,6 +83,7 @@ def main() -> None:
               f"{result.workers_used:>7}  {'PASS' if ok else 'FAIL':<7} {result.config}")
     print(f"targets: ResNet on 128x8 plans in < {PLAN_TARGET_S:g} s; every case with its check "
           f"in < {TOTAL_TARGET_S:g} s. {failed} of {len(cases)} cases fail")
+    _docs.finish(tee, "scale", __file__, argv)
 
 
 if __name__ == "__main__":
