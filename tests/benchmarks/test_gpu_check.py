@@ -1,0 +1,39 @@
+"""``benchmarks/gpu_check.py``: which steps run where, and its device step on the CPU."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+__all__: list[str] = []
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def check(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(_ROOT / "benchmarks"))
+    return importlib.import_module("gpu_check")
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_ranks_use_the_gpus_only_when_each_rank_has_one(check: ModuleType, gpus: int) -> None:
+    steps = {s.name: s for s in check.plan_steps(gpus)}
+    assert list(steps) == list(check.STEPS)
+    assert (steps["cuda"].command is None) == (gpus == 0)
+    assert steps["bench"].hide_gpus  # the bench compares CPU pipelines
+    for name in ("equivalence", "train", "memory"):
+        assert steps[name].command is not None
+        assert steps[name].hide_gpus == (gpus < 2), name
+    assert sum(s.timeout_s for s in steps.values()) <= 600  # one device command's limit
+
+
+def test_the_device_step_profiles_and_measures_on_the_cpu(
+        check: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    assert check.device_check(torch.device("cpu")) == 0
+    out = capsys.readouterr().out
+    assert "forward ms" in out and "peak memory above the baseline (cpu)" in out
