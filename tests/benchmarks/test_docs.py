@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -13,14 +13,12 @@ import pytest
 
 __all__: list[str] = []
 
-_ROOT = Path(__file__).resolve().parents[2]
 _WHEN = datetime.datetime(2030, 1, 2, 3, 4, tzinfo=datetime.UTC)
 
 
 @pytest.fixture
-def docs(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(_ROOT / "benchmarks"))
-    return importlib.import_module("_docs")
+def docs(import_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return import_benchmark("_docs")
 
 
 def test_a_block_is_replaced_whole_and_the_rest_kept(docs: ModuleType) -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
@@ -11,13 +10,11 @@ import torch
 
 __all__: list[str] = []
 
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def check(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(_ROOT / "benchmarks"))
-    return importlib.import_module("gpu_check")
+def check(import_benchmark: Callable[[str], ModuleType]) -> ModuleType:
+    return import_benchmark("gpu_check")
 
 
 @pytest.mark.parametrize("gpus", [0, 1, 2, 8])
