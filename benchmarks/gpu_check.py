@@ -64,7 +64,7 @@ def plan_steps(gpus: int) -> list[Step]:
         f"on the CPU (gloo): {gpus} GPU(s), and NCCL needs one GPU per rank, 2 ranks"
     return [
         Step("cuda", (_PY, str(Path(__file__).resolve()), "--cuda-only") if gpus else None,
-             "on cuda:0" if gpus else "skipped: no CUDA device", 60),
+             "on cuda:0" if gpus else "no CUDA device", 60),
         Step("equivalence", (_PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
                              *_EQUIVALENCE), on, 150, hide_gpus=not two),
         Step("bench", (_PY, "-m", "dreampipe", "bench", "--steps", "10", "--warmup", "2",
@@ -109,9 +109,10 @@ def device_check(device: torch.device) -> int:
 
 def _run(step: Step) -> str:
     """Run one step, streaming its output; its verdict."""
-    print(f"\n=== {step.name}: {step.where}", flush=True)
     if step.command is None:
+        print(f"\n=== {step.name}: skipped: {step.where}", flush=True)
         return "skipped"
+    print(f"\n=== {step.name}: {step.where}", flush=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(_ROOT / "src"))
     if step.hide_gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
