@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -34,3 +36,19 @@ def test_the_device_step_profiles_and_measures_on_the_cpu(
     assert check.device_check(torch.device("cpu")) == 0
     out = capsys.readouterr().out
     assert "forward ms" in out and "peak memory above the baseline (cpu)" in out
+
+
+def test_a_step_past_its_limit_fails_and_takes_its_processes_with_it(
+        check: ModuleType, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    step = check.Step("slow", ("sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"), "here",
+                      timeout_s=1.0)
+    assert check._run(step) == "FAILED: over 1 s"
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        status = Path(f"/proc/{grandchild}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's process {grandchild} outlived it")
