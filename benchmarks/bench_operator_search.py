@@ -7,7 +7,7 @@ under one that forces most layers off a whole-weights split; the table shows
 the median search time with its spread (max - min) over ``--repeat`` runs,
 the splits chosen and the time per minibatch they predict.
 
-    python benchmarks/bench_operator_search.py [--repeat 5]
+    python benchmarks/bench_operator_search.py [--repeat 5] [--write-docs]
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ import argparse
 import statistics
 import time
 from collections import Counter
+from collections.abc import Sequence
+
+import _docs
 
 from dreampipe.planning.operator_search import Link, search_splits
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -34,10 +37,12 @@ def chain(blocks: int = 50) -> LayerGraph:
     return LayerGraph.chain(layers, batch_size=1024, model=f"chain{2 * blocks}")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=5)
-    args = parser.parse_args()
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
     graph = chain()
     link = Link(bandwidth=100e9, latency_s=5e-6)
     print(f"{graph.model}: {len(graph)} layers, {graph.total_parameter_bytes() / 2**30:.1f} GiB "
@@ -56,6 +61,7 @@ def main() -> None:
             splits = ", ".join(f"{s.value} x{n}" for s, n in Counter(plan.splits).most_common())
             print(f"{t:>7} {shown:>13} {statistics.median(times):>17.3f} ±{spread:6.3f} "
                   f"{plan.time_s * 1e3:>14.2f}  {splits}")
+    _docs.finish(tee, "operator-search", __file__, argv)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import argparse
 import statistics
 import time
 
+import _docs
+
 from dreampipe.cli.plan import confirm_by_simulation
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology
@@ -37,14 +39,16 @@ def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} ±{max(values) - min(values):5.2f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--profile", action="append", metavar="PROFILE",
                         help="a profile file or pipedream:NAME, repeatable (default: every "
                              "bundled profile)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="ResNet and GNMT on 128x8 only")
-    args = parser.parse_args()
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
     graphs = [load_graph(p) for p in args.profile or [b.spec for b in bundled_profiles()]]
     cases = [(g, shape) for g in graphs for shape in SHAPES]
     if args.quick:
@@ -69,6 +73,7 @@ def main() -> None:
               f"{result.workers_used:>7}  {'PASS' if ok else 'FAIL':<7} {result.config}")
     print(f"targets: ResNet on 128x8 plans in < {PLAN_TARGET_S:g} s; every case with its check "
           f"in < {TOTAL_TARGET_S:g} s. {failed} of {len(cases)} cases fail")
+    _docs.finish(tee, "scale", __file__, argv)
 
 
 if __name__ == "__main__":

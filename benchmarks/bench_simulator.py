@@ -4,17 +4,20 @@
 Plans: a 64-stage straight pipeline, 16 stages x 4 replicas and 64-way data
 parallelism, plus 1F1B-flush and GPipe on 16 stages with microbatches.
 Stage costs are VGG-like (uneven), transfers go over cluster links. Prints a
-table; times are the best of ``--repeat`` runs.
+table; times are the median and spread (max - min) of ``--repeat`` runs.
 
-    python benchmarks/bench_simulator.py [--minibatches 1000] [--repeat 1]
+    python benchmarks/bench_simulator.py [--minibatches 1000] [--repeat 3] [--write-docs]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 from collections.abc import Sequence
+
+import _docs
 
 from dreampipe.planning.topology import Topology
 from dreampipe.scheduling.actions import ScheduleKind
@@ -50,27 +53,38 @@ def _costs(replicas: Sequence[int], fraction: float) -> SimCosts:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minibatches", type=int, default=1000)
-    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=3)
+    _docs.add_argument(parser)
     args = parser.parse_args(argv)
-    print(f"{'plan':<12} {'schedule':<10} {'units':>6} {'actions':>8} {'build s':>8} "
-          f"{'simulate s':>10} {'total s':>8} {'mb/s':>8} {'bubble':>7}")
+    tee = _docs.capture(args)
+    print(f"{'plan':<12} {'schedule':<10} {'units':>6} {'actions':>8} {'build s':>13} "
+          f"{'simulate s':>13} {'total s':>13} {'mb/s':>8} {'bubble':>7}")
     for name, replicas, kind, per_update in _CASES:
         units = args.minibatches * per_update if kind is not ScheduleKind.DP else args.minibatches
         fraction = 1.0 if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.DP) else 1 / per_update
         per = per_update if kind is not ScheduleKind.DP else replicas[0]
         units = -(-units // per) * per
-        build_s = sim_s = math.inf
+        build_s: list[float] = []
+        sim_s: list[float] = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
             schedule = build_schedule(replicas, kind, units, per)
             t1 = time.perf_counter()
             result = simulate_schedule(schedule, _costs(replicas, fraction))
             t2 = time.perf_counter()
-            build_s, sim_s = min(build_s, t1 - t0), min(sim_s, t2 - t1)
+            build_s.append(t1 - t0)
+            sim_s.append(t2 - t1)
         actions = sum(len(a) for a in schedule.actions)
-        print(f"{name:<12} {kind.value:<10} {units:>6} {actions:>8} {build_s:>8.2f} "
-              f"{sim_s:>10.2f} {build_s + sim_s:>8.2f} "
+        total_s = [b + s for b, s in zip(build_s, sim_s, strict=True)]
+        print(f"{name:<12} {kind.value:<10} {units:>6} {actions:>8} {_spread(build_s):>13} "
+              f"{_spread(sim_s):>13} {_spread(total_s):>13} "
               f"{result.throughput_minibatches_per_s:>8.2f} {result.bubble_fraction:>7.3f}")
+    _docs.finish(tee, "simulator", __file__, argv)
+
+
+def _spread(seconds: list[float]) -> str:
+    """``median ±(max - min)``."""
+    return f"{statistics.median(seconds):.2f} ±{max(seconds) - min(seconds):.2f}"
 
 
 if __name__ == "__main__":

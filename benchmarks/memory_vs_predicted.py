@@ -7,7 +7,7 @@ in fresh processes, and prints for every stage the predicted bytes, the
 measured peak above the rank's baseline (docs/memory.md) and their ratio,
 with PASS when every ratio is within ``--tolerance`` of 1.
 
-    python benchmarks/memory_vs_predicted.py [--steps 6] [--tolerance 0.25]
+    python benchmarks/memory_vs_predicted.py [--steps 6] [--tolerance 0.25] [--write-docs]
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
+
+import _docs
 
 from dreampipe.quantities import format_bytes
 
@@ -43,14 +46,16 @@ def _train(args: tuple[str, ...], steps: int, timeout_s: float) -> list[dict[str
     return rows
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=6, help="minibatches per run (default 6)")
     parser.add_argument("--tolerance", type=float, default=0.25,
                         help="largest |ratio - 1| that passes (default 0.25)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds each run may take (default 600)")
-    args = parser.parse_args()
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
     print(f"{'model':<5} {'stashing':<8} {'rank':>4} {'stage':>5} {'predicted':>10} "
           f"{'measured':>10} {'ratio':>6}")
     worst = 0.0
@@ -65,6 +70,7 @@ def main() -> None:
                       f"{format_bytes(row['measured_bytes']):>10} {ratio:>6.2f}", flush=True)
     verdict = "PASS" if worst <= args.tolerance else "FAIL"
     print(f"{verdict}: every ratio within {worst:.2f} of 1 (tolerance {args.tolerance:g})")
+    _docs.finish(tee, "memory-vs-predicted", __file__, argv)
 
 
 if __name__ == "__main__":

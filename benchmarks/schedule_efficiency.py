@@ -11,14 +11,18 @@ simulated steady-state rate over ``1 / T``:
 - ``transfer = T``: each cut takes ``T`` to cross, in each direction.
 
 Every row below 100% is a plan whose prediction the schedule cannot reach.
-It runs in a few seconds.
+It runs in a few seconds; the simulation is deterministic, so one run is the figure.
 
-    python benchmarks/schedule_efficiency.py
+    python benchmarks/schedule_efficiency.py [--write-docs]
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Sequence
+
+import _docs
 
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
@@ -47,13 +51,18 @@ def efficiency(replicas: tuple[int, ...], *, allreduce_s: float = 0.0,
     return float(result.steady_throughput_minibatches_per_s) * _PERIOD
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
     print(f"{'replicas':>10}  {'no comm':>8}  {'all-reduce = T':>14}  {'transfer = T':>12}")
     for replicas in CONFIGS:
         row = (efficiency(replicas), efficiency(replicas, allreduce_s=_PERIOD),
                efficiency(replicas, transfer_s=_PERIOD))
         config = "-".join(map(str, replicas))
         print(f"{config:>10}  {row[0]:8.0%}  {row[1]:14.0%}  {row[2]:12.0%}")
+    _docs.finish(tee, "schedule-efficiency", __file__, argv)
 
 
 if __name__ == "__main__":

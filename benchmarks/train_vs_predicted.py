@@ -17,7 +17,7 @@ the prediction is the steady state, and a shorter window measures the host's
 drift more than the run (40 transformer steps, 3-4 s, measured 255-407
 samples/s in five rounds of ``--config 2-1``).
 
-    python benchmarks/train_vs_predicted.py [--rounds 5] [--only mlp-dp ...]
+    python benchmarks/train_vs_predicted.py [--rounds 5] [--only mlp-dp ...] [--write-docs]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
+
+import _docs
 
 __all__ = ["RUNS", "main"]
 
@@ -76,9 +78,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="run a subset: " + ", ".join(r.name for r in RUNS))
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds one run may take (default 600)")
+    _docs.add_argument(parser)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least 1 round")
+    tee = _docs.capture(args)
     runs = [r for r in RUNS if not args.only or r.name in args.only]
     got: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runs}
     for k in range(args.rounds):
@@ -98,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{statistics.median(p for _, p in got[run.name]):9.1f} "
               f"{mid:12.2f} ({min(ratios):.2f}-{max(ratios):.2f})  {'PASS' if ok else 'FAIL'}")
     print(f"{len(runs) - failed} of {len(runs)} within {args.tolerance:.0%}")
+    _docs.finish(tee, "train-vs-predicted", __file__, argv)
     return 1 if failed else 0
 
 

@@ -15,7 +15,8 @@ How it measures (all in training mode, autograd on)::
          then each layer in reverse order
            backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
 
-The median of the ``repeats`` timings is reported, and every timed pass's
+On a GPU each span is timed by CUDA events on the device's stream, read once
+per pass (:mod:`.clock`). The median of the ``repeats`` timings is reported, and every timed pass's
 total in ``meta["pass_ms"]`` (how a whole pass varies). The backward is the
 layer's own backward: gradients for its inputs (when they carry gradient in
 real training) and its parameters, with the real upstream gradient. The
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ProfileError
 from dreampipe.models.spec import ModelSpec
+from dreampipe.profiling.clock import Clock, CudaClock, Reading, clock_for
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
 
@@ -83,8 +85,8 @@ def profile_model(
             "warmup >= 0 and min_time_s >= 0"
         )
     steps, output_key = model_steps(model)
-    cuda = sample_input.device.type == "cuda"
-    devices = [sample_input.device.index or 0] if cuda else []
+    clock = clock_for(sample_input.device)
+    devices = [clock.device.index] if isinstance(clock, CudaClock) else []
     modes = {m: m.training for m in model.modules()}
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
@@ -92,7 +94,7 @@ def profile_model(
             model.train()
             env, grads, saved = _record(steps, output_key, sample_input, loss_fn, target)
             layers, edges, pass_ms = _time_layers(steps, env, grads,
-                                                  _Passes(warmup, repeats, min_time_s), cuda,
+                                                  _Passes(warmup, repeats, min_time_s), clock,
                                                   progress)
             layers = [replace(x, saved_bytes=_saved_bytes(saved[s.key], s, env))
                       for x, s in zip(layers, _layer_steps(steps, env), strict=True)]
@@ -213,7 +215,7 @@ def _time_layers(
     env: Env,
     grads: dict[str, list[Tensor | None]],
     passes: _Passes,
-    cuda: bool,
+    clock: Clock,
     progress: Progress | None,
 ) -> tuple[list[Layer], list[tuple[int, int]], list[float]]:
     """The layers with their median times, the edges, and each timed pass's milliseconds
@@ -233,7 +235,7 @@ def _time_layers(
         step_params.append(
             list(step.params) + [v for d in step.deps if isinstance(v := env[d], nn.Parameter)]
         )
-    times = _time_passes(layer_steps, step_params, env, grads, passes, cuda, progress)
+    times = _time_passes(layer_steps, step_params, env, grads, passes, clock, progress)
     layers: list[Layer] = []
     counted: set[int] = set()
     for step, params, (forward, backward) in zip(layer_steps, step_params, times, strict=True):
@@ -267,7 +269,7 @@ def _time_passes(
     env: Env,
     grads: dict[str, list[Tensor | None]],
     passes: _Passes,
-    cuda: bool,
+    clock: Clock,
     progress: Progress | None,
 ) -> list[tuple[list[float], list[float]]]:
     """Every layer's forward and backward milliseconds of each timed pass, in training order.
@@ -275,7 +277,8 @@ def _time_passes(
     Each pass runs every layer's forward in model order, then every layer's
     backward in reverse, as a training step does, so a layer's weights are
     as cold or warm in the cache as they are in training (timing one layer
-    over and over would keep them hot and under-state its time).
+    over and over would keep them hot and under-state its time). The pass's
+    readings are read once all of it is queued, so a GPU runs it unstalled.
     """
     forward: list[list[float]] = [[] for _ in layer_steps]
     backward: list[list[float]] = [[] for _ in layer_steps]
@@ -284,24 +287,25 @@ def _time_passes(
     while r < passes.warmup or passes.more(r - passes.warmup, timed_s):
         start = time.perf_counter()
         runs: list[tuple[Any, list[Tensor]] | None] = []
-        for i, step in enumerate(layer_steps):
+        readings: list[tuple[Reading, Reading]] = []
+        for step in layer_steps:
             leaves: list[Tensor] = []
             inputs = {d: _fresh(env[d], leaves) for d in step.deps}
-            _sync(cuda)
-            t0 = time.perf_counter()
+            mark = clock.start()
             out = step.run(inputs)
-            _sync(cuda)
-            if r >= passes.warmup:
-                forward[i].append((time.perf_counter() - t0) * 1e3)
+            readings.append((clock.stop(mark), _ZERO))
             runs.append((out, leaves))
         for i in reversed(range(len(layer_steps))):
             run, runs[i] = runs[i], None
             assert run is not None
-            seconds = _time_backward(run[0], grads[layer_steps[i].key],
-                                     run[1] + [p for p in step_params[i] if p.requires_grad], cuda)
-            if r >= passes.warmup:
-                backward[i].append(seconds * 1e3)
+            readings[i] = (readings[i][0], _time_backward(
+                run[0], grads[layer_steps[i].key],
+                run[1] + [p for p in step_params[i] if p.requires_grad], clock))
+        values = [(fwd(), bwd()) for fwd, bwd in readings]  # warm-up too: the GPU drains
         if r >= passes.warmup:
+            for i, (fwd_ms, bwd_ms) in enumerate(values):
+                forward[i].append(fwd_ms)
+                backward[i].append(bwd_ms)
             timed_s += time.perf_counter() - start
         r += 1
         if progress is not None:
@@ -310,18 +314,23 @@ def _time_passes(
 
 
 def _time_backward(
-    out: Any, out_grads: list[Tensor | None], targets: list[Tensor], cuda: bool
-) -> float:
-    """Seconds of one layer's own backward with the real upstream gradient (0 if none)."""
+    out: Any, out_grads: list[Tensor | None], targets: list[Tensor], clock: Clock
+) -> Reading:
+    """Milliseconds of one layer's own backward with the real upstream gradient (0 if none)."""
     pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
              if g is not None and o.requires_grad]
     if not (pairs and targets):
-        return 0.0
-    _sync(cuda)
-    t0 = time.perf_counter()
+        return _ZERO
+    mark = clock.start()
     torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
-    _sync(cuda)
-    return time.perf_counter() - t0
+    return clock.stop(mark)
+
+
+def _zero() -> float:
+    return 0.0
+
+
+_ZERO: Reading = _zero
 
 
 def _fresh(value: Any, leaves: list[Tensor]) -> Any:
@@ -365,7 +374,3 @@ def _tensors(value: Any) -> Iterator[Tensor]:
         for v in value.values():
             yield from _tensors(v)
 
-
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()

@@ -13,19 +13,33 @@ schedule's unit 0), and an evaluation's traffic has tags of its own::
     tag = 2**30 * evaluation + 4 * (run's unit mod 2**28)
           + {0: activation, 1: gradient, 2: weight version, 3: header}
 
-**Posting ahead** (gloo). A sender whose receiver has not posted yet leaves
-its message to gloo's I/O thread, which must then win a core from the busy
-compute threads: with two ranks on two cores, the bench's stage 1 waited 3-5
-ms per minibatch for that in some runs. So a
+**Order** (NCCL). NCCL ignores tags: on each pair of ranks in a group it
+matches receives to sends in the order they were issued. So every receive
+is posted in the order its send is made: on the activation group a link's
+header first (once), then per unit its weight version (vertical sync) and
+its activation; on each group units in schedule order, which is the order
+the peer sends them (the engine posts a rank's receives in its action order
+and stops at the first one that cannot be posted yet; a link's second unit
+waits for the first one's header). Activations and gradients travel on two
+groups, so the two directions of a pair never queue behind each other.
+
+**Posting ahead** (gloo only). A sender whose receiver has not posted yet
+leaves its message to gloo's I/O thread, which must then win a core from
+the busy compute threads: with two ranks on two cores, the bench's stage 1
+waited 3-5 ms per minibatch for that in some runs. So a
 :class:`~dreampipe.api.Pipeline` lets a stage post the receives of the
 *next* minibatch before the user hands it over. If that minibatch never
 comes (``finish()``), the receive stays posted: the next segment's same unit
 takes it over (tags number units over the run), or, when a replicated
 stage's round-robin gives that unit to another replica, it is set aside,
 with its buffer, until the run ends: no message carries its tag (before tags
-wrap, 2**28 units later), and gloo cannot cancel a receive. NCCL does not
-post ahead: a receive without its send would hold up the stream it is queued
-on.
+wrap, 2**28 units later), and gloo cannot cancel a receive. NCCL posts only
+receives its peer will certainly send (the runnable prefix): without tags a
+receive posted ahead for a unit that goes to another replica, or that never
+comes before an ``evaluate()``, would take the peer's next message whatever
+its unit, and one never matched would spin on the link's stream until the
+group is destroyed. NCCL needs no posting ahead for speed either: its
+transfers run on the GPU's own streams, not on the cores that compute.
 
 Activations and gradients travel on two process groups of their own, so a
 gradient going back never queues behind an activation arriving on the same
@@ -191,7 +205,8 @@ class Comm:
     # ---- receives --------------------------------------------------------
     @property
     def posts_ahead(self) -> bool:
-        """Whether receives may be posted for units the run may not reach (gloo only)."""
+        """Whether receives may be posted for units the run may not reach: on gloo, whose
+        tags match them; not on NCCL, which matches in order (see "Posting ahead")."""
         return self._blocking
 
     @property
@@ -218,10 +233,8 @@ class Comm:
             self._set_aside.append(self._recvs.pop(key))
         r = _Recv(action, peer, key[1])
         if action.kind is ActionKind.RECV_F:
-            if peer in self._in_links:
-                assert self._in_spec is not None
-                self._post_data(r, self._in_spec, _ACT)
-            else:
+            known = peer in self._in_links
+            if not known:
                 if any(x.peer == peer and x.header is not None for x in self._recvs.values()):
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
@@ -233,6 +246,9 @@ class Comm:
                 r.version_work = dist.irecv(
                     r.version, group_src=peer, tag=self._tag(r.unit, _VER), group=self._fwd
                 )
+            if known:  # after the version, as it was sent (see "Order" above)
+                assert self._in_spec is not None
+                self._post_data(r, self._in_spec, _ACT)
         else:
             spec = self._sent.get(key[1])
             if spec is None:
