@@ -31,6 +31,10 @@ class SimCosts:
 
     ``activation_bytes[s]``/``gradient_bytes[s]`` cross the cut between stage
     s and s+1 (forward and backward; gradients default to the activations).
+    ``weight_grad_s[s]`` is the weight-gradient part of ``backward_s[s]``,
+    which a zero-bubble schedule runs as its own ``W`` action (the rest is
+    its ``B``); empty: half of each backward, the split a profile without
+    one is taken to have.
     ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
     is worker i), a rank-by-rank table, or one figure for every link
     (``math.inf``: free communication). Empty per-stage tuples mean zeros.
@@ -65,6 +69,7 @@ class SimCosts:
     send_copy_bandwidth: float = math.inf
     stash_copy_bandwidth: float = math.inf
     jitter: tuple[float, ...] = ()
+    weight_grad_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -84,6 +89,14 @@ class SimCosts:
         if len(grads) != n - 1:
             raise ScheduleError(f"costs.gradient_bytes has {len(grads)} entries; give {n - 1}")
         object.__setattr__(self, "gradient_bytes", grads)
+        weights = tuple(self.weight_grad_s) or tuple(b / 2 for b in self.backward_s)
+        if len(weights) != n or any(not 0 <= w <= b for w, b in zip(
+                weights, self.backward_s, strict=True)):
+            raise ScheduleError(
+                f"costs.weight_grad_s={list(weights)}; give one per stage, each between 0 "
+                "and the stage's backward_s"
+            )
+        object.__setattr__(self, "weight_grad_s", weights)
         if not self.unit_fraction > 0:
             raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
         if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
@@ -153,6 +166,7 @@ def costs_from_profile(
     cuts = graph.cut_bytes()
     layers = graph.layers
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
+    wgrad: list[float] = []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
         if st.tensor_parallel > 1:
@@ -171,6 +185,8 @@ def costs_from_profile(
             weights = [float(x.parameter_bytes) for x in span]
             stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
         params.append(sum(weights))
+        wgrad.append(min(bwd[-1], sum(
+            b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
         placed = [w * st.tensor_parallel for w in st.placement]
@@ -181,7 +197,7 @@ def costs_from_profile(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
         bandwidth=_links(plan, topology), allreduce_s=tuple(allreduce),
         allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
-        stash_bytes=tuple(stash), unit_fraction=unit_fraction,
+        stash_bytes=tuple(stash), unit_fraction=unit_fraction, weight_grad_s=tuple(wgrad),
     )
 
 
