@@ -126,7 +126,7 @@ class SimCosts:
 
 def costs_from_profile(
     graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0,
-    sync: Sync | None = None,
+    sync: Sync | None = None, virtual_stages: int = 1,
 ) -> SimCosts:
     """Per-unit costs of ``plan``'s stages from the layer profile.
 
@@ -145,7 +145,9 @@ def costs_from_profile(
     collectives included) and the forward ``forward_s``; its weights and
     stashed outputs are one worker's share of each layer's (:func:`dreampipe.
     planning.split_stage.layer_shares`). Schedule rank ``r`` sits on worker
-    ``r * t``, the first of its group.
+    ``r * t``, the first of its group. With ``virtual_stages = v`` the plan's
+    unreplicated stages share ``stages / v`` workers, stage ``s`` on the worker
+    of stage ``s mod (stages / v)`` (interleaved 1F1B).
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
@@ -158,9 +160,10 @@ def costs_from_profile(
             f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
             "simulate a plan with the profile it was made from"
         )
-    if plan.workers_used > topology.num_workers:
+    workers = plan.workers_used // virtual_stages
+    if workers > topology.num_workers:
         raise ScheduleError(
-            f"the plan uses {plan.workers_used} workers but topology {topology.shape} has "
+            f"the plan uses {workers} workers but topology {topology.shape} has "
             f"{topology.num_workers}; pick a larger --topology"
         )
     cuts = graph.cut_bytes()
@@ -195,7 +198,7 @@ def costs_from_profile(
         delay.append(late)
     return SimCosts(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
-        bandwidth=_links(plan, topology), allreduce_s=tuple(allreduce),
+        bandwidth=_links(plan, topology, workers), allreduce_s=tuple(allreduce),
         allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
         stash_bytes=tuple(stash), unit_fraction=unit_fraction, weight_grad_s=tuple(wgrad),
     )
@@ -222,11 +225,13 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
     )
 
 
-def _links(plan: Plan, topology: Topology) -> Bandwidth:
-    """Bandwidth between schedule ranks: the topology itself when rank i sits on worker i,
-    else a table through the plan's placement (a split rank at the first of its workers)."""
+def _links(plan: Plan, topology: Topology, ranks: int) -> Bandwidth:
+    """Bandwidth between the first ``ranks`` schedule ranks: the topology itself when rank
+    i sits on worker i, else a table through the plan's placement (a split rank at
+    the first of its workers)."""
     t = plan.tensor_parallel
-    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)}
+    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)
+             if r < ranks}
     if all(r == w for r, w in where.items()):
         return topology
     n = len(where)
