@@ -419,3 +419,29 @@ def test_costs_from_profile_sum_measured_or_half_weight_gradients() -> None:
     costs = costs_from_profile(graph, plan, Topology.parse("1x2"))
     assert costs.backward_s == pytest.approx((6e-3, 2e-3))
     assert costs.weight_grad_s == pytest.approx((2e-3, 1e-3))
+
+
+@pytest.mark.parametrize("replicas", [(1,), (1, 1), (1,) * 4, (1,) * 6, (2, 1), (2, 1, 3)])
+def test_new_schedules_of_small_configs_do_all_their_work(replicas: tuple[int, ...]) -> None:
+    n = len(replicas)
+    costs = SimCosts(forward_s=tuple(0.1 * (s + 1) for s in range(n)), backward_s=(0.2,) * n,
+                     weight_grad_s=(0.05,) * n, activation_bytes=(1e3,) * (n - 1),
+                     bandwidth=1e6, allreduce_s=(0.05,) * n)
+    work = sum(f + b for f, b in zip(costs.forward_s, costs.backward_s, strict=True))
+    rounds = math.lcm(*replicas)
+    for m in range(1, 13):
+        for kind, per in ((S.ZB_H1, m), (S.ZB_H2, m), (S.TWO_BW, rounds * m)):
+            schedule = build_schedule(replicas, kind, 3 * per, per)
+            result = simulate_schedule(schedule, costs, record_events=False)
+            assert sum(result.busy_s) == pytest.approx(3 * per * work)
+            assert result.makespan_s >= 3 * per * max(costs.forward_s) + 0.2 - 1e-9
+    for workers in (1, 2, 3):
+        for v in (1, 2, 3):
+            stages = workers * v
+            equal = _equal(stages, 1.0, 2.0)
+            for m in (workers, 2 * workers, 4 * workers):
+                schedule = build_schedule([1] * stages, S.INTERLEAVED, 2 * m, m,
+                                          virtual_stages=v)
+                result = simulate_schedule(schedule, equal, record_events=False)
+                assert len(result.busy_s) == workers
+                assert result.busy_s == pytest.approx((2 * m * v * 3.0,) * workers)
