@@ -158,6 +158,9 @@ CASES: tuple[Case, ...] = (
     Case("simulate-no-microbatches", "plan", "zero microbatches per minibatch",
          ("simulate", "{dir}/p.json", "--schedule", "gpipe", "--microbatches", "0"),
          ("--microbatches",), (_P,)),
+    Case("simulate-virtual-stages", "plan", "virtual stages with a schedule that runs one "
+         "stage per worker", ("simulate", "{dir}/p.json", "--virtual-stages", "2"),
+         ("--virtual-stages 2", "only interleaved-1f1b"), (_P,)),
     Case("timeline-unwritable", "plan", "a timeline path inside a file",
          ("simulate", "{dir}/p.json", "--timeline", "{dir}/p.json/t.png"), ("t.png",), (_P,)),
     # ---- training -----------------------------------------------------------------
@@ -168,6 +171,8 @@ CASES: tuple[Case, ...] = (
     Case("train-microbatches-divide", "train", "microbatches that do not divide the batch",
          ("train", "mlp", "--schedule", "1f1b-flush", "--batch-size", "32",
           "--microbatches", "3"), ("3", "32")),
+    Case("train-simulated-only", "train", "a schedule the runtime does not run yet",
+         ("train", "mlp", "--schedule", "zb-h1"), ("zb-h1", "simulate it")),
     Case("train-pipedream-microbatches", "train", "microbatches with the pipedream schedule",
          ("train", "mlp", "--microbatches", "4"), ("pipedream",)),
     Case("train-unknown-model", "train", "a model the zoo does not have",

@@ -257,3 +257,41 @@ def test_the_parser_and_plan_never_load_torch() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plan" in done.stdout, done.stdout
+
+
+def _chain_profile(tmp_path: Path, layers: int) -> str:
+    path = tmp_path / f"chain{layers}.json"
+    LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 0, 0) for i in range(layers)]).save(path)
+    return str(path)
+
+
+def test_schedule_auto_reports_every_candidate_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain = _chain_profile(tmp_path, 4)
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--straight")
+    assert code == 0
+    assert re.search(r"schedule +zb-h\d: the fastest sync schedule that fits", out)
+    for kind in ("zb-h1", "zb-h2", "1f1b-flush", "gpipe"):
+        assert re.search(rf"^  {kind} +[\d.]+ minibatches/s", out, re.M)
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--straight", "--semantics", "async",
+                        "--json")
+    data = json.loads(out)
+    assert data["schedule"] in ("2bw", "pipedream")
+    assert [c["schedule"] for c in data["schedule_candidates"]] == ["2bw", "pipedream"]
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--straight", "--schedule", "gpipe")
+    assert "schedule    gpipe (as asked)" in out
+
+
+def test_virtual_stages_place_stage_s_on_worker_s_mod_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain, saved = _chain_profile(tmp_path, 8), tmp_path / "plan.json"
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--virtual-stages", "2", "--microbatches",
+                        "8", "-o", str(saved))
+    assert code == 0 and "interleaved-1f1b, 2 stages per worker on 4 workers" in out
+    assert "bubble 15.8% (1f1b-flush on 4 stages: 27.3%)" in out
+    plan = Plan.load(saved)
+    assert [(st.first, st.last) for st in plan.stages] == [(i, i) for i in range(8)]
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--virtual-stages", "2", "--json")
+    assert json.loads(out)["stage_workers"] == [0, 1, 2, 3, 0, 1, 2, 3]

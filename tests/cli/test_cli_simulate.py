@@ -111,3 +111,47 @@ def test_binary_input_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixt
     err = capsys.readouterr().err
     assert "not text" in err and err.count("\n") == 1
 
+
+
+def _chain(tmp_path: Path, layers: int) -> Path:
+    """The issue's synthetic chain: F = 10 ms, a backward of 20 ms per layer, no split."""
+    path = tmp_path / f"chain{layers}.json"
+    LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 0, 0) for i in range(layers)]).save(path)
+    return path
+
+
+def _bubble(capsys: pytest.CaptureFixture[str], plan: Path, profile: Path, *extra: str) -> float:
+    data = _json(capsys, ["simulate", str(plan), "--profile", str(profile), "--topology", "1x4",
+                          "--microbatches", "8", "--minibatches", "1", "--json", *extra])
+    return float(str(data["bubble_fraction"]))
+
+
+def test_zb_h1_leaves_at_most_half_of_1f1b_flush_bubble(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain, plan = _chain(tmp_path, 4), tmp_path / "plan4.json"
+    Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1]).save(plan)
+    flush = _bubble(capsys, plan, chain, "--schedule", "1f1b-flush")
+    zb = _bubble(capsys, plan, chain, "--schedule", "zb-h1")
+    assert flush == pytest.approx(0.273, abs=5e-4) and zb == pytest.approx(0.111, abs=5e-4)
+    assert zb <= 0.5 * flush
+
+
+def test_interleaved_on_virtual_stages_leaves_at_most_065_of_flush(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain8, planned = _chain(tmp_path, 8), tmp_path / "plan8.json"
+    assert main(["plan", str(chain8), "-t", "1x4", "--virtual-stages", "2", "-o",
+                 str(planned)]) == 0
+    capsys.readouterr()
+    four = tmp_path / "plan4x2.json"
+    Plan.from_config(8, [0, 2, 4, 6], [1, 1, 1, 1]).save(four)
+    flush = _bubble(capsys, four, chain8, "--schedule", "1f1b-flush")
+    inter = _bubble(capsys, planned, chain8, "--schedule", "interleaved-1f1b",
+                    "--virtual-stages", "2")
+    assert flush == pytest.approx(0.273, abs=5e-4) and inter == pytest.approx(0.158, abs=5e-4)
+    assert inter <= 0.65 * flush
+    assert main(["simulate", str(planned), "--profile", str(chain8), "--topology", "1x4",
+                 "--virtual-stages", "2", "--schedule", "1f1b-flush"]) != 0
+    assert "--virtual-stages 2 with --schedule 1f1b-flush; only interleaved-1f1b" in (
+        capsys.readouterr().err)

@@ -92,8 +92,9 @@ def test_the_profiler_reads_each_pass_once_it_is_queued(
     graph = profiler.profile_model(model, torch.randn(3, 4), torch.nn.functional.cross_entropy,
                                    torch.tensor([0, 1, 0]), warmup=1, repeats=2)
     assert len(graph.layers) == 3
-    # per pass: 3 forwards and 2 backwards with work (the first layer's input needs no
-    # gradient, but its weights do: 3), each two records, then 6 synchronizes
-    per_pass = ["record"] * 12 + ["synchronize"] * 6
+    # per pass: 3 forwards, then the backward's timed calls: an input gradient for the
+    # ReLU and the last Linear (the first layer's input needs none) and a weight gradient
+    # for each Linear: 7 spans of two records each, then 7 synchronizes
+    per_pass = ["record"] * 14 + ["synchronize"] * 7
     assert fake_cuda == per_pass * 3
     assert forked == [[1]]

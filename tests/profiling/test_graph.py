@@ -195,3 +195,16 @@ def _layer_with(field: str, value: Any) -> Layer:
     )
     kwargs[field] = value
     return Layer(**kwargs)
+
+
+def test_weight_gradient_time_round_trips_and_defaults_to_half() -> None:
+    split = Layer("fc", 1.0, 3.0, 8, 8, weight_grad_ms=1.0)
+    plain = Layer("relu", 1.0, 2.0, 8, 0)
+    graph = LayerGraph.chain([split, plain])
+    back = LayerGraph.from_json(graph.to_json())
+    assert back.layers == (split, plain)
+    assert "weight_grad_ms" not in json.loads(graph.to_json())["layers"][1]
+    assert split.weight_grad_share == pytest.approx(1 / 3)
+    assert plain.weight_grad_share == 0.5
+    with pytest.raises(ProfileError, match=r"weight_grad_ms=4\.0 above backward_ms=3\.0"):
+        Layer("fc", 1.0, 3.0, 8, 8, weight_grad_ms=4.0)

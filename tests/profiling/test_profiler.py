@@ -184,6 +184,16 @@ def test_first_layer_backward_without_parameters_is_zero() -> None:
     assert graph.layers[1].backward_ms > 0
 
 
+def test_weight_and_input_gradients_are_timed_apart() -> None:
+    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
+    graph = profile_model(model, torch.randn(4, 3), lambda out: out.sum(), warmup=0, repeats=2)
+    first, relu, last = graph.layers
+    # the first layer's input needs no gradient: its whole backward is the weight gradient
+    assert first.weight_grad_ms == first.backward_ms > 0
+    assert relu.weight_grad_ms == 0 and relu.backward_ms > 0
+    assert last.weight_grad_ms is not None and 0 < last.weight_grad_ms < last.backward_ms
+
+
 def test_profile_spec_uses_spec_names_and_batch() -> None:
     spec = get_model("cnn", image_size=8)
     rng = torch.get_rng_state()

@@ -33,7 +33,12 @@ def test_text_form_examples() -> None:
 def test_schedule_text_round_trip(kind: ScheduleKind) -> None:
     replicas = (4,) if kind is ScheduleKind.DP else (2, 1, 3)
     per = 4 if kind is ScheduleKind.DP else (1 if kind is ScheduleKind.PIPEDREAM else 3)
-    sched = build_schedule(replicas, kind, 12, per)
+    virtual = 1
+    if kind is ScheduleKind.TWO_BW:
+        per = 6  # a multiple of every stage's replicas
+    if kind is ScheduleKind.INTERLEAVED:
+        replicas, per, virtual = (1, 1, 1, 1, 1, 1), 3, 2  # 3 workers, 2 stages each
+    sched = build_schedule(replicas, kind, 12, per, virtual_stages=virtual)
     assert Schedule.from_text(sched.to_text()) == sched
 
 

@@ -24,6 +24,9 @@ CASES = [
     (ScheduleKind.GPIPE, (1, 2), 4),
     (ScheduleKind.DP, (3,), 6),
     (ScheduleKind.NAIVE, (1, 1, 1), 2),
+    (ScheduleKind.ZB_H1, (1, 1, 1), 4),
+    (ScheduleKind.ZB_H2, (2, 1), 4),
+    (ScheduleKind.TWO_BW, (1, 1, 1), 2),
 ]
 
 
@@ -44,5 +47,5 @@ def test_long_schedule_cut_at_the_given_units_is_a_prefix_of_the_exact_one(
         for rank in range(sum(replicas)):
             cut = _cut(horizon, rank, n * per)
             assert exact.actions[rank][: len(cut)] == cut, (kind, replicas, n, rank)
-            if kind is not ScheduleKind.PIPEDREAM:  # a synchronous minibatch is a whole update
+            if kind.synchronous:  # a synchronous minibatch is a whole update
                 assert cut == exact.actions[rank]

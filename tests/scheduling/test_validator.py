@@ -115,7 +115,10 @@ def test_send_off_the_end_of_the_pipeline_is_rejected() -> None:
 def test_built_schedules_validate(kind: ScheduleKind) -> None:
     replicas = (3,) if kind is ScheduleKind.DP else (2, 1, 2)
     per = 3 if kind is ScheduleKind.DP else (1 if kind is ScheduleKind.PIPEDREAM else 4)
-    validate_schedule(build_schedule(replicas, kind, 12, per))
+    virtual = 1
+    if kind is ScheduleKind.INTERLEAVED:
+        replicas, per, virtual = (1, 1, 1, 1, 1, 1), 6, 3  # 2 workers, 3 stages each
+    validate_schedule(build_schedule(replicas, kind, 12, per, virtual_stages=virtual))
 
 
 def test_grid_windows_long_schedules_around_the_mark() -> None:

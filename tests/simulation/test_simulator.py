@@ -352,3 +352,96 @@ def test_jitter_factors_must_be_positive_and_finite() -> None:
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ScheduleError, match="jitter"):
             SimCosts(forward_s=(1.0,), backward_s=(1.0,), jitter=(1.0, bad))
+
+
+# ---- the schedules of issue 32: the done-when bounds, computed by the simulator ----
+def _chain_costs(stages: int, layers_per_stage: int) -> SimCosts:
+    """F = 10 ms and a backward of 20 ms per layer, no split given (B = W = 10 ms)."""
+    return SimCosts(forward_s=(0.010 * layers_per_stage,) * stages,
+                    backward_s=(0.020 * layers_per_stage,) * stages)
+
+
+def test_zb_h1_leaves_at_most_half_of_1f1b_flush_bubble() -> None:
+    costs = _chain_costs(4, 1)
+    flush = simulate_schedule(build_schedule([1] * 4, S.FLUSH, 8, 8), costs)
+    zb = simulate_schedule(build_schedule([1] * 4, S.ZB_H1, 8, 8), costs)
+    assert flush.bubble_fraction == pytest.approx(3 / 11)
+    assert zb.bubble_fraction == pytest.approx(1 / 9)  # (p-1)(F+B-W) over the makespan
+    assert zb.bubble_fraction <= 0.5 * flush.bubble_fraction
+
+
+def test_interleaved_on_8_stages_leaves_at_most_065_of_flush_on_4() -> None:
+    flush = simulate_schedule(build_schedule([1] * 4, S.FLUSH, 8, 8), _chain_costs(4, 2))
+    inter = simulate_schedule(build_schedule([1] * 8, S.INTERLEAVED, 8, 8, virtual_stages=2),
+                              _chain_costs(8, 1))
+    assert inter.bubble_fraction == pytest.approx(0.158, abs=5e-4)
+    assert inter.bubble_fraction <= 0.65 * flush.bubble_fraction
+    assert len(inter.busy_s) == 4
+
+
+def test_weight_gradient_costs_its_share_and_b_the_rest() -> None:
+    costs = SimCosts(forward_s=(1.0,), backward_s=(3.0,), weight_grad_s=(1.0,))
+    zb = simulate_schedule(build_schedule([1], S.ZB_H1, 1, 1), costs)
+    spans = {e.kind: e.duration_s for e in zb.events if e.kind is not K.STEP}
+    assert spans == {K.FORWARD: 1.0, K.BACKWARD: 2.0, K.WEIGHT: 1.0}
+    flush = simulate_schedule(build_schedule([1], S.FLUSH, 1, 1), costs)
+    assert {e.kind: e.duration_s for e in flush.events if e.kind is K.BACKWARD} == {
+        K.BACKWARD: 3.0}
+    assert SimCosts(forward_s=(1.0,), backward_s=(3.0,)).weight_grad_s == (1.5,)
+    with pytest.raises(ScheduleError, match="weight_grad_s"):
+        SimCosts(forward_s=(1.0,), backward_s=(3.0,), weight_grad_s=(4.0,))
+
+
+def test_zero_bubble_units_stay_in_flight_until_their_w() -> None:
+    costs = _chain_costs(4, 1)
+    h1 = simulate_schedule(build_schedule([1] * 4, S.ZB_H1, 8, 8), costs)
+    h2 = simulate_schedule(build_schedule([1] * 4, S.ZB_H2, 8, 8), costs)
+    assert h1.peak_in_flight == (4, 4, 4, 4)
+    assert h2.peak_in_flight == (7, 7, 7, 7)
+    slow_b = SimCosts(forward_s=(0.01,) * 4, backward_s=(0.02,) * 4, weight_grad_s=(0.005,) * 4)
+    assert (simulate_schedule(build_schedule([1] * 4, S.ZB_H2, 8, 8), slow_b).makespan_s
+            < simulate_schedule(build_schedule([1] * 4, S.ZB_H1, 8, 8), slow_b).makespan_s)
+
+
+def test_2bw_holds_two_weight_versions_and_no_flush() -> None:
+    costs = _chain_costs(4, 1)
+    two = simulate_schedule(build_schedule([1] * 4, S.TWO_BW, 32, 8), costs)
+    flush = simulate_schedule(build_schedule([1] * 4, S.FLUSH, 32, 8), costs)
+    assert two.peak_versions[:3] == (2, 2, 2)
+    assert flush.peak_versions == (1, 1, 1, 1)
+    assert two.makespan_s < flush.makespan_s
+
+
+def test_costs_from_profile_sum_measured_or_half_weight_gradients() -> None:
+    graph = LayerGraph.chain([Layer("a", 1.0, 4.0, 8, 8, weight_grad_ms=1.0),
+                              Layer("b", 1.0, 2.0, 8, 8), Layer("c", 1.0, 2.0, 8, 8)])
+    plan = Plan.from_config(3, [0, 2], [1, 1])
+    costs = costs_from_profile(graph, plan, Topology.parse("1x2"))
+    assert costs.backward_s == pytest.approx((6e-3, 2e-3))
+    assert costs.weight_grad_s == pytest.approx((2e-3, 1e-3))
+
+
+@pytest.mark.parametrize("replicas", [(1,), (1, 1), (1,) * 4, (1,) * 6, (2, 1), (2, 1, 3)])
+def test_new_schedules_of_small_configs_do_all_their_work(replicas: tuple[int, ...]) -> None:
+    n = len(replicas)
+    costs = SimCosts(forward_s=tuple(0.1 * (s + 1) for s in range(n)), backward_s=(0.2,) * n,
+                     weight_grad_s=(0.05,) * n, activation_bytes=(1e3,) * (n - 1),
+                     bandwidth=1e6, allreduce_s=(0.05,) * n)
+    work = sum(f + b for f, b in zip(costs.forward_s, costs.backward_s, strict=True))
+    rounds = math.lcm(*replicas)
+    for m in range(1, 13):
+        for kind, per in ((S.ZB_H1, m), (S.ZB_H2, m), (S.TWO_BW, rounds * m)):
+            schedule = build_schedule(replicas, kind, 3 * per, per)
+            result = simulate_schedule(schedule, costs, record_events=False)
+            assert sum(result.busy_s) == pytest.approx(3 * per * work)
+            assert result.makespan_s >= 3 * per * max(costs.forward_s) + 0.2 - 1e-9
+    for workers in (1, 2, 3):
+        for v in (1, 2, 3):
+            stages = workers * v
+            equal = _equal(stages, 1.0, 2.0)
+            for m in (workers, 2 * workers, 4 * workers):
+                schedule = build_schedule([1] * stages, S.INTERLEAVED, 2 * m, m,
+                                          virtual_stages=v)
+                result = simulate_schedule(schedule, equal, record_events=False)
+                assert len(result.busy_s) == workers
+                assert result.busy_s == pytest.approx((2 * m * v * 3.0,) * workers)

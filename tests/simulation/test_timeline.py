@@ -87,3 +87,20 @@ def test_chrome_trace_lanes_never_overlap() -> None:
         assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(spans))
     compute = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"].startswith("F")]
     assert {e["tid"] for e in compute} == {0}
+
+
+def test_weight_gradients_and_interleaved_workers_are_drawn_and_traced(tmp_path: Path) -> None:
+    costs = SimCosts(forward_s=(1e-3,) * 4, backward_s=(2e-3,) * 4)
+    zb = simulate_schedule(build_schedule((1,) * 4, ScheduleKind.ZB_H1, 4, 4), costs).events
+    assert any(e.kind is K.WEIGHT for e in zb)
+    draw_timeline(zb, tmp_path / "zb.png", "zb-h1")
+    assert (tmp_path / "zb.png").read_bytes().startswith(_PNG)
+    trace = chrome_trace(zb)["traceEvents"]
+    assert {x["tid"] for x in trace if x.get("name", "").startswith("W")} == {0}  # compute lane
+    inter = simulate_schedule(build_schedule((1,) * 4, ScheduleKind.INTERLEAVED, 4, 4,
+                                             virtual_stages=2), costs).events
+    names = {x["args"]["name"] for x in chrome_trace(inter)["traceEvents"]
+             if x["name"] == "process_name"}
+    assert names == {"rank 0 (stages 0, 2)", "rank 1 (stages 1, 3)"}
+    draw_timeline(inter, tmp_path / "inter.png", "interleaved", 2)
+    assert (tmp_path / "inter.png").read_bytes().startswith(_PNG)

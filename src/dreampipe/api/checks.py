@@ -24,8 +24,8 @@ from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
-    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_schedule",
-    "check_split", "check_stages_on_meta",
+    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_runnable",
+    "check_schedule", "check_split", "check_stages_on_meta",
 ]
 
 _log = logging.getLogger(__name__)
@@ -149,9 +149,27 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
             "supported yet; train without resume", "resume")
 
 
+#: Schedules the simulator times but the runtime does not execute yet.
+_SIMULATED_ONLY = frozenset((ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.INTERLEAVED,
+                             ScheduleKind.TWO_BW))
+
+
+def check_runnable(kind: ScheduleKind) -> None:
+    """The runtime runs ``kind``: the zero-bubble, interleaved and 2bw schedules are
+    simulated only."""
+    if kind in _SIMULATED_ONLY:
+        runs = ", ".join(k.value for k in ScheduleKind if k not in _SIMULATED_ONLY)
+        raise ScheduleError(
+            f"schedule {kind.value!r} is not yet run by the runtime; simulate it (dreampipe "
+            f"simulate --schedule {kind.value}) or train with one of {runs}"
+        )
+
+
 def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
                     max_grad_norm: float | None, stash: bool) -> None:
-    """The schedule's options must fit it and the plan's replicas."""
+    """The schedule's options must fit it and the plan's replicas, and the runtime must
+    run it (:func:`check_runnable`)."""
+    check_runnable(kind)
     if kind is ScheduleKind.DP and len(replicas) != 1:
         raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
                             f"{len(replicas)} stages; use plan='auto'")

@@ -47,6 +47,7 @@ _FLAGS = {
     "steps=": "--steps ",
     "timeout_s=": "--timeout ",
     "vertical_sync=True": "--vertical-sync",
+    "virtual_stages=": "--virtual-stages ",
     "warmup=": "--warmup ",
     "workers=": "--workers ",
 }

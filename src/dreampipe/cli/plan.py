@@ -29,6 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.cli.links import add_link_arguments, sync_from, topology_from
+from dreampipe.cli.plan_schedule import (
+    add_schedule_arguments,
+    interleaved_report,
+    schedule_report,
+)
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.plan import Plan, Stage
@@ -101,6 +106,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "zeroed; pipedream: PipeDream's own "
                         "optimizer term for term, (compute + 4(m-1)/m|w|/B)/m added, Input "
                         "zeroed, every worker used, no memory limit")
+    add_schedule_arguments(p)
     p.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="save the plan here")
     p.add_argument("--json", action="store_true",
                    help="print exactly one JSON object on stdout instead of the table")
@@ -121,6 +127,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 def _run(args: argparse.Namespace) -> int:
     graph = load_graph(args.profile)
     topo = topology_from(args)
+    if args.virtual_stages != 1:
+        return _run_interleaved(args, graph, topo)
     start = time.perf_counter()
     result = plan_pipeline(
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
@@ -130,10 +138,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
+    schedule_lines, schedule_data = schedule_report(args, result, graph, topo)
     if args.output:
         result.save(args.output)
     if args.json:
-        summary = plan_summary(result, seconds)
+        summary = {**plan_summary(result, seconds), **schedule_data}
         needs = _split_needs(result, graph, topo)
         if needs is not None:
             summary["memory_needs_bytes"] = needs
@@ -148,11 +157,31 @@ def _run(args: argparse.Namespace) -> int:
         print(format_plan(result, graph, topo, seconds))
         if sim is not None:
             print(_format_confirmation(result, sim))
+        print("\n".join(schedule_lines))
         if args.cost_model == CostModel.PIPEDREAM:
             print(f"pipedream model: pipeline {result.time_per_minibatch_s * 1e3:.2f} ms, "
                   f"data parallel {result.baselines_s['dp'] * 1e3:.2f} ms per minibatch")
         if args.output:
             print(f"plan saved to {args.output}")
+    return 0
+
+
+def _run_interleaved(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
+    """``--virtual-stages``: the interleaved plan, reported and saved."""
+    if args.virtual_stages < 1:
+        raise ConfigError(f"virtual_stages={args.virtual_stages}; use 1 or more",
+                          "virtual_stages")
+    plan, lines, data = interleaved_report(args, graph, topo)
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        json.dump({**plan_summary(plan), **data}, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print("\n".join(lines))
+    if args.output:
+        print(f"plan saved to {args.output}; simulate it with --schedule interleaved-1f1b "
+              f"--virtual-stages {args.virtual_stages}")
     return 0
 
 

@@ -3,10 +3,21 @@
 The input is a plan JSON (``dreampipe plan -o``) or a profile (ours,
 PipeDream's graph.txt or a bundled pipedream:NAME), which is planned for
 ``--topology`` first. Units:
-PipeDream runs ``--minibatches`` minibatches; 1f1b-flush, gpipe and naive run
+PipeDream runs ``--minibatches`` minibatches; the other pipelines
+(1f1b-flush, gpipe, naive, zb-h1, zb-h2, interleaved-1f1b, 2bw) run
 ``--minibatches`` minibatches of ``--microbatches`` microbatches each; dp runs
 the whole model on the plan's workers, one full minibatch per worker per
 update (as the planner's data-parallel baseline counts it).
+``interleaved-1f1b`` runs the plan's stages ``--virtual-stages`` to a worker,
+stage s on worker s mod (stages / v): plan them with ``dreampipe plan
+--virtual-stages``.
+
+A synthetic profile is a JSON profile written by hand or by
+``LayerGraph.chain([Layer("l0", 10.0, 20.0, 0, 0), ...]).save(path)``: four
+layers of F = 10 ms and a backward of 20 ms, planned with ``dreampipe plan
+chain.json -t 1x4 --straight -o plan.json`` and simulated with ``dreampipe
+simulate plan.json --profile chain.json --schedule zb-h1 --microbatches 8
+--minibatches 1``, leave 11.1% of rank time idle against 1f1b-flush's 27.3%.
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ from dreampipe.profiling.bundled import is_bundled
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
-from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.simulator import (
     SimCosts,
@@ -61,8 +72,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="minibatches to run (default: 4 per worker for pipedream and dp, 8 for "
                         "the others; rounded up to whole all-reduce rounds)")
     p.add_argument("--microbatches", type=int, metavar="M",
-                   help="microbatches per minibatch for 1f1b-flush, gpipe and naive "
+                   help="microbatches per minibatch for every schedule but pipedream and dp "
                         "(default: 4 per stage, GPipe's guidance)")
+    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved-1f1b: stages per worker (the plan's stages / V workers; "
+                        "default 1)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="with a plan JSON: the profile it was made from, for exact costs and "
                         "memory (without it, costs come from the plan's predictions)")
@@ -80,8 +94,9 @@ def _run(args: argparse.Namespace) -> int:
         plan, graph, topology = _load(args)
         bar.update()
         replicas, layout, updates = _units(args, kind, plan)
-        costs = _costs(plan, graph, topology, kind, layout.unit_fraction)
-        schedule = layout.build(replicas, updates, plan.in_flight)
+        virtual = _virtual_stages(args, kind, plan)
+        costs = _costs(plan, graph, topology, kind, layout.unit_fraction, virtual)
+        schedule = layout.build(replicas, updates, plan.in_flight, virtual)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
         result = simulate_schedule(schedule, costs, record_events=wants_events)
@@ -105,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**result.summary(), **info}))
     else:
-        print(_report(result, info, schedule.replicas))
+        print(_report(result, info, schedule))
     return 0
 
 
@@ -180,8 +195,24 @@ def _units(
     return replicas, layout, args.minibatches or 8
 
 
+def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan) -> int:
+    """``--virtual-stages``, checked against the schedule and the plan."""
+    v = args.virtual_stages
+    if v == 1:
+        return 1
+    if kind is not ScheduleKind.INTERLEAVED:
+        raise ConfigError(f"virtual_stages={v} with schedule={kind.value}; only "
+                          "interleaved-1f1b runs several stages per worker", "virtual_stages",
+                          "schedule")
+    if v < 1 or plan.num_stages % v:
+        raise ConfigError(f"virtual_stages={v} for a plan of {plan.num_stages} stages; give "
+                          f"a divisor of {plan.num_stages}", "virtual_stages")
+    return int(v)
+
+
 def _costs(
-    plan: Plan, graph: LayerGraph | None, topology: Topology, kind: ScheduleKind, fraction: float
+    plan: Plan, graph: LayerGraph | None, topology: Topology, kind: ScheduleKind, fraction: float,
+    virtual: int = 1,
 ) -> SimCosts:
     if graph is None:
         if kind is ScheduleKind.DP:
@@ -190,14 +221,14 @@ def _costs(
         return costs_from_plan(plan, topology, fraction)
     if kind is ScheduleKind.DP:
         plan = Plan.from_config(len(graph), [0], [plan.workers_used], model=plan.model)
-    return costs_from_profile(graph, plan, topology, fraction)
+    return costs_from_profile(graph, plan, topology, fraction, virtual_stages=virtual)
 
 
-def _report(result: SimResult, info: dict[str, Any], replicas: tuple[int, ...]) -> str:
+def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
     per = "" if info["units"] == info["minibatches"] else (
         f" ({info['units']} units, {info['units_per_update']} per update)")
     lines = [
-        f"schedule    {result.kind.value}, config {result.config} on {sum(replicas)} workers "
+        f"schedule    {result.kind.value}, config {result.config} on {schedule.num_ranks} workers "
         f"({info['topology']}), {info['minibatches']} minibatches{per}",
         f"throughput  {result.throughput_minibatches_per_s:.3f} minibatches/s over "
         f"{result.makespan_s:.3f} s"
@@ -209,9 +240,8 @@ def _report(result: SimResult, info: dict[str, Any], replicas: tuple[int, ...]) 
         f"{'rank':>4} {'stage':>5} {'busy s':>9} {'idle s':>9} {'idle %':>6} "
         f"{'peak memory':>12} {'versions':>8} {'in flight':>9}",
     ]
-    firsts = [sum(replicas[:s]) for s in range(len(replicas))]
-    for rank in range(sum(replicas)):
-        stage = max(s for s, f in enumerate(firsts) if f <= rank)
+    for rank in range(schedule.num_ranks):
+        stage = ",".join(map(str, schedule.stages_of_rank(rank)))
         idle = result.idle_s[rank]
         memory = (format_bytes(result.peak_memory_bytes[rank]) if info["memory_known"]
                   else "n/a")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dreampipe.api.checks import check_runnable
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
@@ -156,6 +157,7 @@ def check_options(opts: TrainOptions) -> None:
             "stashing: drop stash=False or vertical_sync=True", "stash", "vertical_sync",
         )
     check_policy(opts.on_nonfinite, opts.schedule)
+    check_runnable(opts.schedule)
     if opts.dataset not in DATASETS:
         raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
 

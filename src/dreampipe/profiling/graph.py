@@ -34,6 +34,14 @@ class Layer:
     (:attr:`stash_bytes`). Each figure must be a finite number >= 0: ``inf`` or
     ``nan`` is a broken measurement and would surface later as a baffling
     planner error.
+
+    ``weight_grad_ms`` is the part of ``backward_ms`` spent on the weight
+    gradient, timed apart from the input gradient (the profiler does); a
+    zero-bubble schedule runs the two as separate actions. None where not
+    measured (PipeDream's graph.txt, profiles written before the split), and
+    then half of the backward counts as weight gradient
+    (:attr:`weight_grad_share`): the two are matrix products of the same
+    size in a linear or convolution layer.
     """
 
     name: str
@@ -43,23 +51,36 @@ class Layer:
     parameter_bytes: int
     description: str = ""
     saved_bytes: int | None = None
+    weight_grad_ms: float | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
-                     "saved_bytes"):
+                     "saved_bytes", "weight_grad_ms"):
             value = getattr(self, what)
-            if value is None and what == "saved_bytes":
+            if value is None and what in ("saved_bytes", "weight_grad_ms"):
                 continue
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ProfileError(
                     f"layer {self.name!r} has {what}={value!r}; "
                     "times and sizes must be finite non-negative numbers"
                 )
+        if self.weight_grad_ms is not None and self.weight_grad_ms > self.backward_ms:
+            raise ProfileError(
+                f"layer {self.name!r} has weight_grad_ms={self.weight_grad_ms} above "
+                f"backward_ms={self.backward_ms}; the weight gradient is part of the backward"
+            )
 
     @property
     def compute_ms(self) -> float:
         """Forward plus backward time, the planner's ``T_l``."""
         return self.forward_ms + self.backward_ms
+
+    @property
+    def weight_grad_share(self) -> float:
+        """The weight gradient's share of the backward: measured, else one half."""
+        if self.weight_grad_ms is None or self.backward_ms <= 0:
+            return 0.5
+        return self.weight_grad_ms / self.backward_ms
 
     @property
     def stash_bytes(self) -> int:
@@ -204,6 +225,7 @@ class LayerGraph:
                     "activation_bytes": x.activation_bytes,
                     "parameter_bytes": x.parameter_bytes,
                     **({} if x.saved_bytes is None else {"saved_bytes": x.saved_bytes}),
+                    **({} if x.weight_grad_ms is None else {"weight_grad_ms": x.weight_grad_ms}),
                 }
                 for x in self.layers
             ],

@@ -13,13 +13,16 @@ How it measures (all in training mode, autograd on)::
          each layer in model order, on fresh leaf copies of its recorded inputs
            forward:  out = L(inputs)                                     timed
          then each layer in reverse order
-           backward: autograd.grad(out, inputs + params, d(loss)/d(out))  timed
+           input gradient:  autograd.grad(out, inputs, d(loss)/d(out))   timed
+           weight gradient: autograd.grad(out, params, d(loss)/d(out))   timed
 
 On a GPU each span is timed by CUDA events on the device's stream, read once
 per pass (:mod:`.clock`). The median of the ``repeats`` timings is reported, and every timed pass's
 total in ``meta["pass_ms"]`` (how a whole pass varies). The backward is the
 layer's own backward: gradients for its inputs (when they carry gradient in
-real training) and its parameters, with the real upstream gradient. The
+real training) and its parameters, with the real upstream gradient, timed
+as two calls, as a zero-bubble schedule runs them (``B`` and ``W``): the
+backward is their sum and ``weight_grad_ms`` the second. The
 loss itself is not timed. ``autograd.grad`` never touches ``.grad``, and
 afterwards the buffers (BatchNorm running stats), the train/eval flags and
 the torch RNG state are restored, so the user's model and RNG are as before.
@@ -238,16 +241,19 @@ def _time_layers(
     times = _time_passes(layer_steps, step_params, env, grads, passes, clock, progress)
     layers: list[Layer] = []
     counted: set[int] = set()
-    for step, params, (forward, backward) in zip(layer_steps, step_params, times, strict=True):
+    for step, params, (forward, backward, weight) in zip(
+            layer_steps, step_params, times, strict=True):
+        backward_ms = statistics.median(backward)
         layers.append(Layer(
             name=step.name,
             forward_ms=statistics.median(forward),
-            backward_ms=statistics.median(backward),
+            backward_ms=backward_ms,
+            weight_grad_ms=min(backward_ms, statistics.median(weight)),
             activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
             parameter_bytes=new_parameter_bytes(params, counted),
             description=step.description,
         ))
-    columns = [t for pair in times for t in pair]
+    columns = [t for forward, backward, _ in times for t in (forward, backward)]
     return layers, sorted(edges), [sum(one) for one in zip(*columns, strict=True)]
 
 
@@ -271,8 +277,9 @@ def _time_passes(
     passes: _Passes,
     clock: Clock,
     progress: Progress | None,
-) -> list[tuple[list[float], list[float]]]:
-    """Every layer's forward and backward milliseconds of each timed pass, in training order.
+) -> list[tuple[list[float], list[float], list[float]]]:
+    """Every layer's forward, backward and weight-gradient milliseconds of each timed
+    pass, in training order.
 
     Each pass runs every layer's forward in model order, then every layer's
     backward in reverse, as a training step does, so a layer's weights are
@@ -282,48 +289,57 @@ def _time_passes(
     """
     forward: list[list[float]] = [[] for _ in layer_steps]
     backward: list[list[float]] = [[] for _ in layer_steps]
+    weight: list[list[float]] = [[] for _ in layer_steps]
     r = 0
     timed_s = 0.0
     while r < passes.warmup or passes.more(r - passes.warmup, timed_s):
         start = time.perf_counter()
         runs: list[tuple[Any, list[Tensor]] | None] = []
-        readings: list[tuple[Reading, Reading]] = []
+        readings: list[tuple[Reading, Reading, Reading]] = []
         for step in layer_steps:
             leaves: list[Tensor] = []
             inputs = {d: _fresh(env[d], leaves) for d in step.deps}
             mark = clock.start()
             out = step.run(inputs)
-            readings.append((clock.stop(mark), _ZERO))
+            readings.append((clock.stop(mark), _ZERO, _ZERO))
             runs.append((out, leaves))
         for i in reversed(range(len(layer_steps))):
             run, runs[i] = runs[i], None
             assert run is not None
-            readings[i] = (readings[i][0], _time_backward(
-                run[0], grads[layer_steps[i].key],
-                run[1] + [p for p in step_params[i] if p.requires_grad], clock))
-        values = [(fwd(), bwd()) for fwd, bwd in readings]  # warm-up too: the GPU drains
+            readings[i] = (readings[i][0], *_time_backward(
+                run[0], grads[layer_steps[i].key], run[1],
+                [p for p in step_params[i] if p.requires_grad], clock))
+        values = [(fwd(), b(), w()) for fwd, b, w in readings]  # warm-up too: the GPU drains
         if r >= passes.warmup:
-            for i, (fwd_ms, bwd_ms) in enumerate(values):
+            for i, (fwd_ms, input_ms, weight_ms) in enumerate(values):
                 forward[i].append(fwd_ms)
-                backward[i].append(bwd_ms)
+                backward[i].append(input_ms + weight_ms)
+                weight[i].append(weight_ms)
             timed_s += time.perf_counter() - start
         r += 1
         if progress is not None:
             progress(r, max(r, passes.warmup + passes.repeats))
-    return list(zip(forward, backward, strict=True))
+    return list(zip(forward, backward, weight, strict=True))
 
 
 def _time_backward(
-    out: Any, out_grads: list[Tensor | None], targets: list[Tensor], clock: Clock
-) -> Reading:
-    """Milliseconds of one layer's own backward with the real upstream gradient (0 if none)."""
+    out: Any, out_grads: list[Tensor | None], inputs: list[Tensor], params: list[Tensor],
+    clock: Clock,
+) -> tuple[Reading, Reading]:
+    """Milliseconds of one layer's own backward with the real upstream gradient: its input
+    gradient, then its weight gradient (0 where it has none)."""
     pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
              if g is not None and o.requires_grad]
-    if not (pairs and targets):
-        return _ZERO
-    mark = clock.start()
-    torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True)
-    return clock.stop(mark)
+    readings: list[Reading] = []
+    for targets, keep in ((inputs, bool(params)), (params, False)):
+        if not (pairs and targets):
+            readings.append(_ZERO)
+            continue
+        mark = clock.start()
+        torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
+                            retain_graph=keep, allow_unused=True)
+        readings.append(clock.stop(mark))
+    return readings[0], readings[1]
 
 
 def _zero() -> float:

@@ -1,6 +1,6 @@
 """Actions and schedules as plain data: what each rank does, and what that means.
 
-An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B`` and the
+An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B``/``W`` and the
 sends and receives the number is the unit: the minibatch in PipeDream's
 asynchronous schedule, the global microbatch in the synchronous ones
 (microbatch ``u`` belongs to update ``u // units_per_update``). ``ALLREDUCE``
@@ -11,7 +11,18 @@ PipeDream updates after every backward, so ``B<u>`` is followed by
 ``ALLREDUCE<k> STEP<k>`` with ``k = u // replicas`` (each replica's k-th
 unit). Its text form is short and parses back::
 
-    F3  B3  SEND_F3  RECV_F3  SEND_B3  RECV_B3  ALLREDUCE3  STEP3
+    F3  B3  W3  SEND_F3  RECV_F3  SEND_B3  RECV_B3  ALLREDUCE3  STEP3
+
+``B`` is the backward's input gradient (what the stage before waits for) and
+``W`` its weight gradient (Zero Bubble's split, Qi et al. 2024). Only the
+zero-bubble schedules (:attr:`ScheduleKind.splits_backward`) hold ``W``
+actions, one per ``B``, later on the same rank; in every other schedule
+``B`` computes both gradients, as PyTorch's backward does.
+
+A rank runs one stage, except under ``interleaved-1f1b``: with
+``virtual_stages = v`` a rank (a worker) runs ``v`` stages, stage ``s`` on
+rank ``s mod (stages / v)``, each stage unreplicated (Megatron-LM's
+interleaved 1F1B). Its action list holds the actions of all its stages.
 
 The stage is implied by the rank that runs the action; ``Schedule.to_text``
 writes one line per rank and ``Schedule.from_text`` reads it back. Peers are
@@ -32,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -47,6 +59,7 @@ TransferKey = tuple[int, int, int]
 class ActionKind(Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -65,6 +78,22 @@ class ScheduleKind(Enum):
     GPIPE = "gpipe"
     DP = "dp"
     NAIVE = "naive"
+    ZB_H1 = "zb-h1"
+    ZB_H2 = "zb-h2"
+    INTERLEAVED = "interleaved-1f1b"
+    TWO_BW = "2bw"
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each weight gradient as its own ``W`` action."""
+        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_H2)
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether every update's gradients come from the weights of the update
+        before it (one process's semantics); pipedream and 2bw train on stale
+        weights."""
+        return self not in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
 
 
 _K = ActionKind
@@ -78,8 +107,9 @@ _TRANSFER = {
 _SENDS = frozenset((_K.SEND_F, _K.SEND_B))
 _PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP))  # numbered by update, not by unit
 
-_HEADER = re.compile(r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)$")
-_ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B)(\d+)$")
+_HEADER = re.compile(
+    r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)(?: virtual=(\d+))?$")
+_ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)$")
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -130,7 +160,8 @@ class Action:
         m = _ACTION.match(text.strip())
         if not m:
             raise ScheduleError(
-                f"{text!r} is not an action; write e.g. F3, B3, SEND_F3, RECV_B3, ALLREDUCE3, STEP3"
+                f"{text!r} is not an action; write e.g. F3, B3, W3, SEND_F3, RECV_B3, "
+                "ALLREDUCE3, STEP3"
             )
         return cls(ActionKind(m.group(1)), stage, int(m.group(2)))
 
@@ -142,7 +173,8 @@ class Schedule:
     ``replicas[s]`` is stage s's replica count; ranks are numbered stage by
     stage as in :class:`dreampipe.planning.plan.Plan`. ``num_units`` units are run in
     all, ``units_per_update`` of them between optimizer steps (1 for
-    PipeDream's per-minibatch updates).
+    PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
+    many unreplicated stages on each rank (interleaved 1F1B, module doc).
     """
 
     kind: ScheduleKind
@@ -150,13 +182,20 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
     num_units: int
     units_per_update: int = 1
+    virtual_stages: int = 1
     _firsts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if len(self.actions) != sum(self.replicas):
+        v = self.virtual_stages
+        if v < 1 or (v > 1 and (len(self.replicas) % v or any(r != 1 for r in self.replicas))):
             raise ScheduleError(
-                f"{len(self.actions)} action lists for {sum(self.replicas)} ranks "
-                f"(replicas {list(self.replicas)})"
+                f"virtual_stages={v} with replicas {list(self.replicas)}; give a count >= 1 "
+                "that divides the stages, each stage on one worker"
+            )
+        if len(self.actions) != sum(self.replicas) // v:
+            raise ScheduleError(
+                f"{len(self.actions)} action lists for {sum(self.replicas) // v} ranks "
+                f"(replicas {list(self.replicas)}, {v} stages per rank)"
             )
         firsts = [0]
         for r in self.replicas:
@@ -172,11 +211,22 @@ class Schedule:
         return len(self.actions)
 
     def stage_of_rank(self, rank: int) -> int:
+        """The stage ``rank`` runs: its first under interleaving (:meth:`stages_of_rank`)."""
         if not 0 <= rank < self.num_ranks:
             raise ScheduleError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
+        if self.virtual_stages > 1:
+            return rank
         return bisect.bisect_right(self._firsts, rank) - 1
 
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """Every stage ``rank`` runs: one, or ``virtual_stages`` interleaved ones."""
+        first = self.stage_of_rank(rank)
+        return tuple(range(first, self.num_stages, self.num_ranks)) if (
+            self.virtual_stages > 1) else (first,)
+
     def first_rank(self, stage: int) -> int:
+        if self.virtual_stages > 1:
+            return stage % self.num_ranks
         return self._firsts[stage]
 
     def replica_of_rank(self, rank: int) -> int:
@@ -184,6 +234,8 @@ class Schedule:
 
     def rank_of(self, stage: int, unit: int) -> int:
         """The rank of ``stage`` that runs ``unit`` (round-robin over replicas)."""
+        if self.virtual_stages > 1:
+            return stage % self.num_ranks
         return self._firsts[stage] + unit % self.replicas[stage]
 
     def last_unit(self, action: Action) -> int:
@@ -209,11 +261,18 @@ class Schedule:
         stage = action.peer_stage
         return None if stage is None else self.rank_of(stage, action.unit)
 
+    def with_actions(self, actions: Sequence[tuple[Action, ...]]) -> Schedule:
+        """This schedule with other action lists (a lowering pass's result)."""
+        return Schedule(self.kind, self.replicas, tuple(actions), self.num_units,
+                        self.units_per_update, self.virtual_stages)
+
     def to_text(self) -> str:
         lines = [f"# {self.kind.value} replicas={'-'.join(map(str, self.replicas))} "
-                 f"units={self.num_units} per_update={self.units_per_update}"]
+                 f"units={self.num_units} per_update={self.units_per_update}"
+                 + (f" virtual={self.virtual_stages}" if self.virtual_stages > 1 else "")]
+        at = self.virtual_stages > 1
         for rank, acts in enumerate(self.actions):
-            lines.append(f"{rank}: " + " ".join(str(a) for a in acts))
+            lines.append(f"{rank}: " + " ".join(f"{a}@{a.stage}" if at else str(a) for a in acts))
         return "\n".join(lines)
 
     @classmethod
@@ -230,12 +289,24 @@ class Schedule:
             valid = ", ".join(k.value for k in ScheduleKind)
             raise ScheduleError(f"unknown schedule {m.group(1)!r}; use one of {valid}") from None
         replicas = tuple(int(x) for x in m.group(2).split("-"))
-        probe = cls(kind, replicas, tuple(() for _ in range(sum(replicas))), 0)
+        virtual = int(m.group(5) or 1)
+        probe = cls(kind, replicas, tuple(() for _ in range(sum(replicas) // max(virtual, 1))),
+                    0, virtual_stages=virtual)
         actions = []
         for rank, row in enumerate(rows[1:]):
             head, _, body = row.partition(":")
             if head.strip() != str(rank):
                 raise ScheduleError(f"line for rank {rank} starts with {head!r}")
-            stage = probe.stage_of_rank(rank)
-            actions.append(tuple(Action.parse(t, stage) for t in body.split()))
-        return cls(kind, replicas, tuple(actions), int(m.group(3)), int(m.group(4)))
+            actions.append(tuple(_parse_on(probe, rank, t) for t in body.split()))
+        return cls(kind, replicas, tuple(actions), int(m.group(3)), int(m.group(4)), virtual)
+
+
+def _parse_on(probe: Schedule, rank: int, text: str) -> Action:
+    """An action of ``rank``'s line; under interleaving written ``F3@5`` (stage 5)."""
+    word, _, stage = text.partition("@")
+    if not stage:
+        return Action.parse(word, probe.stage_of_rank(rank))
+    if not stage.isdigit() or int(stage) not in probe.stages_of_rank(rank):
+        raise ScheduleError(f"{text!r} on rank {rank}: name one of its stages "
+                            f"{list(probe.stages_of_rank(rank))} after '@'")
+    return Action.parse(word, int(stage))

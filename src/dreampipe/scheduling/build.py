@@ -1,4 +1,4 @@
-"""The five schedules of docs/design.md §7, built as data and lowered by passes.
+"""The schedules of docs/design.md §7, built as data and lowered by passes.
 
 :func:`build_schedule` is the one entry point; the runtime executes its
 result and the simulator times it. It runs three pure steps::
@@ -25,6 +25,17 @@ straight pipeline, as PipeDream's NOAM, and more before replicated stages,
 whose all-reduce joins would otherwise drain the pipeline). Unit ``u`` runs
 on replica ``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
 
+The zero-bubble orders are :mod:`dreampipe.scheduling.zero_bubble`'s,
+interleaved 1F1B's :mod:`dreampipe.scheduling.interleave`'s. PipeDream-2BW
+(``2bw``, Narayanan et al. 2021) runs 1F1B over every microbatch without a
+flush, as PipeDream does, but updates once per minibatch of
+``units_per_update`` microbatches: ``ALLREDUCE<k> STEP<k>`` right after a
+replica's last backward of minibatch ``k``. A forward uses the weights of
+the steps taken before it, so minibatch ``k+1``'s first microbatches run
+on version ``k-1`` while ``k``'s last gradients come in, and the update is
+``W(t+1) = W(t) - lr * grad f(W(t-1))``: two weight versions, a delay of
+one whatever the depth.
+
 A PipeDream run may end with a partial all-reduce round: with 5 minibatches a
 stage of 3 replicas runs rounds {0,1,2} and {3,4}, and its third replica, with
 no unit in round 1, still joins ``ALLREDUCE1 STEP1`` at the end of its list
@@ -42,6 +53,9 @@ from collections.abc import Callable, Sequence
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.interleave import interleaved_compute
+from dreampipe.scheduling.updates import lower_updates
+from dreampipe.scheduling.zero_bubble import zero_bubble_counts, zero_bubble_order
 
 __all__ = [
     "build_schedule",
@@ -57,7 +71,7 @@ _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 def build_schedule(
     replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
-    in_flight: Sequence[int] | None = None,
+    in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
 
@@ -66,31 +80,33 @@ def build_schedule(
     ``in_flight`` gives PipeDream's minibatches in flight per stage (a plan's
     :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
     :func:`~dreampipe.planning.in_flight.in_flight_counts`).
+    ``virtual_stages`` (interleaved-1f1b only) puts that many of the
+    unreplicated stages on each worker.
 
     A synchronous schedule is its period (:func:`_period` updates), built and
     validated once, repeated with shifted units: no unit crosses an update, so
     the repeat is what the passes would build, in time linear in the updates
     (a training loop extends its schedule as it goes).
     """
-    _check(replicas, kind, num_units, units_per_update, in_flight)
-    if kind is not ScheduleKind.PIPEDREAM:
+    _check(replicas, kind, num_units, units_per_update, in_flight, virtual_stages)
+    if kind.synchronous:
         block = _period(replicas, units_per_update) * units_per_update
         if num_units > block and num_units % block == 0:
-            return _repeated(_period_block(tuple(replicas), kind, block, units_per_update),
-                             num_units // block)
+            return _repeated(_period_block(tuple(replicas), kind, block, units_per_update,
+                                           None, virtual_stages), num_units // block)
     return _built(tuple(replicas), kind, num_units, units_per_update,
-                  None if in_flight is None else tuple(in_flight))
+                  None if in_flight is None else tuple(in_flight), virtual_stages)
 
 
 def _built(
     replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int,
-    in_flight: tuple[int, ...] | None = None,
+    in_flight: tuple[int, ...] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
-    schedule = lower_updates(lower_communication(
-        compute_schedule(replicas, kind, num_units, units_per_update, in_flight)))
+    schedule = lower_updates(lower_communication(compute_schedule(
+        replicas, kind, num_units, units_per_update, in_flight, virtual_stages)))
     validate_schedule(schedule)
     return schedule
 
@@ -115,7 +131,7 @@ def _repeated(block: Schedule, times: int) -> Schedule:
         for acts in block.actions
     ]
     return Schedule(block.kind, block.replicas, tuple(actions), units * times,
-                    block.units_per_update)
+                    block.units_per_update, block.virtual_stages)
 
 
 def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
@@ -134,7 +150,7 @@ def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
 
 def compute_schedule(
     replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
-    in_flight: Sequence[int] | None = None,
+    in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """Per-rank forward/backward order only, before any lowering pass.
 
@@ -149,12 +165,22 @@ def compute_schedule(
     - DP: one stage; each replica runs forward then backward of each unit.
     - NAIVE: forward then backward of each unit; a stage's next forward waits
       for the previous unit's gradient, so one unit at a time is in flight.
+    - ZB_H1, ZB_H2: :mod:`~dreampipe.scheduling.zero_bubble`'s orders, with
+      ``W`` actions.
+    - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`.
+    - TWO_BW: 1F1B over all units with 1f1b-flush's warm-up, no flush.
     """
-    reps = _check(replicas, kind, num_units, units_per_update, in_flight)
-    per_update = num_units if kind is ScheduleKind.PIPEDREAM else units_per_update
+    reps = _check(replicas, kind, num_units, units_per_update, in_flight, virtual_stages)
+    if kind is ScheduleKind.INTERLEAVED:
+        return interleaved_compute(len(reps), virtual_stages, num_units, units_per_update)
+    per_update = (num_units if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
+                  else units_per_update)
     order = _ORDERS[kind]
     warmup = (tuple(in_flight) if in_flight is not None else in_flight_counts(reps)
               ) if kind is ScheduleKind.PIPEDREAM else in_flight_counts(reps, 0)
+    if kind.splits_backward:
+        warmup, defer = zero_bubble_counts(kind, warmup)
+        order = functools.partial(_zero_bubble, defer)
     actions: list[tuple[Action, ...]] = []
     for stage, r in enumerate(reps):
         for replica in range(r):
@@ -174,7 +200,7 @@ def forward_only(replicas: Sequence[int], num_units: int) -> Schedule:
     """
     full = build_schedule(replicas, ScheduleKind.GPIPE, num_units, num_units)
     keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
-    return _replace(full, [tuple(a for a in acts if a.kind in keep) for acts in full.actions])
+    return full.with_actions([tuple(a for a in acts if a.kind in keep) for acts in full.actions])
 
 
 def lower_communication(schedule: Schedule) -> Schedule:
@@ -202,26 +228,7 @@ def lower_communication(schedule: Schedule) -> Schedule:
             else:
                 lowered.append(a)
         out.append(tuple(lowered))
-    return _replace(schedule, out)
-
-
-def lower_updates(schedule: Schedule) -> Schedule:
-    """Add the weight updates: ``ALLREDUCE`` (replicated stages only) and ``STEP``.
-
-    Both carry the update number ``k``, the all-reduce round of the stage's
-    replicas. PipeDream: after every backward ``B<u>`` (and its ``SEND_B``),
-    ``STEP<k>`` with ``k = u // r`` on a stage of ``r`` replicas, preceded by
-    ``ALLREDUCE<k>`` when ``r > 1``; a replica with no unit in the last,
-    partial round joins its ``ALLREDUCE<k> STEP<k>`` at the end. Synchronous
-    schedules: ``ALLREDUCE<k> STEP<k>`` once per minibatch k, after the rank's
-    last action of it, even on a replica that ran none of its microbatches (it
-    contributes zero gradient).
-    """
-    per = _per_backward if schedule.kind is ScheduleKind.PIPEDREAM else _per_update
-    return _replace(schedule, [
-        per(schedule, schedule.stage_of_rank(rank), acts)
-        for rank, acts in enumerate(schedule.actions)
-    ])
+    return schedule.with_actions(out)
 
 
 # ---- per-minibatch orders of one replica -----------------------------------
@@ -243,73 +250,26 @@ def _one_at_a_time(units: list[int], _warmup: int, stage: int) -> list[Action]:
     return [Action(k, stage, u) for u in units for k in (_F, _B)]
 
 
+def _zero_bubble(defer: Sequence[int], units: list[int], warmup: int, stage: int
+                 ) -> list[Action]:
+    return zero_bubble_order(units, warmup, defer[stage], stage)
+
+
 _ORDERS: dict[ScheduleKind, Callable[[list[int], int, int], list[Action]]] = {
     ScheduleKind.PIPEDREAM: _one_f_one_b,
     ScheduleKind.FLUSH: _one_f_one_b,
     ScheduleKind.GPIPE: _all_forward_all_backward,
     ScheduleKind.DP: _one_at_a_time,
     ScheduleKind.NAIVE: _one_at_a_time,
+    ScheduleKind.ZB_H1: _one_f_one_b,
+    ScheduleKind.ZB_H2: _one_f_one_b,
+    ScheduleKind.TWO_BW: _one_f_one_b,
 }
-
-
-# ---- update passes ----------------------------------------------------------
-def _per_backward(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
-    """PipeDream: an update after each backward (and its ``SEND_B``), the k-th for
-    the replica's k-th unit ``u`` (``k = u // r``); then the rounds the replica
-    has no unit in (only the last, when it is partial), so that it still joins
-    every all-reduce round of its stage."""
-    r = schedule.replicas[stage]
-    out: list[Action] = []
-    pending: Action | None = None
-    done = 0
-    for a in acts:
-        if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending.unit):
-            done = pending.unit // r + 1
-            out += _update_actions(schedule, stage, done - 1)
-            pending = None
-        out.append(a)
-        if a.kind is _B:
-            pending = a
-    if pending is not None:
-        done = pending.unit // r + 1
-        out += _update_actions(schedule, stage, done - 1)
-    for k in range(done, -(-schedule.num_units // r)):
-        out += _update_actions(schedule, stage, k)
-    return tuple(out)
-
-
-def _per_update(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
-    m = schedule.units_per_update
-    out: list[Action] = []
-    done = 0
-    for a in acts:
-        while a.unit // m > done:
-            out += _update_actions(schedule, stage, done)
-            done += 1
-        out.append(a)
-    while done < schedule.num_units // m:
-        out += _update_actions(schedule, stage, done)
-        done += 1
-    return tuple(out)
-
-
-def _update_actions(schedule: Schedule, stage: int, update: int) -> list[Action]:
-    step = Action(ActionKind.STEP, stage, update)
-    if schedule.replicas[stage] > 1:
-        return [Action(ActionKind.ALLREDUCE, stage, update), step]
-    return [step]
-
-
-def _replace(schedule: Schedule, actions: Sequence[tuple[Action, ...]]) -> Schedule:
-    return Schedule(
-        schedule.kind, schedule.replicas, tuple(actions), schedule.num_units,
-        schedule.units_per_update,
-    )
 
 
 def _check(
     replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int,
-    in_flight: Sequence[int] | None,
+    in_flight: Sequence[int] | None, virtual_stages: int = 1,
 ) -> tuple[int, ...]:
     reps = tuple(int(r) for r in replicas)
     if not reps or any(r < 1 for r in reps):
@@ -336,6 +296,22 @@ def _check(
         raise ScheduleError(
             f"units_per_update={units_per_update} with the pipedream schedule, which updates "
             "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
+        )
+    if virtual_stages != 1 and kind is not ScheduleKind.INTERLEAVED:
+        raise ScheduleError(
+            f"virtual_stages={virtual_stages} with the {kind.value} schedule; only "
+            "interleaved-1f1b runs several stages per worker: use 1, or interleaved-1f1b"
+        )
+    if kind is ScheduleKind.INTERLEAVED and any(r != 1 for r in reps):
+        raise ScheduleError(
+            f"interleaved-1f1b with replicas {list(reps)}; it runs unreplicated stages, "
+            "so plan a straight pipeline (--straight)"
+        )
+    if kind is ScheduleKind.TWO_BW and units_per_update % math.lcm(*reps):
+        raise ScheduleError(
+            f"2bw with {units_per_update} microbatches per minibatch over replicas "
+            f"{list(reps)}; use a multiple of {math.lcm(*reps)} so that every replica "
+            "joins every all-reduce with its own microbatches"
         )
     if kind is ScheduleKind.DP:
         if len(reps) != 1:

@@ -6,7 +6,7 @@ of an update, and the piece depends on the schedule::
 
     schedule                units per update            samples per unit
     pipedream               1 (a unit is a minibatch)   minibatch_size
-    1f1b-flush/gpipe/naive  microbatches                minibatch_size / microbatches
+    the other pipelines     microbatches                minibatch_size / microbatches
     dp on N workers         N * microbatches            minibatch_size / (N * microbatches)
 
 so for ``dp`` the ``microbatches`` count is *per worker* (gradient
@@ -112,13 +112,15 @@ class UnitLayout:
         return whole_rounds(replicas, steps)
 
     def build(
-        self, replicas: Sequence[int], steps: int, in_flight: Sequence[int] | None = None
+        self, replicas: Sequence[int], steps: int, in_flight: Sequence[int] | None = None,
+        virtual_stages: int = 1,
     ) -> Schedule:
         """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways.
 
         ``in_flight`` (a plan's :attr:`~dreampipe.planning.plan.Plan.in_flight`)
         sets the pipedream schedule's warm-up; the synchronous ones have their own.
+        ``virtual_stages``: stages per worker, for interleaved-1f1b.
         """
         pipedream = self.kind is ScheduleKind.PIPEDREAM
         return build_schedule(replicas, self.kind, self.num_units(steps), self.units_per_update,
-                              in_flight if pipedream else None)
+                              in_flight if pipedream else None, virtual_stages)

@@ -1,8 +1,9 @@
 """Check a schedule before anything runs it.
 
 :func:`validate` checks, in order: every action sits on a rank of its stage;
-each unit's forward and backward run exactly once per stage, on the rank
-``Schedule.rank_of`` names, forward first; a rank joins each all-reduce round
+each unit's forward and backward (and weight gradient, in a schedule that
+splits it) run exactly once per stage, on the rank ``Schedule.rank_of``
+names, forward first, ``W`` after ``B``; a rank joins each all-reduce round
 once, and every replica of a stage joins the same rounds (a replica with no
 unit in a round, as in PipeDream's partial last round, joins it all the
 same); data arrives before it is used
@@ -33,13 +34,14 @@ __all__ = ["format_grid", "validate_schedule"]
 _K = ActionKind
 # Module constants for the loops over every action: an Enum member looked up
 # on its class costs more than the rest of a step (Python 3.11).
-_F, _B, _ALLREDUCE = _K.FORWARD, _K.BACKWARD, _K.ALLREDUCE
+_F, _B, _W, _ALLREDUCE = _K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.ALLREDUCE
 # On one rank, `earlier<u>` must come before `later<u>`: later -> earlier kinds.
 _EARLIER = {
     _K.FORWARD: (_K.RECV_F,),
     _K.SEND_F: (_K.FORWARD,),
     _K.BACKWARD: (_K.FORWARD, _K.RECV_B),
     _K.SEND_B: (_K.BACKWARD,),
+    _K.WEIGHT: (_K.BACKWARD,),
 }
 _WINDOW = 8
 
@@ -72,7 +74,8 @@ def format_grid(schedule: Schedule, marks: Sequence[tuple[int, int]] = ()) -> st
             row.append(f">{text or '(end)'}<" if (rank, step) in marked else text)
         cells.append(row)
     widths = [max([len(str(lo + j))] + [len(r[j]) for r in cells]) for j in range(hi - lo)]
-    heads = [f"rank {r} s{schedule.stage_of_rank(r)}" for r in range(schedule.num_ranks)]
+    heads = [f"rank {r} s{','.join(map(str, schedule.stages_of_rank(r)))}"
+             for r in range(schedule.num_ranks)]
     left = max(len(h) for h in heads)
     lines = ["step".ljust(left) + "  " + "  ".join(
         str(lo + j).ljust(w) for j, w in enumerate(widths))]
@@ -90,27 +93,34 @@ def _fail(schedule: Schedule, sentence: str, marks: Sequence[tuple[int, int]]) -
 
 def _check_stages(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
-        stage = schedule.stage_of_rank(rank)
+        stages = schedule.stages_of_rank(rank)
         for step, a in enumerate(acts):
-            if a.stage != stage:
-                raise _fail(schedule, f"rank {rank} holds stage {stage} but action {a} at step "
+            if a.stage not in stages:
+                held = "stage " + ", ".join(map(str, stages))
+                raise _fail(schedule, f"rank {rank} holds {held} but action {a} at step "
                             f"{step} is for stage {a.stage}; move it to a rank of stage "
                             f"{a.stage}", [(rank, step)])
 
 
 def _check_units(schedule: Schedule) -> None:
-    where: dict[tuple[bool, int, int], tuple[int, int]] = {}
+    split = schedule.kind.splits_backward
+    computes = (_F, _B, _W) if split else (_F, _B)
+    where: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}
     for rank, acts in enumerate(schedule.actions):
         for step, a in enumerate(acts):
             k = a.kind
-            if k is _F or k is _B:
-                key = (k is _F, a.stage, a.unit)
+            if k is _F or k is _B or k is _W:
+                if k is _W and not split:
+                    raise _fail(schedule, f"{a} in the {schedule.kind.value} schedule, whose "
+                                "backward computes the weight gradient; remove it, or use "
+                                "zb-h1 or zb-h2", [(rank, step)])
+                key = (k, a.stage, a.unit)
                 if key in where:
                     raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each unit "
                                 "runs once per stage", [where[key], (rank, step)])
                 where[key] = (rank, step)
-    for (forward, stage, unit), (rank, step) in where.items():
-        name = f"{'F' if forward else 'B'}{unit}"
+    for (kind, stage, unit), (rank, step) in where.items():
+        name = f"{kind.value}{unit}"
         if not 0 <= unit < schedule.num_units:
             raise _fail(schedule, f"{name} at stage {stage} is outside units "
                         f"0..{schedule.num_units - 1}", [(rank, step)])
@@ -118,13 +128,13 @@ def _check_units(schedule: Schedule) -> None:
         if rank != owner:
             raise _fail(schedule, f"{name} of stage {stage} is on rank {rank} but round robin "
                         f"puts unit {unit} on rank {owner}", [(rank, step)])
-    if len(where) != 2 * schedule.num_stages * schedule.num_units:
+    if len(where) != len(computes) * schedule.num_stages * schedule.num_units:
         for stage in range(schedule.num_stages):
-            for forward in (True, False):
+            for kind in computes:
                 for unit in range(schedule.num_units):
-                    if (forward, stage, unit) not in where:
+                    if (kind, stage, unit) not in where:
                         owner = schedule.rank_of(stage, unit)
-                        raise _fail(schedule, f"{'F' if forward else 'B'}{unit} of stage "
+                        raise _fail(schedule, f"{kind.value}{unit} of stage "
                                     f"{stage} is missing; add it to rank {owner}",
                                     [(owner, len(schedule.actions[owner]))])
 
@@ -164,10 +174,10 @@ def _check_allreduces(schedule: Schedule) -> None:
 def _check_order(schedule: Schedule) -> None:
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
-        pos = {(a.kind, a.unit): step for step, a in enumerate(acts)}
+        pos = {(a.kind, a.stage, a.unit): step for step, a in enumerate(acts)}
         for step, a in enumerate(acts):
             for earlier in _EARLIER.get(a.kind, ()):
-                before = pos.get((earlier, a.unit))
+                before = pos.get((earlier, a.stage, a.unit))
                 if before is None:
                     if _needed(earlier, a.kind, a.stage, last):
                         raise _fail(schedule, f"rank {rank} runs {a} without {earlier.value}"
@@ -183,7 +193,7 @@ def _needed(earlier: ActionKind, later: ActionKind, stage: int, last: int) -> bo
         return stage > 0
     if earlier is _K.RECV_B:
         return stage < last
-    return later is _K.BACKWARD
+    return later is _K.BACKWARD or later is _K.WEIGHT
 
 
 def _check_pairs(schedule: Schedule) -> None:

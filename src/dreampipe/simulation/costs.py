@@ -31,6 +31,10 @@ class SimCosts:
 
     ``activation_bytes[s]``/``gradient_bytes[s]`` cross the cut between stage
     s and s+1 (forward and backward; gradients default to the activations).
+    ``weight_grad_s[s]`` is the weight-gradient part of ``backward_s[s]``,
+    which a zero-bubble schedule runs as its own ``W`` action (the rest is
+    its ``B``); empty: half of each backward, the split a profile without
+    one is taken to have.
     ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
     is worker i), a rank-by-rank table, or one figure for every link
     (``math.inf``: free communication). Empty per-stage tuples mean zeros.
@@ -65,6 +69,7 @@ class SimCosts:
     send_copy_bandwidth: float = math.inf
     stash_copy_bandwidth: float = math.inf
     jitter: tuple[float, ...] = ()
+    weight_grad_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -84,6 +89,14 @@ class SimCosts:
         if len(grads) != n - 1:
             raise ScheduleError(f"costs.gradient_bytes has {len(grads)} entries; give {n - 1}")
         object.__setattr__(self, "gradient_bytes", grads)
+        weights = tuple(self.weight_grad_s) or tuple(b / 2 for b in self.backward_s)
+        if len(weights) != n or any(not 0 <= w <= b for w, b in zip(
+                weights, self.backward_s, strict=True)):
+            raise ScheduleError(
+                f"costs.weight_grad_s={list(weights)}; give one per stage, each between 0 "
+                "and the stage's backward_s"
+            )
+        object.__setattr__(self, "weight_grad_s", weights)
         if not self.unit_fraction > 0:
             raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
         if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
@@ -113,7 +126,7 @@ class SimCosts:
 
 def costs_from_profile(
     graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0,
-    sync: Sync | None = None,
+    sync: Sync | None = None, virtual_stages: int = 1,
 ) -> SimCosts:
     """Per-unit costs of ``plan``'s stages from the layer profile.
 
@@ -132,7 +145,9 @@ def costs_from_profile(
     collectives included) and the forward ``forward_s``; its weights and
     stashed outputs are one worker's share of each layer's (:func:`dreampipe.
     planning.split_stage.layer_shares`). Schedule rank ``r`` sits on worker
-    ``r * t``, the first of its group.
+    ``r * t``, the first of its group. With ``virtual_stages = v`` the plan's
+    unreplicated stages share ``stages / v`` workers, stage ``s`` on the worker
+    of stage ``s mod (stages / v)`` (interleaved 1F1B).
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
@@ -145,14 +160,16 @@ def costs_from_profile(
             f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
             "simulate a plan with the profile it was made from"
         )
-    if plan.workers_used > topology.num_workers:
+    workers = plan.workers_used // virtual_stages
+    if workers > topology.num_workers:
         raise ScheduleError(
-            f"the plan uses {plan.workers_used} workers but topology {topology.shape} has "
+            f"the plan uses {workers} workers but topology {topology.shape} has "
             f"{topology.num_workers}; pick a larger --topology"
         )
     cuts = graph.cut_bytes()
     layers = graph.layers
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
+    wgrad: list[float] = []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
         if st.tensor_parallel > 1:
@@ -171,6 +188,8 @@ def costs_from_profile(
             weights = [float(x.parameter_bytes) for x in span]
             stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
         params.append(sum(weights))
+        wgrad.append(min(bwd[-1], sum(
+            b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
         placed = [w * st.tensor_parallel for w in st.placement]
@@ -179,9 +198,9 @@ def costs_from_profile(
         delay.append(late)
     return SimCosts(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
-        bandwidth=_links(plan, topology), allreduce_s=tuple(allreduce),
+        bandwidth=_links(plan, topology, workers), allreduce_s=tuple(allreduce),
         allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
-        stash_bytes=tuple(stash), unit_fraction=unit_fraction,
+        stash_bytes=tuple(stash), unit_fraction=unit_fraction, weight_grad_s=tuple(wgrad),
     )
 
 
@@ -206,11 +225,13 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
     )
 
 
-def _links(plan: Plan, topology: Topology) -> Bandwidth:
-    """Bandwidth between schedule ranks: the topology itself when rank i sits on worker i,
-    else a table through the plan's placement (a split rank at the first of its workers)."""
+def _links(plan: Plan, topology: Topology, ranks: int) -> Bandwidth:
+    """Bandwidth between the first ``ranks`` schedule ranks: the topology itself when rank
+    i sits on worker i, else a table through the plan's placement (a split rank at
+    the first of its workers)."""
     t = plan.tensor_parallel
-    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)}
+    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)
+             if r < ranks}
     if all(r == w for r, w in where.items()):
         return topology
     n = len(where)

@@ -2,8 +2,11 @@
 
 Each rank runs its action list in order, exactly as the runtime does:
 
-- ``F``/``B``/``STEP`` occupy the rank for the stage's cost per unit (an
-  ``F`` or ``B`` times a factor drawn from ``jitter``, if the costs have one); a
+- ``F``/``B``/``W``/``STEP`` occupy the rank for the stage's cost per unit
+  (an ``F``, ``B`` or ``W`` times a factor drawn from ``jitter``, if the
+  costs have one); in a schedule that splits the backward ``B`` costs the
+  input gradient (``backward_s - weight_grad_s``) and ``W`` the rest, else
+  ``B`` costs the whole backward; a
   ``STEP`` while a unit in flight holds the live weights also copies them
   (weight stashing's copy-on-write, at ``stash_copy_bandwidth``);
 - ``SEND`` is non-blocking: the transfer starts when the directed link
@@ -31,7 +34,11 @@ are the gradient buffer); a unit is in flight from its forward's start to its
 backward's end. A unit holds the weight version (optimizer steps taken) its
 forward ran with; the versions held are those of the units in flight plus
 the live one: 1 for the synchronous schedules, ``n-s`` at stage s of a
-straight n-stage PipeDream pipeline (weight stashing).
+straight n-stage PipeDream pipeline (weight stashing). Under a zero-bubble
+schedule a unit is in flight until its ``W`` ends (the weight gradient needs
+the stage's inputs). A rank that runs several stages (interleaved 1F1B)
+holds all their weights and, per unit in flight, the largest of their
+stashes: a bound on its memory.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ from dreampipe.simulation.costs import SimCosts, costs_from_plan, costs_from_pro
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
-_F, _B, _SEND_F = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.SEND_F
+_F, _B, _W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+_SEND_F = ActionKind.SEND_F
 
 
 @dataclass(frozen=True)
@@ -146,16 +154,20 @@ class _Run(Stepper):
         self.bandwidth: dict[tuple[int, int], float] = {}
         self.memory = [_Memory() for _ in range(ranks)]
         self.draws = random.Random(0)
+        self.split = schedule.kind.splits_backward
+        self.input_grad_s = tuple(b - w for b, w in zip(costs.backward_s, costs.weight_grad_s,
+                                                          strict=True))
 
     def result(self) -> SimResult:
         s = self.schedule
         makespan = max(self.clock, default=0.0)
         idle = tuple(max(0.0, makespan - b) for b in self.busy)
         total = makespan * s.num_ranks
-        stages = [s.stage_of_rank(r) for r in range(s.num_ranks)]
-        params, stash = self.c.parameter_bytes, self.c.stash_bytes
+        hosted = [s.stages_of_rank(r) for r in range(s.num_ranks)]
         cuts = (0.0, *self.c.activation_bytes, 0.0)
-        sent = [max(cuts[st], cuts[st + 1]) for st in range(len(params))]
+        params = [sum(self.c.parameter_bytes[st] for st in h) for h in hosted]
+        stash = [max(self.c.stash_bytes[st] for st in h) for h in hosted]
+        sent = [max(max(cuts[st], cuts[st + 1]) for st in h) for h in hosted]
         fraction = self.c.unit_fraction
         throughput = s.num_units * fraction / makespan if makespan > 0 else math.inf
         warm = sum(m.peak_in_flight for m in self.memory[: s.replicas[0]])
@@ -172,8 +184,8 @@ class _Run(Stepper):
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
             peak_memory_bytes=tuple(
-                int(m.peak_memory(params[st], stash[st], sent[st])) for m, st in zip(
-                    self.memory, stages, strict=True)),
+                int(m.peak_memory(params[r], stash[r], sent[r])) for r, m in enumerate(
+                    self.memory)),
             peak_versions=tuple(m.peak_versions for m in self.memory),
             peak_in_flight=tuple(m.peak_in_flight for m in self.memory),
             events=tuple(sorted(self.events, key=lambda e: (e.start_s, e.rank))),
@@ -182,15 +194,20 @@ class _Run(Stepper):
     def compute(self, rank: int, action: Action, clock: float) -> float:
         k, st, c = action.kind, action.stage, self.c
         mem = self.memory[rank]
+        held = action.unit * len(c.forward_s) + st  # one key per (unit, stage) on the rank
         if k is _F:
             dur = self._jittered(c.forward_s[st])
-            mem.forward(action.unit)
+            mem.forward(held)
         elif k is _B:
-            dur = self._jittered(c.backward_s[st])
+            dur = self._jittered(self.input_grad_s[st] if self.split else c.backward_s[st])
             self.last_b_start[rank] = clock
             if st == 0:
                 self.finished.append(clock + dur)
-            mem.backward(action.unit)
+            if not self.split:
+                mem.backward(held)
+        elif k is _W:
+            dur = self._jittered(c.weight_grad_s[st])
+            mem.backward(held)
         else:
             dur = c.step_s[st]
             if mem.pins_live():  # the live weights move to a copy (copy-on-write)

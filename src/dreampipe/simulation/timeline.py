@@ -26,6 +26,7 @@ _K = ActionKind
 COLOURS = {
     _K.FORWARD: "#4c72b0",
     _K.BACKWARD: "#55a868",
+    _K.WEIGHT: "#8172b3",
     _K.STEP: "#222222",
     _K.ALLREDUCE: "#dd8452",
     _K.SEND_F: "#8c8c8c",
@@ -33,12 +34,16 @@ COLOURS = {
     _K.SEND_B: "#8c8c8c",
     _K.RECV_B: "#b0b0b0",
 }
-_LABELS = {_K.FORWARD: "forward", _K.BACKWARD: "backward", _K.STEP: "optimizer step",
+_LABELS = {_K.FORWARD: "forward", _K.BACKWARD: "backward", _K.WEIGHT: "weight gradient",
+           _K.STEP: "optimizer step",
            _K.ALLREDUCE: "all-reduce", _K.SEND_F: "send", _K.RECV_F: "receive"}
 # (bottom offset, height) of a kind's bar within a row of height 1.
-_BAND = {_K.FORWARD: (0.15, 0.7), _K.BACKWARD: (0.15, 0.7), _K.STEP: (0.15, 0.7),
+_BAND = {_K.FORWARD: (0.15, 0.7), _K.BACKWARD: (0.15, 0.7), _K.WEIGHT: (0.15, 0.7),
+         _K.STEP: (0.15, 0.7),
          _K.ALLREDUCE: (0.0, 0.12), _K.SEND_F: (0.88, 0.12), _K.SEND_B: (0.88, 0.12),
          _K.RECV_F: (0.88, 0.12), _K.RECV_B: (0.88, 0.12)}
+_COMPUTE = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.STEP)
+_BOXES = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT)
 _MAX_LABELS = 4000
 _WIDTH_IN = 14.0
 
@@ -67,7 +72,7 @@ def draw_timeline(
     from matplotlib.patches import Patch
 
     shown = [e for e in events if e.end_s > e.start_s
-             and (comm or e.kind in (_K.FORWARD, _K.BACKWARD, _K.STEP))]
+             and (comm or e.kind in _COMPUTE)]
     if window_s is not None:
         shown = [e for e in shown if e.end_s > window_s[0] and e.start_s < window_s[1]]
     origin = window_s[0] if window_s else min((e.start_s for e in events), default=0.0)
@@ -83,7 +88,7 @@ def draw_timeline(
     min_edged_ms = 6 * px_ms
     for (rank, kind), spans in bars.items():
         low, height = _BAND[kind]
-        edged = kind in (_K.FORWARD, _K.BACKWARD)
+        edged = kind in _BOXES
         wide = [x for x in spans if edged and x[1] >= min_edged_ms]
         narrow = [x for x in spans if not (edged and x[1] >= min_edged_ms)]
         for group, edge in ((wide, "white"), (narrow, "none")):
@@ -91,14 +96,8 @@ def draw_timeline(
                 ax.broken_barh(group, (rank + low, height), facecolors=COLOURS[kind],
                                edgecolors=edge, linewidth=0.5)
     _write_units(ax, shown, origin, span_ms, fig.get_figwidth() * fig.dpi * 0.85)
-    stage_of = {e.rank: e.stage for e in events}
-    first: dict[int, int] = {}
-    for rank in sorted(stage_of):
-        first.setdefault(stage_of[rank], rank)
     ax.set_yticks([r + 0.5 for r in range(ranks)])
-    ax.set_yticklabels([
-        f"worker {r} (s{stage_of[r]}.{r - first[stage_of[r]]})" if r in stage_of else f"worker {r}"
-        for r in range(ranks)])
+    ax.set_yticklabels(_row_labels(events, ranks))
     ax.set_ylim(ranks, 0)
     ax.set_xlim(0, span_ms)
     ax.set_xlabel("time (ms)" if origin == 0 else "time (ms from the first event shown)")
@@ -118,13 +117,34 @@ def draw_timeline(
     plt.close(fig)
 
 
+def _row_labels(events: Sequence[Event], ranks: int) -> list[str]:
+    """``worker 3 (s1.2)``: replica 2 of stage 1; ``worker 1 (s1,s5)`` for interleaved stages."""
+    stages: dict[int, set[int]] = {}
+    for e in events:
+        stages.setdefault(e.rank, set()).add(e.stage)
+    first: dict[int, int] = {}
+    for rank in sorted(stages):
+        for st in stages[rank]:
+            first.setdefault(st, rank)
+    labels = []
+    for r in range(ranks):
+        held = sorted(stages.get(r, ()))
+        if not held:
+            labels.append(f"worker {r}")
+        elif len(held) == 1:
+            labels.append(f"worker {r} (s{held[0]}.{r - first[held[0]]})")
+        else:
+            labels.append(f"worker {r} (" + ",".join(f"s{st}" for st in held) + ")")
+    return labels
+
+
 def _write_units(ax: object, events: Sequence[Event], origin: float, span_ms: float,
                  width_px: float) -> None:
     """Write unit numbers on compute boxes wide enough to hold them."""
     px_per_ms = width_px / span_ms
     placed = 0
     for e in events:
-        if e.kind not in (_K.FORWARD, _K.BACKWARD):
+        if e.kind not in _BOXES:
             continue
         width_ms = (e.end_s - e.start_s) * 1e3
         if width_ms * px_per_ms < 5.5 * len(str(e.unit)) + 3:

@@ -20,18 +20,18 @@ from dreampipe.scheduling.events import Event
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
-_COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.STEP}
+_COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP}
 
 
 def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
     """The trace as a ``{"traceEvents": [...]}`` dict (``ph: "X"`` slices)."""
     origin = min((e.start_s for e in events), default=0.0)
     out: list[dict[str, Any]] = []
-    stages: dict[int, int] = {}
+    stages: dict[int, set[int]] = {}
     lanes: dict[tuple[int, int], list[float]] = {}
     names: set[tuple[int, int]] = set()
     for e in sorted(events, key=lambda e: (e.rank, e.start_s)):
-        stages[e.rank] = e.stage
+        stages.setdefault(e.rank, set()).add(e.stage)
         compute = e.kind in _COMPUTE
         tid = 0 if compute else 1 + _lane(lanes.setdefault((e.rank, 1), []), e)
         names.add((e.rank, tid))
@@ -46,9 +46,11 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
             "args": {"stage": e.stage, "unit": e.unit, "kind": e.kind.value},
         })
     meta: list[dict[str, Any]] = []
-    for rank, stage in sorted(stages.items()):
+    for rank, held in sorted(stages.items()):
+        stage_list = ", ".join(map(str, sorted(held)))
         meta.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                     "args": {"name": f"rank {rank} (stage {stage})"}})
+                     "args": {"name": f"rank {rank} (stage{'s' if len(held) > 1 else ''} "
+                                      f"{stage_list})"}})
         meta.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
                      "args": {"sort_index": rank}})
     for rank, tid in sorted(names):

@@ -1,0 +1,131 @@
+"""``--schedule auto``: the fastest schedule for a plan that fits memory and the semantics.
+
+The user asks for synchronous semantics (every update's gradients from the
+weights of the update before, as one process trains: 1f1b-flush, zb-h1,
+zb-h2, gpipe) or asynchronous ones (stale weights: pipedream, 2bw). Each
+candidate of that kind that runs on the plan's stages is simulated on the
+profile for a few minibatches; a candidate whose peak memory on some worker
+exceeds the limit is dropped, and the fastest of the others kept. Every
+candidate's line says why it was kept or dropped. Interleaved 1F1B needs a
+plan cut for it (``dreampipe plan --virtual-stages``) and is not a candidate
+here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.simulator import simulate_schedule
+
+__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "Candidate", "ScheduleChoice", "Semantics",
+           "choose_schedule"]
+
+
+class Semantics(Enum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+_S = ScheduleKind
+#: Candidates per semantics, in the order they are tried (ties keep the earlier).
+CANDIDATES = {
+    Semantics.SYNC: (_S.ZB_H1, _S.ZB_H2, _S.FLUSH, _S.GPIPE),
+    Semantics.ASYNC: (_S.TWO_BW, _S.PIPEDREAM),
+}
+#: Minibatches each candidate is simulated for: enough that warm-up and drain
+#: do not decide the order.
+_MINIBATCHES = 8
+#: Relative difference in rate below which two candidates tie.
+_TIE = 1e-9
+#: The most microbatches per minibatch 2bw is simulated with.
+MAX_2BW_MICROBATCHES = 1024
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One schedule simulated on the plan with ``microbatches`` per minibatch: its
+    rate, its worst worker's memory, and whether it fits the limit (always, with
+    no limit); ``why_not`` says why it was not simulated."""
+
+    kind: ScheduleKind
+    microbatches: int
+    minibatches_per_s: float
+    peak_memory_bytes: int
+    fits: bool
+    why_not: str = ""
+
+    def line(self, chosen: bool) -> str:
+        if self.why_not:
+            return f"{self.kind.value:<11} not tried: {self.why_not}"
+        verdict = ("chosen: the fastest that fits" if chosen else
+                   "fits, no faster" if self.fits else "does not fit the memory limit")
+        return (f"{self.kind.value:<11} {self.minibatches_per_s:10.3f} minibatches/s, peak "
+                f"{format_bytes(self.peak_memory_bytes):>10} per worker: {verdict}")
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """The kept schedule, the microbatches per minibatch it was simulated with (1 for
+    pipedream), and every candidate in the order tried."""
+
+    kind: ScheduleKind
+    microbatches: int
+    candidates: tuple[Candidate, ...]
+
+    def reasons(self) -> list[str]:
+        """One line per candidate: its rate, memory, and why it was kept or dropped."""
+        return [c.line(c.kind is self.kind) for c in self.candidates]
+
+
+def choose_schedule(
+    graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
+    memory_bytes: int | None = None, microbatches: int | None = None,
+) -> ScheduleChoice:
+    """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
+    ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
+    for the microbatched schedules; default 4 per stage (GPipe's guidance);
+    2bw's rounded up to whole rounds of every stage's replicas, and not tried
+    when that takes more than :data:`MAX_2BW_MICROBATCHES`."""
+    replicas = tuple(st.replicas for st in plan.stages)
+    m = microbatches or 4 * plan.num_stages
+    rounds = math.lcm(*replicas)
+    found = []
+    for kind in CANDIDATES[semantics]:
+        per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds}.get(kind, m)
+        if per > MAX_2BW_MICROBATCHES:
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"its {per} microbatches per minibatch (whole rounds of replicas "
+                f"{plan.config}) are too many to simulate")))
+            continue
+        layout = UnitLayout(kind=kind, microbatches=per)
+        schedule = layout.build(replicas, _MINIBATCHES * (
+            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight)
+        result = simulate_schedule(
+            schedule, costs_from_profile(graph, plan, topology, layout.unit_fraction),
+            record_events=False)
+        peak = max(result.peak_memory_bytes)
+        found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,
+                               memory_bytes is None or peak <= memory_bytes))
+    fitting = [c for c in found if c.fits]
+    if not fitting:
+        least = min((c for c in found if not c.why_not), key=lambda c: c.peak_memory_bytes)
+        raise ConfigError(
+            f"memory_bytes={memory_bytes}: no {semantics.value} schedule of plan "
+            f"{plan.config} fits {format_bytes(memory_bytes or 0)} per worker (the least, "
+            f"{least.kind.value}, needs {format_bytes(least.peak_memory_bytes)}); give more "
+            "memory, or plan with the limit so that the stages fit", "memory_bytes")
+    best = fitting[0]
+    for c in fitting[1:]:  # a tie within rounding keeps the earlier candidate
+        if c.minibatches_per_s > best.minibatches_per_s * (1 + _TIE):
+            best = c
+    return ScheduleChoice(best.kind, best.microbatches, tuple(found))

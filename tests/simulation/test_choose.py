@@ -1,0 +1,56 @@
+"""choose_schedule: the fastest schedule of the asked semantics that fits memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.simulation.choose import CANDIDATES, Semantics, choose_schedule
+
+S = ScheduleKind
+
+
+def _chain(backward_ms: float = 20.0, weight_ms: float | None = None) -> LayerGraph:
+    return LayerGraph.chain([Layer(f"l{i}", 10.0, backward_ms, 10**6, 10**6,
+                                   weight_grad_ms=weight_ms) for i in range(4)])
+
+
+def _straight() -> Plan:
+    return Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1])
+
+
+def test_sync_keeps_a_zero_bubble_schedule_over_1f1b_flush() -> None:
+    choice = choose_schedule(_chain(), _straight(), Topology.parse("1x4"), Semantics.SYNC)
+    assert [c.kind for c in choice.candidates] == list(CANDIDATES[Semantics.SYNC])
+    assert choice.kind in (S.ZB_H1, S.ZB_H2)
+    rate = {c.kind: c.minibatches_per_s for c in choice.candidates}
+    assert rate[choice.kind] == max(rate.values()) > rate[S.FLUSH]
+    assert len(choice.reasons()) == 4
+    assert sum("chosen" in line for line in choice.reasons()) == 1
+
+
+def test_a_memory_limit_drops_the_schedules_that_hold_more() -> None:
+    graph, plan, topo = _chain(30.0, 5.0), _straight(), Topology.parse("1x4")
+    free = choose_schedule(graph, plan, topo, Semantics.SYNC)
+    peak = {c.kind: c.peak_memory_bytes for c in free.candidates}
+    assert peak[S.ZB_H2] > peak[S.ZB_H1] >= peak[S.FLUSH]
+    assert free.kind is S.ZB_H2  # B costs more than W: the extra warm-up pays
+    tight = choose_schedule(graph, plan, topo, Semantics.SYNC, memory_bytes=peak[S.ZB_H1])
+    assert tight.kind is S.ZB_H1
+    assert any("does not fit" in line for line in tight.reasons())
+    with pytest.raises(ConfigError, match="no sync schedule of plan straight fits"):
+        choose_schedule(graph, plan, topo, Semantics.SYNC, memory_bytes=1)
+
+
+def test_async_keeps_2bw_when_pipedream_needs_more_memory() -> None:
+    graph, plan, topo = _chain(), _straight(), Topology.parse("1x4")
+    free = choose_schedule(graph, plan, topo, Semantics.ASYNC)
+    peak = {c.kind: c.peak_memory_bytes for c in free.candidates}
+    assert set(peak) == {S.TWO_BW, S.PIPEDREAM}
+    limited = choose_schedule(graph, plan, topo, Semantics.ASYNC,
+                              memory_bytes=min(peak.values()))
+    assert limited.kind is min(peak, key=lambda k: peak[k])
