@@ -1,12 +1,16 @@
 """Joining the process group a ``Pipeline`` trains in, and the rank's device.
 
 Under ``torchrun`` a rank joins its group through the environment (with the
-agent's store per restart attempt); a script run alone makes a gloo group of
-one, so the same code trains on one process or many.
+agent's store per restart attempt); a script run alone makes a group of one,
+so the same code trains on one process or many. The backend is NCCL when
+this node has a GPU for every local rank (rank ``LOCAL_RANK`` on
+``cuda:LOCAL_RANK``), else gloo on the CPU: two ranks never share a GPU,
+which NCCL refuses.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 from typing import Any
@@ -14,7 +18,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_process_group", "rank_device"]
+__all__ = ["backend_for_node", "init_process_group", "rank_device"]
+
+_log = logging.getLogger(__name__)
+
+
+def backend_for_node(local_ranks: int) -> str:
+    """NCCL where every one of ``local_ranks`` ranks on this node has a GPU of its own."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= local_ranks:
+        return "nccl"
+    if gpus:
+        _log.warning("%d ranks on this node but %d GPU(s): training on the CPU with gloo; "
+                     "start at most %d ranks a node (torchrun --nproc-per-node) to use them",
+                     local_ranks, gpus, gpus)
+    return "gloo"
 
 
 def init_process_group(timeout_s: float) -> bool:
@@ -23,11 +41,12 @@ def init_process_group(timeout_s: float) -> bool:
         return False
     timeout = timedelta(seconds=max(timeout_s, 60.0))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = backend_for_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(backend_for_node(1), store=store, rank=0, world_size=1,
+                                timeout=timeout)
     return True
 
 

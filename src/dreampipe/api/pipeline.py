@@ -314,7 +314,7 @@ class Pipeline:
         unit_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
             unit_losses[u] = float(loss) if self.member == 0 else 0.0
-        dist.all_reduce(unit_losses)
+        unit_losses = _all_reduced(unit_losses, self.device)
         values = unit_losses.tolist()
         self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
         self._segment = 0
@@ -350,8 +350,7 @@ class Pipeline:
                 totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
                                        dtype=torch.float64)
             start = end
-        dist.all_reduce(totals)
-        loss_sum, samples, correct, labels = totals.tolist()
+        loss_sum, samples, correct, labels = _all_reduced(totals, self.device).tolist()
         return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
 
     @property
@@ -402,3 +401,11 @@ class Pipeline:
 def _shapes(batch: Batch) -> list[tuple[int, ...]]:
     x, y = batch
     return [tuple(t.shape) for t in (*(x if isinstance(x, tuple) else (x,)), y)]
+
+
+def _all_reduced(values: Tensor, device: torch.device) -> Tensor:
+    """``values`` summed over the world, back on the CPU; the sum runs on ``device``, the
+    rank's own (NCCL reduces only tensors on the rank's GPU)."""
+    on_device = values.to(device)
+    dist.all_reduce(on_device)
+    return on_device.cpu()

@@ -174,7 +174,7 @@ def run_processes(
     """``fn(rank, world, arg)`` on ``world`` fresh processes; their results by rank.
 
     Each process has torchrun's environment (``MASTER_ADDR``/``PORT`` on a
-    free local port, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``) and
+    free local port, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) and
     :func:`prepare_process`'s set-up with ``threads`` threads (None: torch's
     default) and ``heap``. A rank's exception, a rank
     dying or ``deadline_s`` passing stops every rank and raises ``error``
@@ -298,7 +298,7 @@ def _child(
     inherited.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
     )
     code = 0
     try:
