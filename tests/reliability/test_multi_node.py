@@ -8,6 +8,7 @@ accumulation in one process, weights read back from the run's checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from machine.fixtures import DEV_MACHINE
 from runtime.reference import reference_sync, sgd
 from torchrun import stop
 
@@ -81,7 +83,8 @@ def test_two_nodes_plan_on_two_levels_and_equal_gradient_accumulation(tmp_path: 
 def test_torchrun_nodes_become_the_outer_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert torchrun_nodes(4) == 2
-    assert [lv.count for lv in local_topology(4, nodes=2).levels] == [2, 2]
+    two_levels = dataclasses.replace(DEV_MACHINE, outer_bandwidth="10Gbps")
+    assert [lv.count for lv in local_topology(4, two_levels, nodes=2).levels] == [2, 2]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # uneven nodes: one level
     assert torchrun_nodes(4) == 1
-    assert [lv.count for lv in local_topology(4, nodes=1).levels] == [4]
+    assert [lv.count for lv in local_topology(4, DEV_MACHINE, nodes=1).levels] == [4]

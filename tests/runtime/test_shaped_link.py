@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from machine.fixtures import DEV_MACHINE
 
 from dreampipe.machine.calibration import LocalCalibration, local_costs, local_topology
 from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
@@ -171,7 +172,7 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
     """
     rate = parse_bandwidth(bandwidth)
     link.shape(rate)
-    machine = on_link(bandwidth)
+    machine = on_link(bandwidth, DEV_MACHINE)
     topology = local_topology(2, machine)
     best = plan_pipeline(graph, topology, allow_fewer_workers=False)
     plans = {
