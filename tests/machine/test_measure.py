@@ -68,10 +68,15 @@ def test_without_a_file_a_job_measures_quickly_and_says_so(
     monkeypatch.setattr(measure, "_quick_machines", {})
     said: list[str] = []
     with caplog.at_level(logging.WARNING):
-        got = measure.local_machine(3, say=said.append)
-        again = measure.local_machine(3)
+        got = measure.local_machine(3)
+        again = measure.local_machine(3, say=said.append)  # measured once per process
     assert got == again == made.calibration()
-    assert asked == [(2, measure.QUICK)]  # once per process, between 2 workers
-    assert len(said) == 1 and "dreampipe calibrate" in said[0] and "none.json" in said[0]
-    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert asked == [(2, measure.QUICK)]  # between 2 workers
+    [warned] = caplog.records
+    assert warned.levelno == logging.WARNING and "dreampipe calibrate" in warned.getMessage()
+    assert "none.json" in warned.getMessage() and not said
+    monkeypatch.setattr(measure, "_quick_machines", {})
+    with caplog.at_level(logging.WARNING):
+        measure.local_machine(2, say=said.append)  # a command says it instead
+    assert len(said) == 1 and said[0] == warned.getMessage() and len(caplog.records) == 1
     assert parse_bandwidth(got.bandwidth) == pytest.approx(572e6)

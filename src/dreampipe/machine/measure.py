@@ -213,8 +213,10 @@ _quick_machines: dict[int, MachineFile] = {}
 def _missing(say: Say | None, why: str) -> None:
     line = (f"no machine file at {default_path()}{why}: measuring this machine for a few "
             "seconds; run 'dreampipe calibrate' once to measure it thoroughly and skip this")
-    log.warning("%s", line)
-    if say is not None:
+    if say is None:
+        log.warning("%s", line)
+    else:
+        log.info("%s", line)
         say(line)
 
 

@@ -3,8 +3,8 @@
 Rank ``a`` sends a message of ``n`` bytes, rank ``b`` sends it back; half
 the round trip is one way. Over the sizes the one-way times fit
 ``latency + n / bandwidth`` (least squares). The sizes grow until a round
-trip takes longer than the probe allows, so a slow link is measured in
-seconds too, not minutes. Before each message ``a`` tells ``b`` its size
+trip takes longer than the probe allows (such a trip is timed once), so a
+slow link is measured in seconds too, not minutes. Before each message ``a`` tells ``b`` its size
 and whether to echo it, so ``b`` needs no schedule of its own::
 
     a   ctl(n, echo) | send n | recv n | ctl(n, 0) | isend n (its post timed) | ... | ctl(0)
@@ -82,8 +82,9 @@ def ping_pong(
     """Ping-pong between global ranks ``pair`` of the default group (both call it; other
     ranks must not): ``pair[0]`` gets the result, ``pair[1]`` None.
 
-    Each size is timed at least :data:`_MIN_ROUNDS` times and for ``min_time_s``;
-    no size after one whose round trip took over ``budget_s``.
+    Each size is timed at least :data:`_MIN_ROUNDS` times and for ``min_time_s``,
+    but no round after one whose round trip took over ``budget_s``, and no size
+    after one whose median did.
     """
     me = dist.get_rank()
     largest = max(sizes)
@@ -93,12 +94,20 @@ def ping_pong(
         _echo(pair[0], buf, control)
         return None
     assert me == pair[0], f"rank {me} is not in the pair {pair}"
-    peer, measured, one_way, post = pair[1], [], [], []
+    peer = pair[1]
+    measured: list[int] = []
+    one_way: list[float] = []
+    post: list[float] = []
     wall = WallTimer()
     for size in sorted(sizes):
         msg = buf[: max(1, size // 4)]
-        trips = _rounds(partial(_round_trip, msg, peer, control, timer), min_time_s)
-        posts = _rounds(partial(_post, msg, peer, control, wall), min_time_s)
+        trip, send = partial(_round_trip, msg, peer, control, timer), partial(
+            _post, msg, peer, control, wall)
+        if not measured:  # warm up: the pair's first messages set up its connection
+            trip()
+            send()
+        trips = _rounds(trip, min_time_s, budget_s, _MAX_ROUNDS)
+        posts = _rounds(send, min_time_s, budget_s, len(trips))
         measured.append(msg.numel() * 4)
         one_way.append(statistics.median(trips) / 2)
         post.append(statistics.median(posts))
@@ -109,13 +118,14 @@ def ping_pong(
     return PingPong(tuple(measured), tuple(one_way), tuple(post))
 
 
-def _rounds(one: Callable[[], float], min_time_s: float) -> list[float]:
-    """One untimed round, then at least :data:`_MIN_ROUNDS` filling ``min_time_s``."""
-    one()
+def _rounds(one: Callable[[], float], min_time_s: float, budget_s: float, most: int
+            ) -> list[float]:
+    """At least :data:`_MIN_ROUNDS` of ``one`` (at most ``most``) filling ``min_time_s``;
+    none after one that took over ``budget_s`` (a slow link: its first round says enough)."""
     took: list[float] = []
     start = time.perf_counter()
-    while len(took) < _MIN_ROUNDS or (len(took) < _MAX_ROUNDS
-                                      and time.perf_counter() - start < min_time_s):
+    while not took or (took[-1] <= budget_s and len(took) < most and (
+            len(took) < _MIN_ROUNDS or time.perf_counter() - start < min_time_s)):
         took.append(one())
     return took
 
