@@ -112,11 +112,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def link() -> Any:
-    reason = netns.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with netns.veth_pair(f"dpl{os.getpid() % 10**7}") as pair:
-        yield pair
+    yield from netns.pair_or_skip(f"dpl{os.getpid() % 10**7}")
 
 
 @pytest.fixture(scope="module")
