@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from dreampipe.machine.pingpong import LineFit, PingPong, ping_pong
-from dreampipe.machine.timers import WallTimer, timer_for
+from dreampipe.machine.timers import CudaTimer, WallTimer, timer_for
 from dreampipe.runtime.processes import run_processes
 
 __all__: list[str] = []
@@ -23,8 +23,9 @@ def test_the_fit_recovers_latency_and_bandwidth() -> None:
     assert LineFit.of([4096], [3e-3]) == LineFit(3e-3, flat.bandwidth)
 
 
-def test_wall_timer_times_the_call() -> None:
-    assert timer_for(torch.device("cpu")).__class__ is WallTimer
+def test_wall_timer_times_the_call_and_a_gpu_gets_cuda_events() -> None:
+    assert type(timer_for(torch.device("cpu"))) is WallTimer
+    assert type(timer_for(torch.device("cuda", 0))) is CudaTimer  # made, not run: no GPU here
     assert WallTimer()(lambda: sum(range(10_000))) > 0
 
 

@@ -62,7 +62,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         QUICK,
         calibrate_local,
         calibrate_torchrun,
-        describe,
         in_torchrun,
     )
 
@@ -82,8 +81,6 @@ def _calibrate(args: argparse.Namespace) -> int:
         found = calibrate_torchrun(probe, progress)
         if found is None:  # not rank 0
             return 0
-        for line in describe(found):
-            progress(line)
     else:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         workers = args.workers if args.workers is not None else max(2, gpus)

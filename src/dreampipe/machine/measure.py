@@ -24,8 +24,11 @@ are torchrun's, joined through its agent's store for as long as they measure.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing as mp
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -52,7 +55,7 @@ from dreampipe.quantities import format_bytes
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["FULL", "QUICK", "Probe", "calibrate_local", "calibrate_torchrun", "describe",
-           "in_torchrun", "local_machine", "machine_for_run", "machine_in_group"]
+           "describe_level", "in_torchrun", "local_machine", "machine_for_run", "machine_in_group"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +100,8 @@ class _Job:
     per_node: int
     probe: Probe
     backend: str
+    #: Where rank 0 of processes started here sends its progress lines.
+    progress: Any = None
 
 
 def in_torchrun() -> bool:
@@ -116,12 +121,29 @@ def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -
     job = _Job(workers, workers, probe, "nccl" if gpus else "gloo")
     _tell(say, f"measuring {workers} local workers ({job.backend}): co-run slowdown, "
                "ping-pong, all-reduce, step and stash-copy rates")
-    found = run_processes(_local_rank, workers, job, threads=None if gpus else 1,
-                          deadline_s=300.0, error=ConfigError)[0]
+    lines, progress = mp.Pipe(duplex=False)
+    relay = threading.Thread(target=_relay, args=(lines, say), daemon=True)
+    relay.start()
+    try:
+        found = run_processes(_local_rank, workers, dataclasses.replace(job, progress=progress),
+                              threads=None if gpus else 1, deadline_s=300.0,
+                              error=ConfigError)[0]
+    finally:
+        progress.close()  # the ranks' ends are closed: the relay reads to the end
+        relay.join(timeout=5.0)
+        lines.close()
     assert isinstance(found, MachineFile)
-    for line in describe(found):
-        _tell(say, line)
     return found
+
+
+def _relay(lines: Any, say: Say | None) -> None:
+    """Say each line rank 0 sends, as it comes, until every sender has closed."""
+    while True:
+        try:
+            line = lines.recv()
+        except (EOFError, OSError):
+            return
+        _tell(say, line)
 
 
 def calibrate_torchrun(probe: Probe = FULL, say: Say | None = None) -> MachineFile | None:
@@ -191,19 +213,23 @@ def machine_in_group(*, nodes: int = 1, say: Say | None = None) -> LocalCalibrat
 
 
 def describe(found: MachineFile) -> list[str]:
-    """One line per measured figure."""
-    lines = []
-    for name, level in (("inside a node", found.node), ("between nodes", found.nodes)):
-        if level is not None:
-            lines.append(
-                f"{name} ({level.workers} workers, {level.backend}): all-reduce "
-                f"{format_bytes(level.allreduce_bandwidth)}/s, point-to-point "
-                f"{format_bytes(level.p2p_bandwidth)}/s, latency {level.latency_s * 1e6:.0f} us")
+    """One line per level measured, and one of the rates."""
+    lines = [describe_level(name, level) for name, level in
+             (("node", found.node), ("nodes", found.nodes)) if level is not None]
     lines.append(f"SGD step {format_bytes(found.step_bandwidth)}/s, stash copy "
                  f"{format_bytes(found.stash_copy_bandwidth)}/s, co-run slowdown "
                  f"x{found.corun_slowdown:.3f}, send post {found.send_overhead_s * 1e6:.0f} us "
                  f"+ {format_bytes(found.send_copy_bandwidth)}/s")
     return lines
+
+
+def describe_level(name: str, level: LinkFigures) -> str:
+    """A line of one level's figures (``name``: ``node`` or ``nodes``)."""
+    where = "inside a node" if name == "node" else "between nodes"
+    return (f"{where} ({level.workers} {'workers' if name == 'node' else 'nodes'}, "
+            f"{level.backend}): all-reduce {format_bytes(level.allreduce_bandwidth)}/s, "
+            f"point-to-point {format_bytes(level.p2p_bandwidth)}/s, latency "
+            f"{level.latency_s * 1e6:.0f} us")
 
 
 #: Quick calibrations made in this process, by workers measured.
@@ -261,8 +287,9 @@ def _local_rank(rank: int, world: int, job: _Job) -> MachineFile | None:
     if job.backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(job.backend, rank=rank, world_size=world)
+    say = job.progress.send if rank == 0 and job.progress is not None else None
     try:
-        return _measure(job, None)
+        return _measure(dataclasses.replace(job, progress=None), say)
     finally:
         dist.destroy_process_group()
 
@@ -296,9 +323,9 @@ def _measure(job: _Job, say: Say | None) -> MachineFile | None:
     for name, members, group in (("node", node_ranks, node_group),
                                  ("nodes", leaders, nodes_group)):
         if group is not None and rank in members:
-            levels[name] = _level(name, members, group, job, device)
-            if levels[name] is not None:
-                _tell(say, f"{name}: {_line(levels[name])}")
+            level = levels[name] = _level(name, members, group, job, device)
+            if level is not None:
+                _tell(say, describe_level(name, level.figures))
         dist.barrier()
     if rank != 0:
         return None
@@ -319,7 +346,7 @@ def _measure(job: _Job, say: Say | None) -> MachineFile | None:
         "cores": "CPUs this process may run on",
         **typical_how(),
     }
-    return MachineFile(
+    found = MachineFile(
         identity=here(), backend=job.backend,
         node=None if levels["node"] is None else levels["node"].figures,
         nodes=None if levels["nodes"] is None else levels["nodes"].figures,
@@ -327,6 +354,8 @@ def _measure(job: _Job, say: Say | None) -> MachineFile | None:
         corun_slowdown=1.0 if corun is None else corun.slowdown,
         send_overhead_s=send.fixed_s, send_copy_bandwidth=send.bandwidth,
         cores=len(os.sched_getaffinity(0)), how=tuple(sorted(how.items())))
+    _tell(say, describe(found)[-1])
+    return found
 
 
 def _level(name: str, members: list[int], group: Any, job: _Job, device: torch.device
@@ -362,10 +391,3 @@ def _level(name: str, members: list[int], group: Any, job: _Job, device: torch.d
                           allreduce_bandwidth=rates.allreduce_bandwidth,
                           p2p_bandwidth=pong.link.bandwidth, latency_s=pong.link.fixed_s, how=how)
     return _Level(figures, rates, pong.send)
-
-
-def _line(level: _Level | None) -> str:
-    assert level is not None
-    f = level.figures
-    return (f"all-reduce {format_bytes(f.allreduce_bandwidth)}/s, point-to-point "
-            f"{format_bytes(f.p2p_bandwidth)}/s, latency {f.latency_s * 1e6:.0f} us")
