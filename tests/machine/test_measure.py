@@ -6,11 +6,14 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 from dreampipe.errors import ConfigError
 from dreampipe.machine import measure
+from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.machine_file import ENV_VAR, MachineFile, here
 from dreampipe.quantities import parse_bandwidth
+from dreampipe.runtime.processes import run_processes
 from machine.fixtures import DEV_FILE, DEV_MACHINE, here_file
 
 __all__: list[str] = []
@@ -80,3 +83,29 @@ def test_without_a_file_a_job_measures_quickly_and_says_so(
         measure.local_machine(2, say=said.append)  # a command says it instead
     assert len(said) == 1 and said[0] == warned.getMessage() and len(caplog.records) == 1
     assert parse_bandwidth(got.bandwidth) == pytest.approx(572e6)
+
+
+def _in_group(rank: int, world: int, nodes: int) -> LocalCalibration:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        machine = measure.machine_in_group(nodes=nodes)
+        dist.barrier()  # the measurement's groups are gone, the job's still works
+        return machine
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_of_a_group_measure_together_when_rank_0_has_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_VAR, str(here_file(DEV_FILE, tmp_path / "m.json")))
+    got = run_processes(_in_group, 2, 1, deadline_s=60.0)
+    assert got == [DEV_MACHINE, DEV_MACHINE]  # the file's
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "none.json"))
+    one, two = run_processes(_in_group, 2, 1, deadline_s=60.0)
+    assert one == two != DEV_MACHINE and one.outer_bandwidth is None
+    # a job over 2 nodes of 1 worker each: the file's one level is not enough, and the
+    # link between the nodes is measured (here, loopback between the two processes)
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "m.json"))
+    one, two = run_processes(_in_group, 2, 2, deadline_s=60.0)
+    assert one == two and one.outer_bandwidth is not None and one.corun_slowdown == 1.0

@@ -198,6 +198,8 @@ def machine_in_group(*, nodes: int = 1, say: Say | None = None) -> LocalCalibrat
         found = load_machine_file()
         if found is not None and (nodes <= 1 or found.nodes is not None):
             box[0] = found.calibration()
+        elif world < 2:  # no link between ranks here: measure local processes instead
+            box[0] = local_machine(2, say=say)
         else:
             _missing(say, "" if found is None else
                      f" with a link between nodes (this job runs on {nodes})")
@@ -327,6 +329,9 @@ def _measure(job: _Job, say: Say | None) -> MachineFile | None:
             if level is not None:
                 _tell(say, describe_level(name, level.figures))
         dist.barrier()
+    for members, group in ((node_ranks, node_group), (leaders, nodes_group)):
+        if group is not None and rank in members:  # the others hold no group of it
+            dist.destroy_process_group(group)
     if rank != 0:
         return None
     measured = levels["node"] or levels["nodes"]
