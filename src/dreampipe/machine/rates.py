@@ -126,6 +126,8 @@ def measure_rates(
     cold = torch.empty(_EVICT_BYTES // 4, device=weights[0].device if weights else None)
     step_s = _until(optimizer.step, rounds, min_time_s, cold, clock)
     turns = world if beside is not None else 1
+    if turns > 1:  # the turns start together: every copy is timed beside the others' work
+        dist.barrier(group)
     copy_s: tuple[float, ...] = ()
     for turn in range(turns):
         mine = turns == 1 or dist.get_rank(group) == turn
