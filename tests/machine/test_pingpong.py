@@ -19,7 +19,12 @@ def test_the_fit_recovers_latency_and_bandwidth() -> None:
     assert fit.fixed_s == pytest.approx(20e-6, abs=1e-9)
     assert fit.bandwidth == pytest.approx(2.5e6)
     flat = LineFit.of(sizes, [1e-3, 2e-3, 1e-3, 1e-3])  # no slope: latency alone
-    assert flat.bandwidth >= 1e12 and flat.fixed_s > 0
+    assert flat.bandwidth >= 1e12 and flat.fixed_s == pytest.approx(1e-3)
+    # 60 us + bytes at 100 MB/s, the largest 5% fast: the least-squares line's intercept
+    # would be 338 us; the smallest size still says the latency
+    noisy = LineFit.of(sizes, [101e-6, 715e-6, 10.9e-3, 80e-3])
+    assert noisy.fixed_s == pytest.approx(101e-6 - 4096 / noisy.bandwidth)
+    assert 50e-6 < noisy.fixed_s < 70e-6 and 95e6 < noisy.bandwidth < 115e6
     assert LineFit.of([4096], [3e-3]) == LineFit(3e-3, flat.bandwidth)
 
 

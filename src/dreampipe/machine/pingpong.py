@@ -45,15 +45,19 @@ class LineFit:
 
     @classmethod
     def of(cls, sizes: Sequence[int], seconds: Sequence[float]) -> LineFit:
-        """Least squares over ``(sizes, seconds)``; a fixed part below 0 is 0, a slope below
-        one byte per :data:`_FASTEST` is that (one size: all of it is the fixed part)."""
+        """The slope by least squares over ``(sizes, seconds)`` (at least one byte per
+        :data:`_FASTEST`), the fixed part what the smallest size took beyond its bytes at
+        that slope (at least 0). The large sizes set the slope and would swamp an
+        intercept of microseconds with their noise; the smallest is nearly all fixed part.
+        One size: all of it is the fixed part."""
         if len(sizes) < 2:
             return cls(max(0.0, seconds[0]) if seconds else 0.0, _FASTEST)
         mx, my = statistics.fmean(sizes), statistics.fmean(seconds)
         var = sum((x - mx) ** 2 for x in sizes)
         slope = sum((x - mx) * (y - my) for x, y in zip(sizes, seconds, strict=True)) / var
         slope = max(slope, 1 / _FASTEST)
-        return cls(max(0.0, my - slope * mx), 1 / slope)
+        smallest = min(range(len(sizes)), key=lambda i: sizes[i])
+        return cls(max(0.0, seconds[smallest] - slope * sizes[smallest]), 1 / slope)
 
 
 @dataclass(frozen=True)
