@@ -1,14 +1,18 @@
-"""Shared fixtures: the folder of the bundled PipeDream profiles, and a saved mlp profile."""
+"""Shared fixtures: the folder of the bundled PipeDream profiles, a saved mlp profile, and
+the machine file every test plans with."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from importlib.resources import as_file
 from pathlib import Path
 
 import pytest
+from machine.fixtures import DEV_FILE, here_file
 
 from dreampipe.machine.local_plan import profile_as_worker
+from dreampipe.machine.machine_file import ENV_VAR
 from dreampipe.models import get_model
 from dreampipe.profiling.bundled import bundled_profile
 
@@ -36,3 +40,18 @@ def mlp_profile(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Pat
         return path
 
     return at
+
+
+@pytest.fixture(scope="session", autouse=True)
+def machine_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every test (and every process it starts) plans with the project's development VM's
+    machine file, made here: the same figures wherever the suite runs, none measured at
+    start-up, and never the user's own file. A test of the file itself sets its own."""
+    path = here_file(DEV_FILE, tmp_path_factory.mktemp("machine") / "machine.json")
+    before = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = str(path)
+    yield path
+    if before is None:
+        del os.environ[ENV_VAR]
+    else:
+        os.environ[ENV_VAR] = before

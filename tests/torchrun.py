@@ -19,13 +19,45 @@ from typing import Any
 
 from dreampipe.runtime.processes import free_port
 
-__all__ = ["descendants", "started", "stop", "torchrun_command", "torchrun_json", "worker_env"]
+__all__ = ["agent_command", "descendants", "run_agents", "started", "stop", "torchrun_command",
+           "torchrun_json", "worker_env"]
 
 
 def torchrun_command(*target: str, nproc: int = 2, options: Sequence[str] = ()) -> list[str]:
     """``torchrun --nproc-per-node nproc [options] target...`` on a free port of 127.0.0.1."""
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *options, *target]
+
+
+def agent_command(node: int, *, nnodes: int, nproc: int, endpoint: str, run_id: str,
+                  local_addr: str, target: Sequence[str]) -> list[str]:
+    """The torchrun agent of node ``node`` of ``nnodes`` (``nproc`` workers each, no
+    restarts), meeting the others at the c10d rendezvous ``endpoint`` that node 0 hosts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+            "--nproc-per-node", str(nproc), "--node-rank", str(node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rdzv-conf",
+            f"is_host={int(node == 0)}", "--local-addr", local_addr, "--max-restarts", "0",
+            *target]
+
+
+def run_agents(commands: Sequence[list[str]], envs: Sequence[dict[str, str]], folder: Path, *,
+               timeout_s: float, tag: str = "") -> list[tuple[int, str, str]]:
+    """Start every command at once (the agents of one job), each in a session of its own
+    with its output in ``folder/<tag>out<n>`` and ``err<n>``; wait for all, stop whatever
+    still runs on the way out. Per command: its exit status, stdout and stderr."""
+    agents: list[subprocess.Popen[bytes]] = []
+    files = [(folder / f"{tag}out{n}", folder / f"{tag}err{n}") for n in range(len(commands))]
+    try:
+        for cmd, env, (out_path, err_path) in zip(commands, envs, files, strict=True):
+            with out_path.open("wb") as out, err_path.open("wb") as err:
+                agents.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
+                                               cwd=folder, start_new_session=True))
+        codes = [agent.wait(timeout=timeout_s) for agent in agents]
+    finally:
+        for agent in agents:
+            stop(agent)
+    return [(code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+            for code, (out, err) in zip(codes, files, strict=True)]
 
 
 def _env() -> dict[str, str]:

@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from machine.fixtures import DEV_MACHINE
 
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
 from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
 from dreampipe.commands.train_plan import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.machine.calibration import PROJECT_MACHINE, local_topology
+from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runtime.data import steps_for_epochs
@@ -158,7 +159,7 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     # (samples or labels), the SGD step of its 8 MiB of weights and one send; the
     # last stage adds the loss, the first the copy its step makes of the weights
     # that the minibatch in flight still holds (weight stashing)
-    m = PROJECT_MACHINE
+    m = DEV_MACHINE
     weights = 2 * 4 * 1024 * 1024
     common_s = (2 * 6.0 / 1e3 + m.stage_forward_s + m.batch_load_s
                 + weights / m.step_bandwidth)
@@ -167,7 +168,7 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     one_stage_s = max(first_s, last_s) * m.corun_slowdown + send_s
     assert first_s > last_s
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
-    assert local_topology(2).num_workers == 2
+    assert local_topology(2, DEV_MACHINE).num_workers == 2
 
 
 def test_timeline_window_keeps_the_asked_units() -> None:

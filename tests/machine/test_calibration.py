@@ -6,9 +6,10 @@ import dataclasses
 
 import pytest
 
-from dreampipe.machine.calibration import PROJECT_MACHINE, corun_crowd, local_costs, local_topology
+from dreampipe.machine.calibration import corun_crowd, local_costs, local_topology
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
+from machine.fixtures import DEV_MACHINE
 
 _GRAPH = LayerGraph(
     tuple(Layer(f"l{i}", 2.0, 4.0, 32 * 1024, 4 * 1024 * 1024) for i in range(4)),
@@ -18,15 +19,15 @@ _GRAPH = LayerGraph(
 
 def test_each_update_costs_its_parameters_at_the_step_bandwidth() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    costs = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=2))
-    step = 2 * 4 * 1024 * 1024 / PROJECT_MACHINE.step_bandwidth
-    assert costs.step_s == pytest.approx((step * PROJECT_MACHINE.corun_slowdown,) * 2)
+    costs = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(DEV_MACHINE, cores=2))
+    step = 2 * 4 * 1024 * 1024 / DEV_MACHINE.step_bandwidth
+    assert costs.step_s == pytest.approx((step * DEV_MACHINE.corun_slowdown,) * 2)
 
 
 def test_workers_side_by_side_compute_slower_than_the_profile() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
-    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    quiet = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.0)
+    busy = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.25)
     alone, beside = local_costs(_GRAPH, plan, 1.0, quiet), local_costs(_GRAPH, plan, 1.0, busy)
     assert beside.backward_s == pytest.approx(tuple(1.25 * b for b in alone.backward_s))
     assert beside.forward_s == pytest.approx(tuple(1.25 * f for f in alone.forward_s))
@@ -37,8 +38,8 @@ def test_workers_side_by_side_compute_slower_than_the_profile() -> None:
 
 def test_a_profile_taken_beside_busy_twins_already_holds_the_slowdown() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
-    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    quiet = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.0)
+    busy = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.25)
     beside = dataclasses.replace(_GRAPH, meta={"twins": 1})
     assert local_costs(beside, plan, 1.0, busy) == local_costs(_GRAPH, plan, 1.0, quiet)
     # one twin is not enough where three workers compute at once on four cores
@@ -52,8 +53,8 @@ def test_a_profile_taken_beside_busy_twins_already_holds_the_slowdown() -> None:
 def test_more_workers_than_cores_share_them() -> None:
     # 2-1 on 3 workers: on 2 cores every host-side cost is 3/2 of its cost on 3
     plan = Plan.from_config(4, [0, 2], [2, 1])
-    roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=3))
-    tight = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(PROJECT_MACHINE, cores=2))
+    roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(DEV_MACHINE, cores=3))
+    tight = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(DEV_MACHINE, cores=2))
     for name in ("forward_s", "backward_s", "step_s", "allreduce_s"):
         assert getattr(tight, name) == pytest.approx(
             tuple(1.5 * x for x in getattr(roomy, name))), name
@@ -63,7 +64,7 @@ def test_more_workers_than_cores_share_them() -> None:
 
 def test_the_pace_measured_for_as_many_workers_replaces_the_even_share() -> None:
     plan = Plan.from_config(4, [0, 2], [2, 1])
-    tight = dataclasses.replace(PROJECT_MACHINE, cores=2)
+    tight = dataclasses.replace(DEV_MACHINE, cores=2)
     roomy = local_costs(_GRAPH, plan, 1.0, dataclasses.replace(tight, cores=3))
     measured = {"share": 1.8, "shared_by": 3, "share_cores": 2}
     paced = dataclasses.replace(_GRAPH, meta=measured)
@@ -82,15 +83,15 @@ def test_the_pace_measured_for_as_many_workers_replaces_the_even_share() -> None
 
 
 def test_local_workers_do_not_overlap_communication() -> None:
-    assert not local_topology(2).overlap
-    assert PROJECT_MACHINE.cores >= 1
+    assert not local_topology(2, DEV_MACHINE).overlap
+    assert DEV_MACHINE.cores >= 1
 
 
 def test_an_all_reduce_without_overlap_starts_when_the_slowed_backward_ends() -> None:
     # local workers do not overlap: the all-reduce waits for the whole backward,
     # which runs corun_slowdown slower beside a busy worker
     plan = Plan.from_config(4, [0], [2])
-    busy = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.25)
+    busy = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.25)
     costs = local_costs(_GRAPH, plan, 1.0, busy)
     assert costs.allreduce_s[0] > 0
     assert costs.allreduce_delay_s == pytest.approx(costs.backward_s)
@@ -98,7 +99,7 @@ def test_an_all_reduce_without_overlap_starts_when_the_slowed_backward_ends() ->
 
 def test_the_runtimes_measured_overhead_scales_the_layers_instead_of_the_fixed_figure() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    quiet = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.0)
     plain = local_costs(_GRAPH, plan, 1.0, quiet)
     measured = dataclasses.replace(_GRAPH, meta={"runtime_forward": 1.2,
                                                  "runtime_backward": 1.1})
@@ -113,14 +114,15 @@ def test_the_runtimes_measured_overhead_scales_the_layers_instead_of_the_fixed_f
 
 def test_the_profiles_passes_around_their_median_are_the_simulators_jitter() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    assert local_costs(_GRAPH, plan, 1.0).jitter == ()
+    assert local_costs(_GRAPH, plan, 1.0, DEV_MACHINE).jitter == ()
     timed = dataclasses.replace(_GRAPH, meta={"pass_ms": [10.0, 8.0, 12.0, 0.0, 30.0, 10.0]})
-    assert local_costs(timed, plan, 1.0).jitter == pytest.approx((1.0, 0.8, 1.2, 3.0, 1.0))
+    assert local_costs(timed, plan, 1.0, DEV_MACHINE).jitter == pytest.approx(
+        (1.0, 0.8, 1.2, 3.0, 1.0))
 
 
 def test_the_loss_measured_with_the_profile_replaces_the_fixed_figure() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
-    quiet = dataclasses.replace(PROJECT_MACHINE, cores=2, corun_slowdown=1.0)
+    quiet = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.0)
     fixed = local_costs(_GRAPH, plan, 0.5, quiet)
     timed = dataclasses.replace(_GRAPH, meta={"loss_forward_ms": 3.0, "loss_backward_ms": 5.0})
     costs = local_costs(timed, plan, 0.5, quiet)

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from dreampipe.errors import ConfigError
-from dreampipe.machine.calibration import PROJECT_MACHINE, corun_twins
+from dreampipe.machine.calibration import corun_twins
 from dreampipe.machine.corun import Corun, measure_corun, profile_beside
+from machine.fixtures import DEV_MACHINE
 
 __all__: list[str] = []
 
@@ -87,6 +88,6 @@ def test_a_profile_beside_no_twin_is_a_plain_profile_in_a_worker() -> None:
 
 
 def test_each_local_worker_computes_beside_the_others_up_to_the_cores() -> None:
-    machine = dataclasses.replace(PROJECT_MACHINE, cores=2)
+    machine = dataclasses.replace(DEV_MACHINE, cores=2)
     assert [corun_twins(w, machine) for w in (1, 2, 3, 8)] == [0, 1, 1, 1]
-    assert corun_twins(3, dataclasses.replace(PROJECT_MACHINE, cores=4)) == 2
+    assert corun_twins(3, dataclasses.replace(DEV_MACHINE, cores=4)) == 2

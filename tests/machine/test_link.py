@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
-from dreampipe.machine.calibration import PROJECT_MACHINE, local_costs, local_topology
+from dreampipe.machine.calibration import local_costs, local_topology
 from dreampipe.machine.link import on_link
 from dreampipe.planning.planner import evaluate_plan
 from dreampipe.profiling.graph import Layer, LayerGraph
+from machine.fixtures import DEV_MACHINE
 
 __all__: list[str] = []
 
@@ -22,15 +23,15 @@ def _graph() -> LayerGraph:
 
 
 def test_a_link_faster_than_the_cores_changes_nothing() -> None:
-    assert on_link("10GB/s") == PROJECT_MACHINE
-    assert on_link(PROJECT_MACHINE.bandwidth) == PROJECT_MACHINE
+    assert on_link("10GB/s", DEV_MACHINE) == DEV_MACHINE
+    assert on_link(DEV_MACHINE.bandwidth, DEV_MACHINE) == DEV_MACHINE
 
 
 def test_a_slower_link_sets_the_rate_and_overlaps_the_backward() -> None:
-    slow = on_link("25MB/s")
-    assert slow.bandwidth == "25MB/s" and slow.overlap and not PROJECT_MACHINE.overlap
-    assert dataclasses.replace(slow, bandwidth=PROJECT_MACHINE.bandwidth, overlap=False) \
-        == PROJECT_MACHINE
+    slow = on_link("25MB/s", DEV_MACHINE)
+    assert slow.bandwidth == "25MB/s" and slow.overlap and not DEV_MACHINE.overlap
+    assert dataclasses.replace(slow, bandwidth=DEV_MACHINE.bandwidth, overlap=False) \
+        == DEV_MACHINE
     graph = _graph()
     plan = evaluate_plan(graph, local_topology(2, slow), [0], [2])
     costs = local_costs(graph, plan, 1.0, slow)

@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dreampipe.machine.calibration import PROJECT_MACHINE, local_costs, measured_machine
+from dreampipe.machine.calibration import local_costs, measured_machine
 from dreampipe.machine.rates import HostRates, measure_rates, with_host_rates
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.quantities import parse_bandwidth
 from dreampipe.runtime.processes import run_processes
+from machine.fixtures import DEV_MACHINE
 
 __all__: list[str] = []
 
@@ -94,14 +95,14 @@ def test_measured_rates_replace_the_machines_fixed_figures() -> None:
     rates = HostRates(nbytes=10**6, world=2, allreduce_s=(1e-3,), step_s=(2e-4,),
                       copy_s=(4e-4,))
     graph = with_host_rates(_GRAPH, rates)
-    machine = measured_machine(graph)
+    machine = measured_machine(graph, DEV_MACHINE)
     assert machine.bandwidth == "1e+09B/s"
     assert machine.step_bandwidth == pytest.approx(5e9)
     assert machine.stash_copy_bandwidth == pytest.approx(2.5e9)
-    assert machine.loss_s == PROJECT_MACHINE.loss_s  # what was not measured stays
-    assert measured_machine(_GRAPH) == PROJECT_MACHINE
+    assert machine.loss_s == DEV_MACHINE.loss_s  # what was not measured stays
+    assert measured_machine(_GRAPH, DEV_MACHINE) == DEV_MACHINE
     plan = Plan.from_config(4, [0], [2])
-    fast, fixed = local_costs(graph, plan, 1.0, machine), local_costs(graph, plan, 1.0)
-    fixed_bandwidth = parse_bandwidth(PROJECT_MACHINE.bandwidth)
+    fast, fixed = local_costs(graph, plan, 1.0, machine), local_costs(graph, plan, 1.0, DEV_MACHINE)
+    fixed_bandwidth = parse_bandwidth(DEV_MACHINE.bandwidth)
     assert fast.allreduce_s[0] == pytest.approx(
         fixed.allreduce_s[0] * fixed_bandwidth / 1e9, rel=0.01)

@@ -8,16 +8,16 @@ accumulation in one process, weights read back from the run's checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from machine.fixtures import DEV_MACHINE
 from runtime.reference import reference_sync, sgd
-from torchrun import stop
+from torchrun import agent_command, run_agents
 
 import dreampipe
 from dreampipe.commands.train_plan import torchrun_nodes
@@ -44,26 +44,13 @@ def test_two_nodes_plan_on_two_levels_and_equal_gradient_accumulation(tmp_path: 
              "--batch-size", "16", "--steps", str(STEPS), "--checkpoint-dir",
              str(tmp_path / "ck"), "--checkpoint-every", str(STEPS), "--json", "--no-progress",
              "--timeout", "60"]
-    agents: list[subprocess.Popen[bytes]] = []
-    try:
-        for node in (0, 1):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                   "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"dp{os.getpid()}",
-                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
-                   "--max-restarts", "0", *train]
-            with (tmp_path / f"out{node}").open("wb") as out, \
-                    (tmp_path / f"err{node}").open("wb") as err:
-                agents.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
-                                               cwd=tmp_path, start_new_session=True))
-        codes = [agent.wait(timeout=240) for agent in agents]
-    finally:
-        for agent in agents:
-            stop(agent)
-    errs = [(tmp_path / f"err{n}").read_text(errors="replace")[-3000:] for n in (0, 1)]
-    assert codes == [0, 0], errs
-    lines = [ln for n in (0, 1) for ln in (tmp_path / f"out{n}").read_text().splitlines()
-             if ln.startswith("{")]
+    cmds = [agent_command(node, nnodes=2, nproc=1, endpoint=f"127.0.0.1:{port}",
+                          run_id=f"dp{os.getpid()}", local_addr="127.0.0.1", target=train)
+            for node in (0, 1)]
+    ran = run_agents(cmds, [env, env], tmp_path, timeout_s=240)
+    errs = [err[-3000:] for _, _, err in ran]
+    assert [code for code, _, _ in ran] == [0, 0], errs
+    lines = [ln for _, out, _ in ran for ln in out.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, (lines, errs)  # rank 0 reports, on whichever node it ran
     got = json.loads(lines[0])
     assert got["topology"].startswith("2x1 = 2 workers ("), got["topology"]  # nodes x per node
@@ -81,7 +68,8 @@ def test_two_nodes_plan_on_two_levels_and_equal_gradient_accumulation(tmp_path: 
 def test_torchrun_nodes_become_the_outer_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert torchrun_nodes(4) == 2
-    assert [lv.count for lv in local_topology(4, nodes=2).levels] == [2, 2]
+    two_levels = dataclasses.replace(DEV_MACHINE, outer_bandwidth="10Gbps")
+    assert [lv.count for lv in local_topology(4, two_levels, nodes=2).levels] == [2, 2]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # uneven nodes: one level
     assert torchrun_nodes(4) == 1
-    assert [lv.count for lv in local_topology(4, nodes=1).levels] == [4]
+    assert [lv.count for lv in local_topology(4, DEV_MACHINE, nodes=1).levels] == [4]

@@ -26,7 +26,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["VethPair", "unavailable", "veth_pair"]
+import pytest
+
+__all__ = ["VethPair", "pair_or_skip", "unavailable", "veth_pair"]
 
 _SUBNET = "10.77.0"
 _CMD_TIMEOUT_S = 10.0
@@ -135,6 +137,16 @@ def veth_pair(tag: str, *, mtu: int | None = None) -> Iterator[VethPair]:
             _ip("netns", "del", ns, check=False)
         # the veth pair goes with its namespace; if it never got there, remove it here
         _ip("link", "del", pair.interfaces[0], check=False)
+
+
+def pair_or_skip(tag: str) -> Iterator[VethPair]:
+    """:func:`veth_pair` for a fixture to yield from; the test skips where this machine
+    cannot make namespaces (:func:`unavailable`)."""
+    reason = unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    with veth_pair(tag) as pair:
+        yield pair
 
 
 def kill_inside(namespace: str) -> None:

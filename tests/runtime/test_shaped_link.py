@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from machine.fixtures import DEV_MACHINE
 
 from dreampipe.machine.calibration import LocalCalibration, local_costs, local_topology
 from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
@@ -111,11 +112,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def link() -> Any:
-    reason = netns.unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    with netns.veth_pair(f"dpl{os.getpid() % 10**7}") as pair:
-        yield pair
+    yield from netns.pair_or_skip(f"dpl{os.getpid() % 10**7}")
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +168,7 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
     """
     rate = parse_bandwidth(bandwidth)
     link.shape(rate)
-    machine = on_link(bandwidth)
+    machine = on_link(bandwidth, DEV_MACHINE)
     topology = local_topology(2, machine)
     best = plan_pipeline(graph, topology, allow_fewer_workers=False)
     plans = {

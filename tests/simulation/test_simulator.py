@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from machine.fixtures import DEV_MACHINE
 
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.in_flight import in_flight_counts
@@ -207,11 +208,11 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
 def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
     from dreampipe.machine import calibration as machine
 
-    m = replace(machine.PROJECT_MACHINE, cores=4, corun_slowdown=1.0)  # a quiet core each
+    m = replace(DEV_MACHINE, cores=4, corun_slowdown=1.0)  # a quiet core each
 
     for bounds in ([0], [0, 2], [0, 1, 3]):
         plan = Plan.from_config(4, bounds, [1] * len(bounds))
-        base = costs_from_profile(_graph(), plan, machine.local_topology(len(bounds)), 0.5)
+        base = costs_from_profile(_graph(), plan, machine.local_topology(len(bounds), m), 0.5)
         costs = machine.local_costs(_graph(), plan, unit_fraction=0.5, machine=m)
         extra = [m.stage_forward_s] * len(bounds)
         extra[0] += m.batch_load_s

@@ -2,7 +2,9 @@
 
 ``plan="auto"`` profiles the model on rank 0 (one thread, as a worker runs,
 on a unit of the example) and plans it for the world it runs in with the
-jobs' plan choice (:func:`dreampipe.machine.local_plan.choose_plan`); rank 0 then
+jobs' plan choice (:func:`dreampipe.machine.local_plan.choose_plan`), priced with the
+machine file (or, without one, the machine measured by every rank now:
+:func:`dreampipe.machine.measure.machine_in_group`); rank 0 then
 broadcasts the plan over the process group, so every rank runs the same
 one whatever launched them. The ``dp`` schedule always runs one stage on
 every worker.
@@ -25,7 +27,9 @@ from torch import nn
 from dreampipe.api.checks import Batch
 from dreampipe.api.split import Layers, build_stage
 from dreampipe.errors import DreampipeError, PlanError
+from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_plan
+from dreampipe.machine.measure import machine_in_group
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
@@ -52,10 +56,12 @@ def resolve_plan(
         return Plan.load(plan)
     if kind is ScheduleKind.DP or world == 1:
         return Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
+    machine = machine_in_group()  # every rank: without a machine file all measure it
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = _profile_and_plan(layers, example, loss_fn, unit_size, seed).to_json()
+            box[0] = _profile_and_plan(layers, example, loss_fn, unit_size, seed,
+                                       machine).to_json()
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -65,7 +71,8 @@ def resolve_plan(
 
 
 def _profile_and_plan(
-    layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int
+    layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int,
+    machine: LocalCalibration,
 ) -> Plan:
     from dreampipe.profiling.profiler import profile_model
 
@@ -81,6 +88,6 @@ def _profile_and_plan(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
             "give plan= a Plan or a plan file for this model"
         )
-    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False)
+    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, machine=machine)
     _log.info("planned %s", plan.config)
     return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))

@@ -24,6 +24,7 @@ from dreampipe.commands.bench_names import DREAMPIPE_RUN_NAMES
 from dreampipe.commands.workloads import Workload
 from dreampipe.machine.calibration import corun_twins, local_costs, local_topology, measured_machine
 from dreampipe.machine.local_plan import profile_as_worker
+from dreampipe.machine.measure import local_machine
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 
@@ -71,7 +72,8 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
 
     spec = work.spec()
     workers = len(work.stage_bounds)
-    topology = local_topology(workers)
+    machine = local_machine(workers)
+    topology = local_topology(workers, machine)
     replicas = [1] * workers
     graphs = {}
     out = {}
@@ -79,11 +81,11 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
         layout = run.layout(work)
         if layout.unit_size not in graphs:
             graphs[layout.unit_size] = profile_as_worker(
-                spec, layout.unit_size, repeats=_REPEATS, twins=corun_twins(workers),
+                spec, layout.unit_size, repeats=_REPEATS, twins=corun_twins(workers, machine),
                 ref=work.kind.value, model_kwargs=work.model_kwargs)
         graph = graphs[layout.unit_size]
         plan = planner.evaluate_plan(graph, topology, list(work.stage_bounds), replicas)
-        costs = local_costs(graph, plan, 1.0, measured_machine(graph))
+        costs = local_costs(graph, plan, 1.0, measured_machine(graph, machine))
         steps = run.steps(work, work.steps)
         sim = simulate_schedule(layout.build(replicas, steps), costs, record_events=False)
         out[run] = steps * run.minibatch(work) / sim.makespan_s

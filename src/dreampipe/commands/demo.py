@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from dreampipe.errors import ConfigError
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.local_plan import predict_samples_per_s
+from dreampipe.machine.measure import local_machine
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
@@ -98,7 +99,7 @@ def _profile(opts: DemoOptions) -> LayerGraph:
 def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
     from dreampipe.planning import planner
 
-    topology = local_topology(workers)
+    topology = local_topology(workers, local_machine(workers, say=say))
     best = planner.plan_pipeline(graph, topology, allow_fewer_workers=False)
     if best.num_stages > 1:
         return best

@@ -36,6 +36,7 @@ from dreampipe.machine.local_plan import (
     profile_as_worker,
     saved_profile,
 )
+from dreampipe.machine.measure import machine_for_run
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
@@ -253,6 +254,7 @@ def plan_train(
     lead = torchrun is None or torchrun[0] == 0
     nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
+    machine = machine_for_run(workers, nodes=nodes, say=talk)  # every rank: it may measure
     plan: Plan | None = None
     graph: LayerGraph | None = None
     if lead:
@@ -264,12 +266,12 @@ def plan_train(
                                   model_kwargs=opts.model_kwargs)
         else:
             graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
-                                      twins=corun_twins(workers) if local else 0,
-                                      crowd=corun_crowd(workers) if local else 0,
+                                      twins=corun_twins(workers, machine) if local else 0,
+                                      crowd=corun_crowd(workers, machine) if local else 0,
                                       ref=opts.model, model_kwargs=opts.model_kwargs)
         plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
                                     allow_fewer_workers=torchrun is None, nodes=nodes,
-                                    memory_bytes=req.memory_bytes)
+                                    memory_bytes=req.memory_bytes, machine=machine)
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         if source.path is not None:
@@ -291,13 +293,13 @@ def plan_train(
         check_memory(plan, memory, req.memory_bytes)
     predicted = 0.0 if graph is None else predict_samples_per_s(
         graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
-        microbatches=opts.microbatches, steps=steps, nodes=nodes,
+        microbatches=opts.microbatches, steps=steps, nodes=nodes, machine=machine,
     )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     if graph is not None and plan.tensor_parallel > 1 and req.memory_bytes is not None:
-        for line in unfit_lines(memory_needs(graph, local_topology(workers, measured_machine(graph),
-                                                                 nodes=nodes))):
+        for line in unfit_lines(memory_needs(graph, local_topology(
+                workers, measured_machine(graph, machine), nodes=nodes))):
             talk(line)
     talk(str(plan))
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "

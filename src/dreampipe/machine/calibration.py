@@ -1,20 +1,20 @@
 """This machine as the planner and the simulator see it: topology, calibration, costs.
 
 Local workers are ``N`` processes on one level, all joined by gloo over the
-loopback interface. A torchrun job over several nodes adds an outer level,
-the nodes as servers::
+loopback interface (or NCCL between GPUs). A torchrun job over several nodes
+adds an outer level, the nodes as servers::
 
-    nodes x workers per node      inner: machine.bandwidth (measured here)
-    2     x 2                     outer: the link between nodes, not measured:
-                                  Topology's default outer figure (10 Gbps)
+    nodes x workers per node      inner: machine.bandwidth, latency_s
+    2     x 2                     outer: machine.outer_bandwidth, outer_latency_s
 
-The layer profile times only the layers; the runtime spends host time
-around them too. :class:`LocalCalibration` holds both kinds of figure,
-each with how it was measured, so that a prediction for this machine can
-add what the profile leaves out. :data:`PROJECT_MACHINE`
-is the project's 2-core development machine, the default;
-:func:`measured_machine` puts in the rates measured with a profile
-(:mod:`~dreampipe.machine.rates`), since the host's drift moves them too.
+both measured on the machine (:mod:`~dreampipe.machine.machine_file`, written
+by ``dreampipe calibrate``, or measured at start-up by
+:mod:`~dreampipe.machine.measure`). The layer profile times only the layers;
+the runtime spends host time around them too. :class:`LocalCalibration`
+holds both kinds of figure so that a prediction for this machine can add
+what the profile leaves out; :func:`measured_machine` puts in the rates
+measured with a profile (:mod:`~dreampipe.machine.rates`), since the host's
+drift moves them too.
 """
 
 from __future__ import annotations
@@ -27,75 +27,65 @@ from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.planning.topology import DEFAULT_BANDWIDTHS, Topology
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 
 if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimCosts
 
-__all__ = ["PROJECT_MACHINE", "LocalCalibration", "corun_crowd", "corun_twins", "local_costs",
+__all__ = ["LocalCalibration", "corun_crowd", "corun_twins", "local_costs",
            "local_topology", "measured_machine"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class LocalCalibration:
-    """Measured figures of one machine's local workers; seconds and bytes/s.
+    """Measured figures of one machine's workers; seconds and bytes/s.
 
     ``bandwidth``, ``step_bandwidth`` and ``stash_copy_bandwidth`` give way to
     the rates measured with a profile where it has them (:func:`measured_machine`).
     """
 
-    #: Between two worker processes (gloo over loopback): the bandwidth at
-    #: which the planner's ring term gives the time the runtime's bucketed
-    #: gradient all-reduce of the mlp's 25.5 MB took between two local
-    #: workers (``python benchmarks/calibrate_local.py``: median 44.6 ms).
+    #: Between two workers of one node: the bandwidth at which the planner's
+    #: ring term gives the time the runtime's bucketed gradient all-reduce took
+    #: (:mod:`~dreampipe.machine.rates`), and the per-message latency of a
+    #: ping-pong between them (:mod:`~dreampipe.machine.measure`).
     bandwidth: str
+    latency_s: float = 0.0
+    #: The same between nodes (one worker on each); None where no job over
+    #: several nodes was measured.
+    outer_bandwidth: str | None = None
+    outer_latency_s: float = 0.0
     #: Parameter bytes one SGD step updates per second on one worker (the
-    #: runtime's ``STEP``; same command, before it evicted the caches between
-    #: steps: 6.0 ms for the mlp's 25.5 MB).
+    #: runtime's ``STEP``, caches evicted between steps as a run's compute does).
     step_bandwidth: float
     #: How much slower a worker's forward and backward run beside another
     #: busy worker than alone, as the layer profile is taken: the cores share
-    #: caches and memory bandwidth (same command: the mlp at minibatch 32,
-    #: 51.9 ms alone, 54.1 ms beside a busy worker). Only for a profile taken
-    #: alone: ``dreampipe train`` profiles beside busy twins instead.
+    #: caches and memory bandwidth. Only for a profile taken alone:
+    #: ``dreampipe train`` profiles beside busy twins instead.
     corun_slowdown: float
     #: Parameter bytes per second a ``STEP`` copies when a unit in flight still
     #: needs the version it replaces (weight stashing's copy-on-write: stage 0
     #: of a 2-stage PipeDream pipeline copies at every step, stage 1 never).
-    #: Same command, which measured the copy at 0.81 of the step's rate (6.5
-    #: against 8.0 GB/s, on a faster host than the other figures'): that share
-    #: of ``step_bandwidth``.
     stash_copy_bandwidth: float
-    #: Host time to post one gloo send: a fixed part plus a copy at
-    #: ``send_copy_bandwidth``. Read off the runtime's measured SEND events for
-    #: the bench's mlp (0.24 ms for 128 KiB, 0.39 ms for 512 KiB).
+    #: Host time to post one send: a fixed part plus a copy at
+    #: ``send_copy_bandwidth`` (the ping-pong's send calls, fitted).
     send_overhead_s: float
     send_copy_bandwidth: float
     #: A runtime forward's own host time per unit and stage, which the layer
-    #: profile does not time: ``StageModule.forward`` (the stashed version put
-    #: in its parameters' places, the bookkeeping) against calling the same 4
-    #: mlp layers of width 16 directly, each call right after 12 1024x1024
-    #: GEMMs (as after a backward, caches cold): 0.31 ms against 0.19 ms with
-    #: ``functional_call``; with :mod:`~dreampipe.runtime.slots`, on a slower
-    #: day, 0.53-0.56 ms against 0.36-0.37 ms, where ``functional_call`` gave
-    #: 0.66 ms against 0.35 ms: six tenths of the overhead.
-    #: Used only for a profile without the factors that
+    #: profile does not time (``StageModule.forward``'s bookkeeping). Used
+    #: only for a profile without the factors that
     #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
     stage_forward_s: float
     #: Loading a unit's samples (input stage) or labels (last stage), cold.
     batch_load_s: float
-    #: The last stage's loss, which the profile leaves out (it times layers):
-    #: the mlp's 32 x 10 cross-entropy, timed inside the runtime's forward.
+    #: The last stage's loss, which the profile leaves out (it times layers).
     #: Used only for a profile without the loss's own times, which
     #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
     loss_s: float
-    #: Whether gradient all-reduces overlap the backward. Not here: gloo
+    #: Whether gradient all-reduces overlap the backward. Not with gloo: it
     #: moves and sums the bytes on the cores that compute, so an all-reduce
-    #: started during the backward slows it as much as it hides (``train mlp
-    #: --schedule dp`` on 2 workers: the backward took 22.7 ms beside the
-    #: bucketed all-reduce of 25 MB and then waited 11.8 ms for it, 34.5 ms
-    #: in all; 10.3 ms alone plus the all-reduce's 24.2 ms alone is 34.5 ms).
+    #: started during the backward slows it as much as it hides. NCCL moves
+    #: them on the GPUs' copy engines, beside the compute.
     overlap: bool = False
     #: Cores the workers share. More workers than cores take turns on them
     #: (a gloo wait sleeps: it takes no core), at the pace measured with the
@@ -103,21 +93,9 @@ class LocalCalibration:
     cores: int = dataclasses.field(default_factory=lambda: len(os.sched_getaffinity(0)))
 
 
-#: The project's 2-core development machine, where every figure above was measured.
-PROJECT_MACHINE = LocalCalibration(
-    bandwidth="572MB/s",
-    step_bandwidth=4.22e9,
-    stash_copy_bandwidth=3.42e9,
-    corun_slowdown=1.043,
-    send_overhead_s=0.19e-3,
-    send_copy_bandwidth=2.6e9,
-    stage_forward_s=0.06e-3,
-    batch_load_s=0.07e-3,
-    loss_s=0.06e-3,
-)
 
 
-def corun_twins(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> int:
+def corun_twins(workers: int, machine: LocalCalibration) -> int:
     """Busy twins to profile beside for a run of ``workers`` local workers: each worker
     computes beside the others, as many at once as there are cores."""
     return max(0, min(workers, machine.cores) - 1)
@@ -135,7 +113,7 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
     return machine.corun_slowdown
 
 
-def corun_crowd(workers: int, machine: LocalCalibration = PROJECT_MACHINE) -> int:
+def corun_crowd(workers: int, machine: LocalCalibration) -> int:
     """Workers beyond the cores: they wait while the others profile, then all train
     at once to measure the pace the cores' sharing gives
     (:func:`~dreampipe.machine.corun.profile_beside`)."""
@@ -155,7 +133,7 @@ def _share(graph: LayerGraph, workers: int, machine: LocalCalibration) -> float:
 
 
 def measured_machine(
-    graph: LayerGraph, machine: LocalCalibration = PROJECT_MACHINE
+    graph: LayerGraph, machine: LocalCalibration
 ) -> LocalCalibration:
     """``machine`` with the rates measured beside ``graph``'s profile in place of its own
     (``meta`` keys of :func:`~dreampipe.machine.rates.with_host_rates`), as the host is now."""
@@ -168,23 +146,29 @@ def measured_machine(
 
 
 def local_topology(
-    workers: int, machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1
+    workers: int, machine: LocalCalibration, *, nodes: int = 1
 ) -> Topology:
     """``workers`` workers at ``machine.bandwidth``: one level, or with ``nodes`` > 1
-    (``workers / nodes`` on each) two, the nodes joined at the default outer bandwidth."""
+    (``workers / nodes`` on each) two, the nodes joined at ``machine.outer_bandwidth``."""
     if workers < 1:
         raise ConfigError(f"workers={workers}: use at least 1 worker", "workers")
     if nodes > 1 and workers % nodes == 0:
+        if machine.outer_bandwidth is None:
+            raise ConfigError(
+                f"nodes={nodes}: the machine's calibration holds no link between nodes; "
+                f"measure it with 'torchrun --nnodes {nodes} ... dreampipe calibrate'", "nodes")
         parsed = Topology.parse(f"{nodes}x{workers // nodes}",
-                                bandwidths=[machine.bandwidth, DEFAULT_BANDWIDTHS[-1]])
+                                bandwidths=[machine.bandwidth, machine.outer_bandwidth],
+                                latencies=[machine.latency_s, machine.outer_latency_s])
     else:
-        parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth])
+        parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth],
+                                latencies=[machine.latency_s])
     return dataclasses.replace(parsed, overlap=machine.overlap)
 
 
 def local_costs(
     graph: LayerGraph, plan: Plan, unit_fraction: float,
-    machine: LocalCalibration = PROJECT_MACHINE, *, nodes: int = 1,
+    machine: LocalCalibration, *, nodes: int = 1,
 ) -> SimCosts:
     """Simulator costs of ``plan`` on this machine's workers.
 

@@ -45,7 +45,7 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import run_processes
 
-__all__ = ["Corun", "measure_corun", "profile_beside"]
+__all__ = ["Corun", "corun_in_group", "measure_corun", "profile_beside"]
 
 log = logging.getLogger(__name__)
 
@@ -108,13 +108,26 @@ def measure_corun(
 def _rank(rank: int, world: int, job: _Job) -> Corun | None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        alone = _timed(job, job.repeats) if rank == 0 else ()
-        dist.barrier()
-        beside = _timed(job, job.repeats + 2 * rank)
-        dist.barrier()
-        return Corun(alone, beside) if rank == 0 else None
+        return _in_group(rank, job)
     finally:
         dist.destroy_process_group()
+
+
+def corun_in_group(
+    model: str, batch_size: int, *, model_kwargs: Sequence[tuple[str, Any]] = (),
+    repeats: int = 3,
+) -> Corun | None:
+    """:func:`measure_corun` on ranks 0 and 1 of the default group (every rank calls it;
+    the others only wait at its barriers); rank 0 gets the result, the others None."""
+    return _in_group(dist.get_rank(), _Job(model, tuple(model_kwargs), batch_size, repeats))
+
+
+def _in_group(rank: int, job: _Job) -> Corun | None:
+    alone = _timed(job, job.repeats) if rank == 0 else ()
+    dist.barrier()
+    beside = _timed(job, job.repeats + 2 * rank) if rank < 2 else ()
+    dist.barrier()
+    return Corun(alone, beside) if rank == 0 else None
 
 
 def _training_round(job: _Job, net: torch.nn.Module | None = None) -> Callable[[], None]:

@@ -1,7 +1,7 @@
 """Predicted and measured steady-state throughput of workers joined by a known link.
 
 :mod:`dreampipe.machine.local_plan` predicts for this machine's local workers, on
-loopback at :data:`~dreampipe.machine.calibration.PROJECT_MACHINE`'s bandwidth.
+loopback at the bandwidth measured on this machine (:mod:`~dreampipe.machine.measure`).
 Workers on a real (or shaped) network differ in one figure, the link's
 bandwidth: :func:`on_link` is the same calibration at another bandwidth and
 :func:`simulate_on` the simulator's run of a plan there.
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from dreampipe.errors import ConfigError
-from dreampipe.machine.calibration import PROJECT_MACHINE, LocalCalibration, local_costs
+from dreampipe.machine.calibration import LocalCalibration, local_costs
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["on_link", "round_units", "simulate_on", "window_rates"]
 
 
-def on_link(bandwidth: str, machine: LocalCalibration = PROJECT_MACHINE) -> LocalCalibration:
+def on_link(bandwidth: str, machine: LocalCalibration) -> LocalCalibration:
     """``machine``'s calibration with its workers joined at ``bandwidth`` (``"50MB/s"``).
 
     The host-side figures (send overhead, per-stage time) stay: they are the

@@ -18,7 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.errors import ConfigError, ProfileError
-from dreampipe.machine.calibration import local_costs, local_topology, measured_machine
+from dreampipe.machine.calibration import (
+    LocalCalibration,
+    local_costs,
+    local_topology,
+    measured_machine,
+)
+from dreampipe.machine.measure import local_machine
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import parse_stage_bounds, stages_from_config
 from dreampipe.planning.plan import Plan
@@ -169,6 +175,7 @@ def choose_plan(
     allow_fewer_workers: bool = True,
     nodes: int = 1,
     memory_bytes: int | None = None,
+    machine: LocalCalibration | None = None,
 ) -> Plan:
     """The planner's best plan for ``workers`` local workers, or the forced partition costed.
 
@@ -176,11 +183,13 @@ def choose_plan(
     for those replica counts. ``nodes`` > 1 (a torchrun job over several
     nodes) plans on two levels, the nodes as servers (:func:`local_topology`).
     ``memory_bytes`` limits the planner's own choice (a forced partition is
-    the caller's to check).
+    the caller's to check). ``machine`` is the calibration to plan with
+    (default: this machine's, :func:`~dreampipe.machine.measure.local_machine`).
     """
     from dreampipe.planning import planner
 
-    topology = local_topology(workers, measured_machine(graph), nodes=nodes)
+    here = local_machine(workers) if machine is None else machine
+    topology = local_topology(workers, measured_machine(graph, here), nodes=nodes)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers,
@@ -219,13 +228,14 @@ def predict_samples_per_s(
     microbatches: int,
     steps: int,
     nodes: int = 1,
+    machine: LocalCalibration | None = None,
 ) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` under ``kind``.
 
     A ``graph`` profiled at the layout's unit size gives each scheduled unit
     what the profile measured; one at another batch is scaled to it in
     proportion, a rough guess (``train`` refuses such a profile); ``nodes``
-    as for :func:`choose_plan`.
+    and ``machine`` as for :func:`choose_plan`.
     """
     from dreampipe.simulation.simulator import simulate_schedule
 
@@ -233,8 +243,9 @@ def predict_samples_per_s(
                         workers=plan.workers_used)
     schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
     fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
-    result = simulate_schedule(schedule, local_costs(graph, plan, fraction, measured_machine(graph),
-                                                          nodes=nodes))
+    here = local_machine(plan.workers_used) if machine is None else machine
+    result = simulate_schedule(schedule, local_costs(graph, plan, fraction,
+                                                     measured_machine(graph, here), nodes=nodes))
     events = result.events
     span = max(e.end_s for e in events) - min(e.start_s for e in events) if events else 0.0
     if span <= 0:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dreampipe.machine.timers import Timer, WallTimer
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.scheduling.actions import Action, ActionKind
@@ -87,7 +88,7 @@ class HostRates:
 
 def measure_rates(
     params: Sequence[Tensor], *, rounds: int = 3, min_time_s: float = 0.1, group: Any = None,
-    beside: Callable[[], Any] | None = None,
+    beside: Callable[[], Any] | None = None, timer: Timer | None = None,
 ) -> HostRates:
     """Time the all-reduce of ``params``' gradients over ``group``, an SGD step
     and a stash copy of them (not ``params`` themselves): one untimed round, then at
@@ -100,10 +101,14 @@ def measure_rates(
     so with ``beside`` (a training round) the ranks time their copies in turn,
     each while the others run ``beside``: timed beside each other instead, the
     mlp's copies ran at 2.2-3.8 GB/s against 6 GB/s in its runs.
+
+    ``timer`` (default: the wall clock) times each round: CUDA events for
+    ``params`` on a GPU (:mod:`~dreampipe.machine.timers`).
     """
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: time at least 1 round")
     world = dist.get_world_size(group) if dist.is_initialized() else 1
+    clock = timer or WallTimer()
     weights = [p.detach().clone() for p in params]
     grads = [torch.ones_like(w) for w in weights]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
@@ -113,18 +118,21 @@ def measure_rates(
         w.grad = g
     reduce_s: list[float] = []
     if world > 1:
-        _allreduce_once(buckets, grads)
-        reduce_s.append(_allreduce_once(buckets, grads))
+        _allreduce_once(buckets, grads, clock)
+        reduce_s.append(_allreduce_once(buckets, grads, clock))
         n = _agreed_rounds(reduce_s[0], rounds, min_time_s, group)
-        reduce_s += [_allreduce_once(buckets, grads) for _ in range(n - 1)]
-    cold = torch.empty(_EVICT_BYTES // 4)  # floats: written between rounds, as compute would
-    step_s = _until(optimizer.step, rounds, min_time_s, cold)
+        reduce_s += [_allreduce_once(buckets, grads, clock) for _ in range(n - 1)]
+    # floats written between rounds, as compute would, where the weights are
+    cold = torch.empty(_EVICT_BYTES // 4, device=weights[0].device if weights else None)
+    step_s = _until(optimizer.step, rounds, min_time_s, cold, clock)
     turns = world if beside is not None else 1
+    if turns > 1:  # the turns start together: every copy is timed beside the others' work
+        dist.barrier(group)
     copy_s: tuple[float, ...] = ()
     for turn in range(turns):
         mine = turns == 1 or dist.get_rank(group) == turn
         if mine:
-            copy_s = _until(lambda: _copy(weights), rounds, min_time_s, cold)
+            copy_s = _until(lambda: _copy(weights), rounds, min_time_s, cold, clock)
         if beside is not None and turns > 1:
             compute_until_joined(beside, not mine, group)
     return HostRates(nbytes, world, tuple(reduce_s), step_s, copy_s)
@@ -144,11 +152,10 @@ def _wait(work: Any, _action: Action) -> None:
     work.wait()
 
 
-def _allreduce_once(buckets: GradientBuckets, grads: list[Tensor]) -> float:
+def _allreduce_once(buckets: GradientBuckets, grads: list[Tensor], timer: Timer) -> float:
     dist.barrier(buckets.group)
-    start = time.perf_counter()
-    buckets.finish(list(grads), _ACTION, 1.0 / dist.get_world_size(buckets.group))
-    return time.perf_counter() - start
+    return timer(lambda: buckets.finish(list(grads), _ACTION,
+                                        1.0 / dist.get_world_size(buckets.group)))
 
 
 def _agreed_rounds(first_s: float, rounds: int, min_time_s: float, group: Any) -> int:
@@ -164,7 +171,7 @@ def _rounds_for(one_s: float, rounds: int, min_time_s: float) -> int:
 
 
 def _until(
-    work: Callable[[], Any], rounds: int, min_time_s: float, cold: Tensor
+    work: Callable[[], Any], rounds: int, min_time_s: float, cold: Tensor, timer: Timer
 ) -> tuple[float, ...]:
     """Seconds of each timed call of ``work``, after an untimed one: at least ``rounds``,
     and more until ``min_time_s`` has passed (at most :data:`_MAX_ROUNDS`), each after
@@ -175,9 +182,7 @@ def _until(
     while len(took) < rounds or (len(took) < _MAX_ROUNDS
                                  and time.perf_counter() - begin < min_time_s):
         cold.fill_(len(took))
-        start = time.perf_counter()
-        work()
-        took.append(time.perf_counter() - start)
+        took.append(timer(work))
     return tuple(took)
 
 
