@@ -21,7 +21,8 @@ def test_rank_0_times_each_round_alone_then_beside_its_twin() -> None:
     assert len(corun.alone_s) == len(corun.beside_s) == 2
     assert all(0.0 < t < 5.0 for t in corun.alone_s + corun.beside_s)
     # the median of two rounds is their mean
-    assert corun.slowdown == pytest.approx(sum(corun.beside_s) / sum(corun.alone_s))
+    assert corun.ratio == pytest.approx(sum(corun.beside_s) / sum(corun.alone_s))
+    assert corun.slowdown == max(1.0, corun.ratio)
 
 
 def test_slowdown_is_the_ratio_of_medians_and_described() -> None:
@@ -29,6 +30,15 @@ def test_slowdown_is_the_ratio_of_medians_and_described() -> None:
     assert corun.slowdown == pytest.approx(1.25)
     assert corun.describe() == ("forward+backward alone 200 ms (100-300), beside a busy "
                                 "worker 250 ms (200-900): x1.250")
+
+
+def test_a_ratio_below_one_is_no_slowdown_and_says_the_host_moved() -> None:
+    corun = Corun(alone_s=(0.4, 0.4, 0.4), beside_s=(0.2, 0.2, 0.2))
+    assert corun.ratio == pytest.approx(0.5)
+    assert corun.slowdown == 1.0
+    assert corun.describe().endswith(
+        "x1.000 (measured x0.500: the host was busier while timing alone; "
+        "calibrate again on a quiet machine)")
 
 
 @pytest.mark.parametrize(("batch", "repeats", "what"), [(8, 0, "repeats"), (0, 1, "batch_size")])

@@ -58,17 +58,26 @@ class Corun:
     beside_s: tuple[float, ...]
 
     @property
-    def slowdown(self) -> float:
-        """Median beside over median alone: the factor for ``corun_slowdown``."""
+    def ratio(self) -> float:
+        """Median beside over median alone, as measured."""
         return statistics.median(self.beside_s) / statistics.median(self.alone_s)
+
+    @property
+    def slowdown(self) -> float:
+        """The factor for ``corun_slowdown``: :attr:`ratio`, at least 1. A worker beside a
+        busy twin never computes faster than alone; a ratio below 1 means the host was
+        busier while the lone rounds ran, and is taken as no slowdown."""
+        return max(1.0, self.ratio)
 
     def describe(self) -> str:
         def spread(values: tuple[float, ...]) -> str:
             return (f"{statistics.median(values) * 1e3:.0f} ms "
                     f"({min(values) * 1e3:.0f}-{max(values) * 1e3:.0f})")
 
+        noisy = (f" (measured x{self.ratio:.3f}: the host was busier while timing alone; "
+                 "calibrate again on a quiet machine)" if self.ratio < 1.0 else "")
         return (f"forward+backward alone {spread(self.alone_s)}, beside a busy worker "
-                f"{spread(self.beside_s)}: x{self.slowdown:.3f}")
+                f"{spread(self.beside_s)}: x{self.slowdown:.3f}{noisy}")
 
 
 @dataclass(frozen=True)
