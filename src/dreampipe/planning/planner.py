@@ -46,6 +46,7 @@ from dreampipe.planning.pipedream_costs import (
 )
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.ranges import RANGES_MAX_WORKERS, best_ranges
 from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
@@ -93,6 +94,24 @@ def _fastest(
         if found is None or slowest(stages) < slowest(found):
             found = stages
     return found
+
+
+def _with_ranges(
+    prof: RangeCosts, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options
+) -> tuple[Stage, ...] | None:
+    """``stages``, or the best plan of contiguous worker ranges (:mod:`dreampipe.planning.
+    ranges`) where that is strictly faster. It runs on up to
+    :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers of a hierarchy, without a
+    memory limit, a stage cap or ``straight`` (each stage one worker, which the hierarchy
+    already places at its best)."""
+    if (len(topology.levels) < 2 or topology.num_workers > RANGES_MAX_WORKERS
+            or opts.memory_bytes is not None or opts.limited or opts.straight):
+        return stages
+    _, flat = best_ranges(prof, topology, opts.sync, opts.allow_fewer)
+    ranged = _priced(prof, topology, flat, opts)
+    if stages is None or slowest(ranged) < slowest(stages):
+        return ranged
+    return stages
 
 
 def _baselines(
@@ -213,6 +232,8 @@ def plan_pipeline(
                    max_stages is not None, CostModel.DREAMPIPE, sync)
     models = _models(topology, also_flat)
     stages = _fastest(prof, topology, models, opts)
+    if also_flat:
+        stages = _with_ranges(prof, topology, stages, opts)
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
                        CostModel.DREAMPIPE, sync)

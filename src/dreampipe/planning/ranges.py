@@ -1,0 +1,126 @@
+"""Stages on any contiguous range of workers: an exact DP over (layers, workers laid in order).
+
+The hierarchical program (:mod:`dreampipe.planning.dp`) puts every outer
+stage on whole units, so ``15-1`` on 4x4 (three servers and three GPUs of a
+fourth, then one GPU) is outside its search. Here the workers are laid in
+rank order and every stage takes the next ``r`` of them, wherever that
+range starts within a server. Each term is the one
+:func:`~dreampipe.planning.pricing.price_stages` charges for that placement:
+
+- a stage on ``[s, e)`` all-reduces over ``replica_groups(range(s, e))``, so
+  its time depends on where it starts within a server, not only on ``e - s``;
+- the cut between ``[s, e)`` and ``[e, f)`` is priced per level on the
+  share of the (sender, receiver) pairs that first meet there
+  (:func:`~dreampipe.planning.pricing.cut_seconds`); with contiguous ranges
+  only the unit holding both ``e - 1`` and ``e`` holds pairs of both.
+
+A stage's cost depends on its own layers and range, a cut's on the layer it
+crosses and the two ranges beside it, and the pipeline's time is the max of
+them all. So the best pipeline over layers ``i..`` whose first stage sits
+on ``[s, e)`` is::
+
+    H(i, s, e) = min( T(i..N-1, [s, e)),
+                      min over i <= t < N-1, e < f <= W of
+                      max( T(i..t, [s, e)), cut(t+1; [s, e), [e, f)), H(t+1, e, f) ) )
+
+and the optimum is ``min over e of H(0, 0, e)``. Workers after the last
+stage idle; when every worker must work, the last stage ends at ``W``.
+Every plan of contiguous ranges in order is one path of this recursion and each path is
+such a plan, so the minimum is exact (docs/planner.md; the property test
+compares it with brute force). The work is ``O(N^2 W^3)``, hence
+:data:`RANGES_MAX_WORKERS`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dreampipe.planning.costs import FloatArray, RangeCosts, stage_time
+from dreampipe.planning.dp import FlatStage
+from dreampipe.planning.pricing import contiguous_cut_shares
+from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
+from dreampipe.planning.topology import Topology
+
+__all__ = ["RANGES_MAX_WORKERS", "best_ranges"]
+
+#: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
+RANGES_MAX_WORKERS = 32
+
+
+def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> FloatArray:
+    """``[s, e, i, j]``: layers ``i..j`` on workers ``s..e-1`` (inf where ``e <= s``)."""
+    w, n = topo.num_workers, prof.n
+    layouts: dict[tuple[tuple[int, ...], int], int] = {}
+    index = np.zeros((w + 1, w + 1), dtype=np.int64)
+    for s in range(w):
+        for e in range(s + 1, w + 1):
+            key = (replica_groups(range(s, e), topo), e - s)
+            index[s, e] = layouts.setdefault(key, len(layouts))
+    terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
+    ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
+    ends[(terms == 0.0).all(axis=1)] = 0.0
+    replicas = np.array([p for _, p in layouts], dtype=np.float64)
+    per_layout = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
+                           for k in range(len(layouts))])
+    out = np.full((w + 1, w + 1, n, n), np.inf)
+    valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
+    valid[w, :] = False
+    out[valid] = per_layout[index[valid]]
+    return out
+
+
+def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
+    """``[s, e, f, t]``: the cut before layer ``t`` between workers ``s..e-1`` and ``e..f-1``."""
+    w, n = topo.num_workers, prof.n
+    shares = contiguous_cut_shares(topo)  # [s, e, f, level]
+    out = np.zeros((w + 1, w + 1, w + 1, n))
+    for k, level in enumerate(topo.levels):
+        phi = shares[..., k, None]
+        term = 2 * (level.latency + phi * prof.cut_bytes[None, None, None, :n] / level.bandwidth)
+        np.maximum(out, np.where(phi > 0, term, 0.0), out=out)
+    return out
+
+
+def best_ranges(
+    prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool
+) -> tuple[float, list[FlatStage]]:
+    """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc).
+
+    Ties go to one stage over a split, then to the shorter first stage, and
+    overall to fewer workers.
+    """
+    w, n = topo.num_workers, prof.n
+    stage = _stage_times(prof, topo, sync)
+    cut = _cut_times(prof, topo)
+    best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
+    arg_t = np.full((n, w + 1, w + 1), -1, dtype=np.int64)  # -1: one stage to the end
+    arg_f = np.zeros((n, w + 1, w + 1), dtype=np.int64)
+    tail = stage[:, :, :, n - 1]  # [s, e, i]: the last stage, ending at worker W unless idle
+    if not allow_fewer:
+        tail = np.where(np.arange(w + 1)[None, :, None] == w, tail, np.inf)
+    for i in range(n - 1, -1, -1):
+        best[i] = tail[:, :, i]
+        if i == n - 1:
+            continue
+        # candidates [s, e, t, f]: first stage i..t on [s, e), then the rest from e on [e, f)
+        first = stage[:, :, i, i:n - 1][:, :, :, None]
+        link = cut[:, :, :, i + 1:n].transpose(0, 1, 3, 2)
+        rest = best[i + 1:n].transpose(1, 0, 2)[None]  # [1, e, t, f]
+        cand = np.maximum(np.maximum(first, link), rest)
+        flat = cand.reshape(w + 1, w + 1, -1)
+        pick = np.argmin(flat, axis=2)
+        val = np.take_along_axis(flat, pick[:, :, None], axis=2)[:, :, 0]
+        better = val < best[i]
+        best[i] = np.where(better, val, best[i])
+        arg_t[i] = np.where(better, i + pick // (w + 1), -1)
+        arg_f[i] = np.where(better, pick % (w + 1), 0)
+    e = min(range(1, w + 1), key=lambda x: (float(best[0, 0, x]), x))
+    value = float(best[0, 0, e])
+    out, i, s = [], 0, 0
+    while True:
+        t = int(arg_t[i, s, e])
+        last = n - 1 if t < 0 else t
+        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0))
+        if t < 0:
+            return value, out
+        i, s, e = t + 1, e, int(arg_f[i, s, e])
