@@ -257,3 +257,21 @@ def test_the_parser_and_plan_never_load_torch() -> None:
                           timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "plan" in done.stdout, done.stdout
+
+
+def test_a_plan_searched_in_blocks_says_its_gap(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # 120 layers on 128x8 are more than the exact search takes there: the layers are
+    # searched in blocks and the output bounds how far the plan may be from the optimum
+    layers = [Layer(f"l{i}", 1.0, 2.0, 10**6, 10**5) for i in range(120)]
+    profile = tmp_path / "long.json"
+    LayerGraph.chain(layers, batch_size=16, model="long").save(profile)
+    code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check", "--json")
+    assert code == 0
+    got = Plan.from_dict(json.loads(out))
+    assert got.optimality_gap > 0
+    code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check")
+    assert code == 0
+    assert (f"heuristic: the layers were searched in blocks; at most "
+            f"{100 * got.optimality_gap:.1f}% slower than the optimum") in out

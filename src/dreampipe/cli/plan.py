@@ -266,6 +266,9 @@ def format_plan(
         f"config {result.config} on {result.workers_used} of {topo.num_workers} workers: "
         f"{result.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate}",
     ]
+    if result.optimality_gap > 0:
+        lines.append(f"  heuristic: the layers were searched in blocks; at most "
+                     f"{100 * result.optimality_gap:.1f}% slower than the optimum")
     needs = _split_needs(result, graph, topo)
     for key, label in _BASELINES:
         if key in result.baselines_s:

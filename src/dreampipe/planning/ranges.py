@@ -33,6 +33,8 @@ compares it with brute force). The work is ``O(N^2 W^3)``, hence
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, stage_time
@@ -41,10 +43,18 @@ from dreampipe.planning.pricing import contiguous_cut_shares
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["RANGES_MAX_WORKERS", "best_ranges"]
+__all__ = ["RANGES_MAX_WORKERS", "best_ranges", "ranges_layers"]
 
 #: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
 RANGES_MAX_WORKERS = 32
+#: The most candidates ``layers^2 x (workers + 1)^3`` one search may weigh.
+_CANDIDATES = 200_000_000
+
+
+def ranges_layers(workers: int) -> int:
+    """The most layers :func:`best_ranges` searches on ``workers`` within its budget:
+    ResNet-18's 71 layers on 32 workers, 201 on 16."""
+    return max(2, math.isqrt(_CANDIDATES // (workers + 1) ** 3))
 
 
 def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> FloatArray:
