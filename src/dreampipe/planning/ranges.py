@@ -27,8 +27,8 @@ and the optimum is ``min over e of H(0, 0, e)``. Workers after the last
 stage idle; when every worker must work, the last stage ends at ``W``.
 Every plan of contiguous ranges in order is one path of this recursion and each path is
 such a plan, so the minimum is exact (docs/planner.md; the property test
-compares it with brute force). The work is ``O(N^2 W^3)``, hence
-:data:`RANGES_MAX_WORKERS`.
+compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
+``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, stage_time
 from dreampipe.planning.dp import FlatStage
@@ -45,21 +46,24 @@ from dreampipe.planning.topology import Topology
 
 __all__ = ["RANGES_MAX_WORKERS", "best_ranges", "ranges_layers"]
 
+IntArray = npt.NDArray[np.int64]
+
 #: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
 RANGES_MAX_WORKERS = 32
-#: The most candidates ``layers^2 x (workers + 1)^3`` one search may weigh.
-_CANDIDATES = 200_000_000
+#: The most ``layers^2 x (workers + 1)^3`` one search may take (it weighs about a sixth).
+_CANDIDATES = 600_000_000
 
 
 def ranges_layers(workers: int) -> int:
     """The most layers :func:`best_ranges` searches on ``workers`` within its budget:
-    ResNet-18's 71 layers on 32 workers, 201 on 16."""
+    129 layers on 32 workers, 349 on 16."""
     return max(2, math.isqrt(_CANDIDATES // (workers + 1) ** 3))
 
 
-def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> FloatArray:
-    """``[s, e, i, j]``: layers ``i..j`` on workers ``s..e-1`` (inf where ``e <= s``)."""
-    w, n = topo.num_workers, prof.n
+def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> tuple[FloatArray, IntArray]:
+    """``(times [layout, i, j], layout [s, e])``: layers ``i..j`` on workers ``s..e-1``
+    take ``times[layout[s, e], i, j]``; ranges of the same layout share a table."""
+    w = topo.num_workers
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
     index = np.zeros((w + 1, w + 1), dtype=np.int64)
     for s in range(w):
@@ -70,13 +74,9 @@ def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> FloatArray:
     ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
     replicas = np.array([p for _, p in layouts], dtype=np.float64)
-    per_layout = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
-                           for k in range(len(layouts))])
-    out = np.full((w + 1, w + 1, n, n), np.inf)
-    valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
-    valid[w, :] = False
-    out[valid] = per_layout[index[valid]]
-    return out
+    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
+                      for k in range(len(layouts))])
+    return times, index
 
 
 def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
@@ -100,30 +100,32 @@ def best_ranges(
     overall to fewer workers.
     """
     w, n = topo.num_workers, prof.n
-    stage = _stage_times(prof, topo, sync)
+    times, layout = _stage_times(prof, topo, sync)
     cut = _cut_times(prof, topo)
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
     arg_t = np.full((n, w + 1, w + 1), -1, dtype=np.int64)  # -1: one stage to the end
     arg_f = np.zeros((n, w + 1, w + 1), dtype=np.int64)
-    tail = stage[:, :, :, n - 1]  # [s, e, i]: the last stage, ending at worker W unless idle
+    # the last stage [s, e) of layers i.. ends at worker W unless workers may idle
+    valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
     if not allow_fewer:
-        tail = np.where(np.arange(w + 1)[None, :, None] == w, tail, np.inf)
+        valid[:, :w] = False
+    tail = np.where(valid[:, :, None], times[layout, :, n - 1], np.inf)  # [s, e, i]
     for i in range(n - 1, -1, -1):
         best[i] = tail[:, :, i]
         if i == n - 1:
             continue
-        # candidates [s, e, t, f]: first stage i..t on [s, e), then the rest from e on [e, f)
-        first = stage[:, :, i, i:n - 1][:, :, :, None]
-        link = cut[:, :, :, i + 1:n].transpose(0, 1, 3, 2)
-        rest = best[i + 1:n].transpose(1, 0, 2)[None]  # [1, e, t, f]
-        cand = np.maximum(np.maximum(first, link), rest)
-        flat = cand.reshape(w + 1, w + 1, -1)
-        pick = np.argmin(flat, axis=2)
-        val = np.take_along_axis(flat, pick[:, :, None], axis=2)[:, :, 0]
-        better = val < best[i]
-        best[i] = np.where(better, val, best[i])
-        arg_t[i] = np.where(better, i + pick // (w + 1), -1)
-        arg_f[i] = np.where(better, pick % (w + 1), 0)
+        for e in range(1, w):
+            # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
+            first = times[layout[:e, e], i, i:n - 1][:, :, None]
+            link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
+            rest = best[i + 1:n, e, e + 1:][None]
+            flat = np.maximum(np.maximum(first, link), rest).reshape(e, -1)
+            pick = np.argmin(flat, axis=1)
+            val = flat[np.arange(e), pick]
+            better = val < best[i, :e, e]
+            best[i, :e, e] = np.where(better, val, best[i, :e, e])
+            arg_t[i, :e, e] = np.where(better, i + pick // (w - e), -1)
+            arg_f[i, :e, e] = np.where(better, e + 1 + pick % (w - e), 0)
     e = min(range(1, w + 1), key=lambda x: (float(best[0, 0, x]), x))
     value = float(best[0, 0, e])
     out, i, s = [], 0, 0
