@@ -84,3 +84,17 @@ def test_large_clusters_search_fewer_layers() -> None:
     sizes = [exact_layers(t) for t in shapes]
     assert sizes[0] > 300
     assert all(20 <= s <= 100 for s in sizes[1:])
+
+
+def test_exact_searches_every_layer() -> None:
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0 + i % 3, 2.0, 10**6 * (1 + i % 4), 10**6)
+                              for i in range(12)])
+    topo = Topology.parse("2x4")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(coarsen_module, "TABLE_WORK", 0)
+        rough = plan_pipeline(graph, topo)
+        exact = plan_pipeline(graph, topo, exact=True)
+    assert exact.optimality_gap == 0.0
+    assert exact.time_per_minibatch_s == pytest.approx(plan_pipeline(graph, topo)
+                                                       .time_per_minibatch_s, rel=1e-12)
+    assert exact.time_per_minibatch_s <= rough.time_per_minibatch_s * (1 + 1e-12)

@@ -152,6 +152,7 @@ def plan_pipeline(
     cost_model: CostModel = CostModel.DREAMPIPE,
     sync: Sync = DEFAULT_SYNC,
     tensor_split: bool = True,
+    exact: bool = False,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -165,6 +166,10 @@ def plan_pipeline(
     ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
     run as one stage with every layer split over workers of one server
     (module doc; False: an error instead).
+    ``exact`` searches every layer however long it takes (default: a profile
+    longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
+    exact_layers`, is searched in blocks and the plan records its
+    ``optimality_gap``).
     ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
     optimizer, which plans hierarchically on every worker without a memory
     limit, so it ignores ``also_flat``, ``allow_fewer_workers`` and ``sync``.
@@ -190,12 +195,12 @@ def plan_pipeline(
         raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
     opts = Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
                    max_stages is not None, CostModel.DREAMPIPE, sync)
-    search = search_for(prof, topology)
+    search = Search(prof, prof) if exact else search_for(prof, topology)
     models = cost_models(topology, also_flat)
     stages = fastest(search, topology, models, opts)
     coarse = search.coarse
     if also_flat:
-        stages, ranged_coarse = with_ranges(search, topology, stages, opts)
+        stages, ranged_coarse = with_ranges(search, topology, stages, opts, exact)
         coarse = coarse or ranged_coarse
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,

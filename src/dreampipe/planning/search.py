@@ -100,11 +100,13 @@ def fastest(
 
 
 def with_ranges(
-    search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options
+    search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options,
+    exact: bool = False,
 ) -> tuple[tuple[Stage, ...] | None, bool]:
     """``stages``, or the best plan of contiguous worker ranges where that is strictly
     faster; and whether the ranges were searched on blocks (possibly coarser than
-    ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows).
+    ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
+    ``exact``).
 
     It runs on up to :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers of a
     hierarchy, without a memory limit, a stage cap or ``straight`` (each stage one
@@ -114,7 +116,8 @@ def with_ranges(
     if (len(topology.levels) < 2 or workers > RANGES_MAX_WORKERS
             or opts.memory_bytes is not None or opts.limited or opts.straight):
         return stages, False
-    ranged_search = _blocks(search.fine, min(search.costs.n, ranges_layers(workers)))
+    layers = search.costs.n if exact else min(search.costs.n, ranges_layers(workers))
+    ranged_search = _blocks(search.fine, layers)
     _, flat = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer)
     ranged = _priced(ranged_search, topology, flat, opts)
     if stages is None or slowest(ranged) < slowest(stages):
