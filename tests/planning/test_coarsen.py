@@ -98,3 +98,15 @@ def test_exact_searches_every_layer() -> None:
     assert exact.time_per_minibatch_s == pytest.approx(plan_pipeline(graph, topo)
                                                        .time_per_minibatch_s, rel=1e-12)
     assert exact.time_per_minibatch_s <= rough.time_per_minibatch_s * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("model", ["gnmt", "resnet18"])
+def test_blocks_find_the_exact_plan_of_bundled_profiles_on_128x8(model: str) -> None:
+    graph = load_graph(f"pipedream:{model}")
+    topo = Topology.parse("128x8", ["300GB/s", "25Gbps"])
+    rough = plan_pipeline(graph, topo)
+    assert rough.optimality_gap > 0  # more layers than 128x8's tables take
+    exact = plan_pipeline(graph, topo, exact=True)
+    assert exact.optimality_gap == 0.0
+    assert rough.time_per_minibatch_s == pytest.approx(exact.time_per_minibatch_s, rel=1e-9)
+    assert rough.time_per_minibatch_s <= exact.time_per_minibatch_s * (1 + rough.optimality_gap)
