@@ -47,9 +47,15 @@ def _laid_in_order(n: int, workers: int, fewer: bool) -> Iterator[tuple[list[tup
                     yield spans, [range(a, b) for a, b in itertools.pairwise(ends)]
 
 
-def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool) -> float:
-    return min(slowest(price_stages(prof, topo, spans, placed, sync))
-               for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer))
+def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
+           memory: int | None = None) -> float:
+    """The fastest layout in order whose stages all fit in ``memory`` (None: no limit)."""
+    best = math.inf
+    for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer):
+        stages = price_stages(prof, topo, spans, placed, sync, memory)
+        if memory is None or all(s.memory_bytes <= memory for s in stages):
+            best = min(best, slowest(stages))
+    return best
 
 
 _SHAPES = st.sampled_from([(2, 2), (4, 2), (2, 3)])  # innermost first: 2x2, 2x4, 3x2
@@ -68,7 +74,9 @@ def test_ranges_dp_equals_brute_force(
     topo = Topology((Level(shape[0], bw_in, lat / 10), Level(shape[1], bw_out, lat)),
                     overlap=overlap)
     prof = RangeCosts.of(graph)
-    value, flat = best_ranges(prof, topo, sync, fewer)
+    found = best_ranges(prof, topo, sync, fewer)
+    assert found is not None
+    value, flat = found
     assert value == pytest.approx(_brute(prof, topo, sync, fewer), rel=1e-9)
     # the plan it returns is laid in order, and prices to its value
     placed = [f.workers for f in flat]
@@ -80,6 +88,32 @@ def test_ranges_dp_equals_brute_force(
     # the planner keeps the better of it and the hierarchy
     got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, sync=sync)
     assert got.time_per_minibatch_s <= value * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_graphs(), _SHAPES, _BW, st.floats(0.3, 1.5), st.booleans())
+def test_ranges_dp_equals_brute_force_under_memory(
+    graph: LayerGraph, shape: tuple[int, int], bw: float, share: float, fewer: bool,
+) -> None:
+    topo = Topology((Level(shape[0], bw * 10, 1e-6), Level(shape[1], bw, 1e-5)))
+    prof = RangeCosts.of(graph)
+    # about ``share`` of the whole model held twice: some layouts fit, some do not
+    memory = max(1, int(share * prof.memory(0, prof.n - 1, 2)))
+    expect = _brute(prof, topo, DEFAULT_SYNC, fewer, memory)
+    found = best_ranges(prof, topo, DEFAULT_SYNC, fewer, memory)
+    if math.isinf(expect):
+        assert found is None
+        return
+    assert found is not None
+    assert found[0] == pytest.approx(expect, rel=1e-9)
+    placed = [f.workers for f in found[1]]
+    stages = price_stages(prof, topo, [(f.first, f.last) for f in found[1]], placed,
+                          DEFAULT_SYNC, memory)
+    assert all(s.memory_bytes <= memory for s in stages)
+    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer,
+                        tensor_split=False)
+    assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
+    assert all(s.memory_bytes <= memory for s in got.stages)
 
 
 def test_contiguous_shares_match_the_cut() -> None:

@@ -92,40 +92,74 @@ def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
 
 
 def best_ranges(
-    prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool
-) -> tuple[float, list[FlatStage]]:
-    """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc).
+    prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
+    memory_bytes: int | None = None,
+) -> tuple[float, list[FlatStage]] | None:
+    """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
+    or None if none fits in ``memory_bytes`` (None: no limit).
 
-    Ties go to one stage over a split, then to the shorter first stage, and
-    overall to fewer workers.
+    Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
+    holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
+    (:func:`~dreampipe.planning.in_flight.versions_in_flight`), so the program
+    runs once per ``U`` and keeps only the stages that fit. Ties go to one
+    stage over a split, then to the next stage on fewer workers, then to the
+    shorter first stage, and overall to fewer workers in the first stage (to
+    fewer in all under a memory limit).
     """
-    w, n = topo.num_workers, prof.n
+    w = topo.num_workers
     times, layout = _stage_times(prof, topo, sync)
     cut = _cut_times(prof, topo)
+    if memory_bytes is None:
+        return _best(times, layout, cut, w if not allow_fewer else None, None)
+    room = prof.max_versions(memory_bytes)
+    found: tuple[float, list[FlatStage]] | None = None
+    for used in range(1, w + 1) if allow_fewer else [w]:
+        s, e = np.arange(w + 1)[:, None], np.arange(w + 1)[None, :]
+        versions = -(-(used - s) // np.maximum(e - s, 1))
+        plan = _best(times, layout, cut, used, (versions, room))
+        if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
+            found = plan
+    return found
+
+
+def _best(
+    times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
+    memory: tuple[IntArray, FloatArray] | None,
+) -> tuple[float, list[FlatStage]]:
+    """:func:`best_ranges` with the last stage ending at worker ``end`` (None: anywhere) and,
+    given ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
+    n = times.shape[1]
+    w = layout.shape[0] - 1
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
     arg_t = np.full((n, w + 1, w + 1), -1, dtype=np.int64)  # -1: one stage to the end
     arg_f = np.zeros((n, w + 1, w + 1), dtype=np.int64)
-    # the last stage [s, e) of layers i.. ends at worker W unless workers may idle
     valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
-    if not allow_fewer:
-        valid[:, :w] = False
+    if end is not None:
+        valid[:, np.arange(w + 1) != end] = False
     tail = np.where(valid[:, :, None], times[layout, :, n - 1], np.inf)  # [s, e, i]
+    if memory is not None:
+        versions, room = memory
+        tail = np.where(versions[:, :, None] <= room[None, None, :, n - 1], tail, np.inf)
     for i in range(n - 1, -1, -1):
         best[i] = tail[:, :, i]
         if i == n - 1:
             continue
-        for e in range(1, w):
+        for e in range(1, w if end is None else end):
             # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
-            first = times[layout[:e, e], i, i:n - 1][:, :, None]
+            first = times[layout[:e, e], i, i:n - 1]
+            if memory is not None:
+                first = np.where(memory[0][:e, e, None] <= memory[1][None, i, i:n - 1], first,
+                                 np.inf)
             link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
             rest = best[i + 1:n, e, e + 1:][None]
-            flat = np.maximum(np.maximum(first, link), rest).reshape(e, -1)
+            cand = np.maximum(np.maximum(first[:, :, None], link), rest)
+            flat = cand.transpose(0, 2, 1).reshape(e, -1)  # [s, (f, t)]: fewer workers first
             pick = np.argmin(flat, axis=1)
             val = flat[np.arange(e), pick]
             better = val < best[i, :e, e]
             best[i, :e, e] = np.where(better, val, best[i, :e, e])
-            arg_t[i, :e, e] = np.where(better, i + pick // (w - e), -1)
-            arg_f[i, :e, e] = np.where(better, e + 1 + pick % (w - e), 0)
+            arg_t[i, :e, e] = np.where(better, i + pick % (n - 1 - i), -1)
+            arg_f[i, :e, e] = np.where(better, e + 1 + pick // (n - 1 - i), 0)
     e = min(range(1, w + 1), key=lambda x: (float(best[0, 0, x]), x))
     value = float(best[0, 0, e])
     out, i, s = [], 0, 0

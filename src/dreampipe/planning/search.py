@@ -109,17 +109,20 @@ def with_ranges(
     ``exact``).
 
     It runs on up to :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers of a
-    hierarchy, without a memory limit, a stage cap or ``straight`` (each stage one
-    worker, which the hierarchy already places at its best).
+    hierarchy, without a stage cap or ``straight`` (each stage one worker, which the
+    hierarchy already places at its best).
     """
     workers = topology.num_workers
     if (len(topology.levels) < 2 or workers > RANGES_MAX_WORKERS
-            or opts.memory_bytes is not None or opts.limited or opts.straight):
+            or opts.limited or opts.straight):
         return stages, False
     layers = search.costs.n if exact else min(search.costs.n, ranges_layers(workers))
     ranged_search = _blocks(search.fine, layers)
-    _, flat = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer)
-    ranged = _priced(ranged_search, topology, flat, opts)
+    found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
+                        opts.memory_bytes)
+    if found is None:
+        return stages, ranged_search.coarse
+    ranged = _priced(ranged_search, topology, found[1], opts)
     if stages is None or slowest(ranged) < slowest(stages):
         stages = ranged
     return stages, ranged_search.coarse
