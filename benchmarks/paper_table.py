@@ -235,10 +235,13 @@ def _bottleneck(graph: LayerGraph, topo: Topology, plan: Plan) -> str:
     what = f"stage {s} (layers {st.first}..{st.last} on {st.replicas})"
     if st.comm_s >= round_s / st.replicas:
         after = plan.stages[s + 1].placement
-        level = min(topo.level_between(a, b) for a in st.placement for b in after)
+        levels = {topo.level_between(a, b) for a in st.placement for b in after}
         crossing = graph.cut_bytes()[st.last + 1]
-        return (f"the cut after stage {s} ({format_bytes(crossing)} each way, "
-                f"{_level_label(topo, level)}) takes {_ms(st.comm_s):.2f} ms per minibatch")
+        where = _level_label(topo, max(levels))
+        if len(levels) > 1:  # see planning.pricing.cut_seconds: copies or shared pairs
+            where = f"{_level_label(topo, min(levels))} to {where}"
+        return (f"the cut after stage {s} ({format_bytes(crossing)} each way, {where}) "
+                f"takes {_ms(st.comm_s):.2f} ms per minibatch")
     if st.replicas == 1:
         return f"{what} computes for {_ms(st.compute_s):.2f} ms per minibatch"
     level = topo.level_between(min(st.placement), max(st.placement))

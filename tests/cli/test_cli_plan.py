@@ -295,3 +295,21 @@ def test_virtual_stages_place_stage_s_on_worker_s_mod_workers(
     assert [(st.first, st.last) for st in plan.stages] == [(i, i) for i in range(8)]
     code, out, _ = _run(capsys, chain, "-t", "1x4", "--virtual-stages", "2", "--json")
     assert json.loads(out)["stage_workers"] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def test_a_plan_searched_in_blocks_says_its_gap(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # 120 layers on 128x8 are more than the exact search takes there: the layers are
+    # searched in blocks and the output bounds how far the plan may be from the optimum
+    layers = [Layer(f"l{i}", 1.0, 2.0, 10**6, 10**5) for i in range(120)]
+    profile = tmp_path / "long.json"
+    LayerGraph.chain(layers, batch_size=16, model="long").save(profile)
+    code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check", "--json")
+    assert code == 0
+    got = Plan.from_dict(json.loads(out))
+    assert got.optimality_gap > 0
+    code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check")
+    assert code == 0
+    assert (f"heuristic: the layers were searched in blocks; at most "
+            f"{100 * got.optimality_gap:.1f}% slower than the optimum") in out

@@ -505,8 +505,8 @@ def test_planner_is_numpy_not_torch() -> None:
 PINNED = {
     ("vgg16", "cluster-a"): ("15-1", 1.3),
     ("vgg16", "cluster-b"): ("16", 1.0),
-    ("alexnet", "cluster-a"): ("6-1", 1.7),
-    ("alexnet", "cluster-b"): ("13-1-1", 1.3),
+    ("alexnet", "cluster-a"): ("7-1-1-1-1-1", 2.0),
+    ("alexnet", "cluster-b"): ("14-1-1", 1.4),
     ("resnet18", "cluster-a"): ("16", 1.0),
     ("resnet18", "cluster-b"): ("16", 1.0),
     ("gnmt", "cluster-a"): ("1-1-2-1-1-2-4-3-1", 6.0),

@@ -99,6 +99,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--all-workers", action="store_true",
                    help="use every worker even when fewer would be faster")
     p.add_argument("--max-stages", type=int, metavar="N", help="at most N stages")
+    p.add_argument("--exact", action="store_true",
+                   help="search every layer however long it takes; by default a profile "
+                        "with more layers than the topology's tables take in about half a "
+                        "second is searched in blocks of layers, and the output says how far "
+                        "from the optimum the plan may be")
     p.add_argument("--cost-model", choices=[c.value for c in CostModel],
                    default=CostModel.DREAMPIPE.value,
                    help="dreampipe (default): one all-reduce per round (--sync) overlapped "
@@ -134,7 +139,7 @@ def _run(args: argparse.Namespace) -> int:
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
         straight=args.straight, allow_fewer_workers=not args.all_workers,
         max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
-        sync=sync_from(args),
+        sync=sync_from(args), exact=args.exact,
     )
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
@@ -295,6 +300,9 @@ def format_plan(
         f"config {result.config} on {result.workers_used} of {topo.num_workers} workers: "
         f"{result.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate}",
     ]
+    if result.optimality_gap > 0:
+        lines.append(f"  heuristic: the layers were searched in blocks; at most "
+                     f"{100 * result.optimality_gap:.1f}% slower than the optimum")
     needs = _split_needs(result, graph, topo)
     for key, label in _BASELINES:
         if key in result.baselines_s:

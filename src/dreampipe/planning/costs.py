@@ -375,10 +375,12 @@ class RangeCosts:
                optimizer_copies: int = 0, stash: bool = True, sends_kept: int = SENDS_KEPT
                ) -> int:
         """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``)."""
+        after = float(self.cut_bytes[last + 1]) if last + 1 < self.n else 0.0
         return round(float(memory_bytes(
             self.weights[first, last], self.kept[first, last], versions,
             versions if in_flight is None else in_flight,
-            input_bytes=self.inputs[first, last], sent_bytes=self.sent[first, last],
+            input_bytes=self.cut_bytes[first],
+            sent_bytes=max(float(self.cut_bytes[first]), after),  # one entry of sent
             working_bytes=self.backward_working[first, last],
             optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
         )))

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import CostModel, FloatArray, RangeCosts
-from dreampipe.planning.minmax import best_splits
+from dreampipe.planning.minmax import best_splits, index_dtype
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 
 __all__ = ["FEWER", "SINGLE", "Floor", "Options", "StageTimes", "Table", "solve_level"]
 
-IntArray = npt.NDArray[np.int64]
+IntArray = npt.NDArray[np.signedinteger[Any]]
 SINGLE = -1  # split code: the whole range is one stage
 FEWER = -2  # split code: the optimum uses one unit fewer
 
@@ -35,6 +36,7 @@ class Table:
 
     time: FloatArray
     slack: FloatArray
+    # the index arrays hold layers, unit counts and slots: int16 where they fit (index_dtype)
     split: IntArray  # last layer of the first stage, or SINGLE / FEWER
     units: IntArray  # units of the first stage
     slot: IntArray  # stage-count slot of the first stage's inner plan
@@ -187,8 +189,9 @@ def solve_level(
     shape = (contexts, slots, count + 1, n, n - first_col)
     # without a memory limit no level reads the slack: a read-only stand-in, not 4 bytes an entry
     slack = np.full(shape, np.inf) if block_slack is not None else np.broadcast_to(np.inf, shape)
-    table = Table(np.full(shape, np.inf), slack, np.full(shape, SINGLE, dtype=np.int64),
-                   np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64), first_col)
+    index = index_dtype(max(n, count + 1, slots))
+    table = Table(np.full(shape, np.inf), slack, np.full(shape, SINGLE, dtype=index),
+                   np.zeros(shape, dtype=index), np.zeros(shape, dtype=index), first_col)
     time = table.time
     max_units = 1 if opts.straight else count
     units = min(count - 1, max_units)

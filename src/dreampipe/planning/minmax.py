@@ -23,21 +23,28 @@ reads.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 
-__all__ = ["best_splits"]
+__all__ = ["best_splits", "index_dtype"]
 
-IntArray = npt.NDArray[np.int64]
+IntArray = npt.NDArray[np.signedinteger[Any]]
 BoolArray = npt.NDArray[np.bool_]
 
 #: Elements of one temporary tile of the cube (2 MiB of float64), which bounds memory.
 _TILE = 1 << 18
 #: The widest tile side: narrower tiles skip more of the unused triangle.
 _MAX_SIDE = 12
+
+
+def index_dtype(largest: int) -> type[np.signedinteger[Any]]:
+    """The narrowest of int16 and int32 that holds ``0..largest`` and the negative codes:
+    a table's index arrays cost 2 bytes an entry instead of 8 below 32,768 layers."""
+    return np.int16 if largest < np.iinfo(np.int16).max else np.int32
 
 
 def _tile(
@@ -73,8 +80,9 @@ def best_splits(
     contexts, rows, cands, width = x.shape
     cols = y.shape[1]
     val = np.full((contexts, rows, cols), np.inf)
-    arg_u = np.zeros((contexts, rows, cols), dtype=np.int64)
-    arg_t = np.zeros((contexts, rows, cols), dtype=np.int64)
+    index = index_dtype(max(cands, width))
+    arg_u = np.zeros((contexts, rows, cols), dtype=index)
+    arg_t = np.zeros((contexts, rows, cols), dtype=index)
     side = max(1, min(_MAX_SIDE, math.isqrt(max(1, _TILE // max(1, cands * width)))))
     # one column (the top level's suffixes): as many rows as a square tile's entries
     rows_side = side if cols > 1 else min(_MAX_SIDE, side * side)

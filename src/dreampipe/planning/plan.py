@@ -156,6 +156,9 @@ class Plan:
     time_per_minibatch_s: float = 0.0
     baselines_s: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     layer_names: tuple[str, ...] = ()
+    #: 0: the plan is the fastest the planner's search holds; ``g > 0``: it searched a
+    #: coarse profile and the plan is at most ``(1 + g)`` times the optimum.
+    optimality_gap: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -190,6 +193,7 @@ class Plan:
         if len(set(placed)) != len(placed) or min(placed) < 0:
             raise PlanError(f"workers {placed} must be distinct positions >= 0")
         _check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
+        _check_figure("the plan", "optimality_gap", self.optimality_gap)
         for key, value in self.baselines_s.items():
             _check_figure("the plan", f"baselines_s[{key!r}]", value)
 
@@ -274,6 +278,7 @@ class Plan:
             "config": self.config,
             "time_per_minibatch_s": self.time_per_minibatch_s,
             "baselines_s": dict(self.baselines_s),
+            "optimality_gap": self.optimality_gap,
             "stages": [
                 {
                     "first": st.first,
@@ -324,6 +329,7 @@ class Plan:
                 time_per_minibatch_s=float(data["time_per_minibatch_s"]),
                 baselines_s={str(k): float(v) for k, v in data["baselines_s"].items()},
                 layer_names=tuple(str(x) for x in data.get("layer_names", [])),
+                optimality_gap=float(data.get("optimality_gap", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):

@@ -9,9 +9,12 @@ Every reported time is :func:`dreampipe.planning.pricing.price_stages` of
 the plan's layout, so ``evaluate_plan`` of a plan's own stages and workers
 gives back its time. The hierarchy forces every outer stage onto whole
 servers, so a paper config such as ``15-1`` on 2x8 cannot be expressed;
-:func:`plan_pipeline` therefore also solves the flat problem at the slowest link
-(any layout), prices its answer on the real links and keeps whichever is
-faster.
+:func:`plan_pipeline` therefore also searches stages on any contiguous range
+of workers (:mod:`dreampipe.planning.ranges`, up to 32 workers) or the flat
+problem at the slowest link (up to 64), and keeps whichever is faster
+(:mod:`dreampipe.planning.search`). A profile with more layers than the
+topology's tables take is searched in blocks of layers, and the plan then
+records how far from the optimum it may be (``Plan.optimality_gap``).
 
 ``cost_model=CostModel.PIPEDREAM`` runs the same DP on PipeDream's own terms
 (:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
@@ -36,7 +39,7 @@ import numpy as np
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time, stage_memory
-from dreampipe.planning.dp import FlatStage, Options, best_plan
+from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
@@ -46,6 +49,15 @@ from dreampipe.planning.pipedream_costs import (
 )
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.search import (
+    FLAT_MAX_WORKERS,
+    Search,
+    cost_models,
+    fastest,
+    gap_bound,
+    search_for,
+    with_ranges,
+)
 from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
@@ -57,42 +69,8 @@ __all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "memory_needs
 
 log = logging.getLogger(__name__)
 
-#: :func:`plan_pipeline` also tries the flat model up to this many workers; beyond, a
-#: stage spans whole servers out of many and server alignment costs little.
-FLAT_MAX_WORKERS = 64
-
 #: The DP's work grows with the square of a level's unit count (seconds at 1024).
 MAX_LEVEL_UNITS = 4096
-
-
-def _models(topo: Topology, also_flat: bool) -> list[Topology]:
-    """The hierarchical model, and the flat one at the slowest link where it is cheap."""
-    if also_flat and len(topo.levels) > 1 and topo.num_workers <= FLAT_MAX_WORKERS:
-        return [topo, topo.flat()]
-    return [topo]
-
-
-def _priced(
-    prof: RangeCosts, topology: Topology, flat: Sequence[FlatStage], opts: Options
-) -> tuple[Stage, ...]:
-    """The DP's stages priced on the real topology (see the module doc)."""
-    return price_stages(prof, topology, [(f.first, f.last) for f in flat],
-                        [f.workers for f in flat], opts.sync, opts.memory_bytes)
-
-
-def _fastest(
-    prof: RangeCosts, topology: Topology, models: Sequence[Topology], opts: Options
-) -> tuple[Stage, ...] | None:
-    """The best plan over the cost ``models``, each priced on ``topology``; None if none fits."""
-    found: tuple[Stage, ...] | None = None
-    for model in models:
-        best = best_plan(prof, [model], opts)
-        if best is None:
-            continue
-        stages = _priced(prof, topology, best[1], opts)
-        if found is None or slowest(stages) < slowest(found):
-            found = stages
-    return found
 
 
 def _baselines(
@@ -114,32 +92,33 @@ def _baselines(
         everyone = [range(topology.num_workers)]
         out["dp"] = slowest(price_stages(prof, topology, [(0, prof.n - 1)], everyone, sync))
     opts = Options(memory, True, True, 1, False, model, sync)
-    straight = _fastest(prof, topology, _models(topology, True), opts)
+    straight = fastest(search_for(prof, topology), topology, cost_models(topology, True), opts)
     if straight is not None:
         out["straight"] = slowest(straight)
         out["gpipe"] = gpipe_time(out["straight"], len(straight))
     return out
 
 
-def _least_memory(prof: RangeCosts, models: Sequence[Topology], opts: Options) -> int:
+def _least_memory(search: Search, models: Sequence[Topology], opts: Options) -> int:
     """Smallest device memory (within 1%) at which some plan fits."""
+    prof = search.fine
     lo = float(np.max(stage_memory(np.diag(prof.weights), np.diag(prof.kept), 1)))
     hi = float(stage_memory(prof.weights[0, -1], prof.kept[0, -1], models[0].num_workers))
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
         trial = Options(math.ceil(mid), opts.straight, opts.allow_fewer, opts.slots, opts.limited,
                         opts.model, opts.sync)
-        if best_plan(prof, models, trial) is None:
+        if best_plan(search.costs, models, trial) is None:
             lo = mid
         else:
             hi = mid
     return math.ceil(hi)
 
 
-def _needs(prof: RangeCosts, models: Sequence[Topology], opts: Options) -> dict[str, int]:
+def _needs(search: Search, models: Sequence[Topology], opts: Options) -> dict[str, int]:
     """Bytes per worker of data parallelism and of the least demanding layer plan (never
     above the whole model on one worker, a plan whenever workers may idle)."""
-    dp, least = prof.memory(0, prof.n - 1, 1), _least_memory(prof, models, opts)
+    dp, least = search.fine.memory(0, search.fine.n - 1, 1), _least_memory(search, models, opts)
     return {"dp": dp, "pipeline": min(dp, least) if opts.allow_fewer else least}
 
 
@@ -147,7 +126,7 @@ def memory_needs(graph: LayerGraph, topology: Topology) -> dict[str, int]:
     """Per-worker bytes of data parallelism (``"dp"``: the whole model on each worker)
     and of the least demanding layer plan (``"pipeline"``, within 1%) on ``topology``."""
     opts = Options(None, False, True, 1, False, CostModel.DREAMPIPE, DEFAULT_SYNC)
-    return _needs(RangeCosts.of(graph), _models(topology, True), opts)
+    return _needs(search_for(RangeCosts.of(graph), topology), cost_models(topology, True), opts)
 
 
 def _check_slots(max_stages: int | None, n: int) -> int:
@@ -173,6 +152,7 @@ def plan_pipeline(
     cost_model: CostModel = CostModel.DREAMPIPE,
     sync: Sync = DEFAULT_SYNC,
     tensor_split: bool = True,
+    exact: bool = False,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -186,6 +166,10 @@ def plan_pipeline(
     ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
     run as one stage with every layer split over workers of one server
     (module doc; False: an error instead).
+    ``exact`` searches every layer however long it takes (default: a profile
+    longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
+    exact_layers`, is searched in blocks and the plan records its
+    ``optimality_gap``).
     ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
     optimizer, which plans hierarchically on every worker without a memory
     limit, so it ignores ``also_flat``, ``allow_fewer_workers`` and ``sync``.
@@ -211,40 +195,50 @@ def plan_pipeline(
         raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
     opts = Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
                    max_stages is not None, CostModel.DREAMPIPE, sync)
-    models = _models(topology, also_flat)
-    stages = _fastest(prof, topology, models, opts)
+    search = Search(prof, prof) if exact else search_for(prof, topology)
+    models = cost_models(topology, also_flat)
+    stages = fastest(search, topology, models, opts)
+    coarse = search.coarse
+    if also_flat:
+        stages, ranged_coarse = with_ranges(search, topology, stages, opts, exact)
+        coarse = coarse or ranged_coarse
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
                        CostModel.DREAMPIPE, sync)
-        if memory_bytes is None or best_plan(prof, models, free) is None:
+        if memory_bytes is None or best_plan(search.costs, models, free) is None:
             raise PlanError(
                 f"no plan uses exactly {topology.num_workers} workers on {prof.n} layers "
                 f"with straight={straight}, max_stages={max_stages}; allow fewer workers, "
                 "allow replication or raise max_stages"
             )
         if tensor_split:
-            return _split_plan(graph, prof, topology, models, opts, memory_bytes)
-        need = _needs(prof, models, opts)["pipeline"]
+            return _split_plan(graph, search, topology, models, opts, memory_bytes)
+        need = _needs(search, models, opts)["pipeline"]
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
+    gap = gap_bound(stages, prof, topology.num_workers) if coarse else 0.0
+    if coarse:
+        log.info("%d layers planned as %d blocks: the plan is at most %.1f%% slower than "
+                 "the optimum", prof.n, search.costs.n, 100 * gap)
     result = Plan(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
         baselines_s=_baselines(prof, topology, memory_bytes, sync),
-        layer_names=tuple(x.name for x in graph.layers),
+        layer_names=tuple(x.name for x in graph.layers), optimality_gap=gap,
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result
 
 
 def _split_plan(
-    graph: LayerGraph, prof: RangeCosts, topology: Topology, models: Sequence[Topology],
+    graph: LayerGraph, search: Search, topology: Topology, models: Sequence[Topology],
     opts: Options, memory_bytes: int,
 ) -> Plan:
     """One stage split over ``t`` workers of a server, for when no layer plan fits."""
-    needs = _needs(prof, models, opts)
+    prof = search.fine
+    needs = _needs(search, models, opts)
     widths = split_widths(topology, all_workers=not opts.allow_fewer)
     found = best_split(graph, topology, memory_bytes, widths)
     if found is None:

@@ -23,13 +23,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import numpy as np
+
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
 from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["cut_seconds", "price_stages", "slowest", "stage_allreduce"]
+__all__ = [
+    "contiguous_cut_shares", "cut_seconds", "price_stages", "slowest", "stage_allreduce",
+]
 
 
 def stage_allreduce(
@@ -56,15 +60,72 @@ def stage_allreduce(
 def cut_seconds(
     activation_bytes: float, senders: Sequence[int], receivers: Sequence[int], topology: Topology
 ) -> float:
-    """Per minibatch, the cut between stages on ``senders`` and ``receivers`` (module doc)."""
+    """Per minibatch, the cut between stages on ``senders`` and ``receivers`` (module doc).
+
+    When the two stages hold the same units at the innermost level where
+    they meet, the pipeline runs as one copy per unit and the copies share
+    the cut. Otherwise each (sender, receiver) pair carries an equal share,
+    and each level's links carry the pairs that first meet at that level:
+    ``max over levels k of 2 (alpha_k + share_k a / B_k)``.
+    """
     size = 1
     for level in topology.levels:
         size *= level.count
         held = {w // size for w in senders}
-        if held & {w // size for w in receivers} or level is topology.levels[-1]:
+        got = {w // size for w in receivers}
+        if held == got:
             one = float(cut_time(activation_bytes, level.bandwidth, level.latency))
             return one / len(held)
-    raise AssertionError("unreachable: the outermost level holds every worker")
+        if held & got:
+            break
+    return _spread_cut(activation_bytes, senders, receivers, topology)
+
+
+def _spread_cut(
+    activation_bytes: float, senders: Sequence[int], receivers: Sequence[int], topology: Topology
+) -> float:
+    """The cut when every (sender, receiver) pair carries an equal share (:func:`cut_seconds`)."""
+    pairs, size, met, worst = len(senders) * len(receivers), 1, 0, 0.0
+    for level in topology.levels:
+        size *= level.count
+        count: dict[int, list[int]] = {}
+        for w in senders:
+            count.setdefault(w // size, [0, 0])[0] += 1
+        for w in receivers:
+            count.setdefault(w // size, [0, 0])[1] += 1
+        within = sum(a * b for a, b in count.values())
+        if within > met:
+            share = (within - met) / pairs
+            worst = max(worst, float(cut_time(share * activation_bytes, level.bandwidth,
+                                              level.latency)))
+        met = within
+    return worst
+
+
+def contiguous_cut_shares(topology: Topology) -> FloatArray:
+    """``[s, e, f, k]``: the share of the pairs of workers ``s..e-1`` and ``e..f-1`` that
+    first meet at level ``k``, as :func:`cut_seconds` counts them (0 where not ``s < e < f``).
+
+    With contiguous ranges only the level-``k`` unit holding both ``e - 1``
+    and ``e`` holds pairs, ``(its senders) x (its receivers)`` of them.
+    """
+    w = topology.num_workers
+    idx = np.arange(w + 1)
+    s, e, f = idx[:, None, None], idx[None, :, None], idx[None, None, :]
+    valid = (s < e) & (e < f)
+    pairs = np.where(valid, (e - s) * (f - e), 1)
+    out = np.zeros((w + 1, w + 1, w + 1, len(topology.levels)))
+    met = np.zeros((w + 1, w + 1, w + 1))
+    size = 1
+    for k, level in enumerate(topology.levels):
+        size *= level.count
+        start = (e - 1) // size * size  # the unit of worker e - 1
+        shared = (e < start + size) & valid
+        within = np.where(shared, (e - np.maximum(s, start)) * (np.minimum(f, start + size) - e),
+                          0)
+        out[..., k] = (within - met) / pairs
+        met = within.astype(np.float64)
+    return out
 
 
 def price_stages(

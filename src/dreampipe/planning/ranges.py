@@ -1,0 +1,172 @@
+"""Stages on any contiguous range of workers: an exact DP over (layers, workers laid in order).
+
+The hierarchical program (:mod:`dreampipe.planning.dp`) puts every outer
+stage on whole units, so ``15-1`` on 4x4 (three servers and three GPUs of a
+fourth, then one GPU) is outside its search. Here the workers are laid in
+rank order and every stage takes the next ``r`` of them, wherever that
+range starts within a server. Each term is the one
+:func:`~dreampipe.planning.pricing.price_stages` charges for that placement:
+
+- a stage on ``[s, e)`` all-reduces over ``replica_groups(range(s, e))``, so
+  its time depends on where it starts within a server, not only on ``e - s``;
+- the cut between ``[s, e)`` and ``[e, f)`` is priced per level on the
+  share of the (sender, receiver) pairs that first meet there
+  (:func:`~dreampipe.planning.pricing.cut_seconds`); with contiguous ranges
+  only the unit holding both ``e - 1`` and ``e`` holds pairs of both.
+
+A stage's cost depends on its own layers and range, a cut's on the layer it
+crosses and the two ranges beside it, and the pipeline's time is the max of
+them all. So the best pipeline over layers ``i..`` whose first stage sits
+on ``[s, e)`` is::
+
+    H(i, s, e) = min( T(i..N-1, [s, e)),
+                      min over i <= t < N-1, e < f <= W of
+                      max( T(i..t, [s, e)), cut(t+1; [s, e), [e, f)), H(t+1, e, f) ) )
+
+and the optimum is ``min over e of H(0, 0, e)``. Workers after the last
+stage idle; when every worker must work, the last stage ends at ``W``.
+Every plan of contiguous ranges in order is one path of this recursion and each path is
+such a plan, so the minimum is exact (docs/planner.md; the property test
+compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
+``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+from dreampipe.planning.costs import FloatArray, RangeCosts, stage_time
+from dreampipe.planning.dp import FlatStage
+from dreampipe.planning.pricing import contiguous_cut_shares
+from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
+from dreampipe.planning.topology import Topology
+
+__all__ = ["RANGES_MAX_WORKERS", "best_ranges", "ranges_layers"]
+
+IntArray = npt.NDArray[np.int64]
+
+#: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
+RANGES_MAX_WORKERS = 32
+#: The most ``layers^2 x (workers + 1)^3`` one search may take (it weighs about a sixth).
+_CANDIDATES = 600_000_000
+
+
+def ranges_layers(workers: int) -> int:
+    """The most layers :func:`best_ranges` searches on ``workers`` within its budget:
+    129 layers on 32 workers, 349 on 16."""
+    return max(2, math.isqrt(_CANDIDATES // (workers + 1) ** 3))
+
+
+def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> tuple[FloatArray, IntArray]:
+    """``(times [layout, i, j], layout [s, e])``: layers ``i..j`` on workers ``s..e-1``
+    take ``times[layout[s, e], i, j]``; ranges of the same layout share a table."""
+    w = topo.num_workers
+    layouts: dict[tuple[tuple[int, ...], int], int] = {}
+    index = np.zeros((w + 1, w + 1), dtype=np.int64)
+    for s in range(w):
+        for e in range(s + 1, w + 1):
+            key = (replica_groups(range(s, e), topo), e - s)
+            index[s, e] = layouts.setdefault(key, len(layouts))
+    terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
+    ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
+    ends[(terms == 0.0).all(axis=1)] = 0.0
+    replicas = np.array([p for _, p in layouts], dtype=np.float64)
+    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
+                      for k in range(len(layouts))])
+    return times, index
+
+
+def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
+    """``[s, e, f, t]``: the cut before layer ``t`` between workers ``s..e-1`` and ``e..f-1``."""
+    w, n = topo.num_workers, prof.n
+    shares = contiguous_cut_shares(topo)  # [s, e, f, level]
+    out = np.zeros((w + 1, w + 1, w + 1, n))
+    for k, level in enumerate(topo.levels):
+        phi = shares[..., k, None]
+        term = 2 * (level.latency + phi * prof.cut_bytes[None, None, None, :n] / level.bandwidth)
+        np.maximum(out, np.where(phi > 0, term, 0.0), out=out)
+    return out
+
+
+def best_ranges(
+    prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
+    memory_bytes: int | None = None,
+) -> tuple[float, list[FlatStage]] | None:
+    """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
+    or None if none fits in ``memory_bytes`` (None: no limit).
+
+    Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
+    holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
+    (:func:`~dreampipe.planning.in_flight.versions_in_flight`), so the program
+    runs once per ``U`` and keeps only the stages that fit. Ties go to one
+    stage over a split, then to the next stage on fewer workers, then to the
+    shorter first stage, and overall to fewer workers in the first stage (to
+    fewer in all under a memory limit).
+    """
+    w = topo.num_workers
+    times, layout = _stage_times(prof, topo, sync)
+    cut = _cut_times(prof, topo)
+    if memory_bytes is None:
+        return _best(times, layout, cut, w if not allow_fewer else None, None)
+    room = prof.max_versions(memory_bytes)
+    found: tuple[float, list[FlatStage]] | None = None
+    for used in range(1, w + 1) if allow_fewer else [w]:
+        s, e = np.arange(w + 1)[:, None], np.arange(w + 1)[None, :]
+        versions = -(-(used - s) // np.maximum(e - s, 1))
+        plan = _best(times, layout, cut, used, (versions, room))
+        if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
+            found = plan
+    return found
+
+
+def _best(
+    times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
+    memory: tuple[IntArray, FloatArray] | None,
+) -> tuple[float, list[FlatStage]]:
+    """:func:`best_ranges` with the last stage ending at worker ``end`` (None: anywhere) and,
+    given ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
+    n = times.shape[1]
+    w = layout.shape[0] - 1
+    best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
+    arg_t = np.full((n, w + 1, w + 1), -1, dtype=np.int64)  # -1: one stage to the end
+    arg_f = np.zeros((n, w + 1, w + 1), dtype=np.int64)
+    valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
+    if end is not None:
+        valid[:, np.arange(w + 1) != end] = False
+    tail = np.where(valid[:, :, None], times[layout, :, n - 1], np.inf)  # [s, e, i]
+    if memory is not None:
+        versions, room = memory
+        tail = np.where(versions[:, :, None] <= room[None, None, :, n - 1], tail, np.inf)
+    for i in range(n - 1, -1, -1):
+        best[i] = tail[:, :, i]
+        if i == n - 1:
+            continue
+        for e in range(1, w if end is None else end):
+            # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
+            first = times[layout[:e, e], i, i:n - 1]
+            if memory is not None:
+                first = np.where(memory[0][:e, e, None] <= memory[1][None, i, i:n - 1], first,
+                                 np.inf)
+            link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
+            rest = best[i + 1:n, e, e + 1:][None]
+            cand = np.maximum(np.maximum(first[:, :, None], link), rest)
+            flat = cand.transpose(0, 2, 1).reshape(e, -1)  # [s, (f, t)]: fewer workers first
+            pick = np.argmin(flat, axis=1)
+            val = flat[np.arange(e), pick]
+            better = val < best[i, :e, e]
+            best[i, :e, e] = np.where(better, val, best[i, :e, e])
+            arg_t[i, :e, e] = np.where(better, i + pick % (n - 1 - i), -1)
+            arg_f[i, :e, e] = np.where(better, e + 1 + pick // (n - 1 - i), 0)
+    e = min(range(1, w + 1), key=lambda x: (float(best[0, 0, x]), x))
+    value = float(best[0, 0, e])
+    out, i, s = [], 0, 0
+    while True:
+        t = int(arg_t[i, s, e])
+        last = n - 1 if t < 0 else t
+        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0))
+        if t < 0:
+            return value, out
+        i, s, e = t + 1, e, int(arg_f[i, s, e])

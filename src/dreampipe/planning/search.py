@@ -1,0 +1,141 @@
+"""What the planner searches: the hierarchy, the flat model and contiguous worker ranges,
+on the profile or, when its tables would be too large, on a coarse copy of it.
+
+:func:`fastest` runs the dynamic program (:mod:`dreampipe.planning.dp`) on each
+cost model and :func:`with_ranges` the program over contiguous ranges
+(:mod:`dreampipe.planning.ranges`); both search :attr:`Search.costs` and
+price what they find on the fine profile with
+:func:`~dreampipe.planning.pricing.price_stages`. :func:`search_for` picks
+the profile searched: the profile itself, which makes every answer exact
+within its search, or blocks of it (:mod:`dreampipe.planning.coarsen`) when
+the exact tables would exceed :data:`~dreampipe.planning.coarsen.
+TABLE_WORK`; :attr:`Search.coarse` then says the plan may miss the optimum,
+by at most :func:`gap_bound`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dreampipe.planning.coarsen import block_starts, coarsen, exact_layers
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.dp import FlatStage, Options, best_plan
+from dreampipe.planning.plan import Stage
+from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.ranges import RANGES_MAX_WORKERS, best_ranges, ranges_layers
+from dreampipe.planning.topology import Topology
+
+__all__ = [
+    "FLAT_MAX_WORKERS", "Search", "cost_models", "fastest", "gap_bound", "search_for",
+    "with_ranges",
+]
+
+#: :func:`fastest` also tries the flat model up to this many workers; beyond, a
+#: stage spans whole servers out of many and server alignment costs little.
+FLAT_MAX_WORKERS = 64
+
+
+@dataclass(frozen=True)
+class Search:
+    """The fine profile, the one searched, and where its blocks start (None: the same)."""
+
+    fine: RangeCosts
+    costs: RangeCosts
+    starts: tuple[int, ...] | None = None
+
+    @property
+    def coarse(self) -> bool:
+        return self.starts is not None
+
+    def refine(self, flat: Sequence[FlatStage]) -> list[FlatStage]:
+        """The searched profile's stages as layer ranges of the fine one."""
+        if self.starts is None:
+            return list(flat)
+        ends = [*self.starts[1:], self.fine.n]
+        return [FlatStage(self.starts[f.first], ends[f.last] - 1, f.workers, f.allreduce_s,
+                          f.comm_s) for f in flat]
+
+
+def _blocks(fine: RangeCosts, blocks: int) -> Search:
+    if fine.n <= blocks:
+        return Search(fine, fine)
+    starts = tuple(block_starts(fine, blocks))
+    return Search(fine, coarsen(fine, starts), starts)
+
+
+def search_for(fine: RangeCosts, topology: Topology) -> Search:
+    """``fine`` itself, or its blocks when its tables on ``topology`` would be too large."""
+    return _blocks(fine, exact_layers(topology))
+
+
+def cost_models(topo: Topology, also_flat: bool) -> list[Topology]:
+    """The hierarchical model, and the flat one at the slowest link where it is cheap."""
+    if also_flat and len(topo.levels) > 1 and topo.num_workers <= FLAT_MAX_WORKERS:
+        return [topo, topo.flat()]
+    return [topo]
+
+
+def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts: Options
+            ) -> tuple[Stage, ...]:
+    fine = search.refine(flat)
+    return price_stages(search.fine, topology, [(f.first, f.last) for f in fine],
+                        [f.workers for f in fine], opts.sync, opts.memory_bytes)
+
+
+def fastest(
+    search: Search, topology: Topology, cost_models: Sequence[Topology], opts: Options
+) -> tuple[Stage, ...] | None:
+    """The best plan over the ``cost_models``, each priced on ``topology``; None if none fits."""
+    found: tuple[Stage, ...] | None = None
+    for model in cost_models:
+        best = best_plan(search.costs, [model], opts)
+        if best is None:
+            continue
+        stages = _priced(search, topology, best[1], opts)
+        if found is None or slowest(stages) < slowest(found):
+            found = stages
+    return found
+
+
+def with_ranges(
+    search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options,
+    exact: bool = False,
+) -> tuple[tuple[Stage, ...] | None, bool]:
+    """``stages``, or the best plan of contiguous worker ranges where that is strictly
+    faster; and whether the ranges were searched on blocks (possibly coarser than
+    ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
+    ``exact``).
+
+    It runs on up to :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers of a
+    hierarchy, without a stage cap or ``straight`` (each stage one worker, which the
+    hierarchy already places at its best).
+    """
+    workers = topology.num_workers
+    if (len(topology.levels) < 2 or workers > RANGES_MAX_WORKERS
+            or opts.limited or opts.straight):
+        return stages, False
+    layers = search.costs.n if exact else min(search.costs.n, ranges_layers(workers))
+    ranged_search = _blocks(search.fine, layers)
+    found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
+                        opts.memory_bytes)
+    if found is None:
+        return stages, ranged_search.coarse
+    ranged = _priced(ranged_search, topology, found[1], opts)
+    if stages is None or slowest(ranged) < slowest(stages):
+        stages = ranged
+    return stages, ranged_search.coarse
+
+
+def gap_bound(stages: Sequence[Stage], fine: RangeCosts, workers: int) -> float:
+    """How much slower than the optimum ``stages`` are at most.
+
+    Every stage takes at least its compute over its replicas
+    (``max(C, F + end) / r >= C / r``), and the largest of those ratios is
+    at least the ratio of their sums, so no plan on at most ``workers`` is
+    faster than the whole compute over ``workers``: the gap is the plan's
+    time over that, less one.
+    """
+    bound = float(fine.compute_s[0, fine.n - 1]) / workers
+    return max(0.0, slowest(stages) / bound - 1.0) if bound > 0 else math.inf
