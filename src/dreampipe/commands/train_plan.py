@@ -68,9 +68,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Seconds of timed passes in train's profile at least. A small model's 5 passes
-#: take a fraction of a second, and the project's machine drifts in speed over
-#: seconds: 6 profiles of the mlp at 8 samples with 5 passes gave 22-35 ms per
-#: forward+backward, 4 with 40 passes (1-2 s) 30-34 ms.
+#: take a fraction of a second, and a host's speed drifts over seconds: a profile
+#: of a fraction of a second measures the drift more than the model.
 PROFILE_MIN_S = 1.0
 
 Say = Callable[[str], None]

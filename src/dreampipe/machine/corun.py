@@ -2,16 +2,15 @@
 
 Local workers compute side by side, sharing caches, memory bandwidth and,
 on a virtual machine, whatever the host gives busy cores at once; how much
-that costs depends on the model and on the host (on the project's 2-core
-machine a transformer block ran 1.33x slower beside a busy twin, the mlp
-1.10x). Two measurements:
+that costs depends on the model and on the host (how much of its time is
+bound by the caches and memory bandwidth the cores share). Two measurements:
 
 - :func:`profile_beside` takes the layer profile in ``1 + twins`` processes
   at once, each beside the others, so each layer's time already holds the
   slowdown of this workload on this machine as it is now (``dreampipe
   train``'s profile). The cores of a virtual machine need not run at one
-  speed (two one-thread processes on the project's machine ran the same
-  convolutions 40% apart), and a run's synchronous steps go at its slowest
+  speed (two one-thread processes may run the same work tens of percent
+  apart), and a run's synchronous steps go at its slowest
   worker's pace, so the profile kept is the slowest process's::
 
       rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, [rates], gather
@@ -260,11 +259,8 @@ _PACE_S = 0.5
 #: mean over passes too, not over one or two.
 _PACE_PASSES = 8
 #: Whether each phase is crowded: alone and crowded in mirrored order, so that a host
-#: whose speed drifts over the seconds slows both alike. Measured one after the other,
-#: 1 s each, the pace of 3 workers on the project's 2 cores ranged 1.18-1.74 for the
-#: cnn (six profiles in a row) and 1.27-1.85 for the transformer (four, a phase holding
-#: one or two of its passes); mirrored, with 8 passes at the least, 1.55-1.99 and
-#: 1.59-1.67: the transformer's is steadier, the cnn's is as unsteady as the host.
+#: whose speed drifts over the seconds slows both alike (one after the other, the
+#: drift between the two phases lands in the pace as if the crowd had caused it).
 _PHASES = (False, True, True, False)
 
 

@@ -4,9 +4,8 @@ The layer profile times each layer as plain PyTorch runs it. A stage of the
 runtime runs the same layers through :class:`~dreampipe.runtime.stage.StageModule`:
 the weight version put in its parameters' places (a cost per parameter tensor), the
 fused ``nn.Linear`` gradients, the post-accumulate hooks. How much that adds
-depends on the model: on the project's machine, when the version was put
-in by ``torch.func.functional_call``, 10-16% of a forward and 3-17% of a
-backward for the mlp, cnn and transformer. So this module runs
+depends on the model (its parameter tensors per unit of compute) and the
+host, so no fixed factor fits. So this module runs
 the whole model both ways, interleaved, so that the host's drift hits both
 alike::
 

@@ -3,9 +3,8 @@
 A local run's prediction needs, beyond the layer times, how fast the workers
 all-reduce gradients (gloo over loopback), apply an SGD step and copy a
 stashed weight version. These are memory-bound and drift with the host as
-much as compute does: on the project's machine the mlp's 25.5 MB bucketed
-all-reduce took 44.6 ms one day and 27.7 ms another, its SGD step 6.0 ms
-and 3.8 ms. So the processes that profile beside each other
+much as compute does, by tens of percent from one day to the next. So the
+processes that profile beside each other
 (:func:`~dreampipe.machine.corun.profile_beside`) also measure these, all at
 once, and keep them in the graph's meta, which
 :func:`~dreampipe.machine.calibration.measured_machine` puts in place of the fixed
@@ -48,9 +47,8 @@ _MAX_ROUNDS = 100
 
 #: Bytes written before each timed step or copy, more than a server CPU's last-level
 #: cache: in a run the forward and backward pass between two steps, so a step finds
-#: its weights and gradients in memory, not in cache (back to back, the mlp's 25 MB
-#: stepped at 9.8 GB/s on the project's machine, with its 32 MB cache; in a run, at
-#: about 5).
+#: its weights and gradients in memory, not in cache (steps timed back to back find
+#: them in cache and run about twice as fast as in a run).
 _EVICT_BYTES = 64 << 20
 
 
@@ -99,8 +97,8 @@ def measure_rates(
     Steps are timed on every rank at once, as replicas and flushed stages step
     together. A stash copy is made by one stage while its neighbours compute,
     so with ``beside`` (a training round) the ranks time their copies in turn,
-    each while the others run ``beside``: timed beside each other instead, the
-    mlp's copies ran at 2.2-3.8 GB/s against 6 GB/s in its runs.
+    each while the others run ``beside``: copies timed all at once contend for
+    memory bandwidth as no stage's copy does in a run, and run far slower.
 
     ``timer`` (default: the wall clock) times each round: CUDA events for
     ``params`` on a GPU (:mod:`~dreampipe.machine.timers`).

@@ -25,8 +25,8 @@ groups, so the two directions of a pair never queue behind each other.
 
 **Posting ahead** (gloo only). A sender whose receiver has not posted yet
 leaves its message to gloo's I/O thread, which must then win a core from
-the busy compute threads: with two ranks on two cores, the bench's stage 1
-waited 3-5 ms per minibatch for that in some runs. So a
+the busy compute threads, and with as many ranks as cores the receiving
+stage waits milliseconds per minibatch for it. So a
 :class:`~dreampipe.api.Pipeline` lets a stage post the receives of the
 *next* minibatch before the user hands it over. If that minibatch never
 comes (``finish()``), the receive stays posted: the next segment's same unit

@@ -3,10 +3,10 @@
 Every forward of a training unit checks what it hands on, the stage's output
 (or, on the last stage, the loss), by its sum: NaN and inf carry into a sum,
 so a finite sum means finite values, and only a sum that is not finite (it
-may also overflow) is checked value by value. One reduction, no temporary:
-measured on one thread, 20 us against 40 ms for the forward of 4
-``Linear(1024, 1024)`` at batch 32 (``torch.isfinite(t).all()``, 0.5 ms),
-20 us against 0.5 ms for a toy stage of width 16. What happens then is
+may also overflow) is checked value by value. One reduction and no
+temporary, where ``torch.isfinite(t).all()`` writes a mask as large as the
+output: the check stays a small share of even a toy stage's forward. What
+happens then is
 :class:`OnNonFinite`:
 
 - ``STOP`` raises :class:`~dreampipe.errors.NonFiniteError` on the rank that

@@ -119,9 +119,9 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     Unless ``STOCK``, it also freezes the objects alive so far (``gc.freeze``:
     torch's and dreampipe's modules, classes and functions, about 250,000)
     out of the garbage collector's reach. They live as long as the process,
-    and a full collection walked them all: 110-150 ms on the project's
-    machine, taken whenever enough objects had been allocated, such as by
-    building the schedule of a run's last 300 updates (7.5 ms without it).
+    and a full collection would walk them all, a pause of a hundred
+    milliseconds or more whenever enough objects have been allocated (such as
+    by building a long schedule), many times what the collection takes without them.
     Frozen objects are never collected, so garbage that is alive then (a
     torchrun rank's own start-up) stays for the life of the process.
     """
