@@ -51,7 +51,8 @@ _TESTS = Path(__file__).resolve().parents[1]
 _SRC = Path(dreampipe.__file__).resolve().parents[1]
 #: The links between the nodes: 1 Gbit/s and 20 Mbit/s, in bytes/s.
 FAST, SLOW = 125e6, 2.5e6
-LAYERS, WIDTH, BATCH, STEPS = 5, 1024, 32, 4
+#: Steps: whole all-reduce rounds of any plan on 4 workers (replicas 1, 2 or 3).
+LAYERS, WIDTH, BATCH, STEPS = 5, 1024, 32, 6
 _PORT = 29511  # inside the namespaces: nothing else listens there
 _LEVEL = re.compile(r"(\d+) @ ([\d.]+ \w*B)/s(?: ([\d.]+ \w+))?")
 
@@ -94,14 +95,15 @@ def _topology(described: str) -> Topology:
                                      for lv in (inner, outer)])
 
 
-def _within_nodes(stages: list[tuple[int, int, int]]) -> bool:
-    """Whether each stage's replicas sit on one node (ranks in stage order, 2 a node)."""
-    first = 0
-    for *_, replicas in stages:
-        if first // 2 != (first + replicas - 1) // 2:
-            return False
-        first += replicas
-    return True
+def _bytes_reduced_across_nodes(graph: LayerGraph, stages: list[tuple[int, int, int]]) -> int:
+    """Parameter bytes of the stages whose replicas span both nodes (ranks laid in stage
+    order, 2 a node): what their all-reduces send over the link between the nodes."""
+    crossing, worker = 0, 0
+    for first, last, replicas in stages:
+        if replicas > 1 and worker // 2 != (worker + replicas - 1) // 2:
+            crossing += sum(layer.parameter_bytes for layer in graph.layers[first:last + 1])
+        worker += replicas
+    return crossing
 
 
 def _shape(stages: list[list[int]]) -> list[tuple[int, int, int]]:
@@ -137,4 +139,6 @@ def test_train_on_two_nodes_measures_both_levels_and_plans_for_them(
             name, report["topology"], stages, direct)
         got[name] = stages
     assert got["fast"] != got["slow"], got
-    assert _within_nodes(got["slow"]), got  # no all-reduce crosses the slow link
+    # on the slow link the all-reduces that cross it carry at most the head's few weights
+    total = sum(layer.parameter_bytes for layer in graph.layers)
+    assert _bytes_reduced_across_nodes(graph, got["slow"]) <= 0.05 * total, got
