@@ -52,3 +52,13 @@ def test_a_step_past_its_limit_fails_and_takes_its_processes_with_it(
         time.sleep(0.1)
     else:
         raise AssertionError(f"the step's process {grandchild} outlived it")
+
+
+@pytest.mark.parametrize(("name", "code", "verdict"), [
+    ("train", 0, "passed"), ("train", 3, "ran"), ("train", 1, "FAILED"), ("memory", 3, "FAILED"),
+])
+def test_a_prediction_off_its_tolerance_is_a_figure_not_a_failure(
+        check: ModuleType, name: str, code: int, verdict: str) -> None:
+    assert check.OUTSIDE_TOLERANCE == 3
+    step = check.Step(name, (check.sys.executable, "-c", f"raise SystemExit({code})"), "here", 30)
+    assert check._run(step).startswith(verdict)
