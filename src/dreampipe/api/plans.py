@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from dreampipe.api.checks import Batch
 from dreampipe.api.split import Layers, build_stage
@@ -71,9 +71,10 @@ def _profile_and_plan(
 
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
     model = nn.Sequential(*chain.layers)
-    if isinstance(example[0], tuple):
+    if not isinstance(example[0], Tensor):
         raise PlanError("plan='auto' profiles models of one input tensor; for a model of "
-                        f"{len(example[0])} inputs give plan= a Plan or a plan file")
+                        f"{len(example[0])} inputs give split_points=, or plan= a Plan or a "
+                        "plan file")
     with pinned_threads(1):
         graph = profile_model(model, example[0][:unit_size], loss_fn, example[1][:unit_size])
     if len(graph.layers) != len(layers):

@@ -1,17 +1,18 @@
-"""A user's model as a chain of layers, and one pipeline stage built from it.
+"""A user's model as a list of layers, and one pipeline stage built from it.
 
-dreampipe cuts a model between layers, so it needs the model as a chain:
+dreampipe cuts a model between layers:
 
-- an ``nn.Sequential``: its children, in order;
-- any other module that ``torch.fx`` can trace and whose top-level graph is
-  a chain of submodule calls (the first takes the model's inputs, each next
-  one the previous output, the last one's output is returned).
+- an ``nn.Sequential``: its children, in order, each passing one tensor on;
+- any other module: the segments of its traced forward, one per unit (its
+  repeated blocks and the modules between them, :mod:`.trace`), passing on
+  whatever values the rest of the model still needs (:mod:`.pack`).
 
-Anything else is a :class:`~dreampipe.errors.PlanError` naming the module and
-the node that breaks the chain. A stage (:func:`build_stage`) holds its
-layers under their original names, so its parameter names (``3.weight``,
+A model that cannot be traced is a :class:`~dreampipe.errors.PlanError`
+naming it and the reason. A stage (:func:`build_stage`) holds its layers'
+modules under their original names, so its parameter names (``3.weight``,
 ``blocks.0.attn.proj.weight``) are the model's own and a state dict moves
-between plans and into the plain model unchanged.
+between plans and into the plain model unchanged. A weight shared by layers
+on different stages is an error before training (:func:`check_ties`).
 
 A model built on the ``meta`` device is materialised stage by stage: each
 layer gets empty storage (``to_empty``) and then ``reset_parameters()`` of
@@ -29,83 +30,118 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dreampipe.errors import PlanError
+from dreampipe.api.pack import pack, unpack
+from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
-__all__ = ["Chain", "Layers", "build_split_stage", "build_stage", "is_meta", "split_layers"]
+__all__ = [
+    "Chain", "Layers", "build_split_stage", "build_stage", "check_ties", "is_meta", "split_layers",
+]
 
 #: A model's layers in call order: ``(qualified name, module)``.
 Layers = list[tuple[str, nn.Module]]
 
 
 class Chain(nn.Module):
-    """Layers called one after the other, registered under their original qualified names."""
+    """Layers called one after the other, registered under their original qualified names.
+
+    Layers that are :class:`~dreampipe.api.trace.Segment`\\ s of a traced model
+    run against the chain, which holds their units and attributes under their
+    FQNs. A chain that starts after the model's first segment takes the packed
+    values the previous stage sent (:mod:`.pack`); one that ends before the
+    last segment packs what it passes on. The first segment takes the model's
+    inputs: positional ones, or one dict of keyword arguments (``model(**x)``).
+    """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
         super().__init__()
         for name, module in layers:
-            parent: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                child = parent._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    parent.add_module(part, child)
-                parent = child
-            parent.add_module(leaf, module)
+            if isinstance(module, Segment):
+                for target in module.targets:
+                    if not _holds(self, target):
+                        place_attr(module, target, self, fetch(module, target))
+            else:
+                place(name, self, module)
         self.layers = tuple(module for _, module in layers)
 
     def forward(self, *args: Any) -> Any:
         """The first layer on the inputs, then each next layer on the previous output."""
-        out = self.layers[0](*args)
-        for layer in self.layers[1:]:
-            out = layer(out)
-        return out
+        first = self.layers[0]
+        if not isinstance(first, Segment):
+            out = first(*args)
+            for layer in self.layers[1:]:
+                out = layer(out)
+            return out
+        values = unpack(args[0]) if first.index > 0 else _model_inputs(first, args)
+        for seg in self.layers:
+            assert isinstance(seg, Segment)
+            values = seg.run(self, values)
+        last = self.layers[-1]
+        assert isinstance(last, Segment)
+        if last.index < last.count - 1:
+            return pack(values, f"the cut after {last.name!r}")
+        return values
+
+
+def _holds(module: nn.Module, target: str) -> bool:
+    value: Any = module
+    for part in target.split("."):
+        if not hasattr(value, part):
+            return False
+        value = getattr(value, part)
+    return True
+
+
+def _model_inputs(first: Segment, args: tuple[Any, ...]) -> list[Any]:
+    """The first segment's placeholder values: ``args`` by position, or one dict by name."""
+    names = [str(n.target) for n in first.inputs]
+    given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
+        zip(names, args, strict=False))
+    if len(args) > len(names) or set(given) - set(names):
+        extra = sorted(set(given) - set(names)) or [f"{len(args)} positional inputs"]
+        raise ConfigError(
+            f"the model's forward takes {', '.join(names)}, not {', '.join(map(str, extra))}; "
+            "give its inputs by position, or as one dict of its keyword arguments", "example")
+    values: list[Any] = []
+    for node in first.inputs:
+        name = str(node.target)
+        if name in given:
+            values.append(given[name])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise ConfigError(f"the model's forward needs {name!r}, which the input does not "
+                              "give; add it to the input", "example")
+    return values
 
 
 def split_layers(model: nn.Module) -> Layers:
-    """``model`` as its chain of layers, or a PlanError saying why it is not one."""
+    """``model`` as its layers: an ``nn.Sequential``'s children, or the segments of any
+    other module traced around its units (:mod:`.trace`); a PlanError saying why not."""
     if isinstance(model, nn.Sequential):
         layers = list(model.named_children())
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         return layers
-    return _traced_chain(model)
+    return list(segments(model, unit_names(model)))
 
 
-def _traced_chain(model: nn.Module) -> Layers:
-    import torch.fx
-
-    what = type(model).__name__
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception as exc:
-        raise PlanError(
-            f"cannot split {what}: torch.fx cannot trace it ({type(exc).__name__}: {exc}); "
-            "give an nn.Sequential, or a module whose forward only calls its submodules "
-            "one after the other"
-        ) from exc
-    layers: Layers = []
-    prev: tuple[Any, ...] = tuple(n for n in graph.nodes if n.op == "placeholder")
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            if node.args != (prev[0],) or not layers:
-                raise PlanError(f"cannot split {what}: its forward does not return the last "
-                                "layer's output; make the last submodule call the result")
-            break
-        if node.op != "call_module" or tuple(node.args) != prev or node.kwargs:
-            target = getattr(node.target, "__name__", node.target)
-            raise PlanError(
-                f"cannot split {what} at node {node.name!r} ({node.op} {target}): dreampipe cuts "
-                "a chain of submodule calls, each taking the previous one's output; move that "
-                "computation into a submodule, or give an nn.Sequential"
-            )
-        layers.append((str(node.target), model.get_submodule(str(node.target))))
-        prev = (node,)
-    return layers
+def check_ties(layers: Layers, bounds: Sequence[int]) -> None:
+    """A parameter shared by layers on different stages (stages begin at ``bounds``) is a
+    PlanError naming both: each stage would train its own copy and the tie would break."""
+    seen: dict[int, tuple[int, str, str]] = {}
+    for i, (name, layer) in enumerate(layers):
+        stage = sum(1 for b in bounds[1:] if i >= b)
+        for pname, p in layer.named_parameters(remove_duplicate=False):
+            first = seen.setdefault(id(p), (stage, name, pname))
+            if first[0] != stage:
+                raise PlanError(
+                    f"parameter {pname!r} of layer {name!r} (stage {stage}) is the same tensor "
+                    f"as {first[2]!r} of layer {first[1]!r} (stage {first[0]}); dreampipe keeps "
+                    "a shared weight on one stage: choose split points that put both layers "
+                    "on the same stage, or untie the weight")
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -67,7 +67,7 @@ from dreampipe.runtime.fused import (
 )
 from dreampipe.runtime.slots import ParameterSlots
 
-__all__ = ["StageModule", "tensor_output"]
+__all__ = ["StageInput", "StageModule", "tensor_output"]
 
 _log = logging.getLogger(__name__)
 
@@ -101,8 +101,8 @@ class _Round:
     reported: list[bool]
 
 
-#: A stage's input: one tensor, or (first stage only) the tuple of the model's inputs.
-StageInput = Tensor | tuple[Tensor, ...]
+#: A stage's input: one tensor, or (first stage only) the tuple or dict of the model's inputs.
+StageInput = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 
 
 @dataclass
@@ -273,8 +273,8 @@ class StageModule:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
         args = x if isinstance(x, tuple) else (x,)
         out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
-        out = tensor_output(out, f"stage {self.stage} returned")
         if target is None:
+            out = tensor_output(out, f"stage {self.stage} returned")
             return out, out
         if self.loss_fn is None:
             raise PlanError(f"stage {self.stage} got a target but has no loss function")

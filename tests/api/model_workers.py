@@ -1,0 +1,34 @@
+"""Rank functions that train the model zoo of :mod:`.model_zoo` through the Pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dreampipe.api import Pipeline
+
+from .model_zoo import CASES, CaseSpec
+
+__all__ = ["train_case"]
+
+
+def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """Train case ``job["case"]`` split at its split points (or ``job["plan"]``) for
+    ``steps`` minibatches of ``minibatch``; rank 0 returns the losses and the full state."""
+    case = CASES[job["case"]]
+    spec = CaseSpec(case, job["seed"])
+    lr, momentum = job["lr"], job.get("momentum", 0.0)
+    pipe = Pipeline(
+        spec.model(), example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+        schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
+        **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
+    )
+    for k in range(job["steps"]):
+        pipe.step(*case.example(k, job["minibatch"]))
+    losses = pipe.finish()
+    state = pipe.full_state_dict()
+    bounds = [st.first for st in pipe.plan.stages]
+    pipe.close()
+    return {"losses": losses, "state": state, "bounds": bounds} if rank == 0 else None
