@@ -81,6 +81,20 @@ class SkipNet(nn.Module):
         return {"logits": self.head(h + s), "hidden": h}
 
 
+class TiedNet(nn.Module):
+    """An embedding whose weight is also the output head's, as GPT-2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.mid = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.mid(self.embed(ids))).mean(1)
+
+
 @dataclass(frozen=True)
 class Case:
     build: Callable[[], nn.Module]
@@ -94,6 +108,8 @@ _g = torch.Generator().manual_seed(100)
 _IMAGES = (torch.randn(_POOL, 3, 8, 8, generator=_g), torch.randint(0, 5, (_POOL,), generator=_g))
 _ROWS = (torch.randn(_POOL, 6, generator=_g), (torch.rand(_POOL, generator=_g) > 0.2).long(),
          torch.randint(0, 4, (_POOL,), generator=_g))
+_TOKENS = (torch.randint(0, 7, (_POOL, 5), generator=_g),
+           torch.randint(0, 7, (_POOL,), generator=_g))
 
 
 def _window(k: int, n: int) -> slice:
@@ -114,6 +130,11 @@ def _masked(k: int, n: int) -> tuple[Any, Tensor]:
     return {"x": _ROWS[0][w], "mask": _ROWS[1][w]}, _ROWS[2][w]
 
 
+def _tokens(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return _TOKENS[0][w], _TOKENS[1][w]
+
+
 def _dict_loss(out: Any, y: Tensor) -> Tensor:
     return F.cross_entropy(out["logits"], y)
 
@@ -121,6 +142,7 @@ def _dict_loss(out: Any, y: Tensor) -> Tensor:
 CASES: dict[str, Case] = {
     "resnet": Case(ResNet, _images, F.cross_entropy, ["layer2"]),
     "skip": Case(SkipNet, _masked, _dict_loss, ["blocks.1"]),
+    "tied": Case(TiedNet, _tokens, F.cross_entropy, ["head"]),
 }
 
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
-from dreampipe.api.split import check_ties, split_layers
+from dreampipe.api.split import Tie, split_layers, tied_parameters
+from dreampipe.api.ties import check_ties
 from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError
 
 __all__: list[str] = []
@@ -97,13 +98,21 @@ class _Tied(nn.Module):
         return self.head(self.mid(self.embed(x)))
 
 
-def test_a_weight_tied_across_stages_is_an_error_naming_both_layers() -> None:
+def test_a_weight_tied_across_stages_is_found_under_each_stages_name() -> None:
     layers = split_layers(_Tied())
-    check_ties(layers, [0])
-    with pytest.raises(PlanError, match=r"parameter 'head.weight' of layer 'head' \(stage 1\) "
-                                        r"is the same tensor as 'embed.weight' of layer 'embed' "
-                                        r"\(stage 0\).*same stage"):
-        check_ties(layers, [0, 1])
+    assert tied_parameters(layers, [0]) == []
+    assert tied_parameters(layers, [0, 2]) == [Tie((0, 1), ("embed.weight", "head.weight"))]
+
+
+def test_a_tie_on_a_replicated_stage_is_an_error_before_training() -> None:
+    layers = split_layers(_Tied())
+    plan = dreampipe.Plan.from_config(3, [0, 2], [2, 1])
+    with pytest.raises(ConfigError, match=r"parameter 'embed.weight' is tied to 'head.weight' on "
+                                          r"stages 0, 1, which plan .* replicates or splits"):
+        check_ties(tied_parameters(layers, [0, 2]), plan, None)
+    with pytest.raises(ConfigError, match=r"clipping by the global norm.*drop max_grad_norm"):
+        check_ties(tied_parameters(layers, [0, 2]), dreampipe.Plan.from_config(3, [0, 2], [1, 1]),
+                   1.0)
 
 
 def test_a_batch_shaped_unlike_the_example_names_both_shapes() -> None:

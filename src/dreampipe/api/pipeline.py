@@ -58,11 +58,13 @@ from dreampipe.api.checks import (
     check_schedule,
     check_split,
     check_stages_on_meta,
+    map_inputs,
 )
 from dreampipe.api.feed import Batches, Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import build_split_stage, build_stage, check_ties, split_layers
+from dreampipe.api.split import build_split_stage, build_stage, split_layers, tied_parameters
+from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
@@ -164,8 +166,6 @@ class Pipeline:
         self.kind = _choice(schedule, ScheduleKind, "schedule")
         policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
-        self._layers = split_layers(model)
-        self._names = [name for name, _ in self._layers]
         check_optimizer(optimizer)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm}; use a positive norm or None",
@@ -176,6 +176,8 @@ class Pipeline:
         self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                  microbatches=microbatches, workers=world)
         unit_size = self.layout.unit_size
+        self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:unit_size]))
+        self._names = [name for name, _ in self._layers]
         if split_points is not None:
             if not (isinstance(plan, str) and plan == "auto"):
                 raise ConfigError("give split_points or plan, not both: split_points makes a "
@@ -186,7 +188,8 @@ class Pipeline:
         self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
         check_plan(self.plan, self._names, world)
-        check_ties(self._layers, [st.first for st in self.plan.stages])
+        ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
+        check_ties(ties, self.plan, max_grad_norm)
         self.replicas = [st.replicas for st in self.plan.stages]
         check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         t = self.plan.tensor_parallel
@@ -223,6 +226,7 @@ class Pipeline:
                                    on_nonfinite=policy)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
+        tie_stages(ties, self.plan, stage, self.module)
         per_round = math.lcm(*self.replicas)
         self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
                         // per_round * per_round)

@@ -12,7 +12,8 @@ naming it and the reason. A stage (:func:`build_stage`) holds its layers'
 modules under their original names, so its parameter names (``3.weight``,
 ``blocks.0.attn.proj.weight``) are the model's own and a state dict moves
 between plans and into the plain model unchanged. A weight shared by layers
-on different stages is an error before training (:func:`check_ties`).
+on different stages (tied embeddings) is held by each of those stages
+(:func:`tied_parameters`); the Pipeline keeps the copies equal.
 
 A model built on the ``meta`` device is materialised stage by stage: each
 layer gets empty storage (``to_empty``) and then ``reset_parameters()`` of
@@ -24,6 +25,7 @@ on any plan. Buffers a layer does not reset there are left uninitialised.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +39,8 @@ from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
 __all__ = [
-    "Chain", "Layers", "build_split_stage", "build_stage", "check_ties", "is_meta", "split_layers",
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "is_meta", "split_layers",
+    "tied_parameters",
 ]
 
 #: A model's layers in call order: ``(qualified name, module)``.
@@ -117,31 +120,44 @@ def _model_inputs(first: Segment, args: tuple[Any, ...]) -> list[Any]:
     return values
 
 
-def split_layers(model: nn.Module) -> Layers:
+def split_layers(model: nn.Module, example: Any = None) -> Layers:
     """``model`` as its layers: an ``nn.Sequential``'s children, or the segments of any
-    other module traced around its units (:mod:`.trace`); a PlanError saying why not."""
+    other module traced around its units on ``example``, one unit of its input (a tensor,
+    tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError saying why not."""
     if isinstance(model, nn.Sequential):
         layers = list(model.named_children())
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         return layers
-    return list(segments(model, unit_names(model)))
+    return list(segments(model, unit_names(model), example))
 
 
-def check_ties(layers: Layers, bounds: Sequence[int]) -> None:
-    """A parameter shared by layers on different stages (stages begin at ``bounds``) is a
-    PlanError naming both: each stage would train its own copy and the tie would break."""
-    seen: dict[int, tuple[int, str, str]] = {}
-    for i, (name, layer) in enumerate(layers):
-        stage = sum(1 for b in bounds[1:] if i >= b)
-        for pname, p in layer.named_parameters(remove_duplicate=False):
-            first = seen.setdefault(id(p), (stage, name, pname))
-            if first[0] != stage:
-                raise PlanError(
-                    f"parameter {pname!r} of layer {name!r} (stage {stage}) is the same tensor "
-                    f"as {first[2]!r} of layer {first[1]!r} (stage {first[0]}); dreampipe keeps "
-                    "a shared weight on one stage: choose split points that put both layers "
-                    "on the same stage, or untie the weight")
+@dataclass(frozen=True)
+class Tie:
+    """One parameter shared by layers of several stages: each stage's name for it."""
+
+    stages: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+def tied_parameters(layers: Layers, bounds: Sequence[int]) -> list[Tie]:
+    """The parameters used by layers of more than one stage (stages begin at ``bounds``),
+    in the order the layers first use them, each with its name in each stage."""
+    edges = [*bounds, len(layers)]
+    named: list[dict[int, str]] = []
+    for s in range(len(bounds)):
+        stage = Chain(layers[edges[s] : edges[s + 1]])
+        named.append({id(p): n for n, p in reversed(list(
+            stage.named_parameters(remove_duplicate=False)))})
+    order: list[int] = []
+    for names in named:
+        order += [k for k in names if k not in order]
+    ties = []
+    for key in order:
+        stages = tuple(s for s, names in enumerate(named) if key in names)
+        if len(stages) > 1:
+            ties.append(Tie(stages, tuple(named[s][key] for s in stages)))
+    return ties
 
 
 def is_meta(module: nn.Module) -> bool:

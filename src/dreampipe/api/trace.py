@@ -33,6 +33,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dreampipe.api.tracer import trace_model
 from dreampipe.errors import ConfigError, PlanError
 
 __all__ = [
@@ -89,17 +90,6 @@ def place(target: str, holder: nn.Module, value: Any, *, buffer: bool | None = N
         setattr(parent, leaf, value)
 
 
-class _Tracer(fx.Tracer):
-    def __init__(self, units: set[str]) -> None:
-        super().__init__()
-        self.units = units
-
-    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        return module_qualified_name in self.units or (
-            super().is_leaf_module(m, module_qualified_name)
-            and not any(u.startswith(f"{module_qualified_name}.") for u in self.units))
-
-
 class Segment(nn.Module):
     """The nodes of one unit's segment of the traced graph, and what they read.
 
@@ -150,11 +140,13 @@ def place_attr(root: nn.Module, target: str, holder: nn.Module, value: Any) -> N
     place(target, holder, value, buffer=persistent if leaf in parent._buffers else None)
 
 
-def segments(model: nn.Module, units: Sequence[str]) -> list[tuple[str, Segment]]:
-    """``model`` traced with ``units`` kept whole and cut before each unit's call."""
+def segments(model: nn.Module, units: Sequence[str], example: Any = None
+             ) -> list[tuple[str, Segment]]:
+    """``model`` traced (:mod:`.tracer`) with ``units`` kept whole, on ``example`` (its
+    input, or None) and cut before each unit's call."""
     what = type(model).__name__
     try:
-        graph = _Tracer(set(units)).trace(model)
+        graph = trace_model(model, set(units), example)
     except Exception as exc:
         raise PlanError(
             f"cannot split {what}: torch.fx cannot trace its forward ({type(exc).__name__}: "

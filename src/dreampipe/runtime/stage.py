@@ -54,8 +54,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError, ScheduleError
@@ -157,6 +159,12 @@ class StageModule:
         self._touched: dict[int, _Version] = {}
         self.version = 0
         self.peak_versions = 0
+        self._tied: list[tuple[int, Any]] = []
+
+    def tie(self, index: int, group: Any) -> None:
+        """Parameter ``index`` is tied to copies on the other stages of ``group``: each
+        update sums its gradient over them first (and so applies the same change)."""
+        self._tied.append((index, group))
 
     # ---- versions --------------------------------------------------------
     @property
@@ -386,6 +394,11 @@ class StageModule:
             else:
                 del self._versions[cur.number]
         sums = self._grads.take()
+        for i, group in self._tied:
+            g = sums[i]
+            g = torch.zeros_like(self._params[i]) if g is None else g
+            dist.all_reduce(g, group=group)
+            sums[i] = g
         if apply and self.optimizer is not None:
             for p, g in zip(self._params, sums, strict=True):
                 p.grad = g
