@@ -15,7 +15,8 @@ __all__ = ["train_case"]
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` split at its split points (or ``job["plan"]``) for
-    ``steps`` minibatches of ``minibatch``; rank 0 returns the losses and the full state."""
+    ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
+    given; rank 0 returns the losses, the full state and the checkpoint's path."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -28,7 +29,9 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     for k in range(job["steps"]):
         pipe.step(*case.example(k, job["minibatch"]))
     losses = pipe.finish()
+    saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     bounds = [st.first for st in pipe.plan.stages]
     pipe.close()
-    return {"losses": losses, "state": state, "bounds": bounds} if rank == 0 else None
+    out = {"losses": losses, "state": state, "bounds": bounds, "saved": saved}
+    return out if rank == 0 else None

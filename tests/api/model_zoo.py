@@ -1,6 +1,8 @@
 """Models as people write them, for the splitter's tests: a torchvision-style ResNet
 (BasicBlocks, a stem, ``flatten``), a model whose skip crosses stages and takes a mask
-keyword, and a model whose last layer's weight is tied to its first's.
+keyword, a model whose last layer's weight is tied to its first's, and Hugging Face's
+GPT-2 (tied embeddings) and BERT (an attention mask), tiny and randomly initialised,
+passed as they are (dict inputs, ``ModelOutput`` out), dropout off.
 
 Each comes with a ``case``: how to build it under a seed, its example minibatch, its
 loss and its split points for two stages; :class:`CaseSpec` and :class:`CaseData` make a
@@ -16,10 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from dreampipe.api.split import Chain, split_layers
 
-__all__ = ["CASES", "Case", "CaseData", "CaseSpec"]
+__all__ = ["CASES", "TIED", "Case", "CaseData", "CaseSpec", "bert", "gpt2"]
 
 
 class BasicBlock(nn.Module):
@@ -95,6 +98,19 @@ class TiedNet(nn.Module):
         return self.head(self.mid(self.embed(ids))).mean(1)
 
 
+def gpt2() -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def bert() -> BertForSequenceClassification:
+    return BertForSequenceClassification(BertConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=11, max_position_embeddings=8, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=0.5))
+
+
 @dataclass(frozen=True)
 class Case:
     build: Callable[[], nn.Module]
@@ -110,6 +126,10 @@ _ROWS = (torch.randn(_POOL, 6, generator=_g), (torch.rand(_POOL, generator=_g) >
          torch.randint(0, 4, (_POOL,), generator=_g))
 _TOKENS = (torch.randint(0, 7, (_POOL, 5), generator=_g),
            torch.randint(0, 7, (_POOL,), generator=_g))
+_IDS = torch.randint(0, 11, (_POOL, 6), generator=_g)
+_TEXT = (_IDS, (_IDS + 1) % 11,  # a next token to learn
+         (torch.arange(6) < torch.randint(3, 7, (_POOL, 1), generator=_g)).long(),
+         torch.randint(0, 3, (_POOL,), generator=_g))
 
 
 def _window(k: int, n: int) -> slice:
@@ -135,6 +155,24 @@ def _tokens(k: int, n: int) -> tuple[Any, Tensor]:
     return _TOKENS[0][w], _TOKENS[1][w]
 
 
+def _text(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"input_ids": _TEXT[0][w]}, _TEXT[1][w]
+
+
+def _masked_text(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"input_ids": _TEXT[0][w], "attention_mask": _TEXT[2][w]}, _TEXT[3][w]
+
+
+def _lm_loss(out: Any, y: Tensor) -> Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def _logits_loss(out: Any, y: Tensor) -> Tensor:
+    return F.cross_entropy(out.logits, y)
+
+
 def _dict_loss(out: Any, y: Tensor) -> Tensor:
     return F.cross_entropy(out["logits"], y)
 
@@ -143,23 +181,45 @@ CASES: dict[str, Case] = {
     "resnet": Case(ResNet, _images, F.cross_entropy, ["layer2"]),
     "skip": Case(SkipNet, _masked, _dict_loss, ["blocks.1"]),
     "tied": Case(TiedNet, _tokens, F.cross_entropy, ["head"]),
+    "gpt2": Case(gpt2, _text, _lm_loss, ["transformer.h.1"]),
+    "bert": Case(bert, _masked_text, _logits_loss, ["bert.encoder.layer.1"]),
 }
+#: Cases whose weights are tied across their split points.
+TIED = {"tied", "gpt2"}
 
 
 class CaseSpec:
-    """A case as the references' model spec: stages built from a fresh seeded model."""
+    """A case as the references' model spec: stages built from a fresh seeded model,
+    traced on units of ``unit`` samples (the shapes a trace bakes in)."""
 
-    def __init__(self, case: Case, seed: int) -> None:
-        self.case, self.seed = case, seed
+    def __init__(self, case: Case, seed: int, unit: int = 1) -> None:
+        self.case, self.seed, self.unit = case, seed, unit
         self.loss_fn = case.loss_fn
-        self.num_layers = len(split_layers(self.model()))
+        self.num_layers = len(split_layers(self.model(), case.example(0, 1)[0]))
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
         return self.case.build()
 
     def build(self, first: int, last: int, seed: int) -> nn.Module:
-        return Chain(split_layers(self.model())[first : last + 1])
+        """Layers ``first..last``; the whole model as it is, called with its inputs."""
+        if (first, last) == (0, self.num_layers - 1):
+            return _AsCalled(self.model())
+        example = self.case.example(0, self.unit)[0]
+        return Chain(split_layers(self.model(), example)[first : last + 1])
+
+
+class _AsCalled(nn.Module):
+    """``model`` itself (its modules and names), called with a dict as keyword arguments."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.__dict__.update(_modules=model._modules, _parameters=model._parameters,
+                             _buffers=model._buffers)
+        self.model = [model]
+
+    def forward(self, x: Any) -> Any:
+        return self.model[0](**x) if isinstance(x, dict) else self.model[0](x)
 
 
 class CaseData:

@@ -4,21 +4,25 @@ the delayed-update rule (tests/runtime/reference.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from runtime.reference import reference_pipedream, reference_sync, sgd
 
+from dreampipe.api.checkpoint import load_model_state
 from dreampipe.runtime.processes import run_processes
 
 from .compare import assert_matches
 from .model_workers import train_case
-from .model_zoo import CASES, CaseData, CaseSpec
+from .model_zoo import CASES, TIED, CaseData, CaseSpec, gpt2
 
 __all__: list[str] = []
 
 SEED = 5
+TIED_KEYS = {"tied": [("embed.weight", "head.weight")],
+             "gpt2": [("transformer.wte.weight", "lm_head.weight")]}
 
 
 def _run(**job: Any) -> dict[str, Any]:
@@ -36,15 +40,17 @@ def test_1f1b_flush_of_a_model_split_at_its_modules_equals_one_process(name: str
     losses, state = reference_sync(spec, CaseData(CASES[name]), steps=3,  # type: ignore[arg-type]
                                    minibatch=8, seed=SEED, opt=sgd(0.1), microbatches=2)
     assert_matches(got, losses, state)
+    for a, b in TIED_KEYS.get(name, []):
+        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", sorted(set(CASES) - {"tied"}))
+@pytest.mark.parametrize("name", sorted(set(CASES) - TIED))
 def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
     name: str
 ) -> None:
     got = _run(case=name, schedule="pipedream", steps=4, minibatch=8, lr=0.1, momentum=0.9)
-    spec = CaseSpec(CASES[name], SEED)
+    spec = CaseSpec(CASES[name], SEED, unit=8)
     losses, state = reference_pipedream(
         spec, CaseData(CASES[name]), bounds=got["bounds"], replicas=[1, 1],  # type: ignore[arg-type]
         steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9))
@@ -52,9 +58,31 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
 
 
 @pytest.mark.timeout(120)
-def test_pipedream_keeps_the_copies_of_a_tied_weight_equal_and_trains() -> None:
-    got = _run(case="tied", schedule="pipedream", steps=12, minibatch=8, lr=0.2)
-    assert got["bounds"] == [0, 3]
-    torch.testing.assert_close(got["state"]["head.weight"], got["state"]["embed.weight"],
-                               rtol=0, atol=0)
+@pytest.mark.parametrize(("name", "keys", "momentum"), [
+    ("tied", ("embed.weight", "head.weight"), 0.0),
+    ("gpt2", ("transformer.wte.weight", "lm_head.weight"), 0.9)])
+def test_pipedream_keeps_the_copies_of_a_tied_weight_equal_and_trains(
+    name: str, keys: tuple[str, str], momentum: float
+) -> None:
+    got = _run(case=name, schedule="pipedream", steps=12, minibatch=8, lr=0.2, momentum=momentum)
+    torch.testing.assert_close(got["state"][keys[0]], got["state"][keys[1]], rtol=0, atol=0)
     assert sum(got["losses"][-3:]) < sum(got["losses"][:3])
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_gpt2_loads_strictly_into_a_fresh_model_with_the_same_logits(
+    tmp_path: Path
+) -> None:
+    got = _run(case="gpt2", schedule="1f1b-flush", steps=3, minibatch=8, lr=0.2,
+               save=str(tmp_path))
+    saved = load_model_state(got["saved"])
+    torch.testing.assert_close(saved["lm_head.weight"], saved["transformer.wte.weight"],
+                               rtol=0, atol=0)
+    loaded, trained, initial = gpt2(), gpt2(), gpt2()
+    loaded.load_state_dict(saved, strict=True)
+    trained.load_state_dict(got["state"], strict=True)
+    x = CASES["gpt2"].example(50, 4)[0]
+    with torch.no_grad():
+        logits = loaded(**x).logits
+        torch.testing.assert_close(logits, trained(**x).logits, rtol=0, atol=0)
+        assert not torch.allclose(logits, initial(**x).logits)

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.pack import pack, unpack
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
-from dreampipe.errors import ConfigError, PlanError
+from dreampipe.errors import PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
@@ -77,7 +77,7 @@ class Chain(nn.Module):
             for layer in self.layers[1:]:
                 out = layer(out)
             return out
-        values = unpack(args[0]) if first.index > 0 else _model_inputs(first, args)
+        values = unpack(args[0]) if first.index > 0 else first.bind(args)
         for seg in self.layers:
             assert isinstance(seg, Segment)
             values = seg.run(self, values)
@@ -95,29 +95,6 @@ def _holds(module: nn.Module, target: str) -> bool:
             return False
         value = getattr(value, part)
     return True
-
-
-def _model_inputs(first: Segment, args: tuple[Any, ...]) -> list[Any]:
-    """The first segment's placeholder values: ``args`` by position, or one dict by name."""
-    names = [str(n.target) for n in first.inputs]
-    given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
-        zip(names, args, strict=False))
-    if len(args) > len(names) or set(given) - set(names):
-        extra = sorted(set(given) - set(names)) or [f"{len(args)} positional inputs"]
-        raise ConfigError(
-            f"the model's forward takes {', '.join(names)}, not {', '.join(map(str, extra))}; "
-            "give its inputs by position, or as one dict of its keyword arguments", "example")
-    values: list[Any] = []
-    for node in first.inputs:
-        name = str(node.target)
-        if name in given:
-            values.append(given[name])
-        elif node.args:
-            values.append(node.args[0])
-        else:
-            raise ConfigError(f"the model's forward needs {name!r}, which the input does not "
-                              "give; add it to the input", "example")
-    return values
 
 
 def split_layers(model: nn.Module, example: Any = None) -> Layers:

@@ -119,9 +119,34 @@ class Segment(nn.Module):
         return fx.Interpreter(holder, graph=self.graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False)
 
-    def forward(self, *values: Any) -> Any:
-        """The segment on ``values``, reading its own units and attributes."""
-        return self.run(self, values)
+    def bind(self, args: tuple[Any, ...]) -> list[Any]:
+        """The first segment's placeholder values: the model's inputs ``args`` by position,
+        or one dict of keyword arguments by name."""
+        names = [str(n.target) for n in self.inputs]
+        given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
+            zip(names, args, strict=False))
+        if len(args) > len(names) or set(given) - set(names):
+            extra = sorted(set(given) - set(names)) or [f"{len(args)} positional inputs"]
+            raise ConfigError(
+                f"the model's forward takes {', '.join(names)}, not "
+                f"{', '.join(map(str, extra))}; give its inputs by position, or as one dict of "
+                "its keyword arguments", "example")
+        values: list[Any] = []
+        for node in self.inputs:
+            name = str(node.target)
+            if name in given:
+                values.append(given[name])
+            elif node.args:
+                values.append(node.args[0])
+            else:
+                raise ConfigError(f"the model's forward needs {name!r}, which the input does "
+                                  "not give; add it to the input", "example")
+        return values
+
+    def forward(self, *args: Any) -> Any:
+        """The segment, reading its own units and attributes, on the model's inputs (the
+        first) or on the tuple of values the previous segment returned."""
+        return self.run(self, self.bind(args) if self.index == 0 else args[0])
 
 
 def fetch(root: nn.Module, target: str) -> Any:
