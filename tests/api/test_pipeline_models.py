@@ -4,6 +4,7 @@ the delayed-update rule (tests/runtime/reference.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +87,16 @@ def test_a_checkpoint_of_gpt2_loads_strictly_into_a_fresh_model_with_the_same_lo
         logits = loaded(**x).logits
         torch.testing.assert_close(logits, trained(**x).logits, rtol=0, atol=0)
         assert not torch.allclose(logits, initial(**x).logits)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["tied", "bert"])
+def test_plan_auto_profiles_and_plans_a_traced_model(name: str) -> None:
+    # whatever the plan, the first minibatch runs on the initial weights (no BatchNorm here)
+    got = _run(case=name, plan="auto", schedule="1f1b-flush", steps=2, minibatch=8, lr=0.2)
+    assert got["bounds"][0] == 0
+    spec = CaseSpec(CASES[name], SEED)
+    losses, _ = reference_sync(spec, CaseData(CASES[name]), steps=1,  # type: ignore[arg-type]
+                               minibatch=8, seed=SEED, opt=sgd(0.2))
+    assert got["losses"][0] == pytest.approx(losses[0], rel=1e-5)
+    assert math.isfinite(got["losses"][1])
