@@ -14,14 +14,20 @@ __all__ = ["train_case"]
 
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    """Train case ``job["case"]`` split at its split points (or ``job["plan"]``) for
+    """Train case ``job["case"]`` (built on meta if ``job["meta"]``) split at its split
+    points (or ``job["plan"]``) for
     ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
     given; rank 0 returns the losses, the full state and the checkpoint's path."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
+    if job.get("meta"):
+        with torch.device("meta"):
+            model = case.build()
+    else:
+        model = spec.model()
     pipe = Pipeline(
-        spec.model(), example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
+        model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
         **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),

@@ -100,3 +100,12 @@ def test_plan_auto_profiles_and_plans_a_traced_model(name: str) -> None:
                                minibatch=8, seed=SEED, opt=sgd(0.2))
     assert got["losses"][0] == pytest.approx(losses[0], rel=1e-5)
     assert math.isfinite(got["losses"][1])
+
+
+@pytest.mark.timeout(120)
+def test_gpt2_built_on_meta_starts_its_tied_copies_equal_on_both_stages() -> None:
+    got = _run(case="gpt2", meta=True, schedule="1f1b-flush", steps=2, minibatch=8, lr=0.2)
+    wte, head = got["state"]["transformer.wte.weight"], got["state"]["lm_head.weight"]
+    torch.testing.assert_close(head, wte, rtol=0, atol=0)
+    assert all(torch.isfinite(v).all() for v in got["state"].values() if v.is_floating_point())
+    assert all(math.isfinite(v) for v in got["losses"])

@@ -15,11 +15,9 @@ between plans and into the plain model unchanged. A weight shared by layers
 on different stages (tied embeddings) is held by each of those stages
 (:func:`tied_parameters`); the Pipeline keeps the copies equal.
 
-A model built on the ``meta`` device is materialised stage by stage: each
-layer gets empty storage (``to_empty``) and then ``reset_parameters()`` of
-each of its submodules that has one, under ``torch.manual_seed(seed + i)``
-for layer ``i``; so the initial weights come from a per-layer seed, the same
-on any plan. Buffers a layer does not reset there are left uninitialised.
+A model built on the ``meta`` device is materialised stage by stage with the
+model's own initialisation under a per-layer seed (:mod:`.materialise`), the
+same on any plan; a module with no way to initialise itself is an error.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dreampipe.api.materialise import materialise
 from dreampipe.api.pack import pack, unpack
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import PlanError
@@ -145,17 +144,11 @@ def is_meta(module: nn.Module) -> bool:
 def build_stage(
     layers: Layers, first: int, last: int, device: torch.device, seed: int = 0
 ) -> Chain:
-    """Layers ``first..last`` on ``device``, materialised from meta by per-layer seeds."""
+    """Layers ``first..last`` on ``device``, materialised from meta by the model's own
+    initialisation under per-layer seeds (:mod:`.materialise`)."""
     stage = Chain(layers[first : last + 1])
     if is_meta(stage):
-        stage.to_empty(device=device)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for i in range(first, last + 1):
-                torch.manual_seed(seed + i)
-                for sub in layers[i][1].modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+        materialise(stage, layers[first : last + 1], first, device, seed)
     return stage.to(device).train()
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from dreampipe.api.materialise import initialiser
 from dreampipe.api.tracer import trace_model
 from dreampipe.errors import ConfigError, PlanError
 
@@ -107,6 +108,7 @@ class Segment(nn.Module):
         self.index, self.count = index, count
         self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
         self.targets: list[str] = []
+        self.initialiser = initialiser(root)
         for node in graph.nodes:
             if node.op in ("call_module", "get_attr") and node.target not in self.targets:
                 target = str(node.target)
