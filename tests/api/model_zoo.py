@@ -46,7 +46,8 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """torchvision's ResNet layout, small: stem, two stages of BasicBlocks, pool, fc."""
+    """torchvision's ResNet layout, small: stem, two stages of BasicBlocks, pool, fc; the
+    head also reads the pooled stem (a skip from the first stage to the last)."""
 
     def __init__(self, classes: int = 5) -> None:
         super().__init__()
@@ -56,12 +57,13 @@ class ResNet(nn.Module):
         self.layer1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
         self.layer2 = nn.Sequential(BasicBlock(8, 16, 2), BasicBlock(16, 16))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(16, classes)
+        self.fc = nn.Linear(16 + 8, classes)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.relu(self.bn1(self.conv1(x)))
-        x = self.layer2(self.layer1(x))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
+        stem = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(stem))
+        skip = torch.flatten(F.adaptive_avg_pool2d(stem, 1), 1)
+        return self.fc(torch.cat([torch.flatten(self.avgpool(x), 1), skip], 1))
 
 
 class SkipNet(nn.Module):
