@@ -17,7 +17,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``) split at its split
     points (or ``job["plan"]``) for
     ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
-    given; rank 0 returns the losses, the full state and the checkpoint's path."""
+    given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses,
+    the full state, the checkpoint's path and the held-out loss."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -35,9 +36,12 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     for k in range(job["steps"]):
         pipe.step(*case.example(k, job["minibatch"]))
     losses = pipe.finish()
+    held_out = [case.example(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
+    evaluated = pipe.evaluate(held_out).loss if held_out else None
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     bounds = [st.first for st in pipe.plan.stages]
     pipe.close()
-    out = {"losses": losses, "state": state, "bounds": bounds, "saved": saved}
+    out = {"losses": losses, "state": state, "bounds": bounds, "saved": saved,
+           "evaluated": evaluated}
     return out if rank == 0 else None

@@ -109,3 +109,18 @@ def test_gpt2_built_on_meta_starts_its_tied_copies_equal_on_both_stages() -> Non
     torch.testing.assert_close(head, wte, rtol=0, atol=0)
     assert all(torch.isfinite(v).all() for v in got["state"].values() if v.is_floating_point())
     assert all(math.isfinite(v) for v in got["losses"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_evaluate_runs_the_model_as_it_is_on_held_out_minibatches(name: str) -> None:
+    got = _run(case=name, schedule="1f1b-flush", steps=2, minibatch=8, microbatches=2, lr=0.2,
+               evaluate=2)
+    case = CASES[name]
+    model = CaseSpec(case, SEED).model()
+    model.load_state_dict(got["state"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        want = [float(case.loss_fn(model(**x), y)) for x, y in
+                (case.example(100 + j, 8) for j in range(2))]
+    assert got["evaluated"] == pytest.approx(sum(want) / len(want), rel=1e-5)
