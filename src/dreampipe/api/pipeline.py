@@ -120,8 +120,9 @@ class Pipeline:
     ``model``: an ``nn.Sequential``, or a module whose forward ``torch.fx``
     traces around its blocks (:mod:`.trace`), possibly on the meta device
     (each stage then runs the model's own initialisation, :mod:`.materialise`);
-    a weight tied across stages stays tied (:mod:`.ties`). ``split_points``: FQNs of modules each of which begins a new stage (one
-    stage per worker), instead of ``plan``. ``example``: one minibatch
+    a weight tied across stages stays tied (:mod:`.ties`). ``split_points``:
+    FQNs of modules each of which begins a new stage (one stage per worker),
+    instead of ``plan``. ``example``: one minibatch
     ``(input, target)``, the input a tensor, a tuple, or a dict of the model's
     keyword arguments (``model(**x)``); every step's minibatch must match its
     shapes. ``loss_fn(output, target)`` gets the output as the model returns it.
