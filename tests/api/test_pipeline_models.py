@@ -17,7 +17,7 @@ from dreampipe.runtime.processes import run_processes
 
 from .compare import assert_matches
 from .model_workers import train_case
-from .model_zoo import CASES, TIED, CaseData, CaseSpec, gpt2
+from .model_zoo import CASES, CaseData, CaseSpec, gpt2
 
 __all__: list[str] = []
 
