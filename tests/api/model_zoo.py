@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForSequenceClassification, GPT2Config, 
 
 from dreampipe.api.split import Chain, split_layers
 
-__all__ = ["CASES", "TIED", "Case", "CaseData", "CaseSpec", "bert", "gpt2"]
+__all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2"]
 
 
 class BasicBlock(nn.Module):
@@ -186,8 +186,6 @@ CASES: dict[str, Case] = {
     "gpt2": Case(gpt2, _text, _lm_loss, ["transformer.h.1"]),
     "bert": Case(bert, _masked_text, _logits_loss, ["bert.encoder.layer.1"]),
 }
-#: Cases whose weights are tied across their split points.
-TIED = {"tied", "gpt2"}
 
 
 class CaseSpec:
