@@ -32,6 +32,7 @@ from typing import Any
 
 import torch.fx as fx
 from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from dreampipe.api.materialise import initialiser
 from dreampipe.api.tracer import trace_model
@@ -118,8 +119,8 @@ class Segment(nn.Module):
 
     def run(self, holder: nn.Module, values: Sequence[Any]) -> Any:
         """The segment on ``values`` (its placeholders in order), reading from ``holder``."""
-        return fx.Interpreter(holder, graph=self.graph, garbage_collect_values=True).run(
-            *values, enable_io_processing=False)
+        return _plain(fx.Interpreter(holder, graph=self.graph, garbage_collect_values=True).run(
+            *values, enable_io_processing=False))
 
     def bind(self, args: tuple[Any, ...]) -> list[Any]:
         """The first segment's placeholder values: the model's inputs ``args`` by position,
@@ -149,6 +150,18 @@ class Segment(nn.Module):
         """The segment, reading its own units and attributes, on the model's inputs (the
         first) or on the tuple of values the previous segment returned."""
         return self.run(self, self.bind(args) if self.index == 0 else args[0])
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with fx's immutable dicts and lists (what a graph builds) as plain ones, as
+    the model's own forward returns them."""
+    if isinstance(value, immutable_dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
 
 
 def fetch(root: nn.Module, target: str) -> Any:
