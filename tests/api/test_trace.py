@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from dreampipe.api.split import Chain, split_layers
 from dreampipe.api.trace import split_bounds, unit_names
+from dreampipe.errors import PlanError
 
 from .model_zoo import CASES, ResNet
+from .test_pipeline_errors import _Branchy
 
 __all__: list[str] = []
 
@@ -60,3 +63,27 @@ def test_a_split_point_at_a_container_begins_at_its_first_block() -> None:
     names = [n for n, _ in split_layers(model)]
     assert split_bounds(names, ["layer2"], model) == [0, 5]
     assert split_bounds(names, ["layer1.1", "fc"], model) == [0, 4, 8]
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 8 * 8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv(x)
+        return self.fc(h.view(h.size(0), -1))
+
+
+def test_a_model_plain_fx_traces_keeps_its_shapes_symbolic() -> None:
+    model = _Flat()
+    layers = split_layers(model, torch.randn(4, 3, 8, 8))
+    x = torch.randn(3, 3, 8, 8)  # a smaller batch than the example's, as a last batch is
+    torch.testing.assert_close(Chain(layers[1:])(Chain(layers[:1])(x)), model(x))
+
+
+def test_a_branch_on_a_tensor_value_is_never_taken_silently() -> None:
+    # traced with the example's shapes known too: the branch still cannot be traced
+    with pytest.raises(PlanError, match=r"cannot split _Branchy: torch.fx cannot trace"):
+        split_layers(_Branchy(), torch.randn(4, 6))

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -37,10 +38,14 @@ from torch.utils import _pytree as pytree
 
 __all__ = ["trace_model"]
 
+_log = logging.getLogger(__name__)
+
 #: Modules whose functions run whole at run time (they branch on tensor values).
 _LEAF_FUNCTION_MODULES = ("transformers.masking_utils",)
 _CONCRETE = ("shape", "dtype", "ndim", "layout", "size", "dim", "numel", "is_floating_point")
 _VALUE = "_dreampipe_value"
+#: The meta value of a proxy whose value is not known (it fails whatever reads it).
+_UNKNOWN = object()
 
 
 def _is_proxy(a: Any) -> bool:
@@ -52,12 +57,12 @@ def _has_proxy(tree: Any) -> bool:
 
 
 def _value(a: Any) -> Any:
-    """The meta value behind a proxy (None when unknown), or ``a`` itself."""
+    """The meta value behind a proxy (:data:`_UNKNOWN` if not known), or ``a`` itself."""
     if isinstance(a, fx.proxy.Attribute):
         root = _value(a.root)
-        return None if root is None else getattr(root, a.attr, None)
+        return _UNKNOWN if root is _UNKNOWN else getattr(root, a.attr, _UNKNOWN)
     if _is_proxy(a):
-        return a.__dict__.get(_VALUE)
+        return a.__dict__.get(_VALUE, _UNKNOWN)
     return a
 
 
@@ -83,14 +88,17 @@ class _MetaProxy(fx.Proxy):
         return super().__iter__()
 
     def __bool__(self) -> bool:
-        value = self.__dict__.get(_VALUE)
+        value = self.__dict__.get(_VALUE, _UNKNOWN)
         if isinstance(value, (bool, int, float, str, type(None))):
             return bool(value)
         return super().__bool__()
 
 
 class _Tracer(fx.Tracer):
-    def __init__(self, units: set[str], inputs: dict[str, Any]) -> None:
+    """Units kept whole; with ``inputs`` (meta values by name, or None: a plain fx
+    trace), every node's meta value alongside."""
+
+    def __init__(self, units: set[str], inputs: dict[str, Any] | None) -> None:
         super().__init__()
         self.units = units
         self.inputs = inputs
@@ -126,18 +134,20 @@ class _Tracer(fx.Tracer):
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any], *rest: Any, **kw: Any) -> fx.Proxy:
         p = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        if self.inputs is None:
+            return p
         try:
             value = self._meta_value(kind, target, *pytree.tree_map(
                 _value, (args, kwargs), is_leaf=_is_proxy))
-        except Exception:  # unknown: only shapes read from it would fail the trace
-            value = None
+        except Exception:  # unknown: only what reads it fails the trace
+            value = _UNKNOWN
         p.__dict__[_VALUE] = value
         return p
 
     def _meta_value(self, kind: str, target: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
         if kind == "placeholder":
-            return self.inputs.get(target)
+            return (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
         if kind == "get_attr":
             value: Any = self.root
             for part in str(target).split("."):
@@ -214,7 +224,10 @@ def _named_forward(model: nn.Module, names: list[str]) -> Iterator[None]:
 
 def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
     """``model``'s forward as a graph with ``units`` kept whole; ``example`` is its input
-    (a tensor, a tuple, a dict of keyword arguments, or None: no shapes known)."""
+    (a tensor, a tuple, a dict of keyword arguments, or None: no shapes known).
+
+    A plain fx trace first, which keeps shapes symbolic (a smaller last batch still
+    runs); if that fails, a trace with the example's shapes known (see the docstring)."""
     own = inspect.signature(type(model).forward).parameters
     plain = not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in own.values())
     if isinstance(example, dict):
@@ -227,9 +240,18 @@ def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
     values = list(example.values()) if isinstance(example, dict) else (
         list(example) if isinstance(example, tuple) else [example])
     inputs = {n: _meta(v) if isinstance(v, Tensor) else v
-              for n, v in zip(names, values, strict=False)} if example is not None else {}
-    tracer = _Tracer(units, inputs)
-    named = (_named_forward(model, names) if isinstance(example, dict) or not plain
-             else contextlib.nullcontext())
-    with named, _leaf_functions(model):
-        return tracer.trace(model)
+              for n, v in zip(names, values, strict=False)}
+    rename = isinstance(example, dict) or not plain
+
+    def trace(known: dict[str, Any] | None) -> fx.Graph:
+        named = _named_forward(model, names) if rename else contextlib.nullcontext()
+        with named, _leaf_functions(model):
+            return _Tracer(units, known).trace(model)
+
+    if example is None:
+        return trace(None)
+    try:
+        return trace(None)
+    except Exception as exc:
+        _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
+        return trace(inputs)
