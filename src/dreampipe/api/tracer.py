@@ -1,23 +1,24 @@
-"""torch.fx tracing of a model's forward around its units, with shapes known.
+"""torch.fx tracing of a model's forward around its units.
 
-Plain ``torch.fx`` fails on the code people write between blocks: Hugging Face
-models compare shapes (``if batch_size != position_ids.shape[0]``), build
-``ModelOutput`` dataclasses and take a config object. So this tracer
+Every trace
 
 - keeps each *unit* (an FQN) whole, as one ``call_module`` node;
-- runs every traced node on the ``meta`` device alongside (the example's
-  shapes, no memory, no compute): ``x.shape``, ``x.size()``, ``x.dim()``,
-  ``x.dtype``, ``len()`` and ``bool()`` of a known Python value are concrete,
-  so code that branches on shapes traces (the shapes of the example, which
-  every minibatch shares, are baked in);
-- keeps objects it cannot express in a graph (a config) as constants;
+- keeps objects it cannot express in a graph (a config) as constants, and
+  rebuilds a ``ModelOutput`` the forward returns;
 - calls Hugging Face's attention-mask builders (``transformers.masking_utils``)
   as single functions at run time, since they branch on the mask's values;
 - traces a forward that takes ``**kwargs`` (Hugging Face's) through a stand-in
   forward with the example's own argument names, passing ``use_cache=False``
   when the forward takes ``use_cache`` (a pipeline trains without a KV cache).
 
-A forward that branches on tensor values still fails, and the caller says so.
+A plain trace (shapes symbolic, so a smaller last batch still runs) is tried
+first. Code that branches on shapes fails it (Hugging Face's ``if batch_size
+!= position_ids.shape[0]``), so the second try runs every traced node on the
+``meta`` device alongside (the example's shapes, no memory, no compute):
+``x.shape``, ``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()``
+of a known Python value are concrete, and the example's shapes, which every
+minibatch shares, are baked in. A forward that branches on tensor values
+fails both, and the caller says so.
 """
 
 from __future__ import annotations
