@@ -26,6 +26,12 @@ TIED_KEYS = {"tied": [("embed.weight", "head.weight")],
              "gpt2": [("transformer.wte.weight", "lm_head.weight")]}
 
 
+def _assert_tied_equal(name: str, got: dict[str, Any]) -> None:
+    """The copies of each weight tied across the cut are equal, bit for bit."""
+    for a, b in TIED_KEYS.get(name, []):
+        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+
+
 def _run(**job: Any) -> dict[str, Any]:
     out = run_processes(train_case, 2, {"seed": SEED, **job}, deadline_s=90.0)
     assert isinstance(out[0], dict)
@@ -41,8 +47,7 @@ def test_1f1b_flush_of_a_model_split_at_its_modules_equals_one_process(name: str
     losses, state = reference_sync(spec, CaseData(CASES[name]), steps=3,  # type: ignore[arg-type]
                                    minibatch=8, seed=SEED, opt=sgd(0.1), microbatches=2)
     assert_matches(got, losses, state)
-    for a, b in TIED_KEYS.get(name, []):
-        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+    _assert_tied_equal(name, got)
 
 
 @pytest.mark.timeout(120)
@@ -57,18 +62,7 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
         steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9),
         ties=[[(0, a), (1, b)] for a, b in TIED_KEYS.get(name, [])])
     assert_matches(got, losses, state)
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "keys", "momentum"), [
-    ("tied", ("embed.weight", "head.weight"), 0.0),
-    ("gpt2", ("transformer.wte.weight", "lm_head.weight"), 0.9)])
-def test_pipedream_keeps_the_copies_of_a_tied_weight_equal_and_trains(
-    name: str, keys: tuple[str, str], momentum: float
-) -> None:
-    got = _run(case=name, schedule="pipedream", steps=12, minibatch=8, lr=0.2, momentum=momentum)
-    torch.testing.assert_close(got["state"][keys[0]], got["state"][keys[1]], rtol=0, atol=0)
-    assert sum(got["losses"][-3:]) < sum(got["losses"][:3])
+    _assert_tied_equal(name, got)
 
 
 @pytest.mark.timeout(120)
