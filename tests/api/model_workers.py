@@ -14,7 +14,8 @@ __all__ = ["train_case"]
 
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    """Train case ``job["case"]`` (built on meta if ``job["meta"]``) split at its split
+    """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
+    checkpoint directory ``job["resume"]`` if given) split at its split
     points (or ``job["plan"]``) for
     ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
     given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses,
@@ -31,9 +32,10 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
+        resume=job.get("resume"),
         **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
     )
-    for k in range(job["steps"]):
+    for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):
         pipe.step(*case.example(k, job["minibatch"]))
     losses = pipe.finish()
     held_out = [case.example(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]

@@ -66,7 +66,7 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
 
 
 @pytest.mark.timeout(120)
-def test_a_checkpoint_of_gpt2_loads_strictly_into_a_fresh_model_with_the_same_logits(
+def test_a_checkpoint_of_gpt2_resumes_bit_for_bit_and_loads_into_a_fresh_model(
     tmp_path: Path
 ) -> None:
     got = _run(case="gpt2", schedule="1f1b-flush", steps=3, minibatch=8, lr=0.2,
@@ -74,6 +74,12 @@ def test_a_checkpoint_of_gpt2_loads_strictly_into_a_fresh_model_with_the_same_lo
     saved = load_model_state(got["saved"])
     torch.testing.assert_close(saved["lm_head.weight"], saved["transformer.wte.weight"],
                                rtol=0, atol=0)
+    resumed = _run(case="gpt2", schedule="1f1b-flush", steps=1, minibatch=8, lr=0.2,
+                   resume=str(tmp_path))
+    straight = _run(case="gpt2", schedule="1f1b-flush", steps=4, minibatch=8, lr=0.2)
+    assert resumed["losses"] == straight["losses"][3:]
+    for k, v in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][k], v, rtol=0, atol=0, msg=k)
     loaded, trained, initial = gpt2(), gpt2(), gpt2()
     loaded.load_state_dict(saved, strict=True)
     trained.load_state_dict(got["state"], strict=True)
