@@ -76,6 +76,12 @@ def test_an_unknown_split_point_suggests_the_nearest() -> None:
         _pipe(_Residual(), split_points=["bb"])
 
 
+def test_split_points_as_one_string_asks_for_a_list() -> None:
+    with pytest.raises(ConfigError, match=r"split_points='b'; give a list of module names, "
+                                          r"e.g. split_points=\['b'\]"):
+        _pipe(_Residual(), split_points="b")
+
+
 def test_split_points_and_a_plan_conflict() -> None:
     with pytest.raises(ConfigError, match=r"give split_points or plan, not both"):
         _pipe(_Residual(), split_points=["b"], plan=dreampipe.Plan.from_config(2, [0], [1]))
