@@ -34,3 +34,10 @@ def test_checkpoint_roundtrip_predicts_the_same_in_a_plain_module(tmp_path: Path
                         str(tmp_path))
     assert out["checkpoint"] == str(tmp_path / "step-3")
     assert out["plain_module_accuracy"] == out["pipeline_accuracy"]
+
+
+@pytest.mark.timeout(120)
+def test_hf_gpt2_trains_a_transformers_model_as_it_is_with_its_tied_embeddings() -> None:
+    out = torchrun_json(EXAMPLES / "hf_gpt2.py", "--steps", "20")
+    assert out["steps"] == 20 and out["tied_equal"]
+    assert out["last_loss"] < out["first_loss"]

@@ -18,11 +18,11 @@ from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
 
+from .compare import assert_matches
 from .workers import train_zoo
 
 __all__: list[str] = []
 
-RTOL, ATOL = 1e-5, 4e-5
 SEED = 3
 
 
@@ -34,15 +34,6 @@ def _run(world: int, **job: Any) -> dict[str, Any]:
     out = _run_all(world, **job)
     assert isinstance(out[0], dict)
     return out[0]
-
-
-def _assert_matches(got: dict[str, Any], losses: list[float], state: dict[str, torch.Tensor]
-                    ) -> None:
-    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses),
-                               rtol=RTOL, atol=ATOL)
-    assert sorted(got["state"]) == sorted(state)
-    for name, value in state.items():
-        torch.testing.assert_close(got["state"][name], value, rtol=RTOL, atol=ATOL, msg=name)
 
 
 SYNC = [("1f1b-flush", [0, 2], [1, 1], 4)]
@@ -60,7 +51,7 @@ def test_sync_schedules_through_the_api_equal_gradient_accumulation(
     units = micro * sum(replicas) if schedule == "dp" else micro
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=3,
                                    minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=units)
-    _assert_matches(got, losses, state)
+    assert_matches(got, losses, state)
 
 
 PIPE = [([0, 1, 3], [1, 1, 1], True), ([0, 2], [2, 1], False)]
@@ -81,7 +72,7 @@ def test_pipedream_through_the_api_matches_the_delayed_update_rule(
         steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
         partial_round=True,
     )
-    _assert_matches(got, losses, state)
+    assert_matches(got, losses, state)
 
 
 CAPPED = [([0, 2], [1, 1], 3, 3), ([0, 2], [2, 1], 3, 2)]
@@ -120,7 +111,7 @@ def test_sync_segments_drained_by_the_cap_train_as_one() -> None:
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=5,
                                    minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=4)
-    _assert_matches(got, losses, state)
+    assert_matches(got, losses, state)
 
 
 AHEAD = [([0, 2], [1, 1], False, 2), ([0, 2], [2, 1], False, 3), ([0, 1, 3], [1, 1, 1], True, 2)]

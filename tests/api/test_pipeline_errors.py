@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
+from dreampipe.api.split import Tie, split_layers, tied_parameters
+from dreampipe.api.ties import check_ties
 from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError, ScheduleError
 
 __all__: list[str] = []
@@ -41,9 +43,82 @@ class _Residual(nn.Module):
         return self.b(self.a(x) + x)
 
 
-def test_a_model_that_is_no_chain_of_layers_names_the_module_and_node() -> None:
-    with pytest.raises(PlanError, match=r"cannot split _Residual at node 'add'.*chain"):
-        _pipe(_Residual())
+class _Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(x) if x.sum() > 0 else -self.a(x)
+
+
+def test_a_residual_model_is_cut_between_its_modules() -> None:
+    pipe = _pipe(_Residual())
+    assert pipe.plan.layer_names == ("a", "b")
+    pipe.close()
+
+
+def test_a_model_fx_cannot_trace_names_the_module_and_the_reason() -> None:
+    with pytest.raises(PlanError, match=r"cannot split _Branchy: torch.fx cannot trace its "
+                                        r"forward \(TraceError: .*control flow"):
+        _pipe(_Branchy())
+
+
+def test_a_split_point_inside_a_block_names_the_block_and_the_points_around_it() -> None:
+    with pytest.raises(ConfigError, match=r"split point 'a.weight' is inside 'a', a Linear that "
+                                          r"runs whole on one stage; split at 'a' or 'b'"):
+        _pipe(_Residual(), split_points=["a.weight"])
+
+
+def test_an_unknown_split_point_suggests_the_nearest() -> None:
+    with pytest.raises(ConfigError, match=r"split point 'bb' names no module of the model; "
+                                          r"the nearest valid split points are 'b'"):
+        _pipe(_Residual(), split_points=["bb"])
+
+
+def test_split_points_as_one_string_asks_for_a_list() -> None:
+    with pytest.raises(ConfigError, match=r"split_points='b'; give a list of module names, "
+                                          r"e.g. split_points=\['b'\]"):
+        _pipe(_Residual(), split_points="b")
+
+
+def test_split_points_and_a_plan_conflict() -> None:
+    with pytest.raises(ConfigError, match=r"give split_points or plan, not both"):
+        _pipe(_Residual(), split_points=["b"], plan=dreampipe.Plan.from_config(2, [0], [1]))
+
+
+def test_split_points_make_one_stage_each_so_the_world_must_fit() -> None:
+    with pytest.raises(PlanError, match=r"uses 2 workers but 1 were started"):
+        _pipe(_Residual(), split_points=["b"])
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 6)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.mid(self.embed(x)))
+
+
+def test_a_weight_tied_across_stages_is_found_under_each_stages_name() -> None:
+    layers = split_layers(_Tied())
+    assert tied_parameters(layers, [0]) == []
+    assert tied_parameters(layers, [0, 2]) == [Tie((0, 1), ("embed.weight", "head.weight"))]
+
+
+def test_a_tie_on_a_replicated_stage_is_an_error_before_training() -> None:
+    layers = split_layers(_Tied())
+    plan = dreampipe.Plan.from_config(3, [0, 2], [2, 1])
+    with pytest.raises(ConfigError, match=r"parameter 'embed.weight' is tied to 'head.weight' on "
+                                          r"stages 0, 1, which plan .* replicates or splits"):
+        check_ties(tied_parameters(layers, [0, 2]), plan, None)
+    with pytest.raises(ConfigError, match=r"clipping by the global norm.*drop max_grad_norm"):
+        check_ties(tied_parameters(layers, [0, 2]), dreampipe.Plan.from_config(3, [0, 2], [1, 1]),
+                   1.0)
 
 
 def test_a_batch_shaped_unlike_the_example_names_both_shapes() -> None:

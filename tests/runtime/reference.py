@@ -105,11 +105,15 @@ def reference_pipedream(
     opt: OptFactory,
     vertical_sync: bool = False,
     partial_round: bool = False,
+    ties: Sequence[Sequence[tuple[int, str]]] = (),
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
 
     ``partial_round``: a run that ends inside a replicated stage's round still
     updates with the mean of that round's minibatches (``Pipeline.finish``).
+    ``ties``: groups of ``(stage, parameter name)`` that are one weight of the model,
+    a copy on each of those stages (of one replica): minibatch ``t``'s gradient of each
+    copy is the sum over the group, so the copies take the same updates.
     """
     edges = [*bounds, spec.num_layers]
     n = len(replicas)
@@ -135,6 +139,12 @@ def reference_pipedream(
         losses.append(float(loss.detach()))
         flat = [p for params in leaves for p in params.values()]
         grads = list(torch.autograd.grad(loss, flat))
+        index = {(s, k): i for i, (s, k) in enumerate(
+            (s, k) for s, params in enumerate(leaves) for k in params)}
+        for group in ties:
+            total = torch.stack([grads[index[member]] for member in group]).sum(0)
+            for member in group:
+                grads[index[member]] = total
         for s in range(n):
             count = len(leaves[s])
             pending[s].append(grads[:count])

@@ -24,22 +24,33 @@ from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
-    "Batch", "check_batch", "check_loss", "check_optimizer", "check_plan", "check_runnable",
-    "check_schedule", "check_split", "check_stages_on_meta",
+    "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
+    "check_runnable", "check_schedule", "check_split", "check_stages_on_meta", "map_inputs",
 ]
 
 _log = logging.getLogger(__name__)
 
-#: A minibatch: the input (a tensor or a tuple of tensors) and the target.
-Batch = tuple[Tensor | tuple[Tensor, ...], Tensor]
+#: A model's input: a tensor, a tuple of tensors, or a dict of keyword arguments.
+Inputs = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
+#: A minibatch: the input and the target.
+Batch = tuple[Inputs, Tensor]
 
 
 def _describe(t: Tensor) -> str:
     return f"{t.dtype} {list(t.shape)}"
 
 
-def _signature(x: Tensor | tuple[Tensor, ...]) -> list[str]:
+def _signature(x: Inputs) -> list[str]:
+    if isinstance(x, dict):
+        return [f"{k}={_describe(t)}" for k, t in x.items()]
     return [_describe(t) for t in (x if isinstance(x, tuple) else (x,))]
+
+
+def map_inputs(x: Inputs, fn: Callable[[Tensor], Tensor]) -> Inputs:
+    """``fn`` applied to each tensor of the input, keeping its tuple or dict."""
+    if isinstance(x, dict):
+        return {k: fn(t) for k, t in x.items()}
+    return tuple(fn(t) for t in x) if isinstance(x, tuple) else fn(x)
 
 
 def check_batch(index: int, batch: Batch, example: Batch) -> None:
@@ -91,22 +102,24 @@ def _meta(t: Tensor) -> Tensor:
 def check_stages_on_meta(
     layers: Layers, plan: Plan, example: Batch, loss_fn: Callable[..., Any], unit_size: int
 ) -> None:
-    """Every stage but the last returns one tensor, and the loss is a scalar.
+    """Every stage but the last returns one tensor, and the loss of the last one's
+    output (whatever the model returns) is a scalar.
 
     Runs on the meta device with the example's first ``unit_size`` samples. A
     model or loss that cannot run on meta (an op without a meta kernel, a
     data-dependent shape) skips the check with a debug log line; the runtime
     then raises the same errors at the first forward.
     """
-    x: Any = tuple(_meta(t[:unit_size]) for t in example[0]) if isinstance(
-        example[0], tuple) else (_meta(example[0][:unit_size]),)
+    first = map_inputs(example[0], lambda t: _meta(t[:unit_size]))
+    x: Any = first if isinstance(first, tuple) else (first,)
     try:
         for s, st in enumerate(plan.stages):
             stage = Chain(layers[st.first : st.last + 1])
             tensors = {k: _meta(v) for k, v in (*stage.named_parameters(),
                                                  *stage.named_buffers())}
             where = f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) returns"
-            x = (tensor_output(functional_call(stage, tensors, x), where),)
+            out = functional_call(stage, tensors, x)
+            x = (tensor_output(out, where) if s < len(plan.stages) - 1 else out,)
         loss = loss_fn(x[0], _meta(example[1][:unit_size]))
     except PlanError:
         raise

@@ -10,12 +10,13 @@ dropped once read.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from dreampipe.api.checks import Batch
+from dreampipe.api.checks import Batch, Inputs, map_inputs
 
 __all__ = ["Batches", "Feed"]
 
@@ -31,7 +32,7 @@ class Feed:
         self.units_per_update = units_per_update
         self.device = device
         self._wants_inputs, self._wants_targets = wants_inputs, wants_targets
-        self._inputs: dict[int, Tensor | tuple[Tensor, ...]] = {}
+        self._inputs: dict[int, Inputs] = {}
         self._targets: dict[int, Tensor] = {}
 
     def _cut(self, t: Tensor, j: int) -> Tensor:
@@ -44,12 +45,11 @@ class Feed:
         for j in range(self.units_per_update):
             u = index * self.units_per_update + j
             if self._wants_inputs(u):
-                self._inputs[u] = (tuple(self._cut(t, j) for t in x) if isinstance(x, tuple)
-                                   else self._cut(x, j))
+                self._inputs[u] = map_inputs(x, functools.partial(self._cut, j=j))
             if self._wants_targets(u):
                 self._targets[u] = self._cut(y, j)
 
-    def inputs(self, unit: int) -> Tensor | tuple[Tensor, ...]:
+    def inputs(self, unit: int) -> Inputs:
         """Unit ``unit``'s input (given once, read once)."""
         return self._inputs.pop(unit)
 
@@ -65,12 +65,9 @@ class Batches:
         self._batches = batches
         self._device = device
 
-    def inputs(self, unit: int) -> Tensor | tuple[Tensor, ...]:
+    def inputs(self, unit: int) -> Inputs:
         """Batch ``unit``'s input."""
-        x = self._batches[unit][0]
-        if isinstance(x, tuple):
-            return tuple(t.to(self._device) for t in x)
-        return x.to(self._device)
+        return map_inputs(self._batches[unit][0], lambda t: t.to(self._device))
 
     def targets(self, unit: int) -> Tensor:
         """Batch ``unit``'s targets."""

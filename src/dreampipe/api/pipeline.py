@@ -38,7 +38,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -51,18 +51,23 @@ from torch import Tensor, nn
 from dreampipe.api import checkpoint
 from dreampipe.api.checks import (
     Batch,
+    Inputs,
     check_batch,
     check_optimizer,
     check_plan,
     check_schedule,
     check_split,
     check_stages_on_meta,
+    map_inputs,
 )
 from dreampipe.api.feed import Batches, Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import build_split_stage, build_stage, split_layers
+from dreampipe.api.split import build_split_stage, build_stage, split_layers, tied_parameters
+from dreampipe.api.ties import check_ties, tie_stages
+from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.comm import Comm, process_groups
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
@@ -112,11 +117,17 @@ def _choice(value: str | _E, kind: type[_E], name: str) -> _E:
 class Pipeline:
     """A model trained by a plan's stages, one rank each; see the module docstring.
 
-    ``model``: an ``nn.Sequential`` or an fx-traceable module whose forward is a
-    chain of submodule calls, possibly on the meta device. ``example``: one
-    minibatch ``(input, target)``; every step's minibatch must match its
-    shapes. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each
-    stage's own; the scheduler steps after every weight update of its stage.
+    ``model``: an ``nn.Sequential``, or a module whose forward ``torch.fx``
+    traces around its blocks (:mod:`.trace`), possibly on the meta device
+    (each stage then runs the model's own initialisation, :mod:`.materialise`);
+    a weight tied across stages stays tied (:mod:`.ties`). ``split_points``:
+    FQNs of modules each of which begins a new stage (one stage per worker),
+    instead of ``plan``. ``example``: one minibatch
+    ``(input, target)``, the input a tensor, a tuple, or a dict of the model's
+    keyword arguments (``model(**x)``); every step's minibatch must match its
+    shapes. ``loss_fn(output, target)`` gets the output as the model returns it.
+    ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
+    own; the scheduler steps after every weight update of its stage.
     ``max_grad_norm`` clips each update by the global norm over all stages;
     ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
     ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
@@ -152,12 +163,11 @@ class Pipeline:
         seed: int = 0,
         timeout_s: float = 60.0,
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
+        split_points: Sequence[str] | None = None,
     ) -> None:
         self.kind = _choice(schedule, ScheduleKind, "schedule")
         policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
-        self._layers = split_layers(model)
-        self._names = [name for name, _ in self._layers]
         check_optimizer(optimizer)
         if max_grad_norm is not None and max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={max_grad_norm}; use a positive norm or None",
@@ -168,9 +178,20 @@ class Pipeline:
         self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                  microbatches=microbatches, workers=world)
         unit_size = self.layout.unit_size
+        self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:unit_size]))
+        self._names = [name for name, _ in self._layers]
+        if split_points is not None:
+            if not (isinstance(plan, str) and plan == "auto"):
+                raise ConfigError("give split_points or plan, not both: split_points makes a "
+                                  "plan of one stage per worker", "split_points", "plan")
+            bounds = split_bounds(self._names, split_points, model)
+            plan = Plan.from_config(len(self._names), bounds, [1] * len(bounds),
+                                    layer_names=tuple(self._names))
         self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
         check_plan(self.plan, self._names, world)
+        ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
+        check_ties(ties, self.plan, max_grad_norm)
         self.replicas = [st.replicas for st in self.plan.stages]
         check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         t = self.plan.tensor_parallel
@@ -207,6 +228,7 @@ class Pipeline:
                                    on_nonfinite=policy)
         self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
+        tie_stages(ties, self.plan, stage, self.module)
         per_round = math.lcm(*self.replicas)
         self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
                         // per_round * per_round)
@@ -249,7 +271,7 @@ class Pipeline:
         self.runner.feed(feed)
         return feed
 
-    def step(self, x: Tensor | tuple[Tensor, ...], y: Tensor) -> None:
+    def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         check_batch(self.minibatches, (x, y), self._example)
         if self._segment == 0 and self.runner.done:
@@ -400,7 +422,8 @@ class Pipeline:
 
 def _shapes(batch: Batch) -> list[tuple[int, ...]]:
     x, y = batch
-    return [tuple(t.shape) for t in (*(x if isinstance(x, tuple) else (x,)), y)]
+    xs = tuple(x.values()) if isinstance(x, dict) else x if isinstance(x, tuple) else (x,)
+    return [tuple(t.shape) for t in (*xs, y)]
 
 
 def _all_reduced(values: Tensor, device: torch.device) -> Tensor:

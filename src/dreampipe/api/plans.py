@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dreampipe.api.checks import Batch
+from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.split import Layers, build_stage
+from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_plan
@@ -78,11 +79,16 @@ def _profile_and_plan(
 
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
     model = nn.Sequential(*chain.layers)
-    if isinstance(example[0], tuple):
-        raise PlanError("plan='auto' profiles models of one input tensor; for a model of "
-                        f"{len(example[0])} inputs give plan= a Plan or a plan file")
+    x = map_inputs(example[0], lambda t: t[:unit_size])
+    first = layers[0][1]
+    if isinstance(x, tuple):
+        if not isinstance(first, Segment):
+            raise PlanError("plan='auto' profiles an nn.Sequential of one input tensor; for "
+                            f"one of {len(x)} inputs give split_points=, or plan= a Plan or "
+                            "a plan file")
+        x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
-        graph = profile_model(model, example[0][:unit_size], loss_fn, example[1][:unit_size])
+        graph = profile_model(model, x, loss_fn, example[1][:unit_size])
     if len(graph.layers) != len(layers):
         raise PlanError(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "

@@ -1,111 +1,139 @@
-"""A user's model as a chain of layers, and one pipeline stage built from it.
+"""A user's model as a list of layers, and one pipeline stage built from it.
 
-dreampipe cuts a model between layers, so it needs the model as a chain:
+dreampipe cuts a model between layers:
 
-- an ``nn.Sequential``: its children, in order;
-- any other module that ``torch.fx`` can trace and whose top-level graph is
-  a chain of submodule calls (the first takes the model's inputs, each next
-  one the previous output, the last one's output is returned).
+- an ``nn.Sequential``: its children, in order, each passing one tensor on;
+- any other module: the segments of its traced forward, one per unit (its
+  repeated blocks and the modules between them, :mod:`.trace`), passing on
+  whatever values the rest of the model still needs (:mod:`.pack`).
 
-Anything else is a :class:`~dreampipe.errors.PlanError` naming the module and
-the node that breaks the chain. A stage (:func:`build_stage`) holds its
-layers under their original names, so its parameter names (``3.weight``,
+A model that cannot be traced is a :class:`~dreampipe.errors.PlanError`
+naming it and the reason. A stage (:func:`build_stage`) holds its layers'
+modules under their original names, so its parameter names (``3.weight``,
 ``blocks.0.attn.proj.weight``) are the model's own and a state dict moves
-between plans and into the plain model unchanged.
+between plans and into the plain model unchanged. A weight shared by layers
+on different stages (tied embeddings) is held by each of those stages
+(:func:`tied_parameters`); the Pipeline keeps the copies equal.
 
-A model built on the ``meta`` device is materialised stage by stage: each
-layer gets empty storage (``to_empty``) and then ``reset_parameters()`` of
-each of its submodules that has one, under ``torch.manual_seed(seed + i)``
-for layer ``i``; so the initial weights come from a per-layer seed, the same
-on any plan. Buffers a layer does not reset there are left uninitialised.
+A model built on the ``meta`` device is materialised stage by stage with the
+model's own initialisation under a per-layer seed (:mod:`.materialise`), the
+same on any plan; a module with no way to initialise itself is an error.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dreampipe.api.materialise import materialise
+from dreampipe.api.pack import pack, unpack
+from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
-__all__ = ["Chain", "Layers", "build_split_stage", "build_stage", "is_meta", "split_layers"]
+__all__ = [
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "is_meta", "split_layers",
+    "tied_parameters",
+]
 
 #: A model's layers in call order: ``(qualified name, module)``.
 Layers = list[tuple[str, nn.Module]]
 
 
 class Chain(nn.Module):
-    """Layers called one after the other, registered under their original qualified names."""
+    """Layers called one after the other, registered under their original qualified names.
+
+    Layers that are :class:`~dreampipe.api.trace.Segment`\\ s of a traced model
+    run against the chain, which holds their units and attributes under their
+    FQNs. A chain that starts after the model's first segment takes the packed
+    values the previous stage sent (:mod:`.pack`); one that ends before the
+    last segment packs what it passes on. The first segment takes the model's
+    inputs: positional ones, or one dict of keyword arguments (``model(**x)``).
+    """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
         super().__init__()
         for name, module in layers:
-            parent: nn.Module = self
-            *path, leaf = name.split(".")
-            for part in path:
-                child = parent._modules.get(part)
-                if child is None:
-                    child = nn.Module()
-                    parent.add_module(part, child)
-                parent = child
-            parent.add_module(leaf, module)
+            if isinstance(module, Segment):
+                for target in module.targets:
+                    if not _holds(self, target):
+                        place_attr(module, target, self, fetch(module, target))
+            else:
+                place(name, self, module)
         self.layers = tuple(module for _, module in layers)
 
     def forward(self, *args: Any) -> Any:
         """The first layer on the inputs, then each next layer on the previous output."""
-        out = self.layers[0](*args)
-        for layer in self.layers[1:]:
-            out = layer(out)
-        return out
+        first = self.layers[0]
+        if not isinstance(first, Segment):
+            out = first(*args)
+            for layer in self.layers[1:]:
+                out = layer(out)
+            return out
+        values = unpack(args[0]) if first.index > 0 else first.bind(args)
+        for seg in self.layers:
+            assert isinstance(seg, Segment)
+            values = seg.run(self, values)
+        last = self.layers[-1]
+        assert isinstance(last, Segment)
+        if last.index < last.count - 1:
+            return pack(values, f"the cut after {last.name!r}")
+        return values
 
 
-def split_layers(model: nn.Module) -> Layers:
-    """``model`` as its chain of layers, or a PlanError saying why it is not one."""
+def _holds(module: nn.Module, target: str) -> bool:
+    value: Any = module
+    for part in target.split("."):
+        if not hasattr(value, part):
+            return False
+        value = getattr(value, part)
+    return True
+
+
+def split_layers(model: nn.Module, example: Any = None) -> Layers:
+    """``model`` as its layers: an ``nn.Sequential``'s children, or the segments of any
+    other module traced around its units on ``example``, one unit of its input (a tensor,
+    tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError saying why not."""
     if isinstance(model, nn.Sequential):
         layers = list(model.named_children())
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         return layers
-    return _traced_chain(model)
+    return list(segments(model, unit_names(model), example))
 
 
-def _traced_chain(model: nn.Module) -> Layers:
-    import torch.fx
+@dataclass(frozen=True)
+class Tie:
+    """One parameter shared by layers of several stages: each stage's name for it."""
 
-    what = type(model).__name__
-    try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception as exc:
-        raise PlanError(
-            f"cannot split {what}: torch.fx cannot trace it ({type(exc).__name__}: {exc}); "
-            "give an nn.Sequential, or a module whose forward only calls its submodules "
-            "one after the other"
-        ) from exc
-    layers: Layers = []
-    prev: tuple[Any, ...] = tuple(n for n in graph.nodes if n.op == "placeholder")
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            continue
-        if node.op == "output":
-            if node.args != (prev[0],) or not layers:
-                raise PlanError(f"cannot split {what}: its forward does not return the last "
-                                "layer's output; make the last submodule call the result")
-            break
-        if node.op != "call_module" or tuple(node.args) != prev or node.kwargs:
-            target = getattr(node.target, "__name__", node.target)
-            raise PlanError(
-                f"cannot split {what} at node {node.name!r} ({node.op} {target}): dreampipe cuts "
-                "a chain of submodule calls, each taking the previous one's output; move that "
-                "computation into a submodule, or give an nn.Sequential"
-            )
-        layers.append((str(node.target), model.get_submodule(str(node.target))))
-        prev = (node,)
-    return layers
+    stages: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+def tied_parameters(layers: Layers, bounds: Sequence[int]) -> list[Tie]:
+    """The parameters used by layers of more than one stage (stages begin at ``bounds``),
+    in the order the layers first use them, each with its name in each stage."""
+    edges = [*bounds, len(layers)]
+    named: list[dict[int, str]] = []
+    for s in range(len(bounds)):
+        stage = Chain(layers[edges[s] : edges[s + 1]])
+        named.append({id(p): n for n, p in reversed(list(
+            stage.named_parameters(remove_duplicate=False)))})
+    order: list[int] = []
+    for names in named:
+        order += [k for k in names if k not in order]
+    ties = []
+    for key in order:
+        stages = tuple(s for s, names in enumerate(named) if key in names)
+        if len(stages) > 1:
+            ties.append(Tie(stages, tuple(named[s][key] for s in stages)))
+    return ties
 
 
 def is_meta(module: nn.Module) -> bool:
@@ -116,17 +144,11 @@ def is_meta(module: nn.Module) -> bool:
 def build_stage(
     layers: Layers, first: int, last: int, device: torch.device, seed: int = 0
 ) -> Chain:
-    """Layers ``first..last`` on ``device``, materialised from meta by per-layer seeds."""
+    """Layers ``first..last`` on ``device``, materialised from meta by the model's own
+    initialisation under per-layer seeds (:mod:`.materialise`)."""
     stage = Chain(layers[first : last + 1])
     if is_meta(stage):
-        stage.to_empty(device=device)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            for i in range(first, last + 1):
-                torch.manual_seed(seed + i)
-                for sub in layers[i][1].modules():
-                    reset = getattr(sub, "reset_parameters", None)
-                    if callable(reset):
-                        reset()
+        materialise(stage, layers[first : last + 1], first, device, seed)
     return stage.to(device).train()
 
 

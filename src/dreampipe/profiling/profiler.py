@@ -64,7 +64,7 @@ def new_parameter_bytes(params: Iterable[Tensor], counted: set[int]) -> int:
 
 def profile_model(
     model: nn.Module,
-    sample_input: Tensor,
+    sample_input: Tensor | dict[str, Tensor],
     loss_fn: Callable[..., Tensor],
     target: Tensor | None = None,
     *,
@@ -78,7 +78,8 @@ def profile_model(
 
     With ``target=None`` the loss is ``loss_fn(output)``. ``progress(done,
     total)`` is called after each pass. The graph's ``batch_size`` is the
-    first dimension of ``sample_input``. ``min_time_s``: time more passes
+    first dimension of ``sample_input`` (a tensor, or a dict of keyword arguments that
+    the first layer takes as one argument). ``min_time_s``: time more passes
     than ``repeats`` until the timed ones took that long, so that the medians
     of a small model span seconds, not a moment of a host whose speed drifts.
     """
@@ -88,7 +89,10 @@ def profile_model(
             "warmup >= 0 and min_time_s >= 0"
         )
     steps, output_key = model_steps(model)
-    clock = clock_for(sample_input.device)
+    first = next(_tensors(sample_input), None)
+    if first is None:
+        raise ProfileError("the sample input holds no tensor; give the model's input tensors")
+    clock = clock_for(first.device)
     devices = [clock.device.index] if isinstance(clock, CudaClock) else []
     modes = {m: m.training for m in model.modules()}
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -107,9 +111,9 @@ def profile_model(
                 buffer.copy_(value)
         for module, training in modes.items():
             module.training = training
-    batch = int(sample_input.shape[0]) if sample_input.dim() > 0 else 1
+    batch = int(first.shape[0]) if first.dim() > 0 else 1
     meta = {
-        "device": str(sample_input.device),
+        "device": str(first.device),
         "threads": torch.get_num_threads(),
         "warmup": warmup,
         "repeats": len(pass_ms) or repeats,
@@ -148,7 +152,7 @@ def profile_spec(
 def _record(
     steps: list[Step],
     output_key: str,
-    sample_input: Tensor,
+    sample_input: Tensor | dict[str, Tensor],
     loss_fn: Callable[..., Tensor],
     target: Tensor | None,
 ) -> tuple[Env, dict[str, list[Tensor | None]], dict[str, _Storages]]:

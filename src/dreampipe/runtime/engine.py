@@ -65,7 +65,7 @@ from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.nonfinite import NonFiniteGuard
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage import StageInput, StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -81,7 +81,7 @@ _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 class UnitData(Protocol):
     """The samples of a unit, the same on every rank that asks."""
 
-    def inputs(self, unit: int) -> Tensor | tuple[Tensor, ...]:
+    def inputs(self, unit: int) -> StageInput:
         """The input stage's input of ``unit``."""
 
     def targets(self, unit: int) -> Tensor:
@@ -200,7 +200,7 @@ class RankRunner:
         target = None
         version: int | None = None
         assert self.data is not None or self.stage > 0
-        x: Tensor | tuple[Tensor, ...]
+        x: StageInput
         if self.stage == 0:
             assert self.data is not None
             x = self.data.inputs(u)

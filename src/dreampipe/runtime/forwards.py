@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -33,12 +34,12 @@ class UnitScore:
     labels: int
 
 
-def _score(out: Tensor, y: Tensor, loss: Tensor) -> UnitScore:
+def _score(out: object, y: Tensor, loss: Tensor) -> UnitScore:
     n = int(y.shape[0]) if y.dim() else 1
-    classes = (not y.is_floating_point() and out.dim() == y.dim() + 1
-               and out.shape[:1] + out.shape[2:] == y.shape)
-    correct = int((out.argmax(1) == y).sum()) if classes else 0
-    return UnitScore(float(loss) * n, n, correct, y.numel() if classes else 0)
+    if (isinstance(out, Tensor) and not y.is_floating_point() and out.dim() == y.dim() + 1
+            and out.shape[:1] + out.shape[2:] == y.shape):
+        return UnitScore(float(loss) * n, n, int((out.argmax(1) == y).sum()), y.numel())
+    return UnitScore(float(loss) * n, n, 0, 0)
 
 
 def run_forwards(
@@ -48,7 +49,7 @@ def run_forwards(
     """Execute ``schedule.actions[rank]``; the scores of the units this rank ended."""
     stage = schedule.stage_of_rank(rank)
     last = stage == schedule.num_stages - 1
-    inputs: dict[int, Tensor | tuple[Tensor, ...]] = {}
+    inputs: dict[int, Any] = {}
     outputs: dict[int, Tensor] = {}
     scores: dict[int, UnitScore] = {}
     device = comm.device

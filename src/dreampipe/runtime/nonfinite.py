@@ -75,8 +75,8 @@ def _all_finite(t: Tensor) -> bool:
         return math.isfinite(float(t.detach().sum())) or bool(torch.isfinite(t).all())
 
 
-def _finite(x: Tensor | tuple[Tensor, ...]) -> bool:
-    parts = x if isinstance(x, tuple) else (x,)
+def _finite(x: Tensor | tuple[Tensor, ...] | dict[str, Tensor]) -> bool:
+    parts = tuple(x.values()) if isinstance(x, dict) else x if isinstance(x, tuple) else (x,)
     return all(bool(torch.isfinite(p).all()) for p in parts if p.is_floating_point())
 
 
@@ -100,7 +100,8 @@ class NonFiniteGuard:
             return unit
         return unit // self.schedule.units_per_update
 
-    def check(self, a: Action, out: Tensor, x: Tensor | tuple[Tensor, ...], last: bool) -> None:
+    def check(self, a: Action, out: Tensor, x: Tensor | tuple[Tensor, ...] | dict[str, Tensor],
+              last: bool) -> None:
         """After forward ``a``: ``out`` is the stage's output, or the loss when ``last``."""
         if _all_finite(out):
             return

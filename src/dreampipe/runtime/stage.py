@@ -54,8 +54,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError, ScheduleError
@@ -67,7 +69,7 @@ from dreampipe.runtime.fused import (
 )
 from dreampipe.runtime.slots import ParameterSlots
 
-__all__ = ["StageModule", "tensor_output"]
+__all__ = ["StageInput", "StageModule", "tensor_output"]
 
 _log = logging.getLogger(__name__)
 
@@ -101,8 +103,8 @@ class _Round:
     reported: list[bool]
 
 
-#: A stage's input: one tensor, or (first stage only) the tuple of the model's inputs.
-StageInput = Tensor | tuple[Tensor, ...]
+#: A stage's input: one tensor, or (first stage only) the tuple or dict of the model's inputs.
+StageInput = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 
 
 @dataclass
@@ -157,6 +159,12 @@ class StageModule:
         self._touched: dict[int, _Version] = {}
         self.version = 0
         self.peak_versions = 0
+        self._tied: list[tuple[int, Any]] = []
+
+    def tie(self, index: int, group: Any) -> None:
+        """Parameter ``index`` is tied to copies on the other stages of ``group``: each
+        update sums its gradient over them first (and so applies the same change)."""
+        self._tied.append((index, group))
 
     # ---- versions --------------------------------------------------------
     @property
@@ -273,8 +281,8 @@ class StageModule:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
         args = x if isinstance(x, tuple) else (x,)
         out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
-        out = tensor_output(out, f"stage {self.stage} returned")
         if target is None:
+            out = tensor_output(out, f"stage {self.stage} returned")
             return out, out
         if self.loss_fn is None:
             raise PlanError(f"stage {self.stage} got a target but has no loss function")
@@ -386,6 +394,11 @@ class StageModule:
             else:
                 del self._versions[cur.number]
         sums = self._grads.take()
+        for i, group in self._tied:
+            g = sums[i]
+            g = torch.zeros_like(self._params[i]) if g is None else g
+            dist.all_reduce(g, group=group)
+            sums[i] = g
         if apply and self.optimizer is not None:
             for p, g in zip(self._params, sums, strict=True):
                 p.grad = g

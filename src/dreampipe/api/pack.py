@@ -1,0 +1,102 @@
+"""Several values between two stages, as the one tensor the runtime sends.
+
+A cut of a traced model may cross several values: a hidden state and a skip
+connection, an attention mask computed once, a tuple a block returned. The
+runtime sends one tensor per unit and link, so a stage packs what it passes on
+(any pytree of tensors and JSON constants: ``None``, numbers, strings) into
+one flat floating-point tensor, and the next stage unpacks it::
+
+    [L, b0 .. bL-1, data of tensor 0, data of tensor 1, ...]
+
+``b`` is a JSON header (one byte per element): the pytree's structure, each
+tensor's dtype and shape, each constant's value. The data are the tensors
+cast to the pack's dtype (``float32``, or ``float64`` when a tensor is), so
+the gradient of every floating-point value flows back through the one
+gradient the runtime returns. Integer and boolean tensors (masks, ids) travel
+as exact floats: a value too large to be exact in the pack's dtype is a
+PlanError. Every tensor sent is in the pack, so the runtime's byte counts
+cover them all.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from dreampipe.errors import PlanError
+
+__all__ = ["pack", "unpack"]
+
+_HEADER = "_dreampipe_header"
+_EXACT_BITS = {torch.float32: 24, torch.float64: 53}
+_CONSTANTS = (type(None), bool, int, float, str)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def pack(values: Any, where: str) -> Tensor:
+    """``values`` as one flat tensor (see the module docstring); ``where`` names the cut."""
+    leaves, spec = pytree.tree_flatten(values)
+    tensors = [t for t in leaves if isinstance(t, Tensor)]
+    if not tensors:
+        raise PlanError(f"{where} passes no tensor on; cut the model where a tensor flows")
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    described: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            _check_exact(leaf, dtype, where)
+            described.append(["t", _dtype_name(leaf.dtype), list(leaf.shape)])
+        elif isinstance(leaf, _CONSTANTS):
+            described.append(["c", leaf])
+        else:
+            raise PlanError(
+                f"{where} passes a {type(leaf).__name__} on; dreampipe sends tensors and "
+                "constants (None, numbers, strings) between stages: cut the model elsewhere")
+    header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": described}).encode()
+    device = tensors[0].device
+    head = torch.tensor([len(header), *header], dtype=dtype, device=device)
+    out = torch.cat([head, *(t.to(dtype).reshape(-1) for t in tensors)])
+    if out.is_meta:
+        setattr(out, _HEADER, header)
+    return out
+
+
+def _check_exact(t: Tensor, dtype: torch.dtype, where: str) -> None:
+    if t.is_floating_point() or t.is_meta or t.dtype in (torch.bool, torch.uint8, torch.int8):
+        return
+    limit = 2 ** _EXACT_BITS[dtype]
+    if t.numel() and int(t.abs().max()) > limit:
+        raise PlanError(
+            f"{where} passes a {_dtype_name(t.dtype)} tensor with values beyond {limit}, which "
+            f"a {_dtype_name(dtype)} message does not hold exactly; cut the model where no "
+            "such tensor crosses")
+
+
+def unpack(packed: Tensor) -> Any:
+    """The values :func:`pack` packed, as views of ``packed`` (gradients flow back)."""
+    if packed.is_meta:
+        header: bytes = getattr(packed, _HEADER)
+    else:
+        size = int(packed[0])
+        header = bytes(int(b) for b in packed[1 : 1 + size].tolist())
+    desc = json.loads(header)
+    at = 1 + len(header)
+    leaves: list[Any] = []
+    for kind, *rest in desc["leaves"]:
+        if kind == "c":
+            leaves.append(rest[0])
+            continue
+        dtype, shape = getattr(torch, rest[0]), torch.Size(rest[1])
+        flat = packed[at : at + shape.numel()]
+        at += shape.numel()
+        if dtype.is_floating_point:
+            leaves.append(flat.view(shape).to(dtype))
+        else:
+            leaves.append(flat.detach().view(shape).round().to(dtype))
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(desc["spec"]))

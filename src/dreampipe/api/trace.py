@@ -1,0 +1,292 @@
+"""A model that is not an ``nn.Sequential``, cut at its own module boundaries.
+
+The model's top-level ``forward`` is traced with ``torch.fx``, keeping whole
+the modules that are its *units*: the repeated blocks (the children of an
+``nn.Sequential`` or ``nn.ModuleList`` whose members are not all built-in
+``torch.nn`` layers, e.g. residual blocks, attention, decoder layers) and the
+modules between them. Modules that hold such block lists (a ``ResNet``, a
+``layer1`` Sequential, a ``Transformer`` body) are traced through; every other
+module runs as it is, inside its unit.
+
+The traced graph is cut before each unit's call into :class:`Segment`\\ s, one
+per unit: the computation before a unit's call (``h + s``, ``flatten``, a mask
+computed once) travels with it, and what comes after the last unit goes with
+the last. A segment takes the values still needed after the previous one (the
+model's inputs for the first) and returns the values still needed after it,
+so a skip connection is forwarded through the segments it crosses. Parameters
+the top-level ``forward`` reads directly (a class token) are read in every
+segment that uses them.
+
+fx is used rather than ``torch.export``: it keeps the user's modules (their
+code, hooks and parameters) and runs them eagerly, and leaves the model's own
+``forward`` in charge of the glue. A forward that branches on a traced value
+cannot be traced; that is a PlanError saying so.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+from dreampipe.api.materialise import initialiser
+from dreampipe.api.tracer import trace_model
+from dreampipe.errors import ConfigError, PlanError
+
+__all__ = [
+    "Segment", "fetch", "place", "place_attr", "segments", "split_bounds", "unit_names",
+]
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+def _builtin(module: nn.Module) -> bool:
+    return type(module).__module__.startswith("torch.nn")
+
+
+def _holds_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` has a container of blocks (not only built-in layers) inside."""
+    return any(isinstance(m, _CONTAINERS) and not all(_builtin(c) for c in m.children())
+               for m in module.modules())
+
+
+def unit_names(model: nn.Module) -> list[str]:
+    """The FQNs of ``model``'s candidate units, in registration order (see the docstring)."""
+    out: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            fqn = f"{prefix}{name}"
+            if isinstance(child, _CONTAINERS) or (_holds_blocks(child) and not _builtin(child)):
+                visit(f"{fqn}.", child)
+            else:
+                out.append(fqn)
+
+    visit("", model)
+    return out
+
+
+def place(target: str, holder: nn.Module, value: Any, *, buffer: bool | None = None) -> None:
+    """Register ``value`` at FQN ``target`` of ``holder`` (empty parent modules made as
+    needed): a module, a parameter, a buffer (``buffer``: persistent or not) or a tensor."""
+    parent = holder
+    *path, leaf = target.split(".")
+    for part in path:
+        child = parent._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            parent.add_module(part, child)
+        parent = child
+    if isinstance(value, nn.Module):
+        parent.add_module(leaf, value)
+    elif isinstance(value, nn.Parameter):
+        parent.register_parameter(leaf, value)
+    elif buffer is not None:
+        parent.register_buffer(leaf, value, persistent=buffer)
+    else:
+        setattr(parent, leaf, value)
+
+
+class Segment(nn.Module):
+    """The nodes of one unit's segment of the traced graph, and what they read.
+
+    Its units and attributes are registered under their FQNs (so its parameter
+    names are the model's own); :meth:`run` executes it against any module that
+    holds them under the same names (a stage's :class:`~dreampipe.api.split.Chain`).
+    ``index`` of ``count`` says where it is in the model; ``inputs`` names the
+    first segment's placeholders (the model's keyword arguments).
+    """
+
+    def __init__(self, root: nn.Module, graph: fx.Graph, name: str, index: int,
+                 count: int) -> None:
+        super().__init__()
+        self.graph, self.name = graph, name
+        self.index, self.count = index, count
+        self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        self.targets: list[str] = []
+        self.initialiser = initialiser(root)
+        for node in graph.nodes:
+            if node.op in ("call_module", "get_attr") and node.target not in self.targets:
+                target = str(node.target)
+                self.targets.append(target)
+                value = fetch(root, target)
+                place_attr(root, target, self, value)
+
+    def run(self, holder: nn.Module, values: Sequence[Any]) -> Any:
+        """The segment on ``values`` (its placeholders in order), reading from ``holder``."""
+        return _plain(fx.Interpreter(holder, graph=self.graph, garbage_collect_values=True).run(
+            *values, enable_io_processing=False))
+
+    def bind(self, args: tuple[Any, ...]) -> list[Any]:
+        """The first segment's placeholder values: the model's inputs ``args`` by position,
+        or one dict of keyword arguments by name."""
+        names = [str(n.target) for n in self.inputs]
+        given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
+            zip(names, args, strict=False))
+        if len(args) > len(names) or set(given) - set(names):
+            extra = sorted(set(given) - set(names)) or [f"{len(args)} positional inputs"]
+            raise ConfigError(
+                f"the model's forward takes {', '.join(names)}, not "
+                f"{', '.join(map(str, extra))}; give its inputs by position, or as one dict of "
+                "its keyword arguments", "example")
+        values: list[Any] = []
+        for node in self.inputs:
+            name = str(node.target)
+            if name in given:
+                values.append(given[name])
+            elif node.args:
+                values.append(node.args[0])
+            else:
+                raise ConfigError(f"the model's forward needs {name!r}, which the input does "
+                                  "not give; add it to the input", "example")
+        return values
+
+    def forward(self, *args: Any) -> Any:
+        """The segment, reading its own units and attributes, on the model's inputs (the
+        first) or on the tuple of values the previous segment returned."""
+        return self.run(self, self.bind(args) if self.index == 0 else args[0])
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with fx's immutable dicts and lists (what a graph builds) as plain ones, as
+    the model's own forward returns them."""
+    if isinstance(value, immutable_dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, immutable_list):
+        return [_plain(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_plain(v) for v in value)
+    return value
+
+
+def fetch(root: nn.Module, target: str) -> Any:
+    """Attribute ``target`` (an FQN) of ``root``."""
+    value: Any = root
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def place_attr(root: nn.Module, target: str, holder: nn.Module, value: Any) -> None:
+    """Register attribute ``target`` of ``root`` on ``holder`` as what it is there."""
+    *path, leaf = target.split(".")
+    parent = root.get_submodule(".".join(path))
+    persistent = leaf not in parent._non_persistent_buffers_set
+    place(target, holder, value, buffer=persistent if leaf in parent._buffers else None)
+
+
+def segments(model: nn.Module, units: Sequence[str], example: Any = None
+             ) -> list[tuple[str, Segment]]:
+    """``model`` traced (:mod:`.tracer`) with ``units`` kept whole, on ``example`` (its
+    input, or None) and cut before each unit's call."""
+    what = type(model).__name__
+    try:
+        graph = trace_model(model, set(units), example)
+    except Exception as exc:
+        raise PlanError(
+            f"cannot split {what}: torch.fx cannot trace its forward ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); dreampipe traces the forward "
+            "around the model's blocks and keeps each block whole: remove control flow on "
+            "tensor values from the code between blocks, or give an nn.Sequential"
+        ) from exc
+    nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    calls = [i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in units]
+    if not calls:
+        raise PlanError(f"cannot split {what}: its forward calls none of its submodules")
+    bounds = [0, *calls[1:], len(nodes)]
+    groups = [nodes[a:b] for a, b in itertools.pairwise(bounds)]
+    seg_of = {n: s for s, group in enumerate(groups) for n in group}
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            seg_of[n] = 0
+    output = next(n for n in graph.nodes if n.op == "output")
+    seg_of[output] = len(groups)
+    live: list[list[fx.Node]] = []
+    for s in range(len(groups)):
+        live.append([n for n in graph.nodes if n.op != "get_attr" and n in seg_of
+                     and seg_of[n] <= s and any(seg_of.get(u, 0) > s for u in n.users)])
+    out: list[tuple[str, Segment]] = []
+    seen: dict[str, int] = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for s, group in enumerate(groups):
+        g = _segment_graph(placeholders if s == 0 else live[s - 1], s == 0, group,
+                           output if s == len(groups) - 1 else live[s])
+        name = str(nodes[calls[s]].target)
+        seen[name] = seen.get(name, 0) + 1
+        label = name if seen[name] == 1 else f"{name}@{seen[name]}"
+        out.append((label, Segment(model, g, label, s, len(groups))))
+    return out
+
+
+def _segment_graph(inputs: list[fx.Node], first: bool, group: list[fx.Node],
+                   result: fx.Node | list[fx.Node]) -> fx.Graph:
+    """A graph of ``group`` taking ``inputs`` (the model's placeholders when ``first``) and
+    returning ``result``: the model's output node, or the values to pass on."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, n in enumerate(inputs):
+        env[n] = g.node_copy(n) if first else g.placeholder(f"in_{i}_{n.name}")
+
+    def copy(n: fx.Node) -> None:
+        for arg in n.all_input_nodes:
+            if arg.op == "get_attr" and arg not in env:
+                env[arg] = g.node_copy(arg)
+        if n.op != "output":
+            env[n] = g.node_copy(n, env.__getitem__)
+
+    for n in group:
+        copy(n)
+    if isinstance(result, fx.Node):
+        copy(result)
+        g.output(fx.map_arg(result.args[0], env.__getitem__))
+    else:
+        g.output(tuple(env[n] for n in result))
+    return g
+
+
+def split_bounds(names: Sequence[str], split_points: Sequence[str], model: nn.Module) -> list[int]:
+    """The first layer of each stage: layer 0, then the first unit at or under each split
+    point, in order; a PlanError naming a point that begins no unit, and the nearest that do."""
+    if isinstance(split_points, str):
+        raise ConfigError(f"split_points={split_points!r}; give a list of module names, e.g. "
+                          f"split_points=[{split_points!r}]", "split_points")
+    bounds = [0]
+    for point in split_points:
+        hit = next((i for i, n in enumerate(names)
+                    if n == point or n.startswith(f"{point}.")), None)
+        if hit is None or hit == 0:
+            raise ConfigError(_bad_point(point, names, model, first=hit == 0), "split_points")
+        if hit <= bounds[-1]:
+            raise ConfigError(
+                f"split point {point!r} (layer {hit}) does not come after the previous one "
+                f"({names[bounds[-1]]!r}); give split points in call order, each once",
+                "split_points")
+        bounds.append(hit)
+    return bounds
+
+
+def _bad_point(point: str, names: Sequence[str], model: nn.Module, *, first: bool) -> str:
+    if first:
+        return (f"split point {point!r} begins the first stage, which needs no split point; "
+                f"name where the second stage begins, e.g. {names[1]!r}" if len(names) > 1
+                else f"split point {point!r}: the model has one unit, nothing to split")
+    inside = next((n for n in names if point.startswith(f"{n}.")), None)
+    if inside is not None:
+        i = names.index(inside)
+        near = [n for n in (names[i], names[i + 1] if i + 1 < len(names) else None) if n]
+        return (f"split point {point!r} is inside {inside!r}, a "
+                f"{type(model.get_submodule(inside.split('@')[0])).__name__} that runs whole on "
+                f"one stage; split at {' or '.join(repr(n) for n in near)}")
+    try:
+        model.get_submodule(point)
+        reason = "names a module the forward does not call"
+    except AttributeError:
+        reason = "names no module of the model"
+    near = difflib.get_close_matches(point, list(names), n=2, cutoff=0.0)
+    return (f"split point {point!r} {reason}; the nearest valid split points are "
+            f"{', '.join(repr(n) for n in near)}")

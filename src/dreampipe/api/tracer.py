@@ -1,0 +1,258 @@
+"""torch.fx tracing of a model's forward around its units.
+
+Every trace
+
+- keeps each *unit* (an FQN) whole, as one ``call_module`` node;
+- keeps objects it cannot express in a graph (a config) as constants, and
+  rebuilds a ``ModelOutput`` the forward returns;
+- calls Hugging Face's attention-mask builders (``transformers.masking_utils``)
+  as single functions at run time, since they branch on the mask's values;
+- traces a forward that takes ``**kwargs`` (Hugging Face's) through a stand-in
+  forward with the example's own argument names, passing ``use_cache=False``
+  when the forward takes ``use_cache`` (a pipeline trains without a KV cache).
+
+A plain trace (shapes symbolic, so a smaller last batch still runs) is tried
+first. Code that branches on shapes fails it (Hugging Face's ``if batch_size
+!= position_ids.shape[0]``), so the second try runs every traced node on the
+``meta`` device alongside (the example's shapes, no memory, no compute):
+``x.shape``, ``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()``
+of a known Python value are concrete, and the example's shapes, which every
+minibatch shares, are baked in. A forward that branches on tensor values
+fails both, and the caller says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+__all__ = ["trace_model"]
+
+_log = logging.getLogger(__name__)
+
+#: Modules whose functions run whole at run time (they branch on tensor values).
+_LEAF_FUNCTION_MODULES = ("transformers.masking_utils",)
+_CONCRETE = ("shape", "dtype", "ndim", "layout", "size", "dim", "numel", "is_floating_point")
+_VALUE = "_dreampipe_value"
+#: The meta value of a proxy whose value is not known (it fails whatever reads it).
+_UNKNOWN = object()
+
+
+def _is_proxy(a: Any) -> bool:
+    return isinstance(a, fx.Proxy)
+
+
+def _has_proxy(tree: Any) -> bool:
+    return any(_is_proxy(x) for x in pytree.tree_leaves(tree, is_leaf=_is_proxy))
+
+
+def _value(a: Any) -> Any:
+    """The meta value behind a proxy (:data:`_UNKNOWN` if not known), or ``a`` itself."""
+    if isinstance(a, fx.proxy.Attribute):
+        root = _value(a.root)
+        return _UNKNOWN if root is _UNKNOWN else getattr(root, a.attr, _UNKNOWN)
+    if _is_proxy(a):
+        return a.__dict__.get(_VALUE, _UNKNOWN)
+    return a
+
+
+class _MetaProxy(fx.Proxy):
+    """A proxy that knows its meta value: shapes and Python values are concrete."""
+
+    def __getattr__(self, k: str) -> Any:
+        value = self.__dict__.get(_VALUE)
+        if isinstance(value, Tensor) and k in _CONCRETE:
+            return getattr(value, k)
+        return super().__getattr__(k)
+
+    def __len__(self) -> int:
+        value = self.__dict__.get(_VALUE)
+        if isinstance(value, (tuple, list, Tensor)):
+            return len(value)
+        return super().__len__()
+
+    def __iter__(self) -> Iterator[Any]:
+        value = self.__dict__.get(_VALUE)
+        if isinstance(value, (tuple, list)):
+            return iter([self[i] for i in range(len(value))])  # type: ignore[index]
+        return super().__iter__()
+
+    def __bool__(self) -> bool:
+        value = self.__dict__.get(_VALUE, _UNKNOWN)
+        if isinstance(value, (bool, int, float, str, type(None))):
+            return bool(value)
+        return super().__bool__()
+
+
+class _Tracer(fx.Tracer):
+    """Units kept whole; with ``inputs`` (meta values by name, or None: a plain fx
+    trace), every node's meta value alongside."""
+
+    def __init__(self, units: set[str], inputs: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.units = units
+        self.inputs = inputs
+        self._eager = False
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.units or (
+            super().is_leaf_module(m, module_qualified_name)
+            and not any(u.startswith(f"{module_qualified_name}.") for u in self.units))
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        if self._eager:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _MetaProxy(node, self)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, dict) and type(a) is not dict and _has_proxy(dict(a)):
+            # a ModelOutput: rebuilt as itself from its (non-None) items at run time
+            return self.create_node("call_function", type(a), (),
+                                    {k: self.create_arg(v) for k, v in a.items()})
+        if dataclasses.is_dataclass(a) and not isinstance(a, type) and not _has_proxy(
+                [getattr(a, f.name) for f in dataclasses.fields(a)]):
+            return a
+        try:
+            return super().create_arg(a)
+        except NotImplementedError:
+            return a
+
+    def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], *rest: Any, **kw: Any) -> fx.Proxy:
+        p = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        if self.inputs is None:
+            return p
+        try:
+            value = self._meta_value(kind, target, *pytree.tree_map(
+                _value, (args, kwargs), is_leaf=_is_proxy))
+        except Exception:  # unknown: only what reads it fails the trace
+            value = _UNKNOWN
+        p.__dict__[_VALUE] = value
+        return p
+
+    def _meta_value(self, kind: str, target: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        if kind == "placeholder":
+            return (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
+        if kind == "get_attr":
+            value: Any = self.root
+            for part in str(target).split("."):
+                value = getattr(value, part)
+            return _meta(value) if isinstance(value, Tensor) else value
+        if kind == "call_function":
+            return target(*args, **kwargs)
+        if kind == "call_method":
+            return getattr(args[0], target)(*args[1:], **kwargs)
+        if kind == "call_module":
+            module = self.root.get_submodule(str(target))
+            tensors = {k: _meta(v) for k, v in (*module.named_parameters(),
+                                                *module.named_buffers())}
+            self._eager = True
+            try:
+                return functional_call(module, tensors, args, kwargs)
+            finally:
+                self._eager = False
+        return None
+
+
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty_like(t, device="meta")
+
+
+def _leaf_function(orig: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(orig)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        proxies = [a for a in pytree.tree_leaves((args, kwargs), is_leaf=_is_proxy)
+                   if _is_proxy(a)]
+        if not proxies:
+            return orig(*args, **kwargs)
+        return proxies[0].tracer.create_proxy("call_function", orig, args, kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def _leaf_functions(model: nn.Module) -> Iterator[None]:
+    """Replace, in the globals of every module's forward, the functions of
+    :data:`_LEAF_FUNCTION_MODULES` by ones that record a single call."""
+    patched: list[tuple[dict[str, Any], str, Any]] = []
+    for module in model.modules():
+        scope = inspect.unwrap(type(module).forward).__globals__
+        for name, value in list(scope.items()):
+            if (inspect.isfunction(value) and value.__module__ in _LEAF_FUNCTION_MODULES
+                    and not any(p[0] is scope and p[1] == name for p in patched)):
+                patched.append((scope, name, value))
+                scope[name] = _leaf_function(value)
+    try:
+        yield
+    finally:
+        for scope, name, value in reversed(patched):
+            scope[name] = value
+
+
+@contextlib.contextmanager
+def _named_forward(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """Give ``model`` (for the trace) a forward of exactly ``names``, calling its own with
+    them as keyword arguments (and ``use_cache=False`` when it takes ``use_cache``)."""
+    own = type(model).forward
+    fixed = {"use_cache": False} if "use_cache" in inspect.signature(own).parameters else {}
+    src = (f"def forward(self, {', '.join(names)}):\n"
+           f"    return _own(self, {', '.join(f'{n}={n}' for n in names)}, **_fixed)\n")
+    scope: dict[str, Any] = {"_own": own, "_fixed": fixed}
+    exec(src, scope)  # a forward with the example's argument names
+    cls = model.__class__
+    model.__class__ = type(cls.__name__, (cls,), {"forward": scope["forward"]})
+    try:
+        yield
+    finally:
+        model.__class__ = cls
+
+
+def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
+    """``model``'s forward as a graph with ``units`` kept whole; ``example`` is its input
+    (a tensor, a tuple, a dict of keyword arguments, or None: no shapes known).
+
+    A plain fx trace first, which keeps shapes symbolic (a smaller last batch still
+    runs); if that fails, a trace with the example's shapes known (see the docstring)."""
+    own = inspect.signature(type(model).forward).parameters
+    plain = not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in own.values())
+    if isinstance(example, dict):
+        names = list(example)
+    elif plain or example is None:
+        names = [n for n in own if n != "self"]
+    else:
+        names = [n for n in own if n != "self"][: len(example) if isinstance(example, tuple)
+                                                  else 1]
+    values = list(example.values()) if isinstance(example, dict) else (
+        list(example) if isinstance(example, tuple) else [example])
+    inputs = {n: _meta(v) if isinstance(v, Tensor) else v
+              for n, v in zip(names, values, strict=False)}
+    rename = isinstance(example, dict) or not plain
+
+    def trace(known: dict[str, Any] | None) -> fx.Graph:
+        named = _named_forward(model, names) if rename else contextlib.nullcontext()
+        with named, _leaf_functions(model):
+            return _Tracer(units, known).trace(model)
+
+    if example is None:
+        return trace(None)
+    try:
+        return trace(None)
+    except Exception as exc:
+        _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
+        return trace(inputs)

@@ -1,0 +1,49 @@
+"""Rank functions that train the model zoo of :mod:`.model_zoo` through the Pipeline."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dreampipe.api import Pipeline
+
+from .model_zoo import CASES, CaseSpec
+
+__all__ = ["train_case"]
+
+
+def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
+    checkpoint directory ``job["resume"]`` if given) split at its split
+    points (or ``job["plan"]``) for
+    ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
+    given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses,
+    the full state, the checkpoint's path and the held-out loss."""
+    case = CASES[job["case"]]
+    spec = CaseSpec(case, job["seed"])
+    lr, momentum = job["lr"], job.get("momentum", 0.0)
+    if job.get("meta"):
+        with torch.device("meta"):
+            model = case.build()
+    else:
+        model = spec.model()
+    pipe = Pipeline(
+        model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
+        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+        schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
+        resume=job.get("resume"),
+        **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
+    )
+    for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):
+        pipe.step(*case.example(k, job["minibatch"]))
+    losses = pipe.finish()
+    held_out = [case.example(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
+    evaluated = pipe.evaluate(held_out).loss if held_out else None
+    saved = str(pipe.save(job["save"])) if "save" in job else None
+    state = pipe.full_state_dict()
+    bounds = [st.first for st in pipe.plan.stages]
+    pipe.close()
+    out = {"losses": losses, "state": state, "bounds": bounds, "saved": saved,
+           "evaluated": evaluated}
+    return out if rank == 0 else None

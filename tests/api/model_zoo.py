@@ -1,0 +1,232 @@
+"""Models as people write them, for the splitter's tests: a torchvision-style ResNet
+(BasicBlocks, a stem, ``flatten``), a model whose skip crosses stages and takes a mask
+keyword, a model whose last layer's weight is tied to its first's, and Hugging Face's
+GPT-2 (tied embeddings) and BERT (an attention mask), tiny and randomly initialised,
+passed as they are (dict inputs, ``ModelOutput`` out), dropout off.
+
+Each comes with a ``case``: how to build it under a seed, its example minibatch, its
+loss and its split points for two stages; :class:`CaseSpec` and :class:`CaseData` make a
+case look like a zoo model and its data to the single-process references.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+from dreampipe.api.split import Chain, split_layers
+
+__all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2"]
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                         nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet layout, small: stem, two stages of BasicBlocks, pool, fc; the
+    head also reads the pooled stem (a skip from the first stage to the last)."""
+
+    def __init__(self, classes: int = 5) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.layer1 = nn.Sequential(BasicBlock(8, 8), BasicBlock(8, 8))
+        self.layer2 = nn.Sequential(BasicBlock(8, 16, 2), BasicBlock(16, 16))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16 + 8, classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        stem = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(stem))
+        skip = torch.flatten(F.adaptive_avg_pool2d(stem, 1), 1)
+        return self.fc(torch.cat([torch.flatten(self.avgpool(x), 1), skip], 1))
+
+
+class SkipNet(nn.Module):
+    """A stem whose output skips the middle blocks (across the cut) to the head, a mask
+    keyword used after the cut, and a dict out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> dict[str, Tensor]:
+        s = self.stem(x)
+        h = s
+        for block in self.blocks:
+            h = block(h)
+        if mask is not None:
+            h = h * mask.unsqueeze(-1)
+        return {"logits": self.head(h + s), "hidden": h}
+
+
+class TiedNet(nn.Module):
+    """An embedding whose weight is also the output head's, as GPT-2's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.mid = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.mid(self.embed(ids))).mean(1)
+
+
+def gpt2() -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def bert() -> BertForSequenceClassification:
+    return BertForSequenceClassification(BertConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        vocab_size=11, max_position_embeddings=8, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=0.5))
+
+
+@dataclass(frozen=True)
+class Case:
+    build: Callable[[], nn.Module]
+    example: Callable[[int, int], tuple[Any, Tensor]]
+    loss_fn: Callable[[Any, Tensor], Tensor]
+    split_points: list[str]
+
+
+_POOL = 256
+_g = torch.Generator().manual_seed(100)
+_IMAGES = (torch.randn(_POOL, 3, 8, 8, generator=_g), torch.randint(0, 5, (_POOL,), generator=_g))
+_ROWS = (torch.randn(_POOL, 6, generator=_g), (torch.rand(_POOL, generator=_g) > 0.2).long(),
+         torch.randint(0, 4, (_POOL,), generator=_g))
+_TOKENS = (torch.randint(0, 7, (_POOL, 5), generator=_g),
+           torch.randint(0, 7, (_POOL,), generator=_g))
+_IDS = torch.randint(0, 11, (_POOL, 6), generator=_g)
+_TEXT = (_IDS, (_IDS + 1) % 11,  # a next token to learn
+         (torch.arange(6) < torch.randint(3, 7, (_POOL, 1), generator=_g)).long(),
+         torch.randint(0, 3, (_POOL,), generator=_g))
+
+
+def _window(k: int, n: int) -> slice:
+    """Minibatch ``k`` of size ``n``: samples ``k*n ..`` of a fixed stream, so a minibatch's
+    units are the stream's minibatches of the unit size (as in the zoo's data)."""
+    start = k * n % _POOL
+    assert start + n <= _POOL
+    return slice(start, start + n)
+
+
+def _images(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return _IMAGES[0][w], _IMAGES[1][w]
+
+
+def _masked(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"x": _ROWS[0][w], "mask": _ROWS[1][w]}, _ROWS[2][w]
+
+
+def _tokens(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return _TOKENS[0][w], _TOKENS[1][w]
+
+
+def _text(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"input_ids": _TEXT[0][w]}, _TEXT[1][w]
+
+
+def _masked_text(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"input_ids": _TEXT[0][w], "attention_mask": _TEXT[2][w]}, _TEXT[3][w]
+
+
+def _lm_loss(out: Any, y: Tensor) -> Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def _logits_loss(out: Any, y: Tensor) -> Tensor:
+    return F.cross_entropy(out.logits, y)
+
+
+def _dict_loss(out: Any, y: Tensor) -> Tensor:
+    return F.cross_entropy(out["logits"], y)
+
+
+CASES: dict[str, Case] = {
+    "resnet": Case(ResNet, _images, F.cross_entropy, ["layer2"]),
+    "skip": Case(SkipNet, _masked, _dict_loss, ["blocks.1"]),
+    "tied": Case(TiedNet, _tokens, F.cross_entropy, ["head"]),
+    "gpt2": Case(gpt2, _text, _lm_loss, ["transformer.h.1"]),
+    "bert": Case(bert, _masked_text, _logits_loss, ["bert.encoder.layer.1"]),
+}
+
+
+class CaseSpec:
+    """A case as the references' model spec: stages built from a fresh seeded model,
+    traced on units of ``unit`` samples (the shapes a trace bakes in)."""
+
+    def __init__(self, case: Case, seed: int, unit: int = 1) -> None:
+        self.case, self.seed, self.unit = case, seed, unit
+        self.loss_fn = case.loss_fn
+        self.num_layers = len(split_layers(self.model(), case.example(0, 1)[0]))
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return self.case.build()
+
+    def build(self, first: int, last: int, seed: int) -> nn.Module:
+        """Layers ``first..last``; the whole model as it is, called with its inputs."""
+        if (first, last) == (0, self.num_layers - 1):
+            return _AsCalled(self.model())
+        example = self.case.example(0, self.unit)[0]
+        return Chain(split_layers(self.model(), example)[first : last + 1])
+
+
+class _AsCalled(nn.Module):
+    """``model`` itself (its modules and names), called with a dict as keyword arguments."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.__dict__.update(_modules=model._modules, _parameters=model._parameters,
+                             _buffers=model._buffers)
+        self.model = [model]
+
+    def forward(self, x: Any) -> Any:
+        return self.model[0](**x) if isinstance(x, dict) else self.model[0](x)
+
+
+class CaseData:
+    """A case's minibatches as the references' data set (``batch(k, size)``)."""
+
+    def __init__(self, case: Case) -> None:
+        self.case = case
+
+    def batch(self, k: int, size: int) -> tuple[Any, Tensor]:
+        return self.case.example(k, size)

@@ -1,0 +1,39 @@
+"""Several values between stages, packed into one tensor and back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dreampipe.api.pack import pack, unpack
+from dreampipe.errors import PlanError
+
+__all__: list[str] = []
+
+
+def test_a_pytree_of_tensors_and_constants_round_trips_with_gradients() -> None:
+    h = torch.randn(2, 3, requires_grad=True)
+    values = ((h, None), {"mask": torch.tensor([[True, False]]), "ids": torch.arange(4),
+                          "half": torch.ones(2, dtype=torch.bfloat16), "n": 3, "s": "x"})
+    packed = pack(values, "the cut")
+    assert packed.dtype == torch.float32 and packed.dim() == 1
+    back = unpack(packed.detach().requires_grad_(True))
+    assert back[0][1] is None and back[1]["n"] == 3 and back[1]["s"] == "x"
+    torch.testing.assert_close(back[0][0], h.detach(), rtol=0, atol=0)
+    for key in ("mask", "ids", "half"):
+        assert back[1][key].dtype == values[1][key].dtype  # type: ignore[union-attr]
+        assert torch.equal(back[1][key], values[1][key])  # type: ignore[arg-type]
+    grad = torch.ones_like(packed)
+    packed.backward(grad)
+    torch.testing.assert_close(h.grad, torch.ones(2, 3))
+
+
+def test_an_integer_a_float32_message_cannot_hold_is_an_error() -> None:
+    with pytest.raises(PlanError, match=r"the cut passes a int64 tensor with values beyond "
+                                        r"16777216"):
+        pack((torch.ones(2), torch.tensor([2**25])), "the cut")
+
+
+def test_a_value_that_is_neither_tensor_nor_constant_is_an_error() -> None:
+    with pytest.raises(PlanError, match=r"the cut passes a object on"):
+        pack((torch.ones(2), object()), "the cut")

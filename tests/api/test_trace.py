@@ -1,0 +1,89 @@
+"""The splitter: units, segments and split points of models as people write them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dreampipe.api.split import Chain, split_layers
+from dreampipe.api.trace import split_bounds, unit_names
+from dreampipe.errors import PlanError
+
+from .model_zoo import CASES, ResNet
+from .test_pipeline_errors import _Branchy
+
+__all__: list[str] = []
+
+
+def test_the_units_are_the_blocks_and_the_modules_between_them() -> None:
+    assert unit_names(ResNet()) == ["conv1", "bn1", "relu", "layer1.0", "layer1.1", "layer2.0",
+                                    "layer2.1", "avgpool", "fc"]
+    gpt2 = CASES["gpt2"].build()
+    assert unit_names(gpt2) == ["transformer.wte", "transformer.wpe", "transformer.drop",
+                                "transformer.h.0", "transformer.h.1", "transformer.ln_f",
+                                "lm_head"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("cut", [1, 3])
+def test_two_stages_of_segments_compute_the_model(name: str, cut: int) -> None:
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.build().eval()
+    x, _ = case.example(0, 4)
+    layers = split_layers(model, x)
+    out = Chain(layers[cut:])(Chain(layers[:cut])(x))
+    want = model(**x) if isinstance(x, dict) else model(x)
+    got_logits = out["logits"] if isinstance(out, dict) else out
+    want_logits = want["logits"] if isinstance(want, dict) else want
+    assert type(out) is type(want)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-6, atol=1e-6)
+
+
+def test_split_gpt2_with_eager_attention_stays_causal() -> None:
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+        eos_token_id=0, attn_implementation="eager")).eval()
+    ids = torch.randint(0, 11, (2, 6))
+    layers = split_layers(model, {"input_ids": ids})
+    first, rest = Chain(layers[:4]), Chain(layers[4:])
+    out = rest(first({"input_ids": ids})).logits
+    changed = ids.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 11
+    later = rest(first({"input_ids": changed})).logits
+    torch.testing.assert_close(later[:, :-1], out[:, :-1], rtol=0, atol=0)
+    assert not torch.equal(later[:, -1], out[:, -1])
+
+
+def test_a_split_point_at_a_container_begins_at_its_first_block() -> None:
+    model = ResNet()
+    names = [n for n, _ in split_layers(model)]
+    assert split_bounds(names, ["layer2"], model) == [0, 5]
+    assert split_bounds(names, ["layer1.1", "fc"], model) == [0, 4, 8]
+
+
+class _Flat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3, padding=1)
+        self.fc = nn.Linear(2 * 8 * 8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.conv(x)
+        return self.fc(h.view(h.size(0), -1))
+
+
+def test_a_model_plain_fx_traces_keeps_its_shapes_symbolic() -> None:
+    model = _Flat()
+    layers = split_layers(model, torch.randn(4, 3, 8, 8))
+    x = torch.randn(3, 3, 8, 8)  # a smaller batch than the example's, as a last batch is
+    torch.testing.assert_close(Chain(layers[1:])(Chain(layers[:1])(x)), model(x))
+
+
+def test_a_branch_on_a_tensor_value_is_never_taken_silently() -> None:
+    # traced with the example's shapes known too: the branch still cannot be traced
+    with pytest.raises(PlanError, match=r"cannot split _Branchy: torch.fx cannot trace"):
+        split_layers(_Branchy(), torch.randn(4, 6))
