@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -43,16 +44,25 @@ def agent_command(node: int, *, nnodes: int, nproc: int, endpoint: str, run_id: 
 def run_agents(commands: Sequence[list[str]], envs: Sequence[dict[str, str]], folder: Path, *,
                timeout_s: float, tag: str = "") -> list[tuple[int, str, str]]:
     """Start every command at once (the agents of one job), each in a session of its own
-    with its output in ``folder/<tag>out<n>`` and ``err<n>``; wait for all, stop whatever
-    still runs on the way out. Per command: its exit status, stdout and stderr."""
+    with its output in ``folder/<tag>out<n>`` and ``err<n>``; wait for all within one
+    deadline of ``timeout_s``, stop whatever still runs on the way out. Per command: its
+    exit status, stdout and stderr. Past the deadline the failure shows every agent's
+    stderr."""
     agents: list[subprocess.Popen[bytes]] = []
     files = [(folder / f"{tag}out{n}", folder / f"{tag}err{n}") for n in range(len(commands))]
+    deadline = time.monotonic() + timeout_s
     try:
         for cmd, env, (out_path, err_path) in zip(commands, envs, files, strict=True):
             with out_path.open("wb") as out, err_path.open("wb") as err:
                 agents.append(subprocess.Popen(cmd, stdout=out, stderr=err, env=env,
                                                cwd=folder, start_new_session=True))
-        codes = [agent.wait(timeout=timeout_s) for agent in agents]
+        try:
+            codes = [agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+                     for agent in agents]
+        except subprocess.TimeoutExpired:
+            tails = [err.read_text(errors="replace")[-3000:] for _, err in files]
+            raise AssertionError(f"the agents ran past {timeout_s:g} s; their stderr:\n"
+                                 + "\n----\n".join(tails)) from None
     finally:
         for agent in agents:
             stop(agent)

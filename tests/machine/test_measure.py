@@ -28,8 +28,8 @@ def test_a_quick_calibration_measures_every_figure_of_one_node() -> None:
                    found.step_bandwidth, found.stash_copy_bandwidth,
                    found.send_copy_bandwidth):
         assert 1e6 < figure < 1e14
-    assert 0 < found.node.latency_s < 0.1 and 0 < found.send_overhead_s < 0.1
-    assert found.corun_slowdown > 0.5
+    assert 0 <= found.node.latency_s < 0.1 and 0 <= found.send_overhead_s < 0.1
+    assert found.corun_slowdown >= 1.0
     how = dict(found.how)
     assert "beside a busy twin" in how["corun_slowdown"] and "ping-pong" in found.node.how
     assert set(how) >= {"step_bandwidth", "stash_copy_bandwidth", "corun_slowdown",

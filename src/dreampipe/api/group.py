@@ -18,21 +18,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["backend_for_node", "init_process_group", "rank_device"]
+from dreampipe.runtime.backend import Backend, backend_for_node, gpus_here
+
+__all__ = ["init_process_group", "rank_device"]
 
 _log = logging.getLogger(__name__)
 
 
-def backend_for_node(local_ranks: int) -> str:
-    """NCCL where every one of ``local_ranks`` ranks on this node has a GPU of its own."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus >= local_ranks:
-        return "nccl"
-    if gpus:
+def _backend(local_ranks: int) -> str:
+    """:func:`~dreampipe.runtime.backend.backend_for_node`, saying so when GPUs go unused."""
+    backend, gpus = backend_for_node(local_ranks), gpus_here()
+    if backend is Backend.GLOO and gpus:
         _log.warning("%d ranks on this node but %d GPU(s): training on the CPU with gloo; "
                      "start at most %d ranks a node (torchrun --nproc-per-node) to use them",
                      local_ranks, gpus, gpus)
-    return "gloo"
+    return backend.value
 
 
 def init_process_group(timeout_s: float) -> bool:
@@ -41,11 +41,11 @@ def init_process_group(timeout_s: float) -> bool:
         return False
     timeout = timedelta(seconds=max(timeout_s, 60.0))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-        backend = backend_for_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend_for_node(1), store=store, rank=0, world_size=1,
+        dist.init_process_group(_backend(1), store=store, rank=0, world_size=1,
                                 timeout=timeout)
     return True
 

@@ -71,7 +71,9 @@ def materialise(stage: nn.Module, layers: list[tuple[str, nn.Module]], first: in
         module, name = group[0]
         for other, other_name in group[1:]:
             other._parameters[other_name] = module._parameters[name]
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    # the seeds below reach the stage's CUDA generator too: restore it as well as the CPU's
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
         for t in (*stage.parameters(), *stage.buffers()):
             if t.is_floating_point():
                 t.fill_(math.nan)

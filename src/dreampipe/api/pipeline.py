@@ -174,6 +174,7 @@ class Pipeline:
                               "max_grad_norm")
         self._example = example
         self._owns_group = init_process_group(timeout_s)
+        self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                  microbatches=microbatches, workers=world)
@@ -202,7 +203,6 @@ class Pipeline:
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
-        self.device = rank_device()
         stage = self.plan.stage_of_rank(self.rank)
         st = self.plan.stages[stage]
         #: The rank in the schedule (one per replica) and, in a split stage, the

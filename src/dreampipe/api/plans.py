@@ -30,7 +30,7 @@ from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_plan
-from dreampipe.machine.measure import machine_in_group
+from dreampipe.machine.measure import in_torchrun, machine_in_group, torchrun_nodes
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
@@ -57,12 +57,13 @@ def resolve_plan(
         return Plan.load(plan)
     if kind is ScheduleKind.DP or world == 1:
         return Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
-    machine = machine_in_group()  # every rank: without a machine file all measure it
+    nodes = torchrun_nodes(world) if in_torchrun() else 1
+    machine = machine_in_group(nodes=nodes)  # every rank: without a machine file all measure
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = _profile_and_plan(layers, example, loss_fn, unit_size, seed,
-                                       machine).to_json()
+                                       machine, nodes).to_json()
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -73,7 +74,7 @@ def resolve_plan(
 
 def _profile_and_plan(
     layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int,
-    machine: LocalCalibration,
+    machine: LocalCalibration, nodes: int,
 ) -> Plan:
     from dreampipe.profiling.profiler import profile_model
 
@@ -94,6 +95,7 @@ def _profile_and_plan(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
             "give plan= a Plan or a plan file for this model"
         )
-    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, machine=machine)
+    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
+                       machine=machine)
     _log.info("planned %s", plan.config)
     return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))

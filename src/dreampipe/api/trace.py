@@ -251,7 +251,8 @@ def _segment_graph(inputs: list[fx.Node], first: bool, group: list[fx.Node],
 
 def split_bounds(names: Sequence[str], split_points: Sequence[str], model: nn.Module) -> list[int]:
     """The first layer of each stage: layer 0, then the first unit at or under each split
-    point, in order; a PlanError naming a point that begins no unit, and the nearest that do."""
+    point, in order; a ConfigError naming a point that begins no unit, and the nearest that
+    do."""
     if isinstance(split_points, str):
         raise ConfigError(f"split_points={split_points!r}; give a list of module names, e.g. "
                           f"split_points=[{split_points!r}]", "split_points")

@@ -54,7 +54,6 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    import torch
 
     from dreampipe.machine.machine_file import default_path
     from dreampipe.machine.measure import (
@@ -64,6 +63,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         calibrate_torchrun,
         in_torchrun,
     )
+    from dreampipe.runtime.backend import gpus_here
 
     target = Path(args.output) if args.output else default_path()
     if target.is_dir():
@@ -82,8 +82,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if found is None:  # not rank 0
             return 0
     else:
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        workers = args.workers if args.workers is not None else max(2, gpus)
+        workers = args.workers if args.workers is not None else max(2, gpus_here())
         found = calibrate_local(workers, probe, progress)
     found.save(target)
     if args.json:

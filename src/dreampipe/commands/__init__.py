@@ -5,3 +5,5 @@ its plan); ``demo`` does it on real data beside data parallelism; ``bench``
 compares dreampipe's schedules with PyTorch's own (``baselines``). This
 package stays torch-free at import, so the CLI's parser starts fast.
 """
+
+__all__: list[str] = []

@@ -39,6 +39,7 @@ from dreampipe.commands.train_config import TrainConfig, TrainResult, check_conf
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import barrier
 from dreampipe.runtime.memory import (
@@ -130,7 +131,7 @@ def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResul
         return f"stage {cfg.plan.stage_of_rank(rank)}"
 
     results = run_processes(train_rank, cfg.workers, job, deadline_s=deadline_s,
-                            threads=None if torch.cuda.is_available() else 1, where=where)
+                            threads=backend_for_node(cfg.workers).threads, where=where)
     if not isinstance(results[0], TrainResult):
         raise WorkerError("rank 0 finished without a result")
     return results[0]

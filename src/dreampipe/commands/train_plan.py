@@ -36,7 +36,7 @@ from dreampipe.machine.local_plan import (
     profile_as_worker,
     saved_profile,
 )
-from dreampipe.machine.measure import machine_for_run
+from dreampipe.machine.measure import machine_for_run, torchrun_nodes
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
@@ -61,7 +61,6 @@ __all__ = [
     "TrainRequest",
     "plan_train",
     "share_plan",
-    "torchrun_nodes",
     "torchrun_world",
 ]
 
@@ -175,20 +174,6 @@ def torchrun_world() -> tuple[int, int] | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return None
-
-
-def torchrun_nodes(world: int) -> int:
-    """The nodes of a torchrun job of ``world`` processes: ``world / LOCAL_WORLD_SIZE``.
-
-    1 when torchrun did not say, or the nodes run different numbers of processes
-    (the planner then sees one level).
-    """
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
-        log.info("LOCAL_WORLD_SIZE=%d does not divide %d workers: planning on one level",
-                 local, world)
-        return 1
-    return world // local
 
 
 def share_plan(plan: Plan | None, timeout_s: float) -> Plan:

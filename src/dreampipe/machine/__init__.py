@@ -9,3 +9,5 @@ a profile taken beside busy workers needs; ``local_plan`` profiles, plans
 and predicts for the workers at hand, which ``Pipeline(plan="auto")`` and
 the commands share.
 """
+
+__all__: list[str] = []

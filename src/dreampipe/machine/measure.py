@@ -52,10 +52,12 @@ from dreampipe.machine.pingpong import LineFit, ping_pong
 from dreampipe.machine.rates import HostRates, measure_rates
 from dreampipe.machine.timers import timer_for
 from dreampipe.quantities import format_bytes
+from dreampipe.runtime.backend import Backend, backend_for_node, gpus_here
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["FULL", "QUICK", "Probe", "calibrate_local", "calibrate_torchrun", "describe",
-           "describe_level", "in_torchrun", "local_machine", "machine_for_run", "machine_in_group"]
+           "describe_level", "in_torchrun", "local_machine", "machine_for_run", "machine_in_group",
+           "torchrun_nodes"]
 
 log = logging.getLogger(__name__)
 
@@ -109,16 +111,28 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def torchrun_nodes(world: int) -> int:
+    """The nodes of a torchrun job of ``world`` processes: ``world / LOCAL_WORLD_SIZE``.
+
+    1 when torchrun did not say, or the nodes run different numbers of processes
+    (the planner then sees one level).
+    """
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 1 or world % local:
+        log.info("LOCAL_WORLD_SIZE=%d does not divide %d workers: planning on one level",
+                 local, world)
+        return 1
+    return world // local
+
+
 def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -> MachineFile:
-    """Measure this machine with ``workers`` processes (GPUs: one each) started here."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    """Measure this machine with ``workers`` processes started here: a GPU each where there
+    are as many GPUs, else on the CPU with gloo (:mod:`~dreampipe.runtime.backend`)."""
     if workers < 2:
         raise ConfigError(f"workers={workers}: links are measured between 2 workers or more",
                           "workers")
-    if gpus and workers > gpus:
-        raise ConfigError(f"workers={workers} but this machine has {gpus} GPUs; use "
-                          f"workers={gpus}", "workers")
-    job = _Job(workers, workers, probe, "nccl" if gpus else "gloo")
+    backend = backend_for_node(workers)
+    job = _Job(workers, workers, probe, backend.value)
     _tell(say, f"measuring {workers} local workers ({job.backend}): co-run slowdown, "
                "ping-pong, all-reduce, step and stash-copy rates")
     lines, progress = mp.Pipe(duplex=False)
@@ -126,7 +140,7 @@ def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -
     relay.start()
     try:
         found = run_processes(_local_rank, workers, dataclasses.replace(job, progress=progress),
-                              threads=None if gpus else 1, deadline_s=300.0,
+                              threads=backend.threads, deadline_s=300.0,
                               error=ConfigError)[0]
     finally:
         progress.close()  # the ranks' ends are closed: the relay reads to the end
@@ -181,7 +195,7 @@ def local_machine(workers: int, *, say: Say | None = None) -> LocalCalibration:
     found = load_machine_file()
     if found is not None:
         return found.calibration()
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpus_here()
     count = max(2, min(workers, gpus) if gpus else 2)
     if count not in _quick_machines:
         _missing(say, "")
@@ -261,7 +275,7 @@ def _torchrun_job(probe: Probe) -> _Job:
     if world < 2:
         raise ConfigError("torchrun started 1 process: links are measured between 2 or more; "
                           "use --nproc-per-node 2 or more nodes")
-    return _Job(world, per_node, probe, "nccl" if torch.cuda.is_available() else "gloo")
+    return _Job(world, per_node, probe, backend_for_node(per_node).value)
 
 
 def _join_torchrun() -> bool:
@@ -269,8 +283,8 @@ def _join_torchrun() -> bool:
     prefix of their own (the job's group joins later under its own); False if one exists."""
     if dist.is_initialized():
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    backend = backend_for_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))).value
+    if backend == Backend.NCCL.value:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend)

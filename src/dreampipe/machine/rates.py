@@ -108,6 +108,7 @@ def measure_rates(
     world = dist.get_world_size(group) if dist.is_initialized() else 1
     clock = timer or WallTimer()
     weights = [p.detach().clone() for p in params]
+    device = weights[0].device if weights else torch.device("cpu")  # what the group reduces
     grads = [torch.ones_like(w) for w in weights]
     nbytes = sum(g.numel() * g.element_size() for g in grads)
     buckets = GradientBuckets(weights, group, _wait)
@@ -118,10 +119,10 @@ def measure_rates(
     if world > 1:
         _allreduce_once(buckets, grads, clock)
         reduce_s.append(_allreduce_once(buckets, grads, clock))
-        n = _agreed_rounds(reduce_s[0], rounds, min_time_s, group)
+        n = _agreed_rounds(reduce_s[0], rounds, min_time_s, group, device)
         reduce_s += [_allreduce_once(buckets, grads, clock) for _ in range(n - 1)]
     # floats written between rounds, as compute would, where the weights are
-    cold = torch.empty(_EVICT_BYTES // 4, device=weights[0].device if weights else None)
+    cold = torch.empty(_EVICT_BYTES // 4, device=device)
     step_s = _until(optimizer.step, rounds, min_time_s, cold, clock)
     turns = world if beside is not None else 1
     if turns > 1:  # the turns start together: every copy is timed beside the others' work
@@ -132,7 +133,7 @@ def measure_rates(
         if mine:
             copy_s = _until(lambda: _copy(weights), rounds, min_time_s, cold, clock)
         if beside is not None and turns > 1:
-            compute_until_joined(beside, not mine, group)
+            compute_until_joined(beside, not mine, group, device)
     return HostRates(nbytes, world, tuple(reduce_s), step_s, copy_s)
 
 
@@ -156,9 +157,11 @@ def _allreduce_once(buckets: GradientBuckets, grads: list[Tensor], timer: Timer)
                                         1.0 / dist.get_world_size(buckets.group)))
 
 
-def _agreed_rounds(first_s: float, rounds: int, min_time_s: float, group: Any) -> int:
+def _agreed_rounds(
+    first_s: float, rounds: int, min_time_s: float, group: Any, device: torch.device
+) -> int:
     """The same round count on every rank: from the slowest rank's first round."""
-    slowest = torch.tensor([first_s], dtype=torch.float64)
+    slowest = torch.tensor([first_s], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return _rounds_for(float(slowest.item()), rounds, min_time_s)
 
@@ -184,11 +187,14 @@ def _until(
     return tuple(took)
 
 
-def compute_until_joined(work: Callable[[], Any], busy: bool, group: Any = None) -> None:
+def compute_until_joined(
+    work: Callable[[], Any], busy: bool, group: Any = None, device: torch.device | None = None
+) -> None:
     """Every rank of ``group`` returns together; a ``busy`` one runs ``work`` until the
-    others have joined (an asynchronous gloo all-reduce completes by itself then, a
-    point-to-point receive only inside ``wait``)."""
-    done = dist.all_reduce(torch.zeros(1), group=group, async_op=True)
+    others have joined (an asynchronous all-reduce completes by itself then, a gloo
+    point-to-point receive only inside ``wait``). ``device``: where the group reduces
+    (the rank's GPU under NCCL; the CPU by default)."""
+    done = dist.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
     assert done is not None  # async_op gives the work
     while busy and not done.is_completed():
         work()

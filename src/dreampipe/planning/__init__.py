@@ -4,3 +4,5 @@
 over them, ``planner`` the entry points (``plan_pipeline``, ``evaluate_plan``)
 and the baselines, ``plan`` the result as plain data.
 """
+
+__all__: list[str] = []

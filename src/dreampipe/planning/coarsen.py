@@ -31,8 +31,8 @@ __all__ = ["TABLE_WORK", "block_starts", "coarsen", "exact_layers"]
 
 #: The most work the exact search may take: its table entries (contexts x unit counts x
 #: ranges, summed over the inner levels) times the square root of the widest inner level's
-#: unit count, which tracks its time on ResNet-18's 71 layers on 128x8, 8x128 and 64x16 within
-#: 30% (about 0.5 s on 128x8 per 6 million, 2 shared cores).
+#: unit count, which tracks the search's time across topologies of one size (128x8, 8x128,
+#: 64x16); the budget keeps the exact search to a fraction of a second.
 TABLE_WORK = 6_000_000
 
 

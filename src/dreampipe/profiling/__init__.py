@@ -5,3 +5,5 @@ into layers); ``graph_txt`` reads PipeDream's own profiles; ``bundled`` finds
 the PipeDream profiles shipped in the package (``pipedream:NAME``); ``load``
 reads any of them. The rest of dreampipe sees only the ``LayerGraph``.
 """
+
+__all__: list[str] = []

@@ -13,16 +13,16 @@ How it measures (all in training mode, autograd on)::
          each layer in model order, on fresh leaf copies of its recorded inputs
            forward:  out = L(inputs)                                     timed
          then each layer in reverse order
-           input gradient:  autograd.grad(out, inputs, d(loss)/d(out))   timed
-           weight gradient: autograd.grad(out, params, d(loss)/d(out))   timed
+           backward:        autograd.grad(out, inputs + params, d(loss)/d(out))  timed
+           weight gradient: autograd.grad(out, params, d(loss)/d(out))           timed
 
 On a GPU each span is timed by CUDA events on the device's stream, read once
 per pass (:mod:`.clock`). The median of the ``repeats`` timings is reported, and every timed pass's
 total in ``meta["pass_ms"]`` (how a whole pass varies). The backward is the
 layer's own backward: gradients for its inputs (when they carry gradient in
-real training) and its parameters, with the real upstream gradient, timed
-as two calls, as a zero-bubble schedule runs them (``B`` and ``W``): the
-backward is their sum and ``weight_grad_ms`` the second. The
+real training) and its parameters, with the real upstream gradient, in one
+call as training runs it; ``weight_grad_ms``, what a zero-bubble schedule's
+``W`` takes, is a second call for the weights alone (at most the backward). The
 loss itself is not timed. ``autograd.grad`` never touches ``.grad``, and
 afterwards the buffers (BatchNorm running stats), the train/eval flags and
 the torch RNG state are restored, so the user's model and RNG are as before.
@@ -315,10 +315,10 @@ def _time_passes(
                 [p for p in step_params[i] if p.requires_grad], clock))
         values = [(fwd(), b(), w()) for fwd, b, w in readings]  # warm-up too: the GPU drains
         if r >= passes.warmup:
-            for i, (fwd_ms, input_ms, weight_ms) in enumerate(values):
+            for i, (fwd_ms, backward_ms, weight_ms) in enumerate(values):
                 forward[i].append(fwd_ms)
-                backward[i].append(input_ms + weight_ms)
-                weight[i].append(weight_ms)
+                backward[i].append(backward_ms)
+                weight[i].append(min(weight_ms, backward_ms))
             timed_s += time.perf_counter() - start
         r += 1
         if progress is not None:
@@ -330,20 +330,31 @@ def _time_backward(
     out: Any, out_grads: list[Tensor | None], inputs: list[Tensor], params: list[Tensor],
     clock: Clock,
 ) -> tuple[Reading, Reading]:
-    """Milliseconds of one layer's own backward with the real upstream gradient: its input
-    gradient, then its weight gradient (0 where it has none)."""
+    """Milliseconds of one layer's own backward with the real upstream gradient, whole (one
+    call for inputs and weights, as training runs it), and of its weight gradient alone.
+
+    A layer of several ops reaches its weights through its inner ops, so a call for the
+    weights alone runs part of the backward again: timing the input and weight gradients
+    as two calls and adding them would over-state the backward. So the whole backward is
+    one call; the weight gradient is timed by a second call, for the layers that have
+    both (a layer with weights only: the whole backward is its weight gradient).
+    """
     pairs = [(o, g) for o, g in zip(_tensors(out), out_grads, strict=False)
              if g is not None and o.requires_grad]
-    readings: list[Reading] = []
-    for targets, keep in ((inputs, bool(params)), (params, False)):
-        if not (pairs and targets):
-            readings.append(_ZERO)
-            continue
-        mark = clock.start()
-        torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs],
-                            retain_graph=keep, allow_unused=True)
-        readings.append(clock.stop(mark))
-    return readings[0], readings[1]
+    if not (pairs and (inputs or params)):
+        return _ZERO, _ZERO
+    outs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+    mark = clock.start()
+    torch.autograd.grad(outs, inputs + params, grads, retain_graph=bool(inputs and params),
+                        allow_unused=True)
+    whole = clock.stop(mark)
+    if not params:
+        return whole, _ZERO
+    if not inputs:
+        return whole, whole
+    mark = clock.start()
+    torch.autograd.grad(outs, params, grads, allow_unused=True)
+    return whole, clock.stop(mark)
 
 
 def _zero() -> float:

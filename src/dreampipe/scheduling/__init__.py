@@ -8,3 +8,5 @@ by those meanings (the validator's dry run, the simulator's clock);
 ``validator`` checks one before anything runs it; ``events`` is what a rank
 did, predicted or measured.
 """
+
+__all__: list[str] = []

@@ -5,3 +5,5 @@ plan); ``simulator`` runs the schedule as discrete events; ``timeline`` draws th
 events as a PNG, ``trace`` writes them for Perfetto. The runtime's measured
 events are drawn by the same code.
 """
+
+__all__: list[str] = []
