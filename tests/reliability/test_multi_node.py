@@ -21,7 +21,7 @@ from torchrun import agent_command, run_agents
 
 import dreampipe
 from dreampipe.machine.calibration import local_topology
-from dreampipe.machine.measure import torchrun_nodes
+from dreampipe.machine.torchrun import torchrun_nodes
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import free_port

@@ -6,6 +6,7 @@ process); :func:`load_model_state` reads a checkpoint's weights for a plain
 """
 
 from dreampipe.api.checkpoint import load_model_state
-from dreampipe.api.pipeline import EvalResult, Pipeline
+from dreampipe.api.evaluation import EvalResult
+from dreampipe.api.pipeline import Pipeline
 
 __all__ = ["EvalResult", "Pipeline", "load_model_state"]

@@ -39,7 +39,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,7 +59,8 @@ from dreampipe.api.checks import (
     check_stages_on_meta,
     map_inputs,
 )
-from dreampipe.api.feed import Batches, Feed
+from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
+from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import build_split_stage, build_stage, split_layers, tied_parameters
@@ -68,20 +68,18 @@ from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.comm import Comm, process_groups
+from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
-from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
-from dreampipe.scheduling.build import forward_only
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
 
-__all__ = ["SEGMENT_UNITS", "EvalResult", "Pipeline"]
+__all__ = ["SEGMENT_UNITS", "Pipeline"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
@@ -93,14 +91,6 @@ _E = TypeVar("_E", bound=Enum)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    """Mean loss per sample; top-1 accuracy when the targets are class labels."""
-
-    loss: float
-    accuracy: float | None
 
 
 def _choice(value: str | _E, kind: type[_E], name: str) -> _E:
@@ -336,7 +326,7 @@ class Pipeline:
         unit_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
             unit_losses[u] = float(loss) if self.member == 0 else 0.0
-        unit_losses = _all_reduced(unit_losses, self.device)
+        unit_losses = all_reduced(unit_losses, self.device)
         values = unit_losses.tolist()
         self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
         self._segment = 0
@@ -351,29 +341,10 @@ class Pipeline:
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
         self._drain()
-        batches = [(x, y) for x, y in loader]
-        totals = torch.zeros(4, dtype=torch.float64)
-        start = 0
-        while start < len(batches):  # runs of one shape: the links agree on one shape each
-            end = start + 1
-            while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
-                end += 1
-            sched = forward_only(self.replicas, end - start)
-            comm = Comm(sched, self.srank, self.device, self._opts.timeout_s, groups=self._links,
-                        evaluation=True)
-            self.module.module.eval()
-            try:
-                scores = run_forwards(sched, self.srank, self.module.module, self.loss_fn,
-                                      Batches(batches[start:end], self.device), comm,
-                                      self._opts.autocast)
-            finally:
-                self.module.module.train()
-            for s in scores.values() if self.member == 0 else ():
-                totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
-                                       dtype=torch.float64)
-            start = end
-        loss_sum, samples, correct, labels = _all_reduced(totals, self.device).tolist()
-        return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
+        me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
+                      device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
+                      autocast=self._opts.autocast)
+        return evaluate([(x, y) for x, y in loader], self.module.module, self.loss_fn, me)
 
     @property
     def skipped(self) -> list[int]:
@@ -419,16 +390,3 @@ class Pipeline:
             dist.destroy_process_group()
             self._owns_group = False
 
-
-def _shapes(batch: Batch) -> list[tuple[int, ...]]:
-    x, y = batch
-    xs = tuple(x.values()) if isinstance(x, dict) else x if isinstance(x, tuple) else (x,)
-    return [tuple(t.shape) for t in (*xs, y)]
-
-
-def _all_reduced(values: Tensor, device: torch.device) -> Tensor:
-    """``values`` summed over the world, back on the CPU; the sum runs on ``device``, the
-    rank's own (NCCL reduces only tensors on the rank's GPU)."""
-    on_device = values.to(device)
-    dist.all_reduce(on_device)
-    return on_device.cpu()

@@ -30,7 +30,8 @@ from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_plan
-from dreampipe.machine.measure import in_torchrun, machine_in_group, torchrun_nodes
+from dreampipe.machine.measure import machine_in_group
+from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind

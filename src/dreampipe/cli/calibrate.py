@@ -61,8 +61,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         QUICK,
         calibrate_local,
         calibrate_torchrun,
-        in_torchrun,
     )
+    from dreampipe.machine.torchrun import in_torchrun
     from dreampipe.runtime.backend import gpus_here
 
     target = Path(args.output) if args.output else default_path()

@@ -36,7 +36,8 @@ from dreampipe.machine.local_plan import (
     profile_as_worker,
     saved_profile,
 )
-from dreampipe.machine.measure import machine_for_run, torchrun_nodes
+from dreampipe.machine.measure import machine_for_run
+from dreampipe.machine.torchrun import torchrun_nodes
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config

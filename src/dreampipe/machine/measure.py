@@ -51,13 +51,13 @@ from dreampipe.machine.machine_file import (
 from dreampipe.machine.pingpong import LineFit, ping_pong
 from dreampipe.machine.rates import HostRates, measure_rates
 from dreampipe.machine.timers import timer_for
+from dreampipe.machine.torchrun import in_torchrun
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.backend import Backend, backend_for_node, gpus_here
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["FULL", "QUICK", "Probe", "calibrate_local", "calibrate_torchrun", "describe",
-           "describe_level", "in_torchrun", "local_machine", "machine_for_run", "machine_in_group",
-           "torchrun_nodes"]
+           "describe_level", "local_machine", "machine_for_run", "machine_in_group"]
 
 log = logging.getLogger(__name__)
 
@@ -104,25 +104,6 @@ class _Job:
     backend: str
     #: Where rank 0 of processes started here sends its progress lines.
     progress: Any = None
-
-
-def in_torchrun() -> bool:
-    """Whether this process is a rank torchrun (or any env:// launcher) started."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def torchrun_nodes(world: int) -> int:
-    """The nodes of a torchrun job of ``world`` processes: ``world / LOCAL_WORLD_SIZE``.
-
-    1 when torchrun did not say, or the nodes run different numbers of processes
-    (the planner then sees one level).
-    """
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local < 1 or world % local:
-        log.info("LOCAL_WORLD_SIZE=%d does not divide %d workers: planning on one level",
-                 local, world)
-        return 1
-    return world // local
 
 
 def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -> MachineFile:

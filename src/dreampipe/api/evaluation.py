@@ -1,0 +1,85 @@
+"""A Pipeline's evaluation: forwards of held-out batches with the current weights.
+
+Each run of batches of one shape is a forward-only schedule on the training
+stages (the links agree on one shape per run), scored on the last stage and
+summed over the world, so every rank gets the same :class:`EvalResult`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dreampipe.api.checks import Batch
+from dreampipe.api.feed import Batches
+from dreampipe.runtime.comm import Comm
+from dreampipe.runtime.forwards import run_forwards
+from dreampipe.scheduling.build import forward_only
+
+__all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate"]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Mean loss per sample; top-1 accuracy when the targets are class labels."""
+
+    loss: float
+    accuracy: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalRank:
+    """What of a Pipeline's rank an evaluation runs on."""
+
+    replicas: list[int]
+    srank: int
+    reports: bool  # the first worker of a split stage's replica scores
+    device: torch.device
+    timeout_s: float
+    links: Any
+    autocast: torch.dtype | None
+
+
+def evaluate(batches: Sequence[Batch], module: nn.Module, loss_fn: Callable[..., Tensor],
+             me: EvalRank) -> EvalResult:
+    """Forwards of ``batches`` through this rank's ``module`` (eval mode for the while).
+    Every rank of the world calls it."""
+    totals = torch.zeros(4, dtype=torch.float64)
+    start = 0
+    while start < len(batches):
+        end = start + 1
+        while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
+            end += 1
+        sched = forward_only(me.replicas, end - start)
+        comm = Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links, evaluation=True)
+        module.eval()
+        try:
+            scores = run_forwards(sched, me.srank, module, loss_fn,
+                                  Batches(list(batches[start:end]), me.device), comm, me.autocast)
+        finally:
+            module.train()
+        for s in scores.values() if me.reports else ():
+            totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
+                                   dtype=torch.float64)
+        start = end
+    loss_sum, samples, correct, labels = all_reduced(totals, me.device).tolist()
+    return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
+
+
+def all_reduced(values: Tensor, device: torch.device) -> Tensor:
+    """``values`` summed over the world, back on the CPU; the sum runs on ``device``, the
+    rank's own (NCCL reduces only tensors on the rank's GPU)."""
+    on_device = values.to(device)
+    dist.all_reduce(on_device)
+    return on_device.cpu()
+
+
+def _shapes(batch: Batch) -> list[tuple[int, ...]]:
+    x, y = batch
+    xs = tuple(x.values()) if isinstance(x, dict) else x if isinstance(x, tuple) else (x,)
+    return [tuple(t.shape) for t in (*xs, y)]
