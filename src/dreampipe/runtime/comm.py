@@ -371,3 +371,8 @@ class Comm:
         """Wait for an all-reduce over every rank at ``action`` (the global gradient norm,
         or whether to skip a non-finite update)."""
         self._wait(work, action, "every rank (all-reduce over the world)")
+
+    def wait_tied(self, work: Any, action: Action) -> None:
+        """Wait for the all-reduce of a tied weight's gradients at ``action``, over the
+        stages that hold a copy of it."""
+        self._wait(work, action, "the stages sharing a tied weight (all-reduce)")

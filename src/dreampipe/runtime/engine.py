@@ -250,12 +250,15 @@ class RankRunner:
         self.buckets.finish(self.module.gradients(), a, scale)
 
     def _step(self, a: Action) -> None:
+        def tied(work: Any) -> None:
+            self.comm.wait_tied(work, a)
+
         if self.guard.skips(a, self._clip_group, self.comm.wait_world):
-            self.module.step(apply=False)
+            self.module.step(apply=False, wait=tied)
             return
         if self.opts.max_grad_norm is not None:
             self._clip(a, self.opts.max_grad_norm)
-        self.module.step()
+        self.module.step(wait=tied)
         if self._after_step is not None:
             self._after_step()
 

@@ -376,11 +376,13 @@ class StageModule:
         self._harvest_all()
         return [self._grads.filled(i) for i in range(len(self._params))]
 
-    def step(self, *, apply: bool = True) -> None:
+    def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, see above).
 
         ``apply=False`` drops the gradient instead (a skipped update): the
-        weights and the optimizer's state stay as they were.
+        weights and the optimizer's state stay as they were. ``wait`` waits for
+        the all-reduce of a tied weight's gradients (the runner's, with the
+        run's deadline; by default the work's own ``wait``).
         """
         self._harvest_all()
         cur = self._versions.get(self.version)
@@ -397,7 +399,11 @@ class StageModule:
         for i, group in self._tied:
             g = sums[i]
             g = torch.zeros_like(self._params[i]) if g is None else g
-            dist.all_reduce(g, group=group)
+            work = dist.all_reduce(g, group=group, async_op=True)
+            if wait is None:
+                work.wait()
+            else:
+                wait(work)
             sums[i] = g
         if apply and self.optimizer is not None:
             for p, g in zip(self._params, sums, strict=True):
