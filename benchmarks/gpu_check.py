@@ -4,23 +4,25 @@ Steps, each with a hard limit, printing its own table:
 
 1. ``cuda``: one GPU. Profile the zoo mlp on ``cuda:0`` (layers timed by CUDA
    events) and measure the peak the CUDA allocator saw over it.
-2. ``equivalence``: the multi-process equivalence tests (Pipeline and
-   runtime against single-process references). Their ranks join NCCL
-   whenever CUDA is visible, one GPU per rank (``LOCAL_RANK``); NCCL refuses
-   two ranks on one GPU, so they need 2 GPUs. With fewer, they run on gloo
-   with the GPUs hidden (``CUDA_VISIBLE_DEVICES=``).
-3. ``bench``: ``dreampipe bench`` (CPU and gloo by design, one thread per
+2. ``pipeline``: one GPU. The single-process ``Pipeline`` tests (a group of
+   one on NCCL, the model on ``cuda:0``) against plain PyTorch loops, and
+   checkpoints that resume bit for bit (the CUDA generator included).
+3. ``equivalence``: the multi-process equivalence tests (Pipeline and
+   runtime against single-process references), one GPU per rank on NCCL
+   (``LOCAL_RANK``). NCCL refuses two ranks on one GPU, so they need 2 GPUs.
+4. ``bench``: ``dreampipe bench`` (CPU and gloo by design, one thread per
    worker), the runs behind its first four ratios, 3 short rounds.
-4. ``train``: ``benchmarks/train_vs_predicted.py`` on the mlp (pipedream and
-   dp, 3 rounds), on the GPUs when there are 2, else on the CPU.
-5. ``memory``: ``benchmarks/memory_vs_predicted.py``, the same way.
+5. ``train``: ``benchmarks/train_vs_predicted.py`` on the mlp (pipedream and
+   dp, 3 rounds), on the GPUs.
+6. ``memory``: ``benchmarks/memory_vs_predicted.py``, the same way.
 
-Without a GPU it runs what the CPU can (2 to 5), says what it skipped and
-why, and exits 0; any step that fails makes the exit status 1. A
-prediction off by more than its tolerance is a figure, not a failure: the
-step reports it and the check goes on. The steps'
-limits add up to 10 minutes; a step past its limit is
-ended with every process it started.
+Without a GPU it runs what the CPU can (3 to 6 on gloo) and says what it
+skipped. With GPUs it spends its time on them: the steps that would run on
+the CPU there are skipped, with the reason (``make test`` and ``make bench``
+cover them). Any step that fails makes the exit status 1. A prediction off
+by more than its tolerance is a figure, not a failure: the step reports it
+and the check goes on. The steps' limits add up to at most 10 minutes; a
+step past its limit is ended with every process it started.
 
     python benchmarks/gpu_check.py [--only cuda equivalence ...]
 """
@@ -46,9 +48,11 @@ __all__ = ["STEPS", "Step", "device_check", "main", "plan_steps"]
 _ROOT = Path(__file__).resolve().parents[1]
 _PY = sys.executable
 _EQUIVALENCE = ("tests/api/test_pipeline_equivalence.py", "tests/runtime/test_equivalence.py")
+_ONE_GPU = ("tests/api/test_pipeline_local.py", "tests/api/test_checkpoint.py",
+            "tests/api/test_materialise.py")
 _BENCH_RUNS = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "torch-1f1b",
                "torch-1f1b-stock", "ddp")
-STEPS = ("cuda", "equivalence", "bench", "train", "memory")
+STEPS = ("cuda", "pipeline", "equivalence", "bench", "train", "memory")
 
 
 @dataclass(frozen=True)
@@ -65,20 +69,28 @@ class Step:
 def plan_steps(gpus: int) -> list[Step]:
     """The steps for a machine with ``gpus`` CUDA devices."""
     two = gpus >= 2
-    on = "on the GPUs (NCCL, one GPU per rank)" if two else \
-        f"on the CPU (gloo): {gpus} GPU(s), and NCCL needs one GPU per rank, 2 ranks"
+    on = "on the GPUs (NCCL, one GPU per rank)" if two else "on the CPU (gloo)"
+    cpu_only = f"{gpus} GPU, and NCCL needs one GPU per rank (2 ranks); `make test` runs it " \
+        "on gloo"
+    pytest = (_PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider")
     return [
         Step("cuda", (_PY, str(Path(__file__).resolve()), "--cuda-only") if gpus else None,
              "on cuda:0" if gpus else "no CUDA device", 60),
-        Step("equivalence", (_PY, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                             *_EQUIVALENCE), on, 120, hide_gpus=not two),
-        Step("bench", (_PY, "-m", "dreampipe", "bench", "--steps", "10", "--warmup", "2",
-                       "--rounds", "3", "--no-progress", "--only", *_BENCH_RUNS),
-             "on the CPU (gloo): the bench compares CPU pipelines by design", 150,
+        Step("pipeline", (*pytest, *_ONE_GPU) if gpus else None,
+             "on cuda:0 (a group of one on NCCL)" if gpus else "no CUDA device", 150),
+        Step("equivalence", (*pytest, *_EQUIVALENCE) if two or not gpus else None,
+             on if two or not gpus else cpu_only, 120, hide_gpus=not two),
+        Step("bench", None if gpus else (
+            _PY, "-m", "dreampipe", "bench", "--steps", "10", "--warmup", "2", "--rounds", "3",
+            "--no-progress", "--only", *_BENCH_RUNS),
+             "the bench compares CPU pipelines by design: `make bench`" if gpus
+             else "on the CPU (gloo): the bench compares CPU pipelines by design", 150,
              hide_gpus=True),
         Step("train", (_PY, "benchmarks/train_vs_predicted.py", "--rounds", "3", "--only",
-                       "mlp-pipedream", "mlp-dp"), on, 180, hide_gpus=not two),
-        Step("memory", (_PY, "benchmarks/memory_vs_predicted.py", "--steps", "4"), on, 90,
+                       "mlp-pipedream", "mlp-dp") if two or not gpus else None,
+             on if two or not gpus else cpu_only, 180, hide_gpus=not two),
+        Step("memory", (_PY, "benchmarks/memory_vs_predicted.py", "--steps", "4")
+             if two or not gpus else None, on if two or not gpus else cpu_only, 90,
              hide_gpus=not two),
     ]
 
