@@ -15,11 +15,12 @@ __all__ = ["train_case"]
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
-    checkpoint directory ``job["resume"]`` if given) split at its split
-    points (or ``job["plan"]``) for
-    ``steps`` minibatches of ``minibatch``, then save a checkpoint in ``job["save"]`` if
-    given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses,
-    the full state, the checkpoint's path and the held-out loss."""
+    checkpoint directory ``job["resume"]`` if given) split at its split points (or
+    ``job["plan"]``) for ``steps`` minibatches of ``minibatch`` (repeating every
+    ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]`` if given, and
+    evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses, the full
+    state, the plan's stage bounds and replicas, the checkpoint's path and the held-out
+    loss."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -35,15 +36,17 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         resume=job.get("resume"),
         **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
     )
+    cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
     for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):
-        pipe.step(*case.example(k, job["minibatch"]))
+        pipe.step(*case.example(k % cycle, job["minibatch"]))
     losses = pipe.finish()
     held_out = [case.example(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
     evaluated = pipe.evaluate(held_out).loss if held_out else None
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     bounds = [st.first for st in pipe.plan.stages]
+    replicas = [st.replicas for st in pipe.plan.stages]
     pipe.close()
-    out = {"losses": losses, "state": state, "bounds": bounds, "saved": saved,
-           "evaluated": evaluated}
+    out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
+           "saved": saved, "evaluated": evaluated}
     return out if rank == 0 else None

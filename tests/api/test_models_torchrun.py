@@ -1,0 +1,99 @@
+"""Real models as they are, under ``torchrun --nproc-per-node 2``: Hugging Face's GPT-2
+(tied embeddings, dict in, ``ModelOutput`` out, the embedding and the head on different
+stages) and a torchvision-style ResNet (not an ``nn.Sequential``; its stem skips across
+the cut to the head). 1f1b-flush equals one process, pipedream learns, and
+``plan="auto"`` plans each model on its own (a synchronous plan of any shape equals one
+process too)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from runtime.reference import reference_sync, sgd
+from torchrun import torchrun_json
+
+from .compare import assert_matches
+from .model_zoo import CASES, CaseData, CaseSpec
+from .test_pipeline_models import SEED, TIED_KEYS
+
+__all__: list[str] = []
+
+_MODELS = ("gpt2", "resnet")
+_FLUSH = {"schedule": "1f1b-flush", "steps": 3, "minibatch": 8, "microbatches": 2, "lr": 0.1}
+_PIPEDREAM = {"schedule": "pipedream", "steps": 12, "minibatch": 8, "lr": 0.05,
+              "momentum": 0.9, "cycle": 2}  # two minibatches again and again: learnable
+
+
+def _jobs() -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
+    for name in _MODELS:
+        jobs += [{"case": name, "seed": SEED, **_FLUSH},
+                 {"case": name, "seed": SEED, **_PIPEDREAM},
+                 {"case": name, "seed": SEED, **_FLUSH, "plan": "auto"}]
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
+    out = tmp_path_factory.mktemp("models") / "results.pt"
+    jobs = _jobs()
+    got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
+                        json.dumps(jobs), timeout_s=240.0)
+    assert got == {"jobs": len(jobs)}
+    runs = torch.load(out, weights_only=False)
+    return {(job["case"], job["schedule"] + ("-auto" if "plan" in job else "")): run
+            for job, run in zip(jobs, runs, strict=True)}
+
+
+def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    spec = CaseSpec(CASES[name], SEED)
+    return reference_sync(spec, CaseData(CASES[name]), steps=_FLUSH["steps"],  # type: ignore[arg-type]
+                          minibatch=_FLUSH["minibatch"], seed=SEED,
+                          opt=sgd(_FLUSH["lr"]), microbatches=_FLUSH["microbatches"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", _MODELS)
+def test_1f1b_flush_split_across_the_tie_or_the_skip_equals_one_process(
+        results: dict[tuple[str, str], Any], name: str) -> None:
+    got = results[name, "1f1b-flush"]
+    assert got["bounds"][1] > 0  # two stages
+    losses, state = _reference(name)
+    assert_matches(got, losses, state)
+    for a, b in TIED_KEYS.get(name, []):  # the tie crosses the cut and holds
+        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", _MODELS)
+def test_pipedream_across_the_cut_learns(results: dict[tuple[str, str], Any],
+                                         name: str) -> None:
+    got = results[name, "pipedream"]
+    assert got["bounds"][1] > 0
+    losses = got["losses"]
+    assert len(losses) == _PIPEDREAM["steps"] and all(map(torch.isfinite, torch.tensor(losses)))
+    first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
+    assert last < 0.9 * first, losses
+    for a, b in TIED_KEYS.get(name, []):
+        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", _MODELS)
+def test_an_auto_plan_of_the_model_as_it_is_trains_as_one_process(
+        results: dict[tuple[str, str], Any], name: str) -> None:
+    got = results[name, "1f1b-flush-auto"]
+    losses, state = _reference(name)
+    if max(got["replicas"]) > 1:  # a replicated stage: each replica keeps its own running
+        # statistics (BatchNorm's), as under DDP; the weights and losses are one process's
+        state = {k: v for k, v in state.items() if v.is_floating_point() and "running" not in k}
+        got = {**got, "state": {k: got["state"][k] for k in state}}
+    assert_matches(got, losses, state)
