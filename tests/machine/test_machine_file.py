@@ -20,6 +20,7 @@ from dreampipe.machine.machine_file import (
     load_machine_file,
 )
 from dreampipe.quantities import parse_bandwidth
+from dreampipe.runtime.backend import Backend
 from machine.fixtures import DEV_FILE, NVLINK_FILE, here_file
 
 __all__: list[str] = []
@@ -28,13 +29,14 @@ __all__: list[str] = []
 def test_a_machine_file_round_trips_through_json(tmp_path: Path) -> None:
     found = MachineFile.load(NVLINK_FILE)
     two_level = dataclasses.replace(found, nodes=LinkFigures(
-        workers=4, backend="nccl", allreduce_bandwidth=40e9, p2p_bandwidth=45e9,
+        workers=4, backend=Backend.NCCL, allreduce_bandwidth=40e9, p2p_bandwidth=45e9,
         latency_s=3e-6, how="4 x 400 Gbps InfiniBand"))
     for machine in (found, two_level, MachineFile.load(DEV_FILE)):
         assert MachineFile.from_dict(json.loads(machine.to_json())) == machine
         machine.save(tmp_path / "m.json")
         assert MachineFile.load(tmp_path / "m.json") == machine
     assert json.loads(two_level.to_json())["nodes"]["allreduce_bandwidth"] == 40e9
+    assert json.loads(two_level.to_json())["nodes"]["backend"] == "nccl"  # plain JSON
     assert dict(found.how)["corun_slowdown"].startswith("one GPU per worker")
 
 
@@ -48,7 +50,7 @@ def test_the_calibration_holds_the_files_figures_per_level() -> None:
     assert machine.outer_bandwidth is None
     with pytest.raises(ConfigError, match=r"no link between nodes.*dreampipe calibrate"):
         local_topology(16, machine, nodes=2)
-    outer = LinkFigures(workers=2, backend="nccl", allreduce_bandwidth=5e9, p2p_bandwidth=6e9,
+    outer = LinkFigures(workers=2, backend=Backend.NCCL, allreduce_bandwidth=5e9, p2p_bandwidth=6e9,
                         latency_s=40e-6, how="")
     topo = local_topology(16, dataclasses.replace(found, nodes=outer).calibration(), nodes=2)
     assert [lv.count for lv in topo.levels] == [8, 2]
@@ -57,8 +59,8 @@ def test_the_calibration_holds_the_files_figures_per_level() -> None:
 
 
 def test_one_worker_per_node_plans_with_the_link_between_nodes() -> None:
-    outer = LinkFigures(workers=2, backend="gloo", allreduce_bandwidth=2e6, p2p_bandwidth=2.5e6,
-                        latency_s=1e-3, how="")
+    outer = LinkFigures(workers=2, backend=Backend.GLOO, allreduce_bandwidth=2e6,
+                        p2p_bandwidth=2.5e6, latency_s=1e-3, how="")
     found = dataclasses.replace(MachineFile.load(DEV_FILE), node=None, nodes=outer)
     assert found.calibration().outer_bandwidth == found.calibration().bandwidth
     with pytest.raises(ConfigError, match="one level at least"):

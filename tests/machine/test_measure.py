@@ -13,6 +13,7 @@ from dreampipe.machine import measure
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.machine_file import ENV_VAR, MachineFile, here
 from dreampipe.quantities import parse_bandwidth
+from dreampipe.runtime.backend import Backend
 from dreampipe.runtime.processes import run_processes
 from machine.fixtures import DEV_FILE, DEV_MACHINE, here_file
 
@@ -21,7 +22,7 @@ __all__: list[str] = []
 
 def test_a_quick_calibration_measures_every_figure_of_one_node() -> None:
     found = measure.calibrate_local(2, measure.QUICK)
-    assert found.identity.hostname == here().hostname and found.backend == "gloo"
+    assert found.identity.hostname == here().hostname and found.backend is Backend.GLOO
     assert found.node is not None and found.nodes is None
     assert found.node.workers == 2
     for figure in (found.node.allreduce_bandwidth, found.node.p2p_bandwidth,

@@ -30,6 +30,7 @@ import torch
 
 from dreampipe.errors import ConfigError
 from dreampipe.machine.calibration import LocalCalibration
+from dreampipe.runtime.backend import Backend
 
 __all__ = ["ENV_VAR", "TYPICAL_HOST", "Identity", "LinkFigures", "MachineFile", "default_path",
            "here", "load_machine_file", "typical_how"]
@@ -75,7 +76,7 @@ class LinkFigures:
     """
 
     workers: int
-    backend: str
+    backend: Backend
     allreduce_bandwidth: float
     p2p_bandwidth: float
     latency_s: float
@@ -88,7 +89,7 @@ class MachineFile:
     figure name to method)."""
 
     identity: Identity
-    backend: str
+    backend: Backend
     #: Inside one node; None when each node ran one worker (nothing to measure there).
     node: LinkFigures | None
     #: Between nodes (a torchrun job over several); None on one node.
@@ -118,11 +119,15 @@ class MachineFile:
             step_bandwidth=self.step_bandwidth, stash_copy_bandwidth=self.stash_copy_bandwidth,
             corun_slowdown=self.corun_slowdown, send_overhead_s=self.send_overhead_s,
             send_copy_bandwidth=self.send_copy_bandwidth, cores=self.cores,
-            overlap=self.backend == "nccl", **TYPICAL_HOST)
+            overlap=self.backend is Backend.NCCL, **TYPICAL_HOST)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["how"] = dict(self.how)
+        out["backend"] = self.backend.value
+        for level in ("node", "nodes"):
+            if out[level] is not None:
+                out[level]["backend"] = out[level]["backend"].value
         return {"version": _VERSION, **out}
 
     def to_json(self) -> str:
@@ -135,9 +140,11 @@ class MachineFile:
                               f"{_VERSION}; measure this machine again with 'dreampipe calibrate'")
         fields = {k: v for k, v in data.items() if k != "version"}
         fields["identity"] = Identity(**fields["identity"])
+        fields["backend"] = Backend(fields["backend"])
         for level in ("node", "nodes"):
             if fields.get(level) is not None:
-                fields[level] = LinkFigures(**fields[level])
+                fields[level] = LinkFigures(**{**fields[level],
+                                               "backend": Backend(fields[level]["backend"])})
         fields["how"] = tuple(sorted(dict(fields.get("how", {})).items()))
         return cls(**fields)
 

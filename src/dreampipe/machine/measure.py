@@ -101,7 +101,7 @@ class _Job:
     world: int
     per_node: int
     probe: Probe
-    backend: str
+    backend: Backend
     #: Where rank 0 of processes started here sends its progress lines.
     progress: Any = None
 
@@ -113,8 +113,8 @@ def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -
         raise ConfigError(f"workers={workers}: links are measured between 2 workers or more",
                           "workers")
     backend = backend_for_node(workers)
-    job = _Job(workers, workers, probe, backend.value)
-    _tell(say, f"measuring {workers} local workers ({job.backend}): co-run slowdown, "
+    job = _Job(workers, workers, probe, backend)
+    _tell(say, f"measuring {workers} local workers ({job.backend.value}): co-run slowdown, "
                "ping-pong, all-reduce, step and stash-copy rates")
     lines, progress = mp.Pipe(duplex=False)
     relay = threading.Thread(target=_relay, args=(lines, say), daemon=True)
@@ -201,7 +201,7 @@ def machine_in_group(*, nodes: int = 1, say: Say | None = None) -> LocalCalibrat
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:
         per_node = world // nodes if nodes > 1 and world % nodes == 0 else world
-        made = _measure(_Job(world, per_node, QUICK, dist.get_backend()),
+        made = _measure(_Job(world, per_node, QUICK, Backend(dist.get_backend())),
                         say if rank == 0 else None)
         box = [None if made is None else made.calibration()]
         dist.broadcast_object_list(box, src=0)
@@ -224,7 +224,7 @@ def describe_level(name: str, level: LinkFigures) -> str:
     """A line of one level's figures (``name``: ``node`` or ``nodes``)."""
     where = "inside a node" if name == "node" else "between nodes"
     return (f"{where} ({level.workers} {'workers' if name == 'node' else 'nodes'}, "
-            f"{level.backend}): all-reduce {format_bytes(level.allreduce_bandwidth)}/s, "
+            f"{level.backend.value}): all-reduce {format_bytes(level.allreduce_bandwidth)}/s, "
             f"point-to-point {format_bytes(level.p2p_bandwidth)}/s, latency "
             f"{level.latency_s * 1e6:.0f} us")
 
@@ -256,7 +256,7 @@ def _torchrun_job(probe: Probe) -> _Job:
     if world < 2:
         raise ConfigError("torchrun started 1 process: links are measured between 2 or more; "
                           "use --nproc-per-node 2 or more nodes")
-    return _Job(world, per_node, probe, backend_for_node(per_node).value)
+    return _Job(world, per_node, probe, backend_for_node(per_node))
 
 
 def _join_torchrun() -> bool:
@@ -264,26 +264,26 @@ def _join_torchrun() -> bool:
     prefix of their own (the job's group joins later under its own); False if one exists."""
     if dist.is_initialized():
         return False
-    backend = backend_for_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))).value
-    if backend == Backend.NCCL.value:
+    backend = backend_for_node(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if backend is Backend.NCCL:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        dist.init_process_group(backend)
+        dist.init_process_group(backend.value)
         return True
     store = dist.TCPStore(  # type: ignore[attr-defined]
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
         timeout=timedelta(seconds=300))
     prefix = f"dreampipe/calibrate-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
+    dist.init_process_group(backend.value, store=dist.PrefixStore(prefix, store),  # type: ignore[attr-defined]
                             rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]))
     return True
 
 
 def _local_rank(rank: int, world: int, job: _Job) -> MachineFile | None:
-    if job.backend == "nccl":
+    if job.backend is Backend.NCCL:
         torch.cuda.set_device(rank)
-    dist.init_process_group(job.backend, rank=rank, world_size=world)
+    dist.init_process_group(job.backend.value, rank=rank, world_size=world)
     say = job.progress.send if rank == 0 and job.progress is not None else None
     try:
         return _measure(dataclasses.replace(job, progress=None), say)
