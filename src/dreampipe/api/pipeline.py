@@ -216,9 +216,11 @@ class Pipeline:
                                    max_grad_norm=max_grad_norm,
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
-        self._links, groups = process_groups([st.ranks for st in self.plan.stages], t)
+        self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
+        self._links, groups = process_groups([st.ranks for st in self.plan.stages], t,
+                                             made=self._groups)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
-        tie_stages(ties, self.plan, stage, self.module)
+        self._groups += [clip_group, *tie_stages(ties, self.plan, stage, self.module)]
         per_round = math.lcm(*self.replicas)
         self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
                         // per_round * per_round)
@@ -384,9 +386,15 @@ class Pipeline:
         return checkpoint.save(Path(directory), self)
 
     def close(self) -> None:
-        """Drain, and end the process group if this Pipeline started it."""
+        """Drain, and end the process group if this Pipeline started it, else the subgroups
+        it made in the user's group (each holds connections)."""
         self._drain()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
+        elif dist.is_initialized():
+            for group in self._groups:
+                if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+                    dist.destroy_process_group(group)
+        self._groups = []
 

@@ -16,6 +16,8 @@ gradient clipping; anything else is a ConfigError before training.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.distributed as dist
 
 from dreampipe.api.split import Tie
@@ -43,13 +45,17 @@ def check_ties(ties: list[Tie], plan: Plan, max_grad_norm: float | None) -> None
                 "max_grad_norm")
 
 
-def tie_stages(ties: list[Tie], plan: Plan, stage: int, module: StageModule) -> None:
+def tie_stages(ties: list[Tie], plan: Plan, stage: int, module: StageModule) -> list[Any]:
     """Make each tie's group (every rank takes part, in order), start this stage's copy
-    from the first stage's value and have its updates sum the gradients over the group."""
+    from the first stage's value and have its updates sum the gradients over the group;
+    the groups made."""
+    made: list[Any] = []
     for tie in ties:
         ranks = [plan.stages[s].ranks[0] for s in tie.stages]
         group = dist.new_group(ranks)
+        made.append(group)
         if stage in tie.stages:
             index = module.module_param_names.index(tie.names[tie.stages.index(stage)])
             dist.broadcast(module.params[index].data, src=ranks[0], group=group)
             module.tie(index, group)
+    return made

@@ -113,9 +113,11 @@ def _decode(header: Tensor) -> Spec:
 
 
 def process_groups(
-    stage_ranks: Sequence[Sequence[int]], tensor_parallel: int = 1,
+    stage_ranks: Sequence[Sequence[int]], tensor_parallel: int = 1, *,
+    made: list[Any] | None = None,
 ) -> tuple[tuple[Any, Any], dict[int, Any]]:
-    """The groups a run talks on; every rank creates them, in this order.
+    """The groups a run talks on; every rank creates them, in this order, and adds each
+    to ``made`` (for whoever destroys them).
 
     Returns the two link groups (activations, gradients: see above) and one
     group per replicated stage (its gradient all-reduce). Peers are named by
@@ -133,6 +135,8 @@ def process_groups(
 
         links = (dist.new_group(world(range(ranks))), dist.new_group(world(range(ranks))))
         groups = {s: dist.new_group(world(r)) for s, r in enumerate(stage_ranks) if len(r) > 1}
+        if made is not None:
+            made += [*links, *groups.values()]
         if lane == mine:
             out = (links, groups)
     return out
