@@ -20,7 +20,7 @@ from dreampipe.cli.plan import (
     confirm_by_simulation,
     layer_label,
 )
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -309,7 +309,10 @@ def test_a_plan_searched_in_blocks_says_its_gap(
     assert code == 0
     got = Plan.from_dict(json.loads(out))
     assert got.optimality_gap > 0
+    # and on 1,024 workers the stage ranges on a grid of workers
+    assert got.heuristics == (Heuristic.LAYER_BLOCKS, Heuristic.WORKER_GRID)
     code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check")
     assert code == 0
-    assert (f"heuristic: the layers were searched in blocks; at most "
-            f"{100 * got.optimality_gap:.1f}% slower than the optimum") in out
+    assert (f"heuristic: the layers were searched in blocks and stage ranges were searched "
+            f"on a grid of workers; at most {100 * got.optimality_gap:.1f}% slower than the "
+            "optimum") in out

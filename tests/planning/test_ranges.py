@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.pricing import contiguous_cut_shares, cut_seconds, price_stages, slowest
-from dreampipe.planning.ranges import best_ranges
+from dreampipe.planning.ranges import RANGES_GRID, RANGES_MAX_WORKERS, best_ranges, range_points
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
-from dreampipe.planning.topology import Level, Topology
+from dreampipe.planning.topology import PRESETS, Level, Topology
+from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 
@@ -56,6 +58,15 @@ def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
         if memory is None or all(s.memory_bytes <= memory for s in stages):
             best = min(best, slowest(stages))
     return best
+
+
+def _brute_on(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
+              points: tuple[int, ...]) -> float:
+    """The fastest layout in order whose stage boundaries are all in ``points``."""
+    return min((slowest(price_stages(prof, topo, spans, placed, sync))
+                for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer)
+                if all(r.start in points and r.stop in points for r in placed)),
+               default=math.inf)
 
 
 _SHAPES = st.sampled_from([(2, 2), (4, 2), (2, 3)])  # innermost first: 2x2, 2x4, 3x2
@@ -116,6 +127,53 @@ def test_ranges_dp_equals_brute_force_under_memory(
     assert all(s.memory_bytes <= memory for s in got.stages)
 
 
+@settings(max_examples=40, deadline=None)
+@given(_graphs(), _SHAPES, _BW, _BW, st.booleans(), st.data())
+def test_ranges_on_a_grid_equal_brute_force_on_it(
+    graph: LayerGraph, shape: tuple[int, int], bw_in: float, bw_out: float, fewer: bool,
+    data: st.DataObject,
+) -> None:
+    # the program on any grid of boundaries is exact among the plans laid on that grid
+    topo = Topology((Level(shape[0], bw_in, 1e-6), Level(shape[1], bw_out, 1e-5)))
+    w = topo.num_workers
+    inner = data.draw(st.sets(st.integers(1, w - 1)))
+    points = (0, *sorted(inner), w)
+    prof = RangeCosts.of(graph)
+    found = best_ranges(prof, topo, DEFAULT_SYNC, fewer, points=points)
+    expect = _brute_on(prof, topo, DEFAULT_SYNC, fewer, points)
+    assert found is not None
+    assert found[0] == pytest.approx(expect, rel=1e-9)
+    placed = [f.workers for f in found[1]]
+    assert all(r[0] in points and r[-1] + 1 in points for r in placed)
+    priced = price_stages(prof, topo, [(f.first, f.last) for f in found[1]], placed,
+                          DEFAULT_SYNC)
+    assert slowest(priced) == pytest.approx(found[0], rel=1e-9)
+
+
+def test_range_points() -> None:
+    assert range_points(RANGES_MAX_WORKERS) == tuple(range(RANGES_MAX_WORKERS + 1))
+    for workers in (33, 64, 100, 1024):
+        points = range_points(workers)
+        assert points[0] == 0 and points[-1] == workers
+        assert len(points) - 1 <= RANGES_GRID
+        assert len({b - a for a, b in itertools.pairwise(points[:-1])}) <= 1
+
+
+def test_beyond_the_exact_range_the_plan_says_its_grid_and_bounds_its_gap() -> None:
+    # 40 workers: the ranges run on a grid of every 3rd worker; the plan is never slower
+    # than the exact range optimum (every boundary) times 1 + its gap
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0 + i % 3, 2.0, 10**6 * (1 + i % 4), 10**8)
+                              for i in range(6)])
+    topo = Topology((Level(8, 1e10, 1e-6), Level(5, 1.25e9, 1e-5)))
+    got = plan_pipeline(graph, topo)
+    exact = best_ranges(RangeCosts.of(graph), topo, DEFAULT_SYNC, True,
+                        points=tuple(range(41)))
+    assert exact is not None
+    assert got.heuristics == (Heuristic.WORKER_GRID,)
+    assert got.optimality_gap > 0
+    assert got.time_per_minibatch_s <= exact[0] * (1 + got.optimality_gap) * (1 + 1e-9)
+
+
 def test_contiguous_shares_match_the_cut() -> None:
     # every pair of adjacent ranges on 2x4 (and 3x2): the shares are the pairs cut_seconds counts
     for inner, outer in [(4, 2), (2, 3)]:
@@ -155,16 +213,13 @@ def test_a_stage_costs_where_it_starts_within_a_server() -> None:
     assert across.allreduce_s > 50 * inside.allreduce_s
 
 
-_PROFILES = ("alexnet", "vgg16", "resnet18", "gnmt")
-_CLUSTERS = ("cluster-a", "cluster-b", "cluster-c")
-
-
-@pytest.mark.parametrize("model", _PROFILES)
-@pytest.mark.parametrize("cluster", _CLUSTERS)
+@pytest.mark.parametrize("model", [p.spec for p in bundled_profiles()])
+@pytest.mark.parametrize("cluster", sorted(PRESETS))
 def test_plan_beats_every_two_stage_plan(model: str, cluster: str) -> None:
-    # The done-when of placement beyond whole servers: the plan is at least as fast as every
-    # r-(W-r) plan cut anywhere, workers laid in order, under the planner's own pricing.
-    graph = load_graph(f"pipedream:{model}")
+    # The done-when of placement beyond whole servers: on every bundled profile and preset
+    # cluster the plan is at least as fast as every r-(W-r) plan cut anywhere, workers laid
+    # in order, under the planner's own pricing.
+    graph = load_graph(model)
     topo = Topology.parse(cluster)
     prof = RangeCosts.of(graph)
     got = plan_pipeline(graph, topo)

@@ -36,7 +36,7 @@ from dreampipe.cli.plan_schedule import (
 )
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.planning.topology import PRESETS, Topology
@@ -58,6 +58,10 @@ __all__ = [
     "register",
 ]
 
+_HEURISTICS = {
+    Heuristic.LAYER_BLOCKS: "the layers were searched in blocks",
+    Heuristic.WORKER_GRID: "stage ranges were searched on a grid of workers",
+}
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 
 #: The check simulates at most this many minibatches unless ``--check-minibatches`` says.
@@ -301,8 +305,11 @@ def format_plan(
         f"{result.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate}",
     ]
     if result.optimality_gap > 0:
-        lines.append(f"  heuristic: the layers were searched in blocks; at most "
+        how = " and ".join(_HEURISTICS[h] for h in result.heuristics) or "the search was cut"
+        lines.append(f"  heuristic: {how}; at most "
                      f"{100 * result.optimality_gap:.1f}% slower than the optimum")
+    else:
+        lines.append("  exact: the fastest plan the search holds (no shortcut taken)")
     needs = _split_needs(result, graph, topo)
     for key, label in _BASELINES:
         if key in result.baselines_s:

@@ -28,6 +28,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,18 @@ from dreampipe.planning.config import config_string
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.splits import Split
 
-__all__ = ["PLAN_FORMAT", "Plan", "Stage"]
+__all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 
 #: The "format" tag of a plan JSON file; a file with another tag is not a plan.
 PLAN_FORMAT = "dreampipe.plan"
 _VERSION = 1
+
+
+class Heuristic(Enum):
+    """A part of the search the planner cut short, so the plan may miss the optimum."""
+
+    LAYER_BLOCKS = "layer-blocks"  #: stages cut only between blocks of layers
+    WORKER_GRID = "worker-grid"  #: stage ranges start and end only on a grid of workers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,9 +164,10 @@ class Plan:
     time_per_minibatch_s: float = 0.0
     baselines_s: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     layer_names: tuple[str, ...] = ()
-    #: 0: the plan is the fastest the planner's search holds; ``g > 0``: it searched a
-    #: coarse profile and the plan is at most ``(1 + g)`` times the optimum.
+    #: 0: the plan is the fastest the planner's search holds; ``g > 0``: the search was
+    #: cut short as ``heuristics`` say and the plan is at most ``(1 + g)`` times the optimum.
     optimality_gap: float = 0.0
+    heuristics: tuple[Heuristic, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -279,6 +288,7 @@ class Plan:
             "time_per_minibatch_s": self.time_per_minibatch_s,
             "baselines_s": dict(self.baselines_s),
             "optimality_gap": self.optimality_gap,
+            "heuristics": [h.value for h in self.heuristics],
             "stages": [
                 {
                     "first": st.first,
@@ -330,6 +340,7 @@ class Plan:
                 baselines_s={str(k): float(v) for k, v in data["baselines_s"].items()},
                 layer_names=tuple(str(x) for x in data.get("layer_names", [])),
                 optimality_gap=float(data.get("optimality_gap", 0.0)),
+                heuristics=tuple(Heuristic(h) for h in data.get("heuristics", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):

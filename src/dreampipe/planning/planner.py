@@ -47,7 +47,7 @@ from dreampipe.planning.pipedream_costs import (
     pipedream_states,
     pipedream_transfer_time,
 )
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
@@ -198,10 +198,10 @@ def plan_pipeline(
     search = Search(prof, prof) if exact else search_for(prof, topology)
     models = cost_models(topology, also_flat)
     stages = fastest(search, topology, models, opts)
-    coarse = search.coarse
+    heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
     if also_flat:
-        stages, ranged_coarse = with_ranges(search, topology, stages, opts, exact)
-        coarse = coarse or ranged_coarse
+        stages, ranged = with_ranges(search, topology, stages, opts, exact)
+        heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
                        CostModel.DREAMPIPE, sync)
@@ -218,15 +218,16 @@ def plan_pipeline(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    gap = gap_bound(stages, prof, topology.num_workers) if coarse else 0.0
-    if coarse:
-        log.info("%d layers planned as %d blocks: the plan is at most %.1f%% slower than "
-                 "the optimum", prof.n, search.costs.n, 100 * gap)
+    gap = gap_bound(stages, prof, topology.num_workers) if heuristics else 0.0
+    if heuristics:
+        log.info("%d layers planned with %s: the plan is at most %.1f%% slower than the "
+                 "optimum", prof.n, ", ".join(h.value for h in heuristics), 100 * gap)
     result = Plan(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
         baselines_s=_baselines(prof, topology, memory_bytes, sync),
         layer_names=tuple(x.name for x in graph.layers), optimality_gap=gap,
+        heuristics=heuristics if gap > 0 else (),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result

@@ -102,20 +102,22 @@ def _spread_cut(
     return worst
 
 
-def contiguous_cut_shares(topology: Topology) -> FloatArray:
-    """``[s, e, f, k]``: the share of the pairs of workers ``s..e-1`` and ``e..f-1`` that
-    first meet at level ``k``, as :func:`cut_seconds` counts them (0 where not ``s < e < f``).
+def contiguous_cut_shares(topology: Topology, points: Sequence[int] | None = None) -> FloatArray:
+    """``[s, e, f, k]``: the share of the pairs of workers ``P[s]..P[e]-1`` and
+    ``P[e]..P[f]-1`` that first meet at level ``k``, as :func:`cut_seconds` counts them
+    (0 where not ``s < e < f``); ``P`` is ``points`` (default: every worker boundary
+    ``0..W``).
 
-    With contiguous ranges only the level-``k`` unit holding both ``e - 1``
-    and ``e`` holds pairs, ``(its senders) x (its receivers)`` of them.
+    With contiguous ranges only the level-``k`` unit holding both ``P[e] - 1``
+    and ``P[e]`` holds pairs, ``(its senders) x (its receivers)`` of them.
     """
-    w = topology.num_workers
-    idx = np.arange(w + 1)
+    idx = np.arange(topology.num_workers + 1) if points is None else np.asarray(points)
+    size_k = len(idx)
     s, e, f = idx[:, None, None], idx[None, :, None], idx[None, None, :]
     valid = (s < e) & (e < f)
     pairs = np.where(valid, (e - s) * (f - e), 1)
-    out = np.zeros((w + 1, w + 1, w + 1, len(topology.levels)))
-    met = np.zeros((w + 1, w + 1, w + 1))
+    out = np.zeros((size_k, size_k, size_k, len(topology.levels)))
+    met = np.zeros((size_k, size_k, size_k))
     size = 1
     for k, level in enumerate(topology.levels):
         size *= level.count

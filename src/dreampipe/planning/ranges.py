@@ -29,11 +29,21 @@ Every plan of contiguous ranges in order is one path of this recursion and each 
 such a plan, so the minimum is exact (docs/planner.md; the property test
 compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
 ``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
+
+Beyond that many workers the same program runs on a grid of boundaries
+(:func:`range_points`): every stage starts and ends at a multiple of ``g``
+workers (or at ``W``), ``g`` the least that leaves at most
+:data:`RANGES_GRID` ranges of the grid. Every term is still the exact price
+of the placement it stands for, so its plans cost what they say, but a plan
+whose boundaries fall between grid points is outside the search: the
+planner then reports the plan as a heuristic with its gap bound
+(:func:`~dreampipe.planning.search.gap_bound`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -44,48 +54,66 @@ from dreampipe.planning.pricing import contiguous_cut_shares
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["RANGES_MAX_WORKERS", "best_ranges", "ranges_layers"]
+__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "best_ranges", "range_points",
+           "ranges_layers"]
 
 IntArray = npt.NDArray[np.int64]
 
-#: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
+#: :func:`best_ranges` places stages on every range of up to this many workers; its work
+#: grows with their cube.
 RANGES_MAX_WORKERS = 32
-#: The most ``layers^2 x (workers + 1)^3`` one search may take (it weighs about a sixth).
+#: Beyond :data:`RANGES_MAX_WORKERS`, the most ranges of the grid :func:`range_points` lays.
+RANGES_GRID = 16
+#: The most ``layers^2 x (ranges + 1)^3`` one search may take (it weighs about a sixth).
 _CANDIDATES = 600_000_000
 
 
-def ranges_layers(workers: int) -> int:
-    """The most layers :func:`best_ranges` searches on ``workers`` within its budget:
-    129 layers on 32 workers, 349 on 16."""
-    return max(2, math.isqrt(_CANDIDATES // (workers + 1) ** 3))
+def range_points(workers: int) -> tuple[int, ...]:
+    """The worker boundaries a stage may start or end at: all of ``0..workers`` up to
+    :data:`RANGES_MAX_WORKERS` workers (the search is then exact), else the multiples of
+    the least ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
+    if workers <= RANGES_MAX_WORKERS:
+        return tuple(range(workers + 1))
+    step = -(-workers // RANGES_GRID)
+    return (*range(0, workers, step), workers)
 
 
-def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> tuple[FloatArray, IntArray]:
-    """``(times [layout, i, j], layout [s, e])``: layers ``i..j`` on workers ``s..e-1``
-    take ``times[layout[s, e], i, j]``; ranges of the same layout share a table."""
-    w = topo.num_workers
+def ranges_layers(ranges: int) -> int:
+    """The most layers :func:`best_ranges` searches on ``ranges`` ranges (workers, or grid
+    ranges) within its budget: 129 layers on 32, 349 on 16."""
+    return max(2, math.isqrt(_CANDIDATES // (ranges + 1) ** 3))
+
+
+def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray
+                 ) -> tuple[FloatArray, IntArray]:
+    """``(times [layout, i, j], layout [a, b])``: layers ``i..j`` on workers
+    ``points[a]..points[b]-1`` take ``times[layout[a, b], i, j]``; ranges of the same layout
+    share a table."""
+    k = len(points)
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
-    index = np.zeros((w + 1, w + 1), dtype=np.int64)
-    for s in range(w):
-        for e in range(s + 1, w + 1):
+    index = np.zeros((k, k), dtype=np.int64)
+    for a in range(k - 1):
+        for b in range(a + 1, k):
+            s, e = int(points[a]), int(points[b])
             key = (replica_groups(range(s, e), topo), e - s)
-            index[s, e] = layouts.setdefault(key, len(layouts))
+            index[a, b] = layouts.setdefault(key, len(layouts))
     terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
     ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
     replicas = np.array([p for _, p in layouts], dtype=np.float64)
-    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
-                      for k in range(len(layouts))])
+    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[x], 1) / replicas[x]
+                      for x in range(len(layouts))])
     return times, index
 
 
-def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
-    """``[s, e, f, t]``: the cut before layer ``t`` between workers ``s..e-1`` and ``e..f-1``."""
-    w, n = topo.num_workers, prof.n
-    shares = contiguous_cut_shares(topo)  # [s, e, f, level]
-    out = np.zeros((w + 1, w + 1, w + 1, n))
-    for k, level in enumerate(topo.levels):
-        phi = shares[..., k, None]
+def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray:
+    """``[a, b, c, t]``: the cut before layer ``t`` between the ranges ``[points[a],
+    points[b])`` and ``[points[b], points[c])``."""
+    k, n = len(points), prof.n
+    shares = contiguous_cut_shares(topo, points.tolist())  # [a, b, c, level]
+    out = np.zeros((k, k, k, n))
+    for x, level in enumerate(topo.levels):
+        phi = shares[..., x, None]
         term = 2 * (level.latency + phi * prof.cut_bytes[None, None, None, :n] / level.bandwidth)
         np.maximum(out, np.where(phi > 0, term, 0.0), out=out)
     return out
@@ -93,10 +121,11 @@ def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
 
 def best_ranges(
     prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
-    memory_bytes: int | None = None,
+    memory_bytes: int | None = None, points: Sequence[int] | None = None,
 ) -> tuple[float, list[FlatStage]] | None:
     """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
-    or None if none fits in ``memory_bytes`` (None: no limit).
+    each starting and ending at one of ``points`` (default: :func:`range_points`), or None
+    if none fits in ``memory_bytes`` (None: no limit).
 
     Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
     holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
@@ -106,28 +135,40 @@ def best_ranges(
     shorter first stage, and overall to fewer workers in the first stage (to
     fewer in all under a memory limit).
     """
-    w = topo.num_workers
-    times, layout = _stage_times(prof, topo, sync)
-    cut = _cut_times(prof, topo)
+    at = np.asarray(range_points(topo.num_workers) if points is None else points,
+                    dtype=np.int64)
+    assert at[0] == 0 and at[-1] == topo.num_workers and (np.diff(at) > 0).all()
+    k = len(at) - 1
+    times, layout = _stage_times(prof, topo, sync, at)
+    cut = _cut_times(prof, topo, at)
     if memory_bytes is None:
-        return _best(times, layout, cut, w if not allow_fewer else None, None)
+        return _placed(_best(times, layout, cut, k if not allow_fewer else None, None), at)
     room = prof.max_versions(memory_bytes)
     found: tuple[float, list[FlatStage]] | None = None
-    for used in range(1, w + 1) if allow_fewer else [w]:
-        s, e = np.arange(w + 1)[:, None], np.arange(w + 1)[None, :]
-        versions = -(-(used - s) // np.maximum(e - s, 1))
+    for used in range(1, k + 1) if allow_fewer else [k]:
+        s, e = at[:, None], at[None, :]
+        versions = -(-(at[used] - s) // np.maximum(e - s, 1))
         plan = _best(times, layout, cut, used, (versions, room))
         if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
             found = plan
-    return found
+    return None if found is None else _placed(found, at)
+
+
+def _placed(plan: tuple[float, list[FlatStage]], at: IntArray) -> tuple[float, list[FlatStage]]:
+    """``plan``'s stages on the workers its grid ranges stand for."""
+    value, flat = plan
+    return value, [FlatStage(f.first, f.last,
+                             tuple(range(int(at[f.workers[0]]), int(at[f.workers[-1] + 1]))),
+                             f.allreduce_s) for f in flat]
 
 
 def _best(
     times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
     memory: tuple[IntArray, FloatArray] | None,
 ) -> tuple[float, list[FlatStage]]:
-    """:func:`best_ranges` with the last stage ending at worker ``end`` (None: anywhere) and,
-    given ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
+    """:func:`best_ranges` over grid indices (stage workers ``range(s, e)`` of the grid),
+    the last stage ending at grid point ``end`` (None: anywhere) and, given
+    ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
     n = times.shape[1]
     w = layout.shape[0] - 1
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
