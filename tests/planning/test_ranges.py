@@ -24,11 +24,13 @@ from dreampipe.profiling.load import load_graph
 
 
 @st.composite
-def _graphs(draw: st.DrawFn, max_layers: int = 5) -> LayerGraph:
+def _graphs(draw: st.DrawFn, max_layers: int = 5, saved: bool = False) -> LayerGraph:
+    """Random DAGs; with ``saved``, layers that keep up to 10 GB for their backward."""
     n = draw(st.integers(1, max_layers))
     layers = [
         Layer(f"l{i}", draw(st.floats(0.1, 20.0)), draw(st.floats(0.1, 40.0)),
-              draw(st.integers(0, 10**8)), draw(st.sampled_from([0, 10**5, 10**7, 10**8, 10**9])))
+              draw(st.integers(0, 10**8)), draw(st.sampled_from([0, 10**5, 10**7, 10**8, 10**9])),
+              saved_bytes=draw(st.sampled_from([None, 10**9, 10**10])) if saved else None)
         for i in range(n)
     ]
     skips = draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2))
@@ -50,13 +52,16 @@ def _laid_in_order(n: int, workers: int, fewer: bool) -> Iterator[tuple[list[tup
 
 
 def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
-           memory: int | None = None) -> float:
-    """The fastest layout in order whose stages all fit in ``memory`` (None: no limit)."""
+           memory: int | None = None, recompute: bool = False) -> float:
+    """The fastest layout in order whose stages all fit in ``memory`` (None: no limit),
+    with ``recompute`` each stage recomputing or not."""
     best = math.inf
     for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer):
-        stages = price_stages(prof, topo, spans, placed, sync, memory)
-        if memory is None or all(s.memory_bytes <= memory for s in stages):
-            best = min(best, slowest(stages))
+        marks = [False, True] if recompute else [False]
+        for flags in itertools.product(marks, repeat=len(spans)):
+            stages = price_stages(prof, topo, spans, placed, sync, memory, flags)
+            if memory is None or all(s.memory_bytes <= memory for s in stages):
+                best = min(best, slowest(stages))
     return best
 
 
@@ -172,6 +177,65 @@ def test_beyond_the_exact_range_the_plan_says_its_grid_and_bounds_its_gap() -> N
     assert got.heuristics == (Heuristic.WORKER_GRID,)
     assert got.optimality_gap > 0
     assert got.time_per_minibatch_s <= exact[0] * (1 + got.optimality_gap) * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_graphs(4, saved=True), _SHAPES, _BW, st.floats(0.05, 1.2), st.booleans(), _SYNC)
+def test_recomputation_in_the_program_equals_brute_force(
+    graph: LayerGraph, shape: tuple[int, int], bw: float, share: float, fewer: bool,
+    sync: Sync,
+) -> None:
+    # every stage may recompute or not: the program equals brute force over every layout
+    # and every choice of recomputing stages, under memory limits that some fit only so
+    topo = Topology((Level(shape[0], bw * 10, 1e-6), Level(shape[1], bw, 1e-5)))
+    prof = RangeCosts.of(graph)
+    memory = max(1, int(share * prof.memory(0, prof.n - 1, 2)))
+    expect = _brute(prof, topo, sync, fewer, memory, recompute=True)
+    found = best_ranges(prof, topo, sync, fewer, memory, recompute=True)
+    if math.isinf(expect):
+        assert found is None
+        return
+    assert found is not None
+    assert found[0] == pytest.approx(expect, rel=1e-9)
+    assert found[0] <= _brute(prof, topo, sync, fewer, memory) * (1 + 1e-9)
+    flat = found[1]
+    stages = price_stages(prof, topo, [(f.first, f.last) for f in flat],
+                          [f.workers for f in flat], sync, memory, [f.recompute for f in flat])
+    assert slowest(stages) == pytest.approx(found[0], rel=1e-9)
+    assert all(s.memory_bytes <= memory for s in stages)
+    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer, sync=sync,
+                        tensor_split=False, recompute=True)
+    assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
+    assert all(s.memory_bytes <= memory for s in got.stages)
+
+
+def test_a_stage_recomputes_only_where_nothing_else_fits() -> None:
+    # heavy weights and activations first: data parallelism on both workers takes seconds
+    # to all-reduce, and the first of two stages holds two minibatches, which fit only if
+    # it keeps their inputs alone and recomputes (one more forward)
+    graph = LayerGraph.chain([Layer("a", 2.0, 4.0, 10**6, 10**10, saved_bytes=10**9),
+                              Layer("b", 2.0, 4.0, 10**6, 10**3)])
+    topo = Topology((Level(2, 1e9, 0.0), Level(1, 1e9, 0.0)))
+    prof = RangeCosts.of(graph)
+    plain = price_stages(prof, topo, [(0, 0), (1, 1)], [range(1), range(1, 2)], DEFAULT_SYNC)
+    memory = plain[0].memory_bytes - 1
+    found = best_ranges(prof, topo, DEFAULT_SYNC, False, memory, recompute=True)
+    assert found is not None
+    assert [f.recompute for f in found[1]] == [True, False]
+    again = price_stages(prof, topo, [(0, 0), (1, 1)], [range(1), range(1, 2)], DEFAULT_SYNC,
+                         memory, [True, False])
+    assert again[0].compute_s == pytest.approx(plain[0].compute_s + 2e-3)
+    assert again[0].memory_bytes < plain[0].memory_bytes
+    assert found[0] == pytest.approx(slowest(again))
+    # without recomputation only data parallelism fits, 500 times slower
+    alone = best_ranges(prof, topo, DEFAULT_SYNC, False, memory)
+    assert alone is not None and len(alone[1]) == 1
+    assert alone[0] > 500 * found[0]
+    # the planner finds it too, and says so in the config
+    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=False,
+                        recompute=True)
+    assert got.config == "1r-1"
+    assert got.time_per_minibatch_s == pytest.approx(found[0])
 
 
 def test_contiguous_shares_match_the_cut() -> None:

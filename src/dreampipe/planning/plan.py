@@ -20,6 +20,11 @@ A stage may also be *tensor-split* (operator partitioning,
 over 4 workers). The schedule sees one rank per replica (``ranks``); the
 workers of schedule rank ``r`` are ``r * t .. r * t + t - 1``, so every stage
 has the same ``t`` (a pipeline x tensor mesh).
+
+A stage may *recompute* its activations in the backward instead of keeping
+them per minibatch in flight (``recompute``, config token ``"2r"``): its
+``compute_s`` then holds one more forward and its memory only its inputs
+(:func:`~dreampipe.planning.costs.memory_bytes`).
 """
 
 from __future__ import annotations
@@ -69,7 +74,9 @@ class Stage:
     layer) saying how each layer's tensors are divided among them.
     ``in_flight`` is the minibatches each replica holds under PipeDream's
     schedule, its 1F1B warm-up (0: the default of
-    :mod:`dreampipe.planning.in_flight`).
+    :mod:`dreampipe.planning.in_flight`). ``recompute``: the backward runs
+    the stage's forward again (counted in ``compute_s``) instead of keeping
+    what its layers keep for every minibatch in flight.
     """
 
     first: int
@@ -86,6 +93,7 @@ class Stage:
     tensor_parallel: int = 1
     splits: tuple[Split, ...] = ()
     in_flight: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -244,7 +252,8 @@ class Plan:
 
     @property
     def config(self) -> str:
-        return config_string([st.replicas for st in self.stages], self.tensor_parallel)
+        return config_string([st.replicas for st in self.stages], self.tensor_parallel,
+                             [st.recompute for st in self.stages])
 
     @property
     def throughput_minibatches_per_s(self) -> float:
@@ -305,6 +314,7 @@ class Plan:
                     "tensor_parallel": st.tensor_parallel,
                     "splits": [x.value for x in st.splits],
                     "in_flight": st.in_flight,
+                    "recompute": st.recompute,
                 }
                 for st in self.stages
             ],
@@ -329,6 +339,7 @@ class Plan:
                     tensor_parallel=int(s.get("tensor_parallel", 1)),
                     splits=tuple(Split(x) for x in s.get("splits", [])),
                     in_flight=int(s.get("in_flight", 0)),
+                    recompute=bool(s.get("recompute", False)),
                 )
                 for s in data["stages"]
             )

@@ -153,6 +153,7 @@ def plan_pipeline(
     sync: Sync = DEFAULT_SYNC,
     tensor_split: bool = True,
     exact: bool = False,
+    recompute: bool = False,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -166,6 +167,10 @@ def plan_pipeline(
     ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
     run as one stage with every layer split over workers of one server
     (module doc; False: an error instead).
+    ``recompute`` lets a stage recompute its activations in the backward where
+    only that fits ``memory_bytes`` (one more forward; the range search's choice,
+    :func:`~dreampipe.planning.ranges.best_ranges`; off by default: the runtime does
+    not run recomputing stages yet).
     ``exact`` searches every layer however long it takes (default: a profile
     longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
     exact_layers`, is searched in blocks and the plan records its
@@ -200,7 +205,7 @@ def plan_pipeline(
     stages = fastest(search, topology, models, opts)
     heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
     if also_flat:
-        stages, ranged = with_ranges(search, topology, stages, opts, exact)
+        stages, ranged = with_ranges(search, topology, stages, opts, exact, recompute)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
@@ -315,7 +320,7 @@ def evaluate_plan(
     graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
     cost_model: CostModel = CostModel.DREAMPIPE, *,
     workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
-    memory_bytes: int | None = None,
+    memory_bytes: int | None = None, recompute: Sequence[bool] = (),
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
@@ -323,7 +328,8 @@ def evaluate_plan(
     order, stage by stage); each all-reduce and cut is priced on the links
     its workers use, with the planner's own terms, so a plan's stages and
     workers evaluate to the plan's time; ``memory_bytes`` picks the stages'
-    minibatches in flight as the planner does (:func:`price_stages`).
+    minibatches in flight as the planner does (:func:`price_stages`); ``recompute[s]``
+    makes stage s recompute its activations (empty: none).
     Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
     ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
     """
@@ -356,8 +362,11 @@ def evaluate_plan(
                 f"workers {[list(w) for w in placed]}: need {list(replicas)} distinct workers "
                 f"per stage, each in 0..{topology.num_workers - 1}"
             )
+    if recompute and len(recompute) != len(replicas):
+        raise PlanError(f"recompute {list(recompute)}: need one flag per stage of bounds "
+                        f"{list(bounds)}")
     spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
-    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes)
+    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute)
     time = slowest(stages)
     if cost_model is CostModel.PIPEDREAM:
         time = _pipedream_time(graph, topology, stages)

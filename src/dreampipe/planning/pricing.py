@@ -137,17 +137,22 @@ def price_stages(
     placements: Sequence[Sequence[int]],
     sync: Sync,
     memory_bytes: int | None = None,
+    recompute: Sequence[bool] = (),
 ) -> tuple[Stage, ...]:
     """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
 
     Each stage holds the deepest join buffer of
     :data:`~dreampipe.planning.in_flight.JOIN_BUFFERS` whose stages all fit in
     ``memory_bytes`` (PipeDream's count when none deeper does; None: no limit).
+    A stage marked in ``recompute`` (empty: none) runs its forward once more in the
+    backward, before the gradients its all-reduce sends (``compute_s`` and the
+    all-reduce's delay grow by ``F``), and keeps only its inputs per minibatch.
     """
     replicas = [len(p) for p in placements]
+    flags = tuple(recompute) or (False,) * len(spans)
     for join in JOIN_BUFFERS:
         counts = in_flight_counts(replicas, join)
-        memories = prof.memories(spans, counts)
+        memories = prof.memories(spans, counts, flags)
         if memory_bytes is None or max(memories) <= memory_bytes:
             break
     stages, rank = [], 0
@@ -160,13 +165,15 @@ def price_stages(
         assert prof.layer_backward_s is not None and prof.layer_weights is not None
         ar, delay = stage_allreduce(prof.layer_backward_s[first:last + 1],
                                     prof.layer_weights[first:last + 1], workers, topology, sync)
+        compute = float(prof.compute_s[first, last])
+        forward = min(float(prof.forward[first, last]), compute)
+        again = forward if flags[s] else 0.0
         stages.append(Stage(
             first=first, last=last, replicas=r, ranks=tuple(range(rank, rank + r)),
-            compute_s=float(prof.compute_s[first, last]),
-            forward_s=min(float(prof.forward[first, last]), float(prof.compute_s[first, last])),
-            comm_s=comm,
-            allreduce_s=ar, allreduce_delay_s=delay,
+            compute_s=compute + again, forward_s=forward, comm_s=comm,
+            allreduce_s=ar, allreduce_delay_s=delay + again if ar > 0 else delay,
             memory_bytes=memories[s], workers=tuple(sorted(workers)), in_flight=counts[s],
+            recompute=flags[s],
         ))
         rank += r
     return tuple(stages)

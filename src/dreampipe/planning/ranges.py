@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -85,10 +86,11 @@ def ranges_layers(ranges: int) -> int:
 
 
 def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray
-                 ) -> tuple[FloatArray, IntArray]:
-    """``(times [layout, i, j], layout [a, b])``: layers ``i..j`` on workers
-    ``points[a]..points[b]-1`` take ``times[layout[a, b], i, j]``; ranges of the same layout
-    share a table."""
+                 ) -> tuple[FloatArray, FloatArray, IntArray]:
+    """``(times [layout, i, j], recomputing [layout, i, j], layout [a, b])``: layers ``i..j``
+    on workers ``points[a]..points[b]-1`` take ``times[layout[a, b], i, j]``, or
+    ``recomputing[...]`` when they recompute (one more forward, before the all-reduce's
+    gradients: ``max(C + F, 2F + end)``); ranges of the same layout share a table."""
     k = len(points)
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
     index = np.zeros((k, k), dtype=np.int64)
@@ -101,9 +103,12 @@ def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray
     ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
     replicas = np.array([p for _, p in layouts], dtype=np.float64)
-    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[x], 1) / replicas[x]
+    f = prof.forward
+    times = np.stack([stage_time(prof.compute_s, f, ends[x], 1) / replicas[x]
                       for x in range(len(layouts))])
-    return times, index
+    again = np.stack([stage_time(prof.compute_s + f, 2 * f, ends[x], 1) / replicas[x]
+                      for x in range(len(layouts))])
+    return times, again, index
 
 
 def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray:
@@ -122,6 +127,7 @@ def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray
 def best_ranges(
     prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
     memory_bytes: int | None = None, points: Sequence[int] | None = None,
+    recompute: bool = False,
 ) -> tuple[float, list[FlatStage]] | None:
     """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
     each starting and ending at one of ``points`` (default: :func:`range_points`), or None
@@ -130,7 +136,9 @@ def best_ranges(
     Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
     holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
     (:func:`~dreampipe.planning.in_flight.versions_in_flight`), so the program
-    runs once per ``U`` and keeps only the stages that fit. Ties go to one
+    runs once per ``U`` and keeps only the stages that fit, recomputing where
+    ``recompute`` allows and only the recomputing stage fits (recomputation is
+    never faster, so a stage that fits as it is never recomputes). Ties go to one
     stage over a split, then to the next stage on fewer workers, then to the
     shorter first stage, and overall to fewer workers in the first stage (to
     fewer in all under a memory limit).
@@ -139,16 +147,17 @@ def best_ranges(
                     dtype=np.int64)
     assert at[0] == 0 and at[-1] == topo.num_workers and (np.diff(at) > 0).all()
     k = len(at) - 1
-    times, layout = _stage_times(prof, topo, sync, at)
+    times, again, layout = _stage_times(prof, topo, sync, at)
     cut = _cut_times(prof, topo, at)
     if memory_bytes is None:
         return _placed(_best(times, layout, cut, k if not allow_fewer else None, None), at)
     room = prof.max_versions(memory_bytes)
+    room_again = prof.max_versions(memory_bytes, recompute=True) if recompute else None
     found: tuple[float, list[FlatStage]] | None = None
     for used in range(1, k + 1) if allow_fewer else [k]:
         s, e = at[:, None], at[None, :]
         versions = -(-(at[used] - s) // np.maximum(e - s, 1))
-        plan = _best(times, layout, cut, used, (versions, room))
+        plan = _best(times, layout, cut, used, _Memory(versions, room, again, room_again))
         if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
             found = plan
     return None if found is None else _placed(found, at)
@@ -159,16 +168,41 @@ def _placed(plan: tuple[float, list[FlatStage]], at: IntArray) -> tuple[float, l
     value, flat = plan
     return value, [FlatStage(f.first, f.last,
                              tuple(range(int(at[f.workers[0]]), int(at[f.workers[-1] + 1]))),
-                             f.allreduce_s) for f in flat]
+                             f.allreduce_s, recompute=f.recompute) for f in flat]
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """What fits: ``versions [s, e]`` against ``room [i, j]``, else, with ``room_again``,
+    the recomputing stage's ``room_again [i, j]`` at its times ``again [layout, i, j]``."""
+
+    versions: IntArray
+    room: FloatArray
+    again: FloatArray
+    room_again: FloatArray | None
+
+    def apply(self, plain: FloatArray, again: FloatArray, versions: IntArray,
+              i: int | slice, j: int | slice) -> FloatArray:
+        """``plain`` where the stage fits as it is, else ``again`` where it fits recomputing,
+        else inf (``versions`` broadcast against ``room[i, j]``)."""
+        fits = versions <= self.room[i, j]
+        out = np.where(fits, plain, np.inf)
+        if self.room_again is None:
+            return out
+        return np.where(~fits & (versions <= self.room_again[i, j]), again, out)
+
+    def recomputes(self, s: int, e: int, i: int, j: int) -> bool:
+        """Whether the stage ``i..j`` on grid range ``[s, e)`` of the plan recomputes."""
+        return self.room_again is not None and not self.versions[s, e] <= self.room[i, j]
 
 
 def _best(
     times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
-    memory: tuple[IntArray, FloatArray] | None,
+    memory: _Memory | None,
 ) -> tuple[float, list[FlatStage]]:
     """:func:`best_ranges` over grid indices (stage workers ``range(s, e)`` of the grid),
-    the last stage ending at grid point ``end`` (None: anywhere) and, given
-    ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
+    the last stage ending at grid point ``end`` (None: anywhere) and, given ``memory``,
+    only stages that fit (recomputing where it says)."""
     n = times.shape[1]
     w = layout.shape[0] - 1
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
@@ -177,10 +211,11 @@ def _best(
     valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
     if end is not None:
         valid[:, np.arange(w + 1) != end] = False
-    tail = np.where(valid[:, :, None], times[layout, :, n - 1], np.inf)  # [s, e, i]
+    tail = times[layout, :, n - 1]  # [s, e, i]
     if memory is not None:
-        versions, room = memory
-        tail = np.where(versions[:, :, None] <= room[None, None, :, n - 1], tail, np.inf)
+        tail = memory.apply(tail, memory.again[layout, :, n - 1], memory.versions[:, :, None],
+                            slice(None), n - 1)
+    tail = np.where(valid[:, :, None], tail, np.inf)
     for i in range(n - 1, -1, -1):
         best[i] = tail[:, :, i]
         if i == n - 1:
@@ -189,8 +224,8 @@ def _best(
             # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
             first = times[layout[:e, e], i, i:n - 1]
             if memory is not None:
-                first = np.where(memory[0][:e, e, None] <= memory[1][None, i, i:n - 1], first,
-                                 np.inf)
+                first = memory.apply(first, memory.again[layout[:e, e], i, i:n - 1],
+                                     memory.versions[:e, e, None], i, slice(i, n - 1))
             link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
             rest = best[i + 1:n, e, e + 1:][None]
             cand = np.maximum(np.maximum(first[:, :, None], link), rest)
@@ -207,7 +242,8 @@ def _best(
     while True:
         t = int(arg_t[i, s, e])
         last = n - 1 if t < 0 else t
-        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0))
+        again = memory is not None and memory.recomputes(s, e, i, last)
+        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0, recompute=again))
         if t < 0:
             return value, out
         i, s, e = t + 1, e, int(arg_f[i, s, e])

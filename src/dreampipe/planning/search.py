@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreampipe.planning.coarsen import block_starts, coarsen, exact_layers
 from dreampipe.planning.costs import RangeCosts
@@ -54,8 +54,7 @@ class Search:
         if self.starts is None:
             return list(flat)
         ends = [*self.starts[1:], self.fine.n]
-        return [FlatStage(self.starts[f.first], ends[f.last] - 1, f.workers, f.allreduce_s,
-                          f.comm_s) for f in flat]
+        return [replace(f, first=self.starts[f.first], last=ends[f.last] - 1) for f in flat]
 
 
 def _blocks(fine: RangeCosts, blocks: int) -> Search:
@@ -81,7 +80,8 @@ def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts:
             ) -> tuple[Stage, ...]:
     fine = search.refine(flat)
     return price_stages(search.fine, topology, [(f.first, f.last) for f in fine],
-                        [f.workers for f in fine], opts.sync, opts.memory_bytes)
+                        [f.workers for f in fine], opts.sync, opts.memory_bytes,
+                        [f.recompute for f in fine])
 
 
 def fastest(
@@ -101,13 +101,14 @@ def fastest(
 
 def with_ranges(
     search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options,
-    exact: bool = False,
+    exact: bool = False, recompute: bool = False,
 ) -> tuple[tuple[Stage, ...] | None, tuple[Heuristic, ...]]:
     """``stages``, or the best plan of contiguous worker ranges where that is strictly
     faster; and how the range search was cut short: on blocks of layers (possibly coarser
     than ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
     ``exact``) or on a grid of workers (beyond
     :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS`, even when ``exact``).
+    ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute.
 
     It runs on a hierarchy, without a stage cap or ``straight`` (each stage one worker,
     which the hierarchy already places at its best).
@@ -119,7 +120,7 @@ def with_ranges(
     layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
     ranged_search = _blocks(search.fine, layers)
     found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
-                        opts.memory_bytes, points)
+                        opts.memory_bytes, points, recompute)
     heuristic = ((Heuristic.LAYER_BLOCKS,) if ranged_search.coarse else ()) + (
         (Heuristic.WORKER_GRID,) if grid else ())
     if found is None:
