@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dreampipe.planning import ranges as ranges_module
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
@@ -157,20 +158,28 @@ def test_ranges_on_a_grid_equal_brute_force_on_it(
 
 def test_range_points() -> None:
     assert range_points(RANGES_MAX_WORKERS) == tuple(range(RANGES_MAX_WORKERS + 1))
-    for workers in (33, 64, 100, 1024):
-        points = range_points(workers)
+    # beyond, every boundary while the layers fit the budgets (AlexNet, VGG-16 on 64)
+    assert range_points(64, 41) == tuple(range(65))
+    assert range_points(1024, 2) != tuple(range(1025))
+    for workers, layers in [(33, 0), (64, 200), (100, 50), (1024, 2)]:
+        points = range_points(workers, layers)
         assert points[0] == 0 and points[-1] == workers
         assert len(points) - 1 <= RANGES_GRID
         assert len({b - a for a, b in itertools.pairwise(points[:-1])}) <= 1
 
 
 def test_beyond_the_exact_range_the_plan_says_its_grid_and_bounds_its_gap() -> None:
-    # 40 workers: the ranges run on a grid of every 3rd worker; the plan is never slower
-    # than the exact range optimum (every boundary) times 1 + its gap
+    # 40 workers, budgets too small for every range: the ranges run on a grid of every 3rd
+    # worker; the plan is never slower than the exact range optimum (every boundary) times
+    # 1 + its gap
     graph = LayerGraph.chain([Layer(f"l{i}", 1.0 + i % 3, 2.0, 10**6 * (1 + i % 4), 10**8)
                               for i in range(6)])
     topo = Topology((Level(8, 1e10, 1e-6), Level(5, 1.25e9, 1e-5)))
-    got = plan_pipeline(graph, topo)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ranges_module, "_CUT_ENTRIES", 0)
+        got = plan_pipeline(graph, topo)
+    # within the budgets the same 40 workers are searched on every range: exact
+    assert plan_pipeline(graph, topo).heuristics == ()
     exact = best_ranges(RangeCosts.of(graph), topo, DEFAULT_SYNC, True,
                         points=tuple(range(41)))
     assert exact is not None

@@ -30,14 +30,15 @@ such a plan, so the minimum is exact (docs/planner.md; the property test
 compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
 ``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
 
-Beyond that many workers the same program runs on a grid of boundaries
-(:func:`range_points`): every stage starts and ends at a multiple of ``g``
-workers (or at ``W``), ``g`` the least that leaves at most
-:data:`RANGES_GRID` ranges of the grid. Every term is still the exact price
-of the placement it stands for, so its plans cost what they say, but a plan
-whose boundaries fall between grid points is outside the search: the
-planner then reports the plan as a heuristic with its gap bound
-(:func:`~dreampipe.planning.search.gap_bound`).
+Beyond that many workers it still places stages on every range when the
+profile's layers fit its budgets of work and of cut-table entries, and
+otherwise runs on a grid of boundaries (:func:`range_points`): every stage
+starts and ends at a multiple of ``g`` workers (or at ``W``), ``g`` the
+least that leaves at most :data:`RANGES_GRID` ranges of the grid. Every
+term is still the exact price of the placement it stands for, so its plans
+cost what they say, but a plan whose boundaries fall between grid points
+is outside the search: the planner then reports the plan as a heuristic
+with its gap bound (:func:`~dreampipe.planning.search.gap_bound`).
 """
 
 from __future__ import annotations
@@ -67,13 +68,18 @@ RANGES_MAX_WORKERS = 32
 RANGES_GRID = 16
 #: The most ``layers^2 x (ranges + 1)^3`` one search may take (it weighs about a sixth).
 _CANDIDATES = 600_000_000
+#: The most ``layers x (ranges + 1)^3`` entries its cut table may hold (8 bytes each).
+_CUT_ENTRIES = 32_000_000
 
 
-def range_points(workers: int) -> tuple[int, ...]:
+def range_points(workers: int, layers: int = 0) -> tuple[int, ...]:
     """The worker boundaries a stage may start or end at: all of ``0..workers`` up to
-    :data:`RANGES_MAX_WORKERS` workers (the search is then exact), else the multiples of
-    the least ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
-    if workers <= RANGES_MAX_WORKERS:
+    :data:`RANGES_MAX_WORKERS` workers, or beyond when ``layers`` fit both budgets of a
+    search on every range (the search is then exact); else the multiples of the least
+    ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
+    every = (workers + 1) ** 3
+    if workers <= RANGES_MAX_WORKERS or (
+            layers > 0 and layers**2 * every <= _CANDIDATES and layers * every <= _CUT_ENTRIES):
         return tuple(range(workers + 1))
     step = -(-workers // RANGES_GRID)
     return (*range(0, workers, step), workers)

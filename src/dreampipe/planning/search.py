@@ -107,7 +107,8 @@ def with_ranges(
     faster; and how the range search was cut short: on blocks of layers (possibly coarser
     than ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
     ``exact``) or on a grid of workers (beyond
-    :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS`, even when ``exact``).
+    :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS`, for profiles too long to search
+    on every range, even when ``exact``).
     ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute.
 
     It runs on a hierarchy, without a stage cap or ``straight`` (each stage one worker,
@@ -115,7 +116,7 @@ def with_ranges(
     """
     if len(topology.levels) < 2 or opts.limited or opts.straight:
         return stages, ()
-    points = range_points(topology.num_workers)
+    points = range_points(topology.num_workers, search.costs.n)
     grid = len(points) < topology.num_workers + 1
     layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
     ranged_search = _blocks(search.fine, layers)
