@@ -312,3 +312,19 @@ def test_alexnet_on_cluster_a_leaves_whole_servers() -> None:
     assert got.time_per_minibatch_s < hier.time_per_minibatch_s
     assert any(len({w // 4 for w in s.placement}) > 1 and len(s.placement) % 4 != 0
                for s in got.stages)
+
+
+def test_a_stage_cap_keeps_whole_servers_and_says_so() -> None:
+    # with at most 2 stages the hierarchy plans alone (the range program does not count
+    # stages): AlexNet's 6-1 on cluster-a, slower than the best two-stage plan on ranges,
+    # is reported as a heuristic whose gap bound covers that plan
+    graph = load_graph("pipedream:alexnet")
+    topo = Topology.parse("cluster-a")
+    got = plan_pipeline(graph, topo, max_stages=2)
+    assert got.heuristics == (Heuristic.WHOLE_SERVERS,)
+    prof = RangeCosts.of(graph)
+    w, n = topo.num_workers, prof.n
+    best = min(slowest(price_stages(prof, topo, [(0, t), (t + 1, n - 1)],
+                                    [range(r), range(r, w)], DEFAULT_SYNC))
+               for t in range(n - 1) for r in range(1, w))
+    assert best < got.time_per_minibatch_s <= best * (1 + got.optimality_gap)

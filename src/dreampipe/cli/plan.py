@@ -62,6 +62,7 @@ __all__ = [
 _HEURISTICS = {
     Heuristic.LAYER_BLOCKS: "the layers were searched in blocks",
     Heuristic.WORKER_GRID: "stage ranges were searched on a grid of workers",
+    Heuristic.WHOLE_SERVERS: "with --max-stages, outer stages were placed on whole servers",
 }
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 

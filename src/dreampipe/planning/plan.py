@@ -54,6 +54,7 @@ class Heuristic(Enum):
 
     LAYER_BLOCKS = "layer-blocks"  #: stages cut only between blocks of layers
     WORKER_GRID = "worker-grid"  #: stage ranges start and end only on a grid of workers
+    WHOLE_SERVERS = "whole-servers"  #: with a stage cap, outer stages on whole servers only
 
 
 @dataclass(frozen=True, kw_only=True)

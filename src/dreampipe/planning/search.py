@@ -111,11 +111,14 @@ def with_ranges(
     on every range, even when ``exact``).
     ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute.
 
-    It runs on a hierarchy, without a stage cap or ``straight`` (each stage one worker,
-    which the hierarchy already places at its best).
+    It runs on a hierarchy, without ``straight`` (each stage one worker, which the
+    hierarchy already places at its best) or a stage cap (the program does not count
+    stages: the plan is then the hierarchy's, which puts outer stages on whole servers).
     """
-    if len(topology.levels) < 2 or opts.limited or opts.straight:
+    if len(topology.levels) < 2 or opts.straight:
         return stages, ()
+    if opts.limited:
+        return stages, (Heuristic.WHOLE_SERVERS,)
     points = range_points(topology.num_workers, search.costs.n)
     grid = len(points) < topology.num_workers + 1
     layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
