@@ -1,8 +1,11 @@
 """Planning at scale: shipped profiles and random DAGs on 1024 workers, as ``dreampipe plan`` does.
 
-Each bundled PipeDream profile (or each ``--profile``), and random
-residual-network profiles of 100, 300 and 1,000 layers with PipeDream-like
-sizes (:func:`random_profile`; ``--layers`` picks others), is planned on
+Each bundled PipeDream profile (or each ``--profile``), random
+residual-network profiles of 100, 300, 727 (ResNet-101's size in
+PipeDream's profile) and 1,000 layers with PipeDream-like sizes
+(:func:`random_profile`; ``--layers`` picks others), and a random
+densely connected profile of 916 layers (DenseNet-121's size;
+:func:`dense_profile`, ``--dense``) is planned on
 ``8x128``, ``128x8`` and ``64x16`` (``-b 300GB/s -b 25Gbps``: inner level at
 300 GB/s, servers joined at 25 Gbps), and the plan's PipeDream schedule is
 then simulated as the CLI's check does. Each case runs ``--repeat`` times; the
@@ -41,12 +44,13 @@ from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import parse_bytes
 
-__all__ = ["main", "measure", "random_profile"]
+__all__ = ["dense_profile", "main", "measure", "random_profile"]
 
 SHAPES = ("8x128", "128x8", "64x16")
 BANDWIDTHS = ("300GB/s", "25Gbps")
-#: Random profiles' sizes, in layers.
-LAYERS = (100, 300, 1000)
+#: Random profiles' sizes, in layers: residual ones, and densely connected ones.
+LAYERS = (100, 300, 727, 1000)
+DENSE_LAYERS = (916,)
 #: Planner seconds per shape (any profile up to 1,000 layers); any case with its check.
 PLAN_TARGETS_S = {"128x8": 1.0, "8x128": 5.0, "64x16": 5.0}
 TOTAL_TARGET_S = 30.0
@@ -56,24 +60,41 @@ MEMORY_TARGET_BYTES = 2 * 10**9
 _MB = 1 << 20
 
 
+class _Net:
+    """Layers and edges of a random profile as they are added, each layer's time jittered."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.layers: list[Layer] = []
+        self.edges: list[tuple[int, int]] = []
+
+    def add(self, kind: str, fwd_ms: float, act: float, weights: float,
+            inputs: list[int]) -> int:
+        jitter = self.rng.uniform(0.7, 1.3)
+        at = len(self.layers)
+        self.layers.append(Layer(f"{kind}{at}", fwd_ms * jitter, 2 * fwd_ms * jitter,
+                                 int(act), int(weights), description=kind))
+        self.edges.extend((i, at) for i in inputs)
+        return at
+
+    def stem(self) -> int:
+        """The input and a first convolution (ResNet's and DenseNet's); the last layer."""
+        return self.add("Conv2d", 2.0, 196 * _MB, 37e3, [self.add("Input", 0.0, 38 * _MB, 0, [])])
+
+    def graph(self, name: str, suffix: str) -> LayerGraph:
+        """The profile, named ``name`` with its layer count and ``suffix``."""
+        return LayerGraph(tuple(self.layers), tuple(self.edges), batch_size=64,
+                          model=f"{name}{len(self.layers)}{suffix}")
+
+
 def random_profile(layers: int, seed: int = 0) -> LayerGraph:
     """A residual network of about ``layers`` layers with PipeDream-like sizes (V100,
     minibatch 64): blocks of conv, batch norm, ReLU, conv, batch norm, add (the block's
     input skips to it), ReLU, in four resolutions whose activations halve while their
     channels and weights double, between a stem and a pooled classifier."""
     rng = random.Random(seed)
-    out: list[Layer] = []
-    edges: list[tuple[int, int]] = []
-
-    def add(kind: str, fwd_ms: float, act: float, weights: float, inputs: list[int]) -> int:
-        jitter = rng.uniform(0.7, 1.3)
-        out.append(Layer(f"{kind}{len(out)}", fwd_ms * jitter, 2 * fwd_ms * jitter,
-                         int(act), int(weights), description=kind))
-        edges.extend((i, len(out) - 1) for i in inputs)
-        return len(out) - 1
-
-    last = add("Input", 0.0, 38 * _MB, 0, [])
-    last = add("Conv2d", 2.0, 196 * _MB, 37e3, [last])
+    net = _Net(rng)
+    add, last = net.add, net.stem()
     body = max(1, (layers - 5) // 7)
     for b in range(body):
         level = min(3, 4 * b // body)
@@ -86,13 +107,51 @@ def random_profile(layers: int, seed: int = 0) -> LayerGraph:
         x = add("BatchNorm2d", 0.3, act, 1e3 * 2**level, [x])
         x = add("Add", 0.1, act, 0, [x, skip])
         last = add("ReLU", 0.15, act, 0, [x])
-    while len(out) < layers - 3:
+    while len(net.layers) < layers - 3:
         last = add("Dropout", 0.05, 196 * _MB / 8, 0, [last])
     last = add("AdaptiveAvgPool2d", 0.2, 0.5 * _MB, 0, [last])
     last = add("Flatten", 0.0, 0.5 * _MB, 0, [last])
     add("Linear", 0.5, 0.25 * _MB, 8.2e6, [last])
-    return LayerGraph(tuple(out), tuple(edges), batch_size=64,
-                      model=f"random{len(out)}-s{seed}")
+    return net.graph("random", f"-s{seed}")
+
+
+def dense_profile(layers: int, seed: int = 0) -> LayerGraph:
+    """A densely connected network of about ``layers`` layers with PipeDream-like sizes (V100,
+    minibatch 64), DenseNet-121's shape: four dense blocks of 6, 12, 24 and 16 parts in
+    that ratio, each part batch norm, ReLU, 1x1 conv, batch norm, ReLU, 3x3 conv and a
+    concatenation of the block's features so far with the new ones (its input skips to
+    it, and the features grow by the growth rate), with a transition (batch norm, ReLU,
+    conv, pooling) halving the resolution between blocks."""
+    rng = random.Random(seed)
+    net = _Net(rng)
+    add, last = net.add, net.stem()
+    parts = max(4, (layers - 20) // 7)
+    sizes = [max(1, round(parts * k / 58)) for k in (6, 12, 24, 16)]
+    channels, pixels = 64.0, 56.0 * 56 * 64  # per image: features x pixels, minibatch 64
+    for b, size in enumerate(sizes):
+        for _ in range(size):
+            act = channels * pixels * 4
+            x = add("BatchNorm2d", 0.1, act, 2 * 4 * channels, [last])
+            x = add("ReLU", 0.05, act, 0, [x])
+            x = add("Conv2d", rng.uniform(0.2, 0.8), 128 * pixels * 4, channels * 128 * 4, [x])
+            x = add("BatchNorm2d", 0.1, 128 * pixels * 4, 1e3, [x])
+            x = add("ReLU", 0.05, 128 * pixels * 4, 0, [x])
+            x = add("Conv2d", rng.uniform(0.3, 1.0), 32 * pixels * 4, 128 * 9 * 32 * 4, [x])
+            channels += 32
+            last = add("Concat", 0.05, channels * pixels * 4, 0, [last, x])
+        if b < len(sizes) - 1:
+            x = add("BatchNorm2d", 0.1, channels * pixels * 4, 8 * channels, [last])
+            x = add("ReLU", 0.05, channels * pixels * 4, 0, [x])
+            channels /= 2
+            x = add("Conv2d", 0.5, channels * pixels * 4, 2 * channels * channels * 4, [x])
+            pixels /= 4
+            last = add("AvgPool2d", 0.1, channels * pixels * 4, 0, [x])
+    while len(net.layers) < layers - 3:
+        last = add("Dropout", 0.02, channels * pixels * 4, 0, [last])
+    last = add("AdaptiveAvgPool2d", 0.1, 0.25 * _MB, 0, [last])
+    last = add("Flatten", 0.0, 0.25 * _MB, 0, [last])
+    add("Linear", 0.3, 0.25 * _MB, channels * 1000 * 4, [last])
+    return net.graph("dense", f"-s{seed}")
 
 
 Measured = tuple[list[float], list[float], int, str, int, float]
@@ -151,7 +210,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="ResNet and GNMT on 128x8 only")
     parser.add_argument("--layers", type=int, nargs="*", default=list(LAYERS),
-                        help="sizes of the random profiles (default: 100 300 1000)")
+                        help="sizes of the random residual profiles (default: 100 300 727 "
+                             "1000)")
+    parser.add_argument("--dense", type=int, nargs="*", default=list(DENSE_LAYERS),
+                        help="sizes of the random densely connected profiles (default: 916)")
+    parser.add_argument("--shape", action="append", choices=SHAPES,
+                        help="plan on this topology only, repeatable (default: all three)")
     parser.add_argument("--case-limit", type=float, default=300.0,
                         help="seconds one case (all its repeats) may take")
     parser.add_argument("--memory-limit", default="8GB",
@@ -163,7 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     graphs = [load_graph(p) for p in args.profile or [b.spec for b in bundled_profiles()]]
     if not args.profile:
         graphs += [random_profile(n) for n in args.layers]
-    cases = [(g, shape) for g in graphs for shape in SHAPES]
+        graphs += [dense_profile(n) for n in args.dense]
+    cases = [(g, shape) for g in graphs for shape in args.shape or SHAPES]
     if args.quick:
         cases = [(g, "128x8") for g in graphs if g.model in ("resnet18", "gnmt")]
     print(f"{'model':<14} {'topology':<8} {'plan s (median ±spread)':>24} "

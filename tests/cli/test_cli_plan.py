@@ -20,11 +20,12 @@ from dreampipe.cli.plan import (
     confirm_by_simulation,
     layer_label,
 )
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
+from dreampipe.quantities import format_bytes
 
 VGG = "pipedream:vgg16"
 _LABELS = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
@@ -309,7 +310,38 @@ def test_a_plan_searched_in_blocks_says_its_gap(
     assert code == 0
     got = Plan.from_dict(json.loads(out))
     assert got.optimality_gap > 0
+    # and on 1,024 workers the stage ranges on a grid of workers
+    assert got.heuristics == (Heuristic.LAYER_BLOCKS, Heuristic.WORKER_GRID)
     code, out, _ = _run(capsys, str(profile), "-t", "128x8", "--no-check")
     assert code == 0
-    assert (f"heuristic: the layers were searched in blocks; at most "
-            f"{100 * got.optimality_gap:.1f}% slower than the optimum") in out
+    assert (f"heuristic: the layers were searched in blocks and stage ranges were searched "
+            f"on a grid of workers; at most {100 * got.optimality_gap:.1f}% slower than the "
+            "optimum") in out
+
+
+def test_plan_recomputes_a_stage_only_memory_makes_fit_and_says_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # VGG-16 on cluster-a under 18 GB: data parallelism just fits; 15-1 is faster but its
+    # first stage holds 3 minibatches, which fit only if it recomputes their activations
+    code, out, _ = _run(capsys, "pipedream:vgg16", "-t", "cluster-a", "--memory", "18GB",
+                        "--no-check", "--json")
+    assert code == 0
+    got = Plan.from_dict(json.loads(out))
+    assert got.config == "15r-1"
+    assert [st.recompute for st in got.stages] == [True, False]
+    assert all(st.memory_bytes <= 18e9 for st in got.stages)
+    code, out, _ = _run(capsys, "pipedream:vgg16", "-t", "cluster-a", "--memory", "18GB",
+                        "--no-check", "--no-recompute", "--json")
+    plain = Plan.from_dict(json.loads(out))
+    assert not any(st.recompute for st in plain.stages)
+    assert got.time_per_minibatch_s < plain.time_per_minibatch_s
+    code, out, _ = _run(capsys, "pipedream:vgg16", "-t", "cluster-a", "--memory", "18GB",
+                        "--no-check")
+    lines = out.splitlines()
+    first = next(x for x in lines if x.startswith("stage 0: "))
+    stage = got.stages[0]
+    assert first.startswith("stage 0: 15 replicas (on 14 its round would take")
+    assert f"slowest term all-reduce {stage.time_s * 1e3:.2f} ms (100% of" in first
+    assert f"memory {format_bytes(stage.memory_bytes)} of 18.0 GB; recomputes:" in first
+    assert any(x.startswith("stage 1: 1 replica; slowest term ") for x in lines)

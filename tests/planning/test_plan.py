@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -13,7 +14,7 @@ import pytest
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.config import config_string, parse_stage_bounds, stages_from_config
 from dreampipe.planning.in_flight import in_flight_counts
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -85,6 +86,9 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert again == plan
     assert again.baselines_s == plan.baselines_s and again.layer_names == plan.layer_names
     assert again.config == "3-1"
+    rough = dataclasses.replace(plan, optimality_gap=0.25,
+                                heuristics=(Heuristic.LAYER_BLOCKS, Heuristic.WORKER_GRID))
+    assert Plan.from_dict(json.loads(rough.to_json())) == rough
 
 
 def test_str_lists_stages() -> None:

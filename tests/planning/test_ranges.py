@@ -11,22 +11,27 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dreampipe.planning import ranges as ranges_module
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.pricing import contiguous_cut_shares, cut_seconds, price_stages, slowest
-from dreampipe.planning.ranges import best_ranges
+from dreampipe.planning.ranges import RANGES_GRID, RANGES_MAX_WORKERS, best_ranges, range_points
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
-from dreampipe.planning.topology import Level, Topology
+from dreampipe.planning.topology import PRESETS, Level, Topology
+from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 
 
 @st.composite
-def _graphs(draw: st.DrawFn, max_layers: int = 5) -> LayerGraph:
+def _graphs(draw: st.DrawFn, max_layers: int = 5, saved: bool = False) -> LayerGraph:
+    """Random DAGs; with ``saved``, layers that keep up to 10 GB for their backward."""
     n = draw(st.integers(1, max_layers))
     layers = [
         Layer(f"l{i}", draw(st.floats(0.1, 20.0)), draw(st.floats(0.1, 40.0)),
-              draw(st.integers(0, 10**8)), draw(st.sampled_from([0, 10**5, 10**7, 10**8, 10**9])))
+              draw(st.integers(0, 10**8)), draw(st.sampled_from([0, 10**5, 10**7, 10**8, 10**9])),
+              saved_bytes=draw(st.sampled_from([None, 10**9, 10**10])) if saved else None)
         for i in range(n)
     ]
     skips = draw(st.sets(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2))
@@ -48,14 +53,26 @@ def _laid_in_order(n: int, workers: int, fewer: bool) -> Iterator[tuple[list[tup
 
 
 def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
-           memory: int | None = None) -> float:
-    """The fastest layout in order whose stages all fit in ``memory`` (None: no limit)."""
+           memory: int | None = None, recompute: bool = False) -> float:
+    """The fastest layout in order whose stages all fit in ``memory`` (None: no limit),
+    with ``recompute`` each stage recomputing or not."""
     best = math.inf
     for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer):
-        stages = price_stages(prof, topo, spans, placed, sync, memory)
-        if memory is None or all(s.memory_bytes <= memory for s in stages):
-            best = min(best, slowest(stages))
+        marks = [False, True] if recompute else [False]
+        for flags in itertools.product(marks, repeat=len(spans)):
+            stages = price_stages(prof, topo, spans, placed, sync, memory, flags)
+            if memory is None or all(s.memory_bytes <= memory for s in stages):
+                best = min(best, slowest(stages))
     return best
+
+
+def _brute_on(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool,
+              points: tuple[int, ...]) -> float:
+    """The fastest layout in order whose stage boundaries are all in ``points``."""
+    return min((slowest(price_stages(prof, topo, spans, placed, sync))
+                for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer)
+                if all(r.start in points and r.stop in points for r in placed)),
+               default=math.inf)
 
 
 _SHAPES = st.sampled_from([(2, 2), (4, 2), (2, 3)])  # innermost first: 2x2, 2x4, 3x2
@@ -116,6 +133,120 @@ def test_ranges_dp_equals_brute_force_under_memory(
     assert all(s.memory_bytes <= memory for s in got.stages)
 
 
+@settings(max_examples=40, deadline=None)
+@given(_graphs(), _SHAPES, _BW, _BW, st.booleans(), st.data())
+def test_ranges_on_a_grid_equal_brute_force_on_it(
+    graph: LayerGraph, shape: tuple[int, int], bw_in: float, bw_out: float, fewer: bool,
+    data: st.DataObject,
+) -> None:
+    # the program on any grid of boundaries is exact among the plans laid on that grid
+    topo = Topology((Level(shape[0], bw_in, 1e-6), Level(shape[1], bw_out, 1e-5)))
+    w = topo.num_workers
+    inner = data.draw(st.sets(st.integers(1, w - 1)))
+    points = (0, *sorted(inner), w)
+    prof = RangeCosts.of(graph)
+    found = best_ranges(prof, topo, DEFAULT_SYNC, fewer, points=points)
+    expect = _brute_on(prof, topo, DEFAULT_SYNC, fewer, points)
+    assert found is not None
+    assert found[0] == pytest.approx(expect, rel=1e-9)
+    placed = [f.workers for f in found[1]]
+    assert all(r[0] in points and r[-1] + 1 in points for r in placed)
+    priced = price_stages(prof, topo, [(f.first, f.last) for f in found[1]], placed,
+                          DEFAULT_SYNC)
+    assert slowest(priced) == pytest.approx(found[0], rel=1e-9)
+
+
+def test_range_points() -> None:
+    assert range_points(RANGES_MAX_WORKERS) == tuple(range(RANGES_MAX_WORKERS + 1))
+    # beyond, every boundary while the layers fit the budgets (AlexNet, VGG-16 on 64)
+    assert range_points(64, 41) == tuple(range(65))
+    assert range_points(1024, 2) != tuple(range(1025))
+    for workers, layers in [(33, 0), (64, 200), (100, 50), (1024, 2)]:
+        points = range_points(workers, layers)
+        assert points[0] == 0 and points[-1] == workers
+        assert len(points) - 1 <= RANGES_GRID
+        assert len({b - a for a, b in itertools.pairwise(points[:-1])}) <= 1
+
+
+def test_beyond_the_exact_range_the_plan_says_its_grid_and_bounds_its_gap() -> None:
+    # 40 workers, budgets too small for every range: the ranges run on a grid of every 3rd
+    # worker; the plan is never slower than the exact range optimum (every boundary) times
+    # 1 + its gap
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0 + i % 3, 2.0, 10**6 * (1 + i % 4), 10**8)
+                              for i in range(6)])
+    topo = Topology((Level(8, 1e10, 1e-6), Level(5, 1.25e9, 1e-5)))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ranges_module, "_CUT_ENTRIES", 0)
+        got = plan_pipeline(graph, topo)
+    # within the budgets the same 40 workers are searched on every range: exact
+    assert plan_pipeline(graph, topo).heuristics == ()
+    exact = best_ranges(RangeCosts.of(graph), topo, DEFAULT_SYNC, True,
+                        points=tuple(range(41)))
+    assert exact is not None
+    assert got.heuristics == (Heuristic.WORKER_GRID,)
+    assert got.optimality_gap > 0
+    assert got.time_per_minibatch_s <= exact[0] * (1 + got.optimality_gap) * (1 + 1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_graphs(4, saved=True), _SHAPES, _BW, st.floats(0.05, 1.2), st.booleans(), _SYNC)
+def test_recomputation_in_the_program_equals_brute_force(
+    graph: LayerGraph, shape: tuple[int, int], bw: float, share: float, fewer: bool,
+    sync: Sync,
+) -> None:
+    # every stage may recompute or not: the program equals brute force over every layout
+    # and every choice of recomputing stages, under memory limits that some fit only so
+    topo = Topology((Level(shape[0], bw * 10, 1e-6), Level(shape[1], bw, 1e-5)))
+    prof = RangeCosts.of(graph)
+    memory = max(1, int(share * prof.memory(0, prof.n - 1, 2)))
+    expect = _brute(prof, topo, sync, fewer, memory, recompute=True)
+    found = best_ranges(prof, topo, sync, fewer, memory, recompute=True)
+    if math.isinf(expect):
+        assert found is None
+        return
+    assert found is not None
+    assert found[0] == pytest.approx(expect, rel=1e-9)
+    assert found[0] <= _brute(prof, topo, sync, fewer, memory) * (1 + 1e-9)
+    flat = found[1]
+    stages = price_stages(prof, topo, [(f.first, f.last) for f in flat],
+                          [f.workers for f in flat], sync, memory, [f.recompute for f in flat])
+    assert slowest(stages) == pytest.approx(found[0], rel=1e-9)
+    assert all(s.memory_bytes <= memory for s in stages)
+    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer, sync=sync,
+                        tensor_split=False, recompute=True)
+    assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
+    assert all(s.memory_bytes <= memory for s in got.stages)
+
+
+def test_a_stage_recomputes_only_where_nothing_else_fits() -> None:
+    # heavy weights and activations first: data parallelism on both workers takes seconds
+    # to all-reduce, and the first of two stages holds two minibatches, which fit only if
+    # it keeps their inputs alone and recomputes (one more forward)
+    graph = LayerGraph.chain([Layer("a", 2.0, 4.0, 10**6, 10**10, saved_bytes=10**9),
+                              Layer("b", 2.0, 4.0, 10**6, 10**3)])
+    topo = Topology((Level(2, 1e9, 0.0), Level(1, 1e9, 0.0)))
+    prof = RangeCosts.of(graph)
+    plain = price_stages(prof, topo, [(0, 0), (1, 1)], [range(1), range(1, 2)], DEFAULT_SYNC)
+    memory = plain[0].memory_bytes - 1
+    found = best_ranges(prof, topo, DEFAULT_SYNC, False, memory, recompute=True)
+    assert found is not None
+    assert [f.recompute for f in found[1]] == [True, False]
+    again = price_stages(prof, topo, [(0, 0), (1, 1)], [range(1), range(1, 2)], DEFAULT_SYNC,
+                         memory, [True, False])
+    assert again[0].compute_s == pytest.approx(plain[0].compute_s + 2e-3)
+    assert again[0].memory_bytes < plain[0].memory_bytes
+    assert found[0] == pytest.approx(slowest(again))
+    # without recomputation only data parallelism fits, 500 times slower
+    alone = best_ranges(prof, topo, DEFAULT_SYNC, False, memory)
+    assert alone is not None and len(alone[1]) == 1
+    assert alone[0] > 500 * found[0]
+    # the planner finds it too, and says so in the config
+    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=False,
+                        recompute=True)
+    assert got.config == "1r-1"
+    assert got.time_per_minibatch_s == pytest.approx(found[0])
+
+
 def test_contiguous_shares_match_the_cut() -> None:
     # every pair of adjacent ranges on 2x4 (and 3x2): the shares are the pairs cut_seconds counts
     for inner, outer in [(4, 2), (2, 3)]:
@@ -155,16 +286,13 @@ def test_a_stage_costs_where_it_starts_within_a_server() -> None:
     assert across.allreduce_s > 50 * inside.allreduce_s
 
 
-_PROFILES = ("alexnet", "vgg16", "resnet18", "gnmt")
-_CLUSTERS = ("cluster-a", "cluster-b", "cluster-c")
-
-
-@pytest.mark.parametrize("model", _PROFILES)
-@pytest.mark.parametrize("cluster", _CLUSTERS)
+@pytest.mark.parametrize("model", [p.spec for p in bundled_profiles()])
+@pytest.mark.parametrize("cluster", sorted(PRESETS))
 def test_plan_beats_every_two_stage_plan(model: str, cluster: str) -> None:
-    # The done-when of placement beyond whole servers: the plan is at least as fast as every
-    # r-(W-r) plan cut anywhere, workers laid in order, under the planner's own pricing.
-    graph = load_graph(f"pipedream:{model}")
+    # The done-when of placement beyond whole servers: on every bundled profile and preset
+    # cluster the plan is at least as fast as every r-(W-r) plan cut anywhere, workers laid
+    # in order, under the planner's own pricing.
+    graph = load_graph(model)
     topo = Topology.parse(cluster)
     prof = RangeCosts.of(graph)
     got = plan_pipeline(graph, topo)
@@ -184,3 +312,19 @@ def test_alexnet_on_cluster_a_leaves_whole_servers() -> None:
     assert got.time_per_minibatch_s < hier.time_per_minibatch_s
     assert any(len({w // 4 for w in s.placement}) > 1 and len(s.placement) % 4 != 0
                for s in got.stages)
+
+
+def test_a_stage_cap_keeps_whole_servers_and_says_so() -> None:
+    # with at most 2 stages the hierarchy plans alone (the range program does not count
+    # stages): AlexNet's 6-1 on cluster-a, slower than the best two-stage plan on ranges,
+    # is reported as a heuristic whose gap bound covers that plan
+    graph = load_graph("pipedream:alexnet")
+    topo = Topology.parse("cluster-a")
+    got = plan_pipeline(graph, topo, max_stages=2)
+    assert got.heuristics == (Heuristic.WHOLE_SERVERS,)
+    prof = RangeCosts.of(graph)
+    w, n = topo.num_workers, prof.n
+    best = min(slowest(price_stages(prof, topo, [(0, t), (t + 1, n - 1)],
+                                    [range(r), range(r, w)], DEFAULT_SYNC))
+               for t in range(n - 1) for r in range(1, w))
+    assert best < got.time_per_minibatch_s <= best * (1 + got.optimality_gap)

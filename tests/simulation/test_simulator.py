@@ -14,6 +14,7 @@ from machine.fixtures import DEV_MACHINE
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.plan import Plan
+from dreampipe.planning.planner import evaluate_plan
 from dreampipe.planning.sync import Sync, SyncKind
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -446,3 +447,31 @@ def test_new_schedules_of_small_configs_do_all_their_work(replicas: tuple[int, .
                 result = simulate_schedule(schedule, equal, record_events=False)
                 assert len(result.busy_s) == workers
                 assert result.busy_s == pytest.approx((2 * m * v * 3.0,) * workers)
+
+
+def test_a_recomputing_stage_runs_its_forward_twice_and_stashes_its_input() -> None:
+    # 1r-1 against 1-1: the first stage's backward runs its forward again, a unit in flight
+    # keeps its input only, and the recomputed activations are held once
+    graph = LayerGraph.chain([Layer("a", 2.0, 4.0, 10**6, 10**3, saved_bytes=10**8),
+                              Layer("b", 2.0, 4.0, 10**6, 10**3)])
+    topo = Topology((Level(2, 1e10, 0.0),))
+    plain = evaluate_plan(graph, topo, [0, 1], [1, 1])
+    again = evaluate_plan(graph, topo, [0, 1], [1, 1], recompute=[True, False])
+    assert again.config == "1r-1"
+    assert again.stages[0].compute_s == pytest.approx(plain.stages[0].compute_s + 2e-3)
+    assert again.stages[0].memory_bytes < plain.stages[0].memory_bytes
+    c0, c1 = costs_from_profile(graph, plain, topo), costs_from_profile(graph, again, topo)
+    assert c1.backward_s[0] == pytest.approx(c0.backward_s[0] + c0.forward_s[0])
+    x = graph.cut_bytes()[0]
+    assert c1.stash_bytes[0] == pytest.approx(x)  # the input only (the cut before)
+    assert c1.recompute_bytes == (c0.stash_bytes[0], 0.0)
+    units = 40
+    r0 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, units), c0)
+    r1 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, units), c1)
+    assert r1.peak_in_flight == r0.peak_in_flight == (2, 1)
+    # two units stash their input instead of input and activations; one is recomputed
+    assert r0.peak_memory_bytes[0] - r1.peak_memory_bytes[0] == pytest.approx(
+        2 * c0.stash_bytes[0] - 2 * x - c0.stash_bytes[0], abs=1)
+    assert r1.steady_throughput_minibatches_per_s == pytest.approx(
+        again.throughput_minibatches_per_s, rel=0.02)
+

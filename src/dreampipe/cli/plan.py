@@ -34,9 +34,10 @@ from dreampipe.cli.plan_schedule import (
     interleaved_report,
     schedule_report,
 )
+from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.planning.topology import PRESETS, Topology
@@ -58,6 +59,11 @@ __all__ = [
     "register",
 ]
 
+_HEURISTICS = {
+    Heuristic.LAYER_BLOCKS: "the layers were searched in blocks",
+    Heuristic.WORKER_GRID: "stage ranges were searched on a grid of workers",
+    Heuristic.WHOLE_SERVERS: "with --max-stages, outer stages were placed on whole servers",
+}
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 
 #: The check simulates at most this many minibatches unless ``--check-minibatches`` says.
@@ -104,6 +110,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "with more layers than the topology's tables take in about half a "
                         "second is searched in blocks of layers, and the output says how far "
                         "from the optimum the plan may be")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="never recompute: by default, under --memory, a stage that fits only "
+                        "if its backward recomputes its activations (one more forward) may "
+                        "do so, marked 'r' in the config (e.g. 3r-1)")
     p.add_argument("--cost-model", choices=[c.value for c in CostModel],
                    default=CostModel.DREAMPIPE.value,
                    help="dreampipe (default): one all-reduce per round (--sync) overlapped "
@@ -139,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
         straight=args.straight, allow_fewer_workers=not args.all_workers,
         max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
-        sync=sync_from(args), exact=args.exact,
+        sync=sync_from(args), exact=args.exact, recompute=args.recompute,
     )
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
@@ -159,7 +169,8 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_plan(result, graph, topo, seconds))
+        print(format_plan(result, graph, topo, seconds,
+                          topo.memory_bytes if args.memory else None))
         if sim is not None:
             print(_format_confirmation(result, sim))
         print("\n".join(schedule_lines))
@@ -272,9 +283,11 @@ def layer_label(graph: LayerGraph, index: int, width: int = 26) -> str:
 
 
 def format_plan(
-    result: Plan, graph: LayerGraph, topo: Topology, plan_time_s: float | None = None
+    result: Plan, graph: LayerGraph, topo: Topology, plan_time_s: float | None = None,
+    memory_bytes: int | None = None,
 ) -> str:
-    """The human report: topology, one row per stage, prediction and speedups."""
+    """The human report: topology, one row per stage, why each stage is as it is (against
+    ``memory_bytes``, the limit planned with), prediction and speedups."""
     lines = [f"topology: {topo.describe()}"]
     batch = f", minibatch {graph.batch_size}" if graph.batch_size else ""
     lines.append(f"model: {graph.model or 'model'}, {len(graph)} layers{batch}")
@@ -284,7 +297,8 @@ def format_plan(
               f"{'ms/mb':>8} {'':>9}"]
     for s, st in enumerate(result.stages):
         names = f"{layer_label(graph, st.first)} .. {layer_label(graph, st.last)}"
-        copies = f"{st.replicas}t{st.tensor_parallel}" if st.tensor_parallel > 1 else st.replicas
+        copies = (f"{st.replicas}t{st.tensor_parallel}" if st.tensor_parallel > 1
+                  else str(st.replicas)) + ("r" if st.recompute else "")
         lines.append(
             f"{s:>5} {f'{st.first}..{st.last}':>9}  {names:<56} {copies:>3} "
             f"{st.compute_s * 1e3:>9.2f} {st.comm_s * 1e3:>8.2f} {st.allreduce_s * 1e3:>8.2f} "
@@ -292,6 +306,7 @@ def format_plan(
         )
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
               if st.tensor_parallel > 1]
+    lines += ["", *stage_reasons(result, graph, memory_bytes)]
     rate = f"{result.throughput_minibatches_per_s:.2f} minibatches/s"
     if graph.batch_size:
         rate += f" = {result.throughput_minibatches_per_s * graph.batch_size:.0f} samples/s"
@@ -301,8 +316,11 @@ def format_plan(
         f"{result.time_per_minibatch_s * 1e3:.2f} ms per minibatch, {rate}",
     ]
     if result.optimality_gap > 0:
-        lines.append(f"  heuristic: the layers were searched in blocks; at most "
+        how = " and ".join(_HEURISTICS[h] for h in result.heuristics) or "the search was cut"
+        lines.append(f"  heuristic: {how}; at most "
                      f"{100 * result.optimality_gap:.1f}% slower than the optimum")
+    else:
+        lines.append("  exact: the fastest plan the search holds (no shortcut taken)")
     needs = _split_needs(result, graph, topo)
     for key, label in _BASELINES:
         if key in result.baselines_s:

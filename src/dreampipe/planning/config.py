@@ -1,7 +1,8 @@
 """Config strings: the paper's ``"15-1"`` for replicas per stage, and first layers ``"0,4"``.
 
 ``"straight"`` is every stage on one worker; ``"1t4"`` one replica split over
-4 workers (:mod:`dreampipe.planning.plan`). Parsed from the command line
+4 workers and ``"3r"`` a stage on 3 workers that recomputes its activations
+(:mod:`dreampipe.planning.plan`). Parsed from the command line
 and printed for every plan.
 """
 
@@ -15,13 +16,17 @@ from dreampipe.errors import ConfigError, PlanError
 __all__ = ["config_string", "parse_stage_bounds", "stages_from_config"]
 
 
-def config_string(replicas: Sequence[int], tensor_parallel: int = 1) -> str:
-    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4)."""
+def config_string(replicas: Sequence[int], tensor_parallel: int = 1,
+                  recompute: Sequence[bool] = ()) -> str:
+    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4;
+    ``"3r"``: the stage recomputes)."""
+    marks = ["r" if rc else "" for rc in recompute] or [""] * len(replicas)
     if tensor_parallel > 1:
-        return "-".join(f"{r}t{tensor_parallel}" for r in replicas)
-    if len(replicas) > 1 and all(r == 1 for r in replicas):
+        return "-".join(f"{r}t{tensor_parallel}{m}"
+                        for r, m in zip(replicas, marks, strict=True))
+    if len(replicas) > 1 and all(r == 1 for r in replicas) and not any(recompute):
         return "straight"
-    return "-".join(str(r) for r in replicas)
+    return "-".join(f"{r}{m}" for r, m in zip(replicas, marks, strict=True))
 
 
 def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
@@ -30,10 +35,11 @@ def stages_from_config(config: str, num_stages: int | None = None) -> list[int]:
         if not num_stages or num_stages < 2:
             raise PlanError("config 'straight' needs the number of stages (at least 2)")
         return [1] * num_stages
-    if "t" in config:
+    if "t" in config or "r" in config:
         raise PlanError(
-            f"config {config!r} splits stages over workers; a split plan comes from "
-            "'dreampipe plan --memory ... -o plan.json' (its splits per layer), given as --plan"
+            f"config {config!r} splits stages over workers or recomputes them; such a plan "
+            "comes from 'dreampipe plan --memory ... -o plan.json' (its splits per layer), "
+            "given as --plan"
         )
     try:
         reps = [int(x) for x in config.split("-")]

@@ -32,7 +32,10 @@ keeps its last ``SENDS_KEPT`` sent tensors until it reaps them::
 (in the steady state the versions equal the minibatches in flight). Without
 weight stashing there is one version, a minibatch in flight keeps only its
 input, and one backward at a time recomputes what the layers keep
-(:func:`memory_bytes`). The simulator (:mod:`dreampipe.simulation`) and the
+(:func:`memory_bytes`). A stage that *recomputes* (``recompute``) keeps its
+weight versions but, per minibatch in flight, only its input; its backward
+first runs the forward again (one more ``F``) and holds one minibatch's
+``input + kept`` while it does. The simulator (:mod:`dreampipe.simulation`) and the
 schedule builder take these same terms; ``dreampipe train`` holds a run to
 them (``docs/memory.md``).
 
@@ -193,10 +196,13 @@ def memory_bytes(
     optimizer_copies: int = 0,
     stash: bool = True,
     sends_kept: int = SENDS_KEPT,
+    recompute: bool = False,
 ) -> FloatArray:
     """Bytes per worker of a stage (module doc)::
 
         stash      weights * (versions + 1 + optimizer) + (input + kept) * in_flight
+                   + working + sends
+        recompute  weights * (versions + 1 + optimizer) + input * in_flight + (input + kept)
                    + working + sends
         no stash   weights * (1 + 1 + optimizer) + input * in_flight + (input + kept)
                    + working + sends
@@ -217,9 +223,9 @@ def memory_bytes(
     x = np.asarray(input_bytes, dtype=np.float64)
     fixed = ((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
              + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
-    if stash:
+    if stash and not recompute:
         return np.asarray(fixed + versions * w + in_flight * (x + a))
-    return np.asarray(fixed + w + in_flight * x + x + a)
+    return np.asarray(fixed + (versions if stash else 1) * w + in_flight * x + x + a)
 
 
 def stage_memory(
@@ -237,20 +243,24 @@ def stage_memory(
 def max_versions(
     weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float,
     *, input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
-    working_bytes: FloatArray | float = 0.0,
+    working_bytes: FloatArray | float = 0.0, recompute: bool = False,
 ) -> FloatArray:
-    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`).
+    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`,
+    or of :func:`memory_bytes` with ``recompute``, versions equal to the minibatches in flight).
 
-    0 or less means the stage does not fit at all; a stage of neither
-    weights nor activations can hold any number (``inf``).
+    0 or less means the stage does not fit at all; a stage whose versions cost
+    nothing can hold any number (``inf``) if the rest fits.
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
+    a = np.asarray(activation_bytes, dtype=np.float64)
+    x = np.asarray(input_bytes, dtype=np.float64)
     fixed = stage_memory(w, 0.0, 0, sent_bytes=sent_bytes, working_bytes=working_bytes)
-    per = w + np.asarray(activation_bytes, dtype=np.float64) + np.asarray(input_bytes,
-                                                                           dtype=np.float64)
+    per = w + x + (0.0 if recompute else a)
+    if recompute:
+        fixed = fixed + x + a
     with np.errstate(divide="ignore", invalid="ignore"):
         k = np.floor((memory_bytes - fixed) / per)
-    return np.asarray(np.where(per > 0, k, np.inf))
+    return np.asarray(np.where(per > 0, k, np.where(fixed <= memory_bytes, np.inf, 0.0)))
 
 
 def _range_max(values: Sequence[float]) -> FloatArray:
@@ -366,14 +376,15 @@ class RangeCosts:
         """``[i, j]``: what a backward through layers ``i..j`` holds besides (largest layer)."""
         return self.working if self.working is not None else np.zeros_like(self.weights)
 
-    def max_versions(self, memory_bytes: float) -> FloatArray:
+    def max_versions(self, memory_bytes: float, recompute: bool = False) -> FloatArray:
         """:func:`max_versions` of every layer range in ``memory_bytes``."""
         return max_versions(self.weights, self.kept, memory_bytes, input_bytes=self.inputs,
-                            sent_bytes=self.sent, working_bytes=self.backward_working)
+                            sent_bytes=self.sent, working_bytes=self.backward_working,
+                            recompute=recompute)
 
     def memory(self, first: int, last: int, versions: int, in_flight: int | None = None, *,
-               optimizer_copies: int = 0, stash: bool = True, sends_kept: int = SENDS_KEPT
-               ) -> int:
+               optimizer_copies: int = 0, stash: bool = True, sends_kept: int = SENDS_KEPT,
+               recompute: bool = False) -> int:
         """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``)."""
         after = float(self.cut_bytes[last + 1]) if last + 1 < self.n else 0.0
         return round(float(memory_bytes(
@@ -383,10 +394,14 @@ class RangeCosts:
             sent_bytes=max(float(self.cut_bytes[first]), after),  # one entry of sent
             working_bytes=self.backward_working[first, last],
             optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
+            recompute=recompute,
         )))
 
-    def memories(self, spans: Sequence[tuple[int, int]], in_flight: Sequence[int]) -> list[int]:
+    def memories(self, spans: Sequence[tuple[int, int]], in_flight: Sequence[int],
+                 recompute: Sequence[bool] = ()) -> list[int]:
         """Bytes per worker of each stage ``(first, last)`` of one pipeline, holding
-        ``in_flight`` minibatches (:mod:`dreampipe.planning.in_flight`)."""
-        return [self.memory(first, last, v) for (first, last), v in zip(spans, in_flight,
-                                                                         strict=True)]
+        ``in_flight`` minibatches (:mod:`dreampipe.planning.in_flight`); ``recompute`` says
+        which stages recompute (empty: none)."""
+        flags = recompute or [False] * len(spans)
+        return [self.memory(first, last, v, recompute=rc)
+                for (first, last), v, rc in zip(spans, in_flight, flags, strict=True)]

@@ -194,7 +194,8 @@ class FlatStage:
     """One stage of the back-tracked plan: layers, the workers that hold it, its terms.
 
     ``allreduce_s`` is one all-reduce of the stage's weights among its
-    replicas per round; ``comm_s`` the cut after it, per minibatch.
+    replicas per round; ``comm_s`` the cut after it, per minibatch;
+    ``recompute``: the stage recomputes its activations in the backward.
     """
 
     first: int
@@ -202,6 +203,7 @@ class FlatStage:
     workers: tuple[int, ...]
     allreduce_s: float
     comm_s: float = 0.0
+    recompute: bool = False
 
     @property
     def replicas(self) -> int:

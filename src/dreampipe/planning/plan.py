@@ -20,6 +20,11 @@ A stage may also be *tensor-split* (operator partitioning,
 over 4 workers). The schedule sees one rank per replica (``ranks``); the
 workers of schedule rank ``r`` are ``r * t .. r * t + t - 1``, so every stage
 has the same ``t`` (a pipeline x tensor mesh).
+
+A stage may *recompute* its activations in the backward instead of keeping
+them per minibatch in flight (``recompute``, config token ``"2r"``): its
+``compute_s`` then holds one more forward and its memory only its inputs
+(:func:`~dreampipe.planning.costs.memory_bytes`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +42,19 @@ from dreampipe.planning.config import config_string
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.splits import Split
 
-__all__ = ["PLAN_FORMAT", "Plan", "Stage"]
+__all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 
 #: The "format" tag of a plan JSON file; a file with another tag is not a plan.
 PLAN_FORMAT = "dreampipe.plan"
 _VERSION = 1
+
+
+class Heuristic(Enum):
+    """A part of the search the planner cut short, so the plan may miss the optimum."""
+
+    LAYER_BLOCKS = "layer-blocks"  #: stages cut only between blocks of layers
+    WORKER_GRID = "worker-grid"  #: stage ranges start and end only on a grid of workers
+    WHOLE_SERVERS = "whole-servers"  #: with a stage cap, outer stages on whole servers only
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,7 +75,9 @@ class Stage:
     layer) saying how each layer's tensors are divided among them.
     ``in_flight`` is the minibatches each replica holds under PipeDream's
     schedule, its 1F1B warm-up (0: the default of
-    :mod:`dreampipe.planning.in_flight`).
+    :mod:`dreampipe.planning.in_flight`). ``recompute``: the backward runs
+    the stage's forward again (counted in ``compute_s``) instead of keeping
+    what its layers keep for every minibatch in flight.
     """
 
     first: int
@@ -78,6 +94,7 @@ class Stage:
     tensor_parallel: int = 1
     splits: tuple[Split, ...] = ()
     in_flight: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -156,9 +173,10 @@ class Plan:
     time_per_minibatch_s: float = 0.0
     baselines_s: dict[str, float] = field(default_factory=dict, compare=False, hash=False)
     layer_names: tuple[str, ...] = ()
-    #: 0: the plan is the fastest the planner's search holds; ``g > 0``: it searched a
-    #: coarse profile and the plan is at most ``(1 + g)`` times the optimum.
+    #: 0: the plan is the fastest the planner's search holds; ``g > 0``: the search was
+    #: cut short as ``heuristics`` say and the plan is at most ``(1 + g)`` times the optimum.
     optimality_gap: float = 0.0
+    heuristics: tuple[Heuristic, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -235,7 +253,8 @@ class Plan:
 
     @property
     def config(self) -> str:
-        return config_string([st.replicas for st in self.stages], self.tensor_parallel)
+        return config_string([st.replicas for st in self.stages], self.tensor_parallel,
+                             [st.recompute for st in self.stages])
 
     @property
     def throughput_minibatches_per_s(self) -> float:
@@ -279,6 +298,7 @@ class Plan:
             "time_per_minibatch_s": self.time_per_minibatch_s,
             "baselines_s": dict(self.baselines_s),
             "optimality_gap": self.optimality_gap,
+            "heuristics": [h.value for h in self.heuristics],
             "stages": [
                 {
                     "first": st.first,
@@ -295,6 +315,7 @@ class Plan:
                     "tensor_parallel": st.tensor_parallel,
                     "splits": [x.value for x in st.splits],
                     "in_flight": st.in_flight,
+                    "recompute": st.recompute,
                 }
                 for st in self.stages
             ],
@@ -319,6 +340,7 @@ class Plan:
                     tensor_parallel=int(s.get("tensor_parallel", 1)),
                     splits=tuple(Split(x) for x in s.get("splits", [])),
                     in_flight=int(s.get("in_flight", 0)),
+                    recompute=bool(s.get("recompute", False)),
                 )
                 for s in data["stages"]
             )
@@ -330,6 +352,7 @@ class Plan:
                 baselines_s={str(k): float(v) for k, v in data["baselines_s"].items()},
                 layer_names=tuple(str(x) for x in data.get("layer_names", [])),
                 optimality_gap=float(data.get("optimality_gap", 0.0)),
+                heuristics=tuple(Heuristic(h) for h in data.get("heuristics", [])),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):

@@ -47,7 +47,7 @@ from dreampipe.planning.pipedream_costs import (
     pipedream_states,
     pipedream_transfer_time,
 )
-from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
@@ -153,6 +153,7 @@ def plan_pipeline(
     sync: Sync = DEFAULT_SYNC,
     tensor_split: bool = True,
     exact: bool = False,
+    recompute: bool = False,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -166,6 +167,10 @@ def plan_pipeline(
     ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
     run as one stage with every layer split over workers of one server
     (module doc; False: an error instead).
+    ``recompute`` lets a stage recompute its activations in the backward where
+    only that fits ``memory_bytes`` (one more forward; the range search's choice,
+    :func:`~dreampipe.planning.ranges.best_ranges`; off by default: the runtime does
+    not run recomputing stages yet).
     ``exact`` searches every layer however long it takes (default: a profile
     longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
     exact_layers`, is searched in blocks and the plan records its
@@ -198,10 +203,10 @@ def plan_pipeline(
     search = Search(prof, prof) if exact else search_for(prof, topology)
     models = cost_models(topology, also_flat)
     stages = fastest(search, topology, models, opts)
-    coarse = search.coarse
+    heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
     if also_flat:
-        stages, ranged_coarse = with_ranges(search, topology, stages, opts, exact)
-        coarse = coarse or ranged_coarse
+        stages, ranged = with_ranges(search, topology, stages, opts, exact, recompute)
+        heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
                        CostModel.DREAMPIPE, sync)
@@ -218,15 +223,16 @@ def plan_pipeline(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    gap = gap_bound(stages, prof, topology.num_workers) if coarse else 0.0
-    if coarse:
-        log.info("%d layers planned as %d blocks: the plan is at most %.1f%% slower than "
-                 "the optimum", prof.n, search.costs.n, 100 * gap)
+    gap = gap_bound(stages, prof, topology.num_workers) if heuristics else 0.0
+    if heuristics:
+        log.info("%d layers planned with %s: the plan is at most %.1f%% slower than the "
+                 "optimum", prof.n, ", ".join(h.value for h in heuristics), 100 * gap)
     result = Plan(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
         baselines_s=_baselines(prof, topology, memory_bytes, sync),
         layer_names=tuple(x.name for x in graph.layers), optimality_gap=gap,
+        heuristics=heuristics if gap > 0 else (),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result
@@ -314,7 +320,7 @@ def evaluate_plan(
     graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
     cost_model: CostModel = CostModel.DREAMPIPE, *,
     workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
-    memory_bytes: int | None = None,
+    memory_bytes: int | None = None, recompute: Sequence[bool] = (),
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
@@ -322,7 +328,8 @@ def evaluate_plan(
     order, stage by stage); each all-reduce and cut is priced on the links
     its workers use, with the planner's own terms, so a plan's stages and
     workers evaluate to the plan's time; ``memory_bytes`` picks the stages'
-    minibatches in flight as the planner does (:func:`price_stages`).
+    minibatches in flight as the planner does (:func:`price_stages`); ``recompute[s]``
+    makes stage s recompute its activations (empty: none).
     Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
     ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
     """
@@ -355,8 +362,11 @@ def evaluate_plan(
                 f"workers {[list(w) for w in placed]}: need {list(replicas)} distinct workers "
                 f"per stage, each in 0..{topology.num_workers - 1}"
             )
+    if recompute and len(recompute) != len(replicas):
+        raise PlanError(f"recompute {list(recompute)}: need one flag per stage of bounds "
+                        f"{list(bounds)}")
     spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
-    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes)
+    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute)
     time = slowest(stages)
     if cost_model is CostModel.PIPEDREAM:
         time = _pipedream_time(graph, topology, stages)

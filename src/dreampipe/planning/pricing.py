@@ -102,20 +102,22 @@ def _spread_cut(
     return worst
 
 
-def contiguous_cut_shares(topology: Topology) -> FloatArray:
-    """``[s, e, f, k]``: the share of the pairs of workers ``s..e-1`` and ``e..f-1`` that
-    first meet at level ``k``, as :func:`cut_seconds` counts them (0 where not ``s < e < f``).
+def contiguous_cut_shares(topology: Topology, points: Sequence[int] | None = None) -> FloatArray:
+    """``[s, e, f, k]``: the share of the pairs of workers ``P[s]..P[e]-1`` and
+    ``P[e]..P[f]-1`` that first meet at level ``k``, as :func:`cut_seconds` counts them
+    (0 where not ``s < e < f``); ``P`` is ``points`` (default: every worker boundary
+    ``0..W``).
 
-    With contiguous ranges only the level-``k`` unit holding both ``e - 1``
-    and ``e`` holds pairs, ``(its senders) x (its receivers)`` of them.
+    With contiguous ranges only the level-``k`` unit holding both ``P[e] - 1``
+    and ``P[e]`` holds pairs, ``(its senders) x (its receivers)`` of them.
     """
-    w = topology.num_workers
-    idx = np.arange(w + 1)
+    idx = np.arange(topology.num_workers + 1) if points is None else np.asarray(points)
+    size_k = len(idx)
     s, e, f = idx[:, None, None], idx[None, :, None], idx[None, None, :]
     valid = (s < e) & (e < f)
     pairs = np.where(valid, (e - s) * (f - e), 1)
-    out = np.zeros((w + 1, w + 1, w + 1, len(topology.levels)))
-    met = np.zeros((w + 1, w + 1, w + 1))
+    out = np.zeros((size_k, size_k, size_k, len(topology.levels)))
+    met = np.zeros((size_k, size_k, size_k))
     size = 1
     for k, level in enumerate(topology.levels):
         size *= level.count
@@ -135,17 +137,22 @@ def price_stages(
     placements: Sequence[Sequence[int]],
     sync: Sync,
     memory_bytes: int | None = None,
+    recompute: Sequence[bool] = (),
 ) -> tuple[Stage, ...]:
     """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
 
     Each stage holds the deepest join buffer of
     :data:`~dreampipe.planning.in_flight.JOIN_BUFFERS` whose stages all fit in
     ``memory_bytes`` (PipeDream's count when none deeper does; None: no limit).
+    A stage marked in ``recompute`` (empty: none) runs its forward once more in the
+    backward, before the gradients its all-reduce sends (``compute_s`` and the
+    all-reduce's delay grow by ``F``), and keeps only its inputs per minibatch.
     """
     replicas = [len(p) for p in placements]
+    flags = tuple(recompute) or (False,) * len(spans)
     for join in JOIN_BUFFERS:
         counts = in_flight_counts(replicas, join)
-        memories = prof.memories(spans, counts)
+        memories = prof.memories(spans, counts, flags)
         if memory_bytes is None or max(memories) <= memory_bytes:
             break
     stages, rank = [], 0
@@ -158,13 +165,15 @@ def price_stages(
         assert prof.layer_backward_s is not None and prof.layer_weights is not None
         ar, delay = stage_allreduce(prof.layer_backward_s[first:last + 1],
                                     prof.layer_weights[first:last + 1], workers, topology, sync)
+        compute = float(prof.compute_s[first, last])
+        forward = min(float(prof.forward[first, last]), compute)
+        again = forward if flags[s] else 0.0
         stages.append(Stage(
             first=first, last=last, replicas=r, ranks=tuple(range(rank, rank + r)),
-            compute_s=float(prof.compute_s[first, last]),
-            forward_s=min(float(prof.forward[first, last]), float(prof.compute_s[first, last])),
-            comm_s=comm,
-            allreduce_s=ar, allreduce_delay_s=delay,
+            compute_s=compute + again, forward_s=forward, comm_s=comm,
+            allreduce_s=ar, allreduce_delay_s=delay + again if ar > 0 else delay,
             memory_bytes=memories[s], workers=tuple(sorted(workers)), in_flight=counts[s],
+            recompute=flags[s],
         ))
         rank += r
     return tuple(stages)

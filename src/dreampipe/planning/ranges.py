@@ -29,11 +29,23 @@ Every plan of contiguous ranges in order is one path of this recursion and each 
 such a plan, so the minimum is exact (docs/planner.md; the property test
 compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
 ``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
+
+Beyond that many workers it still places stages on every range when the
+profile's layers fit its budgets of work and of cut-table entries, and
+otherwise runs on a grid of boundaries (:func:`range_points`): every stage
+starts and ends at a multiple of ``g`` workers (or at ``W``), ``g`` the
+least that leaves at most :data:`RANGES_GRID` ranges of the grid. Every
+term is still the exact price of the placement it stands for, so its plans
+cost what they say, but a plan whose boundaries fall between grid points
+is outside the search: the planner then reports the plan as a heuristic
+with its gap bound (:func:`~dreampipe.planning.search.gap_bound`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -44,48 +56,75 @@ from dreampipe.planning.pricing import contiguous_cut_shares
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["RANGES_MAX_WORKERS", "best_ranges", "ranges_layers"]
+__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "best_ranges", "range_points",
+           "ranges_layers"]
 
 IntArray = npt.NDArray[np.int64]
 
-#: :func:`best_ranges` runs on up to this many workers; its work grows with their cube.
+#: :func:`best_ranges` places stages on every range of up to this many workers; its work
+#: grows with their cube.
 RANGES_MAX_WORKERS = 32
-#: The most ``layers^2 x (workers + 1)^3`` one search may take (it weighs about a sixth).
+#: Beyond :data:`RANGES_MAX_WORKERS`, the most ranges of the grid :func:`range_points` lays.
+RANGES_GRID = 16
+#: The most ``layers^2 x (ranges + 1)^3`` one search may take (it weighs about a sixth).
 _CANDIDATES = 600_000_000
+#: The most ``layers x (ranges + 1)^3`` entries its cut table may hold (8 bytes each).
+_CUT_ENTRIES = 32_000_000
 
 
-def ranges_layers(workers: int) -> int:
-    """The most layers :func:`best_ranges` searches on ``workers`` within its budget:
-    129 layers on 32 workers, 349 on 16."""
-    return max(2, math.isqrt(_CANDIDATES // (workers + 1) ** 3))
+def range_points(workers: int, layers: int = 0) -> tuple[int, ...]:
+    """The worker boundaries a stage may start or end at: all of ``0..workers`` up to
+    :data:`RANGES_MAX_WORKERS` workers, or beyond when ``layers`` fit both budgets of a
+    search on every range (the search is then exact); else the multiples of the least
+    ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
+    every = (workers + 1) ** 3
+    if workers <= RANGES_MAX_WORKERS or (
+            layers > 0 and layers**2 * every <= _CANDIDATES and layers * every <= _CUT_ENTRIES):
+        return tuple(range(workers + 1))
+    step = -(-workers // RANGES_GRID)
+    return (*range(0, workers, step), workers)
 
 
-def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync) -> tuple[FloatArray, IntArray]:
-    """``(times [layout, i, j], layout [s, e])``: layers ``i..j`` on workers ``s..e-1``
-    take ``times[layout[s, e], i, j]``; ranges of the same layout share a table."""
-    w = topo.num_workers
+def ranges_layers(ranges: int) -> int:
+    """The most layers :func:`best_ranges` searches on ``ranges`` ranges (workers, or grid
+    ranges) within its budget: 129 layers on 32, 349 on 16."""
+    return max(2, math.isqrt(_CANDIDATES // (ranges + 1) ** 3))
+
+
+def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray
+                 ) -> tuple[FloatArray, FloatArray, IntArray]:
+    """``(times [layout, i, j], recomputing [layout, i, j], layout [a, b])``: layers ``i..j``
+    on workers ``points[a]..points[b]-1`` take ``times[layout[a, b], i, j]``, or
+    ``recomputing[...]`` when they recompute (one more forward, before the all-reduce's
+    gradients: ``max(C + F, 2F + end)``); ranges of the same layout share a table."""
+    k = len(points)
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
-    index = np.zeros((w + 1, w + 1), dtype=np.int64)
-    for s in range(w):
-        for e in range(s + 1, w + 1):
+    index = np.zeros((k, k), dtype=np.int64)
+    for a in range(k - 1):
+        for b in range(a + 1, k):
+            s, e = int(points[a]), int(points[b])
             key = (replica_groups(range(s, e), topo), e - s)
-            index[s, e] = layouts.setdefault(key, len(layouts))
+            index[a, b] = layouts.setdefault(key, len(layouts))
     terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
     ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
     replicas = np.array([p for _, p in layouts], dtype=np.float64)
-    times = np.stack([stage_time(prof.compute_s, prof.forward, ends[k], 1) / replicas[k]
-                      for k in range(len(layouts))])
-    return times, index
+    f = prof.forward
+    times = np.stack([stage_time(prof.compute_s, f, ends[x], 1) / replicas[x]
+                      for x in range(len(layouts))])
+    again = np.stack([stage_time(prof.compute_s + f, 2 * f, ends[x], 1) / replicas[x]
+                      for x in range(len(layouts))])
+    return times, again, index
 
 
-def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
-    """``[s, e, f, t]``: the cut before layer ``t`` between workers ``s..e-1`` and ``e..f-1``."""
-    w, n = topo.num_workers, prof.n
-    shares = contiguous_cut_shares(topo)  # [s, e, f, level]
-    out = np.zeros((w + 1, w + 1, w + 1, n))
-    for k, level in enumerate(topo.levels):
-        phi = shares[..., k, None]
+def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray:
+    """``[a, b, c, t]``: the cut before layer ``t`` between the ranges ``[points[a],
+    points[b])`` and ``[points[b], points[c])``."""
+    k, n = len(points), prof.n
+    shares = contiguous_cut_shares(topo, points.tolist())  # [a, b, c, level]
+    out = np.zeros((k, k, k, n))
+    for x, level in enumerate(topo.levels):
+        phi = shares[..., x, None]
         term = 2 * (level.latency + phi * prof.cut_bytes[None, None, None, :n] / level.bandwidth)
         np.maximum(out, np.where(phi > 0, term, 0.0), out=out)
     return out
@@ -93,41 +132,83 @@ def _cut_times(prof: RangeCosts, topo: Topology) -> FloatArray:
 
 def best_ranges(
     prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
-    memory_bytes: int | None = None,
+    memory_bytes: int | None = None, points: Sequence[int] | None = None,
+    recompute: bool = False,
 ) -> tuple[float, list[FlatStage]] | None:
     """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
-    or None if none fits in ``memory_bytes`` (None: no limit).
+    each starting and ending at one of ``points`` (default: :func:`range_points`), or None
+    if none fits in ``memory_bytes`` (None: no limit).
 
     Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
     holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
     (:func:`~dreampipe.planning.in_flight.versions_in_flight`), so the program
-    runs once per ``U`` and keeps only the stages that fit. Ties go to one
+    runs once per ``U`` and keeps only the stages that fit, recomputing where
+    ``recompute`` allows and only the recomputing stage fits (recomputation is
+    never faster, so a stage that fits as it is never recomputes). Ties go to one
     stage over a split, then to the next stage on fewer workers, then to the
     shorter first stage, and overall to fewer workers in the first stage (to
     fewer in all under a memory limit).
     """
-    w = topo.num_workers
-    times, layout = _stage_times(prof, topo, sync)
-    cut = _cut_times(prof, topo)
+    at = np.asarray(range_points(topo.num_workers) if points is None else points,
+                    dtype=np.int64)
+    assert at[0] == 0 and at[-1] == topo.num_workers and (np.diff(at) > 0).all()
+    k = len(at) - 1
+    times, again, layout = _stage_times(prof, topo, sync, at)
+    cut = _cut_times(prof, topo, at)
     if memory_bytes is None:
-        return _best(times, layout, cut, w if not allow_fewer else None, None)
+        return _placed(_best(times, layout, cut, k if not allow_fewer else None, None), at)
     room = prof.max_versions(memory_bytes)
+    room_again = prof.max_versions(memory_bytes, recompute=True) if recompute else None
     found: tuple[float, list[FlatStage]] | None = None
-    for used in range(1, w + 1) if allow_fewer else [w]:
-        s, e = np.arange(w + 1)[:, None], np.arange(w + 1)[None, :]
-        versions = -(-(used - s) // np.maximum(e - s, 1))
-        plan = _best(times, layout, cut, used, (versions, room))
+    for used in range(1, k + 1) if allow_fewer else [k]:
+        s, e = at[:, None], at[None, :]
+        versions = -(-(at[used] - s) // np.maximum(e - s, 1))
+        plan = _best(times, layout, cut, used, _Memory(versions, room, again, room_again))
         if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
             found = plan
-    return found
+    return None if found is None else _placed(found, at)
+
+
+def _placed(plan: tuple[float, list[FlatStage]], at: IntArray) -> tuple[float, list[FlatStage]]:
+    """``plan``'s stages on the workers its grid ranges stand for."""
+    value, flat = plan
+    return value, [FlatStage(f.first, f.last,
+                             tuple(range(int(at[f.workers[0]]), int(at[f.workers[-1] + 1]))),
+                             f.allreduce_s, recompute=f.recompute) for f in flat]
+
+
+@dataclass(frozen=True)
+class _Memory:
+    """What fits: ``versions [s, e]`` against ``room [i, j]``, else, with ``room_again``,
+    the recomputing stage's ``room_again [i, j]`` at its times ``again [layout, i, j]``."""
+
+    versions: IntArray
+    room: FloatArray
+    again: FloatArray
+    room_again: FloatArray | None
+
+    def apply(self, plain: FloatArray, again: FloatArray, versions: IntArray,
+              i: int | slice, j: int | slice) -> FloatArray:
+        """``plain`` where the stage fits as it is, else ``again`` where it fits recomputing,
+        else inf (``versions`` broadcast against ``room[i, j]``)."""
+        fits = versions <= self.room[i, j]
+        out = np.where(fits, plain, np.inf)
+        if self.room_again is None:
+            return out
+        return np.where(~fits & (versions <= self.room_again[i, j]), again, out)
+
+    def recomputes(self, s: int, e: int, i: int, j: int) -> bool:
+        """Whether the stage ``i..j`` on grid range ``[s, e)`` of the plan recomputes."""
+        return self.room_again is not None and not self.versions[s, e] <= self.room[i, j]
 
 
 def _best(
     times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
-    memory: tuple[IntArray, FloatArray] | None,
+    memory: _Memory | None,
 ) -> tuple[float, list[FlatStage]]:
-    """:func:`best_ranges` with the last stage ending at worker ``end`` (None: anywhere) and,
-    given ``(versions [s, e], room [i, j])``, only stages whose versions fit their room."""
+    """:func:`best_ranges` over grid indices (stage workers ``range(s, e)`` of the grid),
+    the last stage ending at grid point ``end`` (None: anywhere) and, given ``memory``,
+    only stages that fit (recomputing where it says)."""
     n = times.shape[1]
     w = layout.shape[0] - 1
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
@@ -136,10 +217,11 @@ def _best(
     valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
     if end is not None:
         valid[:, np.arange(w + 1) != end] = False
-    tail = np.where(valid[:, :, None], times[layout, :, n - 1], np.inf)  # [s, e, i]
+    tail = times[layout, :, n - 1]  # [s, e, i]
     if memory is not None:
-        versions, room = memory
-        tail = np.where(versions[:, :, None] <= room[None, None, :, n - 1], tail, np.inf)
+        tail = memory.apply(tail, memory.again[layout, :, n - 1], memory.versions[:, :, None],
+                            slice(None), n - 1)
+    tail = np.where(valid[:, :, None], tail, np.inf)
     for i in range(n - 1, -1, -1):
         best[i] = tail[:, :, i]
         if i == n - 1:
@@ -148,8 +230,8 @@ def _best(
             # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
             first = times[layout[:e, e], i, i:n - 1]
             if memory is not None:
-                first = np.where(memory[0][:e, e, None] <= memory[1][None, i, i:n - 1], first,
-                                 np.inf)
+                first = memory.apply(first, memory.again[layout[:e, e], i, i:n - 1],
+                                     memory.versions[:e, e, None], i, slice(i, n - 1))
             link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
             rest = best[i + 1:n, e, e + 1:][None]
             cand = np.maximum(np.maximum(first[:, :, None], link), rest)
@@ -166,7 +248,8 @@ def _best(
     while True:
         t = int(arg_t[i, s, e])
         last = n - 1 if t < 0 else t
-        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0))
+        again = memory is not None and memory.recomputes(s, e, i, last)
+        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0, recompute=again))
         if t < 0:
             return value, out
         i, s, e = t + 1, e, int(arg_f[i, s, e])

@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreampipe.planning.coarsen import block_starts, coarsen, exact_layers
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.dp import FlatStage, Options, best_plan
-from dreampipe.planning.plan import Stage
+from dreampipe.planning.plan import Heuristic, Stage
 from dreampipe.planning.pricing import price_stages, slowest
-from dreampipe.planning.ranges import RANGES_MAX_WORKERS, best_ranges, ranges_layers
+from dreampipe.planning.ranges import best_ranges, range_points, ranges_layers
 from dreampipe.planning.topology import Topology
 
 __all__ = [
@@ -54,8 +54,7 @@ class Search:
         if self.starts is None:
             return list(flat)
         ends = [*self.starts[1:], self.fine.n]
-        return [FlatStage(self.starts[f.first], ends[f.last] - 1, f.workers, f.allreduce_s,
-                          f.comm_s) for f in flat]
+        return [replace(f, first=self.starts[f.first], last=ends[f.last] - 1) for f in flat]
 
 
 def _blocks(fine: RangeCosts, blocks: int) -> Search:
@@ -81,7 +80,8 @@ def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts:
             ) -> tuple[Stage, ...]:
     fine = search.refine(flat)
     return price_stages(search.fine, topology, [(f.first, f.last) for f in fine],
-                        [f.workers for f in fine], opts.sync, opts.memory_bytes)
+                        [f.workers for f in fine], opts.sync, opts.memory_bytes,
+                        [f.recompute for f in fine])
 
 
 def fastest(
@@ -101,31 +101,38 @@ def fastest(
 
 def with_ranges(
     search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options,
-    exact: bool = False,
-) -> tuple[tuple[Stage, ...] | None, bool]:
+    exact: bool = False, recompute: bool = False,
+) -> tuple[tuple[Stage, ...] | None, tuple[Heuristic, ...]]:
     """``stages``, or the best plan of contiguous worker ranges where that is strictly
-    faster; and whether the ranges were searched on blocks (possibly coarser than
-    ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
-    ``exact``).
+    faster; and how the range search was cut short: on blocks of layers (possibly coarser
+    than ``search``'s, as :func:`~dreampipe.planning.ranges.ranges_layers` allows, unless
+    ``exact``) or on a grid of workers (beyond
+    :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS`, for profiles too long to search
+    on every range, even when ``exact``).
+    ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute.
 
-    It runs on up to :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers of a
-    hierarchy, without a stage cap or ``straight`` (each stage one worker, which the
-    hierarchy already places at its best).
+    It runs on a hierarchy, without ``straight`` (each stage one worker, which the
+    hierarchy already places at its best) or a stage cap (the program does not count
+    stages: the plan is then the hierarchy's, which puts outer stages on whole servers).
     """
-    workers = topology.num_workers
-    if (len(topology.levels) < 2 or workers > RANGES_MAX_WORKERS
-            or opts.limited or opts.straight):
-        return stages, False
-    layers = search.costs.n if exact else min(search.costs.n, ranges_layers(workers))
+    if len(topology.levels) < 2 or opts.straight:
+        return stages, ()
+    if opts.limited:
+        return stages, (Heuristic.WHOLE_SERVERS,)
+    points = range_points(topology.num_workers, search.costs.n)
+    grid = len(points) < topology.num_workers + 1
+    layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
     ranged_search = _blocks(search.fine, layers)
     found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
-                        opts.memory_bytes)
+                        opts.memory_bytes, points, recompute)
+    heuristic = ((Heuristic.LAYER_BLOCKS,) if ranged_search.coarse else ()) + (
+        (Heuristic.WORKER_GRID,) if grid else ())
     if found is None:
-        return stages, ranged_search.coarse
+        return stages, heuristic
     ranged = _priced(ranged_search, topology, found[1], opts)
     if stages is None or slowest(ranged) < slowest(stages):
         stages = ranged
-    return stages, ranged_search.coarse
+    return stages, heuristic
 
 
 def gap_bound(stages: Sequence[Stage], fine: RangeCosts, workers: int) -> float:

@@ -52,6 +52,9 @@ class SimCosts:
     profile's passes varied around their median, so that replicas wait for
     the slower one and stages for each other as in a run. Empty: every
     action takes exactly its cost.
+    ``recompute_bytes[s]`` is what stage s's backward holds once while it
+    recomputes a unit's activations (its input and what its layers keep; 0: the
+    stage stashes them per unit in ``stash_bytes``).
     """
 
     forward_s: tuple[float, ...]
@@ -70,6 +73,7 @@ class SimCosts:
     stash_copy_bandwidth: float = math.inf
     jitter: tuple[float, ...] = ()
     weight_grad_s: tuple[float, ...] = ()
+    recompute_bytes: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -79,7 +83,8 @@ class SimCosts:
                 f"and {len(self.backward_s)} entries"
             )
         defaults = {"activation_bytes": n - 1, "allreduce_s": n, "allreduce_delay_s": n,
-                    "parameter_bytes": n, "stash_bytes": n, "step_s": n}
+                    "parameter_bytes": n, "stash_bytes": n, "step_s": n,
+                    "recompute_bytes": n}
         for name, size in defaults.items():
             value = tuple(getattr(self, name)) or (0.0,) * size
             if len(value) != size:
@@ -148,6 +153,9 @@ def costs_from_profile(
     ``r * t``, the first of its group. With ``virtual_stages = v`` the plan's
     unreplicated stages share ``stages / v`` workers, stage ``s`` on the worker
     of stage ``s mod (stages / v)`` (interleaved 1F1B).
+    A recomputing stage's backward runs its forward again first (its
+    all-reduce's delay grows by as much) and a unit keeps only its input;
+    the recomputed activations are held once (``recompute_bytes``).
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
@@ -170,6 +178,7 @@ def costs_from_profile(
     layers = graph.layers
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
     wgrad: list[float] = []
+    again: list[float] = []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
         if st.tensor_parallel > 1:
@@ -194,6 +203,11 @@ def costs_from_profile(
             act.append(cuts[st.last + 1] * unit_fraction)
         placed = [w * st.tensor_parallel for w in st.placement]
         ar, late = stage_allreduce(backward, weights, placed, topology, how)
+        again.append(stash[-1] if st.recompute else 0.0)
+        if st.recompute:
+            bwd[-1] += fwd[-1]
+            late += fwd[-1] if ar > 0 else 0.0
+            stash[-1] = cuts[st.first] * unit_fraction
         allreduce.append(ar)
         delay.append(late)
     return SimCosts(
@@ -201,6 +215,7 @@ def costs_from_profile(
         bandwidth=_links(plan, topology, workers), allreduce_s=tuple(allreduce),
         allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
         stash_bytes=tuple(stash), unit_fraction=unit_fraction, weight_grad_s=tuple(wgrad),
+        recompute_bytes=tuple(again) if any(again) else (),
     )
 
 

@@ -38,7 +38,8 @@ straight n-stage PipeDream pipeline (weight stashing). Under a zero-bubble
 schedule a unit is in flight until its ``W`` ends (the weight gradient needs
 the stage's inputs). A rank that runs several stages (interleaved 1F1B)
 holds all their weights and, per unit in flight, the largest of their
-stashes: a bound on its memory.
+stashes: a bound on its memory. A recomputing stage stashes a unit's input
+only and holds its recomputed activations once (``recompute_bytes``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,7 @@ class _Run(Stepper):
         cuts = (0.0, *self.c.activation_bytes, 0.0)
         params = [sum(self.c.parameter_bytes[st] for st in h) for h in hosted]
         stash = [max(self.c.stash_bytes[st] for st in h) for h in hosted]
+        again = [max(self.c.recompute_bytes[st] for st in h) for h in hosted]
         sent = [max(max(cuts[st], cuts[st + 1]) for st in h) for h in hosted]
         fraction = self.c.unit_fraction
         throughput = s.num_units * fraction / makespan if makespan > 0 else math.inf
@@ -184,8 +186,8 @@ class _Run(Stepper):
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
             peak_memory_bytes=tuple(
-                int(m.peak_memory(params[r], stash[r], sent[r])) for r, m in enumerate(
-                    self.memory)),
+                int(m.peak_memory(params[r], stash[r], sent[r]) + again[r])
+                for r, m in enumerate(self.memory)),
             peak_versions=tuple(m.peak_versions for m in self.memory),
             peak_in_flight=tuple(m.peak_in_flight for m in self.memory),
             events=tuple(sorted(self.events, key=lambda e: (e.start_s, e.rank))),

@@ -1,0 +1,73 @@
+"""Why each stage of a plan has its replicas, its split and its recomputation.
+
+``dreampipe plan`` prints one line per stage from the plan's own terms: the
+slowest of a stage's terms (its compute over its replicas, its round with
+the all-reduce, the cut after it) against the pipeline's time, what one
+replica fewer would take, and its memory per worker, with and without
+recomputation, against ``--memory``.
+"""
+
+from __future__ import annotations
+
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
+
+__all__ = ["stage_reasons"]
+
+
+def _terms(stage: Stage) -> dict[str, float]:
+    """The stage's per-minibatch terms whose max is its time (:attr:`Stage.time_s`)."""
+    r = stage.replicas
+    return {
+        "compute": stage.compute_s / r,
+        "all-reduce": (stage.forward_s + stage.allreduce_delay_s + stage.allreduce_s) / r,
+        "cut": stage.comm_s,
+    }
+
+
+def _replicas(stage: Stage, pipeline_s: float) -> str:
+    """Why the stage has its replica count: what its round would take on one fewer (the
+    all-reduce kept as it is)."""
+    r = stage.replicas
+    if r == 1:
+        return "1 replica"
+    terms = _terms(stage)
+    fewer = max(terms["compute"], terms["all-reduce"]) * r / (r - 1)
+    if fewer > pipeline_s:
+        return (f"{r} replicas (on {r - 1} its round would take {fewer * 1e3:.2f} ms, above "
+                "the pipeline's time)")
+    return f"{r} replicas (fewer would keep up too; the workers were spare)"
+
+
+def _memory(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
+    """The stage's memory per worker, and why it recomputes or is split."""
+    limit = "" if memory_bytes is None else f" of {format_bytes(memory_bytes)}"
+    text = f"memory {format_bytes(stage.memory_bytes)}{limit}"
+    versions = stage.in_flight or 1
+    if stage.recompute:
+        kept = costs.memory(stage.first, stage.last, versions)
+        text += (f"; recomputes: keeping its activations for {versions} minibatch"
+                 f"{'es' if versions > 1 else ''} in flight would need {format_bytes(kept)}")
+    if stage.tensor_parallel > 1:
+        text += (f"; split over {stage.tensor_parallel} workers of one server: no layer plan "
+                 "fits, and the split's collectives are in its compute")
+    return text
+
+
+def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None) -> list[str]:
+    """One line per stage: its slowest term, its replicas, split, recomputation and memory."""
+    costs = RangeCosts.of(graph)
+    pipeline_s = result.time_per_minibatch_s
+    lines = []
+    for s, stage in enumerate(result.stages):
+        terms = _terms(stage)
+        name = max(terms, key=lambda k: terms[k])
+        share = terms[name] / pipeline_s if pipeline_s > 0 else 0.0
+        lines.append(
+            f"stage {s}: {_replicas(stage, pipeline_s)}; slowest term {name} "
+            f"{terms[name] * 1e3:.2f} ms ({share:.0%} of the pipeline's time); "
+            f"{_memory(stage, costs, memory_bytes)}"
+        )
+    return lines
