@@ -16,8 +16,10 @@ on different stages (tied embeddings) is held by each of those stages
 (:func:`tied_parameters`); the Pipeline keeps the copies equal.
 
 A model built on the ``meta`` device is materialised stage by stage with the
-model's own initialisation under a per-layer seed (:mod:`.materialise`), the
-same on any plan; a module with no way to initialise itself is an error.
+model's own initialisation under a per-layer seed on the CPU generator
+(:mod:`.materialise`), the same on any plan and device; :func:`initialise`
+gives a model built on a device the same weights. A module with no way to
+initialise itself is an error.
 """
 
 from __future__ import annotations
@@ -30,16 +32,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dreampipe.api.materialise import materialise
+from dreampipe.api.materialise import initialise_layers, materialise
 from dreampipe.api.pack import pack, unpack
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
 __all__ = [
-    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "is_meta", "split_layers",
-    "tied_parameters",
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "initialise", "is_meta",
+    "split_layers", "tied_parameters",
 ]
 
 #: A model's layers in call order: ``(qualified name, module)``.
@@ -150,6 +152,25 @@ def build_stage(
     if is_meta(stage):
         materialise(stage, layers[first : last + 1], first, device, seed)
     return stage.to(device).train()
+
+
+def initialise(model: nn.Module, example: Any = None, seed: int = 0) -> nn.Module:
+    """Initialise ``model`` in place, on the device it is on, to the weights a Pipeline
+    gives it when it is built on ``meta`` with ``seed`` (the rule of :mod:`.materialise`);
+    ``example`` is one input of the model as the Pipeline's example has it (a tensor, a
+    tuple or a dict of keyword arguments), to trace a model that is not an
+    ``nn.Sequential``. Returns ``model``."""
+    if is_meta(model):
+        raise ConfigError(f"{type(model).__name__} is on the meta device; initialise builds "
+                          "nothing: give it to the Pipeline as it is, which materialises it "
+                          "with these weights, or build it on a device", "model")
+
+    def land(original: torch.Tensor, cpu: torch.Tensor) -> torch.Tensor:
+        original.data.copy_(cpu)
+        return original
+
+    initialise_layers(model, split_layers(model, example), 0, seed, land)
+    return model
 
 
 def build_split_stage(
