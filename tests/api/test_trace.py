@@ -38,8 +38,11 @@ def test_two_stages_of_segments_compute_the_model(name: str, cut: int) -> None:
     model = case.build().eval()
     x, _ = case.example(0, 4)
     layers = split_layers(model, x)
-    out = Chain(layers[cut:])(Chain(layers[:cut])(x))
-    want = model(**x) if isinstance(x, dict) else model(x)
+    first = Chain(layers[:cut])
+    out = Chain(layers[cut:])(first(*x) if isinstance(x, tuple) else first(x))
+    want = model(x) if isinstance(model, nn.Sequential) or not isinstance(x, dict) else model(**x)
+    if isinstance(x, tuple):  # the tuple itself is taken too, as a reference passes it
+        torch.testing.assert_close(Chain(layers[cut:])(first(x)), out, rtol=0, atol=0)
     got_logits = out["logits"] if isinstance(out, dict) else out
     want_logits = want["logits"] if isinstance(want, dict) else want
     assert type(out) is type(want)

@@ -2,7 +2,9 @@
 
 dreampipe cuts a model between layers:
 
-- an ``nn.Sequential``: its children, in order, each passing one tensor on;
+- an ``nn.Sequential``: its children, in order, each passing one tensor on
+  (or, when its input or what its children pass on is not one tensor, one
+  segment per child, :mod:`.sequential`);
 - any other module: the segments of its traced forward, one per unit (its
   repeated blocks and the modules between them, :mod:`.trace`), passing on
   whatever values the rest of the model still needs (:mod:`.pack`).
@@ -34,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.materialise import initialise_layers, materialise
 from dreampipe.api.pack import pack, unpack
+from dreampipe.api.sequential import passes_one_tensor, sequential_segments
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
@@ -99,14 +102,17 @@ def _holds(module: nn.Module, target: str) -> bool:
 
 
 def split_layers(model: nn.Module, example: Any = None) -> Layers:
-    """``model`` as its layers: an ``nn.Sequential``'s children, or the segments of any
-    other module traced around its units on ``example``, one unit of its input (a tensor,
-    tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError saying why not."""
+    """``model`` as its layers: an ``nn.Sequential``'s children (:mod:`.sequential`), or the
+    segments of any other module traced around its units on ``example``, one unit of its
+    input (a tensor, tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError
+    saying why not."""
     if isinstance(model, nn.Sequential):
         layers = list(model.named_children())
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
-        return layers
+        if passes_one_tensor(model, example):
+            return layers
+        return list(sequential_segments(model, example))
     return list(segments(model, unit_names(model), example))
 
 

@@ -108,6 +108,9 @@ class Segment(nn.Module):
         self.graph, self.name = graph, name
         self.index, self.count = index, count
         self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        #: The first segment of an ``nn.Sequential`` whose input is one tuple: it takes the
+        #: tuple's items, or the tuple itself (:mod:`.sequential`).
+        self.tuple_input = False
         self.targets: list[str] = []
         self.initialiser = initialiser(root)
         for node in graph.nodes:
@@ -126,6 +129,8 @@ class Segment(nn.Module):
         """The first segment's placeholder values: the model's inputs ``args`` by position,
         or one dict of keyword arguments by name."""
         names = [str(n.target) for n in self.inputs]
+        if self.tuple_input and len(args) == 1 and type(args[0]) is tuple:
+            args = args[0]
         given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
             zip(names, args, strict=False))
         if len(args) > len(names) or set(given) - set(names):
