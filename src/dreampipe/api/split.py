@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.materialise import initialise_layers, materialise
-from dreampipe.api.pack import pack, unpack
+from dreampipe.api.pack import pack, unpack_signed
 from dreampipe.api.sequential import passes_one_tensor, sequential_segments
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import ConfigError, PlanError
@@ -58,8 +58,10 @@ class Chain(nn.Module):
     run against the chain, which holds their units and attributes under their
     FQNs. A chain that starts after the model's first segment takes the packed
     values the previous stage sent (:mod:`.pack`); one that ends before the
-    last segment packs what it passes on. The first segment takes the model's
-    inputs: positional ones, or one dict of keyword arguments (``model(**x)``).
+    last segment packs what it passes on, with the signature of the model's
+    inputs when the segments' graphs depend on their shapes (:mod:`.shapes`).
+    The first segment takes the model's inputs: positional ones, or one dict
+    of keyword arguments (``model(**x)``).
     """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
@@ -81,14 +83,18 @@ class Chain(nn.Module):
             for layer in self.layers[1:]:
                 out = layer(out)
             return out
-        values = unpack(args[0]) if first.index > 0 else first.bind(args)
+        if first.index > 0:
+            values, sig = unpack_signed(args[0])
+        else:
+            values = first.bind(args)
+            sig = first.signature(values)
         for seg in self.layers:
             assert isinstance(seg, Segment)
-            values = seg.run(self, values)
+            values = seg.run(self, values, sig)
         last = self.layers[-1]
         assert isinstance(last, Segment)
         if last.index < last.count - 1:
-            return pack(values, f"the cut after {last.name!r}")
+            return pack(values, f"the cut after {last.name!r}", sig)
         return values
 
 

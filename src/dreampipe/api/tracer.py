@@ -20,9 +20,9 @@ first. Code that branches on shapes fails it (Hugging Face's ``if batch_size
 != position_ids.shape[0]``), so the second try reads the meta values as
 concrete (the example's shapes, no memory, no compute): ``x.shape``,
 ``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()`` of a known
-Python value are concrete, and the example's shapes, which every minibatch
-shares, are baked in. A forward that branches on tensor values
-fails both, and the caller says so.
+Python value are concrete, and the example's shapes are baked in: inputs of
+other shapes run a graph traced for theirs (:mod:`.shapes`). A forward that
+branches on tensor values fails both, and the caller says so.
 """
 
 from __future__ import annotations
@@ -240,12 +240,15 @@ def _named_forward(model: nn.Module, names: list[str]) -> Iterator[None]:
         model.__class__ = cls
 
 
-def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
-    """``model``'s forward as a graph with ``units`` kept whole; ``example`` is its input
-    (a tensor, a tuple, a dict of keyword arguments, or None: no shapes known).
+def trace_model(model: nn.Module, units: set[str], example: Any, *,
+                shapes_known: bool = False) -> tuple[fx.Graph, bool]:
+    """``model``'s forward as a graph with ``units`` kept whole, and whether the example's
+    shapes are baked into it; ``example`` is its input (a tensor, a tuple, a dict of keyword
+    arguments, or None: no shapes known).
 
     A plain fx trace first, which keeps shapes symbolic (a smaller last batch still
-    runs); if that fails, a trace with the example's shapes known (see the docstring)."""
+    runs); if that fails, or at once with ``shapes_known``, a trace with the example's
+    shapes known (see the docstring)."""
     own = inspect.signature(type(model).forward).parameters
     plain = not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in own.values())
     if isinstance(example, dict):
@@ -267,9 +270,10 @@ def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
             return _Tracer(units, None if example is None else inputs, concrete).trace(model)
 
     if example is None:
-        return trace(False)
-    try:
-        return trace(False)
-    except Exception as exc:
-        _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
-        return trace(True)
+        return trace(False), False
+    if not shapes_known:
+        try:
+            return trace(False), False
+        except Exception as exc:
+            _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
+    return trace(True), True
