@@ -162,3 +162,26 @@ def test_a_tied_weight_keeps_the_first_layers_value_on_every_plan() -> None:
 def test_initialise_refuses_a_model_on_meta() -> None:
     with pytest.raises(ConfigError, match=r"Sequential is on the meta device"):
         dreampipe.initialise(_on_meta(lambda: nn.Sequential(nn.Linear(2, 2))))
+
+
+class _Assigns(nn.Module):
+    """A reset_parameters that sets new tensors rather than filling its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("index", torch.zeros(4, dtype=torch.long))
+        self.gain = nn.Parameter(torch.zeros(4))
+
+    def reset_parameters(self) -> None:
+        self.index = torch.arange(4)
+        self.gain = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain + self.index
+
+
+def test_an_initialisation_that_sets_new_tensors_is_kept() -> None:
+    layers = split_layers(_on_meta(lambda: nn.Sequential(nn.Linear(4, 4), _Assigns())))
+    state = build_stage(layers, 0, 1, CPU).state_dict()
+    assert torch.equal(state["1.index"], torch.arange(4))
+    assert torch.equal(state["1.gain"], torch.full((4,), 2.0))

@@ -112,6 +112,10 @@ def _initialise(layer: nn.Module, seed: int, names: dict[int, str],
             elif _own(sub) and callable(reset := getattr(sub, "reset_parameters", None)):
                 reset()
     for sub, n, t in slots:
+        now = dict(_own(sub))[n]
+        if now is not held[id(t)]:  # the initialisation set a new tensor, not filled ours
+            fresh[id(t)] = now.detach()
+    for sub, n, t in slots:
         if id(t) not in done:
             cpu = fresh[id(t)]
             if cpu.is_floating_point() and bool(cpu.isnan().any()):
