@@ -8,7 +8,9 @@ children pass anything else on (a tuple of a hidden state and a mask,
 a dict), becomes one :class:`~dreampipe.api.trace.Segment` per child instead,
 so its cuts carry any pytree of tensors and constants (:mod:`.pack`), as a
 traced model's do. Which children pass what is found by running the model on
-the ``meta`` device on the example (shapes only, no memory, no compute).
+the ``meta`` device on the example (shapes only, no memory, no compute); a
+model that does not run there whole is cut between its children as they are,
+and the stage checks say what a cut may pass.
 """
 
 from __future__ import annotations
@@ -31,23 +33,24 @@ def _meta(t: Tensor) -> Tensor:
 
 def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
     """Whether ``model`` takes one tensor (``example``; None: not known, taken as one) and
-    each child but the last returns one tensor on it. A child that cannot run on ``meta``
-    ends the look: the cuts after it are taken to pass one tensor, which the runtime checks."""
+    each child but the last returns one tensor on it. A model that does not run whole on
+    ``meta`` (an op without a meta kernel, a child that cannot take what the one before
+    returns) is taken as one that does: its cuts are checked as they run."""
     if example is None:
         return True
     if not isinstance(example, Tensor):
         return False
     x: Any = _meta(example)
+    crossed = False
     try:
-        for child in list(model.children())[:-1]:
+        for i, child in enumerate(model.children()):
+            crossed = crossed or (i > 0 and not isinstance(x, Tensor))
             tensors = {k: _meta(v) for k, v in (*child.named_parameters(),
                                                 *child.named_buffers())}
             x = functional_call(child, tensors, (x,))
-            if not isinstance(x, Tensor):
-                return False
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
         return True
-    return True
+    return not crossed
 
 
 def sequential_segments(model: nn.Sequential, example: Any) -> list[tuple[str, Segment]]:
