@@ -51,7 +51,7 @@ from dreampipe.simulation.timeline import draw_timeline
 from dreampipe.simulation.trace import write_chrome_trace
 
 if TYPE_CHECKING:
-    from dreampipe.api import EvalResult, Pipeline, load_model_state
+    from dreampipe.api import EvalResult, Pipeline, initialise, load_model_state
     from dreampipe.models import get_model
     from dreampipe.models.spec import ModelSpec
     from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -89,6 +89,7 @@ __all__ = [
     "draw_timeline",
     "evaluate_plan",
     "get_model",
+    "initialise",
     "load_graph",
     "load_model_state",
     "plan_pipeline",
@@ -106,6 +107,7 @@ _LAZY = {
     "Pipeline": ("dreampipe.api", "Pipeline"),
     "EvalResult": ("dreampipe.api", "EvalResult"),
     "load_model_state": ("dreampipe.api", "load_model_state"),
+    "initialise": ("dreampipe.api", "initialise"),
     "ModelSpec": ("dreampipe.models.spec", "ModelSpec"),
     "get_model": ("dreampipe.models", "get_model"),
     "evaluate_plan": ("dreampipe.planning.planner", "evaluate_plan"),

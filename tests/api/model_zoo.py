@@ -1,6 +1,7 @@
 """Models as people write them, for the splitter's tests: a torchvision-style ResNet
 (BasicBlocks, a stem, ``flatten``), a model whose skip crosses stages and takes a mask
-keyword, a model whose last layer's weight is tied to its first's, and Hugging Face's
+keyword, an ``nn.Sequential`` of a tuple input whose layers pass tuples on, a model
+whose last layer's weight is tied to its first's, and Hugging Face's
 GPT-2 (tied embeddings) and BERT (an attention mask), tiny and randomly initialised,
 passed as they are (dict inputs, ``ModelOutput`` out), dropout off.
 
@@ -100,6 +101,31 @@ class TiedNet(nn.Module):
         return self.head(self.mid(self.embed(ids))).mean(1)
 
 
+class _PairLinear(nn.Module):
+    """A linear map of a (features, mask) pair's features, taken as one argument; passes
+    the pair on, or only the result (the head)."""
+
+    def __init__(self, cin: int, cout: int, head: bool = False) -> None:
+        super().__init__()
+        self.lin, self.head = nn.Linear(cin, cout), head
+
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Any:
+        h = self.lin(pair[0])
+        return h if self.head else (h, pair[1])
+
+
+class _MaskedBlock(_PairLinear):
+    def forward(self, pair: tuple[Tensor, Tensor]) -> Any:
+        h, mask = pair
+        return h + torch.tanh(self.lin(h)) * mask[:, None], mask
+
+
+def pair_sequential() -> nn.Sequential:
+    """An ``nn.Sequential`` whose input is a tuple and whose layers pass tuples on."""
+    return nn.Sequential(_PairLinear(6, 8), _MaskedBlock(8, 8), _MaskedBlock(8, 8),
+                         _PairLinear(8, 4, head=True))
+
+
 def gpt2() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(
         n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
@@ -152,6 +178,11 @@ def _masked(k: int, n: int) -> tuple[Any, Tensor]:
     return {"x": _ROWS[0][w], "mask": _ROWS[1][w]}, _ROWS[2][w]
 
 
+def _pairs(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return (_ROWS[0][w], _ROWS[1][w].float()), _ROWS[2][w]
+
+
 def _tokens(k: int, n: int) -> tuple[Any, Tensor]:
     w = _window(k, n)
     return _TOKENS[0][w], _TOKENS[1][w]
@@ -182,6 +213,7 @@ def _dict_loss(out: Any, y: Tensor) -> Tensor:
 CASES: dict[str, Case] = {
     "resnet": Case(ResNet, _images, F.cross_entropy, ["layer2"]),
     "skip": Case(SkipNet, _masked, _dict_loss, ["blocks.1"]),
+    "pairs": Case(pair_sequential, _pairs, F.cross_entropy, ["2"]),
     "tied": Case(TiedNet, _tokens, F.cross_entropy, ["head"]),
     "gpt2": Case(gpt2, _text, _lm_loss, ["transformer.h.1"]),
     "bert": Case(bert, _masked_text, _logits_loss, ["bert.encoder.layer.1"]),

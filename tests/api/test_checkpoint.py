@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from runtime.reference import reference_sync, sgd
 from torch import Tensor, nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import dreampipe
+from dreampipe.api.checkpoint import restore_rng, rng_state
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
@@ -59,6 +61,7 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path) -> None
     saved = first.save(tmp_path)
     first.close()
     assert saved == tmp_path / "step-4" and (saved / "COMMITTED").is_file()
+    assert "rng.0" in FileSystemReader(str(saved)).read_metadata().state_dict_metadata
     torch.manual_seed(99)  # the checkpoint's RNG state replaces this
     second = _pipe(resume=tmp_path)
     assert second.minibatches == 4
@@ -69,6 +72,25 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path) -> None
     second.close()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+def test_a_rank_resumes_its_own_generators_or_else_rank_0s_cpu_state() -> None:
+    cpu = torch.device("cpu")
+    torch.manual_seed(1)
+    own = rng_state(cpu)
+    assert own["cuda"] is None  # no CUDA generator is read for a CPU rank
+    want = torch.rand(4)
+    torch.manual_seed(2)
+    rank0 = torch.get_rng_state()
+    other = torch.rand(4)
+    progress = {"minibatches": 4, "rng": rank0}
+    # a GPU-saved state resumed on a CPU rank: the CUDA part is not applied
+    restore_rng({"progress": progress, "rng.1": {**own, "cuda": rank0}}, 1, cpu)
+    assert torch.equal(torch.rand(4), want)
+    restore_rng({"progress": progress, "rng.0": own}, 1, cpu)  # rank 1 was not saved
+    assert torch.equal(torch.rand(4), other)
+    restore_rng({"progress": progress}, 0, cpu)  # a checkpoint before per-rank states
+    assert torch.equal(torch.rand(4), other)
 
 
 def test_a_two_stage_checkpoint_resumes_on_three_workers_and_loads_into_a_plain_module(

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import dreampipe
 from dreampipe.api.split import build_stage, split_layers
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 
 from .model_zoo import CASES, bert, gpt2
 
@@ -86,3 +89,99 @@ def test_a_module_with_no_way_to_initialise_is_named() -> None:
 def test_bert_and_gpt2_build_on_meta() -> None:
     for build in (bert, gpt2):
         assert all(p.is_meta for p in _on_meta(build).parameters())
+
+
+class _Nested(nn.Module):
+    """Blocks of several modules each, a weight tied between the first and the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 6))
+            for _ in range(2))
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h).mean(1)
+
+
+def _pipeline_state(model: nn.Module, example: tuple[Any, Tensor],
+                    loss_fn: Callable[[Any, Tensor], Tensor], seed: int) -> dict[str, Tensor]:
+    pipe = dreampipe.Pipeline(model, example=example, loss_fn=loss_fn, seed=seed,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              schedule="1f1b-flush")
+    state = pipe.full_state_dict()
+    pipe.close()
+    return state
+
+
+@pytest.mark.parametrize("name", ["nested", "gpt2"])
+def test_a_model_built_on_meta_equals_one_built_on_cpu_and_initialised(name: str) -> None:
+    if name == "nested":
+        build: Callable[[], nn.Module] = _Nested
+        example: tuple[Any, Tensor] = (torch.randint(0, 7, (4, 5)), torch.randint(0, 7, (4,)))
+        loss_fn: Callable[[Any, Tensor], Tensor] = torch.nn.functional.cross_entropy
+    else:
+        case = CASES[name]
+        build, example, loss_fn = case.build, case.example(0, 4), case.loss_fn
+    got = _pipeline_state(_on_meta(build), example, loss_fn, seed=7)
+    plain = build()
+    assert dreampipe.initialise(plain, example[0], seed=7) is plain
+    want = plain.state_dict()
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    other = dreampipe.initialise(build(), example[0], seed=8).state_dict()
+    assert all(not torch.equal(other[k], v) for k, v in want.items()
+               if v.is_floating_point() and v.std() > 0)
+
+
+def test_a_hugging_face_model_is_initialised_children_first_as_its_post_init() -> None:
+    model = dreampipe.initialise(gpt2(), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+    state = model.state_dict()
+    # GPT2's _init_weights on an attention block rescales its c_proj (after the Conv1D's own
+    # init): std 0.02 / sqrt(2 * n_layer)
+    assert 0.0075 < float(state["transformer.h.0.attn.c_proj.weight"].std()) < 0.0125
+    assert 0.015 < float(state["transformer.h.0.attn.c_attn.weight"].std()) < 0.025
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+
+
+def test_a_tied_weight_keeps_the_first_layers_value_on_every_plan() -> None:
+    layers = split_layers(_on_meta(_Nested), torch.zeros(2, 5, dtype=torch.long))
+    whole = build_stage(layers, 0, len(layers) - 1, CPU, 3).state_dict()
+    layers = split_layers(_on_meta(_Nested), torch.zeros(2, 5, dtype=torch.long))
+    first = build_stage(layers, 0, 0, CPU, 3).state_dict()
+    torch.testing.assert_close(whole["head.weight"], first["embed.weight"], rtol=0, atol=0)
+
+
+def test_initialise_refuses_a_model_on_meta() -> None:
+    with pytest.raises(ConfigError, match=r"Sequential is on the meta device"):
+        dreampipe.initialise(_on_meta(lambda: nn.Sequential(nn.Linear(2, 2))))
+
+
+class _Assigns(nn.Module):
+    """A reset_parameters that sets new tensors rather than filling its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("index", torch.zeros(4, dtype=torch.long))
+        self.gain = nn.Parameter(torch.zeros(4))
+
+    def reset_parameters(self) -> None:
+        self.index = torch.arange(4)
+        self.gain = nn.Parameter(torch.full((4,), 2.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain + self.index
+
+
+def test_an_initialisation_that_sets_new_tensors_is_kept() -> None:
+    layers = split_layers(_on_meta(lambda: nn.Sequential(nn.Linear(4, 4), _Assigns())))
+    state = build_stage(layers, 0, 1, CPU).state_dict()
+    assert torch.equal(state["1.index"], torch.arange(4))
+    assert torch.equal(state["1.gain"], torch.full((4,), 2.0))

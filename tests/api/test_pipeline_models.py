@@ -91,7 +91,7 @@ def test_a_checkpoint_of_gpt2_resumes_bit_for_bit_and_loads_into_a_fresh_model(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name", ["tied", "bert"])
+@pytest.mark.parametrize("name", ["tied", "bert", "pairs"])
 def test_plan_auto_profiles_and_plans_a_traced_model(name: str) -> None:
     # whatever the plan, the first minibatch runs on the initial weights (no BatchNorm here)
     got = _run(case=name, plan="auto", schedule="1f1b-flush", steps=2, minibatch=8, lr=0.2)

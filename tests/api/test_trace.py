@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
+import dreampipe
 from dreampipe.api.split import Chain, split_layers
 from dreampipe.api.trace import split_bounds, unit_names
 from dreampipe.errors import PlanError
@@ -34,8 +38,11 @@ def test_two_stages_of_segments_compute_the_model(name: str, cut: int) -> None:
     model = case.build().eval()
     x, _ = case.example(0, 4)
     layers = split_layers(model, x)
-    out = Chain(layers[cut:])(Chain(layers[:cut])(x))
-    want = model(**x) if isinstance(x, dict) else model(x)
+    first = Chain(layers[:cut])
+    out = Chain(layers[cut:])(first(*x) if isinstance(x, tuple) else first(x))
+    want = model(x) if isinstance(model, nn.Sequential) or not isinstance(x, dict) else model(**x)
+    if isinstance(x, tuple):  # the tuple itself is taken too, as a reference passes it
+        torch.testing.assert_close(Chain(layers[cut:])(first(x)), out, rtol=0, atol=0)
     got_logits = out["logits"] if isinstance(out, dict) else out
     want_logits = want["logits"] if isinstance(want, dict) else want
     assert type(out) is type(want)
@@ -81,6 +88,56 @@ def test_a_model_plain_fx_traces_keeps_its_shapes_symbolic() -> None:
     layers = split_layers(model, torch.randn(4, 3, 8, 8))
     x = torch.randn(3, 3, 8, 8)  # a smaller batch than the example's, as a last batch is
     torch.testing.assert_close(Chain(layers[1:])(Chain(layers[:1])(x)), model(x))
+
+
+class _Probing(nn.Module):
+    """Duck-typing probes of an attribute a tensor lacks, as transformers' ``is_jax_jitting``
+    does (``hasattr(x, "jax")``, then ``x.jax()`` inside try/except)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for value in (x, h := self.embed(x)):
+            if hasattr(value, "probe"):
+                try:  # noqa: SIM105 (the probe as transformers writes it)
+                    value.probe()
+                except Exception:
+                    pass
+        h.add_(1.0)  # an in-place method stays
+        return self.head(h)
+
+
+def test_a_duck_typing_probe_is_false_as_on_a_tensor_and_the_model_trains() -> None:
+    torch.manual_seed(0)
+    model = _Probing()
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(3)]
+    layers = split_layers(model, data[0][0])
+    methods = [n.target for _, seg in layers for n in seg.graph.nodes  # type: ignore[union-attr]
+               if n.op == "call_method"]
+    assert methods == ["add_"]
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(reference(x), y)
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    pipe = dreampipe.Pipeline(model, example=data[0], loss_fn=F.cross_entropy,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              schedule="1f1b-flush")
+    for x, y in data:
+        pipe.step(x, y)
+    torch.testing.assert_close(torch.tensor(pipe.finish()), torch.tensor(want),
+                               rtol=1e-6, atol=1e-6)
+    got = pipe.full_state_dict()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-6, msg=k)
+    pipe.close()
 
 
 def test_a_branch_on_a_tensor_value_is_never_taken_silently() -> None:

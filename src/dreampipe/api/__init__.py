@@ -2,11 +2,13 @@
 
 :class:`Pipeline` runs on every rank of a ``torchrun`` job (or alone in one
 process); :func:`load_model_state` reads a checkpoint's weights for a plain
-``nn.Module``.
+``nn.Module``; :func:`initialise` gives a model built on a device the weights a
+Pipeline gives it built on ``meta``.
 """
 
 from dreampipe.api.checkpoint import load_model_state
 from dreampipe.api.evaluation import EvalResult
 from dreampipe.api.pipeline import Pipeline
+from dreampipe.api.split import initialise
 
-__all__ = ["EvalResult", "Pipeline", "load_model_state"]
+__all__ = ["EvalResult", "Pipeline", "initialise", "load_model_state"]

@@ -7,7 +7,15 @@ Keys are the original model's names, so a checkpoint loads into any plan
     optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
     param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
                           update count and the parameter's non-tensor state (pickled)
-    progress              minibatches consumed and rank 0's RNG state (pickled)
+    progress              minibatches consumed and rank 0's CPU RNG state (pickled)
+    rng.<rank>            that rank's CPU RNG state and, on a CUDA device, its CUDA
+                          generator's (pickled): dropout draws from the generator
+                          of the device it runs on
+
+A rank resumes its own RNG states when the checkpoint has them (the same
+rank), else rank 0's CPU state (a checkpoint written before ``rng.<rank>``,
+or a rank the saving run did not have); a CUDA state is restored only onto a
+CUDA device.
 
 A save is atomic: every rank writes ``DIR/step-N.tmp``; after a barrier
 rank 0 renames it ``DIR/step-N`` and writes the marker ``COMMITTED`` last
@@ -53,7 +61,9 @@ __all__ = [
     "load_model_state",
     "minibatches_of",
     "partial",
+    "restore_rng",
     "resume_note",
+    "rng_state",
     "save",
     "saved_plan",
 ]
@@ -209,7 +219,24 @@ def _stage_state(pipe: Pipeline) -> dict[str, Any]:
             })
     state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
                                       "rng": torch.get_rng_state()})
+    state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
     return state
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor | None]:
+    """The random state a rank on ``device`` draws from: the CPU generator's, and the CUDA
+    generator's of ``device`` when it is a CUDA device (else None)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng(objects: dict[str, Any], rank: int, device: torch.device) -> None:
+    """Set this rank's generators from a checkpoint's unpickled ``objects``: its own
+    ``rng.<rank>`` if saved, else rank 0's CPU state in ``progress`` (see the docstring)."""
+    saved = objects.get(f"rng.{rank}") or {"cpu": objects["progress"]["rng"], "cuda": None}
+    torch.set_rng_state(saved["cpu"])
+    if device.type == "cuda" and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"], device)
 
 
 def save(directory: Path, pipe: Pipeline) -> Path:
@@ -254,6 +281,8 @@ def load(path: Path, pipe: Pipeline) -> int:
     keys = [f"model.{k}" for k in module.module.state_dict()] + [f"param.{n}" for n in names]
     keys += [k for k in meta if any(k.startswith(f"optim.{n}.") for n in names)]
     keys.append("progress")
+    mine = f"rng.{dist.get_rank()}"
+    keys += [mine] if mine in meta else []
     state = _placeholders(meta, keys)
     try:
         dcp_load(state, checkpoint_id=str(path))
@@ -279,7 +308,7 @@ def load(path: Path, pipe: Pipeline) -> int:
             group.update(first["group"])
         if pipe.scheduler is not None and first["scheduler"] is not None:
             pipe.scheduler.load_state_dict(first["scheduler"])
-    torch.set_rng_state(objects["progress"]["rng"])
+    restore_rng(objects, dist.get_rank(), pipe.device)
     return int(objects["progress"]["minibatches"])
 
 

@@ -1,29 +1,42 @@
-"""A stage of a model built on ``meta``, materialised with the model's own initialisation.
+"""Layers initialised by dreampipe's rule: the model's own initialisation, per-layer seeds.
 
-Each rank gives only its stage's layers storage (``to_empty``), then runs, layer
-by layer under ``torch.manual_seed(seed + layer index)``, the initialisation the
-model brings: a Hugging Face model's ``_init_weights`` (what ``post_init`` runs)
-on every submodule, or else each submodule's ``reset_parameters()``. So the
-initial weights depend on the seed and the layer, never on the plan.
+A model built on ``meta`` has drawn nothing, and the draws its constructor
+would have made (Hugging Face's ``Conv1D`` runs ``normal_`` in ``__init__``)
+cannot be replayed, so bit equality with the constructor's RNG stream is not
+possible. dreampipe's rule instead: layer ``i`` (the model's layers in call
+order, as the Pipeline cuts them) is initialised under seed ``seed + i`` on
+the **CPU** generator, by the initialisation the model brings: a Hugging Face
+model's ``_init_weights`` on every submodule (children first, as its
+``post_init`` runs it), or else each submodule's ``reset_parameters()``. A
+tensor shared by several layers (tied embeddings) keeps the value of the
+first layer that holds it. So the weights depend on the seed and the layer,
+never on the plan or the device, and :func:`~dreampipe.api.split.initialise`
+gives a model built on any device the same weights.
 
-Storage starts as NaN: a parameter or floating-point buffer still NaN after
-initialisation belongs to a module with no way to initialise itself, a
-PlanError naming it before training, never uninitialised memory. Weights
-shared inside the stage stay shared.
+Materialising (:func:`materialise`) runs one layer at a time: its tensors
+are made on the CPU, initialised, then moved to the stage's device, so at
+most one layer is on the host at once. Fresh tensors start as NaN: a
+parameter or floating-point buffer still NaN after initialisation belongs to
+a module with no way to initialise itself, a PlanError naming it, never
+uninitialised memory. Weights shared inside a stage stay shared.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dreampipe.errors import PlanError
 
-__all__ = ["Initialiser", "initialiser", "materialise"]
+__all__ = ["Initialiser", "initialise_layers", "initialiser", "materialise"]
+
+#: What becomes of a layer's freshly initialised CPU tensor: ``land(original, cpu)``
+#: returns the tensor the model holds from then on.
+Land = Callable[[Tensor, Tensor], Tensor]
 
 
 class Initialiser:
@@ -46,49 +59,100 @@ def initialiser(model: nn.Module) -> Initialiser | None:
     return Initialiser(init) if callable(init) and hasattr(model, "config") else None
 
 
-def _places(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Where each parameter is registered (several places: a tied weight)."""
-    places: dict[int, list[tuple[nn.Module, str]]] = {}
-    for module in root.modules():
-        for name, p in module._parameters.items():
-            if p is not None:
-                places.setdefault(id(p), []).append((module, name))
-    return places
-
-
-def _own(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _own(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [(n, t) for n, t in (*module._parameters.items(), *module._buffers.items())
             if t is not None]
 
 
-def materialise(stage: nn.Module, layers: list[tuple[str, nn.Module]], first: int,
+def _put(module: nn.Module, name: str, value: Tensor) -> None:
+    if name in module._parameters:
+        module._parameters[name] = value  # type: ignore[assignment]
+    else:
+        module._buffers[name] = value
+
+
+def _children_first(root: nn.Module) -> list[nn.Module]:
+    """``root``'s modules, each after its children (the order ``nn.Module.apply`` runs)."""
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                visit(child)
+        out.append(module)
+
+    visit(root)
+    return out
+
+
+def _initialise(layer: nn.Module, seed: int, names: dict[int, str],
+                done: dict[int, Tensor], land: Land) -> None:
+    """Initialise ``layer`` on CPU tensors under ``seed``; each tensor not in ``done``
+    (by id) lands (``land``), one already there keeps its value."""
+    slots = [(sub, n, t) for sub in layer.modules() for n, t in _own(sub)]
+    fresh: dict[int, Tensor] = {}
+    held: dict[int, Tensor] = {}
+    for sub, n, t in slots:
+        if id(t) not in fresh:
+            cpu = torch.empty(t.shape, dtype=t.dtype)
+            if cpu.is_floating_point():
+                cpu.fill_(math.nan)
+            fresh[id(t)] = cpu
+            held[id(t)] = nn.Parameter(cpu, t.requires_grad) if isinstance(
+                t, nn.Parameter) else cpu
+        _put(sub, n, held[id(t)])
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.default_generator.manual_seed(seed)
+        init = getattr(layer, "initialiser", None)
+        for sub in _children_first(layer):
+            if isinstance(init, Initialiser):
+                init(sub)
+            elif _own(sub) and callable(reset := getattr(sub, "reset_parameters", None)):
+                reset()
+    for sub, n, t in slots:
+        now = dict(_own(sub))[n]
+        if now is not held[id(t)]:  # the initialisation set a new tensor, not filled ours
+            fresh[id(t)] = now.detach()
+    for sub, n, t in slots:
+        if id(t) not in done:
+            cpu = fresh[id(t)]
+            if cpu.is_floating_point() and bool(cpu.isnan().any()):
+                raise PlanError(
+                    f"module {names.get(id(sub), '')!r} ({type(sub).__name__}) was built on "
+                    f"meta and has no way to initialise {n!r}: give it reset_parameters() (or "
+                    "_init_weights in a Hugging Face model), or build the model on a real "
+                    "device")
+            done[id(t)] = landed = land(t, cpu)
+            done[id(landed)] = landed
+        _put(sub, n, done[id(t)])
+
+
+def initialise_layers(root: nn.Module, layers: Sequence[tuple[str, nn.Module]], first: int,
+                      seed: int, land: Land) -> None:
+    """Initialise ``layers`` (model layers ``first..``, held by ``root``) by the rule of
+    the module docstring, one after the other, each fresh tensor landing by ``land``;
+    then every module of ``root`` holds the landed tensors."""
+    names = {id(m): n for n, m in root.named_modules()}
+    done: dict[int, Tensor] = {}
+    for i, (_, layer) in enumerate(layers):
+        own = {id(m): n for n, m in layer.named_modules()}  # a segment's: the model's FQNs
+        _initialise(layer, seed + first + i, {**own, **names}, done, land)
+    for module in root.modules():
+        for n, t in _own(module):
+            if id(t) in done:
+                _put(module, n, done[id(t)])
+
+
+def materialise(stage: nn.Module, layers: Sequence[tuple[str, nn.Module]], first: int,
                 device: torch.device, seed: int) -> None:
-    """Give ``stage`` (holding ``layers``, model layers ``first..``) storage on ``device``
-    and initialise it as the module docstring says."""
-    tied = [p for p in _places(stage).values() if len(p) > 1]
-    stage.to_empty(device=device)
-    for group in tied:
-        module, name = group[0]
-        for other, other_name in group[1:]:
-            other._parameters[other_name] = module._parameters[name]
-    # the seeds below reach the stage's CUDA generator too: restore it as well as the CPU's
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), torch.no_grad():
-        for t in (*stage.parameters(), *stage.buffers()):
-            if t.is_floating_point():
-                t.fill_(math.nan)
-        for i, (_, layer) in enumerate(layers):
-            torch.manual_seed(seed + first + i)
-            init = getattr(layer, "initialiser", None)
-            for sub in layer.modules():
-                if isinstance(init, Initialiser):
-                    init(sub)
-                elif _own(sub) and callable(reset := getattr(sub, "reset_parameters", None)):
-                    reset()
-    for fqn, sub in stage.named_modules():
-        bad = [n for n, t in _own(sub) if t.is_floating_point() and bool(t.isnan().any())]
-        if bad:
-            raise PlanError(
-                f"module {fqn!r} ({type(sub).__name__}) was built on meta and has no way to "
-                f"initialise {', '.join(map(repr, bad))}: give it reset_parameters() (or "
-                "_init_weights in a Hugging Face model), or build the model on a real device")
+    """Give ``stage`` (holding ``layers``, model layers ``first..``) storage on ``device``,
+    initialised layer by layer as the module docstring says."""
+
+    def land(original: Tensor, cpu: Tensor) -> Tensor:
+        moved = cpu.to(device)
+        return nn.Parameter(moved, original.requires_grad) if isinstance(
+            original, nn.Parameter) else moved
+
+    initialise_layers(stage, layers, first, seed, land)

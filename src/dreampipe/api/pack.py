@@ -9,7 +9,8 @@ one flat floating-point tensor, and the next stage unpacks it::
     [L, b0 .. bL-1, data of tensor 0, data of tensor 1, ...]
 
 ``b`` is a JSON header (one byte per element): the pytree's structure, each
-tensor's dtype and shape, each constant's value. The data are the tensors
+tensor's dtype and shape, each constant's value, and the signature of the
+model's inputs when the next stage's graph depends on it (:mod:`.shapes`). The data are the tensors
 cast to the pack's dtype (``float32``, or ``float64`` when a tensor is), so
 the gradient of every floating-point value flows back through the one
 gradient the runtime returns. Integer and boolean tensors (masks, ids) travel
@@ -29,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 from dreampipe.errors import PlanError
 
-__all__ = ["pack", "unpack"]
+__all__ = ["pack", "unpack", "unpack_signed"]
 
 _HEADER = "_dreampipe_header"
 _EXACT_BITS = {torch.float32: 24, torch.float64: 53}
@@ -40,8 +41,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pack(values: Any, where: str) -> Tensor:
-    """``values`` as one flat tensor (see the module docstring); ``where`` names the cut."""
+def pack(values: Any, where: str, sig: str | None = None) -> Tensor:
+    """``values`` as one flat tensor (see the module docstring); ``where`` names the cut;
+    ``sig``: the signature of the model's inputs, carried along (:mod:`.shapes`)."""
     leaves, spec = pytree.tree_flatten(values)
     tensors = [t for t in leaves if isinstance(t, Tensor)]
     if not tensors:
@@ -58,7 +60,8 @@ def pack(values: Any, where: str) -> Tensor:
             raise PlanError(
                 f"{where} passes a {type(leaf).__name__} on; dreampipe sends tensors and "
                 "constants (None, numbers, strings) between stages: cut the model elsewhere")
-    header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": described}).encode()
+    header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": described,
+                         "sig": sig}).encode()
     device = tensors[0].device
     head = torch.tensor([len(header), *header], dtype=dtype, device=device)
     out = torch.cat([head, *(t.to(dtype).reshape(-1) for t in tensors)])
@@ -80,6 +83,11 @@ def _check_exact(t: Tensor, dtype: torch.dtype, where: str) -> None:
 
 def unpack(packed: Tensor) -> Any:
     """The values :func:`pack` packed, as views of ``packed`` (gradients flow back)."""
+    return unpack_signed(packed)[0]
+
+
+def unpack_signed(packed: Tensor) -> tuple[Any, str | None]:
+    """The values :func:`pack` packed (as :func:`unpack`) and the signature it carried."""
     if packed.is_meta:
         header: bytes = getattr(packed, _HEADER)
     else:
@@ -99,4 +107,4 @@ def unpack(packed: Tensor) -> Any:
             leaves.append(flat.view(shape).to(dtype))
         else:
             leaves.append(flat.detach().view(shape).round().to(dtype))
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(desc["spec"]))
+    return pytree.tree_unflatten(leaves, pytree.treespec_loads(desc["spec"])), desc.get("sig")

@@ -83,11 +83,8 @@ def _profile_and_plan(
     model = nn.Sequential(*chain.layers)
     x = map_inputs(example[0], lambda t: t[:unit_size])
     first = layers[0][1]
-    if isinstance(x, tuple):
-        if not isinstance(first, Segment):
-            raise PlanError("plan='auto' profiles an nn.Sequential of one input tensor; for "
-                            f"one of {len(x)} inputs give split_points=, or plan= a Plan or "
-                            "a plan file")
+    if isinstance(x, tuple):  # the first layer is a segment (a tuple input makes one)
+        assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
         graph = profile_model(model, x, loss_fn, example[1][:unit_size])

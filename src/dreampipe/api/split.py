@@ -2,7 +2,9 @@
 
 dreampipe cuts a model between layers:
 
-- an ``nn.Sequential``: its children, in order, each passing one tensor on;
+- an ``nn.Sequential``: its children, in order, each passing one tensor on
+  (or, when its input or what its children pass on is not one tensor, one
+  segment per child, :mod:`.sequential`);
 - any other module: the segments of its traced forward, one per unit (its
   repeated blocks and the modules between them, :mod:`.trace`), passing on
   whatever values the rest of the model still needs (:mod:`.pack`).
@@ -16,8 +18,10 @@ on different stages (tied embeddings) is held by each of those stages
 (:func:`tied_parameters`); the Pipeline keeps the copies equal.
 
 A model built on the ``meta`` device is materialised stage by stage with the
-model's own initialisation under a per-layer seed (:mod:`.materialise`), the
-same on any plan; a module with no way to initialise itself is an error.
+model's own initialisation under a per-layer seed on the CPU generator
+(:mod:`.materialise`), the same on any plan and device; :func:`initialise`
+gives a model built on a device the same weights. A module with no way to
+initialise itself is an error.
 """
 
 from __future__ import annotations
@@ -30,16 +34,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dreampipe.api.materialise import materialise
-from dreampipe.api.pack import pack, unpack
+from dreampipe.api.materialise import initialise_layers, materialise
+from dreampipe.api.pack import pack, unpack_signed
+from dreampipe.api.sequential import passes_one_tensor, sequential_segments
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
 __all__ = [
-    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "is_meta", "split_layers",
-    "tied_parameters",
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "initialise", "is_meta",
+    "split_layers", "tied_parameters",
 ]
 
 #: A model's layers in call order: ``(qualified name, module)``.
@@ -53,8 +58,10 @@ class Chain(nn.Module):
     run against the chain, which holds their units and attributes under their
     FQNs. A chain that starts after the model's first segment takes the packed
     values the previous stage sent (:mod:`.pack`); one that ends before the
-    last segment packs what it passes on. The first segment takes the model's
-    inputs: positional ones, or one dict of keyword arguments (``model(**x)``).
+    last segment packs what it passes on, with the signature of the model's
+    inputs when the segments' graphs depend on their shapes (:mod:`.shapes`).
+    The first segment takes the model's inputs: positional ones, or one dict
+    of keyword arguments (``model(**x)``).
     """
 
     def __init__(self, layers: Sequence[tuple[str, nn.Module]]) -> None:
@@ -76,14 +83,18 @@ class Chain(nn.Module):
             for layer in self.layers[1:]:
                 out = layer(out)
             return out
-        values = unpack(args[0]) if first.index > 0 else first.bind(args)
+        if first.index > 0:
+            values, sig = unpack_signed(args[0])
+        else:
+            values = first.bind(args)
+            sig = first.signature(values)
         for seg in self.layers:
             assert isinstance(seg, Segment)
-            values = seg.run(self, values)
+            values = seg.run(self, values, sig)
         last = self.layers[-1]
         assert isinstance(last, Segment)
         if last.index < last.count - 1:
-            return pack(values, f"the cut after {last.name!r}")
+            return pack(values, f"the cut after {last.name!r}", sig)
         return values
 
 
@@ -97,14 +108,17 @@ def _holds(module: nn.Module, target: str) -> bool:
 
 
 def split_layers(model: nn.Module, example: Any = None) -> Layers:
-    """``model`` as its layers: an ``nn.Sequential``'s children, or the segments of any
-    other module traced around its units on ``example``, one unit of its input (a tensor,
-    tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError saying why not."""
+    """``model`` as its layers: an ``nn.Sequential``'s children (:mod:`.sequential`), or the
+    segments of any other module traced around its units on ``example``, one unit of its
+    input (a tensor, tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError
+    saying why not."""
     if isinstance(model, nn.Sequential):
         layers = list(model.named_children())
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
-        return layers
+        if passes_one_tensor(model, example):
+            return layers
+        return list(sequential_segments(model, example))
     return list(segments(model, unit_names(model), example))
 
 
@@ -150,6 +164,25 @@ def build_stage(
     if is_meta(stage):
         materialise(stage, layers[first : last + 1], first, device, seed)
     return stage.to(device).train()
+
+
+def initialise(model: nn.Module, example: Any = None, seed: int = 0) -> nn.Module:
+    """Initialise ``model`` in place, on the device it is on, to the weights a Pipeline
+    gives it when it is built on ``meta`` with ``seed`` (the rule of :mod:`.materialise`);
+    ``example`` is one input of the model as the Pipeline's example has it (a tensor, a
+    tuple or a dict of keyword arguments), to trace a model that is not an
+    ``nn.Sequential``. Returns ``model``."""
+    if is_meta(model):
+        raise ConfigError(f"{type(model).__name__} is on the meta device; initialise builds "
+                          "nothing: give it to the Pipeline as it is, which materialises it "
+                          "with these weights, or build it on a device", "model")
+
+    def land(original: torch.Tensor, cpu: torch.Tensor) -> torch.Tensor:
+        original.data.copy_(cpu)
+        return original
+
+    initialise_layers(model, split_layers(model, example), 0, seed, land)
+    return model
 
 
 def build_split_stage(

@@ -35,6 +35,7 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from dreampipe.api.materialise import initialiser
+from dreampipe.api.shapes import ShapeGraphs, Signature, signature
 from dreampipe.api.tracer import trace_model
 from dreampipe.errors import ConfigError, PlanError
 
@@ -108,6 +109,11 @@ class Segment(nn.Module):
         self.graph, self.name = graph, name
         self.index, self.count = index, count
         self.inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        #: The first segment of an ``nn.Sequential`` whose input is one tuple: it takes the
+        #: tuple's items, or the tuple itself (:mod:`.sequential`).
+        self.tuple_input = False
+        #: The graphs for other input shapes, when the trace baked the example's in.
+        self.shapes: ShapeGraphs | None = None
         self.targets: list[str] = []
         self.initialiser = initialiser(root)
         for node in graph.nodes:
@@ -117,15 +123,25 @@ class Segment(nn.Module):
                 value = fetch(root, target)
                 place_attr(root, target, self, value)
 
-    def run(self, holder: nn.Module, values: Sequence[Any]) -> Any:
-        """The segment on ``values`` (its placeholders in order), reading from ``holder``."""
-        return _plain(fx.Interpreter(holder, graph=self.graph, garbage_collect_values=True).run(
+    def run(self, holder: nn.Module, values: Sequence[Any], sig: Signature | None = None
+            ) -> Any:
+        """The segment on ``values`` (its placeholders in order), reading from ``holder``;
+        ``sig``: the signature of the model's inputs (:meth:`signature`; None: the
+        example's)."""
+        graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
+        return _plain(fx.Interpreter(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
+
+    def signature(self, values: Sequence[Any]) -> Signature | None:
+        """The signature of the first segment's ``values`` if the graph depends on it."""
+        return None if self.shapes is None else signature(values)
 
     def bind(self, args: tuple[Any, ...]) -> list[Any]:
         """The first segment's placeholder values: the model's inputs ``args`` by position,
         or one dict of keyword arguments by name."""
         names = [str(n.target) for n in self.inputs]
+        if self.tuple_input and len(args) == 1 and type(args[0]) is tuple:
+            args = args[0]
         given = dict(args[0]) if len(args) == 1 and isinstance(args[0], dict) else dict(
             zip(names, args, strict=False))
         if len(args) > len(names) or set(given) - set(names):
@@ -148,8 +164,12 @@ class Segment(nn.Module):
 
     def forward(self, *args: Any) -> Any:
         """The segment, reading its own units and attributes, on the model's inputs (the
-        first) or on the tuple of values the previous segment returned."""
-        return self.run(self, self.bind(args) if self.index == 0 else args[0])
+        first) or on the tuple of values the previous segment returned (for the example's
+        shapes: a :class:`~dreampipe.api.split.Chain` carries other shapes' signature)."""
+        if self.index > 0:
+            return self.run(self, args[0])
+        values = self.bind(args)
+        return self.run(self, values, self.signature(values))
 
 
 def _plain(value: Any) -> Any:
@@ -183,10 +203,11 @@ def place_attr(root: nn.Module, target: str, holder: nn.Module, value: Any) -> N
 def segments(model: nn.Module, units: Sequence[str], example: Any = None
              ) -> list[tuple[str, Segment]]:
     """``model`` traced (:mod:`.tracer`) with ``units`` kept whole, on ``example`` (its
-    input, or None) and cut before each unit's call."""
+    input, or None) and cut before each unit's call. A trace with the example's shapes
+    baked in gives its segments the graphs of other shapes too (:mod:`.shapes`)."""
     what = type(model).__name__
     try:
-        graph = trace_model(model, set(units), example)
+        graph, baked = trace_model(model, set(units), example)
     except Exception as exc:
         raise PlanError(
             f"cannot split {what}: torch.fx cannot trace its forward ({type(exc).__name__}: "
@@ -194,6 +215,27 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
             "around the model's blocks and keeps each block whole: remove control flow on "
             "tensor values from the code between blocks, or give an nn.Sequential"
         ) from exc
+    cut = _cut(graph, units, what)
+    out = [(label, Segment(model, g, label, s, len(cut))) for s, (label, g) in enumerate(cut)]
+    if baked:
+        first = out[0][1]
+        names = [str(n.target) for n in first.inputs]
+
+        def retrace(values: list[Any]) -> list[tuple[str, fx.Graph]]:
+            given = dict(zip(names, values, strict=True))
+            again = ({k: given[k] for k in example} if isinstance(example, dict) else
+                     tuple(values[: len(example)]) if isinstance(example, tuple) else values[0])
+            return _cut(trace_model(model, set(units), again, shapes_known=True)[0], units, what)
+
+        traced = signature(first.bind(example if isinstance(example, tuple) else (example,)))
+        shapes = ShapeGraphs(retrace, traced, cut)
+        for _, segment in out:
+            segment.shapes = shapes
+    return out
+
+
+def _cut(graph: fx.Graph, units: Sequence[str], what: str) -> list[tuple[str, fx.Graph]]:
+    """``graph`` cut before each call of a unit: each segment's label and graph."""
     nodes = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     calls = [i for i, n in enumerate(nodes) if n.op == "call_module" and n.target in units]
     if not calls:
@@ -210,7 +252,7 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
     for s in range(len(groups)):
         live.append([n for n in graph.nodes if n.op != "get_attr" and n in seg_of
                      and seg_of[n] <= s and any(seg_of.get(u, 0) > s for u in n.users)])
-    out: list[tuple[str, Segment]] = []
+    out: list[tuple[str, fx.Graph]] = []
     seen: dict[str, int] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for s, group in enumerate(groups):
@@ -218,8 +260,7 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
                            output if s == len(groups) - 1 else live[s])
         name = str(nodes[calls[s]].target)
         seen[name] = seen.get(name, 0) + 1
-        label = name if seen[name] == 1 else f"{name}@{seen[name]}"
-        out.append((label, Segment(model, g, label, s, len(groups))))
+        out.append((name if seen[name] == 1 else f"{name}@{seen[name]}", g))
     return out
 
 

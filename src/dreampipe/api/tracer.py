@@ -9,16 +9,20 @@ Every trace
   as single functions at run time, since they branch on the mask's values;
 - traces a forward that takes ``**kwargs`` (Hugging Face's) through a stand-in
   forward with the example's own argument names, passing ``use_cache=False``
-  when the forward takes ``use_cache`` (a pipeline trains without a KV cache).
+  when the forward takes ``use_cache`` (a pipeline trains without a KV cache);
+- knows each node's value on the ``meta`` device (from the example's inputs),
+  so a proxy of a tensor has only the attributes a tensor has: a duck-typing
+  probe (transformers' ``hasattr(x, "jax")``) is False, as at run time, and
+  records no call that a real tensor would fail.
 
 A plain trace (shapes symbolic, so a smaller last batch still runs) is tried
 first. Code that branches on shapes fails it (Hugging Face's ``if batch_size
-!= position_ids.shape[0]``), so the second try runs every traced node on the
-``meta`` device alongside (the example's shapes, no memory, no compute):
-``x.shape``, ``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()``
-of a known Python value are concrete, and the example's shapes, which every
-minibatch shares, are baked in. A forward that branches on tensor values
-fails both, and the caller says so.
+!= position_ids.shape[0]``), so the second try reads the meta values as
+concrete (the example's shapes, no memory, no compute): ``x.shape``,
+``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()`` of a known
+Python value are concrete, and the example's shapes are baked in: inputs of
+other shapes run a graph traced for theirs (:mod:`.shapes`). A forward that
+branches on tensor values fails both, and the caller says so.
 """
 
 from __future__ import annotations
@@ -68,41 +72,54 @@ def _value(a: Any) -> Any:
 
 
 class _MetaProxy(fx.Proxy):
-    """A proxy that knows its meta value: shapes and Python values are concrete."""
+    """A proxy that knows its meta value. A tensor's has only the attributes a tensor
+    has (a duck-typing probe, ``hasattr(x, "jax")``, is False as it is at run time);
+    in a concrete trace, shapes and Python values are concrete too."""
+
+    def _known(self) -> Any:
+        """The meta value, if the trace may use it as concrete (else :data:`_UNKNOWN`)."""
+        tracer = self.tracer
+        return self.__dict__.get(_VALUE, _UNKNOWN) if isinstance(tracer, _Tracer) and (
+            tracer.concrete) else _UNKNOWN
 
     def __getattr__(self, k: str) -> Any:
         value = self.__dict__.get(_VALUE)
-        if isinstance(value, Tensor) and k in _CONCRETE:
+        if isinstance(value, Tensor) and self.node.op != "get_attr" and not hasattr(
+                type(value), k):
+            raise AttributeError(f"{type(value).__name__!r} object has no attribute {k!r}")
+        if isinstance(self._known(), Tensor) and k in _CONCRETE:
             return getattr(value, k)
         return super().__getattr__(k)
 
     def __len__(self) -> int:
-        value = self.__dict__.get(_VALUE)
+        value = self._known()
         if isinstance(value, (tuple, list, Tensor)):
             return len(value)
         return super().__len__()
 
     def __iter__(self) -> Iterator[Any]:
-        value = self.__dict__.get(_VALUE)
+        value = self._known()
         if isinstance(value, (tuple, list)):
             return iter([self[i] for i in range(len(value))])  # type: ignore[index]
         return super().__iter__()
 
     def __bool__(self) -> bool:
-        value = self.__dict__.get(_VALUE, _UNKNOWN)
+        value = self._known()
         if isinstance(value, (bool, int, float, str, type(None))):
             return bool(value)
         return super().__bool__()
 
 
 class _Tracer(fx.Tracer):
-    """Units kept whole; with ``inputs`` (meta values by name, or None: a plain fx
-    trace), every node's meta value alongside."""
+    """Units kept whole, every node's meta value alongside (from ``inputs``, the meta
+    values of the forward's arguments by name; None: none known); ``concrete``: shapes
+    and Python values read as the example's (else they stay symbolic)."""
 
-    def __init__(self, units: set[str], inputs: dict[str, Any] | None) -> None:
+    def __init__(self, units: set[str], inputs: dict[str, Any] | None, concrete: bool) -> None:
         super().__init__()
         self.units = units
         self.inputs = inputs
+        self.concrete = concrete
         self._eager = False
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -223,12 +240,15 @@ def _named_forward(model: nn.Module, names: list[str]) -> Iterator[None]:
         model.__class__ = cls
 
 
-def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
-    """``model``'s forward as a graph with ``units`` kept whole; ``example`` is its input
-    (a tensor, a tuple, a dict of keyword arguments, or None: no shapes known).
+def trace_model(model: nn.Module, units: set[str], example: Any, *,
+                shapes_known: bool = False) -> tuple[fx.Graph, bool]:
+    """``model``'s forward as a graph with ``units`` kept whole, and whether the example's
+    shapes are baked into it; ``example`` is its input (a tensor, a tuple, a dict of keyword
+    arguments, or None: no shapes known).
 
     A plain fx trace first, which keeps shapes symbolic (a smaller last batch still
-    runs); if that fails, a trace with the example's shapes known (see the docstring)."""
+    runs); if that fails, or at once with ``shapes_known``, a trace with the example's
+    shapes known (see the docstring)."""
     own = inspect.signature(type(model).forward).parameters
     plain = not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in own.values())
     if isinstance(example, dict):
@@ -244,15 +264,16 @@ def trace_model(model: nn.Module, units: set[str], example: Any) -> fx.Graph:
               for n, v in zip(names, values, strict=False)}
     rename = isinstance(example, dict) or not plain
 
-    def trace(known: dict[str, Any] | None) -> fx.Graph:
+    def trace(concrete: bool) -> fx.Graph:
         named = _named_forward(model, names) if rename else contextlib.nullcontext()
         with named, _leaf_functions(model):
-            return _Tracer(units, known).trace(model)
+            return _Tracer(units, None if example is None else inputs, concrete).trace(model)
 
     if example is None:
-        return trace(None)
-    try:
-        return trace(None)
-    except Exception as exc:
-        _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
-        return trace(inputs)
+        return trace(False), False
+    if not shapes_known:
+        try:
+            return trace(False), False
+        except Exception as exc:
+            _log.debug("plain fx trace failed (%s); tracing with the example's shapes", exc)
+    return trace(True), True
