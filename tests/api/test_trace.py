@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, ViTConfig, ViTForImageClassification
 
 import dreampipe
 from dreampipe.api.split import Chain, split_layers
@@ -63,6 +63,21 @@ def test_split_gpt2_with_eager_attention_stays_causal() -> None:
     later = rest(first({"input_ids": changed})).logits
     torch.testing.assert_close(later[:, :-1], out[:, :-1], rtol=0, atol=0)
     assert not torch.equal(later[:, -1], out[:, -1])
+
+
+def test_a_model_reading_its_parameters_dtype_between_blocks_splits() -> None:
+    """Hugging Face's ViT compares its input's dtype with a weight's between its blocks:
+    the weight, read as stored, is known on meta as any parameter is."""
+    torch.manual_seed(0)
+    model = ViTForImageClassification(ViTConfig(
+        num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
+        image_size=8, patch_size=4, num_channels=3, num_labels=3)).eval()
+    x = {"pixel_values": torch.randn(2, 3, 8, 8)}
+    layers = split_layers(model, x)
+    cut = 2  # the embeddings and the first block, then the second block onwards
+    assert layers[cut][0].endswith(".1"), [n for n, _ in layers]
+    out = Chain(layers[cut:])(Chain(layers[:cut])(x))
+    torch.testing.assert_close(out.logits, model(**x).logits, rtol=1e-6, atol=1e-6)
 
 
 def test_a_split_point_at_a_container_begins_at_its_first_block() -> None:

@@ -167,9 +167,7 @@ class _Tracer(fx.Tracer):
         if kind == "placeholder":
             return (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
         if kind == "get_attr":
-            value: Any = self.root
-            for part in str(target).split("."):
-                value = getattr(value, part)
+            value = _attribute(self.root, str(target))
             return _meta(value) if isinstance(value, Tensor) else value
         if kind == "call_function":
             return target(*args, **kwargs)
@@ -185,6 +183,19 @@ class _Tracer(fx.Tracer):
             finally:
                 self._eager = False
         return None
+
+
+def _attribute(root: nn.Module, target: str) -> Any:
+    """``root``'s attribute ``target`` (an FQN) as stored, not through ``nn.Module``'s
+    ``__getattr__``, which the tracer patches to hand out proxies."""
+    *path, name = target.split(".")
+    module = root
+    for part in path:
+        module = module._modules[part]  # type: ignore[assignment]
+    for store in (module._parameters, module._buffers, module.__dict__):
+        if name in store:
+            return store[name]
+    return getattr(module, name)
 
 
 def _meta(t: Tensor) -> Tensor:
