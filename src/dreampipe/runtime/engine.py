@@ -153,6 +153,7 @@ class RankRunner:
             ActionKind.SEND_F: self._send_f,
             ActionKind.RECV_B: self._recv_b,
             ActionKind.BACKWARD: self._backward,
+            ActionKind.WEIGHT: self._weight,
             ActionKind.SEND_B: self._send_b,
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
@@ -232,11 +233,23 @@ class RankRunner:
 
     def _backward(self, a: Action) -> None:
         grad = None if self.last else self._grads_in.pop(a.unit)
-        on_ready = self.buckets.ready if a.unit in self._round_ends else None
-        gin = self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
+        if self.schedule.kind.splits_backward:
+            gin = self.module.backward_input(a.unit, grad)
+        else:
+            gin = self._fused_backward(a, grad)
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.unit] = gin
+
+    def _fused_backward(self, a: Action, grad: Tensor | None) -> Tensor | None:
+        """Both gradients in one backward; the Linear weight GEMMs held until ``SEND_B``."""
+        on_ready = self.buckets.ready if a.unit in self._round_ends else None
+        return self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
+
+    def _weight(self, a: Action) -> None:
+        """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
+        replicated stage, takes them all at ``ALLREDUCE``)."""
+        self.module.backward_weight(a.unit)
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.unit))
