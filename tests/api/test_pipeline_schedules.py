@@ -28,7 +28,7 @@ _TRANSFORMER = ("transformer", {"vocab": 40, "dim": 16, "heads": 2, "layers": 2,
 
 CASES = [
     ("zb-h1", _MLP, [0, 2], [1, 1], "sgd", 0.5, 4),
-    ("zb-h1", _TRANSFORMER, [0, 1, 2], [1, 1, 1], "sgd", 0.5, 4),
+    ("zb-h1", _TRANSFORMER, [0, 1, 2], [1, 1, 1], "sgd", 0.1, 4),
     ("zb-h2", _TRANSFORMER, [0, 2], [1, 1], "sgd", None, 4),
     ("zb-h2", _MLP, [0, 1, 2, 3], [1, 1, 1, 1], "adamw", 0.5, 8),
     ("zb-h1", _MLP, [0, 2], [2, 1], "adamw", 0.5, 4),
@@ -51,4 +51,28 @@ def test_zero_bubble_equals_one_process(
            "optimizer": optimizer, "lr": 0.05 if optimizer == "sgd" else 0.01, "clip": clip,
            "seed": 3}
     got = run_processes(train_schedule, sum(replicas), job, deadline_s=120.0)[0]
+    assert_matches(got, *reference(job))
+
+
+INTERLEAVED = [
+    (_MLP, [0, 1, 2, 3], 2, "adamw", 0.5),
+    (_TRANSFORMER, [0, 1, 2, 3], 2, "sgd", None),
+    (_TRANSFORMER, [0, 1, 2, 3], 1, "sgd", 0.1),
+]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("model", "bounds", "workers", "optimizer", "clip"), INTERLEAVED,
+                         ids=[f"{c[0][0]}-{c[2]}-workers-{c[3]}" for c in INTERLEAVED])
+def test_interleaved_equals_one_process(
+    model: tuple[str, dict[str, int]], bounds: list[int], workers: int, optimizer: str,
+    clip: float | None,
+) -> None:
+    """Two stages per worker; on one worker every hand-off stays within the rank."""
+    v = len(bounds) // workers
+    job = {"model": model[0], "model_args": model[1], "schedule": "interleaved-1f1b",
+           "bounds": bounds, "replicas": [1] * len(bounds), "virtual_stages": v, "steps": 3,
+           "minibatch": 16, "microbatches": 4, "optimizer": optimizer,
+           "lr": 0.05 if optimizer == "sgd" else 0.01, "clip": clip, "seed": 3}
+    got = run_processes(train_schedule, workers, job, deadline_s=120.0)[0]
     assert_matches(got, *reference(job))
