@@ -410,10 +410,15 @@ class RankRunner:
         self._index_schedule()
 
     def final_state(self) -> dict[str, Tensor]:
-        """This stage's trained ``state_dict``, copied to the CPU for rank 0 (a split
-        stage's weights gathered whole: every worker of the stage calls this)."""
-        return {k: v.detach().cpu().clone() for lane in self._lanes
-                for k, v in full_state(lane.module.module).items()}
+        """This rank's trained ``state_dict`` (all its stages'), copied to the CPU for rank 0
+        (a split stage's weights gathered whole: every worker of the stage calls this)."""
+        return {k: v for state in self.final_states().values() for k, v in state.items()}
+
+    def final_states(self) -> dict[int, dict[str, Tensor]]:
+        """:meth:`final_state` by stage."""
+        return {lane.stage: {k: v.detach().cpu().clone()
+                             for k, v in full_state(lane.module.module).items()}
+                for lane in self._lanes}
 
     def drain(self) -> None:
         """Wait for every send this rank posted (each of its stages')."""
