@@ -153,6 +153,10 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
         raise ConfigError(
             f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
             "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
+    if kind.splits_backward:
+        raise ConfigError(
+            f"schedule {kind.value} with plan {plan.config}: the zero-bubble split backward of "
+            "stages split over workers is not supported yet; use 1f1b-flush", "schedule")
     if max_grad_norm is not None:
         raise ConfigError(
             f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
