@@ -187,6 +187,10 @@ class Pipeline:
                                     layer_names=tuple(self._names))
         self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
+        if virtual_stages > 1 and self.plan.num_stages != world * virtual_stages:
+            raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
+                              f"{world * virtual_stages} stages, not the plan's "
+                              f"{self.plan.num_stages}", "virtual_stages", "plan")
         check_plan(self.plan, self._names, world * virtual_stages)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
         check_ties(ties, self.plan, max_grad_norm)

@@ -115,11 +115,14 @@ def _closure(start: Node, consumers: dict[Node, list[Node]],
 
 def _groups(root: Node, x: Node, leaves: Sequence[Tensor], skip: frozenset[int]) -> list[_Group]:
     """The weights (not in ``skip``) grouped by the intermediates they are reached from."""
+    wanted = [(i, leaf) for i, leaf in enumerate(leaves) if i not in skip]
+    if not wanted:  # every weight fused (an mlp): no walk
+        return []
     consumers, order = _consumers(root)
     on_path, _ = _closure(x, consumers, set())
     by_node: dict[Node, _Group] = {}
-    for i, leaf in enumerate(leaves):
-        node = _node(leaf) if i not in skip else None
+    for i, leaf in wanted:
+        node = _node(leaf)
         if node is None or node not in consumers:
             continue
         _, met = _closure(node, consumers, on_path)
