@@ -23,7 +23,9 @@ their own backward node, which ``B`` runs (it is on the input's path): their
 GEMMs and bias sums are held for the unit (:class:`~.fused.DeferredGradients`)
 and ``W`` runs them; their weights are left out of the walk. Whatever a fused
 node is made to add while ``W`` crosses it is dropped (the held terms are the
-real ones).
+real ones). The first stage sends no input gradient, so its ``B`` does
+nothing and its ``W`` runs the whole fused backward
+(:meth:`~dreampipe.runtime.stage.StageModule.backward_input`).
 
 **Synchronous semantics.** dreampipe's zero-bubble schedules (``zb-h1``,
 ``zb-h2``) flush every minibatch: a rank's ``STEP`` follows its last ``W``,
