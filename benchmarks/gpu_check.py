@@ -47,7 +47,8 @@ __all__ = ["STEPS", "Step", "device_check", "main", "plan_steps"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 _PY = sys.executable
-_EQUIVALENCE = ("tests/api/test_pipeline_equivalence.py", "tests/runtime/test_equivalence.py")
+_EQUIVALENCE = ("tests/api/test_pipeline_equivalence.py", "tests/runtime/test_equivalence.py",
+                "tests/api/test_pipeline_schedules.py")
 _ONE_GPU = ("tests/api/test_pipeline_local.py", "tests/api/test_checkpoint.py",
             "tests/api/test_materialise.py")
 _BENCH_RUNS = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "torch-1f1b",

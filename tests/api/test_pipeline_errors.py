@@ -146,7 +146,7 @@ def test_unknown_schedule_lists_the_names() -> None:
         _pipe(schedule="1f1b")
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "interleaved-1f1b", "2bw"])
+@pytest.mark.parametrize("schedule", ["2bw"])
 def test_a_schedule_the_runtime_does_not_run_says_to_simulate_it(schedule: str) -> None:
     with pytest.raises(ScheduleError, match=rf"'{schedule}' is not yet run by the runtime; "
                                             rf"simulate it \(dreampipe simulate --schedule"):
@@ -203,3 +203,18 @@ def test_an_uncommitted_checkpoint_is_never_loaded_and_the_error_names_the_last_
         _pipe(resume=saved.parent / "step-3.tmp")
     pipe = _pipe(resume=saved.parent)  # the directory: its newest committed checkpoint
     assert pipe.minibatches == 1
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"virtual_stages": 2}, r"virtual_stages=2 with schedule=1f1b-flush; use 1, or "
+                            r"schedule='interleaved-1f1b'"),
+    ({"virtual_stages": 2, "schedule": "interleaved-1f1b"},
+     r"virtual_stages=2 with plan='auto'; give split_points or a plan of world x 2 stages"),
+    ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "split_points": ["1"],
+      "resume": "/nonexistent"}, r"resume with virtual_stages=2: checkpoints"),
+    ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "split_points": ["1", "2"]},
+     r"virtual_stages=2 on 1 workers needs 2 stages, not the plan's 3"),
+])
+def test_virtual_stages_that_cannot_run_name_the_fix(kw: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        _pipe(**kw)

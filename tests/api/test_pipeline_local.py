@@ -145,9 +145,9 @@ def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_ali
     build = UnitLayout.build
 
     def counted(layout: UnitLayout, replicas: list[int], steps: int,
-                in_flight: list[int] | None = None) -> Schedule:
+                in_flight: list[int] | None = None, virtual_stages: int = 1) -> Schedule:
         built.append(steps)
-        return build(layout, replicas, steps, in_flight)
+        return build(layout, replicas, steps, in_flight, virtual_stages)
 
     monkeypatch.setattr(UnitLayout, "build", counted)
     data = _data(115)

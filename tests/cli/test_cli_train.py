@@ -71,8 +71,10 @@ def test_train_rejects_bad_arguments(
         (["--timeline", "{tmp}/no/such/dir/x.png"], "no/such/dir"),
         (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
         (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
-        (["--schedule", "zb-h1"], "'zb-h1' is not yet run by the runtime; simulate it"),
         (["--schedule", "2bw"], "'2bw' is not yet run by the runtime; simulate it"),
+        (["--virtual-stages", "2"], "--virtual-stages 2 with --schedule pipedream; use 1"),
+        (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--config", "2"],
+         "leave --config and --stages out"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(
@@ -192,6 +194,21 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["config"] == "straight"
     assert len(data["losses"]) == 6
     assert data["final_loss"] == data["losses"][-1]
+
+
+@pytest.mark.parametrize("schedule", [["zb-h1"], ["zb-h2"],
+                                      ["interleaved-1f1b", "--virtual-stages", "2"]],
+                         ids=["zb-h1", "zb-h2", "interleaved-1f1b"])
+def test_the_newer_schedules_train_end_to_end(
+    schedule: list[str], capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--workers", "2", "--schedule", *schedule, "--microbatches", "4", "--steps", "3",
+            "--batch-size", "16", "--json", "--no-progress", "--timeout", "60"]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    assert data["samples_per_s"] > 0 and data["predicted_samples_per_s"] > 0
+    assert len(data["losses"]) == 3
 
 
 def test_steps_from_epochs_round_up_to_whole_all_reduce_rounds(

@@ -91,6 +91,9 @@ def test_workloads_cut_their_model_in_two() -> None:
     assert [gpt.stage_range(s) for s in (0, 1)] == [(0, 2), (3, spec.num_layers - 1)]
     assert spec.layer_names[1:5] == ["block0", "block1", "block2", "block3"]
     assert gpt.plan().layer_names == tuple(spec.layer_names)
+    chunks = [gpt.stage_range(s, 2) for s in range(4)]
+    assert chunks == [(0, 1), (2, 2), (3, 3), (4, spec.num_layers - 1)]
+    assert gpt.plan(2).num_stages == 4 and mlp.bounds(2) == (0, 2, 4, 6)
     assert (gpt.batch, gpt.microbatch, gpt.per_worker, gpt.steps) == (16, 2, 8, 2)
 
 
@@ -197,8 +200,12 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
                                                               "1f1b-flush-unfused")] == [True,
                                                                                          False]
     assert by_name["torch-1f1b-big"]["arg"].microbatch == 128
+    assert [by_name[n]["arg"].virtual_stages for n in ("torch-zb", "torch-interleaved-1f1b")
+            ] == [1, 2]
+    assert by_name["interleaved-1f1b"]["arg"][0].virtual_stages == 2
     assert [by_name[n]["arg"][1] for n in ("ddp", "ddp-no-allreduce")] == [True, False]
     units = {e.name: e.unit for e in report.entries}
+    assert units["torch-zb"] == units["zb-h1"] == units["interleaved-1f1b"] == 32
     assert (units["pipedream"], units["1f1b-flush"], units["torch-1f1b-big"],
             units["single-1thread"]) == (128, 32, 128, 256)
 

@@ -25,7 +25,8 @@ from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
-    "check_runnable", "check_schedule", "check_split", "check_stages_on_meta", "map_inputs",
+    "check_runnable", "check_schedule", "check_split", "check_stages_on_meta", "check_virtual",
+    "map_inputs",
 ]
 
 _log = logging.getLogger(__name__)
@@ -152,6 +153,10 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
         raise ConfigError(
             f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
             "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
+    if kind.splits_backward:
+        raise ConfigError(
+            f"schedule {kind.value} with plan {plan.config}: the zero-bubble split backward of "
+            "stages split over workers is not supported yet; use 1f1b-flush", "schedule")
     if max_grad_norm is not None:
         raise ConfigError(
             f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
@@ -163,19 +168,32 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
 
 
 #: Schedules the simulator times but the runtime does not execute yet.
-_SIMULATED_ONLY = frozenset((ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.INTERLEAVED,
-                             ScheduleKind.TWO_BW))
+_SIMULATED_ONLY = frozenset((ScheduleKind.TWO_BW,))
 
 
 def check_runnable(kind: ScheduleKind) -> None:
-    """The runtime runs ``kind``: the zero-bubble, interleaved and 2bw schedules are
-    simulated only."""
+    """The runtime runs ``kind``: the 2bw schedule is simulated only."""
     if kind in _SIMULATED_ONLY:
         runs = ", ".join(k.value for k in ScheduleKind if k not in _SIMULATED_ONLY)
         raise ScheduleError(
             f"schedule {kind.value!r} is not yet run by the runtime; simulate it (dreampipe "
             f"simulate --schedule {kind.value}) or train with one of {runs}"
         )
+
+
+def check_virtual(kind: ScheduleKind, virtual_stages: int, plan: object,
+                  split_points: object, resume: object) -> None:
+    """``virtual_stages`` fits the schedule, and what a Pipeline of several stages per
+    rank cannot do yet (plan them itself, checkpoints) is refused, each a ConfigError."""
+    if virtual_stages < 1 or (virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED):
+        raise ConfigError(f"virtual_stages={virtual_stages} with schedule={kind.value}; use 1, "
+                          "or schedule='interleaved-1f1b' with 2 or more", "virtual_stages")
+    if virtual_stages > 1 and plan == "auto" and split_points is None:
+        raise ConfigError(f"virtual_stages={virtual_stages} with plan='auto'; give split_points "
+                          f"or a plan of world x {virtual_stages} stages", "virtual_stages", "plan")
+    if virtual_stages > 1 and resume is not None:
+        raise ConfigError(f"resume with virtual_stages={virtual_stages}: checkpoints of several "
+                          "stages per worker are not supported yet", "resume", "virtual_stages")
 
 
 def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,

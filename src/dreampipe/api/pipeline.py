@@ -57,6 +57,7 @@ from dreampipe.api.checks import (
     check_schedule,
     check_split,
     check_stages_on_meta,
+    check_virtual,
     map_inputs,
 )
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
@@ -125,6 +126,9 @@ class Pipeline:
     weight gradients with autograd's kernels, in the same order
     (:mod:`dreampipe.runtime.fused`);
     ``record_events`` keeps what this rank did, with times (:attr:`events`).
+    ``virtual_stages`` (with ``schedule="interleaved-1f1b"``) runs ``v`` stages
+    per rank, stage ``s`` on rank ``s mod world``: give ``plan`` or
+    ``split_points`` with ``world * v`` stages.
     ``resume`` loads the newest complete checkpoint in a directory
     (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
     schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
@@ -154,8 +158,11 @@ class Pipeline:
         timeout_s: float = 60.0,
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
         split_points: Sequence[str] | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         self.kind = _choice(schedule, ScheduleKind, "schedule")
+        self._virtual = virtual_stages
+        check_virtual(self.kind, virtual_stages, plan, split_points, resume)
         policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
         check_optimizer(optimizer)
@@ -180,9 +187,17 @@ class Pipeline:
                                     layer_names=tuple(self._names))
         self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                  loss_fn=loss_fn, unit_size=unit_size, seed=seed)
-        check_plan(self.plan, self._names, world)
+        if virtual_stages > 1 and self.plan.num_stages != world * virtual_stages:
+            raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
+                              f"{world * virtual_stages} stages, not the plan's "
+                              f"{self.plan.num_stages}", "virtual_stages", "plan")
+        check_plan(self.plan, self._names, world * virtual_stages)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
         check_ties(ties, self.plan, max_grad_norm)
+        if virtual_stages > 1 and (ties or self.plan.tensor_parallel > 1):
+            raise ConfigError(f"virtual_stages={virtual_stages} with weights tied across stages "
+                              "or stages split over workers is not supported yet; use "
+                              "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
         check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         t = self.plan.tensor_parallel
@@ -193,23 +208,26 @@ class Pipeline:
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
-        stage = self.plan.stage_of_rank(self.rank)
-        st = self.plan.stages[stage]
         #: The rank in the schedule (one per replica) and, in a split stage, the
         #: worker's place among its replica's t workers (only place 0 reports).
         self.srank, self.member = divmod(self.rank, t)
-        layers: nn.Module = build_stage(self._layers, st.first, st.last, self.device, seed) \
-            if t == 1 else build_split_stage(self._layers, st.first, st.last, st.splits,
-                                             tensor_mesh(world, t, self.device.type),
-                                             self.device, seed)
-        self.module = StageModule(
-            layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
-            vertical_sync=vertical_sync, loss_fn=loss_fn,
-            linear=LinearGradients.of(fused_accumulation) if t == 1 else LinearGradients.AUTOGRAD,
-        )
-        self.scheduler = None
-        if lr_scheduler is not None and self.module.optimizer is not None:
-            self.scheduler = lr_scheduler(self.module.optimizer)
+        modules = []
+        for stage in self._my_stages(world):
+            st = self.plan.stages[stage]
+            layers: nn.Module = build_stage(self._layers, st.first, st.last, self.device, seed) \
+                if t == 1 else build_split_stage(self._layers, st.first, st.last, st.splits,
+                                                 tensor_mesh(world, t, self.device.type),
+                                                 self.device, seed)
+            modules.append(StageModule(
+                layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
+                vertical_sync=vertical_sync, loss_fn=loss_fn,
+                linear=LinearGradients.of(fused_accumulation) if t == 1
+                else LinearGradients.AUTOGRAD,
+            ))
+        self.module = modules[0]
+        self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules
+                            if lr_scheduler is not None and m.optimizer is not None}
+        self.scheduler = self._schedulers.get(id(self.module))
         self.loss_fn = loss_fn
         self.minibatches = 0
         self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
@@ -217,10 +235,12 @@ class Pipeline:
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
         self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
-        self._links, groups = process_groups([st.ranks for st in self.plan.stages], t,
-                                             made=self._groups)
+        self._links, groups = process_groups(
+            [st.ranks for st in self.plan.stages] if virtual_stages == 1
+            else [[r] for r in range(world)], t, made=self._groups)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
-        self._groups += [clip_group, *tie_stages(ties, self.plan, stage, self.module)]
+        self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
+                                                 self.module)]
         per_round = math.lcm(*self.replicas)
         self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
                         // per_round * per_round)
@@ -230,7 +250,7 @@ class Pipeline:
         self.runner = RankRunner(
             self._schedule(self._horizon), self.srank, self.device,
             self.module, self._opts, groups=groups, links=self._links,
-            clip_group=clip_group, after_step=self._after_step,
+            clip_group=clip_group, after_step=self._after_step, others=modules[1:],
         )
         self._segment = 0
         self._pending: list[float] = []
@@ -239,22 +259,31 @@ class Pipeline:
             self.minibatches = checkpoint.load(found, self)
 
     # ---- training ----------------------------------------------------------
+    def _my_stages(self, world: int) -> range:
+        """The stages this rank runs: its plan stage, or every ``world``-th one from its rank."""
+        if self._virtual == 1:
+            s = self.plan.stage_of_rank(self.rank)
+            return range(s, s + 1)
+        return range(self.rank, self.plan.num_stages, world)
+
     def _after_step(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.step()
+        scheduler = self._schedulers.get(id(self.runner.module))
+        if scheduler is not None:
+            scheduler.step()
 
     def _build_schedule(self, minibatches: int) -> Schedule:
         """The plan's schedule of ``minibatches`` updates (its own minibatches in flight).
 
         :attr:`_schedule` keeps the last few built: every full segment grows
         through the same horizons and drains on the same schedule."""
-        return self.layout.build(self.replicas, minibatches, self.plan.in_flight)
+        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual)
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
         stage = sched.stage_of_rank(self.srank)
         mine = sched.replica_of_rank(self.srank)
-        reps, last = self.replicas[stage], stage == len(self.replicas) - 1
+        reps = self.replicas[stage]
+        last = len(self.replicas) - 1 in sched.stages_of_rank(self.srank)
         feed = Feed(
             unit_size=self.layout.unit_size, units_per_update=self.layout.units_per_update,
             device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
@@ -323,7 +352,7 @@ class Pipeline:
             return
         self.runner.switch(self._schedule(n))
         self.runner.advance()
-        self.runner.comm.drain()
+        self.runner.drain()
         per = self.layout.units_per_update
         unit_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
@@ -342,6 +371,10 @@ class Pipeline:
     # ---- evaluation and state ------------------------------------------------
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
+        if self._virtual > 1:
+            raise ConfigError(f"evaluate() with virtual_stages={self._virtual} is not supported "
+                              "yet; evaluate a model trained with virtual_stages=1",
+                              "virtual_stages")
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
@@ -378,10 +411,12 @@ class Pipeline:
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
-        if self.plan.tensor_parallel > 1:
+        if self.plan.tensor_parallel > 1 or self._virtual > 1:
             raise ConfigError(
-                f"saving a checkpoint of plan {self.plan.config}: checkpoints of stages split "
-                "over workers are not supported yet; train without checkpoints", "checkpoint_dir")
+                f"saving a checkpoint of plan {self.plan.config}"
+                + (f" with virtual_stages={self._virtual}" if self._virtual > 1 else "")
+                + ": checkpoints of stages split over workers or of several stages per worker "
+                "are not supported yet; train without checkpoints", "checkpoint_dir")
         self._drain()
         return checkpoint.save(Path(directory), self)
 

@@ -83,8 +83,13 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g = p.add_argument_group("training")
     g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
                    help="pipedream: async 1F1B with weight stashing (default); 1f1b-flush, "
-                        "gpipe: synchronous microbatched; dp: data parallel; naive: one "
+                        "gpipe: synchronous microbatched; zb-h1, zb-h2: zero bubble (the "
+                        "backward split into input and weight gradients); interleaved-1f1b: "
+                        "--virtual-stages stages per worker; dp: data parallel; naive: one "
                         "microbatch at a time")
+    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                   help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
+                        "workers, cut for balanced compute (default: 1)")
     g.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default: sgd")
     g.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
@@ -192,6 +197,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         momentum=args.momentum,
         minibatch_size=args.batch_size,
         microbatches=args.microbatches,
+        virtual_stages=args.virtual_stages,
         steps=10 if args.steps is None else args.steps,
         seed=args.seed,
         dataset=args.dataset,
@@ -323,9 +329,12 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
         description=(
             "Train one workload, cut into 2 stages with one thread per worker, under "
             "dreampipe's pipedream (minibatches of half an update, one update each), "
-            "1f1b-flush with and without fused weight-gradient accumulation, and gpipe; "
+            "1f1b-flush with and without fused weight-gradient accumulation, gpipe, zb-h1 "
+            "and interleaved-1f1b (4 chunks, 2 per worker); "
             "PyTorch's Schedule1F1B (with dreampipe's process set-up, as PyTorch ships, and "
-            "with microbatches of pipedream's minibatch size) and ScheduleGPipe, DDP on 2 "
+            "with microbatches of pipedream's minibatch size), ScheduleGPipe, "
+            "ScheduleInterleavedZeroBubble on the same 2 stages and ScheduleInterleaved1F1B "
+            "on the same 4 chunks, DDP on 2 "
             "workers (and without its all-reduce, to show what that costs; not training) "
             "and one process with 1 and 2 threads. Every run in its own processes "
             "with the same set-up, timed by wall clock between barriers on all ranks after "

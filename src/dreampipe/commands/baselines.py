@@ -7,6 +7,11 @@ with PyTorch's own machinery and no dreampipe code on the hot path:
   :class:`~torch.distributed.pipelining.PipelineStage` per rank built from the
   same :meth:`ModelSpec.build` slices and ``Schedule1F1B`` / ``ScheduleGPipe``,
   the workload's microbatches;
+- ``torch-zb``: ``ScheduleInterleavedZeroBubble`` on the same 2 stages, one
+  per rank (its zero-bubble order with the backward split into input and
+  weight gradients), the pair of dreampipe's ``zb-h1``;
+- ``torch-interleaved-1f1b``: ``ScheduleInterleaved1F1B`` on the workload's 4
+  chunks, 2 per rank, the pair of dreampipe's ``interleaved-1f1b``;
 - ``torch-1f1b-stock``: ``torch-1f1b`` in processes with glibc's default heap
   (:class:`~dreampipe.runtime.processes.HeapPolicy`), PyTorch as it ships;
 - ``torch-1f1b-big``: ``torch-1f1b`` with microbatches the size of
@@ -29,6 +34,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,8 +55,13 @@ class _TorchPipe:
     """A ``torch.distributed.pipelining`` run: schedule, microbatch size, timed updates."""
 
     work: Workload
-    one_f_one_b: bool
+    which: Baseline
     microbatch: int
+
+    @property
+    def virtual_stages(self) -> int:
+        """Stages per rank: 2 for the interleaved schedule, else 1."""
+        return 2 if self.which is Baseline.TORCH_INTERLEAVED else 1
 
     @property
     def update(self) -> int:
@@ -62,17 +73,26 @@ class _TorchPipe:
 
 
 def _torch_pipeline(rank: int, world: int, run: _TorchPipe) -> float:
-    """One rank of ``torch.distributed.pipelining`` (1F1B or GPipe); samples/s."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """One rank of ``torch.distributed.pipelining`` (1F1B, GPipe, zero bubble or
+    interleaved 1F1B); samples/s."""
+    from torch.distributed import pipelining as pp
 
     work = run.work
     spec = work.spec()
-    first, last = work.stage_range(rank)
-    module = spec.build(first, last, seed=work.seed)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    kind = Schedule1F1B if run.one_f_one_b else ScheduleGPipe
-    sched = kind(stage, n_microbatches=work.microbatches, loss_fn=spec.loss_fn)
-    opt = torch.optim.SGD(module.parameters(), lr=work.lr)
+    v = run.virtual_stages
+    mine = range(rank, world * v, world)
+    modules = [spec.build(*work.stage_range(s, v), seed=work.seed) for s in mine]
+    stages: list[Any] = [pp.PipelineStage(m, s, world * v, torch.device("cpu"))
+                         for m, s in zip(modules, mine, strict=True)]
+    sched: Any
+    if run.which in (Baseline.TORCH_ZB, Baseline.TORCH_INTERLEAVED):
+        multi = (pp.ScheduleInterleavedZeroBubble if run.which is Baseline.TORCH_ZB
+                 else pp.ScheduleInterleaved1F1B)
+        sched = multi(stages, n_microbatches=work.microbatches, loss_fn=spec.loss_fn)
+    else:
+        single = pp.ScheduleGPipe if run.which is Baseline.TORCH_GPIPE else pp.Schedule1F1B
+        sched = single(stages[0], n_microbatches=work.microbatches, loss_fn=spec.loss_fn)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=work.lr)
     x, y = work.data(run.update)
 
     def step() -> None:
@@ -151,8 +171,7 @@ def run_baseline(which: Baseline, work: Workload, *, timeout_s: float = 300.0) -
         fn, world = _single, 1
     else:
         fn, world = _torch_pipeline, ranks
-        arg = _TorchPipe(work, one_f_one_b=which is not Baseline.TORCH_GPIPE,
-                         microbatch=baseline_unit(which, work))
+        arg = _TorchPipe(work, which, microbatch=baseline_unit(which, work))
     return run_ranks(
         fn, world, arg, timeout_s=timeout_s, threads=2 if which is Baseline.SINGLE_2THREADS else 1,
         heap=HeapPolicy.STOCK if which is Baseline.TORCH_1F1B_STOCK else HeapPolicy.KEEP_FREED,

@@ -4,10 +4,12 @@ One workload (:mod:`dreampipe.commands.workloads`: the mlp, or GPT-style
 transformer blocks), cut into 2 stages, one thread per worker. dreampipe
 trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
 would, under ``pipedream``, ``1f1b-flush`` with and without fused
-weight-gradient accumulation, and ``gpipe`` (:mod:`dreampipe.commands.bench_runs`);
-the baselines (:mod:`dreampipe.commands.baselines`) are
-``torch.distributed.pipelining``'s 1F1B (with dreampipe's process set-up, as
-PyTorch ships, and with big microbatches) and GPipe, DDP on 2 workers, and
+weight-gradient accumulation, ``gpipe``, ``zb-h1`` and ``interleaved-1f1b``
+(:mod:`dreampipe.commands.bench_runs`); the baselines
+(:mod:`dreampipe.commands.baselines`) are ``torch.distributed.pipelining``'s
+1F1B (with dreampipe's process set-up, as PyTorch ships, and with big
+microbatches), GPipe, its zero-bubble and interleaved 1F1B schedules on the
+same stages, DDP on 2 workers, and
 one process with 1 and 2 threads. Every run starts and is timed the same
 way (:mod:`dreampipe.commands.bench_process`) and is repeated in interleaved
 rounds (all runs once, then all again), so that a burst of load on a shared
@@ -60,13 +62,16 @@ def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
     """One rank of a dreampipe run; samples/s."""
     run, work = arg
     spec = work.spec()
+    v = run.virtual_stages
     first, last = work.stage_range(rank)
     x, y = work.data(run.minibatch(work))
     pipe = Pipeline(
-        spec.build_partly(first, last, work.seed), example=(x, y), loss_fn=spec.loss_fn,
+        spec.build_partly(first, last, work.seed) if v == 1 else spec.build(seed=work.seed),
+        example=(x, y), loss_fn=spec.loss_fn,
         optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), schedule=run.kind,
-        plan=work.plan(), microbatches=run.layout(work).microbatches,
+        plan=work.plan(v), microbatches=run.layout(work).microbatches,
         fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
+        virtual_stages=v,
     )
     steps, warmup = run.steps(work, work.steps), run.steps(work, work.warmup)
     pipe.reserve(warmup + steps)  # as train does: no pause to extend the schedule while timed

@@ -28,6 +28,8 @@ class Baseline(Enum):
     TORCH_1F1B_STOCK = "torch-1f1b-stock"
     TORCH_1F1B_BIG = "torch-1f1b-big"
     TORCH_GPIPE = "torch-gpipe"
+    TORCH_ZB = "torch-zb"
+    TORCH_INTERLEAVED = "torch-interleaved-1f1b"
     DDP = "ddp"
     DDP_NO_ALLREDUCE = "ddp-no-allreduce"
     SINGLE_1THREAD = "single-1thread"
@@ -35,6 +37,7 @@ class Baseline(Enum):
 
 
 #: dreampipe's own runs, in the order the bench runs them.
-DREAMPIPE_RUN_NAMES: tuple[str, ...] = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "gpipe")
+DREAMPIPE_RUN_NAMES: tuple[str, ...] = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "gpipe",
+                                        "zb-h1", "interleaved-1f1b")
 #: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
 BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUN_NAMES, *(b.value for b in Baseline))

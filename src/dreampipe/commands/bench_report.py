@@ -43,6 +43,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("pipedream", "torch-1f1b-big", "torch 1F1B, microbatches of pipedream's size"),
     ("pipedream", "torch-1f1b", "not like for like: unit sizes differ"),
     ("gpipe", "torch-gpipe", "same schedule"),
+    ("zb-h1", "torch-zb", "zero bubble, same stages and microbatches"),
+    ("interleaved-1f1b", "torch-interleaved-1f1b", "2 stages per worker, same cut"),
 )
 
 
@@ -127,12 +129,16 @@ class BenchReport:
 def format_table(report: BenchReport) -> str:
     """Runs (median, min-max, prediction), then the ratios with their spread."""
     work = report.work
+    wide = max([19, *(len(e.name) for e in report.entries)])
+    ratios = report.ratios()
+    names = [f"{r.run} / {r.baseline}" for r in ratios]
+    wide_ratio = max([34, *(len(n) for n in names)])
     lines = [
         work.describe(),
         f"{work.steps} timed updates after {work.warmup} warm-up, wall clock between barriers "
         f"on all ranks; median and min-max of {report.rounds} interleaved rounds; "
         "unit: samples per forward/backward",
-        f"{'run':<19} {'unit':>4} {'samples/s':>10} {'min-max':>15} {'predicted':>10} "
+        f"{'run':<{wide}} {'unit':>4} {'samples/s':>10} {'min-max':>15} {'predicted':>10} "
         f"{'meas/pred':>9}",
     ]
     for e in report.entries:
@@ -140,12 +146,10 @@ def format_table(report: BenchReport) -> str:
         spread = f"{min(e.rounds):.0f}-{max(e.rounds):.0f}"
         pred_s = f"{pred:10.1f}" if pred else f"{'':>10}"
         meas = f"{e.samples_per_s / pred:9.2f}" if pred else f"{'':>9}"
-        lines.append(f"{e.name:<19} {e.unit:>4} {e.samples_per_s:10.1f} {spread:>15} "
+        lines.append(f"{e.name:<{wide}} {e.unit:>4} {e.samples_per_s:10.1f} {spread:>15} "
                      f"{pred_s} {meas}".rstrip())
-    ratios = report.ratios()
     if ratios:
         lines.append("ratios of medians (min-max of the same-round ratios):")
-    for r in ratios:
-        name = f"{r.run} / {r.baseline}"
-        lines.append(f"  {name:<34} {r.value:.2f}x ({r.low:.2f}-{r.high:.2f})  {r.about}")
+    for r, name in zip(ratios, names, strict=True):
+        lines.append(f"  {name:<{wide_ratio}} {r.value:.2f}x ({r.low:.2f}-{r.high:.2f})  {r.about}")
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """dreampipe's own bench runs, and the simulator's prediction for each.
 
-``1f1b-flush`` (with and without fused weight-gradient accumulation) and
-``gpipe`` train one update of ``batch`` samples per step, cut into the
+``1f1b-flush`` (with and without fused weight-gradient accumulation),
+``gpipe``, ``zb-h1`` and ``interleaved-1f1b`` (the workload's 4 chunks, 2 per
+worker) train one update of ``batch`` samples per step, cut into the
 workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
 with one update each. :mod:`dreampipe.commands.bench` runs them on
 :class:`dreampipe.Pipeline`.
@@ -27,6 +28,7 @@ from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.machine.measure import local_machine
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.costs import costs_from_profile
 
 __all__ = ["DREAMPIPE_RUNS", "DreampipeRun", "predict"]
 
@@ -36,10 +38,12 @@ _REPEATS = 25
 
 @dataclass(frozen=True)
 class DreampipeRun:
-    """One of dreampipe's runs: its schedule, and whether Linear layers fuse accumulation."""
+    """One of dreampipe's runs: its schedule, whether Linear layers fuse accumulation, and
+    its stages per worker."""
 
     kind: ScheduleKind
     fused_accumulation: bool = True
+    virtual_stages: int = 1
 
     def minibatch(self, work: Workload) -> int:
         """Samples per ``Pipeline.step``: a PipeDream minibatch, or a whole update."""
@@ -63,6 +67,8 @@ DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
     DreampipeRun(ScheduleKind.FLUSH),
     DreampipeRun(ScheduleKind.FLUSH, fused_accumulation=False),
     DreampipeRun(ScheduleKind.GPIPE),
+    DreampipeRun(ScheduleKind.ZB_H1),
+    DreampipeRun(ScheduleKind.INTERLEAVED, virtual_stages=2),
 ), strict=True))
 
 def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, float]:
@@ -74,7 +80,6 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
     workers = len(work.stage_bounds)
     machine = local_machine(workers)
     topology = local_topology(workers, machine)
-    replicas = [1] * workers
     graphs = {}
     out = {}
     for run in runs:
@@ -84,9 +89,15 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
                 spec, layout.unit_size, repeats=_REPEATS, twins=corun_twins(workers, machine),
                 ref=work.kind.value, model_kwargs=work.model_kwargs)
         graph = graphs[layout.unit_size]
-        plan = planner.evaluate_plan(graph, topology, list(work.stage_bounds), replicas)
-        costs = local_costs(graph, plan, 1.0, measured_machine(graph, machine))
+        v = run.virtual_stages
+        replicas = [1] * (workers * v)
+        plan = planner.evaluate_plan(graph, topology if v == 1 else  # one stage per worker
+                                     local_topology(workers * v, machine),
+                                     list(work.bounds(v)), replicas)
+        costs = local_costs(graph, plan, 1.0, measured_machine(graph, machine)) if v == 1 \
+            else costs_from_profile(graph, plan, topology, 1.0, virtual_stages=v)
         steps = run.steps(work, work.steps)
-        sim = simulate_schedule(layout.build(replicas, steps), costs, record_events=False)
+        sim = simulate_schedule(layout.build(replicas, steps, virtual_stages=v), costs,
+                                record_events=False)
         out[run] = steps * run.minibatch(work) / sim.makespan_s
     return out

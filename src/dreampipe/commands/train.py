@@ -200,6 +200,8 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     if cfg.plan.tensor_parallel > 1:  # the Pipeline builds each worker's share only
         with torch.device("meta"):
             model = spec.build(seed=cfg.seed)
+    elif cfg.virtual_stages > 1:  # the rank's stages are far apart
+        model = spec.build(seed=cfg.seed)
     else:
         model = spec.build_partly(st.first, st.last, cfg.seed)
     pipe = Pipeline(
@@ -209,7 +211,7 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
         stash=cfg.stash, fused_accumulation=cfg.fused_accumulation,
         record_events=cfg.record_events, seed=cfg.seed,
         resume=job.resume_from, timeout_s=cfg.timeout_s,
-        on_nonfinite=cfg.on_nonfinite,
+        on_nonfinite=cfg.on_nonfinite, virtual_stages=cfg.virtual_stages,
     )
     result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
     pipe.close()
@@ -248,22 +250,22 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     if bar is not None:
         bar.close()
     accuracy = None
-    if cfg.evaluate and data.has_test:
+    if cfg.evaluate and data.has_test and cfg.virtual_stages == 1:
         n = len(data.test_y)
         batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
                    for i in range(0, n, _EVAL_BATCH)]
         accuracy = pipe.evaluate(batches).accuracy
     replica = pipe.runner.schedule.replica_of_rank(pipe.srank)
-    state = None
-    if replica == 0:
-        state = pipe.runner.final_state()
-    report = RankReport(rank=rank, stage=pipe.module.stage, replica=replica, loop_s=loop_s,
-                        events=pipe.events, state=state, memory=memory)
+    states = pipe.runner.final_states() if replica == 0 else {}
+    mine = [RankReport(rank=rank, stage=m.stage, replica=replica, loop_s=loop_s,
+                       events=pipe.events if k == 0 else [], state=states.get(m.stage),
+                       memory=memory if k == 0 else None)
+            for k, m in enumerate(pipe.runner.modules)]  # one per stage of the rank
     gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(report, gathered, dst=0)
+    dist.gather_object(mine, gathered, dst=0)
     if gathered is None:
         return None
-    reports = [r for r in gathered if isinstance(r, RankReport)]
+    reports = [r for rs in gathered for r in rs if isinstance(r, RankReport)]
     elapsed = max(r.loop_s for r in reports)
     return TrainResult(
         samples_per_s=(cfg.steps - start) * cfg.minibatch_size / elapsed if elapsed else 0.0,

@@ -52,6 +52,7 @@ class TrainOptions:
     NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
     ``evaluate`` measures test accuracy after training, where the dataset has
     a test split. ``progress`` shows a bar of minibatches on the last rank.
+    ``virtual_stages`` (interleaved-1f1b) runs that many stages per worker.
     ``measure_memory`` measures each rank's peak memory
     (:mod:`~dreampipe.runtime.memory`); on CPU that gives large tensors pages
     of their own, which slows training.
@@ -61,6 +62,7 @@ class TrainOptions:
     schedule: ScheduleKind = ScheduleKind.PIPEDREAM
     minibatch_size: int = 32
     microbatches: int = 1
+    virtual_stages: int = 1
     steps: int = 10
     optimizer: OptimizerKind = OptimizerKind.SGD
     lr: float = 0.01
@@ -102,8 +104,9 @@ class TrainConfig(TrainOptions):
 
     @property
     def workers(self) -> int:
-        """Processes the plan uses (every replica of every stage, every worker of a split one)."""
-        return self.plan.workers_used
+        """Processes the plan uses (every replica of every stage, every worker of a split one;
+        a plan's stages / ``virtual_stages`` under interleaving)."""
+        return self.plan.workers_used // self.virtual_stages
 
     @cached_property
     def layout(self) -> UnitLayout:
@@ -158,6 +161,10 @@ def check_options(opts: TrainOptions) -> None:
         )
     check_policy(opts.on_nonfinite, opts.schedule)
     check_runnable(opts.schedule)
+    v = opts.virtual_stages
+    if v < 1 or (v > 1 and opts.schedule is not ScheduleKind.INTERLEAVED):
+        raise ConfigError(f"--virtual-stages {v} with --schedule {opts.schedule.value}; use 1, "
+                          "or --schedule interleaved-1f1b with 2 or more", "virtual_stages")
     if opts.dataset not in DATASETS:
         raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
 
@@ -169,10 +176,10 @@ def check_config(cfg: TrainConfig, spec: ModelSpec, world: int | None = None) ->
     its own arguments again (:mod:`dreampipe.api.checks`).
     """
     plan = cfg.plan
-    if world is not None and world != plan.workers_used:
+    if world is not None and world != cfg.workers:
         raise PlanError(
-            f"the plan {plan.config} uses {plan.workers_used} workers but {world} were started; "
-            f"start {plan.workers_used} workers or plan for {world}"
+            f"the plan {plan.config} uses {cfg.workers} workers but {world} were started; "
+            f"start {cfg.workers} workers or plan for {world}"
         )
     if plan.num_stages > spec.num_layers:
         raise PlanError(

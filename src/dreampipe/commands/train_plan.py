@@ -45,11 +45,15 @@ from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.simulator import simulate_schedule
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
@@ -232,6 +236,11 @@ def plan_train(
     spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
     source = req.plan
+    v = opts.virtual_stages
+    if v > 1 and (source.config is not None or source.stages is not None):
+        raise ConfigError(f"--virtual-stages {v} cuts the model into workers x {v} stages "
+                          "itself; leave --config and --stages out, or give a plan file",
+                          "virtual_stages", "config")
     if opts.schedule is ScheduleKind.DP and source.path is None and source.config is None:
         source = PlanSource(config=str(workers))
     layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
@@ -254,9 +263,10 @@ def plan_train(
                                       twins=corun_twins(workers, machine) if local else 0,
                                       crowd=corun_crowd(workers, machine) if local else 0,
                                       ref=opts.model, model_kwargs=opts.model_kwargs)
-        plan = given or choose_plan(graph, workers, config=source.config, stages=source.stages,
-                                    allow_fewer_workers=torchrun is None, nodes=nodes,
-                                    memory_bytes=req.memory_bytes, machine=machine)
+        plan = given or (interleaved_plan(graph, workers, v) if v > 1 else choose_plan(
+            graph, workers, config=source.config, stages=source.stages,
+            allow_fewer_workers=torchrun is None, nodes=nodes,
+            memory_bytes=req.memory_bytes, machine=machine))
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         if source.path is not None:
@@ -269,17 +279,22 @@ def plan_train(
         plan = share_plan(plan, opts.timeout_s)
     steps = _whole_rounds(req, layout, plan, steps, talk)
     memory: tuple[int, ...] = ()
-    if graph is not None:
+    if graph is not None and v == 1:
         # long enough to fill the pipeline and the runtime's kept sends
         fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
         horizon = min(steps, SENDS_KEPT + 2 * fill)
         memory = predict_memory(graph, plan, layout.build(
             [st.replicas for st in plan.stages], horizon, plan.in_flight), opts)
         check_memory(plan, memory, req.memory_bytes)
-    predicted = 0.0 if graph is None else predict_samples_per_s(
-        graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
-        microbatches=opts.microbatches, steps=steps, nodes=nodes, machine=machine,
-    )
+    if graph is not None and v > 1:
+        predicted = _predict_interleaved(graph, plan, layout, v, min(steps, 8),
+                                         local_topology(workers, measured_machine(graph, machine),
+                                                        nodes=nodes))
+    else:
+        predicted = 0.0 if graph is None else predict_samples_per_s(
+            graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
+            microbatches=opts.microbatches, steps=steps, nodes=nodes, machine=machine,
+        )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     if graph is not None and plan.tensor_parallel > 1 and req.memory_bytes is not None:
@@ -287,11 +302,23 @@ def plan_train(
                 workers, measured_machine(graph, machine), nodes=nodes))):
             talk(line)
     talk(str(plan))
+    if v > 1:
+        talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
     cfg = opts.with_plan(plan, steps)
-    check_config(cfg, spec, plan.workers_used)
+    check_config(cfg, spec, cfg.workers)
     return PlannedRun(cfg, spec, predicted, memory)
+
+
+def _predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,
+                         topology: Topology) -> float:
+    """Samples/s the simulator predicts for ``steps`` updates of the interleaved ``plan``."""
+    schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
+    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topology, fraction,
+                                                            virtual_stages=v))
+    return result.throughput_minibatches_per_s * (graph.batch_size or layout.unit_size)
 
 
 def _quiet(_line: str) -> None:

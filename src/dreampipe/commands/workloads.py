@@ -35,17 +35,19 @@ class _Preset:
     stage_bounds: tuple[int, ...]
     batch: int
     about: str
+    #: The 4 chunks of the interleaved runs (2 per worker), each a half of a stage.
+    chunk_bounds: tuple[int, ...]
 
 
 _PRESETS = {
     WorkloadKind.MLP: _Preset(
         (("layers", 8), ("width", 1024)), (0, 4), 256,
-        "mlp 8x1024, 2 stages of 4 layers",
+        "mlp 8x1024, 2 stages of 4 layers", (0, 2, 4, 6),
     ),
     WorkloadKind.TRANSFORMER: _Preset(
         (("vocab", 256), ("dim", 256), ("heads", 4), ("layers", 4), ("seq_len", 32)), (0, 3), 16,
         "transformer 4 blocks of 256 (4 heads, 32 tokens), 2 stages: embed+2 blocks | "
-        "2 blocks+head",
+        "2 blocks+head", (0, 2, 3, 4),
     ),
 }
 
@@ -107,17 +109,25 @@ class Workload:
         """The zoo model this workload trains."""
         return get_model(self.kind.value, **dict(self.model_kwargs))
 
-    def stage_range(self, stage: int) -> tuple[int, int]:
-        """First and last layer (inclusive) of pipeline stage ``stage``."""
-        edges = [*self.stage_bounds, self.spec().num_layers]
+    def bounds(self, virtual_stages: int = 1) -> tuple[int, ...]:
+        """Each stage's first layer: the 2 stages, or (``virtual_stages`` 2) the 4 chunks
+        the interleaved runs put 2 to a worker."""
+        if virtual_stages not in (1, 2):
+            raise ConfigError(f"bench virtual_stages={virtual_stages}; the workloads have "
+                              "cuts for 1 and 2", "virtual_stages")
+        return self.stage_bounds if virtual_stages == 1 else _PRESETS[self.kind].chunk_bounds
+
+    def stage_range(self, stage: int, virtual_stages: int = 1) -> tuple[int, int]:
+        """First and last layer (inclusive) of pipeline stage ``stage`` (of :meth:`bounds`)."""
+        edges = [*self.bounds(virtual_stages), self.spec().num_layers]
         return edges[stage], edges[stage + 1] - 1
 
-    def plan(self) -> Plan:
-        """The 2-stage straight pipeline, one worker per stage."""
+    def plan(self, virtual_stages: int = 1) -> Plan:
+        """The straight pipeline of :meth:`bounds`, one worker per stage."""
         spec = self.spec()
-        return Plan.from_config(spec.num_layers, list(self.stage_bounds),
-                                [1] * len(self.stage_bounds), model=self.kind.value,
-                                layer_names=tuple(spec.layer_names))
+        bounds = self.bounds(virtual_stages)
+        return Plan.from_config(spec.num_layers, list(bounds), [1] * len(bounds),
+                                model=self.kind.value, layer_names=tuple(spec.layer_names))
 
     def data(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One fixed synthetic batch, reused every step so data costs nothing."""

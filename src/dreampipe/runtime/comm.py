@@ -13,6 +13,13 @@ schedule's unit 0), and an evaluation's traffic has tags of its own::
     tag = 2**30 * evaluation + 4 * (run's unit mod 2**28)
           + {0: activation, 1: gradient, 2: weight version, 3: header}
 
+Under interleaved 1F1B (``virtual_stages = v``) two workers share ``v`` links
+(stage ``s`` to ``s + 1`` for every chunk), so the unit's number in the tag
+becomes ``unit * v + chunk`` of the link's first stage. A rank runs one
+:class:`Comm` per stage it holds; a hand-off between two stages of one rank
+(one worker: stage ``s`` and ``s + 1`` both on it) goes through the
+``mailbox`` those share, not through the network.
+
 **Order** (NCCL). NCCL ignores tags: on each pair of ranks in a group it
 matches receives to sends in the order they were issued. So every receive
 is posted in the order its send is made: on the activation group a link's
@@ -81,6 +88,8 @@ _MAX_SENDS = SENDS_KEPT  # the planner counts their memory
 _HINT = "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
 
 Spec = tuple[tuple[int, ...], torch.dtype]
+#: Actions whose peer is the next stage (the others' is the one before).
+_UP = frozenset((ActionKind.SEND_F, ActionKind.RECV_B))
 
 
 @dataclass
@@ -155,10 +164,14 @@ class Comm:
         vertical_sync: bool = False,
         groups: tuple[Any, Any] = (None, None),
         evaluation: bool = False,
+        stage: int | None = None,
+        mailbox: dict[tuple[int, int, int], Tensor] | None = None,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
-        self.stage = schedule.stage_of_rank(rank)
+        self.stage = schedule.stage_of_rank(rank) if stage is None else stage
+        #: Tensors handed to another stage of this rank, by (kind, sending stage, run's unit).
+        self.mailbox: dict[tuple[int, int, int], Tensor] = {} if mailbox is None else mailbox
         self.device = device
         self.timeout_s = timeout_s
         self.vertical_sync = vertical_sync
@@ -221,8 +234,12 @@ class Comm:
     def _key(self, action: Action) -> tuple[ActionKind, int]:
         return action.kind, self.first_unit + action.unit
 
-    def _tag(self, unit: int, kind: int) -> int:
-        """The tag of the run's unit ``unit`` (see the module docstring)."""
+    def _tag(self, unit: int, kind: int, action: Action) -> int:
+        """The tag of the run's unit ``unit`` on ``action``'s link (module docstring)."""
+        v = self.schedule.virtual_stages
+        if v > 1:  # links between the same two workers, one per chunk: (unit, chunk)
+            link = min(action.stage, action.stage + (1 if action.kind in _UP else -1))
+            unit = unit * v + link // self.schedule.num_ranks
         return _EVAL_TAGS * self._evaluation + 4 * (unit % _TAG_UNITS) + kind
 
     def post(self, action: Action) -> bool:
@@ -230,6 +247,8 @@ class Comm:
         key = self._key(action)
         peer = self.schedule.peer(self.rank, action)
         assert peer is not None
+        if peer == self.rank:
+            return True  # a hand-off within the rank: nothing to post
         posted = self._recvs.get(key)
         if posted is not None:
             if posted.peer == peer:
@@ -243,12 +262,12 @@ class Comm:
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
-                    r.header, group_src=peer, tag=self._tag(r.unit, _HDR), group=self._fwd
+                    r.header, group_src=peer, tag=self._tag(r.unit, _HDR, action), group=self._fwd
                 )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
                 r.version_work = dist.irecv(
-                    r.version, group_src=peer, tag=self._tag(r.unit, _VER), group=self._fwd
+                    r.version, group_src=peer, tag=self._tag(r.unit, _VER, action), group=self._fwd
                 )
             if known:  # after the version, as it was sent (see "Order" above)
                 assert self._in_spec is not None
@@ -264,10 +283,13 @@ class Comm:
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd
-        r.work = dist.irecv(r.buf, group_src=r.peer, tag=self._tag(r.unit, kind), group=group)
+        r.work = dist.irecv(r.buf, group_src=r.peer, tag=self._tag(r.unit, kind, r.action),
+                            group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
+        if self.schedule.peer(self.rank, action) == self.rank:
+            return self.mailbox.pop(self._handoff(action)), None
         if not self.post(action):
             raise RuntimeError(f"rank {self.rank} cannot receive {action} before sending its input")
         r = self._recvs.pop(self._key(action))
@@ -307,6 +329,9 @@ class Comm:
         assert peer is not None
         unit = self.first_unit + action.unit
         data = tensor.detach()
+        if peer == self.rank:
+            self.mailbox[self._handoff(action)] = data
+            return
         if not data.is_contiguous():
             data = data.contiguous()
         if action.kind is ActionKind.SEND_F:
@@ -324,7 +349,7 @@ class Comm:
                 header = _encode(spec, self.device)
                 self._sends.append(
                     (
-                        dist.isend(header, group_dst=peer, tag=self._tag(unit, _HDR),
+                        dist.isend(header, group_dst=peer, tag=self._tag(unit, _HDR, action),
                                    group=self._fwd),
                         action, peer, header,
                     )
@@ -335,7 +360,7 @@ class Comm:
                 v = torch.tensor([version], dtype=torch.int64, device=self.device)
                 self._sends.append(
                     (
-                        dist.isend(v, group_dst=peer, tag=self._tag(unit, _VER),
+                        dist.isend(v, group_dst=peer, tag=self._tag(unit, _VER, action),
                                    group=self._fwd),
                         action, peer, v,
                     )
@@ -344,10 +369,16 @@ class Comm:
             kind, group = _ACT, self._fwd
         else:
             kind, group = _GRAD, self._bwd
-        work = dist.isend(data, group_dst=peer, tag=self._tag(unit, kind), group=group)
+        work = dist.isend(data, group_dst=peer, tag=self._tag(unit, kind, action), group=group)
         self._sends.append((work, action, peer, data))
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)
+
+    def _handoff(self, action: Action) -> tuple[int, int, int]:
+        """The mailbox key of a send or receive within the rank."""
+        key = action.transfer_key
+        assert key is not None
+        return key[0], key[1], self.first_unit + key[2]
 
     def forget(self, unit: int) -> None:
         """Drop bookkeeping for ``unit`` once its gradient has arrived."""

@@ -39,6 +39,18 @@ Every rank sees the same count, so all stop consistently.
 prefix (a longer horizon, or the exact run whose tail drains the pipeline)
 and checks that it does.
 
+Several stages (interleaved 1F1B): a rank that holds ``v`` stages keeps one
+module, :class:`~dreampipe.runtime.comm.Comm` and bucket set per stage (a
+lane) and runs each action on the lane of its stage, in the schedule's order.
+The all-reduces a ``STEP`` makes over every rank (the global gradient norm,
+the non-finite agreement) run once per update on each rank, at its first
+``STEP`` of the update, for all its stages: the schedules that interleave
+flush every minibatch, so all their gradients are known by then.
+
+Zero Bubble's ``W`` (zb-h1, zb-h2): ``B`` computes the input gradient only
+and ``W`` the weight gradients it left (:mod:`.split_backward`); ``STEP``
+follows the rank's last ``W``.
+
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
 multiplied by ``1 / units_per_update``, so the sum of the microbatch
 gradients (accumulated on a rank, then all-reduce-*summed* over replicas) is
@@ -53,8 +65,9 @@ import bisect
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -107,7 +120,10 @@ class RankRunner:
     ``clip_group`` is the world group the gradient-norm all-reduce (with
     ``max_grad_norm``) and the non-finite agreement (``on_nonfinite`` skip)
     use, None for the default group; ``after_step`` runs after every weight
-    update (a learning-rate scheduler's step).
+    update (a learning-rate scheduler's step). ``others``: under interleaved
+    1F1B, the modules of the rank's other stages, in
+    :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order
+    (module docstring, "Several stages").
     """
 
     def __init__(
@@ -122,6 +138,7 @@ class RankRunner:
         links: tuple[Any, Any] = (None, None),
         clip_group: Any = None,
         after_step: Callable[[], None] | None = None,
+        others: Sequence[StageModule] = (),
     ) -> None:
         self.opts = opts
         self.schedule = schedule
@@ -139,6 +156,15 @@ class RankRunner:
         self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
         self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
+        self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
+        for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
+            comm = Comm(schedule, rank, device, opts.timeout_s, groups=links, stage=s,
+                        mailbox=self.comm.mailbox)
+            self._lanes.append(_Lane(s, m, comm, GradientBuckets(m.params, None,
+                                                                 comm.wait_allreduce)))
+        self._lane_of = {lane.stage: lane for lane in self._lanes}
+        self._agreed: tuple[int, int, bool] | None = None
+        self._clipped: tuple[int, int] | None = None
         self._clip_group = clip_group
         self._after_step = after_step
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
@@ -153,6 +179,7 @@ class RankRunner:
             ActionKind.SEND_F: self._send_f,
             ActionKind.RECV_B: self._recv_b,
             ActionKind.BACKWARD: self._backward,
+            ActionKind.WEIGHT: self._weight,
             ActionKind.SEND_B: self._send_b,
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
@@ -166,7 +193,7 @@ class RankRunner:
     def first_unit(self) -> int:
         """The run's number for this schedule's unit 0 (a Pipeline's later segments):
         events count units and updates, and messages are tagged, over the whole run."""
-        return self.comm.first_unit
+        return self._lanes[0].comm.first_unit
 
     def feed(self, data: UnitData) -> None:
         """Take the units' samples from ``data`` from now on (the stages that read samples)."""
@@ -175,8 +202,19 @@ class RankRunner:
     def start_segment(self, first_unit: int, first_minibatch: int) -> None:
         """Number this schedule's units from ``first_unit`` and its minibatches from
         ``first_minibatch`` in the run (events, message tags, skipped updates)."""
-        self.comm.first_unit = first_unit
+        for lane in self._lanes:
+            lane.comm.first_unit = first_unit
         self.guard.first_minibatch = first_minibatch
+
+    def _use(self, stage: int) -> None:
+        """Run the next actions as ``stage`` (one of the rank's, under interleaving)."""
+        lane = self._lane_of[stage]
+        self.stage, self.module, self.comm, self.buckets = (
+            lane.stage, lane.module, lane.comm, lane.buckets)
+        self.last = stage == self.schedule.num_stages - 1
+
+    def _post(self, a: Action) -> bool:
+        return self._lane_of[a.stage].comm.post(a)
 
     def start_clock(self, t0: float) -> None:
         """Time events from ``t0`` (a ``time.perf_counter()`` taken on every rank after a
@@ -232,11 +270,23 @@ class RankRunner:
 
     def _backward(self, a: Action) -> None:
         grad = None if self.last else self._grads_in.pop(a.unit)
-        on_ready = self.buckets.ready if a.unit in self._round_ends else None
-        gin = self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
+        if self.schedule.kind.splits_backward:
+            gin = self.module.backward_input(a.unit, grad)
+        else:
+            gin = self._fused_backward(a, grad)
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.unit] = gin
+
+    def _fused_backward(self, a: Action, grad: Tensor | None) -> Tensor | None:
+        """Both gradients in one backward; the Linear weight GEMMs held until ``SEND_B``."""
+        on_ready = self.buckets.ready if a.unit in self._round_ends else None
+        return self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
+
+    def _weight(self, a: Action) -> None:
+        """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
+        replicated stage, takes them all at ``ALLREDUCE``)."""
+        self.module.backward_weight(a.unit)
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.unit))
@@ -253,10 +303,14 @@ class RankRunner:
         def tied(work: Any) -> None:
             self.comm.wait_tied(work, a)
 
-        if self.guard.skips(a, self._clip_group, self.comm.wait_world):
+        now = (self.first_unit, a.unit)  # a rank's stages agree once per update
+        if self._agreed is None or self._agreed[:2] != now:
+            self._agreed = (*now, self.guard.skips(a, self._clip_group, self.comm.wait_world))
+        if self._agreed[2]:
             self.module.step(apply=False, wait=tied)
             return
-        if self.opts.max_grad_norm is not None:
+        if self.opts.max_grad_norm is not None and self._clipped != now:
+            self._clipped = now
             self._clip(a, self.opts.max_grad_norm)
         self.module.step(wait=tied)
         if self._after_step is not None:
@@ -265,8 +319,9 @@ class RankRunner:
     def _clip(self, a: Action, max_norm: float) -> None:
         """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
         ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
-        stage counted once (its replicas hold the same all-reduced gradient)."""
-        grads = self.module.gradients()
+        stage counted once (its replicas hold the same all-reduced gradient); under
+        interleaving a rank clips all its stages at its first ``STEP`` of the update."""
+        grads = [g for lane in self._lanes for g in lane.module.gradients()]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.schedule.replica_of_rank(self.rank) == 0:
             for g in grads:
@@ -292,7 +347,8 @@ class RankRunner:
             post_stop = self._runnable_end(stop, post_until)
         else:
             post_stop = stop
-        recv_at, handlers, post = self._recv_at, self._handlers, self.comm.post
+        recv_at, handlers = self._recv_at, self._handlers
+        post = self.comm.post if len(self._lanes) == 1 else self._post
         record, clock = self.opts.record_events, time.perf_counter
         shift = (self.first_unit, self.first_unit // self.schedule.round_units(self.stage))
         for i in range(self._pos, stop):
@@ -302,6 +358,8 @@ class RankRunner:
                     break
                 self._posted += 1
             a = actions[i]
+            if a.stage != self.stage:
+                self._use(a.stage)
             if record:
                 start = clock()
                 handlers[a.kind](a)
@@ -310,6 +368,7 @@ class RankRunner:
             else:
                 handlers[a.kind](a)
             self._pos = i + 1
+        self._use(self._lanes[0].stage)
 
     def _runnable_end(self, start: int, given: int | None) -> int:
         """The index of the first action from ``start`` on that needs a unit ``>= given``."""
@@ -332,8 +391,9 @@ class RankRunner:
         assert new[: self._stop] == old[: self._stop], (
             f"rank {self.rank}: the new schedule does not extend the prefix it ran"
         )
-        self.schedule = schedule
-        self.comm.schedule = self.guard.schedule = schedule
+        self.schedule = self.guard.schedule = schedule
+        for lane in self._lanes:
+            lane.comm.schedule = schedule
         self._index_schedule()
 
     def restart(self, schedule: Schedule) -> None:
@@ -341,17 +401,44 @@ class RankRunner:
         assert self.done and not (self._inputs or self._outputs or self._grads_in), (
             f"rank {self.rank} restarts with work in flight"
         )
-        self.comm.drain()
-        self.schedule = schedule
-        self.comm.schedule = self.guard.schedule = schedule
+        self.drain()
+        self.schedule = self.guard.schedule = schedule
+        for lane in self._lanes:
+            lane.comm.schedule = schedule
         self._pos = self._stop = 0
         self.losses = {}
         self._index_schedule()
 
     def final_state(self) -> dict[str, Tensor]:
-        """This stage's trained ``state_dict``, copied to the CPU for rank 0 (a split
-        stage's weights gathered whole: every worker of the stage calls this)."""
-        return {k: v.detach().cpu().clone() for k, v in full_state(self.module.module).items()}
+        """This rank's trained ``state_dict`` (all its stages'), copied to the CPU for rank 0
+        (a split stage's weights gathered whole: every worker of the stage calls this)."""
+        return {k: v for state in self.final_states().values() for k, v in state.items()}
+
+    def final_states(self) -> dict[int, dict[str, Tensor]]:
+        """:meth:`final_state` by stage."""
+        return {lane.stage: {k: v.detach().cpu().clone()
+                             for k, v in full_state(lane.module.module).items()}
+                for lane in self._lanes}
+
+    def drain(self) -> None:
+        """Wait for every send this rank posted (each of its stages')."""
+        for lane in self._lanes:
+            lane.comm.drain()
+
+    @property
+    def modules(self) -> list[StageModule]:
+        """The rank's stage modules: one, or its interleaved stages in order."""
+        return [lane.module for lane in self._lanes]
+
+
+@dataclass
+class _Lane:
+    """One stage a rank runs: its module, links and gradient buckets."""
+
+    stage: int
+    module: StageModule
+    comm: Comm
+    buckets: GradientBuckets
 
 
 def barrier(timeout_s: float) -> None:

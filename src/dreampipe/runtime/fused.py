@@ -37,6 +37,7 @@ apart from the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from enum import Enum
 from functools import partial
 from typing import Any, Protocol
@@ -46,7 +47,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = [
-    "DeferredGradients", "GradientSink", "GradientSum", "LinearGradients", "fuse_linear_gradients",
+    "DeferredGradients", "GradientSink", "GradientSum", "HeldWork", "LinearGradients",
+    "fuse_linear_gradients", "fused_indices",
 ]
 
 
@@ -122,14 +124,21 @@ class GradientSum:
         return sums
 
 
+#: A held weight-gradient term: ``(index, a, b)`` for ``grad += a @ b``, or
+#: ``(index, g, None)`` for ``grad += g``.
+HeldWork = list[tuple[int, Tensor, Tensor | None]]
+
+
 class DeferredGradients:
     """A :class:`GradientSink` in front of ``sink`` that, while :attr:`holding`, keeps the
-    weight GEMMs for :meth:`run` (in the order they came, so sums are bit for bit the same)."""
+    weight GEMMs for :meth:`run` (in the order they came, so sums are bit for bit the same);
+    while :attr:`holding_adds` too, it keeps the plain terms (a bias's row sum) as well."""
 
     def __init__(self, sink: GradientSink) -> None:
         self._sink = sink
-        self._held: list[tuple[int, Tensor, Tensor]] = []
+        self._held: HeldWork = []
         self.holding = False
+        self.holding_adds = False
 
     def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
         if self.holding:
@@ -138,13 +147,27 @@ class DeferredGradients:
             self._sink.add_grad_mm(index, a, b)
 
     def add_grad(self, index: int, g: Tensor) -> None:
-        self._sink.add_grad(index, g)
+        if self.holding_adds:
+            self._held.append((index, g, None))
+        else:
+            self._sink.add_grad(index, g)
 
-    def run(self) -> None:
-        """Do the held GEMMs now."""
-        for index, a, b in self._held:
-            self._sink.add_grad_mm(index, a, b)
-        self._held.clear()
+    def take(self) -> HeldWork:
+        """The terms held so far, for a later :meth:`run` (a unit's ``W``)."""
+        held, self._held = self._held, []
+        return held
+
+    def run(self, work: HeldWork | None = None) -> None:
+        """Do the held terms now, or ``work`` (what :meth:`take` returned); outside
+        autograd's backward, so without grad mode (a saved input requires grad)."""
+        with torch.no_grad():
+            for index, a, b in self._held if work is None else work:
+                if b is None:
+                    self._sink.add_grad(index, a)
+                else:
+                    self._sink.add_grad_mm(index, a, b)
+        if work is None:
+            self._held.clear()
 
 
 class _LinearAccumulate(torch.autograd.Function):
@@ -187,8 +210,24 @@ def fuse_linear_gradients(module: nn.Module, names: list[str], sink: GradientSin
     index ``i``. Layers with a parameter outside ``names`` (tied or frozen
     weights) keep the plain path.
     """
-    index = {name: i for i, name in enumerate(names)}
     fused = 0
+    for layer, w_index, b_index in _fusable(module, names):
+        layer.forward = partial(_forward, layer, sink, w_index, b_index)  # type: ignore[method-assign]
+        fused += 1
+    return fused
+
+
+def fused_indices(module: nn.Module, names: list[str]) -> frozenset[int]:
+    """The indices into ``names`` whose gradients :func:`fuse_linear_gradients` makes."""
+    out: set[int] = set()
+    for _, w_index, b_index in _fusable(module, names):
+        out.update(i for i in (w_index, b_index) if i is not None)
+    return frozenset(out)
+
+
+def _fusable(module: nn.Module, names: list[str]) -> Iterator[tuple[nn.Linear, int, int | None]]:
+    """Each ``nn.Linear`` whose parameters are all in ``names``, with their indices."""
+    index = {name: i for i, name in enumerate(names)}
     for qual, layer in module.named_modules():
         if type(layer) is not nn.Linear:
             continue
@@ -197,6 +236,4 @@ def fuse_linear_gradients(module: nn.Module, names: list[str], sink: GradientSin
         b_index = index.get(f"{prefix}bias") if layer.bias is not None else None
         if w_index is None or (layer.bias is not None and b_index is None):
             continue
-        layer.forward = partial(_forward, layer, sink, w_index, b_index)  # type: ignore[method-assign]
-        fused += 1
-    return fused
+        yield layer, w_index, b_index

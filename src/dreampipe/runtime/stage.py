@@ -66,8 +66,10 @@ from dreampipe.runtime.fused import (
     GradientSum,
     LinearGradients,
     fuse_linear_gradients,
+    fused_indices,
 )
 from dreampipe.runtime.slots import ParameterSlots
+from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 
 __all__ = ["StageInput", "StageModule", "tensor_output"]
 
@@ -151,8 +153,11 @@ class StageModule:
         self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
         self._round: _Round | None = None
         self._held = DeferredGradients(self._grads)
+        self._fused: frozenset[int] = frozenset()
         if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
+            self._fused = fused_indices(module, self._names)
+        self._weight_work: dict[int, tuple[_InFlight, Tensor | None, WeightWork | None]] = {}
         self._versions: dict[int, _Version] = {}
         self._inflight: dict[int, _InFlight] = {}
         self._floor: int | None = None
@@ -344,6 +349,34 @@ class StageModule:
         self._touched[v.number] = v
         self._release(v)
         return x.grad if want_input and x is not None else None
+
+    def backward_input(self, unit: int, grad: Tensor | None = None) -> Tensor | None:
+        """Zero Bubble's ``B`` of ``unit``: the input's gradient only (:mod:`.split_backward`);
+        the weight gradients wait for :meth:`backward_weight`. A stage with no input
+        gradient to send (the first) leaves the whole backward to ``W``."""
+        st = self._inflight.pop(unit)
+        assert st.version is not None and st.output is not None, "B/W split needs stashing"
+        x = st.input if isinstance(st.input, Tensor) else None
+        if not (self.input_grad and x is not None and x.requires_grad):
+            self._weight_work[unit] = (st, grad, None)
+            return None
+        gx, work = input_gradient(st.output, grad, x, st.version.tensors, self._held,
+                                  self._fused)
+        st.output = None
+        self._weight_work[unit] = (st, None, work)
+        return gx
+
+    def backward_weight(self, unit: int) -> None:
+        """Zero Bubble's ``W`` of ``unit``: its weight gradients, added to the update's as
+        :meth:`backward` adds them."""
+        st, grad, work = self._weight_work.pop(unit)
+        if work is None:
+            self._inflight[unit] = st
+            self.backward(unit, grad)
+            return
+        assert st.version is not None
+        weight_gradients(work, self._held, self._grads.add_grad)
+        self._release(st.version)
 
     def run_held(self) -> None:
         """The weight GEMMs a ``hold`` backward kept (its input gradient is on its way)."""
