@@ -42,12 +42,22 @@ def init_process_group(timeout_s: float) -> bool:
     timeout = timedelta(seconds=max(timeout_s, 60.0))
     if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
         backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout))
+        dist.init_process_group(backend, timeout=timeout, **_attempt_store(timeout),
+                                **_bound(backend))
     else:
         store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(_backend(1), store=store, rank=0, world_size=1,
-                                timeout=timeout)
+        backend = _backend(1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                                timeout=timeout, **_bound(backend))
     return True
+
+
+def _bound(backend: str) -> dict[str, Any]:
+    """Under NCCL, the rank's GPU named to the group, so its collectives (barrier
+    included) never guess the device."""
+    if backend != Backend.NCCL.value:
+        return {}
+    return {"device_id": torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))}
 
 
 def _attempt_store(timeout: timedelta) -> dict[str, Any]:
