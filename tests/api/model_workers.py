@@ -19,8 +19,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     ``job["plan"]``) for ``steps`` minibatches of ``minibatch`` (repeating every
     ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]`` if given, and
     evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses, the full
-    state, the plan's stage bounds and replicas, the checkpoint's path and the held-out
-    loss."""
+    state, the plan's stage bounds and replicas, whether rank 0's stage recomputes, the
+    checkpoint's path and the held-out loss."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -46,7 +46,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     state = pipe.full_state_dict()
     bounds = [st.first for st in pipe.plan.stages]
     replicas = [st.replicas for st in pipe.plan.stages]
+    recomputes = pipe.module.recompute
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
-           "saved": saved, "evaluated": evaluated}
+           "saved": saved, "evaluated": evaluated, "recomputes": recomputes}
     return out if rank == 0 else None

@@ -222,7 +222,7 @@ class Pipeline:
                 layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
                 vertical_sync=vertical_sync, loss_fn=loss_fn,
                 linear=LinearGradients.of(fused_accumulation) if t == 1
-                else LinearGradients.AUTOGRAD,
+                else LinearGradients.AUTOGRAD, recompute=st.recompute,
             ))
         self.module = modules[0]
         self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules

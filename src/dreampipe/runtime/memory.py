@@ -183,8 +183,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     rank of the stage reaches: the units in flight, the weight versions they
     pin (one per unit in flight under PipeDream with stashing, plus the ``s``
     updates stage ``s`` may be ahead with vertical sync; else one) and the
-    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``).
-    ``graph`` is profiled at the schedule's unit size.
+    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``); a recomputing
+    stage keeps its units' inputs only. ``graph`` is profiled at the schedule's unit size.
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
@@ -203,7 +203,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             continue
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
-                                sends_kept=min(sends[s], SENDS_KEPT)))
+                                sends_kept=min(sends[s], SENDS_KEPT),
+                                recompute=st.recompute))
     return tuple(out)
 
 

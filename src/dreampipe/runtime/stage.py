@@ -68,6 +68,7 @@ from dreampipe.runtime.fused import (
     fuse_linear_gradients,
     fused_indices,
 )
+from dreampipe.runtime.recompute import Replay, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 
@@ -116,6 +117,7 @@ class _InFlight:
     version: _Version | None
     target: Tensor | None
     scale: float
+    replay: Replay | None = None
 
 
 class StageModule:
@@ -125,6 +127,8 @@ class StageModule:
     first). The last stage's ``forward`` gets the target and returns the loss.
     ``linear`` says how ``nn.Linear`` layers make their weight gradients
     (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
+    ``recompute``: keep only each unit's input and run the forward again, on the
+    same version, in its backward (:mod:`.recompute`).
     """
 
     def __init__(
@@ -138,8 +142,10 @@ class StageModule:
         vertical_sync: bool = False,
         loss_fn: LossFn | None = None,
         linear: LinearGradients = LinearGradients.FUSED,
+        recompute: bool = False,
     ) -> None:
         self.module = module
+        self.recompute = recompute
         self.stage = stage
         self.input_grad = input_grad
         self.stash = stash
@@ -269,6 +275,14 @@ class StageModule:
         """
         if self.input_grad and isinstance(x, Tensor) and x.is_floating_point():
             x.requires_grad_(True)
+        if self.stash and self.recompute:
+            v = self._acquire(version)
+            again = record(x.device if isinstance(x, Tensor) else next(
+                (p.device for p in self._params), torch.device("cpu")))
+            with torch.no_grad():
+                _, report = self._compute(v.tensors, x, target, scale)
+            self._inflight[unit] = _InFlight(x, None, v, target, scale, again)
+            return report
         if self.stash:
             v = self._acquire(version)
             out, report = self._compute(v.tensors, x, target, scale)
@@ -322,6 +336,8 @@ class StageModule:
         if st.version is None:
             v = self._acquire(None)
             out, _ = self._compute(v.tensors, st.input, st.target, st.scale)
+        elif st.replay is not None:
+            v, out = st.version, self._again(st)
         else:
             assert st.output is not None
             v, out = st.version, st.output
@@ -355,6 +371,8 @@ class StageModule:
         the weight gradients wait for :meth:`backward_weight`. A stage with no input
         gradient to send (the first) leaves the whole backward to ``W``."""
         st = self._inflight.pop(unit)
+        if st.replay is not None:
+            st.output, st.replay = self._again(st), None
         assert st.version is not None and st.output is not None, "B/W split needs stashing"
         x = st.input if isinstance(st.input, Tensor) else None
         if not (self.input_grad and x is not None and x.requires_grad):
@@ -377,6 +395,14 @@ class StageModule:
         assert st.version is not None
         weight_gradients(work, self._held, self._grads.add_grad)
         self._release(st.version)
+
+    def _again(self, st: _InFlight) -> Tensor:
+        """A recomputing stage's forward of ``st``, run again for its backward."""
+        assert st.version is not None and st.replay is not None
+        tensors = st.version.tensors
+        out: Tensor = replay(st.replay, self.module,
+                             lambda: self._compute(tensors, st.input, st.target, st.scale)[0])
+        return out
 
     def run_held(self) -> None:
         """The weight GEMMs a ``hold`` backward kept (its input gradient is on its way)."""
