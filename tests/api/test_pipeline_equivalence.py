@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from runtime.reference import reference_pipedream, reference_sync, sgd
+from runtime.reference import adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
@@ -72,6 +72,29 @@ def test_pipedream_through_the_api_matches_the_delayed_update_rule(
         steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
         partial_round=True,
     )
+    assert_matches(got, losses, state)
+
+
+TWO_BW = [([0, 2], [1, 1], 2, "sgd"), ([0, 1, 3], [1, 1, 1], 2, "momentum"),
+          ([0, 2], [2, 1], 2, "adamw")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bounds", "replicas", "micro", "optimizer"), TWO_BW,
+                         ids=["straight-2-sgd", "straight-3-momentum", "replicated-2-1-adamw"])
+def test_2bw_through_the_api_matches_its_update_rule(
+    bounds: list[int], replicas: list[int], micro: int, optimizer: str
+) -> None:
+    """W(t+1) = W(t) - lr * grad f(W(t-1)) with the user's optimizer, a replicated stage
+    summing its replicas' microbatches into the one update of every minibatch."""
+    lr = 0.01 if optimizer == "adamw" else 0.3
+    momentum = 0.9 if optimizer == "momentum" else 0.0
+    got = _run(sum(replicas), schedule="2bw", bounds=bounds, replicas=replicas, steps=6,
+               minibatch=16, microbatches=micro, lr=lr, momentum=momentum, optimizer=optimizer)
+    spec = get_model("mlp", layers=4, width=16)
+    opt = adamw(lr) if optimizer == "adamw" else sgd(lr, momentum)
+    losses, state = reference_two_bw(spec, load_dataset("synthetic", spec, seed=SEED), steps=6,
+                                     minibatch=16, seed=SEED, opt=opt, microbatches=micro)
     assert_matches(got, losses, state)
 
 

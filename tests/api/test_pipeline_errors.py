@@ -146,7 +146,7 @@ def test_unknown_schedule_lists_the_names() -> None:
         _pipe(schedule="1f1b")
 
 
-@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "interleaved-1f1b", "2bw"])
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2", "interleaved-1f1b"])
 def test_a_schedule_the_runtime_does_not_run_says_to_simulate_it(schedule: str) -> None:
     with pytest.raises(ScheduleError, match=rf"'{schedule}' is not yet run by the runtime; "
                                             rf"simulate it \(dreampipe simulate --schedule"):

@@ -72,7 +72,6 @@ def test_train_rejects_bad_arguments(
         (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
         (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
         (["--schedule", "zb-h1"], "'zb-h1' is not yet run by the runtime; simulate it"),
-        (["--schedule", "2bw"], "'2bw' is not yet run by the runtime; simulate it"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(

@@ -14,6 +14,10 @@ tests can catch it doing something else:
   are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
+- PipeDream-2BW: ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with ``W(-1) = W(0)``:
+  update ``t``'s gradient (accumulated over its microbatches as in the
+  synchronous schedules) is taken at the weights of one update before, and
+  the optimizer applies it to the newest weights;
 - buffers (BatchNorm running statistics) are not versioned: every forward
   runs on the stage's live buffers and updates them, stage by stage in
   minibatch order (only parameters are passed to ``functional_call``). The
@@ -33,7 +37,8 @@ from torch.func import functional_call
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.data import Dataset
 
-__all__ = ["OptFactory", "adam", "admitted", "reference_pipedream", "reference_sync", "sgd"]
+__all__ = ["OptFactory", "adam", "adamw", "admitted", "reference_pipedream", "reference_sync",
+           "reference_two_bw", "sgd"]
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -44,6 +49,10 @@ def sgd(lr: float, momentum: float = 0.0) -> OptFactory:
 
 def adam(lr: float) -> OptFactory:
     return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+def adamw(lr: float) -> OptFactory:
+    return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
 def reference_sync(
@@ -80,6 +89,40 @@ def reference_sync(
             loss = spec.loss_fn(model(x), y)
             torch.autograd.backward(loss / microbatches)
             total += float(loss.detach())
+        optimizer.step()
+        losses.append(total / microbatches)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_two_bw(
+    spec: ModelSpec,
+    data: Dataset,
+    *,
+    steps: int,
+    minibatch: int,
+    seed: int,
+    opt: OptFactory,
+    microbatches: int = 1,
+) -> tuple[list[float], dict[str, Tensor]]:
+    """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
+    weights after ``t - 1`` updates (the first two at the start's), summed over its
+    microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights."""
+    size = minibatch // microbatches
+    model = spec.build(0, spec.num_layers - 1, seed)
+    optimizer = opt(list(model.parameters()))
+    before = _snapshot(model)
+    losses = []
+    for t in range(steps):
+        stale = {k: w.clone().requires_grad_(True) for k, w in before.items()}
+        before = _snapshot(model)
+        total = 0.0
+        for m in range(microbatches):
+            x, y = data.batch(t * microbatches + m, size)
+            loss = spec.loss_fn(functional_call(model, stale, (x,)), y)
+            torch.autograd.backward(loss / microbatches)
+            total += float(loss.detach())
+        for name, p in model.named_parameters():
+            p.grad = stale[name].grad
         optimizer.step()
         losses.append(total / microbatches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -163,12 +163,11 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
 
 
 #: Schedules the simulator times but the runtime does not execute yet.
-_SIMULATED_ONLY = frozenset((ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.INTERLEAVED,
-                             ScheduleKind.TWO_BW))
+_SIMULATED_ONLY = frozenset((ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.INTERLEAVED))
 
 
 def check_runnable(kind: ScheduleKind) -> None:
-    """The runtime runs ``kind``: the zero-bubble, interleaved and 2bw schedules are
+    """The runtime runs ``kind``: the zero-bubble and interleaved schedules are
     simulated only."""
     if kind in _SIMULATED_ONLY:
         runs = ", ".join(k.value for k in ScheduleKind if k not in _SIMULATED_ONLY)

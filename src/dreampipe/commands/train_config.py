@@ -25,6 +25,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.data import DATASETS
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
+from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -208,6 +209,8 @@ def _check_schedule(cfg: TrainConfig) -> None:
             "one keeps ever more versions); drop vertical_sync=True or replicate stages equally",
             "vertical_sync",
         )
+    if cfg.schedule is ScheduleKind.TWO_BW:
+        check_two_versions(cfg.layout.build([st.replicas for st in cfg.plan.stages], 3))
     if cfg.schedule is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "
