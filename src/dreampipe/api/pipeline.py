@@ -74,6 +74,7 @@ from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.staleness import compensate_stage
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -129,7 +130,10 @@ class Pipeline:
     (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
     schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
     loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches skipped
-    are in :attr:`skipped`. The layers are trained in place.
+    are in :attr:`skipped`. ``compensate`` (pipedream and 2bw) lowers each
+    stage's momentum by its delay's implicit momentum
+    (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
+    settings is logged as a warning, with the fix. The layers are trained in place.
     """
 
     def __init__(
@@ -154,6 +158,7 @@ class Pipeline:
         timeout_s: float = 60.0,
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
         split_points: Sequence[str] | None = None,
+        compensate: bool = True,
     ) -> None:
         self.kind = _choice(schedule, ScheduleKind, "schedule")
         policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
@@ -207,6 +212,8 @@ class Pipeline:
             vertical_sync=vertical_sync, loss_fn=loss_fn,
             linear=LinearGradients.of(fused_accumulation) if t == 1 else LinearGradients.AUTOGRAD,
         )
+        compensate_stage(self.module.optimizer, self._build_schedule(_HORIZON), stage,
+                         vertical_sync=vertical_sync, enabled=compensate, advise=self.rank == 0)
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:
             self.scheduler = lr_scheduler(self.module.optimizer)

@@ -46,8 +46,9 @@ class TrainOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``fused_accumulation=False`` makes ``nn.Linear`` weight gradients
-    with autograd's kernels (a GEMM, then an add) instead of
+    used. ``compensate`` lowers each asynchronous stage's momentum by its delay
+    (:mod:`~dreampipe.runtime.staleness`). ``fused_accumulation=False`` makes
+    ``nn.Linear`` weight gradients with autograd's kernels (a GEMM, then an add) instead of
     :mod:`~dreampipe.runtime.fused`'s one GEMM, in the same order.
     ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says what a
     NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
@@ -69,6 +70,7 @@ class TrainOptions:
     seed: int = 0
     stash: bool = True
     vertical_sync: bool = False
+    compensate: bool = True
     fused_accumulation: bool = True
     timeout_s: float = 60.0
     dataset: str = "synthetic"
