@@ -47,7 +47,7 @@ __all__ = ["CANDIDATES", "main", "simulate"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _workloads as wl
 
-CANDIDATES = ("none", "momentum", "damping", "lr", "dc-asgd", "warmup")
+CANDIDATES = ("none", "momentum", "damping", "zero", "lr", "dc-asgd", "warmup")
 _DC_LAMBDA = 0.04
 
 
@@ -69,6 +69,8 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
             hyper = compensated(hyper, delay)
         elif candidate == "damping":
             hyper = Hyper(hyper.lr, max(0.0, 1 - (1 - hyper.momentum) * (delay + 1)))
+        elif candidate == "zero":
+            hyper = Hyper(hyper.lr, 0.0 if delay else hyper.momentum)
         elif candidate == "lr":
             hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum)
         group["lr"] = hyper.lr

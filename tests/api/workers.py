@@ -21,7 +21,8 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     """Train the zoo's mlp through the Pipeline on the synthetic stream; rank 0 reports.
 
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
-    momentum, seed; optional ``optimizer`` ("adamw"; SGD by default), ``save``
+    momentum, seed; optional ``optimizer`` ("adamw"; SGD by default), ``compensate``
+    (staleness compensation, on by default), ``save``
     (a directory) and ``resume``,
     ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
     ``finish()`` every that many steps), ``record_events``, ``evaluate`` (so
@@ -48,6 +49,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
         optimizer=optimizer, schedule=job["schedule"], plan=plan,
+        compensate=job.get("compensate", True),
         microbatches=job.get("microbatches", 1),
         vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
         record_events=job.get("record_events", False), timeout_s=30.0,

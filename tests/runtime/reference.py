@@ -14,6 +14,9 @@ tests can catch it doing something else:
   are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
+- staleness compensation: a stage whose version for ``t`` is ``d`` updates
+  behind trains with its optimizer's momentum lowered by ``d / (d + 1)``
+  (at least 0);
 - PipeDream-2BW: ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with ``W(-1) = W(0)``:
   update ``t``'s gradient (accumulated over its microbatches as in the
   synchronous schedules) is taken at the weights of one update before, and
@@ -103,13 +106,20 @@ def reference_two_bw(
     seed: int,
     opt: OptFactory,
     microbatches: int = 1,
+    compensate: bool = False,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
-    microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights."""
+    microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
+    ``compensate``: the delay of 1 lowers SGD's momentum or Adam's ``beta1`` by 1/2."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
+    for group in optimizer.param_groups if compensate else []:
+        if "betas" in group:
+            group["betas"] = (max(0.0, group["betas"][0] - 0.5), group["betas"][1])
+        else:
+            group["momentum"] = max(0.0, group["momentum"] - 0.5)
     before = _snapshot(model)
     losses = []
     for t in range(steps):
@@ -149,9 +159,12 @@ def reference_pipedream(
     vertical_sync: bool = False,
     partial_round: bool = False,
     ties: Sequence[Sequence[tuple[int, str]]] = (),
+    compensate: bool = False,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
 
+    ``compensate``: each stage's SGD momentum is lowered by its delay's ``d / (d + 1)``;
+    with ``ties``, every stage's by the deepest delay's (the copies take the same updates).
     ``partial_round``: a run that ends inside a replicated stage's round still
     updates with the mean of that round's minibatches (``Pipeline.finish``).
     ``ties``: groups of ``(stage, parameter name)`` that are one weight of the model,
@@ -162,6 +175,10 @@ def reference_pipedream(
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
     optims = [opt(list(m.parameters())) for m in stages]
+    for s, o in enumerate(optims if compensate else []):
+        d = admitted(replicas, 0 if vertical_sync or ties else s) - 1
+        for group in o.param_groups:
+            group["momentum"] = max(0.0, group["momentum"] - d / (d + 1))
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
     pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
 

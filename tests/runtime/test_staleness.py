@@ -113,3 +113,11 @@ def test_synchronous_schedules_are_left_alone() -> None:
     compensate_stage(sgd, build_schedule([1] * 4, S.FLUSH, 8, 4), 0, vertical_sync=False,
                      enabled=True, advise=True)
     assert sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_uniform_compensation_gives_every_stage_the_deepest_delays_settings() -> None:
+    """Weights tied across stages: each copy must take the same updates."""
+    last = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+    compensate_stage(last, build_schedule([1] * 4, S.PIPEDREAM, 16), 3, vertical_sync=False,
+                     enabled=True, advise=False, uniform=True)
+    assert last.param_groups[0]["momentum"] == pytest.approx(0.15)

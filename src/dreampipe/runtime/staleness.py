@@ -148,18 +148,22 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
 
 
 def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule, stage: int, *,
-                     vertical_sync: bool, enabled: bool, advise: bool) -> None:
+                     vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
+                     ) -> None:
     """Compensate ``stage``'s optimizer for its delay in ``schedule`` (if ``enabled``) and,
     if ``advise``, log :func:`delay_advice` for the deepest delay of any stage as a
-    warning, with this optimizer's settings as the user gave them."""
+    warning, with this optimizer's settings as the user gave them. ``uniform``: every
+    stage takes the deepest delay's settings (weights tied across stages must take the
+    same updates on each copy)."""
     if optimizer is None or schedule.kind.synchronous:
         return
     delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
+    delay = max(delays) if uniform else delays[stage]
     if enabled:
-        for before, after in compensate(optimizer, delays[stage]):
+        for before, after in compensate(optimizer, delay):
             _log.info("stage %d, %d updates stale: momentum %g -> %g (staleness compensation)",
-                      stage, delays[stage], before.momentum, after.momentum)
+                      stage, delay, before.momentum, after.momentum)
     advice = None if given is None else delay_advice(given, max(delays), enabled)
     if advise and advice is not None:
         _log.warning("%s: %s", schedule.kind.value, advice)
