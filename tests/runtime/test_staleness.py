@@ -121,3 +121,15 @@ def test_uniform_compensation_gives_every_stage_the_deepest_delays_settings() ->
     compensate_stage(last, build_schedule([1] * 4, S.PIPEDREAM, 16), 3, vertical_sync=False,
                      enabled=True, advise=False, uniform=True)
     assert last.param_groups[0]["momentum"] == pytest.approx(0.15)
+
+
+def test_the_warning_offers_2bw_only_to_pipedream(caplog: pytest.LogCaptureFixture) -> None:
+    for kind, sched in ((S.PIPEDREAM, build_schedule([1] * 2, S.PIPEDREAM, 8)),
+                        (S.TWO_BW, build_schedule([1] * 2, S.TWO_BW, 8, 2))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dreampipe.runtime.staleness"):
+            sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+            compensate_stage(sgd, sched, 0, vertical_sync=False, enabled=False, advise=True)
+        assert "gradients 1 update stale" in caplog.text
+        assert ("schedule='2bw'" in caplog.text) is (kind is S.PIPEDREAM)
+        assert caplog.text.rstrip().endswith("a synchronous schedule (1f1b-flush)")

@@ -130,21 +130,21 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
     """
     used = compensated(hyper, delay) if compensating else hyper
     name = "beta1" if hyper.adaptive else "momentum"
-    tail = " or train with schedule='2bw' (a delay of 1) or a synchronous schedule"
+    stale = f"gradients {delay} update{'s' if delay != 1 else ''} stale"
     if delay > 0 and used.momentum + implicit_momentum(delay) >= 1.0:
         most = 1.0 - implicit_momentum(delay)
-        return (f"{name} {used.momentum:g} with gradients {delay} updates stale: the delay "
-                f"adds about {implicit_momentum(delay):.2g} momentum of its own and training "
-                f"may diverge; keep staleness compensation on (the default: Pipeline's "
-                f"compensate=True, train without --no-compensation), "
-                f"or lower {name} below {most:.2g},{tail}")
+        return (f"{name} {used.momentum:g} with {stale}: the delay adds about "
+                f"{implicit_momentum(delay):.2g} momentum of its own and training may "
+                f"diverge; keep staleness compensation on (the default: Pipeline's "
+                f"compensate=True, train without --no-compensation), or lower {name} below "
+                f"{most:.2g}")
     step = used.lr / (1.0 - used.momentum)
     if hyper.adaptive or step * delay <= _STEP_DELAY_LIMIT:
         return None
     most = used.lr * _STEP_DELAY_LIMIT / (step * delay)
     return (f"lr {used.lr:g} with momentum {used.momentum:g} takes an effective step of "
-            f"{step:.3g} on gradients {delay} updates stale, more than this delay tolerates; "
-            f"lower the learning rate to at most {most:.3g},{tail}")
+            f"{step:.3g} on {stale}, more than this delay tolerates; lower the learning "
+            f"rate to at most {most:.3g}")
 
 
 def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule, stage: int, *,
@@ -166,4 +166,6 @@ def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule
                       stage, delay, before.momentum, after.momentum)
     advice = None if given is None else delay_advice(given, max(delays), enabled)
     if advise and advice is not None:
-        _log.warning("%s: %s", schedule.kind.value, advice)
+        other = "" if schedule.kind is ScheduleKind.TWO_BW else "schedule='2bw' (a delay of 1) or "
+        _log.warning("%s: %s, or train with %sa synchronous schedule (1f1b-flush)",
+                     schedule.kind.value, advice, other)
