@@ -8,9 +8,13 @@ stashing with delays ``d_s = n - 1 - s`` (``pipedream``), or one on every
 stage (``2bw``), or none (``sync``, dp's updates). The candidates of issue 32:
 
 - ``none``: the user's settings as given;
-- ``momentum``: momentum (``beta1`` for AdamW) reduced by the delay's implicit
-  momentum ``d / (d + 1)`` (Mitliagkas et al. 2016), dreampipe's rule
-  (:func:`dreampipe.runtime.staleness.compensated`);
+- ``momentum``: dreampipe's rule (:func:`dreampipe.runtime.staleness.compensated`):
+  momentum (``beta1`` for AdamW) reduced by the delay's implicit momentum
+  ``d / (d + 1)`` (Mitliagkas et al. 2016), AdamW's learning rate scaled to
+  keep the spread of its step;
+- ``momentum-only``: the same momentum, every learning rate as given;
+- ``damping``: ``1 - momentum`` multiplied by ``d + 1``;
+- ``zero``: no momentum on a delayed stage;
 - ``lr``: the learning rate divided by ``d + 1``;
 - ``dc-asgd``: the gradient corrected by ``lambda g*g*(w_now - w_stale)``
   (Zheng et al. 2017, lambda 0.04);
@@ -47,7 +51,8 @@ __all__ = ["CANDIDATES", "main", "simulate"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _workloads as wl
 
-CANDIDATES = ("none", "momentum", "damping", "zero", "lr", "dc-asgd", "warmup")
+CANDIDATES = ("none", "momentum", "momentum-only", "damping", "zero", "lr", "dc-asgd",
+              "warmup")
 _DC_LAMBDA = 0.04
 
 
@@ -64,9 +69,11 @@ def _delays(schedule: str, stages: int) -> list[int]:
 def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
     for group in opt.param_groups:
         adam = "betas" in group
-        hyper = Hyper(group["lr"], group["betas"][0] if adam else group["momentum"])
+        hyper = Hyper(group["lr"], group["betas"][0] if adam else group["momentum"], adam)
         if candidate == "momentum":
             hyper = compensated(hyper, delay)
+        elif candidate == "momentum-only":
+            hyper = Hyper(hyper.lr, max(0.0, hyper.momentum - delay / (delay + 1)))
         elif candidate == "damping":
             hyper = Hyper(hyper.lr, max(0.0, 1 - (1 - hyper.momentum) * (delay + 1)))
         elif candidate == "zero":

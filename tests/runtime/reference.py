@@ -111,13 +111,18 @@ def reference_two_bw(
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
     microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
-    ``compensate``: the delay of 1 lowers SGD's momentum or Adam's ``beta1`` by 1/2."""
+    ``compensate``: the delay of 1 lowers SGD's momentum or Adam's ``beta1`` by 1/2;
+    Adam's learning rate is scaled by ``s(beta1) / s(beta1 - 1/2)``, where
+    ``s(b) = sqrt((1 - b) / (1 + b))``."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
     for group in optimizer.param_groups if compensate else []:
         if "betas" in group:
-            group["betas"] = (max(0.0, group["betas"][0] - 0.5), group["betas"][1])
+            b1 = group["betas"][0]
+            low = max(0.0, b1 - 0.5)
+            group["lr"] *= math.sqrt((1 - b1) / (1 + b1)) / math.sqrt((1 - low) / (1 + low))
+            group["betas"] = (low, group["betas"][1])
         else:
             group["momentum"] = max(0.0, group["momentum"] - 0.5)
     before = _snapshot(model)

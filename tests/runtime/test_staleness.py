@@ -33,6 +33,13 @@ def test_momentum_loses_the_delays_implicit_momentum_and_the_lr_stays(
     assert got.momentum == pytest.approx(left)
 
 
+def test_adam_keeps_the_spread_of_its_step_by_scaling_the_lr() -> None:
+    got = compensated(Hyper(0.01, 0.9, adaptive=True), 1)
+    assert got.momentum == pytest.approx(0.4)
+    assert got.lr == pytest.approx(0.01 * (0.1 / 1.9) ** 0.5 / (0.6 / 1.4) ** 0.5)
+    assert compensated(Hyper(0.01, 0.9, adaptive=True), 0) == Hyper(0.01, 0.9, adaptive=True)
+
+
 def test_a_negative_delay_is_refused() -> None:
     with pytest.raises(ValueError, match="delay=-1"):
         compensated(Hyper(0.1, 0.9), -1)
@@ -49,7 +56,8 @@ def test_sgd_and_adamw_groups_are_compensated_in_place() -> None:
     adamw = torch.optim.AdamW(_params(), lr=3e-3, betas=(0.9, 0.98))
     compensate(adamw, 3)
     assert adamw.param_groups[0]["betas"] == (pytest.approx(0.15), 0.98)
-    assert adamw.param_groups[0]["lr"] == 3e-3
+    # Adam's lr scaled by the spread of an average of noise: sqrt(0.1/1.9) / sqrt(0.85/1.15)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.22942 / 0.85973, rel=1e-4)
 
 
 def test_no_delay_or_no_momentum_setting_changes_nothing() -> None:

@@ -13,8 +13,13 @@ short runs it diverges (docs/convergence.md).
 simulation of the delayed updates (``benchmarks/staleness.py``,
 docs/convergence.md "Staleness compensation"): the optimizer's momentum
 (SGD's ``momentum``, Adam's and AdamW's ``beta1``) is reduced by the
-delay's implicit momentum, ``mu' = max(0, mu - d / (d + 1))``, and the
-learning rate is kept. A stage of delay 0 keeps its settings.
+delay's implicit momentum, ``mu' = max(0, mu - d / (d + 1))``. SGD keeps
+its learning rate (its effective step ``lr / (1 - mu)`` shrinks with the
+momentum). Adam normalises its step, so a smaller ``beta1`` alone makes
+each step noisier, not smaller: its learning rate is scaled by the ratio of
+the spreads of the two averages of white noise,
+``sqrt((1 - b) / (1 + b))`` at ``b = beta1`` over the same at ``b = beta1'``
+(0.35 for 0.9 and a delay of 1). A stage of delay 0 keeps its settings.
 
 :func:`compensate` applies it to a built optimizer's parameter groups (before
 a learning-rate scheduler reads them). :func:`stage_delays` reads each
@@ -26,6 +31,7 @@ for one stage of a run.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,11 +63,18 @@ def implicit_momentum(delay: int) -> float:
     return delay / (delay + 1)
 
 
+def _noise(beta: float) -> float:
+    """The spread of an exponential average, decay ``beta``, of unit white noise."""
+    return math.sqrt((1.0 - beta) / (1.0 + beta))
+
+
 def compensated(hyper: Hyper, delay: int) -> Hyper:
     """``hyper`` for a stage whose gradients are ``delay`` updates stale (module doc)."""
     if delay < 0:
         raise ValueError(f"delay={delay}; a delay counts updates, 0 or more")
-    return replace(hyper, momentum=max(0.0, hyper.momentum - implicit_momentum(delay)))
+    momentum = max(0.0, hyper.momentum - implicit_momentum(delay))
+    lr = hyper.lr * _noise(hyper.momentum) / _noise(momentum) if hyper.adaptive else hyper.lr
+    return replace(hyper, lr=lr, momentum=momentum)
 
 
 def hyper_of(group: dict[str, object]) -> Hyper | None:
