@@ -47,7 +47,7 @@ def test_the_quick_study_records_every_run_resumes_and_reports(
     for workload in bench.Workload:
         assert (tmp_path / f"convergence-{workload.value}.png").read_bytes()[:4] == b"\x89PNG"
     doc = (tmp_path / "convergence.md").read_text()
-    assert "| digits | 2 | pipedream-no-stash |" in doc and "| chars | 2 | dp |" in doc, doc
+    assert "| digits | 2 | 2bw |" in doc and "| chars | 2 | dp |" in doc, doc
     capfd.readouterr()
     bench.main(argv)
     assert "0 runs to do" in capfd.readouterr().out

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from runtime.reference import reference_pipedream, reference_sync, sgd
+from runtime.reference import adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
@@ -54,24 +54,54 @@ def test_sync_schedules_through_the_api_equal_gradient_accumulation(
     assert_matches(got, losses, state)
 
 
-PIPE = [([0, 1, 3], [1, 1, 1], True), ([0, 2], [2, 1], False)]
+PIPE = [([0, 1, 3], [1, 1, 1], True, True), ([0, 2], [2, 1], False, True),
+        ([0, 2], [2, 1], False, False)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("bounds", "replicas", "vsync"), PIPE,
-                         ids=["straight-3-vsync", "replicated-2-1"])
+@pytest.mark.parametrize(("bounds", "replicas", "vsync", "compensate"), PIPE,
+                         ids=["straight-3-vsync", "replicated-2-1", "replicated-2-1-uncompensated"])
 def test_pipedream_through_the_api_matches_the_delayed_update_rule(
-    bounds: list[int], replicas: list[int], vsync: bool
+    bounds: list[int], replicas: list[int], vsync: bool, compensate: bool
 ) -> None:
     # 5 minibatches: the replicated stage ends on a partial round of one
     got = _run(sum(replicas), schedule="pipedream", bounds=bounds, replicas=replicas, steps=5,
-               minibatch=8, lr=0.3, momentum=0.9, vertical_sync=vsync)
+               minibatch=8, lr=0.3, momentum=0.9, vertical_sync=vsync, compensate=compensate)
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=SEED), bounds=bounds, replicas=replicas,
         steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
-        partial_round=True,
+        partial_round=True, compensate=compensate,
     )
+    assert_matches(got, losses, state)
+
+
+TWO_BW = [([0, 2], [1, 1], "sgd", False), ([0, 1, 3], [1, 1, 1], "momentum", False),
+          ([0, 2], [2, 1], "adamw", False), ([0, 1, 3], [1, 1, 1], "momentum", True),
+          ([0, 2], [2, 1], "adamw", True)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("bounds", "replicas", "optimizer", "compensate"), TWO_BW,
+                         ids=["straight-2-sgd", "straight-3-momentum", "replicated-2-1-adamw",
+                              "straight-3-momentum-compensated",
+                              "replicated-2-1-adamw-compensated"])
+def test_2bw_through_the_api_matches_its_update_rule(
+    bounds: list[int], replicas: list[int], optimizer: str, compensate: bool
+) -> None:
+    """W(t+1) = W(t) - lr * grad f(W(t-1)) with the user's optimizer (its momentum lowered
+    by 1/2 when compensated), a replicated stage summing its replicas' microbatches into
+    the one update of every minibatch."""
+    lr = 0.01 if optimizer == "adamw" else 0.3
+    momentum = 0.9 if optimizer == "momentum" else 0.0
+    got = _run(sum(replicas), schedule="2bw", bounds=bounds, replicas=replicas, steps=6,
+               minibatch=16, microbatches=2, lr=lr, momentum=momentum, optimizer=optimizer,
+               compensate=compensate)
+    spec = get_model("mlp", layers=4, width=16)
+    opt = adamw(lr) if optimizer == "adamw" else sgd(lr, momentum)
+    losses, state = reference_two_bw(spec, load_dataset("synthetic", spec, seed=SEED), steps=6,
+                                     minibatch=16, seed=SEED, opt=opt, microbatches=2,
+                                     compensate=compensate)
     assert_matches(got, losses, state)
 
 

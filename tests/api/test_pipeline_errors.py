@@ -14,7 +14,7 @@ from torch import Tensor, nn
 import dreampipe
 from dreampipe.api.split import Tie, split_layers, tied_parameters
 from dreampipe.api.ties import check_ties
-from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError, ScheduleError
+from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError
 
 __all__: list[str] = []
 
@@ -144,13 +144,6 @@ def test_an_optimizer_factory_that_returns_something_else() -> None:
 def test_unknown_schedule_lists_the_names() -> None:
     with pytest.raises(ConfigError, match=r"schedule='1f1b'; use one of pipedream, 1f1b-flush"):
         _pipe(schedule="1f1b")
-
-
-@pytest.mark.parametrize("schedule", ["2bw"])
-def test_a_schedule_the_runtime_does_not_run_says_to_simulate_it(schedule: str) -> None:
-    with pytest.raises(ScheduleError, match=rf"'{schedule}' is not yet run by the runtime; "
-                                            rf"simulate it \(dreampipe simulate --schedule"):
-        _pipe(schedule=schedule)
 
 
 def test_resume_with_a_plan_that_does_not_cover_the_model() -> None:

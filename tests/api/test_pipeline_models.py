@@ -59,7 +59,7 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
     spec = CaseSpec(CASES[name], SEED, unit=8)
     losses, state = reference_pipedream(
         spec, CaseData(CASES[name]), bounds=got["bounds"], replicas=[1, 1],  # type: ignore[arg-type]
-        steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9),
+        steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9), compensate=True,
         ties=[[(0, a), (1, b)] for a, b in TIED_KEYS.get(name, [])])
     assert_matches(got, losses, state)
     _assert_tied_equal(name, got)

@@ -21,7 +21,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     """Train the zoo's mlp through the Pipeline on the synthetic stream; rank 0 reports.
 
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
-    momentum, seed; optional ``save`` (a directory) and ``resume``,
+    momentum, seed; optional ``optimizer`` ("adamw"; SGD by default), ``compensate``
+    (staleness compensation, on by default), ``save``
+    (a directory) and ``resume``,
     ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
     ``finish()`` every that many steps), ``record_events``, ``evaluate`` (so
     many held-out batches after every ``finish()``), ``post_ahead`` (False:
@@ -37,11 +39,18 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     data = load_dataset("synthetic", spec, seed=job["seed"])
     plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
+
+    def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        if job.get("optimizer") == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
-        schedule=job["schedule"], plan=plan, microbatches=job.get("microbatches", 1),
+        optimizer=optimizer, schedule=job["schedule"], plan=plan,
+        compensate=job.get("compensate", True),
+        microbatches=job.get("microbatches", 1),
         vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
         record_events=job.get("record_events", False), timeout_s=30.0,
     )

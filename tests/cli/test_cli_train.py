@@ -71,7 +71,6 @@ def test_train_rejects_bad_arguments(
         (["--timeline", "{tmp}/no/such/dir/x.png"], "no/such/dir"),
         (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
         (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
-        (["--schedule", "2bw"], "'2bw' is not yet run by the runtime; simulate it"),
         (["--virtual-stages", "2"], "--virtual-stages 2 with --schedule pipedream; use 1"),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--config", "2"],
          "leave --config and --stages out"),

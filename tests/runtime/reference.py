@@ -14,6 +14,13 @@ tests can catch it doing something else:
   are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
+- staleness compensation: a stage whose version for ``t`` is ``d`` updates
+  behind trains with its optimizer's momentum lowered by ``d / (d + 1)``
+  (at least 0);
+- PipeDream-2BW: ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with ``W(-1) = W(0)``:
+  update ``t``'s gradient (accumulated over its microbatches as in the
+  synchronous schedules) is taken at the weights of one update before, and
+  the optimizer applies it to the newest weights;
 - buffers (BatchNorm running statistics) are not versioned: every forward
   runs on the stage's live buffers and updates them, stage by stage in
   minibatch order (only parameters are passed to ``functional_call``). The
@@ -33,7 +40,8 @@ from torch.func import functional_call
 from dreampipe.models.spec import ModelSpec
 from dreampipe.runtime.data import Dataset
 
-__all__ = ["OptFactory", "adam", "admitted", "reference_pipedream", "reference_sync", "sgd"]
+__all__ = ["OptFactory", "adam", "adamw", "admitted", "reference_pipedream", "reference_sync",
+           "reference_two_bw", "sgd"]
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -44,6 +52,10 @@ def sgd(lr: float, momentum: float = 0.0) -> OptFactory:
 
 def adam(lr: float) -> OptFactory:
     return lambda params: torch.optim.Adam(params, lr=lr)
+
+
+def adamw(lr: float) -> OptFactory:
+    return lambda params: torch.optim.AdamW(params, lr=lr)
 
 
 def reference_sync(
@@ -85,6 +97,52 @@ def reference_sync(
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def reference_two_bw(
+    spec: ModelSpec,
+    data: Dataset,
+    *,
+    steps: int,
+    minibatch: int,
+    seed: int,
+    opt: OptFactory,
+    microbatches: int = 1,
+    compensate: bool = False,
+) -> tuple[list[float], dict[str, Tensor]]:
+    """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
+    weights after ``t - 1`` updates (the first two at the start's), summed over its
+    microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
+    ``compensate``: the delay of 1 lowers SGD's momentum or Adam's ``beta1`` by 1/2;
+    Adam's learning rate is scaled by ``s(beta1) / s(beta1 - 1/2)``, where
+    ``s(b) = sqrt((1 - b) / (1 + b))``."""
+    size = minibatch // microbatches
+    model = spec.build(0, spec.num_layers - 1, seed)
+    optimizer = opt(list(model.parameters()))
+    for group in optimizer.param_groups if compensate else []:
+        if "betas" in group:
+            b1 = group["betas"][0]
+            low = max(0.0, b1 - 0.5)
+            group["lr"] *= math.sqrt((1 - b1) / (1 + b1)) / math.sqrt((1 - low) / (1 + low))
+            group["betas"] = (low, group["betas"][1])
+        else:
+            group["momentum"] = max(0.0, group["momentum"] - 0.5)
+    before = _snapshot(model)
+    losses = []
+    for t in range(steps):
+        stale = {k: w.clone().requires_grad_(True) for k, w in before.items()}
+        before = _snapshot(model)
+        total = 0.0
+        for m in range(microbatches):
+            x, y = data.batch(t * microbatches + m, size)
+            loss = spec.loss_fn(functional_call(model, stale, (x,)), y)
+            torch.autograd.backward(loss / microbatches)
+            total += float(loss.detach())
+        for name, p in model.named_parameters():
+            p.grad = stale[name].grad
+        optimizer.step()
+        losses.append(total / microbatches)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def admitted(replicas: Sequence[int], stage: int) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
     ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, two per replica beyond one of
@@ -106,9 +164,12 @@ def reference_pipedream(
     vertical_sync: bool = False,
     partial_round: bool = False,
     ties: Sequence[Sequence[tuple[int, str]]] = (),
+    compensate: bool = False,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
 
+    ``compensate``: each stage's SGD momentum is lowered by its delay's ``d / (d + 1)``;
+    with ``ties``, every stage's by the deepest delay's (the copies take the same updates).
     ``partial_round``: a run that ends inside a replicated stage's round still
     updates with the mean of that round's minibatches (``Pipeline.finish``).
     ``ties``: groups of ``(stage, parameter name)`` that are one weight of the model,
@@ -119,6 +180,10 @@ def reference_pipedream(
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
     optims = [opt(list(m.parameters())) for m in stages]
+    for s, o in enumerate(optims if compensate else []):
+        d = admitted(replicas, 0 if vertical_sync or ties else s) - 1
+        for group in o.param_groups:
+            group["momentum"] = max(0.0, group["momentum"] - d / (d + 1))
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
     pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
 

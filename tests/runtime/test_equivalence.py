@@ -163,7 +163,7 @@ def test_pipedream_matches_delayed_update_rule(
     data = load_dataset("synthetic", _spec(), seed=SEED)
     losses, state = reference_pipedream(
         _spec(), data, bounds=bounds, replicas=replicas, steps=steps, minibatch=8, seed=SEED,
-        opt=sgd(0.3, momentum), vertical_sync=vsync,
+        opt=sgd(0.3, momentum), vertical_sync=vsync, compensate=True,
     )
     _assert_matches(result, losses, state)
     ranks = {e.rank for e in result.events}

@@ -25,7 +25,7 @@ from dreampipe.scheduling.actions import ScheduleKind
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
-    "check_runnable", "check_schedule", "check_split", "check_stages_on_meta", "check_virtual",
+    "check_schedule", "check_split", "check_stages_on_meta", "check_virtual",
     "map_inputs",
 ]
 
@@ -167,20 +167,6 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
             "supported yet; train without resume", "resume")
 
 
-#: Schedules the simulator times but the runtime does not execute yet.
-_SIMULATED_ONLY = frozenset((ScheduleKind.TWO_BW,))
-
-
-def check_runnable(kind: ScheduleKind) -> None:
-    """The runtime runs ``kind``: the 2bw schedule is simulated only."""
-    if kind in _SIMULATED_ONLY:
-        runs = ", ".join(k.value for k in ScheduleKind if k not in _SIMULATED_ONLY)
-        raise ScheduleError(
-            f"schedule {kind.value!r} is not yet run by the runtime; simulate it (dreampipe "
-            f"simulate --schedule {kind.value}) or train with one of {runs}"
-        )
-
-
 def check_virtual(kind: ScheduleKind, virtual_stages: int, plan: object,
                   split_points: object, resume: object) -> None:
     """``virtual_stages`` fits the schedule, and what a Pipeline of several stages per
@@ -198,9 +184,7 @@ def check_virtual(kind: ScheduleKind, virtual_stages: int, plan: object,
 
 def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
                     max_grad_norm: float | None, stash: bool) -> None:
-    """The schedule's options must fit it and the plan's replicas, and the runtime must
-    run it (:func:`check_runnable`)."""
-    check_runnable(kind)
+    """The schedule's options must fit it and the plan's replicas."""
     if kind is ScheduleKind.DP and len(replicas) != 1:
         raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
                             f"{len(replicas)} stages; use plan='auto'")

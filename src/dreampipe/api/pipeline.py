@@ -75,6 +75,7 @@ from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.staleness import compensate_stage
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -133,7 +134,10 @@ class Pipeline:
     (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
     schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
     loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches skipped
-    are in :attr:`skipped`. The layers are trained in place.
+    are in :attr:`skipped`. ``compensate`` (pipedream and 2bw) lowers each
+    stage's momentum by its delay's implicit momentum
+    (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
+    settings is logged as a warning, with the fix. The layers are trained in place.
     """
 
     def __init__(
@@ -159,6 +163,7 @@ class Pipeline:
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
         split_points: Sequence[str] | None = None,
         virtual_stages: int = 1,
+        compensate: bool = True,
     ) -> None:
         self.kind = _choice(schedule, ScheduleKind, "schedule")
         self._virtual = virtual_stages
@@ -224,6 +229,12 @@ class Pipeline:
                 linear=LinearGradients.of(fused_accumulation) if t == 1
                 else LinearGradients.AUTOGRAD, recompute=st.recompute,
             ))
+        if not self.kind.synchronous:  # before the schedulers: they keep the rates they see
+            delays = self._build_schedule(_HORIZON)
+            for m in modules:
+                compensate_stage(m.optimizer, delays, m.stage, vertical_sync=vertical_sync,
+                                 enabled=compensate, advise=self.rank == 0 and m is modules[0],
+                                 uniform=bool(ties))
         self.module = modules[0]
         self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules
                             if lr_scheduler is not None and m.optimizer is not None}

@@ -113,6 +113,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--no-stash", action="store_true",
                    help="turn weight stashing off (naive async pipelining, to show why it "
                         "matters)")
+    g.add_argument("--no-compensation", action="store_true",
+                   help="pipedream and 2bw: keep the optimizer's momentum as given instead of "
+                        "lowering it by each stage's delay (staleness compensation, "
+                        "docs/convergence.md)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any rank waits for a peer before failing (default: 60)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
@@ -204,6 +208,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         data_dir=args.data_dir,
         vertical_sync=args.vertical_sync,
         stash=not args.no_stash,
+        compensate=not args.no_compensation,
         timeout_s=args.timeout,
         on_nonfinite=OnNonFinite(args.on_nonfinite),
         record_events=bool(args.trace or args.timeline),

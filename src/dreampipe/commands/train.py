@@ -208,7 +208,7 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
         model, example=data.batch(0, cfg.minibatch_size),
         loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
         plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
-        stash=cfg.stash, fused_accumulation=cfg.fused_accumulation,
+        stash=cfg.stash, compensate=cfg.compensate, fused_accumulation=cfg.fused_accumulation,
         record_events=cfg.record_events, seed=cfg.seed,
         resume=job.resume_from, timeout_s=cfg.timeout_s,
         on_nonfinite=cfg.on_nonfinite, virtual_stages=cfg.virtual_stages,

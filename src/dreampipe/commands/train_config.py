@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dreampipe.api.checks import check_runnable
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.data import DATASETS
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
+from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
@@ -45,8 +45,9 @@ class TrainOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``fused_accumulation=False`` makes ``nn.Linear`` weight gradients
-    with autograd's kernels (a GEMM, then an add) instead of
+    used. ``compensate`` lowers each asynchronous stage's momentum by its delay
+    (:mod:`~dreampipe.runtime.staleness`). ``fused_accumulation=False`` makes
+    ``nn.Linear`` weight gradients with autograd's kernels (a GEMM, then an add) instead of
     :mod:`~dreampipe.runtime.fused`'s one GEMM, in the same order.
     ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says what a
     NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
@@ -70,6 +71,7 @@ class TrainOptions:
     seed: int = 0
     stash: bool = True
     vertical_sync: bool = False
+    compensate: bool = True
     fused_accumulation: bool = True
     timeout_s: float = 60.0
     dataset: str = "synthetic"
@@ -160,7 +162,6 @@ def check_options(opts: TrainOptions) -> None:
             "stashing: drop stash=False or vertical_sync=True", "stash", "vertical_sync",
         )
     check_policy(opts.on_nonfinite, opts.schedule)
-    check_runnable(opts.schedule)
     v = opts.virtual_stages
     if v < 1 or (v > 1 and opts.schedule is not ScheduleKind.INTERLEAVED):
         raise ConfigError(f"--virtual-stages {v} with --schedule {opts.schedule.value}; use 1, "
@@ -215,6 +216,8 @@ def _check_schedule(cfg: TrainConfig) -> None:
             "one keeps ever more versions); drop vertical_sync=True or replicate stages equally",
             "vertical_sync",
         )
+    if cfg.schedule is ScheduleKind.TWO_BW:
+        check_two_versions(cfg.layout.build([st.replicas for st in cfg.plan.stages], 3))
     if cfg.schedule is ScheduleKind.DP and cfg.plan.num_stages != 1:
         raise ScheduleError(
             f"the dp schedule needs a one-stage plan (config like '{cfg.workers}'), "

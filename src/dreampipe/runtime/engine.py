@@ -80,6 +80,7 @@ from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage import StageInput, StageModule
 from dreampipe.runtime.tensor_split import full_state
+from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -154,6 +155,9 @@ class RankRunner:
         )
         self.pipedream = schedule.kind is ScheduleKind.PIPEDREAM
         self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
+        check_two_versions(schedule)
+        self.two_bw = (TwoVersions(schedule.units_per_update)
+                       if schedule.kind is ScheduleKind.TWO_BW else None)
         self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
@@ -248,6 +252,9 @@ class RankRunner:
             x, version = self._inputs.pop(u)
             if version is not None:
                 self.module.note_version(version)
+        if self.two_bw is not None:
+            version = self.two_bw.version(u, self.module.version)
+            self.module.note_version(version)
         if self.last:
             assert self.data is not None
             target = self.data.targets(u)
@@ -407,6 +414,8 @@ class RankRunner:
             lane.comm.schedule = schedule
         self._pos = self._stop = 0
         self.losses = {}
+        if self.two_bw is not None:
+            self.two_bw.restart()
         self._index_schedule()
 
     def final_state(self) -> dict[str, Tensor]:

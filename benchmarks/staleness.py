@@ -1,0 +1,209 @@
+"""Staleness compensation candidates, measured on a single-process model of delayed updates.
+
+Each stage of the convergence study's cuts (``examples/_workloads.py``'s
+straight plans) trains with its own optimizer; minibatch ``t`` runs, forward
+and backward, on each stage's weights after ``max(0, t - d_s)`` of its
+updates, and its gradient updates the newest ones: PipeDream's weight
+stashing with delays ``d_s = n - 1 - s`` (``pipedream``), or one on every
+stage (``2bw``), or none (``sync``, dp's updates). The candidates of issue 32:
+
+- ``none``: the user's settings as given;
+- ``momentum``: dreampipe's rule (:func:`dreampipe.runtime.staleness.compensated`):
+  momentum (``beta1`` for AdamW) reduced by the delay's implicit momentum
+  ``d / (d + 1)`` (Mitliagkas et al. 2016), AdamW's learning rate scaled to
+  keep the spread of its step;
+- ``momentum-only``: the same momentum, every learning rate as given;
+- ``damping``: ``1 - momentum`` multiplied by ``d + 1``;
+- ``zero``: no momentum on a delayed stage;
+- ``lr``: the learning rate divided by ``d + 1``;
+- ``dc-asgd``: the gradient corrected by ``lambda g*g*(w_now - w_stale)``
+  (Zheng et al. 2017, lambda 0.04);
+- ``warmup``: the first epoch's updates synchronous (no delay).
+
+The study's workloads, data, optimizers and epochs (digits: SGD lr 0.05
+momentum 0.9, 10 epochs; chars: AdamW 3e-3 with warm-up and clipping,
+4 epochs of 30 minibatches), seed by seed; prints one line per run and a
+JSON line of every figure::
+
+    python benchmarks/staleness.py --workload digits --seeds 0 1 2
+    python benchmarks/staleness.py --workload chars --workers 2 --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from dreampipe.runtime.staleness import Hyper, compensated
+
+__all__ = ["CANDIDATES", "main", "simulate"]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import _workloads as wl
+
+CANDIDATES = ("none", "momentum", "momentum-only", "damping", "zero", "lr", "dc-asgd",
+              "warmup")
+_DC_LAMBDA = 0.04
+
+
+def _cuts(layers: int, stages: int) -> list[int]:
+    return [*(round(i * layers / stages) for i in range(stages)), layers]
+
+
+def _delays(schedule: str, stages: int) -> list[int]:
+    if schedule == "pipedream":
+        return [stages - 1 - s for s in range(stages)]
+    return [1 if schedule == "2bw" else 0] * stages
+
+
+def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
+    for group in opt.param_groups:
+        adam = "betas" in group
+        hyper = Hyper(group["lr"], group["betas"][0] if adam else group["momentum"], adam)
+        if candidate == "momentum":
+            hyper = compensated(hyper, delay)
+        elif candidate == "momentum-only":
+            hyper = Hyper(hyper.lr, max(0.0, hyper.momentum - delay / (delay + 1)))
+        elif candidate == "damping":
+            hyper = Hyper(hyper.lr, max(0.0, 1 - (1 - hyper.momentum) * (delay + 1)))
+        elif candidate == "zero":
+            hyper = Hyper(hyper.lr, 0.0 if delay else hyper.momentum)
+        elif candidate == "lr":
+            hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum)
+        group["lr"] = hyper.lr
+        if adam:
+            group["betas"] = (hyper.momentum, group["betas"][1])
+        else:
+            group["momentum"] = hyper.momentum
+
+
+def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: int,
+             sgd: tuple[float, float] = (0.05, 0.9)) -> list[float]:
+    """The held-out figure (digits: accuracy; chars: loss) after each epoch, 0 first;
+    ``sgd``: the digits' learning rate and momentum."""
+    torch.manual_seed(seed)
+    task = _digits(seed, *sgd) if workload == "digits" else _chars(seed)
+    model: nn.Sequential = task["model"]
+    cuts = _cuts(len(model), workers)
+    stages = [model[cuts[s]:cuts[s + 1]] for s in range(workers)]
+    delays = _delays(schedule, workers)
+    opts = [task["optimizer"](list(m.parameters())) for m in stages]
+    for opt, d in zip(opts, delays, strict=True):
+        _settings(opt, candidate, d)
+    scheds = [task["lr_scheduler"](o) if task["lr_scheduler"] else None for o in opts]
+    history: list[list[dict[str, Tensor]]] = [[_snap(m)] for m in stages]
+    figures = [task["evaluate"](model)]
+    t = 0
+    for epoch in range(task["epochs"]):
+        for x, y in task["epoch"]():
+            model.train()
+            sync = candidate == "warmup" and epoch == 0
+            leaves = []
+            for s, m in enumerate(stages):
+                v = max(0, t - (0 if sync else delays[s]))
+                params = {k: w.clone().requires_grad_(True) for k, w in history[s][v].items()}
+                leaves.append(params)
+                x = functional_call(m, params, (x,))
+            loss = task["loss_fn"](x, y)
+            flat = [p for params in leaves for p in params.values()]
+            grads = list(torch.autograd.grad(loss, flat))
+            if task["clip"] is not None:
+                norm = torch.linalg.vector_norm(torch.stack(
+                    [torch.linalg.vector_norm(g) for g in grads]))
+                grads = [g * min(1.0, task["clip"] / (float(norm) + 1e-6)) for g in grads]
+            for s, m in enumerate(stages):
+                for p, used in zip(m.parameters(), leaves[s].values(), strict=True):
+                    g = grads.pop(0)
+                    if candidate == "dc-asgd":
+                        g = g + _DC_LAMBDA * g * g * (p.detach() - used.detach())
+                    p.grad = g
+                opts[s].step()
+                if scheds[s] is not None:
+                    scheds[s].step()
+                history[s].append(_snap(m))
+            t += 1
+        figures.append(task["evaluate"](model))
+    return figures
+
+
+def _snap(m: nn.Module) -> dict[str, Tensor]:
+    return {k: p.detach().clone() for k, p in m.named_parameters()}
+
+
+def _digits(seed: int, lr: float, momentum: float) -> dict[str, Any]:
+    train, test = wl.digits()
+    loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, drop_last=True,
+                                         generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    held = list(torch.utils.data.DataLoader(test, batch_size=120))
+
+    def evaluate(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            right = sum(int((model(x).argmax(1) == y).sum()) for x, y in held)
+        return right / sum(len(y) for _, y in held)
+
+    return {"model": wl.cnn(), "loss_fn": F.cross_entropy, "clip": None, "epochs": 10,
+            "optimizer": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+            "lr_scheduler": None, "epoch": lambda: iter(loader), "evaluate": evaluate}
+
+
+def _chars(seed: int) -> dict[str, Any]:
+    corpus = wl.char_corpus(3_000_000)
+    stream = wl.windows(corpus.train, 32, 64, seed=1000 + seed)
+    held_stream = wl.windows(corpus.held_out, 32, 64, seed=2)
+    held = [next(held_stream) for _ in range(16)]
+    next(stream)  # the study's Pipeline takes one window batch as its example
+
+    def evaluate(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            return sum(float(wl.token_loss(model(x), y)) for x, y in held) / len(held)
+
+    def epoch() -> Iterator[tuple[Tensor, Tensor]]:
+        return itertools.islice(stream, 30)
+
+    torch.manual_seed(seed)
+    def schedule(o: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 20))
+
+    return {"model": wl.gpt(corpus.vocab, context=64), "loss_fn": wl.token_loss, "clip": 1.0,
+            "epochs": 4, "optimizer": lambda p: torch.optim.AdamW(p, lr=3e-3),
+            "lr_scheduler": schedule, "epoch": epoch, "evaluate": evaluate}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("digits", "chars"), default="digits")
+    parser.add_argument("--workers", type=int, nargs="+", default=[4])
+    parser.add_argument("--schedules", nargs="+", default=["sync", "pipedream", "2bw"])
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--sgd", type=float, nargs=2, default=[0.05, 0.9],
+                        metavar=("LR", "MOMENTUM"), help="the digits' SGD settings")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    for workers, schedule, seed in itertools.product(args.workers, args.schedules, args.seeds):
+        for candidate in (["none"] if schedule == "sync" else args.candidates):
+            figures = simulate(args.workload, schedule, workers, candidate, seed,
+                               tuple(args.sgd))
+            print(f"{args.workload} {workers} {schedule:9} {candidate:8} seed {seed} "
+                  f"sgd {args.sgd[0]:g}/{args.sgd[1]:g}: "
+                  + " ".join(f"{f:.3f}" for f in figures[1:]), flush=True)
+            print(json.dumps({"workload": args.workload, "workers": workers, "sgd": args.sgd,
+                              "schedule": schedule, "candidate": candidate, "seed": seed,
+                              "figures": figures}), file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Staleness compensation: the optimizer settings an asynchronous stage trains with.
+
+In pipedream and 2bw a stage's update applies a gradient taken ``d``
+updates ago (its *delay*: ``K_s - 1`` for a pipedream stage that admits
+``K_s`` minibatches before its first backward, 1 for every 2bw stage).
+A delay acts like momentum of its own ("asynchrony begets momentum",
+Mitliagkas et al. 2016): stale gradients keep pushing the way the weights
+were going ``d`` updates ago, about as momentum ``d / (d + 1)`` does. On
+top of the user's momentum that overshoots, and with the large steps of
+short runs it diverges (docs/convergence.md).
+
+:func:`compensated` is dreampipe's rule, chosen by a single-process
+simulation of the delayed updates (``benchmarks/staleness.py``,
+docs/convergence.md "Staleness compensation"): the optimizer's momentum
+(SGD's ``momentum``, Adam's and AdamW's ``beta1``) is reduced by the
+delay's implicit momentum, ``mu' = max(0, mu - d / (d + 1))``. SGD keeps
+its learning rate (its effective step ``lr / (1 - mu)`` shrinks with the
+momentum). Adam normalises its step, so a smaller ``beta1`` alone makes
+each step noisier, not smaller: its learning rate is scaled by the ratio of
+the spreads of the two averages of white noise,
+``sqrt((1 - b) / (1 + b))`` at ``b = beta1`` over the same at ``b = beta1'``
+(0.35 for 0.9 and a delay of 1). A stage of delay 0 keeps its settings.
+
+:func:`compensate` applies it to a built optimizer's parameter groups (before
+a learning-rate scheduler reads them). :func:`stage_delays` reads each
+stage's delay from the schedule, :func:`delay_advice` says when a delay is
+large for the settings, and the fix; :func:`compensate_stage` does all three
+for one stage of a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
+
+__all__ = ["Hyper", "compensate", "compensate_stage", "compensated", "delay_advice", "hyper_of",
+           "implicit_momentum", "stage_delays"]
+
+_log = logging.getLogger(__name__)
+
+#: The most ``lr / (1 - momentum) * delay`` an SGD stage takes without a warning:
+#: the digits' 4-stage pipedream trains at lr 0.2 (0.6) and diverges at 0.4 (1.2).
+_STEP_DELAY_LIMIT = 1.0
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The settings compensation reads and writes: the learning rate and the momentum
+    (SGD's ``momentum``, or Adam's ``beta1``: ``adaptive``)."""
+
+    lr: float
+    momentum: float
+    adaptive: bool = False
+
+
+def implicit_momentum(delay: int) -> float:
+    """The momentum a delay of ``delay`` updates acts like: ``d / (d + 1)``."""
+    return delay / (delay + 1)
+
+
+def _noise(beta: float) -> float:
+    """The spread of an exponential average, decay ``beta``, of unit white noise."""
+    return math.sqrt((1.0 - beta) / (1.0 + beta))
+
+
+def compensated(hyper: Hyper, delay: int) -> Hyper:
+    """``hyper`` for a stage whose gradients are ``delay`` updates stale (module doc)."""
+    if delay < 0:
+        raise ValueError(f"delay={delay}; a delay counts updates, 0 or more")
+    momentum = max(0.0, hyper.momentum - implicit_momentum(delay))
+    lr = hyper.lr * _noise(hyper.momentum) / _noise(momentum) if hyper.adaptive else hyper.lr
+    return replace(hyper, lr=lr, momentum=momentum)
+
+
+def hyper_of(group: dict[str, object]) -> Hyper | None:
+    """A parameter group's :class:`Hyper`, None for an optimizer with neither
+    ``momentum`` nor ``betas`` (compensation leaves it as it is)."""
+    lr = group.get("lr")
+    if not isinstance(lr, (int, float)):
+        return None
+    momentum = group.get("momentum")
+    betas = group.get("betas")
+    if isinstance(momentum, (int, float)):
+        return Hyper(float(lr), float(momentum))
+    if isinstance(betas, tuple) and betas and isinstance(betas[0], (int, float)):
+        return Hyper(float(lr), float(betas[0]), adaptive=True)
+    return None
+
+
+def compensate(optimizer: torch.optim.Optimizer, delay: int) -> list[tuple[Hyper, Hyper]]:
+    """Apply :func:`compensated` to every parameter group of ``optimizer``; the
+    ``(before, after)`` settings of each group it changed."""
+    changed = []
+    for group in optimizer.param_groups:
+        before = hyper_of(group)
+        if before is None or delay == 0:
+            continue
+        after = compensated(before, delay)
+        group["lr"] = after.lr
+        if "momentum" in group:
+            group["momentum"] = after.momentum
+        else:
+            group["betas"] = (after.momentum, *group["betas"][1:])
+        changed.append((before, after))
+    return changed
+
+
+def stage_delays(schedule: Schedule, vertical_sync: bool = False) -> tuple[int, ...]:
+    """Each stage's delay: the most updates its stage makes between a unit's forward and
+    the update that applies that unit's gradient (0 in every synchronous schedule).
+
+    With vertical sync every stage runs the input stage's version, so each has the
+    input stage's delay. Every 2bw stage has a delay of 1 (:mod:`.two_bw`).
+    """
+    if schedule.kind is ScheduleKind.TWO_BW:
+        return (1,) * schedule.num_stages
+    delays = [0] * schedule.num_stages
+    for acts in schedule.actions:
+        steps: dict[int, int] = {}
+        for a in acts:
+            if a.kind is ActionKind.STEP:
+                steps[a.stage] = steps.get(a.stage, 0) + 1
+            elif a.kind is ActionKind.FORWARD:
+                applied = a.unit // schedule.round_units(a.stage)
+                delays[a.stage] = max(delays[a.stage], applied - steps.get(a.stage, 0))
+    if vertical_sync:
+        return (delays[0],) * len(delays)
+    return tuple(delays)
+
+
+def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
+    """What to change when a delay of ``delay`` updates is large for ``hyper``; None if not.
+
+    Two limits, from the delayed-update simulation (docs/convergence.md):
+    the momentum left plus the delay's implicit momentum must stay below 1,
+    and an SGD stage's effective step ``lr / (1 - momentum)`` times the
+    delay at most :data:`_STEP_DELAY_LIMIT` (Adam's step does not scale so).
+    """
+    used = compensated(hyper, delay) if compensating else hyper
+    name = "beta1" if hyper.adaptive else "momentum"
+    stale = f"gradients {delay} update{'s' if delay != 1 else ''} stale"
+    if delay > 0 and used.momentum + implicit_momentum(delay) >= 1.0:
+        most = 1.0 - implicit_momentum(delay)
+        return (f"{name} {used.momentum:g} with {stale}: the delay adds about "
+                f"{implicit_momentum(delay):.2g} momentum of its own and training may "
+                f"diverge; keep staleness compensation on (the default: Pipeline's "
+                f"compensate=True, train without --no-compensation), or lower {name} below "
+                f"{most:.2g}")
+    step = used.lr / (1.0 - used.momentum)
+    if hyper.adaptive or step * delay <= _STEP_DELAY_LIMIT:
+        return None
+    most = used.lr * _STEP_DELAY_LIMIT / (step * delay)
+    return (f"lr {used.lr:g} with momentum {used.momentum:g} takes an effective step of "
+            f"{step:.3g} on {stale}, more than this delay tolerates; lower the learning "
+            f"rate to at most {most:.3g}")
+
+
+def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule, stage: int, *,
+                     vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
+                     ) -> None:
+    """Compensate ``stage``'s optimizer for its delay in ``schedule`` (if ``enabled``) and,
+    if ``advise``, log :func:`delay_advice` for the deepest delay of any stage as a
+    warning, with this optimizer's settings as the user gave them. ``uniform``: every
+    stage takes the deepest delay's settings (weights tied across stages must take the
+    same updates on each copy)."""
+    if optimizer is None or schedule.kind.synchronous:
+        return
+    delays = stage_delays(schedule, vertical_sync)
+    given = hyper_of(optimizer.param_groups[0])
+    delay = max(delays) if uniform else delays[stage]
+    if enabled:
+        for before, after in compensate(optimizer, delay):
+            _log.info("stage %d, %d updates stale: momentum %g -> %g (staleness compensation)",
+                      stage, delay, before.momentum, after.momentum)
+    advice = None if given is None else delay_advice(given, max(delays), enabled)
+    if advise and advice is not None:
+        other = "" if schedule.kind is ScheduleKind.TWO_BW else "schedule='2bw' (a delay of 1) or "
+        _log.warning("%s: %s, or train with %sa synchronous schedule (1f1b-flush)",
+                     schedule.kind.value, advice, other)

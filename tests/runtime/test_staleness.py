@@ -1,0 +1,143 @@
+"""Staleness compensation: each stage's delay, the compensated settings, and the warning."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from dreampipe.runtime.staleness import (
+    Hyper,
+    compensate,
+    compensate_stage,
+    compensated,
+    delay_advice,
+    hyper_of,
+    stage_delays,
+)
+from dreampipe.scheduling.actions import ScheduleKind as S
+from dreampipe.scheduling.build import build_schedule
+
+__all__: list[str] = []
+
+
+@pytest.mark.parametrize(("momentum", "delay", "left"),
+                         [(0.9, 0, 0.9), (0.9, 1, 0.4), (0.9, 3, 0.15), (0.5, 3, 0.0)])
+def test_momentum_loses_the_delays_implicit_momentum_and_the_lr_stays(
+    momentum: float, delay: int, left: float
+) -> None:
+    got = compensated(Hyper(0.05, momentum), delay)
+    assert got.lr == 0.05
+    assert got.momentum == pytest.approx(left)
+
+
+def test_adam_keeps_the_spread_of_its_step_by_scaling_the_lr() -> None:
+    got = compensated(Hyper(0.01, 0.9, adaptive=True), 1)
+    assert got.momentum == pytest.approx(0.4)
+    assert got.lr == pytest.approx(0.01 * (0.1 / 1.9) ** 0.5 / (0.6 / 1.4) ** 0.5)
+    assert compensated(Hyper(0.01, 0.9, adaptive=True), 0) == Hyper(0.01, 0.9, adaptive=True)
+
+
+def test_a_negative_delay_is_refused() -> None:
+    with pytest.raises(ValueError, match="delay=-1"):
+        compensated(Hyper(0.1, 0.9), -1)
+
+
+def _params() -> list[nn.Parameter]:
+    return list(nn.Linear(2, 2).parameters())
+
+
+def test_sgd_and_adamw_groups_are_compensated_in_place() -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+    assert compensate(sgd, 1) == [(Hyper(0.05, 0.9), Hyper(0.05, pytest.approx(0.4)))]
+    assert sgd.param_groups[0]["momentum"] == pytest.approx(0.4)
+    adamw = torch.optim.AdamW(_params(), lr=3e-3, betas=(0.9, 0.98))
+    compensate(adamw, 3)
+    assert adamw.param_groups[0]["betas"] == (pytest.approx(0.15), 0.98)
+    # Adam's lr scaled by the spread of an average of noise: sqrt(0.1/1.9) / sqrt(0.85/1.15)
+    assert adamw.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.22942 / 0.85973, rel=1e-4)
+
+
+def test_no_delay_or_no_momentum_setting_changes_nothing() -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+    assert compensate(sgd, 0) == []
+    assert sgd.param_groups[0]["momentum"] == 0.9
+    adagrad = torch.optim.Adagrad(_params(), lr=0.1)
+    assert hyper_of(adagrad.param_groups[0]) is None
+    assert compensate(adagrad, 3) == []
+
+
+def test_delays_follow_the_schedule() -> None:
+    assert stage_delays(build_schedule([1] * 4, S.PIPEDREAM, 16)) == (3, 2, 1, 0)
+    assert stage_delays(build_schedule([1] * 4, S.PIPEDREAM, 16), vertical_sync=True) == (3,) * 4
+    assert stage_delays(build_schedule([1] * 4, S.TWO_BW, 12, 3)) == (1,) * 4
+    assert stage_delays(build_schedule([1] * 4, S.FLUSH, 12, 3)) == (0,) * 4
+    # a replicated stage counts its own updates (one per round of its 2 replicas)
+    assert stage_delays(build_schedule([2, 1], S.PIPEDREAM, 16)) == (2, 0)
+
+
+def test_advice_names_the_fix_for_the_studys_settings() -> None:
+    digits = Hyper(0.05, 0.9)
+    said = delay_advice(digits, 3, compensating=False)
+    assert said is not None and "momentum 0.9 with gradients 3 updates stale" in said
+    assert "compensate=True" in said
+    assert delay_advice(digits, 3, compensating=True) is None
+    assert delay_advice(digits, 0, compensating=False) is None
+
+
+def test_advice_on_a_large_sgd_step_names_the_learning_rate() -> None:
+    said = delay_advice(Hyper(0.4, 0.0), 3, compensating=True)
+    assert said is not None and "lower the learning rate to at most 0.333" in said
+    assert delay_advice(Hyper(0.2, 0.0), 3, compensating=True) is None
+
+
+def test_adams_step_is_not_judged_by_its_size_but_beta1_is() -> None:
+    assert delay_advice(Hyper(1.0, 0.2, adaptive=True), 3, compensating=False) is None
+    said = delay_advice(Hyper(3e-3, 0.9, adaptive=True), 1, compensating=False)
+    assert said is not None and "beta1 0.9" in said
+
+
+def test_a_stage_is_compensated_and_the_deepest_delay_is_warned_about(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sched = build_schedule([1] * 4, S.PIPEDREAM, 16)
+    with caplog.at_level(logging.WARNING, logger="dreampipe.runtime.staleness"):
+        kept = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+        compensate_stage(kept, sched, 3, vertical_sync=False, enabled=False, advise=True)
+    assert kept.param_groups[0]["momentum"] == 0.9
+    assert "pipedream: momentum 0.9 with gradients 3 updates stale" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dreampipe.runtime.staleness"):
+        fixed = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+        compensate_stage(fixed, sched, 2, vertical_sync=False, enabled=True, advise=True)
+    assert fixed.param_groups[0]["momentum"] == pytest.approx(0.4)
+    assert caplog.text == ""
+
+
+def test_synchronous_schedules_are_left_alone() -> None:
+    sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+    compensate_stage(sgd, build_schedule([1] * 4, S.FLUSH, 8, 4), 0, vertical_sync=False,
+                     enabled=True, advise=True)
+    assert sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_uniform_compensation_gives_every_stage_the_deepest_delays_settings() -> None:
+    """Weights tied across stages: each copy must take the same updates."""
+    last = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+    compensate_stage(last, build_schedule([1] * 4, S.PIPEDREAM, 16), 3, vertical_sync=False,
+                     enabled=True, advise=False, uniform=True)
+    assert last.param_groups[0]["momentum"] == pytest.approx(0.15)
+
+
+def test_the_warning_offers_2bw_only_to_pipedream(caplog: pytest.LogCaptureFixture) -> None:
+    for kind, sched in ((S.PIPEDREAM, build_schedule([1] * 2, S.PIPEDREAM, 8)),
+                        (S.TWO_BW, build_schedule([1] * 2, S.TWO_BW, 8, 2))):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="dreampipe.runtime.staleness"):
+            sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
+            compensate_stage(sgd, sched, 0, vertical_sync=False, enabled=False, advise=True)
+        assert "gradients 1 update stale" in caplog.text
+        assert ("schedule='2bw'" in caplog.text) is (kind is S.PIPEDREAM)
+        assert caplog.text.rstrip().endswith("a synchronous schedule (1f1b-flush)")

@@ -1,0 +1,39 @@
+"""PipeDream-2BW's versions: which weights each minibatch runs on, and the schedules
+two versions can hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from dreampipe.errors import ScheduleError
+from dreampipe.runtime.two_bw import TwoVersions, check_two_versions, fewest_microbatches
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+
+__all__: list[str] = []
+
+
+def test_minibatch_k_runs_on_the_version_of_update_k_minus_one_from_the_segment_start() -> None:
+    two = TwoVersions(units_per_update=3)
+    # the first forward of a segment fixes its base: the stage had made 5 updates
+    assert [two.version(u, 5) for u in range(12)] == [5] * 6 + [6] * 3 + [7] * 3
+    two.restart()
+    assert two.version(0, 9) == 9
+    assert two.version(7, 10) == 10
+
+
+@pytest.mark.parametrize(("replicas", "fewest"),
+                         [((1, 1), 1), ((1, 1, 1, 1), 3), ((2, 1), 2), ((1,) * 8, 7)])
+def test_fewest_microbatches_is_the_first_whose_schedule_two_versions_hold(
+    replicas: tuple[int, ...], fewest: int
+) -> None:
+    assert fewest_microbatches(replicas) == fewest
+    check_two_versions(build_schedule(replicas, ScheduleKind.TWO_BW, 4 * fewest, fewest))
+    below = fewest - max(replicas)
+    if below >= 1:
+        with pytest.raises(ScheduleError, match=rf"use at least {fewest} microbatches"):
+            check_two_versions(build_schedule(replicas, ScheduleKind.TWO_BW, 4 * below, below))
+
+
+def test_other_schedules_are_not_checked() -> None:
+    check_two_versions(build_schedule((1, 1, 1, 1), ScheduleKind.PIPEDREAM, 8))
