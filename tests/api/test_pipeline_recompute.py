@@ -57,7 +57,8 @@ def test_recomputing_gpt2_under_pipedream_follows_the_delayed_updates() -> None:
     losses, state = reference_pipedream(
         CaseSpec(CASES["gpt2"], SEED, unit=8), CaseData(CASES["gpt2"]),  # type: ignore[arg-type]
         bounds=got["bounds"], replicas=[1, 1], steps=4, minibatch=8, seed=SEED,
-        opt=sgd(0.1, 0.9), ties=[[(0, a), (1, b)] for a, b in TIED_KEYS["gpt2"]])
+        opt=sgd(0.1, 0.9), compensate=True,
+        ties=[[(0, a), (1, b)] for a, b in TIED_KEYS["gpt2"]])
     assert got["recomputes"]
     assert_matches(got, losses, state)
     torch.testing.assert_close(got["state"]["lm_head.weight"],
