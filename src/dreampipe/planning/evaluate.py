@@ -17,6 +17,7 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.config import config_string
 from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time
 from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.operator_search import Link
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
     pipedream_stage_time,
@@ -25,7 +26,8 @@ from dreampipe.planning.pipedream_costs import (
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.search import cost_models, fastest, search_for
-from dreampipe.planning.split_ranges import StageSplit, fits_servers, split_options
+from dreampipe.planning.split_ranges import StageSplit, fits_servers, split_costs, split_options
+from dreampipe.planning.splits import Split
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -64,7 +66,7 @@ def evaluate_plan(
     cost_model: CostModel = CostModel.DREAMPIPE, *,
     workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
     memory_bytes: int | None = None, recompute: Sequence[bool] = (),
-    tensor_parallel: Sequence[int] = (),
+    tensor_parallel: Sequence[int] = (), splits: Sequence[Sequence[Split]] = (),
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
@@ -75,8 +77,9 @@ def evaluate_plan(
     minibatches in flight as the planner does (:func:`price_stages`); ``recompute[s]``
     makes stage s recompute its activations (empty: none); ``tensor_parallel[s] = t > 1``
     runs each replica of stage s split over ``t`` workers of one server, as the fastest
-    split of that width (:func:`~dreampipe.planning.split_ranges.split_options`;
-    ``workers[s]`` then lists each replica's first worker; empty: no split).
+    split of that width (:func:`~dreampipe.planning.split_ranges.split_options`), or
+    as ``splits[s]`` says of each of its layers (a plan's ``Stage.splits``);
+    ``workers[s]`` then lists each replica's first worker (empty: no split).
     Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
     ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
     """
@@ -118,9 +121,15 @@ def evaluate_plan(
     if recompute and len(recompute) != len(replicas):
         raise PlanError(f"recompute {list(recompute)}: need one flag per stage of bounds "
                         f"{list(bounds)}")
-    splits = _stage_splits(graph, topology, widths, placed)
     spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
-    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute, splits)
+    if splits and len(splits) != len(replicas):
+        raise PlanError(f"splits: need one entry per stage of bounds {list(bounds)} (empty "
+                        "for an unsplit stage)")
+    how = _stage_splits(graph, topology, widths, placed)
+    if splits:
+        how = [_given(graph, topology, x, spans[s], split) if x is not None and split else x
+               for s, (x, split) in enumerate(zip(how, splits, strict=True))]
+    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute, how)
     time = slowest(stages)
     if cost_model is CostModel.PIPEDREAM:
         time = _pipedream_time(graph, topology, stages)
@@ -153,6 +162,19 @@ def _stage_splits(graph: LayerGraph, topology: Topology, widths: Sequence[int],
                 f"{topology.levels[0].count}; pick t in 2, 4... up to a server's workers")
         out.append(options[t])
     return out
+
+
+def _given(graph: LayerGraph, topology: Topology, split: StageSplit, span: tuple[int, int],
+           layers: Sequence[Split]) -> StageSplit:
+    """``split``'s width with ``layers`` as the splits of the stage's layers ``span``."""
+    first, last = span
+    if len(layers) != last - first + 1:
+        raise PlanError(f"splits {[x.value for x in layers]} for layers {first}..{last}: need "
+                        "one per layer")
+    chosen = (*split.splits[:first], *layers, *split.splits[last + 1:])
+    inner = topology.levels[0]
+    costs = split_costs(graph, split.t, Link(inner.bandwidth, inner.latency), chosen)
+    return StageSplit(split.t, chosen, costs)
 
 
 def _pipedream_time(graph: LayerGraph, topology: Topology, stages: Sequence[Stage]) -> float:

@@ -185,7 +185,8 @@ def costs_from_profile(
         if st.tensor_parallel > 1:
             shares = layer_shares(span, st.splits, st.tensor_parallel)
             fwd.append(st.forward_s * unit_fraction)
-            bwd.append((st.compute_s - st.forward_s) * unit_fraction)
+            again_s = st.forward_s if st.recompute else 0.0  # added below, as for any stage
+            bwd.append((st.compute_s - st.forward_s - again_s) * unit_fraction)
             backward = [x.backward_ms / 1e3 * unit_fraction * c.compute_ms / x.compute_ms
                         if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
             weights = [c.weight_bytes for c in shares]
