@@ -152,6 +152,15 @@ def test_the_cli_prints_the_split_and_what_does_not_fit(
     assert data["stages"][0]["tensor_parallel"] == 4
     assert data["stages"][0]["splits"] == ["out", "out", "in", "out", "in"]
     assert data["memory_needs_bytes"]["dp"] > 700 * _MB
-    plain = _cli(capsys, tmp_path)
+    plain = _cli(capsys, tmp_path, "--no-mixed-splits")
     assert "does not fit" not in plain and "split over" not in plain
-    assert "memory_needs_bytes" not in json.loads(_cli(capsys, tmp_path, "--json"))
+    assert "memory_needs_bytes" not in json.loads(
+        _cli(capsys, tmp_path, "--json", "--no-mixed-splits"))
+    # a split as a per-stage choice (the default of 'dreampipe plan'): without a memory
+    # limit the split is chosen because it is faster than data parallelism's 1 GB
+    # all-reduce, and the report says what the stage would hold and take unsplit
+    chosen = _cli(capsys, tmp_path)
+    assert "config 1t4 on 4 of 4 workers" in chosen
+    assert "does not fit" not in chosen
+    assert ("unsplit, each of its 4 workers would hold 1.1 GB and its compute alone would "
+            "take") in chosen

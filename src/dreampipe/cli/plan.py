@@ -114,6 +114,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="never recompute: by default, under --memory, a stage that fits only "
                         "if its backward recomputes its activations (one more forward) may "
                         "do so, marked 'r' in the config (e.g. 3r-1)")
+    p.add_argument("--no-mixed-splits", dest="mixed_splits", action="store_false",
+                   help="split a model over the workers of a server only as a whole, when no "
+                        "layer plan fits --memory (what 'dreampipe train' runs); by default any "
+                        "stage may run as replicas each split over 2, 4... workers of one "
+                        "server (e.g. 2t4-3-1r) where faster or the only way to fit, a plan "
+                        "the runtime does not run yet when it mixes widths or replicates a "
+                        "split stage")
     p.add_argument("--cost-model", choices=[c.value for c in CostModel],
                    default=CostModel.DREAMPIPE.value,
                    help="dreampipe (default): one all-reduce per round (--sync) overlapped "
@@ -150,6 +157,7 @@ def _run(args: argparse.Namespace) -> int:
         straight=args.straight, allow_fewer_workers=not args.all_workers,
         max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
         sync=sync_from(args), exact=args.exact, recompute=args.recompute,
+        mixed_splits=args.mixed_splits,
     )
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
@@ -336,9 +344,10 @@ def format_plan(
 
 
 def _split_needs(result: Plan, graph: LayerGraph, topo: Topology) -> dict[str, int] | None:
-    """What data parallelism and the smallest layer pipeline need per worker, for a
-    tensor-split plan (the planner splits only when neither fits); None otherwise."""
-    return memory_needs(graph, topo) if result.tensor_parallel > 1 else None
+    """What data parallelism and the smallest layer pipeline need per worker, for a plan
+    split over workers as a whole because neither fits; None otherwise."""
+    whole = result.num_stages == 1 and result.stages[0].tensor_parallel > 1
+    return memory_needs(graph, topo) if whole and "dp" not in result.baselines_s else None
 
 
 def _format_splits(index: int, stage: Stage) -> str:

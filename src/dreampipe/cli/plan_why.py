@@ -51,9 +51,23 @@ def _memory(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
         text += (f"; recomputes: keeping its activations for {versions} minibatch"
                  f"{'es' if versions > 1 else ''} in flight would need {format_bytes(kept)}")
     if stage.tensor_parallel > 1:
-        text += (f"; split over {stage.tensor_parallel} workers of one server: no layer plan "
-                 "fits, and the split's collectives are in its compute")
+        text += f"; {_split(stage, costs, memory_bytes)}"
     return text
+
+
+def _split(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
+    """Why the stage is split: what its layers would hold and take unsplit on its workers."""
+    t, r = stage.tensor_parallel, stage.replicas
+    workers = r * t
+    versions = -(-(stage.in_flight or 1) * r // workers)
+    whole = costs.memory(stage.first, stage.last, versions)
+    alone = float(costs.compute_s[stage.first, stage.last]) / workers
+    text = (f"split over {t} workers of one server (the split's collectives are in its "
+            f"compute): unsplit, each of its {workers} workers would hold {format_bytes(whole)}")
+    if memory_bytes is not None and whole > memory_bytes:
+        return text + ", above the limit"
+    return (text + f" and its compute alone would take {alone * 1e3:.2f} ms per minibatch, "
+            "the all-reduce of whole weights on top")
 
 
 def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None) -> list[str]:

@@ -16,14 +16,17 @@ from dreampipe.errors import ConfigError, PlanError
 __all__ = ["config_string", "parse_stage_bounds", "stages_from_config"]
 
 
-def config_string(replicas: Sequence[int], tensor_parallel: int = 1,
+def config_string(replicas: Sequence[int], tensor_parallel: int | Sequence[int] = 1,
                   recompute: Sequence[bool] = ()) -> str:
-    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4;
-    ``"3r"``: the stage recomputes)."""
+    """The paper's config string for per-stage replica counts (``"1t4"``: split over 4,
+    ``tensor_parallel`` one width for all stages or one per stage; ``"3r"``: the stage
+    recomputes)."""
     marks = ["r" if rc else "" for rc in recompute] or [""] * len(replicas)
-    if tensor_parallel > 1:
-        return "-".join(f"{r}t{tensor_parallel}{m}"
-                        for r, m in zip(replicas, marks, strict=True))
+    widths = ([tensor_parallel] * len(replicas) if isinstance(tensor_parallel, int)
+              else list(tensor_parallel))
+    if any(t > 1 for t in widths):
+        return "-".join(f"{r}t{t}{m}" if t > 1 else f"{r}{m}"
+                        for r, t, m in zip(replicas, widths, marks, strict=True))
     if len(replicas) > 1 and all(r == 1 for r in replicas) and not any(recompute):
         return "straight"
     return "-".join(f"{r}{m}" for r, m in zip(replicas, marks, strict=True))

@@ -68,6 +68,7 @@ from dreampipe.planning.level import (
     solve_level,
 )
 from dreampipe.planning.pipedream_costs import pipedream_allreduce_time, pipedream_stage_times
+from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync import allreduce_seconds, allreduce_terms
 from dreampipe.planning.topology import Topology
 
@@ -195,7 +196,8 @@ class FlatStage:
 
     ``allreduce_s`` is one all-reduce of the stage's weights among its
     replicas per round; ``comm_s`` the cut after it, per minibatch;
-    ``recompute``: the stage recomputes its activations in the backward.
+    ``recompute``: the stage recomputes its activations in the backward;
+    ``split``: each replica runs on ``split.t`` consecutive ``workers`` (None: one).
     """
 
     first: int
@@ -204,10 +206,11 @@ class FlatStage:
     allreduce_s: float
     comm_s: float = 0.0
     recompute: bool = False
+    split: StageSplit | None = None
 
     @property
     def replicas(self) -> int:
-        return len(self.workers)
+        return len(self.workers) // (1 if self.split is None else self.split.t)
 
 
 def _flatten(

@@ -30,6 +30,11 @@ AlexNet 13-1-1 on cluster B at 91% and 100%. The price is memory: a stage
 holds more weight versions and stashed activations (its memory
 prediction counts them), and a plan made under a memory limit keeps the
 deepest buffer that fits (:data:`JOIN_BUFFERS`).
+
+A stage split over ``t`` workers is one schedule rank per replica but runs
+on ``t`` workers; the planner's search counts every worker after a stage
+(``W_s = r_s + sum of r_i t_i over later stages``), a bound that equals the
+rule above when no split stage follows and holds at least as many otherwise.
 """
 
 from __future__ import annotations
@@ -51,12 +56,16 @@ def versions_in_flight(workers_to_end: int, replicas: int) -> int:
     return -(-workers_to_end // replicas)
 
 
-def in_flight_counts(replicas: Sequence[int], join: int = JOIN_BUFFERS[0]) -> tuple[int, ...]:
-    """Minibatches per replica of each stage in flight (module doc), ``join`` as given."""
+def in_flight_counts(replicas: Sequence[int], join: int = JOIN_BUFFERS[0],
+                     widths: Sequence[int] = ()) -> tuple[int, ...]:
+    """Minibatches per replica of each stage in flight (module doc), ``join`` as given;
+    ``widths[s]`` the workers of each replica of stage ``s`` (empty: 1 each)."""
     if join < 0:
         raise PlanError(f"join={join}; use 0 (PipeDream's rule) or more")
+    t = list(widths) or [1] * len(replicas)
     out = []
     for s, r in enumerate(replicas):
         extra = sum(m - 1 for m in replicas[s:]) if s < len(replicas) - 1 else 0
-        out.append(versions_in_flight(sum(replicas[s:]) + join * extra, r))
+        after = sum(m * w for m, w in zip(replicas[s + 1:], t[s + 1:], strict=True))
+        out.append(versions_in_flight(r + after + join * extra, r))
     return tuple(out)

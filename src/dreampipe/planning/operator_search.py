@@ -37,7 +37,8 @@ from dreampipe.planning.splits import (
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits", "split_memory"]
+__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "leanest_split", "search_splits",
+           "split_memory"]
 
 _TAIL_LAYOUTS = {Layout.REPLICATED: Split.REPLICA, Layout.BATCH: Split.BATCH,
                  Layout.FEATURE: Split.OUT}
@@ -130,6 +131,13 @@ def search_splits(graph: LayerGraph, workers: int, link: Link,
     return SplitPlan(workers, best.splits, best.layouts, best.time, best.comm, best.memory)
 
 
+def leanest_split(graph: LayerGraph, workers: int, link: Link) -> SplitPlan:
+    """The split of ``graph`` over ``workers`` that holds the least per worker (ties: the
+    faster), the other end of the search's (time, memory) front from :func:`search_splits`."""
+    best = min(_finals(graph, workers, link, math.inf), key=lambda p: (p.memory, p.time))
+    return SplitPlan(workers, best.splits, best.layouts, best.time, best.comm, best.memory)
+
+
 def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:
     """Every (time, memory)-optimal way to run the whole chain within ``limit``."""
     layers = graph.layers
@@ -184,13 +192,14 @@ def _group_options(
 def split_memory(
     graph: LayerGraph, first: int, last: int, splits: tuple[Split, ...], t: int,
     versions: int, in_flight: int, *, optimizer_copies: int = 0, stash: bool = True,
+    recompute: bool = False,
 ) -> int:
     """Bytes per worker of a stage of layers ``first..last`` split over ``t`` workers.
 
     :func:`~dreampipe.planning.costs.memory_bytes` with each layer's weights
     and kept tensors at its split's share; the stage's input, its sends and
     the backward's working space are whole (a split stage reads and returns
-    replicated tensors).
+    replicated tensors); ``recompute`` keeps one unit's kept tensors only.
     """
     costs = RangeCosts.of(graph)
     weights = kept = 0.0
@@ -203,7 +212,7 @@ def split_memory(
     return round(float(memory_bytes(
         weights, kept, versions, in_flight, input_bytes=costs.inputs[first, last],
         sent_bytes=costs.sent[first, last], working_bytes=costs.backward_working[first, last],
-        optimizer_copies=optimizer_copies, stash=stash,
+        optimizer_copies=optimizer_copies, stash=stash, recompute=recompute,
     )))
 
 

@@ -15,11 +15,16 @@ on one), ``"straight"`` (every stage on one worker, more than one stage) and
 
 A stage may also be *tensor-split* (operator partitioning,
 :mod:`dreampipe.planning.operator_search`): each of its replicas runs on
-``tensor_parallel`` workers that hold a share of every layer's weights, as
-``splits`` says per layer. Its config token is ``"1t4"`` (one replica split
-over 4 workers). The schedule sees one rank per replica (``ranks``); the
-workers of schedule rank ``r`` are ``r * t .. r * t + t - 1``, so every stage
-has the same ``t`` (a pipeline x tensor mesh).
+``tensor_parallel`` workers of one server that hold a share of every layer's
+weights, as ``splits`` says per layer. Its config token is ``"2t4"`` (two
+replicas, each split over 4 workers). The schedule sees one rank per replica
+(``ranks``); the workers of schedule rank ``r`` follow those of rank
+``r - 1`` (``r * t .. r * t + t - 1`` when every stage has the same ``t``),
+and a split stage's ``workers`` are the first worker of each replica.
+Stages may mix widths (``"2t4-3-1r"``): the planner's range program chooses
+per stage (:mod:`dreampipe.planning.split_ranges`). The runtime runs a
+pipeline x tensor mesh only, every stage on the same ``t``, so
+:attr:`Plan.tensor_parallel` refuses a plan that mixes them.
 
 A stage may *recompute* its activations in the backward instead of keeping
 them per minibatch in flight (``recompute``, config token ``"2r"``): its
@@ -30,7 +35,6 @@ them per minibatch in flight (``recompute``, config token ``"2r"``): its
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -41,6 +45,7 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.config import config_string
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.splits import Split
+from dreampipe.planning.stage import Stage, check_figure
 
 __all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 
@@ -55,99 +60,6 @@ class Heuristic(Enum):
     LAYER_BLOCKS = "layer-blocks"  #: stages cut only between blocks of layers
     WORKER_GRID = "worker-grid"  #: stage ranges start and end only on a grid of workers
     WHOLE_SERVERS = "whole-servers"  #: with a stage cap, outer stages on whole servers only
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stage:
-    """One pipeline stage. Times are per minibatch, for the whole stage.
-
-    ``compute_s`` is forward+backward of the stage's layers for one minibatch
-    on one worker; ``comm_s`` is the time to send its output forward and the
-    gradient back across the cut after it; ``allreduce_s`` the time of one
-    all-reduce of its weights among its replicas, which ends
-    ``allreduce_delay_s`` later than if it could start with the backward
-    (gradients become final layer by layer); ``forward_s`` the forward
-    part of ``compute_s`` (the all-reduce can only hide behind the rest);
-    ``memory_bytes`` the predicted peak per worker (weights x stashed
-    versions + activations). ``workers`` are the topology positions of
-    ``ranks``, in the same order (empty: the ranks themselves).
-    ``tensor_parallel`` workers run each replica, with ``splits`` (one per
-    layer) saying how each layer's tensors are divided among them.
-    ``in_flight`` is the minibatches each replica holds under PipeDream's
-    schedule, its 1F1B warm-up (0: the default of
-    :mod:`dreampipe.planning.in_flight`). ``recompute``: the backward runs
-    the stage's forward again (counted in ``compute_s``) instead of keeping
-    what its layers keep for every minibatch in flight.
-    """
-
-    first: int
-    last: int
-    replicas: int
-    ranks: tuple[int, ...]
-    compute_s: float = 0.0
-    comm_s: float = 0.0
-    allreduce_s: float = 0.0
-    memory_bytes: int = 0
-    forward_s: float = 0.0
-    workers: tuple[int, ...] = ()
-    allreduce_delay_s: float = 0.0
-    tensor_parallel: int = 1
-    splits: tuple[Split, ...] = ()
-    in_flight: int = 0
-    recompute: bool = False
-
-    def __post_init__(self) -> None:
-        if self.first < 0 or self.last < self.first:
-            raise PlanError(f"stage layers {self.first}..{self.last} are empty or negative")
-        if self.replicas < 1:
-            raise PlanError(
-                f"stage {self.first}..{self.last} has {self.replicas} replicas; needs >= 1"
-            )
-        if len(self.ranks) != self.replicas:
-            raise PlanError(
-                f"stage {self.first}..{self.last} has {self.replicas} replicas "
-                f"but ranks {list(self.ranks)}"
-            )
-        if self.workers and len(self.workers) != self.replicas:
-            raise PlanError(
-                f"stage {self.first}..{self.last} has {self.replicas} replicas "
-                f"but workers {list(self.workers)}"
-            )
-        if self.tensor_parallel < 1 or (self.tensor_parallel > 1) != bool(self.splits) or (
-                self.splits and len(self.splits) != self.num_layers):
-            raise PlanError(
-                f"stage {self.first}..{self.last} has tensor_parallel={self.tensor_parallel} "
-                f"and {len(self.splits)} splits; a stage split over t > 1 workers needs one "
-                f"split per layer ({self.num_layers}), one over 1 worker none"
-            )
-        for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s",
-                     "allreduce_delay_s"):
-            _check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
-        if self.forward_s > self.compute_s:
-            raise PlanError(
-                f"stage {self.first}..{self.last} has forward_s={self.forward_s} above "
-                f"compute_s={self.compute_s}; the forward is part of forward+backward"
-            )
-
-    @property
-    def placement(self) -> tuple[int, ...]:
-        """Where the stage's replicas sit on the topology: ``workers``, else ``ranks``."""
-        return self.workers or self.ranks
-
-    @property
-    def num_layers(self) -> int:
-        return self.last - self.first + 1
-
-    @property
-    def time_s(self) -> float:
-        """Time per minibatch in steady state: ``max(C, F + delay + allreduce) / r``, or the cut.
-
-        Each replica runs one minibatch per round; the round's all-reduce
-        overlaps the backward (``C - F``) after its delay, never the forward.
-        """
-        round_s = max(self.compute_s,
-                      self.forward_s + self.allreduce_delay_s + self.allreduce_s)
-        return max(round_s / self.replicas, self.comm_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,24 +108,19 @@ class Plan:
         ranks = [r for st in self.stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
-        if len({st.tensor_parallel for st in self.stages}) > 1:
-            raise PlanError(
-                f"stages split over {[st.tensor_parallel for st in self.stages]} workers; "
-                "every stage must be split over the same number (a pipeline x tensor mesh)"
-            )
         counts = [st.in_flight for st in self.stages]
         if any(c < 0 for c in counts) or (0 in counts and any(counts)):
             raise PlanError(
                 f"stages hold {counts} minibatches in flight; give every stage a count >= 1, "
                 "or 0 to all for the default"
             )
-        placed = [w for st in self.stages for w in st.placement]
+        placed = [w for s in range(len(self.stages)) for w in self.stage_workers(s)]
         if len(set(placed)) != len(placed) or min(placed) < 0:
             raise PlanError(f"workers {placed} must be distinct positions >= 0")
-        _check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
-        _check_figure("the plan", "optimality_gap", self.optimality_gap)
+        check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
+        check_figure("the plan", "optimality_gap", self.optimality_gap)
         for key, value in self.baselines_s.items():
-            _check_figure("the plan", f"baselines_s[{key!r}]", value)
+            check_figure("the plan", f"baselines_s[{key!r}]", value)
 
     @classmethod
     def from_config(
@@ -243,18 +150,45 @@ class Plan:
         return len(self.stages)
 
     @property
+    def mixes_splits(self) -> bool:
+        """Whether stages are split over different numbers of workers (``"1t4-2"``)."""
+        return len({st.tensor_parallel for st in self.stages}) > 1
+
+    @property
     def tensor_parallel(self) -> int:
-        """The workers each replica of every stage is split over (1: no split)."""
+        """The workers each replica of every stage is split over (1: no split); a plan that
+        mixes them has none (a :class:`PlanError`: the runtime runs one ``t`` for all)."""
+        if self.mixes_splits:
+            raise PlanError(
+                f"plan {self.config} mixes stages split over "
+                f"{[st.tensor_parallel for st in self.stages]} workers; the runtime runs every "
+                "stage split over the same number (a pipeline x tensor mesh): simulate it, or "
+                "plan with mixed_splits=False (dreampipe plan --no-mixed-splits)"
+            )
         return self.stages[0].tensor_parallel
 
     @property
     def workers_used(self) -> int:
-        return sum(st.replicas for st in self.stages) * self.tensor_parallel
+        return sum(st.replicas * st.tensor_parallel for st in self.stages)
 
     @property
     def config(self) -> str:
-        return config_string([st.replicas for st in self.stages], self.tensor_parallel,
+        return config_string([st.replicas for st in self.stages],
+                             [st.tensor_parallel for st in self.stages],
                              [st.recompute for st in self.stages])
+
+    def rank_first_worker(self, rank: int) -> int:
+        """The first of schedule rank ``rank``'s workers in rank order: those of the ranks
+        before it follow one another (``rank * t`` when every stage has the same ``t``)."""
+        widths = [st.tensor_parallel for st in self.stages for _ in st.ranks]
+        return sum(widths[:rank])
+
+    def stage_workers(self, s: int) -> tuple[int, ...]:
+        """Where every worker of stage ``s`` sits on the topology: each replica's first
+        worker (``workers``, else :meth:`rank_first_worker`) and the ``t - 1`` after it."""
+        st = self.stages[s]
+        firsts = st.workers or tuple(self.rank_first_worker(r) for r in st.ranks)
+        return tuple(w + k for w in firsts for k in range(st.tensor_parallel))
 
     @property
     def throughput_minibatches_per_s(self) -> float:
@@ -271,8 +205,10 @@ class Plan:
 
     def stage_of_rank(self, rank: int) -> int:
         """The stage of worker ``rank`` (the workers of a split replica are adjacent)."""
+        first = 0
         for s, st in enumerate(self.stages):
-            if rank // self.tensor_parallel in st.ranks:
+            first += st.replicas * st.tensor_parallel
+            if 0 <= rank < first:
                 return s
         raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
 
@@ -397,16 +333,3 @@ class Plan:
                 f"ranks {list(st.ranks)}"
             )
         return "\n".join(lines)
-
-
-def _check_figure(owner: str, what: str, value: float) -> None:
-    """A predicted time or size must be a finite number >= 0."""
-    try:
-        ok = math.isfinite(value) and value >= 0
-    except TypeError:
-        ok = False
-    if not ok:
-        raise PlanError(
-            f"{owner} has {what}={value!r}; predicted times and sizes must be finite and "
-            ">= 0 (re-run 'dreampipe plan' on a profile with finite times and sizes)"
-        )

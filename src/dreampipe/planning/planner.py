@@ -38,17 +38,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time, stage_memory
+from dreampipe.planning.costs import CostModel, RangeCosts, stage_memory
 from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.evaluate import baselines, evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
-from dreampipe.planning.pipedream_costs import (
-    pipedream_dp_time,
-    pipedream_stage_time,
-    pipedream_states,
-    pipedream_transfer_time,
-)
+from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage
-from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.pricing import slowest
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
     Search,
@@ -58,6 +54,7 @@ from dreampipe.planning.search import (
     search_for,
     with_ranges,
 )
+from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
@@ -65,38 +62,12 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
 __all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "memory_needs",
-           "plan_pipeline"]
+           "plan_pipeline"]  # evaluate_plan lives in dreampipe.planning.evaluate
 
 log = logging.getLogger(__name__)
 
 #: The DP's work grows with the square of a level's unit count (seconds at 1024).
 MAX_LEVEL_UNITS = 4096
-
-
-def _baselines(
-    prof: RangeCosts, topology: Topology, memory: int | None, sync: Sync,
-    model: CostModel = CostModel.DREAMPIPE,
-) -> dict[str, float]:
-    """Data parallelism, the best straight pipeline and GPipe on it, same cost model."""
-    out: dict[str, float] = {}
-    if model is CostModel.PIPEDREAM:
-        levels = [(lv.count, lv.bandwidth) for lv in topology.levels]
-        out["dp"] = pipedream_dp_time(float(prof.compute_s[0, -1]), float(prof.weights[0, -1]),
-                                      levels)
-        found = best_plan(prof, [topology], Options(None, True, True, 1, False, model))
-        if found is not None:
-            out["straight"] = found[0]
-            out["gpipe"] = gpipe_time(found[0], len(found[1]))
-        return out
-    if memory is None or prof.memory(0, prof.n - 1, 1) <= memory:
-        everyone = [range(topology.num_workers)]
-        out["dp"] = slowest(price_stages(prof, topology, [(0, prof.n - 1)], everyone, sync))
-    opts = Options(memory, True, True, 1, False, model, sync)
-    straight = fastest(search_for(prof, topology), topology, cost_models(topology, True), opts)
-    if straight is not None:
-        out["straight"] = slowest(straight)
-        out["gpipe"] = gpipe_time(out["straight"], len(straight))
-    return out
 
 
 def _least_memory(search: Search, models: Sequence[Topology], opts: Options) -> int:
@@ -154,6 +125,7 @@ def plan_pipeline(
     tensor_split: bool = True,
     exact: bool = False,
     recompute: bool = False,
+    mixed_splits: bool = False,
 ) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
@@ -167,6 +139,12 @@ def plan_pipeline(
     ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
     run as one stage with every layer split over workers of one server
     (module doc; False: an error instead).
+    ``mixed_splits`` makes a tensor split a per-stage choice of the range search
+    (:mod:`dreampipe.planning.split_ranges`; with ``tensor_split``): any stage may run
+    as replicas split over 2, 4... workers of one server where that is faster or the
+    only way to fit, beside unsplit and recomputing stages. Off by default: the runtime
+    runs a plan only when every stage has the same split and split stages have one
+    replica, so ``train`` and ``Pipeline(plan="auto")`` get the whole-model fallback.
     ``recompute`` lets a stage recompute its activations in the backward where
     only that fits ``memory_bytes`` (one more forward; the range search's choice,
     :func:`~dreampipe.planning.ranges.best_ranges`; off by default: the runtime does
@@ -205,7 +183,9 @@ def plan_pipeline(
     stages = fastest(search, topology, models, opts)
     heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
     if also_flat:
-        stages, ranged = with_ranges(search, topology, stages, opts, exact, recompute)
+        splits = (split_options(graph, topology, split_widths(topology))
+                  if mixed_splits and tensor_split else ())
+        stages, ranged = with_ranges(search, topology, stages, opts, exact, recompute, splits)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
@@ -230,7 +210,7 @@ def plan_pipeline(
     result = Plan(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
-        baselines_s=_baselines(prof, topology, memory_bytes, sync),
+        baselines_s=baselines(prof, topology, memory_bytes, sync),
         layer_names=tuple(x.name for x in graph.layers), optimality_gap=gap,
         heuristics=heuristics if gap > 0 else (),
     )
@@ -263,7 +243,7 @@ def _split_plan(
     result = Plan(
         stages=(stage,), num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=stage.compute_s,
-        baselines_s=_baselines(prof, topology, memory_bytes, opts.sync),
+        baselines_s=baselines(prof, topology, memory_bytes, opts.sync),
         layer_names=tuple(x.name for x in graph.layers),
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
@@ -311,86 +291,6 @@ def _plan_pipedream(
     return Plan(
         stages=tuple(stages), num_layers=len(graph.layers), batch_size=graph.batch_size,
         model=graph.model, topology=topology.describe(), time_per_minibatch_s=value,
-        baselines_s=_baselines(prof, topology, None, Sync(), CostModel.PIPEDREAM),
+        baselines_s=baselines(prof, topology, None, Sync(), CostModel.PIPEDREAM),
         layer_names=tuple(x.name for x in graph.layers),
     )
-
-
-def evaluate_plan(
-    graph: LayerGraph, topology: Topology, bounds: Sequence[int], replicas: Sequence[int],
-    cost_model: CostModel = CostModel.DREAMPIPE, *,
-    workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
-    memory_bytes: int | None = None, recompute: Sequence[bool] = (),
-) -> Plan:
-    """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
-
-    ``workers[s]`` places stage s on the topology (default: ranks laid in
-    order, stage by stage); each all-reduce and cut is priced on the links
-    its workers use, with the planner's own terms, so a plan's stages and
-    workers evaluate to the plan's time; ``memory_bytes`` picks the stages'
-    minibatches in flight as the planner does (:func:`price_stages`); ``recompute[s]``
-    makes stage s recompute its activations (empty: none).
-    Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
-    ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it.
-    """
-    prof = RangeCosts.of(graph)
-    n = prof.n
-    if len(bounds) > n:
-        raise PlanError(f"{len(bounds)} stages forced on {n} layers; a stage needs a layer")
-    edges = [*bounds, n]
-    if not bounds or bounds[0] != 0 or any(b >= e for b, e in itertools.pairwise(edges)):
-        raise PlanError(
-            f"bounds {list(bounds)} must start at 0 and increase strictly below {n} layers"
-        )
-    if len(replicas) != len(bounds) or any(r < 1 for r in replicas):
-        raise PlanError(
-            f"replicas {list(replicas)}: need one count >= 1 per stage of bounds {list(bounds)}"
-        )
-    if sum(replicas) > topology.num_workers:
-        raise PlanError(
-            f"config {'-'.join(map(str, replicas))} needs {sum(replicas)} workers but the "
-            f"topology has {topology.num_workers}; use a larger topology or fewer replicas"
-        )
-    firsts = [sum(replicas[:s]) for s in range(len(replicas) + 1)]
-    placed: list[Sequence[int]] = [range(firsts[s], firsts[s + 1]) for s in range(len(replicas))]
-    if workers is not None:
-        placed = [list(w) for w in workers]
-        flat = [w for ws in placed for w in ws]
-        if ([len(w) for w in placed] != list(replicas) or len(set(flat)) != len(flat)
-                or not all(0 <= w < topology.num_workers for w in flat)):
-            raise PlanError(
-                f"workers {[list(w) for w in placed]}: need {list(replicas)} distinct workers "
-                f"per stage, each in 0..{topology.num_workers - 1}"
-            )
-    if recompute and len(recompute) != len(replicas):
-        raise PlanError(f"recompute {list(recompute)}: need one flag per stage of bounds "
-                        f"{list(bounds)}")
-    spans = [(edges[s], edges[s + 1] - 1) for s in range(len(replicas))]
-    stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute)
-    time = slowest(stages)
-    if cost_model is CostModel.PIPEDREAM:
-        time = _pipedream_time(graph, topology, stages)
-    return Plan(
-        stages=stages, num_layers=n, batch_size=graph.batch_size, model=graph.model,
-        topology=topology.describe(), time_per_minibatch_s=time,
-        baselines_s=_baselines(prof, topology, None, sync),
-        layer_names=tuple(x.name for x in graph.layers),
-    )
-
-
-def _pipedream_time(graph: LayerGraph, topology: Topology, stages: Sequence[Stage]) -> float:
-    """PipeDream's time of given stages: ``(compute + 4(r-1)/r|w|/B)/r``, cuts ``2a/(B r)``."""
-    layers = graph.layers
-    worst = 0.0
-    for s, st in enumerate(stages):
-        span = range(st.first, st.last + 1)
-        compute = sum(layers[i].compute_ms / 1e3 for i in span
-                      if not layers[i].description.startswith("Input"))
-        weights = float(sum(layers[i].parameter_bytes for i in span))
-        bw = topology.bandwidth_between(min(st.placement), max(st.placement))
-        worst = max(worst, float(pipedream_stage_time(compute, weights, st.replicas, bw)))
-        if s > 0:
-            link = topology.bandwidth_between(min(stages[s - 1].placement), max(st.placement))
-            cut = graph.cut_activation_bytes(st.first)
-            worst = max(worst, float(pipedream_transfer_time(cut, st.replicas, link)))
-    return worst

@@ -28,6 +28,7 @@ import numpy as np
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
 from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
 from dreampipe.planning.plan import Stage
+from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
@@ -138,6 +139,7 @@ def price_stages(
     sync: Sync,
     memory_bytes: int | None = None,
     recompute: Sequence[bool] = (),
+    splits: Sequence[StageSplit | None] = (),
 ) -> tuple[Stage, ...]:
     """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
 
@@ -147,12 +149,21 @@ def price_stages(
     A stage marked in ``recompute`` (empty: none) runs its forward once more in the
     backward, before the gradients its all-reduce sends (``compute_s`` and the
     all-reduce's delay grow by ``F``), and keeps only its inputs per minibatch.
+    A stage given a split in ``splits`` (empty: none) runs each replica on ``t``
+    consecutive workers of its placement, priced by the split's own table
+    (:mod:`dreampipe.planning.split_ranges`): its replicas all-reduce among their
+    first workers (``Stage.workers``), and its cuts are priced over all its workers,
+    which all hold its replicated input and output.
     """
-    replicas = [len(p) for p in placements]
+    how = tuple(splits) or (None,) * len(spans)
+    widths = [1 if x is None else x.t for x in how]
+    tables = [prof if x is None else x.costs for x in how]
+    replicas = [len(p) // t for p, t in zip(placements, widths, strict=True)]
     flags = tuple(recompute) or (False,) * len(spans)
     for join in JOIN_BUFFERS:
-        counts = in_flight_counts(replicas, join)
-        memories = prof.memories(spans, counts, flags)
+        counts = in_flight_counts(replicas, join, widths)
+        memories = [c.memory(first, last, v, recompute=rc)
+                    for c, (first, last), v, rc in zip(tables, spans, counts, flags, strict=True)]
         if memory_bytes is None or max(memories) <= memory_bytes:
             break
     stages, rank = [], 0
@@ -161,19 +172,21 @@ def price_stages(
         if s + 1 < len(spans):
             comm = cut_seconds(float(prof.cut_bytes[last + 1]), workers, placements[s + 1],
                                topology)
-        r = len(workers)
-        assert prof.layer_backward_s is not None and prof.layer_weights is not None
-        ar, delay = stage_allreduce(prof.layer_backward_s[first:last + 1],
-                                    prof.layer_weights[first:last + 1], workers, topology, sync)
-        compute = float(prof.compute_s[first, last])
-        forward = min(float(prof.forward[first, last]), compute)
+        r, t, costs, split = replicas[s], widths[s], tables[s], how[s]
+        firsts = sorted(workers)[::t]
+        assert costs.layer_backward_s is not None and costs.layer_weights is not None
+        ar, delay = stage_allreduce(costs.layer_backward_s[first:last + 1],
+                                    costs.layer_weights[first:last + 1], firsts, topology, sync)
+        compute = float(costs.compute_s[first, last])
+        forward = min(float(costs.forward[first, last]), compute)
         again = forward if flags[s] else 0.0
         stages.append(Stage(
             first=first, last=last, replicas=r, ranks=tuple(range(rank, rank + r)),
             compute_s=compute + again, forward_s=forward, comm_s=comm,
             allreduce_s=ar, allreduce_delay_s=delay + again if ar > 0 else delay,
-            memory_bytes=memories[s], workers=tuple(sorted(workers)), in_flight=counts[s],
-            recompute=flags[s],
+            memory_bytes=memories[s], workers=tuple(firsts), in_flight=counts[s],
+            recompute=flags[s], tensor_parallel=t,
+            splits=() if split is None else split.layers(first, last),
         ))
         rank += r
     return tuple(stages)

@@ -53,6 +53,7 @@ import numpy.typing as npt
 from dreampipe.planning.costs import FloatArray, RangeCosts, stage_time
 from dreampipe.planning.dp import FlatStage
 from dreampipe.planning.pricing import contiguous_cut_shares
+from dreampipe.planning.split_ranges import StageSplit, fits_servers
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
@@ -91,30 +92,56 @@ def ranges_layers(ranges: int) -> int:
     return max(2, math.isqrt(_CANDIDATES // (ranges + 1) ** 3))
 
 
-def _stage_times(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray
-                 ) -> tuple[FloatArray, FloatArray, IntArray]:
-    """``(times [layout, i, j], recomputing [layout, i, j], layout [a, b])``: layers ``i..j``
-    on workers ``points[a]..points[b]-1`` take ``times[layout[a, b], i, j]``, or
-    ``recomputing[...]`` when they recompute (one more forward, before the all-reduce's
-    gradients: ``max(C + F, 2F + end)``); ranges of the same layout share a table."""
-    k = len(points)
+@dataclass(frozen=True)
+class _Option:
+    """One way to run a stage: unsplit (``split`` None) or split as ``split`` says.
+
+    Layers ``i..j`` on grid range ``[a, b)`` take ``times[layout[a, b], i, j]``, or
+    ``again[...]`` when they recompute (one more forward, before the all-reduce's
+    gradients: ``max(C + F, 2F + end)``); ranges of the same layout share a table, and a
+    range the option cannot sit on has the last layout, all ``inf``. ``replicas[a, b]``
+    counts its replicas there.
+    """
+
+    split: StageSplit | None
+    times: FloatArray
+    again: FloatArray
+    layout: IntArray
+    replicas: IntArray
+
+
+def _option(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray,
+            split: StageSplit | None) -> _Option:
+    """:class:`_Option` of ``split`` on the grid ``points``."""
+    t = 1 if split is None else split.t
+    costs = prof if split is None else split.costs
+    k, n = len(points), prof.n
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
-    index = np.zeros((k, k), dtype=np.int64)
+    index = np.full((k, k), -1, dtype=np.int64)
+    replicas = np.ones((k, k), dtype=np.int64)
     for a in range(k - 1):
         for b in range(a + 1, k):
             s, e = int(points[a]), int(points[b])
-            key = (replica_groups(range(s, e), topo), e - s)
+            if t > 1 and not fits_servers(s, e, t, topo):
+                continue
+            key = (replica_groups(range(s, e, t), topo), (e - s) // t)
             index[a, b] = layouts.setdefault(key, len(layouts))
+            replicas[a, b] = (e - s) // t
+    index[index < 0] = len(layouts)
+    never = np.full((1, n, n), np.inf)
+    if not layouts:
+        return _Option(split, never, never, index, replicas)
     terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
-    ends = prof.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
+    ends = costs.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
-    replicas = np.array([p for _, p in layouts], dtype=np.float64)
-    f = prof.forward
-    times = np.stack([stage_time(prof.compute_s, f, ends[x], 1) / replicas[x]
+    count = np.array([p for _, p in layouts], dtype=np.float64)
+    f = costs.forward
+    times = np.stack([stage_time(costs.compute_s, f, ends[x], 1) / count[x]
                       for x in range(len(layouts))])
-    again = np.stack([stage_time(prof.compute_s + f, 2 * f, ends[x], 1) / replicas[x]
+    again = np.stack([stage_time(costs.compute_s + f, 2 * f, ends[x], 1) / count[x]
                       for x in range(len(layouts))])
-    return times, again, index
+    return _Option(split, np.concatenate([times, never]), np.concatenate([again, never]),
+                   index, replicas)
 
 
 def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray:
@@ -133,40 +160,53 @@ def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray
 def best_ranges(
     prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
     memory_bytes: int | None = None, points: Sequence[int] | None = None,
-    recompute: bool = False,
+    recompute: bool = False, splits: Sequence[StageSplit] = (),
 ) -> tuple[float, list[FlatStage]] | None:
     """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
     each starting and ending at one of ``points`` (default: :func:`range_points`), or None
     if none fits in ``memory_bytes`` (None: no limit).
 
-    Under a memory limit a stage on ``[s, e)`` of a plan on ``U`` workers
-    holds PipeDream's ``ceil((U - s) / (e - s))`` minibatches
-    (:func:`~dreampipe.planning.in_flight.versions_in_flight`), so the program
-    runs once per ``U`` and keeps only the stages that fit, recomputing where
-    ``recompute`` allows and only the recomputing stage fits (recomputation is
-    never faster, so a stage that fits as it is never recomputes). Ties go to one
-    stage over a split, then to the next stage on fewer workers, then to the
-    shorter first stage, and overall to fewer workers in the first stage (to
-    fewer in all under a memory limit).
+    A stage may also run as any of ``splits``: replicas of ``t`` workers, each inside
+    one server (:mod:`dreampipe.planning.split_ranges`), one more choice per stage
+    whose terms are table look-ups like the others, so the program stays exact.
+    Under a memory limit a stage of ``r`` replicas on ``[s, e)`` of a plan on ``U``
+    workers holds ``ceil((r + U - e) / r)`` minibatches, PipeDream's count when no
+    split stage follows (:func:`~dreampipe.planning.in_flight.in_flight_counts`), so
+    the program runs once per ``U`` and keeps only the stages that fit, recomputing where
+    ``recompute`` allows and only the recomputing stage fits (recomputation is never
+    faster, so a stage that fits as it is never recomputes). Ties go to an unsplit
+    stage, then to the narrower split, to one stage over a split, then to the next stage
+    on fewer workers, then to the shorter first stage, and overall to fewer workers in
+    the first stage (to fewer in all under a memory limit).
     """
     at = np.asarray(range_points(topo.num_workers) if points is None else points,
                     dtype=np.int64)
     assert at[0] == 0 and at[-1] == topo.num_workers and (np.diff(at) > 0).all()
     k = len(at) - 1
-    times, again, layout = _stage_times(prof, topo, sync, at)
+    options = [_option(prof, topo, sync, at, None)] + [
+        _option(prof, topo, sync, at, x) for x in sorted(splits, key=lambda x: x.t)]
     cut = _cut_times(prof, topo, at)
     if memory_bytes is None:
-        return _placed(_best(times, layout, cut, k if not allow_fewer else None, None), at)
-    room = prof.max_versions(memory_bytes)
-    room_again = prof.max_versions(memory_bytes, recompute=True) if recompute else None
+        return _placed(_best(options, cut, k if not allow_fewer else None, None), at)
+    rooms = [_rooms(prof if o.split is None else o.split.costs, memory_bytes, recompute)
+             for o in options]
     found: tuple[float, list[FlatStage]] | None = None
     for used in range(1, k + 1) if allow_fewer else [k]:
-        s, e = at[:, None], at[None, :]
-        versions = -(-(at[used] - s) // np.maximum(e - s, 1))
-        plan = _best(times, layout, cut, used, _Memory(versions, room, again, room_again))
+        fits = []
+        for o, (room, room_again) in zip(options, rooms, strict=True):
+            r = o.replicas
+            versions = -(-(r + np.maximum(at[used] - at[None, :], 0)) // r)
+            fits.append(_Memory(versions, room, o.again, room_again))
+        plan = _best(options, cut, used, fits)
         if math.isfinite(plan[0]) and (found is None or plan[0] < found[0]):
             found = plan
     return None if found is None else _placed(found, at)
+
+
+def _rooms(costs: RangeCosts, memory_bytes: int, recompute: bool
+           ) -> tuple[FloatArray, FloatArray | None]:
+    return (costs.max_versions(memory_bytes),
+            costs.max_versions(memory_bytes, recompute=True) if recompute else None)
 
 
 def _placed(plan: tuple[float, list[FlatStage]], at: IntArray) -> tuple[float, list[FlatStage]]:
@@ -174,13 +214,15 @@ def _placed(plan: tuple[float, list[FlatStage]], at: IntArray) -> tuple[float, l
     value, flat = plan
     return value, [FlatStage(f.first, f.last,
                              tuple(range(int(at[f.workers[0]]), int(at[f.workers[-1] + 1]))),
-                             f.allreduce_s, recompute=f.recompute) for f in flat]
+                             f.allreduce_s, recompute=f.recompute, split=f.split)
+                   for f in flat]
 
 
 @dataclass(frozen=True)
 class _Memory:
-    """What fits: ``versions [s, e]`` against ``room [i, j]``, else, with ``room_again``,
-    the recomputing stage's ``room_again [i, j]`` at its times ``again [layout, i, j]``."""
+    """What fits one option: ``versions [s, e]`` against ``room [i, j]``, else, with
+    ``room_again``, the recomputing stage's ``room_again [i, j]`` at its times
+    ``again [layout, i, j]``."""
 
     versions: IntArray
     room: FloatArray
@@ -197,41 +239,55 @@ class _Memory:
             return out
         return np.where(~fits & (versions <= self.room_again[i, j]), again, out)
 
-    def recomputes(self, s: int, e: int, i: int, j: int) -> bool:
-        """Whether the stage ``i..j`` on grid range ``[s, e)`` of the plan recomputes."""
-        return self.room_again is not None and not self.versions[s, e] <= self.room[i, j]
+
+def _stage(options: Sequence[_Option], memory: Sequence[_Memory] | None, s: int | slice,
+           e: int | slice, i: int, j: int | slice) -> tuple[FloatArray, IntArray]:
+    """The fastest option for layers ``i..j`` on grid ranges ``[s, e)`` that fits, and its
+    index (options in order win ties); a slice ``j`` is the trailing axis."""
+    best: FloatArray | None = None
+    pick = np.zeros((), dtype=np.int64)
+    for x, o in enumerate(options):
+        lay = o.layout[s, e]
+        val = o.times[lay, i, j]
+        if memory is not None:
+            m = memory[x]
+            v = np.asarray(m.versions[s, e])
+            v = v[..., None] if isinstance(j, slice) else v
+            val = m.apply(val, o.again[lay, i, j], v, i, j)
+        if best is None:
+            best, pick = val, np.zeros(np.shape(val), dtype=np.int64)
+        else:
+            better = val < best
+            best = np.where(better, val, best)
+            pick = np.where(better, x, pick)
+    assert best is not None
+    return best, pick
 
 
 def _best(
-    times: FloatArray, layout: IntArray, cut: FloatArray, end: int | None,
-    memory: _Memory | None,
+    options: Sequence[_Option], cut: FloatArray, end: int | None,
+    memory: Sequence[_Memory] | None,
 ) -> tuple[float, list[FlatStage]]:
     """:func:`best_ranges` over grid indices (stage workers ``range(s, e)`` of the grid),
     the last stage ending at grid point ``end`` (None: anywhere) and, given ``memory``,
     only stages that fit (recomputing where it says)."""
-    n = times.shape[1]
-    w = layout.shape[0] - 1
+    n = options[0].times.shape[1]
+    w = options[0].layout.shape[0] - 1
     best = np.full((n, w + 1, w + 1), np.inf)  # H(i, s, e)
     arg_t = np.full((n, w + 1, w + 1), -1, dtype=np.int64)  # -1: one stage to the end
     arg_f = np.zeros((n, w + 1, w + 1), dtype=np.int64)
     valid = np.triu(np.ones((w + 1, w + 1), dtype=bool), 1)
     if end is not None:
         valid[:, np.arange(w + 1) != end] = False
-    tail = times[layout, :, n - 1]  # [s, e, i]
-    if memory is not None:
-        tail = memory.apply(tail, memory.again[layout, :, n - 1], memory.versions[:, :, None],
-                            slice(None), n - 1)
-    tail = np.where(valid[:, :, None], tail, np.inf)
+    everywhere = slice(None)
     for i in range(n - 1, -1, -1):
-        best[i] = tail[:, :, i]
+        tail, _ = _stage(options, memory, everywhere, everywhere, i, n - 1)
+        best[i] = np.where(valid, tail, np.inf)
         if i == n - 1:
             continue
         for e in range(1, w if end is None else end):
             # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
-            first = times[layout[:e, e], i, i:n - 1]
-            if memory is not None:
-                first = memory.apply(first, memory.again[layout[:e, e], i, i:n - 1],
-                                     memory.versions[:e, e, None], i, slice(i, n - 1))
+            first, _ = _stage(options, memory, slice(0, e), e, i, slice(i, n - 1))
             link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
             rest = best[i + 1:n, e, e + 1:][None]
             cand = np.maximum(np.maximum(first[:, :, None], link), rest)
@@ -248,8 +304,18 @@ def _best(
     while True:
         t = int(arg_t[i, s, e])
         last = n - 1 if t < 0 else t
-        again = memory is not None and memory.recomputes(s, e, i, last)
-        out.append(FlatStage(i, last, tuple(range(s, e)), 0.0, recompute=again))
+        out.append(_chosen(options, memory, i, last, s, e))
         if t < 0:
             return value, out
         i, s, e = t + 1, e, int(arg_f[i, s, e])
+
+
+def _chosen(options: Sequence[_Option], memory: Sequence[_Memory] | None, i: int, last: int,
+            s: int, e: int) -> FlatStage:
+    """The stage ``i..last`` on grid range ``[s, e)`` as the program chose it."""
+    _, pick = _stage(options, memory, s, e, i, last)
+    x = int(pick)
+    o = options[x]
+    again = memory is not None and memory[x].room_again is not None and not (
+        memory[x].versions[s, e] <= memory[x].room[i, last])
+    return FlatStage(i, last, tuple(range(s, e)), 0.0, recompute=bool(again), split=o.split)

@@ -25,6 +25,7 @@ from dreampipe.planning.dp import FlatStage, Options, best_plan
 from dreampipe.planning.plan import Heuristic, Stage
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.ranges import best_ranges, range_points, ranges_layers
+from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.topology import Topology
 
 __all__ = [
@@ -48,6 +49,13 @@ class Search:
     @property
     def coarse(self) -> bool:
         return self.starts is not None
+
+    def coarse_splits(self, splits: Sequence[StageSplit]) -> list[StageSplit]:
+        """``splits`` over the searched profile's blocks (themselves when it is the fine
+        one), in the same order."""
+        if self.starts is None:
+            return list(splits)
+        return [replace(x, costs=coarsen(x.costs, self.starts)) for x in splits]
 
     def refine(self, flat: Sequence[FlatStage]) -> list[FlatStage]:
         """The searched profile's stages as layer ranges of the fine one."""
@@ -81,7 +89,7 @@ def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts:
     fine = search.refine(flat)
     return price_stages(search.fine, topology, [(f.first, f.last) for f in fine],
                         [f.workers for f in fine], opts.sync, opts.memory_bytes,
-                        [f.recompute for f in fine])
+                        [f.recompute for f in fine], [f.split for f in fine])
 
 
 def fastest(
@@ -101,7 +109,7 @@ def fastest(
 
 def with_ranges(
     search: Search, topology: Topology, stages: tuple[Stage, ...] | None, opts: Options,
-    exact: bool = False, recompute: bool = False,
+    exact: bool = False, recompute: bool = False, splits: Sequence[StageSplit] = (),
 ) -> tuple[tuple[Stage, ...] | None, tuple[Heuristic, ...]]:
     """``stages``, or the best plan of contiguous worker ranges where that is strictly
     faster; and how the range search was cut short: on blocks of layers (possibly coarser
@@ -109,13 +117,14 @@ def with_ranges(
     ``exact``) or on a grid of workers (beyond
     :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS`, for profiles too long to search
     on every range, even when ``exact``).
-    ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute.
+    ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute, and
+    ``splits`` lets a stage run split (:mod:`dreampipe.planning.split_ranges`).
 
     It runs on a hierarchy, without ``straight`` (each stage one worker, which the
     hierarchy already places at its best) or a stage cap (the program does not count
     stages: the plan is then the hierarchy's, which puts outer stages on whole servers).
     """
-    if len(topology.levels) < 2 or opts.straight:
+    if (len(topology.levels) < 2 and not splits) or opts.straight:
         return stages, ()
     if opts.limited:
         return stages, (Heuristic.WHOLE_SERVERS,)
@@ -123,13 +132,17 @@ def with_ranges(
     grid = len(points) < topology.num_workers + 1
     layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
     ranged_search = _blocks(search.fine, layers)
+    coarse = ranged_search.coarse_splits(splits)
     found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
-                        opts.memory_bytes, points, recompute)
+                        opts.memory_bytes, points, recompute, coarse)
     heuristic = ((Heuristic.LAYER_BLOCKS,) if ranged_search.coarse else ()) + (
         (Heuristic.WORKER_GRID,) if grid else ())
     if found is None:
         return stages, heuristic
-    ranged = _priced(ranged_search, topology, found[1], opts)
+    fine_of = {id(c): x for c, x in zip(coarse, splits, strict=True)}
+    flat = [replace(f, split=None if f.split is None else fine_of[id(f.split)])
+            for f in found[1]]
+    ranged = _priced(ranged_search, topology, flat, opts)
     if stages is None or slowest(ranged) < slowest(stages):
         stages = ranged
     return stages, heuristic

@@ -149,8 +149,9 @@ def costs_from_profile(
     forward+backward is its ``compute_s`` (the operator search's time, its
     collectives included) and the forward ``forward_s``; its weights and
     stashed outputs are one worker's share of each layer's (:func:`dreampipe.
-    planning.split_stage.layer_shares`). Schedule rank ``r`` sits on worker
-    ``r * t``, the first of its group. With ``virtual_stages = v`` the plan's
+    planning.split_stage.layer_shares`). Schedule rank ``r`` sits on the first worker
+    of its group (:meth:`~dreampipe.planning.plan.Plan.stage_workers`); split and
+    unsplit stages may mix. With ``virtual_stages = v`` the plan's
     unreplicated stages share ``stages / v`` workers, stage ``s`` on the worker
     of stage ``s mod (stages / v)`` (interleaved 1F1B).
     A recomputing stage's backward runs its forward again first (its
@@ -184,7 +185,8 @@ def costs_from_profile(
         if st.tensor_parallel > 1:
             shares = layer_shares(span, st.splits, st.tensor_parallel)
             fwd.append(st.forward_s * unit_fraction)
-            bwd.append((st.compute_s - st.forward_s) * unit_fraction)
+            again_s = st.forward_s if st.recompute else 0.0  # added below, as for any stage
+            bwd.append((st.compute_s - st.forward_s - again_s) * unit_fraction)
             backward = [x.backward_ms / 1e3 * unit_fraction * c.compute_ms / x.compute_ms
                         if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
             weights = [c.weight_bytes for c in shares]
@@ -201,7 +203,7 @@ def costs_from_profile(
             b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * unit_fraction)
-        placed = [w * st.tensor_parallel for w in st.placement]
+        placed = plan.stage_workers(s)[::st.tensor_parallel]
         ar, late = stage_allreduce(backward, weights, placed, topology, how)
         again.append(stash[-1] if st.recompute else 0.0)
         if st.recompute:
@@ -244,8 +246,8 @@ def _links(plan: Plan, topology: Topology, ranks: int) -> Bandwidth:
     """Bandwidth between the first ``ranks`` schedule ranks: the topology itself when rank
     i sits on worker i, else a table through the plan's placement (a split rank at
     the first of its workers)."""
-    t = plan.tensor_parallel
-    where = {r: w * t for st in plan.stages for r, w in zip(st.ranks, st.placement, strict=True)
+    where = {r: w for s, st in enumerate(plan.stages)
+             for r, w in zip(st.ranks, plan.stage_workers(s)[::st.tensor_parallel], strict=True)
              if r < ranks}
     if all(r == w for r, w in where.items()):
         return topology

@@ -1,0 +1,142 @@
+"""Tensor splits as a per-stage choice: what any layer range costs split over ``t`` workers.
+
+The range program (:mod:`dreampipe.planning.ranges`) may run a stage as
+``r`` replicas, each split over ``t`` workers of one server (config token
+``2t4``). A :class:`StageSplit` fixes how every layer of the model is split
+over ``t`` (an answer of the operator search,
+:mod:`dreampipe.planning.operator_search`) and holds, as a
+:class:`~dreampipe.planning.costs.RangeCosts`, what a stage of layers
+``i..j`` run that way costs one replica: its compute share plus the
+collectives inside it, the reshards between its layers, and those at its
+edges (a split stage receives and sends replicated tensors, so it turns its
+input into its first layer's layout and its output back; the model's first
+stage reads its data in any layout for free, and its last only reduces a
+partial sum), and each worker's share of weights and kept tensors. Every
+term the range program, :func:`~dreampipe.planning.pricing.price_stages`
+and the memory terms read is then the same table look-up as for an unsplit
+stage, so splitting adds options to the search without new pricing rules.
+
+:func:`split_options` gives the two splits per ``t`` the planner tries: the
+fastest over the whole model and the one that holds least per worker (the
+two ends of the operator search's (time, memory) front). The program is
+exact over plans whose split stages run one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dreampipe.planning.costs import FloatArray, RangeCosts
+from dreampipe.planning.operator_search import (
+    Link,
+    SplitPlan,
+    layer_costs,
+    leanest_split,
+    search_splits,
+)
+from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshard, split_cost
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["StageSplit", "fits_servers", "split_costs", "split_options"]
+
+
+@dataclass(frozen=True, eq=False)
+class StageSplit:
+    """Every layer of a model split as ``splits`` over ``t`` workers of one server, and
+    what a stage of any layer range costs one replica so (``costs``, module doc)."""
+
+    t: int
+    splits: tuple[Split, ...]
+    costs: RangeCosts
+
+    def layers(self, first: int, last: int) -> tuple[Split, ...]:
+        """The splits of a stage of layers ``first..last``."""
+        return self.splits[first:last + 1]
+
+
+def _moves(src: Layout, dst: Layout, size: float, t: int, link: Link) -> float:
+    forward, backward = reshard(src, dst)
+    return link.seconds(forward, size, t) + link.seconds(backward, size, t)
+
+
+def _sums(values: FloatArray, empty: float) -> FloatArray:
+    prefix = np.concatenate([[0.0], np.cumsum(values)])
+    n = len(values)
+    return np.where(np.triu(np.ones((n, n), dtype=bool)), prefix[None, 1:] - prefix[:-1, None],
+                    empty)
+
+
+def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) -> RangeCosts:
+    """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
+    workers as ``splits`` says, on ``link`` (module doc). ``Input`` layers cost no time."""
+    layers = graph.layers
+    n = len(layers)
+    own, fwd, bwd, weights, kept = (np.zeros(n) for _ in range(5))
+    needs: list[Layout] = []
+    gives: list[Layout] = []
+    for i, (layer, split) in enumerate(zip(layers, splits, strict=True)):
+        size = float(layers[max(i - 1, 0)].activation_bytes)
+        c = split_cost(layer, op_kind(layer), split, t, size)
+        seconds, _, _ = layer_costs(layer, split, t, link, size)
+        share = c.compute_ms / layer.compute_ms if layer.compute_ms > 0 else 0.0
+        work = 0.0 if layer.is_input else 1.0
+        own[i] = seconds - c.compute_ms / 1e3 * (1 - work)
+        fwd[i] = layer.forward_ms / 1e3 * share * work
+        bwd[i] = layer.backward_ms / 1e3 * share * work
+        weights[i] = c.weight_bytes
+        whole = float(layer.activation_bytes)
+        kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
+        needs.append(c.needs)
+        gives.append(c.gives)
+    act = [float(x.activation_bytes) for x in layers]
+    inner = np.array([0.0] + [_moves(gives[i - 1], needs[i], act[i - 1], t, link)
+                              for i in range(1, n)])
+    enter = np.array([min(_moves(src, needs[0], act[0], t, link)
+                          for src in (Layout.REPLICATED, Layout.BATCH))]
+                     + [_moves(Layout.REPLICATED, needs[i], act[i - 1], t, link)
+                        for i in range(1, n)])
+    leave = np.array([_moves(gives[j], Layout.REPLICATED, act[j], t, link) for j in range(n - 1)]
+                     + [link.seconds(Collective.ALL_REDUCE, act[-1], t)
+                        if gives[-1] is Layout.PARTIAL else 0.0])
+    body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
+    compute = np.where(np.triu(np.ones((n, n), dtype=bool)),
+                       enter[:, None] + body + leave[None, :], np.inf)
+    whole_costs = RangeCosts.of(graph)
+    return RangeCosts(
+        compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
+        forward_s=np.minimum(_sums(fwd, 0.0), np.where(np.isfinite(compute), compute, 0.0)),
+        layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
+        working=whole_costs.working,
+    )
+
+
+def fits_servers(start: int, stop: int, t: int, topology: Topology) -> bool:
+    """Whether workers ``start..stop-1`` hold whole replicas of ``t`` workers, each inside
+    one server (the innermost level's unit)."""
+    size = topology.levels[0].count
+    if t < 2 or (stop - start) % t or t > size:
+        return False
+    return all(w // size == (w + t - 1) // size for w in range(start, stop, t))
+
+
+def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
+                  ) -> tuple[StageSplit, ...]:
+    """For each ``t`` of ``widths``, the fastest and the leanest split of ``graph`` (one when
+    they agree), priced on the link inside a server; none when ``graph`` is not a chain."""
+    if not graph.is_chain or len(graph) < 1:
+        return ()
+    inner = topology.levels[0]
+    link = Link(inner.bandwidth, inner.latency)
+    out: list[StageSplit] = []
+    for t in sorted(set(widths)):
+        found: list[SplitPlan] = [search_splits(graph, t, link), leanest_split(graph, t, link)]
+        seen: set[tuple[Split, ...]] = set()
+        for plan in found:
+            if plan.splits not in seen:
+                seen.add(plan.splits)
+                out.append(StageSplit(t, plan.splits, split_costs(graph, t, link, plan.splits)))
+    return tuple(out)
