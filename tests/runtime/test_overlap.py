@@ -25,8 +25,7 @@ from dreampipe.commands.train_config import TrainConfig, TrainResult
 from dreampipe.errors import WorkerError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime import buckets as buckets_module
-from dreampipe.runtime.buckets import GradientBuckets
-from dreampipe.runtime.engine import round_ends
+from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind

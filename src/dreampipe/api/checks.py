@@ -143,12 +143,13 @@ def check_loss(loss: Any) -> None:
 
 def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
                 resume: str | Path | None) -> None:
-    """What a plan of tensor-split stages cannot run with yet, each a ConfigError."""
-    t = plan.tensor_parallel
-    if any(st.replicas > 1 for st in plan.stages):
+    """What a plan of tensor-split stages cannot run with yet, each a ConfigError (a plan
+    may mix split and unsplit stages, replicate the unsplit ones, recompute any)."""
+    t = max(st.tensor_parallel for st in plan.stages)
+    if any(st.replicas > 1 and st.tensor_parallel > 1 for st in plan.stages):
         raise ConfigError(
             f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
-            "one replica for now: use one replica per stage, or no split", "plan")
+            "one replica for now: use one replica per split stage, or no split", "plan")
     if kind is ScheduleKind.DP:
         raise ConfigError(
             f"schedule dp with plan {plan.config}: data parallelism over split groups is not "

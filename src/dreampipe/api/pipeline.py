@@ -69,10 +69,10 @@ from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.comm import process_groups
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.fused import LinearGradients
+from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.staleness import compensate_stage
@@ -199,34 +199,39 @@ class Pipeline:
         check_plan(self.plan, self._names, world * virtual_stages)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
         check_ties(ties, self.plan, max_grad_norm)
-        if virtual_stages > 1 and (ties or self.plan.tensor_parallel > 1):
+        widths = {st.tensor_parallel for st in self.plan.stages}
+        mixed, t = len(widths) > 1, max(widths)
+        if virtual_stages > 1 and (ties or t > 1):
             raise ConfigError(f"virtual_stages={virtual_stages} with weights tied across stages "
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
         check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
-        t = self.plan.tensor_parallel
         if t > 1:
             check_split(self.plan, self.kind, max_grad_norm, resume)
-            self.layout = dataclasses.replace(self.layout, workers=world // t)
+            self.layout = dataclasses.replace(self.layout, workers=sum(self.replicas))
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
         found = checkpoint.find(Path(resume)) if resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
         #: The rank in the schedule (one per replica) and, in a split stage, the
         #: worker's place among its replica's t workers (only place 0 reports).
-        self.srank, self.member = divmod(self.rank, t)
+        place = Routes.of(self.plan, self.rank)
+        self.srank, self.member = place.rank, place.member
+        self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
+        mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
+            if mixed else None
         modules = []
         for stage in self._my_stages(world):
             st = self.plan.stages[stage]
             layers: nn.Module = build_stage(self._layers, st.first, st.last, self.device, seed) \
-                if t == 1 else build_split_stage(self._layers, st.first, st.last, st.splits,
-                                                 tensor_mesh(world, t, self.device.type),
-                                                 self.device, seed)
+                if st.tensor_parallel == 1 else build_split_stage(
+                    self._layers, st.first, st.last, st.splits,
+                    mesh or tensor_mesh(world, t, self.device.type), self.device, seed)
             modules.append(StageModule(
                 layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
                 vertical_sync=vertical_sync, loss_fn=loss_fn,
-                linear=LinearGradients.of(fused_accumulation) if t == 1
+                linear=LinearGradients.of(fused_accumulation) if st.tensor_parallel == 1
                 else LinearGradients.AUTOGRAD, recompute=st.recompute,
             ))
         if not self.kind.synchronous:  # before the schedulers: they keep the rates they see
@@ -245,10 +250,9 @@ class Pipeline:
                                    max_grad_norm=max_grad_norm,
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
-        self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
-        self._links, groups = process_groups(
-            [st.ranks for st in self.plan.stages] if virtual_stages == 1
-            else [[r] for r in range(world)], t, made=self._groups)
+        self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
+            else process_groups([st.ranks for st in self.plan.stages] if virtual_stages == 1
+                                else [[r] for r in range(world)], t, made=self._groups)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
                                                  self.module)]
@@ -422,7 +426,7 @@ class Pipeline:
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
-        if self.plan.tensor_parallel > 1 or self._virtual > 1:
+        if any(st.tensor_parallel > 1 for st in self.plan.stages) or self._virtual > 1:
             raise ConfigError(
                 f"saving a checkpoint of plan {self.plan.config}"
                 + (f" with virtual_stages={self._virtual}" if self._virtual > 1 else "")

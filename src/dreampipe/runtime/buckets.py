@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.scheduling.actions import Action
+from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["BUCKET_CAP_MB", "GradientBuckets"]
+__all__ = ["BUCKET_CAP_MB", "GradientBuckets", "round_ends"]
 
 #: Bucket size in MB (1e6 bytes), as DDP's ``bucket_cap_mb``. Below DDP's
 #: 25: the planner prices each layer's gradient as going out once that
@@ -144,3 +144,16 @@ class GradientBuckets:
                     offset += n
         finally:
             self._reset()
+
+
+def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
+    """Units whose ``BACKWARD`` is the last before the rank's next ``ALLREDUCE``."""
+    ends: set[int] = set()
+    last: int | None = None
+    for a in actions:
+        if a.kind is ActionKind.BACKWARD:
+            last = a.unit
+        elif a.kind is ActionKind.ALLREDUCE and last is not None:
+            ends.add(last)
+            last = None
+    return frozenset(ends)

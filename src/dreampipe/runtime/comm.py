@@ -60,7 +60,6 @@ peer, the action and the unit; the gradient all-reduce of replicated stages
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -71,9 +70,10 @@ from torch import Tensor
 
 from dreampipe.errors import PeerTimeoutError, StageMismatchError
 from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.runtime.lanes import Links
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
-__all__ = ["Comm", "process_groups"]
+__all__ = ["Comm"]
 
 _ACT, _GRAD, _VER, _HDR = range(4)
 _MAX_DIMS = 8
@@ -121,36 +121,6 @@ def _decode(header: Tensor) -> Spec:
     return tuple(values[2 : 2 + values[0]]), _DTYPES[values[1]]
 
 
-def process_groups(
-    stage_ranks: Sequence[Sequence[int]], tensor_parallel: int = 1, *,
-    made: list[Any] | None = None,
-) -> tuple[tuple[Any, Any], dict[int, Any]]:
-    """The groups a run talks on; every rank creates them, in this order, and adds each
-    to ``made`` (for whoever destroys them).
-
-    Returns the two link groups (activations, gradients: see above) and one
-    group per replicated stage (its gradient all-reduce). Peers are named by
-    schedule rank, which is their rank in these groups: with stages split over
-    ``t`` workers, worker ``k`` of every replica talks on lane ``k``, the
-    workers ``r * t + k`` of every schedule rank ``r``; the groups returned
-    are this worker's lane's.
-    """
-    ranks = sum(len(r) for r in stage_ranks)
-    mine = dist.get_rank() % tensor_parallel
-    out: tuple[tuple[Any, Any], dict[int, Any]] = ((None, None), {})
-    for lane in range(tensor_parallel):
-        def world(rs: Sequence[int], k: int = lane) -> list[int]:
-            return [r * tensor_parallel + k for r in rs]
-
-        links = (dist.new_group(world(range(ranks))), dist.new_group(world(range(ranks))))
-        groups = {s: dist.new_group(world(r)) for s, r in enumerate(stage_ranks) if len(r) > 1}
-        if made is not None:
-            made += [*links, *groups.values()]
-        if lane == mine:
-            out = (links, groups)
-    return out
-
-
 class Comm:
     """The sends and receives of rank ``rank`` (pipeline stage ``stage``)."""
 
@@ -162,7 +132,7 @@ class Comm:
         timeout_s: float,
         *,
         vertical_sync: bool = False,
-        groups: tuple[Any, Any] = (None, None),
+        groups: tuple[Any, Any] | Links = (None, None),
         evaluation: bool = False,
         stage: int | None = None,
         mailbox: dict[tuple[int, int, int], Tensor] | None = None,
@@ -179,7 +149,8 @@ class Comm:
         self._evaluation = evaluation
         #: The run's number for the schedule's unit 0 (a Pipeline's later segments).
         self.first_unit = 0
-        self._fwd, self._bwd = groups
+        self._fwd, self._bwd = groups[0], groups[1]
+        self._routes = groups.routes if isinstance(groups, Links) else None
         self._unit_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
         self._in_spec: Spec | None = None
         self._in_links: set[int] = set()
@@ -262,12 +233,14 @@ class Comm:
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
-                    r.header, group_src=peer, tag=self._tag(r.unit, _HDR, action), group=self._fwd
+                    r.header, group_src=self._source(peer), tag=self._tag(r.unit, _HDR, action),
+                    group=self._fwd,
                 )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
                 r.version_work = dist.irecv(
-                    r.version, group_src=peer, tag=self._tag(r.unit, _VER, action), group=self._fwd
+                    r.version, group_src=self._source(peer), tag=self._tag(r.unit, _VER, action),
+                    group=self._fwd,
                 )
             if known:  # after the version, as it was sent (see "Order" above)
                 assert self._in_spec is not None
@@ -283,8 +256,8 @@ class Comm:
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd
-        r.work = dist.irecv(r.buf, group_src=r.peer, tag=self._tag(r.unit, kind, r.action),
-                            group=group)
+        r.work = dist.irecv(r.buf, group_src=self._source(r.peer),
+                            tag=self._tag(r.unit, kind, r.action), group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
@@ -346,33 +319,29 @@ class Comm:
                     "every unit must have the same shape"
                 )
             if peer not in self._out_links:
-                header = _encode(spec, self.device)
-                self._sends.append(
-                    (
-                        dist.isend(header, group_dst=peer, tag=self._tag(unit, _HDR, action),
-                                   group=self._fwd),
-                        action, peer, header,
-                    )
-                )
+                self._isend(_encode(spec, self.device), peer, unit, _HDR, action)
                 self._out_links.add(peer)
             if self.vertical_sync:
                 assert version is not None
-                v = torch.tensor([version], dtype=torch.int64, device=self.device)
-                self._sends.append(
-                    (
-                        dist.isend(v, group_dst=peer, tag=self._tag(unit, _VER, action),
-                                   group=self._fwd),
-                        action, peer, v,
-                    )
-                )
+                self._isend(torch.tensor([version], dtype=torch.int64, device=self.device),
+                            peer, unit, _VER, action)
             self._sent[unit] = spec
-            kind, group = _ACT, self._fwd
-        else:
-            kind, group = _GRAD, self._bwd
-        work = dist.isend(data, group_dst=peer, tag=self._tag(unit, kind, action), group=group)
-        self._sends.append((work, action, peer, data))
+        self._isend(data, peer, unit, _ACT if action.kind is ActionKind.SEND_F else _GRAD,
+                    action)
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)
+
+    def _isend(self, data: Tensor, peer: int, unit: int, kind: int, action: Action) -> None:
+        """Send ``data`` to schedule rank ``peer``'s workers this worker feeds (its routes):
+        on the gradient group for a gradient, else on the activation group."""
+        group = self._bwd if kind == _GRAD else self._fwd
+        for dst in (peer,) if self._routes is None else self._routes.targets(peer):
+            work = dist.isend(data, group_dst=dst, tag=self._tag(unit, kind, action), group=group)
+            self._sends.append((work, action, peer, data))
+
+    def _source(self, peer: int) -> int:
+        """The group rank that schedule rank ``peer``'s tensors come from to this worker."""
+        return peer if self._routes is None else self._routes.source(peer)
 
     def _handoff(self, action: Action) -> tuple[int, int, int]:
         """The mailbox key of a send or receive within the rank."""

@@ -74,9 +74,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.runtime.buckets import GradientBuckets
+from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.config import RunnerOptions
+from dreampipe.runtime.lanes import Links
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage import StageInput, StageModule
 from dreampipe.runtime.tensor_split import full_state
@@ -84,7 +85,7 @@ from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
-__all__ = ["RankRunner", "UnitData", "barrier", "round_ends"]
+__all__ = ["RankRunner", "UnitData", "barrier"]
 
 _log = logging.getLogger(__name__)
 
@@ -100,19 +101,6 @@ class UnitData(Protocol):
 
     def targets(self, unit: int) -> Tensor:
         """The last stage's targets of ``unit``."""
-
-
-def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
-    """Units whose ``BACKWARD`` is the last before the rank's next ``ALLREDUCE``."""
-    ends: set[int] = set()
-    last: int | None = None
-    for a in actions:
-        if a.kind is ActionKind.BACKWARD:
-            last = a.unit
-        elif a.kind is ActionKind.ALLREDUCE and last is not None:
-            ends.add(last)
-            last = None
-    return frozenset(ends)
 
 
 class RankRunner:
@@ -136,7 +124,7 @@ class RankRunner:
         opts: RunnerOptions,
         *,
         groups: dict[int, Any],
-        links: tuple[Any, Any] = (None, None),
+        links: tuple[Any, Any] | Links = (None, None),
         clip_group: Any = None,
         after_step: Callable[[], None] | None = None,
         others: Sequence[StageModule] = (),

@@ -48,7 +48,8 @@ import torch.nn.functional as F
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
 from dreampipe.planning.operator_search import split_memory
-from dreampipe.planning.plan import Plan
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.config import OptimizerKind
@@ -184,7 +185,12 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     pin (one per unit in flight under PipeDream with stashing, plus the ``s``
     updates stage ``s`` may be ahead with vertical sync; else one) and the
     sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``); a recomputing
-    stage keeps its units' inputs only. ``graph`` is profiled at the schedule's unit size.
+    stage keeps its units' inputs only. A stage split over ``t`` workers holds its
+    share of each layer (:func:`~dreampipe.planning.operator_search.split_memory`),
+    whatever the other stages' widths, plus, when an update spans several units, the
+    transient gradient of its largest layer's share. A replicated stage also holds its
+    gradients' all-reduce buckets (:mod:`.buckets`: flat copies of every gradient,
+    alive until the round's ``ALLREDUCE``). ``graph`` is profiled at the schedule's unit size.
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
@@ -197,15 +203,28 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     for s, st in enumerate(plan.stages):
         versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else 1
         if st.tensor_parallel > 1:
-            out.append(split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
-                                    versions, flight[s], optimizer_copies=optimizer_copies(opts),
-                                    stash=opts.stash))
+            need = split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
+                                versions, flight[s], optimizer_copies=optimizer_copies(opts),
+                                stash=opts.stash, recompute=st.recompute)
+            out.append(need + _accumulated(graph, st, schedule.units_per_update))
             continue
+        buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
-                                recompute=st.recompute))
+                                recompute=st.recompute) + (buckets if st.replicas > 1 else 0))
     return tuple(out)
+
+
+def _accumulated(graph: LayerGraph, st: Stage, units_per_update: int) -> int:
+    """The weight gradient autograd makes before adding it to ``.grad`` in a split stage
+    whose update spans several units (split layers accumulate with autograd's kernels,
+    not in place): the largest layer's share."""
+    if units_per_update == 1:
+        return 0
+    return max(round(split_cost(graph.layers[i], op_kind(graph.layers[i]), split,
+                                st.tensor_parallel).weight_bytes)
+               for i, split in zip(range(st.first, st.last + 1), st.splits, strict=True))
 
 
 def _peak_in_flight(actions: tuple[Action, ...]) -> int:

@@ -1,0 +1,61 @@
+"""A rank function that trains the mlp zoo model through a Pipeline on a plan that mixes
+split, unsplit, replicated and recomputing stages, measuring its peak memory."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dreampipe.api import Pipeline
+from dreampipe.api.group import init_process_group
+from dreampipe.errors import ConfigError
+from dreampipe.models import get_model
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.lanes import split_mesh
+from dreampipe.runtime.memory import finish_measuring, start_measuring
+from dreampipe.runtime.tensor_split import load_dtensor_runtime
+
+__all__ = ["train_mixed"]
+
+
+def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Train ``job["kwargs"]``'s mlp on ``job["plan"]`` for ``steps`` minibatches of
+    ``minibatch`` (``microbatches`` each) under ``schedule``, with SGD at ``lr``.
+
+    Like ``dreampipe train --measure-memory``: a split worker loads DTensor's runtime
+    first (library memory), the baseline is taken before the model exists, built on
+    meta, and the peak when the pipeline has drained. Every rank returns its stage,
+    whether it recomputes, its memory use in bytes, the ConfigError's message if saving a
+    checkpoint in ``job["save"]`` was refused, and rank 0 the losses and the whole state."""
+    spec = get_model("mlp", **job["kwargs"])
+    data = load_dataset("synthetic", spec, seed=0)
+    init_process_group(60.0)
+    mesh = split_mesh(job["plan"], rank, "cpu")
+    if mesh is not None:
+        load_dtensor_runtime(mesh)
+    base = start_measuring(torch.device("cpu"))
+    with torch.device("meta"):
+        model = spec.build(seed=0)
+    lr = job["lr"]
+    pipe = Pipeline(model, example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=lr), schedule=job["schedule"],
+                    plan=job["plan"], microbatches=job["microbatches"], timeout_s=60.0)
+    for k in range(job["steps"]):
+        pipe.step(*data.batch(k, job["minibatch"]))
+    losses = pipe.finish()
+    used = finish_measuring(base, rank, pipe.module.stage).used
+    refused = None
+    if "save" in job:
+        try:
+            pipe.save(job["save"])
+        except ConfigError as exc:
+            refused = str(exc)
+    state = pipe.full_state_dict()
+    out = {"stage": pipe.module.stage, "recomputes": pipe.module.recompute, "used": used,
+           "refused": refused,
+           "losses": losses if rank == 0 else None, "state": state if rank == 0 else None}
+    pipe.close()
+    dist.destroy_process_group()
+    return out

@@ -1,0 +1,145 @@
+"""Plans whose stages mix split, unsplit, replicated and recomputing stages train on 4
+local workers as one process does, each rank within a quarter of its predicted memory.
+
+``1t2-2r``: layers 0-1 split over workers 0-1 (rows, then columns), layers 2-3
+replicated on workers 2 and 3, recomputing. Worker 0 alone sends stage 0's output (it is
+replicated on both), to the replica whose unit it is; that replica sends its gradient
+to both workers of stage 0 (:mod:`dreampipe.runtime.lanes`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from runtime.reference import reference_pipedream, reference_sync, sgd
+
+from dreampipe.api.checks import check_split
+from dreampipe.errors import ConfigError
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import Split
+from dreampipe.profiling.profiler import profile_spec
+from dreampipe.runtime.config import OptimizerKind
+from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.memory import predict_memory
+from dreampipe.runtime.processes import HeapPolicy, run_processes
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
+
+from .compare import assert_matches
+from .mixed_workers import train_mixed
+
+__all__: list[str] = []
+
+LR, STEPS = 0.1, 4
+_SPLIT = (Split.OUT, Split.IN)
+
+
+def _plan(config: str, width: int) -> Plan:
+    """The 4-layer mlp's ``config``: two stages of two layers, one of them split over 2."""
+    stages = {
+        "1t2-2r": (Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                         splits=_SPLIT),
+                   Stage(first=2, last=3, replicas=2, ranks=(1, 2), recompute=True)),
+        "1t2r-2": (Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                         splits=_SPLIT, recompute=True),
+                   Stage(first=2, last=3, replicas=2, ranks=(1, 2))),
+        "2-1t2": (Stage(first=0, last=1, replicas=2, ranks=(0, 1)),
+                  Stage(first=2, last=3, replicas=1, ranks=(2,), tensor_parallel=2,
+                        splits=(Split.OUT, Split.REPLICA))),
+    }[config]
+    spec = get_model("mlp", layers=4, width=width)
+    plan = Plan(stages=stages, num_layers=4, model="mlp",
+                layer_names=tuple(n for n, _ in spec.layer_factories))
+    assert plan.config == config
+    return plan
+
+
+def _train(plan: Plan, width: int, schedule: ScheduleKind, minibatch: int,
+           microbatches: int, **job: Any) -> list[dict[str, Any]]:
+    out = run_processes(train_mixed, 4, {
+        "kwargs": {"layers": 4, "width": width}, "plan": plan, "steps": STEPS, "lr": LR,
+        "minibatch": minibatch, "microbatches": microbatches, "schedule": schedule.value, **job,
+    }, deadline_s=150.0, heap=HeapPolicy.RELEASE_FREED)
+    assert all(isinstance(o, dict) for o in out)
+    return out
+
+
+def _sync_reference(width: int, minibatch: int, microbatches: int
+                    ) -> tuple[list[float], dict[str, Any]]:
+    spec = get_model("mlp", layers=4, width=width)
+    return reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,
+                          minibatch=minibatch, seed=0, opt=sgd(LR), microbatches=microbatches)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_predicted_memory(
+) -> None:
+    width, minibatch, microbatches = 2048, 64, 2
+    plan = _plan("1t2-2r", width)
+    out = _train(plan, width, ScheduleKind.FLUSH, minibatch, microbatches)
+    assert_matches(out[0], *_sync_reference(width, minibatch, microbatches))
+    assert [(o["stage"], o["recomputes"]) for o in out] == [
+        (0, False), (0, False), (1, True), (1, True)]
+
+    spec = get_model("mlp", layers=4, width=width)
+    layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=minibatch,
+                        microbatches=microbatches, workers=3)
+    choices = SimpleNamespace(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
+                              vertical_sync=False)
+    predicted = predict_memory(profile_spec(spec, layout.unit_size), plan,
+                               layout.build([1, 2], STEPS, plan.in_flight), choices)
+    ratios = [o["used"] / predicted[o["stage"]] for o in out]
+    print(f"\n{plan.config}: predicted {[round(p / 1e6, 1) for p in predicted]} MB, "
+          f"measured {[round(o['used'] / 1e6, 1) for o in out]} MB")
+    assert min(predicted) > 20e6, predicted  # the weights dominate the noise
+    assert all(0.75 <= r <= 1.25 for r in ratios), ratios
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("config", "schedule"), [("2-1t2", ScheduleKind.FLUSH),
+                                                  ("1t2r-2", ScheduleKind.GPIPE)])
+def test_mixed_plans_train_as_one_process(config: str, schedule: ScheduleKind) -> None:
+    out = _train(_plan(config, 64), 64, schedule, 16, 2)
+    assert_matches(out[0], *_sync_reference(64, 16, 2))
+    assert [o["recomputes"] for o in out] == [config == "1t2r-2"] * 2 + [False] * 2
+
+
+@pytest.mark.timeout(120)
+def test_a_mixed_plan_under_pipedream_follows_the_delayed_updates_and_refuses_checkpoints(
+        tmp_path: Path) -> None:
+    out = _train(_plan("1t2-2r", 64), 64, ScheduleKind.PIPEDREAM, 16, 1,
+                 save=str(tmp_path / "ck"))
+    spec = get_model("mlp", layers=4, width=64)
+    losses, state = reference_pipedream(
+        spec, load_dataset("synthetic", spec, seed=0), bounds=[0, 2], replicas=[1, 2],
+        steps=STEPS, minibatch=16, seed=0, opt=sgd(LR), compensate=True, partial_round=True)
+    assert_matches(out[0], losses, state)
+    for o in out:
+        assert "checkpoints of stages split over workers" in o["refused"], o["refused"]
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize(("kind", "grad_norm", "resume", "match"), [
+    (ScheduleKind.ZB_H1, None, None, r"zb-h1 with plan 1t2-2r: .* use 1f1b-flush"),
+    (ScheduleKind.DP, None, None, r"schedule dp with plan 1t2-2r: .* use pipedream"),
+    (ScheduleKind.FLUSH, 1.0, None, r"max_grad_norm=1.0 with stages split .* drop"),
+    (ScheduleKind.FLUSH, None, "ck", r"resume='ck': checkpoints of stages split .* without"),
+])
+def test_what_a_mixed_plan_cannot_run_is_refused_with_the_fix(
+        kind: ScheduleKind, grad_norm: float | None, resume: str | None, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        check_split(_plan("1t2-2r", 8), kind, grad_norm, resume)
+
+
+def test_a_replicated_split_stage_is_refused_in_a_mixed_plan() -> None:
+    plan = Plan(stages=(Stage(first=0, last=1, replicas=2, ranks=(0, 1), tensor_parallel=2,
+                              splits=_SPLIT),
+                        Stage(first=2, last=3, replicas=1, ranks=(2,))), num_layers=4)
+    with pytest.raises(ConfigError, match=r"plan 2t2-1 replicates stages split over 2 workers"
+                                          r".* one replica per split stage"):
+        check_split(plan, ScheduleKind.FLUSH, None, None)
