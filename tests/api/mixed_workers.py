@@ -28,7 +28,8 @@ def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     first (library memory), the baseline is taken before the model exists, built on
     meta, and the peak when the pipeline has drained. Every rank returns its stage,
     whether it recomputes, its memory use in bytes, the ConfigError's message if saving a
-    checkpoint in ``job["save"]`` was refused, and rank 0 the losses and the whole state."""
+    checkpoint in ``job["save"]`` was refused, the mean loss of ``job["evaluate"]`` held-out
+    minibatches, and rank 0 the losses and the whole state."""
     spec = get_model("mlp", **job["kwargs"])
     data = load_dataset("synthetic", spec, seed=0)
     init_process_group(60.0)
@@ -52,9 +53,11 @@ def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             pipe.save(job["save"])
         except ConfigError as exc:
             refused = str(exc)
+    held_out = [data.batch(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
+    evaluated = pipe.evaluate(held_out).loss if held_out else None
     state = pipe.full_state_dict()
     out = {"stage": pipe.module.stage, "recomputes": pipe.module.recompute, "used": used,
-           "refused": refused,
+           "refused": refused, "evaluated": evaluated,
            "losses": losses if rank == 0 else None, "state": state if rank == 0 else None}
     pipe.close()
     dist.destroy_process_group()

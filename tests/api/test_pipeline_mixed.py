@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from runtime.reference import reference_pipedream, reference_sync, sgd
 
 from dreampipe.api.checks import check_split
@@ -103,10 +104,19 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("config", "schedule"), [("2-1t2", ScheduleKind.FLUSH),
                                                   ("1t2r-2", ScheduleKind.GPIPE)])
-def test_mixed_plans_train_as_one_process(config: str, schedule: ScheduleKind) -> None:
-    out = _train(_plan(config, 64), 64, schedule, 16, 2)
+def test_mixed_plans_train_and_evaluate_as_one_process(config: str,
+                                                      schedule: ScheduleKind) -> None:
+    out = _train(_plan(config, 64), 64, schedule, 16, 2, evaluate=2)
     assert_matches(out[0], *_sync_reference(64, 16, 2))
     assert [o["recomputes"] for o in out] == [config == "1t2r-2"] * 2 + [False] * 2
+    spec = get_model("mlp", layers=4, width=64)
+    model = spec.build(seed=0)
+    model.load_state_dict(out[0]["state"], strict=True)
+    data = load_dataset("synthetic", spec, seed=0)
+    with torch.no_grad():
+        want = [float(spec.loss_fn(model(x), y)) for x, y in
+                (data.batch(100 + j, 16) for j in range(2))]
+    assert [o["evaluated"] for o in out] == pytest.approx([sum(want) / 2] * 4, rel=1e-5)
 
 
 @pytest.mark.timeout(120)
@@ -127,6 +137,7 @@ def test_a_mixed_plan_under_pipedream_follows_the_delayed_updates_and_refuses_ch
 @pytest.mark.parametrize(("kind", "grad_norm", "resume", "match"), [
     (ScheduleKind.ZB_H1, None, None, r"zb-h1 with plan 1t2-2r: .* use 1f1b-flush"),
     (ScheduleKind.DP, None, None, r"schedule dp with plan 1t2-2r: .* use pipedream"),
+    (ScheduleKind.TWO_BW, None, None, r"schedule 2bw with plan 1t2-2r: .* use pipedream"),
     (ScheduleKind.FLUSH, 1.0, None, r"max_grad_norm=1.0 with stages split .* drop"),
     (ScheduleKind.FLUSH, None, "ck", r"resume='ck': checkpoints of stages split .* without"),
 ])

@@ -154,6 +154,10 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
         raise ConfigError(
             f"schedule dp with plan {plan.config}: data parallelism over split groups is not "
             "supported yet; use pipedream, 1f1b-flush or gpipe", "schedule")
+    if kind is ScheduleKind.TWO_BW:
+        raise ConfigError(
+            f"schedule 2bw with plan {plan.config}: the two weight versions of stages split "
+            "over workers are not supported yet; use pipedream or 1f1b-flush", "schedule")
     if kind.splits_backward:
         raise ConfigError(
             f"schedule {kind.value} with plan {plan.config}: the zero-bubble split backward of "
