@@ -50,8 +50,11 @@ transfers run on the GPU's own streams, not on the cores that compute.
 
 Activations and gradients travel on two process groups of their own, so a
 gradient going back never queues behind an activation arriving on the same
-connection. With vertical sync every activation is followed by its unit's weight version
-(one int64). A wait that passes ``timeout_s`` raises
+connection. Peers are schedule ranks: on a lane's groups they are the group
+ranks; in a plan that mixes split widths the :class:`~dreampipe.runtime.lanes.Routes`
+of the :class:`~dreampipe.runtime.lanes.Links` name the workers a tensor comes
+from and goes to (:mod:`.lanes`). With vertical sync every activation is
+followed by its unit's weight version (one int64). A wait that passes ``timeout_s`` raises
 :class:`~dreampipe.errors.PeerTimeoutError` naming this rank, its stage, the
 peer, the action and the unit; the gradient all-reduce of replicated stages
 (:mod:`.buckets`) waits the same way, through :meth:`Comm.wait_allreduce`.
