@@ -278,6 +278,8 @@ def plan_train(
     if plan is None or (torchrun is not None and source.planner_chooses):
         plan = share_plan(plan, opts.timeout_s)
     steps = _whole_rounds(req, layout, plan, steps, talk)
+    cfg = opts.with_plan(plan, steps)
+    check_config(cfg, spec, cfg.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
     if graph is not None and v == 1:
         # long enough to fill the pipeline and the runtime's kept sends
@@ -306,8 +308,6 @@ def plan_train(
         talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
-    cfg = opts.with_plan(plan, steps)
-    check_config(cfg, spec, cfg.workers)
     return PlannedRun(cfg, spec, predicted, memory)
 
 
