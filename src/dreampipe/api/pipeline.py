@@ -212,9 +212,10 @@ class Pipeline:
             vertical_sync=vertical_sync, loss_fn=loss_fn,
             linear=LinearGradients.of(fused_accumulation) if t == 1 else LinearGradients.AUTOGRAD,
         )
-        compensate_stage(self.module.optimizer, self._build_schedule(_HORIZON), stage,
-                         vertical_sync=vertical_sync, enabled=compensate, advise=self.rank == 0,
-                         uniform=bool(ties))
+        if not self.kind.synchronous:
+            compensate_stage(self.module.optimizer, self._build_schedule(_HORIZON), stage,
+                             vertical_sync=vertical_sync, enabled=compensate,
+                             advise=self.rank == 0, uniform=bool(ties))
         self.scheduler = None
         if lr_scheduler is not None and self.module.optimizer is not None:
             self.scheduler = lr_scheduler(self.module.optimizer)
