@@ -333,3 +333,21 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
     assert "--steps 3 but the checkpoint is at 4 minibatches" in err, err
     err = _fails([*base, "--steps", "4", "--resume"], capsys)
     assert "--resume needs --checkpoint-dir DIR" in err, err
+
+
+@pytest.mark.parametrize(("argv", "compensate"), [([], True), (["--no-compensation"], False)])
+def test_staleness_compensation_is_on_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], compensate: bool
+) -> None:
+    import dreampipe.commands.train
+
+    seen: list[bool] = []
+
+    def record(request: Any, *args: object, **kwargs: object) -> None:
+        seen.append(request.run.compensate)
+        raise PeerTimeoutError("stopped after reading the options")
+
+    monkeypatch.setattr(dreampipe.commands.train, "run_train", record)
+    assert main(["train", "mlp", "--workers", "2", "--steps", "1", "--schedule", "2bw",
+                 *argv]) == 2
+    assert seen == [compensate]
