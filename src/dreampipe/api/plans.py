@@ -42,7 +42,8 @@ from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import Semantics, choose_schedule
+from dreampipe.simulation.choose import ScheduleChoice, Semantics, choose_schedule
+from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 
 __all__ = ["PlanArg", "Resolved", "resolve_plan"]
 
@@ -87,14 +88,11 @@ def resolve_plan(
     if dist.get_rank() == 0:
         try:
             graph = _profile(layers, example, loss_fn, unit_size, seed)
-            chosen = given or _plan(graph, layers, machine, nodes)
-            box[0] = (chosen.to_json(), None, 0)
-            if semantics is not None:
-                topology = local_topology(world, measured_machine(graph, machine), nodes=nodes)
-                choice = choose_schedule(graph, chosen, topology, semantics,
-                                         microbatches=microbatches)
-                for line in choice.reasons():
-                    _log.info("schedule auto (%s): %s", semantics.value, line)
+            if semantics is None:
+                box[0] = (_plan(graph, layers, machine, nodes).to_json(), None, 0)
+            else:
+                chosen, choice = _plan_and_schedule(graph, layers, machine, nodes, given,
+                                                    semantics, microbatches)
                 box[0] = (chosen.to_json(), choice.kind.value, choice.microbatches)
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc
@@ -106,11 +104,35 @@ def resolve_plan(
                     None if chosen_kind is None else ScheduleKind(chosen_kind), per)
 
 
-def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int) -> Plan:
+def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
+          max_stages: int | None = None) -> Plan:
     plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
-                       machine=machine)
+                       machine=machine, max_stages=max_stages)
     _log.info("planned %s", plan.config)
     return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))
+
+
+def _plan_and_schedule(
+    graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
+    given: Plan | None, semantics: Semantics, microbatches: int | None,
+) -> tuple[Plan, ScheduleChoice]:
+    """``schedule="auto"``: the fastest schedule of ``semantics`` on ``given``, or, when the
+    planner chooses, the fastest pair over its plans of each number of stages."""
+    world = dist.get_world_size()
+    topology = local_topology(world, measured_machine(graph, machine), nodes=nodes)
+    if given is None:
+        picked = choose_plan_and_schedule(
+            graph, topology, semantics, lambda k: _plan(graph, layers, machine, nodes, k),
+            min(world, len(layers)), microbatches=microbatches)
+        for line in picked.lines:
+            _log.info("plan auto (%s): %s", semantics.value, line)
+        plan, choice = picked.plan, picked.schedule
+    else:
+        plan, choice = given, choose_schedule(graph, given, topology, semantics,
+                                              microbatches=microbatches)
+    for line in choice.reasons():
+        _log.info("schedule auto (%s): %s", semantics.value, line)
+    return plan, choice
 
 
 def _profile(

@@ -61,6 +61,7 @@ from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.choose import Semantics, choose_schedule
 from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 from dreampipe.simulation.simulator import simulate_schedule
 
 if TYPE_CHECKING:
@@ -300,7 +301,9 @@ def plan_train(
                 plan = Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
     chosen: tuple[ScheduleKind, int] | None = None
     if req.semantics is not None and graph is not None and plan is not None:
-        chosen = _choose(graph, plan, req, workers, machine, nodes, talk)
+        free = given is None and source.planner_chooses and source.config is None and v == 1
+        plan, chosen = _choose(graph, plan, req, workers, machine, nodes, talk,
+                               free=free, fewer=torchrun is None)
     if plan is None or (torchrun is not None and (source.planner_chooses
                                                   or req.semantics is not None)):
         plan, chosen = share_plan(plan, opts.timeout_s, chosen)
@@ -343,18 +346,34 @@ def plan_train(
 
 
 def _choose(graph: LayerGraph, plan: Plan, req: TrainRequest, workers: int,
-            machine: LocalCalibration, nodes: int, talk: Say) -> tuple[ScheduleKind, int]:
-    """``--schedule auto``: the fastest schedule of ``req.semantics`` on ``plan`` that fits
-    ``--memory``, by the simulator, with a line per candidate saying why."""
+            machine: LocalCalibration, nodes: int, talk: Say, *, free: bool, fewer: bool
+            ) -> tuple[Plan, tuple[ScheduleKind, int]]:
+    """``--schedule auto``: the fastest schedule of ``req.semantics`` that fits ``--memory``,
+    by the simulator, with a line per candidate saying why. When the planner chooses the
+    plan too (``free``), its plan of each number of stages is tried, and the fastest pair
+    kept (:mod:`dreampipe.simulation.plan_choice`)."""
     assert req.semantics is not None
     topology = local_topology(workers, measured_machine(graph, machine), nodes=nodes)
-    choice = choose_schedule(graph, plan, topology, req.semantics, req.memory_bytes,
-                             req.run.microbatches)
+    if free:
+        picked = choose_plan_and_schedule(
+            graph, topology, req.semantics,
+            lambda k: choose_plan(graph, workers, allow_fewer_workers=fewer, nodes=nodes,
+                                  memory_bytes=req.memory_bytes, machine=machine, max_stages=k),
+            min(workers, len(graph.layers)), memory_bytes=req.memory_bytes,
+            microbatches=req.run.microbatches)
+        talk(f"plan auto ({req.semantics.value}): the planner's plan of each number of "
+             "stages, each with its fastest schedule:")
+        for line in picked.lines:
+            talk(f"  {line}")
+        plan, choice = picked.plan, picked.schedule
+    else:
+        choice = choose_schedule(graph, plan, topology, req.semantics, req.memory_bytes,
+                                 req.run.microbatches)
     talk(f"schedule auto ({req.semantics.value}): {choice.kind.value}, the fastest that fits, "
          f"with {choice.microbatches} microbatches per minibatch:")
     for line in choice.reasons():
         talk(f"  {line}")
-    return choice.kind, choice.microbatches
+    return plan, (choice.kind, choice.microbatches)
 
 
 def _predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,
