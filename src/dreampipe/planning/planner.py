@@ -24,7 +24,9 @@ pipeline time and ``baselines_s["dp"]`` its data-parallel time.
 When a memory limit leaves no layer plan, :func:`plan_pipeline` splits every
 layer over ``t`` workers of one server instead (operator partitioning,
 :mod:`dreampipe.planning.split_stage`): the fastest split that fits, over
-``t = 2, 4, ...`` up to a server's workers. :func:`memory_needs` says what
+``t = 2, 4, ...`` up to a server's workers. With ``mixed_splits`` a split is
+instead a per-stage choice of the range search (:mod:`dreampipe.planning.split_ranges`),
+of which that fallback is one case. :func:`memory_needs` says what
 data parallelism and the least demanding layer plan need per worker.
 """
 
