@@ -149,8 +149,8 @@ def plan_pipeline(
     replica, so ``train`` and ``Pipeline(plan="auto")`` get the whole-model fallback.
     ``recompute`` lets a stage recompute its activations in the backward where
     only that fits ``memory_bytes`` (one more forward; the range search's choice,
-    :func:`~dreampipe.planning.ranges.best_ranges`; off by default: the runtime does
-    not run recomputing stages yet).
+    :func:`~dreampipe.planning.ranges.best_ranges`; off by default, so a plan keeps
+    every stage's activations unless asked; the runtime runs either).
     ``exact`` searches every layer however long it takes (default: a profile
     longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
     exact_layers`, is searched in blocks and the plan records its

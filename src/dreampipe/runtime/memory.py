@@ -199,7 +199,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         if st.tensor_parallel > 1:
             out.append(split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
                                     versions, flight[s], optimizer_copies=optimizer_copies(opts),
-                                    stash=opts.stash))
+                                    stash=opts.stash, recompute=st.recompute))
             continue
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
