@@ -20,7 +20,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]`` if given, and
     evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses, the full
     state, the plan's stage bounds and replicas, whether rank 0's stage recomputes, the
-    checkpoint's path and the held-out loss."""
+    schedule it ran, the checkpoint's path and the held-out loss."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -33,7 +33,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
-        resume=job.get("resume"),
+        resume=job.get("resume"), semantics=job.get("semantics", "sync"),
         **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
@@ -49,5 +49,6 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     recomputes = pipe.module.recompute
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
-           "saved": saved, "evaluated": evaluated, "recomputes": recomputes}
+           "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
+           "schedule": pipe.kind.value}
     return out if rank == 0 else None

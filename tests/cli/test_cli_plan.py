@@ -345,3 +345,36 @@ def test_plan_recomputes_a_stage_only_memory_makes_fit_and_says_why(
     assert f"slowest term all-reduce {stage.time_s * 1e3:.2f} ms (100% of" in first
     assert f"memory {format_bytes(stage.memory_bytes)} of 18.0 GB; recomputes:" in first
     assert any(x.startswith("stage 1: 1 replica; slowest term ") for x in lines)
+
+
+def test_a_mixed_plan_is_printed_saved_and_says_why_a_stage_is_split(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from dreampipe.errors import PlanError
+    from dreampipe.planning.gpt_shapes import GptShape, gpt_profile
+
+    profile, saved = tmp_path / "gpt.json", tmp_path / "plan.json"
+    gpt_profile(GptShape("gpt-4x4096", 4, 4096, 16, 1024, 50257, 8), 100e12).save(profile)
+    argv = [str(profile), "-t", "4x8", "-b", "150GB/s", "-b", "12.5GB/s",
+            "--memory", "8GB", "--no-check"]
+    code, out, _ = _run(capsys, *argv, "-o", str(saved))
+    assert code == 0
+    plan = Plan.load(saved)
+    assert plan.mixes_splits and any(s.recompute for s in plan.stages)
+    assert f"config {plan.config} on {plan.workers_used} of 32 workers" in out
+    split = next(s for s, st in enumerate(plan.stages) if st.tensor_parallel > 1)
+    why = next(line for line in out.splitlines() if line.startswith(f"stage {split}: "))
+    assert f"split over {plan.stages[split].tensor_parallel} workers of one server" in why
+    assert "unsplit, each of its" in why and "above the limit" in why
+    # what the smallest plans need is said of the whole-model split only
+    assert "data parallelism: does not fit in memory" in out and "(needs" not in out
+    # the runtime runs one width for every stage: the saved plan says so when asked
+    with pytest.raises(PlanError, match="--no-mixed-splits"):
+        _ = plan.tensor_parallel
+    code, out, _ = _run(capsys, *argv, "--json")
+    data = json.loads(out)
+    assert data["config"] == plan.config
+    assert [s["tensor_parallel"] for s in data["stages"]] == [
+        s.tensor_parallel for s in plan.stages]
+    code, out, _ = _run(capsys, *argv, "--no-mixed-splits")
+    assert code == 0 and "t4" not in out.split("config ")[-1].split(" ")[0]

@@ -24,6 +24,7 @@ from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runtime.data import steps_for_epochs
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
+from dreampipe.simulation.choose import CANDIDATES, Semantics
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -244,12 +245,15 @@ def test_plan_sharing_needs_the_torchrun_agent_store(monkeypatch: pytest.MonkeyP
         share_plan(None, 5.0)
 
 
-def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schedule", [[], ["--schedule", "auto", "--microbatches", "2"]],
+                         ids=["pipedream", "auto"])
+def test_train_under_torchrun_prints_once(tmp_path: Path, schedule: list[str]) -> None:
+    """Rank 0 plans (and, with --schedule auto, chooses the schedule) for every rank."""
     exe = Path(sys.executable).parent / "dreampipe"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "--no-python", str(exe), "train", "mlp", "--model-arg", "layers=4",
            "--model-arg", "width=32", "--steps", "4", "--batch-size", "8", "--json",
-           "--no-progress"]
+           "--no-progress", *schedule]
     # PYTHONFAULTHANDLER: a rank killed by a signal (SIGABRT) prints its Python stacks.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
@@ -265,6 +269,23 @@ def test_train_under_torchrun_prints_once(tmp_path: Path) -> None:
     data = json.loads(lines[0])
     assert len(data["losses"]) == 4
     assert sum(r for _, _, r in data["stages"]) == 2
+    sync = {k.value for k in CANDIDATES[Semantics.SYNC]}
+    assert (data["schedule"] in sync) if schedule else data["schedule"] == "pipedream"
+
+
+@pytest.mark.parametrize("semantics", list(Semantics))
+def test_train_schedule_auto_runs_the_fastest_of_its_semantics(
+        semantics: Semantics, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+                 "--workers", "2", "--steps", "4", "--batch-size", "8", "--microbatches", "2",
+                 "--schedule", "auto", "--semantics", semantics.value, "--json",
+                 "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(next(ln for ln in out.splitlines() if ln.startswith("{")))
+    assert data["schedule"] in {k.value for k in CANDIDATES[semantics]}
+    assert data["microbatches"] == (1 if data["schedule"] == "pipedream" else 2)
+    assert f"schedule auto ({semantics.value}): {data['schedule']}" in err + out
+    assert len(data["losses"]) == 4
 
 
 def test_train_with_its_progress_bar_leaves_nothing_behind(
@@ -333,3 +354,21 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
     assert "--steps 3 but the checkpoint is at 4 minibatches" in err, err
     err = _fails([*base, "--steps", "4", "--resume"], capsys)
     assert "--resume needs --checkpoint-dir DIR" in err, err
+
+
+@pytest.mark.parametrize(("argv", "compensate"), [([], True), (["--no-compensation"], False)])
+def test_staleness_compensation_is_on_unless_turned_off(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], compensate: bool
+) -> None:
+    import dreampipe.commands.train
+
+    seen: list[bool] = []
+
+    def record(request: Any, *args: object, **kwargs: object) -> None:
+        seen.append(request.run.compensate)
+        raise PeerTimeoutError("stopped after reading the options")
+
+    monkeypatch.setattr(dreampipe.commands.train, "run_train", record)
+    assert main(["train", "mlp", "--workers", "2", "--steps", "1", "--schedule", "2bw",
+                 *argv]) == 2
+    assert seen == [compensate]

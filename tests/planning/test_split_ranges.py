@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts
-from dreampipe.planning.operator_search import Link, leanest_split, search_splits, split_memory
+from dreampipe.planning.operator_search import Link, search_splits, split_front, split_memory
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.pricing import price_stages, slowest
@@ -105,7 +105,8 @@ def test_a_split_stage_over_the_whole_chain_is_the_operator_search(graph: LayerG
                                                                    t: int) -> None:
     topo = Topology((Level(4, 1e10, 1e-6), Level(2, 1e9, 1e-5)))
     link = Link(1e10, 1e-6)
-    fast, lean = search_splits(graph, t, link), leanest_split(graph, t, link)
+    fast, lean = split_front(graph, t, link)
+    assert fast == search_splits(graph, t, link)
     options = split_options(graph, topo, [t])
     assert options[0].splits == fast.splits and options[-1].splits == lean.splits
     for option in options:

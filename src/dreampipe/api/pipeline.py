@@ -80,6 +80,7 @@ from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.choose import Semantics
 
 __all__ = ["SEGMENT_UNITS", "Pipeline"]
 
@@ -90,6 +91,9 @@ SEGMENT_UNITS = 8192
 #: Schedules kept for reuse: the horizons a segment grows through, and its drain.
 _KEPT_SCHEDULES = 6
 _E = TypeVar("_E", bound=Enum)
+_AUTO = "auto"
+#: What stands in for ``schedule="auto"`` until it has chosen (profiling, early checks).
+_STAND_IN = {Semantics.SYNC: ScheduleKind.FLUSH, Semantics.ASYNC: ScheduleKind.TWO_BW}
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -137,7 +141,11 @@ class Pipeline:
     are in :attr:`skipped`. ``compensate`` (pipedream and 2bw) lowers each
     stage's momentum by its delay's implicit momentum
     (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
-    settings is logged as a warning, with the fix. The layers are trained in place.
+    settings is logged as a warning, with the fix. ``schedule="auto"`` profiles the
+    model and simulates the schedules of ``semantics`` (``"sync"``: zb-h1, zb-h2,
+    1f1b-flush, gpipe, as one process trains; ``"async"``: 2bw, pipedream) on the plan
+    with ``microbatches`` per minibatch, and trains with the fastest (:attr:`kind`; the
+    reasons are logged). The layers are trained in place.
     """
 
     def __init__(
@@ -162,10 +170,18 @@ class Pipeline:
         timeout_s: float = 60.0,
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
         split_points: Sequence[str] | None = None,
+        semantics: str | Semantics = "sync",
         virtual_stages: int = 1,
         compensate: bool = True,
     ) -> None:
-        self.kind = _choice(schedule, ScheduleKind, "schedule")
+        auto = schedule == _AUTO
+        wanted = _choice(semantics, Semantics, "semantics")
+        #: Until ``schedule="auto"`` has chosen, one schedule of the semantics stands in.
+        self.kind = _STAND_IN[wanted] if auto else _choice(schedule, ScheduleKind, "schedule")
+        if auto and virtual_stages != 1:
+            raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
+                              "interleaved schedule needs a plan cut for it; give "
+                              "schedule='interleaved-1f1b'", "virtual_stages", "schedule")
         self._virtual = virtual_stages
         check_virtual(self.kind, virtual_stages, plan, split_points, resume)
         policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
@@ -190,8 +206,16 @@ class Pipeline:
             bounds = split_bounds(self._names, split_points, model)
             plan = Plan.from_config(len(self._names), bounds, [1] * len(bounds),
                                     layer_names=tuple(self._names))
-        self.plan = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
-                                 loss_fn=loss_fn, unit_size=unit_size, seed=seed)
+        resolved = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
+                                loss_fn=loss_fn, unit_size=unit_size, seed=seed,
+                                semantics=wanted if auto else None,
+                                microbatches=microbatches)
+        self.plan = resolved.plan
+        if resolved.kind is not None:
+            self.kind = resolved.kind
+            self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
+                                     microbatches=resolved.microbatches, workers=world)
+            check_policy(policy, self.kind)
         if virtual_stages > 1 and self.plan.num_stages != world * virtual_stages:
             raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
                               f"{world * virtual_stages} stages, not the plan's "

@@ -8,6 +8,11 @@ machine file (or, without one, the machine measured by every rank now:
 broadcasts the plan over the process group, so every rank runs the same
 one whatever launched them. The ``dp`` schedule always runs one stage on
 every worker.
+
+``schedule="auto"`` (``semantics`` given) also profiles, for a given plan
+too, and simulates that semantics' schedules on the plan
+(:func:`dreampipe.simulation.choose.choose_schedule`); rank 0 logs why each
+was kept or dropped and broadcasts the fastest with the plan.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import dataclasses
 import json
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +34,18 @@ from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.split import Layers, build_stage
 from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.machine.calibration import LocalCalibration
+from dreampipe.machine.calibration import LocalCalibration, local_topology, measured_machine
 from dreampipe.machine.local_plan import choose_plan
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.simulation.choose import ScheduleChoice, Semantics, choose_schedule
+from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 
-__all__ = ["PlanArg", "resolve_plan"]
+__all__ = ["PlanArg", "Resolved", "resolve_plan"]
 
 _log = logging.getLogger(__name__)
 
@@ -44,39 +53,92 @@ _log = logging.getLogger(__name__)
 PlanArg = Plan | str | Path
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """The plan every rank runs and, under ``schedule="auto"``, the schedule chosen for it
+    with its microbatches per minibatch (else None, 0)."""
+
+    plan: Plan
+    kind: ScheduleKind | None = None
+    microbatches: int = 0
+
+
 def resolve_plan(
     plan: PlanArg, *, layers: Layers, kind: ScheduleKind, example: Batch,
     loss_fn: Callable[..., Any], unit_size: int, seed: int,
-) -> Plan:
-    """The plan every rank runs (a collective when rank 0 has to plan)."""
+    semantics: Semantics | None = None, microbatches: int | None = None,
+) -> Resolved:
+    """The plan every rank runs, and the schedule ``semantics`` (``schedule="auto"``) picks
+    for it (a collective when rank 0 has to plan or choose)."""
     n, world = len(layers), dist.get_world_size()
+    given: Plan | None = None
     if isinstance(plan, Plan):
-        return plan
-    if str(plan) != "auto":
+        given = plan
+    elif str(plan) != "auto":
         if not Path(plan).is_file():
             raise PlanError(f"plan={str(plan)!r} is neither 'auto', a Plan, nor a plan file")
-        return Plan.load(plan)
-    if kind is ScheduleKind.DP or world == 1:
-        return Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
+        given = Plan.load(plan)
+    elif kind is ScheduleKind.DP or world == 1:
+        given = Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
+    if given is not None and semantics is None:
+        return Resolved(given)
     nodes = torchrun_nodes(world) if in_torchrun() else 1
     machine = machine_in_group(nodes=nodes)  # every rank: without a machine file all measure
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            box[0] = _profile_and_plan(layers, example, loss_fn, unit_size, seed,
-                                       machine, nodes).to_json()
+            graph = _profile(layers, example, loss_fn, unit_size, seed)
+            if semantics is None:
+                box[0] = (_plan(graph, layers, machine, nodes).to_json(), None, 0)
+            else:
+                chosen, choice = _plan_and_schedule(graph, layers, machine, nodes, given,
+                                                    semantics, microbatches)
+                box[0] = (chosen.to_json(), choice.kind.value, choice.microbatches)
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], DreampipeError):
         raise box[0]
-    return Plan.from_dict(json.loads(box[0]))
+    text, chosen_kind, per = box[0]
+    return Resolved(Plan.from_dict(json.loads(text)),
+                    None if chosen_kind is None else ScheduleKind(chosen_kind), per)
 
 
-def _profile_and_plan(
+def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
+          max_stages: int | None = None) -> Plan:
+    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
+                       machine=machine, max_stages=max_stages)
+    _log.info("planned %s", plan.config)
+    return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))
+
+
+def _plan_and_schedule(
+    graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
+    given: Plan | None, semantics: Semantics, microbatches: int | None,
+) -> tuple[Plan, ScheduleChoice]:
+    """``schedule="auto"``: the fastest schedule of ``semantics`` on ``given``, or, when the
+    planner chooses, the fastest pair over its plans of each number of stages."""
+    world = dist.get_world_size()
+    topology = local_topology(world, measured_machine(graph, machine), nodes=nodes)
+    if given is None:
+        picked = choose_plan_and_schedule(
+            graph, topology, semantics, lambda k: _plan(graph, layers, machine, nodes, k),
+            min(world, len(layers)), microbatches=microbatches)
+        for line in picked.lines:
+            _log.info("plan auto (%s): %s", semantics.value, line)
+        plan, choice = picked.plan, picked.schedule
+    else:
+        plan, choice = given, choose_schedule(graph, given, topology, semantics,
+                                              microbatches=microbatches)
+    for line in choice.reasons():
+        _log.info("schedule auto (%s): %s", semantics.value, line)
+    return plan, choice
+
+
+def _profile(
     layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int,
-    machine: LocalCalibration, nodes: int,
-) -> Plan:
+) -> LayerGraph:
+    """The whole model profiled as one worker runs, on a unit of the example."""
     from dreampipe.profiling.profiler import profile_model
 
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
@@ -93,7 +155,4 @@ def _profile_and_plan(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
             "give plan= a Plan or a plan file for this model"
         )
-    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
-                       machine=machine)
-    _log.info("planned %s", plan.config)
-    return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))
+    return graph

@@ -25,7 +25,10 @@ if TYPE_CHECKING:
 
 __all__ = ["parse_model_args", "register"]
 
-_SCHEDULES = [k.value for k in ScheduleKind]
+_AUTO = "auto"
+_SCHEDULES = [_AUTO, *(k.value for k in ScheduleKind)]
+#: What stands in for ``--schedule auto`` until the simulator has chosen.
+_STAND_IN = {"sync": ScheduleKind.FLUSH, "async": ScheduleKind.TWO_BW}
 _DATASETS = ("synthetic", "digits", "mnist")
 
 
@@ -82,11 +85,16 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "returned when freed, which makes training about a fifth slower")
     g = p.add_argument_group("training")
     g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
-                   help="pipedream: async 1F1B with weight stashing (default); 1f1b-flush, "
+                   help="pipedream: async 1F1B with weight stashing (default); 2bw: "
+                        "PipeDream-2BW (async, two weight versions); 1f1b-flush, "
                         "gpipe: synchronous microbatched; zb-h1, zb-h2: zero bubble (the "
                         "backward split into input and weight gradients); interleaved-1f1b: "
                         "--virtual-stages stages per worker; dp: data parallel; naive: one "
-                        "microbatch at a time")
+                        "microbatch at a time; auto: the fastest of --semantics on the plan "
+                        "that fits --memory, simulated, with the reasons")
+    g.add_argument("--semantics", choices=list(_STAND_IN), default="sync",
+                   help="with --schedule auto: sync (default; zb-h1, zb-h2, 1f1b-flush, gpipe, "
+                        "as one process trains) or async (2bw, pipedream: stale weights)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
                         "workers, cut for balanced compute (default: 1)")
@@ -191,11 +199,13 @@ def _request(args: argparse.Namespace) -> TrainRequest:
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
     from dreampipe.runtime.config import OptimizerKind
     from dreampipe.runtime.nonfinite import OnNonFinite
+    from dreampipe.simulation.choose import Semantics
 
     run = TrainOptions(
         model=args.model,
         model_kwargs=parse_model_args(args.model_arg),
-        schedule=ScheduleKind(args.schedule),
+        schedule=_STAND_IN[args.semantics] if args.schedule == _AUTO
+        else ScheduleKind(args.schedule),
         optimizer=OptimizerKind(args.optimizer),
         lr=args.lr,
         momentum=args.momentum,
@@ -223,6 +233,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         epochs=args.epochs,
         exact_steps=args.steps is not None,
         memory_bytes=None if args.memory is None else parse_bytes(args.memory),
+        semantics=Semantics(args.semantics) if args.schedule == _AUTO else None,
     )
 
 
@@ -251,7 +262,7 @@ def _train(args: argparse.Namespace) -> int:
         from dreampipe.simulation.timeline import draw_timeline
 
         draw_timeline(list(res.events), args.timeline,
-                      title=f"{args.model} {report.plan.config} {args.schedule} (measured)")
+                      title=f"{args.model} {report.plan.config} {report.schedule.value} (measured)")
         say(f"timeline: {args.timeline}")
     summary = report.summary()
     if args.json:

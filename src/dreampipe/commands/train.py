@@ -113,7 +113,7 @@ def run_train(
     if result is None:
         return None
     return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result,
-                       planned.predicted_memory)
+                       planned.predicted_memory, cfg.schedule, cfg.microbatches)
 
 
 def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResult:

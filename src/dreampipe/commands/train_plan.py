@@ -16,6 +16,7 @@ exchange.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.machine.calibration import corun_crowd, corun_twins, local_topology, measured_machine
+from dreampipe.machine.calibration import (
+    LocalCalibration,
+    corun_crowd,
+    corun_twins,
+    local_topology,
+    measured_machine,
+)
 from dreampipe.machine.local_plan import (
     choose_plan,
     forced_partition,
@@ -52,7 +59,9 @@ from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.choose import Semantics, choose_schedule
 from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 from dreampipe.simulation.simulator import simulate_schedule
 
 if TYPE_CHECKING:
@@ -116,6 +125,8 @@ class TrainRequest:
     replaces ``run.steps`` with the updates that cover that many passes over
     the data. Steps are rounded up to whole all-reduce rounds of the plan,
     unless ``exact_steps`` (they were asked for): then a partial round is an error.
+    ``semantics`` (``--schedule auto``): ``run.schedule`` only stands in until the
+    fastest schedule of these semantics on the plan is chosen by the simulator.
     """
 
     run: TrainOptions
@@ -125,6 +136,7 @@ class TrainRequest:
     exact_steps: bool = False
     memory_bytes: int | None = None
     profile: str | None = None
+    semantics: Semantics | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,9 @@ class TrainReport:
     predicted_samples_per_s: float
     result: TrainResult
     predicted_memory: tuple[int, ...] = ()
+    #: The schedule that ran (``--schedule auto`` chooses it).
+    schedule: ScheduleKind = ScheduleKind.PIPEDREAM
+    microbatches: int = 1
 
     def memory_rows(self) -> list[dict[str, Any]]:
         """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
@@ -164,6 +179,8 @@ class TrainReport:
             "losses": list(res.losses),
             "elapsed_s": res.elapsed_s,
             "steps": self.steps,
+            "schedule": self.schedule.value,
+            "microbatches": self.microbatches,
             "config": self.plan.config,
             "topology": self.plan.topology,
             "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
@@ -181,8 +198,11 @@ def torchrun_world() -> tuple[int, int] | None:
     return None
 
 
-def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
-    """Rank 0 passes its ``plan``; every other rank passes None and gets rank 0's.
+def share_plan(plan: Plan | None, timeout_s: float,
+               chosen: tuple[ScheduleKind, int] | None = None
+               ) -> tuple[Plan, tuple[ScheduleKind, int] | None]:
+    """Rank 0 passes its ``plan`` (and the schedule ``--schedule auto`` chose, with its
+    microbatches); every other rank passes None and gets rank 0's.
 
     Uses the torchrun agent's store; other launchers need a plan every rank
     can compute alone (a plan file or a forced partition).
@@ -201,10 +221,14 @@ def share_plan(plan: Plan | None, timeout_s: float) -> Plan:
     key = (f"dreampipe/plan/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     if plan is not None:
-        store.set(key, plan.to_json())
-        return plan
+        store.set(key, json.dumps({"plan": plan.to_dict(), "schedule": None if chosen is None
+                                   else [chosen[0].value, chosen[1]]}))
+        return plan, chosen
     try:
-        return Plan.from_dict(json.loads(store.get(key)))
+        shared = json.loads(store.get(key))
+        pick = shared["schedule"]
+        return (Plan.from_dict(shared["plan"]),
+                None if pick is None else (ScheduleKind(pick[0]), int(pick[1])))
     except RuntimeError as exc:
         raise PeerTimeoutError(
             f"rank {os.environ.get('RANK')} waited {timeout_s:g} s for rank 0's plan ({exc}); "
@@ -275,9 +299,21 @@ def plan_train(
             forced = forced_partition(spec.num_layers, workers, source.config, source.stages)
             if forced is not None and forced[0] is not None:
                 plan = Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
-    if plan is None or (torchrun is not None and source.planner_chooses):
-        plan = share_plan(plan, opts.timeout_s)
+    chosen: tuple[ScheduleKind, int] | None = None
+    if req.semantics is not None and graph is not None and plan is not None:
+        free = given is None and source.planner_chooses and source.config is None and v == 1
+        plan, chosen = _choose(graph, plan, req, workers, machine, nodes, talk,
+                               free=free, fewer=torchrun is None)
+    if plan is None or (torchrun is not None and (source.planner_chooses
+                                                  or req.semantics is not None)):
+        plan, chosen = share_plan(plan, opts.timeout_s, chosen)
+    if chosen is not None:
+        opts = dataclasses.replace(opts, schedule=chosen[0], microbatches=chosen[1])
+        layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
+                            microbatches=opts.microbatches, workers=workers)
     steps = _whole_rounds(req, layout, plan, steps, talk)
+    cfg = opts.with_plan(plan, steps)
+    check_config(cfg, spec, cfg.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
     if graph is not None and v == 1:
         # long enough to fill the pipeline and the runtime's kept sends
@@ -306,9 +342,38 @@ def plan_train(
         talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
-    cfg = opts.with_plan(plan, steps)
-    check_config(cfg, spec, cfg.workers)
     return PlannedRun(cfg, spec, predicted, memory)
+
+
+def _choose(graph: LayerGraph, plan: Plan, req: TrainRequest, workers: int,
+            machine: LocalCalibration, nodes: int, talk: Say, *, free: bool, fewer: bool
+            ) -> tuple[Plan, tuple[ScheduleKind, int]]:
+    """``--schedule auto``: the fastest schedule of ``req.semantics`` that fits ``--memory``,
+    by the simulator, with a line per candidate saying why. When the planner chooses the
+    plan too (``free``), its plan of each number of stages is tried, and the fastest pair
+    kept (:mod:`dreampipe.simulation.plan_choice`)."""
+    assert req.semantics is not None
+    topology = local_topology(workers, measured_machine(graph, machine), nodes=nodes)
+    if free:
+        picked = choose_plan_and_schedule(
+            graph, topology, req.semantics,
+            lambda k: choose_plan(graph, workers, allow_fewer_workers=fewer, nodes=nodes,
+                                  memory_bytes=req.memory_bytes, machine=machine, max_stages=k),
+            min(workers, len(graph.layers)), memory_bytes=req.memory_bytes,
+            microbatches=req.run.microbatches)
+        talk(f"plan auto ({req.semantics.value}): the planner's plan of each number of "
+             "stages, each with its fastest schedule:")
+        for line in picked.lines:
+            talk(f"  {line}")
+        plan, choice = picked.plan, picked.schedule
+    else:
+        choice = choose_schedule(graph, plan, topology, req.semantics, req.memory_bytes,
+                                 req.run.microbatches)
+    talk(f"schedule auto ({req.semantics.value}): {choice.kind.value}, the fastest that fits, "
+         f"with {choice.microbatches} microbatches per minibatch:")
+    for line in choice.reasons():
+        talk(f"  {line}")
+    return plan, (choice.kind, choice.microbatches)
 
 
 def _predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,

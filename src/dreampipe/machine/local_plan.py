@@ -176,8 +176,10 @@ def choose_plan(
     nodes: int = 1,
     memory_bytes: int | None = None,
     machine: LocalCalibration | None = None,
+    max_stages: int | None = None,
 ) -> Plan:
-    """The planner's best plan for ``workers`` local workers, or the forced partition costed.
+    """The planner's best plan for ``workers`` local workers (of at most ``max_stages``
+    stages), or the forced partition costed.
 
     A ``config`` without ``stages`` gets the cuts the planner prices fastest
     for those replica counts. ``nodes`` > 1 (a torchrun job over several
@@ -193,7 +195,8 @@ def choose_plan(
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers,
-                                     memory_bytes=memory_bytes)
+                                     memory_bytes=memory_bytes, max_stages=max_stages,
+                                     recompute=memory_bytes is not None)
     bounds, replicas = forced
     if bounds is not None:
         return planner.evaluate_plan(graph, topology, bounds, replicas)

@@ -37,7 +37,7 @@ from dreampipe.planning.splits import (
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "leanest_split", "search_splits",
+__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits", "split_front",
            "split_memory"]
 
 _TAIL_LAYOUTS = {Layout.REPLICATED: Split.REPLICA, Layout.BATCH: Split.BATCH,
@@ -79,11 +79,27 @@ class SplitPlan:
 
 @dataclass(frozen=True)
 class _Point:
+    """A way to run the chain so far: its totals, and the splits and layouts of its last
+    group after those of ``before`` (a shared trail, not a copy per point)."""
+
     time: float
     comm: float
     memory: float
     splits: tuple[Split, ...]
     layouts: tuple[Layout, ...]
+    before: _Point | None = None
+
+    def plan(self, workers: int) -> SplitPlan:
+        """The :class:`SplitPlan` of the whole trail."""
+        trail: list[_Point] = []
+        at: _Point | None = self
+        while at is not None:
+            trail.append(at)
+            at = at.before
+        trail.reverse()
+        return SplitPlan(workers, tuple(x for p in trail for x in p.splits),
+                         tuple(x for p in trail for x in p.layouts), self.time, self.comm,
+                         self.memory)
 
 
 def coarsen(graph: LayerGraph) -> list[list[int]]:
@@ -127,15 +143,16 @@ def search_splits(graph: LayerGraph, workers: int, link: Link,
             f"{limit:.4g} bytes per worker; the smallest needs {smallest:.4g}: add workers "
             "or memory"
         )
-    best = min(finals, key=lambda p: (p.time, p.memory))
-    return SplitPlan(workers, best.splits, best.layouts, best.time, best.comm, best.memory)
+    return min(finals, key=lambda p: (p.time, p.memory)).plan(workers)
 
 
-def leanest_split(graph: LayerGraph, workers: int, link: Link) -> SplitPlan:
-    """The split of ``graph`` over ``workers`` that holds the least per worker (ties: the
-    faster), the other end of the search's (time, memory) front from :func:`search_splits`."""
-    best = min(_finals(graph, workers, link, math.inf), key=lambda p: (p.memory, p.time))
-    return SplitPlan(workers, best.splits, best.layouts, best.time, best.comm, best.memory)
+def split_front(graph: LayerGraph, workers: int, link: Link) -> tuple[SplitPlan, SplitPlan]:
+    """The two ends of the search's (time, memory) front over ``workers``: the fastest
+    split of ``graph`` (:func:`search_splits` without a limit) and the one that holds the
+    least per worker (ties: the faster)."""
+    finals = _finals(graph, workers, link, math.inf)
+    return (min(finals, key=lambda p: (p.time, p.memory)).plan(workers),
+            min(finals, key=lambda p: (p.memory, p.time)).plan(workers))
 
 
 def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:
@@ -147,16 +164,16 @@ def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]
         grown: dict[Layout, list[_Point]] = {}
         for src, points in frontier.items():
             for out, extra in _group_options(layers, group, src, t, link):
+                into = grown.setdefault(out, [])
                 for p in points:
-                    q = _Point(p.time + extra.time, p.comm + extra.comm,
-                               p.memory + extra.memory, p.splits + extra.splits,
-                               p.layouts + extra.layouts)
-                    if q.memory <= limit:
-                        grown.setdefault(out, []).append(q)
-        frontier = {lay: _pareto(pts) for lay, pts in grown.items()}
+                    if p.memory + extra.memory <= limit:
+                        into.append(_Point(p.time + extra.time, p.comm + extra.comm,
+                                           p.memory + extra.memory, extra.splits,
+                                           extra.layouts, p))
+        frontier = {lay: _pareto(pts) for lay, pts in grown.items() if pts}
     reduce = link.seconds(Collective.ALL_REDUCE, float(layers[-1].activation_bytes), t)
     return [p if lay is not Layout.PARTIAL else
-            _Point(p.time + reduce, p.comm + reduce, p.memory, p.splits, p.layouts)
+            _Point(p.time + reduce, p.comm + reduce, p.memory, (), (), p)
             for lay, pts in frontier.items() for p in pts]
 
 

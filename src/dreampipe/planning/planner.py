@@ -24,7 +24,9 @@ pipeline time and ``baselines_s["dp"]`` its data-parallel time.
 When a memory limit leaves no layer plan, :func:`plan_pipeline` splits every
 layer over ``t`` workers of one server instead (operator partitioning,
 :mod:`dreampipe.planning.split_stage`): the fastest split that fits, over
-``t = 2, 4, ...`` up to a server's workers. :func:`memory_needs` says what
+``t = 2, 4, ...`` up to a server's workers. With ``mixed_splits`` a split is
+instead a per-stage choice of the range search (:mod:`dreampipe.planning.split_ranges`),
+of which that fallback is one case. :func:`memory_needs` says what
 data parallelism and the least demanding layer plan need per worker.
 """
 
@@ -147,8 +149,8 @@ def plan_pipeline(
     replica, so ``train`` and ``Pipeline(plan="auto")`` get the whole-model fallback.
     ``recompute`` lets a stage recompute its activations in the backward where
     only that fits ``memory_bytes`` (one more forward; the range search's choice,
-    :func:`~dreampipe.planning.ranges.best_ranges`; off by default: the runtime does
-    not run recomputing stages yet).
+    :func:`~dreampipe.planning.ranges.best_ranges`; off by default, so a plan keeps
+    every stage's activations unless asked; the runtime runs either).
     ``exact`` searches every layer however long it takes (default: a profile
     longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
     exact_layers`, is searched in blocks and the plan records its

@@ -30,13 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
-from dreampipe.planning.operator_search import (
-    Link,
-    SplitPlan,
-    layer_costs,
-    leanest_split,
-    search_splits,
-)
+from dreampipe.planning.operator_search import Link, layer_costs, split_front
 from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshard, split_cost
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -133,7 +127,7 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
     link = Link(inner.bandwidth, inner.latency)
     out: list[StageSplit] = []
     for t in sorted(set(widths)):
-        found: list[SplitPlan] = [search_splits(graph, t, link), leanest_split(graph, t, link)]
+        found = split_front(graph, t, link)
         seen: set[tuple[Split, ...]] = set()
         for plan in found:
             if plan.splits not in seen:

@@ -1,0 +1,86 @@
+"""``schedule="auto"``: the Pipeline simulates the schedules of the semantics asked for on
+its plan and trains with the fastest; a synchronous choice still trains as one process."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from runtime.reference import reference_sync, sgd
+from torch import nn
+
+from dreampipe.api.plans import resolve_plan
+from dreampipe.api.split import split_layers
+from dreampipe.errors import ConfigError
+from dreampipe.runtime.processes import free_port, run_processes
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.simulation.choose import CANDIDATES, Semantics
+
+from .compare import assert_matches
+from .model_workers import train_case
+from .model_zoo import CASES, CaseData, CaseSpec
+from .test_pipeline_errors import _pipe
+
+__all__: list[str] = []
+
+SEED = 3
+
+
+def _run(**job: Any) -> dict[str, Any]:
+    out = run_processes(train_case, 2, {"seed": SEED, "case": "resnet", "minibatch": 8,
+                                        "lr": 0.1, "schedule": "auto", **job}, deadline_s=90.0)
+    assert isinstance(out[0], dict)
+    return out[0]
+
+
+@pytest.mark.timeout(120)
+def test_auto_sync_picks_a_synchronous_schedule_that_trains_as_one_process() -> None:
+    got = _run(semantics="sync", steps=3, microbatches=2)
+    assert got["schedule"] in {k.value for k in CANDIDATES[Semantics.SYNC]}
+    case = CASES["resnet"]
+    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case), steps=3,  # type: ignore[arg-type]
+                                   minibatch=8, seed=SEED, opt=sgd(0.1), microbatches=2)
+    assert_matches(got, losses, state)
+
+
+@pytest.mark.timeout(120)
+def test_auto_async_picks_an_asynchronous_schedule_and_trains() -> None:
+    got = _run(semantics="async", steps=4, microbatches=2)
+    assert got["schedule"] in {k.value for k in CANDIDATES[Semantics.ASYNC]}
+    assert len(got["losses"]) == 4 and all(math.isfinite(x) for x in got["losses"])
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"schedule": "auto", "semantics": "eventual"}, r"semantics='eventual'; use one of sync, "),
+    ({"schedule": "auto", "virtual_stages": 2}, r"virtual_stages=2 with schedule='auto'"),
+])
+def test_auto_with_what_it_cannot_choose_names_the_fix(kw: dict[str, Any], needle: str
+                                                       ) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        _pipe(**kw)
+
+
+@pytest.mark.parametrize("semantics", list(Semantics))
+def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Semantics
+                                                                   ) -> None:
+    """In a group of one, the profile and the choice happen here: the choice is one of the
+    semantics' candidates with its microbatches, never the stand-in left unchosen."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        layers = split_layers(model, x[:4])
+        got = resolve_plan("auto", layers=layers, kind=ScheduleKind.FLUSH, example=(x, y),
+                           loss_fn=F.cross_entropy, unit_size=4, seed=0, semantics=semantics,
+                           microbatches=2)
+    finally:
+        dist.destroy_process_group()
+    assert got.kind in CANDIDATES[semantics]
+    assert got.microbatches == (1 if got.kind is ScheduleKind.PIPEDREAM else 2)
+    assert got.plan.num_stages == 1
