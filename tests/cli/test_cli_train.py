@@ -372,3 +372,17 @@ def test_staleness_compensation_is_on_unless_turned_off(
     assert main(["train", "mlp", "--workers", "2", "--steps", "1", "--schedule", "2bw",
                  *argv]) == 2
     assert seen == [compensate]
+
+
+def test_train_runs_a_plan_that_mixes_split_and_replicated_stages(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from api.test_pipeline_mixed import _plan
+
+    _plan("1t2-2r", 32).save(tmp_path / "mixed.json")
+    assert main(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+                 "--plan", str(tmp_path / "mixed.json"), "--workers", "4", "--schedule",
+                 "1f1b-flush", "--microbatches", "2", "--steps", "4", "--json",
+                 "--no-progress"]) == 0
+    data = json.loads(next(ln for ln in capsys.readouterr().out.splitlines()
+                           if ln.startswith("{")))
+    assert data["config"] == "1t2-2r" and len(data["losses"]) == 4

@@ -54,3 +54,21 @@ def test_async_keeps_2bw_when_pipedream_needs_more_memory() -> None:
     limited = choose_schedule(graph, plan, topo, Semantics.ASYNC,
                               memory_bytes=min(peak.values()))
     assert limited.kind is min(peak, key=lambda k: peak[k])
+
+
+@pytest.mark.parametrize("semantics", list(Semantics))
+def test_a_plan_with_a_split_stage_tries_only_what_the_runtime_runs_on_it(
+        semantics: Semantics) -> None:
+    from dreampipe.planning.splits import Split
+    from dreampipe.planning.stage import Stage
+
+    plan = Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                              splits=(Split.OUT, Split.IN)),
+                        Stage(first=2, last=3, replicas=2, ranks=(1, 2))), num_layers=4)
+    graph = LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 10**6, 10**6,
+                                    description="Linear(in_features=64, out_features=64)")
+                              for i in range(4)])
+    choice = choose_schedule(graph, plan, Topology.parse("1x4"), semantics)
+    skipped = {c.kind for c in choice.candidates if c.why_not}
+    assert skipped == {S.ZB_H1, S.ZB_H2, S.TWO_BW} & set(CANDIDATES[semantics])
+    assert choice.kind in {S.FLUSH, S.GPIPE, S.PIPEDREAM}

@@ -118,9 +118,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="split a model over the workers of a server only as a whole, when no "
                         "layer plan fits --memory (what 'dreampipe train' runs); by default any "
                         "stage may run as replicas each split over 2, 4... workers of one "
-                        "server (e.g. 2t4-3-1r) where faster or the only way to fit, a plan "
-                        "the runtime does not run yet when it mixes widths or replicates a "
-                        "split stage")
+                        "server (e.g. 2t4-3-1r) where faster or the only way to fit; the "
+                        "runtime runs such plans except a split stage with replicas")
     p.add_argument("--cost-model", choices=[c.value for c in CostModel],
                    default=CostModel.DREAMPIPE.value,
                    help="dreampipe (default): one all-reduce per round (--sync) overlapped "

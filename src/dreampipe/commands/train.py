@@ -39,9 +39,11 @@ from dreampipe.commands.train_config import TrainConfig, TrainResult, check_conf
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import barrier
+from dreampipe.runtime.lanes import split_mesh
 from dreampipe.runtime.memory import (
     Baseline,
     finish_measuring,
@@ -98,7 +100,7 @@ def run_train(
         return None
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
-    if cfg.plan.tensor_parallel > 1 and (ckpt.every is not None or ckpt.resume):
+    if _splits(cfg.plan) and (ckpt.every is not None or ckpt.resume):
         raise ConfigError(
             f"plan {cfg.plan.config} splits its stages over workers, and checkpoints of split "
             "stages are not supported yet; train it without --checkpoint-every and --resume",
@@ -182,27 +184,36 @@ def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | No
             say(line)
 
 
+def _splits(plan: Plan) -> bool:
+    """Whether some stage of ``plan`` is split over workers."""
+    return any(st.tensor_parallel > 1 for st in plan.stages)
+
+
 def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     """One rank of ``job`` (a local process's or torchrun's): build its stage, train to
     ``cfg.steps`` minibatches, report to rank 0; the result on rank 0."""
     cfg = job.cfg
     spec = resolve_spec(cfg.model, cfg.model_kwargs)
-    stage = cfg.plan.stage_of_rank(rank)
-    st = cfg.plan.stages[stage]
+    split = _splits(cfg.plan)
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
     # a resident size that is what is alive costs page faults: only when asked
     prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)
     owns_group = False
-    if cfg.measure_memory and cfg.plan.tensor_parallel > 1:  # library, not the model's
+    if cfg.measure_memory and split:  # DTensor's runtime is library, not the model's
         owns_group = init_process_group(cfg.timeout_s)
-        load_dtensor_runtime(tensor_mesh(world, cfg.plan.tensor_parallel, rank_device().type))
+        device = rank_device().type
+        mesh = split_mesh(cfg.plan, rank, device) if cfg.plan.mixes_splits else tensor_mesh(
+            world, cfg.plan.tensor_parallel, device)
+        if mesh is not None:
+            load_dtensor_runtime(mesh)
     baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
-    if cfg.plan.tensor_parallel > 1:  # the Pipeline builds each worker's share only
+    if split:  # the Pipeline builds each worker's share only
         with torch.device("meta"):
             model = spec.build(seed=cfg.seed)
     elif cfg.virtual_stages > 1:  # the rank's stages are far apart
         model = spec.build(seed=cfg.seed)
     else:
+        st = cfg.plan.stages[cfg.plan.stage_of_rank(rank)]
         model = spec.build_partly(st.first, st.last, cfg.seed)
     pipe = Pipeline(
         model, example=data.batch(0, cfg.minibatch_size),

@@ -333,7 +333,8 @@ def plan_train(
         )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
-    if graph is not None and plan.tensor_parallel > 1 and req.memory_bytes is not None:
+    if graph is not None and req.memory_bytes is not None and any(
+            st.tensor_parallel > 1 for st in plan.stages):
         for line in unfit_lines(memory_needs(graph, local_topology(
                 workers, measured_machine(graph, machine), nodes=nodes))):
             talk(line)

@@ -22,9 +22,9 @@ replicas, each split over 4 workers). The schedule sees one rank per replica
 ``r - 1`` (``r * t .. r * t + t - 1`` when every stage has the same ``t``),
 and a split stage's ``workers`` are the first worker of each replica.
 Stages may mix widths (``"2t4-3-1r"``): the planner's range program chooses
-per stage (:mod:`dreampipe.planning.split_ranges`). The runtime runs a
-pipeline x tensor mesh only, every stage on the same ``t``, so
-:attr:`Plan.tensor_parallel` refuses a plan that mixes them.
+per stage (:mod:`dreampipe.planning.split_ranges`). :attr:`Plan.tensor_parallel`
+is the one ``t`` of a plan whose stages share it (a pipeline x tensor mesh)
+and refuses a plan that mixes them: such a plan is read stage by stage.
 
 A stage may *recompute* its activations in the backward instead of keeping
 them per minibatch in flight (``recompute``, config token ``"2r"``): its
@@ -157,13 +157,12 @@ class Plan:
     @property
     def tensor_parallel(self) -> int:
         """The workers each replica of every stage is split over (1: no split); a plan that
-        mixes them has none (a :class:`PlanError`: the runtime runs one ``t`` for all)."""
+        mixes them has no one number (a :class:`PlanError`: read each stage's)."""
         if self.mixes_splits:
             raise PlanError(
                 f"plan {self.config} mixes stages split over "
-                f"{[st.tensor_parallel for st in self.stages]} workers; the runtime runs every "
-                "stage split over the same number (a pipeline x tensor mesh): simulate it, or "
-                "plan with mixed_splits=False (dreampipe plan --no-mixed-splits)"
+                f"{[st.tensor_parallel for st in self.stages]} workers: it has no one "
+                "tensor_parallel; read each stage's (Stage.tensor_parallel)"
             )
         return self.stages[0].tensor_parallel
 

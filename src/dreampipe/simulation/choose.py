@@ -42,6 +42,9 @@ CANDIDATES = {
     Semantics.SYNC: (_S.ZB_H1, _S.ZB_H2, _S.FLUSH, _S.GPIPE),
     Semantics.ASYNC: (_S.TWO_BW, _S.PIPEDREAM),
 }
+#: Candidates the runtime does not run on a plan with a stage split over workers (their
+#: split backward and two-version stashing are not built for sharded weights).
+_NOT_ON_SPLITS = frozenset((_S.ZB_H1, _S.ZB_H2, _S.TWO_BW))
 #: Minibatches each candidate is simulated for: enough that warm-up and drain
 #: do not decide the order.
 _MINIBATCHES = 8
@@ -100,8 +103,14 @@ def choose_schedule(
     m = microbatches or 4 * plan.num_stages
     rounds = math.lcm(*replicas)
     found = []
+    split = any(st.tensor_parallel > 1 for st in plan.stages)
     for kind in CANDIDATES[semantics]:
         per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds}.get(kind, m)
+        if split and kind in _NOT_ON_SPLITS:
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"plan {plan.config} splits stages over workers, where the runtime runs "
+                "1f1b-flush, gpipe and pipedream")))
+            continue
         if per > MAX_2BW_MICROBATCHES:
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"its {per} microbatches per minibatch (whole rounds of replicas "
