@@ -16,7 +16,7 @@ from machine.fixtures import DEV_MACHINE
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
 from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
-from dreampipe.commands.train_plan import share_plan, torchrun_world
+from dreampipe.commands.train_share import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s

@@ -239,7 +239,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 def _train(args: argparse.Namespace) -> int:
     from dreampipe.commands.train import Checkpoints, run_train
-    from dreampipe.commands.train_plan import torchrun_world
+    from dreampipe.commands.train_share import torchrun_world
 
     _check_output_paths(args)
     checkpoints = Checkpoints(

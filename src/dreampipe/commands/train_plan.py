@@ -8,29 +8,26 @@ plans it for the workers asked for, and starts those worker processes
 itself. Under ``torchrun`` the processes already exist, one per rank, and
 every rank must run the *same* plan; but a profile is a measurement and
 differs a little from rank to rank. So only rank 0 profiles and plans; when
-the planner chose the plan, rank 0 publishes it in torchrun's own rendezvous
-store (the agent's TCP store at ``MASTER_ADDR:MASTER_PORT``) and the other
-ranks read it from there. A plan file or a forced partition needs no
-exchange.
+the planner chose the plan, rank 0 shares it with the others
+(:mod:`dreampipe.commands.train_share`). A plan file or a forced partition
+needs no exchange.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreampipe.commands.train_choose import Auto, choose_for_train, predict_interleaved
 from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
-from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
+from dreampipe.commands.train_share import share_plan
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.machine.calibration import (
-    LocalCalibration,
     corun_crowd,
     corun_twins,
     local_topology,
@@ -52,17 +49,13 @@ from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
-from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.choose import Semantics, choose_schedule
-from dreampipe.simulation.costs import costs_from_profile
-from dreampipe.simulation.plan_choice import choose_plan_and_schedule
-from dreampipe.simulation.simulator import simulate_schedule
+from dreampipe.simulation.choose import Semantics
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
@@ -74,8 +67,6 @@ __all__ = [
     "TrainReport",
     "TrainRequest",
     "plan_train",
-    "share_plan",
-    "torchrun_world",
 ]
 
 log = logging.getLogger(__name__)
@@ -191,51 +182,6 @@ class TrainReport:
         return out
 
 
-def torchrun_world() -> tuple[int, int] | None:
-    """``(rank, world_size)`` when started by torchrun (or any env:// launcher), else None."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return None
-
-
-def share_plan(plan: Plan | None, timeout_s: float,
-               chosen: tuple[ScheduleKind, int] | None = None
-               ) -> tuple[Plan, tuple[ScheduleKind, int] | None]:
-    """Rank 0 passes its ``plan`` (and the schedule ``--schedule auto`` chose, with its
-    microbatches); every other rank passes None and gets rank 0's.
-
-    Uses the torchrun agent's store; other launchers need a plan every rank
-    can compute alone (a plan file or a forced partition).
-    """
-    import torch.distributed as dist
-
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        raise PlanError(
-            "this launcher has no torchrun agent store to share rank 0's plan through; "
-            "give every rank the same plan: a plan file, or stages (with config if replicated)"
-        )
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
-    key = (f"dreampipe/plan/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
-    if plan is not None:
-        store.set(key, json.dumps({"plan": plan.to_dict(), "schedule": None if chosen is None
-                                   else [chosen[0].value, chosen[1]]}))
-        return plan, chosen
-    try:
-        shared = json.loads(store.get(key))
-        pick = shared["schedule"]
-        return (Plan.from_dict(shared["plan"]),
-                None if pick is None else (ScheduleKind(pick[0]), int(pick[1])))
-    except RuntimeError as exc:
-        raise PeerTimeoutError(
-            f"rank {os.environ.get('RANK')} waited {timeout_s:g} s for rank 0's plan ({exc}); "
-            "check rank 0's output, or raise timeout_s"
-        ) from exc
-
-
 @dataclass(frozen=True)
 class PlannedRun:
     """A train job ready to run: the run with its plan, its model and the predictions
@@ -302,8 +248,9 @@ def plan_train(
     chosen: tuple[ScheduleKind, int] | None = None
     if req.semantics is not None and graph is not None and plan is not None:
         free = given is None and source.planner_chooses and source.config is None and v == 1
-        plan, chosen = _choose(graph, plan, req, workers, machine, nodes, talk,
-                               free=free, fewer=torchrun is None)
+        plan, chosen = choose_for_train(
+            graph, plan, Auto(req.semantics, req.memory_bytes, req.run.microbatches), workers,
+            machine, nodes, talk, free=free, fewer=torchrun is None)
     if plan is None or (torchrun is not None and (source.planner_chooses
                                                   or req.semantics is not None)):
         plan, chosen = share_plan(plan, opts.timeout_s, chosen)
@@ -323,7 +270,7 @@ def plan_train(
             [st.replicas for st in plan.stages], horizon, plan.in_flight), opts)
         check_memory(plan, memory, req.memory_bytes)
     if graph is not None and v > 1:
-        predicted = _predict_interleaved(graph, plan, layout, v, min(steps, 8),
+        predicted = predict_interleaved(graph, plan, layout, v, min(steps, 8),
                                          local_topology(workers, measured_machine(graph, machine),
                                                         nodes=nodes))
     else:
@@ -344,47 +291,6 @@ def plan_train(
     talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
     return PlannedRun(cfg, spec, predicted, memory)
-
-
-def _choose(graph: LayerGraph, plan: Plan, req: TrainRequest, workers: int,
-            machine: LocalCalibration, nodes: int, talk: Say, *, free: bool, fewer: bool
-            ) -> tuple[Plan, tuple[ScheduleKind, int]]:
-    """``--schedule auto``: the fastest schedule of ``req.semantics`` that fits ``--memory``,
-    by the simulator, with a line per candidate saying why. When the planner chooses the
-    plan too (``free``), its plan of each number of stages is tried, and the fastest pair
-    kept (:mod:`dreampipe.simulation.plan_choice`)."""
-    assert req.semantics is not None
-    topology = local_topology(workers, measured_machine(graph, machine), nodes=nodes)
-    if free:
-        picked = choose_plan_and_schedule(
-            graph, topology, req.semantics,
-            lambda k: choose_plan(graph, workers, allow_fewer_workers=fewer, nodes=nodes,
-                                  memory_bytes=req.memory_bytes, machine=machine, max_stages=k),
-            min(workers, len(graph.layers)), memory_bytes=req.memory_bytes,
-            microbatches=req.run.microbatches)
-        talk(f"plan auto ({req.semantics.value}): the planner's plan of each number of "
-             "stages, each with its fastest schedule:")
-        for line in picked.lines:
-            talk(f"  {line}")
-        plan, choice = picked.plan, picked.schedule
-    else:
-        choice = choose_schedule(graph, plan, topology, req.semantics, req.memory_bytes,
-                                 req.run.microbatches)
-    talk(f"schedule auto ({req.semantics.value}): {choice.kind.value}, the fastest that fits, "
-         f"with {choice.microbatches} microbatches per minibatch:")
-    for line in choice.reasons():
-        talk(f"  {line}")
-    return plan, (choice.kind, choice.microbatches)
-
-
-def _predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,
-                         topology: Topology) -> float:
-    """Samples/s the simulator predicts for ``steps`` updates of the interleaved ``plan``."""
-    schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
-    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
-    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topology, fraction,
-                                                            virtual_stages=v))
-    return result.throughput_minibatches_per_s * (graph.batch_size or layout.unit_size)
 
 
 def _quiet(_line: str) -> None:
