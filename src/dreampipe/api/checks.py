@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +23,12 @@ from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.simulation.choose import Semantics
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
-    "check_schedule", "check_split", "check_stages_on_meta", "check_virtual",
-    "map_inputs",
+    "check_schedule", "check_split", "check_stages_on_meta", "check_virtual", "choice",
+    "map_inputs", "schedule_to_start",
 ]
 
 _log = logging.getLogger(__name__)
@@ -207,3 +209,34 @@ def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
             f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
             "common update to share; use a plan with equal replica counts", "plan",
         )
+
+
+_E = TypeVar("_E", bound=Enum)
+#: What stands in for ``schedule="auto"`` until it has chosen (profiling, early checks).
+_STAND_IN = {Semantics.SYNC: ScheduleKind.FLUSH, Semantics.ASYNC: ScheduleKind.TWO_BW}
+
+
+def choice(value: str | _E, kind: type[_E], name: str) -> _E:
+    """``value`` as a member of the enum ``kind``; a ConfigError naming ``name`` if none."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        names = ", ".join(k.value for k in kind)
+        raise ConfigError(f"{name}={value!r}; use one of {names}", name) from None
+
+
+def schedule_to_start(schedule: str | ScheduleKind, semantics: str | Semantics,
+                      virtual_stages: int) -> tuple[ScheduleKind, Semantics | None]:
+    """The schedule a Pipeline starts with, and the semantics ``schedule="auto"`` chooses
+    in (None: the schedule is the user's); until it has chosen, one schedule of the
+    semantics stands in."""
+    wanted = choice(semantics, Semantics, "semantics")
+    if schedule != "auto":
+        return choice(schedule, ScheduleKind, "schedule"), None
+    if virtual_stages != 1:
+        raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
+                          "interleaved schedule needs a plan cut for it; give "
+                          "schedule='interleaved-1f1b'", "virtual_stages", "schedule")
+    return _STAND_IN[wanted], wanted

@@ -39,9 +39,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -58,24 +57,24 @@ from dreampipe.api.checks import (
     check_split,
     check_stages_on_meta,
     check_virtual,
+    choice,
     map_inputs,
+    schedule_to_start,
 )
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import build_split_stage, build_stage, split_layers, tied_parameters
+from dreampipe.api.split import split_layers, tied_parameters
+from dreampipe.api.stages import StageBuild, build_modules, compensate_modules
 from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
-from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
-from dreampipe.runtime.stage import StageModule
-from dreampipe.runtime.staleness import compensate_stage
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -90,24 +89,8 @@ _HORIZON = 32
 SEGMENT_UNITS = 8192
 #: Schedules kept for reuse: the horizons a segment grows through, and its drain.
 _KEPT_SCHEDULES = 6
-_E = TypeVar("_E", bound=Enum)
-_AUTO = "auto"
-#: What stands in for ``schedule="auto"`` until it has chosen (profiling, early checks).
-_STAND_IN = {Semantics.SYNC: ScheduleKind.FLUSH, Semantics.ASYNC: ScheduleKind.TWO_BW}
-
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-def _choice(value: str | _E, kind: type[_E], name: str) -> _E:
-    """``value`` as a member of the enum ``kind``; a ConfigError naming ``name`` if none."""
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        names = ", ".join(k.value for k in kind)
-        raise ConfigError(f"{name}={value!r}; use one of {names}", name) from None
 
 
 class Pipeline:
@@ -174,17 +157,10 @@ class Pipeline:
         virtual_stages: int = 1,
         compensate: bool = True,
     ) -> None:
-        auto = schedule == _AUTO
-        wanted = _choice(semantics, Semantics, "semantics")
-        #: Until ``schedule="auto"`` has chosen, one schedule of the semantics stands in.
-        self.kind = _STAND_IN[wanted] if auto else _choice(schedule, ScheduleKind, "schedule")
-        if auto and virtual_stages != 1:
-            raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
-                              "interleaved schedule needs a plan cut for it; give "
-                              "schedule='interleaved-1f1b'", "virtual_stages", "schedule")
+        self.kind, wanted = schedule_to_start(schedule, semantics, virtual_stages)
         self._virtual = virtual_stages
         check_virtual(self.kind, virtual_stages, plan, split_points, resume)
-        policy = _choice(on_nonfinite, OnNonFinite, "on_nonfinite")
+        policy = choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
         check_optimizer(optimizer)
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -208,7 +184,7 @@ class Pipeline:
                                     layer_names=tuple(self._names))
         resolved = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                 loss_fn=loss_fn, unit_size=unit_size, seed=seed,
-                                semantics=wanted if auto else None,
+                                semantics=wanted,
                                 microbatches=microbatches)
         self.plan = resolved.plan
         if resolved.kind is not None:
@@ -245,25 +221,13 @@ class Pipeline:
         self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
         mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
             if mixed else None
-        modules = []
-        for stage in self._my_stages(world):
-            st = self.plan.stages[stage]
-            layers: nn.Module = build_stage(self._layers, st.first, st.last, self.device, seed) \
-                if st.tensor_parallel == 1 else build_split_stage(
-                    self._layers, st.first, st.last, st.splits,
-                    mesh or tensor_mesh(world, t, self.device.type), self.device, seed)
-            modules.append(StageModule(
-                layers, optimizer, stage=stage, input_grad=stage > 0, stash=stash,
-                vertical_sync=vertical_sync, loss_fn=loss_fn,
-                linear=LinearGradients.of(fused_accumulation) if st.tensor_parallel == 1
-                else LinearGradients.AUTOGRAD, recompute=st.recompute,
-            ))
+        modules = build_modules(
+            self._layers, self.plan, self._my_stages(world), self.device,
+            mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
+            StageBuild(optimizer, loss_fn, stash, vertical_sync, fused_accumulation, seed))
         if not self.kind.synchronous:  # before the schedulers: they keep the rates they see
-            delays = self._build_schedule(_HORIZON)
-            for m in modules:
-                compensate_stage(m.optimizer, delays, m.stage, vertical_sync=vertical_sync,
-                                 enabled=compensate, advise=self.rank == 0 and m is modules[0],
-                                 uniform=bool(ties))
+            compensate_modules(modules, self._build_schedule(_HORIZON), vertical_sync,
+                               enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
         self.module = modules[0]
         self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules
                             if lr_scheduler is not None and m.optimizer is not None}

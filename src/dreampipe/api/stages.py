@@ -1,0 +1,72 @@
+"""A rank's stages as the runtime's :class:`~dreampipe.runtime.stage.StageModule`\\ s.
+
+Each stage the rank runs is built from the model's layers under their own
+names (split over workers on its mesh when the plan splits it), with the
+user's optimizer, and, under an asynchronous schedule, the optimizer
+settings staleness compensation gives its delay
+(:mod:`dreampipe.runtime.staleness`), before any learning-rate scheduler
+reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dreampipe.api.split import Layers, build_split_stage, build_stage
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.fused import LinearGradients
+from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.staleness import compensate_stage
+from dreampipe.scheduling.actions import Schedule
+
+__all__ = ["StageBuild", "build_modules", "compensate_modules"]
+
+
+@dataclass(frozen=True)
+class StageBuild:
+    """The Pipeline's keywords every stage is built with."""
+
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    loss_fn: Callable[..., Any]
+    stash: bool
+    vertical_sync: bool
+    fused_accumulation: bool
+    seed: int
+
+
+def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: torch.device,
+                  mesh: DeviceMesh | None, how: StageBuild) -> list[StageModule]:
+    """One StageModule per stage in ``stages``; a split stage's share on ``mesh``."""
+    modules = []
+    for stage in stages:
+        st = plan.stages[stage]
+        split = st.tensor_parallel > 1
+        if split:
+            assert mesh is not None, "a split stage needs its mesh"
+            built: nn.Module = build_split_stage(layers, st.first, st.last, st.splits, mesh,
+                                                 device, how.seed)
+        else:
+            built = build_stage(layers, st.first, st.last, device, how.seed)
+        modules.append(StageModule(
+            built, how.optimizer, stage=stage, input_grad=stage > 0, stash=how.stash,
+            vertical_sync=how.vertical_sync, loss_fn=how.loss_fn,
+            linear=LinearGradients.AUTOGRAD if split
+            else LinearGradients.of(how.fused_accumulation), recompute=st.recompute,
+        ))
+    return modules
+
+
+def compensate_modules(modules: list[StageModule], schedule: Schedule, vertical_sync: bool, *,
+                       enabled: bool, advise: bool, uniform: bool) -> None:
+    """Staleness compensation of every module's optimizer for its delay in ``schedule``;
+    ``advise``: warn, once, when a delay is large for the settings; ``uniform``: every
+    stage takes the deepest delay's settings (weights tied across stages)."""
+    for m in modules:
+        compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
+                         enabled=enabled, advise=advise and m is modules[0], uniform=uniform)
