@@ -2,10 +2,15 @@
 
 Each stage of the convergence study's cuts (``examples/_workloads.py``'s
 straight plans) trains with its own optimizer; minibatch ``t`` runs, forward
-and backward, on each stage's weights after ``max(0, t - d_s)`` of its
+and backward, on each stage's weights after ``max(e, t - d_s)`` of its
 updates, and its gradient updates the newest ones: PipeDream's weight
 stashing with delays ``d_s = n - 1 - s`` (``pipedream``), or one on every
-stage (``2bw``), or none (``sync``, dp's updates). The candidates of issue 32:
+stage (``2bw``), or none (``sync``, dp's updates; ``pipedream-settings``:
+with each stage's settings as a candidate sets them for pipedream). ``e`` is the updates made
+before the epoch: the study's runs drain the pipeline at every epoch's end,
+so an epoch's first minibatches run on its first weights, as in the runtime
+(whose 2bw and pipedream runs this model reproduces to the printed digits).
+The candidates of issue 32:
 
 - ``none``: the user's settings as given;
 - ``momentum``: dreampipe's rule (:func:`dreampipe.runtime.staleness.compensated`):
@@ -13,12 +18,17 @@ stage (``2bw``), or none (``sync``, dp's updates). The candidates of issue 32:
   ``d / (d + 1)`` (Mitliagkas et al. 2016), AdamW's learning rate scaled to
   keep the spread of its step;
 - ``momentum-only``: the same momentum, every learning rate as given;
+- ``momentum-lr``: dreampipe's rule, then the learning rate divided by ``d + 1``;
 - ``damping``: ``1 - momentum`` multiplied by ``d + 1``;
 - ``zero``: no momentum on a delayed stage;
 - ``lr``: the learning rate divided by ``d + 1``;
 - ``dc-asgd``: the gradient corrected by ``lambda g*g*(w_now - w_stale)``
   (Zheng et al. 2017, lambda 0.04);
-- ``warmup``: the first epoch's updates synchronous (no delay).
+- ``warmup``: the first epoch's updates synchronous (no delay);
+- ``predict``: weight prediction (the model only; the runtime does not do it):
+  a delayed stage runs forward and backward on its stale weights extrapolated
+  by their last update, ``w_v + k (w_v - w_{v-1})`` with ``k`` the updates it
+  lags behind.
 
 The study's workloads, data, optimizers and epochs (digits: SGD lr 0.05
 momentum 0.9, 10 epochs; chars: AdamW 3e-3 with warm-up and clipping,
@@ -51,8 +61,8 @@ __all__ = ["CANDIDATES", "main", "simulate"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _workloads as wl
 
-CANDIDATES = ("none", "momentum", "momentum-only", "damping", "zero", "lr", "dc-asgd",
-              "warmup")
+CANDIDATES = ("none", "momentum", "momentum-only", "momentum-lr", "damping", "zero", "lr",
+              "dc-asgd", "warmup", "predict")
 _DC_LAMBDA = 0.04
 
 
@@ -61,7 +71,7 @@ def _cuts(layers: int, stages: int) -> list[int]:
 
 
 def _delays(schedule: str, stages: int) -> list[int]:
-    if schedule == "pipedream":
+    if schedule.startswith("pipedream"):
         return [stages - 1 - s for s in range(stages)]
     return [1 if schedule == "2bw" else 0] * stages
 
@@ -78,6 +88,9 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
             hyper = Hyper(hyper.lr, max(0.0, 1 - (1 - hyper.momentum) * (delay + 1)))
         elif candidate == "zero":
             hyper = Hyper(hyper.lr, 0.0 if delay else hyper.momentum)
+        elif candidate == "momentum-lr":
+            hyper = compensated(hyper, delay)
+            hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum, adam)
         elif candidate == "lr":
             hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum)
         group["lr"] = hyper.lr
@@ -100,18 +113,23 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
     opts = [task["optimizer"](list(m.parameters())) for m in stages]
     for opt, d in zip(opts, delays, strict=True):
         _settings(opt, candidate, d)
+    if schedule == "pipedream-settings":  # pipedream's settings, no delay: what they cost
+        delays = [0] * workers
     scheds = [task["lr_scheduler"](o) if task["lr_scheduler"] else None for o in opts]
     history: list[list[dict[str, Tensor]]] = [[_snap(m)] for m in stages]
     figures = [task["evaluate"](model)]
     t = 0
     for epoch in range(task["epochs"]):
+        start = t  # the runtime drains at each epoch's end: a segment starts afresh
         for x, y in task["epoch"]():
             model.train()
             sync = candidate == "warmup" and epoch == 0
             leaves = []
             for s, m in enumerate(stages):
-                v = max(0, t - (0 if sync else delays[s]))
-                params = {k: w.clone().requires_grad_(True) for k, w in history[s][v].items()}
+                v = max(start, t - (0 if sync else delays[s]))
+                ahead = min(t - v, v) if candidate == "predict" else 0
+                params = {k: (w + ahead * (w - history[s][v - 1][k])).requires_grad_(True)
+                          for k, w in history[s][v].items()}
                 leaves.append(params)
                 x = functional_call(m, params, (x,))
             loss = task["loss_fn"](x, y)
@@ -186,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=("digits", "chars"), default="digits")
     parser.add_argument("--workers", type=int, nargs="+", default=[4])
-    parser.add_argument("--schedules", nargs="+", default=["sync", "pipedream", "2bw"])
+    parser.add_argument("--schedules", nargs="+", default=["sync", "pipedream", "2bw"],
+                        choices=("sync", "pipedream", "2bw", "pipedream-settings"))
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--sgd", type=float, nargs=2, default=[0.05, 0.9],
