@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from dreampipe.api.split import Chain, Layers
+from dreampipe.api.tracer import call_on_meta, on_meta
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
@@ -98,10 +98,6 @@ def check_plan(plan: Plan, names: Sequence[str], world: int) -> None:
         )
 
 
-def _meta(t: Tensor) -> Tensor:
-    return torch.empty_like(t, device="meta")
-
-
 def check_stages_on_meta(
     layers: Layers, plan: Plan, example: Batch, loss_fn: Callable[..., Any], unit_size: int
 ) -> None:
@@ -113,17 +109,15 @@ def check_stages_on_meta(
     data-dependent shape) skips the check with a debug log line; the runtime
     then raises the same errors at the first forward.
     """
-    first = map_inputs(example[0], lambda t: _meta(t[:unit_size]))
+    first = map_inputs(example[0], lambda t: on_meta(t[:unit_size]))
     x: Any = first if isinstance(first, tuple) else (first,)
     try:
         for s, st in enumerate(plan.stages):
             stage = Chain(layers[st.first : st.last + 1])
-            tensors = {k: _meta(v) for k, v in (*stage.named_parameters(),
-                                                 *stage.named_buffers())}
             where = f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) returns"
-            out = functional_call(stage, tensors, x)
+            out = call_on_meta(stage, x)
             x = (tensor_output(out, where) if s < len(plan.stages) - 1 else out,)
-        loss = loss_fn(x[0], _meta(example[1][:unit_size]))
+        loss = loss_fn(x[0], on_meta(example[1][:unit_size]))
     except PlanError:
         raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:

@@ -17,18 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.func import functional_call
 
 from dreampipe.api.trace import Segment
+from dreampipe.api.tracer import call_on_meta, on_meta
 
 __all__ = ["passes_one_tensor", "sequential_segments"]
-
-
-def _meta(t: Tensor) -> Tensor:
-    return torch.empty_like(t, device="meta")
 
 
 def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
@@ -40,14 +35,12 @@ def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
         return True
     if not isinstance(example, Tensor):
         return False
-    x: Any = _meta(example)
+    x: Any = on_meta(example)
     crossed = False
     try:
         for i, child in enumerate(model.children()):
             crossed = crossed or (i > 0 and not isinstance(x, Tensor))
-            tensors = {k: _meta(v) for k, v in (*child.named_parameters(),
-                                                *child.named_buffers())}
-            x = functional_call(child, tensors, (x,))
+            x = call_on_meta(child, (x,))
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
         return True
     return not crossed

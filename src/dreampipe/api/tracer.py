@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-__all__ = ["trace_model"]
+__all__ = ["call_on_meta", "on_meta", "trace_model"]
 
 _log = logging.getLogger(__name__)
 
@@ -168,18 +168,15 @@ class _Tracer(fx.Tracer):
             return (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
         if kind == "get_attr":
             value = _attribute(self.root, str(target))
-            return _meta(value) if isinstance(value, Tensor) else value
+            return on_meta(value) if isinstance(value, Tensor) else value
         if kind == "call_function":
             return target(*args, **kwargs)
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
         if kind == "call_module":
-            module = self.root.get_submodule(str(target))
-            tensors = {k: _meta(v) for k, v in (*module.named_parameters(),
-                                                *module.named_buffers())}
             self._eager = True
             try:
-                return functional_call(module, tensors, args, kwargs)
+                return call_on_meta(self.root.get_submodule(str(target)), args, kwargs)
             finally:
                 self._eager = False
         return None
@@ -198,8 +195,17 @@ def _attribute(root: nn.Module, target: str) -> Any:
     return getattr(module, name)
 
 
-def _meta(t: Tensor) -> Tensor:
+def on_meta(t: Tensor) -> Tensor:
+    """``t``'s shape and dtype on the ``meta`` device: no memory, no compute."""
     return torch.empty_like(t, device="meta")
+
+
+def call_on_meta(module: nn.Module, args: tuple[Any, ...],
+                 kwargs: dict[str, Any] | None = None) -> Any:
+    """``module(*args, **kwargs)`` with its parameters and buffers on ``meta``: what it
+    returns, shapes only (the module itself is left as it is)."""
+    tensors = {k: on_meta(v) for k, v in (*module.named_parameters(), *module.named_buffers())}
+    return functional_call(module, tensors, args, kwargs)
 
 
 def _leaf_function(orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,7 +277,7 @@ def trace_model(model: nn.Module, units: set[str], example: Any, *,
                                                   else 1]
     values = list(example.values()) if isinstance(example, dict) else (
         list(example) if isinstance(example, tuple) else [example])
-    inputs = {n: _meta(v) if isinstance(v, Tensor) else v
+    inputs = {n: on_meta(v) if isinstance(v, Tensor) else v
               for n, v in zip(names, values, strict=False)}
     rename = isinstance(example, dict) or not plain
 
