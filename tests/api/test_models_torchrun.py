@@ -19,7 +19,7 @@ from torchrun import torchrun_json
 
 from .compare import assert_matches
 from .model_zoo import CASES, CaseData, CaseSpec
-from .test_pipeline_models import SEED, TIED_KEYS
+from .test_pipeline_models import SEED, assert_tied_equal
 
 __all__: list[str] = []
 
@@ -66,8 +66,7 @@ def test_1f1b_flush_split_across_the_tie_or_the_skip_equals_one_process(
     assert got["bounds"][1] > 0  # two stages
     losses, state = _reference(name)
     assert_matches(got, losses, state)
-    for a, b in TIED_KEYS.get(name, []):  # the tie crosses the cut and holds
-        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+    assert_tied_equal(name, got)  # the tie crosses the cut and holds
 
 
 @pytest.mark.slow
@@ -81,8 +80,7 @@ def test_pipedream_across_the_cut_learns(results: dict[tuple[str, str], Any],
     assert len(losses) == _PIPEDREAM["steps"] and all(map(torch.isfinite, torch.tensor(losses)))
     first, last = statistics.mean(losses[:3]), statistics.mean(losses[-3:])
     assert last < 0.9 * first, losses
-    for a, b in TIED_KEYS.get(name, []):
-        torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
+    assert_tied_equal(name, got)
 
 
 @pytest.mark.slow

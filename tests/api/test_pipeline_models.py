@@ -19,14 +19,14 @@ from .compare import assert_matches
 from .model_workers import train_case
 from .model_zoo import CASES, CaseData, CaseSpec, gpt2
 
-__all__: list[str] = []
+__all__ = ["SEED", "TIED_KEYS", "assert_tied_equal"]
 
 SEED = 5
 TIED_KEYS = {"tied": [("embed.weight", "head.weight")],
              "gpt2": [("transformer.wte.weight", "lm_head.weight")]}
 
 
-def _assert_tied_equal(name: str, got: dict[str, Any]) -> None:
+def assert_tied_equal(name: str, got: dict[str, Any]) -> None:
     """The copies of each weight tied across the cut are equal, bit for bit."""
     for a, b in TIED_KEYS.get(name, []):
         torch.testing.assert_close(got["state"][a], got["state"][b], rtol=0, atol=0)
@@ -47,7 +47,7 @@ def test_1f1b_flush_of_a_model_split_at_its_modules_equals_one_process(name: str
     losses, state = reference_sync(spec, CaseData(CASES[name]), steps=3,  # type: ignore[arg-type]
                                    minibatch=8, seed=SEED, opt=sgd(0.1), microbatches=2)
     assert_matches(got, losses, state)
-    _assert_tied_equal(name, got)
+    assert_tied_equal(name, got)
 
 
 @pytest.mark.timeout(120)
@@ -62,7 +62,7 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
         steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9), compensate=True,
         ties=[[(0, a), (1, b)] for a, b in TIED_KEYS.get(name, [])])
     assert_matches(got, losses, state)
-    _assert_tied_equal(name, got)
+    assert_tied_equal(name, got)
 
 
 @pytest.mark.timeout(120)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -86,15 +87,22 @@ def reference_sync(
     losses = []
     for k in range(steps):
         optimizer.zero_grad()
-        total = 0.0
-        for m in range(microbatches):
-            x, y = data.batch(k * microbatches + m, size)
-            loss = spec.loss_fn(model(x), y)
-            torch.autograd.backward(loss / microbatches)
-            total += float(loss.detach())
+        losses.append(_accumulate(model, spec, data, k, microbatches, size))
         optimizer.step()
-        losses.append(total / microbatches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _accumulate(forward: Callable[[Tensor], Any], spec: ModelSpec, data: Dataset, k: int,
+                microbatches: int, size: int) -> float:
+    """Update ``k``'s gradients summed over its microbatches (each of mean loss
+    ``1 / microbatches``) by backward through ``forward``; the mean of their losses."""
+    total = 0.0
+    for m in range(microbatches):
+        x, y = data.batch(k * microbatches + m, size)
+        loss = spec.loss_fn(forward(x), y)
+        torch.autograd.backward(loss / microbatches)
+        total += float(loss.detach())
+    return total / microbatches
 
 
 def reference_two_bw(
@@ -130,16 +138,11 @@ def reference_two_bw(
     for t in range(steps):
         stale = {k: w.clone().requires_grad_(True) for k, w in before.items()}
         before = _snapshot(model)
-        total = 0.0
-        for m in range(microbatches):
-            x, y = data.batch(t * microbatches + m, size)
-            loss = spec.loss_fn(functional_call(model, stale, (x,)), y)
-            torch.autograd.backward(loss / microbatches)
-            total += float(loss.detach())
+        losses.append(_accumulate(lambda x, w=stale: functional_call(model, w, (x,)), spec, data, t,
+                                  microbatches, size))
         for name, p in model.named_parameters():
             p.grad = stale[name].grad
         optimizer.step()
-        losses.append(total / microbatches)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
