@@ -23,7 +23,7 @@ from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import Semantics
+from dreampipe.simulation.choose import STAND_IN, Semantics
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
@@ -206,8 +206,6 @@ def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
 
 
 _E = TypeVar("_E", bound=Enum)
-#: What stands in for ``schedule="auto"`` until it has chosen (profiling, early checks).
-_STAND_IN = {Semantics.SYNC: ScheduleKind.FLUSH, Semantics.ASYNC: ScheduleKind.TWO_BW}
 
 
 def choice(value: str | _E, kind: type[_E], name: str) -> _E:
@@ -233,4 +231,4 @@ def schedule_to_start(schedule: str | ScheduleKind, semantics: str | Semantics,
         raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
                           "interleaved schedule needs a plan cut for it; give "
                           "schedule='interleaved-1f1b'", "virtual_stages", "schedule")
-    return _STAND_IN[wanted], wanted
+    return STAND_IN[wanted], wanted

@@ -414,7 +414,7 @@ class Pipeline:
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
-        if any(st.tensor_parallel > 1 for st in self.plan.stages) or self._virtual > 1:
+        if self.plan.has_splits or self._virtual > 1:
             raise ConfigError(
                 f"saving a checkpoint of plan {self.plan.config}"
                 + (f" with virtual_stages={self._virtual}" if self._virtual > 1 else "")

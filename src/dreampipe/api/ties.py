@@ -33,8 +33,7 @@ def check_ties(ties: list[Tie], plan: Plan, max_grad_norm: float | None) -> None
     for tie in ties:
         what = (f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
                 f"on stages {', '.join(map(str, tie.stages))}")
-        if any(plan.stages[s].replicas > 1 for s in tie.stages) or any(
-                st.tensor_parallel > 1 for st in plan.stages):
+        if any(plan.stages[s].replicas > 1 for s in tie.stages) or plan.has_splits:
             raise ConfigError(
                 f"{what}, which plan {plan.config} replicates or splits; a tied weight is kept "
                 "on stages of one replica and no split: use such a plan, or split points "

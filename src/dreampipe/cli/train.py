@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from dreampipe.errors import ConfigError
 from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.simulation.choose import STAND_IN, Semantics
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_plan import TrainRequest
@@ -27,8 +28,7 @@ __all__ = ["parse_model_args", "register"]
 
 _AUTO = "auto"
 _SCHEDULES = [_AUTO, *(k.value for k in ScheduleKind)]
-#: What stands in for ``--schedule auto`` until the simulator has chosen.
-_STAND_IN = {"sync": ScheduleKind.FLUSH, "async": ScheduleKind.TWO_BW}
+
 _DATASETS = ("synthetic", "digits", "mnist")
 
 
@@ -92,7 +92,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "--virtual-stages stages per worker; dp: data parallel; naive: one "
                         "microbatch at a time; auto: the fastest of --semantics on the plan "
                         "that fits --memory, simulated, with the reasons")
-    g.add_argument("--semantics", choices=list(_STAND_IN), default="sync",
+    g.add_argument("--semantics", choices=[s.value for s in Semantics], default="sync",
                    help="with --schedule auto: sync (default; zb-h1, zb-h2, 1f1b-flush, gpipe, "
                         "as one process trains) or async (2bw, pipedream: stale weights)")
     g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
@@ -199,12 +199,11 @@ def _request(args: argparse.Namespace) -> TrainRequest:
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
     from dreampipe.runtime.config import OptimizerKind
     from dreampipe.runtime.nonfinite import OnNonFinite
-    from dreampipe.simulation.choose import Semantics
 
     run = TrainOptions(
         model=args.model,
         model_kwargs=parse_model_args(args.model_arg),
-        schedule=_STAND_IN[args.semantics] if args.schedule == _AUTO
+        schedule=STAND_IN[Semantics(args.semantics)] if args.schedule == _AUTO
         else ScheduleKind(args.schedule),
         optimizer=OptimizerKind(args.optimizer),
         lr=args.lr,

@@ -39,7 +39,6 @@ from dreampipe.commands.train_config import TrainConfig, TrainResult, check_conf
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.resolve import resolve_spec
-from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import barrier
@@ -100,7 +99,7 @@ def run_train(
         return None
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
-    if _splits(cfg.plan) and (ckpt.every is not None or ckpt.resume):
+    if cfg.plan.has_splits and (ckpt.every is not None or ckpt.resume):
         raise ConfigError(
             f"plan {cfg.plan.config} splits its stages over workers, and checkpoints of split "
             "stages are not supported yet; train it without --checkpoint-every and --resume",
@@ -184,17 +183,12 @@ def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | No
             say(line)
 
 
-def _splits(plan: Plan) -> bool:
-    """Whether some stage of ``plan`` is split over workers."""
-    return any(st.tensor_parallel > 1 for st in plan.stages)
-
-
 def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     """One rank of ``job`` (a local process's or torchrun's): build its stage, train to
     ``cfg.steps`` minibatches, report to rank 0; the result on rank 0."""
     cfg = job.cfg
     spec = resolve_spec(cfg.model, cfg.model_kwargs)
-    split = _splits(cfg.plan)
+    split = cfg.plan.has_splits
     data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
     # a resident size that is what is alive costs page faults: only when asked
     prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)

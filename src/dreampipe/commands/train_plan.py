@@ -280,8 +280,7 @@ def plan_train(
         )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
-    if graph is not None and req.memory_bytes is not None and any(
-            st.tensor_parallel > 1 for st in plan.stages):
+    if graph is not None and req.memory_bytes is not None and plan.has_splits:
         for line in unfit_lines(memory_needs(graph, local_topology(
                 workers, measured_machine(graph, machine), nodes=nodes))):
             talk(line)

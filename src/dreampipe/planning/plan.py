@@ -155,6 +155,11 @@ class Plan:
         return len({st.tensor_parallel for st in self.stages}) > 1
 
     @property
+    def has_splits(self) -> bool:
+        """Whether some stage is split over workers."""
+        return any(st.tensor_parallel > 1 for st in self.stages)
+
+    @property
     def tensor_parallel(self) -> int:
         """The workers each replica of every stage is split over (1: no split); a plan that
         mixes them has no one number (a :class:`PlanError`: read each stage's)."""

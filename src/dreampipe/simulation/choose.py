@@ -27,8 +27,8 @@ from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 
-__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "Candidate", "ScheduleChoice", "Semantics",
-           "choose_schedule"]
+__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "STAND_IN", "Candidate", "ScheduleChoice",
+           "Semantics", "choose_schedule"]
 
 
 class Semantics(Enum):
@@ -45,6 +45,9 @@ CANDIDATES = {
 #: Candidates the runtime does not run on a plan with a stage split over workers (their
 #: split backward and two-version stashing are not built for sharded weights).
 _NOT_ON_SPLITS = frozenset((_S.ZB_H1, _S.ZB_H2, _S.TWO_BW))
+#: What stands in for ``auto`` until the choice is made (profiling, early checks): a
+#: schedule of each semantics that splits minibatches, as most candidates do.
+STAND_IN = {Semantics.SYNC: _S.FLUSH, Semantics.ASYNC: _S.TWO_BW}
 #: Minibatches each candidate is simulated for: enough that warm-up and drain
 #: do not decide the order.
 _MINIBATCHES = 8
@@ -103,7 +106,7 @@ def choose_schedule(
     m = microbatches or 4 * plan.num_stages
     rounds = math.lcm(*replicas)
     found = []
-    split = any(st.tensor_parallel > 1 for st in plan.stages)
+    split = plan.has_splits
     for kind in CANDIDATES[semantics]:
         per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds}.get(kind, m)
         if split and kind in _NOT_ON_SPLITS:
