@@ -34,16 +34,15 @@ from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.split import Layers, build_stage
 from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.machine.calibration import LocalCalibration, local_topology, measured_machine
-from dreampipe.machine.local_plan import choose_plan
+from dreampipe.machine.calibration import LocalCalibration
+from dreampipe.machine.local_plan import choose_auto, choose_plan
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import ScheduleChoice, Semantics, choose_schedule
-from dreampipe.simulation.plan_choice import choose_plan_and_schedule
+from dreampipe.simulation.choose import ScheduleChoice, Semantics
 
 __all__ = ["PlanArg", "Resolved", "resolve_plan"]
 
@@ -104,10 +103,9 @@ def resolve_plan(
                     None if chosen_kind is None else ScheduleKind(chosen_kind), per)
 
 
-def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
-          max_stages: int | None = None) -> Plan:
+def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int) -> Plan:
     plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
-                       machine=machine, max_stages=max_stages)
+                       machine=machine)
     _log.info("planned %s", plan.config)
     return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))
 
@@ -116,23 +114,15 @@ def _plan_and_schedule(
     graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
     given: Plan | None, semantics: Semantics, microbatches: int | None,
 ) -> tuple[Plan, ScheduleChoice]:
-    """``schedule="auto"``: the fastest schedule of ``semantics`` on ``given``, or, when the
-    planner chooses, the fastest pair over its plans of each number of stages."""
-    world = dist.get_world_size()
-    topology = local_topology(world, measured_machine(graph, machine), nodes=nodes)
-    if given is None:
-        picked = choose_plan_and_schedule(
-            graph, topology, semantics, lambda k: _plan(graph, layers, machine, nodes, k),
-            min(world, len(layers)), microbatches=microbatches)
-        for line in picked.lines:
-            _log.info("plan auto (%s): %s", semantics.value, line)
-        plan, choice = picked.plan, picked.schedule
-    else:
-        plan, choice = given, choose_schedule(graph, given, topology, semantics,
-                                              microbatches=microbatches)
-    for line in choice.reasons():
-        _log.info("schedule auto (%s): %s", semantics.value, line)
-    return plan, choice
+    """``schedule="auto"`` (:func:`~dreampipe.machine.local_plan.choose_auto`), each line
+    of why logged."""
+    plan, choice, lines = choose_auto(graph, dist.get_world_size(), semantics, given,
+                                      nodes=nodes, machine=machine, microbatches=microbatches,
+                                      allow_fewer_workers=False)
+    for line in lines:
+        _log.info("%s", line)
+    return given or dataclasses.replace(
+        plan, layer_names=tuple(name for name, _ in layers)), choice
 
 
 def _profile(

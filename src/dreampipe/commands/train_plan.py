@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.commands.train_choose import Auto, choose_for_train, predict_interleaved
 from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
 from dreampipe.commands.train_share import share_plan
 from dreampipe.errors import ConfigError, PlanError
@@ -34,8 +33,10 @@ from dreampipe.machine.calibration import (
     measured_machine,
 )
 from dreampipe.machine.local_plan import (
+    choose_auto,
     choose_plan,
     forced_partition,
+    predict_interleaved,
     predict_samples_per_s,
     profile_as_worker,
     saved_profile,
@@ -248,9 +249,13 @@ def plan_train(
     chosen: tuple[ScheduleKind, int] | None = None
     if req.semantics is not None and graph is not None and plan is not None:
         free = given is None and source.planner_chooses and source.config is None and v == 1
-        plan, chosen = choose_for_train(
-            graph, plan, Auto(req.semantics, req.memory_bytes, req.run.microbatches), workers,
-            machine, nodes, talk, free=free, fewer=torchrun is None)
+        plan, choice, lines = choose_auto(
+            graph, workers, req.semantics, None if free else plan, nodes=nodes,
+            memory_bytes=req.memory_bytes, machine=machine, microbatches=req.run.microbatches,
+            allow_fewer_workers=torchrun is None)
+        for line in lines:
+            talk(line)
+        chosen = (choice.kind, choice.microbatches)
     if plan is None or (torchrun is not None and (source.planner_chooses
                                                   or req.semantics is not None)):
         plan, chosen = share_plan(plan, opts.timeout_s, chosen)

@@ -34,9 +34,12 @@ from dreampipe.quantities import format_bytes
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.choose import ScheduleChoice, Semantics, choose_schedule
+from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 
-__all__ = ["choose_plan", "forced_partition", "predict_samples_per_s", "profile_as_worker",
-           "saved_profile"]
+__all__ = ["choose_auto", "choose_plan", "forced_partition", "predict_interleaved",
+           "predict_samples_per_s", "profile_as_worker", "saved_profile"]
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +206,45 @@ def choose_plan(
     return _best_cuts(graph, topology, replicas)
 
 
+def choose_auto(
+    graph: LayerGraph,
+    workers: int,
+    semantics: Semantics,
+    given: Plan | None,
+    *,
+    nodes: int = 1,
+    memory_bytes: int | None = None,
+    machine: LocalCalibration | None = None,
+    microbatches: int | None = None,
+    allow_fewer_workers: bool = True,
+) -> tuple[Plan, ScheduleChoice, list[str]]:
+    """``schedule="auto"`` on ``workers`` local workers: the fastest schedule of
+    ``semantics`` on ``given`` that fits ``memory_bytes``, or, when the planner chooses
+    (``given`` None), the fastest pair over its plans of each number of stages
+    (:mod:`dreampipe.simulation.plan_choice`); with the lines that say why, for the user."""
+    here = local_machine(workers) if machine is None else machine
+    topology = local_topology(workers, measured_machine(graph, here), nodes=nodes)
+    lines = []
+    if given is None:
+        picked = choose_plan_and_schedule(
+            graph, topology, semantics,
+            lambda k: choose_plan(graph, workers, allow_fewer_workers=allow_fewer_workers,
+                                  nodes=nodes, memory_bytes=memory_bytes, machine=here,
+                                  max_stages=k),
+            min(workers, len(graph.layers)), memory_bytes=memory_bytes,
+            microbatches=microbatches)
+        lines += [f"plan auto ({semantics.value}): the planner's plan of each number of "
+                  "stages, each with its fastest schedule:", *(f"  {x}" for x in picked.lines)]
+        plan, choice = picked.plan, picked.schedule
+    else:
+        plan, choice = given, choose_schedule(graph, given, topology, semantics, memory_bytes,
+                                              microbatches)
+    lines += [f"schedule auto ({semantics.value}): {choice.kind.value}, the fastest that "
+              f"fits, with {choice.microbatches} microbatches per minibatch:",
+              *(f"  {x}" for x in choice.reasons())]
+    return plan, choice, lines
+
+
 def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int]) -> Plan:
     """The fastest partition into ``len(replicas)`` stages with these replica counts."""
     from dreampipe.planning import planner
@@ -254,3 +296,15 @@ def predict_samples_per_s(
     if span <= 0:
         return 0.0
     return steps * minibatch_size / span
+
+
+def predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,
+                        topology: Topology) -> float:
+    """Samples/s the simulator predicts for ``steps`` updates of the interleaved ``plan``."""
+    from dreampipe.simulation.simulator import simulate_schedule
+
+    schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
+    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topology, fraction,
+                                                            virtual_stages=v))
+    return result.throughput_minibatches_per_s * (graph.batch_size or layout.unit_size)
