@@ -112,6 +112,21 @@ def test_the_runtimes_measured_overhead_scales_the_layers_instead_of_the_fixed_f
     assert costs.backward_s == pytest.approx(tuple(1.1 * b for b in plain.backward_s))
 
 
+@pytest.mark.parametrize("factor", [0.6, 1.3])
+def test_the_weight_gradient_scales_with_the_backward_it_is_part_of(factor: float) -> None:
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    busy = dataclasses.replace(DEV_MACHINE, cores=2, corun_slowdown=1.25)
+    timed = dataclasses.replace(_GRAPH, layers=tuple(
+        dataclasses.replace(x, weight_grad_ms=3.5) for x in _GRAPH.layers))
+    plain = local_costs(timed, plan, 1.0, busy)
+    costs = local_costs(dataclasses.replace(timed, meta={"runtime_backward": factor}),
+                        plan, 1.0, busy)
+    assert costs.weight_grad_s == pytest.approx(tuple(factor * w for w in plain.weight_grad_s))
+    assert all(w <= b for w, b in zip(costs.weight_grad_s, costs.backward_s, strict=True))
+    assert plain.weight_grad_s == pytest.approx(tuple(
+        b * 3.5 / 4.0 for b in local_costs(_GRAPH, plan, 1.0, busy).backward_s))
+
+
 def test_the_profiles_passes_around_their_median_are_the_simulators_jitter() -> None:
     plan = Plan.from_config(4, [0, 2], [1, 1])
     assert local_costs(_GRAPH, plan, 1.0, DEV_MACHINE).jitter == ()

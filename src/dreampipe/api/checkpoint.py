@@ -25,6 +25,9 @@ to be removed). The marker also records the plan and schedule that saved,
 so a run resumed on another plan can say what changed (:func:`saved_plan`).
 :func:`load_model_state` reads the weights alone into a plain
 ``nn.Module``'s keys, without a process group.
+
+DCP is imported on first use: its import costs every process about half a
+second, and most runs never checkpoint.
 """
 
 from __future__ import annotations
@@ -41,9 +44,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from dreampipe.api.split import Chain, Layers
 from dreampipe.errors import CheckpointError, PlanError
@@ -155,6 +155,8 @@ def _verify(path: Path) -> None:
 
 
 def _metadata(path: Path) -> dict[str, Any]:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     try:
         return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     except Exception as exc:
@@ -241,6 +243,8 @@ def restore_rng(objects: dict[str, Any], rank: int, device: torch.device) -> Non
 
 def save(directory: Path, pipe: Pipeline) -> Path:
     """Write ``directory/step-N`` atomically (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     final = directory / f"step-{pipe.minibatches}"
     tmp = directory / f"{final.name}.tmp"
     if dist.get_rank() == 0:
@@ -274,6 +278,8 @@ def _placeholders(meta: dict[str, Any], keys: list[str]) -> dict[str, Any]:
 
 def load(path: Path, pipe: Pipeline) -> int:
     """Load ``path`` into this rank's stage; the minibatches it had consumed."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     _log.info("%s", resume_note(path, pipe.plan))
     meta = _metadata(path)
     module = pipe.module
@@ -314,6 +320,8 @@ def load(path: Path, pipe: Pipeline) -> int:
 
 def load_model_state(path: str | Path) -> dict[str, Tensor]:
     """The weights of a checkpoint as a plain ``state_dict`` (no process group needed)."""
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     found = find(Path(path))
     meta = _metadata(found)
     keys = [k for k in meta if k.startswith("model.")]

@@ -184,7 +184,8 @@ def local_costs(
     cost stretches by the pace measured with the profile for that many
     workers, else by ``workers / cores``; a profile taken beside busy
     twins already holds the co-run slowdown. An all-reduce's start, measured
-    into the backward, stretches with the backward it waits on. Each
+    into the backward, stretches with the backward it waits on, as does the
+    weight-gradient part of each backward. Each
     forward and backward varies as the profile's passes did around their
     median (``SimCosts.jitter``), so replicas wait for the slower one and
     stages for each other as on the host. ``nodes``: see :func:`local_topology`.
@@ -212,6 +213,7 @@ def local_costs(
     return dataclasses.replace(
         costs, forward_s=tuple(f * busy for f in forward),
         backward_s=tuple(b * busy for b in backward),
+        weight_grad_s=tuple(w * runtime_backward * busy for w in costs.weight_grad_s),
         allreduce_s=tuple(a * share for a in costs.allreduce_s),
         allreduce_delay_s=tuple(d * runtime_backward * busy for d in costs.allreduce_delay_s),
         send_overhead_s=machine.send_overhead_s * share,

@@ -16,32 +16,46 @@ its layout (both ways in the backward), the reduction of a partial sum
 before a nonlinearity, the weight-gradient reduction of a batch split. The
 stage reads and returns plain tensors, replicated on its workers, so the
 pipeline around it, its schedules and weight stashing, are unchanged.
+
+``torch.distributed.tensor`` is imported on first use: its import costs every
+process about half a second, and most runs split no tensor.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.splits import Split
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
 __all__ = ["SplitStage", "full_state", "load_dtensor_runtime", "shard_linear", "tensor_mesh"]
 
-_INPUT: dict[Split, Placement] = {
-    Split.REPLICA: Replicate(), Split.BATCH: Shard(0), Split.OUT: Replicate(),
-    Split.IN: Shard(-1),
-}
 _BLOCKS = 8  # blocks of rows per share that shard_linear draws at a time
-_WEIGHT: dict[Split, tuple[Placement, Placement]] = {  # (weight, bias)
-    Split.OUT: (Shard(0), Shard(0)), Split.IN: (Shard(1), Replicate()),
-}
+_WEIGHT_SPLITS = (Split.OUT, Split.IN)  # the splits that divide a Linear's weights
+
+
+def _input_placement(split: Split) -> Placement:
+    """The layout a layer of ``split`` reads its input in."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Shard(0) if split is Split.BATCH else Shard(-1) if split is Split.IN else Replicate()
+
+
+def _weight_placements(split: Split) -> tuple[Placement, Placement]:
+    """A Linear's (weight, bias) placements under ``split``, one of ``_WEIGHT_SPLITS``."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return (Shard(0), Shard(0)) if split is Split.OUT else (Shard(1), Replicate())
 
 
 def tensor_mesh(world: int, t: int, device_type: str) -> DeviceMesh:
@@ -68,11 +82,13 @@ class SplitStage(nn.Module):
         for name, layer in children:
             self.add_module(name, layer)
         self.mesh = mesh
-        self._inputs = [(_INPUT[s],) for s in splits]
+        self._inputs = [(_input_placement(s),) for s in splits]
         for (name, layer), split in zip(children, splits, strict=True):
             _distribute(name, layer, split, mesh)
 
     def forward(self, x: Tensor) -> Tensor:
+        from torch.distributed.tensor import DTensor, Replicate
+
         h: Any = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         for layer, placement in zip(self.children(), self._inputs, strict=True):
             if tuple(h.placements) != placement:
@@ -84,16 +100,18 @@ class SplitStage(nn.Module):
 
 def _distribute(name: str, layer: nn.Module, split: Split, mesh: DeviceMesh) -> None:
     """Turn ``layer``'s parameters into DTensors placed for ``split``."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
-    if split in _WEIGHT and len(linears) != 1:
+    if split in _WEIGHT_SPLITS and len(linears) != 1:
         raise PlanError(
             f"layer {name!r} ({type(layer).__name__}) has {len(linears)} Linear modules; "
             f"split {split.value} divides the weights of exactly one, so plan it as "
             "replica or batch"
         )
     placed: dict[int, Placement] = {}
-    if split in _WEIGHT:
-        weight, bias = _WEIGHT[split]
+    if split in _WEIGHT_SPLITS:
+        weight, bias = _weight_placements(split)
         placed[id(linears[0].weight)] = weight
         if linears[0].bias is not None:
             placed[id(linears[0].bias)] = bias
@@ -116,6 +134,8 @@ def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
     worker draws every block and keeps its rows (``OUT``) or columns (``IN``)
     of it. A worker holds its share plus one block of ``out / (8 t)`` rows.
     """
+    from torch.distributed.tensor import DTensor
+
     out_f, in_f = linear.out_features, linear.in_features
     t, k = mesh.size(), mesh.get_local_rank()
     rows = _chunks(out_f, t)
@@ -137,7 +157,7 @@ def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
         if linear.bias is not None:
             edge = 1.0 / math.sqrt(in_f) if in_f > 0 else 0.0
             bias = torch.empty(out_f).uniform_(-edge, edge)
-    w_place, b_place = _WEIGHT[split]
+    w_place, b_place = _weight_placements(split)
     linear.weight = nn.Parameter(DTensor.from_local(
         weight.to(device), mesh, [w_place], run_check=False, shape=torch.Size((out_f, in_f)),
         stride=(in_f, 1)))
@@ -165,6 +185,13 @@ def _chunks(n: int, t: int) -> list[tuple[int, int]]:
 
 
 def full_state(module: nn.Module) -> dict[str, Tensor]:
-    """``module``'s state with every DTensor gathered whole (a collective over its mesh)."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+    """``module``'s state with every DTensor gathered whole (a collective over its mesh).
+
+    No DTensor exists before ``torch.distributed.tensor`` is imported, so a
+    process that never imported it has none to gather.
+    """
+    loaded = sys.modules.get("torch.distributed.tensor")
+    if loaded is None:
+        return dict(module.state_dict())
+    return {k: v.full_tensor() if isinstance(v, loaded.DTensor) else v
             for k, v in module.state_dict().items()}
