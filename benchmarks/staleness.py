@@ -249,8 +249,9 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
                         g = g + scale * g * g * (p.detach() - used.detach())
                     p.grad = g
                 opts[s].step()
-                if scheds[s] is not None:
-                    scheds[s].step()
+                sched = scheds[s]
+                if sched is not None:
+                    sched.step()
                 history[s].append(_snap(m))
                 if recipe.predict == "optimizer":
                     ahead_steps[s].append(_next_step(opts[s], names[s]))
