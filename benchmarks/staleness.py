@@ -28,7 +28,20 @@ The candidates of issue 32:
 - ``predict``: weight prediction (the model only; the runtime does not do it):
   a delayed stage runs forward and backward on its stale weights extrapolated
   by their last update, ``w_v + k (w_v - w_{v-1})`` with ``k`` the updates it
-  lags behind.
+  lags behind;
+- ``predict-momentum``: ``predict`` on top of dreampipe's rule;
+- ``adam-predict``: a delayed stage runs forward and backward on its stale
+  weights moved ``k`` times by the step its own optimizer would take next from
+  its state at that version (XPipe, Guan et al. 2019; PipeMare): AdamW's
+  ``lr (m_hat / (sqrt(v_hat) + eps) + weight_decay w_v)``, SGD's
+  ``lr * momentum_buffer``; ``adam-predict-momentum``: the same on top of
+  dreampipe's rule;
+- ``dc-asgd-a0.5``, ``dc-asgd-a1``, ``dc-asgd-a2``: DC-ASGD's adaptive variant,
+  ``g + lambda0 g*g / sqrt(v + eps) (w_now - w_stale)``, ``v`` the optimizer's
+  running mean of ``g*g`` (Adam's ``exp_avg_sq`` with this gradient, bias
+  corrected; for SGD a mean of its own, decay 0.95), ``lambda0`` 0.5, 1, 2;
+- ``warmup-momentum``: ``warmup``, then dreampipe's rule from the first
+  delayed update on; ``warmup-predict-momentum``: the same with ``predict``.
 
 The study's workloads, data, optimizers and epochs (digits: SGD lr 0.05
 momentum 0.9, 10 epochs; chars: AdamW 3e-3 with warm-up and clipping,
@@ -46,6 +59,7 @@ import itertools
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +75,37 @@ __all__ = ["CANDIDATES", "main", "simulate"]
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import _workloads as wl
 
-CANDIDATES = ("none", "momentum", "momentum-only", "momentum-lr", "damping", "zero", "lr",
-              "dc-asgd", "warmup", "predict")
-_DC_LAMBDA = 0.04
+
+@dataclass(frozen=True)
+class _Recipe:
+    """A candidate: the :func:`_settings` rule, the weights a delayed stage runs on
+    (``predict``: "" its stale ones, "last" extrapolated by their last update,
+    "optimizer" moved by its optimizer's next step), DC-ASGD's ``lambda`` (0: off;
+    ``adaptive``: divided by the root mean square of the gradient) and whether the
+    first epoch is synchronous (the rule's settings from the first delayed update on)."""
+
+    settings: str = "none"
+    predict: str = ""
+    dc: float = 0.0
+    adaptive: bool = False
+    warmup: bool = False
+
+
+_RECIPES = {
+    **{rule: _Recipe(rule) for rule in ("none", "momentum", "momentum-only", "momentum-lr",
+                                        "damping", "zero", "lr")},
+    "dc-asgd": _Recipe(dc=0.04),
+    "warmup": _Recipe(warmup=True),
+    "predict": _Recipe(predict="last"),
+    "predict-momentum": _Recipe("momentum", predict="last"),
+    "adam-predict": _Recipe(predict="optimizer"),
+    "adam-predict-momentum": _Recipe("momentum", predict="optimizer"),
+    **{f"dc-asgd-a{lam:g}": _Recipe(dc=lam, adaptive=True) for lam in (0.5, 1.0, 2.0)},
+    "warmup-momentum": _Recipe("momentum", warmup=True),
+    "warmup-predict-momentum": _Recipe("momentum", predict="last", warmup=True),
+}
+CANDIDATES = tuple(_RECIPES)
+_SGD_MEAN_SQUARE_DECAY = 0.95
 
 
 def _cuts(layers: int, stages: int) -> list[int]:
@@ -76,7 +118,11 @@ def _delays(schedule: str, stages: int) -> list[int]:
     return [1 if schedule == "2bw" else 0] * stages
 
 
-def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
+def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int,
+              sched: Any = None) -> None:
+    """Apply the rule ``candidate`` for ``delay``; a learning-rate scheduler already
+    built (``sched``) has its base rates scaled as the rates are."""
+    before = [group["lr"] for group in opt.param_groups]
     for group in opt.param_groups:
         adam = "betas" in group
         hyper = Hyper(group["lr"], group["betas"][0] if adam else group["momentum"], adam)
@@ -98,6 +144,48 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int) -> None:
             group["betas"] = (hyper.momentum, group["betas"][1])
         else:
             group["momentum"] = hyper.momentum
+    if sched is not None:
+        sched.base_lrs = [base * group["lr"] / old for base, group, old
+                          in zip(sched.base_lrs, opt.param_groups, before, strict=True)]
+
+
+def _next_step(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Tensor]:
+    """The step, per parameter name, that ``opt`` would take next without a new gradient
+    (subtracted from the weights): AdamW's ``lr (m_hat / (sqrt(v_hat) + eps) + wd w)``,
+    SGD's ``lr * momentum_buffer``; zero before the first update."""
+    steps = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            step = torch.zeros_like(p)
+            if "exp_avg" in state:
+                b1, b2 = group["betas"]
+                n = float(state["step"])
+                m_hat = state["exp_avg"] / (1 - b1 ** n)
+                v_hat = state["exp_avg_sq"] / (1 - b2 ** n)
+                decay = group["weight_decay"] if isinstance(opt, torch.optim.AdamW) else 0.0
+                step = group["lr"] * (m_hat / (v_hat.sqrt() + group["eps"]) + decay * p.detach())
+            elif state.get("momentum_buffer") is not None:
+                step = group["lr"] * state["momentum_buffer"]
+            steps[names[id(p)]] = step.detach().clone()
+    return steps
+
+
+def _mean_square(opt: torch.optim.Optimizer, p: Tensor, g: Tensor,
+                 own: dict[int, Tensor]) -> tuple[Tensor, float]:
+    """DC-ASGD-a's running mean of ``g*g`` with ``g`` in, and its ``eps``: Adam's
+    ``exp_avg_sq`` updated as its step will and bias corrected; for SGD ``own``'s
+    mean (decay :data:`_SGD_MEAN_SQUARE_DECAY`, updated here)."""
+    group = next(gr for gr in opt.param_groups if any(q is p for q in gr["params"]))
+    state = opt.state.get(p, {})
+    if "betas" in group:
+        b2 = group["betas"][1]
+        n = float(state["step"]) + 1 if state else 1.0
+        sq = state["exp_avg_sq"] if state else torch.zeros_like(g)
+        return (b2 * sq + (1 - b2) * g * g) / (1 - b2 ** n), group["eps"]
+    decay = _SGD_MEAN_SQUARE_DECAY
+    own[id(p)] = decay * own.get(id(p), g * g) + (1 - decay) * g * g
+    return own[id(p)], 1e-8
 
 
 def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: int,
@@ -105,31 +193,42 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
     """The held-out figure (digits: accuracy; chars: loss) after each epoch, 0 first;
     ``sgd``: the digits' learning rate and momentum."""
     torch.manual_seed(seed)
+    recipe = _RECIPES[candidate]
     task = _digits(seed, *sgd) if workload == "digits" else _chars(seed)
     model: nn.Sequential = task["model"]
     cuts = _cuts(len(model), workers)
     stages = [model[cuts[s]:cuts[s + 1]] for s in range(workers)]
     delays = _delays(schedule, workers)
     opts = [task["optimizer"](list(m.parameters())) for m in stages]
-    for opt, d in zip(opts, delays, strict=True):
-        _settings(opt, candidate, d)
+    if not recipe.warmup:
+        for opt, d in zip(opts, delays, strict=True):
+            _settings(opt, recipe.settings, d)
     if schedule == "pipedream-settings":  # pipedream's settings, no delay: what they cost
         delays = [0] * workers
     scheds = [task["lr_scheduler"](o) if task["lr_scheduler"] else None for o in opts]
+    names = [{id(p): k for k, p in m.named_parameters()} for m in stages]
     history: list[list[dict[str, Tensor]]] = [[_snap(m)] for m in stages]
+    ahead_steps = [[_next_step(o, n)] for o, n in zip(opts, names, strict=True)]
+    own_sq: dict[int, Tensor] = {}
     figures = [task["evaluate"](model)]
     t = 0
     for epoch in range(task["epochs"]):
         start = t  # the runtime drains at each epoch's end: a segment starts afresh
+        sync = recipe.warmup and epoch == 0
+        if recipe.warmup and epoch == 1:
+            for opt, d, sched in zip(opts, delays, scheds, strict=True):
+                _settings(opt, recipe.settings, d, sched)
         for x, y in task["epoch"]():
             model.train()
-            sync = candidate == "warmup" and epoch == 0
             leaves = []
             for s, m in enumerate(stages):
                 v = max(start, t - (0 if sync else delays[s]))
-                ahead = min(t - v, v) if candidate == "predict" else 0
+                ahead = min(t - v, v) if recipe.predict == "last" else 0
                 params = {k: (w + ahead * (w - history[s][v - 1][k])).requires_grad_(True)
                           for k, w in history[s][v].items()}
+                if recipe.predict == "optimizer":
+                    params = {k: (w.detach() - (t - v) * ahead_steps[s][v][k]).requires_grad_(True)
+                              for k, w in params.items()}
                 leaves.append(params)
                 x = functional_call(m, params, (x,))
             loss = task["loss_fn"](x, y)
@@ -142,13 +241,20 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
             for s, m in enumerate(stages):
                 for p, used in zip(m.parameters(), leaves[s].values(), strict=True):
                     g = grads.pop(0)
-                    if candidate == "dc-asgd":
-                        g = g + _DC_LAMBDA * g * g * (p.detach() - used.detach())
+                    if recipe.dc:
+                        scale: Tensor | float = recipe.dc
+                        if recipe.adaptive:
+                            sq, eps = _mean_square(opts[s], p, g, own_sq)
+                            scale = recipe.dc / (sq + eps).sqrt()
+                        g = g + scale * g * g * (p.detach() - used.detach())
                     p.grad = g
                 opts[s].step()
-                if scheds[s] is not None:
-                    scheds[s].step()
+                sched = scheds[s]
+                if sched is not None:
+                    sched.step()
                 history[s].append(_snap(m))
+                if recipe.predict == "optimizer":
+                    ahead_steps[s].append(_next_step(opts[s], names[s]))
             t += 1
         figures.append(task["evaluate"](model))
     return figures
