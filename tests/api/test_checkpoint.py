@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from runtime.reference import reference_sync, sgd
@@ -16,6 +17,7 @@ from dreampipe.api.checkpoint import restore_rng, rng_state
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
+from dreampipe.runtime.staleness import Hyper, compensated
 
 from .workers import train_zoo
 
@@ -117,3 +119,29 @@ def test_a_two_stage_checkpoint_resumes_on_three_workers_and_loads_into_a_plain_
                                rtol=1e-5, atol=4e-5)
     for k, v in state.items():
         torch.testing.assert_close(second["state"][k], v, rtol=1e-5, atol=4e-5, msg=k)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_run_resumed_on_other_delays_compensates_for_its_own(tmp_path: Path,
+                                                               optimizer: str) -> None:
+    job: dict[str, Any] = {"seed": SEED, "minibatch": 16, "lr": 0.01, "momentum": 0.9,
+                           "optimizer": optimizer, "steps": 3}
+    stages2 = {"bounds": [0, 2], "replicas": [1, 1]}
+    first = run_processes(train_zoo, 2, {**job, **stages2, "schedule": "pipedream",
+                                         "save": str(tmp_path)}, deadline_s=90.0)[0]
+    flush = run_processes(train_zoo, 2, {**job, **stages2, "schedule": "1f1b-flush",
+                                         "microbatches": 2, "steps": 1, "resume": str(tmp_path)},
+                          deadline_s=90.0)[0]
+    deeper = run_processes(train_zoo, 3, {**job, "bounds": [0, 1, 2], "replicas": [1, 1, 1],
+                                          "schedule": "pipedream", "steps": 1,
+                                          "resume": str(tmp_path)}, deadline_s=90.0)[0]
+    adamw = optimizer == "adamw"
+
+    def settings(h: Hyper) -> dict[str, Any]:
+        key, value = ("betas", (h.momentum, 0.999)) if adamw else ("momentum", h.momentum)
+        return {"lr": pytest.approx(h.lr), key: pytest.approx(value)}
+
+    given = Hyper(0.01, 0.9, adaptive=adamw)
+    assert first["hyper"] == [settings(compensated(given, 1))]  # stage 0: 1 update stale
+    assert flush["hyper"] == [settings(given)]
+    assert deeper["hyper"] == [settings(compensated(given, 2))]  # now 2 updates stale

@@ -29,7 +29,8 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     many held-out batches after every ``finish()``), ``post_ahead`` (False:
     post no receive ahead, as on NCCL). Rank 0 also reports the most units its
     schedule ever held, and the numbers of its ``STEP`` events; the last rank
-    reports, after each step, whether the next minibatch's receive is posted.
+    reports, after each step, whether the next minibatch's receive is posted, and
+    ``hyper``, its optimizer's settings as the run began (after any resume).
     """
     if "segment_units" in job:
         pipeline_module.SEGMENT_UNITS = job["segment_units"]
@@ -55,6 +56,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         record_events=job.get("record_events", False), timeout_s=30.0,
     )
     loaded = pipe.full_state_dict() if "resume" in job else None
+    opt = pipe.module.optimizer
+    hyper = [{k: g[k] for k in ("lr", "momentum", "betas") if k in g}
+             for g in (opt.param_groups if opt is not None else [])]
     start = pipe.minibatches
     losses: list[float] = []
     evals: list[float] = []
@@ -73,7 +77,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     saved = str(pipe.save(job["save"])) if "save" in job else None
     state = pipe.full_state_dict()
     pipe.close()
-    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded,
+    out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded, "hyper": hyper,
            "longest": longest, "evals": evals,
            "updates": [e.unit for e in pipe.events if e.kind is ActionKind.STEP]}
     if rank == 0:

@@ -6,10 +6,13 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 from dreampipe.runtime.staleness import (
     Hyper,
+    carry_over,
     compensate,
     compensate_stage,
     compensated,
@@ -51,7 +54,7 @@ def _params() -> list[nn.Parameter]:
 
 def test_sgd_and_adamw_groups_are_compensated_in_place() -> None:
     sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
-    assert compensate(sgd, 1) == [(Hyper(0.05, 0.9), Hyper(0.05, pytest.approx(0.4)))]
+    assert compensate(sgd, 1) == ((Hyper(0.05, 0.9), Hyper(0.05, pytest.approx(0.4))),)
     assert sgd.param_groups[0]["momentum"] == pytest.approx(0.4)
     adamw = torch.optim.AdamW(_params(), lr=3e-3, betas=(0.9, 0.98))
     compensate(adamw, 3)
@@ -62,11 +65,42 @@ def test_sgd_and_adamw_groups_are_compensated_in_place() -> None:
 
 def test_no_delay_or_no_momentum_setting_changes_nothing() -> None:
     sgd = torch.optim.SGD(_params(), lr=0.05, momentum=0.9)
-    assert compensate(sgd, 0) == []
+    assert compensate(sgd, 0) == (None,)
     assert sgd.param_groups[0]["momentum"] == 0.9
     adagrad = torch.optim.Adagrad(_params(), lr=0.1)
     assert hyper_of(adagrad.param_groups[0]) is None
-    assert compensate(adagrad, 3) == []
+    assert compensate(adagrad, 3) == (None,)
+
+
+def _optimizer(adaptive: bool, lr: float, momentum: float) -> torch.optim.Optimizer:
+    if adaptive:
+        return torch.optim.AdamW(_params(), lr=lr, betas=(momentum, 0.99))
+    return torch.optim.SGD(_params(), lr=lr, momentum=momentum)
+
+
+@given(adaptive=st.booleans(), lr=st.floats(1e-4, 1.0), momentum=st.floats(0.0, 0.99),
+       saved_delay=st.integers(0, 4), delay=st.integers(0, 4), scheduled=st.floats(0.0, 1.0))
+def test_a_group_carried_over_to_another_delay_is_compensated_as_if_built_for_it(
+    adaptive: bool, lr: float, momentum: float, saved_delay: int, delay: int, scheduled: float
+) -> None:
+    old, new = _optimizer(adaptive, lr, momentum), _optimizer(adaptive, lr, momentum)
+    saved = compensate(old, saved_delay)[0]
+    now = compensate(new, delay)[0]
+    want = {k: v for k, v in new.param_groups[0].items() if k != "params"}
+    group = {k: v for k, v in old.param_groups[0].items() if k != "params"}
+    group["lr"] *= scheduled  # what a scheduler did to the saving run's rate carries over
+    factor = carry_over(group, saved, now)
+    assert group["lr"] == pytest.approx(want["lr"] * scheduled, rel=1e-9, abs=1e-15)
+    assert factor == pytest.approx(want["lr"] / old.param_groups[0]["lr"], rel=1e-9)
+    for k, v in want.items():
+        if k != "lr":
+            assert group[k] == (pytest.approx(v) if k in ("momentum", "betas") else v), k
+
+
+def test_a_group_without_compensation_carries_over_unchanged() -> None:
+    group = {"lr": 0.3, "momentum": 0.7, "initial_lr": 0.5}
+    assert carry_over(group, None, None) == 1.0
+    assert group == {"lr": 0.3, "momentum": 0.7, "initial_lr": 0.5}
 
 
 def test_delays_follow_the_schedule() -> None:

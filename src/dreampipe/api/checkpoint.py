@@ -6,11 +6,17 @@ Keys are the original model's names, so a checkpoint loads into any plan
     model.<fqn>           every parameter and buffer (replicas write one copy)
     optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
     param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
-                          update count and the parameter's non-tensor state (pickled)
+                          update count, the parameter's non-tensor state and what
+                          staleness compensation did to its group (pickled)
     progress              minibatches consumed and rank 0's CPU RNG state (pickled)
     rng.<rank>            that rank's CPU RNG state and, on a CUDA device, its CUDA
                           generator's (pickled): dropout draws from the generator
                           of the device it runs on
+
+Each parameter group resumes the settings saved with its first parameter. A
+run resumed on other delays (another plan or schedule) replaces the saved
+compensation with its own (:func:`~dreampipe.runtime.staleness.carry_over`),
+so a stage never trains with the momentum of a delay it does not have.
 
 A rank resumes its own RNG states when the checkpoint has them (the same
 rank), else rank 0's CPU state (a checkpoint written before ``rng.<rank>``,
@@ -32,6 +38,7 @@ second, and most runs never checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pickle
@@ -48,6 +55,7 @@ from torch import Tensor
 from dreampipe.api.split import Chain, Layers
 from dreampipe.errors import CheckpointError, PlanError
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.staleness import Hyper, carry_over
 
 if TYPE_CHECKING:
     from dreampipe.api.pipeline import Pipeline
@@ -209,7 +217,7 @@ def _stage_state(pipe: Pipeline) -> dict[str, Any]:
     sched = pipe.scheduler.state_dict() if pipe.scheduler is not None else None
     names = dict(zip(map(id, module.params), module.module_param_names, strict=True))
     groups = opt.param_groups if opt is not None else []
-    for group in groups:
+    for group, applied in zip(groups, pipe.compensation, strict=True):
         hyper = {k: v for k, v in group.items() if k != "params"}
         for p in group["params"]:
             fqn = names[id(p)]
@@ -218,11 +226,22 @@ def _stage_state(pipe: Pipeline) -> dict[str, Any]:
             state[f"param.{fqn}"] = pickle.dumps({
                 "group": hyper, "scheduler": sched, "version": module.version,
                 "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
+                "compensation": _plain(applied),
             })
     state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
                                       "rng": torch.get_rng_state()})
     state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
     return state
+
+
+def _plain(applied: tuple[Hyper, Hyper] | None) -> list[dict[str, Any]] | None:
+    """Compensation's ``(given, used)`` settings as plain data for the checkpoint."""
+    return None if applied is None else [dataclasses.asdict(h) for h in applied]
+
+
+def _hyper_pair(saved: list[dict[str, Any]] | None) -> tuple[Hyper, Hyper] | None:
+    """:func:`_plain`'s inverse: None for a group compensation left as it was."""
+    return None if saved is None else (Hyper(**saved[0]), Hyper(**saved[1]))
 
 
 def rng_state(device: torch.device) -> dict[str, Tensor | None]:
@@ -309,11 +328,18 @@ def load(path: Path, pipe: Pipeline) -> int:
             opt.state[p] = per
         module.resume_at(int(info["version"]))
     if opt is not None and names:
+        fqns = dict(zip(map(id, module.params), names, strict=True))
+        factors = []
+        for group, now in zip(opt.param_groups, pipe.compensation, strict=True):
+            saved = objects[f"param.{fqns[id(group['params'][0])]}"]
+            group.update(saved["group"])
+            factors.append(carry_over(group, _hyper_pair(saved["compensation"]), now)
+                           if "compensation" in saved else 1.0)
         first = objects[f"param.{names[0]}"]
-        for group in opt.param_groups:
-            group.update(first["group"])
         if pipe.scheduler is not None and first["scheduler"] is not None:
             pipe.scheduler.load_state_dict(first["scheduler"])
+            pipe.scheduler.base_lrs = [b * f for b, f in zip(
+                pipe.scheduler.base_lrs, factors, strict=True)]
     restore_rng(objects, dist.get_rank(), pipe.device)
     return int(objects["progress"]["minibatches"])
 

@@ -75,6 +75,7 @@ from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
+from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -225,10 +226,13 @@ class Pipeline:
             self._layers, self.plan, self._my_stages(world), self.device,
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
             StageBuild(optimizer, loss_fn, stash, vertical_sync, fused_accumulation, seed))
-        if not self.kind.synchronous:  # before the schedulers: they keep the rates they see
-            compensate_modules(modules, self._build_schedule(_HORIZON), vertical_sync,
-                               enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
+        applied = compensate_modules(  # before the schedulers: they keep the rates they see
+            modules, self._build_schedule(_HORIZON), vertical_sync,
+            enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
         self.module = modules[0]
+        #: What staleness compensation did to each parameter group of this rank's
+        #: stage: ``(given, used)`` settings, None where nothing (checkpoints carry it).
+        self.compensation: Applied = applied[self.module.stage]
         self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules
                             if lr_scheduler is not None and m.optimizer is not None}
         self.scheduler = self._schedulers.get(id(self.module))

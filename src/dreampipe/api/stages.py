@@ -22,7 +22,7 @@ from dreampipe.api.split import Layers, build_split_stage, build_stage
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.stage import StageModule
-from dreampipe.runtime.staleness import compensate_stage
+from dreampipe.runtime.staleness import Applied, compensate_stage
 from dreampipe.scheduling.actions import Schedule
 
 __all__ = ["StageBuild", "build_modules", "compensate_modules"]
@@ -63,10 +63,12 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
 
 
 def compensate_modules(modules: list[StageModule], schedule: Schedule, vertical_sync: bool, *,
-                       enabled: bool, advise: bool, uniform: bool) -> None:
+                       enabled: bool, advise: bool, uniform: bool) -> dict[int, Applied]:
     """Staleness compensation of every module's optimizer for its delay in ``schedule``;
     ``advise``: warn, once, when a delay is large for the settings; ``uniform``: every
-    stage takes the deepest delay's settings (weights tied across stages)."""
-    for m in modules:
-        compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
-                         enabled=enabled, advise=advise and m is modules[0], uniform=uniform)
+    stage takes the deepest delay's settings (weights tied across stages). What it
+    changed, by stage."""
+    return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
+                                      enabled=enabled, advise=advise and m is modules[0],
+                                      uniform=uniform)
+            for m in modules}

@@ -33,13 +33,14 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
 
-__all__ = ["Hyper", "compensate", "compensate_stage", "compensated", "delay_advice", "hyper_of",
-           "implicit_momentum", "stage_delays"]
+__all__ = ["Applied", "Hyper", "carry_over", "compensate", "compensate_stage", "compensated",
+           "delay_advice", "hyper_of", "implicit_momentum", "stage_delays"]
 
 _log = logging.getLogger(__name__)
 
@@ -92,22 +93,60 @@ def hyper_of(group: dict[str, object]) -> Hyper | None:
     return None
 
 
-def compensate(optimizer: torch.optim.Optimizer, delay: int) -> list[tuple[Hyper, Hyper]]:
+#: What compensation did to each parameter group of one optimizer: ``(given, used)``
+#: settings, None for a group it left as it was.
+Applied = tuple[tuple[Hyper, Hyper] | None, ...]
+
+
+def compensate(optimizer: torch.optim.Optimizer, delay: int) -> Applied:
     """Apply :func:`compensated` to every parameter group of ``optimizer``; the
-    ``(before, after)`` settings of each group it changed."""
-    changed = []
+    ``(before, after)`` settings of each group, None where unchanged."""
+    applied: list[tuple[Hyper, Hyper] | None] = []
     for group in optimizer.param_groups:
         before = hyper_of(group)
         if before is None or delay == 0:
+            applied.append(None)
             continue
         after = compensated(before, delay)
         group["lr"] = after.lr
-        if "momentum" in group:
-            group["momentum"] = after.momentum
-        else:
-            group["betas"] = (after.momentum, *group["betas"][1:])
-        changed.append((before, after))
-    return changed
+        _set_momentum(group, after.momentum)
+        applied.append((before, after))
+    return tuple(applied)
+
+
+def _set_momentum(group: dict[str, Any], momentum: float) -> None:
+    if "momentum" in group:
+        group["momentum"] = momentum
+    else:
+        group["betas"] = (momentum, *group["betas"][1:])
+
+
+def _lr_factor(applied: tuple[Hyper, Hyper] | None) -> float:
+    if applied is None or applied[0].lr == 0:
+        return 1.0
+    return applied[1].lr / applied[0].lr
+
+
+def carry_over(group: dict[str, Any], saved: tuple[Hyper, Hyper] | None,
+               now: tuple[Hyper, Hyper] | None) -> float:
+    """Turn ``group``, as a run compensated by ``saved`` left it, into this run's
+    settings under ``now``, in place; the factor it put on the learning rate.
+
+    A checkpoint holds the settings a stage trained with; a run resumed on
+    another plan or schedule has other delays. The learning rate (and a
+    scheduler's ``initial_lr``) keeps what the scheduler or the user did to it,
+    with the old compensation's factor replaced by the new one's; the momentum
+    is the user's, compensated for the new delay.
+    """
+    factor = _lr_factor(now) / _lr_factor(saved)
+    for key in ("lr", "initial_lr"):
+        if isinstance(group.get(key), int | float):
+            group[key] *= factor
+    if now is not None:
+        _set_momentum(group, now[1].momentum)
+    elif saved is not None:
+        _set_momentum(group, saved[0].momentum)
+    return factor
 
 
 def stage_delays(schedule: Schedule, vertical_sync: bool = False) -> tuple[int, ...]:
@@ -162,23 +201,27 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
 
 def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule, stage: int, *,
                      vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
-                     ) -> None:
+                     ) -> Applied:
     """Compensate ``stage``'s optimizer for its delay in ``schedule`` (if ``enabled``) and,
     if ``advise``, log :func:`delay_advice` for the deepest delay of any stage as a
     warning, with this optimizer's settings as the user gave them. ``uniform``: every
     stage takes the deepest delay's settings (weights tied across stages must take the
-    same updates on each copy)."""
-    if optimizer is None or schedule.kind.synchronous:
-        return
+    same updates on each copy). What it changed, group by group."""
+    if optimizer is None:
+        return ()
+    if schedule.kind.synchronous:
+        return (None,) * len(optimizer.param_groups)
     delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
     delay = max(delays) if uniform else delays[stage]
-    if enabled:
-        for before, after in compensate(optimizer, delay):
+    applied = compensate(optimizer, delay) if enabled else (None,) * len(optimizer.param_groups)
+    for pair in applied:
+        if pair is not None:
             _log.info("stage %d, %d updates stale: momentum %g -> %g (staleness compensation)",
-                      stage, delay, before.momentum, after.momentum)
+                      stage, delay, pair[0].momentum, pair[1].momentum)
     advice = None if given is None else delay_advice(given, max(delays), enabled)
     if advise and advice is not None:
         other = "" if schedule.kind is ScheduleKind.TWO_BW else "schedule='2bw' (a delay of 1) or "
         _log.warning("%s: %s, or train with %sa synchronous schedule (1f1b-flush)",
                      schedule.kind.value, advice, other)
+    return applied
