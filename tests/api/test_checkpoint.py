@@ -145,3 +145,24 @@ def test_a_run_resumed_on_other_delays_compensates_for_its_own(tmp_path: Path,
     assert first["hyper"] == [settings(compensated(given, 1))]  # stage 0: 1 update stale
     assert flush["hyper"] == [settings(given)]
     assert deeper["hyper"] == [settings(compensated(given, 2))]  # now 2 updates stale
+
+
+def test_each_parameter_group_resumes_its_own_settings(tmp_path: Path) -> None:
+    def two_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},
+                                  {"params": [p for p in params if p.dim() <= 1],
+                                   "weight_decay": 0.0, "lr": 0.02}], lr=0.05)
+
+    def pipe(resume: Path | None = None) -> dreampipe.Pipeline:
+        return dreampipe.Pipeline(_model(), example=_data()[0], loss_fn=F.cross_entropy,
+                                  optimizer=two_groups, schedule="1f1b-flush", resume=resume)
+
+    first = pipe()
+    first.step(*_data()[0])
+    first.save(tmp_path)
+    first.close()
+    second = pipe(resume=tmp_path)
+    assert second.module.optimizer is not None
+    groups = second.module.optimizer.param_groups
+    second.close()
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(0.05, 0.01), (0.02, 0.0)]
