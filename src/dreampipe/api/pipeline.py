@@ -227,8 +227,8 @@ class Pipeline:
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
             StageBuild(optimizer, loss_fn, stash, vertical_sync, fused_accumulation, seed))
         applied = compensate_modules(  # before the schedulers: they keep the rates they see
-            modules, self._build_schedule(_HORIZON), vertical_sync,
-            enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
+            modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
+            vertical_sync, enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
         self.module = modules[0]
         #: What staleness compensation did to each parameter group of this rank's
         #: stage: ``(given, used)`` settings, None where nothing (checkpoints carry it).
