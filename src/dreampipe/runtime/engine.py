@@ -13,7 +13,7 @@ Gradient all-reduce (replicated stages): the engine marks, once, each
 backward hands its gradients to :class:`~dreampipe.runtime.buckets.GradientBuckets`
 as they become final, so the buckets' all-reduces run during it. Earlier
 backwards of the round only accumulate; ``ALLREDUCE<k>`` waits for the
-buckets and applies the scale::
+buckets and applies the scale (:mod:`.updates`, with what ``STEP`` does)::
 
     actions   F6  B6  F7  B7* SEND_B7  ALLREDUCE3  STEP3      (* marked)
     buckets               [b0 b1 b2 ...]  wait, scale
@@ -41,29 +41,18 @@ and checks that it does.
 
 Several stages (interleaved 1F1B): a rank that holds ``v`` stages keeps one
 module, :class:`~dreampipe.runtime.comm.Comm` and bucket set per stage (a
-lane) and runs each action on the lane of its stage, in the schedule's order.
-The all-reduces a ``STEP`` makes over every rank (the global gradient norm,
-the non-finite agreement) run once per update on each rank, at its first
-``STEP`` of the update, for all its stages: the schedules that interleave
-flush every minibatch, so all their gradients are known by then.
+lane) and runs each action on the lane of its stage, in the schedule's order
+(an update's all-reduces over every rank run once for all of them: :mod:`.updates`).
 
 Zero Bubble's ``W`` (zb-h1, zb-h2): ``B`` computes the input gradient only
 and ``W`` the weight gradients it left (:mod:`.split_backward`); ``STEP``
 follows the rank's last ``W``.
-
-Loss scaling: in the synchronous schedules each microbatch's mean loss is
-multiplied by ``1 / units_per_update``, so the sum of the microbatch
-gradients (accumulated on a rank, then all-reduce-*summed* over replicas) is
-the gradient of the mean loss over the whole minibatch. In PipeDream's
-schedule a unit is a minibatch; replicas sum then divide by the units of
-the round (their number, except in a run's last, partial round).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -82,6 +71,7 @@ from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage import StageInput, StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
+from dreampipe.runtime.updates import RankUpdates, loss_scale
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -106,11 +96,9 @@ class UnitData(Protocol):
 class RankRunner:
     """One rank's stage, data and links; :meth:`advance` executes its actions, a stretch at a time.
 
-    ``clip_group`` is the world group the gradient-norm all-reduce (with
-    ``max_grad_norm``) and the non-finite agreement (``on_nonfinite`` skip)
-    use, None for the default group; ``after_step`` runs after every weight
-    update (a learning-rate scheduler's step). ``others``: under interleaved
-    1F1B, the modules of the rank's other stages, in
+    ``clip_group`` and ``after_step`` are :class:`~dreampipe.runtime.updates.RankUpdates`'s
+    (a learning-rate scheduler's step). ``others``: under interleaved 1F1B, the
+    modules of the rank's other stages, in
     :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order
     (module docstring, "Several stages").
     """
@@ -141,8 +129,7 @@ class RankRunner:
         self.comm = Comm(
             schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
         )
-        self.pipedream = schedule.kind is ScheduleKind.PIPEDREAM
-        self.scale = 1.0 if self.pipedream else 1.0 / schedule.units_per_update
+        self.scale = loss_scale(schedule)
         check_two_versions(schedule)
         self.two_bw = (TwoVersions(schedule.units_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
@@ -155,10 +142,9 @@ class RankRunner:
             self._lanes.append(_Lane(s, m, comm, GradientBuckets(m.params, None,
                                                                  comm.wait_allreduce)))
         self._lane_of = {lane.stage: lane for lane in self._lanes}
-        self._agreed: tuple[int, int, bool] | None = None
-        self._clipped: tuple[int, int] | None = None
-        self._clip_group = clip_group
-        self._after_step = after_step
+        self._updates = RankUpdates(rank, device, self.guard, self.modules,
+                                    max_grad_norm=opts.max_grad_norm, clip_group=clip_group,
+                                    after_step=after_step)
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
         self._outputs: dict[int, tuple[Tensor, int | None]] = {}
         self._grads_in: dict[int, Tensor] = {}
@@ -288,44 +274,10 @@ class RankRunner:
         self.module.run_held()
 
     def _allreduce(self, a: Action) -> None:
-        scale = 1.0
-        if self.pipedream:
-            r = self.schedule.replicas[self.stage]
-            scale = 1.0 / min(r, self.schedule.num_units - a.unit * r)
-        self.buckets.finish(self.module.gradients(), a, scale)
+        self._updates.allreduce(a, self.schedule, self.module, self.buckets)
 
     def _step(self, a: Action) -> None:
-        def tied(work: Any) -> None:
-            self.comm.wait_tied(work, a)
-
-        now = (self.first_unit, a.unit)  # a rank's stages agree once per update
-        if self._agreed is None or self._agreed[:2] != now:
-            self._agreed = (*now, self.guard.skips(a, self._clip_group, self.comm.wait_world))
-        if self._agreed[2]:
-            self.module.step(apply=False, wait=tied)
-            return
-        if self.opts.max_grad_norm is not None and self._clipped != now:
-            self._clipped = now
-            self._clip(a, self.opts.max_grad_norm)
-        self.module.step(wait=tied)
-        if self._after_step is not None:
-            self._after_step()
-
-    def _clip(self, a: Action, max_norm: float) -> None:
-        """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
-        ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
-        stage counted once (its replicas hold the same all-reduced gradient); under
-        interleaving a rank clips all its stages at its first ``STEP`` of the update."""
-        grads = [g for lane in self._lanes for g in lane.module.gradients()]
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.schedule.replica_of_rank(self.rank) == 0:
-            for g in grads:
-                sq += torch.linalg.vector_norm(g, 2).double() ** 2
-        work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
-        self.comm.wait_world(work, a)
-        coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
-        for g in grads:
-            g.mul_(coef)
+        self._updates.step(a, self.schedule, self.first_unit, self.module, self.comm)
 
     # ---- loop ----------------------------------------------------------------
     def advance(self, given: int | None = None, post_until: int | None = None) -> None:

@@ -1,30 +1,8 @@
 """One rank's share of the model: its layers, live weights and stashed versions.
 
-**Weight stashing** (PipeDream, docs/design.md §5). The forward of unit ``u`` runs
-functionally on a *version* of the weights (:mod:`.slots`, as
-``torch.func.functional_call`` does), so the autograd graph holds that
-version; ``u``'s backward differentiates the same graph, and the gradient
-goes to the live parameters, which a real ``torch.optim`` optimizer updates.
-Versions are copy-on-write::
-
-    live weights  w3 ──F5──F6──STEP──▶ w4 ──F7──STEP──▶ w5
-    version 3     shares w3's storage (no copy) while nothing changed it;
-                  at STEP, if a backward (B5, B6) still needs it, the live
-                  parameters move to a fresh copy and version 3 keeps the old
-                  storage; freed when its last backward is done.
-
-So a stage copies its weights at most once per update, and only when an
-unfinished unit needs the old values; stage ``s`` of a straight ``n``-stage
-pipeline holds at most ``n - s`` versions (one per unit in flight).
-
-**Vertical sync.** Unit ``u`` names the version the input stage used; every
-stage runs ``u`` with that version number of its own weights. A stage keeps
-every version from the one named by the newest unit it received onwards
-(versions never decrease along the units), plus those held by unfinished
-units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
-updates ahead of the input stage). Stages must update at one rate, i.e. have
-equal replica counts (:mod:`.checks` says so before a run): otherwise one
-version number names different weights on different stages.
+Each forward runs on a *version* of the weights and its backward on the same
+one (weight stashing, copy-on-write, vertical sync: :mod:`.versions`); buffers
+(BatchNorm running statistics) are not versioned.
 
 **No stashing** (``stash=False``) is PipeDream's *naive pipelining*, kept to
 show why stashing matters: the forward runs on the live weights without
@@ -33,10 +11,9 @@ with the live weights *as they are then*, i.e. after the updates made while
 the unit was in flight, so forward and backward see different weights.
 (BatchNorm statistics are updated by both passes.)
 
-Buffers (BatchNorm running statistics) are not versioned. Weight gradients
-of all units between two updates add up in one buffer per parameter;
-``nn.Linear`` layers add theirs with a single GEMM, or autograd's GEMM and
-add (:class:`~dreampipe.runtime.fused.LinearGradients`).
+Weight gradients of all units between two updates add up in one buffer per
+parameter; ``nn.Linear`` layers add theirs with a single GEMM, or autograd's
+GEMM and add (:class:`~dreampipe.runtime.fused.LinearGradients`).
 
 **Gradients final during the backward.** The backward that completes a
 round (the last before an all-reduce) can report each parameter's
@@ -53,14 +30,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dreampipe.errors import PlanError, ScheduleError
+from dreampipe.errors import PlanError
 from dreampipe.runtime.fused import (
     DeferredGradients,
     GradientSum,
@@ -71,6 +47,7 @@ from dreampipe.runtime.fused import (
 from dreampipe.runtime.recompute import Replay, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
+from dreampipe.runtime.versions import Version, WeightVersions
 
 __all__ = ["StageInput", "StageModule", "tensor_output"]
 
@@ -88,13 +65,6 @@ def tensor_output(out: object, where: str) -> Tensor:
             "between stages: cut the model after a layer that returns a tensor"
         )
     return out
-
-@dataclass
-class _Version:
-    number: int
-    tensors: list[Tensor]  # in parameter index order
-    live: bool
-    refs: int = 0
 
 
 @dataclass
@@ -114,7 +84,7 @@ StageInput = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 class _InFlight:
     input: StageInput
     output: Tensor | None
-    version: _Version | None
+    version: Version | None
     target: Tensor | None
     scale: float
     replay: Replay | None = None
@@ -164,12 +134,10 @@ class StageModule:
             fuse_linear_gradients(module, self._names, self._held)
             self._fused = fused_indices(module, self._names)
         self._weight_work: dict[int, tuple[_InFlight, Tensor | None, WeightWork | None]] = {}
-        self._versions: dict[int, _Version] = {}
+        self._versions = WeightVersions(self._params, stage=stage, on_leaf=self._leaf_done,
+                                        on_drop=self._harvest)
         self._inflight: dict[int, _InFlight] = {}
-        self._floor: int | None = None
-        self._touched: dict[int, _Version] = {}
-        self.version = 0
-        self.peak_versions = 0
+        self._touched: dict[int, Version] = {}
         self._tied: list[tuple[int, Any]] = []
 
     def tie(self, index: int, group: Any) -> None:
@@ -189,69 +157,36 @@ class StageModule:
         return self._names
 
     @property
+    def version(self) -> int:
+        """The live weights' version number, one more per update."""
+        return self._versions.version
+
+    @property
+    def peak_versions(self) -> int:
+        """The most weight versions stored at once."""
+        return self._versions.peak
+
+    @property
     def versions_held(self) -> int:
         """Stored weight versions, the live one included when a unit uses it."""
         return len(self._versions)
 
     def resume_at(self, version: int) -> None:
         """Count weight versions on from ``version``, a resumed checkpoint's."""
-        self.version = version
+        self._versions.resume_at(version)
 
     def note_version(self, number: int) -> None:
         """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
-        self._floor = number
-        for v in [v for v in self._versions.values() if v.number < number and v.refs == 0]:
-            self._drop(v)
+        self._versions.note(number)
 
-    def _needed_later(self, number: int) -> bool:
-        return self._floor is not None and number >= self._floor
-
-    def _live_version(self) -> _Version:
-        tensors = [p.data.requires_grad_(True) for p in self._params]
-        for i, leaf in enumerate(tensors):
-            leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
-                partial(self._leaf_done, i)
-            )
-        v = _Version(self.version, tensors, live=True)
-        self._versions[self.version] = v
-        self.peak_versions = max(self.peak_versions, len(self._versions))
-        return v
-
-    def _acquire(self, number: int | None) -> _Version:
-        number = self.version if number is None else number
-        v = self._versions.get(number)
-        if v is None:
-            if number != self.version:
-                raise ScheduleError(
-                    f"stage {self.stage} has no weight version {number} (it is at version "
-                    f"{self.version}, holds {sorted(self._versions)}); vertical sync needs a "
-                    "schedule in which later stages are never behind the input stage"
-                )
-            v = self._live_version()
-        v.refs += 1
-        return v
-
-    def _release(self, v: _Version) -> None:
-        v.refs -= 1
-        if v.refs == 0 and not v.live and not self._needed_later(v.number):
-            self._drop(v)
-
-    def _drop(self, v: _Version) -> None:
-        if v.live:
-            return
-        self._harvest(v)
-        del self._versions[v.number]
-
-    def _harvest(self, v: _Version) -> None:
+    def _harvest(self, v: Version) -> None:
         """Move the weight gradients autograd accumulated on ``v``'s tensors to the update."""
         if self._touched.pop(v.number, None) is None:
             return
         for i, leaf in enumerate(v.tensors):
-            g = leaf.grad
-            if g is None:
-                continue
-            leaf.grad = None
-            self._grads.add_grad(i, g)
+            if leaf.grad is not None:
+                g, leaf.grad = leaf.grad, None
+                self._grads.add_grad(i, g)
 
     def _harvest_all(self) -> None:
         self._held.run()
@@ -276,7 +211,7 @@ class StageModule:
         if self.input_grad and isinstance(x, Tensor) and x.is_floating_point():
             x.requires_grad_(True)
         if self.stash and self.recompute:
-            v = self._acquire(version)
+            v = self._versions.acquire(version)
             again = record(x.device if isinstance(x, Tensor) else next(
                 (p.device for p in self._params), torch.device("cpu")))
             with torch.no_grad():
@@ -284,7 +219,7 @@ class StageModule:
             self._inflight[unit] = _InFlight(x, None, v, target, scale, again)
             return report
         if self.stash:
-            v = self._acquire(version)
+            v = self._versions.acquire(version)
             out, report = self._compute(v.tensors, x, target, scale)
             self._inflight[unit] = _InFlight(x, out, v, target, scale)
             return report
@@ -334,7 +269,7 @@ class StageModule:
         self._held.run()
         st = self._inflight.pop(unit)
         if st.version is None:
-            v = self._acquire(None)
+            v = self._versions.acquire(None)
             out, _ = self._compute(v.tensors, st.input, st.target, st.scale)
         elif st.replay is not None:
             v, out = st.version, self._again(st)
@@ -363,7 +298,7 @@ class StageModule:
             self._round = None
             self._held.holding = False
         self._touched[v.number] = v
-        self._release(v)
+        self._versions.release(v)
         return x.grad if want_input and x is not None else None
 
     def backward_input(self, unit: int, grad: Tensor | None = None) -> Tensor | None:
@@ -394,7 +329,7 @@ class StageModule:
             return
         assert st.version is not None
         weight_gradients(work, self._held, self._grads.add_grad)
-        self._release(st.version)
+        self._versions.release(st.version)
 
     def _again(self, st: _InFlight) -> Tensor:
         """A recomputing stage's forward of ``st``, run again for its backward."""
@@ -436,7 +371,7 @@ class StageModule:
         return [self._grads.filled(i) for i in range(len(self._params))]
 
     def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:
-        """Apply the accumulated gradient to the live weights (copy-on-write, see above).
+        """Apply the accumulated gradient to the live weights (copy-on-write, :mod:`.versions`).
 
         ``apply=False`` drops the gradient instead (a skipped update): the
         weights and the optimizer's state stay as they were. ``wait`` waits for
@@ -444,16 +379,7 @@ class StageModule:
         run's deadline; by default the work's own ``wait``).
         """
         self._harvest_all()
-        cur = self._versions.get(self.version)
-        if cur is None and self._needed_later(self.version):
-            cur = self._live_version()
-        if cur is not None and cur.live:
-            if cur.refs > 0 or self._needed_later(cur.number):
-                for p in self._params:
-                    p.data = p.data.clone()
-                cur.live = False
-            else:
-                del self._versions[cur.number]
+        self._versions.retire()
         sums = self._grads.take()
         for i, group in self._tied:
             g = sums[i]
@@ -470,6 +396,6 @@ class StageModule:
             self.optimizer.step()
         for p in self._params:
             p.grad = None
-        self.version += 1
+        self._versions.advance()
         _log.debug("stage %d at version %d holds %s", self.stage, self.version,
                    sorted(self._versions))

@@ -1,0 +1,118 @@
+"""A rank's weight updates: what its ``ALLREDUCE`` and ``STEP`` actions do.
+
+``ALLREDUCE<k>`` waits for the round's gradient buckets (:mod:`.buckets`) and
+applies the scale. ``STEP<k>`` applies the update to the live weights
+(:meth:`~dreampipe.runtime.stage.StageModule.step`) after two all-reduces
+over every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`,
+the update skipped) and, with ``max_grad_norm``, the global gradient norm to
+clip by. Those run once per update on each rank, at its first ``STEP`` of the
+update, for all its stages (several under interleaved 1F1B): the schedules
+that interleave flush every minibatch, so all their gradients are known by then.
+
+Loss scaling: in the synchronous schedules each microbatch's mean loss is
+multiplied by ``1 / units_per_update`` (:func:`loss_scale`), so the sum of the
+microbatch gradients (accumulated on a rank, then all-reduce-*summed* over
+replicas) is the gradient of the mean loss over the whole minibatch. In
+PipeDream's schedule a unit is a minibatch; replicas sum then divide by the
+units of the round (their number, except in a run's last, partial round).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dreampipe.runtime.buckets import GradientBuckets
+from dreampipe.runtime.comm import Comm
+from dreampipe.runtime.nonfinite import NonFiniteGuard
+from dreampipe.runtime.stage import StageModule
+from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
+
+__all__ = ["RankUpdates", "loss_scale"]
+
+
+def loss_scale(schedule: Schedule) -> float:
+    """What each unit's loss is multiplied by before its backward (module docstring)."""
+    return 1.0 if schedule.kind is ScheduleKind.PIPEDREAM else 1.0 / schedule.units_per_update
+
+
+class RankUpdates:
+    """The ``ALLREDUCE`` and ``STEP`` actions of rank ``rank``, whose stages are ``modules``.
+
+    ``guard`` agrees on skipping an update; ``clip_group`` is the world group
+    the gradient-norm all-reduce (with ``max_grad_norm``) and that agreement
+    use, None for the default group; ``after_step`` runs after every weight
+    update (a learning-rate scheduler's step).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        guard: NonFiniteGuard,
+        modules: Sequence[StageModule],
+        *,
+        max_grad_norm: float | None,
+        clip_group: Any,
+        after_step: Callable[[], None] | None,
+    ) -> None:
+        self._rank = rank
+        self._device = device
+        self._guard = guard
+        self._modules = list(modules)
+        self._max_grad_norm = max_grad_norm
+        self._clip_group = clip_group
+        self._after_step = after_step
+        self._agreed: tuple[int, int, bool] | None = None
+        self._clipped: tuple[int, int] | None = None
+
+    def allreduce(
+        self, a: Action, schedule: Schedule, module: StageModule, buckets: GradientBuckets
+    ) -> None:
+        """``ALLREDUCE`` ``a`` of ``module``'s stage: its buckets finished, the sum scaled."""
+        scale = 1.0
+        if schedule.kind is ScheduleKind.PIPEDREAM:
+            r = schedule.replicas[a.stage]
+            scale = 1.0 / min(r, schedule.num_units - a.unit * r)
+        buckets.finish(module.gradients(), a, scale)
+
+    def step(
+        self, a: Action, schedule: Schedule, first_unit: int, module: StageModule, comm: Comm
+    ) -> None:
+        """``STEP`` ``a`` of ``module``'s stage; ``first_unit`` numbers the schedule's units
+        in the run, so that the rank's stages agree once per update."""
+        def tied(work: Any) -> None:
+            comm.wait_tied(work, a)
+
+        now = (first_unit, a.unit)
+        if self._agreed is None or self._agreed[:2] != now:
+            self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world))
+        if self._agreed[2]:
+            module.step(apply=False, wait=tied)
+            return
+        if self._max_grad_norm is not None and self._clipped != now:
+            self._clipped = now
+            self._clip(a, schedule, comm, self._max_grad_norm)
+        module.step(wait=tied)
+        if self._after_step is not None:
+            self._after_step()
+
+    def _clip(self, a: Action, schedule: Schedule, comm: Comm, max_norm: float) -> None:
+        """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
+        ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
+        stage counted once (its replicas hold the same all-reduced gradient); under
+        interleaving a rank clips all its stages at its first ``STEP`` of the update."""
+        grads = [g for module in self._modules for g in module.gradients()]
+        sq = torch.zeros((), dtype=torch.float64, device=self._device)
+        if schedule.replica_of_rank(self._rank) == 0:
+            for g in grads:
+                sq += torch.linalg.vector_norm(g, 2).double() ** 2
+        work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
+        comm.wait_world(work, a)
+        coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
+        for g in grads:
+            g.mul_(coef)

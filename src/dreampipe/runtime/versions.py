@@ -1,0 +1,156 @@
+"""A stage's weight versions: copy-on-write stashes of its live weights, by number.
+
+**Weight stashing** (PipeDream, docs/design.md §5). The forward of unit ``u`` runs
+functionally on a *version* of the weights (:mod:`.slots`, as
+``torch.func.functional_call`` does), so the autograd graph holds that
+version; ``u``'s backward differentiates the same graph, and the gradient
+goes to the live parameters, which a real ``torch.optim`` optimizer updates.
+Versions are copy-on-write::
+
+    live weights  w3 ──F5──F6──STEP──▶ w4 ──F7──STEP──▶ w5
+    version 3     shares w3's storage (no copy) while nothing changed it;
+                  at STEP, if a backward (B5, B6) still needs it, the live
+                  parameters move to a fresh copy and version 3 keeps the old
+                  storage; freed when its last backward is done.
+
+So a stage copies its weights at most once per update, and only when an
+unfinished unit needs the old values; stage ``s`` of a straight ``n``-stage
+pipeline holds at most ``n - s`` versions (one per unit in flight).
+
+**Vertical sync.** Unit ``u`` names the version the input stage used; every
+stage runs ``u`` with that version number of its own weights. A stage keeps
+every version from the one named by the newest unit it received onwards
+(versions never decrease along the units), plus those held by unfinished
+units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
+updates ahead of the input stage). Stages must update at one rate, i.e. have
+equal replica counts (:mod:`.checks` says so before a run): otherwise one
+version number names different weights on different stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+from torch import Tensor, nn
+
+from dreampipe.errors import ScheduleError
+
+__all__ = ["Version", "WeightVersions"]
+
+
+@dataclass
+class Version:
+    """Version ``number`` of a stage's weights; ``live`` while it shares the live storage."""
+
+    number: int
+    tensors: list[Tensor]  # in parameter index order
+    live: bool
+    refs: int = 0
+
+
+class WeightVersions(Mapping[int, Version]):
+    """The versions of stage ``stage``'s parameters ``params`` that are held, by number.
+
+    ``version`` is the live weights' number, one more per update. A version made
+    from the live weights registers ``on_leaf(index, leaf)`` as the
+    post-accumulate gradient hook of each of its leaves; ``on_drop(version)``
+    takes the gradients off a version before it is freed.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        *,
+        stage: int,
+        on_leaf: Callable[[int, Tensor], None],
+        on_drop: Callable[[Version], None],
+    ) -> None:
+        self._params = params
+        self._stage = stage
+        self._on_leaf = on_leaf
+        self._on_drop = on_drop
+        self._held: dict[int, Version] = {}
+        self._floor: int | None = None
+        self.version = 0
+        self.peak = 0
+
+    def __getitem__(self, number: int) -> Version:
+        return self._held[number]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def resume_at(self, version: int) -> None:
+        """Count versions on from ``version``, a resumed checkpoint's."""
+        self.version = version
+
+    def note(self, number: int) -> None:
+        """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
+        self._floor = number
+        for v in [v for v in self._held.values() if v.number < number and v.refs == 0]:
+            self._drop(v)
+
+    def _needed_later(self, number: int) -> bool:
+        return self._floor is not None and number >= self._floor
+
+    def _live_version(self) -> Version:
+        tensors = [p.data.requires_grad_(True) for p in self._params]
+        for i, leaf in enumerate(tensors):
+            leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                partial(self._on_leaf, i)
+            )
+        v = Version(self.version, tensors, live=True)
+        self._held[self.version] = v
+        self.peak = max(self.peak, len(self._held))
+        return v
+
+    def acquire(self, number: int | None) -> Version:
+        """Version ``number`` (None: the live weights'), held until :meth:`release`."""
+        number = self.version if number is None else number
+        v = self._held.get(number)
+        if v is None:
+            if number != self.version:
+                raise ScheduleError(
+                    f"stage {self._stage} has no weight version {number} (it is at version "
+                    f"{self.version}, holds {sorted(self._held)}); vertical sync needs a "
+                    "schedule in which later stages are never behind the input stage"
+                )
+            v = self._live_version()
+        v.refs += 1
+        return v
+
+    def release(self, v: Version) -> None:
+        """A unit is done with ``v``: free it if nothing needs it any more."""
+        v.refs -= 1
+        if v.refs == 0 and not v.live and not self._needed_later(v.number):
+            self._drop(v)
+
+    def _drop(self, v: Version) -> None:
+        if v.live:
+            return
+        self._on_drop(v)
+        del self._held[v.number]
+
+    def retire(self) -> None:
+        """Before an update: the live version keeps the current values if a unit (or,
+        under vertical sync, a later one) still needs them, the live parameters moving
+        to a fresh copy; otherwise it goes."""
+        cur = self._held.get(self.version)
+        if cur is None and self._needed_later(self.version):
+            cur = self._live_version()
+        if cur is not None and cur.live:
+            if cur.refs > 0 or self._needed_later(cur.number):
+                for p in self._params:
+                    p.data = p.data.clone()
+                cur.live = False
+            else:
+                del self._held[cur.number]
+
+    def advance(self) -> None:
+        """After an update: the live weights are the next version."""
+        self.version += 1

@@ -1,0 +1,102 @@
+"""WeightVersions alone: holding and freeing, copy-on-write, vertical sync's floor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dreampipe.errors import ScheduleError
+from dreampipe.runtime.versions import Version, WeightVersions
+
+__all__: list[str] = []
+
+
+class _Recorded:
+    """WeightVersions over two parameters, with the versions it drops and the hooks run."""
+
+    def __init__(self) -> None:
+        self.params = [nn.Parameter(torch.arange(4.0)), nn.Parameter(torch.ones(2, 2))]
+        self.dropped: list[int] = []
+        self.leaves: list[int] = []
+        self.versions = WeightVersions(self.params, stage=2, on_leaf=self._leaf,
+                                       on_drop=self._drop)
+
+    def _leaf(self, index: int, _leaf: Tensor) -> None:
+        self.leaves.append(index)
+
+    def _drop(self, v: Version) -> None:
+        self.dropped.append(v.number)
+
+    def update(self) -> None:
+        """What a stage's step does to its versions around the optimizer's change."""
+        self.versions.retire()
+        with torch.no_grad():
+            for p in self.params:
+                p.add_(1.0)
+        self.versions.advance()
+
+
+def test_units_on_the_live_weights_share_one_version_until_released() -> None:
+    r = _Recorded()
+    a, b = r.versions.acquire(None), r.versions.acquire(None)
+    assert a is b and a.refs == 2 and a.live and len(r.versions) == 1
+    assert a.tensors[0].data_ptr() == r.params[0].data_ptr()
+    r.versions.release(a)
+    r.versions.release(b)
+    assert len(r.versions) == 1  # the live version stays until an update retires it
+    r.update()
+    assert len(r.versions) == 0 and r.dropped == [] and r.versions.version == 1
+    assert r.versions.peak == 1
+
+
+def test_an_update_copies_the_live_weights_only_while_a_unit_holds_them() -> None:
+    r = _Recorded()
+    free = r.versions.acquire(None)
+    r.versions.release(free)
+    before = r.params[0].data_ptr()
+    r.update()
+    assert r.params[0].data_ptr() == before  # nobody held version 0: no copy
+    held = r.versions.acquire(None)
+    assert held.number == 1
+    r.update()
+    assert r.params[0].data_ptr() != held.tensors[0].data_ptr()  # the live weights moved
+    assert not held.live and torch.equal(held.tensors[0], torch.arange(4.0) + 1)
+    assert torch.equal(r.params[0].detach(), torch.arange(4.0) + 2)
+    assert sorted(r.versions) == [1] and r.versions[1] is held
+    r.versions.release(held)
+    assert r.dropped == [1] and len(r.versions) == 0
+
+
+def test_vertical_sync_keeps_versions_from_the_floor_on() -> None:
+    r = _Recorded()
+    for number in range(3):
+        r.versions.note(0)
+        r.versions.release(r.versions.acquire(0 if number == 0 else None))
+        r.update()
+    assert sorted(r.versions) == [0, 1, 2] and r.dropped == []
+    assert r.versions.peak == 3
+    r.versions.note(2)
+    assert sorted(r.versions) == [2] and r.dropped == [0, 1]
+    with pytest.raises(ScheduleError, match="stage 2 has no weight version 1"):
+        r.versions.acquire(1)
+
+
+def test_a_version_held_by_a_unit_outlives_the_floor() -> None:
+    r = _Recorded()
+    r.versions.note(0)
+    held = r.versions.acquire(0)
+    r.update()
+    r.versions.note(1)
+    assert sorted(r.versions) == [0]  # unit still running on version 0
+    r.versions.release(held)
+    assert r.dropped == [0] and len(r.versions) == 0
+
+
+def test_resumed_numbers_and_the_leaf_hooks() -> None:
+    r = _Recorded()
+    r.versions.resume_at(7)
+    v = r.versions.acquire(None)
+    assert v.number == 7 and sorted(r.versions) == [7]
+    (v.tensors[0].sum() + v.tensors[1].sum()).backward()
+    assert sorted(r.leaves) == [0, 1]
