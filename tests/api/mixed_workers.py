@@ -10,7 +10,6 @@ import torch.distributed as dist
 
 from dreampipe.api import Pipeline
 from dreampipe.api.group import init_process_group
-from dreampipe.errors import ConfigError
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.lanes import split_mesh
@@ -27,8 +26,8 @@ def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     Like ``dreampipe train --measure-memory``: a split worker loads DTensor's runtime
     first (library memory), the baseline is taken before the model exists, built on
     meta, and the peak when the pipeline has drained. Every rank returns its stage,
-    whether it recomputes, its memory use in bytes, the ConfigError's message if saving a
-    checkpoint in ``job["save"]`` was refused, the mean loss of ``job["evaluate"]`` held-out
+    whether it recomputes, its memory use in bytes, the checkpoint it saved in
+    ``job["save"]`` (if given), the mean loss of ``job["evaluate"]`` held-out
     minibatches, and rank 0 the losses and the whole state."""
     spec = get_model("mlp", **job["kwargs"])
     data = load_dataset("synthetic", spec, seed=0)
@@ -47,17 +46,12 @@ def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         pipe.step(*data.batch(k, job["minibatch"]))
     losses = pipe.finish()
     used = finish_measuring(base, rank, pipe.module.stage).used
-    refused = None
-    if "save" in job:
-        try:
-            pipe.save(job["save"])
-        except ConfigError as exc:
-            refused = str(exc)
+    saved = str(pipe.save(job["save"])) if "save" in job else None
     held_out = [data.batch(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
     evaluated = pipe.evaluate(held_out).loss if held_out else None
     state = pipe.full_state_dict()
     out = {"stage": pipe.module.stage, "recomputes": pipe.module.recompute, "used": used,
-           "refused": refused, "evaluated": evaluated,
+           "saved": saved, "evaluated": evaluated,
            "losses": losses if rank == 0 else None, "state": state if rank == 0 else None}
     pipe.close()
     dist.destroy_process_group()

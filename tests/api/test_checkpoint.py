@@ -8,13 +8,15 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime.reference import reference_sync, sgd
+from runtime.reference import adamw, reference_sync, sgd
 from torch import Tensor, nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import dreampipe
 from dreampipe.api.checkpoint import restore_rng, rng_state
 from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import Split
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.staleness import Hyper, compensated
@@ -121,6 +123,62 @@ def test_a_two_stage_checkpoint_resumes_on_three_workers_and_loads_into_a_plain_
         torch.testing.assert_close(second["state"][k], v, rtol=1e-5, atol=4e-5, msg=k)
 
 
+def _zoo_reference(steps: int, job: dict[str, Any]) -> tuple[list[float], dict[str, Tensor]]:
+    """The zoo mlp of :func:`train_zoo` trained ``steps`` updates by one process."""
+    spec = get_model("mlp", layers=4, width=16)
+    opt = adamw(job["lr"]) if job.get("optimizer") == "adamw" else sgd(job["lr"],
+                                                                     job.get("momentum", 0.0))
+    gamma = job.get("gamma")
+    return reference_sync(
+        spec, load_dataset("synthetic", spec, seed=SEED), steps=steps, minibatch=job["minibatch"],
+        seed=SEED, opt=opt, microbatches=job["microbatches"],
+        scheduler=None if gamma is None else (
+            lambda o: torch.optim.lr_scheduler.ExponentialLR(o, gamma)))
+
+
+def _assert_continues(got: dict[str, Any], job: dict[str, Any], done: int) -> None:
+    """A run resumed at update ``done`` trains on as one process does from the start."""
+    losses, state = _zoo_reference(done + len(got["losses"]), job)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(losses[done:]),
+                               rtol=1e-5, atol=4e-5)
+    for k, v in state.items():
+        torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=4e-5, msg=k)
+
+
+def test_interleaved_stages_resume_on_one_or_two_stages_per_worker_and_evaluate(
+    tmp_path: Path,
+) -> None:
+    job: dict[str, Any] = {"seed": SEED, "minibatch": 16, "microbatches": 2, "lr": 0.2,
+                           "momentum": 0.9, "gamma": 0.8}
+    four = {**job, "schedule": "interleaved-1f1b", "bounds": [0, 1, 2, 3],
+            "replicas": [1, 1, 1, 1], "virtual_stages": 2}  # stages 0, 2 on rank 0; 1, 3 on 1
+    two = {**job, "schedule": "1f1b-flush", "bounds": [0, 2], "replicas": [1, 1]}
+    first = run_processes(train_zoo, 2, {**four, "steps": 3, "save": str(tmp_path / "v2"),
+                                         "finish_every": 3, "evaluate": 2}, deadline_s=90.0)[0]
+    saved = dreampipe.load_model_state(first["saved"])
+    assert sorted(saved) == sorted(first["state"])
+    for k, v in first["state"].items():
+        assert torch.equal(saved[k], v), k
+    spec = get_model("mlp", layers=4, width=16)
+    plain = spec.build(seed=0)
+    plain.load_state_dict(saved)
+    data = load_dataset("synthetic", spec, seed=SEED)
+    with torch.no_grad():
+        want = [float(spec.loss_fn(plain(x), y)) for x, y in
+                (data.batch(10_000 + j, 16) for j in range(2))]
+    assert first["evals"] == pytest.approx([sum(want) / 2], rel=1e-5)
+
+    again = run_processes(train_zoo, 2, {**four, "steps": 2, "resume": str(tmp_path / "v2")},
+                          deadline_s=90.0)[0]
+    _assert_continues(again, job, 3)  # each stage's momentum and scheduler came back
+    flat = run_processes(train_zoo, 2, {**two, "steps": 2, "resume": str(tmp_path / "v2"),
+                                        "save": str(tmp_path / "v1")}, deadline_s=90.0)[0]
+    _assert_continues(flat, job, 3)
+    back = run_processes(train_zoo, 2, {**four, "steps": 1, "resume": str(tmp_path / "v1")},
+                         deadline_s=90.0)[0]
+    _assert_continues(back, job, 5)
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_run_resumed_on_other_delays_compensates_for_its_own(tmp_path: Path,
                                                                optimizer: str) -> None:
@@ -166,3 +224,43 @@ def test_each_parameter_group_resumes_its_own_settings(tmp_path: Path) -> None:
     groups = second.module.optimizer.param_groups
     second.close()
     assert [(g["lr"], g["weight_decay"]) for g in groups] == [(0.05, 0.01), (0.02, 0.0)]
+
+
+def _split_plan() -> Plan:
+    """``1t2-1``: layers 0-1 split over workers 0-1 (rows, then columns), 2-3 on worker 2."""
+    spec = get_model("mlp", layers=4, width=16)
+    return Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
+                              splits=(Split.OUT, Split.IN)),
+                        Stage(first=2, last=3, replicas=1, ranks=(1,))),
+                num_layers=4, model="mlp", layer_names=tuple(n for n, _ in spec.layer_factories))
+
+
+_SPLIT_JOB: dict[str, Any] = {"seed": SEED, "schedule": "1f1b-flush", "minibatch": 16,
+                              "microbatches": 2, "lr": 0.01, "optimizer": "adamw"}
+
+
+def test_a_split_stage_saves_its_shares_and_resumes_on_its_plan(tmp_path: Path) -> None:
+    first = run_processes(train_zoo, 3, {**_SPLIT_JOB, "plan": _split_plan(), "steps": 3,
+                                         "save": str(tmp_path)}, deadline_s=90.0)[0]
+    saved = dreampipe.load_model_state(first["saved"])  # whole tensors from the two shares
+    assert sorted(saved) == sorted(first["state"])
+    for k, v in first["state"].items():
+        assert torch.equal(saved[k], v), k
+    meta = FileSystemReader(first["saved"]).read_metadata().state_dict_metadata
+    assert len(meta["model.fc0.0.weight"].chunks) == 2  # rows of workers 0 and 1
+    assert len(meta["optim.fc1.0.weight.exp_avg"].chunks) == 2  # columns
+    again = run_processes(train_zoo, 3, {**_SPLIT_JOB, "plan": _split_plan(), "steps": 2,
+                                         "resume": str(tmp_path)}, deadline_s=90.0)[0]
+    _assert_continues(again, _SPLIT_JOB, 3)  # AdamW's moments came back in shares too
+
+
+def test_checkpoints_move_between_split_and_unsplit_stages(tmp_path: Path) -> None:
+    two = {**_SPLIT_JOB, "bounds": [0, 2], "replicas": [1, 1]}
+    run_processes(train_zoo, 2, {**two, "steps": 3, "save": str(tmp_path)}, deadline_s=90.0)
+    split = run_processes(train_zoo, 3, {**_SPLIT_JOB, "plan": _split_plan(), "steps": 2,
+                                         "resume": str(tmp_path), "save": str(tmp_path)},
+                          deadline_s=90.0)[0]
+    _assert_continues(split, _SPLIT_JOB, 3)
+    flat = run_processes(train_zoo, 2, {**two, "steps": 1, "resume": str(tmp_path)},
+                         deadline_s=90.0)[0]
+    _assert_continues(flat, _SPLIT_JOB, 5)

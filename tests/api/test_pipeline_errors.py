@@ -203,8 +203,6 @@ def test_an_uncommitted_checkpoint_is_never_loaded_and_the_error_names_the_last_
                             r"schedule='interleaved-1f1b'"),
     ({"virtual_stages": 2, "schedule": "interleaved-1f1b"},
      r"virtual_stages=2 with plan='auto'; give split_points or a plan of world x 2 stages"),
-    ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "split_points": ["1"],
-      "resume": "/nonexistent"}, r"resume with virtual_stages=2: checkpoints"),
     ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "split_points": ["1", "2"]},
      r"virtual_stages=2 on 1 workers needs 2 stages, not the plan's 3"),
 ])

@@ -21,7 +21,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     """Train the zoo's mlp through the Pipeline on the synthetic stream; rank 0 reports.
 
     ``job``: bounds, replicas, schedule, steps, minibatch, microbatches, lr,
-    momentum, seed; optional ``optimizer`` ("adamw"; SGD by default), ``compensate``
+    momentum, seed; optional ``plan`` (a Plan instead of bounds and replicas),
+    ``virtual_stages``, ``optimizer`` ("adamw"; SGD by default), ``gamma`` (an
+    exponential learning-rate decay per update), ``compensate``
     (staleness compensation, on by default), ``save``
     (a directory) and ``resume``,
     ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
@@ -38,7 +40,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         Comm.posts_ahead = property(lambda self: False)  # type: ignore[method-assign,assignment]
     spec = get_model("mlp", layers=4, width=16)
     data = load_dataset("synthetic", spec, seed=job["seed"])
-    plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
+    plan = job.get("plan") or Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
 
     def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -50,6 +52,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
         optimizer=optimizer, schedule=job["schedule"], plan=plan,
+        virtual_stages=job.get("virtual_stages", 1),
+        lr_scheduler=(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, job["gamma"]))
+        if "gamma" in job else None,
         compensate=job.get("compensate", True),
         microbatches=job.get("microbatches", 1),
         vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),

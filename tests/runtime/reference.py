@@ -68,8 +68,10 @@ def reference_sync(
     seed: int,
     opt: OptFactory,
     microbatches: int = 1,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
-    """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices.
+    """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices;
+    ``scheduler`` (a learning-rate scheduler's factory) steps after every update.
 
     Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is unit
     ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
@@ -84,11 +86,14 @@ def reference_sync(
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
+    schedule = scheduler(optimizer) if scheduler is not None else None
     losses = []
     for k in range(steps):
         optimizer.zero_grad()
         losses.append(_accumulate(model, spec, data, k, microbatches, size))
         optimizer.step()
+        if schedule is not None:
+            schedule.step()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from dreampipe.api.checkpoint import load_model_state
 from dreampipe.commands.train import Checkpoints, run_train
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
-from dreampipe.errors import ConfigError
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
@@ -86,13 +86,22 @@ def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> Pl
     return PlanSource(path=str(tmp_path / "plan.json"))
 
 
-def test_checkpoints_of_split_stages_are_refused_before_training(tmp_path: Path) -> None:
+@pytest.mark.timeout(120)
+def test_dreampipe_train_checkpoints_split_stages(tmp_path: Path) -> None:
     kwargs = (("layers", 3), ("width", 64))
     run = TrainOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=4,
-                     progress=False)
-    request = TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs), workers=4)
-    with pytest.raises(ConfigError, match=r"1t2-1t2 splits .* without --checkpoint-every"):
-        run_train(request, checkpoints=Checkpoints(directory=str(tmp_path / "ck"), every=2))
+                       lr=LR, momentum=0.9, schedule=ScheduleKind.FLUSH, progress=False,
+                       evaluate=False, timeout_s=60.0)
+    report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
+                                    workers=4, exact_steps=True),
+                       checkpoints=Checkpoints(directory=tmp_path / "ck", every=2))
+    assert report is not None and report.plan.config == "1t2-1t2"
+    assert [p.name for p in sorted((tmp_path / "ck").iterdir())] == ["step-2", "step-4"]
+    saved = load_model_state(tmp_path / "ck")  # step-4: each stage's two shares, whole
+    got = {k: v for part in report.result.stage_states for k, v in part.items()}
+    assert sorted(saved) == sorted(got)
+    for name, value in got.items():
+        assert torch.equal(saved[name], value), name
 
 
 @pytest.mark.slow

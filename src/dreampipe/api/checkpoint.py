@@ -1,9 +1,11 @@
 """Checkpoints of a Pipeline with ``torch.distributed.checkpoint`` (DCP).
 
 Keys are the original model's names, so a checkpoint loads into any plan
-(other cuts, replica counts, world size) and into the plain model::
+(other cuts, replica counts, world size, stages split over workers or not,
+several stages per worker or one) and into the plain model::
 
-    model.<fqn>           every parameter and buffer (replicas write one copy)
+    model.<fqn>           every parameter and buffer (replicas write one copy; the
+                          workers of a split stage each their share, a DTensor's)
     optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
     param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
                           update count, the parameter's non-tensor state and what
@@ -13,10 +15,12 @@ Keys are the original model's names, so a checkpoint loads into any plan
                           generator's (pickled): dropout draws from the generator
                           of the device it runs on
 
-Each parameter group resumes the settings saved with its first parameter. A
-run resumed on other delays (another plan or schedule) replaces the saved
-compensation with its own (:func:`~dreampipe.runtime.staleness.carry_over`),
-so a stage never trains with the momentum of a delay it does not have.
+A rank writes and reads the entries of every stage it runs
+(:mod:`.stage_state`). Each parameter group resumes the settings saved with
+its first parameter. A run resumed on other delays (another plan or
+schedule) replaces the saved compensation with its own
+(:func:`~dreampipe.runtime.staleness.carry_over`), so a stage never trains
+with the momentum of a delay it does not have.
 
 A rank resumes its own RNG states when the checkpoint has them (the same
 rank), else rank 0's CPU state (a checkpoint written before ``rng.<rank>``,
@@ -38,7 +42,6 @@ second, and most runs never checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import pickle
@@ -53,9 +56,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.api.split import Chain, Layers
+from dreampipe.api.stage_state import (
+    StagePart,
+    load_stages,
+    placeholder,
+    restore_rng,
+    rng_state,
+    stage_state,
+    targets,
+)
 from dreampipe.errors import CheckpointError, PlanError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.staleness import Hyper, carry_over
 
 if TYPE_CHECKING:
     from dreampipe.api.pipeline import Pipeline
@@ -210,54 +221,10 @@ def check_keys(path: Path, layers: Layers) -> None:
                                   "this model")
 
 
-def _stage_state(pipe: Pipeline) -> dict[str, Any]:
-    module = pipe.module
-    state: dict[str, Any] = {f"model.{k}": v for k, v in module.module.state_dict().items()}
-    opt = module.optimizer
-    sched = pipe.scheduler.state_dict() if pipe.scheduler is not None else None
-    names = dict(zip(map(id, module.params), module.module_param_names, strict=True))
-    groups = opt.param_groups if opt is not None else []
-    for group, applied in zip(groups, pipe.compensation, strict=True):
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        for p in group["params"]:
-            fqn = names[id(p)]
-            per = opt.state.get(p, {}) if opt is not None else {}
-            state.update({f"optim.{fqn}.{k}": v for k, v in per.items() if isinstance(v, Tensor)})
-            state[f"param.{fqn}"] = pickle.dumps({
-                "group": hyper, "scheduler": sched, "version": module.version,
-                "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
-                "compensation": _plain(applied),
-            })
-    state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
-                                      "rng": torch.get_rng_state()})
-    state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
-    return state
-
-
-def _plain(applied: tuple[Hyper, Hyper] | None) -> list[dict[str, Any]] | None:
-    """Compensation's ``(given, used)`` settings as plain data for the checkpoint."""
-    return None if applied is None else [dataclasses.asdict(h) for h in applied]
-
-
-def _hyper_pair(saved: list[dict[str, Any]] | None) -> tuple[Hyper, Hyper] | None:
-    """:func:`_plain`'s inverse: None for a group compensation left as it was."""
-    return None if saved is None else (Hyper(**saved[0]), Hyper(**saved[1]))
-
-
-def rng_state(device: torch.device) -> dict[str, Tensor | None]:
-    """The random state a rank on ``device`` draws from: the CPU generator's, and the CUDA
-    generator's of ``device`` when it is a CUDA device (else None)."""
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda}
-
-
-def restore_rng(objects: dict[str, Any], rank: int, device: torch.device) -> None:
-    """Set this rank's generators from a checkpoint's unpickled ``objects``: its own
-    ``rng.<rank>`` if saved, else rank 0's CPU state in ``progress`` (see the docstring)."""
-    saved = objects.get(f"rng.{rank}") or {"cpu": objects["progress"]["rng"], "cuda": None}
-    torch.set_rng_state(saved["cpu"])
-    if device.type == "cuda" and saved["cuda"] is not None:
-        torch.cuda.set_rng_state(saved["cuda"], device)
+def _parts(pipe: Pipeline) -> list[StagePart]:
+    """Every stage this rank runs, with its scheduler and compensation."""
+    return [StagePart(m, pipe.schedulers.get(m.stage), pipe.compensations[m.stage])
+            for m in pipe.runner.modules]
 
 
 def save(directory: Path, pipe: Pipeline) -> Path:
@@ -270,7 +237,11 @@ def save(directory: Path, pipe: Pipeline) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp_save(_stage_state(pipe), checkpoint_id=str(tmp))
+    state = stage_state(_parts(pipe))
+    state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
+                                      "rng": torch.get_rng_state()})
+    state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
+    dcp_save(state, checkpoint_id=str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -286,60 +257,24 @@ def save(directory: Path, pipe: Pipeline) -> Path:
     return final
 
 
-def _placeholders(meta: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k in keys:
-        md = meta[k]
-        size = getattr(md, "size", None)
-        out[k] = "" if size is None else torch.empty(tuple(size), dtype=md.properties.dtype)
-    return out
-
-
 def load(path: Path, pipe: Pipeline) -> int:
-    """Load ``path`` into this rank's stage; the minibatches it had consumed."""
+    """Load ``path`` into this rank's stages; the minibatches it had consumed."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     _log.info("%s", resume_note(path, pipe.plan))
     meta = _metadata(path)
-    module = pipe.module
-    names = module.module_param_names
-    keys = [f"model.{k}" for k in module.module.state_dict()] + [f"param.{n}" for n in names]
-    keys += [k for k in meta if any(k.startswith(f"optim.{n}.") for n in names)]
-    keys.append("progress")
+    parts = _parts(pipe)
+    state = targets(parts, meta)
+    state["progress"] = ""
     mine = f"rng.{dist.get_rank()}"
-    keys += [mine] if mine in meta else []
-    state = _placeholders(meta, keys)
+    state.update({mine: ""} if mine in meta else {})
     try:
         dcp_load(state, checkpoint_id=str(path))
     except Exception as exc:
         raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: "
                               f"{str(exc)[:300]}; resume from another one") from exc
-    module.module.load_state_dict(
-        {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")})
-    opt = module.optimizer
     objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
-    for p, fqn in zip(module.params, names, strict=True):
-        info = objects[f"param.{fqn}"]
-        per: dict[str, Any] = dict(info["state"])
-        prefix = f"optim.{fqn}."
-        per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
-                    if k.startswith(prefix)})
-        if opt is not None and per:
-            opt.state[p] = per
-        module.resume_at(int(info["version"]))
-    if opt is not None and names:
-        fqns = dict(zip(map(id, module.params), names, strict=True))
-        factors = []
-        for group, now in zip(opt.param_groups, pipe.compensation, strict=True):
-            saved = objects[f"param.{fqns[id(group['params'][0])]}"]
-            group.update(saved["group"])
-            factors.append(carry_over(group, _hyper_pair(saved["compensation"]), now)
-                           if "compensation" in saved else 1.0)
-        first = objects[f"param.{names[0]}"]
-        if pipe.scheduler is not None and first["scheduler"] is not None:
-            pipe.scheduler.load_state_dict(first["scheduler"])
-            pipe.scheduler.base_lrs = [b * f for b, f in zip(
-                pipe.scheduler.base_lrs, factors, strict=True)]
+    load_stages(parts, state, objects)
     restore_rng(objects, dist.get_rank(), pipe.device)
     return int(objects["progress"]["minibatches"])
 
@@ -350,8 +285,7 @@ def load_model_state(path: str | Path) -> dict[str, Tensor]:
 
     found = find(Path(path))
     meta = _metadata(found)
-    keys = [k for k in meta if k.startswith("model.")]
-    state = _placeholders(meta, keys)
+    state = {k: placeholder(md) for k, md in meta.items() if k.startswith("model.")}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp_load(state, checkpoint_id=str(found), no_dist=True)

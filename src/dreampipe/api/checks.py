@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from enum import Enum
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -137,8 +136,7 @@ def check_loss(loss: Any) -> None:
         )
 
 
-def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
-                resume: str | Path | None) -> None:
+def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None) -> None:
     """What a plan of tensor-split stages cannot run with yet, each a ConfigError (a plan
     may mix split and unsplit stages, replicate the unsplit ones, recompute any)."""
     t = max(st.tensor_parallel for st in plan.stages)
@@ -162,25 +160,18 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None,
         raise ConfigError(
             f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
             "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
-    if resume is not None:
-        raise ConfigError(
-            f"resume={str(resume)!r}: checkpoints of stages split over {t} workers are not "
-            "supported yet; train without resume", "resume")
 
 
 def check_virtual(kind: ScheduleKind, virtual_stages: int, plan: object,
-                  split_points: object, resume: object) -> None:
+                  split_points: object) -> None:
     """``virtual_stages`` fits the schedule, and what a Pipeline of several stages per
-    rank cannot do yet (plan them itself, checkpoints) is refused, each a ConfigError."""
+    rank cannot do yet (plan them itself) is refused, each a ConfigError."""
     if virtual_stages < 1 or (virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED):
         raise ConfigError(f"virtual_stages={virtual_stages} with schedule={kind.value}; use 1, "
                           "or schedule='interleaved-1f1b' with 2 or more", "virtual_stages")
     if virtual_stages > 1 and plan == "auto" and split_points is None:
         raise ConfigError(f"virtual_stages={virtual_stages} with plan='auto'; give split_points "
                           f"or a plan of world x {virtual_stages} stages", "virtual_stages", "plan")
-    if virtual_stages > 1 and resume is not None:
-        raise ConfigError(f"resume with virtual_stages={virtual_stages}: checkpoints of several "
-                          "stages per worker are not supported yet", "resume", "virtual_stages")
 
 
 def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,

@@ -1,8 +1,9 @@
 """A Pipeline's evaluation: forwards of held-out batches with the current weights.
 
 Each run of batches of one shape is a forward-only schedule on the training
-stages (the links agree on one shape per run), scored on the last stage and
-summed over the world, so every rank gets the same :class:`EvalResult`.
+stages, all of a rank's under interleaving (the links agree on one shape per
+run), scored on the last stage and summed over the world, so every rank gets
+the same :class:`EvalResult`.
 """
 
 from __future__ import annotations
@@ -43,26 +44,32 @@ class EvalRank:
     timeout_s: float
     links: Any
     autocast: torch.dtype | None
+    virtual_stages: int = 1
 
 
-def evaluate(batches: Sequence[Batch], module: nn.Module, loss_fn: Callable[..., Tensor],
-             me: EvalRank) -> EvalResult:
-    """Forwards of ``batches`` through this rank's ``module`` (eval mode for the while).
-    Every rank of the world calls it."""
+def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
+             loss_fn: Callable[..., Tensor], me: EvalRank) -> EvalResult:
+    """Forwards of ``batches`` through this rank's ``modules``, by stage (eval mode for
+    the while). Every rank of the world calls it."""
     totals = torch.zeros(4, dtype=torch.float64)
     start = 0
     while start < len(batches):
         end = start + 1
         while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
             end += 1
-        sched = forward_only(me.replicas, end - start)
-        comm = Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links, evaluation=True)
-        module.eval()
+        sched = forward_only(me.replicas, end - start, me.virtual_stages)
+        box: dict[tuple[int, int, int], Tensor] = {}
+        comms = {s: Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links,
+                         evaluation=True, stage=s, mailbox=box) for s in modules}
+        for module in modules.values():
+            module.eval()
         try:
-            scores = run_forwards(sched, me.srank, module, loss_fn,
-                                  Batches(list(batches[start:end]), me.device), comm, me.autocast)
+            scores = run_forwards(sched, me.srank, modules, loss_fn,
+                                  Batches(list(batches[start:end]), me.device), comms,
+                                  me.autocast)
         finally:
-            module.train()
+            for module in modules.values():
+                module.train()
         for s in scores.values() if me.reports else ():
             totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
                                    dtype=torch.float64)

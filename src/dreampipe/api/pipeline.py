@@ -75,6 +75,7 @@ from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
+from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
@@ -160,7 +161,7 @@ class Pipeline:
     ) -> None:
         self.kind, wanted = schedule_to_start(schedule, semantics, virtual_stages)
         self._virtual = virtual_stages
-        check_virtual(self.kind, virtual_stages, plan, split_points, resume)
+        check_virtual(self.kind, virtual_stages, plan, split_points)
         policy = choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
         check_optimizer(optimizer)
@@ -209,7 +210,7 @@ class Pipeline:
         self.replicas = [st.replicas for st in self.plan.stages]
         check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
         if t > 1:
-            check_split(self.plan, self.kind, max_grad_norm, resume)
+            check_split(self.plan, self.kind, max_grad_norm)
             self.layout = dataclasses.replace(self.layout, workers=sum(self.replicas))
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
         found = checkpoint.find(Path(resume)) if resume is not None else None
@@ -230,12 +231,14 @@ class Pipeline:
             modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
             vertical_sync, enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
         self.module = modules[0]
-        #: What staleness compensation did to each parameter group of this rank's
-        #: stage: ``(given, used)`` settings, None where nothing (checkpoints carry it).
-        self.compensation: Applied = applied[self.module.stage]
-        self._schedulers = {id(m): lr_scheduler(m.optimizer) for m in modules
-                            if lr_scheduler is not None and m.optimizer is not None}
-        self.scheduler = self._schedulers.get(id(self.module))
+        #: What staleness compensation did to each parameter group of each stage's
+        #: optimizer, by stage: ``(given, used)`` settings, None where nothing
+        #: (checkpoints carry it); :attr:`compensation` is :attr:`module`'s.
+        self.compensations: dict[int, Applied] = applied
+        self.compensation = applied[self.module.stage]
+        self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
+                           if lr_scheduler is not None and m.optimizer is not None}
+        self.scheduler = self.schedulers.get(self.module.stage)
         self.loss_fn = loss_fn
         self.minibatches = 0
         self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
@@ -273,8 +276,8 @@ class Pipeline:
             return range(s, s + 1)
         return range(self.rank, self.plan.num_stages, world)
 
-    def _after_step(self) -> None:
-        scheduler = self._schedulers.get(id(self.runner.module))
+    def _after_step(self, module: StageModule) -> None:
+        scheduler = self.schedulers.get(module.stage)
         if scheduler is not None:
             scheduler.step()
 
@@ -378,15 +381,12 @@ class Pipeline:
     # ---- evaluation and state ------------------------------------------------
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
-        if self._virtual > 1:
-            raise ConfigError(f"evaluate() with virtual_stages={self._virtual} is not supported "
-                              "yet; evaluate a model trained with virtual_stages=1",
-                              "virtual_stages")
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
-                      autocast=self._opts.autocast)
-        return evaluate([(x, y) for x, y in loader], self.module.module, self.loss_fn, me)
+                      autocast=self._opts.autocast, virtual_stages=self._virtual)
+        return evaluate([(x, y) for x, y in loader],
+                        {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
 
     @property
     def skipped(self) -> list[int]:
@@ -418,12 +418,6 @@ class Pipeline:
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
-        if self.plan.has_splits or self._virtual > 1:
-            raise ConfigError(
-                f"saving a checkpoint of plan {self.plan.config}"
-                + (f" with virtual_stages={self._virtual}" if self._virtual > 1 else "")
-                + ": checkpoints of stages split over workers or of several stages per worker "
-                "are not supported yet; train without checkpoints", "checkpoint_dir")
         self._drain()
         return checkpoint.save(Path(directory), self)
 

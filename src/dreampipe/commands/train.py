@@ -99,11 +99,6 @@ def run_train(
         return None
     planned = plan_train(req, torchrun=torchrun, say=say)
     cfg = planned.cfg
-    if cfg.plan.has_splits and (ckpt.every is not None or ckpt.resume):
-        raise ConfigError(
-            f"plan {cfg.plan.config} splits its stages over workers, and checkpoints of split "
-            "stages are not supported yet; train it without --checkpoint-every and --resume",
-            "checkpoint_every")
     found = _resume_point(ckpt, cfg.steps)
     if _nothing_left(found, cfg.steps, say):
         return None

@@ -114,7 +114,7 @@ class RankRunner:
         groups: dict[int, Any],
         links: tuple[Any, Any] | Links = (None, None),
         clip_group: Any = None,
-        after_step: Callable[[], None] | None = None,
+        after_step: Callable[[StageModule], None] | None = None,
         others: Sequence[StageModule] = (),
     ) -> None:
         self.opts = opts

@@ -9,7 +9,7 @@ compared with), the labels it got right.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -43,32 +43,36 @@ def _score(out: object, y: Tensor, loss: Tensor) -> UnitScore:
 
 
 def run_forwards(
-    schedule: Schedule, rank: int, module: nn.Module, loss_fn: Callable[[Tensor, Tensor], Tensor],
-    data: UnitData | None, comm: Comm, autocast: torch.dtype | None = None,
+    schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
+    loss_fn: Callable[[Tensor, Tensor], Tensor], data: UnitData | None,
+    comms: Mapping[int, Comm], autocast: torch.dtype | None = None,
 ) -> dict[int, UnitScore]:
-    """Execute ``schedule.actions[rank]``; the scores of the units this rank ended."""
-    stage = schedule.stage_of_rank(rank)
-    last = stage == schedule.num_stages - 1
-    inputs: dict[int, Any] = {}
-    outputs: dict[int, Tensor] = {}
+    """Execute ``schedule.actions[rank]`` with the rank's module and :class:`Comm` of
+    each stage it runs (several under interleaving); the scores of the units it ended."""
+    last = schedule.num_stages - 1
+    inputs: dict[tuple[int, int], Any] = {}
+    outputs: dict[tuple[int, int], Tensor] = {}
     scores: dict[int, UnitScore] = {}
-    device = comm.device
+    device = next(iter(comms.values())).device
     cast = torch.autocast(device.type, autocast) if autocast is not None else nullcontext()
     with torch.no_grad(), cast:
         for a in schedule.actions[rank]:
+            key = (a.stage, a.unit)
             if a.kind is ActionKind.RECV_F:
-                inputs[a.unit] = comm.take(a)[0]
+                inputs[key] = comms[a.stage].take(a)[0]
             elif a.kind is ActionKind.SEND_F:
-                comm.send(a, outputs.pop(a.unit))
+                comms[a.stage].send(a, outputs.pop(key))
             elif a.kind is ActionKind.FORWARD:
-                assert data is not None or not (stage == 0 or last)
-                x = data.inputs(a.unit) if stage == 0 and data is not None else inputs.pop(a.unit)
+                assert data is not None or a.stage not in (0, last)
+                x = data.inputs(a.unit) if a.stage == 0 and data is not None else inputs.pop(key)
+                module = modules[a.stage]
                 out = module(*x) if isinstance(x, tuple) else module(x)
-                if last:
+                if a.stage == last:
                     assert data is not None
                     y = data.targets(a.unit)
                     scores[a.unit] = _score(out, y, loss_fn(out, y))
                 else:
-                    outputs[a.unit] = out
-    comm.drain()
+                    outputs[key] = out
+    for comm in comms.values():
+        comm.drain()
     return scores

@@ -46,7 +46,7 @@ class RankUpdates:
     ``guard`` agrees on skipping an update; ``clip_group`` is the world group
     the gradient-norm all-reduce (with ``max_grad_norm``) and that agreement
     use, None for the default group; ``after_step`` runs after every weight
-    update (a learning-rate scheduler's step).
+    update, with the module that stepped (its learning-rate scheduler's step).
     """
 
     def __init__(
@@ -58,7 +58,7 @@ class RankUpdates:
         *,
         max_grad_norm: float | None,
         clip_group: Any,
-        after_step: Callable[[], None] | None,
+        after_step: Callable[[StageModule], None] | None,
     ) -> None:
         self._rank = rank
         self._device = device
@@ -99,7 +99,7 @@ class RankUpdates:
             self._clip(a, schedule, comm, self._max_grad_norm)
         module.step(wait=tied)
         if self._after_step is not None:
-            self._after_step()
+            self._after_step(module)
 
     def _clip(self, a: Action, schedule: Schedule, comm: Comm, max_norm: float) -> None:
         """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as

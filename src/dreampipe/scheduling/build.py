@@ -192,15 +192,24 @@ def compute_schedule(
     return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
 
 
-def forward_only(replicas: Sequence[int], num_units: int) -> Schedule:
+def forward_only(replicas: Sequence[int], num_units: int, virtual_stages: int = 1) -> Schedule:
     """Forwards alone (evaluation): each replica runs its units in order, round-robin.
 
     GPipe's schedule of one update over ``num_units`` units with its
-    backward, gradient and update actions left out.
+    backward, gradient and update actions left out. With ``virtual_stages``
+    ``v`` > 1 (unreplicated stages, stage ``s`` on rank ``s mod`` ranks), a rank
+    runs its stages one after another, each over every unit: a rank waits only
+    on stages before its own, so no two wait on each other.
     """
     full = build_schedule(replicas, ScheduleKind.GPIPE, num_units, num_units)
     keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
-    return full.with_actions([tuple(a for a in acts if a.kind in keep) for acts in full.actions])
+    lists = [tuple(a for a in acts if a.kind in keep) for acts in full.actions]
+    if virtual_stages == 1:
+        return full.with_actions(lists)
+    ranks = len(replicas) // virtual_stages
+    return Schedule(full.kind, full.replicas, tuple(
+        tuple(a for s in range(r, len(lists), ranks) for a in lists[s]) for r in range(ranks)),
+        num_units, num_units, virtual_stages)
 
 
 def lower_communication(schedule: Schedule) -> Schedule:

@@ -1,0 +1,164 @@
+"""What each stage a rank runs writes into a checkpoint, and how it reads it back.
+
+A rank writes the entries of every stage it holds (several under
+``virtual_stages``), each keyed by the original model's names
+(:mod:`.checkpoint` lists the keys), so the stages that read them may be cut
+otherwise. The weights of a stage split over workers, and their optimizer
+state, are DTensors: DCP writes each worker's share once, and a load fills
+whatever the reading stage holds, a whole tensor in an unsplit stage or this
+worker's share in a split one, from the shares written (resharding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.staleness import Applied, Hyper, carry_over
+
+__all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state", "stage_state",
+           "targets"]
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """One stage of a rank: its module, its learning-rate scheduler (or None), and what
+    staleness compensation did to each parameter group of its optimizer."""
+
+    module: StageModule
+    scheduler: Any
+    compensation: Applied
+
+
+def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
+    """The ``model.``, ``optim.`` and ``param.`` entries of ``parts``."""
+    state: dict[str, Any] = {}
+    for part in parts:
+        module = part.module
+        state.update({f"model.{k}": v for k, v in module.module.state_dict().items()})
+        opt = module.optimizer
+        sched = part.scheduler.state_dict() if part.scheduler is not None else None
+        names = dict(zip(map(id, module.params), module.module_param_names, strict=True))
+        groups = opt.param_groups if opt is not None else []
+        for group, applied in zip(groups, part.compensation, strict=True):
+            hyper = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                fqn = names[id(p)]
+                per = opt.state.get(p, {}) if opt is not None else {}
+                state.update({f"optim.{fqn}.{k}": v for k, v in per.items()
+                              if isinstance(v, Tensor)})
+                state[f"param.{fqn}"] = pickle.dumps({
+                    "group": hyper, "scheduler": sched, "version": module.version,
+                    "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
+                    "compensation": _plain(applied),
+                })
+    return state
+
+
+def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
+    """Where DCP loads the saved entries (``meta``: the checkpoint's metadata) of
+    ``parts``: a tensor like the stage's own (a DTensor holds this worker's share), an
+    empty string for a pickled entry."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        module = part.module
+        out.update({f"model.{k}": torch.empty_like(v)
+                    for k, v in module.module.state_dict().items()})
+        for p, fqn in zip(module.params, module.module_param_names, strict=True):
+            out[f"param.{fqn}"] = ""
+            prefix = f"optim.{fqn}."
+            out.update({k: _like(md, p.detach()) for k, md in meta.items()
+                        if k.startswith(prefix)})
+    return out
+
+
+def placeholder(md: Any) -> Any:
+    """A whole CPU tensor for a saved entry of metadata ``md``, or "" for a pickled one."""
+    size = getattr(md, "size", None)
+    return "" if size is None else torch.empty(tuple(size), dtype=md.properties.dtype)
+
+
+def _like(md: Any, param: Tensor) -> Any:
+    """An optimizer state entry's target: shaped like ``param`` (a DTensor too, when
+    ``param`` is one) if the saved entry has its shape, else a whole tensor."""
+    size = getattr(md, "size", None)
+    if size is not None and tuple(size) == tuple(param.shape):
+        return torch.empty_like(param, dtype=md.properties.dtype)
+    return placeholder(md)
+
+
+def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
+                objects: dict[str, Any]) -> None:
+    """Put the loaded ``state`` (``objects``: its pickled entries, unpickled) into each
+    stage of ``parts``: weights, optimizer state and settings, version, scheduler."""
+    for part in parts:
+        module = part.module
+        module.module.load_state_dict({k: state[f"model.{k}"]
+                                       for k in module.module.state_dict()})
+        opt = module.optimizer
+        names = module.module_param_names
+        for p, fqn in zip(module.params, names, strict=True):
+            info = objects[f"param.{fqn}"]
+            per: dict[str, Any] = dict(info["state"])
+            prefix = f"optim.{fqn}."
+            per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
+                        if k.startswith(prefix)})
+            if opt is not None and per:
+                opt.state[p] = per
+            module.resume_at(int(info["version"]))
+        if opt is not None and names:
+            _settings(part, objects)
+
+
+def _settings(part: StagePart, objects: dict[str, Any]) -> None:
+    """Each parameter group takes the settings saved with its first parameter, with this
+    run's staleness compensation in place of the saved one; the scheduler the first
+    parameter's state."""
+    module, opt = part.module, part.module.optimizer
+    assert opt is not None
+    fqns = dict(zip(map(id, module.params), module.module_param_names, strict=True))
+    factors = []
+    for group, now in zip(opt.param_groups, part.compensation, strict=True):
+        saved = objects[f"param.{fqns[id(group['params'][0])]}"]
+        group.update(saved["group"])
+        factors.append(carry_over(group, _hyper_pair(saved["compensation"]), now)
+                       if "compensation" in saved else 1.0)
+    first = objects[f"param.{module.module_param_names[0]}"]
+    if part.scheduler is not None and first["scheduler"] is not None:
+        part.scheduler.load_state_dict(first["scheduler"])
+        part.scheduler.base_lrs = [b * f for b, f in zip(
+            part.scheduler.base_lrs, factors, strict=True)]
+
+
+def _plain(applied: tuple[Hyper, Hyper] | None) -> list[dict[str, Any]] | None:
+    """Compensation's ``(given, used)`` settings as plain data for the checkpoint."""
+    return None if applied is None else [dataclasses.asdict(h) for h in applied]
+
+
+def _hyper_pair(saved: list[dict[str, Any]] | None) -> tuple[Hyper, Hyper] | None:
+    """:func:`_plain`'s inverse: None for a group compensation left as it was."""
+    return None if saved is None else (Hyper(**saved[0]), Hyper(**saved[1]))
+
+
+def rng_state(device: torch.device) -> dict[str, Tensor | None]:
+    """The random state a rank on ``device`` draws from: the CPU generator's, and the CUDA
+    generator's of ``device`` when it is a CUDA device (else None)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda}
+
+
+def restore_rng(objects: dict[str, Any], rank: int, device: torch.device) -> None:
+    """Set this rank's generators from a checkpoint's unpickled ``objects``: its own
+    ``rng.<rank>`` if saved, else rank 0's CPU state in ``progress``
+    (:mod:`.checkpoint`'s docstring)."""
+    saved = objects.get(f"rng.{rank}") or {"cpu": objects["progress"]["rng"], "cuda": None}
+    torch.set_rng_state(saved["cpu"])
+    if device.type == "cuda" and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"], device)
