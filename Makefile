@@ -14,6 +14,7 @@ $(BIN)/dreampipe: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH_PIN)
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -m compileall -q src  # every worker process imports these: compile once
 	touch $@
 
 setup: $(BIN)/dreampipe
