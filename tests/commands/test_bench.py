@@ -195,7 +195,7 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
         assert call["threads"] == (2 if name == "single-2threads" else 1), name
         assert call["world"] == (1 if name.startswith("single") else 2), name
         assert call["deadline_s"] == 50.0
-    assert {by_name[n]["fn"] for n in ("pipedream", "1f1b-flush", "gpipe")} == {"_rank"}
+    assert {by_name[n]["fn"] for n in ("pipedream", "1f1b-flush", "gpipe", "2bw")} == {"_rank"}
     assert [by_name[n]["arg"][0].fused_accumulation for n in ("1f1b-flush",
                                                               "1f1b-flush-unfused")] == [True,
                                                                                          False]
@@ -205,7 +205,7 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
     assert by_name["interleaved-1f1b"]["arg"][0].virtual_stages == 2
     assert [by_name[n]["arg"][1] for n in ("ddp", "ddp-no-allreduce")] == [True, False]
     units = {e.name: e.unit for e in report.entries}
-    assert units["torch-zb"] == units["zb-h1"] == units["interleaved-1f1b"] == 32
+    assert units["torch-zb"] == units["zb-h1"] == units["interleaved-1f1b"] == units["2bw"] == 32
     assert (units["pipedream"], units["1f1b-flush"], units["torch-1f1b-big"],
             units["single-1thread"]) == (128, 32, 128, 256)
 

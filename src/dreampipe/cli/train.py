@@ -344,8 +344,8 @@ def _register_bench(sub: argparse._SubParsersAction[Any]) -> None:
         description=(
             "Train one workload, cut into 2 stages with one thread per worker, under "
             "dreampipe's pipedream (minibatches of half an update, one update each), "
-            "1f1b-flush with and without fused weight-gradient accumulation, gpipe, zb-h1 "
-            "and interleaved-1f1b (4 chunks, 2 per worker); "
+            "1f1b-flush with and without fused weight-gradient accumulation, gpipe, zb-h1, "
+            "interleaved-1f1b (4 chunks, 2 per worker) and 2bw; "
             "PyTorch's Schedule1F1B (with dreampipe's process set-up, as PyTorch ships, and "
             "with microbatches of pipedream's minibatch size), ScheduleGPipe, "
             "ScheduleInterleavedZeroBubble on the same 2 stages and ScheduleInterleaved1F1B "

@@ -4,8 +4,8 @@ One workload (:mod:`dreampipe.commands.workloads`: the mlp, or GPT-style
 transformer blocks), cut into 2 stages, one thread per worker. dreampipe
 trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
 would, under ``pipedream``, ``1f1b-flush`` with and without fused
-weight-gradient accumulation, ``gpipe``, ``zb-h1`` and ``interleaved-1f1b``
-(:mod:`dreampipe.commands.bench_runs`); the baselines
+weight-gradient accumulation, ``gpipe``, ``zb-h1``, ``interleaved-1f1b`` and
+``2bw`` (:mod:`dreampipe.commands.bench_runs`); the baselines
 (:mod:`dreampipe.commands.baselines`) are ``torch.distributed.pipelining``'s
 1F1B (with dreampipe's process set-up, as PyTorch ships, and with big
 microbatches), GPipe, its zero-bubble and interleaved 1F1B schedules on the

@@ -38,6 +38,6 @@ class Baseline(Enum):
 
 #: dreampipe's own runs, in the order the bench runs them.
 DREAMPIPE_RUN_NAMES: tuple[str, ...] = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "gpipe",
-                                        "zb-h1", "interleaved-1f1b")
+                                        "zb-h1", "interleaved-1f1b", "2bw")
 #: Every run ``dreampipe bench`` knows, in the order it runs and prints them.
 BENCH_NAMES: tuple[str, ...] = (*DREAMPIPE_RUN_NAMES, *(b.value for b in Baseline))

@@ -1,9 +1,9 @@
 """dreampipe's own bench runs, and the simulator's prediction for each.
 
 ``1f1b-flush`` (with and without fused weight-gradient accumulation),
-``gpipe``, ``zb-h1`` and ``interleaved-1f1b`` (the workload's 4 chunks, 2 per
-worker) train one update of ``batch`` samples per step, cut into the
-workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
+``gpipe``, ``zb-h1``, ``interleaved-1f1b`` (the workload's 4 chunks, 2 per
+worker) and ``2bw`` train one update of ``batch`` samples per step, cut into
+the workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
 with one update each. :mod:`dreampipe.commands.bench` runs them on
 :class:`dreampipe.Pipeline`.
 
@@ -69,6 +69,7 @@ DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
     DreampipeRun(ScheduleKind.GPIPE),
     DreampipeRun(ScheduleKind.ZB_H1),
     DreampipeRun(ScheduleKind.INTERLEAVED, virtual_stages=2),
+    DreampipeRun(ScheduleKind.TWO_BW),
 ), strict=True))
 
 def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, float]:
