@@ -233,9 +233,8 @@ class Pipeline:
         self.module = modules[0]
         #: What staleness compensation did to each parameter group of each stage's
         #: optimizer, by stage: ``(given, used)`` settings, None where nothing
-        #: (checkpoints carry it); :attr:`compensation` is :attr:`module`'s.
+        #: (checkpoints carry it).
         self.compensations: dict[int, Applied] = applied
-        self.compensation = applied[self.module.stage]
         self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
                            if lr_scheduler is not None and m.optimizer is not None}
         self.scheduler = self.schedulers.get(self.module.stage)

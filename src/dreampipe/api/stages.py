@@ -69,9 +69,6 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
     (None: a synchronous one, which has no delays); ``advise``: warn, once, when a delay
     is large for the settings; ``uniform``: every stage takes the deepest delay's settings
     (weights tied across stages). What it changed, by stage."""
-    if schedule is None:
-        return {m.stage: (None,) * len(m.optimizer.param_groups if m.optimizer else ())
-                for m in modules}
     return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
                                       enabled=enabled, advise=advise and m is modules[0],
                                       uniform=uniform)

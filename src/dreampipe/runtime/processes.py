@@ -54,9 +54,8 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _GRACE_S = 1.0
-#: What the forkserver imports once for every rank it forks: a rank builds an
-#: optimizer, whose first construction imports ``torch._dynamo`` (and with it
-#: DTensor), a second or more of imports that a forked rank inherits instead.
+#: What the forkserver imports once for every rank it forks: a rank's first optimizer
+#: imports ``torch._dynamo`` and DTensor (over a second), which a forked rank inherits.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
             "torch.distributed.checkpoint", "dreampipe.runtime", "dreampipe.api"]
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3

@@ -199,17 +199,19 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
             f"rate to at most {most:.3g}")
 
 
-def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule, stage: int, *,
+def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule | None,
+                     stage: int, *,
                      vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
                      ) -> Applied:
     """Compensate ``stage``'s optimizer for its delay in ``schedule`` (if ``enabled``) and,
     if ``advise``, log :func:`delay_advice` for the deepest delay of any stage as a
     warning, with this optimizer's settings as the user gave them. ``uniform``: every
     stage takes the deepest delay's settings (weights tied across stages must take the
-    same updates on each copy). What it changed, group by group."""
+    same updates on each copy). What it changed, group by group. ``schedule`` None: a
+    synchronous run, which has no delays (and need not build its schedule to say so)."""
     if optimizer is None:
         return ()
-    if schedule.kind.synchronous:
+    if schedule is None or schedule.kind.synchronous:
         return (None,) * len(optimizer.param_groups)
     delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
