@@ -116,7 +116,7 @@ class Study:
 
 
 STUDY = Study(seeds=(0, 1, 2), workers=(2, 4), variants=tuple(_BY_NAME),
-              epochs={"digits": 10, "chars": 4}, steps={"digits": None, "chars": 30})
+              epochs={"digits": 10, "chars": 8}, steps={"digits": None, "chars": 30})
 QUICK = Study(seeds=(0,), workers=(2,), variants=("pipedream", "2bw", "dp"),
               epochs={"digits": 2, "chars": 2}, steps={"digits": 4, "chars": 3},
               held_out_batches=2, corpus_bytes=200_000)

@@ -3,8 +3,8 @@
 The table goes into ``convergence.md`` between two markers, so the prose
 around it is kept; the plots are ``convergence-<workload>.png``. Targets:
 97% held-out accuracy on the digits; on the characters, the held-out loss
-that every dp run reaches (the worst of their final losses, rounded up to
-the next 0.01).
+that every dp run reaches halfway through the study (the worst of their
+losses then, rounded up to the next 0.01).
 """
 
 from __future__ import annotations
@@ -51,9 +51,13 @@ def _groups(data: dict[str, Any]) -> Iterator[tuple[str, int, str, list[dict[str
 
 
 def targets(data: dict[str, Any]) -> dict[str, float]:
-    """Each workload's target; the characters' only once dp runs are in."""
+    """Each workload's target; the characters' only once dp runs are in: dp's worst
+    held-out loss halfway through the study's epochs, so that a schedule that needs more
+    epochs than dp can show how many (as dp reaches 97% on the digits well before
+    their end)."""
     out = {"digits": DIGITS_TARGET}
-    dp = [r["test_loss"][-1] for r in data["runs"].values()
+    half = data["study"]["epochs"]["chars"] // 2
+    dp = [r["test_loss"][half] for r in data["runs"].values()
           if r["workload"] == "chars" and r["variant"] == "dp"]
     if dp:  # rounded up, so a schedule equal to dp but for float rounding reaches it too
         out["chars"] = math.ceil(max(dp) * 100) / 100
@@ -103,7 +107,9 @@ def table(data: dict[str, Any]) -> str:
                      f" {t:.4g}" for w, t in goal.items())
     lines += ["", f"Targets: {said}. Epochs and seconds to target are medians over the "
               "seeds, a seed that never reaches it counting as never; seconds are training "
-              "time only (evaluation left out)."]
+              "time only (evaluation left out). The characters' target is dp's loss after "
+              f"{data['study']['epochs']['chars'] // 2} of the "
+              f"{data['study']['epochs']['chars']} epochs."]
     return "\n".join(lines)
 
 

@@ -13,10 +13,21 @@ so an epoch's first minibatches run on its first weights, as in the runtime
 The candidates of issue 32:
 
 - ``none``: the user's settings as given;
-- ``momentum``: dreampipe's rule (:func:`dreampipe.runtime.staleness.compensated`):
-  momentum (``beta1`` for AdamW) reduced by the delay's implicit momentum
-  ``d / (d + 1)`` (Mitliagkas et al. 2016), AdamW's learning rate scaled to
-  keep the spread of its step;
+- ``default``: dreampipe's rule, what the runtime does by default
+  (:mod:`dreampipe.runtime.staleness`): SGD's momentum reduced by the delay's
+  implicit momentum ``d / (d + 1)`` (Mitliagkas et al. 2016) where it is at
+  least that; any other stage (Adam's) keeps its settings and runs on its
+  weights extrapolated to the update its gradient goes into,
+  ``w_v + k (w_v - w_{v-1})``, ``k = t - v``, for versions made in the epoch's
+  segment (:mod:`dreampipe.runtime.versions`);
+- ``predict-settings``: that prediction on every delayed stage, with the
+  settings of ``default`` (what dreampipe's rule was while it predicted for
+  SGD too);
+- ``momentum``: the rule dreampipe applied before weight prediction: momentum
+  (``beta1`` for AdamW too) reduced by ``d / (d + 1)``, AdamW's learning rate
+  scaled to keep the spread of its step, ``s(beta1) / s(beta1')`` with
+  ``s(b) = sqrt((1 - b) / (1 + b))``; the candidates below that say "the rule"
+  build on it;
 - ``momentum-only``: the same momentum, every learning rate as given;
 - ``momentum-lr``: dreampipe's rule, then the learning rate divided by ``d + 1``;
 - ``damping``: ``1 - momentum`` multiplied by ``d + 1``;
@@ -57,6 +68,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -68,7 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from dreampipe.runtime.staleness import Hyper, compensated
+from dreampipe.runtime.staleness import Hyper, compensated, hyper_of, predicts
 
 __all__ = ["CANDIDATES", "main", "simulate"]
 
@@ -80,7 +92,8 @@ import _workloads as wl
 class _Recipe:
     """A candidate: the :func:`_settings` rule, the weights a delayed stage runs on
     (``predict``: "" its stale ones, "last" extrapolated by their last update,
-    "optimizer" moved by its optimizer's next step), DC-ASGD's ``lambda`` (0: off;
+    "every" the same as the runtime does it, "segment" so where dreampipe's rule
+    predicts, "optimizer" moved by its optimizer's next step), DC-ASGD's ``lambda`` (0: off;
     ``adaptive``: divided by the root mean square of the gradient) and whether the
     first epoch is synchronous (the rule's settings from the first delayed update on)."""
 
@@ -92,6 +105,8 @@ class _Recipe:
 
 
 _RECIPES = {
+    "default": _Recipe("dreampipe", predict="segment"),
+    "predict-settings": _Recipe("dreampipe", predict="every"),
     **{rule: _Recipe(rule) for rule in ("none", "momentum", "momentum-only", "momentum-lr",
                                         "damping", "zero", "lr")},
     "dc-asgd": _Recipe(dc=0.04),
@@ -126,8 +141,10 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int,
     for group in opt.param_groups:
         adam = "betas" in group
         hyper = Hyper(group["lr"], group["betas"][0] if adam else group["momentum"], adam)
-        if candidate == "momentum":
+        if candidate == "dreampipe":
             hyper = compensated(hyper, delay)
+        elif candidate == "momentum":
+            hyper = _former(hyper, delay)
         elif candidate == "momentum-only":
             hyper = Hyper(hyper.lr, max(0.0, hyper.momentum - delay / (delay + 1)))
         elif candidate == "damping":
@@ -135,7 +152,7 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int,
         elif candidate == "zero":
             hyper = Hyper(hyper.lr, 0.0 if delay else hyper.momentum)
         elif candidate == "momentum-lr":
-            hyper = compensated(hyper, delay)
+            hyper = _former(hyper, delay)
             hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum, adam)
         elif candidate == "lr":
             hyper = Hyper(hyper.lr / (delay + 1), hyper.momentum)
@@ -147,6 +164,16 @@ def _settings(opt: torch.optim.Optimizer, candidate: str, delay: int,
     if sched is not None:
         sched.base_lrs = [base * group["lr"] / old for base, group, old
                           in zip(sched.base_lrs, opt.param_groups, before, strict=True)]
+
+
+def _former(hyper: Hyper, delay: int) -> Hyper:
+    """The ``momentum`` candidate: ``beta1`` lowered too, Adam's lr keeping its spread."""
+    low = max(0.0, hyper.momentum - delay / (delay + 1))
+    if not hyper.adaptive:
+        return Hyper(hyper.lr, low)
+    spread = math.sqrt((1 - hyper.momentum) / (1 + hyper.momentum)) / math.sqrt(
+        (1 - low) / (1 + low))
+    return Hyper(hyper.lr * spread, low, True)
 
 
 def _next_step(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, Tensor]:
@@ -189,9 +216,9 @@ def _mean_square(opt: torch.optim.Optimizer, p: Tensor, g: Tensor,
 
 
 def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: int,
-             sgd: tuple[float, float] = (0.05, 0.9)) -> list[float]:
+             sgd: tuple[float, float] = (0.05, 0.9), epochs: int | None = None) -> list[float]:
     """The held-out figure (digits: accuracy; chars: loss) after each epoch, 0 first;
-    ``sgd``: the digits' learning rate and momentum."""
+    ``sgd``: the digits' learning rate and momentum; ``epochs``: the study's when None."""
     torch.manual_seed(seed)
     recipe = _RECIPES[candidate]
     task = _digits(seed, *sgd) if workload == "digits" else _chars(seed)
@@ -200,6 +227,9 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
     stages = [model[cuts[s]:cuts[s + 1]] for s in range(workers)]
     delays = _delays(schedule, workers)
     opts = [task["optimizer"](list(m.parameters())) for m in stages]
+    predicting = [recipe.predict != "segment"
+                  or any(predicts(hyper_of(g), d) for g in o.param_groups)
+                  for o, d in zip(opts, delays, strict=True)]
     if not recipe.warmup:
         for opt, d in zip(opts, delays, strict=True):
             _settings(opt, recipe.settings, d)
@@ -212,7 +242,7 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
     own_sq: dict[int, Tensor] = {}
     figures = [task["evaluate"](model)]
     t = 0
-    for epoch in range(task["epochs"]):
+    for epoch in range(task["epochs"] if epochs is None else epochs):
         start = t  # the runtime drains at each epoch's end: a segment starts afresh
         sync = recipe.warmup and epoch == 0
         if recipe.warmup and epoch == 1:
@@ -223,7 +253,10 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
             leaves = []
             for s, m in enumerate(stages):
                 v = max(start, t - (0 if sync else delays[s]))
-                ahead = min(t - v, v) if recipe.predict == "last" else 0
+                ahead = (min(t - v, v) if recipe.predict == "last"
+                         else t - v if recipe.predict == "every" and v > start
+                         else t - v if recipe.predict == "segment" and v > start
+                         and predicting[s] else 0)
                 params = {k: (w + ahead * (w - history[s][v - 1][k])).requires_grad_(True)
                           for k, w in history[s][v].items()}
                 if recipe.predict == "optimizer":
@@ -316,12 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--sgd", type=float, nargs=2, default=[0.05, 0.9],
                         metavar=("LR", "MOMENTUM"), help="the digits' SGD settings")
+    parser.add_argument("--epochs", type=int, help="epochs to train (default: the study's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     for workers, schedule, seed in itertools.product(args.workers, args.schedules, args.seeds):
         for candidate in (["none"] if schedule == "sync" else args.candidates):
             figures = simulate(args.workload, schedule, workers, candidate, seed,
-                               tuple(args.sgd))
+                               tuple(args.sgd), args.epochs)
             print(f"{args.workload} {workers} {schedule:9} {candidate:8} seed {seed} "
                   f"sgd {args.sgd[0]:g}/{args.sgd[1]:g}: "
                   + " ".join(f"{f:.3f}" for f in figures[1:]), flush=True)

@@ -92,7 +92,7 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
     layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=minibatch,
                         microbatches=microbatches, workers=3)
     choices = SimpleNamespace(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
-                              vertical_sync=False)
+                              vertical_sync=False, compensate=True)
     predicted = predict_memory(profile_spec(spec, layout.unit_size), plan,
                                layout.build([1, 2], STEPS, plan.in_flight), choices)
     ratios = [o["used"] / predicted[o["stage"]] for o in out]

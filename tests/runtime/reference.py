@@ -15,8 +15,11 @@ tests can catch it doing something else:
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
 - staleness compensation: a stage whose version for ``t`` is ``d`` updates
-  behind trains with its optimizer's momentum lowered by ``d / (d + 1)``
-  (at least 0);
+  behind trains with its SGD momentum lowered by ``d / (d + 1)`` if it is at
+  least that; otherwise (Adam, or less momentum) its settings stay and
+  minibatch ``t`` runs on that version ``v`` extrapolated to the update its
+  gradient goes into, ``k`` updates on: ``w_v + k (w_v - w_{v-1})``, where
+  ``v >= 1`` (version 0 is the run's start);
 - PipeDream-2BW: ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with ``W(-1) = W(0)``:
   update ``t``'s gradient (accumulated over its microbatches as in the
   synchronous schedules) is taken at the weights of one update before, and
@@ -124,25 +127,20 @@ def reference_two_bw(
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
     microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
-    ``compensate``: the delay of 1 lowers SGD's momentum or Adam's ``beta1`` by 1/2;
-    Adam's learning rate is scaled by ``s(beta1) / s(beta1 - 1/2)``, where
-    ``s(b) = sqrt((1 - b) / (1 + b))``."""
+    ``compensate``: the delay of 1 lowers SGD's momentum by 1/2 if it is at least that;
+    otherwise (Adam, or less momentum) from update 2 on the gradient is taken at
+    ``W(t-1) + (W(t-1) - W(t-2))``."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
-    for group in optimizer.param_groups if compensate else []:
-        if "betas" in group:
-            b1 = group["betas"][0]
-            low = max(0.0, b1 - 0.5)
-            group["lr"] *= math.sqrt((1 - b1) / (1 + b1)) / math.sqrt((1 - low) / (1 + low))
-            group["betas"] = (low, group["betas"][1])
-        else:
-            group["momentum"] = max(0.0, group["momentum"] - 0.5)
-    before = _snapshot(model)
+    predicting = compensate and not _absorbs(optimizer, 1)
+    history: list[dict[str, Tensor]] = []
     losses = []
     for t in range(steps):
-        stale = {k: w.clone().requires_grad_(True) for k, w in before.items()}
-        before = _snapshot(model)
+        history.append(_snapshot(model))
+        v = max(t - 1, 0)
+        stale = {k: w.requires_grad_(True)
+                 for k, w in _predicted(history, v, t - v if predicting else 0).items()}
         losses.append(_accumulate(lambda x, w=stale: functional_call(model, w, (x,)), spec, data, t,
                                   microbatches, size))
         for name, p in model.named_parameters():
@@ -188,10 +186,8 @@ def reference_pipedream(
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
     optims = [opt(list(m.parameters())) for m in stages]
-    for s, o in enumerate(optims if compensate else []):
-        d = admitted(replicas, 0 if vertical_sync or ties else s) - 1
-        for group in o.param_groups:
-            group["momentum"] = max(0.0, group["momentum"] - d / (d + 1))
+    predicting = [compensate and not _absorbs(
+        o, admitted(replicas, 0 if vertical_sync or ties else s) - 1) for s, o in enumerate(optims)]
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
     pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
 
@@ -205,7 +201,9 @@ def reference_pipedream(
         for s in range(n):
             v = version(0, t) if vertical_sync else version(s, t)
             assert v < len(history[s]), f"stage {s} has no version {v} yet at minibatch {t}"
-            params = {k: w.clone().requires_grad_(True) for k, w in history[s][v].items()}
+            ahead = t // replicas[s] - v if predicting[s] else 0
+            params = {k: w.requires_grad_(True)
+                      for k, w in _predicted(history[s], v, ahead).items()}
             leaves.append(params)
             x = functional_call(stages[s], params, (x,))
         loss = spec.loss_fn(x, y)
@@ -234,6 +232,25 @@ def reference_pipedream(
     for m in stages:
         state.update({k: v.detach().clone() for k, v in m.state_dict().items()})
     return losses, state
+
+
+def _absorbs(optimizer: torch.optim.Optimizer, d: int) -> bool:
+    """Whether every group's SGD momentum takes a delay of ``d``: if so, lower it by
+    ``d / (d + 1)``; if not (Adam, too little momentum), leave the settings alone."""
+    if d == 0:
+        return True
+    if any("betas" in g or g["momentum"] < d / (d + 1) for g in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["momentum"] -= d / (d + 1)
+    return True
+
+
+def _predicted(history: list[dict[str, Tensor]], v: int, ahead: int) -> dict[str, Tensor]:
+    """Version ``v`` extrapolated ``ahead`` updates by the update that made it (a copy)."""
+    if ahead <= 0 or v == 0:
+        return {k: w.clone() for k, w in history[v].items()}
+    return {k: w + ahead * (w - history[v - 1][k]) for k, w in history[v].items()}
 
 
 def _snapshot(module: nn.Module) -> dict[str, Tensor]:

@@ -184,7 +184,7 @@ def test_pipedream_matches_delayed_update_rule_on_other_models(model: Model) -> 
     data = load_dataset("synthetic", model.spec(), seed=SEED)
     losses, state = reference_pipedream(
         model.spec(), data, bounds=bounds, replicas=replicas, steps=steps, minibatch=8,
-        seed=SEED, opt=sgd(0.3),
+        seed=SEED, opt=sgd(0.3), compensate=True,
     )
     _assert_matches(result, losses, state)
 

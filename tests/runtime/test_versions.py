@@ -100,3 +100,48 @@ def test_resumed_numbers_and_the_leaf_hooks() -> None:
     assert v.number == 7 and sorted(r.versions) == [7]
     (v.tensors[0].sum() + v.tensors[1].sum()).backward()
     assert sorted(r.leaves) == [0, 1]
+
+
+def _predicting() -> _Recorded:
+    r = _Recorded()
+    r.versions.predict = True
+    return r
+
+
+def test_prediction_extrapolates_a_version_by_the_update_that_made_it() -> None:
+    r = _predicting()
+    first = r.versions.acquire(None, update=1)  # version 0: made before the segment
+    assert first.ahead == 0 and first.live
+    r.versions.release(first)
+    r.update()  # +1 on every weight
+    with torch.no_grad():
+        r.params[0].mul_(2.0)  # version 1 is then 2 * (w0 + 1) on the first parameter
+    w1 = [p.detach().clone() for p in r.params]
+    two = r.versions.acquire(None, update=3)  # runs on version 1, its gradient updates 3
+    assert two.ahead == 2 and not two.live and two.key == (1, 2)
+    torch.testing.assert_close(two.tensors[1], w1[1] + 2 * 1.0, rtol=0, atol=0)
+    # the change is taken after the update: ``advance`` sees the live weights as they are
+    assert two.tensors[0].data_ptr() != r.params[0].data_ptr()
+    same = r.versions.acquire(None, update=3)
+    assert same is two and two.refs == 2  # units on one (version, ahead) share it
+    exact = r.versions.acquire(None, update=1)  # its gradient updates version 1 itself
+    assert exact.key == (1, 0) and exact.live
+    assert r.versions.peak == 2
+
+
+def test_a_prediction_is_freed_with_its_gradients_harvested_when_released() -> None:
+    r = _predicting()
+    r.update()
+    v = r.versions.acquire(None, update=2)
+    (v.tensors[0].sum() * 3).backward()
+    assert r.leaves == [0]
+    r.versions.release(v)
+    assert r.dropped == [1] and len(r.versions) == 0
+
+
+def test_prediction_starts_afresh_with_each_segment() -> None:
+    r = _predicting()
+    r.update()
+    r.versions.restart()  # a new segment from version 1: its change is not used
+    v = r.versions.acquire(None, update=1)
+    assert v.ahead == 0 and v.live

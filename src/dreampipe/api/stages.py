@@ -10,6 +10,7 @@ reads them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -22,10 +23,18 @@ from dreampipe.api.split import Layers, build_split_stage, build_stage
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.stage import StageModule
-from dreampipe.runtime.staleness import Applied, compensate_stage
+from dreampipe.runtime.staleness import (
+    Applied,
+    compensate_stage,
+    hyper_of,
+    predicts,
+    stage_delays,
+)
 from dreampipe.scheduling.actions import Schedule
 
 __all__ = ["StageBuild", "build_modules", "compensate_modules"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,18 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
     """Staleness compensation of every module's optimizer for its delay in ``schedule``
     (None: a synchronous one, which has no delays); ``advise``: warn, once, when a delay
     is large for the settings; ``uniform``: every stage takes the deepest delay's settings
-    (weights tied across stages). What it changed, by stage."""
+    (weights tied across stages). What it changed, by stage. With ``enabled``, a delayed
+    stage whose momentum cannot take its delay runs on predicted weights instead
+    (:func:`~dreampipe.runtime.staleness.predicts`, :mod:`dreampipe.runtime.versions`)."""
+    delays = (stage_delays(schedule, vertical_sync)
+              if schedule is not None and not schedule.kind.synchronous else None)
+    for m in modules:
+        groups = m.optimizer.param_groups if m.optimizer is not None else []
+        m.versions.predict = (enabled and m.stash and delays is not None and any(
+            predicts(hyper_of(g), max(delays) if uniform else delays[m.stage]) for g in groups))
+        if m.versions.predict:
+            _log.info("stage %d runs on its weights predicted for the update its gradient goes "
+                      "into (staleness compensation)", m.stage)
     return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
                                       enabled=enabled, advise=advise and m is modules[0],
                                       uniform=uniform)

@@ -122,8 +122,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="turn weight stashing off (naive async pipelining, to show why it "
                         "matters)")
     g.add_argument("--no-compensation", action="store_true",
-                   help="pipedream and 2bw: keep the optimizer's momentum as given instead of "
-                        "lowering it by each stage's delay (staleness compensation, "
+                   help="pipedream and 2bw: train every stage on its stale weights as they "
+                        "are, with the optimizer's settings as given (staleness compensation, "
+                        "on by default, lowers SGD's momentum by each stage's delay or, where "
+                        "it cannot, as for Adam, predicts the stage's weights; "
                         "docs/convergence.md)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any rank waits for a peer before failing (default: 60)")

@@ -45,8 +45,8 @@ class TrainOptions:
     ``model_kwargs``. ``stash=False`` turns weight stashing off (PipeDream's
     "naive pipelining", see :mod:`dreampipe.runtime.stage`); ``vertical_sync``
     makes every stage run a minibatch with the weight version its input stage
-    used. ``compensate`` lowers each asynchronous stage's momentum by its delay
-    (:mod:`~dreampipe.runtime.staleness`). ``fused_accumulation=False`` makes
+    used. ``compensate`` turns staleness compensation on for the asynchronous
+    schedules (:mod:`~dreampipe.runtime.staleness`). ``fused_accumulation=False`` makes
     ``nn.Linear`` weight gradients with autograd's kernels (a GEMM, then an add) instead of
     :mod:`~dreampipe.runtime.fused`'s one GEMM, in the same order.
     ``timeout_s`` bounds every wait for a peer. ``on_nonfinite`` says what a

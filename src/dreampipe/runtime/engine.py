@@ -234,7 +234,8 @@ class RankRunner:
             target = self.data.targets(u)
         cast = self.opts.autocast
         with torch.autocast(self.device.type, cast) if cast is not None else nullcontext():
-            out = self.module.forward(u, x, version=version, target=target, scale=self.scale)
+            out = self.module.forward(u, x, version=version, target=target, scale=self.scale,
+                                      update=u // self.schedule.round_units(self.stage))
         self.guard.check(a, out, x, self.last)
         if self.last:
             self.losses[u] = out
@@ -356,6 +357,8 @@ class RankRunner:
         self.losses = {}
         if self.two_bw is not None:
             self.two_bw.restart()
+        for m in self.modules:
+            m.versions.restart()
         self._index_schedule()
 
     def final_state(self) -> dict[str, Tensor]:

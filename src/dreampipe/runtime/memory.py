@@ -54,10 +54,11 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.processes import glibc
+from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
-__all__ = ["Baseline", "MemoryUse", "TrainingChoices", "check_memory", "finish_measuring",
-           "optimizer_copies", "predict_memory", "start_measuring"]
+__all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
+           "finish_measuring", "optimizer_copies", "predict_memory", "start_measuring"]
 
 _log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
@@ -167,6 +168,13 @@ class TrainingChoices(Protocol):
     def stash(self) -> bool: ...
     @property
     def vertical_sync(self) -> bool: ...
+    @property
+    def compensate(self) -> bool: ...
+
+
+#: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
+#: last update's change, and the live weights, which no unit in flight shares any more.
+PREDICTION_COPIES = 2
 
 
 def optimizer_copies(opts: TrainingChoices) -> int:
@@ -184,7 +192,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     rank of the stage reaches: the units in flight, the weight versions they
     pin (one per unit in flight under PipeDream with stashing, plus the ``s``
     updates stage ``s`` may be ahead with vertical sync; else one) and the
-    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``); a recomputing
+    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``), and with staleness
+    compensation :data:`PREDICTION_COPIES` more on a stage that predicts its weights; a recomputing
     stage keeps its units' inputs only. A stage split over ``t`` workers holds its
     share of each layer (:func:`~dreampipe.planning.operator_search.split_memory`),
     whatever the other stages' widths, plus, when an update spans several units, the
@@ -199,9 +208,14 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         flight[stage] = max(flight[stage], _peak_in_flight(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
+    delays = (stage_delays(schedule, opts.vertical_sync)
+              if opts.compensate and opts.stash and not schedule.kind.synchronous
+              else (0,) * plan.num_stages)
+    hyper = Hyper(0.0, opts.momentum, adaptive=opts.optimizer is OptimizerKind.ADAM)
     out = []
     for s, st in enumerate(plan.stages):
         versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else 1
+        versions += PREDICTION_COPIES if predicts(hyper, delays[s]) else 0
         if st.tensor_parallel > 1:
             need = split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
                                 versions, flight[s], optimizer_copies=optimizer_copies(opts),

@@ -137,7 +137,7 @@ class StageModule:
         self._versions = WeightVersions(self._params, stage=stage, on_leaf=self._leaf_done,
                                         on_drop=self._harvest)
         self._inflight: dict[int, _InFlight] = {}
-        self._touched: dict[int, Version] = {}
+        self._touched: dict[tuple[int, int], Version] = {}
         self._tied: list[tuple[int, Any]] = []
 
     def tie(self, index: int, group: Any) -> None:
@@ -175,13 +175,18 @@ class StageModule:
         """Count weight versions on from ``version``, a resumed checkpoint's."""
         self._versions.resume_at(version)
 
+    @property
+    def versions(self) -> WeightVersions:
+        """The stashed weight versions (staleness compensation turns their prediction on)."""
+        return self._versions
+
     def note_version(self, number: int) -> None:
         """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
         self._versions.note(number)
 
     def _harvest(self, v: Version) -> None:
         """Move the weight gradients autograd accumulated on ``v``'s tensors to the update."""
-        if self._touched.pop(v.number, None) is None:
+        if self._touched.pop(v.key, None) is None:
             return
         for i, leaf in enumerate(v.tensors):
             if leaf.grad is not None:
@@ -202,16 +207,19 @@ class StageModule:
         version: int | None = None,
         target: Tensor | None = None,
         scale: float = 1.0,
+        update: int | None = None,
     ) -> Tensor:
         """Run unit ``unit``; returns the output (or, with ``target``, the unscaled loss).
 
         ``version`` (vertical sync) picks a stored version; None uses the newest.
         ``scale`` multiplies the loss before the backward (microbatch share).
+        ``update``: the segment's update the unit's gradient goes into (weight
+        prediction, :class:`~.versions.WeightVersions`).
         """
         if self.input_grad and isinstance(x, Tensor) and x.is_floating_point():
             x.requires_grad_(True)
         if self.stash and self.recompute:
-            v = self._versions.acquire(version)
+            v = self._versions.acquire(version, update)
             again = record(x.device if isinstance(x, Tensor) else next(
                 (p.device for p in self._params), torch.device("cpu")))
             with torch.no_grad():
@@ -219,7 +227,7 @@ class StageModule:
             self._inflight[unit] = _InFlight(x, None, v, target, scale, again)
             return report
         if self.stash:
-            v = self._versions.acquire(version)
+            v = self._versions.acquire(version, update)
             out, report = self._compute(v.tensors, x, target, scale)
             self._inflight[unit] = _InFlight(x, out, v, target, scale)
             return report
@@ -281,7 +289,7 @@ class StageModule:
         leaves = v.tensors
         if on_ready is not None:
             held = [*self._touched.values()]
-            held += [v] if v.number not in self._touched else []
+            held += [v] if v.key not in self._touched else []
             self._round = _Round(
                 on_ready, [h.tensors for h in held], [False] * len(leaves)
             )
@@ -297,7 +305,7 @@ class StageModule:
         finally:
             self._round = None
             self._held.holding = False
-        self._touched[v.number] = v
+        self._touched[v.key] = v
         self._versions.release(v)
         return x.grad if want_input and x is not None else None
 

@@ -9,17 +9,23 @@ were going ``d`` updates ago, about as momentum ``d / (d + 1)`` does. On
 top of the user's momentum that overshoots, and with the large steps of
 short runs it diverges (docs/convergence.md).
 
-:func:`compensated` is dreampipe's rule, chosen by a single-process
-simulation of the delayed updates (``benchmarks/staleness.py``,
-docs/convergence.md "Staleness compensation"): the optimizer's momentum
-(SGD's ``momentum``, Adam's and AdamW's ``beta1``) is reduced by the
-delay's implicit momentum, ``mu' = max(0, mu - d / (d + 1))``. SGD keeps
-its learning rate (its effective step ``lr / (1 - mu)`` shrinks with the
-momentum). Adam normalises its step, so a smaller ``beta1`` alone makes
-each step noisier, not smaller: its learning rate is scaled by the ratio of
-the spreads of the two averages of white noise,
-``sqrt((1 - b) / (1 + b))`` at ``b = beta1`` over the same at ``b = beta1'``
-(0.35 for 0.9 and a delay of 1). A stage of delay 0 keeps its settings.
+:func:`compensated` and :func:`predicts` are dreampipe's rule, chosen by a
+single-process simulation of the delayed updates (``benchmarks/staleness.py``,
+docs/convergence.md "Staleness compensation"). A stage cancels its delay's
+implicit momentum one way:
+
+- an SGD stage whose momentum holds it (``mu >= d / (d + 1)``) has it lowered,
+  ``mu' = mu - d / (d + 1)``, its learning rate kept (its effective step
+  ``lr / (1 - mu)`` shrinks with the momentum);
+- any other stage (Adam's, AdamW's, SGD's with less momentum, an optimizer
+  without momentum) keeps its settings, and its stashed units run on their
+  weights extrapolated to the update their gradient goes into,
+  ``w_v + k (w_v - w_{v-1})`` (:mod:`.versions`; PipeMare, SpecTrain, and for
+  Adam close to XPipe). Adam normalises its step, so momentum does not enlarge
+  it as it does SGD's, and lowering ``beta1`` trains worse than prediction.
+
+Not both: on SGD, prediction on top of lowered momentum extrapolates the
+noise of single minibatches. A stage of delay 0 keeps its settings.
 
 :func:`compensate` applies it to a built optimizer's parameter groups (before
 a learning-rate scheduler reads them). :func:`stage_delays` reads each
@@ -31,7 +37,6 @@ for one stage of a run.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +45,7 @@ import torch
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Applied", "Hyper", "carry_over", "compensate", "compensate_stage", "compensated",
-           "delay_advice", "hyper_of", "implicit_momentum", "stage_delays"]
+           "delay_advice", "hyper_of", "implicit_momentum", "predicts", "stage_delays"]
 
 _log = logging.getLogger(__name__)
 
@@ -64,18 +69,21 @@ def implicit_momentum(delay: int) -> float:
     return delay / (delay + 1)
 
 
-def _noise(beta: float) -> float:
-    """The spread of an exponential average, decay ``beta``, of unit white noise."""
-    return math.sqrt((1.0 - beta) / (1.0 + beta))
-
-
 def compensated(hyper: Hyper, delay: int) -> Hyper:
     """``hyper`` for a stage whose gradients are ``delay`` updates stale (module doc)."""
     if delay < 0:
         raise ValueError(f"delay={delay}; a delay counts updates, 0 or more")
-    momentum = max(0.0, hyper.momentum - implicit_momentum(delay))
-    lr = hyper.lr * _noise(hyper.momentum) / _noise(momentum) if hyper.adaptive else hyper.lr
-    return replace(hyper, lr=lr, momentum=momentum)
+    if predicts(hyper, delay):
+        return hyper
+    return replace(hyper, momentum=hyper.momentum - implicit_momentum(delay))
+
+
+def predicts(hyper: Hyper | None, delay: int) -> bool:
+    """Whether a stage with settings ``hyper`` (None: an optimizer without momentum)
+    and ``delay`` compensates by weight prediction rather than its momentum."""
+    if delay <= 0:
+        return False
+    return hyper is None or hyper.adaptive or hyper.momentum < implicit_momentum(delay)
 
 
 def hyper_of(group: dict[str, object]) -> Hyper | None:
@@ -100,14 +108,17 @@ Applied = tuple[tuple[Hyper, Hyper] | None, ...]
 
 def compensate(optimizer: torch.optim.Optimizer, delay: int) -> Applied:
     """Apply :func:`compensated` to every parameter group of ``optimizer``; the
-    ``(before, after)`` settings of each group, None where unchanged."""
+    ``(before, after)`` settings of each group, None where unchanged. A stage one of
+    whose groups :func:`predicts` predicts for them all, and keeps every setting."""
+    if any(predicts(hyper_of(g), delay) for g in optimizer.param_groups):
+        return (None,) * len(optimizer.param_groups)
     applied: list[tuple[Hyper, Hyper] | None] = []
     for group in optimizer.param_groups:
         before = hyper_of(group)
-        if before is None or delay == 0:
+        after = None if before is None else compensated(before, delay)
+        if before is None or after is None or after == before:
             applied.append(None)
             continue
-        after = compensated(before, delay)
         group["lr"] = after.lr
         _set_momentum(group, after.momentum)
         applied.append((before, after))
@@ -180,10 +191,13 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
     and an SGD stage's effective step ``lr / (1 - momentum)`` times the
     delay at most :data:`_STEP_DELAY_LIMIT` (Adam's step does not scale so).
     """
+    if compensating and hyper.adaptive:
+        return None  # prediction is Adam's compensation; its settings stay the user's
     used = compensated(hyper, delay) if compensating else hyper
     name = "beta1" if hyper.adaptive else "momentum"
     stale = f"gradients {delay} update{'s' if delay != 1 else ''} stale"
-    if delay > 0 and used.momentum + implicit_momentum(delay) >= 1.0:
+    predicting = compensating and predicts(hyper, delay)
+    if delay > 0 and not predicting and used.momentum + implicit_momentum(delay) >= 1.0:
         most = 1.0 - implicit_momentum(delay)
         return (f"{name} {used.momentum:g} with {stale}: the delay adds about "
                 f"{implicit_momentum(delay):.2g} momentum of its own and training may "

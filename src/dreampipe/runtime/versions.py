@@ -25,6 +25,17 @@ units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
 updates ahead of the input stage). Stages must update at one rate, i.e. have
 equal replica counts (:mod:`.checks` says so before a run): otherwise one
 version number names different weights on different stages.
+
+**Weight prediction** (staleness compensation, :mod:`.staleness`). A unit whose
+gradient will update version ``v + k`` but that runs on version ``v`` runs
+instead on ``w_v + k (w_v - w_{v-1})``: its weights extrapolated by the
+update that made them (PipeMare, SpecTrain; for Adam close to XPipe's
+prediction by the optimizer's own next step). The prediction is a version
+of its own, keyed ``(v, k)``, shared by the units that need it (2bw's
+microbatches). ``k`` counts from the segment's first forward, as 2bw's
+versions do (:mod:`.two_bw`), and a version made before the segment began is
+not extrapolated: a run resumed from a checkpoint computes what the
+uninterrupted one does.
 """
 
 from __future__ import annotations
@@ -48,15 +59,22 @@ class Version:
     tensors: list[Tensor]  # in parameter index order
     live: bool
     refs: int = 0
+    ahead: int = 0  # a prediction ``ahead`` updates on (module doc)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """What names this version among those held: ``(number, ahead)``."""
+        return self.number, self.ahead
 
 
 class WeightVersions(Mapping[int, Version]):
     """The versions of stage ``stage``'s parameters ``params`` that are held, by number.
 
     ``version`` is the live weights' number, one more per update. A version made
-    from the live weights registers ``on_leaf(index, leaf)`` as the
-    post-accumulate gradient hook of each of its leaves; ``on_drop(version)``
-    takes the gradients off a version before it is freed.
+    from the live weights, or predicted from one, registers ``on_leaf(index, leaf)``
+    as the post-accumulate gradient hook of each of its leaves; ``on_drop(version)``
+    takes the gradients off a version before it is freed. ``predict``: run a unit
+    on its weights extrapolated to the update its gradient goes into (module doc).
     """
 
     def __init__(
@@ -66,6 +84,7 @@ class WeightVersions(Mapping[int, Version]):
         stage: int,
         on_leaf: Callable[[int, Tensor], None],
         on_drop: Callable[[Version], None],
+        predict: bool = False,
     ) -> None:
         self._params = params
         self._stage = stage
@@ -75,6 +94,11 @@ class WeightVersions(Mapping[int, Version]):
         self._floor: int | None = None
         self.version = 0
         self.peak = 0
+        self.predict = predict
+        self._predicted: dict[tuple[int, int], Version] = {}
+        self._deltas: dict[int, list[Tensor]] = {}  # version -> w_v - w_{v-1}
+        self._before: list[Tensor] | None = None
+        self._base: int | None = None
 
     def __getitem__(self, number: int) -> Version:
         return self._held[number]
@@ -89,6 +113,11 @@ class WeightVersions(Mapping[int, Version]):
         """Count versions on from ``version``, a resumed checkpoint's."""
         self.version = version
 
+    def restart(self) -> None:
+        """A new segment (the pipeline filled again): predictions start afresh."""
+        self._base = None
+        self._deltas.clear()
+
     def note(self, number: int) -> None:
         """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
         self._floor = number
@@ -98,48 +127,85 @@ class WeightVersions(Mapping[int, Version]):
     def _needed_later(self, number: int) -> bool:
         return self._floor is not None and number >= self._floor
 
-    def _live_version(self) -> Version:
-        tensors = [p.data.requires_grad_(True) for p in self._params]
+    def _leaves(self, tensors: list[Tensor]) -> list[Tensor]:
         for i, leaf in enumerate(tensors):
+            leaf.requires_grad_(True)
             leaf.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
                 partial(self._on_leaf, i)
             )
-        v = Version(self.version, tensors, live=True)
+        return tensors
+
+    def _live_version(self) -> Version:
+        v = Version(self.version, self._leaves([p.data for p in self._params]), live=True)
         self._held[self.version] = v
-        self.peak = max(self.peak, len(self._held))
+        self._count()
         return v
 
-    def acquire(self, number: int | None) -> Version:
-        """Version ``number`` (None: the live weights'), held until :meth:`release`."""
+    def _count(self) -> None:
+        self.peak = max(self.peak, len(self._held) + len(self._predicted))
+
+    def acquire(self, number: int | None, update: int | None = None) -> Version:
+        """Version ``number`` (None: the live weights'), held until :meth:`release`.
+
+        ``update``: the segment's update that the unit's gradient goes into; with
+        :attr:`predict`, the unit runs on the version extrapolated to it.
+        """
         number = self.version if number is None else number
+        if self.predict and update is not None:
+            if self._base is None:
+                self._base = self.version
+            ahead = self._base + update - number
+            delta = self._deltas.get(number)
+            if ahead > 0 and delta is not None:
+                return self._prediction(number, ahead, delta)
         v = self._held.get(number)
         if v is None:
-            if number != self.version:
-                raise ScheduleError(
-                    f"stage {self._stage} has no weight version {number} (it is at version "
-                    f"{self.version}, holds {sorted(self._held)}); vertical sync needs a "
-                    "schedule in which later stages are never behind the input stage"
-                )
+            self._check_held(number)
             v = self._live_version()
+        v.refs += 1
+        return v
+
+    def _check_held(self, number: int) -> None:
+        if number not in self._held and number != self.version:
+            raise ScheduleError(
+                f"stage {self._stage} has no weight version {number} (it is at version "
+                f"{self.version}, holds {sorted(self._held)}); vertical sync needs a "
+                "schedule in which later stages are never behind the input stage"
+            )
+
+    def _prediction(self, number: int, ahead: int, delta: list[Tensor]) -> Version:
+        v = self._predicted.get((number, ahead))
+        if v is None:
+            self._check_held(number)
+            base = self._held[number].tensors if number in self._held else [
+                p.data for p in self._params]
+            tensors = [w.detach() + ahead * d for w, d in zip(base, delta, strict=True)]
+            v = Version(number, self._leaves(tensors), live=False, ahead=ahead)
+            self._predicted[v.key] = v
+            self._count()
         v.refs += 1
         return v
 
     def release(self, v: Version) -> None:
         """A unit is done with ``v``: free it if nothing needs it any more."""
         v.refs -= 1
-        if v.refs == 0 and not v.live and not self._needed_later(v.number):
+        if v.refs == 0 and not v.live and (v.ahead or not self._needed_later(v.number)):
             self._drop(v)
 
     def _drop(self, v: Version) -> None:
         if v.live:
             return
         self._on_drop(v)
-        del self._held[v.number]
+        if v.ahead:
+            del self._predicted[v.key]
+        else:
+            del self._held[v.number]
 
     def retire(self) -> None:
         """Before an update: the live version keeps the current values if a unit (or,
         under vertical sync, a later one) still needs them, the live parameters moving
-        to a fresh copy; otherwise it goes."""
+        to a fresh copy; otherwise it goes. With :attr:`predict`, the values are also
+        kept to take the update's change."""
         cur = self._held.get(self.version)
         if cur is None and self._needed_later(self.version):
             cur = self._live_version()
@@ -150,7 +216,16 @@ class WeightVersions(Mapping[int, Version]):
                 cur.live = False
             else:
                 del self._held[cur.number]
+        if self.predict:  # the change of a version no unit can name again is not needed
+            for old in [n for n in self._deltas if n not in self._held]:
+                del self._deltas[old]
+            self._before = [p.detach().clone() for p in self._params]
 
     def advance(self) -> None:
-        """After an update: the live weights are the next version."""
+        """After an update: the live weights are the next version (with :attr:`predict`,
+        the update's change kept while that version may still be run on)."""
         self.version += 1
+        if self._before is not None:
+            self._deltas[self.version] = [b.neg_().add_(p.detach())
+                                          for b, p in zip(self._before, self._params, strict=True)]
+            self._before = None
