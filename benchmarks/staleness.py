@@ -15,9 +15,9 @@ The candidates of issue 32:
 - ``none``: the user's settings as given;
 - ``default``: dreampipe's rule, what the runtime does by default
   (:mod:`dreampipe.runtime.staleness`): SGD's momentum reduced by the delay's
-  implicit momentum ``d / (d + 1)`` (Mitliagkas et al. 2016) where it is at
-  least that; any other stage (Adam's) keeps its settings and runs on its
-  weights extrapolated to the update its gradient goes into,
+  implicit momentum ``d / (d + 1)`` (Mitliagkas et al. 2016); an Adam stage
+  keeps its settings and runs on its weights extrapolated to the update its
+  gradient goes into,
   ``w_v + k (w_v - w_{v-1})``, ``k = t - v``, for versions made in the epoch's
   segment (:mod:`dreampipe.runtime.versions`);
 - ``predict-settings``: that prediction on every delayed stage, with the

@@ -54,23 +54,30 @@ def test_sync_schedules_through_the_api_equal_gradient_accumulation(
     assert_matches(got, losses, state)
 
 
-PIPE = [([0, 1, 3], [1, 1, 1], True, True), ([0, 2], [2, 1], False, True),
-        ([0, 2], [2, 1], False, False)]
+PIPE = [([0, 1, 3], [1, 1, 1], True, True, "momentum"), ([0, 2], [2, 1], False, True, "momentum"),
+        ([0, 2], [2, 1], False, False, "momentum"), ([0, 1, 3], [1, 1, 1], False, True, "adamw"),
+        ([0, 1, 3], [1, 1, 1], True, True, "adamw"), ([0, 2], [2, 1], False, True, "adamw")]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("bounds", "replicas", "vsync", "compensate"), PIPE,
-                         ids=["straight-3-vsync", "replicated-2-1", "replicated-2-1-uncompensated"])
+@pytest.mark.parametrize(("bounds", "replicas", "vsync", "compensate", "optimizer"), PIPE,
+                         ids=["straight-3-vsync", "replicated-2-1", "replicated-2-1-uncompensated",
+                              "straight-3-adamw-predicted", "straight-3-vsync-adamw-predicted",
+                              "replicated-2-1-adamw-predicted"])
 def test_pipedream_through_the_api_matches_the_delayed_update_rule(
-    bounds: list[int], replicas: list[int], vsync: bool, compensate: bool
+    bounds: list[int], replicas: list[int], vsync: bool, compensate: bool, optimizer: str
 ) -> None:
+    """SGD's momentum lowered by each stage's delay; AdamW's stages on predicted weights."""
+    lr = 0.01 if optimizer == "adamw" else 0.3
     # 5 minibatches: the replicated stage ends on a partial round of one
     got = _run(sum(replicas), schedule="pipedream", bounds=bounds, replicas=replicas, steps=5,
-               minibatch=8, lr=0.3, momentum=0.9, vertical_sync=vsync, compensate=compensate)
+               minibatch=8, lr=lr, momentum=0.9, vertical_sync=vsync, compensate=compensate,
+               optimizer=optimizer)
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=SEED), bounds=bounds, replicas=replicas,
-        steps=5, minibatch=8, seed=SEED, opt=sgd(0.3, 0.9), vertical_sync=vsync,
+        steps=5, minibatch=8, seed=SEED,
+        opt=adamw(lr) if optimizer == "adamw" else sgd(0.3, 0.9), vertical_sync=vsync,
         partial_round=True, compensate=compensate,
     )
     assert_matches(got, losses, state)

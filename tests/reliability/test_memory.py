@@ -19,6 +19,7 @@ from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.errors import ConfigError
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
+from dreampipe.runtime.config import OptimizerKind
 
 _MODELS = {
     "mlp": (("width", 2048), ("layers", 8)),
@@ -40,11 +41,11 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {model: folder / f"{model}.json" for model in _MODELS}
 
 
-def _request(model: str, stash: bool, profile: Path | None, memory_bytes: int | None = None
-             ) -> TrainRequest:
+def _request(model: str, stash: bool, profile: Path | None, memory_bytes: int | None = None,
+             optimizer: OptimizerKind = OptimizerKind.SGD) -> TrainRequest:
     run = TrainOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
                      steps=4, stash=stash, progress=False, timeout_s=120.0,
-                     measure_memory=True)
+                     measure_memory=True, optimizer=optimizer)
     return TrainRequest(run=run, plan=PlanSource(config="straight", stages=_CUTS[model]),
                         workers=2, exact_steps=True, memory_bytes=memory_bytes,
                         profile=None if profile is None else str(profile))
@@ -65,6 +66,21 @@ def test_peak_memory_is_within_a_quarter_of_the_prediction(
     for r in rows:
         assert r["predicted_bytes"] > 20e6, r  # the model's memory dominates the noise
         assert 0.75 <= r["ratio"] <= 1.25, rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_adam_stage_that_predicts_its_weights_is_within_a_quarter_of_the_prediction(
+    profiles: dict[str, Path]
+) -> None:
+    """Adam's delayed stage runs on predicted weights: two more copies of them, counted."""
+    report = run_train(_request("mlp", True, profiles["mlp"], optimizer=OptimizerKind.ADAM))
+    assert report is not None
+    rows = report.memory_rows()
+    for r in rows:
+        assert 0.75 <= r["ratio"] <= 1.25, rows
+    weights = 4 * 2048 * 2048 * 4  # stage 0's: four 2048x2048 float32 layers of the mlp's 8
+    assert rows[0]["predicted_bytes"] - rows[1]["predicted_bytes"] > 1.5 * weights, rows
 
 
 def test_memory_that_no_stage_fits_is_an_error_before_training(

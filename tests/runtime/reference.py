@@ -15,11 +15,10 @@ tests can catch it doing something else:
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
 - staleness compensation: a stage whose version for ``t`` is ``d`` updates
-  behind trains with its SGD momentum lowered by ``d / (d + 1)`` if it is at
-  least that; otherwise (Adam, or less momentum) its settings stay and
-  minibatch ``t`` runs on that version ``v`` extrapolated to the update its
-  gradient goes into, ``k`` updates on: ``w_v + k (w_v - w_{v-1})``, where
-  ``v >= 1`` (version 0 is the run's start);
+  behind trains with its SGD momentum lowered by ``d / (d + 1)`` (at least 0);
+  an Adam stage keeps its settings and minibatch ``t`` runs on that version
+  ``v`` extrapolated to the update its gradient goes into, ``k`` updates on:
+  ``w_v + k (w_v - w_{v-1})``, where ``v >= 1`` (version 0 is the run's start);
 - PipeDream-2BW: ``W(t+1) = W(t) - lr * grad f(W(t-1))`` with ``W(-1) = W(0)``:
   update ``t``'s gradient (accumulated over its microbatches as in the
   synchronous schedules) is taken at the weights of one update before, and
@@ -127,13 +126,12 @@ def reference_two_bw(
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
     microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
-    ``compensate``: the delay of 1 lowers SGD's momentum by 1/2 if it is at least that;
-    otherwise (Adam, or less momentum) from update 2 on the gradient is taken at
-    ``W(t-1) + (W(t-1) - W(t-2))``."""
+    ``compensate``: the delay of 1 lowers SGD's momentum by 1/2 (at least 0); under
+    Adam, from update 2 on the gradient is taken at ``W(t-1) + (W(t-1) - W(t-2))``."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     optimizer = opt(list(model.parameters()))
-    predicting = compensate and not _absorbs(optimizer, 1)
+    predicting = compensate and _compensate(optimizer, 1)
     history: list[dict[str, Tensor]] = []
     losses = []
     for t in range(steps):
@@ -186,7 +184,7 @@ def reference_pipedream(
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
     optims = [opt(list(m.parameters())) for m in stages]
-    predicting = [compensate and not _absorbs(
+    predicting = [compensate and _compensate(
         o, admitted(replicas, 0 if vertical_sync or ties else s) - 1) for s, o in enumerate(optims)]
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
     pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
@@ -234,16 +232,16 @@ def reference_pipedream(
     return losses, state
 
 
-def _absorbs(optimizer: torch.optim.Optimizer, d: int) -> bool:
-    """Whether every group's SGD momentum takes a delay of ``d``: if so, lower it by
-    ``d / (d + 1)``; if not (Adam, too little momentum), leave the settings alone."""
+def _compensate(optimizer: torch.optim.Optimizer, d: int) -> bool:
+    """Compensate a delay of ``d``: lower SGD's momentum by ``d / (d + 1)`` (at least 0)
+    and return False; or, for Adam, keep its settings and return True (it predicts)."""
     if d == 0:
-        return True
-    if any("betas" in g or g["momentum"] < d / (d + 1) for g in optimizer.param_groups):
         return False
+    if any("betas" in g for g in optimizer.param_groups):
+        return True
     for group in optimizer.param_groups:
-        group["momentum"] -= d / (d + 1)
-    return True
+        group["momentum"] = max(0.0, group["momentum"] - d / (d + 1))
+    return False
 
 
 def _predicted(history: list[dict[str, Tensor]], v: int, ahead: int) -> dict[str, Tensor]:

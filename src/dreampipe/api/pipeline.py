@@ -124,8 +124,8 @@ class Pipeline:
     schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
     loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches skipped
     are in :attr:`skipped`. ``compensate`` (pipedream and 2bw) lowers SGD's
-    momentum by each stage's delay or, where it cannot (Adam), runs the stage on
-    predicted weights (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
+    momentum by each stage's delay and runs Adam's stages on predicted weights
+    (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
     settings is logged as a warning, with the fix. ``schedule="auto"`` profiles the
     model and simulates the schedules of ``semantics`` (``"sync"``: zb-h1, zb-h2,
     1f1b-flush, gpipe, as one process trains; ``"async"``: 2bw, pipedream) on the plan

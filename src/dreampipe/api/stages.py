@@ -78,7 +78,7 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
     (None: a synchronous one, which has no delays); ``advise``: warn, once, when a delay
     is large for the settings; ``uniform``: every stage takes the deepest delay's settings
     (weights tied across stages). What it changed, by stage. With ``enabled``, a delayed
-    stage whose momentum cannot take its delay runs on predicted weights instead
+    stage whose optimizer compensates by prediction (Adam's) runs on predicted weights
     (:func:`~dreampipe.runtime.staleness.predicts`, :mod:`dreampipe.runtime.versions`)."""
     delays = (stage_delays(schedule, vertical_sync)
               if schedule is not None and not schedule.kind.synchronous else None)

@@ -124,9 +124,8 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--no-compensation", action="store_true",
                    help="pipedream and 2bw: train every stage on its stale weights as they "
                         "are, with the optimizer's settings as given (staleness compensation, "
-                        "on by default, lowers SGD's momentum by each stage's delay or, where "
-                        "it cannot, as for Adam, predicts the stage's weights; "
-                        "docs/convergence.md)")
+                        "on by default, lowers SGD's momentum by each stage's delay, and "
+                        "predicts the weights of Adam's stages; docs/convergence.md)")
     g.add_argument("--timeout", type=float, default=60.0,
                    help="seconds any rank waits for a peer before failing (default: 60)")
     g.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",

@@ -188,18 +188,18 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                    ) -> tuple[int, ...]:
     """Bytes each stage's workers will add to their baseline when running ``schedule``.
 
-    :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest
-    rank of the stage reaches: the units in flight, the weight versions they
-    pin (one per unit in flight under PipeDream with stashing, plus the ``s``
-    updates stage ``s`` may be ahead with vertical sync; else one) and the
-    sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``), and with staleness
-    compensation :data:`PREDICTION_COPIES` more on a stage that predicts its weights; a recomputing
-    stage keeps its units' inputs only. A stage split over ``t`` workers holds its
-    share of each layer (:func:`~dreampipe.planning.operator_search.split_memory`),
-    whatever the other stages' widths, plus, when an update spans several units, the
-    transient gradient of its largest layer's share. A replicated stage also holds its
-    gradients' all-reduce buckets (:mod:`.buckets`: flat copies of every gradient,
-    alive until the round's ``ALLREDUCE``). ``graph`` is profiled at the schedule's unit size.
+    :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the
+    stage reaches: the units in flight, the weight versions they pin (one per unit in flight
+    under PipeDream with stashing, plus the ``s`` updates stage ``s`` may be ahead with
+    vertical sync; else one) and the sent tensors it keeps (all of a run's sends up to
+    ``SENDS_KEPT``), and with staleness compensation :data:`PREDICTION_COPIES` more on a
+    stage that predicts its weights (Adam's); a recomputing stage keeps its units' inputs
+    only. A stage split over ``t`` workers holds its share of each layer
+    (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages'
+    widths, plus, when an update spans several units, the transient gradient of its largest
+    layer's share. A replicated stage also holds its gradients' all-reduce buckets
+    (:mod:`.buckets`: flat copies of every gradient, alive until the round's ``ALLREDUCE``).
+    ``graph`` is profiled at the schedule's unit size.
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages

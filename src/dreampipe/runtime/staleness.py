@@ -12,20 +12,19 @@ short runs it diverges (docs/convergence.md).
 :func:`compensated` and :func:`predicts` are dreampipe's rule, chosen by a
 single-process simulation of the delayed updates (``benchmarks/staleness.py``,
 docs/convergence.md "Staleness compensation"). A stage cancels its delay's
-implicit momentum one way:
+implicit momentum by the means its optimizer has:
 
-- an SGD stage whose momentum holds it (``mu >= d / (d + 1)``) has it lowered,
-  ``mu' = mu - d / (d + 1)``, its learning rate kept (its effective step
-  ``lr / (1 - mu)`` shrinks with the momentum);
-- any other stage (Adam's, AdamW's, SGD's with less momentum, an optimizer
-  without momentum) keeps its settings, and its stashed units run on their
-  weights extrapolated to the update their gradient goes into,
-  ``w_v + k (w_v - w_{v-1})`` (:mod:`.versions`; PipeMare, SpecTrain, and for
-  Adam close to XPipe). Adam normalises its step, so momentum does not enlarge
-  it as it does SGD's, and lowering ``beta1`` trains worse than prediction.
+- SGD's momentum is lowered, ``mu' = max(0, mu - d / (d + 1))``, its learning
+  rate kept (its effective step ``lr / (1 - mu)`` shrinks with the momentum);
+- Adam and AdamW (any optimizer with ``betas``) keep their settings, and the
+  stage's stashed units run on their weights extrapolated to the update their
+  gradient goes into, ``w_v + k (w_v - w_{v-1})`` (:mod:`.versions`; PipeMare,
+  SpecTrain, close to XPipe for Adam). Adam normalises its step, so momentum
+  does not enlarge it as it does SGD's, and lowering ``beta1`` trains worse
+  than prediction. On SGD prediction gained nothing measurable and costs two
+  copies of the stage's weights and their traffic at every update.
 
-Not both: on SGD, prediction on top of lowered momentum extrapolates the
-noise of single minibatches. A stage of delay 0 keeps its settings.
+Other optimizers keep their settings. A stage of delay 0 keeps its settings.
 
 :func:`compensate` applies it to a built optimizer's parameter groups (before
 a learning-rate scheduler reads them). :func:`stage_delays` reads each
@@ -73,17 +72,15 @@ def compensated(hyper: Hyper, delay: int) -> Hyper:
     """``hyper`` for a stage whose gradients are ``delay`` updates stale (module doc)."""
     if delay < 0:
         raise ValueError(f"delay={delay}; a delay counts updates, 0 or more")
-    if predicts(hyper, delay):
+    if hyper.adaptive:
         return hyper
-    return replace(hyper, momentum=hyper.momentum - implicit_momentum(delay))
+    return replace(hyper, momentum=max(0.0, hyper.momentum - implicit_momentum(delay)))
 
 
 def predicts(hyper: Hyper | None, delay: int) -> bool:
-    """Whether a stage with settings ``hyper`` (None: an optimizer without momentum)
-    and ``delay`` compensates by weight prediction rather than its momentum."""
-    if delay <= 0:
-        return False
-    return hyper is None or hyper.adaptive or hyper.momentum < implicit_momentum(delay)
+    """Whether a stage with settings ``hyper`` (None: an optimizer with neither momentum
+    nor ``betas``) and ``delay`` compensates by weight prediction (Adam's way)."""
+    return delay > 0 and hyper is not None and hyper.adaptive
 
 
 def hyper_of(group: dict[str, object]) -> Hyper | None:
@@ -108,10 +105,7 @@ Applied = tuple[tuple[Hyper, Hyper] | None, ...]
 
 def compensate(optimizer: torch.optim.Optimizer, delay: int) -> Applied:
     """Apply :func:`compensated` to every parameter group of ``optimizer``; the
-    ``(before, after)`` settings of each group, None where unchanged. A stage one of
-    whose groups :func:`predicts` predicts for them all, and keeps every setting."""
-    if any(predicts(hyper_of(g), delay) for g in optimizer.param_groups):
-        return (None,) * len(optimizer.param_groups)
+    ``(before, after)`` settings of each group, None where unchanged."""
     applied: list[tuple[Hyper, Hyper] | None] = []
     for group in optimizer.param_groups:
         before = hyper_of(group)
@@ -196,8 +190,7 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
     used = compensated(hyper, delay) if compensating else hyper
     name = "beta1" if hyper.adaptive else "momentum"
     stale = f"gradients {delay} update{'s' if delay != 1 else ''} stale"
-    predicting = compensating and predicts(hyper, delay)
-    if delay > 0 and not predicting and used.momentum + implicit_momentum(delay) >= 1.0:
+    if delay > 0 and used.momentum + implicit_momentum(delay) >= 1.0:
         most = 1.0 - implicit_momentum(delay)
         return (f"{name} {used.momentum:g} with {stale}: the delay adds about "
                 f"{implicit_momentum(delay):.2g} momentum of its own and training may "

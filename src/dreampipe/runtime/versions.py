@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from torch import Tensor, nn
 
 from dreampipe.errors import ScheduleError
@@ -97,7 +98,7 @@ class WeightVersions(Mapping[int, Version]):
         self.predict = predict
         self._predicted: dict[tuple[int, int], Version] = {}
         self._deltas: dict[int, list[Tensor]] = {}  # version -> w_v - w_{v-1}
-        self._before: list[Tensor] | None = None
+        self._before: tuple[list[Tensor], bool] | None = None  # (values, a copy of our own)
         self._base: int | None = None
 
     def __getitem__(self, number: int) -> Version:
@@ -179,7 +180,8 @@ class WeightVersions(Mapping[int, Version]):
             self._check_held(number)
             base = self._held[number].tensors if number in self._held else [
                 p.data for p in self._params]
-            tensors = [w.detach() + ahead * d for w, d in zip(base, delta, strict=True)]
+            tensors = [torch.add(w.detach(), d, alpha=ahead)
+                       for w, d in zip(base, delta, strict=True)]
             v = Version(number, self._leaves(tensors), live=False, ahead=ahead)
             self._predicted[v.key] = v
             self._count()
@@ -219,13 +221,17 @@ class WeightVersions(Mapping[int, Version]):
         if self.predict:  # the change of a version no unit can name again is not needed
             for old in [n for n in self._deltas if n not in self._held]:
                 del self._deltas[old]
-            self._before = [p.detach().clone() for p in self._params]
+            kept = cur is not None and not cur.live  # the version keeps the values: no copy
+            self._before = (([t.detach() for t in cur.tensors], False) if kept and cur
+                            else ([p.detach().clone() for p in self._params], True))
 
     def advance(self) -> None:
         """After an update: the live weights are the next version (with :attr:`predict`,
         the update's change kept while that version may still be run on)."""
         self.version += 1
         if self._before is not None:
-            self._deltas[self.version] = [b.neg_().add_(p.detach())
-                                          for b, p in zip(self._before, self._params, strict=True)]
+            before, own = self._before
+            self._deltas[self.version] = [
+                b.neg_().add_(p.detach()) if own else p.detach() - b
+                for b, p in zip(before, self._params, strict=True)]
             self._before = None
