@@ -84,8 +84,8 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
               if schedule is not None and not schedule.kind.synchronous else None)
     for m in modules:
         groups = m.optimizer.param_groups if m.optimizer is not None else []
-        m.versions.predict = (enabled and m.stash and delays is not None and any(
-            predicts(hyper_of(g), max(delays) if uniform else delays[m.stage]) for g in groups))
+        m.versions.predict = (enabled and m.stash and delays is not None
+                              and any(predicts(hyper_of(g), delays[m.stage]) for g in groups))
         if m.versions.predict:
             _log.info("stage %d runs on its weights predicted for the update its gradient goes "
                       "into (staleness compensation)", m.stage)

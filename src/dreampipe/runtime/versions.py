@@ -221,9 +221,10 @@ class WeightVersions(Mapping[int, Version]):
         if self.predict:  # the change of a version no unit can name again is not needed
             for old in [n for n in self._deltas if n not in self._held]:
                 del self._deltas[old]
-            kept = cur is not None and not cur.live  # the version keeps the values: no copy
-            self._before = (([t.detach() for t in cur.tensors], False) if kept and cur
-                            else ([p.detach().clone() for p in self._params], True))
+            if cur is not None and not cur.live:  # the version kept the values: no copy
+                self._before = ([t.detach() for t in cur.tensors], False)
+            else:
+                self._before = ([p.detach().clone() for p in self._params], True)
 
     def advance(self) -> None:
         """After an update: the live weights are the next version (with :attr:`predict`,
