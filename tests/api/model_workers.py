@@ -7,20 +7,45 @@ from typing import Any
 import torch
 
 from dreampipe.api import Pipeline
+from dreampipe.api.group import init_process_group
+from dreampipe.api.split import split_layers
+from dreampipe.planning.plan import Plan
 
 from .model_zoo import CASES, CaseSpec
 
-__all__ = ["train_case"]
+__all__ = ["train_case", "train_cases"]
+
+
+def train_cases(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[Any] | None:
+    """:func:`train_case` for every job, one after the other, in one process group."""
+    init_process_group(timeout_s=60.0)
+    try:
+        return [train_case(rank, world, job) for job in jobs]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
+    """The job's plan: ``plan``, one stage on every worker (``replicated``), or its split
+    points (the case's unless the job gives them)."""
+    if "plan" in job:
+        return {"plan": job["plan"]}
+    if job.get("replicated"):
+        case = CASES[job["case"]]
+        layers = len(split_layers(case.build(), case.example(0, 1)[0]))
+        return {"plan": Plan.from_config(layers, [0], [world])}
+    return {"split_points": job.get("split_points", CASES[job["case"]].split_points)}
 
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
-    ``job["plan"]``) for ``steps`` minibatches of ``minibatch`` (repeating every
-    ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]`` if given, and
-    evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the losses, the full
-    state, the plan's stage bounds and replicas, whether rank 0's stage recomputes, the
-    schedule it ran, the checkpoint's path and the held-out loss."""
+    ``job["plan"]``, ``job["split_points"]``, one replicated stage) under ``autocast`` (a
+    dtype's name) and ``virtual_stages``, for ``steps`` minibatches of ``minibatch``
+    (repeating every ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]``
+    if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
+    losses, the full state, the plan's stage bounds and replicas, whether rank 0's stage
+    recomputes, the schedule it ran, the checkpoint's path and the held-out loss."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -34,7 +59,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
         resume=job.get("resume"), semantics=job.get("semantics", "sync"),
-        **({"plan": job["plan"]} if "plan" in job else {"split_points": case.split_points}),
+        autocast=getattr(torch, job["autocast"]) if "autocast" in job else None,
+        virtual_stages=job.get("virtual_stages", 1), **_where(job, world),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
     for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):

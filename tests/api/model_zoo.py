@@ -19,11 +19,20 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 from dreampipe.api.split import Chain, split_layers
 
-__all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2"]
+__all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2", "llama", "t5"]
 
 
 class BasicBlock(nn.Module):
@@ -120,6 +129,45 @@ class _MaskedBlock(_PairLinear):
         return h + torch.tanh(self.lin(h)) * mask[:, None], mask
 
 
+class CounterNet(nn.Module):
+    """A top-level forward that writes buffers between its blocks, as a one-process model
+    may: a call counter, an EMA of its input that it then subtracts, and an unused
+    buffer and module (held by no block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("in_mean", torch.zeros(6))
+        self.register_buffer("unused", torch.arange(3.0))
+        self.spare = nn.Linear(2, 2)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4))
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls.add_(1)
+        self.in_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        x = x - self.in_mean
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class AliasNet(nn.Module):
+    """One parameter and one module under two names each, used before and after the cut
+    (``self.b = self.a``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mm1 = self.mm0 = nn.Parameter(torch.randn(6, 6) / 3)
+        self.lin1 = self.lin0 = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.relu(self.lin0(x @ self.mm0))
+        x = torch.relu(self.lin1(x @ self.mm1))
+        return self.head(x)
+
+
 def pair_sequential() -> nn.Sequential:
     """An ``nn.Sequential`` whose input is a tuple and whose layers pass tuples on."""
     return nn.Sequential(_PairLinear(6, 8), _MaskedBlock(8, 8), _MaskedBlock(8, 8),
@@ -137,6 +185,19 @@ def bert() -> BertForSequenceClassification:
         num_hidden_layers=2, hidden_size=16, num_attention_heads=2, intermediate_size=32,
         vocab_size=11, max_position_embeddings=8, num_labels=3, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, initializer_range=0.5))
+
+
+def llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8))
+
+
+def t5() -> T5ForConditionalGeneration:
+    """T5 ties ``shared``, both ``embed_tokens`` and ``lm_head``: a three-way tie."""
+    return T5ForConditionalGeneration(T5Config(
+        vocab_size=11, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, tie_word_embeddings=True))
 
 
 @dataclass(frozen=True)
@@ -193,6 +254,16 @@ def _text(k: int, n: int) -> tuple[Any, Tensor]:
     return {"input_ids": _TEXT[0][w]}, _TEXT[1][w]
 
 
+def _rows(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return _ROWS[0][w], _ROWS[2][w]
+
+
+def _seq2seq(k: int, n: int) -> tuple[Any, Tensor]:
+    w = _window(k, n)
+    return {"input_ids": _TEXT[0][w], "decoder_input_ids": _TEXT[1][w]}, _TEXT[0][w]
+
+
 def _masked_text(k: int, n: int) -> tuple[Any, Tensor]:
     w = _window(k, n)
     return {"input_ids": _TEXT[0][w], "attention_mask": _TEXT[2][w]}, _TEXT[3][w]
@@ -217,6 +288,10 @@ CASES: dict[str, Case] = {
     "tied": Case(TiedNet, _tokens, F.cross_entropy, ["head"]),
     "gpt2": Case(gpt2, _text, _lm_loss, ["transformer.h.1"]),
     "bert": Case(bert, _masked_text, _logits_loss, ["bert.encoder.layer.1"]),
+    "llama": Case(llama, _text, _lm_loss, ["model.layers.1"]),
+    "t5": Case(t5, _seq2seq, _lm_loss, ["decoder.embed_tokens"]),
+    "counter": Case(CounterNet, _rows, F.cross_entropy, ["blocks.2"]),
+    "alias": Case(AliasNet, _rows, F.cross_entropy, ["lin1@2"]),
 }
 
 
@@ -247,11 +322,11 @@ class _AsCalled(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.__dict__.update(_modules=model._modules, _parameters=model._parameters,
-                             _buffers=model._buffers)
-        self.model = [model]
+                             _buffers=model._buffers, _called=model)
 
     def forward(self, x: Any) -> Any:
-        return self.model[0](**x) if isinstance(x, dict) else self.model[0](x)
+        model = self.__dict__["_called"]
+        return model(**x) if isinstance(x, dict) else model(x)
 
 
 class CaseData:

@@ -29,32 +29,48 @@ _PIPEDREAM = {"schedule": "pipedream", "steps": 12, "minibatch": 8, "lr": 0.05,
               "momentum": 0.9, "cycle": 2}  # two minibatches again and again: learnable
 
 
-def _jobs() -> list[dict[str, Any]]:
+_BF16 = [(name, schedule) for name in ("llama", "gpt2") for schedule in ("zb-h1", "zb-h2")]
+
+
+def _jobs(folder: Path) -> list[dict[str, Any]]:
     jobs: list[dict[str, Any]] = []
     for name in _MODELS:
         jobs += [{"case": name, "seed": SEED, **_FLUSH},
                  {"case": name, "seed": SEED, **_PIPEDREAM},
                  {"case": name, "seed": SEED, **_FLUSH, "plan": "auto"}]
+    jobs += [{"case": name, "seed": SEED, **_FLUSH, "schedule": schedule,
+              "autocast": "bfloat16"} for name, schedule in _BF16]
+    saved = str(folder / "counter")  # trained 2 minibatches, saved, resumed for 2 more
+    jobs += [{"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "save": saved},
+             {"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "resume": saved}]
     return jobs
+
+
+def _key(job: dict[str, Any]) -> tuple[str, str]:
+    suffix = "-auto" if "plan" in job else "-bf16" if "autocast" in job else (
+        "-resumed" if "resume" in job else "-saved" if "save" in job else "")
+    return job["case"], job["schedule"] + suffix
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
-    out = tmp_path_factory.mktemp("models") / "results.pt"
-    jobs = _jobs()
+    folder = tmp_path_factory.mktemp("models")
+    out = folder / "results.pt"
+    jobs = _jobs(folder)
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), timeout_s=240.0)
     assert got == {"jobs": len(jobs)}
     runs = torch.load(out, weights_only=False)
-    return {(job["case"], job["schedule"] + ("-auto" if "plan" in job else "")): run
-            for job, run in zip(jobs, runs, strict=True)}
+    return {_key(job): run for job, run in zip(jobs, runs, strict=True)}
 
 
-def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(name: str, autocast: torch.dtype | None = None
+               ) -> tuple[list[float], dict[str, torch.Tensor]]:
     spec = CaseSpec(CASES[name], SEED)
     return reference_sync(spec, CaseData(CASES[name]), steps=_FLUSH["steps"],  # type: ignore[arg-type]
                           minibatch=_FLUSH["minibatch"], seed=SEED,
-                          opt=sgd(_FLUSH["lr"]), microbatches=_FLUSH["microbatches"])
+                          opt=sgd(_FLUSH["lr"]), microbatches=_FLUSH["microbatches"],
+                          autocast=autocast)
 
 
 @pytest.mark.slow
@@ -95,3 +111,27 @@ def test_an_auto_plan_of_the_model_as_it_is_trains_as_one_process(
         state = {k: v for k, v in state.items() if v.is_floating_point() and "running" not in k}
         got = {**got, "state": {k: got["state"][k] for k in state}}
     assert_matches(got, losses, state)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "schedule"), _BF16)
+def test_zero_bubble_under_bf16_autocast_equals_one_process(
+        results: dict[tuple[str, str], Any], name: str, schedule: str) -> None:
+    """Every weight gradient reaches ``W`` under autocast (tests/api/test_pipeline_precision)."""
+    losses, state = _reference(name, torch.bfloat16)
+    assert_matches(results[name, f"{schedule}-bf16"], losses, state)
+    assert_tied_equal(name, results[name, f"{schedule}-bf16"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_buffers_the_forward_writes_survive_a_save_and_resume(
+        results: dict[tuple[str, str], Any]) -> None:
+    saved, resumed = results["counter", "1f1b-flush-saved"], results["counter",
+                                                                      "1f1b-flush-resumed"]
+    losses, state = reference_sync(
+        CaseSpec(CASES["counter"], SEED), CaseData(CASES["counter"]), steps=4,  # type: ignore[arg-type]
+        minibatch=_FLUSH["minibatch"], seed=SEED, opt=sgd(_FLUSH["lr"]),
+        microbatches=_FLUSH["microbatches"])
+    assert_matches({**resumed, "losses": saved["losses"] + resumed["losses"]}, losses, state)

@@ -71,9 +71,11 @@ def reference_sync(
     opt: OptFactory,
     microbatches: int = 1,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    autocast: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices;
-    ``scheduler`` (a learning-rate scheduler's factory) steps after every update.
+    ``scheduler`` (a learning-rate scheduler's factory) steps after every update;
+    ``autocast``: each forward and its loss run under ``torch.autocast`` to that dtype.
 
     Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is unit
     ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
@@ -92,7 +94,7 @@ def reference_sync(
     losses = []
     for k in range(steps):
         optimizer.zero_grad()
-        losses.append(_accumulate(model, spec, data, k, microbatches, size))
+        losses.append(_accumulate(model, spec, data, k, microbatches, size, autocast))
         optimizer.step()
         if schedule is not None:
             schedule.step()
@@ -100,13 +102,14 @@ def reference_sync(
 
 
 def _accumulate(forward: Callable[[Tensor], Any], spec: ModelSpec, data: Dataset, k: int,
-                microbatches: int, size: int) -> float:
+                microbatches: int, size: int, autocast: torch.dtype | None = None) -> float:
     """Update ``k``'s gradients summed over its microbatches (each of mean loss
     ``1 / microbatches``) by backward through ``forward``; the mean of their losses."""
     total = 0.0
     for m in range(microbatches):
         x, y = data.batch(k * microbatches + m, size)
-        loss = spec.loss_fn(forward(x), y)
+        with torch.autocast("cpu", autocast, enabled=autocast is not None):
+            loss = spec.loss_fn(forward(x), y)
         torch.autograd.backward(loss / microbatches)
         total += float(loss.detach())
     return total / microbatches
@@ -221,7 +224,7 @@ def reference_pipedream(
             if len(pending[s]) == replicas[s] or (partial_round and t == steps - 1
                                                    and pending[s]):
                 mean = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
-                for p, g in zip(stages[s].parameters(), mean, strict=True):
+                for p, g in zip(_trainable(stages[s]), mean, strict=True):
                     p.grad = g
                 optims[s].step()
                 pending[s].clear()
@@ -252,4 +255,9 @@ def _predicted(history: list[dict[str, Tensor]], v: int, ahead: int) -> dict[str
 
 
 def _snapshot(module: nn.Module) -> dict[str, Tensor]:
-    return {k: p.detach().clone() for k, p in module.named_parameters()}
+    """The trained (``requires_grad``) parameters' values: frozen ones take no updates."""
+    return {k: p.detach().clone() for k, p in module.named_parameters() if p.requires_grad}
+
+
+def _trainable(module: nn.Module) -> list[nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]

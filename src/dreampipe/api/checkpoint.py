@@ -34,7 +34,8 @@ A directory without the marker is never loaded (:func:`partial` lists them,
 to be removed). The marker also records the plan and schedule that saved,
 so a run resumed on another plan can say what changed (:func:`saved_plan`).
 :func:`load_model_state` reads the weights alone into a plain
-``nn.Module``'s keys, without a process group.
+``nn.Module``'s keys, every one of them (the marker lists the aliases no
+stage holds, :mod:`.state_keys`), without a process group.
 
 DCP is imported on first use: its import costs every process about half a
 second, and most runs never checkpoint.
@@ -65,6 +66,7 @@ from dreampipe.api.stage_state import (
     stage_state,
     targets,
 )
+from dreampipe.api.state_keys import StateKeys
 from dreampipe.errors import CheckpointError, PlanError
 from dreampipe.planning.plan import Plan
 
@@ -250,7 +252,8 @@ def save(directory: Path, pipe: Pipeline) -> Path:
         marker = final / f"{MARKER}.tmp"
         marker.write_text(json.dumps({"minibatches": pipe.minibatches, "files": sizes,
                                       "schedule": pipe.kind.value,
-                                      "plan": pipe.plan.to_dict()}))
+                                      "plan": pipe.plan.to_dict(),
+                                      "keys": pipe.state_keys.to_dict()}))
         marker.rename(final / MARKER)
     dist.barrier()
     _log.info("saved checkpoint %s", final)
@@ -289,4 +292,6 @@ def load_model_state(path: str | Path) -> dict[str, Tensor]:
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp_load(state, checkpoint_id=str(found), no_dist=True)
-    return {k[len("model."):]: v for k, v in state.items()}
+    weights = {k[len("model."):]: v for k, v in state.items()}
+    keys = json.loads((found / MARKER).read_text()).get("keys")
+    return StateKeys.from_dict(keys).complete(weights) if keys is not None else weights

@@ -65,8 +65,9 @@ from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import split_layers, tied_parameters
+from dreampipe.api.split import held_keys, split_layers, tied_parameters
 from dreampipe.api.stages import StageBuild, build_modules, compensate_modules
+from dreampipe.api.state_keys import check_written_buffers, state_keys
 from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
@@ -177,6 +178,8 @@ class Pipeline:
         unit_size = self.layout.unit_size
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:unit_size]))
         self._names = [name for name, _ in self._layers]
+        #: Every key of the model's state dict, for full_state_dict and checkpoints.
+        self.state_keys = state_keys(model, held_keys(self._layers))
         if split_points is not None:
             if not (isinstance(plan, str) and plan == "auto"):
                 raise ConfigError("give split_points or plan, not both: split_points makes a "
@@ -200,6 +203,7 @@ class Pipeline:
                               f"{self.plan.num_stages}", "virtual_stages", "plan")
         check_plan(self.plan, self._names, world * virtual_stages)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
+        check_written_buffers(self._layers, [st.first for st in self.plan.stages])
         check_ties(ties, self.plan, max_grad_norm)
         widths = {st.tensor_parallel for st in self.plan.stages}
         mixed, t = len(widths) > 1, max(widths)
@@ -413,7 +417,8 @@ class Pipeline:
             mine = mine if self.member == 0 else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
-        return {k: v for part in gathered if part is not None for k, v in part.items()}
+        return self.state_keys.complete(
+            {k: v for part in gathered if part is not None for k, v in part.items()})
 
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""

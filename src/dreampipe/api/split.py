@@ -37,14 +37,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from dreampipe.api.materialise import initialise_layers, materialise
 from dreampipe.api.pack import pack, unpack_signed
 from dreampipe.api.sequential import passes_one_tensor, sequential_segments
+from dreampipe.api.state_keys import adopt_orphans
 from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 
 __all__ = [
-    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "initialise", "is_meta",
-    "split_layers", "tied_parameters",
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "held_keys", "initialise",
+    "is_meta", "split_layers", "tied_parameters",
 ]
 
 #: A model's layers in call order: ``(qualified name, module)``.
@@ -118,8 +119,16 @@ def split_layers(model: nn.Module, example: Any = None) -> Layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         if passes_one_tensor(model, example):
             return layers
-        return list(sequential_segments(model, example))
-    return list(segments(model, unit_names(model), example))
+        layers = list(sequential_segments(model, example))
+    else:
+        layers = list(segments(model, unit_names(model), example))
+    adopt_orphans(model, layers, held_keys(layers))
+    return layers
+
+
+def held_keys(layers: Layers) -> set[str]:
+    """The state-dict keys ``layers`` hold (a stage of all of them)."""
+    return set(Chain(layers).state_dict(keep_vars=True))
 
 
 @dataclass(frozen=True)

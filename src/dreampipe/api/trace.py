@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -115,6 +116,8 @@ class Segment(nn.Module):
         #: The graphs for other input shapes, when the trace baked the example's in.
         self.shapes: ShapeGraphs | None = None
         self.targets: list[str] = []
+        #: The attributes (buffers) its nodes write in place.
+        self.written = _written(graph)
         self.initialiser = initialiser(root)
         for node in graph.nodes:
             if node.op in ("call_module", "get_attr") and node.target not in self.targets:
@@ -170,6 +173,27 @@ class Segment(nn.Module):
             return self.run(self, args[0])
         values = self.bind(args)
         return self.run(self, values, self.signature(values))
+
+
+_IN_PLACE_FUNCTIONS = (operator.setitem, operator.iadd, operator.isub, operator.imul,
+                       operator.itruediv)
+
+
+def _written(graph: fx.Graph) -> list[str]:
+    """The attributes ``graph`` writes in place (``buf.mul_(0.9).add_(x)``, ``buf[0] = x``)."""
+    out: list[str] = []
+    for node in graph.nodes:
+        if not ((node.op == "call_method" and node.target.endswith("_")
+                 and not node.target.endswith("__"))
+                or (node.op == "call_function" and node.target in _IN_PLACE_FUNCTIONS)):
+            continue
+        base = node.args[0] if node.args else None
+        while isinstance(base, fx.Node) and base.op == "call_method" and str(
+                base.target).endswith("_") and base.args:
+            base = base.args[0]
+        if isinstance(base, fx.Node) and base.op == "get_attr" and base.target not in out:
+            out.append(str(base.target))
+    return out
 
 
 def _plain(value: Any) -> Any:

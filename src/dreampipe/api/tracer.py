@@ -117,6 +117,7 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, units: set[str], inputs: dict[str, Any] | None, concrete: bool) -> None:
         super().__init__()
+        self.proxy_buffer_attributes = True  # a buffer the forward updates is in the graph
         self.units = units
         self.inputs = inputs
         self.concrete = concrete
@@ -132,6 +133,11 @@ class _Tracer(fx.Tracer):
         if self._eager:
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if self._eager:  # a unit running on meta for its value: its reads are not nodes
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _MetaProxy(node, self)

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "DeferredGradients", "GradientSink", "GradientSum", "HeldWork", "LinearGradients",
-    "fuse_linear_gradients", "fused_indices",
+    "fuse_linear_gradients", "fused_indices", "is_fused_node",
 ]
 
 
@@ -189,6 +189,12 @@ class _LinearAccumulate(torch.autograd.Function):
             ctx.sink.add_grad(ctx.b_index, g2.sum(0))
         gx = grad.matmul(weight) if ctx.needs_input_grad[0] else None
         return gx, None, None, None, None, None
+
+
+def is_fused_node(node: object) -> bool:
+    """Whether autograd node ``node`` is a fused layer's (its weight gradient goes to the
+    sink, not through the graph)."""
+    return isinstance(node, _LinearAccumulate._backward_cls)
 
 
 def _forward(layer: nn.Linear, sink: GradientSink, w_index: int, b_index: int | None,

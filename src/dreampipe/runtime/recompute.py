@@ -7,9 +7,9 @@ first did, so it replays what the forward read besides the weights:
 
 - the random state (dropout draws the same masks), CPU and the device's;
 - the autocast state the forward ran under;
-- buffers that a training forward updates (BatchNorm's running statistics and
-  its count) are put back as the first forward left them, so they move once per unit,
-  as without recomputation.
+- buffers: the second run reads them as the first did (a forward that reads a
+  buffer it updates, an EMA, computes the same), and they are put back as they
+  are afterwards, so they move once per unit, as without recomputation.
 """
 
 from __future__ import annotations
@@ -33,21 +33,25 @@ class Replay:
     cuda_rng: Tensor | None
     device: torch.device
     autocast: torch.dtype | None
+    buffers: list[Tensor]
 
 
-def record(device: torch.device) -> Replay:
-    """Taken just before a forward that will be recomputed."""
+def record(device: torch.device, module: nn.Module) -> Replay:
+    """Taken just before ``module``'s forward that will be recomputed."""
     cuda = device.type == "cuda"
     cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(
         device.type) else None
     return Replay(torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None,
-                  device, cast)
+                  device, cast, [b.detach().clone() for b in module.buffers()])
 
 
 def replay(r: Replay, module: nn.Module, forward: Callable[[], Any]) -> Any:
-    """``forward()`` again as it first ran: its random state and autocast, with
-    ``module``'s buffers restored afterwards to their values now."""
+    """``forward()`` again as it first ran: its random state, autocast and ``module``'s
+    buffers, which are restored afterwards to their values now."""
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    with torch.no_grad():
+        for (b, _), then in zip(buffers, r.buffers, strict=True):
+            b.data.copy_(then)
     cuda = [r.device.index or 0] if r.cuda_rng is not None else []
     cast = torch.autocast(r.device.type, r.autocast) if r.autocast is not None else nullcontext()
     with torch.random.fork_rng(devices=cuda):

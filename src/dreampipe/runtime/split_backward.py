@@ -21,7 +21,9 @@ weight path that crosses another intermediate is not counted twice.
 Fused ``nn.Linear`` layers (:mod:`.fused`) compute their weight GEMM inside
 their own backward node, which ``B`` runs (it is on the input's path): their
 GEMMs and bias sums are held for the unit (:class:`~.fused.DeferredGradients`)
-and ``W`` runs them; their weights are left out of the walk. Whatever a fused
+and ``W`` runs them; their weights are left out of the walk where the unit's
+graph reaches them through fused nodes only (a layer that took autograd's
+path, as under autocast, is walked). Whatever a fused
 node is made to add while ``W`` crosses it is dropped (the held terms are the
 real ones). The first stage sends no input gradient, so its ``B`` does
 nothing and its ``W`` runs the whole fused backward
@@ -47,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
-from dreampipe.runtime.fused import DeferredGradients, HeldWork
+from dreampipe.runtime.fused import DeferredGradients, HeldWork, is_fused_node
 
 __all__ = ["WeightWork", "input_gradient", "weight_gradients"]
 
@@ -116,17 +118,26 @@ def _closure(start: Node, consumers: dict[Node, list[Node]],
 
 
 def _groups(root: Node, x: Node, leaves: Sequence[Tensor], skip: frozenset[int]) -> list[_Group]:
-    """The weights (not in ``skip``) grouped by the intermediates they are reached from."""
-    wanted = [(i, leaf) for i, leaf in enumerate(leaves) if i not in skip]
-    if not wanted:  # every weight fused (an mlp): no walk
-        return []
+    """The weights grouped by the intermediates they are reached from.
+
+    A weight of ``skip`` (a fused layer's) is left out only where this unit's
+    graph reaches it through fused nodes alone: a fused layer that fell back to
+    autograd's path (under autocast, say) is walked like any other weight.
+    """
     consumers, order = _consumers(root)
-    on_path, _ = _closure(x, consumers, set())
-    by_node: dict[Node, _Group] = {}
-    for i, leaf in wanted:
+    wanted = []
+    for i, leaf in enumerate(leaves):
         node = _node(leaf)
         if node is None or node not in consumers:
             continue
+        if i in skip and all(map(is_fused_node, consumers[node])):
+            continue
+        wanted.append((i, node))
+    if not wanted:  # every weight fused (an mlp): no walk
+        return []
+    on_path, _ = _closure(x, consumers, set())
+    by_node: dict[Node, _Group] = {}
+    for i, node in wanted:
         _, met = _closure(node, consumers, on_path)
         group = _Group([(i, node)], sorted(met, key=order.__getitem__))
         for m in met:

@@ -221,7 +221,7 @@ class StageModule:
         if self.stash and self.recompute:
             v = self._versions.acquire(version, update)
             again = record(x.device if isinstance(x, Tensor) else next(
-                (p.device for p in self._params), torch.device("cpu")))
+                (p.device for p in self._params), torch.device("cpu")), self.module)
             with torch.no_grad():
                 _, report = self._compute(v.tensors, x, target, scale)
             self._inflight[unit] = _InFlight(x, None, v, target, scale, again)

@@ -1,0 +1,131 @@
+"""What a model does outside its blocks: buffers its top-level forward writes, tensors
+its forward never reads, and names it gives one tensor twice.
+
+:class:`~.model_zoo.CounterNet` counts its calls and keeps an EMA of its input (which
+it subtracts) in its own ``forward``, before its blocks, and holds an unused buffer
+and module. Under every schedule, trained for 2 minibatches, saved, resumed and
+trained for 2 more, its buffers move as one process moves them and every key of its
+``state_dict`` comes back; the synchronous schedules equal one process in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from runtime.reference import reference_sync, sgd
+from torch import Tensor, nn
+
+from dreampipe.api.checkpoint import load_model_state
+from dreampipe.api.split import split_layers
+from dreampipe.api.state_keys import check_written_buffers
+from dreampipe.errors import ConfigError
+from dreampipe.runtime.processes import run_processes
+
+from .compare import assert_matches
+from .model_workers import train_cases
+from .model_zoo import CASES, CaseData, CaseSpec, CounterNet
+
+__all__: list[str] = []
+
+_SEED, _MINIBATCH, _MICRO, _LR = 5, 8, 2, 0.1
+_SCHEDULES: list[tuple[str, dict[str, Any]]] = [
+    ("1f1b-flush", {}), ("gpipe", {}), ("zb-h1", {}), ("zb-h2", {}), ("naive", {}),
+    ("interleaved-1f1b", {"virtual_stages": 2, "split_points": ["blocks.1", "blocks.2",
+                                                                 "blocks.3"]}),
+    ("pipedream", {"microbatches": 1}), ("2bw", {"microbatches": 1}),
+]
+_SYNC = {"1f1b-flush", "gpipe", "zb-h1", "zb-h2", "naive", "interleaved-1f1b"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]:
+    """Each schedule: (the run saved after 2 minibatches, the run resumed for 2 more)."""
+    root = tmp_path_factory.mktemp("buffers")
+    jobs = []
+    for schedule, extra in _SCHEDULES:
+        job = {"case": "counter", "schedule": schedule, "seed": _SEED, "steps": 2,
+               "minibatch": _MINIBATCH, "microbatches": _MICRO, "lr": _LR, **extra}
+        jobs += [{**job, "save": str(root / schedule)}, {**job, "resume": str(root / schedule)}]
+    out = run_processes(train_cases, 2, jobs, deadline_s=240.0)[0]
+    assert out is not None
+    return {s: (out[2 * i], out[2 * i + 1]) for i, (s, _) in enumerate(_SCHEDULES)}
+
+
+def _reference(units: int) -> tuple[list[float], dict[str, Tensor]]:
+    return reference_sync(CaseSpec(CASES["counter"], _SEED), CaseData(CASES["counter"]),  # type: ignore[arg-type]
+                          steps=4, minibatch=_MINIBATCH, seed=_SEED, opt=sgd(_LR),
+                          microbatches=units)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", [s for s, _ in _SCHEDULES])
+def test_buffers_the_forward_writes_move_as_in_one_process_through_a_resume(
+        runs: dict[str, tuple[Any, Any]], schedule: str) -> None:
+    saved, resumed = runs[schedule]
+    sync = schedule in _SYNC
+    losses, state = _reference(_MICRO if sync else 1)
+    assert int(saved["state"]["calls"]) == 2 * (_MICRO if sync else 1)
+    assert sorted(resumed["state"]) == sorted(state)  # every key, the unused ones too
+    if sync:
+        assert_matches({**resumed, "losses": saved["losses"] + resumed["losses"]}, losses, state)
+    for key in ("calls", "in_mean", "unused", "spare.weight", "spare.bias"):
+        torch.testing.assert_close(resumed["state"][key], state[key], msg=key)
+    model = CounterNet()
+    model.load_state_dict(load_model_state(saved["saved"]), strict=True)
+    model.load_state_dict(resumed["state"], strict=True)
+
+
+def test_tracing_leaves_the_models_buffers_alone() -> None:
+    model = CounterNet()
+    split_layers(model, torch.zeros(2, 6))
+    assert int(model.calls) == 0 and bool((model.in_mean == 0).all())
+
+
+class _LateRead(CounterNet):
+    """Writes its EMA before the blocks and reads it after them."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.in_mean.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x - self.in_mean)
+
+
+def test_a_buffer_written_on_one_stage_and_read_on_another_is_refused() -> None:
+    layers = split_layers(_LateRead(), torch.zeros(2, 6))
+    names = [n for n, _ in layers]
+    check_written_buffers(layers, [0])  # one stage holds every use
+    with pytest.raises(ConfigError, match=r"buffer 'in_mean' is written .* stages 0, 1"):
+        check_written_buffers(layers, [0, names.index("blocks.2.0")])
+
+
+class _Aliased(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = self.a = nn.Linear(3, 3)
+        self.register_buffer("scale", torch.ones(3))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(3, 3), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.a(x) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_every_key_of_the_state_dict_has_a_holder_or_an_alias() -> None:
+    from dreampipe.api.split import held_keys
+    from dreampipe.api.state_keys import state_keys
+
+    model = _Aliased()
+    layers = split_layers(model, torch.zeros(2, 3))
+    keys = state_keys(model, held_keys(layers))
+    assert keys.order == tuple(model.state_dict())
+    held = {k: torch.full((1,), float(i)) for i, k in enumerate(sorted(held_keys(layers)))}
+    done = keys.complete(held)
+    assert list(done) == list(model.state_dict())
+    assert done["a.weight"] is done["b.weight"]
+    assert type(keys).from_dict(keys.to_dict()) == keys
