@@ -36,7 +36,8 @@ def train_schedule(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]
     """
     spec = _spec(job)
     data = load_dataset("synthetic", spec, seed=job["seed"])
-    plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
+    plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"],
+                            virtual_stages=job.get("virtual_stages", 1))
     extra = {"virtual_stages": job["virtual_stages"]} if job.get("virtual_stages", 1) > 1 else {}
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, job["seed"]),

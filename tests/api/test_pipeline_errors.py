@@ -209,3 +209,28 @@ def test_an_uncommitted_checkpoint_is_never_loaded_and_the_error_names_the_last_
 def test_virtual_stages_that_cannot_run_name_the_fix(kw: dict[str, Any], needle: str) -> None:
     with pytest.raises(ConfigError, match=needle):
         _pipe(**kw)
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"schedule": "interleaved-1f1b", "virtual_stages": 1},
+     r"virtual_stages=1 but plan '.*p.json' runs 2 stages per worker \(its virtual_stages is "
+     r"2\); drop virtual_stages=1"),
+    ({}, r"schedule=1f1b-flush for plan '.*p.json', which runs 2 stages per worker"),
+    ({"schedule": "auto"}, r"schedule=auto for plan '.*p.json', which runs 2 stages per "
+                           r"worker.*use schedule=interleaved-1f1b"),
+])
+def test_a_plan_file_of_two_stages_per_worker_refuses_what_contradicts_it(
+    kw: dict[str, Any], needle: str, tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.json"
+    dreampipe.Plan.from_config(3, [0, 2], [1, 1], virtual_stages=2).save(path)
+    with pytest.raises(ConfigError, match=needle):
+        _pipe(plan=str(path), **kw)
+
+
+def test_virtual_stages_against_a_plan_of_one_stage_per_worker_names_both() -> None:
+    plan = dreampipe.Plan.from_config(3, [0, 2], [1, 1])
+    with pytest.raises(ConfigError, match=r"virtual_stages=2 but the plan runs one stage per "
+                                          r"worker \(its virtual_stages is 1\).*"
+                                          r"Plan.from_config\(..., virtual_stages=2\)"):
+        _pipe(plan=plan, schedule="interleaved-1f1b", virtual_stages=2)

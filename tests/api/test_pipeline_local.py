@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import Tensor, nn
 import dreampipe
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.api.split import split_layers
+from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ActionKind, Schedule
 from dreampipe.scheduling.units import UnitLayout
 
@@ -224,4 +226,22 @@ def test_a_meta_model_is_materialised_by_per_layer_seeds_under_its_own_names() -
     assert sorted(got) == sorted(plain.state_dict())
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    pipe.close()
+
+
+@pytest.mark.parametrize("given", ["file", "object"])
+def test_a_plan_of_two_stages_per_worker_runs_them_so_without_being_told(
+    given: str, tmp_path: Path,
+) -> None:
+    data = _data(3)
+    want = _reference(_model(), data, micro=2)
+    plan = Plan.from_config(4, [0, 2], [1, 1], virtual_stages=2)
+    plan.save(tmp_path / "p.json")
+    pipe = _pipe(_model(), data, schedule="interleaved-1f1b", microbatches=2,
+                 plan=tmp_path / "p.json" if given == "file" else plan)
+    assert pipe.plan.virtual_stages == 2 and pipe.runner.schedule.virtual_stages == 2
+    assert pipe.runner.schedule.stages_of_rank(0) == (0, 1)
+    for x, y in data:
+        pipe.step(x, y)
+    _assert_trained_like(pipe, pipe.finish(), want)
     pipe.close()

@@ -40,7 +40,8 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         Comm.posts_ahead = property(lambda self: False)  # type: ignore[method-assign,assignment]
     spec = get_model("mlp", layers=4, width=16)
     data = load_dataset("synthetic", spec, seed=job["seed"])
-    plan = job.get("plan") or Plan.from_config(spec.num_layers, job["bounds"], job["replicas"])
+    plan = job.get("plan") or Plan.from_config(spec.num_layers, job["bounds"], job["replicas"],
+                                               virtual_stages=job.get("virtual_stages", 1))
     lr, momentum = job["lr"], job.get("momentum", 0.0)
 
     def optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

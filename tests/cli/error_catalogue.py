@@ -55,6 +55,18 @@ def _plan_json(layers: int, model: str) -> str:
     return json.dumps(Plan.from_config(layers, [0, layers // 2], [1, 1], model=model).to_dict())
 
 
+def _eight_stage_plan_json(virtual_stages: int) -> str:
+    """A plan of 8 one-layer stages for topology 4: 2 to a worker, or (1) on 8 ranks
+    without the ``virtual_stages`` field, as plan files were once saved."""
+    from dreampipe.planning.plan import Plan
+
+    data = Plan.from_config(8, list(range(8)), [1] * 8, topology="4",
+                            virtual_stages=virtual_stages).to_dict()
+    if virtual_stages == 1:
+        del data["virtual_stages"]
+    return json.dumps(data)
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad input: ``argv`` for ``dreampipe`` (``{dir}`` is a scratch folder holding
@@ -161,6 +173,18 @@ CASES: tuple[Case, ...] = (
     Case("simulate-virtual-stages", "plan", "virtual stages with a schedule that runs one "
          "stage per worker", ("simulate", "{dir}/p.json", "--virtual-stages", "2"),
          ("--virtual-stages 2", "only interleaved-1f1b"), (_P,)),
+    Case("plan-virtual-stages-contradicted", "plan", "--virtual-stages other than the plan's",
+         ("simulate", "{dir}/plan.json", "--schedule", "interleaved-1f1b", "--virtual-stages",
+          "1"), ("--virtual-stages 1", "runs 2 stages per worker", "drop --virtual-stages 1"),
+         (("plan.json", _eight_stage_plan_json(2)),)),
+    Case("plan-virtual-stages-schedule", "plan", "a plan of 2 stages per worker under a "
+         "schedule of one", ("simulate", "{dir}/plan.json"),
+         ("--schedule pipedream", "use --schedule interleaved-1f1b"),
+         (("plan.json", _eight_stage_plan_json(2)),)),
+    Case("plan-ranks-past-topology", "plan", "a plan of more ranks than its topology's workers",
+         ("simulate", "{dir}/plan.json", "--schedule", "interleaved-1f1b"),
+         ("needs 8 workers", "topology 4 has 4", "dreampipe plan --virtual-stages 2"),
+         (("plan.json", _eight_stage_plan_json(1)),)),
     Case("timeline-unwritable", "plan", "a timeline path inside a file",
          ("simulate", "{dir}/p.json", "--timeline", "{dir}/p.json/t.png"), ("t.png",), (_P,)),
     # ---- training -----------------------------------------------------------------

@@ -9,7 +9,11 @@ import pytest
 
 from dreampipe.cli import main
 from dreampipe.planning.plan import Plan
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.scheduling.actions import ScheduleKind as S
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.simulator import costs_from_plan, simulate_schedule
 
 VGG = "pipedream:vgg16"
 
@@ -155,3 +159,75 @@ def test_interleaved_on_virtual_stages_leaves_at_most_065_of_flush(
                  "--virtual-stages", "2", "--schedule", "1f1b-flush"]) != 0
     assert "--virtual-stages 2 with --schedule 1f1b-flush; only interleaved-1f1b" in (
         capsys.readouterr().err)
+
+
+def _chain_txt(path: Path, layers: int) -> Path:
+    """The issue's chain as a PipeDream graph.txt: F = 10 ms, B = 20 ms, nothing to send."""
+    nodes = "".join(f"node{i} -- Linear(l{i}) -- forward_compute_time=10.0, "
+                    "backward_compute_time=20.0, activation_size=0.0, parameter_size=0.0\n"
+                    for i in range(layers))
+    path.write_text(nodes + "".join(f"\tnode{i} -- node{i + 1}\n" for i in range(layers - 1)))
+    return path
+
+
+def _plan_bubble(capsys: pytest.CaptureFixture[str], plan: Path, *extra: str) -> float:
+    data = _json(capsys, ["simulate", str(plan), "--schedule", "interleaved-1f1b",
+                          "--microbatches", "8", "--minibatches", "1", "--json", *extra])
+    return float(str(data["bubble_fraction"]))
+
+
+def test_a_plan_made_for_virtual_stages_simulates_them_without_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chain8, saved = _chain_txt(tmp_path / "chain8.txt", 8), tmp_path / "p.json"
+    assert main(["plan", str(chain8), "-t", "4", "--straight", "--virtual-stages", "2",
+                 "-o", str(saved)]) == 0
+    assert "simulate it with --schedule interleaved-1f1b\n" in capsys.readouterr().out
+    plan = Plan.load(saved)
+    assert plan.virtual_stages == 2 and plan.workers_used == 4
+    bare = _plan_bubble(capsys, saved)
+    assert bare == _plan_bubble(capsys, saved, "--virtual-stages", "2")
+    topo = Topology.parse("4")
+    by_hand = simulate_schedule(build_schedule([1] * 8, S.INTERLEAVED, 8, 8, virtual_stages=2),
+                                costs_from_plan(plan, topo, 1 / 8)).bubble_fraction
+    eight_ranks = simulate_schedule(build_schedule([1] * 8, S.INTERLEAVED, 8, 8),
+                                    costs_from_plan(plan, topo, 1 / 8)).bubble_fraction
+    assert bare == pytest.approx(by_hand) and bare == pytest.approx(0.158, abs=5e-4)
+    assert eight_ranks == pytest.approx(0.467, abs=5e-4)  # what the flag's absence gave
+    assert _plan_bubble(capsys, saved, "--profile", str(chain8)) == pytest.approx(bare)
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "1"],
+     ["--virtual-stages 1 but plan", "runs 2 stages per worker (its virtual_stages is 2)",
+      "drop --virtual-stages 1"]),
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "4"],
+     ["--virtual-stages 4 but plan", "make the plan with 4 stages per worker"]),
+    ([], ["--schedule pipedream for plan", "use --schedule interleaved-1f1b"]),
+])
+def test_a_count_or_schedule_against_the_plan_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]
+) -> None:
+    saved = tmp_path / "p.json"
+    Plan.from_config(8, list(range(8)), [1] * 8, topology="4", virtual_stages=2).save(saved)
+    assert main(["simulate", str(saved), *argv]) == 2
+    err = capsys.readouterr().err
+    assert all(n in err for n in needles), err
+    assert err.count("\n") == 1
+
+
+def test_a_plan_with_more_ranks_than_its_topology_is_an_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = Plan.from_config(8, list(range(8)), [1] * 8, topology="4").to_dict()
+    del data["virtual_stages"]  # a plan file written before it carried the field
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(data))
+    for extra in ([], ["--virtual-stages", "2"]):
+        assert main(["simulate", str(old), "--schedule", "interleaved-1f1b",
+                     "--microbatches", "8", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "needs 8 workers (a rank at position 7) but topology 4 has 4" in err
+        assert "dreampipe plan --virtual-stages 2" in err
+    assert main(["simulate", str(old), "--topology", "8", "--schedule", "1f1b-flush",
+                 "--microbatches", "8", "--minibatches", "1"]) == 0  # loads, on 8 workers

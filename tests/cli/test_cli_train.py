@@ -20,6 +20,8 @@ from dreampipe.commands.train_share import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runtime.data import steps_for_epochs
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
@@ -208,6 +210,50 @@ def test_the_newer_schedules_train_end_to_end(
     assert main(argv) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     assert data["samples_per_s"] > 0 and data["predicted_samples_per_s"] > 0
+    assert len(data["losses"]) == 3
+
+
+def _interleaved_plan_file(tmp_path: Path) -> Path:
+    """A plan of mlp (4 layers) as 4 stages, 2 to each of 2 workers."""
+    spec = get_model("mlp", layers=4, width=32)
+    path = tmp_path / "p.json"
+    Plan.from_config(spec.num_layers, [0, 1, 2, 3], [1, 1, 1, 1], model=spec.name,
+                     virtual_stages=2).save(path)
+    return path
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--schedule", "interleaved-1f1b", "--virtual-stages", "1"],
+     "--virtual-stages 1 but plan '{path}' runs 2 stages per worker (its virtual_stages is 2); "
+     "drop --virtual-stages 1"),
+    ([], "--schedule pipedream for plan '{path}', which runs 2 stages per worker"),
+    (["--schedule", "auto"], "--schedule auto for plan '{path}', which runs 2 stages per "
+                             "worker (its virtual_stages is 2); only interleaved-1f1b"),
+])
+def test_a_plan_file_of_two_stages_per_worker_refuses_what_contradicts_it(
+    argv: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def no_profiling(*_: object, **__: object) -> None:
+        raise AssertionError("profiled before checking the plan")
+
+    monkeypatch.setattr("dreampipe.commands.train_plan.profile_as_worker", no_profiling)
+    path = _interleaved_plan_file(tmp_path)
+    err = _fails(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+                  "--no-progress", "--plan", str(path), *argv], capsys)
+    assert needle.format(path=path) in err
+
+
+def test_a_plan_file_of_two_stages_per_worker_trains_them_so_without_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--workers", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4",
+            "--steps", "3", "--batch-size", "16", "--json", "--no-progress", "--timeout", "60",
+            "--plan", str(_interleaved_plan_file(tmp_path))]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    assert data["virtual_stages"] == 2 and data["predicted_samples_per_s"] > 0
     assert len(data["losses"]) == 3
 
 

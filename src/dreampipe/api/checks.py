@@ -26,8 +26,8 @@ from dreampipe.simulation.choose import STAND_IN, Semantics
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
-    "check_schedule", "check_split", "check_stages_on_meta", "check_virtual", "choice",
-    "map_inputs", "schedule_to_start",
+    "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
+    "check_virtual", "choice", "map_inputs", "schedule_to_start",
 ]
 
 _log = logging.getLogger(__name__)
@@ -162,16 +162,25 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None) -> 
             "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
 
 
-def check_virtual(kind: ScheduleKind, virtual_stages: int, plan: object,
+def check_virtual(kind: ScheduleKind, asked: int | None, plan: object,
                   split_points: object) -> None:
-    """``virtual_stages`` fits the schedule, and what a Pipeline of several stages per
-    rank cannot do yet (plan them itself) is refused, each a ConfigError."""
+    """``virtual_stages`` (None: the plan's) fits the schedule, and what a Pipeline of
+    several stages per rank cannot do yet (plan them itself) is refused, each a ConfigError."""
+    virtual_stages = 1 if asked is None else asked
     if virtual_stages < 1 or (virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED):
         raise ConfigError(f"virtual_stages={virtual_stages} with schedule={kind.value}; use 1, "
                           "or schedule='interleaved-1f1b' with 2 or more", "virtual_stages")
     if virtual_stages > 1 and plan == "auto" and split_points is None:
         raise ConfigError(f"virtual_stages={virtual_stages} with plan='auto'; give split_points "
                           f"or a plan of world x {virtual_stages} stages", "virtual_stages", "plan")
+
+
+def check_stages_per_rank(stages: int, virtual_stages: int, world: int) -> None:
+    """``virtual_stages`` to a rank on ``world`` ranks needs ``world * v`` stages."""
+    if virtual_stages > 1 and stages != world * virtual_stages:
+        raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
+                          f"{world * virtual_stages} stages, not the plan's {stages}",
+                          "virtual_stages", "plan")
 
 
 def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
@@ -211,14 +220,14 @@ def choice(value: str | _E, kind: type[_E], name: str) -> _E:
 
 
 def schedule_to_start(schedule: str | ScheduleKind, semantics: str | Semantics,
-                      virtual_stages: int) -> tuple[ScheduleKind, Semantics | None]:
+                      virtual_stages: int | None) -> tuple[ScheduleKind, Semantics | None]:
     """The schedule a Pipeline starts with, and the semantics ``schedule="auto"`` chooses
     in (None: the schedule is the user's); until it has chosen, one schedule of the
     semantics stands in."""
     wanted = choice(semantics, Semantics, "semantics")
     if schedule != "auto":
         return choice(schedule, ScheduleKind, "schedule"), None
-    if virtual_stages != 1:
+    if virtual_stages not in (None, 1):
         raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
                           "interleaved schedule needs a plan cut for it; give "
                           "schedule='interleaved-1f1b'", "virtual_stages", "schedule")

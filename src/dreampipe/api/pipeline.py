@@ -56,6 +56,7 @@ from dreampipe.api.checks import (
     check_schedule,
     check_split,
     check_stages_on_meta,
+    check_stages_per_rank,
     check_virtual,
     choice,
     map_inputs,
@@ -118,8 +119,9 @@ class Pipeline:
     (:mod:`dreampipe.runtime.fused`);
     ``record_events`` keeps what this rank did, with times (:attr:`events`).
     ``virtual_stages`` (with ``schedule="interleaved-1f1b"``) runs ``v`` stages
-    per rank, stage ``s`` on rank ``s mod world``: give ``plan`` or
-    ``split_points`` with ``world * v`` stages.
+    per rank, stage ``s`` on rank ``s mod world``: ``split_points`` of ``world * v``
+    stages, or a plan that says so (``Plan.virtual_stages``, read from it when
+    ``virtual_stages`` is None; another count is an error).
     ``resume`` loads the newest complete checkpoint in a directory
     (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
     schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
@@ -157,11 +159,10 @@ class Pipeline:
         on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
         split_points: Sequence[str] | None = None,
         semantics: str | Semantics = "sync",
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
         compensate: bool = True,
     ) -> None:
         self.kind, wanted = schedule_to_start(schedule, semantics, virtual_stages)
-        self._virtual = virtual_stages
         check_virtual(self.kind, virtual_stages, plan, split_points)
         policy = choice(on_nonfinite, OnNonFinite, "on_nonfinite")
         check_policy(policy, self.kind)
@@ -185,30 +186,30 @@ class Pipeline:
                 raise ConfigError("give split_points or plan, not both: split_points makes a "
                                   "plan of one stage per worker", "split_points", "plan")
             bounds = split_bounds(self._names, split_points, model)
+            check_stages_per_rank(len(bounds), virtual_stages or 1, world)
             plan = Plan.from_config(len(self._names), bounds, [1] * len(bounds),
-                                    layer_names=tuple(self._names))
+                                    layer_names=tuple(self._names),
+                                    virtual_stages=virtual_stages or 1)
         resolved = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
                                 loss_fn=loss_fn, unit_size=unit_size, seed=seed,
-                                semantics=wanted,
-                                microbatches=microbatches)
+                                semantics=wanted, microbatches=microbatches,
+                                virtual_stages=virtual_stages)
         self.plan = resolved.plan
+        self._virtual = v = self.plan.virtual_stages
         if resolved.kind is not None:
             self.kind = resolved.kind
             self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                      microbatches=resolved.microbatches, workers=world)
             check_policy(policy, self.kind)
-        if virtual_stages > 1 and self.plan.num_stages != world * virtual_stages:
-            raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
-                              f"{world * virtual_stages} stages, not the plan's "
-                              f"{self.plan.num_stages}", "virtual_stages", "plan")
-        check_plan(self.plan, self._names, world * virtual_stages)
+        check_stages_per_rank(self.plan.num_stages, v, world)
+        check_plan(self.plan, self._names, world)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
         check_written_buffers(self._layers, [st.first for st in self.plan.stages])
         check_ties(ties, self.plan, max_grad_norm)
         widths = {st.tensor_parallel for st in self.plan.stages}
         mixed, t = len(widths) > 1, max(widths)
-        if virtual_stages > 1 and (ties or t > 1):
-            raise ConfigError(f"virtual_stages={virtual_stages} with weights tied across stages "
+        if v > 1 and (ties or t > 1):
+            raise ConfigError(f"virtual_stages={v} with weights tied across stages "
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
@@ -249,7 +250,7 @@ class Pipeline:
                                    autocast=autocast, record_events=record_events,
                                    on_nonfinite=policy)
         self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
-            else process_groups([st.ranks for st in self.plan.stages] if virtual_stages == 1
+            else process_groups([st.ranks for st in self.plan.stages] if v == 1
                                 else [[r] for r in range(world)], t, made=self._groups)
         clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
         self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,

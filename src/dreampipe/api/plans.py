@@ -9,6 +9,10 @@ broadcasts the plan over the process group, so every rank runs the same
 one whatever launched them. The ``dp`` schedule always runs one stage on
 every worker.
 
+A given plan runs its own ``virtual_stages`` to a rank
+(:func:`~dreampipe.planning.placement.virtual_stages_of`): an argument asking for
+another count is an error, and so is ``schedule="auto"`` for a plan of several.
+
 ``schedule="auto"`` (``semantics`` given) also profiles, for a given plan
 too, and simulates that semantics' schedules on the plan
 (:func:`dreampipe.simulation.choose.choose_schedule`); rank 0 logs why each
@@ -38,6 +42,7 @@ from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_auto, choose_plan
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
+from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads
@@ -66,9 +71,11 @@ def resolve_plan(
     plan: PlanArg, *, layers: Layers, kind: ScheduleKind, example: Batch,
     loss_fn: Callable[..., Any], unit_size: int, seed: int,
     semantics: Semantics | None = None, microbatches: int | None = None,
+    virtual_stages: int | None = None,
 ) -> Resolved:
     """The plan every rank runs, and the schedule ``semantics`` (``schedule="auto"``) picks
-    for it (a collective when rank 0 has to plan or choose)."""
+    for it (a collective when rank 0 has to plan or choose); ``virtual_stages`` (None:
+    the plan's) must agree with a given plan's."""
     n, world = len(layers), dist.get_world_size()
     given: Plan | None = None
     if isinstance(plan, Plan):
@@ -79,6 +86,13 @@ def resolve_plan(
         given = Plan.load(plan)
     elif kind is ScheduleKind.DP or world == 1:
         given = Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
+    if given is not None:
+        source = "the plan" if isinstance(plan, Plan) or str(plan) == "auto" else \
+            f"plan {str(plan)!r}"
+        virtual_stages_of(given, virtual_stages, source,
+                          "Plan.from_config(..., virtual_stages={v}), or dreampipe plan "
+                          "--virtual-stages {v}")
+        check_schedule(given, "auto" if semantics is not None else kind.value, source)
     if given is not None and semantics is None:
         return Resolved(given)
     nodes = torchrun_nodes(world) if in_torchrun() else 1

@@ -203,8 +203,8 @@ def _run_interleaved(args: argparse.Namespace, graph: LayerGraph, topo: Topology
         return 0
     print("\n".join(lines))
     if args.output:
-        print(f"plan saved to {args.output}; simulate it with --schedule interleaved-1f1b "
-              f"--virtual-stages {args.virtual_stages}")
+        print(f"plan saved to {args.output} ({args.virtual_stages} stages per worker); "
+              "simulate it with --schedule interleaved-1f1b")
     return 0
 
 

@@ -7,12 +7,13 @@
 candidate. ``--virtual-stages v`` plans for interleaved 1F1B instead: the
 layers cut into ``workers x v`` stages of balanced compute, stage ``s`` on
 worker ``s mod workers``, simulated with that schedule against 1f1b-flush
-on ``workers`` stages.
+on ``workers`` stages. The plan carries ``v``, so what runs it runs it so.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any
 
 from dreampipe.errors import ConfigError
@@ -80,12 +81,10 @@ def interleaved_report(
     """The interleaved plan for ``--virtual-stages``, its table, and its simulated bubble
     against 1f1b-flush on one stage per worker."""
     v, workers = args.virtual_stages, topo.num_workers
-    plan = interleaved_plan(graph, workers, v)
-    plan = Plan(stages=plan.stages, num_layers=plan.num_layers, batch_size=plan.batch_size,
-                model=plan.model, topology=args.topology, layer_names=plan.layer_names)
+    plan = dataclasses.replace(interleaved_plan(graph, workers, v), topology=args.topology)
     m = args.microbatches or 4 * workers
-    inter = _simulate(graph, plan, topo, ScheduleKind.INTERLEAVED, m, v)
-    flush = _simulate(graph, interleaved_plan(graph, workers, 1), topo, ScheduleKind.FLUSH, m, 1)
+    inter = _simulate(graph, plan, topo, ScheduleKind.INTERLEAVED, m)
+    flush = _simulate(graph, interleaved_plan(graph, workers, 1), topo, ScheduleKind.FLUSH, m)
     lines = [f"{'stage':>5} {'layers':>9} {'worker':>6} {'compute ms':>10}"]
     for s, st in enumerate(plan.stages):
         lines.append(f"{s:>5} {f'{st.first}..{st.last}':>9} "
@@ -104,8 +103,9 @@ def interleaved_report(
     return plan, lines, data
 
 
-def _simulate(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind, m: int,
-              v: int) -> SimResult:
-    schedule = build_schedule([1] * plan.num_stages, kind, m, m, virtual_stages=v)
-    costs = costs_from_profile(graph, plan, topo, 1 / m, virtual_stages=v)
+def _simulate(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,
+              m: int) -> SimResult:
+    schedule = build_schedule([1] * plan.num_stages, kind, m, m,
+                              virtual_stages=plan.virtual_stages)
+    costs = costs_from_profile(graph, plan, topo, 1 / m)
     return simulate_schedule(schedule, costs, record_events=False)

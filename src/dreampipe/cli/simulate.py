@@ -8,9 +8,10 @@ PipeDream runs ``--minibatches`` minibatches; the other pipelines
 ``--minibatches`` minibatches of ``--microbatches`` microbatches each; dp runs
 the whole model on the plan's workers, one full minibatch per worker per
 update (as the planner's data-parallel baseline counts it).
-``interleaved-1f1b`` runs the plan's stages ``--virtual-stages`` to a worker,
-stage s on worker s mod (stages / v): plan them with ``dreampipe plan
---virtual-stages``.
+``interleaved-1f1b`` runs a plan made with ``dreampipe plan --virtual-stages
+v`` v stages to a worker, stage s on worker s mod (stages / v), as the plan
+file says; ``--virtual-stages`` may only repeat the plan's v. A plan needs
+as many workers as its ranks, on the plan's topology or ``--topology``.
 
 A synthetic profile is a JSON profile written by hand or by
 ``LayerGraph.chain([Layer("l0", 10.0, 20.0, 0, 0), ...]).save(path)``: four
@@ -31,6 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
+from dreampipe.planning.placement import check_fits, check_schedule, virtual_stages_of
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
@@ -74,9 +76,9 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="microbatches per minibatch for every schedule but pipedream and dp "
                         "(default: 4 per stage, GPipe's guidance)")
-    p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="interleaved-1f1b: stages per worker (the plan's stages / V workers; "
-                        "default 1)")
+    p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                   help="interleaved-1f1b: stages per worker; default and only value: the "
+                        "plan's (dreampipe plan --virtual-stages V saves it in the plan)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="with a plan JSON: the profile it was made from, for exact costs and "
                         "memory (without it, costs come from the plan's predictions)")
@@ -91,11 +93,11 @@ def _run(args: argparse.Namespace) -> int:
     kind = ScheduleKind(args.schedule)
     with tqdm(total=4, desc="simulate", unit="step", file=sys.stderr, disable=None,
               leave=False) as bar:
-        plan, graph, topology = _load(args)
+        plan, graph, topology, source = _load(args)
         bar.update()
+        virtual = _virtual_stages(args, kind, plan, source)
         replicas, layout, updates = _units(args, kind, plan)
-        virtual = _virtual_stages(args, kind, plan)
-        costs = _costs(plan, graph, topology, kind, layout.unit_fraction, virtual)
+        costs = _costs(plan, graph, topology, kind, layout.unit_fraction)
         schedule = layout.build(replicas, updates, plan.in_flight, virtual)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
@@ -124,15 +126,18 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
+def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, str]:
+    """The plan, its profile if known, the topology, and where the plan comes from."""
     source = Path(args.source)
     data = None if is_bundled(args.source) else _json_object(source)
     if data is not None and data.get("format") == PLAN_FORMAT:
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology
                     else _plan_topology(plan.topology))
+        named = f"plan {args.source!r}"
+        check_fits(plan, topology, named)
         graph = load_graph(args.profile) if args.profile is not None else None
-        return plan, graph, topology
+        return plan, graph, topology, named
     if args.profile is not None:
         raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
                         "drop --profile")
@@ -140,7 +145,7 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology]:
     topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY)
     from dreampipe.planning.planner import plan_pipeline
 
-    return plan_pipeline(graph, topology), graph, topology
+    return plan_pipeline(graph, topology), graph, topology, f"the plan of {args.source!r}"
 
 
 def _plan_topology(text: str) -> Topology:
@@ -195,24 +200,21 @@ def _units(
     return replicas, layout, args.minibatches or 8
 
 
-def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan) -> int:
-    """``--virtual-stages``, checked against the schedule and the plan."""
-    v = args.virtual_stages
-    if v == 1:
-        return 1
-    if kind is not ScheduleKind.INTERLEAVED:
-        raise ConfigError(f"virtual_stages={v} with schedule={kind.value}; only "
+def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan, source: str) -> int:
+    """The plan's stages per worker; ``--virtual-stages``, if given, must be the same, and
+    more than one needs the interleaved schedule."""
+    asked = args.virtual_stages
+    if asked is not None and asked != 1 and kind is not ScheduleKind.INTERLEAVED:
+        raise ConfigError(f"virtual_stages={asked} with schedule={kind.value}; only "
                           "interleaved-1f1b runs several stages per worker", "virtual_stages",
                           "schedule")
-    if v < 1 or plan.num_stages % v:
-        raise ConfigError(f"virtual_stages={v} for a plan of {plan.num_stages} stages; give "
-                          f"a divisor of {plan.num_stages}", "virtual_stages")
-    return int(v)
+    v = virtual_stages_of(plan, asked, source)
+    check_schedule(plan, kind.value, source)
+    return v
 
 
 def _costs(
     plan: Plan, graph: LayerGraph | None, topology: Topology, kind: ScheduleKind, fraction: float,
-    virtual: int = 1,
 ) -> SimCosts:
     if graph is None:
         if kind is ScheduleKind.DP:
@@ -221,7 +223,7 @@ def _costs(
         return costs_from_plan(plan, topology, fraction)
     if kind is ScheduleKind.DP:
         plan = Plan.from_config(len(graph), [0], [plan.workers_used], model=plan.model)
-    return costs_from_profile(graph, plan, topology, fraction, virtual_stages=virtual)
+    return costs_from_profile(graph, plan, topology, fraction)
 
 
 def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:

@@ -95,9 +95,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--semantics", choices=[s.value for s in Semantics], default="sync",
                    help="with --schedule auto: sync (default; zb-h1, zb-h2, 1f1b-flush, gpipe, "
                         "as one process trains) or async (2bw, pipedream: stale weights)")
-    g.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+    g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
-                        "workers, cut for balanced compute (default: 1)")
+                        "workers, cut for balanced compute (default: a --plan file's own, "
+                        "which V may only repeat, else 1)")
     g.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default: sgd")
     g.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")

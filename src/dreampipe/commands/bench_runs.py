@@ -92,11 +92,10 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
         graph = graphs[layout.unit_size]
         v = run.virtual_stages
         replicas = [1] * (workers * v)
-        plan = planner.evaluate_plan(graph, topology if v == 1 else  # one stage per worker
-                                     local_topology(workers * v, machine),
-                                     list(work.bounds(v)), replicas)
+        plan = planner.evaluate_plan(graph, topology, list(work.bounds(v)), replicas) \
+            if v == 1 else work.plan(v)  # the chunks v to a worker
         costs = local_costs(graph, plan, 1.0, measured_machine(graph, machine)) if v == 1 \
-            else costs_from_profile(graph, plan, topology, 1.0, virtual_stages=v)
+            else costs_from_profile(graph, plan, topology, 1.0)
         steps = run.steps(work, work.steps)
         sim = simulate_schedule(layout.build(replicas, steps, virtual_stages=v), costs,
                                 record_events=False)

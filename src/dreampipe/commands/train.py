@@ -199,7 +199,7 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     if split:  # the Pipeline builds each worker's share only
         with torch.device("meta"):
             model = spec.build(seed=cfg.seed)
-    elif cfg.virtual_stages > 1:  # the rank's stages are far apart
+    elif cfg.plan.virtual_stages > 1:  # the rank's stages are far apart
         model = spec.build(seed=cfg.seed)
     else:
         st = cfg.plan.stages[cfg.plan.stage_of_rank(rank)]
@@ -211,7 +211,7 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
         stash=cfg.stash, compensate=cfg.compensate, fused_accumulation=cfg.fused_accumulation,
         record_events=cfg.record_events, seed=cfg.seed,
         resume=job.resume_from, timeout_s=cfg.timeout_s,
-        on_nonfinite=cfg.on_nonfinite, virtual_stages=cfg.virtual_stages,
+        on_nonfinite=cfg.on_nonfinite, virtual_stages=cfg.plan.virtual_stages,
     )
     result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
     pipe.close()
@@ -250,7 +250,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     if bar is not None:
         bar.close()
     accuracy = None
-    if cfg.evaluate and data.has_test and cfg.virtual_stages == 1:
+    if cfg.evaluate and data.has_test and cfg.plan.virtual_stages == 1:
         n = len(data.test_y)
         batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
                    for i in range(0, n, _EVAL_BATCH)]

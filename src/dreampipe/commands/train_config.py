@@ -20,6 +20,7 @@ import torch
 
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.models.spec import ModelSpec
+from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.data import DATASETS
@@ -53,7 +54,8 @@ class TrainOptions:
     NaN or inf output or loss does (:mod:`~dreampipe.runtime.nonfinite`).
     ``evaluate`` measures test accuracy after training, where the dataset has
     a test split. ``progress`` shows a bar of minibatches on the last rank.
-    ``virtual_stages`` (interleaved-1f1b) runs that many stages per worker.
+    ``virtual_stages`` (interleaved-1f1b) is the stages per worker asked for: the
+    plan's own count (None: whatever the plan says).
     ``measure_memory`` measures each rank's peak memory
     (:mod:`~dreampipe.runtime.memory`); on CPU that gives large tensors pages
     of their own, which slows training.
@@ -63,7 +65,7 @@ class TrainOptions:
     schedule: ScheduleKind = ScheduleKind.PIPEDREAM
     minibatch_size: int = 32
     microbatches: int = 1
-    virtual_stages: int = 1
+    virtual_stages: int | None = None
     steps: int = 10
     optimizer: OptimizerKind = OptimizerKind.SGD
     lr: float = 0.01
@@ -100,15 +102,15 @@ class TrainOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(TrainOptions):
-    """:class:`TrainOptions` plus the plan they run."""
+    """:class:`TrainOptions` plus the plan they run, which says its stages per worker."""
 
     plan: Plan
 
     @property
     def workers(self) -> int:
         """Processes the plan uses (every replica of every stage, every worker of a split one;
-        a plan's stages / ``virtual_stages`` under interleaving)."""
-        return self.plan.workers_used // self.virtual_stages
+        a plan's stages / its ``virtual_stages`` under interleaving)."""
+        return self.plan.workers_used
 
     @cached_property
     def layout(self) -> UnitLayout:
@@ -163,7 +165,7 @@ def check_options(opts: TrainOptions) -> None:
         )
     check_policy(opts.on_nonfinite, opts.schedule)
     v = opts.virtual_stages
-    if v < 1 or (v > 1 and opts.schedule is not ScheduleKind.INTERLEAVED):
+    if v is not None and (v < 1 or (v > 1 and opts.schedule is not ScheduleKind.INTERLEAVED)):
         raise ConfigError(f"--virtual-stages {v} with --schedule {opts.schedule.value}; use 1, "
                           "or --schedule interleaved-1f1b with 2 or more", "virtual_stages")
     if opts.dataset not in DATASETS:
@@ -177,6 +179,8 @@ def check_config(cfg: TrainConfig, spec: ModelSpec, world: int | None = None) ->
     its own arguments again (:mod:`dreampipe.api.checks`).
     """
     plan = cfg.plan
+    virtual_stages_of(plan, cfg.virtual_stages)
+    check_schedule(plan, cfg.schedule.value)
     if world is not None and world != cfg.workers:
         raise PlanError(
             f"the plan {plan.config} uses {cfg.workers} workers but {world} were started; "

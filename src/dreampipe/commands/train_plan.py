@@ -47,6 +47,7 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config import stages_from_config
 from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
@@ -175,6 +176,7 @@ class TrainReport:
             "microbatches": self.microbatches,
             "config": self.plan.config,
             "topology": self.plan.topology,
+            "virtual_stages": self.plan.virtual_stages,
             "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
             "memory": self.memory_rows(),
         }
@@ -207,7 +209,7 @@ def plan_train(
     spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
     source = req.plan
-    v = opts.virtual_stages
+    v = opts.virtual_stages or 1  # a plan file's own count replaces it once read
     if v > 1 and (source.config is not None or source.stages is not None):
         raise ConfigError(f"--virtual-stages {v} cuts the model into workers x {v} stages "
                           "itself; leave --config and --stages out, or give a plan file",
@@ -241,7 +243,7 @@ def plan_train(
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         if source.path is not None:
-            plan = _load_plan(source.path, spec, workers, fixed_world=True)
+            plan = _load_plan(source.path, spec, workers, fixed_world=True, req=req)
         else:
             forced = forced_partition(spec.num_layers, workers, source.config, source.stages)
             if forced is not None and forced[0] is not None:
@@ -259,6 +261,7 @@ def plan_train(
     if plan is None or (torchrun is not None and (source.planner_chooses
                                                   or req.semantics is not None)):
         plan, chosen = share_plan(plan, opts.timeout_s, chosen)
+    v = plan.virtual_stages
     if chosen is not None:
         opts = dataclasses.replace(opts, schedule=chosen[0], microbatches=chosen[1])
         layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
@@ -275,7 +278,7 @@ def plan_train(
             [st.replicas for st in plan.stages], horizon, plan.in_flight), opts)
         check_memory(plan, memory, req.memory_bytes)
     if graph is not None and v > 1:
-        predicted = predict_interleaved(graph, plan, layout, v, min(steps, 8),
+        predicted = predict_interleaved(graph, plan, layout, min(steps, 8),
                                          local_topology(workers, measured_machine(graph, machine),
                                                         nodes=nodes))
     else:
@@ -330,7 +333,7 @@ def _check_before_profiling(
     check_options(req.run)
     steps = _steps(req, _load_data(req.run, spec))
     if source.path is not None:
-        return steps, _load_plan(source.path, spec, workers, fixed_world)
+        return steps, _load_plan(source.path, spec, workers, fixed_world, req)
     forced_partition(spec.num_layers, workers, source.config, source.stages)
     return steps, None
 
@@ -371,8 +374,14 @@ def _steps(req: TrainRequest, data: Dataset | None) -> int:
     return steps_for_epochs(req.epochs, int(data.train_x.shape[0]), req.run.minibatch_size)
 
 
-def _load_plan(path: str, spec: ModelSpec, workers: int, fixed_world: bool) -> Plan:
+def _load_plan(path: str, spec: ModelSpec, workers: int, fixed_world: bool,
+               req: TrainRequest) -> Plan:
+    """The plan file, checked against the model, the workers and the schedule asked for
+    (its stages per worker are its own: ``--virtual-stages`` may only repeat them)."""
     plan = Plan.load(Path(path))
+    virtual_stages_of(plan, req.run.virtual_stages, f"plan {path!r}")
+    check_schedule(plan, "auto" if req.semantics is not None else req.run.schedule.value,
+                   f"plan {path!r}")
     if plan.num_layers != spec.num_layers or (plan.model and plan.model != spec.name):
         raise PlanError(
             f"plan {path!r} is for {plan.model or 'a model'} with {plan.num_layers} "

@@ -123,11 +123,12 @@ class Workload:
         return edges[stage], edges[stage + 1] - 1
 
     def plan(self, virtual_stages: int = 1) -> Plan:
-        """The straight pipeline of :meth:`bounds`, one worker per stage."""
+        """The straight pipeline of :meth:`bounds`, ``virtual_stages`` stages per worker."""
         spec = self.spec()
         bounds = self.bounds(virtual_stages)
         return Plan.from_config(spec.num_layers, list(bounds), [1] * len(bounds),
-                                model=self.kind.value, layer_names=tuple(spec.layer_names))
+                                model=self.kind.value, layer_names=tuple(spec.layer_names),
+                                virtual_stages=virtual_stages)
 
     def data(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One fixed synthetic batch, reused every step so data costs nothing."""

@@ -298,13 +298,13 @@ def predict_samples_per_s(
     return steps * minibatch_size / span
 
 
-def predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, v: int, steps: int,
+def predict_interleaved(graph: LayerGraph, plan: Plan, layout: UnitLayout, steps: int,
                         topology: Topology) -> float:
-    """Samples/s the simulator predicts for ``steps`` updates of the interleaved ``plan``."""
+    """Samples/s the simulator predicts for ``steps`` updates of the interleaved ``plan``
+    (its ``virtual_stages`` to a worker)."""
     from dreampipe.simulation.simulator import simulate_schedule
 
-    schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
+    schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=plan.virtual_stages)
     fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
-    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topology, fraction,
-                                                            virtual_stages=v))
+    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topology, fraction))
     return result.throughput_minibatches_per_s * (graph.batch_size or layout.unit_size)

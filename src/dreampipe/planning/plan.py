@@ -26,6 +26,11 @@ per stage (:mod:`dreampipe.planning.split_ranges`). :attr:`Plan.tensor_parallel`
 is the one ``t`` of a plan whose stages share it (a pipeline x tensor mesh)
 and refuses a plan that mixes them: such a plan is read stage by stage.
 
+A plan may run ``virtual_stages = v`` stages to a rank (interleaved 1F1B): its
+``p * v`` stages sit on ``p`` ranks, stage ``s`` on rank ``s mod p``, each one
+unsplit replica (:mod:`dreampipe.planning.placement`). The plan carries ``v``
+and whoever runs it reads it there; a file without it runs one stage per rank.
+
 A stage may *recompute* its activations in the backward instead of keeping
 them per minibatch in flight (``recompute``, config token ``"2r"``): its
 ``compute_s`` then holds one more forward and its memory only its inputs
@@ -44,6 +49,7 @@ from typing import Any
 from dreampipe.errors import PlanError
 from dreampipe.planning.config import config_string
 from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.placement import check_placement, stage_ranks
 from dreampipe.planning.splits import Split
 from dreampipe.planning.stage import Stage, check_figure
 
@@ -89,6 +95,8 @@ class Plan:
     #: cut short as ``heuristics`` say and the plan is at most ``(1 + g)`` times the optimum.
     optimality_gap: float = 0.0
     heuristics: tuple[Heuristic, ...] = ()
+    #: Stages per rank: stage ``s`` of ``p * v`` runs on rank ``s mod p`` (module doc).
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -105,7 +113,8 @@ class Plan:
             raise PlanError(
                 f"stages cover layers 0..{expect - 1} but the model has {self.num_layers} layers"
             )
-        ranks = [r for st in self.stages for r in st.ranks]
+        check_placement(self.stages, self.virtual_stages)
+        ranks = [r for st in self._rank_stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
         counts = [st.in_flight for st in self.stages]
@@ -114,7 +123,7 @@ class Plan:
                 f"stages hold {counts} minibatches in flight; give every stage a count >= 1, "
                 "or 0 to all for the default"
             )
-        placed = [w for s in range(len(self.stages)) for w in self.stage_workers(s)]
+        placed = [w for s in range(len(self._rank_stages)) for w in self.stage_workers(s)]
         if len(set(placed)) != len(placed) or min(placed) < 0:
             raise PlanError(f"workers {placed} must be distinct positions >= 0")
         check_figure("the plan", "time_per_minibatch_s", self.time_per_minibatch_s)
@@ -130,6 +139,7 @@ class Plan:
 
         ``bounds`` starts with 0 and lists each stage's first layer;
         ``Plan.from_config(8, [0, 4], [1, 1])`` is two stages of four layers.
+        ``virtual_stages=v`` (every replica count 1) puts stage ``s`` on rank ``s mod p``.
         """
         if len(bounds) != len(replicas) or not bounds or bounds[0] != 0:
             raise PlanError(
@@ -137,10 +147,15 @@ class Plan:
                 "stage, and bounds must start at layer 0"
             )
         edges = [*bounds, num_layers]
+        v = int(kw.get("virtual_stages", 1))
+        if v != 1 and any(r != 1 for r in replicas):
+            raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; interleaving "
+                            "runs each stage on one worker: give replicas of 1")
+        places = stage_ranks(len(replicas), v)
         stages, rank = [], 0
         for s, r in enumerate(replicas):
             stages.append(Stage(first=edges[s], last=edges[s + 1] - 1, replicas=r,
-                                ranks=tuple(range(rank, rank + r))))
+                                ranks=(places[s],) if v != 1 else tuple(range(rank, rank + r))))
             rank += r
         return cls(stages=tuple(stages), num_layers=num_layers, **kw)
 
@@ -148,6 +163,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def _rank_stages(self) -> tuple[Stage, ...]:
+        """The first stage of every rank (all stages but under interleaving)."""
+        return self.stages[:len(self.stages) // self.virtual_stages]
 
     @property
     def mixes_splits(self) -> bool:
@@ -173,7 +193,8 @@ class Plan:
 
     @property
     def workers_used(self) -> int:
-        return sum(st.replicas * st.tensor_parallel for st in self.stages)
+        """Workers the plan runs on (``stages / virtual_stages`` under interleaving)."""
+        return sum(st.replicas * st.tensor_parallel for st in self._rank_stages)
 
     @property
     def config(self) -> str:
@@ -184,7 +205,7 @@ class Plan:
     def rank_first_worker(self, rank: int) -> int:
         """The first of schedule rank ``rank``'s workers in rank order: those of the ranks
         before it follow one another (``rank * t`` when every stage has the same ``t``)."""
-        widths = [st.tensor_parallel for st in self.stages for _ in st.ranks]
+        widths = [st.tensor_parallel for st in self._rank_stages for _ in st.ranks]
         return sum(widths[:rank])
 
     def stage_workers(self, s: int) -> tuple[int, ...]:
@@ -208,9 +229,10 @@ class Plan:
         return in_flight_counts([st.replicas for st in self.stages])
 
     def stage_of_rank(self, rank: int) -> int:
-        """The stage of worker ``rank`` (the workers of a split replica are adjacent)."""
+        """The stage of worker ``rank`` (the workers of a split replica are adjacent); its
+        first under interleaving, the others every ``workers_used`` stages after it."""
         first = 0
-        for s, st in enumerate(self.stages):
+        for s, st in enumerate(self._rank_stages):
             first += st.replicas * st.tensor_parallel
             if 0 <= rank < first:
                 return s
@@ -239,6 +261,7 @@ class Plan:
             "baselines_s": dict(self.baselines_s),
             "optimality_gap": self.optimality_gap,
             "heuristics": [h.value for h in self.heuristics],
+            "virtual_stages": self.virtual_stages,
             "stages": [
                 {
                     "first": st.first,
@@ -293,6 +316,7 @@ class Plan:
                 layer_names=tuple(str(x) for x in data.get("layer_names", [])),
                 optimality_gap=float(data.get("optimality_gap", 0.0)),
                 heuristics=tuple(Heuristic(h) for h in data.get("heuristics", [])),
+                virtual_stages=int(data.get("virtual_stages", 1)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
@@ -318,6 +342,8 @@ class Plan:
 
     def __str__(self) -> str:
         head = f"plan {self.config} for {self.model or 'model'} on {self.workers_used} workers"
+        if self.virtual_stages > 1:
+            head += f", {self.virtual_stages} stages per worker"
         if self.time_per_minibatch_s > 0:
             head += (
                 f": {self.time_per_minibatch_s * 1e3:.2f} ms/minibatch, "

@@ -60,7 +60,7 @@ def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int) -> Pl
     """``graph``'s layers cut into ``workers * virtual_stages`` contiguous stages whose
     largest forward+backward time is least (one worker each; costs left at
     zero but ``compute_s`` and ``forward_s``). Stage ``s`` runs on worker
-    :func:`virtual_worker`; the plan's ranks number the stages."""
+    :func:`virtual_worker`, as its ranks and the plan's ``virtual_stages`` say."""
     stages = workers * virtual_stages
     if workers < 1 or virtual_stages < 1 or stages > len(graph):
         raise ScheduleError(
@@ -72,12 +72,13 @@ def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int) -> Pl
     bounds = _balanced_cuts(work, stages)
     edges = [*bounds, len(work)]
     out = tuple(
-        Stage(first=edges[s], last=edges[s + 1] - 1, replicas=1, ranks=(s,),
+        Stage(first=edges[s], last=edges[s + 1] - 1, replicas=1, ranks=(s % workers,),
               compute_s=sum(work[edges[s]:edges[s + 1]]),
               forward_s=sum(fwd[edges[s]:edges[s + 1]]))
         for s in range(stages))
     return Plan(stages=out, num_layers=len(work), batch_size=graph.batch_size,
-                model=graph.model, layer_names=tuple(x.name for x in graph.layers))
+                model=graph.model, layer_names=tuple(x.name for x in graph.layers),
+                virtual_stages=virtual_stages)
 
 
 def _balanced_cuts(work: list[float], parts: int) -> list[int]:

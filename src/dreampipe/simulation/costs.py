@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.placement import check_fits
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -131,7 +132,7 @@ class SimCosts:
 
 def costs_from_profile(
     graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0,
-    sync: Sync | None = None, virtual_stages: int = 1,
+    sync: Sync | None = None,
 ) -> SimCosts:
     """Per-unit costs of ``plan``'s stages from the layer profile.
 
@@ -151,9 +152,10 @@ def costs_from_profile(
     stashed outputs are one worker's share of each layer's (:func:`dreampipe.
     planning.split_stage.layer_shares`). Schedule rank ``r`` sits on the first worker
     of its group (:meth:`~dreampipe.planning.plan.Plan.stage_workers`); split and
-    unsplit stages may mix. With ``virtual_stages = v`` the plan's
-    unreplicated stages share ``stages / v`` workers, stage ``s`` on the worker
-    of stage ``s mod (stages / v)`` (interleaved 1F1B).
+    unsplit stages may mix. A plan of ``virtual_stages = v`` puts its
+    unreplicated stages ``v`` to a worker, stage ``s`` on the worker of stage
+    ``s mod (stages / v)`` (interleaved 1F1B). A plan whose workers the
+    topology lacks is a ScheduleError (:func:`~dreampipe.planning.placement.check_fits`).
     A recomputing stage's backward runs its forward again first (its
     all-reduce's delay grows by as much) and a unit keeps only its input;
     the recomputed activations are held once (``recompute_bytes``).
@@ -169,12 +171,8 @@ def costs_from_profile(
             f"the plan covers {plan.num_layers} layers but the profile has {len(graph)}; "
             "simulate a plan with the profile it was made from"
         )
-    workers = plan.workers_used // virtual_stages
-    if workers > topology.num_workers:
-        raise ScheduleError(
-            f"the plan uses {workers} workers but topology {topology.shape} has "
-            f"{topology.num_workers}; pick a larger --topology"
-        )
+    check_fits(plan, topology, error=ScheduleError)
+    workers = plan.workers_used
     cuts = graph.cut_bytes()
     layers = graph.layers
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
@@ -226,8 +224,10 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
 
     Forward takes a third of ``compute_s`` and backward two thirds (the usual
     ratio); each direction of the cut moves ``comm_s / 2`` worth of bytes at
-    the slowest link across it; memory is unknown (zero).
+    the slowest link across it; memory is unknown (zero). A plan whose workers the
+    topology lacks is a ScheduleError, as for :func:`costs_from_profile`.
     """
+    check_fits(plan, topology, error=ScheduleError)
     fwd = tuple(st.compute_s / 3 * unit_fraction for st in plan.stages)
     bwd = tuple(2 * st.compute_s / 3 * unit_fraction for st in plan.stages)
     act = []

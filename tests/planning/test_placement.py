@@ -1,0 +1,116 @@
+"""Placement: a plan says how many stages each rank runs, its JSON keeps it, and a run
+that asks for another count, or a topology too small for its ranks, is an error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.placement import (
+    check_fits,
+    check_schedule,
+    stage_ranks,
+    virtual_stages_of,
+)
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.topology import Topology
+
+
+def _interleaved(v: int = 2, workers: int = 4) -> Plan:
+    n = v * workers
+    return Plan.from_config(n, list(range(n)), [1] * n, model="chain8", topology=str(workers),
+                            virtual_stages=v)
+
+
+def test_from_config_puts_stage_s_on_rank_s_mod_workers() -> None:
+    plan = _interleaved()
+    assert [st.ranks for st in plan.stages] == [(s % 4,) for s in range(8)]
+    assert [plan.stage_workers(s) for s in range(8)] == [(s % 4,) for s in range(8)]
+    assert plan.workers_used == 4 and plan.num_stages == 8
+    assert [plan.stage_of_rank(r) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(PlanError, match="rank 4 is not in this plan of 4 workers"):
+        plan.stage_of_rank(4)
+    assert stage_ranks(6, 3) == (0, 1, 0, 1, 0, 1) and stage_ranks(3, 2) == (0, 1, 2)
+    assert "4 workers, 2 stages per worker" in str(plan)
+
+
+def test_json_round_trip_keeps_the_stages_per_rank(tmp_path: Path) -> None:
+    plan = _interleaved(v=2)
+    data = json.loads(plan.to_json())
+    assert data["virtual_stages"] == 2
+    assert [st["ranks"] for st in data["stages"]] == [[s % 4] for s in range(8)]
+    path = tmp_path / "p.json"
+    plan.save(path)
+    again = Plan.load(path)
+    assert again == plan and again.virtual_stages == 2 and again.workers_used == 4
+    one = Plan.from_config(4, [0, 2], [1, 1])
+    assert Plan.from_dict(json.loads(one.to_json())) == one
+
+
+def test_a_plan_file_without_the_field_runs_one_stage_per_rank() -> None:
+    data = Plan.from_config(8, list(range(8)), [1] * 8, topology="4").to_dict()
+    del data["virtual_stages"]  # as plan files were written before it
+    old = Plan.from_dict(data)
+    assert old.virtual_stages == 1 and old.workers_used == 8
+
+
+@pytest.mark.parametrize(("build", "needle"), [
+    (lambda: Plan.from_config(6, list(range(6)), [1] * 6, virtual_stages=4),
+     "virtual_stages=4 for a plan of 6 stages; give a divisor of 6"),
+    (lambda: Plan.from_config(4, [0, 1, 2, 3], [2, 1, 1, 1], virtual_stages=2),
+     r"virtual_stages=2 with replicas \[2, 1, 1, 1\]"),
+    (lambda: Plan(stages=(Stage(first=0, last=0, replicas=2, ranks=(0, 1)),
+                          Stage(first=1, last=1, replicas=1, ranks=(0,))),
+                  num_layers=2, virtual_stages=2),
+     "virtual_stages=2 with stage 0 on 2 replicas split over 1 workers"),
+    (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=1, ranks=(s,))
+                               for s in range(4)), num_layers=4, virtual_stages=2),
+     r"runs stage s on rank s mod 2, ranks \[0, 1, 0, 1\], but the stages have ranks "
+     r"\[0, 1, 2, 3\]"),
+    (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=1, ranks=(s % 2,),
+                                     workers=(s,)) for s in range(4)),
+                  num_layers=4, virtual_stages=2),
+     r"stage 2 sits on workers \[2\] but shares rank 0 with stage 0 on \[0\]"),
+    (lambda: Plan.from_config(2, [0, 1], [1, 1], virtual_stages=0),
+     "virtual_stages=0 for a plan of 2 stages"),
+])
+def test_placements_that_cannot_run_name_the_fix(build: object, needle: str) -> None:
+    with pytest.raises(PlanError, match=needle):
+        build()  # type: ignore[operator]
+
+
+def test_a_count_asked_for_must_be_the_plans() -> None:
+    plan = _interleaved(v=2)
+    assert virtual_stages_of(plan, None) == 2 and virtual_stages_of(plan, 2) == 2
+    with pytest.raises(ConfigError, match=r"virtual_stages=1 but plan 'p.json' runs 2 stages "
+                                          r"per worker \(its virtual_stages is 2\); drop "
+                                          r"virtual_stages=1") as caught:
+        virtual_stages_of(plan, 1, "plan 'p.json'")
+    assert caught.value.parameters == ("virtual_stages",)
+    with pytest.raises(ConfigError, match="runs one stage per worker.*with 3 stages per worker "
+                                          r"\(dreampipe plan --virtual-stages 3\)"):
+        virtual_stages_of(Plan.from_config(2, [0, 1], [1, 1]), 3)
+
+
+def test_several_stages_per_rank_need_the_interleaved_schedule() -> None:
+    check_schedule(_interleaved(), "interleaved-1f1b")
+    check_schedule(Plan.from_config(2, [0, 1], [1, 1]), "pipedream")
+    with pytest.raises(ConfigError, match=r"schedule=1f1b-flush for the plan, which runs 2 "
+                                          r"stages per worker.*use schedule=interleaved-1f1b"):
+        check_schedule(_interleaved(), "1f1b-flush")
+
+
+def test_ranks_beyond_the_topology_are_an_error_that_names_the_fix() -> None:
+    check_fits(_interleaved(), Topology.parse("4"))
+    old = Plan.from_config(8, list(range(8)), [1] * 8, topology="4")  # 8 ranks, no placement
+    with pytest.raises(PlanError, match=r"needs 8 workers \(a rank at position 7\) but "
+                                        r"topology 4 has 4; pick a larger --topology, of 8 "
+                                        r"workers or more, or, for 2 stages per worker, make "
+                                        r"the plan with dreampipe plan --virtual-stages 2"):
+        check_fits(old, Topology.parse("4"))
+    with pytest.raises(PlanError, match=r"needs 3 workers .* has 2; pick a larger "
+                                        r"--topology, of 3 workers or more$"):
+        check_fits(Plan.from_config(4, [0, 2], [2, 1]), Topology.parse("2"))
