@@ -35,6 +35,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
+from dreampipe.api.hooks import Interpreter
 from dreampipe.api.materialise import initialiser
 from dreampipe.api.shapes import ShapeGraphs, Signature, signature
 from dreampipe.api.tracer import trace_model
@@ -132,7 +133,7 @@ class Segment(nn.Module):
         ``sig``: the signature of the model's inputs (:meth:`signature`; None: the
         example's)."""
         graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
-        return _plain(fx.Interpreter(holder, graph=graph, garbage_collect_values=True).run(
+        return _plain(Interpreter(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
 
     def signature(self, values: Sequence[Any]) -> Signature | None:
@@ -232,6 +233,8 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
     what = type(model).__name__
     try:
         graph, baked = trace_model(model, set(units), example)
+    except PlanError as exc:
+        raise PlanError(f"cannot split {what}: {exc}") from exc
     except Exception as exc:
         raise PlanError(
             f"cannot split {what}: torch.fx cannot trace its forward ({type(exc).__name__}: "

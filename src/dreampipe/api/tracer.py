@@ -6,7 +6,14 @@ Every trace
 - keeps objects it cannot express in a graph (a config) as constants, and
   rebuilds a ``ModelOutput`` the forward returns;
 - calls Hugging Face's attention-mask builders (``transformers.masking_utils``)
-  as single functions at run time, since they branch on the mask's values;
+  and MoE auxiliary losses as single functions at run time, since they branch
+  on the mask's values or the logits' device (their meta values come from fake
+  tensors, which the mask builders take as traced);
+- calls the output-capturing hooks inside units (router logits) on the values
+  the unit's node records for them (:mod:`.hooks`);
+- keeps a default tensor argument as its placeholder's value, records item
+  assignment (``ids[..., 0] = start``) as a node, and traces through a module
+  the forward builds (``CrossEntropyLoss()``);
 - traces a forward that takes ``**kwargs`` (Hugging Face's) through a stand-in
   forward with the example's own argument names, passing ``use_cache=False``
   when the forward takes ``use_cache`` (a pipeline trains without a KV cache);
@@ -32,14 +39,18 @@ import dataclasses
 import functools
 import inspect
 import logging
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
+
+from dreampipe.api.hooks import Firings, prune, recording, replay
 
 __all__ = ["call_on_meta", "on_meta", "trace_model"]
 
@@ -47,6 +58,9 @@ _log = logging.getLogger(__name__)
 
 #: Modules whose functions run whole at run time (they branch on tensor values).
 _LEAF_FUNCTION_MODULES = ("transformers.masking_utils",)
+#: Functions of Hugging Face's models that run whole at run time: MoE auxiliary losses
+#: branch on the device of the router logits, which a trace on ``meta`` does not know.
+_LEAF_FUNCTION_NAMES = ("load_balancing_loss_func", "router_z_loss_func")
 _CONCRETE = ("shape", "dtype", "ndim", "layout", "size", "dim", "numel", "is_floating_point")
 _VALUE = "_dreampipe_value"
 #: The meta value of a proxy whose value is not known (it fails whatever reads it).
@@ -109,6 +123,10 @@ class _MetaProxy(fx.Proxy):
             return bool(value)
         return super().__bool__()
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        """Item assignment (``ids[..., 0] = start``) is a node, run in place in its turn."""
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
 
 class _Tracer(fx.Tracer):
     """Units kept whole, every node's meta value alongside (from ``inputs``, the meta
@@ -122,6 +140,7 @@ class _Tracer(fx.Tracer):
         self.inputs = inputs
         self.concrete = concrete
         self._eager = False
+        self._firings: Firings | None = None
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.units or (
@@ -132,7 +151,23 @@ class _Tracer(fx.Tracer):
                     kwargs: dict[str, Any]) -> Any:
         if self._eager:
             return forward(*args, **kwargs)
-        return super().call_module(m, forward, args, kwargs)
+        try:
+            path = self.path_of_module(m)
+        except NameError:  # made by the forward (``CrossEntropyLoss()``): traced through
+            return forward(*args, **kwargs)
+        self._firings = None
+        out = super().call_module(m, forward, args, kwargs)
+        if not self.is_leaf_module(m, path) or not isinstance(out, fx.Proxy):
+            return out
+        return replay(m, path, out, args, self._firings or Firings(), self._meta)
+
+    @staticmethod
+    def _meta(p: fx.Proxy, value: Any) -> Any:
+        """``p``'s meta value; ``value`` not None: set it."""
+        if value is None:
+            return _value(p)
+        p.__dict__[_VALUE] = value
+        return value
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
         if self._eager:  # a unit running on meta for its value: its reads are not nodes
@@ -157,7 +192,13 @@ class _Tracer(fx.Tracer):
 
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
                      kwargs: dict[str, Any], *rest: Any, **kw: Any) -> fx.Proxy:
-        p = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
+        if kind == "placeholder" and any(isinstance(a, Tensor) for a in pytree.tree_leaves(args)):
+            # a default tensor (``y=torch.zeros(4, 8)``) stays the placeholder's value, not a
+            # get_attr of a constant fx would store on the model, which a segment lacks
+            p = super().create_proxy(kind, target, (), kwargs, *rest, **kw)
+            p.node.args = args
+        else:
+            p = super().create_proxy(kind, target, args, kwargs, *rest, **kw)
         if self.inputs is None:
             return p
         try:
@@ -171,18 +212,23 @@ class _Tracer(fx.Tracer):
     def _meta_value(self, kind: str, target: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
         if kind == "placeholder":
-            return (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
+            value = (self.inputs or {}).get(target, args[0] if args else _UNKNOWN)
+            return pytree.tree_map_only(Tensor, on_meta, value)
         if kind == "get_attr":
             value = _attribute(self.root, str(target))
             return on_meta(value) if isinstance(value, Tensor) else value
         if kind == "call_function":
+            if inspect.isfunction(target) and _runs_whole(target):
+                return _on_fake(target, args, kwargs)
             return target(*args, **kwargs)
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
         if kind == "call_module":
+            module = self.root.get_submodule(str(target))
             self._eager = True
             try:
-                return call_on_meta(self.root.get_submodule(str(target)), args, kwargs)
+                with recording(module) as self._firings:
+                    return call_on_meta(module, args, kwargs)
             finally:
                 self._eager = False
         return None
@@ -214,6 +260,16 @@ def call_on_meta(module: nn.Module, args: tuple[Any, ...],
     return functional_call(module, tensors, args, kwargs)
 
 
+def _on_fake(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn``'s meta value from fake tensors, which Hugging Face's mask builders take as
+    traced (they skip the branches on values that meta tensors cannot answer)."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        out = fn(*pytree.tree_map_only(Tensor, mode.from_tensor, args),
+                 **pytree.tree_map_only(Tensor, mode.from_tensor, kwargs))
+    return pytree.tree_map_only(
+        Tensor, lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta"), out)
+
+
 def _leaf_function(orig: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(orig)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -226,15 +282,22 @@ def _leaf_function(orig: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _runs_whole(fn: Callable[..., Any]) -> bool:
+    module = fn.__module__ or ""
+    return module in _LEAF_FUNCTION_MODULES or (
+        module.startswith("transformers.") and fn.__name__ in _LEAF_FUNCTION_NAMES)
+
+
 @contextlib.contextmanager
 def _leaf_functions(model: nn.Module) -> Iterator[None]:
-    """Replace, in the globals of every module's forward, the functions of
-    :data:`_LEAF_FUNCTION_MODULES` by ones that record a single call."""
+    """Replace, in the globals of every module's forward, the functions that run whole
+    (:data:`_LEAF_FUNCTION_MODULES`, :data:`_LEAF_FUNCTION_NAMES`) by ones that record a
+    single call."""
     patched: list[tuple[dict[str, Any], str, Any]] = []
     for module in model.modules():
         scope = inspect.unwrap(type(module).forward).__globals__
         for name, value in list(scope.items()):
-            if (inspect.isfunction(value) and value.__module__ in _LEAF_FUNCTION_MODULES
+            if (inspect.isfunction(value) and _runs_whole(value)
                     and not any(p[0] is scope and p[1] == name for p in patched)):
                 patched.append((scope, name, value))
                 scope[name] = _leaf_function(value)
@@ -290,7 +353,9 @@ def trace_model(model: nn.Module, units: set[str], example: Any, *,
     def trace(concrete: bool) -> fx.Graph:
         named = _named_forward(model, names) if rename else contextlib.nullcontext()
         with named, _leaf_functions(model):
-            return _Tracer(units, None if example is None else inputs, concrete).trace(model)
+            graph = _Tracer(units, None if example is None else inputs, concrete).trace(model)
+        prune(graph)
+        return graph
 
     if example is None:
         return trace(False), False
