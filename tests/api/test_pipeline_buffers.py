@@ -129,3 +129,64 @@ def test_every_key_of_the_state_dict_has_a_holder_or_an_alias() -> None:
     assert list(done) == list(model.state_dict())
     assert done["a.weight"] is done["b.weight"]
     assert type(keys).from_dict(keys.to_dict()) == keys
+
+
+class _Unused(nn.Module):
+    """Blocks each holding a Linear their forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"lin": nn.Linear(6, 6),
+                                                   "idle": nn.Linear(6, 6)}) for _ in range(4))
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block["lin"](x))
+        return self.head(x)
+
+
+_X = torch.randn(48, 6, generator=torch.Generator().manual_seed(2))
+_Y = torch.randint(0, 4, (48,), generator=torch.Generator().manual_seed(3))
+
+
+def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _train_unused(rank: int, world: int, schedule: str) -> dict[str, Tensor] | None:
+    from dreampipe.api import Pipeline
+
+    torch.manual_seed(0)
+    pipe = Pipeline(_Unused(), example=(_X[:8], _Y[:8]), loss_fn=torch.nn.functional.cross_entropy,
+                    optimizer=_adamw, schedule=schedule, microbatches=2,
+                    split_points=["blocks.2"], max_grad_norm=1.0, timeout_s=30.0)
+    for k in range(3):
+        pipe.step(_X[8 * k : 8 * k + 8], _Y[8 * k : 8 * k + 8])
+    pipe.finish()
+    state = pipe.full_state_dict()
+    pipe.close()
+    return state if rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "zb-h1"])
+def test_a_parameter_no_microbatch_uses_takes_no_step_under_clipping_and_decay(
+        schedule: str) -> None:
+    """One process leaves an unused parameter's gradient None, so clipping and AdamW's
+    weight decay pass it by; the pipeline's clipping must not give it zeros to decay."""
+    got = run_processes(_train_unused, 2, schedule, deadline_s=90.0)[0]
+    torch.manual_seed(0)
+    model = _Unused()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = _adamw(list(model.parameters()))
+    for k in range(3):
+        for m in range(2):
+            rows = slice(8 * k + 4 * m, 8 * k + 4 * m + 4)
+            (torch.nn.functional.cross_entropy(model(_X[rows]), _Y[rows]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert_matches({"losses": [], "state": got}, [], model.state_dict())
+    torch.testing.assert_close(got["blocks.0.idle.weight"], start["blocks.0.idle.weight"],
+                               rtol=0, atol=0)

@@ -53,9 +53,25 @@ def test_a_gradient_sum_keeps_its_first_term_and_starts_afresh_after_take(fused:
     assert sums[1] is None
     zeros = sums.filled(1)
     assert torch.equal(zeros, torch.zeros(3)) and sums[1] is zeros
-    taken = sums.take()
-    assert len(taken) == 2 and taken[0] is first and taken[1] is zeros
+    taken = sums.take()  # zeros nothing added to are no gradient (the next test)
+    assert len(taken) == 2 and taken[0] is first and taken[1] is None
     assert sums[0] is None and sums[1] is None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_parameter_nothing_reached_has_no_gradient_unless_an_all_reduce_wrote_it(
+        fused: bool) -> None:
+    params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]
+    sums = GradientSum(params, fused=fused)
+    sums.add_grad_mm(0, torch.ones(2, 1), torch.ones(1, 2))
+    sums.filled(1)  # zeros for a norm or an all-reduce: still no gradient
+    got = sums.take()
+    assert got[0] is not None and got[1] is None
+    sums.filled(0)
+    sums.filled(1)
+    sums.arrive_all()  # the replicas' sum: zeros count
+    assert all(g is not None for g in sums.take())
+    assert sums.take() == [None, None]
 
 
 def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:

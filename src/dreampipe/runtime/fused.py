@@ -92,6 +92,7 @@ class GradientSum:
         self._params = params
         self._fused = fused
         self._sums: list[Tensor | None] = [None] * len(params)
+        self._arrived: set[int] = set()
 
     def __getitem__(self, index: int) -> Tensor | None:
         return self._sums[index]
@@ -100,6 +101,7 @@ class GradientSum:
         acc = self._sums[index]
         if acc is not None and self._fused:
             acc.addmm_(a, b)
+            self._arrived.add(index)
         else:
             self.add_grad(index, torch.mm(a, b))
 
@@ -109,9 +111,15 @@ class GradientSum:
             self._sums[index] = g
         else:
             acc.add_(g)
+        self._arrived.add(index)
+
+    def arrive_all(self) -> None:
+        """Every sum counts, zeros included (an all-reduce over replicas wrote them)."""
+        self._arrived.update(range(len(self._params)))
 
     def filled(self, index: int) -> Tensor:
-        """Parameter ``index``'s sum, zeros (kept) if nothing arrived."""
+        """Parameter ``index``'s sum, zeros (kept) if nothing arrived; zeros that stay
+        zeros are still no gradient to :meth:`take`."""
         acc = self._sums[index]
         if acc is None:
             acc = torch.zeros_like(self._params[index])
@@ -119,8 +127,10 @@ class GradientSum:
         return acc
 
     def take(self) -> list[Tensor | None]:
-        """Every sum (None where nothing arrived), starting the next update's."""
-        sums, self._sums = self._sums, [None] * len(self._params)
+        """Every sum (None where nothing arrived: a parameter the update never used gets
+        no gradient, as in one process), starting the next update's."""
+        sums = [s if i in self._arrived else None for i, s in enumerate(self._sums)]
+        self._sums, self._arrived = [None] * len(self._params), set()
         return sums
 
 

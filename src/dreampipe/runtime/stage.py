@@ -378,6 +378,11 @@ class StageModule:
         self._harvest_all()
         return [self._grads.filled(i) for i in range(len(self._params))]
 
+    def reduced(self) -> None:
+        """The update's gradients were all-reduced over the replicas: each one counts,
+        even where this replica's units never used the parameter."""
+        self._grads.arrive_all()
+
     def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, :mod:`.versions`).
 

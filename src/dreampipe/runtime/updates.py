@@ -79,6 +79,7 @@ class RankUpdates:
             r = schedule.replicas[a.stage]
             scale = 1.0 / min(r, schedule.num_units - a.unit * r)
         buckets.finish(module.gradients(), a, scale)
+        module.reduced()
 
     def step(
         self, a: Action, schedule: Schedule, first_unit: int, module: StageModule, comm: Comm
