@@ -153,7 +153,7 @@ def reference_two_bw(
 def admitted(replicas: Sequence[int], stage: int) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
     ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, two per replica beyond one of
-    this and later stages, except at the last stage (``docs/planner.md``)."""
+    this and later stages, except at the last stage (``docs/design.md`` §5.2)."""
     joins = 0 if stage == len(replicas) - 1 else sum(r - 1 for r in replicas[stage:])
     return math.ceil((sum(replicas[stage:]) + 2 * joins) / replicas[stage])
 

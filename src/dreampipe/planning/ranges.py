@@ -26,7 +26,7 @@ on ``[s, e)`` is::
 and the optimum is ``min over e of H(0, 0, e)``. Workers after the last
 stage idle; when every worker must work, the last stage ends at ``W``.
 Every plan of contiguous ranges in order is one path of this recursion and each path is
-such a plan, so the minimum is exact (docs/planner.md; the property test
+such a plan, so the minimum is exact (docs/design.md §4.5; the property test
 compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
 ``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
 
