@@ -1,29 +1,16 @@
 """How fast a worker computes beside busy twins, as local workers do in a run.
 
-Local workers compute side by side, sharing caches, memory bandwidth and,
-on a virtual machine, whatever the host gives busy cores at once; how much
-that costs depends on the model and on the host (how much of its time is
-bound by the caches and memory bandwidth the cores share). Two measurements:
+Local workers share caches, memory bandwidth and, on a virtual machine, the
+host's cores, at a cost that depends on the model and the host. Two
+measurements (docs/design.md §9.1):
 
-- :func:`profile_beside` takes the layer profile in ``1 + twins`` processes
-  at once, each beside the others, so each layer's time already holds the
-  slowdown of this workload on this machine as it is now (``dreampipe
-  train``'s profile). The cores of a virtual machine need not run at one
-  speed (two one-thread processes may run the same work tens of percent
-  apart), and a run's synchronous steps go at its slowest
-  worker's pace, so the profile kept is the slowest process's::
-
-      rank 0..t   barrier [profile] [forward+backward, ...] until all profiled, [rates], gather
-
+- :func:`profile_beside` takes the layer profile in ``1 + twins`` processes at
+  once and keeps the slowest process's, since a run's synchronous steps go at
+  its slowest worker's pace (``dreampipe train``'s profile);
 - :func:`measure_corun` times one model's forward and backward alone, then
   beside a twin: the factor :class:`~dreampipe.machine.calibration.LocalCalibration`
-  keeps for profiles taken alone::
-
-      rank 0   [alone: warm-up, repeats] | [beside: warm-up, repeats]
-      rank 1   (waits at the barrier)    | [same work, 2 more rounds]
-                                         ^ barrier
-
-  Rank 1 runs two rounds more than rank 0, so rank 0 is never timed alone.
+  keeps for profiles taken alone. The twin runs two rounds more, so the timed
+  rank never runs alone while it is timed beside it.
 """
 
 from __future__ import annotations

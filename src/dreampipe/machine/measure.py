@@ -1,21 +1,12 @@
 """Measuring the machine a job runs on: ``dreampipe calibrate``, and its quick subset at start-up.
 
 The ranks of one process group measure every figure of a
-:class:`~dreampipe.machine.machine_file.MachineFile` together, per level
-(``L`` workers per node, ranks ``0..L-1`` on the first node, as torchrun
-numbers them)::
-
-    every rank   new groups | co-run (ranks 0, 1)  | node level          | nodes level
-    node         0..L-1     | alone, beside a twin | ping-pong 0 <-> 1   |
-                            |                      | all-reduce, rates   |
-    nodes        0, L, 2L.. |                      |                     | ping-pong 0 <-> L
-                                                                           all-reduce, rates
-
-Rank 0 takes part in every measurement and gets every result. A level's
-all-reduce moves as many bytes as its ping-pong's bandwidth carries in the
-probe's target time (a megabyte at the least), so a slow link between nodes
-takes seconds, not minutes. On GPUs (NCCL) everything is timed with CUDA
-events and nothing co-runs (a GPU per worker); the code is the same.
+:class:`~dreampipe.machine.machine_file.MachineFile` together (``L`` workers
+per node, ranks ``0..L-1`` on the first node, as torchrun numbers them): the
+co-run on ranks 0 and 1, then per level a ping-pong between its first two
+members and an all-reduce among all of them, with the step and stash-copy
+rates. Rank 0 takes part in every measurement and gets every result. What
+each figure is and how a probe is sized: docs/design.md §9.1.
 
 Locally the ranks are processes started here
 (:func:`~dreampipe.runtime.processes.run_processes`); under torchrun they

@@ -1,24 +1,14 @@
 """What the runtime's own forward and backward cost beyond the layers the profile times.
 
-The layer profile times each layer as plain PyTorch runs it. A stage of the
-runtime runs the same layers through :class:`~dreampipe.runtime.stage.StageModule`:
-the weight version put in its parameters' places (a cost per parameter tensor), the
-fused ``nn.Linear`` gradients, the post-accumulate hooks. How much that adds
-depends on the model (its parameter tensors per unit of compute) and the
-host, so no fixed factor fits. So this module runs
-the whole model both ways, interleaved, so that the host's drift hits both
-alike::
-
-    plain    F  B  step | F  B  step | ...      loss_fn(model(x), y).backward()
-    runtime  F  B  step | F  B  step | ...      StageModule.forward/backward/step
-
-and keeps the medians' ratios in the graph's meta (``runtime_forward``,
-``runtime_backward``), which :func:`~dreampipe.machine.calibration.local_costs`
-multiplies each stage's layer times by. The loss is not a layer, so the
-profile leaves it out, and it is not small for every model (a language
-model's cross-entropy over every position and the whole vocabulary): it is
-timed too, forward and backward on the model's output (``loss_forward_ms``,
-``loss_backward_ms``), and the last stage pays it.
+A stage runs its layers through :class:`~dreampipe.runtime.stage.StageModule`
+(weight versions put in the parameters' places, fused ``nn.Linear`` gradients,
+hooks), at a cost that depends on the model and the host. This module runs the
+whole model both ways, plain and through the runtime, interleaved so that the
+host's drift hits both alike, and keeps the medians' ratios in the graph's
+meta (``runtime_forward``, ``runtime_backward``), which
+:func:`~dreampipe.machine.calibration.local_costs` multiplies each stage's
+layer times by. It also times the loss, which the profile leaves out and the
+last stage pays (``loss_forward_ms``, ``loss_backward_ms``; docs/design.md §9.1).
 """
 
 from __future__ import annotations

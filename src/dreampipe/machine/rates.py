@@ -1,23 +1,16 @@
 """The host's all-reduce, update and stash-copy rates, measured with each local profile.
 
 A local run's prediction needs, beyond the layer times, how fast the workers
-all-reduce gradients (gloo over loopback), apply an SGD step and copy a
-stashed weight version. These are memory-bound and drift with the host as
-much as compute does, by tens of percent from one day to the next. So the
+all-reduce gradients, apply an SGD step and copy a stashed weight version.
+These are memory-bound and drift with the host as compute does, so the
 processes that profile beside each other
-(:func:`~dreampipe.machine.corun.profile_beside`) also measure these, all at
-once, and keep them in the graph's meta, which
-:func:`~dreampipe.machine.calibration.measured_machine` puts in place of the fixed
-figures of :class:`~dreampipe.machine.calibration.LocalCalibration`::
-
-    every rank   barrier AR (untimed) | barrier AR | agree on n | barrier AR ... | steps
-    rank 0       [copies]   | (trains)   |
-    rank 1       (trains)   | [copies]   |   (in turn: a stage copies beside computing ones)
-
-The all-reduce is the runtime's own (:class:`~dreampipe.runtime.buckets.GradientBuckets`:
-flatten, all-reduce, scale, copy back), behind a barrier so it times the
-collective, not the ranks' skew. Its time holds the per-message latency too,
-which the planner's term adds again: microseconds, against milliseconds here.
+(:func:`~dreampipe.machine.corun.profile_beside`) measure them too and keep
+them in the graph's meta, which
+:func:`~dreampipe.machine.calibration.measured_machine` puts in place of the
+fixed figures of :class:`~dreampipe.machine.calibration.LocalCalibration`.
+The all-reduce is the runtime's own
+(:class:`~dreampipe.runtime.buckets.GradientBuckets`), behind a barrier; copies
+are timed one rank at a time while the others compute (docs/design.md §9.1).
 """
 
 from __future__ import annotations

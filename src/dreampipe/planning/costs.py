@@ -1,46 +1,16 @@
 """The planner's cost model: small named terms, each vectorised with NumPy.
 
-Every term is per minibatch and in seconds or bytes. A replicated stage's
-``r`` replicas run ``r`` minibatches per round, then all-reduce their
-gradients once (:mod:`dreampipe.planning.sync` prices the algorithm). The
-all-reduce goes out during the backward, bucket by bucket as DDP does, as
-each layer's gradient becomes final (last layer first), so it hides behind
-the backward of the layers below the first one with weights, never behind
-the forward. Transfers across a cut run on their own links and overlap
-compute, so a pipeline's time is the *max* of its terms, never their sum::
-
-    stage i..j on r replicas:   T = max(C, F + end) / r           (C = F + backward)
-    all-reduce end:             end = alpha + max over k of (B_k..j + |w|_i..k / B')
-    cut before layer k:         2 (alpha + a_k / B) / copies      (activations out, gradients back)
-    pipeline:                   A = max over stages and cuts
-
-``Input`` nodes of a PipeDream profile are zeroed: their time is data
-loading, which overlaps training (PipeDream's optimizer zeroes them too).
-
-Memory per worker follows docs/design.md §5, counting what the runtime holds: a
-stage keeps one weight version per minibatch in flight (the live one among
-them), one gradient buffer, its optimizer's state, and for each minibatch
-in flight its input and what its layers keep for the backward; a backward
-running through a layer briefly holds the gradients of what that layer keeps
-(about as many bytes: its largest layer's, ``working``); besides, the rank
-keeps its last ``SENDS_KEPT`` sent tensors until it reaps them::
-
-    versions = minibatches in flight (:mod:`dreampipe.planning.in_flight`)
-    memory   = weights * (versions + 1 + optimizer) + (input + kept) * in flight
-               + working + SENDS_KEPT * sent
-
-(in the steady state the versions equal the minibatches in flight). Without
-weight stashing there is one version, a minibatch in flight keeps only its
-input, and one backward at a time recomputes what the layers keep
-(:func:`memory_bytes`). A stage that *recomputes* (``recompute``) keeps its
-weight versions but, per minibatch in flight, only its input; its backward
-first runs the forward again (one more ``F``) and holds one minibatch's
-``input + kept`` while it does. The simulator (:mod:`dreampipe.simulation`) and the
-schedule builder take these same terms; ``dreampipe train`` holds a run to
-them (``docs/memory.md``).
-
-:class:`RangeCosts` holds the profile's sums over every layer range, the
-inputs of these terms for any candidate stage.
+Every term is per minibatch, in seconds or bytes (docs/design.md §3). A stage
+of layers ``i..j`` on ``r`` replicas takes ``max(C, F + end) / r``, its
+all-reduce going out bucket by bucket during the backward
+(:mod:`dreampipe.planning.sync` prices the algorithm); a cut costs
+``2 (alpha + a_k / B) / copies``. Transfers and all-reduces overlap compute,
+so a pipeline's time is the *max* of its terms, never their sum. ``Input``
+nodes cost nothing. :func:`memory_bytes` counts what the runtime holds per
+worker: weight versions, gradients, optimizer state, the inputs and kept
+tensors of the minibatches in flight, and the sends kept (docs/design.md
+§5.4). :class:`RangeCosts` holds the profile's sums over every layer range,
+the inputs of these terms for any candidate stage.
 """
 
 from __future__ import annotations
@@ -198,7 +168,7 @@ def memory_bytes(
     sends_kept: int = SENDS_KEPT,
     recompute: bool = False,
 ) -> FloatArray:
-    """Bytes per worker of a stage (module doc)::
+    """Bytes per worker of a stage (docs/design.md §5.4)::
 
         stash      weights * (versions + 1 + optimizer) + (input + kept) * in_flight
                    + working + sends
@@ -315,7 +285,7 @@ class RangeCosts:
 
     @classmethod
     def of(cls, graph: LayerGraph) -> RangeCosts:
-        """The sums of ``graph``, ``Input`` nodes' times zeroed (module doc)."""
+        """The sums of ``graph``, ``Input`` nodes' times zeroed (docs/design.md §2)."""
         def sums(values: Sequence[float], empty: float) -> FloatArray:
             prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
             table = prefix[None, 1:] - prefix[:-1, None]

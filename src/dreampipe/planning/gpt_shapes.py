@@ -1,27 +1,12 @@
 """A GPT-style transformer's profile from its layer shapes, for planning studies at scale.
 
-PipeDream's optimizer plans from a profile; a model too large to profile
-here (GPT-3 1.3B, Megatron-LM's 8.3B) gets one from its shapes instead:
-each transformer block becomes six layers whose times come from their
-floating-point work at a sustained rate and whose sizes from their tensors,
-as Megatron-LM counts them (Korthikanti et al., "Reducing Activation
-Recomputation in Large Transformer Models": ``34 s b h + 5 a s^2 b`` bytes
-kept per block in 16-bit activations)::
-
-    ln1       LayerNorm(h)              keeps its output          2 sbh
-    attn_in   Linear(h, 3h) + attention keeps Q, K, V, scores     8 sbh + 5 a s^2 b
-    attn_out  Linear(h, h)              keeps output, dropout     3 sbh
-    ln2       LayerNorm(h)                                        2 sbh
-    fc1       Linear(h, 4h) + GELU()    keeps GELU in and out     16 sbh
-    fc2       Linear(4h, h)             keeps output, dropout     3 sbh
-
-The descriptions are what the operator search reads
-(:mod:`dreampipe.planning.splits`): ``attn_in`` and ``fc1`` split by output
-(heads, hidden units) and ``attn_out`` and ``fc2`` by input give Megatron-LM's
-tensor-parallel block, one all-reduce forward and one backward per half.
-An embedding starts the model and a final LayerNorm and the vocabulary
-projection (untied) end it. The backward takes twice the forward; weights
-and gradients count ``parameter_bytes`` per parameter.
+A model too large to profile here (GPT-3 1.3B, Megatron-LM's 8.3B) gets a
+profile from its shapes: each transformer block becomes six layers whose
+times come from their floating-point work (or bytes moved) and whose sizes
+from their tensors, as Megatron-LM counts them (docs/design.md §2, "Profiles
+from shapes"; :func:`gpt_profile` lists the layers). Their descriptions let
+the operator search (:mod:`dreampipe.planning.splits`) split each block as
+Megatron-LM's tensor parallelism does.
 """
 
 from __future__ import annotations
@@ -65,9 +50,23 @@ MEGATRON_8_3B = GptShape("megatron-8.3b", 72, 3072, 32, 1024, 51200, 8)
 
 def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4,
                 memory_bandwidth: float = 900e9) -> LayerGraph:
-    """The profile of ``shape`` (module doc): matrix products at ``flops_per_s`` sustained,
-    LayerNorms and the embedding at ``memory_bandwidth`` bytes/s (they move, not multiply),
-    activations in 16 bits."""
+    """The profile of ``shape``: matrix products at ``flops_per_s`` sustained, LayerNorms
+    and the embedding at ``memory_bandwidth`` bytes/s (they move, not multiply), every
+    backward twice its forward, weights and gradients ``parameter_bytes`` per parameter.
+
+    Each block's layers keep what Megatron-LM counts in 16-bit activations
+    (``34 s b h + 5 a s^2 b`` bytes per block; docs/design.md §2)::
+
+        ln1       LayerNorm(h)              keeps its output          2 sbh
+        attn_in   Linear(h, 3h) + attention keeps Q, K, V, scores     8 sbh + 5 a s^2 b
+        attn_out  Linear(h, h)              keeps output, dropout     3 sbh
+        ln2       LayerNorm(h)                                        2 sbh
+        fc1       Linear(h, 4h) + GELU()    keeps GELU in and out     16 sbh
+        fc2       Linear(4h, h)             keeps output, dropout     3 sbh
+
+    An embedding starts the model and a final LayerNorm and the vocabulary projection
+    (untied) end it.
+    """
     b, s, h, a, v = shape.batch, shape.seq, shape.hidden, shape.heads, shape.vocab
     sbh = s * b * h
     p = parameter_bytes

@@ -2,39 +2,16 @@
 
 A replica of stage ``s`` runs that many forwards before its first backward
 (1F1B's warm-up) and stashes that many weight versions, so the count sets
-both throughput and memory. PipeDream's rule (NOAM, docs/design.md §5) gives each
-worker from the stage to the end one minibatch, shared among the stage's
-replicas: ``ceil(W_s / r_s)``. It keeps a pipeline full when every unit
-moves on as soon as it is done.
-
-Replicated stages break that assumption. The ``r`` replicas of a stage
-get their round's units, or the gradients of them, one period ``T`` apart
-from a neighbour stage, and all join the round's all-reduce, so the first
-waits up to ``(r-1) T`` there, before its next forward and its next
-backward: up to ``2 (r-1) T`` more round trip for every unit in flight
-through the stage. By Little's law a stage keeps its rate only with that
-many more units in flight::
+both throughput and memory. PipeDream's rule gives each worker from the stage
+to the end one minibatch, shared by the stage's replicas; dreampipe adds a
+join buffer for the waits of replicated stages at their all-reduce::
 
     in_flight(s) = ceil((W_s + join * E_s) / r_s),
     E_s = sum of (r_i - 1) over stages i >= s      (0 for the last stage)
 
-``join = 2`` covers the worst case (the default); ``join = 0`` is
-PipeDream's rule. The last stage runs each unit's backward right after its
-forward, so more in flight there only delays it (data parallelism, one
-stage, keeps one). ``E_s`` never grows downstream, so every ``join`` gives a
-schedule without deadlock (its validator checks). PipeDream's profiles with
-the planner's plans, simulated (``tests/simulation/test_pipedream_profiles.py``):
-GNMT on cluster A, config 1-1-2-1-1-2-4-3-1, runs at 55% of the planner's
-steady-state rate with ``join = 0`` and at 100-110% with ``join = 2``;
-AlexNet 13-1-1 on cluster B at 91% and 100%. The price is memory: a stage
-holds more weight versions and stashed activations (its memory
-prediction counts them), and a plan made under a memory limit keeps the
-deepest buffer that fits (:data:`JOIN_BUFFERS`).
-
-A stage split over ``t`` workers is one schedule rank per replica but runs
-on ``t`` workers; the planner's search counts every worker after a stage
-(``W_s = r_s + sum of r_i t_i over later stages``), a bound that equals the
-rule above when no split stage follows and holds at least as many otherwise.
+``join = 0`` is PipeDream's rule, ``join = 2`` the default; a plan under a
+memory limit keeps the deepest buffer of :data:`JOIN_BUFFERS` that fits.
+The reasoning, and the count before split stages: docs/design.md §5.2, §10.3.
 """
 
 from __future__ import annotations

@@ -6,18 +6,11 @@ For every context ``k``, first layer ``i`` and range end ``c`` the best split is
 
 where candidate ``u`` is one (inner slot, units) choice of the first stage,
 ``x`` the first stage ``i..t`` with the cut after it and ``y`` the rest
-``t+1..c``. Invalid ranges hold ``inf`` on either side, so they never win.
-On ties the plain loop's choice is kept: the first ``u``, then the first ``t``.
-
-The product runs tile by tile over ``(i, c)``, each tile only over the pairs
-``(u, t)`` that some row and some column of it can use: finite (so about a
-sixth of the whole cube is computed), within ``limit[k]``, an upper bound on
-the time of any part of an optimal plan, and below the largest ``best`` of
-the tile's ranges (a pair at or above it improves none of them, so it is
-neither a split found nor a tie to break). An entry whose best split is
-within the limit is exact, value and choice; one above it may come out
-larger than the plain product (or ``inf``), which no plan within the limit
-reads.
+``t+1..c``. Invalid ranges hold ``inf``, so they never win; ties keep the
+plain loop's choice (the first ``u``, then the first ``t``). The product runs
+tile by tile over ``(i, c)``, each tile only over the pairs ``(u, t)`` that
+can improve one of its ranges within ``limit[k]``: an entry within the limit
+is exact, value and choice (docs/design.md §4.1, §4.3).
 """
 
 from __future__ import annotations

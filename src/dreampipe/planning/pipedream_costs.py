@@ -2,23 +2,11 @@
 
 ``--cost-model pipedream`` reproduces the figures PipeDream's optimizer
 prints, term for term, so that dreampipe's plans can be compared with the
-paper's. Its terms differ from dreampipe's (:mod:`dreampipe.planning.costs`)::
-
-    all-reduce of |w| on m replicas:   4(m-1)/m * |w| / B        (dreampipe: 2(m-1)|w|/B)
-    stage i..j on m replicas:          (compute + all-reduce) / m  (added, not overlapped)
-    first stage of a range, level > 0: all-reduce / (workers of one unit below)
-    stage after a cut, s..e on m':     max(T, 2 out(s-1) / (B m'), 2 out(e) / (B m'))
-                                       (out(e) only if e is not the last state)
-    data parallelism, level by level:  T <- (T + all-reduce / units below) / m
-
-The optimizer plans over *states*, the downward-closed node sets of its
-antichain DAG (after removing ``Input`` sources and unused ``__getitem__``
-sinks), in a topological order; the range ``i..j`` costs
-``C(state j) - C(state i-1)``, and a stage other than the first of its range
-may start after state ``s`` only if ``s`` is an ancestor of its last state
-(the cut rule). ``out(k)`` is the activation of state ``k``'s augmented
-antichain, the nodes with a consumer outside its ideal. On a chain the
-states are the layers.
+paper's. Its terms differ from dreampipe's (:mod:`dreampipe.planning.costs`):
+the all-reduce is added to compute rather than overlapped, and a cut is
+charged on the stage after it. It plans over PipeDream's *states*, the
+downward-closed node sets of its antichain DAG, which on a chain are the
+layers. The terms and the states: docs/design.md §6.
 """
 
 from __future__ import annotations

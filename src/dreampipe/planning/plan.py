@@ -2,39 +2,16 @@
 
 A plan is plain data produced by the planner (or written by hand) and read by
 the schedules, the simulator and the runtime. Stage ``s`` spans layers
-``first..last`` (inclusive, indices in the profile's order), is replicated
-``replicas`` ways (data-parallel within the stage) and lives on ``ranks``.
-Ranks are numbered stage by stage: stage 0 holds ranks ``0..r0-1`` and so on.
-``workers`` says where those ranks sit on the topology the plan was made for
-(worker ``w`` is device ``w mod 4`` of server ``w // 4`` on ``4x4``): the
-planner may spread a stage over servers, and its costs assume that layout.
+``first..last`` of the profile, is replicated ``replicas`` ways and runs on
+``ranks``, numbered stage by stage; ``workers`` says where those ranks sit on
+the topology the plan was priced for. Its config string is the paper's
+(``"15-1"``, ``"straight"``, ``"16"``), with ``t`` for a tensor-split stage
+(``"2t4"``) and ``r`` for one that recomputes (``"2r"``).
 
-The config string is the paper's: ``"15-1"`` (stage 0 on 15 workers, stage 1
-on one), ``"straight"`` (every stage on one worker, more than one stage) and
-``"16"`` (one stage on 16 workers: pure data parallelism).
-
-A stage may also be *tensor-split* (operator partitioning,
-:mod:`dreampipe.planning.operator_search`): each of its replicas runs on
-``tensor_parallel`` workers of one server that hold a share of every layer's
-weights, as ``splits`` says per layer. Its config token is ``"2t4"`` (two
-replicas, each split over 4 workers). The schedule sees one rank per replica
-(``ranks``); the workers of schedule rank ``r`` follow those of rank
-``r - 1`` (``r * t .. r * t + t - 1`` when every stage has the same ``t``),
-and a split stage's ``workers`` are the first worker of each replica.
-Stages may mix widths (``"2t4-3-1r"``): the planner's range program chooses
-per stage (:mod:`dreampipe.planning.split_ranges`). :attr:`Plan.tensor_parallel`
-is the one ``t`` of a plan whose stages share it (a pipeline x tensor mesh)
-and refuses a plan that mixes them: such a plan is read stage by stage.
-
-A plan may run ``virtual_stages = v`` stages to a rank (interleaved 1F1B): its
-``p * v`` stages sit on ``p`` ranks, stage ``s`` on rank ``s mod p``, each one
-unsplit replica (:mod:`dreampipe.planning.placement`). The plan carries ``v``
-and whoever runs it reads it there; a file without it runs one stage per rank.
-
-A stage may *recompute* its activations in the backward instead of keeping
-them per minibatch in flight (``recompute``, config token ``"2r"``): its
-``compute_s`` then holds one more forward and its memory only its inputs
-(:func:`~dreampipe.planning.costs.memory_bytes`).
+A plan may run ``virtual_stages = v`` stages to a rank (interleaved 1F1B):
+stage ``s`` of ``p * v`` on rank ``s mod p``; a file without it runs one stage
+per rank. The rules: docs/design.md §4, §4.6, §7.7 and §10.3; the words are
+the glossary's (§13).
 """
 
 from __future__ import annotations

@@ -1,44 +1,16 @@
 """Stages on any contiguous range of workers: an exact DP over (layers, workers laid in order).
 
 The hierarchical program (:mod:`dreampipe.planning.dp`) puts every outer
-stage on whole units, so ``15-1`` on 4x4 (three servers and three GPUs of a
-fourth, then one GPU) is outside its search. Here the workers are laid in
-rank order and every stage takes the next ``r`` of them, wherever that
-range starts within a server. Each term is the one
-:func:`~dreampipe.planning.pricing.price_stages` charges for that placement:
-
-- a stage on ``[s, e)`` all-reduces over ``replica_groups(range(s, e))``, so
-  its time depends on where it starts within a server, not only on ``e - s``;
-- the cut between ``[s, e)`` and ``[e, f)`` is priced per level on the
-  share of the (sender, receiver) pairs that first meet there
-  (:func:`~dreampipe.planning.pricing.cut_seconds`); with contiguous ranges
-  only the unit holding both ``e - 1`` and ``e`` holds pairs of both.
-
-A stage's cost depends on its own layers and range, a cut's on the layer it
-crosses and the two ranges beside it, and the pipeline's time is the max of
-them all. So the best pipeline over layers ``i..`` whose first stage sits
-on ``[s, e)`` is::
-
-    H(i, s, e) = min( T(i..N-1, [s, e)),
-                      min over i <= t < N-1, e < f <= W of
-                      max( T(i..t, [s, e)), cut(t+1; [s, e), [e, f)), H(t+1, e, f) ) )
-
-and the optimum is ``min over e of H(0, 0, e)``. Workers after the last
-stage idle; when every worker must work, the last stage ends at ``W``.
-Every plan of contiguous ranges in order is one path of this recursion and each path is
-such a plan, so the minimum is exact (docs/design.md §4.5; the property test
-compares it with brute force). The work is ``O(N^2 W^3 / 6)`` (the triples
-``s < e < f``), hence :data:`RANGES_MAX_WORKERS`.
-
-Beyond that many workers it still places stages on every range when the
-profile's layers fit its budgets of work and of cut-table entries, and
-otherwise runs on a grid of boundaries (:func:`range_points`): every stage
-starts and ends at a multiple of ``g`` workers (or at ``W``), ``g`` the
-least that leaves at most :data:`RANGES_GRID` ranges of the grid. Every
-term is still the exact price of the placement it stands for, so its plans
-cost what they say, but a plan whose boundaries fall between grid points
-is outside the search: the planner then reports the plan as a heuristic
-with its gap bound (:func:`~dreampipe.planning.search.gap_bound`).
+stage on whole units, so ``15-1`` on 4x4 is outside its search. Here the
+workers are laid in rank order and every stage takes the next ``r`` of them,
+wherever that range starts within a server, each term priced as
+:func:`~dreampipe.planning.pricing.price_stages` prices that placement. A
+stage's cost reads only its layers and range, a cut's only its layer and the
+two ranges beside it, so the recursion ``H(i, s, e)`` over the first stage's
+layers and range is exact; its work is ``O(N^2 W^3 / 6)``. Beyond
+:data:`RANGES_MAX_WORKERS` workers, when the profile exceeds its budgets, it
+runs on a grid of boundaries (:func:`range_points`) and the plan reports its
+gap bound. The recursion and why it is exact: docs/design.md §4.5.
 """
 
 from __future__ import annotations

@@ -2,24 +2,14 @@
 
 The range program (:mod:`dreampipe.planning.ranges`) may run a stage as
 ``r`` replicas, each split over ``t`` workers of one server (config token
-``2t4``). A :class:`StageSplit` fixes how every layer of the model is split
-over ``t`` (an answer of the operator search,
-:mod:`dreampipe.planning.operator_search`) and holds, as a
-:class:`~dreampipe.planning.costs.RangeCosts`, what a stage of layers
-``i..j`` run that way costs one replica: its compute share plus the
-collectives inside it, the reshards between its layers, and those at its
-edges (a split stage receives and sends replicated tensors, so it turns its
-input into its first layer's layout and its output back; the model's first
-stage reads its data in any layout for free, and its last only reduces a
-partial sum), and each worker's share of weights and kept tensors. Every
-term the range program, :func:`~dreampipe.planning.pricing.price_stages`
-and the memory terms read is then the same table look-up as for an unsplit
-stage, so splitting adds options to the search without new pricing rules.
-
-:func:`split_options` gives the two splits per ``t`` the planner tries: the
-fastest over the whole model and the one that holds least per worker (the
-two ends of the operator search's (time, memory) front). The program is
-exact over plans whose split stages run one of them.
+``2t4``). A :class:`StageSplit` fixes how every layer is split over ``t`` (an
+answer of :mod:`dreampipe.planning.operator_search`) and holds, as a
+:class:`~dreampipe.planning.costs.RangeCosts`, what a stage of layers ``i..j``
+run that way costs one replica, reshards at its edges included. Every term
+the range program and the pricing read is then the same look-up as for an
+unsplit stage, so splitting adds options without new pricing rules.
+:func:`split_options` gives the two splits per ``t`` the planner tries, the
+two ends of the operator search's (time, memory) front (docs/design.md §10.3).
 """
 
 from __future__ import annotations
@@ -41,7 +31,7 @@ __all__ = ["StageSplit", "fits_servers", "split_costs", "split_options"]
 @dataclass(frozen=True, eq=False)
 class StageSplit:
     """Every layer of a model split as ``splits`` over ``t`` workers of one server, and
-    what a stage of any layer range costs one replica so (``costs``, module doc)."""
+    what a stage of any layer range costs one replica so (``costs``, docs/design.md §10.3)."""
 
     t: int
     splits: tuple[Split, ...]
@@ -66,7 +56,8 @@ def _sums(values: FloatArray, empty: float) -> FloatArray:
 
 def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) -> RangeCosts:
     """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
-    workers as ``splits`` says, on ``link`` (module doc). ``Input`` layers cost no time."""
+    workers as ``splits`` says, on ``link`` (docs/design.md §10.3). ``Input`` layers cost
+    no time."""
     layers = graph.layers
     n = len(layers)
     own, fwd, bwd, weights, kept = (np.zeros(n) for _ in range(5))

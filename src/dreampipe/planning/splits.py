@@ -1,34 +1,15 @@
 """Operator partitioning as data: how each kind of layer can be split over ``t`` workers.
 
-Tofu (Wang et al., "Supporting very large models using automatic dataflow
-graph partitioning") splits every operator's tensors across workers. Here a
-layer runs under one :class:`Split` over all ``t`` workers of a group, and the
-activation between two layers is in one :class:`Layout`::
-
-    split     input layout   output layout   extra collective
-    REPLICA   REPLICATED     REPLICATED      none (every worker computes it all)
-    BATCH     BATCH          BATCH           all-reduce of the weight gradients
-    OUT       REPLICATED     FEATURE         all-reduce of the input gradient
-                                             (weights split by output rows, so
-                                             each worker's dx is a partial sum)
-    IN        FEATURE        PARTIAL         none (weights split by input columns;
-                                             the output is a sum still to reduce)
-    IN on a   FEATURE        REPLICATED      all-reduce of the output (the block's
-    block                                    activation needs the whole sum)
-
-An ``OUT`` layer followed by an ``IN`` layer is Megatron-LM's MLP: one
-all-reduce forward (the partial sum) and one backward (the input gradient).
-
-A profiled block ``Linear(...) + ReLU()`` is a weighted layer whose
-elementwise tail runs inside it, so under ``IN`` the sum is reduced within
-the block (as DTensor does before a nonlinearity). A weighted layer
-(``Linear``, ``Conv2d``, ``Embedding``, attention projections) may take
-any of them; an elementwise one (activations, dropout)
-passes any layout but ``PARTIAL`` through; a layer dreampipe cannot read takes
-``REPLICA`` or ``BATCH``. Between layers, :func:`reshard_bytes` prices turning
-one layout into another, forward and backward, as ring collectives move them.
-Sizes are the profile's, for the whole minibatch; per-worker figures divide
-them.
+After Tofu (Wang et al.), a layer runs under one :class:`Split` over all ``t``
+workers of a group (``REPLICA``, ``BATCH``, ``OUT``, ``IN``), and the activation
+between two layers lies in one :class:`Layout`. A weighted layer (``Linear``,
+``Conv2d``, ``Embedding``, attention projections) may take any split; an
+elementwise one passes any layout but ``PARTIAL`` through; a layer dreampipe
+cannot read takes ``REPLICA`` or ``BATCH``. A weighted layer with an
+elementwise tail (``Linear(...) + ReLU()``) reduces an ``IN`` split's sum
+inside itself. :func:`reshard_bytes` prices turning one layout into another,
+forward and backward, as ring collectives move them. Sizes are the
+profile's, for the whole minibatch. The tables: docs/design.md §10.1.
 """
 
 from __future__ import annotations

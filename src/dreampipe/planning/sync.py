@@ -1,27 +1,13 @@
 """How replicas synchronise their gradients: four all-reduce algorithms in the alpha-beta model.
 
-Each model prices one all-reduce of ``n`` bytes among the replicas of a
-stage, laid on a topology as ``groups``: ``groups[k]`` units of level k-1
-are used inside each unit of level k (``groups[0]`` workers per server,
-``groups[1]`` servers, ...), ``p = prod(groups)`` replicas in all. ``h`` is
-the outermost level with ``groups[h] > 1`` (its link, alpha_h and B_h, is the
-slowest any flat algorithm crosses)::
-
-    ring              2(p-1) a_h  +  2(p-1)/p n / B_h
-    hierarchical      sum over k of  2(g_k-1) a_k  +  2(g_k-1)/g_k n / B_k
-    halving-doubling  2 log2(p) a_h  +  2(p-1)/p n / B_h          (p a power of 2)
-                      (2 log2(p') + 2) a_h + (2(p'-1)/p' + 2) n / B_h,  p' = 2^floor(log2 p)
-    parameter server  2 a_h  +  2 max(1, p/k) n / B_h            (k shards)
-
-The ring (Patarasuk and Yuan, 2009) is bandwidth-optimal but pays ``2(p-1)``
-latencies. The hierarchical ring (reduce-scatter inside each unit, ring
-across units, all-gather inside; as in Horovod and NCCL across nodes) pays
-each level's latency only ``2(g_k-1)`` times and moves the cross-unit bytes
-once over each unit's shared link. Recursive halving-doubling (Thakur,
-Rabenseifner and Gropp, 2005) has the ring's bandwidth term with ``2 log2 p``
-latencies, plus an extra exchange when ``p`` is not a power of two. A
-parameter server with ``k`` shards pushes and pulls every gradient: its
-busiest link carries ``max(n, p n / k)`` each way.
+Each prices one all-reduce of ``n`` bytes among the replicas of a stage, laid
+on a topology as ``groups``: ``groups[k]`` units of level k-1 are used inside
+each unit of level k (``groups[0]`` workers per server, ``groups[1]``
+servers, ...), ``p = prod(groups)`` replicas in all. The hierarchical ring
+(the default) pays each level's latency and bandwidth separately; ``ring``,
+``halving-doubling`` and ``ps`` (a parameter server) run flat over the
+outermost level the replicas span. The formulas, their sources and why they
+differ: docs/design.md §3.3.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Topology: the cluster as a hierarchy of levels, innermost first.
 
-Level k groups ``count`` units of level k-1 joined by links of
-``bandwidth`` bytes/s (PipeDream §3.1). ``4x4`` is 4 servers of 4 devices:
+Level k groups ``count`` units of level k-1 joined by links of ``bandwidth``
+bytes/s per direction and ``latency`` seconds per message (the alpha-beta
+model). ``4x4`` is 4 servers of 4 devices:
 ``levels = (Level(4, in-server), Level(4, between servers))``. Workers are
-numbered so that the devices of one server are consecutive.
-
-Bandwidth figures for the presets (effective, per direction, per link):
-
-========== ===================================== ============ =============
-preset     hardware (PipeDream paper, Table 2)    in a server  between
-========== ===================================== ============ =============
-cluster-a  4 servers x 4 V100 16 GB, PCIe          10 GB/s      10 Gbps
-cluster-b  2 servers x 8 V100 16 GB, NVLink        50 GB/s      25 Gbps
-cluster-c  4 servers x 1 Titan X 12 GB             --           40 Gbps
-========== ===================================== ============ =============
-
-10 GB/s is what a PCIe 3.0 x16 link sustains in practice; 50 GB/s is one
-V100 NVLink 2.0 brick pair (2 x 25 GB/s) per direction.
-
-Each level also has a ``latency``, the fixed cost of one message on its
-links (the alpha of the alpha-beta model): 10 us inside a server and 50 us
-between servers by default, the order of a small NCCL or gloo message. The
-bandwidth of an outer level is that of one unit's link (a server's NIC),
-which everything the unit sends across that level shares.
+numbered so that the devices of one server are consecutive. The bandwidth of
+an outer level is that of one unit's link (a server's NIC), which everything
+the unit sends across that level shares (docs/design.md §3.1).
+:data:`PRESETS` are PipeDream's clusters.
 """
 
 from __future__ import annotations
@@ -47,7 +32,7 @@ __all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_LATENCIES", "PRESETS", "Level", "Topol
 #: PCIe (10 GB/s), every outer level 10 Gbps Ethernet.
 DEFAULT_BANDWIDTHS = ("10GB/s", "10Gbps")
 #: Per-message latency of each level when none is given: innermost 10 us,
-#: every outer level 50 us.
+#: every outer level 50 us, the order of a small NCCL or gloo message.
 DEFAULT_LATENCIES = ("10us", "50us")
 #: The slowest link a level may have, in bytes/s.
 _MIN_BANDWIDTH = 1.0
@@ -268,6 +253,18 @@ def _preset(name: str, counts: Sequence[int], bws: Sequence[str], memory: str) -
     return Topology(levels, parse_bytes(memory), name)
 
 
+#: PipeDream's clusters (its paper's Table 2); bandwidths effective, per direction, per link:
+#:
+#: ========== ===================================== ============ =============
+#: preset     hardware                              in a server  between
+#: ========== ===================================== ============ =============
+#: cluster-a  4 servers x 4 V100 16 GB, PCIe          10 GB/s      10 Gbps
+#: cluster-b  2 servers x 8 V100 16 GB, NVLink        50 GB/s      25 Gbps
+#: cluster-c  4 servers x 1 Titan X 12 GB             --           40 Gbps
+#: ========== ===================================== ============ =============
+#:
+#: 10 GB/s is what a PCIe 3.0 x16 link sustains in practice; 50 GB/s is one
+#: V100 NVLink 2.0 brick pair (2 x 25 GB/s) per direction.
 PRESETS: dict[str, Topology] = {
     "cluster-a": _preset("cluster-a", [4, 4], ["10GB/s", "10Gbps"], "16GB"),
     "cluster-b": _preset("cluster-b", [8, 2], ["50GB/s", "25Gbps"], "16GB"),

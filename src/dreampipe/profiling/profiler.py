@@ -1,31 +1,14 @@
 """Per-layer profiler: run a model once, then time every layer in training order.
 
-What a layer is: a step of :mod:`dreampipe.profiling.model_steps` (a child of an
-``nn.Sequential``, or a torch.fx node) whose output holds a tensor. Edges
-come from the steps' data flow (through glue), so a residual ``x + f(x)``
-is a DAG.
-
-How it measures (all in training mode, autograd on)::
-
-    1. record   x ─▶ L0 ─▶ L1 ─▶ … ─▶ loss      one real pass; keep every layer's
-                                                 inputs, outputs and d(loss)/d(output)
-    2. warmup + repeats passes in training order:
-         each layer in model order, on fresh leaf copies of its recorded inputs
-           forward:  out = L(inputs)                                     timed
-         then each layer in reverse order
-           backward:        autograd.grad(out, inputs + params, d(loss)/d(out))  timed
-           weight gradient: autograd.grad(out, params, d(loss)/d(out))           timed
-
-On a GPU each span is timed by CUDA events on the device's stream, read once
-per pass (:mod:`.clock`). The median of the ``repeats`` timings is reported, and every timed pass's
-total in ``meta["pass_ms"]`` (how a whole pass varies). The backward is the
-layer's own backward: gradients for its inputs (when they carry gradient in
-real training) and its parameters, with the real upstream gradient, in one
-call as training runs it; ``weight_grad_ms``, what a zero-bubble schedule's
-``W`` takes, is a second call for the weights alone (at most the backward). The
-loss itself is not timed. ``autograd.grad`` never touches ``.grad``, and
-afterwards the buffers (BatchNorm running stats), the train/eval flags and
-the torch RNG state are restored, so the user's model and RNG are as before.
+A layer is a step of :mod:`dreampipe.profiling.model_steps` (a child of an
+``nn.Sequential``, or a torch.fx node) whose output holds a tensor; edges come
+from the steps' data flow (through glue), so a residual ``x + f(x)`` is a DAG.
+One real pass records every layer's inputs, outputs and upstream gradient;
+then each timed pass runs every layer's forward in model order and its
+backward in reverse, on fresh leaf copies, with a second call for the weight
+gradient alone (``weight_grad_ms``). Each figure is the median over the
+timed passes; ``meta["pass_ms"]`` keeps every pass's total. The user's model,
+its buffers and the RNG are left as they were (docs/design.md §2.2).
 """
 
 from __future__ import annotations

@@ -2,22 +2,13 @@
 
 What DDP does: the replicas of a stage sum their gradients in *buckets* of
 about :data:`BUCKET_CAP_MB` each, and a bucket's all-reduce starts
-(``async_op=True``) as soon as every gradient in it is final, so the
-communication of the late layers overlaps the backward of the early ones::
-
-    backward   ── layer n ── layer n-1 ── ... ── layer 1 ──|
-    all-reduce            └ bucket 0 ─┘ └ bucket 1 ─┘ ... └ bucket k ─┘
-    ALLREDUCE<k> action                                   wait, scale ──|
-
-Parameters go into buckets in reverse registration order, the order their
-gradients become ready in the backward. Buckets start strictly in that
-order, each once it and every bucket before it is ready, so every replica
-issues the same sequence of collectives even where its gradients become
-ready in another order (or never: a replica with no unit in a round starts
-all its buckets at the ``ALLREDUCE`` action). The ``ALLREDUCE`` action
-starts whatever has not started, waits for every bucket, multiplies by the
-scale and copies the sums back: the same sum then scale, in the same dtype,
-as one all-reduce over all gradients.
+(``async_op=True``) as soon as its gradients are final, so the communication
+of the late layers overlaps the backward of the early ones. Buckets start
+strictly in reverse registration order, each once it and every bucket before
+it is ready, so every replica issues the same collectives in the same order.
+The ``ALLREDUCE`` action starts what is left, waits, scales and copies the
+sums back: the result of one all-reduce over all the gradients
+(docs/design.md §5.3).
 """
 
 from __future__ import annotations
@@ -60,7 +51,7 @@ class GradientBuckets:
     ``params[i]`` is the parameter of gradient index ``i``. Call :meth:`ready`
     once per index as its gradient becomes final, then :meth:`finish` at the
     ``ALLREDUCE`` action. ``cap_mb`` None takes :data:`BUCKET_CAP_MB` as it
-    is now (tests shrink it to get many buckets out of a small model). A
+    is at the call (tests shrink it to get many buckets out of a small model). A
     bucket closes once it holds ``cap_mb`` or more, or at a change of dtype.
     """
 

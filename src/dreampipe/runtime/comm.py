@@ -1,63 +1,16 @@
 """Point-to-point and all-reduce traffic of one rank, every wait with a deadline.
 
-Activations go forward and gradients back with ``isend``/``irecv`` on
-torch.distributed (gloo on CPU, NCCL on GPU). The shape and dtype of the
-tensor crossing each link are agreed once: the first activation a rank sends
-to a peer is preceded by a small header (ndim, dtype, shape); afterwards the
-receiver knows what to allocate and can post its receives early, and every
-later send is checked against the agreement. A gradient has the shape of the
-activation it answers, so it needs no header. Messages are tagged by the
-unit's number over the whole run (:attr:`Comm.first_unit` numbers a
-schedule's unit 0), and an evaluation's traffic has tags of its own::
-
-    tag = 2**30 * evaluation + 4 * (run's unit mod 2**28)
-          + {0: activation, 1: gradient, 2: weight version, 3: header}
-
-Under interleaved 1F1B (``virtual_stages = v``) two workers share ``v`` links
-(stage ``s`` to ``s + 1`` for every chunk), so the unit's number in the tag
-becomes ``unit * v + chunk`` of the link's first stage. A rank runs one
-:class:`Comm` per stage it holds; a hand-off between two stages of one rank
-(one worker: stage ``s`` and ``s + 1`` both on it) goes through the
-``mailbox`` those share, not through the network.
-
-**Order** (NCCL). NCCL ignores tags: on each pair of ranks in a group it
-matches receives to sends in the order they were issued. So every receive
-is posted in the order its send is made: on the activation group a link's
-header first (once), then per unit its weight version (vertical sync) and
-its activation; on each group units in schedule order, which is the order
-the peer sends them (the engine posts a rank's receives in its action order
-and stops at the first one that cannot be posted yet; a link's second unit
-waits for the first one's header). Activations and gradients travel on two
-groups, so the two directions of a pair never queue behind each other.
-
-**Posting ahead** (gloo only). A sender whose receiver has not posted yet
-leaves its message to gloo's I/O thread, which must then win a core from
-the busy compute threads, and with as many ranks as cores the receiving
-stage waits milliseconds per minibatch for it. So a
-:class:`~dreampipe.api.Pipeline` lets a stage post the receives of the
-*next* minibatch before the user hands it over. If that minibatch never
-comes (``finish()``), the receive stays posted: the next segment's same unit
-takes it over (tags number units over the run), or, when a replicated
-stage's round-robin gives that unit to another replica, it is set aside,
-with its buffer, until the run ends: no message carries its tag (before tags
-wrap, 2**28 units later), and gloo cannot cancel a receive. NCCL posts only
-receives its peer will certainly send (the runnable prefix): without tags a
-receive posted ahead for a unit that goes to another replica, or that never
-comes before an ``evaluate()``, would take the peer's next message whatever
-its unit, and one never matched would spin on the link's stream until the
-group is destroyed. NCCL needs no posting ahead for speed either: its
-transfers run on the GPU's own streams, not on the cores that compute.
-
-Activations and gradients travel on two process groups of their own, so a
-gradient going back never queues behind an activation arriving on the same
-connection. Peers are schedule ranks: on a lane's groups they are the group
-ranks; in a plan that mixes split widths the :class:`~dreampipe.runtime.lanes.Routes`
-of the :class:`~dreampipe.runtime.lanes.Links` name the workers a tensor comes
-from and goes to (:mod:`.lanes`). With vertical sync every activation is
-followed by its unit's weight version (one int64). A wait that passes ``timeout_s`` raises
-:class:`~dreampipe.errors.PeerTimeoutError` naming this rank, its stage, the
-peer, the action and the unit; the gradient all-reduce of replicated stages
-(:mod:`.buckets`) waits the same way, through :meth:`Comm.wait_allreduce`.
+Activations go forward and gradients back with ``isend``/``irecv`` (gloo on
+CPU, NCCL on GPU), each direction on a process group of its own. A link's
+first activation is preceded by a header (ndim, dtype, shape), so that the
+receiver can post its receives early; messages are tagged by the unit's
+number over the whole run. NCCL ignores tags, so every receive is posted in
+the order its send is made; on gloo a stage also posts the next minibatch's
+receives ahead. A rank runs one :class:`Comm` per stage it holds; two stages
+of one rank hand units over through their ``mailbox``. Peers are schedule
+ranks, mapped to workers by :mod:`.lanes`. A wait past ``timeout_s`` raises
+:class:`~dreampipe.errors.PeerTimeoutError` naming the rank, stage, peer,
+action and unit. The tags and the ordering rules: docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -197,7 +150,7 @@ class Comm:
     @property
     def posts_ahead(self) -> bool:
         """Whether receives may be posted for units the run may not reach: on gloo, whose
-        tags match them; not on NCCL, which matches in order (see "Posting ahead")."""
+        tags match them; not on NCCL, which matches in order (docs/design.md §8.4)."""
         return self._blocking
 
     @property
@@ -209,7 +162,7 @@ class Comm:
         return action.kind, self.first_unit + action.unit
 
     def _tag(self, unit: int, kind: int, action: Action) -> int:
-        """The tag of the run's unit ``unit`` on ``action``'s link (module docstring)."""
+        """The tag of the run's unit ``unit`` on ``action``'s link (docs/design.md §8.4)."""
         v = self.schedule.virtual_stages
         if v > 1:  # links between the same two workers, one per chunk: (unit, chunk)
             link = min(action.stage, action.stage + (1 if action.kind in _UP else -1))

@@ -1,52 +1,16 @@
 """Run one rank's action list from the :class:`~dreampipe.scheduling.actions.Schedule`.
 
-The engine never re-derives the order: it executes ``schedule.actions[rank]``
-in order, one small handler per action kind, and only looks ahead to post
-the receives of the next few actions early so communication overlaps
-compute::
-
-    actions   RECV_F4  F4  SEND_F4  RECV_B2  B2  SEND_B2  STEP2  RECV_F5 ...
-    posted    ^^^^^^^ ...  (irecv for RECV_* within _LOOKAHEAD actions ahead)
-
-Gradient all-reduce (replicated stages): the engine marks, once, each
-``BACKWARD`` that is the last before the rank's next ``ALLREDUCE``; only that
-backward hands its gradients to :class:`~dreampipe.runtime.buckets.GradientBuckets`
-as they become final, so the buckets' all-reduces run during it. Earlier
-backwards of the round only accumulate; ``ALLREDUCE<k>`` waits for the
-buckets and applies the scale (:mod:`.updates`, with what ``STEP`` does)::
-
-    actions   F6  B6  F7  B7* SEND_B7  ALLREDUCE3  STEP3      (* marked)
-    buckets               [b0 b1 b2 ...]  wait, scale
-
-Data: the input stage and the last stage both read a :class:`UnitData`
-(``inputs(unit)``, ``targets(unit)``): the minibatches a user hands to
-:class:`dreampipe.api.Pipeline`, cut into units. So the last stage reads a
-unit's targets itself and nothing but activations and gradients crosses the
-pipeline.
-
-Incremental execution: :meth:`RankRunner.advance` runs the rank's actions in
-order and stops before the first one whose unit has not been given yet
-(``ALLREDUCE``/``STEP`` need the last unit of their round); receives are
-posted early inside that runnable prefix, and on gloo also inside the one
-the next minibatch would make runnable (``post_until``), so that a stage's
-sender finds them posted (:mod:`.comm`, "posting ahead")::
-
-    stage 1, given minibatch 4:  RECV_F4  F4  B4  SEND_B4  STEP4 | RECV_F5 ...
-    posted                       ^^^^^^^                         | ^^^^^^^ ahead
-
-Every rank sees the same count, so all stop consistently.
-:meth:`RankRunner.switch` replaces the schedule by one that extends the same
-prefix (a longer horizon, or the exact run whose tail drains the pipeline)
-and checks that it does.
-
-Several stages (interleaved 1F1B): a rank that holds ``v`` stages keeps one
-module, :class:`~dreampipe.runtime.comm.Comm` and bucket set per stage (a
-lane) and runs each action on the lane of its stage, in the schedule's order
-(an update's all-reduces over every rank run once for all of them: :mod:`.updates`).
-
-Zero Bubble's ``W`` (zb-h1, zb-h2): ``B`` computes the input gradient only
-and ``W`` the weight gradients it left (:mod:`.split_backward`); ``STEP``
-follows the rank's last ``W``.
+The engine never re-derives the order: :class:`RankRunner` executes
+``schedule.actions[rank]`` in order, one small handler per action kind, and
+posts the receives of the next few actions early (:mod:`.comm`). Only the last
+backward before a rank's ``ALLREDUCE`` hands its gradients to
+:class:`~dreampipe.runtime.buckets.GradientBuckets`. The input and last
+stages read a unit's samples from :class:`UnitData`, so only activations and
+gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
+first action whose unit has not been given yet; :meth:`RankRunner.switch`
+takes a schedule that extends the prefix run so far. A rank that holds several
+stages (interleaved 1F1B) keeps one lane (module, links, buckets) per stage,
+and Zero Bubble's ``W`` runs :mod:`.split_backward`. docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -100,7 +64,7 @@ class RankRunner:
     (a learning-rate scheduler's step). ``others``: under interleaved 1F1B, the
     modules of the rank's other stages, in
     :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order
-    (module docstring, "Several stages").
+    (docs/design.md §8.4).
     """
 
     def __init__(

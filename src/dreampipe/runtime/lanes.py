@@ -3,22 +3,11 @@
 The schedule names one rank per replica of a stage (a *schedule rank*); a
 stage split over ``t`` workers runs each of its schedule ranks on ``t``
 adjacent workers, the ranks' workers following one another in order
-(:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`).
-
-**Lanes** (every stage split over the same ``t``): worker ``k`` of every
-schedule rank talks to worker ``k`` of its peers, on the groups of lane
-``k``, whose group ranks are the schedule ranks.
-
-**Routes** (a plan that mixes widths, ``"1t2-2"``): a split stage's output is
-replicated on its ``t`` workers (DTensor ``Replicate`` at the stage edge), so
-one copy is enough for each receiving worker. Over a link from a rank of
-``ts`` workers to one of ``tr``, receiving worker ``k`` takes the tensor from
-sending worker ``k mod ts``; a sending worker therefore sends to none, one or
-several workers (worker 1 of ``1t2`` sends nothing forward to ``2``, and
-``2`` sends each gradient to both workers of ``1t2``). Every transfer runs on
-two world groups (activations, gradients) whose ranks are the workers'
-own; a replicated stage reduces gradients over the workers of the same place
-``k`` in each replica.
+(:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`). With one split
+width, worker ``k`` of every schedule rank talks to worker ``k`` of its peers,
+on the groups of lane ``k``. In a plan that mixes widths (``"1t2-2"``),
+receiving worker ``k`` takes the tensor from sending worker ``k mod ts``, on
+two world groups (docs/design.md §10.4).
 """
 
 from __future__ import annotations
@@ -111,7 +100,7 @@ def process_groups(
 
 def routed_groups(plan: Plan, worker: int, *, made: list[Any] | None = None
                   ) -> tuple[Links, dict[int, Any]]:
-    """The groups of a run of ``plan`` whose stages mix split widths (module docstring):
+    """The groups of a run of ``plan`` whose stages mix split widths (docs/design.md §10.4):
     two world link groups with ``worker``'s routes, and per replicated stage the
     all-reduce group of ``worker``'s place. Every rank creates all, in this order."""
     routes = Routes.of(plan, worker)

@@ -1,35 +1,15 @@
 """A rank's peak memory during training, above a baseline taken just before its stage is built.
 
-On CPU the peak is the process's resident high-water mark (``VmHWM`` in
-``/proc/self/status``); on GPU it is ``torch.cuda.max_memory_allocated``.
-Both include what the process held before training (torch's own code and
-libraries, the process group, the dataset), which says nothing about the
-plan. So :func:`start_measuring` runs right before the rank builds its stage:
-it returns freed heap memory to the kernel (``malloc_trim``), resets the
-high-water mark to the current resident size (Linux's ``/proc/self/clear_refs``)
-and takes that resident size as the baseline; on GPU it resets CUDA's peak
-statistics and takes the memory allocated then. :func:`finish_measuring`
-reads the peak when the training loop has drained (before the final weights
-are gathered) and adds to the baseline the library code paged in since
-(``RssFile`` grew by 5-10 MB in a run: torch's kernels, gloo), the same for
-any plan. ``peak - baseline`` is what training added: the
-stage's weights, their stashed versions, gradients, optimizer state and
-activations, the figure :func:`predict_memory` predicts with the planner's
-:func:`dreampipe.planning.costs.memory_bytes`.
-
-On CPU the resident set also counts memory the C allocator keeps after
-tensors are freed: glibc serves large blocks from its heap once one has been
-freed, and a heap fragmented by a pipeline's mix of weights, gradients and
-activations grew 30-40% past what was alive in our runs. A train rank
-therefore sets its heap to ``HeapPolicy.RELEASE_FREED``
-(:mod:`dreampipe.runtime.processes`) first: blocks of 1 MiB or more get
-their own pages and go back to the kernel when freed, so the resident peak
-is what the rank held, as CUDA's allocated bytes are (at the cost of page
-faults on each fresh large tensor).
-
-The baseline is taken after torch has loaded what it loads lazily on a
-rank's first use of the meta device (its meta kernels, about 25 MB of
-Python objects, which the Pipeline's checks load anyway): code, not the plan.
+:func:`start_measuring` runs right before the rank builds its stage: it
+returns freed heap to the kernel, resets the high-water mark (CPU: ``VmHWM``;
+GPU: CUDA's peak statistics) and takes the baseline. :func:`finish_measuring`
+reads the peak once the training loop has drained and adds to the baseline
+the library code paged in since. ``peak - baseline`` is what training added
+(the stage's weights, stashed versions, gradients, optimizer state and
+activations), the figure :func:`predict_memory` predicts with
+:func:`dreampipe.planning.costs.memory_bytes`. A measuring rank's heap gives
+freed blocks back to the kernel (``HeapPolicy.RELEASE_FREED``), so its
+resident peak is what it held (docs/design.md §5.4, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -99,7 +79,10 @@ class Baseline:
 
 
 def start_measuring(device: torch.device | None = None) -> Baseline:
-    """Reset the peak to now and take the baseline (see the module doc).
+    """Reset the peak to the current size and take the baseline (docs/design.md §5.4).
+
+    Torch's meta kernels, which it loads on a rank's first use of the meta device,
+    are loaded first: they are code, not the plan.
 
     ``device`` None is this rank's: CUDA device ``LOCAL_RANK`` if there is
     CUDA, else the CPU. On CPU without ``/proc`` (not Linux) the peak cannot

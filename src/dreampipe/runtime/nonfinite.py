@@ -1,28 +1,15 @@
 """NaN and inf in training: stop at the first one, or skip the minibatch that made it.
 
-Every forward of a training unit checks what it hands on, the stage's output
-(or, on the last stage, the loss), by its sum: NaN and inf carry into a sum,
-so a finite sum means finite values, and only a sum that is not finite (it
-may also overflow) is checked value by value. One reduction and no
-temporary, where ``torch.isfinite(t).all()`` writes a mask as large as the
-output: the check stays a small share of even a toy stage's forward. What
-happens then is
-:class:`OnNonFinite`:
-
-- ``STOP`` raises :class:`~dreampipe.errors.NonFiniteError` on the rank that
-  saw it, naming the minibatch, the stage and whether its input was already
-  bad (the data) or the stage's layers made it. A stage never sends a bad
-  output on, so the stage named is where the value first appeared; its
-  peers then fail as having lost it.
-- ``SKIP`` (synchronous schedules) lets the minibatch run to its ``STEP``,
-  where every rank joins one all-reduce of "the first stage that saw a
-  non-finite value in this update" (MIN over the world): if any did, every
-  stage drops the update's gradient and leaves its weights as they were.
-  The pipeline's sends, receives and gradient all-reduces run as usual, so
-  no rank waits for a message that never comes. Buffers (BatchNorm running
-  statistics) that the minibatch's forwards updated are not rolled back.
-  PipeDream's schedule updates each stage at its own time, with no common
-  point to agree at; it accepts ``STOP`` only (:mod:`.checks` says so).
+Every forward of a training unit checks what it hands on (the stage's output,
+or on the last stage the loss) by its sum: a finite sum means finite values,
+and only a sum that is not finite is checked value by value, so the check is
+one reduction and no mask. :class:`OnNonFinite` says what happens then:
+``STOP`` raises :class:`~dreampipe.errors.NonFiniteError` on the rank that saw
+it, naming the minibatch, the stage and whether its input was already bad;
+``SKIP`` (synchronous schedules) lets the minibatch run to its ``STEP``, where
+every rank agrees whether any stage saw one, and if so every stage drops the
+update. The rules, and why PipeDream's schedule takes ``STOP`` only:
+docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -52,7 +39,7 @@ class OnNonFinite(Enum):
 
 
 def check_policy(policy: OnNonFinite, kind: ScheduleKind) -> None:
-    """``SKIP`` needs a synchronous schedule (see above): a ConfigError otherwise."""
+    """``SKIP`` needs a synchronous schedule (docs/design.md §8.4): a ConfigError otherwise."""
     if policy is OnNonFinite.SKIP and kind is ScheduleKind.PIPEDREAM:
         raise ConfigError(
             "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "

@@ -1,41 +1,15 @@
 """A unit's backward split in two: Zero Bubble's ``B`` and ``W`` (Qi et al., 2024).
 
 ``B`` (:func:`input_gradient`) computes only the gradient of the stage's
-input, the one the stage before waits for: ``torch.autograd.grad`` from the
-output to the input, keeping the graph. ``W`` (:func:`weight_gradients`),
-later, computes the weight gradients from what ``B`` left, as
-``torch.distributed.pipelining``'s ``stage_backward_input`` /
-``stage_backward_weight`` do::
-
-    output ── n3 ── n2* ── n1* ── input        * intermediate: on the input's
-                     │      │                    path, and leads to a weight
-                   (dW2)  (dW1)
-
-``B`` walks the graph once and records, at each *intermediate* node (a node
-on the path from the output to the input that also leads to a weight), the
-gradient flowing into it. ``W`` starts autograd at those nodes with those
-gradients and asks for the weights only, so it never redoes the input's
-chain. A node's recorded gradient is pinned (a pre-hook gives it back), so a
-weight path that crosses another intermediate is not counted twice.
-
-Fused ``nn.Linear`` layers (:mod:`.fused`) compute their weight GEMM inside
-their own backward node, which ``B`` runs (it is on the input's path): their
-GEMMs and bias sums are held for the unit (:class:`~.fused.DeferredGradients`)
-and ``W`` runs them; their weights are left out of the walk where the unit's
-graph reaches them through fused nodes only (a layer that took autograd's
-path, as under autocast, is walked). Whatever a fused
-node is made to add while ``W`` crosses it is dropped (the held terms are the
-real ones). The first stage sends no input gradient, so its ``B`` does
-nothing and its ``W`` runs the whole fused backward
-(:meth:`~dreampipe.runtime.stage.StageModule.backward_input`).
-
-**Synchronous semantics.** dreampipe's zero-bubble schedules (``zb-h1``,
-``zb-h2``) flush every minibatch: a rank's ``STEP`` follows its last ``W``,
-and every rank's all-reduces of the step (the global gradient norm for
-clipping, the non-finite agreement) join only once each rank has all its
-gradients. So the step is taken after all ``W``'s and needs no
-post-validation (stepping, then rolling back): the update is one process's,
-clipping and skipped updates included.
+input, the one the stage before waits for, keeping the graph, and records the
+gradient flowing into each *intermediate* node (on the input's path, and
+leading to a weight). ``W`` (:func:`weight_gradients`), later, starts autograd
+at those nodes and asks for the weights only, so it never redoes the input's
+chain, as ``torch.distributed.pipelining``'s ``stage_backward_input`` and
+``stage_backward_weight`` do. Fused ``nn.Linear`` layers (:mod:`.fused`) hold
+their weight GEMMs for ``W`` (:class:`~.fused.DeferredGradients`). A rank's
+``STEP`` follows its last ``W``, so the update is one process's, clipping and
+skipped updates included (docs/design.md §7.8).
 """
 
 from __future__ import annotations

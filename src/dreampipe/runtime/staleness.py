@@ -1,36 +1,17 @@
 """Staleness compensation: the optimizer settings an asynchronous stage trains with.
 
-In pipedream and 2bw a stage's update applies a gradient taken ``d``
-updates ago (its *delay*: ``K_s - 1`` for a pipedream stage that admits
-``K_s`` minibatches before its first backward, 1 for every 2bw stage).
-A delay acts like momentum of its own ("asynchrony begets momentum",
-Mitliagkas et al. 2016): stale gradients keep pushing the way the weights
-were going ``d`` updates ago, about as momentum ``d / (d + 1)`` does. On
-top of the user's momentum that overshoots, and with the large steps of
-short runs it diverges (docs/convergence.md).
+Under pipedream and 2bw a stage's update applies a gradient taken ``d``
+updates ago (its *delay*), which acts like momentum of its own, about
+``d / (d + 1)``. A stage cancels it by the means its optimizer has: SGD's
+momentum is lowered to ``max(0, mu - d / (d + 1))``, its learning rate kept;
+Adam and AdamW keep their settings and run each stashed unit on weights
+extrapolated to the update its gradient goes into (:mod:`.versions`). Other
+optimizers, and stages of delay 0, keep theirs (docs/design.md §12; the
+evidence that chose the rule: docs/convergence.md).
 
-:func:`compensated` and :func:`predicts` are dreampipe's rule, chosen by a
-single-process simulation of the delayed updates (``benchmarks/staleness.py``,
-docs/convergence.md "Staleness compensation"). A stage cancels its delay's
-implicit momentum by the means its optimizer has:
-
-- SGD's momentum is lowered, ``mu' = max(0, mu - d / (d + 1))``, its learning
-  rate kept (its effective step ``lr / (1 - mu)`` shrinks with the momentum);
-- Adam and AdamW (any optimizer with ``betas``) keep their settings, and the
-  stage's stashed units run on their weights extrapolated to the update their
-  gradient goes into, ``w_v + k (w_v - w_{v-1})`` (:mod:`.versions`; PipeMare,
-  SpecTrain, close to XPipe for Adam). Adam normalises its step, so momentum
-  does not enlarge it as it does SGD's, and lowering ``beta1`` trains worse
-  than prediction. On SGD prediction gained nothing measurable and costs two
-  copies of the stage's weights and their traffic at every update.
-
-Other optimizers keep their settings. A stage of delay 0 keeps its settings.
-
-:func:`compensate` applies it to a built optimizer's parameter groups (before
-a learning-rate scheduler reads them). :func:`stage_delays` reads each
-stage's delay from the schedule, :func:`delay_advice` says when a delay is
-large for the settings, and the fix; :func:`compensate_stage` does all three
-for one stage of a run.
+:func:`stage_delays` reads each stage's delay from the schedule, :func:`compensate`
+applies the rule to an optimizer's groups, :func:`delay_advice` warns of a delay
+too large for the settings; :func:`compensate_stage` does all three for a stage.
 """
 
 from __future__ import annotations

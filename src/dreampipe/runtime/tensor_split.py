@@ -3,22 +3,13 @@
 The plan says, per layer, how its tensors are divided
 (:class:`~dreampipe.planning.splits.Split`); here that becomes DTensor
 placements on a 1-D :class:`~torch.distributed.device_mesh.DeviceMesh` of the
-stage's ``t`` workers, and the layout each layer reads its input in::
+stage's ``t`` workers, and the layout each layer reads its input in
+(docs/design.md §10.4). DTensor runs the collectives. The stage reads and
+returns plain tensors, replicated on its workers, so the pipeline around it,
+its schedules and weight stashing, are unchanged.
 
-    split     Linear weight (out, in)   bias        input        output
-    REPLICA   Replicate                 Replicate   Replicate    Replicate
-    BATCH     Replicate                 Replicate   Shard(0)     Shard(0)
-    OUT       Shard(0): rows            Shard(0)    Replicate    Shard(-1): features
-    IN        Shard(1): columns         Replicate   Shard(-1)    Partial: a sum to reduce
-
-DTensor runs the collectives: the redistribution of each layer's input to
-its layout (both ways in the backward), the reduction of a partial sum
-before a nonlinearity, the weight-gradient reduction of a batch split. The
-stage reads and returns plain tensors, replicated on its workers, so the
-pipeline around it, its schedules and weight stashing, are unchanged.
-
-``torch.distributed.tensor`` is imported on first use: its import costs every
-process about half a second, and most runs split no tensor.
+``torch.distributed.tensor`` is imported on first use: its import is slow,
+and most runs split no tensor.
 """
 
 from __future__ import annotations
@@ -169,8 +160,8 @@ def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
 
 
 def load_dtensor_runtime(mesh: DeviceMesh) -> None:
-    """Run a small split stage once on ``mesh``: DTensor imports ``torch._dynamo`` (about
-    26 MB of modules) and builds its dispatch state on first use, library memory that
+    """Run a small split stage once on ``mesh``: DTensor imports ``torch._dynamo`` (tens of
+    MB of modules) and builds its dispatch state on first use, library memory that
     a baseline taken after this counts as there before the model."""
     probe = SplitStage(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8),
                                      nn.Linear(8, 8)), (Split.OUT, Split.IN, Split.REPLICA), mesh)

@@ -1,25 +1,14 @@
 """PipeDream-2BW's weight versions: minibatch ``k`` runs on the weights of update ``k - 1``.
 
 PipeDream-2BW (Narayanan et al., ICML 2021) keeps two weight versions per
-stage. Every microbatch of minibatch ``k`` (a segment's ``k``-th update),
-forward and backward, runs on the stage's weights after ``k - 1`` of the
-segment's updates (after none for ``k = 0``), and update ``k`` applies
-their summed gradient to the newest weights::
-
-    W(k+1) = W(k) - lr * grad f(W(k-1))          W(-1) = W(0)
-
-a delay of one update on every stage, whatever the depth. The stage's
-weight stashing does the rest (:class:`~dreampipe.runtime.stage.StageModule`):
-the runner names the version of each forward, :meth:`StageModule.note_version`
-lets older ones go, and a step keeps the version it replaces while the next
-minibatch still needs it. So a stage holds the version its in-flight
-minibatch runs on and the live one: two.
-
-The schedule must start minibatch ``k + 1``'s forwards on a stage only
-after its update ``k - 1`` (:func:`check_two_versions`): 2BW's condition
-that a minibatch has at least about as many microbatches as the pipeline
-is deep. A Pipeline's segment starts afresh: its first two minibatches run
-on the weights it starts with, as at the start of training.
+stage: every microbatch of a segment's minibatch ``k`` runs on the stage's
+weights after ``k - 1`` of the segment's updates (none for ``k = 0``), and
+update ``k`` applies their summed gradient to the newest weights, a delay of
+one update on every stage whatever the depth. The stage's weight stashing
+(:class:`~dreampipe.runtime.stage.StageModule`) keeps the version a step
+replaces while the next minibatch still needs it. :func:`check_two_versions`
+refuses a schedule whose minibatch ``k + 1`` starts on a stage before its
+update ``k - 1`` (docs/design.md §7.8).
 """
 
 from __future__ import annotations

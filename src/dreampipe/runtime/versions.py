@@ -1,41 +1,14 @@
 """A stage's weight versions: copy-on-write stashes of its live weights, by number.
 
-**Weight stashing** (PipeDream, docs/design.md §5). The forward of unit ``u`` runs
-functionally on a *version* of the weights (:mod:`.slots`, as
-``torch.func.functional_call`` does), so the autograd graph holds that
-version; ``u``'s backward differentiates the same graph, and the gradient
-goes to the live parameters, which a real ``torch.optim`` optimizer updates.
-Versions are copy-on-write::
-
-    live weights  w3 ──F5──F6──STEP──▶ w4 ──F7──STEP──▶ w5
-    version 3     shares w3's storage (no copy) while nothing changed it;
-                  at STEP, if a backward (B5, B6) still needs it, the live
-                  parameters move to a fresh copy and version 3 keeps the old
-                  storage; freed when its last backward is done.
-
-So a stage copies its weights at most once per update, and only when an
-unfinished unit needs the old values; stage ``s`` of a straight ``n``-stage
-pipeline holds at most ``n - s`` versions (one per unit in flight).
-
-**Vertical sync.** Unit ``u`` names the version the input stage used; every
-stage runs ``u`` with that version number of its own weights. A stage keeps
-every version from the one named by the newest unit it received onwards
-(versions never decrease along the units), plus those held by unfinished
-units: at most ``n`` for a straight pipeline (``n - s`` in flight and ``s``
-updates ahead of the input stage). Stages must update at one rate, i.e. have
-equal replica counts (:mod:`.checks` says so before a run): otherwise one
-version number names different weights on different stages.
-
-**Weight prediction** (staleness compensation, :mod:`.staleness`). A unit whose
-gradient will update version ``v + k`` but that runs on version ``v`` runs
-instead on ``w_v + k (w_v - w_{v-1})``: its weights extrapolated by the
-update that made them (PipeMare, SpecTrain; for Adam close to XPipe's
-prediction by the optimizer's own next step). The prediction is a version
-of its own, keyed ``(v, k)``, shared by the units that need it (2bw's
-microbatches). ``k`` counts from the segment's first forward, as 2bw's
-versions do (:mod:`.two_bw`), and a version made before the segment began is
-not extrapolated: a run resumed from a checkpoint computes what the
-uninterrupted one does.
+**Weight stashing.** The forward of unit ``u`` runs functionally on a
+*version* of the weights (:mod:`.slots`), so the autograd graph holds that
+version; ``u``'s backward differentiates the same graph, and the gradient goes
+to the live parameters. A version shares the live weights' storage until a
+``STEP`` changes them while a backward still needs it: the live parameters
+then move to a fresh copy. **Vertical sync**: unit ``u`` runs on the version
+number the input stage used. **Weight prediction** (:mod:`.staleness`): a unit
+whose gradient will update version ``v + k`` runs on ``w_v + k (w_v - w_{v-1})``,
+a version of its own keyed ``(v, k)``. The rules: docs/design.md §5.1, §12.
 """
 
 from __future__ import annotations

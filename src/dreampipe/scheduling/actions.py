@@ -1,42 +1,16 @@
 """Actions and schedules as plain data: what each rank does, and what that means.
 
 An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B``/``W`` and the
-sends and receives the number is the unit: the minibatch in PipeDream's
-asynchronous schedule, the global microbatch in the synchronous ones
-(microbatch ``u`` belongs to update ``u // units_per_update``). ``ALLREDUCE``
-and ``STEP`` carry the update number ``k`` in every schedule: a rank's k-th
-weight update, and the all-reduce round its stage's replicas join together.
-A synchronous schedule updates once per minibatch (``k`` is the minibatch);
-PipeDream updates after every backward, so ``B<u>`` is followed by
-``ALLREDUCE<k> STEP<k>`` with ``k = u // replicas`` (each replica's k-th
-unit). Its text form is short and parses back::
-
-    F3  B3  W3  SEND_F3  RECV_F3  SEND_B3  RECV_B3  ALLREDUCE3  STEP3
-
-``B`` is the backward's input gradient (what the stage before waits for) and
-``W`` its weight gradient (Zero Bubble's split, Qi et al. 2024). Only the
-zero-bubble schedules (:attr:`ScheduleKind.splits_backward`) hold ``W``
-actions, one per ``B``, later on the same rank; in every other schedule
-``B`` computes both gradients, as PyTorch's backward does.
-
-A rank runs one stage, except under ``interleaved-1f1b``: with
-``virtual_stages = v`` a rank (a worker) runs ``v`` stages, stage ``s`` on
-rank ``s mod (stages / v)``, each stage unreplicated (Megatron-LM's
-interleaved 1F1B). Its action list holds the actions of all its stages.
-
-The stage is implied by the rank that runs the action; ``Schedule.to_text``
-writes one line per rank and ``Schedule.from_text`` reads it back. Peers are
-derived, never stored: unit ``u`` of stage ``s`` runs on replica
-``u mod replicas[s]`` (1F1B-RR), so ``SEND_F3`` at stage 1 goes to the rank of
-stage 2 that owns unit 3.
-
-What an action means is written here once, for the validator, the simulator
-and the runtime alike. Compute and sends never wait; a receive waits for the
-send of the same :attr:`Action.transfer_key`; an ``ALLREDUCE`` waits for every
-replica of its stage to join its :attr:`Action.allreduce_round`. A send or
-receive talks to :attr:`Action.peer_stage`, on the rank
-:meth:`Schedule.peer` names. :mod:`dreampipe.scheduling.stepping` runs ranks
-by these rules.
+sends and receives the number is the unit (a minibatch under PipeDream's
+schedule, a microbatch under the others); for ``ALLREDUCE`` and ``STEP`` it is
+the update ``k``: a rank's k-th weight update, and the all-reduce round its
+stage's replicas join together. ``W`` is the weight gradient of Zero Bubble's
+split backward; elsewhere ``B`` computes both gradients. Peers are derived,
+never stored: unit ``u`` of stage ``s`` runs on replica ``u mod replicas[s]``
+(1F1B-RR). :meth:`Schedule.to_text` writes one line per rank and
+:meth:`Schedule.from_text` reads it back. What each action means, for the
+validator, the simulator and the runtime alike, is docs/design.md §8.1-§8.2;
+:mod:`dreampipe.scheduling.stepping` runs ranks by those rules.
 """
 
 from __future__ import annotations
@@ -174,7 +148,7 @@ class Schedule:
     stage as in :class:`dreampipe.planning.plan.Plan`. ``num_units`` units are run in
     all, ``units_per_update`` of them between optimizer steps (1 for
     PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
-    many unreplicated stages on each rank (interleaved 1F1B, module doc).
+    many unreplicated stages on each rank (interleaved 1F1B, docs/design.md §7.7).
     """
 
     kind: ScheduleKind

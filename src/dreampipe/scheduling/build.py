@@ -1,47 +1,17 @@
 """The schedules of docs/design.md §7, built as data and lowered by passes.
 
-:func:`build_schedule` is the one entry point; the runtime executes its
-result and the simulator times it. It runs three pure steps::
+:func:`build_schedule` is the one entry point. It runs three pure steps, then
+:func:`~dreampipe.scheduling.validator.validate_schedule`::
 
-    compute_schedule   per-rank F/B order            F0 F1 B0 F2 B1 B2
+    compute_schedule     per-rank F/B order            F0 F1 B0 F2 B1 B2
     lower_communication  + RECV before / SEND after   RECV_F0 F0 SEND_F0 ...
-    lower_updates      + ALLREDUCE / STEP            ... B2 SEND_B2 STEP2
+    lower_updates        + ALLREDUCE / STEP            ... B2 SEND_B2 STEP2
 
-then :func:`dreampipe.scheduling.validator.validate`. Ranks execute their list in order,
-blocking on receives (and all-reduces) and never on sends (``isend``).
-
-PipeDream's asynchronous 1F1B on a straight 4-stage pipeline (stage s runs
-``n-s`` forwards before its first backward, then one forward, one backward;
-``STEP`` after every backward)::
-
-    stage 0 | F0 F1 F2 F3          B0 F4    B1 F5    B2 F6 ...
-    stage 1 |    F0 F1 F2       B0 F3    B1 F4    B2 F5 ...
-    stage 2 |       F0 F1    B0 F2    B1 F3    B2 F4 ...
-    stage 3 |          F0 B0 F1 B1 F2 B2 F3 B3 F4 ...
-
-In general a replica of stage s runs its stage's minibatches in flight
-before its first backward (:mod:`dreampipe.planning.in_flight`; ``n-s`` in a
-straight pipeline, as PipeDream's NOAM, and more before replicated stages,
-whose all-reduce joins would otherwise drain the pipeline). Unit ``u`` runs
-on replica ``u mod replicas[s]`` (1F1B-RR); its backward on the same replica.
-
-The zero-bubble orders are :mod:`dreampipe.scheduling.zero_bubble`'s,
-interleaved 1F1B's :mod:`dreampipe.scheduling.interleave`'s. PipeDream-2BW
-(``2bw``, Narayanan et al. 2021) runs 1F1B over every microbatch without a
-flush, as PipeDream does, but updates once per minibatch of
-``units_per_update`` microbatches: ``ALLREDUCE<k> STEP<k>`` right after a
-replica's last backward of minibatch ``k``. A forward uses the weights of
-the steps taken before it, so minibatch ``k+1``'s first microbatches run
-on version ``k-1`` while ``k``'s last gradients come in, and the update is
-``W(t+1) = W(t) - lr * grad f(W(t-1))``: two weight versions, a delay of
-one whatever the depth.
-
-A PipeDream run may end with a partial all-reduce round: with 5 minibatches a
-stage of 3 replicas runs rounds {0,1,2} and {3,4}, and its third replica, with
-no unit in round 1, still joins ``ALLREDUCE1 STEP1`` at the end of its list
-(with no gradient), so every replica takes the same updates and nothing
-waits forever. Any number of minibatches is a valid run; replica counts that
-share no factor no longer force a multiple of their least common multiple.
+A replica of stage ``s`` runs its minibatches in flight
+(:mod:`dreampipe.planning.in_flight`) before its first backward, then one
+forward and one backward in turn, unit ``u`` on replica ``u mod replicas[s]``;
+:mod:`.zero_bubble` and :mod:`.interleave` hold the other orders. Any number
+of minibatches is a valid run: every replica joins a partial last round (§7.1).
 """
 
 from __future__ import annotations
@@ -139,8 +109,8 @@ def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
 
     Replicas of a stage all-reduce once per round of ``replicas[s]`` units; a
     multiple of the lcm of the replica counts makes every round of every stage
-    whole. No schedule needs it (a run may end on a partial round, see the
-    module docstring); training uses it so that each update averages the same
+    whole. No schedule needs it (a run may end on a partial round,
+    docs/design.md §7.1); training uses it so that each update averages the same
     number of minibatches. It can be huge for coprime counts (lcm(11, 13, 17,
     19) = 46189): do not use it to size a simulation.
     """

@@ -3,21 +3,14 @@
 Each rank executes its list in order. Compute and sends never wait; a
 receive waits until the send of the same :attr:`~Action.transfer_key` has been
 posted; an all-reduce waits until every replica of its stage has joined the
-same round. A blocked rank is parked under what it waits for and woken when
-that happens::
-
-    ready -> advance rank until it blocks or ends
-               SEND       post key, wake the receiver parked on it
-               RECV       key posted? go on : park on key
-               ALLREDUCE  last of the replicas? wake the others : park on round
-
-The validator's dry run uses :class:`Stepper` as it is (every action takes no
-time; ranks left blocked are a deadlock). The simulator subclasses it and
-overrides the hooks (:meth:`~Stepper.compute`, :meth:`~Stepper.send`,
-:meth:`~Stepper.receive`, :meth:`~Stepper.allreduce`,
-:meth:`~Stepper.joined`) to put times on the same steps. Each rank carries a
-clock that the hooks advance; transfers and all-reduces carry a
-``(start, end)`` span.
+same round (docs/design.md §8.2). A blocked rank is parked under what it
+waits for and woken when that happens. The validator's dry run uses
+:class:`Stepper` as it is (every action takes no time; ranks left blocked are
+a deadlock). The simulator subclasses it and overrides the hooks
+(:meth:`~Stepper.compute`, :meth:`~Stepper.send`, :meth:`~Stepper.receive`,
+:meth:`~Stepper.allreduce`, :meth:`~Stepper.joined`) to put times on the same
+steps: each rank carries a clock that the hooks advance, and transfers and
+all-reduces carry a ``(start, end)`` span.
 """
 
 from __future__ import annotations

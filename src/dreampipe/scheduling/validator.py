@@ -1,23 +1,14 @@
 """Check a schedule before anything runs it.
 
-:func:`validate` checks, in order: every action sits on a rank of its stage;
-each unit's forward and backward (and weight gradient, in a schedule that
-splits it) run exactly once per stage, on the rank ``Schedule.rank_of``
-names, forward first, ``W`` after ``B``; a rank joins each all-reduce round
-once, and every replica of a stage joins the same rounds (a replica with no
-unit in a round, as in PipeDream's partial last round, joins it all the
-same); data arrives before it is used
-(``RECV_F<u>`` before ``F<u>``, ``F<u>`` before ``SEND_F<u>``, likewise for
-backward); every send has exactly one receive on its peer; and a dry run in
-the runtime's semantics terminates (receives and all-reduces block, sends and
-compute never do: :class:`dreampipe.scheduling.stepping.Stepper`, the core the
-simulator times). A failure raises :class:`ScheduleError` with the rank-by-step
-grid around the offending action, marked ``>F3<``::
-
-    deadlock: rank 0 waits at RECV_B0, rank 1 waits at RECV_F0; no rank can move ...
-    step       0          1          2        3        4
-    rank 0 s0  F0         >RECV_B0<  SEND_F0  B0       STEP0
-    rank 1 s1  >RECV_F0<  F0         B0       SEND_B0  STEP0
+:func:`validate_schedule` checks, in order: every action sits on a rank of its
+stage; each unit's forward, backward and weight gradient run once per stage,
+on the rank round-robin names, in order; every replica of a stage joins the
+same all-reduce rounds, each once; data arrives before it is used; every send
+has exactly one receive; and a dry run on
+:class:`dreampipe.scheduling.stepping.Stepper`, the core the simulator times,
+terminates. A failure raises :class:`ScheduleError` with the rank-by-step grid
+around the offending action, marked ``>F3<``. The invariants and an example
+grid: docs/design.md §8.3.
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """Discrete-event simulation of a schedule: when each action runs, and what it holds.
 
-Each rank runs its action list in order, exactly as the runtime does:
-
-- ``F``/``B``/``W``/``STEP`` occupy the rank for the stage's cost per unit
-  (an ``F``, ``B`` or ``W`` times a factor drawn from ``jitter``, if the
-  costs have one); in a schedule that splits the backward ``B`` costs the
-  input gradient (``backward_s - weight_grad_s``) and ``W`` the rest, else
-  ``B`` costs the whole backward; a
-  ``STEP`` while a unit in flight holds the live weights also copies them
-  (weight stashing's copy-on-write, at ``stash_copy_bandwidth``);
-- ``SEND`` is non-blocking: the transfer starts when the directed link
-  (sender rank -> receiver rank) is free, lasts ``bytes / bandwidth`` and
-  holds the link until it ends (one transfer at a time per link), while the
-  sender computes on (communication overlaps compute). Posting it occupies
-  the sender for ``send_overhead_s + bytes / send_copy_bandwidth`` (zero by
-  default; on CPU backends such as gloo the host copies the message on the
-  cores that compute);
-- ``RECV`` waits until the data has arrived;
-- ``ALLREDUCE`` joins the stage's replicas for the same round. Gradients go
-  out while the backward produces them (bucketed, as in PyTorch DDP), so it
-  starts ``allreduce_delay_s`` into the latest of the replicas' preceding
-  backwards and ends ``allreduce_s`` later, or when the last of those
-  backwards ends. The rank continues (to ``STEP``) only then.
-
-The ranks step through their lists on the one stepping core the validator
-dry-runs (:class:`dreampipe.scheduling.stepping.Stepper`); this module only
-puts times on its steps. Costs come from :mod:`dreampipe.simulation.costs`.
-
-Memory per rank is ``parameter_bytes x (weight versions held + 1) +
-stash_bytes x units in flight`` plus the sent tensors the rank keeps, the
-planner's :func:`dreampipe.planning.costs.memory_bytes` (the extra weights
-are the gradient buffer); a unit is in flight from its forward's start to its
-backward's end. A unit holds the weight version (optimizer steps taken) its
-forward ran with; the versions held are those of the units in flight plus
-the live one: 1 for the synchronous schedules, ``n-s`` at stage s of a
-straight n-stage PipeDream pipeline (weight stashing). Under a zero-bubble
-schedule a unit is in flight until its ``W`` ends (the weight gradient needs
-the stage's inputs). A rank that runs several stages (interleaved 1F1B)
-holds all their weights and, per unit in flight, the largest of their
-stashes: a bound on its memory. A recomputing stage stashes a unit's input
-only and holds its recomputed activations once (``recompute_bytes``).
+Each rank runs its action list in order, exactly as the runtime does, on the
+one stepping core the validator dry-runs
+(:class:`dreampipe.scheduling.stepping.Stepper`); this module only puts times
+on its steps. Compute occupies the rank for the stage's cost per unit; a
+``SEND`` holds its directed link for ``bytes / bandwidth`` while the sender
+computes on; a ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
+``allreduce_delay_s`` into the replicas' latest backward and ends
+``allreduce_s`` later. Each rank's peak memory is the planner's
+:func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, units in
+flight) it holds. Costs come from :mod:`dreampipe.simulation.costs`; each
+action's cost and what a rank holds: docs/design.md §9.
 """
 
 from __future__ import annotations
