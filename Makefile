@@ -7,7 +7,27 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test lint bench gpu-check clean
+# The tests that compare a run with a single-process reference, once per kernel set
+# torch can pick on this CPU (ATEN_CPU_CAPABILITY): default, then avx2 and avx512
+# where /proc/cpuinfo lists avx2 and avx512f. Float32 sums round by the kernel set, so
+# each comparison must hold on all. Not in `make test`: 4-7 min per set on 2 cores.
+EQUIVALENCE_TESTS := \
+	tests/api/test_pipeline_equivalence.py tests/api/test_pipeline_mixed.py \
+	tests/api/test_pipeline_schedules.py tests/api/test_pipeline_models.py \
+	tests/api/test_pipeline_recompute.py tests/api/test_pipeline_local.py \
+	tests/api/test_pipeline_auto.py tests/api/test_checkpoint.py \
+	tests/api/test_models_torchrun.py tests/api/test_pipeline_torchrun.py \
+	tests/api/test_trace.py tests/api/test_shapes.py \
+	tests/runtime/test_equivalence.py tests/runtime/test_tensor_split.py \
+	tests/runtime/test_split_backward.py tests/runtime/test_fused.py \
+	tests/runtime/test_recompute.py tests/runtime/test_two_bw.py \
+	tests/runtime/test_staleness.py tests/runtime/test_stage.py \
+	tests/reliability/test_multi_node.py
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+KERNEL_SETS := default $(if $(filter avx2,$(CPU_FLAGS)),avx2) \
+	$(if $(filter avx512f,$(CPU_FLAGS)),avx512)
+
+.PHONY: setup demo test test-kernels lint bench gpu-check clean
 
 $(BIN)/dreampipe: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +44,16 @@ demo: setup
 
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
+
+test-kernels: setup
+	@failed=; for set in $(KERNEL_SETS); do \
+	  echo "== ATEN_CPU_CAPABILITY=$$set"; \
+	  ATEN_CPU_CAPABILITY=$$set $(BIN)/python -c "import sys, torch; \
+	    got = torch.backends.cpu.get_cpu_capability(); print('torch runs', got, 'kernels'); \
+	    sys.exit(got.lower() != '$$set')" \
+	  && ATEN_CPU_CAPABILITY=$$set OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q \
+	    $(EQUIVALENCE_TESTS) || failed="$$failed $$set"; \
+	done; test -z "$$failed" || { echo "failed under:$$failed"; exit 1; }
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks examples

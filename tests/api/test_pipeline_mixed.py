@@ -5,6 +5,11 @@ local workers as one process does, each rank within a quarter of its predicted m
 replicated on workers 2 and 3, recomputing. Worker 0 alone sends stage 0's output (it is
 replicated on both), to the replica whose unit it is; that replica sends its gradient
 to both workers of stage 0 (:mod:`dreampipe.runtime.lanes`).
+
+The single-process references compute each split Linear on the plan's shards
+(``split_as``), so a 2048-wide layer split by its inputs sums its products in the
+run's two halves: summed whole, the other order moved ``fc2.0.bias`` by 4.2e-5 under
+AVX-512 kernels, past :data:`~api.compare.ATOL`, with no update wrong.
 """
 
 from __future__ import annotations
@@ -70,11 +75,12 @@ def _train(plan: Plan, width: int, schedule: ScheduleKind, minibatch: int,
     return out
 
 
-def _sync_reference(width: int, minibatch: int, microbatches: int
+def _sync_reference(plan: Plan, width: int, minibatch: int, microbatches: int
                     ) -> tuple[list[float], dict[str, Any]]:
     spec = get_model("mlp", layers=4, width=width)
     return reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,
-                          minibatch=minibatch, seed=0, opt=sgd(LR), microbatches=microbatches)
+                          minibatch=minibatch, seed=0, opt=sgd(LR), microbatches=microbatches,
+                          split_as=plan)
 
 
 @pytest.mark.slow
@@ -84,7 +90,7 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
     width, minibatch, microbatches = 2048, 64, 2
     plan = _plan("1t2-2r", width)
     out = _train(plan, width, ScheduleKind.FLUSH, minibatch, microbatches)
-    assert_matches(out[0], *_sync_reference(width, minibatch, microbatches))
+    assert_matches(out[0], *_sync_reference(plan, width, minibatch, microbatches))
     assert [(o["stage"], o["recomputes"]) for o in out] == [
         (0, False), (0, False), (1, True), (1, True)]
 
@@ -107,8 +113,9 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
                                                   ("1t2r-2", ScheduleKind.GPIPE)])
 def test_mixed_plans_train_and_evaluate_as_one_process(config: str,
                                                       schedule: ScheduleKind) -> None:
-    out = _train(_plan(config, 64), 64, schedule, 16, 2, evaluate=2)
-    assert_matches(out[0], *_sync_reference(64, 16, 2))
+    plan = _plan(config, 64)
+    out = _train(plan, 64, schedule, 16, 2, evaluate=2)
+    assert_matches(out[0], *_sync_reference(plan, 64, 16, 2))
     assert [o["recomputes"] for o in out] == [config == "1t2r-2"] * 2 + [False] * 2
     spec = get_model("mlp", layers=4, width=64)
     model = spec.build(seed=0)
@@ -123,12 +130,13 @@ def test_mixed_plans_train_and_evaluate_as_one_process(config: str,
 @pytest.mark.timeout(120)
 def test_a_mixed_plan_under_pipedream_follows_the_delayed_updates_and_saves_checkpoints(
         tmp_path: Path) -> None:
-    out = _train(_plan("1t2-2r", 64), 64, ScheduleKind.PIPEDREAM, 16, 1,
-                 save=str(tmp_path / "ck"))
+    plan = _plan("1t2-2r", 64)
+    out = _train(plan, 64, ScheduleKind.PIPEDREAM, 16, 1, save=str(tmp_path / "ck"))
     spec = get_model("mlp", layers=4, width=64)
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=0), bounds=[0, 2], replicas=[1, 2],
-        steps=STEPS, minibatch=16, seed=0, opt=sgd(LR), compensate=True, partial_round=True)
+        steps=STEPS, minibatch=16, seed=0, opt=sgd(LR), compensate=True, partial_round=True,
+        split_as=plan)
     assert_matches(out[0], losses, state)
     assert {o["saved"] for o in out} == {str(tmp_path / "ck" / f"step-{STEPS}")}
     saved = load_model_state(tmp_path / "ck")  # the split stage's shares, whole

@@ -23,6 +23,16 @@ tests can catch it doing something else:
   update ``t``'s gradient (accumulated over its microbatches as in the
   synchronous schedules) is taken at the weights of one update before, and
   the optimizer applies it to the newest weights;
+- tensor-split stages (``split_as``, the run's plan): a Linear that a stage splits over
+  ``t`` workers computes on the same shards as DTensor does there (see
+  :func:`split_like`), so each of its reductions is cut where the run cuts it.
+  Summing the ``k`` terms of a dot product in other pieces moves a float32 result by
+  up to about ``k * 2**-24 * sum |a_i b_i|`` (Higham's bound), and which pieces the
+  single-process kernel sums depends on the CPU's kernel set (``ATEN_CPU_CAPABILITY``):
+  4 steps of a 2048-wide layer split by its inputs moved a bias of the mlp by 4.2e-5
+  under AVX-512, past what the comparisons allow. Cut the same way, only the order in
+  which the run's all-reduce adds the ``t`` partial sums remains: none for ``t = 2``
+  (``a + b == b + a``), ``t - 1`` roundings of a few ulp otherwise;
 - buffers (BatchNorm running statistics) are not versioned: every forward
   runs on the stage's live buffers and updates them, stage by stage in
   minibatch order (only parameters are passed to ``functional_call``). The
@@ -37,14 +47,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
 from dreampipe.models.spec import ModelSpec
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.splits import Split
 from dreampipe.runtime.data import Dataset
 
 __all__ = ["OptFactory", "adam", "adamw", "admitted", "reference_pipedream", "reference_sync",
-           "reference_two_bw", "sgd"]
+           "reference_two_bw", "sgd", "split_like"]
 
 OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -72,10 +85,12 @@ def reference_sync(
     microbatches: int = 1,
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     autocast: torch.dtype | None = None,
+    split_as: Plan | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices;
     ``scheduler`` (a learning-rate scheduler's factory) steps after every update;
-    ``autocast``: each forward and its loss run under ``torch.autocast`` to that dtype.
+    ``autocast``: each forward and its loss run under ``torch.autocast`` to that dtype;
+    ``split_as``: the layers this plan splits compute as :func:`split_like` says.
 
     Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is unit
     ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
@@ -89,6 +104,8 @@ def reference_sync(
         raise ValueError(f"{microbatches} microbatches do not divide a minibatch of {minibatch}")
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
+    if split_as is not None:
+        split_like(model, split_as, spec.layer_names)
     optimizer = opt(list(model.parameters()))
     schedule = scheduler(optimizer) if scheduler is not None else None
     losses = []
@@ -172,6 +189,7 @@ def reference_pipedream(
     partial_round: bool = False,
     ties: Sequence[Sequence[tuple[int, str]]] = (),
     compensate: bool = False,
+    split_as: Plan | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
 
@@ -182,10 +200,14 @@ def reference_pipedream(
     ``ties``: groups of ``(stage, parameter name)`` that are one weight of the model,
     a copy on each of those stages (of one replica): minibatch ``t``'s gradient of each
     copy is the sum over the group, so the copies take the same updates.
+    ``split_as``: the layers this plan splits compute as :func:`split_like` says.
     """
     edges = [*bounds, spec.num_layers]
     n = len(replicas)
     stages = [spec.build(edges[s], edges[s + 1] - 1, seed) for s in range(n)]
+    if split_as is not None:
+        for stage in stages:
+            split_like(stage, split_as, spec.layer_names)
     optims = [opt(list(m.parameters())) for m in stages]
     predicting = [compensate and _compensate(
         o, admitted(replicas, 0 if vertical_sync or ties else s) - 1) for s, o in enumerate(optims)]
@@ -233,6 +255,75 @@ def reference_pipedream(
     for m in stages:
         state.update({k: v.detach().clone() for k, v in m.state_dict().items()})
     return losses, state
+
+
+def split_like(model: nn.Module, plan: Plan, names: Sequence[str]) -> None:
+    """Make the Linears of ``model``'s layers (children named ``names[i]`` for the
+    model's layer ``i``; those it lacks are skipped) that ``plan`` splits over ``t > 1``
+    workers compute as a :class:`~dreampipe.runtime.tensor_split.SplitStage` does, on
+    the same shards (``torch.chunk``'s, DTensor's ``Shard``), joined in worker order:
+
+    - ``IN``: ``t`` partial products of the input's and the weight's column shards,
+      each plus ``bias / t`` (DTensor's ``Replicate`` to ``Partial``), summed;
+    - ``OUT``: the outputs of the weight's row shards, concatenated; the input's
+      gradient is then the sum of their ``t`` partial gradients;
+    - ``BATCH``: the batch's shards through the whole weight, concatenated; the
+      weight's gradient is then the sum of their ``t`` partial gradients;
+    - ``REPLICA``: unchanged.
+
+    Parameters keep their objects and names (``state_dict``, ``functional_call``).
+    A layer split otherwise than ``REPLICA`` must be one Linear (and parameter-free
+    modules), the layers :func:`~dreampipe.runtime.tensor_split.SplitStage` splits.
+    """
+    layers = dict(model.named_children())
+    for stage in plan.stages:
+        if stage.tensor_parallel == 1:
+            continue
+        for i, split in zip(range(stage.first, stage.last + 1), stage.splits, strict=True):
+            layer = layers.get(names[i])
+            if layer is None or split is Split.REPLICA:
+                continue
+            linears = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
+            weighted = [n for n, m in layer.named_modules()
+                        if next(m.parameters(recurse=False), None) is not None]
+            if weighted != linears or len(linears) != 1:
+                raise ValueError(f"layer {names[i]!r} split {split.value}: the reference "
+                                 f"splits one Linear, not the weights of {weighted}")
+            parent, _, key = (f"{names[i]}.{linears[0]}" if linears[0] else names[i]
+                              ).rpartition(".")
+            linear = model.get_submodule(parent).get_submodule(key)
+            assert isinstance(linear, nn.Linear)
+            setattr(model.get_submodule(parent), key,
+                    _SplitLinear(linear, split, stage.tensor_parallel))
+
+
+class _SplitLinear(nn.Module):
+    """``linear``'s parameters, computed as :func:`split_like` says for ``split`` over
+    ``t`` workers."""
+
+    def __init__(self, linear: nn.Linear, split: Split, t: int) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.split, self.t = split, t
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b, t = self.weight, self.bias, self.t
+        if self.split is Split.IN:
+            share = None if b is None else b / t
+            parts = [F.linear(xs, ws, share)
+                     for xs, ws in zip(x.chunk(t, -1), w.chunk(t, 1), strict=True)]
+            out = parts[0]
+            for part in parts[1:]:
+                out = out + part
+            return out
+        if self.split is Split.OUT:
+            rows = w.chunk(t)
+            biases: Sequence[Tensor | None] = [None] * len(rows) if b is None else b.chunk(t)
+            return torch.cat([F.linear(x, ws, bs) for ws, bs in zip(rows, biases, strict=True)],
+                             -1)
+        assert self.split is Split.BATCH, self.split
+        return torch.cat([F.linear(xs, w, b) for xs in x.chunk(t)])
 
 
 def _compensate(optimizer: torch.optim.Optimizer, d: int) -> bool:

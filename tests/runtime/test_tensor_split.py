@@ -6,14 +6,23 @@ planner splits every layer over the workers (operator partitioning), and
 ``dreampipe train`` runs that plan with DTensor on gloo. Its weights must
 equal one process training the whole model, and each rank's peak memory
 must be within a quarter of the plan's prediction.
+
+The one process computes each split Linear on the plan's shards (``split_as``):
+summed whole, a 4096-wide dot product's float32 rounding follows the CPU's kernel
+set, not the run. Weights and losses must then match to ``rtol=1e-5, atol=4e-5``,
+the tolerance of every Pipeline-against-reference comparison (``tests/api/compare.py``
+says what it covers).
 """
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from dreampipe.api.checkpoint import load_model_state
 from dreampipe.commands.train import Checkpoints, run_train
@@ -23,9 +32,11 @@ from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.processes import run_processes
+from dreampipe.runtime.tensor_split import SplitStage, tensor_mesh
 from dreampipe.scheduling.actions import ScheduleKind
 
-from .reference import reference_pipedream, reference_sync, sgd
+from .reference import reference_pipedream, reference_sync, sgd, split_like
 
 __all__: list[str] = []
 
@@ -55,7 +66,8 @@ def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int)
 
     spec = get_model("mlp", **dict(KWARGS))
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=0), steps=STEPS,
-                                   minibatch=MINIBATCH, seed=0, opt=sgd(LR))
+                                   minibatch=MINIBATCH, seed=0, opt=sgd(LR),
+                                   split_as=report.plan)
     got = report.result.stage_states[0]
     assert sorted(got) == sorted(state)
     for name, value in state.items():
@@ -72,6 +84,50 @@ def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int)
         assert r["predicted_bytes"] <= LIMITS[workers], rows
         assert r["predicted_bytes"] > 20e6, r  # the split weights dominate the noise
         assert 0.75 <= r["ratio"] <= 1.25, rows
+
+
+#: One stage of the whole mlp split over 2 workers, each way a Linear can be split.
+_ALL_WAYS = Plan(stages=(Stage(first=0, last=2, replicas=1, ranks=(0,), tensor_parallel=2,
+                               splits=(Split.OUT, Split.IN, Split.BATCH)),), num_layers=3)
+_WAYS_KWARGS = {"layers": 3, "width": 301}  # 301: shares of 151 and 150
+
+
+def _split_stage_step(rank: int, world: int, _arg: None) -> dict[str, Any]:
+    """One forward and backward of the mlp as :data:`_ALL_WAYS`'s split stage: its output
+    and its parameters' gradients, whole."""
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        spec = get_model("mlp", **_WAYS_KWARGS)
+        stage = SplitStage(spec.build(seed=0), _ALL_WAYS.stages[0].splits,
+                           tensor_mesh(world, world, "cpu"))
+        x, y = load_dataset("synthetic", spec, seed=0).batch(0, 30)
+        out = stage(x)
+        spec.loss_fn(out, y).backward()
+        grads = {name: p.grad.full_tensor() for name, p in stage.named_parameters()
+                 if p.grad is not None}
+        return {"out": out.detach(), "grads": grads}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_the_reference_splits_a_stage_bit_for_bit_as_dtensor_does() -> None:
+    """``split_like`` (what ``split_as`` makes of a reference) computes a split stage's
+    output and gradients exactly: over 2 workers the all-reduce adds two partial sums,
+    in either order the same float32 sum, and every other reduction is cut where the
+    split run cuts it, on shards of the same shapes."""
+    ranks = run_processes(_split_stage_step, 2, None, deadline_s=60.0)
+    spec = get_model("mlp", **_WAYS_KWARGS)
+    x, y = load_dataset("synthetic", spec, seed=0).batch(0, 30)
+    model = spec.build(seed=0)
+    split_like(model, _ALL_WAYS, spec.layer_names)
+    out = model(x)
+    spec.loss_fn(out, y).backward()
+    for r in ranks:
+        assert torch.equal(out, r["out"])
+        assert sorted(r["grads"]) == sorted(n for n, _ in model.named_parameters())
+        for name, p in model.named_parameters():
+            assert torch.equal(p.grad, r["grads"][name]), name
 
 
 def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> PlanSource:
@@ -122,7 +178,8 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     assert report is not None and report.plan.config == "1t2-1t2"
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=0), bounds=[0, 2], replicas=[1, 1],
-        steps=steps, minibatch=MINIBATCH, seed=0, opt=sgd(LR), compensate=True)
+        steps=steps, minibatch=MINIBATCH, seed=0, opt=sgd(LR), compensate=True,
+        split_as=report.plan)
     got = {k: v for part in report.result.stage_states for k, v in part.items()}
     assert sorted(got) == sorted(state)
     for name, value in state.items():
