@@ -145,3 +145,30 @@ def test_prediction_starts_afresh_with_each_segment() -> None:
     r.versions.restart()  # a new segment from version 1: its change is not used
     v = r.versions.acquire(None, update=1)
     assert v.ahead == 0 and v.live
+
+
+def _stash_a_dtensor(rank: int, world: int, _arg: None) -> tuple[float, float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dreampipe.api.group import init_process_group
+
+    init_process_group(30.0)
+    mesh = init_device_mesh("cpu", (world,))
+    p = nn.Parameter(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
+    versions = WeightVersions([p], stage=0, on_leaf=lambda *_: None, on_drop=lambda _: None)
+    held = versions.acquire(None)
+    versions.retire()  # a unit still runs on version 0: the live weights move to a copy
+    with torch.no_grad():
+        p.add_(1.0)
+    versions.advance()
+    out = float(held.tensors[0].to_local()[0, 0]), float(p.to_local()[0, 0])
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def test_a_split_stages_version_keeps_its_values_when_the_live_dtensor_steps() -> None:
+    from dreampipe.runtime.processes import run_processes
+
+    stashed, live = run_processes(_stash_a_dtensor, 1, None, deadline_s=60.0)[0]
+    assert (stashed, live) == (1.0, 2.0)

@@ -187,7 +187,7 @@ class WeightVersions(Mapping[int, Version]):
         if cur is not None and cur.live:
             if cur.refs > 0 or self._needed_later(cur.number):
                 for p in self._params:
-                    p.data = p.data.clone()
+                    _to_fresh_copy(p)
                 cur.live = False
             else:
                 del self._held[cur.number]
@@ -209,3 +209,14 @@ class WeightVersions(Mapping[int, Version]):
                 b.neg_().add_(p.detach()) if own else p.detach() - b
                 for b, p in zip(before, self._params, strict=True)]
             self._before = None
+
+
+def _to_fresh_copy(p: nn.Parameter) -> None:
+    """Move the live ``p`` to a copy of its values, leaving its old storage to the version.
+    A DTensor's shard is a tensor of its own: assigning the DTensor's ``.data`` would
+    leave the shard, and the version's view of it, to the update."""
+    local = getattr(p, "_local_tensor", None)
+    if isinstance(local, Tensor):
+        local.data = local.data.clone()
+    else:
+        p.data = p.data.clone()
