@@ -12,17 +12,30 @@ whose ranks a topology cannot hold (:func:`check_fits`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.stage import Stage
-
-if TYPE_CHECKING:
-    from dreampipe.planning.plan import Plan
-    from dreampipe.planning.topology import Topology
+from dreampipe.planning.topology import Topology
 
 __all__ = ["check_fits", "check_placement", "check_schedule", "stage_ranks",
            "virtual_stages_of"]
+
+class Plan(Protocol):
+    """What placement reads of a :class:`~dreampipe.planning.plan.Plan` (which checks its
+    own placement with this module, so it is not imported here)."""
+
+    @property
+    def virtual_stages(self) -> int: ...
+
+    @property
+    def num_stages(self) -> int: ...
+
+    @property
+    def stages(self) -> Sequence[Stage]: ...
+
+    def stage_workers(self, s: int) -> tuple[int, ...]: ...
+
 
 #: The one schedule that runs several stages per rank.
 _INTERLEAVED = "interleaved-1f1b"
