@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from dreampipe.api import EvalResult, Pipeline, initialise, load_model_state
     from dreampipe.models import get_model
     from dreampipe.models.spec import ModelSpec
+    from dreampipe.planning.options import PlanOptions
     from dreampipe.planning.planner import evaluate_plan, plan_pipeline
     from dreampipe.profiling.profiler import profile_model, profile_spec
 
@@ -72,6 +73,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "PlanError",
+    "PlanOptions",
     "ProfileError",
     "QuantityError",
     "Schedule",
@@ -105,6 +107,7 @@ __version__ = "0.1.0"
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "Pipeline": ("dreampipe.api", "Pipeline"),
+    "PlanOptions": ("dreampipe.planning.options", "PlanOptions"),
     "EvalResult": ("dreampipe.api", "EvalResult"),
     "load_model_state": ("dreampipe.api", "load_model_state"),
     "initialise": ("dreampipe.api", "initialise"),

@@ -98,12 +98,14 @@ def _profile(opts: DemoOptions) -> LayerGraph:
 
 def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
     from dreampipe.planning import planner
+    from dreampipe.planning.options import PlanOptions
 
     topology = local_topology(workers, local_machine(workers, say=say))
-    best = planner.plan_pipeline(graph, topology, allow_fewer_workers=False)
+    best = planner.plan_pipeline(graph, topology, PlanOptions(allow_fewer_workers=False))
     if best.num_stages > 1:
         return best
-    straight = planner.plan_pipeline(graph, topology, straight=True, allow_fewer_workers=False)
+    straight = planner.plan_pipeline(graph, topology, PlanOptions(straight=True,
+                                                                  allow_fewer_workers=False))
     say(f"the planner's best plan is data parallel ({best.time_per_minibatch_s * 1e3:.2f} "
         f"ms/minibatch); to show pipelining the demo runs its best straight pipeline "
         f"({straight.time_per_minibatch_s * 1e3:.2f} ms/minibatch)")
