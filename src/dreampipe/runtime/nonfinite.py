@@ -22,7 +22,8 @@ happens then is
   no rank waits for a message that never comes. Buffers (BatchNorm running
   statistics) that the minibatch's forwards updated are not rolled back.
   PipeDream's schedule updates each stage at its own time, with no common
-  point to agree at; it accepts ``STOP`` only (:mod:`.checks` says so).
+  point to agree at; it accepts ``STOP`` only (:class:`~dreampipe.api.config.TrainConfig`
+  says so).
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.errors import ConfigError, NonFiniteError
+from dreampipe.errors import NonFiniteError
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
-__all__ = ["NonFiniteGuard", "OnNonFinite", "check_policy"]
+__all__ = ["NonFiniteGuard", "OnNonFinite"]
 
 _log = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ class OnNonFinite(Enum):
 
     STOP = "stop"
     SKIP = "skip"
-
-
-def check_policy(policy: OnNonFinite, kind: ScheduleKind) -> None:
-    """``SKIP`` needs a synchronous schedule (see above): a ConfigError otherwise."""
-    if policy is OnNonFinite.SKIP and kind is ScheduleKind.PIPEDREAM:
-        raise ConfigError(
-            "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
-            "where every stage updates at the same step; pipedream updates each stage at its "
-            "own time: use on_nonfinite=stop with it", "on_nonfinite", "schedule",
-        )
 
 
 def _what(t: Tensor) -> str:
