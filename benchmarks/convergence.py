@@ -199,10 +199,10 @@ def _train(wl: ModuleType, study: Study, key: str) -> dict[str, Any]:
     pipelined = variant.kind in (ScheduleKind.FLUSH, ScheduleKind.GPIPE, ScheduleKind.TWO_BW)
     pipe = dreampipe.Pipeline(
         task.model, example=task.example, loss_fn=task.loss_fn, optimizer=task.optimizer,
-        lr_scheduler=task.lr_scheduler, schedule=variant.kind, plan=plan,
-        microbatches=world if pipelined else 1, max_grad_norm=task.max_grad_norm,
-        vertical_sync=variant.vertical_sync, stash=variant.stash, compensate=variant.compensate,
-        timeout_s=600.0,
+        lr_scheduler=task.lr_scheduler, plan=plan, config=dreampipe.TrainConfig(
+            schedule=variant.kind, microbatches=world if pipelined else 1,
+            max_grad_norm=task.max_grad_norm, vertical_sync=variant.vertical_sync,
+            stash=variant.stash, compensate=variant.compensate, timeout_s=600.0),
     )
     start = time.perf_counter()
     first = pipe.evaluate(task.held_out)

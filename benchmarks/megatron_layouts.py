@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dreampipe.planning.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.splits import Split
@@ -157,8 +158,8 @@ def compute_row(case: Case) -> list[Row]:
             for layout in case.published]
     for memory in (None, topo.memory_bytes):
         start = time.perf_counter()
-        plan = plan_pipeline(graph, topo, memory_bytes=memory, recompute=True,
-                             mixed_splits=True)
+        plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, recompute=True,
+                                                      mixed_splits=True))
         rows.append(Row(case, f"planner {_tpd(plan)}",
                         "dreampipe plan" + (" --memory 32GB" if memory else ""), plan,
                         time.perf_counter() - start))
@@ -230,8 +231,8 @@ parallelism; Narayanan et al., "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (SC21), recommend tensor parallelism up to a
 server's GPUs and pipeline parallelism across servers. Here each published
 layout is priced with `evaluate_plan` under dreampipe's own cost model and
-memory terms, beside the plans `plan_pipeline(..., recompute=True,
-mixed_splits=True)` chooses without a memory limit and under 32 GB, where
+memory terms, beside the plans `plan_pipeline(..., PlanOptions(recompute=True,
+mixed_splits=True))` chooses without a memory limit and under 32 GB, where
 every stage may be split over 2, 4 or 8 GPUs of a server, replicated and
 recompute its activations ([the planner](planner.md#tensor-splits-per-stage)).
 

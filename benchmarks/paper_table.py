@@ -28,6 +28,7 @@ from pathlib import Path
 from dreampipe.cli.plan import confirm_by_simulation
 from dreampipe.planning.config import stages_from_config
 from dreampipe.planning.costs import CostModel
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import PRESETS, Topology
@@ -205,7 +206,7 @@ def price_config(graph: LayerGraph, topo: Topology, config: str) -> Plan | None:
     more than :data:`_MAX_PRICED_STAGES` stages.
     """
     if config == "straight":
-        return plan_pipeline(graph, topo, straight=True)
+        return plan_pipeline(graph, topo, PlanOptions(straight=True))
     replicas = stages_from_config(config)
     if sum(replicas) > topo.num_workers or len(replicas) > _MAX_PRICED_STAGES:
         return None
@@ -312,8 +313,8 @@ def _sim_ratio(graph: LayerGraph, topo: Topology, plan: Plan) -> float:
 def compute_row(graph: LayerGraph, model: str, cluster: str) -> Row:
     """Plan, simulate and explain one profile on one cluster."""
     pd_topo, _ = pipedream_topology(cluster)
-    pd_plan = plan_pipeline(graph, pd_topo, cost_model=CostModel.PIPEDREAM,
-                            allow_fewer_workers=False)
+    pd_plan = plan_pipeline(graph, pd_topo, PlanOptions(cost_model=CostModel.PIPEDREAM,
+                                                        allow_fewer_workers=False))
     topo = Topology.parse(cluster)
     plan = plan_pipeline(graph, topo)
     paper = PAPER.get((model, cluster))
@@ -427,8 +428,8 @@ other cell is computed by the script.
   ({links}; a level of one unit, as in `cluster-c`'s `4x1`, is left out of
   the comparison); {"the presets match them, so both models run on the presets" if same
   else "where a preset differs, the script builds the topology from them"}.
-- **pipedream model.** `plan_pipeline(..., cost_model=CostModel.PIPEDREAM,
-  allow_fewer_workers=False)`; "vs optimizer": `same` config and times,
+- **pipedream model.** `plan_pipeline(..., PlanOptions(cost_model=CostModel.PIPEDREAM,
+  allow_fewer_workers=False))`; "vs optimizer": `same` config and times,
   `tie` (same pipeline and DP times, another config of equal cost, see
   [the planner](planner.md#cost-models-dreampipe-and-pipedream)) or
   `differs`.

@@ -36,7 +36,7 @@ def train(schedule: str, plan: dreampipe.Plan | str, vocab: int, train_data: Ten
         loss_fn=token_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
             o, lambda s: min(1.0, (s + 1) / 20)),
-        schedule=schedule, plan=plan, max_grad_norm=1.0,
+        plan=plan, config=dreampipe.TrainConfig(schedule=schedule, max_grad_norm=1.0),
     )
     start = time.perf_counter()
     for _ in range(args.steps):

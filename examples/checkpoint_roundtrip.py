@@ -43,8 +43,8 @@ def main() -> None:
     torch.manual_seed(0)
     pipe = dreampipe.Pipeline(
         mlp(), example=batch(gen, weights), loss_fn=F.cross_entropy,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), schedule="1f1b-flush",
-        microbatches=2,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2),
     )
     for _ in range(args.steps):
         pipe.step(*batch(gen, weights))

@@ -35,7 +35,7 @@ def main() -> None:
     pipe = dreampipe.Pipeline(
         cnn(), example=next(iter(loader)), loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-        schedule=args.schedule, plan="auto",
+        plan="auto", config=dreampipe.TrainConfig(schedule=args.schedule),
     )
     steps, losses = 0, []
     for _ in range(args.epochs):

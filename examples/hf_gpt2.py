@@ -53,8 +53,8 @@ def main() -> None:
     torch.manual_seed(0)
     pipe = dreampipe.Pipeline(
         model(), example=batch(gen), loss_fn=lm_loss,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), schedule="1f1b-flush",
-        microbatches=2, split_points=["transformer.h.2"],
+        optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), plan=["transformer.h.2"],
+        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2),
     )
     for _ in range(args.steps):
         pipe.step(*batch(gen))

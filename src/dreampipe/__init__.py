@@ -10,9 +10,9 @@ with ``machine`` (this machine's calibration and plan choice), ``api`` (the
 Pipeline), ``commands`` (train, demo, bench) and ``cli`` on top and ``models`` beside.
 
 ``dreampipe.Pipeline`` trains your own model, data, optimizer and loop on a
-plan (``api/``). ``import dreampipe`` stays light: the names that need NumPy
-or torch (the Pipeline, the planner, the profiler, the model zoo) load on
-first use.
+plan (``api/``), as a ``dreampipe.TrainConfig`` says. ``import dreampipe``
+stays light: the names that need NumPy or torch (the Pipeline, the planner,
+the profiler, the model zoo) load on first use.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ from dreampipe.simulation.timeline import draw_timeline
 from dreampipe.simulation.trace import write_chrome_trace
 
 if TYPE_CHECKING:
-    from dreampipe.api import EvalResult, Pipeline, initialise, load_model_state
+    from dreampipe.api import EvalResult, Pipeline, TrainConfig, initialise, load_model_state
     from dreampipe.models import get_model
     from dreampipe.models.spec import ModelSpec
+    from dreampipe.planning.options import PlanOptions
     from dreampipe.planning.planner import evaluate_plan, plan_pipeline
     from dreampipe.profiling.profiler import profile_model, profile_spec
 
@@ -72,6 +73,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "PlanError",
+    "PlanOptions",
     "ProfileError",
     "QuantityError",
     "Schedule",
@@ -83,6 +85,7 @@ __all__ = [
     "StageMismatchError",
     "Topology",
     "TopologyError",
+    "TrainConfig",
     "build_schedule",
     "costs_from_plan",
     "costs_from_profile",
@@ -105,6 +108,8 @@ __version__ = "0.1.0"
 # name -> (module, attribute), imported on first access
 _LAZY = {
     "Pipeline": ("dreampipe.api", "Pipeline"),
+    "TrainConfig": ("dreampipe.api", "TrainConfig"),
+    "PlanOptions": ("dreampipe.planning.options", "PlanOptions"),
     "EvalResult": ("dreampipe.api", "EvalResult"),
     "load_model_state": ("dreampipe.api", "load_model_state"),
     "initialise": ("dreampipe.api", "initialise"),

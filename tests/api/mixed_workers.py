@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
 from dreampipe.models import get_model
 from dreampipe.runtime.data import load_dataset
@@ -40,8 +40,9 @@ def train_mixed(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         model = spec.build(seed=0)
     lr = job["lr"]
     pipe = Pipeline(model, example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=lr), schedule=job["schedule"],
-                    plan=job["plan"], microbatches=job["microbatches"], timeout_s=60.0)
+                    optimizer=lambda p: torch.optim.SGD(p, lr=lr), plan=job["plan"],
+                    config=TrainConfig(schedule=job["schedule"], microbatches=job["microbatches"],
+                                       timeout_s=60.0))
     for k in range(job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))
     losses = pipe.finish()

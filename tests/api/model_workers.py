@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
 from dreampipe.api.split import split_layers
 from dreampipe.planning.plan import Plan
@@ -34,7 +34,7 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
         case = CASES[job["case"]]
         layers = len(split_layers(case.build(), case.example(0, 1)[0]))
         return {"plan": Plan.from_config(layers, [0], [world])}
-    return {"split_points": job.get("split_points", CASES[job["case"]].split_points)}
+    return {"plan": job.get("split_points", CASES[job["case"]].split_points)}
 
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -57,10 +57,11 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     pipe = Pipeline(
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
         optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
-        schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
-        resume=job.get("resume"), semantics=job.get("semantics", "sync"),
-        autocast=getattr(torch, job["autocast"]) if "autocast" in job else None,
-        virtual_stages=job.get("virtual_stages", 1), **_where(job, world),
+        config=TrainConfig(
+            schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
+            resume=job.get("resume"), semantics=job.get("semantics", "sync"),
+            autocast=getattr(torch, job["autocast"]) if "autocast" in job else None,
+            virtual_stages=job.get("virtual_stages", 1)), **_where(job, world),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
     for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):

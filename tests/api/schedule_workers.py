@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.models import get_model
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
@@ -42,8 +42,9 @@ def train_schedule(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
-        optimizer=_optimizer(job), schedule=job["schedule"], plan=plan,
-        microbatches=job["microbatches"], max_grad_norm=job["clip"], timeout_s=30.0, **extra,
+        optimizer=_optimizer(job), plan=plan,
+        config=TrainConfig(schedule=job["schedule"], microbatches=job["microbatches"],
+                           max_grad_norm=job["clip"], timeout_s=30.0, **extra),
     )
     for k in range(job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))

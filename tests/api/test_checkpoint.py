@@ -45,7 +45,7 @@ def _pipe(resume: Path | None = None) -> dreampipe.Pipeline:
         _model(), example=_data()[0], loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)),
-        schedule="1f1b-flush", microbatches=2, resume=resume,
+        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2, resume=resume),
     )
 
 
@@ -213,7 +213,8 @@ def test_each_parameter_group_resumes_its_own_settings(tmp_path: Path) -> None:
 
     def pipe(resume: Path | None = None) -> dreampipe.Pipeline:
         return dreampipe.Pipeline(_model(), example=_data()[0], loss_fn=F.cross_entropy,
-                                  optimizer=two_groups, schedule="1f1b-flush", resume=resume)
+                                  optimizer=two_groups, config=dreampipe.TrainConfig(
+                                      schedule="1f1b-flush", resume=resume))
 
     first = pipe()
     first.step(*_data()[0])

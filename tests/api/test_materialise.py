@@ -112,9 +112,9 @@ class _Nested(nn.Module):
 
 def _pipeline_state(model: nn.Module, example: tuple[Any, Tensor],
                     loss_fn: Callable[[Any, Tensor], Tensor], seed: int) -> dict[str, Tensor]:
-    pipe = dreampipe.Pipeline(model, example=example, loss_fn=loss_fn, seed=seed,
+    pipe = dreampipe.Pipeline(model, example=example, loss_fn=loss_fn,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                              schedule="1f1b-flush")
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush", seed=seed))
     state = pipe.full_state_dict()
     pipe.close()
     return state

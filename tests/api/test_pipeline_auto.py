@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from runtime.reference import reference_sync, sgd
 from torch import nn
 
+from dreampipe.api import TrainConfig
 from dreampipe.api.plans import resolve_plan
 from dreampipe.api.split import split_layers
 from dreampipe.errors import ConfigError
@@ -56,7 +57,7 @@ def test_auto_async_picks_an_asynchronous_schedule_and_trains() -> None:
 
 @pytest.mark.parametrize(("kw", "needle"), [
     ({"schedule": "auto", "semantics": "eventual"}, r"semantics='eventual'; use one of sync, "),
-    ({"schedule": "auto", "virtual_stages": 2}, r"virtual_stages=2 with schedule='auto'"),
+    ({"schedule": "auto", "virtual_stages": 2}, r"virtual_stages=2 with schedule=auto; use 1"),
 ])
 def test_auto_with_what_it_cannot_choose_names_the_fix(kw: dict[str, Any], needle: str
                                                        ) -> None:
@@ -76,9 +77,9 @@ def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Se
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
         layers = split_layers(model, x[:4])
-        got = resolve_plan("auto", layers=layers, kind=ScheduleKind.FLUSH, example=(x, y),
-                           loss_fn=F.cross_entropy, unit_size=4, seed=0, semantics=semantics,
-                           microbatches=2)
+        config = TrainConfig(schedule="auto", semantics=semantics.value, microbatches=2)
+        got = resolve_plan("auto", layers=layers, example=(x, y), loss_fn=F.cross_entropy,
+                           unit_size=4, config=config)
     finally:
         dist.destroy_process_group()
     assert got.kind in CANDIDATES[semantics]

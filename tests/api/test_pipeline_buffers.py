@@ -155,12 +155,13 @@ def _adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _train_unused(rank: int, world: int, schedule: str) -> dict[str, Tensor] | None:
-    from dreampipe.api import Pipeline
+    from dreampipe.api import Pipeline, TrainConfig
 
     torch.manual_seed(0)
     pipe = Pipeline(_Unused(), example=(_X[:8], _Y[:8]), loss_fn=torch.nn.functional.cross_entropy,
-                    optimizer=_adamw, schedule=schedule, microbatches=2,
-                    split_points=["blocks.2"], max_grad_norm=1.0, timeout_s=30.0)
+                    optimizer=_adamw, plan=["blocks.2"],
+                    config=TrainConfig(schedule=schedule, microbatches=2, max_grad_norm=1.0,
+                                       timeout_s=30.0))
     for k in range(3):
         pipe.step(_X[8 * k : 8 * k + 8], _Y[8 * k : 8 * k + 8])
     pipe.finish()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,11 +28,17 @@ def _model(width: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, 3))
 
 
+_ARGS = ("example", "loss_fn", "optimizer", "plan")
+
+
 def _pipe(model: nn.Module | None = None, **kw: Any) -> dreampipe.Pipeline:
+    """A Pipeline of ``kw``'s arguments, the others its config's fields."""
     args: dict[str, Any] = {"example": EXAMPLE, "loss_fn": F.cross_entropy,
                             "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
-                            "schedule": "1f1b-flush", **kw}
-    return dreampipe.Pipeline(_model() if model is None else model, **args)
+                            **{k: v for k, v in kw.items() if k in _ARGS}}
+    config = {"schedule": "1f1b-flush", **{k: v for k, v in kw.items() if k not in _ARGS}}
+    return dreampipe.Pipeline(_model() if model is None else model, **args,
+                              config=dreampipe.TrainConfig(**config))
 
 
 class _Residual(nn.Module):
@@ -67,29 +75,56 @@ def test_a_model_fx_cannot_trace_names_the_module_and_the_reason() -> None:
 def test_a_split_point_inside_a_block_names_the_block_and_the_points_around_it() -> None:
     with pytest.raises(ConfigError, match=r"split point 'a.weight' is inside 'a', a Linear that "
                                           r"runs whole on one stage; split at 'a' or 'b'"):
-        _pipe(_Residual(), split_points=["a.weight"])
+        _pipe(_Residual(), plan=["a.weight"])
 
 
 def test_an_unknown_split_point_suggests_the_nearest() -> None:
     with pytest.raises(ConfigError, match=r"split point 'bb' names no module of the model; "
                                           r"the nearest valid split points are 'b'"):
-        _pipe(_Residual(), split_points=["bb"])
+        _pipe(_Residual(), plan=["bb"])
 
 
-def test_split_points_as_one_string_asks_for_a_list() -> None:
-    with pytest.raises(ConfigError, match=r"split_points='b'; give a list of module names, "
-                                          r"e.g. split_points=\['b'\]"):
-        _pipe(_Residual(), split_points="b")
-
-
-def test_split_points_and_a_plan_conflict() -> None:
-    with pytest.raises(ConfigError, match=r"give split_points or plan, not both"):
-        _pipe(_Residual(), split_points=["b"], plan=dreampipe.Plan.from_config(2, [0], [1]))
+def test_a_split_point_as_one_string_asks_for_a_list() -> None:
+    with pytest.raises(PlanError, match=r"plan='b' is neither 'auto', a Plan, a plan file nor "
+                                        r"a list of split points; to cut before module 'b', "
+                                        r"give plan=\['b'\]"):
+        _pipe(_Residual(), plan="b")
 
 
 def test_split_points_make_one_stage_each_so_the_world_must_fit() -> None:
     with pytest.raises(PlanError, match=r"uses 2 workers but 1 were started"):
-        _pipe(_Residual(), split_points=["b"])
+        _pipe(_Residual(), plan=("b",))
+
+
+def test_keywords_of_the_config_name_the_config_field() -> None:
+    model = _model()
+    args: dict[str, Any] = {"example": EXAMPLE, "loss_fn": F.cross_entropy,
+                            "optimizer": lambda p: torch.optim.SGD(p, lr=0.1)}
+    with pytest.raises(ConfigError, match=re.escape(
+            "schedule= is a TrainConfig field now: Pipeline(..., "
+            "config=TrainConfig(schedule='1f1b-flush'))")) as info:
+        dreampipe.Pipeline(model, **args, schedule="1f1b-flush")
+    assert info.value.parameters == ("schedule",)
+    with pytest.raises(ConfigError, match=re.escape(
+            "schedule=, microbatches= are TrainConfig fields now: Pipeline(..., "
+            "config=TrainConfig(schedule='gpipe', microbatches=2))")):
+        dreampipe.Pipeline(model, **args, schedule=dreampipe.ScheduleKind.GPIPE, microbatches=2)
+    with pytest.raises(ConfigError, match=re.escape(
+            "split_points= is plan= now: Pipeline(..., plan=['2'])")):
+        dreampipe.Pipeline(model, **args, split_points=["2"])
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'lr_schedule'; did you "
+                                        r"mean lr_scheduler=\?"):
+        dreampipe.Pipeline(model, **args, lr_schedule=None)
+    with pytest.raises(ConfigError, match=r"config=\{'schedule': 'gpipe'\}; give a TrainConfig"):
+        dreampipe.Pipeline(model, **args, config={"schedule": "gpipe"})  # type: ignore[arg-type]
+
+
+def test_the_pipeline_takes_at_most_eight_parameters() -> None:
+    params = inspect.signature(dreampipe.Pipeline).parameters
+    assert len(params) <= 8, list(params)
+    assert list(params)[:7] == ["model", "example", "loss_fn", "optimizer", "plan", "config",
+                                "lr_scheduler"]
+    assert params["config"].default == dreampipe.TrainConfig()
 
 
 class _Tied(nn.Module):
@@ -144,6 +179,8 @@ def test_an_optimizer_factory_that_returns_something_else() -> None:
 def test_unknown_schedule_lists_the_names() -> None:
     with pytest.raises(ConfigError, match=r"schedule='1f1b'; use one of pipedream, 1f1b-flush"):
         _pipe(schedule="1f1b")
+    with pytest.raises(ConfigError, match=r"on_nonfinite=skip needs a synchronous schedule"):
+        _pipe(schedule="pipedream", on_nonfinite="skip")
 
 
 def test_resume_with_a_plan_that_does_not_cover_the_model() -> None:
@@ -200,10 +237,11 @@ def test_an_uncommitted_checkpoint_is_never_loaded_and_the_error_names_the_last_
 
 @pytest.mark.parametrize(("kw", "needle"), [
     ({"virtual_stages": 2}, r"virtual_stages=2 with schedule=1f1b-flush; use 1, or "
-                            r"schedule='interleaved-1f1b'"),
+                            r"schedule=interleaved-1f1b"),
     ({"virtual_stages": 2, "schedule": "interleaved-1f1b"},
-     r"virtual_stages=2 with plan='auto'; give split_points or a plan of world x 2 stages"),
-    ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "split_points": ["1", "2"]},
+     r"virtual_stages=2 with plan='auto'; give split points \(plan=\[...\]\) or a plan of "
+     r"world x 2 stages"),
+    ({"virtual_stages": 2, "schedule": "interleaved-1f1b", "plan": ["1", "2"]},
      r"virtual_stages=2 on 1 workers needs 2 stages, not the plan's 3"),
 ])
 def test_virtual_stages_that_cannot_run_name_the_fix(kw: dict[str, Any], needle: str) -> None:

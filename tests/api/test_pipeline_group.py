@@ -28,7 +28,8 @@ def test_close_destroys_the_subgroups_it_made_and_keeps_the_users_group() -> Non
             x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
             pipe = dreampipe.Pipeline(model, example=(x, y), loss_fn=F.cross_entropy,
                                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                                      schedule="1f1b-flush", max_grad_norm=1.0)
+                                      config=dreampipe.TrainConfig(schedule="1f1b-flush",
+                                                                   max_grad_norm=1.0))
             assert _groups() > before  # its links and the clipping group
             pipe.step(x, y)
             assert len(pipe.finish()) == 1

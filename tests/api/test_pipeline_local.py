@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -57,13 +58,13 @@ def _reference(model: nn.Module, data: list[tuple[Tensor, Tensor]], micro: int,
     return losses, model.state_dict()
 
 
-def _pipe(model: nn.Module, data: list[tuple[Tensor, Tensor]], **kw: object
-          ) -> dreampipe.Pipeline:
+def _pipe(model: nn.Module, data: list[tuple[Tensor, Tensor]], plan: Any = "auto",
+          **config: Any) -> dreampipe.Pipeline:
     return dreampipe.Pipeline(
         model, example=data[0], loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, _warmup),
-        **kw,  # type: ignore[arg-type]
+        plan=plan, config=dreampipe.TrainConfig(**config),
     )
 
 

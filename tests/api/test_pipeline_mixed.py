@@ -22,6 +22,7 @@ import pytest
 import torch
 from runtime.reference import reference_pipedream, reference_sync, sgd
 
+from dreampipe.api import TrainConfig
 from dreampipe.api.checkpoint import load_model_state
 from dreampipe.api.checks import check_split
 from dreampipe.errors import ConfigError
@@ -154,7 +155,8 @@ def test_a_mixed_plan_under_pipedream_follows_the_delayed_updates_and_saves_chec
 def test_what_a_mixed_plan_cannot_run_is_refused_with_the_fix(
         kind: ScheduleKind, grad_norm: float | None, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        check_split(_plan("1t2-2r", 8), kind, grad_norm)
+        check_split(_plan("1t2-2r", 8), TrainConfig(schedule=kind.value,
+                                                     max_grad_norm=grad_norm))
 
 
 def test_a_replicated_split_stage_is_refused_in_a_mixed_plan() -> None:
@@ -163,4 +165,4 @@ def test_a_replicated_split_stage_is_refused_in_a_mixed_plan() -> None:
                         Stage(first=2, last=3, replicas=1, ranks=(2,))), num_layers=4)
     with pytest.raises(ConfigError, match=r"plan 2t2-1 replicates stages split over 2 workers"
                                           r".* one replica per split stage"):
-        check_split(plan, ScheduleKind.FLUSH, None)
+        check_split(plan, TrainConfig(schedule="1f1b-flush"))

@@ -58,7 +58,7 @@ def test_a_pipeline_evaluates_batches_of_other_lengths_as_hugging_face_does() ->
     example = _text(4, 6)
     pipe = dreampipe.Pipeline(model, example=(example, example["input_ids"]), loss_fn=_loss,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                              schedule="1f1b-flush")
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush"))
     held_out = [(x, (x["input_ids"] + 1) % 11) for x in (_text(4, 5, 1), _text(2, 3, 2))]
     with torch.no_grad():
         want = [float(_loss(reference(**x), y)) * len(y) for x, y in held_out]

@@ -147,7 +147,7 @@ def test_a_duck_typing_probe_is_false_as_on_a_tensor_and_the_model_trains() -> N
         want.append(float(loss.detach()))
     pipe = dreampipe.Pipeline(model, example=data[0], loss_fn=F.cross_entropy,
                               optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                              schedule="1f1b-flush")
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush"))
     for x, y in data:
         pipe.step(x, y)
     torch.testing.assert_close(torch.tensor(pipe.finish()), torch.tensor(want),

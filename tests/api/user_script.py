@@ -55,7 +55,8 @@ def main() -> None:
     pipe = dreampipe.Pipeline(
         build_model(), example=next(batches(1)), loss_fn=F.cross_entropy, optimizer=optimizer,
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup),
-        schedule=schedule, plan=plan, microbatches=1 if schedule == "pipedream" else MICRO,
+        plan=plan, config=dreampipe.TrainConfig(
+            schedule=schedule, microbatches=1 if schedule == "pipedream" else MICRO),
     )
     for x, y in batches(STEPS):
         pipe.step(x, y)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
@@ -52,14 +52,14 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
-        optimizer=optimizer, schedule=job["schedule"], plan=plan,
-        virtual_stages=job.get("virtual_stages", 1),
+        optimizer=optimizer, plan=plan,
         lr_scheduler=(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, job["gamma"]))
         if "gamma" in job else None,
-        compensate=job.get("compensate", True),
-        microbatches=job.get("microbatches", 1),
-        vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
-        record_events=job.get("record_events", False), timeout_s=30.0,
+        config=TrainConfig(
+            schedule=job["schedule"], virtual_stages=job.get("virtual_stages", 1),
+            compensate=job.get("compensate", True), microbatches=job.get("microbatches", 1),
+            vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
+            record_events=job.get("record_events", False), timeout_s=30.0),
     )
     loaded = pipe.full_state_dict() if "resume" in job else None
     opt = pipe.module.optimizer

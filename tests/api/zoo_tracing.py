@@ -30,7 +30,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 
 from .model_zoo import Case, CaseSpec
 
@@ -160,8 +160,9 @@ def train_tracing_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, 
     pipe = Pipeline(
         TracingSpec(case, job["seed"]).model(), example=case.example(0, job["minibatch"]),
         loss_fn=case.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=job["lr"]),
-        schedule="1f1b-flush", microbatches=job["microbatches"], timeout_s=30.0,
-        split_points=case.split_points)
+        plan=case.split_points, config=TrainConfig(schedule="1f1b-flush",
+                                                   microbatches=job["microbatches"],
+                                                   timeout_s=30.0))
     for k in range(job["steps"]):
         pipe.step(*case.example(k, job["minibatch"]))
     losses = pipe.finish()

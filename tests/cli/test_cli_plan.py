@@ -20,6 +20,7 @@ from dreampipe.cli.plan import (
     confirm_by_simulation,
     layer_label,
 )
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
@@ -43,9 +44,8 @@ def _expected(
 ) -> tuple[Plan, Topology]:
     """What the library plans for the same profile and topology: the figures the CLI must show."""
     topo = Topology.parse(topology, bandwidths, memory)
-    plan = plan_pipeline(
-        load_graph(profile), topo, memory_bytes=topo.memory_bytes if memory else None, **options
-    )
+    plan = plan_pipeline(load_graph(profile), topo, PlanOptions(
+        memory_bytes=topo.memory_bytes if memory else None, **options))
     return plan, topo
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from machine.fixtures import DEV_MACHINE
 
+from dreampipe.api import TrainConfig
 from dreampipe.cli import main
 from dreampipe.cli.train import parse_model_args
 from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
@@ -193,7 +194,7 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out[0])
     assert data["samples_per_s"] > 0
     assert data["predicted_samples_per_s"] > 0
-    assert data["config"] == "straight"
+    assert data["partition"] == "straight"
     assert len(data["losses"]) == 6
     assert data["final_loss"] == data["losses"][-1]
 
@@ -241,6 +242,49 @@ def test_a_plan_file_of_two_stages_per_worker_refuses_what_contradicts_it(
     path = _interleaved_plan_file(tmp_path)
     err = _fails(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
                   "--no-progress", "--plan", str(path), *argv], capsys)
+    assert needle.format(path=path) in err
+
+
+def test_train_reads_a_settings_file_and_a_flag_given_wins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    settings = tmp_path / "s.toml"
+    settings.write_text('schedule = "1f1b-flush"\nmicrobatches = 4\nseed = 3\n'
+                        "timeout_s = 90\nmax_grad_norm = 1.0\n")
+    argv = ["train", "mlp", "--workers", "2", "--steps", "5", "--json", "--settings",
+            str(settings), "--microbatches", "2", "--no-progress"]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    want = TrainConfig(schedule="1f1b-flush", microbatches=2, seed=3, timeout_s=90.0,
+                       max_grad_norm=1.0, virtual_stages=1)
+    assert data["config"] == want.to_dict()
+    assert TrainConfig.from_dict(data["config"]) == want
+    assert (data["schedule"], data["microbatches"], len(data["losses"])) == ("1f1b-flush", 2, 5)
+
+
+@pytest.mark.parametrize(("text", "argv", "needle"), [
+    ("microbatch = 4\n", [], "settings file '{path}': 'microbatch' is not a TrainConfig field; "
+                            "did you mean 'microbatches'?"),
+    ("schedule = \"gpipe\"\nvertical_sync = true\n", [],
+     "--vertical-sync with --schedule gpipe: vertical sync and turning weight stashing off "
+     "apply to the pipedream schedule only"),
+    ("schedule = \"gpipe\"\nvertical_sync = true\n", ["--schedule", "pipedream", "--no-stash"],
+     "drop --no-stash or --vertical-sync"),
+    ("microbatches = \"4\"\n", [], "--microbatches '4': microbatches takes a whole number"),
+    ("resume = \"ck\"\n", [], "resumes from --checkpoint-dir DIR with --resume"),
+    ("schedule = [\n", [], "settings file '{path}' is not valid TOML"),
+])
+def test_a_bad_settings_file_names_the_field_before_profiling(
+    text: str, argv: list[str], needle: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def no_profiling(*_: object, **__: object) -> None:
+        raise AssertionError("profiled before checking the settings")
+
+    monkeypatch.setattr("dreampipe.commands.train_plan.profile_as_worker", no_profiling)
+    path = tmp_path / "s.toml"
+    path.write_text(text)
+    err = _fails(["train", "mlp", "--no-progress", "--settings", str(path), *argv], capsys)
     assert needle.format(path=path) in err
 
 
@@ -411,7 +455,7 @@ def test_staleness_compensation_is_on_unless_turned_off(
     seen: list[bool] = []
 
     def record(request: Any, *args: object, **kwargs: object) -> None:
-        seen.append(request.run.compensate)
+        seen.append(request.run.config.compensate)
         raise PeerTimeoutError("stopped after reading the options")
 
     monkeypatch.setattr(dreampipe.commands.train, "run_train", record)
@@ -431,4 +475,4 @@ def test_train_runs_a_plan_that_mixes_split_and_replicated_stages(
                  "--no-progress"]) == 0
     data = json.loads(next(ln for ln in capsys.readouterr().out.splitlines()
                            if ln.startswith("{")))
-    assert data["config"] == "1t2-2r" and len(data["losses"]) == 4
+    assert data["partition"] == "1t2-2r" and len(data["losses"]) == 4

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from dreampipe.api import TrainConfig
 from dreampipe.commands import train_plan as train
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest, plan_train
@@ -104,12 +105,12 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
     monkeypatch.setattr(local, "profile_as_worker", no_profiling)
     measured = _altered(saved, tmp_path, runtime_forward=1.1, runtime_backward=1.05,
                         loss_forward_ms=0.01, loss_backward_ms=0.02)
-    run = TrainOptions(model="mlp", model_kwargs=_KWARGS, schedule=ScheduleKind.FLUSH,
-                     minibatch_size=32, microbatches=2, steps=6)
+    run = TrainOptions(model="mlp", model_kwargs=_KWARGS, minibatch_size=32, steps=6,
+                       config=TrainConfig(schedule="1f1b-flush", microbatches=2))
     planned = plan_train(TrainRequest(run=run, plan=PlanSource(config="1-1"), workers=2,
                                       profile=str(measured)))
-    assert [st.replicas for st in planned.cfg.plan.stages] == [1, 1]
+    assert [st.replicas for st in planned.run.plan.stages] == [1, 1]
     assert len(planned.predicted_memory) == 2 and min(planned.predicted_memory) > 0
     assert planned.predicted_samples_per_s == predict_samples_per_s(
-        load_graph(measured), planned.cfg.plan, run.schedule, minibatch_size=32,
+        load_graph(measured), planned.run.plan, ScheduleKind.FLUSH, minibatch_size=32,
         microbatches=2, steps=6)

@@ -21,6 +21,7 @@ from dreampipe import Pipeline
 from dreampipe.machine.calibration import LocalCalibration, local_topology
 from dreampipe.machine.local_plan import choose_plan
 from dreampipe.machine.machine_file import ENV_VAR
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -47,7 +48,7 @@ def test_nvlink_replicates_where_the_dev_vm_pipelines() -> None:
         assert fast.num_stages == 1 and slow.num_stages > 1, (fast, slow)
         for plan, machine in ((fast, NVLINK_MACHINE), (slow, DEV_MACHINE)):
             direct = plan_pipeline(_HEAVY, local_topology(workers, machine),
-                                   allow_fewer_workers=False)
+                                   PlanOptions(allow_fewer_workers=False))
             assert _shape(plan) == _shape(direct)
             assert plan.time_per_minibatch_s == direct.time_per_minibatch_s
     assert _shape(choose_plan(_HEAVY, 8, machine=DEV_MACHINE, allow_fewer_workers=False)) \

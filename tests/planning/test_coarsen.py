@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from dreampipe.planning import coarsen as coarsen_module
 from dreampipe.planning.coarsen import block_starts, coarsen, exact_layers
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Level, Topology
@@ -93,7 +94,7 @@ def test_exact_searches_every_layer() -> None:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(coarsen_module, "TABLE_WORK", 0)
         rough = plan_pipeline(graph, topo)
-        exact = plan_pipeline(graph, topo, exact=True)
+        exact = plan_pipeline(graph, topo, PlanOptions(exact=True))
     assert exact.optimality_gap == 0.0
     assert exact.time_per_minibatch_s == pytest.approx(plan_pipeline(graph, topo)
                                                        .time_per_minibatch_s, rel=1e-12)
@@ -107,7 +108,7 @@ def test_blocks_find_the_exact_plan_of_bundled_profiles_on_128x8(model: str) -> 
     rough = plan_pipeline(graph, topo)
     assert rough.optimality_gap > 0  # more layers than 128x8's tables take
     assert Heuristic.LAYER_BLOCKS in rough.heuristics
-    exact = plan_pipeline(graph, topo, exact=True)
+    exact = plan_pipeline(graph, topo, PlanOptions(exact=True))
     # every layer searched; on 1,024 workers the ranges still run on a grid of workers
     assert exact.heuristics == (Heuristic.WORKER_GRID,)
     assert rough.time_per_minibatch_s == pytest.approx(exact.time_per_minibatch_s, rel=1e-9)

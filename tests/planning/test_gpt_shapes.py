@@ -7,6 +7,7 @@ import pytest
 
 from dreampipe.cli.plan import confirm_by_simulation
 from dreampipe.planning.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Level, Topology
@@ -35,7 +36,8 @@ def test_a_memory_bound_transformer_on_4x8_mixes_split_replicated_and_recomputin
     graph = gpt_profile(shape, 100e12)
     memory = 8 * 10**9
     topo = Topology((Level(8, 150e9, 5e-6), Level(4, 12.5e9, 2e-5)), memory_bytes=memory)
-    got = plan_pipeline(graph, topo, memory_bytes=memory, recompute=True, mixed_splits=True)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, recompute=True,
+                                                 mixed_splits=True))
     stages = got.stages
     assert any(s.tensor_parallel > 1 for s in stages)
     assert any(s.tensor_parallel == 1 and s.replicas > 1 for s in stages)
@@ -43,7 +45,7 @@ def test_a_memory_bound_transformer_on_4x8_mixes_split_replicated_and_recomputin
     assert all(s.memory_bytes <= memory for s in stages)
     assert got.workers_used <= 32
     # faster than the best plan without splits, which the library gives by default
-    plain = plan_pipeline(graph, topo, memory_bytes=memory, recompute=True)
+    plain = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, recompute=True))
     assert not any(s.tensor_parallel > 1 for s in plain.stages)
     assert got.time_per_minibatch_s < 0.95 * plain.time_per_minibatch_s
     # evaluate_plan prices its layout the same; the JSON round-trips

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import CostModel
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import (
     pipedream_allreduce_time,
     pipedream_dp_time,
@@ -50,7 +51,7 @@ def test_reproduces_pipedream_rows(
     model: str, cluster: str, config: str, pipe_ms: float, dp_ms: float
 ) -> None:
     plan = plan_pipeline(load_graph(f"pipedream:{model}"), _CLUSTERS[cluster],
-                         cost_model=CostModel.PIPEDREAM)
+                         PlanOptions(cost_model=CostModel.PIPEDREAM))
     got = "-".join(str(s.replicas) for s in plan.stages)
     assert got == config or abs(plan.time_per_minibatch_s * 1e3 - pipe_ms) < 0.005
     assert plan.time_per_minibatch_s * 1e3 == pytest.approx(pipe_ms, rel=0.01)
@@ -80,7 +81,7 @@ def test_input_is_zeroed_and_chain_states_are_layers() -> None:
 def test_memory_is_refused_under_pipedream() -> None:
     with pytest.raises(PlanError, match="drop --memory"):
         plan_pipeline(load_graph("pipedream:vgg16"), _CLUSTERS["C"],
-                      memory_bytes=10**9, cost_model=CostModel.PIPEDREAM)
+                      PlanOptions(memory_bytes=10**9, cost_model=CostModel.PIPEDREAM))
 
 
 def _brute(graph: LayerGraph, levels: Sequence[Level]) -> float:
@@ -119,7 +120,7 @@ _BW = st.sampled_from([1e8, 1e9, 1e10])
 def test_one_level_equals_brute_force(graph: LayerGraph, m: int, bw: float) -> None:
     chain = LayerGraph.chain(graph.layers)
     topo = Topology((Level(m, bw),))
-    plan = plan_pipeline(chain, topo, cost_model=CostModel.PIPEDREAM)
+    plan = plan_pipeline(chain, topo, PlanOptions(cost_model=CostModel.PIPEDREAM))
     assert plan.time_per_minibatch_s == pytest.approx(_brute(chain, topo.levels), rel=1e-9)
 
 
@@ -130,5 +131,5 @@ def test_two_levels_equal_brute_force(
 ) -> None:
     chain = LayerGraph.chain(graph.layers)
     topo = Topology((Level(inner, bw_in), Level(outer, bw_out)))
-    plan = plan_pipeline(chain, topo, cost_model=CostModel.PIPEDREAM)
+    plan = plan_pipeline(chain, topo, PlanOptions(cost_model=CostModel.PIPEDREAM))
     assert plan.time_per_minibatch_s == pytest.approx(_brute(chain, topo.levels), rel=1e-9)

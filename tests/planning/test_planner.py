@@ -24,6 +24,7 @@ from dreampipe.planning.costs import (
     stage_time,
 )
 from dreampipe.planning.in_flight import versions_in_flight
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
@@ -242,9 +243,11 @@ def test_one_level_dp_equals_brute_force(
     expect = _brute(graph, topo.levels, fewer, straight, sync, overlap)
     if math.isinf(expect):
         with pytest.raises(PlanError, match="allow fewer workers"):
-            plan_pipeline(graph, topo, allow_fewer_workers=fewer, straight=straight, sync=sync)
+            plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, straight=straight,
+                                                   sync=sync))
         return
-    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, straight=straight, sync=sync)
+    got = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, straight=straight,
+                                                 sync=sync))
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
     assert got.workers_used <= workers
@@ -268,11 +271,12 @@ def test_two_level_dp_equals_brute_force(
     topo = Topology((Level(inner, bw_in, lat / 10), Level(outer, bw_out, lat)),
                     overlap=overlap)
     expect = _brute(graph, topo.levels, fewer, False, sync, overlap)
-    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
+    got = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, also_flat=False,
+                                                 sync=sync))
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
     _same_time_by_evaluate(graph, topo, got, sync)
-    both = plan_pipeline(graph, topo, allow_fewer_workers=fewer, sync=sync)
+    both = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, sync=sync))
     assert both.time_per_minibatch_s <= got.time_per_minibatch_s * (1 + 1e-9)
     _same_time_by_evaluate(graph, topo, both, sync)
 
@@ -283,7 +287,7 @@ def test_three_levels_equal_brute_force(
     graph: LayerGraph, bw_mid: float, bw_out: float, fewer: bool
 ) -> None:
     topo = Topology((Level(2, 1e10), Level(2, bw_mid), Level(2, bw_out)))
-    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False)
+    got = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, also_flat=False))
     expect = _brute(graph, topo.levels, fewer, False)
     assert got.time_per_minibatch_s == pytest.approx(expect, rel=1e-9)
     assert max(s.time_s for s in got.stages) == pytest.approx(expect, rel=1e-9)
@@ -304,10 +308,12 @@ def test_the_floor_prunes_no_part_of_an_optimal_plan(
     import dreampipe.planning.dp as dp
 
     topo = Topology((Level(inner, bw_in), Level(outer, bw_out)))
-    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
+    got = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, also_flat=False,
+                                                 sync=sync))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(dp, "_floor", lambda *_args: None)
-        want = plan_pipeline(graph, topo, allow_fewer_workers=fewer, also_flat=False, sync=sync)
+        want = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, also_flat=False,
+                                                      sync=sync))
     assert got.time_per_minibatch_s == pytest.approx(want.time_per_minibatch_s, rel=1e-12)
     assert [(s.first, s.placement) for s in got.stages] == [
         (s.first, s.placement) for s in want.stages]
@@ -328,7 +334,7 @@ def test_memory_and_max_stages_equal_brute_force(
     n = len(graph)
     max_stages = min(max_stages, n)
     topo = Topology((Level(workers, bw),))
-    free = plan_pipeline(graph, topo, max_stages=max_stages)
+    free = plan_pipeline(graph, topo, PlanOptions(max_stages=max_stages))
     assert free.num_stages <= max_stages
     memory = max(1, int(frac * max(s.memory_bytes for s in free.stages)))  # usually binds
     best = math.inf
@@ -341,10 +347,10 @@ def test_memory_and_max_stages_equal_brute_force(
             best = min(best, cand.time_per_minibatch_s)
     if math.isinf(best):
         with pytest.raises(PlanError, match="smallest needs about"):
-            plan_pipeline(graph, topo, memory_bytes=memory, max_stages=max_stages,
-                          tensor_split=False)
+            plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
+                                                   tensor_split=False))
         return
-    got = plan_pipeline(graph, topo, memory_bytes=memory, max_stages=max_stages)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages))
     assert got.time_per_minibatch_s == pytest.approx(best, rel=1e-9)
     assert got.num_stages <= max_stages
     assert all(s.memory_bytes <= memory for s in got.stages)
@@ -357,7 +363,7 @@ def test_inner_cut_is_shared_by_replicated_servers() -> None:
     layers = [Layer("a", 16.0, 24.0, 30 * 10**6, 10**8), Layer("b", 16.0, 24.0, 1, 10**8)]
     graph = LayerGraph.chain(layers)
     topo = Topology((Level(2, 1e9), Level(2, 1e12)))
-    got = plan_pipeline(graph, topo, also_flat=False)
+    got = plan_pipeline(graph, topo, PlanOptions(also_flat=False))
     assert got.config == "2-2"
     assert got.time_per_minibatch_s == pytest.approx(0.030)
     assert got.stages[0].comm_s == pytest.approx(0.030)
@@ -372,9 +378,8 @@ def test_two_level_plans_fit_their_memory(graph: LayerGraph, max_stages: int) ->
     per_layer = max(2 * x.parameter_bytes + x.activation_bytes for x in graph.layers)
     memory = 3 * per_layer + 1
     try:
-        got = plan_pipeline(
-            graph, topo, memory_bytes=memory, max_stages=min(max_stages, len(graph))
-        )
+        got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory,
+                                                     max_stages=min(max_stages, len(graph))))
     except PlanError as exc:
         assert "smallest needs" in str(exc)
         return
@@ -392,7 +397,7 @@ def _dag() -> LayerGraph:
 def test_dag_cuts_include_skip_connections() -> None:
     graph = _dag()
     slow = Topology((Level(2, 1e6),))  # communication dominates: the cheapest cut wins
-    got = plan_pipeline(graph, slow, straight=True, allow_fewer_workers=False)
+    got = plan_pipeline(graph, slow, PlanOptions(straight=True, allow_fewer_workers=False))
     expect = _brute(graph, slow.levels, False, True)
     assert got.time_per_minibatch_s == pytest.approx(expect)
     # the cut before layer 3 carries layers 0 and 2 (10 MB + 1 MB), not only layer 2
@@ -423,7 +428,7 @@ def test_fewer_workers_when_more_would_be_slower() -> None:
     graph = LayerGraph.chain([Layer("fc", 1.0, 1.0, 10, 10**9)])
     topo = Topology((Level(8, 1e9),))
     assert plan_pipeline(graph, topo).workers_used == 1
-    forced = plan_pipeline(graph, topo, allow_fewer_workers=False)
+    forced = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=False))
     assert forced.workers_used == 8
     assert forced.time_per_minibatch_s > plan_pipeline(graph, topo).time_per_minibatch_s
 
@@ -431,13 +436,13 @@ def test_fewer_workers_when_more_would_be_slower() -> None:
 def test_errors_name_the_value_and_fix() -> None:
     graph, topo = _toy(3), Topology.parse("4")
     with pytest.raises(PlanError, match=r"max_stages=4 .* 3 layers"):
-        plan_pipeline(graph, topo, max_stages=4)
+        plan_pipeline(graph, topo, PlanOptions(max_stages=4))
     with pytest.raises(PlanError, match="max_stages=0"):
-        plan_pipeline(graph, topo, max_stages=0)
+        plan_pipeline(graph, topo, PlanOptions(max_stages=0))
     with pytest.raises(PlanError, match="allow fewer workers"):
-        plan_pipeline(graph, topo, straight=True, allow_fewer_workers=False)
+        plan_pipeline(graph, topo, PlanOptions(straight=True, allow_fewer_workers=False))
     with pytest.raises(PlanError, match=r"no plan fits in 1 B .* smallest needs about 10\.0 MB"):
-        plan_pipeline(graph, topo, memory_bytes=1)
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=1))
     with pytest.raises(PlanError, match="4 stages forced on 3 layers"):
         evaluate_plan(graph, topo, [0, 1, 2, 3], [1, 1, 1, 1])
     with pytest.raises(PlanError, match="needs 5 workers but the topology has 4"):
@@ -453,11 +458,11 @@ def test_errors_name_the_value_and_fix() -> None:
 def test_least_memory_is_tight() -> None:
     graph, topo = _toy(3), Topology.parse("4")
     with pytest.raises(PlanError) as info:
-        plan_pipeline(graph, topo, memory_bytes=10**6)
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=10**6))
     need = float(str(info.value).split("about ")[1].split(" MB")[0]) * 1e6
-    plan_pipeline(graph, topo, memory_bytes=int(need * 1.02))
+    plan_pipeline(graph, topo, PlanOptions(memory_bytes=int(need * 1.02)))
     with pytest.raises(PlanError):
-        plan_pipeline(graph, topo, memory_bytes=int(need * 0.97), tensor_split=False)
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=int(need * 0.97), tensor_split=False))
 
 
 def test_evaluate_prices_the_links_a_stage_crosses() -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dreampipe.planning import ranges as ranges_module
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.pricing import contiguous_cut_shares, cut_seconds, price_stages, slowest
@@ -103,7 +104,7 @@ def test_ranges_dp_equals_brute_force(
     priced = price_stages(prof, topo, [(f.first, f.last) for f in flat], placed, sync)
     assert slowest(priced) == pytest.approx(value, rel=1e-9)
     # the planner keeps the better of it and the hierarchy
-    got = plan_pipeline(graph, topo, allow_fewer_workers=fewer, sync=sync)
+    got = plan_pipeline(graph, topo, PlanOptions(allow_fewer_workers=fewer, sync=sync))
     assert got.time_per_minibatch_s <= value * (1 + 1e-9)
 
 
@@ -127,8 +128,8 @@ def test_ranges_dp_equals_brute_force_under_memory(
     stages = price_stages(prof, topo, [(f.first, f.last) for f in found[1]], placed,
                           DEFAULT_SYNC, memory)
     assert all(s.memory_bytes <= memory for s in stages)
-    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer,
-                        tensor_split=False)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, allow_fewer_workers=fewer,
+                                                 tensor_split=False))
     assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
     assert all(s.memory_bytes <= memory for s in got.stages)
 
@@ -212,8 +213,8 @@ def test_recomputation_in_the_program_equals_brute_force(
                           [f.workers for f in flat], sync, memory, [f.recompute for f in flat])
     assert slowest(stages) == pytest.approx(found[0], rel=1e-9)
     assert all(s.memory_bytes <= memory for s in stages)
-    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer, sync=sync,
-                        tensor_split=False, recompute=True)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, allow_fewer_workers=fewer,
+                                                 sync=sync, tensor_split=False, recompute=True))
     assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
     assert all(s.memory_bytes <= memory for s in got.stages)
 
@@ -241,8 +242,8 @@ def test_a_stage_recomputes_only_where_nothing_else_fits() -> None:
     assert alone is not None and len(alone[1]) == 1
     assert alone[0] > 500 * found[0]
     # the planner finds it too, and says so in the config
-    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=False,
-                        recompute=True)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, allow_fewer_workers=False,
+                                                 recompute=True))
     assert got.config == "1r-1"
     assert got.time_per_minibatch_s == pytest.approx(found[0])
 
@@ -308,7 +309,7 @@ def test_alexnet_on_cluster_a_leaves_whole_servers() -> None:
     # of the next) is faster under the same terms
     graph = load_graph("pipedream:alexnet")
     got = plan_pipeline(graph, Topology.parse("cluster-a"))
-    hier = plan_pipeline(graph, Topology.parse("cluster-a"), also_flat=False)
+    hier = plan_pipeline(graph, Topology.parse("cluster-a"), PlanOptions(also_flat=False))
     assert got.time_per_minibatch_s < hier.time_per_minibatch_s
     assert any(len({w // 4 for w in s.placement}) > 1 and len(s.placement) % 4 != 0
                for s in got.stages)
@@ -320,7 +321,7 @@ def test_a_stage_cap_keeps_whole_servers_and_says_so() -> None:
     # is reported as a heuristic whose gap bound covers that plan
     graph = load_graph("pipedream:alexnet")
     topo = Topology.parse("cluster-a")
-    got = plan_pipeline(graph, topo, max_stages=2)
+    got = plan_pipeline(graph, topo, PlanOptions(max_stages=2))
     assert got.heuristics == (Heuristic.WHOLE_SERVERS,)
     prof = RangeCosts.of(graph)
     w, n = topo.num_workers, prof.n

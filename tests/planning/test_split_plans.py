@@ -13,6 +13,7 @@ from dreampipe.cli import main
 from dreampipe.cli.plan import check_minibatches, confirm_by_simulation
 from dreampipe.errors import PlanError
 from dreampipe.planning.operator_search import Link, search_splits
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.splits import Split
@@ -46,7 +47,7 @@ def test_a_model_no_layer_plan_fits_is_split_over_the_servers_workers(workers: i
     graph, topo = _big_mlp(), Topology.parse(str(workers))
     needs = memory_needs(graph, topo)
     assert needs["dp"] > _LIMIT and needs["pipeline"] > _LIMIT
-    plan = plan_pipeline(graph, topo, memory_bytes=_LIMIT)
+    plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=_LIMIT))
     (stage,) = plan.stages
     assert (plan.tensor_parallel, plan.config, plan.workers_used) == (
         workers, f"1t{workers}", workers)
@@ -67,23 +68,24 @@ def test_a_model_no_layer_plan_fits_is_split_over_the_servers_workers(workers: i
 
 def test_a_split_stays_inside_one_server_and_the_fastest_width_wins() -> None:
     graph = _big_mlp()
-    two_servers = plan_pipeline(graph, Topology.parse("2x2"), memory_bytes=_LIMIT)
+    two_servers = plan_pipeline(graph, Topology.parse("2x2"), PlanOptions(memory_bytes=_LIMIT))
     assert two_servers.tensor_parallel == 2  # 4 workers, but 2 per server
-    four = plan_pipeline(graph, Topology.parse("4"), memory_bytes=_LIMIT)
+    four = plan_pipeline(graph, Topology.parse("4"), PlanOptions(memory_bytes=_LIMIT))
     assert four.time_per_minibatch_s < two_servers.time_per_minibatch_s
 
 
 def test_without_a_binding_limit_the_plan_is_a_layer_plan_as_before() -> None:
     graph, topo = _big_mlp(), Topology.parse("4")
     for limit in (None, 4000 * _MB):
-        plan = plan_pipeline(graph, topo, memory_bytes=limit)
+        plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit))
         assert plan.tensor_parallel == 1 and all(not st.splits for st in plan.stages)
-        assert plan == plan_pipeline(graph, topo, memory_bytes=limit, tensor_split=False)
+        assert plan == plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit,
+                                                              tensor_split=False))
 
 
 def test_the_split_plan_logs_what_does_not_fit(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="dreampipe.planning.planner"):
-        plan_pipeline(_big_mlp(), Topology.parse("4"), memory_bytes=_LIMIT)
+        plan_pipeline(_big_mlp(), Topology.parse("4"), PlanOptions(memory_bytes=_LIMIT))
     assert ("data parallelism needs 1.1 GB per worker and the smallest layer pipeline about "
             "1.1 GB, more than 700.0 MB: splitting every layer over 4 workers") in caplog.text
 
@@ -91,7 +93,7 @@ def test_the_split_plan_logs_what_does_not_fit(caplog: pytest.LogCaptureFixture)
 def test_too_little_memory_names_all_three_sizes() -> None:
     graph, topo = _big_mlp(), Topology.parse("4")
     with pytest.raises(PlanError) as info:
-        plan_pipeline(graph, topo, memory_bytes=100 * _MB)
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=100 * _MB))
     text = str(info.value)
     assert re.search(r"no plan fits in 100\.0 MB .* the smallest needs about 1\.1 GB as a "
                      r"layer pipeline, data parallelism needs 1\.1 GB per worker", text)
@@ -99,16 +101,16 @@ def test_too_little_memory_names_all_three_sizes() -> None:
     assert found is not None and float(found[1]) == pytest.approx(263.9, rel=0.01)
     assert "raise --memory" in text
     with pytest.raises(PlanError, match=r"2, 4, 8\.\.\. workers inside one server"):
-        plan_pipeline(graph, Topology.parse("2x2"), memory_bytes=_LIMIT,
-                      allow_fewer_workers=False)
+        plan_pipeline(graph, Topology.parse("2x2"), PlanOptions(memory_bytes=_LIMIT,
+                                                                allow_fewer_workers=False))
     dag = LayerGraph(graph.layers, ((0, 1), (1, 2), (0, 2), (2, 3), (3, 4)), model="dag")
     with pytest.raises(PlanError, match="a tensor split needs a chain of layers"):
-        plan_pipeline(dag, topo, memory_bytes=_LIMIT)
+        plan_pipeline(dag, topo, PlanOptions(memory_bytes=_LIMIT))
 
 
 def test_a_split_plan_simulates_at_its_predicted_rate() -> None:
     graph, topo = _big_mlp(), Topology.parse("4")
-    plan = plan_pipeline(graph, topo, memory_bytes=_LIMIT)
+    plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=_LIMIT))
     stage = plan.stages[0]
     costs = costs_from_profile(graph, plan, topo)
     assert costs.forward_s == (stage.forward_s,)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.operator_search import Link, search_splits, split_front, split_memory
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.pricing import price_stages, slowest
@@ -93,8 +94,9 @@ def test_split_choices_in_the_program_equal_brute_force(
     plain = best_ranges(prof, topo, sync, fewer, memory, recompute=recompute)
     assert plain is None or found[0] <= plain[0] * (1 + 1e-9)
     # the planner finds it too, and its plan round-trips through JSON
-    got = plan_pipeline(graph, topo, memory_bytes=memory, allow_fewer_workers=fewer, sync=sync,
-                        recompute=recompute, mixed_splits=True)
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, allow_fewer_workers=fewer,
+                                                 sync=sync, recompute=recompute,
+                                                 mixed_splits=True))
     assert got.time_per_minibatch_s <= expect * (1 + 1e-9)
     assert Plan.from_dict(got.to_dict()) == got
 
@@ -167,11 +169,11 @@ def test_split_stages_in_the_plan_beat_the_whole_model_fallback() -> None:
     graph = _wide()
     topo = Topology((Level(4, 100e9, 1e-6), Level(2, 10e9, 1e-5)))
     memory = 2500 * _MB  # two big layers (1.6 GB of weights) fit one worker with 1 version
-    chosen = plan_pipeline(graph, topo, memory_bytes=memory, mixed_splits=True)
+    chosen = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, mixed_splits=True))
     assert any(s.tensor_parallel > 1 for s in chosen.stages)
     assert all(s.memory_bytes <= memory for s in chosen.stages)
     # the library default: only plans the runtime runs (one width, one replica per split)
-    plain = plan_pipeline(graph, topo, memory_bytes=memory)
+    plain = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory))
     assert not plain.mixes_splits
     assert plain.tensor_parallel == 1 or all(s.replicas == 1 for s in plain.stages)
     assert chosen.time_per_minibatch_s < plain.time_per_minibatch_s / 2

@@ -42,7 +42,7 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
                        profile=mlp_profile(32))
     assert main(first) == 0, capsys.readouterr().err
     before = json.loads(capsys.readouterr().out)
-    assert before["config"] == "2-1"
+    assert before["partition"] == "2-1"
     # two stages forced: for a model this small the planner may rightly find one worker
     # faster than two (it prices the host's measured all-reduce), and the group is what
     # this test shrinks; the planner still cuts the layers for the new group
@@ -57,7 +57,7 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     note = (f"resuming from {ck / 'step-30'} at minibatch 30, saved by plan 2-1 (layers 0..")
     said = [ln for ln in captured.err.splitlines() if ln.startswith("resuming from")]
     assert len(said) == 1 and said[0].startswith(note), captured.err
-    assert f"on 3 workers, re-planned to {after['config']} (" in said[0], said[0]
+    assert f"on 3 workers, re-planned to {after['partition']} (" in said[0], said[0]
     assert said[0].endswith("on 2 workers"), said[0]
     assert said[0] in caplog.messages, caplog.messages
 

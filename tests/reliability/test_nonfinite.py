@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.cli import main
 from dreampipe.errors import ConfigError, NonFiniteError
 from dreampipe.models import get_model
@@ -43,10 +43,9 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, SEED), example=data.batch(0, MINIBATCH),
         loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
-        schedule=job["schedule"],
         plan=Plan.from_config(spec.num_layers, job["bounds"], job["replicas"]),
-        microbatches=job.get("microbatches", 1), on_nonfinite=job["on_nonfinite"],
-        timeout_s=30.0,
+        config=TrainConfig(schedule=job["schedule"], microbatches=job.get("microbatches", 1),
+                           on_nonfinite=job["on_nonfinite"], timeout_s=30.0),
     )
     for k in range(job["steps"]):
         if k in job.get("drop", ()):
@@ -97,7 +96,7 @@ def test_skip_needs_a_synchronous_schedule() -> None:
         Pipeline(spec.build(0, 3, SEED),
                  example=(spec.sample_input(MINIBATCH), spec.sample_target(MINIBATCH)),
                  loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-                 on_nonfinite="skip")
+                 config=TrainConfig(on_nonfinite="skip"))
 
 
 @pytest.mark.slow

@@ -40,6 +40,7 @@ import dreampipe
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.machine.machine_file import ENV_VAR
 from dreampipe.models import get_model
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -131,7 +132,7 @@ def test_train_on_two_nodes_measures_both_levels_and_plans_for_them(
         assert 0.3 * rate < outer.bandwidth < 2.0 * rate, (name, report["topology"])
         assert inner.bandwidth > 2 * outer.bandwidth, (name, report["topology"])
         # the planner's best on that topology, up to the rounding of the figures reported
-        direct = plan_pipeline(graph, topology, allow_fewer_workers=False)
+        direct = plan_pipeline(graph, topology, PlanOptions(allow_fewer_workers=False))
         stages = _shape(report["stages"])
         ran = evaluate_plan(graph, topology, [first for first, *_ in stages],
                             [replicas for *_, replicas in stages])

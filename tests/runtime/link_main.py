@@ -6,8 +6,8 @@ MASTER_PORT) plus GLOO_SOCKET_IFNAME; ``argv[1]`` is a JSON job:
 - ``"probe": {"bytes": n, "repeats": k}`` (optional): first, in a process
   group of its own on ``MASTER_PORT + 1``, gloo ``send``s ``n`` bytes from
   rank 1 to rank 0 ``k`` times and times each (the link's real throughput);
-- ``"train"``: :class:`~dreampipe.commands.train_config.TrainConfig` fields
-  (``plan`` as a plan's JSON object, ``schedule`` by value), trained as
+- ``"train"``: :class:`~dreampipe.commands.train_config.TrainRun` and its
+  TrainConfig's fields (``plan`` as a plan's JSON object), trained as
   ``dreampipe train`` trains a torchrun rank (one Pipeline).
 
 Rank 0 prints one line ``RESULT <json>``: the probe's MB/s, the run's
@@ -16,6 +16,7 @@ throughput and its recorded events.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -26,10 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dreampipe.api import TrainConfig
 from dreampipe.commands.train import TrainJob, train_rank
-from dreampipe.commands.train_config import TrainConfig
+from dreampipe.commands.train_config import TrainRun
 from dreampipe.planning.plan import Plan
-from dreampipe.scheduling.actions import ScheduleKind
 
 __all__: list[str] = []
 
@@ -62,10 +63,11 @@ def probe(nbytes: int, repeats: int) -> list[float]:
 def train(fields: dict[str, Any]) -> dict[str, Any] | None:
     fields = dict(fields)
     fields["plan"] = Plan.from_dict(fields["plan"])
-    fields["schedule"] = ScheduleKind(fields["schedule"])
     fields["model_kwargs"] = tuple(tuple(kv) for kv in fields["model_kwargs"])
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = TrainConfig.from_dict({k: fields.pop(k) for k in list(fields) if k in names})
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = train_rank(rank, world, TrainJob(TrainConfig(**fields)))
+    result = train_rank(rank, world, TrainJob(TrainRun(config=config, **fields)))
     if result is None:
         return None
     return {

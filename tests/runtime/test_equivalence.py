@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from dreampipe.commands.train import TrainJob, train_local
-from dreampipe.commands.train_config import TrainConfig, TrainResult
+from dreampipe.commands.train_config import TrainResult
 from dreampipe.models import ModelSpec, get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.config import OptimizerKind
@@ -30,6 +30,7 @@ from dreampipe.scheduling.actions import ScheduleKind
 
 from .models_for_tests import bn_mlp
 from .reference import adam, reference_pipedream, reference_sync, sgd
+from .runs import train_run
 
 __all__: list[str] = []
 
@@ -39,7 +40,7 @@ SEED = 3
 
 @dataclass(frozen=True)
 class Model:
-    """A model as a run names it (``TrainConfig.model``) and as the test builds it."""
+    """A model as a run names it (``TrainRun.model``) and as the test builds it."""
 
     name: str
     factory: Callable[..., ModelSpec]
@@ -60,9 +61,9 @@ def _spec() -> ModelSpec:
 
 def _run(bounds: list[int], replicas: list[int], model: Model = MLP, **kw: object
          ) -> TrainResult:
-    cfg = TrainConfig(
+    cfg = train_run(
         model=model.name, plan=Plan.from_config(model.spec().num_layers, bounds, replicas),
-        model_kwargs=model.kwargs, seed=SEED, timeout_s=30.0, **kw,  # type: ignore[arg-type]
+        model_kwargs=model.kwargs, seed=SEED, timeout_s=30.0, **kw,
     )
     return train_local(TrainJob(cfg), deadline_s=100.0)
 

@@ -10,95 +10,102 @@ from __future__ import annotations
 import multiprocessing as mp
 import re
 import time
+from typing import Any
 
 import pytest
 import torch
 
-from dreampipe.api import Pipeline
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.commands.train import TrainJob, train_local
-from dreampipe.commands.train_config import TrainConfig
+from dreampipe.commands.train_config import TrainRun
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError, ScheduleError, WorkerError
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import run_processes
-from dreampipe.scheduling.actions import ScheduleKind
+
+from .runs import train_run
 
 __all__: list[str] = []
 
 MODEL_KW = (("layers", 4), ("width", 16))
 
 
-def _cfg(plan: Plan, **kw: object) -> TrainConfig:
-    return TrainConfig(model="mlp", plan=plan, model_kwargs=MODEL_KW, **kw)  # type: ignore[arg-type]
+def _run(plan: Plan, **kw: Any) -> TrainRun:
+    """A run of the mlp on ``plan`` (``kw``: TrainRun and TrainConfig fields)."""
+    return train_run(model="mlp", plan=plan, model_kwargs=MODEL_KW, **kw)
 
 
 BAD = [
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.FLUSH,
-             minibatch_size=256, microbatches=3),
+        (Plan.from_config(4, [0, 2], [1, 1]), {"schedule": "1f1b-flush", "minibatch_size": 256,
+                                               "microbatches": 3}),
         ConfigError,
         "minibatch_size=256 is not divisible by microbatches=3; .* split it into 4 or 8 units",
     ),
     (
-        _cfg(Plan.from_config(4, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=30,
-             microbatches=2),
+        (Plan.from_config(4, [0], [2]), {"schedule": "dp", "minibatch_size": 30,
+                                         "microbatches": 2}),
         ConfigError,
         "minibatch_size=30 is not divisible by 2 workers x microbatches=2 = 4 units",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1]), microbatches=4),
+        (Plan.from_config(4, [0, 2], [1, 1]), {"microbatches": 4}),
         ConfigError, "microbatches=4 with schedule=pipedream",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1]), vertical_sync=True, stash=False),
-        ConfigError, "vertical sync .* needs weight stashing",
+        (Plan.from_config(4, [0, 2], [1, 1]), {"vertical_sync": True, "stash": False}),
+        ConfigError, "vertical_sync=True runs every stage on a stashed weight version, so it "
+                     "needs weight stashing",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.GPIPE, microbatches=2,
-             vertical_sync=True),
+        (Plan.from_config(4, [0, 2], [1, 1]), {"schedule": "gpipe", "microbatches": 2,
+                                               "vertical_sync": True}),
         ConfigError, "apply to the pipedream schedule only",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [2, 1]), vertical_sync=True),
-        ConfigError, "vertical sync needs the same replica count in every stage \\(got 2-1\\)",
+        (Plan.from_config(4, [0, 2], [2, 1]), {"vertical_sync": True}),
+        ConfigError, "vertical_sync=True with pipedream needs every stage replicated equally "
+                     "\\(got 2-1\\)",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 2]), vertical_sync=True),
-        ConfigError, "vertical sync needs the same replica count in every stage \\(got 1-2\\)",
+        (Plan.from_config(4, [0, 2], [1, 2]), {"vertical_sync": True}),
+        ConfigError, "vertical_sync=True with pipedream needs every stage replicated equally "
+                     "\\(got 1-2\\)",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1]), schedule=ScheduleKind.DP),
-        ScheduleError, "the dp schedule needs a one-stage plan",
+        (Plan.from_config(4, [0, 2], [1, 1]), {"schedule": "dp"}),
+        ScheduleError, "the dp schedule runs one stage on every worker, not plan straight of 2 "
+                       "stages; use a one-stage plan \\(config like '2'\\)",
     ),
     (
-        _cfg(Plan.from_config(5, [0, 1, 2, 3, 4], [1] * 5)),
+        (Plan.from_config(5, [0, 1, 2, 3, 4], [1] * 5), {}),
         PlanError, "5 stages but mlp has only 4 layers",
     ),
     (
-        _cfg(Plan.from_config(6, [0, 3], [1, 1])),
+        (Plan.from_config(6, [0, 3], [1, 1]), {}),
         PlanError, "model of 6 layers but mlp has 4",
     ),
     (
-        _cfg(Plan.from_config(4, [0, 2], [1, 1], layer_names=("fc0", "fc1", "conv", "fc3"))),
+        (Plan.from_config(4, [0, 2], [1, 1], layer_names=("fc0", "fc1", "conv", "fc3")), {}),
         PlanError, "layer 2 is 'conv' but mlp's is 'fc2'",
     ),
 ]
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize(("cfg", "error", "message"), BAD, ids=[m for _, _, m in BAD])
+@pytest.mark.parametrize(("args", "error", "message"), BAD, ids=[m for _, _, m in BAD])
 def test_bad_inputs_raise_before_any_process_starts(
-    cfg: TrainConfig, error: type[Exception], message: str
+    args: tuple[Plan, dict[str, Any]], error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
-        train_local(TrainJob(cfg))
+        train_local(TrainJob(_run(args[0], **args[1])))
     assert mp.active_children() == []
 
 
 @pytest.mark.timeout(60)
 def test_a_stage_that_returns_a_tuple_fails_every_rank_before_any_send() -> None:
-    cfg = TrainConfig(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
-                      plan=Plan.from_config(5, [0, 3], [1, 1]), steps=3, minibatch_size=4)
+    cfg = TrainRun(model="runtime.models_for_tests:tuple_mlp", model_kwargs=MODEL_KW,
+                   plan=Plan.from_config(5, [0, 3], [1, 1]), steps=3, minibatch_size=4)
     with pytest.raises(PlanError) as info:
         train_local(TrainJob(cfg), deadline_s=50.0)
     text = str(info.value)
@@ -111,7 +118,7 @@ def _pipeline_on(_rank: int, _world: int, plan: Plan) -> None:
     spec = get_model("mlp", layers=4, width=16)
     Pipeline(spec.build(0, 3, 0), example=(spec.sample_input(8), spec.sample_target(8)),
              loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-             plan=plan, timeout_s=30.0)
+             plan=plan, config=TrainConfig(timeout_s=30.0))
 
 
 @pytest.mark.timeout(60)
@@ -123,10 +130,10 @@ def test_worker_count_must_match_the_plan() -> None:
 @pytest.mark.timeout(90)
 def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
     timeout = 3.0
-    cfg = TrainConfig(
+    cfg = TrainRun(
         model="runtime.models_for_tests:stall_mlp", model_kwargs=MODEL_KW,
         plan=Plan.from_config(5, [0, 2, 3], [1, 1, 1]), steps=3, minibatch_size=4,
-        timeout_s=timeout,
+        config=TrainConfig(timeout_s=timeout),
     )
     start = time.monotonic()
     with pytest.raises(PeerTimeoutError) as info:
@@ -154,9 +161,10 @@ def test_a_stalled_rank_fails_every_rank_within_the_timeout() -> None:
 
 @pytest.mark.timeout(90)
 def test_the_failing_rank_comes_first_not_the_peers_it_left_waiting() -> None:
-    cfg = TrainConfig(
+    cfg = TrainRun(
         model="runtime.models_for_tests:crash_mlp", model_kwargs=MODEL_KW,
-        plan=Plan.from_config(5, [0, 2], [1, 1]), steps=3, minibatch_size=4, timeout_s=30.0,
+        plan=Plan.from_config(5, [0, 2], [1, 1]), steps=3, minibatch_size=4,
+        config=TrainConfig(timeout_s=30.0),
     )
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:

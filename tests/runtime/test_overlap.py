@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.commands.train import TrainJob, train_local, train_rank
-from dreampipe.commands.train_config import TrainConfig, TrainResult
+from dreampipe.commands.train_config import TrainResult, TrainRun
 from dreampipe.errors import WorkerError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime import buckets as buckets_module
@@ -29,6 +29,8 @@ from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.stage import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+
+from .runs import train_run
 
 __all__: list[str] = []
 
@@ -205,7 +207,7 @@ RUNS = [
 ]
 
 
-def _tiny_buckets(rank: int, world: int, cfg: TrainConfig) -> tuple[TrainResult | None, int]:
+def _tiny_buckets(rank: int, world: int, cfg: TrainRun) -> tuple[TrainResult | None, int]:
     """One rank of ``cfg`` with a bucket per parameter; its result and all-reduce count."""
     buckets_module.BUCKET_CAP_MB = TINY_CAP_MB
     real = dist.all_reduce
@@ -232,7 +234,7 @@ def test_runs_with_a_bucket_per_parameter_equal_runs_with_one_bucket(
     params_per_round: dict[int, int],
 ) -> None:
     steps = 3 if kind is not ScheduleKind.PIPEDREAM else 6
-    cfg = TrainConfig(
+    cfg = train_run(
         model="mlp", plan=Plan.from_config(4, bounds, replicas), model_kwargs=MODEL_KW,
         schedule=kind, minibatch_size=16 if kind is not ScheduleKind.PIPEDREAM else 8,
         microbatches=micro, steps=steps, lr=0.2, seed=3, timeout_s=30.0,
@@ -255,7 +257,7 @@ def test_runs_with_a_bucket_per_parameter_equal_runs_with_one_bucket(
 
 @pytest.mark.timeout(90)
 def test_a_replica_lost_during_the_allreduce_is_named_with_the_action() -> None:
-    cfg = TrainConfig(
+    cfg = train_run(
         model="runtime.models_for_tests:crash_replica_mlp", model_kwargs=MODEL_KW,
         plan=Plan.from_config(5, [0], [2]), schedule=ScheduleKind.DP, minibatch_size=8,
         microbatches=1, steps=3, timeout_s=30.0,

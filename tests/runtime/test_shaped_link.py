@@ -27,6 +27,7 @@ from dreampipe.machine.calibration import LocalCalibration, local_costs, local_t
 from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.profiling.graph import LayerGraph
@@ -170,10 +171,11 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
     link.shape(rate)
     machine = on_link(bandwidth, DEV_MACHINE)
     topology = local_topology(2, machine)
-    best = plan_pipeline(graph, topology, allow_fewer_workers=False)
+    best = plan_pipeline(graph, topology, PlanOptions(allow_fewer_workers=False))
     plans = {
         "2": evaluate_plan(graph, topology, [0], [2]),
-        "1-1": plan_pipeline(graph, topology, straight=True, allow_fewer_workers=False),
+        "1-1": plan_pipeline(graph, topology,
+                             PlanOptions(straight=True, allow_fewer_workers=False)),
     }
     outcomes = [
         _measure(link, graph, name, plan, machine, tmp_path / name.replace("-", "_"),

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dreampipe.api import TrainConfig
 from dreampipe.api.checkpoint import load_model_state
 from dreampipe.commands.train import Checkpoints, run_train
 from dreampipe.commands.train_config import TrainOptions
@@ -34,7 +35,6 @@ from dreampipe.planning.splits import Split
 from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.tensor_split import SplitStage, tensor_mesh
-from dreampipe.scheduling.actions import ScheduleKind
 
 from .reference import reference_pipedream, reference_sync, sgd, split_like
 
@@ -51,8 +51,8 @@ LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
 @pytest.mark.parametrize("workers", [2, 4])
 def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int) -> None:
     run = TrainOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
-                     lr=LR, schedule=ScheduleKind.FLUSH, progress=False,
-                     timeout_s=120.0, measure_memory=True)
+                       lr=LR, config=TrainConfig(schedule="1f1b-flush", timeout_s=120.0),
+                       progress=False, measure_memory=True)
     request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
                            memory_bytes=LIMITS[workers])
     said: list[str] = []
@@ -146,8 +146,9 @@ def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> Pl
 def test_dreampipe_train_checkpoints_split_stages(tmp_path: Path) -> None:
     kwargs = (("layers", 3), ("width", 64))
     run = TrainOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=4,
-                       lr=LR, momentum=0.9, schedule=ScheduleKind.FLUSH, progress=False,
-                       evaluate=False, timeout_s=60.0)
+                       lr=LR, momentum=0.9, config=TrainConfig(schedule="1f1b-flush",
+                                                               timeout_s=60.0),
+                       progress=False, evaluate=False)
     report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
                                     workers=4, exact_steps=True),
                        checkpoints=Checkpoints(directory=tmp_path / "ck", every=2))
@@ -172,7 +173,8 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     kwargs, steps = (("layers", 3), ("width", 255)), 6  # uneven shares: 128 and 127
     spec = get_model("mlp", **dict(kwargs))
     run = TrainOptions(model="mlp", model_kwargs=kwargs, minibatch_size=MINIBATCH, steps=steps,
-                     lr=LR, schedule=ScheduleKind.PIPEDREAM, progress=False, timeout_s=60.0)
+                       lr=LR, config=TrainConfig(schedule="pipedream", timeout_s=60.0),
+                       progress=False)
     report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
                                     workers=4, exact_steps=True))
     assert report is not None and report.plan.config == "1t2-1t2"

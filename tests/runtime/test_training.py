@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from dreampipe.commands.train import TrainJob, train_local
-from dreampipe.commands.train_config import TrainConfig
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+
+from .runs import train_run
 
 __all__: list[str] = []
 
@@ -15,7 +16,7 @@ __all__: list[str] = []
 @pytest.mark.timeout(120)
 def test_pipedream_learns_digits_and_records_every_action() -> None:
     steps = 150
-    cfg = TrainConfig(
+    cfg = train_run(
         model="cnn", model_kwargs=(("image_size", 8),), plan=Plan.from_config(5, [0, 2], [1, 1]),
         schedule=ScheduleKind.PIPEDREAM, minibatch_size=64, steps=steps, lr=0.05, momentum=0.9,
         dataset="digits", record_events=True, progress=True, timeout_s=30.0,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -25,7 +26,7 @@ def _topology(workers: int = 4) -> Topology:
 
 
 def _best_rate(graph: LayerGraph, topo: Topology, stages: int, microbatches: int) -> float:
-    plan = plan_pipeline(graph, topo, max_stages=stages)
+    plan = plan_pipeline(graph, topo, PlanOptions(max_stages=stages))
     choice = choose_schedule(graph, plan, topo, Semantics.SYNC, microbatches=microbatches)
     return max(c.minibatches_per_s for c in choice.candidates)
 
@@ -34,7 +35,8 @@ def test_one_microbatch_keeps_the_plan_whose_synchronous_schedule_is_fastest() -
     graph, topo = _graph(), _topology()
     deep = plan_pipeline(graph, topo)  # the steady state's favourite: cheap links, cut deep
     got = choose_plan_and_schedule(graph, topo, Semantics.SYNC,
-                                   lambda k: plan_pipeline(graph, topo, max_stages=k), 4,
+                                   lambda k: plan_pipeline(graph, topo,
+                                                           PlanOptions(max_stages=k)), 4,
                                    microbatches=1)
     rates = {k: _best_rate(graph, topo, k, 1) for k in range(1, 5)}
     rate = max(c.minibatches_per_s for c in got.schedule.candidates)
@@ -47,5 +49,5 @@ def test_nothing_that_fits_is_an_error_naming_the_memory() -> None:
     graph, topo = _graph(weights=1 << 30), _topology()
     with pytest.raises(ConfigError, match="memory"):
         choose_plan_and_schedule(graph, topo, Semantics.SYNC,
-                                 lambda k: plan_pipeline(graph, topo, max_stages=k), 2,
+                                 lambda k: plan_pipeline(graph, topo, PlanOptions(max_stages=k)), 2,
                                  memory_bytes=1 << 20)

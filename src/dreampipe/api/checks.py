@@ -8,26 +8,28 @@ left waiting. The model check runs the whole model on the ``meta`` device
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.split import Chain, Layers
 from dreampipe.api.tracer import call_on_meta, on_meta
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import STAND_IN, Semantics
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
     "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
-    "check_virtual", "choice", "map_inputs", "schedule_to_start",
+    "check_virtual", "map_inputs", "refuse_legacy",
 ]
 
 _log = logging.getLogger(__name__)
@@ -136,10 +138,11 @@ def check_loss(loss: Any) -> None:
         )
 
 
-def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None) -> None:
+def check_split(plan: Plan, config: TrainConfig) -> None:
     """What a plan of tensor-split stages cannot run with yet, each a ConfigError (a plan
     may mix split and unsplit stages, replicate the unsplit ones, recompute any)."""
     t = max(st.tensor_parallel for st in plan.stages)
+    kind, max_grad_norm = config.kind, config.max_grad_norm
     if any(st.replicas > 1 and st.tensor_parallel > 1 for st in plan.stages):
         raise ConfigError(
             f"plan {plan.config} replicates stages split over {t} workers; a split stage runs "
@@ -162,17 +165,13 @@ def check_split(plan: Plan, kind: ScheduleKind, max_grad_norm: float | None) -> 
             "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
 
 
-def check_virtual(kind: ScheduleKind, asked: int | None, plan: object,
-                  split_points: object) -> None:
-    """``virtual_stages`` (None: the plan's) fits the schedule, and what a Pipeline of
-    several stages per rank cannot do yet (plan them itself) is refused, each a ConfigError."""
-    virtual_stages = 1 if asked is None else asked
-    if virtual_stages < 1 or (virtual_stages > 1 and kind is not ScheduleKind.INTERLEAVED):
-        raise ConfigError(f"virtual_stages={virtual_stages} with schedule={kind.value}; use 1, "
-                          "or schedule='interleaved-1f1b' with 2 or more", "virtual_stages")
-    if virtual_stages > 1 and plan == "auto" and split_points is None:
-        raise ConfigError(f"virtual_stages={virtual_stages} with plan='auto'; give split_points "
-                          f"or a plan of world x {virtual_stages} stages", "virtual_stages", "plan")
+def check_virtual(config: TrainConfig, plan: object) -> None:
+    """Several stages per rank need stages cut for them: split points or a plan, as the
+    planner of ``plan="auto"`` cuts one stage per rank (a ConfigError)."""
+    v = config.virtual_stages or 1
+    if v > 1 and isinstance(plan, str) and plan == "auto":
+        raise ConfigError(f"virtual_stages={v} with plan='auto'; give split points "
+                          f"(plan=[...]) or a plan of world x {v} stages", "virtual_stages", "plan")
 
 
 def check_stages_per_rank(stages: int, virtual_stages: int, world: int) -> None:
@@ -183,52 +182,46 @@ def check_stages_per_rank(stages: int, virtual_stages: int, world: int) -> None:
                           "virtual_stages", "plan")
 
 
-def check_schedule(kind: ScheduleKind, replicas: list[int], vsync: bool,
-                    max_grad_norm: float | None, stash: bool) -> None:
-    """The schedule's options must fit it and the plan's replicas."""
+def check_schedule(config: TrainConfig, plan: Plan) -> None:
+    """The schedule's options must fit the plan's stages and replicas (the options alone
+    are :class:`~dreampipe.api.config.TrainConfig`'s to check)."""
+    kind, replicas = config.kind, [st.replicas for st in plan.stages]
     if kind is ScheduleKind.DP and len(replicas) != 1:
-        raise ScheduleError(f"the dp schedule runs one stage on every worker, not a plan of "
-                            f"{len(replicas)} stages; use plan='auto'")
-    if kind is not ScheduleKind.PIPEDREAM and (vsync or not stash):
-        raise ConfigError(f"vertical_sync=True and stash=False apply to schedule='pipedream' "
-                          f"only, not {kind.value}", "vertical_sync", "stash")
-    if vsync and not stash:
-        raise ConfigError("vertical sync runs every stage on a stashed weight version; drop "
-                          "stash=False or vertical_sync=True", "stash", "vertical_sync")
+        raise ScheduleError(f"the dp schedule runs one stage on every worker, not plan "
+                            f"{plan.config} of {len(replicas)} stages; use a one-stage plan "
+                            f"(config like '{plan.workers_used}'), or plan='auto'")
+    vsync, max_grad_norm = config.vertical_sync, config.max_grad_norm
     if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
             vsync or max_grad_norm is not None):
         what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"
         raise ConfigError(
             f"{what} with pipedream needs every stage replicated equally (got "
-            f"{'-'.join(map(str, replicas))}): stages that update at different rates have no "
-            "common update to share; use a plan with equal replica counts", "plan",
+            f"{'-'.join(map(str, replicas))}): a stage's version counts its own updates, so "
+            "stages that update at different rates have no common update to share; use a plan "
+            "with equal replica counts", "plan",
         )
 
 
-_E = TypeVar("_E", bound=Enum)
+def refuse_legacy(legacy: Mapping[str, object]) -> None:
+    """Keywords a Pipeline does not take: a ConfigError saying where each knob goes (a
+    TrainConfig field, or the plan's split points), a TypeError for any other."""
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    moved = {k: v.value if isinstance(v, Enum) else v for k, v in legacy.items() if k in fields}
+    if moved:
+        keys = ", ".join(f"{k}=" for k in moved)
+        args = ", ".join(f"{k}={v!r}" for k, v in moved.items())
+        verb = "is a TrainConfig field" if len(moved) == 1 else "are TrainConfig fields"
+        raise ConfigError(f"{keys} {verb} now: Pipeline(..., config=TrainConfig({args}))",
+                          *moved)
+    if "split_points" in legacy:
+        points = legacy["split_points"]
+        shown = list(points) if isinstance(points, list | tuple) else [points]
+        raise ConfigError(f"split_points= is plan= now: Pipeline(..., plan={shown!r})", "plan")
+    for key in legacy:
+        near = difflib.get_close_matches(key, [*_PIPELINE_ARGS, *fields], n=1)
+        hint = f"; did you mean {near[0]}=?" if near else ""
+        raise TypeError(f"Pipeline() got an unexpected keyword argument {key!r}{hint}")
 
 
-def choice(value: str | _E, kind: type[_E], name: str) -> _E:
-    """``value`` as a member of the enum ``kind``; a ConfigError naming ``name`` if none."""
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        names = ", ".join(k.value for k in kind)
-        raise ConfigError(f"{name}={value!r}; use one of {names}", name) from None
-
-
-def schedule_to_start(schedule: str | ScheduleKind, semantics: str | Semantics,
-                      virtual_stages: int | None) -> tuple[ScheduleKind, Semantics | None]:
-    """The schedule a Pipeline starts with, and the semantics ``schedule="auto"`` chooses
-    in (None: the schedule is the user's); until it has chosen, one schedule of the
-    semantics stands in."""
-    wanted = choice(semantics, Semantics, "semantics")
-    if schedule != "auto":
-        return choice(schedule, ScheduleKind, "schedule"), None
-    if virtual_stages not in (None, 1):
-        raise ConfigError(f"virtual_stages={virtual_stages} with schedule='auto': the "
-                          "interleaved schedule needs a plan cut for it; give "
-                          "schedule='interleaved-1f1b'", "virtual_stages", "schedule")
-    return STAND_IN[wanted], wanted
+#: What a Pipeline takes besides the model and its config's fields.
+_PIPELINE_ARGS = ("example", "loss_fn", "optimizer", "plan", "config", "lr_scheduler")

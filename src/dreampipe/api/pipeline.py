@@ -38,7 +38,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -58,32 +58,29 @@ from dreampipe.api.checks import (
     check_stages_on_meta,
     check_stages_per_rank,
     check_virtual,
-    choice,
     map_inputs,
-    schedule_to_start,
+    refuse_legacy,
 )
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.split import held_keys, split_layers, tied_parameters
-from dreampipe.api.stages import StageBuild, build_modules, compensate_modules
+from dreampipe.api.stages import build_modules, compensate_modules
 from dreampipe.api.state_keys import check_written_buffers, state_keys
 from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
-from dreampipe.runtime.nonfinite import OnNonFinite, check_policy
 from dreampipe.runtime.stage import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
-from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.choose import Semantics
 
 __all__ = ["SEGMENT_UNITS", "Pipeline"]
 
@@ -103,37 +100,21 @@ class Pipeline:
     ``model``: an ``nn.Sequential``, or a module whose forward ``torch.fx``
     traces around its blocks (:mod:`.trace`), possibly on the meta device
     (each stage then runs the model's own initialisation, :mod:`.materialise`);
-    a weight tied across stages stays tied (:mod:`.ties`). ``split_points``:
-    FQNs of modules each of which begins a new stage (one stage per worker),
-    instead of ``plan``. ``example``: one minibatch
-    ``(input, target)``, the input a tensor, a tuple, or a dict of the model's
-    keyword arguments (``model(**x)``); every step's minibatch must match its
-    shapes. ``loss_fn(output, target)`` gets the output as the model returns it.
-    ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
+    a weight tied across stages stays tied (:mod:`.ties`). ``example``: one
+    minibatch ``(input, target)``, the input a tensor, a tuple, or a dict of the
+    model's keyword arguments (``model(**x)``); every step's minibatch must match
+    its shapes. ``loss_fn(output, target)`` gets the output as the model returns
+    it. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
     own; the scheduler steps after every weight update of its stage.
-    ``max_grad_norm`` clips each update by the global norm over all stages;
-    ``autocast`` (e.g. ``torch.bfloat16``) runs forwards under ``torch.autocast``.
-    ``stash=False`` turns weight stashing off (PipeDream's naive pipelining, to
-    show why it matters); ``fused_accumulation=False`` makes ``nn.Linear``
-    weight gradients with autograd's kernels, in the same order
-    (:mod:`dreampipe.runtime.fused`);
-    ``record_events`` keeps what this rank did, with times (:attr:`events`).
-    ``virtual_stages`` (with ``schedule="interleaved-1f1b"``) runs ``v`` stages
-    per rank, stage ``s`` on rank ``s mod world``: ``split_points`` of ``world * v``
-    stages, or a plan that says so (``Plan.virtual_stages``, read from it when
-    ``virtual_stages`` is None; another count is an error).
-    ``resume`` loads the newest complete checkpoint in a directory
-    (:meth:`save`). ``on_nonfinite`` (``"stop"`` or, with a synchronous
-    schedule, ``"skip"``) says what a NaN or inf in a stage's output or the
-    loss does (:mod:`dreampipe.runtime.nonfinite`); the minibatches skipped
-    are in :attr:`skipped`. ``compensate`` (pipedream and 2bw) lowers SGD's
-    momentum by each stage's delay and runs Adam's stages on predicted weights
-    (:mod:`dreampipe.runtime.staleness`); a delay still large for the optimizer's
-    settings is logged as a warning, with the fix. ``schedule="auto"`` profiles the
-    model and simulates the schedules of ``semantics`` (``"sync"``: zb-h1, zb-h2,
-    1f1b-flush, gpipe, as one process trains; ``"async"``: 2bw, pipedream) on the plan
-    with ``microbatches`` per minibatch, and trains with the fastest (:attr:`kind`; the
-    reasons are logged). The layers are trained in place.
+    ``plan``: ``"auto"`` (rank 0 profiles and plans for the world, :mod:`.plans`),
+    a :class:`~dreampipe.planning.plan.Plan`, a plan file's path, or a list of
+    split points, the names of the modules that begin a new stage
+    (``plan=["transformer.h.6"]``: one stage per worker, or ``world * v`` with
+    ``virtual_stages=v``). ``config``: how it trains
+    (:class:`~dreampipe.api.config.TrainConfig`: the schedule, microbatches,
+    clipping, precision, staleness compensation...); :attr:`config` is the one
+    that runs, with the schedule ``"auto"`` chose (:attr:`kind`, the reasons
+    logged) and the plan's ``virtual_stages``. The layers are trained in place.
     """
 
     def __init__(
@@ -143,69 +124,52 @@ class Pipeline:
         example: Batch,
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         optimizer: OptimizerFactory,
-        lr_scheduler: SchedulerFactory | None = None,
-        schedule: str | ScheduleKind = "pipedream",
         plan: PlanArg = "auto",
-        microbatches: int = 1,
-        max_grad_norm: float | None = None,
-        autocast: torch.dtype | None = None,
-        vertical_sync: bool = False,
-        stash: bool = True,
-        fused_accumulation: bool = True,
-        record_events: bool = False,
-        resume: str | Path | None = None,
-        seed: int = 0,
-        timeout_s: float = 60.0,
-        on_nonfinite: str | OnNonFinite = OnNonFinite.STOP,
-        split_points: Sequence[str] | None = None,
-        semantics: str | Semantics = "sync",
-        virtual_stages: int | None = None,
-        compensate: bool = True,
+        config: TrainConfig = TrainConfig(),
+        lr_scheduler: SchedulerFactory | None = None,
+        **legacy: object,
     ) -> None:
-        self.kind, wanted = schedule_to_start(schedule, semantics, virtual_stages)
-        check_virtual(self.kind, virtual_stages, plan, split_points)
-        policy = choice(on_nonfinite, OnNonFinite, "on_nonfinite")
-        check_policy(policy, self.kind)
+        refuse_legacy(legacy)
+        if not isinstance(config, TrainConfig):
+            raise ConfigError(f"config={config!r}; give a TrainConfig, e.g. "
+                              "config=TrainConfig(schedule='1f1b-flush')", "config")
+        check_virtual(config, plan)
         check_optimizer(optimizer)
-        if max_grad_norm is not None and max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm={max_grad_norm}; use a positive norm or None",
-                              "max_grad_norm")
         self._example = example
-        self._owns_group = init_process_group(timeout_s)
+        self._owns_group = init_process_group(config.timeout_s)
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.kind = config.kind  # under "auto", a stand-in until resolve_plan chooses
         self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
-                                 microbatches=microbatches, workers=world)
+                                 microbatches=config.microbatches, workers=world)
         unit_size = self.layout.unit_size
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:unit_size]))
         self._names = [name for name, _ in self._layers]
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
-        if split_points is not None:
-            if not (isinstance(plan, str) and plan == "auto"):
-                raise ConfigError("give split_points or plan, not both: split_points makes a "
-                                  "plan of one stage per worker", "split_points", "plan")
-            bounds = split_bounds(self._names, split_points, model)
-            check_stages_per_rank(len(bounds), virtual_stages or 1, world)
+        if isinstance(plan, list | tuple):  # split points
+            bounds = split_bounds(self._names, plan, model)
+            check_stages_per_rank(len(bounds), config.virtual_stages or 1, world)
             plan = Plan.from_config(len(self._names), bounds, [1] * len(bounds),
                                     layer_names=tuple(self._names),
-                                    virtual_stages=virtual_stages or 1)
-        resolved = resolve_plan(plan, layers=self._layers, kind=self.kind, example=example,
-                                loss_fn=loss_fn, unit_size=unit_size, seed=seed,
-                                semantics=wanted, microbatches=microbatches,
-                                virtual_stages=virtual_stages)
+                                    virtual_stages=config.virtual_stages or 1)
+        resolved = resolve_plan(plan, layers=self._layers, example=example, loss_fn=loss_fn,
+                                unit_size=unit_size, config=config)
         self.plan = resolved.plan
         self._virtual = v = self.plan.virtual_stages
         if resolved.kind is not None:
+            config = config.chosen(resolved.kind, resolved.microbatches)
             self.kind = resolved.kind
             self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                      microbatches=resolved.microbatches, workers=world)
-            check_policy(policy, self.kind)
+        #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
+        #: stages per worker.
+        self.config = dataclasses.replace(config, virtual_stages=v)
         check_stages_per_rank(self.plan.num_stages, v, world)
         check_plan(self.plan, self._names, world)
         ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
         check_written_buffers(self._layers, [st.first for st in self.plan.stages])
-        check_ties(ties, self.plan, max_grad_norm)
+        check_ties(ties, self.plan, config.max_grad_norm)
         widths = {st.tensor_parallel for st in self.plan.stages}
         mixed, t = len(widths) > 1, max(widths)
         if v > 1 and (ties or t > 1):
@@ -213,12 +177,12 @@ class Pipeline:
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
-        check_schedule(self.kind, self.replicas, vertical_sync, max_grad_norm, stash)
+        check_schedule(self.config, self.plan)
         if t > 1:
-            check_split(self.plan, self.kind, max_grad_norm)
+            check_split(self.plan, self.config)
             self.layout = dataclasses.replace(self.layout, workers=sum(self.replicas))
         check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
-        found = checkpoint.find(Path(resume)) if resume is not None else None
+        found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
         #: The rank in the schedule (one per replica) and, in a split stage, the
@@ -231,10 +195,11 @@ class Pipeline:
         modules = build_modules(
             self._layers, self.plan, self._my_stages(world), self.device,
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
-            StageBuild(optimizer, loss_fn, stash, vertical_sync, fused_accumulation, seed))
+            optimizer=optimizer, loss_fn=loss_fn, config=self.config)
         applied = compensate_modules(  # before the schedulers: they keep the rates they see
             modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
-            vertical_sync, enabled=compensate, advise=self.rank == 0, uniform=bool(ties))
+            config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,
+            uniform=bool(ties))
         self.module = modules[0]
         #: What staleness compensation did to each parameter group of each stage's
         #: optimizer, by stage: ``(given, used)`` settings, None where nothing
@@ -245,14 +210,12 @@ class Pipeline:
         self.scheduler = self.schedulers.get(self.module.stage)
         self.loss_fn = loss_fn
         self.minibatches = 0
-        self._opts = RunnerOptions(timeout_s=timeout_s, vertical_sync=vertical_sync,
-                                   max_grad_norm=max_grad_norm,
-                                   autocast=autocast, record_events=record_events,
-                                   on_nonfinite=policy)
+        self._opts = self.config.runner_options()
         self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
             else process_groups([st.ranks for st in self.plan.stages] if v == 1
                                 else [[r] for r in range(world)], t, made=self._groups)
-        clip_group = dist.new_group(list(range(world))) if max_grad_norm is not None else None
+        clip_group = dist.new_group(list(range(world))) \
+            if config.max_grad_norm is not None else None
         self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
                                                  self.module)]
         per_round = math.lcm(*self.replicas)

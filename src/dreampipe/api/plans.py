@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dreampipe.api.checks import Batch, map_inputs
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.split import Layers, build_stage
 from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
@@ -53,8 +54,8 @@ __all__ = ["PlanArg", "Resolved", "resolve_plan"]
 
 _log = logging.getLogger(__name__)
 
-#: What ``Pipeline(plan=...)`` takes.
-PlanArg = Plan | str | Path
+#: What ``Pipeline(plan=...)`` takes: "auto", a Plan, a plan file, or a list of split points.
+PlanArg = Plan | str | Path | list[str] | tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -68,28 +69,29 @@ class Resolved:
 
 
 def resolve_plan(
-    plan: PlanArg, *, layers: Layers, kind: ScheduleKind, example: Batch,
-    loss_fn: Callable[..., Any], unit_size: int, seed: int,
-    semantics: Semantics | None = None, microbatches: int | None = None,
-    virtual_stages: int | None = None,
+    plan: Plan | str | Path, *, layers: Layers, example: Batch, loss_fn: Callable[..., Any],
+    unit_size: int, config: TrainConfig,
 ) -> Resolved:
-    """The plan every rank runs, and the schedule ``semantics`` (``schedule="auto"``) picks
-    for it (a collective when rank 0 has to plan or choose); ``virtual_stages`` (None:
-    the plan's) must agree with a given plan's."""
+    """The plan every rank runs, and the schedule ``config``'s ``schedule="auto"`` picks
+    for it (a collective when rank 0 has to plan or choose); ``config.virtual_stages``
+    (None: the plan's) must agree with a given plan's."""
     n, world = len(layers), dist.get_world_size()
+    kind, semantics = config.kind, config.chooses
     given: Plan | None = None
     if isinstance(plan, Plan):
         given = plan
     elif str(plan) != "auto":
         if not Path(plan).is_file():
-            raise PlanError(f"plan={str(plan)!r} is neither 'auto', a Plan, nor a plan file")
+            raise PlanError(f"plan={str(plan)!r} is neither 'auto', a Plan, a plan file nor a "
+                            f"list of split points; to cut before module {str(plan)!r}, give "
+                            f"plan=[{str(plan)!r}]")
         given = Plan.load(plan)
     elif kind is ScheduleKind.DP or world == 1:
         given = Plan.from_config(n, [0], [world], layer_names=tuple(name for name, _ in layers))
     if given is not None:
         source = "the plan" if isinstance(plan, Plan) or str(plan) == "auto" else \
             f"plan {str(plan)!r}"
-        virtual_stages_of(given, virtual_stages, source,
+        virtual_stages_of(given, config.virtual_stages, source,
                           "Plan.from_config(..., virtual_stages={v}), or dreampipe plan "
                           "--virtual-stages {v}")
         check_schedule(given, "auto" if semantics is not None else kind.value, source)
@@ -100,12 +102,12 @@ def resolve_plan(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            graph = _profile(layers, example, loss_fn, unit_size, seed)
+            graph = _profile(layers, example, loss_fn, unit_size, config.seed)
             if semantics is None:
                 box[0] = (_plan(graph, layers, machine, nodes).to_json(), None, 0)
             else:
                 chosen, choice = _plan_and_schedule(graph, layers, machine, nodes, given,
-                                                    semantics, microbatches)
+                                                    semantics, config.microbatches)
                 box[0] = (chosen.to_json(), choice.kind.value, choice.microbatches)
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.split import Layers, build_split_stage, build_stage
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.fused import LinearGradients
@@ -32,26 +32,18 @@ from dreampipe.runtime.staleness import (
 )
 from dreampipe.scheduling.actions import Schedule
 
-__all__ = ["StageBuild", "build_modules", "compensate_modules"]
+__all__ = ["build_modules", "compensate_modules"]
 
 _log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StageBuild:
-    """The Pipeline's keywords every stage is built with."""
-
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-    loss_fn: Callable[..., Any]
-    stash: bool
-    vertical_sync: bool
-    fused_accumulation: bool
-    seed: int
-
-
 def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: torch.device,
-                  mesh: DeviceMesh | None, how: StageBuild) -> list[StageModule]:
-    """One StageModule per stage in ``stages``; a split stage's share on ``mesh``."""
+                  mesh: DeviceMesh | None, *,
+                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                  loss_fn: Callable[..., Any], config: TrainConfig) -> list[StageModule]:
+    """One StageModule per stage in ``stages``, each with the user's ``optimizer`` and
+    ``loss_fn`` and the config's weight stashing, vertical sync, gradient kernels and
+    seed; a split stage's share on ``mesh``."""
     modules = []
     for stage in stages:
         st = plan.stages[stage]
@@ -59,14 +51,14 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
         if split:
             assert mesh is not None, "a split stage needs its mesh"
             built: nn.Module = build_split_stage(layers, st.first, st.last, st.splits, mesh,
-                                                 device, how.seed)
+                                                 device, config.seed)
         else:
-            built = build_stage(layers, st.first, st.last, device, how.seed)
+            built = build_stage(layers, st.first, st.last, device, config.seed)
         modules.append(StageModule(
-            built, how.optimizer, stage=stage, input_grad=stage > 0, stash=how.stash,
-            vertical_sync=how.vertical_sync, loss_fn=how.loss_fn,
+            built, optimizer, stage=stage, input_grad=stage > 0, stash=config.stash,
+            vertical_sync=config.vertical_sync, loss_fn=loss_fn,
             linear=LinearGradients.AUTOGRAD if split
-            else LinearGradients.of(how.fused_accumulation), recompute=st.recompute,
+            else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
         ))
     return modules
 

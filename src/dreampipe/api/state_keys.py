@@ -154,4 +154,4 @@ def check_written_buffers(layers: Sequence[tuple[str, nn.Module]],
                     f"{layers[i][0]!r} and used before {', '.join(map(repr, names))}, on "
                     f"stages {', '.join(map(str, users))}: each stage would keep its own "
                     f"copy; choose split points that keep those on one stage, or move the "
-                    f"buffer's update into a block", "split_points")
+                    f"buffer's update into a block", "plan")

@@ -321,20 +321,17 @@ def split_bounds(names: Sequence[str], split_points: Sequence[str], model: nn.Mo
     """The first layer of each stage: layer 0, then the first unit at or under each split
     point, in order; a ConfigError naming a point that begins no unit, and the nearest that
     do."""
-    if isinstance(split_points, str):
-        raise ConfigError(f"split_points={split_points!r}; give a list of module names, e.g. "
-                          f"split_points=[{split_points!r}]", "split_points")
     bounds = [0]
     for point in split_points:
         hit = next((i for i, n in enumerate(names)
                     if n == point or n.startswith(f"{point}.")), None)
         if hit is None or hit == 0:
-            raise ConfigError(_bad_point(point, names, model, first=hit == 0), "split_points")
+            raise ConfigError(_bad_point(point, names, model, first=hit == 0), "plan")
         if hit <= bounds[-1]:
             raise ConfigError(
                 f"split point {point!r} (layer {hit}) does not come after the previous one "
                 f"({names[bounds[-1]]!r}); give split points in call order, each once",
-                "split_points")
+                "plan")
         bounds.append(hit)
     return bounds
 

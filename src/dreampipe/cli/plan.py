@@ -37,6 +37,7 @@ from dreampipe.cli.plan_schedule import (
 from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.split_stage import unfit_lines
@@ -151,13 +152,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.virtual_stages != 1:
         return _run_interleaved(args, graph, topo)
     start = time.perf_counter()
-    result = plan_pipeline(
-        graph, topo, memory_bytes=topo.memory_bytes if args.memory else None,
-        straight=args.straight, allow_fewer_workers=not args.all_workers,
-        max_stages=args.max_stages, cost_model=CostModel(args.cost_model),
-        sync=sync_from(args), exact=args.exact, recompute=args.recompute,
-        mixed_splits=args.mixed_splits,
-    )
+    result = plan_pipeline(graph, topo, PlanOptions(
+        memory_bytes=topo.memory_bytes if args.memory else None, straight=args.straight,
+        allow_fewer_workers=not args.all_workers, max_stages=args.max_stages,
+        cost_model=CostModel(args.cost_model), sync=sync_from(args), exact=args.exact,
+        recompute=args.recompute, mixed_splits=args.mixed_splits))
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
     schedule_lines, schedule_data = schedule_report(args, result, graph, topo)

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from dreampipe.errors import ConfigError
 from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import STAND_IN, Semantics
+from dreampipe.simulation.choose import Semantics
 
 if TYPE_CHECKING:
+    from dreampipe.api.config import TrainConfig
     from dreampipe.commands.train_plan import TrainRequest
 
 __all__ = ["parse_model_args", "register"]
@@ -83,8 +84,11 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="measure each rank's peak memory and print it beside the planner's "
                         "prediction; on CPU, large tensors then get pages of their own, "
                         "returned when freed, which makes training about a fifth slower")
-    g = p.add_argument_group("training")
-    g.add_argument("--schedule", choices=_SCHEDULES, default="pipedream",
+    g = p.add_argument_group("training", "--settings FILE.toml or .json sets any TrainConfig "
+                             "field (schedule = \"1f1b-flush\", max_grad_norm = 1.0, ...); "
+                             "a flag given on the command line wins over the file.")
+    g.add_argument("--settings", metavar="FILE", help="a TrainConfig, as TOML or JSON")
+    g.add_argument("--schedule", choices=_SCHEDULES, default=None,
                    help="pipedream: async 1F1B with weight stashing (default); 2bw: "
                         "PipeDream-2BW (async, two weight versions); 1f1b-flush, "
                         "gpipe: synchronous microbatched; zb-h1, zb-h2: zero bubble (the "
@@ -92,7 +96,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "--virtual-stages stages per worker; dp: data parallel; naive: one "
                         "microbatch at a time; auto: the fastest of --semantics on the plan "
                         "that fits --memory, simulated, with the reasons")
-    g.add_argument("--semantics", choices=[s.value for s in Semantics], default="sync",
+    g.add_argument("--semantics", choices=[s.value for s in Semantics], default=None,
                    help="with --schedule auto: sync (default; zb-h1, zb-h2, 1f1b-flush, gpipe, "
                         "as one process trains) or async (2bw, pipedream: stale weights)")
     g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
@@ -104,7 +108,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
     g.add_argument("--batch-size", type=int, default=32,
                    help="samples per weight update (default: 32)")
-    g.add_argument("--microbatches", type=int, default=1,
+    g.add_argument("--microbatches", type=int, default=None,
                    help="microbatches per update for the synchronous schedules; must divide "
                         "--batch-size; pipedream needs 1 (default: 1)")
     length = g.add_mutually_exclusive_group()
@@ -112,24 +116,25 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         help="weight updates to run (pipedream: minibatches); default 10")
     length.add_argument("--epochs", type=float, default=None,
                         help="passes over the training set instead of --steps")
-    g.add_argument("--seed", type=int, default=0, help="weights and data order (default: 0)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="weights and data order (default: 0)")
     g.add_argument("--dataset", choices=_DATASETS, default="synthetic",
                    help="synthetic random data (default), scikit-learn's 8x8 digits, or an "
                         "MNIST IDX directory given by --data-dir")
     g.add_argument("--data-dir", help="directory of the MNIST IDX files for --dataset mnist")
-    g.add_argument("--vertical-sync", action="store_true",
+    g.add_argument("--vertical-sync", action="store_true", default=None,
                    help="every stage runs a minibatch with its input stage's weight version")
-    g.add_argument("--no-stash", action="store_true",
+    g.add_argument("--no-stash", action="store_false", dest="stash", default=None,
                    help="turn weight stashing off (naive async pipelining, to show why it "
                         "matters)")
-    g.add_argument("--no-compensation", action="store_true",
+    g.add_argument("--no-compensation", action="store_false", dest="compensate", default=None,
                    help="pipedream and 2bw: train every stage on its stale weights as they "
                         "are, with the optimizer's settings as given (staleness compensation, "
                         "on by default, lowers SGD's momentum by each stage's delay, and "
                         "predicts the weights of Adam's stages; docs/convergence.md)")
-    g.add_argument("--timeout", type=float, default=60.0,
+    g.add_argument("--timeout", type=float, default=None, dest="timeout_s",
                    help="seconds any rank waits for a peer before failing (default: 60)")
-    g.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+    g.add_argument("--on-nonfinite", choices=("stop", "skip"), default=None,
                    help="a NaN or inf stage output or loss: stop with an error naming the "
                         "minibatch and the stage (default), or skip that minibatch's update "
                         "(synchronous schedules)")
@@ -195,35 +200,32 @@ def _check_output_paths(args: argparse.Namespace) -> None:
             )
 
 
+#: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
+_CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed",
+                 "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite")
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of ``--settings`` with the flags given on the command line over it."""
+    from dreampipe.api.config import TrainConfig
+
+    given = {k: getattr(args, k) for k in _CONFIG_FLAGS if getattr(args, k) is not None}
+    if args.trace or args.timeline:
+        given["record_events"] = True
+    return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
+
+
 def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
     from dreampipe.commands.train_config import TrainOptions
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
     from dreampipe.runtime.config import OptimizerKind
-    from dreampipe.runtime.nonfinite import OnNonFinite
 
     run = TrainOptions(
-        model=args.model,
-        model_kwargs=parse_model_args(args.model_arg),
-        schedule=STAND_IN[Semantics(args.semantics)] if args.schedule == _AUTO
-        else ScheduleKind(args.schedule),
-        optimizer=OptimizerKind(args.optimizer),
-        lr=args.lr,
-        momentum=args.momentum,
-        minibatch_size=args.batch_size,
-        microbatches=args.microbatches,
-        virtual_stages=args.virtual_stages,
-        steps=10 if args.steps is None else args.steps,
-        seed=args.seed,
-        dataset=args.dataset,
-        data_dir=args.data_dir,
-        vertical_sync=args.vertical_sync,
-        stash=not args.no_stash,
-        compensate=not args.no_compensation,
-        timeout_s=args.timeout,
-        on_nonfinite=OnNonFinite(args.on_nonfinite),
-        record_events=bool(args.trace or args.timeline),
-        measure_memory=args.measure_memory,
+        model=args.model, model_kwargs=parse_model_args(args.model_arg), config=_config(args),
+        optimizer=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum,
+        minibatch_size=args.batch_size, steps=10 if args.steps is None else args.steps,
+        dataset=args.dataset, data_dir=args.data_dir, measure_memory=args.measure_memory,
         progress=not args.no_progress,
     )
     return TrainRequest(
@@ -234,7 +236,6 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         epochs=args.epochs,
         exact_steps=args.steps is not None,
         memory_bytes=None if args.memory is None else parse_bytes(args.memory),
-        semantics=Semantics(args.semantics) if args.schedule == _AUTO else None,
     )
 
 
@@ -262,8 +263,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.timeline:
         from dreampipe.simulation.timeline import draw_timeline
 
-        draw_timeline(list(res.events), args.timeline,
-                      title=f"{args.model} {report.plan.config} {report.schedule.value} (measured)")
+        title = f"{args.model} {report.plan.config} {report.config.schedule} (measured)"
+        draw_timeline(list(res.events), args.timeline, title=title)
         say(f"timeline: {args.timeline}")
     summary = report.summary()
     if args.json:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.baselines import Baseline, baseline_unit, run_baseline
 from dreampipe.commands.bench_names import BENCH_NAMES
@@ -65,13 +66,14 @@ def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
     v = run.virtual_stages
     first, last = work.stage_range(rank)
     x, y = work.data(run.minibatch(work))
+    config = TrainConfig(schedule=run.kind.value, microbatches=run.layout(work).microbatches,
+                         virtual_stages=v, fused_accumulation=run.fused_accumulation,
+                         seed=work.seed, timeout_s=_PEER_TIMEOUT_S)
     pipe = Pipeline(
         spec.build_partly(first, last, work.seed) if v == 1 else spec.build(seed=work.seed),
         example=(x, y), loss_fn=spec.loss_fn,
-        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), schedule=run.kind,
-        plan=work.plan(v), microbatches=run.layout(work).microbatches,
-        fused_accumulation=run.fused_accumulation, seed=work.seed, timeout_s=_PEER_TIMEOUT_S,
-        virtual_stages=v,
+        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), plan=work.plan(v),
+        config=config,
     )
     steps, warmup = run.steps(work, work.steps), run.steps(work, work.warmup)
     pipe.reserve(warmup + steps)  # as train does: no pause to extend the schedule while timed

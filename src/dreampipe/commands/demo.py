@@ -98,12 +98,14 @@ def _profile(opts: DemoOptions) -> LayerGraph:
 
 def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
     from dreampipe.planning import planner
+    from dreampipe.planning.options import PlanOptions
 
     topology = local_topology(workers, local_machine(workers, say=say))
-    best = planner.plan_pipeline(graph, topology, allow_fewer_workers=False)
+    best = planner.plan_pipeline(graph, topology, PlanOptions(allow_fewer_workers=False))
     if best.num_stages > 1:
         return best
-    straight = planner.plan_pipeline(graph, topology, straight=True, allow_fewer_workers=False)
+    straight = planner.plan_pipeline(graph, topology, PlanOptions(straight=True,
+                                                                  allow_fewer_workers=False))
     say(f"the planner's best plan is data parallel ({best.time_per_minibatch_s * 1e3:.2f} "
         f"ms/minibatch); to show pipelining the demo runs its best straight pipeline "
         f"({straight.time_per_minibatch_s * 1e3:.2f} ms/minibatch)")
@@ -117,8 +119,9 @@ def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[E
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     """Profile, plan, train with PipeDream and with DP, draw; lines go to ``say``."""
+    from dreampipe.api.config import TrainConfig
     from dreampipe.commands.train import TrainJob, train_local
-    from dreampipe.commands.train_config import TrainConfig
+    from dreampipe.commands.train_config import TrainRun
     from dreampipe.runtime.data import load_dataset, steps_for_epochs
     from dreampipe.simulation.timeline import draw_timeline
     from dreampipe.simulation.trace import write_chrome_trace
@@ -136,20 +139,22 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     predicted = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM,
                                       minibatch_size=opts.minibatch_size, microbatches=1,
                                       steps=steps)
-    base = TrainConfig(
-        model=_MODEL, plan=plan, schedule=ScheduleKind.PIPEDREAM,
+    base = TrainRun(
+        model=_MODEL, plan=plan, config=TrainConfig(schedule="pipedream", seed=opts.seed),
         minibatch_size=opts.minibatch_size, steps=steps, lr=opts.lr, momentum=opts.momentum,
-        seed=opts.seed, dataset="digits", model_kwargs=_MODEL_KWARGS, progress=opts.progress,
+        dataset="digits", model_kwargs=_MODEL_KWARGS, progress=opts.progress,
     )
     say(f"training with PipeDream (1F1B, weight stashing): {opts.epochs:g} epochs, "
         f"{steps} minibatches of {opts.minibatch_size}")
-    pipedream = train_local(TrainJob(replace(base, record_events=True)))
+    pipedream = train_local(TrainJob(replace(base, config=replace(base.config,
+                                                                  record_events=True))))
     dp_batch = opts.minibatch_size * opts.workers
     dp_steps = steps_for_epochs(opts.epochs, train_n, dp_batch)
     dp_plan = Plan.from_config(spec.num_layers, [0], [opts.workers], model=_MODEL)
     say(f"training with data parallelism on {opts.workers} workers: {opts.epochs:g} epochs, "
         f"{dp_steps} updates of {dp_batch}, learning rate x{opts.workers}")
-    dp = train_local(TrainJob(replace(base, plan=dp_plan, schedule=ScheduleKind.DP,
+    dp = train_local(TrainJob(replace(base, plan=dp_plan,
+                                      config=replace(base.config, schedule="dp"),
                                       minibatch_size=dp_batch, steps=dp_steps,
                                       lr=opts.lr * opts.workers)))
     opts.out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ trains (:mod:`.datalog`), so a restarted run can be audited.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import sys
@@ -35,7 +36,7 @@ from dreampipe.api import checkpoint
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.pipeline import Pipeline
-from dreampipe.commands.train_config import TrainConfig, TrainResult, check_config
+from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.resolve import resolve_spec
@@ -83,7 +84,7 @@ class Checkpoints:
 class TrainJob:
     """What every rank trains: the run, where it saves, and the checkpoint it resumes from."""
 
-    cfg: TrainConfig
+    run: TrainRun
     checkpoints: Checkpoints = Checkpoints()
     resume_from: Path | None = None
 
@@ -98,18 +99,18 @@ def run_train(
             _resume_point(ckpt, req.run.steps), req.run.steps, say):
         return None
     planned = plan_train(req, torchrun=torchrun, say=say)
-    cfg = planned.cfg
-    found = _resume_point(ckpt, cfg.steps)
-    if _nothing_left(found, cfg.steps, say):
+    run = planned.run
+    found = _resume_point(ckpt, run.steps)
+    if _nothing_left(found, run.steps, say):
         return None
     if torchrun is None or torchrun[0] == 0:
-        _tidy(ckpt, found, cfg, say)
-    job = TrainJob(cfg, ckpt, found)
+        _tidy(ckpt, found, run, say)
+    job = TrainJob(run, ckpt, found)
     result = train_rank(*torchrun, job) if torchrun is not None else train_local(job)
     if result is None:
         return None
-    return TrainReport(cfg.plan, cfg.steps, planned.predicted_samples_per_s, result,
-                       planned.predicted_memory, cfg.schedule, cfg.microbatches)
+    return TrainReport(run.plan, run.steps, planned.predicted_samples_per_s, result,
+                       planned.predicted_memory, run.config)
 
 
 def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResult:
@@ -120,14 +121,14 @@ def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResul
     ``timeout_s``). A failing rank's error is raised here, as its own
     DreampipeError class when it is one, with every failed rank's traceback.
     """
-    cfg = job.cfg
-    check_config(cfg, resolve_spec(cfg.model, cfg.model_kwargs))
+    run = job.run
+    check_run(run, resolve_spec(run.model, run.model_kwargs))
 
     def where(rank: int) -> str:
-        return f"stage {cfg.plan.stage_of_rank(rank)}"
+        return f"stage {run.plan.stage_of_rank(rank)}"
 
-    results = run_processes(train_rank, cfg.workers, job, deadline_s=deadline_s,
-                            threads=backend_for_node(cfg.workers).threads, where=where)
+    results = run_processes(train_rank, run.workers, job, deadline_s=deadline_s,
+                            threads=backend_for_node(run.workers).threads, where=where)
     if not isinstance(results[0], TrainResult):
         raise WorkerError("rank 0 finished without a result")
     return results[0]
@@ -160,7 +161,7 @@ def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
     return found
 
 
-def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | None) -> None:
+def _tidy(ckpt: Checkpoints, found: Path | None, run: TrainRun, say: Say | None) -> None:
     """Remove the saves that never committed, and say where the run starts (the lead only)."""
     if ckpt.directory is None:
         return
@@ -169,7 +170,7 @@ def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | No
         shutil.rmtree(stale, ignore_errors=True)
         lines.append(f"removed {stale}: its save never committed")
     if found is not None:
-        lines.append(checkpoint.resume_note(found, cfg.plan))
+        lines.append(checkpoint.resume_note(found, run.plan))
     elif ckpt.resume:
         lines.append(f"no committed checkpoint in {ckpt.directory} yet: starting at minibatch 0")
     for line in lines:
@@ -180,39 +181,34 @@ def _tidy(ckpt: Checkpoints, found: Path | None, cfg: TrainConfig, say: Say | No
 
 def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     """One rank of ``job`` (a local process's or torchrun's): build its stage, train to
-    ``cfg.steps`` minibatches, report to rank 0; the result on rank 0."""
-    cfg = job.cfg
-    spec = resolve_spec(cfg.model, cfg.model_kwargs)
-    split = cfg.plan.has_splits
-    data = load_dataset(cfg.dataset, spec, data_dir=cfg.data_dir, seed=cfg.seed)
+    ``run.steps`` minibatches, report to rank 0; the result on rank 0."""
+    run = job.run
+    spec = resolve_spec(run.model, run.model_kwargs)
+    split = run.plan.has_splits
+    data = load_dataset(run.dataset, spec, data_dir=run.data_dir, seed=run.config.seed)
     # a resident size that is what is alive costs page faults: only when asked
-    prepare_process(heap=HeapPolicy.RELEASE_FREED if cfg.measure_memory else HeapPolicy.KEEP_FREED)
+    prepare_process(heap=HeapPolicy.RELEASE_FREED if run.measure_memory else HeapPolicy.KEEP_FREED)
     owns_group = False
-    if cfg.measure_memory and split:  # DTensor's runtime is library, not the model's
-        owns_group = init_process_group(cfg.timeout_s)
+    if run.measure_memory and split:  # DTensor's runtime is library, not the model's
+        owns_group = init_process_group(run.config.timeout_s)
         device = rank_device().type
-        mesh = split_mesh(cfg.plan, rank, device) if cfg.plan.mixes_splits else tensor_mesh(
-            world, cfg.plan.tensor_parallel, device)
+        mesh = split_mesh(run.plan, rank, device) if run.plan.mixes_splits else tensor_mesh(
+            world, run.plan.tensor_parallel, device)
         if mesh is not None:
             load_dtensor_runtime(mesh)
-    baseline = start_measuring() if cfg.measure_memory else None  # before the layers exist
+    baseline = start_measuring() if run.measure_memory else None  # before the layers exist
     if split:  # the Pipeline builds each worker's share only
         with torch.device("meta"):
-            model = spec.build(seed=cfg.seed)
-    elif cfg.plan.virtual_stages > 1:  # the rank's stages are far apart
-        model = spec.build(seed=cfg.seed)
+            model = spec.build(seed=run.config.seed)
+    elif run.plan.virtual_stages > 1:  # the rank's stages are far apart
+        model = spec.build(seed=run.config.seed)
     else:
-        st = cfg.plan.stages[cfg.plan.stage_of_rank(rank)]
-        model = spec.build_partly(st.first, st.last, cfg.seed)
-    pipe = Pipeline(
-        model, example=data.batch(0, cfg.minibatch_size),
-        loss_fn=spec.loss_fn, optimizer=cfg.optimizer_factory(), schedule=cfg.schedule,
-        plan=cfg.plan, microbatches=cfg.microbatches, vertical_sync=cfg.vertical_sync,
-        stash=cfg.stash, compensate=cfg.compensate, fused_accumulation=cfg.fused_accumulation,
-        record_events=cfg.record_events, seed=cfg.seed,
-        resume=job.resume_from, timeout_s=cfg.timeout_s,
-        on_nonfinite=cfg.on_nonfinite, virtual_stages=cfg.plan.virtual_stages,
-    )
+        st = run.plan.stages[run.plan.stage_of_rank(rank)]
+        model = spec.build_partly(st.first, st.last, run.config.seed)
+    config = dataclasses.replace(run.config, virtual_stages=run.plan.virtual_stages,
+                                 resume=job.resume_from)
+    pipe = Pipeline(model, example=data.batch(0, run.minibatch_size), loss_fn=spec.loss_fn,
+                    optimizer=run.optimizer_factory(), plan=run.plan, config=config)
     result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
     pipe.close()
     if owns_group:
@@ -222,19 +218,19 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
 
 def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
            baseline: Baseline | None) -> TrainResult | None:
-    cfg, ckpt = job.cfg, job.checkpoints
+    run, ckpt = job.run, job.checkpoints
     start = pipe.minibatches
-    bar = _progress(cfg, rank, world, start)
+    bar = _progress(run, rank, world, start)
     log = None
     if ckpt.data_log is not None and rank == 0:
-        log = DataLog(ckpt.data_log, start=start, steps=cfg.steps, plan=cfg.plan.config,
+        log = DataLog(ckpt.data_log, start=start, steps=run.steps, plan=run.plan.config,
                       workers=world)
-    if cfg.steps > start:
-        pipe.reserve(cfg.steps - start)  # no pause to extend the schedule while timed
-    barrier(max(cfg.timeout_s, 60.0))
+    if run.steps > start:
+        pipe.reserve(run.steps - start)  # no pause to extend the schedule while timed
+    barrier(max(run.config.timeout_s, 60.0))
     t0 = pipe.start_clock()
-    for k in range(start, cfg.steps):
-        batch = data.batch(k, cfg.minibatch_size)
+    for k in range(start, run.steps):
+        batch = data.batch(k, run.minibatch_size)
         pipe.step(*batch)
         if log is not None:
             log.record(k, *batch)
@@ -250,7 +246,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     if bar is not None:
         bar.close()
     accuracy = None
-    if cfg.evaluate and data.has_test and cfg.plan.virtual_stages == 1:
+    if run.evaluate and data.has_test and run.plan.virtual_stages == 1:
         n = len(data.test_y)
         batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
                    for i in range(0, n, _EVAL_BATCH)]
@@ -268,22 +264,22 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     reports = [r for rs in gathered for r in rs if isinstance(r, RankReport)]
     elapsed = max(r.loop_s for r in reports)
     return TrainResult(
-        samples_per_s=(cfg.steps - start) * cfg.minibatch_size / elapsed if elapsed else 0.0,
+        samples_per_s=(run.steps - start) * run.minibatch_size / elapsed if elapsed else 0.0,
         final_loss=losses[-1], losses=tuple(losses), accuracy=accuracy,
         events=sorted_events(reports), elapsed_s=elapsed,
-        stage_states=tuple(stage_states(reports, cfg.plan.num_stages)),
+        stage_states=tuple(stage_states(reports, run.plan.num_stages)),
         memory=tuple(r.memory for r in reports if r.memory is not None),
     )
 
 
-def _progress(cfg: TrainConfig, rank: int, world: int, start: int) -> Any:
+def _progress(run: TrainRun, rank: int, world: int, start: int) -> Any:
     """A progress bar on the last rank, counting minibatches."""
-    if not cfg.progress or rank != world - 1:
+    if not run.progress or rank != world - 1:
         return None
     from tqdm import tqdm
 
     # tqdm's default lock is a multiprocessing semaphore, which the rank leaves behind
     # ("leaked semaphore objects" at exit); one bar per process needs a thread lock only
     tqdm.set_lock(threading.RLock())
-    return tqdm(total=cfg.steps, initial=start, unit="minibatch", file=sys.stderr,
+    return tqdm(total=run.steps, initial=start, unit="minibatch", file=sys.stderr,
                 dynamic_ncols=True)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.commands.train_config import TrainConfig, TrainOptions, check_config, check_options
+from dreampipe.api.config import TrainConfig
+from dreampipe.commands.train_config import TrainOptions, TrainRun, check_options, check_run
 from dreampipe.commands.train_share import share_plan
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.machine.calibration import (
@@ -57,7 +58,6 @@ from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.choose import Semantics
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
@@ -118,8 +118,8 @@ class TrainRequest:
     replaces ``run.steps`` with the updates that cover that many passes over
     the data. Steps are rounded up to whole all-reduce rounds of the plan,
     unless ``exact_steps`` (they were asked for): then a partial round is an error.
-    ``semantics`` (``--schedule auto``): ``run.schedule`` only stands in until the
-    fastest schedule of these semantics on the plan is chosen by the simulator.
+    Under ``run.config.schedule == "auto"`` the simulator chooses the fastest
+    schedule of its semantics on the plan.
     """
 
     run: TrainOptions
@@ -129,7 +129,6 @@ class TrainRequest:
     exact_steps: bool = False
     memory_bytes: int | None = None
     profile: str | None = None
-    semantics: Semantics | None = None
 
 
 @dataclass(frozen=True)
@@ -145,9 +144,8 @@ class TrainReport:
     predicted_samples_per_s: float
     result: TrainResult
     predicted_memory: tuple[int, ...] = ()
-    #: The schedule that ran (``--schedule auto`` chooses it).
-    schedule: ScheduleKind = ScheduleKind.PIPEDREAM
-    microbatches: int = 1
+    #: The config that ran (with the schedule ``--schedule auto`` chose).
+    config: TrainConfig = TrainConfig()
 
     def memory_rows(self) -> list[dict[str, Any]]:
         """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
@@ -172,13 +170,14 @@ class TrainReport:
             "losses": list(res.losses),
             "elapsed_s": res.elapsed_s,
             "steps": self.steps,
-            "schedule": self.schedule.value,
-            "microbatches": self.microbatches,
-            "config": self.plan.config,
+            "schedule": self.config.schedule,
+            "microbatches": self.config.microbatches,
+            "partition": self.plan.config,
             "topology": self.plan.topology,
             "virtual_stages": self.plan.virtual_stages,
             "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
             "memory": self.memory_rows(),
+            "config": self.config.to_dict(),
         }
         if res.accuracy is not None:
             out["accuracy"] = res.accuracy
@@ -190,7 +189,7 @@ class PlannedRun:
     """A train job ready to run: the run with its plan, its model and the predictions
     (memory per stage: empty where this rank did not profile)."""
 
-    cfg: TrainConfig
+    run: TrainRun
     spec: ModelSpec
     predicted_samples_per_s: float
     predicted_memory: tuple[int, ...] = ()
@@ -206,18 +205,19 @@ def plan_train(
     human-readable lines (plan, prediction) on the reporting rank.
     """
     opts = req.run
+    semantics = opts.config.chooses
     spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
     source = req.plan
-    v = opts.virtual_stages or 1  # a plan file's own count replaces it once read
+    v = opts.config.virtual_stages or 1  # a plan file's own count replaces it once read
     if v > 1 and (source.config is not None or source.stages is not None):
         raise ConfigError(f"--virtual-stages {v} cuts the model into workers x {v} stages "
                           "itself; leave --config and --stages out, or give a plan file",
                           "virtual_stages", "config")
-    if opts.schedule is ScheduleKind.DP and source.path is None and source.config is None:
+    if opts.config.kind is ScheduleKind.DP and source.path is None and source.config is None:
         source = PlanSource(config=str(workers))
-    layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
-                        microbatches=opts.microbatches, workers=workers)
+    layout = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                        microbatches=opts.config.microbatches, workers=workers)
     lead = torchrun is None or torchrun[0] == 0
     nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
@@ -249,33 +249,33 @@ def plan_train(
             if forced is not None and forced[0] is not None:
                 plan = Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
     chosen: tuple[ScheduleKind, int] | None = None
-    if req.semantics is not None and graph is not None and plan is not None:
+    if semantics is not None and graph is not None and plan is not None:
         free = given is None and source.planner_chooses and source.config is None and v == 1
         plan, choice, lines = choose_auto(
-            graph, workers, req.semantics, None if free else plan, nodes=nodes,
-            memory_bytes=req.memory_bytes, machine=machine, microbatches=req.run.microbatches,
-            allow_fewer_workers=torchrun is None)
+            graph, workers, semantics, None if free else plan, nodes=nodes,
+            memory_bytes=req.memory_bytes, machine=machine,
+            microbatches=opts.config.microbatches, allow_fewer_workers=torchrun is None)
         for line in lines:
             talk(line)
         chosen = (choice.kind, choice.microbatches)
     if plan is None or (torchrun is not None and (source.planner_chooses
-                                                  or req.semantics is not None)):
-        plan, chosen = share_plan(plan, opts.timeout_s, chosen)
+                                                  or semantics is not None)):
+        plan, chosen = share_plan(plan, opts.config.timeout_s, chosen)
     v = plan.virtual_stages
-    if chosen is not None:
-        opts = dataclasses.replace(opts, schedule=chosen[0], microbatches=chosen[1])
-        layout = UnitLayout(kind=opts.schedule, minibatch_size=opts.minibatch_size,
-                            microbatches=opts.microbatches, workers=workers)
+    config = opts.config if chosen is None else opts.config.chosen(*chosen)
+    opts = dataclasses.replace(opts, config=dataclasses.replace(config, virtual_stages=v))
+    layout = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                        microbatches=opts.config.microbatches, workers=workers)
     steps = _whole_rounds(req, layout, plan, steps, talk)
-    cfg = opts.with_plan(plan, steps)
-    check_config(cfg, spec, cfg.workers)  # before anything is said of the plan
+    run = opts.with_plan(plan, steps)
+    check_run(run, spec, run.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
     if graph is not None and v == 1:
         # long enough to fill the pipeline and the runtime's kept sends
         fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
         horizon = min(steps, SENDS_KEPT + 2 * fill)
         memory = predict_memory(graph, plan, layout.build(
-            [st.replicas for st in plan.stages], horizon, plan.in_flight), opts)
+            [st.replicas for st in plan.stages], horizon, plan.in_flight), opts.memory_choices())
         check_memory(plan, memory, req.memory_bytes)
     if graph is not None and v > 1:
         predicted = predict_interleaved(graph, plan, layout, min(steps, 8),
@@ -283,8 +283,8 @@ def plan_train(
                                                         nodes=nodes))
     else:
         predicted = 0.0 if graph is None else predict_samples_per_s(
-            graph, plan, opts.schedule, minibatch_size=opts.minibatch_size,
-            microbatches=opts.microbatches, steps=steps, nodes=nodes, machine=machine,
+            graph, plan, opts.config.kind, minibatch_size=opts.minibatch_size,
+            microbatches=opts.config.microbatches, steps=steps, nodes=nodes, machine=machine,
         )
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
@@ -295,9 +295,9 @@ def plan_train(
     talk(str(plan))
     if v > 1:
         talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
-    talk(f"predicted: {predicted:.1f} samples/s ({opts.schedule.value}, {steps} updates of "
+    talk(f"predicted: {predicted:.1f} samples/s ({opts.config.schedule}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
-    return PlannedRun(cfg, spec, predicted, memory)
+    return PlannedRun(run, spec, predicted, memory)
 
 
 def _quiet(_line: str) -> None:
@@ -363,7 +363,7 @@ def _whole_rounds(
 
 
 def _load_data(opts: TrainOptions, spec: ModelSpec) -> Dataset:
-    return load_dataset(opts.dataset, spec, data_dir=opts.data_dir, seed=opts.seed)
+    return load_dataset(opts.dataset, spec, data_dir=opts.data_dir, seed=opts.config.seed)
 
 
 def _steps(req: TrainRequest, data: Dataset | None) -> int:
@@ -379,9 +379,8 @@ def _load_plan(path: str, spec: ModelSpec, workers: int, fixed_world: bool,
     """The plan file, checked against the model, the workers and the schedule asked for
     (its stages per worker are its own: ``--virtual-stages`` may only repeat them)."""
     plan = Plan.load(Path(path))
-    virtual_stages_of(plan, req.run.virtual_stages, f"plan {path!r}")
-    check_schedule(plan, "auto" if req.semantics is not None else req.run.schedule.value,
-                   f"plan {path!r}")
+    virtual_stages_of(plan, req.run.config.virtual_stages, f"plan {path!r}")
+    check_schedule(plan, req.run.config.schedule, f"plan {path!r}")
     if plan.num_layers != spec.num_layers or (plan.model and plan.model != spec.name):
         raise PlanError(
             f"plan {path!r} is for {plan.model or 'a model'} with {plan.num_layers} "

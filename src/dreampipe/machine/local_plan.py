@@ -192,14 +192,15 @@ def choose_plan(
     (default: this machine's, :func:`~dreampipe.machine.measure.local_machine`).
     """
     from dreampipe.planning import planner
+    from dreampipe.planning.options import PlanOptions
 
     here = local_machine(workers) if machine is None else machine
     topology = local_topology(workers, measured_machine(graph, here), nodes=nodes)
     forced = forced_partition(len(graph.layers), workers, config, stages)
     if forced is None:
-        return planner.plan_pipeline(graph, topology, allow_fewer_workers=allow_fewer_workers,
-                                     memory_bytes=memory_bytes, max_stages=max_stages,
-                                     recompute=memory_bytes is not None)
+        return planner.plan_pipeline(graph, topology, PlanOptions(
+            allow_fewer_workers=allow_fewer_workers, memory_bytes=memory_bytes,
+            max_stages=max_stages, recompute=memory_bytes is not None))
     bounds, replicas = forced
     if bounds is not None:
         return planner.evaluate_plan(graph, topology, bounds, replicas)

@@ -16,7 +16,7 @@ problem at the slowest link (up to 64), and keeps whichever is faster
 topology's tables take is searched in blocks of layers, and the plan then
 records how far from the optimum it may be (``Plan.optimality_gap``).
 
-``cost_model=CostModel.PIPEDREAM`` runs the same DP on PipeDream's own terms
+``PlanOptions(cost_model=CostModel.PIPEDREAM)`` runs the same DP on PipeDream's own terms
 (:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
 only, every worker used, as its optimizer does; the plan's time is its
 pipeline time and ``baselines_s["dp"]`` its data-parallel time.
@@ -32,6 +32,7 @@ data parallelism and the least demanding layer plan need per worker.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -44,6 +45,7 @@ from dreampipe.planning.costs import CostModel, RangeCosts, stage_memory
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.evaluate import baselines, evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.pricing import slowest
@@ -58,7 +60,7 @@ from dreampipe.planning.search import (
 )
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
-from dreampipe.planning.sync import DEFAULT_SYNC, Sync
+from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -79,8 +81,7 @@ def _least_memory(search: Search, models: Sequence[Topology], opts: Options) -> 
     hi = float(stage_memory(prof.weights[0, -1], prof.kept[0, -1], models[0].num_workers))
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
-        trial = Options(math.ceil(mid), opts.straight, opts.allow_fewer, opts.slots, opts.limited,
-                        opts.model, opts.sync)
+        trial = dataclasses.replace(opts, memory_bytes=math.ceil(mid))
         if best_plan(search.costs, models, trial) is None:
             lo = mid
         else:
@@ -98,67 +99,26 @@ def _needs(search: Search, models: Sequence[Topology], opts: Options) -> dict[st
 def memory_needs(graph: LayerGraph, topology: Topology) -> dict[str, int]:
     """Per-worker bytes of data parallelism (``"dp"``: the whole model on each worker)
     and of the least demanding layer plan (``"pipeline"``, within 1%) on ``topology``."""
-    opts = Options(None, False, True, 1, False, CostModel.DREAMPIPE, DEFAULT_SYNC)
-    return _needs(search_for(RangeCosts.of(graph), topology), cost_models(topology, True), opts)
+    prof = RangeCosts.of(graph)
+    return _needs(search_for(prof, topology), cost_models(topology, True),
+                  PlanOptions().search(prof.n))
 
 
-def _check_slots(max_stages: int | None, n: int) -> int:
-    if max_stages is None:
-        return 1
-    if not 1 <= max_stages <= n:
-        raise PlanError(
-            f"max_stages={max_stages} is impossible for a model of {n} layers; "
-            f"use 1..{n} (a stage holds at least one layer)"
-        )
-    return max_stages
-
-
-def plan_pipeline(
-    graph: LayerGraph,
-    topology: Topology,
-    *,
-    memory_bytes: int | None = None,
-    straight: bool = False,
-    allow_fewer_workers: bool = True,
-    max_stages: int | None = None,
-    also_flat: bool = True,
-    cost_model: CostModel = CostModel.DREAMPIPE,
-    sync: Sync = DEFAULT_SYNC,
-    tensor_split: bool = True,
-    exact: bool = False,
-    recompute: bool = False,
-    mixed_splits: bool = False,
-) -> Plan:
+def plan_pipeline(graph: LayerGraph, topology: Topology,
+                  options: PlanOptions = PlanOptions()) -> Plan:
     """The fastest plan for ``graph`` on ``topology`` under PipeDream's dynamic program.
 
-    ``memory_bytes`` rejects stages that do not fit (None: no limit, like
-    PipeDream's optimizer by default); ``straight`` forbids replication;
-    ``allow_fewer_workers`` lets idle workers stay idle when that is faster;
-    ``max_stages`` caps the number of stages of the flattened plan;
-    ``also_flat`` also solves the one-level problem at the slowest link
-    (stages need not align with servers) and keeps it when faster;
-    ``sync`` is the all-reduce algorithm of replicated stages;
-    ``tensor_split`` lets a model that no layer plan fits in ``memory_bytes``
-    run as one stage with every layer split over workers of one server
-    (module doc; False: an error instead).
-    ``mixed_splits`` makes a tensor split a per-stage choice of the range search
-    (:mod:`dreampipe.planning.split_ranges`; with ``tensor_split``): any stage may run
-    as replicas split over 2, 4... workers of one server where that is faster or the
-    only way to fit, beside unsplit and recomputing stages. Off by default: the runtime
-    runs a plan only when every stage has the same split and split stages have one
-    replica, so ``train`` and ``Pipeline(plan="auto")`` get the whole-model fallback.
-    ``recompute`` lets a stage recompute its activations in the backward where
-    only that fits ``memory_bytes`` (one more forward; the range search's choice,
-    :func:`~dreampipe.planning.ranges.best_ranges`; off by default, so a plan keeps
-    every stage's activations unless asked; the runtime runs either).
-    ``exact`` searches every layer however long it takes (default: a profile
-    longer than the topology's tables take, :func:`~dreampipe.planning.coarsen.
-    exact_layers`, is searched in blocks and the plan records its
-    ``optimality_gap``).
-    ``cost_model`` picks the terms; ``PIPEDREAM`` reproduces PipeDream's
-    optimizer, which plans hierarchically on every worker without a memory
-    limit, so it ignores ``also_flat``, ``allow_fewer_workers`` and ``sync``.
+    ``options`` (:class:`~dreampipe.planning.options.PlanOptions`) bounds the search:
+    a memory limit, replication, idle workers, the stage count, the cost model, the
+    all-reduce, and what a stage may be (recomputing, split over workers). Without a
+    memory limit fit by any layer plan, and with ``tensor_split``, the model runs as
+    one stage with every layer split over workers of one server (module doc; else a
+    PlanError). ``mixed_splits`` is off by default: the runtime runs a plan only when
+    every stage has the same split and split stages have one replica, so ``train``
+    and ``Pipeline(plan="auto")`` get the whole-model fallback. ``recompute`` is off
+    by default too, so a plan keeps every stage's activations unless asked.
     """
+    opts = options
     prof = RangeCosts.of(graph)
     if graph.total_ms() <= 0 or float(prof.compute_s[0, -1]) <= 0:
         raise PlanError(
@@ -167,8 +127,8 @@ def plan_pipeline(
             "another; profile the model again ('dreampipe profile') or give the layers their "
             "real times"
         )
-    if cost_model is CostModel.PIPEDREAM:
-        return _plan_pipedream(graph, topology, memory_bytes, straight, max_stages)
+    if opts.cost_model is CostModel.PIPEDREAM:
+        return _plan_pipedream(graph, topology, opts)
     for level in topology.levels:
         if level.count > MAX_LEVEL_UNITS:
             raise PlanError(
@@ -176,31 +136,29 @@ def plan_pipeline(
                 f"takes at most {MAX_LEVEL_UNITS} per level: describe the cluster as a "
                 "hierarchy such as 64x64"
             )
-    if memory_bytes is not None and memory_bytes <= 0:
-        raise PlanError(f"memory_bytes={memory_bytes} must be positive, e.g. 16e9 for 16 GB")
-    opts = Options(memory_bytes, straight, allow_fewer_workers, _check_slots(max_stages, prof.n),
-                   max_stages is not None, CostModel.DREAMPIPE, sync)
-    search = Search(prof, prof) if exact else search_for(prof, topology)
-    models = cost_models(topology, also_flat)
-    stages = fastest(search, topology, models, opts)
+    search_opts = opts.search(prof.n)
+    search = Search(prof, prof) if opts.exact else search_for(prof, topology)
+    models = cost_models(topology, opts.also_flat)
+    stages = fastest(search, topology, models, search_opts)
     heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
-    if also_flat:
+    if opts.also_flat:
         splits = (split_options(graph, topology, split_widths(topology))
-                  if mixed_splits and tensor_split else ())
-        stages, ranged = with_ranges(search, topology, stages, opts, exact, recompute, splits)
+                  if opts.mixed_splits and opts.tensor_split else ())
+        stages, ranged = with_ranges(search, topology, stages, search_opts, opts.exact,
+                                     opts.recompute, splits)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
-        free = Options(None, straight, allow_fewer_workers, opts.slots, opts.limited,
-                       CostModel.DREAMPIPE, sync)
+        memory_bytes = opts.memory_bytes
+        free = dataclasses.replace(search_opts, memory_bytes=None)
         if memory_bytes is None or best_plan(search.costs, models, free) is None:
             raise PlanError(
                 f"no plan uses exactly {topology.num_workers} workers on {prof.n} layers "
-                f"with straight={straight}, max_stages={max_stages}; allow fewer workers, "
-                "allow replication or raise max_stages"
+                f"with straight={opts.straight}, max_stages={opts.max_stages}; allow fewer "
+                "workers, allow replication or raise max_stages"
             )
-        if tensor_split:
-            return _split_plan(graph, search, topology, models, opts, memory_bytes)
-        need = _needs(search, models, opts)["pipeline"]
+        if opts.tensor_split:
+            return _split_plan(graph, search, topology, models, search_opts, memory_bytes)
+        need = _needs(search, models, search_opts)["pipeline"]
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
@@ -212,7 +170,7 @@ def plan_pipeline(
     result = Plan(
         stages=stages, num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=slowest(stages),
-        baselines_s=baselines(prof, topology, memory_bytes, sync),
+        baselines_s=baselines(prof, topology, opts.memory_bytes, opts.sync),
         layer_names=tuple(x.name for x in graph.layers), optimality_gap=gap,
         heuristics=heuristics if gap > 0 else (),
     )
@@ -252,26 +210,16 @@ def _split_plan(
     return result
 
 
-def _plan_pipedream(
-    graph: LayerGraph, topology: Topology, memory_bytes: int | None, straight: bool,
-    max_stages: int | None,
-) -> Plan:
+def _plan_pipedream(graph: LayerGraph, topology: Topology, options: PlanOptions) -> Plan:
     """:func:`plan_pipeline` under PipeDream's terms, over its states, shown as layer ranges."""
-    if memory_bytes is not None:
-        raise PlanError(
-            f"memory_bytes={memory_bytes}: the pipedream cost model reproduces PipeDream's "
-            "optimizer without a memory limit; drop --memory or use --cost-model dreampipe"
-        )
     states = pipedream_states(graph)
     prof = states.costs
-    opts = Options(None, straight, False, _check_slots(max_stages, prof.n),
-                   max_stages is not None, CostModel.PIPEDREAM)
-    best = best_plan(prof, [topology], opts)
+    best = best_plan(prof, [topology], options.search(prof.n))
     if best is None:
         raise PlanError(
             f"no plan uses exactly {topology.num_workers} workers on PipeDream's {prof.n} "
-            f"states with straight={straight}, max_stages={max_stages}; allow replication, "
-            "raise max_stages or use --cost-model dreampipe"
+            f"states with straight={options.straight}, max_stages={options.max_stages}; "
+            "allow replication, raise max_stages or use --cost-model dreampipe"
         )
     value, flat = best
     spans, first = [], 0

@@ -1,7 +1,8 @@
 """How a rank runs its actions (:class:`RunnerOptions`), and which optimizer a stage builds.
 
-Both are the same on every rank; :class:`~dreampipe.api.pipeline.Pipeline`
-makes the runner's options from its own arguments.
+Both are the same on every rank; a Pipeline's runner options come from its
+:class:`~dreampipe.api.config.TrainConfig` (``runner_options()``), which
+holds the defaults and the rules.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class RunnerOptions:
     ``on_nonfinite`` says what a NaN or inf output or loss does (:mod:`.nonfinite`).
     """
 
-    timeout_s: float = 60.0
-    vertical_sync: bool = False
-    record_events: bool = False
-    max_grad_norm: float | None = None
-    autocast: torch.dtype | None = None
-    on_nonfinite: OnNonFinite = OnNonFinite.STOP
+    timeout_s: float
+    vertical_sync: bool
+    record_events: bool
+    max_grad_norm: float | None
+    autocast: torch.dtype | None
+    on_nonfinite: OnNonFinite

@@ -20,7 +20,6 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -140,19 +139,16 @@ def _load_meta_kernels() -> None:
         F.cross_entropy(torch.ones(1, 2), torch.zeros(1, dtype=torch.long))
 
 
-class TrainingChoices(Protocol):
-    """What memory depends on among a run's options (``dreampipe train``'s have them)."""
+@dataclass(frozen=True, kw_only=True)
+class TrainingChoices:
+    """What memory depends on among a run's options: the optimizer's state and the
+    weight versions stashing, vertical sync and staleness compensation keep."""
 
-    @property
-    def optimizer(self) -> OptimizerKind: ...
-    @property
-    def momentum(self) -> float: ...
-    @property
-    def stash(self) -> bool: ...
-    @property
-    def vertical_sync(self) -> bool: ...
-    @property
-    def compensate(self) -> bool: ...
+    optimizer: OptimizerKind
+    momentum: float
+    stash: bool
+    vertical_sync: bool
+    compensate: bool
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the

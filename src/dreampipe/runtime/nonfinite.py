@@ -9,7 +9,8 @@ it, naming the minibatch, the stage and whether its input was already bad;
 ``SKIP`` (synchronous schedules) lets the minibatch run to its ``STEP``, where
 every rank agrees whether any stage saw one, and if so every stage drops the
 update. The rules, and why PipeDream's schedule takes ``STOP`` only:
-docs/design.md §8.4.
+docs/design.md §8.4;
+:class:`~dreampipe.api.config.TrainConfig` refuses ``SKIP`` with PipeDream.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.errors import ConfigError, NonFiniteError
+from dreampipe.errors import NonFiniteError
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
-__all__ = ["NonFiniteGuard", "OnNonFinite", "check_policy"]
+__all__ = ["NonFiniteGuard", "OnNonFinite"]
 
 _log = logging.getLogger(__name__)
 
@@ -36,16 +37,6 @@ class OnNonFinite(Enum):
 
     STOP = "stop"
     SKIP = "skip"
-
-
-def check_policy(policy: OnNonFinite, kind: ScheduleKind) -> None:
-    """``SKIP`` needs a synchronous schedule (docs/design.md §8.4): a ConfigError otherwise."""
-    if policy is OnNonFinite.SKIP and kind is ScheduleKind.PIPEDREAM:
-        raise ConfigError(
-            "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
-            "where every stage updates at the same step; pipedream updates each stage at its "
-            "own time: use on_nonfinite=stop with it", "on_nonfinite", "schedule",
-        )
 
 
 def _what(t: Tensor) -> str:

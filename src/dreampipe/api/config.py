@@ -1,0 +1,300 @@
+"""``TrainConfig``: every knob of a training run, in one frozen record that checks itself.
+
+``Pipeline(..., config=TrainConfig(...))`` and ``dreampipe train`` (its flags over
+``--settings FILE``) run the same record. Each rule on the knobs alone lives in
+``TrainConfig.__post_init__``, once, as one ConfigError naming the value and the fix,
+so a bad config fails where it is written, before any process starts; rules that
+also need the plan or the model are the Pipeline's (:mod:`.checks`). Values are kept
+as JSON writes them (a schedule's name, a dtype's name such as ``"bfloat16"``), so
+:meth:`TrainConfig.to_dict` and :meth:`TrainConfig.from_dict` round-trip exactly.
+Under ``schedule="auto"`` the rules about a schedule hold for the one chosen
+(:meth:`TrainConfig.chosen` checks again) and fail at once if no candidate of
+``semantics`` can hold them. See docs/design.md §2.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dreampipe.errors import ConfigError
+from dreampipe.runtime.config import RunnerOptions
+from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.choose import CANDIDATES, STAND_IN, Semantics
+
+__all__ = ["AUTOCAST_DTYPES", "TrainConfig"]
+
+#: The dtypes ``autocast`` runs forwards in, by name.
+AUTOCAST_DTYPES = ("bfloat16", "float16")
+_AUTO = "auto"
+_SCHEDULES = (*(k.value for k in ScheduleKind), _AUTO)
+
+
+@dataclass(frozen=True, kw_only=True, repr=False)
+class TrainConfig:
+    """How a model trains, whatever the model, data and optimizer (every rank the same).
+
+    ``schedule``: a :class:`~dreampipe.scheduling.actions.ScheduleKind` name (or
+    member: every name field takes its enum's members, and keeps their names), or
+    ``"auto"``: profile and simulate the schedules of ``semantics`` (``"sync"``:
+    zb-h1, zb-h2, 1f1b-flush, gpipe, training as one process does; ``"async"``: 2bw,
+    pipedream) and train with the fastest. ``microbatches`` per minibatch (1 for
+    pipedream). ``virtual_stages`` per worker, with interleaved-1f1b (None: the
+    plan's). ``max_grad_norm`` clips each update by the global norm over all stages
+    (None: no clipping). ``autocast`` runs forwards under ``torch.autocast`` in that
+    dtype (a name or a ``torch.dtype``; None: full precision). ``compensate``:
+    staleness compensation of the asynchronous schedules
+    (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
+    weight version its input stage used; ``stash=False`` turns weight stashing off
+    (PipeDream's naive pipelining, to show why it matters); both are pipedream's.
+    ``fused_accumulation=False`` makes ``nn.Linear`` weight gradients with autograd's
+    kernels (:mod:`dreampipe.runtime.fused`). ``seed``: the weights of a model built
+    on ``meta``, layer by layer (and ``dreampipe train``'s data order). ``timeout_s``
+    bounds every wait for a peer. ``on_nonfinite``: ``"stop"`` or, with a synchronous
+    schedule, ``"skip"`` the update of a minibatch with a NaN or inf
+    (:mod:`dreampipe.runtime.nonfinite`). ``record_events`` keeps what each rank did,
+    with times. ``resume``: a checkpoint directory to continue from (its newest
+    complete checkpoint).
+    """
+
+    schedule: str = "pipedream"
+    semantics: str = "sync"
+    microbatches: int = 1
+    virtual_stages: int | None = None
+    max_grad_norm: float | None = None
+    autocast: str | torch.dtype | None = None
+    compensate: bool = True
+    vertical_sync: bool = False
+    stash: bool = True
+    fused_accumulation: bool = True
+    seed: int = 0
+    timeout_s: float = 60.0
+    on_nonfinite: str = "stop"
+    record_events: bool = False
+    resume: str | os.PathLike[str] | None = None
+
+    def __post_init__(self) -> None:
+        self._set("schedule", _choice("schedule", self.schedule, _SCHEDULES))
+        self._set("semantics", _choice("semantics", self.semantics,
+                                       tuple(s.value for s in Semantics)))
+        self._set("on_nonfinite", _choice("on_nonfinite", self.on_nonfinite,
+                                          tuple(p.value for p in OnNonFinite)))
+        self._set("autocast", _dtype_name(self.autocast))
+        if self.resume is not None and not isinstance(self.resume, str | os.PathLike):
+            raise ConfigError(f"resume={self.resume!r}; give a checkpoint directory, e.g. "
+                              "resume='ckpt'", "resume")
+        self._set("resume", None if self.resume is None else os.fspath(self.resume))
+        for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
+                     "record_events"):
+            _typed(name, getattr(self, name), (bool,), "True or False")
+        for name in ("microbatches", "seed", "virtual_stages"):
+            _typed(name, getattr(self, name), (int,), "a whole number",
+                   optional=name == "virtual_stages")
+        for name in ("timeout_s", "max_grad_norm"):
+            _typed(name, getattr(self, name), (int, float), "a number",
+                   optional=name == "max_grad_norm")
+        self._check()
+        for name in ("timeout_s", "max_grad_norm"):  # 1 and 1.0 are one config
+            value = getattr(self, name)
+            self._set(name, None if value is None else float(value))
+
+    def __repr__(self) -> str:
+        """The fields that differ from the defaults: ``TrainConfig(microbatches=4)``."""
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"TrainConfig({', '.join(changed)})"
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check(self) -> None:
+        """The rules between the knobs, each raised once, here."""
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s={self.timeout_s}; use a positive number of seconds",
+                              "timeout_s")
+        norm = self.max_grad_norm
+        if norm is not None and not 0 < norm < float("inf"):
+            raise ConfigError(f"max_grad_norm={norm}; use a positive norm, or None not to clip",
+                              "max_grad_norm")
+        v = self.virtual_stages
+        if v is not None and (v < 1 or (v > 1 and self.schedule != "interleaved-1f1b")):
+            raise ConfigError(f"virtual_stages={v} with schedule={self.schedule}; use 1, or "
+                              "schedule=interleaved-1f1b with 2 or more",
+                              "virtual_stages", "schedule")
+        if self.chooses is None:
+            self._check_schedule(self.kind)
+        else:
+            self._check_candidates(self.chooses)
+        if self.vertical_sync and not self.stash:
+            raise ConfigError("vertical_sync=True runs every stage on a stashed weight version, "
+                              "so it needs weight stashing; drop stash=False or "
+                              "vertical_sync=True", "stash", "vertical_sync")
+
+    def _check_schedule(self, kind: ScheduleKind) -> None:
+        """The rules that depend on the schedule run."""
+        UnitLayout(kind=kind, microbatches=self.microbatches)  # microbatches' own rules
+        if kind is not ScheduleKind.PIPEDREAM and (self.vertical_sync or not self.stash):
+            what = " and ".join(w for w, on in (("vertical_sync=True", self.vertical_sync),
+                                                ("stash=False", not self.stash)) if on)
+            raise ConfigError(f"{what} with schedule={kind.value}: vertical sync and turning "
+                              "weight stashing off apply to the pipedream schedule only; use "
+                              f"schedule=pipedream, or drop {what}",
+                              "vertical_sync", "stash", "schedule")
+        if self.on_nonfinite == OnNonFinite.SKIP.value and kind is ScheduleKind.PIPEDREAM:
+            raise ConfigError(
+                "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
+                "where every stage updates at the same step; pipedream updates each stage at "
+                "its own time: use on_nonfinite=stop with it", "on_nonfinite", "schedule")
+
+    def _check_candidates(self, semantics: Semantics) -> None:
+        """Under ``auto``: some schedule it may choose must hold the schedule's rules."""
+        failed: ConfigError | None = None
+        for kind in CANDIDATES[semantics]:
+            try:
+                self._check_schedule(kind)
+                return
+            except ConfigError as exc:
+                failed = failed or exc
+        assert failed is not None
+        names = ", ".join(k.value for k in CANDIDATES[semantics])
+        raise ConfigError(f"schedule=auto with semantics={semantics.value} chooses among "
+                          f"{names}, and none of them can run this: {failed}",
+                          *failed.parameters, "semantics")
+
+    # ---- what the knobs mean to the rest of the library -----------------------
+    @property
+    def chooses(self) -> Semantics | None:
+        """The semantics ``schedule="auto"`` chooses a schedule of; None when it is given."""
+        return Semantics(self.semantics) if self.schedule == _AUTO else None
+
+    @property
+    def kind(self) -> ScheduleKind:
+        """The schedule; under ``"auto"``, one of the semantics that stands in until the
+        choice is made (profiling, sizes), as most candidates split minibatches."""
+        chooses = self.chooses
+        return ScheduleKind(self.schedule) if chooses is None else STAND_IN[chooses]
+
+    @property
+    def policy(self) -> OnNonFinite:
+        """What a NaN or inf output or loss does."""
+        return OnNonFinite(self.on_nonfinite)
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """``autocast`` as a ``torch.dtype``."""
+        if self.autocast is None or isinstance(self.autocast, torch.dtype):
+            return self.autocast
+        dtype: torch.dtype = getattr(torch, self.autocast)
+        return dtype
+
+    def runner_options(self) -> RunnerOptions:
+        """How every rank's runner runs its actions under this config."""
+        return RunnerOptions(timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
+                             record_events=self.record_events, max_grad_norm=self.max_grad_norm,
+                             autocast=self.autocast_dtype, on_nonfinite=self.policy)
+
+    def chosen(self, kind: ScheduleKind, microbatches: int) -> TrainConfig:
+        """This config with the schedule ``"auto"`` chose, checked again for it."""
+        return dataclasses.replace(self, schedule=kind.value, microbatches=microbatches)
+
+    # ---- as data --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as JSON and TOML write it (None where unset)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """The config of ``data``'s fields (the rest default); an unknown key is a
+        ConfigError naming it and the nearest field."""
+        _known_keys(data)
+        return cls(**data)
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as one line of JSON."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainConfig:
+        """The config :meth:`to_json` wrote (or any JSON object of its fields)."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ConfigError(f"a TrainConfig in JSON is an object of its fields, not "
+                              f"{type(data).__name__}")
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str],
+             overrides: Mapping[str, Any] | None = None) -> TrainConfig:
+        """The config of a settings file, TOML (``.toml``, top-level keys) or JSON
+        (``.json``), with ``overrides`` (fields, such as the flags given) over it."""
+        file = Path(path)
+        text = file.read_text()
+        try:
+            data = tomllib.loads(text) if file.suffix == ".toml" else \
+                json.loads(text) if file.suffix == ".json" else None
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"settings file {str(file)!r} is not valid "
+                              f"{file.suffix[1:].upper()}: {exc}") from None
+        if data is None:
+            raise ConfigError(f"settings file {str(file)!r}: name a .toml or a .json file")
+        if not isinstance(data, dict):
+            raise ConfigError(f"settings file {str(file)!r} holds a {type(data).__name__}; "
+                              "write an object of TrainConfig fields")
+        try:
+            _known_keys(data)
+        except ConfigError as exc:
+            raise ConfigError(f"settings file {str(file)!r}: {exc}", *exc.parameters) from None
+        return cls.from_dict({**data, **(overrides or {})})
+
+
+def _known_keys(data: Mapping[str, Any]) -> None:
+    """Every key of ``data`` is a field of TrainConfig (a ConfigError naming the nearest)."""
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    for key in data:
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {near[0]!r}?" if near else f"use {', '.join(names)}"
+            raise ConfigError(f"{key!r} is not a TrainConfig field; {hint}", str(key))
+
+
+def _choice(name: str, value: object, names: tuple[str, ...]) -> str:
+    """``value`` (a name, or an enum member with one) as its name, if it is one of ``names``."""
+    text = value.value if isinstance(value, ScheduleKind | Semantics | OnNonFinite) else value
+    if isinstance(text, str) and text in names:
+        return text
+    near = difflib.get_close_matches(str(text), names, n=1)
+    hint = f" (nearest: {near[0]})" if near else ""
+    raise ConfigError(f"{name}={value!r}; use one of {', '.join(names)}{hint}", name)
+
+
+def _dtype_name(value: object) -> str | None:
+    """``autocast`` by name: ``torch.bfloat16`` and ``"bfloat16"`` are both ``"bfloat16"``."""
+    if value is None:
+        return None
+    text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+    if isinstance(text, str) and text in AUTOCAST_DTYPES:
+        return text
+    raise ConfigError(f"autocast={value!r}; use one of {', '.join(AUTOCAST_DTYPES)} (or "
+                      "torch.bfloat16, torch.float16), or None for full precision", "autocast")
+
+
+def _typed(name: str, value: object, types: tuple[type, ...], what: str,
+           optional: bool = False) -> None:
+    """``value`` is one of ``types`` (a bool is no number here), or None if ``optional``."""
+    if value is None and optional:
+        return
+    if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
+        return
+    raise ConfigError(f"{name}={value!r}: {name} takes {what}"
+                      f"{' or None' if optional else ''}", name)

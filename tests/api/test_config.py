@@ -1,0 +1,177 @@
+"""``TrainConfig``: each rule once, with its message; settings files; the JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dreampipe import ScheduleKind, TrainConfig
+from dreampipe.api.config import AUTOCAST_DTYPES
+from dreampipe.errors import ConfigError
+from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.simulation.choose import Semantics
+
+__all__: list[str] = []
+
+
+@pytest.mark.parametrize(("kw", "message", "fields"), [
+    ({"schedule": "1f1b"}, "schedule='1f1b'; use one of pipedream, 1f1b-flush, gpipe",
+     ("schedule",)),
+    ({"semantics": "eventual"}, "semantics='eventual'; use one of sync, async", ("semantics",)),
+    ({"on_nonfinite": "ignore"}, "on_nonfinite='ignore'; use one of stop, skip",
+     ("on_nonfinite",)),
+    ({"autocast": "float64"}, "autocast='float64'; use one of bfloat16, float16", ("autocast",)),
+    ({"autocast": torch.float64}, "autocast=torch.float64; use one of bfloat16", ("autocast",)),
+    ({"microbatches": "4"}, "microbatches='4': microbatches takes a whole number",
+     ("microbatches",)),
+    ({"microbatches": 2.0}, "microbatches=2.0: microbatches takes a whole number",
+     ("microbatches",)),
+    ({"stash": 1}, "stash=1: stash takes True or False", ("stash",)),
+    ({"timeout_s": True}, "timeout_s=True: timeout_s takes a number", ("timeout_s",)),
+    ({"virtual_stages": "2"}, "virtual_stages='2': virtual_stages takes a whole number or None",
+     ("virtual_stages",)),
+    ({"resume": 3}, "resume=3; give a checkpoint directory", ("resume",)),
+    ({"timeout_s": 0}, "timeout_s=0; use a positive number of seconds", ("timeout_s",)),
+    ({"timeout_s": float("nan")}, "timeout_s=nan; use a positive number", ("timeout_s",)),
+    ({"max_grad_norm": -1}, "max_grad_norm=-1; use a positive norm, or None not to clip",
+     ("max_grad_norm",)),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm=inf; use a positive norm",
+     ("max_grad_norm",)),
+    ({"virtual_stages": 2}, "virtual_stages=2 with schedule=pipedream; use 1, or "
+                            "schedule=interleaved-1f1b with 2 or more",
+     ("virtual_stages", "schedule")),
+    ({"virtual_stages": 0, "schedule": "interleaved-1f1b"}, "virtual_stages=0 with schedule="
+                                                            "interleaved-1f1b; use 1",
+     ("virtual_stages", "schedule")),
+    ({"virtual_stages": 2, "schedule": "auto"}, "virtual_stages=2 with schedule=auto; use 1",
+     ("virtual_stages", "schedule")),
+    ({"microbatches": 0}, "microbatches=0; use 1 or more", ("microbatches",)),
+    ({"microbatches": 4}, "microbatches=4 with schedule=pipedream: PipeDream updates after "
+                          "every minibatch", ("microbatches", "schedule")),
+    ({"schedule": "gpipe", "vertical_sync": True},
+     "vertical_sync=True with schedule=gpipe: vertical sync and turning weight stashing off "
+     "apply to the pipedream schedule only; use schedule=pipedream, or drop vertical_sync=True",
+     ("vertical_sync", "stash", "schedule")),
+    ({"schedule": "2bw", "stash": False}, "stash=False with schedule=2bw",
+     ("vertical_sync", "stash", "schedule")),
+    ({"vertical_sync": True, "stash": False},
+     "vertical_sync=True runs every stage on a stashed weight version, so it needs weight "
+     "stashing; drop stash=False or vertical_sync=True", ("stash", "vertical_sync")),
+    ({"on_nonfinite": "skip"}, "on_nonfinite=skip needs a synchronous schedule",
+     ("on_nonfinite", "schedule")),
+    ({"schedule": "auto", "vertical_sync": True},
+     "schedule=auto with semantics=sync chooses among zb-h1, zb-h2, 1f1b-flush, gpipe, and none "
+     "of them can run this: vertical_sync=True with schedule=zb-h1",
+     ("vertical_sync", "stash", "schedule", "semantics")),
+])
+def test_each_rule_names_the_value_and_the_fix(kw: dict[str, Any], message: str,
+                                               fields: tuple[str, ...]) -> None:
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(**kw)
+    assert str(info.value).startswith(message), str(info.value)
+    assert info.value.parameters == fields
+
+
+def test_a_rule_about_the_schedule_waits_for_the_one_auto_chooses() -> None:
+    config = TrainConfig(schedule="auto", semantics="async", vertical_sync=True)  # pipedream may
+    assert (config.kind, config.chooses) == (ScheduleKind.TWO_BW, Semantics.ASYNC)
+    assert config.chosen(ScheduleKind.PIPEDREAM, 1).kind is ScheduleKind.PIPEDREAM
+    with pytest.raises(ConfigError, match="vertical_sync=True with schedule=2bw"):
+        config.chosen(ScheduleKind.TWO_BW, 4)
+    skip = TrainConfig(schedule="auto", semantics="async", on_nonfinite="skip")
+    with pytest.raises(ConfigError, match="on_nonfinite=skip needs a synchronous schedule"):
+        skip.chosen(ScheduleKind.PIPEDREAM, 1)
+    assert TrainConfig(schedule="auto").kind is ScheduleKind.FLUSH
+    assert TrainConfig(schedule="gpipe").chooses is None
+
+
+def test_values_are_kept_by_name_whatever_was_given() -> None:
+    config = TrainConfig(schedule=ScheduleKind.FLUSH, semantics=Semantics.ASYNC,  # type: ignore[arg-type]
+                         on_nonfinite=OnNonFinite.SKIP, autocast=torch.bfloat16,  # type: ignore[arg-type]
+                         resume=Path("ck"), timeout_s=5, max_grad_norm=2)
+    assert (config.schedule, config.semantics, config.on_nonfinite, config.autocast,
+            config.resume) == ("1f1b-flush", "async", "skip", "bfloat16", "ck")
+    assert isinstance(config.timeout_s, float) and config.max_grad_norm == 2.0
+    assert config == TrainConfig(schedule="1f1b-flush", semantics="async", on_nonfinite="skip",
+                                 autocast="bfloat16", resume="ck", timeout_s=5.0,
+                                 max_grad_norm=2.0)
+    assert config.autocast_dtype is torch.bfloat16 and config.policy is OnNonFinite.SKIP
+    opts = config.runner_options()
+    assert (opts.autocast, opts.max_grad_norm, opts.timeout_s) == (torch.bfloat16, 2.0, 5.0)
+    assert repr(TrainConfig()) == "TrainConfig()"
+    assert repr(TrainConfig(microbatches=2, schedule="gpipe")) == \
+        "TrainConfig(schedule='gpipe', microbatches=2)"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.seed = 1  # type: ignore[misc]
+
+
+def test_an_unknown_key_names_the_nearest_field(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'microbatch' is not a TrainConfig field; did you "
+                                          r"mean 'microbatches'\?") as info:
+        TrainConfig.from_dict({"schedule": "gpipe", "microbatch": 4})
+    assert info.value.parameters == ("microbatch",)
+    with pytest.raises(ConfigError, match=r"'zzz' is not a TrainConfig field; use schedule, "):
+        TrainConfig.from_json('{"zzz": 1}')
+    path = tmp_path / "s.toml"
+    path.write_text('clip = 1.0\n')
+    with pytest.raises(ConfigError, match=rf"settings file '{path}': 'clip' is not a "
+                                          r"TrainConfig field"):
+        TrainConfig.load(path)
+
+
+def test_a_settings_file_with_overrides(tmp_path: Path) -> None:
+    toml = tmp_path / "s.toml"
+    toml.write_text('schedule = "gpipe"\nmicrobatches = 4\nautocast = "bfloat16"\n')
+    assert TrainConfig.load(toml, {"microbatches": 2}) == TrainConfig(
+        schedule="gpipe", microbatches=2, autocast="bfloat16")
+    # a rule is checked on the whole: the file alone would break it, the flags mend it
+    toml.write_text('schedule = "gpipe"\nvertical_sync = true\n')
+    assert TrainConfig.load(toml, {"schedule": "pipedream"}).vertical_sync
+    js = tmp_path / "s.json"
+    js.write_text(TrainConfig(schedule="zb-h1", microbatches=8, seed=4).to_json())
+    assert TrainConfig.load(js) == TrainConfig(schedule="zb-h1", microbatches=8, seed=4)
+    for name, text, needle in (("s.yaml", "x: 1", "name a .toml or a .json file"),
+                               ("t.json", "[1]", "holds a list"),
+                               ("u.json", "{", "is not valid JSON")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError, match=needle):
+            TrainConfig.load(tmp_path / name)
+
+
+@st.composite
+def _valid(draw: st.DrawFn) -> TrainConfig:
+    """Any valid config: the knobs a schedule constrains drawn within its rules."""
+    schedule = draw(st.sampled_from([*(k.value for k in ScheduleKind), "auto"]))
+    pipedream = schedule == "pipedream"
+    stash = draw(st.booleans()) if pipedream else True
+    many = st.integers(1, 4) if schedule == "interleaved-1f1b" else st.just(1)
+    return TrainConfig(
+        schedule=schedule, semantics=draw(st.sampled_from(["sync", "async"])),
+        microbatches=1 if pipedream else draw(st.integers(1, 64)),
+        virtual_stages=draw(st.none() | many),
+        max_grad_norm=draw(st.none() | st.floats(1e-6, 1e6)),
+        autocast=draw(st.none() | st.sampled_from([*AUTOCAST_DTYPES, torch.bfloat16])),
+        compensate=draw(st.booleans()), stash=stash,
+        vertical_sync=draw(st.booleans()) if pipedream and stash else False,
+        fused_accumulation=draw(st.booleans()), seed=draw(st.integers(0, 2**63 - 1)),
+        timeout_s=draw(st.floats(1e-3, 1e6) | st.just(float("inf"))),
+        on_nonfinite="stop" if pipedream else draw(st.sampled_from(["stop", "skip"])),
+        record_events=draw(st.booleans()),
+        resume=draw(st.none() | st.text(min_size=1, max_size=20)),
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(_valid())
+def test_every_valid_config_round_trips_through_json(config: TrainConfig) -> None:
+    assert TrainConfig.from_dict(config.to_dict()) == config
+    assert TrainConfig.from_json(config.to_json()) == config
+    assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
+    assert dataclasses.replace(config) == config

@@ -1,0 +1,50 @@
+"""``PlanOptions``: the planner's options as one frozen record, checked when made."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+
+import dreampipe
+from dreampipe.errors import PlanError
+from dreampipe.planning.costs import CostModel
+from dreampipe.planning.level import Options
+from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+
+__all__: list[str] = []
+
+
+def test_plan_pipeline_takes_the_graph_the_topology_and_one_options_record() -> None:
+    params = inspect.signature(plan_pipeline).parameters
+    assert list(params) == ["graph", "topology", "options"]
+    assert params["options"].default == PlanOptions()
+    assert dreampipe.PlanOptions is PlanOptions
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        PlanOptions().straight = True  # type: ignore[misc]
+
+
+def test_the_dynamic_programs_options_follow_from_it() -> None:
+    assert PlanOptions().search(5) == Options(None, False, True, 1, False, CostModel.DREAMPIPE,
+                                              DEFAULT_SYNC)
+    ring = Sync(SyncKind.RING)
+    got = PlanOptions(memory_bytes=10**9, straight=True, max_stages=3, sync=ring).search(5)
+    assert got == Options(10**9, True, True, 3, True, CostModel.DREAMPIPE, ring)
+    # PipeDream's optimizer uses every worker, whatever allow_fewer_workers says
+    assert not PlanOptions(cost_model=CostModel.PIPEDREAM).search(5).allow_fewer
+
+
+def test_bad_options_fail_when_made_or_against_the_model() -> None:
+    with pytest.raises(PlanError, match=r"memory_bytes=0 must be positive"):
+        PlanOptions(memory_bytes=0)
+    with pytest.raises(PlanError, match=r"memory_bytes=1000: the pipedream cost model"):
+        PlanOptions(memory_bytes=1000, cost_model=CostModel.PIPEDREAM)
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(3)])
+    with pytest.raises(PlanError, match=r"max_stages=4 is impossible for a model of 3 layers"):
+        plan_pipeline(graph, Topology.parse("4"), PlanOptions(max_stages=4))
+    assert plan_pipeline(graph, Topology.parse("2"), PlanOptions(max_stages=1)).num_stages == 1
