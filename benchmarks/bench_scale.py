@@ -36,7 +36,7 @@ import tracemalloc
 
 import _docs
 
-from dreampipe.cli.plan import confirm_by_simulation
+from dreampipe.cli.plan_command import confirm_by_simulation
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import bundled_profiles

@@ -1,6 +1,6 @@
 """Megatron-LM's published (t, p, d) layouts beside dreampipe's planner, on GPT-style models.
 
-Profiles built from layer shapes (:mod:`dreampipe.planning.gpt_shapes`): GPT-3
+Profiles built from layer shapes (:mod:`dreampipe.profiling.gpt_shapes`): GPT-3
 1.3B (Brown et al. 2020) and Megatron-LM's 8.3B (Shoeybi et al. 2019), on one
 and eight servers of eight V100s (32 GB, NVLink inside a server, InfiniBand
 between). Each published layout, ``t``-way tensor parallel with Megatron's
@@ -23,12 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dreampipe.planning.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.splits import Split
 from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
@@ -254,7 +254,7 @@ mixes splits, replication and whole-stage recomputation, against published
 layouts that fit a V100 only with block-by-block checkpointing.
 
 - **Models.** Profiles built from layer shapes
-  (`dreampipe.planning.gpt_shapes`): GPT-3 XL, 1.3B (Brown et al., "Language
+  (`dreampipe.profiling.gpt_shapes`): GPT-3 XL, 1.3B (Brown et al., "Language
   Models are Few-Shot Learners", 2020: 24 layers, width 2048, 16 heads, 2048
   tokens), 4 sequences per minibatch; Megatron-LM's 8.3B (72 layers, width
   3072, 32 heads, 1024 tokens), 8 sequences per minibatch. Matrix products at

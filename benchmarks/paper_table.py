@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dreampipe.cli.plan import confirm_by_simulation
-from dreampipe.planning.config import stages_from_config
+from dreampipe.cli.plan_command import confirm_by_simulation
+from dreampipe.planning.config_string import stages_from_config
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan

@@ -40,6 +40,7 @@ from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleK
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.validator import validate_schedule
+from dreampipe.simulation.chrome_trace import write_chrome_trace
 from dreampipe.simulation.simulator import (
     SimCosts,
     SimResult,
@@ -48,7 +49,6 @@ from dreampipe.simulation.simulator import (
     simulate_schedule,
 )
 from dreampipe.simulation.timeline import draw_timeline
-from dreampipe.simulation.trace import write_chrome_trace
 
 if TYPE_CHECKING:
     from dreampipe.api import EvalResult, Pipeline, TrainConfig, initialise, load_model_state

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
 from dreampipe.models import get_model
-from dreampipe.runtime.data import load_dataset
+from dreampipe.models.datasets import load_dataset
 from dreampipe.runtime.lanes import split_mesh
 from dreampipe.runtime.memory import finish_measuring, start_measuring
 from dreampipe.runtime.tensor_split import load_dtensor_runtime

@@ -8,8 +8,8 @@ import torch
 
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
-from dreampipe.api.split import split_layers
 from dreampipe.planning.plan import Plan
+from dreampipe.splitter.chain import split_layers
 
 from .model_zoo import CASES, CaseSpec
 

@@ -30,7 +30,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from dreampipe.api.split import Chain, split_layers
+from dreampipe.splitter.chain import Chain, split_layers
 
 __all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2", "llama", "t5"]
 

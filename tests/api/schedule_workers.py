@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.data import load_dataset
 
 __all__ = ["reference", "train_schedule"]
 

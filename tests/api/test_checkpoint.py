@@ -15,9 +15,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 import dreampipe
 from dreampipe.api.checkpoint import restore_rng, rng_state
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
-from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.staleness import Hyper, compensated
 

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import dreampipe
-from dreampipe.api.split import build_stage, split_layers
 from dreampipe.errors import ConfigError, PlanError
+from dreampipe.splitter.chain import build_stage, split_layers
 
 from .model_zoo import CASES, bert, gpt2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dreampipe.api.pack import pack, unpack
 from dreampipe.errors import PlanError
+from dreampipe.splitter.pack import pack, unpack
 
 __all__: list[str] = []
 

@@ -15,11 +15,11 @@ from torch import nn
 
 from dreampipe.api import TrainConfig
 from dreampipe.api.plans import resolve_plan
-from dreampipe.api.split import split_layers
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.processes import free_port, run_processes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.simulation.choose import CANDIDATES, Semantics
+from dreampipe.splitter.chain import split_layers
 
 from .compare import assert_matches
 from .model_workers import train_case

@@ -18,10 +18,10 @@ from runtime.reference import reference_sync, sgd
 from torch import Tensor, nn
 
 from dreampipe.api.checkpoint import load_model_state
-from dreampipe.api.split import split_layers
-from dreampipe.api.state_keys import check_written_buffers
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.processes import run_processes
+from dreampipe.splitter.chain import split_layers
+from dreampipe.splitter.state_keys import check_written_buffers
 
 from .compare import assert_matches
 from .model_workers import train_cases
@@ -117,8 +117,8 @@ class _Aliased(nn.Module):
 
 
 def test_every_key_of_the_state_dict_has_a_holder_or_an_alias() -> None:
-    from dreampipe.api.split import held_keys
-    from dreampipe.api.state_keys import state_keys
+    from dreampipe.splitter.chain import held_keys
+    from dreampipe.splitter.state_keys import state_keys
 
     model = _Aliased()
     layers = split_layers(model, torch.zeros(2, 3))

@@ -15,7 +15,7 @@ import torch
 from runtime.reference import adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 
 from dreampipe.models import get_model
-from dreampipe.runtime.data import load_dataset
+from dreampipe.models.datasets import load_dataset
 from dreampipe.runtime.processes import run_processes
 
 from .compare import assert_matches

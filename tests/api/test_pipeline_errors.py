@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
-from dreampipe.api.split import Tie, split_layers, tied_parameters
 from dreampipe.api.ties import check_ties
 from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError
+from dreampipe.splitter.chain import Tie, split_layers, tied_parameters
 
 __all__: list[str] = []
 

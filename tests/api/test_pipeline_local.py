@@ -13,10 +13,10 @@ from torch import Tensor, nn
 
 import dreampipe
 from dreampipe.api import pipeline as pipeline_module
-from dreampipe.api.split import split_layers
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ActionKind, Schedule
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.splitter.chain import split_layers
 
 __all__: list[str] = []
 

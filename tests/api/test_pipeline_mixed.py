@@ -27,13 +27,13 @@ from dreampipe.api.checkpoint import load_model_state
 from dreampipe.api.checks import check_split
 from dreampipe.errors import ConfigError
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
 from dreampipe.profiling.profiler import profile_spec
-from dreampipe.runtime.config import OptimizerKind
-from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.memory import predict_memory
 from dreampipe.runtime.processes import HeapPolicy, run_processes
+from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 

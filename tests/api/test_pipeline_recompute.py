@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from runtime.reference import reference_pipedream, reference_sync, sgd
 
-from dreampipe.api.split import split_layers
-from dreampipe.api.trace import split_bounds
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import run_processes
+from dreampipe.splitter.chain import split_layers
+from dreampipe.splitter.segments import split_bounds
 
 from .compare import assert_matches
 from .model_workers import train_case

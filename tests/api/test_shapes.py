@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
-from dreampipe.api.split import Chain, split_layers
 from dreampipe.errors import PlanError
+from dreampipe.splitter.chain import Chain, split_layers
 
 from .model_zoo import gpt2
 

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from transformers import GPT2Config, GPT2LMHeadModel, ViTConfig, ViTForImageClassification
 
 import dreampipe
-from dreampipe.api.split import Chain, split_layers
-from dreampipe.api.trace import split_bounds, unit_names
 from dreampipe.errors import PlanError
+from dreampipe.splitter.chain import Chain, split_layers
+from dreampipe.splitter.segments import split_bounds, unit_names
 
 from .model_zoo import CASES, ResNet
 from .test_pipeline_errors import _Branchy

@@ -9,9 +9,9 @@ import pytest
 import torch
 from runtime.reference import reference_sync, sgd
 
-from dreampipe.api.split import Chain, split_layers
 from dreampipe.errors import PlanError
 from dreampipe.runtime.processes import run_processes
+from dreampipe.splitter.chain import Chain, split_layers
 
 from .compare import assert_matches
 from .model_zoo import CaseData

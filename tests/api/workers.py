@@ -9,9 +9,9 @@ import torch
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.data import load_dataset
 from dreampipe.scheduling.actions import ActionKind
 
 __all__ = ["train_zoo"]

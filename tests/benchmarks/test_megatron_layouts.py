@@ -8,8 +8,8 @@ from types import ModuleType
 
 import pytest
 
-from dreampipe.planning.gpt_shapes import GptShape, gpt_profile
 from dreampipe.planning.splits import Split
+from dreampipe.profiling.gpt_shapes import GptShape, gpt_profile
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from dreampipe.cli import main
-from dreampipe.cli.plan import (
+from dreampipe.cli.plan_command import (
     CHECK_MINIBATCHES,
     CHECK_STAGE_MINIBATCHES,
     check_minibatches,
@@ -351,7 +351,7 @@ def test_a_mixed_plan_is_printed_saved_and_says_why_a_stage_is_split(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     from dreampipe.errors import PlanError
-    from dreampipe.planning.gpt_shapes import GptShape, gpt_profile
+    from dreampipe.profiling.gpt_shapes import GptShape, gpt_profile
 
     profile, saved = tmp_path / "gpt.json", tmp_path / "plan.json"
     gpt_profile(GptShape("gpt-4x4096", 4, 4096, 16, 1024, 50257, 8), 100e12).save(profile)

@@ -15,16 +15,16 @@ from machine.fixtures import DEV_MACHINE
 
 from dreampipe.api import TrainConfig
 from dreampipe.cli import main
-from dreampipe.cli.train import parse_model_args
+from dreampipe.cli.train_command import parse_model_args
 from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
 from dreampipe.commands.train_share import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s
 from dreampipe.models import get_model
+from dreampipe.models.datasets import steps_for_epochs
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.runtime.data import steps_for_epochs
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.simulation.choose import CANDIDATES, Semantics
@@ -397,7 +397,7 @@ def test_train_with_its_progress_bar_leaves_nothing_behind(
 def test_worker_tracebacks_are_hidden_unless_verbose(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], verbose: bool
 ) -> None:
-    import dreampipe.commands.train
+    import dreampipe.commands.train_run
 
     def fails(*args: object, **kwargs: object) -> None:
         raise PeerTimeoutError(
@@ -406,7 +406,7 @@ def test_worker_tracebacks_are_hidden_unless_verbose(
             "--- traceback of rank 0 ---\nTraceback (most recent call last):\n  boom"
         )
 
-    monkeypatch.setattr(dreampipe.commands.train, "run_train", fails)
+    monkeypatch.setattr(dreampipe.commands.train_run, "run_train", fails)
     argv = ["-v"] if verbose else []
     assert main([*argv, "train", "mlp", "--workers", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err
@@ -450,7 +450,7 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
 def test_staleness_compensation_is_on_unless_turned_off(
     monkeypatch: pytest.MonkeyPatch, argv: list[str], compensate: bool
 ) -> None:
-    import dreampipe.commands.train
+    import dreampipe.commands.train_run
 
     seen: list[bool] = []
 
@@ -458,7 +458,7 @@ def test_staleness_compensation_is_on_unless_turned_off(
         seen.append(request.run.config.compensate)
         raise PeerTimeoutError("stopped after reading the options")
 
-    monkeypatch.setattr(dreampipe.commands.train, "run_train", record)
+    monkeypatch.setattr(dreampipe.commands.train_run, "run_train", record)
     assert main(["train", "mlp", "--workers", "2", "--steps", "1", "--schedule", "2bw",
                  *argv]) == 2
     assert seen == [compensate]

@@ -19,7 +19,7 @@ def outcomes() -> dict[str, Outcome]:
     import torch.distributed as dist
 
     import dreampipe.commands.bench_process as bench_process
-    import dreampipe.commands.train as train
+    import dreampipe.commands.train_run as train
 
     def refuse(*_args: Any, **_kwargs: Any) -> None:
         raise AssertionError("a bad input reached the point of starting workers")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dreampipe.cli.plan import confirm_by_simulation
-from dreampipe.planning.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
+from dreampipe.cli.plan_command import confirm_by_simulation
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
 
 
 @pytest.mark.parametrize("shape", [GPT3_1_3B, MEGATRON_8_3B])

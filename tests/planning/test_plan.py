@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from dreampipe.errors import ConfigError, PlanError
-from dreampipe.planning.config import config_string, parse_stage_bounds, stages_from_config
+from dreampipe.planning.config_string import config_string, parse_stage_bounds, stages_from_config
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline

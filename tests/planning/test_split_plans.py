@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dreampipe.cli import main
-from dreampipe.cli.plan import check_minibatches, confirm_by_simulation
+from dreampipe.cli.plan_command import check_minibatches, confirm_by_simulation
 from dreampipe.errors import PlanError
 from dreampipe.planning.operator_search import Link, search_splits
 from dreampipe.planning.options import PlanOptions

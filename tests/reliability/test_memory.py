@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from dreampipe.api import TrainConfig
-from dreampipe.commands.train import run_train
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
+from dreampipe.commands.train_run import run_train
 from dreampipe.errors import ConfigError
 from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
-from dreampipe.runtime.config import OptimizerKind
+from dreampipe.runtime.runner_options import OptimizerKind
 
 _MODELS = {
     "mlp": (("width", 2048), ("layers", 8)),

@@ -23,7 +23,7 @@ import dreampipe
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.torchrun import torchrun_nodes
 from dreampipe.models import get_model
-from dreampipe.runtime.data import load_dataset
+from dreampipe.models.datasets import load_dataset
 from dreampipe.runtime.processes import free_port
 
 __all__: list[str] = []

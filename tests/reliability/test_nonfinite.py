@@ -14,8 +14,8 @@ from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.cli import main
 from dreampipe.errors import ConfigError, NonFiniteError
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
 from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind

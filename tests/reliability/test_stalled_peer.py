@@ -26,7 +26,7 @@ from torchrun import descendants
 
 import dreampipe
 from dreampipe.machine.local_plan import profile_as_worker
-from dreampipe.runtime.data import load_dataset
+from dreampipe.models.datasets import load_dataset
 
 __all__: list[str] = []
 

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from dreampipe.api import TrainConfig
-from dreampipe.commands.train import TrainJob, train_rank
 from dreampipe.commands.train_config import TrainRun
+from dreampipe.commands.train_run import TrainJob, train_rank
 from dreampipe.planning.plan import Plan
 
 __all__: list[str] = []

@@ -51,10 +51,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from dreampipe.models.datasets import Dataset
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.splits import Split
-from dreampipe.runtime.data import Dataset
 
 __all__ = ["OptFactory", "adam", "adamw", "admitted", "reference_pipedream", "reference_sync",
            "reference_two_bw", "sgd", "split_like"]

@@ -12,7 +12,7 @@ import torch
 
 from dreampipe.errors import ConfigError, DatasetError
 from dreampipe.models import get_model
-from dreampipe.runtime.data import load_dataset
+from dreampipe.models.datasets import load_dataset
 
 __all__: list[str] = []
 

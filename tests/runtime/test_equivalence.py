@@ -1,7 +1,7 @@
 """Multi-process runs against the single-process references (docs/design.md §5).
 
 Each run trains a small model on 2-3 local gloo ranks, one Pipeline each, as
-``dreampipe train`` runs them (:func:`dreampipe.commands.train.train_local`),
+``dreampipe train`` runs them (:func:`dreampipe.commands.train_run.train_local`),
 and compares every update's loss and every final parameter and buffer with
 :mod:`runtime.reference` (rtol 1e-5, atol 4e-5, float32): mostly a 4-layer
 mlp of width 16, plus the zoo's conv ``cnn`` (8x8 images) and an mlp with
@@ -20,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 
-from dreampipe.commands.train import TrainJob, train_local
 from dreampipe.commands.train_config import TrainResult
+from dreampipe.commands.train_run import TrainJob, train_local
 from dreampipe.models import ModelSpec, get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.config import OptimizerKind
-from dreampipe.runtime.data import load_dataset
+from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
 
 from .models_for_tests import bn_mlp

@@ -1,6 +1,6 @@
 """Errors, not hangs: bad inputs fail before any send, a stalled peer fails every rank.
 
-Runs start as ``dreampipe train`` starts them (:func:`dreampipe.commands.train.train_local`,
+Runs start as ``dreampipe train`` starts them (:func:`dreampipe.commands.train_run.train_local`,
 one Pipeline per local rank), or, for the Pipeline's own checks, straight
 from the runtime's launcher.
 """
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dreampipe.api import Pipeline, TrainConfig
-from dreampipe.commands.train import TrainJob, train_local
 from dreampipe.commands.train_config import TrainRun
+from dreampipe.commands.train_run import TrainJob, train_local
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError, ScheduleError, WorkerError
 from dreampipe.models import get_model
 from dreampipe.planning.plan import Plan

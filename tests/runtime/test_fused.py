@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dreampipe.runtime.fused import GradientSum, LinearGradients, fuse_linear_gradients
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 
 __all__: list[str] = []
 

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dreampipe.commands.train import TrainJob, train_local, train_rank
 from dreampipe.commands.train_config import TrainResult, TrainRun
+from dreampipe.commands.train_run import TrainJob, train_local, train_rank
 from dreampipe.errors import WorkerError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime import buckets as buckets_module
 from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.processes import run_processes
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 
 from .runs import train_run

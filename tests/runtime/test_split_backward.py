@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from dreampipe.runtime.fused import LinearGradients
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 
 __all__: list[str] = []
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dreampipe.errors import PlanError, ScheduleError
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 
 __all__: list[str] = []
 

@@ -26,13 +26,13 @@ import torch.distributed as dist
 
 from dreampipe.api import TrainConfig
 from dreampipe.api.checkpoint import load_model_state
-from dreampipe.commands.train import Checkpoints, run_train
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
+from dreampipe.commands.train_run import Checkpoints, run_train
 from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
-from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.tensor_split import SplitStage, tensor_mesh
 

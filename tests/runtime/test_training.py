@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dreampipe.commands.train import TrainJob, train_local
+from dreampipe.commands.train_run import TrainJob, train_local
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 

@@ -59,8 +59,8 @@ def test_async_keeps_2bw_when_pipedream_needs_more_memory() -> None:
 @pytest.mark.parametrize("semantics", list(Semantics))
 def test_a_plan_with_a_split_stage_tries_only_what_the_runtime_runs_on_it(
         semantics: Semantics) -> None:
+    from dreampipe.planning.plan_stage import Stage
     from dreampipe.planning.splits import Split
-    from dreampipe.planning.stage import Stage
 
     plan = Plan(stages=(Stage(first=0, last=1, replicas=1, ranks=(0,), tensor_parallel=2,
                               splits=(Split.OUT, Split.IN)),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from dreampipe.cli.plan import check_minibatches, confirm_by_simulation
+from dreampipe.cli.plan_command import check_minibatches, confirm_by_simulation
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.topology import Topology

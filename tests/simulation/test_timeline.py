@@ -11,9 +11,9 @@ import pytest
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.events import Event
+from dreampipe.simulation.chrome_trace import chrome_trace, write_chrome_trace
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 from dreampipe.simulation.timeline import draw_timeline
-from dreampipe.simulation.trace import chrome_trace, write_chrome_trace
 
 K = ActionKind
 _PNG = b"\x89PNG\r\n\x1a\n"

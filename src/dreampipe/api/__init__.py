@@ -10,6 +10,6 @@ from dreampipe.api.checkpoint import load_model_state
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalResult
 from dreampipe.api.pipeline import Pipeline
-from dreampipe.api.split import initialise
+from dreampipe.splitter.chain import initialise
 
 __all__ = ["EvalResult", "Pipeline", "TrainConfig", "initialise", "load_model_state"]

@@ -50,14 +50,13 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dreampipe.api.split import Chain, Layers
-from dreampipe.api.stage_state import (
+from dreampipe.api.stage_checkpoint import (
     StagePart,
     load_stages,
     placeholder,
@@ -66,12 +65,27 @@ from dreampipe.api.stage_state import (
     stage_state,
     targets,
 )
-from dreampipe.api.state_keys import StateKeys
 from dreampipe.errors import CheckpointError, PlanError
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.engine import RankRunner
+from dreampipe.runtime.staleness import Applied
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.splitter.chain import Chain, Layers
+from dreampipe.splitter.state_keys import StateKeys
 
-if TYPE_CHECKING:
-    from dreampipe.api.pipeline import Pipeline
+
+class _PipelineState(Protocol):
+    """What a checkpoint reads of a :class:`~dreampipe.api.pipeline.Pipeline` (which
+    saves and loads through this module, so it is not imported here)."""
+
+    minibatches: int
+    device: torch.device
+    kind: ScheduleKind
+    plan: Plan
+    state_keys: StateKeys
+    runner: RankRunner
+    schedulers: dict[int, Any]
+    compensations: dict[int, Applied]
 
 __all__ = [
     "MARKER",
@@ -223,13 +237,13 @@ def check_keys(path: Path, layers: Layers) -> None:
                                   "this model")
 
 
-def _parts(pipe: Pipeline) -> list[StagePart]:
+def _parts(pipe: _PipelineState) -> list[StagePart]:
     """Every stage this rank runs, with its scheduler and compensation."""
     return [StagePart(m, pipe.schedulers.get(m.stage), pipe.compensations[m.stage])
             for m in pipe.runner.modules]
 
 
-def save(directory: Path, pipe: Pipeline) -> Path:
+def save(directory: Path, pipe: _PipelineState) -> Path:
     """Write ``directory/step-N`` atomically (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -260,7 +274,7 @@ def save(directory: Path, pipe: Pipeline) -> Path:
     return final
 
 
-def load(path: Path, pipe: Pipeline) -> int:
+def load(path: Path, pipe: _PipelineState) -> int:
     """Load ``path`` into this rank's stages; the minibatches it had consumed."""
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 

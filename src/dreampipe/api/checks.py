@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.split import Chain, Layers
-from dreampipe.api.tracer import call_on_meta, on_meta
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.stage import tensor_output
+from dreampipe.runtime.stage_module import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.splitter.chain import Chain, Layers
+from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
     "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from dreampipe.errors import ConfigError
-from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
 from dreampipe.simulation.choose import CANDIDATES, STAND_IN, Semantics

@@ -66,21 +66,21 @@ from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.plans import PlanArg, resolve_plan
-from dreampipe.api.split import held_keys, split_layers, tied_parameters
-from dreampipe.api.stages import build_modules, compensate_modules
-from dreampipe.api.state_keys import check_written_buffers, state_keys
+from dreampipe.api.stage_build import build_modules, compensate_modules
 from dreampipe.api.ties import check_ties, tie_stages
-from dreampipe.api.trace import split_bounds
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.splitter.chain import held_keys, split_layers, tied_parameters
+from dreampipe.splitter.segments import split_bounds
+from dreampipe.splitter.state_keys import check_written_buffers, state_keys
 
 __all__ = ["SEGMENT_UNITS", "Pipeline"]
 

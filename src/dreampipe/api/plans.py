@@ -36,8 +36,6 @@ from torch import nn
 
 from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.split import Layers, build_stage
-from dreampipe.api.trace import Segment
 from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.local_plan import choose_auto, choose_plan
@@ -49,6 +47,8 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.simulation.choose import ScheduleChoice, Semantics
+from dreampipe.splitter.chain import Layers, build_stage
+from dreampipe.splitter.segments import Segment
 
 __all__ = ["PlanArg", "Resolved", "resolve_plan"]
 

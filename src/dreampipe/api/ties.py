@@ -5,7 +5,7 @@ output head, tied by ``tie_weights``) lives on each of those stages, as
 DeepSpeed's ``TiedLayerSpec`` does. The first stage's value is broadcast to
 the others before training (a model built on ``meta`` initialises each copy
 on its own), and every update sums the copies' gradients over the stages
-first (:meth:`~dreampipe.runtime.stage.StageModule.tie`), so each applies the
+first (:meth:`~dreampipe.runtime.stage_module.StageModule.tie`), so each applies the
 same change and training equals one process. Each stage stashes its copy
 with its own weight versions; the state dict has the parameter under every
 stage's name, with one value.
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dreampipe.api.split import Tie
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
+from dreampipe.splitter.chain import Tie
 
 __all__ = ["check_ties", "tie_stages"]
 

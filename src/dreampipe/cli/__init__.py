@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
-        importlib.import_module(f"dreampipe.cli.{name}").register(sub)
+        importlib.import_module(f"dreampipe.cli.{name}_command").register(sub)
     return parser
 
 

@@ -23,8 +23,8 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan, virtual_worker
+from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.choose import Semantics, choose_schedule
-from dreampipe.simulation.costs import costs_from_profile
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
 __all__ = ["add_schedule_arguments", "interleaved_report", "schedule_report"]

@@ -28,7 +28,7 @@ from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.machine.measure import local_machine
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.action_costs import costs_from_profile
 
 __all__ = ["DREAMPIPE_RUNS", "DreampipeRun", "predict"]
 

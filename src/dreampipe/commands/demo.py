@@ -1,12 +1,12 @@
 """``dreampipe demo``: the whole flow on a real data set, in a few minutes on a CPU.
 
 It profiles the zoo ``cnn`` (the classic MNIST pipeline CNN, 28x28 inputs:
-the 8x8 digits are resized by :mod:`dreampipe.runtime.data`) on a batch of
+the 8x8 digits are resized by :mod:`dreampipe.models.datasets`) on a batch of
 scikit-learn's handwritten digits, plans it for 2 local workers, trains it
 with PipeDream's asynchronous 1F1B and weight stashing, then trains it again
 with data parallelism for the same number of epochs, and reports test
 accuracy and throughput of both beside the planner's prediction. Both runs
-are ``dreampipe train``'s (:func:`~dreampipe.commands.train.train_local`: a
+are ``dreampipe train``'s (:func:`~dreampipe.commands.train_run.train_local`: a
 :class:`~dreampipe.api.pipeline.Pipeline` per local rank). The measured
 PipeDream timeline is drawn as a PNG.
 
@@ -86,8 +86,8 @@ class DemoResult:
 
 def _profile(opts: DemoOptions) -> LayerGraph:
     """Per-layer times of the cnn on a real minibatch of digits, with one thread."""
+    from dreampipe.models.datasets import load_dataset
     from dreampipe.profiling.profiler import profile_model
-    from dreampipe.runtime.data import load_dataset
 
     spec = resolve_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)
@@ -120,11 +120,11 @@ def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[E
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     """Profile, plan, train with PipeDream and with DP, draw; lines go to ``say``."""
     from dreampipe.api.config import TrainConfig
-    from dreampipe.commands.train import TrainJob, train_local
     from dreampipe.commands.train_config import TrainRun
-    from dreampipe.runtime.data import load_dataset, steps_for_epochs
+    from dreampipe.commands.train_run import TrainJob, train_local
+    from dreampipe.models.datasets import load_dataset, steps_for_epochs
+    from dreampipe.simulation.chrome_trace import write_chrome_trace
     from dreampipe.simulation.timeline import draw_timeline
-    from dreampipe.simulation.trace import write_chrome_trace
 
     spec = resolve_spec(_MODEL, _MODEL_KWARGS)
     data = load_dataset("digits", spec, seed=opts.seed)

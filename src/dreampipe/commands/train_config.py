@@ -4,7 +4,7 @@
 and the :class:`~dreampipe.api.config.TrainConfig` every rank's Pipeline trains with,
 so ``dreampipe train`` can check and hold it before it has profiled and planned;
 :class:`TrainRun` adds the plan. Both are plain records:
-:func:`dreampipe.commands.train.train_local` and ``run_train`` train them, one
+:func:`dreampipe.commands.train_run.train_local` and ``run_train`` train them, one
 :class:`~dreampipe.api.pipeline.Pipeline` per rank. A run trains ``steps`` weight
 updates of ``minibatch_size`` samples each; how an update is cut into microbatches
 is :class:`~dreampipe.scheduling.units.UnitLayout`'s (:attr:`TrainRun.layout`).
@@ -23,12 +23,12 @@ import torch
 from dreampipe.api.checks import check_schedule as check_plan_schedule
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError, DatasetError, PlanError
+from dreampipe.models.datasets import DATASETS
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.config import OptimizerKind
-from dreampipe.runtime.data import DATASETS
 from dreampipe.runtime.memory import TrainingChoices
+from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event

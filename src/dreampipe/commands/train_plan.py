@@ -1,6 +1,6 @@
 """``dreampipe train``'s plan choice: check, profile, plan and predict, locally or under torchrun.
 
-The run itself is :func:`dreampipe.commands.train.run_train`'s, on a
+The run itself is :func:`dreampipe.commands.train_run.run_train`'s, on a
 :class:`~dreampipe.api.Pipeline` per rank.
 
 Locally, dreampipe profiles the model (or reads a saved profile of it),
@@ -44,16 +44,16 @@ from dreampipe.machine.local_plan import (
 )
 from dreampipe.machine.measure import machine_for_run
 from dreampipe.machine.torchrun import torchrun_nodes
+from dreampipe.models.datasets import load_dataset, steps_for_epochs
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
-from dreampipe.planning.config import stages_from_config
+from dreampipe.planning.config_string import stages_from_config
 from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.data import load_dataset, steps_for_epochs
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_plan
@@ -61,7 +61,7 @@ from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
-    from dreampipe.runtime.data import Dataset
+    from dreampipe.models.datasets import Dataset
 
 __all__ = [
     "PlanSource",
@@ -198,7 +198,7 @@ class PlannedRun:
 def plan_train(
     req: TrainRequest, *, torchrun: tuple[int, int] | None = None, say: Say | None = None
 ) -> PlannedRun:
-    """Check, profile, plan and predict a train job (the run is :mod:`dreampipe.commands.train`'s).
+    """Check, profile, plan and predict a train job (:mod:`dreampipe.commands.train_run` runs it).
 
     ``torchrun`` is ``(rank, world_size)`` when the processes were started by
     torchrun; otherwise the job plans for local workers. ``say`` receives the

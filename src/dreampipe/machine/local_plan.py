@@ -26,7 +26,7 @@ from dreampipe.machine.calibration import (
 )
 from dreampipe.machine.measure import local_machine
 from dreampipe.models.spec import ModelSpec
-from dreampipe.planning.config import parse_stage_bounds, stages_from_config
+from dreampipe.planning.config_string import parse_stage_bounds, stages_from_config
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -34,8 +34,8 @@ from dreampipe.quantities import format_bytes
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.choose import ScheduleChoice, Semantics, choose_schedule
-from dreampipe.simulation.costs import costs_from_profile
 from dreampipe.simulation.plan_choice import choose_plan_and_schedule
 
 __all__ = ["choose_auto", "choose_plan", "forced_partition", "predict_interleaved",

@@ -1,6 +1,6 @@
 """What the runtime's own forward and backward cost beyond the layers the profile times.
 
-A stage runs its layers through :class:`~dreampipe.runtime.stage.StageModule`
+A stage runs its layers through :class:`~dreampipe.runtime.stage_module.StageModule`
 (weight versions put in the parameters' places, fused ``nn.Linear`` gradients,
 hooks), at a cost that depends on the model and the host. This module runs the
 whole model both ways, plain and through the runtime, interleaved so that the
@@ -22,7 +22,7 @@ import torch
 
 from dreampipe.models.spec import ModelSpec
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 
 __all__ = ["with_runtime_overhead"]
 

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.config import config_string
+from dreampipe.planning.config_string import config_string
 from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.operator_search import Link

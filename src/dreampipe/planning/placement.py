@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from dreampipe.errors import ConfigError, DreampipeError, PlanError
-from dreampipe.planning.stage import Stage
+from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
 __all__ = ["check_fits", "check_placement", "check_schedule", "stage_ranks",

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.config import config_string
+from dreampipe.planning.config_string import config_string
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.placement import check_placement, stage_ranks
+from dreampipe.planning.plan_stage import Stage, check_figure
 from dreampipe.planning.splits import Split
-from dreampipe.planning.stage import Stage, check_figure
 
 __all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 

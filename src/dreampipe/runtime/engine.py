@@ -29,13 +29,13 @@ from torch import Tensor
 
 from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.config import RunnerOptions
 from dreampipe.runtime.lanes import Links
 from dreampipe.runtime.nonfinite import NonFiniteGuard
-from dreampipe.runtime.stage import StageInput, StageModule
+from dreampipe.runtime.runner_options import RunnerOptions
+from dreampipe.runtime.stage_module import StageInput, StageModule
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
-from dreampipe.runtime.updates import RankUpdates, loss_scale
+from dreampipe.runtime.update_actions import RankUpdates, loss_scale
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -60,7 +60,7 @@ class UnitData(Protocol):
 class RankRunner:
     """One rank's stage, data and links; :meth:`advance` executes its actions, a stretch at a time.
 
-    ``clip_group`` and ``after_step`` are :class:`~dreampipe.runtime.updates.RankUpdates`'s
+    ``clip_group`` and ``after_step`` are :class:`~dreampipe.runtime.update_actions.RankUpdates`'s
     (a learning-rate scheduler's step). ``others``: under interleaved 1F1B, the
     modules of the rank's other stages, in
     :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order

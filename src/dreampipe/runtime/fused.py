@@ -16,7 +16,7 @@ The layer's forward is unchanged; other layers, and every layer under
 The weight and bias still get their post-accumulate-grad hooks, after every
 GEMM that adds to them (autograd runs a leaf's accumulation, with no gradient
 here, once all the nodes feeding it are done): that is how
-:class:`~dreampipe.runtime.stage.StageModule` knows a fused gradient is final
+:class:`~dreampipe.runtime.stage_module.StageModule` knows a fused gradient is final
 and its all-reduce bucket may start.
 
 Since autograd no longer needs the weight GEMMs, a stage that sends its input

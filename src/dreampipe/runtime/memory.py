@@ -31,8 +31,8 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.config import OptimizerKind
 from dreampipe.runtime.processes import glibc
+from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 

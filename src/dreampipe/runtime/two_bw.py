@@ -5,7 +5,7 @@ stage: every microbatch of a segment's minibatch ``k`` runs on the stage's
 weights after ``k - 1`` of the segment's updates (none for ``k = 0``), and
 update ``k`` applies their summed gradient to the newest weights, a delay of
 one update on every stage whatever the depth. The stage's weight stashing
-(:class:`~dreampipe.runtime.stage.StageModule`) keeps the version a step
+(:class:`~dreampipe.runtime.stage_module.StageModule`) keeps the version a step
 replaces while the next minibatch still needs it. :func:`check_two_versions`
 refuses a schedule whose minibatch ``k + 1`` starts on a stage before its
 update ``k - 1`` (docs/design.md §7.8).

@@ -24,7 +24,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.costs import costs_from_profile
+from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 
 __all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "STAND_IN", "Candidate", "ScheduleChoice",

@@ -9,7 +9,7 @@ computes on; a ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
 ``allreduce_s`` later. Each rank's peak memory is the planner's
 :func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, units in
-flight) it holds. Costs come from :mod:`dreampipe.simulation.costs`; each
+flight) it holds. Costs come from :mod:`dreampipe.simulation.action_costs`; each
 action's cost and what a rank holds: docs/design.md §9.
 """
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dreampipe.errors import ScheduleError
-from dreampipe.planning.config import config_string
+from dreampipe.planning.config_string import config_string
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.stepping import Span, Stepper
-from dreampipe.simulation.costs import SimCosts, costs_from_plan, costs_from_profile
+from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_from_profile
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 

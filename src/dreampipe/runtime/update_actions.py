@@ -2,7 +2,7 @@
 
 ``ALLREDUCE<k>`` waits for the round's gradient buckets (:mod:`.buckets`) and
 applies the scale. ``STEP<k>`` applies the update to the live weights
-(:meth:`~dreampipe.runtime.stage.StageModule.step`) after two all-reduces
+(:meth:`~dreampipe.runtime.stage_module.StageModule.step`) after two all-reduces
 over every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`,
 the update skipped) and, with ``max_grad_norm``, the global gradient norm to
 clip by. Those run once per update on each rank, at its first ``STEP`` of the
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.nonfinite import NonFiniteGuard
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
 __all__ = ["RankUpdates", "loss_scale"]

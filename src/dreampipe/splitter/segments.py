@@ -35,11 +35,11 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
-from dreampipe.api.hooks import Interpreter
-from dreampipe.api.materialise import initialiser
-from dreampipe.api.shapes import ShapeGraphs, Signature, signature
-from dreampipe.api.tracer import trace_model
 from dreampipe.errors import ConfigError, PlanError
+from dreampipe.splitter.fx_tracer import trace_model
+from dreampipe.splitter.hf_hooks import Interpreter
+from dreampipe.splitter.materialise import initialiser
+from dreampipe.splitter.shape_graphs import ShapeGraphs, Signature, signature
 
 __all__ = [
     "Segment", "fetch", "place", "place_attr", "segments", "split_bounds", "unit_names",
@@ -100,7 +100,7 @@ class Segment(nn.Module):
 
     Its units and attributes are registered under their FQNs (so its parameter
     names are the model's own); :meth:`run` executes it against any module that
-    holds them under the same names (a stage's :class:`~dreampipe.api.split.Chain`).
+    holds them under the same names (a stage's :class:`~dreampipe.splitter.chain.Chain`).
     ``index`` of ``count`` says where it is in the model; ``inputs`` names the
     first segment's placeholders (the model's keyword arguments).
     """
@@ -169,7 +169,7 @@ class Segment(nn.Module):
     def forward(self, *args: Any) -> Any:
         """The segment, reading its own units and attributes, on the model's inputs (the
         first) or on the tuple of values the previous segment returned (for the example's
-        shapes: a :class:`~dreampipe.api.split.Chain` carries other shapes' signature)."""
+        shapes: a :class:`~dreampipe.splitter.chain.Chain` carries other shapes' signature)."""
         if self.index > 0:
             return self.run(self, args[0])
         values = self.bind(args)

@@ -99,7 +99,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from dreampipe.cli.train import parse_model_args
+    from dreampipe.cli.train_command import parse_model_args
     from dreampipe.models.resolve import ModelSample, resolve
     from dreampipe.profiling.profiler import profile_model, profile_spec
 

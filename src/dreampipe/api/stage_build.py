@@ -1,4 +1,4 @@
-"""A rank's stages as the runtime's :class:`~dreampipe.runtime.stage.StageModule`\\ s.
+"""A rank's stages as the runtime's :class:`~dreampipe.runtime.stage_module.StageModule`\\ s.
 
 Each stage the rank runs is built from the model's layers under their own
 names (split over workers on its mesh when the plan splits it), with the
@@ -19,10 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.split import Layers, build_split_stage, build_stage
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.fused import LinearGradients
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import (
     Applied,
     compensate_stage,
@@ -31,6 +30,7 @@ from dreampipe.runtime.staleness import (
     stage_delays,
 )
 from dreampipe.scheduling.actions import Schedule
+from dreampipe.splitter.chain import Layers, build_split_stage, build_stage
 
 __all__ = ["build_modules", "compensate_modules"]
 

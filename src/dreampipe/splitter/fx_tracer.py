@@ -50,7 +50,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from dreampipe.api.hooks import Firings, prune, recording, replay
+from dreampipe.splitter.hf_hooks import Firings, prune, recording, replay
 
 __all__ = ["call_on_meta", "on_meta", "trace_model"]
 

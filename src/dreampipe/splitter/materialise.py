@@ -10,7 +10,7 @@ model's ``_init_weights`` on every submodule (children first, as its
 ``post_init`` runs it), or else each submodule's ``reset_parameters()``. A
 tensor shared by several layers (tied embeddings) keeps the value of the
 first layer that holds it. So the weights depend on the seed and the layer,
-never on the plan or the device, and :func:`~dreampipe.api.split.initialise`
+never on the plan or the device, and :func:`~dreampipe.splitter.chain.initialise`
 gives a model built on any device the same weights.
 
 Materialising (:func:`materialise`) runs one layer at a time: its tensors

@@ -5,7 +5,7 @@ between its children as they are: a stage calls its children one after the
 other and sends the tensor the last returns. One whose input is a tuple or a
 dict (given to the first child as it is, as ``model(x)`` does), or whose
 children pass anything else on (a tuple of a hidden state and a mask,
-a dict), becomes one :class:`~dreampipe.api.trace.Segment` per child instead,
+a dict), becomes one :class:`~dreampipe.splitter.segments.Segment` per child instead,
 so its cuts carry any pytree of tensors and constants (:mod:`.pack`), as a
 traced model's do. Which children pass what is found by running the model on
 the ``meta`` device on the example (shapes only, no memory, no compute); a
@@ -20,8 +20,8 @@ from typing import Any
 import torch.fx as fx
 from torch import Tensor, nn
 
-from dreampipe.api.trace import Segment
-from dreampipe.api.tracer import call_on_meta, on_meta
+from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
+from dreampipe.splitter.segments import Segment
 
 __all__ = ["passes_one_tensor", "sequential_segments"]
 

@@ -3,7 +3,7 @@
 ``train`` profiles, plans and trains one model on local worker processes
 (or under ``torchrun``); ``demo`` is the README's main job; ``bench``
 measures dreampipe's schedules against PyTorch's own pipelining and DDP.
-The work is done by :mod:`dreampipe.commands.train` (on :class:`dreampipe.Pipeline`),
+The work is done by :mod:`dreampipe.commands.train_run` (on :class:`dreampipe.Pipeline`),
 :mod:`dreampipe.commands.demo` and :mod:`dreampipe.commands.bench`; this module
 parses, checks and prints.
 """
@@ -219,7 +219,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
     from dreampipe.commands.train_config import TrainOptions
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
-    from dreampipe.runtime.config import OptimizerKind
+    from dreampipe.runtime.runner_options import OptimizerKind
 
     run = TrainOptions(
         model=args.model, model_kwargs=parse_model_args(args.model_arg), config=_config(args),
@@ -240,7 +240,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.commands.train import Checkpoints, run_train
+    from dreampipe.commands.train_run import Checkpoints, run_train
     from dreampipe.commands.train_share import torchrun_world
 
     _check_output_paths(args)
@@ -256,7 +256,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     res = report.result
     if args.trace:
-        from dreampipe.simulation.trace import write_chrome_trace
+        from dreampipe.simulation.chrome_trace import write_chrome_trace
 
         write_chrome_trace(list(res.events), args.trace)
         say(f"trace: {args.trace}")

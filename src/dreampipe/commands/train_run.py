@@ -39,9 +39,9 @@ from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
 from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
+from dreampipe.models.datasets import load_dataset
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.runtime.backend import backend_for_node
-from dreampipe.runtime.data import load_dataset
 from dreampipe.runtime.engine import barrier
 from dreampipe.runtime.lanes import split_mesh
 from dreampipe.runtime.memory import (

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dreampipe.runtime.stage import StageModule
+from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied, Hyper, carry_over
 
 __all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state", "stage_state",

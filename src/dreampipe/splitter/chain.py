@@ -34,14 +34,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dreampipe.api.materialise import initialise_layers, materialise
-from dreampipe.api.pack import pack, unpack_signed
-from dreampipe.api.sequential import passes_one_tensor, sequential_segments
-from dreampipe.api.state_keys import adopt_orphans
-from dreampipe.api.trace import Segment, fetch, place, place_attr, segments, unit_names
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
+from dreampipe.splitter.materialise import initialise_layers, materialise
+from dreampipe.splitter.pack import pack, unpack_signed
+from dreampipe.splitter.segments import Segment, fetch, place, place_attr, segments, unit_names
+from dreampipe.splitter.sequential import passes_one_tensor, sequential_segments
+from dreampipe.splitter.state_keys import adopt_orphans
 
 __all__ = [
     "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "held_keys", "initialise",
@@ -55,7 +55,7 @@ Layers = list[tuple[str, nn.Module]]
 class Chain(nn.Module):
     """Layers called one after the other, registered under their original qualified names.
 
-    Layers that are :class:`~dreampipe.api.trace.Segment`\\ s of a traced model
+    Layers that are :class:`~dreampipe.splitter.segments.Segment`\\ s of a traced model
     run against the chain, which holds their units and attributes under their
     FQNs. A chain that starts after the model's first segment takes the packed
     values the previous stage sent (:mod:`.pack`); one that ends before the

@@ -25,8 +25,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from dreampipe.api.trace import Segment, place
 from dreampipe.errors import ConfigError
+from dreampipe.splitter.segments import Segment, place
 
 __all__ = ["StateKeys", "adopt_orphans", "check_written_buffers", "state_keys"]
 

@@ -110,7 +110,7 @@ def _run(args: argparse.Namespace) -> int:
 
             draw_timeline(result.events, args.timeline, title, schedule.num_ranks)
         if args.trace is not None:
-            from dreampipe.simulation.trace import write_chrome_trace
+            from dreampipe.simulation.chrome_trace import write_chrome_trace
 
             write_chrome_trace(result.events, args.trace)
         bar.update()
