@@ -170,3 +170,13 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert _find_cycle(typed) == [pkg, f"{pkg}.b", f"{pkg}.c", pkg]
     graph[pkg] = {f"{pkg}.c"}  # the package's __init__ imports c, which imports the package
     assert _find_cycle(graph) == [pkg, f"{pkg}.c", pkg]
+
+
+def test_no_module_docstring_is_over_20_lines() -> None:
+    """A module docstring says what the module owns and points to docs/design.md."""
+    long = []
+    for path in sorted(_ROOT.rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+        if doc is not None and len(doc.splitlines()) > 20:
+            long.append(f"{path.relative_to(_ROOT)}: {len(doc.splitlines())} lines")
+    assert not long, "module docstrings over 20 lines:\n" + "\n".join(long)

@@ -1,44 +1,16 @@
 """Checkpoints of a Pipeline with ``torch.distributed.checkpoint`` (DCP).
 
-Keys are the original model's names, so a checkpoint loads into any plan
-(other cuts, replica counts, world size, stages split over workers or not,
-several stages per worker or one) and into the plain model::
+Keys are the original model's names (``model.<fqn>``, ``optim.<fqn>.<name>``,
+``param.<fqn>``, ``progress``, ``rng.<rank>``), so a checkpoint loads into
+any plan and into the plain model (:func:`load_model_state`). A rank writes
+and reads the entries of every stage it runs (:mod:`.stage_state`); a run
+resumed on other delays takes its own staleness compensation
+(:func:`~dreampipe.runtime.staleness.carry_over`).
 
-    model.<fqn>           every parameter and buffer (replicas write one copy; the
-                          workers of a split stage each their share, a DTensor's)
-    optim.<fqn>.<name>    the optimizer's tensor state of that parameter (exp_avg...)
-    param.<fqn>           its stage's optimizer hyper-parameters, scheduler state,
-                          update count, the parameter's non-tensor state and what
-                          staleness compensation did to its group (pickled)
-    progress              minibatches consumed and rank 0's CPU RNG state (pickled)
-    rng.<rank>            that rank's CPU RNG state and, on a CUDA device, its CUDA
-                          generator's (pickled): dropout draws from the generator
-                          of the device it runs on
-
-A rank writes and reads the entries of every stage it runs
-(:mod:`.stage_state`). Each parameter group resumes the settings saved with
-its first parameter. A run resumed on other delays (another plan or
-schedule) replaces the saved compensation with its own
-(:func:`~dreampipe.runtime.staleness.carry_over`), so a stage never trains
-with the momentum of a delay it does not have.
-
-A rank resumes its own RNG states when the checkpoint has them (the same
-rank), else rank 0's CPU state (a checkpoint written before ``rng.<rank>``,
-or a rank the saving run did not have); a CUDA state is restored only onto a
-CUDA device.
-
-A save is atomic: every rank writes ``DIR/step-N.tmp``; after a barrier
-rank 0 renames it ``DIR/step-N`` and writes the marker ``COMMITTED`` last
-(the size of every file, so a truncated file is found before loading).
-A directory without the marker is never loaded (:func:`partial` lists them,
-to be removed). The marker also records the plan and schedule that saved,
-so a run resumed on another plan can say what changed (:func:`saved_plan`).
-:func:`load_model_state` reads the weights alone into a plain
-``nn.Module``'s keys, every one of them (the marker lists the aliases no
-stage holds, :mod:`.state_keys`), without a process group.
-
-DCP is imported on first use: its import costs every process about half a
-second, and most runs never checkpoint.
+A save is atomic: a directory without the ``COMMITTED`` marker is never
+loaded (:func:`partial` lists them); the marker also records the plan,
+schedule and aliases (:func:`saved_plan`, :mod:`.state_keys`). The key
+layout and the rules: docs/design.md §8.6.
 """
 
 from __future__ import annotations

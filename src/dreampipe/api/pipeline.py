@@ -1,6 +1,6 @@
 """``dreampipe.Pipeline``: train your own model, data, optimizer and loop with a plan.
 
-Every rank runs the same script (under ``torchrun``, or one process alone)::
+Every rank runs the same script (under ``torchrun`` or alone)::
 
     pipe = Pipeline(model, example=(x, y), loss_fn=F.cross_entropy,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
@@ -8,27 +8,10 @@ Every rank runs the same script (under ``torchrun``, or one process alone)::
         pipe.step(x, y)
     losses = pipe.finish()       # per-minibatch losses, the same on every rank
 
-Each rank builds only its stage's layers (:mod:`.split`) and runs the rank's
-actions of the one :class:`~dreampipe.scheduling.actions.Schedule` with the
-runtime's :class:`~dreampipe.runtime.engine.RankRunner`, incrementally:
-
-    step(x, y)   record minibatch n (cut into units, :mod:`.feed`), then run this
-                 rank's actions of a schedule built for a long horizon, stopping
-                 before the first that needs a unit not given yet
-    finish()     build the schedule of exactly the n minibatches given (its
-                 prefix is what ran: :meth:`RankRunner.switch` checks it) and
-                 run the rest, the drain; the next step() starts a new segment
-
-A segment holds at most :data:`SEGMENT_UNITS` units (whole all-reduce rounds):
-the step that fills one drains it as ``finish()`` would, keeping its losses, so
-a long stream's schedule stays bounded. Synchronous schedules train exactly as
-without the drain; PipeDream's pipeline empties and fills, as at an epoch's end.
-
-A synchronous schedule's step is one whole weight update. PipeDream keeps
-minibatches in flight across steps, with weight stashing, vertical sync and
-1F1B-RR as in ``dreampipe train``. A segment that ends inside an all-reduce
-round of a replicated stage (5 minibatches on a stage of 2 replicas) ends
-with a partial round: its update averages the minibatches of that round.
+Each rank builds its stage's layers (:mod:`.split`) and runs its actions of one
+:class:`~dreampipe.scheduling.actions.Schedule` (:class:`~dreampipe.runtime.engine.RankRunner`)
+step by step; ``finish()`` drains, and a segment holds at most :data:`SEGMENT_UNITS`
+units. How steps, drains and segments train: docs/design.md §8.5.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """``dreampipe simulate``: run any schedule of a plan through the simulator.
 
 The input is a plan JSON (``dreampipe plan -o``) or a profile (ours,
-PipeDream's graph.txt or a bundled pipedream:NAME), which is planned for
-``--topology`` first. Units:
-PipeDream runs ``--minibatches`` minibatches; the other pipelines
-(1f1b-flush, gpipe, naive, zb-h1, zb-h2, interleaved-1f1b, 2bw) run
-``--minibatches`` minibatches of ``--microbatches`` microbatches each; dp runs
-the whole model on the plan's workers, one full minibatch per worker per
-update (as the planner's data-parallel baseline counts it).
-``interleaved-1f1b`` runs a plan made with ``dreampipe plan --virtual-stages
-v`` v stages to a worker, stage s on worker s mod (stages / v), as the plan
-file says; ``--virtual-stages`` may only repeat the plan's v. A plan needs
-as many workers as its ranks, on the plan's topology or ``--topology``.
-
-A synthetic profile is a JSON profile written by hand or by
-``LayerGraph.chain([Layer("l0", 10.0, 20.0, 0, 0), ...]).save(path)``: four
-layers of F = 10 ms and a backward of 20 ms, planned with ``dreampipe plan
-chain.json -t 1x4 --straight -o plan.json`` and simulated with ``dreampipe
-simulate plan.json --profile chain.json --schedule zb-h1 --microbatches 8
---minibatches 1``, leave 11.1% of rank time idle against 1f1b-flush's 27.3%.
+PipeDream's graph.txt or a bundled pipedream:NAME), planned for
+``--topology`` first. PipeDream runs ``--minibatches`` minibatches; the
+other pipelines run that many of ``--microbatches`` microbatches each; ``dp``
+runs the whole model on the plan's workers, one full minibatch per worker
+per update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages``
+(which may only repeat the plan's v). A plan needs as many workers as its
+ranks. The schedules: docs/design.md §7; the simulator: docs/design.md §9.
 """
 
 from __future__ import annotations

@@ -2,29 +2,14 @@
 
 Each baseline trains the bench workload (:class:`~dreampipe.commands.workloads.Workload`)
 with PyTorch's own machinery and no dreampipe code on the hot path:
-
-- ``torch-1f1b`` / ``torch-gpipe``: ``torch.distributed.pipelining`` with a
-  :class:`~torch.distributed.pipelining.PipelineStage` per rank built from the
-  same :meth:`ModelSpec.build` slices and ``Schedule1F1B`` / ``ScheduleGPipe``,
-  the workload's microbatches;
-- ``torch-zb``: ``ScheduleInterleavedZeroBubble`` on the same 2 stages, one
-  per rank (its zero-bubble order with the backward split into input and
-  weight gradients), the pair of dreampipe's ``zb-h1``;
-- ``torch-interleaved-1f1b``: ``ScheduleInterleaved1F1B`` on the workload's 4
-  chunks, 2 per rank, the pair of dreampipe's ``interleaved-1f1b``;
-- ``torch-1f1b-stock``: ``torch-1f1b`` in processes with glibc's default heap
-  (:class:`~dreampipe.runtime.processes.HeapPolicy`), PyTorch as it ships;
-- ``torch-1f1b-big``: ``torch-1f1b`` with microbatches the size of
-  PipeDream's minibatches (``batch / 2``), as many per update, so updates are
-  4 times as big and fewer of them train about the same samples;
-- ``ddp``: ``DistributedDataParallel`` on 2 workers, ``batch / 2`` samples each;
-- ``ddp-no-allreduce``: ``ddp`` with every backward under ``no_sync()``. It
-  does not train the model (the workers drift apart); it shows what DDP's
-  all-reduce costs, which is the time PipeDream sets out to save;
-- ``single-1thread`` / ``single-2threads``: one process, the whole update as one batch.
-
-Every baseline runs and is timed as dreampipe's runs are
-(:mod:`dreampipe.commands.bench_process`).
+``torch.distributed.pipelining`` schedules (``torch-1f1b``, ``torch-gpipe``,
+``torch-zb``, ``torch-interleaved-1f1b`` and the ``-stock`` and ``-big``
+variants of ``torch-1f1b``) on stages built from the same
+:meth:`ModelSpec.build` slices, ``DistributedDataParallel`` (``ddp``,
+``ddp-no-allreduce``) and one process (``single-1thread``,
+``single-2threads``). Every baseline runs and is timed as dreampipe's runs
+are (:mod:`dreampipe.commands.bench_process`). What each one is and why:
+docs/training.md, "The bench".
 """
 
 from __future__ import annotations

@@ -2,25 +2,8 @@
 
 Each ratio is of two runs' medians; its spread is the lowest and highest of
 the ratios within one round (runs are interleaved, so a round's pair ran
-close together in time). The ratios decompose dreampipe's gains:
-
-==================================  ============================================
-``1f1b-flush / torch-1f1b-stock``   as each ships: dreampipe's kernels and heap
-                                    set-up against PyTorch's own
-``1f1b-flush / torch-1f1b``         the same process set-up
-``1f1b-flush-unfused / torch-1f1b`` the same kernels and set-up: the schedule
-                                    and runtime alone
-``pipedream / ddp``                 the paper's pairing, DDP at ``batch / 2``
-                                    samples per worker
-``ddp-no-allreduce / ddp``          what DDP's all-reduce costs it (the other
-                                    run leaves it out and does not train)
-``pipedream / torch-1f1b-big``      torch's 1F1B with microbatches of
-                                    PipeDream's minibatch size
-``pipedream / torch-1f1b``          kept for comparison with older runs; not
-                                    like for like (units of ``batch / 2``
-                                    against microbatches)
-``gpipe / torch-gpipe``             GPipe against GPipe
-==================================  ============================================
+close together in time). What each ratio sets apart: docs/training.md,
+"The bench".
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """``dreampipe demo``: the whole flow on a real data set, in a few minutes on a CPU.
 
-It profiles the zoo ``cnn`` (the classic MNIST pipeline CNN, 28x28 inputs:
-the 8x8 digits are resized by :mod:`dreampipe.models.datasets`) on a batch of
-scikit-learn's handwritten digits, plans it for 2 local workers, trains it
-with PipeDream's asynchronous 1F1B and weight stashing, then trains it again
-with data parallelism for the same number of epochs, and reports test
-accuracy and throughput of both beside the planner's prediction. Both runs
-are ``dreampipe train``'s (:func:`~dreampipe.commands.train_run.train_local`: a
-:class:`~dreampipe.api.pipeline.Pipeline` per local rank). The measured
-PipeDream timeline is drawn as a PNG.
-
-If the planner's best plan for this small model is plain data parallelism
-(one stage on both workers), there is nothing to pipeline, so the demo says
-so and runs the planner's best straight pipeline instead.
-
-Data parallelism uses the PipeDream paper's pairing: a PipeDream minibatch
-per worker, so its updates carry ``workers`` times as many samples; its
-learning rate is scaled by the same factor (the linear scaling rule of Goyal
-et al., "Accurate, Large Minibatch SGD"), as it takes that many times fewer
-steps per epoch.
+It profiles the zoo ``cnn`` on scikit-learn's handwritten digits (resized by
+:mod:`dreampipe.models.datasets`), plans it for 2 local workers, trains it
+with PipeDream's asynchronous 1F1B, then with data parallelism for as many
+epochs, and reports both runs' test accuracy and throughput beside the
+planner's prediction, with the PipeDream timeline as a PNG. Both runs are
+``dreampipe train``'s (:func:`~dreampipe.commands.train_run.train_local`).
+If the best plan is plain data parallelism, the demo says so and runs the
+best straight pipeline instead. Data parallelism's pairing and learning
+rate: docs/design.md §7.4.
 """
 
 from __future__ import annotations

@@ -1,44 +1,14 @@
 """PipeDream's dynamic program over a topology's levels, as NumPy tables.
 
-Level k of the topology groups ``m_k`` units of level k-1 (docs/design.md §4). At
-each level the best pipeline over layers ``i..j`` on ``m`` units is::
-
-    A(i..j, m) = min( T(i..j, m),                               one stage, m units
-                      min over i<=t<j, 1<=m'<m of
-                      max( T(i..t, m'), cut(t), A(t+1..j, m-m') ) )
-    T(i..t, m') = A_below(i..t | m', context) / m'       (a block of m' whole units)
-    T(i..t, m)  = max(C, F + allreduce(w, (m, context))) / m       (at the bottom)
-
-A replicated stage's all-reduce depends on how its replicas spread over
-*every* level (:func:`dreampipe.planning.sync.allreduce_seconds`), so each
-level's table is solved once per *context*, the units the enclosing blocks
-use at the levels above (``(m_1, m_2, ...)``); the bottom level then prices
-each stage's all-reduce on its true layout, and every cut at the level it
-crosses. The result equals :func:`~dreampipe.planning.planner.evaluate_plan`
-of the same layout, term for term.
-
-PipeDream writes the recurrence peeling the last stage; peeling the *first*
-gives the same minimum over all partitions and lets each stage know how many
-workers lie after it, which the memory rule needs: PipeDream's minibatches in
-flight, ``ceil(W / r)`` (:mod:`dreampipe.planning.in_flight`; the plan then
-runs the deepest join buffer that fits, :func:`~dreampipe.planning.pricing.
-price_stages`). The inner min over ``(t, m')`` is a
-min-max matrix product (:mod:`dreampipe.planning.minmax`), done in NumPy for
-all of a level's contexts and all ``m'`` at once, and pruned exactly by the
-time of one stage on every unit, which bounds the optimum (:func:`_limits`).
-
-Memory in a hierarchy: each table entry also keeps the *slack* of its plan,
-``min over stages of (versions that fit x replicas - workers to the end)``,
-counted inside one unit of the level above; a plan fits iff its slack is
->= 0 once placed, and placing a block of slack ``x`` on ``m'`` units with
-``n`` units after it gives ``m' x - n * unit_gpus``. Exact on one level; on
-more, the inner plans are chosen for speed among those that fit at the end.
-
-Under ``CostModel.PIPEDREAM`` a stage costs PipeDream's additive term at its
-own level (no context), a stage after a cut must obey ``RangeCosts.stage_ok``
-and costs the plain term, and the first stage of a range on all of a level's
-units divides its all-reduce by the units below (PipeDream's outer-level
-rule); the DP is the same.
+Each level's table ``A(i..j, m | context)`` is the best pipeline over layers
+``i..j`` on ``m`` units, solved once per context (the units the enclosing
+blocks use above) so that every stage's all-reduce is priced on its true
+layout; the result equals :func:`~dreampipe.planning.planner.evaluate_plan`
+of the same layout, term for term. The recurrence peels the first stage,
+and its inner minimum is a min-max product (:mod:`dreampipe.planning.minmax`),
+pruned exactly (:func:`_limits`). Each entry also keeps its plan's memory
+slack. The recurrence and contexts: docs/design.md §4.1; pruning: §4.3;
+memory: §4.4; ``CostModel.PIPEDREAM``'s terms: §6.
 """
 
 from __future__ import annotations

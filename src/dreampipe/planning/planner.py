@@ -1,33 +1,17 @@
 """The planner's entry points: the fastest plan for a cluster, or the cost of a given one.
 
-:func:`plan_pipeline` runs PipeDream's dynamic program (:mod:`dreampipe.planning.dp`)
-on the topology and reads the winning partition back as a :class:`Plan`,
-with the same cost model's predictions for plain data parallelism, the best
-straight pipeline and GPipe. :func:`evaluate_plan` costs a partition given by hand.
+:func:`plan_pipeline` runs PipeDream's dynamic program (:mod:`dreampipe.planning.dp`),
+the range program (:mod:`dreampipe.planning.ranges`) and the flat problem,
+keeps the fastest (:mod:`dreampipe.planning.search`) as a :class:`Plan` with
+the predictions for data parallelism, the best straight pipeline and GPipe;
+:func:`evaluate_plan` costs a partition given by hand. Every reported time is
+:func:`dreampipe.planning.pricing.price_stages` of the plan's layout, so
+``evaluate_plan`` of a plan gives back its time.
 
-Every reported time is :func:`dreampipe.planning.pricing.price_stages` of
-the plan's layout, so ``evaluate_plan`` of a plan's own stages and workers
-gives back its time. The hierarchy forces every outer stage onto whole
-servers, so a paper config such as ``15-1`` on 2x8 cannot be expressed;
-:func:`plan_pipeline` therefore also searches stages on any contiguous range
-of workers (:mod:`dreampipe.planning.ranges`, up to 32 workers) or the flat
-problem at the slowest link (up to 64), and keeps whichever is faster
-(:mod:`dreampipe.planning.search`). A profile with more layers than the
-topology's tables take is searched in blocks of layers, and the plan then
-records how far from the optimum it may be (``Plan.optimality_gap``).
-
-``PlanOptions(cost_model=CostModel.PIPEDREAM)`` runs the same DP on PipeDream's own terms
-(:mod:`dreampipe.planning.pipedream_costs`): over its states, hierarchical
-only, every worker used, as its optimizer does; the plan's time is its
-pipeline time and ``baselines_s["dp"]`` its data-parallel time.
-
-When a memory limit leaves no layer plan, :func:`plan_pipeline` splits every
-layer over ``t`` workers of one server instead (operator partitioning,
-:mod:`dreampipe.planning.split_stage`): the fastest split that fits, over
-``t = 2, 4, ...`` up to a server's workers. With ``mixed_splits`` a split is
-instead a per-stage choice of the range search (:mod:`dreampipe.planning.split_ranges`),
-of which that fallback is one case. :func:`memory_needs` says what
-data parallelism and the least demanding layer plan need per worker.
+With no layer plan under a memory limit, stages split over workers
+(:mod:`dreampipe.planning.split_stage`, :mod:`dreampipe.planning.split_ranges`);
+``pipedream``, ``1f1b-flush`` and ``gpipe`` run plans whose stages have different
+split widths (:mod:`dreampipe.runtime.lanes`). See docs/design.md §4, §6, §10.3-§10.4.
 """
 
 from __future__ import annotations

@@ -1,38 +1,13 @@
 """Linear layers that add their weight gradient straight into the update's gradient.
 
-A stage accumulates weight gradients over the units of one update (the
-microbatches of a synchronous schedule, a replica's round in PipeDream's).
-Done the plain way, every unit's backward writes a fresh ``grad_W = g^T x``
-and then adds it to the accumulator: three passes over the weight-sized
-buffers per unit. Here ``nn.Linear`` layers compute ``acc += g^T x`` with one
-GEMM (``addmm_``, beta = 1), as Megatron-LM's fused weight-gradient
-accumulation does, and autograd only carries the input gradient::
-
-    plain   grad_W = g^T x      (write)      acc += grad_W   (read, read, write)
-    fused   acc.addmm_(g^T, x)  (read, write)
-
-The layer's forward is unchanged; other layers, and every layer under
-``torch.autocast`` (which casts inside ``F.linear``), keep autograd's usual path.
-The weight and bias still get their post-accumulate-grad hooks, after every
-GEMM that adds to them (autograd runs a leaf's accumulation, with no gradient
-here, once all the nodes feeding it are done): that is how
-:class:`~dreampipe.runtime.stage_module.StageModule` knows a fused gradient is final
-and its all-reduce bucket may start.
-
-Since autograd no longer needs the weight GEMMs, a stage that sends its input
-gradient back can hold them (:class:`DeferredGradients`) until that gradient
-is on its way: the previous stage waits for the input-gradient chain alone,
-about half of the backward of a Linear stack, and the held GEMMs run right
-after the send (PipeDream's ``SEND_B`` follows its ``BACKWARD``)::
-
-    plain     B: [ dX4 dW4  dX3 dW3  dX2 dW2  dX1 dW1 ] SEND_B
-    deferred  B: [ dX4 dX3 dX2 dX1 ] SEND_B [ dW4 dW3 dW2 dW1 ]
-
-The zero-bubble schedules of Qi et al. ("Zero Bubble Pipeline Parallelism",
-2023) split the backward the same way. Holding is a matter of order, not of
-kernels: :attr:`LinearGradients.PLAIN` holds the weight GEMMs too but runs
-autograd's own kernels (the plain row above), so a bench can set the kernels
-apart from the schedule.
+``nn.Linear`` layers compute ``acc += g^T x`` with one GEMM (``addmm_``) and
+autograd carries the input gradient only; layers under ``torch.autocast``
+and other layers keep autograd's path. The post-accumulate-grad hooks still
+run after every GEMM that adds to a parameter, which is how
+:class:`~dreampipe.runtime.stage_module.StageModule` knows a gradient is
+final. A stage may hold the weight GEMMs (:class:`DeferredGradients`) until
+its input gradient is sent; :attr:`LinearGradients.PLAIN` holds them with
+autograd's kernels. Why and how: docs/design.md §5.3 (and §7.6).
 """
 
 from __future__ import annotations

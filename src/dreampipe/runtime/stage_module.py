@@ -1,28 +1,13 @@
 """One rank's share of the model: its layers, live weights and stashed versions.
 
 Each forward runs on a *version* of the weights and its backward on the same
-one (weight stashing, copy-on-write, vertical sync: :mod:`.versions`); buffers
-(BatchNorm running statistics) are not versioned.
-
-**No stashing** (``stash=False``) is PipeDream's *naive pipelining*, kept to
-show why stashing matters: the forward runs on the live weights without
-keeping a graph; the backward recomputes the forward from the stashed input
-with the live weights *as they are then*, i.e. after the updates made while
-the unit was in flight, so forward and backward see different weights.
-(BatchNorm statistics are updated by both passes.)
-
-Weight gradients of all units between two updates add up in one buffer per
-parameter; ``nn.Linear`` layers add theirs with a single GEMM, or autograd's
-GEMM and add (:class:`~dreampipe.runtime.fused.LinearGradients`).
-
-**Gradients final during the backward.** The backward that completes a
-round (the last before an all-reduce) can report each parameter's
-accumulated gradient the moment it is final, so its all-reduce starts while
-the backward still runs (:mod:`.buckets`). The signal is the post-accumulate
-hook of the version's leaf tensor: autograd runs it once per backward, after
-every node feeding that leaf, fused Linear GEMMs included (they return no
-gradient for the weight, but the hook still runs after them). Parameters
-outside the graph are reported when the backward ends.
+one (weight stashing, copy-on-write, vertical sync: :mod:`.versions`);
+buffers are not versioned. ``stash=False`` is PipeDream's naive pipelining.
+Weight gradients of an update add up in one buffer per parameter
+(:class:`~dreampipe.runtime.fused.LinearGradients`), and the backward that
+completes a round reports each gradient as it becomes final, so its
+all-reduce bucket starts during the backward (:mod:`.buckets`). The rules:
+docs/design.md §5.1 and §5.3.
 """
 
 from __future__ import annotations

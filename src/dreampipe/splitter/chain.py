@@ -1,27 +1,14 @@
 """A user's model as a list of layers, and one pipeline stage built from it.
 
-dreampipe cuts a model between layers:
-
-- an ``nn.Sequential``: its children, in order, each passing one tensor on
-  (or, when its input or what its children pass on is not one tensor, one
-  segment per child, :mod:`.sequential`);
-- any other module: the segments of its traced forward, one per unit (its
-  repeated blocks and the modules between them, :mod:`.trace`), passing on
-  whatever values the rest of the model still needs (:mod:`.pack`).
-
-A model that cannot be traced is a :class:`~dreampipe.errors.PlanError`
-naming it and the reason. A stage (:func:`build_stage`) holds its layers'
-modules under their original names, so its parameter names (``3.weight``,
-``blocks.0.attn.proj.weight``) are the model's own and a state dict moves
-between plans and into the plain model unchanged. A weight shared by layers
-on different stages (tied embeddings) is held by each of those stages
-(:func:`tied_parameters`); the Pipeline keeps the copies equal.
-
-A model built on the ``meta`` device is materialised stage by stage with the
-model's own initialisation under a per-layer seed on the CPU generator
-(:mod:`.materialise`), the same on any plan and device; :func:`initialise`
-gives a model built on a device the same weights. A module with no way to
-initialise itself is an error.
+An ``nn.Sequential`` is cut between its children (or one segment per child,
+:mod:`.sequential`); any other module into the segments of its traced
+forward (:mod:`.trace`, :mod:`.pack`). A model that cannot be traced is a
+:class:`~dreampipe.errors.PlanError`. A stage (:func:`build_stage`) holds its
+layers' modules under their original names, so a state dict moves between
+plans and into the plain model unchanged; a weight tied across stages is
+held by each (:func:`tied_parameters`). A model on ``meta`` is materialised
+stage by stage (:mod:`.materialise`); :func:`initialise` gives a model built
+on a device the same weights. See docs/design.md §2.1.
 """
 
 from __future__ import annotations

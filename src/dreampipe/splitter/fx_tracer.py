@@ -1,35 +1,15 @@
 """torch.fx tracing of a model's forward around its units.
 
-Every trace
-
-- keeps each *unit* (an FQN) whole, as one ``call_module`` node;
-- keeps objects it cannot express in a graph (a config) as constants, and
-  rebuilds a ``ModelOutput`` the forward returns;
-- calls Hugging Face's attention-mask builders (``transformers.masking_utils``)
-  and MoE auxiliary losses as single functions at run time, since they branch
-  on the mask's values or the logits' device (their meta values come from fake
-  tensors, which the mask builders take as traced);
-- calls the output-capturing hooks inside units (router logits) on the values
-  the unit's node records for them (:mod:`.hooks`);
-- keeps a default tensor argument as its placeholder's value, records item
-  assignment (``ids[..., 0] = start``) as a node, and traces through a module
-  the forward builds (``CrossEntropyLoss()``);
-- traces a forward that takes ``**kwargs`` (Hugging Face's) through a stand-in
-  forward with the example's own argument names, passing ``use_cache=False``
-  when the forward takes ``use_cache`` (a pipeline trains without a KV cache);
-- knows each node's value on the ``meta`` device (from the example's inputs),
-  so a proxy of a tensor has only the attributes a tensor has: a duck-typing
-  probe (transformers' ``hasattr(x, "jax")``) is False, as at run time, and
-  records no call that a real tensor would fail.
-
-A plain trace (shapes symbolic, so a smaller last batch still runs) is tried
-first. Code that branches on shapes fails it (Hugging Face's ``if batch_size
-!= position_ids.shape[0]``), so the second try reads the meta values as
-concrete (the example's shapes, no memory, no compute): ``x.shape``,
-``x.size()``, ``x.dim()``, ``x.dtype``, ``len()`` and ``bool()`` of a known
-Python value are concrete, and the example's shapes are baked in: inputs of
-other shapes run a graph traced for theirs (:mod:`.shapes`). A forward that
-branches on tensor values fails both, and the caller says so.
+Every trace keeps each *unit* (an FQN) whole as one ``call_module`` node,
+keeps configs as constants and rebuilds ``ModelOutput``, runs Hugging Face's
+mask builders and MoE auxiliary losses whole at run time, replays
+output-capturing hooks (:mod:`.hooks`), traces a ``**kwargs`` forward under
+the example's argument names with ``use_cache=False``, and knows each node's
+value on the ``meta`` device. A plain trace (symbolic shapes) is tried
+first; when code branches on shapes, the second reads the meta values as
+concrete and bakes the example's shapes in (:mod:`.shapes`). A forward that
+branches on tensor values fails both, and the caller says so. See
+docs/design.md §2.1.
 """
 
 from __future__ import annotations

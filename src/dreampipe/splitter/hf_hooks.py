@@ -1,24 +1,13 @@
 """Hugging Face's output-capturing hooks inside units, through a trace.
 
-Hugging Face collects some outputs (each MoE block's router logits for
-``output_router_logits``, hidden states, attentions) with forward hooks on
-modules inside its blocks, which append what the module returns to a list
-the model's forward then reads (``load_balancing_loss_func`` sums over it).
-A unit is one node of the trace, so these hooks never fire with traced
-values. Instead, the trace calls each hook (:func:`replay`) on stand-ins of
-what its module gets and returns: an item the hook reads becomes an output of
-the unit's node, after the unit's own, which :class:`Interpreter` takes from
-the module at run time. Those values cross stages as any other, so the last
-stage's auxiliary loss reads every stage's router logits and its gradient
-reaches every router. A hook on the unit itself gets the node's own values.
-
-The stand-ins have the structure the unit's run on ``meta`` showed
-(:func:`recording`); a module that run did not reach (an MoE's experts cannot
-run on ``meta``, so the blocks after the first are not known) is taken to run
-once, after those it reached, and to return a tuple of values. Run time
-checks that: a module that runs otherwise, returns no tuple, or None where the
-trace took a value (attention weights sdpa does not give), is a PlanError
-naming the flags to turn off.
+A unit is one node of the trace, so Hugging Face's forward hooks inside it
+(router logits, hidden states, attentions) never fire on traced values; the
+trace calls each hook (:func:`replay`) on stand-ins of what its module takes
+and returns, built from the unit's run on ``meta`` (:func:`recording`), and
+an item the hook reads becomes an output of the unit's node, which
+:class:`Interpreter` takes from the module at run time. A run that differs
+from what the trace assumed is a PlanError naming the flags to turn off.
+See docs/design.md §2.1.
 """
 
 from __future__ import annotations

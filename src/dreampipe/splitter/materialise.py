@@ -1,24 +1,11 @@
 """Layers initialised by dreampipe's rule: the model's own initialisation, per-layer seeds.
 
-A model built on ``meta`` has drawn nothing, and the draws its constructor
-would have made (Hugging Face's ``Conv1D`` runs ``normal_`` in ``__init__``)
-cannot be replayed, so bit equality with the constructor's RNG stream is not
-possible. dreampipe's rule instead: layer ``i`` (the model's layers in call
-order, as the Pipeline cuts them) is initialised under seed ``seed + i`` on
-the **CPU** generator, by the initialisation the model brings: a Hugging Face
-model's ``_init_weights`` on every submodule (children first, as its
-``post_init`` runs it), or else each submodule's ``reset_parameters()``. A
-tensor shared by several layers (tied embeddings) keeps the value of the
-first layer that holds it. So the weights depend on the seed and the layer,
-never on the plan or the device, and :func:`~dreampipe.splitter.chain.initialise`
-gives a model built on any device the same weights.
-
-Materialising (:func:`materialise`) runs one layer at a time: its tensors
-are made on the CPU, initialised, then moved to the stage's device, so at
-most one layer is on the host at once. Fresh tensors start as NaN: a
-parameter or floating-point buffer still NaN after initialisation belongs to
-a module with no way to initialise itself, a PlanError naming it, never
-uninitialised memory. Weights shared inside a stage stay shared.
+Layer ``i`` of a model built on ``meta`` is initialised under seed
+``seed + i`` on the CPU generator by the model's own initialisation, so its
+weights depend on the seed and the layer, never on the plan or the device.
+:func:`materialise` runs one layer at a time; a tensor still NaN after
+initialisation is a PlanError naming its module. Weights shared inside a
+stage stay shared. The rule and why: docs/design.md §2.1.
 """
 
 from __future__ import annotations

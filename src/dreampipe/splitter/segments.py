@@ -1,26 +1,13 @@
 """A model that is not an ``nn.Sequential``, cut at its own module boundaries.
 
-The model's top-level ``forward`` is traced with ``torch.fx``, keeping whole
-the modules that are its *units*: the repeated blocks (the children of an
-``nn.Sequential`` or ``nn.ModuleList`` whose members are not all built-in
-``torch.nn`` layers, e.g. residual blocks, attention, decoder layers) and the
-modules between them. Modules that hold such block lists (a ``ResNet``, a
-``layer1`` Sequential, a ``Transformer`` body) are traced through; every other
-module runs as it is, inside its unit.
-
-The traced graph is cut before each unit's call into :class:`Segment`\\ s, one
-per unit: the computation before a unit's call (``h + s``, ``flatten``, a mask
-computed once) travels with it, and what comes after the last unit goes with
-the last. A segment takes the values still needed after the previous one (the
-model's inputs for the first) and returns the values still needed after it,
-so a skip connection is forwarded through the segments it crosses. Parameters
-the top-level ``forward`` reads directly (a class token) are read in every
-segment that uses them.
-
-fx is used rather than ``torch.export``: it keeps the user's modules (their
-code, hooks and parameters) and runs them eagerly, and leaves the model's own
-``forward`` in charge of the glue. A forward that branches on a traced value
-cannot be traced; that is a PlanError saying so.
+The model's top-level ``forward`` is traced with ``torch.fx``, keeping its
+*units* whole (its repeated blocks and the modules between them), and cut
+before each unit's call into :class:`Segment` objects: the glue before a
+unit travels with it, and a segment takes and returns the values still
+needed, so a skip connection is forwarded through the segments it crosses.
+fx rather than ``torch.export`` keeps the user's modules and runs them
+eagerly; a forward that branches on a traced value is a PlanError. See
+docs/design.md §2.1.
 """
 
 from __future__ import annotations
