@@ -41,7 +41,7 @@ def test_lazy_names_are_the_library_functions() -> None:
 def test_modules_are_not_shadowed() -> None:
     for module in ("planning.plan", "planning.planner", "scheduling.validator",
                    "simulation.simulator", "scheduling.build", "simulation.timeline",
-                   "simulation.trace"):
+                   "simulation.chrome_trace"):
         package, _, name = module.partition(".")
         imported = importlib.import_module(f"dreampipe.{module}")
         assert getattr(getattr(dreampipe, package), name) is imported, module

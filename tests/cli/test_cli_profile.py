@@ -185,7 +185,7 @@ def test_profile_plan_simulate_register_without_torch() -> None:
         "import argparse, importlib, sys\n"
         "sub = argparse.ArgumentParser().add_subparsers()\n"
         "for name in ('profile', 'plan', 'simulate'):\n"
-        "    importlib.import_module(f'dreampipe.cli.{name}').register(sub)\n"
+        "    importlib.import_module(f'dreampipe.cli.{name}_command').register(sub)\n"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
