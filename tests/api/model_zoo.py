@@ -197,7 +197,8 @@ def t5() -> T5ForConditionalGeneration:
     """T5 ties ``shared``, both ``embed_tokens`` and ``lm_head``: a three-way tie."""
     return T5ForConditionalGeneration(T5Config(
         vocab_size=11, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
-        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, tie_word_embeddings=True))
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+        tie_word_embeddings=True))
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,10 @@ from dreampipe.runtime.processes import run_processes
 from dreampipe.splitter.chain import Chain, split_layers
 
 from .compare import assert_matches
-from .model_zoo import CaseData
+from .model_zoo import CaseData, CaseSpec
 from .zoo_tracing import (
     TRACING_CASES,
     ExampleCode,
-    TracingSpec,
     mixtral,
     qwen2_moe,
     train_tracing_case,
@@ -34,7 +33,7 @@ def test_1f1b_flush_of_a_model_once_untraceable_equals_one_process(name: str) ->
     got: dict[str, Any] = run_processes(train_tracing_case, 2, job, deadline_s=90.0)[0]
     assert got["bounds"][1] > 0
     case = TRACING_CASES[name]
-    losses, state = reference_sync(TracingSpec(case, SEED), CaseData(case),  # type: ignore[arg-type]
+    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case),  # type: ignore[arg-type]
                                    steps=3, minibatch=8, seed=SEED, opt=sgd(0.1), microbatches=2)
     assert_matches(got, losses, state)  # every key, T5's shared.weight included
 

@@ -26,16 +26,14 @@ from transformers import (
     MixtralForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
 )
 
 from dreampipe.api import Pipeline, TrainConfig
 
-from .model_zoo import Case, CaseSpec
+from .model_zoo import Case, CaseSpec, t5
 
-__all__ = ["AUX_COEF", "TRACING_CASES", "ExampleCode", "TracingSpec", "mixtral", "qwen2_moe",
-           "t5", "train_tracing_case"]
+__all__ = ["AUX_COEF", "TRACING_CASES", "ExampleCode", "mixtral", "qwen2_moe",
+           "train_tracing_case"]
 
 AUX_COEF = 0.5
 _D, _MICRO = 8, 4
@@ -44,12 +42,13 @@ _Y = torch.linspace(-1, 1, _MICRO * _D).view(_MICRO, _D)  # ExampleCode's defaul
 
 class ExampleCode(nn.Module):
     """torch's pipelining example, small: ``y`` defaults to a tensor (not zeros, so that
-    using it shows); a buffer-free ``cval`` (buffers the forward reads are another test's)."""
+    using it shows), and the buffer ``cval`` read before the cut is used after it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.mm_param0 = nn.Parameter(torch.randn(_D, _D) / _D**0.5)
         self.mm_param1 = nn.Parameter(torch.randn(_D, _D) / _D**0.5)
+        self.register_buffer("cval", torch.randn(_D))
         self.lin0 = nn.Linear(_D, _D)
         self.lin1 = nn.Linear(_D, 3)
 
@@ -57,9 +56,10 @@ class ExampleCode(nn.Module):
         x = torch.mm(x, self.mm_param0)
         x = x + y
         x = torch.relu(x)
+        a_constant = self.cval.clone()
         x = self.lin0(x)
         pipe_split()
-        x = torch.relu(x)
+        x = torch.relu(x) + a_constant
         x = torch.mm(x, self.mm_param1)
         return self.lin1(x)
 
@@ -79,12 +79,6 @@ def qwen2_moe(**config: Any) -> Qwen2MoeForCausalLM:
         "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 11,
         "max_position_embeddings": 8, "num_experts": 4, "num_experts_per_tok": 2,
         "output_router_logits": True, "router_aux_loss_coef": AUX_COEF, **config}))
-
-
-def t5() -> T5ForConditionalGeneration:
-    return T5ForConditionalGeneration(T5Config(
-        num_layers=2, num_decoder_layers=2, d_model=16, d_kv=8, d_ff=16, num_heads=2,
-        vocab_size=11, decoder_start_token_id=0, pad_token_id=0, dropout_rate=0.0))
 
 
 _POOL = 64
@@ -129,36 +123,13 @@ TRACING_CASES: dict[str, Case] = {
 }
 
 
-class TracingSpec(CaseSpec):
-    """:class:`~.model_zoo.CaseSpec` whose whole model is called through a wrapper that has
-    no attribute ``model`` (Mixtral's own child is called so)."""
-
-    def build(self, first: int, last: int, seed: int) -> nn.Module:
-        if (first, last) == (0, self.num_layers - 1):
-            return _Called(self.model())
-        return super().build(first, last, seed)
-
-
-class _Called(nn.Module):
-    """``model`` itself (its modules and names), called with a dict as keyword arguments."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.__dict__.update(_modules=model._modules, _parameters=model._parameters,
-                             _buffers=model._buffers, whole=model)
-
-    def forward(self, x: Any) -> Any:
-        whole = self.__dict__["whole"]
-        return whole(**x) if isinstance(x, dict) else whole(x)
-
-
 def train_tracing_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` split at its split points for ``steps`` minibatches of
     ``minibatch`` in ``microbatches``; rank 0 returns the losses, the full state and the
     stages' bounds."""
     case = TRACING_CASES[job["case"]]
     pipe = Pipeline(
-        TracingSpec(case, job["seed"]).model(), example=case.example(0, job["minibatch"]),
+        CaseSpec(case, job["seed"]).model(), example=case.example(0, job["minibatch"]),
         loss_fn=case.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=job["lr"]),
         plan=case.split_points, config=TrainConfig(schedule="1f1b-flush",
                                                    microbatches=job["microbatches"],

@@ -26,7 +26,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
-from dreampipe.splitter.segments import Segment, place
+from dreampipe.splitter.segments import Segment, fetch, place_attr
 
 __all__ = ["StateKeys", "adopt_orphans", "check_written_buffers", "state_keys"]
 
@@ -122,12 +122,7 @@ def adopt_orphans(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
         return []
     roots = _orphan_roots(model, orphans)
     for root in roots:
-        *path, leaf = root.split(".")
-        owner = model.get_submodule(".".join(path))
-        value = getattr(owner, leaf)
-        buffer = (leaf not in owner._non_persistent_buffers_set
-                  if leaf in owner._buffers else None)
-        place(root, first, _frozen(value), buffer=buffer)
+        place_attr(model, root, first, _frozen(fetch(model, root)))
         first.targets.append(root)
     _log.info("the first stage keeps %s, which %s's forward never reads", roots,
               type(model).__name__)
@@ -144,11 +139,11 @@ def check_written_buffers(layers: Sequence[tuple[str, nn.Module]],
         if not isinstance(layer, Segment):
             continue
         for target in layer.written:
-            users = sorted({stage_of[j] for j, (_, other) in enumerate(layers)
-                            if isinstance(other, Segment) and target in other.targets})
+            touching = [j for j, (_, other) in enumerate(layers)
+                        if isinstance(other, Segment) and target in other.targets]
+            users = sorted({stage_of[j] for j in touching})
             if len(users) > 1:
-                names = [layers[j][0] for j, (_, other) in enumerate(layers)
-                         if isinstance(other, Segment) and target in other.targets]
+                names = [layers[j][0] for j in touching]
                 raise ConfigError(
                     f"buffer {target!r} is written by the model's forward before "
                     f"{layers[i][0]!r} and used before {', '.join(map(repr, names))}, on "
