@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from machine.fixtures import DEV_FILE, here_file
 
-from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.machine.machine_file import ENV_VAR
 from dreampipe.models import get_model
 from dreampipe.profiling.bundled import bundled_profile
+from dreampipe.runplan.worker_profile import profile_as_worker
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The package's layers: each folder imports only from the folders below it.
 
 The flow reads bottom-up: profiling -> planning -> scheduling -> simulation
-and runtime -> splitter -> machine -> api -> commands -> cli, with ``models``
+and runtime -> splitter -> machine -> runplan -> api -> commands -> cli, with ``models``
 (what is profiled and run) and the shared ``errors``/``quantities`` below
 everything. Every import counts, at module level and inside functions, except
 those under ``TYPE_CHECKING``.
@@ -25,6 +25,7 @@ _LAYERS = (
     ("simulation", "runtime"),
     ("splitter",),
     ("machine",),
+    ("runplan",),
     ("api",),
     ("commands",),
     ("cli",),

@@ -6,7 +6,7 @@ The package's folders follow the flow (docs/architecture.md)::
                                                       |-> simulation (predicted events)
                                                       '-> runtime    (measured events)
 
-with ``machine`` (this machine's calibration and plan choice), ``api`` (the
+with ``machine`` (this machine's calibration), ``runplan`` (the run's plan), ``api`` (the
 Pipeline), ``commands`` (train, demo, bench) and ``cli`` on top and ``models`` beside.
 
 ``dreampipe.Pipeline`` trains your own model, data, optimizer and loop on a

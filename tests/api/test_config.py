@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from dreampipe import ScheduleKind, TrainConfig
 from dreampipe.api.config import AUTOCAST_DTYPES
 from dreampipe.errors import ConfigError
+from dreampipe.runplan.schedule_choice import Semantics
 from dreampipe.runtime.nonfinite import OnNonFinite
-from dreampipe.simulation.choose import Semantics
 
 __all__: list[str] = []
 

@@ -16,9 +16,9 @@ from torch import nn
 from dreampipe.api import TrainConfig
 from dreampipe.api.plans import resolve_plan
 from dreampipe.errors import ConfigError
+from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
 from dreampipe.runtime.processes import free_port, run_processes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import CANDIDATES, Semantics
 from dreampipe.splitter.chain import split_layers
 
 from .compare import assert_matches

@@ -94,7 +94,7 @@ def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_a_profile_sized_by_model_args_is_one_train_accepts(tmp_path: Path) -> None:
-    from dreampipe.machine.local_plan import saved_profile
+    from dreampipe.runplan.worker_profile import saved_profile
     from dreampipe.runtime.processes import pinned_threads
 
     out_file = tmp_path / "mlp.json"

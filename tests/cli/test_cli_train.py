@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from machine.fixtures import DEV_MACHINE
 
 from dreampipe.api import TrainConfig
 from dreampipe.cli import main
@@ -19,15 +18,14 @@ from dreampipe.cli.train_command import parse_model_args
 from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
 from dreampipe.commands.train_share import share_plan, torchrun_world
 from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.machine.calibration import local_topology
-from dreampipe.machine.local_plan import choose_plan, predict_samples_per_s
+from dreampipe.machine.measure import local_machine
 from dreampipe.models import get_model
 from dreampipe.models.datasets import steps_for_epochs
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.scheduling.actions import ActionKind, ScheduleKind
+from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
+from dreampipe.scheduling.actions import ActionKind
 from dreampipe.scheduling.events import Event
-from dreampipe.simulation.choose import CANDIDATES, Semantics
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -77,7 +75,7 @@ def test_train_rejects_bad_arguments(
         (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
         (["--virtual-stages", "2"], "--virtual-stages 2 with --schedule pipedream; use 1"),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--config", "2"],
-         "leave --config and --stages out"),
+         "itself; leave out --config '2', or give a plan"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(
@@ -115,65 +113,6 @@ def test_steps_cover_the_epochs() -> None:
     assert (steps_for_epochs(2, 1000, 32) - 1) * 32 < 2000
     with pytest.raises(ConfigError, match="epochs=0"):
         steps_for_epochs(0, 1000, 32)
-
-
-def _graph(times_ms: list[float], batch: int = 32) -> LayerGraph:
-    layers = tuple(
-        Layer(f"l{i}", t / 3, 2 * t / 3, 4 * batch * 1024, 4 * 1024 * 1024)
-        for i, t in enumerate(times_ms)
-    )
-    edges = tuple((i, i + 1) for i in range(len(layers) - 1))
-    return LayerGraph(layers, edges, batch, "toy")
-
-
-def test_forced_partition_is_evaluated_as_given() -> None:
-    graph = _graph([4.0, 4.0, 4.0, 4.0])
-    plan = choose_plan(graph, 3, config="2-1", stages="0,3")
-    assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 2, 2), (3, 3, 1)]
-    straight = choose_plan(graph, 2, stages="0,2")
-    assert straight.config == "straight"
-    with pytest.raises(ConfigError, match="needs 3 workers, not 2"):
-        choose_plan(graph, 2, config="2-1", stages="0,3")
-    with pytest.raises(ConfigError, match="2 stages but stages="):
-        choose_plan(graph, 3, config="2-1", stages="0,1,2")
-
-
-def test_config_alone_gets_the_fastest_cuts() -> None:
-    # 2-1 on 1+1+1+1+4 ms with small weights: the replicated stage takes the
-    # 4 ms of light layers (2 ms per minibatch on 2 replicas), the single one the 4 ms layer
-    layers = tuple(Layer(f"l{i}", t / 3, 2 * t / 3, 1024, 1024)
-                   for i, t in enumerate([1.0, 1.0, 1.0, 1.0, 4.0]))
-    graph = LayerGraph(layers, tuple((i, i + 1) for i in range(4)), 32, "toy")
-    plan = choose_plan(graph, 3, config="2-1")
-    assert [(s.first, s.last, s.replicas) for s in plan.stages] == [(0, 3, 2), (4, 4, 1)]
-    cuts = [choose_plan(graph, 3, config="2-1", stages=f"0,{k}") for k in range(1, 5)]
-    assert plan.time_per_minibatch_s == min(c.time_per_minibatch_s for c in cuts)
-    assert choose_plan(graph, 5, config="straight").num_stages == 5
-    with pytest.raises(ConfigError, match="6 stages but the model has 5 layers"):
-        choose_plan(graph, 6, config="straight")
-
-
-def test_prediction_matches_a_balanced_pipeline() -> None:
-    graph = _graph([6.0] * 4)
-    plan = choose_plan(graph, 2, stages="0,2")
-    steps = 200
-    rate = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM, minibatch_size=32,
-                                 microbatches=1, steps=steps)
-    # the slower stage: each runs two layers plus the host time local costs charge
-    # per minibatch (slowed by a busy neighbour): its forward's overhead, its data
-    # (samples or labels), the SGD step of its 8 MiB of weights and one send; the
-    # last stage adds the loss, the first the copy its step makes of the weights
-    # that the minibatch in flight still holds (weight stashing)
-    m = DEV_MACHINE
-    weights = 2 * 4 * 1024 * 1024
-    common_s = (2 * 6.0 / 1e3 + m.stage_forward_s + m.batch_load_s
-                + weights / m.step_bandwidth)
-    first_s, last_s = common_s + weights / m.stash_copy_bandwidth, common_s + m.loss_s
-    send_s = m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth
-    one_stage_s = max(first_s, last_s) * m.corun_slowdown + send_s
-    assert first_s > last_s
-    assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
-    assert local_topology(2, DEV_MACHINE).num_workers == 2
 
 
 def test_timeline_window_keeps_the_asked_units() -> None:
@@ -323,7 +262,7 @@ def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
     layers = tuple(Layer(f"l{i}", 2.0, 4.0, 4 * 32 * 1024, 1024) for i in range(3))
     graph = LayerGraph(layers, tuple((i, i + 1) for i in range(2)), 32, "toy")
     said: list[str] = []
-    plan = _pipeline_plan(graph, 2, said.append)
+    plan = _pipeline_plan(graph, 2, local_machine(2), said.append)
     assert plan.num_stages == 2
     assert plan.config == "straight"
     assert len(said) == 1 and "data parallel" in said[0]

@@ -19,12 +19,12 @@ from torch import nn
 
 from dreampipe import Pipeline
 from dreampipe.machine.calibration import LocalCalibration, local_topology
-from dreampipe.machine.local_plan import choose_plan
 from dreampipe.machine.machine_file import ENV_VAR
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runtime.processes import run_processes
 from machine.fixtures import DEV_FILE, DEV_MACHINE, NVLINK_FILE, NVLINK_MACHINE, here_file
 
@@ -40,10 +40,15 @@ def _shape(plan: Plan) -> list[tuple[int, int, int]]:
     return [(st.first, st.last, st.replicas) for st in plan.stages]
 
 
+def _choose(workers: int, machine: LocalCalibration) -> Plan:
+    return choose_plan(_HEAVY, local_topology(workers, machine),
+                       PlanAsk(workers=workers, allow_fewer_workers=False)).plan
+
+
 def test_nvlink_replicates_where_the_dev_vm_pipelines() -> None:
     for workers in (2, 8):
-        fast = choose_plan(_HEAVY, workers, machine=NVLINK_MACHINE, allow_fewer_workers=False)
-        slow = choose_plan(_HEAVY, workers, machine=DEV_MACHINE, allow_fewer_workers=False)
+        fast = _choose(workers, NVLINK_MACHINE)
+        slow = _choose(workers, DEV_MACHINE)
         assert _shape(fast) == [(0, 2, workers)], fast  # data parallelism
         assert fast.num_stages == 1 and slow.num_stages > 1, (fast, slow)
         for plan, machine in ((fast, NVLINK_MACHINE), (slow, DEV_MACHINE)):
@@ -51,7 +56,7 @@ def test_nvlink_replicates_where_the_dev_vm_pipelines() -> None:
                                    PlanOptions(allow_fewer_workers=False))
             assert _shape(plan) == _shape(direct)
             assert plan.time_per_minibatch_s == direct.time_per_minibatch_s
-    assert _shape(choose_plan(_HEAVY, 8, machine=DEV_MACHINE, allow_fewer_workers=False)) \
+    assert _shape(_choose(8, DEV_MACHINE)) \
         == [(0, 0, 3), (1, 1, 3), (2, 2, 2)]
 
 

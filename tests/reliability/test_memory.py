@@ -18,8 +18,8 @@ from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.commands.train_run import run_train
 from dreampipe.errors import ConfigError
-from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models import get_model
+from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.runtime.runner_options import OptimizerKind
 
 _MODELS = {

@@ -25,8 +25,8 @@ from runtime.reference import reference_sync, sgd
 from torchrun import descendants
 
 import dreampipe
-from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models.datasets import load_dataset
+from dreampipe.runplan.worker_profile import profile_as_worker
 
 __all__: list[str] = []
 

@@ -37,7 +37,6 @@ from runtime import netns
 from torchrun import agent_command, run_agents
 
 import dreampipe
-from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.machine.machine_file import ENV_VAR
 from dreampipe.models import get_model
 from dreampipe.planning.options import PlanOptions
@@ -45,6 +44,7 @@ from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth, parse_duration
+from dreampipe.runplan.worker_profile import profile_as_worker
 
 __all__: list[str] = []
 

@@ -25,13 +25,13 @@ from machine.fixtures import DEV_MACHINE
 
 from dreampipe.machine.calibration import LocalCalibration, local_costs, local_topology
 from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
-from dreampipe.machine.local_plan import profile_as_worker
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth
+from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.units import UnitLayout

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from dreampipe.errors import ConfigError
+from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.choose import CANDIDATES, STAND_IN, Semantics
 
 __all__ = ["AUTOCAST_DTYPES", "TrainConfig"]
 

@@ -1,8 +1,8 @@
 """The plan a Pipeline runs: given, read from a file, or profiled and planned on rank 0.
 
 ``plan="auto"`` profiles the model on rank 0 (one thread, as a worker runs,
-on a unit of the example) and plans it for the world it runs in with the
-jobs' plan choice (:func:`dreampipe.machine.local_plan.choose_plan`), priced with the
+on a microbatch of the example) and plans it for the world it runs in with the
+runs' one plan choice (:func:`dreampipe.runplan.plan_choice.choose_plan`), priced with the
 machine file (or, without one, the machine measured by every rank now:
 :func:`dreampipe.machine.measure.machine_in_group`); rank 0 then
 broadcasts the plan over the process group, so every rank runs the same
@@ -14,9 +14,9 @@ A given plan runs its own ``virtual_stages`` to a rank
 another count is an error, and so is ``schedule="auto"`` for a plan of several.
 
 ``schedule="auto"`` (``semantics`` given) also profiles, for a given plan
-too, and simulates that semantics' schedules on the plan
-(:func:`dreampipe.simulation.choose.choose_schedule`); rank 0 logs why each
-was kept or dropped and broadcasts the fastest with the plan.
+too, and simulates that semantics' schedules on the plan (the same
+function); rank 0 logs why each was kept or dropped and broadcasts the
+fastest with the plan.
 """
 
 from __future__ import annotations
@@ -37,16 +37,15 @@ from torch import nn
 from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.machine.calibration import LocalCalibration
-from dreampipe.machine.local_plan import choose_auto, choose_plan
+from dreampipe.machine.calibration import local_topology, measured_machine
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import ScheduleChoice, Semantics
 from dreampipe.splitter.chain import Layers, build_stage
 from dreampipe.splitter.segments import Segment
 
@@ -103,12 +102,19 @@ def resolve_plan(
     if dist.get_rank() == 0:
         try:
             graph = _profile(layers, example, loss_fn, unit_size, config.seed)
-            if semantics is None:
-                box[0] = (_plan(graph, layers, machine, nodes).to_json(), None, 0)
-            else:
-                chosen, choice = _plan_and_schedule(graph, layers, machine, nodes, given,
-                                                    semantics, config.microbatches)
-                box[0] = (chosen.to_json(), choice.kind.value, choice.microbatches)
+            chosen = choose_plan(graph, local_topology(world, measured_machine(graph, machine),
+                                                       nodes=nodes),
+                                 PlanAsk(workers=world, given=given, semantics=semantics,
+                                         microbatches=config.microbatches,
+                                         allow_fewer_workers=False))
+            for line in chosen.lines:
+                _log.info("%s", line)
+            planned = given or dataclasses.replace(
+                chosen.plan, layer_names=tuple(name for name, _ in layers))
+            _log.info("planned %s", planned.config)
+            pick = chosen.chosen
+            box[0] = (planned.to_json(), None if pick is None else pick[0].value,
+                      0 if pick is None else pick[1])
         except DreampipeError as exc:  # every rank fails alike, none waits for a plan
             box[0] = exc
     dist.broadcast_object_list(box, src=0)
@@ -117,28 +123,6 @@ def resolve_plan(
     text, chosen_kind, per = box[0]
     return Resolved(Plan.from_dict(json.loads(text)),
                     None if chosen_kind is None else ScheduleKind(chosen_kind), per)
-
-
-def _plan(graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int) -> Plan:
-    plan = choose_plan(graph, dist.get_world_size(), allow_fewer_workers=False, nodes=nodes,
-                       machine=machine)
-    _log.info("planned %s", plan.config)
-    return dataclasses.replace(plan, layer_names=tuple(name for name, _ in layers))
-
-
-def _plan_and_schedule(
-    graph: LayerGraph, layers: Layers, machine: LocalCalibration, nodes: int,
-    given: Plan | None, semantics: Semantics, microbatches: int | None,
-) -> tuple[Plan, ScheduleChoice]:
-    """``schedule="auto"`` (:func:`~dreampipe.machine.local_plan.choose_auto`), each line
-    of why logged."""
-    plan, choice, lines = choose_auto(graph, dist.get_world_size(), semantics, given,
-                                      nodes=nodes, machine=machine, microbatches=microbatches,
-                                      allow_fewer_workers=False)
-    for line in lines:
-        _log.info("%s", line)
-    return given or dataclasses.replace(
-        plan, layer_names=tuple(name for name, _ in layers)), choice
 
 
 def _profile(

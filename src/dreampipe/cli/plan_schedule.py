@@ -3,7 +3,7 @@
 
 ``--schedule auto`` (the default) simulates the candidate schedules of
 ``--semantics`` on the plan and keeps the fastest that fits ``--memory``
-(:func:`dreampipe.simulation.choose.choose_schedule`), printing a line per
+(:func:`dreampipe.runplan.schedule_choice.choose_schedule`), printing a line per
 candidate. ``--virtual-stages v`` plans for interleaved 1F1B instead: the
 layers cut into ``workers x v`` stages of balanced compute, stage ``s`` on
 worker ``s mod workers``, simulated with that schedule against 1f1b-flush
@@ -20,11 +20,11 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runplan.schedule_choice import Semantics, choose_schedule
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan, virtual_worker
 from dreampipe.simulation.action_costs import costs_from_profile
-from dreampipe.simulation.choose import Semantics, choose_schedule
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
 __all__ = ["add_schedule_arguments", "interleaved_report", "schedule_report"]

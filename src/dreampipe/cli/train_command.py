@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ConfigError
 from dreampipe.quantities import format_bytes, parse_bytes
+from dreampipe.runplan.schedule_choice import Semantics
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import Semantics
 
 if TYPE_CHECKING:
     from dreampipe.api.config import TrainConfig

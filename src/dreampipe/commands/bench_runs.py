@@ -7,13 +7,12 @@ the workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
 with one update each. :mod:`dreampipe.commands.bench` runs them on
 :class:`dreampipe.Pipeline`.
 
-The prediction profiles the model at each unit size as ``dreampipe train``
-does, one thread beside a busy twin, with the host's step and stash-copy
-rates measured then (the profiler times autograd's plain path, so it does
-not know fused accumulation), and simulates the timed schedule, fill and
-drain included, as the measurement times it. (Profiled alone, with a fixed
-co-run factor, the mlp's 1f1b-flush measured 0.71 of its prediction one day
-the host slowed busy pairs of workers more than usual.)
+The prediction profiles the model at each microbatch size as ``dreampipe
+train`` does, one thread beside a busy twin, with the host's step and
+stash-copy rates measured then (the profiler times autograd's plain path,
+so it does not know fused accumulation), and simulates the timed schedule,
+fill and drain included, as the measurement times it
+(:mod:`dreampipe.runplan.prediction`).
 """
 
 from __future__ import annotations
@@ -23,12 +22,13 @@ from dataclasses import dataclass
 
 from dreampipe.commands.bench_names import DREAMPIPE_RUN_NAMES
 from dreampipe.commands.workloads import Workload
-from dreampipe.machine.calibration import corun_twins, local_costs, local_topology, measured_machine
-from dreampipe.machine.local_plan import profile_as_worker
+from dreampipe.machine.calibration import corun_twins, local_topology
 from dreampipe.machine.measure import local_machine
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
+from dreampipe.runplan.prediction import predict_samples_per_s
+from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.units import UnitLayout
-from dreampipe.simulation.action_costs import costs_from_profile
 
 __all__ = ["DREAMPIPE_RUNS", "DreampipeRun", "predict"]
 
@@ -74,9 +74,6 @@ DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
 
 def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, float]:
     """Simulated samples/s of each run's timed steps, from a one-thread profile here."""
-    from dreampipe.planning import planner
-    from dreampipe.simulation.simulator import simulate_schedule
-
     spec = work.spec()
     workers = len(work.stage_bounds)
     machine = local_machine(workers)
@@ -91,13 +88,9 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
                 ref=work.kind.value, model_kwargs=work.model_kwargs)
         graph = graphs[layout.unit_size]
         v = run.virtual_stages
-        replicas = [1] * (workers * v)
-        plan = planner.evaluate_plan(graph, topology, list(work.bounds(v)), replicas) \
-            if v == 1 else work.plan(v)  # the chunks v to a worker
-        costs = local_costs(graph, plan, 1.0, measured_machine(graph, machine)) if v == 1 \
-            else costs_from_profile(graph, plan, topology, 1.0)
-        steps = run.steps(work, work.steps)
-        sim = simulate_schedule(layout.build(replicas, steps, virtual_stages=v), costs,
-                                record_events=False)
-        out[run] = steps * run.minibatch(work) / sim.makespan_s
+        ask = PlanAsk(workers=workers, stages=",".join(map(str, work.bounds(v)))) if v == 1 \
+            else PlanAsk(workers=workers, given=work.plan(v))  # the chunks v to a worker
+        plan = choose_plan(graph, topology, ask).plan
+        out[run] = predict_samples_per_s(graph, plan, layout, run.steps(work, work.steps),
+                                         machine)
     return out

@@ -20,14 +20,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dreampipe.errors import ConfigError
-from dreampipe.machine.calibration import local_topology
-from dreampipe.machine.local_plan import predict_samples_per_s
+from dreampipe.machine.calibration import LocalCalibration, local_topology
 from dreampipe.machine.measure import local_machine
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
+from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
@@ -86,16 +88,13 @@ def _profile(opts: DemoOptions) -> LayerGraph:
         return profile_model(spec.build(seed=opts.seed), x, spec.loss_fn, y, name=_MODEL)
 
 
-def _pipeline_plan(graph: LayerGraph, workers: int, say: Callable[[str], None]) -> Plan:
-    from dreampipe.planning import planner
-    from dreampipe.planning.options import PlanOptions
-
-    topology = local_topology(workers, local_machine(workers, say=say))
-    best = planner.plan_pipeline(graph, topology, PlanOptions(allow_fewer_workers=False))
+def _pipeline_plan(graph: LayerGraph, workers: int, machine: LocalCalibration,
+                   say: Callable[[str], None]) -> Plan:
+    topology = local_topology(workers, machine)
+    best = choose_plan(graph, topology, PlanAsk(workers=workers, allow_fewer_workers=False)).plan
     if best.num_stages > 1:
         return best
-    straight = planner.plan_pipeline(graph, topology, PlanOptions(straight=True,
-                                                                  allow_fewer_workers=False))
+    straight = choose_plan(graph, topology, PlanAsk(workers=workers, config="straight")).plan
     say(f"the planner's best plan is data parallel ({best.time_per_minibatch_s * 1e3:.2f} "
         f"ms/minibatch); to show pipelining the demo runs its best straight pipeline "
         f"({straight.time_per_minibatch_s * 1e3:.2f} ms/minibatch)")
@@ -123,12 +122,13 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     say(f"digits: {train_n} training and {test_n} test images; model cnn "
         f"(conv1, conv2, fc1, fc2, out) at {dict(_MODEL_KWARGS)['image_size']} pixels")
     graph = _profile(opts)
-    plan = _pipeline_plan(graph, opts.workers, say)
+    machine = local_machine(opts.workers, say=say)
+    plan = _pipeline_plan(graph, opts.workers, machine, say)
     say(str(plan))
     steps = steps_for_epochs(opts.epochs, train_n, opts.minibatch_size)
-    predicted = predict_samples_per_s(graph, plan, ScheduleKind.PIPEDREAM,
-                                      minibatch_size=opts.minibatch_size, microbatches=1,
-                                      steps=steps)
+    predicted = predict_samples_per_s(graph, plan, UnitLayout(
+        kind=ScheduleKind.PIPEDREAM, minibatch_size=opts.minibatch_size, microbatches=1),
+        steps, machine)
     base = TrainRun(
         model=_MODEL, plan=plan, config=TrainConfig(schedule="pipedream", seed=opts.seed),
         minibatch_size=opts.minibatch_size, steps=steps, lr=opts.lr, momentum=opts.momentum,

@@ -21,26 +21,17 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from dreampipe.api.config import TrainConfig
 from dreampipe.commands.train_config import TrainOptions, TrainRun, check_options, check_run
 from dreampipe.commands.train_share import share_plan
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.machine.calibration import (
+    LocalCalibration,
     corun_crowd,
     corun_twins,
     local_topology,
     measured_machine,
-)
-from dreampipe.machine.local_plan import (
-    choose_auto,
-    choose_plan,
-    forced_partition,
-    predict_interleaved,
-    predict_samples_per_s,
-    profile_as_worker,
-    saved_profile,
 )
 from dreampipe.machine.measure import machine_for_run
 from dreampipe.machine.torchrun import torchrun_nodes
@@ -53,20 +44,21 @@ from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
+from dreampipe.runplan.prediction import predict_samples_per_s
+from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.scheduling.units import UnitLayout
 
 if TYPE_CHECKING:
-    from dreampipe.commands.train_config import TrainResult
     from dreampipe.models.datasets import Dataset
 
 __all__ = [
     "PlanSource",
     "PlannedRun",
-    "TrainReport",
     "TrainRequest",
     "plan_train",
 ]
@@ -86,7 +78,7 @@ class PlanSource:
     """Where a train job's plan comes from: a plan file, a forced partition, else the planner.
 
     ``config`` (``"2-1"``) and ``stages`` (``"0,4"``) force replicas per
-    stage and first layers, as :func:`~dreampipe.machine.local_plan.forced_partition` reads them.
+    stage and first layers, as :func:`~dreampipe.runplan.plan_choice.forced_partition` reads them.
     """
 
     path: str | None = None
@@ -132,59 +124,6 @@ class TrainRequest:
 
 
 @dataclass(frozen=True)
-class TrainReport:
-    """The plan that ran, its predicted throughput and memory, and what the run measured.
-
-    ``predicted_memory`` holds the bytes each stage's workers are predicted
-    to add to their baseline (:func:`~dreampipe.runtime.memory.predict_memory`).
-    """
-
-    plan: Plan
-    steps: int
-    predicted_samples_per_s: float
-    result: TrainResult
-    predicted_memory: tuple[int, ...] = ()
-    #: The config that ran (with the schedule ``--schedule auto`` chose).
-    config: TrainConfig = TrainConfig()
-
-    def memory_rows(self) -> list[dict[str, Any]]:
-        """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
-        rows = []
-        for m in self.result.memory:
-            predicted = self.predicted_memory[m.stage] if self.predicted_memory else None
-            rows.append({
-                "rank": m.rank, "stage": m.stage, "device": m.kind,
-                "predicted_bytes": predicted, "measured_bytes": m.used,
-                "baseline_bytes": m.baseline, "peak_bytes": m.peak,
-                "ratio": m.used / predicted if predicted else None,
-            })
-        return rows
-
-    def summary(self) -> dict[str, Any]:
-        """The ``--json`` object."""
-        res = self.result
-        out: dict[str, Any] = {
-            "samples_per_s": res.samples_per_s,
-            "predicted_samples_per_s": self.predicted_samples_per_s,
-            "final_loss": res.final_loss,
-            "losses": list(res.losses),
-            "elapsed_s": res.elapsed_s,
-            "steps": self.steps,
-            "schedule": self.config.schedule,
-            "microbatches": self.config.microbatches,
-            "partition": self.plan.config,
-            "topology": self.plan.topology,
-            "virtual_stages": self.plan.virtual_stages,
-            "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
-            "memory": self.memory_rows(),
-            "config": self.config.to_dict(),
-        }
-        if res.accuracy is not None:
-            out["accuracy"] = res.accuracy
-        return out
-
-
-@dataclass(frozen=True)
 class PlannedRun:
     """A train job ready to run: the run with its plan, its model and the predictions
     (memory per stage: empty where this rank did not profile)."""
@@ -205,61 +144,30 @@ def plan_train(
     human-readable lines (plan, prediction) on the reporting rank.
     """
     opts = req.run
-    semantics = opts.config.chooses
     spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
-    source = req.plan
-    v = opts.config.virtual_stages or 1  # a plan file's own count replaces it once read
-    if v > 1 and (source.config is not None or source.stages is not None):
-        raise ConfigError(f"--virtual-stages {v} cuts the model into workers x {v} stages "
-                          "itself; leave --config and --stages out, or give a plan file",
-                          "virtual_stages", "config")
-    if opts.config.kind is ScheduleKind.DP and source.path is None and source.config is None:
-        source = PlanSource(config=str(workers))
-    layout = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                        microbatches=opts.config.microbatches, workers=workers)
+    ask = _plan_ask(req, workers, local=torchrun is None)
     lead = torchrun is None or torchrun[0] == 0
     nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
     machine = machine_for_run(workers, nodes=nodes, say=talk)  # every rank: it may measure
-    plan: Plan | None = None
     graph: LayerGraph | None = None
+    plan: Plan | None = None
+    chosen: tuple[ScheduleKind, int] | None = None
     if lead:
-        steps, given = _check_before_profiling(req, source, spec, workers,
+        steps, given = _check_before_profiling(req, ask, spec, workers,
                                                fixed_world=torchrun is not None)
-        local = torchrun is None
-        if req.profile is not None:
-            graph = saved_profile(req.profile, spec, layout.unit_size, ref=opts.model,
-                                  model_kwargs=opts.model_kwargs)
-        else:
-            graph = profile_as_worker(spec, layout.unit_size, min_time_s=PROFILE_MIN_S,
-                                      twins=corun_twins(workers, machine) if local else 0,
-                                      crowd=corun_crowd(workers, machine) if local else 0,
-                                      ref=opts.model, model_kwargs=opts.model_kwargs)
-        plan = given or (interleaved_plan(graph, workers, v) if v > 1 else choose_plan(
-            graph, workers, config=source.config, stages=source.stages,
-            allow_fewer_workers=torchrun is None, nodes=nodes,
-            memory_bytes=req.memory_bytes, machine=machine))
+        graph = _profile(req, spec, ask, machine, local=torchrun is None)
+        picked = choose_plan(graph, _topology(graph, workers, machine, nodes),
+                             dataclasses.replace(ask, given=given))
+        for line in picked.lines:
+            talk(line)
+        plan, chosen = picked.plan, picked.chosen
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
-        if source.path is not None:
-            plan = _load_plan(source.path, spec, workers, fixed_world=True, req=req)
-        else:
-            forced = forced_partition(spec.num_layers, workers, source.config, source.stages)
-            if forced is not None and forced[0] is not None:
-                plan = Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
-    chosen: tuple[ScheduleKind, int] | None = None
-    if semantics is not None and graph is not None and plan is not None:
-        free = given is None and source.planner_chooses and source.config is None and v == 1
-        plan, choice, lines = choose_auto(
-            graph, workers, semantics, None if free else plan, nodes=nodes,
-            memory_bytes=req.memory_bytes, machine=machine,
-            microbatches=opts.config.microbatches, allow_fewer_workers=torchrun is None)
-        for line in lines:
-            talk(line)
-        chosen = (choice.kind, choice.microbatches)
-    if plan is None or (torchrun is not None and (source.planner_chooses
-                                                  or semantics is not None)):
+        plan = _plan_without_profile(req, ask, spec, workers)
+    if plan is None or (torchrun is not None and ((ask.given is None and ask.stages is None)
+                                                  or ask.semantics is not None)):
         plan, chosen = share_plan(plan, opts.config.timeout_s, chosen)
     v = plan.virtual_stages
     config = opts.config if chosen is None else opts.config.chosen(*chosen)
@@ -270,34 +178,83 @@ def plan_train(
     run = opts.with_plan(plan, steps)
     check_run(run, spec, run.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
-    if graph is not None and v == 1:
-        # long enough to fill the pipeline and the runtime's kept sends
-        fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
-        horizon = min(steps, SENDS_KEPT + 2 * fill)
-        memory = predict_memory(graph, plan, layout.build(
-            [st.replicas for st in plan.stages], horizon, plan.in_flight), opts.memory_choices())
-        check_memory(plan, memory, req.memory_bytes)
-    if graph is not None and v > 1:
-        predicted = predict_interleaved(graph, plan, layout, min(steps, 8),
-                                         local_topology(workers, measured_machine(graph, machine),
-                                                        nodes=nodes))
-    else:
-        predicted = 0.0 if graph is None else predict_samples_per_s(
-            graph, plan, opts.config.kind, minibatch_size=opts.minibatch_size,
-            microbatches=opts.config.microbatches, steps=steps, nodes=nodes, machine=machine,
-        )
+    predicted = 0.0
+    if graph is not None:
+        memory = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
+        predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
+                                          machine, nodes=nodes)
+        if req.memory_bytes is not None and plan.has_splits:
+            for line in unfit_lines(memory_needs(graph, _topology(graph, workers, machine,
+                                                                  nodes))):
+                talk(line)
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
-    if graph is not None and req.memory_bytes is not None and plan.has_splits:
-        for line in unfit_lines(memory_needs(graph, local_topology(
-                workers, measured_machine(graph, machine), nodes=nodes))):
-            talk(line)
     talk(str(plan))
     if v > 1:
         talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.config.schedule}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
     return PlannedRun(run, spec, predicted, memory)
+
+
+def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
+    """What the job asks of its plan (a plan file is read later, on the ranks that need it);
+    the ``dp`` schedule is one stage on every worker."""
+    opts, source = req.run, req.plan
+    config = source.config
+    if opts.config.kind is ScheduleKind.DP and source.path is None and config is None:
+        config = str(workers)
+    return PlanAsk(workers=workers, config=config, stages=source.stages,
+                   virtual_stages=opts.config.virtual_stages or 1,  # a plan file's replaces it
+                   semantics=opts.config.chooses, microbatches=opts.config.microbatches,
+                   memory_bytes=req.memory_bytes, allow_fewer_workers=local)
+
+
+def _topology(graph: LayerGraph, workers: int, machine: LocalCalibration,
+              nodes: int) -> Topology:
+    return local_topology(workers, measured_machine(graph, machine), nodes=nodes)
+
+
+def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCalibration,
+             *, local: bool) -> LayerGraph:
+    """The saved profile, else one taken now as each worker computes (beside busy twins
+    when the workers are local)."""
+    opts = req.run
+    size = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                      microbatches=opts.config.microbatches, workers=ask.workers).unit_size
+    if req.profile is not None:
+        return saved_profile(req.profile, spec, size, ref=opts.model,
+                             model_kwargs=opts.model_kwargs)
+    return profile_as_worker(spec, size, min_time_s=PROFILE_MIN_S,
+                             twins=corun_twins(ask.workers, machine) if local else 0,
+                             crowd=corun_crowd(ask.workers, machine) if local else 0,
+                             ref=opts.model, model_kwargs=opts.model_kwargs)
+
+
+def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
+                          workers: int) -> Plan | None:
+    """A torchrun rank other than 0: the plan file or the forced stages, else None (rank 0
+    shares the plan it chose)."""
+    if req.plan.path is not None:
+        return _load_plan(req.plan.path, spec, workers, fixed_world=True, req=req)
+    forced = forced_partition(spec.num_layers, workers, ask.config, ask.stages)
+    if forced is None or forced[0] is None:
+        return None
+    return Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
+
+
+def _memory(graph: LayerGraph, plan: Plan, layout: UnitLayout, steps: int,
+            opts: TrainOptions, limit: int | None) -> tuple[int, ...]:
+    """Each stage's predicted memory, checked against ``limit``; empty when interleaved."""
+    if plan.virtual_stages > 1:
+        return ()
+    # long enough to fill the pipeline and the runtime's kept sends
+    fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
+    horizon = min(steps, SENDS_KEPT + 2 * fill)
+    memory = predict_memory(graph, plan, layout.build(
+        [st.replicas for st in plan.stages], horizon, plan.in_flight), opts.memory_choices())
+    check_memory(plan, memory, limit)
+    return memory
 
 
 def _quiet(_line: str) -> None:
@@ -322,7 +279,7 @@ def _workers(req: TrainRequest, torchrun: tuple[int, int] | None) -> int:
 
 
 def _check_before_profiling(
-    req: TrainRequest, source: PlanSource, spec: ModelSpec, workers: int, fixed_world: bool
+    req: TrainRequest, ask: PlanAsk, spec: ModelSpec, workers: int, fixed_world: bool
 ) -> tuple[int, Plan | None]:
     """Fail on a bad option, dataset, plan file or partition now, not after profiling.
 
@@ -332,9 +289,9 @@ def _check_before_profiling(
     """
     check_options(req.run)
     steps = _steps(req, _load_data(req.run, spec))
-    if source.path is not None:
-        return steps, _load_plan(source.path, spec, workers, fixed_world, req)
-    forced_partition(spec.num_layers, workers, source.config, source.stages)
+    if req.plan.path is not None:
+        return steps, _load_plan(req.plan.path, spec, workers, fixed_world, req)
+    forced_partition(spec.num_layers, workers, ask.config, ask.stages)
     return steps, None
 
 

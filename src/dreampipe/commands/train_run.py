@@ -33,14 +33,16 @@ import torch
 import torch.distributed as dist
 
 from dreampipe.api import checkpoint
+from dreampipe.api.config import TrainConfig
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
-from dreampipe.commands.train_plan import Say, TrainReport, TrainRequest, plan_train
+from dreampipe.commands.train_plan import Say, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.datasets import load_dataset
 from dreampipe.models.resolve import resolve_spec
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.engine import barrier
 from dreampipe.runtime.lanes import split_mesh
@@ -53,10 +55,63 @@ from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_process
 from dreampipe.runtime.results import RankReport, sorted_events, stage_states
 from dreampipe.runtime.tensor_split import load_dtensor_runtime, tensor_mesh
 
-__all__ = ["Checkpoints", "TrainJob", "run_train", "train_local", "train_rank"]
+__all__ = ["Checkpoints", "TrainJob", "TrainReport", "run_train", "train_local", "train_rank"]
 
 _log = logging.getLogger(__name__)
 _EVAL_BATCH = 256
+
+
+@dataclass(frozen=True)
+class TrainReport:
+    """The plan that ran, its predicted throughput and memory, and what the run measured.
+
+    ``predicted_memory`` holds the bytes each stage's workers are predicted
+    to add to their baseline (:func:`~dreampipe.runtime.memory.predict_memory`).
+    """
+
+    plan: Plan
+    steps: int
+    predicted_samples_per_s: float
+    result: TrainResult
+    predicted_memory: tuple[int, ...] = ()
+    #: The config that ran (with the schedule ``--schedule auto`` chose).
+    config: TrainConfig = TrainConfig()
+
+    def memory_rows(self) -> list[dict[str, Any]]:
+        """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
+        rows = []
+        for m in self.result.memory:
+            predicted = self.predicted_memory[m.stage] if self.predicted_memory else None
+            rows.append({
+                "rank": m.rank, "stage": m.stage, "device": m.kind,
+                "predicted_bytes": predicted, "measured_bytes": m.used,
+                "baseline_bytes": m.baseline, "peak_bytes": m.peak,
+                "ratio": m.used / predicted if predicted else None,
+            })
+        return rows
+
+    def summary(self) -> dict[str, Any]:
+        """The ``--json`` object."""
+        res = self.result
+        out: dict[str, Any] = {
+            "samples_per_s": res.samples_per_s,
+            "predicted_samples_per_s": self.predicted_samples_per_s,
+            "final_loss": res.final_loss,
+            "losses": list(res.losses),
+            "elapsed_s": res.elapsed_s,
+            "steps": self.steps,
+            "schedule": self.config.schedule,
+            "microbatches": self.config.microbatches,
+            "partition": self.plan.config,
+            "topology": self.plan.topology,
+            "virtual_stages": self.plan.virtual_stages,
+            "stages": [[st.first, st.last, st.replicas] for st in self.plan.stages],
+            "memory": self.memory_rows(),
+            "config": self.config.to_dict(),
+        }
+        if res.accuracy is not None:
+            out["accuracy"] = res.accuracy
+        return out
 
 
 @dataclass(frozen=True)

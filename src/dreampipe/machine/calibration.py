@@ -74,13 +74,13 @@ class LocalCalibration:
     #: A runtime forward's own host time per unit and stage, which the layer
     #: profile does not time (``StageModule.forward``'s bookkeeping). Used
     #: only for a profile without the factors that
-    #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
+    #: :mod:`~dreampipe.runplan.runtime_overhead` measures with every local profile.
     stage_forward_s: float
     #: Loading a unit's samples (input stage) or labels (last stage), cold.
     batch_load_s: float
     #: The last stage's loss, which the profile leaves out (it times layers).
     #: Used only for a profile without the loss's own times, which
-    #: :mod:`~dreampipe.machine.overhead` measures with every local profile.
+    #: :mod:`~dreampipe.runplan.runtime_overhead` measures with every local profile.
     loss_s: float
     #: Whether gradient all-reduces overlap the backward. Not with gloo: it
     #: moves and sums the bytes on the cores that compute, so an all-reduce
@@ -105,7 +105,7 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
     """How much slower than ``graph`` says a worker computes beside the others.
 
     No slowdown for one worker, or for a profile taken beside as many busy twins
-    (``meta["twins"]``, :func:`dreampipe.machine.corun.profile_beside`) as
+    (``meta["twins"]``, :func:`dreampipe.runplan.profile_beside.profile_beside`) as
     compute beside each worker; else the machine's calibrated figure.
     """
     if workers <= 1 or int(graph.meta.get("twins", 0)) >= corun_twins(workers, machine):
@@ -116,7 +116,7 @@ def _corun_factor(graph: LayerGraph, workers: int, machine: LocalCalibration) ->
 def corun_crowd(workers: int, machine: LocalCalibration) -> int:
     """Workers beyond the cores: they wait while the others profile, then all train
     at once to measure the pace the cores' sharing gives
-    (:func:`~dreampipe.machine.corun.profile_beside`)."""
+    (:func:`~dreampipe.runplan.profile_beside.profile_beside`)."""
     return max(0, workers - machine.cores)
 
 
@@ -174,7 +174,7 @@ def local_costs(
 
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward and backward the stage's own
-    overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.machine.overhead`
+    overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.runplan.runtime_overhead`
     measured with the profile, else the machine's ``stage_forward_s``), loading
     the unit's data, the loss (its forward and backward as measured with the
     profile, else the machine's ``loss_s``), and each weight update (with the

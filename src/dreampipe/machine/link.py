@@ -1,6 +1,6 @@
 """Predicted and measured steady-state throughput of workers joined by a known link.
 
-:mod:`dreampipe.machine.local_plan` predicts for this machine's local workers, on
+:mod:`dreampipe.runplan.prediction` predicts for this machine's local workers, on
 loopback at the bandwidth measured on this machine (:mod:`~dreampipe.machine.measure`).
 Workers on a real (or shaped) network differ in one figure, the link's
 bandwidth: :func:`on_link` is the same calibration at another bandwidth and
@@ -66,7 +66,7 @@ def simulate_on(
 ) -> SimResult:
     """The simulator's run of ``steps`` updates of ``plan`` on ``machine``'s workers.
 
-    What :func:`~dreampipe.machine.local_plan.predict_samples_per_s` simulates, on a
+    What :func:`~dreampipe.runplan.prediction.predict_samples_per_s` simulates, on a
     given calibration (:func:`on_link`), with its events for
     :func:`window_rates`. ``graph`` must be profiled at the layout's unit size.
     """

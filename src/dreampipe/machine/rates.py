@@ -4,7 +4,7 @@ A local run's prediction needs, beyond the layer times, how fast the workers
 all-reduce gradients, apply an SGD step and copy a stashed weight version.
 These are memory-bound and drift with the host as compute does, so the
 processes that profile beside each other
-(:func:`~dreampipe.machine.corun.profile_beside`) measure them too and keep
+(:func:`~dreampipe.runplan.profile_beside.profile_beside`) measure them too and keep
 them in the graph's meta, which
 :func:`~dreampipe.machine.calibration.measured_machine` puts in place of the
 fixed figures of :class:`~dreampipe.machine.calibration.LocalCalibration`.

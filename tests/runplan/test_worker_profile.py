@@ -12,14 +12,17 @@ from dreampipe.commands import train_plan as train
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest, plan_train
 from dreampipe.errors import ProfileError
-from dreampipe.machine import local_plan as local
-from dreampipe.machine.local_plan import predict_samples_per_s, saved_profile
+from dreampipe.machine.measure import local_machine
 from dreampipe.models import get_model
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.profiling.profiler import profile_spec
+from dreampipe.runplan import worker_profile as local
+from dreampipe.runplan.prediction import predict_samples_per_s
+from dreampipe.runplan.worker_profile import saved_profile
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
 
 _KWARGS = (("layers", 4), ("width", 32))
 _SPEC = get_model("mlp", **dict(_KWARGS))
@@ -69,10 +72,10 @@ def test_a_profile_of_the_model_at_another_size_is_refused_naming_the_difference
 
 
 @pytest.mark.parametrize(("meta", "needles"), [
-    ({}, ("is of 16 samples", "each unit this run computes is 8", "--batch-size 8 -o")),
+    ({}, ("is of 16 samples", "each microbatch this run computes is 8", "--batch-size 8 -o")),
     ({"batch_size": 0}, ("does not say its batch size", "--batch-size 8 -o")),
 ], ids=["other-batch", "no-batch"])
-def test_a_profile_at_another_batch_than_the_units_is_refused(
+def test_a_profile_at_another_batch_than_the_microbatches_is_refused(
     saved: Path, tmp_path: Path, meta: dict[str, int], needles: tuple[str, ...]
 ) -> None:
     with pytest.raises(ProfileError) as err:
@@ -112,5 +115,6 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
     assert [st.replicas for st in planned.run.plan.stages] == [1, 1]
     assert len(planned.predicted_memory) == 2 and min(planned.predicted_memory) > 0
     assert planned.predicted_samples_per_s == predict_samples_per_s(
-        load_graph(measured), planned.run.plan, ScheduleKind.FLUSH, minibatch_size=32,
-        microbatches=2, steps=6)
+        load_graph(measured), planned.run.plan,
+        UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=32, microbatches=2), 6,
+        local_machine(2))

@@ -8,8 +8,8 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics, choose_schedule
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.simulation.choose import CANDIDATES, Semantics, choose_schedule
 
 S = ScheduleKind
 

@@ -1,4 +1,5 @@
-"""The runtime's forward and backward beside plain PyTorch (:mod:`~dreampipe.machine.overhead`)."""
+"""The runtime's forward and backward beside plain PyTorch
+(:mod:`~dreampipe.runplan.runtime_overhead`)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from dataclasses import replace
 
 from torch import Tensor
 
-from dreampipe.machine.local_plan import profile_as_worker
-from dreampipe.machine.overhead import with_runtime_overhead
 from dreampipe.models import get_model
 from dreampipe.profiling.profiler import profile_spec
+from dreampipe.runplan.runtime_overhead import with_runtime_overhead
+from dreampipe.runplan.worker_profile import profile_as_worker
 
 
 def test_the_profile_carries_the_runtimes_forward_and_backward_over_plain_pytorch() -> None:

@@ -1,0 +1,48 @@
+"""What a run's plan should reach on this machine: samples/s, by the simulator.
+
+The run's schedule is built as the runtime will run it and simulated with
+this machine's costs (:func:`~dreampipe.machine.calibration.local_costs`:
+the profile's layer times plus what the runtime pays around them), so a run
+can print the prediction beside what it measures. An interleaved plan is
+priced on the profile alone (docs/design.md §9.1).
+"""
+
+from __future__ import annotations
+
+from dreampipe.machine.calibration import (
+    LocalCalibration,
+    local_costs,
+    local_topology,
+    measured_machine,
+)
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.units import UnitLayout
+from dreampipe.simulation.action_costs import costs_from_profile
+from dreampipe.simulation.simulator import simulate_schedule
+
+__all__ = ["predict_samples_per_s"]
+
+
+def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: UnitLayout, steps: int,
+                          machine: LocalCalibration, *, nodes: int = 1) -> float:
+    """Samples/s the simulator predicts for ``steps`` updates of ``plan`` run as ``layout``
+    says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes).
+
+    A ``graph`` profiled at the layout's microbatch gives each scheduled one
+    what the profile measured; one at another batch is scaled to it in
+    proportion, a rough guess (``train`` refuses such a profile).
+    """
+    v = plan.virtual_stages
+    here = measured_machine(graph, machine)
+    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    if v > 1:
+        schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
+        topology = local_topology(plan.workers_used, here, nodes=nodes)
+        costs = costs_from_profile(graph, plan, topology, fraction)
+    else:
+        schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
+        costs = local_costs(graph, plan, fraction, here, nodes=nodes)
+    makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
+    samples = steps * layout.units_per_update * layout.unit_size
+    return samples / makespan if makespan > 0 else 0.0

@@ -1,0 +1,41 @@
+"""What a plan should reach on this machine (:mod:`dreampipe.runplan.prediction`)."""
+
+from __future__ import annotations
+
+import pytest
+from machine.fixtures import DEV_MACHINE
+
+from dreampipe.machine.calibration import local_topology
+from dreampipe.machine.measure import local_machine
+from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
+from dreampipe.runplan.prediction import predict_samples_per_s
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.units import UnitLayout
+from runplan.toy_graphs import toy_graph
+
+__all__: list[str] = []
+
+
+def test_prediction_matches_a_balanced_pipeline() -> None:
+    graph = toy_graph([6.0] * 4)
+    plan = choose_plan(graph, local_topology(2, local_machine(2)),
+                       PlanAsk(workers=2, stages="0,2")).plan
+    steps = 200
+    rate = predict_samples_per_s(graph, plan, UnitLayout(
+        kind=ScheduleKind.PIPEDREAM, minibatch_size=32, microbatches=1), steps, local_machine(2))
+    # the slower stage: each runs two layers plus the host time local costs charge
+    # per minibatch (slowed by a busy neighbour): its forward's overhead, its data
+    # (samples or labels), the SGD step of its 8 MiB of weights and one send; the
+    # last stage adds the loss, the first the copy its step makes of the weights
+    # that the minibatch in flight still holds (weight stashing)
+    m = DEV_MACHINE
+    weights = 2 * 4 * 1024 * 1024
+    common_s = (2 * 6.0 / 1e3 + m.stage_forward_s + m.batch_load_s
+                + weights / m.step_bandwidth)
+    first_s, last_s = common_s + weights / m.stash_copy_bandwidth, common_s + m.loss_s
+    send_s = m.send_overhead_s + 4 * 32 * 1024 / m.send_copy_bandwidth
+    one_stage_s = max(first_s, last_s) * m.corun_slowdown + send_s
+    assert first_s > last_s
+    assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
+
+
