@@ -46,7 +46,7 @@ def _costs(replicas: Sequence[int], fraction: float) -> SimCosts:
         allreduce_s=tuple(0.005 if r > 1 else 0.0 for r in replicas),
         parameter_bytes=(1e7,) * n,
         stash_bytes=(4e7 * fraction,) * n,
-        unit_fraction=fraction,
+        microbatch_fraction=fraction,
     )
 
 
@@ -57,18 +57,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     _docs.add_argument(parser)
     args = parser.parse_args(argv)
     tee = _docs.capture(args)
-    print(f"{'plan':<12} {'schedule':<10} {'units':>6} {'actions':>8} {'build s':>13} "
+    print(f"{'plan':<12} {'schedule':<10} {'microbatches':>12} {'actions':>8} {'build s':>13} "
           f"{'simulate s':>13} {'total s':>13} {'mb/s':>8} {'bubble':>7}")
     for name, replicas, kind, per_update in _CASES:
-        units = args.minibatches * per_update if kind is not ScheduleKind.DP else args.minibatches
+        microbatches = (args.minibatches * per_update if kind is not ScheduleKind.DP
+                        else args.minibatches)
         fraction = 1.0 if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.DP) else 1 / per_update
         per = per_update if kind is not ScheduleKind.DP else replicas[0]
-        units = -(-units // per) * per
+        microbatches = -(-microbatches // per) * per
         build_s: list[float] = []
         sim_s: list[float] = []
         for _ in range(args.repeat):
             t0 = time.perf_counter()
-            schedule = build_schedule(replicas, kind, units, per)
+            schedule = build_schedule(replicas, kind, microbatches, per)
             t1 = time.perf_counter()
             result = simulate_schedule(schedule, _costs(replicas, fraction))
             t2 = time.perf_counter()
@@ -76,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             sim_s.append(t2 - t1)
         actions = sum(len(a) for a in schedule.actions)
         total_s = [b + s for b, s in zip(build_s, sim_s, strict=True)]
-        print(f"{name:<12} {kind.value:<10} {units:>6} {actions:>8} {_spread(build_s):>13} "
+        print(f"{name:<12} {kind.value:<10} {microbatches:>12} {actions:>8} {_spread(build_s):>13} "
               f"{_spread(sim_s):>13} {_spread(total_s):>13} "
               f"{result.throughput_minibatches_per_s:>8.2f} {result.bubble_fraction:>7.3f}")
     _docs.finish(tee, "simulator", __file__, argv)

@@ -224,7 +224,7 @@ _TEXT = (_IDS, (_IDS + 1) % 11,  # a next token to learn
 
 def _window(k: int, n: int) -> slice:
     """Minibatch ``k`` of size ``n``: samples ``k*n ..`` of a fixed stream, so a minibatch's
-    units are the stream's minibatches of the unit size (as in the zoo's data)."""
+    microbatches are the stream's minibatches of the microbatch size (as in the zoo's data)."""
     start = k * n % _POOL
     assert start + n <= _POOL
     return slice(start, start + n)
@@ -298,10 +298,10 @@ CASES: dict[str, Case] = {
 
 class CaseSpec:
     """A case as the references' model spec: stages built from a fresh seeded model,
-    traced on units of ``unit`` samples (the shapes a trace bakes in)."""
+    traced on microbatches of ``microbatch`` samples (the shapes a trace bakes in)."""
 
-    def __init__(self, case: Case, seed: int, unit: int = 1) -> None:
-        self.case, self.seed, self.unit = case, seed, unit
+    def __init__(self, case: Case, seed: int, microbatch: int = 1) -> None:
+        self.case, self.seed, self.microbatch = case, seed, microbatch
         self.loss_fn = case.loss_fn
         self.num_layers = len(split_layers(self.model(), case.example(0, 1)[0]))
 
@@ -313,7 +313,7 @@ class CaseSpec:
         """Layers ``first..last``; the whole model as it is, called with its inputs."""
         if (first, last) == (0, self.num_layers - 1):
             return _AsCalled(self.model())
-        example = self.case.example(0, self.unit)[0]
+        example = self.case.example(0, self.microbatch)[0]
         return Chain(split_layers(self.model(), example)[first : last + 1])
 
 

@@ -79,7 +79,7 @@ def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Se
         layers = split_layers(model, x[:4])
         config = TrainConfig(schedule="auto", semantics=semantics.value, microbatches=2)
         got = resolve_plan("auto", layers=layers, example=(x, y), loss_fn=F.cross_entropy,
-                           unit_size=4, config=config)
+                           microbatch_size=4, config=config)
     finally:
         dist.destroy_process_group()
     assert got.kind in CANDIDATES[semantics]

@@ -53,10 +53,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Any]]
     return {s: (out[2 * i], out[2 * i + 1]) for i, (s, _) in enumerate(_SCHEDULES)}
 
 
-def _reference(units: int) -> tuple[list[float], dict[str, Tensor]]:
+def _reference(microbatches: int) -> tuple[list[float], dict[str, Tensor]]:
     return reference_sync(CaseSpec(CASES["counter"], _SEED), CaseData(CASES["counter"]),  # type: ignore[arg-type]
                           steps=4, minibatch=_MINIBATCH, seed=_SEED, opt=sgd(_LR),
-                          microbatches=units)
+                          microbatches=microbatches)
 
 
 @pytest.mark.slow

@@ -48,9 +48,9 @@ def test_sync_schedules_through_the_api_equal_gradient_accumulation(
     got = _run(sum(replicas), schedule=schedule, bounds=bounds, replicas=replicas, steps=3,
                minibatch=16, microbatches=micro, lr=0.2)
     spec = get_model("mlp", layers=4, width=16)
-    units = micro * sum(replicas) if schedule == "dp" else micro
+    microbatches = micro * sum(replicas) if schedule == "dp" else micro
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=3,
-                                   minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=units)
+                                   minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=microbatches)
     assert_matches(got, losses, state)
 
 
@@ -116,10 +116,10 @@ CAPPED = [([0, 2], [1, 1], 3, 3), ([0, 2], [2, 1], 3, 2)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("bounds", "replicas", "segment_units", "cap"), CAPPED,
+@pytest.mark.parametrize(("bounds", "replicas", "segment_microbatches", "cap"), CAPPED,
                          ids=["straight-2", "replicated-2-1"])
 def test_pipedream_drains_a_full_segment_as_finish_would(
-    bounds: list[int], replicas: list[int], segment_units: int, cap: int
+    bounds: list[int], replicas: list[int], segment_microbatches: int, cap: int
 ) -> None:
     """A segment of ``cap`` minibatches (whole rounds of the replicated stage) drains.
 
@@ -130,7 +130,8 @@ def test_pipedream_drains_a_full_segment_as_finish_would(
     """
     job = {"schedule": "pipedream", "bounds": bounds, "replicas": replicas, "steps": 7,
            "minibatch": 8, "lr": 0.3, "momentum": 0.9}
-    capped = _run(sum(replicas), segment_units=segment_units, record_events=True, **job)
+    capped = _run(sum(replicas), segment_microbatches=segment_microbatches, record_events=True,
+                  **job)
     finished = _run(sum(replicas), finish_every=cap, **job)
     assert capped["longest"] <= cap < finished["longest"]
     assert capped["updates"] == list(range(math.ceil(7 / replicas[0])))
@@ -143,7 +144,7 @@ def test_pipedream_drains_a_full_segment_as_finish_would(
 def test_sync_segments_drained_by_the_cap_train_as_one() -> None:
     """1F1B with a flush drains at every update anyway: the cap changes nothing."""
     got = _run(2, schedule="1f1b-flush", bounds=[0, 2], replicas=[1, 1], steps=5,
-               minibatch=16, microbatches=4, lr=0.2, segment_units=8)
+               minibatch=16, microbatches=4, lr=0.2, segment_microbatches=8)
     assert got["longest"] <= 8
     spec = get_model("mlp", layers=4, width=16)
     losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=5,
@@ -164,7 +165,7 @@ def test_receives_posted_ahead_change_nothing_across_drains_and_evaluations(
     (comm.py, "posting ahead"); without posting ahead it has not. Seven steps with a
     ``finish()`` and an ``evaluate()`` every ``every`` steps train bit for bit alike
     either way: a receive a drain leaves posted is taken by the next segment, or set
-    aside where the round-robin gives its unit to the other replica (2-1, drains
+    aside where the round-robin gives its microbatch to the other replica (2-1, drains
     every 3), and the evaluations' traffic never meets it."""
     job = {"schedule": "pipedream", "bounds": bounds, "replicas": replicas, "steps": 7,
            "minibatch": 8, "lr": 0.3, "momentum": 0.9, "vertical_sync": vsync,

@@ -15,7 +15,7 @@ import dreampipe
 from dreampipe.api import pipeline as pipeline_module
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.actions import ActionKind, Schedule
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import split_layers
 
 __all__: list[str] = []
@@ -134,25 +134,25 @@ def test_reserved_steps_never_stop_to_extend_the_schedule_and_train_alike(
 def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_alike(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Past ``SEGMENT_UNITS`` a step drains, as ``finish()`` would; nothing else changes.
+    """Past ``SEGMENT_MICROBATCHES`` a step drains, as ``finish()`` would; nothing else changes.
 
-    A cap of 96 units is 48 minibatches of 2 microbatches: 115 reserved steps
+    A cap of 96 microbatches is 48 minibatches of 2 microbatches: 115 reserved steps
     run as segments of 48, 48 and 19. ``reserve`` builds every schedule they
     run on (48 minibatches, and 38 for the last segment's horizon), so no step
     builds one; no schedule holds more than the cap; the losses of all 115
-    steps come back from the one ``finish()``; and the events number units
+    steps come back from the one ``finish()``; and the events number microbatches
     and updates over the whole run, not from 0 in each segment.
     """
-    monkeypatch.setattr(pipeline_module, "SEGMENT_UNITS", 96)
+    monkeypatch.setattr(pipeline_module, "SEGMENT_MICROBATCHES", 96)
     built: list[int] = []
-    build = UnitLayout.build
+    build = MicrobatchLayout.build
 
-    def counted(layout: UnitLayout, replicas: list[int], steps: int,
+    def counted(layout: MicrobatchLayout, replicas: list[int], steps: int,
                 in_flight: list[int] | None = None, virtual_stages: int = 1) -> Schedule:
         built.append(steps)
         return build(layout, replicas, steps, in_flight, virtual_stages)
 
-    monkeypatch.setattr(UnitLayout, "build", counted)
+    monkeypatch.setattr(MicrobatchLayout, "build", counted)
     data = _data(115)
     want_losses, want = _reference(_model(), data, micro=2)
     pipe = _pipe(_model(), data, schedule="1f1b-flush", microbatches=2, record_events=True)
@@ -161,14 +161,14 @@ def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_ali
     longest = 0
     for x, y in data:
         pipe.step(x, y)
-        longest = max(longest, pipe.runner.schedule.num_units)
+        longest = max(longest, pipe.runner.schedule.num_microbatches)
     assert built == [32, 48, 38], "a reserved step built a schedule"
     losses = pipe.finish()
     assert longest == 96
     assert built[3:] == [19]  # the drain of the last, short segment
-    forwards = [e.unit for e in pipe.events if e.kind is ActionKind.FORWARD]
+    forwards = [e.microbatch for e in pipe.events if e.kind is ActionKind.FORWARD]
     assert forwards == list(range(2 * len(data)))
-    steps = [e.unit for e in pipe.events if e.kind is ActionKind.STEP]
+    steps = [e.microbatch for e in pipe.events if e.kind is ActionKind.STEP]
     assert steps == list(range(len(data)))
     _assert_trained_like(pipe, losses, (want_losses, want))
     pipe.close()

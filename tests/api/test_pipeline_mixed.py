@@ -3,7 +3,7 @@ local workers as one process does, each rank within a quarter of its predicted m
 
 ``1t2-2r``: layers 0-1 split over workers 0-1 (rows, then columns), layers 2-3
 replicated on workers 2 and 3, recomputing. Worker 0 alone sends stage 0's output (it is
-replicated on both), to the replica whose unit it is; that replica sends its gradient
+replicated on both), to the replica whose microbatch it is; that replica sends its gradient
 to both workers of stage 0 (:mod:`dreampipe.runtime.lanes`).
 
 The single-process references compute each split Linear on the plan's shards
@@ -35,7 +35,7 @@ from dreampipe.runtime.memory import predict_memory
 from dreampipe.runtime.processes import HeapPolicy, run_processes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 from .compare import assert_matches
 from .mixed_workers import train_mixed
@@ -96,11 +96,11 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
         (0, False), (0, False), (1, True), (1, True)]
 
     spec = get_model("mlp", layers=4, width=width)
-    layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=minibatch,
-                        microbatches=microbatches, workers=3)
+    layout = MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=minibatch,
+                              microbatches=microbatches, workers=3)
     choices = SimpleNamespace(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
                               vertical_sync=False, compensate=True)
-    predicted = predict_memory(profile_spec(spec, layout.unit_size), plan,
+    predicted = predict_memory(profile_spec(spec, layout.microbatch_size), plan,
                                layout.build([1, 2], STEPS, plan.in_flight), choices)
     ratios = [o["used"] / predicted[o["stage"]] for o in out]
     print(f"\n{plan.config}: predicted {[round(p / 1e6, 1) for p in predicted]} MB, "

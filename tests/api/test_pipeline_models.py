@@ -79,7 +79,7 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
     name: str
 ) -> None:
     got = _run(case=name, schedule="pipedream", steps=4, minibatch=8, lr=0.1, momentum=0.9)
-    spec = CaseSpec(CASES[name], SEED, unit=8)
+    spec = CaseSpec(CASES[name], SEED, microbatch=8)
     losses, state = reference_pipedream(
         spec, CaseData(CASES[name]), bounds=got["bounds"], replicas=[1, 1],  # type: ignore[arg-type]
         steps=4, minibatch=8, seed=SEED, opt=sgd(0.1, 0.9), compensate=True,

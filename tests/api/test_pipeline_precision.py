@@ -48,10 +48,10 @@ def runs() -> list[dict[str, Any]]:
     return out
 
 
-def _reference(name: str, units: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(name: str, microbatches: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return reference_sync(CaseSpec(CASES[name], SEED), CaseData(CASES[name]),  # type: ignore[arg-type]
                           steps=_STEPS, minibatch=_MINIBATCH, seed=SEED, opt=sgd(_LR),
-                          microbatches=units, autocast=torch.bfloat16)
+                          microbatches=microbatches, autocast=torch.bfloat16)
 
 
 @pytest.mark.slow

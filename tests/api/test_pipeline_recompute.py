@@ -1,6 +1,6 @@
 """Plans whose stages recompute (``r``) train on 2 ranks as the same plans without it:
 1f1b-flush equals one process, pipedream the delayed-update rule (the backward runs the
-forward again on the unit's stashed version)."""
+forward again on the microbatch's stashed version)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def test_recomputing_gpt2_under_pipedream_follows_the_delayed_updates() -> None:
     got = _run(case="gpt2", schedule="pipedream", steps=4, minibatch=8, lr=0.1, momentum=0.9,
                plan=_recomputing_plan("gpt2"))
     losses, state = reference_pipedream(
-        CaseSpec(CASES["gpt2"], SEED, unit=8), CaseData(CASES["gpt2"]),  # type: ignore[arg-type]
+        CaseSpec(CASES["gpt2"], SEED, microbatch=8), CaseData(CASES["gpt2"]),  # type: ignore[arg-type]
         bounds=got["bounds"], replicas=[1, 1], steps=4, minibatch=8, seed=SEED,
         opt=sgd(0.1, 0.9), compensate=True,
         ties=[[(0, a), (1, b)] for a, b in TIED_KEYS["gpt2"]])

@@ -26,16 +26,16 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     exponential learning-rate decay per update), ``compensate``
     (staleness compensation, on by default), ``save``
     (a directory) and ``resume``,
-    ``segment_units`` (the Pipeline's segment cap) and ``finish_every`` (call
+    ``segment_microbatches`` (the Pipeline's segment cap) and ``finish_every`` (call
     ``finish()`` every that many steps), ``record_events``, ``evaluate`` (so
     many held-out batches after every ``finish()``), ``post_ahead`` (False:
-    post no receive ahead, as on NCCL). Rank 0 also reports the most units its
+    post no receive ahead, as on NCCL). Rank 0 also reports the most microbatches its
     schedule ever held, and the numbers of its ``STEP`` events; the last rank
     reports, after each step, whether the next minibatch's receive is posted, and
     ``hyper``, its optimizer's settings as the run began (after any resume).
     """
-    if "segment_units" in job:
-        pipeline_module.SEGMENT_UNITS = job["segment_units"]
+    if "segment_microbatches" in job:
+        pipeline_module.SEGMENT_MICROBATCHES = job["segment_microbatches"]
     if not job.get("post_ahead", True):
         Comm.posts_ahead = property(lambda self: False)  # type: ignore[method-assign,assignment]
     spec = get_model("mlp", layers=4, width=16)
@@ -73,7 +73,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     held_out = [data.batch(10_000 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
     for k in range(start, start + job["steps"]):
         pipe.step(*data.batch(k, job["minibatch"]))
-        longest = max(longest, pipe.runner.schedule.num_units)
+        longest = max(longest, pipe.runner.schedule.num_microbatches)
         ahead.append((ActionKind.RECV_F, k + 1) in pipe.runner.comm.pending_receives)
         if (k + 1 - start) % job.get("finish_every", job["steps"] + 1) == 0:
             losses += pipe.finish()
@@ -85,7 +85,7 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     pipe.close()
     out = {"losses": losses, "state": state, "saved": saved, "loaded": loaded, "hyper": hyper,
            "longest": longest, "evals": evals,
-           "updates": [e.unit for e in pipe.events if e.kind is ActionKind.STEP]}
+           "updates": [e.microbatch for e in pipe.events if e.kind is ActionKind.STEP]}
     if rank == 0:
         return out
     return {"ahead": ahead} if rank == world - 1 else None

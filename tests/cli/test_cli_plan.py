@@ -225,10 +225,10 @@ def test_coprime_replicas_are_checked_in_bounded_minibatches() -> None:
     topo = Topology.parse("4x16")
     plan = evaluate_plan(graph, topo, [0, 10, 20, 30], replicas)
     sim = confirm_by_simulation(plan, graph, topo)
-    assert sim.num_units == check_minibatches(plan) < CHECK_MINIBATCHES
-    assert sim.num_units < math.lcm(*replicas) and sim.num_units % math.lcm(*replicas)
-    assert sim.steady_units > 0
-    assert confirm_by_simulation(plan, graph, topo, cap=50).num_units == 50
+    assert sim.num_microbatches == check_minibatches(plan) < CHECK_MINIBATCHES
+    assert sim.num_microbatches < math.lcm(*replicas) and sim.num_microbatches % math.lcm(*replicas)
+    assert sim.steady_microbatches > 0
+    assert confirm_by_simulation(plan, graph, topo, cap=50).num_microbatches == 50
 
 
 @pytest.mark.parametrize(("replicas", "expected"), [

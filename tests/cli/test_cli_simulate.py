@@ -50,8 +50,8 @@ def test_every_schedule_on_a_plan_with_its_profile(
     assert 0 <= float(data["bubble_fraction"]) < 1  # type: ignore[arg-type]
     memory = data["peak_memory_bytes"]
     assert isinstance(memory, list) and len(memory) == 4 and min(memory) > 0
-    expected_units = {"pipedream": 6, "dp": 8, "naive": 24, "gpipe": 24, "1f1b-flush": 24}
-    assert data["units"] == expected_units[schedule]
+    expected_microbatches = {"pipedream": 6, "dp": 8, "naive": 24, "gpipe": 24, "1f1b-flush": 24}
+    assert data["num_microbatches"] == expected_microbatches[schedule]
 
 
 def test_human_report_lists_every_rank(

@@ -115,10 +115,10 @@ def test_steps_cover_the_epochs() -> None:
         steps_for_epochs(0, 1000, 32)
 
 
-def test_timeline_window_keeps_the_asked_units() -> None:
+def test_timeline_window_keeps_the_asked_microbatches() -> None:
     events = [Event(0, 0, ActionKind.FORWARD, u, u, u + 0.5) for u in range(20)]
     kept = timeline_window(tuple(events), 3, 5)
-    assert [e.unit for e in kept] == [3, 4, 5, 6, 7]
+    assert [e.microbatch for e in kept] == [3, 4, 5, 6, 7]
     with pytest.raises(ConfigError, match="epochs=-1"):
         DemoOptions().with_epochs(-1)
 

@@ -38,9 +38,9 @@ def test_timed_rate_counts_the_timed_steps_and_their_drain_only() -> None:
 
 
 def _report(rounds: int = 3) -> BenchReport:
-    def entry(name: str, rates: tuple[float, ...], unit: int, pred: float | None = None
+    def entry(name: str, rates: tuple[float, ...], size: int, pred: float | None = None
               ) -> BenchEntry:
-        return BenchEntry(name, rates[:rounds], unit, pred)
+        return BenchEntry(name, rates[:rounds], size, pred)
 
     entries = (
         entry("pipedream", (3000.0, 2800.0, 3300.0), 128, 2900.0),
@@ -58,7 +58,7 @@ def test_report_json_keeps_its_keys_and_adds_rounds_and_spreads() -> None:
     assert data["workload"] == "mlp"
     assert (data["steps"], data["warmup"], data["rounds"]) == (5, 1, 3)
     assert data["results"]["ddp"] == {"samples_per_s": 2200.0, "min": 2000.0, "max": 2900.0,
-                                      "rounds": [2900.0, 2000.0, 2200.0], "unit": 128}
+                                      "rounds": [2900.0, 2000.0, 2200.0], "microbatch_size": 128}
     assert data["results"]["pipedream"]["predicted_samples_per_s"] == 2900.0
     assert data["ratios"] == {
         "1f1b-flush/torch-1f1b-stock": pytest.approx(2400.0 / 1200.0),
@@ -204,10 +204,10 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
             ] == [1, 2]
     assert by_name["interleaved-1f1b"]["arg"][0].virtual_stages == 2
     assert [by_name[n]["arg"][1] for n in ("ddp", "ddp-no-allreduce")] == [True, False]
-    units = {e.name: e.unit for e in report.entries}
-    assert units["torch-zb"] == units["zb-h1"] == units["interleaved-1f1b"] == units["2bw"] == 32
-    assert (units["pipedream"], units["1f1b-flush"], units["torch-1f1b-big"],
-            units["single-1thread"]) == (128, 32, 128, 256)
+    sizes = {e.name: e.microbatch_size for e in report.entries}
+    assert sizes["torch-zb"] == sizes["zb-h1"] == sizes["interleaved-1f1b"] == sizes["2bw"] == 32
+    assert (sizes["pipedream"], sizes["1f1b-flush"], sizes["torch-1f1b-big"],
+            sizes["single-1thread"]) == (128, 32, 128, 256)
 
 
 def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,7 +281,7 @@ def test_bench_cli_transformer(capsys: pytest.CaptureFixture[str]) -> None:
     names = ["pipedream", "torch-1f1b-stock"]
     data = _cli_json(capsys, "--workload", "transformer", "--only", *names)
     assert data["workload"] == "transformer"
-    assert [data["results"][n]["unit"] for n in names] == [8, 2]
+    assert [data["results"][n]["microbatch_size"] for n in names] == [8, 2]
     assert all(data["results"][n]["samples_per_s"] > 0 for n in names)
     assert data["results"]["pipedream"]["predicted_samples_per_s"] > 0
     assert data["ratios"] == {}, "no ratio pairs these two"

@@ -32,7 +32,7 @@ _BATCH = {"mlp": 16, "cnn": 256}
 
 @pytest.fixture(scope="module")
 def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each model profiled once at its minibatch, a pipedream unit (``train --profile``):
+    """Each model profiled once at its minibatch, a pipedream microbatch (``train --profile``):
     the sizes memory is predicted from are those a run's own profile measures, which
     one case still takes, as ``train`` does by default."""
     folder = tmp_path_factory.mktemp("memory-profiles")

@@ -19,7 +19,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.runtime.nonfinite import NonFiniteGuard, OnNonFinite
 from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 __all__: list[str] = []
 
@@ -62,7 +62,7 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_check_sees_nan_and_inf_but_not_a_sum_that_overflows() -> None:
-    layout = UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=4, microbatches=2, workers=2)
+    layout = MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=4, microbatches=2, workers=2)
     guard = NonFiniteGuard(OnNonFinite.STOP, layout.build([1, 1], 3), 0, torch.device("cpu"))
     x = torch.ones(2, 2)
     guard.check(Action(ActionKind.FORWARD, 0, 3), torch.full((2, 2), 3e38), x, False)
@@ -132,7 +132,7 @@ def test_train_stops_at_an_inf_a_stage_makes_or_skips_it(
         "loss of stage 1 (rank 1) is not finite (1 of 1 values are nan); its input was "
         "finite, so the layers of stage 1 made it"
     ), err
-    # two microbatches a minibatch: the 7th unit is minibatch 3's second
+    # two microbatches a minibatch: the 7th microbatch is minibatch 3's second
     argv = [*base, "--model-arg", "at=7", "--schedule", "1f1b-flush", "--microbatches", "2",
             "--on-nonfinite", "skip", "--json"]
     assert main(argv) == 0

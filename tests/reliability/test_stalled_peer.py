@@ -2,7 +2,7 @@
 for a moment, the run carries on and trains as if nothing happened.
 
 The test runs ``dreampipe train`` as a command on a model whose stage-1 layer
-writes its pid to a folder at its first unit (``ready_mlp``): that is how the
+writes its pid to a folder at its first microbatch (``ready_mlp``): that is how the
 test finds the worker to stop, while it trains.
 """
 
@@ -36,7 +36,7 @@ _SRC = Path(dreampipe.__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def profile(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``ready_mlp`` profiled as a worker computes 8 samples, the unit of both tests
+    """``ready_mlp`` profiled as a worker computes 8 samples, the microbatch of both tests
     (``train --profile``): they check a stop, not the prediction, and start sooner."""
     path = tmp_path_factory.mktemp("ready-profile") / "ready_mlp.json"
     spec = ready_mlp(str(path.parent), layers=4, width=16)  # tells no folder: no RANK here

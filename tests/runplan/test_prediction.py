@@ -10,7 +10,7 @@ from dreampipe.machine.measure import local_machine
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from runplan.toy_graphs import toy_graph
 
 __all__: list[str] = []
@@ -21,7 +21,7 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     plan = choose_plan(graph, local_topology(2, local_machine(2)),
                        PlanAsk(workers=2, stages="0,2")).plan
     steps = 200
-    rate = predict_samples_per_s(graph, plan, UnitLayout(
+    rate = predict_samples_per_s(graph, plan, MicrobatchLayout(
         kind=ScheduleKind.PIPEDREAM, minibatch_size=32, microbatches=1), steps, local_machine(2))
     # the slower stage: each runs two layers plus the host time local costs charge
     # per minibatch (slowed by a busy neighbour): its forward's overhead, its data

@@ -22,7 +22,7 @@ from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import saved_profile
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 _KWARGS = (("layers", 4), ("width", 32))
 _SPEC = get_model("mlp", **dict(_KWARGS))
@@ -116,5 +116,5 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
     assert len(planned.predicted_memory) == 2 and min(planned.predicted_memory) > 0
     assert planned.predicted_samples_per_s == predict_samples_per_s(
         load_graph(measured), planned.run.plan,
-        UnitLayout(kind=ScheduleKind.FLUSH, minibatch_size=32, microbatches=2), 6,
+        MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=32, microbatches=2), 6,
         local_machine(2))

@@ -72,7 +72,7 @@ class _Ready(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.device.type != "meta" and not self.told and "RANK" in os.environ:
-            self.told = True  # a worker's first unit (not the profiler's, nor the meta check)
+            self.told = True  # a worker's first microbatch (not the profiler's, nor the meta check)
             mark = self.folder / f"rank{os.environ['RANK']}"
             mark.with_suffix(".tmp").write_text(str(os.getpid()))
             mark.with_suffix(".tmp").rename(mark)
@@ -110,7 +110,8 @@ def crash_replica_mlp(**kw: int) -> ModelSpec:
 
 
 def inf_mlp(at: int, **kw: int) -> ModelSpec:
-    """An mlp with a layer at index 2 that outputs inf at its ``at``-th unit, finite before."""
+    """An mlp with a layer at index 2 that outputs inf at its ``at``-th microbatch, finite
+    before."""
     return _with_layer(2, "inf", partial(_InfAt, at), **kw)
 
 

@@ -92,7 +92,7 @@ def reference_sync(
     ``autocast``: each forward and its loss run under ``torch.autocast`` to that dtype;
     ``split_as``: the layers this plan splits compute as :func:`split_like` says.
 
-    Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is unit
+    Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is microbatch
     ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
     loss counts ``1 / microbatches`` (so the update is the gradient of the mean
     loss of the minibatch). Layers whose forward depends on the batch

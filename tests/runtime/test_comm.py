@@ -99,7 +99,7 @@ def test_receives_posted_before_and_after_the_header_meet_their_own_sends(
     wire.rank = 1
     receiver = _comm(schedule, 1, vertical_sync, groups)
     sends, recvs = _of(schedule, 0, ActionKind.SEND_F), _of(schedule, 1, ActionKind.RECV_F)
-    # the receiver posts ahead of the sends (unit 1 must wait for unit 0's header) ...
+    # the receiver posts ahead of the sends (microbatch 1 must wait for microbatch 0's header) ...
     assert receiver.post(recvs[0]) and not receiver.post(recvs[1])
     wire.rank = 0
     for k, a in enumerate(sends[:3]):
@@ -107,7 +107,7 @@ def test_receives_posted_before_and_after_the_header_meet_their_own_sends(
     wire.rank = 1
     got, version = receiver.take(recvs[0])
     assert torch.equal(got, torch.zeros(2, 3)) and version == (0 if vertical_sync else None)
-    # ... and, once the link is agreed, posts units 1-3 before their sends come
+    # ... and, once the link is agreed, posts microbatches 1-3 before their sends come
     assert all(receiver.post(a) for a in recvs[1:4])
     wire.rank = 0
     for k, a in enumerate(sends[3:], start=3):
@@ -138,11 +138,11 @@ def test_gradients_are_received_in_the_order_the_next_stage_sends_them(wire: _Wi
     for a in _of(schedule, 1, ActionKind.RECV_F):
         last.take(a)
     for a in _of(schedule, 1, ActionKind.SEND_B):
-        last.send(a, torch.full((4,), float(a.unit)))
+        last.send(a, torch.full((4,), float(a.microbatch)))
     wire.rank = 0
     for a in _of(schedule, 0, ActionKind.RECV_B):
         got, _ = first.take(a)
-        assert torch.equal(got, torch.full((4,), float(a.unit)))
+        assert torch.equal(got, torch.full((4,), float(a.microbatch)))
     assert all(s == g for s, g, _, _ in wire.pairs)
 
 

@@ -1,4 +1,4 @@
-"""Datasets: deterministic batches per unit, shaped for the model, clear errors."""
+"""Datasets: deterministic batches per microbatch, shaped for the model, clear errors."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_batches_are_a_deterministic_shuffled_stream() -> None:
     assert not torch.equal(other.batch(3, 16)[0], x1)
 
 
-def test_a_unit_may_straddle_two_epochs() -> None:
+def test_a_microbatch_may_straddle_two_epochs() -> None:
     spec = get_model("cnn", image_size=8)
     data = load_dataset("digits", spec)
     n = data.train_x.shape[0]

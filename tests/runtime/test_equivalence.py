@@ -84,7 +84,7 @@ def _max_diff(result: TrainResult, state: dict[str, torch.Tensor]) -> float:
     return max(float((got[k] - v).abs().max()) for k, v in state.items())
 
 
-def _units(kind: ScheduleKind, micro: int, replicas: list[int]) -> int:
+def _microbatch_counts(kind: ScheduleKind, micro: int, replicas: list[int]) -> int:
     """Microbatches per update (docs/design.md §7): ``micro`` per worker for data parallelism."""
     return micro * sum(replicas) if kind is ScheduleKind.DP else micro
 
@@ -115,7 +115,7 @@ def test_sync_schedules_equal_gradient_accumulation(
     factory = adam(lr) if opt is OptimizerKind.ADAM else sgd(lr)
     losses, state = reference_sync(
         _spec(), data, steps=3, minibatch=16, seed=SEED, opt=factory,
-        microbatches=_units(kind, micro, replicas),
+        microbatches=_microbatch_counts(kind, micro, replicas),
     )
     assert len(result.losses) == 3
     _assert_matches(result, losses, state)

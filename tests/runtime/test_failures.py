@@ -40,13 +40,14 @@ BAD = [
         (Plan.from_config(4, [0, 2], [1, 1]), {"schedule": "1f1b-flush", "minibatch_size": 256,
                                                "microbatches": 3}),
         ConfigError,
-        "minibatch_size=256 is not divisible by microbatches=3; .* split it into 4 or 8 units",
+        "minibatch_size=256 is not divisible by microbatches=3; .* split it into 4 or 8 "
+        "microbatches",
     ),
     (
         (Plan.from_config(4, [0], [2]), {"schedule": "dp", "minibatch_size": 30,
                                          "microbatches": 2}),
         ConfigError,
-        "minibatch_size=30 is not divisible by 2 workers x microbatches=2 = 4 units",
+        "minibatch_size=30 is not divisible by 2 workers x microbatches=2 = 4 microbatches",
     ),
     (
         (Plan.from_config(4, [0, 2], [1, 1]), {"microbatches": 4}),

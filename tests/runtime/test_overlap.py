@@ -94,14 +94,15 @@ def _blocking(grads: list[Tensor], all_reduce: Any) -> None:
         offset += g.numel()
 
 
-def _round(st: StageModule, data: list[tuple[Tensor, Tensor]], unit: int, bk: Any) -> None:
-    """Forward and backward of ``data`` from ``unit`` on; the last backward reports to ``bk``."""
+def _round(st: StageModule, data: list[tuple[Tensor, Tensor]], microbatch: int, bk: Any) -> None:
+    """Forward and backward of ``data`` from ``microbatch`` on; the last backward reports to
+    ``bk``."""
     for i, (x, y) in enumerate(data):
-        st.forward(unit + i, x, target=y, scale=1 / len(data))
+        st.forward(microbatch + i, x, target=y, scale=1 / len(data))
         last = bk is not None and i == len(data) - 1
         if last:
             _EVENTS.clear()
-        st.backward(unit + i, on_ready=bk if last else None)
+        st.backward(microbatch + i, on_ready=bk if last else None)
 
 
 def _two_rounds(rank: int, world: int, _arg: None) -> dict[str, Any]:
@@ -131,12 +132,12 @@ def _two_rounds(rank: int, world: int, _arg: None) -> dict[str, Any]:
         rounds = [[(torch.randn(4, 6), torch.randn(4, 3)) for _ in range(3)]]
         rounds.append([(torch.randn(4, 6), torch.randn(4, 3))] if rank == 0 else [])
         out: dict[str, Any] = {"buckets": bk.sizes, "events": [], "got": [], "want": []}
-        unit = 0
+        microbatch = 0
         for data in rounds:
-            _round(ref, data, unit, None)
+            _round(ref, data, microbatch, None)
             _EVENTS.clear()
-            _round(st, data, unit, on_ready)
-            unit += len(data)
+            _round(st, data, microbatch, on_ready)
+            microbatch += len(data)
             _EVENTS.append("end")
             bk.finish(st.gradients(), ACTION, SCALE)
             _blocking(ref.gradients(), real)

@@ -24,7 +24,7 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _train(stage: StageModule, split: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Three units' forwards (one random stream), then their backwards; twice."""
+    """Three microbatches' forwards (one random stream), then their backwards; twice."""
     data = torch.Generator().manual_seed(1)
     xs = [torch.randn(4, 6, generator=data) for _ in range(3)]
     gs = [torch.randn(4, 6, generator=data) for _ in range(3)]

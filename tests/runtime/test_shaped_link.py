@@ -24,7 +24,7 @@ import pytest
 from machine.fixtures import DEV_MACHINE
 
 from dreampipe.machine.calibration import LocalCalibration, local_costs, local_topology
-from dreampipe.machine.link import on_link, round_units, simulate_on, window_rates
+from dreampipe.machine.link import on_link, round_microbatches, simulate_on, window_rates
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
@@ -34,7 +34,7 @@ from dreampipe.quantities import parse_bandwidth
 from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.simulation.simulator import simulate_schedule
 
 from . import netns
@@ -54,8 +54,8 @@ FAST, SLOW = "1GB/s", "25MB/s"
 MODEL, KWARGS, MINIBATCH = "mlp", (("layers", 5), ("width", 1448)), 1024
 SCHEDULE = ScheduleKind.PIPEDREAM
 TOLERANCE = 0.20
-#: Steady state: skip the first units, then windows of whole all-reduce rounds.
-SKIP_UNITS, WINDOW_UNITS, MIN_WINDOWS, MAX_WINDOWS = 2, 2, 3, 10
+#: Steady state: skip the first microbatches, then windows of whole all-reduce rounds.
+SKIP_MICROBATCHES, WINDOW_MICROBATCHES, MIN_WINDOWS, MAX_WINDOWS = 2, 2, 3, 10
 #: Aim each run's steady state at this long; hard limits per run and per child.
 TARGET_S, RUN_SLACK_S = 5.0, 45.0
 #: The actions that are the workers' own compute: their measured time against
@@ -79,7 +79,7 @@ class Outcome:
     predicted: float
     #: Per stage, seconds the run's compute took per second the simulation gave it.
     host_speed: tuple[float, ...]
-    #: The steady state as a whole: all its units over their span, as ``host_speed`` is.
+    #: The steady state as a whole: all its microbatches over their span, as ``host_speed`` is.
     measured: float
     windows: tuple[float, ...]
     whole_run: float
@@ -120,7 +120,7 @@ def link() -> Any:
 
 @pytest.fixture(scope="module")
 def graph() -> LayerGraph:
-    """The model profiled as each worker runs it (one thread, the minibatch a unit holds)."""
+    """The model profiled as each worker runs it (one thread, the minibatch a microbatch holds)."""
     return profile_as_worker(resolve_spec(MODEL, KWARGS), MINIBATCH, repeats=3)
 
 
@@ -158,7 +158,7 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
     The simulation computes as fast as the run did: its compute is scaled by
     the run's own compute time (forwards, backwards, updates; never a wait)
     over the simulated. That scale is a total over the steady state, so the
-    throughputs compared are too: all steady units over their span (the
+    throughputs compared are too: all steady microbatches over their span (the
     harmonic mean of the windows), never the median window, which would set a
     run's fast windows against a speed its slow windows dragged down (one CI
     run: windows from 1170 to 1984 samples/s, median 1908, against a
@@ -212,15 +212,15 @@ def _measure(
     workdir: Path, *, probe_bytes: int,
 ) -> Outcome:
     """Predict ``plan``'s steady throughput, run it across the link, read the same windows."""
-    per_round = round_units(plan)
-    assert SKIP_UNITS % per_round == 0 and WINDOW_UNITS % per_round == 0
+    per_round = round_microbatches(plan)
+    assert SKIP_MICROBATCHES % per_round == 0 and WINDOW_MICROBATCHES % per_round == 0
     trial = simulate_on(graph, plan, SCHEDULE, minibatch_size=MINIBATCH, machine=machine,
-                        steps=SKIP_UNITS + MIN_WINDOWS * WINDOW_UNITS + 1)
-    window_s = WINDOW_UNITS * MINIBATCH / statistics.median(
-        window_rates(trial.events, unit_size=MINIBATCH, skip_units=SKIP_UNITS,
-                     window_units=WINDOW_UNITS))
+                        steps=SKIP_MICROBATCHES + MIN_WINDOWS * WINDOW_MICROBATCHES + 1)
+    window_s = WINDOW_MICROBATCHES * MINIBATCH / statistics.median(
+        window_rates(trial.events, microbatch_size=MINIBATCH, skip_microbatches=SKIP_MICROBATCHES,
+                     window_microbatches=WINDOW_MICROBATCHES))
     windows = min(MAX_WINDOWS, max(MIN_WINDOWS, round(TARGET_S / window_s)))
-    steps = SKIP_UNITS + windows * WINDOW_UNITS + 1
+    steps = SKIP_MICROBATCHES + windows * WINDOW_MICROBATCHES + 1
     steps += -steps % per_round
     sim = simulate_on(graph, plan, SCHEDULE, minibatch_size=MINIBATCH, machine=machine,
                       steps=steps)
@@ -234,8 +234,8 @@ def _measure(
         job["probe"] = {"bytes": probe_bytes, "repeats": 3}
     out = _run_ranks(link, job, workdir, limit_s=RUN_SLACK_S + 3 * sim.makespan_s)
     events = [Event.from_dict(d) for d in out["events"]]
-    measured = window_rates(events, unit_size=MINIBATCH, skip_units=SKIP_UNITS,
-                            window_units=WINDOW_UNITS)
+    measured = window_rates(events, microbatch_size=MINIBATCH, skip_microbatches=SKIP_MICROBATCHES,
+                            window_microbatches=WINDOW_MICROBATCHES)
     speeds = _compute_ratios(events, sim.events, len(plan.stages))
     at_speed = _simulate(graph, plan, machine, steps, speeds)
     return Outcome(name, plan, _steady(sim.events), _steady(at_speed), speeds,
@@ -246,8 +246,8 @@ def _measure(
 
 def _steady(events: list[Event]) -> float:
     """The samples/s of a simulated run's steady state: its windows' harmonic mean."""
-    rates = window_rates(events, unit_size=MINIBATCH, skip_units=SKIP_UNITS,
-                         window_units=WINDOW_UNITS)
+    rates = window_rates(events, microbatch_size=MINIBATCH, skip_microbatches=SKIP_MICROBATCHES,
+                         window_microbatches=WINDOW_MICROBATCHES)
     return float(statistics.harmonic_mean(rates))
 
 
@@ -256,13 +256,13 @@ def _compute_ratios(measured: list[Event], simulated: list[Event], stages: int
     """Per stage, how much longer the run's compute took than the simulation's.
 
     Both ran the same schedule, so the same actions; only compute
-    (:data:`COMPUTE`, :data:`MEASURED_COMPUTE`) past the skipped units
+    (:data:`COMPUTE`, :data:`MEASURED_COMPUTE`) past the skipped microbatches
     counts, never a wait on the link.
     """
     def totals(events: list[Event], kinds: frozenset[ActionKind]) -> list[float]:
         out = [0.0] * stages
         for e in events:
-            if e.kind in kinds and e.unit >= SKIP_UNITS:
+            if e.kind in kinds and e.microbatch >= SKIP_MICROBATCHES:
                 out[e.stage] += e.duration_s
         return out
 
@@ -273,9 +273,9 @@ def _compute_ratios(measured: list[Event], simulated: list[Event], stages: int
 def _simulate(graph: LayerGraph, plan: Plan, machine: LocalCalibration, steps: int,
               speeds: tuple[float, ...]) -> list[Event]:
     """:func:`simulate_on`'s events with each stage's compute stretched by its ``speeds``."""
-    layout = UnitLayout(kind=SCHEDULE, minibatch_size=MINIBATCH, microbatches=1,
+    layout = MicrobatchLayout(kind=SCHEDULE, minibatch_size=MINIBATCH, microbatches=1,
                         workers=plan.workers_used)
-    costs = local_costs(graph, plan, layout.unit_size / graph.batch_size, machine)
+    costs = local_costs(graph, plan, layout.microbatch_size / graph.batch_size, machine)
 
     def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
         return tuple(v * k for v, k in zip(values, speeds, strict=True))
@@ -358,16 +358,16 @@ def _run_ranks(link: netns.VethPair, job: dict[str, Any], workdir: Path, limit_s
     return result
 
 
-def test_window_rates_time_whole_rounds_after_the_skipped_units() -> None:
+def test_window_rates_time_whole_rounds_after_the_skipped_microbatches() -> None:
     """Windows start at a finish: two replicas finishing together count as one round."""
     from dreampipe.errors import ConfigError
 
-    # two replicas finish units 2k and 2k+1 around 1 s apart per round, slightly out of order
+    # two replicas finish microbatches 2k and 2k+1 around 1 s apart per round, slightly out of order
     ends = [(u, k + (0.01 if u % 2 else 0.0) + (0.02 if u == 4 else 0.0))
             for k in range(1, 6) for u in (2 * k - 2, 2 * k - 1)]
     events = [Event(u % 2, 0, ActionKind.BACKWARD, u, t - 0.5, t) for u, t in ends]
     events += [Event(0, 0, ActionKind.FORWARD, 0, 0.0, 0.4)]  # not a finish
-    rates = window_rates(events, unit_size=10, skip_units=2, window_units=2)
+    rates = window_rates(events, microbatch_size=10, skip_microbatches=2, window_microbatches=2)
     assert rates == pytest.approx([20.0, 20.0, 20.0, 20.0], rel=0.03)
     with pytest.raises(ConfigError, match="run more steps"):
-        window_rates(events, unit_size=10, skip_units=2, window_units=20)
+        window_rates(events, microbatch_size=10, skip_microbatches=2, window_microbatches=20)

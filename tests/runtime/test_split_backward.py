@@ -39,8 +39,8 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("mode", list(LinearGradients))
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_b_then_w_equals_one_backward(mode: LinearGradients, input_grad: bool) -> None:
-    """Units' B's first, their W's later and out of order: the input gradients, the
-    weight gradients summed over the units and the update match the fused backward."""
+    """Microbatches' B's first, their W's later and out of order: the input gradients, the
+    weight gradients summed over the microbatches and the update match the fused backward."""
     ref = StageModule(_model(), _sgd, stage=1, input_grad=input_grad, linear=mode)
     split = StageModule(_model(), _sgd, stage=1, input_grad=input_grad, linear=mode)
     torch.manual_seed(1)

@@ -25,14 +25,14 @@ def _stage(*, stage: int = 0, vertical_sync: bool = False, stash: bool = True) -
     )
 
 
-def _run_1f1b(st: StageModule, in_flight: int, units: int) -> list[int]:
+def _run_1f1b(st: StageModule, in_flight: int, microbatches: int) -> list[int]:
     """Drive one stage through PipeDream's 1F1B order; returns versions held after each step."""
     held = []
     torch.manual_seed(1)
-    for u in range(units + in_flight):
-        if u < units:
+    for u in range(microbatches + in_flight):
+        if u < microbatches:
             st.forward(u, torch.randn(5, 3))
-        if u >= in_flight - 1 and u - in_flight + 1 < units:
+        if u >= in_flight - 1 and u - in_flight + 1 < microbatches:
             st.backward(u - in_flight + 1, torch.ones(5, 2))
             st.step()
             held.append(st.versions_held)
@@ -40,9 +40,9 @@ def _run_1f1b(st: StageModule, in_flight: int, units: int) -> list[int]:
 
 
 @pytest.mark.parametrize("in_flight", [1, 2, 4])
-def test_a_stage_holds_one_version_per_unit_in_flight(in_flight: int) -> None:
+def test_a_stage_holds_one_version_per_microbatch_in_flight(in_flight: int) -> None:
     st = _stage()
-    held = _run_1f1b(st, in_flight, units=8)
+    held = _run_1f1b(st, in_flight, microbatches=8)
     assert st.peak_versions == in_flight
     assert max(held) <= in_flight
     assert st.versions_held == 0
@@ -65,8 +65,8 @@ def test_forwards_share_the_live_weights_until_a_step() -> None:
     assert not torch.equal(live.detach(), before)
 
 
-def _second_unit_gradients(st: StageModule) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """F0 F1 B0 STEP B1: unit 1's input and the weight gradients its backward left."""
+def _second_microbatch_gradients(st: StageModule) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """F0 F1 B0 STEP B1: microbatch 1's input and the weight gradients its backward left."""
     x0, x1 = torch.randn(5, 3), torch.randn(5, 3)
     st.forward(0, x0)
     st.forward(1, x1)
@@ -77,7 +77,7 @@ def _second_unit_gradients(st: StageModule) -> tuple[torch.Tensor, list[torch.Te
 
 
 def test_backward_uses_the_forward_version() -> None:
-    x1, grads = _second_unit_gradients(_stage())
+    x1, grads = _second_microbatch_gradients(_stage())
     plain = _module()
     plain(x1).backward(torch.ones(5, 2))
     for g, p in zip(grads, plain.parameters(), strict=True):
@@ -86,7 +86,7 @@ def test_backward_uses_the_forward_version() -> None:
 
 def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
     st = _stage(stash=False)
-    x1, grads = _second_unit_gradients(st)
+    x1, grads = _second_microbatch_gradients(st)
     newest = _module()
     newest.load_state_dict(st.module.state_dict())
     newest(x1).backward(torch.ones(5, 2))
@@ -94,7 +94,7 @@ def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
         torch.testing.assert_close(g, p.grad)
 
 
-def test_vertical_sync_keeps_versions_later_units_name() -> None:
+def test_vertical_sync_keeps_versions_later_microbatches_name() -> None:
     st = _stage(stage=1, vertical_sync=True)
     for u in range(3):
         st.note_version(0)

@@ -28,6 +28,6 @@ def test_pipedream_learns_digits_and_records_every_action() -> None:
     assert result.samples_per_s > 0
     for rank in (0, 1):
         done = [e for e in result.events if e.rank == rank and e.kind is ActionKind.BACKWARD]
-        assert sorted(e.unit for e in done) == list(range(steps))
+        assert sorted(e.microbatch for e in done) == list(range(steps))
         steps_done = [e for e in result.events if e.rank == rank and e.kind is ActionKind.STEP]
         assert len(steps_done) == steps

@@ -14,7 +14,7 @@ __all__: list[str] = []
 
 
 def test_minibatch_k_runs_on_the_version_of_update_k_minus_one_from_the_segment_start() -> None:
-    two = TwoVersions(units_per_update=3)
+    two = TwoVersions(microbatches_per_update=3)
     # the first forward of a segment fixes its base: the stage had made 5 updates
     assert [two.version(u, 5) for u in range(12)] == [5] * 6 + [6] * 3 + [7] * 3
     two.restart()

@@ -37,7 +37,7 @@ class _Recorded:
         self.versions.advance()
 
 
-def test_units_on_the_live_weights_share_one_version_until_released() -> None:
+def test_microbatches_on_the_live_weights_share_one_version_until_released() -> None:
     r = _Recorded()
     a, b = r.versions.acquire(None), r.versions.acquire(None)
     assert a is b and a.refs == 2 and a.live and len(r.versions) == 1
@@ -50,7 +50,7 @@ def test_units_on_the_live_weights_share_one_version_until_released() -> None:
     assert r.versions.peak == 1
 
 
-def test_an_update_copies_the_live_weights_only_while_a_unit_holds_them() -> None:
+def test_an_update_copies_the_live_weights_only_while_a_microbatch_holds_them() -> None:
     r = _Recorded()
     free = r.versions.acquire(None)
     r.versions.release(free)
@@ -82,13 +82,13 @@ def test_vertical_sync_keeps_versions_from_the_floor_on() -> None:
         r.versions.acquire(1)
 
 
-def test_a_version_held_by_a_unit_outlives_the_floor() -> None:
+def test_a_version_held_by_a_microbatch_outlives_the_floor() -> None:
     r = _Recorded()
     r.versions.note(0)
     held = r.versions.acquire(0)
     r.update()
     r.versions.note(1)
-    assert sorted(r.versions) == [0]  # unit still running on version 0
+    assert sorted(r.versions) == [0]  # microbatch still running on version 0
     r.versions.release(held)
     assert r.dropped == [0] and len(r.versions) == 0
 
@@ -123,7 +123,7 @@ def test_prediction_extrapolates_a_version_by_the_update_that_made_it() -> None:
     # the change is taken after the update: ``advance`` sees the live weights as they are
     assert two.tensors[0].data_ptr() != r.params[0].data_ptr()
     same = r.versions.acquire(None, update=3)
-    assert same is two and two.refs == 2  # units on one (version, ahead) share it
+    assert same is two and two.refs == 2  # microbatches on one (version, ahead) share it
     exact = r.versions.acquire(None, update=1)  # its gradient updates version 1 itself
     assert exact.key == (1, 0) and exact.live
     assert r.versions.peak == 2
@@ -158,7 +158,7 @@ def _stash_a_dtensor(rank: int, world: int, _arg: None) -> tuple[float, float]:
     p = nn.Parameter(distribute_tensor(torch.ones(2, 4), mesh, [Shard(1)]))
     versions = WeightVersions([p], stage=0, on_leaf=lambda *_: None, on_drop=lambda _: None)
     held = versions.acquire(None)
-    versions.retire()  # a unit still runs on version 0: the live weights move to a copy
+    versions.retire()  # a microbatch still runs on version 0: the live weights move to a copy
     with torch.no_grad():
         p.add_(1.0)
     versions.advance()

@@ -12,8 +12,8 @@ from dreampipe.scheduling.build import build_schedule
 
 
 @given(st.sampled_from(list(ActionKind)), st.integers(0, 7), st.integers(0, 10**6))
-def test_action_text_parses_back(kind: ActionKind, stage: int, unit: int) -> None:
-    a = Action(kind, stage, unit)
+def test_action_text_parses_back(kind: ActionKind, stage: int, microbatch: int) -> None:
+    a = Action(kind, stage, microbatch)
     assert Action.parse(str(a), stage) == a
 
 
@@ -61,7 +61,7 @@ def test_allreduce_round_is_the_update_number_in_every_schedule() -> None:
     for kind, per in ((ScheduleKind.PIPEDREAM, 1), (ScheduleKind.FLUSH, 3)):
         sched = build_schedule((3, 1), kind, 6, per)
         rounds = [a.allreduce_round for a in sched.actions[1] if a.kind is ActionKind.ALLREDUCE]
-        steps = [a.unit for a in sched.actions[1] if a.kind is ActionKind.STEP]
+        steps = [a.microbatch for a in sched.actions[1] if a.kind is ActionKind.STEP]
         assert rounds == steps == [0, 1]
     with pytest.raises(ScheduleError, match="STEP1 joins no all-reduce round"):
         _ = Action(ActionKind.STEP, 0, 1).allreduce_round
@@ -82,7 +82,7 @@ def test_schedule_needs_one_list_per_rank() -> None:
         Schedule(ScheduleKind.GPIPE, (2, 2), ((), (), ()), 1)
 
 
-@pytest.mark.parametrize("header", ["", "# bogus replicas=1 units=1 per_update=1", "1: F0"])
+@pytest.mark.parametrize("header", ["", "# bogus replicas=1 microbatches=1 per_update=1", "1: F0"])
 def test_from_text_rejects_bad_header(header: str) -> None:
     with pytest.raises(ScheduleError):
         Schedule.from_text(header)

@@ -52,8 +52,9 @@ def test_pipedream_straight_order_is_one_forward_one_backward() -> None:
 
 @pytest.mark.parametrize("replicas", [(3, 1), (2, 1, 1), (15, 1), (2, 3, 1), (4, 4, 4, 4)])
 def test_pipedream_input_stage_admits_noam_with_no_join_buffer(replicas: tuple[int, ...]) -> None:
-    units = 3 * math.lcm(*replicas) * max(replicas)
-    sched = build_schedule(replicas, S.PIPEDREAM, units, in_flight=in_flight_counts(replicas, 0))
+    microbatches = 3 * math.lcm(*replicas) * max(replicas)
+    sched = build_schedule(replicas, S.PIPEDREAM, microbatches,
+                           in_flight=in_flight_counts(replicas, 0))
     noam = math.ceil(sum(replicas) / replicas[0])
     for rank in range(replicas[0]):
         assert _forwards_before_first_backward(sched.actions[rank]) == noam
@@ -87,8 +88,8 @@ def test_pipedream_default_warmup_covers_the_all_reduce_joins(
 def test_every_join_buffer_gives_a_valid_schedule(replicas: list[int], join: int) -> None:
     counts = in_flight_counts(replicas, join)
     assert all(c >= p for c, p in zip(counts, in_flight_counts(replicas, 0), strict=True))
-    units = 2 * sum(replicas) + 3
-    sched = build_schedule(replicas, S.PIPEDREAM, units, in_flight=counts)  # validated
+    microbatches = 2 * sum(replicas) + 3
+    sched = build_schedule(replicas, S.PIPEDREAM, microbatches, in_flight=counts)  # validated
     for rank, acts in enumerate(sched.actions):
         stage = sched.stage_of_rank(rank)
         mine = sum(1 for a in acts if a.kind is K.FORWARD)
@@ -103,11 +104,12 @@ def test_in_flight_must_fit_the_pipedream_schedule(kind: ScheduleKind,
         build_schedule((1, 1), kind, 4, 2 if kind is S.FLUSH else 1, in_flight=counts)
 
 
-def test_round_robin_replicas_run_forward_and_backward_of_their_units() -> None:
+def test_round_robin_replicas_run_forward_and_backward_of_their_microbatches() -> None:
     sched = build_schedule((3, 1), S.PIPEDREAM, 9)
     for rank in range(3):
-        units = {a.unit for a in sched.actions[rank] if a.kind in (K.FORWARD, K.BACKWARD)}
-        assert units == {u for u in range(9) if u % 3 == rank}
+        microbatches = {a.microbatch for a in sched.actions[rank] if a.kind in (K.FORWARD,
+                                                                                K.BACKWARD)}
+        assert microbatches == {u for u in range(9) if u % 3 == rank}
 
 
 def test_pipedream_updates_after_every_backward() -> None:
@@ -133,7 +135,7 @@ def test_gpipe_all_forwards_then_backwards_last_first() -> None:
     sched = build_schedule((1, 1), S.GPIPE, 6, 3)
     assert _compute(sched.actions[1]) == _words("F0 F1 F2 B2 B1 B0 F3 F4 F5 B5 B4 B3")
     steps = [a for a in sched.actions[0] if a.kind is K.STEP]
-    assert [a.unit for a in steps] == [0, 1]
+    assert [a.microbatch for a in steps] == [0, 1]
 
 
 def test_dp_each_update_allreduces_then_steps() -> None:
@@ -142,13 +144,13 @@ def test_dp_each_update_allreduces_then_steps() -> None:
         "F1 B1 F3 B3 ALLREDUCE0 STEP0 F5 B5 F7 B7 ALLREDUCE1 STEP1")
 
 
-def test_naive_runs_each_unit_through_before_the_next() -> None:
+def test_naive_runs_each_microbatch_through_before_the_next() -> None:
     sched = build_schedule((1, 1), S.NAIVE, 2, 2)
     assert [str(a) for a in sched.actions[0]] == _words(
         "F0 SEND_F0 RECV_B0 B0 F1 SEND_F1 RECV_B1 B1 STEP0")
 
 
-def test_sync_replica_without_units_still_joins_the_allreduce() -> None:
+def test_sync_replica_without_microbatches_still_joins_the_allreduce() -> None:
     sched = build_schedule((3, 1), S.FLUSH, 2, 1)
     assert [str(a) for a in sched.actions[2]] == _words("ALLREDUCE0 STEP0 ALLREDUCE1 STEP1")
 
@@ -170,27 +172,28 @@ def test_lower_updates_alone() -> None:
         "F0 B0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1")
 
 
-@pytest.mark.parametrize(("replicas", "kind", "units", "per", "match"), [
+@pytest.mark.parametrize(("replicas", "kind", "microbatches", "per", "match"), [
     ((1, 1), S.GPIPE, 0, 1, "at least 1"),
-    ((1, 1), S.GPIPE, 5, 2, "run 6 units"),
+    ((1, 1), S.GPIPE, 5, 2, "run 6 microbatches"),
     ((1, 0), S.GPIPE, 4, 2, "at least one stage"),
     ((), S.GPIPE, 4, 2, "at least one stage"),
-    ((1, 1), S.PIPEDREAM, 4, 2, "units_per_update=2"),
+    ((1, 1), S.PIPEDREAM, 4, 2, "microbatches_per_update=2"),
     ((2, 2), S.DP, 4, 4, "use replicas \\(4,\\)"),
     ((4,), S.DP, 6, 6, "multiple of 4"),
-    ((1,), S.FLUSH, 4, 0, "units_per_update=0"),
+    ((1,), S.FLUSH, 4, 0, "microbatches_per_update=0"),
 ])
 def test_bad_inputs_say_how_to_fix(
-    replicas: tuple[int, ...], kind: ScheduleKind, units: int, per: int, match: str
+    replicas: tuple[int, ...], kind: ScheduleKind, microbatches: int, per: int, match: str
 ) -> None:
     with pytest.raises(ScheduleError, match=match):
-        build_schedule(replicas, kind, units, per)
+        build_schedule(replicas, kind, microbatches, per)
 
 
 def test_build_schedule_returns_plain_data() -> None:
     sched = build_schedule([2, 1], S.PIPEDREAM, 4)
     assert isinstance(sched, Schedule)
-    assert sched.replicas == (2, 1) and sched.num_units == 4 and sched.units_per_update == 1
+    assert sched.replicas == (2, 1) and sched.num_microbatches == 4
+    assert sched.microbatches_per_update == 1
     total_f = sum(1 for acts in sched.actions for a in acts if a.kind is K.FORWARD)
     assert total_f == 4 * 2
 
@@ -202,12 +205,12 @@ def test_whole_rounds(replicas: tuple[int, ...], wanted: int, expected: int) -> 
 
 
 def _rounds(acts: tuple[Action, ...], kind: ActionKind) -> list[int]:
-    return [a.unit for a in acts if a.kind is kind]
+    return [a.microbatch for a in acts if a.kind is kind]
 
 
 def test_partial_last_round_is_joined_by_every_replica() -> None:
     # 5 minibatches: stage 0 (3 replicas) runs rounds {0,1,2} {3,4}; stage 1 (2
-    # replicas) {0,1} {2,3} {4}. A replica with no unit in the last round joins it last.
+    # replicas) {0,1} {2,3} {4}. A replica with no microbatch in the last round joins it last.
     sched = build_schedule((3, 2), S.PIPEDREAM, 5)
     assert [str(a) for a in sched.actions[2]] == _words(
         "F2 SEND_F2 RECV_B2 B2 ALLREDUCE0 STEP0 ALLREDUCE1 STEP1")
@@ -217,31 +220,31 @@ def test_partial_last_round_is_joined_by_every_replica() -> None:
     assert _rounds(sched.actions[3], K.ALLREDUCE) == [0, 1, 2]
 
 
-@pytest.mark.parametrize(("replicas", "units"), [
+@pytest.mark.parametrize(("replicas", "microbatches"), [
     ((3, 2), 5), ((3, 2), 7), ((3, 2), 1), ((5, 7), 3), ((5, 7), 34), ((5, 7), 36),
     ((1, 4, 1), 6), ((2,), 3),
 ])
-def test_any_number_of_minibatches_builds(replicas: tuple[int, ...], units: int) -> None:
-    assert units % math.lcm(*replicas)  # not whole rounds
-    sched = build_schedule(replicas, S.PIPEDREAM, units)
+def test_any_number_of_minibatches_builds(replicas: tuple[int, ...], microbatches: int) -> None:
+    assert microbatches % math.lcm(*replicas)  # not whole rounds
+    sched = build_schedule(replicas, S.PIPEDREAM, microbatches)
     for rank, acts in enumerate(sched.actions):
         r = replicas[sched.stage_of_rank(rank)]
-        rounds = list(range(-(-units // r)))
+        rounds = list(range(-(-microbatches // r)))
         assert _rounds(acts, K.STEP) == rounds
         assert _rounds(acts, K.ALLREDUCE) == (rounds if r > 1 else [])
     assert sum(a.kind is K.BACKWARD for acts in sched.actions for a in acts) == (
-        units * len(replicas))
+        microbatches * len(replicas))
 
 
 @settings(max_examples=60, deadline=None)
 @given(replicas=st.lists(st.integers(1, 7), min_size=1, max_size=4),
-       units=st.integers(1, 60))
-def test_validator_accepts_every_pipedream_schedule(replicas: list[int], units: int) -> None:
-    sched = build_schedule(replicas, S.PIPEDREAM, units)  # validates
+       microbatches=st.integers(1, 60))
+def test_validator_accepts_every_pipedream_schedule(replicas: list[int], microbatches: int) -> None:
+    sched = build_schedule(replicas, S.PIPEDREAM, microbatches)  # validates
     validate_schedule(sched)
     # Every replica takes the same updates, one per round of its stage.
     for rank, acts in enumerate(sched.actions):
-        assert len(_rounds(acts, K.STEP)) == -(-units // replicas[sched.stage_of_rank(rank)])
+        assert len(_rounds(acts, K.STEP)) == -(-microbatches // replicas[sched.stage_of_rank(rank)])
 
 
 @settings(max_examples=60, deadline=None)

@@ -42,7 +42,7 @@ def test_megatron_order_on_two_workers() -> None:
 def test_every_stage_steps_once_per_minibatch() -> None:
     sched = build_schedule([1] * 6, S.INTERLEAVED, 12, 6, virtual_stages=3)
     for rank, acts in enumerate(sched.actions):
-        steps = [(a.stage, a.unit) for a in acts if a.kind is K.STEP]
+        steps = [(a.stage, a.microbatch) for a in acts if a.kind is K.STEP]
         assert sorted(steps) == sorted((s, k) for s in (rank, rank + 2, rank + 4)
                                        for k in range(2))
 

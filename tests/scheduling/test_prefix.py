@@ -1,8 +1,8 @@
 """The prefix property incremental execution relies on (:meth:`RankRunner.advance`).
 
 A schedule built for a long horizon, cut before the first action that needs
-a unit beyond the ``n`` given, is a prefix of the schedule built for exactly
-``n`` units: a runtime can run the long one as data arrives and finish with
+a microbatch beyond the ``n`` given, is a prefix of the schedule built for exactly
+``n`` microbatches: a runtime can run the long one as data arrives and finish with
 the exact one (its tail is the drain), on every rank and for every kind.
 """
 
@@ -32,13 +32,13 @@ CASES = [
 
 def _cut(schedule: Schedule, rank: int, given: int) -> tuple[object, ...]:
     acts = schedule.actions[rank]
-    stop = next((i for i, a in enumerate(acts) if schedule.last_unit(a) >= given), len(acts))
+    stop = next((i for i, a in enumerate(acts) if schedule.last_microbatch(a) >= given), len(acts))
     return acts[:stop]
 
 
 @pytest.mark.parametrize(("kind", "replicas", "per"), CASES,
                          ids=[f"{c[0].value}-{'-'.join(map(str, c[1]))}" for c in CASES])
-def test_long_schedule_cut_at_the_given_units_is_a_prefix_of_the_exact_one(
+def test_long_schedule_cut_at_the_given_microbatches_is_a_prefix_of_the_exact_one(
     kind: ScheduleKind, replicas: tuple[int, ...], per: int
 ) -> None:
     horizon = build_schedule(replicas, kind, 40 * per, per)

@@ -26,12 +26,13 @@ def test_2bw_replicas_all_reduce_once_per_minibatch() -> None:
     sched = build_schedule([2, 1], S.TWO_BW, 8, 4)
     for rank in (0, 1):
         acts = sched.actions[rank]
-        rounds = [a.unit for a in acts if a.kind is K.ALLREDUCE]
+        rounds = [a.microbatch for a in acts if a.kind is K.ALLREDUCE]
         assert rounds == [0, 1]
         for k in rounds:
-            last = max(a.unit for a in acts if a.kind is K.BACKWARD and a.unit // 4 == k)
-            i = acts.index(next(a for a in acts if a.kind is K.ALLREDUCE and a.unit == k))
-            assert acts[i - 1].unit == last  # right after that backward (and its send)
+            last = max(a.microbatch for a in acts
+                       if a.kind is K.BACKWARD and a.microbatch // 4 == k)
+            i = acts.index(next(a for a in acts if a.kind is K.ALLREDUCE and a.microbatch == k))
+            assert acts[i - 1].microbatch == last  # right after that backward (and its send)
 
 
 def test_2bw_needs_whole_rounds_per_minibatch() -> None:

@@ -14,7 +14,7 @@ def _sched(text: str) -> Schedule:
     return Schedule.from_text(text)
 
 
-GOOD = """# gpipe replicas=1-1 units=2 per_update=2
+GOOD = """# gpipe replicas=1-1 microbatches=2 per_update=2
 0: F0 SEND_F0 F1 SEND_F1 RECV_B1 B1 RECV_B0 B0 STEP0
 1: RECV_F0 F0 RECV_F1 F1 B1 SEND_B1 B0 SEND_B0 STEP0
 """
@@ -55,7 +55,7 @@ def test_backward_before_forward_is_rejected() -> None:
 
 
 def test_cyclic_wait_is_a_deadlock() -> None:
-    broken = """# gpipe replicas=1-1 units=1 per_update=1
+    broken = """# gpipe replicas=1-1 microbatches=1 per_update=1
 0: F0 RECV_B0 SEND_F0 B0 STEP0
 1: RECV_F0 F0 B0 SEND_B0 STEP0
 """
@@ -65,7 +65,7 @@ def test_cyclic_wait_is_a_deadlock() -> None:
 
 
 def test_allreduce_rounds_out_of_order_deadlock() -> None:
-    broken = """# dp replicas=2 units=4 per_update=2
+    broken = """# dp replicas=2 microbatches=4 per_update=2
 0: F0 B0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1
 1: F1 B1 ALLREDUCE1 STEP1 F3 B3 ALLREDUCE0 STEP0
 """
@@ -77,7 +77,7 @@ def test_allreduce_rounds_out_of_order_deadlock() -> None:
 def test_allreduce_joined_twice_is_rejected() -> None:
     # The runtime pairs collectives by order: rank 0's second ALLREDUCE0 would
     # meet rank 1's ALLREDUCE1 and rank 0's ALLREDUCE1 would wait forever.
-    broken = """# dp replicas=2 units=4 per_update=2
+    broken = """# dp replicas=2 microbatches=4 per_update=2
 0: F0 B0 ALLREDUCE0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1
 1: F1 B1 ALLREDUCE0 STEP0 F3 B3 ALLREDUCE1 STEP1
 """
@@ -87,22 +87,25 @@ def test_allreduce_joined_twice_is_rejected() -> None:
     assert message.count(">ALLREDUCE0<") == 2 and "rank 0 s0" in message
 
 
-def test_unit_on_the_wrong_replica_is_rejected() -> None:
-    broken = """# dp replicas=2 units=2 per_update=2
+def test_microbatch_on_the_wrong_replica_is_rejected() -> None:
+    broken = """# dp replicas=2 microbatches=2 per_update=2
 0: F1 B1 ALLREDUCE0 STEP0
 1: F0 B0 ALLREDUCE0 STEP0
 """
-    with pytest.raises(ScheduleError, match="round robin puts unit 1 on rank 1"):
+    with pytest.raises(ScheduleError, match="round robin puts microbatch 1 on rank 1"):
         validate_schedule(_sched(broken))
 
 
-def test_missing_and_duplicate_units_are_rejected() -> None:
+def test_missing_and_duplicate_microbatches_are_rejected() -> None:
     with pytest.raises(ScheduleError, match="B1 of stage 0 is missing"):
-        validate_schedule(_sched("# dp replicas=1 units=2 per_update=1\n0: F0 B0 STEP0 F1 STEP1\n"))
+        validate_schedule(_sched(
+            "# dp replicas=1 microbatches=2 per_update=1\n0: F0 B0 STEP0 F1 STEP1\n"))
     with pytest.raises(ScheduleError, match="runs 2 times"):
-        validate_schedule(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F0 B0 STEP0\n"))
-    with pytest.raises(ScheduleError, match=r"outside units 0\.\.0"):
-        validate_schedule(_sched("# dp replicas=1 units=1 per_update=1\n0: F0 B0 F5 B5 STEP0\n"))
+        validate_schedule(_sched(
+            "# dp replicas=1 microbatches=1 per_update=1\n0: F0 B0 F0 B0 STEP0\n"))
+    with pytest.raises(ScheduleError, match=r"outside microbatches 0\.\.0"):
+        validate_schedule(_sched(
+            "# dp replicas=1 microbatches=1 per_update=1\n0: F0 B0 F5 B5 STEP0\n"))
 
 
 def test_send_off_the_end_of_the_pipeline_is_rejected() -> None:
@@ -132,9 +135,9 @@ def test_grid_windows_long_schedules_around_the_mark() -> None:
 
 
 def test_replica_skipping_a_round_is_rejected() -> None:
-    # 3 minibatches on 2 replicas: round 1 holds only unit 2 (replica 0), and
+    # 3 minibatches on 2 replicas: round 1 holds only microbatch 2 (replica 0), and
     # replica 1 must still join it or replica 0 waits forever at ALLREDUCE1.
-    broken = """# pipedream replicas=2 units=3 per_update=1
+    broken = """# pipedream replicas=2 microbatches=3 per_update=1
 0: F0 B0 ALLREDUCE0 STEP0 F2 B2 ALLREDUCE1 STEP1
 1: F1 B1 ALLREDUCE0 STEP0
 """

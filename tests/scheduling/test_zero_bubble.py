@@ -58,8 +58,8 @@ def test_every_backward_has_one_weight_gradient_after_it_then_the_step() -> None
         words = [str(a) for a in acts]
         for a in acts:
             if a.kind is K.BACKWARD:
-                assert words.count(f"W{a.unit}") == 1
-                assert words.index(f"W{a.unit}") > words.index(f"B{a.unit}")
+                assert words.count(f"W{a.microbatch}") == 1
+                assert words.index(f"W{a.microbatch}") > words.index(f"B{a.microbatch}")
         # each update's W come before its STEP
         for k in range(2):
             ws = [words.index(f"W{u}") for u in range(4 * k, 4 * k + 4) if f"W{u}" in words]
@@ -71,7 +71,7 @@ def test_counts_follow_the_warm_up() -> None:
     assert zero_bubble_counts(S.ZB_H2, (4, 3, 2, 1)) == ((7, 5, 3, 1), (0, 2, 4, 6))
 
 
-GOOD = """# zb-h1 replicas=1-1 units=2 per_update=2
+GOOD = """# zb-h1 replicas=1-1 microbatches=2 per_update=2
 0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 W0 RECV_B1 B1 W1 STEP0
 1: RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1 W0 W1 STEP0
 """

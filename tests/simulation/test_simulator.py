@@ -164,7 +164,7 @@ def test_allreduce_starts_its_delay_into_the_backward() -> None:
 def test_busy_idle_and_throughput_definitions() -> None:
     result = simulate_schedule(build_schedule([1, 1], S.GPIPE, 4, 2),
                       SimCosts(forward_s=(1.0, 1.0), backward_s=(1.0, 1.0), step_s=(0.5, 0.5),
-                               unit_fraction=0.5))
+                               microbatch_fraction=0.5))
     assert result.busy_s == (4 * 2.0 + 2 * 0.5,) * 2
     assert sum(result.busy_s) + sum(result.idle_s) == pytest.approx(2 * result.makespan_s)
     assert result.throughput_minibatches_per_s == pytest.approx(2 / result.makespan_s)
@@ -189,10 +189,10 @@ def _graph() -> LayerGraph:
     return LayerGraph.chain(layers, batch_size=8)
 
 
-def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
+def test_costs_from_profile_sums_layers_and_scales_with_microbatch_fraction() -> None:
     topo = Topology((Level(2, 1e6), Level(2, 1e3)))
     plan = Plan.from_config(4, [0, 2], [1, 3])
-    costs = costs_from_profile(_graph(), plan, topo, unit_fraction=0.5)
+    costs = costs_from_profile(_graph(), plan, topo, microbatch_fraction=0.5)
     assert costs.forward_s == pytest.approx((0.015, 0.035))
     assert costs.backward_s == pytest.approx((0.03, 0.07))
     assert costs.activation_bytes == pytest.approx((1000.0,))
@@ -206,7 +206,7 @@ def test_costs_from_profile_sums_layers_and_scales_with_unit_fraction() -> None:
     assert costs.bandwidth_between(0, 1) == 1e6
 
 
-def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
+def test_local_costs_add_the_runtime_forward_host_time_per_microbatch() -> None:
     from dreampipe.machine import calibration as machine
 
     m = replace(DEV_MACHINE, cores=4, corun_slowdown=1.0)  # a quiet core each
@@ -214,7 +214,7 @@ def test_local_costs_add_the_runtime_forward_host_time_per_unit() -> None:
     for bounds in ([0], [0, 2], [0, 1, 3]):
         plan = Plan.from_config(4, bounds, [1] * len(bounds))
         base = costs_from_profile(_graph(), plan, machine.local_topology(len(bounds), m), 0.5)
-        costs = machine.local_costs(_graph(), plan, unit_fraction=0.5, machine=m)
+        costs = machine.local_costs(_graph(), plan, microbatch_fraction=0.5, machine=m)
         extra = [m.stage_forward_s] * len(bounds)
         extra[0] += m.batch_load_s
         if len(bounds) > 1:
@@ -249,7 +249,7 @@ def test_costs_from_plan_uses_the_plan_predictions() -> None:
 
 
 def test_send_overhead_occupies_the_sender() -> None:
-    sched = build_schedule([1, 1], ScheduleKind.GPIPE, 4, units_per_update=4)
+    sched = build_schedule([1, 1], ScheduleKind.GPIPE, 4, microbatches_per_update=4)
     base = SimCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), activation_bytes=(100.0,))
     slow = replace(base, send_overhead_s=0.5, send_copy_bandwidth=100.0)
     quick, loaded = simulate_schedule(sched, base), simulate_schedule(sched, slow)
@@ -259,46 +259,46 @@ def test_send_overhead_occupies_the_sender() -> None:
         replace(base, send_overhead_s=-1.0)
 
 
-def test_a_step_copies_the_weights_a_unit_in_flight_still_holds() -> None:
+def test_a_step_copies_the_weights_a_microbatch_in_flight_still_holds() -> None:
     # straight 2-stage PipeDream: stage 0 steps after B(u) with u+1 in flight on the
     # live weights (copy-on-write: the copy), except after the last; stage 1 never
-    units = 6
-    sched = build_schedule([1, 1], S.PIPEDREAM, units)
+    microbatches = 6
+    sched = build_schedule([1, 1], S.PIPEDREAM, microbatches)
     base = SimCosts(forward_s=(1.0, 1.0), backward_s=(2.0, 2.0), step_s=(0.25, 0.25),
                     parameter_bytes=(50.0, 50.0))
     copying = replace(base, stash_copy_bandwidth=100.0)
     steps = [[e.end_s - e.start_s for e in simulate_schedule(sched, c).events
               if e.kind is K.STEP and e.stage == 0] for c in (base, copying)]
-    assert steps[0] == pytest.approx([0.25] * units)
-    assert steps[1] == pytest.approx([0.75] * (units - 1) + [0.25])
+    assert steps[0] == pytest.approx([0.25] * microbatches)
+    assert steps[1] == pytest.approx([0.75] * (microbatches - 1) + [0.25])
     stage1 = [e.end_s - e.start_s for e in simulate_schedule(sched, copying).events
               if e.kind is K.STEP and e.stage == 1]
-    assert stage1 == pytest.approx([0.25] * units)
-    flush = build_schedule([1, 1], S.FLUSH, 4, units_per_update=4)  # nothing in flight
+    assert stage1 == pytest.approx([0.25] * microbatches)
+    flush = build_schedule([1, 1], S.FLUSH, 4, microbatches_per_update=4)  # nothing in flight
     assert simulate_schedule(flush, copying).makespan_s == pytest.approx(
         simulate_schedule(flush, base).makespan_s)
     with pytest.raises(ScheduleError, match="stash_copy_bandwidth"):
         replace(base, stash_copy_bandwidth=0.0)
 
 
-@pytest.mark.parametrize(("replicas", "units"), [((3, 2), 7), ((3, 2), 5), ((5, 7), 36),
-                                                 ((5, 7), 3), ((11, 13, 17, 19), 100)])
-def test_partial_last_round_simulates(replicas: tuple[int, ...], units: int) -> None:
+@pytest.mark.parametrize(("replicas", "microbatches"), [((3, 2), 7), ((3, 2), 5), ((5, 7), 36),
+                                                        ((5, 7), 3), ((11, 13, 17, 19), 100)])
+def test_partial_last_round_simulates(replicas: tuple[int, ...], microbatches: int) -> None:
     n = len(replicas)
     costs = _equal(n, 1.0, 2.0, step_s=(0.25,) * n, allreduce_s=(0.5,) * n,
                    activation_bytes=(10.0,) * (n - 1), bandwidth=100.0)
-    sched = build_schedule(replicas, S.PIPEDREAM, units)
+    sched = build_schedule(replicas, S.PIPEDREAM, microbatches)
     result = simulate_schedule(sched, costs)
-    steps = [-(-units // r) for r in replicas]  # every replica steps once per round
+    steps = [-(-microbatches // r) for r in replicas]  # every replica steps once per round
     assert sum(result.busy_s) == pytest.approx(
-        units * n * 3.0 + 0.25 * sum(r * k for r, k in zip(replicas, steps, strict=True)))
-    reduces = Counter((e.stage, e.unit) for e in result.events if e.kind is K.ALLREDUCE)
+        microbatches * n * 3.0 + 0.25 * sum(r * k for r, k in zip(replicas, steps, strict=True)))
+    reduces = Counter((e.stage, e.microbatch) for e in result.events if e.kind is K.ALLREDUCE)
     assert reduces == {(s, k): r for s, r in enumerate(replicas) if r > 1 for k in range(steps[s])}
-    spans = {(e.stage, e.unit): (e.start_s, e.end_s)
+    spans = {(e.stage, e.microbatch): (e.start_s, e.end_s)
              for e in result.events if e.kind is K.ALLREDUCE}
     for e in result.events:  # the replicas of a round leave it together
         if e.kind is K.ALLREDUCE:
-            assert (e.start_s, e.end_s) == spans[(e.stage, e.unit)]
+            assert (e.start_s, e.end_s) == spans[(e.stage, e.microbatch)]
 
 
 def test_steady_throughput_leaves_out_start_up_and_drain() -> None:
@@ -307,23 +307,23 @@ def test_steady_throughput_leaves_out_start_up_and_drain() -> None:
     result = simulate_schedule(sched, _equal(4), record_events=False)
     assert result.throughput_minibatches_per_s < 0.95 / 3.0
     assert result.steady_throughput_minibatches_per_s == pytest.approx(1 / 3.0)
-    assert result.steady_units == 40 - 2 * 4 - 1
-    assert result.summary()["steady_units"] == result.steady_units
+    assert result.steady_microbatches == 40 - 2 * 4 - 1
+    assert result.summary()["steady_microbatches"] == result.steady_microbatches
 
 
 def test_steady_window_counts_replicas_that_finish_together() -> None:
-    # 4 replicas finish each round at the same instant: 4 units per 3 s, exactly.
+    # 4 replicas finish each round at the same instant: 4 microbatches per 3 s, exactly.
     # The window runs from the end of round 1 (the 4th finish) to the end of
     # round 8 (the 4th from the last): rounds 2..8 finish in it.
     result = simulate_schedule(build_schedule([4], S.PIPEDREAM, 40), _equal(1),
                                record_events=False)
     assert result.steady_throughput_minibatches_per_s == pytest.approx(4 / 3.0)
-    assert result.steady_units == 7 * 4
+    assert result.steady_microbatches == 7 * 4
 
 
 def test_too_short_a_run_has_no_steady_window() -> None:
     result = simulate_schedule(build_schedule([1] * 4, S.PIPEDREAM, 9), _equal(4))
-    assert result.steady_units == 0
+    assert result.steady_microbatches == 0
     assert result.steady_throughput_minibatches_per_s == result.throughput_minibatches_per_s
 
 
@@ -394,7 +394,7 @@ def test_weight_gradient_costs_its_share_and_b_the_rest() -> None:
         SimCosts(forward_s=(1.0,), backward_s=(3.0,), weight_grad_s=(4.0,))
 
 
-def test_zero_bubble_units_stay_in_flight_until_their_w() -> None:
+def test_zero_bubble_microbatches_stay_in_flight_until_their_w() -> None:
     costs = _chain_costs(4, 1)
     h1 = simulate_schedule(build_schedule([1] * 4, S.ZB_H1, 8, 8), costs)
     h2 = simulate_schedule(build_schedule([1] * 4, S.ZB_H2, 8, 8), costs)
@@ -450,7 +450,7 @@ def test_new_schedules_of_small_configs_do_all_their_work(replicas: tuple[int, .
 
 
 def test_a_recomputing_stage_runs_its_forward_twice_and_stashes_its_input() -> None:
-    # 1r-1 against 1-1: the first stage's backward runs its forward again, a unit in flight
+    # 1r-1 against 1-1: the first stage's backward runs its forward again, a microbatch in flight
     # keeps its input only, and the recomputed activations are held once
     graph = LayerGraph.chain([Layer("a", 2.0, 4.0, 10**6, 10**3, saved_bytes=10**8),
                               Layer("b", 2.0, 4.0, 10**6, 10**3)])
@@ -465,11 +465,11 @@ def test_a_recomputing_stage_runs_its_forward_twice_and_stashes_its_input() -> N
     x = graph.cut_bytes()[0]
     assert c1.stash_bytes[0] == pytest.approx(x)  # the input only (the cut before)
     assert c1.recompute_bytes == (c0.stash_bytes[0], 0.0)
-    units = 40
-    r0 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, units), c0)
-    r1 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, units), c1)
+    microbatches = 40
+    r0 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, microbatches), c0)
+    r1 = simulate_schedule(build_schedule([1, 1], S.PIPEDREAM, microbatches), c1)
     assert r1.peak_in_flight == r0.peak_in_flight == (2, 1)
-    # two units stash their input instead of input and activations; one is recomputed
+    # two microbatches stash their input instead of input and activations; one is recomputed
     assert r0.peak_memory_bytes[0] - r1.peak_memory_bytes[0] == pytest.approx(
         2 * c0.stash_bytes[0] - 2 * x - c0.stash_bytes[0], abs=1)
     assert r1.steady_throughput_minibatches_per_s == pytest.approx(

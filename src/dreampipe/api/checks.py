@@ -100,17 +100,17 @@ def check_plan(plan: Plan, names: Sequence[str], world: int) -> None:
 
 
 def check_stages_on_meta(
-    layers: Layers, plan: Plan, example: Batch, loss_fn: Callable[..., Any], unit_size: int
+    layers: Layers, plan: Plan, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int
 ) -> None:
     """Every stage but the last returns one tensor, and the loss of the last one's
     output (whatever the model returns) is a scalar.
 
-    Runs on the meta device with the example's first ``unit_size`` samples. A
+    Runs on the meta device with the example's first ``microbatch_size`` samples. A
     model or loss that cannot run on meta (an op without a meta kernel, a
     data-dependent shape) skips the check with a debug log line; the runtime
     then raises the same errors at the first forward.
     """
-    first = map_inputs(example[0], lambda t: on_meta(t[:unit_size]))
+    first = map_inputs(example[0], lambda t: on_meta(t[:microbatch_size]))
     x: Any = first if isinstance(first, tuple) else (first,)
     try:
         for s, st in enumerate(plan.stages):
@@ -118,7 +118,7 @@ def check_stages_on_meta(
             where = f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) returns"
             out = call_on_meta(stage, x)
             x = (tensor_output(out, where) if s < len(plan.stages) - 1 else out,)
-        loss = loss_fn(x[0], on_meta(example[1][:unit_size]))
+        loss = loss_fn(x[0], on_meta(example[1][:microbatch_size]))
     except PlanError:
         raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:

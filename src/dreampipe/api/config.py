@@ -31,7 +31,7 @@ from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 __all__ = ["AUTOCAST_DTYPES", "TrainConfig"]
 
@@ -143,7 +143,7 @@ class TrainConfig:
 
     def _check_schedule(self, kind: ScheduleKind) -> None:
         """The rules that depend on the schedule run."""
-        UnitLayout(kind=kind, microbatches=self.microbatches)  # microbatches' own rules
+        MicrobatchLayout(kind=kind, microbatches=self.microbatches)  # microbatches' own rules
         if kind is not ScheduleKind.PIPEDREAM and (self.vertical_sync or not self.stash):
             what = " and ".join(w for w, on in (("vertical_sync=True", self.vertical_sync),
                                                 ("stash=False", not self.stash)) if on)

@@ -1,10 +1,10 @@
-"""The minibatches a Pipeline is given, cut into the schedule's units.
+"""The minibatches a Pipeline is given, cut into the schedule's microbatches.
 
-Minibatch ``n`` of a segment is units ``n*U .. n*U+U-1`` (``U`` units per
-update, :class:`~dreampipe.scheduling.units.UnitLayout`), unit ``j`` being
+Minibatch ``n`` of a segment is microbatches ``n*U .. n*U+U-1`` (``U`` microbatches per
+update, :class:`~dreampipe.scheduling.microbatch_layout.MicrobatchLayout`), microbatch ``j`` being
 samples ``j*size .. (j+1)*size-1`` of it, as in the built-in datasets. A
 rank keeps only what it will read: inputs on the replica of the first stage
-that runs the unit, targets on the replica of the last stage; each is
+that runs the microbatch, targets on the replica of the last stage; each is
 dropped once read.
 """
 
@@ -22,53 +22,54 @@ __all__ = ["Batches", "Feed"]
 
 
 class Feed:
-    """Units of the given minibatches, as the runtime reads them (its ``UnitData``)."""
+    """Microbatches of the given minibatches, as the runtime reads them (its ``MicrobatchData``)."""
 
     def __init__(
-        self, *, unit_size: int, units_per_update: int, device: torch.device,
+        self, *, microbatch_size: int, microbatches_per_update: int, device: torch.device,
         wants_inputs: Callable[[int], bool], wants_targets: Callable[[int], bool],
     ) -> None:
-        self.unit_size = unit_size
-        self.units_per_update = units_per_update
+        self.microbatch_size = microbatch_size
+        self.microbatches_per_update = microbatches_per_update
         self.device = device
         self._wants_inputs, self._wants_targets = wants_inputs, wants_targets
         self._inputs: dict[int, Inputs] = {}
         self._targets: dict[int, Tensor] = {}
 
     def _cut(self, t: Tensor, j: int) -> Tensor:
-        # a copy: the caller may reuse its batch tensor while this unit is still in flight
-        return t[j * self.unit_size : (j + 1) * self.unit_size].to(self.device, copy=True)
+        # a copy: the caller may reuse its batch tensor while this microbatch is still in flight
+        return t[j * self.microbatch_size : (j + 1) * self.microbatch_size].to(self.device,
+                                                                               copy=True)
 
     def add(self, index: int, batch: Batch) -> None:
         """Minibatch ``index`` of the segment."""
         x, y = batch
-        for j in range(self.units_per_update):
-            u = index * self.units_per_update + j
+        for j in range(self.microbatches_per_update):
+            u = index * self.microbatches_per_update + j
             if self._wants_inputs(u):
                 self._inputs[u] = map_inputs(x, functools.partial(self._cut, j=j))
             if self._wants_targets(u):
                 self._targets[u] = self._cut(y, j)
 
-    def inputs(self, unit: int) -> Inputs:
-        """Unit ``unit``'s input (given once, read once)."""
-        return self._inputs.pop(unit)
+    def inputs(self, microbatch: int) -> Inputs:
+        """Microbatch ``microbatch``'s input (given once, read once)."""
+        return self._inputs.pop(microbatch)
 
-    def targets(self, unit: int) -> Tensor:
-        """Unit ``unit``'s targets (given once, read once)."""
-        return self._targets.pop(unit)
+    def targets(self, microbatch: int) -> Tensor:
+        """Microbatch ``microbatch``'s targets (given once, read once)."""
+        return self._targets.pop(microbatch)
 
 
 class Batches:
-    """Whole batches as units (evaluation: unit ``u`` is batch ``u``)."""
+    """Whole batches as microbatches (evaluation: microbatch ``u`` is batch ``u``)."""
 
     def __init__(self, batches: list[Batch], device: torch.device) -> None:
         self._batches = batches
         self._device = device
 
-    def inputs(self, unit: int) -> Inputs:
-        """Batch ``unit``'s input."""
-        return map_inputs(self._batches[unit][0], lambda t: t.to(self._device))
+    def inputs(self, microbatch: int) -> Inputs:
+        """Batch ``microbatch``'s input."""
+        return map_inputs(self._batches[microbatch][0], lambda t: t.to(self._device))
 
-    def targets(self, unit: int) -> Tensor:
-        """Batch ``unit``'s targets."""
-        return self._batches[unit][1].to(self._device)
+    def targets(self, microbatch: int) -> Tensor:
+        """Batch ``microbatch``'s targets."""
+        return self._batches[microbatch][1].to(self._device)

@@ -10,8 +10,8 @@ Every rank runs the same script (under ``torchrun`` or alone)::
 
 Each rank builds its stage's layers (:mod:`.split`) and runs its actions of one
 :class:`~dreampipe.scheduling.actions.Schedule` (:class:`~dreampipe.runtime.engine.RankRunner`)
-step by step; ``finish()`` drains, and a segment holds at most :data:`SEGMENT_UNITS`
-units. How steps, drains and segments train: docs/design.md §8.5.
+step by step; ``finish()`` drains, and a segment holds at most :data:`SEGMENT_MICROBATCHES`
+microbatches. How steps, drains and segments train: docs/design.md §8.5.
 """
 
 from __future__ import annotations
@@ -60,17 +60,17 @@ from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import held_keys, split_layers, tied_parameters
 from dreampipe.splitter.segments import split_bounds
 from dreampipe.splitter.state_keys import check_written_buffers, state_keys
 
-__all__ = ["SEGMENT_UNITS", "Pipeline"]
+__all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
 
 _log = logging.getLogger(__name__)
 _HORIZON = 32
-#: The most units a segment holds before :meth:`Pipeline.step` drains it.
-SEGMENT_UNITS = 8192
+#: The most microbatches a segment holds before :meth:`Pipeline.step` drains it.
+SEGMENT_MICROBATCHES = 8192
 #: Schedules kept for reuse: the horizons a segment grows through, and its drain.
 _KEPT_SCHEDULES = 6
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -123,10 +123,10 @@ class Pipeline:
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.kind = config.kind  # under "auto", a stand-in until resolve_plan chooses
-        self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
-                                 microbatches=config.microbatches, workers=world)
-        unit_size = self.layout.unit_size
-        self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:unit_size]))
+        self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
+                                       microbatches=config.microbatches, workers=world)
+        microbatch_size = self.layout.microbatch_size
+        self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
         self._names = [name for name, _ in self._layers]
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
@@ -137,14 +137,14 @@ class Pipeline:
                                     layer_names=tuple(self._names),
                                     virtual_stages=config.virtual_stages or 1)
         resolved = resolve_plan(plan, layers=self._layers, example=example, loss_fn=loss_fn,
-                                unit_size=unit_size, config=config)
+                                microbatch_size=microbatch_size, config=config)
         self.plan = resolved.plan
         self._virtual = v = self.plan.virtual_stages
         if resolved.kind is not None:
             config = config.chosen(resolved.kind, resolved.microbatches)
             self.kind = resolved.kind
-            self.layout = UnitLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
-                                     microbatches=resolved.microbatches, workers=world)
+            self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
+                                           microbatches=resolved.microbatches, workers=world)
         #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
         #: stages per worker.
         self.config = dataclasses.replace(config, virtual_stages=v)
@@ -164,7 +164,7 @@ class Pipeline:
         if t > 1:
             check_split(self.plan, self.config)
             self.layout = dataclasses.replace(self.layout, workers=sum(self.replicas))
-        check_stages_on_meta(self._layers, self.plan, example, loss_fn, unit_size)
+        check_stages_on_meta(self._layers, self.plan, example, loss_fn, microbatch_size)
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
@@ -202,7 +202,7 @@ class Pipeline:
         self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
                                                  self.module)]
         per_round = math.lcm(*self.replicas)
-        self._cap = max(per_round, SEGMENT_UNITS // self.layout.units_per_update
+        self._cap = max(per_round, SEGMENT_MICROBATCHES // self.layout.microbatches_per_update
                         // per_round * per_round)
         self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
         self._reserved_to = 0
@@ -245,7 +245,8 @@ class Pipeline:
         reps = self.replicas[stage]
         last = len(self.replicas) - 1 in sched.stages_of_rank(self.srank)
         feed = Feed(
-            unit_size=self.layout.unit_size, units_per_update=self.layout.units_per_update,
+            microbatch_size=self.layout.microbatch_size,
+            microbatches_per_update=self.layout.microbatches_per_update,
             device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
             wants_targets=lambda u: last and u % reps == mine,
         )
@@ -258,7 +259,7 @@ class Pipeline:
         if self._segment == 0 and self.runner.done:
             self._restart(self._horizon_from(self.minibatches))
         if self._segment == 0:
-            self.runner.start_segment(self.minibatches * self.layout.units_per_update,
+            self.runner.start_segment(self.minibatches * self.layout.microbatches_per_update,
                                       self.minibatches)
         self._feed.add(self._segment, (x, y))
         self._segment += 1
@@ -266,7 +267,7 @@ class Pipeline:
         if 2 * self._segment > self._horizon and self._horizon < self._cap:
             self._horizon = min(4 * self._horizon, self._cap)
             self.runner.switch(self._schedule(self._horizon))
-        per = self.layout.units_per_update
+        per = self.layout.microbatches_per_update
         self.runner.advance(self._segment * per, post_until=(self._segment + 1) * per)
         if self._segment == self._cap:
             _log.debug("segment of %d minibatches full at minibatch %d: draining",
@@ -313,12 +314,12 @@ class Pipeline:
         self.runner.switch(self._schedule(n))
         self.runner.advance()
         self.runner.drain()
-        per = self.layout.units_per_update
-        unit_losses = torch.zeros(n * per, dtype=torch.float64)
+        per = self.layout.microbatches_per_update
+        microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
-            unit_losses[u] = float(loss) if self.member == 0 else 0.0
-        unit_losses = all_reduced(unit_losses, self.device)
-        values = unit_losses.tolist()
+            microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
+        microbatch_losses = all_reduced(microbatch_losses, self.device)
+        values = microbatch_losses.tolist()
         self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
         self._segment = 0
 

@@ -69,7 +69,7 @@ class Resolved:
 
 def resolve_plan(
     plan: Plan | str | Path, *, layers: Layers, example: Batch, loss_fn: Callable[..., Any],
-    unit_size: int, config: TrainConfig,
+    microbatch_size: int, config: TrainConfig,
 ) -> Resolved:
     """The plan every rank runs, and the schedule ``config``'s ``schedule="auto"`` picks
     for it (a collective when rank 0 has to plan or choose); ``config.virtual_stages``
@@ -101,7 +101,7 @@ def resolve_plan(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            graph = _profile(layers, example, loss_fn, unit_size, config.seed)
+            graph = _profile(layers, example, loss_fn, microbatch_size, config.seed)
             chosen = choose_plan(graph, local_topology(world, measured_machine(graph, machine),
                                                        nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
@@ -126,20 +126,20 @@ def resolve_plan(
 
 
 def _profile(
-    layers: Layers, example: Batch, loss_fn: Callable[..., Any], unit_size: int, seed: int,
+    layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int, seed: int,
 ) -> LayerGraph:
-    """The whole model profiled as one worker runs, on a unit of the example."""
+    """The whole model profiled as one worker runs, on a microbatch of the example."""
     from dreampipe.profiling.profiler import profile_model
 
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
     model = nn.Sequential(*chain.layers)
-    x = map_inputs(example[0], lambda t: t[:unit_size])
+    x = map_inputs(example[0], lambda t: t[:microbatch_size])
     first = layers[0][1]
     if isinstance(x, tuple):  # the first layer is a segment (a tuple input makes one)
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
-        graph = profile_model(model, x, loss_fn, example[1][:unit_size])
+        graph = profile_model(model, x, loss_fn, example[1][:microbatch_size])
     if len(graph.layers) != len(layers):
         raise PlanError(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "

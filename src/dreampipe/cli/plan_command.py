@@ -168,8 +168,8 @@ def _run(args: argparse.Namespace) -> int:
         if needs is not None:
             summary["memory_needs_bytes"] = needs
         summary["check_skipped"] = sim is None
-        summary["simulated_minibatches"] = None if sim is None else sim.num_units
-        summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_units
+        summary["simulated_minibatches"] = None if sim is None else sim.num_microbatches
+        summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_microbatches
         summary["simulated_minibatches_per_s"] = (
             None if sim is None else sim.steady_throughput_minibatches_per_s)
         json.dump(summary, sys.stdout)
@@ -223,7 +223,7 @@ def _at_least_one(text: str) -> int:
 def check_minibatches(result: Plan, cap: int = CHECK_MINIBATCHES) -> int:
     """How many minibatches :func:`confirm_by_simulation` runs for ``result``.
 
-    Enough for a steady state: the input stage's warm-up (every unit it admits
+    Enough for a steady state: the input stage's warm-up (every microbatch it admits
     before its first backward), as many again for the drain, and
     ``_STEADY_PER_WORKER`` per schedule rank (a tensor-split replica is one)
     between them; at most ``cap``, and at most :data:`CHECK_STAGE_MINIBATCHES`
@@ -257,10 +257,10 @@ def _format_confirmation(result: Plan, sim: SimResult) -> str:
     predicted = result.throughput_minibatches_per_s
     rate = sim.steady_throughput_minibatches_per_s
     ratio = rate / predicted if predicted > 0 else 0.0
-    window = (f"{sim.steady_units} in the steady state" if sim.steady_units
+    window = (f"{sim.steady_microbatches} in the steady state" if sim.steady_microbatches
               else "too few for a steady state: start-up and drain included")
     return (
-        f"simulated: {rate:.2f} minibatches/s over {sim.num_units} minibatches ({window}; "
+        f"simulated: {rate:.2f} minibatches/s over {sim.num_microbatches} minibatches ({window}; "
         f"{ratio:.0%} of the prediction; {sim.bubble_fraction:.0%} of worker time idle)"
     )
 

@@ -29,7 +29,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.simulation.simulator import (
     SimCosts,
     SimResult,
@@ -85,8 +85,8 @@ def _run(args: argparse.Namespace) -> int:
         plan, graph, topology, source = _load(args)
         bar.update()
         virtual = _virtual_stages(args, kind, plan, source)
-        replicas, layout, updates = _units(args, kind, plan)
-        costs = _costs(plan, graph, topology, kind, layout.unit_fraction)
+        replicas, layout, updates = _microbatch_counts(args, kind, plan)
+        costs = _costs(plan, graph, topology, kind, layout.microbatch_fraction)
         schedule = layout.build(replicas, updates, plan.in_flight, virtual)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
@@ -105,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.update()
     info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
             "minibatches": updates,
-            "units": layout.num_units(updates), "units_per_update": layout.units_per_update,
+            "microbatches_per_update": layout.microbatches_per_update,
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
             "memory_known": graph is not None}
     if args.json:
@@ -166,10 +166,10 @@ def _json_object(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _units(
+def _microbatch_counts(
     args: argparse.Namespace, kind: ScheduleKind, plan: Plan
-) -> tuple[tuple[int, ...], UnitLayout, int]:
-    """(replicas, unit layout, weight updates) for the chosen schedule.
+) -> tuple[tuple[int, ...], MicrobatchLayout, int]:
+    """(replicas, microbatch layout, weight updates) for the chosen schedule.
 
     Sizes count profiled minibatches, so the layouts carry no sample counts.
     """
@@ -180,12 +180,12 @@ def _units(
         if value is not None and value < 1:
             raise ConfigError(f"{name}={value}; use 1 or more", name)
     if kind is ScheduleKind.PIPEDREAM:
-        layout = UnitLayout(kind=kind)
+        layout = MicrobatchLayout(kind=kind)
         return replicas, layout, layout.whole_rounds(replicas, args.minibatches or 4 * workers)
     if kind is ScheduleKind.DP:
-        layout = UnitLayout(kind=kind, workers=workers)
+        layout = MicrobatchLayout(kind=kind, workers=workers)
         return (workers,), layout, layout.updates_covering(args.minibatches or 4 * workers)
-    layout = UnitLayout(kind=kind, microbatches=args.microbatches or 4 * plan.num_stages)
+    layout = MicrobatchLayout(kind=kind, microbatches=args.microbatches or 4 * plan.num_stages)
     return replicas, layout, args.minibatches or 8
 
 
@@ -216,8 +216,9 @@ def _costs(
 
 
 def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
-    per = "" if info["units"] == info["minibatches"] else (
-        f" ({info['units']} units, {info['units_per_update']} per update)")
+    count = result.num_microbatches
+    per = "" if count == info["minibatches"] else (
+        f" ({count} microbatches, {info['microbatches_per_update']} per update)")
     lines = [
         f"schedule    {result.kind.value}, config {result.config} on {schedule.num_ranks} workers "
         f"({info['topology']}), {info['minibatches']} minibatches{per}",

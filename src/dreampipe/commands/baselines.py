@@ -30,7 +30,7 @@ from dreampipe.commands.workloads import Workload
 from dreampipe.errors import BaselineError
 from dreampipe.runtime.processes import HeapPolicy, RankFn
 
-__all__ = ["Baseline", "baseline_unit", "run_baseline"]
+__all__ = ["Baseline", "baseline_microbatch_size", "run_baseline"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _whole_model_rate(
     return timed_rate(step, steps=work.steps, warmup=work.warmup, samples_per_step=work.batch)
 
 
-def baseline_unit(which: Baseline, work: Workload) -> int:
+def baseline_microbatch_size(which: Baseline, work: Workload) -> int:
     """Samples in one forward and backward of ``which``: a microbatch, a share, a batch."""
     if which in (Baseline.TORCH_1F1B_BIG, Baseline.DDP, Baseline.DDP_NO_ALLREDUCE):
         return work.per_worker
@@ -156,7 +156,7 @@ def run_baseline(which: Baseline, work: Workload, *, timeout_s: float = 300.0) -
         fn, world = _single, 1
     else:
         fn, world = _torch_pipeline, ranks
-        arg = _TorchPipe(work, which, microbatch=baseline_unit(which, work))
+        arg = _TorchPipe(work, which, microbatch=baseline_microbatch_size(which, work))
     return run_ranks(
         fn, world, arg, timeout_s=timeout_s, threads=2 if which is Baseline.SINGLE_2THREADS else 1,
         heap=HeapPolicy.STOCK if which is Baseline.TORCH_1F1B_STOCK else HeapPolicy.KEEP_FREED,

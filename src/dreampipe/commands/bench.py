@@ -27,7 +27,7 @@ import torch
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.pipeline import Pipeline
-from dreampipe.commands.baselines import Baseline, baseline_unit, run_baseline
+from dreampipe.commands.baselines import Baseline, baseline_microbatch_size, run_baseline
 from dreampipe.commands.bench_names import BENCH_NAMES
 from dreampipe.commands.bench_process import run_ranks, timed_rate
 from dreampipe.commands.bench_report import BenchEntry, BenchReport
@@ -88,10 +88,10 @@ def run_dreampipe(run: DreampipeRun, work: Workload, timeout_s: float) -> float:
     return run_ranks(_rank, len(work.stage_bounds), (run, work), timeout_s=timeout_s)
 
 
-def _unit(name: str, work: Workload) -> int:
+def _samples_per_microbatch(name: str, work: Workload) -> int:
     if name in DREAMPIPE_RUNS:
-        return DREAMPIPE_RUNS[name].layout(work).unit_size
-    return baseline_unit(Baseline(name), work)
+        return DREAMPIPE_RUNS[name].layout(work).microbatch_size
+    return baseline_microbatch_size(Baseline(name), work)
 
 
 def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchReport:
@@ -114,7 +114,7 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
         rates[name].append(rate)
         log.info("bench %s: %.1f samples/s", name, rate)
     entries = [
-        BenchEntry(name, tuple(rates[name]), _unit(name, work),
+        BenchEntry(name, tuple(rates[name]), _samples_per_microbatch(name, work),
                    statistics.median(p[DREAMPIPE_RUNS[name]] for p in predictions)
                    if name in DREAMPIPE_RUNS else None)
         for name in chosen

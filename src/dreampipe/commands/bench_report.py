@@ -24,7 +24,7 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("pipedream", "ddp", "the paper's pairing: DDP, batch/2 per worker"),
     ("ddp-no-allreduce", "ddp", "DDP's compute alone (not training) over DDP"),
     ("pipedream", "torch-1f1b-big", "torch 1F1B, microbatches of pipedream's size"),
-    ("pipedream", "torch-1f1b", "not like for like: unit sizes differ"),
+    ("pipedream", "torch-1f1b", "not like for like: microbatch sizes differ"),
     ("gpipe", "torch-gpipe", "same schedule"),
     ("zb-h1", "torch-zb", "zero bubble, same stages and microbatches"),
     ("interleaved-1f1b", "torch-interleaved-1f1b", "2 stages per worker, same cut"),
@@ -34,11 +34,11 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
 
 @dataclass(frozen=True)
 class BenchEntry:
-    """One run: samples/s of each round, its unit size, the simulator's prediction if any."""
+    """One run: samples/s of each round, its microbatch size, the simulator's prediction if any."""
 
     name: str
     rounds: tuple[float, ...]
-    unit: int
+    microbatch_size: int
     predicted_samples_per_s: float | None = None
 
     @property
@@ -95,7 +95,8 @@ class BenchReport:
         results: dict[str, dict[str, Any]] = {}
         for e in self.entries:
             results[e.name] = {"samples_per_s": e.samples_per_s, "min": min(e.rounds),
-                               "max": max(e.rounds), "rounds": list(e.rounds), "unit": e.unit}
+                               "max": max(e.rounds), "rounds": list(e.rounds),
+                               "microbatch_size": e.microbatch_size}
             if e.predicted_samples_per_s is not None:
                 results[e.name]["predicted_samples_per_s"] = e.predicted_samples_per_s
         ratios = self.ratios()
@@ -121,8 +122,8 @@ def format_table(report: BenchReport) -> str:
         work.describe(),
         f"{work.steps} timed updates after {work.warmup} warm-up, wall clock between barriers "
         f"on all ranks; median and min-max of {report.rounds} interleaved rounds; "
-        "unit: samples per forward/backward",
-        f"{'run':<{wide}} {'unit':>4} {'samples/s':>10} {'min-max':>15} {'predicted':>10} "
+        "microbatch: samples per forward/backward",
+        f"{'run':<{wide}} {'microbatch':>10} {'samples/s':>10} {'min-max':>15} {'predicted':>10} "
         f"{'meas/pred':>9}",
     ]
     for e in report.entries:
@@ -130,7 +131,8 @@ def format_table(report: BenchReport) -> str:
         spread = f"{min(e.rounds):.0f}-{max(e.rounds):.0f}"
         pred_s = f"{pred:10.1f}" if pred else f"{'':>10}"
         meas = f"{e.samples_per_s / pred:9.2f}" if pred else f"{'':>9}"
-        lines.append(f"{e.name:<{wide}} {e.unit:>4} {e.samples_per_s:10.1f} {spread:>15} "
+        lines.append(f"{e.name:<{wide}} {e.microbatch_size:>10} {e.samples_per_s:10.1f} "
+                     f"{spread:>15} "
                      f"{pred_s} {meas}".rstrip())
     if ratios:
         lines.append("ratios of medians (min-max of the same-round ratios):")

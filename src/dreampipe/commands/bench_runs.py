@@ -28,7 +28,7 @@ from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 __all__ = ["DREAMPIPE_RUNS", "DreampipeRun", "predict"]
 
@@ -49,12 +49,12 @@ class DreampipeRun:
         """Samples per ``Pipeline.step``: a PipeDream minibatch, or a whole update."""
         return work.per_worker if self.kind is ScheduleKind.PIPEDREAM else work.batch
 
-    def layout(self, work: Workload) -> UnitLayout:
-        """How each step's samples are cut into units."""
+    def layout(self, work: Workload) -> MicrobatchLayout:
+        """How each step's samples are cut into microbatches."""
         if self.kind is ScheduleKind.PIPEDREAM:
-            return UnitLayout(kind=self.kind, minibatch_size=self.minibatch(work))
-        return UnitLayout(kind=self.kind, minibatch_size=work.batch,
-                          microbatches=work.microbatches)
+            return MicrobatchLayout(kind=self.kind, minibatch_size=self.minibatch(work))
+        return MicrobatchLayout(kind=self.kind, minibatch_size=work.batch,
+                                microbatches=work.microbatches)
 
     def steps(self, work: Workload, updates: int) -> int:
         """``Pipeline.step`` calls that train ``updates`` of the workload's updates."""
@@ -82,11 +82,11 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
     out = {}
     for run in runs:
         layout = run.layout(work)
-        if layout.unit_size not in graphs:
-            graphs[layout.unit_size] = profile_as_worker(
-                spec, layout.unit_size, repeats=_REPEATS, twins=corun_twins(workers, machine),
+        if layout.microbatch_size not in graphs:
+            graphs[layout.microbatch_size] = profile_as_worker(
+                spec, layout.microbatch_size, repeats=_REPEATS, twins=corun_twins(workers, machine),
                 ref=work.kind.value, model_kwargs=work.model_kwargs)
-        graph = graphs[layout.unit_size]
+        graph = graphs[layout.microbatch_size]
         v = run.virtual_stages
         ask = PlanAsk(workers=workers, stages=",".join(map(str, work.bounds(v)))) if v == 1 \
             else PlanAsk(workers=workers, given=work.plan(v))  # the chunks v to a worker

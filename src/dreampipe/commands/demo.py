@@ -29,7 +29,7 @@ from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 if TYPE_CHECKING:
     from dreampipe.commands.train_config import TrainResult
@@ -55,7 +55,7 @@ class DemoOptions:
     seed: int = 0
     out_dir: Path = Path("out/demo")
     progress: bool = True
-    timeline_units: int = 12
+    timeline_microbatches: int = 12
 
     def with_epochs(self, epochs: float) -> DemoOptions:
         """These options with ``epochs`` passes over the digits (checked positive)."""
@@ -101,9 +101,10 @@ def _pipeline_plan(graph: LayerGraph, workers: int, machine: LocalCalibration,
     return straight
 
 
-def timeline_window(events: tuple[Event, ...], first: int, units: int) -> list[Event]:
-    """The events of units ``first .. first+units-1``: a readable slice of a long run."""
-    return [e for e in events if first <= e.unit < first + units]
+def timeline_window(events: tuple[Event, ...], first: int, microbatches: int) -> list[Event]:
+    """The events of microbatches ``first .. first+microbatches-1``: a readable slice of a
+    long run."""
+    return [e for e in events if first <= e.microbatch < first + microbatches]
 
 
 def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
@@ -126,7 +127,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     plan = _pipeline_plan(graph, opts.workers, machine, say)
     say(str(plan))
     steps = steps_for_epochs(opts.epochs, train_n, opts.minibatch_size)
-    predicted = predict_samples_per_s(graph, plan, UnitLayout(
+    predicted = predict_samples_per_s(graph, plan, MicrobatchLayout(
         kind=ScheduleKind.PIPEDREAM, minibatch_size=opts.minibatch_size, microbatches=1),
         steps, machine)
     base = TrainRun(
@@ -149,10 +150,10 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
                                       lr=opts.lr * opts.workers)))
     opts.out_dir.mkdir(parents=True, exist_ok=True)
     timeline, trace = opts.out_dir / "pipedream-timeline.png", opts.out_dir / "pipedream-trace.json"
-    first = max(0, steps // 2 - opts.timeline_units // 2)
-    draw_timeline(timeline_window(pipedream.events, first, opts.timeline_units), timeline,
+    first = max(0, steps // 2 - opts.timeline_microbatches // 2)
+    draw_timeline(timeline_window(pipedream.events, first, opts.timeline_microbatches), timeline,
                   title=f"cnn on digits, PipeDream {plan.config}, minibatches {first}.."
-                        f"{first + opts.timeline_units - 1} of {steps} (measured)")
+                        f"{first + opts.timeline_microbatches - 1} of {steps} (measured)")
     write_chrome_trace(list(pipedream.events), trace)
     plan.save(opts.out_dir / "plan.json")
     for name, res in (("PipeDream", pipedream), ("data parallel", dp)):

@@ -7,7 +7,7 @@ so ``dreampipe train`` can check and hold it before it has profiled and planned;
 :func:`dreampipe.commands.train_run.train_local` and ``run_train`` train them, one
 :class:`~dreampipe.api.pipeline.Pipeline` per rank. A run trains ``steps`` weight
 updates of ``minibatch_size`` samples each; how an update is cut into microbatches
-is :class:`~dreampipe.scheduling.units.UnitLayout`'s (:attr:`TrainRun.layout`).
+is :class:`~dreampipe.scheduling.microbatch_layout.MicrobatchLayout`'s (:attr:`TrainRun.layout`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 if TYPE_CHECKING:
     from dreampipe.runtime.memory import MemoryUse
@@ -103,10 +103,10 @@ class TrainRun(TrainOptions):
         return self.plan.workers_used
 
     @cached_property
-    def layout(self) -> UnitLayout:
+    def layout(self) -> MicrobatchLayout:
         """How each update is cut into microbatches; raises a ConfigError if it cannot be."""
-        return UnitLayout(kind=self.config.kind, minibatch_size=self.minibatch_size,
-                          microbatches=self.config.microbatches, workers=self.workers)
+        return MicrobatchLayout(kind=self.config.kind, minibatch_size=self.minibatch_size,
+                                microbatches=self.config.microbatches, workers=self.workers)
 
 
 @dataclass(frozen=True)
@@ -132,9 +132,10 @@ class TrainResult:
 def check_options(opts: TrainOptions) -> None:
     """The checks that need no plan, so ``dreampipe train`` runs them before profiling.
 
-    The config's own rules are :class:`~dreampipe.api.config.TrainConfig`'s, checked
-    when it was made; how an update splits into microbatches is
-    :class:`~dreampipe.scheduling.units.UnitLayout`'s, checked where a layout is made.
+    The config's own rules are :class:`~dreampipe.api.config.TrainConfig`'s, checked when it was
+    made; how an update splits into microbatches is
+    :class:`~dreampipe.scheduling.microbatch_layout.MicrobatchLayout`'s, checked where a layout is
+    made.
     """
     if opts.steps < 1:
         raise ConfigError(f"steps={opts.steps}; use 1 or more", "steps")

@@ -51,7 +51,7 @@ from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
 from dreampipe.runtime.memory import check_memory, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 if TYPE_CHECKING:
     from dreampipe.models.datasets import Dataset
@@ -172,8 +172,8 @@ def plan_train(
     v = plan.virtual_stages
     config = opts.config if chosen is None else opts.config.chosen(*chosen)
     opts = dataclasses.replace(opts, config=dataclasses.replace(config, virtual_stages=v))
-    layout = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                        microbatches=opts.config.microbatches, workers=workers)
+    layout = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                              microbatches=opts.config.microbatches, workers=workers)
     steps = _whole_rounds(req, layout, plan, steps, talk)
     run = opts.with_plan(plan, steps)
     check_run(run, spec, run.workers)  # before anything is said of the plan
@@ -220,8 +220,9 @@ def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCal
     """The saved profile, else one taken now as each worker computes (beside busy twins
     when the workers are local)."""
     opts = req.run
-    size = UnitLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                      microbatches=opts.config.microbatches, workers=ask.workers).unit_size
+    size = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                            microbatches=opts.config.microbatches,
+                            workers=ask.workers).microbatch_size
     if req.profile is not None:
         return saved_profile(req.profile, spec, size, ref=opts.model,
                              model_kwargs=opts.model_kwargs)
@@ -243,7 +244,7 @@ def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
     return Plan.from_config(spec.num_layers, forced[0], forced[1], model=spec.name)
 
 
-def _memory(graph: LayerGraph, plan: Plan, layout: UnitLayout, steps: int,
+def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
             opts: TrainOptions, limit: int | None) -> tuple[int, ...]:
     """Each stage's predicted memory, checked against ``limit``; empty when interleaved."""
     if plan.virtual_stages > 1:
@@ -296,7 +297,7 @@ def _check_before_profiling(
 
 
 def _whole_rounds(
-    req: TrainRequest, layout: UnitLayout, plan: Plan, steps: int, talk: Say
+    req: TrainRequest, layout: MicrobatchLayout, plan: Plan, steps: int, talk: Say
 ) -> int:
     """``steps``, made whole rounds of PipeDream's all-reduce for replicated stages.
 

@@ -63,7 +63,7 @@ class LocalCalibration:
     #: caches and memory bandwidth. Only for a profile taken alone:
     #: ``dreampipe train`` profiles beside busy twins instead.
     corun_slowdown: float
-    #: Parameter bytes per second a ``STEP`` copies when a unit in flight still
+    #: Parameter bytes per second a ``STEP`` copies when a microbatch in flight still
     #: needs the version it replaces (weight stashing's copy-on-write: stage 0
     #: of a 2-stage PipeDream pipeline copies at every step, stage 1 never).
     stash_copy_bandwidth: float
@@ -71,12 +71,12 @@ class LocalCalibration:
     #: ``send_copy_bandwidth`` (the ping-pong's send calls, fitted).
     send_overhead_s: float
     send_copy_bandwidth: float
-    #: A runtime forward's own host time per unit and stage, which the layer
+    #: A runtime forward's own host time per microbatch and stage, which the layer
     #: profile does not time (``StageModule.forward``'s bookkeeping). Used
     #: only for a profile without the factors that
     #: :mod:`~dreampipe.runplan.runtime_overhead` measures with every local profile.
     stage_forward_s: float
-    #: Loading a unit's samples (input stage) or labels (last stage), cold.
+    #: Loading a microbatch's samples (input stage) or labels (last stage), cold.
     batch_load_s: float
     #: The last stage's loss, which the profile leaves out (it times layers).
     #: Used only for a profile without the loss's own times, which
@@ -167,7 +167,7 @@ def local_topology(
 
 
 def local_costs(
-    graph: LayerGraph, plan: Plan, unit_fraction: float,
+    graph: LayerGraph, plan: Plan, microbatch_fraction: float,
     machine: LocalCalibration, *, nodes: int = 1,
 ) -> SimCosts:
     """Simulator costs of ``plan`` on this machine's workers.
@@ -176,9 +176,9 @@ def local_costs(
     them: posting each send, in each forward and backward the stage's own
     overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.runplan.runtime_overhead`
     measured with the profile, else the machine's ``stage_forward_s``), loading
-    the unit's data, the loss (its forward and backward as measured with the
+    the microbatch's data, the loss (its forward and backward as measured with the
     profile, else the machine's ``loss_s``), and each weight update (with the
-    copy weight stashing makes where a unit in flight needs the old weights).
+    copy weight stashing makes where a microbatch in flight needs the old weights).
     Compute and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
     cost stretches by the pace measured with the profile for that many
@@ -193,7 +193,7 @@ def local_costs(
     from dreampipe.simulation.simulator import costs_from_profile
 
     topology = local_topology(plan.workers_used, machine, nodes=nodes)
-    costs = costs_from_profile(graph, plan, topology, unit_fraction)
+    costs = costs_from_profile(graph, plan, topology, microbatch_fraction)
     runtime_backward = float(graph.meta.get("runtime_backward", 1.0))
     if "runtime_forward" in graph.meta:  # the stage's own overhead is in the factor
         forward = [f * float(graph.meta["runtime_forward"]) for f in costs.forward_s]
@@ -201,8 +201,8 @@ def local_costs(
         forward = [f + machine.stage_forward_s for f in costs.forward_s]
     backward = [b * runtime_backward for b in costs.backward_s]
     if "loss_forward_ms" in graph.meta:  # measured with the profile
-        forward[-1] += float(graph.meta["loss_forward_ms"]) / 1e3 * unit_fraction
-        backward[-1] += float(graph.meta["loss_backward_ms"]) / 1e3 * unit_fraction
+        forward[-1] += float(graph.meta["loss_forward_ms"]) / 1e3 * microbatch_fraction
+        backward[-1] += float(graph.meta["loss_backward_ms"]) / 1e3 * microbatch_fraction
     else:
         forward[-1] += machine.loss_s
     forward[0] += machine.batch_load_s

@@ -26,12 +26,12 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import parse_bandwidth
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimResult
 
-__all__ = ["on_link", "round_units", "simulate_on", "window_rates"]
+__all__ = ["on_link", "round_microbatches", "simulate_on", "window_rates"]
 
 
 def on_link(bandwidth: str, machine: LocalCalibration) -> LocalCalibration:
@@ -68,50 +68,54 @@ def simulate_on(
 
     What :func:`~dreampipe.runplan.prediction.predict_samples_per_s` simulates, on a
     given calibration (:func:`on_link`), with its events for
-    :func:`window_rates`. ``graph`` must be profiled at the layout's unit size.
+    :func:`window_rates`. ``graph`` must be profiled at the layout's microbatch size.
     """
     from dreampipe.simulation.simulator import simulate_schedule
 
-    layout = UnitLayout(kind=kind, minibatch_size=minibatch_size, microbatches=microbatches,
-                        workers=plan.workers_used)
+    layout = MicrobatchLayout(kind=kind, minibatch_size=minibatch_size, microbatches=microbatches,
+                              workers=plan.workers_used)
     schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
-    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    fraction = layout.microbatch_size / graph.batch_size if graph.batch_size else 1.0
     return simulate_schedule(schedule, local_costs(graph, plan, fraction, machine))
 
 
-def round_units(plan: Plan) -> int:
-    """Units in one all-reduce round of the input stage (1 when it is not replicated)."""
+def round_microbatches(plan: Plan) -> int:
+    """Microbatches in one all-reduce round of the input stage (1 when it is not replicated)."""
     return plan.stages[0].replicas
 
 
 def window_rates(
-    events: Sequence[Event], *, unit_size: int, skip_units: int, window_units: int
+    events: Sequence[Event], *, microbatch_size: int, skip_microbatches: int,
+    window_microbatches: int
 ) -> list[float]:
-    """Samples/s in each window of ``window_units`` finished units after ``skip_units``.
+    """Samples/s in each window of ``window_microbatches`` finished microbatches after
+    ``skip_microbatches``.
 
-    A unit is finished when its backward at the input stage (stage 0) ends:
+    A microbatch is finished when its backward at the input stage (stage 0) ends:
     the last thing a pipeline does with it, and for a replicated input stage
-    the end of its round's compute. Windows run from the ``skip_units``-th
-    finish to the ``skip_units + window_units``-th, then on, as many whole
+    the end of its round's compute. Windows run from the ``skip_microbatches``-th
+    finish to the ``skip_microbatches + window_microbatches``-th, then on, as many whole
     windows as the events hold. Make both counts multiples of
-    :func:`round_units` so that each window holds whole all-reduce rounds.
+    :func:`round_microbatches` so that each window holds whole all-reduce rounds.
     """
-    if skip_units < 1 or window_units < 1:
+    if skip_microbatches < 1 or window_microbatches < 1:
         raise ConfigError(
-            f"skip_units={skip_units}, window_units={window_units}: skip at least the first "
-            "unit (the window starts at a finish) and make windows of 1 unit or more",
-            "skip_units", "window_units",
+            f"skip_microbatches={skip_microbatches}, window_microbatches={window_microbatches}: "
+            "skip at least the first "
+            "microbatch (the window starts at a finish) and make windows of 1 microbatch or more",
+            "skip_microbatches", "window_microbatches",
         )
     ends = sorted(e.end_s for e in events if e.kind is ActionKind.BACKWARD and e.stage == 0)
     rates = []
-    start = skip_units - 1
-    while start + window_units < len(ends):
-        span = ends[start + window_units] - ends[start]
-        rates.append(window_units * unit_size / span if span > 0 else math.inf)
-        start += window_units
+    start = skip_microbatches - 1
+    while start + window_microbatches < len(ends):
+        span = ends[start + window_microbatches] - ends[start]
+        rates.append(window_microbatches * microbatch_size / span if span > 0 else math.inf)
+        start += window_microbatches
     if not rates:
         raise ConfigError(
-            f"{len(ends)} finished units hold no window of {window_units} after the first "
-            f"{skip_units}; run more steps", "skip_units", "window_units",
+            f"{len(ends)} finished microbatches hold no window of {window_microbatches} after "
+            "the first "
+            f"{skip_microbatches}; run more steps", "skip_microbatches", "window_microbatches",
         )
     return rates

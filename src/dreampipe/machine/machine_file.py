@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 ENV_VAR = "DREAMPIPE_MACHINE_FILE"
 _VERSION = 1
 
-#: Host figures no calibration measures: a runtime forward's own time, a unit's data load
+#: Host figures no calibration measures: a runtime forward's own time, a microbatch's data load
 #: and the loss, each a fraction of a millisecond, used only for a profile without its own
 #: (every profile dreampipe takes measures the first and the last with it).
 TYPICAL_HOST = {"stage_forward_s": 0.06e-3, "batch_load_s": 0.07e-3, "loss_s": 0.06e-3}

@@ -1,13 +1,13 @@
-"""Training data every rank can index identically: ``Dataset.batch(unit, size)``.
+"""Training data every rank can index identically: ``Dataset.batch(microbatch, size)``.
 
 The training split is a stream of samples, reshuffled each epoch by a
-permutation seeded with ``(seed, epoch)``. Unit ``u`` of ``size`` samples is
+permutation seeded with ``(seed, epoch)``. Microbatch ``u`` of ``size`` samples is
 positions ``u*size .. (u+1)*size-1`` of that stream, so any rank (the input
 stage for the inputs, the last stage for the labels) computes the same batch
-for the same unit without talking to anyone::
+for the same microbatch without talking to anyone::
 
     stream   | epoch 0: perm_0(0..n-1) | epoch 1: perm_1(0..n-1) | ...
-    unit u   |  [u*size, (u+1)*size)  (may straddle an epoch boundary)
+    microbatch u   |  [u*size, (u+1)*size)  (may straddle an epoch boundary)
 
 Datasets:
 
@@ -51,7 +51,7 @@ _MNIST_MEAN, _MNIST_STD = 0.1307, 0.3081
 
 @dataclass(frozen=True)
 class Dataset:
-    """Train (and optional test) tensors; ``batch`` is deterministic in (seed, unit)."""
+    """Train (and optional test) tensors; ``batch`` is deterministic in (seed, microbatch)."""
 
     name: str
     train_x: Tensor
@@ -66,21 +66,21 @@ class Dataset:
         """Whether a test split came with the data (synthetic has none)."""
         return self.test_x is not None and self.test_y is not None
 
-    def batch(self, unit: int, size: int) -> tuple[Tensor, Tensor]:
-        """Samples ``unit*size .. (unit+1)*size-1`` of the shuffled training stream."""
-        sel = self._select(unit, size)
+    def batch(self, microbatch: int, size: int) -> tuple[Tensor, Tensor]:
+        """Samples ``microbatch*size .. (microbatch+1)*size-1`` of the shuffled training stream."""
+        sel = self._select(microbatch, size)
         return self.train_x[sel], self.train_y[sel]
 
-    def _select(self, unit: int, size: int) -> Tensor:
-        """Indices of unit ``unit``'s samples in the training split.
+    def _select(self, microbatch: int, size: int) -> Tensor:
+        """Indices of microbatch ``microbatch``'s samples in the training split.
 
-        A unit inside one epoch is a slice of that epoch's permutation, found
+        A microbatch inside one epoch is a slice of that epoch's permutation, found
         with integer arithmetic: a training step calls this between large
         GEMMs that leave the CPU caches cold, where every extra small tensor
         op costs tens of microseconds, not one or two.
         """
         n = self.train_x.shape[0]
-        start = unit * size
+        start = microbatch * size
         first, last = start // n, (start + size - 1) // n
         if first == last:
             offset = start - first * n

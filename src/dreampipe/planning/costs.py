@@ -178,15 +178,15 @@ def memory_bytes(
                    + working + sends
 
     ``activation_bytes`` is what the stage's layers keep for the backward of
-    one unit (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
-    ``input_bytes`` the unit's input it received, ``sent_bytes`` the larger
+    one microbatch (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
+    ``input_bytes`` the microbatch's input it received, ``sent_bytes`` the larger
     tensor it sends (activation or gradient), kept ``sends_kept`` times (a run
     of fewer sends keeps all of them); ``working_bytes`` what the backward
     holds besides, the gradients of one layer's kept tensors.
     ``versions`` counts the live weights; the extra ``weights`` is the gradient
     buffer; ``optimizer_copies`` is the optimizer's state in weights (SGD 0,
-    with momentum 1, Adam 2). Without stashing a unit in flight keeps its
-    input only and the backward recomputes one unit's graph.
+    with momentum 1, Adam 2). Without stashing a microbatch in flight keeps its
+    input only and the backward recomputes one microbatch's graph.
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
@@ -267,7 +267,7 @@ class RangeCosts:
     ``s..e`` (PipeDream's cut rule over its states; None: any range).
     ``layer_backward_s`` and ``layer_weights`` are each layer's own, for
     :meth:`allreduce_end` (the default model; None under PipeDream's).
-    ``stashed`` sums what a unit in flight keeps of each layer
+    ``stashed`` sums what a microbatch in flight keeps of each layer
     (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`; None: ``activations``)
     and ``working`` is its largest over the range (None: 0).
     """
@@ -326,12 +326,13 @@ class RangeCosts:
 
     @property
     def kept(self) -> FloatArray:
-        """``[i, j]``: what one unit in flight keeps of layers ``i..j`` for the backward."""
+        """``[i, j]``: what one microbatch in flight keeps of layers ``i..j`` for the backward."""
         return self.stashed if self.stashed is not None else self.activations
 
     @property
     def inputs(self) -> FloatArray:
-        """``[i, j]``: one unit's input to a stage that starts at layer ``i`` (the cut before)."""
+        """``[i, j]``: one microbatch's input to a stage that starts at layer ``i`` (the cut
+        before)."""
         return np.asarray(np.broadcast_to(self.cut_bytes[:, None], (self.n, self.n)))
 
     @property

@@ -216,7 +216,7 @@ def split_memory(
     :func:`~dreampipe.planning.costs.memory_bytes` with each layer's weights
     and kept tensors at its split's share; the stage's input, its sends and
     the backward's working space are whole (a split stage reads and returns
-    replicated tensors); ``recompute`` keeps one unit's kept tensors only.
+    replicated tensors); ``recompute`` keeps one microbatch's kept tensors only.
     """
     costs = RangeCosts.of(graph)
     weights = kept = 0.0

@@ -22,7 +22,7 @@ __all__ = ["GPT3_1_3B", "MEGATRON_8_3B", "GptShape", "gpt_profile"]
 class GptShape:
     """A GPT-style model: ``layers`` blocks of width ``hidden`` with ``heads`` attention
     heads over ``seq`` tokens and a ``vocab``-word vocabulary; ``batch`` sequences per
-    minibatch (the pipeline's unit, Megatron-LM's microbatch)."""
+    minibatch (the pipeline's microbatch, as Megatron-LM says)."""
 
     name: str
     layers: int

@@ -17,14 +17,14 @@ from dreampipe.machine.calibration import (
 )
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 
 __all__ = ["predict_samples_per_s"]
 
 
-def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: UnitLayout, steps: int,
+def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
                           machine: LocalCalibration, *, nodes: int = 1) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` run as ``layout``
     says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes).
@@ -35,7 +35,7 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: UnitLayout, ste
     """
     v = plan.virtual_stages
     here = measured_machine(graph, machine)
-    fraction = layout.unit_size / graph.batch_size if graph.batch_size else 1.0
+    fraction = layout.microbatch_size / graph.batch_size if graph.batch_size else 1.0
     if v > 1:
         schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
         topology = local_topology(plan.workers_used, here, nodes=nodes)
@@ -44,5 +44,5 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: UnitLayout, ste
         schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
         costs = local_costs(graph, plan, fraction, here, nodes=nodes)
     makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
-    samples = steps * layout.units_per_update * layout.unit_size
+    samples = steps * layout.microbatches_per_update * layout.microbatch_size
     return samples / makespan if makespan > 0 else 0.0

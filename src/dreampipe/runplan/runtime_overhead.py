@@ -97,16 +97,16 @@ def _plain(model: torch.nn.Module, spec: ModelSpec, x: torch.Tensor, y: torch.Te
 def _runtime(spec: ModelSpec, x: torch.Tensor, y: torch.Tensor) -> _Round:
     stage = StageModule(spec.build(seed=0), lambda p: torch.optim.SGD(p, lr=1e-6), stage=0,
                         input_grad=False, loss_fn=spec.loss_fn)
-    unit = [0]
+    microbatch = [0]
 
     def run() -> tuple[float, float]:
         t0 = time.perf_counter()
-        stage.forward(unit[0], x, target=y)
+        stage.forward(microbatch[0], x, target=y)
         t1 = time.perf_counter()
-        stage.backward(unit[0])
+        stage.backward(microbatch[0])
         t2 = time.perf_counter()
         stage.step()
-        unit[0] += 1
+        microbatch[0] += 1
         return t1 - t0, t2 - t1
 
     return run

@@ -23,7 +23,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.units import UnitLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 
@@ -119,11 +119,11 @@ def choose_schedule(
                 f"its {per} microbatches per minibatch (whole rounds of replicas "
                 f"{plan.config}) are too many to simulate")))
             continue
-        layout = UnitLayout(kind=kind, microbatches=per)
+        layout = MicrobatchLayout(kind=kind, microbatches=per)
         schedule = layout.build(replicas, _MINIBATCHES * (
             sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight)
         result = simulate_schedule(
-            schedule, costs_from_profile(graph, plan, topology, layout.unit_fraction),
+            schedule, costs_from_profile(graph, plan, topology, layout.microbatch_fraction),
             record_events=False)
         peak = max(result.peak_memory_bytes)
         found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,

@@ -138,12 +138,12 @@ class GradientBuckets:
 
 
 def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
-    """Units whose ``BACKWARD`` is the last before the rank's next ``ALLREDUCE``."""
+    """Microbatches whose ``BACKWARD`` is the last before the rank's next ``ALLREDUCE``."""
     ends: set[int] = set()
     last: int | None = None
     for a in actions:
         if a.kind is ActionKind.BACKWARD:
-            last = a.unit
+            last = a.microbatch
         elif a.kind is ActionKind.ALLREDUCE and last is not None:
             ends.add(last)
             last = None

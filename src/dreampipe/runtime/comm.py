@@ -3,14 +3,14 @@
 Activations go forward and gradients back with ``isend``/``irecv`` (gloo on
 CPU, NCCL on GPU), each direction on a process group of its own. A link's
 first activation is preceded by a header (ndim, dtype, shape), so that the
-receiver can post its receives early; messages are tagged by the unit's
+receiver can post its receives early; messages are tagged by the microbatch's
 number over the whole run. NCCL ignores tags, so every receive is posted in
 the order its send is made; on gloo a stage also posts the next minibatch's
 receives ahead. A rank runs one :class:`Comm` per stage it holds; two stages
-of one rank hand units over through their ``mailbox``. Peers are schedule
+of one rank hand microbatches over through their ``mailbox``. Peers are schedule
 ranks, mapped to workers by :mod:`.lanes`. A wait past ``timeout_s`` raises
 :class:`~dreampipe.errors.PeerTimeoutError` naming the rank, stage, peer,
-action and unit. The tags and the ordering rules: docs/design.md §8.4.
+action and microbatch. The tags and the ordering rules: docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _DTYPES = (
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
 )
 _POLL_S = 100e-6
-_TAG_UNITS = 2**28  # tags stay below 2**31, c10d's limit
+_TAG_MICROBATCHES = 2**28  # tags stay below 2**31, c10d's limit
 _EVAL_TAGS = 2**30
 _MAX_SENDS = SENDS_KEPT  # the planner counts their memory
 _HINT = "check that rank's own error, or raise timeout_s (--timeout) if it is only slow"
@@ -52,7 +52,7 @@ _UP = frozenset((ActionKind.SEND_F, ActionKind.RECV_B))
 class _Recv:
     action: Action
     peer: int
-    unit: int  # the run's number for the unit, which names its tags
+    microbatch: int  # the run's number for the microbatch, which names its tags
     header: Tensor | None = None
     header_work: Any = None
     buf: Tensor | None = None
@@ -96,18 +96,18 @@ class Comm:
         self.schedule = schedule
         self.rank = rank
         self.stage = schedule.stage_of_rank(rank) if stage is None else stage
-        #: Tensors handed to another stage of this rank, by (kind, sending stage, run's unit).
+        #: Tensors handed to another stage of this rank, by (kind, sending stage, run's microbatch).
         self.mailbox: dict[tuple[int, int, int], Tensor] = {} if mailbox is None else mailbox
         self.device = device
         self.timeout_s = timeout_s
         self.vertical_sync = vertical_sync
         self._blocking = dist.get_backend() == "gloo"
         self._evaluation = evaluation
-        #: The run's number for the schedule's unit 0 (a Pipeline's later segments).
-        self.first_unit = 0
+        #: The run's number for the schedule's microbatch 0 (a Pipeline's later segments).
+        self.first_microbatch = 0
         self._fwd, self._bwd = groups[0], groups[1]
         self._routes = groups.routes if isinstance(groups, Links) else None
-        self._unit_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
+        self._work_name = "minibatch" if schedule.kind is ScheduleKind.PIPEDREAM else "microbatch"
         self._in_spec: Spec | None = None
         self._in_links: set[int] = set()
         self._out_spec: Spec | None = None
@@ -121,7 +121,7 @@ class Comm:
     def _describe(self, action: Action, peer: str) -> str:
         return (
             f"rank {self.rank} (stage {self.stage}) waited more than {self.timeout_s:g} s for "
-            f"{peer} in {action} ({self._unit_name} {action.unit})"
+            f"{peer} in {action} ({self._work_name} {action.microbatch})"
         )
 
     def _wait(self, work: Any, action: Action, peer: str) -> None:
@@ -141,7 +141,7 @@ class Comm:
             if waited < self.timeout_s:
                 raise PeerTimeoutError(
                     f"rank {self.rank} (stage {self.stage}) lost {peer} in {action} "
-                    f"({self._unit_name} {action.unit}) after {waited:.1f} s ({reason}); "
+                    f"({self._work_name} {action.microbatch}) after {waited:.1f} s ({reason}); "
                     "that rank failed or exited first: see its own error"
                 ) from exc
             raise PeerTimeoutError(f"{self._describe(action, peer)} ({reason}); {_HINT}") from exc
@@ -149,25 +149,26 @@ class Comm:
     # ---- receives --------------------------------------------------------
     @property
     def posts_ahead(self) -> bool:
-        """Whether receives may be posted for units the run may not reach: on gloo, whose
+        """Whether receives may be posted for microbatches the run may not reach: on gloo, whose
         tags match them; not on NCCL, which matches in order (docs/design.md §8.4)."""
         return self._blocking
 
     @property
     def pending_receives(self) -> frozenset[tuple[ActionKind, int]]:
-        """The receives posted and not yet taken: (kind, the run's number for the unit)."""
+        """The receives posted and not yet taken: (kind, the run's number for the microbatch)."""
         return frozenset(self._recvs)
 
     def _key(self, action: Action) -> tuple[ActionKind, int]:
-        return action.kind, self.first_unit + action.unit
+        return action.kind, self.first_microbatch + action.microbatch
 
-    def _tag(self, unit: int, kind: int, action: Action) -> int:
-        """The tag of the run's unit ``unit`` on ``action``'s link (docs/design.md §8.4)."""
+    def _tag(self, microbatch: int, kind: int, action: Action) -> int:
+        """The tag of the run's microbatch ``microbatch`` on ``action``'s link
+        (docs/design.md §8.4)."""
         v = self.schedule.virtual_stages
-        if v > 1:  # links between the same two workers, one per chunk: (unit, chunk)
+        if v > 1:  # links between the same two workers, one per chunk: (microbatch, chunk)
             link = min(action.stage, action.stage + (1 if action.kind in _UP else -1))
-            unit = unit * v + link // self.schedule.num_ranks
-        return _EVAL_TAGS * self._evaluation + 4 * (unit % _TAG_UNITS) + kind
+            microbatch = microbatch * v + link // self.schedule.num_ranks
+        return _EVAL_TAGS * self._evaluation + 4 * (microbatch % _TAG_MICROBATCHES) + kind
 
     def post(self, action: Action) -> bool:
         """Post the receive for ``action`` now; False if it cannot be posted yet."""
@@ -189,13 +190,15 @@ class Comm:
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
-                    r.header, group_src=self._source(peer), tag=self._tag(r.unit, _HDR, action),
+                    r.header, group_src=self._source(peer), tag=self._tag(r.microbatch, _HDR,
+                                                                          action),
                     group=self._fwd,
                 )
             if self.vertical_sync:
                 r.version = torch.empty(1, dtype=torch.int64, device=self.device)
                 r.version_work = dist.irecv(
-                    r.version, group_src=self._source(peer), tag=self._tag(r.unit, _VER, action),
+                    r.version, group_src=self._source(peer), tag=self._tag(r.microbatch, _VER,
+                                                                           action),
                     group=self._fwd,
                 )
             if known:  # after the version, as it was sent (see "Order" above)
@@ -213,7 +216,7 @@ class Comm:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd
         r.work = dist.irecv(r.buf, group_src=self._source(r.peer),
-                            tag=self._tag(r.unit, kind, r.action), group=group)
+                            tag=self._tag(r.microbatch, kind, r.action), group=group)
 
     def take(self, action: Action) -> tuple[Tensor, int | None]:
         """Wait for ``action``'s tensor (and, with vertical sync, its weight version)."""
@@ -256,7 +259,7 @@ class Comm:
         """Post the send for ``action`` (SEND_F or SEND_B); it completes in the background."""
         peer = self.schedule.peer(self.rank, action)
         assert peer is not None
-        unit = self.first_unit + action.unit
+        microbatch = self.first_microbatch + action.microbatch
         data = tensor.detach()
         if peer == self.rank:
             self.mailbox[self._handoff(action)] = data
@@ -270,29 +273,31 @@ class Comm:
             elif spec != self._out_spec:
                 raise StageMismatchError(
                     f"stage {self.stage} (rank {self.rank}) produced "
-                    f"{self._describe_spec(spec)} for {self._unit_name} {action.unit} but agreed "
+                    f"{self._describe_spec(spec)} for {self._work_name} {action.microbatch} "
+                    "but agreed "
                     f"on {self._describe_spec(self._out_spec)} with stage {self.stage + 1}; "
-                    "every unit must have the same shape"
+                    "every microbatch must have the same shape"
                 )
             if peer not in self._out_links:
-                self._isend(_encode(spec, self.device), peer, unit, _HDR, action)
+                self._isend(_encode(spec, self.device), peer, microbatch, _HDR, action)
                 self._out_links.add(peer)
             if self.vertical_sync:
                 assert version is not None
                 self._isend(torch.tensor([version], dtype=torch.int64, device=self.device),
-                            peer, unit, _VER, action)
-            self._sent[unit] = spec
-        self._isend(data, peer, unit, _ACT if action.kind is ActionKind.SEND_F else _GRAD,
+                            peer, microbatch, _VER, action)
+            self._sent[microbatch] = spec
+        self._isend(data, peer, microbatch, _ACT if action.kind is ActionKind.SEND_F else _GRAD,
                     action)
         if len(self._sends) > _MAX_SENDS:
             self._settle(_MAX_SENDS // 2)
 
-    def _isend(self, data: Tensor, peer: int, unit: int, kind: int, action: Action) -> None:
+    def _isend(self, data: Tensor, peer: int, microbatch: int, kind: int, action: Action) -> None:
         """Send ``data`` to schedule rank ``peer``'s workers this worker feeds (its routes):
         on the gradient group for a gradient, else on the activation group."""
         group = self._bwd if kind == _GRAD else self._fwd
         for dst in (peer,) if self._routes is None else self._routes.targets(peer):
-            work = dist.isend(data, group_dst=dst, tag=self._tag(unit, kind, action), group=group)
+            work = dist.isend(data, group_dst=dst, tag=self._tag(microbatch, kind, action),
+                              group=group)
             self._sends.append((work, action, peer, data))
 
     def _source(self, peer: int) -> int:
@@ -303,11 +308,11 @@ class Comm:
         """The mailbox key of a send or receive within the rank."""
         key = action.transfer_key
         assert key is not None
-        return key[0], key[1], self.first_unit + key[2]
+        return key[0], key[1], self.first_microbatch + key[2]
 
-    def forget(self, unit: int) -> None:
-        """Drop bookkeeping for ``unit`` once its gradient has arrived."""
-        self._sent.pop(self.first_unit + unit, None)
+    def forget(self, microbatch: int) -> None:
+        """Drop bookkeeping for ``microbatch`` once its gradient has arrived."""
+        self._sent.pop(self.first_microbatch + microbatch, None)
 
     def drain(self) -> None:
         """Wait for every posted send to complete."""

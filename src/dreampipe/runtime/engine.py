@@ -5,9 +5,9 @@ The engine never re-derives the order: :class:`RankRunner` executes
 posts the receives of the next few actions early (:mod:`.comm`). Only the last
 backward before a rank's ``ALLREDUCE`` hands its gradients to
 :class:`~dreampipe.runtime.buckets.GradientBuckets`. The input and last
-stages read a unit's samples from :class:`UnitData`, so only activations and
+stages read a microbatch's samples from :class:`MicrobatchData`, so only activations and
 gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
-first action whose unit has not been given yet; :meth:`RankRunner.switch`
+first action whose microbatch has not been given yet; :meth:`RankRunner.switch`
 takes a schedule that extends the prefix run so far. A rank that holds several
 stages (interleaved 1F1B) keeps one lane (module, links, buckets) per stage,
 and Zero Bubble's ``W`` runs :mod:`.split_backward`. docs/design.md §8.4.
@@ -39,7 +39,7 @@ from dreampipe.runtime.update_actions import RankUpdates, loss_scale
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
-__all__ = ["RankRunner", "UnitData", "barrier"]
+__all__ = ["MicrobatchData", "RankRunner", "barrier"]
 
 _log = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ _LOOKAHEAD = 8
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
-class UnitData(Protocol):
-    """The samples of a unit, the same on every rank that asks."""
+class MicrobatchData(Protocol):
+    """The samples of a microbatch, the same on every rank that asks."""
 
-    def inputs(self, unit: int) -> StageInput:
-        """The input stage's input of ``unit``."""
+    def inputs(self, microbatch: int) -> StageInput:
+        """The input stage's input of ``microbatch``."""
 
-    def targets(self, unit: int) -> Tensor:
-        """The last stage's targets of ``unit``."""
+    def targets(self, microbatch: int) -> Tensor:
+        """The last stage's targets of ``microbatch``."""
 
 
 class RankRunner:
@@ -89,13 +89,13 @@ class RankRunner:
         self.last = self.stage == schedule.num_stages - 1
         self.group = groups.get(self.stage)
         self.module = module
-        self.data: UnitData | None = None
+        self.data: MicrobatchData | None = None
         self.comm = Comm(
             schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
         )
         self.scale = loss_scale(schedule)
         check_two_versions(schedule)
-        self.two_bw = (TwoVersions(schedule.units_per_update)
+        self.two_bw = (TwoVersions(schedule.microbatches_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
         self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
@@ -132,20 +132,21 @@ class RankRunner:
         self._index_schedule()
 
     @property
-    def first_unit(self) -> int:
-        """The run's number for this schedule's unit 0 (a Pipeline's later segments):
-        events count units and updates, and messages are tagged, over the whole run."""
-        return self._lanes[0].comm.first_unit
+    def first_microbatch(self) -> int:
+        """The run's number for this schedule's microbatch 0 (a Pipeline's later segments):
+        events count microbatches and updates, and messages are tagged, over the whole run."""
+        return self._lanes[0].comm.first_microbatch
 
-    def feed(self, data: UnitData) -> None:
-        """Take the units' samples from ``data`` from now on (the stages that read samples)."""
+    def feed(self, data: MicrobatchData) -> None:
+        """Take the microbatches' samples from ``data`` from now on (the stages that read
+        samples)."""
         self.data = data
 
-    def start_segment(self, first_unit: int, first_minibatch: int) -> None:
-        """Number this schedule's units from ``first_unit`` and its minibatches from
+    def start_segment(self, first_microbatch: int, first_minibatch: int) -> None:
+        """Number this schedule's microbatches from ``first_microbatch`` and its minibatches from
         ``first_minibatch`` in the run (events, message tags, skipped updates)."""
         for lane in self._lanes:
-            lane.comm.first_unit = first_unit
+            lane.comm.first_microbatch = first_microbatch
         self.guard.first_minibatch = first_minibatch
 
     def _use(self, stage: int) -> None:
@@ -173,10 +174,10 @@ class RankRunner:
 
     # ---- handlers ----------------------------------------------------------
     def _recv_f(self, a: Action) -> None:
-        self._inputs[a.unit] = self.comm.take(a)
+        self._inputs[a.microbatch] = self.comm.take(a)
 
     def _forward(self, a: Action) -> None:
-        u = a.unit
+        u = a.microbatch
         target = None
         version: int | None = None
         assert self.data is not None or self.stage > 0
@@ -199,7 +200,7 @@ class RankRunner:
         cast = self.opts.autocast
         with torch.autocast(self.device.type, cast) if cast is not None else nullcontext():
             out = self.module.forward(u, x, version=version, target=target, scale=self.scale,
-                                      update=u // self.schedule.round_units(self.stage))
+                                      update=u // self.schedule.round_microbatches(self.stage))
         self.guard.check(a, out, x, self.last)
         if self.last:
             self.losses[u] = out
@@ -207,46 +208,46 @@ class RankRunner:
             self._outputs[u] = (out, version)
 
     def _send_f(self, a: Action) -> None:
-        out, version = self._outputs.pop(a.unit)
+        out, version = self._outputs.pop(a.microbatch)
         self.comm.send(a, out, version)
 
     def _recv_b(self, a: Action) -> None:
-        self._grads_in[a.unit] = self.comm.take(a)[0]
-        self.comm.forget(a.unit)
+        self._grads_in[a.microbatch] = self.comm.take(a)[0]
+        self.comm.forget(a.microbatch)
 
     def _backward(self, a: Action) -> None:
-        grad = None if self.last else self._grads_in.pop(a.unit)
+        grad = None if self.last else self._grads_in.pop(a.microbatch)
         if self.schedule.kind.splits_backward:
-            gin = self.module.backward_input(a.unit, grad)
+            gin = self.module.backward_input(a.microbatch, grad)
         else:
             gin = self._fused_backward(a, grad)
         if self.stage > 0:
             assert gin is not None
-            self._grads_out[a.unit] = gin
+            self._grads_out[a.microbatch] = gin
 
     def _fused_backward(self, a: Action, grad: Tensor | None) -> Tensor | None:
         """Both gradients in one backward; the Linear weight GEMMs held until ``SEND_B``."""
-        on_ready = self.buckets.ready if a.unit in self._round_ends else None
-        return self.module.backward(a.unit, grad, on_ready=on_ready, hold=self.stage > 0)
+        on_ready = self.buckets.ready if a.microbatch in self._round_ends else None
+        return self.module.backward(a.microbatch, grad, on_ready=on_ready, hold=self.stage > 0)
 
     def _weight(self, a: Action) -> None:
         """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
         replicated stage, takes them all at ``ALLREDUCE``)."""
-        self.module.backward_weight(a.unit)
+        self.module.backward_weight(a.microbatch)
 
     def _send_b(self, a: Action) -> None:
-        self.comm.send(a, self._grads_out.pop(a.unit))
+        self.comm.send(a, self._grads_out.pop(a.microbatch))
         self.module.run_held()
 
     def _allreduce(self, a: Action) -> None:
         self._updates.allreduce(a, self.schedule, self.module, self.buckets)
 
     def _step(self, a: Action) -> None:
-        self._updates.step(a, self.schedule, self.first_unit, self.module, self.comm)
+        self._updates.step(a, self.schedule, self.first_microbatch, self.module, self.comm)
 
     # ---- loop ----------------------------------------------------------------
     def advance(self, given: int | None = None, post_until: int | None = None) -> None:
-        """Execute the next actions, up to the first that needs a unit ``>= given``.
+        """Execute the next actions, up to the first that needs a microbatch ``>= given``.
 
         ``given`` None runs to the end of the schedule. Receives are posted
         up to :data:`_LOOKAHEAD` actions ahead, never past that stop, or, where
@@ -262,7 +263,8 @@ class RankRunner:
         recv_at, handlers = self._recv_at, self._handlers
         post = self.comm.post if len(self._lanes) == 1 else self._post
         record, clock = self.opts.record_events, time.perf_counter
-        shift = (self.first_unit, self.first_unit // self.schedule.round_units(self.stage))
+        shift = (self.first_microbatch,
+                 self.first_microbatch // self.schedule.round_microbatches(self.stage))
         for i in range(self._pos, stop):
             while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
                    and recv_at[self._posted] < post_stop):
@@ -283,11 +285,11 @@ class RankRunner:
         self._use(self._lanes[0].stage)
 
     def _runnable_end(self, start: int, given: int | None) -> int:
-        """The index of the first action from ``start`` on that needs a unit ``>= given``."""
+        """The index of the first action from ``start`` on that needs a microbatch ``>= given``."""
         actions = self.schedule.actions[self.rank]
         if given is None:
             return len(actions)
-        need, end = self.schedule.last_unit, start
+        need, end = self.schedule.last_microbatch, start
         while end < len(actions) and need(actions[end]) < given:
             end += 1
         return end

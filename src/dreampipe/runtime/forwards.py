@@ -2,7 +2,7 @@
 
 The ranks execute :func:`~dreampipe.scheduling.build.forward_only`'s action
 lists in order (``RECV_F F SEND_F``), over the same links as training; the
-last stage scores each unit: its loss times its samples and, when the
+last stage scores each microbatch: its loss times its samples and, when the
 targets are class labels (an integer tensor that ``output.argmax(1)`` can be
 compared with), the labels it got right.
 """
@@ -18,15 +18,15 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.engine import UnitData
+from dreampipe.runtime.engine import MicrobatchData
 from dreampipe.scheduling.actions import ActionKind, Schedule
 
-__all__ = ["UnitScore", "run_forwards"]
+__all__ = ["MicrobatchScore", "run_forwards"]
 
 
 @dataclass(frozen=True)
-class UnitScore:
-    """One unit on the last stage: summed loss, samples, right labels, labels (0: none)."""
+class MicrobatchScore:
+    """One microbatch on the last stage: summed loss, samples, right labels, labels (0: none)."""
 
     loss_sum: float
     samples: int
@@ -34,43 +34,44 @@ class UnitScore:
     labels: int
 
 
-def _score(out: object, y: Tensor, loss: Tensor) -> UnitScore:
+def _score(out: object, y: Tensor, loss: Tensor) -> MicrobatchScore:
     n = int(y.shape[0]) if y.dim() else 1
     if (isinstance(out, Tensor) and not y.is_floating_point() and out.dim() == y.dim() + 1
             and out.shape[:1] + out.shape[2:] == y.shape):
-        return UnitScore(float(loss) * n, n, int((out.argmax(1) == y).sum()), y.numel())
-    return UnitScore(float(loss) * n, n, 0, 0)
+        return MicrobatchScore(float(loss) * n, n, int((out.argmax(1) == y).sum()), y.numel())
+    return MicrobatchScore(float(loss) * n, n, 0, 0)
 
 
 def run_forwards(
     schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
-    loss_fn: Callable[[Tensor, Tensor], Tensor], data: UnitData | None,
+    loss_fn: Callable[[Tensor, Tensor], Tensor], data: MicrobatchData | None,
     comms: Mapping[int, Comm], autocast: torch.dtype | None = None,
-) -> dict[int, UnitScore]:
+) -> dict[int, MicrobatchScore]:
     """Execute ``schedule.actions[rank]`` with the rank's module and :class:`Comm` of
-    each stage it runs (several under interleaving); the scores of the units it ended."""
+    each stage it runs (several under interleaving); the scores of the microbatches it ended."""
     last = schedule.num_stages - 1
     inputs: dict[tuple[int, int], Any] = {}
     outputs: dict[tuple[int, int], Tensor] = {}
-    scores: dict[int, UnitScore] = {}
+    scores: dict[int, MicrobatchScore] = {}
     device = next(iter(comms.values())).device
     cast = torch.autocast(device.type, autocast) if autocast is not None else nullcontext()
     with torch.no_grad(), cast:
         for a in schedule.actions[rank]:
-            key = (a.stage, a.unit)
+            key = (a.stage, a.microbatch)
             if a.kind is ActionKind.RECV_F:
                 inputs[key] = comms[a.stage].take(a)[0]
             elif a.kind is ActionKind.SEND_F:
                 comms[a.stage].send(a, outputs.pop(key))
             elif a.kind is ActionKind.FORWARD:
                 assert data is not None or a.stage not in (0, last)
-                x = data.inputs(a.unit) if a.stage == 0 and data is not None else inputs.pop(key)
+                x = (data.inputs(a.microbatch) if a.stage == 0 and data is not None
+                     else inputs.pop(key))
                 module = modules[a.stage]
                 out = module(*x) if isinstance(x, tuple) else module(x)
                 if a.stage == last:
                     assert data is not None
-                    y = data.targets(a.unit)
-                    scores[a.unit] = _score(out, y, loss_fn(out, y))
+                    y = data.targets(a.microbatch)
+                    scores[a.microbatch] = _score(out, y, loss_fn(out, y))
                 else:
                     outputs[key] = out
     for comm in comms.values():

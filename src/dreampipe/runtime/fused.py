@@ -30,7 +30,7 @@ __all__ = [
 class LinearGradients(Enum):
     """How a stage's ``nn.Linear`` layers make their weight gradients."""
 
-    #: One GEMM adds each unit's gradient into the update's (``acc.addmm_(g^T, x)``).
+    #: One GEMM adds each microbatch's gradient into the update's (``acc.addmm_(g^T, x)``).
     FUSED = "fused"
     #: Autograd's kernels, a GEMM and then an add (``acc += g^T x``), in the same order
     #: as FUSED: a stage that sends an input gradient holds the GEMMs until it is sent.
@@ -56,11 +56,11 @@ class GradientSink(Protocol):
 
 
 class GradientSum:
-    """The update's weight gradients: one buffer per parameter, summed over its units.
+    """The update's weight gradients: one buffer per parameter, summed over its microbatches.
 
     A :class:`GradientSink`: with ``fused``, a Linear weight's GEMM adds into
     the buffer (``addmm_``); without, it is a GEMM and an add, as autograd
-    makes it. A unit's first term becomes the buffer, with no copy.
+    makes it. A microbatch's first term becomes the buffer, with no copy.
     """
 
     def __init__(self, params: list[nn.Parameter], *, fused: bool) -> None:
@@ -138,7 +138,7 @@ class DeferredGradients:
             self._sink.add_grad(index, g)
 
     def take(self) -> HeldWork:
-        """The terms held so far, for a later :meth:`run` (a unit's ``W``)."""
+        """The terms held so far, for a later :meth:`run` (a microbatch's ``W``)."""
         held, self._held = self._held, []
         return held
 

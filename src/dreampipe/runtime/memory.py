@@ -152,7 +152,7 @@ class TrainingChoices:
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
-#: last update's change, and the live weights, which no unit in flight shares any more.
+#: last update's change, and the live weights, which no microbatch in flight shares any more.
 PREDICTION_COPIES = 2
 
 
@@ -167,18 +167,18 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                    ) -> tuple[int, ...]:
     """Bytes each stage's workers will add to their baseline when running ``schedule``.
 
-    :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the
-    stage reaches: the units in flight, the weight versions they pin (one per unit in flight
-    under PipeDream with stashing, plus the ``s`` updates stage ``s`` may be ahead with
-    vertical sync; else one) and the sent tensors it keeps (all of a run's sends up to
-    ``SENDS_KEPT``), and with staleness compensation :data:`PREDICTION_COPIES` more on a
-    stage that predicts its weights (Adam's); a recomputing stage keeps its units' inputs
-    only. A stage split over ``t`` workers holds its share of each layer
-    (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages'
-    widths, plus, when an update spans several units, the transient gradient of its largest
-    layer's share. A replicated stage also holds its gradients' all-reduce buckets
-    (:mod:`.buckets`: flat copies of every gradient, alive until the round's ``ALLREDUCE``).
-    ``graph`` is profiled at the schedule's unit size.
+    :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the stage
+    reaches: the microbatches in flight, the weight versions they pin (one per microbatch in flight
+    under PipeDream with stashing, plus the ``s`` updates stage ``s`` may be ahead with vertical
+    sync; else one) and the sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``), and
+    with staleness compensation :data:`PREDICTION_COPIES` more on a stage that predicts its weights
+    (Adam's); a recomputing stage keeps its microbatches' inputs only. A stage split over ``t``
+    workers holds its share of each layer
+    (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages' widths,
+    plus, when an update spans several microbatches, the transient gradient of its largest layer's
+    share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
+    copies of every gradient, alive until the round's ``ALLREDUCE``). ``graph`` is profiled at the
+    schedule's microbatch size.
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
@@ -199,7 +199,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             need = split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
                                 versions, flight[s], optimizer_copies=optimizer_copies(opts),
                                 stash=opts.stash, recompute=st.recompute)
-            out.append(need + _accumulated(graph, st, schedule.units_per_update))
+            out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
         buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
         out.append(costs.memory(st.first, st.last, versions, flight[s],
@@ -209,11 +209,11 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     return tuple(out)
 
 
-def _accumulated(graph: LayerGraph, st: Stage, units_per_update: int) -> int:
+def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
     """The weight gradient autograd makes before adding it to ``.grad`` in a split stage
-    whose update spans several units (split layers accumulate with autograd's kernels,
+    whose update spans several microbatches (split layers accumulate with autograd's kernels,
     not in place): the largest layer's share."""
-    if units_per_update == 1:
+    if microbatches_per_update == 1:
         return 0
     return max(round(split_cost(graph.layers[i], op_kind(graph.layers[i]), split,
                                 st.tensor_parallel).weight_bytes)
@@ -221,7 +221,7 @@ def _accumulated(graph: LayerGraph, st: Stage, units_per_update: int) -> int:
 
 
 def _peak_in_flight(actions: tuple[Action, ...]) -> int:
-    """The most units whose forward ran and backward did not, along one rank's actions."""
+    """The most microbatches whose forward ran and backward did not, along one rank's actions."""
     now = peak = 0
     for a in actions:
         if a.kind is ActionKind.FORWARD:

@@ -1,6 +1,6 @@
 """NaN and inf in training: stop at the first one, or skip the minibatch that made it.
 
-Every forward of a training unit checks what it hands on (the stage's output,
+Every forward of a training microbatch checks what it hands on (the stage's output,
 or on the last stage the loss) by its sum: a finite sum means finite values,
 and only a sum that is not finite is checked value by value, so the check is
 one reduction and no mask. :class:`OnNonFinite` says what happens then:
@@ -73,23 +73,23 @@ class NonFiniteGuard:
         self.skipped: list[int] = []
         self._bad: set[int] = set()
 
-    def _minibatch(self, unit: int) -> int:
+    def _minibatch(self, microbatch: int) -> int:
         if self.schedule.kind is ScheduleKind.PIPEDREAM:
-            return unit
-        return unit // self.schedule.units_per_update
+            return microbatch
+        return microbatch // self.schedule.microbatches_per_update
 
     def check(self, a: Action, out: Tensor, x: Tensor | tuple[Tensor, ...] | dict[str, Tensor],
               last: bool) -> None:
         """After forward ``a``: ``out`` is the stage's output, or the loss when ``last``."""
         if _all_finite(out):
             return
-        k = self._minibatch(a.unit)
+        k = self._minibatch(a.microbatch)
         if self.policy is OnNonFinite.SKIP:
             self._bad.add(k)
             return
         mb = self.first_minibatch + k
-        per = self.schedule.units_per_update
-        part = "" if per == 1 else f" (microbatch {a.unit % per} of {per})"
+        per = self.schedule.microbatches_per_update
+        part = "" if per == 1 else f" (microbatch {a.microbatch % per} of {per})"
         what = "loss" if last else "output"
         where = f"stage {self.stage} (rank {self.rank})"
         if not _finite(x):
@@ -113,15 +113,15 @@ class NonFiniteGuard:
         if self.policy is OnNonFinite.STOP:
             return False
         n = self.schedule.num_stages
-        first = torch.tensor([self.stage if a.unit in self._bad else n], dtype=torch.int64,
+        first = torch.tensor([self.stage if a.microbatch in self._bad else n], dtype=torch.int64,
                              device=self.device)
-        self._bad.discard(a.unit)
+        self._bad.discard(a.microbatch)
         work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group, async_op=True)
         wait(work, a)
         stage = int(first.item())
         if stage == n:
             return False
-        mb = self.first_minibatch + a.unit
+        mb = self.first_minibatch + a.microbatch
         self.skipped.append(mb)
         if self.rank == 0:
             _log.warning("skipped minibatch %d: a non-finite value first appeared at stage %d; "

@@ -83,7 +83,7 @@ def pinned_threads(threads: int) -> Iterator[None]:
 class HeapPolicy(Enum):
     """What a worker's glibc heap does with freed memory."""
 
-    #: dreampipe's set-up: keep freed tensor memory in the heap for the next unit.
+    #: dreampipe's set-up: keep freed tensor memory in the heap for the next microbatch.
     KEEP_FREED = "keep-freed"
     #: glibc's defaults, and every object in the garbage collector's reach, as a
     #: plain PyTorch process has them.
@@ -113,7 +113,7 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     activations; with glibc's defaults they are ``mmap``-ed and ``munmap``-ed
     every time and every page faults again on first touch, which costs a CPU
     worker about a fifth of its backward time. Raising the mmap and trim
-    thresholds keeps the memory in the heap for the next unit (the tuning
+    thresholds keeps the memory in the heap for the next microbatch (the tuning
     "use a caching allocator" advice gets you with jemalloc or tcmalloc).
     ``RELEASE_FREED`` does the opposite, for a rank that reports its peak
     memory. It touches host memory only, so GPU workers are unaffected.

@@ -9,7 +9,7 @@ first did, so it replays what the forward read besides the weights:
 - the autocast state the forward ran under;
 - buffers: the second run reads them as the first did (a forward that reads a
   buffer it updates, an EMA, computes the same), and they are put back as they
-  are afterwards, so they move once per unit, as without recomputation.
+  are afterwards, so they move once per microbatch, as without recomputation.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A unit's backward split in two: Zero Bubble's ``B`` and ``W`` (Qi et al., 2024).
+"""A microbatch's backward split in two: Zero Bubble's ``B`` and ``W`` (Qi et al., 2024).
 
 ``B`` (:func:`input_gradient`) computes only the gradient of the stage's
 input, the one the stage before waits for, keeping the graph, and records the
@@ -39,7 +39,7 @@ class _Group:
 
 @dataclass
 class WeightWork:
-    """What a unit's ``W`` still has to do: held fused terms, then autograd's groups."""
+    """What a microbatch's ``W`` still has to do: held fused terms, then autograd's groups."""
 
     held: HeldWork
     groups: list[_Group]
@@ -94,7 +94,7 @@ def _closure(start: Node, consumers: dict[Node, list[Node]],
 def _groups(root: Node, x: Node, leaves: Sequence[Tensor], skip: frozenset[int]) -> list[_Group]:
     """The weights grouped by the intermediates they are reached from.
 
-    A weight of ``skip`` (a fused layer's) is left out only where this unit's
+    A weight of ``skip`` (a fused layer's) is left out only where this microbatch's
     graph reaches it through fused nodes alone: a fused layer that fell back to
     autograd's path (under autocast, say) is walked like any other weight.
     """
@@ -132,7 +132,7 @@ def input_gradient(
     held: DeferredGradients, skip: frozenset[int],
 ) -> tuple[Tensor, WeightWork]:
     """``B``: the gradient of ``x`` given the output's ``grad`` (None for a loss), and the
-    unit's :class:`WeightWork` for ``leaves`` (those in ``skip`` are fused: held)."""
+    microbatch's :class:`WeightWork` for ``leaves`` (those in ``skip`` are fused: held)."""
     root, xnode = out.grad_fn, _node(x)
     assert root is not None and xnode is not None
     groups = _groups(root, xnode, leaves, skip)
@@ -159,7 +159,7 @@ def _recorder(group: _Group, k: int) -> Callable[[tuple[Tensor | None, ...]], No
 
 def weight_gradients(work: WeightWork, held: DeferredGradients,
                      add: Callable[[int, Tensor], None]) -> None:
-    """``W``: run the unit's held fused terms, then ``add(index, gradient)`` for every
+    """``W``: run the microbatch's held fused terms, then ``add(index, gradient)`` for every
     other weight its graph reaches."""
     held.run(work.held)
     for g in work.groups:

@@ -82,7 +82,7 @@ class StageModule:
     first). The last stage's ``forward`` gets the target and returns the loss.
     ``linear`` says how ``nn.Linear`` layers make their weight gradients
     (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
-    ``recompute``: keep only each unit's input and run the forward again, on the
+    ``recompute``: keep only each microbatch's input and run the forward again, on the
     same version, in its backward (:mod:`.recompute`).
     """
 
@@ -153,7 +153,7 @@ class StageModule:
 
     @property
     def versions_held(self) -> int:
-        """Stored weight versions, the live one included when a unit uses it."""
+        """Stored weight versions, the live one included when a microbatch uses it."""
         return len(self._versions)
 
     def resume_at(self, version: int) -> None:
@@ -166,7 +166,7 @@ class StageModule:
         return self._versions
 
     def note_version(self, number: int) -> None:
-        """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
+        """Vertical sync: the newest received microbatch runs on ``number``; older ones may go."""
         self._versions.note(number)
 
     def _harvest(self, v: Version) -> None:
@@ -186,7 +186,7 @@ class StageModule:
     # ---- compute ---------------------------------------------------------
     def forward(
         self,
-        unit: int,
+        microbatch: int,
         x: StageInput,
         *,
         version: int | None = None,
@@ -194,11 +194,12 @@ class StageModule:
         scale: float = 1.0,
         update: int | None = None,
     ) -> Tensor:
-        """Run unit ``unit``; returns the output (or, with ``target``, the unscaled loss).
+        """Run microbatch ``microbatch``; returns the output (or, with ``target``, the unscaled
+        loss).
 
         ``version`` (vertical sync) picks a stored version; None uses the newest.
         ``scale`` multiplies the loss before the backward (microbatch share).
-        ``update``: the segment's update the unit's gradient goes into (weight
+        ``update``: the segment's update the microbatch's gradient goes into (weight
         prediction, :class:`~.versions.WeightVersions`).
         """
         if self.input_grad and isinstance(x, Tensor) and x.is_floating_point():
@@ -209,16 +210,16 @@ class StageModule:
                 (p.device for p in self._params), torch.device("cpu")), self.module)
             with torch.no_grad():
                 _, report = self._compute(v.tensors, x, target, scale)
-            self._inflight[unit] = _InFlight(x, None, v, target, scale, again)
+            self._inflight[microbatch] = _InFlight(x, None, v, target, scale, again)
             return report
         if self.stash:
             v = self._versions.acquire(version, update)
             out, report = self._compute(v.tensors, x, target, scale)
-            self._inflight[unit] = _InFlight(x, out, v, target, scale)
+            self._inflight[microbatch] = _InFlight(x, out, v, target, scale)
             return report
         with torch.no_grad():
             _, report = self._compute(None, x, target, scale)
-        self._inflight[unit] = _InFlight(x, None, None, target, scale)
+        self._inflight[microbatch] = _InFlight(x, None, None, target, scale)
         return report
 
     def _compute(
@@ -238,17 +239,17 @@ class StageModule:
 
     def backward(
         self,
-        unit: int,
+        microbatch: int,
         grad: Tensor | None = None,
         *,
         on_ready: Callable[[int, Tensor], None] | None = None,
         hold: bool = False,
     ) -> Tensor | None:
-        """Backward of ``unit``: accumulate weight gradients, return the input's gradient.
+        """Backward of ``microbatch``: accumulate weight gradients, return the input's gradient.
 
         ``grad`` is the gradient of the stage output (None on the last stage,
         whose output is the loss). Autograd accumulates the weight gradients on
-        the version's tensors (units sharing a version, like the microbatches
+        the version's tensors (microbatches sharing a version, like the microbatches
         of one update, add up there without extra copies); they move to the
         update at the next all-reduce or step, or when the version is freed.
 
@@ -260,7 +261,7 @@ class StageModule:
         ``hold`` (not with ``on_ready``) keeps Linear weight GEMMs for :meth:`run_held`.
         """
         self._held.run()
-        st = self._inflight.pop(unit)
+        st = self._inflight.pop(microbatch)
         if st.version is None:
             v = self._versions.acquire(None)
             out, _ = self._compute(v.tensors, st.input, st.target, st.scale)
@@ -294,31 +295,32 @@ class StageModule:
         self._versions.release(v)
         return x.grad if want_input and x is not None else None
 
-    def backward_input(self, unit: int, grad: Tensor | None = None) -> Tensor | None:
-        """Zero Bubble's ``B`` of ``unit``: the input's gradient only (:mod:`.split_backward`);
+    def backward_input(self, microbatch: int, grad: Tensor | None = None) -> Tensor | None:
+        """Zero Bubble's ``B`` of ``microbatch``: the input's gradient only
+        (:mod:`.split_backward`);
         the weight gradients wait for :meth:`backward_weight`. A stage with no input
         gradient to send (the first) leaves the whole backward to ``W``."""
-        st = self._inflight.pop(unit)
+        st = self._inflight.pop(microbatch)
         if st.replay is not None:
             st.output, st.replay = self._again(st), None
         assert st.version is not None and st.output is not None, "B/W split needs stashing"
         x = st.input if isinstance(st.input, Tensor) else None
         if not (self.input_grad and x is not None and x.requires_grad):
-            self._weight_work[unit] = (st, grad, None)
+            self._weight_work[microbatch] = (st, grad, None)
             return None
         gx, work = input_gradient(st.output, grad, x, st.version.tensors, self._held,
                                   self._fused)
         st.output = None
-        self._weight_work[unit] = (st, None, work)
+        self._weight_work[microbatch] = (st, None, work)
         return gx
 
-    def backward_weight(self, unit: int) -> None:
-        """Zero Bubble's ``W`` of ``unit``: its weight gradients, added to the update's as
+    def backward_weight(self, microbatch: int) -> None:
+        """Zero Bubble's ``W`` of ``microbatch``: its weight gradients, added to the update's as
         :meth:`backward` adds them."""
-        st, grad, work = self._weight_work.pop(unit)
+        st, grad, work = self._weight_work.pop(microbatch)
         if work is None:
-            self._inflight[unit] = st
-            self.backward(unit, grad)
+            self._inflight[microbatch] = st
+            self.backward(microbatch, grad)
             return
         assert st.version is not None
         weight_gradients(work, self._held, self._grads.add_grad)
@@ -365,7 +367,7 @@ class StageModule:
 
     def reduced(self) -> None:
         """The update's gradients were all-reduced over the replicas: each one counts,
-        even where this replica's units never used the parameter."""
+        even where this replica's microbatches never used the parameter."""
         self._grads.arrive_all()
 
     def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:

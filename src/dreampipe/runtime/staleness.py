@@ -4,7 +4,7 @@ Under pipedream and 2bw a stage's update applies a gradient taken ``d``
 updates ago (its *delay*), which acts like momentum of its own, about
 ``d / (d + 1)``. A stage cancels it by the means its optimizer has: SGD's
 momentum is lowered to ``max(0, mu - d / (d + 1))``, its learning rate kept;
-Adam and AdamW keep their settings and run each stashed unit on weights
+Adam and AdamW keep their settings and run each stashed microbatch on weights
 extrapolated to the update its gradient goes into (:mod:`.versions`). Other
 optimizers, and stages of delay 0, keep theirs (docs/design.md §12; the
 evidence that chose the rule: docs/convergence.md).
@@ -136,8 +136,8 @@ def carry_over(group: dict[str, Any], saved: tuple[Hyper, Hyper] | None,
 
 
 def stage_delays(schedule: Schedule, vertical_sync: bool = False) -> tuple[int, ...]:
-    """Each stage's delay: the most updates its stage makes between a unit's forward and
-    the update that applies that unit's gradient (0 in every synchronous schedule).
+    """Each stage's delay: the most updates its stage makes between a microbatch's forward and
+    the update that applies that microbatch's gradient (0 in every synchronous schedule).
 
     With vertical sync every stage runs the input stage's version, so each has the
     input stage's delay. Every 2bw stage has a delay of 1 (:mod:`.two_bw`).
@@ -151,7 +151,7 @@ def stage_delays(schedule: Schedule, vertical_sync: bool = False) -> tuple[int, 
             if a.kind is ActionKind.STEP:
                 steps[a.stage] = steps.get(a.stage, 0) + 1
             elif a.kind is ActionKind.FORWARD:
-                applied = a.unit // schedule.round_units(a.stage)
+                applied = a.microbatch // schedule.round_microbatches(a.stage)
                 delays[a.stage] = max(delays[a.stage], applied - steps.get(a.stage, 0))
     if vertical_sync:
         return (delays[0],) * len(delays)

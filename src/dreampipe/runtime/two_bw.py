@@ -28,31 +28,31 @@ _MOST_MICROBATCHES = 256
 class TwoVersions:
     """The weight version each forward of a 2bw segment runs on (module doc)."""
 
-    def __init__(self, units_per_update: int) -> None:
-        self.units_per_update = units_per_update
+    def __init__(self, microbatches_per_update: int) -> None:
+        self.microbatches_per_update = microbatches_per_update
         self._base: int | None = None
 
     def restart(self) -> None:
         """A new segment: its first forward takes the stage's version then as its base."""
         self._base = None
 
-    def version(self, unit: int, current: int) -> int:
-        """The version unit ``unit`` of the segment runs on; ``current`` is the stage's
+    def version(self, microbatch: int, current: int) -> int:
+        """The version microbatch ``microbatch`` of the segment runs on; ``current`` is the stage's
         version now (its updates so far), the base at the segment's first forward."""
         if self._base is None:
             self._base = current
-        return self._base + max(unit // self.units_per_update - 1, 0)
+        return self._base + max(microbatch // self.microbatches_per_update - 1, 0)
 
 
 def _runs_on_two_versions(schedule: Schedule) -> bool:
     """Whether every rank's forward of minibatch ``k`` comes after its update ``k - 2``."""
-    m = schedule.units_per_update
+    m = schedule.microbatches_per_update
     for acts in schedule.actions:
         steps = 0
         for a in acts:
             if a.kind is ActionKind.STEP:
                 steps += 1
-            elif a.kind is ActionKind.FORWARD and steps < a.unit // m - 1:
+            elif a.kind is ActionKind.FORWARD and steps < a.microbatch // m - 1:
                 return False
     return True
 
@@ -74,7 +74,7 @@ def check_two_versions(schedule: Schedule) -> None:
         return
     fewest = fewest_microbatches(schedule.replicas)
     raise ScheduleError(
-        f"2bw with {schedule.units_per_update} microbatches per minibatch over replicas "
+        f"2bw with {schedule.microbatches_per_update} microbatches per minibatch over replicas "
         f"{list(schedule.replicas)}: a stage would start minibatch k+1 before its update "
         f"k-1, which two weight versions cannot hold; use at least {fewest} microbatches "
         "per minibatch"

@@ -10,11 +10,11 @@ update, for all its stages (several under interleaved 1F1B): the schedules
 that interleave flush every minibatch, so all their gradients are known by then.
 
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
-multiplied by ``1 / units_per_update`` (:func:`loss_scale`), so the sum of the
+multiplied by ``1 / microbatches_per_update`` (:func:`loss_scale`), so the sum of the
 microbatch gradients (accumulated on a rank, then all-reduce-*summed* over
 replicas) is the gradient of the mean loss over the whole minibatch. In
-PipeDream's schedule a unit is a minibatch; replicas sum then divide by the
-units of the round (their number, except in a run's last, partial round).
+PipeDream's schedule a microbatch is a minibatch; replicas sum then divide by the
+microbatches of the round (their number, except in a run's last, partial round).
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ __all__ = ["RankUpdates", "loss_scale"]
 
 
 def loss_scale(schedule: Schedule) -> float:
-    """What each unit's loss is multiplied by before its backward (module docstring)."""
-    return 1.0 if schedule.kind is ScheduleKind.PIPEDREAM else 1.0 / schedule.units_per_update
+    """What each microbatch's loss is multiplied by before its backward (module docstring)."""
+    if schedule.kind is ScheduleKind.PIPEDREAM:
+        return 1.0
+    return 1.0 / schedule.microbatches_per_update
 
 
 class RankUpdates:
@@ -77,19 +79,20 @@ class RankUpdates:
         scale = 1.0
         if schedule.kind is ScheduleKind.PIPEDREAM:
             r = schedule.replicas[a.stage]
-            scale = 1.0 / min(r, schedule.num_units - a.unit * r)
+            scale = 1.0 / min(r, schedule.num_microbatches - a.microbatch * r)
         buckets.finish(module.gradients(), a, scale)
         module.reduced()
 
     def step(
-        self, a: Action, schedule: Schedule, first_unit: int, module: StageModule, comm: Comm
+        self, a: Action, schedule: Schedule, first_microbatch: int, module: StageModule, comm: Comm
     ) -> None:
-        """``STEP`` ``a`` of ``module``'s stage; ``first_unit`` numbers the schedule's units
+        """``STEP`` ``a`` of ``module``'s stage; ``first_microbatch`` numbers the schedule's
+        microbatches
         in the run, so that the rank's stages agree once per update."""
         def tied(work: Any) -> None:
             comm.wait_tied(work, a)
 
-        now = (first_unit, a.unit)
+        now = (first_microbatch, a.microbatch)
         if self._agreed is None or self._agreed[:2] != now:
             self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world))
         if self._agreed[2]:

@@ -1,12 +1,12 @@
 """A stage's weight versions: copy-on-write stashes of its live weights, by number.
 
-**Weight stashing.** The forward of unit ``u`` runs functionally on a
+**Weight stashing.** The forward of microbatch ``u`` runs functionally on a
 *version* of the weights (:mod:`.slots`), so the autograd graph holds that
 version; ``u``'s backward differentiates the same graph, and the gradient goes
 to the live parameters. A version shares the live weights' storage until a
 ``STEP`` changes them while a backward still needs it: the live parameters
-then move to a fresh copy. **Vertical sync**: unit ``u`` runs on the version
-number the input stage used. **Weight prediction** (:mod:`.staleness`): a unit
+then move to a fresh copy. **Vertical sync**: microbatch ``u`` runs on the version
+number the input stage used. **Weight prediction** (:mod:`.staleness`): a microbatch
 whose gradient will update version ``v + k`` runs on ``w_v + k (w_v - w_{v-1})``,
 a version of its own keyed ``(v, k)``. The rules: docs/design.md §5.1, §12.
 """
@@ -47,7 +47,7 @@ class WeightVersions(Mapping[int, Version]):
     ``version`` is the live weights' number, one more per update. A version made
     from the live weights, or predicted from one, registers ``on_leaf(index, leaf)``
     as the post-accumulate gradient hook of each of its leaves; ``on_drop(version)``
-    takes the gradients off a version before it is freed. ``predict``: run a unit
+    takes the gradients off a version before it is freed. ``predict``: run a microbatch
     on its weights extrapolated to the update its gradient goes into (module doc).
     """
 
@@ -93,7 +93,7 @@ class WeightVersions(Mapping[int, Version]):
         self._deltas.clear()
 
     def note(self, number: int) -> None:
-        """Vertical sync: the newest received unit runs on ``number``; older ones may go."""
+        """Vertical sync: the newest received microbatch runs on ``number``; older ones may go."""
         self._floor = number
         for v in [v for v in self._held.values() if v.number < number and v.refs == 0]:
             self._drop(v)
@@ -121,8 +121,8 @@ class WeightVersions(Mapping[int, Version]):
     def acquire(self, number: int | None, update: int | None = None) -> Version:
         """Version ``number`` (None: the live weights'), held until :meth:`release`.
 
-        ``update``: the segment's update that the unit's gradient goes into; with
-        :attr:`predict`, the unit runs on the version extrapolated to it.
+        ``update``: the segment's update that the microbatch's gradient goes into; with
+        :attr:`predict`, the microbatch runs on the version extrapolated to it.
         """
         number = self.version if number is None else number
         if self.predict and update is not None:
@@ -162,7 +162,7 @@ class WeightVersions(Mapping[int, Version]):
         return v
 
     def release(self, v: Version) -> None:
-        """A unit is done with ``v``: free it if nothing needs it any more."""
+        """A microbatch is done with ``v``: free it if nothing needs it any more."""
         v.refs -= 1
         if v.refs == 0 and not v.live and (v.ahead or not self._needed_later(v.number)):
             self._drop(v)
@@ -177,7 +177,7 @@ class WeightVersions(Mapping[int, Version]):
             del self._held[v.number]
 
     def retire(self) -> None:
-        """Before an update: the live version keeps the current values if a unit (or,
+        """Before an update: the live version keeps the current values if a microbatch (or,
         under vertical sync, a later one) still needs them, the live parameters moving
         to a fresh copy; otherwise it goes. With :attr:`predict`, the values are also
         kept to take the update's change."""
@@ -191,7 +191,7 @@ class WeightVersions(Mapping[int, Version]):
                 cur.live = False
             else:
                 del self._held[cur.number]
-        if self.predict:  # the change of a version no unit can name again is not needed
+        if self.predict:  # the change of a version no microbatch can name again is not needed
             for old in [n for n in self._deltas if n not in self._held]:
                 del self._deltas[old]
             if cur is not None and not cur.live:  # the version kept the values: no copy

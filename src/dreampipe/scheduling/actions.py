@@ -1,12 +1,12 @@
 """Actions and schedules as plain data: what each rank does, and what that means.
 
 An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B``/``W`` and the
-sends and receives the number is the unit (a minibatch under PipeDream's
+sends and receives the number is the microbatch (a minibatch under PipeDream's
 schedule, a microbatch under the others); for ``ALLREDUCE`` and ``STEP`` it is
 the update ``k``: a rank's k-th weight update, and the all-reduce round its
 stage's replicas join together. ``W`` is the weight gradient of Zero Bubble's
 split backward; elsewhere ``B`` computes both gradients. Peers are derived,
-never stored: unit ``u`` of stage ``s`` runs on replica ``u mod replicas[s]``
+never stored: microbatch ``u`` of stage ``s`` runs on replica ``u mod replicas[s]``
 (1F1B-RR). :meth:`Schedule.to_text` writes one line per rank and
 :meth:`Schedule.from_text` reads it back. What each action means, for the
 validator, the simulator and the runtime alike, is docs/design.md §8.1-§8.2;
@@ -25,7 +25,7 @@ from dreampipe.errors import ScheduleError
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey"]
 
-#: ``(0 activations / 1 gradients, sending stage, unit)``: equal for a send
+#: ``(0 activations / 1 gradients, sending stage, microbatch)``: equal for a send
 #: and the receive it pairs with.
 TransferKey = tuple[int, int, int]
 
@@ -79,10 +79,11 @@ _TRANSFER = {
     _K.RECV_B: (1, 1, 1),
 }
 _SENDS = frozenset((_K.SEND_F, _K.SEND_B))
-_PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP))  # numbered by update, not by unit
+_PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP))  # numbered by update, not by microbatch
 
 _HEADER = re.compile(
-    r"^# (\S+) replicas=([\d-]+) units=(\d+) per_update=(\d+)(?: virtual=(\d+))?$")
+    r"^# (\S+) replicas=([\d-]+) (?:microbatches|units)=(\d+) per_update=(\d+)"
+    r"(?: virtual=(\d+))?$")  # "units=": the word of older schedule files
 _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)$")
 
 
@@ -90,15 +91,16 @@ _ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)$
 class Action:
     kind: ActionKind
     stage: int
-    unit: int
+    microbatch: int
 
     def __str__(self) -> str:
-        return f"{self.kind.value}{self.unit}"
+        return f"{self.kind.value}{self.microbatch}"
 
-    def shifted(self, units: int, updates: int) -> Action:
-        """This action ``units`` units on, or ``updates`` updates for ``ALLREDUCE``/``STEP``."""
+    def shifted(self, microbatches: int, updates: int) -> Action:
+        """This action ``microbatches`` microbatches on, or ``updates`` updates for
+        ``ALLREDUCE``/``STEP``."""
         return Action(self.kind, self.stage,
-                      self.unit + (updates if self.kind in _PER_UPDATE else units))
+                      self.microbatch + (updates if self.kind in _PER_UPDATE else microbatches))
 
     @property
     def is_send(self) -> bool:
@@ -107,13 +109,13 @@ class Action:
 
     @property
     def transfer_key(self) -> TransferKey | None:
-        """``(1 if gradient else 0, sending stage, unit)`` of a send or receive, else None.
+        """``(1 if gradient else 0, sending stage, microbatch)`` of a send or receive, else None.
 
         A send and the receive it pairs with share the key; both ends sit on
-        ``Schedule.rank_of(stage, unit)`` of their stage.
+        ``Schedule.rank_of(stage, microbatch)`` of their stage.
         """
         info = _TRANSFER.get(self.kind)
-        return None if info is None else (info[0], self.stage + info[1], self.unit)
+        return None if info is None else (info[0], self.stage + info[1], self.microbatch)
 
     @property
     def peer_stage(self) -> int | None:
@@ -127,7 +129,7 @@ class Action:
         the update number, in every schedule."""
         if self.kind is not _K.ALLREDUCE:
             raise ScheduleError(f"{self} joins no all-reduce round; ask an ALLREDUCE action")
-        return self.unit
+        return self.microbatch
 
     @classmethod
     def parse(cls, text: str, stage: int) -> Action:
@@ -145,8 +147,8 @@ class Schedule:
     """Per-rank ordered action lists, plus the layout needed to find peers.
 
     ``replicas[s]`` is stage s's replica count; ranks are numbered stage by
-    stage as in :class:`dreampipe.planning.plan.Plan`. ``num_units`` units are run in
-    all, ``units_per_update`` of them between optimizer steps (1 for
+    stage as in :class:`dreampipe.planning.plan.Plan`. ``num_microbatches`` microbatches are run in
+    all, ``microbatches_per_update`` of them between optimizer steps (1 for
     PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
     many unreplicated stages on each rank (interleaved 1F1B, docs/design.md §7.7).
     """
@@ -154,8 +156,8 @@ class Schedule:
     kind: ScheduleKind
     replicas: tuple[int, ...]
     actions: tuple[tuple[Action, ...], ...]
-    num_units: int
-    units_per_update: int = 1
+    num_microbatches: int
+    microbatches_per_update: int = 1
     virtual_stages: int = 1
     _firsts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
@@ -206,43 +208,43 @@ class Schedule:
     def replica_of_rank(self, rank: int) -> int:
         return rank - self.first_rank(self.stage_of_rank(rank))
 
-    def rank_of(self, stage: int, unit: int) -> int:
-        """The rank of ``stage`` that runs ``unit`` (round-robin over replicas)."""
+    def rank_of(self, stage: int, microbatch: int) -> int:
+        """The rank of ``stage`` that runs ``microbatch`` (round-robin over replicas)."""
         if self.virtual_stages > 1:
             return stage % self.num_ranks
-        return self._firsts[stage] + unit % self.replicas[stage]
+        return self._firsts[stage] + microbatch % self.replicas[stage]
 
-    def last_unit(self, action: Action) -> int:
-        """The last unit whose data ``action`` needs: its own, or its round's last.
+    def last_microbatch(self, action: Action) -> int:
+        """The last microbatch whose data ``action`` needs: its own, or its round's last.
 
-        An update (``ALLREDUCE``/``STEP`` k) needs every unit of its round: the
-        ``replicas`` units of round k (PipeDream), or update k's microbatches.
+        An update (``ALLREDUCE``/``STEP`` k) needs every microbatch of its round: the
+        ``replicas`` microbatches of round k (PipeDream), or update k's microbatches.
         A runtime fed one minibatch at a time stops before the first action that
-        needs a unit not yet given.
+        needs a microbatch not yet given.
         """
         if action.kind not in _PER_UPDATE:
-            return action.unit
-        return (action.unit + 1) * self.round_units(action.stage) - 1
+            return action.microbatch
+        return (action.microbatch + 1) * self.round_microbatches(action.stage) - 1
 
-    def round_units(self, stage: int) -> int:
-        """Units in one update of ``stage``: its replicas' round (PipeDream), or the
+    def round_microbatches(self, stage: int) -> int:
+        """Microbatches in one update of ``stage``: its replicas' round (PipeDream), or the
         update's microbatches."""
         return (self.replicas[stage] if self.kind is ScheduleKind.PIPEDREAM
-                else self.units_per_update)
+                else self.microbatches_per_update)
 
     def peer(self, rank: int, action: Action) -> int | None:
         """The rank a send/receive talks to; None for other kinds."""
         stage = action.peer_stage
-        return None if stage is None else self.rank_of(stage, action.unit)
+        return None if stage is None else self.rank_of(stage, action.microbatch)
 
     def with_actions(self, actions: Sequence[tuple[Action, ...]]) -> Schedule:
         """This schedule with other action lists (a lowering pass's result)."""
-        return Schedule(self.kind, self.replicas, tuple(actions), self.num_units,
-                        self.units_per_update, self.virtual_stages)
+        return Schedule(self.kind, self.replicas, tuple(actions), self.num_microbatches,
+                        self.microbatches_per_update, self.virtual_stages)
 
     def to_text(self) -> str:
         lines = [f"# {self.kind.value} replicas={'-'.join(map(str, self.replicas))} "
-                 f"units={self.num_units} per_update={self.units_per_update}"
+                 f"microbatches={self.num_microbatches} per_update={self.microbatches_per_update}"
                  + (f" virtual={self.virtual_stages}" if self.virtual_stages > 1 else "")]
         at = self.virtual_stages > 1
         for rank, acts in enumerate(self.actions):
@@ -255,7 +257,7 @@ class Schedule:
         m = _HEADER.match(rows[0] if rows else "")
         if not m:
             raise ScheduleError(
-                "schedule text must start with '# KIND replicas=.. units=.. per_update=..'"
+                "schedule text must start with '# KIND replicas=.. microbatches=.. per_update=..'"
             )
         try:
             kind = ScheduleKind(m.group(1))

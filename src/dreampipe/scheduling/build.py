@@ -9,7 +9,7 @@
 
 A replica of stage ``s`` runs its minibatches in flight
 (:mod:`dreampipe.planning.in_flight`) before its first backward, then one
-forward and one backward in turn, unit ``u`` on replica ``u mod replicas[s]``;
+forward and one backward in turn, microbatch ``u`` on replica ``u mod replicas[s]``;
 :mod:`.zero_bubble` and :mod:`.interleave` hold the other orders. Any number
 of minibatches is a valid run: every replica joins a partial last round (§7.1).
 """
@@ -40,13 +40,14 @@ _F, _B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
 def build_schedule(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
+    replicas: Sequence[int], kind: ScheduleKind, num_microbatches: int,
+    microbatches_per_update: int = 1,
     in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
 
-    ``num_units`` minibatches (PipeDream) or microbatches (the synchronous
-    schedules, ``units_per_update`` per minibatch and weight update).
+    ``num_microbatches`` minibatches (PipeDream) or microbatches (the synchronous
+    schedules, ``microbatches_per_update`` per minibatch and weight update).
     ``in_flight`` gives PipeDream's minibatches in flight per stage (a plan's
     :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
     :func:`~dreampipe.planning.in_flight.in_flight_counts`).
@@ -54,29 +55,30 @@ def build_schedule(
     unreplicated stages on each worker.
 
     A synchronous schedule is its period (:func:`_period` updates), built and
-    validated once, repeated with shifted units: no unit crosses an update, so
+    validated once, repeated with shifted microbatches: no microbatch crosses an update, so
     the repeat is what the passes would build, in time linear in the updates
     (a training loop extends its schedule as it goes).
     """
-    _check(replicas, kind, num_units, units_per_update, in_flight, virtual_stages)
+    _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)
     if kind.synchronous:
-        block = _period(replicas, units_per_update) * units_per_update
-        if num_units > block and num_units % block == 0:
-            return _repeated(_period_block(tuple(replicas), kind, block, units_per_update,
-                                           None, virtual_stages), num_units // block)
-    return _built(tuple(replicas), kind, num_units, units_per_update,
+        block = _period(replicas, microbatches_per_update) * microbatches_per_update
+        if num_microbatches > block and num_microbatches % block == 0:
+            return _repeated(_period_block(tuple(replicas), kind, block, microbatches_per_update,
+                                           None, virtual_stages), num_microbatches // block)
+    return _built(tuple(replicas), kind, num_microbatches, microbatches_per_update,
                   None if in_flight is None else tuple(in_flight), virtual_stages)
 
 
 def _built(
-    replicas: tuple[int, ...], kind: ScheduleKind, num_units: int, units_per_update: int,
+    replicas: tuple[int, ...], kind: ScheduleKind, num_microbatches: int,
+    microbatches_per_update: int,
     in_flight: tuple[int, ...] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(lower_communication(compute_schedule(
-        replicas, kind, num_units, units_per_update, in_flight, virtual_stages)))
+        replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)))
     validate_schedule(schedule)
     return schedule
 
@@ -87,27 +89,29 @@ def _built(
 _period_block = functools.lru_cache(maxsize=32)(_built)
 
 
-def _period(replicas: Sequence[int], units_per_update: int) -> int:
+def _period(replicas: Sequence[int], microbatches_per_update: int) -> int:
     """Updates after which a synchronous schedule repeats: stage ``s`` deals update
-    ``k``'s microbatches to its replicas starting at ``k * units_per_update mod r_s``."""
-    return math.lcm(*(r // math.gcd(r, units_per_update) for r in replicas))
+    ``k``'s microbatches to its replicas starting at ``k * microbatches_per_update mod r_s``."""
+    return math.lcm(*(r // math.gcd(r, microbatches_per_update) for r in replicas))
 
 
 def _repeated(block: Schedule, times: int) -> Schedule:
-    """``block`` run ``times`` times: units shift by its units, updates by its updates."""
-    units, updates = block.num_units, block.num_units // block.units_per_update
+    """``block`` run ``times`` times: microbatches shift by its microbatches, updates by its
+    updates."""
+    microbatches = block.num_microbatches
+    updates = microbatches // block.microbatches_per_update
     actions = [
-        tuple(a.shifted(j * units, j * updates) for j in range(times) for a in acts)
+        tuple(a.shifted(j * microbatches, j * updates) for j in range(times) for a in acts)
         for acts in block.actions
     ]
-    return Schedule(block.kind, block.replicas, tuple(actions), units * times,
-                    block.units_per_update, block.virtual_stages)
+    return Schedule(block.kind, block.replicas, tuple(actions), microbatches * times,
+                    block.microbatches_per_update, block.virtual_stages)
 
 
 def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
     """The fewest PipeDream minibatches >= ``wanted`` that end on a whole all-reduce round.
 
-    Replicas of a stage all-reduce once per round of ``replicas[s]`` units; a
+    Replicas of a stage all-reduce once per round of ``replicas[s]`` microbatches; a
     multiple of the lcm of the replica counts makes every round of every stage
     whole. No schedule needs it (a run may end on a partial round,
     docs/design.md §7.1); training uses it so that each update averages the same
@@ -119,32 +123,35 @@ def whole_rounds(replicas: Sequence[int], wanted: int) -> int:
 
 
 def compute_schedule(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int = 1,
+    replicas: Sequence[int], kind: ScheduleKind, num_microbatches: int,
+    microbatches_per_update: int = 1,
     in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
 ) -> Schedule:
     """Per-rank forward/backward order only, before any lowering pass.
 
-    - PIPEDREAM: 1F1B over all units after ``in_flight`` forwards per stage
+    - PIPEDREAM: 1F1B over all microbatches after ``in_flight`` forwards per stage
       (:func:`build_schedule`), no flush.
-    - FLUSH: the same per minibatch of ``units_per_update`` microbatches,
+    - FLUSH: the same per minibatch of ``microbatches_per_update`` microbatches,
       warm-up PipeDream's count (one all-reduce per minibatch: no join
       inside it to cover) capped by the microbatches a replica holds
       (PipeDream-Flush).
-    - GPIPE: per minibatch all forwards in unit order, then all backwards in
-      reverse unit order (the last microbatch's backward first, as GPipe does).
-    - DP: one stage; each replica runs forward then backward of each unit.
-    - NAIVE: forward then backward of each unit; a stage's next forward waits
-      for the previous unit's gradient, so one unit at a time is in flight.
+    - GPIPE: per minibatch all forwards in microbatch order, then all backwards in
+      reverse microbatch order (the last microbatch's backward first, as GPipe does).
+    - DP: one stage; each replica runs forward then backward of each microbatch.
+    - NAIVE: forward then backward of each microbatch; a stage's next forward waits
+      for the previous microbatch's gradient, so one microbatch at a time is in flight.
     - ZB_H1, ZB_H2: :mod:`~dreampipe.scheduling.zero_bubble`'s orders, with
       ``W`` actions.
     - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`.
-    - TWO_BW: 1F1B over all units with 1f1b-flush's warm-up, no flush.
+    - TWO_BW: 1F1B over all microbatches with 1f1b-flush's warm-up, no flush.
     """
-    reps = _check(replicas, kind, num_units, units_per_update, in_flight, virtual_stages)
+    reps = _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight,
+                  virtual_stages)
     if kind is ScheduleKind.INTERLEAVED:
-        return interleaved_compute(len(reps), virtual_stages, num_units, units_per_update)
-    per_update = (num_units if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
-                  else units_per_update)
+        return interleaved_compute(len(reps), virtual_stages, num_microbatches,
+                                   microbatches_per_update)
+    per_update = (num_microbatches if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
+                  else microbatches_per_update)
     order = _ORDERS[kind]
     warmup = (tuple(in_flight) if in_flight is not None else in_flight_counts(reps)
               ) if kind is ScheduleKind.PIPEDREAM else in_flight_counts(reps, 0)
@@ -155,23 +162,24 @@ def compute_schedule(
     for stage, r in enumerate(reps):
         for replica in range(r):
             acts: list[Action] = []
-            for first in range(0, num_units, per_update):
-                units = list(range(first + (replica - first) % r, first + per_update, r))
-                acts += order(units, warmup[stage], stage)
+            for first in range(0, num_microbatches, per_update):
+                microbatches = list(range(first + (replica - first) % r, first + per_update, r))
+                acts += order(microbatches, warmup[stage], stage)
             actions.append(tuple(acts))
-    return Schedule(kind, reps, tuple(actions), num_units, units_per_update)
+    return Schedule(kind, reps, tuple(actions), num_microbatches, microbatches_per_update)
 
 
-def forward_only(replicas: Sequence[int], num_units: int, virtual_stages: int = 1) -> Schedule:
-    """Forwards alone (evaluation): each replica runs its units in order, round-robin.
+def forward_only(replicas: Sequence[int], num_microbatches: int,
+                 virtual_stages: int = 1) -> Schedule:
+    """Forwards alone (evaluation): each replica runs its microbatches in order, round-robin.
 
-    GPipe's schedule of one update over ``num_units`` units with its
+    GPipe's schedule of one update over ``num_microbatches`` microbatches with its
     backward, gradient and update actions left out. With ``virtual_stages``
     ``v`` > 1 (unreplicated stages, stage ``s`` on rank ``s mod`` ranks), a rank
-    runs its stages one after another, each over every unit: a rank waits only
+    runs its stages one after another, each over every microbatch: a rank waits only
     on stages before its own, so no two wait on each other.
     """
-    full = build_schedule(replicas, ScheduleKind.GPIPE, num_units, num_units)
+    full = build_schedule(replicas, ScheduleKind.GPIPE, num_microbatches, num_microbatches)
     keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
     lists = [tuple(a for a in acts if a.kind in keep) for acts in full.actions]
     if virtual_stages == 1:
@@ -179,7 +187,7 @@ def forward_only(replicas: Sequence[int], num_units: int, virtual_stages: int = 
     ranks = len(replicas) // virtual_stages
     return Schedule(full.kind, full.replicas, tuple(
         tuple(a for s in range(r, len(lists), ranks) for a in lists[s]) for r in range(ranks)),
-        num_units, num_units, virtual_stages)
+        num_microbatches, num_microbatches, virtual_stages)
 
 
 def lower_communication(schedule: Schedule) -> Schedule:
@@ -191,7 +199,7 @@ def lower_communication(schedule: Schedule) -> Schedule:
     for acts in schedule.actions:
         lowered: list[Action] = []
         for a in acts:
-            s, u = a.stage, a.unit
+            s, u = a.stage, a.microbatch
             if a.kind is _F:
                 if s > 0:
                     lowered.append(Action(ActionKind.RECV_F, s, u))
@@ -211,27 +219,28 @@ def lower_communication(schedule: Schedule) -> Schedule:
 
 
 # ---- per-minibatch orders of one replica -----------------------------------
-def _one_f_one_b(units: list[int], warmup: int, stage: int) -> list[Action]:
-    w = min(warmup, len(units))
-    acts = [Action(_F, stage, u) for u in units[:w]]
-    for j, u in enumerate(units):
+def _one_f_one_b(microbatches: list[int], warmup: int, stage: int) -> list[Action]:
+    w = min(warmup, len(microbatches))
+    acts = [Action(_F, stage, u) for u in microbatches[:w]]
+    for j, u in enumerate(microbatches):
         acts.append(Action(_B, stage, u))
-        if j + w < len(units):
-            acts.append(Action(_F, stage, units[j + w]))
+        if j + w < len(microbatches):
+            acts.append(Action(_F, stage, microbatches[j + w]))
     return acts
 
 
-def _all_forward_all_backward(units: list[int], _warmup: int, stage: int) -> list[Action]:
-    return [Action(_F, stage, u) for u in units] + [Action(_B, stage, u) for u in reversed(units)]
+def _all_forward_all_backward(microbatches: list[int], _warmup: int, stage: int) -> list[Action]:
+    return ([Action(_F, stage, u) for u in microbatches]
+            + [Action(_B, stage, u) for u in reversed(microbatches)])
 
 
-def _one_at_a_time(units: list[int], _warmup: int, stage: int) -> list[Action]:
-    return [Action(k, stage, u) for u in units for k in (_F, _B)]
+def _one_at_a_time(microbatches: list[int], _warmup: int, stage: int) -> list[Action]:
+    return [Action(k, stage, u) for u in microbatches for k in (_F, _B)]
 
 
-def _zero_bubble(defer: Sequence[int], units: list[int], warmup: int, stage: int
+def _zero_bubble(defer: Sequence[int], microbatches: list[int], warmup: int, stage: int
                  ) -> list[Action]:
-    return zero_bubble_order(units, warmup, defer[stage], stage)
+    return zero_bubble_order(microbatches, warmup, defer[stage], stage)
 
 
 _ORDERS: dict[ScheduleKind, Callable[[list[int], int, int], list[Action]]] = {
@@ -247,7 +256,8 @@ _ORDERS: dict[ScheduleKind, Callable[[list[int], int, int], list[Action]]] = {
 
 
 def _check(
-    replicas: Sequence[int], kind: ScheduleKind, num_units: int, units_per_update: int,
+    replicas: Sequence[int], kind: ScheduleKind, num_microbatches: int,
+    microbatches_per_update: int,
     in_flight: Sequence[int] | None, virtual_stages: int = 1,
 ) -> tuple[int, ...]:
     reps = tuple(int(r) for r in replicas)
@@ -261,20 +271,22 @@ def _check(
             f"in_flight={list(in_flight)} with the {kind.value} schedule of {len(reps)} stages; "
             "give one count >= 1 per stage, and only to the pipedream schedule"
         )
-    if num_units < 1:
-        raise ScheduleError(f"{num_units} units to run; run at least 1")
-    if units_per_update < 1:
-        raise ScheduleError(f"units_per_update={units_per_update}; use 1 or more")
-    if num_units % units_per_update:
-        fix = (num_units // units_per_update + 1) * units_per_update
+    if num_microbatches < 1:
+        raise ScheduleError(f"{num_microbatches} microbatches to run; run at least 1")
+    if microbatches_per_update < 1:
+        raise ScheduleError(f"microbatches_per_update={microbatches_per_update}; use 1 or more")
+    if num_microbatches % microbatches_per_update:
+        fix = (num_microbatches // microbatches_per_update + 1) * microbatches_per_update
         raise ScheduleError(
-            f"{num_units} units do not split into minibatches of {units_per_update}; "
-            f"run {fix} units or change the microbatches per minibatch"
+            f"{num_microbatches} microbatches do not split into minibatches of "
+            f"{microbatches_per_update}; "
+            f"run {fix} microbatches or change the microbatches per minibatch"
         )
-    if kind is ScheduleKind.PIPEDREAM and units_per_update != 1:
+    if kind is ScheduleKind.PIPEDREAM and microbatches_per_update != 1:
         raise ScheduleError(
-            f"units_per_update={units_per_update} with the pipedream schedule, which updates "
-            "after every minibatch; use 1, or the 1f1b-flush schedule for microbatches"
+            f"microbatches_per_update={microbatches_per_update} with the pipedream schedule, "
+            "which updates after every minibatch; use 1, or the 1f1b-flush schedule for "
+            "microbatches"
         )
     if virtual_stages != 1 and kind is not ScheduleKind.INTERLEAVED:
         raise ScheduleError(
@@ -286,9 +298,9 @@ def _check(
             f"interleaved-1f1b with replicas {list(reps)}; it runs unreplicated stages, "
             "so plan a straight pipeline (--straight)"
         )
-    if kind is ScheduleKind.TWO_BW and units_per_update % math.lcm(*reps):
+    if kind is ScheduleKind.TWO_BW and microbatches_per_update % math.lcm(*reps):
         raise ScheduleError(
-            f"2bw with {units_per_update} microbatches per minibatch over replicas "
+            f"2bw with {microbatches_per_update} microbatches per minibatch over replicas "
             f"{list(reps)}; use a multiple of {math.lcm(*reps)} so that every replica "
             "joins every all-reduce with its own microbatches"
         )
@@ -298,9 +310,10 @@ def _check(
                 f"the dp schedule runs one stage, got replicas {list(reps)}; "
                 f"use replicas ({sum(reps)},)"
             )
-        if units_per_update % reps[0]:
+        if microbatches_per_update % reps[0]:
             raise ScheduleError(
-                f"dp over {reps[0]} workers with {units_per_update} units per update; "
+                f"dp over {reps[0]} workers with {microbatches_per_update} microbatches per "
+                "update; "
                 f"use a multiple of {reps[0]} so every worker gets the same share"
             )
     return reps

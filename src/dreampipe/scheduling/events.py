@@ -23,13 +23,13 @@ class Event:
     rank: int
     stage: int
     kind: ActionKind
-    unit: int
+    microbatch: int
     start_s: float
     end_s: float
 
     @classmethod
     def of(cls, rank: int, action: Action, start_s: float, end_s: float) -> Event:
-        return cls(rank, action.stage, action.kind, action.unit, start_s, end_s)
+        return cls(rank, action.stage, action.kind, action.microbatch, start_s, end_s)
 
     @property
     def duration_s(self) -> float:
@@ -37,18 +37,19 @@ class Event:
 
     @property
     def label(self) -> str:
-        return f"{self.kind.value}{self.unit}"
+        return f"{self.kind.value}{self.microbatch}"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "rank": self.rank, "stage": self.stage, "kind": self.kind.value,
-            "unit": self.unit, "start_s": self.start_s, "end_s": self.end_s,
+            "microbatch": self.microbatch, "start_s": self.start_s, "end_s": self.end_s,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Event:
         return cls(
-            int(d["rank"]), int(d["stage"]), ActionKind(d["kind"]), int(d["unit"]),
+            int(d["rank"]), int(d["stage"]), ActionKind(d["kind"]),
+            int(d["microbatch"] if "microbatch" in d else d["unit"]),  # "unit": older files
             float(d["start_s"]), float(d["end_s"]),
         )
 

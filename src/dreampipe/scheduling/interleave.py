@@ -36,11 +36,11 @@ def virtual_worker(stage: int, num_stages: int, virtual_stages: int) -> int:
 
 
 def interleaved_compute(
-    num_stages: int, virtual_stages: int, num_units: int, units_per_update: int
+    num_stages: int, virtual_stages: int, num_microbatches: int, microbatches_per_update: int
 ) -> Schedule:
     """Per-worker forward/backward order of interleaved 1F1B (module doc), unlowered."""
     _check(num_stages, virtual_stages)
-    v, p, m = virtual_stages, num_stages // virtual_stages, units_per_update
+    v, p, m = virtual_stages, num_stages // virtual_stages, microbatches_per_update
     if m % p:
         raise ScheduleError(
             f"interleaved-1f1b over {p} workers with {m} microbatches per minibatch; use a "
@@ -49,11 +49,11 @@ def interleaved_compute(
     actions = []
     for rank in range(p):
         acts: list[Action] = []
-        for first in range(0, num_units, m):
+        for first in range(0, num_microbatches, m):
             acts += _worker_order(rank, p, v, m, first)
         actions.append(tuple(acts))
-    return Schedule(ScheduleKind.INTERLEAVED, (1,) * num_stages, tuple(actions), num_units,
-                    units_per_update, v)
+    return Schedule(ScheduleKind.INTERLEAVED, (1,) * num_stages, tuple(actions), num_microbatches,
+                    microbatches_per_update, v)
 
 
 def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int) -> Plan:
@@ -108,14 +108,14 @@ def _balanced_cuts(work: list[float], parts: int) -> list[int]:
 def _worker_order(rank: int, p: int, v: int, m: int, first: int) -> list[Action]:
     total = m * v
 
-    def unit(k: int) -> int:
+    def microbatch(k: int) -> int:
         return first + (k // (p * v)) * p + k % p
 
     def forward(k: int) -> Action:
-        return Action(_F, ((k % (p * v)) // p) * p + rank, unit(k))
+        return Action(_F, ((k % (p * v)) // p) * p + rank, microbatch(k))
 
     def backward(k: int) -> Action:
-        return Action(_B, (v - 1 - (k % (p * v)) // p) * p + rank, unit(k))
+        return Action(_B, (v - 1 - (k % (p * v)) // p) * p + rank, microbatch(k))
 
     warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
     acts = [forward(k) for k in range(warmup)]

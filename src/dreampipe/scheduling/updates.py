@@ -23,7 +23,7 @@ def lower_updates(schedule: Schedule) -> Schedule:
     replicas; a rank that runs several stages updates each. PipeDream: after
     every backward ``B<u>`` (and its ``SEND_B``),
     ``STEP<k>`` with ``k = u // r`` on a stage of ``r`` replicas, preceded by
-    ``ALLREDUCE<k>`` when ``r > 1``; a replica with no unit in the last,
+    ``ALLREDUCE<k>`` when ``r > 1``; a replica with no microbatch in the last,
     partial round joins its ``ALLREDUCE<k> STEP<k>`` at the end. Synchronous
     schedules: ``ALLREDUCE<k> STEP<k>`` once per minibatch k, after the rank's
     last action of it, even on a replica that ran none of its microbatches (it
@@ -43,25 +43,26 @@ def lower_updates(schedule: Schedule) -> Schedule:
 
 def _per_backward(schedule: Schedule, stage: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
     """PipeDream: an update after each backward (and its ``SEND_B``), the k-th for
-    the replica's k-th unit ``u`` (``k = u // r``); then the rounds the replica
-    has no unit in (only the last, when it is partial), so that it still joins
+    the replica's k-th microbatch ``u`` (``k = u // r``); then the rounds the replica
+    has no microbatch in (only the last, when it is partial), so that it still joins
     every all-reduce round of its stage."""
     r = schedule.replicas[stage]
     out: list[Action] = []
     pending: Action | None = None
     done = 0
     for a in acts:
-        if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending.unit):
-            done = pending.unit // r + 1
+        if pending is not None and not (a.kind is ActionKind.SEND_B
+                                        and a.microbatch == pending.microbatch):
+            done = pending.microbatch // r + 1
             out += _update_actions(schedule, stage, done - 1)
             pending = None
         out.append(a)
         if a.kind is _B:
             pending = a
     if pending is not None:
-        done = pending.unit // r + 1
+        done = pending.microbatch // r + 1
         out += _update_actions(schedule, stage, done - 1)
-    for k in range(done, -(-schedule.num_units // r)):
+    for k in range(done, -(-schedule.num_microbatches // r)):
         out += _update_actions(schedule, stage, k)
     return tuple(out)
 
@@ -70,16 +71,16 @@ def _per_last_backward(schedule: Schedule, stage: int, acts: tuple[Action, ...]
                        ) -> tuple[Action, ...]:
     """2bw: update ``k`` after the replica's last backward of minibatch ``k`` (and its
     ``SEND_B``); every replica has one, the minibatch being a multiple of the replicas."""
-    m, r = schedule.units_per_update, schedule.replicas[stage]
+    m, r = schedule.microbatches_per_update, schedule.replicas[stage]
     out: list[Action] = []
     pending: int | None = None
     for a in acts:
-        if pending is not None and not (a.kind is ActionKind.SEND_B and a.unit == pending):
+        if pending is not None and not (a.kind is ActionKind.SEND_B and a.microbatch == pending):
             out += _update_actions(schedule, stage, pending // m)
             pending = None
         out.append(a)
-        if a.kind is _B and a.unit % m + r >= m:
-            pending = a.unit
+        if a.kind is _B and a.microbatch % m + r >= m:
+            pending = a.microbatch
     if pending is not None:
         out += _update_actions(schedule, stage, pending // m)
     return tuple(out)
@@ -87,16 +88,16 @@ def _per_last_backward(schedule: Schedule, stage: int, acts: tuple[Action, ...]
 
 def _per_update(schedule: Schedule, stages: Sequence[int], acts: tuple[Action, ...]
                 ) -> tuple[Action, ...]:
-    m = schedule.units_per_update
+    m = schedule.microbatches_per_update
     out: list[Action] = []
     done = 0
     for a in acts:
-        while a.unit // m > done:
+        while a.microbatch // m > done:
             for stage in stages:
                 out += _update_actions(schedule, stage, done)
             done += 1
         out.append(a)
-    while done < schedule.num_units // m:
+    while done < schedule.num_microbatches // m:
         for stage in stages:
             out += _update_actions(schedule, stage, done)
         done += 1

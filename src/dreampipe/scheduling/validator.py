@@ -1,7 +1,7 @@
 """Check a schedule before anything runs it.
 
 :func:`validate_schedule` checks, in order: every action sits on a rank of its
-stage; each unit's forward, backward and weight gradient run once per stage,
+stage; each microbatch's forward, backward and weight gradient run once per stage,
 on the rank round-robin names, in order; every replica of a stage joins the
 same all-reduce rounds, each once; data arrives before it is used; every send
 has exactly one receive; and a dry run on
@@ -40,7 +40,7 @@ _WINDOW = 8
 def validate_schedule(schedule: Schedule) -> None:
     """Raise :class:`ScheduleError` with a marked grid if ``schedule`` is unsound."""
     _check_stages(schedule)
-    _check_units(schedule)
+    _check_microbatches(schedule)
     _check_allreduces(schedule)
     _check_order(schedule)
     _check_pairs(schedule)
@@ -93,7 +93,7 @@ def _check_stages(schedule: Schedule) -> None:
                             f"{a.stage}", [(rank, step)])
 
 
-def _check_units(schedule: Schedule) -> None:
+def _check_microbatches(schedule: Schedule) -> None:
     split = schedule.kind.splits_backward
     computes = (_F, _B, _W) if split else (_F, _B)
     where: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}
@@ -105,27 +105,27 @@ def _check_units(schedule: Schedule) -> None:
                     raise _fail(schedule, f"{a} in the {schedule.kind.value} schedule, whose "
                                 "backward computes the weight gradient; remove it, or use "
                                 "zb-h1 or zb-h2", [(rank, step)])
-                key = (k, a.stage, a.unit)
+                key = (k, a.stage, a.microbatch)
                 if key in where:
-                    raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each unit "
+                    raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each microbatch "
                                 "runs once per stage", [where[key], (rank, step)])
                 where[key] = (rank, step)
-    for (kind, stage, unit), (rank, step) in where.items():
-        name = f"{kind.value}{unit}"
-        if not 0 <= unit < schedule.num_units:
-            raise _fail(schedule, f"{name} at stage {stage} is outside units "
-                        f"0..{schedule.num_units - 1}", [(rank, step)])
-        owner = schedule.rank_of(stage, unit)
+    for (kind, stage, microbatch), (rank, step) in where.items():
+        name = f"{kind.value}{microbatch}"
+        if not 0 <= microbatch < schedule.num_microbatches:
+            raise _fail(schedule, f"{name} at stage {stage} is outside microbatches "
+                        f"0..{schedule.num_microbatches - 1}", [(rank, step)])
+        owner = schedule.rank_of(stage, microbatch)
         if rank != owner:
             raise _fail(schedule, f"{name} of stage {stage} is on rank {rank} but round robin "
-                        f"puts unit {unit} on rank {owner}", [(rank, step)])
-    if len(where) != len(computes) * schedule.num_stages * schedule.num_units:
+                        f"puts microbatch {microbatch} on rank {owner}", [(rank, step)])
+    if len(where) != len(computes) * schedule.num_stages * schedule.num_microbatches:
         for stage in range(schedule.num_stages):
             for kind in computes:
-                for unit in range(schedule.num_units):
-                    if (kind, stage, unit) not in where:
-                        owner = schedule.rank_of(stage, unit)
-                        raise _fail(schedule, f"{kind.value}{unit} of stage "
+                for microbatch in range(schedule.num_microbatches):
+                    if (kind, stage, microbatch) not in where:
+                        owner = schedule.rank_of(stage, microbatch)
+                        raise _fail(schedule, f"{kind.value}{microbatch} of stage "
                                     f"{stage} is missing; add it to rank {owner}",
                                     [(owner, len(schedule.actions[owner]))])
 
@@ -158,24 +158,24 @@ def _check_allreduces(schedule: Schedule) -> None:
             raise _fail(schedule, f"rank {has} joins all-reduce round {rnd} of stage {stage} "
                         f"but rank {lacks}, a replica of the same stage, never does, so rank "
                         f"{has} would wait forever; add ALLREDUCE{rnd} STEP{rnd} to rank {lacks} "
-                        "(a replica with no unit in the round joins with no gradient)",
+                        "(a replica with no microbatch in the round joins with no gradient)",
                         [(has, rounds[has][rnd]), (lacks, len(schedule.actions[lacks]))])
 
 
 def _check_order(schedule: Schedule) -> None:
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
-        pos = {(a.kind, a.stage, a.unit): step for step, a in enumerate(acts)}
+        pos = {(a.kind, a.stage, a.microbatch): step for step, a in enumerate(acts)}
         for step, a in enumerate(acts):
             for earlier in _EARLIER.get(a.kind, ()):
-                before = pos.get((earlier, a.stage, a.unit))
+                before = pos.get((earlier, a.stage, a.microbatch))
                 if before is None:
                     if _needed(earlier, a.kind, a.stage, last):
                         raise _fail(schedule, f"rank {rank} runs {a} without {earlier.value}"
-                                    f"{a.unit}; add it before step {step}", [(rank, step)])
+                                    f"{a.microbatch}; add it before step {step}", [(rank, step)])
                 elif before > step:
                     raise _fail(schedule, f"rank {rank} runs {a} at step {step} before "
-                                f"{earlier.value}{a.unit} at step {before}; swap them",
+                                f"{earlier.value}{a.microbatch} at step {before}; swap them",
                                 [(rank, step), (rank, before)])
 
 
@@ -196,10 +196,11 @@ def _check_pairs(schedule: Schedule) -> None:
             key = a.transfer_key
             if key is None:
                 continue
-            owner = schedule.rank_of(a.stage, a.unit)
+            owner = schedule.rank_of(a.stage, a.microbatch)
             if rank != owner:
                 raise _fail(schedule, f"{a} of stage {a.stage} is on rank {rank} but round "
-                            f"robin puts unit {a.unit} on rank {owner}; move it", [(rank, step)])
+                            f"robin puts microbatch {a.microbatch} on rank {owner}; move it",
+                            [(rank, step)])
             if a.stage == 0 or a.stage == last:
                 _check_peer_stage(schedule, rank, step)
             (sends if a.is_send else recvs).append(key)
@@ -207,13 +208,13 @@ def _check_pairs(schedule: Schedule) -> None:
     if dict.__eq__(sent, received):  # plain dict comparison, in C
         return
     key = next(k for k in sent.keys() | received.keys() if sent[k] != received[k])
-    backward, stage, unit = key
+    backward, stage, microbatch = key
     what = "B" if backward else "F"
-    src = schedule.rank_of(stage, unit)
-    dst = schedule.rank_of(stage + (-1 if backward else 1), unit)
+    src = schedule.rank_of(stage, microbatch)
+    dst = schedule.rank_of(stage + (-1 if backward else 1), microbatch)
     where = [(rank, step) for rank, acts in enumerate(schedule.actions)
              for step, a in enumerate(acts) if a.transfer_key == key]
-    raise _fail(schedule, f"rank {src} sends {what}{unit} to rank {dst} {sent[key]} "
+    raise _fail(schedule, f"rank {src} sends {what}{microbatch} to rank {dst} {sent[key]} "
                 f"time(s) but rank {dst} receives it {received[key]} time(s); every "
                 f"SEND_{what} needs exactly one RECV_{what} on its peer", where)
 

@@ -39,18 +39,18 @@ def zero_bubble_counts(
     return tuple(2 * w - 1 for w in warmup), tuple(max(0, 2 * (top - w)) for w in warmup)
 
 
-def zero_bubble_order(units: list[int], warmup: int, defer: int, stage: int) -> list[Action]:
+def zero_bubble_order(microbatches: list[int], warmup: int, defer: int, stage: int) -> list[Action]:
     """One replica's minibatch: ``warmup`` forwards, then ``B``, the ``W`` put off by
     ``defer`` microbatches and the next ``F``; the ``W`` left over at the end."""
-    w = min(warmup, len(units))
-    acts = [Action(_F, stage, u) for u in units[:w]]
+    w = min(warmup, len(microbatches))
+    acts = [Action(_F, stage, u) for u in microbatches[:w]]
     done = 0
-    for j, u in enumerate(units):
+    for j, u in enumerate(microbatches):
         acts.append(Action(_B, stage, u))
         if j >= defer:
-            acts.append(Action(_W, stage, units[done]))
+            acts.append(Action(_W, stage, microbatches[done]))
             done += 1
-        if j + w < len(units):
-            acts.append(Action(_F, stage, units[j + w]))
-    acts += [Action(_W, stage, u) for u in units[done:]]
+        if j + w < len(microbatches):
+            acts.append(Action(_F, stage, microbatches[j + w]))
+    acts += [Action(_W, stage, u) for u in microbatches[done:]]
     return acts

@@ -1,6 +1,6 @@
-"""What the simulator charges: per-stage, per-unit costs, from a profile or a plan.
+"""What the simulator charges: per-stage, per-microbatch costs, from a profile or a plan.
 
-:class:`SimCosts` holds seconds and bytes per stage and per unit (one
+:class:`SimCosts` holds seconds and bytes per stage and per microbatch (one
 minibatch or microbatch); :func:`costs_from_profile` derives them from the
 layer profile with the planner's terms (:mod:`dreampipe.planning.costs`),
 :func:`costs_from_plan` from a plan's own predictions.
@@ -28,7 +28,7 @@ Bandwidth = Topology | tuple[tuple[float, ...], ...] | float
 
 @dataclass(frozen=True, kw_only=True)
 class SimCosts:
-    """Costs per stage and per unit (one minibatch or microbatch), in s and bytes.
+    """Costs per stage and per microbatch (one minibatch or microbatch), in s and bytes.
 
     ``activation_bytes[s]``/``gradient_bytes[s]`` cross the cut between stage
     s and s+1 (forward and backward; gradients default to the activations).
@@ -39,11 +39,11 @@ class SimCosts:
     ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
     is worker i), a rank-by-rank table, or one figure for every link
     (``math.inf``: free communication). Empty per-stage tuples mean zeros.
-    ``unit_fraction`` is the unit's share of a profiled minibatch; throughput
+    ``microbatch_fraction`` is the microbatch's share of a profiled minibatch; throughput
     is reported in profiled minibatches. ``send_overhead_s`` and
     ``send_copy_bandwidth`` give the sender's own time to post one message.
     ``stash_copy_bandwidth`` is the rate at which a ``STEP`` copies its
-    stage's parameters when a unit in flight still holds the version it
+    stage's parameters when a microbatch in flight still holds the version it
     replaces (weight stashing's copy-on-write; ``math.inf``: free).
     ``allreduce_delay_s[s]`` is how far into its backward stage s's
     all-reduce can start at the earliest, taken as one block on one link
@@ -54,8 +54,8 @@ class SimCosts:
     the slower one and stages for each other as in a run. Empty: every
     action takes exactly its cost.
     ``recompute_bytes[s]`` is what stage s's backward holds once while it
-    recomputes a unit's activations (its input and what its layers keep; 0: the
-    stage stashes them per unit in ``stash_bytes``).
+    recomputes a microbatch's activations (its input and what its layers keep; 0: the
+    stage stashes them per microbatch in ``stash_bytes``).
     """
 
     forward_s: tuple[float, ...]
@@ -68,7 +68,7 @@ class SimCosts:
     parameter_bytes: tuple[float, ...] = ()
     stash_bytes: tuple[float, ...] = ()
     step_s: tuple[float, ...] = ()
-    unit_fraction: float = 1.0
+    microbatch_fraction: float = 1.0
     send_overhead_s: float = 0.0
     send_copy_bandwidth: float = math.inf
     stash_copy_bandwidth: float = math.inf
@@ -103,8 +103,9 @@ class SimCosts:
                 "and the stage's backward_s"
             )
         object.__setattr__(self, "weight_grad_s", weights)
-        if not self.unit_fraction > 0:
-            raise ScheduleError(f"unit_fraction={self.unit_fraction}; it must be positive")
+        if not self.microbatch_fraction > 0:
+            raise ScheduleError(f"microbatch_fraction={self.microbatch_fraction}; it must be "
+                                "positive")
         if self.send_overhead_s < 0 or not self.send_copy_bandwidth > 0:
             raise ScheduleError(
                 f"send_overhead_s={self.send_overhead_s}, send_copy_bandwidth="
@@ -131,19 +132,19 @@ class SimCosts:
 
 
 def costs_from_profile(
-    graph: LayerGraph, plan: Plan, topology: Topology, unit_fraction: float = 1.0,
+    graph: LayerGraph, plan: Plan, topology: Topology, microbatch_fraction: float = 1.0,
     sync: Sync | None = None,
 ) -> SimCosts:
-    """Per-unit costs of ``plan``'s stages from the layer profile.
+    """Per-microbatch costs of ``plan``'s stages from the layer profile.
 
     Compute, activations and stashed bytes scale linearly with
-    ``unit_fraction`` (unit size / profiled minibatch). A replicated stage's
+    ``microbatch_fraction`` (microbatch size / profiled minibatch). A replicated stage's
     all-reduce and its delay are the planner's (:func:`dreampipe.planning.
-    pricing.stage_allreduce` on the unit's backward, ``sync`` over the workers
+    pricing.stage_allreduce` on the microbatch's backward, ``sync`` over the workers
     that hold it, default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
     transfer runs at the link between the workers of its two ranks.
     ``Input`` layers cost nothing (data loading, as the planner counts them).
-    Stashed bytes per unit are the stage's input and what its layers keep
+    Stashed bytes per microbatch are the stage's input and what its layers keep
     for the backward, as the planner counts them.
 
     A tensor-split stage (``tensor_parallel > 1``) runs as its plan says:
@@ -157,7 +158,7 @@ def costs_from_profile(
     ``s mod (stages / v)`` (interleaved 1F1B). A plan whose workers the
     topology lacks is a ScheduleError (:func:`~dreampipe.planning.placement.check_fits`).
     A recomputing stage's backward runs its forward again first (its
-    all-reduce's delay grows by as much) and a unit keeps only its input;
+    all-reduce's delay grows by as much) and a microbatch keeps only its input;
     the recomputed activations are held once (``recompute_bytes``).
     """
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
@@ -182,44 +183,46 @@ def costs_from_profile(
         span = layers[st.first:st.last + 1]
         if st.tensor_parallel > 1:
             shares = layer_shares(span, st.splits, st.tensor_parallel)
-            fwd.append(st.forward_s * unit_fraction)
+            fwd.append(st.forward_s * microbatch_fraction)
             again_s = st.forward_s if st.recompute else 0.0  # added below, as for any stage
-            bwd.append((st.compute_s - st.forward_s - again_s) * unit_fraction)
-            backward = [x.backward_ms / 1e3 * unit_fraction * c.compute_ms / x.compute_ms
+            bwd.append((st.compute_s - st.forward_s - again_s) * microbatch_fraction)
+            backward = [x.backward_ms / 1e3 * microbatch_fraction * c.compute_ms / x.compute_ms
                         if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
             weights = [c.weight_bytes for c in shares]
-            stash.append(sum(c.activation_bytes for c in shares) * unit_fraction)
+            stash.append(sum(c.activation_bytes for c in shares) * microbatch_fraction)
         else:
             work = [x for x in span if not x.is_input]
-            fwd.append(sum(x.forward_ms for x in work) / 1e3 * unit_fraction)
-            backward = [0.0 if x.is_input else x.backward_ms / 1e3 * unit_fraction for x in span]
+            fwd.append(sum(x.forward_ms for x in work) / 1e3 * microbatch_fraction)
+            backward = [0.0 if x.is_input else x.backward_ms / 1e3 * microbatch_fraction
+                        for x in span]
             bwd.append(sum(backward))
             weights = [float(x.parameter_bytes) for x in span]
-            stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * unit_fraction)
+            stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * microbatch_fraction)
         params.append(sum(weights))
         wgrad.append(min(bwd[-1], sum(
             b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
         if s + 1 < plan.num_stages:
-            act.append(cuts[st.last + 1] * unit_fraction)
+            act.append(cuts[st.last + 1] * microbatch_fraction)
         placed = plan.stage_workers(s)[::st.tensor_parallel]
         ar, late = stage_allreduce(backward, weights, placed, topology, how)
         again.append(stash[-1] if st.recompute else 0.0)
         if st.recompute:
             bwd[-1] += fwd[-1]
             late += fwd[-1] if ar > 0 else 0.0
-            stash[-1] = cuts[st.first] * unit_fraction
+            stash[-1] = cuts[st.first] * microbatch_fraction
         allreduce.append(ar)
         delay.append(late)
     return SimCosts(
         forward_s=tuple(fwd), backward_s=tuple(bwd), activation_bytes=tuple(act),
         bandwidth=_links(plan, topology, workers), allreduce_s=tuple(allreduce),
         allreduce_delay_s=tuple(delay), parameter_bytes=tuple(params),
-        stash_bytes=tuple(stash), unit_fraction=unit_fraction, weight_grad_s=tuple(wgrad),
+        stash_bytes=tuple(stash), microbatch_fraction=microbatch_fraction,
+        weight_grad_s=tuple(wgrad),
         recompute_bytes=tuple(again) if any(again) else (),
     )
 
 
-def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) -> SimCosts:
+def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float = 1.0) -> SimCosts:
     """Approximate costs from a plan's own predictions, when no profile is at hand.
 
     Forward takes a third of ``compute_s`` and backward two thirds (the usual
@@ -228,17 +231,17 @@ def costs_from_plan(plan: Plan, topology: Topology, unit_fraction: float = 1.0) 
     topology lacks is a ScheduleError, as for :func:`costs_from_profile`.
     """
     check_fits(plan, topology, error=ScheduleError)
-    fwd = tuple(st.compute_s / 3 * unit_fraction for st in plan.stages)
-    bwd = tuple(2 * st.compute_s / 3 * unit_fraction for st in plan.stages)
+    fwd = tuple(st.compute_s / 3 * microbatch_fraction for st in plan.stages)
+    bwd = tuple(2 * st.compute_s / 3 * microbatch_fraction for st in plan.stages)
     act = []
     for a, b in zip(plan.stages, plan.stages[1:], strict=False):
         bw = min(topology.bandwidth_between(x, y) for x in a.ranks for y in b.ranks)
-        act.append(a.comm_s / 2 * bw * unit_fraction if math.isfinite(bw) else 0.0)
+        act.append(a.comm_s / 2 * bw * microbatch_fraction if math.isfinite(bw) else 0.0)
     return SimCosts(
         forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act), bandwidth=topology,
         allreduce_s=tuple(st.allreduce_s for st in plan.stages),
-        allreduce_delay_s=tuple(st.allreduce_delay_s * unit_fraction for st in plan.stages),
-        unit_fraction=unit_fraction,
+        allreduce_delay_s=tuple(st.allreduce_delay_s * microbatch_fraction for st in plan.stages),
+        microbatch_fraction=microbatch_fraction,
     )
 
 

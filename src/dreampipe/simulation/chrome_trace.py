@@ -43,7 +43,7 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
             "dur": round(max(e.end_s - e.start_s, 0.0) * 1e6, 3),
             "pid": e.rank,
             "tid": tid,
-            "args": {"stage": e.stage, "unit": e.unit, "kind": e.kind.value},
+            "args": {"stage": e.stage, "microbatch": e.microbatch, "kind": e.kind.value},
         })
     meta: list[dict[str, Any]] = []
     for rank, held in sorted(stages.items()):

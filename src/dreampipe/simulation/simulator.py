@@ -3,12 +3,12 @@
 Each rank runs its action list in order, exactly as the runtime does, on the
 one stepping core the validator dry-runs
 (:class:`dreampipe.scheduling.stepping.Stepper`); this module only puts times
-on its steps. Compute occupies the rank for the stage's cost per unit; a
+on its steps. Compute occupies the rank for the stage's cost per microbatch; a
 ``SEND`` holds its directed link for ``bytes / bandwidth`` while the sender
 computes on; a ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
 ``allreduce_s`` later. Each rank's peak memory is the planner's
-:func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, units in
+:func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, microbatches in
 flight) it holds. Costs come from :mod:`dreampipe.simulation.action_costs`; each
 action's cost and what a rank holds: docs/design.md §9.
 """
@@ -41,29 +41,29 @@ class SimResult:
     """What a simulated run did; per-rank tuples are indexed by rank.
 
     ``throughput_minibatches_per_s`` counts profiled minibatches over the whole
-    run, start-up and drain included: ``num_units x unit_fraction /
-    makespan`` (a PipeDream unit is one minibatch; with microbatches of
-    ``1/M`` of one, ``M`` units make a minibatch). ``bubble_fraction`` is
+    run, start-up and drain included: ``num_microbatches x microbatch_fraction /
+    makespan`` (a PipeDream microbatch is one minibatch; with microbatches of
+    ``1/M`` of one, ``M`` microbatches make a minibatch). ``bubble_fraction`` is
     the rank time not spent on F/B/STEP over ``ranks x makespan``.
 
     ``steady_throughput_minibatches_per_s`` leaves start-up and drain out, to
-    compare with the planner's steady-state figure: a unit is finished when
-    its backward at the input stage ends; with ``w`` units in flight there at
+    compare with the planner's steady-state figure: a microbatch is finished when
+    its backward at the input stage ends; with ``w`` microbatches in flight there at
     most (the sum of ``peak_in_flight`` over its replicas), the rate between
-    the ``w``-th finish and the ``w``-th from the last. ``steady_units`` is the
-    number of units finished in that window (after its start, up to its end);
-    0 when the run is too short to have one (fewer than ``2w + 2`` units, or
+    the ``w``-th finish and the ``w``-th from the last. ``steady_microbatches`` is the
+    number of microbatches finished in that window (after its start, up to its end);
+    0 when the run is too short to have one (fewer than ``2w + 2`` microbatches, or
     all of the window's finishing at once), and the steady figure is then the
     whole run's.
     """
 
     kind: ScheduleKind
     config: str
-    num_units: int
+    num_microbatches: int
     makespan_s: float
     throughput_minibatches_per_s: float
     steady_throughput_minibatches_per_s: float
-    steady_units: int
+    steady_microbatches: int
     busy_s: tuple[float, ...]
     idle_s: tuple[float, ...]
     bubble_fraction: float
@@ -77,11 +77,11 @@ class SimResult:
         return {
             "schedule": self.kind.value,
             "config": self.config,
-            "num_units": self.num_units,
+            "num_microbatches": self.num_microbatches,
             "makespan_s": self.makespan_s,
             "throughput_minibatches_per_s": self.throughput_minibatches_per_s,
             "steady_throughput_minibatches_per_s": self.steady_throughput_minibatches_per_s,
-            "steady_units": self.steady_units,
+            "steady_microbatches": self.steady_microbatches,
             "bubble_fraction": self.bubble_fraction,
             "busy_s": list(self.busy_s),
             "idle_s": list(self.idle_s),
@@ -141,18 +141,18 @@ class _Run(Stepper):
         stash = [max(self.c.stash_bytes[st] for st in h) for h in hosted]
         again = [max(self.c.recompute_bytes[st] for st in h) for h in hosted]
         sent = [max(max(cuts[st], cuts[st + 1]) for st in h) for h in hosted]
-        fraction = self.c.unit_fraction
-        throughput = s.num_units * fraction / makespan if makespan > 0 else math.inf
+        fraction = self.c.microbatch_fraction
+        throughput = s.num_microbatches * fraction / makespan if makespan > 0 else math.inf
         warm = sum(m.peak_in_flight for m in self.memory[: s.replicas[0]])
         steady, window = _steady_rate(sorted(self.finished), warm, fraction)
         return SimResult(
             kind=s.kind,
             config=config_string(s.replicas),
-            num_units=s.num_units,
+            num_microbatches=s.num_microbatches,
             makespan_s=makespan,
             throughput_minibatches_per_s=throughput,
             steady_throughput_minibatches_per_s=throughput if steady is None else steady,
-            steady_units=window,
+            steady_microbatches=window,
             busy_s=tuple(self.busy),
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
@@ -167,7 +167,8 @@ class _Run(Stepper):
     def compute(self, rank: int, action: Action, clock: float) -> float:
         k, st, c = action.kind, action.stage, self.c
         mem = self.memory[rank]
-        held = action.unit * len(c.forward_s) + st  # one key per (unit, stage) on the rank
+        # one key per (microbatch, stage) on the rank
+        held = action.microbatch * len(c.forward_s) + st
         if k is _F:
             dur = self._jittered(c.forward_s[st])
             mem.forward(held)
@@ -188,7 +189,7 @@ class _Run(Stepper):
             mem.step()
         self.busy[rank] += dur
         if self.record:
-            self.events.append(Event(rank, st, k, action.unit, clock, clock + dur))
+            self.events.append(Event(rank, st, k, action.microbatch, clock, clock + dur))
         return clock + dur
 
     def send(self, rank: int, action: Action, clock: float) -> tuple[float, Span]:
@@ -201,13 +202,14 @@ class _Run(Stepper):
         end = start + self._transfer_s(rank, dst, size)
         self.link_free[(rank, dst)] = end
         if self.record:
-            self.events.append(Event(rank, st, action.kind, action.unit, start, end))
+            self.events.append(Event(rank, st, action.kind, action.microbatch, start, end))
         return clock, (start, end)
 
     def receive(self, rank: int, action: Action, clock: float, transfer: Span) -> float:
         start, end = transfer
         if self.record:
-            self.events.append(Event(rank, action.stage, action.kind, action.unit, start, end))
+            self.events.append(Event(rank, action.stage, action.kind, action.microbatch, start,
+                                     end))
         return max(clock, end)
 
     def allreduce(self, stage: int, members: Sequence[int]) -> Span:
@@ -222,7 +224,7 @@ class _Run(Stepper):
 
     def joined(self, rank: int, action: Action, span: Span) -> float:
         if self.record:
-            self.events.append(Event(rank, action.stage, action.kind, action.unit, *span))
+            self.events.append(Event(rank, action.stage, action.kind, action.microbatch, *span))
         return span[1]
 
     def _jittered(self, cost: float) -> float:
@@ -240,7 +242,7 @@ class _Run(Stepper):
 
 def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[float | None, int]:
     """Minibatches per second from the ``warm``-th finish time ``t0`` to the ``warm``-th
-    from the last ``t1`` (start-up and drain left out), and the units finished
+    from the last ``t1`` (start-up and drain left out), and the microbatches finished
     in ``(t0, t1]``; ``(None, 0)`` when there is no such window. Counting by
     time, not by index, keeps replicas that finish together (a round of data
     parallelism) from being counted at one end of the window and not the other.
@@ -249,29 +251,29 @@ def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[flo
     if hi <= lo or finished[hi] <= finished[lo]:
         return None, 0
     t0, t1 = finished[lo], finished[hi]
-    units = bisect.bisect_right(finished, t1) - bisect.bisect_right(finished, t0)
-    return units * fraction / (t1 - t0), units
+    microbatches = bisect.bisect_right(finished, t1) - bisect.bisect_right(finished, t0)
+    return microbatches * fraction / (t1 - t0), microbatches
 
 
 class _Memory:
-    """Units in flight on one rank and the weight versions they pin."""
+    """Microbatches in flight on one rank and the weight versions they pin."""
 
     def __init__(self) -> None:
         self.version = 0
-        self.unit_version: dict[int, int] = {}
+        self.microbatch_version: dict[int, int] = {}
         self.counts: Counter[int] = Counter()
         self.peak_in_flight = 0
         self.peak_versions = 1
         self.samples: set[tuple[int, int]] = {(1, 0)}
 
-    def forward(self, unit: int) -> None:
-        self.unit_version[unit] = self.version
+    def forward(self, microbatch: int) -> None:
+        self.microbatch_version[microbatch] = self.version
         self.counts[self.version] += 1
         self._sample()
 
-    def backward(self, unit: int) -> None:
+    def backward(self, microbatch: int) -> None:
         self._sample()
-        v = self.unit_version.pop(unit, None)
+        v = self.microbatch_version.pop(microbatch, None)
         if v is not None:
             self.counts[v] -= 1
             if not self.counts[v]:
@@ -282,12 +284,12 @@ class _Memory:
         self._sample()
 
     def pins_live(self) -> bool:
-        """Whether a unit in flight holds the live version, which a step then keeps."""
+        """Whether a microbatch in flight holds the live version, which a step then keeps."""
         return self.version in self.counts
 
     def _sample(self) -> None:
         versions = len(self.counts) + (self.version not in self.counts)
-        flight = len(self.unit_version)
+        flight = len(self.microbatch_version)
         self.peak_in_flight = max(self.peak_in_flight, flight)
         self.peak_versions = max(self.peak_versions, versions)
         self.samples.add((versions, flight))

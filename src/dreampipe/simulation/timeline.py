@@ -4,7 +4,7 @@
     worker 1 (s1) |   [0][1][2]  [0][3]  [1][4]  [2][5] ...     green: backward
     worker 2 (s2) |      [0][1][0][2][1][3][2][4][3] ...        white: idle
 
-One row per rank, forward and backward boxes with the unit number written
+One row per rank, forward and backward boxes with the microbatch number written
 on them when there is room, white where the rank idles; communication
 (sends, receives, all-reduces) optionally as thin bars under and over each
 row. Works for simulated events and for the runtime's measured ones (any
@@ -95,7 +95,7 @@ def draw_timeline(
             if group:
                 ax.broken_barh(group, (rank + low, height), facecolors=COLOURS[kind],
                                edgecolors=edge, linewidth=0.5)
-    _write_units(ax, shown, origin, span_ms, fig.get_figwidth() * fig.dpi * 0.85)
+    _write_microbatches(ax, shown, origin, span_ms, fig.get_figwidth() * fig.dpi * 0.85)
     ax.set_yticks([r + 0.5 for r in range(ranks)])
     ax.set_yticklabels(_row_labels(events, ranks))
     ax.set_ylim(ranks, 0)
@@ -138,19 +138,20 @@ def _row_labels(events: Sequence[Event], ranks: int) -> list[str]:
     return labels
 
 
-def _write_units(ax: object, events: Sequence[Event], origin: float, span_ms: float,
-                 width_px: float) -> None:
-    """Write unit numbers on compute boxes wide enough to hold them."""
+def _write_microbatches(ax: object, events: Sequence[Event], origin: float, span_ms: float,
+                        width_px: float) -> None:
+    """Write microbatch numbers on compute boxes wide enough to hold them."""
     px_per_ms = width_px / span_ms
     placed = 0
     for e in events:
         if e.kind not in _BOXES:
             continue
         width_ms = (e.end_s - e.start_s) * 1e3
-        if width_ms * px_per_ms < 5.5 * len(str(e.unit)) + 3:
+        if width_ms * px_per_ms < 5.5 * len(str(e.microbatch)) + 3:
             continue
         ax.text((e.start_s - origin) * 1e3 + width_ms / 2, e.rank + 0.5,  # type: ignore[attr-defined]
-                str(e.unit), ha="center", va="center", color="white", fontsize=7, clip_on=True)
+                str(e.microbatch), ha="center", va="center", color="white", fontsize=7,
+                clip_on=True)
         placed += 1
         if placed >= _MAX_LABELS:
             return

@@ -1,16 +1,16 @@
-"""How a weight update is cut into scheduled units, and every size that follows.
+"""How a weight update is cut into scheduled microbatches, and every size that follows.
 
 A run trains ``steps`` weight updates of ``minibatch_size`` samples each. The
-``unit`` of every :class:`~dreampipe.scheduling.actions.Action` is one piece
+``microbatch`` of every :class:`~dreampipe.scheduling.actions.Action` is one piece
 of an update, and the piece depends on the schedule::
 
-    schedule                units per update            samples per unit
-    pipedream               1 (a unit is a minibatch)   minibatch_size
+    schedule                microbatches per update            samples per microbatch
+    pipedream               1 (a microbatch is a minibatch)   minibatch_size
     the other pipelines     microbatches                minibatch_size / microbatches
     dp on N workers         N * microbatches            minibatch_size / (N * microbatches)
 
 so for ``dp`` the ``microbatches`` count is *per worker* (gradient
-accumulation on each worker), and every worker gets the same share. Unit
+accumulation on each worker), and every worker gets the same share. Microbatch
 ``u`` holds samples ``u*size .. (u+1)*size-1`` of the data stream, so the same
 run split into more microbatches sees the same samples.
 """
@@ -24,15 +24,15 @@ from dreampipe.errors import ConfigError
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule, whole_rounds
 
-__all__ = ["UnitLayout"]
+__all__ = ["MicrobatchLayout"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class UnitLayout:
+class MicrobatchLayout:
     """The table above for one run; checked when made, so every size it gives is whole.
 
     ``minibatch_size`` None leaves sample counts out: the simulator counts in
-    profiled minibatches and asks only for :attr:`unit_fraction`.
+    profiled minibatches and asks only for :attr:`microbatch_fraction`.
     """
 
     kind: ScheduleKind
@@ -52,23 +52,24 @@ class UnitLayout:
                 "(1f1b-flush) to split minibatches",
                 "microbatches", "schedule",
             )
-        size, units = self.minibatch_size, self.units_per_update
-        if size is not None and size % units:
-            raise ConfigError(self._indivisible(size, units), "minibatch_size", "microbatches")
+        size, microbatches = self.minibatch_size, self.microbatches_per_update
+        if size is not None and size % microbatches:
+            raise ConfigError(self._indivisible(size, microbatches), "minibatch_size",
+                              "microbatches")
 
-    def _indivisible(self, size: int, units: int) -> str:
+    def _indivisible(self, size: int, microbatches: int) -> str:
         what = f"microbatches={self.microbatches}"
         if self.kind is ScheduleKind.DP:
-            what = f"{self.workers} workers x {what} = {units} units"
+            what = f"{self.workers} workers x {what} = {microbatches} microbatches"
         divisors = [d for d in range(2, size + 1) if size % d == 0]
-        near = sorted(sorted(divisors, key=lambda d: (d < units, abs(d - units)))[:2])
+        near = sorted(sorted(divisors, key=lambda d: (d < microbatches, abs(d - microbatches)))[:2])
         hint = " or ".join(str(d) for d in near) if near else "1"
         return (f"minibatch_size={size} is not divisible by {what}; use a multiple of "
-                f"{units} samples per update, or split it into {hint} units")
+                f"{microbatches} samples per update, or split it into {hint} microbatches")
 
     @property
-    def units_per_update(self) -> int:
-        """Scheduled units per weight update (the table above)."""
+    def microbatches_per_update(self) -> int:
+        """Scheduled microbatches per weight update (the table above)."""
         if self.kind is ScheduleKind.PIPEDREAM:
             return 1
         if self.kind is ScheduleKind.DP:
@@ -76,25 +77,25 @@ class UnitLayout:
         return self.microbatches
 
     @property
-    def unit_size(self) -> int:
-        """Samples per unit (minibatch or microbatch)."""
+    def microbatch_size(self) -> int:
+        """Samples per microbatch (minibatch or microbatch)."""
         if self.minibatch_size is None:
-            raise ConfigError("minibatch_size is not set: this layout counts units only",
+            raise ConfigError("minibatch_size is not set: this layout counts microbatches only",
                               "minibatch_size")
-        return self.minibatch_size // self.units_per_update
+        return self.minibatch_size // self.microbatches_per_update
 
     @property
-    def unit_fraction(self) -> float:
-        """A unit's share of one worker's minibatch: 1 for pipedream, else 1/microbatches.
+    def microbatch_fraction(self) -> float:
+        """A microbatch's share of one worker's minibatch: 1 for pipedream, else 1/microbatches.
 
         A dp worker's minibatch is its share of the update, so ``dp`` with one
         microbatch runs one whole minibatch per worker per update.
         """
         return 1.0 if self.kind is ScheduleKind.PIPEDREAM else 1.0 / self.microbatches
 
-    def num_units(self, steps: int) -> int:
-        """Units in ``steps`` weight updates."""
-        return steps * self.units_per_update
+    def num_microbatches(self, steps: int) -> int:
+        """Microbatches in ``steps`` weight updates."""
+        return steps * self.microbatches_per_update
 
     def updates_covering(self, worker_minibatches: int) -> int:
         """The fewest updates that run ``worker_minibatches`` minibatches, shared by the workers."""
@@ -122,5 +123,6 @@ class UnitLayout:
         ``virtual_stages``: stages per worker, for interleaved-1f1b.
         """
         pipedream = self.kind is ScheduleKind.PIPEDREAM
-        return build_schedule(replicas, self.kind, self.num_units(steps), self.units_per_update,
+        return build_schedule(replicas, self.kind, self.num_microbatches(steps),
+                              self.microbatches_per_update,
                               in_flight if pipedream else None, virtual_stages)
