@@ -271,6 +271,10 @@ def split_like(model: nn.Module, plan: Plan, names: Sequence[str]) -> None:
       weight's gradient is then the sum of their ``t`` partial gradients;
     - ``REPLICA``: unchanged.
 
+    Each shard is a fresh tensor, as a DTensor's local shard is: a view at an
+    offset into its whole may be computed by another kernel path (alignment),
+    which rounds differently on some CPUs.
+
     Parameters keep their objects and names (``state_dict``, ``functional_call``).
     A layer split otherwise than ``REPLICA`` must be one Linear (and parameter-free
     modules), the layers :func:`~dreampipe.runtime.tensor_split.SplitStage` splits.
@@ -311,7 +315,7 @@ class _SplitLinear(nn.Module):
         w, b, t = self.weight, self.bias, self.t
         if self.split is Split.IN:
             share = None if b is None else b / t
-            parts = [F.linear(xs, ws, share)
+            parts = [F.linear(xs.clone(), ws.clone(), share)
                      for xs, ws in zip(x.chunk(t, -1), w.chunk(t, 1), strict=True)]
             out = parts[0]
             for part in parts[1:]:
@@ -320,10 +324,10 @@ class _SplitLinear(nn.Module):
         if self.split is Split.OUT:
             rows = w.chunk(t)
             biases: Sequence[Tensor | None] = [None] * len(rows) if b is None else b.chunk(t)
-            return torch.cat([F.linear(x, ws, bs) for ws, bs in zip(rows, biases, strict=True)],
-                             -1)
+            return torch.cat([F.linear(x, ws.clone(), None if bs is None else bs.clone())
+                              for ws, bs in zip(rows, biases, strict=True)], -1)
         assert self.split is Split.BATCH, self.split
-        return torch.cat([F.linear(xs, w, b) for xs in x.chunk(t)])
+        return torch.cat([F.linear(xs.clone(), w, b) for xs in x.chunk(t)])
 
 
 def _compensate(optimizer: torch.optim.Optimizer, d: int) -> bool:
