@@ -41,10 +41,12 @@ from . import netns
 
 __all__: list[str] = []
 
-#: The two links. The fast one is below what this 2-core machine's unshaped
-#: veth carries with gloo (1.2 to 1.9 GB/s, CPU-bound and noisy), so tbf,
-#: not the CPU, sets its rate.
-FAST, SLOW = "1GB/s", "25MB/s"
+#: The two links. The fast one is well below what a 2-core host's veth carries
+#: with gloo (CPU-bound: 0.7 GB/s under a 1 GB/s shaper on one host, 1.2 to
+#: 1.9 GB/s unshaped on another), so tbf, not the CPU, sets its rate; data
+#: parallelism still wins on it by a third, since its all-reduce hides behind
+#: the backward down to about 100 MB/s.
+FAST, SLOW = "400MB/s", "25MB/s"
 #: An mlp whose weights (3 x 1448^2 floats, 25 MB) dwarf what crosses a cut
 #: (1024 x 1448 floats, 6 MB): with 3 equal heavy layers a 2-stage pipeline
 #: is unbalanced (2 : 1) so data parallelism wins where the all-reduce is
@@ -274,7 +276,7 @@ def _simulate(graph: LayerGraph, plan: Plan, machine: LocalCalibration, steps: i
               speeds: tuple[float, ...]) -> list[Event]:
     """:func:`simulate_on`'s events with each stage's compute stretched by its ``speeds``."""
     layout = MicrobatchLayout(kind=SCHEDULE, minibatch_size=MINIBATCH, microbatches=1,
-                        workers=plan.workers_used)
+                              workers=plan.workers_used)
     costs = local_costs(graph, plan, layout.microbatch_size / graph.batch_size, machine)
 
     def scaled(values: tuple[float, ...]) -> tuple[float, ...]:
