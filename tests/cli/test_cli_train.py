@@ -15,17 +15,12 @@ import pytest
 from dreampipe.api import TrainConfig
 from dreampipe.cli import main
 from dreampipe.cli.train_command import parse_model_args
-from dreampipe.commands.demo import DemoOptions, _pipeline_plan, timeline_window
-from dreampipe.commands.train_share import share_plan, torchrun_world
-from dreampipe.errors import ConfigError, PeerTimeoutError, PlanError
-from dreampipe.machine.measure import local_machine
+from dreampipe.commands.train_share import torchrun_world
+from dreampipe.errors import ConfigError, PeerTimeoutError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import steps_for_epochs
 from dreampipe.planning.plan import Plan
-from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
-from dreampipe.scheduling.actions import ActionKind
-from dreampipe.scheduling.events import Event
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -113,14 +108,6 @@ def test_steps_cover_the_epochs() -> None:
     assert (steps_for_epochs(2, 1000, 32) - 1) * 32 < 2000
     with pytest.raises(ConfigError, match="epochs=0"):
         steps_for_epochs(0, 1000, 32)
-
-
-def test_timeline_window_keeps_the_asked_microbatches() -> None:
-    events = [Event(0, 0, ActionKind.FORWARD, u, u, u + 0.5) for u in range(20)]
-    kept = timeline_window(tuple(events), 3, 5)
-    assert [e.microbatch for e in kept] == [3, 4, 5, 6, 7]
-    with pytest.raises(ConfigError, match="epochs=-1"):
-        DemoOptions().with_epochs(-1)
 
 
 def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
@@ -254,24 +241,6 @@ def test_steps_from_epochs_round_up_to_whole_all_reduce_rounds(
 def test_steps_must_fill_whole_all_reduce_rounds(capsys: pytest.CaptureFixture[str]) -> None:
     err = _fails(["train", "mlp", "--config", "2", "--steps", "3", "--no-progress"], capsys)
     assert "--steps 3" in err and "--steps 4" in err, err
-
-
-def test_demo_pipelines_when_the_planner_prefers_data_parallelism() -> None:
-    # tiny weights and three equal layers: two stages cannot split them evenly
-    # (12 ms for the slower), both workers on all three take 9 ms and a little
-    layers = tuple(Layer(f"l{i}", 2.0, 4.0, 4 * 32 * 1024, 1024) for i in range(3))
-    graph = LayerGraph(layers, tuple((i, i + 1) for i in range(2)), 32, "toy")
-    said: list[str] = []
-    plan = _pipeline_plan(graph, 2, local_machine(2), said.append)
-    assert plan.num_stages == 2
-    assert plan.config == "straight"
-    assert len(said) == 1 and "data parallel" in said[0]
-
-
-def test_plan_sharing_needs_the_torchrun_agent_store(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    with pytest.raises(PlanError, match="a plan file, or stages"):
-        share_plan(None, 5.0)
 
 
 @pytest.mark.parametrize("schedule", [[], ["--schedule", "auto", "--microbatches", "2"]],
