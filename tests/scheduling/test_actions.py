@@ -42,6 +42,14 @@ def test_schedule_text_round_trip(kind: ScheduleKind) -> None:
     assert Schedule.from_text(sched.to_text()) == sched
 
 
+def test_schedule_text_says_microbatches_and_reads_the_old_units_too() -> None:
+    sched = build_schedule((2, 1), ScheduleKind.FLUSH, 4, 2)
+    text = sched.to_text()
+    assert text.startswith("# 1f1b-flush replicas=2-1 microbatches=4 per_update=2\n")
+    old = text.replace("microbatches=", "units=", 1)
+    assert Schedule.from_text(old) == sched
+
+
 def test_layout_queries() -> None:
     sched = Schedule(ScheduleKind.PIPEDREAM, (2, 1, 3), tuple(() for _ in range(6)), 6)
     assert [sched.stage_of_rank(r) for r in range(6)] == [0, 0, 1, 2, 2, 2]

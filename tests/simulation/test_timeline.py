@@ -10,7 +10,7 @@ import pytest
 
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.events import Event, load_events, save_events
 from dreampipe.simulation.chrome_trace import chrome_trace, write_chrome_trace
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 from dreampipe.simulation.timeline import draw_timeline
@@ -73,6 +73,21 @@ def test_chrome_trace_structure(tmp_path: Path, events: list[Event]) -> None:
     assert {e["name"] for e in slices} == {e.label for e in events}
     names = [e for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert len(names) == len({e.rank for e in events})
+
+
+def test_events_files_say_microbatch_and_read_the_old_unit_key_too(tmp_path: Path) -> None:
+    events = _simulated()
+    path = tmp_path / "events.json"
+    save_events(events, path)
+    data = json.loads(path.read_text())
+    assert all("microbatch" in d and "unit" not in d for d in data["events"])
+    assert load_events(path) == events
+    for d in data["events"]:
+        d["unit"] = d.pop("microbatch")
+    path.write_text(json.dumps(data))
+    assert load_events(path) == events
+    args = [e["args"] for e in chrome_trace(events)["traceEvents"] if e["ph"] == "X"]
+    assert sorted(a["microbatch"] for a in args) == sorted(e.microbatch for e in events)
 
 
 def test_chrome_trace_lanes_never_overlap() -> None:

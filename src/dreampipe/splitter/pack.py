@@ -2,7 +2,7 @@
 
 A cut of a traced model may cross several values: a hidden state and a skip
 connection, an attention mask computed once, a tuple a block returned. The
-runtime sends one tensor per unit and link, so a stage packs what it passes on
+runtime sends one tensor per microbatch and link, so a stage packs what it passes on
 (any pytree of tensors and JSON constants: ``None``, numbers, strings) into
 one flat floating-point tensor, and the next stage unpacks it::
 
