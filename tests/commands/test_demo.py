@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -51,3 +53,10 @@ def test_the_demos_epochs_must_be_positive() -> None:
     assert DemoOptions().with_epochs(2.5).epochs == 2.5
     with pytest.raises(ConfigError, match="epochs=0"):
         DemoOptions().with_epochs(0)
+
+
+@pytest.mark.parametrize("epochs", [math.nan, math.inf])
+def test_epochs_that_are_not_a_positive_number_are_refused(epochs: float) -> None:
+    with pytest.raises(ConfigError) as info:
+        DemoOptions().with_epochs(epochs)
+    assert info.value.parameters == ("epochs",)

@@ -14,6 +14,7 @@ rate: docs/design.md §7.4.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -59,7 +60,7 @@ class DemoOptions:
 
     def with_epochs(self, epochs: float) -> DemoOptions:
         """These options with ``epochs`` passes over the digits (checked positive)."""
-        if epochs <= 0:
+        if not (math.isfinite(epochs) and epochs > 0):  # NaN fails every comparison
             raise ConfigError(f"epochs={epochs}: use a positive number of epochs", "epochs")
         return replace(self, epochs=epochs)
 

@@ -13,6 +13,7 @@ is :class:`~dreampipe.scheduling.microbatch_layout.MicrobatchLayout`'s (:attr:`T
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -139,7 +140,7 @@ def check_options(opts: TrainOptions) -> None:
     """
     if opts.steps < 1:
         raise ConfigError(f"steps={opts.steps}; use 1 or more", "steps")
-    if opts.lr <= 0:
+    if not (math.isfinite(opts.lr) and opts.lr > 0):  # NaN fails every comparison
         raise ConfigError(f"lr={opts.lr}: the learning rate must be positive, such as 0.01",
                           "lr")
     if opts.dataset not in DATASETS:
