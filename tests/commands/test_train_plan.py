@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,8 @@ from dreampipe.commands import train_plan
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest, plan_train
 from dreampipe.errors import ConfigError
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
 from dreampipe.scheduling.actions import ScheduleKind
@@ -98,3 +101,22 @@ def test_the_workers_default_to_the_forced_configs_total(profiled: list[int]) ->
     got = plan_train(TrainRequest(run=_RUN, plan=PlanSource(config="2-1")))
     assert got.run.workers == 3
     assert plan_train(TrainRequest(run=_RUN)).run.plan.workers_used <= 2
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_a_plan_file_is_read_by_every_rank_not_shared(
+    profiled: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rank: int
+) -> None:
+    """Every rank can read a plan file (or forced stages) alone: no exchange, so a launcher
+    without torchrun's agent store runs it too."""
+    def no_sharing(*_: object, **__: object) -> None:
+        raise AssertionError("shared a plan every rank reads alone")
+
+    monkeypatch.setattr(train_plan, "share_plan", no_sharing)
+    path = tmp_path / "plan.json"
+    spec = get_model("mlp", **dict(_KWARGS))
+    Plan.from_config(4, [0, 2], [1, 1], model="mlp",
+                     layer_names=tuple(spec.layer_names)).save(path)
+    for source in (PlanSource(path=str(path)), PlanSource(stages="0,2")):
+        got = plan_train(TrainRequest(run=_RUN, plan=source), torchrun=(rank, 2))
+        assert [(st.first, st.last) for st in got.run.plan.stages] == [(0, 1), (2, 3)]

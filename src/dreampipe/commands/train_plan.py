@@ -166,7 +166,7 @@ def plan_train(
     else:
         steps = _steps(req, _load_data(opts, spec) if req.epochs is not None else None)
         plan = _plan_without_profile(req, ask, spec, workers)
-    if plan is None or (torchrun is not None and ((ask.given is None and ask.stages is None)
+    if plan is None or (torchrun is not None and (req.plan.planner_chooses
                                                   or ask.semantics is not None)):
         plan, chosen = share_plan(plan, opts.config.timeout_s, chosen)
     v = plan.virtual_stages
