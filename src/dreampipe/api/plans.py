@@ -37,7 +37,7 @@ from torch import nn
 from dreampipe.api.checks import Batch, map_inputs
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import DreampipeError, PlanError
-from dreampipe.machine.calibration import local_topology, measured_machine
+from dreampipe.machine.calibration import measured_topology
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
@@ -102,8 +102,7 @@ def resolve_plan(
     if dist.get_rank() == 0:
         try:
             graph = _profile(layers, example, loss_fn, microbatch_size, config.seed)
-            chosen = choose_plan(graph, local_topology(world, measured_machine(graph, machine),
-                                                       nodes=nodes),
+            chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
                                          allow_fewer_workers=False))

@@ -30,8 +30,7 @@ from dreampipe.machine.calibration import (
     LocalCalibration,
     corun_crowd,
     corun_twins,
-    local_topology,
-    measured_machine,
+    measured_topology,
 )
 from dreampipe.machine.measure import machine_for_run
 from dreampipe.machine.torchrun import torchrun_nodes
@@ -44,7 +43,6 @@ from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
-from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
 from dreampipe.runplan.prediction import predict_samples_per_s
@@ -158,7 +156,7 @@ def plan_train(
         steps, given = _check_before_profiling(req, ask, spec, workers,
                                                fixed_world=torchrun is not None)
         graph = _profile(req, spec, ask, machine, local=torchrun is None)
-        picked = choose_plan(graph, _topology(graph, workers, machine, nodes),
+        picked = choose_plan(graph, measured_topology(graph, workers, machine, nodes=nodes),
                              dataclasses.replace(ask, given=given))
         for line in picked.lines:
             talk(line)
@@ -184,8 +182,8 @@ def plan_train(
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
                                           machine, nodes=nodes)
         if req.memory_bytes is not None and plan.has_splits:
-            for line in unfit_lines(memory_needs(graph, _topology(graph, workers, machine,
-                                                                  nodes))):
+            for line in unfit_lines(memory_needs(graph, measured_topology(
+                    graph, workers, machine, nodes=nodes))):
                 talk(line)
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
@@ -208,11 +206,6 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
                    virtual_stages=opts.config.virtual_stages or 1,  # a plan file's replaces it
                    semantics=opts.config.chooses, microbatches=opts.config.microbatches,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local)
-
-
-def _topology(graph: LayerGraph, workers: int, machine: LocalCalibration,
-              nodes: int) -> Topology:
-    return local_topology(workers, measured_machine(graph, machine), nodes=nodes)
 
 
 def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCalibration,

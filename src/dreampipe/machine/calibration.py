@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimCosts
 
 __all__ = ["LocalCalibration", "corun_crowd", "corun_twins", "local_costs",
-           "local_topology", "measured_machine"]
+           "local_topology", "measured_machine", "measured_topology"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +164,14 @@ def local_topology(
         parsed = Topology.parse(str(workers), bandwidths=[machine.bandwidth],
                                 latencies=[machine.latency_s])
     return dataclasses.replace(parsed, overlap=machine.overlap)
+
+
+def measured_topology(
+    graph: LayerGraph, workers: int, machine: LocalCalibration, *, nodes: int = 1
+) -> Topology:
+    """:func:`local_topology` of ``machine`` as measured beside ``graph``'s profile
+    (:func:`measured_machine`): the workers a plan for ``graph`` is priced on."""
+    return local_topology(workers, measured_machine(graph, machine), nodes=nodes)
 
 
 def local_costs(

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dreampipe.machine.calibration import (
     LocalCalibration,
     local_costs,
-    local_topology,
     measured_machine,
+    measured_topology,
 )
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
@@ -34,15 +34,15 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
     proportion, a rough guess (``train`` refuses such a profile).
     """
     v = plan.virtual_stages
-    here = measured_machine(graph, machine)
     fraction = layout.microbatch_size / graph.batch_size if graph.batch_size else 1.0
     if v > 1:
         schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
-        topology = local_topology(plan.workers_used, here, nodes=nodes)
+        topology = measured_topology(graph, plan.workers_used, machine, nodes=nodes)
         costs = costs_from_profile(graph, plan, topology, fraction)
     else:
         schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
-        costs = local_costs(graph, plan, fraction, here, nodes=nodes)
+        costs = local_costs(graph, plan, fraction, measured_machine(graph, machine),
+                            nodes=nodes)
     makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
     samples = steps * layout.microbatches_per_update * layout.microbatch_size
     return samples / makespan if makespan > 0 else 0.0
