@@ -194,8 +194,7 @@ class StageModule:
         scale: float = 1.0,
         update: int | None = None,
     ) -> Tensor:
-        """Run microbatch ``microbatch``; returns the output (or, with ``target``, the unscaled
-        loss).
+        """Run ``microbatch``; returns the output (or, with ``target``, the unscaled loss).
 
         ``version`` (vertical sync) picks a stored version; None uses the newest.
         ``scale`` multiplies the loss before the backward (microbatch share).
@@ -296,8 +295,7 @@ class StageModule:
         return x.grad if want_input and x is not None else None
 
     def backward_input(self, microbatch: int, grad: Tensor | None = None) -> Tensor | None:
-        """Zero Bubble's ``B`` of ``microbatch``: the input's gradient only
-        (:mod:`.split_backward`);
+        """Zero Bubble's ``B`` of ``microbatch``: its input's gradient (:mod:`.split_backward`);
         the weight gradients wait for :meth:`backward_weight`. A stage with no input
         gradient to send (the first) leaves the whole backward to ``W``."""
         st = self._inflight.pop(microbatch)

@@ -167,7 +167,7 @@ class _Tracer(fx.Tracer):
             return a
         try:
             return super().create_arg(a)
-        except NotImplementedError:
+        except NotImplementedError:  # a value fx has no argument form for: kept as it is
             return a
 
     def create_proxy(self, kind: str, target: Any, args: tuple[Any, ...],
