@@ -30,6 +30,13 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     points (the case's unless the job gives them)."""
     if "plan" in job:
         return {"plan": job["plan"]}
+    if "config" in job:  # replicas per stage, e.g. "2-1", cut at the case's split point
+        case = CASES[job["case"]]
+        layers = split_layers(case.build(), case.example(0, 1)[0])
+        names = [name for name, _ in layers]
+        cut = names.index(case.split_points[0])
+        return {"plan": Plan.from_config(len(names), [0, cut],
+                                         [int(r) for r in job["config"].split("-")])}
     if job.get("replicated"):
         case = CASES[job["case"]]
         layers = len(split_layers(case.build(), case.example(0, 1)[0]))
@@ -40,12 +47,15 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
-    ``job["plan"]``, ``job["split_points"]``, one replicated stage) under ``autocast`` (a
-    dtype's name) and ``virtual_stages``, for ``steps`` minibatches of ``minibatch``
+    ``job["plan"]``, ``job["split_points"]``, ``job["config"]``'s replicas of two stages,
+    one replicated stage) in ``precision`` (with ``loss_scale``) and ``virtual_stages``,
+    with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of
+    ``minibatch``
     (repeating every ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]``
     if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
     losses, the full state, the plan's stage bounds and replicas, whether rank 0's stage
-    recomputes, the schedule it ran, the checkpoint's path and the held-out loss."""
+    recomputes, the schedule it ran, the checkpoint's path, the held-out loss and the
+    skipped minibatches."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -56,11 +66,13 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         model = spec.model()
     pipe = Pipeline(
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
-        optimizer=lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+        optimizer=(lambda p: torch.optim.Adam(p, lr=lr)) if job.get("optimizer") == "adam"
+        else lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
         config=TrainConfig(
             schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
             resume=job.get("resume"), semantics=job.get("semantics", "sync"),
-            autocast=getattr(torch, job["autocast"]) if "autocast" in job else None,
+            precision=job.get("precision", "fp32"),
+            **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
             virtual_stages=job.get("virtual_stages", 1)), **_where(job, world),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
@@ -74,8 +86,9 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     bounds = [st.first for st in pipe.plan.stages]
     replicas = [st.replicas for st in pipe.plan.stages]
     recomputes = pipe.module.recompute
+    skipped = pipe.skipped
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
-           "schedule": pipe.kind.value}
+           "schedule": pipe.kind.value, "skipped": skipped}
     return out if rank == 0 else None

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe import ScheduleKind, TrainConfig
-from dreampipe.api.config import AUTOCAST_DTYPES
 from dreampipe.errors import ConfigError
 from dreampipe.runplan.schedule_choice import Semantics
 from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.runtime.precision import Precision
 
 __all__: list[str] = []
 
@@ -27,8 +27,25 @@ __all__: list[str] = []
     ({"semantics": "eventual"}, "semantics='eventual'; use one of sync, async", ("semantics",)),
     ({"on_nonfinite": "ignore"}, "on_nonfinite='ignore'; use one of stop, skip",
      ("on_nonfinite",)),
-    ({"autocast": "float64"}, "autocast='float64'; use one of bfloat16, float16", ("autocast",)),
-    ({"autocast": torch.float64}, "autocast=torch.float64; use one of bfloat16", ("autocast",)),
+    ({"precision": "fp8"}, "precision='fp8'; use one of fp32, bf16-mixed, bf16, fp16-mixed",
+     ("precision",)),
+    ({"precision": "bf16-mix"}, "precision='bf16-mix'; use one of fp32, bf16-mixed, bf16, "
+     "fp16-mixed (nearest: bf16-mixed)", ("precision",)),
+    ({"autocast": torch.bfloat16}, "autocast=torch.bfloat16 is precision='bf16-mixed' now: "
+     "TrainConfig(precision='bf16-mixed')", ("autocast", "precision")),
+    ({"autocast": "float16"}, "autocast='float16' is precision='fp16-mixed' now",
+     ("autocast", "precision")),
+    ({"loss_scale": 1024.0}, "loss_scale=1024.0, loss_scale_window=2000 with precision=fp32: "
+     "only fp16-mixed scales the loss", ("loss_scale", "precision")),
+    ({"precision": "fp16-mixed", "schedule": "gpipe", "loss_scale": 0.0},
+     "loss_scale=0.0, loss_scale_window=2000; use a positive scale (e.g. 65536)",
+     ("loss_scale", "loss_scale_window")),
+    ({"precision": "fp16-mixed", "schedule": "gpipe", "loss_scale_window": 0},
+     "loss_scale=65536.0, loss_scale_window=0; use a positive scale (e.g. 65536) and a window "
+     "of 1 or more updates", ("loss_scale", "loss_scale_window")),
+    ({"precision": "fp16-mixed", "schedule": "2bw"}, "precision=fp16-mixed with schedule=2bw: "
+     "a loss scale shared by all stages needs every stage to update at the same step",
+     ("precision", "schedule")),
     ({"microbatches": "4"}, "microbatches='4': microbatches takes a whole number",
      ("microbatches",)),
     ({"microbatches": 2.0}, "microbatches=2.0: microbatches takes a whole number",
@@ -94,17 +111,21 @@ def test_a_rule_about_the_schedule_waits_for_the_one_auto_chooses() -> None:
 
 def test_values_are_kept_by_name_whatever_was_given() -> None:
     config = TrainConfig(schedule=ScheduleKind.FLUSH, semantics=Semantics.ASYNC,  # type: ignore[arg-type]
-                         on_nonfinite=OnNonFinite.SKIP, autocast=torch.bfloat16,  # type: ignore[arg-type]
+                         on_nonfinite=OnNonFinite.SKIP, precision=Precision.BF16_MIXED,  # type: ignore[arg-type]
                          resume=Path("ck"), timeout_s=5, max_grad_norm=2)
-    assert (config.schedule, config.semantics, config.on_nonfinite, config.autocast,
-            config.resume) == ("1f1b-flush", "async", "skip", "bfloat16", "ck")
+    assert (config.schedule, config.semantics, config.on_nonfinite, config.precision,
+            config.resume) == ("1f1b-flush", "async", "skip", "bf16-mixed", "ck")
     assert isinstance(config.timeout_s, float) and config.max_grad_norm == 2.0
     assert config == TrainConfig(schedule="1f1b-flush", semantics="async", on_nonfinite="skip",
-                                 autocast="bfloat16", resume="ck", timeout_s=5.0,
+                                 precision="bf16-mixed", resume="ck", timeout_s=5.0,
                                  max_grad_norm=2.0)
-    assert config.autocast_dtype is torch.bfloat16 and config.policy is OnNonFinite.SKIP
+    assert config.number_formats is Precision.BF16_MIXED and config.policy is OnNonFinite.SKIP
     opts = config.runner_options()
     assert (opts.autocast, opts.max_grad_norm, opts.timeout_s) == (torch.bfloat16, 2.0, 5.0)
+    fp16 = TrainConfig(precision="fp16-mixed", loss_scale=1024, loss_scale_window=10,
+                       schedule="gpipe").runner_options()
+    assert (fp16.precision, fp16.loss_scale, fp16.loss_scale_window) == (
+        Precision.FP16_MIXED, 1024.0, 10)
     assert repr(TrainConfig()) == "TrainConfig()"
     assert repr(TrainConfig(microbatches=2, schedule="gpipe")) == \
         "TrainConfig(schedule='gpipe', microbatches=2)"
@@ -128,9 +149,12 @@ def test_an_unknown_key_names_the_nearest_field(tmp_path: Path) -> None:
 
 def test_a_settings_file_with_overrides(tmp_path: Path) -> None:
     toml = tmp_path / "s.toml"
-    toml.write_text('schedule = "gpipe"\nmicrobatches = 4\nautocast = "bfloat16"\n')
+    toml.write_text('schedule = "gpipe"\nmicrobatches = 4\nprecision = "bf16"\n')
     assert TrainConfig.load(toml, {"microbatches": 2}) == TrainConfig(
-        schedule="gpipe", microbatches=2, autocast="bfloat16")
+        schedule="gpipe", microbatches=2, precision="bf16")
+    toml.write_text('autocast = "bfloat16"\n')  # the old key says where it went
+    with pytest.raises(ConfigError, match="autocast='bfloat16' is precision='bf16-mixed' now"):
+        TrainConfig.load(toml)
     # a rule is checked on the whole: the file alone would break it, the flags mend it
     toml.write_text('schedule = "gpipe"\nvertical_sync = true\n')
     assert TrainConfig.load(toml, {"schedule": "pipedream"}).vertical_sync
@@ -150,6 +174,7 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
     """Any valid config: the knobs a schedule constrains drawn within its rules."""
     schedule = draw(st.sampled_from([*(k.value for k in ScheduleKind), "auto"]))
     pipedream = schedule == "pipedream"
+    synchronous = schedule not in ("pipedream", "2bw", "auto")
     stash = draw(st.booleans()) if pipedream else True
     many = st.integers(1, 4) if schedule == "interleaved-1f1b" else st.just(1)
     return TrainConfig(
@@ -157,7 +182,8 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         microbatches=1 if pipedream else draw(st.integers(1, 64)),
         virtual_stages=draw(st.none() | many),
         max_grad_norm=draw(st.none() | st.floats(1e-6, 1e6)),
-        autocast=draw(st.none() | st.sampled_from([*AUTOCAST_DTYPES, torch.bfloat16])),
+        precision=draw(st.sampled_from([p.value for p in Precision if p is not
+                                        Precision.FP16_MIXED or synchronous])),
         compensate=draw(st.booleans()), stash=stash,
         vertical_sync=draw(st.booleans()) if pipedream and stash else False,
         fused_accumulation=draw(st.booleans()), seed=draw(st.integers(0, 2**63 - 1)),

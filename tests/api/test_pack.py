@@ -37,3 +37,19 @@ def test_an_integer_a_float32_message_cannot_hold_is_an_error() -> None:
 def test_a_value_that_is_neither_tensor_nor_constant_is_an_error() -> None:
     with pytest.raises(PlanError, match=r"the cut passes a object on"):
         pack((torch.ones(2), object()), "the cut")
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_16_bit_run_packs_in_16_bits_where_every_integer_is_exact(half: torch.dtype) -> None:
+    h = torch.randn(2, 3)
+    ids = torch.arange(200)  # exact in both 16-bit formats; a header past 256 bytes too
+    values = (h, {"ids": ids, "mask": torch.ones(2, 5, dtype=torch.bool), "note": "x" * 300})
+    packed = pack(values, "the cut", half=half)
+    assert packed.dtype == half and getattr(packed, "_dreampipe_packed", False)
+    back = unpack(packed)
+    torch.testing.assert_close(back[0], h.to(half).float(), rtol=0, atol=0)
+    assert back[0].dtype == torch.float32 and torch.equal(back[1]["ids"], ids)
+    assert back[1]["note"] == "x" * 300
+    big = torch.tensor([2**11 + 1])  # exact in neither 16-bit format: the pack stays fp32
+    packed = pack((h, big), "the cut", half=half)
+    assert packed.dtype == torch.float32 and torch.equal(unpack(packed)[1], big)

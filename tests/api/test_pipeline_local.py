@@ -190,7 +190,7 @@ def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> N
 
 def test_autocast_trains_in_bfloat16() -> None:
     data = _data()
-    pipe = _pipe(_model(), data, schedule="pipedream", autocast=torch.bfloat16)
+    pipe = _pipe(_model(), data, schedule="pipedream", precision="bf16-mixed")
     for x, y in data * 3:
         pipe.step(x, y)
     losses = pipe.finish()

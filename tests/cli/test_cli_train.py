@@ -384,3 +384,10 @@ def test_train_runs_a_plan_that_mixes_split_and_replicated_stages(
     data = json.loads(next(ln for ln in capsys.readouterr().out.splitlines()
                            if ln.startswith("{")))
     assert data["partition"] == "1t2-2r" and len(data["losses"]) == 4
+
+
+def test_the_precision_flag_offers_every_precision() -> None:
+    from dreampipe.cli.train_command import PRECISIONS
+    from dreampipe.runtime.precision import Precision
+
+    assert tuple(p.value for p in Precision) == PRECISIONS

@@ -163,6 +163,10 @@ def check_split(plan: Plan, config: TrainConfig) -> None:
         raise ConfigError(
             f"max_grad_norm={max_grad_norm} with stages split over {t} workers: clipping by the "
             "norm of split gradients is not supported yet; drop max_grad_norm", "max_grad_norm")
+    if config.number_formats.master_weights:
+        raise ConfigError(
+            f"precision={config.precision} with stages split over {t} workers: master weights "
+            "of split weights are not supported yet; use precision='bf16-mixed'", "precision")
 
 
 def check_virtual(config: TrainConfig, plan: object) -> None:

@@ -20,23 +20,20 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from dreampipe.errors import ConfigError
 from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
 from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
-__all__ = ["AUTOCAST_DTYPES", "TrainConfig"]
+__all__ = ["TrainConfig"]
 
-#: The dtypes ``autocast`` runs forwards in, by name.
-AUTOCAST_DTYPES = ("bfloat16", "float16")
 _AUTO = "auto"
 _SCHEDULES = (*(k.value for k in ScheduleKind), _AUTO)
 
@@ -52,8 +49,11 @@ class TrainConfig:
     pipedream) and train with the fastest. ``microbatches`` per minibatch (1 for
     pipedream). ``virtual_stages`` per worker, with interleaved-1f1b (None: the
     plan's). ``max_grad_norm`` clips each update by the global norm over all stages
-    (None: no clipping). ``autocast`` runs forwards under ``torch.autocast`` in that
-    dtype (a name or a ``torch.dtype``; None: full precision). ``compensate``:
+    (None: no clipping). ``precision``: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``
+    (forwards under ``torch.autocast``), or ``"bf16"`` (16-bit weights with 32-bit master
+    weights; :mod:`dreampipe.runtime.precision`); ``loss_scale`` and
+    ``loss_scale_window``: fp16-mixed's initial loss scale and the updates without an
+    overflow after which it doubles (:mod:`dreampipe.runtime.loss_scaling`). ``compensate``:
     staleness compensation of the asynchronous schedules
     (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
     weight version its input stage used; ``stash=False`` turns weight stashing off
@@ -73,7 +73,9 @@ class TrainConfig:
     microbatches: int = 1
     virtual_stages: int | None = None
     max_grad_norm: float | None = None
-    autocast: str | torch.dtype | None = None
+    precision: str = "fp32"
+    loss_scale: float = 2.0**16
+    loss_scale_window: int = 2000
     compensate: bool = True
     vertical_sync: bool = False
     stash: bool = True
@@ -83,14 +85,20 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     record_events: bool = False
     resume: str | os.PathLike[str] | None = None
+    autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, autocast: object) -> None:
+        if autocast is not None:
+            raise ConfigError(f"autocast={autocast!r} is precision={_precision_of(autocast)!r} "
+                              f"now: TrainConfig(precision={_precision_of(autocast)!r})",
+                              "autocast", "precision")
         self._set("schedule", _choice("schedule", self.schedule, _SCHEDULES))
         self._set("semantics", _choice("semantics", self.semantics,
                                        tuple(s.value for s in Semantics)))
         self._set("on_nonfinite", _choice("on_nonfinite", self.on_nonfinite,
                                           tuple(p.value for p in OnNonFinite)))
-        self._set("autocast", _dtype_name(self.autocast))
+        self._set("precision", _choice("precision", self.precision,
+                                       tuple(p.value for p in Precision)))
         if self.resume is not None and not isinstance(self.resume, str | os.PathLike):
             raise ConfigError(f"resume={self.resume!r}; give a checkpoint directory, e.g. "
                               "resume='ckpt'", "resume")
@@ -98,14 +106,14 @@ class TrainConfig:
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
                      "record_events"):
             _typed(name, getattr(self, name), (bool,), "True or False")
-        for name in ("microbatches", "seed", "virtual_stages"):
+        for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window"):
             _typed(name, getattr(self, name), (int,), "a whole number",
                    optional=name == "virtual_stages")
-        for name in ("timeout_s", "max_grad_norm"):
+        for name in ("timeout_s", "max_grad_norm", "loss_scale"):
             _typed(name, getattr(self, name), (int, float), "a number",
                    optional=name == "max_grad_norm")
         self._check()
-        for name in ("timeout_s", "max_grad_norm"):  # 1 and 1.0 are one config
+        for name in ("timeout_s", "max_grad_norm", "loss_scale"):  # 1 and 1.0 are one config
             value = getattr(self, name)
             self._set(name, None if value is None else float(value))
 
@@ -136,6 +144,17 @@ class TrainConfig:
             self._check_schedule(self.kind)
         else:
             self._check_candidates(self.chooses)
+        if (self.loss_scale, self.loss_scale_window) != (2.0**16, 2000):
+            if self.precision != Precision.FP16_MIXED.value:
+                raise ConfigError(f"loss_scale={self.loss_scale}, loss_scale_window="
+                                  f"{self.loss_scale_window} with precision={self.precision}: "
+                                  "only fp16-mixed scales the loss; use precision='fp16-mixed' "
+                                  "or leave them out", "loss_scale", "precision")
+            if not (0 < self.loss_scale < float("inf") and self.loss_scale_window >= 1):
+                raise ConfigError(f"loss_scale={self.loss_scale}, loss_scale_window="
+                                  f"{self.loss_scale_window}; use a positive scale (e.g. 65536) "
+                                  "and a window of 1 or more updates", "loss_scale",
+                                  "loss_scale_window")
         if self.vertical_sync and not self.stash:
             raise ConfigError("vertical_sync=True runs every stage on a stashed weight version, "
                               "so it needs weight stashing; drop stash=False or "
@@ -151,6 +170,12 @@ class TrainConfig:
                               "weight stashing off apply to the pipedream schedule only; use "
                               f"schedule=pipedream, or drop {what}",
                               "vertical_sync", "stash", "schedule")
+        if self.precision == Precision.FP16_MIXED.value and not kind.synchronous:
+            raise ConfigError(
+                f"precision=fp16-mixed with schedule={kind.value}: a loss scale shared by all "
+                "stages needs every stage to update at the same step, which only synchronous "
+                "schedules do; use precision='bf16' or 'bf16-mixed' with it, or a synchronous "
+                "schedule", "precision", "schedule")
         if self.on_nonfinite == OnNonFinite.SKIP.value and kind is ScheduleKind.PIPEDREAM:
             raise ConfigError(
                 "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
@@ -191,18 +216,16 @@ class TrainConfig:
         return OnNonFinite(self.on_nonfinite)
 
     @property
-    def autocast_dtype(self) -> torch.dtype | None:
-        """``autocast`` as a ``torch.dtype``."""
-        if self.autocast is None or isinstance(self.autocast, torch.dtype):
-            return self.autocast
-        dtype: torch.dtype = getattr(torch, self.autocast)
-        return dtype
+    def number_formats(self) -> Precision:
+        """``precision`` as a :class:`~dreampipe.runtime.precision.Precision`."""
+        return Precision(self.precision)
 
     def runner_options(self) -> RunnerOptions:
         """How every rank's runner runs its actions under this config."""
         return RunnerOptions(timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
                              record_events=self.record_events, max_grad_norm=self.max_grad_norm,
-                             autocast=self.autocast_dtype, on_nonfinite=self.policy)
+                             precision=self.number_formats, on_nonfinite=self.policy,
+                             loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window)
 
     def chosen(self, kind: ScheduleKind, microbatches: int) -> TrainConfig:
         """This config with the schedule ``"auto"`` chose, checked again for it."""
@@ -262,6 +285,8 @@ def _known_keys(data: Mapping[str, Any]) -> None:
     """Every key of ``data`` is a field of TrainConfig (a ConfigError naming the nearest)."""
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     for key in data:
+        if key == "autocast":
+            TrainConfig(autocast=data[key])  # says what it is now
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"did you mean {near[0]!r}?" if near else f"use {', '.join(names)}"
@@ -270,7 +295,8 @@ def _known_keys(data: Mapping[str, Any]) -> None:
 
 def _choice(name: str, value: object, names: tuple[str, ...]) -> str:
     """``value`` (a name, or an enum member with one) as its name, if it is one of ``names``."""
-    text = value.value if isinstance(value, ScheduleKind | Semantics | OnNonFinite) else value
+    text = value.value if isinstance(value, ScheduleKind | Semantics | OnNonFinite | Precision) \
+        else value
     if isinstance(text, str) and text in names:
         return text
     near = difflib.get_close_matches(str(text), names, n=1)
@@ -278,15 +304,11 @@ def _choice(name: str, value: object, names: tuple[str, ...]) -> str:
     raise ConfigError(f"{name}={value!r}; use one of {', '.join(names)}{hint}", name)
 
 
-def _dtype_name(value: object) -> str | None:
-    """``autocast`` by name: ``torch.bfloat16`` and ``"bfloat16"`` are both ``"bfloat16"``."""
-    if value is None:
-        return None
-    text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
-    if isinstance(text, str) and text in AUTOCAST_DTYPES:
-        return text
-    raise ConfigError(f"autocast={value!r}; use one of {', '.join(AUTOCAST_DTYPES)} (or "
-                      "torch.bfloat16, torch.float16), or None for full precision", "autocast")
+def _precision_of(autocast: object) -> str:
+    """The precision that says what ``autocast=`` (a dtype or its name) said."""
+    name = str(autocast).removeprefix("torch.")
+    return {"bfloat16": Precision.BF16_MIXED.value,
+            "float16": Precision.FP16_MIXED.value}.get(name, Precision.FP32.value)
 
 
 def _typed(name: str, value: object, types: tuple[type, ...], what: str,

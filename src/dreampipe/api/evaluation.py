@@ -20,6 +20,7 @@ from dreampipe.api.checks import Batch
 from dreampipe.api.feed import Batches
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.forwards import run_forwards
+from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.build import forward_only
 
 __all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate"]
@@ -43,7 +44,7 @@ class EvalRank:
     device: torch.device
     timeout_s: float
     links: Any
-    autocast: torch.dtype | None
+    precision: Precision
     virtual_stages: int = 1
 
 
@@ -66,7 +67,7 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         try:
             scores = run_forwards(sched, me.srank, modules, loss_fn,
                                   Batches(list(batches[start:end]), me.device), comms,
-                                  me.autocast)
+                                  me.precision)
         finally:
             for module in modules.values():
                 module.train()

@@ -335,7 +335,7 @@ class Pipeline:
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
-                      autocast=self._opts.autocast, virtual_stages=self._virtual)
+                      precision=self._opts.precision, virtual_stages=self._virtual)
         return evaluate([(x, y) for x, y in loader],
                         {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
 

@@ -101,7 +101,7 @@ def resolve_plan(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            graph = _profile(layers, example, loss_fn, microbatch_size, config.seed)
+            graph = _profile(layers, example, loss_fn, microbatch_size, config)
             chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
@@ -125,12 +125,15 @@ def resolve_plan(
 
 
 def _profile(
-    layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int, seed: int,
+    layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int,
+    config: TrainConfig,
 ) -> LayerGraph:
-    """The whole model profiled as one worker runs, on a microbatch of the example."""
+    """The whole model profiled as one worker runs, on a microbatch of the example, in the
+    config's number formats."""
     from dreampipe.profiling.profiler import profile_model
 
-    chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"), seed)
+    chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"),
+                        config.seed)
     model = nn.Sequential(*chain.layers)
     x = map_inputs(example[0], lambda t: t[:microbatch_size])
     first = layers[0][1]
@@ -138,7 +141,9 @@ def _profile(
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
-        graph = profile_model(model, x, loss_fn, example[1][:microbatch_size])
+        formats = config.number_formats
+        graph = profile_model(model, x, loss_fn, example[1][:microbatch_size],
+                              autocast=formats.autocast, param_dtype=formats.param_dtype)
     if len(graph.layers) != len(layers):
         raise PlanError(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "

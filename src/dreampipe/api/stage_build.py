@@ -59,6 +59,7 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
             vertical_sync=config.vertical_sync, loss_fn=loss_fn,
             linear=LinearGradients.AUTOGRAD if split
             else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
+            precision=config.number_formats,
         ))
     return modules
 

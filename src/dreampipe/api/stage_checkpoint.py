@@ -42,10 +42,10 @@ def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for part in parts:
         module = part.module
-        state.update({f"model.{k}": v for k, v in module.module.state_dict().items()})
+        state.update({f"model.{k}": v for k, v in module.state_dict().items()})
         opt = module.optimizer
         sched = part.scheduler.state_dict() if part.scheduler is not None else None
-        names = dict(zip(map(id, module.params), module.module_param_names, strict=True))
+        names = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
         groups = opt.param_groups if opt is not None else []
         for group, applied in zip(groups, part.compensation, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
@@ -70,8 +70,8 @@ def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
     for part in parts:
         module = part.module
         out.update({f"model.{k}": torch.empty_like(v)
-                    for k, v in module.module.state_dict().items()})
-        for p, fqn in zip(module.params, module.module_param_names, strict=True):
+                    for k, v in module.state_dict().items()})
+        for p, fqn in zip(module.optimized, module.module_param_names, strict=True):
             out[f"param.{fqn}"] = ""
             prefix = f"optim.{fqn}."
             out.update({k: _like(md, p.detach()) for k, md in meta.items()
@@ -100,11 +100,10 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
     stage of ``parts``: weights, optimizer state and settings, version, scheduler."""
     for part in parts:
         module = part.module
-        module.module.load_state_dict({k: state[f"model.{k}"]
-                                       for k in module.module.state_dict()})
+        module.load_state_dict({k: state[f"model.{k}"] for k in module.state_dict()})
         opt = module.optimizer
         names = module.module_param_names
-        for p, fqn in zip(module.params, names, strict=True):
+        for p, fqn in zip(module.optimized, names, strict=True):
             info = objects[f"param.{fqn}"]
             per: dict[str, Any] = dict(info["state"])
             prefix = f"optim.{fqn}."
@@ -123,7 +122,7 @@ def _settings(part: StagePart, objects: dict[str, Any]) -> None:
     parameter's state."""
     module, opt = part.module, part.module.optimizer
     assert opt is not None
-    fqns = dict(zip(map(id, module.params), module.module_param_names, strict=True))
+    fqns = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
     factors = []
     for group, now in zip(opt.param_groups, part.compensation, strict=True):
         saved = objects[f"param.{fqns[id(group['params'][0])]}"]

@@ -10,8 +10,10 @@ same change and training equals one process. Each stage stashes its copy
 with its own weight versions; the state dict has the parameter under every
 stage's name, with one value.
 
-Ties are honoured on stages of one replica and without tensor splitting or
-gradient clipping; anything else is a ConfigError before training.
+A tied stage may be replicated: its replicas' gradients are summed first (its
+``ALLREDUCE``), so only its first replica adds its sum to the tie's, the others
+add zeros, and every copy takes the same total. Ties are honoured without tensor
+splitting or gradient clipping; anything else is a ConfigError before training.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def check_ties(ties: list[Tie], plan: Plan, max_grad_norm: float | None) -> None
     for tie in ties:
         what = (f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
                 f"on stages {', '.join(map(str, tie.stages))}")
-        if any(plan.stages[s].replicas > 1 for s in tie.stages) or plan.has_splits:
+        if plan.has_splits:
             raise ConfigError(
-                f"{what}, which plan {plan.config} replicates or splits; a tied weight is kept "
-                "on stages of one replica and no split: use such a plan, or split points "
-                "that put the tied layers on one stage", "plan")
+                f"{what}, which plan {plan.config} splits over workers; a tied weight is kept "
+                "on stages with no split: use such a plan, or split points that put the tied "
+                "layers on one stage", "plan")
         if max_grad_norm is not None:
             raise ConfigError(
                 f"{what}; clipping by the global norm with a weight tied across stages is not "
@@ -46,16 +48,16 @@ def check_ties(ties: list[Tie], plan: Plan, max_grad_norm: float | None) -> None
 
 
 def tie_stages(ties: list[Tie], plan: Plan, stage: int, module: StageModule) -> list[Any]:
-    """Make each tie's group (every rank takes part, in order), start this stage's copy
-    from the first stage's value and have its updates sum the gradients over the group;
-    the groups made."""
+    """Make each tie's group (every replica of its stages; every rank takes part, in
+    order), start this stage's copy from the first stage's value and have its updates sum
+    the gradients over the group, each stage's once; the groups made."""
     made: list[Any] = []
     for tie in ties:
-        ranks = [plan.stages[s].ranks[0] for s in tie.stages]
+        ranks = [r for s in tie.stages for r in plan.stages[s].ranks]
         group = dist.new_group(ranks)
         made.append(group)
         if stage in tie.stages:
             index = module.module_param_names.index(tie.names[tie.stages.index(stage)])
             dist.broadcast(module.params[index].data, src=ranks[0], group=group)
-            module.tie(index, group)
+            module.tie(index, group, counts=dist.get_rank() == plan.stages[stage].ranks[0])
     return made

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from dreampipe.api.config import TrainConfig
     from dreampipe.commands.train_plan import TrainRequest
 
-__all__ = ["parse_model_args", "register"]
+__all__ = ["PRECISIONS", "parse_model_args", "register"]
 
 _AUTO = "auto"
 _SCHEDULES = [_AUTO, *(k.value for k in ScheduleKind)]
@@ -103,6 +103,12 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
                         "workers, cut for balanced compute (default: a --plan file's own, "
                         "which V may only repeat, else 1)")
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="fp32 (default); bf16-mixed, fp16-mixed: forwards under autocast, "
+                        "32-bit weights (fp16 with a loss scale all stages share: an "
+                        "overflow skips the update everywhere and lowers it); bf16: 16-bit "
+                        "weights and gradients, 32-bit master weights and optimizer state. "
+                        "Stages send in 16 bits in all but fp32")
     g.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default: sgd")
     g.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
@@ -200,8 +206,11 @@ def _check_output_paths(args: argparse.Namespace) -> None:
             )
 
 
+#: ``Precision``'s values (the parser loads no torch; a test holds them equal).
+PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
+
 #: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
-_CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed",
+_CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed", "precision",
                  "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite")
 
 

@@ -83,7 +83,8 @@ class TrainOptions:
         """What the memory a stage takes depends on among these options."""
         return TrainingChoices(optimizer=self.optimizer, momentum=self.momentum,
                                stash=self.config.stash, vertical_sync=self.config.vertical_sync,
-                               compensate=self.config.compensate)
+                               compensate=self.config.compensate,
+                               precision=self.config.number_formats)
 
     def with_plan(self, plan: Plan, steps: int) -> TrainRun:
         """These options run as ``steps`` updates of ``plan``."""

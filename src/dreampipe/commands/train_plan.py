@@ -222,7 +222,8 @@ def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCal
     return profile_as_worker(spec, size, min_time_s=PROFILE_MIN_S,
                              twins=corun_twins(ask.workers, machine) if local else 0,
                              crowd=corun_crowd(ask.workers, machine) if local else 0,
-                             ref=opts.model, model_kwargs=opts.model_kwargs)
+                             ref=opts.model, model_kwargs=opts.model_kwargs,
+                             precision=opts.config.number_formats)
 
 
 def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,

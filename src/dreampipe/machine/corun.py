@@ -70,6 +70,7 @@ class ModelJob:
     batch_size: int
     repeats: int
     min_time_s: float = 0.0
+    precision: str = "fp32"  # a Precision's value: the formats the profile times in
 
 
 def measure_corun(

@@ -29,6 +29,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.profiling.clock import Clock, CudaClock, Reading, clock_for
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
+from dreampipe.profiling.number_formats import in_formats, loss_in_fp32
 
 __all__ = ["new_parameter_bytes", "profile_model", "profile_spec"]
 
@@ -56,6 +57,8 @@ def profile_model(
     min_time_s: float = 0.0,
     progress: Progress | None = None,
     name: str = "",
+    autocast: torch.dtype | None = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> LayerGraph:
     """Profile ``model`` on ``sample_input``; ``loss_fn(output, target)`` gives the loss.
 
@@ -65,6 +68,8 @@ def profile_model(
     the first layer takes as one argument). ``min_time_s``: time more passes
     than ``repeats`` until the timed ones took that long, so that the medians
     of a small model span seconds, not a moment of a host whose speed drifts.
+    ``autocast`` and ``param_dtype``: the number formats the run trains in
+    (:mod:`.number_formats`).
     """
     if repeats < 1 or warmup < 0 or not min_time_s >= 0:
         raise ProfileError(
@@ -80,14 +85,19 @@ def profile_model(
     modes = {m: m.training for m in model.modules()}
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), in_formats(
+                model, sample_input, first.device.type, autocast=autocast,
+                param_dtype=param_dtype) as sample:
             model.train()
-            env, grads, saved = _record(steps, output_key, sample_input, loss_fn, target)
+            env, grads, saved = _record(steps, output_key, sample,
+                                        loss_in_fp32(loss_fn, param_dtype), target)
             layers, edges, pass_ms = _time_layers(steps, env, grads,
                                                   _Passes(warmup, repeats, min_time_s), clock,
                                                   progress)
-            layers = [replace(x, saved_bytes=_saved_bytes(saved[s.key], s, env))
-                      for x, s in zip(layers, _layer_steps(steps, env), strict=True)]
+            kept = _layer_steps(steps, env)
+            layers = [replace(x, saved_bytes=_saved_bytes(
+                saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None))
+                for x, s in zip(layers, kept, strict=True)]
     finally:
         with torch.no_grad():
             for buffer, value in saved_buffers:
@@ -102,6 +112,9 @@ def profile_model(
         "repeats": len(pass_ms) or repeats,
         "pass_ms": [round(t, 4) for t in pass_ms],
         "torch": torch.__version__,
+        **({} if autocast is None else {"autocast": str(autocast).removeprefix("torch.")}),
+        **({} if param_dtype == torch.float32
+           else {"param_dtype": str(param_dtype).removeprefix("torch.")}),
     }
     log.info("profiled %d layers of %s at batch %d", len(layers), name or "model", batch)
     return LayerGraph(tuple(layers), tuple(edges), batch, name, meta)
@@ -116,8 +129,11 @@ def profile_spec(
     min_time_s: float = 0.0,
     progress: Progress | None = None,
     seed: int = 0,
+    autocast: torch.dtype | None = None,
+    param_dtype: torch.dtype = torch.float32,
 ) -> LayerGraph:
-    """Profile a zoo model built with ``seed`` at ``batch_size`` (default: the spec's)."""
+    """Profile a zoo model built with ``seed`` at ``batch_size`` (default: the spec's), in
+    the number formats ``autocast`` and ``param_dtype`` (:func:`profile_model`)."""
     batch = spec.default_batch_size if batch_size is None else batch_size
     if batch < 1:
         raise ProfileError(f"batch size {batch} must be at least 1")
@@ -128,7 +144,7 @@ def profile_spec(
     return profile_model(
         model, sample, spec.loss_fn, target,
         warmup=warmup, repeats=repeats, min_time_s=min_time_s, progress=progress,
-        name=spec.name,
+        name=spec.name, autocast=autocast, param_dtype=param_dtype,
     )
 
 
@@ -149,7 +165,10 @@ def _record(
             env[step.key] = step.run(env)
         saved[step.key] = noted
     output = env[output_key]
-    loss = loss_fn(output) if target is None else loss_fn(output, target)
+    noted = {}
+    with torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, noted), _unpack):
+        loss = loss_fn(output) if target is None else loss_fn(output, target)
+    saved[_LOSS] = noted
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise ProfileError(
             f"the loss function returned {type(loss).__name__} "
@@ -166,6 +185,9 @@ def _record(
             grads[key][i] = grad
     return {k: _detach(v) for k, v in env.items()}, grads, saved
 
+
+#: The key of what the loss saved among the steps' saved storages.
+_LOSS = "<loss>"
 
 #: Storages by address: their size in bytes.
 _Storages = dict[int, int]
@@ -186,10 +208,13 @@ def _storages(tensors: Any) -> _Storages:
             for t in _tensors(tensors) if t.device.type != "meta"}
 
 
-def _saved_bytes(saved: _Storages, step: Step, env: Env) -> int:
+def _saved_bytes(saved: _Storages, step: Step, env: Env, loss: _Storages | None = None) -> int:
     """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
-    backward and its output, less its inputs' and parameters' (other layers' or weights)."""
-    held = {**saved, **_storages(env[step.key])}
+    backward and its output, less its inputs' and parameters' (other layers' or weights).
+    The last layer's output goes to the loss, not to a next stage: it keeps what the loss
+    saved instead (``loss``), the output where the loss keeps it (a 16-bit output that a
+    loss takes in 32 bits keeps the 32-bit copy)."""
+    held = {**saved, **(_storages(env[step.key]) if loss is None else loss)}
     for ptr in _storages([*(env[d] for d in step.deps), *step.params]):
         held.pop(ptr, None)
     return sum(held.values())

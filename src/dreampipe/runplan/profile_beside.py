@@ -25,6 +25,7 @@ from dreampipe.errors import ConfigError, ProfileError
 from dreampipe.machine.corun import ModelJob, training_round
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["profile_beside"]
@@ -42,6 +43,7 @@ def profile_beside(
     repeats: int = 5,
     min_time_s: float = 0.0,
     deadline_s: float = 600.0,
+    precision: Precision = Precision.FP32,
 ) -> LayerGraph:
     """The layer profile of ``model`` at ``batch_size`` (one thread) beside ``twins`` busy twins.
 
@@ -55,13 +57,15 @@ def profile_beside(
     in ``meta``). The slowest profile (largest forward+backward) is kept; its
     ``meta["twins"]`` says how many ran beside it, ``meta["profiles_ms"]`` every
     process's total. ``crowd`` more processes (a run with more workers than
-    cores) wait meanwhile, then all train at once: :func:`_crowd_pace`.
+    cores) wait meanwhile, then all train at once: :func:`_crowd_pace`. The profile
+    times the layers in ``precision``'s number formats.
     """
     if twins < 0:
         raise ConfigError(f"twins={twins}: use 0 or more busy twins", "twins")
     if crowd < 0:
         raise ConfigError(f"crowd={crowd}: use 0 or more processes", "crowd")
-    job = ModelJob(model, tuple(model_kwargs), batch_size, repeats, min_time_s)
+    job = ModelJob(model, tuple(model_kwargs), batch_size, repeats, min_time_s,
+                   precision.value)
     results: list[tuple[list[LayerGraph], float] | None] = run_processes(
         _profile_rank, 1 + twins + crowd, (job, 1 + twins), deadline_s=deadline_s,
         error=ProfileError)
@@ -108,7 +112,9 @@ def _profile_rank(
         if rank < profiling:
             graph = with_runtime_overhead(
                 profile_spec(spec, batch_size=job.batch_size, repeats=job.repeats,
-                             min_time_s=job.min_time_s), spec)
+                             min_time_s=job.min_time_s,
+                             autocast=Precision(job.precision).autocast,
+                             param_dtype=Precision(job.precision).param_dtype), spec)
         compute_until_joined(train_once, rank < profiling)
         if graph is not None:
             graph = with_host_rates(graph, measure_rates(list(net.parameters()), group=group,

@@ -18,6 +18,7 @@ from dreampipe.errors import ProfileError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import pinned_threads
 
 __all__ = ["profile_as_worker", "saved_profile"]
@@ -26,10 +27,11 @@ __all__ = ["profile_as_worker", "saved_profile"]
 def profile_as_worker(
     spec: ModelSpec, batch_size: int, *, repeats: int = 5, min_time_s: float = 0.0,
     twins: int = 0, crowd: int = 0, ref: str = "",
-    model_kwargs: Sequence[tuple[str, Any]] = (),
+    model_kwargs: Sequence[tuple[str, Any]] = (), precision: Precision = Precision.FP32,
 ) -> LayerGraph:
-    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs, with the
-    runtime's overhead over the layers (:mod:`~dreampipe.runplan.runtime_overhead`).
+    """Profile ``spec`` at ``batch_size`` on one thread, as each worker runs, in the number
+    formats of ``precision``, with the runtime's overhead over the layers
+    (:mod:`~dreampipe.runplan.runtime_overhead`).
 
     With ``twins`` > 0 the profile is taken beside that many busy processes
     training the same model (``ref`` and ``model_kwargs`` name it for them),
@@ -40,12 +42,14 @@ def profile_as_worker(
         from dreampipe.runplan.profile_beside import profile_beside
 
         return profile_beside(ref, batch_size, twins, crowd=crowd, model_kwargs=model_kwargs,
-                              repeats=repeats, min_time_s=min_time_s)
+                              repeats=repeats, min_time_s=min_time_s, precision=precision)
     from dreampipe.profiling.profiler import profile_spec
     from dreampipe.runplan.runtime_overhead import with_runtime_overhead
 
     with pinned_threads(1):
-        graph = profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s)
+        graph = profile_spec(spec, batch_size=batch_size, repeats=repeats, min_time_s=min_time_s,
+                             autocast=precision.autocast,
+                             param_dtype=precision.param_dtype)
         return with_runtime_overhead(graph, spec)
 
 

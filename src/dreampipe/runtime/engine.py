@@ -19,7 +19,6 @@ import bisect
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +29,7 @@ from torch import Tensor
 from dreampipe.runtime.buckets import GradientBuckets, round_ends
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.lanes import Links
+from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageInput, StageModule
@@ -94,6 +94,8 @@ class RankRunner:
             schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
         )
         self.scale = loss_scale(schedule)
+        self.scaler = (LossScale(opts.loss_scale, opts.loss_scale_window)
+                       if opts.precision.scales_loss else None)
         check_two_versions(schedule)
         self.two_bw = (TwoVersions(schedule.microbatches_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
@@ -108,7 +110,7 @@ class RankRunner:
         self._lane_of = {lane.stage: lane for lane in self._lanes}
         self._updates = RankUpdates(rank, device, self.guard, self.modules,
                                     max_grad_norm=opts.max_grad_norm, clip_group=clip_group,
-                                    after_step=after_step)
+                                    after_step=after_step, scaler=self.scaler)
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
         self._outputs: dict[int, tuple[Tensor, int | None]] = {}
         self._grads_in: dict[int, Tensor] = {}
@@ -197,9 +199,10 @@ class RankRunner:
         if self.last:
             assert self.data is not None
             target = self.data.targets(u)
-        cast = self.opts.autocast
-        with torch.autocast(self.device.type, cast) if cast is not None else nullcontext():
-            out = self.module.forward(u, x, version=version, target=target, scale=self.scale,
+        scale = self.scale if self.scaler is None or not self.last else \
+            self.scale * self.scaler.value
+        with self.opts.precision.forwards(self.device.type):
+            out = self.module.forward(u, x, version=version, target=target, scale=scale,
                                       update=u // self.schedule.round_microbatches(self.stage))
         self.guard.check(a, out, x, self.last)
         if self.last:
@@ -335,7 +338,7 @@ class RankRunner:
     def final_states(self) -> dict[int, dict[str, Tensor]]:
         """:meth:`final_state` by stage."""
         return {lane.stage: {k: v.detach().cpu().clone()
-                             for k, v in full_state(lane.module.module).items()}
+                             for k, v in full_state(lane.module.state_dict()).items()}
                 for lane in self._lanes}
 
     def drain(self) -> None:

@@ -10,7 +10,6 @@ compared with), the labels it got right.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.engine import MicrobatchData
+from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import ActionKind, Schedule
 
 __all__ = ["MicrobatchScore", "run_forwards"]
@@ -45,17 +45,17 @@ def _score(out: object, y: Tensor, loss: Tensor) -> MicrobatchScore:
 def run_forwards(
     schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
     loss_fn: Callable[[Tensor, Tensor], Tensor], data: MicrobatchData | None,
-    comms: Mapping[int, Comm], autocast: torch.dtype | None = None,
+    comms: Mapping[int, Comm], precision: Precision = Precision.FP32,
 ) -> dict[int, MicrobatchScore]:
     """Execute ``schedule.actions[rank]`` with the rank's module and :class:`Comm` of
-    each stage it runs (several under interleaving); the scores of the microbatches it ended."""
+    each stage it runs (several under interleaving), in the number formats of
+    ``precision`` as training runs them; the scores of the microbatches it ended."""
     last = schedule.num_stages - 1
     inputs: dict[tuple[int, int], Any] = {}
     outputs: dict[tuple[int, int], Tensor] = {}
     scores: dict[int, MicrobatchScore] = {}
     device = next(iter(comms.values())).device
-    cast = torch.autocast(device.type, autocast) if autocast is not None else nullcontext()
-    with torch.no_grad(), cast:
+    with torch.no_grad(), precision.forwards(device.type):
         for a in schedule.actions[rank]:
             key = (a.stage, a.microbatch)
             if a.kind is ActionKind.RECV_F:
@@ -64,16 +64,17 @@ def run_forwards(
                 comms[a.stage].send(a, outputs.pop(key))
             elif a.kind is ActionKind.FORWARD:
                 assert data is not None or a.stage not in (0, last)
-                x = (data.inputs(a.microbatch) if a.stage == 0 and data is not None
-                     else inputs.pop(key))
+                x = (precision.model_inputs(data.inputs(a.microbatch))
+                     if a.stage == 0 and data is not None else inputs.pop(key))
                 module = modules[a.stage]
                 out = module(*x) if isinstance(x, tuple) else module(x)
                 if a.stage == last:
                     assert data is not None
                     y = data.targets(a.microbatch)
+                    out = precision.loss_input(out)
                     scores[a.microbatch] = _score(out, y, loss_fn(out, y))
                 else:
-                    outputs[key] = out
+                    outputs[key] = precision.sent(out)
     for comm in comms.values():
         comm.drain()
     return scores

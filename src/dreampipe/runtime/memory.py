@@ -31,6 +31,7 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import glibc
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
@@ -141,14 +142,16 @@ def _load_meta_kernels() -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingChoices:
-    """What memory depends on among a run's options: the optimizer's state and the
-    weight versions stashing, vertical sync and staleness compensation keep."""
+    """What memory depends on among a run's options: the optimizer's state, the
+    weight versions stashing, vertical sync and staleness compensation keep, and the
+    number formats (16-bit weights add 32-bit master weights)."""
 
     optimizer: OptimizerKind
     momentum: float
     stash: bool
     vertical_sync: bool
     compensate: bool
+    precision: Precision = Precision.FP32
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -157,10 +160,11 @@ PREDICTION_COPIES = 2
 
 
 def optimizer_copies(opts: TrainingChoices) -> int:
-    """The optimizer's state in copies of the weights: SGD 0, with momentum 1, Adam 2."""
-    if opts.optimizer is OptimizerKind.ADAM:
-        return 2
-    return 1 if opts.momentum else 0
+    """The optimizer's state in copies of the weights as the run holds them: SGD 0, with
+    momentum 1, Adam 2; with 16-bit weights, those and the master weights, each 32-bit
+    (twice a 16-bit copy)."""
+    state = 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
+    return (state + 1) * 2 if opts.precision.master_weights else state
 
 
 def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
@@ -177,8 +181,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages' widths,
     plus, when an update spans several microbatches, the transient gradient of its largest layer's
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
-    copies of every gradient, alive until the round's ``ALLREDUCE``). ``graph`` is profiled at the
-    schedule's microbatch size.
+    copies of every gradient, alive until the round's ``ALLREDUCE``). ``graph`` is profiled in the
+    run's number formats at the schedule's microbatch size.
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages

@@ -71,6 +71,7 @@ class NonFiniteGuard:
         self.stage = schedule.stage_of_rank(rank)
         self.first_minibatch = 0
         self.skipped: list[int] = []
+        self.overflowed = False
         self._bad: set[int] = set()
 
     def _minibatch(self, microbatch: int) -> int:
@@ -104,26 +105,35 @@ class NonFiniteGuard:
             "(--on-nonfinite skip)"
         )
 
-    def skips(self, a: Action, group: Any, wait: Any) -> bool:
+    def skips(self, a: Action, group: Any, wait: Any, overflowed: bool | None = None) -> bool:
         """At ``STEP`` ``a``: whether any stage saw a non-finite value in this update.
 
-        A collective over ``group`` (every rank) when the policy is ``SKIP``;
-        ``wait(work, a)`` waits for it with the run's deadline.
+        A collective over ``group`` (every rank) when the policy is ``SKIP`` or when
+        ``overflowed`` is given: whether this rank's gradients were not finite under a
+        loss scale (:mod:`.loss_scaling`), which skips the update on every stage without
+        being an error. :attr:`overflowed` then says whether any rank's were.
+        ``wait(work, a)`` waits for the collective with the run's deadline.
         """
-        if self.policy is OnNonFinite.STOP:
+        self.overflowed = False
+        if self.policy is OnNonFinite.STOP and overflowed is None:
             return False
         n = self.schedule.num_stages
-        first = torch.tensor([self.stage if a.microbatch in self._bad else n], dtype=torch.int64,
-                             device=self.device)
+        mine = self.stage if a.microbatch in self._bad else n + self.stage if overflowed else 2 * n
+        first = torch.tensor([mine], dtype=torch.int64, device=self.device)
         self._bad.discard(a.microbatch)
         work = dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group, async_op=True)
         wait(work, a)
-        stage = int(first.item())
-        if stage == n:
+        found = int(first.item())
+        if found == 2 * n:
             return False
         mb = self.first_minibatch + a.microbatch
         self.skipped.append(mb)
-        if self.rank == 0:
+        self.overflowed = found >= n
+        if self.rank == 0 and self.overflowed:
+            _log.info("skipped minibatch %d: the gradients of stage %d overflowed under the "
+                      "loss scale, which is lowered; no stage updated its weights with it",
+                      mb, found - n)
+        elif self.rank == 0:
             _log.warning("skipped minibatch %d: a non-finite value first appeared at stage %d; "
-                         "no stage updated its weights with it", mb, stage)
+                         "no stage updated its weights with it", mb, found)
         return True

@@ -13,6 +13,7 @@ from enum import Enum
 import torch
 
 from dreampipe.runtime.nonfinite import OnNonFinite
+from dreampipe.runtime.precision import Precision
 
 __all__ = ["OptimizerKind", "RunnerOptions"]
 
@@ -30,7 +31,8 @@ class RunnerOptions:
 
     ``max_grad_norm`` clips every update's gradient by its global norm over
     all stages (one small all-reduce over the world per update);
-    ``autocast`` runs forwards under ``torch.autocast`` with that dtype.
+    ``precision``: the number formats (:mod:`.precision`), and under fp16-mixed the
+    loss scale's start and window (:mod:`.loss_scaling`).
     ``on_nonfinite`` says what a NaN or inf output or loss does (:mod:`.nonfinite`).
     """
 
@@ -38,5 +40,12 @@ class RunnerOptions:
     vertical_sync: bool
     record_events: bool
     max_grad_norm: float | None
-    autocast: torch.dtype | None
+    precision: Precision
     on_nonfinite: OnNonFinite
+    loss_scale: float = 2.0**16
+    loss_scale_window: int = 2000
+
+    @property
+    def autocast(self) -> torch.dtype | None:
+        """The dtype forwards run under ``torch.autocast`` in (None: none)."""
+        return self.precision.autocast

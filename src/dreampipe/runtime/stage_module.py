@@ -29,6 +29,7 @@ from dreampipe.runtime.fused import (
     fuse_linear_gradients,
     fused_indices,
 )
+from dreampipe.runtime.precision import MasterWeights, Precision
 from dreampipe.runtime.recompute import Replay, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
@@ -83,7 +84,8 @@ class StageModule:
     ``linear`` says how ``nn.Linear`` layers make their weight gradients
     (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
     ``recompute``: keep only each microbatch's input and run the forward again, on the
-    same version, in its backward (:mod:`.recompute`).
+    same version, in its backward (:mod:`.recompute`). ``precision``: 16-bit weights
+    step 32-bit master copies; sends cross in the compute dtype (:mod:`.precision`).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class StageModule:
         loss_fn: LossFn | None = None,
         linear: LinearGradients = LinearGradients.FUSED,
         recompute: bool = False,
+        precision: Precision = Precision.FP32,
     ) -> None:
         self.module = module
         self.recompute = recompute
@@ -109,7 +112,10 @@ class StageModule:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
-        self.optimizer = optimizer(self._params) if self._params else None
+        self.precision = precision
+        precision.adopt(module)
+        self._master = MasterWeights(module, self._params, optimizer, precision)
+        self.optimizer = self._master.optimizer
         self._slots = ParameterSlots(module, self._params)
         self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
         self._round: _Round | None = None
@@ -123,12 +129,13 @@ class StageModule:
                                         on_drop=self._harvest)
         self._inflight: dict[int, _InFlight] = {}
         self._touched: dict[tuple[int, int], Version] = {}
-        self._tied: list[tuple[int, Any]] = []
+        self._tied: list[tuple[int, Any, bool]] = []
 
-    def tie(self, index: int, group: Any) -> None:
+    def tie(self, index: int, group: Any, *, counts: bool = True) -> None:
         """Parameter ``index`` is tied to copies on the other stages of ``group``: each
-        update sums its gradient over them first (and so applies the same change)."""
-        self._tied.append((index, group))
+        update sums its gradient over them first (and so applies the same change); a
+        replica that does not ``count`` adds zeros (its stage's first one adds the sum)."""
+        self._tied.append((index, group, counts))
 
     # ---- versions --------------------------------------------------------
     @property
@@ -226,14 +233,16 @@ class StageModule:
         scale: float,
     ) -> tuple[Tensor, Tensor]:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
+        if self.stage == 0:
+            x = self.precision.model_inputs(x)
         args = x if isinstance(x, tuple) else (x,)
         out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
         if target is None:
-            out = tensor_output(out, f"stage {self.stage} returned")
+            out = self.precision.sent(tensor_output(out, f"stage {self.stage} returned"))
             return out, out
         if self.loss_fn is None:
             raise PlanError(f"stage {self.stage} got a target but has no loss function")
-        loss = self.loss_fn(out, target)
+        loss = self.loss_fn(self.precision.loss_input(out), target)
         return (loss * scale if scale != 1.0 else loss), loss.detach()
 
     def backward(
@@ -358,6 +367,21 @@ class StageModule:
         rnd.on_ready(index, self._grads.filled(index))
 
     # ---- update ----------------------------------------------------------
+    @property
+    def optimized(self) -> list[nn.Parameter]:
+        """What the optimizer steps, in :attr:`params` order: the parameters, or their
+        32-bit master copies (:mod:`.precision`)."""
+        return self._master.masters
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """The stage's state, its weights at the optimizer's precision (the masters')."""
+        return self._master.state(self.module)
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load :meth:`state_dict`'s entries (the master weights from their values)."""
+        self.module.load_state_dict(state)
+        self._master.load(state, self._names)
+
     def gradients(self) -> list[Tensor]:
         """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
         self._harvest_all()
@@ -379,21 +403,17 @@ class StageModule:
         self._harvest_all()
         self._versions.retire()
         sums = self._grads.take()
-        for i, group in self._tied:
+        for i, group, counts in self._tied:
             g = sums[i]
-            g = torch.zeros_like(self._params[i]) if g is None else g
+            g = torch.zeros_like(self._params[i]) if g is None or not counts else g
             work = dist.all_reduce(g, group=group, async_op=True)
             if wait is None:
                 work.wait()
             else:
                 wait(work)
             sums[i] = g
-        if apply and self.optimizer is not None:
-            for p, g in zip(self._params, sums, strict=True):
-                p.grad = g
-            self.optimizer.step()
-        for p in self._params:
-            p.grad = None
+        if apply:
+            self._master.step(sums)
         self._versions.advance()
         _log.debug("stage %d at version %d holds %s", self.stage, self.version,
                    sorted(self._versions))

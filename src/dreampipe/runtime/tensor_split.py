@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -175,14 +175,14 @@ def _chunks(n: int, t: int) -> list[tuple[int, int]]:
     return [(min(j * size, n), min((j + 1) * size, n)) for j in range(t)]
 
 
-def full_state(module: nn.Module) -> dict[str, Tensor]:
-    """``module``'s state with every DTensor gathered whole (a collective over its mesh).
+def full_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """A module's ``state`` with every DTensor gathered whole (a collective over its mesh).
 
     No DTensor exists before ``torch.distributed.tensor`` is imported, so a
     process that never imported it has none to gather.
     """
     loaded = sys.modules.get("torch.distributed.tensor")
     if loaded is None:
-        return dict(module.state_dict())
+        return dict(state)
     return {k: v.full_tensor() if isinstance(v, loaded.DTensor) else v
-            for k, v in module.state_dict().items()}
+            for k, v in state.items()}

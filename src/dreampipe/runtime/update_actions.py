@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
+from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
@@ -49,6 +50,8 @@ class RankUpdates:
     the gradient-norm all-reduce (with ``max_grad_norm``) and that agreement
     use, None for the default group; ``after_step`` runs after every weight
     update, with the module that stepped (its learning-rate scheduler's step).
+    ``scaler``: fp16-mixed's loss scale, which every update unscales the gradients by
+    (before clipping) and lowers when a stage's overflowed (:mod:`.loss_scaling`).
     """
 
     def __init__(
@@ -61,6 +64,7 @@ class RankUpdates:
         max_grad_norm: float | None,
         clip_group: Any,
         after_step: Callable[[StageModule], None] | None,
+        scaler: LossScale | None = None,
     ) -> None:
         self._rank = rank
         self._device = device
@@ -69,6 +73,7 @@ class RankUpdates:
         self._max_grad_norm = max_grad_norm
         self._clip_group = clip_group
         self._after_step = after_step
+        self._scaler = scaler
         self._agreed: tuple[int, int, bool] | None = None
         self._clipped: tuple[int, int] | None = None
 
@@ -94,7 +99,14 @@ class RankUpdates:
 
         now = (first_microbatch, a.microbatch)
         if self._agreed is None or self._agreed[:2] != now:
-            self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world))
+            overflowed = None
+            if self._scaler is not None:
+                overflowed = not self._scaler.unscale(
+                    [g for m in self._modules for g in m.gradients()])
+            self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world,
+                                                    overflowed))
+            if self._scaler is not None:
+                self._scaler.update(self._guard.overflowed)
         if self._agreed[2]:
             module.step(apply=False, wait=tied)
             return

@@ -62,6 +62,8 @@ class Chain(nn.Module):
             else:
                 place(name, self, module)
         self.layers = tuple(module for _, module in layers)
+        #: The 16-bit dtype a run sends in, which a pack takes where it is exact (:mod:`.pack`).
+        self.message_dtype: torch.dtype | None = None
 
     def forward(self, *args: Any) -> Any:
         """The first layer on the inputs, then each next layer on the previous output."""
@@ -82,7 +84,7 @@ class Chain(nn.Module):
         last = self.layers[-1]
         assert isinstance(last, Segment)
         if last.index < last.count - 1:
-            return pack(values, f"the cut after {last.name!r}", sig)
+            return pack(values, f"the cut after {last.name!r}", sig, self.message_dtype)
         return values
 
 

@@ -6,7 +6,7 @@ runtime sends one tensor per microbatch and link, so a stage packs what it passe
 (any pytree of tensors and JSON constants: ``None``, numbers, strings) into
 one flat floating-point tensor, and the next stage unpacks it::
 
-    [L, b0 .. bL-1, data of tensor 0, data of tensor 1, ...]
+    [L // 256, L % 256, b0 .. bL-1, data of tensor 0, data of tensor 1, ...]
 
 ``b`` is a JSON header (one byte per element): the pytree's structure, each
 tensor's dtype and shape, each constant's value, and the signature of the
@@ -15,8 +15,9 @@ cast to the pack's dtype (``float32``, or ``float64`` when a tensor is), so
 the gradient of every floating-point value flows back through the one
 gradient the runtime returns. Integer and boolean tensors (masks, ids) travel
 as exact floats: a value too large to be exact in the pack's dtype is a
-PlanError. Every tensor sent is in the pack, so the runtime's byte counts
-cover them all.
+PlanError. A 16-bit run asks for its compute dtype (``half``), which the pack
+takes when every integer value and header byte is exact in it, else float32.
+Every tensor sent is in the pack, so the runtime's byte counts cover them all.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from dreampipe.errors import PlanError
+from dreampipe.runtime.precision import PACKED
 
 __all__ = ["pack", "unpack", "unpack_signed"]
 
 _HEADER = "_dreampipe_header"
-_EXACT_BITS = {torch.float32: 24, torch.float64: 53}
+_EXACT_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 _CONSTANTS = (type(None), bool, int, float, str)
 
 
@@ -41,9 +43,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def pack(values: Any, where: str, sig: str | None = None) -> Tensor:
+def pack(values: Any, where: str, sig: str | None = None,
+         half: torch.dtype | None = None) -> Tensor:
     """``values`` as one flat tensor (see the module docstring); ``where`` names the cut;
-    ``sig``: the signature of the model's inputs, carried along (:mod:`.shapes`)."""
+    ``sig``: the signature of the model's inputs, carried along (:mod:`.shapes`);
+    ``half``: a 16-bit dtype to pack in where every value is exact in it."""
     leaves, spec = pytree.tree_flatten(values)
     tensors = [t for t in leaves if isinstance(t, Tensor)]
     if not tensors:
@@ -62,12 +66,24 @@ def pack(values: Any, where: str, sig: str | None = None) -> Tensor:
                 "constants (None, numbers, strings) between stages: cut the model elsewhere")
     header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": described,
                          "sig": sig}).encode()
+    if half is not None and dtype == torch.float32 and all(_exact(t, half) for t in tensors):
+        dtype = half
     device = tensors[0].device
-    head = torch.tensor([len(header), *header], dtype=dtype, device=device)
+    head = torch.tensor([len(header) // 256, len(header) % 256, *header], dtype=dtype,
+                        device=device)
     out = torch.cat([head, *(t.to(dtype).reshape(-1) for t in tensors)])
     if out.is_meta:
         setattr(out, _HEADER, header)
+    setattr(out, PACKED, True)
     return out
+
+
+def _exact(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``t`` travels exactly in ``dtype``: floating values are rounded on purpose,
+    integers must be whole numbers it holds."""
+    if t.is_floating_point() or t.is_meta or t.dtype == torch.bool:
+        return True
+    return not t.numel() or int(t.abs().max()) <= 2 ** _EXACT_BITS[dtype]
 
 
 def _check_exact(t: Tensor, dtype: torch.dtype, where: str) -> None:
@@ -91,10 +107,10 @@ def unpack_signed(packed: Tensor) -> tuple[Any, str | None]:
     if packed.is_meta:
         header: bytes = getattr(packed, _HEADER)
     else:
-        size = int(packed[0])
-        header = bytes(int(b) for b in packed[1 : 1 + size].tolist())
+        size = int(packed[0]) * 256 + int(packed[1])
+        header = bytes(int(b) for b in packed[2 : 2 + size].tolist())
     desc = json.loads(header)
-    at = 1 + len(header)
+    at = 2 + len(header)
     leaves: list[Any] = []
     for kind, *rest in desc["leaves"]:
         if kind == "c":
