@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError
+from dreampipe.runtime.block_recompute import BlockRecompute, checkpoint_blocks
 from dreampipe.runtime.fused import (
     DeferredGradients,
     GradientSum,
@@ -83,7 +84,8 @@ class StageModule:
     ``linear`` says how ``nn.Linear`` layers make their weight gradients
     (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
     ``recompute``: keep only each microbatch's input and run the forward again, on the
-    same version, in its backward (:mod:`.recompute`).
+    same version, in its backward (:mod:`.recompute`). ``blocks``: recompute some blocks
+    or their attention instead (:mod:`.block_recompute`).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class StageModule:
         loss_fn: LossFn | None = None,
         linear: LinearGradients = LinearGradients.FUSED,
         recompute: bool = False,
+        blocks: BlockRecompute | None = None,
     ) -> None:
         self.module = module
         self.recompute = recompute
@@ -106,6 +109,7 @@ class StageModule:
         self.stash = stash
         self.vertical_sync = vertical_sync
         self.loss_fn = loss_fn
+        checkpoint_blocks(module, blocks, index=stage, whole_stage=recompute)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
