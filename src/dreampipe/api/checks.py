@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.stage_module import tensor_output
+from dreampipe.runtime.stage_records import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta

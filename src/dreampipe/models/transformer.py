@@ -20,7 +20,7 @@ from dreampipe.errors import ProfileError
 from dreampipe.models.losses import token_cross_entropy
 from dreampipe.models.spec import LayerFactory, ModelSpec
 
-__all__ = ["TransformerBlock", "transformer"]
+__all__ = ["CausalAttention", "TransformerBlock", "transformer"]
 
 
 class _Embed(nn.Module):
@@ -35,6 +35,26 @@ class _Embed(nn.Module):
         return out
 
 
+class CausalAttention(nn.Module):
+    """The core attention of ``heads`` heads: ``softmax(q k^T / sqrt(d)) v``, causal, from
+    the packed ``q k v`` projections; no weights (the block's selective recomputation
+    recomputes it, as Megatron-LM's does, docs/design.md §4.6)."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        b, t, d3 = qkv.shape
+        d = d3 // 3
+        q, k, v = (
+            z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+            for z in qkv.chunk(3, dim=-1)
+        )
+        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return attn.transpose(1, 2).reshape(b, t, d)
+
+
 class TransformerBlock(nn.Module):
     """``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``, causal, ``heads`` heads."""
 
@@ -43,6 +63,7 @@ class TransformerBlock(nn.Module):
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
+        self.attn = CausalAttention(heads)
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(
@@ -51,13 +72,7 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = (
-            z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-            for z in self.qkv(self.ln1(x)).split(d, dim=-1)
-        )
-        attn = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.dropout(self.proj(attn.transpose(1, 2).reshape(b, t, d)))
+        x = x + self.dropout(self.proj(self.attn(self.qkv(self.ln1(x)))))
         out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
 

@@ -22,6 +22,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
+from dreampipe.errors import ConfigError
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "RangeCosts",
     "allreduce_end",
     "allreduce_ends",
+    "blocks_kept_bytes",
     "cut_time",
     "gpipe_time",
     "max_versions",
@@ -196,6 +198,27 @@ def memory_bytes(
     if stash and not recompute:
         return np.asarray(fixed + versions * w + in_flight * (x + a))
     return np.asarray(fixed + (versions if stash else 1) * w + in_flight * x + x + a)
+
+
+def blocks_kept_bytes(kept: Sequence[float], inputs: Sequence[float], recomputed: int,
+                      in_flight: int) -> float:
+    """Activation bytes a stage of blocks holds when it recomputes its first
+    ``recomputed`` blocks (docs/design.md §4.6), with ``in_flight`` microbatches::
+
+        (inputs[:k] + kept[k:]) * in_flight + max(kept[:k])
+
+    ``kept[i]``: what block ``i`` keeps for one microbatch's backward when it does not
+    recompute; ``inputs[i]``: its input, all a recomputed block keeps. One backward at a
+    time holds a recomputed block's tensors again (the largest's, at worst).
+    """
+    n = len(kept)
+    if len(inputs) != n or not 0 <= recomputed <= n or in_flight < 0:
+        raise ConfigError(
+            f"blocks={recomputed} of {n} blocks ({len(inputs)} inputs) with "
+            f"in_flight={in_flight}: give one input per block, 0 <= blocks <= {n} and "
+            "in_flight >= 0", "blocks")
+    again = max(kept[:recomputed], default=0.0)
+    return float((sum(inputs[:recomputed]) + sum(kept[recomputed:])) * in_flight + again)
 
 
 def stage_memory(

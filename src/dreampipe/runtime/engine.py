@@ -32,7 +32,8 @@ from dreampipe.runtime.lanes import Links
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.runner_options import RunnerOptions
-from dreampipe.runtime.stage_module import StageInput, StageModule
+from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.stage_records import StageInput
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
@@ -162,6 +164,21 @@ def weight_gradients(work: WeightWork, held: DeferredGradients,
     """``W``: run the microbatch's held fused terms, then ``add(index, gradient)`` for every
     other weight its graph reaches."""
     held.run(work.held)
+    with _one_recomputation():
+        _group_gradients(work, held, add)
+    work.groups.clear()
+
+
+def _one_recomputation() -> AbstractContextManager[Any]:
+    """Checkpointed blocks (:mod:`.block_recompute`) recompute once for all of ``W``'s
+    groups, not once per group: the groups run disjoint parts of the graph, as
+    ``GraphExecGroup`` asks (a torch without it recomputes per group)."""
+    group = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+    return nullcontext() if group is None else cast(AbstractContextManager[Any], group())
+
+
+def _group_gradients(work: WeightWork, held: DeferredGradients,
+                     add: Callable[[int, Tensor], None]) -> None:
     for g in work.groups:
         edges: list[Any] = []
         grads: list[Tensor] = []
@@ -190,7 +207,6 @@ def weight_gradients(work: WeightWork, held: DeferredGradients,
         for (i, _), dw in zip(g.params, found, strict=True):
             if dw is not None:
                 add(i, dw)
-    work.groups.clear()
 
 
 def _pinned(recorded: tuple[Tensor | None, ...]) -> Callable[[Any], tuple[Tensor | None, ...]]:

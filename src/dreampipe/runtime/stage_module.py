@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError
+from dreampipe.runtime.block_recompute import BlockRecompute, checkpoint_blocks
 from dreampipe.runtime.fused import (
     DeferredGradients,
     GradientSum,
@@ -30,50 +30,17 @@ from dreampipe.runtime.fused import (
     fused_indices,
 )
 from dreampipe.runtime.precision import MasterWeights, Precision
-from dreampipe.runtime.recompute import Replay, record, replay
+from dreampipe.runtime.recompute import record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
+from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_output
 from dreampipe.runtime.versions import Version, WeightVersions
 
-__all__ = ["StageInput", "StageModule", "tensor_output"]
+__all__ = ["StageModule"]
 
 _log = logging.getLogger(__name__)
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-def tensor_output(out: object, where: str) -> Tensor:
-    """``out`` if it is one tensor, the only thing a stage may pass on; else a PlanError
-    that starts with ``where`` (``"stage 0 returned"``) and says where to cut instead."""
-    if not isinstance(out, Tensor):
-        raise PlanError(
-            f"{where} a {type(out).__name__}, not a tensor; dreampipe passes one tensor "
-            "between stages: cut the model after a layer that returns a tensor"
-        )
-    return out
-
-
-@dataclass
-class _Round:
-    """The backward completing a round: who to tell, and the versions to harvest from."""
-
-    on_ready: Callable[[int, Tensor], None]
-    leaves: list[list[Tensor]]
-    reported: list[bool]
-
-
-#: A stage's input: one tensor, or (first stage only) the tuple or dict of the model's inputs.
-StageInput = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
-
-
-@dataclass
-class _InFlight:
-    input: StageInput
-    output: Tensor | None
-    version: Version | None
-    target: Tensor | None
-    scale: float
-    replay: Replay | None = None
 
 
 class StageModule:
@@ -84,7 +51,8 @@ class StageModule:
     ``linear`` says how ``nn.Linear`` layers make their weight gradients
     (:class:`~dreampipe.runtime.fused.LinearGradients`; PLAIN compares kernels alike).
     ``recompute``: keep only each microbatch's input and run the forward again, on the
-    same version, in its backward (:mod:`.recompute`). ``precision``: 16-bit weights
+    same version, in its backward (:mod:`.recompute`). ``blocks``: recompute some blocks
+    or their attention instead (:mod:`.block_recompute`). ``precision``: 16-bit weights
     step 32-bit master copies; sends cross in the compute dtype (:mod:`.precision`).
     """
 
@@ -100,6 +68,7 @@ class StageModule:
         loss_fn: LossFn | None = None,
         linear: LinearGradients = LinearGradients.FUSED,
         recompute: bool = False,
+        blocks: BlockRecompute | None = None,
         precision: Precision = Precision.FP32,
     ) -> None:
         self.module = module
@@ -109,6 +78,7 @@ class StageModule:
         self.stash = stash
         self.vertical_sync = vertical_sync
         self.loss_fn = loss_fn
+        checkpoint_blocks(module, blocks, index=stage, whole_stage=recompute)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
@@ -118,16 +88,16 @@ class StageModule:
         self.optimizer = self._master.optimizer
         self._slots = ParameterSlots(module, self._params)
         self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
-        self._round: _Round | None = None
+        self._round: Round | None = None
         self._held = DeferredGradients(self._grads)
         self._fused: frozenset[int] = frozenset()
         if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
             self._fused = fused_indices(module, self._names)
-        self._weight_work: dict[int, tuple[_InFlight, Tensor | None, WeightWork | None]] = {}
+        self._weight_work: dict[int, tuple[InFlight, Tensor | None, WeightWork | None]] = {}
         self._versions = WeightVersions(self._params, stage=stage, on_leaf=self._leaf_done,
                                         on_drop=self._harvest)
-        self._inflight: dict[int, _InFlight] = {}
+        self._inflight: dict[int, InFlight] = {}
         self._touched: dict[tuple[int, int], Version] = {}
         self._tied: list[tuple[int, Any, bool]] = []
 
@@ -216,16 +186,16 @@ class StageModule:
                 (p.device for p in self._params), torch.device("cpu")), self.module)
             with torch.no_grad():
                 _, report = self._compute(v.tensors, x, target, scale)
-            self._inflight[microbatch] = _InFlight(x, None, v, target, scale, again)
+            self._inflight[microbatch] = InFlight(x, None, v, target, scale, again)
             return report
         if self.stash:
             v = self._versions.acquire(version, update)
             out, report = self._compute(v.tensors, x, target, scale)
-            self._inflight[microbatch] = _InFlight(x, out, v, target, scale)
+            self._inflight[microbatch] = InFlight(x, out, v, target, scale)
             return report
         with torch.no_grad():
             _, report = self._compute(None, x, target, scale)
-        self._inflight[microbatch] = _InFlight(x, None, None, target, scale)
+        self._inflight[microbatch] = InFlight(x, None, None, target, scale)
         return report
 
     def _compute(
@@ -284,7 +254,7 @@ class StageModule:
         if on_ready is not None:
             held = [*self._touched.values()]
             held += [v] if v.key not in self._touched else []
-            self._round = _Round(
+            self._round = Round(
                 on_ready, [h.tensors for h in held], [False] * len(leaves)
             )
         self._held.holding = hold and on_ready is None
@@ -333,7 +303,7 @@ class StageModule:
         weight_gradients(work, self._held, self._grads.add_grad)
         self._versions.release(st.version)
 
-    def _again(self, st: _InFlight) -> Tensor:
+    def _again(self, st: InFlight) -> Tensor:
         """A recomputing stage's forward of ``st``, run again for its backward."""
         assert st.version is not None and st.replay is not None
         tensors = st.version.tensors
@@ -350,7 +320,7 @@ class StageModule:
         if self._round is not None and not self._round.reported[index]:
             self._report(self._round, index)
 
-    def _report(self, rnd: _Round, index: int) -> None:
+    def _report(self, rnd: Round, index: int) -> None:
         """Harvest parameter ``index`` off every version the round touched, then report it.
 
         The sum is the one :meth:`gradients` takes after the backward, bit for
