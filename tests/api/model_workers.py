@@ -72,6 +72,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
             schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
             resume=job.get("resume"), semantics=job.get("semantics", "sync"),
             precision=job.get("precision", "fp32"),
+            recompute_blocks=job.get("recompute_blocks", 0),
             **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
             virtual_stages=job.get("virtual_stages", 1)), **_where(job, world),
     )
@@ -85,7 +86,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     state = pipe.full_state_dict()
     bounds = [st.first for st in pipe.plan.stages]
     replicas = [st.replicas for st in pipe.plan.stages]
-    recomputes = pipe.module.recompute
+    recomputes = pipe.module.recompute or len(pipe.module.recomputed)
     skipped = pipe.skipped
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,

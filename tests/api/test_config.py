@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from dreampipe import ScheduleKind, TrainConfig
 from dreampipe.errors import ConfigError
 from dreampipe.runplan.schedule_choice import Semantics
+from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.precision import Precision
 
@@ -43,6 +44,11 @@ __all__: list[str] = []
     ({"precision": "fp16-mixed", "schedule": "gpipe", "loss_scale_window": 0},
      "loss_scale=65536.0, loss_scale_window=0; use a positive scale (e.g. 65536) and a window "
      "of 1 or more updates", ("loss_scale", "loss_scale_window")),
+    ({"recompute_blocks": 2, "recompute_attention": True}, "recompute_blocks=2 with "
+     "recompute_attention=True; recompute either each stage's first k >= 1 blocks or every "
+     "block's attention, not both", ("recompute_blocks", "recompute_attention")),
+    ({"recompute_blocks": -1}, "recompute_blocks=-1 with recompute_attention=False",
+     ("recompute_blocks", "recompute_attention")),
     ({"precision": "fp16-mixed", "schedule": "2bw"}, "precision=fp16-mixed with schedule=2bw: "
      "a loss scale shared by all stages needs every stage to update at the same step",
      ("precision", "schedule")),
@@ -190,6 +196,8 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         timeout_s=draw(st.floats(1e-3, 1e6) | st.just(float("inf"))),
         on_nonfinite="stop" if pipedream else draw(st.sampled_from(["stop", "skip"])),
         record_events=draw(st.booleans()),
+        **draw(st.sampled_from([{}, {"recompute_attention": True}]) | st.builds(
+            lambda k: {"recompute_blocks": k}, st.integers(0, 8))),
         resume=draw(st.none() | st.text(min_size=1, max_size=20)),
     )
 
@@ -201,3 +209,10 @@ def test_every_valid_config_round_trips_through_json(config: TrainConfig) -> Non
     assert TrainConfig.from_json(config.to_json()) == config
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     assert dataclasses.replace(config) == config
+
+
+def test_recomputation_of_blocks_is_one_spec() -> None:
+    assert TrainConfig().block_recompute() is None
+    assert TrainConfig(recompute_blocks=2).block_recompute() == BlockRecompute(blocks=2)
+    assert TrainConfig(recompute_attention=True).block_recompute() == \
+        BlockRecompute(selective=True)

@@ -52,6 +52,8 @@ _JOBS = [
       for schedule in ("zb-h1", "zb-h2") for precision in ("bf16-mixed", "bf16")),
 ]
 _IDS = [f"{n}-{s}-{p}-{o}" for n, s, p, o in _JOBS]
+#: Jobs that recompute the first block of each stage: (model, schedule, precision).
+_RECOMPUTING = [("llama", "1f1b-flush", "fp32"), ("gpt2", "zb-h1", "bf16")]
 
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
@@ -90,6 +92,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
              "optimizer": opt, "precision": precision, "config": _CONFIG[name],
              **({"loss_scale": _overflowing_scale(name)} if precision == "fp16-mixed" else {})}
             for name, schedule, precision, opt in _JOBS]
+    jobs += [{**jobs[_JOBS.index((name, schedule, precision, "sgd"))], "recompute_blocks": 1}
+             for name, schedule, precision in _RECOMPUTING]
     out = folder / "results.pt"
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=3, timeout_s=280.0)
@@ -154,3 +158,20 @@ def test_the_16_bit_references_differ_from_fp32() -> None:
     for precision in ("bf16-mixed", "bf16", "fp16-mixed"):
         other = _reference("llama", precision, "adam").state
         assert max(_distance(other, fp32).values()) > 10 * ATOL, precision
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(_RECOMPUTING)),
+                         ids=["-".join(job) for job in _RECOMPUTING])
+def test_recomputing_blocks_trains_the_same_weights_bit_for_bit(runs: list[dict[str, Any]],
+                                                                index: int) -> None:
+    """Each stage recomputes its first block (a stage of none recomputes nothing): the
+    same weights as without, bit for bit, in any precision (the same kernels again)."""
+    name, schedule, precision = _RECOMPUTING[index]
+    again = runs[len(_JOBS) + index]
+    plain = runs[_JOBS.index((name, schedule, precision, "sgd"))]
+    assert again["recomputes"] == 1 and plain["recomputes"] == 0  # rank 0's stage: 1 block
+    assert again["losses"] == plain["losses"]
+    for k, v in plain["state"].items():
+        torch.testing.assert_close(again["state"][k], v, rtol=0, atol=0, msg=k)

@@ -391,3 +391,17 @@ def test_the_precision_flag_offers_every_precision() -> None:
     from dreampipe.runtime.precision import Precision
 
     assert tuple(p.value for p in Precision) == PRECISIONS
+
+
+def test_the_number_format_and_recompute_flags_set_the_config() -> None:
+    from dreampipe.cli import build_parser
+    from dreampipe.cli.train_command import _config
+
+    def config(*flags: str) -> Any:
+        return _config(build_parser().parse_args(["train", "transformer", *flags]))
+
+    got = config("--precision", "bf16", "--recompute-blocks", "2")
+    assert (got.precision, got.recompute_blocks, got.recompute_attention) == ("bf16", 2, False)
+    assert config("--recompute", "selective").recompute_attention
+    with pytest.raises(SystemExit):
+        config("--recompute", "selective", "--recompute-blocks", "1")

@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 import torch
 
+from dreampipe.models import get_model
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.profiler import profile_spec
 from dreampipe.runtime import memory
+from dreampipe.runtime.memory import TrainingChoices, predict_memory
+from dreampipe.runtime.precision import Precision
+from dreampipe.runtime.runner_options import OptimizerKind
+from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 __all__: list[str] = []
 
@@ -59,3 +67,37 @@ def test_a_rank_measures_the_cuda_device_of_its_local_rank(
     use = memory.finish_measuring(base, rank=1, stage=1)
     assert allocator.calls[-2:] == [("synchronize", gpu1), ("peak", gpu1)]
     assert (use.kind, use.baseline, use.peak, use.used) == ("cuda", 300, 2300, 2000)
+
+
+def _choices(**kw: Any) -> TrainingChoices:
+    return TrainingChoices(optimizer=OptimizerKind.ADAM, momentum=0.0, stash=True,
+                           vertical_sync=False, compensate=False, **kw)
+
+
+def test_recomputed_blocks_keep_their_inputs_and_one_block_again() -> None:
+    """A stage recomputing its first k blocks holds, per microbatch in flight, those
+    blocks' inputs instead of what they keep, plus one block's tensors in a backward."""
+    graph = profile_spec(get_model("transformer", layers=3), batch_size=4, repeats=1)
+    plan = Plan.from_config(len(graph.layers), [0, 3], [1, 1])
+    sched = MicrobatchLayout(kind=ScheduleKind.FLUSH, microbatches=4).build([1, 1], 2,
+                                                                            plan.in_flight)
+    plain = predict_memory(graph, plan, sched, _choices())
+    for k in (1, 2, 5):
+        got = predict_memory(graph, plan, sched, _choices(recompute_blocks=k,
+                                                          block="TransformerBlock"))
+        for s, st in enumerate(plan.stages):  # each stage: its first k blocks
+            chosen = [i for i in range(st.first, st.last + 1)
+                      if graph.layers[i].description == "TransformerBlock"][:k]
+            kept = [graph.layers[i].stash_bytes for i in chosen]
+            inputs = [graph.layers[i - 1].activation_bytes for i in chosen]
+            m = _in_flight(sched.actions[s])
+            assert plain[s] - got[s] == round((sum(kept) - sum(inputs)) * m - max(kept)), (k, s)
+    assert predict_memory(graph, plan, sched, _choices(precision=Precision.BF16)) != plain
+
+
+def _in_flight(actions: tuple[Action, ...]) -> int:
+    now = most = 0
+    for a in actions:
+        now += {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1}.get(a.kind, 0)
+        most = max(most, now)
+    return most

@@ -26,6 +26,7 @@ from typing import Any
 
 from dreampipe.errors import ConfigError
 from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
+from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import RunnerOptions
@@ -53,7 +54,12 @@ class TrainConfig:
     (forwards under ``torch.autocast``), or ``"bf16"`` (16-bit weights with 32-bit master
     weights; :mod:`dreampipe.runtime.precision`); ``loss_scale`` and
     ``loss_scale_window``: fp16-mixed's initial loss scale and the updates without an
-    overflow after which it doubles (:mod:`dreampipe.runtime.loss_scaling`). ``compensate``:
+    overflow after which it doubles (:mod:`dreampipe.runtime.loss_scaling`).
+    ``recompute_blocks``: each stage recomputes its first that many blocks in the
+    backward (all it holds where it holds fewer), keeping only their inputs;
+    ``recompute_attention``: each block recomputes its attention only (Megatron-LM's
+    selective recomputation; :mod:`dreampipe.runtime.block_recompute`). A stage the plan
+    recomputes whole (``r``) does that instead. ``compensate``:
     staleness compensation of the asynchronous schedules
     (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
     weight version its input stage used; ``stash=False`` turns weight stashing off
@@ -76,6 +82,8 @@ class TrainConfig:
     precision: str = "fp32"
     loss_scale: float = 2.0**16
     loss_scale_window: int = 2000
+    recompute_blocks: int = 0
+    recompute_attention: bool = False
     compensate: bool = True
     vertical_sync: bool = False
     stash: bool = True
@@ -104,9 +112,10 @@ class TrainConfig:
                               "resume='ckpt'", "resume")
         self._set("resume", None if self.resume is None else os.fspath(self.resume))
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
-                     "record_events"):
+                     "record_events", "recompute_attention"):
             _typed(name, getattr(self, name), (bool,), "True or False")
-        for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window"):
+        for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
+                     "recompute_blocks"):
             _typed(name, getattr(self, name), (int,), "a whole number",
                    optional=name == "virtual_stages")
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
@@ -155,6 +164,12 @@ class TrainConfig:
                                   f"{self.loss_scale_window}; use a positive scale (e.g. 65536) "
                                   "and a window of 1 or more updates", "loss_scale",
                                   "loss_scale_window")
+        if self.recompute_blocks < 0 or (self.recompute_blocks and self.recompute_attention):
+            raise ConfigError(
+                f"recompute_blocks={self.recompute_blocks} with recompute_attention="
+                f"{self.recompute_attention}; recompute either each stage's first k >= 1 "
+                "blocks or every block's attention, not both (0 and False: neither)",
+                "recompute_blocks", "recompute_attention")
         if self.vertical_sync and not self.stash:
             raise ConfigError("vertical_sync=True runs every stage on a stashed weight version, "
                               "so it needs weight stashing; drop stash=False or "
@@ -219,6 +234,13 @@ class TrainConfig:
     def number_formats(self) -> Precision:
         """``precision`` as a :class:`~dreampipe.runtime.precision.Precision`."""
         return Precision(self.precision)
+
+    def block_recompute(self) -> BlockRecompute | None:
+        """What each stage recomputes of its blocks (None: nothing), its block class to be
+        found on the whole model (:meth:`BlockRecompute.for_model`)."""
+        if self.recompute_attention:
+            return BlockRecompute(selective=True)
+        return BlockRecompute(blocks=self.recompute_blocks) if self.recompute_blocks else None
 
     def runner_options(self) -> RunnerOptions:
         """How every rank's runner runs its actions under this config."""

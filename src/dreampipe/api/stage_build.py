@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.block_recompute import BlockRecompute, stage_blocks
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import (
@@ -43,7 +44,12 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
                   loss_fn: Callable[..., Any], config: TrainConfig) -> list[StageModule]:
     """One StageModule per stage in ``stages``, each with the user's ``optimizer`` and
     ``loss_fn`` and the config's weight stashing, vertical sync, gradient kernels and
-    seed; a split stage's share on ``mesh``."""
+    seed; a split stage's share on ``mesh``; the blocks it recomputes (a stage the plan
+    recomputes whole does that instead; a stage of fewer blocks than asked recomputes
+    them all)."""
+    spec = config.block_recompute()
+    if spec is not None:
+        spec = spec.for_model(*(m for _, m in layers))
     modules = []
     for stage in stages:
         st = plan.stages[stage]
@@ -60,8 +66,21 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
             linear=LinearGradients.AUTOGRAD if split
             else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
             precision=config.number_formats,
+            blocks=None if st.recompute else _stage_spec(spec, built),
         ))
     return modules
+
+
+def _stage_spec(spec: BlockRecompute | None, stage: nn.Module) -> BlockRecompute | None:
+    """``spec`` for a stage: its first ``k`` blocks capped at those it holds; None where it
+    holds none."""
+    if spec is None or spec.block is None:
+        return None
+    held = len(stage_blocks(stage, spec.block))
+    if held == 0:
+        return None
+    return spec if spec.blocks is None else BlockRecompute(min(spec.blocks, held),
+                                                          block=spec.block)
 
 
 def compensate_modules(modules: list[StageModule], schedule: Schedule | None,

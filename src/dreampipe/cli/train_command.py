@@ -109,6 +109,15 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "overflow skips the update everywhere and lowers it); bf16: 16-bit "
                         "weights and gradients, 32-bit master weights and optimizer state. "
                         "Stages send in 16 bits in all but fp32")
+    recompute = g.add_mutually_exclusive_group()
+    recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",
+                           help="each stage recomputes its first K blocks (transformer layers) "
+                                "in the backward, keeping only their inputs: less activation "
+                                "memory for one more forward of them")
+    recompute.add_argument("--recompute", choices=("selective",), default=None,
+                           dest="recompute_attention",
+                           help="selective: every block recomputes only its attention "
+                                "(Megatron-LM's selective recomputation)")
     g.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd", help="default: sgd")
     g.add_argument("--lr", type=float, default=0.01, help="learning rate (default: 0.01)")
     g.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default: 0)")
@@ -211,7 +220,8 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 
 #: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
 _CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed", "precision",
-                 "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite")
+                 "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite",
+                 "recompute_blocks")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -221,6 +231,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     given = {k: getattr(args, k) for k in _CONFIG_FLAGS if getattr(args, k) is not None}
     if args.trace or args.timeline:
         given["record_events"] = True
+    if args.recompute_attention:
+        given["recompute_attention"] = True
     return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
 
 

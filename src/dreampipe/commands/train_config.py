@@ -25,6 +25,7 @@ from dreampipe.api.checks import check_schedule as check_plan_schedule
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError, DatasetError, PlanError
 from dreampipe.models.datasets import DATASETS
+from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
@@ -84,7 +85,18 @@ class TrainOptions:
         return TrainingChoices(optimizer=self.optimizer, momentum=self.momentum,
                                stash=self.config.stash, vertical_sync=self.config.vertical_sync,
                                compensate=self.config.compensate,
-                               precision=self.config.number_formats)
+                               precision=self.config.number_formats,
+                               recompute_blocks=self.config.recompute_blocks,
+                               block=self._block())
+
+    def _block(self) -> str | None:
+        """The model's block class, where its blocks are recomputed (its layers on meta)."""
+        spec = self.config.block_recompute()
+        if spec is None:
+            return None
+        with torch.device("meta"):
+            layers = resolve_spec(self.model, self.model_kwargs).build()
+        return spec.for_model(layers).block
 
     def with_plan(self, plan: Plan, steps: int) -> TrainRun:
         """These options run as ``steps`` updates of ``plan``."""

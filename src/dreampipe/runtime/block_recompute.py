@@ -94,8 +94,10 @@ def block_class(*modules: nn.Module) -> type[nn.Module]:
         what = type(modules[0]).__name__ if len(modules) == 1 else f"{len(modules)} layers"
         raise ConfigError(
             f"block recomputation found no repeated block in {what}: no class of modules "
-            "with parameters and submodules is listed twice in a container; recompute the "
-            "whole stage (recompute) or name the block class (block=...)", "block")
+            "with parameters and submodules is listed twice in a container; leave block "
+            "recomputation out (recompute_blocks, recompute_attention) and recompute whole "
+            "stages instead (a plan's 'r'), or name the block class (block=...)",
+            "block", "recompute_blocks", "recompute_attention")
 
     def held(c: type[nn.Module]) -> int:
         params = {id(p): p for m in repeated[c] for p in m.parameters()}

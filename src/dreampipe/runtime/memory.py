@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
+from dreampipe.planning.costs import SENDS_KEPT, RangeCosts, blocks_kept_bytes
 from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
@@ -144,7 +144,8 @@ def _load_meta_kernels() -> None:
 class TrainingChoices:
     """What memory depends on among a run's options: the optimizer's state, the
     weight versions stashing, vertical sync and staleness compensation keep, and the
-    number formats (16-bit weights add 32-bit master weights)."""
+    number formats (16-bit weights add 32-bit master weights), and the blocks each stage
+    recomputes (its first ``recompute_blocks`` layers of class ``block``)."""
 
     optimizer: OptimizerKind
     momentum: float
@@ -152,6 +153,8 @@ class TrainingChoices:
     vertical_sync: bool
     compensate: bool
     precision: Precision = Precision.FP32
+    recompute_blocks: int = 0
+    block: str | None = None  # the block class's name (the profile's layer description)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -206,11 +209,30 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
         buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
+        saved = (_blocks_saved(graph, costs, st, opts, flight[s])
+                 if opts.stash and not st.recompute else 0)
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
-                                recompute=st.recompute) + (buckets if st.replicas > 1 else 0))
+                                recompute=st.recompute) + (buckets if st.replicas > 1 else 0)
+                   - saved)
     return tuple(out)
+
+
+def _blocks_saved(graph: LayerGraph, costs: RangeCosts, st: Stage, opts: TrainingChoices,
+                  in_flight: int) -> int:
+    """What recomputing the stage's first ``recompute_blocks`` blocks saves: the blocks'
+    kept tensors of every microbatch in flight, less their inputs and one block's tensors
+    again in a backward (:func:`~dreampipe.planning.costs.blocks_kept_bytes`)."""
+    if not opts.recompute_blocks or opts.block is None:
+        return 0
+    blocks = [i for i in range(st.first, st.last + 1)
+              if graph.layers[i].description == opts.block][: opts.recompute_blocks]
+    if not blocks:
+        return 0
+    kept = [float(graph.layers[i].stash_bytes) for i in blocks]
+    inputs = [float(costs.cut_bytes[i]) for i in blocks]
+    return round(sum(kept) * in_flight - blocks_kept_bytes(kept, inputs, len(blocks), in_flight))
 
 
 def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:

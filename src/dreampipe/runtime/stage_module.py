@@ -78,7 +78,8 @@ class StageModule:
         self.stash = stash
         self.vertical_sync = vertical_sync
         self.loss_fn = loss_fn
-        checkpoint_blocks(module, blocks, index=stage, whole_stage=recompute)
+        #: The blocks (or attention modules) that recompute in the backward.
+        self.recomputed = checkpoint_blocks(module, blocks, index=stage, whole_stage=recompute)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]
