@@ -23,6 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.held import held_bytes
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -183,8 +184,9 @@ def memory_bytes(
     one microbatch (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
     ``input_bytes`` the microbatch's input it received, ``sent_bytes`` the larger
     tensor it sends (activation or gradient), kept ``sends_kept`` times (a run
-    of fewer sends keeps all of them); ``working_bytes`` what the backward
-    holds besides, the gradients of one layer's kept tensors.
+    of fewer sends keeps all of them); ``working_bytes`` what the stage holds
+    besides: the largest layer's backward working set (its upstream gradient and the
+    gradients it makes) and the compute library's kernel memory (:mod:`.held`).
     ``versions`` counts the live weights; the extra ``weights`` is the gradient
     buffer; ``optimizer_copies`` is the optimizer's state in weights (SGD 0,
     with momentum 1, Adam 2). Without stashing a microbatch in flight keeps its
@@ -256,14 +258,6 @@ def max_versions(
     return np.asarray(np.where(per > 0, k, np.where(fixed <= memory_bytes, np.inf, 0.0)))
 
 
-def _range_max(values: Sequence[float]) -> FloatArray:
-    """``[i, j]``: the largest of ``values[i..j]`` (0 where ``i > j``)."""
-    v = np.asarray(values, dtype=np.float64)
-    n = len(v)
-    table = np.where(np.triu(np.ones((n, n), dtype=bool)), v[None, :], 0.0)
-    return np.asarray(np.maximum.accumulate(table, axis=1))
-
-
 def gpipe_time(slowest_stage_s: float, num_stages: int, microbatches: int | None = None) -> float:
     """GPipe's time per minibatch: ``(M + p - 1) / M`` times the slowest stage.
 
@@ -292,7 +286,8 @@ class RangeCosts:
     :meth:`allreduce_end` (the default model; None under PipeDream's).
     ``stashed`` sums what a microbatch in flight keeps of each layer
     (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`; None: ``activations``)
-    and ``working`` is its largest over the range (None: 0).
+    and ``working`` what the range holds besides (:mod:`.held`: the largest layer's
+    backward working set and the library's kernel memory; None: 0).
     """
 
     compute_s: FloatArray
@@ -328,7 +323,9 @@ class RangeCosts:
                 [x.backward_ms * k for x, k in zip(layers, work, strict=True)], dtype=np.float64),
             layer_weights=np.asarray(weights, dtype=np.float64),
             stashed=sums([x.stash_bytes for x in layers], 0.0),
-            working=_range_max([float(x.stash_bytes) for x in layers]),
+            working=held_bytes([float(x.working_bytes) for x in layers],
+                               [float(x.library_bytes or 0) for x in layers],
+                               [x.kernel_kind for x in layers]),
         )
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
@@ -367,7 +364,8 @@ class RangeCosts:
 
     @property
     def backward_working(self) -> FloatArray:
-        """``[i, j]``: what a backward through layers ``i..j`` holds besides (largest layer)."""
+        """``[i, j]``: what a stage of layers ``i..j`` holds besides its weights and
+        microbatches (:mod:`.held`)."""
         return self.working if self.working is not None else np.zeros_like(self.weights)
 
     def max_versions(self, memory_bytes: float, recompute: bool = False) -> FloatArray:

@@ -22,6 +22,10 @@ __all__ = ["FORMAT_VERSION", "Layer", "LayerGraph"]
 
 FORMAT_VERSION = 1
 
+#: The figures a profile may leave out.
+_OPTIONAL = ("saved_bytes", "weight_grad_ms", "backward_bytes", "deferred_bytes",
+             "library_bytes")
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -42,6 +46,14 @@ class Layer:
     then half of the backward counts as weight gradient
     (:attr:`weight_grad_share`): the two are matrix products of the same
     size in a linear or convolution layer.
+
+    ``backward_bytes`` is the most the layer's backward holds at once besides what
+    the forward kept (its upstream gradient, the gradients and temporaries it makes,
+    the loss's backward on the last layer), ``deferred_bytes`` what its backward leaves
+    alive until the stage's ends when its Linear weight gradients wait, and
+    ``library_bytes`` what the compute library keeps for its kernels once it ran
+    (:mod:`.layer_memory`); None where not measured, and then the backward counts
+    ``stash_bytes``, the deferred nothing and the library nothing.
     """
 
     name: str
@@ -52,12 +64,15 @@ class Layer:
     description: str = ""
     saved_bytes: int | None = None
     weight_grad_ms: float | None = None
+    backward_bytes: int | None = None
+    deferred_bytes: int | None = None
+    library_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
-                     "saved_bytes", "weight_grad_ms"):
+                     *_OPTIONAL):
             value = getattr(self, what)
-            if value is None and what in ("saved_bytes", "weight_grad_ms"):
+            if value is None and what in _OPTIONAL:
                 continue
             if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
                 raise ProfileError(
@@ -86,6 +101,19 @@ class Layer:
     def stash_bytes(self) -> int:
         """Bytes a minibatch in flight keeps of this layer: ``saved_bytes``, else the output."""
         return self.activation_bytes if self.saved_bytes is None else self.saved_bytes
+
+    @property
+    def working_bytes(self) -> int:
+        """What the layer's backward holds besides its kept tensors: ``backward_bytes``,
+        else ``stash_bytes`` (its kept tensors' gradients, about as many bytes)."""
+        return self.stash_bytes if self.backward_bytes is None else self.backward_bytes
+
+    @property
+    def kernel_kind(self) -> tuple[str, int, int, int]:
+        """Layers of one kind run the same kernels, whose library memory a process keeps
+        once: the description and the sizes of weights, output and kept tensors."""
+        return (self.description, self.parameter_bytes, self.activation_bytes,
+                self.stash_bytes)
 
     @property
     def is_input(self) -> bool:
@@ -226,6 +254,7 @@ class LayerGraph:
                     "parameter_bytes": x.parameter_bytes,
                     **({} if x.saved_bytes is None else {"saved_bytes": x.saved_bytes}),
                     **({} if x.weight_grad_ms is None else {"weight_grad_ms": x.weight_grad_ms}),
+                    **{k: getattr(x, k) for k in _OPTIONAL[2:] if getattr(x, k) is not None},
                 }
                 for x in self.layers
             ],

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -28,8 +28,20 @@ from dreampipe.errors import ProfileError
 from dreampipe.models.spec import ModelSpec
 from dreampipe.profiling.clock import Clock, CudaClock, Reading, clock_for
 from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.profiling.layer_memory import (
+    backward_bytes,
+    deferred_bytes,
+    library_bytes,
+    linear_operands,
+    sent_bytes,
+    with_library,
+)
 from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
 from dreampipe.profiling.number_formats import in_formats, loss_in_fp32
+from dreampipe.profiling.tensor_trees import detach as _detach
+from dreampipe.profiling.tensor_trees import fresh as _fresh
+from dreampipe.profiling.tensor_trees import storages as _storages
+from dreampipe.profiling.tensor_trees import tensors as _tensors
 
 __all__ = ["new_parameter_bytes", "profile_model", "profile_spec"]
 
@@ -89,15 +101,23 @@ def profile_model(
                 model, sample_input, first.device.type, autocast=autocast,
                 param_dtype=param_dtype) as sample:
             model.train()
-            env, grads, saved = _record(steps, output_key, sample,
-                                        loss_in_fp32(loss_fn, param_dtype), target)
+            loss = loss_in_fp32(loss_fn, param_dtype)
+            bound = partial(_loss_of, loss, target)
+            first_use = library_bytes(model, steps, output_key, sample, bound)  # cold: first of all
+            with linear_operands(model, steps) as operands:
+                env, grads, saved = _record(steps, output_key, sample, loss, target)
             layers, edges, pass_ms = _time_layers(steps, env, grads,
                                                   _Passes(warmup, repeats, min_time_s), clock,
                                                   progress)
             kept = _layer_steps(steps, env)
+            working = backward_bytes(kept, env, grads, bound)
+            deferred = deferred_bytes(operands, kept, env)
             layers = [replace(x, saved_bytes=_saved_bytes(
-                saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None))
-                for x, s in zip(layers, kept, strict=True)]
+                saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None),
+                backward_bytes=w, deferred_bytes=d,
+                activation_bytes=sent_bytes(env[s.key], autocast))
+                for x, s, w, d in zip(layers, kept, working, deferred, strict=True)]
+            layers = with_library(layers, [first_use.get(s.key) for s in kept])
     finally:
         with torch.no_grad():
             for buffer, value in saved_buffers:
@@ -203,11 +223,6 @@ def _unpack(t: Tensor) -> Tensor:
     return t
 
 
-def _storages(tensors: Any) -> _Storages:
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-            for t in _tensors(tensors) if t.device.type != "meta"}
-
-
 def _saved_bytes(saved: _Storages, step: Step, env: Env, loss: _Storages | None = None) -> int:
     """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
     backward and its output, less its inputs' and parameters' (other layers' or weights).
@@ -218,6 +233,10 @@ def _saved_bytes(saved: _Storages, step: Step, env: Env, loss: _Storages | None 
     for ptr in _storages([*(env[d] for d in step.deps), *step.params]):
         held.pop(ptr, None)
     return sum(held.values())
+
+
+def _loss_of(loss_fn: Callable[..., Tensor], target: Tensor | None, output: Any) -> Tensor:
+    return loss_fn(output) if target is None else loss_fn(output, target)
 
 
 def _layer_steps(steps: list[Step], env: Env) -> list[Step]:
@@ -370,46 +389,3 @@ def _zero() -> float:
 
 
 _ZERO: Reading = _zero
-
-
-def _fresh(value: Any, leaves: list[Tensor]) -> Any:
-    """A copy safe to run on: activations become new leaves (cloned, so in-place ops work)."""
-    if isinstance(value, nn.Parameter):
-        return value
-    if isinstance(value, Tensor):
-        if value.requires_grad:
-            leaf = value.detach().clone().requires_grad_(True)
-            leaves.append(leaf)
-            return leaf.clone()
-        return value.clone()
-    if isinstance(value, tuple | list):
-        return type(value)(_fresh(v, leaves) for v in value)
-    if isinstance(value, dict):
-        return {k: _fresh(v, leaves) for k, v in value.items()}
-    return value
-
-
-def _detach(value: Any) -> Any:
-    """Cut the autograd graph; tensors that carried gradient stay marked ``requires_grad``."""
-    if isinstance(value, nn.Parameter):
-        return value
-    if isinstance(value, Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    if isinstance(value, tuple | list):
-        return type(value)(_detach(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any) -> Iterator[Tensor]:
-    """Every tensor in a (nested) tuple/list/dict output, in a fixed order."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _tensors(v)
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-

@@ -25,12 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import SENDS_KEPT, RangeCosts, blocks_kept_bytes
+from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
 from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
+from dreampipe.runtime.buckets import round_ends
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import glibc
 from dreampipe.runtime.runner_options import OptimizerKind
@@ -189,9 +190,11 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     """
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
+    at_end = [0] * plan.num_stages
     for rank, actions in enumerate(schedule.actions):
         stage = schedule.stage_of_rank(rank)
         flight[stage] = max(flight[stage], _peak_in_flight(actions))
+        at_end[stage] = max(at_end[stage], _in_flight_at_round_end(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
     delays = (stage_delays(schedule, opts.vertical_sync)
@@ -208,31 +211,76 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 stash=opts.stash, recompute=st.recompute)
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
-        buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
-        saved = (_blocks_saved(graph, costs, st, opts, flight[s])
-                 if opts.stash and not st.recompute else 0)
+        walked = opts.stash and not st.recompute
+        saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
+                       if walked else (0, 0))
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
-                                recompute=st.recompute) + (buckets if st.replicas > 1 else 0)
-                   - saved)
+                                recompute=st.recompute) - saved
+                   + (_buckets(graph, st, each + int(costs.cut_bytes[st.first]),
+                               flight[s] - at_end[s] if walked else 0)
+                      if st.replicas > 1 else 0))
     return tuple(out)
 
 
-def _blocks_saved(graph: LayerGraph, costs: RangeCosts, st: Stage, opts: TrainingChoices,
-                  in_flight: int) -> int:
-    """What recomputing the stage's first ``recompute_blocks`` blocks saves: the blocks'
-    kept tensors of every microbatch in flight, less their inputs and one block's tensors
-    again in a backward (:func:`~dreampipe.planning.costs.blocks_kept_bytes`)."""
+def _recomputed(graph: LayerGraph, st: Stage, opts: TrainingChoices) -> list[int]:
+    """The stage's first ``recompute_blocks`` blocks (layers of the block class)."""
     if not opts.recompute_blocks or opts.block is None:
-        return 0
-    blocks = [i for i in range(st.first, st.last + 1)
-              if graph.layers[i].description == opts.block][: opts.recompute_blocks]
-    if not blocks:
-        return 0
-    kept = [float(graph.layers[i].stash_bytes) for i in blocks]
-    inputs = [float(costs.cut_bytes[i]) for i in blocks]
-    return round(sum(kept) * in_flight - blocks_kept_bytes(kept, inputs, len(blocks), in_flight))
+        return []
+    return [i for i in range(st.first, st.last + 1)
+            if graph.layers[i].description == opts.block][: opts.recompute_blocks]
+
+
+def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
+                in_flight: int) -> tuple[int, int]:
+    """What :meth:`RangeCosts.memory` counts beyond the stage's backward walked layer by
+    layer, last first (docs/design.md §5.4).
+
+    The formula holds every layer's kept tensors of each microbatch in flight and the
+    largest layer's working set. A recomputed block keeps its input only (none of its own
+    when it is the stage's first layer: the stage's input), and its backward holds its
+    tensors again. Walking one backward, at layer ``l`` the layers up to ``l`` still keep
+    theirs, ``l`` holds its working set, and each later layer has freed its tensors but,
+    after the first stage, what its deferred Linear weight gradients hold until the
+    stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`). The
+    peak of that walk replaces the formula's one backward. Returns the difference and
+    what one microbatch in flight keeps."""
+    span = range(st.first, st.last + 1)
+    layers = [graph.layers[i] for i in span]
+    kept = [float(x.stash_bytes) for x in layers]
+    cuts = graph.cut_bytes()
+    own = [(0.0 if i == st.first else float(cuts[i])) if i in recomputed else k
+           for i, k in zip(span, kept, strict=True)]
+    after = [float(x.deferred_bytes or 0) if stage > 0 else 0.0 for x in layers]
+    work = [float(x.working_bytes) for x in layers]
+    walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:]) + work[n]
+               for n in range(len(layers)))
+    formula = sum(kept) * in_flight + max(work)
+    return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
+
+
+def _buckets(graph: LayerGraph, st: Stage, each: int, done: int) -> int:
+    """A replicated stage's all-reduce buckets (flat copies of its gradients, made in the
+    backward that ends a round and alive until its ``ALLREDUCE``) beyond what the
+    microbatches whose backward ran before that one in the round kept: ``done`` of them,
+    ``each`` bytes each (:func:`_in_flight_at_round_end`)."""
+    buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
+    return max(0, buckets - done * each)
+
+
+def _in_flight_at_round_end(actions: tuple[Action, ...]) -> int:
+    """The most microbatches in flight at a backward that ends an all-reduce round, that
+    one included (:func:`~dreampipe.runtime.buckets.round_ends`)."""
+    ends = round_ends(actions)
+    now = most = 0
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            now += 1
+        elif a.kind is ActionKind.BACKWARD:
+            most = max(most, now) if a.microbatch in ends else most
+            now -= 1
+    return most
 
 
 def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
