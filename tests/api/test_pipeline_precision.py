@@ -1,6 +1,6 @@
 """Pipelines train in every precision as one process in that precision does, under
 ``torchrun`` on 3 ranks: a tiny Llama cut ``2-1`` and a GPT-2 with a tied head cut ``1-2``,
-so that one stage is replicated.
+so that one stage is replicated, and the Llama interleaved, 2 stages a rank.
 
 Tolerances. fp32: the suite's (:mod:`.compare`). 16-bit: the run may differ from one
 process in that precision by that precision's rounding, which a pipeline meets in other
@@ -39,6 +39,8 @@ from .test_pipeline_models import SEED, assert_tied_equal
 __all__: list[str] = []
 
 _STEPS, _MINIBATCH, _MICRO = 3, 8, 2
+#: Interleaving over 3 ranks takes a multiple of 3 microbatches (as Megatron-LM).
+_SIZES = {"interleaved-1f1b": (12, 3)}
 _CONFIG = {"llama": "2-1", "gpt2": "1-2"}
 _LR = {"sgd": 0.5, "adam": 0.01}
 #: How many times the 16-bit process's distance from fp32 the run may be from it.
@@ -50,18 +52,31 @@ _JOBS = [
     *((name, "1f1b-flush", "bf16", "sgd") for name in ("llama", "gpt2")),
     *((name, schedule, precision, "sgd") for name in ("llama", "gpt2")
       for schedule in ("zb-h1", "zb-h2") for precision in ("bf16-mixed", "bf16")),
+    ("llama", "interleaved-1f1b", "bf16", "sgd"),  # a tie across stages is not interleaved
 ]
+#: Interleaving runs 6 stages, 2 on each rank, one stage a layer.
+_INTERLEAVED = {
+    "llama": ["model.rotary_emb", "model.layers.0", "model.layers.1", "model.norm", "lm_head"],
+}
+
+
+def _placed(name: str, schedule: str) -> dict[str, Any]:
+    """Where a job's stages run: 2 per rank when interleaved, else ``_CONFIG``'s replicas."""
+    if schedule == "interleaved-1f1b":
+        return {"split_points": _INTERLEAVED[name], "virtual_stages": 2}
+    return {"config": _CONFIG[name]}
 _IDS = [f"{n}-{s}-{p}-{o}" for n, s, p, o in _JOBS]
 #: Jobs that recompute the first block of each stage: (model, schedule, precision).
 _RECOMPUTING = [("llama", "1f1b-flush", "fp32"), ("gpt2", "zb-h1", "bf16")]
 
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
-               skip: tuple[int, ...] = ()) -> FormatsRun:
+               skip: tuple[int, ...] = (), schedule: str = "") -> FormatsRun:
     factory = adam if optimizer == "adam" else sgd
+    minibatch, micro = _SIZES.get(schedule, (_MINIBATCH, _MICRO))
     return reference_formats(CaseSpec(CASES[name], SEED), CaseData(CASES[name]),  # type: ignore[arg-type]
-                             steps=_STEPS, minibatch=_MINIBATCH, seed=SEED,
-                             opt=factory(_LR[optimizer]), microbatches=_MICRO,
+                             steps=_STEPS, minibatch=minibatch, seed=SEED,
+                             opt=factory(_LR[optimizer]), microbatches=micro,
                              precision=precision, loss_scale=loss_scale, skip=skip)
 
 
@@ -88,8 +103,10 @@ def _overflowing_scale(name: str) -> float:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     folder = tmp_path_factory.mktemp("precision")
     jobs = [{"case": name, "seed": SEED, "schedule": schedule, "steps": _STEPS,
-             "minibatch": _MINIBATCH, "microbatches": _MICRO, "lr": _LR[opt],
-             "optimizer": opt, "precision": precision, "config": _CONFIG[name],
+             **dict(zip(("minibatch", "microbatches"),
+                        _SIZES.get(schedule, (_MINIBATCH, _MICRO)), strict=True)),
+             "lr": _LR[opt],
+             "optimizer": opt, "precision": precision, **_placed(name, schedule),
              **({"loss_scale": _overflowing_scale(name)} if precision == "fp16-mixed" else {})}
             for name, schedule, precision, opt in _JOBS]
     jobs += [{**jobs[_JOBS.index((name, schedule, precision, "sgd"))], "recompute_blocks": 1}
@@ -136,17 +153,18 @@ def test_a_precision_trains_as_one_process_in_it(runs: list[dict[str, Any]],
     name, schedule, precision, opt = _JOBS[index]
     got = runs[index]
     assert got["schedule"] == schedule
-    assert got["replicas"] == [int(r) for r in _CONFIG[name].split("-")]
+    assert got["replicas"] == ([1] * 6 if schedule == "interleaved-1f1b"
+                               else [int(r) for r in _CONFIG[name].split("-")])
     scale = _overflowing_scale(name) if precision == "fp16-mixed" else 2.0**16
-    ref = _reference(name, precision, opt, scale)
+    ref = _reference(name, precision, opt, scale, schedule=schedule)
     assert_tied_equal(name, got)
     if precision == "fp32":
         assert_matches(got, ref.losses, ref.state)
         return
     start = {k: v.detach().clone() for k, v in CaseSpec(CASES[name], SEED).model()
              .state_dict().items()}
-    assert_within_rounding(got, ref, _reference(name, "fp32", opt, skip=tuple(ref.skipped)),
-                           start)
+    assert_within_rounding(got, ref, _reference(name, "fp32", opt, skip=tuple(ref.skipped),
+                                                schedule=schedule), start)
     if precision == "fp16-mixed":
         assert ref.skipped == [0]
         assert got["skipped"] == [0]  # every stage skipped the overflowing update
