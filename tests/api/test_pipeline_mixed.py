@@ -15,7 +15,6 @@ AVX-512 kernels, past :data:`~api.compare.ATOL`, with no update wrong.
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -31,7 +30,7 @@ from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
 from dreampipe.profiling.profiler import profile_spec
-from dreampipe.runtime.memory import predict_memory
+from dreampipe.runtime.memory import TrainingChoices, predict_memory
 from dreampipe.runtime.processes import HeapPolicy, run_processes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
@@ -98,7 +97,7 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
     spec = get_model("mlp", layers=4, width=width)
     layout = MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=minibatch,
                               microbatches=microbatches, workers=3)
-    choices = SimpleNamespace(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
+    choices = TrainingChoices(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
                               vertical_sync=False, compensate=True)
     predicted = predict_memory(profile_spec(spec, layout.microbatch_size), plan,
                                layout.build([1, 2], STEPS, plan.in_flight), choices)
