@@ -1,4 +1,4 @@
-"""One process training in a run's number formats, written from docs/design.md §5.6, not
+"""One process training in a run's number formats, written from docs/design.md §5.5, not
 from the runtime's code, to compare pipelines with:
 
 - ``fp32``: plain training;

@@ -360,9 +360,10 @@ class Pipeline:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
         self._drain()
         mine = None
-        if self.runner.schedule.replica_of_rank(self.srank) == 0:
+        first = self.runner.schedule.replica_of_rank(self.srank) == 0
+        if first or self.runner.gathers_state:  # ZeRO's masters: gathered over the replicas
             mine = self.runner.final_state()  # gathers a split stage's DTensors: all its workers
-            mine = mine if self.member == 0 else None
+            mine = mine if self.member == 0 and first else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return self.state_keys.complete(

@@ -37,6 +37,7 @@ from dreampipe.runtime.stage_records import StageInput
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
+from dreampipe.runtime.zero import ShardBuckets, stage_buckets
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -100,7 +101,8 @@ class RankRunner:
         check_two_versions(schedule)
         self.two_bw = (TwoVersions(schedule.microbatches_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
-        self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
+        self.buckets = stage_buckets(self.module.zero, self.module.params, self.group,
+                                     self.comm.wait_allreduce)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
@@ -337,10 +339,16 @@ class RankRunner:
         return {k: v for state in self.final_states().values() for k, v in state.items()}
 
     def final_states(self) -> dict[int, dict[str, Tensor]]:
-        """:meth:`final_state` by stage."""
+        """:meth:`final_state` by stage (with :attr:`gathers_state`, every replica calls it)."""
         return {lane.stage: {k: v.detach().cpu().clone()
                              for k, v in full_state(lane.module.state_dict()).items()}
                 for lane in self._lanes}
+
+    @property
+    def gathers_state(self) -> bool:
+        """Whether :meth:`final_states` is a collective over a stage's replicas, which then
+        all call it: ZeRO's sharded 32-bit master weights (:mod:`.zero`)."""
+        return any(m.zero is not None and m.zero.copies for m in self.modules)
 
     def drain(self) -> None:
         """Wait for every send this rank posted (each of its stages')."""
@@ -360,7 +368,7 @@ class _Lane:
     stage: int
     module: StageModule
     comm: Comm
-    buckets: GradientBuckets
+    buckets: GradientBuckets | ShardBuckets
 
 
 def barrier(timeout_s: float) -> None:
