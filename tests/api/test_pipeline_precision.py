@@ -38,6 +38,7 @@ from .test_pipeline_models import SEED, assert_tied_equal
 __all__: list[str] = []
 
 _STEPS, _MINIBATCH, _MICRO = 3, 8, 2
+_PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 #: Interleaving over 3 ranks takes a multiple of 3 microbatches (as Megatron-LM).
 _SIZES = {"interleaved-1f1b": (12, 3)}
 _CONFIG = {"llama": "2-1", "gpt2": "1-2"}
@@ -45,8 +46,7 @@ _LR = {"sgd": 0.5, "adam": 0.01}
 #: (model, schedule, precision, optimizer)
 _JOBS = [
     *((name, "1f1b-flush", precision, "sgd") for name in ("llama", "gpt2")
-      for precision in ("fp32", "bf16-mixed", "fp16-mixed")),
-    *((name, "1f1b-flush", "bf16", "sgd") for name in ("llama", "gpt2")),
+      for precision in _PRECISIONS),
     *((name, schedule, precision, "sgd") for name in ("llama", "gpt2")
       for schedule in ("zb-h1", "zb-h2") for precision in ("bf16-mixed", "bf16")),
     ("llama", "interleaved-1f1b", "bf16", "sgd"),  # a tie across stages is not interleaved
@@ -65,6 +65,14 @@ def _placed(name: str, schedule: str) -> dict[str, Any]:
 _IDS = [f"{n}-{s}-{p}-{o}" for n, s, p, o in _JOBS]
 #: Jobs that recompute the first block of each stage: (model, schedule, precision).
 _RECOMPUTING = [("llama", "1f1b-flush", "fp32"), ("gpt2", "zb-h1", "bf16")]
+#: Jobs whose replicated stage shards over its replicas: (model, schedule, precision, level).
+#: GPT-2's replicated stage holds the tied head, which level 2 refuses.
+_SHARDED = [
+    *(("llama", "1f1b-flush", precision, level) for precision in _PRECISIONS
+      for level in (1, 2)),
+    *(("gpt2", "1f1b-flush", precision, 1) for precision in _PRECISIONS),
+    *((name, "zb-h1", "bf16", 1) for name in ("llama", "gpt2")),
+]
 
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
@@ -108,6 +116,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
             for name, schedule, precision, opt in _JOBS]
     jobs += [{**jobs[_JOBS.index((name, schedule, precision, "sgd"))], "recompute_blocks": 1}
              for name, schedule, precision in _RECOMPUTING]
+    jobs += [{**jobs[_JOBS.index((name, schedule, precision, "sgd"))], "zero": level}
+             for name, schedule, precision, level in _SHARDED]
     out = folder / "results.pt"
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=3, timeout_s=280.0)
@@ -164,3 +174,21 @@ def test_recomputing_blocks_trains_the_same_weights_bit_for_bit(runs: list[dict[
     assert again["losses"] == plain["losses"]
     for k, v in plain["state"].items():
         torch.testing.assert_close(again["state"][k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(_SHARDED)),
+                         ids=["-".join(map(str, job)) for job in _SHARDED])
+def test_a_sharded_replicated_stage_trains_as_the_unsharded_one(runs: list[dict[str, Any]],
+                                                                index: int) -> None:
+    """ZeRO levels 1 and 2 shard the optimizer's state (and the gradients) of the replicated
+    stage; every chunk is stepped as the whole tensor would be, so the weights are the
+    unsharded run's bit for bit (which equals one process, above), fp16's skip included."""
+    name, schedule, precision, _ = _SHARDED[index]
+    sharded = runs[len(_JOBS) + len(_RECOMPUTING) + index]
+    plain = runs[_JOBS.index((name, schedule, precision, "sgd"))]
+    assert sharded["sharded"] is (name == "llama") and not plain["sharded"]  # rank 0's stage
+    assert sharded["losses"] == plain["losses"] and sharded["skipped"] == plain["skipped"]
+    for k, v in plain["state"].items():
+        torch.testing.assert_close(sharded["state"][k], v, rtol=0, atol=0, msg=k)

@@ -213,6 +213,8 @@ CASES: tuple[Case, ...] = (
          ("train", "mlp", "--precision", "fp16-mixed"), ("fp16-mixed", "synchronous")),
     Case("train-recompute-no-blocks", "train", "recomputing blocks of a model without any",
          ("train", "mlp", "--recompute-blocks", "1"), ("block",)),
+    Case("train-zero-3", "train", "ZeRO level 3, which is not built",
+         ("train", "mlp", "--zero", "3"), ("zero=3", "not built")),
     Case("train-stages-range", "train", "a stage that starts past the last layer",
          ("train", "mlp", "--stages", "0,99"), ("99",)),
     Case("train-mnist-missing", "train", "MNIST from a folder without it",

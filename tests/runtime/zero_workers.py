@@ -1,30 +1,26 @@
 """Ranks of runs whose stages shard over their replicas (:mod:`dreampipe.runtime.zero`).
 
-Until the config carries a ZeRO level, a rank builds its stages with one by wrapping the
-``StageModule`` that :mod:`dreampipe.api.stage_build` constructs, giving it the level and
-the rank's replica of the stage (plans without virtual or split stages). The stages it
-built also count, at the start of every ``STEP``, the bytes of the tensors they hold:
-weights (and masters), the update's gradients, and the optimizer's state.
+A job's ``TrainConfig.zero`` sets the level. The stages a rank builds count, at the start
+of every ``STEP``, the bytes of the tensors they hold: weights (and masters), the
+update's gradients, and the optimizer's state (:func:`count_bytes` wraps the
+``StageModule`` that :mod:`dreampipe.api.stage_build` constructs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from api.workers import train_zoo
 from torch import Tensor
 
-from dreampipe.api import pipeline as pipeline_module
 from dreampipe.api import stage_build
 from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob, train_rank
-from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_module import StageModule
-from dreampipe.runtime.zero import ZeroPlace
 
-__all__ = ["held_bytes", "use_zero", "zero_rank", "zero_zoo"]
+__all__ = ["count_bytes", "held_bytes", "zero_rank", "zero_zoo"]
 
 #: Each STEP's bytes of the stages this process built: (stage, held_bytes()).
 RECORDS: list[tuple[int, dict[str, int]]] = []
@@ -58,14 +54,12 @@ def held_bytes(m: StageModule) -> dict[str, int]:
             "optimizer": _storage_bytes(state, seen)}
 
 
-def use_zero(level: int, plan: Plan) -> None:
-    """Build this process's stages of ``plan`` with ZeRO ``level`` and count their bytes."""
+def count_bytes() -> None:
+    """Count the bytes of every stage this process builds at each of its steps."""
     real = stage_build.StageModule
 
     def make(*args: Any, stage: int, **kw: Any) -> StageModule:
-        first = sum(st.replicas for st in plan.stages[:stage])
-        place = ZeroPlace(level, dist.get_rank() - first, plan.stages[stage].replicas)
-        m = real(*args, stage=stage, zero=place, **kw)
+        m = real(*args, stage=stage, **kw)
         step = m.step
 
         def counted(**kw: Any) -> None:
@@ -78,34 +72,19 @@ def use_zero(level: int, plan: Plan) -> None:
     stage_build.StageModule = make  # type: ignore[misc,assignment]
 
 
-def _every_replica_reports() -> None:
-    """Stand in for ``dreampipe train``'s report calling ``final_states`` on every replica
-    of a stage whose runner ``gathers_state`` (it calls it on replica 0 alone, after
-    ``finish``): the other replicas join the gather right after their ``finish``."""
-    real = pipeline_module.Pipeline.finish
-
-    def finish(self: pipeline_module.Pipeline) -> list[float]:
-        losses = real(self)
-        if self.runner.gathers_state and self.runner.schedule.replica_of_rank(self.srank):
-            self.runner.final_states()
-        return losses
-
-    pipeline_module.Pipeline.finish = finish  # type: ignore[method-assign]
-
-
 def zero_rank(rank: int, world: int, arg: tuple[int, TrainJob]
               ) -> tuple[TrainResult | None, list[tuple[int, dict[str, int]]]]:
     """One rank of the job in ``arg`` at the ZeRO level in ``arg`` (``evaluate`` off: the
     report follows ``finish``): its result and records."""
     level, job = arg
-    use_zero(level, job.run.plan)
-    _every_replica_reports()
+    count_bytes()
+    config = dataclasses.replace(job.run.config, zero=level)
     torch.manual_seed(0)
-    return train_rank(rank, world, job), RECORDS
+    return train_rank(rank, world, dataclasses.replace(
+        job, run=dataclasses.replace(job.run, config=config))), RECORDS
 
 
 def zero_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
-    """:func:`api.workers.train_zoo` with the job's ``zero`` level."""
-    plan = Plan.from_config(4, job["bounds"], job["replicas"])
-    use_zero(job["zero"], plan)
+    """:func:`api.workers.train_zoo` with the job's ``zero`` level, counting bytes."""
+    count_bytes()
     return train_zoo(rank, world, job)

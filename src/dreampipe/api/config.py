@@ -30,6 +30,7 @@ from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import RunnerOptions
+from dreampipe.runtime.zero import MAX_LEVEL
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
@@ -59,7 +60,9 @@ class TrainConfig:
     backward (all it holds where it holds fewer), keeping only their inputs;
     ``recompute_attention``: each block recomputes its attention only (Megatron-LM's
     selective recomputation; :mod:`dreampipe.runtime.block_recompute`). A stage the plan
-    recomputes whole (``r``) does that instead. ``compensate``:
+    recomputes whole (``r``) does that instead. ``zero``: the ZeRO level a replicated
+    stage shards at over its replicas, 1 its optimizer state, 2 also its gradients
+    (:mod:`dreampipe.runtime.zero`; a plan's stage may set its own). ``compensate``:
     staleness compensation of the asynchronous schedules
     (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
     weight version its input stage used; ``stash=False`` turns weight stashing off
@@ -84,6 +87,7 @@ class TrainConfig:
     loss_scale_window: int = 2000
     recompute_blocks: int = 0
     recompute_attention: bool = False
+    zero: int = 0
     compensate: bool = True
     vertical_sync: bool = False
     stash: bool = True
@@ -115,7 +119,7 @@ class TrainConfig:
                      "record_events", "recompute_attention"):
             _typed(name, getattr(self, name), (bool,), "True or False")
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
-                     "recompute_blocks"):
+                     "recompute_blocks", "zero"):
             _typed(name, getattr(self, name), (int,), "a whole number",
                    optional=name == "virtual_stages")
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
@@ -164,6 +168,11 @@ class TrainConfig:
                                   f"{self.loss_scale_window}; use a positive scale (e.g. 65536) "
                                   "and a window of 1 or more updates", "loss_scale",
                                   "loss_scale_window")
+        if not 0 <= self.zero <= MAX_LEVEL:
+            raise ConfigError(
+                f"zero={self.zero}; give 0 (no sharding), 1 (optimizer state) or {MAX_LEVEL} "
+                "(also gradients); 3, parameters sharded between uses, is not built yet",
+                "zero")
         if self.recompute_blocks < 0 or (self.recompute_blocks and self.recompute_attention):
             raise ConfigError(
                 f"recompute_blocks={self.recompute_blocks} with recompute_attention="

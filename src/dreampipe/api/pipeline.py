@@ -178,7 +178,7 @@ class Pipeline:
         modules = build_modules(
             self._layers, self.plan, self._my_stages(world), self.device,
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
-            optimizer=optimizer, loss_fn=loss_fn, config=self.config)
+            optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
         applied = compensate_modules(  # before the schedulers: they keep the rates they see
             modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
             config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,

@@ -109,6 +109,11 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "overflow skips the update everywhere and lowers it); bf16: 16-bit "
                         "weights and gradients, 32-bit master weights and optimizer state. "
                         "Stages send in 16 bits in all but fp32")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="shard a replicated stage over its replicas (ZeRO): 1 its optimizer "
+                        "state, 2 also its gradients (reduce-scattered once per update); 0 "
+                        "none (default); 3, the weights too, is not built yet. A plan file's "
+                        "stage may set its own (\"zero\": 1)")
     recompute = g.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",
                            help="each stage recomputes its first K blocks (transformer layers) "
@@ -221,7 +226,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 #: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
 _CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed", "precision",
                  "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite",
-                 "recompute_blocks")
+                 "recompute_blocks", "zero")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:

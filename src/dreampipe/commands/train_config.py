@@ -87,6 +87,7 @@ class TrainOptions:
                                compensate=self.config.compensate,
                                precision=self.config.number_formats,
                                recompute_blocks=self.config.recompute_blocks,
+                               zero=self.config.zero,
                                block=self._block())
 
     def _block(self) -> str | None:

@@ -35,6 +35,7 @@ from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import glibc
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
+from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
@@ -145,7 +146,8 @@ class TrainingChoices:
     """What memory depends on among a run's options: the optimizer's state, the
     weight versions stashing, vertical sync and staleness compensation keep, and the
     number formats (16-bit weights add 32-bit master weights), and the blocks each stage
-    recomputes (its first ``recompute_blocks`` layers of class ``block``)."""
+    recomputes (its first ``recompute_blocks`` layers of class ``block``), and the ZeRO
+    level replicated stages shard at."""
 
     optimizer: OptimizerKind
     momentum: float
@@ -155,6 +157,7 @@ class TrainingChoices:
     precision: Precision = Precision.FP32
     recompute_blocks: int = 0
     block: str | None = None  # the block class's name (the profile's layer description)
+    zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -166,8 +169,29 @@ def optimizer_copies(opts: TrainingChoices) -> int:
     """The optimizer's state in copies of the weights as the run holds them: SGD 0, with
     momentum 1, Adam 2; with 16-bit weights, those and the master weights, each 32-bit
     (twice a 16-bit copy)."""
-    state = 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
+    state = _state_copies(opts)
     return (state + 1) * 2 if opts.precision.master_weights else state
+
+
+def _state_copies(opts: TrainingChoices) -> int:
+    """The optimizer's 32-bit state tensors a parameter: SGD 0, with momentum 1, Adam 2."""
+    return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
+
+
+def _zero_saved(st: Stage, weights: int, opts: TrainingChoices) -> int:
+    """What stage ``st``'s ZeRO level saves each replica at its peak: the optimizer's state
+    and master weights sharded (:func:`~dreampipe.runtime.zero_memory.zero_bytes`). Level
+    2's gradient shards are not counted: an update's backward makes each gradient whole,
+    and the sums stay whole until its reduce-scatter, so the peak holds them whole."""
+    level = opts.zero if st.zero is None else st.zero
+    if level == 0 or st.replicas == 1:
+        return 0
+
+    def held(at: int) -> float:
+        return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
+                          master_weights=opts.precision.master_weights).optimizer
+
+    return round(held(0) - held(level))
 
 
 def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
@@ -215,7 +239,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
                                 recompute=st.recompute) + (buckets if st.replicas > 1 else 0)
-                   - saved)
+                   - saved - _zero_saved(st, buckets, opts))
     return tuple(out)
 
 
