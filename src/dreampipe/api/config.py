@@ -73,7 +73,10 @@ class TrainConfig:
     bounds every wait for a peer. ``on_nonfinite``: ``"stop"`` or, with a synchronous
     schedule, ``"skip"`` the update of a minibatch with a NaN or inf
     (:mod:`dreampipe.runtime.nonfinite`). ``record_events`` keeps what each rank did,
-    with times. ``resume``: a checkpoint directory to continue from (its newest
+    with times. ``measure_memory``: each rank measures its peak memory, which
+    ``Pipeline.memory()`` reports beside the prediction (:mod:`dreampipe.api.memory_report`;
+    on CPU large tensors then get pages of their own, which slows training).
+    ``resume``: a checkpoint directory to continue from (its newest
     complete checkpoint).
     """
 
@@ -96,6 +99,7 @@ class TrainConfig:
     timeout_s: float = 60.0
     on_nonfinite: str = "stop"
     record_events: bool = False
+    measure_memory: bool = False
     resume: str | os.PathLike[str] | None = None
     autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
@@ -116,7 +120,7 @@ class TrainConfig:
                               "resume='ckpt'", "resume")
         self._set("resume", None if self.resume is None else os.fspath(self.resume))
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
-                     "record_events", "recompute_attention"):
+                     "record_events", "recompute_attention", "measure_memory"):
             _typed(name, getattr(self, name), (bool,), "True or False")
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
                      "recompute_blocks", "zero"):

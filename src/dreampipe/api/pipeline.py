@@ -48,7 +48,8 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
-from dreampipe.api.plans import PlanArg, resolve_plan
+from dreampipe.api.memory_report import MemoryReport, measured, start
+from dreampipe.api.plans import PlanArg, profile_layers, resolve_plan
 from dreampipe.api.stage_build import build_modules, compensate_modules
 from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.errors import ConfigError
@@ -175,6 +176,10 @@ class Pipeline:
         self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
         mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
             if mixed else None
+        self._baseline, self._before = start(self.config, [
+            layer for s in self._my_stages(world) for _, layer in
+            self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
+            self.device)
         modules = build_modules(
             self._layers, self.plan, self._my_stages(world), self.device,
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
@@ -219,6 +224,16 @@ class Pipeline:
             self.minibatches = checkpoint.load(found, self)
 
     # ---- training ----------------------------------------------------------
+    def memory(self) -> MemoryReport:
+        """This rank's peak memory beside its stage's prediction, with
+        ``measure_memory=True`` (drains first; a collective: every rank calls it)."""
+        self._drain()
+        return measured(self._baseline, self._before, self.rank, self.runner.modules,
+                        self.config, self.plan, self._layers, self._build_schedule,
+                        lambda: profile_layers(self._layers, self._example, self.loss_fn,
+                                               self.layout.microbatch_size, self.config),
+                        self.minibatches)
+
     def _my_stages(self, world: int) -> range:
         """The stages this rank runs: its plan stage, or every ``world``-th one from its rank."""
         if self._virtual == 1:

@@ -80,7 +80,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "splits every layer over the workers (docs/operator-partitioning.md), "
                         "and when nothing fits it is an error (default: no limit; see "
                         "docs/memory.md)")
-    g.add_argument("--measure-memory", action="store_true",
+    g.add_argument("--measure-memory", action="store_true", default=None,
                    help="measure each rank's peak memory and print it beside the planner's "
                         "prediction; on CPU, large tensors then get pages of their own, "
                         "returned when freed, which makes training about a fifth slower")
@@ -226,7 +226,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 #: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
 _CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed", "precision",
                  "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite",
-                 "recompute_blocks", "zero")
+                 "recompute_blocks", "zero", "measure_memory")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -251,7 +251,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         model=args.model, model_kwargs=parse_model_args(args.model_arg), config=_config(args),
         optimizer=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum,
         minibatch_size=args.batch_size, steps=10 if args.steps is None else args.steps,
-        dataset=args.dataset, data_dir=args.data_dir, measure_memory=args.measure_memory,
+        dataset=args.dataset, data_dir=args.data_dir,
         progress=not args.no_progress,
     )
     return TrainRequest(

@@ -39,7 +39,8 @@ from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
-           "finish_measuring", "optimizer_copies", "predict_memory", "start_measuring"]
+           "current_baseline", "finish_measuring", "optimizer_copies", "predict_memory",
+           "start_measuring"]
 
 _log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
@@ -79,6 +80,14 @@ class Baseline:
     code: int
 
 
+_CURRENT: list[Baseline] = []  # the baseline this process measures from, once taken
+
+
+def current_baseline() -> Baseline | None:
+    """The baseline :func:`start_measuring` took last in this process (None: none)."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
 def start_measuring(device: torch.device | None = None) -> Baseline:
     """Reset the peak to the current size and take the baseline (docs/design.md §5.4).
 
@@ -97,17 +106,22 @@ def start_measuring(device: torch.device | None = None) -> Baseline:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return Baseline(device, int(torch.cuda.memory_allocated(device)), 0)
+        return _taken(Baseline(device, int(torch.cuda.memory_allocated(device)), 0))
     if not _STATUS.exists():
-        return Baseline(device, 0, 0)
+        return _taken(Baseline(device, 0, 0))
     _trim_heap()
     try:
         _CLEAR_REFS.write_text(_RESET_PEAK)
     except OSError as exc:
         _log.warning("cannot reset the memory high-water mark (%s); the peak includes "
                      "everything before training", exc)
-        return Baseline(device, 0, 0)
-    return Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile"))
+        return _taken(Baseline(device, 0, 0))
+    return _taken(Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile")))
+
+
+def _taken(base: Baseline) -> Baseline:
+    _CURRENT[:] = [base]
+    return base
 
 
 def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
@@ -158,6 +172,7 @@ class TrainingChoices:
     recompute_blocks: int = 0
     block: str | None = None  # the block class's name (the profile's layer description)
     zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
+    state_copies: int | None = None  # the optimizer's, counted (None: from its kind)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -174,7 +189,10 @@ def optimizer_copies(opts: TrainingChoices) -> int:
 
 
 def _state_copies(opts: TrainingChoices) -> int:
-    """The optimizer's 32-bit state tensors a parameter: SGD 0, with momentum 1, Adam 2."""
+    """The optimizer's 32-bit state tensors a parameter: SGD 0, with momentum 1, Adam 2
+    (or as counted on the optimizer a run holds)."""
+    if opts.state_copies is not None:
+        return opts.state_copies
     return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
 
 
