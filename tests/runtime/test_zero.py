@@ -26,7 +26,7 @@ from dreampipe.api.checks import check_schedule
 from dreampipe.api.config import TrainConfig
 from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
@@ -36,7 +36,9 @@ from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.zero import ZeroPlace, _Layout
 from dreampipe.runtime.zero_memory import zero_bytes
-from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.runtime.zero_params import ZeroParams, check_gathers, sharded_weights, writable
+from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
 
 from .reference import adam, adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 from .reference_formats import reference_formats
@@ -344,6 +346,23 @@ def test_levels_beyond_three_and_ties_at_levels_2_and_3_are_refused_by_name() ->
     one = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
                       input_grad=False, zero=ZeroPlace(2, 0, 1))
     assert one.zero is None  # one replica: nothing to shard
+
+
+def test_level_3_frees_the_weights_at_once_and_refuses_a_schedule_without_gathers() -> None:
+    st = StageModule(nn.Linear(3, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                     input_grad=False, zero=ZeroPlace(3, 1, 2))
+    assert isinstance(st.zero, ZeroParams) and not st.zero.whole
+    assert all(p.untyped_storage().nbytes() == 0 for p in st.params)  # only the chunks
+    assert [m.numel() for m in st.optimized] == [6, 2]  # this replica's halves, 4x3 and 4
+    with pytest.raises(ScheduleError, match=r"stage 0 shards its weights .* \(no UNSHARD\)"):
+        check_gathers(st.zero, build_schedule([2], ScheduleKind.DP, 2, 2).actions[1], 0)
+    check_gathers(st.zero, build_schedule([2], ScheduleKind.DP, 2, 2, zero=[3]).actions[1], 0)
+    gather = Action(ActionKind.UNSHARD, 0, 0)
+    with pytest.raises(ScheduleError, match=r"runs UNSHARD0 on stage 0, which does not shard"):
+        sharded_weights(None, gather)
+    with writable(st.zero):  # a load writes the whole weights, then they are freed again
+        st.module.load_state_dict({"weight": torch.ones(4, 3), "bias": torch.ones(4)})
+    assert not st.zero.whole and st.params[0].untyped_storage().nbytes() == 0
 
 
 def test_chunks_cover_each_parameter_once_and_scatter_rank_major() -> None:
