@@ -66,10 +66,10 @@ _IDS = [f"{n}-{s}-{p}-{o}" for n, s, p, o in _JOBS]
 #: Jobs that recompute the first block of each stage: (model, schedule, precision).
 _RECOMPUTING = [("llama", "1f1b-flush", "fp32"), ("gpt2", "zb-h1", "bf16")]
 #: Jobs whose replicated stage shards over its replicas: (model, schedule, precision, level).
-#: GPT-2's replicated stage holds the tied head, which level 2 refuses.
+#: GPT-2's replicated stage holds the tied head, which levels 2 and 3 refuse.
 _SHARDED = [
     *(("llama", "1f1b-flush", precision, level) for precision in _PRECISIONS
-      for level in (1, 2)),
+      for level in (1, 2, 3)),
     *(("gpt2", "1f1b-flush", precision, 1) for precision in _PRECISIONS),
     *((name, "zb-h1", "bf16", 1) for name in ("llama", "gpt2")),
 ]
@@ -182,9 +182,11 @@ def test_recomputing_blocks_trains_the_same_weights_bit_for_bit(runs: list[dict[
                          ids=["-".join(map(str, job)) for job in _SHARDED])
 def test_a_sharded_replicated_stage_trains_as_the_unsharded_one(runs: list[dict[str, Any]],
                                                                 index: int) -> None:
-    """ZeRO levels 1 and 2 shard the optimizer's state (and the gradients) of the replicated
-    stage; every chunk is stepped as the whole tensor would be, so the weights are the
-    unsharded run's bit for bit (which equals one process, above), fp16's skip included."""
+    """ZeRO levels 1, 2 and 3 shard the optimizer's state (and the gradients, and the
+    weights between updates) of the replicated stage; every chunk is stepped as the whole
+    tensor would be and level 3's gathers rebuild the weights exactly, so the weights are
+    the unsharded run's bit for bit (which equals one process, above), fp16's skip
+    included."""
     name, schedule, precision, _ = _SHARDED[index]
     sharded = runs[len(_JOBS) + len(_RECOMPUTING) + index]
     plain = runs[_JOBS.index((name, schedule, precision, "sgd"))]

@@ -1,17 +1,20 @@
 """ZeRO on a replicated stage trains as one process does, and keeps what it predicts.
 
 Three local gloo ranks run the zoo's mlp on plan ``2-1`` (stage 0 replicated twice) with
-the stage's optimizer state (level 1), and its gradients too (level 2), sharded over its
-replicas (:mod:`dreampipe.runtime.zero`); the runs are compared with the single-process
+the stage's optimizer state (level 1), its gradients too (level 2), and its weights between
+updates too (level 3, :mod:`dreampipe.runtime.zero_params`), sharded over its replicas
+(:mod:`dreampipe.runtime.zero`); the runs are compared with the single-process
 references of :mod:`runtime.reference` (fp32: rtol 1e-5) and, in 16 bits, with the same
 pipeline without ZeRO (bit for bit: an elementwise optimizer steps each chunk as it steps
-the whole) and with one bf16 process under ``test_pipeline_precision``'s rule. The mlp of
+the whole; level 3 against level 0 bit for bit in fp32 too) and with one bf16 process under
+``test_pipeline_precision``'s rule. The mlp of
 width 15 has parameters that do not split evenly (padded chunks); that of width 16 does,
 so the bytes each rank holds equal :func:`~dreampipe.runtime.zero_memory.zero_bytes`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +22,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from dreampipe.api.checks import check_schedule
+from dreampipe.api.config import TrainConfig
 from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
@@ -31,7 +36,9 @@ from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.zero import ZeroPlace, _Layout
 from dreampipe.runtime.zero_memory import zero_bytes
-from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.runtime.zero_params import ZeroParams, check_gathers, sharded_weights, writable
+from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
 
 from .reference import adam, adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 from .reference_formats import reference_formats
@@ -88,11 +95,11 @@ def flush_adam() -> dict[int, tuple[TrainResult, list[list[tuple[int, dict[str, 
     """1f1b-flush with Adam at each level (width 16: every parameter splits evenly)."""
     return {level: _run(level, schedule=ScheduleKind.FLUSH, minibatch_size=16, microbatches=4,
                         steps=3, optimizer=OptimizerKind.ADAM, lr=0.01)
-            for level in (0, 1, 2)}
+            for level in (0, 1, 2, 3)}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("level", [0, 1, 2])
+@pytest.mark.parametrize("level", [0, 1, 2, 3])
 def test_flush_with_sharded_replicas_equals_one_process(
     flush_adam: dict[int, Any], level: int
 ) -> None:
@@ -104,8 +111,11 @@ def test_flush_with_sharded_replicas_equals_one_process(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("level", [1, 2, 3])
 def test_each_replica_keeps_the_bytes_predicted(flush_adam: dict[int, Any], level: int) -> None:
+    """At each STEP (level 3: between its RESHARD and the next UNSHARD) a replica of stage
+    0 holds what :func:`zero_bytes` says; at level 3 its weights are its chunks, tensors of
+    their own (the optimizer's parameters), the full weights' storage freed."""
     spec = _spec(16)
     stage0 = spec.build(0, 1, SEED)
     param_bytes = sum(p.numel() * p.element_size() for p in stage0.parameters())
@@ -120,10 +130,28 @@ def test_each_replica_keeps_the_bytes_predicted(flush_adam: dict[int, Any], leve
             want = zero_bytes(level, 2, param_bytes, optimizer_copies=2)
             assert before == {"weights": param_bytes, "masters": 0, "gradients": param_bytes,
                               "optimizer": 2 * param_bytes}
-            assert held == {"weights": want.weights, "masters": 0,
-                            "gradients": want.gradients, "optimizer": want.optimizer}
+            chunks = {"weights": 0, "masters": want.weights} if level == 3 else {
+                "weights": want.weights, "masters": 0}
+            assert held == {**chunks, "gradients": want.gradients, "optimizer": want.optimizer}
             assert sum(held.values()) == want.total
-            assert sum(held.values()) == (12 if level == 1 else 10) / 16 * sum(before.values())
+            assert sum(held.values()) == {1: 12, 2: 10, 3: 8}[level] / 16 * sum(before.values())
+
+
+@pytest.mark.timeout(300)
+def test_level_3_equals_level_0_bit_for_bit(flush_adam: dict[int, Any]) -> None:
+    """fp32, Adam, 1f1b-flush: gathering the chunks rebuilds the weights exactly, and the
+    2 replicas' reduce-scatter adds the same two terms as the all-reduce."""
+    _assert_equal(flush_adam[3][0], flush_adam[0][0])
+
+
+@pytest.mark.timeout(300)
+def test_level_3_under_zb_h1_equals_level_0_bit_for_bit() -> None:
+    kw: dict[str, Any] = dict(schedule=ScheduleKind.ZB_H1, minibatch_size=16, microbatches=4,
+                              steps=3, optimizer=OptimizerKind.ADAM, lr=0.01)
+    zero, records = _run(3, **kw)
+    plain, _ = _run(0, **kw)
+    _assert_equal(zero, plain)
+    assert all(held["weights"] == 0 for _, held in records[0])  # freed at every STEP
 
 
 @pytest.mark.timeout(200)
@@ -166,7 +194,8 @@ def _sixteen_bit_rule(result: TrainResult, schedule: ScheduleKind, steps: int, w
 
 
 BF16_CASES = [(ScheduleKind.FLUSH, 1), (ScheduleKind.FLUSH, 2), (ScheduleKind.ZB_H1, 1),
-              (ScheduleKind.ZB_H2, 2), (ScheduleKind.GPIPE, 2)]
+              (ScheduleKind.ZB_H2, 2), (ScheduleKind.GPIPE, 2), (ScheduleKind.FLUSH, 3),
+              (ScheduleKind.ZB_H1, 3)]
 
 
 @pytest.mark.timeout(200)
@@ -184,10 +213,12 @@ def test_bf16_with_sharded_masters_equals_the_plain_pipeline_and_one_process(
     held, before = records[0][-1][1], base[0][-1][1]  # replica 0 of stage 0, last update
     assert held["masters"] < 0.51 * before["masters"]  # 32-bit masters: this replica's half
     assert held["optimizer"] < 0.51 * before["optimizer"]
-    if level == 2:  # the gradient's half, in bf16 (the 32-bit masters take it at the step)
+    if level >= 2:  # the gradient's half, in bf16 (the 32-bit masters take it at the step)
         assert held["gradients"] < 0.51 * before["gradients"]
     else:
         assert held["gradients"] == before["gradients"]
+    # level 3: no 16-bit weights between uses, the 32-bit master chunks gather their rounding
+    assert held["weights"] == (0 if level == 3 else before["weights"])
 
 
 def test_fp16_loss_scaling_unscales_the_shards() -> None:
@@ -239,13 +270,15 @@ def _continues(got: dict[str, Any], done: int) -> None:
         torch.testing.assert_close(got["state"][k], v, rtol=RTOL, atol=ATOL, msg=k)
 
 
-MOVES = [((2, [2, 1]), (0, [1, 1])), ((0, [1, 1]), (1, [2, 1])), ((1, [2, 1]), (2, [2, 1]))]
+MOVES = [((2, [2, 1]), (0, [1, 1])), ((0, [1, 1]), (1, [2, 1])), ((1, [2, 1]), (2, [2, 1])),
+         ((3, [2, 1]), (0, [1, 1])), ((0, [1, 1]), (3, [2, 1]))]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("saved", "loaded"), MOVES,
                          ids=["zero2-2-1-to-zero0-1-1", "zero0-1-1-to-zero1-2-1",
-                              "zero1-to-zero2"])
+                              "zero1-to-zero2", "zero3-2-1-to-zero0-1-1",
+                              "zero0-1-1-to-zero3-2-1"])
 def test_a_checkpoint_moves_between_zero_levels_and_training_continues(
     tmp_path: Path, saved: tuple[int, list[int]], loaded: tuple[int, list[int]]
 ) -> None:
@@ -262,20 +295,74 @@ def test_a_checkpoint_moves_between_zero_levels_and_training_continues(
     _continues(second, 3)  # Adam's moments came back whole: 3 + 2 updates are 5 straight
 
 
+@pytest.mark.timeout(300)
+def test_level_3_evaluates_and_trains_on_across_finishes_and_segments() -> None:
+    """Evaluation gathers the weights whole for the while; training goes on over segments
+    (a schedule extended, then restarted): the same losses, evaluations and weights as
+    level 0, bit for bit."""
+    job = {**CKPT, "bounds": BOUNDS, "replicas": [2, 1], "steps": 5, "finish_every": 2,
+           "evaluate": 2, "segment_microbatches": 4}
+    three = run_processes(zero_zoo, 3, {**job, "zero": 3}, deadline_s=100.0)[0]
+    zero = run_processes(zero_zoo, 3, {**job, "zero": 0}, deadline_s=100.0)[0]
+    assert len(three["evals"]) == 2 and three["evals"] == zero["evals"]
+    assert three["losses"] == zero["losses"]
+    for k, v in zero["state"].items():
+        assert torch.equal(three["state"][k], v), k
+
+
 # ---- single-process rules -----------------------------------------------------------
-def test_levels_beyond_two_and_ties_at_level_2_are_refused_by_name() -> None:
-    with pytest.raises(ConfigError, match=r"zero=3 .* not built yet; use zero=2") as e:
-        ZeroPlace(3, 0, 2)
-    assert e.value.parameters == ("zero",)
-    with pytest.raises(ConfigError, match=r"zero=4; give 0, 1, 2 or 3"):
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_level_3_with_an_asynchronous_schedule_is_refused_by_name(schedule: str) -> None:
+    with pytest.raises(ConfigError, match=rf"zero=3 with schedule={schedule}: its "
+                       r"microbatches in flight run on a weight version each.*use zero=2") as e:
+        TrainConfig(schedule=schedule, zero=3, microbatches=1 if schedule == "pipedream" else 2)
+    assert e.value.parameters == ("zero", "schedule")
+    with pytest.raises(ConfigError, match=r"semantics=async .* none of them can run this"):
+        TrainConfig(schedule="auto", semantics="async", zero=3)
+    TrainConfig(schedule="1f1b-flush", zero=3)  # a synchronous one runs it
+    plan = Plan.from_config(4, BOUNDS, REPLICAS)
+    staged = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], zero=3),
+                                               plan.stages[1]))
+    config = TrainConfig(schedule=schedule, microbatches=1 if schedule == "pipedream" else 2)
+    with pytest.raises(ConfigError, match=rf"zero=3 on stage 0 with schedule={schedule}: its "
+                       r"microbatches in flight .* give the stage zero=2"):  # a plan's stage
+        check_schedule(config, staged)
+    alone = dataclasses.replace(plan, stages=(plan.stages[0],
+                                              dataclasses.replace(plan.stages[1], zero=3)))
+    check_schedule(config, alone)  # one replica: nothing to shard, nothing refused
+
+
+def test_levels_beyond_three_and_ties_at_levels_2_and_3_are_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"zero=4; give 0, 1, 2 or 3") as e:
         ZeroPlace(4, 0, 2)
-    st = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
-                     input_grad=False, zero=ZeroPlace(2, 1, 2))
-    with pytest.raises(ConfigError, match=r"zero=2 with weights tied .* use zero=1"):
-        st.tie(0, None)
+    assert e.value.parameters == ("zero",)
+    with pytest.raises(ConfigError, match=r"zero=4; give 0 \(no sharding\).* or 3"):
+        TrainConfig(schedule="1f1b-flush", zero=4)
+    for level in (2, 3):
+        st = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                         input_grad=False, zero=ZeroPlace(level, 1, 2))
+        with pytest.raises(ConfigError, match=rf"zero={level} with weights tied .* use zero=1"):
+            st.tie(0, None)
     one = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
                       input_grad=False, zero=ZeroPlace(2, 0, 1))
     assert one.zero is None  # one replica: nothing to shard
+
+
+def test_level_3_frees_the_weights_at_once_and_refuses_a_schedule_without_gathers() -> None:
+    st = StageModule(nn.Linear(3, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                     input_grad=False, zero=ZeroPlace(3, 1, 2))
+    assert isinstance(st.zero, ZeroParams) and not st.zero.whole
+    assert all(p.untyped_storage().nbytes() == 0 for p in st.params)  # only the chunks
+    assert [m.numel() for m in st.optimized] == [6, 2]  # this replica's halves, 4x3 and 4
+    with pytest.raises(ScheduleError, match=r"stage 0 shards its weights .* \(no UNSHARD\)"):
+        check_gathers(st.zero, build_schedule([2], ScheduleKind.DP, 2, 2).actions[1], 0)
+    check_gathers(st.zero, build_schedule([2], ScheduleKind.DP, 2, 2, zero=[3]).actions[1], 0)
+    gather = Action(ActionKind.UNSHARD, 0, 0)
+    with pytest.raises(ScheduleError, match=r"runs UNSHARD0 on stage 0, which does not shard"):
+        sharded_weights(None, gather)
+    with writable(st.zero):  # a load writes the whole weights, then they are freed again
+        st.module.load_state_dict({"weight": torch.ones(4, 3), "bias": torch.ones(4)})
+    assert not st.zero.whole and st.params[0].untyped_storage().nbytes() == 0
 
 
 def test_chunks_cover_each_parameter_once_and_scatter_rank_major() -> None:
@@ -302,3 +389,6 @@ def test_the_memory_model_keeps_what_the_paper_says() -> None:
     bf16 = zero_bytes(1, 4, 2.0, optimizer_copies=2, master_weights=True)
     assert (bf16.weights, bf16.gradients, bf16.optimizer) == (2, 2, 3)  # 12 bytes / 4
     assert zero_bytes(2, 1, p, optimizer_copies=2).total == 16  # one replica: no saving
+    three = zero_bytes(3, 2, 2.0, optimizer_copies=2, master_weights=True)
+    assert (three.weights, three.gradients, three.optimizer) == (0, 1, 6)  # masters gather
+    assert zero_bytes(3, 1, 2.0, optimizer_copies=2, master_weights=True).weights == 2

@@ -33,6 +33,7 @@ from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.zero import MAX_LEVEL
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 
 __all__ = ["TrainConfig"]
 
@@ -61,8 +62,9 @@ class TrainConfig:
     ``recompute_attention``: each block recomputes its attention only (Megatron-LM's
     selective recomputation; :mod:`dreampipe.runtime.block_recompute`). A stage the plan
     recomputes whole (``r``) does that instead. ``zero``: the ZeRO level a replicated
-    stage shards at over its replicas, 1 its optimizer state, 2 also its gradients
-    (:mod:`dreampipe.runtime.zero`; a plan's stage may set its own). ``compensate``:
+    stage shards at over its replicas, 1 its optimizer state, 2 also its gradients, 3 also
+    its weights between uses (:mod:`dreampipe.runtime.zero`, :mod:`dreampipe.runtime.
+    zero_params`; synchronous schedules only; a plan's stage may set its own). ``compensate``:
     staleness compensation of the asynchronous schedules
     (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
     weight version its input stage used; ``stash=False`` turns weight stashing off
@@ -174,9 +176,8 @@ class TrainConfig:
                                   "loss_scale_window")
         if not 0 <= self.zero <= MAX_LEVEL:
             raise ConfigError(
-                f"zero={self.zero}; give 0 (no sharding), 1 (optimizer state) or {MAX_LEVEL} "
-                "(also gradients); 3, parameters sharded between uses, is not built yet",
-                "zero")
+                f"zero={self.zero}; give 0 (no sharding), 1 (optimizer state), 2 (also "
+                f"gradients) or {MAX_LEVEL} (also the weights between uses)", "zero")
         if self.recompute_blocks < 0 or (self.recompute_blocks and self.recompute_attention):
             raise ConfigError(
                 f"recompute_blocks={self.recompute_blocks} with recompute_attention="
@@ -204,6 +205,10 @@ class TrainConfig:
                 "stages needs every stage to update at the same step, which only synchronous "
                 "schedules do; use precision='bf16' or 'bf16-mixed' with it, or a synchronous "
                 "schedule", "precision", "schedule")
+        if SHARDED_LEVEL <= self.zero <= MAX_LEVEL and not kind.synchronous:
+            raise ConfigError(
+                f"zero={self.zero} with schedule={kind.value}: {ASYNC_REASON}; use zero=2, or a "
+                "synchronous schedule (1f1b-flush, gpipe, zb-h1, zb-h2)", "zero", "schedule")
         if self.on_nonfinite == OnNonFinite.SKIP.value and kind is ScheduleKind.PIPEDREAM:
             raise ConfigError(
                 "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "

@@ -59,6 +59,7 @@ from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
+from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
@@ -161,6 +162,7 @@ class Pipeline:
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
+        self._zero = [config.zero if st.zero is None else st.zero for st in self.plan.stages]
         check_schedule(self.config, self.plan)
         if t > 1:
             check_split(self.plan, self.config)
@@ -251,7 +253,8 @@ class Pipeline:
 
         :attr:`_schedule` keeps the last few built: every full segment grows
         through the same horizons and drains on the same schedule."""
-        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual)
+        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual,
+                                 self._zero)
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
@@ -351,8 +354,9 @@ class Pipeline:
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
                       precision=self._opts.precision, virtual_stages=self._virtual)
-        return evaluate([(x, y) for x, y in loader],
-                        {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
+        with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
+            return evaluate([(x, y) for x, y in loader],
+                            {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
 
     @property
     def skipped(self) -> list[int]:

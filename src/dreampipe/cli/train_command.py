@@ -111,9 +111,11 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "Stages send in 16 bits in all but fp32")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="shard a replicated stage over its replicas (ZeRO): 1 its optimizer "
-                        "state, 2 also its gradients (reduce-scattered once per update); 0 "
-                        "none (default); 3, the weights too, is not built yet. A plan file's "
-                        "stage may set its own (\"zero\": 1)")
+                        "state, 2 also its gradients (reduce-scattered once per update), 3 "
+                        "also its weights between updates (all-gathered before each update's "
+                        "first forward, freed after its last backward; synchronous schedules "
+                        "only); 0 none (default). A plan file's stage may set its own "
+                        "(\"zero\": 1)")
     recompute = g.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",
                            help="each stage recomputes its first K blocks (transformer layers) "

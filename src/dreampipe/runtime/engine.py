@@ -10,7 +10,8 @@ gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
 first action whose microbatch has not been given yet; :meth:`RankRunner.switch`
 takes a schedule that extends the prefix run so far. A rank that holds several
 stages (interleaved 1F1B) keeps one lane (module, links, buckets) per stage,
-and Zero Bubble's ``W`` runs :mod:`.split_backward`. docs/design.md §8.4.
+and Zero Bubble's ``W`` runs :mod:`.split_backward`; a ZeRO-3 stage's ``UNSHARD`` and
+``RESHARD`` gather and free its weights (:mod:`.zero_params`). docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
 from dreampipe.runtime.zero import ShardBuckets, stage_buckets
+from dreampipe.runtime.zero_params import check_gathers, sharded_weights
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -130,6 +132,8 @@ class RankRunner:
             ActionKind.SEND_B: self._send_b,
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
+            ActionKind.UNSHARD: lambda a: sharded_weights(self.module.zero, a).unshard(a),
+            ActionKind.RESHARD: lambda a: sharded_weights(self.module.zero, a).reshard(),
         }
         self.t0 = time.perf_counter()
         self._pos = 0
@@ -173,6 +177,7 @@ class RankRunner:
         """Index the receives; posting resumes at the first one not yet run (those
         posted already, e.g. ahead of a switch, are found posted again)."""
         actions = self.schedule.actions[self.rank]
+        check_gathers(self._lanes[0].module.zero, actions, self._lanes[0].stage)
         self._recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
         self._posted = bisect.bisect_left(self._recv_at, self._pos)
         self._round_ends = round_ends(actions)
@@ -347,8 +352,8 @@ class RankRunner:
     @property
     def gathers_state(self) -> bool:
         """Whether :meth:`final_states` is a collective over a stage's replicas, which then
-        all call it: ZeRO's sharded 32-bit master weights (:mod:`.zero`)."""
-        return any(m.zero is not None and m.zero.copies for m in self.modules)
+        all call it: ZeRO's sharded 32-bit master weights or level 3's weights (:mod:`.zero`)."""
+        return any(m.zero is not None and m.zero.gathers_state for m in self.modules)
 
     def drain(self) -> None:
         """Wait for every send this rank posted (each of its stages')."""

@@ -35,7 +35,8 @@ from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_output
 from dreampipe.runtime.versions import Version, WeightVersions
-from dreampipe.runtime.zero import ZeroPlace, ZeroShards, stage_optimizer
+from dreampipe.runtime.zero import ZeroPlace, ZeroShards
+from dreampipe.runtime.zero_params import stage_optimizer, writable
 
 __all__ = ["StageModule"]
 
@@ -360,7 +361,8 @@ class StageModule:
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load :meth:`state_dict`'s entries (the master weights from their values)."""
-        self.module.load_state_dict(state)
+        with writable(self._master):  # ZeRO-3: into the chunks, the full weights freed again
+            self.module.load_state_dict(state)
         self._master.load(state, self._names)
 
     def gradients(self) -> list[Tensor]:

@@ -7,17 +7,17 @@ chunk ``k`` of each. **Level 1**: the gradients are all-reduced as without ZeRO
 per parameter (its chunk), steps only this replica's chunks; an all-gather then puts the
 updated chunks back into the full parameters. **Level 2**: the round's ``ALLREDUCE`` is a
 reduce-scatter instead (:class:`ShardBuckets`, by bucket as the backward finishes them):
-a replica keeps only its chunks of the summed gradient, and the full buffers go.
+a replica keeps only its chunks of the summed gradient, and the full buffers go (level 3,
+:mod:`.zero_params`, also frees the full weights between uses).
 
 Why one parameter per chunk and not one flat buffer: the user's factory sees as many
 parameters, in the same order, as without ZeRO (its parameter groups, the staleness
 compensation and the checkpoints' ``optim.<name>.<key>`` entries stay per parameter), and
 an elementwise optimizer (SGD, Adam, AdamW...) steps each value exactly as it would the
-whole. Collectives still go one per bucket: chunks are packed rank-major into a flat
-buffer for the reduce-scatter and the all-gather. Optimizers that look across a whole
-tensor (LAMB's trust ratio, Adafactor's factored moments) see a chunk instead.
-In 32 bits a chunk parameter is a view of the live weights (no copy); under ``bf16`` it
-is the 32-bit master copy of the chunk (:mod:`.precision`). docs/design.md §5.6.
+whole. Collectives go one per bucket (chunks packed rank-major into a flat buffer).
+Optimizers that look across a whole tensor (LAMB's trust ratio, Adafactor's factored
+moments) see a chunk instead. A chunk parameter is a view of the live 32-bit weights
+(level 3: a copy), or the 32-bit master of a bf16 chunk. docs/design.md §5.6.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from torch import Tensor, nn
 from dreampipe.errors import ConfigError
 from dreampipe.runtime import buckets as buckets_module
 from dreampipe.runtime.buckets import GradientBuckets, Wait
-from dreampipe.runtime.precision import MasterWeights, Precision
+from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["ShardBuckets", "ZeroPlace", "ZeroShards", "stage_buckets", "stage_optimizer"]
+__all__ = ["MAX_LEVEL", "ShardBuckets", "ZeroPlace", "ZeroShards", "stage_buckets"]
 
-#: The highest level built (3, parameters sharded between uses, is not).
-MAX_LEVEL = 2
+#: The highest level: 3, parameters sharded between uses (:mod:`.zero_params`).
+MAX_LEVEL = 3
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,8 @@ class ZeroPlace:
     replicas: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.level <= 3:
+        if not 0 <= self.level <= MAX_LEVEL:
             raise ConfigError(f"zero={self.level}; give 0, 1, 2 or 3", "zero")
-        if self.level > MAX_LEVEL:
-            raise ConfigError(
-                f"zero={self.level} (parameters sharded between uses) is not built yet; "
-                f"use zero={MAX_LEVEL}, which shards the gradients and optimizer state",
-                "zero")
         if not 0 <= self.replica < self.replicas:
             raise ValueError(f"replica {self.replica} is outside 0..{self.replicas - 1}")
 
@@ -148,6 +143,9 @@ class ZeroShards:
     :meth:`bind` gives it the stage's replica group before the first step.
     """
 
+    #: Whether the full weights are freed between uses (level 3, :mod:`.zero_params`).
+    frees_weights = False
+
     def __init__(self, module: nn.Module, params: Sequence[nn.Parameter],
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                  precision: Precision, place: ZeroPlace, stage: int) -> None:
@@ -158,10 +156,13 @@ class ZeroShards:
         self.place, self.level, self._stage = place, place.level, stage
         self._params = list(params)
         self.copies = precision.master_weights
+        #: Whether a chunk parameter is a view of the live weights (32 bits, levels 1-2).
+        self.views = not self.copies and not self.frees_weights
         lay = _Layout(self._params, place, 0.0)  # the chunks; buckets once in their dtype
         self.masters: list[nn.Parameter] = [
             nn.Parameter(lay.shard(i, p.detach().reshape(-1)).float().clone() if self.copies
-                         else lay.shard(i, p.detach().view(-1)))
+                         else lay.shard(i, p.detach().view(-1)) if self.views
+                         else lay.shard(i, p.detach().view(-1)).clone())
             for i, p in enumerate(self._params)]
         if self.copies:
             module.to(precision.param_dtype)
@@ -170,6 +171,12 @@ class ZeroShards:
         self.group: Any = None
         self._wait: Wait | None = None
         self._grads: list[Tensor] | None = None  # level 2: this replica's summed chunks
+
+    @property
+    def gathers_state(self) -> bool:
+        """Whether :meth:`state` is a collective over the replicas (each holds its chunks
+        of the weights at the optimizer's precision only)."""
+        return not self.views
 
     @property
     def shards_gradients(self) -> bool:
@@ -214,12 +221,13 @@ class ZeroShards:
     # ---- update ----------------------------------------------------------
     def step(self, grads: Sequence[Tensor | None]) -> None:
         """One optimizer step on this replica's chunks, then the all-gather of the new
-        weights. ``grads``: the full summed gradients (level 1; None: none came); at
-        level 2 the chunks :meth:`take_gradients` took."""
+        weights (level 3: at the next ``UNSHARD``). ``grads``: the full summed gradients
+        (level 1; None: none came); at levels 2 and 3 the chunks :meth:`take_gradients`
+        took."""
         if self.optimizer is None:
             return
         lay = self.layout
-        if not self.copies:  # the live weights may have moved to a fresh copy (versions)
+        if self.views:  # the live weights may have moved to a fresh copy (versions)
             for i, (m, p) in enumerate(zip(self.masters, self._params, strict=True)):
                 m.data = lay.shard(i, p.detach().view(-1))
         chunks: Sequence[Tensor | None]
@@ -234,16 +242,17 @@ class ZeroShards:
         self.optimizer.step()
         for m in self.masters:
             m.grad = None
-        self._all_gather()
+        if not self.frees_weights:
+            self._all_gather(Action(ActionKind.STEP, self._stage, 0))
 
-    def _all_gather(self) -> None:
-        """Every replica's new chunks into the full parameters (in their dtype: a bf16
-        stage's rounding of its masters, as :class:`~.precision.MasterWeights` rounds)."""
+    def _all_gather(self, action: Action) -> None:
+        """Every replica's chunks into the full parameters (in their dtype: a bf16
+        stage's rounding of its masters, as :class:`~.precision.MasterWeights` rounds);
+        ``action`` names the wait in a timeout's message."""
         lay, started = self.layout, []
         for b in lay.buckets:
             shards = [self.masters[i].detach().to(b.dtype) for i in b.indices]
             started.append((b, *lay.gather(b, shards, self.group)))
-        action = Action(ActionKind.STEP, self._stage, 0)
         with torch.no_grad():
             for b, out, work in started:
                 self._waited(work, action)
@@ -271,7 +280,7 @@ class ZeroShards:
         """``module``'s state, each parameter at the optimizer's precision, whole (the
         masters gathered: a collective over the replicas, which all call it)."""
         state = module.state_dict(keep_vars=True)
-        if not self.copies:
+        if self.views:
             return {k: v.detach() for k, v in state.items()}
         full = {id(p): self._gather_one(i, m)
                 for i, (p, m) in enumerate(zip(self._params, self.masters, strict=True))}
@@ -280,7 +289,7 @@ class ZeroShards:
     def load(self, state: Mapping[str, Tensor], names: Sequence[str]) -> None:
         """Take this replica's chunks of the masters from ``state`` (whole tensors by name;
         the module has loaded them)."""
-        if not self.copies:
+        if self.views:
             return
         with torch.no_grad():
             for i, (m, name) in enumerate(zip(self.masters, names, strict=True)):
@@ -374,13 +383,3 @@ def stage_buckets(shards: ZeroShards | None, params: Sequence[Tensor], group: An
     return ShardBuckets(shards, wait) if shards.shards_gradients else GradientBuckets(
         params, group, wait)
 
-
-def stage_optimizer(module: nn.Module, params: Sequence[nn.Parameter],
-                    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                    precision: Precision, place: ZeroPlace | None, stage: int
-                    ) -> MasterWeights | ZeroShards:
-    """The optimizer of stage ``stage``'s ``params``: sharded where ``place`` is active,
-    otherwise whole (with master weights under a 16-bit ``precision``)."""
-    if place is not None and place.active:
-        return ZeroShards(module, params, optimizer, precision, place, stage)
-    return MasterWeights(module, params, optimizer, precision)

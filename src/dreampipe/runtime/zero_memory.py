@@ -2,7 +2,9 @@
 ZeRO level ``L`` over ``r`` replicas (:mod:`.zero`), for the memory model.
 
 The rule (Rajbhandari et al. 2020, §5): level 1 keeps 1/r of the optimizer state, level 2
-also 1/r of the gradients, level 3 also 1/r of the weights. The optimizer state is the
+also 1/r of the gradients, level 3 also 1/r of the weights between uses (under ``bf16``
+none of the 16-bit weights: the 32-bit master chunk is what a replica keeps, and its
+gathers send its rounding; :mod:`.zero_params`). The optimizer state is the
 optimizer's own 32-bit tensors (``optimizer_copies`` of them a parameter: 2 for Adam, 1 for
 SGD with momentum, 0 for plain SGD) and, with ``master_weights`` (``precision="bf16"``),
 the 32-bit master copies of the 16-bit weights, which the optimizer steps and so are
@@ -22,8 +24,9 @@ __all__ = ["ZeroBytes", "zero_bytes"]
 
 @dataclass(frozen=True)
 class ZeroBytes:
-    """Bytes one replica keeps: ``weights`` (in their own dtype), ``gradients`` (the
-    update's sums, in the weights' dtype) and ``optimizer`` (its state and any masters)."""
+    """Bytes one replica keeps (at level 3, between uses): ``weights`` (in their own dtype),
+    ``gradients`` (the update's sums, in the weights' dtype) and ``optimizer`` (its state
+    and any masters)."""
 
     weights: float
     gradients: float
@@ -49,8 +52,10 @@ def zero_bytes(level: int, replicas: int, param_bytes: float, *, optimizer_copie
                          f"param_bytes={param_bytes}: give replicas >= 1 and the rest >= 0")
     fp32 = 2 * param_bytes if master_weights else param_bytes  # the values, 4 bytes each
     optimizer = (optimizer_copies + (1 if master_weights else 0)) * fp32
+    weights = (param_bytes if level < 3 or replicas == 1
+               else 0.0 if master_weights else param_bytes / replicas)  # the masters hold them
     return ZeroBytes(
-        weights=param_bytes / replicas if level >= 3 else param_bytes,
+        weights=weights,
         gradients=param_bytes / replicas if level >= 2 else param_bytes,
         optimizer=optimizer / replicas if level >= 1 else optimizer,
     )
