@@ -22,7 +22,8 @@ EQUIVALENCE_TESTS := \
 	tests/runtime/test_split_backward.py tests/runtime/test_fused.py \
 	tests/runtime/test_recompute.py tests/runtime/test_two_bw.py \
 	tests/runtime/test_staleness.py tests/runtime/test_stage.py \
-	tests/reliability/test_multi_node.py
+	tests/api/test_pipeline_precision.py tests/runtime/test_zero.py \
+	tests/runtime/test_block_recompute.py tests/reliability/test_multi_node.py
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 KERNEL_SETS := default $(if $(filter avx2,$(CPU_FLAGS)),avx2) \
 	$(if $(filter avx512f,$(CPU_FLAGS)),avx512)

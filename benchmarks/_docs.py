@@ -65,6 +65,8 @@ SECTIONS: tuple[Section, ...] = (
             "python benchmarks/train_vs_predicted.py --write-docs"),
     Section("memory-vs-predicted", "Peak memory: measured against predicted",
             "python benchmarks/memory_vs_predicted.py --write-docs"),
+    Section("memory-options", "Memory options: time and peak memory",
+            "python benchmarks/memory_options.py --write-docs"),
     Section("planner", "Planning time", "python benchmarks/bench_planner.py --write-docs"),
     Section("scale", "Planning at 1024 workers", "python benchmarks/bench_scale.py --write-docs"),
     Section("simulator", "Schedule building and simulation",

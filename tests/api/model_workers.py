@@ -54,8 +54,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     (repeating every ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]``
     if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
     losses, the full state, the plan's stage bounds and replicas, whether rank 0's stage
-    recomputes, the schedule it ran, the checkpoint's path, the held-out loss and the
-    skipped minibatches."""
+    recomputes, the schedule it ran, the checkpoint's path, the held-out loss, the
+    skipped minibatches and whether rank 0's stage shards over its replicas (``zero``)."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -72,7 +72,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
             schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
             resume=job.get("resume"), semantics=job.get("semantics", "sync"),
             precision=job.get("precision", "fp32"),
-            recompute_blocks=job.get("recompute_blocks", 0),
+            recompute_blocks=job.get("recompute_blocks", 0), zero=job.get("zero", 0),
             **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
             virtual_stages=job.get("virtual_stages", 1)), **_where(job, world),
     )
@@ -88,8 +88,9 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     replicas = [st.replicas for st in pipe.plan.stages]
     recomputes = pipe.module.recompute or len(pipe.module.recomputed)
     skipped = pipe.skipped
+    sharded = pipe.module.zero is not None
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
-           "schedule": pipe.kind.value, "skipped": skipped}
+           "schedule": pipe.kind.value, "skipped": skipped, "sharded": sharded}
     return out if rank == 0 else None

@@ -40,26 +40,31 @@ def _data() -> list[tuple[Tensor, Tensor]]:
             for _ in range(8)]
 
 
-def _pipe(resume: Path | None = None) -> dreampipe.Pipeline:
+def _pipe(resume: Path | None = None, precision: str = "fp32") -> dreampipe.Pipeline:
     return dreampipe.Pipeline(
         _model(), example=_data()[0], loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)),
-        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2, resume=resume),
+        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2, resume=resume,
+                                     precision=precision),
     )
 
 
-def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path,
+                                                         precision: str) -> None:
+    """bf16 too: the checkpoint holds the 32-bit master weights, not their rounding."""
     data = _data()
     torch.manual_seed(7)  # dropout draws from the RNG the checkpoint saves
-    straight = _pipe()
+    straight = _pipe(precision=precision)
     for x, y in data:
         straight.step(x, y)
     want = straight.full_state_dict()
     straight.close()
+    assert all(v.dtype == torch.float32 for v in want.values())  # bf16: the masters
 
     torch.manual_seed(7)
-    first = _pipe()
+    first = _pipe(precision=precision)
     for x, y in data[:4]:
         first.step(x, y)
     saved = first.save(tmp_path)
@@ -67,7 +72,7 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path) -> None
     assert saved == tmp_path / "step-4" and (saved / "COMMITTED").is_file()
     assert "rng.0" in FileSystemReader(str(saved)).read_metadata().state_dict_metadata
     torch.manual_seed(99)  # the checkpoint's RNG state replaces this
-    second = _pipe(resume=tmp_path)
+    second = _pipe(resume=tmp_path, precision=precision)
     assert second.minibatches == 4
     for x, y in data[4:]:
         second.step(x, y)
@@ -76,6 +81,26 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path) -> None
     second.close()
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("bf16", "fp32"), ("fp32", "bf16")])
+def test_a_checkpoint_moves_between_precisions(tmp_path: Path, saved: str,
+                                               resumed: str) -> None:
+    """The weights resume at the saved 32-bit values (bf16's masters), and train on."""
+    first = _pipe(precision=saved)
+    for x, y in _data()[:3]:
+        first.step(x, y)
+    first.save(tmp_path)
+    want = first.full_state_dict()
+    first.close()
+    second = _pipe(resume=tmp_path, precision=resumed)
+    got = second.full_state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    for x, y in _data()[3:5]:
+        second.step(x, y)
+    assert all(torch.isfinite(torch.tensor(second.finish())))
+    second.close()
 
 
 def test_a_rank_resumes_its_own_generators_or_else_rank_0s_cpu_state() -> None:

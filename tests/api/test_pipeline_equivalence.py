@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 import torch
 from runtime.reference import adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
+from runtime.reference_formats import Formats
 
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.runtime.processes import run_processes
 
-from .compare import assert_matches
+from .compare import assert_matches, assert_within_rounding
 from .workers import train_zoo
 
 __all__: list[str] = []
@@ -179,3 +180,39 @@ def test_receives_posted_ahead_change_nothing_across_drains_and_evaluations(
     assert ahead[0]["losses"] == plain[0]["losses"]
     for name, value in plain[0]["state"].items():
         assert torch.equal(ahead[0]["state"][name], value), name
+
+
+ASYNC_16 = [("pipedream", "bf16"), ("pipedream", "bf16-mixed"), ("2bw", "bf16"),
+            ("2bw", "bf16-mixed")]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("schedule", "precision"), ASYNC_16,
+                         ids=[f"{s}-{p}" for s, p in ASYNC_16])
+def test_the_asynchronous_schedules_follow_their_rule_in_16_bits(schedule: str,
+                                                                 precision: str) -> None:
+    """A replicated stage, SGD with momentum lowered by each stage's delay: pipedream's
+    and 2bw's delayed updates in bf16 (master weights) and bf16-mixed, within 16-bit
+    rounding of their references in that precision
+    (:func:`.compare.assert_within_rounding`; Adam would turn rounding into whole steps
+    of its learning rate, a bound too loose to catch a lost gradient)."""
+    lr, steps = 0.3, 6
+    micro = 2 if schedule == "2bw" else 1
+    minibatch = 16 if schedule == "2bw" else 8
+    got = _run(3, schedule=schedule, bounds=[0, 2], replicas=[2, 1], steps=steps,
+               minibatch=minibatch, microbatches=micro, lr=lr, momentum=0.9,
+               optimizer="momentum", precision=precision)
+    spec = get_model("mlp", layers=4, width=16)
+
+    def reference(formats: Formats) -> tuple[list[float], dict[str, torch.Tensor]]:
+        data = load_dataset("synthetic", spec, seed=SEED)
+        if schedule == "2bw":
+            return reference_two_bw(spec, data, steps=steps, minibatch=minibatch, seed=SEED,
+                                    opt=sgd(lr, 0.9), microbatches=micro, compensate=True,
+                                    formats=formats)
+        return reference_pipedream(spec, data, bounds=[0, 2], replicas=[2, 1], steps=steps,
+                                   minibatch=minibatch, seed=SEED, opt=sgd(lr, 0.9),
+                                   partial_round=True, compensate=True, formats=formats)
+
+    start = spec.build(0, spec.num_layers - 1, SEED).state_dict()
+    assert_within_rounding(got, reference(Formats(precision)), reference(Formats()), start)

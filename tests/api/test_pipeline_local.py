@@ -148,9 +148,10 @@ def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_ali
     build = MicrobatchLayout.build
 
     def counted(layout: MicrobatchLayout, replicas: list[int], steps: int,
-                in_flight: list[int] | None = None, virtual_stages: int = 1) -> Schedule:
+                in_flight: list[int] | None = None, virtual_stages: int = 1,
+                zero: list[int] | None = None) -> Schedule:
         built.append(steps)
-        return build(layout, replicas, steps, in_flight, virtual_stages)
+        return build(layout, replicas, steps, in_flight, virtual_stages, zero)
 
     monkeypatch.setattr(MicrobatchLayout, "build", counted)
     data = _data(115)

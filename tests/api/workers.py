@@ -59,7 +59,8 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
             schedule=job["schedule"], virtual_stages=job.get("virtual_stages", 1),
             compensate=job.get("compensate", True), microbatches=job.get("microbatches", 1),
             vertical_sync=job.get("vertical_sync", False), resume=job.get("resume"),
-            record_events=job.get("record_events", False), timeout_s=30.0),
+            record_events=job.get("record_events", False), timeout_s=30.0,
+            precision=job.get("precision", "fp32"), zero=job.get("zero", 0)),
     )
     loaded = pipe.full_state_dict() if "resume" in job else None
     opt = pipe.module.optimizer

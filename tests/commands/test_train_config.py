@@ -210,10 +210,11 @@ def test_a_run_that_cannot_be_cut_is_made_but_its_layout_raises() -> None:
 
 def test_with_plan_keeps_every_option_and_replaces_the_steps() -> None:
     opts = TrainOptions(
-        model="mlp", config=TrainConfig(schedule="gpipe", microbatches=2, seed=5),
+        model="mlp", config=TrainConfig(schedule="gpipe", microbatches=2, seed=5,
+                                        measure_memory=True),
         minibatch_size=8, steps=7, optimizer=OptimizerKind.ADAM, lr=0.5, momentum=0.3,
         dataset="digits", data_dir="/data", model_kwargs=_KWARGS, evaluate=False,
-        progress=True, measure_memory=True,
+        progress=True,
     )
     defaults = TrainOptions(model="other")
     changed = [f.name for f in dataclasses.fields(TrainOptions)

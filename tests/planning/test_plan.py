@@ -225,3 +225,14 @@ def test_a_memory_limit_keeps_the_deepest_join_buffer_that_fits() -> None:
     assert tight.in_flight == in_flight_counts([3, 1], 1) == (2, 1)
     assert all(s.memory_bytes <= need - 1 for s in tight.stages)
     assert tight.time_per_minibatch_s == free.time_per_minibatch_s
+
+
+def test_a_stage_keeps_its_own_zero_level_through_json() -> None:
+    plan = Plan.from_config(4, [0, 2], [2, 1])
+    staged = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], zero=2),
+                                               plan.stages[1]))
+    again = Plan.from_dict(staged.to_dict())
+    assert [st.zero for st in again.stages] == [2, None]
+    assert "zero" not in plan.to_dict()["stages"][0]  # the run's level: nothing written
+    with pytest.raises(PlanError, match=r"zero=4; give 0, 1, 2 or 3"):
+        dataclasses.replace(plan.stages[0], zero=4)

@@ -45,8 +45,9 @@ def profiles(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _request(model: str, stash: bool, profile: Path | None, memory_bytes: int | None = None,
              optimizer: OptimizerKind = OptimizerKind.SGD) -> TrainRequest:
     run = TrainOptions(model=model, model_kwargs=_MODELS[model], minibatch_size=_BATCH[model],
-                       steps=4, config=TrainConfig(stash=stash, timeout_s=120.0), progress=False,
-                       measure_memory=True, optimizer=optimizer)
+                       steps=4, config=TrainConfig(stash=stash, timeout_s=120.0,
+                                                   measure_memory=True),
+                       progress=False, optimizer=optimizer)
     return TrainRequest(run=run, plan=PlanSource(config="straight", stages=_CUTS[model]),
                         workers=2, exact_steps=True, memory_bytes=memory_bytes,
                         profile=None if profile is None else str(profile))

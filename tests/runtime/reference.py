@@ -56,6 +56,8 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.splits import Split
 
+from .reference_formats import Formats
+
 __all__ = ["OptFactory", "adam", "adamw", "admitted", "reference_pipedream", "reference_sync",
            "reference_two_bw", "sgd", "split_like"]
 
@@ -119,13 +121,17 @@ def reference_sync(
 
 
 def _accumulate(forward: Callable[[Tensor], Any], spec: ModelSpec, data: Dataset, k: int,
-                microbatches: int, size: int, autocast: torch.dtype | None = None) -> float:
+                microbatches: int, size: int, autocast: torch.dtype | Formats | None = None
+                ) -> float:
     """Update ``k``'s gradients summed over its microbatches (each of mean loss
-    ``1 / microbatches``) by backward through ``forward``; the mean of their losses."""
+    ``1 / microbatches``) by backward through ``forward`` (under ``autocast``: a dtype, or a
+    precision's forwards); the mean of their losses."""
     total = 0.0
     for m in range(microbatches):
         x, y = data.batch(k * microbatches + m, size)
-        with torch.autocast("cpu", autocast, enabled=autocast is not None):
+        cast = autocast.forwards() if isinstance(autocast, Formats) else torch.autocast(
+            "cpu", autocast or torch.bfloat16, enabled=autocast is not None)
+        with cast:
             loss = spec.loss_fn(forward(x), y)
         torch.autograd.backward(loss / microbatches)
         total += float(loss.detach())
@@ -142,15 +148,18 @@ def reference_two_bw(
     opt: OptFactory,
     microbatches: int = 1,
     compensate: bool = False,
+    formats: Formats | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
     microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
     ``compensate``: the delay of 1 lowers SGD's momentum by 1/2 (at least 0); under
-    Adam, from update 2 on the gradient is taken at ``W(t-1) + (W(t-1) - W(t-2))``."""
+    Adam, from update 2 on the gradient is taken at ``W(t-1) + (W(t-1) - W(t-2))``.
+    ``formats``: a precision's (:mod:`.reference_formats`)."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
-    optimizer = opt(list(model.parameters()))
+    fm = formats or Formats()
+    optimizer = fm.optimizer(model, opt)
     predicting = compensate and _compensate(optimizer, 1)
     history: list[dict[str, Tensor]] = []
     losses = []
@@ -159,12 +168,13 @@ def reference_two_bw(
         v = max(t - 1, 0)
         stale = {k: w.requires_grad_(True)
                  for k, w in _predicted(history, v, t - v if predicting else 0).items()}
-        losses.append(_accumulate(lambda x, w=stale: functional_call(model, w, (x,)), spec, data, t,
-                                  microbatches, size))
+        losses.append(_accumulate(
+            lambda x, w=stale: fm.output(functional_call(model, w, (fm.inputs(x),))), spec,
+            data, t, microbatches, size, fm))
         for name, p in model.named_parameters():
             p.grad = stale[name].grad
-        optimizer.step()
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+        fm.step(model, optimizer)
+    return losses, fm.state(model)
 
 
 def admitted(replicas: Sequence[int], stage: int) -> int:
@@ -190,8 +200,10 @@ def reference_pipedream(
     ties: Sequence[Sequence[tuple[int, str]]] = (),
     compensate: bool = False,
     split_as: Plan | None = None,
+    formats: Formats | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
+    ``formats``: a precision's (:mod:`.reference_formats`).
 
     ``compensate``: each stage's SGD momentum is lowered by its delay's ``d / (d + 1)``;
     with ``ties``, every stage's by the deepest delay's (the copies take the same updates).
@@ -208,7 +220,8 @@ def reference_pipedream(
     if split_as is not None:
         for stage in stages:
             split_like(stage, split_as, spec.layer_names)
-    optims = [opt(list(m.parameters())) for m in stages]
+    fm = formats or Formats()
+    optims = [fm.optimizer(m, opt) for m in stages]
     predicting = [compensate and _compensate(
         o, admitted(replicas, 0 if vertical_sync or ties else s) - 1) for s, o in enumerate(optims)]
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
@@ -228,8 +241,10 @@ def reference_pipedream(
             params = {k: w.requires_grad_(True)
                       for k, w in _predicted(history[s], v, ahead).items()}
             leaves.append(params)
-            x = functional_call(stages[s], params, (x,))
-        loss = spec.loss_fn(x, y)
+            with fm.forwards():
+                x = functional_call(stages[s], params, (fm.inputs(x) if s == 0 else x,))
+        with fm.forwards():
+            loss = spec.loss_fn(fm.output(x), y)
         losses.append(float(loss.detach()))
         flat = [p for params in leaves for p in params.values()]
         grads = list(torch.autograd.grad(loss, flat))
@@ -248,12 +263,12 @@ def reference_pipedream(
                 mean = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
                 for p, g in zip(_trainable(stages[s]), mean, strict=True):
                     p.grad = g
-                optims[s].step()
+                fm.step(stages[s], optims[s])
                 pending[s].clear()
                 history[s].append(_snapshot(stages[s]))
     state: dict[str, Tensor] = {}
     for m in stages:
-        state.update({k: v.detach().clone() for k, v in m.state_dict().items()})
+        state.update(fm.state(m))
     return losses, state
 
 

@@ -1,4 +1,4 @@
-"""One process training in a run's number formats, written from docs/design.md §5.6, not
+"""One process training in a run's number formats, written from docs/design.md §5.5, not
 from the runtime's code, to compare pipelines with:
 
 - ``fp32``: plain training;
@@ -15,6 +15,8 @@ The returned state holds the masters' values for the parameters under ``bf16``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +27,10 @@ from torch.utils import _pytree as pytree
 from dreampipe.models.datasets import Dataset
 from dreampipe.models.spec import ModelSpec
 
-from .reference import OptFactory
-
-__all__ = ["FormatsRun", "reference_formats"]
+__all__ = ["Formats", "FormatsRun", "reference_formats"]
 
 _AUTOCAST = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+OptFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,59 @@ def _cast(x: Any, dtype: torch.dtype) -> Any:
     return pytree.tree_map(one, x)
 
 
+class Formats:
+    """A precision's rules for the references' modules (the module docstring): forwards
+    under autocast (the mixed ones), or a module in bf16 stepped through fp32 masters."""
+
+    def __init__(self, precision: str = "fp32") -> None:
+        self.precision = precision
+        self.pure = precision == "bf16"
+        self._masters: dict[int, tuple[list[nn.Parameter], list[nn.Parameter]]] = {}
+
+    def optimizer(self, module: nn.Module, opt: OptFactory) -> torch.optim.Optimizer:
+        """``opt`` on ``module``'s trained parameters, or on fp32 masters of them (the
+        module then moves to bf16)."""
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not self.pure:
+            return opt(params)
+        masters = [nn.Parameter(p.detach().float().clone()) for p in params]
+        module.to(torch.bfloat16)
+        self._masters[id(module)] = (params, masters)
+        return opt(masters)
+
+    @contextmanager
+    def forwards(self) -> Iterator[None]:
+        cast = _AUTOCAST.get(self.precision)
+        with torch.autocast("cpu", cast or torch.bfloat16, enabled=cast is not None):
+            yield
+
+    def inputs(self, x: Any) -> Any:
+        return _cast(x, torch.bfloat16) if self.pure else x
+
+    def output(self, out: Any) -> Any:
+        return _cast(out, torch.float32) if self.pure else out
+
+    def step(self, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's step with the gradients on ``module``'s parameters."""
+        if not self.pure:
+            optimizer.step()
+            return
+        params, masters = self._masters[id(module)]
+        for p, master in zip(params, masters, strict=True):
+            master.grad = None if p.grad is None else p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for p, master in zip(params, masters, strict=True):
+                p.copy_(master)
+
+    def state(self, module: nn.Module) -> dict[str, Tensor]:
+        """``module``'s state, its parameters the masters' values."""
+        params, masters = self._masters.get(id(module), ([], []))
+        full = {id(p): m for p, m in zip(params, masters, strict=True)}
+        return {k: full.get(id(v), v).detach().clone()
+                for k, v in module.state_dict(keep_vars=True).items()}
+
+
 def reference_formats(spec: ModelSpec, data: Dataset, *, steps: int, minibatch: int, seed: int,
                       opt: OptFactory, microbatches: int, precision: str,
                       loss_scale: float = 2.0**16, window: int = 2000,
@@ -58,25 +112,18 @@ def reference_formats(spec: ModelSpec, data: Dataset, *, steps: int, minibatch: 
     updates ``skip`` lists are dropped (as a GradScaler drops one that overflowed)."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    pure = precision == "bf16"
-    masters = [nn.Parameter(p.detach().float().clone()) for p in params] if pure else params
-    if pure:
-        model.to(torch.bfloat16)
-    optimizer = opt(masters)
-    cast = _AUTOCAST.get(precision)
+    formats = Formats(precision)
+    optimizer = formats.optimizer(model, opt)
     scaler = (torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=window)
               if precision == "fp16-mixed" else None)
     losses, skipped = [], []
     for k in range(steps):
-        for p in (*params, *masters):
-            p.grad = None
+        model.zero_grad(set_to_none=True)
         total = 0.0
         for m in range(microbatches):
             x, y = data.batch(k * microbatches + m, size)
-            with torch.autocast("cpu", cast or torch.bfloat16, enabled=cast is not None):
-                out = model(_cast(x, torch.bfloat16) if pure else x)
-                loss = spec.loss_fn(_cast(out, torch.float32) if pure else out, y)
+            with formats.forwards():
+                loss = spec.loss_fn(formats.output(model(formats.inputs(x))), y)
             share = loss * (1.0 / microbatches)
             (scaler.scale(share) if scaler is not None else share).backward()
             total += float(loss.detach())
@@ -91,15 +138,5 @@ def reference_formats(spec: ModelSpec, data: Dataset, *, steps: int, minibatch: 
             if scaler.get_scale() < before:
                 skipped.append(k)
             continue
-        if pure:
-            for p, master in zip(params, masters, strict=True):
-                master.grad = None if p.grad is None else p.grad.float()
-        optimizer.step()
-        if pure:
-            with torch.no_grad():
-                for p, master in zip(params, masters, strict=True):
-                    p.copy_(master)
-    full = {id(p): master for p, master in zip(params, masters, strict=True)}
-    state = {k: full.get(id(v), v).detach().clone()
-             for k, v in model.state_dict(keep_vars=True).items()}
-    return FormatsRun(losses, state, skipped)
+        formats.step(model, optimizer)
+    return FormatsRun(losses, formats.state(model), skipped)

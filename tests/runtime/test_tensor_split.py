@@ -51,8 +51,8 @@ LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
 @pytest.mark.parametrize("workers", [2, 4])
 def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int) -> None:
     run = TrainOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
-                       lr=LR, config=TrainConfig(schedule="1f1b-flush", timeout_s=120.0),
-                       progress=False, measure_memory=True)
+                       lr=LR, config=TrainConfig(schedule="1f1b-flush", timeout_s=120.0,
+                                                 measure_memory=True), progress=False)
     request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
                            memory_bytes=LIMITS[workers])
     said: list[str] = []

@@ -23,6 +23,7 @@ from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_records import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
@@ -194,6 +195,12 @@ def check_schedule(config: TrainConfig, plan: Plan) -> None:
         raise ScheduleError(f"the dp schedule runs one stage on every worker, not plan "
                             f"{plan.config} of {len(replicas)} stages; use a one-stage plan "
                             f"(config like '{plan.workers_used}'), or plan='auto'")
+    sharded = [s for s, st in enumerate(plan.stages) if st.replicas > 1 and (
+        config.zero if st.zero is None else st.zero) >= SHARDED_LEVEL]
+    if sharded and not kind.synchronous:
+        raise ConfigError(
+            f"zero=3 on stage {sharded[0]} with schedule={kind.value}: {ASYNC_REASON}; give the "
+            "stage zero=2, or use a synchronous schedule", "zero", "schedule")
     vsync, max_grad_norm = config.vertical_sync, config.max_grad_norm
     if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
             vsync or max_grad_norm is not None):

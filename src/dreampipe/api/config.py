@@ -30,8 +30,10 @@ from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import RunnerOptions
+from dreampipe.runtime.zero import MAX_LEVEL
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 
 __all__ = ["TrainConfig"]
 
@@ -59,7 +61,10 @@ class TrainConfig:
     backward (all it holds where it holds fewer), keeping only their inputs;
     ``recompute_attention``: each block recomputes its attention only (Megatron-LM's
     selective recomputation; :mod:`dreampipe.runtime.block_recompute`). A stage the plan
-    recomputes whole (``r``) does that instead. ``compensate``:
+    recomputes whole (``r``) does that instead. ``zero``: the ZeRO level a replicated
+    stage shards at over its replicas, 1 its optimizer state, 2 also its gradients, 3 also
+    its weights between uses (:mod:`dreampipe.runtime.zero`, :mod:`dreampipe.runtime.
+    zero_params`; synchronous schedules only; a plan's stage may set its own). ``compensate``:
     staleness compensation of the asynchronous schedules
     (:mod:`dreampipe.runtime.staleness`). ``vertical_sync`` runs every stage on the
     weight version its input stage used; ``stash=False`` turns weight stashing off
@@ -70,7 +75,10 @@ class TrainConfig:
     bounds every wait for a peer. ``on_nonfinite``: ``"stop"`` or, with a synchronous
     schedule, ``"skip"`` the update of a minibatch with a NaN or inf
     (:mod:`dreampipe.runtime.nonfinite`). ``record_events`` keeps what each rank did,
-    with times. ``resume``: a checkpoint directory to continue from (its newest
+    with times. ``measure_memory``: each rank measures its peak memory, which
+    ``Pipeline.memory()`` reports beside the prediction (:mod:`dreampipe.api.memory_report`;
+    on CPU large tensors then get pages of their own, which slows training).
+    ``resume``: a checkpoint directory to continue from (its newest
     complete checkpoint).
     """
 
@@ -84,6 +92,7 @@ class TrainConfig:
     loss_scale_window: int = 2000
     recompute_blocks: int = 0
     recompute_attention: bool = False
+    zero: int = 0
     compensate: bool = True
     vertical_sync: bool = False
     stash: bool = True
@@ -92,6 +101,7 @@ class TrainConfig:
     timeout_s: float = 60.0
     on_nonfinite: str = "stop"
     record_events: bool = False
+    measure_memory: bool = False
     resume: str | os.PathLike[str] | None = None
     autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
@@ -112,10 +122,10 @@ class TrainConfig:
                               "resume='ckpt'", "resume")
         self._set("resume", None if self.resume is None else os.fspath(self.resume))
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
-                     "record_events", "recompute_attention"):
+                     "record_events", "recompute_attention", "measure_memory"):
             _typed(name, getattr(self, name), (bool,), "True or False")
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
-                     "recompute_blocks"):
+                     "recompute_blocks", "zero"):
             _typed(name, getattr(self, name), (int,), "a whole number",
                    optional=name == "virtual_stages")
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
@@ -164,6 +174,10 @@ class TrainConfig:
                                   f"{self.loss_scale_window}; use a positive scale (e.g. 65536) "
                                   "and a window of 1 or more updates", "loss_scale",
                                   "loss_scale_window")
+        if not 0 <= self.zero <= MAX_LEVEL:
+            raise ConfigError(
+                f"zero={self.zero}; give 0 (no sharding), 1 (optimizer state), 2 (also "
+                f"gradients) or {MAX_LEVEL} (also the weights between uses)", "zero")
         if self.recompute_blocks < 0 or (self.recompute_blocks and self.recompute_attention):
             raise ConfigError(
                 f"recompute_blocks={self.recompute_blocks} with recompute_attention="
@@ -191,6 +205,10 @@ class TrainConfig:
                 "stages needs every stage to update at the same step, which only synchronous "
                 "schedules do; use precision='bf16' or 'bf16-mixed' with it, or a synchronous "
                 "schedule", "precision", "schedule")
+        if SHARDED_LEVEL <= self.zero <= MAX_LEVEL and not kind.synchronous:
+            raise ConfigError(
+                f"zero={self.zero} with schedule={kind.value}: {ASYNC_REASON}; use zero=2, or a "
+                "synchronous schedule (1f1b-flush, gpipe, zb-h1, zb-h2)", "zero", "schedule")
         if self.on_nonfinite == OnNonFinite.SKIP.value and kind is ScheduleKind.PIPEDREAM:
             raise ConfigError(
                 "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "

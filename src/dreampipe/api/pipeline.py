@@ -48,7 +48,8 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
-from dreampipe.api.plans import PlanArg, resolve_plan
+from dreampipe.api.memory_report import MemoryReport, measured, start
+from dreampipe.api.plans import PlanArg, profile_layers, resolve_plan
 from dreampipe.api.stage_build import build_modules, compensate_modules
 from dreampipe.api.ties import check_ties, tie_stages
 from dreampipe.errors import ConfigError
@@ -58,6 +59,7 @@ from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
+from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
@@ -160,6 +162,7 @@ class Pipeline:
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
+        self._zero = [config.zero if st.zero is None else st.zero for st in self.plan.stages]
         check_schedule(self.config, self.plan)
         if t > 1:
             check_split(self.plan, self.config)
@@ -175,10 +178,14 @@ class Pipeline:
         self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
         mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
             if mixed else None
+        self._baseline, self._before = start(self.config, [
+            layer for s in self._my_stages(world) for _, layer in
+            self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
+            self.device)
         modules = build_modules(
             self._layers, self.plan, self._my_stages(world), self.device,
             mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
-            optimizer=optimizer, loss_fn=loss_fn, config=self.config)
+            optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
         applied = compensate_modules(  # before the schedulers: they keep the rates they see
             modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
             config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,
@@ -219,6 +226,16 @@ class Pipeline:
             self.minibatches = checkpoint.load(found, self)
 
     # ---- training ----------------------------------------------------------
+    def memory(self) -> MemoryReport:
+        """This rank's peak memory beside its stage's prediction, with
+        ``measure_memory=True`` (drains first; a collective: every rank calls it)."""
+        self._drain()
+        return measured(self._baseline, self._before, self.rank, self.runner.modules,
+                        self.config, self.plan, self._layers, self._build_schedule,
+                        lambda: profile_layers(self._layers, self._example, self.loss_fn,
+                                               self.layout.microbatch_size, self.config),
+                        self.minibatches)
+
     def _my_stages(self, world: int) -> range:
         """The stages this rank runs: its plan stage, or every ``world``-th one from its rank."""
         if self._virtual == 1:
@@ -236,7 +253,8 @@ class Pipeline:
 
         :attr:`_schedule` keeps the last few built: every full segment grows
         through the same horizons and drains on the same schedule."""
-        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual)
+        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual,
+                                 self._zero)
 
     def _new_feed(self) -> Feed:
         sched = self.runner.schedule
@@ -336,8 +354,9 @@ class Pipeline:
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
                       precision=self._opts.precision, virtual_stages=self._virtual)
-        return evaluate([(x, y) for x, y in loader],
-                        {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
+        with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
+            return evaluate([(x, y) for x, y in loader],
+                            {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
 
     @property
     def skipped(self) -> list[int]:
@@ -360,9 +379,10 @@ class Pipeline:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
         self._drain()
         mine = None
-        if self.runner.schedule.replica_of_rank(self.srank) == 0:
+        first = self.runner.schedule.replica_of_rank(self.srank) == 0
+        if first or self.runner.gathers_state:  # ZeRO's masters: gathered over the replicas
             mine = self.runner.final_state()  # gathers a split stage's DTensors: all its workers
-            mine = mine if self.member == 0 else None
+            mine = mine if self.member == 0 and first else None
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         return self.state_keys.complete(

@@ -49,7 +49,7 @@ from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import Layers, build_stage
 from dreampipe.splitter.segments import Segment
 
-__all__ = ["PlanArg", "Resolved", "resolve_plan"]
+__all__ = ["PlanArg", "Resolved", "profile_layers", "resolve_plan"]
 
 _log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def resolve_plan(
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            graph = _profile(layers, example, loss_fn, microbatch_size, config)
+            graph = profile_layers(layers, example, loss_fn, microbatch_size, config)
             chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
@@ -124,7 +124,7 @@ def resolve_plan(
                     None if chosen_kind is None else ScheduleKind(chosen_kind), per)
 
 
-def _profile(
+def profile_layers(
     layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int,
     config: TrainConfig,
 ) -> LayerGraph:

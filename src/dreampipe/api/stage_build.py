@@ -30,6 +30,7 @@ from dreampipe.runtime.staleness import (
     predicts,
     stage_delays,
 )
+from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers, build_split_stage, build_stage
 
@@ -41,12 +42,14 @@ _log = logging.getLogger(__name__)
 def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: torch.device,
                   mesh: DeviceMesh | None, *,
                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                  loss_fn: Callable[..., Any], config: TrainConfig) -> list[StageModule]:
+                  loss_fn: Callable[..., Any], config: TrainConfig, rank: int = 0
+                  ) -> list[StageModule]:
     """One StageModule per stage in ``stages``, each with the user's ``optimizer`` and
     ``loss_fn`` and the config's weight stashing, vertical sync, gradient kernels and
     seed; a split stage's share on ``mesh``; the blocks it recomputes (a stage the plan
     recomputes whole does that instead; a stage of fewer blocks than asked recomputes
-    them all)."""
+    them all); its ZeRO level (the plan's stage's, else the config's) and schedule rank
+    ``rank``'s replica of it."""
     spec = config.block_recompute()
     if spec is not None:
         spec = spec.for_model(*(m for _, m in layers))
@@ -67,8 +70,19 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
             else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
             precision=config.number_formats,
             blocks=None if st.recompute else _stage_spec(spec, built),
+            zero=_zero_place(plan, stage, rank, config.zero),
         ))
     return modules
+
+
+def _zero_place(plan: Plan, stage: int, rank: int, level: int) -> ZeroPlace | None:
+    """Stage ``stage``'s ZeRO level and ``rank``'s replica of it; None at level 0 or when
+    the stage is not replicated (interleaving, one replica)."""
+    st = plan.stages[stage]
+    level = level if st.zero is None else st.zero
+    if level == 0 or st.replicas == 1 or rank not in st.ranks:
+        return None
+    return ZeroPlace(level, st.ranks.index(rank), st.replicas)
 
 
 def _stage_spec(spec: BlockRecompute | None, stage: nn.Module) -> BlockRecompute | None:

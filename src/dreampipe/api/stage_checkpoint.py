@@ -6,7 +6,9 @@ A rank writes the entries of every stage it holds (several under
 otherwise. The weights of a stage split over workers, and their optimizer
 state, are DTensors: DCP writes each worker's share once, and a load fills
 whatever the reading stage holds, a whole tensor in an unsplit stage or this
-worker's share in a split one, from the shares written (resharding).
+worker's share in a split one, from the shares written (resharding). A stage under
+ZeRO (:mod:`dreampipe.runtime.zero`) writes its optimizer state whole, gathered over its
+replicas, and cuts what it reads to its shard, so any plan or ZeRO level reads it.
 """
 
 from __future__ import annotations
@@ -47,11 +49,14 @@ def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
         sched = part.scheduler.state_dict() if part.scheduler is not None else None
         names = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
         groups = opt.param_groups if opt is not None else []
+        index = {id(p): i for i, p in enumerate(module.optimized)}
         for group, applied in zip(groups, part.compensation, strict=True):
             hyper = {k: v for k, v in group.items() if k != "params"}
             for p in group["params"]:
                 fqn = names[id(p)]
                 per = opt.state.get(p, {}) if opt is not None else {}
+                if module.zero is not None:  # whole tensors, gathered over the replicas
+                    per = module.zero.gathered_state(index[id(p)], per)
                 state.update({f"optim.{fqn}.{k}": v for k, v in per.items()
                               if isinstance(v, Tensor)})
                 state[f"param.{fqn}"] = pickle.dumps({
@@ -103,12 +108,14 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
         module.load_state_dict({k: state[f"model.{k}"] for k in module.state_dict()})
         opt = module.optimizer
         names = module.module_param_names
-        for p, fqn in zip(module.optimized, names, strict=True):
+        for i, (p, fqn) in enumerate(zip(module.optimized, names, strict=True)):
             info = objects[f"param.{fqn}"]
             per: dict[str, Any] = dict(info["state"])
             prefix = f"optim.{fqn}."
             per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
                         if k.startswith(prefix)})
+            if module.zero is not None:  # this replica's chunks of the whole tensors
+                per = module.zero.sharded_state(i, per)
             if opt is not None and per:
                 opt.state[p] = per
             module.resume_at(int(info["version"]))

@@ -80,7 +80,7 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "splits every layer over the workers (docs/operator-partitioning.md), "
                         "and when nothing fits it is an error (default: no limit; see "
                         "docs/memory.md)")
-    g.add_argument("--measure-memory", action="store_true",
+    g.add_argument("--measure-memory", action="store_true", default=None,
                    help="measure each rank's peak memory and print it beside the planner's "
                         "prediction; on CPU, large tensors then get pages of their own, "
                         "returned when freed, which makes training about a fifth slower")
@@ -109,6 +109,13 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "overflow skips the update everywhere and lowers it); bf16: 16-bit "
                         "weights and gradients, 32-bit master weights and optimizer state. "
                         "Stages send in 16 bits in all but fp32")
+    g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
+                   help="shard a replicated stage over its replicas (ZeRO): 1 its optimizer "
+                        "state, 2 also its gradients (reduce-scattered once per update), 3 "
+                        "also its weights between updates (all-gathered before each update's "
+                        "first forward, freed after its last backward; synchronous schedules "
+                        "only); 0 none (default). A plan file's stage may set its own "
+                        "(\"zero\": 1)")
     recompute = g.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",
                            help="each stage recomputes its first K blocks (transformer layers) "
@@ -221,7 +228,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 #: The flags that set a TrainConfig field, by the field (argparse's dest is the field).
 _CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "seed", "precision",
                  "vertical_sync", "stash", "compensate", "timeout_s", "on_nonfinite",
-                 "recompute_blocks")
+                 "recompute_blocks", "zero", "measure_memory")
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -246,7 +253,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         model=args.model, model_kwargs=parse_model_args(args.model_arg), config=_config(args),
         optimizer=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum,
         minibatch_size=args.batch_size, steps=10 if args.steps is None else args.steps,
-        dataset=args.dataset, data_dir=args.data_dir, measure_memory=args.measure_memory,
+        dataset=args.dataset, data_dir=args.data_dir,
         progress=not args.no_progress,
     )
     return TrainRequest(

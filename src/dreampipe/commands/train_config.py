@@ -52,7 +52,7 @@ class TrainOptions:
     ``model_kwargs``. ``config`` is how every rank's Pipeline trains (schedule,
     microbatches, weight stashing, timeouts...). ``evaluate`` measures test
     accuracy after training, where the dataset has a test split. ``progress``
-    shows a bar of minibatches on the last rank. ``measure_memory`` measures
+    shows a bar of minibatches on the last rank. ``config.measure_memory`` measures
     each rank's peak memory (:mod:`~dreampipe.runtime.memory`); on CPU that
     gives large tensors pages of their own, which slows training.
     """
@@ -69,7 +69,11 @@ class TrainOptions:
     model_kwargs: tuple[tuple[str, Any], ...] = ()
     evaluate: bool = True
     progress: bool = False
-    measure_memory: bool = False
+
+    @property
+    def measure_memory(self) -> bool:
+        """Whether each rank measures its peak memory (the config's ``measure_memory``)."""
+        return self.config.measure_memory
 
     def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
         """What each stage calls with its own parameters to build its optimizer."""
@@ -87,6 +91,7 @@ class TrainOptions:
                                compensate=self.config.compensate,
                                precision=self.config.number_formats,
                                recompute_blocks=self.config.recompute_blocks,
+                               zero=self.config.zero,
                                block=self._block())
 
     def _block(self) -> str | None:

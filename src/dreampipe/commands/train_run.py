@@ -307,7 +307,9 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
                    for i in range(0, n, _EVAL_BATCH)]
         accuracy = pipe.evaluate(batches).accuracy
     replica = pipe.runner.schedule.replica_of_rank(pipe.srank)
-    states = pipe.runner.final_states() if replica == 0 else {}
+    gather = replica == 0 or pipe.runner.gathers_state  # ZeRO's masters: every replica
+    states = pipe.runner.final_states() if gather else {}
+    states = states if replica == 0 else {}
     mine = [RankReport(rank=rank, stage=m.stage, replica=replica, loop_s=loop_s,
                        events=pipe.events if k == 0 else [], state=states.get(m.stage),
                        memory=memory if k == 0 else None)

@@ -256,6 +256,7 @@ class Plan:
                     "splits": [x.value for x in st.splits],
                     "in_flight": st.in_flight,
                     "recompute": st.recompute,
+                    **({} if st.zero is None else {"zero": st.zero}),
                 }
                 for st in self.stages
             ],
@@ -281,6 +282,7 @@ class Plan:
                     splits=tuple(Split(x) for x in s.get("splits", [])),
                     in_flight=int(s.get("in_flight", 0)),
                     recompute=bool(s.get("recompute", False)),
+                    zero=None if s.get("zero") is None else int(s["zero"]),
                 )
                 for s in data["stages"]
             )

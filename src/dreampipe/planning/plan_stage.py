@@ -33,7 +33,8 @@ class Stage:
     schedule, its 1F1B warm-up (0: the default of
     :mod:`dreampipe.planning.in_flight`). ``recompute``: the backward runs
     the stage's forward again (counted in ``compute_s``) instead of keeping
-    what its layers keep for every minibatch in flight.
+    what its layers keep for every minibatch in flight. ``zero``: the ZeRO level its
+    replicas shard at (docs/design.md §5.6); None takes the run's (``TrainConfig.zero``).
     """
 
     first: int
@@ -51,10 +52,14 @@ class Stage:
     splits: tuple[Split, ...] = ()
     in_flight: int = 0
     recompute: bool = False
+    zero: int | None = None
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
             raise PlanError(f"stage layers {self.first}..{self.last} are empty or negative")
+        if self.zero is not None and not 0 <= self.zero <= 3:
+            raise PlanError(f"stage {self.first}..{self.last} has zero={self.zero}; give 0, 1, "
+                            "2 or 3 (or none: the run's)")
         if self.replicas < 1:
             raise PlanError(
                 f"stage {self.first}..{self.last} has {self.replicas} replicas; needs >= 1"

@@ -10,7 +10,8 @@ gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
 first action whose microbatch has not been given yet; :meth:`RankRunner.switch`
 takes a schedule that extends the prefix run so far. A rank that holds several
 stages (interleaved 1F1B) keeps one lane (module, links, buckets) per stage,
-and Zero Bubble's ``W`` runs :mod:`.split_backward`. docs/design.md §8.4.
+and Zero Bubble's ``W`` runs :mod:`.split_backward`; a ZeRO-3 stage's ``UNSHARD`` and
+``RESHARD`` gather and free its weights (:mod:`.zero_params`). docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from dreampipe.runtime.stage_records import StageInput
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
+from dreampipe.runtime.zero import ShardBuckets, stage_buckets
+from dreampipe.runtime.zero_params import check_gathers, sharded_weights
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 
@@ -100,7 +103,8 @@ class RankRunner:
         check_two_versions(schedule)
         self.two_bw = (TwoVersions(schedule.microbatches_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
-        self.buckets = GradientBuckets(self.module.params, self.group, self.comm.wait_allreduce)
+        self.buckets = stage_buckets(self.module.zero, self.module.params, self.group,
+                                     self.comm.wait_allreduce)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
@@ -128,6 +132,8 @@ class RankRunner:
             ActionKind.SEND_B: self._send_b,
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
+            ActionKind.UNSHARD: lambda a: sharded_weights(self.module.zero, a).unshard(a),
+            ActionKind.RESHARD: lambda a: sharded_weights(self.module.zero, a).reshard(),
         }
         self.t0 = time.perf_counter()
         self._pos = 0
@@ -171,6 +177,7 @@ class RankRunner:
         """Index the receives; posting resumes at the first one not yet run (those
         posted already, e.g. ahead of a switch, are found posted again)."""
         actions = self.schedule.actions[self.rank]
+        check_gathers(self._lanes[0].module.zero, actions, self._lanes[0].stage)
         self._recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
         self._posted = bisect.bisect_left(self._recv_at, self._pos)
         self._round_ends = round_ends(actions)
@@ -337,10 +344,16 @@ class RankRunner:
         return {k: v for state in self.final_states().values() for k, v in state.items()}
 
     def final_states(self) -> dict[int, dict[str, Tensor]]:
-        """:meth:`final_state` by stage."""
+        """:meth:`final_state` by stage (with :attr:`gathers_state`, every replica calls it)."""
         return {lane.stage: {k: v.detach().cpu().clone()
                              for k, v in full_state(lane.module.state_dict()).items()}
                 for lane in self._lanes}
+
+    @property
+    def gathers_state(self) -> bool:
+        """Whether :meth:`final_states` is a collective over a stage's replicas, which then
+        all call it: ZeRO's sharded 32-bit master weights or level 3's weights (:mod:`.zero`)."""
+        return any(m.zero is not None and m.zero.gathers_state for m in self.modules)
 
     def drain(self) -> None:
         """Wait for every send this rank posted (each of its stages')."""
@@ -360,7 +373,7 @@ class _Lane:
     stage: int
     module: StageModule
     comm: Comm
-    buckets: GradientBuckets
+    buckets: GradientBuckets | ShardBuckets
 
 
 def barrier(timeout_s: float) -> None:

@@ -36,10 +36,12 @@ from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import glibc
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
+from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
 __all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
-           "finish_measuring", "optimizer_copies", "predict_memory", "start_measuring"]
+           "current_baseline", "finish_measuring", "optimizer_copies", "predict_memory",
+           "start_measuring"]
 
 _log = logging.getLogger(__name__)
 _STATUS = Path("/proc/self/status")
@@ -79,6 +81,14 @@ class Baseline:
     code: int
 
 
+_CURRENT: list[Baseline] = []  # the baseline this process measures from, once taken
+
+
+def current_baseline() -> Baseline | None:
+    """The baseline :func:`start_measuring` took last in this process (None: none)."""
+    return _CURRENT[-1] if _CURRENT else None
+
+
 def start_measuring(device: torch.device | None = None) -> Baseline:
     """Reset the peak to the current size and take the baseline (docs/design.md §5.4).
 
@@ -97,17 +107,22 @@ def start_measuring(device: torch.device | None = None) -> Baseline:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        return Baseline(device, int(torch.cuda.memory_allocated(device)), 0)
+        return _taken(Baseline(device, int(torch.cuda.memory_allocated(device)), 0))
     if not _STATUS.exists():
-        return Baseline(device, 0, 0)
+        return _taken(Baseline(device, 0, 0))
     _trim_heap()
     try:
         _CLEAR_REFS.write_text(_RESET_PEAK)
     except OSError as exc:
         _log.warning("cannot reset the memory high-water mark (%s); the peak includes "
                      "everything before training", exc)
-        return Baseline(device, 0, 0)
-    return Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile"))
+        return _taken(Baseline(device, 0, 0))
+    return _taken(Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile")))
+
+
+def _taken(base: Baseline) -> Baseline:
+    _CURRENT[:] = [base]
+    return base
 
 
 def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
@@ -146,7 +161,8 @@ class TrainingChoices:
     """What memory depends on among a run's options: the optimizer's state, the
     weight versions stashing, vertical sync and staleness compensation keep, and the
     number formats (16-bit weights add 32-bit master weights), and the blocks each stage
-    recomputes (its first ``recompute_blocks`` layers of class ``block``)."""
+    recomputes (its first ``recompute_blocks`` layers of class ``block``), and the ZeRO
+    level replicated stages shard at."""
 
     optimizer: OptimizerKind
     momentum: float
@@ -156,6 +172,8 @@ class TrainingChoices:
     precision: Precision = Precision.FP32
     recompute_blocks: int = 0
     block: str | None = None  # the block class's name (the profile's layer description)
+    zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
+    state_copies: int | None = None  # the optimizer's, counted (None: from its kind)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -167,8 +185,32 @@ def optimizer_copies(opts: TrainingChoices) -> int:
     """The optimizer's state in copies of the weights as the run holds them: SGD 0, with
     momentum 1, Adam 2; with 16-bit weights, those and the master weights, each 32-bit
     (twice a 16-bit copy)."""
-    state = 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
+    state = _state_copies(opts)
     return (state + 1) * 2 if opts.precision.master_weights else state
+
+
+def _state_copies(opts: TrainingChoices) -> int:
+    """The optimizer's 32-bit state tensors a parameter: SGD 0, with momentum 1, Adam 2
+    (or as counted on the optimizer a run holds)."""
+    if opts.state_copies is not None:
+        return opts.state_copies
+    return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
+
+
+def _zero_saved(st: Stage, weights: int, opts: TrainingChoices) -> int:
+    """What stage ``st``'s ZeRO level saves each replica at its peak: the optimizer's state
+    and master weights sharded (:func:`~dreampipe.runtime.zero_memory.zero_bytes`). Level
+    2's gradient shards are not counted: an update's backward makes each gradient whole,
+    and the sums stay whole until its reduce-scatter, so the peak holds them whole."""
+    level = opts.zero if st.zero is None else st.zero
+    if level == 0 or st.replicas == 1:
+        return 0
+
+    def held(at: int) -> float:
+        return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
+                          master_weights=opts.precision.master_weights).optimizer
+
+    return round(held(0) - held(level))
 
 
 def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
@@ -211,6 +253,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 stash=opts.stash, recompute=st.recompute)
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
+        weights = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
         walked = opts.stash and not st.recompute
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
@@ -220,7 +263,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 recompute=st.recompute) - saved
                    + (_buckets(graph, st, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
-                      if st.replicas > 1 else 0))
+                      if st.replicas > 1 else 0)
+                   - _zero_saved(st, weights, opts))
     return tuple(out)
 
 

@@ -29,12 +29,14 @@ from dreampipe.runtime.fused import (
     fuse_linear_gradients,
     fused_indices,
 )
-from dreampipe.runtime.precision import MasterWeights, Precision
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.recompute import record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_output
 from dreampipe.runtime.versions import Version, WeightVersions
+from dreampipe.runtime.zero import ZeroPlace, ZeroShards
+from dreampipe.runtime.zero_params import stage_optimizer, writable
 
 __all__ = ["StageModule"]
 
@@ -54,6 +56,7 @@ class StageModule:
     same version, in its backward (:mod:`.recompute`). ``blocks``: recompute some blocks
     or their attention instead (:mod:`.block_recompute`). ``precision``: 16-bit weights
     step 32-bit master copies; sends cross in the compute dtype (:mod:`.precision`).
+    ``zero``: the stage's ZeRO level and this rank's replica (:mod:`.zero`).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class StageModule:
         recompute: bool = False,
         blocks: BlockRecompute | None = None,
         precision: Precision = Precision.FP32,
+        zero: ZeroPlace | None = None,
     ) -> None:
         self.module = module
         self.recompute = recompute
@@ -85,7 +89,7 @@ class StageModule:
         self._params = [p for _, p in named]
         self.precision = precision
         precision.adopt(module)
-        self._master = MasterWeights(module, self._params, optimizer, precision)
+        self._master = stage_optimizer(module, self._params, optimizer, precision, zero, stage)
         self.optimizer = self._master.optimizer
         self._slots = ParameterSlots(module, self._params)
         self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
@@ -106,6 +110,8 @@ class StageModule:
         """Parameter ``index`` is tied to copies on the other stages of ``group``: each
         update sums its gradient over them first (and so applies the same change); a
         replica that does not ``count`` adds zeros (its stage's first one adds the sum)."""
+        if self.zero is not None:
+            self.zero.check_tie()
         self._tied.append((index, group, counts))
 
     # ---- versions --------------------------------------------------------
@@ -339,6 +345,11 @@ class StageModule:
 
     # ---- update ----------------------------------------------------------
     @property
+    def zero(self) -> ZeroShards | None:
+        """The stage's ZeRO shards (:mod:`.zero`), None without."""
+        return self._master if isinstance(self._master, ZeroShards) else None
+
+    @property
     def optimized(self) -> list[nn.Parameter]:
         """What the optimizer steps, in :attr:`params` order: the parameters, or their
         32-bit master copies (:mod:`.precision`)."""
@@ -350,7 +361,8 @@ class StageModule:
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
         """Load :meth:`state_dict`'s entries (the master weights from their values)."""
-        self.module.load_state_dict(state)
+        with writable(self._master):  # ZeRO-3: into the chunks, the full weights freed again
+            self.module.load_state_dict(state)
         self._master.load(state, self._names)
 
     def gradients(self) -> list[Tensor]:
@@ -361,7 +373,10 @@ class StageModule:
     def reduced(self) -> None:
         """The update's gradients were all-reduced over the replicas: each one counts,
         even where this replica's microbatches never used the parameter."""
-        self._grads.arrive_all()
+        if self.zero is not None and self.zero.shards_gradients:
+            self._grads.take()  # ZeRO-2: the full sums go, the replica keeps its shard
+        else:
+            self._grads.arrive_all()
 
     def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, :mod:`.versions`).

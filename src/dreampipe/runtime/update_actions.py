@@ -31,6 +31,7 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.zero import ShardBuckets
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
 __all__ = ["RankUpdates", "loss_scale"]
@@ -78,7 +79,8 @@ class RankUpdates:
         self._clipped: tuple[int, int] | None = None
 
     def allreduce(
-        self, a: Action, schedule: Schedule, module: StageModule, buckets: GradientBuckets
+        self, a: Action, schedule: Schedule, module: StageModule,
+        buckets: GradientBuckets | ShardBuckets,
     ) -> None:
         """``ALLREDUCE`` ``a`` of ``module``'s stage: its buckets finished, the sum scaled."""
         scale = 1.0
@@ -102,13 +104,15 @@ class RankUpdates:
             overflowed = None
             if self._scaler is not None:
                 overflowed = not self._scaler.unscale(
-                    [g for m in self._modules for g in m.gradients()])
+                    [g for m in self._modules for g in _held(m)[0]])
             self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world,
                                                     overflowed))
             if self._scaler is not None:
                 self._scaler.update(self._guard.overflowed)
         if self._agreed[2]:
             module.step(apply=False, wait=tied)
+            if module.zero is not None:
+                module.zero.drop()
             return
         if self._max_grad_norm is not None and self._clipped != now:
             self._clipped = now
@@ -120,15 +124,27 @@ class RankUpdates:
     def _clip(self, a: Action, schedule: Schedule, comm: Comm, max_norm: float) -> None:
         """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
         ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
-        stage counted once (its replicas hold the same all-reduced gradient); under
-        interleaving a rank clips all its stages at its first ``STEP`` of the update."""
-        grads = [g for module in self._modules for g in module.gradients()]
+        stage counted once (its replicas hold the same all-reduced gradient, or under
+        ZeRO-2 each its shard); under interleaving a rank clips all its stages at its
+        first ``STEP`` of the update."""
+        held = [_held(module) for module in self._modules]
+        grads = [g for gs, _ in held for g in gs]
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
-        if schedule.replica_of_rank(self._rank) == 0:
-            for g in grads:
+        first = schedule.replica_of_rank(self._rank) == 0
+        for gs, shard in held:
+            for g in gs if first or shard else ():
                 sq += torch.linalg.vector_norm(g, 2).double() ** 2
         work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
         comm.wait_world(work, a)
         coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
         for g in grads:
             g.mul_(coef)
+
+
+def _held(module: StageModule) -> tuple[list[torch.Tensor], bool]:
+    """The update's gradients this rank holds of ``module``'s stage, and whether they are
+    its shard (ZeRO-2, :mod:`.zero`) rather than the whole, all-reduced gradient."""
+    zero = module.zero
+    if zero is not None and zero.shards_gradients:
+        return zero.gradients(), True
+    return module.gradients(), False

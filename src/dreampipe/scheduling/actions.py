@@ -4,8 +4,10 @@ An :class:`Action` is ``(kind, stage, number)``. For ``F``/``B``/``W`` and the
 sends and receives the number is the microbatch (a minibatch under PipeDream's
 schedule, a microbatch under the others); for ``ALLREDUCE`` and ``STEP`` it is
 the update ``k``: a rank's k-th weight update, and the all-reduce round its
-stage's replicas join together. ``W`` is the weight gradient of Zero Bubble's
-split backward; elsewhere ``B`` computes both gradients. Peers are derived,
+stage's replicas join together; ``UNSHARD`` and ``RESHARD`` (torch's names) carry it too:
+where a ZeRO-3 stage all-gathers its weights for update ``k``'s computations and where it
+frees them again (:mod:`dreampipe.scheduling.unshard`). ``W`` is the weight gradient
+of Zero Bubble's split backward; elsewhere ``B`` computes both gradients. Peers are derived,
 never stored: microbatch ``u`` of stage ``s`` runs on replica ``u mod replicas[s]``
 (1F1B-RR). :meth:`Schedule.to_text` writes one line per rank and
 :meth:`Schedule.from_text` reads it back. What each action means, for the
@@ -40,6 +42,8 @@ class ActionKind(Enum):
     RECV_B = "RECV_B"
     ALLREDUCE = "ALLREDUCE"
     STEP = "STEP"
+    UNSHARD = "UNSHARD"
+    RESHARD = "RESHARD"
 
     # Members are singletons: identity hashing is correct and much faster than
     # Enum's default, which matters for schedules of millions of actions.
@@ -79,12 +83,14 @@ _TRANSFER = {
     _K.RECV_B: (1, 1, 1),
 }
 _SENDS = frozenset((_K.SEND_F, _K.SEND_B))
-_PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP))  # numbered by update, not by microbatch
+# numbered by update, not by microbatch
+_PER_UPDATE = frozenset((_K.ALLREDUCE, _K.STEP, _K.UNSHARD, _K.RESHARD))
 
 _HEADER = re.compile(
     r"^# (\S+) replicas=([\d-]+) (?:microbatches|units)=(\d+) per_update=(\d+)"
     r"(?: virtual=(\d+))?$")  # "units=": the word of older schedule files
-_ACTION = re.compile(r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)$")
+_ACTION = re.compile(
+    r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|UNSHARD|RESHARD|F|B|W)(\d+)$")
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -98,7 +104,7 @@ class Action:
 
     def shifted(self, microbatches: int, updates: int) -> Action:
         """This action ``microbatches`` microbatches on, or ``updates`` updates for
-        ``ALLREDUCE``/``STEP``."""
+        ``ALLREDUCE``/``STEP``/``UNSHARD``/``RESHARD``."""
         return Action(self.kind, self.stage,
                       self.microbatch + (updates if self.kind in _PER_UPDATE else microbatches))
 
@@ -137,7 +143,7 @@ class Action:
         if not m:
             raise ScheduleError(
                 f"{text!r} is not an action; write e.g. F3, B3, W3, SEND_F3, RECV_B3, "
-                "ALLREDUCE3, STEP3"
+                "ALLREDUCE3, STEP3, UNSHARD3, RESHARD3"
             )
         return cls(ActionKind(m.group(1)), stage, int(m.group(2)))
 
@@ -217,7 +223,8 @@ class Schedule:
     def last_microbatch(self, action: Action) -> int:
         """The last microbatch whose data ``action`` needs: its own, or its round's last.
 
-        An update (``ALLREDUCE``/``STEP`` k) needs every microbatch of its round: the
+        An update (``ALLREDUCE``/``STEP``/``UNSHARD``/``RESHARD`` k) needs every
+        microbatch of its round: the
         ``replicas`` microbatches of round k (PipeDream), or update k's microbatches.
         A runtime fed one minibatch at a time stops before the first action that
         needs a microbatch not yet given.

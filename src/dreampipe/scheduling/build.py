@@ -6,6 +6,7 @@
     compute_schedule     per-rank F/B order            F0 F1 B0 F2 B1 B2
     lower_communication  + RECV before / SEND after   RECV_F0 F0 SEND_F0 ...
     lower_updates        + ALLREDUCE / STEP            ... B2 SEND_B2 STEP2
+    place_unshards       + UNSHARD / RESHARD (ZeRO-3)  UNSHARD0 F0 ... B2 RESHARD0 ...
 
 A replica of stage ``s`` runs its minibatches in flight
 (:mod:`dreampipe.planning.in_flight`) before its first backward, then one
@@ -24,6 +25,7 @@ from dreampipe.errors import ScheduleError
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_compute
+from dreampipe.scheduling.unshard import place_unshards
 from dreampipe.scheduling.updates import lower_updates
 from dreampipe.scheduling.zero_bubble import zero_bubble_counts, zero_bubble_order
 
@@ -43,6 +45,7 @@ def build_schedule(
     replicas: Sequence[int], kind: ScheduleKind, num_microbatches: int,
     microbatches_per_update: int = 1,
     in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
+    zero: Sequence[int] | None = None,
 ) -> Schedule:
     """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
 
@@ -52,7 +55,9 @@ def build_schedule(
     :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
     :func:`~dreampipe.planning.in_flight.in_flight_counts`).
     ``virtual_stages`` (interleaved-1f1b only) puts that many of the
-    unreplicated stages on each worker.
+    unreplicated stages on each worker. ``zero``: each stage's ZeRO level (None: 0);
+    a replicated stage at level 3 gathers and frees its weights where
+    :func:`~dreampipe.scheduling.unshard.place_unshards` says.
 
     A synchronous schedule is its period (:func:`_period` updates), built and
     validated once, repeated with shifted microbatches: no microbatch crosses an update, so
@@ -60,25 +65,30 @@ def build_schedule(
     (a training loop extends its schedule as it goes).
     """
     _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)
+    levels = None if zero is None or not any(zero) else tuple(zero)
     if kind.synchronous:
         block = _period(replicas, microbatches_per_update) * microbatches_per_update
         if num_microbatches > block and num_microbatches % block == 0:
             return _repeated(_period_block(tuple(replicas), kind, block, microbatches_per_update,
-                                           None, virtual_stages), num_microbatches // block)
+                                           None, virtual_stages, levels),
+                             num_microbatches // block)
     return _built(tuple(replicas), kind, num_microbatches, microbatches_per_update,
-                  None if in_flight is None else tuple(in_flight), virtual_stages)
+                  None if in_flight is None else tuple(in_flight), virtual_stages, levels)
 
 
 def _built(
     replicas: tuple[int, ...], kind: ScheduleKind, num_microbatches: int,
     microbatches_per_update: int,
     in_flight: tuple[int, ...] | None = None, virtual_stages: int = 1,
+    zero: tuple[int, ...] | None = None,
 ) -> Schedule:
     """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(lower_communication(compute_schedule(
         replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)))
+    if zero is not None:
+        schedule = place_unshards(schedule, zero)
     validate_schedule(schedule)
     return schedule
 

@@ -114,15 +114,16 @@ class MicrobatchLayout:
 
     def build(
         self, replicas: Sequence[int], steps: int, in_flight: Sequence[int] | None = None,
-        virtual_stages: int = 1,
+        virtual_stages: int = 1, zero: Sequence[int] | None = None,
     ) -> Schedule:
         """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways.
 
         ``in_flight`` (a plan's :attr:`~dreampipe.planning.plan.Plan.in_flight`)
         sets the pipedream schedule's warm-up; the synchronous ones have their own.
-        ``virtual_stages``: stages per worker, for interleaved-1f1b.
+        ``virtual_stages``: stages per worker, for interleaved-1f1b. ``zero``: each stage's
+        ZeRO level (level 3 gathers and frees a replicated stage's weights, :mod:`.unshard`).
         """
         pipedream = self.kind is ScheduleKind.PIPEDREAM
         return build_schedule(replicas, self.kind, self.num_microbatches(steps),
                               self.microbatches_per_update,
-                              in_flight if pipedream else None, virtual_stages)
+                              in_flight if pipedream else None, virtual_stages, zero)

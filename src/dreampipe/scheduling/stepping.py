@@ -2,13 +2,15 @@
 
 Each rank executes its list in order. Compute and sends never wait; a
 receive waits until the send of the same :attr:`~Action.transfer_key` has been
-posted; an all-reduce waits until every replica of its stage has joined the
-same round (docs/design.md §8.2). A blocked rank is parked under what it
+posted; an all-reduce, and a ZeRO-3 stage's ``UNSHARD`` (an all-gather), waits until
+every replica of its stage has joined the same round; a ``RESHARD`` never waits
+(docs/design.md §8.2). A blocked rank is parked under what it
 waits for and woken when that happens. The validator's dry run uses
 :class:`Stepper` as it is (every action takes no time; ranks left blocked are
 a deadlock). The simulator subclasses it and overrides the hooks
 (:meth:`~Stepper.compute`, :meth:`~Stepper.send`, :meth:`~Stepper.receive`,
-:meth:`~Stepper.allreduce`, :meth:`~Stepper.joined`) to put times on the same
+:meth:`~Stepper.allreduce`, :meth:`~Stepper.gather`, :meth:`~Stepper.release`,
+:meth:`~Stepper.joined`) to put times on the same
 steps: each rank carries a clock that the hooks advance, and transfers and
 all-reduces carry a ``(start, end)`` span.
 """
@@ -28,6 +30,7 @@ Span = tuple[float, float]
 # the rest of a step (Python 3.11).
 _F, _B, _W, _STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
 _SEND_F, _SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
+_UNSHARD, _RESHARD = ActionKind.UNSHARD, ActionKind.RESHARD
 _RECV_F, _RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
 _NOTHING: Span = (0.0, 0.0)
 
@@ -76,8 +79,16 @@ class Stepper:
         ``self.clock[m]`` is each member's arrival."""
         return _NOTHING
 
+    def gather(self, stage: int, members: Sequence[int]) -> Span:
+        """Once per ``UNSHARD`` round, when the last replica joins: the all-gather's span."""
+        return _NOTHING
+
+    def release(self, rank: int, action: Action, clock: float) -> float:
+        """A ``RESHARD`` at ``clock`` (the full weights freed); the clock after it."""
+        return clock
+
     def joined(self, rank: int, action: Action, span: Span) -> float:
-        """A member leaves the all-reduce ``span``; its clock after it."""
+        """A member leaves the all-reduce (or all-gather) ``span``; its clock after it."""
         return span[1]
 
     # ---- the loop --------------------------------------------------------------
@@ -106,6 +117,8 @@ class Stepper:
                     parked.setdefault(key, []).append(rank)
                     break
                 clock = receive(rank, a, clock, got)
+            elif k is _RESHARD:
+                clock = self.release(rank, a, clock)
             else:
                 self.clock[rank] = clock
                 span = self._join(rank, a, ready)
@@ -116,8 +129,10 @@ class Stepper:
         self.position[rank], self.clock[rank] = i, clock
 
     def _join(self, rank: int, action: Action, ready: list[int]) -> Span | None:
-        """The round's span once every replica of the stage joined, else None (parked)."""
-        group = (action.stage, action.allreduce_round)
+        """The round's span once every replica of the stage joined, else None (parked).
+        ``UNSHARD<k>``'s round is keyed ``-1 - k``, apart from the all-reduces'."""
+        gathers = action.kind is _UNSHARD
+        group = (action.stage, -1 - action.microbatch if gathers else action.allreduce_round)
         span = self._rounds.get(group)
         if span is not None:
             return span
@@ -127,6 +142,7 @@ class Stepper:
             self._parked.setdefault(group, []).append(rank)
             return None
         ready.extend(self._parked.pop(group, ()))
-        span = self._rounds[group] = self.allreduce(action.stage, members)
+        span = self._rounds[group] = (self.gather if gathers else self.allreduce)(
+            action.stage, members)
         del self._joined[group]
         return span

@@ -3,8 +3,10 @@
 :func:`validate_schedule` checks, in order: every action sits on a rank of its
 stage; each microbatch's forward, backward and weight gradient run once per stage,
 on the rank round-robin names, in order; every replica of a stage joins the
-same all-reduce rounds, each once; data arrives before it is used; every send
-has exactly one receive; and a dry run on
+same all-reduce rounds, each once; a ZeRO-3 stage's replicas join the same
+``UNSHARD`` gathers, and each of its computations lies between the ``UNSHARD``
+and the ``RESHARD`` of its update (:mod:`.unshard`); data arrives before it is
+used; every send has exactly one receive; and a dry run on
 :class:`dreampipe.scheduling.stepping.Stepper`, the core the simulator times,
 terminates. A failure raises :class:`ScheduleError` with the rank-by-step grid
 around the offending action, marked ``>F3<``. The invariants and an example
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dreampipe.errors import ScheduleError
 from dreampipe.scheduling.actions import ActionKind, Schedule, TransferKey
 from dreampipe.scheduling.stepping import Stepper
+from dreampipe.scheduling.unshard import unshard_problem
 
 __all__ = ["format_grid", "validate_schedule"]
 
@@ -42,6 +45,7 @@ def validate_schedule(schedule: Schedule) -> None:
     _check_stages(schedule)
     _check_microbatches(schedule)
     _check_allreduces(schedule)
+    _check_unshards(schedule)
     _check_order(schedule)
     _check_pairs(schedule)
     _dry_run(schedule)
@@ -160,6 +164,12 @@ def _check_allreduces(schedule: Schedule) -> None:
                         f"{has} would wait forever; add ALLREDUCE{rnd} STEP{rnd} to rank {lacks} "
                         "(a replica with no microbatch in the round joins with no gradient)",
                         [(has, rounds[has][rnd]), (lacks, len(schedule.actions[lacks]))])
+
+
+def _check_unshards(schedule: Schedule) -> None:
+    problem = unshard_problem(schedule)
+    if problem is not None:
+        raise _fail(schedule, *problem)
 
 
 def _check_order(schedule: Schedule) -> None:

@@ -45,6 +45,9 @@ class SimCosts:
     ``stash_copy_bandwidth`` is the rate at which a ``STEP`` copies its
     stage's parameters when a microbatch in flight still holds the version it
     replaces (weight stashing's copy-on-write; ``math.inf``: free).
+    ``gather_s[s]`` is a ZeRO-3 ``UNSHARD`` of stage s, the all-gather of its weights over
+    its replicas; empty: half of each ``allreduce_s`` (a ring all-gather moves half the
+    bytes of a ring all-reduce of the same tensor).
     ``allreduce_delay_s[s]`` is how far into its backward stage s's
     all-reduce can start at the earliest, taken as one block on one link
     (:func:`dreampipe.planning.costs.allreduce_end` less the all-reduce).
@@ -75,6 +78,7 @@ class SimCosts:
     jitter: tuple[float, ...] = ()
     weight_grad_s: tuple[float, ...] = ()
     recompute_bytes: tuple[float, ...] = ()
+    gather_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -91,6 +95,10 @@ class SimCosts:
             if len(value) != size:
                 raise ScheduleError(f"costs.{name} has {len(value)} entries; give {size}")
             object.__setattr__(self, name, value)
+        gathers = tuple(self.gather_s) or tuple(a / 2 for a in self.allreduce_s)
+        if len(gathers) != n or any(not 0 <= g < math.inf for g in gathers):
+            raise ScheduleError(f"costs.gather_s={list(gathers)}; give one time >= 0 a stage")
+        object.__setattr__(self, "gather_s", gathers)
         grads = tuple(self.gradient_bytes) or self.activation_bytes
         if len(grads) != n - 1:
             raise ScheduleError(f"costs.gradient_bytes has {len(grads)} entries; give {n - 1}")

@@ -7,10 +7,12 @@ on its steps. Compute occupies the rank for the stage's cost per microbatch; a
 ``SEND`` holds its directed link for ``bytes / bandwidth`` while the sender
 computes on; a ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
-``allreduce_s`` later. Each rank's peak memory is the planner's
+``allreduce_s`` later; a ZeRO-3 ``UNSHARD`` starts when the last replica joins and
+takes ``gather_s``. Each rank's peak memory is the planner's
 :func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, microbatches in
-flight) it holds. Costs come from :mod:`dreampipe.simulation.action_costs`; each
-action's cost and what a rank holds: docs/design.md §9.
+flight, weights whole or sharded between ``RESHARD`` and ``UNSHARD``) it holds. Costs
+come from :mod:`dreampipe.simulation.action_costs`; each action's cost and what a rank
+holds: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_f
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
 _F, _B, _W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-_SEND_F = ActionKind.SEND_F
+_SEND_F, _UNSHARD = ActionKind.SEND_F, ActionKind.UNSHARD
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ class _Run(Stepper):
         self.events: list[Event] = []
         self.link_free: dict[tuple[int, int], float] = {}
         self.bandwidth: dict[tuple[int, int], float] = {}
-        self.memory = [_Memory() for _ in range(ranks)]
+        self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
+            a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
         self.draws = random.Random(0)
         self.split = schedule.kind.splits_backward
         self.input_grad_s = tuple(b - w for b, w in zip(costs.backward_s, costs.weight_grad_s,
@@ -222,7 +225,18 @@ class _Run(Stepper):
         start = max(self.last_b_start[m] for m in members) + delay if cost > 0 else arrived
         return start, max(arrived, start + cost)
 
+    def gather(self, stage: int, members: Sequence[int]) -> Span:
+        """Starts when the last member arrives; takes ``gather_s``."""
+        arrived = max(self.clock[m] for m in members)
+        return arrived, arrived + self.c.gather_s[stage]
+
+    def release(self, rank: int, action: Action, clock: float) -> float:
+        self.memory[rank].shard(True)
+        return clock
+
     def joined(self, rank: int, action: Action, span: Span) -> float:
+        if action.kind is _UNSHARD:
+            self.memory[rank].shard(False)
         if self.record:
             self.events.append(Event(rank, action.stage, action.kind, action.microbatch, *span))
         return span[1]
@@ -256,15 +270,18 @@ def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[flo
 
 
 class _Memory:
-    """Microbatches in flight on one rank and the weight versions they pin."""
+    """Microbatches in flight on one rank and the weight versions they pin; a ZeRO-3 rank
+    (``shards`` replicas) holds ``1 / shards`` of the live weights while they are sharded."""
 
-    def __init__(self) -> None:
+    def __init__(self, shards: int = 1) -> None:
+        self.shards = shards
+        self.sharded = shards > 1  # until the first UNSHARD
         self.version = 0
         self.microbatch_version: dict[int, int] = {}
         self.counts: Counter[int] = Counter()
         self.peak_in_flight = 0
         self.peak_versions = 1
-        self.samples: set[tuple[int, int]] = {(1, 0)}
+        self.samples: set[tuple[int, int, bool]] = {(1, 0, self.sharded)}
 
     def forward(self, microbatch: int) -> None:
         self.microbatch_version[microbatch] = self.version
@@ -283,6 +300,11 @@ class _Memory:
         self.version += 1
         self._sample()
 
+    def shard(self, sharded: bool) -> None:
+        """The live weights are freed (``RESHARD``) or gathered whole (``UNSHARD``)."""
+        self.sharded = sharded
+        self._sample()
+
     def pins_live(self) -> bool:
         """Whether a microbatch in flight holds the live version, which a step then keeps."""
         return self.version in self.counts
@@ -292,11 +314,12 @@ class _Memory:
         flight = len(self.microbatch_version)
         self.peak_in_flight = max(self.peak_in_flight, flight)
         self.peak_versions = max(self.peak_versions, versions)
-        self.samples.add((versions, flight))
+        self.samples.add((versions, flight, self.sharded))
 
     def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float
                     ) -> float:
         from dreampipe.planning.costs import memory_bytes  # NumPy: only when used
 
+        freed = parameter_bytes * (1 - 1 / self.shards)
         return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes))
-                   for v, f in self.samples)
+                   - (freed if sharded else 0.0) for v, f, sharded in self.samples)

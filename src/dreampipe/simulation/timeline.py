@@ -33,15 +33,19 @@ COLOURS = {
     _K.RECV_F: "#b0b0b0",
     _K.SEND_B: "#8c8c8c",
     _K.RECV_B: "#b0b0b0",
+    _K.UNSHARD: "#c44e52",
+    _K.RESHARD: "#c44e52",
 }
 _LABELS = {_K.FORWARD: "forward", _K.BACKWARD: "backward", _K.WEIGHT: "weight gradient",
            _K.STEP: "optimizer step",
-           _K.ALLREDUCE: "all-reduce", _K.SEND_F: "send", _K.RECV_F: "receive"}
+           _K.ALLREDUCE: "all-reduce", _K.UNSHARD: "weights gathered (ZeRO-3)",
+           _K.SEND_F: "send", _K.RECV_F: "receive"}
 # (bottom offset, height) of a kind's bar within a row of height 1.
 _BAND = {_K.FORWARD: (0.15, 0.7), _K.BACKWARD: (0.15, 0.7), _K.WEIGHT: (0.15, 0.7),
          _K.STEP: (0.15, 0.7),
          _K.ALLREDUCE: (0.0, 0.12), _K.SEND_F: (0.88, 0.12), _K.SEND_B: (0.88, 0.12),
-         _K.RECV_F: (0.88, 0.12), _K.RECV_B: (0.88, 0.12)}
+         _K.RECV_F: (0.88, 0.12), _K.RECV_B: (0.88, 0.12),
+         _K.UNSHARD: (0.0, 0.12), _K.RESHARD: (0.0, 0.12)}
 _COMPUTE = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.STEP)
 _BOXES = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT)
 _MAX_LABELS = 4000

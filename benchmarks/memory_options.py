@@ -1,0 +1,101 @@
+"""Time per update and peak memory per rank of the transformer under each memory option.
+
+Trains the transformer (8 blocks of width 256) on 3 local workers, plan ``2-1`` (stage 0
+replicated), Adam, ``1f1b-flush`` with 4 microbatches of minibatches of 32, once per
+option and round, every run in fresh processes (``dreampipe train --measure-memory
+--json``), the options' order rotated each round. Prints, per option, the median time
+per update with its spread (min-max over the rounds) and its ratio to the baseline's
+median, and each rank's measured peak above its baseline (median, spread) beside the
+prediction. The options: bf16-mixed and bf16 against fp32 (fp16-mixed is left out:
+CPUs without fp16 arithmetic emulate its GEMMs, many times slower), each ``--zero``
+level against none, and each stage recomputing its first 1, 2 or all 4 of its blocks
+(``--recompute-blocks``) against none.
+
+    python benchmarks/memory_options.py [--rounds 3] [--steps 20] [--write-docs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import _docs
+
+__all__ = ["OPTIONS", "main"]
+
+_BASE = ("transformer", "--model-arg", "layers=8", "--model-arg", "dim=256", "--workers", "3",
+         "--config", "2-1", "--optimizer", "adam", "--schedule", "1f1b-flush",
+         "--microbatches", "4", "--batch-size", "32")
+
+#: (group, option, its flags): each group's first option is its baseline.
+OPTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("precision", "fp32", ()),
+    ("precision", "bf16-mixed", ("--precision", "bf16-mixed")),
+    ("precision", "bf16", ("--precision", "bf16")),
+    ("recompute", "none", ()),
+    ("recompute", "1 of 4 blocks", ("--recompute-blocks", "1")),
+    ("recompute", "2 of 4 blocks", ("--recompute-blocks", "2")),
+    ("recompute", "4 of 4 blocks", ("--recompute-blocks", "4")),
+)
+
+
+def _train(flags: tuple[str, ...], steps: int, timeout_s: float) -> dict[str, object]:
+    """One fresh ``dreampipe train --json`` run's report."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "dreampipe", "train", *_BASE, *flags, "--steps", str(steps),
+           "--json", "--no-progress", "--measure-memory"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
+                          check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    report: dict[str, object] = json.loads(done.stdout)
+    return report
+
+
+def _spread(values: Sequence[float], fmt: str) -> str:
+    return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-" \
+           f"{format(max(values), fmt)})"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each option (default 3)")
+    parser.add_argument("--steps", type=int, default=20, help="updates per run (default 20)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds each run may take (default 600)")
+    _docs.add_argument(parser)
+    args = parser.parse_args(argv)
+    tee = _docs.capture(args)
+    runs: dict[str, list[dict[str, object]]] = {label: [] for _, label, _ in OPTIONS}
+    for r in range(args.rounds):
+        shift = r % len(OPTIONS)
+        for _, label, flags in OPTIONS[shift:] + OPTIONS[:shift]:
+            runs[label].append(_train(flags, args.steps, args.timeout))
+    print(f"{' '.join(_BASE)}, {args.steps} updates a run, {args.rounds} rounds; medians "
+          "(min-max)\n")
+    print(f"{'option':<24} {'ms/update':>22} {'ratio':>6}   MiB above baseline, ranks 0, 1, 2 "
+          "(predicted)")
+    base_ms = 0.0
+    for group, label, _ in OPTIONS:
+        ms = [1e3 * float(str(run["elapsed_s"])) / args.steps for run in runs[label]]
+        if label == next(x for g, x, _ in OPTIONS if g == group):
+            base_ms = statistics.median(ms)
+        ranks = []
+        for rank in range(3):
+            rows = [next(m for m in run["memory"] if m["rank"] == rank)  # type: ignore[attr-defined]
+                    for run in runs[label]]
+            measured = [float(m["measured_bytes"]) / 2**20 for m in rows]
+            predicted = float(rows[0]["predicted_bytes"]) / 2**20
+            ranks.append(f"{_spread(measured, '.1f')} ({predicted:.1f})")
+        print(f"{group + ': ' + label:<24} {_spread(ms, '.1f'):>22} "
+              f"{statistics.median(ms) / base_ms:>5.2f}x   " + "; ".join(ranks))
+    _docs.finish(tee, "memory-options", __file__, argv)
+
+
+if __name__ == "__main__":
+    main()

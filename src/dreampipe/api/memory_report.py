@@ -1,0 +1,141 @@
+"""A Pipeline rank's peak memory beside its prediction (``TrainConfig(measure_memory=True)``).
+
+The rank's baseline is taken when the Pipeline starts (or earlier, by whoever measured
+first in the process: ``dreampipe train`` takes it before it builds the layers), and
+the weights of the rank's stages that already existed then are added to what training
+added above it, so the figure is what :func:`~dreampipe.runtime.memory.predict_memory`
+predicts: the stage's weights, versions, gradients, optimizer state and activations.
+The prediction profiles the model once, on rank 0, in the run's number formats, and
+counts the optimizer's state as the user's optimizer holds it (Adam's two copies, SGD's
+momentum or none). docs/design.md §5.4.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from dreampipe.api.config import TrainConfig
+from dreampipe.errors import ConfigError
+from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.planning.plan import Plan
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.memory import (
+    Baseline,
+    MemoryUse,
+    TrainingChoices,
+    current_baseline,
+    finish_measuring,
+    predict_memory,
+    start_measuring,
+)
+from dreampipe.runtime.processes import HeapPolicy, prepare_process
+from dreampipe.runtime.runner_options import OptimizerKind
+from dreampipe.runtime.stage_module import StageModule
+from dreampipe.scheduling.actions import Schedule
+from dreampipe.splitter.chain import Layers
+
+__all__ = ["MemoryReport", "held_bytes", "measured", "predicted_memory", "start",
+           "training_choices"]
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """One rank's ``measured`` peak bytes (above its baseline, with its stage's weights
+    that existed before it) and the ``predicted`` bytes of its stage."""
+
+    rank: int
+    stage: int
+    measured: int
+    predicted: int
+    use: MemoryUse
+
+    @property
+    def ratio(self) -> float:
+        """``measured / predicted``."""
+        return self.measured / self.predicted if self.predicted else float("inf")
+
+
+def held_bytes(tensors: Sequence[Tensor]) -> int:
+    """Bytes of the materialised (not ``meta``) storages among ``tensors``, each once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> TrainingChoices:
+    """What memory depends on among ``config`` and the optimizer the rank's ``modules``
+    hold: its state tensors counted in copies of what it steps (the weights, their
+    32-bit masters, or this replica's chunks under ZeRO)."""
+    state = weights = 0
+    for m in modules:
+        if m.optimizer is None:
+            continue
+        weights += sum(p.numel() * p.element_size()  # a chunk may view a whole weight
+                       for g in m.optimizer.param_groups for p in g["params"])
+        state += sum(v.numel() * v.element_size() for per in m.optimizer.state.values()
+                     for v in per.values() if isinstance(v, Tensor) and v.dim() > 0)
+    return TrainingChoices(optimizer=OptimizerKind.SGD, momentum=0.0, stash=config.stash,
+                           vertical_sync=config.vertical_sync, compensate=config.compensate,
+                           precision=config.number_formats,
+                           recompute_blocks=config.recompute_blocks, zero=config.zero,
+                           state_copies=round(state / weights) if weights else 0)
+
+
+def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Schedule,
+                     choices: TrainingChoices, block: str | None) -> tuple[int, ...]:
+    """Each stage's predicted bytes: rank 0 profiles (``profile``) and predicts, every
+    rank gets them (a collective)."""
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        import dataclasses
+
+        box[0] = predict_memory(profile(), plan, schedule,
+                                dataclasses.replace(choices, block=block))
+    dist.broadcast_object_list(box, src=0)
+    out: tuple[int, ...] = box[0]
+    return out
+
+
+def start(config: TrainConfig, layers: Sequence[nn.Module], device: torch.device
+          ) -> tuple[Baseline | None, int]:
+    """With ``measure_memory``: the baseline (this process's, if it took one already,
+    else now, the heap set to give freed blocks back) and the bytes of the rank's
+    ``layers``' weights and buffers that existed before it."""
+    if not config.measure_memory:
+        return None, 0
+    taken = current_baseline()
+    if taken is not None:
+        return taken, 0
+    prepare_process(heap=HeapPolicy.RELEASE_FREED)
+    held = held_bytes([t for layer in layers for t in (*layer.parameters(), *layer.buffers())])
+    return start_measuring(device), held
+
+
+def measured(base: Baseline | None, before: int, rank: int, modules: Sequence[StageModule],
+             config: TrainConfig, plan: Plan, layers: Layers,
+             schedule: Callable[[int], Schedule], profile: Callable[[], LayerGraph],
+             minibatches: int) -> MemoryReport:
+    """The rank's report: its peak since ``base`` plus ``before``, beside its stage's
+    prediction on ``schedule(horizon)`` (long enough to fill the pipeline and the kept
+    sends), profiled by ``profile`` on rank 0; a ConfigError without a baseline."""
+    if base is None:
+        raise ConfigError("memory() reports what a Pipeline made with "
+                          "TrainConfig(measure_memory=True) measured; set it", "measure_memory")
+    stage = modules[0].stage
+    use = finish_measuring(base, rank, stage)
+    fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
+    horizon = min(max(minibatches, 1), SENDS_KEPT + 2 * fill)
+    spec = config.block_recompute()
+    block = spec.for_model(*(m for _, m in layers)).block if spec is not None else None
+    predicted = predicted_memory(profile, plan, schedule(horizon),
+                                 training_choices(config, modules), block)
+    return MemoryReport(rank, stage, use.used + before, predicted[stage], use)

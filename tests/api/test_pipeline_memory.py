@@ -1,0 +1,91 @@
+"""``Pipeline.memory()``: each rank's measured peak beside its stage's prediction.
+
+The user's way: the whole model built (its weights exist before the Pipeline starts),
+``TrainConfig(measure_memory=True)``, a few steps, then ``memory()`` on every rank.
+The mlp is wide enough that weights, gradients and Adam's state dominate what a
+process's allocator adds around them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dreampipe.api import Pipeline, TrainConfig
+from dreampipe.api.group import init_process_group
+from dreampipe.errors import ConfigError
+from dreampipe.models import get_model
+from dreampipe.models.datasets import load_dataset
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.processes import run_processes
+
+__all__: list[str] = []
+
+_KWARGS = {"layers": 4, "width": 2048}
+
+
+def _rank(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    spec = get_model("mlp", **_KWARGS)
+    data = load_dataset("synthetic", spec, seed=0)
+    init_process_group(60.0)
+    model = spec.build(seed=0)  # every rank holds the whole model, as a user's script does
+    pipe = Pipeline(model, example=data.batch(0, 32), loss_fn=spec.loss_fn,
+                    optimizer=(lambda p: torch.optim.Adam(p, lr=1e-3)) if job["adam"]
+                    else lambda p: torch.optim.SGD(p, lr=1e-3),
+                    plan=Plan.from_config(4, [0, 2], [2, 1]),
+                    config=TrainConfig(schedule=job["schedule"], microbatches=job["micro"],
+                                       timeout_s=60.0,
+                                       measure_memory=job["measure"], zero=job["zero"]))
+    for k in range(4):
+        pipe.step(*data.batch(k, 32))
+    pipe.finish()
+    try:
+        report = pipe.memory()
+        out: dict[str, Any] = {"stage": report.stage, "measured": report.measured,
+                               "predicted": report.predicted}
+    except ConfigError as exc:
+        out = {"error": str(exc)}
+    pipe.close()
+    dist.destroy_process_group()
+    return out
+
+
+def _job(**kw: Any) -> dict[str, Any]:
+    return {"measure": True, "zero": 0, "schedule": "pipedream", "micro": 1, "adam": False,
+            **kw}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_every_rank_reports_its_peak_beside_the_prediction() -> None:
+    ranks = run_processes(_rank, 3, _job(), deadline_s=240.0)
+    assert [r["stage"] for r in ranks] == [0, 0, 1]
+    for r in ranks:
+        assert r["predicted"] > 30e6, r  # the weights and gradients of the mlp dominate
+        assert 0.85 <= r["measured"] / r["predicted"] <= 1.15, ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_prediction_counts_the_optimizer_the_user_passes_and_its_shards() -> None:
+    """Adam's two 32-bit copies of the stage's weights, halved on the replicated stage
+    at ZeRO level 1; SGD's none."""
+    sgd = run_processes(_rank, 3, _job(), deadline_s=240.0)
+    adam = run_processes(_rank, 3, _job(adam=True), deadline_s=240.0)
+    sharded = run_processes(_rank, 3, _job(adam=True, zero=1), deadline_s=240.0)
+    weights = [sum(p.numel() * 4 for p in layer.parameters())
+               for layer in get_model("mlp", **_KWARGS).build(seed=0)]
+    stage = [weights[0] + weights[1], weights[2] + weights[3]]
+    for s, a, z in zip(sgd, adam, sharded, strict=True):
+        assert a["predicted"] - s["predicted"] == 2 * stage[s["stage"]]
+        half = stage[s["stage"]] if s["stage"] == 0 else 0  # stage 1 is not replicated
+        assert a["predicted"] - z["predicted"] == half
+
+
+@pytest.mark.timeout(120)
+def test_memory_without_measuring_says_how() -> None:
+    ranks = run_processes(_rank, 3, _job(measure=False), deadline_s=100.0)
+    assert all("TrainConfig(measure_memory=True)" in r["error"] for r in ranks)

@@ -1,0 +1,90 @@
+"""Ranks of runs whose stages shard over their replicas (:mod:`dreampipe.runtime.zero`).
+
+A job's ``TrainConfig.zero`` sets the level. The stages a rank builds count, at the start
+of every ``STEP``, the bytes of the tensors they hold: weights (and masters), the
+update's gradients, and the optimizer's state (:func:`count_bytes` wraps the
+``StageModule`` that :mod:`dreampipe.api.stage_build` constructs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from api.workers import train_zoo
+from torch import Tensor
+
+from dreampipe.api import stage_build
+from dreampipe.commands.train_config import TrainResult
+from dreampipe.commands.train_run import TrainJob, train_rank
+from dreampipe.runtime.stage_module import StageModule
+
+__all__ = ["count_bytes", "held_bytes", "zero_rank", "zero_zoo"]
+
+#: Each STEP's bytes of the stages this process built: (stage, held_bytes()).
+RECORDS: list[tuple[int, dict[str, int]]] = []
+
+
+def _storage_bytes(tensors: list[Tensor], seen: set[int]) -> int:
+    """Bytes of the storages under ``tensors`` not in ``seen`` (a view counts its storage)."""
+    total = 0
+    for t in tensors:
+        s = t.untyped_storage()
+        if t.dim() == 0 or s.data_ptr() in seen or s.nbytes() == 0:
+            continue
+        seen.add(s.data_ptr())
+        total += s.nbytes()
+    return total
+
+
+def held_bytes(m: StageModule) -> dict[str, int]:
+    """What stage ``m`` holds now: weights (the module's parameters and any master copies
+    of their own), the update's gradients (full sums and ZeRO's shards) and the optimizer's
+    state (its tensors of one dimension or more: a step count is no state worth counting)."""
+    seen: set[int] = set()
+    weights = _storage_bytes([p.detach() for p in m.params], seen)
+    weights_and_masters = weights + _storage_bytes([p.detach() for p in m.optimized], seen)
+    sums = [s for s in m._grads._sums if s is not None]
+    grads = _storage_bytes(sums + (m.zero.gradients() if m.zero is not None else []), seen)
+    opt = m.optimizer
+    state = [v for per in (opt.state.values() if opt is not None else [])
+             for v in per.values() if isinstance(v, Tensor)]
+    return {"weights": weights, "masters": weights_and_masters - weights, "gradients": grads,
+            "optimizer": _storage_bytes(state, seen)}
+
+
+def count_bytes() -> None:
+    """Count the bytes of every stage this process builds at each of its steps."""
+    real = stage_build.StageModule
+
+    def make(*args: Any, stage: int, **kw: Any) -> StageModule:
+        m = real(*args, stage=stage, **kw)
+        step = m.step
+
+        def counted(**kw: Any) -> None:
+            RECORDS.append((stage, held_bytes(m)))
+            step(**kw)
+
+        m.step = counted  # type: ignore[method-assign]
+        return m
+
+    stage_build.StageModule = make  # type: ignore[misc,assignment]
+
+
+def zero_rank(rank: int, world: int, arg: tuple[int, TrainJob]
+              ) -> tuple[TrainResult | None, list[tuple[int, dict[str, int]]]]:
+    """One rank of the job in ``arg`` at the ZeRO level in ``arg`` (``evaluate`` off: the
+    report follows ``finish``): its result and records."""
+    level, job = arg
+    count_bytes()
+    config = dataclasses.replace(job.run.config, zero=level)
+    torch.manual_seed(0)
+    return train_rank(rank, world, dataclasses.replace(
+        job, run=dataclasses.replace(job.run, config=config))), RECORDS
+
+
+def zero_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """:func:`api.workers.train_zoo` with the job's ``zero`` level, counting bytes."""
+    count_bytes()
+    return train_zoo(rank, world, job)
