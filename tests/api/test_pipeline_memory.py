@@ -58,10 +58,17 @@ def _job(**kw: Any) -> dict[str, Any]:
             **kw}
 
 
+@pytest.fixture(scope="module")
+def sgd() -> list[dict[str, Any]]:
+    """The SGD run both tests read."""
+    ranks: list[dict[str, Any]] = run_processes(_rank, 3, _job(), deadline_s=240.0)
+    return ranks
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_every_rank_reports_its_peak_beside_the_prediction() -> None:
-    ranks = run_processes(_rank, 3, _job(), deadline_s=240.0)
+def test_every_rank_reports_its_peak_beside_the_prediction(sgd: list[dict[str, Any]]) -> None:
+    ranks = sgd
     assert [r["stage"] for r in ranks] == [0, 0, 1]
     for r in ranks:
         assert r["predicted"] > 30e6, r  # the weights and gradients of the mlp dominate
@@ -70,10 +77,10 @@ def test_every_rank_reports_its_peak_beside_the_prediction() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_prediction_counts_the_optimizer_the_user_passes_and_its_shards() -> None:
+def test_the_prediction_counts_the_optimizer_the_user_passes_and_its_shards(
+        sgd: list[dict[str, Any]]) -> None:
     """Adam's two 32-bit copies of the stage's weights, halved on the replicated stage
     at ZeRO level 1; SGD's none."""
-    sgd = run_processes(_rank, 3, _job(), deadline_s=240.0)
     adam = run_processes(_rank, 3, _job(adam=True), deadline_s=240.0)
     sharded = run_processes(_rank, 3, _job(adam=True, zero=1), deadline_s=240.0)
     weights = [sum(p.numel() * 4 for p in layer.parameters())

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -31,9 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from dreampipe.profiling.graph import Layer
+from dreampipe.profiling.heap import glibc
 from dreampipe.profiling.model_steps import INPUT, Env, Step
 from dreampipe.profiling.tensor_trees import detach, fresh, storages, tensors
-from dreampipe.runtime.fused import GradientSum, fuse_linear_gradients
 
 __all__ = ["LiveBytes", "backward_bytes", "deferred_bytes", "library_bytes",
            "linear_operands", "sent_bytes", "with_library"]
@@ -143,8 +143,6 @@ def library_bytes(model: nn.Module, steps: Sequence[Step], output_key: str, samp
     the model run in order on ``sample``, each layer on fresh leaves with a gradient of
     ones (the last through ``loss``), twice, its Linear weight gradients made as the
     runtime makes them; empty where it cannot be read (module docstring)."""
-    from dreampipe.runtime.processes import glibc
-
     libc = glibc()
     first = next(tensors(sample), None)
     if libc is None or not _STATUS.exists() or first is None or first.device.type != "cpu":
@@ -195,24 +193,26 @@ def with_library(layers: list[Layer], first_use: list[int | None]) -> list[Layer
     return [replace(x, library_bytes=kind[x.kernel_kind]) for x in layers]
 
 
+#: How a stage's ``nn.Linear`` layers make their weight gradients, for :func:`library_bytes`
+#: to run the same kernels: a context manager over a model, yielding a sink whose
+#: ``take()`` drops the update's sums. The runtime registers it
+#: (:func:`dreampipe.runtime.fused.linears_as_a_stage`); profiling sits below the runtime.
+RUNTIME_LINEARS: list[Callable[[nn.Module], AbstractContextManager[Any]]] = []
+
+
 @contextmanager
-def _as_the_runtime(model: nn.Module) -> Iterator[GradientSum]:
-    """Within: ``model``'s ``nn.Linear`` layers make their weight gradients as a stage
-    does (:mod:`dreampipe.runtime.fused`: a GEMM, then GEMMs adding into it) into the sink
-    given, so the library runs, and keeps, the runtime's kernels; as they were after."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    sink = GradientSum([p for _, p in named], fused=True)
-    linears = [m for m in model.modules() if type(m) is nn.Linear]
-    own = [m.__dict__.get("forward") for m in linears]
-    try:
-        fuse_linear_gradients(model, [n for n, _ in named], sink)
+def _as_the_runtime(model: nn.Module) -> Iterator[Any]:
+    """The registered way, or autograd's own where the runtime is not loaded."""
+    if not RUNTIME_LINEARS:
+        yield _NoSink()
+        return
+    with RUNTIME_LINEARS[0](model) as sink:
         yield sink
-    finally:
-        for m, forward in zip(linears, own, strict=True):
-            if forward is None:
-                m.__dict__.pop("forward", None)
-            else:
-                m.__dict__["forward"] = forward
+
+
+class _NoSink:
+    def take(self) -> None:
+        """Nothing to drop: autograd's gradients go to ``.grad``, which the runs clear."""
 
 
 def _first_run(step: Step, env: Env, loss: Loss | None) -> None:

@@ -13,6 +13,7 @@ autograd's kernels. Why and how: docs/design.md §5.3 (and §7.6).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from functools import partial
 from typing import Any, Protocol
@@ -21,9 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dreampipe.profiling.layer_memory import RUNTIME_LINEARS
+
 __all__ = [
     "DeferredGradients", "GradientSink", "GradientSum", "HeldWork", "LinearGradients",
-    "fuse_linear_gradients", "fused_indices", "is_fused_node",
+    "fuse_linear_gradients", "fused_indices", "is_fused_node", "linears_as_a_stage",
 ]
 
 
@@ -228,3 +231,27 @@ def _fusable(module: nn.Module, names: list[str]) -> Iterator[tuple[nn.Linear, i
         if w_index is None or (layer.bias is not None and b_index is None):
             continue
         yield layer, w_index, b_index
+
+
+@contextmanager
+def linears_as_a_stage(model: nn.Module) -> Iterator[GradientSum]:
+    """Within: ``model``'s ``nn.Linear`` layers make their weight gradients as a stage
+    does (a GEMM, then GEMMs adding into it) into the sink given, so a profile runs, and
+    keeps, the runtime's kernels (:mod:`dreampipe.profiling.layer_memory`); as they were
+    after."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sink = GradientSum([p for _, p in named], fused=True)
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    own = [m.__dict__.get("forward") for m in linears]
+    try:
+        fuse_linear_gradients(model, [n for n, _ in named], sink)
+        yield sink
+    finally:
+        for m, forward in zip(linears, own, strict=True):
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.__dict__["forward"] = forward
+
+
+RUNTIME_LINEARS.append(linears_as_a_stage)

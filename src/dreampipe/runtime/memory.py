@@ -30,10 +30,10 @@ from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.heap import glibc
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import round_ends
 from dreampipe.runtime.precision import Precision
-from dreampipe.runtime.processes import glibc
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.runtime.zero_memory import zero_bytes

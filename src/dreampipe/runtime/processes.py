@@ -19,7 +19,6 @@ dreampipe's local ranks and the bench's PyTorch baselines all start here.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import logging
 import multiprocessing as mp
@@ -41,12 +40,12 @@ from typing import Any
 import torch
 
 from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError, WorkerError
+from dreampipe.profiling.heap import glibc
 
 __all__ = [
     "HeapPolicy",
     "RankFn",
     "free_port",
-    "glibc",
     "pinned_threads",
     "prepare_process",
     "run_processes",
@@ -142,17 +141,6 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
             libc.mallopt(option, value)
     except AttributeError as exc:
         _log.debug("cannot tune the allocator: %s", exc)
-
-
-def glibc() -> ctypes.CDLL | None:
-    """The C library where it is glibc (Linux), whose heap :class:`HeapPolicy` tunes; else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError as exc:
-        _log.debug("no glibc: %s", exc)
-        return None
 
 
 def free_port() -> int:
