@@ -17,14 +17,12 @@ level against none, and each stage recomputing its first 1, 2 or all of its bloc
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 from collections.abc import Sequence
+from typing import Any
 
 import _docs
+from memory_vs_predicted import train_report
 
 __all__ = ["OPTIONS", "main"]
 
@@ -48,19 +46,6 @@ OPTIONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
 )
 
 
-def _train(flags: tuple[str, ...], steps: int, timeout_s: float) -> dict[str, object]:
-    """One fresh ``dreampipe train --json`` run's report."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "dreampipe", "train", *_BASE, *flags, "--steps", str(steps),
-           "--json", "--no-progress", "--measure-memory"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
-                          check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    report: dict[str, object] = json.loads(done.stdout)
-    return report
-
-
 def _spread(values: Sequence[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} ({format(min(values), fmt)}-" \
            f"{format(max(values), fmt)})"
@@ -74,13 +59,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="seconds each run may take (default 600)")
     _docs.add_argument(parser)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: run at least 1 round")
     tee = _docs.capture(args)
     distinct = list(dict.fromkeys(flags for _, _, flags in OPTIONS))
-    by_flags: dict[tuple[str, ...], list[dict[str, object]]] = {f: [] for f in distinct}
+    by_flags: dict[tuple[str, ...], list[dict[str, Any]]] = {f: [] for f in distinct}
     for r in range(args.rounds):
         shift = r % len(distinct)
         for flags in distinct[shift:] + distinct[:shift]:
-            by_flags[flags].append(_train(flags, args.steps, args.timeout))
+            by_flags[flags].append(train_report((*_BASE, *flags), args.steps, args.timeout))
     runs = {label: by_flags[flags] for _, label, flags in OPTIONS}
     print(f"{' '.join(_BASE)}, {args.steps} updates a run, {args.rounds} rounds; medians "
           "(min-max)\n")
@@ -88,13 +75,12 @@ def main(argv: Sequence[str] | None = None) -> None:
           "(predicted)")
     base_ms = 0.0
     for group, label, _ in OPTIONS:
-        ms = [1e3 * float(str(run["elapsed_s"])) / args.steps for run in runs[label]]
+        ms = [1e3 * float(run["elapsed_s"]) / args.steps for run in runs[label]]
         if label == next(x for g, x, _ in OPTIONS if g == group):
             base_ms = statistics.median(ms)
         ranks = []
         for rank in range(3):
-            rows = [next(m for m in run["memory"] if m["rank"] == rank)  # type: ignore[attr-defined]
-                    for run in runs[label]]
+            rows = [next(m for m in run["memory"] if m["rank"] == rank) for run in runs[label]]
             measured = [float(m["measured_bytes"]) / 2**20 for m in rows]
             predicted = float(rows[0]["predicted_bytes"]) / 2**20
             ranks.append(f"{_spread(measured, '.1f')} ({predicted:.1f})")

@@ -29,12 +29,13 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import _docs
 
 from dreampipe.quantities import format_bytes
 
-__all__ = ["RUNS", "Run", "main", "runs"]
+__all__ = ["RUNS", "Run", "main", "runs", "train_report"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +76,9 @@ def runs() -> tuple[Run, ...]:
 RUNS = runs()
 
 
-def _train(args: tuple[str, ...], steps: int, timeout_s: float) -> list[dict[str, float]]:
-    """The ``memory`` rows of one fresh ``dreampipe train --json``."""
+def train_report(args: tuple[str, ...], steps: int, timeout_s: float) -> dict[str, Any]:
+    """The report of one fresh ``dreampipe train --json --measure-memory`` (its ``memory``
+    rows: each rank's measured and predicted bytes)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dreampipe", "train", *args, "--steps", str(steps), "--json",
            "--no-progress", "--measure-memory"]
@@ -84,8 +86,8 @@ def _train(args: tuple[str, ...], steps: int, timeout_s: float) -> list[dict[str
                           check=False)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-    rows: list[dict[str, float]] = json.loads(done.stdout)["memory"]
-    return rows
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
 
 
 def row_line(run: Run, ranks: Sequence[dict[str, float]]) -> tuple[str, float]:
@@ -121,7 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{'measured':>10} {'ratio':>6}")
     worst, failed = 0.0, 0
     for run in (r for r in RUNS if r.workload in chosen):
-        rows = [_train(run.flags, args.steps, args.timeout) for _ in range(args.repeats)]
+        rows = [train_report(run.flags, args.steps, args.timeout)["memory"]
+                for _ in range(args.repeats)]
         for rank in range(len(rows[0])):
             line, off = row_line(run, [r[rank] for r in rows])
             worst = max(worst, off)

@@ -127,7 +127,8 @@ def test_values_are_kept_by_name_whatever_was_given() -> None:
                                  max_grad_norm=2.0)
     assert config.number_formats is Precision.BF16_MIXED and config.policy is OnNonFinite.SKIP
     opts = config.runner_options()
-    assert (opts.autocast, opts.max_grad_norm, opts.timeout_s) == (torch.bfloat16, 2.0, 5.0)
+    assert (opts.precision.autocast, opts.max_grad_norm, opts.timeout_s) == (
+        torch.bfloat16, 2.0, 5.0)
     fp16 = TrainConfig(precision="fp16-mixed", loss_scale=1024, loss_scale_window=10,
                        schedule="gpipe").runner_options()
     assert (fp16.precision, fp16.loss_scale, fp16.loss_scale_window) == (

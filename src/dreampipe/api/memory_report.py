@@ -12,6 +12,7 @@ momentum or none). docs/design.md §5.4.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,6 @@ def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Sc
     rank gets them (a collective)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        import dataclasses
-
         box[0] = predict_memory(profile(), plan, schedule,
                                 dataclasses.replace(choices, block=block))
     dist.broadcast_object_list(box, src=0)

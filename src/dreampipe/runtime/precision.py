@@ -65,11 +65,6 @@ class Precision(Enum):
         """Whether the optimizer steps 32-bit copies of 16-bit parameters."""
         return self.param_dtype != torch.float32
 
-    @property
-    def bytes_per_value(self) -> int:
-        """Bytes of one activation or gradient value sent between stages."""
-        return 4 if self is Precision.FP32 else 2
-
     def model_inputs(self, x: Any) -> Any:
         """The input stage's inputs ``x`` as the stage computes on them."""
         return cast_floating(x, self.param_dtype) if self.master_weights else x
@@ -97,12 +92,6 @@ class Precision(Enum):
         cast = self.autocast
         return torch.autocast(device_type, cast) if cast is not None else nullcontext()
 
-    @classmethod
-    def of_autocast(cls, dtype: torch.dtype | None) -> Precision:
-        """The precision that runs forwards under autocast in ``dtype`` (None: fp32)."""
-        if dtype is None:
-            return cls.FP32
-        return cls.BF16_MIXED if dtype == torch.bfloat16 else cls.FP16_MIXED
 
 
 def cast_floating(x: Any, dtype: torch.dtype) -> Any:

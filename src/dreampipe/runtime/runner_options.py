@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
-
 from dreampipe.runtime.nonfinite import OnNonFinite
 from dreampipe.runtime.precision import Precision
 
@@ -44,8 +42,3 @@ class RunnerOptions:
     on_nonfinite: OnNonFinite
     loss_scale: float = 2.0**16
     loss_scale_window: int = 2000
-
-    @property
-    def autocast(self) -> torch.dtype | None:
-        """The dtype forwards run under ``torch.autocast`` in (None: none)."""
-        return self.precision.autocast
