@@ -261,7 +261,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
                                 recompute=st.recompute) - saved
-                   + (_buckets(graph, st, each + int(costs.cut_bytes[st.first]),
+                   + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
                       if st.replicas > 1 else 0)
                    - _zero_saved(st, weights, opts))
@@ -304,13 +304,12 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 
 
-def _buckets(graph: LayerGraph, st: Stage, each: int, done: int) -> int:
-    """A replicated stage's all-reduce buckets (flat copies of its gradients, made in the
-    backward that ends a round and alive until its ``ALLREDUCE``) beyond what the
-    microbatches whose backward ran before that one in the round kept: ``done`` of them,
-    ``each`` bytes each (:func:`_in_flight_at_round_end`)."""
-    buckets = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
-    return max(0, buckets - done * each)
+def _buckets(weights: int, each: int, done: int) -> int:
+    """A replicated stage's all-reduce buckets (flat copies of its ``weights``' gradients,
+    made in the backward that ends a round and alive until its ``ALLREDUCE``) beyond what
+    the microbatches whose backward ran before that one in the round kept: ``done`` of
+    them, ``each`` bytes each (:func:`_in_flight_at_round_end`)."""
+    return max(0, weights - done * each)
 
 
 def _in_flight_at_round_end(actions: tuple[Action, ...]) -> int:
