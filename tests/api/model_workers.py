@@ -55,7 +55,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
     losses, the full state, the plan's stage bounds and replicas, whether rank 0's stage
     recomputes, the schedule it ran, the checkpoint's path, the held-out loss, the
-    skipped minibatches and whether rank 0's stage shards over its replicas (``zero``)."""
+    skipped minibatches and whether each rank's stage shards over its replicas (``zero``)."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -88,7 +88,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     replicas = [st.replicas for st in pipe.plan.stages]
     recomputes = pipe.module.recompute or len(pipe.module.recomputed)
     skipped = pipe.skipped
-    sharded = pipe.module.zero is not None
+    sharded: list[bool] = [False] * world  # each rank's: does its stage shard?
+    torch.distributed.all_gather_object(sharded, pipe.module.zero is not None)
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,

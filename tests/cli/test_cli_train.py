@@ -188,6 +188,23 @@ def test_train_reads_a_settings_file_and_a_flag_given_wins(
     assert (data["schedule"], data["microbatches"], len(data["losses"])) == ("1f1b-flush", 2, 5)
 
 
+def test_zero_3_without_a_schedule_trains_a_synchronous_one_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The default schedule (pipedream) keeps a weight version per minibatch in flight,
+    which level 3 cannot; a schedule given, by flag or settings file, is kept (or refused)."""
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--workers", "3", "--config", "2-1", "--zero", "3", "--steps", "2",
+            "--batch-size", "16", "--json", "--no-progress", "--timeout", "60"]
+    assert main(argv) == 0
+    got = capsys.readouterr()
+    assert "--zero 3 needs a synchronous schedule; training with --schedule 1f1b-flush" in got.err
+    assert json.loads(got.out)["schedule"] == "1f1b-flush"
+    settings = tmp_path / "s.toml"
+    settings.write_text('schedule = "2bw"\nmicrobatches = 2\n')
+    assert "use zero=2" in _fails([*argv, "--settings", str(settings)], capsys)
+
+
 @pytest.mark.parametrize(("text", "argv", "needle"), [
     ("microbatch = 4\n", [], "settings file '{path}': 'microbatch' is not a TrainConfig field; "
                             "did you mean 'microbatches'?"),

@@ -58,6 +58,6 @@ def tie_stages(ties: list[Tie], plan: Plan, stage: int, module: StageModule) -> 
         made.append(group)
         if stage in tie.stages:
             index = module.module_param_names.index(tie.names[tie.stages.index(stage)])
-            dist.broadcast(module.params[index].data, src=ranks[0], group=group)
-            module.tie(index, group, counts=dist.get_rank() == plan.stages[stage].ranks[0])
+            module.tie(index, group, counts=dist.get_rank() == plan.stages[stage].ranks[0],
+                       src=ranks[0])
     return made

@@ -111,11 +111,12 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "Stages send in 16 bits in all but fp32")
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="shard a replicated stage over its replicas (ZeRO): 1 its optimizer "
-                        "state, 2 also its gradients (reduce-scattered once per update), 3 "
-                        "also its weights between updates (all-gathered before each update's "
-                        "first forward, freed after its last backward; synchronous schedules "
-                        "only); 0 none (default). A plan file's stage may set its own "
-                        "(\"zero\": 1)")
+                        "state, 2 also its gradients (each microbatch's reduce-scattered as "
+                        "its backward ends), 3 also its weights between updates (all-gathered "
+                        "before each update's first forward, freed after its last backward; "
+                        "synchronous schedules only: with no --schedule nor --settings, "
+                        "1f1b-flush); 0 none "
+                        "(default). A plan file's stage may set its own (\"zero\": 1)")
     recompute = g.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",
                            help="each stage recomputes its first K blocks (transformer layers) "
@@ -240,7 +241,20 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         given["record_events"] = True
     if args.recompute_attention:
         given["recompute_attention"] = True
-    return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
+
+    def made(given: dict[str, Any]) -> TrainConfig:
+        return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
+
+    if args.schedule is not None or args.settings or (args.zero or 0) < 3:
+        return made(given)
+    try:
+        return made(given)
+    except ConfigError as exc:  # the default schedule (pipedream) keeps versions in flight
+        if "schedule" not in exc.parameters:
+            raise
+    print("dreampipe train: --zero 3 needs a synchronous schedule; training with "
+          "--schedule 1f1b-flush", file=sys.stderr)
+    return made({**given, "schedule": "1f1b-flush"})
 
 
 def _request(args: argparse.Namespace) -> TrainRequest:

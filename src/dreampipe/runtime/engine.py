@@ -38,7 +38,7 @@ from dreampipe.runtime.stage_records import StageInput
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
-from dreampipe.runtime.zero import ShardBuckets, stage_buckets
+from dreampipe.runtime.zero_buckets import ShardBuckets, stage_buckets
 from dreampipe.runtime.zero_params import check_gathers, sharded_weights
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -104,7 +104,7 @@ class RankRunner:
         self.two_bw = (TwoVersions(schedule.microbatches_per_update)
                        if schedule.kind is ScheduleKind.TWO_BW else None)
         self.buckets = stage_buckets(self.module.zero, self.module.params, self.group,
-                                     self.comm.wait_allreduce)
+                                     self.comm.wait_allreduce, schedule, self.stage)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
@@ -238,6 +238,10 @@ class RankRunner:
 
     def _fused_backward(self, a: Action, grad: Tensor | None) -> Tensor | None:
         """Both gradients in one backward; the Linear weight GEMMs held until ``SEND_B``."""
+        if isinstance(self.buckets, ShardBuckets):  # ZeRO-2: every microbatch's, as it ends
+            gin = self.module.backward(a.microbatch, grad, on_ready=self.buckets.ready)
+            self.buckets.settle(a)
+            return gin
         on_ready = self.buckets.ready if a.microbatch in self._round_ends else None
         return self.module.backward(a.microbatch, grad, on_ready=on_ready, hold=self.stage > 0)
 
@@ -245,6 +249,8 @@ class RankRunner:
         """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
         replicated stage, takes them all at ``ALLREDUCE``)."""
         self.module.backward_weight(a.microbatch)
+        if isinstance(self.buckets, ShardBuckets):
+            self.buckets.scatter(self.module.pop_gradients(), a)
 
     def _send_b(self, a: Action) -> None:
         self.comm.send(a, self._grads_out.pop(a.microbatch))

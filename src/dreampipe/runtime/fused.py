@@ -104,6 +104,13 @@ class GradientSum:
             self._sums[index] = acc
         return acc
 
+    def pop(self, index: int) -> Tensor:
+        """Parameter ``index``'s sum (zeros if nothing arrived), which starts again."""
+        acc = self.filled(index)
+        self._sums[index] = None
+        self._arrived.discard(index)
+        return acc
+
     def take(self) -> list[Tensor | None]:
         """Every sum (None where nothing arrived: a parameter the update never used gets
         no gradient, as in one process), starting the next update's."""

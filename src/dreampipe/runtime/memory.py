@@ -32,12 +32,13 @@ from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.heap import glibc
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.buckets import round_ends
+from dreampipe.runtime.buckets import BUCKET_CAP_MB, round_ends
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.unshard import SHARDED_LEVEL
 
 __all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
            "current_baseline", "finish_measuring", "optimizer_copies", "predict_memory",
@@ -197,20 +198,28 @@ def _state_copies(opts: TrainingChoices) -> int:
     return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
 
 
-def _zero_saved(st: Stage, weights: int, opts: TrainingChoices) -> int:
-    """What stage ``st``'s ZeRO level saves each replica at its peak: the optimizer's state
-    and master weights sharded (:func:`~dreampipe.runtime.zero_memory.zero_bytes`). Level
-    2's gradient shards are not counted: an update's backward makes each gradient whole,
-    and the sums stay whole until its reduce-scatter, so the peak holds them whole."""
+def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices) -> int:
+    """What stage ``st``'s ZeRO level saves each replica at its peak
+    (:func:`~dreampipe.runtime.zero_memory.zero_bytes`): the optimizer's state and master
+    weights sharded; from level 2 the gradients too, but for two buckets of a microbatch's
+    gradient whole at a time (:mod:`.zero_buckets`: a bucket of ``BUCKET_CAP_MB``, or of
+    one larger parameter, a layer's largest taken as half its bytes, at most the stage's
+    largest layer, ``largest``); at level 3 the whole weights gathered for the update's
+    computations, beside the chunks (:mod:`.zero_params`)."""
     level = opts.zero if st.zero is None else st.zero
     if level == 0 or st.replicas == 1:
         return 0
 
     def held(at: int) -> float:
         return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
-                          master_weights=opts.precision.master_weights).optimizer
+                          master_weights=opts.precision.master_weights).total
 
-    return round(held(0) - held(level))
+    saved = held(0) - held(level)
+    if level >= 2:
+        saved -= min(weights, 2 * min(largest, max(BUCKET_CAP_MB * 1e6, largest / 2)))
+    if level >= SHARDED_LEVEL:
+        saved -= weights
+    return round(saved)
 
 
 def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
@@ -253,7 +262,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 stash=opts.stash, recompute=st.recompute)
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
-        weights = sum(layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1])
+        sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
+        weights, level = sum(sizes), opts.zero if st.zero is None else st.zero
         walked = opts.stash and not st.recompute
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
@@ -263,8 +273,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                 recompute=st.recompute) - saved
                    + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
-                      if st.replicas > 1 else 0)
-                   - _zero_saved(st, weights, opts))
+                      if st.replicas > 1 and level < 2 else 0)
+                   - _zero_saved(st, weights, max(sizes, default=0), opts))
     return tuple(out)
 
 

@@ -153,10 +153,11 @@ class MasterWeights:
         return {k: full.get(id(v), v).detach() for k, v in state.items()}
 
     def load(self, state: Mapping[str, Tensor], names: Sequence[str]) -> None:
-        """Take the master weights from ``state`` (a checkpoint's, by parameter name;
+        """Take the master weights that ``state`` has (a checkpoint's, by parameter name;
         the module has loaded its rounding)."""
         if not self.copies:
             return
         with torch.no_grad():
             for m, name in zip(self.masters, names, strict=True):
-                m.copy_(state[name])
+                if name in state:
+                    m.copy_(state[name])

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import PlanError
@@ -34,6 +33,7 @@ from dreampipe.runtime.recompute import record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_output
+from dreampipe.runtime.stage_ties import Tie, start_tied, sum_tied
 from dreampipe.runtime.versions import Version, WeightVersions
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
 from dreampipe.runtime.zero_params import stage_optimizer, writable
@@ -104,15 +104,20 @@ class StageModule:
                                         on_drop=self._harvest)
         self._inflight: dict[int, InFlight] = {}
         self._touched: dict[tuple[int, int], Version] = {}
-        self._tied: list[tuple[int, Any, bool]] = []
+        self._tied: list[Tie] = []
+        #: Whether each microbatch's gradient is reduce-scattered as it ends (ZeRO-2).
+        self._sharded = self.zero is not None and self.zero.shards_gradients
 
-    def tie(self, index: int, group: Any, *, counts: bool = True) -> None:
-        """Parameter ``index`` is tied to copies on the other stages of ``group``: each
-        update sums its gradient over them first (and so applies the same change); a
-        replica that does not ``count`` adds zeros (its stage's first one adds the sum)."""
-        if self.zero is not None:
-            self.zero.check_tie()
-        self._tied.append((index, group, counts))
+    def tie(self, index: int, group: Any, *, counts: bool = True, src: int | None = None
+            ) -> None:
+        """Parameter ``index`` is tied to copies on the other stages of ``group``
+        (:mod:`.stage_ties`): it starts from rank ``src``'s value (None: keeps its own) and
+        each update sums its gradient over them first; a replica that does not ``count``
+        adds zeros (its stage's first one adds the sum)."""
+        tie = Tie(index, group, counts)
+        if src is not None:
+            start_tied(self._params, self._names, self._master, tie, src)
+        self._tied.append(tie)
 
     # ---- versions --------------------------------------------------------
     @property
@@ -341,7 +346,10 @@ class StageModule:
                 leaf.grad = None
                 self._grads.add_grad(index, g)
         rnd.reported[index] = True
-        rnd.on_ready(index, self._grads.filled(index))
+        if self._sharded:  # ZeRO-2: the microbatch's gradient goes to its reduce-scatter
+            rnd.on_ready(index, self._grads.pop(index))
+        else:
+            rnd.on_ready(index, self._grads.filled(index))
 
     # ---- update ----------------------------------------------------------
     @property
@@ -370,6 +378,12 @@ class StageModule:
         self._harvest_all()
         return [self._grads.filled(i) for i in range(len(self._params))]
 
+    def pop_gradients(self) -> list[Tensor]:
+        """The microbatch's whole weight gradient (zeros where none arrived), which starts
+        again: what ZeRO-2 reduce-scatters after a ``W`` (:mod:`.zero_buckets`)."""
+        self._harvest_all()
+        return [self._grads.pop(i) for i in range(len(self._params))]
+
     def reduced(self) -> None:
         """The update's gradients were all-reduced over the replicas: each one counts,
         even where this replica's microbatches never used the parameter."""
@@ -389,15 +403,7 @@ class StageModule:
         self._harvest_all()
         self._versions.retire()
         sums = self._grads.take()
-        for i, group, counts in self._tied:
-            g = sums[i]
-            g = torch.zeros_like(self._params[i]) if g is None or not counts else g
-            work = dist.all_reduce(g, group=group, async_op=True)
-            if wait is None:
-                work.wait()
-            else:
-                wait(work)
-            sums[i] = g
+        sum_tied(self._tied, self._params, sums, self.zero if self._sharded else None, wait)
         if apply:
             self._master.step(sums)
         self._versions.advance()

@@ -31,7 +31,7 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage_module import StageModule
-from dreampipe.runtime.zero import ShardBuckets
+from dreampipe.runtime.zero_buckets import ShardBuckets
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
 __all__ = ["RankUpdates", "loss_scale"]
@@ -87,7 +87,10 @@ class RankUpdates:
         if schedule.kind is ScheduleKind.PIPEDREAM:
             r = schedule.replicas[a.stage]
             scale = 1.0 / min(r, schedule.num_microbatches - a.microbatch * r)
-        buckets.finish(module.gradients(), a, scale)
+        if isinstance(buckets, ShardBuckets):  # the microbatches' reduce-scatters summed
+            buckets.finish(a, scale)
+        else:
+            buckets.finish(module.gradients(), a, scale)
         module.reduced()
 
     def step(

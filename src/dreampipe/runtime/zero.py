@@ -5,10 +5,9 @@ chunks of ``ceil(n / r)`` values (the last ones shorter, maybe empty); replica `
 chunk ``k`` of each. **Level 1**: the gradients are all-reduced as without ZeRO
 (:mod:`.buckets`); the optimizer, built by the user's factory on one 1-D ``nn.Parameter``
 per parameter (its chunk), steps only this replica's chunks; an all-gather then puts the
-updated chunks back into the full parameters. **Level 2**: the round's ``ALLREDUCE`` is a
-reduce-scatter instead (:class:`ShardBuckets`, by bucket as the backward finishes them):
-a replica keeps only its chunks of the summed gradient, and the full buffers go (level 3,
-:mod:`.zero_params`, also frees the full weights between uses).
+updated chunks back into the full parameters. **Level 2**: each microbatch's gradient is
+reduce-scattered instead, by bucket as its backward ends, into this replica's chunks
+(:mod:`.zero_buckets`); level 3 (:mod:`.zero_params`) frees the weights between uses.
 
 Why one parameter per chunk and not one flat buffer: the user's factory sees as many
 parameters, in the same order, as without ZeRO (its parameter groups, the staleness
@@ -33,11 +32,11 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
 from dreampipe.runtime import buckets as buckets_module
-from dreampipe.runtime.buckets import GradientBuckets, Wait
+from dreampipe.runtime.buckets import Wait
 from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["MAX_LEVEL", "ShardBuckets", "ZeroPlace", "ZeroShards", "stage_buckets"]
+__all__ = ["MAX_LEVEL", "ZeroPlace", "ZeroShards"]
 
 #: The highest level: 3, parameters sharded between uses (:mod:`.zero_params`).
 MAX_LEVEL = 3
@@ -108,25 +107,32 @@ class _Layout:
         """This replica's chunk of parameter ``i``'s values ``flat`` (1-D), a view."""
         return flat[self.lo[i]:self.hi[i]]
 
-    def scatter_input(self, b: _Bucket, grads: Sequence[Tensor]) -> Tensor:
-        """The reduce-scatter's input of bucket ``b``: replica ``j``'s stretch holds chunk
-        ``j`` of each gradient (``grads`` in ``b.indices`` order), zero-padded."""
-        buf = torch.zeros(self.replicas, b.size, dtype=b.dtype, device=grads[0].device)
-        for i, off, g in zip(b.indices, b.offsets, grads, strict=True):
-            flat, c = g.reshape(-1), self.chunk[i]
-            for j in range(self.replicas):
-                part = flat[j * c:(j + 1) * c]
-                buf[j, off:off + part.numel()] = part
-        return buf.view(-1)
+    def put(self, buf: Tensor, b: _Bucket, k: int, grad: Tensor) -> None:
+        """Copy ``grad``, the gradient of ``b``'s ``k``-th parameter, into ``buf``, the
+        bucket's reduce-scatter input (``(replicas, b.size)``, zeros where no chunk lies):
+        replica ``j``'s row gets chunk ``j``."""
+        i, off = b.indices[k], b.offsets[k]
+        flat, c = grad.reshape(-1), self.chunk[i]
+        for j in range(self.replicas):
+            part = flat[j * c:(j + 1) * c]
+            buf[j, off:off + part.numel()] = part
 
-    def gather(self, b: _Bucket, shards: Sequence[Tensor], group: Any) -> tuple[Tensor, Any]:
+    def gather(self, b: _Bucket, shards: Sequence[Tensor], group: Any,
+               out: Tensor | None = None) -> tuple[Tensor, Any]:
         """Start the all-gather of ``shards`` (this replica's chunks, in ``b.indices`` order):
-        the output, ``(replicas, b.size)`` once the returned work is done."""
+        the output, ``(replicas, b.size)`` once the returned work is done, into ``out``
+        (1-D) if given."""
         send = torch.zeros(b.size, dtype=b.dtype, device=shards[0].device if shards else None)
         for off, s in zip(b.offsets, shards, strict=True):
             send[off:off + s.numel()] = s
-        out = torch.empty(self.replicas * b.size, dtype=b.dtype, device=send.device)
+        if out is None:
+            out = torch.empty(self.replicas * b.size, dtype=b.dtype, device=send.device)
         return out, dist.all_gather_single(out, send, group=group, async_op=True)
+
+    def lies_whole(self, b: _Bucket) -> bool:
+        """Whether bucket ``b``'s gathered output is its one parameter's values as they
+        lie: a single parameter that splits evenly into the replicas' chunks."""
+        return len(b.indices) == 1 and self.numel[b.indices[0]] == self.replicas * b.size
 
     def whole(self, i: int, out: Tensor, b: _Bucket, k: int) -> Tensor:
         """Parameter ``i``'s full values (1-D) from its bucket's gathered ``out``; ``k`` is
@@ -196,27 +202,35 @@ class ZeroShards:
                              f"{self._stage}'s group, not {self.place.replica}")
         self.group, self._wait = group, wait
 
-    def check_tie(self) -> None:
-        """Refuse a tied weight at level 2: its tie sums full gradients across stages."""
-        if self.shards_gradients:
-            raise ConfigError(
-                f"zero={self.level} with weights tied across stages (stage {self._stage}) "
-                "is not supported: the tie sums full gradients, which level 2 does not "
-                "keep; use zero=1", "zero")
-
     # ---- gradients (level 2) ---------------------------------------------
+    @property
+    def stage(self) -> int:
+        """The stage these are the shards of."""
+        return self._stage
+
     def take_gradients(self, grads: list[Tensor]) -> None:
-        """This replica's chunks of the summed gradient, by parameter (a reduce-scatter's)."""
+        """This replica's chunks of the update's summed gradient, by parameter."""
         self._grads = grads
 
     def gradients(self) -> list[Tensor]:
-        """The gradient chunks this replica holds (level 2), by parameter; empty ones where
-        the update's reduce-scatter has not run: none."""
+        """The gradient chunks this replica holds (level 2), by parameter; none before the
+        update's ``ALLREDUCE``."""
         return [] if self._grads is None else self._grads
 
     def drop(self) -> None:
         """A skipped update: its gradient chunks go."""
         self._grads = None
+
+    def whole_gradient(self, i: int) -> Tensor:
+        """Parameter ``i``'s summed gradient, whole, from every replica's chunk (level 2; a
+        collective over the replicas): what a weight tied across stages adds up."""
+        assert self._grads is not None, "a tie sums the gradient after the ALLREDUCE"
+        return self._gather_one(i, self._grads[i])
+
+    def keep_gradient(self, i: int, whole: Tensor) -> None:
+        """Keep this replica's chunk of ``whole``, parameter ``i``'s gradient (level 2)."""
+        assert self._grads is not None
+        self._grads[i] = self.layout.shard(i, whole.reshape(-1)).clone()
 
     # ---- update ----------------------------------------------------------
     def step(self, grads: Sequence[Tensor | None]) -> None:
@@ -249,15 +263,28 @@ class ZeroShards:
         """Every replica's chunks into the full parameters (in their dtype: a bf16
         stage's rounding of its masters, as :class:`~.precision.MasterWeights` rounds);
         ``action`` names the wait in a timeout's message."""
-        lay, started = self.layout, []
-        for b in lay.buckets:
+        lay, flying = self.layout, []
+        for b in lay.buckets:  # two buckets at a time: a gather's output is whole weights
             shards = [self.masters[i].detach().to(b.dtype) for i in b.indices]
-            started.append((b, *lay.gather(b, shards, self.group)))
+            p = self._params[b.indices[0]]
+            direct = lay.lies_whole(b) and p.is_contiguous()
+            flying.append((b, *lay.gather(b, shards, self.group,
+                                          p.detach().view(-1) if direct else None), direct))
+            if len(flying) > 1:
+                self._gathered(*flying.pop(0), action)
+        for f in flying:
+            self._gathered(*f, action)
+
+    def _gathered(self, b: _Bucket, out: Tensor, work: Any, direct: bool,
+                  action: Action) -> None:
+        """Wait for bucket ``b``'s all-gather; copy its values into the parameters unless
+        it wrote them ``direct``."""
+        self._waited(work, action)
+        if direct:
+            return
         with torch.no_grad():
-            for b, out, work in started:
-                self._waited(work, action)
-                for k, i in enumerate(b.indices):
-                    self._params[i].view(-1).copy_(lay.whole(i, out, b, k))
+            for k, i in enumerate(b.indices):
+                self._params[i].view(-1).copy_(self.layout.whole(i, out, b, k))
 
     def _waited(self, work: Any, action: Action) -> None:
         if self._wait is None:
@@ -293,7 +320,8 @@ class ZeroShards:
             return
         with torch.no_grad():
             for i, (m, name) in enumerate(zip(self.masters, names, strict=True)):
-                m.copy_(self.layout.shard(i, state[name].reshape(-1)))
+                if name in state:
+                    m.copy_(self.layout.shard(i, state[name].reshape(-1)))
 
     def gathered_state(self, i: int, per: Mapping[str, Any]) -> dict[str, Any]:
         """Parameter ``i``'s optimizer state with each chunk-shaped tensor made whole
@@ -309,77 +337,3 @@ class ZeroShards:
         return {k: self.layout.shard(i, v.reshape(-1)).to(m.dtype).clone()
                 if isinstance(v, Tensor) and v.dim() >= 1 and v.shape == shape else v
                 for k, v in per.items()}
-
-
-class ShardBuckets:
-    """Level 2's :class:`~.buckets.GradientBuckets`: the same buckets, started as the
-    backward finishes them, but each a reduce-scatter; :meth:`finish` gives
-    ``shards`` this replica's chunks of the sums, scaled."""
-
-    def __init__(self, shards: ZeroShards, wait: Wait) -> None:
-        self._shards = shards
-        self._wait = wait
-        self._layout = shards.layout
-        self._reset()
-
-    @property
-    def sizes(self) -> list[int]:
-        """The number of parameters in each bucket, in launch order."""
-        return [len(b.indices) for b in self._layout.buckets]
-
-    def _reset(self) -> None:
-        self._got: list[list[Tensor | None]] = [[None] * len(b.indices)
-                                                for b in self._layout.buckets]
-        self._missing = [len(b.indices) for b in self._layout.buckets]
-        self._started: list[tuple[Tensor, Tensor, Any]] = []
-
-    def ready(self, index: int, grad: Tensor) -> None:
-        """Gradient ``index`` is final: start every bucket that can now start, in order."""
-        b, k = self._layout.where[index]
-        if self._got[b][k] is None:
-            self._missing[b] -= 1
-        self._got[b][k] = grad
-        buckets = self._layout.buckets
-        while len(self._started) < len(buckets) and self._missing[len(self._started)] == 0:
-            n = len(self._started)
-            grads = [g for g in self._got[n] if g is not None]
-            buf = self._layout.scatter_input(buckets[n], grads)
-            out = torch.empty(buckets[n].size, dtype=buf.dtype, device=buf.device)
-            work = dist.reduce_scatter_single(out, buf, group=self._shards.group,
-                                              async_op=True)
-            self._started.append((buf, out, work))
-            self._got[n] = [None] * len(grads)  # the full gradients are not kept here
-
-    def finish(self, grads: Sequence[Tensor], action: Action, scale: float) -> None:
-        """Sum the gradients over the replicas, keeping this replica's chunks, times
-        ``scale``; those not reported ready are taken from ``grads``."""
-        lay = self._layout
-        try:
-            for b, bucket in enumerate(lay.buckets):
-                if b < len(self._started):
-                    continue
-                for k, i in enumerate(bucket.indices):
-                    if self._got[b][k] is None:
-                        self.ready(i, grads[i])
-            chunks: list[Tensor | None] = [None] * len(lay.numel)
-            for bucket, (_, out, work) in zip(lay.buckets, self._started, strict=True):
-                self._wait(work, action)
-                if scale != 1.0:
-                    out.mul_(scale)
-                for i, off in zip(bucket.indices, bucket.offsets, strict=True):
-                    chunks[i] = out[off:off + lay.hi[i] - lay.lo[i]]
-            self._shards.take_gradients([c for c in chunks if c is not None])
-        finally:
-            self._reset()
-
-
-def stage_buckets(shards: ZeroShards | None, params: Sequence[Tensor], group: Any,
-                  wait: Wait) -> GradientBuckets | ShardBuckets:
-    """What a runner's ``ALLREDUCE`` finishes for a stage with ``shards`` (None: no ZeRO):
-    reduce-scatters at level 2, all-reduces otherwise; binds ``shards`` to ``group``."""
-    if shards is None:
-        return GradientBuckets(params, group, wait)
-    shards.bind(group, wait)
-    return ShardBuckets(shards, wait) if shards.shards_gradients else GradientBuckets(
-        params, group, wait)
-

@@ -63,11 +63,6 @@ class ZeroParams(ZeroShards):
         """``RESHARD``: the full weights' storage freed; the chunks stay."""
         self.allocate(whole=False)
 
-    @property
-    def stage(self) -> int:
-        """The stage these are the shards of."""
-        return self._stage
-
     def allocate(self, *, whole: bool) -> None:
         """Give the full weights their storage (values undefined) or free it."""
         for p, n in zip(self._params, self._nbytes, strict=True):
