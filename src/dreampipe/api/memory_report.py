@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +123,14 @@ def start(config: TrainConfig, layers: Sequence[nn.Module], device: torch.device
 def measured(base: Baseline | None, before: int, rank: int, modules: Sequence[StageModule],
              config: TrainConfig, plan: Plan, layers: Layers,
              schedule: Callable[[int], Schedule], profile: Callable[[], LayerGraph],
-             minibatches: int) -> MemoryReport:
+             minibatches: int,
+             whole: Callable[[], AbstractContextManager[None]] = nullcontext
+             ) -> MemoryReport:
     """The rank's report: its peak since ``base`` plus ``before``, beside its stage's
     prediction on ``schedule(horizon)`` (long enough to fill the pipeline and the kept
-    sends), profiled by ``profile`` on rank 0; a ConfigError without a baseline."""
+    sends), profiled by ``profile`` on rank 0 within ``whole()`` (every rank enters it,
+    after its peak is read: ZeRO-3's weights gathered); a ConfigError without a
+    baseline."""
     if base is None:
         raise ConfigError("memory() reports what a Pipeline made with "
                           "TrainConfig(measure_memory=True) measured; set it", "measure_memory")
@@ -135,6 +140,7 @@ def measured(base: Baseline | None, before: int, rank: int, modules: Sequence[St
     horizon = min(max(minibatches, 1), SENDS_KEPT + 2 * fill)
     spec = config.block_recompute()
     block = spec.for_model(*(m for _, m in layers)).block if spec is not None else None
-    predicted = predicted_memory(profile, plan, schedule(horizon),
-                                 training_choices(config, modules), block)
+    with whole():
+        predicted = predicted_memory(profile, plan, schedule(horizon),
+                                     training_choices(config, modules), block)
     return MemoryReport(rank, stage, use.used + before, predicted[stage], use)

@@ -234,7 +234,7 @@ class Pipeline:
                         self.config, self.plan, self._layers, self._build_schedule,
                         lambda: profile_layers(self._layers, self._example, self.loss_fn,
                                                self.layout.microbatch_size, self.config),
-                        self.minibatches)
+                        self.minibatches, lambda: gathered(m.zero for m in self.runner.modules))
 
     def _my_stages(self, world: int) -> range:
         """The stages this rank runs: its plan stage, or every ``world``-th one from its rank."""

@@ -112,10 +112,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
     g.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=None,
                    help="shard a replicated stage over its replicas (ZeRO): 1 its optimizer "
                         "state, 2 also its gradients (each microbatch's reduce-scattered as "
-                        "its backward ends), 3 also its weights between updates (all-gathered "
-                        "before each update's first forward, freed after its last backward; "
-                        "synchronous schedules only: with no --schedule nor --settings, "
-                        "1f1b-flush); 0 none "
+                        "its backward ends), 3 also its weights between uses (each layer's "
+                        "gathered as it runs where the replicas run as many microbatches an "
+                        "update, else all for the update; synchronous schedules only: with "
+                        "no --schedule nor --settings, 1f1b-flush); 0 none "
                         "(default). A plan file's stage may set its own (\"zero\": 1)")
     recompute = g.add_mutually_exclusive_group()
     recompute.add_argument("--recompute-blocks", type=int, default=None, metavar="K",

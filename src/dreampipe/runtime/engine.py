@@ -39,9 +39,10 @@ from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
 from dreampipe.runtime.zero_buckets import ShardBuckets, stage_buckets
-from dreampipe.runtime.zero_params import check_gathers, sharded_weights
+from dreampipe.runtime.zero_params import ZeroParams, check_gathers, sharded_weights
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.unshard import pairs_per_use
 
 __all__ = ["MicrobatchData", "RankRunner", "barrier"]
 
@@ -105,6 +106,8 @@ class RankRunner:
                        if schedule.kind is ScheduleKind.TWO_BW else None)
         self.buckets = stage_buckets(self.module.zero, self.module.params, self.group,
                                      self.comm.wait_allreduce, schedule, self.stage)
+        if isinstance(self.module.zero, ZeroParams):
+            self.module.zero.per_use = pairs_per_use(schedule, self.stage)
         self.guard = NonFiniteGuard(opts.on_nonfinite, schedule, rank, device)
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
@@ -228,10 +231,11 @@ class RankRunner:
 
     def _backward(self, a: Action) -> None:
         grad = None if self.last else self._grads_in.pop(a.microbatch)
-        if self.schedule.kind.splits_backward:
-            gin = self.module.backward_input(a.microbatch, grad)
-        else:
-            gin = self._fused_backward(a, grad)
+        with self.module.backward_scope():  # ZeRO-3: what it gathers goes at its end
+            if self.schedule.kind.splits_backward:
+                gin = self.module.backward_input(a.microbatch, grad)
+            else:
+                gin = self._fused_backward(a, grad)
         if self.stage > 0:
             assert gin is not None
             self._grads_out[a.microbatch] = gin
@@ -248,7 +252,8 @@ class RankRunner:
     def _weight(self, a: Action) -> None:
         """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
         replicated stage, takes them all at ``ALLREDUCE``)."""
-        self.module.backward_weight(a.microbatch)
+        with self.module.backward_scope():
+            self.module.backward_weight(a.microbatch)
         if isinstance(self.buckets, ShardBuckets):
             self.buckets.scatter(self.module.pop_gradients(), a)
 

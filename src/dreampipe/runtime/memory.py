@@ -38,7 +38,7 @@ from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
-from dreampipe.scheduling.unshard import SHARDED_LEVEL
+from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 
 __all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
            "current_baseline", "finish_measuring", "optimizer_copies", "predict_memory",
@@ -198,14 +198,17 @@ def _state_copies(opts: TrainingChoices) -> int:
     return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
 
 
-def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices) -> int:
+def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices,
+                per_use: bool) -> int:
     """What stage ``st``'s ZeRO level saves each replica at its peak
     (:func:`~dreampipe.runtime.zero_memory.zero_bytes`): the optimizer's state and master
-    weights sharded; from level 2 the gradients too, but for two buckets of a microbatch's
-    gradient whole at a time (:mod:`.zero_buckets`: a bucket of ``BUCKET_CAP_MB``, or of
+    weights sharded; from level 2 the gradients too, but for two buckets of a
+    microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, one
+    filling; a bucket of ``BUCKET_CAP_MB``, or of
     one larger parameter, a layer's largest taken as half its bytes, at most the stage's
-    largest layer, ``largest``); at level 3 the whole weights gathered for the update's
-    computations, beside the chunks (:mod:`.zero_params`)."""
+    largest layer, ``largest``); at level 3 beside the chunks the weights in use, gathered
+    ``per_use`` (a layer's at a time; a recomputing stage's all, in its backward) or for
+    the update's computations (all of them; :mod:`.zero_params`)."""
     level = opts.zero if st.zero is None else st.zero
     if level == 0 or st.replicas == 1:
         return 0
@@ -218,7 +221,7 @@ def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices) ->
     if level >= 2:
         saved -= min(weights, 2 * min(largest, max(BUCKET_CAP_MB * 1e6, largest / 2)))
     if level >= SHARDED_LEVEL:
-        saved -= weights
+        saved -= largest if per_use and not st.recompute else weights
     return round(saved)
 
 
@@ -274,7 +277,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                    + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
                       if st.replicas > 1 and level < 2 else 0)
-                   - _zero_saved(st, weights, max(sizes, default=0), opts))
+                   - _zero_saved(st, weights, max(sizes, default=0), opts,
+                                 pairs_per_use(schedule, s)))
     return tuple(out)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_
 from dreampipe.runtime.stage_ties import Tie, start_tied, sum_tied
 from dreampipe.runtime.versions import Version, WeightVersions
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
-from dreampipe.runtime.zero_params import stage_optimizer, writable
+from dreampipe.runtime.zero_params import ZeroParams, stage_optimizer, writable
 
 __all__ = ["StageModule"]
 
@@ -107,6 +108,11 @@ class StageModule:
         self._tied: list[Tie] = []
         #: Whether each microbatch's gradient is reduce-scattered as it ends (ZeRO-2).
         self._sharded = self.zero is not None and self.zero.shards_gradients
+        uses = self._master if isinstance(self._master, ZeroParams) else None
+        #: ZeRO-3: a forward saves its weights as references; a backward frees what it
+        #: gathered when it ends (:mod:`.zero_params`).
+        self._saving = uses.saving if uses else nullcontext
+        self.backward_scope = uses.backward if uses else nullcontext
 
     def tie(self, index: int, group: Any, *, counts: bool = True, src: int | None = None
             ) -> None:
@@ -218,7 +224,8 @@ class StageModule:
         if self.stage == 0:
             x = self.precision.model_inputs(x)
         args = x if isinstance(x, tuple) else (x,)
-        out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
+        with self._saving():
+            out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
         if target is None:
             out = self.precision.sent(tensor_output(out, f"stage {self.stage} returned"))
             return out, out

@@ -78,7 +78,9 @@ class _Bucket:
 
 class _Layout:
     """Where each parameter's chunks lie (module docstring), and the buckets, as
-    :class:`~.buckets.GradientBuckets` makes them (reverse order, a cap, one dtype)."""
+    :class:`~.buckets.GradientBuckets` makes them (reverse order, a cap, one dtype), but a
+    parameter of the cap or more alone (its reduce-scatter then reads its gradient as it
+    lies)."""
 
     def __init__(self, params: Sequence[Tensor], place: ZeroPlace, cap_mb: float) -> None:
         r, k = place.replicas, place.replica
@@ -93,7 +95,9 @@ class _Layout:
         cap, size = cap_mb * 1e6, 0.0
         for i in reversed(range(len(params))):
             last = self.buckets[-1] if self.buckets else None
-            if last is None or size >= cap or last.dtype != params[i].dtype:
+            nbytes = params[i].numel() * params[i].element_size()
+            if (last is None or size >= cap or last.dtype != params[i].dtype
+                    or (nbytes >= cap and last.indices)):  # a large one alone: no copy
                 last = _Bucket([], [], 0, params[i].dtype)
                 self.buckets.append(last)
                 size = 0.0
@@ -101,7 +105,7 @@ class _Layout:
             last.indices.append(i)
             last.offsets.append(last.size)
             last.size += self.chunk[i]
-            size += params[i].numel() * params[i].element_size()
+            size += nbytes
 
     def shard(self, i: int, flat: Tensor) -> Tensor:
         """This replica's chunk of parameter ``i``'s values ``flat`` (1-D), a view."""

@@ -5,24 +5,30 @@ top of level 2 (:mod:`.zero`), each replica keeps only its chunks of the weights
 uses, as tensors of their own (the optimizer's chunk parameters, or under ``bf16`` their
 32-bit masters), and the full weights' storage is freed (``untyped_storage().resize_(0)``,
 as FSDP does: every view of it, a weight version's tensors included, is freed with it).
-The schedule says when they are whole (:mod:`dreampipe.scheduling.unshard`): ``UNSHARD<k>``
-all-gathers them before update ``k``'s first computation and ``RESHARD<k>`` frees them
-after its last, so a 1F1B backward finds the weights its forward ran on. The update steps
-the chunks alone; the next ``UNSHARD`` gathers the new values (a bf16 stage's rounding of
-its masters). Only synchronous schedules: an asynchronous one keeps a weight version per
-minibatch in flight. Evaluation and a checkpoint's weights gather them for the while
+Per use (FSDP's rule, where the replicas run as many microbatches in each update, so that
+their gathers pair up): a module's forward gathers the weights it holds itself and frees
+them after; a weight the backward needs is saved as a reference and gathered again into a
+tensor of its own when unpacked. Per update otherwise: ``UNSHARD<k>`` gathers all of them
+and ``RESHARD<k>`` frees them (:mod:`dreampipe.scheduling.unshard`). The update steps the
+chunks alone (a bf16 stage gathers its masters' rounding). Only synchronous schedules: an
+asynchronous one keeps a weight version per minibatch in flight. Evaluation and a
+checkpoint's weights gather them for the while
 (:func:`gathered`). docs/design.md §5.6.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
 from dreampipe.errors import ScheduleError
+from dreampipe.profiling.heap import glibc
 from dreampipe.runtime.precision import MasterWeights, Precision
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
 from dreampipe.scheduling.actions import Action, ActionKind
@@ -32,9 +38,19 @@ __all__ = ["ZeroParams", "check_gathers", "gathered", "sharded_weights", "stage_
            "writable"]
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """A weight autograd saved, kept as which parameter and which view of it."""
+
+    index: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
 class ZeroParams(ZeroShards):
     """:class:`~.zero.ZeroShards` at level 3 (module docstring): the full weights exist only
-    between :meth:`unshard` and :meth:`reshard`; ``whole`` says whether they do now."""
+    in use; ``whole`` says whether all of them do now."""
 
     frees_weights = True
 
@@ -47,15 +63,42 @@ class ZeroParams(ZeroShards):
                 p.data = p.data.clone(memory_format=torch.contiguous_format)
         super().__init__(module, params, optimizer, precision, place, stage)
         self._nbytes = [p.untyped_storage().nbytes() for p in self._params]
-        self.whole = True
+        self._whole = [True] * len(self._params)
+        self._at: dict[int, int] = {}  # a whole weight's storage address: its index
+        self._pinned = self._in_backward = False
+        #: Whether the weights are gathered per use (else per update, at ``UNSHARD``):
+        #: where the replicas run as many microbatches in every update, so that their
+        #: per-use gathers pair up (:func:`~dreampipe.scheduling.unshard.pairs_per_use`).
+        self.per_use = False
+        index = {id(p): i for i, p in enumerate(self._params)}
+        for sub in module.modules():  # a unit: the weights a module holds itself
+            mine = [index[id(p)] for p in sub._parameters.values()
+                    if p is not None and id(p) in index]
+            if mine:
+                sub.register_forward_pre_hook(lambda _m, _a, ix=mine: self._use(ix))
+                sub.register_forward_hook(lambda _m, _a, _o, ix=mine: self._used(ix))
         self.reshard()
+        libc = glibc()
+        if libc is not None:  # weights made before the run lie inside the heap: give their
+            libc.malloc_trim(0)  # pages back, as a resident size that is what lives shows
+
+    @property
+    def whole(self) -> bool:
+        """Whether every weight is whole now."""
+        return all(self._whole)
 
     def unshard(self, action: Action) -> None:
-        """``UNSHARD``: the full weights, gathered from every replica's chunks (a collective
-        over the replicas; ``action`` names it in a timeout's message)."""
-        if self.whole:
+        """``UNSHARD``: per update, every weight gathered; per use, nothing yet (each
+        module's forward and each saved weight's backward gathers what it needs)."""
+        if self.whole and self._params:
             raise ScheduleError(f"stage {self._stage} runs {action} with its weights whole "
                                 "already; each UNSHARD follows the last one's RESHARD")
+        if not self.per_use:
+            self.gather_all(action)
+
+    def gather_all(self, action: Action) -> None:
+        """Every weight whole, gathered from every replica's chunks (a collective over the
+        replicas; ``action`` names it in a timeout's message)."""
         self.allocate(whole=True)
         self._all_gather(action)
 
@@ -63,11 +106,97 @@ class ZeroParams(ZeroShards):
         """``RESHARD``: the full weights' storage freed; the chunks stay."""
         self.allocate(whole=False)
 
-    def allocate(self, *, whole: bool) -> None:
-        """Give the full weights their storage (values undefined) or free it."""
-        for p, n in zip(self._params, self._nbytes, strict=True):
-            p.untyped_storage().resize_(n if whole else 0)
-        self.whole = whole
+    def allocate(self, *, whole: bool, only: Sequence[int] | None = None) -> None:
+        """Give the weights (``only`` those) their storage (values undefined) or free it."""
+        for i in range(len(self._params)) if only is None else only:
+            self._params[i].untyped_storage().resize_(self._nbytes[i] if whole else 0)
+            self._whole[i] = whole
+        self._at = {self._params[i].untyped_storage().data_ptr(): i
+                    for i, w in enumerate(self._whole) if w}
+
+    # ---- per use: module hooks and saved tensors ----------------------------
+    def _use(self, ix: Sequence[int]) -> None:
+        """Before a module's forward: its weights whole (one all-gather)."""
+        missing = [i for i in ix if not self._whole[i]]
+        if self._pinned or not missing or not self.per_use:
+            return
+
+        self.allocate(whole=True, only=missing)
+        for i, full in zip(missing, self._gather(missing), strict=True):
+            self._params[i].detach().view(-1).copy_(full)
+
+    def _used(self, ix: Sequence[int]) -> None:
+        """After a module's forward: its weights freed (not while pinned whole, nor in a
+        backward, whose recomputed forwards keep them for the backward that follows)."""
+        if self.per_use and not (self._pinned or self._in_backward):
+            self.allocate(whole=False, only=[i for i in ix if self._whole[i]])
+
+    def _gather(self, ix: Sequence[int]) -> list[Tensor]:
+        """Weights ``ix`` whole (1-D, fresh tensors) from every replica's chunks: one
+        all-gather (a collective over the replicas, which all make the same ones)."""
+        lay, r = self.layout, self.place.replicas
+        offsets = [0]
+        for i in ix:
+            offsets.append(offsets[-1] + lay.chunk[i])
+        dtype = self._params[ix[0]].dtype
+        send = torch.zeros(offsets[-1], dtype=dtype, device=self.masters[ix[0]].device)
+        for i, off in zip(ix, offsets, strict=False):
+            m = self.masters[i].detach()
+            send[off:off + m.numel()] = m
+        out = torch.empty(r * offsets[-1], dtype=dtype, device=send.device)
+        self._waited(dist.all_gather_single(out, send, group=self.group, async_op=True),
+                     Action(ActionKind.UNSHARD, self._stage, 0))
+        rows = out.view(r, offsets[-1])
+        return [rows[:, off:off + lay.chunk[i]].reshape(-1)[:lay.numel[i]]
+                for i, off in zip(ix, offsets, strict=False)]
+
+    def _pack(self, t: Tensor) -> Any:
+        """A tensor autograd saves: a view of a weight is kept as which one (gathered
+        again when the backward unpacks it), anything else as it is."""
+        if not (self._at and self.per_use):
+            return t
+        try:
+            i = self._at.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own
+            return t
+        if i is None or t.dtype != self._params[i].dtype:
+            return t
+        return _Saved(i, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+
+    def _unpack(self, saved: Any) -> Tensor:
+        if not isinstance(saved, _Saved):
+            return cast(Tensor, saved)
+        i = saved.index
+        full = (self._params[i].detach().view(-1) if self._whole[i]
+                else self._gather([i])[0].contiguous())
+        return full.as_strided(saved.size, saved.stride, saved.offset)
+
+    def saving(self) -> AbstractContextManager[None]:
+        """Around a forward: the weights it saves for its backward kept as references."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """Around a backward (or ``W``): what its recomputed forwards gather stays whole
+        until it ends, then goes."""
+        outer, self._in_backward = self._in_backward, True
+        try:
+            yield
+        finally:
+            self._in_backward = outer
+            if self.per_use and not (self._pinned or outer):
+                self.allocate(whole=False, only=[i for i, w in enumerate(self._whole) if w])
+
+    @contextmanager
+    def pinned(self, action: Action) -> Iterator[None]:
+        """Every weight whole for the while (evaluation), then freed."""
+        self.gather_all(action)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            self.reshard()
 
 
 def stage_optimizer(module: nn.Module, params: Sequence[nn.Parameter],
@@ -107,14 +236,11 @@ def check_gathers(zero: ZeroShards | None, actions: Iterable[Action], stage: int
 def gathered(shards: Iterable[ZeroShards | None]) -> Iterator[None]:
     """The level-3 weights among ``shards`` whole for the while (evaluation); a collective
     over each stage's replicas, which all enter it."""
-    held = [z for z in shards if isinstance(z, ZeroParams) and not z.whole]
-    for z in held:
-        z.unshard(Action(ActionKind.UNSHARD, z.stage, 0))
-    try:
-        yield
-    finally:
+    held = [z for z in shards if isinstance(z, ZeroParams)]
+    with ExitStack() as stack:
         for z in held:
-            z.reshard()
+            stack.enter_context(z.pinned(Action(ActionKind.UNSHARD, z.stage, 0)))
+        yield
 
 
 @contextmanager

@@ -2,14 +2,14 @@
 
 A replicated stage at ZeRO level 3 (:mod:`dreampipe.runtime.zero_params`) keeps only its
 chunks of the weights between uses. :func:`place_unshards` puts, on every replica of such
-a stage and for every update ``k``, ``UNSHARD<k>`` (an all-gather of the weights over the
-replicas) just before the rank's first computation of update ``k``, moved ahead of the
-receive that feeds it so that the gather overlaps the wait, and ``RESHARD<k>`` (the full
-weights freed) just after its last ``B`` or ``W`` of the update. One gather per update, not
-per microbatch: 1F1B alternates forwards and backwards, and a backward needs the weights
-its forward ran on. A replica with no microbatch in update ``k`` still joins the gather (a
-collective), with ``UNSHARD<k> RESHARD<k>`` just before its ``ALLREDUCE<k>``. Only the
-synchronous schedules (one weight version in use at a time) take it. docs/design.md §5.6.
+a stage and for every update ``k``, ``UNSHARD<k>`` just before the rank's first
+computation of update ``k``, moved ahead of the receive that feeds it, and ``RESHARD<k>``
+(every weight freed) just after its last ``B`` or ``W`` of the update. Between them the
+stage gathers per use where :func:`pairs_per_use` holds (every replica runs as many
+microbatches in each update, so their gathers pair up), else all at ``UNSHARD<k>``. A
+replica with no microbatch in update ``k`` still joins (a collective), with ``UNSHARD<k>
+RESHARD<k>`` just before its ``ALLREDUCE<k>``. Only the synchronous schedules (one weight
+version in use at a time) take it. docs/design.md §5.6.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dreampipe.errors import ScheduleError
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule
 
-__all__ = ["ASYNC_REASON", "SHARDED_LEVEL", "place_unshards", "sharded_stages", "unshard_problem"]
+__all__ = ["ASYNC_REASON", "SHARDED_LEVEL", "pairs_per_use", "place_unshards", "sharded_stages",
+           "unshard_problem"]
 
 #: The ZeRO level from which a stage's weights are sharded between uses.
 SHARDED_LEVEL = 3
@@ -40,6 +41,23 @@ def sharded_stages(schedule: Schedule, levels: Sequence[int]) -> frozenset[int]:
                             "give one a stage")
     return frozenset(s for s, (lv, r) in enumerate(zip(levels, schedule.replicas, strict=True))
                      if lv >= SHARDED_LEVEL and r > 1)
+
+
+def pairs_per_use(schedule: Schedule, stage: int) -> bool:
+    """Whether every replica of ``stage`` runs as many microbatches in each update, so
+    that gathers made per use (each forward's and backward's, in the same order on every
+    replica) pair up; otherwise a sharded stage gathers once per update."""
+    m = schedule.microbatches_per_update
+    counts: set[tuple[int, ...]] = set()
+    for rank, acts in enumerate(schedule.actions):
+        if schedule.stage_of_rank(rank) != stage:
+            continue
+        per: dict[int, int] = {}
+        for a in acts:
+            if a.kind is _K.FORWARD and a.stage == stage:
+                per[a.microbatch // m] = per.get(a.microbatch // m, 0) + 1
+        counts.add(tuple(per.get(k, 0) for k in range(schedule.num_microbatches // m)))
+    return len(counts) <= 1
 
 
 def place_unshards(schedule: Schedule, levels: Sequence[int]) -> Schedule:
