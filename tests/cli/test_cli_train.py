@@ -130,10 +130,12 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
                          ids=["zb-h1", "zb-h2", "interleaved-1f1b"])
 def test_the_newer_schedules_train_end_to_end(
     schedule: list[str], capsys: pytest.CaptureFixture[str],
+    mlp_profile: Callable[[int], Path],
 ) -> None:
     argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
             "--workers", "2", "--schedule", *schedule, "--microbatches", "4", "--steps", "3",
-            "--batch-size", "16", "--json", "--no-progress", "--timeout", "60"]
+            "--batch-size", "16", "--json", "--no-progress", "--timeout", "60",
+            "--profile", str(mlp_profile(4))]
     assert main(argv) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     assert data["samples_per_s"] > 0 and data["predicted_samples_per_s"] > 0
@@ -172,13 +174,14 @@ def test_a_plan_file_of_two_stages_per_worker_refuses_what_contradicts_it(
 
 
 def test_train_reads_a_settings_file_and_a_flag_given_wins(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path],
 ) -> None:
     settings = tmp_path / "s.toml"
     settings.write_text('schedule = "1f1b-flush"\nmicrobatches = 4\nseed = 3\n'
                         "timeout_s = 90\nmax_grad_norm = 1.0\n")
-    argv = ["train", "mlp", "--workers", "2", "--steps", "5", "--json", "--settings",
-            str(settings), "--microbatches", "2", "--no-progress"]
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--workers", "2", "--steps", "5", "--json", "--settings", str(settings),
+            "--microbatches", "2", "--no-progress", "--profile", str(mlp_profile(16))]
     assert main(argv) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     want = TrainConfig(schedule="1f1b-flush", microbatches=2, seed=3, timeout_s=90.0,
@@ -232,12 +235,12 @@ def test_a_bad_settings_file_names_the_field_before_profiling(
 
 
 def test_a_plan_file_of_two_stages_per_worker_trains_them_so_without_the_flag(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path],
 ) -> None:
     argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
             "--workers", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4",
             "--steps", "3", "--batch-size", "16", "--json", "--no-progress", "--timeout", "60",
-            "--plan", str(_interleaved_plan_file(tmp_path))]
+            "--plan", str(_interleaved_plan_file(tmp_path)), "--profile", str(mlp_profile(4))]
     assert main(argv) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     assert data["virtual_stages"] == 2 and data["predicted_samples_per_s"] > 0
@@ -245,18 +248,23 @@ def test_a_plan_file_of_two_stages_per_worker_trains_them_so_without_the_flag(
 
 
 def test_steps_from_epochs_round_up_to_whole_all_reduce_rounds(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path],
 ) -> None:
     # 3/64 of the 2048 synthetic samples in minibatches of 32 is 3 minibatches; two
     # replicas of one stage all-reduce every 2, so the run takes 4
-    argv = ["train", "mlp", "--model-arg", "layers=2", "--model-arg", "width=16",
-            "--config", "2", "--epochs", "0.046875", "--json", "--no-progress"]
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--config", "2", "--epochs", "0.046875", "--json", "--no-progress",
+            "--profile", str(mlp_profile(32))]
     assert main(argv) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["steps"] == 4
 
 
-def test_steps_must_fill_whole_all_reduce_rounds(capsys: pytest.CaptureFixture[str]) -> None:
-    err = _fails(["train", "mlp", "--config", "2", "--steps", "3", "--no-progress"], capsys)
+def test_steps_must_fill_whole_all_reduce_rounds(
+    capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path],
+) -> None:
+    err = _fails(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+                  "--config", "2", "--steps", "3", "--no-progress",
+                  "--profile", str(mlp_profile(32))], capsys)
     assert "--steps 3" in err and "--steps 4" in err, err
 
 
@@ -290,11 +298,12 @@ def test_train_under_torchrun_prints_once(tmp_path: Path, schedule: list[str]) -
 
 @pytest.mark.parametrize("semantics", list(Semantics))
 def test_train_schedule_auto_runs_the_fastest_of_its_semantics(
-        semantics: Semantics, capsys: pytest.CaptureFixture[str]) -> None:
+        semantics: Semantics, capsys: pytest.CaptureFixture[str],
+        mlp_profile: Callable[[int], Path]) -> None:
     assert main(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
                  "--workers", "2", "--steps", "4", "--batch-size", "8", "--microbatches", "2",
                  "--schedule", "auto", "--semantics", semantics.value, "--json",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--profile", str(mlp_profile(4))]) == 0
     out, err = capsys.readouterr()
     data = json.loads(next(ln for ln in out.splitlines() if ln.startswith("{")))
     assert data["schedule"] in {k.value for k in CANDIDATES[semantics]}
@@ -390,14 +399,15 @@ def test_staleness_compensation_is_on_unless_turned_off(
 
 
 def test_train_runs_a_plan_that_mixes_split_and_replicated_stages(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        mlp_profile: Callable[[int], Path]) -> None:
     from api.test_pipeline_mixed import _plan
 
     _plan("1t2-2r", 32).save(tmp_path / "mixed.json")
     assert main(["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
                  "--plan", str(tmp_path / "mixed.json"), "--workers", "4", "--schedule",
                  "1f1b-flush", "--microbatches", "2", "--steps", "4", "--json",
-                 "--no-progress"]) == 0
+                 "--no-progress", "--profile", str(mlp_profile(16))]) == 0
     data = json.loads(next(ln for ln in capsys.readouterr().out.splitlines()
                            if ln.startswith("{")))
     assert data["partition"] == "1t2-2r" and len(data["losses"]) == 4

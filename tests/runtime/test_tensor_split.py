@@ -33,6 +33,7 @@ from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
+from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.tensor_split import SplitStage, tensor_mesh
 
@@ -46,15 +47,27 @@ MINIBATCH, STEPS, LR = 32, 4, 0.01
 LIMITS = {2: 100 * 10**6, 4: 50 * 10**6}
 
 
+@pytest.fixture(scope="module")
+def big_profile(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The mlp of :data:`KWARGS` profiled once as a worker computes a minibatch, for both
+    worker counts (``train --profile``): the sizes the plan and the memory prediction
+    come from are the profile's, which train's own profile beside busy twins measures
+    alike."""
+    path = tmp_path_factory.mktemp("big-profile") / "mlp.json"
+    profile_as_worker(get_model("mlp", **dict(KWARGS)), MINIBATCH, repeats=2).save(path)
+    return str(path)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("workers", [2, 4])
-def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int) -> None:
+def test_a_linear_too_big_for_memory_trains_split_like_one_process(workers: int,
+                                                                   big_profile: str) -> None:
     run = TrainOptions(model="mlp", model_kwargs=KWARGS, minibatch_size=MINIBATCH, steps=STEPS,
                        lr=LR, config=TrainConfig(schedule="1f1b-flush", timeout_s=120.0,
                                                  measure_memory=True), progress=False)
     request = TrainRequest(run=run, plan=PlanSource(), workers=workers, exact_steps=True,
-                           memory_bytes=LIMITS[workers])
+                           memory_bytes=LIMITS[workers], profile=big_profile)
     said: list[str] = []
     report = run_train(request, say=said.append)
     assert report is not None
@@ -130,6 +143,15 @@ def test_the_reference_splits_a_stage_bit_for_bit_as_dtensor_does() -> None:
             assert torch.equal(p.grad, r["grads"][name]), name
 
 
+def _profile(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> str:
+    """The mlp profiled as a worker computes a minibatch, for ``train --profile``: the runs
+    of a plan file check what they train, not the prediction, so they skip train's
+    profile beside busy twins."""
+    path = tmp_path / "profile.json"
+    profile_as_worker(get_model("mlp", **dict(kwargs)), MINIBATCH, repeats=2).save(path)
+    return str(path)
+
+
 def _two_split_stages(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> PlanSource:
     """``1t2-1t2``: layers 0-1 split (out, in) over workers 0-1, the head over 2-3."""
     spec = get_model("mlp", **dict(kwargs))
@@ -150,7 +172,8 @@ def test_dreampipe_train_checkpoints_split_stages(tmp_path: Path) -> None:
                                                                timeout_s=60.0),
                        progress=False, evaluate=False)
     report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
-                                    workers=4, exact_steps=True),
+                                    workers=4, exact_steps=True,
+                                    profile=_profile(tmp_path, kwargs)),
                        checkpoints=Checkpoints(directory=tmp_path / "ck", every=2))
     assert report is not None and report.plan.config == "1t2-1t2"
     assert [p.name for p in sorted((tmp_path / "ck").iterdir())] == ["step-2", "step-4"]
@@ -176,7 +199,8 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
                        lr=LR, config=TrainConfig(schedule="pipedream", timeout_s=60.0),
                        progress=False)
     report = run_train(TrainRequest(run=run, plan=_two_split_stages(tmp_path, kwargs),
-                                    workers=4, exact_steps=True))
+                                    workers=4, exact_steps=True,
+                                    profile=_profile(tmp_path, kwargs)))
     assert report is not None and report.plan.config == "1t2-1t2"
     losses, state = reference_pipedream(
         spec, load_dataset("synthetic", spec, seed=0), bounds=[0, 2], replicas=[1, 1],
