@@ -43,7 +43,7 @@ from dreampipe.scheduling.build import build_schedule
 from .reference import adam, adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 from .reference_formats import reference_formats
 from .runs import train_run
-from .zero_workers import zero_rank, zero_zoo
+from .zero_workers import per_use_rank, zero_rank, zero_zoo
 
 __all__: list[str] = []
 
@@ -363,6 +363,17 @@ def test_levels_beyond_three_are_refused_by_name() -> None:
     one = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
                       input_grad=False, zero=ZeroPlace(2, 0, 1))
     assert one.zero is None  # one replica: nothing to shard
+
+
+@pytest.mark.timeout(120)
+def test_level_3_per_use_holds_one_module_s_weights_whole_at_a_time() -> None:
+    """Each Linear's forward starts with only its own two weights whole (the gathers),
+    none are whole after the forward though its graph is alive (the saved weights are
+    references), nor after the backward, whose gradients are the whole model's."""
+    for got in run_processes(per_use_rank, 2, 3, deadline_s=60.0):
+        assert got["during"] == [2, 0, 2, 0, 2], got  # a Tanh holds none
+        assert got["after_forward"] == 0 and got["after_backward"] == 0, got
+        assert got["gradients_equal"], got
 
 
 def test_level_3_frees_the_weights_at_once_and_refuses_a_schedule_without_gathers() -> None:

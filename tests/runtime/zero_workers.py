@@ -20,7 +20,7 @@ from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob, train_rank
 from dreampipe.runtime.stage_module import StageModule
 
-__all__ = ["count_bytes", "held_bytes", "zero_rank", "zero_zoo"]
+__all__ = ["count_bytes", "held_bytes", "per_use_rank", "zero_rank", "zero_zoo"]
 
 #: Each STEP's bytes of the stages this process built: (stage, held_bytes()).
 RECORDS: list[tuple[int, dict[str, int]]] = []
@@ -88,3 +88,51 @@ def zero_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
     """:func:`api.workers.train_zoo` with the job's ``zero`` level, counting bytes."""
     count_bytes()
     return train_zoo(rank, world, job)
+
+
+def per_use_rank(rank: int, world: int, level: int) -> dict[str, Any]:
+    """A stage of three Linears at ZeRO ``level`` on ``world`` replicas (per use at 3),
+    one microbatch forward and backward: the weights whole during each Linear's forward,
+    after the forward, and after the backward, and its gradients beside those of the
+    same model kept whole (every replica runs the same microbatch)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from dreampipe.runtime.zero import ZeroPlace
+    from dreampipe.runtime.zero_params import ZeroParams
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 3))
+    whole = copy.deepcopy(model)
+    st = StageModule(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                     input_grad=False, zero=ZeroPlace(level, rank, world),
+                     loss_fn=torch.nn.functional.mse_loss)
+    zero = st.zero
+    assert isinstance(zero, ZeroParams)
+    zero.bind(dist.group.WORLD, lambda work, _a: work.wait())
+    zero.per_use = True
+
+    def live() -> int:
+        return sum(p.untyped_storage().nbytes() > 0 for p in st.params)
+
+    during: list[int] = []
+    for layer in model:
+        layer.register_forward_pre_hook(lambda *_: during.append(live()))
+    x, y = torch.randn(5, 6), torch.randn(5, 3)
+    st.forward(0, x, target=y)
+    after_forward = live()
+    with st.backward_scope():
+        st.backward(0)
+    after_backward = live()
+    torch.nn.functional.mse_loss(whole(x), y).backward()
+    got = st.gradients()
+    want = [p.grad for p in whole.parameters()]
+    ok = all(torch.allclose(g, w, rtol=1e-6, atol=1e-7) for g, w in zip(got, want,
+                                                                         strict=True))
+    dist.destroy_process_group()
+    return {"during": during, "after_forward": after_forward,
+            "after_backward": after_backward, "gradients_equal": ok}

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from dreampipe.errors import ScheduleError
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.unshard import place_unshards
+from dreampipe.scheduling.unshard import pairs_per_use, place_unshards
 from dreampipe.scheduling.validator import validate_schedule
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 
@@ -140,3 +140,20 @@ def test_the_simulator_charges_one_gather_an_update_and_frees_the_weights_betwee
     assert slow.makespan_s == pytest.approx(plain.makespan_s + 3 * 1.0)
     with pytest.raises(ScheduleError, match=r"costs.gather_s=\[-1.0\]"):
         SimCosts(forward_s=(1.0,), backward_s=(1.0,), gather_s=(-1.0,))
+
+
+@settings(max_examples=60, deadline=None)
+@given(replicas=st.integers(1, 4), kind=st.sampled_from(SYNC), per=st.integers(1, 6),
+       updates=st.integers(1, 3))
+def test_gathers_go_per_use_exactly_where_every_replica_runs_as_many_microbatches(
+    replicas: int, kind: ScheduleKind, per: int, updates: int
+) -> None:
+    """Per-use gathers pair up only between replicas that run the same number of
+    forwards in each update; round robin gives that when the replicas divide the update."""
+    sched = build_schedule([replicas, 1], kind, per * updates, per)
+    counts = {tuple(sum(a.kind is K.FORWARD and a.microbatch // per == k for a in acts)
+                    for k in range(updates))
+              for rank, acts in enumerate(sched.actions) if sched.stage_of_rank(rank) == 0}
+    assert pairs_per_use(sched, 0) is (len(counts) == 1)
+    assert pairs_per_use(sched, 0) is (per % replicas == 0 or replicas == 1)
+    assert pairs_per_use(sched, 1)  # one replica pairs with itself
