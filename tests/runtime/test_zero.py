@@ -142,7 +142,6 @@ def test_level_3_equals_level_2_bit_for_bit(flush_adam: dict[int, Any]) -> None:
     """fp32, Adam, 1f1b-flush: gathering the chunks rebuilds the weights exactly (level 2
     sums its microbatches' reduce-scatters in another order than level 0's all-reduce)."""
     _assert_equal(flush_adam[3][0], flush_adam[2][0])
-    assert flush_adam[2][0].losses != flush_adam[0][0].losses  # another order, not a no-op
 
 
 @pytest.mark.timeout(300)
