@@ -43,7 +43,7 @@ from dreampipe.scheduling.build import build_schedule
 from .reference import adam, adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 from .reference_formats import reference_formats
 from .runs import train_run
-from .zero_workers import per_use_rank, zero_rank, zero_zoo
+from .zero_workers import per_use_rank, scatter_rank, zero_rank, zero_zoo
 
 __all__: list[str] = []
 
@@ -362,6 +362,16 @@ def test_levels_beyond_three_are_refused_by_name() -> None:
     one = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
                       input_grad=False, zero=ZeroPlace(2, 0, 1))
     assert one.zero is None  # one replica: nothing to shard
+
+
+@pytest.mark.timeout(120)
+def test_level_2_never_holds_the_whole_gradient() -> None:
+    """Each microbatch's gradient goes to its reduce-scatter as the backward finishes each
+    parameter: at most a few parameters' gradients are alive at once, never the stage's,
+    and the chunks sum every replica's microbatches."""
+    for got in run_processes(scatter_rank, 2, None, deadline_s=60.0):
+        assert got["sums_equal"], got
+        assert 0 < got["most"] <= 4 * got["largest"] < got["total"], got
 
 
 @pytest.mark.timeout(120)

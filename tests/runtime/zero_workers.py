@@ -20,7 +20,8 @@ from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob, train_rank
 from dreampipe.runtime.stage_module import StageModule
 
-__all__ = ["count_bytes", "held_bytes", "per_use_rank", "zero_rank", "zero_zoo"]
+__all__ = ["count_bytes", "held_bytes", "per_use_rank", "scatter_rank", "zero_rank",
+           "zero_zoo"]
 
 #: Each STEP's bytes of the stages this process built: (stage, held_bytes()).
 RECORDS: list[tuple[int, dict[str, int]]] = []
@@ -136,3 +137,61 @@ def per_use_rank(rank: int, world: int, level: int) -> dict[str, Any]:
     dist.destroy_process_group()
     return {"during": during, "after_forward": after_forward,
             "after_backward": after_backward, "gradients_equal": ok}
+
+
+def scatter_rank(rank: int, world: int, _: None) -> dict[str, Any]:
+    """A stage of five Linears at ZeRO level 2 on ``world`` replicas, a bucket per
+    parameter, two microbatches a round: the most gradient bytes alive at once in the
+    backwards (the stage's sums and the buckets' inputs), the stage's gradient bytes, and
+    whether this replica's chunk sums equal its chunks of the whole model's gradient
+    (replica ``k`` runs microbatches ``k`` and ``k + world``: the summed gradient is that
+    of all ``2 * world``)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch import nn
+
+    from dreampipe.runtime import buckets
+    from dreampipe.runtime.zero import ZeroPlace
+    from dreampipe.runtime.zero_buckets import ShardBuckets
+    from dreampipe.scheduling.actions import Action, ActionKind
+
+    dist.init_process_group("gloo")
+    buckets.BUCKET_CAP_MB = 1e-9  # every parameter its own bucket
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(5)))
+    whole = copy.deepcopy(model)
+    st = StageModule(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                     input_grad=False, zero=ZeroPlace(2, rank, world),
+                     loss_fn=torch.nn.functional.mse_loss)
+    zero = st.zero
+    assert zero is not None
+    zero.bind(dist.group.WORLD, lambda work, _a: work.wait())
+    shard = ShardBuckets(zero, lambda work, _a: work.wait(), [2])
+    most = [0]
+
+    def ready(index: int, grad: Tensor) -> None:
+        shard.ready(index, grad)
+        alive = {id(t.untyped_storage()): t.untyped_storage().nbytes()
+                 for t in [*(s for s in st._grads._sums if s is not None), grad,
+                           *(b for b in shard._bufs if b is not None),
+                           *(f[2][1] for f in shard._flying)]}
+        most[0] = max(most[0], sum(alive.values()))
+
+    data = [(torch.randn(4, 16, generator=torch.Generator().manual_seed(u)),
+             torch.randn(4, 16, generator=torch.Generator().manual_seed(100 + u)))
+            for u in range(2 * world)]
+    for u in (rank, rank + world):
+        st.forward(u, data[u][0], target=data[u][1])
+        st.backward(u, on_ready=ready)
+        shard.settle(Action(ActionKind.BACKWARD, 0, u))
+    shard.finish(Action(ActionKind.ALLREDUCE, 0, 0), 1.0)
+    for x, y in data:
+        torch.nn.functional.mse_loss(whole(x), y).backward()
+    lay = zero.layout
+    ok = all(torch.allclose(g, lay.shard(i, p.grad.view(-1)), rtol=1e-5, atol=1e-6)
+             for i, (g, p) in enumerate(zip(zero.gradients(), whole.parameters(),
+                                            strict=True)) if p.grad is not None)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    dist.destroy_process_group()
+    return {"most": most[0], "total": total, "largest": 16 * 16 * 4, "sums_equal": ok}
