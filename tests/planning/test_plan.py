@@ -236,3 +236,11 @@ def test_a_stage_keeps_its_own_zero_level_through_json() -> None:
     assert "zero" not in plan.to_dict()["stages"][0]  # the run's level: nothing written
     with pytest.raises(PlanError, match=r"zero=4; give 0, 1, 2 or 3"):
         dataclasses.replace(plan.stages[0], zero=4)
+
+
+def test_zero_levels_are_each_stage_s_own_else_the_run_s() -> None:
+    plan = Plan.from_config(4, [0, 2], [2, 1])
+    staged = dataclasses.replace(plan, stages=(dataclasses.replace(plan.stages[0], zero=3),
+                                               plan.stages[1]))
+    assert plan.zero_levels(1) == (1, 1)
+    assert staged.zero_levels(1) == (3, 1) and staged.zero_levels(0) == (3, 0)

@@ -195,8 +195,9 @@ def check_schedule(config: TrainConfig, plan: Plan) -> None:
         raise ScheduleError(f"the dp schedule runs one stage on every worker, not plan "
                             f"{plan.config} of {len(replicas)} stages; use a one-stage plan "
                             f"(config like '{plan.workers_used}'), or plan='auto'")
-    sharded = [s for s, st in enumerate(plan.stages) if st.replicas > 1 and (
-        config.zero if st.zero is None else st.zero) >= SHARDED_LEVEL]
+    sharded = [s for s, (st, level) in enumerate(zip(plan.stages, plan.zero_levels(config.zero),
+                                                     strict=True))
+               if st.replicas > 1 and level >= SHARDED_LEVEL]
     if sharded and not kind.synchronous:
         raise ConfigError(
             f"zero=3 on stage {sharded[0]} with schedule={kind.value}: {ASYNC_REASON}; give the "

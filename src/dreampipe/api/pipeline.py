@@ -162,7 +162,7 @@ class Pipeline:
                               "or stages split over workers is not supported yet; use "
                               "virtual_stages=1", "virtual_stages")
         self.replicas = [st.replicas for st in self.plan.stages]
-        self._zero = [config.zero if st.zero is None else st.zero for st in self.plan.stages]
+        self._zero = list(self.plan.zero_levels(config.zero))
         check_schedule(self.config, self.plan)
         if t > 1:
             check_split(self.plan, self.config)

@@ -78,8 +78,7 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
 def _zero_place(plan: Plan, stage: int, rank: int, level: int) -> ZeroPlace | None:
     """Stage ``stage``'s ZeRO level and ``rank``'s replica of it; None at level 0 or when
     the stage is not replicated (interleaving, one replica)."""
-    st = plan.stages[stage]
-    level = level if st.zero is None else st.zero
+    st, level = plan.stages[stage], plan.zero_levels(level)[stage]
     if level == 0 or st.replicas == 1 or rank not in st.ranks:
         return None
     return ZeroPlace(level, st.ranks.index(rank), st.replicas)

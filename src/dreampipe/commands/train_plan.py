@@ -180,7 +180,7 @@ def plan_train(
     if graph is not None:
         memory = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
-                                          machine, nodes=nodes)
+                                          machine, nodes=nodes, zero=opts.config.zero)
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
                     graph, workers, machine, nodes=nodes))):

@@ -205,6 +205,10 @@ class Plan:
             return tuple(st.in_flight for st in self.stages)
         return in_flight_counts([st.replicas for st in self.stages])
 
+    def zero_levels(self, run: int) -> tuple[int, ...]:
+        """Each stage's ZeRO level: its own, else the run's ``run``."""
+        return tuple(run if st.zero is None else st.zero for st in self.stages)
+
     def stage_of_rank(self, rank: int) -> int:
         """The stage of worker ``rank`` (the workers of a split replica are adjacent); its
         first under interleaving, the others every ``workers_used`` stages after it."""

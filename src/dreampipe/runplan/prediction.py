@@ -20,14 +20,17 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
+from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["predict_samples_per_s"]
 
 
 def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
-                          machine: LocalCalibration, *, nodes: int = 1) -> float:
+                          machine: LocalCalibration, *, nodes: int = 1, zero: int = 0) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` run as ``layout``
-    says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes).
+    says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes), its
+    replicated stages sharded at the run's ZeRO level ``zero`` or their own
+    (:mod:`~dreampipe.simulation.zero_costs`).
 
     A ``graph`` profiled at the layout's microbatch gives each scheduled one
     what the profile measured; one at another batch is scaled to it in
@@ -40,9 +43,11 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
         topology = measured_topology(graph, plan.workers_used, machine, nodes=nodes)
         costs = costs_from_profile(graph, plan, topology, fraction)
     else:
-        schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight)
-        costs = local_costs(graph, plan, fraction, measured_machine(graph, machine),
-                            nodes=nodes)
+        levels = plan.zero_levels(zero)
+        schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight,
+                                zero=levels)
+        costs = with_zero(local_costs(graph, plan, fraction, measured_machine(graph, machine),
+                                      nodes=nodes), schedule, levels)
     makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
     samples = steps * layout.microbatches_per_update * layout.microbatch_size
     return samples / makespan if makespan > 0 else 0.0

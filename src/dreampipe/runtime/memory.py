@@ -198,9 +198,9 @@ def _state_copies(opts: TrainingChoices) -> int:
     return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
 
 
-def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices,
+def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: TrainingChoices,
                 per_use: bool) -> int:
-    """What stage ``st``'s ZeRO level saves each replica at its peak
+    """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
     (:func:`~dreampipe.runtime.zero_memory.zero_bytes`): the optimizer's state and master
     weights sharded; from level 2 the gradients too, but for two buckets of a
     microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, one
@@ -209,7 +209,6 @@ def _zero_saved(st: Stage, weights: int, largest: int, opts: TrainingChoices,
     largest layer, ``largest``); at level 3 beside the chunks the weights in use, gathered
     ``per_use`` (a layer's at a time; a recomputing stage's all, in its backward) or for
     the update's computations (all of them; :mod:`.zero_params`)."""
-    level = opts.zero if st.zero is None else st.zero
     if level == 0 or st.replicas == 1:
         return 0
 
@@ -266,7 +265,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
         sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
-        weights, level = sum(sizes), opts.zero if st.zero is None else st.zero
+        weights, level = sum(sizes), plan.zero_levels(opts.zero)[s]
         walked = opts.stash and not st.recompute
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
@@ -277,7 +276,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                    + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
                       if st.replicas > 1 and level < 2 else 0)
-                   - _zero_saved(st, weights, max(sizes, default=0), opts,
+                   - _zero_saved(st, level, weights, max(sizes, default=0), opts,
                                  pairs_per_use(schedule, s)))
     return tuple(out)
 
