@@ -72,3 +72,21 @@ def test_a_plan_with_a_split_stage_tries_only_what_the_runtime_runs_on_it(
     skipped = {c.kind for c in choice.candidates if c.why_not}
     assert skipped == {S.ZB_H1, S.ZB_H2, S.TWO_BW} & set(CANDIDATES[semantics])
     assert choice.kind in {S.FLUSH, S.GPIPE, S.PIPEDREAM}
+
+
+def test_the_candidates_are_simulated_with_the_run_s_zero_level() -> None:
+    """A replicated stage's ZeRO level changes the simulated rates (level 3's per-use
+    gathers cost each forward and backward on a slow link); an asynchronous schedule
+    cannot run level 3 and says why."""
+    graph, topo = _chain(), Topology.parse("1x3", bandwidths=[1e7, 1e7])
+    plan = Plan.from_config(4, [0, 2], [2, 1])
+    rates = {level: {c.kind: c.minibatches_per_s for c in choose_schedule(
+        graph, plan, topo, Semantics.SYNC, microbatches=4, zero=level).candidates}
+        for level in (0, 1, 3)}
+    assert rates[1] == rates[0]  # level 1 changes no time
+    assert all(rates[3][k] < rates[0][k] for k in rates[0])
+    refused = choose_schedule(graph, plan, topo, Semantics.SYNC, zero=3)
+    assert refused.kind.synchronous
+    with pytest.raises(ConfigError, match=r"no async schedule can run plan 2-1: 2bw: "
+                       r"zero=3: .* a weight version each"):
+        choose_schedule(graph, plan, topo, Semantics.ASYNC, zero=3)

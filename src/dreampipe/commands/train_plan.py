@@ -205,7 +205,8 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
     return PlanAsk(workers=workers, config=config, stages=source.stages,
                    virtual_stages=opts.config.virtual_stages or 1,  # a plan file's replaces it
                    semantics=opts.config.chooses, microbatches=opts.config.microbatches,
-                   memory_bytes=req.memory_bytes, allow_fewer_workers=local)
+                   memory_bytes=req.memory_bytes, allow_fewer_workers=local,
+                   zero=opts.config.zero)
 
 
 def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCalibration,

@@ -45,7 +45,8 @@ class PlanAsk:
     (:func:`forced_partition`). ``virtual_stages`` > 1 cuts the layers into
     ``workers x v`` balanced stages for interleaved 1F1B. ``semantics`` asks
     for the schedule too, simulated with ``microbatches`` per minibatch.
-    ``memory_bytes`` is each worker's limit (None: none).
+    ``memory_bytes`` is each worker's limit (None: none); ``zero`` the run's ZeRO level,
+    which the schedule's simulation prices.
     """
 
     workers: int
@@ -57,6 +58,7 @@ class PlanAsk:
     microbatches: int | None = None
     memory_bytes: int | None = None
     allow_fewer_workers: bool = True
+    zero: int = 0
 
     def __post_init__(self) -> None:
         # a plan file with a partition is refused where the file is named (train's flags)
@@ -101,7 +103,7 @@ def choose_plan(graph: LayerGraph, topology: Topology, ask: PlanAsk) -> RunPlan:
     if ask.semantics is None:
         return RunPlan(plan)
     choice = choose_schedule(graph, plan, topology, ask.semantics, ask.memory_bytes,
-                             ask.microbatches)
+                             ask.microbatches, zero=ask.zero)
     return RunPlan(plan, choice, _schedule_lines(ask.semantics, choice))
 
 
@@ -199,7 +201,8 @@ def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
             continue
         try:
             tried[plan.config] = (plan, choose_schedule(graph, plan, topology, semantics,
-                                                        ask.memory_bytes, ask.microbatches))
+                                                        ask.memory_bytes, ask.microbatches,
+                                                        zero=ask.zero))
         except ConfigError as exc:  # no schedule of these semantics fits its memory
             lines.append(f"{plan.config:<12} not kept: {exc}")
     if not tried:

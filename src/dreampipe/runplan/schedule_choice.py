@@ -24,8 +24,10 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
+from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "STAND_IN", "Candidate", "ScheduleChoice",
            "Semantics", "choose_schedule"]
@@ -95,14 +97,17 @@ class ScheduleChoice:
 
 def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
-    memory_bytes: int | None = None, microbatches: int | None = None,
+    memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
     for the microbatched schedules; default 4 per stage (GPipe's guidance);
     2bw's rounded up to whole rounds of every stage's replicas, and not tried
-    when that takes more than :data:`MAX_2BW_MICROBATCHES`."""
+    when that takes more than :data:`MAX_2BW_MICROBATCHES`. Each is simulated with the
+    stages' ZeRO levels (the run's ``zero``, or a stage's own; :mod:`~dreampipe.simulation.
+    zero_costs`)."""
     replicas = tuple(st.replicas for st in plan.stages)
+    levels = plan.zero_levels(zero)
     m = microbatches or 4 * plan.num_stages
     rounds = math.lcm(*replicas)
     found = []
@@ -114,6 +119,11 @@ def choose_schedule(
                 f"plan {plan.config} splits stages over workers, where the runtime runs "
                 "1f1b-flush, gpipe and pipedream")))
             continue
+        if not kind.synchronous and any(lv >= SHARDED_LEVEL and r > 1
+                                        for lv, r in zip(levels, replicas, strict=True)):
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"zero={max(levels)}: {ASYNC_REASON}")))
+            continue
         if per > MAX_2BW_MICROBATCHES:
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"its {per} microbatches per minibatch (whole rounds of replicas "
@@ -121,16 +131,22 @@ def choose_schedule(
             continue
         layout = MicrobatchLayout(kind=kind, microbatches=per)
         schedule = layout.build(replicas, _MINIBATCHES * (
-            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight)
-        result = simulate_schedule(
-            schedule, costs_from_profile(graph, plan, topology, layout.microbatch_fraction),
-            record_events=False)
+            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, zero=levels)
+        result = simulate_schedule(schedule, with_zero(
+            costs_from_profile(graph, plan, topology, layout.microbatch_fraction), schedule,
+            levels), record_events=False)
         peak = max(result.peak_memory_bytes)
         found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,
                                memory_bytes is None or peak <= memory_bytes))
     fitting = [c for c in found if c.fits]
+    runnable = [c for c in found if not c.why_not]
+    if not runnable:
+        raise ConfigError(
+            f"no {semantics.value} schedule can run plan {plan.config}: "
+            + "; ".join(f"{c.kind.value}: {c.why_not}" for c in found)
+            + "; choose other semantics or settings", "semantics")
     if not fitting:
-        least = min((c for c in found if not c.why_not), key=lambda c: c.peak_memory_bytes)
+        least = min(runnable, key=lambda c: c.peak_memory_bytes)
         raise ConfigError(
             f"memory_bytes={memory_bytes}: no {semantics.value} schedule of plan "
             f"{plan.config} fits {format_bytes(memory_bytes or 0)} per worker (the least, "
