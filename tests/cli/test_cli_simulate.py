@@ -231,3 +231,16 @@ def test_a_plan_with_more_ranks_than_its_topology_is_an_error(
         assert "dreampipe plan --virtual-stages 2" in err
     assert main(["simulate", str(old), "--topology", "8", "--schedule", "1f1b-flush",
                  "--microbatches", "8", "--minibatches", "1"]) == 0  # loads, on 8 workers
+
+
+def test_zero_levels_price_the_reduce_scatters_and_gathers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["simulate", "pipedream:vgg16", "--topology", "4x4", "--schedule", "1f1b-flush",
+            "--json"]
+    rate = {z: _json(capsys, [*base, "--zero", str(z)])["throughput_minibatches_per_s"]
+            for z in (0, 1, 2, 3)}
+    assert rate[1] == rate[0]  # sharding the optimizer's state moves no more bytes
+    assert len({rate[0], rate[2], rate[3]}) == 3  # level 2 sends per microbatch, 3 gathers
+    assert main(["simulate", "pipedream:vgg16", "--topology", "4x4", "--zero", "3"]) == 2
+    assert "use zero=2, or a synchronous schedule" in capsys.readouterr().err

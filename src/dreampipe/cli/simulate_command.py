@@ -37,6 +37,7 @@ from dreampipe.simulation.simulator import (
     costs_from_profile,
     simulate_schedule,
 )
+from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["register"]
 
@@ -68,6 +69,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="interleaved-1f1b: stages per worker; default and only value: the "
                         "plan's (dreampipe plan --virtual-stages V saves it in the plan)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="shard each replicated stage over its replicas at this ZeRO level "
+                        "(a plan stage's own \"zero\" wins): 2 and 3 add each microbatch's "
+                        "reduce-scatter, 3 the weights' gathers (default: 0)")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="with a plan JSON: the profile it was made from, for exact costs and "
                         "memory (without it, costs come from the plan's predictions)")
@@ -86,8 +91,10 @@ def _run(args: argparse.Namespace) -> int:
         bar.update()
         virtual = _virtual_stages(args, kind, plan, source)
         replicas, layout, updates = _microbatch_counts(args, kind, plan)
-        costs = _costs(plan, graph, topology, kind, layout.microbatch_fraction)
-        schedule = layout.build(replicas, updates, plan.in_flight, virtual)
+        levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(args.zero)
+        schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
+        costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction),
+                          schedule, levels)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
         result = simulate_schedule(schedule, costs, record_events=wants_events)
