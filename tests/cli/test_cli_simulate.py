@@ -240,7 +240,7 @@ def test_zero_levels_price_the_reduce_scatters_and_gathers(
             "--json"]
     rate = {z: _json(capsys, [*base, "--zero", str(z)])["throughput_minibatches_per_s"]
             for z in (0, 1, 2, 3)}
-    assert rate[1] == rate[0]  # sharding the optimizer's state moves no more bytes
-    assert len({rate[0], rate[2], rate[3]}) == 3  # level 2 sends per microbatch, 3 gathers
+    assert rate[1] < rate[0]  # the updated chunks' all-gather after the step
+    assert rate[2] > rate[1]  # reduce-scatters as the backwards end, not an all-reduce after
     assert main(["simulate", "pipedream:vgg16", "--topology", "4x4", "--zero", "3"]) == 2
     assert "use zero=2, or a synchronous schedule" in capsys.readouterr().err

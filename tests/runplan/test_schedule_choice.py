@@ -75,15 +75,16 @@ def test_a_plan_with_a_split_stage_tries_only_what_the_runtime_runs_on_it(
 
 
 def test_the_candidates_are_simulated_with_the_run_s_zero_level() -> None:
-    """A replicated stage's ZeRO level changes the simulated rates (level 3's per-use
-    gathers cost each forward and backward on a slow link); an asynchronous schedule
+    """A replicated stage's ZeRO level changes the simulated rates on a slow link (level
+    1's all-gather after the step, level 3's per-use gathers in each forward and
+    backward); an asynchronous schedule
     cannot run level 3 and says why."""
     graph, topo = _chain(), Topology.parse("1x3", bandwidths=[1e7, 1e7])
     plan = Plan.from_config(4, [0, 2], [2, 1])
     rates = {level: {c.kind: c.minibatches_per_s for c in choose_schedule(
         graph, plan, topo, Semantics.SYNC, microbatches=4, zero=level).candidates}
         for level in (0, 1, 3)}
-    assert rates[1] == rates[0]  # level 1 changes no time
+    assert all(rates[1][k] < rates[0][k] for k in rates[0])  # the all-gather after STEP
     assert all(rates[3][k] < rates[0][k] for k in rates[0])
     refused = choose_schedule(graph, plan, topo, Semantics.SYNC, zero=3)
     assert refused.kind.synchronous
