@@ -16,7 +16,6 @@ microbatches. How steps, drains and segments train: docs/design.md §8.5.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -35,11 +34,6 @@ from dreampipe.api.checks import (
     Inputs,
     check_batch,
     check_optimizer,
-    check_plan,
-    check_schedule,
-    check_split,
-    check_stages_on_meta,
-    check_stages_per_rank,
     check_virtual,
     map_inputs,
     refuse_legacy,
@@ -49,11 +43,11 @@ from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, measured, start
-from dreampipe.api.plans import PlanArg, profile_layers, resolve_plan
+from dreampipe.api.plans import PlanArg, profile_layers
+from dreampipe.api.settled_plan import settle_plan
 from dreampipe.api.stage_build import build_modules, compensate_modules
-from dreampipe.api.ties import check_ties, tie_stages
+from dreampipe.api.ties import tie_stages
 from dreampipe.errors import ConfigError
-from dreampipe.planning.plan import Plan
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.stage_module import StageModule
@@ -63,9 +57,8 @@ from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
-from dreampipe.splitter.chain import held_keys, split_layers, tied_parameters
-from dreampipe.splitter.segments import split_bounds
-from dreampipe.splitter.state_keys import check_written_buffers, state_keys
+from dreampipe.splitter.chain import held_keys, split_layers
+from dreampipe.splitter.state_keys import state_keys
 
 __all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
 
@@ -124,50 +117,23 @@ class Pipeline:
         self._owns_group = init_process_group(config.timeout_s)
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        self.kind = config.kind  # under "auto", a stand-in until resolve_plan chooses
+        self.kind = config.kind  # under "auto", a stand-in until settle_plan chooses
         self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                        microbatches=config.microbatches, workers=world)
         microbatch_size = self.layout.microbatch_size
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
-        self._names = [name for name, _ in self._layers]
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
-        if isinstance(plan, list | tuple):  # split points
-            bounds = split_bounds(self._names, plan, model)
-            check_stages_per_rank(len(bounds), config.virtual_stages or 1, world)
-            plan = Plan.from_config(len(self._names), bounds, [1] * len(bounds),
-                                    layer_names=tuple(self._names),
-                                    virtual_stages=config.virtual_stages or 1)
-        resolved = resolve_plan(plan, layers=self._layers, example=example, loss_fn=loss_fn,
-                                microbatch_size=microbatch_size, config=config)
-        self.plan = resolved.plan
+        settled = settle_plan(model, self._layers, plan, example=example, loss_fn=loss_fn,
+                              config=config, layout=self.layout, world=world)
+        self.plan, self.layout, self.kind = settled.plan, settled.layout, settled.layout.kind
         self._virtual = v = self.plan.virtual_stages
-        if resolved.kind is not None:
-            config = config.chosen(resolved.kind, resolved.microbatches)
-            self.kind = resolved.kind
-            self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
-                                           microbatches=resolved.microbatches, workers=world)
         #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
         #: stages per worker.
-        self.config = dataclasses.replace(config, virtual_stages=v)
-        check_stages_per_rank(self.plan.num_stages, v, world)
-        check_plan(self.plan, self._names, world)
-        ties = tied_parameters(self._layers, [st.first for st in self.plan.stages])
-        check_written_buffers(self._layers, [st.first for st in self.plan.stages])
-        check_ties(ties, self.plan, config.max_grad_norm)
-        widths = {st.tensor_parallel for st in self.plan.stages}
-        mixed, t = len(widths) > 1, max(widths)
-        if v > 1 and (ties or t > 1):
-            raise ConfigError(f"virtual_stages={v} with weights tied across stages "
-                              "or stages split over workers is not supported yet; use "
-                              "virtual_stages=1", "virtual_stages")
+        self.config = config = settled.config
+        ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
         self.replicas = [st.replicas for st in self.plan.stages]
         self._zero = list(self.plan.zero_levels(config.zero))
-        check_schedule(self.config, self.plan)
-        if t > 1:
-            check_split(self.plan, self.config)
-            self.layout = dataclasses.replace(self.layout, workers=sum(self.replicas))
-        check_stages_on_meta(self._layers, self.plan, example, loss_fn, microbatch_size)
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)

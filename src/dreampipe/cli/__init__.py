@@ -24,7 +24,7 @@ from dreampipe.errors import TRACEBACK_HEADER, ConfigError, DreampipeError
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = ("profile", "plan", "simulate", "train", "calibrate")
+_COMMANDS = ("profile", "plan", "simulate", "train", "bench", "calibrate")
 #: A library parameter as written in a ConfigError, and the flag that sets it.
 _FLAGS = {
     "batch_size=": "--batch-size ",

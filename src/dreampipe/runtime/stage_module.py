@@ -6,8 +6,8 @@ buffers are not versioned. ``stash=False`` is PipeDream's naive pipelining.
 Weight gradients of an update add up in one buffer per parameter
 (:class:`~dreampipe.runtime.fused.LinearGradients`), and the backward that
 completes a round reports each gradient as it becomes final, so its
-all-reduce bucket starts during the backward (:mod:`.buckets`). The rules:
-docs/design.md §5.1 and §5.3.
+all-reduce bucket starts during the backward (:mod:`.gradient_harvest`,
+:mod:`.buckets`). The rules: docs/design.md §5.1 and §5.3.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from dreampipe.runtime.fused import (
     fuse_linear_gradients,
     fused_indices,
 )
+from dreampipe.runtime.gradient_harvest import GradientHarvest
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.recompute import record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
-from dreampipe.runtime.stage_records import InFlight, Round, StageInput, tensor_output
+from dreampipe.runtime.stage_records import InFlight, StageInput, tensor_output
 from dreampipe.runtime.stage_ties import Tie, start_tied, sum_tied
-from dreampipe.runtime.versions import Version, WeightVersions
+from dreampipe.runtime.versions import WeightVersions
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
 from dreampipe.runtime.zero_params import ZeroParams, stage_optimizer, writable
 
@@ -94,20 +95,20 @@ class StageModule:
         self.optimizer = self._master.optimizer
         self._slots = ParameterSlots(module, self._params)
         self._grads = GradientSum(self._params, fused=linear is LinearGradients.FUSED)
-        self._round: Round | None = None
         self._held = DeferredGradients(self._grads)
+        #: Whether each microbatch's gradient is reduce-scattered as it ends (ZeRO-2).
+        self._sharded = self.zero is not None and self.zero.shards_gradients
+        self._harvest = GradientHarvest(self._grads, self._held, sharded=self._sharded)
         self._fused: frozenset[int] = frozenset()
         if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
             self._fused = fused_indices(module, self._names)
         self._weight_work: dict[int, tuple[InFlight, Tensor | None, WeightWork | None]] = {}
-        self._versions = WeightVersions(self._params, stage=stage, on_leaf=self._leaf_done,
-                                        on_drop=self._harvest)
+        self._versions = WeightVersions(self._params, stage=stage,
+                                        on_leaf=self._harvest.leaf_done,
+                                        on_drop=self._harvest.harvest)
         self._inflight: dict[int, InFlight] = {}
-        self._touched: dict[tuple[int, int], Version] = {}
         self._tied: list[Tie] = []
-        #: Whether each microbatch's gradient is reduce-scattered as it ends (ZeRO-2).
-        self._sharded = self.zero is not None and self.zero.shards_gradients
         uses = self._master if isinstance(self._master, ZeroParams) else None
         #: ZeRO-3: a forward saves its weights as references; a backward frees what it
         #: gathered when it ends (:mod:`.zero_params`).
@@ -163,20 +164,6 @@ class StageModule:
     def note_version(self, number: int) -> None:
         """Vertical sync: the newest received microbatch runs on ``number``; older ones may go."""
         self._versions.note(number)
-
-    def _harvest(self, v: Version) -> None:
-        """Move the weight gradients autograd accumulated on ``v``'s tensors to the update."""
-        if self._touched.pop(v.key, None) is None:
-            return
-        for i, leaf in enumerate(v.tensors):
-            if leaf.grad is not None:
-                g, leaf.grad = leaf.grad, None
-                self._grads.add_grad(i, g)
-
-    def _harvest_all(self) -> None:
-        self._held.run()
-        for v in list(self._touched.values()):
-            self._harvest(v)
 
     # ---- compute ---------------------------------------------------------
     def forward(
@@ -270,25 +257,15 @@ class StageModule:
         x = st.input if isinstance(st.input, Tensor) else None
         want_input = self.input_grad and x is not None and x.requires_grad
         leaves = v.tensors
-        if on_ready is not None:
-            held = [*self._touched.values()]
-            held += [v] if v.key not in self._touched else []
-            self._round = Round(
-                on_ready, [h.tensors for h in held], [False] * len(leaves)
-            )
         self._held.holding = hold and on_ready is None
         try:
-            torch.autograd.backward(
-                out, grad, inputs=[x, *leaves] if want_input and x is not None else leaves
-            )
-            if self._round is not None:
-                for i, done in enumerate(self._round.reported):
-                    if not done:
-                        self._report(self._round, i)
+            with self._harvest.round(on_ready, v):
+                torch.autograd.backward(
+                    out, grad, inputs=[x, *leaves] if want_input and x is not None else leaves
+                )
         finally:
-            self._round = None
             self._held.holding = False
-        self._touched[v.key] = v
+        self._harvest.touch(v)
         self._versions.release(v)
         return x.grad if want_input and x is not None else None
 
@@ -334,30 +311,6 @@ class StageModule:
         """The weight GEMMs a ``hold`` backward kept (its input gradient is on its way)."""
         self._held.run()
 
-    def _leaf_done(self, index: int, _leaf: Tensor) -> None:
-        """Post-accumulate hook of a version's leaf: in a round's last backward, report it."""
-        if self._round is not None and not self._round.reported[index]:
-            self._report(self._round, index)
-
-    def _report(self, rnd: Round, index: int) -> None:
-        """Harvest parameter ``index`` off every version the round touched, then report it.
-
-        The sum is the one :meth:`gradients` takes after the backward, bit for
-        bit: the same terms in the same order (every schedule touches one
-        version per round, since each step harvests them all).
-        """
-        for leaves in rnd.leaves:
-            leaf = leaves[index]
-            g = leaf.grad
-            if g is not None:
-                leaf.grad = None
-                self._grads.add_grad(index, g)
-        rnd.reported[index] = True
-        if self._sharded:  # ZeRO-2: the microbatch's gradient goes to its reduce-scatter
-            rnd.on_ready(index, self._grads.pop(index))
-        else:
-            rnd.on_ready(index, self._grads.filled(index))
-
     # ---- update ----------------------------------------------------------
     @property
     def zero(self) -> ZeroShards | None:
@@ -382,13 +335,13 @@ class StageModule:
 
     def gradients(self) -> list[Tensor]:
         """The accumulated weight gradients (zeros where none arrived), for all-reduce."""
-        self._harvest_all()
+        self._harvest.harvest_all()
         return [self._grads.filled(i) for i in range(len(self._params))]
 
     def pop_gradients(self) -> list[Tensor]:
         """The microbatch's whole weight gradient (zeros where none arrived), which starts
         again: what ZeRO-2 reduce-scatters after a ``W`` (:mod:`.zero_buckets`)."""
-        self._harvest_all()
+        self._harvest.harvest_all()
         return [self._grads.pop(i) for i in range(len(self._params))]
 
     def reduced(self) -> None:
@@ -407,7 +360,7 @@ class StageModule:
         the all-reduce of a tied weight's gradients (the runner's, with the
         run's deadline; by default the work's own ``wait``).
         """
-        self._harvest_all()
+        self._harvest.harvest_all()
         self._versions.retire()
         sums = self._grads.take()
         sum_tied(self._tied, self._params, sums, self.zero if self._sharded else None, wait)

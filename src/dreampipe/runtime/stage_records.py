@@ -1,6 +1,7 @@
 """What a stage keeps between a microbatch's forward and its backward (:class:`InFlight`),
 and of the backward that completes a round (:class:`Round`); the one tensor a stage may
-pass on (:func:`tensor_output`). Plain records of :mod:`.stage_module`.
+pass on (:func:`tensor_output`). Plain records of :mod:`.stage_module` and
+:mod:`.gradient_harvest`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""The plan a Pipeline settles on, checked against its model and world.
+
+Split points become a :class:`~dreampipe.planning.plan.Plan`; the plan is
+resolved (:func:`~dreampipe.api.plans.resolve_plan`: given, read, or profiled
+and planned on rank 0, with the schedule ``"auto"`` chose); then every rank
+checks it against the model's layers, the world, the config and the weights
+tied across its stages, and runs its stages on ``meta``, all before anything
+is sent, so each rank raises the same error at the same point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor, nn
+
+from dreampipe.api.checks import (
+    Batch,
+    check_plan,
+    check_schedule,
+    check_split,
+    check_stages_on_meta,
+    check_stages_per_rank,
+)
+from dreampipe.api.config import TrainConfig
+from dreampipe.api.plans import PlanArg, resolve_plan
+from dreampipe.api.ties import check_ties
+from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.splitter.chain import Layers, Tie, tied_parameters
+from dreampipe.splitter.segments import split_bounds
+from dreampipe.splitter.state_keys import check_written_buffers
+
+__all__ = ["SettledPlan", "settle_plan"]
+
+
+@dataclass(frozen=True)
+class SettledPlan:
+    """What :func:`settle_plan` decided."""
+
+    plan: Plan
+    #: The config that runs: the schedule ``"auto"`` chose, the plan's stages per worker.
+    config: TrainConfig
+    #: The microbatches of that schedule, over every worker of a split stage.
+    layout: MicrobatchLayout
+    ties: list[Tie]
+    #: Whether the stages are split over different numbers of workers.
+    mixed: bool
+    #: The most workers a stage is split over.
+    tensor_parallel: int
+
+
+def settle_plan(
+    model: nn.Module,
+    layers: Layers,
+    plan: PlanArg,
+    *,
+    example: Batch,
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+    config: TrainConfig,
+    layout: MicrobatchLayout,
+    world: int,
+) -> SettledPlan:
+    """The plan ``Pipeline(plan=...)`` runs ``layers`` of ``model`` with, checked.
+
+    ``layout``: the microbatches of ``config``'s schedule, before any choice."""
+    names = [name for name, _ in layers]
+    microbatch_size = layout.microbatch_size
+    if isinstance(plan, list | tuple):  # split points
+        bounds = split_bounds(names, plan, model)
+        check_stages_per_rank(len(bounds), config.virtual_stages or 1, world)
+        plan = Plan.from_config(len(names), bounds, [1] * len(bounds),
+                                layer_names=tuple(names),
+                                virtual_stages=config.virtual_stages or 1)
+    resolved = resolve_plan(plan, layers=layers, example=example, loss_fn=loss_fn,
+                            microbatch_size=microbatch_size, config=config)
+    plan = resolved.plan
+    v = plan.virtual_stages
+    if resolved.kind is not None:
+        config = config.chosen(resolved.kind, resolved.microbatches)
+        layout = MicrobatchLayout(kind=resolved.kind, minibatch_size=int(example[1].shape[0]),
+                                  microbatches=resolved.microbatches, workers=world)
+    config = dataclasses.replace(config, virtual_stages=v)
+    check_stages_per_rank(plan.num_stages, v, world)
+    check_plan(plan, names, world)
+    ties = tied_parameters(layers, [st.first for st in plan.stages])
+    check_written_buffers(layers, [st.first for st in plan.stages])
+    check_ties(ties, plan, config.max_grad_norm)
+    widths = {st.tensor_parallel for st in plan.stages}
+    mixed, t = len(widths) > 1, max(widths)
+    if v > 1 and (ties or t > 1):
+        raise ConfigError(f"virtual_stages={v} with weights tied across stages "
+                          "or stages split over workers is not supported yet; use "
+                          "virtual_stages=1", "virtual_stages")
+    check_schedule(config, plan)
+    if t > 1:
+        check_split(plan, config)
+        layout = dataclasses.replace(layout, workers=sum(st.replicas for st in plan.stages))
+    check_stages_on_meta(layers, plan, example, loss_fn, microbatch_size)
+    return SettledPlan(plan=plan, config=config, layout=layout, ties=ties, mixed=mixed,
+                       tensor_parallel=t)
