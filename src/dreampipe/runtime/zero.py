@@ -133,6 +133,14 @@ class _Layout:
             out = torch.empty(self.replicas * b.size, dtype=b.dtype, device=send.device)
         return out, dist.all_gather_single(out, send, group=group, async_op=True)
 
+    def unit(self, indices: Sequence[int], dtype: torch.dtype) -> _Bucket:
+        """A bucket of parameters ``indices`` alone, in that order (one collective for
+        weights gathered together, :mod:`.zero_params`)."""
+        offsets = [0]
+        for i in indices:
+            offsets.append(offsets[-1] + self.chunk[i])
+        return _Bucket(list(indices), offsets[:-1], offsets[-1], dtype)
+
     def lies_whole(self, b: _Bucket) -> bool:
         """Whether bucket ``b``'s gathered output is its one parameter's values as they
         lie: a single parameter that splits evenly into the replicas' chunks."""

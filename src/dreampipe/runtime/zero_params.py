@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.errors import ScheduleError
@@ -109,10 +108,12 @@ class ZeroParams(ZeroShards):
     def allocate(self, *, whole: bool, only: Sequence[int] | None = None) -> None:
         """Give the weights (``only`` those) their storage (values undefined) or free it."""
         for i in range(len(self._params)) if only is None else only:
-            self._params[i].untyped_storage().resize_(self._nbytes[i] if whole else 0)
+            storage = self._params[i].untyped_storage()
+            self._at.pop(storage.data_ptr(), None)
+            storage.resize_(self._nbytes[i] if whole else 0)
+            if whole:
+                self._at[storage.data_ptr()] = i
             self._whole[i] = whole
-        self._at = {self._params[i].untyped_storage().data_ptr(): i
-                    for i, w in enumerate(self._whole) if w}
 
     # ---- per use: module hooks and saved tensors ----------------------------
     def _use(self, ix: Sequence[int]) -> None:
@@ -120,7 +121,6 @@ class ZeroParams(ZeroShards):
         missing = [i for i in ix if not self._whole[i]]
         if self._pinned or not missing or not self.per_use:
             return
-
         self.allocate(whole=True, only=missing)
         for i, full in zip(missing, self._gather(missing), strict=True):
             self._params[i].detach().view(-1).copy_(full)
@@ -134,21 +134,11 @@ class ZeroParams(ZeroShards):
     def _gather(self, ix: Sequence[int]) -> list[Tensor]:
         """Weights ``ix`` whole (1-D, fresh tensors) from every replica's chunks: one
         all-gather (a collective over the replicas, which all make the same ones)."""
-        lay, r = self.layout, self.place.replicas
-        offsets = [0]
-        for i in ix:
-            offsets.append(offsets[-1] + lay.chunk[i])
-        dtype = self._params[ix[0]].dtype
-        send = torch.zeros(offsets[-1], dtype=dtype, device=self.masters[ix[0]].device)
-        for i, off in zip(ix, offsets, strict=False):
-            m = self.masters[i].detach()
-            send[off:off + m.numel()] = m
-        out = torch.empty(r * offsets[-1], dtype=dtype, device=send.device)
-        self._waited(dist.all_gather_single(out, send, group=self.group, async_op=True),
-                     Action(ActionKind.UNSHARD, self._stage, 0))
-        rows = out.view(r, offsets[-1])
-        return [rows[:, off:off + lay.chunk[i]].reshape(-1)[:lay.numel[i]]
-                for i, off in zip(ix, offsets, strict=False)]
+        lay = self.layout
+        b = lay.unit(ix, self._params[ix[0]].dtype)
+        out, work = lay.gather(b, [self.masters[i].detach() for i in ix], self.group)
+        self._waited(work, Action(ActionKind.UNSHARD, self._stage, 0))
+        return [lay.whole(i, out, b, k) for k, i in enumerate(ix)]
 
     def _pack(self, t: Tensor) -> Any:
         """A tensor autograd saves: a view of a weight is kept as which one (gathered
@@ -168,7 +158,7 @@ class ZeroParams(ZeroShards):
             return cast(Tensor, saved)
         i = saved.index
         full = (self._params[i].detach().view(-1) if self._whole[i]
-                else self._gather([i])[0].contiguous())
+                else self._gather([i])[0])
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
     def saving(self) -> AbstractContextManager[None]:
