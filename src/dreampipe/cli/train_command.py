@@ -243,12 +243,11 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     def made(given: dict[str, Any]) -> TrainConfig:
         return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
 
-    if args.schedule is not None or args.settings or (args.zero or 0) < 3:
-        return made(given)
     try:
         return made(given)
     except ConfigError as exc:  # the default schedule (pipedream) keeps versions in flight
-        if "schedule" not in exc.parameters:
+        chosen = args.schedule is not None or args.settings
+        if chosen or (args.zero or 0) < 3 or "schedule" not in exc.parameters:
             raise
     print("dreampipe train: --zero 3 needs a synchronous schedule; training with "
           "--schedule 1f1b-flush", file=sys.stderr)
