@@ -73,11 +73,6 @@ class ShardBuckets:
         self._round = 0  # the round's index in the schedule
         self._begin()
 
-    @property
-    def sizes(self) -> list[int]:
-        """The number of parameters in each bucket, in launch order."""
-        return [len(b.indices) for b in self._layout.buckets]
-
     def _begin(self) -> None:
         """A microbatch's buckets, none started."""
         buckets = self._layout.buckets
@@ -155,13 +150,13 @@ class ShardBuckets:
         want = self._rounds[self._round % len(self._rounds)] if self._rounds else 0
         while self._done < want:
             for b, bucket in enumerate(lay.buckets):
-                dtype = bucket.dtype
-                self._launch(b, torch.zeros(lay.replicas * bucket.size, dtype=dtype,
-                                               device=self._device))
+                self._launch(b, torch.zeros(lay.replicas * bucket.size, dtype=bucket.dtype,
+                                            device=self._device))
             self._next = len(lay.buckets)
             self.settle(action)
-        sums = [torch.zeros(h - lo, dtype=p, device=self._device) if s is None else s
-                for s, lo, h, p in zip(self._sums, lay.lo, lay.hi, self._dtypes(), strict=True)]
+        sums = [s if s is not None else torch.zeros(
+            lay.hi[i] - lay.lo[i], dtype=lay.buckets[lay.where[i][0]].dtype, device=self._device)
+            for i, s in enumerate(self._sums)]
         if scale != 1.0:
             for s in sums:
                 s.mul_(scale)
@@ -169,13 +164,6 @@ class ShardBuckets:
         self._sums = [None] * len(lay.numel)
         self._done = 0
         self._round += 1
-
-    def _dtypes(self) -> list[torch.dtype]:
-        dtypes: list[torch.dtype] = [torch.float32] * len(self._layout.numel)
-        for bucket in self._layout.buckets:
-            for i in bucket.indices:
-                dtypes[i] = bucket.dtype
-        return dtypes
 
 
 def stage_buckets(shards: ZeroShards | None, params: Sequence[Tensor], group: Any,
