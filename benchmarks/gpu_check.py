@@ -102,17 +102,18 @@ def device_check(device: torch.device) -> int:
     from dreampipe.models import get_model
     from dreampipe.profiling.profiler import profile_model
     from dreampipe.quantities import format_bytes
-    from dreampipe.runtime.memory import finish_measuring, start_measuring
+    from dreampipe.runtime.memory_meter import start_measuring
 
     if device.type == "cuda":
         print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
               f"CUDA {torch.version.cuda}")
     spec = get_model("mlp")
-    base = start_measuring(device)
-    model = spec.build(seed=0).to(device)
-    x, y = spec.sample_input(256).to(device), spec.sample_target(256).to(device)
-    graph = profile_model(model, x, spec.loss_fn, y, warmup=3, repeats=20, name=spec.name)
-    use = finish_measuring(base, rank=0, stage=0)
+    meter = start_measuring(device)
+    with meter.counting():
+        model = spec.build(seed=0).to(device)
+        x, y = spec.sample_input(256).to(device), spec.sample_target(256).to(device)
+        graph = profile_model(model, x, spec.loss_fn, y, warmup=3, repeats=20, name=spec.name)
+    use = meter.finish(rank=0, stage=0)
     print(f"{'layer':<12} {'forward ms':>10} {'backward ms':>11}")
     for layer in graph.layers:
         print(f"{layer.name:<12} {layer.forward_ms:>10.4f} {layer.backward_ms:>11.4f}")

@@ -55,7 +55,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
     losses, the full state, the plan's stage bounds and replicas, whether rank 0's stage
     recomputes, the schedule it ran, the checkpoint's path, the held-out loss, the
-    skipped minibatches and whether each rank's stage shards over its replicas (``zero``)."""
+    skipped minibatches, whether each rank's stage shards over its replicas (``zero``) and,
+    with ``job["measure"]``, each rank's stage and measured and predicted peak bytes."""
     case = CASES[job["case"]]
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
@@ -74,12 +75,18 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
             precision=job.get("precision", "fp32"),
             recompute_blocks=job.get("recompute_blocks", 0), zero=job.get("zero", 0),
             **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
-            virtual_stages=job.get("virtual_stages", 1)), **_where(job, world),
+            virtual_stages=job.get("virtual_stages", 1),
+            measure_memory=job.get("measure", False)), **_where(job, world),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same
     for k in range(pipe.minibatches, pipe.minibatches + job["steps"]):
         pipe.step(*case.example(k % cycle, job["minibatch"]))
     losses = pipe.finish()
+    memory: list[Any] = [None] * world  # each rank's (stage, measured, predicted) bytes
+    if job.get("measure"):  # the peak of training, before the state is gathered
+        report = pipe.memory()
+        torch.distributed.all_gather_object(
+            memory, (report.stage, report.measured, report.predicted))
     held_out = [case.example(100 + j, job["minibatch"]) for j in range(job.get("evaluate", 0))]
     evaluated = pipe.evaluate(held_out).loss if held_out else None
     saved = str(pipe.save(job["save"])) if "save" in job else None
@@ -93,5 +100,6 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     pipe.close()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
-           "schedule": pipe.kind.value, "skipped": skipped, "sharded": sharded}
+           "schedule": pipe.kind.value, "skipped": skipped, "sharded": sharded,
+           "memory": memory}
     return out if rank == 0 else None

@@ -31,7 +31,7 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
 from dreampipe.profiling.profiler import profile_spec
 from dreampipe.runtime.memory import TrainingChoices, predict_memory
-from dreampipe.runtime.processes import HeapPolicy, run_processes
+from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
@@ -70,7 +70,7 @@ def _train(plan: Plan, width: int, schedule: ScheduleKind, minibatch: int,
     out = run_processes(train_mixed, 4, {
         "kwargs": {"layers": 4, "width": width}, "plan": plan, "steps": STEPS, "lr": LR,
         "minibatch": minibatch, "microbatches": microbatches, "schedule": schedule.value, **job,
-    }, deadline_s=150.0, heap=HeapPolicy.RELEASE_FREED)
+    }, deadline_s=150.0)
     assert all(isinstance(o, dict) for o in out)
     return out
 
@@ -100,7 +100,8 @@ def test_a_split_a_replicated_and_a_recomputing_stage_train_as_one_process_in_pr
     choices = TrainingChoices(optimizer=OptimizerKind.SGD, momentum=0.0, stash=True,
                               vertical_sync=False, compensate=True)
     predicted = predict_memory(profile_spec(spec, layout.microbatch_size), plan,
-                               layout.build([1, 2], STEPS, plan.in_flight), choices)
+                               layout.build([1, 2], STEPS, plan.in_flight), choices,
+                               library=False)
     ratios = [o["used"] / predicted[o["stage"]] for o in out]
     print(f"\n{plan.config}: predicted {[round(p / 1e6, 1) for p in predicted]} MB, "
           f"measured {[round(o['used'] / 1e6, 1) for o in out]} MB")

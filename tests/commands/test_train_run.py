@@ -19,7 +19,7 @@ from dreampipe.errors import ConfigError, PlanError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.memory import MemoryUse
+from dreampipe.runtime.memory_meter import MemoryUse
 from dreampipe.scheduling.actions import ActionKind
 
 __all__: list[str] = []

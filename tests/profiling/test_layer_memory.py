@@ -13,21 +13,29 @@ from torch import nn
 from dreampipe.models import get_model
 from dreampipe.planning.held import held_bytes, kinds_sum, range_max
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.profiling.layer_memory import LiveBytes
 from dreampipe.profiling.profiler import profile_model, profile_spec
+from dreampipe.profiling.tensor_bytes import TensorBytes
 
 __all__: list[str] = []
 
-def test_live_bytes_counts_what_ops_make_and_drops_what_dies() -> None:
+def test_tensor_bytes_counts_what_ops_make_and_drops_what_dies() -> None:
     x = torch.ones(1000)  # before: not counted
-    with LiveBytes() as live:
+    live = TensorBytes()
+    with live.counting():
+        x.mul_(2)  # in place: an input's storage, not new
         a = x * 2  # 4000 B
         b = a + 1  # 8000 B at once
         del a
         c = b * 3  # a is gone: 8000 B again
         view = c[:10]  # a view makes nothing
     assert (live.peak, live.now) == (8000, 8000)
-    del b, c, view
+    del b, view
+    assert live.now == 4000  # c lives on
+    c.untyped_storage().resize_(0)  # as ZeRO-3 frees gathered weights
+    assert live.now == 0
+    live.adopt([x, x[:5]])  # a tensor made before, once
+    assert (live.now, live.peak) == (4000, 8000)
+    live.close()
 
 
 def test_the_last_layer_holds_the_loss_backward_in_fp32_whatever_the_formats() -> None:

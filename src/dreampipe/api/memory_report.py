@@ -1,22 +1,25 @@
 """A Pipeline rank's peak memory beside its prediction (``TrainConfig(measure_memory=True)``).
 
-The rank's baseline is taken when the Pipeline starts (or earlier, by whoever measured
-first in the process: ``dreampipe train`` takes it before it builds the layers), and
-the weights of the rank's stages that already existed then are added to what training
-added above it, so the figure is what :func:`~dreampipe.runtime.memory.predict_memory`
-predicts: the stage's weights, versions, gradients, optimizer state and activations.
-The prediction profiles the model once, on rank 0, in the run's number formats, and
-counts the optimizer's state as the user's optimizer holds it (Adam's two copies, SGD's
-momentum or none). docs/design.md §5.4.
+The rank's :class:`~dreampipe.runtime.memory_meter.Meter` starts when the Pipeline
+starts (or earlier, by whoever measured first in the process: ``dreampipe train``
+starts it before it builds the layers), counting the weights of the rank's stages
+that already existed then, and counts what the Pipeline's methods compute
+(:func:`counted`). The figure is what
+:func:`~dreampipe.runtime.memory.predict_memory` predicts of the tensors: the stage's
+weights, versions, gradients, optimizer state and activations. The prediction profiles
+the model once, on rank 0, in the run's number formats, and counts the optimizer's
+state as the user's optimizer holds it (Adam's two copies, SGD's momentum or none).
+docs/design.md §5.4.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,29 +30,23 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.memory import (
-    Baseline,
-    MemoryUse,
-    TrainingChoices,
-    current_baseline,
-    finish_measuring,
-    predict_memory,
-    start_measuring,
-)
-from dreampipe.runtime.processes import HeapPolicy, prepare_process
+from dreampipe.runtime.memory import TrainingChoices, predict_memory
+from dreampipe.runtime.memory_meter import MemoryUse, Meter, current_meter, start_measuring
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers
 
-__all__ = ["MemoryReport", "held_bytes", "measured", "predicted_memory", "start",
+__all__ = ["MemoryReport", "counted", "counting", "measured", "predicted_memory", "start",
            "training_choices"]
+
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """One rank's ``measured`` peak bytes (above its baseline, with its stage's weights
-    that existed before it) and the ``predicted`` bytes of its stage."""
+    """One rank's ``measured`` peak bytes of tensors (with its stage's weights that
+    existed before measuring started) and the ``predicted`` bytes of its stage."""
 
     rank: int
     stage: int
@@ -61,16 +58,6 @@ class MemoryReport:
     def ratio(self) -> float:
         """``measured / predicted``."""
         return self.measured / self.predicted if self.predicted else float("inf")
-
-
-def held_bytes(tensors: Sequence[Tensor]) -> int:
-    """Bytes of the materialised (not ``meta``) storages among ``tensors``, each once."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t.device.type != "meta":
-            storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
 
 
 def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> TrainingChoices:
@@ -99,43 +86,57 @@ def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Sc
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         box[0] = predict_memory(profile(), plan, schedule,
-                                dataclasses.replace(choices, block=block))
+                                dataclasses.replace(choices, block=block), library=False)
     dist.broadcast_object_list(box, src=0)
     out: tuple[int, ...] = box[0]
     return out
 
 
 def start(config: TrainConfig, layers: Sequence[nn.Module], device: torch.device
-          ) -> tuple[Baseline | None, int]:
-    """With ``measure_memory``: the baseline (this process's, if it took one already,
-    else now, the heap set to give freed blocks back) and the bytes of the rank's
-    ``layers``' weights and buffers that existed before it."""
+          ) -> Meter | None:
+    """With ``measure_memory``: this process's meter (the one it started already, else
+    a new one counting the rank's ``layers``' weights and buffers, which exist before
+    it), else None."""
     if not config.measure_memory:
-        return None, 0
-    taken = current_baseline()
+        return None
+    taken = current_meter()
     if taken is not None:
-        return taken, 0
-    prepare_process(heap=HeapPolicy.RELEASE_FREED)
-    held = held_bytes([t for layer in layers for t in (*layer.parameters(), *layer.buffers())])
-    return start_measuring(device), held
+        return taken
+    meter = start_measuring(device)
+    meter.adopt(t for layer in layers for t in (*layer.parameters(), *layer.buffers()))
+    return meter
 
 
-def measured(base: Baseline | None, before: int, rank: int, modules: Sequence[StageModule],
+def counting(meter: Meter | None) -> AbstractContextManager[None]:
+    """Within, ``meter`` counts what the rank computes (nothing without a meter)."""
+    return meter.counting() if meter is not None else nullcontext()
+
+
+def counted(method: Callable[..., _R]) -> Callable[..., _R]:
+    """A Pipeline method whose computation its meter (``self._meter``) counts."""
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> _R:
+        with counting(self._meter):
+            return method(self, *args, **kwargs)
+    return run
+
+
+def measured(meter: Meter | None, rank: int, modules: Sequence[StageModule],
              config: TrainConfig, plan: Plan, layers: Layers,
              schedule: Callable[[int], Schedule], profile: Callable[[], LayerGraph],
              minibatches: int,
              whole: Callable[[], AbstractContextManager[None]] = nullcontext
              ) -> MemoryReport:
-    """The rank's report: its peak since ``base`` plus ``before``, beside its stage's
+    """The rank's report: its ``meter``'s peak, beside its stage's
     prediction on ``schedule(horizon)`` (long enough to fill the pipeline and the kept
     sends), profiled by ``profile`` on rank 0 within ``whole()`` (every rank enters it,
     after its peak is read: ZeRO-3's weights gathered); a ConfigError without a
-    baseline."""
-    if base is None:
+    meter."""
+    if meter is None:
         raise ConfigError("memory() reports what a Pipeline made with "
                           "TrainConfig(measure_memory=True) measured; set it", "measure_memory")
     stage = modules[0].stage
-    use = finish_measuring(base, rank, stage)
+    use = meter.finish(rank, stage)
     fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
     horizon = min(max(minibatches, 1), SENDS_KEPT + 2 * fill)
     spec = config.block_recompute()
@@ -143,4 +144,4 @@ def measured(base: Baseline | None, before: int, rank: int, modules: Sequence[St
     with whole():
         predicted = predicted_memory(profile, plan, schedule(horizon),
                                      training_choices(config, modules), block)
-    return MemoryReport(rank, stage, use.used + before, predicted[stage], use)
+    return MemoryReport(rank, stage, use.used, predicted[stage], use)

@@ -42,7 +42,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
 from dreampipe.api.feed import Feed
 from dreampipe.api.group import init_process_group, rank_device
-from dreampipe.api.memory_report import MemoryReport, measured, start
+from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.plans import PlanArg, profile_layers
 from dreampipe.api.settled_plan import settle_plan
 from dreampipe.api.stage_build import build_modules, compensate_modules
@@ -144,59 +144,60 @@ class Pipeline:
         self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
         mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
             if mixed else None
-        self._baseline, self._before = start(self.config, [
+        self._meter = start(self.config, [
             layer for s in self._my_stages(world) for _, layer in
             self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
             self.device)
-        modules = build_modules(
-            self._layers, self.plan, self._my_stages(world), self.device,
-            mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
-            optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
-        applied = compensate_modules(  # before the schedulers: they keep the rates they see
-            modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
-            config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,
-            uniform=bool(ties))
-        self.module = modules[0]
-        #: What staleness compensation did to each parameter group of each stage's
-        #: optimizer, by stage: ``(given, used)`` settings, None where nothing
-        #: (checkpoints carry it).
-        self.compensations: dict[int, Applied] = applied
-        self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
-                           if lr_scheduler is not None and m.optimizer is not None}
-        self.scheduler = self.schedulers.get(self.module.stage)
-        self.loss_fn = loss_fn
-        self.minibatches = 0
-        self._opts = self.config.runner_options()
-        self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
-            else process_groups([st.ranks for st in self.plan.stages] if v == 1
-                                else [[r] for r in range(world)], t, made=self._groups)
-        clip_group = dist.new_group(list(range(world))) \
-            if config.max_grad_norm is not None else None
-        self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
-                                                 self.module)]
-        per_round = math.lcm(*self.replicas)
-        self._cap = max(per_round, SEGMENT_MICROBATCHES // self.layout.microbatches_per_update
-                        // per_round * per_round)
-        self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
-        self._reserved_to = 0
-        self._horizon = min(_HORIZON, self._cap)
-        self.runner = RankRunner(
-            self._schedule(self._horizon), self.srank, self.device,
-            self.module, self._opts, groups=groups, links=self._links,
-            clip_group=clip_group, after_step=self._after_step, others=modules[1:],
-        )
-        self._segment = 0
-        self._pending: list[float] = []
-        self._feed = self._new_feed()
-        if found is not None:
-            self.minibatches = checkpoint.load(found, self)
+        with counting(self._meter):  # the stage's build counts in its peak
+            modules = build_modules(
+                self._layers, self.plan, self._my_stages(world), self.device,
+                mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
+                optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
+            applied = compensate_modules(  # before the schedulers: they keep the rates they see
+                modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
+                config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,
+                uniform=bool(ties))
+            self.module = modules[0]
+            #: What staleness compensation did to each parameter group of each stage's
+            #: optimizer, by stage: ``(given, used)`` settings, None where nothing
+            #: (checkpoints carry it).
+            self.compensations: dict[int, Applied] = applied
+            self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
+                               if lr_scheduler is not None and m.optimizer is not None}
+            self.scheduler = self.schedulers.get(self.module.stage)
+            self.loss_fn = loss_fn
+            self.minibatches = 0
+            self._opts = self.config.runner_options()
+            self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
+                else process_groups([st.ranks for st in self.plan.stages] if v == 1
+                                    else [[r] for r in range(world)], t, made=self._groups)
+            clip_group = dist.new_group(list(range(world))) \
+                if config.max_grad_norm is not None else None
+            self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
+                                                     self.module)]
+            per_round = math.lcm(*self.replicas)
+            self._cap = max(per_round, SEGMENT_MICROBATCHES // self.layout.microbatches_per_update
+                            // per_round * per_round)
+            self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
+            self._reserved_to = 0
+            self._horizon = min(_HORIZON, self._cap)
+            self.runner = RankRunner(
+                self._schedule(self._horizon), self.srank, self.device,
+                self.module, self._opts, groups=groups, links=self._links,
+                clip_group=clip_group, after_step=self._after_step, others=modules[1:],
+            )
+            self._segment = 0
+            self._pending: list[float] = []
+            self._feed = self._new_feed()
+            if found is not None:
+                self.minibatches = checkpoint.load(found, self)
 
     # ---- training ----------------------------------------------------------
     def memory(self) -> MemoryReport:
         """This rank's peak memory beside its stage's prediction, with
         ``measure_memory=True`` (drains first; a collective: every rank calls it)."""
         self._drain()
-        return measured(self._baseline, self._before, self.rank, self.runner.modules,
+        return measured(self._meter, self.rank, self.runner.modules,
                         self.config, self.plan, self._layers, self._build_schedule,
                         lambda: profile_layers(self._layers, self._example, self.loss_fn,
                                                self.layout.microbatch_size, self.config),
@@ -237,6 +238,7 @@ class Pipeline:
         self.runner.feed(feed)
         return feed
 
+    @counted
     def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         check_batch(self.minibatches, (x, y), self._example)
@@ -258,6 +260,7 @@ class Pipeline:
                        self._cap, self.minibatches)
             self._drain()
 
+    @counted
     def reserve(self, minibatches: int) -> None:
         """Build the schedule for the next ``minibatches`` steps now, so that no
         :meth:`step` among them pauses to extend it (it grows 4-fold whenever it
@@ -290,6 +293,7 @@ class Pipeline:
         self.runner.restart(self._schedule(horizon))
         self._feed = self._new_feed()
 
+    @counted
     def _drain(self) -> None:
         """Run the segment's exact schedule to its end and collect its losses."""
         n = self._segment
@@ -314,6 +318,7 @@ class Pipeline:
         return out
 
     # ---- evaluation and state ------------------------------------------------
+    @counted
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
         self._drain()
@@ -341,6 +346,7 @@ class Pipeline:
         self.runner.start_clock(t0)
         return t0
 
+    @counted
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's ``state_dict`` (original keys, CPU), on every rank; drains first."""
         self._drain()
@@ -354,6 +360,7 @@ class Pipeline:
         return self.state_keys.complete(
             {k: v for part in gathered if part is not None for k, v in part.items()})
 
+    @counted
     def save(self, directory: str | Path) -> Path:
         """Save a checkpoint as ``directory/step-N`` (N minibatches so far); drains first."""
         self._drain()

@@ -37,7 +37,7 @@ from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
 if TYPE_CHECKING:
-    from dreampipe.runtime.memory import MemoryUse
+    from dreampipe.runtime.memory_meter import MemoryUse
 
 __all__ = ["TrainOptions", "TrainResult", "TrainRun", "check_options", "check_run"]
 

@@ -241,16 +241,17 @@ def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
 
 def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
             opts: TrainOptions, limit: int | None) -> tuple[int, ...]:
-    """Each stage's predicted memory, checked against ``limit``; empty when interleaved."""
+    """Each stage's predicted tensor bytes (what a rank's meter measures), the stage's
+    whole need (the compute library's kernels too) checked against ``limit``; empty when
+    interleaved."""
     if plan.virtual_stages > 1:
         return ()
     # long enough to fill the pipeline and the runtime's kept sends
     fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
     horizon = min(steps, SENDS_KEPT + 2 * fill)
-    memory = predict_memory(graph, plan, layout.build(
-        [st.replicas for st in plan.stages], horizon, plan.in_flight), opts.memory_choices())
-    check_memory(plan, memory, limit)
-    return memory
+    schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight)
+    check_memory(plan, predict_memory(graph, plan, schedule, opts.memory_choices()), limit)
+    return predict_memory(graph, plan, schedule, opts.memory_choices(), library=False)
 
 
 def _quiet(_line: str) -> None:

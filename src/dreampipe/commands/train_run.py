@@ -35,7 +35,7 @@ import torch.distributed as dist
 from dreampipe.api import checkpoint
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.datalog import DataLog
-from dreampipe.api.group import init_process_group, rank_device
+from dreampipe.api.memory_report import counting
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
 from dreampipe.commands.train_plan import Say, TrainRequest, plan_train
@@ -45,15 +45,9 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.engine import barrier
-from dreampipe.runtime.lanes import split_mesh
-from dreampipe.runtime.memory import (
-    Baseline,
-    finish_measuring,
-    start_measuring,
-)
-from dreampipe.runtime.processes import HeapPolicy, prepare_process, run_processes
+from dreampipe.runtime.memory_meter import Meter, start_measuring
+from dreampipe.runtime.processes import prepare_process, run_processes
 from dreampipe.runtime.results import RankReport, sorted_events, stage_states
-from dreampipe.runtime.tensor_split import load_dtensor_runtime, tensor_mesh
 
 __all__ = ["Checkpoints", "TrainJob", "TrainReport", "run_train", "train_local", "train_rank"]
 
@@ -241,38 +235,28 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
     spec = resolve_spec(run.model, run.model_kwargs)
     split = run.plan.has_splits
     data = load_dataset(run.dataset, spec, data_dir=run.data_dir, seed=run.config.seed)
-    # a resident size that is what is alive costs page faults: only when asked
-    prepare_process(heap=HeapPolicy.RELEASE_FREED if run.measure_memory else HeapPolicy.KEEP_FREED)
-    owns_group = False
-    if run.measure_memory and split:  # DTensor's runtime is library, not the model's
-        owns_group = init_process_group(run.config.timeout_s)
-        device = rank_device().type
-        mesh = split_mesh(run.plan, rank, device) if run.plan.mixes_splits else tensor_mesh(
-            world, run.plan.tensor_parallel, device)
-        if mesh is not None:
-            load_dtensor_runtime(mesh)
-    baseline = start_measuring() if run.measure_memory else None  # before the layers exist
-    if split:  # the Pipeline builds each worker's share only
-        with torch.device("meta"):
+    prepare_process()
+    meter = start_measuring() if run.measure_memory else None  # before the layers exist
+    with counting(meter):
+        if split:  # the Pipeline builds each worker's share only
+            with torch.device("meta"):
+                model = spec.build(seed=run.config.seed)
+        elif run.plan.virtual_stages > 1:  # the rank's stages are far apart
             model = spec.build(seed=run.config.seed)
-    elif run.plan.virtual_stages > 1:  # the rank's stages are far apart
-        model = spec.build(seed=run.config.seed)
-    else:
-        st = run.plan.stages[run.plan.stage_of_rank(rank)]
-        model = spec.build_partly(st.first, st.last, run.config.seed)
-    config = dataclasses.replace(run.config, virtual_stages=run.plan.virtual_stages,
-                                 resume=job.resume_from)
-    pipe = Pipeline(model, example=data.batch(0, run.minibatch_size), loss_fn=spec.loss_fn,
-                    optimizer=run.optimizer_factory(), plan=run.plan, config=config)
-    result = _train(pipe, job, data, rank, world, baseline)  # on an error the launcher ends all
+        else:
+            st = run.plan.stages[run.plan.stage_of_rank(rank)]
+            model = spec.build_partly(st.first, st.last, run.config.seed)
+        config = dataclasses.replace(run.config, virtual_stages=run.plan.virtual_stages,
+                                     resume=job.resume_from)
+        pipe = Pipeline(model, example=data.batch(0, run.minibatch_size), loss_fn=spec.loss_fn,
+                        optimizer=run.optimizer_factory(), plan=run.plan, config=config)
+        result = _train(pipe, job, data, rank, world, meter)  # on an error the launcher ends all
     pipe.close()
-    if owns_group:
-        dist.destroy_process_group()
     return result
 
 
 def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
-           baseline: Baseline | None) -> TrainResult | None:
+           meter: Meter | None) -> TrainResult | None:
     run, ckpt = job.run, job.checkpoints
     start = pipe.minibatches
     bar = _progress(run, rank, world, start)
@@ -297,7 +281,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
         log.close()
     losses = pipe.finish()
     loop_s = time.perf_counter() - t0
-    memory = None if baseline is None else finish_measuring(baseline, rank, pipe.module.stage)
+    memory = None if meter is None else meter.finish(rank, pipe.module.stage)
     if bar is not None:
         bar.close()
     accuracy = None

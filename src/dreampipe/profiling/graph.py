@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +236,11 @@ class LayerGraph:
 
     def total_parameter_bytes(self) -> int:
         return sum(layer.parameter_bytes for layer in self.layers)
+
+    def without_library(self) -> LayerGraph:
+        """The graph with no compute library's kernel memory (``library_bytes`` None):
+        what the tensors alone hold."""
+        return replace(self, layers=tuple(replace(x, library_bytes=None) for x in self.layers))
 
     # ---- JSON -----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -26,16 +26,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from dreampipe.profiling.graph import Layer
 from dreampipe.profiling.heap import glibc
 from dreampipe.profiling.model_steps import INPUT, Env, Step
+from dreampipe.profiling.tensor_bytes import TensorBytes
 from dreampipe.profiling.tensor_trees import detach, fresh, storages, tensors
 
-__all__ = ["LiveBytes", "backward_bytes", "deferred_bytes", "library_bytes",
+__all__ = ["backward_bytes", "deferred_bytes", "library_bytes",
            "linear_operands", "sent_bytes", "with_library"]
 
 _STATUS = Path("/proc/self/status")
@@ -44,64 +42,39 @@ _STATUS = Path("/proc/self/status")
 Loss = Callable[[Any], Tensor]
 
 
-class LiveBytes(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Within: the bytes of the storages ops made that are still alive (``now``) and the
-    most at once (``peak``), checked at every op; what existed before does not count."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._live: dict[int, tuple[StorageWeakRef, int]] = {}
-        self.now = 0
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        before = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs or {}))
-                  if isinstance(t, Tensor)}
-        out = func(*args, **(kwargs or {}))
-        for ptr, (ref, _) in list(self._live.items()):
-            if ref.expired():  # type: ignore[no-untyped-call]
-                del self._live[ptr]
-        for t in tree_leaves(out):
-            if isinstance(t, Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in before and ptr not in self._live and storage.nbytes():
-                    ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
-                    self._live[ptr] = (ref, storage.nbytes())
-        self.now = sum(n for _, n in self._live.values())
-        self.peak = max(self.peak, self.now)
-        return out
-
-
 def backward_bytes(layers: Sequence[Step], env: Env, grads: dict[str, list[Tensor | None]],
                    loss: Loss) -> list[int]:
     """Each layer's :attr:`~dreampipe.profiling.graph.Layer.backward_bytes`: its backward
     to fresh leaves of its inputs with the recorded upstream gradient (the last layer's
-    through ``loss``), the peak of what it made and holds, plus that gradient; not its
-    weight gradients, which the update's buffers hold (the stage's ``+ 1`` weights)."""
+    through ``loss``), the most it holds beyond what the forward kept, as it makes
+    tensors and frees them and the kept ones (counted from the forward on), plus that
+    gradient; not its weight gradients, which the update's buffers hold (the stage's
+    ``+ 1`` weights)."""
     out = []
     for i, step in enumerate(layers):
+        given = list(tensors([env[d] for d in step.deps]))
+        live = TensorBytes(given[0].device.type if given else "cpu")
         leaves: list[Tensor] = []
-        value = step.run({d: fresh(env[d], leaves) for d in step.deps})
-        # weight gradients go to the update's buffers, counted apart (unless nothing else
-        # carries the backward: a first layer of token ids)
-        wrt = leaves or [p for p in _params(step, env) if p.requires_grad]
-        if i == len(layers) - 1:
-            outs, upstream, incoming = [loss(value)], None, 0
-        else:
-            pairs = [(o, g) for o, g in zip(tensors(value), grads[step.key], strict=False)
-                     if g is not None and o.requires_grad]
-            outs, upstream = [o for o, _ in pairs], [g for _, g in pairs]
-            incoming = sum(storages(upstream).values())
-        del value
-        if not (outs and wrt and outs[0].requires_grad):
-            out.append(incoming)
-            continue
-        with LiveBytes() as live:
-            torch.autograd.grad(outs, wrt, upstream, allow_unused=True)
+        with live.counting():  # the forward's kept tensors count, and so do their frees
+            value = step.run({d: fresh(env[d], leaves) for d in step.deps})
+            # weight gradients go to the update's buffers, counted apart (unless nothing
+            # else carries the backward: a first layer of token ids)
+            wrt = leaves or [p for p in _params(step, env) if p.requires_grad]
+            if i == len(layers) - 1:
+                outs, upstream, incoming = [loss(value)], None, 0
+            else:
+                pairs = [(o, g) for o, g in zip(tensors(value), grads[step.key], strict=False)
+                         if g is not None and o.requires_grad]
+                outs, upstream = [o for o, _ in pairs], [g for _, g in pairs]
+                incoming = sum(storages(upstream).values())
+            del value
+            live.reset_peak()
+            kept = live.now
+            if outs and wrt and outs[0].requires_grad:
+                torch.autograd.grad(outs, wrt, upstream, allow_unused=True)
         del outs
-        out.append(live.peak + incoming)
+        live.close()
+        out.append(live.peak - kept + incoming)
     return out
 
 

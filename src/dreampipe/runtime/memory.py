@@ -1,28 +1,16 @@
-"""A rank's peak memory during training, above a baseline taken just before its stage is built.
+"""What each stage's workers are predicted to hold at most: :func:`predict_memory`.
 
-:func:`start_measuring` runs right before the rank builds its stage: it
-returns freed heap to the kernel, resets the high-water mark (CPU: ``VmHWM``;
-GPU: CUDA's peak statistics) and takes the baseline. :func:`finish_measuring`
-reads the peak once the training loop has drained and adds to the baseline
-the library code paged in since. ``peak - baseline`` is what training added
-(the stage's weights, stashed versions, gradients, optimizer state and
-activations), the figure :func:`predict_memory` predicts with
-:func:`dreampipe.planning.costs.memory_bytes`. A measuring rank's heap gives
-freed blocks back to the kernel (``HeapPolicy.RELEASE_FREED``), so its
-resident peak is what it held (docs/design.md §5.4, docs/memory.md).
+Weights, their stashed versions, gradients, optimizer state (as the user's optimizer
+holds it, 32-bit masters for 16-bit weights), ZeRO's shards, and the activations of the
+microbatches in flight, walked as the schedule runs them; the figure a rank's
+:class:`~dreampipe.runtime.memory_meter.Meter` measures (docs/design.md §5.4,
+docs/memory.md). :func:`check_memory` holds a plan to a memory limit.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import re
 from dataclasses import dataclass
-from pathlib import Path
-
-import torch
-import torch.nn.functional as F
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
@@ -30,7 +18,6 @@ from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.profiling.heap import glibc
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import BUCKET_CAP_MB, round_ends
 from dreampipe.runtime.precision import Precision
@@ -40,121 +27,11 @@ from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 
-__all__ = ["PREDICTION_COPIES", "Baseline", "MemoryUse", "TrainingChoices", "check_memory",
-           "current_baseline", "finish_measuring", "optimizer_copies", "predict_memory",
-           "start_measuring"]
+__all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "optimizer_copies",
+           "predict_memory"]
 
 _log = logging.getLogger(__name__)
-_STATUS = Path("/proc/self/status")
-_CLEAR_REFS = Path("/proc/self/clear_refs")
-_RESET_PEAK = "5"  # clear_refs: reset the high-water mark to the current resident size
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
-
-
-@dataclass(frozen=True)
-class MemoryUse:
-    """One rank's memory in bytes: ``baseline`` before its stage was built, ``peak`` after.
-
-    ``kind`` is the device type: ``"cpu"`` (resident set) or ``"cuda"``
-    (bytes allocated by torch's CUDA allocator).
-    """
-
-    rank: int
-    stage: int
-    baseline: int
-    peak: int
-    kind: str
-
-    @property
-    def used(self) -> int:
-        """What training added: ``peak - baseline``."""
-        return self.peak - self.baseline
-
-
-@dataclass(frozen=True)
-class Baseline:
-    """What a rank held when :func:`start_measuring` ran, in bytes: all of it
-    (``resident``: VmRSS, or CUDA's allocated bytes) and the file-backed part
-    (``code``: RssFile, the libraries' pages; 0 on GPU)."""
-
-    device: torch.device
-    resident: int
-    code: int
-
-
-_CURRENT: list[Baseline] = []  # the baseline this process measures from, once taken
-
-
-def current_baseline() -> Baseline | None:
-    """The baseline :func:`start_measuring` took last in this process (None: none)."""
-    return _CURRENT[-1] if _CURRENT else None
-
-
-def start_measuring(device: torch.device | None = None) -> Baseline:
-    """Reset the peak to the current size and take the baseline (docs/design.md §5.4).
-
-    Torch's meta kernels, which it loads on a rank's first use of the meta device,
-    are loaded first: they are code, not the plan.
-
-    ``device`` None is this rank's: CUDA device ``LOCAL_RANK`` if there is
-    CUDA, else the CPU. On CPU without ``/proc`` (not Linux) the peak cannot
-    be reset; the baseline is then 0 and the peak the process's lifetime peak.
-    """
-    if device is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) \
-            if torch.cuda.is_available() else torch.device("cpu")
-    _load_meta_kernels()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        return _taken(Baseline(device, int(torch.cuda.memory_allocated(device)), 0))
-    if not _STATUS.exists():
-        return _taken(Baseline(device, 0, 0))
-    _trim_heap()
-    try:
-        _CLEAR_REFS.write_text(_RESET_PEAK)
-    except OSError as exc:
-        _log.warning("cannot reset the memory high-water mark (%s); the peak includes "
-                     "everything before training", exc)
-        return _taken(Baseline(device, 0, 0))
-    return _taken(Baseline(device, _status_bytes("VmRSS"), _status_bytes("RssFile")))
-
-
-def _taken(base: Baseline) -> Baseline:
-    _CURRENT[:] = [base]
-    return base
-
-
-def finish_measuring(base: Baseline, rank: int, stage: int) -> MemoryUse:
-    """The peak since :func:`start_measuring`, against its baseline plus the library pages
-    paged in since (code: the same for any plan)."""
-    if base.device.type == "cuda":
-        torch.cuda.synchronize(base.device)
-        return MemoryUse(rank, stage, base.resident,
-                         int(torch.cuda.max_memory_allocated(base.device)), "cuda")
-    if not _STATUS.exists():
-        return MemoryUse(rank, stage, 0, 0, "cpu")
-    code = max(0, _status_bytes("RssFile") - base.code)
-    return MemoryUse(rank, stage, base.resident + code, _status_bytes("VmHWM"), "cpu")
-
-
-def _status_bytes(key: str) -> int:
-    found = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
-    return int(found.group(1)) * 1024 if found else 0
-
-
-def _trim_heap() -> None:
-    """Give freed heap pages back to the kernel, so the baseline holds only live memory."""
-    libc = glibc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-def _load_meta_kernels() -> None:
-    """One op on the meta device: torch imports its meta kernels on the first."""
-    with torch.device("meta"):
-        F.cross_entropy(torch.ones(1, 2), torch.zeros(1, dtype=torch.long))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,9 +101,12 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     return round(saved)
 
 
-def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices
-                   ) -> tuple[int, ...]:
-    """Bytes each stage's workers will add to their baseline when running ``schedule``.
+def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices,
+                   *, library: bool = True) -> tuple[int, ...]:
+    """Bytes each stage's workers will add to their baseline when running ``schedule``;
+    without ``library``, their tensors' only (what a :class:`~.memory_meter.Meter`
+    measures: not the compute library's kernel caches,
+    :attr:`~dreampipe.profiling.graph.Layer.library_bytes`).
 
     :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the stage
     reaches: the microbatches in flight, the weight versions they pin (one per microbatch in flight
@@ -241,6 +121,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     copies of every gradient, alive until the round's ``ALLREDUCE``). ``graph`` is profiled in the
     run's number formats at the schedule's microbatch size.
     """
+    if not library:
+        graph = graph.without_library()
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
     at_end = [0] * plan.num_stages
@@ -300,7 +182,9 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     tensors again. Walking one backward, at layer ``l`` the layers up to ``l`` still keep
     theirs, ``l`` holds its working set, and each later layer has freed its tensors but,
     after the first stage, what its deferred Linear weight gradients hold until the
-    stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`). The
+    stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`);
+    ``l``'s own, which its backward makes or keeps as it goes, where more than its
+    working set (whose output gradients they include). The
     peak of that walk replaces the formula's one backward. Returns the difference and
     what one microbatch in flight keeps."""
     span = range(st.first, st.last + 1)
@@ -311,8 +195,8 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
            for i, k in zip(span, kept, strict=True)]
     after = [float(x.deferred_bytes or 0) if stage > 0 else 0.0 for x in layers]
     work = [float(x.working_bytes) for x in layers]
-    walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:]) + work[n]
-               for n in range(len(layers)))
+    walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:])
+               + max(work[n], after[n]) for n in range(len(layers)))
     formula = sum(kept) * in_flight + max(work)
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 

@@ -87,18 +87,11 @@ class HeapPolicy(Enum):
     #: glibc's defaults, and every object in the garbage collector's reach, as a
     #: plain PyTorch process has them.
     STOCK = "stock"
-    #: blocks of 64 KiB or more get pages of their own, returned when freed, so the
-    #: resident size is what is alive (``dreampipe train``'s memory report), at
-    #: the cost of page faults on every fresh tensor. (Above 1 MiB, a split stage's
-    #: sub-MB activations left 3-7 MB of freed heap resident.)
-    RELEASE_FREED = "release-freed"
 
 
-#: mallopt's settings per policy: (mmap threshold, trim threshold, top pad); the
-#: last two of RELEASE_FREED are glibc's defaults, undoing KEEP_FREED's.
+#: mallopt's settings per policy: (mmap threshold, trim threshold, top pad).
 _HEAP_SETTINGS = {
     HeapPolicy.KEEP_FREED: (32 * 2**20, 2**30, 64 * 2**20),
-    HeapPolicy.RELEASE_FREED: (64 * 2**10, 128 * 2**10, 128 * 2**10),
 }
 
 
@@ -114,8 +107,7 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
     worker about a fifth of its backward time. Raising the mmap and trim
     thresholds keeps the memory in the heap for the next microbatch (the tuning
     "use a caching allocator" advice gets you with jemalloc or tcmalloc).
-    ``RELEASE_FREED`` does the opposite, for a rank that reports its peak
-    memory. It touches host memory only, so GPU workers are unaffected.
+    It touches host memory only, so GPU workers are unaffected.
 
     Unless ``STOCK``, it also freezes the objects alive so far (``gc.freeze``:
     torch's and dreampipe's modules, classes and functions, about 250,000)

@@ -10,7 +10,7 @@ from torch import Tensor
 from dreampipe.scheduling.events import Event
 
 if TYPE_CHECKING:
-    from dreampipe.runtime.memory import MemoryUse
+    from dreampipe.runtime.memory_meter import MemoryUse
 
 __all__ = ["RankReport", "sorted_events", "stage_states"]
 

@@ -29,7 +29,7 @@ from dreampipe.planning.splits import Split
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-__all__ = ["SplitStage", "full_state", "load_dtensor_runtime", "shard_linear", "tensor_mesh"]
+__all__ = ["SplitStage", "full_state", "shard_linear", "tensor_mesh"]
 
 _BLOCKS = 8  # blocks of rows per share that shard_linear draws at a time
 _WEIGHT_SPLITS = (Split.OUT, Split.IN)  # the splits that divide a Linear's weights
@@ -157,16 +157,6 @@ def shard_linear(linear: nn.Linear, split: Split, mesh: DeviceMesh, seed: int,
         linear.bias = nn.Parameter(DTensor.from_local(
             bias[a:b].clone().to(device), mesh, [b_place], run_check=False,
             shape=torch.Size((out_f,)), stride=(1,)))
-
-
-def load_dtensor_runtime(mesh: DeviceMesh) -> None:
-    """Run a small split stage once on ``mesh``: DTensor imports ``torch._dynamo`` (tens of
-    MB of modules) and builds its dispatch state on first use, library memory that
-    a baseline taken after this counts as there before the model."""
-    probe = SplitStage(nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8),
-                                     nn.Linear(8, 8)), (Split.OUT, Split.IN, Split.REPLICA), mesh)
-    probe(torch.ones(2, 8)).sum().backward()
-    torch.optim.SGD(probe.parameters(), lr=0.1).step()
 
 
 def _chunks(n: int, t: int) -> list[tuple[int, int]]:
