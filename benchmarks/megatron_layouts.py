@@ -28,6 +28,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.splits import Split
 from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.devices import V100_32GB
 from dreampipe.profiling.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, gpt_profile
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -38,12 +39,12 @@ __all__ = ["CASES", "Case", "Layout", "Row", "compute_row", "main", "megatron_sp
 _REPO = Path(__file__).resolve().parents[1]
 _DEFAULT_OUT = _REPO / "docs" / "megatron.md"
 
-#: A V100's sustained rate on a transformer's matrix products: the 39 TFLOP/s Megatron-LM
-#: reports for its 1.2B model on one GPU, 30% of the 125 TFLOP/s peak.
-FLOPS = 39e12
+#: A V100's sustained rate on a transformer's matrix products, as every profile by shape
+#: takes it: the 39 TFLOP/s Megatron-LM reports for its 1.2B model on one GPU.
+FLOPS = V100_32GB.sustained_flops
 #: Device memory, the NVLink of one V100 (6 links of 25 GB/s) and a server's InfiniBand
 #: share per GPU (8 x 100 Gb/s for 8 GPUs), with their per-message latencies.
-MEMORY = 32 * 10**9
+MEMORY = V100_32GB.memory_bytes
 NVLINK, NVLINK_LATENCY = 150e9, 5e-6
 INFINIBAND, INFINIBAND_LATENCY = 12.5e9, 20e-6
 

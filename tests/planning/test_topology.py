@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -143,3 +144,54 @@ def test_a_level_slower_than_one_byte_per_second_is_rejected() -> None:
     with pytest.raises(TopologyError, match="at least 1 byte/s"):
         Level(4, 0.5)
     assert Level(4, 1.0).bandwidth == 1.0
+
+
+# ---- servers NAME:N and the devices presets carry -----------------------------------
+def test_dgx_a100_servers() -> None:
+    topo = Topology.parse("dgx-a100:3")
+    assert topo.shape == "3x8" and topo.num_workers == 24 and topo.name == "dgx-a100:3"
+    assert topo.levels[0].bandwidth == 300e9  # NVSwitch, each way per GPU
+    assert topo.levels[1].bandwidth == pytest.approx(8 * 200e9 / 8)  # 8 x 200 Gb/s HDR
+    assert topo.device is not None and topo.device.peak_flops == 312e12
+    assert topo.memory_bytes == topo.device.memory_bytes == 80 * 10**9
+    assert [lv.latency for lv in topo.levels] == pytest.approx([10e-6, 50e-6])
+    assert "A100-80GB, 312 TFLOP/s" in topo.describe()
+
+
+def test_megatrons_dgx_2h_and_pipedreams_v100_servers() -> None:
+    dgx = Topology.parse("dgx-2h:4")
+    assert dgx.shape == "4x16"
+    assert dgx.levels[0].bandwidth == 150e9  # Megatron-LM's 300 GB/s counts both directions
+    assert dgx.levels[1].bandwidth == pytest.approx(100e9)  # 8 x 100 Gb/s
+    assert dgx.device is not None
+    assert (dgx.device.peak_flops, dgx.memory_bytes) == (125e12, 32 * 10**9)
+    p3 = Topology.parse("p3.16xlarge:2")
+    assert p3.shape == "2x8" and p3.levels[1].bandwidth == pytest.approx(25e9 / 8)
+    assert p3.device is not None and p3.memory_bytes == 16 * 10**9
+    # PipeDream's cluster-b is two of them; cluster-a's V100s time profiles by shape too
+    assert dataclasses.replace(p3, name="cluster-b") == PRESETS["cluster-b"]
+    assert PRESETS["cluster-a"].device == p3.device
+    assert PRESETS["cluster-c"].device is None and Topology.parse("4x4").device is None
+
+
+def test_overrides_keep_the_device_and_the_latencies() -> None:
+    topo = Topology.parse("dgx-a100:2", ["100GB/s"], memory="40GB", latencies=["1us"])
+    assert topo.device == Topology.parse("dgx-a100:1").device
+    assert topo.memory_bytes == 40 * 10**9
+    assert [lv.bandwidth for lv in topo.levels] == [100e9, 200e9]
+    assert [lv.latency for lv in topo.levels] == pytest.approx([1e-6, 50e-6])
+    assert Topology.parse("cluster-b", ["1GB/s"]).levels[1].latency == pytest.approx(50e-6)
+    assert topo.flat().device == topo.device
+
+
+@pytest.mark.parametrize(("spec", "needles"), [
+    ("dgx-a100", ["needs its number of servers", "dgx-a100:2"]),
+    ("dgx-a100:0", ["'0' is not a whole number of servers", "dgx-a100:2"]),
+    ("dgx-2h:two", ["'two'"]),
+    ("dgx-h100:2", ["unknown topology", "dgx-a100:N, dgx-2h:N, p3.16xlarge:N"]),
+])
+def test_bad_servers_name_the_value_and_the_fix(spec: str, needles: list[str]) -> None:
+    with pytest.raises(TopologyError) as info:
+        Topology.parse(spec)
+    for needle in needles:
+        assert needle in str(info.value)

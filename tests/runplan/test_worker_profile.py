@@ -118,3 +118,9 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
         load_graph(measured), planned.run.plan,
         MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=32, microbatches=2), 6,
         local_machine(2))
+
+
+def test_a_profile_by_shape_is_refused_as_a_runs_profile() -> None:
+    spec = "gpt:layers=2,hidden=64,heads=4,seq=8,vocab=10"
+    with pytest.raises(ProfileError, match=r"profile by shape.*dreampipe profile mlp"):
+        saved_profile(spec, _SPEC, 16, ref="mlp", model_kwargs=_KWARGS)

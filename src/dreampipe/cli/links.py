@@ -3,18 +3,39 @@
 ``--bandwidth`` and ``--latency`` repeat once per level, innermost first;
 ``--sync`` picks the all-reduce algorithm the cost model charges
 (:mod:`dreampipe.planning.sync`) and ``--ps-shards`` the parameter server's
-shards.
+shards. A profile by shape (``gpt:...``) is timed on the topology's device
+(:func:`profile_on`) and planned under its memory unless ``--memory`` says
+otherwise (:func:`memory_limit`): its memory counts are Megatron-LM's, not a
+measured profile's, whose limit stays opt-in (docs/planner.md).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, TopologyError
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
-from dreampipe.planning.topology import Topology
+from dreampipe.planning.topology import PRESETS, SERVERS, Topology
+from dreampipe.profiling.gpt_spec import OPTIONAL, by_shape, is_gpt_spec
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.load import load_graph
 
-__all__ = ["add_link_arguments", "sync_from", "topology_from"]
+__all__ = ["GPT_HELP", "TOPOLOGY_HELP", "add_link_arguments", "memory_limit", "profile_on",
+           "sync_from", "topology_from"]
+
+_SERVER_NAMES = ", ".join(f"{name}:N" for name in SERVERS)
+#: What ``--topology`` takes, for every command's help.
+TOPOLOGY_HELP = (
+    f"a preset ({', '.join(sorted(PRESETS))}), N servers ({_SERVER_NAMES}: "
+    "dgx-a100 = 8 A100-80GB, dgx-2h = 16 V100-32GB, p3.16xlarge = 8 V100-16GB) or a shape "
+    "like 16, 4x4 (servers x devices); a preset's device times a gpt: profile")
+#: How to write a profile by shape, for every command's help.
+GPT_HELP = (
+    "a GPT-style profile by shape, gpt:layers=L,hidden=H,heads=A,seq=S,vocab=V (optional: "
+    f"batch={OPTIONAL['batch']} sequences per minibatch, param_bytes={OPTIONAL['param_bytes']} "
+    "bytes per weight and gradient), timed on the topology's device and planned under its "
+    "memory")
 
 
 def add_link_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +48,8 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
                         "50us (repeat per level; default 10us inside a server, 50us between)")
     p.add_argument("--memory", metavar="SIZE",
                    help="device memory, e.g. 16GB: reject stages whose stashed weights and "
-                        "activations do not fit (default: no limit)")
+                        "activations do not fit (default: no limit; for a gpt: profile by "
+                        "shape, the preset's device memory)")
     p.add_argument("--sync", choices=[k.value for k in SyncKind],
                    default=DEFAULT_SYNC.kind.value,
                    help="how replicas all-reduce, priced with a latency and a bandwidth term: "
@@ -42,6 +64,23 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
 def topology_from(args: argparse.Namespace) -> Topology:
     """The topology the flags describe."""
     return Topology.parse(args.topology, args.bandwidth, args.memory, args.latency)
+
+
+def profile_on(spec: str | Path, topo: Topology) -> LayerGraph:
+    """The profile ``spec`` names; a profile by shape timed on ``topo``'s device."""
+    if is_gpt_spec(spec) and topo.device is None:
+        named = [*(n for n, t in sorted(PRESETS.items()) if t.device), _SERVER_NAMES]
+        raise TopologyError(
+            f"topology {topo.name or topo.shape!r} names no device, and profile {str(spec)!r} "
+            "is built from its shape, its layers timed at a device's peak rate; use a "
+            f"preset that names one: {', '.join(named)}")
+    return load_graph(spec, topo.device)
+
+
+def memory_limit(memory: str | None, graph: LayerGraph, topo: Topology) -> int | None:
+    """The memory per worker stages must fit: ``topo``'s where ``--memory`` gave it or
+    ``graph`` is by shape (its device's), else none, as PipeDream's optimizer plans."""
+    return topo.memory_bytes if memory or by_shape(graph) else None
 
 
 def sync_from(args: argparse.Namespace) -> Sync:

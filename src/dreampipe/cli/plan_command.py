@@ -1,6 +1,7 @@
 """``dreampipe plan``: the fastest stages and replicas for a profile on a cluster.
 
-Reads a dreampipe JSON profile or a PipeDream ``graph.txt``, runs the
+Reads a dreampipe JSON profile, a PipeDream ``graph.txt`` or a profile by
+shape (``gpt:...``, timed on the topology's device), runs the
 planner and prints each stage with its costs and the predicted speedups
 over data parallelism, a straight pipeline and GPipe; ``--json`` prints one
 JSON object instead and ``-o`` saves the plan for ``simulate`` and ``train``.
@@ -28,7 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dreampipe.cli.links import add_link_arguments, sync_from, topology_from
+from dreampipe.cli.links import (
+    GPT_HELP,
+    TOPOLOGY_HELP,
+    add_link_arguments,
+    memory_limit,
+    profile_on,
+    sync_from,
+    topology_from,
+)
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
     interleaved_report,
@@ -41,9 +50,8 @@ from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.split_stage import unfit_lines
-from dreampipe.planning.topology import PRESETS, Topology
+from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
@@ -91,15 +99,15 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             "with each layer's split."
         ),
         epilog=(
-            f"Presets: {', '.join(sorted(PRESETS))}. Example: dreampipe plan pipedream:vgg16 "
-            "--topology 4x4 --bandwidth 10GB/s --bandwidth 10Gbps -o plan.json"
+            "Examples: dreampipe plan pipedream:vgg16 --topology 4x4 --bandwidth 10GB/s "
+            "--bandwidth 10Gbps -o plan.json; dreampipe plan "
+            "gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=50257,batch=4 -t dgx-a100:2"
         ),
     )
     p.add_argument("profile", type=Path, metavar="PROFILE",
-                   help="dreampipe profile JSON, PipeDream graph.txt or a bundled "
-                        "pipedream:NAME ('dreampipe show --list')")
-    p.add_argument("--topology", "-t", required=True, metavar="T",
-                   help="a preset or a shape like 16, 4x4 (servers x devices)")
+                   help="dreampipe profile JSON, PipeDream graph.txt, a bundled "
+                        f"pipedream:NAME ('dreampipe show --list'), or {GPT_HELP}")
+    p.add_argument("--topology", "-t", required=True, metavar="T", help=TOPOLOGY_HELP)
     add_link_arguments(p)
     p.add_argument("--straight", action="store_true",
                    help="no replication: one worker per stage")
@@ -147,13 +155,14 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    graph = load_graph(args.profile)
     topo = topology_from(args)
+    graph = profile_on(args.profile, topo)
     if args.virtual_stages != 1:
         return _run_interleaved(args, graph, topo)
+    limit = memory_limit(args.memory, graph, topo)
     start = time.perf_counter()
     result = plan_pipeline(graph, topo, PlanOptions(
-        memory_bytes=topo.memory_bytes if args.memory else None, straight=args.straight,
+        memory_bytes=limit, straight=args.straight,
         allow_fewer_workers=not args.all_workers, max_stages=args.max_stages,
         cost_model=CostModel(args.cost_model), sync=sync_from(args), exact=args.exact,
         recompute=args.recompute, mixed_splits=args.mixed_splits))
@@ -175,8 +184,7 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_plan(result, graph, topo, seconds,
-                          topo.memory_bytes if args.memory else None))
+        print(format_plan(result, graph, topo, seconds, limit))
         if sim is not None:
             print(_format_confirmation(result, sim))
         print("\n".join(schedule_lines))

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 from typing import Any
 
+from dreampipe.cli.links import memory_limit
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
@@ -54,7 +55,7 @@ def schedule_report(
     args: argparse.Namespace, plan: Plan, graph: LayerGraph, topo: Topology
 ) -> tuple[list[str], dict[str, Any]]:
     """Text lines and JSON data for the schedule ``--schedule`` names or ``auto`` picks."""
-    memory = topo.memory_bytes if args.memory else None
+    memory = memory_limit(args.memory, graph, topo)
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"microbatches={args.microbatches}; use 1 or more", "microbatches")
     if args.schedule != _AUTO:

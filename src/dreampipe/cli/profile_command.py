@@ -1,6 +1,7 @@
 """``dreampipe profile`` and ``dreampipe show``: measure a model, print a profile.
 
-``show`` takes a file or a bundled PipeDream profile (``pipedream:vgg16``);
+``show`` takes a file, a bundled PipeDream profile (``pipedream:vgg16``) or
+a profile by shape (``gpt:...`` with ``--topology``, whose device times it);
 ``show --list`` lists the bundled ones.
 
 ``profile MODEL`` takes what every command takes
@@ -22,6 +23,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dreampipe.cli.links import GPT_HELP, TOPOLOGY_HELP, profile_on
 from dreampipe.cli.profile_table import (
     format_bundled_list,
     format_profile_summary,
@@ -88,13 +90,17 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             "model, batch size, layer count, and whether the layers form a chain or a DAG. "
             "--list lists the bundled profiles."
         ),
-        epilog="Example: dreampipe show pipedream:gnmt; dreampipe show --list",
+        epilog="Example: dreampipe show pipedream:gnmt; dreampipe show --list; dreampipe show "
+               "gpt:layers=2,hidden=512,heads=8,seq=128,vocab=1000 -t dgx-a100:1",
     )
     what = show.add_mutually_exclusive_group(required=True)
     what.add_argument("file", metavar="PROFILE", nargs="?",
-                      help="profile JSON, graph.txt or pipedream:NAME")
+                      help=f"profile JSON, graph.txt, pipedream:NAME, or {GPT_HELP}")
     what.add_argument("--list", action="store_true",
                       help="list the bundled PipeDream profiles (V100, by their authors)")
+    show.add_argument("--topology", "-t", metavar="T",
+                      help=f"for a gpt: profile, the cluster whose device times it: "
+                           f"{TOPOLOGY_HELP}")
     show.set_defaults(func=_show)
 
 
@@ -134,7 +140,12 @@ def _show(args: argparse.Namespace) -> int:
     if args.list:
         print(format_bundled_list([(p.spec, load_graph(p.spec)) for p in bundled_profiles()]))
         return 0
-    _print(load_graph(args.file))
+    if args.topology is None:
+        _print(load_graph(args.file))
+    else:
+        from dreampipe.planning.topology import Topology
+
+        _print(profile_on(args.file, Topology.parse(args.topology)))
     return 0
 
 

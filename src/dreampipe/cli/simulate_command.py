@@ -1,8 +1,8 @@
 """``dreampipe simulate``: run any schedule of a plan through the simulator.
 
 The input is a plan JSON (``dreampipe plan -o``) or a profile (ours,
-PipeDream's graph.txt or a bundled pipedream:NAME), planned for
-``--topology`` first. PipeDream runs ``--minibatches`` minibatches; the
+PipeDream's graph.txt, a bundled pipedream:NAME or a gpt: profile by shape),
+planned for ``--topology`` first. PipeDream runs ``--minibatches`` minibatches; the
 other pipelines run that many of ``--microbatches`` microbatches each; ``dp``
 runs the whole model on the plan's workers, one full minibatch per worker
 per update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages``
@@ -20,13 +20,14 @@ from typing import Any
 
 from tqdm import tqdm
 
+from dreampipe.cli.links import GPT_HELP, TOPOLOGY_HELP, memory_limit, profile_on
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.placement import check_fits, check_schedule, virtual_stages_of
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
+from dreampipe.profiling.gpt_spec import is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
@@ -53,11 +54,10 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", metavar="PLAN_OR_PROFILE",
-                   help="plan JSON, or a profile (JSON, PipeDream graph.txt or pipedream:NAME) "
-                        "to plan first")
-    p.add_argument("--topology", metavar="T",
-                   help=f"cluster: preset (cluster-a/b/c) or shape like 4x4 (default: the "
-                        f"plan's own, else {_DEFAULT_TOPOLOGY})")
+                   help="plan JSON, or a profile to plan first: JSON, PipeDream graph.txt, "
+                        f"pipedream:NAME, or {GPT_HELP}")
+    p.add_argument("--topology", "-t", metavar="T",
+                   help=f"{TOPOLOGY_HELP} (default: the plan's own, else {_DEFAULT_TOPOLOGY})")
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
                    default=ScheduleKind.PIPEDREAM.value, help="schedule (default: pipedream)")
     p.add_argument("--minibatches", type=int, metavar="N",
@@ -125,23 +125,27 @@ def _run(args: argparse.Namespace) -> int:
 def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, str]:
     """The plan, its profile if known, the topology, and where the plan comes from."""
     source = Path(args.source)
-    data = None if is_bundled(args.source) else _json_object(source)
+    named_profile = is_bundled(args.source) or is_gpt_spec(args.source)
+    data = None if named_profile else _json_object(source)
     if data is not None and data.get("format") == PLAN_FORMAT:
         plan = Plan.from_dict(data)
         topology = (Topology.parse(args.topology) if args.topology
                     else _plan_topology(plan.topology))
         named = f"plan {args.source!r}"
         check_fits(plan, topology, named)
-        graph = load_graph(args.profile) if args.profile is not None else None
+        graph = profile_on(args.profile, topology) if args.profile is not None else None
         return plan, graph, topology, named
     if args.profile is not None:
         raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
                         "drop --profile")
-    graph = load_graph(source)
     topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY)
+    graph = profile_on(args.source, topology)
+    from dreampipe.planning.options import PlanOptions
     from dreampipe.planning.planner import plan_pipeline
 
-    return plan_pipeline(graph, topology), graph, topology, f"the plan of {args.source!r}"
+    plan = plan_pipeline(graph, topology,
+                         PlanOptions(memory_bytes=memory_limit(None, graph, topology)))
+    return plan, graph, topology, f"the plan of {args.source!r}"
 
 
 def _plan_topology(text: str) -> Topology:

@@ -7,17 +7,21 @@ model). ``4x4`` is 4 servers of 4 devices:
 numbered so that the devices of one server are consecutive. The bandwidth of
 an outer level is that of one unit's link (a server's NIC), which everything
 the unit sends across that level shares (docs/design.md §3.1).
-:data:`PRESETS` are PipeDream's clusters.
+:data:`PRESETS` are PipeDream's clusters; ``NAME:N`` is ``N`` servers of a
+model in :data:`SERVERS` (``dgx-a100:2``). A preset names its device
+(:class:`~dreampipe.profiling.devices.Device`), which times profiles by shape.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dreampipe.errors import TopologyError
+from dreampipe.profiling.devices import A100_80GB, V100_16GB, V100_32GB, Device
 from dreampipe.quantities import (
     format_bytes,
     format_duration,
@@ -26,7 +30,8 @@ from dreampipe.quantities import (
     parse_duration,
 )
 
-__all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_LATENCIES", "PRESETS", "Level", "Topology"]
+__all__ = ["DEFAULT_BANDWIDTHS", "DEFAULT_LATENCIES", "PRESETS", "SERVERS", "Level", "Server",
+           "Topology"]
 
 #: Used by :meth:`Topology.parse` when no bandwidths are given: innermost level
 #: PCIe (10 GB/s), every outer level 10 Gbps Ethernet.
@@ -63,7 +68,11 @@ class Level:
 
 @dataclass(frozen=True)
 class Topology:
-    """Levels innermost first, device memory, a name.
+    """Levels innermost first, device memory, a name, and the device where known.
+
+    ``memory_bytes`` is the memory per worker the planner holds stages to
+    (a preset's device's unless ``memory`` overrides it); ``device`` times
+    profiles by shape (None for a bare shape such as ``4x4``).
 
     ``overlap`` says whether communication overlaps compute: True for
     devices with their own copy engines and network cards (GPUs); False
@@ -76,6 +85,7 @@ class Topology:
     memory_bytes: int = 16 * 10**9
     name: str = ""
     overlap: bool = True
+    device: Device | None = None
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -116,16 +126,16 @@ class Topology:
         """One level of all workers at the slowest bandwidth and the largest latency."""
         bw = min(level.bandwidth for level in self.levels)
         lat = max(level.latency for level in self.levels)
-        return Topology((Level(self.num_workers, bw, lat),), self.memory_bytes, self.name,
-                        self.overlap)
+        return dataclasses.replace(self, levels=(Level(self.num_workers, bw, lat),))
 
     def describe(self) -> str:
         parts = [f"{lv.count} @ {format_bytes(lv.bandwidth)}/s"
                  + (f" {format_duration(lv.latency)}" if lv.latency else "")
                  for lv in reversed(self.levels)]
         label = f"{self.name} " if self.name else ""
+        device = f" ({self.device.describe()})" if self.device else ""
         return (f"{label}{self.shape} = {self.num_workers} workers "
-                f"({' x '.join(parts)}), {format_bytes(self.memory_bytes)} each")
+                f"({' x '.join(parts)}), {format_bytes(self.memory_bytes)} each{device}")
 
     @classmethod
     def parse(
@@ -135,7 +145,7 @@ class Topology:
         memory: str | int | None = None,
         latencies: Sequence[str | float] | None = None,
     ) -> Topology:
-        """A preset name, or ``"4x4"`` / ``"16"`` (outermost first).
+        """A preset name, servers ``"dgx-a100:2"``, or ``"4x4"`` / ``"16"`` (outermost first).
 
         ``bandwidths`` lists one figure per level, innermost first: a string
         with its unit (``"10GB/s"``, ``"10Gbps"``; a bare ``"10"`` is an error)
@@ -147,17 +157,15 @@ class Topology:
         :data:`DEFAULT_LATENCIES`, the last repeated outwards).
         """
         spec = spec.strip()
-        if spec in PRESETS:
-            preset = PRESETS[spec]
+        preset = PRESETS.get(spec) or _servers(spec)
+        if preset is not None:
             topo = preset
             if bandwidths:
                 known = [lv.bandwidth for lv in preset.levels]
                 figures = _parse_bandwidths(bandwidths, len(known), spec)
-                topo = cls(
-                    tuple(Level(lv.count, bw) for lv, bw in
-                          zip(preset.levels, figures + known[len(figures):], strict=True)),
-                    preset.memory_bytes, spec,
-                )
+                topo = dataclasses.replace(preset, levels=tuple(
+                    Level(lv.count, bw, lv.latency) for lv, bw in
+                    zip(preset.levels, figures + known[len(figures):], strict=True)))
         elif re.fullmatch(r"\d+(x\d+)*", spec):
             counts = [int(x) for x in reversed(spec.split("x"))]
             if any(c < 1 for c in counts):
@@ -181,21 +189,22 @@ class Topology:
                              for c, bw, lat in zip(counts, figures, lats, strict=True)))
         else:
             raise TopologyError(
-                f"unknown topology {spec!r}; use a preset ({', '.join(sorted(PRESETS))}) "
+                f"unknown topology {spec!r}; use a preset ({', '.join(sorted(PRESETS))}), "
+                f"servers ({', '.join(f'{name}:N' for name in SERVERS)}) "
                 "or a shape like 16, 4x4 or 2x8"
             )
         if latencies:
             figures = _parse_latencies(latencies, len(topo.levels), spec)
             lats = figures + [lv.latency for lv in topo.levels[len(figures):]]
-            topo = cls(tuple(Level(lv.count, lv.bandwidth, lat)
-                             for lv, lat in zip(topo.levels, lats, strict=True)),
-                       topo.memory_bytes, topo.name)
+            topo = dataclasses.replace(topo, levels=tuple(
+                Level(lv.count, lv.bandwidth, lat) for lv, lat in zip(topo.levels, lats,
+                                                                      strict=True)))
         if memory is not None:
             try:
                 mem = parse_bytes(memory)
             except ValueError as exc:
                 raise TopologyError(str(exc)) from None
-            topo = cls(topo.levels, mem, topo.name)
+            topo = dataclasses.replace(topo, memory_bytes=mem)
         return topo
 
 
@@ -246,11 +255,65 @@ def _parse_latencies(latencies: Sequence[str | float], levels: int, spec: str) -
     return figures
 
 
-def _preset(name: str, counts: Sequence[int], bws: Sequence[str], memory: str) -> Topology:
+@dataclass(frozen=True)
+class Server:
+    """A server model: ``devices`` of ``device`` joined at ``inside`` per device and
+    direction, and ``outside`` per direction from the server to the others (all its
+    network links together, which everything the server sends out shares)."""
+
+    device: Device
+    devices: int
+    inside: str
+    outside: str
+
+    def topology(self, servers: int, name: str) -> Topology:
+        """``servers`` of them, at the default latencies."""
+        return _preset(name, [self.devices, servers], [self.inside, self.outside], self.device)
+
+
+#: Server models for ``NAME:N`` (``N`` servers); bandwidths per direction:
+#:
+#: ============ ================= ============================== ============================
+#: name         devices           inside (per device)            outside (per server)
+#: ============ ================= ============================== ============================
+#: dgx-a100     8 A100 80 GB      NVSwitch 300 GB/s              8 x 200 Gbps HDR InfiniBand
+#: dgx-2h       16 V100 32 GB     NVSwitch 150 GB/s              8 x 100 Gbps EDR InfiniBand
+#: p3.16xlarge  8 V100 16 GB      NVLink 50 GB/s                 25 Gbps
+#: ============ ================= ============================== ============================
+#:
+#: dgx-2h is Megatron-LM's server (Shoeybi et al. 2019: "300 GB/sec" between GPUs, both
+#: directions, and 100 GB/s between servers over 8 InfiniBand adapters); p3.16xlarge is
+#: PipeDream's cluster-b server (AWS), with cluster-b's figures.
+SERVERS: dict[str, Server] = {
+    "dgx-a100": Server(A100_80GB, 8, "300GB/s", "1600Gbps"),
+    "dgx-2h": Server(V100_32GB, 16, "150GB/s", "800Gbps"),
+    "p3.16xlarge": Server(V100_16GB, 8, "50GB/s", "25Gbps"),
+}
+
+
+def _servers(spec: str) -> Topology | None:
+    """``NAME:N``: ``N`` servers of :data:`SERVERS`' ``NAME``; None if ``spec`` names none."""
+    name, colon, count = spec.partition(":")
+    if name not in SERVERS:
+        return None
+    if not colon:
+        raise TopologyError(f"topology {spec!r} needs its number of servers: {name}:N, "
+                            f"e.g. {name}:2")
+    if not re.fullmatch(r"\d+", count) or int(count) < 1:
+        raise TopologyError(f"topology {spec!r}: {count!r} is not a whole number of servers "
+                            f">= 1; write e.g. {name}:2")
+    return SERVERS[name].topology(int(count), spec)
+
+
+def _preset(name: str, counts: Sequence[int], bws: Sequence[str], device: Device | None,
+            memory: str = "") -> Topology:
+    """A cluster of ``device`` at the default latencies, or of ``memory`` per worker where it
+    names no device."""
     lats = _default_latencies(len(counts))
     levels = tuple(Level(c, parse_bandwidth(b), lat)
                    for c, b, lat in zip(counts, bws, lats, strict=True))
-    return Topology(levels, parse_bytes(memory), name)
+    mem = device.memory_bytes if device else parse_bytes(memory)
+    return Topology(levels, mem, name, device=device)
 
 
 #: PipeDream's clusters (its paper's Table 2); bandwidths effective, per direction, per link:
@@ -264,9 +327,11 @@ def _preset(name: str, counts: Sequence[int], bws: Sequence[str], memory: str) -
 #: ========== ===================================== ============ =============
 #:
 #: 10 GB/s is what a PCIe 3.0 x16 link sustains in practice; 50 GB/s is one
-#: V100 NVLink 2.0 brick pair (2 x 25 GB/s) per direction.
+#: V100 NVLink 2.0 brick pair (2 x 25 GB/s) per direction. cluster-b is
+#: ``p3.16xlarge:2``. cluster-c names no device (a Titan X has no 16-bit tensor
+#: cores), so profiles by shape are not timed on it.
 PRESETS: dict[str, Topology] = {
-    "cluster-a": _preset("cluster-a", [4, 4], ["10GB/s", "10Gbps"], "16GB"),
-    "cluster-b": _preset("cluster-b", [8, 2], ["50GB/s", "25Gbps"], "16GB"),
-    "cluster-c": _preset("cluster-c", [1, 4], ["40Gbps", "40Gbps"], "12GB"),
+    "cluster-a": _preset("cluster-a", [4, 4], ["10GB/s", "10Gbps"], V100_16GB),
+    "cluster-b": SERVERS["p3.16xlarge"].topology(2, "cluster-b"),
+    "cluster-c": _preset("cluster-c", [1, 4], ["40Gbps", "40Gbps"], None, "12GB"),
 }

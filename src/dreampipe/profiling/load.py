@@ -1,7 +1,8 @@
-"""Load a layer profile: a file (dreampipe's JSON or PipeDream's ``graph.txt``) or a
-bundled profile named ``pipedream:NAME``.
+"""Load a layer profile: a file (dreampipe's JSON or PipeDream's ``graph.txt``), a
+bundled profile named ``pipedream:NAME``, or a profile by shape ``gpt:...``.
 
-A file's format is told by content, so a user never names it.
+A file's format is told by content, so a user never names it. A profile by
+shape is timed on the device it is given (a cluster preset's).
 """
 
 from __future__ import annotations
@@ -10,19 +11,30 @@ from pathlib import Path
 
 from dreampipe.errors import ProfileError
 from dreampipe.profiling.bundled import bundled_profile, bundled_profiles, is_bundled
+from dreampipe.profiling.devices import Device
+from dreampipe.profiling.gpt_spec import gpt_spec_profile, is_gpt_spec, parse_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.graph_txt import parse_graph_txt
 
 __all__ = ["load_graph"]
 
 
-def load_graph(path: str | Path) -> LayerGraph:
+def load_graph(path: str | Path, device: Device | None = None) -> LayerGraph:
     """Read a dreampipe JSON profile or a PipeDream ``graph.txt``, by content; or the
-    bundled PipeDream profile ``pipedream:NAME`` (``dreampipe show --list`` lists them).
+    bundled PipeDream profile ``pipedream:NAME`` (``dreampipe show --list`` lists them);
+    or build the profile by shape ``gpt:...`` timed on ``device``, which it needs.
 
     Every :class:`ProfileError` names the file, so a user with several
     profiles knows which one to fix.
     """
+    if is_gpt_spec(path):
+        spec = parse_gpt_spec(path)
+        if device is None:
+            raise ProfileError(
+                f"profile {str(path)!r} is built from its shape and needs a device's peak "
+                "rate to time its layers; plan it on a cluster preset that names its device, "
+                "e.g. --topology dgx-a100:2")
+        return gpt_spec_profile(spec, device)
     if is_bundled(path):
         profile = bundled_profile(path)
         return parse_graph_txt(profile.read_text(), model=profile.name)

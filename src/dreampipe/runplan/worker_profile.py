@@ -64,6 +64,7 @@ def saved_profile(path: str | Path, spec: ModelSpec, microbatch_size: int, *, re
     (an image size, a sequence length) are checked only where the profile
     recorded them (``meta["model_kwargs"]``, as ``dreampipe profile`` does).
     """
+    from dreampipe.profiling.gpt_spec import is_gpt_spec
     from dreampipe.profiling.load import load_graph
     from dreampipe.profiling.profiler import new_parameter_bytes
     from dreampipe.runplan.runtime_overhead import with_runtime_overhead
@@ -71,6 +72,9 @@ def saved_profile(path: str | Path, spec: ModelSpec, microbatch_size: int, *, re
     args = "".join(f" --model-arg {k}={v}" for k, v in model_kwargs)
     fix = (f"profile it as a worker runs it: OMP_NUM_THREADS=1 dreampipe profile "
            f"{ref or spec.name}{args} --batch-size {microbatch_size} -o {path}")
+    if is_gpt_spec(path):
+        raise ProfileError(f"profile {str(path)!r} is a profile by shape, for planning studies "
+                           f"('dreampipe plan'); a run times the model it trains: {fix}")
     graph = load_graph(path)
     where = f"profile {str(path)!r}"
     if graph.batch_size != microbatch_size:

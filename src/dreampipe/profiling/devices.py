@@ -1,0 +1,58 @@
+"""Accelerators as a profile by shape sees them: peak rate, memory, memory bandwidth.
+
+A profile built from shapes (:mod:`dreampipe.profiling.gpt_spec`) counts each
+layer's floating-point work and bytes moved, not times; a :class:`Device`
+turns them into times, its matrix products at :data:`SUSTAINED_FRACTION` of
+the dense 16-bit peak. Cluster presets carry their servers' device
+(:mod:`dreampipe.planning.topology`); the figures are the vendors' datasheets
+(docs/planner.md, "Profiles by shape").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from dreampipe.errors import ProfileError
+
+__all__ = ["A100_80GB", "SUSTAINED_FRACTION", "V100_16GB", "V100_32GB", "Device"]
+
+#: The fraction of a device's dense peak its matrix products sustain in a profile by
+#: shape: Megatron-LM's 39 TFLOP/s on one V100 of 125 (Shoeybi et al. 2019, "30% of the
+#: peak"), the one figure published beside its peak for a whole model on one device.
+SUSTAINED_FRACTION = 39 / 125
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator: ``peak_flops`` dense 16-bit FLOP/s (tensor cores),
+    ``memory_bytes`` of device memory, ``memory_bandwidth`` bytes/s to it."""
+
+    name: str
+    peak_flops: float
+    memory_bytes: int
+    memory_bandwidth: float
+
+    def __post_init__(self) -> None:
+        for field, value in (("peak_flops", self.peak_flops),
+                             ("memory_bytes", self.memory_bytes),
+                             ("memory_bandwidth", self.memory_bandwidth)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ProfileError(f"device {self.name!r}: {field}={value!r} must be positive "
+                                   "and finite; give the datasheet figure")
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s a profile by shape times matrix products at."""
+        return self.peak_flops * SUSTAINED_FRACTION
+
+    def describe(self) -> str:
+        return f"{self.name}, {self.peak_flops / 1e12:g} TFLOP/s"
+
+
+#: NVIDIA A100 SXM 80 GB: 312 TFLOP/s dense FP16/BF16, 2,039 GB/s of HBM2e.
+A100_80GB = Device("A100-80GB", 312e12, 80 * 10**9, 2039e9)
+#: NVIDIA V100 SXM2 16 GB: 125 TFLOP/s FP16 tensor cores, 900 GB/s of HBM2.
+V100_16GB = Device("V100-16GB", 125e12, 16 * 10**9, 900e9)
+#: The 32 GB V100 of DGX-2H servers, at V100's 125 TFLOP/s.
+V100_32GB = Device("V100-32GB", 125e12, 32 * 10**9, 900e9)
