@@ -39,6 +39,7 @@ from dreampipe.profiling.load import load_graph
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.events import Event
+from dreampipe.scheduling.torch_csv import read_torch_csv, write_torch_csv
 from dreampipe.scheduling.validator import validate_schedule
 from dreampipe.simulation.chrome_trace import write_chrome_trace
 from dreampipe.simulation.simulator import (
@@ -98,9 +99,11 @@ __all__ = [
     "plan_pipeline",
     "profile_model",
     "profile_spec",
+    "read_torch_csv",
     "simulate_schedule",
     "validate_schedule",
     "write_chrome_trace",
+    "write_torch_csv",
 ]
 
 __version__ = "0.1.0"

@@ -32,13 +32,16 @@ def train_schedule(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]
 
     ``job``: model, model_args, schedule, bounds, replicas, virtual_stages,
     steps, minibatch, microbatches, optimizer (``sgd`` with momentum or
-    ``adamw``), lr, clip (None or a norm), seed.
+    ``adamw``), lr, clip (None or a norm), seed, and optionally schedule_file.
     """
     spec = _spec(job)
     data = load_dataset("synthetic", spec, seed=job["seed"])
     plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"],
                             virtual_stages=job.get("virtual_stages", 1))
-    extra = {"virtual_stages": job["virtual_stages"]} if job.get("virtual_stages", 1) > 1 else {}
+    extra: dict[str, Any] = {"virtual_stages": job["virtual_stages"]} if job.get(
+        "virtual_stages", 1) > 1 else {}
+    if "schedule_file" in job:
+        extra["schedule_file"] = job["schedule_file"]
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, job["seed"]),
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,

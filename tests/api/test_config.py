@@ -61,6 +61,15 @@ __all__: list[str] = []
     ({"virtual_stages": "2"}, "virtual_stages='2': virtual_stages takes a whole number or None",
      ("virtual_stages",)),
     ({"resume": 3}, "resume=3; give a checkpoint directory", ("resume",)),
+    ({"schedule_file": 3, "schedule": "gpipe"}, "schedule_file=3; give a CSV file",
+     ("schedule_file",)),
+    ({"schedule_file": "pp.csv"}, "schedule_file='pp.csv' with schedule=pipedream: a PyTorch "
+     "schedule is one synchronous step of unreplicated stages; name its kind",
+     ("schedule_file", "schedule")),
+    ({"schedule_file": "pp.csv", "schedule": "auto"}, "schedule_file='pp.csv' with "
+     "schedule=auto", ("schedule_file", "schedule")),
+    ({"schedule_file": "pp.csv", "schedule": "dp"}, "schedule_file='pp.csv' with schedule=dp",
+     ("schedule_file", "schedule")),
     ({"timeout_s": 0}, "timeout_s=0; use a positive number of seconds", ("timeout_s",)),
     ({"timeout_s": float("nan")}, "timeout_s=nan; use a positive number", ("timeout_s",)),
     ({"max_grad_norm": -1}, "max_grad_norm=-1; use a positive norm, or None not to clip",
@@ -122,6 +131,7 @@ def test_values_are_kept_by_name_whatever_was_given() -> None:
     assert (config.schedule, config.semantics, config.on_nonfinite, config.precision,
             config.resume) == ("1f1b-flush", "async", "skip", "bf16-mixed", "ck")
     assert isinstance(config.timeout_s, float) and config.max_grad_norm == 2.0
+    assert dataclasses.replace(config, schedule_file=Path("pp.csv")).schedule_file == "pp.csv"
     assert config == TrainConfig(schedule="1f1b-flush", semantics="async", on_nonfinite="skip",
                                  precision="bf16-mixed", resume="ck", timeout_s=5.0,
                                  max_grad_norm=2.0)
@@ -200,6 +210,8 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         **draw(st.sampled_from([{}, {"recompute_attention": True}]) | st.builds(
             lambda k: {"recompute_blocks": k}, st.integers(0, 8))),
         resume=draw(st.none() | st.text(min_size=1, max_size=20)),
+        schedule_file=draw(st.none() | st.text(min_size=1, max_size=20))
+        if synchronous and schedule != "dp" else None,
     )
 
 

@@ -199,6 +199,19 @@ CASES: tuple[Case, ...] = (
          ("simulate", "{dir}/plan.json", "--schedule", "interleaved-1f1b"),
          ("needs 8 workers", "topology 4 has 4", "dreampipe plan --virtual-stages 2"),
          (("plan.json", _eight_stage_plan_json(1)),)),
+    Case("schedule-file-bad-action", "plan", "a PyTorch schedule file with a cell that is "
+         "not an action", ("simulate", "{dir}/plan.json", "--schedule-file", "{dir}/pp.csv"),
+         ("pp.csv:2: cell 2 '1X0'", "write e.g. 0F1"),
+         (("plan.json", _plan_json(4, "m")), ("pp.csv", "0F0,0B0\n1F0,1X0\n"))),
+    Case("schedule-file-v-placement", "plan", "a PyTorch schedule file of the V placement "
+         "(ScheduleZBVZeroBubble's)", ("simulate", "{dir}/plan.json", "--schedule-file",
+                                      "{dir}/pp.csv"),
+         ("pp.csv:1: cell 2 '3F0'", "the V placement", "does not support"),
+         (("plan.json", _eight_stage_plan_json(2)), ("pp.csv", "0F0,3F0\n1F0,2F0\n"))),
+    Case("schedule-file-other-stages", "plan", "a PyTorch schedule file of other stages than "
+         "the plan's", ("simulate", "{dir}/plan.json", "--schedule-file", "{dir}/pp.csv"),
+         ("runs 1 unreplicated stages", "replicas 1-1"),
+         (("plan.json", _plan_json(4, "m")), ("pp.csv", "0F0,0B0\n"))),
     Case("timeline-unwritable", "plan", "a timeline path inside a file",
          ("simulate", "{dir}/p.json", "--timeline", "{dir}/p.json/t.png"), ("t.png",), (_P,)),
     # ---- training -----------------------------------------------------------------

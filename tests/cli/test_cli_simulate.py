@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind as S
 from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.torch_csv import write_torch_csv
 from dreampipe.simulation.simulator import costs_from_plan, simulate_schedule
 
 VGG = "pipedream:vgg16"
@@ -244,3 +247,35 @@ def test_zero_levels_price_the_reduce_scatters_and_gathers(
     assert rate[2] > rate[1]  # reduce-scatters as the backwards end, not an all-reduce after
     assert main(["simulate", "pipedream:vgg16", "--topology", "4x4", "--zero", "3"]) == 2
     assert "use zero=2, or a synchronous schedule" in capsys.readouterr().err
+
+
+def test_a_pytorch_schedule_file_simulates_as_the_schedule_it_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One minibatch of interleaved 1F1B (4 stages on 2 workers, 8 microbatches) in
+    PyTorch's CSV, repeated 3 times: the run ``--schedule interleaved-1f1b`` builds, without
+    importing PyTorch; a V-placed file is one line naming it."""
+    chain, plan, csv = _chain(tmp_path, 8), tmp_path / "plan.json", tmp_path / "pp.csv"
+    Plan.from_config(8, [0, 2, 4, 6], [1] * 4, virtual_stages=2, topology="1x2").save(plan)
+    write_torch_csv(build_schedule([1] * 4, S.INTERLEAVED, 8, 8, virtual_stages=2), csv)
+    argv = ["simulate", str(plan), "--profile", str(chain), "--minibatches", "3", "--json"]
+    code = ("import sys, json\nfrom dreampipe.cli import main\n"
+            f"assert main({[*argv, '--schedule-file', str(csv)]!r}) == 0\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'torch']\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    from_file = json.loads(done.stdout)
+    built = _json(capsys, [*argv, "--schedule", "interleaved-1f1b", "--microbatches", "8"])
+    assert from_file == built
+    assert from_file["schedule"] == "interleaved-1f1b" and from_file["num_microbatches"] == 24
+    assert 0 < float(from_file["bubble_fraction"]) < 1  # type: ignore[arg-type]
+    csv.write_text("0F0,0SEND_F0,3RECV_F0,3F0\n1RECV_F0,1F0,1SEND_F0,2F0,2SEND_F0\n")
+    assert main([*argv, "--schedule-file", str(csv), "--microbatches", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{csv}:1: cell 3 '3RECV_F0': stage 3 on rank 0 is the V placement" in err
+    assert err.count("\n") == 1
+    csv.write_text("0F0,0B0\n1F0,1B0\n")
+    assert main([*argv, "--schedule-file", str(csv)]) == 2
+    assert "runs 2 unreplicated stages but the plan has replicas 1-1-1-1" in (
+        capsys.readouterr().err)

@@ -79,7 +79,10 @@ class TrainConfig:
     ``Pipeline.memory()`` reports beside the prediction (:mod:`dreampipe.api.memory_report`;
     on CPU large tensors then get pages of their own, which slows training).
     ``resume``: a checkpoint directory to continue from (its newest
-    complete checkpoint).
+    complete checkpoint). ``schedule_file``: a PyTorch pipelining CSV of one minibatch
+    (:func:`~dreampipe.scheduling.torch_csv.read_torch_csv`), run every minibatch in
+    place of the schedule ``schedule`` would build; ``schedule`` names its synchronous
+    kind, ``microbatches`` must be its microbatches and the plan its stages.
     """
 
     schedule: str = "pipedream"
@@ -103,6 +106,7 @@ class TrainConfig:
     record_events: bool = False
     measure_memory: bool = False
     resume: str | os.PathLike[str] | None = None
+    schedule_file: str | os.PathLike[str] | None = None
     autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
     def __post_init__(self, autocast: object) -> None:
@@ -117,10 +121,12 @@ class TrainConfig:
                                           tuple(p.value for p in OnNonFinite)))
         self._set("precision", _choice("precision", self.precision,
                                        tuple(p.value for p in Precision)))
-        if self.resume is not None and not isinstance(self.resume, str | os.PathLike):
-            raise ConfigError(f"resume={self.resume!r}; give a checkpoint directory, e.g. "
-                              "resume='ckpt'", "resume")
-        self._set("resume", None if self.resume is None else os.fspath(self.resume))
+        for name, example in (("resume", "a checkpoint directory, e.g. resume='ckpt'"),
+                              ("schedule_file", "a CSV file, e.g. schedule_file='pp.csv'")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | os.PathLike):
+                raise ConfigError(f"{name}={value!r}; give {example}", name)
+            self._set(name, None if value is None else os.fspath(value))
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
                      "record_events", "recompute_attention", "measure_memory"):
             _typed(name, getattr(self, name), (bool,), "True or False")
@@ -159,6 +165,14 @@ class TrainConfig:
             raise ConfigError(f"virtual_stages={v} with schedule={self.schedule}; use 1, or "
                               "schedule=interleaved-1f1b with 2 or more",
                               "virtual_stages", "schedule")
+        file = self.schedule_file
+        if file is not None and (self.chooses is not None or not self.kind.synchronous
+                                 or self.kind is ScheduleKind.DP):
+            raise ConfigError(
+                f"schedule_file={file!r} with schedule={self.schedule}: a PyTorch "
+                "schedule is one synchronous step of unreplicated stages; name its kind, e.g. "
+                "schedule='1f1b-flush' (interleaved-1f1b with several stages per rank, zb-h1 "
+                "with I and W actions)", "schedule_file", "schedule")
         if self.chooses is None:
             self._check_schedule(self.kind)
         else:

@@ -55,8 +55,10 @@ from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.actions import Schedule
+from dreampipe.scheduling.build import repeat_schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.splitter.chain import held_keys, split_layers
 from dreampipe.splitter.state_keys import state_keys
 
@@ -133,6 +135,9 @@ class Pipeline:
         self.config = config = settled.config
         ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
         self.replicas = [st.replicas for st in self.plan.stages]
+        #: A PyTorch schedule file's minibatch, run every minibatch (None: build the kind's).
+        self._period = None if config.schedule_file is None else self._file_schedule(
+            str(config.schedule_file))
         self._zero = list(self.plan.zero_levels(config.zero))
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
@@ -215,11 +220,21 @@ class Pipeline:
         if scheduler is not None:
             scheduler.step()
 
+    def _file_schedule(self, path: str) -> Schedule:
+        """``schedule_file``'s one minibatch, checked against the plan and the microbatches."""
+        period = read_torch_csv(path, self.kind)
+        check_file_fits(period, self.replicas, self._virtual,
+                        self.layout.microbatches_per_update, f"schedule_file={path!r}")
+        return period
+
     def _build_schedule(self, minibatches: int) -> Schedule:
-        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight).
+        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight), or
+        ``schedule_file``'s repeated.
 
         :attr:`_schedule` keeps the last few built: every full segment grows
         through the same horizons and drains on the same schedule."""
+        if self._period is not None:
+            return repeat_schedule(self._period, minibatches)
         return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual,
                                  self._zero)
 

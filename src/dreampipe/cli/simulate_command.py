@@ -7,7 +7,12 @@ other pipelines run that many of ``--microbatches`` microbatches each; ``dp``
 runs the whole model on the plan's workers, one full minibatch per worker
 per update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages``
 (which may only repeat the plan's v). A plan needs as many workers as its
-ranks. The schedules: docs/design.md §7; the simulator: docs/design.md §9.
+ranks. ``--schedule-file`` simulates a schedule PyTorch's pipelining wrote
+(``_dump_csv``: one CSV line per rank of actions such as 0F1, 1RECV_B0, 0I0,
+0W0, 2REDUCE_GRAD), one minibatch of it repeated ``--minibatches`` times, on a
+plan of its unreplicated stages (stage s on rank s mod ranks; several a rank need
+a plan made with --virtual-stages). The schedules: docs/design.md §7 (PyTorch's
+files: §7.11); the simulator: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from dreampipe.profiling.gpt_spec import is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.build import repeat_schedule
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.simulation.simulator import (
     SimCosts,
     SimResult,
@@ -59,7 +66,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--topology", "-t", metavar="T",
                    help=f"{TOPOLOGY_HELP} (default: the plan's own, else {_DEFAULT_TOPOLOGY})")
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
-                   default=ScheduleKind.PIPEDREAM.value, help="schedule (default: pipedream)")
+                   help="schedule (default: pipedream; with --schedule-file, the file's kind: "
+                        "zb-h1 if it has I and W, interleaved-1f1b if several stages a rank, "
+                        "else 1f1b-flush)")
+    p.add_argument("--schedule-file", type=Path, metavar="FILE.csv",
+                   help="simulate this PyTorch pipelining schedule (its _dump_csv: a line of "
+                        "actions per rank, compute only or with sends and receives) instead of "
+                        "building one")
     p.add_argument("--minibatches", type=int, metavar="N",
                    help="minibatches to run (default: 4 per worker for pipedream and dp, 8 for "
                         "the others; rounded up to whole all-reduce rounds)")
@@ -84,15 +97,19 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    kind = ScheduleKind(args.schedule)
     with tqdm(total=4, desc="simulate", unit="step", file=sys.stderr, disable=None,
               leave=False) as bar:
         plan, graph, topology, source = _load(args)
         bar.update()
-        virtual = _virtual_stages(args, kind, plan, source)
-        replicas, layout, updates = _microbatch_counts(args, kind, plan)
-        levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(args.zero)
-        schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
+        if args.schedule_file is not None:
+            schedule, layout, updates = _file_schedule(args, plan, source)
+            kind, levels = schedule.kind, plan.zero_levels(args.zero)
+        else:
+            kind = ScheduleKind(args.schedule or ScheduleKind.PIPEDREAM.value)
+            virtual = _virtual_stages(args, kind, plan, source)
+            replicas, layout, updates = _microbatch_counts(args, kind, plan)
+            levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(args.zero)
+            schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
         costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction),
                           schedule, levels)
         bar.update()
@@ -177,6 +194,29 @@ def _json_object(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _file_schedule(
+    args: argparse.Namespace, plan: Plan, source: str
+) -> tuple[Schedule, MicrobatchLayout, int]:
+    """(schedule, microbatch layout, weight updates): ``--schedule-file``'s minibatch
+    repeated ``--minibatches`` times (default 8), on ``plan``'s stages."""
+    _check_counts(args)
+    virtual = virtual_stages_of(plan, args.virtual_stages, source)
+    file = args.schedule_file
+    period = read_torch_csv(file, ScheduleKind(args.schedule) if args.schedule else None)
+    check_file_fits(period, [st.replicas for st in plan.stages], virtual, args.microbatches,
+                    f"--schedule-file {str(file)!r}")
+    updates = args.minibatches or 8
+    layout = MicrobatchLayout(kind=period.kind, microbatches=period.num_microbatches)
+    return repeat_schedule(period, updates), layout, updates
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for name in ("minibatches", "microbatches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}={value}; use 1 or more", name)
+
+
 def _microbatch_counts(
     args: argparse.Namespace, kind: ScheduleKind, plan: Plan
 ) -> tuple[tuple[int, ...], MicrobatchLayout, int]:
@@ -186,10 +226,7 @@ def _microbatch_counts(
     """
     replicas = tuple(st.replicas for st in plan.stages)
     workers = plan.workers_used
-    for name in ("minibatches", "microbatches"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"{name}={value}; use 1 or more", name)
+    _check_counts(args)
     if kind is ScheduleKind.PIPEDREAM:
         layout = MicrobatchLayout(kind=kind)
         return replicas, layout, layout.whole_rounds(replicas, args.minibatches or 4 * workers)

@@ -6,7 +6,8 @@ zb-h2) and ``interleave`` (interleaved 1F1B, several stages per worker) and
 the update pass of ``updates``; ``stepping`` runs ranks through their lists
 by those meanings (the validator's dry run, the simulator's clock);
 ``validator`` checks one before anything runs it; ``events`` is what a rank
-did, predicted or measured.
+did, predicted or measured; ``torch_csv`` reads and writes PyTorch
+pipelining's schedule files.
 """
 
 __all__: list[str] = []

@@ -35,6 +35,7 @@ __all__ = [
     "forward_only",
     "lower_communication",
     "lower_updates",
+    "repeat_schedule",
     "whole_rounds",
 ]
 
@@ -69,9 +70,10 @@ def build_schedule(
     if kind.synchronous:
         block = _period(replicas, microbatches_per_update) * microbatches_per_update
         if num_microbatches > block and num_microbatches % block == 0:
-            return _repeated(_period_block(tuple(replicas), kind, block, microbatches_per_update,
-                                           None, virtual_stages, levels),
-                             num_microbatches // block)
+            return repeat_schedule(_period_block(tuple(replicas), kind, block,
+                                                 microbatches_per_update, None, virtual_stages,
+                                                 levels),
+                                   num_microbatches // block)
     return _built(tuple(replicas), kind, num_microbatches, microbatches_per_update,
                   None if in_flight is None else tuple(in_flight), virtual_stages, levels)
 
@@ -105,9 +107,10 @@ def _period(replicas: Sequence[int], microbatches_per_update: int) -> int:
     return math.lcm(*(r // math.gcd(r, microbatches_per_update) for r in replicas))
 
 
-def _repeated(block: Schedule, times: int) -> Schedule:
+def repeat_schedule(block: Schedule, times: int) -> Schedule:
     """``block`` run ``times`` times: microbatches shift by its microbatches, updates by its
-    updates."""
+    updates. ``block`` must end where no microbatch crosses into the next: whole updates of
+    a synchronous schedule (a period, or a PyTorch schedule's one step)."""
     microbatches = block.num_microbatches
     updates = microbatches // block.microbatches_per_update
     actions = [

@@ -1,0 +1,322 @@
+"""PyTorch pipelining's schedule CSV (``torch.distributed.pipelining``), read and written.
+
+PyTorch's ``_PipelineScheduleRuntime`` saves and loads a schedule as one CSV row per
+rank, each cell an action ``<stage><kind><microbatch>`` (``0F1``, ``1RECV_B0``,
+``0REDUCE_GRAD``). A file is one training step of unreplicated stages, stage ``s`` on
+rank ``s mod p``: :func:`read_torch_csv` makes it a validated :class:`Schedule` of one
+update; :func:`write_torch_csv` writes such a schedule back. ``I`` is dreampipe's ``B`` of a
+zero-bubble kind (``W`` after it), ``B`` its whole backward elsewhere; sends keep
+their place, a receive moves to just before the action that uses it (where PyTorch
+waits for it); ``REDUCE_GRAD`` is checked, then dropped for dreampipe's update pass
+(each rank's ``STEP`` after its last action) and written where the ``STEP`` is;
+FSDP's ``UNSHARD``/``RESHARD`` are dropped. A file without sends and receives gets
+dreampipe's communication pass, as PyTorch's lowering adds them. No counterpart:
+replicas, ``ALLREDUCE``, ZeRO-3's gathers and several updates (dreampipe to PyTorch);
+the V placement and mixed whole and split backwards (PyTorch to dreampipe). The
+mapping: docs/design.md §7.11.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from dreampipe.errors import ConfigError, ScheduleError
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.build import lower_communication, lower_updates
+
+__all__ = ["check_file_fits", "parse_torch_csv", "read_torch_csv", "torch_csv",
+           "write_torch_csv"]
+
+_K = ActionKind
+_CELL = re.compile(r"(\d+)(F|I|B|W|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)"
+                   r"(\d*)")
+_OVERLAP = re.compile(r"\((.*)\)OVERLAP_F_B")
+_PER_STAGE = ("UNSHARD", "RESHARD", "REDUCE_GRAD")
+_COMPUTE = ("F", "I", "B", "W")
+_EXAMPLES = "write e.g. 0F1, 1B0, 0I0, 0W0, 0SEND_F1, 1RECV_B0, 0UNSHARD or 0REDUCE_GRAD"
+# PyTorch's name -> dreampipe's kind; "I" and "B" are both dreampipe's B
+_KINDS = {"F": _K.FORWARD, "I": _K.BACKWARD, "B": _K.BACKWARD, "W": _K.WEIGHT,
+          "SEND_F": _K.SEND_F, "RECV_F": _K.RECV_F, "SEND_B": _K.SEND_B, "RECV_B": _K.RECV_B}
+# a receive -> the action on its stage and microbatch that uses it
+_USER = {_K.RECV_F: _K.FORWARD, _K.RECV_B: _K.BACKWARD}
+_WRITTEN = {_K.FORWARD: "F", _K.WEIGHT: "W", _K.SEND_F: "SEND_F", _K.RECV_F: "RECV_F",
+            _K.SEND_B: "SEND_B", _K.RECV_B: "RECV_B"}
+
+
+@dataclass(frozen=True)
+class _Cell:
+    """One action of the file, where it was written."""
+
+    name: str
+    stage: int
+    microbatch: int
+    line: int
+    column: int
+    text: str
+
+    def error(self, source: str, sentence: str) -> ScheduleError:
+        return ScheduleError(f"{source}:{self.line}: cell {self.column} {self.text!r}: "
+                             f"{sentence}")
+
+
+def read_torch_csv(path: str | os.PathLike[str], kind: ScheduleKind | None = None
+                   ) -> Schedule:
+    """The validated schedule of one update in a PyTorch pipelining CSV file
+    (``_dump_csv``'s, either format); ``kind`` as :func:`parse_torch_csv` takes it."""
+    with open(path, newline="") as file:
+        return parse_torch_csv(file.read(), os.fspath(path), kind)
+
+
+def write_torch_csv(schedule: Schedule, path: str | os.PathLike[str], comms: bool = True
+                    ) -> None:
+    """Write ``schedule``, one update, as :func:`torch_csv` makes it."""
+    text = torch_csv(schedule, comms)
+    with open(path, "w", newline="") as file:
+        file.write(text)
+
+
+def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) -> Schedule:
+    """The validated schedule of a PyTorch CSV ``text`` (``source`` names it in errors).
+
+    ``kind``: the synchronous schedule the file is (None: ``zb-h1`` if it splits its
+    backwards into ``I`` and ``W``, else ``interleaved-1f1b`` with several stages per
+    rank, else ``1f1b-flush``). Its microbatches make one update.
+    """
+    rows = list(_rows(text, source))
+    if not rows:
+        raise ScheduleError(f"{source} holds no actions; write one line of actions per rank")
+    cells = [c for row in rows for c in row]
+    ranks, stages = len(rows), 1 + max(c.stage for c in cells)
+    for rank, row in enumerate(rows):
+        for c in row:
+            _check_rank(c, rank, ranks, source)
+    if stages % ranks:
+        raise ScheduleError(f"{source}: stages 0..{stages - 1} on {ranks} ranks (lines); "
+                            "give every rank the same number of stages")
+    split = _splits(cells, source)
+    kind = _kind(kind, split, stages // ranks, source)
+    _check_reduce_grads(rows, split, source)
+    lists = [_actions(row, source) for row in rows]
+    microbatches = 1 + max((c.microbatch for c in cells if c.name in _COMPUTE), default=-1)
+    if not microbatches:
+        raise ScheduleError(f"{source} computes nothing; give each stage's F, and B (or I "
+                            "and W), of every microbatch")
+    schedule = Schedule(kind, (1,) * stages, tuple(lists), microbatches, microbatches,
+                        stages // ranks)
+    if not any(a.transfer_key is not None for acts in lists for a in acts):
+        schedule = lower_communication(schedule)
+    return _validated(lower_updates(schedule), source)
+
+
+def torch_csv(schedule: Schedule, comms: bool = True) -> str:
+    """``schedule`` as PyTorch's CSV: with ``comms``, sends, receives and ``REDUCE_GRAD``
+    for ``_load_csv(format="compute_comms")``; without, its computations alone for
+    ``format="compute_only"`` (PyTorch's lowering adds the rest). One update of
+    unreplicated stages of a synchronous kind; a ScheduleError says what else cannot be
+    written."""
+    _check_writable(schedule)
+    split = schedule.kind.splits_backward
+    out = io.StringIO()
+    writer = csv.writer(out)  # PyTorch's own _dump_csv writes with csv's defaults
+    for rank, acts in enumerate(schedule.actions):
+        cells = []
+        for a in acts:
+            if a.kind is _K.STEP:
+                cells += [f"{a.stage}REDUCE_GRAD"] if comms else []
+            elif a.kind is _K.BACKWARD:
+                cells.append(f"{a.stage}{'I' if split else 'B'}{a.microbatch}")
+            elif a.kind in _WRITTEN and not (a.transfer_key is not None and (
+                    not comms or _local(schedule, rank, a))):
+                cells.append(f"{a.stage}{_WRITTEN[a.kind]}{a.microbatch}")
+        writer.writerow(cells)
+    return out.getvalue()
+
+
+def check_file_fits(schedule: Schedule, replicas: Sequence[int], virtual_stages: int,
+                    microbatches: int | None, source: str) -> None:
+    """A file's ``schedule`` runs on a plan of ``replicas`` and ``virtual_stages`` with
+    ``microbatches`` per update (None: any), or a ScheduleError (the stages) or a
+    ConfigError (the counts) says what differs."""
+    n, v = schedule.num_stages, schedule.virtual_stages
+    if len(replicas) != n or any(r != 1 for r in replicas):
+        raise ScheduleError(f"{source} runs {n} unreplicated stages but the plan has replicas "
+                            f"{'-'.join(map(str, replicas))}; use a plan of {n} stages, one "
+                            "replica each")
+    if virtual_stages != v:
+        raise ConfigError(f"{source} puts {v} stages on each of its {schedule.num_ranks} "
+                          f"ranks, the plan {virtual_stages}; plan with virtual_stages={v}",
+                          "virtual_stages")
+    m = schedule.num_microbatches
+    if microbatches is not None and microbatches != m:
+        raise ConfigError(f"{source} runs {m} microbatches a minibatch, not microbatches="
+                          f"{microbatches}; give microbatches={m}", "microbatches")
+
+
+# ---- reading ---------------------------------------------------------------
+def _rows(text: str, source: str) -> Iterator[list[_Cell]]:
+    reader = csv.reader(io.StringIO(text))
+    for row in reader:
+        line = reader.line_num
+        if not any(cell.strip() for cell in row):
+            raise ScheduleError(f"{source}:{line}: no actions; each line is one rank's "
+                                "actions, in order: remove the empty line")
+        cells: list[_Cell] = []
+        for column, text_ in enumerate(row, 1):
+            cells += _parse_cell(text_.strip(), line, column, source)
+        yield cells
+
+
+def _parse_cell(text: str, line: int, column: int, source: str) -> list[_Cell]:
+    """The actions of one cell: none (an idle step), one, or an ``OVERLAP_F_B``'s parts."""
+    if not text:
+        return []
+    overlap = _OVERLAP.fullmatch(text)
+    if overlap:
+        parts = [_parse_cell(p.strip(), line, column, source) for p in overlap[1].split(";")]
+        found = [c for part in parts for c in part]
+        if not found or any(c.name not in _COMPUTE for c in found):
+            raise ScheduleError(f"{source}:{line}: cell {column} {text!r}: an OVERLAP_F_B "
+                                "holds computations, e.g. (0F1;1B0)OVERLAP_F_B")
+        return found  # PyTorch's runtime runs them in order too
+    m = _CELL.fullmatch(text)
+    if m is None:
+        raise ScheduleError(f"{source}:{line}: cell {column} {text!r} is not a PyTorch "
+                            f"action; {_EXAMPLES}")
+    stage, name, number = int(m[1]), m[2], m[3]
+    if (name in _PER_STAGE) == bool(number):
+        fix = (f"write {stage}{name} with no number" if number
+               else f"give its microbatch, e.g. {stage}{name}0")
+        raise ScheduleError(f"{source}:{line}: cell {column} {text!r}: {fix}")
+    return [_Cell(name, stage, int(number or 0), line, column, text)]
+
+
+def _check_rank(c: _Cell, rank: int, ranks: int, source: str) -> None:
+    """Stage ``s`` runs on rank ``s mod p`` (PyTorch's loop placement), the only one dreampipe
+    has: a stage elsewhere is an error, naming the V placement when it is that."""
+    if c.stage % ranks == rank:
+        return
+    loop, s = c.stage // ranks, c.stage
+    if loop % 2 and rank == ranks - 1 - s % ranks:
+        raise c.error(source, f"stage {s} on rank {rank} is the V placement (stage s and "
+                      f"{2 * ranks - 1}-s on one rank, as ScheduleZBVZeroBubble and "
+                      "ScheduleDualPipeV place them), which dreampipe does not support; "
+                      "use a schedule of the loop placement (stage s on rank s mod "
+                      f"{ranks}), such as ScheduleInterleaved1F1B")
+    raise c.error(source, f"stage {s} on rank {rank} (line {rank + 1}); dreampipe runs stage s "
+                  f"on rank s mod {ranks}: move it to line {s % ranks + 1}")
+
+
+def _splits(cells: list[_Cell], source: str) -> bool:
+    """Whether the file splits every backward into ``I`` and ``W`` (dreampipe runs a
+    schedule's backwards all split or all whole)."""
+    whole = next((c for c in cells if c.name == "B"), None)
+    split = next((c for c in cells if c.name in ("I", "W")), None)
+    if whole is not None and split is not None:
+        raise whole.error(source, f"a whole backward in a file that splits others (cell "
+                          f"{split.column} {split.text!r} of line {split.line}); dreampipe "
+                          f"runs all backwards whole or all split: write {whole.stage}I"
+                          f"{whole.microbatch} {whole.stage}W{whole.microbatch}")
+    return split is not None
+
+
+def _kind(kind: ScheduleKind | None, split: bool, virtual: int, source: str) -> ScheduleKind:
+    if kind is None:
+        return (ScheduleKind.ZB_H1 if split else
+                ScheduleKind.INTERLEAVED if virtual > 1 else ScheduleKind.FLUSH)
+    if not kind.synchronous:
+        raise ScheduleError(f"{source}: kind {kind.value} updates within a step; a PyTorch "
+                            "schedule is one synchronous step: give a synchronous kind, e.g. "
+                            "1f1b-flush")
+    if split != kind.splits_backward:
+        has, fits = ("splits its backwards (I, W)", "zb-h1 or zb-h2") if split else (
+            "runs whole backwards (B)", "1f1b-flush, gpipe or interleaved-1f1b")
+        raise ScheduleError(f"{source} {has} but kind {kind.value} does not; give {fits}")
+    return kind
+
+
+def _check_reduce_grads(rows: list[list[_Cell]], split: bool, source: str) -> None:
+    """A ``REDUCE_GRAD`` follows its stage's last backward, once: it is dropped, so one out
+    of place means the file is not what PyTorch's runtime would run the same way."""
+    last = "W" if split else "B"
+    for row in rows:
+        seen: dict[int, _Cell] = {}
+        for c in row:
+            early = seen.get(c.stage)
+            if early is not None and c.name in (last, "REDUCE_GRAD"):
+                raise early.error(source, f"comes before {c.text!r} (line {c.line}, cell "
+                                  f"{c.column}); a stage reduces its gradient once, after its "
+                                  "last backward: move it there")
+            if c.name == "REDUCE_GRAD":
+                seen[c.stage] = c
+
+
+def _actions(row: list[_Cell], source: str) -> tuple[Action, ...]:
+    """One rank's actions: each receive moved to just before the action that uses it."""
+    out: list[Action] = []
+    waiting: dict[Action, _Cell] = {}
+    for c in row:
+        kind = _KINDS.get(c.name)
+        if kind is None:  # UNSHARD, RESHARD, REDUCE_GRAD
+            continue
+        a = Action(kind, c.stage, c.microbatch)
+        if kind in _USER:
+            if a in waiting:
+                raise c.error(source, "a second receive of the same data; remove one")
+            waiting[a] = c
+            continue
+        for recv, user in _USER.items():
+            key = Action(recv, a.stage, a.microbatch)
+            if user is kind and key in waiting:
+                del waiting[key]
+                out.append(key)
+        out.append(a)
+    for c in waiting.values():
+        use = f"{c.stage}{'F' if c.name == 'RECV_F' else 'B or I'}{c.microbatch}"
+        raise c.error(source, f"no {use} follows it on this rank; a receive goes before the "
+                      "action that uses its data: move it there, or remove it")
+    return tuple(out)
+
+
+def _validated(schedule: Schedule, source: str) -> Schedule:
+    from dreampipe.scheduling.validator import validate_schedule
+
+    try:
+        validate_schedule(schedule)
+    except ScheduleError as exc:
+        raise ScheduleError(f"{source}: {exc}") from None
+    return schedule
+
+
+# ---- writing ---------------------------------------------------------------
+def _check_writable(schedule: Schedule) -> None:
+    kind = schedule.kind
+    if not kind.synchronous:
+        raise ScheduleError(f"a {kind.value} schedule updates within a step; PyTorch's "
+                            "runtime runs one synchronous step: write a synchronous kind")
+    replicated = [s for s, r in enumerate(schedule.replicas) if r > 1]
+    if replicated:
+        s = replicated[0]
+        raise ScheduleError(f"stage {s} has {schedule.replicas[s]} replicas; PyTorch's "
+                            "schedule runs one rank per stage (data parallelism is FSDP's or "
+                            "DDP's, outside it): write the schedule of an unreplicated plan")
+    other = next((a for acts in schedule.actions for a in acts
+                  if a.kind in (_K.ALLREDUCE, _K.UNSHARD, _K.RESHARD)), None)
+    if other is not None:
+        raise ScheduleError(f"{other} of stage {other.stage} joins its replicas, which "
+                            "PyTorch's schedule has not: write an unreplicated schedule")
+    if schedule.num_microbatches != schedule.microbatches_per_update:
+        raise ScheduleError(
+            f"{schedule.num_microbatches} microbatches, {schedule.microbatches_per_update} per "
+            "update; a PyTorch schedule is one step: write the schedule of one update "
+            f"({schedule.microbatches_per_update} microbatches)")
+
+
+def _local(schedule: Schedule, rank: int, a: Action) -> bool:
+    """A transfer between two stages of one rank, which PyTorch hands over without one."""
+    peer = a.peer_stage
+    return peer is not None and schedule.rank_of(peer, a.microbatch) == rank
