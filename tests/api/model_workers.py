@@ -11,7 +11,7 @@ from dreampipe.api.group import init_process_group
 from dreampipe.planning.plan import Plan
 from dreampipe.splitter.chain import split_layers
 
-from .model_zoo import CASES, CaseSpec
+from .model_zoo import CaseSpec, find_case
 
 __all__ = ["train_case", "train_cases"]
 
@@ -31,17 +31,17 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     if "plan" in job:
         return {"plan": job["plan"]}
     if "config" in job:  # replicas per stage, e.g. "2-1", cut at the case's split point
-        case = CASES[job["case"]]
+        case = find_case(job["case"])
         layers = split_layers(case.build(), case.example(0, 1)[0])
         names = [name for name, _ in layers]
         cut = names.index(case.split_points[0])
         return {"plan": Plan.from_config(len(names), [0, cut],
                                          [int(r) for r in job["config"].split("-")])}
     if job.get("replicated"):
-        case = CASES[job["case"]]
+        case = find_case(job["case"])
         layers = len(split_layers(case.build(), case.example(0, 1)[0]))
         return {"plan": Plan.from_config(layers, [0], [world])}
-    return {"plan": job.get("split_points", CASES[job["case"]].split_points)}
+    return {"plan": job.get("split_points", find_case(job["case"]).split_points)}
 
 
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
@@ -49,6 +49,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
     ``job["plan"]``, ``job["split_points"]``, ``job["config"]``'s replicas of two stages,
     one replicated stage) in ``precision`` (with ``loss_scale``) and ``virtual_stages``,
+    clipped by ``max_grad_norm`` if given,
     with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of
     ``minibatch``
     (repeating every ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]``
@@ -57,7 +58,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     recomputes, the schedule it ran, the checkpoint's path, the held-out loss, the
     skipped minibatches, whether each rank's stage shards over its replicas (``zero``) and,
     with ``job["measure"]``, each rank's stage and measured and predicted peak bytes."""
-    case = CASES[job["case"]]
+    case = find_case(job["case"])
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
     if job.get("meta"):
@@ -74,6 +75,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
             resume=job.get("resume"), semantics=job.get("semantics", "sync"),
             precision=job.get("precision", "fp32"),
             recompute_blocks=job.get("recompute_blocks", 0), zero=job.get("zero", 0),
+            max_grad_norm=job.get("max_grad_norm"),
             **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
             virtual_stages=job.get("virtual_stages", 1),
             measure_memory=job.get("measure", False)), **_where(job, world),

@@ -32,7 +32,8 @@ from transformers import (
 
 from dreampipe.splitter.chain import Chain, split_layers
 
-__all__ = ["CASES", "Case", "CaseData", "CaseSpec", "bert", "gpt2", "llama", "t5"]
+__all__ = ["CASES", "TIED_CASES", "Case", "CaseData", "CaseSpec", "bert", "find_case", "gpt2",
+           "llama", "t5", "tied_llama"]
 
 
 class BasicBlock(nn.Module):
@@ -108,6 +109,28 @@ class TiedNet(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.head(self.mid(self.embed(ids))).mean(1)
+
+
+class TwiceTiedNet(nn.Module):
+    """Ties that 4 stages on 2 ranks (interleaved) put on one rank and across: the
+    embedding is read again by a projection and by the head (stages 0 and 2 on rank 0, 3
+    on rank 1), and a block's weight by a later block (stages 1 and 3, both on rank 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 6)
+        self.block0 = nn.Linear(6, 6)
+        self.proj = nn.Linear(6, 7, bias=False)
+        self.back = nn.Linear(7, 6)
+        self.block1 = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 7, bias=False)
+        self.proj.weight = self.head.weight = self.embed.weight
+        self.block1.weight = self.block0.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = torch.tanh(self.block0(self.embed(ids)))
+        h = torch.tanh(self.back(torch.softmax(self.proj(h), -1)))
+        return self.head(torch.tanh(self.block1(h))).mean(1)
 
 
 class _PairLinear(nn.Module):
@@ -187,10 +210,16 @@ def bert() -> BertForSequenceClassification:
         attention_probs_dropout_prob=0.0, initializer_range=0.5))
 
 
-def llama() -> LlamaForCausalLM:
+def llama(tie_word_embeddings: bool = False) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(
         vocab_size=11, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8))
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8,
+        tie_word_embeddings=tie_word_embeddings))
+
+
+def tied_llama() -> LlamaForCausalLM:
+    """The Llama above with its head tied to its embedding."""
+    return llama(tie_word_embeddings=True)
 
 
 def t5() -> T5ForConditionalGeneration:
@@ -294,6 +323,18 @@ CASES: dict[str, Case] = {
     "counter": Case(CounterNet, _rows, F.cross_entropy, ["blocks.2"]),
     "alias": Case(AliasNet, _rows, F.cross_entropy, ["lin1@2"]),
 }
+
+#: Cases only the tests of ties train (:mod:`.test_models_torchrun`), cut into 4 stages.
+TIED_CASES: dict[str, Case] = {
+    "tied-llama": Case(tied_llama, _text, _lm_loss,
+                       ["model.layers.0", "model.layers.1", "model.norm"]),
+    "twice-tied": Case(TwiceTiedNet, _tokens, F.cross_entropy, ["block0", "proj", "block1"]),
+}
+
+
+def find_case(name: str) -> Case:
+    """The case ``name`` of :data:`CASES` or :data:`TIED_CASES`."""
+    return CASES[name] if name in CASES else TIED_CASES[name]
 
 
 class CaseSpec:

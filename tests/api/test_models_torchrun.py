@@ -3,7 +3,14 @@
 stages) and a torchvision-style ResNet (not an ``nn.Sequential``; its stem skips across
 the cut to the head). 1f1b-flush equals one process, pipedream learns, and
 ``plan="auto"`` plans each model on its own (a synchronous plan of any shape equals one
-process too)."""
+process too).
+
+Weights tied across stages train as one weight, against one process: interleaved 1F1B
+(4 stages, 2 a rank) on GPT-2 and a Llama with tied embeddings (the tie across the ranks)
+and on a model whose ties put two copies on one rank and a whole tie on one rank; and
+clipping by the global norm, which must count a tied weight once, after its copies'
+gradients are summed, in every schedule (zero bubble's after its ``W``), with a norm the
+reference's updates all exceed, so that the clip acts."""
 
 from __future__ import annotations
 
@@ -14,12 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-from runtime.reference import reference_sync, sgd
+from runtime.reference import reference_pipedream, reference_sync, reference_two_bw, sgd
 from torchrun import torchrun_json
 
-from .compare import assert_matches
-from .model_zoo import CASES, CaseData, CaseSpec
-from .test_pipeline_models import SEED, assert_tied_equal
+from .compare import assert_matches, distance
+from .model_zoo import CASES, CaseData, CaseSpec, find_case
+from .test_pipeline_models import SEED, TIED_KEYS, assert_tied_equal, with_aliases
 
 __all__: list[str] = []
 
@@ -27,8 +34,27 @@ _MODELS = ("gpt2", "resnet")
 _FLUSH = {"schedule": "1f1b-flush", "steps": 3, "minibatch": 8, "microbatches": 2, "lr": 0.1}
 _PIPEDREAM = {"schedule": "pipedream", "steps": 12, "minibatch": 8, "lr": 0.05,
               "momentum": 0.9, "cycle": 2}  # two minibatches again and again: learnable
+_CLIP = 0.5
+_CUT_GPT2 = ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]  # 4 stages
+#: Weights tied across stages: (case, schedule, clipped).
+_TIED = [
+    ("gpt2", "interleaved-1f1b", False),
+    ("tied-llama", "interleaved-1f1b", False),
+    ("twice-tied", "interleaved-1f1b", False),
+    ("twice-tied", "interleaved-1f1b", True),
+    *(("gpt2", schedule, True) for schedule in ("1f1b-flush", "zb-h1", "gpipe", "pipedream",
+                                                 "2bw")),
+]
 
 
+def _tied_job(name: str, schedule: str, clipped: bool) -> dict[str, Any]:
+    job: dict[str, Any] = {"case": name, "seed": SEED, **_FLUSH, "schedule": schedule}
+    if schedule == "interleaved-1f1b":
+        job.update(virtual_stages=2, split_points=_CUT_GPT2 if name == "gpt2"
+                   else find_case(name).split_points)
+    if schedule == "pipedream":
+        job.update(microbatches=1, steps=4)
+    return {**job, "max_grad_norm": _CLIP} if clipped else job
 
 
 def _jobs(folder: Path) -> list[dict[str, Any]]:
@@ -40,11 +66,11 @@ def _jobs(folder: Path) -> list[dict[str, Any]]:
     saved = str(folder / "counter")  # trained 2 minibatches, saved, resumed for 2 more
     jobs += [{"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "save": saved},
              {"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "resume": saved}]
-    return jobs
+    return jobs + [_tied_job(*tied) for tied in _TIED]
 
 
 def _key(job: dict[str, Any]) -> tuple[str, str]:
-    suffix = "-auto" if "plan" in job else (
+    suffix = "-auto" if "plan" in job else "-clipped" if "max_grad_norm" in job else (
         "-resumed" if "resume" in job else "-saved" if "save" in job else "")
     return job["case"], job["schedule"] + suffix
 
@@ -119,3 +145,41 @@ def test_buffers_the_forward_writes_survive_a_save_and_resume(
         minibatch=_FLUSH["minibatch"], seed=SEED, opt=sgd(_FLUSH["lr"]),
         microbatches=_FLUSH["microbatches"])
     assert_matches({**resumed, "losses": saved["losses"] + resumed["losses"]}, losses, state)
+
+
+def _tied_reference(name: str, schedule: str, clip: float | None, bounds: list[int]
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process's run of ``schedule``'s rule, each update clipped to ``clip`` (which
+    every update's norm exceeds under the synchronous rule: checked)."""
+    case = find_case(name)
+    if schedule == "pipedream":
+        return reference_pipedream(
+            CaseSpec(case, SEED, microbatch=8), CaseData(case),  # type: ignore[arg-type]
+            bounds=bounds, replicas=[1, 1], steps=4, minibatch=8, seed=SEED, opt=sgd(0.1),
+            ties=[[(0, a), (1, b)] for a, b in TIED_KEYS[name]], max_grad_norm=clip)
+    kw: dict[str, Any] = {"steps": 3, "minibatch": 8, "seed": SEED, "opt": sgd(0.1),
+                          "microbatches": 2, "max_grad_norm": clip}
+    if schedule == "2bw":
+        return reference_two_bw(CaseSpec(case, SEED), CaseData(case), **kw)  # type: ignore[arg-type]
+    norms: list[float] = []
+    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case), norms=norms, **kw)  # type: ignore[arg-type]
+    assert clip is None or min(norms) > clip, norms
+    return losses, state
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tied", _TIED, ids=["-".join((c, s, "clipped" if clip else "plain"))
+                                             for c, s, clip in _TIED])
+def test_tied_copies_train_as_one_weight(results: dict[tuple[str, str], Any],
+                                         tied: tuple[str, str, bool]) -> None:
+    name, schedule, clipped = tied
+    got = results[_key(_tied_job(*tied))]
+    assert got["schedule"] == schedule
+    assert len(got["bounds"]) == (4 if schedule == "interleaved-1f1b" else 2)
+    losses, state = _tied_reference(name, schedule, _CLIP if clipped else None, got["bounds"])
+    if clipped and schedule in ("pipedream", "2bw"):  # the clip acts (sync: norms checked)
+        _, unclipped = _tied_reference(name, schedule, None, got["bounds"])
+        assert max(distance(unclipped, state).values()) > 1e-3
+    assert_matches(got, losses, with_aliases(name, state))
+    assert_tied_equal(name, got)

@@ -17,7 +17,7 @@ from dreampipe.runtime.processes import run_processes
 
 from .compare import assert_matches
 from .model_workers import train_case
-from .model_zoo import CASES, CaseData, CaseSpec, gpt2
+from .model_zoo import CASES, CaseData, CaseSpec, find_case, gpt2
 
 __all__ = ["SEED", "TIED_KEYS", "assert_tied_equal", "with_aliases"]
 
@@ -25,7 +25,10 @@ SEED = 5
 TIED_KEYS = {"tied": [("embed.weight", "head.weight")],
              "gpt2": [("transformer.wte.weight", "lm_head.weight")],
              "t5": [("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")],
-             "alias": [("lin1.weight", "lin1.weight"), ("lin1.bias", "lin1.bias")]}
+             "alias": [("lin1.weight", "lin1.weight"), ("lin1.bias", "lin1.bias")],
+             "tied-llama": [("model.embed_tokens.weight", "lm_head.weight")],
+             "twice-tied": [("embed.weight", "proj.weight"), ("embed.weight", "head.weight"),
+                            ("block0.weight", "block1.weight")]}
 
 
 def assert_tied_equal(name: str, got: dict[str, Any]) -> None:
@@ -41,7 +44,7 @@ def assert_tied_equal(name: str, got: dict[str, Any]) -> None:
 def _names(name: str) -> list[list[str]]:
     """The model's state-dict keys grouped by the tensor they name."""
     names: dict[int, list[str]] = {}
-    for key, t in CASES[name].build().state_dict(keep_vars=True).items():
+    for key, t in find_case(name).build().state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(key)
     return list(names.values())
 

@@ -1,6 +1,7 @@
 """Pipelines train in every precision as one process in that precision does, under
 ``torchrun`` on 3 ranks: a tiny Llama cut ``2-1`` and a GPT-2 with a tied head cut ``1-2``,
-so that one stage is replicated, and the Llama interleaved, 2 stages a rank.
+so that one stage is replicated, and the Llama interleaved, 2 stages a rank; GPT-2 also
+clipped by the global norm, its tied head on the replicated stage (sharded or not).
 
 Tolerances. fp32: the suite's (:mod:`.compare`). 16-bit: the run may differ from one
 process in that precision by that precision's rounding, which a pipeline meets in other
@@ -27,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from runtime.reference import adam, sgd
+from runtime.reference import adam, reference_sync, sgd
 from runtime.reference_formats import FormatsRun, reference_formats
 from torchrun import torchrun_json
 
@@ -49,7 +50,7 @@ _JOBS = [
       for precision in _PRECISIONS),
     *((name, schedule, precision, "sgd") for name in ("llama", "gpt2")
       for schedule in ("zb-h1", "zb-h2") for precision in ("bf16-mixed", "bf16")),
-    ("llama", "interleaved-1f1b", "bf16", "sgd"),  # a tie across stages is not interleaved
+    ("llama", "interleaved-1f1b", "bf16", "sgd"),
 ]
 #: Interleaving runs 6 stages, 2 on each rank, one stage a layer.
 _INTERLEAVED = {
@@ -73,6 +74,9 @@ _SHARDED = [
       for precision in _PRECISIONS for level in (1, 2, 3)),
     *((name, "zb-h1", "bf16", 1) for name in ("llama", "gpt2")),
 ]
+#: GPT-2's fp32 1f1b-flush jobs clipped by the global norm at this ZeRO level: the tied head
+#: on the replicated stage is summed with the embedding first and counted once.
+_CLIPPED, _CLIP = (0, 2), 0.5
 
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
@@ -118,6 +122,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
              for name, schedule, precision in _RECOMPUTING]
     jobs += [{**jobs[_JOBS.index((name, schedule, precision, "sgd"))], "zero": level}
              for name, schedule, precision, level in _SHARDED]
+    jobs += [{**jobs[_JOBS.index(("gpt2", "1f1b-flush", "fp32", "sgd"))], "zero": level,
+              "max_grad_norm": _CLIP} for level in _CLIPPED]
     out = folder / "results.pt"
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=3, timeout_s=280.0)
@@ -214,7 +220,8 @@ def test_every_rank_of_a_flushed_run_peaks_near_its_prediction(
     """Each rank's tensors' peak (measured as the run trained) beside its stage's
     prediction, in every 1f1b-flush run: each precision, sharding level and
     recomputation; where two ranks run one stage, both."""
-    jobs = [job[:3] for job in _JOBS] + list(_RECOMPUTING) + [job[:3] for job in _SHARDED]
+    jobs = [job[:3] for job in _JOBS] + list(_RECOMPUTING) + [job[:3] for job in _SHARDED] \
+        + [("gpt2", "1f1b-flush", "fp32")] * len(_CLIPPED)
     assert len(jobs) == len(runs)
     far, checked = [], 0
     for (name, schedule, precision), run in zip(jobs, runs, strict=True):
@@ -227,5 +234,24 @@ def test_every_rank_of_a_flushed_run_peaks_near_its_prediction(
             if not _MEMORY_BOUNDS[0] <= ratio <= _MEMORY_BOUNDS[1]:
                 far.append(f"{name} {precision} rank {rank} (stage {stage}): {measured} B "
                            f"measured, {predicted} B predicted ({ratio:.2f}x)")
-    assert checked == 3 * (2 * len(_PRECISIONS) + 1 + 2 * len(_PRECISIONS) * 3)
+    assert checked == 3 * (2 * len(_PRECISIONS) + 1 + 2 * len(_PRECISIONS) * 3 + len(_CLIPPED))
     assert not far, "\n".join(far)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("level", _CLIPPED)
+def test_clipping_counts_a_tie_on_a_replicated_stage_once(runs: list[dict[str, Any]],
+                                                          level: int) -> None:
+    """GPT-2 cut ``1-2``: the replicated stage's head (its replicas' sum, or at level 2
+    their chunks gathered whole) is added to the embedding's gradient before the global
+    norm, which counts the weight once, as ``clip_grad_norm_`` on one process does."""
+    got = runs[len(_JOBS) + len(_RECOMPUTING) + len(_SHARDED) + _CLIPPED.index(level)]
+    assert got["sharded"] == [False, level > 0, level > 0]
+    case, norms = CASES["gpt2"], []
+    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case), steps=_STEPS,  # type: ignore[arg-type]
+                                   minibatch=_MINIBATCH, seed=SEED, opt=sgd(_LR["sgd"]),
+                                   microbatches=_MICRO, max_grad_norm=_CLIP, norms=norms)
+    assert min(norms) > _CLIP, norms  # every update clipped
+    assert_matches(got, losses, state)
+    assert_tied_equal("gpt2", got)

@@ -14,6 +14,9 @@ tests can catch it doing something else:
   are ``w_0^(t-n+1), ..., w_{n-1}^(t)``); each stage updates after every
   round of ``r_s`` minibatches with the mean of their gradients;
 - vertical sync: every stage uses the input stage's version for ``t``;
+- clipping (``max_grad_norm``): an update's gradient, summed over a tied weight's copies,
+  is scaled by ``max_norm / (norm + 1e-6)`` where that is below 1, the norm taken over
+  every weight once (``torch.nn.utils.clip_grad_norm_`` on the one model);
 - staleness compensation: a stage whose version for ``t`` is ``d`` updates
   behind trains with its SGD momentum lowered by ``d / (d + 1)`` (at least 0);
   an Adam stage keeps its settings and minibatch ``t`` runs on that version
@@ -88,11 +91,15 @@ def reference_sync(
     scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     autocast: torch.dtype | None = None,
     split_as: Plan | None = None,
+    max_grad_norm: float | None = None,
+    norms: list[float] | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """Gradient accumulation: update k sums the gradients of its ``microbatches`` slices;
     ``scheduler`` (a learning-rate scheduler's factory) steps after every update;
     ``autocast``: each forward and its loss run under ``torch.autocast`` to that dtype;
-    ``split_as``: the layers this plan splits compute as :func:`split_like` says.
+    ``split_as``: the layers this plan splits compute as :func:`split_like` says;
+    ``max_grad_norm``: each update is clipped by its global norm, which ``norms`` (if
+    given) gets, update by update, before the clip.
 
     Update k covers samples ``k*minibatch ..``; microbatch ``m`` of it is microbatch
     ``k*microbatches + m`` of ``minibatch / microbatches`` samples, and its mean
@@ -114,10 +121,21 @@ def reference_sync(
     for k in range(steps):
         optimizer.zero_grad()
         losses.append(_accumulate(model, spec, data, k, microbatches, size, autocast))
+        _clip(list(model.parameters()), max_grad_norm, norms)
         optimizer.step()
         if schedule is not None:
             schedule.step()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _clip(params: list[nn.Parameter], max_grad_norm: float | None,
+          norms: list[float] | None) -> None:
+    """Clip the gradients of ``params`` (each weight once) by their global norm, appended
+    to ``norms``; nothing without ``max_grad_norm``."""
+    if max_grad_norm is not None:
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        if norms is not None:
+            norms.append(norm)
 
 
 def _accumulate(forward: Callable[[Tensor], Any], spec: ModelSpec, data: Dataset, k: int,
@@ -149,13 +167,15 @@ def reference_two_bw(
     microbatches: int = 1,
     compensate: bool = False,
     formats: Formats | None = None,
+    max_grad_norm: float | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream-2BW's update rule on one model: update ``t`` takes the gradient at the
     weights after ``t - 1`` updates (the first two at the start's), summed over its
     microbatches of mean loss ``1 / microbatches`` each, and steps the newest weights.
     ``compensate``: the delay of 1 lowers SGD's momentum by 1/2 (at least 0); under
     Adam, from update 2 on the gradient is taken at ``W(t-1) + (W(t-1) - W(t-2))``.
-    ``formats``: a precision's (:mod:`.reference_formats`)."""
+    ``formats``: a precision's (:mod:`.reference_formats`); ``max_grad_norm`` (fp32):
+    each update's gradient clipped by its global norm."""
     size = minibatch // microbatches
     model = spec.build(0, spec.num_layers - 1, seed)
     fm = formats or Formats()
@@ -173,6 +193,7 @@ def reference_two_bw(
             data, t, microbatches, size, fm))
         for name, p in model.named_parameters():
             p.grad = stale[name].grad
+        _clip(list(model.parameters()), max_grad_norm, None)
         fm.step(model, optimizer)
     return losses, fm.state(model)
 
@@ -201,9 +222,12 @@ def reference_pipedream(
     compensate: bool = False,
     split_as: Plan | None = None,
     formats: Formats | None = None,
+    max_grad_norm: float | None = None,
 ) -> tuple[list[float], dict[str, Tensor]]:
     """PipeDream's delayed updates; returns per-minibatch losses and the final weights.
-    ``formats``: a precision's (:mod:`.reference_formats`).
+    ``formats``: a precision's (:mod:`.reference_formats`); ``max_grad_norm`` (stages
+    replicated equally, so that all update together): each round's gradients, every
+    stage's, clipped by their global norm, a tied weight counted once.
 
     ``compensate``: each stage's SGD momentum is lowered by its delay's ``d / (d + 1)``;
     with ``ties``, every stage's by the deepest delay's (the copies take the same updates).
@@ -254,22 +278,40 @@ def reference_pipedream(
             total = torch.stack([grads[index[member]] for member in group]).sum(0)
             for member in group:
                 grads[index[member]] = total
+        due: dict[int, list[Tensor]] = {}  # the stages that update now: their mean gradient
         for s in range(n):
             count = len(leaves[s])
             pending[s].append(grads[:count])
             grads = grads[count:]
             if len(pending[s]) == replicas[s] or (partial_round and t == steps - 1
                                                    and pending[s]):
-                mean = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
-                for p, g in zip(_trainable(stages[s]), mean, strict=True):
-                    p.grad = g
-                fm.step(stages[s], optims[s])
+                due[s] = [torch.stack(gs).mean(0) for gs in zip(*pending[s], strict=True)]
                 pending[s].clear()
-                history[s].append(_snapshot(stages[s]))
+        if max_grad_norm is not None and due:
+            _clip_stages(due, [list(params) for params in leaves], ties, max_grad_norm)
+        for s, mean in due.items():
+            for p, g in zip(_trainable(stages[s]), mean, strict=True):
+                p.grad = g
+            fm.step(stages[s], optims[s])
+            history[s].append(_snapshot(stages[s]))
     state: dict[str, Tensor] = {}
     for m in stages:
         state.update(fm.state(m))
     return losses, state
+
+
+def _clip_stages(due: dict[int, list[Tensor]], names: list[list[str]],
+                 ties: Sequence[Sequence[tuple[int, str]]], max_grad_norm: float) -> None:
+    """Scale every stage's gradient in ``due`` by ``max_grad_norm`` over their global norm
+    (at most 1), each tied weight counted at its first copy only."""
+    assert len(due) == len(names), "clipping takes every stage's update at once"
+    again = {member for group in ties for member in group[1:]}
+    sq = sum(float(g.double().pow(2).sum()) for s, mean in due.items()
+             for name, g in zip(names[s], mean, strict=True) if (s, name) not in again)
+    coef = min(1.0, max_grad_norm / (math.sqrt(sq) + 1e-6))
+    for mean in due.values():
+        for g in mean:
+            g.mul_(coef)
 
 
 def split_like(model: nn.Module, plan: Plan, names: Sequence[str]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dreampipe.errors import PlanError, ScheduleError
@@ -121,27 +120,3 @@ def test_a_non_tensor_stage_output_is_an_error() -> None:
     )
     with pytest.raises(PlanError, match="stage 0 returned a tuple, not a tensor"):
         st.forward(0, torch.randn(2, 3))
-
-
-def test_a_tied_weights_all_reduce_is_waited_for_by_the_runners_wait() -> None:
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        st = _stage()
-        st.tie(0, dist.new_group([0]))
-        st.forward(0, torch.randn(5, 3))
-        st.backward(0, torch.ones(5, 2))
-        waited: list[object] = []
-
-        def wait(work: object) -> None:
-            waited.append(work)
-            work.wait()  # type: ignore[attr-defined]
-
-        before = st.params[0].detach().clone()
-        st.step(wait=wait)
-        assert len(waited) == 1  # the one tie's all-reduce, through the runner's wait
-        assert not torch.equal(st.params[0], before)  # and the summed gradient applied
-    finally:
-        if owns:
-            dist.destroy_process_group()

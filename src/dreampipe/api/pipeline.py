@@ -178,8 +178,8 @@ class Pipeline:
                                     else [[r] for r in range(world)], t, made=self._groups)
             clip_group = dist.new_group(list(range(world))) \
                 if config.max_grad_norm is not None else None
-            self._groups += [clip_group, *tie_stages(ties, self.plan, self.module.stage,
-                                                     self.module)]
+            held, made = tie_stages(ties, self.plan, modules)
+            self._groups += [clip_group, *made]
             per_round = math.lcm(*self.replicas)
             self._cap = max(per_round, SEGMENT_MICROBATCHES // self.layout.microbatches_per_update
                             // per_round * per_round)
@@ -190,6 +190,7 @@ class Pipeline:
                 self._schedule(self._horizon), self.srank, self.device,
                 self.module, self._opts, groups=groups, links=self._links,
                 clip_group=clip_group, after_step=self._after_step, others=modules[1:],
+                ties=held,
             )
             self._segment = 0
             self._pending: list[float] = []

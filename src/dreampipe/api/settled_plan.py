@@ -88,13 +88,12 @@ def settle_plan(
     check_plan(plan, names, world)
     ties = tied_parameters(layers, [st.first for st in plan.stages])
     check_written_buffers(layers, [st.first for st in plan.stages])
-    check_ties(ties, plan, config.max_grad_norm)
+    check_ties(ties, plan)
     widths = {st.tensor_parallel for st in plan.stages}
     mixed, t = len(widths) > 1, max(widths)
-    if v > 1 and (ties or t > 1):
-        raise ConfigError(f"virtual_stages={v} with weights tied across stages "
-                          "or stages split over workers is not supported yet; use "
-                          "virtual_stages=1", "virtual_stages")
+    if v > 1 and t > 1:
+        raise ConfigError(f"virtual_stages={v} with stages split over workers is not "
+                          "supported yet; use virtual_stages=1", "virtual_stages")
     check_schedule(config, plan)
     if t > 1:
         check_split(plan, config)

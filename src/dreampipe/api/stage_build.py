@@ -32,7 +32,7 @@ from dreampipe.runtime.staleness import (
 )
 from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
-from dreampipe.splitter.chain import Layers, build_split_stage, build_stage
+from dreampipe.splitter.chain import Layers, build_split_stage, build_stage, hold_apart
 
 __all__ = ["build_modules", "compensate_modules"]
 
@@ -53,23 +53,28 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
     spec = config.block_recompute()
     if spec is not None:
         spec = spec.for_model(*(m for _, m in layers))
-    modules = []
+    stages = list(stages)
+    built: list[nn.Module] = []
     for stage in stages:
         st = plan.stages[stage]
-        split = st.tensor_parallel > 1
-        if split:
+        if st.tensor_parallel > 1:
             assert mesh is not None, "a split stage needs its mesh"
-            built: nn.Module = build_split_stage(layers, st.first, st.last, st.splits, mesh,
-                                                 device, config.seed)
+            built.append(build_split_stage(layers, st.first, st.last, st.splits, mesh, device,
+                                           config.seed))
         else:
-            built = build_stage(layers, st.first, st.last, device, config.seed)
+            built.append(build_stage(layers, st.first, st.last, device, config.seed))
+    hold_apart(built)  # interleaving: a weight tied across the rank's stages, a copy each
+    modules = []
+    for stage, module in zip(stages, built, strict=True):
+        st = plan.stages[stage]
+        split = st.tensor_parallel > 1
         modules.append(StageModule(
-            built, optimizer, stage=stage, input_grad=stage > 0, stash=config.stash,
+            module, optimizer, stage=stage, input_grad=stage > 0, stash=config.stash,
             vertical_sync=config.vertical_sync, loss_fn=loss_fn,
             linear=LinearGradients.AUTOGRAD if split
             else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
             precision=config.number_formats,
-            blocks=None if st.recompute else _stage_spec(spec, built),
+            blocks=None if st.recompute else _stage_spec(spec, module),
             zero=_zero_place(plan, stage, rank, config.zero),
         ))
     return modules

@@ -4,20 +4,23 @@ A parameter shared by layers of several stages (GPT-2's input embedding and
 output head, tied by ``tie_weights``) lives on each of those stages, as
 DeepSpeed's ``TiedLayerSpec`` does. The first stage's value is broadcast to
 the others before training (a model built on ``meta`` initialises each copy
-on its own), and every update sums the copies' gradients over the stages
-first (:meth:`~dreampipe.runtime.stage_module.StageModule.tie`), so each applies the
-same change and training equals one process. Each stage stashes its copy
-with its own weight versions; the state dict has the parameter under every
-stage's name, with one value.
+on its own), and every update first sums the copies' gradients, each stage's
+once (:mod:`~dreampipe.runtime.stage_ties`): the copies a rank holds (two of its
+virtual stages may), then over the ranks. So each copy applies the same change,
+the global norm of ``max_grad_norm`` counts the weight once, and training equals
+one process. Each stage stashes its copy with its own weight versions; the state
+dict has the parameter under every stage's name, with one value.
 
 A tied stage may be replicated: its replicas' gradients are summed first (its
 ``ALLREDUCE``), so only its first replica adds its sum to the tie's, the others
-add zeros, and every copy takes the same total. Ties are honoured without tensor
-splitting or gradient clipping; anything else is a ConfigError before training.
+add zeros, and every copy takes the same total. Ties are honoured on any schedule,
+but not on a stage split over workers: a ConfigError before training.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -25,39 +28,63 @@ import torch.distributed as dist
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.stage_ties import RankTie, TiedCopy, start_ties
 from dreampipe.splitter.chain import Tie
 
-__all__ = ["check_ties", "tie_stages"]
+__all__ = ["TiePlace", "check_ties", "tie_place", "tie_stages"]
 
 
-def check_ties(ties: list[Tie], plan: Plan, max_grad_norm: float | None) -> None:
+def check_ties(ties: list[Tie], plan: Plan) -> None:
     """The ties must be ones the Pipeline can keep equal (see the module docstring)."""
     for tie in ties:
-        what = (f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
-                f"on stages {', '.join(map(str, tie.stages))}")
         if plan.has_splits:
             raise ConfigError(
-                f"{what}, which plan {plan.config} splits over workers; a tied weight is kept "
-                "on stages with no split: use such a plan, or split points that put the tied "
-                "layers on one stage", "plan")
-        if max_grad_norm is not None:
-            raise ConfigError(
-                f"{what}; clipping by the global norm with a weight tied across stages is not "
-                "supported yet: drop max_grad_norm, or put the tied layers on one stage",
-                "max_grad_norm")
+                f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
+                f"on stages {', '.join(map(str, tie.stages))}, which plan {plan.config} splits "
+                "over workers; a tied weight is kept on stages with no split: use such a plan, "
+                "or split points that put the tied layers on one stage", "plan")
 
 
-def tie_stages(ties: list[Tie], plan: Plan, stage: int, module: StageModule) -> list[Any]:
-    """Make each tie's group (every replica of its stages; every rank takes part, in
-    order), start this stage's copy from the first stage's value and have its updates sum
-    the gradients over the group, each stage's once; the groups made."""
+@dataclass(frozen=True)
+class TiePlace:
+    """Where a tie's copies are, as rank ``rank`` sees them."""
+
+    #: Every rank holding a copy (each replica of each stage), in order: the tie's group.
+    ranks: tuple[int, ...]
+    #: The rank whose copy every copy starts from: the first stage's first replica.
+    src: int
+    #: This rank's copies, in stage order: ``(stage, name, counts, normed)``, where
+    #: ``counts``: the rank is its stage's first replica, which adds the stage's gradient;
+    #: ``normed``: the stage is the tie's first, where the global norm counts the weight.
+    copies: tuple[tuple[int, str, bool, bool], ...]
+
+
+def tie_place(tie: Tie, plan: Plan, rank: int) -> TiePlace:
+    """Where ``tie``'s copies are on ``plan``'s ranks, as ``rank`` sees them."""
+    ranks = sorted({r for s in tie.stages for r in plan.stages[s].ranks})
+    copies = tuple((s, name, plan.stages[s].ranks[0] == rank, s == tie.stages[0])
+                   for s, name in zip(tie.stages, tie.names, strict=True)
+                   if rank in plan.stages[s].ranks)
+    return TiePlace(tuple(ranks), plan.stages[tie.stages[0]].ranks[0], copies)
+
+
+def tie_stages(ties: list[Tie], plan: Plan, modules: Sequence[StageModule]
+               ) -> tuple[list[RankTie], list[Any]]:
+    """This rank's copies of ``ties`` on its stages' ``modules``, started from the first
+    stage's value, with a group for each tie held on more than one rank (every rank makes
+    them, in order); the ties this rank holds, and the groups made."""
+    rank, by_stage = dist.get_rank(), {m.stage: m for m in modules}
+    held: list[RankTie] = []
     made: list[Any] = []
     for tie in ties:
-        ranks = [r for s in tie.stages for r in plan.stages[s].ranks]
-        group = dist.new_group(ranks)
-        made.append(group)
-        if stage in tie.stages:
-            index = module.module_param_names.index(tie.names[tie.stages.index(stage)])
-            module.tie(index, group, counts=dist.get_rank() == plan.stages[stage].ranks[0],
-                       src=ranks[0])
-    return made
+        place = tie_place(tie, plan, rank)
+        group = dist.new_group(list(place.ranks)) if len(place.ranks) > 1 else None
+        if group is not None:
+            made.append(group)
+        if place.copies:
+            held.append(RankTie(tuple(
+                TiedCopy(m, m.module_param_names.index(name), counts, normed)
+                for s, name, counts, normed in place.copies for m in (by_stage[s],)),
+                group, place.src))
+    start_ties(held)
+    return held, made

@@ -35,6 +35,7 @@ from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_records import StageInput
+from dreampipe.runtime.stage_ties import RankTie
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
 from dreampipe.runtime.update_actions import RankUpdates, loss_scale
@@ -69,7 +70,8 @@ class RankRunner:
     (a learning-rate scheduler's step). ``others``: under interleaved 1F1B, the
     modules of the rank's other stages, in
     :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order
-    (docs/design.md §8.4).
+    (docs/design.md §8.4). ``ties``: the rank's copies of weights tied across stages
+    (:mod:`.stage_ties`), summed at each update.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class RankRunner:
         clip_group: Any = None,
         after_step: Callable[[StageModule], None] | None = None,
         others: Sequence[StageModule] = (),
+        ties: Sequence[RankTie] = (),
     ) -> None:
         self.opts = opts
         self.schedule = schedule
@@ -118,7 +121,7 @@ class RankRunner:
         self._lane_of = {lane.stage: lane for lane in self._lanes}
         self._updates = RankUpdates(rank, device, self.guard, self.modules,
                                     max_grad_norm=opts.max_grad_norm, clip_group=clip_group,
-                                    after_step=after_step, scaler=self.scaler)
+                                    after_step=after_step, scaler=self.scaler, ties=ties)
         self._inputs: dict[int, tuple[Tensor, int | None]] = {}
         self._outputs: dict[int, tuple[Tensor, int | None]] = {}
         self._grads_in: dict[int, Tensor] = {}

@@ -104,6 +104,11 @@ class GradientSum:
             self._sums[index] = acc
         return acc
 
+    def keep(self, index: int, g: Tensor) -> None:
+        """Parameter ``index``'s sum is ``g`` (a tied weight's, summed over its copies)."""
+        self._sums[index] = g
+        self._arrived.add(index)
+
     def pop(self, index: int) -> Tensor:
         """Parameter ``index``'s sum (zeros if nothing arrived), which starts again."""
         acc = self.filled(index)

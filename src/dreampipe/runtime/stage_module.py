@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +34,6 @@ from dreampipe.runtime.recompute import record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, StageInput, tensor_output
-from dreampipe.runtime.stage_ties import Tie, start_tied, sum_tied
 from dreampipe.runtime.versions import WeightVersions
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
 from dreampipe.runtime.zero_params import ZeroParams, stage_optimizer, writable
@@ -108,23 +106,11 @@ class StageModule:
                                         on_leaf=self._harvest.leaf_done,
                                         on_drop=self._harvest.harvest)
         self._inflight: dict[int, InFlight] = {}
-        self._tied: list[Tie] = []
         uses = self._master if isinstance(self._master, ZeroParams) else None
         #: ZeRO-3: a forward saves its weights as references; a backward frees what it
         #: gathered when it ends (:mod:`.zero_params`).
         self._saving = uses.saving if uses else nullcontext
         self.backward_scope = uses.backward if uses else nullcontext
-
-    def tie(self, index: int, group: Any, *, counts: bool = True, src: int | None = None
-            ) -> None:
-        """Parameter ``index`` is tied to copies on the other stages of ``group``
-        (:mod:`.stage_ties`): it starts from rank ``src``'s value (None: keeps its own) and
-        each update sums its gradient over them first; a replica that does not ``count``
-        adds zeros (its stage's first one adds the sum)."""
-        tie = Tie(index, group, counts)
-        if src is not None:
-            start_tied(self._params, self._names, self._master, tie, src)
-        self._tied.append(tie)
 
     # ---- versions --------------------------------------------------------
     @property
@@ -352,20 +338,53 @@ class StageModule:
         else:
             self._grads.arrive_all()
 
-    def step(self, *, apply: bool = True, wait: Callable[[Any], None] | None = None) -> None:
+    def step(self, *, apply: bool = True) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, :mod:`.versions`).
 
         ``apply=False`` drops the gradient instead (a skipped update): the
-        weights and the optimizer's state stay as they were. ``wait`` waits for
-        the all-reduce of a tied weight's gradients (the runner's, with the
-        run's deadline; by default the work's own ``wait``).
+        weights and the optimizer's state stay as they were.
         """
         self._harvest.harvest_all()
         self._versions.retire()
         sums = self._grads.take()
-        sum_tied(self._tied, self._params, sums, self.zero if self._sharded else None, wait)
         if apply:
             self._master.step(sums)
         self._versions.advance()
         _log.debug("stage %d at version %d holds %s", self.stage, self.version,
                    sorted(self._versions))
+
+    # ---- weights tied across stages (:mod:`.stage_ties`) -----------------
+    def tied_value(self, index: int) -> Tensor:
+        """Where parameter ``index`` receives its starting value: the weight, or under
+        ZeRO-3, while the weights are freed, a tensor of its own."""
+        p = self._params[index]
+        if isinstance(self._master, ZeroParams) and not self._master.whole:
+            return torch.empty_like(p, memory_format=torch.contiguous_format)
+        return p.data
+
+    def start_tied(self, index: int, value: Tensor) -> None:
+        """Parameter ``index`` starts from ``value`` (:meth:`tied_value`'s, or another
+        stage's copy): the weight, and its master or chunk from it."""
+        p = self._params[index]
+        if p.untyped_storage().size() and value.data_ptr() != p.data_ptr():
+            with torch.no_grad():
+                p.copy_(value)
+        self._master.load({self._names[index]: value}, self._names)
+
+    def tied_gradient(self, index: int) -> Tensor:
+        """Parameter ``index``'s gradient of the update so far, zeros where none came;
+        whole, where the replicas shard it (a collective over them, :mod:`.zero`)."""
+        self._harvest.harvest_all()
+        if self._sharded:
+            assert self.zero is not None
+            return self.zero.whole_gradient(index)
+        return self._grads.filled(index)
+
+    def keep_tied(self, index: int, total: Tensor) -> None:
+        """Parameter ``index``'s gradient of the update is ``total`` (its tie's sum); a
+        replica that shards its gradients keeps its chunk."""
+        if self._sharded:
+            assert self.zero is not None
+            self.zero.keep_gradient(index, total)
+        else:
+            self._grads.keep(index, total)

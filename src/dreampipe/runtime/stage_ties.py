@@ -1,13 +1,14 @@
-"""A stage's weights tied to copies on other stages: one value, one summed gradient.
+"""A rank's copies of weights tied across stages: one value, one summed gradient.
 
 The rule (DeepSpeed's ``TiedLayerSpec``; GPT-2's embedding and head): every copy starts
-from the first stage's value, and each update all-reduces the copy's gradient over the
-tie's group before the step, so every copy applies the same change. On a replicated stage
-one replica adds the stage's sum (the replicas already hold it) and the others zeros. On a
-stage whose replicas shard their gradients (ZeRO level 2 and up, :mod:`.zero`), the
-replica's chunks are gathered whole for the sum and cut again after it; under level 3 the
-starting value is broadcast into the weights gathered for the while and taken into the
-chunks. docs/design.md §5.6.
+from the first stage's value, and each update, before its global norm is taken, sums the
+copies' gradients: the copies a rank holds (two under interleaving) first, then over the
+ranks holding the others, so every copy applies the same change. On a replicated stage
+one replica adds the stage's sum (the replicas already hold it) and the others zeros.
+Where a stage's replicas shard their gradients (ZeRO level 2 and up, :mod:`.zero`), the
+replica's chunks are gathered whole for the sum and cut again after it; under level 3
+the starting value is received into a tensor of its own and taken into the chunks.
+docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -18,53 +19,64 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 
-from dreampipe.runtime.precision import MasterWeights
-from dreampipe.runtime.zero import ZeroShards
-from dreampipe.runtime.zero_params import ZeroParams
+from dreampipe.runtime.stage_module import StageModule
 
-__all__ = ["Tie", "start_tied", "sum_tied"]
+__all__ = ["RankTie", "TiedCopy", "left_out_of_norm", "start_ties", "sum_ties"]
 
 
 @dataclass(frozen=True)
-class Tie:
-    """Parameter ``index`` is tied over ``group``; ``counts``: this replica adds its
-    stage's gradient (else zeros)."""
+class TiedCopy:
+    """Parameter ``index`` of ``module`` is a copy of a tied weight. ``counts``: this
+    replica adds its stage's gradient (else zeros); ``normed``: the global norm counts the
+    tie's gradient here (its first stage's copy), and not at the other copies."""
 
+    module: StageModule
     index: int
-    group: Any
     counts: bool
+    normed: bool
 
 
-def start_tied(params: Sequence[nn.Parameter], names: Sequence[str],
-               master: MasterWeights | ZeroShards, tie: Tie, src: int) -> None:
-    """Start ``tie``'s parameter from rank ``src``'s value (a broadcast over the tie's
-    group, into the weights, or under level 3 into a tensor of its own), and its master or
-    chunk from it."""
-    p = params[tie.index]
-    freed = isinstance(master, ZeroParams) and not master.whole
-    value = torch.empty_like(p, memory_format=torch.contiguous_format) if freed else p.data
-    dist.broadcast(value, src=src, group=tie.group)
-    master.load({names[tie.index]: value}, names)
+@dataclass(frozen=True)
+class RankTie:
+    """One tie as a rank holds it: its ``copies``, in stage order; ``group``: the ranks
+    holding copies (None: this rank holds them all); ``src``: the rank every copy starts
+    from."""
+
+    copies: tuple[TiedCopy, ...]
+    group: Any
+    src: int
 
 
-def sum_tied(ties: Sequence[Tie], params: Sequence[nn.Parameter],
-             sums: list[Tensor | None], zero: ZeroShards | None,
-             wait: Callable[[Any], None] | None) -> None:
-    """Sum each tied gradient over its group: in ``sums`` (by parameter, None: none came),
-    or in ``zero``'s chunks where the stage shards its gradients. ``wait`` waits for an
-    all-reduce (None: the work's own ``wait``)."""
+def start_ties(ties: Sequence[RankTie]) -> None:
+    """Start every copy from the value of rank ``src``'s first copy (a broadcast over each
+    tie's group, in the order of ``ties`` on every rank)."""
     for tie in ties:
-        i = tie.index
-        g = sums[i] if zero is None else zero.whole_gradient(i)
-        g = torch.zeros_like(params[i]) if g is None or not tie.counts else g
-        work = dist.all_reduce(g, group=tie.group, async_op=True)
-        if wait is None:
-            work.wait()
-        else:
-            wait(work)
-        if zero is None:
-            sums[i] = g
-        else:
-            zero.keep_gradient(i, g)
+        first = tie.copies[0]
+        value = first.module.tied_value(first.index)
+        if tie.group is not None:
+            dist.broadcast(value, src=tie.src, group=tie.group)
+        for c in tie.copies:
+            c.module.start_tied(c.index, value)
+
+
+def sum_ties(ties: Sequence[RankTie], wait: Callable[[Any], None]) -> None:
+    """Give every copy its tie's gradient summed over the copies (each stage's once): this
+    rank's counting copies added, then all-reduced over the group. ``wait`` waits for an
+    all-reduce (the runner's, with the run's deadline)."""
+    for tie in ties:
+        grads = [c.module.tied_gradient(c.index) for c in tie.copies]
+        counted = [g for g, c in zip(grads, tie.copies, strict=True) if c.counts]
+        total = torch.zeros_like(grads[0]) if not counted else counted[0]
+        for g in counted[1:]:
+            total = total + g
+        if tie.group is not None:
+            wait(dist.all_reduce(total, group=tie.group, async_op=True))
+        for k, c in enumerate(tie.copies):  # each its own tensor: clipping scales each once
+            c.module.keep_tied(c.index, total if k == 0 else total.clone())
+
+
+def left_out_of_norm(ties: Sequence[RankTie]) -> set[tuple[int, int]]:
+    """The ``(stage, parameter index)`` of the copies the global norm leaves out: it
+    counts each tied weight once, at its first stage."""
+    return {(c.module.stage, c.index) for tie in ties for c in tie.copies if not c.normed}

@@ -5,7 +5,8 @@ applies the scale. ``STEP<k>`` applies the update to the live weights
 (:meth:`~dreampipe.runtime.stage_module.StageModule.step`) after two all-reduces
 over every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`,
 the update skipped) and, with ``max_grad_norm``, the global gradient norm to
-clip by. Those run once per update on each rank, at its first ``STEP`` of the
+clip by, which the sums of the weights tied across stages (:mod:`.stage_ties`)
+precede. Those run once per update on each rank, at its first ``STEP`` of the
 update, for all its stages (several under interleaved 1F1B): the schedules
 that interleave flush every minibatch, so all their gradients are known by then.
 
@@ -31,6 +32,7 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.stage_ties import RankTie, left_out_of_norm, sum_ties
 from dreampipe.runtime.zero_buckets import ShardBuckets
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
 
@@ -53,6 +55,7 @@ class RankUpdates:
     update, with the module that stepped (its learning-rate scheduler's step).
     ``scaler``: fp16-mixed's loss scale, which every update unscales the gradients by
     (before clipping) and lowers when a stage's overflowed (:mod:`.loss_scaling`).
+    ``ties``: the rank's copies of weights tied across stages, summed before clipping.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class RankUpdates:
         clip_group: Any,
         after_step: Callable[[StageModule], None] | None,
         scaler: LossScale | None = None,
+        ties: Sequence[RankTie] = (),
     ) -> None:
         self._rank = rank
         self._device = device
@@ -75,8 +79,9 @@ class RankUpdates:
         self._clip_group = clip_group
         self._after_step = after_step
         self._scaler = scaler
+        self._ties = list(ties)
+        self._left_out = left_out_of_norm(ties)
         self._agreed: tuple[int, int, bool] | None = None
-        self._clipped: tuple[int, int] | None = None
 
     def allreduce(
         self, a: Action, schedule: Schedule, module: StageModule,
@@ -99,9 +104,6 @@ class RankUpdates:
         """``STEP`` ``a`` of ``module``'s stage; ``first_microbatch`` numbers the schedule's
         microbatches
         in the run, so that the rank's stages agree once per update."""
-        def tied(work: Any) -> None:
-            comm.wait_tied(work, a)
-
         now = (first_microbatch, a.microbatch)
         if self._agreed is None or self._agreed[:2] != now:
             overflowed = None
@@ -112,15 +114,16 @@ class RankUpdates:
                                                     overflowed))
             if self._scaler is not None:
                 self._scaler.update(self._guard.overflowed)
+            if not self._agreed[2]:  # every rank agreed: all sum their ties, or none
+                sum_ties(self._ties, lambda work: comm.wait_tied(work, a))
+                if self._max_grad_norm is not None:
+                    self._clip(a, schedule, comm, self._max_grad_norm)
         if self._agreed[2]:
-            module.step(apply=False, wait=tied)
+            module.step(apply=False)
             if module.zero is not None:
                 module.zero.drop()
             return
-        if self._max_grad_norm is not None and self._clipped != now:
-            self._clipped = now
-            self._clip(a, schedule, comm, self._max_grad_norm)
-        module.step(wait=tied)
+        module.step()
         if self._after_step is not None:
             self._after_step(module)
 
@@ -128,15 +131,17 @@ class RankUpdates:
         """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
         ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
         stage counted once (its replicas hold the same all-reduced gradient, or under
-        ZeRO-2 each its shard); under interleaving a rank clips all its stages at its
-        first ``STEP`` of the update."""
-        held = [_held(module) for module in self._modules]
-        grads = [g for gs, _ in held for g in gs]
+        ZeRO-2 each its shard) and each tied weight once (its copies hold the same sum);
+        under interleaving a rank clips all its stages at its first ``STEP`` of the
+        update."""
+        held = [(m.stage, *_held(m)) for m in self._modules]
+        grads = [g for _, gs, _ in held for g in gs]
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
         first = schedule.replica_of_rank(self._rank) == 0
-        for gs, shard in held:
-            for g in gs if first or shard else ():
-                sq += torch.linalg.vector_norm(g, 2).double() ** 2
+        for stage, gs, shard in held:
+            for i, g in enumerate(gs if first or shard else ()):
+                if (stage, i) not in self._left_out:
+                    sq += torch.linalg.vector_norm(g, 2).double() ** 2
         work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
         comm.wait_world(work, a)
         coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))

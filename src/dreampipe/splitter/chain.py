@@ -13,6 +13,7 @@ on a device the same weights. See docs/design.md §2.1.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,8 @@ from dreampipe.splitter.sequential import passes_one_tensor, sequential_segments
 from dreampipe.splitter.state_keys import adopt_orphans
 
 __all__ = [
-    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "held_keys", "initialise",
-    "is_meta", "split_layers", "tied_parameters",
+    "Chain", "Layers", "Tie", "build_split_stage", "build_stage", "held_keys", "hold_apart",
+    "initialise", "is_meta", "split_layers", "tied_parameters",
 ]
 
 #: A model's layers in call order: ``(qualified name, module)``.
@@ -146,6 +147,35 @@ def tied_parameters(layers: Layers, bounds: Sequence[int]) -> list[Tie]:
         if len(stages) > 1:
             ties.append(Tie(stages, tuple(named[s][key] for s in stages)))
     return ties
+
+
+def hold_apart(stages: Sequence[nn.Module]) -> None:
+    """Give each of one rank's ``stages`` (in order) its own copy of every module and
+    parameter an earlier one holds, in place of it: a weight tied across two stages of a
+    rank (interleaving) is then two copies that each stage steps, as on two ranks."""
+    modules: set[int] = set()
+    params: set[int] = set()
+    for stage in stages:
+        memo: dict[int, Any] = {}
+        for p in stage.parameters():
+            if id(p) in params and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(p.detach().clone(), p.requires_grad)
+        _replace_held(stage, modules, memo)
+        modules.update(id(m) for m in stage.modules())
+        params.update(id(p) for p in stage.parameters())
+
+
+def _replace_held(module: nn.Module, held: set[int], memo: dict[int, Any]) -> None:
+    """Replace in ``module``'s tree each child in ``held`` by a deep copy, and each
+    parameter in ``memo`` by its copy there (which the deep copies share)."""
+    for name, child in list(module._modules.items()):
+        if child is not None and id(child) in held:
+            module._modules[name] = copy.deepcopy(child, memo)
+        elif child is not None:
+            _replace_held(child, held, memo)
+    for name, p in list(module._parameters.items()):
+        if p is not None and id(p) in memo:
+            module._parameters[name] = memo[id(p)]
 
 
 def is_meta(module: nn.Module) -> bool:

@@ -1,0 +1,115 @@
+"""A rank's copies of a weight tied across stages, single process: where they are, their
+start, their summed gradient, and which copy the global norm counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dreampipe.api.ties import TiePlace, tie_place
+from dreampipe.planning.plan import Plan
+from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.stage_ties import RankTie, TiedCopy, left_out_of_norm, start_ties, sum_ties
+from dreampipe.splitter.chain import Tie, hold_apart
+
+__all__: list[str] = []
+
+
+def test_an_interleaved_rank_holds_two_copies_and_the_first_stage_is_normed() -> None:
+    plan = Plan.from_config(7, [0, 3, 4, 5], [1, 1, 1, 1], virtual_stages=2)  # 0, 2 on rank 0
+    tie = Tie((0, 2, 3), ("wte.weight", "proj.weight", "head.weight"))
+    assert tie_place(tie, plan, 0) == TiePlace(
+        (0, 1), 0, ((0, "wte.weight", True, True), (2, "proj.weight", True, False)))
+    assert tie_place(tie, plan, 1) == TiePlace((0, 1), 0, ((3, "head.weight", True, False),))
+    local = Tie((1, 3), ("a.weight", "b.weight"))  # both on rank 1: no group to sum over
+    assert tie_place(local, plan, 1).ranks == (1,)
+    assert tie_place(local, plan, 0).copies == ()
+
+
+def test_a_replicated_stage_adds_its_sum_from_its_first_replica_only() -> None:
+    plan = Plan.from_config(3, [0, 2], [1, 2])  # stage 1 on ranks 1 and 2
+    tie = Tie((0, 1), ("embed.weight", "head.weight"))
+    assert tie_place(tie, plan, 1) == TiePlace((0, 1, 2), 0, ((1, "head.weight", True, False),))
+    assert tie_place(tie, plan, 2) == TiePlace((0, 1, 2), 0, ((1, "head.weight", False, False),))
+
+
+def test_two_stages_of_one_rank_hold_a_shared_module_and_weight_apart() -> None:
+    embed, shared = nn.Embedding(5, 3), nn.Linear(3, 3)
+    head, again = nn.Linear(3, 5, bias=False), nn.Linear(3, 5, bias=False)
+    head.weight = again.weight = embed.weight
+    first, later = nn.Sequential(embed, shared), nn.Sequential(shared, head, again)
+    tied = embed.weight
+    hold_apart([first, later])
+    assert first[0] is embed and first[1] is shared and embed.weight is tied  # kept
+    assert head.weight is not tied  # the later stage's module holds a copy in its place
+    assert later[0] is not shared and torch.equal(later[0].weight, shared.weight)
+    assert later[1].weight is later[2].weight  # one tensor within a stage stays one
+    torch.testing.assert_close(later[1].weight, embed.weight, rtol=0, atol=0)
+    assert not {id(p) for p in first.parameters()} & {id(p) for p in later.parameters()}
+
+
+@pytest.fixture
+def world() -> Iterator[None]:
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
+def _stage(stage: int, seed: int) -> StageModule:
+    torch.manual_seed(seed)
+    return StageModule(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
+                       lambda ps: torch.optim.SGD(ps, lr=0.5), stage=stage, input_grad=False)
+
+
+def _gradient(st: StageModule, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    st.forward(0, torch.randn(5, 3))
+    st.backward(0, torch.randn(5, 2))
+    return st.gradients()[0].clone()
+
+
+@pytest.mark.usefixtures("world")
+def test_two_copies_on_one_rank_start_equal_and_take_one_sum_each() -> None:
+    a, b = _stage(0, 1), _stage(2, 2)
+    assert not torch.equal(a.params[0], b.params[0])
+    tie = RankTie((TiedCopy(a, 0, True, True), TiedCopy(b, 0, True, False)), None, 0)
+    start_ties([tie])
+    torch.testing.assert_close(b.params[0], a.params[0], rtol=0, atol=0)
+    total = _gradient(a, 3) + _gradient(b, 4)
+    waited: list[object] = []
+    sum_ties([tie], waited.append)
+    assert waited == []  # all on this rank: nothing to all-reduce
+    ga, gb = a.gradients()[0], b.gradients()[0]
+    torch.testing.assert_close(ga, total, rtol=0, atol=0)
+    torch.testing.assert_close(gb, total, rtol=0, atol=0)
+    assert ga.data_ptr() != gb.data_ptr()  # clipping scales each copy's once
+    assert left_out_of_norm([tie]) == {(2, 0)}
+    a.step()
+    b.step()
+    torch.testing.assert_close(b.params[0], a.params[0], rtol=0, atol=0)
+    assert not torch.equal(a.params[1], b.params[1])  # the untied weights stay their own
+
+
+@pytest.mark.usefixtures("world")
+def test_a_copy_that_does_not_count_adds_zeros_through_the_runners_wait() -> None:
+    st = _stage(1, 1)
+    _gradient(st, 3)
+    tie = RankTie((TiedCopy(st, 0, False, False),), dist.new_group([0]), 0)
+    waited: list[object] = []
+
+    def wait(work: object) -> None:
+        waited.append(work)
+        work.wait()  # type: ignore[attr-defined]
+
+    sum_ties([tie], wait)
+    assert len(waited) == 1  # the one tie's all-reduce, through the runner's wait
+    torch.testing.assert_close(st.gradients()[0], torch.zeros(4, 3), rtol=0, atol=0)
