@@ -67,7 +67,8 @@ def test_one_bandwidth_for_a_preset_overrides_its_inner_level(
 ) -> None:
     code, out, _ = _plan(capsys, str(_profile(tmp_path)), "-t", "cluster-b", "-b", "100GB/s")
     assert code == 0
-    assert "2 @ 3.1 GB/s x 8 @ 100.0 GB/s" in out.splitlines()[0]  # 25 Gbps kept outside
+    # 25 Gbps kept outside, and each level's latency with it
+    assert "2 @ 3.1 GB/s 50 us x 8 @ 100.0 GB/s 10 us" in out.splitlines()[0]
 
 
 def test_a_bandwidth_per_level_still_plans(
