@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from dreampipe.models import get_model
@@ -90,3 +91,57 @@ def _in_flight(actions: tuple[Action, ...]) -> int:
         now += {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1}.get(a.kind, 0)
         most = max(most, now)
     return most
+
+
+def _until(actions: tuple[Action, ...], end: ActionKind) -> tuple[int, int]:
+    """The most microbatches forwarded and not yet at ``end``, and the most past their
+    ``B`` but not their ``W``."""
+    now = most = waiting = most_waiting = 0
+    for a in actions:
+        now += (a.kind is ActionKind.FORWARD) - (a.kind is end)
+        waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
+        most, most_waiting = max(most, now), max(most_waiting, waiting)
+    return most, most_waiting
+
+
+def test_a_split_backward_keeps_a_microbatch_until_its_w() -> None:
+    """Under zb-h1 a microbatch's kept tensors live until its ``W`` (``B`` keeps the
+    graph), and after the first stage each microbatch waiting for its ``W`` also holds
+    what ``B`` recorded, its Linear operands (the blocks' and the head's deferred 50 and
+    20); the first stage's ``B`` records nothing (it leaves the backward to ``W``)."""
+    graph = _graph()
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    flush, zb = (MicrobatchLayout(kind=kind, microbatches=4).build([1, 1], 2, plan.in_flight)
+                 for kind in (ScheduleKind.FLUSH, ScheduleKind.ZB_H1))
+    plain, split = (predict_memory(graph, plan, s, _choices()) for s in (flush, zb))
+    kept = (10 + 100, 4 + 100 + 40)  # each stage's input and kept tensors a microbatch
+    for s in (0, 1):
+        before = _in_flight(flush.actions[s])
+        after, waiting = _until(zb.actions[s], ActionKind.WEIGHT)
+        assert after >= before and (s == 0 or waiting > 0)
+        extra = (after - before) * kept[s] + (waiting * (50 + 20) if s == 1 else 0)
+        assert split[s] - plain[s] == extra, s
+
+
+def test_an_interleaved_rank_predicts_each_of_its_stages_from_its_own_actions() -> None:
+    """Two one-layer stages a rank: a layer keeping ``d`` more bytes a microbatch costs
+    its stage ``d`` times that stage's own microbatches in flight, counted along its own
+    actions (the rank's, both stages', would be more)."""
+    graph, d = _graph(), 1000
+    plan = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1], virtual_stages=2)
+    sched = MicrobatchLayout(kind=ScheduleKind.INTERLEAVED, microbatches=4).build(
+        [1] * 4, 2, plan.in_flight, virtual_stages=2)
+    assert [sorted({a.stage for a in acts}) for acts in sched.actions] == [[0, 2], [1, 3]]
+    base = predict_memory(graph, plan, sched, _choices())
+    fewer = 0
+    for stage in range(4):
+        layers = list(graph.layers)
+        layers[stage] = dataclasses.replace(layers[stage],
+                                            saved_bytes=layers[stage].saved_bytes + d)
+        more = predict_memory(dataclasses.replace(graph, layers=tuple(layers)), plan, sched,
+                              _choices())
+        actions = sched.actions[stage % 2]
+        own = tuple(a for a in actions if a.stage == stage)
+        fewer += _in_flight(own) < _in_flight(actions)
+        assert more[stage] - base[stage] == d * _in_flight(own), stage
+    assert fewer >= 2  # the rank's count would be more on half the stages or more

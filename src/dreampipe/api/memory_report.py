@@ -45,8 +45,9 @@ _R = TypeVar("_R")
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """One rank's ``measured`` peak bytes of tensors (with its stage's weights that
-    existed before measuring started) and the ``predicted`` bytes of its stage."""
+    """One rank's ``measured`` peak bytes of tensors (with its stages' weights that
+    existed before measuring started) and the ``predicted`` bytes of its stages (one, or
+    an interleaved rank's several); ``stage`` is its first."""
 
     rank: int
     stage: int
@@ -144,4 +145,4 @@ def measured(meter: Meter | None, rank: int, modules: Sequence[StageModule],
     with whole():
         predicted = predicted_memory(profile, plan, schedule(horizon),
                                      training_choices(config, modules), block)
-    return MemoryReport(rank, stage, use.used, predicted[stage], use)
+    return MemoryReport(rank, stage, use.used, sum(predicted[m.stage] for m in modules), use)

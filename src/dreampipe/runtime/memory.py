@@ -118,17 +118,20 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages' widths,
     plus, when an update spans several microbatches, the transient gradient of its largest layer's
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
-    copies of every gradient, alive until the round's ``ALLREDUCE``). ``graph`` is profiled in the
-    run's number formats at the schedule's microbatch size.
+    copies of every gradient, alive until the round's ``ALLREDUCE``). Under a split backward a
+    microbatch stays in flight until its ``W``, and after the first stage (whose ``B`` leaves
+    the whole backward to ``W``) each waiting for it holds what ``B`` recorded
+    (:func:`_peak_waiting`). ``graph`` is profiled in the run's number formats at the
+    schedule's microbatch size.
     """
     if not library:
         graph = graph.without_library()
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
-    at_end = [0] * plan.num_stages
-    for rank, actions in enumerate(schedule.actions):
-        stage = schedule.stage_of_rank(rank)
+    at_end, waiting = [0] * plan.num_stages, [0] * plan.num_stages
+    for stage, actions in _by_stage(schedule):
         flight[stage] = max(flight[stage], _peak_in_flight(actions))
+        waiting[stage] = max(waiting[stage], _peak_waiting(actions))
         at_end[stage] = max(at_end[stage], _in_flight_at_round_end(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
@@ -159,7 +162,10 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                flight[s] - at_end[s] if walked else 0)
                       if st.replicas > 1 and level < 2 else 0)
                    - _zero_saved(st, level, weights, max(sizes, default=0), opts,
-                                 pairs_per_use(schedule, s)))
+                                 pairs_per_use(schedule, s))
+                   + (waiting[s] * sum(x.deferred_bytes or 0
+                                       for x in graph.layers[st.first : st.last + 1])
+                      if s > 0 else 0))
     return tuple(out)
 
 
@@ -213,14 +219,49 @@ def _in_flight_at_round_end(actions: tuple[Action, ...]) -> int:
     """The most microbatches in flight at a backward that ends an all-reduce round, that
     one included (:func:`~dreampipe.runtime.buckets.round_ends`)."""
     ends = round_ends(actions)
+    release = _release(actions)
     now = most = 0
     for a in actions:
         if a.kind is ActionKind.FORWARD:
             now += 1
-        elif a.kind is ActionKind.BACKWARD:
-            most = max(most, now) if a.microbatch in ends else most
+        elif a.kind is ActionKind.BACKWARD and a.microbatch in ends:
+            most = max(most, now)
+        if a.kind is release:
             now -= 1
     return most
+
+
+def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
+    """Each rank's actions of each of its stages (interleaved ranks run several)."""
+    out = []
+    for actions in schedule.actions:
+        mine: dict[int, list[Action]] = {}
+        for a in actions:
+            mine.setdefault(a.stage, []).append(a)
+        out += [(stage, tuple(acts)) for stage, acts in mine.items()]
+    return out
+
+
+def _peak_waiting(actions: tuple[Action, ...]) -> int:
+    """The most microbatches whose ``B`` ran and ``W`` did not, along one rank's actions:
+    each holds the gradients ``B`` recorded for its ``W`` (about its Linear operands,
+    :attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`)."""
+    now = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.BACKWARD:
+            now += 1
+            peak = max(peak, now)
+        elif a.kind is ActionKind.WEIGHT:
+            now -= 1
+    return peak if any(a.kind is ActionKind.WEIGHT for a in actions) else 0
+
+
+def _release(actions: tuple[Action, ...]) -> ActionKind:
+    """The action that frees a microbatch's kept tensors on a rank: its ``W`` where the
+    rank splits the backward (``B`` keeps the graph for it,
+    :mod:`~dreampipe.runtime.split_backward`), else its backward."""
+    return ActionKind.WEIGHT if any(a.kind is ActionKind.WEIGHT for a in actions) \
+        else ActionKind.BACKWARD
 
 
 def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
@@ -235,13 +276,15 @@ def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> 
 
 
 def _peak_in_flight(actions: tuple[Action, ...]) -> int:
-    """The most microbatches whose forward ran and backward did not, along one rank's actions."""
+    """The most microbatches whose forward ran and whose kept tensors are not freed yet
+    (:func:`_release`), along one rank's actions."""
+    release = _release(actions)
     now = peak = 0
     for a in actions:
         if a.kind is ActionKind.FORWARD:
             now += 1
             peak = max(peak, now)
-        elif a.kind is ActionKind.BACKWARD:
+        elif a.kind is release:
             now -= 1
     return peak
 
