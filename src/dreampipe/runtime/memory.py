@@ -80,10 +80,11 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
     (:func:`~dreampipe.runtime.zero_memory.zero_bytes`): the optimizer's state and master
     weights sharded; from level 2 the gradients too, but for two buckets of a
-    microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, one
-    filling; a bucket of ``BUCKET_CAP_MB``, or of
-    one larger parameter, a layer's largest taken as half its bytes, at most the stage's
-    largest layer, ``largest``); at level 3 beside the chunks the weights in use, gathered
+    microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, with its
+    summed chunk, one filling; a bucket of ``BUCKET_CAP_MB``, or of one larger parameter,
+    a layer's largest taken as half its bytes, at most the stage's largest layer,
+    ``largest``) and the fresh gradient of the parameter going into its bucket, during the
+    backward's peak rather than after it; at level 3 beside the chunks the weights in use, gathered
     ``per_use`` (a layer's at a time; a recomputing stage's all, in its backward) or for
     the update's computations (all of them; :mod:`.zero_params`)."""
     if level == 0 or st.replicas == 1:
@@ -95,7 +96,8 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
 
     saved = held(0) - held(level)
     if level >= 2:
-        saved -= min(weights, 2 * min(largest, max(BUCKET_CAP_MB * 1e6, largest / 2)))
+        bucket = min(weights, largest, max(BUCKET_CAP_MB * 1e6, largest / 2))
+        saved -= min(weights, 2 * bucket) + bucket / st.replicas + largest / 2
     if level >= SHARDED_LEVEL:
         saved -= largest if per_use and not st.recompute else weights
     return round(saved)
