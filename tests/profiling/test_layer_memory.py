@@ -69,7 +69,7 @@ def test_under_autocast_a_layer_output_crosses_in_the_autocast_dtype() -> None:
 
 def test_new_figures_round_trip_and_default_to_the_old_rules() -> None:
     layer = Layer("b", 1.0, 2.0, 100, 10, "Block", saved_bytes=300, backward_bytes=50,
-                  deferred_bytes=70, library_bytes=9)
+                  deferred_bytes=70, library_bytes=9, recorded_bytes=40)
     graph = LayerGraph((layer,), (), 4)
     again = LayerGraph.from_json(graph.to_json()).layers[0]
     assert again == layer and again.working_bytes == 50
@@ -111,3 +111,13 @@ def test_deferred_bytes_skip_the_layer_input(bias: bool) -> None:
     model = nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Linear(16, 4, bias=bias))
     graph = profile_model(model, torch.randn(5, 8), lambda y: y.sum(), repeats=1, warmup=0)
     assert [x.deferred_bytes for x in graph.layers] == [5 * 16 * 4, 5 * 4 * 4]
+
+
+def test_recorded_bytes_are_each_linear_s_output() -> None:
+    """A split backward's ``B`` keeps the gradients of a layer's Linear outputs for ``W``:
+    a block of two Linears records both outputs, a ReLU nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 12)), nn.ReLU(),
+                          nn.Linear(12, 4))
+    graph = profile_model(model, torch.randn(5, 8), lambda y: y.sum(), repeats=1, warmup=0)
+    assert [x.recorded_bytes for x in graph.layers] == [5 * (16 + 12) * 4, 0, 5 * 4 * 4]

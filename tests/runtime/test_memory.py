@@ -25,10 +25,11 @@ def _choices(**kw: Any) -> TrainingChoices:
 
 def _graph() -> LayerGraph:
     """embed, two blocks, head: kept 10, 100, 100, 40; working 5, 30, 30, 60; each output
-    4 bytes; the blocks' and the head's deferred Linear operands 50 and 20."""
+    4 bytes; the blocks' and the head's deferred Linear operands 50 and 20, half of them
+    their outputs (what a split backward's ``B`` records)."""
     def layer(name: str, what: str, kept: int, work: int, deferred: int) -> Layer:
         return Layer(name, 1.0, 1.0, 4, 8, what, saved_bytes=kept, backward_bytes=work,
-                     deferred_bytes=deferred)
+                     deferred_bytes=deferred, recorded_bytes=deferred // 2)
 
     return LayerGraph((layer("embed", "Embed", 10, 5, 0), layer("b1", "Block", 100, 30, 50),
                        layer("b2", "Block", 100, 30, 50), layer("head", "Head", 40, 60, 20)),
@@ -107,8 +108,8 @@ def _until(actions: tuple[Action, ...], end: ActionKind) -> tuple[int, int]:
 def test_a_split_backward_keeps_a_microbatch_until_its_w() -> None:
     """Under zb-h1 a microbatch's kept tensors live until its ``W`` (``B`` keeps the
     graph), and after the first stage each microbatch waiting for its ``W`` also holds
-    what ``B`` recorded, its Linear operands (the blocks' and the head's deferred 50 and
-    20); the first stage's ``B`` records nothing (it leaves the backward to ``W``)."""
+    what ``B`` recorded, its Linear outputs' gradients (the blocks' and the head's 25 and
+    10); the first stage's ``B`` records nothing (it leaves the backward to ``W``)."""
     graph = _graph()
     plan = Plan.from_config(4, [0, 2], [1, 1])
     flush, zb = (MicrobatchLayout(kind=kind, microbatches=4).build([1, 1], 2, plan.in_flight)
@@ -119,7 +120,7 @@ def test_a_split_backward_keeps_a_microbatch_until_its_w() -> None:
         before = _in_flight(flush.actions[s])
         after, waiting = _until(zb.actions[s], ActionKind.WEIGHT)
         assert after >= before and (s == 0 or waiting > 0)
-        extra = (after - before) * kept[s] + (waiting * (50 + 20) if s == 1 else 0)
+        extra = (after - before) * kept[s] + (waiting * (25 + 10) if s == 1 else 0)
         assert split[s] - plain[s] == extra, s
 
 

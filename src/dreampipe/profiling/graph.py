@@ -24,7 +24,7 @@ FORMAT_VERSION = 1
 
 #: The figures a profile may leave out.
 _OPTIONAL = ("saved_bytes", "weight_grad_ms", "backward_bytes", "deferred_bytes",
-             "library_bytes")
+             "recorded_bytes", "library_bytes")
 
 
 @dataclass(frozen=True)
@@ -50,10 +50,12 @@ class Layer:
     ``backward_bytes`` is the most the layer's backward holds at once besides what
     the forward kept (its upstream gradient, the gradients and temporaries it makes,
     the loss's backward on the last layer), ``deferred_bytes`` what its backward leaves
-    alive until the stage's ends when its Linear weight gradients wait, and
-    ``library_bytes`` what the compute library keeps for its kernels once it ran
-    (:mod:`.layer_memory`); None where not measured, and then the backward counts
-    ``stash_bytes``, the deferred nothing and the library nothing.
+    alive until the stage's ends when its Linear weight gradients wait,
+    ``recorded_bytes`` what a split backward's ``B`` keeps for its ``W`` beyond the kept
+    tensors (its Linear outputs' gradients), and ``library_bytes`` what the compute
+    library keeps for its kernels once it ran (:mod:`.layer_memory`); None where not
+    measured, and then the backward counts ``stash_bytes``, the deferred, the recorded
+    and the library nothing.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Layer:
     backward_bytes: int | None = None
     deferred_bytes: int | None = None
     library_bytes: int | None = None
+    recorded_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",

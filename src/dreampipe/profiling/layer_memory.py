@@ -6,6 +6,8 @@
 - :func:`deferred_bytes`: what stays alive until a stage's backward ends while the runtime
   defers its Linear weight gradients (:mod:`dreampipe.runtime.fused`, after the first
   stage): each Linear's output gradient, and its input where not the layer's own.
+- :func:`recorded_bytes`: what a split backward's ``B`` keeps for ``W``: the Linear
+  outputs' gradients.
 - :func:`library_bytes`: the anonymous memory a process keeps after a layer first runs,
   cold and as the runtime runs it, twice (a weight GEMM, then one adding into it): on
   CPU, oneDNN's cached 16-bit primitives and their buffers, for the life of the process.
@@ -33,10 +35,21 @@ from dreampipe.profiling.model_steps import INPUT, Env, Step
 from dreampipe.profiling.tensor_bytes import TensorBytes
 from dreampipe.profiling.tensor_trees import detach, fresh, storages, tensors
 
-__all__ = ["backward_bytes", "deferred_bytes", "library_bytes",
-           "linear_operands", "sent_bytes", "with_library"]
+__all__ = [
+    "OUTPUTS",
+    "backward_bytes",
+    "deferred_bytes",
+    "library_bytes",
+    "linear_operands",
+    "recorded_bytes",
+    "sent_bytes",
+    "with_library",
+]
 
 _STATUS = Path("/proc/self/status")
+
+#: The key suffix under which :func:`linear_operands` notes a layer's Linear outputs.
+OUTPUTS = "/outputs"
 
 #: The loss of the model's output: ``loss(output)``, the target bound.
 Loss = Callable[[Any], Tensor]
@@ -82,12 +95,14 @@ def backward_bytes(layers: Sequence[Step], env: Env, grads: dict[str, list[Tenso
 def linear_operands(model: nn.Module, layers: Sequence[Step]
                     ) -> Iterator[dict[str, dict[int, int]]]:
     """Within, each forward of ``model`` notes, by layer key, the storages (address: bytes)
-    of its ``nn.Linear`` modules' inputs and outputs, for :func:`deferred_bytes`."""
+    of its ``nn.Linear`` modules' inputs and outputs, for :func:`deferred_bytes`, and under
+    ``key + OUTPUTS`` the outputs' alone, for :func:`recorded_bytes`."""
     owner = {id(p): s for s in layers for p in s.params}
     noted: dict[str, dict[int, int]] = {}
 
     def hook(step: Step, _m: nn.Module, args: Any, out: Any) -> None:
         noted.setdefault(step.key, {}).update({**storages(args), **storages(out)})
+        noted.setdefault(step.key + OUTPUTS, {}).update(storages(out))
 
     handles = [m.register_forward_hook(partial(hook, owner[id(m.weight)]))
                for m in model.modules()
@@ -108,6 +123,12 @@ def deferred_bytes(noted: dict[str, dict[int, int]], layers: Sequence[Step], env
         own = storages([env[d] for d in step.deps])
         out.append(sum(n for ptr, n in noted.get(step.key, {}).items() if ptr not in own))
     return out
+
+
+def recorded_bytes(noted: dict[str, dict[int, int]], layers: Sequence[Step]) -> list[int]:
+    """Each layer's ``recorded_bytes``: its Linear outputs' storages, the size of the
+    gradients a split backward's ``B`` keeps for ``W`` (their inputs are kept tensors)."""
+    return [sum(noted.get(step.key + OUTPUTS, {}).values()) for step in layers]
 
 
 def library_bytes(model: nn.Module, steps: Sequence[Step], output_key: str, sample: Any,

@@ -33,6 +33,7 @@ from dreampipe.profiling.layer_memory import (
     deferred_bytes,
     library_bytes,
     linear_operands,
+    recorded_bytes,
     sent_bytes,
     with_library,
 )
@@ -112,11 +113,13 @@ def profile_model(
             kept = _layer_steps(steps, env)
             working = backward_bytes(kept, env, grads, bound)
             deferred = deferred_bytes(operands, kept, env)
+            recorded = recorded_bytes(operands, kept)
             layers = [replace(x, saved_bytes=_saved_bytes(
                 saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None),
-                backward_bytes=w, deferred_bytes=d,
+                backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
                 activation_bytes=sent_bytes(env[s.key], autocast))
-                for x, s, w, d in zip(layers, kept, working, deferred, strict=True)]
+                for x, s, w, d, r in zip(layers, kept, working, deferred, recorded,
+                                         strict=True)]
             layers = with_library(layers, [first_use.get(s.key) for s in kept])
     finally:
         with torch.no_grad():

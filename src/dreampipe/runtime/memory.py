@@ -122,18 +122,19 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
     copies of every gradient, alive until the round's ``ALLREDUCE``). Under a split backward a
     microbatch stays in flight until its ``W``, and after the first stage (whose ``B`` leaves
-    the whole backward to ``W``) each waiting for it holds what ``B`` recorded
-    (:func:`_peak_waiting`). ``graph`` is profiled in the run's number formats at the
-    schedule's microbatch size.
+    the whole backward to ``W``) each waiting for it holds what ``B`` recorded, when that
+    raises the peak (:func:`_waiting_bytes`). ``graph`` is profiled in the run's number
+    formats at the schedule's microbatch size.
     """
     if not library:
         graph = graph.without_library()
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
-    at_end, waiting = [0] * plan.num_stages, [0] * plan.num_stages
+    at_end = [0] * plan.num_stages
+    ranks: dict[int, list[tuple[Action, ...]]] = {}
     for stage, actions in _by_stage(schedule):
+        ranks.setdefault(stage, []).append(actions)
         flight[stage] = max(flight[stage], _peak_in_flight(actions))
-        waiting[stage] = max(waiting[stage], _peak_waiting(actions))
         at_end[stage] = max(at_end[stage], _in_flight_at_round_end(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
@@ -165,8 +166,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                       if st.replicas > 1 and level < 2 else 0)
                    - _zero_saved(st, level, weights, max(sizes, default=0), opts,
                                  pairs_per_use(schedule, s))
-                   + (waiting[s] * sum(x.deferred_bytes or 0
-                                       for x in graph.layers[st.first : st.last + 1])
+                   + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
                       if s > 0 else 0))
     return tuple(out)
 
@@ -244,18 +244,23 @@ def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
     return out
 
 
-def _peak_waiting(actions: tuple[Action, ...]) -> int:
-    """The most microbatches whose ``B`` ran and ``W`` did not, along one rank's actions:
-    each holds the gradients ``B`` recorded for its ``W`` (about its Linear operands,
-    :attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`)."""
-    now = peak = 0
+def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
+    """What microbatches waiting for their ``W`` hold beyond the stage's kept tensors of
+    its most microbatches in flight: along one rank's actions, the most of the kept
+    tensors (and input) of those in flight and what ``B`` recorded for those waiting
+    (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
+    most."""
+    if not any(a.kind is ActionKind.WEIGHT for a in actions):
+        return 0
+    layers = graph.layers[st.first : st.last + 1]
+    kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
+    recorded = sum(x.recorded_bytes or 0 for x in layers)
+    flight = waiting = most = top = 0
     for a in actions:
-        if a.kind is ActionKind.BACKWARD:
-            now += 1
-            peak = max(peak, now)
-        elif a.kind is ActionKind.WEIGHT:
-            now -= 1
-    return peak if any(a.kind is ActionKind.WEIGHT for a in actions) else 0
+        flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
+        waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
+        most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
+    return max(0, most - kept * top)
 
 
 def _release(actions: tuple[Action, ...]) -> ActionKind:
