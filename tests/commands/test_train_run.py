@@ -89,6 +89,14 @@ def test_memory_rows_set_each_ranks_measured_bytes_beside_its_stages_prediction(
     assert TrainReport(_plan(), 3, 100.0, _result()).memory_rows() == []
 
 
+def test_an_interleaved_rank_s_row_sums_the_predictions_of_its_stages() -> None:
+    plan = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1], virtual_stages=2)
+    uses = (MemoryUse(0, 0, 0, 9000, "cpu"), MemoryUse(1, 1, 0, 7000, "cpu"))
+    rows = TrainReport(plan, 3, 100.0, _result(uses),
+                       predicted_memory=(1000, 2000, 3000, 4000)).memory_rows()
+    assert [r["predicted_bytes"] for r in rows] == [1000 + 3000, 2000 + 4000]
+
+
 def test_the_summary_says_what_ran_what_was_predicted_and_what_was_measured() -> None:
     config = TrainConfig(schedule="1f1b-flush", microbatches=4, seed=2, virtual_stages=1)
     report = TrainReport(_plan((2, 1)), 3, 180.0, _result(_MEMORY, accuracy=0.75),

@@ -242,14 +242,12 @@ def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
 def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
             opts: TrainOptions, limit: int | None) -> tuple[int, ...]:
     """Each stage's predicted tensor bytes (what a rank's meter measures), the stage's
-    whole need (the compute library's kernels too) checked against ``limit``; empty when
-    interleaved."""
-    if plan.virtual_stages > 1:
-        return ()
+    whole need (the compute library's kernels too) checked against ``limit``."""
     # long enough to fill the pipeline and the runtime's kept sends
     fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
     horizon = min(steps, SENDS_KEPT + 2 * fill)
-    schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight)
+    schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight,
+                            virtual_stages=plan.virtual_stages)
     check_memory(plan, predict_memory(graph, plan, schedule, opts.memory_choices()), limit)
     return predict_memory(graph, plan, schedule, opts.memory_choices(), library=False)
 

@@ -45,7 +45,7 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node
 from dreampipe.runtime.engine import barrier
-from dreampipe.runtime.memory_meter import Meter, start_measuring
+from dreampipe.runtime.memory_meter import MemoryUse, Meter, start_measuring
 from dreampipe.runtime.processes import prepare_process, run_processes
 from dreampipe.runtime.results import RankReport, sorted_events, stage_states
 
@@ -75,7 +75,8 @@ class TrainReport:
         """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
         rows = []
         for m in self.result.memory:
-            predicted = self.predicted_memory[m.stage] if self.predicted_memory else None
+            predicted = sum(self.predicted_memory[s] for s in self._stages_of(m)) \
+                if self.predicted_memory else None
             rows.append({
                 "rank": m.rank, "stage": m.stage, "device": m.kind,
                 "predicted_bytes": predicted, "measured_bytes": m.used,
@@ -83,6 +84,12 @@ class TrainReport:
                 "ratio": m.used / predicted if predicted else None,
             })
         return rows
+
+    def _stages_of(self, m: MemoryUse) -> list[int]:
+        """The stages rank ``m.rank`` runs: its one, or an interleaved rank's several."""
+        if self.plan.virtual_stages == 1:
+            return [m.stage]
+        return [s for s, st in enumerate(self.plan.stages) if m.rank in st.ranks]
 
     def summary(self) -> dict[str, Any]:
         """The ``--json`` object."""
