@@ -1,10 +1,11 @@
-"""Each rank's peak memory in ``dreampipe train`` is within 25% of the planner's prediction.
+"""Each rank's peak memory in ``dreampipe train`` is within 15% of the planner's prediction
+(a quarter where an Adam stage predicts its weights).
 
 Two local ranks, two stages, PipeDream's schedule with and without weight
 stashing, on an mlp whose weights dominate (about 50 MB a stage) and a cnn
 whose conv activations do (what autograd keeps of a conv block is 7 times
-its output). The measured figure is the peak above the rank's baseline
-(:mod:`dreampipe.runtime.memory`).
+its output). The measured figure is the peak of the rank's tensors
+(:mod:`dreampipe.runtime.memory_meter`).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _request(model: str, stash: bool, profile: Path | None, memory_bytes: int | 
 @pytest.mark.parametrize(("model", "stash", "saved"), [
     ("mlp", True, False), ("mlp", False, True), ("cnn", True, True), ("cnn", False, True),
 ], ids=["mlp-stash-own-profile", "mlp-no-stash", "cnn-stash", "cnn-no-stash"])
-def test_peak_memory_is_within_a_quarter_of_the_prediction(
+def test_peak_memory_is_within_15_percent_of_the_prediction(
     model: str, stash: bool, saved: bool, profiles: dict[str, Path]
 ) -> None:
     report = run_train(_request(model, stash, profiles[model] if saved else None))
@@ -67,7 +68,7 @@ def test_peak_memory_is_within_a_quarter_of_the_prediction(
     assert [r["stage"] for r in rows] == [0, 1]
     for r in rows:
         assert r["predicted_bytes"] > 20e6, r  # the model's memory dominates the noise
-        assert 0.75 <= r["ratio"] <= 1.25, rows
+        assert 0.85 <= r["ratio"] <= 1.15, rows
 
 
 @pytest.mark.slow
@@ -80,7 +81,7 @@ def test_an_adam_stage_that_predicts_its_weights_is_within_a_quarter_of_the_pred
     assert report is not None
     rows = report.memory_rows()
     for r in rows:
-        assert 0.75 <= r["ratio"] <= 1.25, rows
+        assert 0.75 <= r["ratio"] <= 1.25, rows  # it reads 1.16
     weights = 4 * 2048 * 2048 * 4  # stage 0's: four 2048x2048 float32 layers of the mlp's 8
     assert rows[0]["predicted_bytes"] - rows[1]["predicted_bytes"] > 1.5 * weights, rows
 
