@@ -253,6 +253,8 @@ def test_the_parser_and_plan_never_load_torch() -> None:
         f"assert main(['plan', {VGG!r}, '-t', '4x4']) == 0\n"
         "assert main(['plan', 'gpt:layers=2,hidden=64,heads=4,seq=8,vocab=10', '-t', "
         "'dgx-a100:1']) == 0\n"
+        "assert main(['plan', 'gpt:layers=2,hidden=64,heads=4,seq=8,vocab=10', '-t', "
+        "'dgx-a100:1', '--global-batch', '16', '--layout', 't2-p2-r1']) == 0\n"
         "loaded = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not loaded, loaded[:5]\n"
     )

@@ -9,7 +9,7 @@ pipeline without ZeRO (bit for bit: an elementwise optimizer steps each chunk as
 the whole; level 3 against level 0 bit for bit in fp32 too) and with one bf16 process under
 ``test_pipeline_precision``'s rule. The mlp of
 width 15 has parameters that do not split evenly (padded chunks); that of width 16 does,
-so the bytes each rank holds equal :func:`~dreampipe.runtime.zero_memory.zero_bytes`.
+so the bytes each rank holds equal :func:`~dreampipe.planning.state_bytes.zero_bytes`.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan
+from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.processes import run_processes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.zero import ZeroPlace, _Layout
-from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.runtime.zero_params import ZeroParams, check_gathers, sharded_weights, writable
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 from dreampipe.scheduling.build import build_schedule

@@ -43,6 +43,7 @@ from dreampipe.cli.plan_schedule import (
     interleaved_report,
     schedule_report,
 )
+from dreampipe.cli.plan_sync import add_sync_arguments, run_sync, wants_sync
 from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
@@ -137,6 +138,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "optimizer term for term, (compute + 4(m-1)/m|w|/B)/m added, Input "
                         "zeroed, every worker used, no memory limit")
     add_schedule_arguments(p)
+    add_sync_arguments(p)
     p.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="save the plan here")
     p.add_argument("--json", action="store_true",
                    help="print exactly one JSON object on stdout instead of the table")
@@ -157,6 +159,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 def _run(args: argparse.Namespace) -> int:
     topo = topology_from(args)
     graph = profile_on(args.profile, topo)
+    if wants_sync(args):
+        return run_sync(args, graph, topo)
     if args.virtual_stages != 1:
         return _run_interleaved(args, graph, topo)
     limit = memory_limit(args.memory, graph, topo)

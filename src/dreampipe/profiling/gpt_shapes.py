@@ -39,6 +39,13 @@ class GptShape:
         block = 12 * h * h + 13 * h
         return self.layers * block + 2 * self.vocab * h + self.seq * h + 2 * h
 
+    def update_flops(self, global_batch: int) -> float:
+        """Floating-point operations of one update of ``global_batch`` sequences by
+        Megatron-LM's count (Narayanan et al. 2021, §5.1), the forward once more for
+        activation recomputation: ``96 B s l h^2 (1 + s / 6h + V / 16lh)``."""
+        b, s, n, h, v = global_batch, self.seq, self.layers, self.hidden, self.vocab
+        return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+
 
 #: GPT-3 XL (Brown et al., "Language Models are Few-Shot Learners", Table 2.1).
 GPT3_1_3B = GptShape("gpt3-1.3b", 24, 2048, 16, 2048, 50257, 4)

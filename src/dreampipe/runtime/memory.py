@@ -17,13 +17,13 @@ from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
 from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost
+from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import BUCKET_CAP_MB, round_ends
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
-from dreampipe.runtime.zero_memory import zero_bytes
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 
@@ -78,7 +78,7 @@ def _state_copies(opts: TrainingChoices) -> int:
 def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: TrainingChoices,
                 per_use: bool) -> int:
     """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
-    (:func:`~dreampipe.runtime.zero_memory.zero_bytes`): the optimizer's state and master
+    (:func:`~dreampipe.planning.state_bytes.zero_bytes`): the optimizer's state and master
     weights sharded; from level 2 the gradients too, but for two buckets of a
     microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, with its
     summed chunk, one filling; a bucket of ``BUCKET_CAP_MB``, or of one larger parameter,

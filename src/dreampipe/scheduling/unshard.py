@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.zero_terms import SHARDED_LEVEL
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule
 
 __all__ = ["ASYNC_REASON", "SHARDED_LEVEL", "pairs_per_use", "place_unshards", "sharded_stages",
            "unshard_problem"]
 
-#: The ZeRO level from which a stage's weights are sharded between uses.
-SHARDED_LEVEL = 3
 #: Why an asynchronous schedule cannot run a stage so sharded.
 ASYNC_REASON = ("its microbatches in flight run on a weight version each, which a stage "
                 "sharding its weights between uses cannot keep")

@@ -1,0 +1,198 @@
+"""``dreampipe plan --global-batch B [--layout ...]``: the synchronous objective's plan.
+
+With a global batch, ``--semantics sync`` plans an update as the chosen schedule runs
+it (:func:`dreampipe.planning.sync_search.plan_sync`): the layout, the microbatches,
+the schedule and the cuts. ``--layout`` prices a layout given by hand, the planner
+choosing what it leaves out. The report gives each stage's terms, the time per update
+and, for a profile by shape, the teraFLOP/s per GPU by Megatron-LM's count; then the
+check simulates the plan's schedule for two updates and sets the simulated time
+beside the prediction (interleaving runs only unsplit, unreplicated stages there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+from dreampipe.cli.links import memory_limit, sync_from
+from dreampipe.errors import ConfigError
+from dreampipe.planning.layout import LAYOUT_EXAMPLE, parse_layout
+from dreampipe.planning.state_bytes import OPTIMIZER_COPIES, PRECISION_PARAM_BYTES, Training
+from dreampipe.planning.sync_objective import PipelineKind
+from dreampipe.planning.sync_plan import SyncPlan
+from dreampipe.planning.sync_search import SyncOptions, plan_sync
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import format_bytes
+
+__all__ = ["add_sync_arguments", "run_sync", "wants_sync"]
+
+#: Updates the check simulates.
+_UPDATES = 2
+
+
+def add_sync_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--global-batch``, ``--microbatch-size``, ``--layout``, ``--precision`` and
+    ``--optimizer``."""
+    flags: dict[str, dict[str, Any]] = {
+        "--global-batch": dict(type=int, metavar="B", help=(
+            "samples an update: plan the synchronous objective, each update priced as its "
+            "schedule runs it (bubble, all-reduce, microbatches chosen by the search)")),
+        "--microbatch-size": dict(type=int, metavar="b", help=(
+            "samples a microbatch (default: the search chooses a divisor of the global batch "
+            "per copy of the pipeline)")),
+        "--layout": dict(metavar="L", help=(
+            f"price this layout, e.g. {LAYOUT_EXAMPLE} or t1-p1: tensor parallel t, pipeline "
+            "stages p, virtual stages v, ZeRO level z, recomputed blocks r a stage; data "
+            "parallelism fills the workers")),
+        "--precision": dict(choices=list(PRECISION_PARAM_BYTES), help=(
+            "number formats of the synchronous objective's memory: bf16 keeps 16-bit weights "
+            "and gradients and 32-bit masters (default: the profile's bytes a weight)")),
+        "--optimizer": dict(choices=list(OPTIMIZER_COPIES), default="sgd", help=(
+            "the optimizer whose state the synchronous objective counts (default sgd: none; "
+            "adam: two 32-bit moments a weight)")),
+    }
+    for flag, how in flags.items():
+        p.add_argument(flag, **how)
+
+
+def wants_sync(args: argparse.Namespace) -> bool:
+    """Whether the flags ask for the synchronous objective; its flags without a global
+    batch, or under ``--semantics async``, are errors naming the fix."""
+    extra = [flag for flag, value in (("--microbatch-size", args.microbatch_size),
+                                      ("--layout", args.layout),
+                                      ("--precision", args.precision),
+                                      ("--optimizer", args.optimizer != "sgd" or None))
+             if value is not None]
+    if args.global_batch is None:
+        if extra:
+            raise ConfigError(f"{extra[0]} prices a synchronous update, which needs its "
+                              "global batch: add --global-batch B, e.g. --global-batch 512")
+        return False
+    if args.semantics != "sync":
+        raise ConfigError("--global-batch plans the synchronous objective; drop "
+                          f"--semantics {args.semantics} or --global-batch")
+    return True
+
+
+def _kinds(args: argparse.Namespace) -> tuple[PipelineKind, ...]:
+    if args.schedule == "auto":
+        return tuple(PipelineKind)
+    if args.schedule not in {k.value for k in PipelineKind}:
+        raise ConfigError(f"--schedule {args.schedule} with --global-batch: the synchronous "
+                          f"objective prices {', '.join(k.value for k in PipelineKind)}; "
+                          "give one of them or auto")
+    return (PipelineKind(args.schedule),)
+
+
+def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
+    """Plan, check and report the synchronous objective (module doc)."""
+    layout = parse_layout(args.layout) if args.layout else None
+    if args.virtual_stages != 1:
+        raise ConfigError(f"--virtual-stages {args.virtual_stages} with --global-batch: the "
+                          "synchronous objective chooses them, or give them in --layout "
+                          "(e.g. t1-p4-v2)")
+    options = SyncOptions(
+        global_batch=args.global_batch, microbatch_size=args.microbatch_size,
+        memory_bytes=memory_limit(args.memory, graph, topo),
+        training=Training(args.precision, args.optimizer), sync=sync_from(args),
+        kinds=_kinds(args), layout=layout, recompute=args.recompute,
+        tensor_split=args.mixed_splits)
+    start = time.perf_counter()
+    result = plan_sync(graph, topo, options)
+    seconds = time.perf_counter() - start
+    simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
+    tflops = _tflops(graph, result)
+    plan = result.plan()
+    if args.output:
+        if plan is None:
+            raise ConfigError(f"-o {args.output}: layout {result.layout} interleaves stages "
+                              "split or replicated over workers, which the runtime does not "
+                              "run; drop -o or plan without virtual stages")
+        plan.save(args.output)
+    if args.json:
+        out: dict[str, Any] = {**result.to_dict(), "model": graph.model,
+                               "tflops_per_gpu": tflops, "plan_time_s": seconds,
+                               "check_skipped": simulated is None,
+                               "simulated_time_per_update_s": simulated}
+        if plan is not None:
+            out["config"] = plan.config
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    print("\n".join(_lines(result, graph, topo, tflops, simulated, why, seconds)))
+    if args.output:
+        print(f"plan saved to {args.output}")
+    return 0
+
+
+def _tflops(graph: LayerGraph, result: SyncPlan) -> float | None:
+    """Megatron-LM's teraFLOP/s per GPU for a profile by shape (None for others)."""
+    spec = graph.meta.get(BY_SHAPE)
+    if not spec or result.time_per_update_s <= 0:
+        return None
+    flops = parse_gpt_spec(spec).shape.update_flops(result.global_batch)
+    return flops / result.time_per_update_s / result.workers_used / 1e12
+
+
+def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions
+           ) -> tuple[float | None, str]:
+    """The simulated time per update of ``result``'s schedule, or None and why not."""
+    from dreampipe.scheduling.actions import ScheduleKind
+    from dreampipe.scheduling.build import build_schedule
+    from dreampipe.simulation.action_costs import costs_from_profile
+    from dreampipe.simulation.simulator import simulate_schedule
+    from dreampipe.simulation.zero_costs import with_zero
+
+    plan = result.plan()
+    if plan is None:
+        return None, "the simulator interleaves unsplit, unreplicated stages only"
+    trained = options.training.trained(graph)
+    again = {i for st in result.stages for i in st.recomputed}
+    layers = tuple(replace(x, backward_ms=x.backward_ms + x.forward_ms) if i in again else x
+                   for i, x in enumerate(trained.layers))
+    per_update = result.global_batch // result.microbatch_size
+    schedule = build_schedule([st.replicas for st in plan.stages],
+                              ScheduleKind(result.schedule.value), _UPDATES * per_update,
+                              per_update, virtual_stages=result.virtual_stages)
+    costs = costs_from_profile(replace(trained, layers=layers), plan, topo,
+                               result.microbatch_size / result.profile_batch, options.sync)
+    costs = with_zero(costs, schedule, [result.zero] * plan.num_stages)
+    return simulate_schedule(schedule, costs, record_events=False).makespan_s / _UPDATES, ""
+
+
+def _lines(result: SyncPlan, graph: LayerGraph, topo: Topology, tflops: float | None,
+           simulated: float | None, why: str, seconds: float) -> list[str]:
+    lines = [f"topology: {topo.describe()}", f"model: {graph.model or 'model'}, "
+             f"{len(graph)} layers", "",
+             f"{'stage':>5} {'layers':>9} {'block':>5} {'option':>8} {'tau ms':>9} "
+             f"{'cut ms':>8} {'tail ms':>8} {'held':>4} {'memory':>9}"]
+    for s, st in enumerate(result.stages):
+        lines.append(f"{s:>5} {f'{st.first}..{st.last}':>9} {st.block:>5} "
+                     f"{st.option.label or '-':>8} {st.tau_s * 1e3:>9.2f} {st.cut_s * 1e3:>8.2f} "
+                     f"{st.tail_s * 1e3:>8.2f} {st.held:>4} {format_bytes(st.memory_bytes):>9}")
+    d, t, p = result.data_parallel, result.tensor_parallel, result.pipeline
+    lines += [
+        "",
+        f"layout {result.layout}: {d} copies x {p} stages x {t} workers a replica = "
+        f"{result.workers_used} of {topo.num_workers} workers; {result.schedule.value}"
+        + (f", {result.virtual_stages} virtual stages" if result.virtual_stages > 1 else ""),
+        f"  global batch {result.global_batch}: {result.microbatches} microbatches of "
+        f"{result.microbatch_size} a copy; {result.time_per_update_s:.4g} s per update, "
+        f"bubble {100 * result.bubble_fraction:.1f}%"
+        + (f", {tflops:.1f} TFLOP/s per GPU (Megatron-LM's count)" if tflops else ""),
+        "  exact: the fastest plan of the synchronous objective over every choice",
+    ]
+    if simulated is not None:
+        ratio = simulated / result.time_per_update_s if result.time_per_update_s else 0.0
+        lines.append(f"simulated: {simulated:.4g} s per update ({ratio:.0%} of the "
+                     "prediction)")
+    else:
+        lines.append(f"simulated: skipped ({why})")
+    lines.append(f"planned in {seconds:.3f} s")
+    return lines

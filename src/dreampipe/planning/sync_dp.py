@@ -1,0 +1,174 @@
+"""The dynamic program of the synchronous objective: the best cuts for one schedule's slots.
+
+For a fixed schedule, stage count, chunk count and microbatches (a
+:class:`~dreampipe.planning.sync_objective.Slots`), an update takes the pipeline's
+``A = max_c phi (tau_c + cut_c)`` and then the longest tail ``X = max_c x_c``, each
+stage's terms read from the :class:`~dreampipe.planning.sync_tables.StageTables` of its
+layers, its option and its slot. For a bound ``L`` on the tails, the least ``A`` is a
+min-max of per-stage terms, so the recursion over the first stage's layers
+
+    H_c(i) = min over j >= i, options o with x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
+
+is exact, ``O(options n^2)`` a slot. :func:`best_stages` solves it with no bound, then
+with ``L`` the tail it found, and so on while ``A`` stays below the best ``A + X``:
+every plan with a longer tail has an ``A`` at least as large, so the best ``A + X`` is
+the optimum. :func:`stage_terms` prices given cuts with the same tables, so a plan's
+reported time is the program's value. docs/planner.md, "The synchronous objective".
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dreampipe.planning.costs import FloatArray
+from dreampipe.planning.sync_objective import Slots
+from dreampipe.planning.sync_tables import StageTables
+
+__all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """A stage of layers ``first..last`` run as option ``option`` of the tables."""
+
+    first: int
+    last: int
+    option: int
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """One stage's terms (seconds per microbatch and per update, bytes per worker) and
+    its value ``phi * (tau + cut)`` (inf where it does not fit)."""
+
+    chosen: Chosen
+    tau_s: float
+    cut_s: float
+    tail_s: float
+    memory_bytes: float
+    held: int
+    value_s: float
+
+
+class _Slots:
+    """Each slot's best option for every layer range, computed once per distinct slot."""
+
+    def __init__(self, tables: StageTables, slots: Slots, memory_bytes: float | None,
+                 tail_below: float = math.inf) -> None:
+        self.tables, self.slots, self.memory = tables, slots, memory_bytes
+        self.tail_below = tail_below
+        self._seen: dict[tuple[int, int, int, bool], tuple[FloatArray, IntArray]] = {}
+
+    def _cut(self, c: int) -> FloatArray:
+        if c + 1 == self.slots.count:
+            return np.zeros(self.tables.n)
+        return self.tables.cut(self.slots.blocks[c], self.slots.blocks[c + 1])
+
+    def values(self, c: int) -> tuple[FloatArray, IntArray]:
+        """``[i, j]``: slot ``c``'s best value over the options whose tail is below the
+        bound, and which option."""
+        sl = self.slots
+        last = c + 1 == sl.count
+        key = (sl.blocks[c], -1 if last else sl.blocks[c + 1], sl.in_flight[c], last)
+        if key not in self._seen:
+            self._seen[key] = self._values(c)
+        return self._seen[key]
+
+    def _values(self, c: int) -> tuple[FloatArray, IntArray]:
+        sl, tables, n = self.slots, self.tables, self.tables.n
+        cut = self._cut(c)
+        best = np.full((n, n), np.inf)
+        pick = np.zeros((n, n), dtype=np.int64)
+        for x in range(len(tables.options)):
+            tau, tail = tables.times(x, sl.blocks[c])
+            value = sl.factor * (tau + cut[None, :])
+            value = np.where(tail < self.tail_below, value, np.inf)
+            if self.memory is not None:
+                room = self.memory * sl.memory_share
+                value = np.where(tables.memory(x, sl.in_flight[c]) <= room, value, np.inf)
+            better = value < best
+            best = np.where(better, value, best)
+            pick = np.where(better, x, pick)
+        return best, pick
+
+    def terms(self, c: int, chosen: Chosen) -> StageTerms:
+        """Slot ``c``'s terms for ``chosen``."""
+        sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
+        tau, tail = self.tables.times(x, sl.blocks[c])
+        cut = float(self._cut(c)[j])
+        memory = float(self.tables.memory(x, sl.in_flight[c])[i, j])
+        fits = self.memory is None or memory <= self.memory * sl.memory_share
+        value = sl.factor * (float(tau[i, j]) + cut)
+        return StageTerms(chosen, float(tau[i, j]), cut, float(tail[i, j]), memory,
+                          sl.in_flight[c], value if fits else math.inf)
+
+
+def update_time(terms: Sequence[StageTerms]) -> float:
+    """The update's time: the pipeline's largest term, then the longest tail."""
+    return max(x.value_s for x in terms) + max(x.tail_s for x in terms)
+
+
+def _least_pipeline(program: _Slots) -> tuple[float, list[StageTerms]] | None:
+    """The stages whose largest ``phi (tau + cut)`` is least under the program's bounds."""
+    slots, n = program.slots, program.tables.n
+    rest = np.full(n + 1, np.inf)
+    rest[n] = 0.0
+    cuts: list[IntArray] = []
+    for c in reversed(range(slots.count)):
+        values, _ = program.values(c)
+        cand = np.maximum(values, rest[None, 1:])
+        j = np.argmin(cand, axis=1)
+        rest = np.append(cand[np.arange(n), j], np.inf)
+        cuts.append(j)
+    cuts.reverse()
+    if not math.isfinite(float(rest[0])):
+        return None
+    out, i = [], 0
+    for c in range(slots.count):
+        j = int(cuts[c][i])
+        out.append(program.terms(c, Chosen(i, j, int(program.values(c)[1][i, j]))))
+        i = j + 1
+    return float(rest[0]), out
+
+
+def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None
+                ) -> tuple[float, list[StageTerms]] | None:
+    """The cuts and options of ``slots.count`` stages (at least a layer each) whose update
+    (:func:`update_time`) is least, with their terms; None when no choice fits
+    ``memory_bytes`` per worker (None: no limit). Ties go to the shorter first stage,
+    then the earlier option, then the longer tail found first."""
+    if slots.count > tables.n:
+        return None
+    best: tuple[float, list[StageTerms]] | None = None
+    bound = math.inf
+    while True:
+        found = _least_pipeline(_Slots(tables, slots, memory_bytes, bound))
+        if found is None:
+            return best
+        pipeline, terms = found
+        time = update_time(terms)
+        if best is None or time < best[0]:
+            best = (time, terms)
+        bound = max(x.tail_s for x in terms)
+        if bound <= 0 or pipeline >= best[0]:
+            return best
+
+
+def stage_terms(tables: StageTables, slots: Slots, chosen: Sequence[Chosen],
+                memory_bytes: float | None = None) -> list[StageTerms]:
+    """The terms of given stages (one a slot, covering the layers in order), priced with
+    the tables the program reads; the update takes :func:`update_time` of them."""
+    if len(chosen) != slots.count or chosen[0].first != 0 or chosen[-1].last != tables.n - 1 \
+            or any(b.first != a.last + 1 for a, b in itertools.pairwise(chosen)):
+        raise ValueError(f"{len(chosen)} stages for {slots.count} slots over {tables.n} "
+                         "layers: give one stage a slot, covering the layers in order")
+    program = _Slots(tables, slots, memory_bytes)
+    return [program.terms(c, x) for c, x in enumerate(chosen)]

@@ -1,0 +1,280 @@
+"""The synchronous planner: the fastest update of a global batch over every layout.
+
+:func:`plan_sync` enumerates what couples all stages, outside the dynamic program:
+the split ``t`` of a replica, the copies ``d`` of the pipeline (``d`` divides the
+global batch ``B``), the microbatch size ``b`` (a divisor of ``B / d``, or
+``--microbatch-size``), the schedule and its virtual stages ``v``, and the stage count
+``p`` (``d t p`` workers at most). For each, :func:`~dreampipe.planning.sync_dp.
+best_stages` finds the exact best cuts and per-stage options. Every choice has a floor,
+``phi`` times the least compute of the model over the stages, so the choices run in
+the order of their floors and the search stops at the first floor above the best time
+found: the plan is the optimum of the objective over every choice. A ``--layout`` fixes
+``t``, ``p`` and optionally ``v``, ZeRO's level and the recomputed blocks, ``d`` filling
+the workers. docs/planner.md, "The synchronous objective".
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.layout import Layout
+from dreampipe.planning.split_ranges import split_options
+from dreampipe.planning.split_stage import split_widths
+from dreampipe.planning.state_bytes import Training, profiled_param_bytes
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync
+from dreampipe.planning.sync_dp import StageTerms, best_stages
+from dreampipe.planning.sync_objective import PipelineKind, Slots, slots, zero_bubble_ratio
+from dreampipe.planning.sync_plan import SyncPlan, SyncStage
+from dreampipe.planning.sync_tables import (
+    Recompute,
+    StageOption,
+    StageTables,
+    TableInputs,
+    layer_blocks,
+)
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["MAX_VIRTUAL_STAGES", "SyncOptions", "SyncSearch", "plan_sync"]
+
+log = logging.getLogger(__name__)
+
+#: The most virtual stages a worker is searched with (Megatron-LM's runs use a few).
+MAX_VIRTUAL_STAGES = 8
+#: Relative margin under which a floor still beats the best time found.
+_MARGIN = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """What :func:`plan_sync` may choose. ``global_batch`` samples an update (in the
+    profile's samples; a profile without its batch size counts its minibatches);
+    ``microbatch_size`` fixes ``b``; ``memory_bytes`` per worker (None: no limit);
+    ``training`` the number formats and optimizer; ``kinds`` the schedules allowed;
+    ``layout`` fixes part of the layout; ``recompute`` lets a stage recompute whole
+    where only that fits; ``tensor_split`` lets replicas split over a server's workers."""
+
+    global_batch: int
+    microbatch_size: int | None = None
+    memory_bytes: int | None = None
+    training: Training = field(default_factory=Training)
+    sync: Sync = DEFAULT_SYNC
+    kinds: tuple[PipelineKind, ...] = tuple(PipelineKind)
+    layout: Layout | None = None
+    recompute: bool = False
+    tensor_split: bool = True
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ConfigError(f"global_batch={self.global_batch}; give the samples of one "
+                              "update, a whole number >= 1, e.g. 512", "global_batch")
+        if self.microbatch_size is not None and not 1 <= self.microbatch_size <= \
+                self.global_batch:
+            raise ConfigError(f"microbatch_size={self.microbatch_size}; give a whole number "
+                              f"from 1 to the global batch {self.global_batch} that divides "
+                              "its share of each copy of the pipeline", "microbatch_size")
+        if not self.kinds:
+            raise ConfigError("kinds=(): allow at least one schedule, e.g. 1f1b-flush",
+                              "kinds")
+
+
+@dataclass(frozen=True, order=True)
+class _Choice:
+    """One choice made outside the program, ordered by its floor."""
+
+    floor: float
+    t: int
+    d: int
+    b: int
+    kind: PipelineKind
+    v: int
+    p: int
+
+
+class SyncSearch:
+    """One search's inputs: the profile with its weights as trained, each ``t``'s stage
+    options and each choice's tables, built once."""
+
+    def __init__(self, graph: LayerGraph, topology: Topology, opts: SyncOptions) -> None:
+        self.graph, self.topology, self.opts = graph, topology, opts
+        self.trained = opts.training.trained(graph)
+        blocks = layer_blocks(graph)
+        self.inputs = TableInputs(
+            self.trained, RangeCosts.of(self.trained), topology, opts.sync, opts.training,
+            profiled_param_bytes(graph), blocks, tuple(x.weight_grad_share for x in graph.layers))
+        self.base = graph.batch_size or 1
+        self.rho = zero_bubble_ratio(graph)
+        layout = opts.layout
+        n = self.inputs.costs.n
+        if layout is not None and layout.p * (layout.v or 1) > n:
+            raise PlanError(f"layout {layout.text} cuts {n} layers into "
+                            f"{layout.p * (layout.v or 1)} stages; give at most one stage a "
+                            "layer: a smaller p or v")
+        if layout is not None and layout.recompute_blocks is not None and not any(
+                b is not None for b in blocks):
+            raise PlanError(f"layout {layout.text} recomputes {layout.recompute_blocks} blocks "
+                            f"a stage, but profile {graph.model or 'model'} has no blocks (a "
+                            "gpt: profile's transformer layers); drop -r")
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def options(self, t: int) -> tuple[StageOption, ...]:
+        """Every way a stage may run on replicas of ``t`` workers: the one place that
+        lists a stage's choices."""
+        splits: list[StageOption | None] = [StageOption()] if t == 1 else [
+            StageOption(split=x) for x in split_options(self.trained, self.topology, [t])]
+        layout = self.opts.layout
+        out: list[StageOption] = []
+        for base in splits:
+            assert base is not None
+            if layout is not None and layout.recompute_blocks is not None:
+                out.append(replace(base, recompute=Recompute.BLOCKS,
+                                   blocks=layout.recompute_blocks))
+                continue
+            out.append(base)
+            if self.opts.recompute:
+                out.append(replace(base, recompute=Recompute.STAGE))
+        return tuple(out)
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_compute(self, t: int) -> float:
+        """A floor on the sum of a pipeline's ``tau`` for a profiled minibatch: each layer's
+        least forward and backward over the options (collectives and recomputation left
+        out), which every stage's ``tau`` sums at least."""
+        per_layer = []
+        for split in {o.split for o in self.options(t)}:
+            c = self.inputs.costs if split is None else split.costs
+            per_layer.append(np.diag(c.forward) + np.asarray(c.layer_backward_s))
+        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - one search, dropped with it
+    def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
+        zero = self.opts.layout.zero if self.opts.layout else 0
+        return StageTables(self.inputs, self.options(t), t, d, b / self.base, zero,
+                           splits_backward and zero >= 2)
+
+    def choices(self) -> Iterator[_Choice]:
+        """Every choice with its floor (module doc)."""
+        opts, layout, n = self.opts, self.opts.layout, self.inputs.costs.n
+        workers = self.topology.num_workers
+        widths = [1] + (split_widths(self.topology) if opts.tensor_split else [])
+        for t in [layout.t] if layout else widths:
+            if not self.options(t):
+                continue
+            for d in _copies(opts.global_batch, workers, t, layout):
+                per_copy = opts.global_batch // d
+                sizes = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_copy)
+                for b in (x for x in sizes if x is not None and per_copy % x == 0):
+                    m = per_copy // b
+                    floor = self.least_compute(t) * b / self.base
+                    stages = [layout.p] if layout else range(1, min(workers // (d * t), n) + 1)
+                    for p in stages:
+                        for kind, v in self._kinds(t, p, m, n):
+                            sl = slots(kind, p, m, v, self.rho)
+                            yield _Choice(sl.factor * floor / sl.count, t, d, b, kind, v, p)
+
+    def _kinds(self, t: int, p: int, m: int, n: int) -> Iterator[tuple[PipelineKind, int]]:
+        layout = self.opts.layout
+        for kind in self.opts.kinds:
+            if kind is PipelineKind.INTERLEAVED:
+                wanted = [layout.v] if layout and layout.v else range(2, MAX_VIRTUAL_STAGES + 1)
+                yield from ((kind, v) for v in wanted
+                            if v >= 2 and m % p == 0 and p > 1 and p * v <= n)
+            elif not (layout and layout.v and layout.v > 1) and not (
+                    kind is PipelineKind.ZB_H1 and t > 1):
+                yield kind, 1
+
+    def run(self, choice: _Choice) -> tuple[float, SyncPlan] | None:
+        c, opts = choice, self.opts
+        m = opts.global_batch // (c.d * c.b)
+        sl = slots(c.kind, c.p, m, c.v, self.rho)
+        tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
+        found = best_stages(tables, sl, opts.memory_bytes)
+        if found is None:
+            return None
+        value, terms = found
+        return value, self._plan(c, sl, tables, value, terms, m)
+
+    def _plan(self, c: _Choice, sl: Slots, tables: StageTables, value: float,
+              terms: list[StageTerms], m: int) -> SyncPlan:
+        stages = []
+        for k, x in enumerate(terms):
+            ch = x.chosen
+            option = tables.options[ch.option]
+            costs = self.inputs.costs if option.split is None else option.split.costs
+            forward = float(costs.forward[ch.first, ch.last]) * c.b / self.base
+            ar = tables.allreduce(ch.option, sl.blocks[k])[ch.first, ch.last]
+            stages.append(SyncStage.of(x, option, forward, float(ar), sl.blocks[k],
+                                       tables.recomputed(ch.option, ch.first, ch.last)))
+        return SyncPlan(
+            stages=tuple(stages), schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
+            pipeline=c.p, virtual_stages=c.v, microbatch_size=c.b, microbatches=m,
+            global_batch=self.opts.global_batch, zero=tables.zero, time_per_update_s=value,
+            profile_batch=self.base, num_layers=tables.n, model=self.graph.model,
+            topology=self.topology.describe())
+
+
+def _copies(batch: int, workers: int, t: int, layout: Layout | None) -> list[int]:
+    """The copies of the pipeline tried: those that divide ``batch`` on ``t`` workers a
+    replica; a layout's fill the workers."""
+    if layout is None:
+        return [d for d in range(1, workers // t + 1) if batch % d == 0]
+    d = workers // (layout.t * layout.p)
+    if d < 1:
+        raise PlanError(f"layout {layout.text} needs {layout.t * layout.p} workers; the "
+                        f"topology has {workers}: give a smaller t or p")
+    if batch % d:
+        raise PlanError(f"layout {layout.text} on {workers} workers runs d = {d} copies of "
+                        f"the pipeline, which do not divide the global batch {batch}: give "
+                        f"a global batch that {d} divides, e.g. {batch // d * d or d}")
+    return [d]
+
+
+def _divisors(k: int) -> list[int]:
+    return [x for x in range(1, k + 1) if k % x == 0]
+
+
+def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> SyncPlan:
+    """The fastest synchronous plan of ``graph`` on ``topology`` (module doc); a PlanError
+    when no choice fits the memory limit."""
+    search = SyncSearch(graph, topology, options)
+    best: tuple[float, SyncPlan] | None = None
+    tried = 0
+    choices = sorted(search.choices())
+    if not choices:
+        raise PlanError(
+            f"no layout of {graph.model or 'the model'} on {topology.num_workers} workers "
+            f"runs a global batch of {options.global_batch}"
+            + (f" as {options.layout.text}" if options.layout else "")
+            + f" with {', '.join(k.value for k in options.kinds)}: interleaving needs "
+            "v >= 2 and microbatches a multiple of p, zb-h1 unsplit stages, and a "
+            "microbatch size must divide each copy's share; change the schedule, the "
+            "layout or the batch")
+    for choice in choices:
+        if best is not None and choice.floor >= best[0] * (1 - _MARGIN):
+            break
+        tried += 1
+        found = search.run(choice)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    if best is None:
+        limit = options.memory_bytes
+        raise PlanError(
+            f"no synchronous plan of {graph.model or 'the model'} with a global batch of "
+            f"{options.global_batch} fits"
+            + (f" in {limit / 1e9:.3g} GB per worker" if limit else "")
+            + (f" as layout {options.layout.text}" if options.layout else "")
+            + "; raise --memory, recompute (drop --no-recompute, or -r in --layout), use a "
+            "smaller --microbatch-size or more pipeline stages")
+    log.info("synchronous search: %d of the choices run through the program; %s",
+             tried, best[1].layout)
+    if math.isfinite(best[0]):
+        return best[1]
+    raise PlanError("the best synchronous plan takes no finite time; check the profile")

@@ -1,0 +1,261 @@
+"""What a stage of a synchronous plan costs, for every layer range and every way to run it.
+
+A :class:`StageOption` is one way to run a stage: split over the ``t`` workers of a
+replica or not, keeping its activations, recomputing them whole or recomputing its
+first ``k`` blocks. These options are the one place where a stage's choices are listed;
+each gets tables over layer ranges ``[i, j]`` for a microbatch of ``b`` samples on ``d``
+replicas (:class:`StageTables`): ``tau`` the microbatch's forward and backward
+(recomputation and ZeRO's per-microbatch collectives included), ``tail`` what the update
+adds after its last backward, and memory as ``fixed + held * per``. The terms are the
+planner's (:mod:`dreampipe.planning.costs`): times scale with the microbatch, the
+all-reduce is :func:`~dreampipe.planning.costs.allreduce_ends` on its replicas' layout,
+ZeRO's times :func:`~dreampipe.planning.zero_terms.zero_times` and its bytes
+:class:`~dreampipe.planning.state_bytes.Training`'s. docs/planner.md, "The synchronous
+objective".
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from dreampipe.planning.costs import (
+    SENDS_KEPT,
+    BoolArray,
+    FloatArray,
+    RangeCosts,
+    allreduce_ends,
+)
+from dreampipe.planning.held import range_max
+from dreampipe.planning.pricing import cut_seconds
+from dreampipe.planning.split_ranges import StageSplit
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
+from dreampipe.planning.topology import Topology
+from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["Recompute", "StageOption", "StageTables", "TableInputs", "layer_blocks"]
+
+_BLOCK = re.compile(r"b(\d+)\.")
+
+
+class Recompute(StrEnum):
+    """What a stage recomputes in its backward."""
+
+    NONE = "none"
+    STAGE = "stage"  #: the whole stage's forward: keeps its input per microbatch
+    BLOCKS = "blocks"  #: its first k blocks: keeps each one's input per microbatch
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a stage: ``split`` (None: unsplit) and what it recomputes."""
+
+    split: StageSplit | None = None
+    recompute: Recompute = Recompute.NONE
+    blocks: int = 0
+
+    @property
+    def label(self) -> str:
+        what = {Recompute.NONE: "", Recompute.STAGE: "r",
+                Recompute.BLOCKS: f"r{self.blocks}"}[self.recompute]
+        return (f"t{self.split.t}" if self.split else "") + what
+
+
+def layer_blocks(graph: LayerGraph) -> tuple[int | None, ...]:
+    """Each layer's block (a transformer layer ``bK.`` of a profile by shape), None for
+    layers outside blocks (the embedding, the head)."""
+    found = [_BLOCK.match(x.name) for x in graph.layers]
+    return tuple(None if f is None else int(f.group(1)) for f in found)
+
+
+@dataclass(frozen=True)
+class TableInputs:
+    """What the tables of one setting read: the profile (weights as trained), its
+    tensor splits, the cluster, the all-reduce, the training's bytes, the bytes a weight
+    takes in the profile, each layer's block and weight-gradient share."""
+
+    graph: LayerGraph
+    costs: RangeCosts
+    topology: Topology
+    sync: Sync
+    training: Training
+    profiled_param_bytes: float
+    blocks: tuple[int | None, ...]
+    weight_grad_share: tuple[float, ...]
+
+
+class StageTables:
+    """The options' tables for ``t`` workers a replica, ``d`` replicas, microbatches of
+    ``fraction`` of the profiled minibatch, ZeRO ``zero`` (module doc). A stage on worker
+    block ``k`` holds workers ``k D .. (k + 1) D - 1``, ``D = d t``, replica ``r`` from
+    ``k D + r t``."""
+
+    def __init__(self, inputs: TableInputs, options: Sequence[StageOption], t: int, d: int,
+                 fraction: float, zero: int = 0, splits_backward: bool = False) -> None:
+        self.inputs, self.options, self.t, self.d = inputs, tuple(options), t, d
+        self.fraction, self.zero, self.splits_backward = fraction, zero, splits_backward
+        self.n = inputs.costs.n
+        self._memory = [self._memory_terms(o) for o in self.options]
+
+    # ---- layout ------------------------------------------------------------------
+    def workers(self, block: int) -> tuple[int, ...]:
+        """Every worker of the stage on worker block ``block``."""
+        size = self.d * self.t
+        return tuple(range(block * size, (block + 1) * size))
+
+    def _groups(self, block: int) -> tuple[int, ...]:
+        return replica_groups(self.workers(block)[::self.t], self.inputs.topology)
+
+    # ---- time --------------------------------------------------------------------
+    def times(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
+        """``(tau, tail)`` of option ``x`` on worker block ``block`` (module doc)."""
+        return self._times(x, self._groups(block))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _times(self, x: int, groups: tuple[int, ...]) -> tuple[FloatArray, FloatArray]:
+        o, f = self.options[x], self.fraction
+        costs = self._costs(o)
+        back_layers = np.asarray(costs.layer_backward_s) * f
+        weights = np.asarray(costs.layer_weights)
+        forward = costs.forward * f
+        compute = costs.compute_s * f
+        again = self._again(o, forward)
+        lat, per = allreduce_terms(groups, self.inputs.topology.levels, self.inputs.sync,
+                                   self.d)
+        end = allreduce_ends(back_layers, weights, np.array([lat]), np.array([per]),
+                             overlap=self.inputs.topology.overlap)[0]
+        ar = np.where(costs.weights > 0, lat + per * costs.weights, 0.0) if self.d > 1 \
+            else np.zeros_like(compute)
+        end = end if self.d > 1 else np.zeros_like(compute)
+        share = np.asarray(self.inputs.weight_grad_share)
+        wgrad = _sums(back_layers * share)
+        z = zero_times(self.zero, self.d, forward=forward, backward=compute - forward + again,
+                       weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
+                       delay=end - ar + again, gather=ar / 2,
+                       splits_backward=self.splits_backward)
+        tau = z.forward + z.backward
+        left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)
+        return np.where(np.isfinite(compute), tau, np.inf), left + z.step
+
+    def cut(self, block: int, after: int) -> FloatArray:
+        """``[j]``: one microbatch's cut after layer ``j`` from the stage on ``block`` to
+        the one on ``after``, per copy of the pipeline (the ``d`` copies share the links
+        as :func:`~dreampipe.planning.pricing.cut_seconds` counts; 0 after the last)."""
+        return self._cut(block, after)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
+    def _cut(self, block: int, after: int) -> FloatArray:
+        sent = self.inputs.costs.cut_bytes * self.fraction
+        senders, receivers = self.workers(block), self.workers(after)
+        out = np.zeros(self.n)
+        for j in range(self.n - 1):
+            out[j] = self.d * cut_seconds(float(sent[j + 1]), senders, receivers,
+                                          self.inputs.topology)
+        return out
+
+    def allreduce(self, x: int, block: int) -> FloatArray:
+        """``[i, j]``: one all-reduce of option ``x``'s weights over its replicas on
+        ``block`` (0 on one replica)."""
+        costs = self._costs(self.options[x])
+        if self.d < 2:
+            return np.zeros_like(costs.weights)
+        lat, per = allreduce_terms(self._groups(block), self.inputs.topology.levels,
+                                   self.inputs.sync, self.d)
+        return np.asarray(np.where(costs.weights > 0, lat + per * costs.weights, 0.0))
+
+    def recomputed(self, x: int, first: int, last: int) -> tuple[int, ...]:
+        """The layers of a stage ``first..last`` run as option ``x`` that recompute block by
+        block (none for the other options)."""
+        o = self.options[x]
+        if o.recompute is not Recompute.BLOCKS:
+            return ()
+        row = self._block_mask(o.blocks)[first]
+        return tuple(int(i) for i in range(first, last + 1) if row[i])
+
+    # ---- memory ------------------------------------------------------------------
+    def memory(self, x: int, held: float) -> FloatArray:
+        """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
+        fixed, per = self._memory[x]
+        return np.asarray(fixed + held * per)
+
+    def _memory_terms(self, o: StageOption) -> tuple[FloatArray, FloatArray]:
+        inp, f = self.inputs, self.fraction
+        costs = self._costs(o)
+        state = costs.weights * inp.training.state_per_byte(inp.profiled_param_bytes,
+                                                            self.zero, self.d)
+        if self.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
+            state = state + range_max(list(np.asarray(costs.layer_weights)))
+        fixed = state + (costs.backward_working + SENDS_KEPT * costs.sent) * f
+        kept, first = costs.kept * f, costs.inputs * f
+        if o.recompute is Recompute.NONE:
+            return fixed, first + kept
+        if o.recompute is Recompute.STAGE:
+            return fixed + first + kept, first
+        mask = self._block_mask(o.blocks)
+        layer_kept = np.diag(costs.kept) * f
+        later = np.triu(np.ones((self.n, self.n), dtype=bool))
+        rest = _row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
+        starts = np.zeros(self.n, dtype=bool)
+        starts[1:] = np.asarray([b is not None and b != a for a, b in
+                                 zip(inp.blocks, inp.blocks[1:], strict=False)])
+        entry = np.where(mask & starts[None, :] & np.triu(later, 1),
+                         inp.costs.cut_bytes[None, :] * f, 0.0)
+        return fixed + self._largest_block(layer_kept), first + rest + _row_sums(entry)
+
+    # ---- helpers -----------------------------------------------------------------
+    def _costs(self, o: StageOption) -> RangeCosts:
+        return self.inputs.costs if o.split is None else o.split.costs
+
+    def _again(self, o: StageOption, forward: FloatArray) -> FloatArray:
+        """The forward a stage runs again in its backward, ``[i, j]``."""
+        if o.recompute is Recompute.NONE:
+            return np.zeros_like(forward)
+        if o.recompute is Recompute.STAGE:
+            return np.where(np.isfinite(forward), forward, 0.0)
+        layer_forward = np.diag(forward)
+        return _row_sums(np.where(self._block_mask(o.blocks), layer_forward[None, :], 0.0))
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
+    def _block_mask(self, k: int) -> BoolArray:
+        """``[i, l]``: layer ``l >= i`` is in one of the first ``k`` blocks from layer ``i``."""
+        blocks = self.inputs.blocks
+        n = self.n
+        first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+        nxt = np.iinfo(np.int64).max
+        for i in reversed(range(n)):
+            b = blocks[i]
+            nxt = b if b is not None else nxt
+            first[i] = nxt
+        ids = np.array([-1 if b is None else b for b in blocks], dtype=np.int64)
+        later = np.arange(n)[None, :] >= np.arange(n)[:, None]
+        return np.asarray(later & (ids[None, :] >= 0) & (ids[None, :] >= first[:, None])
+                          & (ids[None, :] < first[:, None] + k))
+
+    def _largest_block(self, layer_kept: FloatArray) -> float:
+        """What the largest block keeps: held once while one backward recomputes it."""
+        sums: dict[int, float] = {}
+        for b, kept in zip(self.inputs.blocks, layer_kept, strict=True):
+            if b is not None:
+                sums[b] = sums.get(b, 0.0) + float(kept)
+        return max(sums.values(), default=0.0)
+
+
+def _sums(values: FloatArray) -> FloatArray:
+    """``[i, j]``: the sum of ``values[i..j]`` (0 where ``i > j``)."""
+    n = len(values)
+    return _row_sums(np.broadcast_to(np.asarray(values, dtype=np.float64), (n, n)).copy()
+                     * np.triu(np.ones((n, n))))
+
+
+def _row_sums(masked: FloatArray) -> FloatArray:
+    """``[i, j]``: row ``i``'s entries ``i..j`` summed (entries left of ``i`` must be 0)."""
+    n = masked.shape[0]
+    return np.asarray(np.where(np.triu(np.ones((n, n), dtype=bool)),
+                               np.cumsum(masked, axis=1), 0.0))

@@ -1,0 +1,83 @@
+"""``dreampipe plan --global-batch``: the synchronous objective on the command line, a
+layout priced with ``--layout``, and the flags' mistakes as one line each."""
+
+from __future__ import annotations
+
+import pytest
+
+from dreampipe.cli import main
+from dreampipe.planning.layout import parse_layout
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_search import SyncOptions, plan_sync
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.load import load_graph
+from tests.cli.test_cli_gpt import _json
+
+#: Megatron-LM's 1.7B model of SC21's Table 1 (24 layers, 2304 wide, 24 heads).
+GPT_1_7B = "gpt:layers=24,hidden=2304,heads=24,seq=2048,vocab=51200"
+SMALL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000"
+
+
+def test_a_layout_on_dgx_a100_prices_its_update_and_teraflops(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    data = _json(capsys, "plan", GPT_1_7B, "-t", "dgx-a100:4", "--global-batch", "512",
+                 "--precision", "bf16", "--optimizer", "adam", "--layout", "t1-p1", "--json")
+    assert (data["layout"], data["data_parallel"], data["workers_used"]) == ("t1-p1", 32, 32)
+    assert data["global_batch"] == 32 * data["microbatches"] * data["microbatch_size"]
+    s, n, h, v, batch = 2048, 24, 2304, 51200, 512
+    flops = 96 * batch * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    assert data["tflops_per_gpu"] == pytest.approx(
+        flops / data["time_per_update_s"] / 32 / 1e12)
+    assert 50 < data["tflops_per_gpu"] < 312  # below the A100's dense 16-bit peak
+    assert len(data["memory_bytes"]) == 1 and 0 < data["memory_bytes"][0] <= 80e9
+    topo = Topology.parse("dgx-a100:4")
+    want = plan_sync(load_graph(GPT_1_7B, topo.device), topo, SyncOptions(
+        global_batch=512, memory_bytes=topo.memory_bytes, training=Training("bf16", "adam"),
+        layout=parse_layout("t1-p1"), recompute=True))
+    assert data["time_per_update_s"] == pytest.approx(want.time_per_update_s)
+    assert data["simulated_time_per_update_s"] <= data["time_per_update_s"] * (1 + 1e-9)
+
+
+def test_global_batch_plans_and_microbatch_size_fixes_b(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    free = _json(capsys, "plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "64", "--json")
+    fixed = _json(capsys, "plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "64",
+                  "--microbatch-size", "4", "--json")
+    assert fixed["microbatch_size"] == 4
+    assert free["time_per_update_s"] <= fixed["time_per_update_s"] * (1 + 1e-9)
+    assert main(["plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "64",
+                 "--layout", "t2-p2", "--schedule", "1f1b-flush"]) == 0
+    out = capsys.readouterr().out
+    assert "layout t2-p2: 2 copies x 2 stages x 2 workers" in out
+    assert "TFLOP/s per GPU" in out and "simulated:" in out
+
+
+def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(capsys, "plan", "pipedream:alexnet", "-t", "cluster-b", "--global-batch",
+                 "64", "--json")
+    assert data["tflops_per_gpu"] is None and data["time_per_update_s"] > 0
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["--layout", "t2-p2"], ["--layout", "--global-batch"]),
+    (["--microbatch-size", "4"], ["--microbatch-size", "--global-batch"]),
+    (["--global-batch", "64", "--layout", "t2-x2"], ["'x2'", "t8-p8-v2-z1-r4"]),
+    (["--global-batch", "64", "--layout", "p2-t2"], ["order t, p, v, z, r"]),
+    (["--global-batch", "64", "--layout", "t2"], ["misses p"]),
+    (["--global-batch", "64", "--layout", "t2-p2-z4"], ["z4 is no ZeRO level"]),
+    (["--global-batch", "64", "--layout", "t2-p8"], ["needs 16 workers"]),
+    (["--global-batch", "63", "--layout", "t2-p2"], ["do not divide the global batch 63"]),
+    (["--global-batch", "64", "--microbatch-size", "65"], ["--microbatch-size 65"]),
+    (["--global-batch", "0"], ["--global-batch 0"]),
+    (["--global-batch", "64", "--semantics", "async"], ["--semantics async"]),
+])
+def test_bad_sync_flags_are_one_line_naming_them(
+    capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str],
+) -> None:
+    assert main(["plan", SMALL, "-t", "dgx-a100:1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dreampipe plan: error: ") and err.count("\n") == 1, err
+    for needle in needles:
+        assert needle in err, (needle, err)

@@ -1,0 +1,238 @@
+"""The synchronous objective: the program against brute force, against the simulator, and
+on a memory-bound case against the asynchronous objective's cuts."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.layout import Layout
+from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time
+from dreampipe.planning.sync_objective import PipelineKind, slots
+from dreampipe.planning.sync_search import (
+    MAX_VIRTUAL_STAGES,
+    SyncOptions,
+    SyncSearch,
+    plan_sync,
+)
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.action_costs import costs_from_profile
+from dreampipe.simulation.simulator import simulate_schedule
+
+
+def _chain(times: list[float], acts: list[int], weights: list[int], batch: int = 4
+           ) -> LayerGraph:
+    layers = [Layer(f"l{i}", t, 2 * t, a, w, f"Linear({i})")
+              for i, (t, a, w) in enumerate(zip(times, acts, weights, strict=True))]
+    return LayerGraph.chain(layers, batch_size=batch, model="chain")
+
+
+@st.composite
+def _graphs(draw: st.DrawFn) -> LayerGraph:
+    n = draw(st.integers(1, 5))
+    return _chain([draw(st.floats(0.1, 10.0)) for _ in range(n)],
+                  [draw(st.sampled_from([0, 10**6, 10**8])) for _ in range(n)],
+                  [draw(st.sampled_from([0, 10**6, 10**7])) for _ in range(n)])
+
+
+def _compositions(n: int, parts: int) -> Iterator[list[tuple[int, int]]]:
+    for cuts in itertools.combinations(range(1, n), parts - 1):
+        edges = [0, *cuts, n]
+        yield [(edges[k], edges[k + 1] - 1) for k in range(parts)]
+
+
+def _brute(graph: LayerGraph, topo: Topology, opts: SyncOptions) -> float:
+    """Every choice, every cut and every stage option, priced by the program's tables."""
+    search = SyncSearch(graph, topo, opts)
+    n, workers, batch = len(graph), topo.num_workers, opts.global_batch
+    best = math.inf
+    for d in range(1, workers + 1):
+        if batch % d:
+            continue
+        sizes = [opts.microbatch_size] if opts.microbatch_size else range(1, batch // d + 1)
+        for b in (x for x in sizes if batch // d % x == 0):
+            m = batch // (d * b)
+            for p in range(1, min(workers // d, n) + 1):
+                kinds = [(k, 1) for k in opts.kinds if k is not PipelineKind.INTERLEAVED]
+                if PipelineKind.INTERLEAVED in opts.kinds and p > 1 and m % p == 0:
+                    kinds += [(PipelineKind.INTERLEAVED, v)
+                              for v in range(2, MAX_VIRTUAL_STAGES + 1) if p * v <= n]
+                for kind, v in kinds:
+                    sl = slots(kind, p, m, v, search.rho)
+                    tables = search.tables(1, d, b, kind is PipelineKind.ZB_H1)
+                    count = len(tables.options)
+                    for spans in _compositions(n, sl.count):
+                        for picks in itertools.product(range(count), repeat=sl.count):
+                            chosen = [Chosen(i, j, x) for (i, j), x in
+                                      zip(spans, picks, strict=True)]
+                            terms = stage_terms(tables, sl, chosen, opts.memory_bytes)
+                            best = min(best, update_time(terms))
+    return best
+
+
+_KINDS = st.sampled_from([tuple(PipelineKind), (PipelineKind.FLUSH,),
+                          (PipelineKind.ZB_H1, PipelineKind.INTERLEAVED)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([1e8, 1e10]),
+       st.sampled_from([1, 2, 4, 8]), _KINDS, st.sampled_from([None, 10**8, 3 * 10**8, 10**9]),
+       st.booleans(), st.sampled_from([None, "bf16"]), st.sampled_from([None, 1, 2]))
+@example(_chain([8.0, 9.6, 8.0], [10**8, 0, 10**6], [10**6, 10**7, 0]), "2", 1e8, 8,
+         tuple(PipelineKind), 10**8, True, None, 1)  # only a recomputing stage fits
+def test_the_program_finds_what_brute_force_finds(
+        graph: LayerGraph, shape: str, bandwidth: float, batch: int,
+        kinds: tuple[PipelineKind, ...], memory: int | None, recompute: bool,
+        precision: str | None, size: int | None) -> None:
+    topo = Topology.parse(shape, [f"{bandwidth}B/s"] * len(shape.split("x")))
+    size = None if size is None else min(size, batch)
+    opts = SyncOptions(global_batch=batch, microbatch_size=size, memory_bytes=memory,
+                       kinds=kinds,
+                       recompute=recompute, tensor_split=False,
+                       training=Training(precision, "adam"))
+    expect = _brute(graph, topo, opts)
+    if not math.isfinite(expect):
+        with pytest.raises(PlanError, match="no synchronous plan"):
+            plan_sync(graph, topo, opts)
+        return
+    found = plan_sync(graph, topo, opts)
+    assert found.time_per_update_s == pytest.approx(expect, rel=1e-9)
+    assert found.global_batch == found.data_parallel * found.microbatches * \
+        found.microbatch_size
+
+
+def _simulated(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,
+               batch: int, b: int, v: int = 1) -> tuple[float, int]:
+    """Seconds per update of ``plan`` under ``kind`` with microbatches of ``b``, and the
+    largest peak memory of a rank."""
+    per = batch // b
+    schedule = build_schedule([st.replicas for st in plan.stages], kind, 2 * per, per,
+                              virtual_stages=v)
+    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topo,
+                                                            b / graph.batch_size),
+                               record_events=False)
+    return result.makespan_s / 2, max(result.peak_memory_bytes)
+
+
+@pytest.mark.parametrize("kind", list(PipelineKind))
+def test_equal_stages_take_the_simulators_time(kind: PipelineKind) -> None:
+    graph = _chain([3.0] * 8, [0] * 8, [0] * 8, batch=8)
+    interleaved = kind is PipelineKind.INTERLEAVED
+    topo = Topology.parse("2" if interleaved else "4", ["10GB/s"], None, ["0us"])
+    layout = Layout(1, 2, 2) if interleaved else Layout(1, 4)
+    found = plan_sync(graph, topo, SyncOptions(global_batch=16, microbatch_size=2,
+                                               kinds=(kind,), layout=layout))
+    plan = found.plan()
+    assert plan is not None and found.microbatches == 8
+    took, _ = _simulated(graph, plan, topo, ScheduleKind(kind.value), 16, 2,
+                         found.virtual_stages)
+    assert found.time_per_update_s == pytest.approx(took, rel=1e-9)
+
+
+def test_a_memory_bound_sync_plan_cuts_elsewhere_and_runs_1f1b_flush_faster() -> None:
+    """Under 100 MB no worker holds the whole model: the asynchronous objective stashes
+    weights and holds whole minibatches, the synchronous one microbatches of the global
+    batch, so it balances the pipeline where the other cannot."""
+    graph = _chain([1.0] * 8, [8 * 10**6] * 2 + [2 * 10**6] * 2 + [10**6] * 4,
+                   [10**6] * 2 + [4 * 10**6] * 2 + [10**7] * 4, batch=8)
+    topo, limit, batch = Topology.parse("4", ["10GB/s"]), 10**8, 32
+    with pytest.raises(PlanError):  # memory-bound: data parallelism does not fit
+        plan_sync(graph, topo, SyncOptions(global_batch=batch, memory_bytes=limit,
+                                           layout=Layout(1, 1)))
+    async_plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit,
+                                                        tensor_split=False))
+    found = plan_sync(graph, topo, SyncOptions(global_batch=batch, memory_bytes=limit,
+                                               kinds=(PipelineKind.FLUSH,),
+                                               tensor_split=False))
+    sync_plan = found.plan()
+    assert sync_plan is not None
+    spans = [(s.first, s.last) for s in sync_plan.stages]
+    assert spans != [(s.first, s.last) for s in async_plan.stages]
+    took, peak = _simulated(graph, sync_plan, topo, ScheduleKind.FLUSH, batch,
+                            found.microbatch_size)
+    assert took <= found.time_per_update_s * (1 + 1e-9) and peak <= limit
+    for b in (1, 2, 4, 8, 16, 32):  # the asynchronous cuts at every microbatch size
+        assert _simulated(graph, async_plan, topo, ScheduleKind.FLUSH, batch, b)[0] > took
+
+
+def test_bf16_adam_keeps_megatrons_sixteen_bytes_a_weight_and_zero_shards_them() -> None:
+    training = Training("bf16", "adam")
+    assert training.state_per_byte(4) * training.param_bytes(4) == 16
+    assert Training("fp32", "adam").state_per_byte(4, level=1, replicas=2) * 4 == 12
+    assert Training().state_per_byte(2) == 2  # the profile's bytes, weights and gradients
+    with pytest.raises(ConfigError, match="optimizer='lamb'"):
+        Training(optimizer="lamb")
+
+
+def test_a_layout_fills_the_workers_with_copies_and_recomputes_blocks() -> None:
+    from dreampipe.profiling.devices import A100_80GB
+    from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
+
+    spec = parse_gpt_spec("gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000")
+    graph = gpt_spec_profile(spec, A100_80GB)
+    topo = Topology.parse("dgx-a100:1")
+    plain = plan_sync(graph, topo, SyncOptions(global_batch=64, layout=Layout(2, 2)))
+    again = plan_sync(graph, topo, SyncOptions(global_batch=64, layout=Layout(2, 2,
+                                                                              recompute_blocks=1)))
+    assert (plain.tensor_parallel, plain.pipeline, plain.data_parallel) == (2, 2, 2)
+    assert again.layout == "t2-p2-r1" and all(st.recomputed for st in again.stages)
+    assert all(len({graph.layers[i].name.split(".")[0] for i in st.recomputed}) == 1
+               for st in again.stages)
+    with pytest.raises(PlanError, match="do not divide the global batch"):
+        plan_sync(graph, topo, SyncOptions(global_batch=63, layout=Layout(2, 2)))
+
+
+def test_recomputed_blocks_keep_their_inputs_and_one_blocks_tensors() -> None:
+    """Blocks 0 and 1 (layers 1..12) recomputed keep, per microbatch held, their inputs
+    instead of what their layers keep, and one block's kept tensors once."""
+    from dreampipe.profiling.devices import A100_80GB
+    from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
+
+    graph = gpt_spec_profile(parse_gpt_spec(
+        "gpt:layers=3,hidden=256,heads=4,seq=128,vocab=1000"), A100_80GB)
+    topo = Topology.parse("dgx-a100:1")
+    tables = {k: SyncSearch(graph, topo, SyncOptions(global_batch=8, layout=Layout(
+        1, 1, recompute_blocks=k))).tables(1, 1, 1, False) for k in (None, 2)}
+    first, last, held = 1, 18, 3  # blocks 0..2, the first two recomputed
+    kept = [graph.layers[i].stash_bytes for i in range(first, last + 1)]
+    block = sum(kept[:6])
+    saved = held * (2 * block - graph.cut_bytes()[7]) - block
+    plain = tables[None].memory(0, held)[first, last]
+    assert plain - tables[2].memory(0, held)[first, last] == pytest.approx(saved)
+    forward = sum(graph.layers[i].forward_ms for i in range(first, 13)) / 1e3
+    taus = [tables[k].times(0, 0)[0][first, last] for k in (2, None)]
+    assert taus[0] - taus[1] == pytest.approx(forward)
+
+
+@settings(max_examples=25, deadline=None)
+@given(_graphs(), st.sampled_from(["2", "4", "2x2", "4x2"]), st.sampled_from([1e8, 1e10]),
+       st.sampled_from([4, 8, 16]), st.sampled_from([None, 3 * 10**8]))
+def test_the_objective_bounds_the_simulated_1f1b_flush(
+        graph: LayerGraph, shape: str, bandwidth: float, batch: int, memory: int | None
+) -> None:
+    """Equal stages take the priced time (above); a pipeline's uneven stages, cuts and
+    tails only end earlier than priced."""
+    topo = Topology.parse(shape, [f"{bandwidth}B/s"] * len(shape.split("x")))
+    try:
+        found = plan_sync(graph, topo, SyncOptions(
+            global_batch=batch, memory_bytes=memory, kinds=(PipelineKind.FLUSH,),
+            recompute=True, tensor_split=False))
+    except PlanError:
+        return
+    plan = found.plan()
+    assert plan is not None
+    took, _ = _simulated(graph, plan, topo, ScheduleKind.FLUSH, batch, found.microbatch_size)
+    assert took <= found.time_per_update_s * (1 + 1e-9)
