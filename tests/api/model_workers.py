@@ -48,7 +48,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
     ``job["plan"]``, ``job["split_points"]``, ``job["config"]``'s replicas of two stages,
-    one replicated stage) in ``precision`` (with ``loss_scale``) and ``virtual_stages``,
+    one replicated stage) in ``precision`` (with ``loss_scale``) and ``virtual_stages``
+    (``variable_dims`` declared),
     clipped by ``max_grad_norm`` if given,
     with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of
     ``minibatch``
@@ -78,6 +79,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
             max_grad_norm=job.get("max_grad_norm"),
             **({"loss_scale": job["loss_scale"]} if "loss_scale" in job else {}),
             virtual_stages=job.get("virtual_stages", 1),
+            variable_dims=tuple(job.get("variable_dims", ())),
             measure_memory=job.get("measure", False)), **_where(job, world),
     )
     cycle = job.get("cycle", 1 << 30)  # minibatches k and k + cycle are the same

@@ -32,8 +32,8 @@ from transformers import (
 
 from dreampipe.splitter.chain import Chain, split_layers
 
-__all__ = ["CASES", "TIED_CASES", "Case", "CaseData", "CaseSpec", "bert", "find_case", "gpt2",
-           "llama", "t5", "tied_llama"]
+__all__ = ["CASES", "SHORT_BY", "SHORT_STEP", "TIED_CASES", "VARLEN_CASES", "Case", "CaseData",
+           "CaseSpec", "bert", "find_case", "gpt2", "llama", "t5", "tied_llama"]
 
 
 class BasicBlock(nn.Module):
@@ -197,9 +197,9 @@ def pair_sequential() -> nn.Sequential:
                          _PairLinear(8, 4, head=True))
 
 
-def gpt2() -> GPT2LMHeadModel:
+def gpt2(positions: int = 8) -> GPT2LMHeadModel:
     return GPT2LMHeadModel(GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=8, bos_token_id=0,
+        n_layer=2, n_embd=16, n_head=2, vocab_size=11, n_positions=positions, bos_token_id=0,
         eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
@@ -332,9 +332,42 @@ TIED_CASES: dict[str, Case] = {
 }
 
 
+#: The step whose minibatch is short in the cases of sequences of changing length.
+SHORT_STEP, SHORT_BY = 19, 3
+
+
+def _random_length(k: int, n: int) -> tuple[dict[str, Tensor], Tensor]:
+    """Minibatch ``k``: ``n`` sequences of 8 to 64 tokens (``SHORT_BY`` fewer at ``SHORT_STEP``)."""
+    g = torch.Generator().manual_seed(1000 + k)
+    length = int(torch.randint(8, 65, (), generator=g))
+    ids = torch.randint(0, 11, (max(n - SHORT_BY * (k == SHORT_STEP), 1), length), generator=g)
+    return {"input_ids": ids}, (ids + 1) % 11
+
+
+def _packed(k: int, n: int) -> tuple[dict[str, Tensor], Tensor]:
+    """:func:`_random_length`'s sequences as packed documents: positions restart at each
+    document's start, and the mask hides each row's last token (a pad)."""
+    x, y = _random_length(k, n)
+    ids, length = x["input_ids"], x["input_ids"].shape[1]
+    starts = torch.rand(ids.shape, generator=torch.Generator().manual_seed(k)) < 0.2
+    starts[:, 0] = True
+    index = torch.arange(length).expand_as(ids)
+    begun = torch.cummax(torch.where(starts, index, 0), dim=1).values
+    mask = torch.ones_like(ids)
+    mask[:, -1] = 0
+    return {"input_ids": ids, "position_ids": index - begun, "attention_mask": mask}, y
+
+
+#: Sequences of 8 to 64 tokens, one length a minibatch (docs/training.md).
+VARLEN_CASES: dict[str, Case] = {
+    "gpt2-varlen": Case(lambda: gpt2(64), _random_length, _lm_loss, ["transformer.h.1"]),
+    "gpt2-packed": Case(lambda: gpt2(64), _packed, _lm_loss, ["transformer.h.1"]),
+}
+
+
 def find_case(name: str) -> Case:
-    """The case ``name`` of :data:`CASES` or :data:`TIED_CASES`."""
-    return CASES[name] if name in CASES else TIED_CASES[name]
+    """The case ``name`` of :data:`CASES`, :data:`TIED_CASES` or :data:`VARLEN_CASES`."""
+    return CASES[name] if name in CASES else {**TIED_CASES, **VARLEN_CASES}[name]
 
 
 class CaseSpec:

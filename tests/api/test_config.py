@@ -84,6 +84,13 @@ __all__: list[str] = []
      ("virtual_stages", "schedule")),
     ({"virtual_stages": 2, "schedule": "auto"}, "virtual_stages=2 with schedule=auto; use 1",
      ("virtual_stages", "schedule")),
+    ({"variable_dims": (1, 1)}, "variable_dims=(1, 1); give the dimensions that may change "
+     "from step to step, each once, as indices from 0, e.g. variable_dims=(1,)",
+     ("variable_dims",)),
+    ({"variable_dims": (-1,)}, "variable_dims=(-1,); give the dimensions", ("variable_dims",)),
+    ({"variable_dims": 1}, "variable_dims=1; give the dimensions", ("variable_dims",)),
+    ({"variable_dims": (True,)}, "variable_dims=(True,); give the dimensions",
+     ("variable_dims",)),
     ({"microbatches": 0}, "microbatches=0; use 1 or more", ("microbatches",)),
     ({"microbatches": 4}, "microbatches=4 with schedule=pipedream: PipeDream updates after "
                           "every minibatch", ("microbatches", "schedule")),
@@ -136,6 +143,9 @@ def test_values_are_kept_by_name_whatever_was_given() -> None:
                                  precision="bf16-mixed", resume="ck", timeout_s=5.0,
                                  max_grad_norm=2.0)
     assert config.number_formats is Precision.BF16_MIXED and config.policy is OnNonFinite.SKIP
+    dims = TrainConfig(variable_dims=[2, 0])  # type: ignore[arg-type]  # as JSON gives it
+    assert dims.variable_dims == (0, 2) and dims.runner_options().varying_shapes
+    assert not config.runner_options().varying_shapes
     opts = config.runner_options()
     assert (opts.precision.autocast, opts.max_grad_norm, opts.timeout_s) == (
         torch.bfloat16, 2.0, 5.0)
@@ -212,6 +222,7 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         resume=draw(st.none() | st.text(min_size=1, max_size=20)),
         schedule_file=draw(st.none() | st.text(min_size=1, max_size=20))
         if synchronous and schedule != "dp" else None,
+        variable_dims=tuple(draw(st.sets(st.integers(0, 5)))),
     )
 
 

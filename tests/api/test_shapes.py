@@ -1,4 +1,5 @@
-"""A model traced with its example's shapes baked in runs inputs of other shapes right."""
+"""A model traced with its example's shapes baked in runs inputs of other shapes right,
+keeping the graphs of a bounded number of them."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import dreampipe
 from dreampipe.errors import PlanError
 from dreampipe.splitter.chain import Chain, split_layers
+from dreampipe.splitter.shape_graphs import ShapeGraphs, signature
 
 from .model_zoo import gpt2
 
@@ -92,3 +95,33 @@ def test_inputs_that_take_another_branch_of_the_model_are_refused_naming_the_sha
                                         r"\[2, 3, 3\] \(the example's: float32 \[2, 6, 3\]\) "
                                         r"it calls \['embed', 'short', 'head'\]"):
         chain(torch.randn(2, 3, 3))
+
+
+def test_the_graphs_of_at_most_the_bound_of_signatures_are_kept_the_last_used_last() -> None:
+    graphs = ShapeGraphs(lambda _: [("a", fx.Graph())], signature([torch.zeros(1)]),
+                         [("a", fx.Graph())], kept=2)
+    a, b, c = (signature([torch.zeros(n)]) for n in (2, 3, 4))
+    assert graphs.graph(0, None) is graphs.graph(0, graphs.traced)  # the example's, never traced
+    for sig in (a, b, a):
+        graphs.graph(0, sig)
+    assert (graphs.traces, graphs.signatures) == (2, [b, a])
+    graphs.graph(0, c)  # b, the least recently used, goes
+    assert (graphs.traces, graphs.signatures) == (3, [a, c])
+    graphs.graph(0, b)
+    assert (graphs.traces, graphs.signatures) == (4, [c, b])
+
+
+
+def test_segments_fixed_to_a_signature_run_alone_on_its_shapes() -> None:
+    """As a profile of another length calls them: one after the other, outside a chain."""
+    torch.manual_seed(0)
+    model = gpt2(positions=16).eval()
+    layers = split_layers(model, _text(4, 6))
+    first = layers[0][1]
+    x = _text(4, 16)
+    sig = first.signature(first.bind((x,)))
+    assert sig is not None and sig != first.shapes.traced
+    fixed = nn.Sequential(*(segment.at(sig) for _, segment in layers))
+    with torch.no_grad():
+        torch.testing.assert_close(fixed(x).logits, model(**x).logits, rtol=1e-6, atol=1e-6)
+    assert all(segment.shapes is not None for _, segment in layers)  # the originals stay

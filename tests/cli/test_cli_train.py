@@ -69,6 +69,10 @@ def test_train_rejects_bad_arguments(
         (["--trace", "{tmp}/no/such/dir/t.json"], "no/such/dir"),
         (["--timeline", "{tmp}"], "--timeline {tmp}: is a directory"),
         (["--virtual-stages", "2"], "--virtual-stages 2 with --schedule pipedream; use 1"),
+        (["--seq-lengths", "64:8"], "--seq-lengths 64:8: write MIN:MAX, whole numbers with 1 "
+                                    "<= MIN <= MAX"),
+        (["--seq-lengths", "8:64"], "--seq-lengths 8:64 cuts token sequences of [batch, tokens] "
+                                    "integers, 64 tokens at most; model mlp takes torch.float32"),
         (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--config", "2"],
          "itself; leave out --config '2', or give a plan"),
     ],
@@ -123,6 +127,25 @@ def test_train_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["partition"] == "straight"
     assert len(data["losses"]) == 6
     assert data["final_loss"] == data["losses"][-1]
+
+
+def test_train_on_changing_sequence_lengths_times_new_ones_against_repeated_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from dreampipe.commands.seq_lengths import step_length
+
+    argv = ["train", "transformer", "--model-arg", "vocab=32", "--model-arg", "dim=32",
+            "--model-arg", "layers=2", "--model-arg", "seq_len=12", "--workers", "2",
+            "--stages", "0,2", "--schedule", "1f1b-flush", "--microbatches", "2", "--steps",
+            "12", "--batch-size", "4", "--seq-lengths", "4:8", "--json", "--no-progress"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    lengths = [step_length(0, k, (4, 8)) for k in range(12)]
+    new = len(set(lengths)) - 1  # the first step counts in neither
+    times = data["seq_lengths"]
+    assert times["lengths"] == lengths and data["config"]["variable_dims"] == [1]
+    assert (times["new_length_steps"], times["repeated_length_steps"]) == (new, 11 - new)
+    assert times["new_length_step_s"] > 0 and times["repeated_length_step_s"] > 0
+    assert len(data["losses"]) == 12
 
 
 @pytest.mark.parametrize("schedule", [["zb-h1"], ["zb-h2"],

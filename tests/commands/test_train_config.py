@@ -214,7 +214,7 @@ def test_with_plan_keeps_every_option_and_replaces_the_steps() -> None:
                                         measure_memory=True),
         minibatch_size=8, steps=7, optimizer=OptimizerKind.ADAM, lr=0.5, momentum=0.3,
         dataset="digits", data_dir="/data", model_kwargs=_KWARGS, evaluate=False,
-        progress=True,
+        progress=True, seq_lengths=(4, 8),
     )
     defaults = TrainOptions(model="other")
     changed = [f.name for f in dataclasses.fields(TrainOptions)

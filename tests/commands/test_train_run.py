@@ -3,6 +3,7 @@ the mlp on 2 workers that must train as one process does."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 from pathlib import Path
@@ -113,6 +114,16 @@ def test_the_summary_says_what_ran_what_was_predicted_and_what_was_measured() ->
     assert data["accuracy"] == 0.75
     assert "accuracy" not in TrainReport(_plan(), 3, 1.0, _result()).summary(), (
         "no accuracy where the data set has no test split")
+
+
+def test_the_summary_times_steps_of_a_new_length_against_a_repeated_one() -> None:
+    result = dataclasses.replace(_result(), lengths=(5, 6, 5, 7, 6, 6),
+                                 step_s=(9.0, 0.4, 0.2, 0.6, 0.1, 0.3))
+    data = TrainReport(_plan(), 6, 1.0, result).summary()
+    assert data["seq_lengths"] == {  # the first step, 5 tokens, counts in neither
+        "new_length_step_s": 0.5, "repeated_length_step_s": 0.2, "new_length_steps": 2,
+        "repeated_length_steps": 3, "lengths": [5, 6, 5, 7, 6, 6]}
+    assert "seq_lengths" not in TrainReport(_plan(), 3, 1.0, _result()).summary()
 
 
 # ---- train_local -------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 No process group: ``dist.isend``/``irecv`` are replaced by a wire that pairs
 each receive with the oldest unmatched send between the same two ranks on
-the same group, and records the pairs. Every pair must carry the same tag
-and size, or the order of receives differs from that of the sends.
+the same group (or, as gloo does, with the oldest of the same tag), and records
+the pairs. Every pair must carry the same tag and size, or the order of receives
+differs from that of the sends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from dreampipe.errors import StageMismatchError
 from dreampipe.runtime import comm as comm_module
 from dreampipe.runtime.comm import Comm
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
@@ -42,6 +44,7 @@ class _Wire:
     """FIFO matching per (group, source, destination); ``rank`` is the caller."""
 
     rank: int = 0
+    by_tag: bool = False  # gloo's matching: the oldest unmatched message of the same tag
     sends: dict[Any, deque[tuple[torch.Tensor, int, _Work]]] = field(
         default_factory=lambda: defaultdict(deque))
     recvs: dict[Any, deque[tuple[torch.Tensor, int, _Work]]] = field(
@@ -57,10 +60,12 @@ class _Wire:
     def _arrive(self, key: Any, mine: dict[Any, deque[Any]], other: dict[Any, deque[Any]],
                 t: torch.Tensor, tag: int) -> _Work:
         work = _Work()
-        if not other[key]:
+        waiting = [m for m in other[key] if m[1] == tag or not self.by_tag]
+        if not waiting:
             mine[key].append((t.clone() if mine is self.sends else t, tag, work))
             return work
-        t2, tag2, work2 = other[key].popleft()
+        other[key].remove(waiting[0])
+        t2, tag2, work2 = waiting[0]
         sent, sent_tag, got, got_tag = (t, tag, t2, tag2) if mine is self.sends \
             else (t2, tag2, t, tag)
         self.pairs.append((sent_tag, got_tag, sent.numel(), got.numel()))
@@ -80,9 +85,10 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> _Wire:
     return w
 
 
-def _comm(schedule: Schedule, rank: int, vertical_sync: bool, groups: tuple[Any, Any]) -> Comm:
+def _comm(schedule: Schedule, rank: int, vertical_sync: bool, groups: tuple[Any, Any],
+          varying: bool = False) -> Comm:
     return Comm(schedule, rank, torch.device("cpu"), 0.05, vertical_sync=vertical_sync,
-                groups=groups)
+                groups=groups, varying=varying)
 
 
 def _of(schedule: Schedule, rank: int, kind: ActionKind) -> list[Any]:
@@ -152,3 +158,54 @@ def test_only_gloo_posts_receives_ahead_of_the_runnable_prefix(
     assert not _comm(schedule, 1, False, (None, None)).posts_ahead
     monkeypatch.setattr(dist, "get_backend", lambda *a, **k: "gloo")
     assert _comm(schedule, 1, False, (None, None)).posts_ahead
+
+
+def _shape(k: int) -> tuple[int, ...]:
+    """Microbatch ``k``'s activation: its sequence length and, every third, its samples change."""
+    return (2 - (k % 3 == 2), 3 + k % 4, 5)
+
+
+@pytest.mark.parametrize(("backend", "vertical_sync"),
+                         [("nccl", False), ("nccl", True), ("gloo", False)])
+def test_microbatches_of_changing_shapes_carry_them_forward_and_back(
+        wire: _Wire, monkeypatch: pytest.MonkeyPatch, backend: str, vertical_sync: bool) -> None:
+    monkeypatch.setattr(dist, "get_backend", lambda *a, **k: backend)
+    wire.by_tag = backend == "gloo"
+    schedule = build_schedule((1, 1), ScheduleKind.PIPEDREAM, 6)
+    groups = (object(), object())
+    wire.rank = 0
+    first = _comm(schedule, 0, vertical_sync, groups, varying=True)
+    wire.rank = 1
+    last = _comm(schedule, 1, vertical_sync, groups, varying=True)
+    recvs = _of(schedule, 1, ActionKind.RECV_F)
+    # each receive waits for its own header; only gloo, which matches tags, posts several
+    posted = [last.post(a) for a in recvs[:3]]
+    assert posted == ([True, True, True] if backend == "gloo" else [True, False, False])
+    for k, (send, a) in enumerate(zip(_of(schedule, 0, ActionKind.SEND_F), recvs, strict=True)):
+        wire.rank = 0
+        first.send(send, torch.full(_shape(k), float(k)), version=k)
+        wire.rank = 1
+        assert last.post(a)
+        got, version = last.take(a)
+        assert torch.equal(got, torch.full(_shape(k), float(k))), k
+        assert version == (k if vertical_sync else None)
+    for a in _of(schedule, 1, ActionKind.SEND_B):
+        last.send(a, torch.full(_shape(a.microbatch), -float(a.microbatch)))
+    wire.rank = 0
+    for a in _of(schedule, 0, ActionKind.RECV_B):  # sized as the activation it answers
+        assert torch.equal(first.take(a)[0], torch.full(_shape(a.microbatch),
+                                                        -float(a.microbatch)))
+    assert len(wire.pairs) == 6 * (3 + vertical_sync)  # a header with every activation
+    for sent_tag, got_tag, sent_n, got_n in wire.pairs:
+        assert (sent_tag, sent_n) == (got_tag, got_n)
+
+
+def test_a_link_of_fixed_shapes_refuses_a_microbatch_of_another(wire: _Wire) -> None:
+    schedule = build_schedule((1, 1), ScheduleKind.PIPEDREAM, 2)
+    sender = _comm(schedule, 0, False, (object(), object()))
+    sends = _of(schedule, 0, ActionKind.SEND_F)
+    sender.send(sends[0], torch.zeros(2, 3))
+    with pytest.raises(StageMismatchError, match=r"stage 0 \(rank 0\) produced torch.float32 "
+                                                 r"tensors of shape \[2, 4\] .* every microbatch "
+                                                 "must have the same shape"):
+        sender.send(sends[1], torch.zeros(2, 4))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.api.config import TrainConfig
-from dreampipe.errors import ConfigError, DatasetError, PlanError, ScheduleError
+from dreampipe.errors import ConfigError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_records import tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
@@ -28,7 +28,7 @@ from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
-    "Batch", "Inputs", "check_batch", "check_loss", "check_optimizer", "check_plan",
+    "Batch", "Inputs", "check_loss", "check_optimizer", "check_plan",
     "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
     "check_virtual", "map_inputs", "refuse_legacy",
 ]
@@ -41,32 +41,11 @@ Inputs = Tensor | tuple[Tensor, ...] | dict[str, Tensor]
 Batch = tuple[Inputs, Tensor]
 
 
-def _describe(t: Tensor) -> str:
-    return f"{t.dtype} {list(t.shape)}"
-
-
-def _signature(x: Inputs) -> list[str]:
-    if isinstance(x, dict):
-        return [f"{k}={_describe(t)}" for k, t in x.items()]
-    return [_describe(t) for t in (x if isinstance(x, tuple) else (x,))]
-
-
 def map_inputs(x: Inputs, fn: Callable[[Tensor], Tensor]) -> Inputs:
     """``fn`` applied to each tensor of the input, keeping its tuple or dict."""
     if isinstance(x, dict):
         return {k: fn(t) for k, t in x.items()}
     return tuple(fn(t) for t in x) if isinstance(x, tuple) else fn(x)
-
-
-def check_batch(index: int, batch: Batch, example: Batch) -> None:
-    """Minibatch ``index`` must have the example's shapes and dtypes (input and target)."""
-    for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
-        if _signature(got) != _signature(want):
-            raise DatasetError(
-                f"minibatch {index}'s {what} is {', '.join(_signature(got))} but example's is "
-                f"{', '.join(_signature(want))}; give every step a minibatch shaped like "
-                "example (a DataLoader with drop_last=True drops a short last batch)"
-            )
 
 
 def check_optimizer(factory: Callable[[list[nn.Parameter]], Any]) -> None:

@@ -83,6 +83,11 @@ class TrainConfig:
     (:func:`~dreampipe.scheduling.torch_csv.read_torch_csv`), run every minibatch in
     place of the schedule ``schedule`` would build; ``schedule`` names its synchronous
     kind, ``microbatches`` must be its microbatches and the plan its stages.
+    ``variable_dims``: the dimensions of the input and target tensors that may change
+    from step to step, e.g. ``(1,)``: the sequence of ``[batch, sequence]`` tokens; ``0``
+    in it lets a minibatch have fewer (or more) samples, one a microbatch at least. Any
+    other difference from ``example`` is refused; stages then send each microbatch's
+    shapes with it (docs/design.md §8.4; docs/training.md).
     """
 
     schedule: str = "pipedream"
@@ -107,6 +112,7 @@ class TrainConfig:
     measure_memory: bool = False
     resume: str | os.PathLike[str] | None = None
     schedule_file: str | os.PathLike[str] | None = None
+    variable_dims: tuple[int, ...] = ()
     autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
     def __post_init__(self, autocast: object) -> None:
@@ -137,6 +143,7 @@ class TrainConfig:
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
             _typed(name, getattr(self, name), (int, float), "a number",
                    optional=name == "max_grad_norm")
+        self._set("variable_dims", _dims(self.variable_dims))
         self._check()
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):  # 1 and 1.0 are one config
             value = getattr(self, name)
@@ -279,7 +286,8 @@ class TrainConfig:
         return RunnerOptions(timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
                              record_events=self.record_events, max_grad_norm=self.max_grad_norm,
                              precision=self.number_formats, on_nonfinite=self.policy,
-                             loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window)
+                             loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window,
+                             varying_shapes=bool(self.variable_dims))
 
     def chosen(self, kind: ScheduleKind, microbatches: int) -> TrainConfig:
         """This config with the schedule ``"auto"`` chose, checked again for it."""
@@ -287,8 +295,9 @@ class TrainConfig:
 
     # ---- as data --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """Every field, as JSON and TOML write it (None where unset)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every field, as JSON and TOML write it (None where unset, a list for a tuple)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
@@ -356,6 +365,18 @@ def _choice(name: str, value: object, names: tuple[str, ...]) -> str:
     near = difflib.get_close_matches(str(text), names, n=1)
     hint = f" (nearest: {near[0]})" if near else ""
     raise ConfigError(f"{name}={value!r}; use one of {', '.join(names)}{hint}", name)
+
+
+def _dims(value: object) -> tuple[int, ...]:
+    """``variable_dims`` as a sorted tuple (JSON and TOML give a list), each a dimension's
+    index, at most once."""
+    items = list(value) if isinstance(value, list | tuple) else None
+    if items is None or any(type(d) is not int or d < 0 for d in items) or len(
+            set(items)) < len(items):
+        raise ConfigError(f"variable_dims={value!r}; give the dimensions that may change from "
+                          "step to step, each once, as indices from 0, e.g. variable_dims=(1,) "
+                          "for the sequence of [batch, sequence] tokens", "variable_dims")
+    return tuple(sorted(items))
 
 
 def _precision_of(autocast: object) -> str:

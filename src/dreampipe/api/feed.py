@@ -2,10 +2,12 @@
 
 Minibatch ``n`` of a segment is microbatches ``n*U .. n*U+U-1`` (``U`` microbatches per
 update, :class:`~dreampipe.scheduling.microbatch_layout.MicrobatchLayout`), microbatch ``j`` being
-samples ``j*size .. (j+1)*size-1`` of it, as in the built-in datasets. A
-rank keeps only what it will read: inputs on the replica of the first stage
-that runs the microbatch, targets on the replica of the last stage; each is
-dropped once read.
+samples ``j*size .. (j+1)*size-1`` of it, as in the built-in datasets. A minibatch of
+another size (``variable_dims`` with 0) is cut as ``torch.tensor_split`` cuts it, and
+each microbatch's loss counts its share of the samples (:meth:`Feed.share`), so the
+update is the gradient of the minibatch's mean loss. A rank keeps only what it will
+read: inputs on the replica of the first stage that runs the microbatch, targets on the
+replica of the last stage; each is dropped once read.
 """
 
 from __future__ import annotations
@@ -25,30 +27,40 @@ class Feed:
     """Microbatches of the given minibatches, as the runtime reads them (its ``MicrobatchData``)."""
 
     def __init__(
-        self, *, microbatch_size: int, microbatches_per_update: int, device: torch.device,
+        self, *, microbatches_per_update: int, device: torch.device,
         wants_inputs: Callable[[int], bool], wants_targets: Callable[[int], bool],
     ) -> None:
-        self.microbatch_size = microbatch_size
         self.microbatches_per_update = microbatches_per_update
         self.device = device
         self._wants_inputs, self._wants_targets = wants_inputs, wants_targets
         self._inputs: dict[int, Inputs] = {}
         self._targets: dict[int, Tensor] = {}
+        self._shares: dict[int, float] = {}
 
-    def _cut(self, t: Tensor, j: int) -> Tensor:
+    def _cut(self, t: Tensor, start: int, end: int) -> Tensor:
         # a copy: the caller may reuse its batch tensor while this microbatch is still in flight
-        return t[j * self.microbatch_size : (j + 1) * self.microbatch_size].to(self.device,
-                                                                               copy=True)
+        return t[start:end].to(self.device, copy=True)
 
     def add(self, index: int, batch: Batch) -> None:
         """Minibatch ``index`` of the segment."""
         x, y = batch
-        for j in range(self.microbatches_per_update):
-            u = index * self.microbatches_per_update + j
+        per, size = self.microbatches_per_update, int(y.shape[0])
+        bounds = [_split_at(size, per, j) for j in range(per + 1)]
+        for j in range(per):
+            u, start, end = index * per + j, bounds[j], bounds[j + 1]
+            if (end - start) * per != size:
+                self._shares[u] = (end - start) * per / size
             if self._wants_inputs(u):
-                self._inputs[u] = map_inputs(x, functools.partial(self._cut, j=j))
+                self._inputs[u] = map_inputs(x, functools.partial(self._cut, start=start,
+                                                                  end=end))
             if self._wants_targets(u):
-                self._targets[u] = self._cut(y, j)
+                self._targets[u] = self._cut(y, start, end)
+
+    def share(self, microbatch: int) -> float:
+        """What ``microbatch``'s loss counts beside the minibatch's other microbatches: its
+        samples times the microbatches per update over the minibatch's samples (1 where
+        they divide evenly)."""
+        return self._shares.get(microbatch, 1.0)
 
     def inputs(self, microbatch: int) -> Inputs:
         """Microbatch ``microbatch``'s input (given once, read once)."""
@@ -57,6 +69,13 @@ class Feed:
     def targets(self, microbatch: int) -> Tensor:
         """Microbatch ``microbatch``'s targets (given once, read once)."""
         return self._targets.pop(microbatch)
+
+
+def _split_at(size: int, parts: int, j: int) -> int:
+    """Where part ``j`` of ``size`` samples in ``parts`` begins, as ``torch.tensor_split``
+    cuts: the first ``size % parts`` parts one sample larger."""
+    small, large = divmod(size, parts)
+    return j * small + min(j, large)
 
 
 class Batches:
@@ -73,3 +92,7 @@ class Batches:
     def targets(self, microbatch: int) -> Tensor:
         """Batch ``microbatch``'s targets."""
         return self._batches[microbatch][1].to(self._device)
+
+    def share(self, microbatch: int) -> float:
+        """Each batch is whole: its loss counts once."""
+        return 1.0

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.api import checkpoint
+from dreampipe.api.batch_shapes import BatchShapes
 from dreampipe.api.checks import (
     Batch,
     Inputs,
-    check_batch,
     check_optimizer,
     check_virtual,
     map_inputs,
@@ -83,8 +83,9 @@ class Pipeline:
     a weight tied across stages stays tied (:mod:`.ties`). ``example``: one
     minibatch ``(input, target)``, the input a tensor, a tuple, or a dict of the
     model's keyword arguments (``model(**x)``); every step's minibatch must match
-    its shapes. ``loss_fn(output, target)`` gets the output as the model returns
-    it. ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
+    its shapes but in ``config.variable_dims`` (:mod:`.batch_shapes`).
+    ``loss_fn(output, target)`` gets the output as the model returns it.
+    ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
     own; the scheduler steps after every weight update of its stage.
     ``plan``: ``"auto"`` (rank 0 profiles and plans for the world, :mod:`.plans`),
     a :class:`~dreampipe.planning.plan.Plan`, a plan file's path, or a list of
@@ -115,7 +116,6 @@ class Pipeline:
                               "config=TrainConfig(schedule='1f1b-flush')", "config")
         check_virtual(config, plan)
         check_optimizer(optimizer)
-        self._example = example
         self._owns_group = init_process_group(config.timeout_s)
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
@@ -123,6 +123,8 @@ class Pipeline:
         self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                        microbatches=config.microbatches, workers=world)
         microbatch_size = self.layout.microbatch_size
+        self._shapes = BatchShapes(example, config.variable_dims,
+                                   self.layout.microbatches_per_update)
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
@@ -203,10 +205,11 @@ class Pipeline:
         """This rank's peak memory beside its stage's prediction, with
         ``measure_memory=True`` (drains first; a collective: every rank calls it)."""
         self._drain()
+        largest, size = self._shapes.largest()  # the example, or longer samples met since
         return measured(self._meter, self.rank, self.runner.modules,
                         self.config, self.plan, self._layers, self._build_schedule,
-                        lambda: profile_layers(self._layers, self._example, self.loss_fn,
-                                               self.layout.microbatch_size, self.config),
+                        lambda: profile_layers(self._layers, largest, self.loss_fn, size,
+                                               self.config),
                         self.minibatches, lambda: gathered(m.zero for m in self.runner.modules))
 
     def _my_stages(self, world: int) -> range:
@@ -246,7 +249,6 @@ class Pipeline:
         reps = self.replicas[stage]
         last = len(self.replicas) - 1 in sched.stages_of_rank(self.srank)
         feed = Feed(
-            microbatch_size=self.layout.microbatch_size,
             microbatches_per_update=self.layout.microbatches_per_update,
             device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
             wants_targets=lambda u: last and u % reps == mine,
@@ -257,7 +259,7 @@ class Pipeline:
     @counted
     def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
-        check_batch(self.minibatches, (x, y), self._example)
+        self._shapes.check(self.minibatches, (x, y))
         if self._segment == 0 and self.runner.done:
             self._restart(self._horizon_from(self.minibatches))
         if self._segment == 0:
@@ -323,7 +325,7 @@ class Pipeline:
         for u, loss in self.runner.losses.items():
             microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
         microbatch_losses = all_reduced(microbatch_losses, self.device)
-        values = microbatch_losses.tolist()
+        values = [v * self._feed.share(u) for u, v in enumerate(microbatch_losses.tolist())]
         self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
         self._segment = 0
 

@@ -128,15 +128,18 @@ def profile_layers(
     layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int,
     config: TrainConfig,
 ) -> LayerGraph:
-    """The whole model profiled as one worker runs, on a microbatch of the example, in the
-    config's number formats."""
+    """The whole model profiled as one worker runs, on a microbatch of ``example`` (the
+    Pipeline's, or the largest minibatch it met), in the config's number formats."""
     from dreampipe.profiling.profiler import profile_model
 
+    x = map_inputs(example[0], lambda t: t[:microbatch_size])
+    first = layers[0][1]
+    if isinstance(first, Segment) and first.shapes is not None:  # the graph of these shapes
+        sig = first.signature(first.bind(x if isinstance(x, tuple) else (x,)))
+        layers = [(name, m.at(sig) if isinstance(m, Segment) else m) for name, m in layers]
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"),
                         config.seed)
     model = nn.Sequential(*chain.layers)
-    x = map_inputs(example[0], lambda t: t[:microbatch_size])
-    first = layers[0][1]
     if isinstance(x, tuple):  # the first layer is a segment (a tuple input makes one)
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))

@@ -143,6 +143,13 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                    help="synthetic random data (default), scikit-learn's 8x8 digits, or an "
                         "MNIST IDX directory given by --data-dir")
     g.add_argument("--data-dir", help="directory of the MNIST IDX files for --dataset mnist")
+    g.add_argument("--seq-lengths", metavar="MIN:MAX",
+                   help="token sequences of a changing length: each step's cut to a length "
+                        "drawn from MIN..MAX (under --seed), dimension 1 declared variable; the "
+                        "model takes [batch, tokens] of MAX tokens at least (transformer "
+                        "--model-arg seq_len=MAX); the report gives the median time of "
+                        "the steps with a new length against those with a repeated one "
+                        "(--json: seq_lengths)")
     g.add_argument("--vertical-sync", action="store_true", default=None,
                    help="every stage runs a minibatch with its input stage's weight version")
     g.add_argument("--no-stash", action="store_false", dest="stash", default=None,
@@ -233,6 +240,7 @@ _CONFIG_FLAGS = ("schedule", "semantics", "virtual_stages", "microbatches", "see
 def _config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig of ``--settings`` with the flags given on the command line over it."""
     from dreampipe.api.config import TrainConfig
+    from dreampipe.commands.seq_lengths import with_lengths
 
     given = {k: getattr(args, k) for k in _CONFIG_FLAGS if getattr(args, k) is not None}
     if args.trace or args.timeline:
@@ -244,24 +252,26 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
 
     try:
-        return made(given)
+        return with_lengths(made(given), args.seq_lengths)
     except ConfigError as exc:  # the default schedule (pipedream) keeps versions in flight
         chosen = args.schedule is not None or args.settings
         if chosen or (args.zero or 0) < 3 or "schedule" not in exc.parameters:
             raise
     print("dreampipe train: --zero 3 needs a synchronous schedule; training with "
           "--schedule 1f1b-flush", file=sys.stderr)
-    return made({**given, "schedule": "1f1b-flush"})
+    return with_lengths(made({**given, "schedule": "1f1b-flush"}), args.seq_lengths)
 
 
 def _request(args: argparse.Namespace) -> TrainRequest:
     """The train job the arguments ask for."""
+    from dreampipe.commands.seq_lengths import parse_lengths
     from dreampipe.commands.train_config import TrainOptions
     from dreampipe.commands.train_plan import PlanSource, TrainRequest
     from dreampipe.runtime.runner_options import OptimizerKind
 
     run = TrainOptions(
         model=args.model, model_kwargs=parse_model_args(args.model_arg), config=_config(args),
+        seq_lengths=parse_lengths(args.seq_lengths),
         optimizer=OptimizerKind(args.optimizer), lr=args.lr, momentum=args.momentum,
         minibatch_size=args.batch_size, steps=10 if args.steps is None else args.steps,
         dataset=args.dataset, data_dir=args.data_dir,
@@ -279,6 +289,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dreampipe.commands.seq_lengths import lengths_line
     from dreampipe.commands.train_run import Checkpoints, run_train
     from dreampipe.commands.train_share import torchrun_world
 
@@ -315,6 +326,8 @@ def _train(args: argparse.Namespace) -> int:
             f"{report.predicted_samples_per_s:.1f} (measured/predicted {ratio:.2f})")
         say(f"final loss {res.final_loss:.4f}"
             + (f", test accuracy {res.accuracy:.2%}" if res.accuracy is not None else ""))
+        if "seq_lengths" in summary:
+            say(lengths_line(summary["seq_lengths"]))
         for line in _memory_table(report.memory_rows()):
             say(line)
     return 0

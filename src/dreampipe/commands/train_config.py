@@ -23,6 +23,7 @@ import torch
 
 from dreampipe.api.checks import check_schedule as check_plan_schedule
 from dreampipe.api.config import TrainConfig
+from dreampipe.commands.seq_lengths import check_token_model
 from dreampipe.errors import ConfigError, DatasetError, PlanError
 from dreampipe.models.datasets import DATASETS
 from dreampipe.models.resolve import resolve_spec
@@ -54,7 +55,9 @@ class TrainOptions:
     accuracy after training, where the dataset has a test split. ``progress``
     shows a bar of minibatches on the last rank. ``config.measure_memory`` measures
     each rank's peak memory (:mod:`~dreampipe.runtime.memory`); on CPU that
-    gives large tensors pages of their own, which slows training.
+    gives large tensors pages of their own, which slows training. ``seq_lengths``
+    ``(MIN, MAX)``: each step's token sequences cut to a length between them
+    (:mod:`~dreampipe.commands.seq_lengths`).
     """
 
     model: str
@@ -69,6 +72,7 @@ class TrainOptions:
     model_kwargs: tuple[tuple[str, Any], ...] = ()
     evaluate: bool = True
     progress: bool = False
+    seq_lengths: tuple[int, int] | None = None
 
     @property
     def measure_memory(self) -> bool:
@@ -136,6 +140,7 @@ class TrainResult:
     the mean loss of that update's samples, computed by the last stage.
     ``stage_states`` holds each stage's final ``state_dict`` (replica 0), on CPU;
     ``memory`` each rank's peak memory, by rank, where the run measured it.
+    With ``seq_lengths``: each step's sequence ``lengths`` and rank 0's ``step_s``.
     """
 
     samples_per_s: float
@@ -146,6 +151,8 @@ class TrainResult:
     elapsed_s: float
     stage_states: tuple[dict[str, torch.Tensor], ...]
     memory: tuple[MemoryUse, ...] = ()
+    lengths: tuple[int, ...] = ()
+    step_s: tuple[float, ...] = ()
 
 
 def check_options(opts: TrainOptions) -> None:
@@ -203,6 +210,8 @@ def check_run(run: TrainRun, spec: ModelSpec, world: int | None = None) -> None:
             f"{spec.name}'s is {spec.layer_names[diff]!r}; plan again for this model"
         )
     check_options(run)
+    if run.seq_lengths is not None:
+        check_token_model(spec, run.seq_lengths)
     _ = run.layout
     check_plan_schedule(run.config, plan)
     if run.config.kind is ScheduleKind.TWO_BW:

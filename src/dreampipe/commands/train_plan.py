@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dreampipe.commands.seq_lengths import check_token_model
 from dreampipe.commands.train_config import TrainOptions, TrainRun, check_options, check_run
 from dreampipe.commands.train_share import share_plan
 from dreampipe.errors import ConfigError, PlanError
@@ -283,6 +284,8 @@ def _check_before_profiling(
     the plan file, if one was given.
     """
     check_options(req.run)
+    if req.run.seq_lengths is not None:
+        check_token_model(spec, req.run.seq_lengths)
     steps = _steps(req, _load_data(req.run, spec))
     if req.plan.path is not None:
         return steps, _load_plan(req.plan.path, spec, workers, fixed_world, req)

@@ -37,6 +37,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.memory_report import counting
 from dreampipe.api.pipeline import Pipeline
+from dreampipe.commands.seq_lengths import cut, length_times, step_length
 from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
 from dreampipe.commands.train_plan import Say, TrainRequest, plan_train
 from dreampipe.errors import ConfigError, WorkerError
@@ -112,6 +113,8 @@ class TrainReport:
         }
         if res.accuracy is not None:
             out["accuracy"] = res.accuracy
+        if res.lengths:
+            out["seq_lengths"] = length_times(res.lengths, res.step_s)
         return out
 
 
@@ -274,10 +277,17 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     if run.steps > start:
         pipe.reserve(run.steps - start)  # no pause to extend the schedule while timed
     barrier(max(run.config.timeout_s, 60.0))
+    lengths = [] if run.seq_lengths is None else [
+        step_length(run.config.seed, k, run.seq_lengths) for k in range(start, run.steps)]
+    step_s: list[float] = []
     t0 = pipe.start_clock()
     for k in range(start, run.steps):
         batch = data.batch(k, run.minibatch_size)
+        if lengths:
+            batch = cut(batch, lengths[k - start])
+        began = time.perf_counter()
         pipe.step(*batch)
+        step_s.append(time.perf_counter() - began)
         if log is not None:
             log.record(k, *batch)
         if ckpt.every is not None and ckpt.directory is not None and (k + 1) % ckpt.every == 0:
@@ -317,6 +327,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
         events=sorted_events(reports), elapsed_s=elapsed,
         stage_states=tuple(stage_states(reports, run.plan.num_stages)),
         memory=tuple(r.memory for r in reports if r.memory is not None),
+        lengths=tuple(lengths), step_s=tuple(step_s),
     )
 
 

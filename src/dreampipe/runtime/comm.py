@@ -3,14 +3,16 @@
 Activations go forward and gradients back with ``isend``/``irecv`` (gloo on
 CPU, NCCL on GPU), each direction on a process group of its own. A link's
 first activation is preceded by a header (ndim, dtype, shape), so that the
-receiver can post its receives early; messages are tagged by the microbatch's
-number over the whole run. NCCL ignores tags, so every receive is posted in
-the order its send is made; on gloo a stage also posts the next minibatch's
-receives ahead. A rank runs one :class:`Comm` per stage it holds; two stages
-of one rank hand microbatches over through their ``mailbox``. Peers are schedule
-ranks, mapped to workers by :mod:`.lanes`. A wait past ``timeout_s`` raises
-:class:`~dreampipe.errors.PeerTimeoutError` naming the rank, stage, peer,
-action and microbatch. The tags and the ordering rules: docs/design.md §8.4.
+receiver can post its receives early; where shapes may vary (``varying``),
+every activation is, its receive posted once its header is in. Messages are
+tagged by the microbatch's number over the whole run. NCCL ignores tags, so
+every receive is posted in the order its send is made; on gloo a stage also
+posts the next minibatch's receives ahead. A rank runs one :class:`Comm` per
+stage it holds; two stages of one rank hand microbatches over through their
+``mailbox``. Peers are schedule ranks, mapped to workers by :mod:`.lanes`. A
+wait past ``timeout_s`` raises :class:`~dreampipe.errors.PeerTimeoutError`
+naming the rank, stage, peer, action and microbatch. The tags and the
+ordering rules: docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ class Comm:
         evaluation: bool = False,
         stage: int | None = None,
         mailbox: dict[tuple[int, int, int], Tensor] | None = None,
+        varying: bool = False,
     ) -> None:
         self.schedule = schedule
         self.rank = rank
@@ -103,6 +106,8 @@ class Comm:
         self.vertical_sync = vertical_sync
         self._blocking = dist.get_backend() == "gloo"
         self._evaluation = evaluation
+        #: Whether microbatches may change shape: every activation then carries a header.
+        self.varying = varying
         #: The run's number for the schedule's microbatch 0 (a Pipeline's later segments).
         self.first_microbatch = 0
         self._fwd, self._bwd = groups[0], groups[1]
@@ -184,9 +189,12 @@ class Comm:
             self._set_aside.append(self._recvs.pop(key))
         r = _Recv(action, peer, key[1])
         if action.kind is ActionKind.RECV_F:
-            known = peer in self._in_links
+            known = peer in self._in_links and not self.varying
             if not known:
-                if any(x.peer == peer and x.header is not None for x in self._recvs.values()):
+                # a header's receive waits for the one before it on the link, unless every
+                # message has one and tags match them (gloo)
+                if not (self.varying and self._blocking) and any(
+                        x.peer == peer and x.header is not None for x in self._recvs.values()):
                     return False
                 r.header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 r.header_work = dist.irecv(
@@ -228,9 +236,9 @@ class Comm:
         peer = f"rank {r.peer} (stage {self.schedule.stage_of_rank(r.peer)})"
         if r.header is not None:
             self._wait(r.header_work, action, peer)
-            self._agree_input(_decode(r.header), r.peer)
-            assert self._in_spec is not None
-            self._post_data(r, self._in_spec, _ACT)
+            spec = _decode(r.header)
+            self._agree_input(spec, r.peer)
+            self._post_data(r, spec, _ACT)
         version = None
         if r.version is not None:
             self._wait(r.version_work, action, peer)
@@ -240,7 +248,7 @@ class Comm:
         return r.buf, version
 
     def _agree_input(self, spec: Spec, peer: int) -> None:
-        if self._in_spec is not None and spec != self._in_spec:
+        if self._in_spec is not None and spec != self._in_spec and not self.varying:
             raise StageMismatchError(
                 f"stage {self.stage} (rank {self.rank}) expects "
                 f"{self._describe_spec(self._in_spec)} from stage {self.stage - 1} but rank "
@@ -268,7 +276,7 @@ class Comm:
             data = data.contiguous()
         if action.kind is ActionKind.SEND_F:
             spec: Spec = (tuple(data.shape), data.dtype)
-            if self._out_spec is None:
+            if self._out_spec is None or self.varying:
                 self._out_spec = spec
             elif spec != self._out_spec:
                 raise StageMismatchError(
@@ -278,7 +286,7 @@ class Comm:
                     f"on {self._describe_spec(self._out_spec)} with stage {self.stage + 1}; "
                     "every microbatch must have the same shape"
                 )
-            if peer not in self._out_links:
+            if peer not in self._out_links or self.varying:
                 self._isend(_encode(spec, self.device), peer, microbatch, _HDR, action)
                 self._out_links.add(peer)
             if self.vertical_sync:

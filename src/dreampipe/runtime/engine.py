@@ -62,6 +62,9 @@ class MicrobatchData(Protocol):
     def targets(self, microbatch: int) -> Tensor:
         """The last stage's targets of ``microbatch``."""
 
+    def share(self, microbatch: int) -> float:
+        """What ``microbatch``'s loss counts beside its minibatch's others (1: equal parts)."""
+
 
 class RankRunner:
     """One rank's stage, data and links; :meth:`advance` executes its actions, a stretch at a time.
@@ -99,7 +102,8 @@ class RankRunner:
         self.module = module
         self.data: MicrobatchData | None = None
         self.comm = Comm(
-            schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links
+            schedule, rank, device, opts.timeout_s, vertical_sync=opts.vertical_sync, groups=links,
+            varying=opts.varying_shapes,
         )
         self.scale = loss_scale(schedule)
         self.scaler = (LossScale(opts.loss_scale, opts.loss_scale_window)
@@ -115,7 +119,7 @@ class RankRunner:
         self._lanes = [_Lane(self.stage, module, self.comm, self.buckets)]
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
             comm = Comm(schedule, rank, device, opts.timeout_s, groups=links, stage=s,
-                        mailbox=self.comm.mailbox)
+                        mailbox=self.comm.mailbox, varying=opts.varying_shapes)
             self._lanes.append(_Lane(s, m, comm, GradientBuckets(m.params, None,
                                                                  comm.wait_allreduce)))
         self._lane_of = {lane.stage: lane for lane in self._lanes}
@@ -215,6 +219,9 @@ class RankRunner:
             target = self.data.targets(u)
         scale = self.scale if self.scaler is None or not self.last else \
             self.scale * self.scaler.value
+        if self.last:
+            assert self.data is not None
+            scale *= self.data.share(u)
         with self.opts.precision.forwards(self.device.type):
             out = self.module.forward(u, x, version=version, target=target, scale=scale,
                                       update=u // self.schedule.round_microbatches(self.stage))

@@ -32,6 +32,8 @@ class RunnerOptions:
     ``precision``: the number formats (:mod:`.precision`), and under fp16-mixed the
     loss scale's start and window (:mod:`.loss_scaling`).
     ``on_nonfinite`` says what a NaN or inf output or loss does (:mod:`.nonfinite`).
+    ``varying_shapes``: microbatches may change shape, so every activation sent carries
+    its shape (:mod:`.comm`).
     """
 
     timeout_s: float
@@ -42,3 +44,4 @@ class RunnerOptions:
     on_nonfinite: OnNonFinite
     loss_scale: float = 2.0**16
     loss_scale_window: int = 2000
+    varying_shapes: bool = False

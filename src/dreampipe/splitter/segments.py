@@ -12,6 +12,7 @@ docs/design.md §2.1.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import itertools
 import operator
@@ -122,6 +123,15 @@ class Segment(nn.Module):
         graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
         return _plain(Interpreter(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
+
+    def at(self, sig: Signature | None) -> Segment:
+        """This segment running the graph of inputs of signature ``sig`` alone (a copy
+        that shares its modules: a profile of other shapes calls it outside a chain)."""
+        if self.shapes is None or sig is None:
+            return self
+        out = copy.copy(self)
+        out.graph, out.shapes = self.shapes.graph(self.index, sig), None
+        return out
 
     def signature(self, values: Sequence[Any]) -> Signature | None:
         """The signature of the first segment's ``values`` if the graph depends on it."""
