@@ -25,15 +25,17 @@ def _choices(**kw: Any) -> TrainingChoices:
 
 def _graph() -> LayerGraph:
     """embed, two blocks, head: kept 10, 100, 100, 40; working 5, 30, 30, 60; each output
-    4 bytes; the blocks' and the head's deferred Linear operands 50 and 20, half of them
-    their outputs (what a split backward's ``B`` records)."""
-    def layer(name: str, what: str, kept: int, work: int, deferred: int) -> Layer:
+    4 bytes; the blocks' and the head's deferred Linear operands 50 and 20, of them their
+    outputs 40 and 10 (what a split backward's ``B`` records)."""
+    def layer(name: str, what: str, kept: int, work: int, deferred: int,
+              recorded: int) -> Layer:
         return Layer(name, 1.0, 1.0, 4, 8, what, saved_bytes=kept, backward_bytes=work,
-                     deferred_bytes=deferred, recorded_bytes=deferred // 2)
+                     deferred_bytes=deferred, recorded_bytes=recorded)
 
-    return LayerGraph((layer("embed", "Embed", 10, 5, 0), layer("b1", "Block", 100, 30, 50),
-                       layer("b2", "Block", 100, 30, 50), layer("head", "Head", 40, 60, 20)),
-                      ((0, 1), (1, 2), (2, 3)), 4)
+    return LayerGraph((layer("embed", "Embed", 10, 5, 0, 0),
+                       layer("b1", "Block", 100, 30, 50, 40),
+                       layer("b2", "Block", 100, 30, 50, 40),
+                       layer("head", "Head", 40, 60, 20, 10)), ((0, 1), (1, 2), (2, 3)), 4)
 
 
 def test_a_backward_walked_layer_by_layer_sets_the_peak() -> None:
@@ -53,10 +55,10 @@ def test_a_backward_walked_layer_by_layer_sets_the_peak() -> None:
     # stage 0 plain: walk at b1 = 10 + 100 + 30 = 140 = formula's 110 + 30: nothing saved
     # recomputing b1: kept 10 + 4 per microbatch; its backward: 14 + 96 again + 30 = 140
     assert plain[0] - got[0] == (110 * m0 + 30) - (14 * (m0 - 1) + 140)
-    # stage 1 plain: walk at b2 = 100 + 20 + max(30, 50) = 170 (b2's own deferred operands
-    # outgrow its working set), at head = 140 + 60 = 200 = formula
-    # recomputing b2: kept 40 per microbatch; at b2: 0 + 100 again + 20 + 50 = 170
-    assert plain[1] - got[1] == (140 * m1 + 60) - (40 * (m1 - 1) + 170)
+    # stage 1 plain: walk at b2 = 100 + 20 + max(30, 40) = 160 (b2's deferred output
+    # gradients outgrow its working set), at head = 140 + 60 = 200 = formula
+    # recomputing b2: kept 40 per microbatch; at b2: 0 + 100 again + 20 + 40 = 160
+    assert plain[1] - got[1] == (140 * m1 + 60) - (40 * (m1 - 1) + 160)
     assert m0 > 1 and plain[1] - got[1] > 0
 
 
@@ -108,7 +110,7 @@ def _until(actions: tuple[Action, ...], end: ActionKind) -> tuple[int, int]:
 def test_a_split_backward_keeps_a_microbatch_until_its_w() -> None:
     """Under zb-h1 a microbatch's kept tensors live until its ``W`` (``B`` keeps the
     graph), and after the first stage each microbatch waiting for its ``W`` also holds
-    what ``B`` recorded, its Linear outputs' gradients (the blocks' and the head's 25 and
+    what ``B`` recorded, its Linear outputs' gradients (the blocks' and the head's 40 and
     10); the first stage's ``B`` records nothing (it leaves the backward to ``W``)."""
     graph = _graph()
     plan = Plan.from_config(4, [0, 2], [1, 1])
@@ -120,7 +122,7 @@ def test_a_split_backward_keeps_a_microbatch_until_its_w() -> None:
         before = _in_flight(flush.actions[s])
         after, waiting = _until(zb.actions[s], ActionKind.WEIGHT)
         assert after >= before and (s == 0 or waiting > 0)
-        extra = (after - before) * kept[s] + (waiting * (25 + 10) if s == 1 else 0)
+        extra = (after - before) * kept[s] + (waiting * (40 + 10) if s == 1 else 0)
         assert split[s] - plain[s] == extra, s
 
 

@@ -191,8 +191,9 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     theirs, ``l`` holds its working set, and each later layer has freed its tensors but,
     after the first stage, what its deferred Linear weight gradients hold until the
     stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`);
-    ``l``'s own, which its backward makes or keeps as it goes, where more than its
-    working set (whose output gradients they include). The
+    ``l`` itself holds its working set or, where more, the output gradients its Linears'
+    deferred weight gradients keep (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`:
+    its backward makes them; their inputs are its kept tensors). The
     peak of that walk replaces the formula's one backward. Returns the difference and
     what one microbatch in flight keeps."""
     span = range(st.first, st.last + 1)
@@ -202,9 +203,10 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     own = [(0.0 if i == st.first else float(cuts[i])) if i in recomputed else k
            for i, k in zip(span, kept, strict=True)]
     after = [float(x.deferred_bytes or 0) if stage > 0 else 0.0 for x in layers]
+    outputs = [float(x.recorded_bytes or 0) if stage > 0 else 0.0 for x in layers]
     work = [float(x.working_bytes) for x in layers]
     walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:])
-               + max(work[n], after[n]) for n in range(len(layers)))
+               + max(work[n], outputs[n]) for n in range(len(layers)))
     formula = sum(kept) * in_flight + max(work)
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 
