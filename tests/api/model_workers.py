@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.overlap import OverlappedPair
 from dreampipe.splitter.chain import split_layers
 
 from .model_zoo import CaseSpec, find_case
@@ -44,6 +46,31 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     return {"plan": job.get("split_points", find_case(job["case"]).split_points)}
 
 
+class _AtOnce:
+    """An overlap hook that runs each pair's backward on a thread of its own while its
+    forward runs, as a model overlapping its communication would; counts the pairs."""
+
+    def __init__(self) -> None:
+        self.pairs = 0
+
+    def __call__(self, pair: OverlappedPair) -> None:
+        self.pairs += 1
+        failed: list[BaseException] = []
+
+        def backward() -> None:
+            try:
+                pair.run_backward()
+            except BaseException as exc:  # raised again on the caller's thread
+                failed.append(exc)
+
+        thread = threading.Thread(target=backward)
+        thread.start()
+        pair.run_forward()
+        thread.join()
+        if failed:
+            raise failed[0]
+
+
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
@@ -62,11 +89,14 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     case = find_case(job["case"])
     spec = CaseSpec(case, job["seed"])
     lr, momentum = job["lr"], job.get("momentum", 0.0)
+    hook = _AtOnce()
     if job.get("meta"):
         with torch.device("meta"):
             model = case.build()
     else:
         model = spec.model()
+    if job.get("at_once"):
+        model.overlap_pair = hook  # the model's own hook
     pipe = Pipeline(
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
         optimizer=(lambda p: torch.optim.Adam(p, lr=lr)) if job.get("optimizer") == "adam"
@@ -105,5 +135,5 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
            "schedule": pipe.kind.value, "skipped": skipped, "sharded": sharded,
-           "memory": memory}
+           "memory": memory, "overlapped": hook.pairs}
     return out if rank == 0 else None

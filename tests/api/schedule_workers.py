@@ -12,6 +12,7 @@ from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.models.spec import ModelSpec
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 
 __all__ = ["reference", "train_schedule"]
@@ -30,14 +31,16 @@ def _optimizer(job: dict[str, Any]) -> Any:
 def train_schedule(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train ``job["model"]`` through the Pipeline; rank 0 reports losses and state.
 
-    ``job``: model, model_args, schedule, bounds, replicas, virtual_stages,
-    steps, minibatch, microbatches, optimizer (``sgd`` with momentum or
-    ``adamw``), lr, clip (None or a norm), seed, and optionally schedule_file.
+    ``job``: model, model_args, schedule, bounds, replicas, virtual_stages (and their
+    placement, ``"loop"`` by default, or ``"v"``), steps, minibatch, microbatches,
+    optimizer (``sgd`` with momentum or ``adamw``), lr, clip (None or a norm), seed, and
+    optionally schedule_file.
     """
     spec = _spec(job)
     data = load_dataset("synthetic", spec, seed=job["seed"])
     plan = Plan.from_config(spec.num_layers, job["bounds"], job["replicas"],
-                            virtual_stages=job.get("virtual_stages", 1))
+                            virtual_stages=job.get("virtual_stages", 1),
+                            placement=Placement(job.get("placement", "loop")))
     extra: dict[str, Any] = {"virtual_stages": job["virtual_stages"]} if job.get(
         "virtual_stages", 1) > 1 else {}
     if "schedule_file" in job:

@@ -91,6 +91,11 @@ __all__: list[str] = []
     ({"variable_dims": 1}, "variable_dims=1; give the dimensions", ("variable_dims",)),
     ({"variable_dims": (True,)}, "variable_dims=(True,); give the dimensions",
      ("variable_dims",)),
+    ({"virtual_stages": 1, "schedule": "zbv"}, "virtual_stages=1 with schedule=zbv, which runs "
+     "2 stages on each worker, in a V; use virtual_stages=2, or leave it out",
+     ("virtual_stages", "schedule")),
+    ({"virtual_stages": 3, "schedule": "dualpipev"}, "virtual_stages=3 with schedule=dualpipev",
+     ("virtual_stages", "schedule")),
     ({"microbatches": 0}, "microbatches=0; use 1 or more", ("microbatches",)),
     ({"microbatches": 4}, "microbatches=4 with schedule=pipedream: PipeDream updates after "
                           "every minibatch", ("microbatches", "schedule")),
@@ -203,7 +208,8 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
     pipedream = schedule == "pipedream"
     synchronous = schedule not in ("pipedream", "2bw", "auto")
     stash = draw(st.booleans()) if pipedream else True
-    many = st.integers(1, 4) if schedule == "interleaved-1f1b" else st.just(1)
+    many = st.integers(1, 4) if schedule == "interleaved-1f1b" else st.just(
+        2 if schedule in ("zbv", "dualpipev") else 1)
     return TrainConfig(
         schedule=schedule, semantics=draw(st.sampled_from(["sync", "async"])),
         microbatches=1 if pipedream else draw(st.integers(1, 64)),
@@ -240,3 +246,18 @@ def test_recomputation_of_blocks_is_one_spec() -> None:
     assert TrainConfig(recompute_blocks=2).block_recompute() == BlockRecompute(blocks=2)
     assert TrainConfig(recompute_attention=True).block_recompute() == \
         BlockRecompute(selective=True)
+
+
+def test_the_v_schedules_take_2_stages_per_worker_and_need_them_cut() -> None:
+    from dreampipe.api.checks import check_virtual
+
+    for schedule in ("zbv", "dualpipev"):
+        assert TrainConfig(schedule=schedule).virtual_stages is None
+        assert TrainConfig(schedule=schedule, virtual_stages=2).kind is ScheduleKind(schedule)
+        assert TrainConfig(schedule=schedule).stages_per_rank == 2
+        with pytest.raises(ConfigError, match=rf"virtual_stages=2 with plan='auto' \(schedule="
+                           rf"{schedule}\); give split points \(plan=\[...\]\) or a plan of "
+                           r"world x 2 stages"):
+            check_virtual(TrainConfig(schedule=schedule), "auto")
+    assert TrainConfig(schedule="interleaved-1f1b").stages_per_rank == 1
+    assert TrainConfig(schedule="interleaved-1f1b", virtual_stages=3).stages_per_rank == 3

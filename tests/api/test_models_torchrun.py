@@ -10,7 +10,10 @@ Weights tied across stages train as one weight, against one process: interleaved
 and on a model whose ties put two copies on one rank and a whole tie on one rank; and
 clipping by the global norm, which must count a tied weight once, after its copies'
 gradients are summed, in every schedule (zero bubble's after its ``W``), with a norm the
-reference's updates all exceed, so that the clip acts."""
+reference's updates all exceed, so that the clip acts. The V schedules, zbv and dualpipev
+(4 stages, the first and the last on rank 0: both tied copies on one rank), on GPT-2 and
+the tied Llama; dualpipev once more with each overlapped pair's backward on a thread of
+its own while its forward runs."""
 
 from __future__ import annotations
 
@@ -44,14 +47,19 @@ _TIED = [
     ("twice-tied", "interleaved-1f1b", True),
     *(("gpt2", schedule, True) for schedule in ("1f1b-flush", "zb-h1", "gpipe", "pipedream",
                                                  "2bw")),
+    *((name, schedule, False) for name in ("gpt2", "tied-llama")
+      for schedule in ("zbv", "dualpipev")),
 ]
+#: The schedules of several stages a rank, and each one's microbatches (DualPipeV takes
+#: at least one a stage).
+_SEVERAL = {"interleaved-1f1b": 2, "zbv": 2, "dualpipev": 4}
 
 
 def _tied_job(name: str, schedule: str, clipped: bool) -> dict[str, Any]:
     job: dict[str, Any] = {"case": name, "seed": SEED, **_FLUSH, "schedule": schedule}
-    if schedule == "interleaved-1f1b":
-        job.update(virtual_stages=2, split_points=_CUT_GPT2 if name == "gpt2"
-                   else find_case(name).split_points)
+    if schedule in _SEVERAL:
+        job.update(virtual_stages=2, microbatches=_SEVERAL[schedule],
+                   split_points=_CUT_GPT2 if name == "gpt2" else find_case(name).split_points)
     if schedule == "pipedream":
         job.update(microbatches=1, steps=4)
     return {**job, "max_grad_norm": _CLIP} if clipped else job
@@ -66,12 +74,14 @@ def _jobs(folder: Path) -> list[dict[str, Any]]:
     saved = str(folder / "counter")  # trained 2 minibatches, saved, resumed for 2 more
     jobs += [{"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "save": saved},
              {"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "resume": saved}]
-    return jobs + [_tied_job(*tied) for tied in _TIED]
+    return jobs + [_tied_job(*tied) for tied in _TIED] + [
+        {**_tied_job("gpt2", "dualpipev", False), "at_once": True, "evaluate": 1}]
 
 
 def _key(job: dict[str, Any]) -> tuple[str, str]:
     suffix = "-auto" if "plan" in job else "-clipped" if "max_grad_norm" in job else (
-        "-resumed" if "resume" in job else "-saved" if "save" in job else "")
+        "-resumed" if "resume" in job else "-saved" if "save" in job else
+        "-at-once" if "at_once" in job else "")
     return job["case"], job["schedule"] + suffix
 
 
@@ -158,7 +168,7 @@ def _tied_reference(name: str, schedule: str, clip: float | None, bounds: list[i
             bounds=bounds, replicas=[1, 1], steps=4, minibatch=8, seed=SEED, opt=sgd(0.1),
             ties=[[(0, a), (1, b)] for a, b in TIED_KEYS[name]], max_grad_norm=clip)
     kw: dict[str, Any] = {"steps": 3, "minibatch": 8, "seed": SEED, "opt": sgd(0.1),
-                          "microbatches": 2, "max_grad_norm": clip}
+                          "microbatches": _SEVERAL.get(schedule, 2), "max_grad_norm": clip}
     if schedule == "2bw":
         return reference_two_bw(CaseSpec(case, SEED), CaseData(case), **kw)  # type: ignore[arg-type]
     norms: list[float] = []
@@ -176,10 +186,30 @@ def test_tied_copies_train_as_one_weight(results: dict[tuple[str, str], Any],
     name, schedule, clipped = tied
     got = results[_key(_tied_job(*tied))]
     assert got["schedule"] == schedule
-    assert len(got["bounds"]) == (4 if schedule == "interleaved-1f1b" else 2)
+    assert len(got["bounds"]) == (4 if schedule in _SEVERAL else 2)
     losses, state = _tied_reference(name, schedule, _CLIP if clipped else None, got["bounds"])
     if clipped and schedule in ("pipedream", "2bw"):  # the clip acts (sync: norms checked)
         _, unclipped = _tied_reference(name, schedule, None, got["bounds"])
         assert max(distance(unclipped, state).values()) > 1e-3
     assert_matches(got, losses, with_aliases(name, state))
     assert_tied_equal(name, got)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dualpipev_with_each_pairs_halves_at_once_equals_one_process(
+        results: dict[tuple[str, str], Any]) -> None:
+    """The overlap hook runs every pair's backward on a thread while its forward runs; the
+    trained model then evaluates a held-out minibatch through the V, as one process does."""
+    got = results["gpt2", "dualpipev-at-once"]
+    assert got["schedule"] == "dualpipev" and got["overlapped"] > 0
+    losses, state = _tied_reference("gpt2", "dualpipev", None, got["bounds"])
+    assert_matches(got, losses, with_aliases("gpt2", state))
+    assert_tied_equal("gpt2", got)
+    model = CaseSpec(CASES["gpt2"], SEED).model()
+    model.load_state_dict(got["state"], strict=True)
+    model.eval()
+    with torch.no_grad():
+        x, y = CASES["gpt2"].example(100, _FLUSH["minibatch"])
+        want = float(CASES["gpt2"].loss_fn(model(**x), y))
+    assert got["evaluated"] == pytest.approx(want, rel=1e-5)

@@ -1,7 +1,8 @@
 """Schedules exchanged with PyTorch's pipelining train as one process does, on both sides.
 
-PyTorch's ScheduleInterleaved1F1B (2 ranks, 4 stages, 8 microbatches), as its
-``_dump_csv`` writes it, trains in dreampipe's Pipeline through ``schedule_file``;
+PyTorch's ScheduleInterleaved1F1B and ScheduleZBVZeroBubble (2 ranks, 4 stages, 8
+microbatches), as its ``_dump_csv`` writes them, train in dreampipe's Pipeline through
+``schedule_file``;
 dreampipe's zb-h1 as ``write_torch_csv`` writes it runs a step in PyTorch's own
 ``_PipelineScheduleRuntime``. Both in one launch of 2 processes over gloo, each against
 one process (:func:`schedule_workers.reference`, :func:`torch_csv_workers.torch_reference`).
@@ -16,7 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 import dreampipe
 from dreampipe.errors import ConfigError
@@ -39,14 +43,18 @@ class _Stage:
 
     def __init__(self, index: int) -> None:
         self.stage_index, self.num_stages, self.group_size, self.group_rank = index, 4, 2, 0
+        self.submod = None  # no module, so nothing to check for torch.compile
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("torch-csv")
     interleaved, zb = folder / "interleaved.csv", folder / "zb-h1.csv"
+    zbv = folder / "zbv.csv"
     ScheduleInterleaved1F1B([_Stage(0), _Stage(2)], 8, loss_fn=F.cross_entropy)._dump_csv(
         str(interleaved))
+    ScheduleZBVZeroBubble([_Stage(0), _Stage(3)], 8, loss_fn=F.cross_entropy)._dump_csv(
+        str(zbv))
     write_torch_csv(build_schedule([1, 1], ScheduleKind.ZB_H1, 4, 4), zb)
     jobs = {
         "dreampipe": {"model": "mlp", "model_args": _MLP, "schedule": "interleaved-1f1b",
@@ -55,6 +63,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                       "lr": 0.05, "clip": 0.5, "seed": 3, "schedule_file": str(interleaved)},
         "torch": {"model": "mlp", "model_args": _MLP, "bounds": [0, 2], "microbatches": 4,
                   "minibatch": 16, "lr": 0.1, "seed": 3, "path": str(zb)},
+        "zbv": {"model": "mlp", "model_args": _MLP, "schedule": "zbv", "bounds": [0, 1, 2, 3],
+                "replicas": [1] * 4, "virtual_stages": 2, "placement": "v", "steps": 3,
+                "minibatch": 16, "microbatches": 8, "optimizer": "sgd", "lr": 0.05,
+                "clip": 0.5, "seed": 3, "schedule_file": str(zbv)},
     }
     return {"jobs": jobs, "results": run_processes(run_both, 2, jobs, deadline_s=90.0)}
 
@@ -66,6 +78,14 @@ def test_pytorchs_interleaved_schedule_trains_in_a_pipeline_as_one_process(
 ) -> None:
     job = runs["jobs"]["dreampipe"]
     assert_matches(runs["results"][0]["dreampipe"], *reference(job))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_pytorchs_zbv_schedule_trains_in_a_pipeline_as_one_process(runs: dict[str, Any]) -> None:
+    """ScheduleZBVZeroBubble's file (2 ranks, 4 stages in a V, 8 microbatches), clipped."""
+    job = runs["jobs"]["zbv"]
+    assert_matches(runs["results"][0]["zbv"], *reference(job))
 
 
 @pytest.mark.slow

@@ -24,12 +24,13 @@ __all__ = ["run_both", "torch_reference"]
 
 
 def run_both(rank: int, world: int, jobs: dict[str, Any]) -> dict[str, Any]:
-    """``jobs["torch"]`` through PyTorch's runtime, then ``jobs["dreampipe"]`` through the
+    """``jobs["torch"]`` through PyTorch's runtime, then every other job through the
     Pipeline, in one process group."""
     init_process_group(30.0)
     try:
         mine = _torch_step(rank, world, jobs["torch"])
-        return {"torch": mine, "dreampipe": train_schedule(rank, world, jobs["dreampipe"])}
+        return {"torch": mine, **{name: train_schedule(rank, world, job)
+                                  for name, job in jobs.items() if name != "torch"}}
     finally:
         dist.destroy_process_group()
 

@@ -67,6 +67,15 @@ def _eight_stage_plan_json(virtual_stages: int) -> str:
     return json.dumps(data)
 
 
+def _zbv_csv() -> str:
+    """zbv of 8 stages on 4 ranks (2 a rank in a V), one microbatch, as PyTorch's CSV."""
+    from dreampipe.scheduling.actions import ScheduleKind
+    from dreampipe.scheduling.build import build_schedule
+    from dreampipe.scheduling.torch_csv import torch_csv
+
+    return torch_csv(build_schedule([1] * 8, ScheduleKind.ZBV, 1, 1, virtual_stages=2))
+
+
 @dataclass(frozen=True)
 class Case:
     """One bad input: ``argv`` for ``dreampipe`` (``{dir}`` is a scratch folder holding
@@ -204,10 +213,11 @@ CASES: tuple[Case, ...] = (
          ("pp.csv:2: cell 2 '1X0'", "write e.g. 0F1"),
          (("plan.json", _plan_json(4, "m")), ("pp.csv", "0F0,0B0\n1F0,1X0\n"))),
     Case("schedule-file-v-placement", "plan", "a PyTorch schedule file of the V placement "
-         "(ScheduleZBVZeroBubble's)", ("simulate", "{dir}/plan.json", "--schedule-file",
-                                      "{dir}/pp.csv"),
-         ("pp.csv:1: cell 2 '3F0'", "the V placement", "does not support"),
-         (("plan.json", _eight_stage_plan_json(2)), ("pp.csv", "0F0,3F0\n1F0,2F0\n"))),
+         "(ScheduleZBVZeroBubble's) on a plan of the loop", ("simulate", "{dir}/plan.json",
+                                                            "--schedule-file", "{dir}/pp.csv"),
+         ("places its 8 stages in the v placement, the plan in the loop",
+          "dreampipe plan --schedule zbv"),
+         (("plan.json", _eight_stage_plan_json(2)), ("pp.csv", _zbv_csv()))),
     Case("schedule-file-other-stages", "plan", "a PyTorch schedule file of other stages than "
          "the plan's", ("simulate", "{dir}/plan.json", "--schedule-file", "{dir}/pp.csv"),
          ("runs 1 unreplicated stages", "replicas 1-1"),

@@ -302,6 +302,44 @@ def test_virtual_stages_place_stage_s_on_worker_s_mod_workers(
     assert json.loads(out)["stage_workers"] == [0, 1, 2, 3, 0, 1, 2, 3]
 
 
+def test_auto_on_two_stages_per_worker_weighs_interleaving_zbv_and_dualpipev(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The chain (F = B = W) on 4 workers: a V schedule leaves the least bubble, and the
+    saved plan places its stages in the V the chosen schedule runs."""
+    chain, saved = _chain_profile(tmp_path, 8), tmp_path / "plan.json"
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--virtual-stages", "2", "--schedule",
+                        "auto", "--microbatches", "8", "-o", str(saved))
+    assert code == 0
+    kinds = ("interleaved-1f1b", "zbv", "dualpipev")
+    lines = [line.split()[0] for line in out.splitlines()
+             if line.startswith("  ") and line.split()[0] in kinds]
+    assert lines == list(kinds)
+    chosen = next(line.split()[0] for line in out.splitlines() if "chosen" in line)
+    assert chosen in ("zbv", "dualpipev") and f"simulate it with --schedule {chosen}" in out
+    plan = Plan.load(saved)
+    assert [st.ranks[0] for st in plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--schedule", "dualpipev", "--json")
+    data = json.loads(out)
+    assert (data["schedule"], data["placement"], data["stage_workers"]) == (
+        "dualpipev", "v", [0, 1, 2, 3, 3, 2, 1, 0])
+    assert data["bubble_fraction"] < 0.5 * data["flush_bubble_fraction"]
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--schedule", "zbv", "--virtual-stages", "3"],
+     "--virtual-stages 3 with --schedule zbv, which runs 2 stages per worker in a V"),
+    (["--schedule", "1f1b-flush", "--virtual-stages", "2"],
+     "--schedule 1f1b-flush with --virtual-stages 2: several stages per worker run under "
+     "interleaved-1f1b, zbv, dualpipev"),
+])
+def test_a_schedule_that_cannot_run_the_stages_per_worker_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, _, err = _run(capsys, _chain_profile(tmp_path, 12), "-t", "1x4", *argv)
+    assert code == 2 and needle in err
+
+
 def test_a_plan_searched_in_blocks_says_its_gap(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dreampipe.cli import main
+from dreampipe.planning.placement import Placement, rank_stages
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -164,6 +165,63 @@ def test_interleaved_on_virtual_stages_leaves_at_most_065_of_flush(
         capsys.readouterr().err)
 
 
+def test_the_v_schedules_leave_a_quarter_of_flush_and_dualpipes_bound_at_most(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's chain (F = 10 ms and a backward of 20 ms a layer, half of it the weight
+    gradient: F = B = W) on 4 workers, 8 microbatches: zbv leaves at most a quarter of
+    1f1b-flush's bubble on the same layers, dualpipev less than 1f1b-flush and at most its
+    bound, (p - 1)(F&B + B - 3W) a worker (DualPipe's, for DualPipeV on p workers; F&B
+    costs F + B here: the simulator overlaps communication, not compute). The plan is
+    ``dreampipe plan --schedule zbv``'s: 8 stages, stage s and 7 - s on one worker."""
+    chain8, v_plan = _chain(tmp_path, 8), tmp_path / "v.json"
+    assert main(["plan", str(chain8), "-t", "1x4", "--schedule", "zbv", "-o",
+                 str(v_plan)]) == 0
+    assert "zbv, 2 stages per worker in a V on 4 workers" in capsys.readouterr().out
+    assert [st.ranks for st in Plan.load(v_plan).stages] == [
+        (0,), (1,), (2,), (3,), (3,), (2,), (1,), (0,)]
+    four = tmp_path / "plan4x2.json"
+    Plan.from_config(8, [0, 2, 4, 6], [1, 1, 1, 1]).save(four)
+    flush = _bubble(capsys, four, chain8, "--schedule", "1f1b-flush")
+    zbv = _bubble(capsys, v_plan, chain8, "--schedule", "zbv")
+    dual = _bubble(capsys, v_plan, chain8, "--schedule", "dualpipev")
+    f, b, w, ranks, m = 10.0, 20.0, 10.0, 4, 8
+    bound = (ranks - 1) * ((f + b) + b - 3 * w)  # ms idle a worker
+    busy = 2 * m * (f + b)  # ms computing a worker: 2 stages, m microbatches
+    assert flush == pytest.approx(0.273, abs=5e-4)
+    assert zbv <= flush / 4
+    assert dual < flush and dual <= bound / (busy + bound)
+    assert main(["simulate", str(v_plan), "--profile", str(chain8), "--topology", "1x4",
+                 "--schedule", "interleaved-1f1b"]) != 0
+    assert "only zbv and dualpipev run that: use --schedule zbv or --schedule dualpipev" in (
+        capsys.readouterr().err)
+
+
+def test_a_v_schedule_draws_its_overlapped_pairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """dualpipev's timeline and trace: each OVERLAP_F_B a slice around its forward's and
+    backward's, on the worker that holds both stages."""
+    chain8, v_plan = _chain(tmp_path, 8), tmp_path / "v.json"
+    Plan.from_config(8, list(range(8)), [1] * 8, virtual_stages=2,
+                     placement=Placement.V).save(v_plan)
+    png, trace = tmp_path / "v.png", tmp_path / "v.trace.json"
+    _json(capsys, ["simulate", str(v_plan), "--profile", str(chain8), "--topology", "1x4",
+                   "--schedule", "dualpipev", "--microbatches", "8", "--minibatches", "1",
+                   "--timeline", str(png), "--trace", str(trace), "--json"])
+    assert png.stat().st_size > 10_000
+    slices = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    pairs = [e for e in slices if e["args"]["kind"] == "OVERLAP_F_B"]
+    assert pairs
+    for pair in pairs:
+        inside = [e for e in slices if e["pid"] == pair["pid"] and e["tid"] == 0
+                  and e is not pair and pair["ts"] <= e["ts"]
+                  and e["ts"] + e["dur"] <= pair["ts"] + pair["dur"] + 1e-6]
+        assert sorted(e["args"]["kind"] for e in inside) == ["B", "F"]
+        assert {e["args"]["stage"] for e in inside} == set(
+            rank_stages(pair["pid"], 8, 2, Placement.V))
+
+
 def _chain_txt(path: Path, layers: int) -> Path:
     """The issue's chain as a PipeDream graph.txt: F = 10 ms, B = 20 ms, nothing to send."""
     nodes = "".join(f"node{i} -- Linear(l{i}) -- forward_compute_time=10.0, "
@@ -254,7 +312,7 @@ def test_a_pytorch_schedule_file_simulates_as_the_schedule_it_holds(
 ) -> None:
     """One minibatch of interleaved 1F1B (4 stages on 2 workers, 8 microbatches) in
     PyTorch's CSV, repeated 3 times: the run ``--schedule interleaved-1f1b`` builds, without
-    importing PyTorch; a V-placed file is one line naming it."""
+    importing PyTorch; a V-placed file on a plan of the loop is one line naming both."""
     chain, plan, csv = _chain(tmp_path, 8), tmp_path / "plan.json", tmp_path / "pp.csv"
     Plan.from_config(8, [0, 2, 4, 6], [1] * 4, virtual_stages=2, topology="1x2").save(plan)
     write_torch_csv(build_schedule([1] * 4, S.INTERLEAVED, 8, 8, virtual_stages=2), csv)
@@ -270,10 +328,11 @@ def test_a_pytorch_schedule_file_simulates_as_the_schedule_it_holds(
     assert from_file == built
     assert from_file["schedule"] == "interleaved-1f1b" and from_file["num_microbatches"] == 24
     assert 0 < float(from_file["bubble_fraction"]) < 1  # type: ignore[arg-type]
-    csv.write_text("0F0,0SEND_F0,3RECV_F0,3F0\n1RECV_F0,1F0,1SEND_F0,2F0,2SEND_F0\n")
+    write_torch_csv(build_schedule([1] * 4, S.ZBV, 1, 1, virtual_stages=2), csv)
     assert main([*argv, "--schedule-file", str(csv), "--microbatches", "1"]) == 2
     err = capsys.readouterr().err
-    assert f"{csv}:1: cell 3 '3RECV_F0': stage 3 on rank 0 is the V placement" in err
+    assert (f"--schedule-file '{csv}' places its 4 stages in the v placement, the plan in the "
+            "loop; make the plan with dreampipe plan --schedule zbv") in err
     assert err.count("\n") == 1
     csv.write_text("0F0,0B0\n1F0,1B0\n")
     assert main([*argv, "--schedule-file", str(csv)]) == 2

@@ -10,6 +10,7 @@ import pytest
 
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.placement import (
+    Placement,
     check_fits,
     check_schedule,
     stage_ranks,
@@ -114,3 +115,57 @@ def test_ranks_beyond_the_topology_are_an_error_that_names_the_fix() -> None:
     with pytest.raises(PlanError, match=r"needs 3 workers .* has 2; pick a larger "
                                         r"--topology, of 3 workers or more$"):
         check_fits(Plan.from_config(4, [0, 2], [2, 1]), Topology.parse("2"))
+
+
+def _v(workers: int = 4) -> Plan:
+    n = 2 * workers
+    return Plan.from_config(n, list(range(n)), [1] * n, model="chain8", topology=str(workers),
+                            virtual_stages=2, placement=Placement.V)
+
+
+def test_the_v_placement_puts_stage_s_with_2p_minus_1_minus_s_and_keeps_it(
+    tmp_path: Path
+) -> None:
+    plan = _v()
+    assert [st.ranks for st in plan.stages] == [(r,) for r in (0, 1, 2, 3, 3, 2, 1, 0)]
+    assert [plan.stages_of_rank(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert plan.workers_used == 4 and "2 stages per worker in a V" in str(plan)
+    assert json.loads(plan.to_json())["placement"] == "v"
+    assert "placement" not in json.loads(_interleaved().to_json())  # older files unchanged
+    plan.save(tmp_path / "v.json")
+    assert Plan.load(tmp_path / "v.json") == plan
+    loop = plan.placed(Placement.LOOP)
+    assert loop == _interleaved() and loop.placed(Placement.V) == plan
+    assert _interleaved().stages_of_rank(1) == (1, 5)
+
+
+def test_a_v_plan_runs_only_the_v_schedules_and_they_only_it() -> None:
+    check_schedule(_v(), "zbv")
+    check_schedule(_v(), "dualpipev")
+    with pytest.raises(ConfigError, match=r"schedule=interleaved-1f1b for the plan, which runs "
+                       r"2 stages per worker in a V \(its virtual_stages is 2\); only zbv and "
+                       r"dualpipev run that: use schedule=zbv or schedule=dualpipev"):
+        check_schedule(_v(), "interleaved-1f1b")
+    with pytest.raises(ConfigError, match=r"schedule=zbv for the plan, which runs 2 stages per "
+                       r"worker in the loop placement; zbv runs 2 stages a rank in the V "
+                       r"placement: give 2 x workers split points, or make the plan with "
+                       r"dreampipe plan --schedule zbv"):
+        check_schedule(_interleaved(), "zbv")
+    with pytest.raises(ConfigError, match=r"schedule=dualpipev .* runs one stage per worker"):
+        check_schedule(Plan.from_config(2, [0, 1], [1, 1]), "dualpipev")
+
+
+@pytest.mark.parametrize(("build", "needle"), [
+    (lambda: Plan.from_config(6, list(range(6)), [1] * 6, virtual_stages=3,
+                              placement=Placement.V),
+     "the V placement with virtual_stages=3; it puts exactly 2 stages on each rank"),
+    (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=1, ranks=(s % 2,))
+                               for s in range(4)), num_layers=4, virtual_stages=2,
+                  placement=Placement.V),
+     r"runs stage s and 3-s on rank min\(s, 3-s\), ranks \[0, 1, 1, 0\], but the stages "
+     r"have ranks \[0, 1, 0, 1\]; number them so \(Plan.from_config\(..., virtual_stages=2, "
+     r"placement=Placement.V\)\)"),
+])
+def test_a_v_that_cannot_run_names_the_fix(build: object, needle: str) -> None:
+    with pytest.raises(PlanError, match=needle):
+        build()  # type: ignore[operator]

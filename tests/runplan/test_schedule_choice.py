@@ -8,7 +8,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import CANDIDATES, SEVERAL, Semantics, choose_schedule
 from dreampipe.scheduling.actions import ScheduleKind
 
 S = ScheduleKind
@@ -91,3 +91,24 @@ def test_the_candidates_are_simulated_with_the_run_s_zero_level() -> None:
     with pytest.raises(ConfigError, match=r"no async schedule can run plan 2-1: 2bw: "
                        r"zero=3: .* a weight version each"):
         choose_schedule(graph, plan, topo, Semantics.ASYNC, zero=3)
+
+
+def test_a_plan_of_two_stages_per_worker_weighs_interleaving_and_both_vs() -> None:
+    """8 one-layer stages on 4 workers, F = B = W: zbv and dualpipev (the plan re-placed in
+    a V for them) leave less bubble than interleaved 1F1B; async semantics run none."""
+    graph = LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 0, 0) for i in range(8)])
+    plan = Plan.from_config(8, list(range(8)), [1] * 8, virtual_stages=2)
+    topo = Topology.parse("1x4")
+    choice = choose_schedule(graph, plan, topo, Semantics.SYNC, microbatches=8)
+    rate = {c.kind: c.minibatches_per_s for c in choice.candidates}
+    assert list(rate) == list(SEVERAL) and all(rate.values())
+    assert choice.kind in (S.ZBV, S.DUALPIPEV)
+    assert rate[S.ZBV] > 1.1 * rate[S.INTERLEAVED] and rate[S.DUALPIPEV] > rate[S.INTERLEAVED]
+    thrice = Plan.from_config(12, list(range(12)), [1] * 12, virtual_stages=3)
+    graph12 = LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 0, 0) for i in range(12)])
+    three = choose_schedule(graph12, thrice, topo, Semantics.SYNC)
+    assert three.kind is S.INTERLEAVED
+    assert {c.kind for c in three.candidates if c.why_not} == {S.ZBV, S.DUALPIPEV}
+    with pytest.raises(ConfigError, match=r"semantics=async with a plan of 2 stages per "
+                                          r"worker; .* are synchronous"):
+        choose_schedule(graph, plan, topo, Semantics.ASYNC)

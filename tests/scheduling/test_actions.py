@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.placement import Placement
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 
@@ -14,6 +15,9 @@ from dreampipe.scheduling.build import build_schedule
 @given(st.sampled_from(list(ActionKind)), st.integers(0, 7), st.integers(0, 10**6))
 def test_action_text_parses_back(kind: ActionKind, stage: int, microbatch: int) -> None:
     a = Action(kind, stage, microbatch)
+    if kind is ActionKind.OVERLAP:  # an overlapped pair names its backward too
+        a = Action.overlap(Action(ActionKind.FORWARD, stage, microbatch),
+                           Action(ActionKind.BACKWARD, stage, microbatch // 2))
     assert Action.parse(str(a), stage) == a
 
 
@@ -38,6 +42,8 @@ def test_schedule_text_round_trip(kind: ScheduleKind) -> None:
         per = 6  # a multiple of every stage's replicas
     if kind is ScheduleKind.INTERLEAVED:
         replicas, per, virtual = (1, 1, 1, 1, 1, 1), 3, 2  # 3 workers, 2 stages each
+    if kind.placement is Placement.V:  # 3 workers, 2 stages each in a V
+        replicas, per, virtual = (1, 1, 1, 1, 1, 1), 6, 2
     sched = build_schedule(replicas, kind, 12, per, virtual_stages=virtual)
     assert Schedule.from_text(sched.to_text()) == sched
 

@@ -32,7 +32,8 @@ from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 __all__: list[str] = []
 
 #: The kinds PyTorch's format holds: synchronous, one update, unreplicated stages.
-_WRITABLE = [S.FLUSH, S.GPIPE, S.NAIVE, S.ZB_H1, S.ZB_H2, S.INTERLEAVED, S.DP]
+_WRITABLE = [S.FLUSH, S.GPIPE, S.NAIVE, S.ZB_H1, S.ZB_H2, S.INTERLEAVED, S.DP, S.ZBV,
+             S.DUALPIPEV]
 
 
 class _Stage:
@@ -66,6 +67,10 @@ def _torch_runtime(path: Path, stages: int, ranks: int, microbatches: int,
 @st.composite
 def _writable(draw: st.DrawFn) -> Schedule:
     kind = draw(st.sampled_from(_WRITABLE))
+    if kind in (S.ZBV, S.DUALPIPEV):  # 2 stages a rank, in a V
+        ranks = draw(st.integers(1, 3))
+        m = draw(st.integers(2 * ranks if kind is S.DUALPIPEV else 1, 8))
+        return build_schedule([1] * (2 * ranks), kind, m, m, virtual_stages=2)
     if kind is S.INTERLEAVED:
         ranks, v = draw(st.integers(1, 3)), draw(st.integers(2, 3))
         m = ranks * draw(st.integers(1, 3))
@@ -132,11 +137,29 @@ def test_pytorchs_interleaved_zero_bubble_loads_and_fills_the_bubble(tmp_path: P
 
 
 @pytest.mark.parametrize("comms", [True, False])
-def test_the_v_placement_is_refused_by_name(tmp_path: Path, comms: bool) -> None:
+def test_pytorchs_zbv_is_dreampipes_in_the_v_placement(tmp_path: Path, comms: bool) -> None:
+    """2 ranks, 4 stages, 8 microbatches: PyTorch's ScheduleZBVZeroBubble (stage s and 3 - s
+    on one rank, the turn 1 -> 2 handed over on rank 1 without a transfer) loads as
+    dreampipe's own zbv, action for action, and simulates alike."""
     path = _torch_file(tmp_path, ScheduleZBVZeroBubble, (0, 3), 2, 4, 8, comms)
-    with pytest.raises(ScheduleError, match=r"\.csv:1: cell \d+ '3\w+': stage 3 on rank 0 is "
-                       r"the V placement .* which dreampipe does not support"):
-        read_torch_csv(path)
+    loaded = read_torch_csv(path)
+    ours = build_schedule([1] * 4, S.ZBV, 8, 8, virtual_stages=2)
+    assert (loaded.kind, loaded.stages_of_rank(0), loaded.stages_of_rank(1)) == (
+        S.ZBV, (0, 3), (1, 2))
+    assert loaded == ours
+    costs = SimCosts(forward_s=(1.0,) * 4, backward_s=(2.0,) * 4)
+    assert simulate_schedule(loaded, costs).summary() == simulate_schedule(ours, costs).summary()
+    assert read_torch_csv(path, S.ZBV) == ours
+    with pytest.raises(ScheduleError, match=r"places its stages in the v placement but kind "
+                       r"zb-h1 in the loop; give zbv or dualpipev"):
+        read_torch_csv(path, S.ZB_H1)
+
+
+def test_a_stage_in_neither_placement_names_the_line() -> None:
+    with pytest.raises(ScheduleError, match=r"cell 2 '1F0': stage 1 on rank 0 \(line 1\); "
+                       r"dreampipe runs stage s on rank s mod 2: move it to line 2, or place "
+                       r"every stage in PyTorch's V \(stage s and 3-s on one rank\)"):
+        parse_torch_csv("0F0,1F0\n2F0,3F0", "x.csv")
 
 
 def test_an_overlapped_pair_runs_its_parts_in_order() -> None:

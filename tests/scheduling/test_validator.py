@@ -121,6 +121,8 @@ def test_built_schedules_validate(kind: ScheduleKind) -> None:
     virtual = 1
     if kind is ScheduleKind.INTERLEAVED:
         replicas, per, virtual = (1, 1, 1, 1, 1, 1), 6, 3  # 2 workers, 3 stages each
+    if kind in (ScheduleKind.ZBV, ScheduleKind.DUALPIPEV):  # 3 workers, 2 stages each, a V
+        replicas, per, virtual = (1, 1, 1, 1, 1, 1), 6, 2
     validate_schedule(build_schedule(replicas, kind, 12, per, virtual_stages=virtual))
 
 

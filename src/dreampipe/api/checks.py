@@ -152,9 +152,11 @@ def check_split(plan: Plan, config: TrainConfig) -> None:
 def check_virtual(config: TrainConfig, plan: object) -> None:
     """Several stages per rank need stages cut for them: split points or a plan, as the
     planner of ``plan="auto"`` cuts one stage per rank (a ConfigError)."""
-    v = config.virtual_stages or 1
+    v = config.stages_per_rank
     if v > 1 and isinstance(plan, str) and plan == "auto":
-        raise ConfigError(f"virtual_stages={v} with plan='auto'; give split points "
+        raise ConfigError(f"virtual_stages={v} with plan='auto'"
+                          f"{'' if config.virtual_stages else f' (schedule={config.schedule})'}"
+                          "; give split points "
                           f"(plan=[...]) or a plan of world x {v} stages", "virtual_stages", "plan")
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.placement import Placement
 from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
 from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
@@ -50,9 +51,10 @@ class TrainConfig:
     ``"auto"``: profile and simulate the schedules of ``semantics`` (``"sync"``:
     zb-h1, zb-h2, 1f1b-flush, gpipe, training as one process does; ``"async"``: 2bw,
     pipedream) and train with the fastest. ``microbatches`` per minibatch (1 for
-    pipedream). ``virtual_stages`` per worker, with interleaved-1f1b (None: the
-    plan's). ``max_grad_norm`` clips each update by the global norm over all stages
-    (None: no clipping). ``precision``: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``
+    pipedream). ``virtual_stages`` per worker, with interleaved-1f1b, or 2 with zbv and
+    dualpipev, which place them in a V (None: the plan's, or 2 for those two).
+    ``max_grad_norm`` clips each update by the global norm over all stages (None: no
+    clipping). ``precision``: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``
     (forwards under ``torch.autocast``), or ``"bf16"`` (16-bit weights with 32-bit master
     weights; :mod:`dreampipe.runtime.precision`); ``loss_scale`` and
     ``loss_scale_window``: fp16-mixed's initial loss scale and the updates without an
@@ -168,10 +170,16 @@ class TrainConfig:
             raise ConfigError(f"max_grad_norm={norm}; use a positive norm, or None not to clip",
                               "max_grad_norm")
         v = self.virtual_stages
-        if v is not None and (v < 1 or (v > 1 and self.schedule != "interleaved-1f1b")):
+        v_shaped = self.chooses is None and self.kind.placement is Placement.V
+        if v is not None and v_shaped and v != 2:
+            raise ConfigError(f"virtual_stages={v} with schedule={self.schedule}, which runs 2 "
+                              "stages on each worker, in a V; use virtual_stages=2, or leave "
+                              "it out", "virtual_stages", "schedule")
+        if v is not None and not v_shaped and (
+                v < 1 or (v > 1 and self.schedule != "interleaved-1f1b")):
             raise ConfigError(f"virtual_stages={v} with schedule={self.schedule}; use 1, or "
-                              "schedule=interleaved-1f1b with 2 or more",
-                              "virtual_stages", "schedule")
+                              "schedule=interleaved-1f1b with 2 or more (zbv and dualpipev: "
+                              "2)", "virtual_stages", "schedule")
         file = self.schedule_file
         if file is not None and (self.chooses is not None or not self.kind.synchronous
                                  or self.kind is ScheduleKind.DP):
@@ -263,6 +271,14 @@ class TrainConfig:
         choice is made (profiling, sizes), as most candidates split minibatches."""
         chooses = self.chooses
         return ScheduleKind(self.schedule) if chooses is None else STAND_IN[chooses]
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Stages each rank runs: ``virtual_stages``, else 2 under the V schedules (zbv,
+        dualpipev), else 1 (a given plan's own count is read from the plan)."""
+        if self.virtual_stages is not None:
+            return self.virtual_stages
+        return 2 if self.chooses is None and self.kind.placement is Placement.V else 1
 
     @property
     def policy(self) -> OnNonFinite:

@@ -1,7 +1,7 @@
 """A Pipeline's evaluation: forwards of held-out batches with the current weights.
 
 Each run of batches of one shape is a forward-only schedule on the training
-stages, all of a rank's under interleaving (the links agree on one shape per
+stages, all of a rank's where it runs several (the links agree on one shape per
 run), scored on the last stage and summed over the world, so every rank gets
 the same :class:`EvalResult`.
 """
@@ -21,6 +21,7 @@ from dreampipe.api.feed import Batches
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.precision import Precision
+from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
 
 __all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate"]
@@ -46,6 +47,8 @@ class EvalRank:
     links: Any
     precision: Precision
     virtual_stages: int = 1
+    #: The training schedule, whose placement of several stages per rank the forwards keep.
+    kind: ScheduleKind = ScheduleKind.GPIPE
 
 
 def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
@@ -58,7 +61,7 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         end = start + 1
         while end < len(batches) and _shapes(batches[end]) == _shapes(batches[start]):
             end += 1
-        sched = forward_only(me.replicas, end - start, me.virtual_stages)
+        sched = forward_only(me.replicas, end - start, me.virtual_stages, me.kind)
         box: dict[tuple[int, int, int], Tensor] = {}
         comms = {s: Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links,
                          evaluation=True, stage=s, mailbox=box) for s in modules}

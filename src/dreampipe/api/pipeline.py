@@ -50,6 +50,7 @@ from dreampipe.api.ties import tie_stages
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
+from dreampipe.runtime.overlap import model_hook
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
@@ -95,7 +96,10 @@ class Pipeline:
     (:class:`~dreampipe.api.config.TrainConfig`: the schedule, microbatches,
     clipping, precision, staleness compensation...); :attr:`config` is the one
     that runs, with the schedule ``"auto"`` chose (:attr:`kind`, the reasons
-    logged) and the plan's ``virtual_stages``. The layers are trained in place.
+    logged) and the plan's ``virtual_stages``. A model with an ``overlap_pair(pair)``
+    method runs each of dualpipev's overlapped forward and backward pairs through it,
+    where it overlaps its own communication (:mod:`dreampipe.runtime.overlap`; without
+    one, the forward, then the backward). The layers are trained in place.
     """
 
     def __init__(
@@ -152,12 +156,12 @@ class Pipeline:
         mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
             if mixed else None
         self._meter = start(self.config, [
-            layer for s in self._my_stages(world) for _, layer in
+            layer for s in self._my_stages() for _, layer in
             self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
             self.device)
         with counting(self._meter):  # the stage's build counts in its peak
             modules = build_modules(
-                self._layers, self.plan, self._my_stages(world), self.device,
+                self._layers, self.plan, self._my_stages(), self.device,
                 mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
@@ -192,7 +196,7 @@ class Pipeline:
                 self._schedule(self._horizon), self.srank, self.device,
                 self.module, self._opts, groups=groups, links=self._links,
                 clip_group=clip_group, after_step=self._after_step, others=modules[1:],
-                ties=held,
+                ties=held, overlap=model_hook(model),
             )
             self._segment = 0
             self._pending: list[float] = []
@@ -212,12 +216,9 @@ class Pipeline:
                                                self.config),
                         self.minibatches, lambda: gathered(m.zero for m in self.runner.modules))
 
-    def _my_stages(self, world: int) -> range:
-        """The stages this rank runs: its plan stage, or every ``world``-th one from its rank."""
-        if self._virtual == 1:
-            s = self.plan.stage_of_rank(self.rank)
-            return range(s, s + 1)
-        return range(self.rank, self.plan.num_stages, world)
+    def _my_stages(self) -> tuple[int, ...]:
+        """The stages this rank runs: its plan stage, or those the placement gives it."""
+        return self.plan.stages_of_rank(self.rank)
 
     def _after_step(self, module: StageModule) -> None:
         scheduler = self.schedulers.get(module.stage)
@@ -228,7 +229,8 @@ class Pipeline:
         """``schedule_file``'s one minibatch, checked against the plan and the microbatches."""
         period = read_torch_csv(path, self.kind)
         check_file_fits(period, self.replicas, self._virtual,
-                        self.layout.microbatches_per_update, f"schedule_file={path!r}")
+                        self.layout.microbatches_per_update, f"schedule_file={path!r}",
+                        self.plan.placement)
         return period
 
     def _build_schedule(self, minibatches: int) -> Schedule:
@@ -342,7 +344,8 @@ class Pipeline:
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
-                      precision=self._opts.precision, virtual_stages=self._virtual)
+                      precision=self._opts.precision, virtual_stages=self._virtual,
+                      kind=self.kind)
         with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
             return evaluate([(x, y) for x, y in loader],
                             {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)

@@ -28,6 +28,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.ties import check_ties
 from dreampipe.errors import ConfigError
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import Layers, Tie, tied_parameters
@@ -71,10 +72,11 @@ def settle_plan(
     microbatch_size = layout.microbatch_size
     if isinstance(plan, list | tuple):  # split points
         bounds = split_bounds(names, plan, model)
-        check_stages_per_rank(len(bounds), config.virtual_stages or 1, world)
+        v = config.stages_per_rank
+        check_stages_per_rank(len(bounds), v, world)
         plan = Plan.from_config(len(names), bounds, [1] * len(bounds),
-                                layer_names=tuple(names),
-                                virtual_stages=config.virtual_stages or 1)
+                                layer_names=tuple(names), virtual_stages=v,
+                                placement=config.kind.placement if v > 1 else Placement.LOOP)
     resolved = resolve_plan(plan, layers=layers, example=example, loss_fn=loss_fn,
                             microbatch_size=microbatch_size, config=config)
     plan = resolved.plan

@@ -40,8 +40,9 @@ from dreampipe.cli.links import (
 )
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
-    interleaved_report,
+    runs_several,
     schedule_report,
+    several_report,
 )
 from dreampipe.cli.plan_sync import add_sync_arguments, run_sync, wants_sync
 from dreampipe.cli.plan_why import stage_reasons
@@ -161,8 +162,8 @@ def _run(args: argparse.Namespace) -> int:
     graph = profile_on(args.profile, topo)
     if wants_sync(args):
         return run_sync(args, graph, topo)
-    if args.virtual_stages != 1:
-        return _run_interleaved(args, graph, topo)
+    if runs_several(args):
+        return _run_several(args, graph, topo)
     limit = memory_limit(args.memory, graph, topo)
     start = time.perf_counter()
     result = plan_pipeline(graph, topo, PlanOptions(
@@ -200,12 +201,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_interleaved(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
-    """``--virtual-stages``: the interleaved plan, reported and saved."""
+def _run_several(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
+    """``--virtual-stages`` (or a V schedule): the plan of several stages per worker,
+    reported and saved."""
     if args.virtual_stages < 1:
         raise ConfigError(f"virtual_stages={args.virtual_stages}; use 1 or more",
                           "virtual_stages")
-    plan, lines, data = interleaved_report(args, graph, topo)
+    plan, lines, data = several_report(args, graph, topo)
     if args.output:
         plan.save(args.output)
     if args.json:
@@ -214,8 +216,8 @@ def _run_interleaved(args: argparse.Namespace, graph: LayerGraph, topo: Topology
         return 0
     print("\n".join(lines))
     if args.output:
-        print(f"plan saved to {args.output} ({args.virtual_stages} stages per worker); "
-              "simulate it with --schedule interleaved-1f1b")
+        print(f"plan saved to {args.output} ({plan.virtual_stages} stages per worker); "
+              f"simulate it with --schedule {data['schedule']}")
     return 0
 
 

@@ -4,10 +4,13 @@
 ``--schedule auto`` (the default) simulates the candidate schedules of
 ``--semantics`` on the plan and keeps the fastest that fits ``--memory``
 (:func:`dreampipe.runplan.schedule_choice.choose_schedule`), printing a line per
-candidate. ``--virtual-stages v`` plans for interleaved 1F1B instead: the
-layers cut into ``workers x v`` stages of balanced compute, stage ``s`` on
-worker ``s mod workers``, simulated with that schedule against 1f1b-flush
-on ``workers`` stages. The plan carries ``v``, so what runs it runs it so.
+candidate. ``--virtual-stages v`` plans several stages per worker instead: the
+layers cut into ``workers x v`` stages of balanced compute, for interleaved 1F1B
+(stage ``s`` on worker ``s mod workers``), or with ``--schedule zbv`` or
+``dualpipev`` (which imply ``v = 2``) in a V, stage ``s`` and ``2 workers - 1 - s``
+on one worker; ``--schedule auto`` weighs the three. The plan is simulated with its
+schedule against 1f1b-flush on ``workers`` stages; it carries ``v`` and its
+placement, so what runs it runs it so.
 """
 
 from __future__ import annotations
@@ -18,27 +21,29 @@ from typing import Any
 
 from dreampipe.cli.links import memory_limit
 from dreampipe.errors import ConfigError
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runplan.schedule_choice import Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import SEVERAL, Semantics, choose_schedule
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.interleave import interleaved_plan, virtual_worker
+from dreampipe.scheduling.interleave import interleaved_plan
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
-__all__ = ["add_schedule_arguments", "interleaved_report", "schedule_report"]
+__all__ = ["add_schedule_arguments", "runs_several", "schedule_report", "several_report"]
 
 _AUTO = "auto"
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--schedule``, ``--semantics``, ``--microbatches`` and ``--virtual-stages``."""
-    p.add_argument("--schedule", default=_AUTO,
+    p.add_argument("--schedule", default=None,
                    choices=[_AUTO, *(k.value for k in ScheduleKind if k is not ScheduleKind.DP)],
                    help="schedule to report for the plan; auto (default): the fastest of "
-                        "--semantics that fits --memory, simulated, with the reasons")
+                        "--semantics that fits --memory, simulated, with the reasons; zbv "
+                        "and dualpipev plan 2 stages per worker in a V")
     p.add_argument("--semantics", choices=[s.value for s in Semantics],
                    default=Semantics.SYNC.value,
                    help="sync (default): updates as one process makes them (zb-h1, zb-h2, "
@@ -47,8 +52,10 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="microbatches per minibatch for the schedules that split one "
                         "(default: 4 per stage)")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
-                   help="interleaved 1F1B: cut the layers into workers x V stages, stage s "
-                        "on worker s mod workers, and report that plan")
+                   help="cut the layers into workers x V stages and report that plan: for "
+                        "interleaved 1F1B, stage s on worker s mod workers (with --schedule "
+                        "auto: the fastest of it, zbv and dualpipev, which place 2 a worker "
+                        "in a V)")
 
 
 def schedule_report(
@@ -58,7 +65,7 @@ def schedule_report(
     memory = memory_limit(args.memory, graph, topo)
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"microbatches={args.microbatches}; use 1 or more", "microbatches")
-    if args.schedule != _AUTO:
+    if args.schedule not in (None, _AUTO):
         return [f"schedule    {args.schedule} (as asked)"], {"schedule": args.schedule}
     choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
                              args.microbatches)
@@ -76,37 +83,85 @@ def schedule_report(
     return lines, data
 
 
-def interleaved_report(
+def runs_several(args: argparse.Namespace) -> bool:
+    """Whether ``dreampipe plan`` plans several stages per worker: ``--virtual-stages``, or a
+    V schedule."""
+    return args.virtual_stages != 1 or args.schedule in _V_KINDS
+
+
+def several_report(
     args: argparse.Namespace, graph: LayerGraph, topo: Topology
 ) -> tuple[Plan, list[str], dict[str, Any]]:
-    """The interleaved plan for ``--virtual-stages``, its table, and its simulated bubble
-    against 1f1b-flush on one stage per worker."""
-    v, workers = args.virtual_stages, topo.num_workers
-    plan = dataclasses.replace(interleaved_plan(graph, workers, v), topology=args.topology)
+    """The plan of several stages per worker (``--virtual-stages``, or 2 for a V schedule),
+    its table, and its simulated bubble against 1f1b-flush on one stage per worker."""
+    v, workers = _stages_per_worker(args), topo.num_workers
     m = args.microbatches or 4 * workers
-    inter = _simulate(graph, plan, topo, ScheduleKind.INTERLEAVED, m)
+    cut = dataclasses.replace(interleaved_plan(graph, workers, v), topology=args.topology)
+    lines: list[str] = []
+    data: dict[str, Any] = {}
+    if args.schedule == _AUTO:
+        choice = choose_schedule(graph, cut, topo, Semantics(args.semantics),
+                                 memory_limit(args.memory, graph, topo), m)
+        kind, m = choice.kind, choice.microbatches
+        lines = [f"schedule    {kind.value}: the fastest of {', '.join(k.value for k in SEVERAL)}"
+                 f" on {v} stages per worker, by the simulator:"]
+        lines += [f"  {line}" for line in choice.reasons()]
+        data["schedule_candidates"] = [
+            {"schedule": c.kind.value, "microbatches": c.microbatches, "tried": not c.why_not,
+             "minibatches_per_s": c.minibatches_per_s} for c in choice.candidates]
+    else:
+        kind = ScheduleKind(args.schedule or ScheduleKind.INTERLEAVED.value)
+    plan = cut.placed(kind.placement)
+    run = _simulate(graph, plan, topo, kind, m)
     flush = _simulate(graph, interleaved_plan(graph, workers, 1), topo, ScheduleKind.FLUSH, m)
-    lines = [f"{'stage':>5} {'layers':>9} {'worker':>6} {'compute ms':>10}"]
+    table = [f"{'stage':>5} {'layers':>9} {'worker':>6} {'compute ms':>10}"]
     for s, st in enumerate(plan.stages):
-        lines.append(f"{s:>5} {f'{st.first}..{st.last}':>9} "
-                     f"{virtual_worker(s, plan.num_stages, v):>6} {st.compute_s * 1e3:>10.2f}")
-    lines.append(
-        f"interleaved-1f1b, {v} stages per worker on {workers} workers, {m} microbatches: "
-        f"{inter.throughput_minibatches_per_s:.3f} minibatches/s, bubble "
-        f"{100 * inter.bubble_fraction:.1f}% (1f1b-flush on {workers} stages: "
+        table.append(f"{s:>5} {f'{st.first}..{st.last}':>9} "
+                     f"{st.ranks[0]:>6} {st.compute_s * 1e3:>10.2f}")
+    where = " in a V" if plan.placement is Placement.V else ""
+    table.append(
+        f"{kind.value}, {v} stages per worker{where} on {workers} workers, {m} microbatches: "
+        f"{run.throughput_minibatches_per_s:.3f} minibatches/s, bubble "
+        f"{100 * run.bubble_fraction:.1f}% (1f1b-flush on {workers} stages: "
         f"{100 * flush.bubble_fraction:.1f}%)")
-    data = {"virtual_stages": v, "workers": workers, "microbatches": m,
-            "stage_workers": [virtual_worker(s, plan.num_stages, v)
-                              for s in range(plan.num_stages)],
-            "interleaved_bubble_fraction": inter.bubble_fraction,
-            "flush_bubble_fraction": flush.bubble_fraction,
-            "interleaved_minibatches_per_s": inter.throughput_minibatches_per_s}
-    return plan, lines, data
+    data.update({"schedule": kind.value, "virtual_stages": v, "workers": workers,
+                 "microbatches": m, "placement": plan.placement.value,
+                 "stage_workers": [st.ranks[0] for st in plan.stages],
+                 "bubble_fraction": run.bubble_fraction,
+                 "flush_bubble_fraction": flush.bubble_fraction,
+                 "minibatches_per_s": run.throughput_minibatches_per_s})
+    if kind is ScheduleKind.INTERLEAVED:  # the names these had before zbv and dualpipev
+        data.update({"interleaved_bubble_fraction": run.bubble_fraction,
+                     "interleaved_minibatches_per_s": run.throughput_minibatches_per_s})
+    return plan, table + lines, data
+
+
+_V_KINDS = tuple(k.value for k in ScheduleKind if k.placement is Placement.V)
+
+
+def _stages_per_worker(args: argparse.Namespace) -> int:
+    """``--virtual-stages``, 2 for a V schedule (which takes no other count); a
+    ConfigError for a schedule that does not run several stages per worker."""
+    v: int = args.virtual_stages
+    asked = args.schedule
+    if asked in _V_KINDS:
+        if v not in (1, 2):
+            raise ConfigError(f"virtual_stages={v} with schedule={asked}, which runs 2 stages "
+                              "per worker in a V; drop --virtual-stages or give 2",
+                              "virtual_stages", "schedule")
+        return 2
+    fits = [k.value for k in SEVERAL]
+    if asked not in (None, _AUTO, *fits):
+        raise ConfigError(f"schedule={asked} with virtual_stages={v}: several stages per "
+                          f"worker run under {', '.join(fits)} (or auto); drop "
+                          "--virtual-stages, or name one of those", "schedule",
+                          "virtual_stages")
+    return v
 
 
 def _simulate(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,
               m: int) -> SimResult:
     schedule = build_schedule([1] * plan.num_stages, kind, m, m,
-                              virtual_stages=plan.virtual_stages)
+                              virtual_stages=plan.virtual_stages)  # placed as its kind says
     costs = costs_from_profile(graph, plan, topo, 1 / m)
     return simulate_schedule(schedule, costs, record_events=False)

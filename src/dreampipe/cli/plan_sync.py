@@ -81,7 +81,7 @@ def wants_sync(args: argparse.Namespace) -> bool:
 
 
 def _kinds(args: argparse.Namespace) -> tuple[PipelineKind, ...]:
-    if args.schedule == "auto":
+    if args.schedule in (None, "auto"):  # None: not given, auto
         return tuple(PipelineKind)
     if args.schedule not in {k.value for k in PipelineKind}:
         raise ConfigError(f"--schedule {args.schedule} with --global-batch: the synchronous "

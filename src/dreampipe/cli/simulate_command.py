@@ -6,13 +6,14 @@ planned for ``--topology`` first. PipeDream runs ``--minibatches`` minibatches; 
 other pipelines run that many of ``--microbatches`` microbatches each; ``dp``
 runs the whole model on the plan's workers, one full minibatch per worker
 per update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages``
-(which may only repeat the plan's v). A plan needs as many workers as its
+(which may only repeat the plan's v), ``zbv`` and ``dualpipev`` one made with
+``--schedule zbv`` (2 stages per worker in a V). A plan needs as many workers as its
 ranks. ``--schedule-file`` simulates a schedule PyTorch's pipelining wrote
 (``_dump_csv``: one CSV line per rank of actions such as 0F1, 1RECV_B0, 0I0,
 0W0, 2REDUCE_GRAD), one minibatch of it repeated ``--minibatches`` times, on a
-plan of its unreplicated stages (stage s on rank s mod ranks; several a rank need
-a plan made with --virtual-stages). The schedules: docs/design.md §7 (PyTorch's
-files: §7.11); the simulator: docs/design.md §9.
+plan of its unreplicated stages (stage s on rank s mod ranks, or in a V: several a
+rank need a plan made with --virtual-stages or --schedule zbv). The schedules:
+docs/design.md §7 (PyTorch's files: §7.11); the simulator: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from tqdm import tqdm
 
 from dreampipe.cli.links import GPT_HELP, TOPOLOGY_HELP, memory_limit, profile_on
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
-from dreampipe.planning.placement import check_fits, check_schedule, virtual_stages_of
+from dreampipe.planning.placement import (
+    Placement,
+    check_fits,
+    check_schedule,
+    virtual_stages_of,
+)
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
@@ -204,7 +210,7 @@ def _file_schedule(
     file = args.schedule_file
     period = read_torch_csv(file, ScheduleKind(args.schedule) if args.schedule else None)
     check_file_fits(period, [st.replicas for st in plan.stages], virtual, args.microbatches,
-                    f"--schedule-file {str(file)!r}")
+                    f"--schedule-file {str(file)!r}", plan.placement)
     updates = args.minibatches or 8
     layout = MicrobatchLayout(kind=period.kind, microbatches=period.num_microbatches)
     return repeat_schedule(period, updates), layout, updates
@@ -241,10 +247,11 @@ def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan, so
     """The plan's stages per worker; ``--virtual-stages``, if given, must be the same, and
     more than one needs the interleaved schedule."""
     asked = args.virtual_stages
-    if asked is not None and asked != 1 and kind is not ScheduleKind.INTERLEAVED:
+    several = kind is ScheduleKind.INTERLEAVED or kind.placement is Placement.V
+    if asked is not None and asked != 1 and not several:
         raise ConfigError(f"virtual_stages={asked} with schedule={kind.value}; only "
-                          "interleaved-1f1b runs several stages per worker", "virtual_stages",
-                          "schedule")
+                          "interleaved-1f1b, zbv and dualpipev run several stages per worker",
+                          "virtual_stages", "schedule")
     v = virtual_stages_of(plan, asked, source)
     check_schedule(plan, kind.value, source)
     return v

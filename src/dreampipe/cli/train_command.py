@@ -91,7 +91,8 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "PipeDream-2BW (async, two weight versions); 1f1b-flush, "
                         "gpipe: synchronous microbatched; zb-h1, zb-h2: zero bubble (the "
                         "backward split into input and weight gradients); interleaved-1f1b: "
-                        "--virtual-stages stages per worker; dp: data parallel; naive: one "
+                        "--virtual-stages stages per worker; zbv, dualpipev: zero bubble "
+                        "and DualPipeV, 2 stages per worker in a V; dp: data parallel; naive: one "
                         "microbatch at a time; auto: the fastest of --semantics on the plan "
                         "that fits --memory, simulated, with the reasons")
     g.add_argument("--semantics", choices=[s.value for s in Semantics], default=None,

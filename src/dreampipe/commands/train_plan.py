@@ -40,7 +40,7 @@ from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config_string import stages_from_config
 from dreampipe.planning.costs import SENDS_KEPT
-from dreampipe.planning.placement import check_schedule, virtual_stages_of
+from dreampipe.planning.placement import Placement, check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
@@ -190,7 +190,9 @@ def plan_train(
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     talk(str(plan))
     if v > 1:
-        talk(f"interleaved-1f1b: {v} stages per worker, stage s on worker s mod {workers}")
+        rule = (f"stage s and {2 * plan.workers_used - 1}-s on one worker"
+                if plan.placement is Placement.V else f"stage s on worker s mod {workers}")
+        talk(f"{opts.config.schedule}: {v} stages per worker, {rule}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.config.schedule}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
     return PlannedRun(run, spec, predicted, memory)
@@ -203,8 +205,9 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
     config = source.config
     if opts.config.kind is ScheduleKind.DP and source.path is None and config is None:
         config = str(workers)
-    return PlanAsk(workers=workers, config=config, stages=source.stages,
-                   virtual_stages=opts.config.virtual_stages or 1,  # a plan file's replaces it
+    v = opts.config.stages_per_rank  # a plan file's replaces it
+    return PlanAsk(workers=workers, config=config, stages=source.stages, virtual_stages=v,
+                   placement=opts.config.kind.placement if v > 1 else Placement.LOOP,
                    semantics=opts.config.chooses, microbatches=opts.config.microbatches,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
                    zero=opts.config.zero)

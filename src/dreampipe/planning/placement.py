@@ -1,25 +1,37 @@
 """Where a plan's stages run: one per rank, or ``virtual_stages`` to a rank.
 
 A plan with ``virtual_stages = v > 1`` runs its ``p * v`` stages on ``p``
-ranks, stage ``s`` on rank ``s mod p`` (interleaved 1F1B,
-:mod:`dreampipe.scheduling.interleave`); every stage is one unsplit
-replica, and its ``ranks`` say where it runs. The plan carries ``v``:
-whoever runs it reads ``v`` from the plan (:func:`virtual_stages_of`), so a
-flag or argument asking for another count is an error, and so is a plan
-whose ranks a topology cannot hold (:func:`check_fits`).
+ranks, each stage one unsplit replica whose ``ranks`` say where it runs, in one
+of two placements (:class:`Placement`): the loop, stage ``s`` on rank ``s mod p``
+(interleaved 1F1B, :mod:`dreampipe.scheduling.interleave`), or the V, two stages a
+rank, ``s`` and ``2p - 1 - s`` together (:mod:`dreampipe.scheduling.v_shape`).
+:func:`stage_rank` and :func:`rank_stages` are the one rule both ways, which plans,
+schedules and the runtime read. The plan carries ``v`` and its placement: whoever
+runs it reads them from the plan (:func:`virtual_stages_of`), so a flag or argument
+asking for another count is an error, and so is a plan whose ranks a topology cannot
+hold (:func:`check_fits`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import Enum
 from typing import Protocol
 
 from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
-__all__ = ["check_fits", "check_placement", "check_schedule", "stage_ranks",
-           "virtual_stages_of"]
+__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "rank_stages",
+           "stage_rank", "stage_ranks", "virtual_stages_of"]
+
+
+class Placement(Enum):
+    """Where the stages of a plan of several stages per rank go (docs/design.md §7.12)."""
+
+    LOOP = "loop"  #: stage ``s`` on rank ``s mod p``
+    V = "v"  #: two stages a rank: ``s`` and ``2p - 1 - s``
+
 
 class Plan(Protocol):
     """What placement reads of a :class:`~dreampipe.planning.plan.Plan` (which checks its
@@ -27,6 +39,9 @@ class Plan(Protocol):
 
     @property
     def virtual_stages(self) -> int: ...
+
+    @property
+    def placement(self) -> Placement: ...
 
     @property
     def num_stages(self) -> int: ...
@@ -37,23 +52,48 @@ class Plan(Protocol):
     def stage_workers(self, s: int) -> tuple[int, ...]: ...
 
 
-#: The one schedule that runs several stages per rank.
-_INTERLEAVED = "interleaved-1f1b"
+#: The schedules that run several stages per rank, by placement.
+_SEVERAL = {Placement.LOOP: ("interleaved-1f1b",), Placement.V: ("zbv", "dualpipev")}
 
 
-def stage_ranks(num_stages: int, virtual_stages: int) -> tuple[int, ...]:
-    """Each stage's rank: ``s mod (num_stages / v)``, or ``s`` where ``v`` does not divide."""
+def stage_rank(stage: int, num_stages: int, virtual_stages: int,
+               placement: Placement = Placement.LOOP) -> int:
+    """The rank of ``stage`` of ``num_stages``, ``virtual_stages`` of them to a rank."""
+    ranks = num_stages // virtual_stages
+    if placement is Placement.V:
+        return stage if stage < ranks else 2 * ranks - 1 - stage
+    return stage % ranks
+
+
+def rank_stages(rank: int, num_stages: int, virtual_stages: int,
+                placement: Placement = Placement.LOOP) -> tuple[int, ...]:
+    """The stages ``rank`` runs, in pipeline order: :func:`stage_rank` inverted."""
+    ranks = num_stages // virtual_stages
+    if placement is Placement.V:
+        return (rank, 2 * ranks - 1 - rank)
+    return tuple(range(rank, num_stages, ranks))
+
+
+def stage_ranks(num_stages: int, virtual_stages: int,
+                placement: Placement = Placement.LOOP) -> tuple[int, ...]:
+    """Each stage's rank (:func:`stage_rank`), or ``s`` where ``v`` does not divide."""
     per = virtual_stages if virtual_stages >= 1 and num_stages % virtual_stages == 0 else 1
-    return tuple(s % (num_stages // per) for s in range(num_stages))
+    return tuple(stage_rank(s, num_stages, per, placement if per > 1 else Placement.LOOP)
+                 for s in range(num_stages))
 
 
-def check_placement(stages: Sequence[Stage], virtual_stages: int) -> None:
+def check_placement(stages: Sequence[Stage], virtual_stages: int,
+                    placement: Placement = Placement.LOOP) -> None:
     """``virtual_stages`` divides the stages; with ``v > 1`` each stage is one unsplit
-    replica on rank ``s mod p``, at the position of stage ``s mod p`` (a PlanError)."""
+    replica on the rank ``placement`` gives it, at the position of that rank's first
+    stage; the V takes exactly 2 a rank (a PlanError)."""
     v, n = virtual_stages, len(stages)
     if v < 1 or n % v:
         raise PlanError(f"virtual_stages={v} for a plan of {n} stages; give a divisor of {n} "
                         "(stages per rank), or 1 for one stage per rank")
+    if placement is Placement.V and v != 2:
+        raise PlanError(f"the V placement with virtual_stages={v}; it puts exactly 2 stages "
+                        "on each rank: give virtual_stages=2, or the loop placement")
     if v == 1:
         return
     for s, st in enumerate(stages):
@@ -63,16 +103,20 @@ def check_placement(stages: Sequence[Stage], virtual_stages: int) -> None:
                 f"{st.tensor_parallel} workers; interleaving runs each stage on one worker: "
                 "give every stage 1 replica, unsplit, or virtual_stages=1")
     p = n // v
-    want, got = list(stage_ranks(n, v)), [r for st in stages for r in st.ranks]
+    want, got = list(stage_ranks(n, v, placement)), [r for st in stages for r in st.ranks]
     if got != want:
-        raise PlanError(f"virtual_stages={v} runs stage s on rank s mod {p}, ranks {want}, but "
+        rule = (f"stage s and {2 * p - 1}-s on rank min(s, {2 * p - 1}-s)"
+                if placement is Placement.V else f"stage s on rank s mod {p}")
+        extra = "" if placement is Placement.LOOP else ", placement=Placement.V"
+        raise PlanError(f"virtual_stages={v} runs {rule}, ranks {want}, but "
                         f"the stages have ranks {got}; number them so "
-                        f"(Plan.from_config(..., virtual_stages={v}))")
-    moved = [s for s, st in enumerate(stages) if st.workers != stages[s % p].workers]
+                        f"(Plan.from_config(..., virtual_stages={v}{extra}))")
+    moved = [s for s, st in enumerate(stages) if st.workers != stages[want[s]].workers]
     if moved:
         s = moved[0]
+        r = want[s]
         raise PlanError(f"stage {s} sits on workers {list(stages[s].workers)} but shares rank "
-                        f"{s % p} with stage {s % p} on {list(stages[s % p].workers)}; give "
+                        f"{r} with stage {r} on {list(stages[r].workers)}; give "
                         "the stages of a rank the same workers")
 
 
@@ -91,13 +135,26 @@ def virtual_stages_of(plan: Plan, asked: int | None, source: str = "the plan",
 
 
 def check_schedule(plan: Plan, schedule: str, source: str = "the plan") -> None:
-    """A plan of several stages per rank runs only under interleaved 1F1B (a ConfigError)."""
-    v = plan.virtual_stages
-    if v > 1 and schedule != _INTERLEAVED:
+    """A plan of several stages per rank runs only under the schedules of its placement
+    (interleaved 1F1B the loop's, zbv and dualpipev the V's), and those run only such a
+    plan (a ConfigError)."""
+    v, placed = plan.virtual_stages, plan.placement
+    fits = _SEVERAL[placed]
+    needs = next((p for p, kinds in _SEVERAL.items() if schedule in kinds), None)
+    if needs is Placement.V and (v, placed) != (2, Placement.V):
+        where = f" in the {placed.value} placement" if v > 1 else ""
         raise ConfigError(
-            f"schedule={schedule} for {source}, which runs {_per_rank(v)} (its "
-            f"virtual_stages is {v}); only {_INTERLEAVED} runs several: use "
-            f"schedule={_INTERLEAVED}", "schedule")
+            f"schedule={schedule} for {source}, which runs {_per_rank(v)}{where}; "
+            f"{schedule} runs 2 stages a rank in the V placement: "
+            "give 2 x workers split points, or make the plan with dreampipe plan "
+            f"--schedule {schedule}", "schedule")
+    if v > 1 and schedule not in fits:
+        names = " or ".join(f"schedule={k}" for k in fits)
+        where, verb = (" in a V", "run that") if placed is Placement.V else ("", "runs several")
+        raise ConfigError(
+            f"schedule={schedule} for {source}, which runs {_per_rank(v)}{where} (its "
+            f"virtual_stages is {v}); only {' and '.join(fits)} {verb}: use {names}",
+            "schedule")
 
 
 def check_fits(plan: Plan, topology: Topology, source: str = "the plan",

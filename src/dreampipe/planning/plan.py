@@ -8,14 +8,17 @@ the topology the plan was priced for. Its config string is the paper's
 (``"15-1"``, ``"straight"``, ``"16"``), with ``t`` for a tensor-split stage
 (``"2t4"``) and ``r`` for one that recomputes (``"2r"``).
 
-A plan may run ``virtual_stages = v`` stages to a rank (interleaved 1F1B):
-stage ``s`` of ``p * v`` on rank ``s mod p``; a file without it runs one stage
+A plan may run ``virtual_stages = v`` stages to a rank: stage ``s`` of ``p * v``
+on rank ``s mod p`` (the loop placement, interleaved 1F1B), or two a rank, ``s`` and
+``2p - 1 - s`` (the V placement of zbv and dualpipev,
+:class:`~dreampipe.planning.placement.Placement`); a file without them runs one stage
 per rank. The rules: docs/design.md §4, §4.6, §7.7 and §10.3; the words are
 the glossary's (§13).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +29,7 @@ from typing import Any
 from dreampipe.errors import PlanError
 from dreampipe.planning.config_string import config_string
 from dreampipe.planning.in_flight import in_flight_counts
-from dreampipe.planning.placement import check_placement, stage_ranks
+from dreampipe.planning.placement import Placement, check_placement, rank_stages, stage_ranks
 from dreampipe.planning.plan_stage import Stage, check_figure
 from dreampipe.planning.splits import Split
 
@@ -74,6 +77,8 @@ class Plan:
     heuristics: tuple[Heuristic, ...] = ()
     #: Stages per rank: stage ``s`` of ``p * v`` runs on rank ``s mod p`` (module doc).
     virtual_stages: int = 1
+    #: Where those stages go: the loop (``s mod p``) or the V (``s`` and ``2p - 1 - s``).
+    placement: Placement = Placement.LOOP
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -90,7 +95,7 @@ class Plan:
             raise PlanError(
                 f"stages cover layers 0..{expect - 1} but the model has {self.num_layers} layers"
             )
-        check_placement(self.stages, self.virtual_stages)
+        check_placement(self.stages, self.virtual_stages, self.placement)
         ranks = [r for st in self._rank_stages for r in st.ranks]
         if sorted(ranks) != list(range(len(ranks))):
             raise PlanError(f"ranks {ranks} must be 0..{len(ranks) - 1}, each used once")
@@ -116,7 +121,8 @@ class Plan:
 
         ``bounds`` starts with 0 and lists each stage's first layer;
         ``Plan.from_config(8, [0, 4], [1, 1])`` is two stages of four layers.
-        ``virtual_stages=v`` (every replica count 1) puts stage ``s`` on rank ``s mod p``.
+        ``virtual_stages=v`` (every replica count 1) puts stage ``s`` on rank ``s mod p``,
+        or with ``placement=Placement.V`` (``v = 2``) ``s`` and ``2p - 1 - s`` on one rank.
         """
         if len(bounds) != len(replicas) or not bounds or bounds[0] != 0:
             raise PlanError(
@@ -128,7 +134,7 @@ class Plan:
         if v != 1 and any(r != 1 for r in replicas):
             raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; interleaving "
                             "runs each stage on one worker: give replicas of 1")
-        places = stage_ranks(len(replicas), v)
+        places = stage_ranks(len(replicas), v, kw.get("placement", Placement.LOOP))
         stages, rank = [], 0
         for s, r in enumerate(replicas):
             stages.append(Stage(first=edges[s], last=edges[s + 1] - 1, replicas=r,
@@ -211,13 +217,34 @@ class Plan:
 
     def stage_of_rank(self, rank: int) -> int:
         """The stage of worker ``rank`` (the workers of a split replica are adjacent); its
-        first under interleaving, the others every ``workers_used`` stages after it."""
+        first where it runs several (:meth:`stages_of_rank`)."""
         first = 0
         for s, st in enumerate(self._rank_stages):
             first += st.replicas * st.tensor_parallel
             if 0 <= rank < first:
                 return s
         raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
+
+    def placed(self, placement: Placement) -> Plan:
+        """This plan of several stages per rank in ``placement``: each stage on the rank
+        (and workers) that placement gives it, the same stages and costs."""
+        if placement is self.placement:
+            return self
+        v, n = self.virtual_stages, self.num_stages
+        ranks = stage_ranks(n, v, placement)
+        firsts = self._rank_stages
+        stages = tuple(dataclasses.replace(st, ranks=(ranks[s],),
+                                           workers=firsts[ranks[s]].workers)
+                       for s, st in enumerate(self.stages))
+        return dataclasses.replace(self, stages=stages, placement=placement)
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """Every stage worker ``rank`` runs, in pipeline order: one, or ``virtual_stages``
+        placed as :attr:`placement` says."""
+        first = self.stage_of_rank(rank)
+        if self.virtual_stages == 1:
+            return (first,)
+        return rank_stages(first, self.num_stages, self.virtual_stages, self.placement)
 
     def speedup_over(self, baseline: str) -> float:
         """Predicted speedup of this plan over ``baseline`` (``dp``, ``straight``, ``gpipe``)."""
@@ -243,6 +270,7 @@ class Plan:
             "optimality_gap": self.optimality_gap,
             "heuristics": [h.value for h in self.heuristics],
             "virtual_stages": self.virtual_stages,
+            **({} if self.placement is Placement.LOOP else {"placement": self.placement.value}),
             "stages": [
                 {
                     "first": st.first,
@@ -300,6 +328,7 @@ class Plan:
                 optimality_gap=float(data.get("optimality_gap", 0.0)),
                 heuristics=tuple(Heuristic(h) for h in data.get("heuristics", [])),
                 virtual_stages=int(data.get("virtual_stages", 1)),
+                placement=Placement(data.get("placement", Placement.LOOP.value)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
@@ -327,6 +356,7 @@ class Plan:
         head = f"plan {self.config} for {self.model or 'model'} on {self.workers_used} workers"
         if self.virtual_stages > 1:
             head += f", {self.virtual_stages} stages per worker"
+            head += " in a V" if self.placement is Placement.V else ""
         if self.time_per_minibatch_s > 0:
             head += (
                 f": {self.time_per_minibatch_s * 1e3:.2f} ms/minibatch, "

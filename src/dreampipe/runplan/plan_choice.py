@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.config_string import parse_stage_bounds, stages_from_config
 from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -43,7 +44,8 @@ class PlanAsk:
     ``given`` is used as it is. ``config`` (``"2-1"``, ``"straight"``) and
     ``stages`` (``"0,4"``) force the replicas per stage and the first layers
     (:func:`forced_partition`). ``virtual_stages`` > 1 cuts the layers into
-    ``workers x v`` balanced stages for interleaved 1F1B. ``semantics`` asks
+    ``workers x v`` balanced stages, placed as ``placement`` says (the loop of
+    interleaved 1F1B, or the V of zbv and dualpipev). ``semantics`` asks
     for the schedule too, simulated with ``microbatches`` per minibatch.
     ``memory_bytes`` is each worker's limit (None: none); ``zero`` the run's ZeRO level,
     which the schedule's simulation prices.
@@ -54,6 +56,7 @@ class PlanAsk:
     config: str | None = None
     stages: str | None = None
     virtual_stages: int = 1
+    placement: Placement = Placement.LOOP
     semantics: Semantics | None = None
     microbatches: int | None = None
     memory_bytes: int | None = None
@@ -104,6 +107,8 @@ def choose_plan(graph: LayerGraph, topology: Topology, ask: PlanAsk) -> RunPlan:
         return RunPlan(plan)
     choice = choose_schedule(graph, plan, topology, ask.semantics, ask.memory_bytes,
                              ask.microbatches, zero=ask.zero)
+    if plan.virtual_stages > 1:  # several stages per worker, placed for the one chosen
+        plan = plan.placed(choice.kind.placement)
     return RunPlan(plan, choice, _schedule_lines(ask.semantics, choice))
 
 
@@ -153,7 +158,7 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
     if ask.given is not None:
         return ask.given
     if ask.virtual_stages > 1:
-        return interleaved_plan(graph, ask.workers, ask.virtual_stages)
+        return interleaved_plan(graph, ask.workers, ask.virtual_stages).placed(ask.placement)
     forced = forced_partition(len(graph.layers), ask.workers, ask.config, ask.stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, PlanOptions(
@@ -211,7 +216,7 @@ def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
     best, choice = max(tried.values(), key=lambda pair: _rate(pair[1]))
     for config, (plan, got) in tried.items():
         verdict = "kept: the fastest" if plan is best else "slower"
-        lines.append(f"{config:<12} {got.kind.value:<11} {_rate(got):10.3f} "
+        lines.append(f"{config:<12} {got.kind.value:<16} {_rate(got):10.3f} "
                      f"minibatches/s: {verdict}")
     head = (f"plan auto ({semantics.value}): the planner's plan of each number of stages, "
             "each with its fastest schedule:")

@@ -6,9 +6,11 @@ zb-h2, gpipe) or asynchronous ones (stale weights: pipedream, 2bw). Each
 candidate of that kind that runs on the plan's stages is simulated on the
 profile for a few minibatches; a candidate whose peak memory on some worker
 exceeds the limit is dropped, and the fastest of the others kept. Every
-candidate's line says why it was kept or dropped. Interleaved 1F1B needs a
-plan cut for it (``dreampipe plan --virtual-stages``) and is not a candidate
-here.
+candidate's line says why it was kept or dropped. A plan of several stages per
+worker (``dreampipe plan --virtual-stages``) has candidates of its own, all
+synchronous (:data:`SEVERAL`): interleaved 1F1B, and where it runs 2 a worker zbv and
+dualpipev, simulated on the plan re-placed in a V; ``plan.placed(choice.kind.placement)``
+is then the plan the chosen one runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -29,8 +32,8 @@ from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
-__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "STAND_IN", "Candidate", "ScheduleChoice",
-           "Semantics", "choose_schedule"]
+__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
+           "ScheduleChoice", "Semantics", "choose_schedule"]
 
 
 class Semantics(Enum):
@@ -44,6 +47,9 @@ CANDIDATES = {
     Semantics.SYNC: (_S.ZB_H1, _S.ZB_H2, _S.FLUSH, _S.GPIPE),
     Semantics.ASYNC: (_S.TWO_BW, _S.PIPEDREAM),
 }
+#: Candidates on a plan of several stages per worker (synchronous, all): the V ones where
+#: it runs 2 a worker.
+SEVERAL = (_S.INTERLEAVED, _S.ZBV, _S.DUALPIPEV)
 #: Candidates the runtime does not run on a plan with a stage split over workers (their
 #: split backward and two-version stashing are not built for sharded weights).
 _NOT_ON_SPLITS = frozenset((_S.ZB_H1, _S.ZB_H2, _S.TWO_BW))
@@ -74,10 +80,10 @@ class Candidate:
 
     def line(self, chosen: bool) -> str:
         if self.why_not:
-            return f"{self.kind.value:<11} not tried: {self.why_not}"
+            return f"{self.kind.value:<16} not tried: {self.why_not}"
         verdict = ("chosen: the fastest that fits" if chosen else
                    "fits, no faster" if self.fits else "does not fit the memory limit")
-        return (f"{self.kind.value:<11} {self.minibatches_per_s:10.3f} minibatches/s, peak "
+        return (f"{self.kind.value:<16} {self.minibatches_per_s:10.3f} minibatches/s, peak "
                 f"{format_bytes(self.peak_memory_bytes):>10} per worker: {verdict}")
 
 
@@ -103,7 +109,8 @@ def choose_schedule(
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
     for the microbatched schedules; default 4 per stage (GPipe's guidance);
     2bw's rounded up to whole rounds of every stage's replicas, and not tried
-    when that takes more than :data:`MAX_2BW_MICROBATCHES`. Each is simulated with the
+    when that takes more than :data:`MAX_2BW_MICROBATCHES`; interleaved-1f1b's up to a
+    multiple of the workers, dualpipev's to at least one per stage. Each is simulated with the
     stages' ZeRO levels (the run's ``zero``, or a stage's own; :mod:`~dreampipe.simulation.
     zero_costs`)."""
     replicas = tuple(st.replicas for st in plan.stages)
@@ -112,8 +119,19 @@ def choose_schedule(
     rounds = math.lcm(*replicas)
     found = []
     split = plan.has_splits
-    for kind in CANDIDATES[semantics]:
-        per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds}.get(kind, m)
+    v = plan.virtual_stages
+    if v > 1 and semantics is not Semantics.SYNC:
+        raise ConfigError(f"semantics={semantics.value} with a plan of {v} stages per worker; "
+                          "the schedules that run several (interleaved-1f1b, zbv, dualpipev) "
+                          "are synchronous: use semantics=sync", "semantics")
+    for kind in SEVERAL if v > 1 else CANDIDATES[semantics]:
+        per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds,
+               _S.INTERLEAVED: -(-m // plan.workers_used) * plan.workers_used,
+               _S.DUALPIPEV: max(m, plan.num_stages)}.get(kind, m)
+        if kind.placement is Placement.V and v != 2:
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"it runs 2 stages per worker, the plan {v}")))
+            continue
         if split and kind in _NOT_ON_SPLITS:
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"plan {plan.config} splits stages over workers, where the runtime runs "
@@ -131,9 +149,10 @@ def choose_schedule(
             continue
         layout = MicrobatchLayout(kind=kind, microbatches=per)
         schedule = layout.build(replicas, _MINIBATCHES * (
-            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, zero=levels)
+            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels)
+        placed = plan.placed(kind.placement) if v > 1 else plan
         result = simulate_schedule(schedule, with_zero(
-            costs_from_profile(graph, plan, topology, layout.microbatch_fraction), schedule,
+            costs_from_profile(graph, placed, topology, layout.microbatch_fraction), schedule,
             levels), record_events=False)
         peak = max(result.peak_memory_bytes)
         found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,

@@ -9,14 +9,16 @@ stages read a microbatch's samples from :class:`MicrobatchData`, so only activat
 gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
 first action whose microbatch has not been given yet; :meth:`RankRunner.switch`
 takes a schedule that extends the prefix run so far. A rank that holds several
-stages (interleaved 1F1B) keeps one lane (module, links, buckets) per stage,
-and Zero Bubble's ``W`` runs :mod:`.split_backward`; a ZeRO-3 stage's ``UNSHARD`` and
+stages (interleaved 1F1B, the V schedules) keeps one lane (module, links, buckets) per
+stage, and Zero Bubble's ``W`` runs :mod:`.split_backward`; an ``OVERLAP_F_B`` runs its
+two halves through the overlap hook (:mod:`.overlap`); a ZeRO-3 stage's ``UNSHARD`` and
 ``RESHARD`` gather and free its weights (:mod:`.zero_params`). docs/design.md §8.4.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +34,7 @@ from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.lanes import Links
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
+from dreampipe.runtime.overlap import OverlapHook, OverlappedPair, one_after_the_other, run_pair
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_records import StageInput
@@ -74,7 +77,8 @@ class RankRunner:
     modules of the rank's other stages, in
     :meth:`~dreampipe.scheduling.actions.Schedule.stages_of_rank` order
     (docs/design.md §8.4). ``ties``: the rank's copies of weights tied across stages
-    (:mod:`.stage_ties`), summed at each update.
+    (:mod:`.stage_ties`), summed at each update. ``overlap`` runs each ``OVERLAP_F_B``'s
+    halves (:mod:`.overlap`; default: one after the other).
     """
 
     def __init__(
@@ -91,8 +95,10 @@ class RankRunner:
         after_step: Callable[[StageModule], None] | None = None,
         others: Sequence[StageModule] = (),
         ties: Sequence[RankTie] = (),
+        overlap: OverlapHook = one_after_the_other,
     ) -> None:
         self.opts = opts
+        self.overlap = overlap
         self.schedule = schedule
         self.rank = rank
         self.device = device
@@ -134,14 +140,15 @@ class RankRunner:
         self.events: list[Event] = []
         self._handlers: dict[ActionKind, Callable[[Action], None]] = {
             ActionKind.RECV_F: self._recv_f,
-            ActionKind.FORWARD: self._forward,
+            ActionKind.FORWARD: lambda a: self._forward_on(self._lane_of[a.stage], a),
             ActionKind.SEND_F: self._send_f,
             ActionKind.RECV_B: self._recv_b,
-            ActionKind.BACKWARD: self._backward,
+            ActionKind.BACKWARD: lambda a: self._backward_on(self._lane_of[a.stage], a),
             ActionKind.WEIGHT: self._weight,
             ActionKind.SEND_B: self._send_b,
             ActionKind.ALLREDUCE: self._allreduce,
             ActionKind.STEP: self._step,
+            ActionKind.OVERLAP: self._overlapped,
             ActionKind.UNSHARD: lambda a: sharded_weights(self.module.zero, a).unshard(a),
             ActionKind.RESHARD: lambda a: sharded_weights(self.module.zero, a).reshard(),
         }
@@ -196,37 +203,40 @@ class RankRunner:
     def _recv_f(self, a: Action) -> None:
         self._inputs[a.microbatch] = self.comm.take(a)
 
-    def _forward(self, a: Action) -> None:
-        u = a.microbatch
+    def _forward_on(self, lane: _Lane, a: Action) -> None:
+        """Forward ``a`` on ``lane``'s stage (what it reads and writes is ``a``'s alone, so
+        an overlapped pair's halves may run at once)."""
+        u, stage, module = a.microbatch, lane.stage, lane.module
+        last = stage == self.schedule.num_stages - 1
         target = None
         version: int | None = None
-        assert self.data is not None or self.stage > 0
+        assert self.data is not None or stage > 0
         x: StageInput
-        if self.stage == 0:
+        if stage == 0:
             assert self.data is not None
             x = self.data.inputs(u)
             if self.opts.vertical_sync:
-                version = self.module.version
+                version = module.version
         else:
             x, version = self._inputs.pop(u)
             if version is not None:
-                self.module.note_version(version)
+                module.note_version(version)
         if self.two_bw is not None:
-            version = self.two_bw.version(u, self.module.version)
-            self.module.note_version(version)
-        if self.last:
+            version = self.two_bw.version(u, module.version)
+            module.note_version(version)
+        if last:
             assert self.data is not None
             target = self.data.targets(u)
-        scale = self.scale if self.scaler is None or not self.last else \
+        scale = self.scale if self.scaler is None or not last else \
             self.scale * self.scaler.value
         if self.last:
             assert self.data is not None
             scale *= self.data.share(u)
         with self.opts.precision.forwards(self.device.type):
-            out = self.module.forward(u, x, version=version, target=target, scale=scale,
-                                      update=u // self.schedule.round_microbatches(self.stage))
-        self.guard.check(a, out, x, self.last)
-        if self.last:
+            out = module.forward(u, x, version=version, target=target, scale=scale,
+                                 update=u // self.schedule.round_microbatches(stage))
+        self.guard.check(a, out, x, last)
+        if last:
             self.losses[u] = out
         else:
             self._outputs[u] = (out, version)
@@ -239,25 +249,51 @@ class RankRunner:
         self._grads_in[a.microbatch] = self.comm.take(a)[0]
         self.comm.forget(a.microbatch)
 
-    def _backward(self, a: Action) -> None:
-        grad = None if self.last else self._grads_in.pop(a.microbatch)
-        with self.module.backward_scope():  # ZeRO-3: what it gathers goes at its end
+    def _backward_on(self, lane: _Lane, a: Action) -> None:
+        """Backward ``a`` on ``lane``'s stage (as :meth:`_forward_on`, ``a``'s alone)."""
+        module = lane.module
+        last = lane.stage == self.schedule.num_stages - 1
+        grad = None if last else self._grads_in.pop(a.microbatch)
+        with module.backward_scope():  # ZeRO-3: what it gathers goes at its end
             if self.schedule.kind.splits_backward:
-                gin = self.module.backward_input(a.microbatch, grad)
+                gin = module.backward_input(a.microbatch, grad)
             else:
-                gin = self._fused_backward(a, grad)
-        if self.stage > 0:
+                gin = self._fused_backward(lane, a, grad)
+        if lane.stage > 0:
             assert gin is not None
             self._grads_out[a.microbatch] = gin
 
-    def _fused_backward(self, a: Action, grad: Tensor | None) -> Tensor | None:
+    def _fused_backward(self, lane: _Lane, a: Action, grad: Tensor | None) -> Tensor | None:
         """Both gradients in one backward; the Linear weight GEMMs held until ``SEND_B``."""
-        if isinstance(self.buckets, ShardBuckets):  # ZeRO-2: every microbatch's, as it ends
-            gin = self.module.backward(a.microbatch, grad, on_ready=self.buckets.ready)
-            self.buckets.settle(a)
+        if isinstance(lane.buckets, ShardBuckets):  # ZeRO-2: every microbatch's, as it ends
+            gin = lane.module.backward(a.microbatch, grad, on_ready=lane.buckets.ready)
+            lane.buckets.settle(a)
             return gin
-        on_ready = self.buckets.ready if a.microbatch in self._round_ends else None
-        return self.module.backward(a.microbatch, grad, on_ready=on_ready, hold=self.stage > 0)
+        on_ready = lane.buckets.ready if a.microbatch in self._round_ends else None
+        return lane.module.backward(a.microbatch, grad, on_ready=on_ready, hold=lane.stage > 0)
+
+    def _overlapped(self, a: Action) -> None:
+        """DualPipeV's ``F&B``: the forward and the backward through :attr:`overlap`, each
+        recorded as its own event when events are kept."""
+        forward, backward = a.parts
+        f_lane, b_lane = self._lane_of[forward.stage], self._lane_of[backward.stage]
+        run_pair(self.overlap, OverlappedPair(
+            forward.stage, forward.microbatch, f_lane.module.module,
+            backward.stage, backward.microbatch, b_lane.module.module,
+            lambda: self._timed(forward, lambda: self._forward_on(f_lane, forward)),
+            lambda: self._timed(backward, lambda: self._backward_on(b_lane, backward))))
+
+    def _timed(self, a: Action, run: Callable[[], None]) -> None:
+        """``run()``, recorded as ``a``'s event (its numbers the run's) when events are kept."""
+        if not self.opts.record_events:
+            run()
+            return
+        start = time.perf_counter()
+        run()
+        first = self.first_microbatch
+        shift = first, first // self.schedule.round_microbatches(self._lanes[0].stage)
+        self.events.append(Event.of(self.rank, a.shifted(*shift), start - self.t0,
+                                    time.perf_counter() - self.t0))
 
     def _weight(self, a: Action) -> None:
         """Zero Bubble's ``W``: the weight gradients its ``B`` left (its all-reduce, on a
@@ -294,9 +330,7 @@ class RankRunner:
             post_stop = stop
         recv_at, handlers = self._recv_at, self._handlers
         post = self.comm.post if len(self._lanes) == 1 else self._post
-        record, clock = self.opts.record_events, time.perf_counter
-        shift = (self.first_microbatch,
-                 self.first_microbatch // self.schedule.round_microbatches(self.stage))
+        record = self.opts.record_events
         for i in range(self._pos, stop):
             while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
                    and recv_at[self._posted] < post_stop):
@@ -307,10 +341,7 @@ class RankRunner:
             if a.stage != self.stage:
                 self._use(a.stage)
             if record:
-                start = clock()
-                handlers[a.kind](a)
-                self.events.append(Event.of(self.rank, a.shifted(*shift), start - self.t0,
-                                            clock() - self.t0))
+                self._timed(a, functools.partial(handlers[a.kind], a))
             else:
                 handlers[a.kind](a)
             self._pos = i + 1

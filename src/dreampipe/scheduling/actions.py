@@ -12,7 +12,9 @@ never stored: microbatch ``u`` of stage ``s`` runs on replica ``u mod replicas[s
 (1F1B-RR). :meth:`Schedule.to_text` writes one line per rank and
 :meth:`Schedule.from_text` reads it back. What each action means, for the
 validator, the simulator and the runtime alike, is docs/design.md §8.1-§8.2;
-:mod:`dreampipe.scheduling.stepping` runs ranks by those rules.
+:mod:`dreampipe.scheduling.stepping` runs ranks by those rules. ``OVERLAP_F_B``
+(DualPipeV's overlapped pair) is one action of two computations, a forward and
+another microbatch's backward, which :attr:`Action.parts` names.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.placement import Placement, rank_stages, stage_rank
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey"]
 
@@ -44,6 +47,7 @@ class ActionKind(Enum):
     STEP = "STEP"
     UNSHARD = "UNSHARD"
     RESHARD = "RESHARD"
+    OVERLAP = "OVERLAP_F_B"
 
     # Members are singletons: identity hashing is correct and much faster than
     # Enum's default, which matters for schedules of millions of actions.
@@ -60,11 +64,21 @@ class ScheduleKind(Enum):
     ZB_H2 = "zb-h2"
     INTERLEAVED = "interleaved-1f1b"
     TWO_BW = "2bw"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
     @property
     def splits_backward(self) -> bool:
         """Whether the schedule runs each weight gradient as its own ``W`` action."""
-        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_H2)
+        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_H2, ScheduleKind.ZBV,
+                        ScheduleKind.DUALPIPEV)
+
+    @property
+    def placement(self) -> Placement:
+        """Where its stages go when a rank runs several: the V for zbv and dualpipev (2 a
+        rank), else the loop (:mod:`dreampipe.planning.placement`)."""
+        return Placement.V if self in (ScheduleKind.ZBV, ScheduleKind.DUALPIPEV) else \
+            Placement.LOOP
 
     @property
     def synchronous(self) -> bool:
@@ -91,20 +105,50 @@ _HEADER = re.compile(
     r"(?: virtual=(\d+))?$")  # "units=": the word of older schedule files
 _ACTION = re.compile(
     r"^(SEND_F|RECV_F|SEND_B|RECV_B|ALLREDUCE|STEP|UNSHARD|RESHARD|F|B|W)(\d+)$")
+_OVERLAP = re.compile(r"^F(\d+)\+B(\d+)$")
 
 
 @dataclass(frozen=True, order=True, slots=True)
 class Action:
+    """``kind`` of ``stage`` on ``microbatch``; an ``OVERLAP_F_B`` is the forward of
+    ``stage`` on ``microbatch`` with the backward of ``backward_stage`` on
+    ``backward_microbatch`` (-1 for every other kind)."""
+
     kind: ActionKind
     stage: int
     microbatch: int
+    backward_stage: int = -1
+    backward_microbatch: int = -1
 
     def __str__(self) -> str:
+        if self.kind is _K.OVERLAP:
+            return f"F{self.microbatch}+B{self.backward_microbatch}"
         return f"{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def overlap(cls, forward: Action, backward: Action) -> Action:
+        """The ``OVERLAP_F_B`` that runs ``forward`` (an ``F``) and ``backward`` (a ``B``)."""
+        if forward.kind is not _K.FORWARD or backward.kind is not _K.BACKWARD:
+            raise ScheduleError(f"an overlapped pair is a forward and a backward, not "
+                                f"{forward} and {backward}")
+        return cls(_K.OVERLAP, forward.stage, forward.microbatch, backward.stage,
+                   backward.microbatch)
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        """The computations this action runs: its two halves for ``OVERLAP_F_B`` (forward
+        first), else itself."""
+        if self.kind is not _K.OVERLAP:
+            return (self,)
+        return (Action(_K.FORWARD, self.stage, self.microbatch),
+                Action(_K.BACKWARD, self.backward_stage, self.backward_microbatch))
 
     def shifted(self, microbatches: int, updates: int) -> Action:
         """This action ``microbatches`` microbatches on, or ``updates`` updates for
         ``ALLREDUCE``/``STEP``/``UNSHARD``/``RESHARD``."""
+        if self.kind is _K.OVERLAP:
+            return Action(self.kind, self.stage, self.microbatch + microbatches,
+                          self.backward_stage, self.backward_microbatch + microbatches)
         return Action(self.kind, self.stage,
                       self.microbatch + (updates if self.kind in _PER_UPDATE else microbatches))
 
@@ -138,12 +182,18 @@ class Action:
         return self.microbatch
 
     @classmethod
-    def parse(cls, text: str, stage: int) -> Action:
+    def parse(cls, text: str, stage: int, backward_stage: int | None = None) -> Action:
+        """The action ``text`` names on ``stage``; an overlapped pair ``F3+B1`` runs its
+        backward on ``backward_stage`` (None: ``stage``)."""
+        pair = _OVERLAP.match(text.strip())
+        if pair:
+            return cls(_K.OVERLAP, stage, int(pair.group(1)),
+                       stage if backward_stage is None else backward_stage, int(pair.group(2)))
         m = _ACTION.match(text.strip())
         if not m:
             raise ScheduleError(
                 f"{text!r} is not an action; write e.g. F3, B3, W3, SEND_F3, RECV_B3, "
-                "ALLREDUCE3, STEP3, UNSHARD3, RESHARD3"
+                "ALLREDUCE3, STEP3, UNSHARD3, RESHARD3, or F3+B1 (an overlapped pair)"
             )
         return cls(ActionKind(m.group(1)), stage, int(m.group(2)))
 
@@ -156,7 +206,9 @@ class Schedule:
     stage as in :class:`dreampipe.planning.plan.Plan`. ``num_microbatches`` microbatches are run in
     all, ``microbatches_per_update`` of them between optimizer steps (1 for
     PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
-    many unreplicated stages on each rank (interleaved 1F1B, docs/design.md §7.7).
+    many unreplicated stages on each rank, placed as the kind says
+    (:attr:`ScheduleKind.placement`: interleaved 1F1B's loop, docs/design.md §7.7, or
+    the V of zbv and dualpipev, §7.12).
     """
 
     kind: ScheduleKind
@@ -174,6 +226,10 @@ class Schedule:
                 f"virtual_stages={v} with replicas {list(self.replicas)}; give a count >= 1 "
                 "that divides the stages, each stage on one worker"
             )
+        if self.kind.placement is Placement.V and v != 2:
+            raise ScheduleError(
+                f"{self.kind.value} with virtual_stages={v}; it runs 2 stages on each rank, "
+                "in a V: give virtual_stages=2")
         if len(self.actions) != sum(self.replicas) // v:
             raise ScheduleError(
                 f"{len(self.actions)} action lists for {sum(self.replicas) // v} ranks "
@@ -192,6 +248,11 @@ class Schedule:
     def num_ranks(self) -> int:
         return len(self.actions)
 
+    @property
+    def placement(self) -> Placement:
+        """Where the stages go when a rank runs several: the kind's."""
+        return self.kind.placement
+
     def stage_of_rank(self, rank: int) -> int:
         """The stage ``rank`` runs: its first under interleaving (:meth:`stages_of_rank`)."""
         if not 0 <= rank < self.num_ranks:
@@ -201,14 +262,14 @@ class Schedule:
         return bisect.bisect_right(self._firsts, rank) - 1
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
-        """Every stage ``rank`` runs: one, or ``virtual_stages`` interleaved ones."""
+        """Every stage ``rank`` runs, in pipeline order: one, or ``virtual_stages``."""
         first = self.stage_of_rank(rank)
-        return tuple(range(first, self.num_stages, self.num_ranks)) if (
+        return rank_stages(first, self.num_stages, self.virtual_stages, self.placement) if (
             self.virtual_stages > 1) else (first,)
 
     def first_rank(self, stage: int) -> int:
         if self.virtual_stages > 1:
-            return stage % self.num_ranks
+            return stage_rank(stage, self.num_stages, self.virtual_stages, self.placement)
         return self._firsts[stage]
 
     def replica_of_rank(self, rank: int) -> int:
@@ -217,7 +278,7 @@ class Schedule:
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank of ``stage`` that runs ``microbatch`` (round-robin over replicas)."""
         if self.virtual_stages > 1:
-            return stage % self.num_ranks
+            return stage_rank(stage, self.num_stages, self.virtual_stages, self.placement)
         return self._firsts[stage] + microbatch % self.replicas[stage]
 
     def last_microbatch(self, action: Action) -> int:
@@ -229,6 +290,8 @@ class Schedule:
         A runtime fed one minibatch at a time stops before the first action that
         needs a microbatch not yet given.
         """
+        if action.kind is _K.OVERLAP:
+            return max(action.microbatch, action.backward_microbatch)
         if action.kind not in _PER_UPDATE:
             return action.microbatch
         return (action.microbatch + 1) * self.round_microbatches(action.stage) - 1
@@ -255,7 +318,7 @@ class Schedule:
                  + (f" virtual={self.virtual_stages}" if self.virtual_stages > 1 else "")]
         at = self.virtual_stages > 1
         for rank, acts in enumerate(self.actions):
-            lines.append(f"{rank}: " + " ".join(f"{a}@{a.stage}" if at else str(a) for a in acts))
+            lines.append(f"{rank}: " + " ".join(_written(a, at) for a in acts))
         return "\n".join(lines)
 
     @classmethod
@@ -284,8 +347,21 @@ class Schedule:
         return cls(kind, replicas, tuple(actions), int(m.group(3)), int(m.group(4)), virtual)
 
 
+def _written(a: Action, at: bool) -> str:
+    """``a`` in a line of :meth:`Schedule.to_text`: ``F3@5`` where ranks run several stages,
+    an overlapped pair ``F3@1+B0@2``."""
+    if not at:
+        return str(a)
+    return "+".join(f"{part}@{part.stage}" for part in a.parts)
+
+
 def _parse_on(probe: Schedule, rank: int, text: str) -> Action:
-    """An action of ``rank``'s line; under interleaving written ``F3@5`` (stage 5)."""
+    """An action of ``rank``'s line; where ranks run several stages written ``F3@5``
+    (stage 5), an overlapped pair ``F3@1+B0@2``."""
+    halves = text.split("+")
+    if len(halves) == 2 and "@" in text:
+        forward, backward = (_parse_on(probe, rank, h) for h in halves)
+        return Action.overlap(forward, backward)
     word, _, stage = text.partition("@")
     if not stage:
         return Action.parse(word, probe.stage_of_rank(rank))

@@ -23,10 +23,12 @@ from collections.abc import Callable, Sequence
 
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.placement import Placement, rank_stages
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_compute
 from dreampipe.scheduling.unshard import place_unshards
 from dreampipe.scheduling.updates import lower_updates
+from dreampipe.scheduling.v_shape import v_shape_compute
 from dreampipe.scheduling.zero_bubble import zero_bubble_counts, zero_bubble_order
 
 __all__ = [
@@ -157,12 +159,16 @@ def compute_schedule(
       ``W`` actions.
     - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`.
     - TWO_BW: 1F1B over all microbatches with 1f1b-flush's warm-up, no flush.
+    - ZBV, DUALPIPEV: :func:`~dreampipe.scheduling.v_shape.v_shape_compute`, 2 stages a
+      rank in a V.
     """
     reps = _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight,
                   virtual_stages)
     if kind is ScheduleKind.INTERLEAVED:
         return interleaved_compute(len(reps), virtual_stages, num_microbatches,
                                    microbatches_per_update)
+    if kind.placement is Placement.V:
+        return v_shape_compute(kind, len(reps), num_microbatches, microbatches_per_update)
     per_update = (num_microbatches if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
                   else microbatches_per_update)
     order = _ORDERS[kind]
@@ -183,24 +189,26 @@ def compute_schedule(
 
 
 def forward_only(replicas: Sequence[int], num_microbatches: int,
-                 virtual_stages: int = 1) -> Schedule:
+                 virtual_stages: int = 1, kind: ScheduleKind = ScheduleKind.GPIPE) -> Schedule:
     """Forwards alone (evaluation): each replica runs its microbatches in order, round-robin.
 
     GPipe's schedule of one update over ``num_microbatches`` microbatches with its
     backward, gradient and update actions left out. With ``virtual_stages``
-    ``v`` > 1 (unreplicated stages, stage ``s`` on rank ``s mod`` ranks), a rank
-    runs its stages one after another, each over every microbatch: a rank waits only
-    on stages before its own, so no two wait on each other.
+    ``v`` > 1 (unreplicated stages placed as ``kind`` places them: pass the training
+    schedule's), a rank runs its stages one after another, each over every
+    microbatch: a rank waits only on stages before its own, so no two wait on each other.
     """
     full = build_schedule(replicas, ScheduleKind.GPIPE, num_microbatches, num_microbatches)
     keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
     lists = [tuple(a for a in acts if a.kind in keep) for acts in full.actions]
     if virtual_stages == 1:
         return full.with_actions(lists)
-    ranks = len(replicas) // virtual_stages
-    return Schedule(full.kind, full.replicas, tuple(
-        tuple(a for s in range(r, len(lists), ranks) for a in lists[s]) for r in range(ranks)),
-        num_microbatches, num_microbatches, virtual_stages)
+    n = len(replicas)
+    ranks = n // virtual_stages
+    kind = kind if kind.placement is Placement.V else ScheduleKind.GPIPE
+    return Schedule(kind, full.replicas, tuple(
+        tuple(a for s in rank_stages(r, n, virtual_stages, kind.placement) for a in lists[s])
+        for r in range(ranks)), num_microbatches, num_microbatches, virtual_stages)
 
 
 def lower_communication(schedule: Schedule) -> Schedule:
@@ -213,7 +221,11 @@ def lower_communication(schedule: Schedule) -> Schedule:
         lowered: list[Action] = []
         for a in acts:
             s, u = a.stage, a.microbatch
-            if a.kind is _F:
+            if a.kind is ActionKind.OVERLAP:  # both receives first, both sends after
+                f, b = a.parts
+                lowered += _receives(f, last) + _receives(b, last) + [a] + _sends(
+                    f, last) + _sends(b, last)
+            elif a.kind is _F:
                 if s > 0:
                     lowered.append(Action(ActionKind.RECV_F, s, u))
                 lowered.append(a)
@@ -229,6 +241,20 @@ def lower_communication(schedule: Schedule) -> Schedule:
                 lowered.append(a)
         out.append(tuple(lowered))
     return schedule.with_actions(out)
+
+
+def _receives(a: Action, last: int) -> list[Action]:
+    """What a forward or backward part of an overlapped pair receives before it."""
+    if a.kind is _F:
+        return [Action(ActionKind.RECV_F, a.stage, a.microbatch)] if a.stage > 0 else []
+    return [Action(ActionKind.RECV_B, a.stage, a.microbatch)] if a.stage < last else []
+
+
+def _sends(a: Action, last: int) -> list[Action]:
+    """What a forward or backward part of an overlapped pair sends after it."""
+    if a.kind is _F:
+        return [Action(ActionKind.SEND_F, a.stage, a.microbatch)] if a.stage < last else []
+    return [Action(ActionKind.SEND_B, a.stage, a.microbatch)] if a.stage > 0 else []
 
 
 # ---- per-minibatch orders of one replica -----------------------------------
@@ -301,14 +327,21 @@ def _check(
             "which updates after every minibatch; use 1, or the 1f1b-flush schedule for "
             "microbatches"
         )
-    if virtual_stages != 1 and kind is not ScheduleKind.INTERLEAVED:
+    several = kind is ScheduleKind.INTERLEAVED or kind.placement is Placement.V
+    if virtual_stages != 1 and not several:
         raise ScheduleError(
             f"virtual_stages={virtual_stages} with the {kind.value} schedule; only "
-            "interleaved-1f1b runs several stages per worker: use 1, or interleaved-1f1b"
+            "interleaved-1f1b, zbv and dualpipev run several stages per worker: use 1, or "
+            "one of them"
         )
-    if kind is ScheduleKind.INTERLEAVED and any(r != 1 for r in reps):
+    if kind.placement is Placement.V and virtual_stages != 2:
         raise ScheduleError(
-            f"interleaved-1f1b with replicas {list(reps)}; it runs unreplicated stages, "
+            f"{kind.value} with virtual_stages={virtual_stages}; it runs 2 stages on each "
+            "worker, in a V: give virtual_stages=2 (and an even number of stages)"
+        )
+    if several and any(r != 1 for r in reps):
+        raise ScheduleError(
+            f"{kind.value} with replicas {list(reps)}; it runs unreplicated stages, "
             "so plan a straight pipeline (--straight)"
         )
     if kind is ScheduleKind.TWO_BW and microbatches_per_update % math.lcm(*reps):

@@ -29,6 +29,7 @@ Span = tuple[float, float]
 # Module constants: an Enum member looked up on its class costs more than
 # the rest of a step (Python 3.11).
 _F, _B, _W, _STEP = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP
+_OVERLAP = ActionKind.OVERLAP
 _SEND_F, _SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 _UNSHARD, _RESHARD = ActionKind.UNSHARD, ActionKind.RESHARD
 _RECV_F, _RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
@@ -62,7 +63,8 @@ class Stepper:
 
     # ---- hooks: zero time by default -----------------------------------------
     def compute(self, rank: int, action: Action, clock: float) -> float:
-        """Run ``F``/``B``/``W``/``STEP`` starting at ``clock``; the clock after it."""
+        """Run ``F``/``B``/``W``/``STEP`` (or an ``OVERLAP_F_B``'s two parts) starting at
+        ``clock``; the clock after it."""
         return clock
 
     def send(self, rank: int, action: Action, clock: float) -> tuple[float, Span]:
@@ -100,7 +102,7 @@ class Stepper:
         while i < len(acts):
             a = acts[i]
             k = a.kind
-            if k is _F or k is _B or k is _W or k is _STEP:
+            if k is _F or k is _B or k is _W or k is _STEP or k is _OVERLAP:
                 clock = compute(rank, a, clock)
             elif k is _SEND_F or k is _SEND_B:
                 key = a.transfer_key

@@ -3,22 +3,24 @@
 PyTorch's ``_PipelineScheduleRuntime`` saves and loads a schedule as one CSV row per
 rank, each cell an action ``<stage><kind><microbatch>`` (``0F1``, ``1RECV_B0``,
 ``0REDUCE_GRAD``). A file is one training step of unreplicated stages, stage ``s`` on
-rank ``s mod p``: :func:`read_torch_csv` makes it a validated :class:`Schedule` of one
-update; :func:`write_torch_csv` writes such a schedule back. ``I`` is dreampipe's ``B`` of a
-zero-bubble kind (``W`` after it), ``B`` its whole backward elsewhere; sends keep
-their place, a receive moves to just before the action that uses it (where PyTorch
+rank ``s mod p`` or in PyTorch's V (``s`` and ``2p - 1 - s`` on one rank, as zbv and
+dualpipev place them): :func:`read_torch_csv` makes it a validated :class:`Schedule` of
+one update; :func:`write_torch_csv` writes such a schedule back. ``I`` is dreampipe's
+``B`` of a zero-bubble kind (``W`` after it), ``B`` its whole backward elsewhere; sends
+keep their place, a receive moves to just before the action that uses it (where PyTorch
 waits for it); ``REDUCE_GRAD`` is checked, then dropped for dreampipe's update pass
-(each rank's ``STEP`` after its last action) and written where the ``STEP`` is;
-FSDP's ``UNSHARD``/``RESHARD`` are dropped. A file without sends and receives gets
-dreampipe's communication pass, as PyTorch's lowering adds them. No counterpart:
-replicas, ``ALLREDUCE``, ZeRO-3's gathers and several updates (dreampipe to PyTorch);
-the V placement and mixed whole and split backwards (PyTorch to dreampipe). The
-mapping: docs/design.md §7.11.
+(each rank's ``STEP`` after its last action) and written where the ``STEP`` is; FSDP's
+``UNSHARD``/``RESHARD`` are dropped; ``OVERLAP_F_B`` is dualpipev's overlapped pair, its
+parts in order elsewhere. A file without sends and receives gets dreampipe's
+communication pass, as PyTorch's lowering adds them. No counterpart: replicas,
+``ALLREDUCE``, ZeRO-3's gathers and several updates (dreampipe to PyTorch); mixed whole
+and split backwards (PyTorch to dreampipe). The mapping: docs/design.md §7.11.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 import re
@@ -26,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError, ScheduleError
+from dreampipe.planning.placement import Placement, stage_rank
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import lower_communication, lower_updates
 
@@ -58,6 +61,8 @@ class _Cell:
     line: int
     column: int
     text: str
+    #: A part of an ``OVERLAP_F_B`` cell.
+    paired: bool = False
 
     def error(self, source: str, sentence: str) -> ScheduleError:
         return ScheduleError(f"{source}:{self.line}: cell {self.column} {self.text!r}: "
@@ -85,23 +90,23 @@ def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) ->
 
     ``kind``: the synchronous schedule the file is (None: ``zb-h1`` if it splits its
     backwards into ``I`` and ``W``, else ``interleaved-1f1b`` with several stages per
-    rank, else ``1f1b-flush``). Its microbatches make one update.
+    rank, else ``1f1b-flush``; in the V placement ``dualpipev`` if it overlaps pairs,
+    else ``zbv``). Its microbatches make one update.
     """
     rows = list(_rows(text, source))
     if not rows:
         raise ScheduleError(f"{source} holds no actions; write one line of actions per rank")
     cells = [c for row in rows for c in row]
     ranks, stages = len(rows), 1 + max(c.stage for c in cells)
-    for rank, row in enumerate(rows):
-        for c in row:
-            _check_rank(c, rank, ranks, source)
+    placements = _placements(rows, stages, source)
     if stages % ranks:
         raise ScheduleError(f"{source}: stages 0..{stages - 1} on {ranks} ranks (lines); "
                             "give every rank the same number of stages")
     split = _splits(cells, source)
-    kind = _kind(kind, split, stages // ranks, source)
+    pairs = any(c.paired for c in cells)
+    kind = _kind(kind, split, stages // ranks, placements, pairs, source)
     _check_reduce_grads(rows, split, source)
-    lists = [_actions(row, source) for row in rows]
+    lists = [_actions(row, source, kind is ScheduleKind.DUALPIPEV) for row in rows]
     microbatches = 1 + max((c.microbatch for c in cells if c.name in _COMPUTE), default=-1)
     if not microbatches:
         raise ScheduleError(f"{source} computes nothing; give each stage's F, and B (or I "
@@ -110,6 +115,9 @@ def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) ->
                         stages // ranks)
     if not any(a.transfer_key is not None for acts in lists for a in acts):
         schedule = lower_communication(schedule)
+    else:
+        schedule = schedule.with_actions([_handed_over(schedule, rank, acts)
+                                          for rank, acts in enumerate(schedule.actions)])
     return _validated(lower_updates(schedule), source)
 
 
@@ -130,6 +138,10 @@ def torch_csv(schedule: Schedule, comms: bool = True) -> str:
                 cells += [f"{a.stage}REDUCE_GRAD"] if comms else []
             elif a.kind is _K.BACKWARD:
                 cells.append(f"{a.stage}{'I' if split else 'B'}{a.microbatch}")
+            elif a.kind is _K.OVERLAP:
+                f, b = a.parts
+                cells.append(f"({f.stage}F{f.microbatch};{b.stage}{'I' if split else 'B'}"
+                             f"{b.microbatch})OVERLAP_F_B")
             elif a.kind in _WRITTEN and not (a.transfer_key is not None and (
                     not comms or _local(schedule, rank, a))):
                 cells.append(f"{a.stage}{_WRITTEN[a.kind]}{a.microbatch}")
@@ -138,10 +150,11 @@ def torch_csv(schedule: Schedule, comms: bool = True) -> str:
 
 
 def check_file_fits(schedule: Schedule, replicas: Sequence[int], virtual_stages: int,
-                    microbatches: int | None, source: str) -> None:
-    """A file's ``schedule`` runs on a plan of ``replicas`` and ``virtual_stages`` with
-    ``microbatches`` per update (None: any), or a ScheduleError (the stages) or a
-    ConfigError (the counts) says what differs."""
+                    microbatches: int | None, source: str,
+                    placement: Placement = Placement.LOOP) -> None:
+    """A file's ``schedule`` runs on a plan of ``replicas`` and ``virtual_stages`` in
+    ``placement`` with ``microbatches`` per update (None: any), or a ScheduleError (the
+    stages) or a ConfigError (the counts) says what differs."""
     n, v = schedule.num_stages, schedule.virtual_stages
     if len(replicas) != n or any(r != 1 for r in replicas):
         raise ScheduleError(f"{source} runs {n} unreplicated stages but the plan has replicas "
@@ -151,6 +164,10 @@ def check_file_fits(schedule: Schedule, replicas: Sequence[int], virtual_stages:
         raise ConfigError(f"{source} puts {v} stages on each of its {schedule.num_ranks} "
                           f"ranks, the plan {virtual_stages}; plan with virtual_stages={v}",
                           "virtual_stages")
+    if v > 1 and schedule.num_ranks > 1 and schedule.placement is not placement:
+        raise ConfigError(f"{source} places its {n} stages in the {schedule.placement.value} "
+                          f"placement, the plan in the {placement.value}; make the plan with "
+                          f"dreampipe plan --schedule {schedule.kind.value}", "plan")
     m = schedule.num_microbatches
     if microbatches is not None and microbatches != m:
         raise ConfigError(f"{source} runs {m} microbatches a minibatch, not microbatches="
@@ -182,7 +199,7 @@ def _parse_cell(text: str, line: int, column: int, source: str) -> list[_Cell]:
         if not found or any(c.name not in _COMPUTE for c in found):
             raise ScheduleError(f"{source}:{line}: cell {column} {text!r}: an OVERLAP_F_B "
                                 "holds computations, e.g. (0F1;1B0)OVERLAP_F_B")
-        return found  # PyTorch's runtime runs them in order too
+        return [dataclasses.replace(c, paired=True) for c in found]
     m = _CELL.fullmatch(text)
     if m is None:
         raise ScheduleError(f"{source}:{line}: cell {column} {text!r} is not a PyTorch "
@@ -195,20 +212,24 @@ def _parse_cell(text: str, line: int, column: int, source: str) -> list[_Cell]:
     return [_Cell(name, stage, int(number or 0), line, column, text)]
 
 
-def _check_rank(c: _Cell, rank: int, ranks: int, source: str) -> None:
-    """Stage ``s`` runs on rank ``s mod p`` (PyTorch's loop placement), the only one dreampipe
-    has: a stage elsewhere is an error, naming the V placement when it is that."""
-    if c.stage % ranks == rank:
-        return
-    loop, s = c.stage // ranks, c.stage
-    if loop % 2 and rank == ranks - 1 - s % ranks:
-        raise c.error(source, f"stage {s} on rank {rank} is the V placement (stage s and "
-                      f"{2 * ranks - 1}-s on one rank, as ScheduleZBVZeroBubble and "
-                      "ScheduleDualPipeV place them), which dreampipe does not support; "
-                      "use a schedule of the loop placement (stage s on rank s mod "
-                      f"{ranks}), such as ScheduleInterleaved1F1B")
-    raise c.error(source, f"stage {s} on rank {rank} (line {rank + 1}); dreampipe runs stage s "
-                  f"on rank s mod {ranks}: move it to line {s % ranks + 1}")
+def _placements(rows: list[list[_Cell]], stages: int, source: str) -> tuple[Placement, ...]:
+    """The placements the file's stages fit: every stage ``s`` on rank ``s mod p`` (the
+    loop), 2 a rank in a V, or both (one rank); a stage in neither is an error naming its
+    line and the fix."""
+    ranks = len(rows)
+    cells = [(rank, c) for rank, row in enumerate(rows) for c in row]
+    fits = tuple(placement for placement, fit in (
+        (Placement.LOOP, all(c.stage % ranks == rank for rank, c in cells)),
+        (Placement.V, stages == 2 * ranks and all(
+            stage_rank(c.stage, stages, 2, Placement.V) == rank for rank, c in cells)))
+        if fit)
+    if fits:
+        return fits
+    rank, c = next((rank, c) for rank, c in cells if c.stage % ranks != rank)
+    v = (f", or place every stage in PyTorch's V (stage s and {2 * ranks - 1}-s on one rank)"
+         if stages == 2 * ranks else "")
+    raise c.error(source, f"stage {c.stage} on rank {rank} (line {rank + 1}); dreampipe runs "
+                  f"stage s on rank s mod {ranks}: move it to line {c.stage % ranks + 1}{v}")
 
 
 def _splits(cells: list[_Cell], source: str) -> bool:
@@ -224,8 +245,11 @@ def _splits(cells: list[_Cell], source: str) -> bool:
     return split is not None
 
 
-def _kind(kind: ScheduleKind | None, split: bool, virtual: int, source: str) -> ScheduleKind:
+def _kind(kind: ScheduleKind | None, split: bool, virtual: int,
+          placements: tuple[Placement, ...], pairs: bool, source: str) -> ScheduleKind:
     if kind is None:
+        if Placement.LOOP not in placements:
+            return ScheduleKind.DUALPIPEV if pairs else ScheduleKind.ZBV
         return (ScheduleKind.ZB_H1 if split else
                 ScheduleKind.INTERLEAVED if virtual > 1 else ScheduleKind.FLUSH)
     if not kind.synchronous:
@@ -233,9 +257,14 @@ def _kind(kind: ScheduleKind | None, split: bool, virtual: int, source: str) -> 
                             "schedule is one synchronous step: give a synchronous kind, e.g. "
                             "1f1b-flush")
     if split != kind.splits_backward:
-        has, fits = ("splits its backwards (I, W)", "zb-h1 or zb-h2") if split else (
-            "runs whole backwards (B)", "1f1b-flush, gpipe or interleaved-1f1b")
+        has, fits = ("splits its backwards (I, W)", "zb-h1 or zb-h2 (zbv or dualpipev in a V)") \
+            if split else ("runs whole backwards (B)", "1f1b-flush, gpipe or interleaved-1f1b")
         raise ScheduleError(f"{source} {has} but kind {kind.value} does not; give {fits}")
+    if virtual > 1 and kind.placement not in placements:
+        placement = placements[0]
+        fits = "zbv or dualpipev" if placement is Placement.V else "interleaved-1f1b or zb-h1"
+        raise ScheduleError(f"{source} places its stages in the {placement.value} placement "
+                            f"but kind {kind.value} in the {kind.placement.value}; give {fits}")
     return kind
 
 
@@ -255,30 +284,85 @@ def _check_reduce_grads(rows: list[list[_Cell]], split: bool, source: str) -> No
                 seen[c.stage] = c
 
 
-def _actions(row: list[_Cell], source: str) -> tuple[Action, ...]:
-    """One rank's actions: each receive moved to just before the action that uses it."""
+def _actions(row: list[_Cell], source: str, pairs: bool) -> tuple[Action, ...]:
+    """One rank's actions: each receive moved to just before the action that uses it; an
+    ``OVERLAP_F_B`` one action with ``pairs``, else its parts in order."""
     out: list[Action] = []
     waiting: dict[Action, _Cell] = {}
-    for c in row:
-        kind = _KINDS.get(c.name)
-        if kind is None:  # UNSHARD, RESHARD, REDUCE_GRAD
-            continue
-        a = Action(kind, c.stage, c.microbatch)
-        if kind in _USER:
+    for a, c in _computations(row, pairs):
+        if a.kind in _USER:
             if a in waiting:
                 raise c.error(source, "a second receive of the same data; remove one")
             waiting[a] = c
             continue
-        for recv, user in _USER.items():
-            key = Action(recv, a.stage, a.microbatch)
-            if user is kind and key in waiting:
-                del waiting[key]
-                out.append(key)
+        for part in a.parts:
+            for recv, user in _USER.items():
+                key = Action(recv, part.stage, part.microbatch)
+                if user is part.kind and key in waiting:
+                    del waiting[key]
+                    out.append(key)
         out.append(a)
     for c in waiting.values():
         use = f"{c.stage}{'F' if c.name == 'RECV_F' else 'B or I'}{c.microbatch}"
         raise c.error(source, f"no {use} follows it on this rank; a receive goes before the "
                       "action that uses its data: move it there, or remove it")
+    return tuple(out)
+
+
+def _computations(row: list[_Cell], pairs: bool) -> Iterator[tuple[Action, _Cell]]:
+    """The row's actions with their cells, an overlapped forward and backward as one
+    ``OVERLAP_F_B`` with ``pairs``; UNSHARD, RESHARD and REDUCE_GRAD left out."""
+    held: list[tuple[Action, _Cell]] = []
+    for c in row:
+        kind = _KINDS.get(c.name)
+        if kind is None:
+            continue
+        a = Action(kind, c.stage, c.microbatch)
+        if pairs and c.paired and kind in (_K.FORWARD, _K.BACKWARD):
+            if held and (held[0][1].line, held[0][1].column) != (c.line, c.column):
+                yield from held
+                held = []
+            held.append((a, c))
+            if len(held) == 2:
+                (f, first), (b, _) = sorted(held, key=lambda x: x[0].kind is not _K.FORWARD)
+                if (f.kind, b.kind) == (_K.FORWARD, _K.BACKWARD):
+                    yield Action.overlap(f, b), first
+                else:
+                    yield from held
+                held = []
+            continue
+        yield from held
+        held = []
+        yield a, c
+    yield from held
+
+
+def _handed_over(schedule: Schedule, rank: int, acts: tuple[Action, ...]) -> tuple[Action, ...]:
+    """``acts`` with the transfers between two stages of ``rank`` that PyTorch leaves out
+    (it hands the tensor over): the send right after the computation that makes it, the
+    receive right before the one that uses it (dreampipe's mailbox, docs/design.md §8.4)."""
+    have = set(acts)
+    before: dict[Action, list[Action]] = {}
+    after: dict[Action, list[Action]] = {}
+    for a in acts:
+        for part in a.parts:
+            if part.kind not in (_K.FORWARD, _K.BACKWARD):
+                continue
+            up = part.kind is _K.FORWARD
+            peer = part.stage + (1 if up else -1)
+            if not 0 <= peer < schedule.num_stages or schedule.rank_of(peer, 0) != rank:
+                continue
+            send = Action(_K.SEND_F if up else _K.SEND_B, part.stage, part.microbatch)
+            recv = Action(_K.RECV_F if up else _K.RECV_B, peer, part.microbatch)
+            if send not in have:
+                after.setdefault(part, []).append(send)
+            if recv not in have:
+                before.setdefault(Action(part.kind, peer, part.microbatch), []).append(recv)
+    out: list[Action] = []
+    for a in acts:
+        out += [r for part in a.parts for r in before.get(part, ())]
+        out.append(a)
+        out += [x for part in a.parts for x in after.get(part, ())]
     return tuple(out)
 
 

@@ -8,8 +8,9 @@ same all-reduce rounds, each once; a ZeRO-3 stage's replicas join the same
 and the ``RESHARD`` of its update (:mod:`.unshard`); data arrives before it is
 used; every send has exactly one receive; and a dry run on
 :class:`dreampipe.scheduling.stepping.Stepper`, the core the simulator times,
-terminates. A failure raises :class:`ScheduleError` with the rank-by-step grid
-around the offending action, marked ``>F3<``. The invariants and an example
+terminates. An overlapped pair (``OVERLAP_F_B``) is checked as its two
+computations at its step. A failure raises :class:`ScheduleError` with the rank-by-step
+grid around the offending action, marked ``>F3<``. The invariants and an example
 grid: docs/design.md §8.3.
 """
 
@@ -29,6 +30,7 @@ _K = ActionKind
 # Module constants for the loops over every action: an Enum member looked up
 # on its class costs more than the rest of a step (Python 3.11).
 _F, _B, _W, _ALLREDUCE = _K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.ALLREDUCE
+_OVERLAP = _K.OVERLAP
 # On one rank, `earlier<u>` must come before `later<u>`: later -> earlier kinds.
 _EARLIER = {
     _K.FORWARD: (_K.RECV_F,),
@@ -90,11 +92,12 @@ def _check_stages(schedule: Schedule) -> None:
     for rank, acts in enumerate(schedule.actions):
         stages = schedule.stages_of_rank(rank)
         for step, a in enumerate(acts):
-            if a.stage not in stages:
-                held = "stage " + ", ".join(map(str, stages))
-                raise _fail(schedule, f"rank {rank} holds {held} but action {a} at step "
-                            f"{step} is for stage {a.stage}; move it to a rank of stage "
-                            f"{a.stage}", [(rank, step)])
+            for part in a.parts:
+                if part.stage not in stages:
+                    held = "stage " + ", ".join(map(str, stages))
+                    raise _fail(schedule, f"rank {rank} holds {held} but action {a} at step "
+                                f"{step} is for stage {part.stage}; move it to a rank of stage "
+                                f"{part.stage}", [(rank, step)])
 
 
 def _check_microbatches(schedule: Schedule) -> None:
@@ -102,13 +105,15 @@ def _check_microbatches(schedule: Schedule) -> None:
     computes = (_F, _B, _W) if split else (_F, _B)
     where: dict[tuple[ActionKind, int, int], tuple[int, int]] = {}
     for rank, acts in enumerate(schedule.actions):
-        for step, a in enumerate(acts):
-            k = a.kind
-            if k is _F or k is _B or k is _W:
+        for step, whole in enumerate(acts):
+            for a in whole.parts if whole.kind is _OVERLAP else (whole,):
+                k = a.kind
+                if not (k is _F or k is _B or k is _W):
+                    continue
                 if k is _W and not split:
                     raise _fail(schedule, f"{a} in the {schedule.kind.value} schedule, whose "
                                 "backward computes the weight gradient; remove it, or use "
-                                "zb-h1 or zb-h2", [(rank, step)])
+                                "zb-h1, zb-h2, zbv or dualpipev", [(rank, step)])
                 key = (k, a.stage, a.microbatch)
                 if key in where:
                     raise _fail(schedule, f"{a} runs 2 times at stage {a.stage}; each microbatch "
@@ -175,8 +180,10 @@ def _check_unshards(schedule: Schedule) -> None:
 def _check_order(schedule: Schedule) -> None:
     last = schedule.num_stages - 1
     for rank, acts in enumerate(schedule.actions):
-        pos = {(a.kind, a.stage, a.microbatch): step for step, a in enumerate(acts)}
-        for step, a in enumerate(acts):
+        parts = [(step, a) for step, whole in enumerate(acts)
+                 for a in (whole.parts if whole.kind is _OVERLAP else (whole,))]
+        pos = {(a.kind, a.stage, a.microbatch): step for step, a in parts}
+        for step, a in parts:
             for earlier in _EARLIER.get(a.kind, ()):
                 before = pos.get((earlier, a.stage, a.microbatch))
                 if before is None:

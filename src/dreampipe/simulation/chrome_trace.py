@@ -2,9 +2,10 @@
 chrome://tracing open.
 
 Each rank is a process (``pid`` = rank, named ``rank 3 (stage 1)``); compute
-(F, B, STEP) is its first thread and communication (sends, receives,
+(F, B, STEP) is its first thread, an overlapped pair (``OVERLAP_F_B``) a slice around
+its forward's and its backward's, and communication (sends, receives,
 all-reduces) goes on further threads, one lane per overlapping transfer, so
-no two slices on a thread overlap. Times are microseconds from the earliest
+no two slices on a thread overlap but those nested. Times are microseconds from the earliest
 event (measured traces start at an arbitrary offset).
 """
 
@@ -20,7 +21,8 @@ from dreampipe.scheduling.events import Event
 
 __all__ = ["chrome_trace", "write_chrome_trace"]
 
-_COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP}
+_COMPUTE = {ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT, ActionKind.STEP,
+            ActionKind.OVERLAP}
 
 
 def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
@@ -30,7 +32,7 @@ def chrome_trace(events: Sequence[Event]) -> dict[str, Any]:
     stages: dict[int, set[int]] = {}
     lanes: dict[tuple[int, int], list[float]] = {}
     names: set[tuple[int, int]] = set()
-    for e in sorted(events, key=lambda e: (e.rank, e.start_s)):
+    for e in sorted(events, key=lambda e: (e.rank, e.start_s, e.start_s - e.end_s)):
         stages.setdefault(e.rank, set()).add(e.stage)
         compute = e.kind in _COMPUTE
         tid = 0 if compute else 1 + _lane(lanes.setdefault((e.rank, 1), []), e)

@@ -12,7 +12,8 @@ takes ``gather_s``. Each rank's peak memory is the planner's
 :func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, microbatches in
 flight, weights whole or sharded between ``RESHARD`` and ``UNSHARD``) it holds. Costs
 come from :mod:`dreampipe.simulation.action_costs`; each action's cost and what a rank
-holds: docs/design.md §9.
+holds: docs/design.md §9. An ``OVERLAP_F_B`` costs its forward and its backward, one
+after the other; a hand-off between two stages of one rank costs nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_f
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
 _F, _B, _W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
-_SEND_F, _UNSHARD = ActionKind.SEND_F, ActionKind.UNSHARD
+_SEND_F, _UNSHARD, _OVERLAP = ActionKind.SEND_F, ActionKind.UNSHARD, ActionKind.OVERLAP
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,12 @@ class _Run(Stepper):
 
     def compute(self, rank: int, action: Action, clock: float) -> float:
         k, st, c = action.kind, action.stage, self.c
+        if k is _OVERLAP:  # one after the other: the overlap hides communication, not compute
+            forward, backward = action.parts
+            end = self.compute(rank, backward, self.compute(rank, forward, clock))
+            if self.record:  # the pair, around its two parts' events
+                self.events.append(Event(rank, st, k, action.microbatch, clock, end))
+            return end
         mem = self.memory[rank]
         # one key per (microbatch, stage) on the rank
         held = action.microbatch * len(c.forward_s) + st
@@ -199,6 +206,8 @@ class _Run(Stepper):
         c, st = self.c, action.stage
         dst = self.schedule.peer(rank, action)
         assert dst is not None
+        if dst == rank:  # a hand-off between two stages of the rank: no message
+            return clock, (clock, clock)
         size = c.activation_bytes[st] if action.kind is _SEND_F else c.gradient_bytes[st - 1]
         clock += c.send_overhead_s + size / c.send_copy_bandwidth
         start = max(clock, self.link_free.get((rank, dst), 0.0))

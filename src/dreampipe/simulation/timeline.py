@@ -5,10 +5,12 @@
     worker 2 (s2) |      [0][1][0][2][1][3][2][4][3] ...        white: idle
 
 One row per rank, forward and backward boxes with the microbatch number written
-on them when there is room, white where the rank idles; communication
-(sends, receives, all-reduces) optionally as thin bars under and over each
-row. Works for simulated events and for the runtime's measured ones (any
-start offset: the axis is milliseconds from the earliest event).
+on them when there is room, hatched on a rank's later stages (interleaving, the
+V), an overlapped pair (DualPipeV's ``OVERLAP_F_B``) framed in black around its
+two boxes, white where the rank idles; communication (sends, receives,
+all-reduces) optionally as thin bars under and over each row. Works for
+simulated events and for the runtime's measured ones (any start offset: the
+axis is milliseconds from the earliest event).
 """
 
 from __future__ import annotations
@@ -35,18 +37,19 @@ COLOURS = {
     _K.RECV_B: "#b0b0b0",
     _K.UNSHARD: "#c44e52",
     _K.RESHARD: "#c44e52",
+    _K.OVERLAP: "#000000",
 }
 _LABELS = {_K.FORWARD: "forward", _K.BACKWARD: "backward", _K.WEIGHT: "weight gradient",
            _K.STEP: "optimizer step",
            _K.ALLREDUCE: "all-reduce", _K.UNSHARD: "weights gathered (ZeRO-3)",
-           _K.SEND_F: "send", _K.RECV_F: "receive"}
+           _K.SEND_F: "send", _K.RECV_F: "receive", _K.OVERLAP: "overlapped F&B"}
 # (bottom offset, height) of a kind's bar within a row of height 1.
 _BAND = {_K.FORWARD: (0.15, 0.7), _K.BACKWARD: (0.15, 0.7), _K.WEIGHT: (0.15, 0.7),
          _K.STEP: (0.15, 0.7),
          _K.ALLREDUCE: (0.0, 0.12), _K.SEND_F: (0.88, 0.12), _K.SEND_B: (0.88, 0.12),
          _K.RECV_F: (0.88, 0.12), _K.RECV_B: (0.88, 0.12),
-         _K.UNSHARD: (0.0, 0.12), _K.RESHARD: (0.0, 0.12)}
-_COMPUTE = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.STEP)
+         _K.UNSHARD: (0.0, 0.12), _K.RESHARD: (0.0, 0.12), _K.OVERLAP: (0.08, 0.84)}
+_COMPUTE = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT, _K.STEP, _K.OVERLAP)
 _BOXES = (_K.FORWARD, _K.BACKWARD, _K.WEIGHT)
 _MAX_LABELS = 4000
 _WIDTH_IN = 14.0
@@ -85,20 +88,26 @@ def draw_timeline(
     ranks = num_ranks if num_ranks is not None else 1 + max((e.rank for e in events), default=0)
     fig, ax = plt.subplots(figsize=(_WIDTH_IN, 1.2 + 0.42 * ranks))
     px_ms = span_ms / (fig.get_figwidth() * fig.dpi * 0.85)
-    bars: dict[tuple[int, ActionKind], list[tuple[float, float]]] = {}
+    firsts = {e.rank: e.stage for e in sorted(events, key=lambda e: -e.stage)}
+    bars: dict[tuple[int, ActionKind, bool], list[tuple[float, float]]] = {}
     for e in shown:
-        bars.setdefault((e.rank, e.kind), []).append(
+        bars.setdefault((e.rank, e.kind, e.stage != firsts[e.rank]), []).append(
             ((e.start_s - origin) * 1e3, max((e.end_s - e.start_s) * 1e3, px_ms)))
     min_edged_ms = 6 * px_ms
-    for (rank, kind), spans in bars.items():
+    for (rank, kind, later), spans in sorted(bars.items(), key=lambda x: x[0][1] is _K.OVERLAP):
         low, height = _BAND[kind]
+        if kind is _K.OVERLAP:  # a frame around the pair's two boxes
+            ax.broken_barh(spans, (rank + low, height), facecolors="none",
+                           edgecolors=COLOURS[kind], linewidth=1.2)
+            continue
         edged = kind in _BOXES
+        hatch = "////" if later and edged else None
         wide = [x for x in spans if edged and x[1] >= min_edged_ms]
         narrow = [x for x in spans if not (edged and x[1] >= min_edged_ms)]
         for group, edge in ((wide, "white"), (narrow, "none")):
             if group:
                 ax.broken_barh(group, (rank + low, height), facecolors=COLOURS[kind],
-                               edgecolors=edge, linewidth=0.5)
+                               edgecolors=edge, linewidth=0.5, hatch=hatch)
     _write_microbatches(ax, shown, origin, span_ms, fig.get_figwidth() * fig.dpi * 0.85)
     ax.set_yticks([r + 0.5 for r in range(ranks)])
     ax.set_yticklabels(_row_labels(events, ranks))
@@ -108,7 +117,9 @@ def draw_timeline(
     for r in range(1, ranks):
         ax.axhline(r, color="#e0e0e0", linewidth=0.6)
     kinds = {e.kind for e in shown}
-    handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in _LABELS.items()
+    handles = [Patch(facecolor="none" if k is _K.OVERLAP else COLOURS[k],
+                     edgecolor=COLOURS[k] if k is _K.OVERLAP else None, label=label)
+               for k, label in _LABELS.items()
                if k in kinds or (k is _K.SEND_F and kinds & {_K.SEND_B})
                or (k is _K.RECV_F and kinds & {_K.RECV_B})]
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="idle"))
