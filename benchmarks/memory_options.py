@@ -2,12 +2,13 @@
 
 Trains the transformer (8 blocks of width 256) on 3 local workers, plan ``2-1`` (stage 0
 replicated), Adam, ``1f1b-flush`` with 4 microbatches of minibatches of 32, once per
-option and round, every run in fresh processes (``dreampipe train --measure-memory
---json``), the options' order rotated each round. Prints, per option, the median time
-per update with its spread (min-max over the rounds) and its ratio to the baseline's
-median, and each rank's measured peak above its baseline (median, spread) beside the
-prediction. The options: bf16-mixed and bf16 against fp32 (fp16-mixed is left out:
-CPUs without fp16 arithmetic emulate its GEMMs, many times slower), each ``--zero``
+option and round, every run in fresh processes (``dreampipe train --json``), the
+options' order rotated each round; then once more per option with ``--measure-memory``
+(counting tensors slows a run, so the timed runs do not count). Prints, per option, the
+median time per update with its spread (min-max over the rounds) and its ratio to the
+baseline's median, and each rank's measured peak beside the prediction. The options:
+bf16-mixed and bf16 against fp32 (fp16-mixed is left out: CPUs without fp16 arithmetic
+emulate its GEMMs, many times slower), each ``--zero``
 level against none, and each stage recomputing its first 1, 2 or all of its blocks
 (``--recompute-blocks``) against none. The groups' baselines are one run a round.
 
@@ -67,11 +68,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     for r in range(args.rounds):
         shift = r % len(distinct)
         for flags in distinct[shift:] + distinct[:shift]:
-            by_flags[flags].append(train_report((*_BASE, *flags), args.steps, args.timeout))
+            by_flags[flags].append(train_report((*_BASE, *flags), args.steps, args.timeout,
+                                                measure=False))
+    memory = {flags: train_report((*_BASE, *flags), args.steps, args.timeout)
+              for flags in distinct}
     runs = {label: by_flags[flags] for _, label, flags in OPTIONS}
+    peaks = {label: memory[flags] for _, label, flags in OPTIONS}
     print(f"{' '.join(_BASE)}, {args.steps} updates a run, {args.rounds} rounds; medians "
           "(min-max)\n")
-    print(f"{'option':<24} {'ms/update':>22} {'ratio':>6}   MiB above baseline, ranks 0, 1, 2 "
+    print(f"{'option':<24} {'ms/update':>22} {'ratio':>6}   peak MiB, ranks 0, 1, 2 "
           "(predicted)")
     base_ms = 0.0
     for group, label, _ in OPTIONS:
@@ -80,10 +85,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             base_ms = statistics.median(ms)
         ranks = []
         for rank in range(3):
-            rows = [next(m for m in run["memory"] if m["rank"] == rank) for run in runs[label]]
-            measured = [float(m["measured_bytes"]) / 2**20 for m in rows]
-            predicted = float(rows[0]["predicted_bytes"]) / 2**20
-            ranks.append(f"{_spread(measured, '.1f')} ({predicted:.1f})")
+            row = next(m for m in peaks[label]["memory"] if m["rank"] == rank)
+            ranks.append(f"{float(row['measured_bytes']) / 2**20:.1f} "
+                         f"({float(row['predicted_bytes']) / 2**20:.1f})")
         print(f"{group + ': ' + label:<24} {_spread(ms, '.1f'):>22} "
               f"{statistics.median(ms) / base_ms:>5.2f}x   " + "; ".join(ranks))
     _docs.finish(tee, "memory-options", __file__, argv)

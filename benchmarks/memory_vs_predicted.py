@@ -76,12 +76,14 @@ def runs() -> tuple[Run, ...]:
 RUNS = runs()
 
 
-def train_report(args: tuple[str, ...], steps: int, timeout_s: float) -> dict[str, Any]:
-    """The report of one fresh ``dreampipe train --json --measure-memory`` (its ``memory``
-    rows: each rank's measured and predicted bytes)."""
+def train_report(args: tuple[str, ...], steps: int, timeout_s: float,
+                 measure: bool = True) -> dict[str, Any]:
+    """The report of one fresh ``dreampipe train --json`` with ``--measure-memory`` (its
+    ``memory`` rows: each rank's measured and predicted bytes), or without (``measure``
+    False: for timing, as counting tensors slows the run)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "dreampipe", "train", *args, "--steps", str(steps), "--json",
-           "--no-progress", "--measure-memory"]
+           "--no-progress", *(("--measure-memory",) if measure else ())]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
                           check=False)
     if done.returncode != 0:

@@ -79,9 +79,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "and when nothing fits it is an error (default: no limit; see "
                         "docs/memory.md)")
     g.add_argument("--measure-memory", action="store_true", default=None,
-                   help="measure each rank's peak memory and print it beside the planner's "
-                        "prediction; on CPU, large tensors then get pages of their own, "
-                        "returned when freed, which makes training about a fifth slower")
+                   help="measure each rank's peak memory, the most its tensors hold at "
+                        "once, and print it beside the planner's prediction; on CPU every "
+                        "operation is then counted, which makes training slower (a quarter "
+                        "on the transformer): time runs without it")
     g = p.add_argument_group("training", "--settings FILE.toml or .json sets any TrainConfig "
                              "field (schedule = \"1f1b-flush\", max_grad_norm = 1.0, ...); "
                              "a flag given on the command line wins over the file.")
