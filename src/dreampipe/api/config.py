@@ -79,7 +79,7 @@ class TrainConfig:
     (:mod:`dreampipe.runtime.nonfinite`). ``record_events`` keeps what each rank did,
     with times. ``measure_memory``: each rank measures its peak memory, which
     ``Pipeline.memory()`` reports beside the prediction (:mod:`dreampipe.api.memory_report`;
-    on CPU large tensors then get pages of their own, which slows training).
+    on CPU every operation is then counted, which slows training).
     ``resume``: a checkpoint directory to continue from (its newest
     complete checkpoint). ``schedule_file``: a PyTorch pipelining CSV of one minibatch
     (:func:`~dreampipe.scheduling.torch_csv.read_torch_csv`), run every minibatch in

@@ -54,8 +54,8 @@ class TrainOptions:
     microbatches, weight stashing, timeouts...). ``evaluate`` measures test
     accuracy after training, where the dataset has a test split. ``progress``
     shows a bar of minibatches on the last rank. ``config.measure_memory`` measures
-    each rank's peak memory (:mod:`~dreampipe.runtime.memory`); on CPU that
-    gives large tensors pages of their own, which slows training. ``seq_lengths``
+    each rank's peak memory (:mod:`~dreampipe.runtime.memory_meter`); on CPU every
+    operation is then counted, which slows training. ``seq_lengths``
     ``(MIN, MAX)``: each step's token sequences cut to a length between them
     (:mod:`~dreampipe.commands.seq_lengths`).
     """
