@@ -339,7 +339,7 @@ def _memory_table(rows: list[dict[str, Any]]) -> list[str]:
     """Each rank's peak memory above its baseline against the planner's prediction."""
     if not rows:
         return []
-    lines = ["memory per rank (peak above the rank's baseline, docs/memory.md):",
+    lines = ["memory per rank (the most its tensors held, docs/memory.md):",
              f"  {'rank':>4} {'stage':>5} {'predicted':>10} {'measured':>10} {'ratio':>6}"]
     for r in rows:
         predicted = "-" if r["predicted_bytes"] is None else format_bytes(r["predicted_bytes"])
