@@ -155,6 +155,10 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
         weights, level = sum(sizes), plan.zero_levels(opts.zero)[s]
         walked = opts.stash and not st.recompute
+        per_use = pairs_per_use(schedule, s)
+        # the gradients made in an update's first backward and freed at its step: from
+        # ZeRO-2 on, this replica's chunks (the buckets come and go in every backward)
+        gradients = weights // st.replicas if level >= 2 else weights
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
         out.append(costs.memory(st.first, st.last, versions, flight[s],
@@ -164,10 +168,12 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                    + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
                                flight[s] - at_end[s] if walked else 0)
                       if st.replicas > 1 and level < 2 else 0)
-                   - _zero_saved(st, level, weights, max(sizes, default=0), opts,
-                                 pairs_per_use(schedule, s))
+                   - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
                    + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
-                      if s > 0 else 0))
+                      if s > 0 else 0)
+                   - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
+                                           gradients) for acts in ranks[s])
+                      if walked else 0))
     return tuple(out)
 
 
@@ -244,6 +250,32 @@ def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
             mine.setdefault(a.stage, []).append(a)
         out += [(stage, tuple(acts)) for stage, acts in mine.items()]
     return out
+
+
+def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int) -> int:
+    """What the formula counts beyond one rank's peak by holding the stage's
+    ``gradients`` beside its most microbatches in flight (``kept`` bytes each): a rank
+    frees its gradients at each ``STEP`` and makes them again in the update's first
+    backward (its ``W`` under a split backward), which frees that microbatch's tensors
+    as it makes them. Along the actions: after a forward, the microbatches in flight and
+    the gradients if made; in a backward, the others in flight and that microbatch's
+    tensors beside the gradients, or the larger of the two in the update's first."""
+    release = _release(actions)
+    flight = most_flight = peak = 0
+    made = False
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            flight += 1
+            most_flight = max(most_flight, flight)
+            peak = max(peak, kept * flight + (gradients if made else 0))
+        elif a.kind is release:
+            others = kept * (flight - 1)
+            peak = max(peak, others + (kept + gradients if made else max(kept, gradients)))
+            flight -= 1
+            made = True
+        elif a.kind is ActionKind.STEP:
+            made = False
+    return max(0, kept * most_flight + gradients - peak)
 
 
 def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
