@@ -302,9 +302,9 @@ and `--recompute-method uniform` (every block recomputed) from Megatron-LM's
 `examples/sc21/run_table_1.sh`. dreampipe prices it with
 `plan_sync(..., SyncOptions(layout=..., microbatch_size=b))` on
 `dgx-a100:N`, bf16 weights with Adam's state, the cuts chosen by the
-program; the CLI does the same with `dreampipe plan gpt:... -t dgx-a100:N
---global-batch B --microbatch-size b --precision bf16 --optimizer adam
---layout tT-pP-vV-rK`.
+program. `dreampipe plan gpt:... -t dgx-a100:N --global-batch B
+--microbatch-size b --precision bf16 --optimizer adam --layout tT-pP-vV-rK`
+prices the same layout at the preset's rate instead of the fitted one.
 
 **One figure is fitted**: the sustained rate of matrix products,
 {rate / 1e12:.1f} TFLOP/s ({100 * rate / A100_80GB.peak_flops:.1f}% of the A100's 312), chosen so
