@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_sc21 import HEADING as SC21_HEADING
+
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -33,8 +35,8 @@ from dreampipe.profiling.gpt_shapes import GPT3_1_3B, MEGATRON_8_3B, GptShape, g
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["CASES", "Case", "Layout", "Row", "compute_row", "main", "megatron_splits",
-           "render_doc", "render_table", "topology"]
+__all__ = ["CASES", "Case", "Layout", "Row", "compute_row", "keep_sc21", "main",
+           "megatron_splits", "render_doc", "render_table", "topology"]
 
 _REPO = Path(__file__).resolve().parents[1]
 _DEFAULT_OUT = _REPO / "docs" / "megatron.md"
@@ -284,6 +286,13 @@ What the comparison shows (computed):
 """
 
 
+def keep_sc21(page: str, path: Path) -> str:
+    """``page`` with the section ``megatron_sc21.py`` writes into ``path`` kept after it."""
+    old = path.read_text() if path.is_file() else ""
+    at = old.find(SC21_HEADING)
+    return page if at < 0 else f"{page.rstrip()}\n\n{old[at:]}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="\n\n".join((__doc__ or "").split("\n\n")[:2]),
@@ -298,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print("\n".join(findings(rows)))
     if not args.no_write:
-        args.out.write_text(render_doc(rows))
+        args.out.write_text(keep_sc21(render_doc(rows), args.out))
         print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 

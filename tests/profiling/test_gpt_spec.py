@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from dreampipe.errors import ProfileError
 from dreampipe.profiling.devices import A100_80GB, V100_32GB, Device
 from dreampipe.profiling.gpt_shapes import GptShape
-from dreampipe.profiling.gpt_spec import GptSpec, by_shape, parse_gpt_spec
+from dreampipe.profiling.gpt_spec import GptSpec, by_shape, gpt_spec_profile, parse_gpt_spec
 from dreampipe.profiling.load import load_graph
 
 SMALL = "gpt:layers=4,hidden=256,heads=4,seq=128,vocab=1000"
@@ -82,6 +82,10 @@ def test_the_device_times_the_layers() -> None:
     v100 = load_graph(SMALL + ",batch=2,param_bytes=2", V100_32GB)
     assert v100.layers[5].forward_ms == pytest.approx(fc1.forward_ms * 312 / 125)
     assert v100.layers[5].parameter_bytes == fc1.parameter_bytes // 2
+    # a fitted rate replaces the device's for products only; LayerNorms keep the bandwidth
+    fitted = gpt_spec_profile(parse_gpt_spec(SMALL + ",batch=2"), A100_80GB, flops=100e12)
+    assert fitted.layers[5].forward_ms == pytest.approx(2 * s * b * h * 4 * h / 100e12 * 1e3)
+    assert fitted.layers[1].forward_ms == pytest.approx(ln1.forward_ms)
 
 
 def test_without_a_device_a_profile_by_shape_says_how_to_give_one() -> None:
