@@ -17,16 +17,19 @@ objective (:mod:`dreampipe.planning.sync_tables`) both price a stage with
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
+if TYPE_CHECKING:  # numpy loads when the times are priced: SHARDED_LEVEL stays light
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["SHARDED_LEVEL", "ZeroTimes", "zero_times"]
 
 #: The ZeRO level from which a stage's weights are sharded between uses.
 SHARDED_LEVEL = 3
 
-FloatArray = npt.NDArray[np.float64]
+if TYPE_CHECKING:
+    FloatArray = npt.NDArray[np.float64]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,8 @@ def zero_times(level: int, replicas: int, *, forward: FloatArray | float,
     """The stage's times at ZeRO ``level`` over ``replicas`` (module doc); ``per_use``: a
     level-3 stage gathers per forward and backward (every replica runs as many
     microbatches an update), else once an update."""
+    import numpy as np
+
     f, b, w = (np.asarray(x, dtype=np.float64) for x in (forward, backward, weight_grad))
     ar, g = np.asarray(allreduce, dtype=np.float64), np.asarray(gather, dtype=np.float64)
     step = np.zeros_like(ar)
