@@ -284,7 +284,7 @@ def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) ->
     tensors (and input) of those in flight and what ``B`` recorded for those waiting
     (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
     most."""
-    if not any(a.kind is ActionKind.WEIGHT for a in actions):
+    if _release(actions) is not ActionKind.WEIGHT:
         return 0
     layers = graph.layers[st.first : st.last + 1]
     kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
