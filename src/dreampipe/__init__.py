@@ -39,7 +39,8 @@ from dreampipe.profiling.load import load_graph
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.events import Event
-from dreampipe.scheduling.torch_csv import read_torch_csv, write_torch_csv
+from dreampipe.scheduling.torch_csv import read_torch_csv
+from dreampipe.scheduling.torch_csv_write import write_torch_csv
 from dreampipe.scheduling.validator import validate_schedule
 from dreampipe.simulation.chrome_trace import write_chrome_trace
 from dreampipe.simulation.simulator import (

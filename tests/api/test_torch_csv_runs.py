@@ -27,7 +27,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.runtime.processes import run_processes
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.torch_csv import write_torch_csv
+from dreampipe.scheduling.torch_csv_write import write_torch_csv
 
 from .compare import ATOL, RTOL, assert_matches
 from .schedule_workers import reference

@@ -71,7 +71,7 @@ def _zbv_csv() -> str:
     """zbv of 8 stages on 4 ranks (2 a rank in a V), one microbatch, as PyTorch's CSV."""
     from dreampipe.scheduling.actions import ScheduleKind
     from dreampipe.scheduling.build import build_schedule
-    from dreampipe.scheduling.torch_csv import torch_csv
+    from dreampipe.scheduling.torch_csv_write import torch_csv
 
     return torch_csv(build_schedule([1] * 8, ScheduleKind.ZBV, 1, 1, virtual_stages=2))
 

@@ -16,7 +16,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind as S
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.torch_csv import write_torch_csv
+from dreampipe.scheduling.torch_csv_write import write_torch_csv
 from dreampipe.simulation.simulator import costs_from_plan, simulate_schedule
 
 VGG = "pipedream:vgg16"

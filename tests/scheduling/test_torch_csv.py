@@ -16,17 +16,13 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+import dreampipe
 from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.actions import ScheduleKind as S
 from dreampipe.scheduling.build import build_schedule
-from dreampipe.scheduling.torch_csv import (
-    check_file_fits,
-    parse_torch_csv,
-    read_torch_csv,
-    torch_csv,
-    write_torch_csv,
-)
+from dreampipe.scheduling.torch_csv import check_file_fits, parse_torch_csv, read_torch_csv
+from dreampipe.scheduling.torch_csv_write import torch_csv
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 
 __all__: list[str] = []
@@ -97,7 +93,7 @@ def test_a_written_file_loads_into_pytorch_and_its_lowering_reads_back(tmp_path:
     zb = build_schedule([1, 1], S.ZB_H1, 4, 4)
     for comms in (True, False):
         path = tmp_path / f"zb-{comms}.csv"
-        write_torch_csv(zb, path, comms=comms)
+        zb.to_torch_csv(path, comms=comms)
         runtime = _torch_runtime(path, 2, 2, 4, comms)
         assert runtime.stage_index_to_group_rank == {0: 0, 1: 1}
         assert read_torch_csv(path, S.ZB_H1) == zb
@@ -149,7 +145,7 @@ def test_pytorchs_zbv_is_dreampipes_in_the_v_placement(tmp_path: Path, comms: bo
     assert loaded == ours
     costs = SimCosts(forward_s=(1.0,) * 4, backward_s=(2.0,) * 4)
     assert simulate_schedule(loaded, costs).summary() == simulate_schedule(ours, costs).summary()
-    assert read_torch_csv(path, S.ZBV) == ours
+    assert read_torch_csv(path, S.ZBV) == ours == dreampipe.Schedule.from_torch_csv(path, S.ZBV)
     with pytest.raises(ScheduleError, match=r"places its stages in the v placement but kind "
                        r"zb-h1 in the loop; give zbv or dualpipev"):
         read_torch_csv(path, S.ZB_H1)

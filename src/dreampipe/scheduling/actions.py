@@ -20,15 +20,16 @@ another microbatch's backward, which :attr:`Action.parts` names.
 from __future__ import annotations
 
 import bisect
+import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.placement import Placement, rank_stages, stage_rank
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey"]
+__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey", "register_format"]
 
 #: ``(0 activations / 1 gradients, sending stage, microbatch)``: equal for a send
 #: and the receive it pairs with.
@@ -345,6 +346,43 @@ class Schedule:
                 raise ScheduleError(f"line for rank {rank} starts with {head!r}")
             actions.append(tuple(_parse_on(probe, rank, t) for t in body.split()))
         return cls(kind, replicas, tuple(actions), int(m.group(3)), int(m.group(4)), virtual)
+
+    @classmethod
+    def from_torch_csv(cls, path: str | os.PathLike[str], kind: ScheduleKind | None = None
+                       ) -> Schedule:
+        """The validated schedule of one update in PyTorch pipelining's CSV file at ``path``
+        (``_dump_csv``'s, either format): :func:`~dreampipe.scheduling.torch_csv.read_torch_csv`."""
+        read, _ = _format("torch-csv")
+        return read(path, kind)
+
+    def to_torch_csv(self, path: str | os.PathLike[str], comms: bool = True) -> None:
+        """Write this schedule of one update as PyTorch pipelining's CSV, for its
+        ``_load_csv``: :func:`~dreampipe.scheduling.torch_csv_write.write_torch_csv`."""
+        _, write = _format("torch-csv")
+        write(self, path, comms)
+
+
+_Reader = Callable[[str | os.PathLike[str], ScheduleKind | None], Schedule]
+_Writer = Callable[[Schedule, str | os.PathLike[str], bool], None]
+#: Other projects' schedule formats, by name: each codec module registers its reader or
+#: writer here, so this plain-data module does not depend on the codecs built on it.
+_FORMATS: dict[str, tuple[_Reader | None, _Writer | None]] = {}
+
+
+def register_format(name: str, read: _Reader | None = None, write: _Writer | None = None
+                    ) -> None:
+    """Make ``read`` and/or ``write`` the codec of format ``name`` for :class:`Schedule`'s
+    ``from_``/``to_`` methods (:mod:`.torch_csv` and :mod:`.torch_csv_write` do so)."""
+    old_read, old_write = _FORMATS.get(name, (None, None))
+    _FORMATS[name] = (read or old_read, write or old_write)
+
+
+def _format(name: str) -> tuple[_Reader, _Writer]:
+    read, write = _FORMATS.get(name, (None, None))
+    if read is None or write is None:
+        raise ScheduleError(f"no codec of the {name} schedule format is loaded; import "
+                            "dreampipe (it loads them) before using it")
+    return read, write
 
 
 def _written(a: Action, at: bool) -> str:

@@ -1,20 +1,19 @@
-"""PyTorch pipelining's schedule CSV (``torch.distributed.pipelining``), read and written.
+"""PyTorch pipelining's schedule CSV (``torch.distributed.pipelining``), read.
 
 PyTorch's ``_PipelineScheduleRuntime`` saves and loads a schedule as one CSV row per
 rank, each cell an action ``<stage><kind><microbatch>`` (``0F1``, ``1RECV_B0``,
 ``0REDUCE_GRAD``). A file is one training step of unreplicated stages, stage ``s`` on
 rank ``s mod p`` or in PyTorch's V (``s`` and ``2p - 1 - s`` on one rank, as zbv and
 dualpipev place them): :func:`read_torch_csv` makes it a validated :class:`Schedule` of
-one update; :func:`write_torch_csv` writes such a schedule back. ``I`` is dreampipe's
+one update (:mod:`.torch_csv_write` writes one back). ``I`` is dreampipe's
 ``B`` of a zero-bubble kind (``W`` after it), ``B`` its whole backward elsewhere; sends
 keep their place, a receive moves to just before the action that uses it (where PyTorch
 waits for it); ``REDUCE_GRAD`` is checked, then dropped for dreampipe's update pass
-(each rank's ``STEP`` after its last action) and written where the ``STEP`` is; FSDP's
+(each rank's ``STEP`` after its last action); FSDP's
 ``UNSHARD``/``RESHARD`` are dropped; ``OVERLAP_F_B`` is dualpipev's overlapped pair, its
 parts in order elsewhere. A file without sends and receives gets dreampipe's
-communication pass, as PyTorch's lowering adds them. No counterpart: replicas,
-``ALLREDUCE``, ZeRO-3's gathers and several updates (dreampipe to PyTorch); mixed whole
-and split backwards (PyTorch to dreampipe). The mapping: docs/design.md §7.11.
+communication pass, as PyTorch's lowering adds them. No counterpart in dreampipe: mixed
+whole and split backwards. The mapping: docs/design.md §7.11.
 """
 
 from __future__ import annotations
@@ -29,11 +28,16 @@ from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.planning.placement import Placement, stage_rank
-from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.actions import (
+    Action,
+    ActionKind,
+    Schedule,
+    ScheduleKind,
+    register_format,
+)
 from dreampipe.scheduling.build import lower_communication, lower_updates
 
-__all__ = ["check_file_fits", "parse_torch_csv", "read_torch_csv", "torch_csv",
-           "write_torch_csv"]
+__all__ = ["check_file_fits", "parse_torch_csv", "read_torch_csv"]
 
 _K = ActionKind
 _CELL = re.compile(r"(\d+)(F|I|B|W|SEND_F|RECV_F|SEND_B|RECV_B|UNSHARD|RESHARD|REDUCE_GRAD)"
@@ -47,8 +51,7 @@ _KINDS = {"F": _K.FORWARD, "I": _K.BACKWARD, "B": _K.BACKWARD, "W": _K.WEIGHT,
           "SEND_F": _K.SEND_F, "RECV_F": _K.RECV_F, "SEND_B": _K.SEND_B, "RECV_B": _K.RECV_B}
 # a receive -> the action on its stage and microbatch that uses it
 _USER = {_K.RECV_F: _K.FORWARD, _K.RECV_B: _K.BACKWARD}
-_WRITTEN = {_K.FORWARD: "F", _K.WEIGHT: "W", _K.SEND_F: "SEND_F", _K.RECV_F: "RECV_F",
-            _K.SEND_B: "SEND_B", _K.RECV_B: "RECV_B"}
+
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,6 @@ def read_torch_csv(path: str | os.PathLike[str], kind: ScheduleKind | None = Non
     (``_dump_csv``'s, either format); ``kind`` as :func:`parse_torch_csv` takes it."""
     with open(path, newline="") as file:
         return parse_torch_csv(file.read(), os.fspath(path), kind)
-
-
-def write_torch_csv(schedule: Schedule, path: str | os.PathLike[str], comms: bool = True
-                    ) -> None:
-    """Write ``schedule``, one update, as :func:`torch_csv` makes it."""
-    text = torch_csv(schedule, comms)
-    with open(path, "w", newline="") as file:
-        file.write(text)
 
 
 def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) -> Schedule:
@@ -119,34 +114,6 @@ def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) ->
         schedule = schedule.with_actions([_handed_over(schedule, rank, acts)
                                           for rank, acts in enumerate(schedule.actions)])
     return _validated(lower_updates(schedule), source)
-
-
-def torch_csv(schedule: Schedule, comms: bool = True) -> str:
-    """``schedule`` as PyTorch's CSV: with ``comms``, sends, receives and ``REDUCE_GRAD``
-    for ``_load_csv(format="compute_comms")``; without, its computations alone for
-    ``format="compute_only"`` (PyTorch's lowering adds the rest). One update of
-    unreplicated stages of a synchronous kind; a ScheduleError says what else cannot be
-    written."""
-    _check_writable(schedule)
-    split = schedule.kind.splits_backward
-    out = io.StringIO()
-    writer = csv.writer(out)  # PyTorch's own _dump_csv writes with csv's defaults
-    for rank, acts in enumerate(schedule.actions):
-        cells = []
-        for a in acts:
-            if a.kind is _K.STEP:
-                cells += [f"{a.stage}REDUCE_GRAD"] if comms else []
-            elif a.kind is _K.BACKWARD:
-                cells.append(f"{a.stage}{'I' if split else 'B'}{a.microbatch}")
-            elif a.kind is _K.OVERLAP:
-                f, b = a.parts
-                cells.append(f"({f.stage}F{f.microbatch};{b.stage}{'I' if split else 'B'}"
-                             f"{b.microbatch})OVERLAP_F_B")
-            elif a.kind in _WRITTEN and not (a.transfer_key is not None and (
-                    not comms or _local(schedule, rank, a))):
-                cells.append(f"{a.stage}{_WRITTEN[a.kind]}{a.microbatch}")
-        writer.writerow(cells)
-    return out.getvalue()
 
 
 def check_file_fits(schedule: Schedule, replicas: Sequence[int], virtual_stages: int,
@@ -376,31 +343,4 @@ def _validated(schedule: Schedule, source: str) -> Schedule:
     return schedule
 
 
-# ---- writing ---------------------------------------------------------------
-def _check_writable(schedule: Schedule) -> None:
-    kind = schedule.kind
-    if not kind.synchronous:
-        raise ScheduleError(f"a {kind.value} schedule updates within a step; PyTorch's "
-                            "runtime runs one synchronous step: write a synchronous kind")
-    replicated = [s for s, r in enumerate(schedule.replicas) if r > 1]
-    if replicated:
-        s = replicated[0]
-        raise ScheduleError(f"stage {s} has {schedule.replicas[s]} replicas; PyTorch's "
-                            "schedule runs one rank per stage (data parallelism is FSDP's or "
-                            "DDP's, outside it): write the schedule of an unreplicated plan")
-    other = next((a for acts in schedule.actions for a in acts
-                  if a.kind in (_K.ALLREDUCE, _K.UNSHARD, _K.RESHARD)), None)
-    if other is not None:
-        raise ScheduleError(f"{other} of stage {other.stage} joins its replicas, which "
-                            "PyTorch's schedule has not: write an unreplicated schedule")
-    if schedule.num_microbatches != schedule.microbatches_per_update:
-        raise ScheduleError(
-            f"{schedule.num_microbatches} microbatches, {schedule.microbatches_per_update} per "
-            "update; a PyTorch schedule is one step: write the schedule of one update "
-            f"({schedule.microbatches_per_update} microbatches)")
-
-
-def _local(schedule: Schedule, rank: int, a: Action) -> bool:
-    """A transfer between two stages of one rank, which PyTorch hands over without one."""
-    peer = a.peer_stage
-    return peer is not None and schedule.rank_of(peer, a.microbatch) == rank
+register_format("torch-csv", read=read_torch_csv)
