@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="write the table and plots from the results; train nothing")
     parser.add_argument("--results", type=Path, default=_RESULTS, help="the results JSON")
     parser.add_argument("--docs", type=Path, default=_ROOT / "docs",
-                        help="where the report's convergence.md and PNGs go")
+                        help="where the report's convergence.md and PNGs go; with the "
+                             "default, the report also writes the study's epochs to target "
+                             "into src/dreampipe/runplan/study_epochs.py, which "
+                             "--semantics any reads")
     parser.add_argument("--timeout", type=float, default=3 * 3600,
                         help="seconds one torchrun (one seed on one count of workers) may take")
     parser.add_argument("--worker", choices=("full", "quick"), help=argparse.SUPPRESS)
@@ -316,8 +319,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"study done in {time.perf_counter() - start:.0f} s", flush=True)
     import convergence_report  # beside this script
 
-    for path in convergence_report.write(_load(args.results, study), args.docs):
+    data = _load(args.results, study)
+    for path in convergence_report.write(data, args.docs):
         print(f"wrote {path}")
+    if args.docs.resolve() == (_ROOT / "docs").resolve():
+        print(f"wrote {convergence_report.write_rows(data)}")
 
 
 if __name__ == "__main__":

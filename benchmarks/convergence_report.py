@@ -16,11 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BEGIN", "DIGITS_TARGET", "END", "table", "targets", "write"]
+__all__ = ["BEGIN", "DIGITS_TARGET", "END", "ROWS_MODULE", "study_rows", "table", "targets",
+           "write", "write_rows"]
 
 BEGIN = "<!-- table: written by `python benchmarks/convergence.py --report` -->"
 END = "<!-- end of the written table -->"
 DIGITS_TARGET = 0.97
+#: The package's copy of the study's epochs to target (``semantics="any"`` reads it).
+ROWS_MODULE = Path(__file__).resolve().parents[1] / "src/dreampipe/runplan/study_epochs.py"
+_ROWS_BEGIN = "# begin: written by `python benchmarks/convergence.py --report`\n"
+_ROWS_END = "# end\n"
+#: The asynchronous schedules' variants whose rows the planner reads: the defaults.
+_WEIGHED = ("pipedream", "2bw")
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,39 @@ def _to_target(run: dict[str, Any], metric: _Metric, target: float) -> tuple[flo
         if value is not None and metric.meets(value, target):
             return float(epoch), float(run["seconds"][epoch])
     return math.inf, math.inf
+
+
+def study_rows(data: dict[str, Any]) -> str:
+    """The Python text of ``study_epochs.ROWS``: per workload, workers and asynchronous
+    schedule, the median epochs to target over the seeds (inf when some seed never reached
+    it) and dp's median."""
+    goal = targets(data)
+    epochs: dict[tuple[str, int, str], tuple[float, int]] = {}
+    for workload, workers, variant, runs in _groups(data):
+        if workload in goal and variant in (*_WEIGHED, "dp"):
+            reach = [_to_target(r, _METRICS[workload], goal[workload])[0] for r in runs]
+            median = math.inf if any(map(math.isinf, reach)) else statistics.median(reach)
+            epochs[workload, workers, variant] = median, len(runs)
+    lines = []
+    for (workload, workers, variant), (mine, seeds) in epochs.items():
+        dp = epochs.get((workload, workers, "dp"))
+        if variant != "dp" and dp is not None:
+            shown = "math.inf" if math.isinf(mine) else repr(float(mine))
+            lines.append(f'    StudyRow("{workload}", {workers}, "{variant}", {shown}, '
+                         f"{float(dp[0])!r}, {seeds}),\n")
+    return "ROWS: tuple[StudyRow, ...] = (\n" + "".join(lines) + ")\n"
+
+
+def write_rows(data: dict[str, Any], module: Path = ROWS_MODULE) -> Path:
+    """Put :func:`study_rows` between the markers of ``module``; the path."""
+    text = module.read_text()
+    if _ROWS_BEGIN not in text or _ROWS_END not in text:
+        raise SystemExit(f"{module} has lost its markers; put back {_ROWS_BEGIN!r} and "
+                         f"{_ROWS_END!r}")
+    head, rest = text.split(_ROWS_BEGIN, 1)
+    module.write_text(f"{head}{_ROWS_BEGIN}{study_rows(data)}{_ROWS_END}"
+                      f"{rest.split(_ROWS_END, 1)[1]}")
+    return module
 
 
 def _fmt(value: float, unit: str = "") -> str:

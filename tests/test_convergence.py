@@ -61,3 +61,22 @@ def test_the_committed_table_is_written_from_the_committed_results(bench: Module
     assert data["study"] == bench.STUDY.header()
     doc = (_ROOT / "docs" / "convergence.md").read_text()
     assert convergence_report.table(data) in doc, "run python benchmarks/convergence.py --report"
+
+
+def test_the_planner_s_study_rows_are_written_from_the_committed_results(
+        bench: ModuleType, tmp_path: Path) -> None:
+    """``semantics="any"`` reads the study's epochs to target from the package: they are
+    what the committed results give, and writing them again changes nothing."""
+    import convergence_report
+
+    from dreampipe.runplan import study_epochs
+
+    data = json.loads((_ROOT / "docs" / "convergence.json").read_text())
+    text = convergence_report.study_rows(data)
+    assert text in convergence_report.ROWS_MODULE.read_text(), (
+        "run python benchmarks/convergence.py --report")
+    assert len(study_epochs.ROWS) == text.count("StudyRow(") > 0
+    copy = tmp_path / "study_epochs.py"
+    copy.write_text(convergence_report.ROWS_MODULE.read_text())
+    assert convergence_report.write_rows(data, copy).read_text() == \
+        convergence_report.ROWS_MODULE.read_text()

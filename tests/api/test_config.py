@@ -134,6 +134,9 @@ def test_a_rule_about_the_schedule_waits_for_the_one_auto_chooses() -> None:
         skip.chosen(ScheduleKind.PIPEDREAM, 1)
     assert TrainConfig(schedule="auto").kind is ScheduleKind.FLUSH
     assert TrainConfig(schedule="gpipe").chooses is None
+    either = TrainConfig(schedule="auto", semantics="any", vertical_sync=True)
+    assert (either.kind, either.chooses) == (ScheduleKind.FLUSH, Semantics.ANY)
+    assert either.chosen(ScheduleKind.PIPEDREAM, 1).kind is ScheduleKind.PIPEDREAM
 
 
 def test_values_are_kept_by_name_whatever_was_given() -> None:
@@ -211,7 +214,7 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
     many = st.integers(1, 4) if schedule == "interleaved-1f1b" else st.just(
         2 if schedule in ("zbv", "dualpipev") else 1)
     return TrainConfig(
-        schedule=schedule, semantics=draw(st.sampled_from(["sync", "async"])),
+        schedule=schedule, semantics=draw(st.sampled_from(["sync", "async", "any"])),
         microbatches=1 if pipedream else draw(st.integers(1, 64)),
         virtual_stages=draw(st.none() | many),
         max_grad_norm=draw(st.none() | st.floats(1e-6, 1e6)),

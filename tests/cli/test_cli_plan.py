@@ -288,6 +288,28 @@ def test_schedule_auto_reports_every_candidate_and_why(
     assert "schedule    gpipe (as asked)" in out
 
 
+def test_semantics_any_keeps_a_synchronous_schedule_where_the_study_says_async_loses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 straight stages: the study's pipedream never reached the characters' target at 4
+    stages, and its 2bw needed more epochs than its rate gains here."""
+    chain = _chain_profile(tmp_path, 4)
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--straight", "--semantics", "any",
+                        "--microbatches", "4")
+    assert code == 0
+    assert re.search(r"schedule +(zb-h\d|1f1b-flush|gpipe): the schedule soonest to the "
+                     r"target \(effective minibatches/s", out), out
+    assert re.search(r"^  pipedream .* never reaches the target \(the study's chars at 4 "
+                     r"stages, its worst workload\): 0\.000 effective: fits, no sooner$",
+                     out, re.M), out
+    assert re.search(r"^  2bw .* [\d.]+x dp's epochs \(the study's \w+ at 4 stages", out, re.M)
+    code, out, _ = _run(capsys, chain, "-t", "1x4", "--straight", "--semantics", "any",
+                        "--json")
+    weighed = {c["schedule"]: c for c in json.loads(out)["schedule_candidates"]}
+    assert weighed["pipedream"]["epochs_vs_dp"] is None
+    assert weighed["1f1b-flush"]["epochs_vs_dp"] == 1.0
+
+
 def test_virtual_stages_place_stage_s_on_worker_s_mod_workers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

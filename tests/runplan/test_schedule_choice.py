@@ -8,7 +8,14 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.runplan.schedule_choice import CANDIDATES, SEVERAL, Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import (
+    CANDIDATES,
+    SEVERAL,
+    ScheduleChoice,
+    Semantics,
+    choose_schedule,
+)
+from dreampipe.runplan.study_epochs import StudyRow
 from dreampipe.scheduling.actions import ScheduleKind
 
 S = ScheduleKind
@@ -112,3 +119,38 @@ def test_a_plan_of_two_stages_per_worker_weighs_interleaving_and_both_vs() -> No
     with pytest.raises(ConfigError, match=r"semantics=async with a plan of 2 stages per "
                                           r"worker; .* are synchronous"):
         choose_schedule(graph, plan, topo, Semantics.ASYNC)
+
+
+def test_any_weighs_each_rate_by_the_study_s_epochs_to_target() -> None:
+    """4 straight stages, 4 microbatches: the asynchronous schedules, without a flush, are
+    the fastest, so one is kept where the study says they need data parallelism's epochs,
+    and a synchronous schedule where the study says they need enough more, or never get
+    there (the bundled study: pipedream never reached the characters' target at 4
+    stages), or has no row as deep."""
+    graph, plan, topo = _chain(), _straight(), Topology.parse("1x4")
+
+    def chosen(epochs: float, *, depth: int = 4) -> ScheduleChoice:
+        rows = [StudyRow(w, depth, k, e, 3.0, 3) for k in ("pipedream", "2bw")
+                for w, e in (("x", 3.0), ("y", epochs))]
+        return choose_schedule(graph, plan, topo, Semantics.ANY, microbatches=4, study=rows)
+
+    equal = chosen(3.0)
+    rate = {c.kind: c.minibatches_per_s for c in equal.candidates}
+    assert [c.kind for c in equal.candidates] == list(CANDIDATES[Semantics.ANY])
+    sync = max(rate[k] for k in rate if k.synchronous)
+    assert not equal.kind.synchronous and rate[equal.kind] > 1.1 * sync
+    gain = rate[equal.kind] / sync
+    assert not chosen(3.0 * gain * 0.95).kind.synchronous
+    more = chosen(3.0 * gain * 1.05)
+    assert more.kind.synchronous
+    lines = "\n".join(more.reasons())
+    assert f"{gain * 1.05:.2f}x dp's epochs (the study's y at 4 stages, its worst" in lines
+    shallow = chosen(3.0, depth=2)
+    assert shallow.kind.synchronous
+    assert "the study's deepest 2bw run had 2 stages, not 4" in "\n".join(shallow.reasons())
+    bundled = choose_schedule(graph, plan, topo, Semantics.ANY, microbatches=4)
+    assert bundled.kind.synchronous
+    last = bundled.reasons()[-1]
+    assert last.startswith("pipedream") and "never reaches the target" in last
+    by_throughput = choose_schedule(graph, plan, topo, Semantics.ASYNC, microbatches=4)
+    assert all(c.epochs is None for c in by_throughput.candidates)

@@ -50,7 +50,9 @@ class TrainConfig:
     member: every name field takes its enum's members, and keeps their names), or
     ``"auto"``: profile and simulate the schedules of ``semantics`` (``"sync"``:
     zb-h1, zb-h2, 1f1b-flush, gpipe, training as one process does; ``"async"``: 2bw,
-    pipedream) and train with the fastest. ``microbatches`` per minibatch (1 for
+    pipedream) and train with the fastest; ``"any"``: both, and train with the one
+    soonest to the target, its rate over the epochs the convergence study measured
+    (:mod:`dreampipe.runplan.study_epochs`). ``microbatches`` per minibatch (1 for
     pipedream). ``virtual_stages`` per worker, with interleaved-1f1b, or 2 with zbv and
     dualpipev, which place them in a V (None: the plan's, or 2 for those two).
     ``max_grad_norm`` clips each update by the global norm over all stages (None: no

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from typing import Any
 
 from dreampipe.cli.links import memory_limit
@@ -25,7 +26,7 @@ from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runplan.schedule_choice import SEVERAL, Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import EFFECTIVE, SEVERAL, Semantics, choose_schedule
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan
@@ -47,7 +48,10 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--semantics", choices=[s.value for s in Semantics],
                    default=Semantics.SYNC.value,
                    help="sync (default): updates as one process makes them (zb-h1, zb-h2, "
-                        "1f1b-flush, gpipe); async: stale weights (2bw, pipedream)")
+                        "1f1b-flush, gpipe); async: stale weights (2bw, pipedream); any: "
+                        "both, each rate divided by the epochs to target dreampipe's "
+                        "convergence study measured for it, so an asynchronous schedule is "
+                        "chosen only where it is predicted to reach the target sooner")
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="microbatches per minibatch for the schedules that split one "
                         "(default: 4 per stage)")
@@ -70,15 +74,20 @@ def schedule_report(
     choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
                              args.microbatches)
     limit = " the memory limit" if memory else ""
-    lines = [f"schedule    {choice.kind.value}: the fastest {args.semantics} schedule that "
-             f"fits{limit}, by the simulator ({choice.microbatches} microbatches per "
-             "minibatch):"]
+    best = (f"the schedule soonest to the target ({EFFECTIVE})"
+            if args.semantics == Semantics.ANY.value else
+            f"the fastest {args.semantics} schedule")
+    lines = [f"schedule    {choice.kind.value}: {best} that fits{limit}, by the simulator "
+             f"({choice.microbatches} microbatches per minibatch):"]
     lines += [f"  {line}" for line in choice.reasons()]
     data = {"schedule": choice.kind.value, "microbatches": choice.microbatches,
             "schedule_candidates": [
                 {"schedule": c.kind.value, "microbatches": c.microbatches,
                  "minibatches_per_s": c.minibatches_per_s, "tried": not c.why_not,
-                 "peak_memory_bytes": c.peak_memory_bytes, "fits": c.fits}
+                 "peak_memory_bytes": c.peak_memory_bytes, "fits": c.fits,
+                 **({} if c.epochs is None else {
+                     "epochs_vs_dp": None if math.isinf(c.epochs) else c.epochs,
+                     "study": c.study})}
                 for c in choice.candidates]}
     return lines, data
 

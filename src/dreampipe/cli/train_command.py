@@ -98,7 +98,9 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "that fits --memory, simulated, with the reasons")
     g.add_argument("--semantics", choices=[s.value for s in Semantics], default=None,
                    help="with --schedule auto: sync (default; zb-h1, zb-h2, 1f1b-flush, gpipe, "
-                        "as one process trains) or async (2bw, pipedream: stale weights)")
+                        "as one process trains), async (2bw, pipedream: stale weights) or "
+                        "any: both, weighed by the epochs to target dreampipe's convergence "
+                        "study measured (docs/design.md §12)")
     g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
                         "workers, cut for balanced compute (default: a --plan file's own, "

@@ -25,7 +25,12 @@ from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runplan.schedule_choice import ScheduleChoice, Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import (
+    EFFECTIVE,
+    ScheduleChoice,
+    Semantics,
+    choose_schedule,
+)
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_plan
 
@@ -217,18 +222,25 @@ def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
     for config, (plan, got) in tried.items():
         verdict = "kept: the fastest" if plan is best else "slower"
         lines.append(f"{config:<12} {got.kind.value:<16} {_rate(got):10.3f} "
-                     f"minibatches/s: {verdict}")
+                     f"minibatches/s{_WEIGHED.get(semantics, '')}: {verdict}")
     head = (f"plan auto ({semantics.value}): the planner's plan of each number of stages, "
             "each with its fastest schedule:")
     return RunPlan(best, choice, (head, *(f"  {x}" for x in lines),
                                   *_schedule_lines(semantics, choice)))
 
 
+#: How the rates of ``semantics="any"`` are weighed, said after them.
+_WEIGHED = {Semantics.ANY: " effective"}
+
+
 def _schedule_lines(semantics: Semantics, choice: ScheduleChoice) -> tuple[str, ...]:
-    return (f"schedule auto ({semantics.value}): {choice.kind.value}, the fastest that fits, "
+    best = (f"the soonest to the target ({EFFECTIVE})" if semantics is Semantics.ANY
+            else "the fastest")
+    return (f"schedule auto ({semantics.value}): {choice.kind.value}, {best} that fits, "
             f"with {choice.microbatches} microbatches per minibatch:",
             *(f"  {x}" for x in choice.reasons()))
 
 
 def _rate(choice: ScheduleChoice) -> float:
-    return next(c.minibatches_per_s for c in choice.candidates if c.kind is choice.kind)
+    """The chosen candidate's rate, weighed by its epochs to target where it was."""
+    return next(c.to_target for c in choice.candidates if c.kind is choice.kind)

@@ -2,10 +2,12 @@
 
 The user asks for synchronous semantics (every update's gradients from the
 weights of the update before, as one process trains: 1f1b-flush, zb-h1,
-zb-h2, gpipe) or asynchronous ones (stale weights: pipedream, 2bw). Each
-candidate of that kind that runs on the plan's stages is simulated on the
-profile for a few minibatches; a candidate whose peak memory on some worker
-exceeds the limit is dropped, and the fastest of the others kept. Every
+zb-h2, gpipe), asynchronous ones (stale weights: pipedream, 2bw), or any, where
+each rate is divided by the epochs the convergence study predicts (time to
+target, :mod:`.study_epochs`). Each candidate of that kind that runs on the plan's
+stages is simulated on the profile for a few minibatches; a candidate whose peak
+memory on some worker exceeds the limit is dropped, and the fastest of the others
+kept. Every
 candidate's line says why it was kept or dropped. A plan of several stages per
 worker (``dreampipe plan --virtual-stages``) has candidates of its own, all
 synchronous (:data:`SEVERAL`): interleaved 1F1B, and where it runs 2 a worker zbv and
@@ -16,6 +18,7 @@ is then the plan the chosen one runs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -25,6 +28,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
+from dreampipe.runplan.study_epochs import ROWS, StudyRow, epochs_factor
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
@@ -32,13 +36,15 @@ from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
-__all__ = ["CANDIDATES", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
+__all__ = ["CANDIDATES", "EFFECTIVE", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
            "ScheduleChoice", "Semantics", "choose_schedule"]
 
 
 class Semantics(Enum):
     SYNC = "sync"
     ASYNC = "async"
+    #: Both, weighed by their predicted time to target (:mod:`.study_epochs`).
+    ANY = "any"
 
 
 _S = ScheduleKind
@@ -46,6 +52,7 @@ _S = ScheduleKind
 CANDIDATES = {
     Semantics.SYNC: (_S.ZB_H1, _S.ZB_H2, _S.FLUSH, _S.GPIPE),
     Semantics.ASYNC: (_S.TWO_BW, _S.PIPEDREAM),
+    Semantics.ANY: (_S.ZB_H1, _S.ZB_H2, _S.FLUSH, _S.GPIPE, _S.TWO_BW, _S.PIPEDREAM),
 }
 #: Candidates on a plan of several stages per worker (synchronous, all): the V ones where
 #: it runs 2 a worker.
@@ -55,10 +62,13 @@ SEVERAL = (_S.INTERLEAVED, _S.ZBV, _S.DUALPIPEV)
 _NOT_ON_SPLITS = frozenset((_S.ZB_H1, _S.ZB_H2, _S.TWO_BW))
 #: What stands in for ``auto`` until the choice is made (profiling, early checks): a
 #: schedule of each semantics that splits minibatches, as most candidates do.
-STAND_IN = {Semantics.SYNC: _S.FLUSH, Semantics.ASYNC: _S.TWO_BW}
+STAND_IN = {Semantics.SYNC: _S.FLUSH, Semantics.ASYNC: _S.TWO_BW, Semantics.ANY: _S.FLUSH}
 #: Minibatches each candidate is simulated for: enough that warm-up and drain
 #: do not decide the order.
 _MINIBATCHES = 8
+#: What ``semantics="any"`` compares, said where it reports.
+EFFECTIVE = ("effective minibatches/s: the simulated rate over the epochs to the target as "
+             "a multiple of data parallelism's, from dreampipe's convergence study")
 #: Relative difference in rate below which two candidates tie.
 _TIE = 1e-9
 #: The most microbatches per minibatch 2bw is simulated with.
@@ -69,7 +79,9 @@ MAX_2BW_MICROBATCHES = 1024
 class Candidate:
     """One schedule simulated on the plan with ``microbatches`` per minibatch: its
     rate, its worst worker's memory, and whether it fits the limit (always, with
-    no limit); ``why_not`` says why it was not simulated."""
+    no limit); ``why_not`` says why it was not simulated. Under ``semantics="any"``,
+    ``epochs`` is the epochs to target it is predicted to need as a multiple of data
+    parallelism's (None: not weighed), for the reason ``study``."""
 
     kind: ScheduleKind
     microbatches: int
@@ -77,14 +89,31 @@ class Candidate:
     peak_memory_bytes: int
     fits: bool
     why_not: str = ""
+    epochs: float | None = None
+    study: str = ""
+
+    @property
+    def to_target(self) -> float:
+        """What the choice maximises: the rate, over ``epochs`` where weighed (0: never)."""
+        if self.epochs is None:
+            return self.minibatches_per_s
+        return 0.0 if math.isinf(self.epochs) else self.minibatches_per_s / self.epochs
 
     def line(self, chosen: bool) -> str:
         if self.why_not:
             return f"{self.kind.value:<16} not tried: {self.why_not}"
-        verdict = ("chosen: the fastest that fits" if chosen else
+        weighed = self.epochs is not None
+        verdict = ("chosen: the soonest to the target that fits" if chosen and weighed else
+                   "chosen: the fastest that fits" if chosen else
+                   "fits, no sooner" if self.fits and weighed else
                    "fits, no faster" if self.fits else "does not fit the memory limit")
-        return (f"{self.kind.value:<16} {self.minibatches_per_s:10.3f} minibatches/s, peak "
-                f"{format_bytes(self.peak_memory_bytes):>10} per worker: {verdict}")
+        said = (f"{self.kind.value:<16} {self.minibatches_per_s:10.3f} minibatches/s, peak "
+                f"{format_bytes(self.peak_memory_bytes):>10} per worker")
+        if self.epochs is not None:
+            epochs = ("never reaches the target" if math.isinf(self.epochs) else
+                      f"{self.epochs:.2f}x dp's epochs")
+            said += f"; {epochs} ({self.study}): {self.to_target:.3f} effective"
+        return f"{said}: {verdict}"
 
 
 @dataclass(frozen=True)
@@ -104,6 +133,7 @@ class ScheduleChoice:
 def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
+    study: Sequence[StudyRow] = ROWS,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -112,7 +142,8 @@ def choose_schedule(
     when that takes more than :data:`MAX_2BW_MICROBATCHES`; interleaved-1f1b's up to a
     multiple of the workers, dualpipev's to at least one per stage. Each is simulated with the
     stages' ZeRO levels (the run's ``zero``, or a stage's own; :mod:`~dreampipe.simulation.
-    zero_costs`)."""
+    zero_costs`). Under ``semantics="any"`` each is weighed by the epochs the convergence
+    ``study`` predicts it needs (:mod:`.study_epochs`), and the soonest to the target kept."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
     m = microbatches or 4 * plan.num_stages
@@ -120,7 +151,7 @@ def choose_schedule(
     found = []
     split = plan.has_splits
     v = plan.virtual_stages
-    if v > 1 and semantics is not Semantics.SYNC:
+    if v > 1 and semantics is Semantics.ASYNC:
         raise ConfigError(f"semantics={semantics.value} with a plan of {v} stages per worker; "
                           "the schedules that run several (interleaved-1f1b, zbv, dualpipev) "
                           "are synchronous: use semantics=sync", "semantics")
@@ -155,8 +186,12 @@ def choose_schedule(
             costs_from_profile(graph, placed, topology, layout.microbatch_fraction), schedule,
             levels), record_events=False)
         peak = max(result.peak_memory_bytes)
+        weighed = epochs_factor(kind, plan.num_stages, study) if (
+            semantics is Semantics.ANY) else None
         found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,
-                               memory_bytes is None or peak <= memory_bytes))
+                               memory_bytes is None or peak <= memory_bytes,
+                               epochs=None if weighed is None else weighed.factor,
+                               study="" if weighed is None else weighed.why))
     fitting = [c for c in found if c.fits]
     runnable = [c for c in found if not c.why_not]
     if not runnable:
@@ -173,6 +208,6 @@ def choose_schedule(
             "memory, or plan with the limit so that the stages fit", "memory_bytes")
     best = fitting[0]
     for c in fitting[1:]:  # a tie within rounding keeps the earlier candidate
-        if c.minibatches_per_s > best.minibatches_per_s * (1 + _TIE):
+        if c.to_target > best.to_target * (1 + _TIE):
             best = c
     return ScheduleChoice(best.kind, best.microbatches, tuple(found))
