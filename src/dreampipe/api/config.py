@@ -24,6 +24,12 @@ from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
+from dreampipe.api.config_values import (
+    check_type,
+    dimension_indices,
+    named_choice,
+    precision_of_autocast,
+)
 from dreampipe.errors import ConfigError
 from dreampipe.planning.placement import Placement
 from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
@@ -121,15 +127,16 @@ class TrainConfig:
 
     def __post_init__(self, autocast: object) -> None:
         if autocast is not None:
-            raise ConfigError(f"autocast={autocast!r} is precision={_precision_of(autocast)!r} "
-                              f"now: TrainConfig(precision={_precision_of(autocast)!r})",
+            said = precision_of_autocast(autocast)
+            raise ConfigError(f"autocast={autocast!r} is precision={said!r} "
+                              f"now: TrainConfig(precision={said!r})",
                               "autocast", "precision")
-        self._set("schedule", _choice("schedule", self.schedule, _SCHEDULES))
-        self._set("semantics", _choice("semantics", self.semantics,
+        self._set("schedule", named_choice("schedule", self.schedule, _SCHEDULES))
+        self._set("semantics", named_choice("semantics", self.semantics,
                                        tuple(s.value for s in Semantics)))
-        self._set("on_nonfinite", _choice("on_nonfinite", self.on_nonfinite,
+        self._set("on_nonfinite", named_choice("on_nonfinite", self.on_nonfinite,
                                           tuple(p.value for p in OnNonFinite)))
-        self._set("precision", _choice("precision", self.precision,
+        self._set("precision", named_choice("precision", self.precision,
                                        tuple(p.value for p in Precision)))
         for name, example in (("resume", "a checkpoint directory, e.g. resume='ckpt'"),
                               ("schedule_file", "a CSV file, e.g. schedule_file='pp.csv'")):
@@ -139,15 +146,15 @@ class TrainConfig:
             self._set(name, None if value is None else os.fspath(value))
         for name in ("compensate", "vertical_sync", "stash", "fused_accumulation",
                      "record_events", "recompute_attention", "measure_memory"):
-            _typed(name, getattr(self, name), (bool,), "True or False")
+            check_type(name, getattr(self, name), (bool,), "True or False")
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
                      "recompute_blocks", "zero"):
-            _typed(name, getattr(self, name), (int,), "a whole number",
+            check_type(name, getattr(self, name), (int,), "a whole number",
                    optional=name == "virtual_stages")
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
-            _typed(name, getattr(self, name), (int, float), "a number",
+            check_type(name, getattr(self, name), (int, float), "a number",
                    optional=name == "max_grad_norm")
-        self._set("variable_dims", _dims(self.variable_dims))
+        self._set("variable_dims", dimension_indices(self.variable_dims))
         self._check()
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):  # 1 and 1.0 are one config
             value = getattr(self, name)
@@ -372,44 +379,3 @@ def _known_keys(data: Mapping[str, Any]) -> None:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"did you mean {near[0]!r}?" if near else f"use {', '.join(names)}"
             raise ConfigError(f"{key!r} is not a TrainConfig field; {hint}", str(key))
-
-
-def _choice(name: str, value: object, names: tuple[str, ...]) -> str:
-    """``value`` (a name, or an enum member with one) as its name, if it is one of ``names``."""
-    text = value.value if isinstance(value, ScheduleKind | Semantics | OnNonFinite | Precision) \
-        else value
-    if isinstance(text, str) and text in names:
-        return text
-    near = difflib.get_close_matches(str(text), names, n=1)
-    hint = f" (nearest: {near[0]})" if near else ""
-    raise ConfigError(f"{name}={value!r}; use one of {', '.join(names)}{hint}", name)
-
-
-def _dims(value: object) -> tuple[int, ...]:
-    """``variable_dims`` as a sorted tuple (JSON and TOML give a list), each a dimension's
-    index, at most once."""
-    items = list(value) if isinstance(value, list | tuple) else None
-    if items is None or any(type(d) is not int or d < 0 for d in items) or len(
-            set(items)) < len(items):
-        raise ConfigError(f"variable_dims={value!r}; give the dimensions that may change from "
-                          "step to step, each once, as indices from 0, e.g. variable_dims=(1,) "
-                          "for the sequence of [batch, sequence] tokens", "variable_dims")
-    return tuple(sorted(items))
-
-
-def _precision_of(autocast: object) -> str:
-    """The precision that says what ``autocast=`` (a dtype or its name) said."""
-    name = str(autocast).removeprefix("torch.")
-    return {"bfloat16": Precision.BF16_MIXED.value,
-            "float16": Precision.FP16_MIXED.value}.get(name, Precision.FP32.value)
-
-
-def _typed(name: str, value: object, types: tuple[type, ...], what: str,
-           optional: bool = False) -> None:
-    """``value`` is one of ``types`` (a bool is no number here), or None if ``optional``."""
-    if value is None and optional:
-        return
-    if isinstance(value, types) and (bool in types or not isinstance(value, bool)):
-        return
-    raise ConfigError(f"{name}={value!r}: {name} takes {what}"
-                      f"{' or None' if optional else ''}", name)
