@@ -47,7 +47,9 @@ from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import Layers, build_stage
+from dreampipe.splitter.pack import pack
 from dreampipe.splitter.segments import Segment
+from dreampipe.splitter.shape_graphs import Signature
 
 __all__ = ["PlanArg", "Resolved", "profile_layers", "resolve_plan"]
 
@@ -132,11 +134,17 @@ def profile_layers(
     Pipeline's, or the largest minibatch it met), in the config's number formats."""
     from dreampipe.profiling.profiler import profile_model
 
-    x = map_inputs(example[0], lambda t: t[:microbatch_size])
+    # copies, as the feed cuts microbatches: a view would count its whole base's storage
+    x = map_inputs(example[0], lambda t: t[:microbatch_size].clone())
+    target = example[1][:microbatch_size].clone()
     first = layers[0][1]
-    if isinstance(first, Segment) and first.shapes is not None:  # the graph of these shapes
+    formats = config.number_formats
+    sent = None
+    if isinstance(first, Segment):  # segments send their values packed (:mod:`.pack`)
         sig = first.signature(first.bind(x if isinstance(x, tuple) else (x,)))
-        layers = [(name, m.at(sig) if isinstance(m, Segment) else m) for name, m in layers]
+        sent = _packed_bytes(sig, formats.compute_dtype)
+        if sig is not None:  # the graph of these shapes
+            layers = [(name, m.at(sig) if isinstance(m, Segment) else m) for name, m in layers]
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"),
                         config.seed)
     model = nn.Sequential(*chain.layers)
@@ -144,12 +152,22 @@ def profile_layers(
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
-        formats = config.number_formats
-        graph = profile_model(model, x, loss_fn, example[1][:microbatch_size],
-                              autocast=formats.autocast, param_dtype=formats.param_dtype)
+        graph = profile_model(model, x, loss_fn, target,
+                              autocast=formats.autocast, param_dtype=formats.param_dtype,
+                              sent=sent)
     if len(graph.layers) != len(layers):
         raise PlanError(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
             "give plan= a Plan or a plan file for this model"
         )
     return graph
+
+
+def _packed_bytes(sig: Signature | None, half: torch.dtype | None) -> Callable[[Any], int]:
+    """A segment's values in bytes as a stage sends them: one pack, its header (a byte
+    an element, which on a tiny model outweighs the data) and the data in the pack's
+    dtype (``half`` where exact, as the stage's ``message_dtype``)."""
+    def size(values: Any) -> int:
+        packed = pack(values, "the profiled cut", sig, half)
+        return packed.numel() * packed.element_size()
+    return size

@@ -6,8 +6,8 @@
 - :func:`deferred_bytes`: what stays alive until a stage's backward ends while the runtime
   defers its Linear weight gradients (:mod:`dreampipe.runtime.fused`, after the first
   stage): each Linear's output gradient, and its input where not the layer's own.
-- :func:`recorded_bytes`: what a split backward's ``B`` keeps for ``W``: the Linear
-  outputs' gradients.
+- :func:`recorded_bytes`: what a split backward's ``B`` keeps for ``W``: the gradients
+  of the outputs of the modules that hold weights.
 - :func:`library_bytes`: the anonymous memory a process keeps after a layer first runs,
   cold and as the runtime runs it, twice (a weight GEMM, then one adding into it): on
   CPU, oneDNN's cached 16-bit primitives and their buffers, for the life of the process.
@@ -96,17 +96,20 @@ def linear_operands(model: nn.Module, layers: Sequence[Step]
                     ) -> Iterator[dict[str, dict[int, int]]]:
     """Within, each forward of ``model`` notes, by layer key, the storages (address: bytes)
     of its ``nn.Linear`` modules' inputs and outputs, for :func:`deferred_bytes`, and under
-    ``key + OUTPUTS`` the outputs' alone, for :func:`recorded_bytes`."""
+    ``key + OUTPUTS`` the outputs of every module holding weights of its own (a Linear, a
+    norm, Hugging Face's ``Conv1D``), for :func:`recorded_bytes`."""
     owner = {id(p): s for s in layers for p in s.params}
     noted: dict[str, dict[int, int]] = {}
 
-    def hook(step: Step, _m: nn.Module, args: Any, out: Any) -> None:
-        noted.setdefault(step.key, {}).update({**storages(args), **storages(out)})
+    def hook(step: Step, m: nn.Module, args: Any, out: Any) -> None:
+        if isinstance(m, nn.Linear):
+            noted.setdefault(step.key, {}).update({**storages(args), **storages(out)})
         noted.setdefault(step.key + OUTPUTS, {}).update(storages(out))
 
-    handles = [m.register_forward_hook(partial(hook, owner[id(m.weight)]))
+    handles = [m.register_forward_hook(partial(hook, owner[id(own[0])]))
                for m in model.modules()
-               if isinstance(m, nn.Linear) and id(m.weight) in owner]
+               if (own := [p for p in m.parameters(recurse=False) if p.requires_grad])
+               and id(own[0]) in owner]
     try:
         yield noted
     finally:
@@ -126,8 +129,9 @@ def deferred_bytes(noted: dict[str, dict[int, int]], layers: Sequence[Step], env
 
 
 def recorded_bytes(noted: dict[str, dict[int, int]], layers: Sequence[Step]) -> list[int]:
-    """Each layer's ``recorded_bytes``: its Linear outputs' storages, the size of the
-    gradients a split backward's ``B`` keeps for ``W`` (their inputs are kept tensors)."""
+    """Each layer's ``recorded_bytes``: the storages of its weight-holding modules'
+    outputs, the size of the gradients a split backward's ``B`` keeps for ``W`` at the
+    nodes that lead to a weight (their inputs are kept tensors)."""
     return [sum(noted.get(step.key + OUTPUTS, {}).values()) for step in layers]
 
 

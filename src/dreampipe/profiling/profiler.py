@@ -72,6 +72,7 @@ def profile_model(
     name: str = "",
     autocast: torch.dtype | None = None,
     param_dtype: torch.dtype = torch.float32,
+    sent: Callable[[Any], int] | None = None,
 ) -> LayerGraph:
     """Profile ``model`` on ``sample_input``; ``loss_fn(output, target)`` gives the loss.
 
@@ -82,7 +83,9 @@ def profile_model(
     than ``repeats`` until the timed ones took that long, so that the medians
     of a small model span seconds, not a moment of a host whose speed drifts.
     ``autocast`` and ``param_dtype``: the number formats the run trains in
-    (:mod:`.number_formats`).
+    (:mod:`.number_formats`). ``sent(output)``: a layer's output in bytes as it crosses
+    to the next stage, where the runtime sends it otherwise than as its tensors (a pack
+    with a header); None: :func:`~.layer_memory.sent_bytes`.
     """
     if repeats < 1 or warmup < 0 or not min_time_s >= 0:
         raise ProfileError(
@@ -117,7 +120,8 @@ def profile_model(
             layers = [replace(x, saved_bytes=_saved_bytes(
                 saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None),
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
-                activation_bytes=sent_bytes(env[s.key], autocast))
+                activation_bytes=(sent_bytes(env[s.key], autocast)
+                                  if sent is None or s.key == output_key else sent(env[s.key])))
                 for x, s, w, d, r in zip(layers, kept, working, deferred, recorded,
                                          strict=True)]
             layers = with_library(layers, [first_use.get(s.key) for s in kept])

@@ -120,7 +120,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages' widths,
     plus, when an update spans several microbatches, the transient gradient of its largest layer's
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
-    copies of every gradient, alive until the round's ``ALLREDUCE``). Under a split backward a
+    copies of every gradient, made as the backward that ends a round ends, alive until the
+    round's ``ALLREDUCE``; :func:`_gradients_later`). Under a split backward a
     microbatch stays in flight until its ``W``, and after the first stage (whose ``B`` leaves
     the whole backward to ``W``) each waiting for it holds what ``B`` recorded, when that
     raises the peak (:func:`_waiting_bytes`). ``graph`` is profiled in the run's number
@@ -130,12 +131,10 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         graph = graph.without_library()
     costs = RangeCosts.of(graph)
     flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
-    at_end = [0] * plan.num_stages
     ranks: dict[int, list[tuple[Action, ...]]] = {}
     for stage, actions in _by_stage(schedule):
         ranks.setdefault(stage, []).append(actions)
         flight[stage] = max(flight[stage], _peak_in_flight(actions))
-        at_end[stage] = max(at_end[stage], _in_flight_at_round_end(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
     delays = (stage_delays(schedule, opts.vertical_sync)
@@ -161,19 +160,20 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         gradients = weights // st.replicas if level >= 2 else weights
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
+        # all-reduce buckets (:mod:`.buckets`): flat copies of the gradients
+        buckets = weights if st.replicas > 1 and level < 2 else 0
         out.append(costs.memory(st.first, st.last, versions, flight[s],
                                 optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                 sends_kept=min(sends[s], SENDS_KEPT),
                                 recompute=st.recompute) - saved
-                   + (_buckets(weights, each + int(costs.cut_bytes[st.first]),
-                               flight[s] - at_end[s] if walked else 0)
-                      if st.replicas > 1 and level < 2 else 0)
+                   + (0 if walked else buckets)
                    - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
                    + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
                       if s > 0 else 0)
                    - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
-                                           gradients) for acts in ranks[s])
-                      if walked else 0))
+                                           gradients, buckets - _working(costs, st, flight[s],
+                                                                         saved, each), s)
+                          for acts in ranks[s]) if walked else 0))
     return tuple(out)
 
 
@@ -217,28 +217,12 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 
 
-def _buckets(weights: int, each: int, done: int) -> int:
-    """A replicated stage's all-reduce buckets (flat copies of its ``weights``' gradients,
-    made in the backward that ends a round and alive until its ``ALLREDUCE``) beyond what
-    the microbatches whose backward ran before that one in the round kept: ``done`` of
-    them, ``each`` bytes each (:func:`_in_flight_at_round_end`)."""
-    return max(0, weights - done * each)
-
-
-def _in_flight_at_round_end(actions: tuple[Action, ...]) -> int:
-    """The most microbatches in flight at a backward that ends an all-reduce round, that
-    one included (:func:`~dreampipe.runtime.buckets.round_ends`)."""
-    ends = round_ends(actions)
-    release = _release(actions)
-    now = most = 0
-    for a in actions:
-        if a.kind is ActionKind.FORWARD:
-            now += 1
-        elif a.kind is ActionKind.BACKWARD and a.microbatch in ends:
-            most = max(most, now)
-        if a.kind is release:
-            now -= 1
-    return most
+def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int) -> int:
+    """What the formula's peak holds beside the kept tensors of its microbatches in flight
+    (``each`` bytes each, walked: ``saved``): the backward's working set, gone once a
+    backward ends."""
+    return round(float(costs.kept[st.first, st.last]) * in_flight
+                 + float(costs.backward_working[st.first, st.last]) - saved) - each * in_flight
 
 
 def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
@@ -252,15 +236,24 @@ def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
     return out
 
 
-def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int) -> int:
+def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
+                     buckets: int = 0, stage: int = 0) -> int:
     """What the formula counts beyond one rank's peak by holding the stage's
     ``gradients`` beside its most microbatches in flight (``kept`` bytes each): a rank
     frees its gradients at each ``STEP`` and makes them again in the update's first
     backward (its ``W`` under a split backward), which frees that microbatch's tensors
-    as it makes them. Along the actions: after a forward, the microbatches in flight and
-    the gradients if made; in a backward, the others in flight and that microbatch's
-    tensors beside the gradients, or the larger of the two in the update's first."""
+    as it makes them, but for a ``W`` after the first stage, which holds the graph ``B``
+    kept until it ends (:mod:`~dreampipe.runtime.split_backward`). Along the actions:
+    after a forward, the microbatches in flight and the gradients if made; in a
+    backward, the others in flight and that microbatch's tensors beside the gradients,
+    or the larger of the two in the update's first; after a backward that ends an
+    all-reduce round, the others and the gradients beside ``buckets`` bytes more (their
+    flat copies, made as the last gradients are, once that microbatch's tensors are
+    freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`).
+    Negative where the buckets raise the peak beyond the formula's."""
     release = _release(actions)
+    holds = release is ActionKind.WEIGHT and stage > 0
+    ends = round_ends(actions) if buckets else frozenset()
     flight = most_flight = peak = 0
     made = False
     for a in actions:
@@ -270,12 +263,15 @@ def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int) -> 
             peak = max(peak, kept * flight + (gradients if made else 0))
         elif a.kind is release:
             others = kept * (flight - 1)
-            peak = max(peak, others + (kept + gradients if made else max(kept, gradients)))
+            both = made or holds
+            peak = max(peak, others + (kept + gradients if both else max(kept, gradients)))
+            if a.microbatch in ends:
+                peak = max(peak, others + gradients + buckets)
             flight -= 1
             made = True
         elif a.kind is ActionKind.STEP:
             made = False
-    return max(0, kept * most_flight + gradients - peak)
+    return kept * most_flight + gradients - peak
 
 
 def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
