@@ -79,14 +79,18 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
                 per_use: bool) -> int:
     """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
     (:func:`~dreampipe.planning.state_bytes.zero_bytes`): the optimizer's state and master
-    weights sharded; from level 2 the gradients too, but for two buckets of a
-    microbatch's gradient whole at a time (:mod:`.zero_buckets`: one on its way, with its
-    summed chunk, one filling; a bucket of ``BUCKET_CAP_MB``, or of one larger parameter,
-    a layer's largest taken as half its bytes, at most the stage's largest layer,
-    ``largest``) and the fresh gradient of the parameter going into its bucket, during the
-    backward's peak rather than after it; at level 3 beside the chunks the weights in use, gathered
-    ``per_use`` (a layer's at a time; a recomputing stage's all, in its backward) or for
-    the update's computations (all of them; :mod:`.zero_params`)."""
+    weights sharded; from level 2 the gradients too, but for a microbatch's gradient
+    whole in its buckets (:mod:`.zero_buckets`): all of it where one bucket of
+    ``BUCKET_CAP_MB`` holds it (reduce-scattered as the backward's last gradient is
+    made, once that microbatch's tensors are freed), else two buckets whole at a time,
+    one on its way with its summed chunk and one filling (a bucket of ``BUCKET_CAP_MB``,
+    or of one larger parameter, a layer's largest taken as half its bytes, at most the
+    stage's largest layer, ``largest``); and one module's transient during the backward's
+    peak rather than after it: the fresh gradient of its parameter going into its bucket,
+    or at level 3 its weights gathered ``per_use`` (half the largest layer's). At level 3
+    beside the chunks, unless gathered per use, the weights gathered for the update's
+    computations, or a recomputing stage's in its backward (all of them;
+    :mod:`.zero_params`)."""
     if level == 0 or st.replicas == 1:
         return 0
 
@@ -97,9 +101,11 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     saved = held(0) - held(level)
     if level >= 2:
         bucket = min(weights, largest, max(BUCKET_CAP_MB * 1e6, largest / 2))
-        saved -= min(weights, 2 * bucket) + bucket / st.replicas + largest / 2
-    if level >= SHARDED_LEVEL:
-        saved -= largest if per_use and not st.recompute else weights
+        whole = (weights if weights <= BUCKET_CAP_MB * 1e6
+                 else min(weights, 2 * bucket) + bucket / st.replicas)
+        saved -= whole + largest / 2
+    if level >= SHARDED_LEVEL and not (per_use and not st.recompute):
+        saved -= weights
     return round(saved)
 
 
