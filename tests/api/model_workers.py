@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from functools import cache
 from typing import Any
 
 import torch
@@ -33,10 +34,8 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     if "plan" in job:
         return {"plan": job["plan"]}
     if "config" in job:  # replicas per stage, e.g. "2-1", cut at the case's split point
-        case = find_case(job["case"])
-        layers = split_layers(case.build(), case.example(0, 1)[0])
-        names = [name for name, _ in layers]
-        cut = names.index(case.split_points[0])
+        names = _layer_names(job["case"])
+        cut = names.index(find_case(job["case"]).split_points[0])
         return {"plan": Plan.from_config(len(names), [0, cut],
                                          [int(r) for r in job["config"].split("-")])}
     if job.get("replicated"):
@@ -44,6 +43,13 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
         layers = len(split_layers(case.build(), case.example(0, 1)[0]))
         return {"plan": Plan.from_config(layers, [0], [world])}
     return {"plan": job.get("split_points", find_case(job["case"]).split_points)}
+
+
+@cache
+def _layer_names(name: str) -> list[str]:
+    """Case ``name``'s layers, by name (traced once a process)."""
+    case = find_case(name)
+    return [layer for layer, _ in split_layers(case.build(), case.example(0, 1)[0])]
 
 
 class _AtOnce:

@@ -208,38 +208,35 @@ def test_a_sharded_replicated_stage_trains_as_the_unsharded_one(runs: list[dict[
         torch.testing.assert_close(sharded["state"][k], v, rtol=0, atol=0, msg=k)
 
 
-#: How far a rank's measured peak may be from its prediction in these runs. The stages
-#: hold tens of kilobytes (a tiny Llama's block keeps 28 KB a microbatch), where the
-#: prediction misses by up to 40% (autocast's replicated stages of GPT-2 read 0.64 of it); on
-#: stages of megabytes it holds within 15% (docs/memory.md). The interleaved job is not
-#: held to it: its middle rank runs two stages of under a kilobyte each (the rotary
-#: embedding, the final norm) and reads 1.45 times their prediction.
-_MEMORY_BOUNDS = (0.6, 1.3)
+#: How far a rank's measured peak may be from its prediction in these runs: the issue's
+#: 15%, on stages of tens of kilobytes (a tiny Llama's block keeps 28 KB a microbatch) as
+#: on stages of megabytes (docs/memory.md). At this size a message's pack header outweighs
+#: its data; the prediction counts it exactly.
+_MEMORY_BOUNDS = (0.85, 1.15)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_every_rank_peaks_near_its_prediction(runs: list[dict[str, Any]]) -> None:
-    """Each rank's tensors' peak (measured as the run trained) beside its stage's
-    prediction, in every run but the interleaved one: each precision, schedule (a split
-    backward keeps a microbatch's tensors until its ``W``), sharding level and
-    recomputation; where two ranks run one stage, both."""
+    """Each rank's tensors' peak (measured as the run trained) beside its stages'
+    prediction, in every run: each precision, schedule (a split backward keeps a
+    microbatch's tensors until its ``W``; an interleaved rank runs two stages, one of
+    them of a few hundred bytes), sharding level and recomputation; where two ranks run
+    one stage, both."""
     jobs = [job[:3] for job in _JOBS] + list(_RECOMPUTING) + [job[:3] for job in _SHARDED] \
         + [("gpt2", "1f1b-flush", "fp32")] * len(_CLIPPED) \
         + [(name, "1f1b-flush", "fp32") for name, _ in _ADAM_LEVELS]
     assert len(jobs) == len(runs)
     far, checked = [], 0
     for (name, schedule, precision), run in zip(jobs, runs, strict=True):
-        if schedule == "interleaved-1f1b":
-            continue
         for rank, (stage, measured, predicted) in enumerate(run["memory"]):
             assert predicted > 10_000 and measured > 10_000, (name, rank)
             checked += 1
             ratio = measured / predicted
             if not _MEMORY_BOUNDS[0] <= ratio <= _MEMORY_BOUNDS[1]:
-                far.append(f"{name} {precision} rank {rank} (stage {stage}): {measured} B "
-                           f"measured, {predicted} B predicted ({ratio:.2f}x)")
-    assert checked == 3 * (len(runs) - 1)
+                far.append(f"{name} {schedule} {precision} rank {rank} (stage {stage}): "
+                           f"{measured} B measured, {predicted} B predicted ({ratio:.2f}x)")
+    assert checked == 3 * len(runs)
     assert not far, "\n".join(far)
 
 

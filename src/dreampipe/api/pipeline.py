@@ -213,7 +213,7 @@ class Pipeline:
         return measured(self._meter, self.rank, self.runner.modules,
                         self.config, self.plan, self._layers, self._build_schedule,
                         lambda: profile_layers(self._layers, largest, self.loss_fn, size,
-                                               self.config),
+                                               self.config, timed=False),
                         self.minibatches, lambda: gathered(m.zero for m in self.runner.modules))
 
     def _my_stages(self) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -128,10 +129,11 @@ def resolve_plan(
 
 def profile_layers(
     layers: Layers, example: Batch, loss_fn: Callable[..., Any], microbatch_size: int,
-    config: TrainConfig,
+    config: TrainConfig, *, timed: bool = True,
 ) -> LayerGraph:
     """The whole model profiled as one worker runs, on a microbatch of ``example`` (the
-    Pipeline's, or the largest minibatch it met), in the config's number formats."""
+    Pipeline's, or the largest minibatch it met), in the config's number formats; not
+    ``timed``: one pass, no warm-up, for the sizes alone (a memory prediction)."""
     from dreampipe.profiling.profiler import profile_model
 
     # copies, as the feed cuts microbatches: a view would count its whole base's storage
@@ -152,9 +154,9 @@ def profile_layers(
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))
     with pinned_threads(1):
-        graph = profile_model(model, x, loss_fn, target,
-                              autocast=formats.autocast, param_dtype=formats.param_dtype,
-                              sent=sent)
+        run = profile_model if timed else partial(profile_model, warmup=0, repeats=1)
+        graph = run(model, x, loss_fn, target, autocast=formats.autocast,
+                    param_dtype=formats.param_dtype, sent=sent)
     if len(graph.layers) != len(layers):
         raise PlanError(
             f"the profiler found {len(graph.layers)} layers where the model has {len(layers)}; "
