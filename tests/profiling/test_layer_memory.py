@@ -114,10 +114,14 @@ def test_deferred_bytes_skip_the_layer_input(bias: bool) -> None:
 
 
 def test_recorded_bytes_are_each_linear_s_output() -> None:
-    """A split backward's ``B`` keeps the gradients of a layer's Linear outputs for ``W``:
-    a block of two Linears records both outputs, a ReLU nothing."""
+    """A split backward's ``B`` keeps the gradients of the outputs of a layer's modules
+    that hold weights for ``W``: a block of two Linears records both outputs, a ReLU
+    nothing, a LayerNorm its output."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 12)), nn.ReLU(),
                           nn.Linear(12, 4))
     graph = profile_model(model, torch.randn(5, 8), lambda y: y.sum(), repeats=1, warmup=0)
     assert [x.recorded_bytes for x in graph.layers] == [5 * (16 + 12) * 4, 0, 5 * 4 * 4]
+    normed = profile_model(nn.Sequential(nn.Linear(8, 12), nn.LayerNorm(12)), torch.randn(5, 8),
+                           lambda y: y.sum(), repeats=1, warmup=0)
+    assert [x.recorded_bytes for x in normed.layers] == [5 * 12 * 4] * 2
