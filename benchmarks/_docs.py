@@ -61,6 +61,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("bench-mlp", "dreampipe bench: mlp", "python benchmarks/bench.py --write-docs"),
     Section("bench-transformer", "dreampipe bench: transformer",
             "python benchmarks/bench.py --write-docs"),
+    Section("bench-llama", "dreampipe bench: llama", "python benchmarks/bench.py --write-docs"),
     Section("train-vs-predicted", "dreampipe train: measured against predicted",
             "python benchmarks/train_vs_predicted.py --write-docs"),
     Section("memory-vs-predicted", "Peak memory: measured against predicted",

@@ -1,7 +1,8 @@
-"""``dreampipe bench`` on both workloads, its tables written into docs/benchmarks.md.
+"""``dreampipe bench`` on every workload, its tables written into docs/benchmarks.md.
 
 Runs the bench (:func:`dreampipe.commands.bench.run_bench`, what ``dreampipe
-bench`` runs) on the mlp and the transformer and prints each table as
+bench`` runs) on the mlp, the transformer and the llama (each workload's
+default runs) and prints each table as
 ``dreampipe bench`` does. With ``--write-docs`` each table becomes its
 section of docs/benchmarks.md, and the mlp's ratios, the bench's headline,
 become the README's benchmark table (its ``bench`` block).

@@ -22,6 +22,8 @@ _SHARE = {Baseline.TORCH_1F1B_BIG, Baseline.DDP, Baseline.DDP_NO_ALLREDUCE}
 _SINGLE = {Baseline.SINGLE_1THREAD, Baseline.SINGLE_2THREADS}
 _DDP = {Baseline.DDP, Baseline.DDP_NO_ALLREDUCE}
 _TORCH_PIPELINES = [b for b in Baseline if b not in _SINGLE | _DDP]
+_V = {Baseline.TORCH_ZBV, Baseline.TORCH_DUALPIPEV}
+_TWO_A_RANK = {Baseline.TORCH_INTERLEAVED} | _V
 
 
 @pytest.mark.parametrize("work", _WORKS, ids=[w.kind.value for w in _WORKS])
@@ -66,7 +68,11 @@ def test_each_baseline_starts_as_the_bench_says(monkeypatch: pytest.MonkeyPatch,
     else:
         assert (arg.work, arg.which, arg.microbatch) == (work, which,
                                                           baseline_microbatch_size(which, work))
-        assert arg.virtual_stages == (2 if which is Baseline.TORCH_INTERLEAVED else 1)
+        v = 2 if which in _TWO_A_RANK else 1
+        assert arg.virtual_stages == v
+        assert [arg.stages(r, 2) for r in (0, 1)] == (
+            [(0, 3), (1, 2)] if which in _V else [(0, 2), (1, 3)] if v == 2 else [(0,), (1,)]
+        ), "the V: chunks r and 3 - r on rank r; the loop: r and r + 2"
 
 
 @settings(max_examples=40, deadline=None)
@@ -84,8 +90,10 @@ def test_a_torch_pipeline_times_the_fewest_updates_that_train_the_workloads_samp
     assert updates == 0 or (updates - 1) * run.update < n * work.batch
 
 
-def test_the_zero_bubble_and_interleaved_baselines_train() -> None:
-    """Each a real step of ``torch.distributed.pipelining`` on 2 processes."""
-    work = Workload(steps=1, warmup=0)
-    for which in (Baseline.TORCH_ZB, Baseline.TORCH_INTERLEAVED):
+def test_the_zero_bubble_interleaved_and_v_shaped_baselines_train() -> None:
+    """Each a real step of ``torch.distributed.pipelining`` on 2 processes, on the fewest
+    samples that fill the schedules (a microbatch of 2)."""
+    work = Workload(batch=16, steps=1, warmup=0)
+    for which in (Baseline.TORCH_ZB, Baseline.TORCH_INTERLEAVED, Baseline.TORCH_ZBV,
+                  Baseline.TORCH_DUALPIPEV):
         assert run_baseline(which, work, timeout_s=60.0) > 0, which

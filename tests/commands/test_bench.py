@@ -12,8 +12,10 @@ import pytest
 
 from dreampipe.cli import main
 from dreampipe.commands.bench import BENCH_NAMES, BenchOptions, run_bench
+from dreampipe.commands.bench_names import LLAMA_RUN_NAMES
 from dreampipe.commands.bench_process import timed_rate
 from dreampipe.commands.bench_report import BenchEntry, BenchReport, format_table
+from dreampipe.commands.bench_runs import DREAMPIPE_RUNS
 from dreampipe.commands.workloads import Workload, WorkloadKind
 from dreampipe.errors import BaselineError, DreampipeError, WorkerError
 from dreampipe.runtime.processes import HeapPolicy, run_processes
@@ -203,11 +205,37 @@ def test_every_run_starts_with_the_same_set_up(monkeypatch: pytest.MonkeyPatch) 
     assert [by_name[n]["arg"].virtual_stages for n in ("torch-zb", "torch-interleaved-1f1b")
             ] == [1, 2]
     assert by_name["interleaved-1f1b"]["arg"][0].virtual_stages == 2
+    assert [(by_name[n]["arg"][0].virtual_stages, by_name[n]["arg"][0].kind.placement.value)
+            for n in ("zbv", "dualpipev")] == [(2, "v"), (2, "v")]
+    assert [by_name[n]["arg"].stages(0, 2) for n in ("torch-zbv", "torch-dualpipev")
+            ] == [(0, 3), (0, 3)], "the same V: chunks 0 and 3 on rank 0"
     assert [by_name[n]["arg"][1] for n in ("ddp", "ddp-no-allreduce")] == [True, False]
     sizes = {e.name: e.microbatch_size for e in report.entries}
     assert sizes["torch-zb"] == sizes["zb-h1"] == sizes["interleaved-1f1b"] == sizes["2bw"] == 32
     assert (sizes["pipedream"], sizes["1f1b-flush"], sizes["torch-1f1b-big"],
             sizes["single-1thread"]) == (128, 32, 128, 256)
+
+
+def test_the_llama_runs_its_three_pairs_unless_told_and_predicts_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dreampipe.commands.bench as bench
+
+    ran: list[str] = []
+    monkeypatch.setattr(bench, "run_dreampipe",
+                        lambda run, work, timeout_s: ran.append(run.kind.value) or 2.0)
+    monkeypatch.setattr(bench, "run_baseline",
+                        lambda which, work, timeout_s: ran.append(which.value) or 1.0)
+    report = run_bench(BenchOptions(workload=WorkloadKind.LLAMA, progress=False, rounds=1))
+    assert ran == list(LLAMA_RUN_NAMES)
+    assert all(e.predicted_samples_per_s is None for e in report.entries), "no zoo profile"
+    assert {r.key: r.value for r in report.ratios()} == {
+        "1f1b-flush/torch-1f1b": 2.0, "zb-h1/torch-zb": 2.0,
+        "interleaved-1f1b/torch-interleaved-1f1b": 2.0}
+    ran.clear()
+    run_bench(BenchOptions(workload=WorkloadKind.LLAMA, progress=False, rounds=1),
+              ["zbv", "torch-zbv"])
+    assert ran == ["zbv", "torch-zbv"], "--only names any run"
 
 
 def test_rounds_interleave_and_report_the_median(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -258,7 +286,7 @@ def test_bench_cli_rejects_bad_steps(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def _cli_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
-    status = main(["bench", *args, "--steps", "1", "--warmup", "1", "--json", "--no-progress",
+    status = main(["bench", *args, "--steps", "1", "--warmup", "0", "--json", "--no-progress",
                    "--rounds", "1"])
     assert status == 0
     data: dict[str, Any] = json.loads(capsys.readouterr().out)
@@ -275,9 +303,39 @@ def test_bench_cli_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert data["results"][name]["samples_per_s"] > 0
 
 
+def _one_after_another(rank: int, world: int, jobs: list[tuple[Any, Any]]) -> list[float]:
+    """Bench runs' ranks one after another in the same 2 processes (one start-up for all)."""
+    return [fn(rank, world, arg) for fn, arg in jobs]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bench_cli_transformer(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_v_shaped_runs_and_the_llamas_train() -> None:
+    """dreampipe's zbv and dualpipev on the mlp; on the Hugging Face llama (passed whole with
+    its split points) dreampipe's 1f1b-flush, PyTorch's 1F1B on pipeline()'s stages and
+    its interleaved 1F1B on chunks cut by hand: one update each, of the fewest samples that
+    fill the schedules, in one launch of 2 processes."""
+    import dreampipe.commands.baselines as baselines
+    import dreampipe.commands.bench as bench
+    from dreampipe.commands.bench_process import _in_group
+
+    mlp = Workload(batch=16, steps=1, warmup=0)
+    llama = Workload(WorkloadKind.LLAMA, batch=16, steps=1, warmup=0)
+    jobs: list[tuple[Any, Any]] = [(bench._rank, (DREAMPIPE_RUNS[n], w)) for n, w in (
+        ("zbv", mlp), ("dualpipev", mlp), ("1f1b-flush", llama))]
+    jobs += [(baselines._torch_pipeline, baselines._TorchPipe(llama, b, 2))
+             for b in (baselines.Baseline.TORCH_1F1B, baselines.Baseline.TORCH_INTERLEAVED)]
+    rates = run_processes(_in_group, 2, (_one_after_another, jobs), deadline_s=200)
+    assert all(rate > 0 for rate in rates[0]) and len(rates[0]) == len(jobs), rates
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_cli_transformer(capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import dreampipe.commands.bench_runs as runs
+
+    monkeypatch.setattr(runs, "_REPEATS", 2)  # a prediction, not a precise one
     names = ["pipedream", "torch-1f1b-stock"]
     data = _cli_json(capsys, "--workload", "transformer", "--only", *names)
     assert data["workload"] == "transformer"

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dreampipe.commands.bench_names import BENCH_NAMES
+from dreampipe.commands.bench_names import BENCH_NAMES, LLAMA_RUN_NAMES
 from dreampipe.commands.bench_report import RATIOS, BenchEntry, BenchReport, format_table
-from dreampipe.commands.workloads import Workload
+from dreampipe.commands.workloads import Workload, WorkloadKind
 
 __all__: list[str] = []
 
@@ -128,3 +128,22 @@ def test_the_table_shows_each_runs_median_spread_and_prediction_then_each_ratio(
         assert (run, base, about) == (r.run, r.baseline, r.about)
         assert (float(value), float(low), float(high)) == pytest.approx((r.value, r.low, r.high),
                                                                          abs=0.0051)
+
+
+def test_the_v_shaped_runs_and_the_llamas_pair_with_pytorchs_same_schedule() -> None:
+    """``zbv / torch-zbv`` and ``dualpipev / torch-dualpipev`` print as the other pairs do;
+    the llama's default runs give its three pairs and nothing else."""
+    pairs = [(run, base) for run, base, _ in RATIOS]
+    assert ("zbv", "torch-zbv") in pairs and ("dualpipev", "torch-dualpipev") in pairs
+    rates = {"zbv": (30.0, 20.0, 10.0), "torch-zbv": (10.0, 10.0, 10.0),
+             "dualpipev": (12.0, 9.0, 6.0), "torch-dualpipev": (6.0, 6.0, 4.0)}
+    table = format_table(BenchReport(tuple(BenchEntry(n, r, 2) for n, r in rates.items()),
+                                     _WORK))
+    lines = [m.groups()[:5] for m in map(_RATIO_LINE.fullmatch, table.splitlines()) if m]
+    assert lines == [("zbv", "torch-zbv", "2.00", "1.00", "3.00"),
+                     ("dualpipev", "torch-dualpipev", "1.50", "1.50", "2.00")]
+    llama = BenchReport(tuple(BenchEntry(n, (1.0,), 2) for n in LLAMA_RUN_NAMES),
+                        Workload.of(WorkloadKind.LLAMA))
+    assert [(r.run, r.baseline) for r in llama.ratios()] == [
+        ("1f1b-flush", "torch-1f1b"), ("zb-h1", "torch-zb"),
+        ("interleaved-1f1b", "torch-interleaved-1f1b")]

@@ -14,7 +14,7 @@ from dreampipe.errors import ConfigError, DreampipeError
 
 __all__: list[str] = []
 
-KINDS = list(WorkloadKind)
+KINDS = [k for k in WorkloadKind if not Workload.of(k).hf]  # the zoo models
 
 
 @settings(max_examples=80, deadline=None)
@@ -108,3 +108,30 @@ def test_the_data_is_one_fixed_batch_that_leaves_the_random_stream_alone() -> No
     assert x.shape[0] == y.shape[0] == 8
     other, _ = Workload(seed=1).data(8)
     assert not torch.equal(x, other), "the seed picks the batch"
+
+
+def test_the_llama_is_hugging_faces_cut_as_dreampipe_cuts_it_at_its_split_points() -> None:
+    """The layer names are dreampipe's of the model itself; the split points begin its 2
+    stages (embed and 2 layers | 2 layers, norm and head) and its 4 chunks; the data are
+    next-token pairs of 64 tokens; the loss reads a Hugging Face output or bare logits."""
+    from dreampipe.splitter.chain import split_layers
+
+    work = Workload.of(WorkloadKind.LLAMA)
+    assert work.hf and (work.batch, work.microbatch, work.workers) == (16, 2, 2)
+    model = work.model()
+    assert type(model).__name__ == "LlamaForCausalLM"
+    x, y = work.data(2)
+    assert [name for name, _ in split_layers(model, x)] == list(work.layer_names)
+    assert work.split_points() == ["model.layers.2"]
+    assert work.split_points(2) == ["model.layers.1", "model.layers.2", "model.layers.3"]
+    assert x["input_ids"].shape == y.shape == (2, 64)
+    assert torch.equal(x["input_ids"][:, 1:], y[:, :-1]), "the target is the next token"
+    with torch.no_grad():
+        out = model(**x)
+    loss = work.loss_fn(out, y)
+    assert loss == work.loss_fn((out.logits,), y) == work.loss_fn(out.logits, y)
+    assert float(loss) == pytest.approx(
+        float(nn.functional.cross_entropy(out.logits.reshape(-1, 256), y.reshape(-1))))
+    assert torch.equal(next(work.model().parameters()), next(model.parameters())), "seeded"
+    with pytest.raises(ConfigError, match="Hugging Face model"):
+        work.spec()

@@ -20,7 +20,7 @@ __all__ = ["register"]
 
 def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add the ``bench`` sub-command."""
-    from dreampipe.commands.bench_names import BENCH_NAMES, WorkloadKind
+    from dreampipe.commands.bench_names import BENCH_NAMES, LLAMA_RUN_NAMES, WorkloadKind
 
     p = sub.add_parser(
         "bench",
@@ -29,11 +29,13 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
             "Train one workload, cut into 2 stages with one thread per worker, under "
             "dreampipe's pipedream (minibatches of half an update, one update each), "
             "1f1b-flush with and without fused weight-gradient accumulation, gpipe, zb-h1, "
-            "interleaved-1f1b (4 chunks, 2 per worker) and 2bw; "
+            "interleaved-1f1b (4 chunks, 2 per worker), zbv and dualpipev (the same 4 "
+            "chunks in a V: chunks r and 3-r on worker r) and 2bw; "
             "PyTorch's Schedule1F1B (with dreampipe's process set-up, as PyTorch ships, and "
             "with microbatches of pipedream's minibatch size), ScheduleGPipe, "
-            "ScheduleInterleavedZeroBubble on the same 2 stages and ScheduleInterleaved1F1B "
-            "on the same 4 chunks, DDP on 2 "
+            "ScheduleInterleavedZeroBubble on the same 2 stages, ScheduleInterleaved1F1B "
+            "on the same 4 chunks, ScheduleZBVZeroBubble (torch-zbv) and ScheduleDualPipeV "
+            "(torch-dualpipev) on the same 4 chunks in the same V, DDP on 2 "
             "workers (and without its all-reduce, to show what that costs; not training) "
             "and one process with 1 and 2 threads. Every run in its own processes "
             "with the same set-up, timed by wall clock between barriers on all ranks after "
@@ -46,8 +48,15 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--workload", choices=[k.value for k in WorkloadKind], default="mlp",
                    help="mlp: 8 Linear layers of 1024, 256 samples per update as 8 "
                         "microbatches of 32; transformer: 4 GPT-style blocks of width 256 "
-                        "over 32 tokens, 16 sequences per update as 8 microbatches of 2 "
-                        "(default: mlp)")
+                        "over 32 tokens, 16 sequences per update as 8 microbatches of 2; "
+                        "llama: Hugging Face's LlamaForCausalLM, randomly initialised, 4 "
+                        "layers of width 256 over 64 tokens, 16 sequences per update as 8 "
+                        "microbatches of 2, passed whole with its split points as a user "
+                        "passes it (PyTorch's side split by pipeline() at the same points; "
+                        "its 4 chunks by hand from the same slices, as pipeline()'s stages "
+                        "send past their neighbour); runs only "
+                        f"{', '.join(LLAMA_RUN_NAMES)} unless --only names others; needs "
+                        "transformers (default: mlp)")
     p.add_argument("--steps", type=int, default=20,
                    help="timed updates per run; torch-1f1b-big trains as many samples in "
                         "updates 4 times as big (default: 20)")

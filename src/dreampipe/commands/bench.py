@@ -1,16 +1,12 @@
 """``dreampipe bench``: dreampipe's schedules against PyTorch's own, like for like.
 
-One workload (:mod:`dreampipe.commands.workloads`: the mlp, or GPT-style
-transformer blocks), cut into 2 stages, one thread per worker. dreampipe
-trains it on :class:`~dreampipe.api.pipeline.Pipeline`, as a user's script
-would, under ``pipedream``, ``1f1b-flush`` with and without fused
-weight-gradient accumulation, ``gpipe``, ``zb-h1``, ``interleaved-1f1b`` and
-``2bw`` (:mod:`dreampipe.commands.bench_runs`); the baselines
-(:mod:`dreampipe.commands.baselines`) are ``torch.distributed.pipelining``'s
-1F1B (with dreampipe's process set-up, as PyTorch ships, and with big
-microbatches), GPipe, its zero-bubble and interleaved 1F1B schedules on the
-same stages, DDP on 2 workers, and
-one process with 1 and 2 threads. Every run starts and is timed the same
+One workload (:mod:`dreampipe.commands.workloads`: the mlp, GPT-style
+transformer blocks, or Hugging Face's Llama), cut into 2 stages, one thread
+per worker. dreampipe trains it on :class:`~dreampipe.api.pipeline.Pipeline`,
+as a user's script would (:mod:`dreampipe.commands.bench_runs`); the
+baselines (:mod:`dreampipe.commands.baselines`) are
+``torch.distributed.pipelining``'s schedules on the same stages, DDP on 2
+workers, and one process with 1 and 2 threads. Every run starts and is timed the same
 way (:mod:`dreampipe.commands.bench_process`) and is repeated in interleaved
 rounds (all runs once, then all again), so that a burst of load on a shared
 machine does not decide a ratio (:mod:`dreampipe.commands.bench_report`).
@@ -28,12 +24,13 @@ import torch
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.baselines import Baseline, baseline_microbatch_size, run_baseline
-from dreampipe.commands.bench_names import BENCH_NAMES
+from dreampipe.commands.bench_names import BENCH_NAMES, default_runs
 from dreampipe.commands.bench_process import run_ranks, timed_rate
 from dreampipe.commands.bench_report import BenchEntry, BenchReport
 from dreampipe.commands.bench_runs import DREAMPIPE_RUNS, DreampipeRun, predict
 from dreampipe.commands.workloads import Workload, WorkloadKind
 from dreampipe.errors import DreampipeError
+from dreampipe.planning.plan import Plan
 
 __all__ = ["BENCH_NAMES", "BenchOptions", "run_bench"]
 
@@ -62,19 +59,23 @@ class BenchOptions:
 def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
     """One rank of a dreampipe run; samples/s."""
     run, work = arg
-    spec = work.spec()
     v = run.virtual_stages
-    first, last = work.stage_range(rank)
     x, y = work.data(run.minibatch(work))
     config = TrainConfig(schedule=run.kind.value, microbatches=run.layout(work).microbatches,
                          virtual_stages=v, fused_accumulation=run.fused_accumulation,
                          seed=work.seed, timeout_s=_PEER_TIMEOUT_S)
-    pipe = Pipeline(
-        spec.build_partly(first, last, work.seed) if v == 1 else spec.build(seed=work.seed),
-        example=(x, y), loss_fn=spec.loss_fn,
-        optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), plan=work.plan(v),
-        config=config,
-    )
+    model: torch.nn.Module
+    plan: Plan | list[str]
+    if work.hf:  # as a user passes a Hugging Face model: whole, with its split points
+        model, plan = work.model(), work.split_points(v)
+    else:
+        spec = work.spec()
+        model = spec.build_partly(*work.stage_range(rank), work.seed) if v == 1 else \
+            spec.build(seed=work.seed)
+        plan = work.plan(v, run.kind.placement)
+    pipe = Pipeline(model, example=(x, y), loss_fn=work.loss_fn,
+                    optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), plan=plan,
+                    config=config)
     steps, warmup = run.steps(work, work.steps), run.steps(work, work.warmup)
     pipe.reserve(warmup + steps)  # as train does: no pause to extend the schedule while timed
     rate = timed_rate(lambda: pipe.step(x, y), steps=steps, warmup=warmup,
@@ -85,7 +86,7 @@ def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
 
 def run_dreampipe(run: DreampipeRun, work: Workload, timeout_s: float) -> float:
     """Samples/s of ``run`` on ``work``, in fresh processes."""
-    return run_ranks(_rank, len(work.stage_bounds), (run, work), timeout_s=timeout_s)
+    return run_ranks(_rank, work.workers, (run, work), timeout_s=timeout_s)
 
 
 def _samples_per_microbatch(name: str, work: Workload) -> int:
@@ -95,11 +96,12 @@ def _samples_per_microbatch(name: str, work: Workload) -> int:
 
 
 def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchReport:
-    """Run the named runs (default: all of :data:`BENCH_NAMES`), each in fresh processes."""
+    """Run the named runs (default: the workload's, :func:`default_runs`), each in fresh
+    processes."""
     unknown = sorted(set(names or ()) - set(BENCH_NAMES))
     if unknown:
         raise DreampipeError(f"unknown bench run(s) {unknown}; choose from {list(BENCH_NAMES)}")
-    chosen = [n for n in BENCH_NAMES if names is None or n in names]
+    chosen = [n for n in BENCH_NAMES if n in (names or default_runs(opts.workload))]
     work = opts.work()
     ours = [DREAMPIPE_RUNS[n] for n in chosen if n in DREAMPIPE_RUNS]
     predictions: list[dict[DreampipeRun, float]] = []
@@ -116,7 +118,7 @@ def run_bench(opts: BenchOptions, names: Sequence[str] | None = None) -> BenchRe
     entries = [
         BenchEntry(name, tuple(rates[name]), _samples_per_microbatch(name, work),
                    statistics.median(p[DREAMPIPE_RUNS[name]] for p in predictions)
-                   if name in DREAMPIPE_RUNS else None)
+                   if name in DREAMPIPE_RUNS and not work.hf else None)
         for name in chosen
     ]
     return BenchReport(tuple(entries), work)

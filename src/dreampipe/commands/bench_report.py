@@ -28,6 +28,8 @@ RATIOS: tuple[tuple[str, str, str], ...] = (
     ("gpipe", "torch-gpipe", "same schedule"),
     ("zb-h1", "torch-zb", "zero bubble, same stages and microbatches"),
     ("interleaved-1f1b", "torch-interleaved-1f1b", "2 stages per worker, same cut"),
+    ("zbv", "torch-zbv", "V-shaped zero bubble, same 4 chunks in the V"),
+    ("dualpipev", "torch-dualpipev", "DualPipeV, same 4 chunks in the V"),
     ("2bw", "1f1b-flush", "same microbatches, no flush (PyTorch ships no 2BW)"),
 )
 

@@ -2,7 +2,8 @@
 
 ``1f1b-flush`` (with and without fused weight-gradient accumulation),
 ``gpipe``, ``zb-h1``, ``interleaved-1f1b`` (the workload's 4 chunks, 2 per
-worker) and ``2bw`` train one update of ``batch`` samples per step, cut into
+worker), ``zbv`` and ``dualpipev`` (the same 4 chunks in the V: chunks ``r`` and
+``3 - r`` on worker ``r``) and ``2bw`` train one update of ``batch`` samples per step, cut into
 the workload's microbatches; ``pipedream`` trains minibatches of ``batch / 2``
 with one update each. :mod:`dreampipe.commands.bench` runs them on
 :class:`dreampipe.Pipeline`.
@@ -69,13 +70,18 @@ DREAMPIPE_RUNS = dict(zip(DREAMPIPE_RUN_NAMES, (
     DreampipeRun(ScheduleKind.GPIPE),
     DreampipeRun(ScheduleKind.ZB_H1),
     DreampipeRun(ScheduleKind.INTERLEAVED, virtual_stages=2),
+    DreampipeRun(ScheduleKind.ZBV, virtual_stages=2),
+    DreampipeRun(ScheduleKind.DUALPIPEV, virtual_stages=2),
     DreampipeRun(ScheduleKind.TWO_BW),
 ), strict=True))
 
 def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, float]:
-    """Simulated samples/s of each run's timed steps, from a one-thread profile here."""
+    """Simulated samples/s of each run's timed steps, from a one-thread profile here (none
+    for a Hugging Face model: the profiler builds zoo models)."""
+    if work.hf:
+        return {}
     spec = work.spec()
-    workers = len(work.stage_bounds)
+    workers = work.workers
     machine = local_machine(workers)
     topology = local_topology(workers, machine)
     graphs = {}
@@ -89,7 +95,7 @@ def predict(runs: Sequence[DreampipeRun], work: Workload) -> dict[DreampipeRun, 
         graph = graphs[layout.microbatch_size]
         v = run.virtual_stages
         ask = PlanAsk(workers=workers, stages=",".join(map(str, work.bounds(v)))) if v == 1 \
-            else PlanAsk(workers=workers, given=work.plan(v))  # the chunks v to a worker
+            else PlanAsk(workers=workers, given=work.plan(v, run.kind.placement))  # v a worker
         plan = choose_plan(graph, topology, ask).plan
         out[run] = predict_samples_per_s(graph, plan, layout, run.steps(work, work.steps),
                                          machine)
