@@ -53,3 +53,22 @@ def test_a_16_bit_run_packs_in_16_bits_where_every_integer_is_exact(half: torch.
     big = torch.tensor([2**11 + 1])  # exact in neither 16-bit format: the pack stays fp32
     packed = pack((h, big), "the cut", half=half)
     assert packed.dtype == torch.float32 and torch.equal(unpack(packed)[1], big)
+
+
+def test_a_value_no_gradient_reached_where_packed_is_unpacked_without_one() -> None:
+    """Rotary embeddings cross a cut beside the hidden state: no backward computes their
+    gradient; a pack where nothing had one keeps every value attached, as before."""
+    h = torch.randn(2, 3, requires_grad=True)
+    cos = torch.randn(4)
+    packed = pack((h * 2, cos), "the cut")
+    received = packed.detach().requires_grad_(True)
+    back = unpack(received)
+    assert back[0].requires_grad and not back[1].requires_grad
+    torch.testing.assert_close(back[1], cos, rtol=0, atol=0)
+    (back[0].sum() + back[1].sum()).backward()
+    assert received.grad is not None
+    want = torch.zeros_like(received)
+    want[-10:-4] = 1.0  # the hidden state's 6 values; not the header, not cos
+    torch.testing.assert_close(received.grad, want, rtol=0, atol=0)
+    plain = unpack(pack((h.detach(), cos), "the cut").requires_grad_(True))
+    assert plain[0].requires_grad and plain[1].requires_grad

@@ -1,27 +1,28 @@
 """Several values between two stages, as the one tensor the runtime sends.
 
-A cut of a traced model may cross several values: a hidden state and a skip
-connection, an attention mask computed once, a tuple a block returned. The
-runtime sends one tensor per microbatch and link, so a stage packs what it passes on
-(any pytree of tensors and JSON constants: ``None``, numbers, strings) into
-one flat floating-point tensor, and the next stage unpacks it::
+A cut of a traced model may cross several values (a hidden state and a skip, a
+mask computed once, a tuple a block returned). The runtime sends one tensor per
+microbatch and link, so a stage packs what it passes on (any pytree of tensors
+and JSON constants: ``None``, numbers, strings) into one flat floating-point
+tensor, and the next stage unpacks it::
 
     [L // 256, L % 256, b0 .. bL-1, data of tensor 0, data of tensor 1, ...]
 
 ``b`` is a JSON header (one byte per element): the pytree's structure, each
-tensor's dtype and shape, each constant's value, and the signature of the
-model's inputs when the next stage's graph depends on it (:mod:`.shapes`). The data are the tensors
-cast to the pack's dtype (``float32``, or ``float64`` when a tensor is), so
-the gradient of every floating-point value flows back through the one
-gradient the runtime returns. Integer and boolean tensors (masks, ids) travel
-as exact floats: a value too large to be exact in the pack's dtype is a
-PlanError. A 16-bit run asks for its compute dtype (``half``), which the pack
-takes when every integer value and header byte is exact in it, else float32.
-Every tensor sent is in the pack, so the runtime's byte counts cover them all.
+tensor's dtype, shape and whether it had a gradient, each constant's value, and
+the signature of the model's inputs when the next stage's graph depends on it
+(:mod:`.shapes`). The data are the tensors cast to the pack's dtype (``float32``,
+or ``float64`` when a tensor is), so the gradient of every floating-point value
+that had one flows back through the one gradient the runtime returns. Integer
+and boolean tensors (masks, ids) travel as exact floats: a value too large to be
+exact in the pack's dtype is a PlanError. A 16-bit run packs in its compute
+dtype (``half``) where every integer and header byte is exact in it, else in
+float32. Every tensor sent is in the pack: the byte counts cover them all.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -37,6 +38,8 @@ __all__ = ["pack", "unpack", "unpack_signed"]
 _HEADER = "_dreampipe_header"
 _EXACT_BITS = {torch.float16: 11, torch.bfloat16: 8, torch.float32: 24, torch.float64: 53}
 _CONSTANTS = (type(None), bool, int, float, str)
+#: Headers kept parsed and built: a run's cuts, shape signatures and constants.
+_CACHED = 256
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -57,25 +60,40 @@ def pack(values: Any, where: str, sig: str | None = None,
     for leaf in leaves:
         if isinstance(leaf, Tensor):
             _check_exact(leaf, dtype, where)
-            described.append(["t", _dtype_name(leaf.dtype), list(leaf.shape)])
+            described.append(["t", _dtype_name(leaf.dtype), list(leaf.shape),
+                              int(leaf.requires_grad)])
         elif isinstance(leaf, _CONSTANTS):
             described.append(["c", leaf])
         else:
             raise PlanError(
                 f"{where} passes a {type(leaf).__name__} on; dreampipe sends tensors and "
                 "constants (None, numbers, strings) between stages: cut the model elsewhere")
-    header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": described,
-                         "sig": sig}).encode()
     if half is not None and dtype == torch.float32 and all(_exact(t, half) for t in tensors):
         dtype = half
-    device = tensors[0].device
-    head = torch.tensor([len(header) // 256, len(header) % 256, *header], dtype=dtype,
-                        device=device)
+    header, head = _head(spec, json.dumps(described), sig, dtype, tensors[0].device)
     out = torch.cat([head, *(t.to(dtype).reshape(-1) for t in tensors)])
     if out.is_meta:
         setattr(out, _HEADER, header)
     setattr(out, PACKED, True)
     return out
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _head(spec: pytree.TreeSpec, described: str, sig: str | None, dtype: torch.dtype,
+          device: torch.device) -> tuple[bytes, Tensor]:
+    """The header of a pack and its first elements: built once per structure, as every
+    microbatch of a cut sends the same (only read: the pack copies it)."""
+    header = json.dumps({"spec": pytree.treespec_dumps(spec), "leaves": json.loads(described),
+                         "sig": sig}).encode()
+    return header, torch.tensor([len(header) // 256, len(header) % 256, *header], dtype=dtype,
+                                device=device)
+
+
+@functools.lru_cache(maxsize=_CACHED)
+def _read(header: bytes) -> tuple[Any, pytree.TreeSpec]:
+    """A header's description and pytree structure, parsed once per structure."""
+    desc = json.loads(header)
+    return desc, pytree.treespec_loads(desc["spec"])
 
 
 def _exact(t: Tensor, dtype: torch.dtype) -> bool:
@@ -108,10 +126,14 @@ def unpack_signed(packed: Tensor) -> tuple[Any, str | None]:
         header: bytes = getattr(packed, _HEADER)
     else:
         size = int(packed[0]) * 256 + int(packed[1])
-        header = bytes(int(b) for b in packed[2 : 2 + size].tolist())
-    desc = json.loads(header)
+        header = bytes(packed[2 : 2 + size].to(torch.uint8).tolist())
+    desc, spec = _read(header)
     at = 2 + len(header)
     leaves: list[Any] = []
+    # A value no gradient reached where it was packed (rotary embeddings, a float mask)
+    # is unpacked detached, so no backward computes a gradient nobody takes; unless no
+    # value had one: then all stay attached, and the runtime's gradient is of them.
+    some_grad = any(len(d) > 3 and d[3] for d in desc["leaves"] if d[0] == "t")
     for kind, *rest in desc["leaves"]:
         if kind == "c":
             leaves.append(rest[0])
@@ -120,7 +142,8 @@ def unpack_signed(packed: Tensor) -> tuple[Any, str | None]:
         flat = packed[at : at + shape.numel()]
         at += shape.numel()
         if dtype.is_floating_point:
-            leaves.append(flat.view(shape).to(dtype))
+            wanted = not some_grad or len(rest) < 3 or rest[2]
+            leaves.append((flat if wanted else flat.detach()).view(shape).to(dtype))
         else:
             leaves.append(flat.detach().view(shape).round().to(dtype))
-    return pytree.tree_unflatten(leaves, pytree.treespec_loads(desc["spec"])), desc.get("sig")
+    return pytree.tree_unflatten(leaves, spec), desc.get("sig")
