@@ -12,6 +12,7 @@ from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.group import init_process_group
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.overlap import OverlappedPair
+from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import split_layers
 
 from .model_zoo import CaseSpec, find_case
@@ -33,6 +34,13 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     points (the case's unless the job gives them)."""
     if "plan" in job:
         return {"plan": job["plan"]}
+    if "copies" in job:  # every stage on as many replicas, 2 stages a rank, at split points
+        names = _layer_names(job["case"])
+        bounds = [0] + [names.index(point) for point in job["split_points"]]
+        return {"plan": Plan.from_config(len(names), bounds, [job["copies"]] * len(bounds),
+                                         layer_names=tuple(names),
+                                         virtual_stages=job["virtual_stages"],
+                                         placement=ScheduleKind(job["schedule"]).placement)}
     if "config" in job:  # replicas per stage, e.g. "2-1", cut at the case's split point
         names = _layer_names(job["case"])
         cut = names.index(find_case(job["case"]).split_points[0])
@@ -81,8 +89,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
     ``job["plan"]``, ``job["split_points"]``, ``job["config"]``'s replicas of two stages,
-    one replicated stage) in ``precision`` (with ``loss_scale``) and ``virtual_stages``
-    (``variable_dims`` declared),
+    one replicated stage, or ``job["copies"]`` replicas of every stage at its split points)
+    in ``precision`` (with ``loss_scale``) and ``virtual_stages`` (``variable_dims`` declared),
     clipped by ``max_grad_norm`` if given,
     with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of
     ``minibatch``

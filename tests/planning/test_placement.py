@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dreampipe.api.checks import check_stages_per_rank
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.placement import (
     Placement,
@@ -38,6 +39,24 @@ def test_from_config_puts_stage_s_on_rank_s_mod_workers() -> None:
     assert "4 workers, 2 stages per worker" in str(plan)
 
 
+@pytest.mark.parametrize("placement", list(Placement))
+def test_copies_put_a_positions_replicas_side_by_side(placement: Placement) -> None:
+    """Every stage on 2 replicas, 2 stages a rank: 2 copies of a 2-rank pipeline, position
+    ``q``'s replicas ranks ``2q`` and ``2q + 1``, as a replicated stage's are."""
+    plan = Plan.from_config(8, [0, 2, 4, 6], [2] * 4, virtual_stages=2, placement=placement)
+    home = stage_ranks(4, 2, placement)
+    assert [st.ranks for st in plan.stages] == [(2 * q, 2 * q + 1) for q in home]
+    assert plan.workers_used == 4 and plan.config == "2-2-2-2"
+    assert [plan.stages_of_rank(r) for r in range(4)] == [
+        tuple(s for s in range(4) if home[s] == r // 2) for r in range(4)]
+    assert plan.placed(Placement.LOOP if placement is Placement.V else Placement.V
+                       ).placed(placement) == plan
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    check_stages_per_rank(4, 2, 4, replicas=2)
+    with pytest.raises(ConfigError, match="needs 2 stages each on 2 replicas, not the plan's 4"):
+        check_stages_per_rank(4, 2, 2, replicas=2)
+
+
 def test_json_round_trip_keeps_the_stages_per_rank(tmp_path: Path) -> None:
     plan = _interleaved(v=2)
     data = json.loads(plan.to_json())
@@ -66,7 +85,11 @@ def test_a_plan_file_without_the_field_runs_one_stage_per_rank() -> None:
     (lambda: Plan(stages=(Stage(first=0, last=0, replicas=2, ranks=(0, 1)),
                           Stage(first=1, last=1, replicas=1, ranks=(0,))),
                   num_layers=2, virtual_stages=2),
-     "virtual_stages=2 with stage 0 on 2 replicas split over 1 workers"),
+     "virtual_stages=2 with stage 1 on 1 replicas split over 1 workers; several stages a "
+     "rank run 2 copies of one pipeline"),
+    (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=2, ranks=(2 * s, 2 * s + 1))
+                               for s in range(4)), num_layers=4, virtual_stages=2),
+     r"ranks \[0, 1, 2, 3, 0, 1, 2, 3\], but the stages have ranks \[0, 1, 2, 3, 4, 5, 6, 7\]"),
     (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=1, ranks=(s,))
                                for s in range(4)), num_layers=4, virtual_stages=2),
      r"runs stage s on rank s mod 2, ranks \[0, 1, 0, 1\], but the stages have ranks "

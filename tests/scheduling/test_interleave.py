@@ -49,7 +49,9 @@ def test_every_stage_steps_once_per_minibatch() -> None:
 
 @pytest.mark.parametrize(("replicas", "per", "virtual", "message"), [
     ((1,) * 8, 6, 2, "multiple of 4"),
-    ((2, 1, 1, 1), 4, 2, "unreplicated stages"),
+    ((2, 1, 1, 1), 4, 2, "same replica count: give each stage 1 .or 2. replicas"),
+    ((2, 2, 2, 2), 6, 2, r"m / 2 of them, which must be a multiple of the 2 ranks a copy: "
+                         r"use 8 \(a multiple of 4\)"),
     ((1,) * 4, 4, 2, None),
     ((1,) * 4, 4, 3, "divisor of 4"),
 ])

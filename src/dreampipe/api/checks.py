@@ -160,12 +160,16 @@ def check_virtual(config: TrainConfig, plan: object) -> None:
                           f"(plan=[...]) or a plan of world x {v} stages", "virtual_stages", "plan")
 
 
-def check_stages_per_rank(stages: int, virtual_stages: int, world: int) -> None:
-    """``virtual_stages`` to a rank on ``world`` ranks needs ``world * v`` stages."""
-    if virtual_stages > 1 and stages != world * virtual_stages:
+def check_stages_per_rank(stages: int, virtual_stages: int, world: int,
+                          replicas: int = 1) -> None:
+    """``virtual_stages`` to a rank on ``world`` ranks needs ``world * v`` stages, or
+    ``world * v / r`` stages each on ``r`` replicas (``r`` copies of the pipeline)."""
+    if virtual_stages > 1 and stages * replicas != world * virtual_stages:
+        copies = f" each on {replicas} replicas" if replicas > 1 else ""
+        want = world * virtual_stages / replicas
         raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
-                          f"{world * virtual_stages} stages, not the plan's {stages}",
-                          "virtual_stages", "plan")
+                          f"{want:g} stages{copies}, not the plan's {stages}; give a plan of "
+                          f"world x virtual_stages / replicas stages", "virtual_stages", "plan")
 
 
 def check_schedule(config: TrainConfig, plan: Plan) -> None:

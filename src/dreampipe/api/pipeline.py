@@ -92,7 +92,8 @@ class Pipeline:
     a :class:`~dreampipe.planning.plan.Plan`, a plan file's path, or a list of
     split points, the names of the modules that begin a new stage
     (``plan=["transformer.h.6"]``: one stage per worker, or ``world * v`` with
-    ``virtual_stages=v``). ``config``: how it trains
+    ``virtual_stages=v``; a Plan of ``world * v / r`` stages each on ``r`` replicas runs
+    ``r`` copies of the pipeline, docs/design.md §7.7). ``config``: how it trains
     (:class:`~dreampipe.api.config.TrainConfig`: the schedule, microbatches,
     clipping, precision, staleness compensation...); :attr:`config` is the one
     that runs, with the schedule ``"auto"`` chose (:attr:`kind`, the reasons
@@ -135,7 +136,7 @@ class Pipeline:
         settled = settle_plan(model, self._layers, plan, example=example, loss_fn=loss_fn,
                               config=config, layout=self.layout, world=world)
         self.plan, self.layout, self.kind = settled.plan, settled.layout, settled.layout.kind
-        self._virtual = v = self.plan.virtual_stages
+        self._virtual = self.plan.virtual_stages
         #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
         #: stages per worker.
         self.config = config = settled.config
@@ -180,8 +181,7 @@ class Pipeline:
             self.minibatches = 0
             self._opts = self.config.runner_options()
             self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
-                else process_groups([st.ranks for st in self.plan.stages] if v == 1
-                                    else [[r] for r in range(world)], t, made=self._groups)
+                else process_groups([st.ranks for st in self.plan.stages], t, made=self._groups)
             clip_group = dist.new_group(list(range(world))) \
                 if config.max_grad_norm is not None else None
             held, made = tie_stages(ties, self.plan, modules)

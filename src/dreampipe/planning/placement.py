@@ -96,25 +96,30 @@ def check_placement(stages: Sequence[Stage], virtual_stages: int,
                         "on each rank: give virtual_stages=2, or the loop placement")
     if v == 1:
         return
+    copies = stages[0].replicas
     for s, st in enumerate(stages):
-        if st.replicas != 1 or st.tensor_parallel != 1:
+        if st.replicas != copies or st.tensor_parallel != 1:
             raise PlanError(
                 f"virtual_stages={v} with stage {s} on {st.replicas} replicas split over "
-                f"{st.tensor_parallel} workers; interleaving runs each stage on one worker: "
-                "give every stage 1 replica, unsplit, or virtual_stages=1")
+                f"{st.tensor_parallel} workers; several stages a rank run {copies} copies of "
+                f"one pipeline, each stage on one worker a copy: give every stage {copies} "
+                "replicas, unsplit, or virtual_stages=1")
     p = n // v
-    want, got = list(stage_ranks(n, v, placement)), [r for st in stages for r in st.ranks]
+    want = [q * copies + j for q in stage_ranks(n, v, placement) for j in range(copies)]
+    got = [r for st in stages for r in st.ranks]
     if got != want:
         rule = (f"stage s and {2 * p - 1}-s on rank min(s, {2 * p - 1}-s)"
                 if placement is Placement.V else f"stage s on rank s mod {p}")
         extra = "" if placement is Placement.LOOP else ", placement=Placement.V"
+        rule += f", replica j of it on rank {copies} x that + j" if copies > 1 else ""
         raise PlanError(f"virtual_stages={v} runs {rule}, ranks {want}, but "
                         f"the stages have ranks {got}; number them so "
                         f"(Plan.from_config(..., virtual_stages={v}{extra}))")
-    moved = [s for s, st in enumerate(stages) if st.workers != stages[want[s]].workers]
+    home = stage_ranks(n, v, placement)
+    moved = [s for s, st in enumerate(stages) if st.workers != stages[home[s]].workers]
     if moved:
         s = moved[0]
-        r = want[s]
+        r = home[s]
         raise PlanError(f"stage {s} sits on workers {list(stages[s].workers)} but shares rank "
                         f"{r} with stage {r} on {list(stages[r].workers)}; give "
                         "the stages of a rank the same workers")

@@ -121,8 +121,9 @@ class Plan:
 
         ``bounds`` starts with 0 and lists each stage's first layer;
         ``Plan.from_config(8, [0, 4], [1, 1])`` is two stages of four layers.
-        ``virtual_stages=v`` (every replica count 1) puts stage ``s`` on rank ``s mod p``,
-        or with ``placement=Placement.V`` (``v = 2``) ``s`` and ``2p - 1 - s`` on one rank.
+        ``virtual_stages=v`` (every replica count the same ``r``) puts stage ``s`` on
+        position ``s mod p``, or with ``placement=Placement.V`` (``v = 2``) ``s`` and
+        ``2p - 1 - s`` on one position; position ``q``'s replicas are ranks ``q r .. q r + r - 1``.
         """
         if len(bounds) != len(replicas) or not bounds or bounds[0] != 0:
             raise PlanError(
@@ -131,14 +132,16 @@ class Plan:
             )
         edges = [*bounds, num_layers]
         v = int(kw.get("virtual_stages", 1))
-        if v != 1 and any(r != 1 for r in replicas):
-            raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; interleaving "
-                            "runs each stage on one worker: give replicas of 1")
+        if v != 1 and len(set(replicas)) != 1:
+            raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; several "
+                            "stages a rank run copies of one pipeline: give every stage the "
+                            "same replica count")
         places = stage_ranks(len(replicas), v, kw.get("placement", Placement.LOOP))
         stages, rank = [], 0
         for s, r in enumerate(replicas):
+            first = places[s] * r if v != 1 else rank
             stages.append(Stage(first=edges[s], last=edges[s + 1] - 1, replicas=r,
-                                ranks=(places[s],) if v != 1 else tuple(range(rank, rank + r))))
+                                ranks=tuple(range(first, first + r))))
             rank += r
         return cls(stages=tuple(stages), num_layers=num_layers, **kw)
 
@@ -233,7 +236,8 @@ class Plan:
         v, n = self.virtual_stages, self.num_stages
         ranks = stage_ranks(n, v, placement)
         firsts = self._rank_stages
-        stages = tuple(dataclasses.replace(st, ranks=(ranks[s],),
+        r = self.stages[0].replicas
+        stages = tuple(dataclasses.replace(st, ranks=tuple(range(ranks[s] * r, ranks[s] * r + r)),
                                            workers=firsts[ranks[s]].workers)
                        for s, st in enumerate(self.stages))
         return dataclasses.replace(self, stages=stages, placement=placement)

@@ -172,7 +172,7 @@ class Comm:
         v = self.schedule.virtual_stages
         if v > 1:  # links between the same two workers, one per chunk: (microbatch, chunk)
             link = min(action.stage, action.stage + (1 if action.kind in _UP else -1))
-            microbatch = microbatch * v + link // self.schedule.num_ranks
+            microbatch = microbatch * v + link // (self.schedule.num_stages // v)
         return _EVAL_TAGS * self._evaluation + 4 * (microbatch % _TAG_MICROBATCHES) + kind
 
     def post(self, action: Action) -> bool:

@@ -126,8 +126,8 @@ class RankRunner:
         for s, m in zip(schedule.stages_of_rank(rank)[1:], others, strict=True):
             comm = Comm(schedule, rank, device, opts.timeout_s, groups=links, stage=s,
                         mailbox=self.comm.mailbox, varying=opts.varying_shapes)
-            self._lanes.append(_Lane(s, m, comm, GradientBuckets(m.params, None,
-                                                                 comm.wait_allreduce)))
+            self._lanes.append(_Lane(s, m, comm, stage_buckets(
+                m.zero, m.params, groups.get(s), comm.wait_allreduce, schedule, s)))
         self._lane_of = {lane.stage: lane for lane in self._lanes}
         self._updates = RankUpdates(rank, device, self.guard, self.modules,
                                     max_grad_norm=opts.max_grad_norm, clip_group=clip_group,

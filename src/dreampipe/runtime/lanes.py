@@ -82,7 +82,7 @@ def process_groups(
     every replica talks on lane ``k``, the workers ``r * t + k`` of every
     schedule rank ``r``.
     """
-    ranks = sum(len(r) for r in stage_ranks)
+    ranks = len({r for rs in stage_ranks for r in rs})  # a rank may run several stages
     mine = dist.get_rank() % tensor_parallel
     out: tuple[Links, dict[int, Any]] = (Links(None, None), {})
     for lane in range(tensor_parallel):

@@ -207,9 +207,11 @@ class Schedule:
     stage as in :class:`dreampipe.planning.plan.Plan`. ``num_microbatches`` microbatches are run in
     all, ``microbatches_per_update`` of them between optimizer steps (1 for
     PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
-    many unreplicated stages on each rank, placed as the kind says
+    many stages on each rank, placed as the kind says
     (:attr:`ScheduleKind.placement`: interleaved 1F1B's loop, docs/design.md §7.7, or
-    the V of zbv and dualpipev, §7.12).
+    the V of zbv and dualpipev, §7.12); every stage then has the same ``r`` replicas,
+    ``r`` copies of a ``p``-rank pipeline: position ``q`` of replica ``j`` is rank
+    ``q * r + j``, so a position's replicas sit side by side as a stage's do.
     """
 
     kind: ScheduleKind
@@ -222,10 +224,10 @@ class Schedule:
 
     def __post_init__(self) -> None:
         v = self.virtual_stages
-        if v < 1 or (v > 1 and (len(self.replicas) % v or any(r != 1 for r in self.replicas))):
+        if v < 1 or (v > 1 and (len(self.replicas) % v or len(set(self.replicas)) != 1)):
             raise ScheduleError(
                 f"virtual_stages={v} with replicas {list(self.replicas)}; give a count >= 1 "
-                "that divides the stages, each stage on one worker"
+                "that divides the stages, every stage on as many replicas"
             )
         if self.kind.placement is Placement.V and v != 2:
             raise ScheduleError(
@@ -259,7 +261,7 @@ class Schedule:
         if not 0 <= rank < self.num_ranks:
             raise ScheduleError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
         if self.virtual_stages > 1:
-            return rank
+            return rank // self.replicas[0]
         return bisect.bisect_right(self._firsts, rank) - 1
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
@@ -270,7 +272,8 @@ class Schedule:
 
     def first_rank(self, stage: int) -> int:
         if self.virtual_stages > 1:
-            return stage_rank(stage, self.num_stages, self.virtual_stages, self.placement)
+            return stage_rank(stage, self.num_stages, self.virtual_stages,
+                              self.placement) * self.replicas[0]
         return self._firsts[stage]
 
     def replica_of_rank(self, rank: int) -> int:
@@ -278,9 +281,7 @@ class Schedule:
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank of ``stage`` that runs ``microbatch`` (round-robin over replicas)."""
-        if self.virtual_stages > 1:
-            return stage_rank(stage, self.num_stages, self.virtual_stages, self.placement)
-        return self._firsts[stage] + microbatch % self.replicas[stage]
+        return self.first_rank(stage) + microbatch % self.replicas[stage]
 
     def last_microbatch(self, action: Action) -> int:
         """The last microbatch whose data ``action`` needs: its own, or its round's last.

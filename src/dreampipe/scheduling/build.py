@@ -26,6 +26,7 @@ from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.placement import Placement, rank_stages
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_compute
+from dreampipe.scheduling.pipeline_copies import copies_compute
 from dreampipe.scheduling.unshard import place_unshards
 from dreampipe.scheduling.updates import lower_updates
 from dreampipe.scheduling.v_shape import v_shape_compute
@@ -57,9 +58,9 @@ def build_schedule(
     ``in_flight`` gives PipeDream's minibatches in flight per stage (a plan's
     :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
     :func:`~dreampipe.planning.in_flight.in_flight_counts`).
-    ``virtual_stages`` (interleaved-1f1b only) puts that many of the
-    unreplicated stages on each worker. ``zero``: each stage's ZeRO level (None: 0);
-    a replicated stage at level 3 gathers and frees its weights where
+    ``virtual_stages`` (interleaved-1f1b, zbv, dualpipev) puts that many stages on each
+    worker, every stage on as many replicas (copies of the pipeline). ``zero``: each
+    stage's ZeRO level (None: 0); a replicated stage at level 3 gathers and frees its weights where
     :func:`~dreampipe.scheduling.unshard.place_unshards` says.
 
     A synchronous schedule is its period (:func:`_period` updates), built and
@@ -69,6 +70,11 @@ def build_schedule(
     """
     _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)
     levels = None if zero is None or not any(zero) else tuple(zero)
+    if levels is not None and virtual_stages > 1 and replicas[0] > 1 and max(levels) >= 3:
+        raise ScheduleError(
+            f"ZeRO levels {list(levels)} with {virtual_stages} stages a rank on replicated "
+            "stages; a rank gathers the weights of one stage only: use zero <= 2, or "
+            "virtual_stages=1")
     if kind.synchronous:
         block = _period(replicas, microbatches_per_update) * microbatches_per_update
         if num_microbatches > block and num_microbatches % block == 0:
@@ -157,18 +163,21 @@ def compute_schedule(
       for the previous microbatch's gradient, so one microbatch at a time is in flight.
     - ZB_H1, ZB_H2: :mod:`~dreampipe.scheduling.zero_bubble`'s orders, with
       ``W`` actions.
-    - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`.
+    - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`, on every
+      copy of the pipeline where stages are replicated
+      (:func:`~dreampipe.scheduling.pipeline_copies.copies_compute`).
     - TWO_BW: 1F1B over all microbatches with 1f1b-flush's warm-up, no flush.
     - ZBV, DUALPIPEV: :func:`~dreampipe.scheduling.v_shape.v_shape_compute`, 2 stages a
-      rank in a V.
+      rank in a V, on every copy likewise.
     """
     reps = _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight,
                   virtual_stages)
     if kind is ScheduleKind.INTERLEAVED:
-        return interleaved_compute(len(reps), virtual_stages, num_microbatches,
-                                   microbatches_per_update)
+        return copies_compute(functools.partial(interleaved_compute, len(reps), virtual_stages),
+                              reps[0], num_microbatches, microbatches_per_update)
     if kind.placement is Placement.V:
-        return v_shape_compute(kind, len(reps), num_microbatches, microbatches_per_update)
+        return copies_compute(functools.partial(v_shape_compute, kind, len(reps)), reps[0],
+                              num_microbatches, microbatches_per_update)
     per_update = (num_microbatches if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
                   else microbatches_per_update)
     order = _ORDERS[kind]
@@ -203,12 +212,14 @@ def forward_only(replicas: Sequence[int], num_microbatches: int,
     lists = [tuple(a for a in acts if a.kind in keep) for acts in full.actions]
     if virtual_stages == 1:
         return full.with_actions(lists)
-    n = len(replicas)
+    n, copies = len(replicas), replicas[0]
     ranks = n // virtual_stages
     kind = kind if kind.placement is Placement.V else ScheduleKind.GPIPE
     return Schedule(kind, full.replicas, tuple(
-        tuple(a for s in rank_stages(r, n, virtual_stages, kind.placement) for a in lists[s])
-        for r in range(ranks)), num_microbatches, num_microbatches, virtual_stages)
+        tuple(a for s in rank_stages(q, n, virtual_stages, kind.placement)
+              for a in lists[s * copies + j])
+        for q in range(ranks) for j in range(copies)), num_microbatches, num_microbatches,
+        virtual_stages)
 
 
 def lower_communication(schedule: Schedule) -> Schedule:
@@ -339,11 +350,8 @@ def _check(
             f"{kind.value} with virtual_stages={virtual_stages}; it runs 2 stages on each "
             "worker, in a V: give virtual_stages=2 (and an even number of stages)"
         )
-    if several and any(r != 1 for r in reps):
-        raise ScheduleError(
-            f"{kind.value} with replicas {list(reps)}; it runs unreplicated stages, "
-            "so plan a straight pipeline (--straight)"
-        )
+    if several and reps[0] > 1:
+        _check_copies(reps, kind, microbatches_per_update, virtual_stages)
     if kind is ScheduleKind.TWO_BW and microbatches_per_update % math.lcm(*reps):
         raise ScheduleError(
             f"2bw with {microbatches_per_update} microbatches per minibatch over replicas "
@@ -363,3 +371,27 @@ def _check(
                 f"use a multiple of {reps[0]} so every worker gets the same share"
             )
     return reps
+
+
+def _check_copies(reps: tuple[int, ...], kind: ScheduleKind, microbatches_per_update: int,
+                  virtual_stages: int) -> None:
+    """Several stages a rank on replicated stages: every stage on as many replicas (``r``
+    copies of the pipeline), each copy running a whole unreplicated schedule over its
+    ``m / r`` microbatches of every update."""
+    r, m, n = reps[0], microbatches_per_update, len(reps)
+    if len(set(reps)) != 1:
+        raise ScheduleError(
+            f"{kind.value} with replicas {list(reps)}; several stages a rank run r copies "
+            "of one pipeline, so every stage needs the same replica count: give each stage "
+            f"{min(reps)} (or {max(reps)}) replicas, or use a schedule of one stage a rank")
+    need = {ScheduleKind.INTERLEAVED: n // virtual_stages}.get(kind, 1)
+    if m % (r * need) or (kind is ScheduleKind.DUALPIPEV and m < r * n):
+        fix = max(-(-m // (r * need)) * r * need,
+                  r * n if kind is ScheduleKind.DUALPIPEV else 0)
+        why = {ScheduleKind.INTERLEAVED: f"a multiple of the {need} ranks a copy",
+               ScheduleKind.DUALPIPEV: f"at least one per stage ({n})"}.get(kind, "whole")
+        raise ScheduleError(
+            f"{kind.value} on {r} copies of the pipeline (replicas {list(reps)}) with {m} "
+            f"microbatches per minibatch; each copy runs m / {r} of them, which must be "
+            f"{why}: use {fix} (a multiple of {r * need}"
+            + (f", at least {r * n}" if kind is ScheduleKind.DUALPIPEV else "") + ")")

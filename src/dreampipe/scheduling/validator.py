@@ -143,32 +143,32 @@ def _check_allreduces(schedule: Schedule) -> None:
     """A rank joins each all-reduce round once, and its stage's replicas join the same
     rounds: collectives pair up by order at run time, so a round some replica
     skips would hang the others (or pair them with a later round)."""
-    rounds: list[dict[int, int]] = []
+    rounds: list[dict[tuple[int, int], int]] = []
     for rank, acts in enumerate(schedule.actions):
-        seen: dict[int, int] = {}
+        seen: dict[tuple[int, int], int] = {}
         for step, a in enumerate(acts):
             if a.kind is not _ALLREDUCE:
                 continue
-            rnd = a.allreduce_round
-            if rnd in seen:
+            rnd, key = a.allreduce_round, (a.stage, a.allreduce_round)
+            if key in seen:
                 raise _fail(schedule, f"rank {rank} joins all-reduce round {rnd} of stage "
-                            f"{a.stage} 2 times ({a} at steps {seen[rnd]} and {step}); its "
+                            f"{a.stage} 2 times ({a} at steps {seen[key]} and {step}); its "
                             "replicas would pair it with a later round and hang: remove one",
-                            [(rank, seen[rnd]), (rank, step)])
-            seen[rnd] = step
+                            [(rank, seen[key]), (rank, step)])
+            seen[key] = step
         rounds.append(seen)
     for rank in range(schedule.num_ranks):
         stage = schedule.stage_of_rank(rank)
         first = schedule.first_rank(stage)
         differ = rounds[first].keys() ^ rounds[rank].keys()
         if differ:
-            rnd = min(differ)
-            has, lacks = (first, rank) if rnd in rounds[first] else (rank, first)
+            stage, rnd = min(differ)
+            has, lacks = (first, rank) if (stage, rnd) in rounds[first] else (rank, first)
             raise _fail(schedule, f"rank {has} joins all-reduce round {rnd} of stage {stage} "
                         f"but rank {lacks}, a replica of the same stage, never does, so rank "
                         f"{has} would wait forever; add ALLREDUCE{rnd} STEP{rnd} to rank {lacks} "
                         "(a replica with no microbatch in the round joins with no gradient)",
-                        [(has, rounds[has][rnd]), (lacks, len(schedule.actions[lacks]))])
+                        [(has, rounds[has][stage, rnd]), (lacks, len(schedule.actions[lacks]))])
 
 
 def _check_unshards(schedule: Schedule) -> None:
