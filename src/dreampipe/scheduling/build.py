@@ -26,7 +26,7 @@ from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.placement import Placement, rank_stages
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_compute
-from dreampipe.scheduling.pipeline_copies import copies_compute
+from dreampipe.scheduling.pipeline_copies import check_copies, copies_compute
 from dreampipe.scheduling.unshard import place_unshards
 from dreampipe.scheduling.updates import lower_updates
 from dreampipe.scheduling.v_shape import v_shape_compute
@@ -203,9 +203,10 @@ def forward_only(replicas: Sequence[int], num_microbatches: int,
 
     GPipe's schedule of one update over ``num_microbatches`` microbatches with its
     backward, gradient and update actions left out. With ``virtual_stages``
-    ``v`` > 1 (unreplicated stages placed as ``kind`` places them: pass the training
-    schedule's), a rank runs its stages one after another, each over every
-    microbatch: a rank waits only on stages before its own, so no two wait on each other.
+    ``v`` > 1 (stages placed as ``kind`` places them: pass the training schedule's; on
+    copies of the pipeline, replica ``j`` of each), a rank runs its stages one after
+    another, each over its microbatches: a rank waits only on stages before its own, so
+    no two wait on each other.
     """
     full = build_schedule(replicas, ScheduleKind.GPIPE, num_microbatches, num_microbatches)
     keep = (ActionKind.RECV_F, _F, ActionKind.SEND_F)
@@ -351,7 +352,7 @@ def _check(
             "worker, in a V: give virtual_stages=2 (and an even number of stages)"
         )
     if several and reps[0] > 1:
-        _check_copies(reps, kind, microbatches_per_update, virtual_stages)
+        check_copies(reps, kind, microbatches_per_update, virtual_stages)
     if kind is ScheduleKind.TWO_BW and microbatches_per_update % math.lcm(*reps):
         raise ScheduleError(
             f"2bw with {microbatches_per_update} microbatches per minibatch over replicas "
@@ -372,26 +373,3 @@ def _check(
             )
     return reps
 
-
-def _check_copies(reps: tuple[int, ...], kind: ScheduleKind, microbatches_per_update: int,
-                  virtual_stages: int) -> None:
-    """Several stages a rank on replicated stages: every stage on as many replicas (``r``
-    copies of the pipeline), each copy running a whole unreplicated schedule over its
-    ``m / r`` microbatches of every update."""
-    r, m, n = reps[0], microbatches_per_update, len(reps)
-    if len(set(reps)) != 1:
-        raise ScheduleError(
-            f"{kind.value} with replicas {list(reps)}; several stages a rank run r copies "
-            "of one pipeline, so every stage needs the same replica count: give each stage "
-            f"{min(reps)} (or {max(reps)}) replicas, or use a schedule of one stage a rank")
-    need = {ScheduleKind.INTERLEAVED: n // virtual_stages}.get(kind, 1)
-    if m % (r * need) or (kind is ScheduleKind.DUALPIPEV and m < r * n):
-        fix = max(-(-m // (r * need)) * r * need,
-                  r * n if kind is ScheduleKind.DUALPIPEV else 0)
-        why = {ScheduleKind.INTERLEAVED: f"a multiple of the {need} ranks a copy",
-               ScheduleKind.DUALPIPEV: f"at least one per stage ({n})"}.get(kind, "whole")
-        raise ScheduleError(
-            f"{kind.value} on {r} copies of the pipeline (replicas {list(reps)}) with {m} "
-            f"microbatches per minibatch; each copy runs m / {r} of them, which must be "
-            f"{why}: use {fix} (a multiple of {r * need}"
-            + (f", at least {r * n}" if kind is ScheduleKind.DUALPIPEV else "") + ")")

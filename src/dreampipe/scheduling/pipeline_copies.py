@@ -10,16 +10,18 @@ unreplicated schedule of ``m / r`` microbatches an update, renumbered; rank ``q 
 j`` is position ``q`` of copy ``j`` (:class:`~dreampipe.scheduling.actions.Schedule`).
 The update pass then puts each stage's ``ALLREDUCE<k>`` before its ``STEP<k>``, after
 the copy's last action of update ``k``, as for every synchronous schedule.
+:func:`check_copies` refuses uneven replica counts and microbatches a copy cannot split.
 docs/design.md §7.7.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from dreampipe.scheduling.actions import Action, ActionKind, Schedule
+from dreampipe.errors import ScheduleError
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 
-__all__ = ["copies_compute"]
+__all__ = ["check_copies", "copies_compute"]
 
 
 def copies_compute(one_copy: Callable[[int, int], Schedule], replicas: int,
@@ -49,3 +51,27 @@ def _moved(a: Action, copy: int, renumbered: Callable[[int, int], int]) -> Actio
         return Action(a.kind, a.stage, renumbered(a.microbatch, copy), a.backward_stage,
                       renumbered(a.backward_microbatch, copy))
     return Action(a.kind, a.stage, renumbered(a.microbatch, copy))
+
+
+def check_copies(reps: Sequence[int], kind: ScheduleKind, microbatches_per_update: int,
+                  virtual_stages: int) -> None:
+    """Several stages a rank on replicated stages: every stage on as many replicas (``r``
+    copies of the pipeline), each copy running a whole unreplicated schedule over its
+    ``m / r`` microbatches of every update."""
+    r, m, n = reps[0], microbatches_per_update, len(reps)
+    if len(set(reps)) != 1:
+        raise ScheduleError(
+            f"{kind.value} with replicas {list(reps)}; several stages a rank run r copies "
+            "of one pipeline, so every stage needs the same replica count: give each stage "
+            f"{min(reps)} (or {max(reps)}) replicas, or use a schedule of one stage a rank")
+    need = {ScheduleKind.INTERLEAVED: n // virtual_stages}.get(kind, 1)
+    if m % (r * need) or (kind is ScheduleKind.DUALPIPEV and m < r * n):
+        fix = max(-(-m // (r * need)) * r * need,
+                  r * n if kind is ScheduleKind.DUALPIPEV else 0)
+        why = {ScheduleKind.INTERLEAVED: f"a multiple of the {need} ranks a copy",
+               ScheduleKind.DUALPIPEV: f"at least one per stage ({n})"}.get(kind, "whole")
+        raise ScheduleError(
+            f"{kind.value} on {r} copies of the pipeline (replicas {list(reps)}) with {m} "
+            f"microbatches per minibatch; each copy runs m / {r} of them, which must be "
+            f"{why}: use {fix} (a multiple of {r * need}"
+            + (f", at least {r * n}" if kind is ScheduleKind.DUALPIPEV else "") + ")")
