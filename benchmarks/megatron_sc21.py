@@ -1,17 +1,18 @@
-"""Megatron-LM's published runs (SC21, Table 1) predicted by the synchronous objective.
+"""Megatron-LM's published runs (SC21, Tables 1 and 2) predicted by the synchronous objective.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters
-Using Megatron-LM" (SC21), Table 1: ten GPT models from 1.7B to 1T parameters on
-32 to 3,072 A100-80GB GPUs, with the teraFLOP/s per GPU each achieved. Each row is
-priced with its published layout (t, p, GPUs, batch; the microbatch size, the
-interleaving and the recomputation of every block from Megatron-LM's
-``examples/sc21/run_table_1.sh``) by :func:`~dreampipe.planning.sync_search.plan_sync`
-on ``dgx-a100:N``, bf16 with Adam. One figure is fitted: the sustained rate of
-matrix products, on the 1.7B row (data parallel only), then used unchanged. The
-planner's own plan of each row under 80 GB stands beside it, its search capped in
-time. Prints the tables and writes them into their section of ``docs/megatron.md``.
+Using Megatron-LM" (SC21): Table 1, ten GPT models from 1.7B to 1T parameters on 32
+to 3,072 A100-80GB GPUs, and Table 2, PTD-P against ZeRO-3 for the 174.6B and 529.6B
+models, each with the teraFLOP/s per GPU achieved (the rows: ``sc21_rows.py``). Each
+row is priced with its published layout by
+:func:`~dreampipe.planning.sync_search.plan_sync` on ``dgx-a100:N``, bf16 with Adam.
+One figure is fitted: the sustained rate of matrix products, on the 1.7B row (data
+parallel only), then used unchanged. The planner's own plan of each Table 1 row under
+80 GB stands beside it, its search capped in time (``--no-own`` skips it). Prints the
+tables and writes them into their section of ``docs/megatron.md``.
 
-    python benchmarks/megatron_sc21.py [--rows 1.7B,18.4B] [--search-limit S] [--no-write]
+    python benchmarks/megatron_sc21.py [--rows 1.7B,18.4B] [--search-limit S] [--no-own]
+        [--no-write]
 """
 
 from __future__ import annotations
@@ -26,20 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from _docs import replace_block
+from sc21_rows import ROWS, TABLE_2, Sc21Row
 
-from dreampipe.planning.layout import Layout
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_objective import PipelineKind, slots
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import SyncOptions, plan_sync
-from dreampipe.planning.topology import Topology
 from dreampipe.profiling.devices import A100_80GB
-from dreampipe.profiling.gpt_spec import GptSpec, gpt_spec_profile, parse_gpt_spec
+from dreampipe.profiling.gpt_spec import gpt_spec_profile
 
 __all__ = [
     "HEADING",
     "MEMORY",
     "ROWS",
+    "TABLE_2",
     "Priced",
     "Sc21Row",
     "fit_rate",
@@ -60,52 +61,6 @@ MEMORY = A100_80GB.memory_bytes
 _TRAINING = Training("bf16", "adam")
 #: A prediction further than this from the published figure is a miss.
 _MISS = 0.15
-
-
-@dataclass(frozen=True)
-class Sc21Row:
-    """One row of SC21's Table 1 with its run's microbatch size ``microbatch`` and
-    virtual stages ``v`` (``examples/sc21/run_table_1.sh``); every block recomputed."""
-
-    name: str
-    heads: int
-    hidden: int
-    layers: int
-    t: int
-    p: int
-    gpus: int
-    batch: int
-    microbatch: int
-    v: int
-    tflops: float
-
-    @property
-    def spec(self) -> GptSpec:
-        return parse_gpt_spec(f"gpt:layers={self.layers},hidden={self.hidden},"
-                              f"heads={self.heads},seq=2048,vocab=51200")
-
-    @property
-    def layout(self) -> Layout:
-        """t, p and v as published; every block of a stage (a chunk) recomputed."""
-        return Layout(self.t, self.p, self.v, 0, self.layers // (self.p * self.v))
-
-    @property
-    def topology(self) -> Topology:
-        return Topology.parse(f"dgx-a100:{self.gpus // 8}")
-
-
-ROWS = (
-    Sc21Row("1.7B", 24, 2304, 24, 1, 1, 32, 512, 16, 1, 137),
-    Sc21Row("3.6B", 32, 3072, 30, 2, 1, 64, 512, 16, 1, 138),
-    Sc21Row("7.5B", 32, 4096, 36, 4, 1, 128, 512, 16, 1, 142),
-    Sc21Row("18.4B", 48, 6144, 40, 8, 1, 256, 1024, 8, 1, 135),
-    Sc21Row("39.1B", 64, 8192, 48, 8, 2, 512, 1536, 4, 1, 138),
-    Sc21Row("76.1B", 80, 10240, 60, 8, 4, 1024, 1792, 2, 3, 140),
-    Sc21Row("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 2, 2, 148),
-    Sc21Row("310.1B", 128, 16384, 96, 8, 16, 1920, 2160, 1, 2, 155),
-    Sc21Row("529.6B", 128, 20480, 105, 8, 35, 2520, 2520, 1, 3, 163),
-    Sc21Row("1008.0B", 160, 25600, 128, 8, 64, 3072, 3072, 1, 1, 163),
-)
 
 
 def _tflops(row: Sc21Row, plan: SyncPlan) -> float:
@@ -155,19 +110,29 @@ class Priced:
         return p.time_per_update_s / (factor * mean + max(st.tail_s for st in p.stages)) - 1
 
     @property
-    def score_share(self) -> float:
-        """The attention's softmax and dropout bytes over its ``a s^2`` scores (9 forward,
-        twice with recomputation, 11 backward, 2-byte values and a 1-byte mask) at the
-        memory bandwidth, over Megatron-LM's FLOPs at the fitted rate: a term the profile
-        by shape does not price, so the fit on the 1.7B row absorbs it."""
-        shape = self.row.spec.shape
-        a, s, h = shape.heads, shape.seq, shape.hidden
-        moved = 29 * a * s * s / A100_80GB.memory_bandwidth
-        return moved * self.rate / (96 * s * h * h * (1 + s / (6 * h)))
+    def per_worker(self) -> float | None:
+        """Under interleaving, the prediction's ratio to the published figure were each
+        worker charged the sum of its chunks, ``m max_w sum_c (tau + cut) + (p - 1)
+        max_c (tau + cut)``, instead of ``v m + p - 1`` times its largest chunk (None
+        without interleaving): what the objective's largest-chunk rule costs the row."""
+        p = self.plan
+        if p.virtual_stages < 2:
+            return None
+        terms = [st.tau_s + st.cut_s for st in p.stages]
+        sums = [sum(terms[w::p.pipeline]) for w in range(p.pipeline)]
+        time = p.microbatches * max(sums) + (p.pipeline - 1) * max(terms) \
+            + max(st.tail_s for st in p.stages)
+        return self.ratio * p.time_per_update_s / time
 
     @property
     def memory(self) -> float:
         return max(st.memory_bytes for st in self.plan.stages)
+
+    @property
+    def fits(self) -> bool:
+        """Whether every stage (chunk) fits its share of 80 GB as the objective holds it,
+        ``1/v`` a chunk with its worker's microbatches in flight (a bound)."""
+        return self.memory <= MEMORY / self.plan.virtual_stages
 
 
 def price(row: Sc21Row, rate: float) -> Priced:
@@ -228,6 +193,8 @@ def own_plan(row: Sc21Row, rate: float, limit_s: float) -> dict[str, Any]:
 
 
 def _own_cells(p: Priced, own: dict[str, Any]) -> str:
+    if "skipped" in own:
+        return "not searched (`--no-own`) | | | |"
     if "timeout" in own:
         return f"not found in {own['timeout']:.0f} s | | | |"
     if "error" in own:
@@ -238,26 +205,32 @@ def _own_cells(p: Priced, own: dict[str, Any]) -> str:
             f"{own['memory'] / 1e9:.1f} GB |")
 
 
-def render_tables(priced: Sequence[Priced], own: Sequence[dict[str, Any]]) -> str:
-    """The prediction table and the planner's table; the time columns come last."""
+def _prediction_table(priced: Sequence[Priced]) -> list[str]:
     lines = ["| model | GPUs | batch | layout (b) | published TFLOP/s | predicted | ratio "
              "| bubble | Megatron FLOPs at the fitted rate | the rest | of it, cuts "
-             "| unequal stages | softmax bytes, unpriced | memory / GPU | price s |",
+             "| unequal stages | chunks summed per worker | memory / GPU | price s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in priced:
         r, plan = p.row, p.plan
+        worker = "-" if p.per_worker is None else f"{p.per_worker:.3f}"
         lines.append(
-            f"| {r.name} | {r.gpus} | {r.batch} | `{p.plan.layout}` ({r.microbatch}) | "
+            f"| {r.label} | {r.gpus} | {r.batch} | `{p.plan.layout}` ({r.microbatch}) | "
             f"{r.tflops:.0f} | {p.tflops:.1f} | {p.ratio:.3f} | "
             f"{100 * plan.bubble_fraction:.1f}% | {100 * p.matmul_share:.1f}% | "
             f"{100 * (1 - p.matmul_share - plan.bubble_fraction):.1f}% | "
-            f"{100 * p.cut_share:.1f}% | {100 * p.imbalance:.1f}% | "
-            f"{100 * p.score_share:.1f}% | {p.memory / 1e9:.1f} GB | {p.seconds:.2f} |")
+            f"{100 * p.cut_share:.1f}% | {100 * p.imbalance:.1f}% | {worker} | "
+            f"{p.memory / 1e9:.1f} GB{'' if p.fits else ' (over)'} | {p.seconds:.2f} |")
+    return lines
+
+
+def render_tables(priced: Sequence[Priced], own: Sequence[dict[str, Any]]) -> str:
+    """The prediction table and the planner's table; the time columns come last."""
+    lines = _prediction_table(priced)
     lines += ["", "| model | planner's layout under 80 GB | TFLOP/s | speed-up "
               "| memory / GPU | plan s |", "|---|---|---|---|---|---|"]
     for p, o in zip(priced, own, strict=True):
         seconds = f"{o['seconds']:.1f}" if "seconds" in o else "-"
-        lines.append(f"| {p.row.name} | {_own_cells(p, o)} {seconds} |")
+        lines.append(f"| {p.row.label} | {_own_cells(p, o)} {seconds} |")
     return "\n".join(lines)
 
 
@@ -269,25 +242,26 @@ def findings(priced: Sequence[Priced]) -> list[str]:
         if abs(p.ratio - 1) <= _MISS:
             continue
         need = p.rate / p.ratio
+        worker = "" if p.per_worker is None else \
+            f"; with chunks summed per worker {p.per_worker:.2f}"
+        published = p.plan.time_per_update_s * p.ratio
         out.append(
-            f"- {p.row.name} (`{p.plan.layout}`, {p.plan.microbatches} microbatches of "
+            f"- {p.row.label} (`{p.plan.layout}`, {p.plan.microbatches} microbatches of "
             f"{p.plan.microbatch_size}): {p.tflops:.1f} against {p.row.tflops:.0f} TFLOP/s "
-            f"({p.ratio:.2f}); bubble {100 * p.plan.bubble_fraction:.1f}%, unequal stages "
+            f"({p.ratio:.2f}), an update in {p.plan.time_per_update_s:.1f} s against "
+            f"{published:.1f} s; bubble {100 * p.plan.bubble_fraction:.1f}%, unequal stages "
             f"{100 * p.imbalance:.1f}%, the rest "
             f"{100 * (1 - p.matmul_share - p.plan.bubble_fraction):.1f}% (cuts "
-            f"{100 * p.cut_share:.1f}%); unpriced softmax bytes "
-            f"{100 * p.score_share:.1f}% against the fitted row's "
-            f"{100 * priced[0].score_share:.1f}%; the published "
+            f"{100 * p.cut_share:.1f}%){worker}; the published "
             f"figure needs matrix products at {need / 1e12:.0f} TFLOP/s "
             f"({100 * need / A100_80GB.peak_flops:.0f}% of the peak) with these terms.")
     return out
 
 
 def render_section(priced: Sequence[Priced], own: Sequence[dict[str, Any]], rate: float,
-                   limit_s: float) -> str:
-    misses = findings(priced)
-    why = _WHY if misses else ""
-    misses = misses or ["- none: every row is within 15%."]
+                   limit_s: float, table_2: Sequence[Priced] = ()) -> str:
+    misses = findings([*priced, *table_2]) or ["- none: every row is within 15%."]
+    second = "\n".join(_prediction_table(table_2)) if table_2 else "(not priced in this run)"
     return f"""This section is generated: `python benchmarks/megatron_sc21.py` wrote it.
 
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
@@ -311,11 +285,14 @@ prices the same layout at the preset's rate instead of the fitted one.
 that the 1.7B row (data parallel only, no tensor or pipeline term) prices at its
 published 137. It is used unchanged for every other row (the preset's own
 figure, `SUSTAINED_FRACTION`, is Megatron-LM's V100 share, 39/125). Everything
-else is the cost model's: tensor collectives over NVSwitch, pipeline cuts,
-the bubble, the data-parallel all-reduce, recomputation, memory.
+else is the cost model's: what moves rather than multiplies (the softmax,
+mask and dropout over the attention's scores, the bias-GELU, the
+bias-dropout-add and LayerNorms) at the memory bandwidth, tensor collectives
+over NVSwitch (a recomputed forward's again), pipeline cuts, the bubble, the
+data-parallel all-reduce, recomputation, memory.
 "Megatron FLOPs at the fitted rate" is the share of the update the model's
 FLOPs take at that rate; "the rest" is what the bubble leaves: tensor
-collectives, cuts, the all-reduce's tail, LayerNorms and the embedding.
+collectives, cuts, the all-reduce's tail, the bytes moved.
 
 {render_tables(priced, own)}
 
@@ -328,39 +305,54 @@ same count (recomputation included whether or not the plan recomputes), so
 dreampipe. Its stages: `-` keeps the activations, `r` recomputes the whole
 stage, `rK` its first K blocks, `tN` splits it N ways.
 
+Table 2 of the same paper: PTD-P against ZeRO-3 without model parallelism
+(DeepSpeed's, every GPU a replica of the whole model, `z3`), the global batch
+fixed as the GPUs grow. Its figures are the paper's table, checked against its
+text (section 5.2: PTD-P 6% and 24% above ZeRO-3 with the fewest GPUs, 70%
+at twice as many) and the table's own training days (Eq. 4). The paper gives no
+run script for it: PTD-P's interleaving is that of Megatron-LM's scripts for
+the same model and layout (`run_figure_12.sh`, 174.6B on t8-p12: 2 blocks a
+chunk; `run_table_1.sh`, 529.6B on t8-p35: 1 block a chunk), microbatches of 1.
+
+{second}
+
 Rows further than 15% from the published figure (computed):
 
 {chr(10).join(misses)}
-{why}"""
+{_WHY}"""
 
 
 _WHY = """
-Where they miss (the evidence is in the columns above): the misses grow
-with the pipeline, and two terms are believed wrong.
+Where they miss, the terms (the evidence is in the columns above):
 
-- **Communication: the cuts.** A cut between servers is priced on one
-  server's InfiniBand (200 GB/s) for all `d` copies of the pipeline
-  together (`d` times one copy's cut), while the copies sit on different
-  servers, each with links of its own; Megatron-LM's scatter/gather
-  (SC21, section 4.1) sends each copy's activation over its server's 8
-  links. Its share ("of it, cuts") is the largest term the pipelined rows
-  pay beyond the bubble; per server it would be about `1/d` of it.
-- **Compute, via the fit.** The profile by shape prices no softmax or
-  dropout over the attention's `a s^2` scores (only LayerNorms and the
-  embedding move bytes). Their bytes are a share of the matrix products
-  that falls as `a s / h^2` ("softmax bytes, unpriced"): large on the
-  1.7B row, where the fit folds them into a low rate for every product,
-  small on the wide rows, which then price too slow. Pricing them at the
-  memory bandwidth, as LayerNorms are, is the principled fix; it was
-  tried and not kept here (it changes every `gpt:` profile and an
-  existing planner test's plan).
+- **Interleaving's largest chunk.** The objective charges an interleaved
+  pipeline `v m + p - 1` times its largest chunk, the one holding the head
+  or the embedding ("unequal stages"), while a worker runs that chunk once
+  in `v`: its other chunks are lighter. "Chunks summed per worker" is the
+  ratio each interleaved row reaches when every worker is charged the sum of
+  its chunks, `m max_w sum (tau + cut) + (p - 1) max (tau + cut)`. The
+  program's min-max over chunks cannot express a worker's sum exactly, so
+  the rule stays, an upper bound on the time.
+- **One rate for every matrix product.** The rows without interleaving
+  that miss need their products faster than the 1.7B row's, with every
+  other term as priced. Megatron-LM's paper says so of its Table 1: "GPU
+  utilization improves as the models get larger (larger matrix
+  multiplications)" (section 5.1); one fitted figure, shape-blind, cannot
+  carry that.
+- **ZeRO-3 at scale.** With the batch fixed, ZeRO-3's published update
+  takes as long on twice the GPUs (the updates above), although each GPU's
+  work halves: DeepSpeed's gathers of the weights ran at a fraction of the
+  links. dreampipe prices ZeRO-3 as its own runtime runs it, each use's
+  gather of a stage's weights at the hierarchical all-reduce's rate over
+  NVSwitch and each server's InfiniBand, so it predicts these rows faster
+  than published and faster than PTD-P. It matches where the GPUs are
+  fewest (the batch of 4 a GPU hides the gathers), as the paper's 6% and
+  24% do.
 
-Smaller or not wrong: the objective's largest-stage rule for unequal
-stages ("unequal stages", the head and the embedding) costs a percent or
-two; the bubble's formula is Megatron-LM's own, `(p - 1)/(v m)`; the
-tensor collectives run inside a server at NVSwitch's rate, unoverlapped,
-as Megatron-LM ran them; and every published layout fits 80 GB as
-priced.
+Memory: an interleaved row's chunk counts every microbatch its worker holds
+(a bound), so the objective's memory for interleaved rows is too high
+("(over)": above `80 GB / v`); the published layouts are priced without a
+memory limit, the cuts chosen by the program.
 """
 
 
@@ -378,10 +370,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="\n\n".join((__doc__ or "").split("\n\n")[:2]),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="", metavar="NAMES",
-                        help="comma-separated rows, e.g. 1.7B,18.4B (default: all; writes "
-                             "nothing unless all)")
+                        help="comma-separated Table 1 rows, e.g. 1.7B,18.4B (default: all, "
+                             "and Table 2; writes nothing unless all)")
     parser.add_argument("--search-limit", type=float, default=90.0, metavar="S",
                         help="stop the planner's own search after S seconds (default 90)")
+    parser.add_argument("--no-own", action="store_true",
+                        help="skip the planner's own search (writes nothing)")
     parser.add_argument("--out", type=Path, default=_DEFAULT_OUT, metavar="PATH")
     parser.add_argument("--no-write", action="store_true", help="only print")
     args = parser.parse_args(argv)
@@ -391,11 +385,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     priced, own = [], []
     for row in wanted:
         priced.append(price(row, rate))
-        own.append(own_plan(row, rate, args.search_limit))
-        print(f"{row.name}: {priced[-1].tflops:.1f} against {row.tflops:.0f}", flush=True)
-    text = render_section(priced, own, rate, args.search_limit)
+        own.append({"skipped": True} if args.no_own else
+                   own_plan(row, rate, args.search_limit))
+        print(f"{row.label}: {priced[-1].tflops:.1f} against {row.tflops:.0f}", flush=True)
+    second = []
+    for row in () if args.rows else TABLE_2:
+        second.append(price(row, rate))
+        print(f"{row.label}: {second[-1].tflops:.1f} against {row.tflops:.0f}", flush=True)
+    text = render_section(priced, own, rate, args.search_limit, second)
     print(text)
-    if not args.no_write and not args.rows:
+    if not args.no_write and not args.rows and not args.no_own:
         write(text, args.out)
         print(f"wrote {args.out}", file=sys.stderr)
     return 0

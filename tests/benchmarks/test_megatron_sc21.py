@@ -25,8 +25,8 @@ def _rows(text: str, name: str) -> list[str]:
 
 def test_every_published_layout_runs_its_batch_as_megatron_lm_requires(
         bench: ModuleType) -> None:
-    assert len(bench.ROWS) == 10
-    for row in bench.ROWS:
+    assert len(bench.ROWS) == 10 and len(bench.TABLE_2) == 12
+    for row in (*bench.ROWS, *bench.TABLE_2):
         d = row.gpus // (row.t * row.p)
         assert d * row.t * row.p == row.gpus, row.name
         assert row.batch % (d * row.microbatch) == 0, row.name
@@ -34,6 +34,10 @@ def test_every_published_layout_runs_its_batch_as_megatron_lm_requires(
         assert row.v == 1 or m % row.p == 0, row.name  # interleaving: m a multiple of p
         assert row.layers % (row.p * row.v) == 0, row.name
     assert bench.ROWS[6].layout.text == "t8-p8-v2-r5"  # 145.6B: 5 blocks a chunk
+    # Table 2: ZeRO-3 runs every GPU as a replica of the whole model, one microbatch each
+    zero = [row for row in bench.TABLE_2 if row.zero]
+    assert len(zero) == 6 and all(row.batch == row.gpus * row.microbatch for row in zero)
+    assert zero[0].layout.text == "t1-p1-v1-z3-r96"
 
 
 def test_the_fit_reproduces_its_row_and_the_docs_show_what_the_script_prints(

@@ -14,6 +14,7 @@ two ends of the operator search's (time, memory) front (docs/design.md §10.3).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshar
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["StageSplit", "fits_servers", "split_costs", "split_options"]
+__all__ = ["StageSplit", "fits_servers", "split_costs", "split_latencies", "split_options"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -36,15 +37,38 @@ class StageSplit:
     t: int
     splits: tuple[Split, ...]
     costs: RangeCosts
+    latencies: tuple[FloatArray, FloatArray] | None = None
+
+    def at_fraction(self, fraction: float) -> tuple[FloatArray, FloatArray]:
+        """``(compute, forward)`` of a microbatch ``fraction`` of the profiled one: the
+        times scale, their collectives' message latencies (``latencies``) do not."""
+        c = self.costs
+        if self.latencies is None:
+            return c.compute_s * fraction, c.forward * fraction
+        fixed, fixed_forward = self.latencies
+        return ((c.compute_s - fixed) * fraction + fixed,
+                (c.forward - fixed_forward) * fraction + fixed_forward)
 
     def layers(self, first: int, last: int) -> tuple[Split, ...]:
         """The splits of a stage of layers ``first..last``."""
         return self.splits[first:last + 1]
 
 
-def _moves(src: Layout, dst: Layout, size: float, t: int, link: Link) -> float:
+def _moves(src: Layout, dst: Layout, size: float, t: int, link: Link,
+           forward_only: bool = False) -> float:
     forward, backward = reshard(src, dst)
-    return link.seconds(forward, size, t) + link.seconds(backward, size, t)
+    there = link.seconds(forward, size, t)
+    return there if forward_only else there + link.seconds(backward, size, t)
+
+
+def _own_forward(split: Split, collectives: Sequence[tuple[Collective, float]], t: int,
+                 link: Link) -> float:
+    """The seconds of a layer's own collectives that its forward runs: an input split's
+    reduction of its sum; a batch split's weight gradient and an output split's input
+    gradient are the backward's."""
+    if split is not Split.IN:
+        return 0.0
+    return sum(link.seconds(what, size, t) for what, size in collectives)
 
 
 def _sums(values: FloatArray, empty: float) -> FloatArray:
@@ -60,43 +84,84 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) 
     no time."""
     layers = graph.layers
     n = len(layers)
-    own, fwd, bwd, weights, kept = (np.zeros(n) for _ in range(5))
+    bwd, weights, kept = (np.zeros(n) for _ in range(3))
+    for i, (layer, split) in enumerate(zip(layers, splits, strict=True)):
+        c = split_cost(layer, op_kind(layer), split, t,
+                       float(layers[max(i - 1, 0)].activation_bytes))
+        share = c.compute_ms / layer.compute_ms if layer.compute_ms > 0 else 0.0
+        bwd[i] = layer.backward_ms / 1e3 * share * (0.0 if layer.is_input else 1.0)
+        weights[i] = c.weight_bytes
+        whole = float(layer.activation_bytes)
+        kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
+    compute, forward = _range_times(graph, t, link, splits)
+    whole_costs = RangeCosts.of(graph)
+    return RangeCosts(
+        compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
+        forward_s=np.minimum(forward, np.where(np.isfinite(compute), compute, 0.0)),
+        layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
+        working=whole_costs.working,
+    )
+
+
+def split_latencies(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]
+                    ) -> tuple[FloatArray, FloatArray]:
+    """``(compute, forward)``: the parts of :func:`split_costs`' times that are its
+    collectives' message latencies, which a smaller microbatch does not shrink."""
+    compute, forward = _range_times(graph, t, Link(math.inf, link.latency_s), splits,
+                                    timed=False)
+    return np.where(np.isfinite(compute), compute, 0.0), forward
+
+
+def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
+                 timed: bool = True) -> tuple[FloatArray, FloatArray]:
+    """``[i, j]``: a replica's forward and backward and its forward alone, collectives and
+    reshards at the range's edges included (a recomputed forward runs its own collectives
+    again); the collectives alone unless ``timed``."""
+    layers = graph.layers
+    n = len(layers)
+    own, fwd, own_fwd = (np.zeros(n) for _ in range(3))
     needs: list[Layout] = []
     gives: list[Layout] = []
     for i, (layer, split) in enumerate(zip(layers, splits, strict=True)):
         size = float(layers[max(i - 1, 0)].activation_bytes)
         c = split_cost(layer, op_kind(layer), split, t, size)
-        seconds, _, _ = layer_costs(layer, split, t, link, size)
+        seconds, comm, _ = layer_costs(layer, split, t, link, size)
         share = c.compute_ms / layer.compute_ms if layer.compute_ms > 0 else 0.0
         work = 0.0 if layer.is_input else 1.0
-        own[i] = seconds - c.compute_ms / 1e3 * (1 - work)
-        fwd[i] = layer.forward_ms / 1e3 * share * work
-        bwd[i] = layer.backward_ms / 1e3 * share * work
-        weights[i] = c.weight_bytes
-        whole = float(layer.activation_bytes)
-        kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
+        own[i] = seconds - c.compute_ms / 1e3 * (1 - work) if timed else comm
+        fwd[i] = layer.forward_ms / 1e3 * share * work if timed else 0.0
+        own_fwd[i] = _own_forward(split, c.collectives, t, link) * work
         needs.append(c.needs)
         gives.append(c.gives)
     act = [float(x.activation_bytes) for x in layers]
-    inner = np.array([0.0] + [_moves(gives[i - 1], needs[i], act[i - 1], t, link)
-                              for i in range(1, n)])
-    enter = np.array([min(_moves(src, needs[0], act[0], t, link)
+    enter, inner, leave = _edge_moves(gives, needs, act, t, link)
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
+    compute = np.where(upper, enter[:, None] + body + leave[None, :], np.inf)
+    ahead = _edge_moves(gives, needs, act, t, link, forward_only=True)
+    forward = np.where(upper, ahead[0][:, None] + _sums(fwd + own_fwd + ahead[1], 0.0)
+                       - ahead[1][:, None] + ahead[2][None, :], 0.0)
+    return compute, forward
+
+
+def _edge_moves(gives: Sequence[Layout], needs: Sequence[Layout], act: Sequence[float], t: int,
+                link: Link, forward_only: bool = False
+                ) -> tuple[FloatArray, FloatArray, FloatArray]:
+    """The reshards (the forward's alone if ``forward_only``): into each layer as a
+    stage's first (``enter``), between layers (``inner``, into layer ``i``), and out of
+    each as a stage's last (``leave``)."""
+    n, only = len(needs), forward_only
+    enter = np.array([min(_moves(src, needs[0], act[0], t, link, only)
                           for src in (Layout.REPLICATED, Layout.BATCH))]
-                     + [_moves(Layout.REPLICATED, needs[i], act[i - 1], t, link)
+                     + [_moves(Layout.REPLICATED, needs[i], act[i - 1], t, link, only)
                         for i in range(1, n)])
-    leave = np.array([_moves(gives[j], Layout.REPLICATED, act[j], t, link) for j in range(n - 1)]
+    inner = np.array([0.0] + [_moves(gives[i - 1], needs[i], act[i - 1], t, link, only)
+                              for i in range(1, n)])
+    leave = np.array([_moves(gives[j], Layout.REPLICATED, act[j], t, link, only)
+                      for j in range(n - 1)]
                      + [link.seconds(Collective.ALL_REDUCE, act[-1], t)
                         if gives[-1] is Layout.PARTIAL else 0.0])
-    body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
-    compute = np.where(np.triu(np.ones((n, n), dtype=bool)),
-                       enter[:, None] + body + leave[None, :], np.inf)
-    whole_costs = RangeCosts.of(graph)
-    return RangeCosts(
-        compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
-        forward_s=np.minimum(_sums(fwd, 0.0), np.where(np.isfinite(compute), compute, 0.0)),
-        layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
-        working=whole_costs.working,
-    )
+    return enter, inner, leave
 
 
 def fits_servers(start: int, stop: int, t: int, topology: Topology) -> bool:
@@ -123,5 +188,6 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
         for plan in found:
             if plan.splits not in seen:
                 seen.add(plan.splits)
-                out.append(StageSplit(t, plan.splits, split_costs(graph, t, link, plan.splits)))
+                out.append(StageSplit(t, plan.splits, split_costs(graph, t, link, plan.splits),
+                                      split_latencies(graph, t, link, plan.splits)))
     return tuple(out)

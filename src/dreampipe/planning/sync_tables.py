@@ -32,10 +32,10 @@ from dreampipe.planning.costs import (
     allreduce_ends,
 )
 from dreampipe.planning.held import range_max
-from dreampipe.planning.pricing import cut_seconds
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.state_bytes import Training
-from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
+from dreampipe.planning.sync import Sync, replica_groups
+from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
 from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
@@ -124,11 +124,11 @@ class StageTables:
         costs = self._costs(o)
         back_layers = np.asarray(costs.layer_backward_s) * f
         weights = np.asarray(costs.layer_weights)
-        forward = costs.forward * f
-        compute = costs.compute_s * f
+        compute, forward = (costs.compute_s * f, costs.forward * f) if o.split is None \
+            else o.split.at_fraction(f)
         again = self._again(o, forward)
-        lat, per = allreduce_terms(groups, self.inputs.topology.levels, self.inputs.sync,
-                                   self.d)
+        lat, per = replica_allreduce_terms(groups, self.t, self.inputs.topology,
+                                           self.inputs.sync, self.d)
         end = allreduce_ends(back_layers, weights, np.array([lat]), np.array([per]),
                              overlap=self.inputs.topology.overlap)[0]
         ar = np.where(costs.weights > 0, lat + per * costs.weights, 0.0) if self.d > 1 \
@@ -146,18 +146,16 @@ class StageTables:
 
     def cut(self, block: int, after: int) -> FloatArray:
         """``[j]``: one microbatch's cut after layer ``j`` from the stage on ``block`` to
-        the one on ``after``, per copy of the pipeline (the ``d`` copies share the links
-        as :func:`~dreampipe.planning.pricing.cut_seconds` counts; 0 after the last)."""
+        the one on ``after``, each copy of the pipeline on its own links
+        (:func:`~dreampipe.planning.sync_links.copy_cut_seconds`; 0 after the last)."""
         return self._cut(block, after)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def _cut(self, block: int, after: int) -> FloatArray:
-        sent = self.inputs.costs.cut_bytes * self.fraction
-        senders, receivers = self.workers(block), self.workers(after)
+        sent = self.inputs.costs.cut_bytes[1:] * self.fraction
         out = np.zeros(self.n)
-        for j in range(self.n - 1):
-            out[j] = self.d * cut_seconds(float(sent[j + 1]), senders, receivers,
-                                          self.inputs.topology)
+        out[:-1] = copy_cut_seconds(sent, self.workers(block), self.workers(after), self.t,
+                                    self.inputs.topology)
         return out
 
     def allreduce(self, x: int, block: int) -> FloatArray:
@@ -166,8 +164,8 @@ class StageTables:
         costs = self._costs(self.options[x])
         if self.d < 2:
             return np.zeros_like(costs.weights)
-        lat, per = allreduce_terms(self._groups(block), self.inputs.topology.levels,
-                                   self.inputs.sync, self.d)
+        lat, per = replica_allreduce_terms(self._groups(block), self.t, self.inputs.topology,
+                                           self.inputs.sync, self.d)
         return np.asarray(np.where(costs.weights > 0, lat + per * costs.weights, 0.0))
 
     def recomputed(self, x: int, first: int, last: int) -> tuple[int, ...]:
@@ -219,8 +217,16 @@ class StageTables:
             return np.zeros_like(forward)
         if o.recompute is Recompute.STAGE:
             return np.where(np.isfinite(forward), forward, 0.0)
-        layer_forward = np.diag(forward)
-        return _row_sums(np.where(self._block_mask(o.blocks), layer_forward[None, :], 0.0))
+        # the recomputed blocks are one run of layers from the stage's first block on:
+        # their range's forward, its collectives between them included
+        mask = self._block_mask(o.blocks)
+        cols = np.arange(self.n)
+        start = np.where(mask.any(axis=1), np.argmax(mask, axis=1), self.n)
+        stop = np.where(mask, cols[None, :], -1).max(axis=1)
+        end = np.minimum(cols[None, :], stop[:, None])
+        safe = np.minimum(start, self.n - 1)[:, None]
+        return np.where(end >= start[:, None],
+                        forward[safe, np.maximum(end, safe)], 0.0)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
     def _block_mask(self, k: int) -> BoolArray:

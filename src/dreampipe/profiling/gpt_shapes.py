@@ -15,7 +15,21 @@ from dataclasses import dataclass
 
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["GPT3_1_3B", "MEGATRON_8_3B", "GptShape", "gpt_profile"]
+__all__ = ["GELU_BYTES", "GPT3_1_3B", "MEGATRON_8_3B", "NORM_BYTES", "SCORE_BYTES", "GptShape",
+           "gpt_profile"]
+
+#: Bytes moved (forward, backward) per attention score: the fused scale-mask-softmax reads
+#: and writes it (2 + 2, 16-bit), the dropout reads it, writes it and its 1-byte mask; back,
+#: the dropout takes the gradient and the mask and gives a gradient (2 + 1 + 2), the
+#: softmax takes the gradient and its output and gives a gradient (2 + 2 + 2).
+SCORE_BYTES = (9, 11)
+#: Bytes moved per ``s b h`` by the fused bias-GELU over the ``4h`` features (input in and
+#: output out; back: gradient and input in, gradient out), 16-bit.
+GELU_BYTES = (16, 24)
+#: Bytes moved per ``s b h`` by the fused bias-dropout-add before each LayerNorm (output
+#: and residual in, output and 1-byte mask out; back: gradient and mask in, gradient out)
+#: and by the LayerNorm itself (in and out; back twice that).
+NORM_BYTES = (7 + 4, 5 + 8)
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,13 @@ MEGATRON_8_3B = GptShape("megatron-8.3b", 72, 3072, 32, 1024, 51200, 8)
 
 def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4,
                 memory_bandwidth: float = 900e9) -> LayerGraph:
-    """The profile of ``shape``: matrix products at ``flops_per_s`` sustained, LayerNorms
-    and the embedding at ``memory_bandwidth`` bytes/s (they move, not multiply), every
-    backward twice its forward, weights and gradients ``parameter_bytes`` per parameter.
+    """The profile of ``shape``: matrix products at ``flops_per_s`` sustained, each
+    backward twice its forward; what moves rather than multiplies at ``memory_bandwidth``
+    bytes/s (Megatron-LM's fused kernels, Narayanan et al. 2021, §4.2): the embedding, each
+    LayerNorm with the bias-dropout-add before it (:data:`NORM_BYTES`), the bias-GELU
+    (:data:`GELU_BYTES`) and the softmax, mask and dropout over the ``a s^2 b`` attention
+    scores (:data:`SCORE_BYTES`), whose share of the matrix products grows as
+    ``a s / h^2``; weights and gradients ``parameter_bytes`` per parameter.
 
     Each block's layers keep what Megatron-LM counts in 16-bit activations
     (``34 s b h + 5 a s^2 b`` bytes per block; docs/design.md §2)::
@@ -76,32 +94,44 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
     """
     b, s, h, a, v = shape.batch, shape.seq, shape.hidden, shape.heads, shape.vocab
     sbh = s * b * h
+    scores = a * s * s * b
     p = parameter_bytes
 
-    def dense(name: str, flops: float, out: int, weights: int, what: str, kept: int) -> Layer:
+    def dense(name: str, flops: float, out: int, weights: int, what: str, kept: int,
+              moved: tuple[float, float]) -> Layer:
         ms = flops / flops_per_s * 1e3
-        return Layer(name, ms, 2 * ms, out, weights * p, what, saved_bytes=kept)
+        forward, backward = (x / memory_bandwidth * 1e3 for x in moved)
+        return Layer(name, ms + forward, 2 * ms + backward, out, weights * p, what,
+                     saved_bytes=kept, weight_grad_ms=ms)
 
-    def moving(name: str, moved: float, out: int, weights: int, what: str) -> Layer:
-        ms = moved / memory_bandwidth * 1e3
-        return Layer(name, ms, 2 * ms, out, weights * p, what, saved_bytes=out)
+    def moving(name: str, moved: tuple[float, float], out: int, weights: int,
+               what: str) -> Layer:
+        forward, backward = (x / memory_bandwidth * 1e3 for x in moved)
+        return Layer(name, forward, backward, out, weights * p, what, saved_bytes=out)
 
-    layers = [moving("embed", 2 * 2 * sbh, 2 * sbh, v * h + s * h, f"Embedding({v}, {h})")]
+    def per(unit: float, table: tuple[int, int]) -> tuple[float, float]:
+        return table[0] * unit, table[1] * unit
+
+    norm = per(sbh, NORM_BYTES)
+    layers = [moving("embed", (4 * sbh, 8 * sbh), 2 * sbh, v * h + s * h,
+                     f"Embedding({v}, {h})")]
     for k in range(shape.layers):
         layers += [
-            moving(f"b{k}.ln1", 2 * 2 * sbh, 2 * sbh, 2 * h, f"LayerNorm({h})"),
+            moving(f"b{k}.ln1", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
             dense(f"b{k}.attn_in", 2 * 3 * sbh * h + 4 * s * sbh, 2 * sbh, 3 * h * h + 3 * h,
-                  f"Linear({h}, {3 * h}) + attention({a} heads)", 8 * sbh + 5 * a * s * s * b),
+                  f"Linear({h}, {3 * h}) + attention({a} heads)", 8 * sbh + 5 * scores,
+                  per(scores, SCORE_BYTES)),
             dense(f"b{k}.attn_out", 2 * sbh * h, 2 * sbh, h * h + h, f"Linear({h}, {h})",
-                  3 * sbh),
-            moving(f"b{k}.ln2", 2 * 2 * sbh, 2 * sbh, 2 * h, f"LayerNorm({h})"),
+                  3 * sbh, (0.0, 0.0)),
+            moving(f"b{k}.ln2", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
             dense(f"b{k}.fc1", 2 * 4 * sbh * h, 8 * sbh, 4 * h * h + 4 * h,
-                  f"Linear({h}, {4 * h}) + GELU()", 16 * sbh),
+                  f"Linear({h}, {4 * h}) + GELU()", 16 * sbh, per(sbh, GELU_BYTES)),
             dense(f"b{k}.fc2", 2 * 4 * sbh * h, 2 * sbh, 4 * h * h + h,
-                  f"Linear({4 * h}, {h})", 3 * sbh),
+                  f"Linear({4 * h}, {h})", 3 * sbh, (0.0, 0.0)),
         ]
     layers += [
-        moving("final_ln", 2 * 2 * sbh, 2 * sbh, 2 * h, f"LayerNorm({h})"),
-        dense("head", 2 * sbh * v, 2 * s * b * v, h * v, f"Linear({h}, {v})", 2 * s * b * v),
+        moving("final_ln", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
+        dense("head", 2 * sbh * v, 2 * s * b * v, h * v, f"Linear({h}, {v})", 2 * s * b * v,
+              (0.0, 0.0)),
     ]
     return LayerGraph.chain(layers, batch_size=b, model=shape.name)
