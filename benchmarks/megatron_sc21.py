@@ -278,13 +278,17 @@ and `--recompute-method uniform` (every block recomputed) from Megatron-LM's
 `dgx-a100:N`, bf16 weights with Adam's state, the cuts chosen by the
 program. `dreampipe plan gpt:... -t dgx-a100:N --global-batch B
 --microbatch-size b --precision bf16 --optimizer adam --layout tT-pP-vV-rK`
-prices the same layout at the preset's rate instead of the fitted one.
+prices the same layout the same way (the preset's A100 runs its products at
+the fitted rate below); without `--microbatch-size` and `-r` the planner
+chooses them, and may keep activations that Megatron-LM recomputed while
+the count above still includes the recomputation.
 
 **One figure is fitted**: the sustained rate of matrix products,
 {rate / 1e12:.1f} TFLOP/s ({100 * rate / A100_80GB.peak_flops:.1f}% of the A100's 312), chosen so
 that the 1.7B row (data parallel only, no tensor or pipeline term) prices at its
-published 137. It is used unchanged for every other row (the preset's own
-figure, `SUSTAINED_FRACTION`, is Megatron-LM's V100 share, 39/125). Everything
+published 137. It is used unchanged for every other row, and it is the
+A100 preset's (`A100_SUSTAINED_FRACTION`; the test of this script re-fits it
+and fails when the cost model moves it). Everything
 else is the cost model's: what moves rather than multiplies (the softmax,
 mask and dropout over the attention's scores, the bias-GELU, the
 bias-dropout-add and LayerNorms) at the memory bandwidth, tensor collectives

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ProfileError
-from dreampipe.profiling.devices import A100_80GB, V100_32GB, Device
+from dreampipe.profiling.devices import A100_80GB, A100_SUSTAINED_FRACTION, V100_32GB, Device
 from dreampipe.profiling.gpt_shapes import GELU_BYTES, NORM_BYTES, GptShape
 from dreampipe.profiling.gpt_spec import GptSpec, by_shape, gpt_spec_profile, parse_gpt_spec
 from dreampipe.profiling.load import load_graph
@@ -72,9 +72,9 @@ def test_the_device_times_the_layers() -> None:
     s, b, h = 128, 2, 256
     fc1 = graph.layers[5]
     assert fc1.name == "b0.fc1"
-    # fc1 is a (s b, h) x (h, 4h) product: 2 s b h 4h flops at the sustained share of the
-    # peak, and its bias-GELU's bytes at the memory rate; the product's backward is twice it
-    product = 2 * s * b * h * 4 * h / (312e12 * 0.312) * 1e3
+    # fc1 is a (s b, h) x (h, 4h) product: 2 s b h 4h flops at the A100's sustained share of
+    # the peak, and its bias-GELU's bytes at the memory rate; the product's backward is twice
+    product = 2 * s * b * h * 4 * h / (312e12 * A100_SUSTAINED_FRACTION) * 1e3
     per_byte = 1e3 / 2039e9
     assert fc1.weight_grad_ms == pytest.approx(product)
     assert fc1.forward_ms == pytest.approx(product + GELU_BYTES[0] * s * b * h * per_byte)
@@ -82,9 +82,9 @@ def test_the_device_times_the_layers() -> None:
     assert fc1.parameter_bytes == 4 * (4 * h * h + 4 * h)
     ln1 = graph.layers[1]  # the bias-dropout-add and the LayerNorm, at the memory rate
     assert ln1.forward_ms == pytest.approx(NORM_BYTES[0] * s * b * h * per_byte)
-    # the same shape on a V100 takes 312 / 125 as long per product; 16-bit weights halve
+    # the same shape on a V100, at Megatron-LM's 39 of its 125 TFLOP/s; 16-bit weights halve
     v100 = load_graph(SMALL + ",batch=2,param_bytes=2", V100_32GB)
-    assert v100.layers[5].weight_grad_ms == pytest.approx(product * 312 / 125)
+    assert v100.layers[5].weight_grad_ms == pytest.approx(2 * s * b * h * 4 * h / 39e12 * 1e3)
     assert v100.layers[5].parameter_bytes == fc1.parameter_bytes // 2
     # a fitted rate replaces the device's for products only; LayerNorms keep the bandwidth
     fitted = gpt_spec_profile(parse_gpt_spec(SMALL + ",batch=2"), A100_80GB, flops=100e12)
