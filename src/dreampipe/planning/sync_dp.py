@@ -59,41 +59,67 @@ class StageTerms:
 
 
 class _Slots:
-    """Each slot's best option for every layer range, computed once per distinct slot."""
+    """Each slot's best option for every stage of at most ``width`` layers, computed once
+    per distinct slot and tail bound. Entry ``[i, k]`` is the stage of layers
+    ``i..i + k`` (inf past the last layer): a stage longer than ``width`` is left out,
+    which is exact where the caller knows such a stage's value to be at least the time
+    to beat (:func:`best_stages`)."""
 
     def __init__(self, tables: StageTables, slots: Slots, memory_bytes: float | None,
-                 tail_below: float = math.inf) -> None:
+                 width: int | None = None) -> None:
         self.tables, self.slots, self.memory = tables, slots, memory_bytes
-        self.tail_below = tail_below
-        self._seen: dict[tuple[int, int, int, bool], tuple[FloatArray, IntArray]] = {}
+        n = tables.n
+        w = n if width is None else max(1, min(n, width))
+        last = np.arange(n)[:, None] + np.arange(w)[None, :]
+        self.inside = last < n
+        self.last = np.minimum(last, n - 1)
+        self.rows = np.arange(n)[:, None]
+        self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
+        self._bands: dict[tuple[int, tuple[int, ...]], tuple[FloatArray, FloatArray]] = {}
+        self._rooms: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
         if c + 1 == self.slots.count:
             return np.zeros(self.tables.n)
         return self.tables.cut(self.slots.blocks[c], self.slots.blocks[c + 1])
 
-    def values(self, c: int) -> tuple[FloatArray, IntArray]:
-        """``[i, j]``: slot ``c``'s best value over the options whose tail is below the
-        bound, and which option."""
+    def _band(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
+        key = (x, self.tables.groups(block))
+        if key not in self._bands:
+            tau, tail = self.tables.times(x, block)
+            self._bands[key] = (tau[self.rows, self.last], tail[self.rows, self.last])
+        return self._bands[key]
+
+    def _room(self, x: int) -> FloatArray:
+        if x not in self._rooms:
+            assert self.memory is not None
+            room = self.tables.capacity(x, self.memory * self.slots.memory_share)
+            self._rooms[x] = room[self.rows, self.last]
+        return self._rooms[x]
+
+    def values(self, c: int, tail_below: float = math.inf) -> tuple[FloatArray, IntArray]:
+        """``[i, k]``: slot ``c``'s best value over the options whose tail is below
+        ``tail_below``, and which option."""
         sl = self.slots
-        last = c + 1 == sl.count
-        key = (sl.blocks[c], -1 if last else sl.blocks[c + 1], sl.in_flight[c], last)
+        cut = self._cut(c)
+        key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below)
         if key not in self._seen:
-            self._seen[key] = self._values(c)
+            self._seen[key] = self._values(c, cut, tail_below)
         return self._seen[key]
 
-    def _values(self, c: int) -> tuple[FloatArray, IntArray]:
-        sl, tables, n = self.slots, self.tables, self.tables.n
-        cut = self._cut(c)
-        best = np.full((n, n), np.inf)
-        pick = np.zeros((n, n), dtype=np.int64)
-        for x in range(len(tables.options)):
-            tau, tail = tables.times(x, sl.blocks[c])
-            value = sl.factor * (tau + cut[None, :])
-            value = np.where(tail < self.tail_below, value, np.inf)
+    def _values(self, c: int, cut: FloatArray, tail_below: float
+                ) -> tuple[FloatArray, IntArray]:
+        sl = self.slots
+        after = cut[self.last]
+        best = np.full(self.last.shape, np.inf)
+        pick = np.zeros(self.last.shape, dtype=np.int64)
+        for x in range(len(self.tables.options)):
+            tau, tail = self._band(x, sl.blocks[c])
+            value = sl.factor * (tau + after)
+            ok = self.inside & (tail < tail_below)
             if self.memory is not None:
-                room = self.memory * sl.memory_share
-                value = np.where(tables.memory(x, sl.in_flight[c]) <= room, value, np.inf)
+                ok &= self._room(x) >= sl.in_flight[c]
+            value = np.where(ok, value, np.inf)
             better = value < best
             best = np.where(better, value, best)
             pick = np.where(better, x, pick)
@@ -105,7 +131,8 @@ class _Slots:
         tau, tail = self.tables.times(x, sl.blocks[c])
         cut = float(self._cut(c)[j])
         memory = float(self.tables.memory(x, sl.in_flight[c])[i, j])
-        fits = self.memory is None or memory <= self.memory * sl.memory_share
+        fits = self.memory is None or self.tables.fits(
+            x, sl.in_flight[c], self.memory * sl.memory_share, i, j)
         value = sl.factor * (float(tau[i, j]) + cut)
         return StageTerms(chosen, float(tau[i, j]), cut, float(tail[i, j]), memory,
                           sl.in_flight[c], value if fits else math.inf)
@@ -116,41 +143,49 @@ def update_time(terms: Sequence[StageTerms]) -> float:
     return max(x.value_s for x in terms) + max(x.tail_s for x in terms)
 
 
-def _least_pipeline(program: _Slots) -> tuple[float, list[StageTerms]] | None:
-    """The stages whose largest ``phi (tau + cut)`` is least under the program's bounds."""
+def _least_pipeline(program: _Slots, tail_below: float
+                    ) -> tuple[float, list[StageTerms]] | None:
+    """The stages whose largest ``phi (tau + cut)`` is least with tails below
+    ``tail_below``."""
     slots, n = program.slots, program.tables.n
-    rest = np.full(n + 1, np.inf)
+    after = np.where(program.inside, program.last + 1, n + 1)
+    rest = np.full(n + 2, np.inf)
     rest[n] = 0.0
     cuts: list[IntArray] = []
     for c in reversed(range(slots.count)):
-        values, _ = program.values(c)
-        cand = np.maximum(values, rest[None, 1:])
-        j = np.argmin(cand, axis=1)
-        rest = np.append(cand[np.arange(n), j], np.inf)
-        cuts.append(j)
+        values, _ = program.values(c, tail_below)
+        cand = np.maximum(values, rest[after])
+        k = np.argmin(cand, axis=1)
+        rest = np.full(n + 2, np.inf)
+        rest[:n] = cand[np.arange(n), k]
+        cuts.append(k)
     cuts.reverse()
     if not math.isfinite(float(rest[0])):
         return None
     out, i = [], 0
     for c in range(slots.count):
-        j = int(cuts[c][i])
-        out.append(program.terms(c, Chosen(i, j, int(program.values(c)[1][i, j]))))
-        i = j + 1
+        k = int(cuts[c][i])
+        option = int(program.values(c, tail_below)[1][i, k])
+        out.append(program.terms(c, Chosen(i, i + k, option)))
+        i += k + 1
     return float(rest[0]), out
 
 
-def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None
-                ) -> tuple[float, list[StageTerms]] | None:
+def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None,
+                width: int | None = None) -> tuple[float, list[StageTerms]] | None:
     """The cuts and options of ``slots.count`` stages (at least a layer each) whose update
     (:func:`update_time`) is least, with their terms; None when no choice fits
     ``memory_bytes`` per worker (None: no limit). Ties go to the shorter first stage,
-    then the earlier option, then the longer tail found first."""
+    then the earlier option, then the longer tail found first. ``width``: stages of more
+    layers are left out, exact for the caller that beats a time no such stage's value is
+    below (the plan returned is then the optimum wherever that is below the time)."""
     if slots.count > tables.n:
         return None
+    program = _Slots(tables, slots, memory_bytes, width)
     best: tuple[float, list[StageTerms]] | None = None
     bound = math.inf
     while True:
-        found = _least_pipeline(_Slots(tables, slots, memory_bytes, bound))
+        found = _least_pipeline(program, bound)
         if found is None:
             return best
         pipeline, terms = found
@@ -170,5 +205,5 @@ def stage_terms(tables: StageTables, slots: Slots, chosen: Sequence[Chosen],
             or any(b.first != a.last + 1 for a, b in itertools.pairwise(chosen)):
         raise ValueError(f"{len(chosen)} stages for {slots.count} slots over {tables.n} "
                          "layers: give one stage a slot, covering the layers in order")
-    program = _Slots(tables, slots, memory_bytes)
+    program = _Slots(tables, slots, memory_bytes, 1)
     return [program.terms(c, x) for c, x in enumerate(chosen)]

@@ -16,22 +16,30 @@ the workers. docs/planner.md, "The synchronous objective".
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from dreampipe.errors import ConfigError, PlanError
-from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.layout import Layout
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import Training, profiled_param_bytes
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.sync_dp import StageTerms, best_stages
-from dreampipe.planning.sync_objective import PipelineKind, Slots, slots, zero_bubble_ratio
+from dreampipe.planning.sync_objective import (
+    PipelineKind,
+    Slots,
+    factor,
+    slots,
+    zero_bubble_ratio,
+)
 from dreampipe.planning.sync_plan import SyncPlan, SyncStage
 from dreampipe.planning.sync_tables import (
     Recompute,
@@ -86,8 +94,7 @@ class SyncOptions:
                               "kinds")
 
 
-@dataclass(frozen=True, order=True)
-class _Choice:
+class _Choice(NamedTuple):
     """One choice made outside the program, ordered by its floor."""
 
     floor: float
@@ -154,31 +161,106 @@ class SyncSearch:
             per_layer.append(np.diag(c.forward) + np.asarray(c.layer_backward_s))
         return float(np.sum(np.min(np.stack(per_layer), axis=0)))
 
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_weights(self, t: int) -> float:
+        """A floor on the weight bytes a pipeline's stages hold together on a replica of
+        ``t`` workers: each layer's least over the options (stages' weights are sums of
+        their layers')."""
+        per_layer = [np.diag((self.inputs.costs if s is None else s.costs).weights)
+                     for s in {o.split for o in self.options(t)}]
+        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def envelope(self, t: int) -> FloatArray:
+        """``[i, j]``: a floor on ``tau`` of a stage holding layers ``i..j`` or more, for
+        a profiled minibatch: the least over the options and the ranges that contain it
+        of the range's compute (inf where ``j < i``). ``tau`` is at least its compute (it
+        adds recomputation and ZeRO's collectives), so any stage ``i'..j' ⊇ i..j`` takes
+        at least this; it grows with ``j`` and shrinks with ``i``."""
+        least = np.min(np.stack([(self.inputs.costs if s is None else s.costs).compute_s
+                                 for s in {o.split for o in self.options(t)}]), axis=0)
+        above = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
+        out = np.minimum.accumulate(above, axis=0)
+        return np.asarray(np.where(np.triu(np.ones_like(out, dtype=bool)), out, np.inf))
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_stage(self, t: int, count: int) -> float:
+        """A floor on the largest ``tau`` of ``count`` stages, for a profiled minibatch:
+        the least ``theta`` for which stages of :meth:`envelope` at most ``theta`` cover
+        the layers (greedy is exact for a floor that grows with the range), found by
+        bisection to 1e-4 and rounded down."""
+        env = self.envelope(t)
+        n = env.shape[0]
+        lo = max(self.least_compute(t) / count, 0.0)
+        hi = lo + float(np.max(np.diag(env)))  # enough for sums; checked, else all layers
+        if not _stages_within(env, hi, count) <= count:
+            hi = float(env[0, n - 1])
+        if not math.isfinite(hi) or hi <= lo:
+            return lo
+        while hi - lo > 1e-4 * hi:
+            mid = (lo + hi) / 2
+            if _stages_within(env, mid, count) <= count:
+                hi = mid
+            else:
+                lo = mid
+        return lo
+
+    def width(self, t: int, theta: float) -> int:
+        """The most layers a stage of ``t`` workers a replica may hold while its floor
+        (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
+        if not math.isfinite(theta):
+            return self.inputs.costs.n
+        return max(1, int(np.max(np.sum(self.envelope(t) < theta, axis=1))))
+
     @functools.lru_cache(maxsize=16)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
         zero = self.opts.layout.zero if self.opts.layout else 0
         return StageTables(self.inputs, self.options(t), t, d, b / self.base, zero,
                            splits_backward and zero >= 2)
 
-    def choices(self) -> Iterator[_Choice]:
-        """Every choice with its floor (module doc)."""
+    def choices(self, fit: bool = True) -> Iterator[_Choice]:
+        """Every choice (with ``fit``: whose stages can hold the weights' state), with a
+        floor (module doc): ``phi`` times the model's least compute over the stages."""
         opts, layout, n = self.opts, self.opts.layout, self.inputs.costs.n
         workers = self.topology.num_workers
         widths = [1] + (split_widths(self.topology) if opts.tensor_split else [])
         for t in [layout.t] if layout else widths:
             if not self.options(t):
                 continue
+            least = self.least_compute(t)
             for d in _copies(opts.global_batch, workers, t, layout):
                 per_copy = opts.global_batch // d
                 sizes = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_copy)
+                fewest = self._fewest_stages(t, d) if fit else 1
+                stages = [layout.p] if layout else range(fewest,
+                                                        min(workers // (d * t), n) + 1)
                 for b in (x for x in sizes if x is not None and per_copy % x == 0):
                     m = per_copy // b
-                    floor = self.least_compute(t) * b / self.base
-                    stages = [layout.p] if layout else range(1, min(workers // (d * t), n) + 1)
+                    floor = least * b / self.base
                     for p in stages:
                         for kind, v in self._kinds(t, p, m, n):
-                            sl = slots(kind, p, m, v, self.rho)
-                            yield _Choice(sl.factor * floor / sl.count, t, d, b, kind, v, p)
+                            yield _Choice(factor(kind, p, m, v, self.rho) * floor / (p * v),
+                                          t, d, b, kind, v, p)
+
+    def _fewest_stages(self, t: int, d: int) -> int:
+        """The fewest stages whose workers can hold the weights' state: each stage (each
+        chunk within ``1 / v`` of a worker) holds its weights' state, so ``p`` workers
+        hold at least the model's (:meth:`least_weights`)."""
+        limit = self.opts.memory_bytes
+        if limit is None:
+            return 1
+        zero = self.opts.layout.zero if self.opts.layout else 0
+        state = self.least_weights(t) * self.opts.training.state_per_byte(
+            self.inputs.profiled_param_bytes, zero, d)
+        return max(1, math.ceil(state / limit - 1e-9))
+
+    def floor(self, c: _Choice) -> float:
+        """A floor on the update time of choice ``c`` (the update takes at least its
+        pipeline term): ``phi`` times the largest stage's :meth:`least_stage` at the
+        microbatch."""
+        m = self.opts.global_batch // (c.d * c.b)
+        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
     def _kinds(self, t: int, p: int, m: int, n: int) -> Iterator[tuple[PipelineKind, int]]:
         layout = self.opts.layout
@@ -191,12 +273,15 @@ class SyncSearch:
                     kind is PipelineKind.ZB_H1 and t > 1):
                 yield kind, 1
 
-    def run(self, choice: _Choice) -> tuple[float, SyncPlan] | None:
+    def run(self, choice: _Choice, beat: float = math.inf) -> tuple[float, SyncPlan] | None:
+        """The best plan of ``choice``, or None where none fits; exact where it is faster
+        than ``beat`` (stages whose floor is at least ``beat`` are left out)."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
-        found = best_stages(tables, sl, opts.memory_bytes)
+        width = self.width(c.t, beat / (sl.factor * c.b / self.base))
+        found = best_stages(tables, sl, opts.memory_bytes, width)
         if found is None:
             return None
         value, terms = found
@@ -237,6 +322,21 @@ def _copies(batch: int, workers: int, t: int, layout: Layout | None) -> list[int
     return [d]
 
 
+def _stages_within(envelope: FloatArray, theta: float, most: int) -> float:
+    """The fewest stages, each of :func:`SyncSearch.envelope` at most ``theta``, that cover
+    the layers (inf: a layer alone is above it), or ``most + 1`` when that is more than
+    ``most``; greedy, each stage as long as it may."""
+    n, i, count = envelope.shape[0], 0, 0
+    while i < n:
+        if count == most:
+            return most + 1
+        k = int(envelope[i, i:].searchsorted(theta, side="right"))
+        if k == 0:
+            return math.inf
+        i, count = i + k, count + 1
+    return count
+
+
 def _divisors(k: int) -> list[int]:
     return [x for x in range(1, k + 1) if k % x == 0]
 
@@ -248,7 +348,7 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     best: tuple[float, SyncPlan] | None = None
     tried = 0
     choices = sorted(search.choices())
-    if not choices:
+    if not choices and not any(True for _ in search.choices(fit=False)):
         raise PlanError(
             f"no layout of {graph.model or 'the model'} on {topology.num_workers} workers "
             f"runs a global batch of {options.global_batch}"
@@ -257,11 +357,16 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
             "v >= 2 and microbatches a multiple of p, zb-h1 unsplit stages, and a "
             "microbatch size must divide each copy's share; change the schedule, the "
             "layout or the batch")
-    for choice in choices:
-        if best is not None and choice.floor >= best[0] * (1 - _MARGIN):
+    queue = [(c.floor, False, c) for c in choices]  # sorted: a heap already
+    while queue:
+        floor, refined, choice = heapq.heappop(queue)
+        if best is not None and floor >= best[0] * (1 - _MARGIN):
             break
+        if not refined:
+            heapq.heappush(queue, (search.floor(choice), True, choice))
+            continue
         tried += 1
-        found = search.run(choice)
+        found = search.run(choice, math.inf if best is None else best[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     if best is None:

@@ -110,13 +110,16 @@ class StageTables:
         size = self.d * self.t
         return tuple(range(block * size, (block + 1) * size))
 
-    def _groups(self, block: int) -> tuple[int, ...]:
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - per instance, dropped with it
+    def groups(self, block: int) -> tuple[int, ...]:
+        """How the replicas of the stage on ``block`` sit in the topology: blocks with the
+        same groups have the same times."""
         return replica_groups(self.workers(block)[::self.t], self.inputs.topology)
 
     # ---- time --------------------------------------------------------------------
     def times(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
         """``(tau, tail)`` of option ``x`` on worker block ``block`` (module doc)."""
-        return self._times(x, self._groups(block))
+        return self._times(x, self.groups(block))
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...]) -> tuple[FloatArray, FloatArray]:
@@ -152,13 +155,12 @@ class StageTables:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def _cut(self, block: int, after: int) -> FloatArray:
-        sent = self.inputs.costs.cut_bytes * self.fraction
+        sent = self.inputs.costs.cut_bytes[1:] * self.fraction
         senders, receivers = self.workers(block), self.workers(after)
-        out = np.zeros(self.n)
-        for j in range(self.n - 1):
-            out[j] = self.d * cut_seconds(float(sent[j + 1]), senders, receivers,
-                                          self.inputs.topology)
-        return out
+        sizes, at = np.unique(sent, return_inverse=True)  # a profile by shape repeats its cuts
+        priced = np.array([self.d * cut_seconds(float(x), senders, receivers,
+                                                self.inputs.topology) for x in sizes])
+        return np.append(priced[at], 0.0)
 
     def allreduce(self, x: int, block: int) -> FloatArray:
         """``[i, j]``: one all-reduce of option ``x``'s weights over its replicas on
@@ -166,7 +168,7 @@ class StageTables:
         costs = self._costs(self.options[x])
         if self.d < 2:
             return np.zeros_like(costs.weights)
-        lat, per = allreduce_terms(self._groups(block), self.inputs.topology.levels,
+        lat, per = allreduce_terms(self.groups(block), self.inputs.topology.levels,
                                    self.inputs.sync, self.d)
         return np.asarray(np.where(costs.weights > 0, lat + per * costs.weights, 0.0))
 
@@ -184,6 +186,20 @@ class StageTables:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
         fixed, per = self._memory[x]
         return np.asarray(fixed + held * per)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
+    def capacity(self, x: int, room: float) -> FloatArray:
+        """``[i, j]``: the most microbatches option ``x`` holds within ``room`` bytes per
+        worker (-1 where not even none fit, inf where they cost nothing): a stage fits
+        holding ``held`` exactly where ``held <= capacity``."""
+        fixed, per = self._memory[x]
+        return _capacity(fixed, per, room)
+
+    def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
+        """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
+        ``held`` microbatches (:meth:`capacity`, for one stage)."""
+        fixed, per = self._memory[x]
+        return bool(_capacity(fixed[first, last], per[first, last], room) >= held)
 
     def _memory_terms(self, o: StageOption) -> tuple[FloatArray, FloatArray]:
         inp, f = self.inputs, self.fraction
@@ -245,6 +261,13 @@ class StageTables:
             if b is not None:
                 sums[b] = sums.get(b, 0.0) + float(kept)
         return max(sums.values(), default=0.0)
+
+
+def _capacity(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
+    """:meth:`StageTables.capacity` of memory terms ``fixed + held * per``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        most = np.where(per > 0, np.floor((room - fixed) / per), np.inf)
+    return np.asarray(np.where(fixed > room, -1.0, most))
 
 
 def _sums(values: FloatArray) -> FloatArray:
