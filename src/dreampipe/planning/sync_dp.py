@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 from dreampipe.planning.sync_objective import Slots
-from dreampipe.planning.sync_tables import StageTables
+from dreampipe.planning.sync_tables import StageTables, band
 
 __all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time"]
 
@@ -69,13 +69,10 @@ class _Slots:
                  width: int | None = None) -> None:
         self.tables, self.slots, self.memory = tables, slots, memory_bytes
         n = tables.n
-        w = n if width is None else max(1, min(n, width))
-        last = np.arange(n)[:, None] + np.arange(w)[None, :]
-        self.inside = last < n
-        self.last = np.minimum(last, n - 1)
-        self.rows = np.arange(n)[:, None]
+        self.width = n if width is None else max(1, min(n, width))
+        self.rows, self.last = band(n, self.width)
+        self.inside = self.rows + np.arange(self.width)[None, :] < n
         self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
-        self._bands: dict[tuple[int, tuple[int, ...]], tuple[FloatArray, FloatArray]] = {}
         self._rooms: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
@@ -84,17 +81,13 @@ class _Slots:
         return self.tables.cut(self.slots.blocks[c], self.slots.blocks[c + 1])
 
     def _band(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
-        key = (x, self.tables.groups(block))
-        if key not in self._bands:
-            tau, tail = self.tables.times(x, block)
-            self._bands[key] = (tau[self.rows, self.last], tail[self.rows, self.last])
-        return self._bands[key]
+        return self.tables.times(x, block, self.width)
 
     def _room(self, x: int) -> FloatArray:
         if x not in self._rooms:
             assert self.memory is not None
-            room = self.tables.capacity(x, self.memory * self.slots.memory_share)
-            self._rooms[x] = room[self.rows, self.last]
+            self._rooms[x] = self.tables.capacity(x, self.memory * self.slots.memory_share,
+                                                  self.width)
         return self._rooms[x]
 
     def values(self, c: int, tail_below: float = math.inf) -> tuple[FloatArray, IntArray]:
@@ -128,13 +121,13 @@ class _Slots:
     def terms(self, c: int, chosen: Chosen) -> StageTerms:
         """Slot ``c``'s terms for ``chosen``."""
         sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
-        tau, tail = self.tables.times(x, sl.blocks[c])
+        tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
         cut = float(self._cut(c)[j])
-        memory = float(self.tables.memory(x, sl.in_flight[c])[i, j])
+        memory = self.tables.memory_at(x, sl.in_flight[c], i, j)
         fits = self.memory is None or self.tables.fits(
             x, sl.in_flight[c], self.memory * sl.memory_share, i, j)
-        value = sl.factor * (float(tau[i, j]) + cut)
-        return StageTerms(chosen, float(tau[i, j]), cut, float(tail[i, j]), memory,
+        value = sl.factor * (tau + cut)
+        return StageTerms(chosen, tau, cut, tail, memory,
                           sl.in_flight[c], value if fits else math.inf)
 
 

@@ -212,7 +212,7 @@ class SyncSearch:
             return self.inputs.costs.n
         return max(1, int(np.max(np.sum(self.envelope(t) < theta, axis=1))))
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - one search, dropped with it
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
         zero = self.opts.layout.zero if self.opts.layout else 0
         return StageTables(self.inputs, self.options(t), t, d, b / self.base, zero,
@@ -295,8 +295,8 @@ class SyncSearch:
             option = tables.options[ch.option]
             costs = self.inputs.costs if option.split is None else option.split.costs
             forward = float(costs.forward[ch.first, ch.last]) * c.b / self.base
-            ar = tables.allreduce(ch.option, sl.blocks[k])[ch.first, ch.last]
-            stages.append(SyncStage.of(x, option, forward, float(ar), sl.blocks[k],
+            ar = tables.allreduce(ch.option, sl.blocks[k], ch.first, ch.last)
+            stages.append(SyncStage.of(x, option, forward, ar, sl.blocks[k],
                                        tables.recomputed(ch.option, ch.first, ch.last)))
         return SyncPlan(
             stages=tuple(stages), schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
