@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts, memory_bytes
@@ -164,9 +164,15 @@ def _ends(graph: LayerGraph, t: int, link: Link) -> tuple[_Point, _Point]:
     layers = graph.layers
     start = {lay: _Point(0.0, 0.0, 0.0, (), ()) for lay in _SOURCES}
     fronts: list[dict[Layout, _Point]] = [dict(start), dict(start)]
-    for group in coarsen(graph):
-        options = {src: _group_options(layers, group, src, t, link)
-                   for src in set(fronts[0]) | set(fronts[1])}
+    seen: dict[tuple[object, ...], list[tuple[Layout, _Point]]] = {}
+    for group in coarsen(graph):  # a profile by shape repeats its blocks: price each once
+        alike = (tuple(replace(layers[i], name="") for i in group),
+                 _input_bytes(layers, group[0]))
+        options = {}
+        for src in set(fronts[0]) | set(fronts[1]):
+            if (alike, src) not in seen:
+                seen[alike, src] = _group_options(layers, group, src, t, link)
+            options[src] = seen[alike, src]
         for k, key in enumerate(keys):
             grown: dict[Layout, _Point] = {}
             for src, p in fronts[k].items():
