@@ -121,7 +121,11 @@ class _Slots:
     def terms(self, c: int, chosen: Chosen) -> StageTerms:
         """Slot ``c``'s terms for ``chosen``."""
         sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
-        tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
+        if j - i < self.width:  # the band the program read
+            taus, tails = self._band(x, sl.blocks[c])
+            tau, tail = float(taus[i, j - i]), float(tails[i, j - i])
+        else:
+            tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
         cut = float(self._cut(c)[j])
         memory = self.tables.memory_at(x, sl.in_flight[c], i, j)
         fits = self.memory is None or self.tables.fits(
@@ -198,5 +202,5 @@ def stage_terms(tables: StageTables, slots: Slots, chosen: Sequence[Chosen],
             or any(b.first != a.last + 1 for a, b in itertools.pairwise(chosen)):
         raise ValueError(f"{len(chosen)} stages for {slots.count} slots over {tables.n} "
                          "layers: give one stage a slot, covering the layers in order")
-    program = _Slots(tables, slots, memory_bytes, 1)
+    program = _Slots(tables, slots, memory_bytes)
     return [program.terms(c, x) for c, x in enumerate(chosen)]
