@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 MAX_VIRTUAL_STAGES = 8
 #: Relative margin under which a floor still beats the best time found.
 _MARGIN = 1e-9
+#: The first choice's program reads the band below this times its floor, and all its
+#: stages only where no plan is faster than that.
+_FIRST_GUESS = 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,6 +224,13 @@ class SyncSearch:
     def choices(self, fit: bool = True) -> Iterator[_Choice]:
         """Every choice (with ``fit``: whose stages can hold the weights' state), with a
         floor (module doc): ``phi`` times the model's least compute over the stages."""
+        for family in self.families(fit):
+            yield from family
+
+    def families(self, fit: bool = True) -> Iterator[Iterator[_Choice]]:
+        """:meth:`choices` in families of one ``(t, d, b, schedule, v)``, each in the order
+        of its floors: ``phi / p`` falls as ``p`` grows (ZB-H1's on each side of
+        ``p = m``, where its ratio changes), so a family runs from its most stages down."""
         opts, layout, n = self.opts, self.opts.layout, self.inputs.costs.n
         workers = self.topology.num_workers
         widths = [1] + (split_widths(self.topology) if opts.tensor_split else [])
@@ -232,15 +242,18 @@ class SyncSearch:
                 per_copy = opts.global_batch // d
                 sizes = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_copy)
                 fewest = self._fewest_stages(t, d) if fit else 1
-                stages = [layout.p] if layout else range(fewest,
-                                                        min(workers // (d * t), n) + 1)
+                stages = [layout.p] if layout else list(
+                    range(min(workers // (d * t), n), fewest - 1, -1))
                 for b in (x for x in sizes if x is not None and per_copy % x == 0):
                     m = per_copy // b
-                    floor = least * b / self.base
-                    for p in stages:
-                        for kind, v in self._kinds(t, p, m, n):
-                            yield _Choice(factor(kind, p, m, v, self.rho) * floor / (p * v),
-                                          t, d, b, kind, v, p)
+                    for kind, v in self._kinds(t):
+                        for ps in _stage_counts(kind, v, m, n, stages):
+                            yield self._family(t, d, b, m, least * b / self.base, kind, v, ps)
+
+    def _family(self, t: int, d: int, b: int, m: int, floor: float, kind: PipelineKind,
+                v: int, stages: list[int]) -> Iterator[_Choice]:
+        for p in stages:
+            yield _Choice(factor(kind, p, m, v, self.rho) * floor / (p * v), t, d, b, kind, v, p)
 
     def _fewest_stages(self, t: int, d: int) -> int:
         """The fewest stages whose workers can hold the weights' state: each stage (each
@@ -262,13 +275,12 @@ class SyncSearch:
         phi = factor(c.kind, c.p, m, c.v, self.rho)
         return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
-    def _kinds(self, t: int, p: int, m: int, n: int) -> Iterator[tuple[PipelineKind, int]]:
+    def _kinds(self, t: int) -> Iterator[tuple[PipelineKind, int]]:
         layout = self.opts.layout
         for kind in self.opts.kinds:
             if kind is PipelineKind.INTERLEAVED:
                 wanted = [layout.v] if layout and layout.v else range(2, MAX_VIRTUAL_STAGES + 1)
-                yield from ((kind, v) for v in wanted
-                            if v >= 2 and m % p == 0 and p > 1 and p * v <= n)
+                yield from ((kind, v) for v in wanted if v >= 2)
             elif not (layout and layout.v and layout.v > 1) and not (
                     kind is PipelineKind.ZB_H1 and t > 1):
                 yield kind, 1
@@ -337,6 +349,20 @@ def _stages_within(envelope: FloatArray, theta: float, most: int) -> float:
     return count
 
 
+def _stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
+                  ) -> Iterator[list[int]]:
+    """The stage counts of ``stages`` (most first) that ``kind`` runs with ``v`` chunks a
+    worker and ``m`` microbatches, in runs whose floors rise as they go
+    (:meth:`SyncSearch.families`)."""
+    if kind is PipelineKind.INTERLEAVED:
+        yield [p for p in stages if p > 1 and m % p == 0 and p * v <= n]
+    elif kind is PipelineKind.ZB_H1:
+        yield [p for p in stages if p > m]
+        yield [p for p in stages if p <= m]
+    else:
+        yield stages
+
+
 def _divisors(k: int) -> list[int]:
     return [x for x in range(1, k + 1) if k % x == 0]
 
@@ -347,8 +373,12 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     search = SyncSearch(graph, topology, options)
     best: tuple[float, SyncPlan] | None = None
     tried = 0
-    choices = sorted(search.choices())
-    if not choices and not any(True for _ in search.choices(fit=False)):
+    queue = []  # (floor, refined, family, choice, the family's rest)
+    for k, family in enumerate(search.families()):
+        first = next(family, None)
+        if first is not None:
+            queue.append((first.floor, False, k, first, family))
+    if not queue and not any(True for _ in search.choices(fit=False)):
         raise PlanError(
             f"no layout of {graph.model or 'the model'} on {topology.num_workers} workers "
             f"runs a global batch of {options.global_batch}"
@@ -357,16 +387,25 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
             "v >= 2 and microbatches a multiple of p, zb-h1 unsplit stages, and a "
             "microbatch size must divide each copy's share; change the schedule, the "
             "layout or the batch")
-    queue = [(c.floor, False, c) for c in choices]  # sorted: a heap already
+    heapq.heapify(queue)
     while queue:
-        floor, refined, choice = heapq.heappop(queue)
+        floor, refined, k, choice, family = heapq.heappop(queue)
         if best is not None and floor >= best[0] * (1 - _MARGIN):
             break
-        if not refined:
-            heapq.heappush(queue, (search.floor(choice), True, choice))
+        if not refined:  # its family's next floors no lower; refine this one first
+            after = next(family, None)
+            if after is not None:
+                heapq.heappush(queue, (after.floor, False, k, after, family))
+            heapq.heappush(queue, (search.floor(choice), True, k, choice, family))
             continue
         tried += 1
-        found = search.run(choice, math.inf if best is None else best[0])
+        if best is None:  # no time to beat yet: try a band below a guess first
+            guess = floor * _FIRST_GUESS
+            found = search.run(choice, guess)
+            if found is None or found[0] >= guess:
+                found = search.run(choice)
+        else:
+            found = search.run(choice, best[0])
         if found is not None and (best is None or found[0] < best[0]):
             best = found
     if best is None:
