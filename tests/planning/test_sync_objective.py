@@ -116,13 +116,14 @@ def test_the_program_finds_what_brute_force_finds(
 
 
 @settings(max_examples=12, deadline=None)
-@given(_graphs(), st.sampled_from(["2x2", "4"]), st.sampled_from([4, 8]),
-       st.sampled_from([None, 3 * 10**7, 3 * 10**8]))
+@given(_graphs(), st.sampled_from(["2x2", "4"]), st.sampled_from([1e8, 1e10]),
+       st.sampled_from([4, 8]), st.sampled_from([None, 3 * 10**7, 3 * 10**8]))
 def test_each_choice_takes_at_least_its_floor_and_the_band_keeps_its_optimum(
-        graph: LayerGraph, shape: str, batch: int, memory: int | None) -> None:
-    """The search skips a choice by its floor, a choice that cannot hold the weights'
+        graph: LayerGraph, shape: str, bandwidth: float, batch: int, memory: int | None
+) -> None:
+    """The search skips a choice by its floors, a choice that cannot hold the weights'
     state, and stages longer than the band: each must lose nothing."""
-    topo = Topology.parse(shape, ["1e10B/s"] * len(shape.split("x")))
+    topo = Topology.parse(shape, [f"{bandwidth}B/s"] * len(shape.split("x")))
     search = SyncSearch(graph, topo, SyncOptions(
         global_batch=batch, memory_bytes=memory, recompute=True,
         training=Training("bf16", "adam")))
@@ -133,7 +134,8 @@ def test_each_choice_takes_at_least_its_floor_and_the_band_keeps_its_optimum(
             assert found is None
         if found is None:
             continue
-        assert search.floor(choice) <= found[0] * (1 + 1e-12)
+        floor = search.floor(choice)
+        assert floor <= search.floor_with_cuts(choice, floor) <= found[0] * (1 + 1e-12)
         banded = search.run(choice, found[0] * (1 + 1e-9))
         assert banded is not None and banded[0] == found[0]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -59,9 +60,10 @@ log = logging.getLogger(__name__)
 MAX_VIRTUAL_STAGES = 8
 #: Relative margin under which a floor still beats the best time found.
 _MARGIN = 1e-9
-#: The first choice's program reads the band below this times its floor, and all its
-#: stages only where no plan is faster than that.
-_FIRST_GUESS = 1.25
+#: A choice's program reads the band below this times its floor (or the best time, if
+#: lower); where it finds no plan below that, that is its floor, and it runs again
+#: when that floor comes up.
+_GROWTH = 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,6 +277,28 @@ class SyncSearch:
         phi = factor(c.kind, c.p, m, c.v, self.rho)
         return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
+    def floor_with_cuts(self, c: _Choice, floor: float) -> float:
+        """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last
+        adds its cut, at least the least cut between its worker blocks, to its ``tau``;
+        the least largest stage of the envelope at the microbatch plus that, bisected to
+        1e-4 and rounded down (:func:`_fits_with_cut`)."""
+        if c.p * c.v < 2:
+            return floor
+        m = self.opts.global_batch // (c.d * c.b)
+        sl = slots(c.kind, c.p, m, c.v, self.rho)
+        tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
+        cut = min(float(np.min(tables.cut(a, b)[:-1]))
+                  for a, b in set(itertools.pairwise(sl.blocks)))
+        env, f = self.envelope(c.t), c.b / self.base
+        lo, hi = floor / sl.factor, float(env[0, -1]) * f + cut
+        while hi - lo > 1e-4 * hi:
+            mid = (lo + hi) / 2
+            if _fits_with_cut(env, mid, f, cut, sl.count):
+                hi = mid
+            else:
+                lo = mid
+        return max(floor, sl.factor * lo)
+
     def _kinds(self, t: int) -> Iterator[tuple[PipelineKind, int]]:
         layout = self.opts.layout
         for kind in self.opts.kinds:
@@ -287,17 +311,27 @@ class SyncSearch:
 
     def run(self, choice: _Choice, beat: float = math.inf) -> tuple[float, SyncPlan] | None:
         """The best plan of ``choice``, or None where none fits; exact where it is faster
-        than ``beat`` (stages whose floor is at least ``beat`` are left out)."""
+        than ``beat`` (stages whose floor is at least ``beat`` are left out), or where
+        :meth:`covers` says no stage was."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
-        width = self.width(c.t, beat / (sl.factor * c.b / self.base))
-        found = best_stages(tables, sl, opts.memory_bytes, width)
+        found = best_stages(tables, sl, opts.memory_bytes, self._band(c, beat))
         if found is None:
             return None
         value, terms = found
         return value, self._plan(c, sl, tables, value, terms, m)
+
+    def covers(self, choice: _Choice, beat: float) -> bool:
+        """Whether :meth:`run` with ``beat`` reads every stage, so that what it finds is
+        ``choice``'s best plan whatever its time (None: none fits)."""
+        return self._band(choice, beat) >= self.inputs.costs.n
+
+    def _band(self, c: _Choice, beat: float) -> int:
+        m = self.opts.global_batch // (c.d * c.b)
+        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        return self.width(c.t, beat / (phi * c.b / self.base))
 
     def _plan(self, c: _Choice, sl: Slots, tables: StageTables, value: float,
               terms: list[StageTerms], m: int) -> SyncPlan:
@@ -349,6 +383,23 @@ def _stages_within(envelope: FloatArray, theta: float, most: int) -> float:
     return count
 
 
+def _fits_with_cut(envelope: FloatArray, theta: float, fraction: float, cut: float,
+                   count: int) -> bool:
+    """Whether ``count`` stages might each take ``theta`` or less a microbatch of
+    ``fraction`` of the profiled minibatch: the first ``count - 1`` as long as their
+    envelope plus ``cut`` stays within it (greedy: none reach further), the rest in the
+    last stage, without a cut."""
+    n, i = envelope.shape[0], 0
+    for _ in range(count - 1):
+        if i >= n:
+            return True
+        k = int(envelope[i, i:].searchsorted((theta - cut) / fraction, side="right"))
+        if k == 0:
+            break
+        i += k
+    return i >= n or float(envelope[i, n - 1]) * fraction <= theta
+
+
 def _stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
                   ) -> Iterator[list[int]]:
     """The stage counts of ``stages`` (most first) that ``kind`` runs with ``v`` chunks a
@@ -373,11 +424,11 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     search = SyncSearch(graph, topology, options)
     best: tuple[float, SyncPlan] | None = None
     tried = 0
-    queue = []  # (floor, refined, family, choice, the family's rest)
+    queue = []  # (floor, how refined: 0, 1 envelope, 2 cuts; family, choice, its rest)
     for k, family in enumerate(search.families()):
         first = next(family, None)
         if first is not None:
-            queue.append((first.floor, False, k, first, family))
+            queue.append((first.floor, 0, k, first, family))
     if not queue and not any(True for _ in search.choices(fit=False)):
         raise PlanError(
             f"no layout of {graph.model or 'the model'} on {topology.num_workers} workers "
@@ -392,22 +443,24 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
         floor, refined, k, choice, family = heapq.heappop(queue)
         if best is not None and floor >= best[0] * (1 - _MARGIN):
             break
-        if not refined:  # its family's next floors no lower; refine this one first
+        if refined == 0:  # its family's next floors no lower; refine this one first
             after = next(family, None)
             if after is not None:
-                heapq.heappush(queue, (after.floor, False, k, after, family))
-            heapq.heappush(queue, (search.floor(choice), True, k, choice, family))
+                heapq.heappush(queue, (after.floor, 0, k, after, family))
+            heapq.heappush(queue, (search.floor(choice), 1, k, choice, family))
+            continue
+        if refined == 1:  # about to run the program: raise the floor by the cuts first
+            heapq.heappush(queue, (search.floor_with_cuts(choice, floor), 2, k, choice, family))
             continue
         tried += 1
-        if best is None:  # no time to beat yet: try a band below a guess first
-            guess = floor * _FIRST_GUESS
-            found = search.run(choice, guess)
-            if found is None or found[0] >= guess:
-                found = search.run(choice)
-        else:
-            found = search.run(choice, best[0])
+        beat = floor * _GROWTH if floor > 0 else math.inf
+        beat = beat if best is None else min(beat, best[0])
+        found = search.run(choice, beat)  # exact below beat; any plan it finds is a plan
         if found is not None and (best is None or found[0] < best[0]):
             best = found
+        settled = (found is not None and found[0] < beat) or search.covers(choice, beat)
+        if not settled and (best is None or beat < best[0] * (1 - _MARGIN)):
+            heapq.heappush(queue, (beat, 2, k, choice, family))  # none below beat
     if best is None:
         limit = options.memory_bytes
         raise PlanError(
