@@ -5,10 +5,11 @@ the split ``t`` of a replica, the copies ``d`` of the pipeline (``d`` divides th
 global batch ``B``), the microbatch size ``b`` (a divisor of ``B / d``, or
 ``--microbatch-size``), the schedule and its virtual stages ``v``, and the stage count
 ``p`` (``d t p`` workers at most). For each, :func:`~dreampipe.planning.sync_dp.
-best_stages` finds the exact best cuts and per-stage options. Every choice has a floor,
-``phi`` times the least compute of the model over the stages, so the choices run in
-the order of their floors and the search stops at the first floor above the best time
-found: the plan is the optimum of the objective over every choice. A ``--layout`` fixes
+best_stages` finds the exact best cuts and per-stage options. A choice whose stages
+cannot hold the weights' state is not made; every other has floors
+(:mod:`~dreampipe.planning.sync_floors`), refined in a heap as it comes up, and the
+search stops at the first floor above the best time found, the program reading only
+stages that could beat it: the plan is the optimum over every choice. ``--layout`` fixes
 ``t``, ``p`` and optionally ``v``, ZeRO's level and the recomputed blocks, ``d`` filling
 the workers. docs/planner.md, "The synchronous objective".
 """
@@ -34,6 +35,12 @@ from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import Training, profiled_param_bytes
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.sync_dp import StageTerms, best_stages
+from dreampipe.planning.sync_floors import (
+    band_width,
+    envelope,
+    least_largest,
+    least_largest_with_cut,
+)
 from dreampipe.planning.sync_objective import (
     PipelineKind,
     Slots,
@@ -177,45 +184,20 @@ class SyncSearch:
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def envelope(self, t: int) -> FloatArray:
-        """``[i, j]``: a floor on ``tau`` of a stage holding layers ``i..j`` or more, for
-        a profiled minibatch: the least over the options and the ranges that contain it
-        of the range's compute (inf where ``j < i``). ``tau`` is at least its compute (it
-        adds recomputation and ZeRO's collectives), so any stage ``i'..j' ⊇ i..j`` takes
-        at least this; it grows with ``j`` and shrinks with ``i``."""
-        least = np.min(np.stack([(self.inputs.costs if s is None else s.costs).compute_s
-                                 for s in {o.split for o in self.options(t)}]), axis=0)
-        above = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
-        out = np.minimum.accumulate(above, axis=0)
-        return np.asarray(np.where(np.triu(np.ones_like(out, dtype=bool)), out, np.inf))
+        """:func:`~dreampipe.planning.sync_floors.envelope` of the options on ``t``
+        workers a replica, for a profiled minibatch."""
+        return envelope([(self.inputs.costs if s is None else s.costs).compute_s
+                         for s in {o.split for o in self.options(t)}])
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def least_stage(self, t: int, count: int) -> float:
-        """A floor on the largest ``tau`` of ``count`` stages, for a profiled minibatch:
-        the least ``theta`` for which stages of :meth:`envelope` at most ``theta`` cover
-        the layers (greedy is exact for a floor that grows with the range), found by
-        bisection to 1e-4 and rounded down."""
-        env = self.envelope(t)
-        n = env.shape[0]
-        lo = max(self.least_compute(t) / count, 0.0)
-        hi = lo + float(np.max(np.diag(env)))  # enough for sums; checked, else all layers
-        if not _stages_within(env, hi, count) <= count:
-            hi = float(env[0, n - 1])
-        if not math.isfinite(hi) or hi <= lo:
-            return lo
-        while hi - lo > 1e-4 * hi:
-            mid = (lo + hi) / 2
-            if _stages_within(env, mid, count) <= count:
-                hi = mid
-            else:
-                lo = mid
-        return lo
+        """A floor on the largest ``tau`` of ``count`` stages, for a profiled minibatch."""
+        return least_largest(self.envelope(t), count, self.least_compute(t) / count)
 
     def width(self, t: int, theta: float) -> int:
         """The most layers a stage of ``t`` workers a replica may hold while its floor
         (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
-        if not math.isfinite(theta):
-            return self.inputs.costs.n
-        return max(1, int(np.max(np.sum(self.envelope(t) < theta, axis=1))))
+        return band_width(self.envelope(t), theta)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
@@ -280,8 +262,8 @@ class SyncSearch:
     def floor_with_cuts(self, c: _Choice, floor: float) -> float:
         """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last
         adds its cut, at least the least cut between its worker blocks, to its ``tau``;
-        the least largest stage of the envelope at the microbatch plus that, bisected to
-        1e-4 and rounded down (:func:`_fits_with_cut`)."""
+        :func:`~dreampipe.planning.sync_floors.least_largest_with_cut` at the
+        microbatch."""
         if c.p * c.v < 2:
             return floor
         m = self.opts.global_batch // (c.d * c.b)
@@ -289,14 +271,8 @@ class SyncSearch:
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
         cut = min(float(np.min(tables.cut(a, b)[:-1]))
                   for a, b in set(itertools.pairwise(sl.blocks)))
-        env, f = self.envelope(c.t), c.b / self.base
-        lo, hi = floor / sl.factor, float(env[0, -1]) * f + cut
-        while hi - lo > 1e-4 * hi:
-            mid = (lo + hi) / 2
-            if _fits_with_cut(env, mid, f, cut, sl.count):
-                hi = mid
-            else:
-                lo = mid
+        lo = least_largest_with_cut(self.envelope(c.t), c.b / self.base, cut, sl.count,
+                                    floor / sl.factor)
         return max(floor, sl.factor * lo)
 
     def _kinds(self, t: int) -> Iterator[tuple[PipelineKind, int]]:
@@ -366,38 +342,6 @@ def _copies(batch: int, workers: int, t: int, layout: Layout | None) -> list[int
                         f"the pipeline, which do not divide the global batch {batch}: give "
                         f"a global batch that {d} divides, e.g. {batch // d * d or d}")
     return [d]
-
-
-def _stages_within(envelope: FloatArray, theta: float, most: int) -> float:
-    """The fewest stages, each of :func:`SyncSearch.envelope` at most ``theta``, that cover
-    the layers (inf: a layer alone is above it), or ``most + 1`` when that is more than
-    ``most``; greedy, each stage as long as it may."""
-    n, i, count = envelope.shape[0], 0, 0
-    while i < n:
-        if count == most:
-            return most + 1
-        k = int(envelope[i, i:].searchsorted(theta, side="right"))
-        if k == 0:
-            return math.inf
-        i, count = i + k, count + 1
-    return count
-
-
-def _fits_with_cut(envelope: FloatArray, theta: float, fraction: float, cut: float,
-                   count: int) -> bool:
-    """Whether ``count`` stages might each take ``theta`` or less a microbatch of
-    ``fraction`` of the profiled minibatch: the first ``count - 1`` as long as their
-    envelope plus ``cut`` stays within it (greedy: none reach further), the rest in the
-    last stage, without a cut."""
-    n, i = envelope.shape[0], 0
-    for _ in range(count - 1):
-        if i >= n:
-            return True
-        k = int(envelope[i, i:].searchsorted((theta - cut) / fraction, side="right"))
-        if k == 0:
-            break
-        i += k
-    return i >= n or float(envelope[i, n - 1]) * fraction <= theta
 
 
 def _stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
