@@ -74,11 +74,14 @@ class _Slots:
         self.inside = self.rows + np.arange(self.width)[None, :] < n
         self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
         self._rooms: dict[int, FloatArray] = {}
+        self._cuts: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
-        if c + 1 == self.slots.count:
-            return np.zeros(self.tables.n)
-        return self.tables.cut(self.slots.blocks[c], self.slots.blocks[c + 1])
+        if c not in self._cuts:
+            last = c + 1 == self.slots.count
+            self._cuts[c] = np.zeros(self.tables.n) if last else self.tables.cut(
+                self.slots.blocks[c], self.slots.blocks[c + 1])
+        return self._cuts[c]
 
     def _band(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
         return self.tables.times(x, block, self.width)

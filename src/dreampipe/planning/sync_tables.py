@@ -17,6 +17,7 @@ objective".
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -230,8 +231,10 @@ class StageTables:
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
         ``held`` microbatches (:meth:`capacity`, for one stage)."""
-        fixed, per = self._memory(x)
-        return bool(_capacity(fixed[first, last], per[first, last], room) >= held)
+        fixed, per = (float(a[first, last]) for a in self._memory(x))
+        if fixed > room:  # :func:`_capacity` on one stage, in plain floats
+            return False
+        return per <= 0 or math.floor((room - fixed) / per) >= held
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
     def _memory(self, x: int) -> tuple[FloatArray, FloatArray]:
