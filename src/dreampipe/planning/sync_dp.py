@@ -172,13 +172,16 @@ def _least_pipeline(program: _Slots, tail_below: float
 
 
 def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None,
-                width: int | None = None) -> tuple[float, list[StageTerms]] | None:
+                width: int | None = None, beat: float = math.inf
+                ) -> tuple[float, list[StageTerms]] | None:
     """The cuts and options of ``slots.count`` stages (at least a layer each) whose update
     (:func:`update_time`) is least, with their terms; None when no choice fits
     ``memory_bytes`` per worker (None: no limit). Ties go to the shorter first stage,
-    then the earlier option, then the longer tail found first. ``width``: stages of more
-    layers are left out, exact for the caller that beats a time no such stage's value is
-    below (the plan returned is then the optimum wherever that is below the time)."""
+    then the earlier option, then the longer tail found first. For a caller that only
+    wants plans faster than ``beat``: stages of more than ``width`` layers are left out
+    (no such stage's value may be below ``beat``), and the tails stop narrowing once the
+    pipeline alone takes ``beat``; the plan returned is the optimum wherever that is
+    below ``beat``, else a plan (or None)."""
     if slots.count > tables.n:
         return None
     program = _Slots(tables, slots, memory_bytes, width)
@@ -193,7 +196,7 @@ def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = 
         if best is None or time < best[0]:
             best = (time, terms)
         bound = max(x.tail_s for x in terms)
-        if bound <= 0 or pipeline >= best[0]:
+        if bound <= 0 or pipeline >= min(best[0], beat):
             return best
 
 

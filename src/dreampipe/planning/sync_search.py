@@ -293,7 +293,7 @@ class SyncSearch:
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
-        found = best_stages(tables, sl, opts.memory_bytes, self._band(c, beat))
+        found = best_stages(tables, sl, opts.memory_bytes, self._band(c, beat), beat)
         if found is None:
             return None
         value, terms = found
