@@ -9,11 +9,13 @@ min-max of per-stage terms, so the recursion over the first stage's layers
 
     H_c(i) = min over j >= i, options o with x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
 
-is exact, ``O(options n^2)`` a slot. :func:`best_stages` solves it with no bound, then
-with ``L`` the tail it found, and so on while ``A`` stays below the best ``A + X``:
-every plan with a longer tail has an ``A`` at least as large, so the best ``A + X`` is
-the optimum. :func:`stage_terms` prices given cuts with the same tables, so a plan's
-reported time is the program's value. docs/planner.md, "The synchronous objective".
+is exact, ``O(options n w)`` a slot on stages of at most ``w <= n`` layers (the band).
+:func:`best_stages` solves it with no bound, then with ``L`` the tail it found, and so
+on while ``A`` stays below the best ``A + X``: every plan with a longer tail has an
+``A`` at least as large, so the best ``A + X`` is the optimum (or, once ``A`` reaches a
+caller's time to beat, none beats it). :func:`stage_terms` prices given cuts with the
+same tables, so a plan's reported time is the program's value. docs/planner.md, "The
+synchronous objective".
 """
 
 from __future__ import annotations
