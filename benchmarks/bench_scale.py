@@ -18,10 +18,14 @@ layers plans on ``128x8`` in under 1 s and on ``8x128`` and ``64x16`` in
 under 5 s, in under 2 GB, and every case with its check in under 30 s.
 ``--quick`` runs ResNet and GNMT on ``128x8`` only. Each case runs in a
 child process, stopped after ``--case-limit`` seconds or at ``--memory-limit``
-bytes of address space, and reported as such.
+bytes of address space, and reported as such. Then the synchronous objective
+(:data:`SYNC_CASES`, ``--sync-only`` alone): GPT-3 175B's shape on
+``dgx-a100:128``, a global batch of 1536, bf16 with Adam under 80 GB, the
+search choosing every layout, with CPU seconds and peak resident memory
+beside the wall time; target under 5 s and 2 GB with a gap of at most 5%.
 
     python benchmarks/bench_scale.py [--quick] [--repeat 3] [--profile PROFILE ...]
-        [--layers 100 300 1000] [--case-limit 300] [--memory-limit 8GB]
+        [--layers 100 300 1000] [--case-limit 300] [--memory-limit 8GB] [--sync-only]
 """
 
 from __future__ import annotations
@@ -36,15 +40,18 @@ import tracemalloc
 
 import _docs
 
+from dreampipe.cli.links import profile_on
 from dreampipe.cli.plan_command import confirm_by_simulation
 from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_search import SyncOptions, plan_sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import parse_bytes
 
-__all__ = ["dense_profile", "main", "measure", "random_profile"]
+__all__ = ["dense_profile", "main", "measure", "measure_sync", "random_profile"]
 
 SHAPES = ("8x128", "128x8", "64x16")
 BANDWIDTHS = ("300GB/s", "25Gbps")
@@ -56,6 +63,12 @@ PLAN_TARGETS_S = {"128x8": 1.0, "8x128": 5.0, "64x16": 5.0}
 TOTAL_TARGET_S = 30.0
 #: The planner's peak memory.
 MEMORY_TARGET_BYTES = 2 * 10**9
+#: Synchronous cases: profile, topology, global batch (bf16, Adam, 80 GB a worker).
+SYNC_CASES = (("gpt:layers=96,hidden=12288,heads=96,seq=2048,vocab=51200", "dgx-a100:128",
+               1536),)
+#: Seconds the synchronous search may take, and the gap its plan may state.
+SYNC_TARGET_S = 5.0
+GAP_TARGET = 0.05
 
 _MB = 1 << 20
 
@@ -198,6 +211,73 @@ def measure_limited(graph: LayerGraph, shape: str, repeat: int, seconds: float,
     return queue.get() if not queue.empty() else f"child exited with code {child.exitcode}"
 
 
+SyncMeasured = tuple[list[float], list[float], int, int, str, float]
+
+
+def measure_sync(spec: str, topology: str, batch: int, repeat: int) -> SyncMeasured:
+    """Wall and CPU seconds of ``repeat`` synchronous searches of ``spec`` on ``topology``,
+    the peak traced bytes (one more run under ``tracemalloc``), the peak resident bytes,
+    the plan's layout and its optimality gap."""
+    topo = Topology.parse(topology)
+    graph = profile_on(spec, topo)
+    opts = SyncOptions(global_batch=batch, memory_bytes=80 * 10**9,
+                       training=Training("bf16", "adam"), recompute=True)
+    wall, cpu = [], []
+    for _ in range(repeat):
+        start, used = time.perf_counter(), time.process_time()
+        plan = plan_sync(graph, topo, opts)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - used)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    tracemalloc.start()
+    plan_sync(graph, topo, opts)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    gap = float(plan.to_dict()["optimality_gap"])
+    chosen = f"{plan.layout} {plan.schedule.value} b={plan.microbatch_size}"
+    return wall, cpu, peak, rss, chosen, gap
+
+
+def _sync_child(case: tuple[str, str, int], repeat: int, memory: int,
+                out: multiprocessing.Queue[SyncMeasured | str]) -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    try:
+        out.put(measure_sync(*case, repeat))
+    except MemoryError:
+        out.put(f"over the {memory / 1e9:g} GB memory limit")
+
+
+def _run_sync(repeat: int, seconds: float, memory: int) -> int:
+    """Print the synchronous cases; how many fail."""
+    print(f"\n{'synchronous: model':<58} {'topology':<13} {'plan s':>14} {'CPU s':>14} "
+          f"{'traced MB':>9} {'RSS MB':>7} {'gap':>5}  {'verdict':<7} plan")
+    failed = 0
+    for case in SYNC_CASES:
+        queue: multiprocessing.Queue[SyncMeasured | str] = multiprocessing.Queue()
+        child = multiprocessing.Process(target=_sync_child, args=(case, repeat, memory, queue))
+        child.start()
+        child.join(seconds)
+        if child.is_alive():
+            child.terminate()
+            child.join()
+        got = queue.get() if not queue.empty() else f"over the {seconds:g} s case limit"
+        if isinstance(got, str):
+            failed += 1
+            print(f"{case[0]:<58} {case[1]:<13} FAIL  {got}")
+            continue
+        wall, cpu, peak, rss, layout, gap = got
+        ok = (statistics.median(wall) < SYNC_TARGET_S and max(peak, rss) < MEMORY_TARGET_BYTES
+              and gap <= GAP_TARGET)
+        failed += not ok
+        print(f"{case[0]:<58} {case[1]:<13} {_spread(wall):>14} {_spread(cpu):>14} "
+              f"{peak / 1e6:9.0f} {rss / 1e6:7.0f} {100 * gap:4.1f}%  "
+              f"{'PASS' if ok else 'FAIL':<7} {layout}")
+    print(f"targets: each synchronous case plans in < {SYNC_TARGET_S:g} s (median wall), in "
+          f"< {MEMORY_TARGET_BYTES / 1e9:g} GB traced and resident, with a gap of at most "
+          f"{100 * GAP_TARGET:g}%. {failed} of {len(SYNC_CASES)} cases fail")
+    return failed
+
+
 def _spread(values: list[float]) -> str:
     return f"{statistics.median(values):7.2f} ±{max(values) - min(values):5.2f}"
 
@@ -220,10 +300,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds one case (all its repeats) may take")
     parser.add_argument("--memory-limit", default="8GB",
                         help="address space one case may take, e.g. 8GB")
+    parser.add_argument("--sync-only", action="store_true",
+                        help="run the synchronous cases only")
     _docs.add_argument(parser)
     args = parser.parse_args(argv)
     tee = _docs.capture(args)
     memory = parse_bytes(args.memory_limit)
+    if args.sync_only:
+        _run_sync(args.repeat, args.case_limit, memory)
+        _docs.finish(tee, "scale", __file__, argv)
+        return
     graphs = [load_graph(p) for p in args.profile or [b.spec for b in bundled_profiles()]]
     if not args.profile:
         graphs += [random_profile(n) for n in args.layers]
@@ -252,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"targets: every profile plans on {targets}, in < {MEMORY_TARGET_BYTES / 1e9:g} GB; "
           f"every case with its check in < {TOTAL_TARGET_S:g} s. "
           f"{failed} of {len(cases)} cases fail")
+    _run_sync(args.repeat, args.case_limit, memory)
     _docs.finish(tee, "scale", __file__, argv)
 
 

@@ -75,10 +75,11 @@ def _brute(graph: LayerGraph, topo: Topology, opts: SyncOptions) -> float:
                     tables = search.tables(1, d, b, kind is PipelineKind.ZB_H1)
                     count = len(tables.options)
                     for spans in _compositions(n, sl.count):
+                        # a stage's terms depend on its own span and option only
+                        each = [stage_terms(tables, sl, [Chosen(i, j, x) for i, j in spans],
+                                            opts.memory_bytes) for x in range(count)]
                         for picks in itertools.product(range(count), repeat=sl.count):
-                            chosen = [Chosen(i, j, x) for (i, j), x in
-                                      zip(spans, picks, strict=True)]
-                            terms = stage_terms(tables, sl, chosen, opts.memory_bytes)
+                            terms = [each[x][c] for c, x in enumerate(picks)]
                             best = min(best, update_time(terms))
     return best
 
@@ -112,6 +113,31 @@ def test_the_program_finds_what_brute_force_finds(
     assert found.time_per_update_s == pytest.approx(expect, rel=1e-9)
     assert found.global_batch == found.data_parallel * found.microbatches * \
         found.microbatch_size
+
+
+@settings(max_examples=8, deadline=None)
+@given(_graphs(), st.sampled_from(["2x2", "4"]), st.sampled_from([1e8, 1e10]),
+       st.sampled_from([4, 8]), st.sampled_from([None, 3 * 10**7, 3 * 10**8]))
+def test_each_choice_takes_at_least_its_floor_and_the_band_keeps_its_optimum(
+        graph: LayerGraph, shape: str, bandwidth: float, batch: int, memory: int | None
+) -> None:
+    """The search skips a choice by its floors, a choice that cannot hold the weights'
+    state, and stages longer than the band: each must lose nothing."""
+    topo = Topology.parse(shape, [f"{bandwidth}B/s"] * len(shape.split("x")))
+    search = SyncSearch(graph, topo, SyncOptions(
+        global_batch=batch, memory_bytes=memory, recompute=True,
+        training=Training("bf16", "adam")))
+    kept = set(search.choices())
+    for choice in search.choices(fit=False):
+        found = search.run(choice)
+        if choice not in kept:
+            assert found is None
+        if found is None:
+            continue
+        floor = search.floor(choice)
+        assert floor <= search.floor_with_cuts(choice, floor) <= found[0] * (1 + 1e-12)
+        banded = search.run(choice, found[0] * (1 + 1e-9))
+        assert banded is not None and banded[0] == found[0]
 
 
 def _simulated(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,

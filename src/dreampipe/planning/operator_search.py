@@ -21,7 +21,8 @@ and its elementwise tail in one layout (a partial sum is reduced first).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts, memory_bytes
@@ -150,9 +151,43 @@ def split_front(graph: LayerGraph, workers: int, link: Link) -> tuple[SplitPlan,
     """The two ends of the search's (time, memory) front over ``workers``: the fastest
     split of ``graph`` (:func:`search_splits` without a limit) and the one that holds the
     least per worker (ties: the faster)."""
-    finals = _finals(graph, workers, link, math.inf)
-    return (min(finals, key=lambda p: (p.time, p.memory)).plan(workers),
-            min(finals, key=lambda p: (p.memory, p.time)).plan(workers))
+    fastest, leanest = _ends(graph, workers, link)
+    return fastest.plan(workers), leanest.plan(workers)
+
+
+def _ends(graph: LayerGraph, t: int, link: Link) -> tuple[_Point, _Point]:
+    """The least of :func:`_finals` by (time, memory) and by (memory, time), without the
+    whole front: in a lexicographic order of sums one point a layout suffices (adding the
+    same costs keeps the order)."""
+    keys: tuple[Callable[[_Point], tuple[float, float]], ...] = (
+        lambda p: (p.time, p.memory), lambda p: (p.memory, p.time))
+    layers = graph.layers
+    start = {lay: _Point(0.0, 0.0, 0.0, (), ()) for lay in _SOURCES}
+    fronts: list[dict[Layout, _Point]] = [dict(start), dict(start)]
+    seen: dict[tuple[object, ...], list[tuple[Layout, _Point]]] = {}
+    for group in coarsen(graph):  # a profile by shape repeats its blocks: price each once
+        alike = (tuple(replace(layers[i], name="") for i in group),
+                 _input_bytes(layers, group[0]))
+        options = {}
+        for src in set(fronts[0]) | set(fronts[1]):
+            if (alike, src) not in seen:
+                seen[alike, src] = _group_options(layers, group, src, t, link)
+            options[src] = seen[alike, src]
+        for k, key in enumerate(keys):
+            grown: dict[Layout, _Point] = {}
+            for src, p in fronts[k].items():
+                for out, extra in options[src]:
+                    q = _Point(p.time + extra.time, p.comm + extra.comm,
+                               p.memory + extra.memory, extra.splits, extra.layouts, p)
+                    if out not in grown or key(q) < key(grown[out]):
+                        grown[out] = q
+            fronts[k] = grown
+    reduce = link.seconds(Collective.ALL_REDUCE, float(layers[-1].activation_bytes), t)
+    ends = [min((p if lay is not Layout.PARTIAL else
+                 _Point(p.time + reduce, p.comm + reduce, p.memory, (), (), p)
+                 for lay, p in front.items()), key=key) for front, key in zip(fronts, keys,
+                                                                             strict=True)]
+    return ends[0], ends[1]
 
 
 def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:

@@ -9,11 +9,13 @@ min-max of per-stage terms, so the recursion over the first stage's layers
 
     H_c(i) = min over j >= i, options o with x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
 
-is exact, ``O(options n^2)`` a slot. :func:`best_stages` solves it with no bound, then
-with ``L`` the tail it found, and so on while ``A`` stays below the best ``A + X``:
-every plan with a longer tail has an ``A`` at least as large, so the best ``A + X`` is
-the optimum. :func:`stage_terms` prices given cuts with the same tables, so a plan's
-reported time is the program's value. docs/planner.md, "The synchronous objective".
+is exact, ``O(options n w)`` a slot on stages of at most ``w <= n`` layers (the band).
+:func:`best_stages` solves it with no bound, then with ``L`` the tail it found, and so
+on while ``A`` stays below the best ``A + X``: every plan with a longer tail has an
+``A`` at least as large, so the best ``A + X`` is the optimum (or, once ``A`` reaches a
+caller's time to beat, none beats it). :func:`stage_terms` prices given cuts with the
+same tables, so a plan's reported time is the program's value. docs/planner.md, "The
+synchronous objective".
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 from dreampipe.planning.sync_objective import Slots
-from dreampipe.planning.sync_tables import StageTables
+from dreampipe.planning.sync_tables import StageTables, band
 
 __all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time"]
 
@@ -59,41 +61,63 @@ class StageTerms:
 
 
 class _Slots:
-    """Each slot's best option for every layer range, computed once per distinct slot."""
+    """Each slot's best option for every stage of at most ``width`` layers, computed once
+    per distinct slot and tail bound. Entry ``[i, k]`` is the stage of layers
+    ``i..i + k`` (inf past the last layer): a stage longer than ``width`` is left out,
+    which is exact where the caller knows such a stage's value to be at least the time
+    to beat (:func:`best_stages`)."""
 
     def __init__(self, tables: StageTables, slots: Slots, memory_bytes: float | None,
-                 tail_below: float = math.inf) -> None:
+                 width: int | None = None) -> None:
         self.tables, self.slots, self.memory = tables, slots, memory_bytes
-        self.tail_below = tail_below
-        self._seen: dict[tuple[int, int, int, bool], tuple[FloatArray, IntArray]] = {}
+        n = tables.n
+        self.width = n if width is None else max(1, min(n, width))
+        self.rows, self.last = band(n, self.width)
+        self.inside = self.rows + np.arange(self.width)[None, :] < n
+        self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
+        self._rooms: dict[int, FloatArray] = {}
+        self._cuts: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
-        if c + 1 == self.slots.count:
-            return np.zeros(self.tables.n)
-        return self.tables.cut(self.slots.blocks[c], self.slots.blocks[c + 1])
+        if c not in self._cuts:
+            last = c + 1 == self.slots.count
+            self._cuts[c] = np.zeros(self.tables.n) if last else self.tables.cut(
+                self.slots.blocks[c], self.slots.blocks[c + 1])
+        return self._cuts[c]
 
-    def values(self, c: int) -> tuple[FloatArray, IntArray]:
-        """``[i, j]``: slot ``c``'s best value over the options whose tail is below the
-        bound, and which option."""
+    def _band(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
+        return self.tables.times(x, block, self.width)
+
+    def _room(self, x: int) -> FloatArray:
+        if x not in self._rooms:
+            assert self.memory is not None
+            self._rooms[x] = self.tables.capacity(x, self.memory * self.slots.memory_share,
+                                                  self.width)
+        return self._rooms[x]
+
+    def values(self, c: int, tail_below: float = math.inf) -> tuple[FloatArray, IntArray]:
+        """``[i, k]``: slot ``c``'s best value over the options whose tail is below
+        ``tail_below``, and which option."""
         sl = self.slots
-        last = c + 1 == sl.count
-        key = (sl.blocks[c], -1 if last else sl.blocks[c + 1], sl.in_flight[c], last)
+        cut = self._cut(c)
+        key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below)
         if key not in self._seen:
-            self._seen[key] = self._values(c)
+            self._seen[key] = self._values(c, cut, tail_below)
         return self._seen[key]
 
-    def _values(self, c: int) -> tuple[FloatArray, IntArray]:
-        sl, tables, n = self.slots, self.tables, self.tables.n
-        cut = self._cut(c)
-        best = np.full((n, n), np.inf)
-        pick = np.zeros((n, n), dtype=np.int64)
-        for x in range(len(tables.options)):
-            tau, tail = tables.times(x, sl.blocks[c])
-            value = sl.factor * (tau + cut[None, :])
-            value = np.where(tail < self.tail_below, value, np.inf)
+    def _values(self, c: int, cut: FloatArray, tail_below: float
+                ) -> tuple[FloatArray, IntArray]:
+        sl = self.slots
+        after = cut[self.last]
+        best = np.full(self.last.shape, np.inf)
+        pick = np.zeros(self.last.shape, dtype=np.int64)
+        for x in range(len(self.tables.options)):
+            tau, tail = self._band(x, sl.blocks[c])
+            value = sl.factor * (tau + after)
+            ok = self.inside & (tail < tail_below)
             if self.memory is not None:
-                room = self.memory * sl.memory_share
-                value = np.where(tables.memory(x, sl.in_flight[c]) <= room, value, np.inf)
+                ok &= self._room(x) >= sl.in_flight[c]
+            value = np.where(ok, value, np.inf)
             better = value < best
             best = np.where(better, value, best)
             pick = np.where(better, x, pick)
@@ -102,12 +126,17 @@ class _Slots:
     def terms(self, c: int, chosen: Chosen) -> StageTerms:
         """Slot ``c``'s terms for ``chosen``."""
         sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
-        tau, tail = self.tables.times(x, sl.blocks[c])
+        if j - i < self.width:  # the band the program read
+            taus, tails = self._band(x, sl.blocks[c])
+            tau, tail = float(taus[i, j - i]), float(tails[i, j - i])
+        else:
+            tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
         cut = float(self._cut(c)[j])
-        memory = float(self.tables.memory(x, sl.in_flight[c])[i, j])
-        fits = self.memory is None or memory <= self.memory * sl.memory_share
-        value = sl.factor * (float(tau[i, j]) + cut)
-        return StageTerms(chosen, float(tau[i, j]), cut, float(tail[i, j]), memory,
+        memory = self.tables.memory_at(x, sl.in_flight[c], i, j)
+        fits = self.memory is None or self.tables.fits(
+            x, sl.in_flight[c], self.memory * sl.memory_share, i, j)
+        value = sl.factor * (tau + cut)
+        return StageTerms(chosen, tau, cut, tail, memory,
                           sl.in_flight[c], value if fits else math.inf)
 
 
@@ -116,41 +145,52 @@ def update_time(terms: Sequence[StageTerms]) -> float:
     return max(x.value_s for x in terms) + max(x.tail_s for x in terms)
 
 
-def _least_pipeline(program: _Slots) -> tuple[float, list[StageTerms]] | None:
-    """The stages whose largest ``phi (tau + cut)`` is least under the program's bounds."""
+def _least_pipeline(program: _Slots, tail_below: float
+                    ) -> tuple[float, list[StageTerms]] | None:
+    """The stages whose largest ``phi (tau + cut)`` is least with tails below
+    ``tail_below``."""
     slots, n = program.slots, program.tables.n
-    rest = np.full(n + 1, np.inf)
+    after = np.where(program.inside, program.last + 1, n + 1)
+    rest = np.full(n + 2, np.inf)
     rest[n] = 0.0
     cuts: list[IntArray] = []
     for c in reversed(range(slots.count)):
-        values, _ = program.values(c)
-        cand = np.maximum(values, rest[None, 1:])
-        j = np.argmin(cand, axis=1)
-        rest = np.append(cand[np.arange(n), j], np.inf)
-        cuts.append(j)
+        values, _ = program.values(c, tail_below)
+        cand = np.maximum(values, rest[after])
+        k = np.argmin(cand, axis=1)
+        rest = np.full(n + 2, np.inf)
+        rest[:n] = cand[np.arange(n), k]
+        cuts.append(k)
     cuts.reverse()
     if not math.isfinite(float(rest[0])):
         return None
     out, i = [], 0
     for c in range(slots.count):
-        j = int(cuts[c][i])
-        out.append(program.terms(c, Chosen(i, j, int(program.values(c)[1][i, j]))))
-        i = j + 1
+        k = int(cuts[c][i])
+        option = int(program.values(c, tail_below)[1][i, k])
+        out.append(program.terms(c, Chosen(i, i + k, option)))
+        i += k + 1
     return float(rest[0]), out
 
 
-def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None
+def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None,
+                width: int | None = None, beat: float = math.inf
                 ) -> tuple[float, list[StageTerms]] | None:
     """The cuts and options of ``slots.count`` stages (at least a layer each) whose update
     (:func:`update_time`) is least, with their terms; None when no choice fits
     ``memory_bytes`` per worker (None: no limit). Ties go to the shorter first stage,
-    then the earlier option, then the longer tail found first."""
+    then the earlier option, then the longer tail found first. For a caller that only
+    wants plans faster than ``beat``: stages of more than ``width`` layers are left out
+    (no such stage's value may be below ``beat``), and the tails stop narrowing once the
+    pipeline alone takes ``beat``; the plan returned is the optimum wherever that is
+    below ``beat``, else a plan (or None)."""
     if slots.count > tables.n:
         return None
+    program = _Slots(tables, slots, memory_bytes, width)
     best: tuple[float, list[StageTerms]] | None = None
     bound = math.inf
     while True:
-        found = _least_pipeline(_Slots(tables, slots, memory_bytes, bound))
+        found = _least_pipeline(program, bound)
         if found is None:
             return best
         pipeline, terms = found
@@ -158,7 +198,7 @@ def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = 
         if best is None or time < best[0]:
             best = (time, terms)
         bound = max(x.tail_s for x in terms)
-        if bound <= 0 or pipeline >= best[0]:
+        if bound <= 0 or pipeline >= min(best[0], beat):
             return best
 
 

@@ -27,7 +27,7 @@ from enum import StrEnum
 from dreampipe.errors import PlanError
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["PipelineKind", "Slots", "slots", "zero_bubble_ratio"]
+__all__ = ["PipelineKind", "Slots", "factor", "slots", "zero_bubble_ratio"]
 
 
 class PipelineKind(StrEnum):
@@ -66,21 +66,29 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 1.0) -> S
     held to ``1 / v`` of the memory with as many of its own microbatches, at most ``m``,
     a bound on the worker's sum (exact when its chunks hold alike).
     """
+    phi = factor(kind, p, m, v, rho)
+    if kind is PipelineKind.INTERLEAVED:
+        held = [min(2 * (p - w - 1) + (v - 1) * p + 1, v * m, m) for w in range(p)]
+        return Slots(tuple(c % p for c in range(p * v)), tuple(held[c % p] for c in range(p * v)),
+                     1.0 / v, phi)
+    return Slots(tuple(range(p)), tuple(min(p - c, m) for c in range(p)), 1.0, phi)
+
+
+def factor(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 1.0) -> float:
+    """``phi`` of ``kind`` (module doc), without the slots: the search prices every
+    choice's floor with it."""
     if p < 1 or m < 1 or v < 1:
         raise PlanError(f"p={p}, m={m}, v={v}: give whole numbers >= 1")
     if kind is PipelineKind.INTERLEAVED:
         if v < 2 or m % p:
             raise PlanError(f"interleaved-1f1b with v={v}, m={m} on p={p}: it needs v >= 2 "
                             f"and m a multiple of p ({p}), as Megatron-LM runs it")
-        held = [min(2 * (p - w - 1) + (v - 1) * p + 1, v * m, m) for w in range(p)]
-        return Slots(tuple(c % p for c in range(p * v)), tuple(held[c % p] for c in range(p * v)),
-                     1.0 / v, float(v * m + p - 1))
+        return float(v * m + p - 1)
     if v != 1:
         raise PlanError(f"{kind.value} runs one stage a worker, not v={v}; use "
                         "interleaved-1f1b for virtual stages")
     ratio = rho if kind is PipelineKind.ZB_H1 and m >= p else 1.0
-    return Slots(tuple(range(p)), tuple(min(p - c, m) for c in range(p)), 1.0,
-                 m + (p - 1) * ratio)
+    return m + (p - 1) * ratio
 
 
 def zero_bubble_ratio(graph: LayerGraph) -> float:

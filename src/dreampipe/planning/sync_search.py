@@ -5,10 +5,11 @@ the split ``t`` of a replica, the copies ``d`` of the pipeline (``d`` divides th
 global batch ``B``), the microbatch size ``b`` (a divisor of ``B / d``, or
 ``--microbatch-size``), the schedule and its virtual stages ``v``, and the stage count
 ``p`` (``d t p`` workers at most). For each, :func:`~dreampipe.planning.sync_dp.
-best_stages` finds the exact best cuts and per-stage options. Every choice has a floor,
-``phi`` times the least compute of the model over the stages, so the choices run in
-the order of their floors and the search stops at the first floor above the best time
-found: the plan is the optimum of the objective over every choice. A ``--layout`` fixes
+best_stages` finds the exact best cuts and per-stage options. A choice whose stages
+cannot hold the weights' state is not made; every other has floors
+(:mod:`~dreampipe.planning.sync_floors`), refined in a heap as it comes up, and the
+search stops at the first floor above the best time found, the program reading only
+stages that could beat it: the plan is the optimum over every choice. ``--layout`` fixes
 ``t``, ``p`` and optionally ``v``, ZeRO's level and the recomputed blocks, ``d`` filling
 the workers. docs/planner.md, "The synchronous objective".
 """
@@ -16,22 +17,37 @@ the workers. docs/planner.md, "The synchronous objective".
 from __future__ import annotations
 
 import functools
+import heapq
+import itertools
 import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
 from dreampipe.errors import ConfigError, PlanError
-from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.layout import Layout
-from dreampipe.planning.split_ranges import split_options
+from dreampipe.planning.split_ranges import StageSplit, split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import Training, profiled_param_bytes
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.sync_dp import StageTerms, best_stages
-from dreampipe.planning.sync_objective import PipelineKind, Slots, slots, zero_bubble_ratio
+from dreampipe.planning.sync_floors import (
+    band_width,
+    envelope,
+    least_largest,
+    least_largest_with_cut,
+)
+from dreampipe.planning.sync_objective import (
+    PipelineKind,
+    Slots,
+    factor,
+    slots,
+    zero_bubble_ratio,
+)
 from dreampipe.planning.sync_plan import SyncPlan, SyncStage
 from dreampipe.planning.sync_tables import (
     Recompute,
@@ -51,6 +67,10 @@ log = logging.getLogger(__name__)
 MAX_VIRTUAL_STAGES = 8
 #: Relative margin under which a floor still beats the best time found.
 _MARGIN = 1e-9
+#: A choice's program reads the band below this times its floor (or the best time, if
+#: lower); where it finds no plan below that, that is its floor, and it runs again
+#: when that floor comes up.
+_GROWTH = 1.25
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,8 +106,7 @@ class SyncOptions:
                               "kinds")
 
 
-@dataclass(frozen=True, order=True)
-class _Choice:
+class _Choice(NamedTuple):
     """One choice made outside the program, ordered by its floor."""
 
     floor: float
@@ -148,59 +167,155 @@ class SyncSearch:
         """A floor on the sum of a pipeline's ``tau`` for a profiled minibatch: each layer's
         least forward and backward over the options (collectives and recomputation left
         out), which every stage's ``tau`` sums at least."""
+        whole = self.inputs.costs
+        alone = np.diag(whole.forward) + np.asarray(whole.layer_backward_s)
         per_layer = []
         for split in {o.split for o in self.options(t)}:
-            c = self.inputs.costs if split is None else split.costs
-            per_layer.append(np.diag(c.forward) + np.asarray(c.layer_backward_s))
+            if split is None:
+                per_layer.append(alone)
+                continue
+            # a split layer alone pays its stage's entry and exit collectives, which a
+            # longer stage shares: its share of the unsplit layer is the floor then
+            c, fixed = split.costs, _latencies(split)
+            own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - np.diag(fixed)
+            per_layer.append(np.minimum(np.maximum(0.0, own), alone / split.t))
         return float(np.sum(np.min(np.stack(per_layer), axis=0)))
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - one search, dropped with it
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_weights(self, t: int) -> float:
+        """A floor on the weight bytes a pipeline's stages hold together on a replica of
+        ``t`` workers: each layer's least over the options (stages' weights are sums of
+        their layers')."""
+        per_layer = [np.diag((self.inputs.costs if s is None else s.costs).weights)
+                     for s in {o.split for o in self.options(t)}]
+        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def envelope(self, t: int) -> FloatArray:
+        """:func:`~dreampipe.planning.sync_floors.envelope` of the options on ``t``
+        workers a replica, for a profiled minibatch."""
+        return envelope([(self.inputs.costs if s is None else s.costs).compute_s - _latencies(s)
+                         for s in {o.split for o in self.options(t)}])
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_stage(self, t: int, count: int) -> float:
+        """A floor on the largest ``tau`` of ``count`` stages, for a profiled minibatch."""
+        return least_largest(self.envelope(t), count, self.least_compute(t) / count)
+
+    def width(self, t: int, theta: float) -> int:
+        """The most layers a stage of ``t`` workers a replica may hold while its floor
+        (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
+        return band_width(self.envelope(t), theta)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
         zero = self.opts.layout.zero if self.opts.layout else 0
         return StageTables(self.inputs, self.options(t), t, d, b / self.base, zero,
                            splits_backward and zero >= 2)
 
-    def choices(self) -> Iterator[_Choice]:
-        """Every choice with its floor (module doc)."""
+    def choices(self, fit: bool = True) -> Iterator[_Choice]:
+        """Every choice (with ``fit``: whose stages can hold the weights' state), with a
+        floor (module doc): ``phi`` times the model's least compute over the stages."""
+        for family in self.families(fit):
+            yield from family
+
+    def families(self, fit: bool = True) -> Iterator[Iterator[_Choice]]:
+        """:meth:`choices` in families of one ``(t, d, b, schedule, v)``, each in the order
+        of its floors: ``phi / p`` falls as ``p`` grows (ZB-H1's on each side of
+        ``p = m``, where its ratio changes), so a family runs from its most stages down."""
         opts, layout, n = self.opts, self.opts.layout, self.inputs.costs.n
         workers = self.topology.num_workers
         widths = [1] + (split_widths(self.topology) if opts.tensor_split else [])
         for t in [layout.t] if layout else widths:
             if not self.options(t):
                 continue
+            least = self.least_compute(t)
             for d in _copies(opts.global_batch, workers, t, layout):
                 per_copy = opts.global_batch // d
                 sizes = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_copy)
+                fewest = self._fewest_stages(t, d) if fit else 1
+                stages = [layout.p] if layout else list(
+                    range(min(workers // (d * t), n), fewest - 1, -1))
                 for b in (x for x in sizes if x is not None and per_copy % x == 0):
                     m = per_copy // b
-                    floor = self.least_compute(t) * b / self.base
-                    stages = [layout.p] if layout else range(1, min(workers // (d * t), n) + 1)
-                    for p in stages:
-                        for kind, v in self._kinds(t, p, m, n):
-                            sl = slots(kind, p, m, v, self.rho)
-                            yield _Choice(sl.factor * floor / sl.count, t, d, b, kind, v, p)
+                    for kind, v in self._kinds(t):
+                        for ps in _stage_counts(kind, v, m, n, stages):
+                            yield self._family(t, d, b, m, least * b / self.base, kind, v, ps)
 
-    def _kinds(self, t: int, p: int, m: int, n: int) -> Iterator[tuple[PipelineKind, int]]:
+    def _family(self, t: int, d: int, b: int, m: int, floor: float, kind: PipelineKind,
+                v: int, stages: list[int]) -> Iterator[_Choice]:
+        for p in stages:
+            yield _Choice(factor(kind, p, m, v, self.rho) * floor / (p * v), t, d, b, kind, v, p)
+
+    def _fewest_stages(self, t: int, d: int) -> int:
+        """The fewest stages whose workers can hold the weights' state: each stage (each
+        chunk within ``1 / v`` of a worker) holds its weights' state, so ``p`` workers
+        hold at least the model's (:meth:`least_weights`)."""
+        limit = self.opts.memory_bytes
+        if limit is None:
+            return 1
+        zero = self.opts.layout.zero if self.opts.layout else 0
+        state = self.least_weights(t) * self.opts.training.state_per_byte(
+            self.inputs.profiled_param_bytes, zero, d)
+        return max(1, math.ceil(state / limit - 1e-9))
+
+    def floor(self, c: _Choice) -> float:
+        """A floor on the update time of choice ``c`` (the update takes at least its
+        pipeline term): ``phi`` times the largest stage's :meth:`least_stage` at the
+        microbatch."""
+        m = self.opts.global_batch // (c.d * c.b)
+        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
+
+    def floor_with_cuts(self, c: _Choice, floor: float) -> float:
+        """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last
+        adds its cut, at least the least cut between its worker blocks, to its ``tau``;
+        :func:`~dreampipe.planning.sync_floors.least_largest_with_cut` at the
+        microbatch."""
+        if c.p * c.v < 2:
+            return floor
+        m = self.opts.global_batch // (c.d * c.b)
+        sl = slots(c.kind, c.p, m, c.v, self.rho)
+        tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
+        cut = min(float(np.min(tables.cut(a, b)[:-1]))
+                  for a, b in set(itertools.pairwise(sl.blocks)))
+        lo = least_largest_with_cut(self.envelope(c.t), c.b / self.base, cut, sl.count,
+                                    floor / sl.factor)
+        return max(floor, sl.factor * lo)
+
+    def _kinds(self, t: int) -> Iterator[tuple[PipelineKind, int]]:
         layout = self.opts.layout
         for kind in self.opts.kinds:
             if kind is PipelineKind.INTERLEAVED:
                 wanted = [layout.v] if layout and layout.v else range(2, MAX_VIRTUAL_STAGES + 1)
-                yield from ((kind, v) for v in wanted
-                            if v >= 2 and m % p == 0 and p > 1 and p * v <= n)
+                yield from ((kind, v) for v in wanted if v >= 2)
             elif not (layout and layout.v and layout.v > 1) and not (
                     kind is PipelineKind.ZB_H1 and t > 1):
                 yield kind, 1
 
-    def run(self, choice: _Choice) -> tuple[float, SyncPlan] | None:
+    def run(self, choice: _Choice, beat: float = math.inf) -> tuple[float, SyncPlan] | None:
+        """The best plan of ``choice``, or None where none fits; exact where it is faster
+        than ``beat`` (stages whose floor is at least ``beat`` are left out), or where
+        :meth:`covers` says no stage was."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
-        found = best_stages(tables, sl, opts.memory_bytes)
+        found = best_stages(tables, sl, opts.memory_bytes, self._band(c, beat), beat)
         if found is None:
             return None
         value, terms = found
         return value, self._plan(c, sl, tables, value, terms, m)
+
+    def covers(self, choice: _Choice, beat: float) -> bool:
+        """Whether :meth:`run` with ``beat`` reads every stage, so that what it finds is
+        ``choice``'s best plan whatever its time (None: none fits)."""
+        return self._band(choice, beat) >= self.inputs.costs.n
+
+    def _band(self, c: _Choice, beat: float) -> int:
+        m = self.opts.global_batch // (c.d * c.b)
+        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        return self.width(c.t, beat / (phi * c.b / self.base))
 
     def _plan(self, c: _Choice, sl: Slots, tables: StageTables, value: float,
               terms: list[StageTerms], m: int) -> SyncPlan:
@@ -210,8 +325,8 @@ class SyncSearch:
             option = tables.options[ch.option]
             costs = self.inputs.costs if option.split is None else option.split.costs
             forward = float(costs.forward[ch.first, ch.last]) * c.b / self.base
-            ar = tables.allreduce(ch.option, sl.blocks[k])[ch.first, ch.last]
-            stages.append(SyncStage.of(x, option, forward, float(ar), sl.blocks[k],
+            ar = tables.allreduce(ch.option, sl.blocks[k], ch.first, ch.last)
+            stages.append(SyncStage.of(x, option, forward, ar, sl.blocks[k],
                                        tables.recomputed(ch.option, ch.first, ch.last)))
         return SyncPlan(
             stages=tuple(stages), schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
@@ -237,6 +352,20 @@ def _copies(batch: int, workers: int, t: int, layout: Layout | None) -> list[int
     return [d]
 
 
+def _stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
+                  ) -> Iterator[list[int]]:
+    """The stage counts of ``stages`` (most first) that ``kind`` runs with ``v`` chunks a
+    worker and ``m`` microbatches, in runs whose floors rise as they go
+    (:meth:`SyncSearch.families`)."""
+    if kind is PipelineKind.INTERLEAVED:
+        yield [p for p in stages if p > 1 and m % p == 0 and p * v <= n]
+    elif kind is PipelineKind.ZB_H1:
+        yield [p for p in stages if p > m]
+        yield [p for p in stages if p <= m]
+    else:
+        yield stages
+
+
 def _divisors(k: int) -> list[int]:
     return [x for x in range(1, k + 1) if k % x == 0]
 
@@ -247,8 +376,12 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     search = SyncSearch(graph, topology, options)
     best: tuple[float, SyncPlan] | None = None
     tried = 0
-    choices = sorted(search.choices())
-    if not choices:
+    queue = []  # (floor, how refined: 0, 1 envelope, 2 cuts; family, choice, its rest)
+    for k, family in enumerate(search.families()):
+        first = next(family, None)
+        if first is not None:
+            queue.append((first.floor, 0, k, first, family))
+    if not queue and not any(True for _ in search.choices(fit=False)):
         raise PlanError(
             f"no layout of {graph.model or 'the model'} on {topology.num_workers} workers "
             f"runs a global batch of {options.global_batch}"
@@ -257,13 +390,29 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
             "v >= 2 and microbatches a multiple of p, zb-h1 unsplit stages, and a "
             "microbatch size must divide each copy's share; change the schedule, the "
             "layout or the batch")
-    for choice in choices:
-        if best is not None and choice.floor >= best[0] * (1 - _MARGIN):
+    heapq.heapify(queue)
+    while queue:
+        floor, refined, k, choice, family = heapq.heappop(queue)
+        if best is not None and floor >= best[0] * (1 - _MARGIN):
             break
+        if refined == 0:  # its family's next floors no lower; refine this one first
+            after = next(family, None)
+            if after is not None:
+                heapq.heappush(queue, (after.floor, 0, k, after, family))
+            heapq.heappush(queue, (search.floor(choice), 1, k, choice, family))
+            continue
+        if refined == 1:  # about to run the program: raise the floor by the cuts first
+            heapq.heappush(queue, (search.floor_with_cuts(choice, floor), 2, k, choice, family))
+            continue
         tried += 1
-        found = search.run(choice)
+        beat = floor * _GROWTH if floor > 0 else math.inf
+        beat = beat if best is None else min(beat, best[0])
+        found = search.run(choice, beat)  # exact below beat; any plan it finds is a plan
         if found is not None and (best is None or found[0] < best[0]):
             best = found
+        settled = (found is not None and found[0] < beat) or search.covers(choice, beat)
+        if not settled and (best is None or beat < best[0] * (1 - _MARGIN)):
+            heapq.heappush(queue, (beat, 2, k, choice, family))  # none below beat
     if best is None:
         limit = options.memory_bytes
         raise PlanError(
@@ -278,3 +427,10 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     if math.isfinite(best[0]):
         return best[1]
     raise PlanError("the best synchronous plan takes no finite time; check the profile")
+
+
+def _latencies(split: StageSplit | None) -> FloatArray | float:
+    """A split's collectives' message latencies ``[i, j]`` (0 without): a microbatch's
+    times scale but for them (:meth:`StageSplit.at_fraction`), so a floor leaves them out
+    to stay below a microbatch of any size."""
+    return 0.0 if split is None or split.latencies is None else split.latencies[0]

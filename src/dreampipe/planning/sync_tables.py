@@ -8,7 +8,7 @@ replicas (:class:`StageTables`): ``tau`` the microbatch's forward and backward
 (recomputation and ZeRO's per-microbatch collectives included), ``tail`` what the update
 adds after its last backward, and memory as ``fixed + held * per``. The terms are the
 planner's (:mod:`dreampipe.planning.costs`): times scale with the microbatch, the
-all-reduce is :func:`~dreampipe.planning.costs.allreduce_ends` on its replicas' layout,
+all-reduce is :func:`~dreampipe.planning.costs.allreduce_end` on its replicas' layout,
 ZeRO's times :func:`~dreampipe.planning.zero_terms.zero_times` and its bytes
 :class:`~dreampipe.planning.state_bytes.Training`'s. docs/planner.md, "The synchronous
 objective".
@@ -17,19 +17,20 @@ objective".
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+import numpy.typing as npt
 
 from dreampipe.planning.costs import (
     SENDS_KEPT,
     BoolArray,
     FloatArray,
     RangeCosts,
-    allreduce_ends,
 )
 from dreampipe.planning.held import range_max
 from dreampipe.planning.split_ranges import StageSplit
@@ -40,9 +41,10 @@ from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["Recompute", "StageOption", "StageTables", "TableInputs", "layer_blocks"]
+__all__ = ["Recompute", "StageOption", "StageTables", "TableInputs", "band", "layer_blocks"]
 
 _BLOCK = re.compile(r"b(\d+)\.")
+IntArray = npt.NDArray[np.int64]
 
 
 class Recompute(StrEnum):
@@ -102,7 +104,6 @@ class StageTables:
         self.inputs, self.options, self.t, self.d = inputs, tuple(options), t, d
         self.fraction, self.zero, self.splits_backward = fraction, zero, splits_backward
         self.n = inputs.costs.n
-        self._memory = [self._memory_terms(o) for o in self.options]
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -110,32 +111,50 @@ class StageTables:
         size = self.d * self.t
         return tuple(range(block * size, (block + 1) * size))
 
-    def _groups(self, block: int) -> tuple[int, ...]:
+    @functools.lru_cache(maxsize=1024)  # noqa: B019 - per instance, dropped with it
+    def groups(self, block: int) -> tuple[int, ...]:
+        """How the replicas of the stage on ``block`` sit in the topology: blocks with the
+        same groups have the same times."""
         return replica_groups(self.workers(block)[::self.t], self.inputs.topology)
 
     # ---- time --------------------------------------------------------------------
-    def times(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` of option ``x`` on worker block ``block`` (module doc)."""
-        return self._times(x, self._groups(block))
+    def times(self, x: int, block: int, width: int | None = None
+              ) -> tuple[FloatArray, FloatArray]:
+        """``(tau, tail)`` of option ``x`` on worker block ``block`` (module doc), ``[i, j]``;
+        with ``width``, ``[i, k]`` for the stage of layers ``i..i + k``, ``k < width``
+        (:func:`band`; entries past the last layer are the last layer's)."""
+        return self._times(x, self.groups(block), width)
+
+    def time_at(self, x: int, block: int, first: int, last: int) -> tuple[float, float]:
+        """:meth:`times` of the one stage ``first..last``."""
+        ends = np.arange(first, last + 1)[None, :]  # the all-reduce's end runs over them
+        tau, tail = self._priced(x, self.groups(block), np.full_like(ends, first), ends)
+        return float(tau[0, -1]), float(tail[0, -1])
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _times(self, x: int, groups: tuple[int, ...]) -> tuple[FloatArray, FloatArray]:
-        o, f = self.options[x], self.fraction
-        costs = self._costs(o)
-        back_layers = np.asarray(costs.layer_backward_s) * f
-        weights = np.asarray(costs.layer_weights)
-        compute, forward = (costs.compute_s * f, costs.forward * f) if o.split is None \
-            else o.split.at_fraction(f)
-        again = self._again(o, forward)
+    def _times(self, x: int, groups: tuple[int, ...], width: int | None
+               ) -> tuple[FloatArray, FloatArray]:
+        rows, last = band(self.n, width)
+        return self._priced(x, groups, rows, last)
+
+    def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
+                ) -> tuple[FloatArray, FloatArray]:
+        """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape)."""
+        costs = self._costs(self.options[x])
+        full_compute, full_forward = self._at_fraction(x)
+        forward = full_forward[rows, last]
+        compute = full_compute[rows, last]
+        weights = costs.weights[rows, last]
+        again = self._again(x, rows, last, forward)
         lat, per = replica_allreduce_terms(groups, self.t, self.inputs.topology,
                                            self.inputs.sync, self.d)
-        end = allreduce_ends(back_layers, weights, np.array([lat]), np.array([per]),
-                             overlap=self.inputs.topology.overlap)[0]
-        ar = np.where(costs.weights > 0, lat + per * costs.weights, 0.0) if self.d > 1 \
-            else np.zeros_like(compute)
-        end = end if self.d > 1 else np.zeros_like(compute)
-        share = np.asarray(self.inputs.weight_grad_share)
-        wgrad = _sums(back_layers * share)
+        backward, weighed, made = self._prefix_sums(x)
+        if self.d > 1:
+            end = _ends(backward, weighed, lat, per, self.inputs.topology.overlap, rows, last)
+            ar = np.where(weights > 0, lat + per * weights, 0.0)
+        else:
+            end = ar = np.zeros_like(compute)
+        wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
         z = zero_times(self.zero, self.d, forward=forward, backward=compute - forward + again,
                        weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
                        delay=end - ar + again, gather=ar / 2,
@@ -143,6 +162,16 @@ class StageTables:
         tau = z.forward + z.backward
         left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)
         return np.where(np.isfinite(compute), tau, np.inf), left + z.step
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """Option ``x``'s sums over its first layers (0 before the first) of the backward,
+        the weights and the weight gradients' backward, at the microbatch."""
+        costs, f = self._costs(self.options[x]), self.fraction
+        backward = np.asarray(costs.layer_backward_s) * f
+        share = np.asarray(self.inputs.weight_grad_share)
+        return tuple(np.concatenate([[0.0], np.cumsum(v)]) for v in (  # type: ignore[return-value]
+            backward, np.asarray(costs.layer_weights), backward * share))
 
     def cut(self, block: int, after: int) -> FloatArray:
         """``[j]``: one microbatch's cut after layer ``j`` from the stage on ``block`` to
@@ -153,20 +182,20 @@ class StageTables:
     @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def _cut(self, block: int, after: int) -> FloatArray:
         sent = self.inputs.costs.cut_bytes[1:] * self.fraction
-        out = np.zeros(self.n)
-        out[:-1] = copy_cut_seconds(sent, self.workers(block), self.workers(after), self.t,
-                                    self.inputs.topology)
-        return out
+        sizes, at = np.unique(sent, return_inverse=True)  # a profile by shape repeats its cuts
+        priced = copy_cut_seconds(sizes, self.workers(block), self.workers(after), self.t,
+                                  self.inputs.topology)
+        return np.append(priced[at], 0.0)
 
-    def allreduce(self, x: int, block: int) -> FloatArray:
-        """``[i, j]``: one all-reduce of option ``x``'s weights over its replicas on
-        ``block`` (0 on one replica)."""
-        costs = self._costs(self.options[x])
-        if self.d < 2:
-            return np.zeros_like(costs.weights)
-        lat, per = replica_allreduce_terms(self._groups(block), self.t, self.inputs.topology,
+    def allreduce(self, x: int, block: int, first: int, last: int) -> float:
+        """One all-reduce of the weights of a stage ``first..last`` run as option ``x`` over
+        its replicas on ``block`` (0 on one replica)."""
+        weights = float(self._costs(self.options[x]).weights[first, last])
+        if self.d < 2 or weights <= 0:
+            return 0.0
+        lat, per = replica_allreduce_terms(self.groups(block), self.t, self.inputs.topology,
                                            self.inputs.sync, self.d)
-        return np.asarray(np.where(costs.weights > 0, lat + per * costs.weights, 0.0))
+        return lat + per * weights
 
     def recomputed(self, x: int, first: int, last: int) -> tuple[int, ...]:
         """The layers of a stage ``first..last`` run as option ``x`` that recompute block by
@@ -180,11 +209,36 @@ class StageTables:
     # ---- memory ------------------------------------------------------------------
     def memory(self, x: int, held: float) -> FloatArray:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
-        fixed, per = self._memory[x]
+        fixed, per = self._memory(x)
         return np.asarray(fixed + held * per)
 
-    def _memory_terms(self, o: StageOption) -> tuple[FloatArray, FloatArray]:
-        inp, f = self.inputs, self.fraction
+    def memory_at(self, x: int, held: float, first: int, last: int) -> float:
+        """:meth:`memory` of the one stage ``first..last``."""
+        fixed, per = self._memory(x)
+        return float(fixed[first, last] + held * per[first, last])
+
+    @functools.lru_cache(maxsize=32)  # noqa: B019 - per instance, dropped with it
+    def capacity(self, x: int, room: float, width: int | None = None) -> FloatArray:
+        """``[i, j]`` (with ``width``, ``[i, k]`` as :meth:`times`): the most microbatches
+        option ``x`` holds within ``room`` bytes per worker (-1 where not even none fit, inf
+        where they cost nothing): a stage fits holding ``held`` exactly where
+        ``held <= capacity``."""
+        fixed, per = self._memory(x)
+        rows, last = band(self.n, width)
+        return _capacity(fixed[rows, last], per[rows, last], room)
+
+    def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
+        """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
+        ``held`` microbatches (:meth:`capacity`, for one stage)."""
+        fixed, per = (float(a[first, last]) for a in self._memory(x))
+        if fixed > room:  # :func:`_capacity` on one stage, in plain floats
+            return False
+        return per <= 0 or math.floor((room - fixed) / per) >= held
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _memory(self, x: int) -> tuple[FloatArray, FloatArray]:
+        """Option ``x``'s memory terms ``(fixed, per)``: ``fixed + held * per`` bytes."""
+        inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
         state = costs.weights * inp.training.state_per_byte(inp.profiled_param_bytes,
                                                             self.zero, self.d)
@@ -211,22 +265,42 @@ class StageTables:
     def _costs(self, o: StageOption) -> RangeCosts:
         return self.inputs.costs if o.split is None else o.split.costs
 
-    def _again(self, o: StageOption, forward: FloatArray) -> FloatArray:
-        """The forward a stage runs again in its backward, ``[i, j]``."""
+    def _again(self, x: int, rows: IntArray, last: IntArray, forward: FloatArray
+               ) -> FloatArray:
+        """The forward that option ``x``'s stages ``rows..last`` run again in their
+        backward, given their ``forward`` at the microbatch."""
+        o = self.options[x]
         if o.recompute is Recompute.NONE:
             return np.zeros_like(forward)
         if o.recompute is Recompute.STAGE:
-            return np.where(np.isfinite(forward), forward, 0.0)
+            return np.asarray(np.where(np.isfinite(forward), forward, 0.0))
         # the recomputed blocks are one run of layers from the stage's first block on:
         # their range's forward, its collectives between them included
-        mask = self._block_mask(o.blocks)
+        start, stop = self._block_span(o.blocks)
+        first, end = start[rows], np.minimum(last, stop[rows])
+        safe = np.minimum(first, self.n - 1)
+        full = self._at_fraction(x)[1]
+        return np.asarray(np.where(end >= first, full[safe, np.maximum(end, safe)], 0.0))
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
+    def _block_span(self, k: int) -> tuple[IntArray, IntArray]:
+        """``(start, stop)`` by a stage's first layer: the first and the last layer of its
+        first ``k`` blocks (``start`` n and ``stop`` -1 where it has none)."""
+        mask = self._block_mask(k)
         cols = np.arange(self.n)
         start = np.where(mask.any(axis=1), np.argmax(mask, axis=1), self.n)
         stop = np.where(mask, cols[None, :], -1).max(axis=1)
-        end = np.minimum(cols[None, :], stop[:, None])
-        safe = np.minimum(start, self.n - 1)[:, None]
-        return np.where(end >= start[:, None],
-                        forward[safe, np.maximum(end, safe)], 0.0)
+        return start, stop
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _at_fraction(self, x: int) -> tuple[FloatArray, FloatArray]:
+        """``(compute, forward)`` ``[i, j]`` of option ``x`` at the microbatch: scaled by its
+        fraction, or a split stage's own (its collectives' latency once a microbatch)."""
+        o, f = self.options[x], self.fraction
+        costs = self._costs(o)
+        if o.split is None:
+            return costs.compute_s * f, costs.forward * f
+        return o.split.at_fraction(f)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
     def _block_mask(self, k: int) -> BoolArray:
@@ -253,11 +327,40 @@ class StageTables:
         return max(sums.values(), default=0.0)
 
 
-def _sums(values: FloatArray) -> FloatArray:
-    """``[i, j]``: the sum of ``values[i..j]`` (0 where ``i > j``)."""
-    n = len(values)
-    return _row_sums(np.broadcast_to(np.asarray(values, dtype=np.float64), (n, n)).copy()
-                     * np.triu(np.ones((n, n))))
+def _capacity(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
+    """:meth:`StageTables.capacity` of memory terms ``fixed + held * per``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        most = np.where(per > 0, np.floor((room - fixed) / per), np.inf)
+    return np.asarray(np.where(fixed > room, -1.0, most))
+
+
+@functools.cache
+def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
+    """Index arrays ``(first, last)`` of stages over ``n`` layers: every ``[i, j]`` (None),
+    or ``[i, k]`` the stage of layers ``i..i + k`` for ``k < width``, past the last layer
+    clipped to it."""
+    rows = np.arange(n)[:, None]
+    if width is None:
+        return np.broadcast_to(rows, (n, n)), np.broadcast_to(np.arange(n)[None, :], (n, n))
+    last = np.minimum(rows + np.arange(width)[None, :], n - 1)
+    last.flags.writeable = False
+    return np.broadcast_to(rows, last.shape), last
+
+
+def _ends(pb: FloatArray, pw: FloatArray, lat: float, per: float, overlap: bool,
+          rows: IntArray, last: IntArray) -> FloatArray:
+    """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only
+    (index arrays whose ``last`` grows by one along the second axis from ``rows``), so
+    that a band of stages costs its own size, not the square; ``pb`` and ``pw`` sum the
+    backward and the weights over the first layers."""
+    later = last >= rows
+    if overlap:
+        h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
+        end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
+        end = end + lat + pb[last + 1] - per * pw[rows]
+    else:
+        end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
+    return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
 
 
 def _row_sums(masked: FloatArray) -> FloatArray:

@@ -1,0 +1,100 @@
+"""Floors of the synchronous search: times no plan of a choice beats, from the envelope.
+
+A stage's ``tau`` is at least its compute (recomputation and ZeRO's collectives only
+add), so a stage holding layers ``i..j`` or more takes at least the envelope
+``E[i, j]``: the least over the options of the compute of any range containing
+``i..j`` (:func:`envelope`). ``E`` grows with ``j`` and shrinks with ``i``, so stages
+whose ``E`` stays within a bound cover the layers in the fewest stages when each is as
+long as it may be, greedily; bisecting that bound gives a floor on the largest stage of
+any ``count`` stages (:func:`least_largest`), and with the least cut added to every
+stage but the last (:func:`least_largest_with_cut`). A stage whose ``E`` reaches the
+time to beat is in no faster plan: :func:`band_width` is the most layers one may hold.
+docs/planner.md, "The synchronous objective".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from dreampipe.planning.costs import FloatArray
+
+__all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut"]
+
+#: Bisection stops within this share of its upper end, and keeps the lower.
+_PRECISION = 1e-4
+
+
+def envelope(computes: Sequence[FloatArray]) -> FloatArray:
+    """``[i, j]``: the least, over the ``computes`` tables and the ranges containing
+    ``i..j``, of a range's compute (inf where ``j < i``)."""
+    least = np.min(np.stack(list(computes)), axis=0)
+    above = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
+    out = np.minimum.accumulate(above, axis=0)
+    return np.asarray(np.where(np.triu(np.ones_like(out, dtype=bool)), out, np.inf))
+
+
+def least_largest(env: FloatArray, count: int, lo: float) -> float:
+    """A floor on the largest :func:`envelope` entry of ``count`` stages covering the
+    layers, given a floor ``lo`` on it."""
+    hi = lo + float(np.max(np.diag(env)))  # enough for sums; checked, else all layers
+    if not _stages_within(env, hi, count) <= count:
+        hi = float(env[0, -1])
+    return _bisect(lo, hi, lambda theta: _stages_within(env, theta, count) <= count)
+
+
+def least_largest_with_cut(env: FloatArray, fraction: float, cut: float, count: int,
+                           lo: float) -> float:
+    """A floor on the largest ``fraction * E + cut`` of ``count`` stages covering the
+    layers (the last without its cut), given a floor ``lo`` on it."""
+    n = env.shape[0]
+
+    def fits(theta: float) -> bool:
+        i = 0
+        for _ in range(count - 1):  # greedy: no stages reach further
+            if i >= n:
+                return True
+            k = int(env[i, i:].searchsorted((theta - cut) / fraction, side="right"))
+            if k == 0:
+                break
+            i += k
+        return i >= n or float(env[i, n - 1]) * fraction <= theta
+
+    return _bisect(lo, float(env[0, -1]) * fraction + cut, fits)
+
+
+def band_width(env: FloatArray, theta: float) -> int:
+    """The most layers a stage may hold while its :func:`envelope` stays below ``theta``."""
+    if not math.isfinite(theta):
+        return int(env.shape[0])
+    return max(1, int(np.max(np.sum(env < theta, axis=1))))
+
+
+def _bisect(lo: float, hi: float, fits: Callable[[float], bool]) -> float:
+    """The largest bound found below which ``fits`` fails, from ``lo`` (below the least
+    that fits) and ``hi`` (one that fits)."""
+    if not math.isfinite(hi) or hi <= lo:
+        return lo
+    while hi - lo > _PRECISION * hi:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo
+
+
+def _stages_within(env: FloatArray, theta: float, most: int) -> float:
+    """The fewest stages, each of :func:`envelope` at most ``theta``, that cover the
+    layers (inf: a layer alone is above it), or ``most + 1`` when more than ``most``."""
+    n, i, count = env.shape[0], 0, 0
+    while i < n:
+        if count == most:
+            return most + 1
+        k = int(env[i, i:].searchsorted(theta, side="right"))
+        if k == 0:
+            return math.inf
+        i, count = i + k, count + 1
+    return count
