@@ -28,6 +28,8 @@ _ROWS_BEGIN = "# begin: written by `python benchmarks/convergence.py --report`\n
 _ROWS_END = "# end\n"
 #: The asynchronous schedules' variants whose rows the planner reads: the defaults.
 _WEIGHED = ("pipedream", "2bw")
+#: Each workload's optimizer family, which the rows carry (``study_epochs.StudyRow``).
+_FAMILIES = {"digits": "sgd", "chars": "adam"}
 
 
 @dataclass(frozen=True)
@@ -94,9 +96,12 @@ def study_rows(data: dict[str, Any]) -> str:
     for (workload, workers, variant), (mine, seeds) in epochs.items():
         dp = epochs.get((workload, workers, "dp"))
         if variant != "dp" and dp is not None:
+            if workload not in _FAMILIES:
+                raise SystemExit(f"workload {workload!r} has no optimizer family; add it to "
+                                 "convergence_report._FAMILIES ('sgd' or 'adam')")
             shown = "math.inf" if math.isinf(mine) else repr(float(mine))
             lines.append(f'    StudyRow("{workload}", {workers}, "{variant}", {shown}, '
-                         f"{float(dp[0])!r}, {seeds}),\n")
+                         f'{float(dp[0])!r}, {seeds}, "{_FAMILIES[workload]}"),\n')
     return "ROWS: tuple[StudyRow, ...] = (\n" + "".join(lines) + ")\n"
 
 

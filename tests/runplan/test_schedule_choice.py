@@ -130,7 +130,7 @@ def test_any_weighs_each_rate_by_the_study_s_epochs_to_target() -> None:
     graph, plan, topo = _chain(), _straight(), Topology.parse("1x4")
 
     def chosen(epochs: float, *, depth: int = 4) -> ScheduleChoice:
-        rows = [StudyRow(w, depth, k, e, 3.0, 3) for k in ("pipedream", "2bw")
+        rows = [StudyRow(w, depth, k, e, 3.0, 3, "sgd") for k in ("pipedream", "2bw")
                 for w, e in (("x", 3.0), ("y", epochs))]
         return choose_schedule(graph, plan, topo, Semantics.ANY, microbatches=4, study=rows)
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dreampipe.runplan.study_epochs import ROWS, StudyRow, epochs_factor
+from dreampipe.runplan.study_epochs import ROWS, StudyRow, epochs_factor, study_advice
 from dreampipe.scheduling.actions import ScheduleKind as S
 
 __all__: list[str] = []
 
-_ROWS = (StudyRow("a", 2, "pipedream", 3.0, 2.0, 3), StudyRow("b", 2, "pipedream", 5.0, 4.0, 3),
-         StudyRow("a", 4, "pipedream", 4.0, 4.0, 3), StudyRow("b", 4, "pipedream", math.inf,
-                                                               4.0, 3),
-         StudyRow("a", 8, "pipedream", 6.0, 4.0, 3))
+_ROWS = (StudyRow("a", 2, "pipedream", 3.0, 2.0, 3, "sgd"),
+         StudyRow("b", 2, "pipedream", 5.0, 4.0, 3, "adam"),
+         StudyRow("a", 4, "pipedream", 4.0, 4.0, 3, "sgd"),
+         StudyRow("b", 4, "pipedream", math.inf, 4.0, 3, "adam"),
+         StudyRow("a", 8, "pipedream", 6.0, 4.0, 3, "sgd"))
 
 
 def test_synchronous_schedules_need_data_parallelism_s_epochs() -> None:
@@ -45,3 +47,34 @@ def test_the_bundled_rows_give_the_worst_of_the_nearest_depth_or_never(stages: i
         return
     depth = min(r.stages for r in mine)
     assert got.factor == max(r.factor for r in mine if r.stages == depth)
+
+
+def test_an_optimizer_family_reads_its_own_workloads_where_the_study_has_them() -> None:
+    assert epochs_factor(S.PIPEDREAM, 4, _ROWS, "sgd").factor == 1.0
+    assert math.isinf(epochs_factor(S.PIPEDREAM, 4, _ROWS, "adam").factor)
+    assert math.isinf(epochs_factor(S.PIPEDREAM, 4, _ROWS, "lion").factor)  # none: all rows
+    deep = epochs_factor(S.PIPEDREAM, 8, _ROWS, "adam")  # no Adam run so deep: never
+    assert math.isinf(deep.factor) and "deepest pipedream run had 4 stages, not 8" in deep.why
+
+
+@pytest.mark.parametrize(("kind", "stages", "family", "warns"), [
+    (S.PIPEDREAM, 4, "adam", "never reached data parallelism's target"),  # chars at 4
+    (S.TWO_BW, 4, "adam", "needed 1.50x data parallelism's epochs"),
+    (S.PIPEDREAM, 3, "adam", "never reached"),  # the 4-stage rows stand for 3
+    (S.PIPEDREAM, 2, "sgd", "needed 1.50x"),  # digits at 2
+    (S.PIPEDREAM, 4, "sgd", None),  # digits at 4: dp's epochs
+    (S.PIPEDREAM, 2, "adam", None),  # chars at 2: 1.25x, at the bound
+    (S.PIPEDREAM, 6, "sgd", "the study's deepest pipedream run had 4 stages, not 6"),
+    (S.FLUSH, 8, "adam", None),
+])
+def test_the_warning_follows_the_bundled_study_s_rows(kind: S, stages: int, family: str,
+                                                      warns: str | None) -> None:
+    """The study's failing rows warn, its passing ones do not, and each warning names
+    the fix."""
+    said = study_advice(kind, stages, family)
+    if warns is None:
+        assert said is None
+        return
+    assert said is not None and warns in said
+    assert said.startswith(f"{kind.value} on {stages} stages: ")
+    assert "schedule='1f1b-flush'" in said and "semantics='any'" in said

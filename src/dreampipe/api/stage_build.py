@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.planning.plan import Plan
+from dreampipe.runplan.study_epochs import study_advice
 from dreampipe.runtime.block_recompute import BlockRecompute, stage_blocks
 from dreampipe.runtime.fused import LinearGradients
 from dreampipe.runtime.stage_module import StageModule
@@ -34,7 +35,7 @@ from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers, build_split_stage, build_stage, hold_apart
 
-__all__ = ["build_modules", "compensate_modules"]
+__all__ = ["build_modules", "compensate_modules", "study_warning"]
 
 _log = logging.getLogger(__name__)
 
@@ -119,7 +120,22 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
         if m.versions.predict:
             _log.info("stage %d runs on its weights predicted for the update its gradient goes "
                       "into (staleness compensation)", m.stage)
+    if advise and schedule is not None and modules and modules[0].optimizer is not None:
+        warning = study_warning(modules[0].optimizer, schedule)
+        if warning is not None:
+            _log.warning("%s", warning)
     return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
                                       enabled=enabled, advise=advise and m is modules[0],
                                       uniform=uniform)
             for m in modules}
+
+
+def study_warning(optimizer: torch.optim.Optimizer, schedule: Schedule) -> str | None:
+    """What the convergence study says of training with ``optimizer`` on ``schedule``, when
+    it says an asynchronous schedule at that depth misses data parallelism's epochs by
+    more than its bound (:func:`~dreampipe.runplan.study_epochs.study_advice`)."""
+    if schedule.kind.synchronous:
+        return None
+    hyper = hyper_of(optimizer.param_groups[0])
+    family = None if hyper is None else "adam" if hyper.adaptive else "sgd"
+    return study_advice(schedule.kind, schedule.num_stages, family)

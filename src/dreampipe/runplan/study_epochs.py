@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 from dreampipe.scheduling.actions import ScheduleKind
 
-__all__ = ["ROWS", "EpochsFactor", "StudyRow", "epochs_factor"]
+__all__ = ["ROWS", "WARN_FACTOR", "EpochsFactor", "StudyRow", "epochs_factor", "study_advice"]
+
+#: The most epochs, as a multiple of data parallelism's, an asynchronous schedule may need
+#: in the study before :func:`study_advice` warns: the bound dreampipe holds them to.
+WARN_FACTOR = 1.25
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class StudyRow:
     epochs: float
     dp_epochs: float
     seeds: int
+    #: The workload's optimizer family: ``"sgd"`` or ``"adam"`` (AdamW).
+    optimizer: str
 
     @property
     def factor(self) -> float:
@@ -51,25 +57,29 @@ class EpochsFactor:
 
 # begin: written by `python benchmarks/convergence.py --report`
 ROWS: tuple[StudyRow, ...] = (
-    StudyRow("digits", 2, "pipedream", 3.0, 2.0, 3),
-    StudyRow("digits", 2, "2bw", 4.0, 2.0, 3),
-    StudyRow("digits", 4, "pipedream", 4.0, 4.0, 3),
-    StudyRow("digits", 4, "2bw", 4.0, 4.0, 3),
-    StudyRow("chars", 2, "pipedream", 5.0, 4.0, 3),
-    StudyRow("chars", 2, "2bw", 6.0, 4.0, 3),
-    StudyRow("chars", 4, "pipedream", math.inf, 4.0, 3),
-    StudyRow("chars", 4, "2bw", 6.0, 4.0, 3),
+    StudyRow("digits", 2, "pipedream", 3.0, 2.0, 3, "sgd"),
+    StudyRow("digits", 2, "2bw", 4.0, 2.0, 3, "sgd"),
+    StudyRow("digits", 4, "pipedream", 4.0, 4.0, 3, "sgd"),
+    StudyRow("digits", 4, "2bw", 4.0, 4.0, 3, "sgd"),
+    StudyRow("chars", 2, "pipedream", 5.0, 4.0, 3, "adam"),
+    StudyRow("chars", 2, "2bw", 6.0, 4.0, 3, "adam"),
+    StudyRow("chars", 4, "pipedream", math.inf, 4.0, 3, "adam"),
+    StudyRow("chars", 4, "2bw", 6.0, 4.0, 3, "adam"),
 )
 # end
 
 
-def epochs_factor(kind: ScheduleKind, stages: int,
-                  rows: Sequence[StudyRow] = ROWS) -> EpochsFactor:
+def epochs_factor(kind: ScheduleKind, stages: int, rows: Sequence[StudyRow] = ROWS,
+                  optimizer: str | None = None) -> EpochsFactor:
     """The epochs ``kind`` on ``stages`` stages is predicted to need, as a multiple of
-    data parallelism's (module doc): 1 for a synchronous schedule."""
+    data parallelism's (module doc): 1 for a synchronous schedule. ``optimizer`` (a
+    family, ``"sgd"`` or ``"adam"``) reads only the study's workloads trained so, where
+    it has any."""
     if kind.synchronous:
         return EpochsFactor(1.0, "synchronous")
     mine = [r for r in rows if r.schedule == kind.value]
+    if any(r.optimizer == optimizer for r in mine):
+        mine = [r for r in mine if r.optimizer == optimizer]
     deeper = sorted({r.stages for r in mine if r.stages >= stages})
     if not deeper:
         most = max((r.stages for r in mine), default=0)
@@ -79,3 +89,19 @@ def epochs_factor(kind: ScheduleKind, stages: int,
     worst = max((r for r in mine if r.stages == depth), key=lambda r: r.factor)
     return EpochsFactor(worst.factor, f"the study's {worst.workload} at {depth} stages, "
                         "its worst workload")
+
+
+def study_advice(kind: ScheduleKind, stages: int, optimizer: str | None,
+                 rows: Sequence[StudyRow] = ROWS) -> str | None:
+    """What to change when the study says ``kind`` on ``stages`` stages, with an optimizer
+    of family ``optimizer``, needs more than :data:`WARN_FACTOR` times data parallelism's
+    epochs to the target, or never reaches it; None if it does not say so."""
+    said = epochs_factor(kind, stages, rows, optimizer)
+    if said.factor <= WARN_FACTOR:
+        return None
+    needs = ("never reached data parallelism's target" if math.isinf(said.factor) else
+             f"needed {said.factor:.2f}x data parallelism's epochs to its target")
+    return (f"{kind.value} on {stages} stages: in dreampipe's convergence study it {needs} "
+            f"({said.why}{'' if optimizer is None else f', {optimizer}'}); train with a "
+            "synchronous schedule (schedule='1f1b-flush', which takes data parallelism's "
+            "epochs), or schedule='auto' with semantics='any' to weigh both, or fewer stages")
