@@ -1,7 +1,9 @@
 """Staleness compensation candidates, measured on a single-process model of delayed updates.
 
 Each stage of the convergence study's cuts (``examples/_workloads.py``'s
-straight plans) trains with its own optimizer; minibatch ``t`` runs, forward
+straight plans; a weight two stages share, GPT-2's tied embedding and head,
+is a copy on each that runs on that stage's version, takes the sum of both
+gradients and the same update) trains with its own optimizer; minibatch ``t`` runs, forward
 and backward, on each stage's weights after ``max(e, t - d_s)`` of its
 updates, and its gradient updates the newest ones: PipeDream's weight
 stashing with delays ``d_s = n - 1 - s`` (``pipedream``), or one on every
@@ -54,10 +56,31 @@ The candidates of issue 32:
 - ``warmup-momentum``: ``warmup``, then dreampipe's rule from the first
   delayed update on; ``warmup-predict-momentum``: the same with ``predict``.
 
-The study's workloads, data, optimizers and epochs (digits: SGD lr 0.05
-momentum 0.9, 10 epochs; chars: AdamW 3e-3 with warm-up and clipping,
-4 epochs of 30 minibatches), seed by seed; prints one line per run and a
-JSON line of every figure::
+The candidates of issue 43, each with the user's learning rate:
+
+- ``nesterov``: PipeNAG (Ajanthan et al. 2025, arXiv 2505.01099; its code):
+  the optimizer's Nesterov form, AdamW as NAdam with decoupled weight decay,
+  SGD with ``nesterov=True``, every stage, and the momentum of a stage of
+  delay ``d`` raised toward 0.99 by ``d / n`` of the way (``n`` stages);
+- ``error-feedback``: an error-feedback step in the spirit of Zmushko et al.
+  2026 (arXiv 2606.30634; its exact rule was not at hand): the update a stale
+  gradient gives misses about ``d`` times the change of the stage's step, so
+  ``d (s_t - s_{t-1})`` is added to the step ``s_t`` the optimizer took;
+- ``paci``: PACI's local accumulation (arXiv 2606.07881): a stage of delay
+  ``d`` updates once every ``d + 1`` minibatches with their mean gradient, so
+  a microbatch's weights are at most one update old; ``paci-default``: the
+  same with dreampipe's rule;
+- ``default-tied``: dreampipe's rule, and each copy of a tied weight runs on
+  the weights its first stage runs the minibatch on (one version per tie);
+- ``pipemare``: PipeMare (Yang et al. 2021): the learning rate of a stage of
+  delay ``d`` divided by ``d ** (1 - t / K)`` over the first epoch's ``K``
+  minibatches, and its weights predicted ``k`` updates ahead along an
+  exponential average of its updates (decay ``0.1 ** (1 / d)``).
+
+The workloads, data, optimizers and epochs are :mod:`staleness_tasks`'s (the
+study's two, and the held-out ``mlp`` and ``gpt2``), seed by seed; prints one
+line per run and a JSON line of every figure (``staleness_sweep.py`` runs the
+grid and tells epochs to target)::
 
     python benchmarks/staleness.py --workload digits --seeds 0 1 2
     python benchmarks/staleness.py --workload chars --workers 2 --seeds 0
@@ -70,13 +93,11 @@ import itertools
 import json
 import math
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -84,8 +105,9 @@ from dreampipe.runtime.staleness import Hyper, compensated, hyper_of, predicts
 
 __all__ = ["CANDIDATES", "main", "simulate"]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import _workloads as wl
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import staleness_tasks as tasks
+import staleness_updates as updates
 
 
 @dataclass(frozen=True)
@@ -93,15 +115,24 @@ class _Recipe:
     """A candidate: the :func:`_settings` rule, the weights a delayed stage runs on
     (``predict``: "" its stale ones, "last" extrapolated by their last update,
     "every" the same as the runtime does it, "segment" so where dreampipe's rule
-    predicts, "optimizer" moved by its optimizer's next step), DC-ASGD's ``lambda`` (0: off;
-    ``adaptive``: divided by the root mean square of the gradient) and whether the
-    first epoch is synchronous (the rule's settings from the first delayed update on)."""
+    predicts, "optimizer" moved by its optimizer's next step, "ema" by an exponential
+    average of its updates, PipeMare's), DC-ASGD's ``lambda`` (0: off;
+    ``adaptive``: divided by the root mean square of the gradient), whether the
+    first epoch is synchronous (the rule's settings from the first delayed update on),
+    ``nesterov`` (PipeNAG's optimizer), ``feedback`` (the error-feedback step),
+    ``accumulate`` (PACI's window), ``anneal`` (PipeMare's learning rate) and
+    ``tied_owner`` (a tied weight's copies run on its first stage's version)."""
 
     settings: str = "none"
     predict: str = ""
     dc: float = 0.0
     adaptive: bool = False
     warmup: bool = False
+    nesterov: bool = False
+    feedback: bool = False
+    accumulate: bool = False
+    anneal: bool = False
+    tied_owner: bool = False
 
 
 _RECIPES = {
@@ -118,9 +149,17 @@ _RECIPES = {
     **{f"dc-asgd-a{lam:g}": _Recipe(dc=lam, adaptive=True) for lam in (0.5, 1.0, 2.0)},
     "warmup-momentum": _Recipe("momentum", warmup=True),
     "warmup-predict-momentum": _Recipe("momentum", predict="last", warmup=True),
+    "nesterov": _Recipe(nesterov=True),
+    "nesterov-default": _Recipe("dreampipe", predict="segment", nesterov=True),
+    "error-feedback": _Recipe(feedback=True),
+    "paci": _Recipe(accumulate=True),
+    "pipemare": _Recipe(predict="ema", anneal=True),
+    "paci-default": _Recipe("dreampipe", predict="segment", accumulate=True),
+    "default-tied": _Recipe("dreampipe", predict="segment", tied_owner=True),
 }
 CANDIDATES = tuple(_RECIPES)
 _SGD_MEAN_SQUARE_DECAY = 0.95
+_PIPEMARE_D = 0.1  # PipeMare's discrepancy decay: gamma = D ** (1 / d)
 
 
 def _cuts(layers: int, stages: int) -> list[int]:
@@ -182,7 +221,7 @@ def _next_step(opt: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, T
     SGD's ``lr * momentum_buffer``; zero before the first update."""
     steps = {}
     for group in opt.param_groups:
-        for p in group["params"]:
+        for p in (q for q in group["params"] if id(q) in names):
             state = opt.state.get(p, {})
             step = torch.zeros_like(p)
             if "exp_avg" in state:
@@ -217,16 +256,22 @@ def _mean_square(opt: torch.optim.Optimizer, p: Tensor, g: Tensor,
 
 def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: int,
              sgd: tuple[float, float] = (0.05, 0.9), epochs: int | None = None) -> list[float]:
-    """The held-out figure (digits: accuracy; chars: loss) after each epoch, 0 first;
-    ``sgd``: the digits' learning rate and momentum; ``epochs``: the study's when None."""
+    """The held-out figure (accuracy, or loss for the language models) after each epoch,
+    0 first; ``sgd``: an SGD workload's learning rate and momentum; ``epochs``: the
+    task's when None. chars on 8 workers has 8 blocks."""
     torch.manual_seed(seed)
     recipe = _RECIPES[candidate]
-    task = _digits(seed, *sgd) if workload == "digits" else _chars(seed)
+    task = tasks.task(workload, seed, sgd, blocks=8 if workers >= 8 else 4)
     model: nn.Sequential = task["model"]
     cuts = _cuts(len(model), workers)
     stages = [model[cuts[s]:cuts[s + 1]] for s in range(workers)]
+    ties = updates.untie(stages)
+    copies = {(s, name) for s, name, _, _ in ties}
     delays = _delays(schedule, workers)
-    opts = [task["optimizer"](list(m.parameters())) for m in stages]
+    opts = [updates.optimizer(task["optimizer"], [p for k, p in m.named_parameters()
+                                                  if (s, k) not in copies],
+                              d / workers if recipe.nesterov else None)
+            for s, (m, d) in enumerate(zip(stages, delays, strict=True))]
     predicting = [recipe.predict != "segment"
                   or any(predicts(hyper_of(g), d) for g in o.param_groups)
                   for o, d in zip(opts, delays, strict=True)]
@@ -237,58 +282,90 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
         delays = [0] * workers
     scheds = [task["lr_scheduler"](o) if task["lr_scheduler"] else None for o in opts]
     names = [{id(p): k for k, p in m.named_parameters()} for m in stages]
-    history: list[list[dict[str, Tensor]]] = [[_snap(m)] for m in stages]
-    ahead_steps = [[_next_step(o, n)] for o, n in zip(opts, names, strict=True)]
+    history: list[dict[int, dict[str, Tensor]]] = [{0: _snap(m)} for m in stages]
+    ema: list[dict[int, dict[str, Tensor]]] = [
+        {0: {k: torch.zeros_like(w) for k, w in h[0].items()}} for h in history]
+    ahead_steps = [{0: _next_step(o, n)} for o, n in zip(opts, names, strict=True)]
     own_sq: dict[int, Tensor] = {}
+    state = updates.StepState(workers)
     figures = [task["evaluate"](model)]
     t = 0
     for epoch in range(task["epochs"] if epochs is None else epochs):
         start = t  # the runtime drains at each epoch's end: a segment starts afresh
+        state.restart()
         sync = recipe.warmup and epoch == 0
         if recipe.warmup and epoch == 1:
             for opt, d, sched in zip(opts, delays, scheds, strict=True):
                 _settings(opt, recipe.settings, d, sched)
-        for x, y in task["epoch"]():
+        batches = list(task["epoch"]())
+        for i, (x, y) in enumerate(batches):
             model.train()
             leaves = []
             for s, m in enumerate(stages):
                 v = max(start, t - (0 if sync else delays[s]))
-                ahead = (min(t - v, v) if recipe.predict == "last"
-                         else t - v if recipe.predict == "every" and v > start
-                         else t - v if recipe.predict == "segment" and v > start
+                k = t - v
+                ahead = (min(k, v) if recipe.predict == "last"
+                         else k if recipe.predict == "every" and v > start
+                         else k if recipe.predict == "segment" and v > start
                          and predicting[s] else 0)
-                params = {k: (w + ahead * (w - history[s][v - 1][k])).requires_grad_(True)
-                          for k, w in history[s][v].items()}
+                base = history[s][v - 1] if ahead else {}
+                params = {n: (w + ahead * (w - base[n]) if ahead else w.detach())
+                          .requires_grad_(True) for n, w in history[s][v].items()}
                 if recipe.predict == "optimizer":
-                    params = {k: (w.detach() - (t - v) * ahead_steps[s][v][k]).requires_grad_(True)
-                              for k, w in params.items()}
+                    params = {n: (w.detach() - k * ahead_steps[s][v][n]).requires_grad_(True)
+                              for n, w in params.items()}
+                if recipe.predict == "ema" and k:
+                    params = {n: (w.detach() + k * ema[s][v][n]).requires_grad_(True)
+                              for n, w in params.items()}
+                for copy, n, owner, owner_name in ties if recipe.tied_owner else ():
+                    if copy == s:  # the copy runs on the owner's weights of this minibatch
+                        params[n] = leaves[owner][owner_name].detach().requires_grad_(True)
                 leaves.append(params)
                 x = functional_call(m, params, (x,))
             loss = task["loss_fn"](x, y)
-            flat = [p for params in leaves for p in params.values()]
-            grads = list(torch.autograd.grad(loss, flat))
+            keys = [(s, n) for s, params in enumerate(leaves) for n in params]
+            grads = dict(zip(keys, torch.autograd.grad(
+                loss, [p for params in leaves for p in params.values()]), strict=True))
+            for s, n, owner, owner_name in ties:  # a tied weight's copies sum their gradients
+                grads[owner, owner_name] = grads[owner, owner_name] + grads.pop((s, n))
             if task["clip"] is not None:
                 norm = torch.linalg.vector_norm(torch.stack(
-                    [torch.linalg.vector_norm(g) for g in grads]))
-                grads = [g * min(1.0, task["clip"] / (float(norm) + 1e-6)) for g in grads]
+                    [torch.linalg.vector_norm(g) for g in grads.values()]))
+                grads = {key: g * min(1.0, task["clip"] / (float(norm) + 1e-6))
+                         for key, g in grads.items()}
+            last = i == len(batches) - 1
             for s, m in enumerate(stages):
-                for p, used in zip(m.parameters(), leaves[s].values(), strict=True):
-                    g = grads.pop(0)
+                for n, p in m.named_parameters():
+                    if (s, n) in copies:
+                        continue
+                    g = grads[s, n]
                     if recipe.dc:
                         scale: Tensor | float = recipe.dc
                         if recipe.adaptive:
                             sq, eps = _mean_square(opts[s], p, g, own_sq)
                             scale = recipe.dc / (sq + eps).sqrt()
-                        g = g + scale * g * g * (p.detach() - used.detach())
-                    p.grad = g
-                opts[s].step()
-                sched = scheds[s]
-                if sched is not None:
-                    sched.step()
-                history[s].append(_snap(m))
-                if recipe.predict == "optimizer":
-                    ahead_steps[s].append(_next_step(opts[s], names[s]))
+                        g = g + scale * g * g * (p.detach() - leaves[s][n].detach())
+                    state.add(s, p, g)
+                window = delays[s] + 1 if recipe.accumulate else 1
+                if state.ready(s, window) or last:
+                    factor = updates.anneal(delays[s], t, len(batches)) if recipe.anneal else 1.0
+                    state.step(s, opts[s], scheds[s], factor,
+                               delays[s] if recipe.feedback else 0)
+            for s, n, owner, owner_name in ties:
+                stages[s].get_parameter(n).data.copy_(
+                    stages[owner].get_parameter(owner_name).data)
             t += 1
+            for s, m in enumerate(stages):
+                history[s][t] = _snap(m)
+                if recipe.predict == "optimizer":
+                    ahead_steps[s][t] = _next_step(opts[s], names[s])
+                if recipe.predict == "ema":
+                    gamma = _PIPEMARE_D ** (1 / max(1, delays[s]))
+                    ema[s][t] = {n: gamma * ema[s][t - 1][n] + (1 - gamma) * (
+                        w - history[s][t - 1][n]) for n, w in history[s][t].items()}
+                for old in [v for v in history[s] if v < t - max(delays) - 2]:
+                    for store in (history[s], ema[s], ahead_steps[s]):
+                        store.pop(old, None)
         figures.append(task["evaluate"](model))
     return figures
 
@@ -297,51 +374,9 @@ def _snap(m: nn.Module) -> dict[str, Tensor]:
     return {k: p.detach().clone() for k, p in m.named_parameters()}
 
 
-def _digits(seed: int, lr: float, momentum: float) -> dict[str, Any]:
-    train, test = wl.digits()
-    loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True, drop_last=True,
-                                         generator=torch.Generator().manual_seed(seed))
-    torch.manual_seed(seed)
-    held = list(torch.utils.data.DataLoader(test, batch_size=120))
-
-    def evaluate(model: nn.Module) -> float:
-        model.eval()
-        with torch.no_grad():
-            right = sum(int((model(x).argmax(1) == y).sum()) for x, y in held)
-        return right / sum(len(y) for _, y in held)
-
-    return {"model": wl.cnn(), "loss_fn": F.cross_entropy, "clip": None, "epochs": 10,
-            "optimizer": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
-            "lr_scheduler": None, "epoch": lambda: iter(loader), "evaluate": evaluate}
-
-
-def _chars(seed: int) -> dict[str, Any]:
-    corpus = wl.char_corpus(3_000_000)
-    stream = wl.windows(corpus.train, 32, 64, seed=1000 + seed)
-    held_stream = wl.windows(corpus.held_out, 32, 64, seed=2)
-    held = [next(held_stream) for _ in range(16)]
-    next(stream)  # the study's Pipeline takes one window batch as its example
-
-    def evaluate(model: nn.Module) -> float:
-        model.eval()
-        with torch.no_grad():
-            return sum(float(wl.token_loss(model(x), y)) for x, y in held) / len(held)
-
-    def epoch() -> Iterator[tuple[Tensor, Tensor]]:
-        return itertools.islice(stream, 30)
-
-    torch.manual_seed(seed)
-    def schedule(o: torch.optim.Optimizer) -> Any:
-        return torch.optim.lr_scheduler.LambdaLR(o, lambda s: min(1.0, (s + 1) / 20))
-
-    return {"model": wl.gpt(corpus.vocab, context=64), "loss_fn": wl.token_loss, "clip": 1.0,
-            "epochs": 4, "optimizer": lambda p: torch.optim.AdamW(p, lr=3e-3),
-            "lr_scheduler": schedule, "epoch": epoch, "evaluate": evaluate}
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=("digits", "chars"), default="digits")
+    parser.add_argument("--workload", choices=tasks.WORKLOADS, default="digits")
     parser.add_argument("--workers", type=int, nargs="+", default=[4])
     parser.add_argument("--schedules", nargs="+", default=["sync", "pipedream", "2bw"],
                         choices=("sync", "pipedream", "2bw", "pipedream-settings"))

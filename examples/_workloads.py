@@ -1,9 +1,13 @@
-"""The examples' two workloads, shared with ``benchmarks/convergence.py``.
+"""The examples' workloads, shared with ``benchmarks/convergence.py`` and ``staleness.py``.
 
 Digits: scikit-learn's 1797 handwritten 8x8 digits (1437 to train, 360 to
 test, split by one fixed shuffle) and a small CNN. Characters: the Python standard library's own
 source (found through ``sysconfig``, the last tenth held out) and a small
-GPT-style transformer that predicts the next character.
+GPT-style transformer that predicts the next character. Two more, held out
+from the choice of the staleness compensation: a deep ReLU MLP on
+scikit-learn's synthetic ``make_classification`` task (:func:`blobs`), and a
+tiny Hugging Face GPT-2 with tied embeddings (random init) on the English
+prose of Python's documentation topics (``pydoc_data.topics``, :func:`docs_corpus`).
 """
 
 from __future__ import annotations
@@ -14,14 +18,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits, make_classification
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
 import dreampipe
 
-__all__ = ["Block", "CharCorpus", "Embed", "char_corpus", "cnn", "digits", "gpt", "straight_plan",
-           "token_loss", "windows"]
+__all__ = ["Block", "CharCorpus", "Embed", "blobs", "char_corpus", "cnn", "digits", "docs_corpus",
+           "gpt", "gpt2", "mlp", "straight_plan", "token_loss", "windows"]
 
 _DIGITS_TRAIN = 1437
 
@@ -47,6 +51,37 @@ def cnn() -> nn.Sequential:
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Flatten(), nn.Linear(32 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
     )
+
+
+_BLOBS = 6000  # samples; the last fifth held out
+
+
+def blobs() -> tuple[TensorDataset, TensorDataset]:
+    """A synthetic but learnable 10-class task (``make_classification``: 32 features, 16
+    informative, 2 clusters per class, fixed seed), standardised; training and test sets."""
+    x, y = make_classification(n_samples=_BLOBS, n_features=32, n_informative=16,
+                               n_redundant=8, n_classes=10, n_clusters_per_class=2,
+                               class_sep=1.5, flip_y=0.02, random_state=0)
+    xt = torch.tensor(x, dtype=torch.float32)
+    xt = (xt - xt.mean(0)) / xt.std(0)
+    yt = torch.tensor(y)
+    split = _BLOBS * 4 // 5
+    return TensorDataset(xt[:split], yt[:split]), TensorDataset(xt[split:], yt[split:])
+
+
+def mlp(features: int = 32, width: int = 128, layers: int = 8, classes: int = 10
+        ) -> nn.Sequential:
+    """A plain deep MLP: ``layers`` Linear + ReLU layers, then the classifier; He
+    initialisation (PyTorch's default shrinks the signal at each layer: 8 would not train)."""
+    mods: list[nn.Module] = []
+    for i in range(layers):
+        mods += [nn.Linear(features if i == 0 else width, width), nn.ReLU()]
+    mods.append(nn.Linear(width, classes))
+    for m in mods:
+        if isinstance(m, nn.Linear):
+            nn.init.kaiming_normal_(m.weight, nonlinearity="relu")
+            nn.init.zeros_(m.bias)
+    return nn.Sequential(*mods)
 
 
 def _stdlib_text(max_bytes: int) -> str:
@@ -77,6 +112,14 @@ class CharCorpus:
 
 def char_corpus(max_bytes: int = 3_000_000) -> CharCorpus:
     return CharCorpus(_stdlib_text(max_bytes))
+
+
+def docs_corpus() -> CharCorpus:
+    """Python's documentation topics (``pydoc_data.topics``: the language reference's
+    English prose, about 465,000 characters, shipped with the interpreter) by name order."""
+    from pydoc_data.topics import topics
+
+    return CharCorpus("\n".join(topics[k] for k in sorted(topics)))
 
 
 class Embed(nn.Module):
@@ -118,6 +161,52 @@ def gpt(vocab: int, dim: int = 128, context: int = 64, layers: int = 4, heads: i
     """Embedding, ``layers`` blocks, a final LayerNorm and the vocabulary head."""
     return nn.Sequential(Embed(vocab, dim, context), *(Block(dim, heads) for _ in range(layers)),
                          nn.LayerNorm(dim), nn.Linear(dim, vocab))
+
+
+class _GPT2Embed(nn.Module):
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, idx: Tensor) -> Tensor:
+        out: Tensor = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return out
+
+
+class _GPT2Block(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out  # type: ignore[no-any-return]
+
+
+class _GPT2Head(nn.Module):
+    def __init__(self, ln_f: nn.Module, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.lm_head = ln_f, lm_head
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.lm_head(self.ln_f(x))
+        return out
+
+
+def gpt2(vocab: int, dim: int = 64, context: int = 64, layers: int = 6, heads: int = 4
+         ) -> nn.Sequential:
+    """A tiny Hugging Face GPT-2 (random init, no dropout, ``tie_word_embeddings``) as a
+    sequence: embeddings, ``layers`` blocks, and the head, whose weight *is* the token
+    embedding's (the first and the last stage share it)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(
+        vocab_size=vocab, n_positions=context, n_embd=dim, n_layer=layers, n_head=heads,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None))
+    body = model.transformer
+    return nn.Sequential(_GPT2Embed(body.wte, body.wpe), *(_GPT2Block(b) for b in body.h),
+                         _GPT2Head(body.ln_f, model.lm_head))
 
 
 def token_loss(logits: Tensor, targets: Tensor) -> Tensor:
