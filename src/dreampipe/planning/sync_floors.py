@@ -15,16 +15,44 @@ docs/planner.md, "The synchronous objective".
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from dreampipe.planning.costs import FloatArray
+from dreampipe.planning.costs import FloatArray, RangeCosts
+from dreampipe.planning.split_ranges import StageSplit
 
-__all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut"]
+__all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut", "least_layers",
+           "scaled_computes"]
 
 #: Bisection stops within this share of its upper end, and keeps the lower.
 _PRECISION = 1e-4
+
+
+def scaled_computes(whole: RangeCosts, splits: Iterable[StageSplit | None]
+                    ) -> list[FloatArray]:
+    """Each option's compute ``[i, j]`` (``whole``'s, or a split's) without the part a
+    microbatch does not scale: a split's collectives' message latencies
+    (:meth:`StageSplit.at_fraction`), so that a floor stays below a microbatch of any size."""
+    return [whole.compute_s if s is None else s.costs.compute_s - _latencies(s)
+            for s in splits]
+
+
+def least_layers(whole: RangeCosts, splits: Iterable[StageSplit | None]) -> float:
+    """A floor on the sum of a pipeline's stages' compute for a profiled minibatch: each
+    layer's least over the options (``whole``'s, or a split's), which every stage sums at
+    least. A split layer alone pays its stage's entry and exit collectives, which a longer
+    stage shares: its share of the unsplit layer is its floor then."""
+    alone = np.diag(whole.forward) + np.asarray(whole.layer_backward_s)
+    per_layer = []
+    for split in splits:
+        if split is None:
+            per_layer.append(alone)
+            continue
+        c = split.costs
+        own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - np.diag(_latencies(split))
+        per_layer.append(np.minimum(np.maximum(0.0, own), alone / split.t))
+    return float(np.sum(np.min(np.stack(per_layer), axis=0)))
 
 
 def envelope(computes: Sequence[FloatArray]) -> FloatArray:
@@ -98,3 +126,9 @@ def _stages_within(env: FloatArray, theta: float, most: int) -> float:
             return math.inf
         i, count = i + k, count + 1
     return count
+
+
+def _latencies(split: StageSplit) -> FloatArray:
+    """A split's collectives' message latencies ``[i, j]`` (zeros without)."""
+    return (np.zeros_like(split.costs.compute_s) if split.latencies is None
+            else split.latencies[0])

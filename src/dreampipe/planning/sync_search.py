@@ -30,7 +30,7 @@ import numpy as np
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.layout import Layout
-from dreampipe.planning.split_ranges import StageSplit, split_options
+from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import Training, profiled_param_bytes
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
@@ -40,6 +40,8 @@ from dreampipe.planning.sync_floors import (
     envelope,
     least_largest,
     least_largest_with_cut,
+    least_layers,
+    scaled_computes,
 )
 from dreampipe.planning.sync_objective import (
     PipelineKind,
@@ -164,22 +166,10 @@ class SyncSearch:
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def least_compute(self, t: int) -> float:
-        """A floor on the sum of a pipeline's ``tau`` for a profiled minibatch: each layer's
-        least forward and backward over the options (collectives and recomputation left
-        out), which every stage's ``tau`` sums at least."""
-        whole = self.inputs.costs
-        alone = np.diag(whole.forward) + np.asarray(whole.layer_backward_s)
-        per_layer = []
-        for split in {o.split for o in self.options(t)}:
-            if split is None:
-                per_layer.append(alone)
-                continue
-            # a split layer alone pays its stage's entry and exit collectives, which a
-            # longer stage shares: its share of the unsplit layer is the floor then
-            c, fixed = split.costs, _latencies(split)
-            own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - np.diag(fixed)
-            per_layer.append(np.minimum(np.maximum(0.0, own), alone / split.t))
-        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+        """A floor on the sum of a pipeline's ``tau`` for a profiled minibatch, over the
+        options on ``t`` workers a replica
+        (:func:`~dreampipe.planning.sync_floors.least_layers`)."""
+        return least_layers(self.inputs.costs, {o.split for o in self.options(t)})
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def least_weights(self, t: int) -> float:
@@ -194,8 +184,7 @@ class SyncSearch:
     def envelope(self, t: int) -> FloatArray:
         """:func:`~dreampipe.planning.sync_floors.envelope` of the options on ``t``
         workers a replica, for a profiled minibatch."""
-        return envelope([(self.inputs.costs if s is None else s.costs).compute_s - _latencies(s)
-                         for s in {o.split for o in self.options(t)}])
+        return envelope(scaled_computes(self.inputs.costs, {o.split for o in self.options(t)}))
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def least_stage(self, t: int, count: int) -> float:
@@ -427,10 +416,3 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     if math.isfinite(best[0]):
         return best[1]
     raise PlanError("the best synchronous plan takes no finite time; check the profile")
-
-
-def _latencies(split: StageSplit | None) -> FloatArray | float:
-    """A split's collectives' message latencies ``[i, j]`` (0 without): a microbatch's
-    times scale but for them (:meth:`StageSplit.at_fraction`), so a floor leaves them out
-    to stay below a microbatch of any size."""
-    return 0.0 if split is None or split.latencies is None else split.latencies[0]
