@@ -44,7 +44,8 @@ from dreampipe.cli.links import profile_on
 from dreampipe.cli.plan_command import confirm_by_simulation
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.state_bytes import Training
-from dreampipe.planning.sync_search import SyncOptions, plan_sync
+from dreampipe.planning.sync_choices import SyncOptions
+from dreampipe.planning.sync_search import plan_sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import Layer, LayerGraph

@@ -31,11 +31,15 @@ from sc21_rows import ROWS, TABLE_2, Sc21Row
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.state_bytes import Training
-from dreampipe.planning.sync_objective import PipelineKind, slots
+from dreampipe.planning.sync_choices import SyncOptions
+from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
-from dreampipe.planning.sync_search import SyncOptions, plan_sync
+from dreampipe.planning.sync_search import plan_sync
 from dreampipe.profiling.devices import A100_80GB
+from dreampipe.profiling.gpt_shapes import blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.simulation.sync_copy import simulate_copy
 
 __all__ = [
     "HEADING",
@@ -64,10 +68,11 @@ _TRAINING = Training("bf16", "adam")
 _MISS = 0.15
 
 
-def _tflops(row: Sc21Row, plan: SyncPlan) -> float:
-    """Megatron-LM's count of the update's FLOPs, per second and GPU, in teraFLOP/s."""
-    return row.spec.shape.update_flops(row.batch) / plan.time_per_update_s \
-        / plan.workers_used / 1e12
+def _tflops(row: Sc21Row, plan: SyncPlan, graph: LayerGraph, seconds: float) -> float:
+    """Megatron-LM's count of the update's FLOPs for the blocks ``plan`` recomputes, per
+    second of an update taking ``seconds`` and per GPU, in teraFLOP/s."""
+    again = blocks_recomputed(graph, plan.recomputed_layers)
+    return row.spec.shape.update_flops(row.batch, again) / seconds / plan.workers_used / 1e12
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,19 @@ class Priced:
     plan: SyncPlan
     rate: float
     seconds: float
+    #: One copy of the pipeline simulated (:func:`simulate_copy`): the prediction.
+    simulated_s: float
+    graph: LayerGraph
 
     @property
     def tflops(self) -> float:
-        return _tflops(self.row, self.plan)
+        return _tflops(self.row, self.plan, self.graph, self.simulated_s)
+
+    @property
+    def bound(self) -> float:
+        """The objective's closed form, a bound on the simulated time, as a ratio to the
+        published figure."""
+        return self.ratio * self.simulated_s / self.plan.time_per_update_s
 
     @property
     def ratio(self) -> float:
@@ -98,32 +112,16 @@ class Priced:
         update's time: part of "the rest"."""
         p = self.plan
         return max(st.cut_s for st in p.stages) * p.microbatches * p.virtual_stages \
-            / p.time_per_update_s
+            / self.simulated_s
 
     @property
-    def imbalance(self) -> float:
-        """The update's time over what it would take with every stage (chunk) at their
-        mean ``tau + cut``, less one: what the objective's largest-stage rule charges for
-        unequal stages, the head's and the embedding's."""
+    def bubble(self) -> float:
+        """The update's time beyond every worker's own chunks, ``m`` microbatches each
+        (the busiest worker's), over the update."""
         p = self.plan
-        factor = slots(p.schedule, p.pipeline, p.microbatches, p.virtual_stages).factor
-        mean = sum(st.tau_s + st.cut_s for st in p.stages) / len(p.stages)
-        return p.time_per_update_s / (factor * mean + max(st.tail_s for st in p.stages)) - 1
-
-    @property
-    def per_worker(self) -> float | None:
-        """Under interleaving, the prediction's ratio to the published figure were each
-        worker charged the sum of its chunks, ``m max_w sum_c (tau + cut) + (p - 1)
-        max_c (tau + cut)``, instead of ``v m + p - 1`` times its largest chunk (None
-        without interleaving): what the objective's largest-chunk rule costs the row."""
-        p = self.plan
-        if p.virtual_stages < 2:
-            return None
-        terms = [st.tau_s + st.cut_s for st in p.stages]
-        sums = [sum(terms[w::p.pipeline]) for w in range(p.pipeline)]
-        time = p.microbatches * max(sums) + (p.pipeline - 1) * max(terms) \
-            + max(st.tail_s for st in p.stages)
-        return self.ratio * p.time_per_update_s / time
+        sums = [sum(st.tau_s + st.cut_s for st in p.stages[w::p.pipeline])
+                for w in range(p.pipeline)]
+        return max(0.0, 1.0 - p.microbatches * max(sums) / self.simulated_s)
 
     @property
     def memory(self) -> float:
@@ -145,12 +143,13 @@ def price(row: Sc21Row, rate: float) -> Priced:
     start = time.perf_counter()
     opts = SyncOptions(global_batch=row.batch, microbatch_size=row.microbatch,
                        training=_TRAINING, kinds=(kind,), layout=row.layout,
-                       memory_bytes=MEMORY if row.v == 1 else None)
+                       memory_bytes=MEMORY if row.v == 1 else None, whole_blocks=True)
     try:
         plan = plan_sync(graph, row.topology, opts)
     except PlanError:
         plan = plan_sync(graph, row.topology, replace(opts, memory_bytes=None))
-    return Priced(row, plan, rate, time.perf_counter() - start)
+    simulated = simulate_copy(plan)
+    return Priced(row, plan, rate, time.perf_counter() - start, simulated, graph)
 
 
 def fit_rate(row: Sc21Row = ROWS[0]) -> float:
@@ -171,10 +170,12 @@ def _own(row: Sc21Row, rate: float) -> dict[str, Any]:
     plan = plan_sync(graph, row.topology, SyncOptions(
         global_batch=row.batch, memory_bytes=MEMORY, training=_TRAINING, recompute=True))
     options = sorted({st.option.label or "-" for st in plan.stages})
+    priced = Priced(row, plan, rate, time.perf_counter() - start, simulate_copy(plan), graph)
     return {"layout": plan.layout, "schedule": plan.schedule.value, "options": options,
-            "microbatch": plan.microbatch_size, "tflops": _tflops(row, plan),
-            "memory": max(st.memory_bytes for st in plan.stages),
-            "seconds": time.perf_counter() - start}
+            "microbatch": plan.microbatch_size, "time": priced.simulated_s,
+            "tflops": priced.tflops, "bubble": priced.bubble,
+            "recomputed": blocks_recomputed(graph, plan.recomputed_layers),
+            "memory": priced.memory, "seconds": priced.seconds}
 
 
 def _child(conn: Any, row: Sc21Row, rate: float) -> None:
@@ -208,24 +209,41 @@ def _own_cells(p: Priced, own: dict[str, Any]) -> str:
         return f"none: {own['error'][:60]} | | | |"
     return (f"`{own['layout']}` {own['schedule']}, b={own['microbatch']}, stages "
             f"{' '.join(own['options'])} | "
-            f"{own['tflops']:.1f} | {own['tflops'] / p.tflops:.2f}x | "
+            f"{own['tflops']:.1f} | {p.simulated_s / own['time']:.2f}x | "
             f"{own['memory'] / 1e9:.1f} GB |")
+
+
+def differences(priced: Sequence[Priced], own: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the planner's own plan differs from the published layout, and the terms
+    that make it faster under dreampipe's model."""
+    out = []
+    for p, o in zip(priced, own, strict=True):
+        if "layout" not in o:
+            continue
+        again = blocks_recomputed(p.graph, p.plan.recomputed_layers)
+        out.append(
+            f"- {p.row.label}: `{o['layout']}` with microbatches of {o['microbatch']} "
+            f"against `{p.plan.layout}` of {p.plan.microbatch_size}; it recomputes "
+            f"{o['recomputed']:.0f} of {p.row.layers} blocks against {again:.0f}, its bubble "
+            f"is {100 * o['bubble']:.1f}% against {100 * p.bubble:.1f}%, and it holds "
+            f"{o['memory'] / 1e9:.1f} GB of 80: an update in {o['time']:.1f} s against "
+            f"{p.simulated_s:.1f} s ({p.simulated_s / o['time']:.2f}x).")
+    return out
 
 
 def _prediction_table(priced: Sequence[Priced]) -> list[str]:
     lines = ["| model | GPUs | batch | layout (b) | published TFLOP/s | predicted | ratio "
-             "| bubble | Megatron FLOPs at the fitted rate | the rest | of it, cuts "
-             "| unequal stages | chunks summed per worker | memory / GPU | price s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| the objective's bound | bubble | Megatron FLOPs at the fitted rate "
+             "| the rest | of it, cuts | memory / GPU | price s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in priced:
-        r, plan = p.row, p.plan
-        worker = "-" if p.per_worker is None else f"{p.per_worker:.3f}"
+        r = p.row
         lines.append(
             f"| {r.label} | {r.gpus} | {r.batch} | `{p.plan.layout}` ({r.microbatch}) | "
-            f"{r.tflops:.0f} | {p.tflops:.1f} | {p.ratio:.3f} | "
-            f"{100 * plan.bubble_fraction:.1f}% | {100 * p.matmul_share:.1f}% | "
-            f"{100 * (1 - p.matmul_share - plan.bubble_fraction):.1f}% | "
-            f"{100 * p.cut_share:.1f}% | {100 * p.imbalance:.1f}% | {worker} | "
+            f"{r.tflops:.0f} | {p.tflops:.1f} | {p.ratio:.3f} | {p.bound:.3f} | "
+            f"{100 * p.bubble:.1f}% | {100 * p.matmul_share:.1f}% | "
+            f"{100 * (1 - p.matmul_share - p.bubble):.1f}% | "
+            f"{100 * p.cut_share:.1f}% | "
             f"{p.memory / 1e9:.1f} GB{'' if p.fits else ' (over)'} | {p.seconds:.2f} |")
     return lines
 
@@ -249,17 +267,14 @@ def findings(priced: Sequence[Priced]) -> list[str]:
         if abs(p.ratio - 1) <= _MISS:
             continue
         need = p.rate / p.ratio
-        worker = "" if p.per_worker is None else \
-            f"; with chunks summed per worker {p.per_worker:.2f}"
-        published = p.plan.time_per_update_s * p.ratio
+        published = p.simulated_s * p.ratio
         out.append(
             f"- {p.row.label} (`{p.plan.layout}`, {p.plan.microbatches} microbatches of "
             f"{p.plan.microbatch_size}): {p.tflops:.1f} against {p.row.tflops:.0f} TFLOP/s "
-            f"({p.ratio:.2f}), an update in {p.plan.time_per_update_s:.1f} s against "
-            f"{published:.1f} s; bubble {100 * p.plan.bubble_fraction:.1f}%, unequal stages "
-            f"{100 * p.imbalance:.1f}%, the rest "
-            f"{100 * (1 - p.matmul_share - p.plan.bubble_fraction):.1f}% (cuts "
-            f"{100 * p.cut_share:.1f}%){worker}; the published "
+            f"({p.ratio:.2f}), an update in {p.simulated_s:.1f} s against "
+            f"{published:.1f} s; bubble {100 * p.bubble:.1f}%, the rest "
+            f"{100 * (1 - p.matmul_share - p.bubble):.1f}% (cuts "
+            f"{100 * p.cut_share:.1f}%); the published "
             f"figure needs matrix products at {need / 1e12:.0f} TFLOP/s "
             f"({100 * need / A100_80GB.peak_flops:.0f}% of the peak) with these terms.")
     return out
@@ -282,23 +297,34 @@ microbatch size (b), the interleaving (`--num-layers-per-virtual-pipeline-stage`
 and `--recompute-method uniform` (every block recomputed) from Megatron-LM's
 `examples/sc21/run_table_1.sh`. dreampipe prices it with
 `plan_sync(..., SyncOptions(layout=..., microbatch_size=b))` on
-`dgx-a100:N`, bf16 weights with Adam's state, the cuts chosen by the
-program. `dreampipe plan gpt:... -t dgx-a100:N --global-batch B
---microbatch-size b --precision bf16 --optimizer adam --layout tT-pP-vV-rK`
-prices the same layout the same way (the preset's A100 runs its products at
-the fitted rate below); without `--microbatch-size` and `-r` the planner
-chooses them, and may keep activations that Megatron-LM recomputed while
-the count above still includes the recomputation.
+`dgx-a100:N`, bf16 weights with Adam's state, each stage (chunk) holding
+the same number of whole blocks as Megatron-LM places them (`whole_blocks`,
+`--whole-blocks`), and the update's time is one copy of the pipeline simulated action by
+action from those terms (`dreampipe.simulation.sync_copy`), which the
+objective's closed form bounds ("the objective's bound": its ratio). `dreampipe
+plan gpt:... -t dgx-a100:N --global-batch B --microbatch-size b --precision
+bf16 --optimizer adam --layout tT-pP-vV-rK --whole-blocks` prices the same
+layout the same way (the preset's A100 runs at the fitted share below); without
+`--microbatch-size`, `-v`, `-r` and `--whole-blocks` the planner chooses them. The count follows
+what a plan runs: `72 B s l h^2 (1 + s/6h)` for the blocks, `24 B s h^2 (1 +
+s/6h)` more for each recomputed block, `6 B s h V` for the head; a published
+row recomputes every block, so its count is the paper's.
 
-**One figure is fitted**: the sustained rate of matrix products,
-{rate / 1e12:.1f} TFLOP/s ({100 * rate / A100_80GB.peak_flops:.1f}% of the A100's 312), chosen so
-that the 1.7B row (data parallel only, no tensor or pipeline term) prices at its
-published 137. It is used unchanged for every other row, and it is the
-A100 preset's (`A100_SUSTAINED_FRACTION`; the test of this script re-fits it
-and fails when the cost model moves it). Everything
-else is the cost model's: what moves rather than multiplies (the softmax,
-mask and dropout over the attention's scores, the bias-GELU, the
-bias-dropout-add and LayerNorms) at the memory bandwidth, tensor collectives
+**One figure is fitted**: the share of the A100's peaks its kernels sustain,
+{100 * rate / A100_80GB.peak_flops:.1f}%: matrix products at {rate / 1e12:.1f} TFLOP/s of the
+312, and what moves rather than multiplies (the softmax, mask and dropout
+over the attention's scores, the bias-GELU, the bias-dropout-add and
+LayerNorms) at the same share of its 2,039 GB/s, chosen so that the 1.7B row
+(data parallel only, no tensor or pipeline term) prices at its published
+137. It is used unchanged for every other row, and it is the A100 preset's
+(`A100_SUSTAINED_FRACTION`; the test of this script re-fits it and fails
+when the cost model moves it). One share for both peaks, not a peak
+bandwidth beside a fitted product rate: the framework's kernels fall short
+of both alike, and a full-bandwidth rule prices the small models' bytes, a
+fifth of the 1.7B row's update, too cheaply, so the fit pushes the products'
+rate down and every larger model (whose bytes weigh less) below its
+published figure. Everything
+else is the cost model's: tensor collectives
 over NVSwitch (a recomputed forward's again), pipeline cuts, the bubble, the
 data-parallel all-reduce, recomputation, memory.
 "Megatron FLOPs at the fitted rate" is the share of the update the model's
@@ -310,11 +336,23 @@ collectives, cuts, the all-reduce's tail, the bytes moved.
 The planner's own plan searches every layout (t, p, d, b, the schedule,
 virtual stages, whole-stage recomputation) under 80 GB, with the same fitted
 rate; a search still running after {limit_s:.0f} s is stopped and so
-marked (planning speed is the subject of its own work). Its TFLOP/s use the
-same count (recomputation included whether or not the plan recomputes), so
-"speed-up" is the published layout's time over the plan's, both priced by
-dreampipe. Its stages: `-` keeps the activations, `r` recomputes the whole
-stage, `rK` its first K blocks, `tN` splits it N ways.
+marked. Its TFLOP/s count the blocks it recomputes, as above, so a plan that
+keeps its activations does less work at a like rate; "speed-up" is the
+published layout's simulated time over the plan's, both priced by dreampipe.
+Its stages: `-` keeps the activations, `r` recomputes the whole stage, `rK`
+its first K blocks, `tN` splits it N ways. Where it differs from
+Megatron-LM's choice (computed):
+
+{chr(10).join(differences(priced, own)) or "- (not searched in this run)"}
+
+Why, in the terms above: the planner recomputes only what 80 GB forces,
+where Megatron-LM's runs recompute every block, a forward again of each,
+whether or not its activations fit; and it weighs tensor ranks, stages and
+the microbatch by the same terms, trading tensor collectives for pipeline
+stages and their bubble where those cost less. A larger microbatch buys
+nothing under one rate for every product size, a term the fit cannot see,
+so the planner's small microbatches are its model's choice, not a
+measured one.
 
 Table 2 of the same paper: PTD-P against ZeRO-3 without model parallelism
 (DeepSpeed's, every GPU a replica of the whole model, `z3`), the global batch
@@ -336,29 +374,19 @@ Rows further than 15% from the published figure (computed):
 _WHY = """
 Where they miss, the terms (the evidence is in the columns above):
 
-- **Interleaving's largest chunk.** The objective charges an interleaved
-  pipeline `v m + p - 1` times its largest chunk, the one holding the head
-  or the embedding ("unequal stages"), while a worker runs that chunk once
-  in `v`: its other chunks are lighter. "Chunks summed per worker" is the
-  ratio each interleaved row reaches when every worker is charged the sum of
-  its chunks, `m max_w sum (tau + cut) + (p - 1) max (tau + cut)`. The
-  program's min-max over chunks cannot express a worker's sum exactly, so
-  the rule stays, an upper bound on the time.
-- **One rate for every matrix product.** The rows without interleaving
-  that miss need their products faster than the 1.7B row's, with every
-  other term as priced. Megatron-LM's paper says so of its Table 1: "GPU
-  utilization improves as the models get larger (larger matrix
-  multiplications)" (section 5.1); one fitted figure, shape-blind, cannot
-  carry that.
 - **ZeRO-3 at scale.** With the batch fixed, ZeRO-3's published update
   takes as long on twice the GPUs (the updates above), although each GPU's
   work halves: DeepSpeed's gathers of the weights ran at a fraction of the
   links. dreampipe prices ZeRO-3 as its own runtime runs it, each use's
   gather of a stage's weights at the hierarchical all-reduce's rate over
   NVSwitch and each server's InfiniBand, so it predicts these rows faster
-  than published and faster than PTD-P. It matches where the GPUs are
-  fewest (the batch of 4 a GPU hides the gathers), as the paper's 6% and
-  24% do.
+  than published and faster than PTD-P. The published updates fit
+  `max(compute, about 67 s)` for the 174.6B model (180 s for the
+  529.6B): about four passes of the 16-bit weights a GPU per update, moved
+  at about 21 GB/s, one HDR link's rate rather than a server's eight
+  (DeepSpeed's gathers went parameter by parameter over 384 to 2,240 ranks).
+  That is DeepSpeed's implementation of the time, not a term of dreampipe's
+  runtime, and no figure is fitted to it, so these rows stay misses.
 
 Memory: the rows without interleaving are priced under 80 GB, the cuts
 chosen by the program among those that fit ("(over)" where none fits). An

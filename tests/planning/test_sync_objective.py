@@ -17,20 +17,17 @@ from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time
 from dreampipe.planning.sync_objective import PipelineKind, slots
-from dreampipe.planning.sync_search import (
-    MAX_VIRTUAL_STAGES,
-    SyncOptions,
-    SyncSearch,
-    plan_sync,
-)
+from dreampipe.planning.sync_search import MAX_VIRTUAL_STAGES, SyncSearch, plan_sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
+from dreampipe.simulation.zero_costs import with_zero
 
 
 def _chain(times: list[float], acts: list[int], weights: list[int], batch: int = 4
@@ -143,13 +140,13 @@ def test_each_choice_takes_at_least_its_floor_and_the_band_keeps_its_optimum(
 def _simulated(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,
                batch: int, b: int, v: int = 1) -> tuple[float, int]:
     """Seconds per update of ``plan`` under ``kind`` with microbatches of ``b``, and the
-    largest peak memory of a rank."""
+    largest peak memory of a rank, each stage at its ZeRO level."""
     per = batch // b
     schedule = build_schedule([st.replicas for st in plan.stages], kind, 2 * per, per,
                               virtual_stages=v)
-    result = simulate_schedule(schedule, costs_from_profile(graph, plan, topo,
-                                                            b / graph.batch_size),
-                               record_events=False)
+    costs = with_zero(costs_from_profile(graph, plan, topo, b / graph.batch_size), schedule,
+                      plan.zero_levels(0))
+    result = simulate_schedule(schedule, costs, record_events=False)
     return result.makespan_s / 2, max(result.peak_memory_bytes)
 
 

@@ -6,7 +6,9 @@ the schedule and the cuts. ``--layout`` prices a layout given by hand, the plann
 choosing what it leaves out. The report gives each stage's terms, the time per update
 and, for a profile by shape, the teraFLOP/s per GPU by Megatron-LM's count; then the
 check simulates the plan's schedule for two updates and sets the simulated time
-beside the prediction (interleaving runs only unsplit, unreplicated stages there).
+beside the prediction: the runtime's plan where it runs one, else one copy of the
+pipeline from the plan's own stage terms (:mod:`dreampipe.simulation.sync_copy`),
+as for interleaved copies of split stages.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from dreampipe.cli.links import memory_limit, sync_from
 from dreampipe.errors import ConfigError
 from dreampipe.planning.layout import LAYOUT_EXAMPLE, parse_layout
 from dreampipe.planning.state_bytes import OPTIMIZER_COPIES, PRECISION_PARAM_BYTES, Training
+from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
-from dreampipe.planning.sync_search import SyncOptions, plan_sync
+from dreampipe.planning.sync_search import plan_sync
 from dreampipe.planning.topology import Topology
+from dreampipe.profiling.gpt_shapes import blocks_recomputed
 from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -37,8 +41,8 @@ _UPDATES = 2
 
 
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--global-batch``, ``--microbatch-size``, ``--layout``, ``--precision`` and
-    ``--optimizer``."""
+    """Add ``--global-batch``, ``--microbatch-size``, ``--layout``, ``--precision``,
+    ``--optimizer`` and ``--whole-blocks``."""
     flags: dict[str, dict[str, Any]] = {
         "--global-batch": dict(type=int, metavar="B", help=(
             "samples an update: plan the synchronous objective, each update priced as its "
@@ -56,6 +60,10 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer": dict(choices=list(OPTIMIZER_COPIES), default="sgd", help=(
             "the optimizer whose state the synchronous objective counts (default sgd: none; "
             "adam: two 32-bit moments a weight)")),
+        "--whole-blocks": dict(action="store_true", help=(
+            "cut only between whole blocks, the same number a stage, as Megatron-LM places "
+            "them (the embedding on the first stage, the head on the last); default: the "
+            "best cuts, inside blocks too")),
     }
     for flag, how in flags.items():
         p.add_argument(flag, **how)
@@ -67,7 +75,8 @@ def wants_sync(args: argparse.Namespace) -> bool:
     extra = [flag for flag, value in (("--microbatch-size", args.microbatch_size),
                                       ("--layout", args.layout),
                                       ("--precision", args.precision),
-                                      ("--optimizer", args.optimizer != "sgd" or None))
+                                      ("--optimizer", args.optimizer != "sgd" or None),
+                                      ("--whole-blocks", args.whole_blocks or None))
              if value is not None]
     if args.global_batch is None:
         if extra:
@@ -102,12 +111,12 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         memory_bytes=memory_limit(args.memory, graph, topo),
         training=Training(args.precision, args.optimizer), sync=sync_from(args),
         kinds=_kinds(args), layout=layout, recompute=args.recompute,
-        tensor_split=args.mixed_splits)
+        tensor_split=args.mixed_splits, whole_blocks=args.whole_blocks)
     start = time.perf_counter()
     result = plan_sync(graph, topo, options)
     seconds = time.perf_counter() - start
     simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
-    tflops = _tflops(graph, result)
+    tflops = _tflops(graph, result, simulated)
     plan = result.plan()
     if args.output:
         if plan is None:
@@ -131,13 +140,17 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     return 0
 
 
-def _tflops(graph: LayerGraph, result: SyncPlan) -> float | None:
-    """Megatron-LM's teraFLOP/s per GPU for a profile by shape (None for others)."""
+def _tflops(graph: LayerGraph, result: SyncPlan, simulated: float | None) -> float | None:
+    """Megatron-LM's teraFLOP/s per GPU for a profile by shape (None for others): the
+    FLOPs of the blocks the plan recomputes, over the simulated time where the check ran
+    (the objective's closed form bounds it), else the prediction."""
     spec = graph.meta.get(BY_SHAPE)
-    if not spec or result.time_per_update_s <= 0:
+    seconds = simulated or result.time_per_update_s
+    if not spec or seconds <= 0:
         return None
-    flops = parse_gpt_spec(spec).shape.update_flops(result.global_batch)
-    return flops / result.time_per_update_s / result.workers_used / 1e12
+    again = blocks_recomputed(graph, result.recomputed_layers)
+    flops = parse_gpt_spec(spec).shape.update_flops(result.global_batch, again)
+    return flops / seconds / result.workers_used / 1e12
 
 
 def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions
@@ -147,11 +160,12 @@ def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOpt
     from dreampipe.scheduling.build import build_schedule
     from dreampipe.simulation.action_costs import costs_from_profile
     from dreampipe.simulation.simulator import simulate_schedule
+    from dreampipe.simulation.sync_copy import simulate_copy
     from dreampipe.simulation.zero_costs import with_zero
 
     plan = result.plan()
     if plan is None:
-        return None, "the simulator interleaves unsplit, unreplicated stages only"
+        return simulate_copy(result), ""
     trained = options.training.trained(graph)
     again = {i for st in result.stages for i in st.recomputed}
     layers = tuple(replace(x, backward_ms=x.backward_ms + x.forward_ms) if i in again else x
@@ -162,7 +176,7 @@ def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOpt
                               per_update, virtual_stages=result.virtual_stages)
     costs = costs_from_profile(replace(trained, layers=layers), plan, topo,
                                result.microbatch_size / result.profile_batch, options.sync)
-    costs = with_zero(costs, schedule, [result.zero] * plan.num_stages)
+    costs = with_zero(costs, schedule, [st.option.zero for st in result.stages])
     return simulate_schedule(schedule, costs, record_events=False).makespan_s / _UPDATES, ""
 
 
@@ -184,15 +198,15 @@ def _lines(result: SyncPlan, graph: LayerGraph, topo: Topology, tflops: float | 
         + (f", {result.virtual_stages} virtual stages" if result.virtual_stages > 1 else ""),
         f"  global batch {result.global_batch}: {result.microbatches} microbatches of "
         f"{result.microbatch_size} a copy; {result.time_per_update_s:.4g} s per update, "
-        f"bubble {100 * result.bubble_fraction:.1f}%"
-        + (f", {tflops:.1f} TFLOP/s per GPU (Megatron-LM's count)" if tflops else ""),
+        f"bubble {100 * result.bubble_fraction:.1f}%",
         "  exact: the fastest plan of the synchronous objective over every choice",
     ]
+    rate = f", {tflops:.1f} TFLOP/s per GPU (Megatron-LM's count)" if tflops else ""
     if simulated is not None:
         ratio = simulated / result.time_per_update_s if result.time_per_update_s else 0.0
         lines.append(f"simulated: {simulated:.4g} s per update ({ratio:.0%} of the "
-                     "prediction)")
+                     f"prediction){rate}")
     else:
-        lines.append(f"simulated: skipped ({why})")
+        lines.append(f"simulated: skipped ({why}){rate}")
     lines.append(f"planned in {seconds:.3f} s")
     return lines

@@ -32,7 +32,8 @@ from dreampipe.planning.costs import FloatArray
 from dreampipe.planning.sync_objective import Slots
 from dreampipe.planning.sync_tables import StageTables, band
 
-__all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time"]
+__all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time",
+           "whole_block_starts"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -60,6 +61,22 @@ class StageTerms:
     value_s: float
 
 
+def whole_block_starts(blocks: Sequence[int | None], count: int) -> tuple[int, ...] | None:
+    """Where ``count`` stages start when each holds the same number of whole blocks, as
+    Megatron-LM places them: the layers before the first block (the embedding) on the
+    first stage, those after the last (the head) on the last. ``blocks`` is each layer's
+    block (None outside blocks); None when the blocks do not divide into ``count``."""
+    starts: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        if b is not None:
+            starts.setdefault(b, i)
+    order = sorted(starts.values())
+    if not order or len(order) % count:
+        return None
+    per = len(order) // count
+    return (0, *(order[c * per] for c in range(1, count)))
+
+
 class _Slots:
     """Each slot's best option for every stage of at most ``width`` layers, computed once
     per distinct slot and tail bound. Entry ``[i, k]`` is the stage of layers
@@ -68,12 +85,16 @@ class _Slots:
     to beat (:func:`best_stages`)."""
 
     def __init__(self, tables: StageTables, slots: Slots, memory_bytes: float | None,
-                 width: int | None = None) -> None:
+                 width: int | None = None, starts: Sequence[int] | None = None) -> None:
         self.tables, self.slots, self.memory = tables, slots, memory_bytes
         n = tables.n
         self.width = n if width is None else max(1, min(n, width))
         self.rows, self.last = band(n, self.width)
         self.inside = self.rows + np.arange(self.width)[None, :] < n
+        if starts is not None:  # stages only from and to these boundaries
+            edge = np.zeros(n + 1, dtype=bool)
+            edge[[*starts, n]] = True
+            self.inside &= edge[self.rows] & edge[np.minimum(self.last + 1, n)]
         self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
         self._rooms: dict[int, FloatArray] = {}
         self._cuts: dict[int, FloatArray] = {}
@@ -174,7 +195,8 @@ def _least_pipeline(program: _Slots, tail_below: float
 
 
 def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = None,
-                width: int | None = None, beat: float = math.inf
+                width: int | None = None, beat: float = math.inf,
+                starts: Sequence[int] | None = None
                 ) -> tuple[float, list[StageTerms]] | None:
     """The cuts and options of ``slots.count`` stages (at least a layer each) whose update
     (:func:`update_time`) is least, with their terms; None when no choice fits
@@ -183,10 +205,11 @@ def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = 
     wants plans faster than ``beat``: stages of more than ``width`` layers are left out
     (no such stage's value may be below ``beat``), and the tails stop narrowing once the
     pipeline alone takes ``beat``; the plan returned is the optimum wherever that is
-    below ``beat``, else a plan (or None)."""
+    below ``beat``, else a plan (or None). ``starts``: the only layers a stage may start
+    at (:func:`whole_block_starts`), the other cuts left out."""
     if slots.count > tables.n:
         return None
-    program = _Slots(tables, slots, memory_bytes, width)
+    program = _Slots(tables, slots, memory_bytes, width, starts)
     best: tuple[float, list[StageTerms]] | None = None
     bound = math.inf
     while True:

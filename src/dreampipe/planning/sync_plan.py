@@ -18,7 +18,7 @@ from typing import Any
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.sync_dp import StageTerms
 from dreampipe.planning.sync_objective import PipelineKind
-from dreampipe.planning.sync_tables import Recompute, StageOption
+from dreampipe.planning.sync_stage_option import Recompute, StageOption
 
 __all__ = ["SyncPlan", "SyncStage"]
 
@@ -66,7 +66,6 @@ class SyncPlan:
     microbatch_size: int
     microbatches: int
     global_batch: int
-    zero: int
     time_per_update_s: float
     profile_batch: int
     num_layers: int
@@ -78,15 +77,29 @@ class SyncPlan:
         return self.tensor_parallel * self.data_parallel * self.pipeline
 
     @property
+    def zero(self) -> int:
+        """The highest ZeRO level a stage shards at (each stage's is its option's)."""
+        return max(st.option.zero for st in self.stages)
+
+    @property
     def layout(self) -> str:
         """The layout as ``--layout`` writes it (with ``v``, ``z`` and ``r`` where used)."""
         parts = [f"t{self.tensor_parallel}", f"p{self.pipeline}"]
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
-        parts += [f"z{self.zero}"] if self.zero else []
+        levels = {st.option.zero for st in self.stages}
+        parts += [f"z{levels.pop()}"] if len(levels) == 1 and self.zero else []
         blocks = {st.option.blocks for st in self.stages
                   if st.option.recompute is Recompute.BLOCKS}
         parts += [f"r{blocks.pop()}"] if len(blocks) == 1 else []
         return "-".join(parts)
+
+    @property
+    def recomputed_layers(self) -> tuple[int, ...]:
+        """Every layer whose forward a backward runs again: a recomputed stage's all,
+        else its recomputed blocks' (a chunk's under interleaving, once for all copies)."""
+        return tuple(i for st in self.stages for i in (
+            range(st.first, st.last + 1) if st.option.recompute is Recompute.STAGE
+            else st.recomputed))
 
     @property
     def bubble_fraction(self) -> float:
@@ -112,7 +125,8 @@ class SyncPlan:
                 comm_s=st.cut_s * per / d, allreduce_s=st.allreduce_s,
                 memory_bytes=round(st.memory_bytes), tensor_parallel=t,
                 splits=() if split is None else split.layers(st.first, st.last),
-                recompute=st.option.recompute is Recompute.STAGE, zero=self.zero or None))
+                recompute=st.option.recompute is Recompute.STAGE,
+                zero=st.option.zero or None))
         return Plan(stages=tuple(stages), num_layers=self.num_layers,
                     batch_size=self.profile_batch, model=self.model, topology=self.topology,
                     time_per_minibatch_s=self.time_per_update_s * self.profile_batch
@@ -130,6 +144,7 @@ class SyncPlan:
             "bubble_fraction": self.bubble_fraction, "optimality_gap": 0.0,
             "memory_bytes": [st.memory_bytes for st in self.stages],
             "stages": [{"first": st.first, "last": st.last, "option": st.option.label,
+                        "zero": st.option.zero,
                         "tau_s": st.tau_s, "cut_s": st.cut_s, "tail_s": st.tail_s,
                         "memory_bytes": st.memory_bytes, "held": st.held,
                         "worker_block": st.block} for st in self.stages],

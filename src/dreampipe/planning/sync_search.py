@@ -22,19 +22,18 @@ import itertools
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
-from dreampipe.errors import ConfigError, PlanError
+from dreampipe.errors import PlanError
 from dreampipe.planning.costs import FloatArray, RangeCosts
-from dreampipe.planning.layout import Layout
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
-from dreampipe.planning.state_bytes import Training, profiled_param_bytes
-from dreampipe.planning.sync import DEFAULT_SYNC, Sync
-from dreampipe.planning.sync_dp import StageTerms, best_stages
+from dreampipe.planning.state_bytes import profiled_param_bytes
+from dreampipe.planning.sync_choices import SyncOptions, copies_tried, divisors, stage_counts
+from dreampipe.planning.sync_dp import StageTerms, best_stages, whole_block_starts
 from dreampipe.planning.sync_floors import (
     band_width,
     envelope,
@@ -51,17 +50,12 @@ from dreampipe.planning.sync_objective import (
     zero_bubble_ratio,
 )
 from dreampipe.planning.sync_plan import SyncPlan, SyncStage
-from dreampipe.planning.sync_tables import (
-    Recompute,
-    StageOption,
-    StageTables,
-    TableInputs,
-    layer_blocks,
-)
+from dreampipe.planning.sync_stage_option import Recompute, StageOption, layer_blocks
+from dreampipe.planning.sync_tables import StageTables, TableInputs
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["MAX_VIRTUAL_STAGES", "SyncOptions", "SyncSearch", "plan_sync"]
+__all__ = ["MAX_VIRTUAL_STAGES", "SyncSearch", "plan_sync"]
 
 log = logging.getLogger(__name__)
 
@@ -73,39 +67,6 @@ _MARGIN = 1e-9
 #: lower); where it finds no plan below that, that is its floor, and it runs again
 #: when that floor comes up.
 _GROWTH = 1.25
-
-
-@dataclass(frozen=True, kw_only=True)
-class SyncOptions:
-    """What :func:`plan_sync` may choose. ``global_batch`` samples an update (in the
-    profile's samples; a profile without its batch size counts its minibatches);
-    ``microbatch_size`` fixes ``b``; ``memory_bytes`` per worker (None: no limit);
-    ``training`` the number formats and optimizer; ``kinds`` the schedules allowed;
-    ``layout`` fixes part of the layout; ``recompute`` lets a stage recompute whole
-    where only that fits; ``tensor_split`` lets replicas split over a server's workers."""
-
-    global_batch: int
-    microbatch_size: int | None = None
-    memory_bytes: int | None = None
-    training: Training = field(default_factory=Training)
-    sync: Sync = DEFAULT_SYNC
-    kinds: tuple[PipelineKind, ...] = tuple(PipelineKind)
-    layout: Layout | None = None
-    recompute: bool = False
-    tensor_split: bool = True
-
-    def __post_init__(self) -> None:
-        if self.global_batch < 1:
-            raise ConfigError(f"global_batch={self.global_batch}; give the samples of one "
-                              "update, a whole number >= 1, e.g. 512", "global_batch")
-        if self.microbatch_size is not None and not 1 <= self.microbatch_size <= \
-                self.global_batch:
-            raise ConfigError(f"microbatch_size={self.microbatch_size}; give a whole number "
-                              f"from 1 to the global batch {self.global_batch} that divides "
-                              "its share of each copy of the pipeline", "microbatch_size")
-        if not self.kinds:
-            raise ConfigError("kinds=(): allow at least one schedule, e.g. 1f1b-flush",
-                              "kinds")
 
 
 class _Choice(NamedTuple):
@@ -196,11 +157,17 @@ class SyncSearch:
         (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
         return band_width(self.envelope(t), theta)
 
+    def zero_levels(self, d: int) -> tuple[int, ...]:
+        """The ZeRO levels a stage of ``d`` replicas shards at: the layout's, else none.
+        Each stage's level is its option's, so the program could choose it per stage, but
+        four levels make the search on GPT-3's shape three times slower than its budget
+        (docs/planner.md, "The synchronous objective")."""
+        return (self.opts.layout.zero,) if self.opts.layout is not None else (0,)
+
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
-        zero = self.opts.layout.zero if self.opts.layout else 0
-        return StageTables(self.inputs, self.options(t), t, d, b / self.base, zero,
-                           splits_backward and zero >= 2)
+        options = [replace(o, zero=z) for o in self.options(t) for z in self.zero_levels(d)]
+        return StageTables(self.inputs, options, t, d, b / self.base, splits_backward)
 
     def choices(self, fit: bool = True) -> Iterator[_Choice]:
         """Every choice (with ``fit``: whose stages can hold the weights' state), with a
@@ -219,16 +186,16 @@ class SyncSearch:
             if not self.options(t):
                 continue
             least = self.least_compute(t)
-            for d in _copies(opts.global_batch, workers, t, layout):
+            for d in copies_tried(opts.global_batch, workers, t, layout):
                 per_copy = opts.global_batch // d
-                sizes = [opts.microbatch_size] if opts.microbatch_size else _divisors(per_copy)
-                fewest = self._fewest_stages(t, d) if fit else 1
-                stages = [layout.p] if layout else list(
-                    range(min(workers // (d * t), n), fewest - 1, -1))
+                sizes = [opts.microbatch_size] if opts.microbatch_size else divisors(per_copy)
                 for b in (x for x in sizes if x is not None and per_copy % x == 0):
+                    fewest = self._fewest_stages(t, d, b) if fit else 1
+                    stages = [layout.p] if layout else list(
+                        range(min(workers // (d * t), n), fewest - 1, -1))
                     m = per_copy // b
                     for kind, v in self._kinds(t):
-                        for ps in _stage_counts(kind, v, m, n, stages):
+                        for ps in stage_counts(kind, v, m, n, stages):
                             yield self._family(t, d, b, m, least * b / self.base, kind, v, ps)
 
     def _family(self, t: int, d: int, b: int, m: int, floor: float, kind: PipelineKind,
@@ -236,17 +203,30 @@ class SyncSearch:
         for p in stages:
             yield _Choice(factor(kind, p, m, v, self.rho) * floor / (p * v), t, d, b, kind, v, p)
 
-    def _fewest_stages(self, t: int, d: int) -> int:
-        """The fewest stages whose workers can hold the weights' state: each stage (each
-        chunk within ``1 / v`` of a worker) holds its weights' state, so ``p`` workers
-        hold at least the model's (:meth:`least_weights`)."""
+    def _fewest_stages(self, t: int, d: int, b: int) -> int:
+        """The fewest stages whose workers can hold the weights' state and one
+        microbatch of ``b`` samples: each stage (each chunk within ``1 / v`` of a worker)
+        holds its weights' state (:meth:`least_weights`) and, unless it recomputes block
+        by block, what its layers keep for a microbatch at least once (a recomputing
+        stage holds it while it recomputes), so ``p`` workers hold at least the model's."""
         limit = self.opts.memory_bytes
         if limit is None:
             return 1
-        zero = self.opts.layout.zero if self.opts.layout else 0
         state = self.least_weights(t) * self.opts.training.state_per_byte(
-            self.inputs.profiled_param_bytes, zero, d)
-        return max(1, math.ceil(state / limit - 1e-9))
+            self.inputs.profiled_param_bytes, max(self.zero_levels(d)), d)
+        return max(1, math.ceil((state + self.least_kept(t) * b / self.base) / limit - 1e-9))
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_kept(self, t: int) -> float:
+        """A floor on the bytes a pipeline's stages keep together for a profiled minibatch
+        on a replica of ``t`` workers: each layer's least over the options, none where a
+        stage may recompute block by block (it keeps one block's)."""
+        options = self.options(t)
+        if any(o.recompute is Recompute.BLOCKS for o in options):
+            return 0.0
+        per_layer = [np.diag((self.inputs.costs if s is None else s.costs).kept)
+                     for s in {o.split for o in options}]
+        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
 
     def floor(self, c: _Choice) -> float:
         """A floor on the update time of choice ``c`` (the update takes at least its
@@ -290,7 +270,13 @@ class SyncSearch:
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
-        found = best_stages(tables, sl, opts.memory_bytes, self._band(c, beat), beat)
+        width, starts = self._band(c, beat), None
+        if opts.whole_blocks:
+            starts = whole_block_starts(self.inputs.blocks, sl.count)
+            if starts is None:
+                return None
+            width = max(b - a for a, b in itertools.pairwise((*starts, tables.n)))
+        found = best_stages(tables, sl, opts.memory_bytes, width, beat, starts)
         if found is None:
             return None
         value, terms = found
@@ -299,7 +285,7 @@ class SyncSearch:
     def covers(self, choice: _Choice, beat: float) -> bool:
         """Whether :meth:`run` with ``beat`` reads every stage, so that what it finds is
         ``choice``'s best plan whatever its time (None: none fits)."""
-        return self._band(choice, beat) >= self.inputs.costs.n
+        return self.opts.whole_blocks or self._band(choice, beat) >= self.inputs.costs.n
 
     def _band(self, c: _Choice, beat: float) -> int:
         m = self.opts.global_batch // (c.d * c.b)
@@ -320,43 +306,9 @@ class SyncSearch:
         return SyncPlan(
             stages=tuple(stages), schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
             pipeline=c.p, virtual_stages=c.v, microbatch_size=c.b, microbatches=m,
-            global_batch=self.opts.global_batch, zero=tables.zero, time_per_update_s=value,
+            global_batch=self.opts.global_batch, time_per_update_s=value,
             profile_batch=self.base, num_layers=tables.n, model=self.graph.model,
             topology=self.topology.describe())
-
-
-def _copies(batch: int, workers: int, t: int, layout: Layout | None) -> list[int]:
-    """The copies of the pipeline tried: those that divide ``batch`` on ``t`` workers a
-    replica; a layout's fill the workers."""
-    if layout is None:
-        return [d for d in range(1, workers // t + 1) if batch % d == 0]
-    d = workers // (layout.t * layout.p)
-    if d < 1:
-        raise PlanError(f"layout {layout.text} needs {layout.t * layout.p} workers; the "
-                        f"topology has {workers}: give a smaller t or p")
-    if batch % d:
-        raise PlanError(f"layout {layout.text} on {workers} workers runs d = {d} copies of "
-                        f"the pipeline, which do not divide the global batch {batch}: give "
-                        f"a global batch that {d} divides, e.g. {batch // d * d or d}")
-    return [d]
-
-
-def _stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
-                  ) -> Iterator[list[int]]:
-    """The stage counts of ``stages`` (most first) that ``kind`` runs with ``v`` chunks a
-    worker and ``m`` microbatches, in runs whose floors rise as they go
-    (:meth:`SyncSearch.families`)."""
-    if kind is PipelineKind.INTERLEAVED:
-        yield [p for p in stages if p > 1 and m % p == 0 and p * v <= n]
-    elif kind is PipelineKind.ZB_H1:
-        yield [p for p in stages if p > m]
-        yield [p for p in stages if p <= m]
-    else:
-        yield stages
-
-
-def _divisors(k: int) -> list[int]:
-    return [x for x in range(1, k + 1) if k % x == 0]
 
 
 def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> SyncPlan:

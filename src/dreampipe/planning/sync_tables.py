@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -33,48 +32,17 @@ from dreampipe.planning.costs import (
     RangeCosts,
 )
 from dreampipe.planning.held import range_max
-from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync, replica_groups
 from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
+from dreampipe.planning.sync_stage_option import Recompute, StageOption
 from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["Recompute", "StageOption", "StageTables", "TableInputs", "band", "layer_blocks"]
+__all__ = ["StageTables", "TableInputs", "band"]
 
-_BLOCK = re.compile(r"b(\d+)\.")
 IntArray = npt.NDArray[np.int64]
-
-
-class Recompute(StrEnum):
-    """What a stage recomputes in its backward."""
-
-    NONE = "none"
-    STAGE = "stage"  #: the whole stage's forward: keeps its input per microbatch
-    BLOCKS = "blocks"  #: its first k blocks: keeps each one's input per microbatch
-
-
-@dataclass(frozen=True)
-class StageOption:
-    """One way to run a stage: ``split`` (None: unsplit) and what it recomputes."""
-
-    split: StageSplit | None = None
-    recompute: Recompute = Recompute.NONE
-    blocks: int = 0
-
-    @property
-    def label(self) -> str:
-        what = {Recompute.NONE: "", Recompute.STAGE: "r",
-                Recompute.BLOCKS: f"r{self.blocks}"}[self.recompute]
-        return (f"t{self.split.t}" if self.split else "") + what
-
-
-def layer_blocks(graph: LayerGraph) -> tuple[int | None, ...]:
-    """Each layer's block (a transformer layer ``bK.`` of a profile by shape), None for
-    layers outside blocks (the embedding, the head)."""
-    found = [_BLOCK.match(x.name) for x in graph.layers]
-    return tuple(None if f is None else int(f.group(1)) for f in found)
 
 
 @dataclass(frozen=True)
@@ -93,17 +61,34 @@ class TableInputs:
     weight_grad_share: tuple[float, ...]
 
 
+class _Terms(NamedTuple):
+    """A stage's terms before its ZeRO level (:meth:`StageTables._terms`)."""
+
+    forward: FloatArray
+    compute: FloatArray
+    again: FloatArray
+    end: FloatArray
+    allreduce: FloatArray
+    weight_grad: FloatArray
+
+
 class StageTables:
     """The options' tables for ``t`` workers a replica, ``d`` replicas, microbatches of
-    ``fraction`` of the profiled minibatch, ZeRO ``zero`` (module doc). A stage on worker
+    ``fraction`` of the profiled minibatch (module doc), each option at its ZeRO level;
+    ``splits_backward``: the schedule runs ``W`` apart from ``B``. A stage on worker
     block ``k`` holds workers ``k D .. (k + 1) D - 1``, ``D = d t``, replica ``r`` from
     ``k D + r t``."""
 
     def __init__(self, inputs: TableInputs, options: Sequence[StageOption], t: int, d: int,
-                 fraction: float, zero: int = 0, splits_backward: bool = False) -> None:
+                 fraction: float, splits_backward: bool = False) -> None:
         self.inputs, self.options, self.t, self.d = inputs, tuple(options), t, d
-        self.fraction, self.zero, self.splits_backward = fraction, zero, splits_backward
+        self.fraction, self.splits_backward = fraction, splits_backward
         self.n = inputs.costs.n
+        # each option's first option of the same split and recomputation: what its
+        # ZeRO levels share is computed once, on that one
+        firsts: dict[tuple[int, Recompute, int], int] = {}
+        self._base = tuple(firsts.setdefault((id(o.split), o.recompute, o.blocks), x)
+                           for x, o in enumerate(self.options))
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -125,6 +110,11 @@ class StageTables:
         (:func:`band`; entries past the last layer are the last layer's)."""
         return self._times(x, self.groups(block), width)
 
+    def base(self, x: int) -> int:
+        """The first option with option ``x``'s split and recomputation: the options run
+        from it through ``x``'s ZeRO levels, lowest first."""
+        return self._base[x]
+
     def time_at(self, x: int, block: int, first: int, last: int) -> tuple[float, float]:
         """:meth:`times` of the one stage ``first..last``."""
         ends = np.arange(first, last + 1)[None, :]  # the all-reduce's end runs over them
@@ -134,12 +124,23 @@ class StageTables:
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray]:
+        return self._leveled(x, self._band_terms(self._base[x], groups, width))
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None
+                    ) -> _Terms:
         rows, last = band(self.n, width)
-        return self._priced(x, groups, rows, last)
+        return self._terms(x, groups, rows, last)
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
                 ) -> tuple[FloatArray, FloatArray]:
         """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape)."""
+        return self._leveled(x, self._terms(self._base[x], groups, rows, last))
+
+    def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
+               ) -> _Terms:
+        """What ``(tau, tail)`` of option ``x``'s stages ``rows..last`` are made of, before
+        its ZeRO level: the same for every level of one split and recomputation."""
         costs = self._costs(self.options[x])
         full_compute, full_forward = self._at_fraction(x)
         forward = full_forward[rows, last]
@@ -155,10 +156,16 @@ class StageTables:
         else:
             end = ar = np.zeros_like(compute)
         wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
-        z = zero_times(self.zero, self.d, forward=forward, backward=compute - forward + again,
+        return _Terms(forward, compute, again, end, ar, wgrad)
+
+    def _leveled(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray]:
+        """``(tau, tail)`` from ``terms`` at option ``x``'s ZeRO level."""
+        forward, compute, again, end, ar, wgrad = terms
+        level = self.options[x].zero
+        z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
                        weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
                        delay=end - ar + again, gather=ar / 2,
-                       splits_backward=self.splits_backward)
+                       splits_backward=self.splits_backward and level >= 2)
         tau = z.forward + z.backward
         left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)
         return np.where(np.isfinite(compute), tau, np.inf), left + z.step
@@ -209,42 +216,67 @@ class StageTables:
     # ---- memory ------------------------------------------------------------------
     def memory(self, x: int, held: float) -> FloatArray:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
-        fixed, per = self._memory(x)
+        fixed, per = self._memory(x, *band(self.n, None))
         return np.asarray(fixed + held * per)
 
     def memory_at(self, x: int, held: float, first: int, last: int) -> float:
         """:meth:`memory` of the one stage ``first..last``."""
-        fixed, per = self._memory(x)
-        return float(fixed[first, last] + held * per[first, last])
+        fixed, per = self._memory_one(x, first, last)
+        return fixed + held * per
 
-    @functools.lru_cache(maxsize=32)  # noqa: B019 - per instance, dropped with it
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def capacity(self, x: int, room: float, width: int | None = None) -> FloatArray:
         """``[i, j]`` (with ``width``, ``[i, k]`` as :meth:`times`): the most microbatches
         option ``x`` holds within ``room`` bytes per worker (-1 where not even none fit, inf
         where they cost nothing): a stage fits holding ``held`` exactly where
         ``held <= capacity``."""
-        fixed, per = self._memory(x)
-        rows, last = band(self.n, width)
-        return _capacity(fixed[rows, last], per[rows, last], room)
+        return _capacity(*self._band_memory(x, width), room)
 
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
         ``held`` microbatches (:meth:`capacity`, for one stage)."""
-        fixed, per = (float(a[first, last]) for a in self._memory(x))
+        fixed, per = self._memory_one(x, first, last)
         if fixed > room:  # :func:`_capacity` on one stage, in plain floats
             return False
         return per <= 0 or math.floor((room - fixed) / per) >= held
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
-    def _memory(self, x: int) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms ``(fixed, per)``: ``fixed + held * per`` bytes."""
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _band_memory(self, x: int, width: int | None) -> tuple[FloatArray, FloatArray]:
+        return self._memory(x, *band(self.n, width))
+
+    def _memory(self, x: int, rows: IntArray, last: IntArray) -> tuple[FloatArray, FloatArray]:
+        """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last``:
+        ``fixed + held * per`` bytes, its ZeRO level's state on its split's
+        activations."""
+        inp, o, base = self.inputs, self.options[x], self._base[x]
+        weights = self._costs(o).weights[rows, last]
+        state = weights * inp.training.state_per_byte(inp.profiled_param_bytes, o.zero, self.d)
+        if o.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
+            state = state + self._largest_layer(base)[rows, last]
+        fixed, per = self._activations(base)
+        return fixed[rows, last] + state, per[rows, last]
+
+    def _memory_one(self, x: int, first: int, last: int) -> tuple[float, float]:
+        """:meth:`_memory` of the one stage ``first..last``, in plain floats."""
+        inp, o, base = self.inputs, self.options[x], self._base[x]
+        state = float(self._costs(o).weights[first, last]) * inp.training.state_per_byte(
+            inp.profiled_param_bytes, o.zero, self.d)
+        if o.zero >= SHARDED_LEVEL and self.d > 1:
+            state += float(self._largest_layer(base)[first, last])
+        fixed, per = self._activations(base)
+        return float(fixed[first, last]) + state, float(per[first, last])
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _largest_layer(self, x: int) -> FloatArray:
+        return range_max(list(np.asarray(self._costs(self.options[x]).layer_weights)))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
+        """Option ``x``'s memory terms without its weights' state (the same at every ZeRO
+        level)."""
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
-        state = costs.weights * inp.training.state_per_byte(inp.profiled_param_bytes,
-                                                            self.zero, self.d)
-        if self.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
-            state = state + range_max(list(np.asarray(costs.layer_weights)))
-        fixed = state + (costs.backward_working + SENDS_KEPT * costs.sent) * f
+        fixed = (costs.backward_working + SENDS_KEPT * costs.sent) * f
         kept, first = costs.kept * f, costs.inputs * f
         if o.recompute is Recompute.NONE:
             return fixed, first + kept

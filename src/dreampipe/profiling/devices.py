@@ -2,8 +2,10 @@
 
 A profile built from shapes (:mod:`dreampipe.profiling.gpt_spec`) counts each
 layer's floating-point work and bytes moved, not times; a :class:`Device`
-turns them into times, its matrix products at its ``sustained_fraction`` of
-the dense 16-bit peak (:data:`SUSTAINED_FRACTION` unless measured for the device:
+turns them into times at its ``sustained_fraction`` of its peaks: matrix products
+at that share of the dense 16-bit peak, what moves rather than multiplies at that
+share of the memory bandwidth, since one framework's kernels fall short of both
+alike (:data:`SUSTAINED_FRACTION` unless measured for the device:
 :data:`A100_SUSTAINED_FRACTION`). Cluster presets carry their servers' device
 (:mod:`dreampipe.planning.topology`); the figures are the vendors' datasheets
 (docs/planner.md, "Profiles by shape").
@@ -19,8 +21,8 @@ from dreampipe.errors import ProfileError
 __all__ = ["A100_80GB", "A100_SUSTAINED_FRACTION", "SUSTAINED_FRACTION", "V100_16GB", "V100_32GB",
            "Device"]
 
-#: The fraction of a device's dense peak its matrix products sustain in a profile by
-#: shape, unless the device has its own: Megatron-LM's 39 TFLOP/s on one V100 of 125
+#: The fraction of a device's peaks its kernels sustain in a profile by shape, unless the
+#: device has its own: Megatron-LM's 39 TFLOP/s on one V100 of 125
 #: (Shoeybi et al. 2019, "30% of the peak"), the one figure published beside its peak for
 #: a whole model on one device.
 SUSTAINED_FRACTION = 39 / 125
@@ -29,14 +31,14 @@ SUSTAINED_FRACTION = 39 / 125
 #: published 137 TFLOP/s per GPU under dreampipe's cost model, fitted by
 #: ``benchmarks/megatron_sc21.py`` (its test re-fits it: a change to the cost model that
 #: moves the fit fails there until this figure follows).
-A100_SUSTAINED_FRACTION = 168.93e12 / 312e12
+A100_SUSTAINED_FRACTION = 195.84e12 / 312e12
 
 
 @dataclass(frozen=True)
 class Device:
     """One accelerator: ``peak_flops`` dense 16-bit FLOP/s (tensor cores),
     ``memory_bytes`` of device memory, ``memory_bandwidth`` bytes/s to it, and the
-    ``sustained_fraction`` of the peak its matrix products sustain."""
+    ``sustained_fraction`` of those peaks its kernels sustain (module doc)."""
 
     name: str
     peak_flops: float
@@ -54,12 +56,19 @@ class Device:
         if not 0 < self.sustained_fraction <= 1:
             raise ProfileError(f"device {self.name!r}: sustained_fraction="
                                f"{self.sustained_fraction!r} must be in (0, 1]; give the share "
-                               "of the peak its matrix products sustain, e.g. 0.3")
+                               "of its peaks its kernels sustain, e.g. 0.3")
 
     @property
     def sustained_flops(self) -> float:
         """FLOP/s a profile by shape times matrix products at."""
         return self.peak_flops * self.sustained_fraction
+
+    def sustained_bandwidth(self, flops: float | None = None) -> float:
+        """Bytes/s a profile by shape moves at: the share of the memory bandwidth that
+        the matrix products (at ``flops``, default :attr:`sustained_flops`) take of the
+        peak."""
+        rate = self.sustained_flops if flops is None else flops
+        return self.memory_bandwidth * rate / self.peak_flops
 
     def describe(self) -> str:
         return f"{self.name}, {self.peak_flops / 1e12:g} TFLOP/s"

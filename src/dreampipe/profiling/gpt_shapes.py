@@ -11,12 +11,14 @@ Megatron-LM's tensor parallelism does.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dreampipe.profiling.graph import Layer, LayerGraph
 
 __all__ = ["GELU_BYTES", "GPT3_1_3B", "MEGATRON_8_3B", "NORM_BYTES", "SCORE_BYTES", "GptShape",
-           "gpt_profile"]
+           "block_index", "blocks_recomputed", "gpt_profile"]
 
 #: Bytes moved (forward, backward) per attention score: the fused scale-mask-softmax reads
 #: and writes it (2 + 2, 16-bit), the dropout reads it, writes it and its 1-byte mask; back,
@@ -30,6 +32,8 @@ GELU_BYTES = (16, 24)
 #: and residual in, output and 1-byte mask out; back: gradient and mask in, gradient out)
 #: and by the LayerNorm itself (in and out; back twice that).
 NORM_BYTES = (7 + 4, 5 + 8)
+#: A block's layer, ``b<k>.<part>``.
+_BLOCK_LAYER = re.compile(r"b(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,20 @@ class GptShape:
         block = 12 * h * h + 13 * h
         return self.layers * block + 2 * self.vocab * h + self.seq * h + 2 * h
 
-    def update_flops(self, global_batch: int) -> float:
+    def update_flops(self, global_batch: int, recomputed: float | None = None) -> float:
         """Floating-point operations of one update of ``global_batch`` sequences by
-        Megatron-LM's count (Narayanan et al. 2021, §5.1), the forward once more for
-        activation recomputation: ``96 B s l h^2 (1 + s / 6h + V / 16lh)``."""
+        Megatron-LM's count (Narayanan et al. 2021, §5.1): ``72 B s l h^2 (1 + s / 6h)``
+        for the blocks' forward and backward, ``24 B s h^2 (1 + s / 6h)`` more for each
+        of the ``recomputed`` blocks whose forward runs again (default: every block, the
+        published ``96 B s l h^2 (1 + s / 6h + V / 16lh)``), and ``6 B s h V`` for the
+        head, which no run recomputes. Counting what a plan runs keeps the rate per GPU
+        a rate: a plan that keeps its activations does less work, not more per second."""
         b, s, n, h, v = global_batch, self.seq, self.layers, self.hidden, self.vocab
-        return 96.0 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+        again = float(n) if recomputed is None else recomputed
+        if not 0 <= again <= n:
+            raise ValueError(f"recomputed={recomputed}: give 0 to {n} blocks")
+        return (72.0 * n + 24.0 * again) * b * s * h * h * (1 + s / (6 * h)) \
+            + 6.0 * b * s * h * v
 
 
 #: GPT-3 XL (Brown et al., "Language Models are Few-Shot Learners", Table 2.1).
@@ -135,3 +147,23 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
               (0.0, 0.0)),
     ]
     return LayerGraph.chain(layers, batch_size=b, model=shape.name)
+
+
+def block_index(name: str) -> int | None:
+    """The block of a layer named ``name`` (``b<k>.<part>``, :func:`gpt_profile`), None
+    for the layers outside blocks (the embedding, the head)."""
+    found = _BLOCK_LAYER.match(name)
+    return None if found is None else int(found.group(1))
+
+
+def blocks_recomputed(graph: LayerGraph, layers: Iterable[int]) -> float:
+    """How many of ``graph``'s blocks ``layers`` (indices of recomputed layers) amount to,
+    by the blocks' forward time: what :meth:`GptShape.update_flops` counts as recomputed.
+    A block's layers are named ``b<k>.<part>`` (:func:`gpt_profile`)."""
+    block = {i: b for i, x in enumerate(graph.layers) if (b := block_index(x.name)) is not None}
+    total = sum(graph.layers[i].forward_ms for i in block)
+    if total <= 0:
+        return 0.0
+    again = sum(graph.layers[i].forward_ms for i in set(layers) if i in block)
+    count = len(set(block.values()))
+    return min(float(count), count * again / total)

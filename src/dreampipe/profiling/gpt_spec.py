@@ -105,11 +105,11 @@ def parse_gpt_spec(text: str | Path) -> GptSpec:
 def gpt_spec_profile(spec: GptSpec, device: Device, *, flops: float | None = None
                      ) -> LayerGraph:
     """The profile of ``spec`` on ``device``: matrix products at its sustained rate (or
-    ``flops`` FLOP/s, a rate fitted to a measurement), LayerNorms and the embedding at its
-    memory bandwidth, named by the spec's text."""
+    ``flops`` FLOP/s, a rate fitted to a measurement), what moves rather than multiplies
+    at the same share of its memory bandwidth, named by the spec's text."""
     rate = device.sustained_flops if flops is None else flops
     graph = gpt_profile(spec.shape, rate, parameter_bytes=spec.param_bytes,
-                        memory_bandwidth=device.memory_bandwidth)
+                        memory_bandwidth=device.sustained_bandwidth(rate))
     return dataclasses.replace(graph, model=spec.text,
                                meta={BY_SHAPE: spec.text, "shape_device": device.name})
 

@@ -1,0 +1,92 @@
+"""What the synchronous search may choose, and the choices it enumerates outside the program.
+
+:class:`SyncOptions` is the search's input; :func:`copies_tried`, :func:`divisors` and
+:func:`stage_counts` list the copies of the pipeline, the microbatch sizes and the stage
+counts that :mod:`dreampipe.planning.sync_search` tries (docs/planner.md, "The
+synchronous objective").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from dreampipe.errors import ConfigError, PlanError
+from dreampipe.planning.layout import Layout
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync
+from dreampipe.planning.sync_objective import PipelineKind
+
+__all__ = ["SyncOptions", "copies_tried", "divisors", "stage_counts"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """What :func:`plan_sync` may choose. ``global_batch`` samples an update (in the
+    profile's samples; a profile without its batch size counts its minibatches);
+    ``microbatch_size`` fixes ``b``; ``memory_bytes`` per worker (None: no limit);
+    ``training`` the number formats and optimizer; ``kinds`` the schedules allowed;
+    ``layout`` fixes part of the layout; ``recompute`` lets a stage recompute whole
+    where only that fits; ``tensor_split`` lets replicas split over a server's workers;
+    ``whole_blocks`` gives every stage the same number of whole blocks, as Megatron-LM
+    places them (:func:`~dreampipe.planning.sync_dp.whole_block_starts`), instead of the
+    best cuts."""
+
+    global_batch: int
+    microbatch_size: int | None = None
+    memory_bytes: int | None = None
+    training: Training = field(default_factory=Training)
+    sync: Sync = DEFAULT_SYNC
+    kinds: tuple[PipelineKind, ...] = tuple(PipelineKind)
+    layout: Layout | None = None
+    recompute: bool = False
+    tensor_split: bool = True
+    whole_blocks: bool = False
+
+    def __post_init__(self) -> None:
+        if self.global_batch < 1:
+            raise ConfigError(f"global_batch={self.global_batch}; give the samples of one "
+                              "update, a whole number >= 1, e.g. 512", "global_batch")
+        if self.microbatch_size is not None and not 1 <= self.microbatch_size <= \
+                self.global_batch:
+            raise ConfigError(f"microbatch_size={self.microbatch_size}; give a whole number "
+                              f"from 1 to the global batch {self.global_batch} that divides "
+                              "its share of each copy of the pipeline", "microbatch_size")
+        if not self.kinds:
+            raise ConfigError("kinds=(): allow at least one schedule, e.g. 1f1b-flush",
+                              "kinds")
+
+
+def copies_tried(batch: int, workers: int, t: int, layout: Layout | None) -> list[int]:
+    """The copies of the pipeline tried: those that divide ``batch`` on ``t`` workers a
+    replica; a layout's fill the workers."""
+    if layout is None:
+        return [d for d in range(1, workers // t + 1) if batch % d == 0]
+    d = workers // (layout.t * layout.p)
+    if d < 1:
+        raise PlanError(f"layout {layout.text} needs {layout.t * layout.p} workers; the "
+                        f"topology has {workers}: give a smaller t or p")
+    if batch % d:
+        raise PlanError(f"layout {layout.text} on {workers} workers runs d = {d} copies of "
+                        f"the pipeline, which do not divide the global batch {batch}: give "
+                        f"a global batch that {d} divides, e.g. {batch // d * d or d}")
+    return [d]
+
+
+def stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
+                  ) -> Iterator[list[int]]:
+    """The stage counts of ``stages`` (most first) that ``kind`` runs with ``v`` chunks a
+    worker and ``m`` microbatches, in runs whose floors rise as they go
+    (:meth:`~dreampipe.planning.sync_search.SyncSearch.families`)."""
+    if kind is PipelineKind.INTERLEAVED:
+        yield [p for p in stages if p > 1 and m % p == 0 and p * v <= n]
+    elif kind is PipelineKind.ZB_H1:
+        yield [p for p in stages if p > m]
+        yield [p for p in stages if p <= m]
+    else:
+        yield stages
+
+
+def divisors(k: int) -> list[int]:
+    """Every whole number that divides ``k``."""
+    return [x for x in range(1, k + 1) if k % x == 0]

@@ -1,0 +1,39 @@
+"""One copy of a synchronous plan's pipeline, simulated from the plan's own stage terms.
+
+The synchronous objective (:mod:`dreampipe.planning.sync_objective`) prices an update
+by a closed form; under interleaving it charges every chunk as the largest, a bound
+that is loose when the chunks holding the embedding and the head are heavier than the
+rest. This module times the plan's schedule action by action instead: every copy of the
+pipeline runs alike, so one copy of ``p`` ranks is simulated, each stage (chunk) taking
+its ``tau`` split into forward and backward (recomputation and tensor collectives
+included), its cut blocking it as the send and receive of a flushed pipeline do, and the
+update's largest tail (the all-reduce left after the last backward, ZeRO's work) added
+at the end, as the objective adds it. This runs on any layout, interleaved copies of
+split stages included, which the runtime's plan cannot express (docs/planner.md,
+"The synchronous objective").
+"""
+
+from __future__ import annotations
+
+from dreampipe.planning.sync_plan import SyncPlan
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.action_costs import SimCosts
+from dreampipe.simulation.simulator import simulate_schedule
+
+__all__ = ["simulate_copy"]
+
+
+def simulate_copy(plan: SyncPlan, updates: int = 1) -> float:
+    """Seconds per update of one copy of ``plan``'s pipeline over ``updates`` updates
+    (module doc)."""
+    per_update = plan.microbatches
+    schedule = build_schedule([1] * len(plan.stages), ScheduleKind(plan.schedule.value),
+                              updates * per_update, per_update,
+                              virtual_stages=plan.virtual_stages)
+    forward = tuple(min(st.forward_s, st.tau_s) + st.cut_s / 2 for st in plan.stages)
+    backward = tuple(st.tau_s - min(st.forward_s, st.tau_s) + st.cut_s / 2
+                     for st in plan.stages)
+    costs = SimCosts(forward_s=forward, backward_s=backward)
+    took = simulate_schedule(schedule, costs, record_events=False).makespan_s / updates
+    return took + max(st.tail_s for st in plan.stages)

@@ -1,0 +1,66 @@
+"""Megatron-LM's placement of whole blocks, and Megatron-LM's FLOP count of what a plan
+runs: the blocks it recomputes, not the published run's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dreampipe.planning.layout import parse_layout
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_choices import SyncOptions
+from dreampipe.planning.sync_dp import whole_block_starts
+from dreampipe.planning.sync_objective import PipelineKind
+from dreampipe.planning.sync_search import plan_sync
+from dreampipe.planning.sync_stage_option import layer_blocks
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.gpt_shapes import GptShape, blocks_recomputed
+from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
+
+SPEC = "gpt:layers=8,hidden=512,heads=8,seq=256,vocab=4096"
+
+
+def test_whole_block_starts_put_the_embedding_first_and_the_head_last() -> None:
+    blocks = (None, 0, 0, 1, 1, 2, 2, 3, 3, None, None)
+    assert whole_block_starts(blocks, 1) == (0,)
+    assert whole_block_starts(blocks, 2) == (0, 5)
+    assert whole_block_starts(blocks, 4) == (0, 3, 5, 7)
+    assert whole_block_starts(blocks, 3) is None  # 4 blocks do not split in 3
+    assert whole_block_starts((None, None), 1) is None
+
+
+@pytest.mark.parametrize("layout", ["t1-p4-r1", "t2-p2-v2-r2"])
+def test_a_layout_of_whole_blocks_cuts_between_blocks_and_recomputes_them_whole(
+        layout: str) -> None:
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
+    blocks = layer_blocks(graph)
+    opts = SyncOptions(global_batch=16, microbatch_size=1, training=Training("bf16", "adam"),
+                       layout=parse_layout(layout), whole_blocks=True,
+                       kinds=(PipelineKind.FLUSH, PipelineKind.INTERLEAVED))
+    found = plan_sync(graph, topo, opts)
+    chunks = found.pipeline * found.virtual_stages
+    starts = whole_block_starts(blocks, chunks)
+    assert starts is not None
+    assert tuple(st.first for st in found.stages) == starts
+    per = 8 // chunks
+    recompute = int(layout.rsplit("r", 1)[1])
+    # every stage recomputes its first k blocks whole: k of its `per` blocks' layers
+    assert blocks_recomputed(graph, found.recomputed_layers) == pytest.approx(
+        chunks * min(recompute, per))
+    free = plan_sync(graph, topo, replace(opts, whole_blocks=False))
+    assert free.time_per_update_s <= found.time_per_update_s * (1 + 1e-9)
+
+
+def test_the_count_follows_the_blocks_recomputed() -> None:
+    shape = GptShape("x", 24, 2304, 24, 2048, 51200, 1)
+    b, s, n, h, v = 512, 2048, 24, 2304, 51200
+    published = 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+    assert shape.update_flops(b) == pytest.approx(published, rel=1e-12)
+    kept = shape.update_flops(b, 0)
+    assert kept == pytest.approx(72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h)))
+    assert shape.update_flops(b, 12) == pytest.approx((kept + published) / 2, rel=1e-12)
+    with pytest.raises(ValueError, match="recomputed=25"):
+        shape.update_flops(b, 25)
