@@ -1,7 +1,8 @@
 """Pipelines train in every precision as one process in that precision does, under
 ``torchrun`` on 3 ranks: a tiny Llama cut ``2-1`` and a GPT-2 with a tied head cut ``1-2``,
 so that one stage is replicated, and the Llama interleaved, 2 stages a rank; GPT-2 also
-clipped by the global norm, its tied head on the replicated stage (sharded or not).
+clipped by the global norm, its tied head on the replicated stage (sharded or not). On 4
+ranks, both run as 2 copies of a pipeline of 2 stages a rank, GPT-2's tie across them.
 
 Tolerances. fp32: the suite's (:mod:`.compare`). 16-bit: the run may differ from one
 process in that precision by that precision's rounding, which a pipeline meets in other
@@ -79,23 +80,50 @@ _SHARDED = [
 _CLIPPED, _CLIP = (0, 2), 0.5
 #: fp32 jobs with Adam at each ZeRO level, whose peaks each level lowers: (model, level).
 _ADAM_LEVELS = [(name, level) for name in ("llama", "gpt2") for level in range(4)]
-#: Copies of a pipeline (PP x DP), a launch of 4 ranks: the Llama cut in 4 stages, each on
+#: Copies of a pipeline (PP x DP), a launch of 4 ranks: the Llama (and GPT-2, its embedding
+#: on stage 0 tied to its head on stage 3, the other copy's rank) cut in 4 stages, each on
 #: 2 replicas, 2 stages a rank; each copy runs half of every update's microbatches, which
-#: interleaving over its 2 ranks takes in pairs. (schedule, precision, ZeRO level).
-_COPIES = [("llama", "interleaved-1f1b", "bf16", 1), ("llama", "zbv", "fp32", 0)]
+#: interleaving over its 2 ranks takes in pairs. (model, schedule, precision, ZeRO level).
+_COPIES = [("llama", "interleaved-1f1b", "bf16", 1), ("llama", "zbv", "fp32", 0),
+           ("gpt2", "interleaved-1f1b", "bf16", 1)]
 _COPIES_SIZES = (_MINIBATCH, 4)
-_COPIES_CUTS = {"llama": ["model.layers.0", "model.layers.1", "model.norm"]}
+_COPIES_CUTS = {"llama": ["model.layers.0", "model.layers.1", "model.norm"],
+                "gpt2": ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]}
+#: The copies' schedule whose (fp32) job is clipped by the global norm to ``_CLIP``: its
+#: rank 0 holds stages 0 and 3, whose norm its first ``STEP`` takes, both reduced first.
+_COPIES_CLIPPED = "zbv"
 
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
                skip: tuple[int, ...] = (), schedule: str = "",
                sizes: tuple[int, int] | None = None) -> FormatsRun:
-    factory = adam if optimizer == "adam" else sgd
     minibatch, micro = sizes or _SIZES.get(schedule, (_MINIBATCH, _MICRO))
+    return _one_process(name, precision, optimizer, loss_scale, tuple(skip), minibatch, micro)
+
+
+@cache
+def _one_process(name: str, precision: str, optimizer: str, loss_scale: float,
+                 skip: tuple[int, ...], minibatch: int, micro: int) -> FormatsRun:
+    """:func:`_reference`'s run, computed once a module: the tests only read it, and most
+    16-bit jobs compare against the same fp32 run."""
+    factory = adam if optimizer == "adam" else sgd
     return reference_formats(CaseSpec(CASES[name], SEED), CaseData(CASES[name]),  # type: ignore[arg-type]
                              steps=_STEPS, minibatch=minibatch, seed=SEED,
                              opt=factory(_LR[optimizer]), microbatches=micro,
                              precision=precision, loss_scale=loss_scale, skip=skip)
+
+
+@cache
+def _clipped(name: str, minibatch: int, micro: int
+             ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One fp32 process with SGD clipped by the global norm to ``_CLIP``, which every
+    update's norm exceeds (checked): its losses and final state."""
+    case, norms = CASES[name], []
+    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case), steps=_STEPS,  # type: ignore[arg-type]
+                                   minibatch=minibatch, seed=SEED, opt=sgd(_LR["sgd"]),
+                                   microbatches=micro, max_grad_norm=_CLIP, norms=norms)
+    assert min(norms) > _CLIP, norms  # every update clipped
+    return losses, state
 
 
 @cache
@@ -149,7 +177,8 @@ def copies(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     jobs = [{"case": name, "seed": SEED, "schedule": schedule, "steps": _STEPS,
              "measure": True, "minibatch": _COPIES_SIZES[0], "microbatches": _COPIES_SIZES[1],
              "lr": _LR["sgd"], "optimizer": "sgd", "precision": precision, "zero": level,
-             "split_points": _COPIES_CUTS[name], "virtual_stages": 2, "copies": 2}
+             "split_points": _COPIES_CUTS[name], "virtual_stages": 2, "copies": 2,
+             **({"max_grad_norm": _CLIP} if schedule == _COPIES_CLIPPED else {})}
             for name, schedule, precision, level in _COPIES]
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=4, timeout_s=200.0)
@@ -166,16 +195,20 @@ def test_copies_of_a_pipeline_train_as_one_process(copies: list[dict[str, Any]],
     """2 copies of a 2-rank pipeline of 2 stages a rank equal one process in the run's
     precision (ZeRO-1 sharding each stage's optimizer state over its 2 replicas), and each
     rank's peak, its two stages', is within 15% of the prediction: interleaving's only, as
-    zbv's prediction misses the rank at the V's turn by more, with or without copies. A
-    weight tied across stages is refused on copies (test_pipeline_errors.py)."""
+    zbv's prediction misses the rank at the V's turn by more, with or without copies.
+    GPT-2's tied embedding and head, on ranks of different positions, stay bit-equal and
+    train as one process's weight: each position's first replica adds its replicas' sum.
+    zbv's job is clipped by the global norm of every update, as one process clips."""
     name, schedule, precision, level = _COPIES[index]
     got = copies[index]
     assert got["schedule"] == schedule and got["replicas"] == [2] * 4
     assert got["sharded"] == [level > 0] * 4
-    ref = _reference(name, precision, "sgd", sizes=_COPIES_SIZES)
-    if precision == "fp32":
-        assert_matches(got, ref.losses, ref.state)
-    else:
+    assert_tied_equal(name, got)
+    if schedule == _COPIES_CLIPPED:  # in fp32
+        assert precision == "fp32"
+        assert_matches(got, *_clipped(name, *_COPIES_SIZES))
+    else:  # in 16 bits
+        ref = _reference(name, precision, "sgd", sizes=_COPIES_SIZES)
         start = {k: v.detach().clone() for k, v in CaseSpec(CASES[name], SEED).model()
                  .state_dict().items()}
         fp32 = _reference(name, "fp32", "sgd", sizes=_COPIES_SIZES)
@@ -302,12 +335,7 @@ def test_clipping_counts_a_tie_on_a_replicated_stage_once(runs: list[dict[str, A
     norm, which counts the weight once, as ``clip_grad_norm_`` on one process does."""
     got = runs[len(_JOBS) + len(_RECOMPUTING) + len(_SHARDED) + _CLIPPED.index(level)]
     assert got["sharded"] == [False, level > 0, level > 0]
-    case, norms = CASES["gpt2"], []
-    losses, state = reference_sync(CaseSpec(case, SEED), CaseData(case), steps=_STEPS,  # type: ignore[arg-type]
-                                   minibatch=_MINIBATCH, seed=SEED, opt=sgd(_LR["sgd"]),
-                                   microbatches=_MICRO, max_grad_norm=_CLIP, norms=norms)
-    assert min(norms) > _CLIP, norms  # every update clipped
-    assert_matches(got, losses, state)
+    assert_matches(got, *_clipped("gpt2", _MINIBATCH, _MICRO))
     assert_tied_equal("gpt2", got)
 
 

@@ -37,6 +37,18 @@ def test_a_replicated_stage_adds_its_sum_from_its_first_replica_only() -> None:
     assert tie_place(tie, plan, 2) == TiePlace((0, 1, 2), 0, ((1, "head.weight", False, False),))
 
 
+def test_on_copies_of_a_pipeline_each_stages_first_replica_adds_its_sum() -> None:
+    """2 copies of a 2-rank pipeline, stages 0 and 2 on ranks 0 and 1, 1 and 3 on ranks 2
+    and 3: the tie's group is every rank; ranks 0 and 2 add their stages' sums (the update
+    pass all-reduces a rank's stages before its first step, tests/scheduling)."""
+    plan = Plan.from_config(4, [0, 1, 2, 3], [2, 2, 2, 2], virtual_stages=2)
+    tie = Tie((0, 3), ("wte.weight", "head.weight"))
+    assert [tie_place(tie, plan, rank) for rank in range(4)] == [
+        TiePlace((0, 1, 2, 3), 0, ((stage, name, counts, stage == 0),))
+        for stage, name, counts in [(0, "wte.weight", True), (0, "wte.weight", False),
+                                    (3, "head.weight", True), (3, "head.weight", False)]]
+
+
 def test_two_stages_of_one_rank_hold_a_shared_module_and_weight_apart() -> None:
     embed, shared = nn.Embedding(5, 3), nn.Linear(3, 3)
     head, again = nn.Linear(3, 5, bias=False), nn.Linear(3, 5, bias=False)

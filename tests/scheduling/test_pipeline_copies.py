@@ -32,8 +32,9 @@ def test_each_copy_runs_every_microbatch_of_its_replica_then_reduces(
         case: tuple[S, int, int, int, int, int]) -> None:
     """Every microbatch ``u`` runs its ``F`` before its ``B`` on every stage, once, on
     the replica ``u mod r`` of the stage (rank ``position * r + u mod r``); each rank
-    reduces each of its stages' gradients after its last ``B``/``W`` of the update, then
-    steps; and each copy runs the unreplicated schedule's order on its microbatches."""
+    reduces each of its stages' gradients after its last ``B``/``W`` of the update, and
+    all of them before its first step of it (which sums tied weights and the norm over
+    its stages); and each copy runs the unreplicated schedule's order on its microbatches."""
     kind, r, p, v, m, updates = case
     n = p * v
     sched = build_schedule((r,) * n, kind, m * updates, m, virtual_stages=v)
@@ -61,6 +62,12 @@ def test_each_copy_runs_every_microbatch_of_its_replica_then_reduces(
                                        and a.stage == stage and a.microbatch == k))
                 assert reduce is None or max(mine) < reduce < step
                 assert max(mine) < step
+        for k in range(updates):
+            reduces = [i for i, a in enumerate(acts) if a.kind is K.ALLREDUCE
+                       and a.microbatch == k]
+            steps = [i for i, a in enumerate(acts) if a.kind is K.STEP and a.microbatch == k]
+            assert len(reduces) == (v if r > 1 else 0) and len(steps) == v
+            assert max(reduces, default=-1) < min(steps), (rank, k)
         # the copy's order is the unreplicated one, its microbatches renumbered
         share = m // r
         mine_order = [(a.kind, a.stage, a.microbatch) for a in acts

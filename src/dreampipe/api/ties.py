@@ -12,9 +12,11 @@ one process. Each stage stashes its copy with its own weight versions; the state
 dict has the parameter under every stage's name, with one value.
 
 A tied stage may be replicated: its replicas' gradients are summed first (its
-``ALLREDUCE``), so only its first replica adds its sum to the tie's, the others
-add zeros, and every copy takes the same total. Ties are honoured on any schedule,
-but not on a stage split over workers: a ConfigError before training.
+``ALLREDUCE``, which the update pass puts before the rank's first ``STEP`` of the
+update, also on copies of an interleaved or V pipeline), so only its first replica
+adds its sum to the tie's, the others add zeros, and every copy takes the same
+total. Ties are honoured on any schedule, but not on a stage split over workers: a
+ConfigError before training.
 """
 
 from __future__ import annotations
@@ -43,14 +45,6 @@ def check_ties(ties: list[Tie], plan: Plan) -> None:
                 f"on stages {', '.join(map(str, tie.stages))}, which plan {plan.config} splits "
                 "over workers; a tied weight is kept on stages with no split: use such a plan, "
                 "or split points that put the tied layers on one stage", "plan")
-        copies = max(st.replicas for st in plan.stages)
-        if plan.virtual_stages > 1 and copies > 1:
-            raise ConfigError(
-                f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
-                f"on stages {', '.join(map(str, tie.stages))}, and plan {plan.config} runs "
-                f"{copies} copies of a pipeline of {plan.virtual_stages} stages a worker; a "
-                "tied weight is not kept equal over pipeline copies yet: use one copy (no "
-                "replicas) with virtual stages, or replicas with virtual_stages=1", "plan")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ The rule (DeepSpeed's ``TiedLayerSpec``; GPT-2's embedding and head): every copy
 from the first stage's value, and each update, before its global norm is taken, sums the
 copies' gradients: the copies a rank holds (two under interleaving) first, then over the
 ranks holding the others, so every copy applies the same change. On a replicated stage
-one replica adds the stage's sum (the replicas already hold it) and the others zeros.
+one replica adds the stage's sum (the replicas hold it: the rank's ``ALLREDUCE`` of every
+stage precedes its first ``STEP``) and the others zeros.
 Where a stage's replicas shard their gradients (ZeRO level 2 and up, :mod:`.zero`), the
 replica's chunks are gathered whole for the sum and cut again after it; under level 3
 the starting value is received into a tensor of its own and taken into the chunks.

@@ -7,8 +7,9 @@ over every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`,
 the update skipped) and, with ``max_grad_norm``, the global gradient norm to
 clip by, which the sums of the weights tied across stages (:mod:`.stage_ties`)
 precede. Those run once per update on each rank, at its first ``STEP`` of the
-update, for all its stages (several under interleaved 1F1B): the schedules
-that interleave flush every minibatch, so all their gradients are known by then.
+update, for all its stages (several under interleaving): the schedules that
+interleave flush every minibatch, and the update pass puts every ``ALLREDUCE`` of
+the rank's update before that ``STEP``, so its gradients are whole sums by then.
 
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
 multiplied by ``1 / microbatches_per_update`` (:func:`loss_scale`), so the sum of the

@@ -8,8 +8,8 @@ dreampipe's terms every stage has ``r`` replicas; microbatch ``u`` runs on repli
 k m + j + r, ...``. :func:`copies_compute` writes each copy's order as the
 unreplicated schedule of ``m / r`` microbatches an update, renumbered; rank ``q r +
 j`` is position ``q`` of copy ``j`` (:class:`~dreampipe.scheduling.actions.Schedule`).
-The update pass then puts each stage's ``ALLREDUCE<k>`` before its ``STEP<k>``, after
-the copy's last action of update ``k``, as for every synchronous schedule.
+The update pass then puts each stage's ``ALLREDUCE<k>`` after the copy's last action
+of update ``k`` and before the rank's first ``STEP<k>``, as for every synchronous schedule.
 :func:`check_copies` refuses uneven replica counts and microbatches a copy cannot split.
 docs/design.md §7.7.
 """

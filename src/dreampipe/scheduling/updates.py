@@ -27,8 +27,9 @@ def lower_updates(schedule: Schedule) -> Schedule:
     partial round joins its ``ALLREDUCE<k> STEP<k>`` at the end. Synchronous
     schedules: ``ALLREDUCE<k> STEP<k>`` once per minibatch k, after the rank's
     last action of it, even on a replica that ran none of its microbatches (it
-    contributes zero gradient). 2bw: after each replica's last backward of
-    the minibatch (module doc).
+    contributes zero gradient); a rank of several stages reduces them all, then
+    steps them all (:func:`_rank_update`). 2bw: after each replica's last backward
+    of the minibatch (module doc).
     """
     if schedule.kind is ScheduleKind.PIPEDREAM:
         return schedule.with_actions([_per_backward(schedule, schedule.stage_of_rank(rank), acts)
@@ -93,15 +94,21 @@ def _per_update(schedule: Schedule, stages: Sequence[int], acts: tuple[Action, .
     done = 0
     for a in acts:
         while a.microbatch // m > done:
-            for stage in stages:
-                out += _update_actions(schedule, stage, done)
+            out += _rank_update(schedule, stages, done)
             done += 1
         out.append(a)
     while done < schedule.num_microbatches // m:
-        for stage in stages:
-            out += _update_actions(schedule, stage, done)
+        out += _rank_update(schedule, stages, done)
         done += 1
     return tuple(out)
+
+
+def _rank_update(schedule: Schedule, stages: Sequence[int], update: int) -> list[Action]:
+    """Update ``update`` of a rank's ``stages``: every ``ALLREDUCE`` before the first
+    ``STEP``, whose agreement (tied weights' sums, the global norm, the loss scale) reads
+    the gradients of all the rank's stages summed over their replicas."""
+    acts = [a for stage in stages for a in _update_actions(schedule, stage, update)]
+    return sorted(acts, key=lambda a: a.kind is ActionKind.STEP)
 
 
 def _update_actions(schedule: Schedule, stage: int, update: int) -> list[Action]:
