@@ -6,7 +6,7 @@ layers a topology's tables take within :data:`TABLE_WORK`. A profile with
 more layers is planned on :func:`coarsen`'s blocks instead: stages may then
 only be cut between blocks, so the plan can be slower than the optimum, and
 the planner says by how much at most (:func:`~dreampipe.planning.bounds.
-compute_bound`).
+lower_bound`).
 
 The coarse profile's range sums are the fine profile's sums over the blocks'
 layers (compute, forward, weights, activations, what a minibatch keeps, the

@@ -122,12 +122,12 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             )
     search_opts = opts.search(prof.n)
     search = Search(prof, prof) if opts.exact else search_for(prof, topology)
+    splits = (split_options(graph, topology, split_widths(topology))
+              if opts.also_flat and opts.mixed_splits and opts.tensor_split else ())
     models = cost_models(topology, opts.also_flat)
     stages = fastest(search, topology, models, search_opts)
     heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
     if opts.also_flat:
-        splits = (split_options(graph, topology, split_widths(topology))
-                  if opts.mixed_splits and opts.tensor_split else ())
         stages, ranged = with_ranges(search, topology, stages, search_opts, opts.exact,
                                      opts.recompute, splits)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
@@ -147,7 +147,8 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    gap = gap_bound(stages, prof, topology.num_workers) if heuristics else 0.0
+    gap = (gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
+           if heuristics else 0.0)
     if heuristics:
         log.info("%d layers planned with %s: the plan is at most %.1f%% slower than the "
                  "optimum", prof.n, ", ".join(h.value for h in heuristics), 100 * gap)

@@ -19,6 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from dreampipe.planning.bounds import lower_bound
 from dreampipe.planning.coarsen import block_starts, coarsen, exact_layers
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.dp import FlatStage, Options, best_plan
@@ -148,14 +149,11 @@ def with_ranges(
     return stages, heuristic
 
 
-def gap_bound(stages: Sequence[Stage], fine: RangeCosts, workers: int) -> float:
-    """How much slower than the optimum ``stages`` are at most.
-
-    Every stage takes at least its compute over its replicas
-    (``max(C, F + end) / r >= C / r``), and the largest of those ratios is
-    at least the ratio of their sums, so no plan on at most ``workers`` is
-    faster than the whole compute over ``workers``: the gap is the plan's
-    time over that, less one.
-    """
-    bound = float(fine.compute_s[0, fine.n - 1]) / workers
-    return max(0.0, slowest(stages) / bound - 1.0) if bound > 0 else math.inf
+def gap_bound(stages: Sequence[Stage], fine: RangeCosts, topology: Topology, opts: Options,
+              splits: Sequence[StageSplit] = (), recompute: bool = False) -> float:
+    """How much slower than the optimum ``stages`` are at most: their time over
+    :func:`~dreampipe.planning.bounds.lower_bound` of every plan the search could hold
+    (any placement, ``splits``, recomputing where ``recompute`` allows), less one."""
+    time = slowest(stages)
+    bound = lower_bound(fine, topology, opts.sync, time, splits, opts.memory_bytes, recompute)
+    return max(0.0, time / bound - 1.0) if bound > 0 else math.inf
