@@ -99,3 +99,18 @@ def test_bad_sync_flags_are_one_line_naming_them(
     assert err.startswith("dreampipe plan: error: ") and err.count("\n") == 1, err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+def test_plan_says_why_each_stage_runs_as_it_does(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192", "-t",
+            "dgx-a100:1", "--global-batch", "64", "--memory", "1GB", "--precision", "bf16",
+            "--optimizer", "adam"]
+    data = _json(capsys, *argv, "--json")
+    assert len(data["stage_options"]) == len(data["stages"])
+    for stage, options in zip(data["stages"], data["stage_options"], strict=True):
+        (mine,) = [x for x in options if x["chosen"]]
+        assert mine["memory_bytes"] == pytest.approx(stage["memory_bytes"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out.split("why each stage runs as it does")[1]
+    lines = [x for x in out.splitlines() if x.startswith("  stage ")]
+    assert len(lines) == len(data["stages"]) and "needs" in out and "of 1.0 GB" in out

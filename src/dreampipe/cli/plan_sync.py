@@ -28,6 +28,7 @@ from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import plan_sync
+from dreampipe.planning.sync_why import OptionPrice, stage_options
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.gpt_shapes import blocks_recomputed
 from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
@@ -117,6 +118,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     seconds = time.perf_counter() - start
     simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
     tflops = _tflops(graph, result, simulated)
+    choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
         if plan is None:
@@ -128,13 +130,16 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         out: dict[str, Any] = {**result.to_dict(), "model": graph.model,
                                "tflops_per_gpu": tflops, "plan_time_s": seconds,
                                "check_skipped": simulated is None,
-                               "simulated_time_per_update_s": simulated}
+                               "simulated_time_per_update_s": simulated,
+                               "stage_options": [[x.to_dict() for x in stage]
+                                                 for stage in choices]}
         if plan is not None:
             out["config"] = plan.config
         json.dump(out, sys.stdout)
         sys.stdout.write("\n")
         return 0
     print("\n".join(_lines(result, graph, topo, tflops, simulated, why, seconds)))
+    print("\n".join(_reasons(result, choices, options.memory_bytes)))
     if args.output:
         print(f"plan saved to {args.output}")
     return 0
@@ -209,4 +214,29 @@ def _lines(result: SyncPlan, graph: LayerGraph, topo: Topology, tflops: float | 
     else:
         lines.append(f"simulated: skipped ({why}){rate}")
     lines.append(f"planned in {seconds:.3f} s")
+    return lines
+
+
+def _reasons(result: SyncPlan, choices: list[list[OptionPrice]], limit: int | None
+             ) -> list[str]:
+    """Per stage, why each other option on its layers lost: it does not fit, its pipeline
+    term is longer, or its tail would end the update later."""
+    end = max(st.tail_s for st in result.stages)
+    lines = ["", "why each stage runs as it does (its other options on the same layers):"]
+    for s, stage in enumerate(choices):
+        mine = next(x for x in stage if x.chosen)
+        why = []
+        for x in (x for x in stage if not x.chosen):
+            if not x.fits:
+                why.append(f"{x.label} needs {format_bytes(x.memory_bytes)}"
+                           + (f" of {format_bytes(limit)}" if limit else ""))
+            elif x.value_s > mine.value_s * (1 + 1e-9):
+                why.append(f"{x.label} {x.value_s / mine.value_s - 1:.1%} longer")
+            elif x.tail_s > end:
+                why.append(f"{x.label} ends {x.tail_s * 1e3:.2f} ms after its last backward, "
+                           f"the update {end * 1e3:.2f} ms")
+            else:
+                why.append(f"{x.label} no faster")
+        lines.append(f"  stage {s} {mine.label}, {format_bytes(mine.memory_bytes)}: "
+                     + ("; ".join(why) or "its only option"))
     return lines
