@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 from hypothesis import example, given, settings
@@ -18,9 +19,10 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
-from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time
+from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time, whole_block_starts
 from dreampipe.planning.sync_objective import PipelineKind, slots
 from dreampipe.planning.sync_search import MAX_VIRTUAL_STAGES, SyncSearch, plan_sync
+from dreampipe.planning.sync_stage_option import layer_blocks
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind
@@ -55,23 +57,31 @@ def _brute(graph: LayerGraph, topo: Topology, opts: SyncOptions) -> float:
     """Every choice, every cut and every stage option, priced by the program's tables."""
     search = SyncSearch(graph, topo, opts)
     n, workers, batch = len(graph), topo.num_workers, opts.global_batch
+    layout = opts.layout
     best = math.inf
     for d in range(1, workers + 1):
-        if batch % d:
+        if batch % d or (layout is not None and d != workers // (layout.t * layout.p)):
             continue
         sizes = [opts.microbatch_size] if opts.microbatch_size else range(1, batch // d + 1)
         for b in (x for x in sizes if batch // d % x == 0):
             m = batch // (d * b)
             for p in range(1, min(workers // d, n) + 1):
+                if layout is not None and p != layout.p:
+                    continue
                 kinds = [(k, 1) for k in opts.kinds if k is not PipelineKind.INTERLEAVED]
                 if PipelineKind.INTERLEAVED in opts.kinds and p > 1 and m % p == 0:
                     kinds += [(PipelineKind.INTERLEAVED, v)
                               for v in range(2, MAX_VIRTUAL_STAGES + 1) if p * v <= n]
+                if layout is not None and layout.v is not None:
+                    kinds = [(k, v) for k, v in kinds if v == layout.v]
                 for kind, v in kinds:
                     sl = slots(kind, p, m, v, search.rho)
                     tables = search.tables(1, d, b, kind is PipelineKind.ZB_H1)
                     count = len(tables.options)
+                    starts = whole_block_starts(layer_blocks(graph), sl.count)
                     for spans in _compositions(n, sl.count):
+                        if opts.whole_blocks and tuple(i for i, _ in spans) != starts:
+                            continue
                         # a stage's terms depend on its own span and option only
                         each = [stage_terms(tables, sl, [Chosen(i, j, x) for i, j in spans],
                                             opts.memory_bytes) for x in range(count)]
@@ -110,6 +120,52 @@ def test_the_program_finds_what_brute_force_finds(
     assert found.time_per_update_s == pytest.approx(expect, rel=1e-9)
     assert found.global_batch == found.data_parallel * found.microbatches * \
         found.microbatch_size
+
+
+@st.composite
+def _block_graphs(draw: st.DrawFn) -> LayerGraph:
+    """An embedding, two to four blocks of two layers each (named as a profile by shape
+    names them, ``b<k>.``) and a head."""
+    blocks = draw(st.integers(2, 4))
+    layers = [Layer("embed", 0.1, 0.2, 10**6, 10**6, "Embedding")]
+    for k in range(blocks):
+        for part in ("attn", "mlp"):
+            t = draw(st.floats(0.5, 5.0))
+            layers.append(Layer(f"b{k}.{part}", t, 2 * t, draw(st.sampled_from([10**6, 10**8])),
+                                draw(st.sampled_from([10**6, 10**7])), "Linear(1)"))
+    layers.append(Layer("head", 1.0, 2.0, 10**6, 10**7, "Linear(2)"))
+    return LayerGraph.chain(layers, batch_size=4, model="blocks")
+
+
+@settings(max_examples=80, deadline=None)
+@given(_block_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
+       st.sampled_from([None, 10**8, 4 * 10**8]), st.sampled_from([1, 2]),
+       st.sampled_from([0, 1, 2, 3]), st.sampled_from([None, 1, 2]),
+       st.sampled_from([None, 2]), st.booleans())
+def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
+        graph: LayerGraph, shape: str, batch: int, memory: int | None, p: int, zero: int,
+        blocks: int | None, v: int | None, whole: bool) -> None:
+    """A layout's ZeRO level and recomputed blocks (and virtual stages), with cuts
+    anywhere or between whole blocks: the program finds what brute force finds over every
+    remaining choice, cut and stage option."""
+    topo = Topology.parse(shape, ["1e9B/s"] * len(shape.split("x")))
+    kinds = (PipelineKind.INTERLEAVED,) if v else (PipelineKind.FLUSH, PipelineKind.ZB_H1)
+    opts = SyncOptions(global_batch=batch, memory_bytes=memory, kinds=kinds,
+                       layout=Layout(1, p, v, zero, blocks), tensor_split=False,
+                       training=Training("bf16", "adam"), whole_blocks=whole)
+    brute = _brute(graph, topo, opts)
+    try:
+        found = plan_sync(graph, topo, opts)
+    except PlanError:
+        assert not math.isfinite(brute)
+        return
+    assert found.time_per_update_s == pytest.approx(brute, rel=1e-9)
+    assert all(st.option.zero == zero for st in found.stages)
+    if whole:
+        starts = whole_block_starts(layer_blocks(graph), p * (v or 1))
+        assert tuple(st.first for st in found.stages) == starts
+        free = plan_sync(graph, topo, replace(opts, whole_blocks=False))
+        assert free.time_per_update_s <= found.time_per_update_s * (1 + 1e-9)
 
 
 @settings(max_examples=8, deadline=None)
