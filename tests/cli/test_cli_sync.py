@@ -90,6 +90,9 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--microbatch-size", "65"], ["--microbatch-size 65"]),
     (["--global-batch", "0"], ["--global-batch 0"]),
     (["--global-batch", "64", "--semantics", "async"], ["--semantics async"]),
+    (["--global-batch", "64", "--layout", "t1-p3", "--whole-blocks"],
+     ["4 blocks into 3 stages", "drop --whole-blocks"]),
+    (["--whole-blocks"], ["--whole-blocks", "--global-batch"]),
 ])
 def test_bad_sync_flags_are_one_line_naming_them(
     capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str],
@@ -114,3 +117,12 @@ def test_plan_says_why_each_stage_runs_as_it_does(capsys: pytest.CaptureFixture[
     out = capsys.readouterr().out.split("why each stage runs as it does")[1]
     lines = [x for x in out.splitlines() if x.startswith("  stage ")]
     assert len(lines) == len(data["stages"]) and "needs" in out and "of 1.0 GB" in out
+
+
+def test_whole_blocks_on_a_profile_without_blocks_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["plan", "pipedream:alexnet", "-t", "cluster-b", "--global-batch", "64",
+                 "--whole-blocks"]) == 2
+    err = capsys.readouterr().err
+    assert "has no blocks" in err and "drop --whole-blocks" in err and err.count("\n") == 1

@@ -29,6 +29,7 @@ import numpy as np
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import FloatArray, RangeCosts
+from dreampipe.planning.layout import Layout
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import profiled_param_bytes
@@ -105,6 +106,8 @@ class SyncSearch:
             raise PlanError(f"layout {layout.text} recomputes {layout.recompute_blocks} blocks "
                             f"a stage, but profile {graph.model or 'model'} has no blocks (a "
                             "gpt: profile's transformer layers); drop -r")
+        if opts.whole_blocks:
+            _check_whole_blocks(blocks, layout, graph.model or "model")
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def options(self, t: int) -> tuple[StageOption, ...]:
@@ -309,6 +312,23 @@ class SyncSearch:
             global_batch=self.opts.global_batch, time_per_update_s=value,
             profile_batch=self.base, num_layers=tables.n, model=self.graph.model,
             topology=self.topology.describe())
+
+
+def _check_whole_blocks(blocks: tuple[int | None, ...], layout: Layout | None,
+                        model: str) -> None:
+    """Whole blocks need blocks, and a layout's stages must share them evenly."""
+    count = len({b for b in blocks if b is not None})
+    if not count:
+        raise PlanError(f"whole blocks a stage, but profile {model} has no blocks (a gpt: "
+                        "profile's transformer layers); drop --whole-blocks")
+    if layout is not None and layout.v is not None and count % (layout.p * layout.v):
+        raise PlanError(f"layout {layout.text} cuts {count} blocks into {layout.p * layout.v} "
+                        "stages of whole blocks, which do not divide them; give p v dividing "
+                        f"{count}, or drop --whole-blocks")
+    if layout is not None and count % layout.p:
+        raise PlanError(f"layout {layout.text} cuts {count} blocks into {layout.p} stages of "
+                        f"whole blocks, which do not divide them; give p dividing {count}, or "
+                        "drop --whole-blocks")
 
 
 def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> SyncPlan:
