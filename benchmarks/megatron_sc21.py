@@ -68,13 +68,6 @@ _TRAINING = Training("bf16", "adam")
 _MISS = 0.15
 
 
-def _tflops(row: Sc21Row, plan: SyncPlan, graph: LayerGraph, seconds: float) -> float:
-    """Megatron-LM's count of the update's FLOPs for the blocks ``plan`` recomputes, per
-    second of an update taking ``seconds`` and per GPU, in teraFLOP/s."""
-    again = blocks_recomputed(graph, plan.recomputed_layers)
-    return row.spec.shape.update_flops(row.batch, again) / seconds / plan.workers_used / 1e12
-
-
 @dataclass(frozen=True)
 class Priced:
     """A row's published layout as dreampipe prices it, matrix products at ``rate``."""
@@ -89,7 +82,9 @@ class Priced:
 
     @property
     def tflops(self) -> float:
-        return _tflops(self.row, self.plan, self.graph, self.simulated_s)
+        rate = self.plan.tflops_per_gpu(self.graph, self.simulated_s)
+        assert rate is not None  # a profile by shape
+        return rate
 
     @property
     def bound(self) -> float:

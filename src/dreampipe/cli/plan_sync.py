@@ -30,8 +30,6 @@ from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import plan_sync
 from dreampipe.planning.sync_why import OptionPrice, stage_options
 from dreampipe.planning.topology import Topology
-from dreampipe.profiling.gpt_shapes import blocks_recomputed
-from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
@@ -117,7 +115,8 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     result = plan_sync(graph, topo, options)
     seconds = time.perf_counter() - start
     simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
-    tflops = _tflops(graph, result, simulated)
+    # the simulated update where the check ran (the objective's closed form bounds it)
+    tflops = result.tflops_per_gpu(graph, simulated or result.time_per_update_s)
     choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
@@ -143,19 +142,6 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     if args.output:
         print(f"plan saved to {args.output}")
     return 0
-
-
-def _tflops(graph: LayerGraph, result: SyncPlan, simulated: float | None) -> float | None:
-    """Megatron-LM's teraFLOP/s per GPU for a profile by shape (None for others): the
-    FLOPs of the blocks the plan recomputes, over the simulated time where the check ran
-    (the objective's closed form bounds it), else the prediction."""
-    spec = graph.meta.get(BY_SHAPE)
-    seconds = simulated or result.time_per_update_s
-    if not spec or seconds <= 0:
-        return None
-    again = blocks_recomputed(graph, result.recomputed_layers)
-    flops = parse_gpt_spec(spec).shape.update_flops(result.global_batch, again)
-    return flops / seconds / result.workers_used / 1e12
 
 
 def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions

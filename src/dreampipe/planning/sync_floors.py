@@ -23,7 +23,7 @@ from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
 
 __all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut", "least_layers",
-           "scaled_computes"]
+           "least_sum", "scaled_computes"]
 
 #: Bisection stops within this share of its upper end, and keeps the lower.
 _PRECISION = 1e-4
@@ -52,6 +52,15 @@ def least_layers(whole: RangeCosts, splits: Iterable[StageSplit | None]) -> floa
         c = split.costs
         own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - np.diag(_latencies(split))
         per_layer.append(np.minimum(np.maximum(0.0, own), alone / split.t))
+    return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+
+
+def least_sum(whole: RangeCosts, splits: Iterable[StageSplit | None],
+              field: Callable[[RangeCosts], FloatArray]) -> float:
+    """A floor on what a pipeline's stages hold together of a quantity that adds over
+    layers (``field`` of a cost table, ``[i, j]``: the weights, the kept bytes): each
+    layer's least over the options (``whole``'s, or a split's)."""
+    per_layer = [np.diag(field(whole if s is None else s.costs)) for s in splits]
     return float(np.sum(np.min(np.stack(per_layer), axis=0)))
 
 

@@ -19,6 +19,9 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.sync_dp import StageTerms
 from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_stage_option import Recompute, StageOption
+from dreampipe.profiling.gpt_shapes import blocks_recomputed
+from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
+from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["SyncPlan", "SyncStage"]
 
@@ -100,6 +103,18 @@ class SyncPlan:
         return tuple(i for st in self.stages for i in (
             range(st.first, st.last + 1) if st.option.recompute is Recompute.STAGE
             else st.recomputed))
+
+    def tflops_per_gpu(self, graph: LayerGraph, seconds: float) -> float | None:
+        """Megatron-LM's teraFLOP/s per GPU of an update taking ``seconds`` for ``graph``, a
+        profile by shape (None for others): the FLOPs of what the plan runs, its
+        recomputed blocks included (:meth:`~dreampipe.profiling.gpt_shapes.GptShape.
+        update_flops`)."""
+        spec = graph.meta.get(BY_SHAPE)
+        if not spec or seconds <= 0:
+            return None
+        again = blocks_recomputed(graph, self.recomputed_layers)
+        flops = parse_gpt_spec(spec).shape.update_flops(self.global_batch, again)
+        return flops / seconds / self.workers_used / 1e12
 
     @property
     def bubble_fraction(self) -> float:

@@ -41,6 +41,7 @@ from dreampipe.planning.sync_floors import (
     least_largest,
     least_largest_with_cut,
     least_layers,
+    least_sum,
     scaled_computes,
 )
 from dreampipe.planning.sync_objective import (
@@ -140,9 +141,8 @@ class SyncSearch:
         """A floor on the weight bytes a pipeline's stages hold together on a replica of
         ``t`` workers: each layer's least over the options (stages' weights are sums of
         their layers')."""
-        per_layer = [np.diag((self.inputs.costs if s is None else s.costs).weights)
-                     for s in {o.split for o in self.options(t)}]
-        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+        return least_sum(self.inputs.costs, {o.split for o in self.options(t)},
+                         lambda c: c.weights)
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def envelope(self, t: int) -> FloatArray:
@@ -160,16 +160,17 @@ class SyncSearch:
         (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
         return band_width(self.envelope(t), theta)
 
-    def zero_levels(self, d: int) -> tuple[int, ...]:
-        """The ZeRO levels a stage of ``d`` replicas shards at: the layout's, else none.
-        Each stage's level is its option's, so the program could choose it per stage, but
-        four levels make the search on GPT-3's shape three times slower than its budget
+    @property
+    def zero(self) -> int:
+        """The ZeRO level replicated stages shard at: the layout's, else 0. Each stage's
+        level is its option's, so the program could choose it per stage, but four levels
+        make the search on GPT-3's shape three times slower than its budget
         (docs/planner.md, "The synchronous objective")."""
-        return (self.opts.layout.zero,) if self.opts.layout is not None else (0,)
+        return self.opts.layout.zero if self.opts.layout is not None else 0
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
-        options = [replace(o, zero=z) for o in self.options(t) for z in self.zero_levels(d)]
+        options = [replace(o, zero=self.zero) for o in self.options(t)]
         return StageTables(self.inputs, options, t, d, b / self.base, splits_backward)
 
     def choices(self, fit: bool = True) -> Iterator[_Choice]:
@@ -216,7 +217,7 @@ class SyncSearch:
         if limit is None:
             return 1
         state = self.least_weights(t) * self.opts.training.state_per_byte(
-            self.inputs.profiled_param_bytes, max(self.zero_levels(d)), d)
+            self.inputs.profiled_param_bytes, self.zero, d)
         return max(1, math.ceil((state + self.least_kept(t) * b / self.base) / limit - 1e-9))
 
     @functools.cache  # noqa: B019 - one search, dropped with it
@@ -227,9 +228,7 @@ class SyncSearch:
         options = self.options(t)
         if any(o.recompute is Recompute.BLOCKS for o in options):
             return 0.0
-        per_layer = [np.diag((self.inputs.costs if s is None else s.costs).kept)
-                     for s in {o.split for o in options}]
-        return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+        return least_sum(self.inputs.costs, {o.split for o in options}, lambda c: c.kept)
 
     def floor(self, c: _Choice) -> float:
         """A floor on the update time of choice ``c`` (the update takes at least its
@@ -321,14 +320,14 @@ def _check_whole_blocks(blocks: tuple[int | None, ...], layout: Layout | None,
     if not count:
         raise PlanError(f"whole blocks a stage, but profile {model} has no blocks (a gpt: "
                         "profile's transformer layers); drop --whole-blocks")
-    if layout is not None and layout.v is not None and count % (layout.p * layout.v):
-        raise PlanError(f"layout {layout.text} cuts {count} blocks into {layout.p * layout.v} "
-                        "stages of whole blocks, which do not divide them; give p v dividing "
-                        f"{count}, or drop --whole-blocks")
-    if layout is not None and count % layout.p:
-        raise PlanError(f"layout {layout.text} cuts {count} blocks into {layout.p} stages of "
-                        f"whole blocks, which do not divide them; give p dividing {count}, or "
-                        "drop --whole-blocks")
+    if layout is None:
+        return
+    chunks = layout.p * (layout.v or 1)  # without v, p must divide them at least
+    if count % chunks:
+        raise PlanError(f"layout {layout.text} cuts {count} blocks into {chunks} stages of "
+                        "whole blocks, which do not divide them; give "
+                        f"{'p v' if layout.v else 'p'} dividing {count}, or drop "
+                        "--whole-blocks")
 
 
 def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> SyncPlan:

@@ -20,7 +20,6 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -61,17 +60,6 @@ class TableInputs:
     weight_grad_share: tuple[float, ...]
 
 
-class _Terms(NamedTuple):
-    """A stage's terms before its ZeRO level (:meth:`StageTables._terms`)."""
-
-    forward: FloatArray
-    compute: FloatArray
-    again: FloatArray
-    end: FloatArray
-    allreduce: FloatArray
-    weight_grad: FloatArray
-
-
 class StageTables:
     """The options' tables for ``t`` workers a replica, ``d`` replicas, microbatches of
     ``fraction`` of the profiled minibatch (module doc), each option at its ZeRO level;
@@ -84,11 +72,6 @@ class StageTables:
         self.inputs, self.options, self.t, self.d = inputs, tuple(options), t, d
         self.fraction, self.splits_backward = fraction, splits_backward
         self.n = inputs.costs.n
-        # each option's first option of the same split and recomputation: what its
-        # ZeRO levels share is computed once, on that one
-        firsts: dict[tuple[int, Recompute, int], int] = {}
-        self._base = tuple(firsts.setdefault((id(o.split), o.recompute, o.blocks), x)
-                           for x, o in enumerate(self.options))
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -110,11 +93,6 @@ class StageTables:
         (:func:`band`; entries past the last layer are the last layer's)."""
         return self._times(x, self.groups(block), width)
 
-    def base(self, x: int) -> int:
-        """The first option with option ``x``'s split and recomputation: the options run
-        from it through ``x``'s ZeRO levels, lowest first."""
-        return self._base[x]
-
     def time_at(self, x: int, block: int, first: int, last: int) -> tuple[float, float]:
         """:meth:`times` of the one stage ``first..last``."""
         ends = np.arange(first, last + 1)[None, :]  # the all-reduce's end runs over them
@@ -124,23 +102,13 @@ class StageTables:
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray]:
-        return self._leveled(x, self._band_terms(self._base[x], groups, width))
-
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
-    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None
-                    ) -> _Terms:
         rows, last = band(self.n, width)
-        return self._terms(x, groups, rows, last)
+        return self._priced(x, groups, rows, last)
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
                 ) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape)."""
-        return self._leveled(x, self._terms(self._base[x], groups, rows, last))
-
-    def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
-               ) -> _Terms:
-        """What ``(tau, tail)`` of option ``x``'s stages ``rows..last`` are made of, before
-        its ZeRO level: the same for every level of one split and recomputation."""
+        """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape) at
+        option ``x``'s ZeRO level."""
         costs = self._costs(self.options[x])
         full_compute, full_forward = self._at_fraction(x)
         forward = full_forward[rows, last]
@@ -156,11 +124,6 @@ class StageTables:
         else:
             end = ar = np.zeros_like(compute)
         wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
-        return _Terms(forward, compute, again, end, ar, wgrad)
-
-    def _leveled(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` from ``terms`` at option ``x``'s ZeRO level."""
-        forward, compute, again, end, ar, wgrad = terms
         level = self.options[x].zero
         z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
                        weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
@@ -221,8 +184,8 @@ class StageTables:
 
     def memory_at(self, x: int, held: float, first: int, last: int) -> float:
         """:meth:`memory` of the one stage ``first..last``."""
-        fixed, per = self._memory_one(x, first, last)
-        return fixed + held * per
+        fixed, per = self._memory(x, first, last)
+        return float(fixed + held * per)
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def capacity(self, x: int, room: float, width: int | None = None) -> FloatArray:
@@ -235,7 +198,7 @@ class StageTables:
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
         ``held`` microbatches (:meth:`capacity`, for one stage)."""
-        fixed, per = self._memory_one(x, first, last)
+        fixed, per = (float(a) for a in self._memory(x, first, last))
         if fixed > room:  # :func:`_capacity` on one stage, in plain floats
             return False
         return per <= 0 or math.floor((room - fixed) / per) >= held
@@ -244,27 +207,18 @@ class StageTables:
     def _band_memory(self, x: int, width: int | None) -> tuple[FloatArray, FloatArray]:
         return self._memory(x, *band(self.n, width))
 
-    def _memory(self, x: int, rows: IntArray, last: IntArray) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last``:
-        ``fixed + held * per`` bytes, its ZeRO level's state on its split's
-        activations."""
-        inp, o, base = self.inputs, self.options[x], self._base[x]
-        weights = self._costs(o).weights[rows, last]
-        state = weights * inp.training.state_per_byte(inp.profiled_param_bytes, o.zero, self.d)
-        if o.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
-            state = state + self._largest_layer(base)[rows, last]
-        fixed, per = self._activations(base)
-        return fixed[rows, last] + state, per[rows, last]
-
-    def _memory_one(self, x: int, first: int, last: int) -> tuple[float, float]:
-        """:meth:`_memory` of the one stage ``first..last``, in plain floats."""
-        inp, o, base = self.inputs, self.options[x], self._base[x]
-        state = float(self._costs(o).weights[first, last]) * inp.training.state_per_byte(
+    def _memory(self, x: int, rows: IntArray | int, last: IntArray | int
+                ) -> tuple[FloatArray, FloatArray]:
+        """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last`` (index
+        arrays of one shape, or one stage's first and last layer): ``fixed + held * per``
+        bytes, its ZeRO level's state on its activations."""
+        inp, o = self.inputs, self.options[x]
+        state = self._costs(o).weights[rows, last] * inp.training.state_per_byte(
             inp.profiled_param_bytes, o.zero, self.d)
-        if o.zero >= SHARDED_LEVEL and self.d > 1:
-            state += float(self._largest_layer(base)[first, last])
-        fixed, per = self._activations(base)
-        return float(fixed[first, last]) + state, float(per[first, last])
+        if o.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
+            state = state + self._largest_layer(x)[rows, last]
+        fixed, per = self._activations(x)
+        return fixed[rows, last] + state, per[rows, last]
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _largest_layer(self, x: int) -> FloatArray:
@@ -272,8 +226,7 @@ class StageTables:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms without its weights' state (the same at every ZeRO
-        level)."""
+        """Option ``x``'s memory terms ``[i, j]`` without its weights' state."""
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
         fixed = (costs.backward_working + SENDS_KEPT * costs.sent) * f

@@ -66,24 +66,25 @@ def stage_options(graph: LayerGraph, topology: Topology, options: SyncOptions,
             tau, tail = tables.time_at(x, block, st.first, st.last)
             fits = limit is None or tables.fits(x, sl.in_flight[c], limit * sl.memory_share,
                                                 st.first, st.last)
-            label, chosen = _label(option, st.option, variants)
             prices.append(OptionPrice(
-                label, sl.factor * (tau + cut), tail,
-                tables.memory_at(x, sl.in_flight[c], st.first, st.last), fits, chosen))
+                _label(option, variants), sl.factor * (tau + cut), tail,
+                tables.memory_at(x, sl.in_flight[c], st.first, st.last), fits,
+                _key(option) == _key(st.option)))
         out.append(prices)
     return out
 
 
-def _label(option: StageOption, chosen: StageOption, variants: Sequence[tuple[Split, ...]]
-           ) -> tuple[str, bool]:
+def _label(option: StageOption, variants: Sequence[tuple[Split, ...]]) -> str:
     """``option``'s label, naming its split where ``t`` has several (the operator
-    search's fastest and leanest), and whether it is ``chosen``."""
+    search's fastest and leanest)."""
     label = option.label or "-"
     if option.split is not None and len(variants) > 1:
         label += f" (split {variants.index(option.split.splits) + 1} of {len(variants)})"
-    same = (option.recompute, option.blocks, option.zero) == (
-        chosen.recompute, chosen.blocks, chosen.zero) and (
-        (option.split is None and chosen.split is None) or (
-            option.split is not None and chosen.split is not None
-            and option.split.splits == chosen.split.splits))
-    return label, same
+    return label
+
+
+def _key(option: StageOption) -> tuple[object, ...]:
+    """What tells two options apart across searches (their splits are rebuilt, equal by
+    the layers' splits, not by identity)."""
+    return (None if option.split is None else option.split.splits, option.recompute,
+            option.blocks, option.zero)
