@@ -7,13 +7,14 @@ from dataclasses import replace
 
 import pytest
 
+from dreampipe.errors import PlanError
 from dreampipe.planning.layout import parse_layout
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_dp import whole_block_starts
 from dreampipe.planning.sync_objective import PipelineKind
-from dreampipe.planning.sync_search import plan_sync
-from dreampipe.planning.sync_stage_option import layer_blocks
+from dreampipe.planning.sync_search import SyncSearch, plan_sync
+from dreampipe.planning.sync_stage_option import Recompute, layer_blocks
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.gpt_shapes import GptShape, blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
@@ -64,3 +65,29 @@ def test_the_count_follows_the_blocks_recomputed() -> None:
     assert shape.update_flops(b, 12) == pytest.approx((kept + published) / 2, rel=1e-12)
     with pytest.raises(ValueError, match="recomputed=25"):
         shape.update_flops(b, 25)
+
+
+def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:
+    """One stage whose whole forward, recomputed at once, does not fit, but block by block
+    does: a layout without ``-r`` then recomputes every block (Megatron-LM's full
+    recomputation), and without recomputation it does not fit at all."""
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
+    opts = SyncOptions(global_batch=8, microbatch_size=1, training=Training("bf16", "adam"),
+                       layout=parse_layout("t1-p1"), recompute=True)
+    search = SyncSearch(graph, topo, opts)
+    tables = search.tables(1, 8, 1, False)
+    last = len(graph) - 1
+    need = {o.recompute: tables.memory_at(x, 1, 0, last) for x, o in enumerate(tables.options)}
+    assert need[Recompute.BLOCKS] < need[Recompute.STAGE] <= need[Recompute.NONE]
+    room = int((need[Recompute.BLOCKS] + need[Recompute.STAGE]) / 2)
+    found = plan_sync(graph, topo, replace(opts, memory_bytes=room))
+    assert [st.option.recompute for st in found.stages] == [Recompute.BLOCKS]
+    assert blocks_recomputed(graph, found.recomputed_layers) == pytest.approx(8)
+    assert found.layout == "t1-p1-r8"
+    with pytest.raises(PlanError, match="fits in"):
+        plan_sync(graph, topo, replace(opts, memory_bytes=room, recompute=False))
+    # with room to keep everything it recomputes nothing
+    free = plan_sync(graph, topo, opts)
+    assert free.recomputed_layers == ()

@@ -157,13 +157,14 @@ def split_front(graph: LayerGraph, workers: int, link: Link) -> tuple[SplitPlan,
 
 def _ends(graph: LayerGraph, t: int, link: Link) -> tuple[_Point, _Point]:
     """The least of :func:`_finals` by (time, memory) and by (memory, time), without the
-    whole front: in a lexicographic order of sums one point a layout suffices (adding the
-    same costs keeps the order)."""
+    whole front: in a lexicographic order of sums a few points a layout suffice (adding
+    the same costs keeps the order), those whose first term ties the least's within
+    rounding (:func:`_near_least`), which later sums may turn into exact ties."""
     keys: tuple[Callable[[_Point], tuple[float, float]], ...] = (
         lambda p: (p.time, p.memory), lambda p: (p.memory, p.time))
     layers = graph.layers
-    start = {lay: _Point(0.0, 0.0, 0.0, (), ()) for lay in _SOURCES}
-    fronts: list[dict[Layout, _Point]] = [dict(start), dict(start)]
+    start = {lay: [_Point(0.0, 0.0, 0.0, (), ())] for lay in _SOURCES}
+    fronts: list[dict[Layout, list[_Point]]] = [dict(start), dict(start)]
     seen: dict[tuple[object, ...], list[tuple[Layout, _Point]]] = {}
     for group in coarsen(graph):  # a profile by shape repeats its blocks: price each once
         alike = (tuple(replace(layers[i], name="") for i in group),
@@ -174,20 +175,43 @@ def _ends(graph: LayerGraph, t: int, link: Link) -> tuple[_Point, _Point]:
                 seen[alike, src] = _group_options(layers, group, src, t, link)
             options[src] = seen[alike, src]
         for k, key in enumerate(keys):
-            grown: dict[Layout, _Point] = {}
-            for src, p in fronts[k].items():
+            grown: dict[Layout, list[_Point]] = {}
+            for src, points in fronts[k].items():
                 for out, extra in options[src]:
-                    q = _Point(p.time + extra.time, p.comm + extra.comm,
+                    grown.setdefault(out, []).extend(
+                        _Point(p.time + extra.time, p.comm + extra.comm,
                                p.memory + extra.memory, extra.splits, extra.layouts, p)
-                    if out not in grown or key(q) < key(grown[out]):
-                        grown[out] = q
-            fronts[k] = grown
+                        for p in points)
+            fronts[k] = {lay: _near_least(points, key) for lay, points in grown.items()}
     reduce = link.seconds(Collective.ALL_REDUCE, float(layers[-1].activation_bytes), t)
     ends = [min((p if lay is not Layout.PARTIAL else
                  _Point(p.time + reduce, p.comm + reduce, p.memory, (), (), p)
-                 for lay, p in front.items()), key=key) for front, key in zip(fronts, keys,
-                                                                             strict=True)]
+                 for lay, points in front.items() for p in points), key=key)
+            for front, key in zip(fronts, keys, strict=True)]
     return ends[0], ends[1]
+
+
+#: Relative rounding of a sum of costs: two sums this close may be equal when added up
+#: in another order.
+_ROUNDING = 1e-9
+
+
+def _near_least(points: list[_Point], key: Callable[[_Point], tuple[float, float]]
+                ) -> list[_Point]:
+    """The points whose first term of ``key`` is within :data:`_ROUNDING` of the least,
+    none beaten on both terms by another (ties: the first kept)."""
+    ordered = sorted(points, key=key)
+    least = key(ordered[0])[0]
+    kept: list[_Point] = []
+    second = math.inf
+    for p in ordered:
+        first, other = key(p)
+        if first > least + _ROUNDING * abs(least):
+            break
+        if other < second:
+            kept.append(p)
+            second = other
+    return kept
 
 
 def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:

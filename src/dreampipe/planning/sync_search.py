@@ -95,6 +95,8 @@ class SyncSearch:
             self.trained, RangeCosts.of(self.trained), topology, opts.sync, opts.training,
             profiled_param_bytes(graph), blocks, tuple(x.weight_grad_share for x in graph.layers))
         self.base = graph.batch_size or 1
+        #: the profile's blocks: recomputing its first that many, a stage recomputes all of its
+        self.block_count = len({b for b in blocks if b is not None})
         self.rho = zero_bubble_ratio(graph)
         layout = opts.layout
         n = self.inputs.costs.n
@@ -127,6 +129,9 @@ class SyncSearch:
             out.append(base)
             if self.opts.recompute:
                 out.append(replace(base, recompute=Recompute.STAGE))
+                if layout is not None and self.block_count:  # a small search: weigh it too
+                    out.append(replace(base, recompute=Recompute.BLOCKS,
+                                       blocks=self.block_count))
         return tuple(out)
 
     @functools.cache  # noqa: B019 - one search, dropped with it
