@@ -34,10 +34,12 @@ def _where(job: dict[str, Any], world: int) -> dict[str, Any]:
     points (the case's unless the job gives them)."""
     if "plan" in job:
         return {"plan": job["plan"]}
-    if "copies" in job:  # every stage on as many replicas, 2 stages a rank, at split points
+    if "copies" in job:  # each stage's replicas (one count: all), 2 a rank, at split points
         names = _layer_names(job["case"])
         bounds = [0] + [names.index(point) for point in job["split_points"]]
-        return {"plan": Plan.from_config(len(names), bounds, [job["copies"]] * len(bounds),
+        copies = job["copies"]
+        replicas = copies if isinstance(copies, list) else [copies] * len(bounds)
+        return {"plan": Plan.from_config(len(names), bounds, replicas,
                                          layer_names=tuple(names),
                                          virtual_stages=job["virtual_stages"],
                                          placement=ScheduleKind(job["schedule"]).placement)}
@@ -89,7 +91,8 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
     ``job["plan"]``, ``job["split_points"]``, ``job["config"]``'s replicas of two stages,
-    one replicated stage, or ``job["copies"]`` replicas of every stage at its split points)
+    one replicated stage, or ``job["copies"]`` replicas of every stage at its split points,
+    or that list of each stage's)
     in ``precision`` (with ``loss_scale``) and ``virtual_stages`` (``variable_dims`` declared),
     clipped by ``max_grad_norm`` if given,
     with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of

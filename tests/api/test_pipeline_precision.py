@@ -1,6 +1,7 @@
 """Pipelines train in every precision as one process in that precision does, under
 ``torchrun`` on 3 ranks: a tiny Llama cut ``2-1`` and a GPT-2 with a tied head cut ``1-2``,
-so that one stage is replicated, and the Llama interleaved, 2 stages a rank; GPT-2 also
+so that one stage is replicated, and the Llama interleaved, 2 stages a rank, on 3 ranks
+and, as both models are, on a replicated position (``2-1``, ``1-2``); GPT-2 also
 clipped by the global norm, its tied head on the replicated stage (sharded or not). On 4
 ranks, both run as 2 copies of a pipeline of 2 stages a rank, GPT-2's tie across them.
 
@@ -89,6 +90,11 @@ _COPIES = [("llama", "interleaved-1f1b", "bf16", 1), ("llama", "zbv", "fp32", 0)
 _COPIES_SIZES = (_MINIBATCH, 4)
 _COPIES_CUTS = {"llama": ["model.layers.0", "model.layers.1", "model.norm"],
                 "gpt2": ["transformer.h.0", "transformer.h.1", "transformer.ln_f"]}
+#: Interleaving on a replicated position, in the 3-rank launch: the Llama's stages 0 and 2
+#: on ranks 0 and 1 and stages 1 and 3 on rank 2 (positions ``2-1``), GPT-2's the other way
+#: (``1-2``, its head on the replicated position, tied to the embedding on rank 0), cut as
+#: the copies are; bf16 with ZeRO-1 over the replicated position's ranks. (model, config).
+_REPLICATED = [("llama", "2-1"), ("gpt2", "1-2")]
 #: The copies' schedule whose (fp32) job is clipped by the global norm to ``_CLIP``: its
 #: rank 0 holds stages 0 and 3, whose norm its first ``STEP`` takes, both reduced first.
 _COPIES_CLIPPED = "zbv"
@@ -163,12 +169,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
               "max_grad_norm": _CLIP} for level in _CLIPPED]
     jobs += [{**jobs[_JOBS.index((name, "1f1b-flush", "fp32", "sgd"))], "zero": level,
               "optimizer": "adam", "lr": _LR["adam"]} for name, level in _ADAM_LEVELS]
+    jobs += [{"case": name, "seed": SEED, "schedule": "interleaved-1f1b", "steps": _STEPS,
+              "measure": True, "minibatch": _COPIES_SIZES[0],
+              "microbatches": _COPIES_SIZES[1], "lr": _LR["sgd"], "optimizer": "sgd",
+              "precision": "bf16", "zero": 1, "split_points": _COPIES_CUTS[name],
+              "virtual_stages": 2, "copies": _positions(config)}
+             for name, config in _REPLICATED]
     out = folder / "results.pt"
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=3, timeout_s=280.0)
     assert got == {"jobs": len(jobs)}
     runs: list[dict[str, Any]] = torch.load(out, weights_only=False)
     return runs
+
+
+def _positions(config: str) -> list[int]:
+    """Each of 4 stages' replicas, 2 stages a rank: its position's in ``config``."""
+    return [int(r) for r in config.split("-")] * 2
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +310,32 @@ def test_a_sharded_replicated_stage_trains_as_the_unsharded_one(runs: list[dict[
         torch.testing.assert_close(sharded["state"][k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index", range(len(_REPLICATED)),
+                         ids=["-".join(job) for job in _REPLICATED])
+def test_interleaving_on_a_replicated_position_trains_as_one_process(
+        runs: list[dict[str, Any]], index: int) -> None:
+    """Interleaved 1F1B on 3 ranks, 2 stages a rank, one position on 2 ranks: each of its
+    replicas runs its microbatches of the position's order, ZeRO-1 sharding both its stages'
+    optimizer state over them; in bf16 it equals one process within that precision's
+    rounding, GPT-2's tied embedding and head (summed once over the head's replicas) too.
+    Each rank's peak is checked beside its prediction with the other jobs'."""
+    name, config = _REPLICATED[index]
+    got = runs[len(runs) - len(_REPLICATED) + index]
+    replicated = config.split("-").index("2")  # the replicated position
+    assert got["schedule"] == "interleaved-1f1b" and got["replicas"] == _positions(config)
+    assert got["sharded"] == [replicated == 0, True, replicated == 1]
+    assert [stage for stage, _, _ in got["memory"]] == ([0, 0, 1] if replicated == 0
+                                                        else [0, 1, 1])
+    assert_tied_equal(name, got)
+    ref = _reference(name, "bf16", "sgd", sizes=_COPIES_SIZES)
+    fp32 = _reference(name, "fp32", "sgd", sizes=_COPIES_SIZES)
+    start = {k: v.detach().clone() for k, v in CaseSpec(CASES[name], SEED).model()
+             .state_dict().items()}
+    assert_within_rounding(got, (ref.losses, ref.state), (fp32.losses, fp32.state), start)
+
+
 #: How far a rank's measured peak may be from its prediction in these runs: the issue's
 #: 15%, on stages of tens of kilobytes (a tiny Llama's block keeps 28 KB a microbatch) as
 #: on stages of megabytes (docs/memory.md). At this size a message's pack header outweighs
@@ -310,7 +353,8 @@ def test_every_rank_peaks_near_its_prediction(runs: list[dict[str, Any]]) -> Non
     one stage, both."""
     jobs = [job[:3] for job in _JOBS] + list(_RECOMPUTING) + [job[:3] for job in _SHARDED] \
         + [("gpt2", "1f1b-flush", "fp32")] * len(_CLIPPED) \
-        + [(name, "1f1b-flush", "fp32") for name, _ in _ADAM_LEVELS]
+        + [(name, "1f1b-flush", "fp32") for name, _ in _ADAM_LEVELS] \
+        + [(name, "interleaved-1f1b", "bf16") for name, _ in _REPLICATED]
     assert len(jobs) == len(runs)
     far, checked = [], 0
     for (name, schedule, precision), run in zip(jobs, runs, strict=True):
@@ -351,7 +395,7 @@ def test_each_sharding_level_lowers_the_peak_by_the_predicted_amount(
     counts: each level lowers every replica's measured peak by its predicted saving,
     within 15% of the unsharded peak. On stages of two layers those whole buckets and
     that layer hold about what the level saves, so only level 1 must save for sure."""
-    first = len(runs) - len(_ADAM_LEVELS)
+    first = len(runs) - len(_ADAM_LEVELS) - len(_REPLICATED)
     levels = {level: runs[first + _ADAM_LEVELS.index((name, level))] for level in range(4)}
     replicas = [0, 1] if name == "llama" else [1, 2]
     assert [levels[3]["sharded"][r] for r in replicas] == [True, True]

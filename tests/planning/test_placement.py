@@ -57,6 +57,29 @@ def test_copies_put_a_positions_replicas_side_by_side(placement: Placement) -> N
         check_stages_per_rank(4, 2, 2, replicas=2)
 
 
+@pytest.mark.parametrize("placement", list(Placement))
+def test_a_replicated_position_numbers_the_ranks_position_by_position(
+        placement: Placement) -> None:
+    """Positions of 2 and 1 replicas, 2 stages each: position 0's two ranks run both its
+    stages, position 1's rank the others'; the ranks follow the positions."""
+    replicas = [2, 1, 2, 1] if placement is Placement.LOOP else [2, 1, 1, 2]
+    plan = Plan.from_config(8, [0, 2, 4, 6], replicas, virtual_stages=2, placement=placement)
+    home = stage_ranks(4, 2, placement)
+    assert [st.ranks for st in plan.stages] == [((0, 1), (2,))[q] for q in home]
+    assert plan.workers_used == 3
+    assert [plan.stages_of_rank(r) for r in range(3)] == [
+        tuple(s for s in range(4) if home[s] == (0, 0, 1)[r]) for r in range(3)]
+    assert Plan.from_dict(json.loads(plan.to_json())) == plan
+    check_stages_per_rank(4, 2, 3, replicas=replicas)
+    with pytest.raises(ConfigError, match=r"needs stages whose replicas add up to 8, not the "
+                                          r"plan's 4 \(of 6 replicas\)"):
+        check_stages_per_rank(4, 2, 4, replicas=replicas)
+    stray = 2 if placement is Placement.LOOP else 3  # on position 0, with 1 replica
+    with pytest.raises(PlanError, match=f"stage {stray} shares position 0's ranks with stage "
+                                        "0: give it 2 replicas"):
+        Plan.from_config(8, [0, 2, 4, 6], [2, 1, 1, 1], virtual_stages=2, placement=placement)
+
+
 def test_json_round_trip_keeps_the_stages_per_rank(tmp_path: Path) -> None:
     plan = _interleaved(v=2)
     data = json.loads(plan.to_json())
@@ -85,8 +108,9 @@ def test_a_plan_file_without_the_field_runs_one_stage_per_rank() -> None:
     (lambda: Plan(stages=(Stage(first=0, last=0, replicas=2, ranks=(0, 1)),
                           Stage(first=1, last=1, replicas=1, ranks=(0,))),
                   num_layers=2, virtual_stages=2),
-     "virtual_stages=2 with stage 1 on 1 replicas split over 1 workers; several stages a "
-     "rank run 2 copies of one pipeline"),
+     "virtual_stages=2 with stage 1 on 1 replicas split over 1 workers; the stages of one "
+     r"position \(rank\) run on its ranks, each stage on one worker a replica: give stage 1 "
+     "the 2 replicas of stage 0"),
     (lambda: Plan(stages=tuple(Stage(first=s, last=s, replicas=2, ranks=(2 * s, 2 * s + 1))
                                for s in range(4)), num_layers=4, virtual_stages=2),
      r"ranks \[0, 1, 2, 3, 0, 1, 2, 3\], but the stages have ranks \[0, 1, 2, 3, 4, 5, 6, 7\]"),

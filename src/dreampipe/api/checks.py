@@ -161,15 +161,20 @@ def check_virtual(config: TrainConfig, plan: object) -> None:
 
 
 def check_stages_per_rank(stages: int, virtual_stages: int, world: int,
-                          replicas: int = 1) -> None:
+                          replicas: int | Sequence[int] = 1) -> None:
     """``virtual_stages`` to a rank on ``world`` ranks needs ``world * v`` stages, or
-    ``world * v / r`` stages each on ``r`` replicas (``r`` copies of the pipeline)."""
-    if virtual_stages > 1 and stages * replicas != world * virtual_stages:
-        copies = f" each on {replicas} replicas" if replicas > 1 else ""
-        want = world * virtual_stages / replicas
-        raise ConfigError(f"virtual_stages={virtual_stages} on {world} workers needs "
-                          f"{want:g} stages{copies}, not the plan's {stages}; give a plan of "
-                          f"world x virtual_stages / replicas stages", "virtual_stages", "plan")
+    ``world * v / r`` stages each on ``r`` replicas (``r`` copies of the pipeline); given
+    each stage's ``replicas``, stages whose replicas add up to ``world * v``."""
+    v = virtual_stages
+    if isinstance(replicas, int):
+        total, want = stages * replicas, f"{world * v / replicas:g} stages" + (
+            f" each on {replicas} replicas" if replicas > 1 else "")
+    else:
+        total, want = sum(replicas), f"stages whose replicas add up to {world * v}"
+    if v > 1 and total != world * v:
+        raise ConfigError(f"virtual_stages={v} on {world} workers needs {want}, not the "
+                          f"plan's {stages} (of {total} replicas); give a plan of world x "
+                          "virtual_stages / replicas stages", "virtual_stages", "plan")
 
 
 def check_schedule(config: TrainConfig, plan: Plan) -> None:

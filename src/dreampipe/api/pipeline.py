@@ -93,7 +93,8 @@ class Pipeline:
     split points, the names of the modules that begin a new stage
     (``plan=["transformer.h.6"]``: one stage per worker, or ``world * v`` with
     ``virtual_stages=v``; a Plan of ``world * v / r`` stages each on ``r`` replicas runs
-    ``r`` copies of the pipeline, docs/design.md §7.7). ``config``: how it trains
+    ``r`` copies of the pipeline, one whose positions have their own counts (``2-1-2-1``)
+    replicates those positions, docs/design.md §7.7). ``config``: how it trains
     (:class:`~dreampipe.api.config.TrainConfig`: the schedule, microbatches,
     clipping, precision, staleness compensation...); :attr:`config` is the one
     that runs, with the schedule ``"auto"`` chose (:attr:`kind`, the reasons

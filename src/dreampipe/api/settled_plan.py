@@ -86,7 +86,7 @@ def settle_plan(
         layout = MicrobatchLayout(kind=resolved.kind, minibatch_size=int(example[1].shape[0]),
                                   microbatches=resolved.microbatches, workers=world)
     config = dataclasses.replace(config, virtual_stages=v)
-    check_stages_per_rank(plan.num_stages, v, world, plan.stages[0].replicas)
+    check_stages_per_rank(plan.num_stages, v, world, [st.replicas for st in plan.stages])
     check_plan(plan, names, world)
     ties = tied_parameters(layers, [st.first for st in plan.stages])
     check_written_buffers(layers, [st.first for st in plan.stages])

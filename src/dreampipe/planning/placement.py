@@ -6,10 +6,11 @@ of two placements (:class:`Placement`): the loop, stage ``s`` on rank ``s mod p`
 (interleaved 1F1B, :mod:`dreampipe.scheduling.interleave`), or the V, two stages a
 rank, ``s`` and ``2p - 1 - s`` together (:mod:`dreampipe.scheduling.v_shape`).
 :func:`stage_rank` and :func:`rank_stages` are the one rule both ways, which plans,
-schedules and the runtime read. The plan carries ``v`` and its placement: whoever
-runs it reads them from the plan (:func:`virtual_stages_of`), so a flag or argument
-asking for another count is an error, and so is a plan whose ranks a topology cannot
-hold (:func:`check_fits`).
+schedules and the runtime read. A position may be replicated: its ``r_q`` ranks run every
+stage of it (:func:`position_firsts`, docs/design.md §7.7). The plan carries ``v`` and its
+placement: whoever runs it reads them from the plan (:func:`virtual_stages_of`), so a
+flag or argument asking for another count is an error, and so is a plan whose ranks a
+topology cannot hold (:func:`check_fits`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
-__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "rank_stages",
-           "stage_rank", "stage_ranks", "virtual_stages_of"]
+__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "position_firsts",
+           "position_replicas", "rank_stages", "stage_rank", "stage_ranks", "stray_stage",
+           "virtual_stages_of"]
 
 
 class Placement(Enum):
@@ -82,6 +84,36 @@ def stage_ranks(num_stages: int, virtual_stages: int,
                  for s in range(num_stages))
 
 
+def position_replicas(replicas: Sequence[int], virtual_stages: int,
+                      placement: Placement = Placement.LOOP) -> tuple[int, ...]:
+    """Each position's replica count: that of its first stage, ``q`` (every stage of a
+    position has it, :func:`stray_stage`); one position a stage with ``v = 1``."""
+    if virtual_stages <= 1:
+        return tuple(replicas)
+    return tuple(replicas[: len(replicas) // virtual_stages])
+
+
+def stray_stage(replicas: Sequence[int], virtual_stages: int,
+                placement: Placement = Placement.LOOP) -> int | None:
+    """The first stage whose replica count is not its position's, None if all agree: a
+    position's ranks run all its stages, so its stages have as many replicas."""
+    if virtual_stages <= 1:
+        return None
+    counts = position_replicas(replicas, virtual_stages, placement)
+    places = stage_ranks(len(replicas), virtual_stages, placement)
+    return next((s for s, r in enumerate(replicas) if r != counts[places[s]]), None)
+
+
+def position_firsts(replicas: Sequence[int], virtual_stages: int,
+                    placement: Placement = Placement.LOOP) -> tuple[int, ...]:
+    """The first rank of each position, and the rank count last: ranks are numbered
+    position by position, a position's replicas side by side (docs/design.md §7.7)."""
+    firsts = [0]
+    for r in position_replicas(replicas, virtual_stages, placement):
+        firsts.append(firsts[-1] + r)
+    return tuple(firsts)
+
+
 def check_placement(stages: Sequence[Stage], virtual_stages: int,
                     placement: Placement = Placement.LOOP) -> None:
     """``virtual_stages`` divides the stages; with ``v > 1`` each stage is one unsplit
@@ -96,22 +128,29 @@ def check_placement(stages: Sequence[Stage], virtual_stages: int,
                         "on each rank: give virtual_stages=2, or the loop placement")
     if v == 1:
         return
-    copies = stages[0].replicas
-    for s, st in enumerate(stages):
-        if st.replicas != copies or st.tensor_parallel != 1:
-            raise PlanError(
-                f"virtual_stages={v} with stage {s} on {st.replicas} replicas split over "
-                f"{st.tensor_parallel} workers; several stages a rank run {copies} copies of "
-                f"one pipeline, each stage on one worker a copy: give every stage {copies} "
-                "replicas, unsplit, or virtual_stages=1")
+    counts = [st.replicas for st in stages]
+    stray = stray_stage(counts, v, placement)
     p = n // v
-    want = [q * copies + j for q in stage_ranks(n, v, placement) for j in range(copies)]
+    if stray is not None or any(st.tensor_parallel != 1 for st in stages):
+        s = stray if stray is not None else next(
+            s for s, st in enumerate(stages) if st.tensor_parallel != 1)
+        q = stage_ranks(n, v, placement)[s]
+        raise PlanError(
+            f"virtual_stages={v} with stage {s} on {stages[s].replicas} replicas split over "
+            f"{stages[s].tensor_parallel} workers; the stages of one position (rank) run on "
+            f"its ranks, each stage on one worker a replica: give stage {s} the "
+            f"{stages[q].replicas} replicas of stage {q}, its position's, unsplit, or "
+            "virtual_stages=1")
+    firsts = position_firsts(counts, v, placement)
+    want = [firsts[q] + j for q in stage_ranks(n, v, placement) for j in range(counts[q])]
     got = [r for st in stages for r in st.ranks]
     if got != want:
-        rule = (f"stage s and {2 * p - 1}-s on rank min(s, {2 * p - 1}-s)"
-                if placement is Placement.V else f"stage s on rank s mod {p}")
+        where = "position" if max(counts) > 1 else "rank"
+        rule = (f"stage s and {2 * p - 1}-s on {where} min(s, {2 * p - 1}-s)"
+                if placement is Placement.V else f"stage s on {where} s mod {p}")
         extra = "" if placement is Placement.LOOP else ", placement=Placement.V"
-        rule += f", replica j of it on rank {copies} x that + j" if copies > 1 else ""
+        rule += (", the ranks numbered position by position, a position's replicas side by "
+                 "side" if max(counts) > 1 else "")
         raise PlanError(f"virtual_stages={v} runs {rule}, ranks {want}, but "
                         f"the stages have ranks {got}; number them so "
                         f"(Plan.from_config(..., virtual_stages={v}{extra}))")

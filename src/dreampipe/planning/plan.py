@@ -29,7 +29,14 @@ from typing import Any
 from dreampipe.errors import PlanError
 from dreampipe.planning.config_string import config_string
 from dreampipe.planning.in_flight import in_flight_counts
-from dreampipe.planning.placement import Placement, check_placement, rank_stages, stage_ranks
+from dreampipe.planning.placement import (
+    Placement,
+    check_placement,
+    position_firsts,
+    rank_stages,
+    stage_ranks,
+    stray_stage,
+)
 from dreampipe.planning.plan_stage import Stage, check_figure
 from dreampipe.planning.splits import Split
 
@@ -121,9 +128,10 @@ class Plan:
 
         ``bounds`` starts with 0 and lists each stage's first layer;
         ``Plan.from_config(8, [0, 4], [1, 1])`` is two stages of four layers.
-        ``virtual_stages=v`` (every replica count the same ``r``) puts stage ``s`` on
-        position ``s mod p``, or with ``placement=Placement.V`` (``v = 2``) ``s`` and
-        ``2p - 1 - s`` on one position; position ``q``'s replicas are ranks ``q r .. q r + r - 1``.
+        ``virtual_stages=v`` puts stage ``s`` on position ``s mod p``, or with
+        ``placement=Placement.V`` (``v = 2``) ``s`` and ``2p - 1 - s`` on one position; the
+        stages of a position have as many replicas ``r_q``, its ranks, numbered position by
+        position (``q r .. q r + r - 1`` when every ``r_q`` is ``r``).
         """
         if len(bounds) != len(replicas) or not bounds or bounds[0] != 0:
             raise PlanError(
@@ -132,14 +140,20 @@ class Plan:
             )
         edges = [*bounds, num_layers]
         v = int(kw.get("virtual_stages", 1))
-        if v != 1 and len(set(replicas)) != 1:
-            raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; several "
-                            "stages a rank run copies of one pipeline: give every stage the "
-                            "same replica count")
-        places = stage_ranks(len(replicas), v, kw.get("placement", Placement.LOOP))
+        placement = kw.get("placement", Placement.LOOP)
+        stray = stray_stage(replicas, v, placement) if v > 1 and len(replicas) % v == 0 \
+            else None
+        places = stage_ranks(len(replicas), v, placement)
+        if stray is not None:
+            q = places[stray]
+            raise PlanError(f"virtual_stages={v} with replicas {list(replicas)}; stage {stray} "
+                            f"shares position {q}'s ranks with stage {q}: give it "
+                            f"{replicas[q]} replicas, as every stage of a position")
+        firsts = position_firsts(replicas, v, placement) if v > 1 and not len(replicas) % v \
+            else ()
         stages, rank = [], 0
         for s, r in enumerate(replicas):
-            first = places[s] * r if v != 1 else rank
+            first = firsts[places[s]] if firsts else rank
             stages.append(Stage(first=edges[s], last=edges[s + 1] - 1, replicas=r,
                                 ranks=tuple(range(first, first + r))))
             rank += r
@@ -236,8 +250,9 @@ class Plan:
         v, n = self.virtual_stages, self.num_stages
         ranks = stage_ranks(n, v, placement)
         firsts = self._rank_stages
-        r = self.stages[0].replicas
-        stages = tuple(dataclasses.replace(st, ranks=tuple(range(ranks[s] * r, ranks[s] * r + r)),
+        at = position_firsts([st.replicas for st in self.stages], v, self.placement)
+        stages = tuple(dataclasses.replace(st, ranks=tuple(range(at[ranks[s]],
+                                                                 at[ranks[s] + 1])),
                                            workers=firsts[ranks[s]].workers)
                        for s, st in enumerate(self.stages))
         return dataclasses.replace(self, stages=stages, placement=placement)

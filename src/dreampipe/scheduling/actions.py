@@ -27,9 +27,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from dreampipe.errors import ScheduleError
-from dreampipe.planning.placement import Placement, rank_stages, stage_rank
+from dreampipe.planning.placement import (
+    Placement,
+    position_firsts,
+    rank_stages,
+    stage_rank,
+    stray_stage,
+)
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey", "register_format"]
+__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey", "rank_firsts",
+           "register_format"]
 
 #: ``(0 activations / 1 gradients, sending stage, microbatch)``: equal for a send
 #: and the receive it pairs with.
@@ -209,9 +216,10 @@ class Schedule:
     PipeDream's per-minibatch updates). ``virtual_stages`` > 1 puts that
     many stages on each rank, placed as the kind says
     (:attr:`ScheduleKind.placement`: interleaved 1F1B's loop, docs/design.md §7.7, or
-    the V of zbv and dualpipev, §7.12); every stage then has the same ``r`` replicas,
-    ``r`` copies of a ``p``-rank pipeline: position ``q`` of replica ``j`` is rank
-    ``q * r + j``, so a position's replicas sit side by side as a stage's do.
+    the V of zbv and dualpipev, §7.12) on ``p`` positions; every stage of position ``q``
+    has its ``r_q`` replicas, and ranks are numbered position by position, a position's
+    replicas side by side as a stage's are (``q * r + j`` when every ``r_q`` is ``r``:
+    ``r`` copies of a ``p``-rank pipeline).
     """
 
     kind: ScheduleKind
@@ -223,25 +231,13 @@ class Schedule:
     _firsts: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        v = self.virtual_stages
-        if v < 1 or (v > 1 and (len(self.replicas) % v or len(set(self.replicas)) != 1)):
+        firsts = rank_firsts(self.kind, self.replicas, self.virtual_stages)
+        if len(self.actions) != firsts[-1]:
             raise ScheduleError(
-                f"virtual_stages={v} with replicas {list(self.replicas)}; give a count >= 1 "
-                "that divides the stages, every stage on as many replicas"
+                f"{len(self.actions)} action lists for {firsts[-1]} ranks "
+                f"(replicas {list(self.replicas)}, {self.virtual_stages} stages per rank)"
             )
-        if self.kind.placement is Placement.V and v != 2:
-            raise ScheduleError(
-                f"{self.kind.value} with virtual_stages={v}; it runs 2 stages on each rank, "
-                "in a V: give virtual_stages=2")
-        if len(self.actions) != sum(self.replicas) // v:
-            raise ScheduleError(
-                f"{len(self.actions)} action lists for {sum(self.replicas) // v} ranks "
-                f"(replicas {list(self.replicas)}, {v} stages per rank)"
-            )
-        firsts = [0]
-        for r in self.replicas:
-            firsts.append(firsts[-1] + r)
-        object.__setattr__(self, "_firsts", tuple(firsts))
+        object.__setattr__(self, "_firsts", firsts)
 
     @property
     def num_stages(self) -> int:
@@ -260,9 +256,7 @@ class Schedule:
         """The stage ``rank`` runs: its first under interleaving (:meth:`stages_of_rank`)."""
         if not 0 <= rank < self.num_ranks:
             raise ScheduleError(f"rank {rank} is outside 0..{self.num_ranks - 1}")
-        if self.virtual_stages > 1:
-            return rank // self.replicas[0]
-        return bisect.bisect_right(self._firsts, rank) - 1
+        return bisect.bisect_right(self._firsts, rank) - 1  # a position's first stage: q
 
     def stages_of_rank(self, rank: int) -> tuple[int, ...]:
         """Every stage ``rank`` runs, in pipeline order: one, or ``virtual_stages``."""
@@ -272,8 +266,8 @@ class Schedule:
 
     def first_rank(self, stage: int) -> int:
         if self.virtual_stages > 1:
-            return stage_rank(stage, self.num_stages, self.virtual_stages,
-                              self.placement) * self.replicas[0]
+            return self._firsts[stage_rank(stage, self.num_stages, self.virtual_stages,
+                                           self.placement)]
         return self._firsts[stage]
 
     def replica_of_rank(self, rank: int) -> int:
@@ -338,8 +332,8 @@ class Schedule:
             raise ScheduleError(f"unknown schedule {m.group(1)!r}; use one of {valid}") from None
         replicas = tuple(int(x) for x in m.group(2).split("-"))
         virtual = int(m.group(5) or 1)
-        probe = cls(kind, replicas, tuple(() for _ in range(sum(replicas) // max(virtual, 1))),
-                    0, virtual_stages=virtual)
+        probe = cls(kind, replicas, tuple(() for _ in range(
+            rank_firsts(kind, replicas, virtual)[-1])), 0, virtual_stages=virtual)
         actions = []
         for rank, row in enumerate(rows[1:]):
             head, _, body = row.partition(":")
@@ -384,6 +378,25 @@ def _format(name: str) -> tuple[_Reader, _Writer]:
         raise ScheduleError(f"no codec of the {name} schedule format is loaded; import "
                             "dreampipe (it loads them) before using it")
     return read, write
+
+
+def rank_firsts(kind: ScheduleKind, replicas: tuple[int, ...], v: int) -> tuple[int, ...]:
+    """The first rank of each stage (``v = 1``) or position (``v > 1``), then the ranks;
+    a ScheduleError where ``v`` does not fit the stages or a position's stages disagree."""
+    if v < 1 or (v > 1 and len(replicas) % v):
+        raise ScheduleError(f"virtual_stages={v} with replicas {list(replicas)}; give a "
+                            "count >= 1 that divides the stages")
+    if kind.placement is Placement.V and v != 2:
+        raise ScheduleError(f"{kind.value} with virtual_stages={v}; it runs 2 stages on each "
+                            "rank, in a V: give virtual_stages=2")
+    stray = stray_stage(replicas, v, kind.placement)
+    if stray is not None:
+        q = stage_rank(stray, len(replicas), v, kind.placement)
+        raise ScheduleError(
+            f"virtual_stages={v} with replicas {list(replicas)}: stage {stray} shares "
+            f"position {q}'s ranks with stage {q}, so it needs its {replicas[q]} replicas; "
+            "give every stage of a position as many")
+    return position_firsts(replicas, v, kind.placement)
 
 
 def _written(a: Action, at: bool) -> str:

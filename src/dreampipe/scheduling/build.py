@@ -26,7 +26,7 @@ from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.placement import Placement, rank_stages
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.interleave import interleaved_compute
-from dreampipe.scheduling.pipeline_copies import check_copies, copies_compute
+from dreampipe.scheduling.pipeline_copies import check_copies, replicated_compute
 from dreampipe.scheduling.unshard import place_unshards
 from dreampipe.scheduling.updates import lower_updates
 from dreampipe.scheduling.v_shape import v_shape_compute
@@ -59,7 +59,7 @@ def build_schedule(
     :attr:`~dreampipe.planning.plan.Plan.in_flight`; default
     :func:`~dreampipe.planning.in_flight.in_flight_counts`).
     ``virtual_stages`` (interleaved-1f1b, zbv, dualpipev) puts that many stages on each
-    worker, every stage on as many replicas (copies of the pipeline). ``zero``: each
+    worker, the stages of a position on as many replicas (docs/design.md §7.7). ``zero``: each
     stage's ZeRO level (None: 0); a replicated stage at level 3 gathers and frees its weights where
     :func:`~dreampipe.scheduling.unshard.place_unshards` says.
 
@@ -70,7 +70,8 @@ def build_schedule(
     """
     _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)
     levels = None if zero is None or not any(zero) else tuple(zero)
-    if levels is not None and virtual_stages > 1 and replicas[0] > 1 and max(levels) >= 3:
+    if levels is not None and virtual_stages > 1 and any(
+            r > 1 and level >= 3 for r, level in zip(replicas, levels, strict=True)):
         raise ScheduleError(
             f"ZeRO levels {list(levels)} with {virtual_stages} stages a rank on replicated "
             "stages; a rank gathers the weights of one stage only: use zero <= 2, or "
@@ -165,19 +166,21 @@ def compute_schedule(
       ``W`` actions.
     - INTERLEAVED: :func:`~dreampipe.scheduling.interleave.interleaved_compute`, on every
       copy of the pipeline where stages are replicated
-      (:func:`~dreampipe.scheduling.pipeline_copies.copies_compute`).
+      (:func:`~dreampipe.scheduling.pipeline_copies.copies_compute`), or dealt to each
+      position's replicas where their counts differ (``positions_compute``).
     - TWO_BW: 1F1B over all microbatches with 1f1b-flush's warm-up, no flush.
     - ZBV, DUALPIPEV: :func:`~dreampipe.scheduling.v_shape.v_shape_compute`, 2 stages a
-      rank in a V, on every copy likewise.
+      rank in a V, on every copy likewise (zbv also on positions of different counts).
     """
     reps = _check(replicas, kind, num_microbatches, microbatches_per_update, in_flight,
                   virtual_stages)
     if kind is ScheduleKind.INTERLEAVED:
-        return copies_compute(functools.partial(interleaved_compute, len(reps), virtual_stages),
-                              reps[0], num_microbatches, microbatches_per_update)
+        return replicated_compute(functools.partial(interleaved_compute, len(reps),
+                                                    virtual_stages),
+                                  reps, num_microbatches, microbatches_per_update)
     if kind.placement is Placement.V:
-        return copies_compute(functools.partial(v_shape_compute, kind, len(reps)), reps[0],
-                              num_microbatches, microbatches_per_update)
+        return replicated_compute(functools.partial(v_shape_compute, kind, len(reps)), reps,
+                                  num_microbatches, microbatches_per_update)
     per_update = (num_microbatches if kind in (ScheduleKind.PIPEDREAM, ScheduleKind.TWO_BW)
                   else microbatches_per_update)
     order = _ORDERS[kind]
@@ -204,7 +207,7 @@ def forward_only(replicas: Sequence[int], num_microbatches: int,
     GPipe's schedule of one update over ``num_microbatches`` microbatches with its
     backward, gradient and update actions left out. With ``virtual_stages``
     ``v`` > 1 (stages placed as ``kind`` places them: pass the training schedule's; on
-    copies of the pipeline, replica ``j`` of each), a rank runs its stages one after
+    a replicated position, replica ``j`` of each), a rank runs its stages one after
     another, each over its microbatches: a rank waits only on stages before its own, so
     no two wait on each other.
     """
@@ -213,14 +216,13 @@ def forward_only(replicas: Sequence[int], num_microbatches: int,
     lists = [tuple(a for a in acts if a.kind in keep) for acts in full.actions]
     if virtual_stages == 1:
         return full.with_actions(lists)
-    n, copies = len(replicas), replicas[0]
-    ranks = n // virtual_stages
+    n = len(replicas)
     kind = kind if kind.placement is Placement.V else ScheduleKind.GPIPE
     return Schedule(kind, full.replicas, tuple(
         tuple(a for s in rank_stages(q, n, virtual_stages, kind.placement)
-              for a in lists[s * copies + j])
-        for q in range(ranks) for j in range(copies)), num_microbatches, num_microbatches,
-        virtual_stages)
+              for a in lists[full.first_rank(s) + j])
+        for q in range(n // virtual_stages) for j in range(replicas[q])), num_microbatches,
+        num_microbatches, virtual_stages)
 
 
 def lower_communication(schedule: Schedule) -> Schedule:
@@ -351,7 +353,7 @@ def _check(
             f"{kind.value} with virtual_stages={virtual_stages}; it runs 2 stages on each "
             "worker, in a V: give virtual_stages=2 (and an even number of stages)"
         )
-    if several and reps[0] > 1:
+    if several and max(reps) > 1:
         check_copies(reps, kind, microbatches_per_update, virtual_stages)
     if kind is ScheduleKind.TWO_BW and microbatches_per_update % math.lcm(*reps):
         raise ScheduleError(
