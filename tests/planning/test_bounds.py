@@ -79,5 +79,10 @@ def test_no_plan_beats_the_bound_and_a_rough_plan_is_within_its_gap(
             return
     if not rough.heuristics:  # exact after all, or the fallback of one split stage
         return
-    assert best * (1 - 1e-9) <= rough.time_per_minibatch_s
+    # under a memory limit on two levels or more the hierarchy's inner plans are chosen for
+    # speed among those that fit at the end, not exactly (docs/design.md §4.4): a rough
+    # plan may then beat it (one server's stage on one of its workers, the rest on the
+    # next server), never the bound
+    exact = limit is None or len(shape) < 2
+    assert (best if exact else bound) * (1 - 1e-9) <= rough.time_per_minibatch_s
     assert rough.time_per_minibatch_s <= best * (1 + rough.optimality_gap) * (1 + 1e-9)
