@@ -43,8 +43,11 @@ setup: $(BIN)/dreampipe
 demo: setup
 	$(BIN)/dreampipe demo
 
+# The tests under 10 s run on two processes (one a core); the slow ones, multi-process
+# runs and timings among them, one at a time, so that no two of them share the cores.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" -n 2 --durations=10
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow --durations=15
 
 test-kernels: setup
 	@failed=; for set in $(KERNEL_SETS); do \
