@@ -12,7 +12,12 @@ from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.profiler import profile_spec
 from dreampipe.runtime import memory
-from dreampipe.runtime.memory import TrainingChoices, _gradients_later, predict_memory
+from dreampipe.runtime.memory import (
+    TrainingChoices,
+    _gradients_later,
+    counted_twice,
+    predict_memory,
+)
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
@@ -151,6 +156,32 @@ def test_an_interleaved_rank_predicts_each_of_its_stages_from_its_own_actions() 
         fewer += _in_flight(own) < _in_flight(actions)
         assert more[stage] - base[stage] == d * _in_flight(own), stage
     assert fewer >= 2  # the rank's count would be more on half the stages or more
+
+
+def test_a_rank_of_two_stages_holds_one_working_set_and_their_joint_flight() -> None:
+    """What the sum of an interleaved rank's stages counts twice: the smaller of its two
+    stages' backward working sets (one backward runs at a time), grown with it, not with
+    the larger; and of their microbatches in flight, what they never hold together."""
+    graph = _graph()
+    plan = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1], virtual_stages=2)
+    sched = MicrobatchLayout(kind=ScheduleKind.INTERLEAVED, microbatches=4).build(
+        [1] * 4, 2, plan.in_flight, virtual_stages=2)
+    base = counted_twice(graph, plan, sched, _choices())
+    # rank 0 runs embed (working 5) and b2 (30); rank 1 b1 (30) and head (60)
+    assert base[0] >= 5 and base[1] >= 30
+
+    def grown(layer: int, d: int) -> tuple[int, ...]:
+        layers = list(graph.layers)
+        layers[layer] = dataclasses.replace(layers[layer],
+                                            backward_bytes=layers[layer].backward_bytes + d)
+        return counted_twice(dataclasses.replace(graph, layers=tuple(layers)), plan, sched,
+                             _choices())
+
+    assert grown(0, 10)[0] - base[0] == 10  # embed's stays the smaller
+    assert grown(3, 10)[1] == base[1]  # the head's is the larger
+    straight = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1])
+    one = MicrobatchLayout(kind=ScheduleKind.FLUSH, microbatches=4).build([1] * 4, 2)
+    assert counted_twice(graph, straight, one, _choices()) == (0, 0, 0, 0)
 
 
 def _acts(text: str, stage: int = 0) -> tuple[Action, ...]:

@@ -30,7 +30,7 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import SENDS_KEPT
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runtime.memory import TrainingChoices, predict_memory
+from dreampipe.runtime.memory import TrainingChoices, counted_twice, predict_memory
 from dreampipe.runtime.memory_meter import MemoryUse, Meter, current_meter, start_measuring
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
@@ -82,12 +82,16 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
 
 def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Schedule,
                      choices: TrainingChoices, block: str | None) -> tuple[int, ...]:
-    """Each stage's predicted bytes: rank 0 profiles (``profile``) and predicts, every
-    rank gets them (a collective)."""
+    """Each rank's predicted bytes, its stages' less what their sum counts twice
+    (:func:`~dreampipe.runtime.memory.counted_twice`): rank 0 profiles (``profile``) and
+    predicts, every rank gets them (a collective)."""
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        box[0] = predict_memory(profile(), plan, schedule,
-                                dataclasses.replace(choices, block=block), library=False)
+        graph, chosen = profile(), dataclasses.replace(choices, block=block)
+        stages = predict_memory(graph, plan, schedule, chosen, library=False)
+        twice = counted_twice(graph, plan, schedule, chosen, library=False)
+        box[0] = tuple(sum(stages[s] for s in schedule.stages_of_rank(rank)) - twice[rank]
+                       for rank in range(schedule.num_ranks))
     dist.broadcast_object_list(box, src=0)
     out: tuple[int, ...] = box[0]
     return out
@@ -126,13 +130,13 @@ def measured(meter: Meter | None, rank: int, modules: Sequence[StageModule],
              config: TrainConfig, plan: Plan, layers: Layers,
              schedule: Callable[[int], Schedule], profile: Callable[[], LayerGraph],
              minibatches: int,
-             whole: Callable[[], AbstractContextManager[None]] = nullcontext
-             ) -> MemoryReport:
+             whole: Callable[[], AbstractContextManager[None]] = nullcontext,
+             schedule_rank: int | None = None) -> MemoryReport:
     """The rank's report: its ``meter``'s peak, beside its stage's
     prediction on ``schedule(horizon)`` (long enough to fill the pipeline and the kept
     sends), profiled by ``profile`` on rank 0 within ``whole()`` (every rank enters it,
-    after its peak is read: ZeRO-3's weights gathered); a ConfigError without a
-    meter."""
+    after its peak is read: ZeRO-3's weights gathered), found at ``schedule_rank`` (the
+    schedule's rank; default ``rank``); a ConfigError without a meter."""
     if meter is None:
         raise ConfigError("memory() reports what a Pipeline made with "
                           "TrainConfig(measure_memory=True) measured; set it", "measure_memory")
@@ -145,4 +149,5 @@ def measured(meter: Meter | None, rank: int, modules: Sequence[StageModule],
     with whole():
         predicted = predicted_memory(profile, plan, schedule(horizon),
                                      training_choices(config, modules), block)
-    return MemoryReport(rank, stage, use.used, sum(predicted[m.stage] for m in modules), use)
+    at = rank if schedule_rank is None else schedule_rank
+    return MemoryReport(rank, stage, use.used, predicted[at], use)

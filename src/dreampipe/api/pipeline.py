@@ -215,7 +215,8 @@ class Pipeline:
                         self.config, self.plan, self._layers, self._build_schedule,
                         lambda: profile_layers(self._layers, largest, self.loss_fn, size,
                                                self.config, timed=False),
-                        self.minibatches, lambda: gathered(m.zero for m in self.runner.modules))
+                        self.minibatches, lambda: gathered(m.zero for m in self.runner.modules),
+                        schedule_rank=self.srank)
 
     def _my_stages(self) -> tuple[int, ...]:
         """The stages this rank runs: its plan stage, or those the placement gives it."""

@@ -48,7 +48,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
-from dreampipe.runtime.memory import check_memory, predict_memory
+from dreampipe.runtime.memory import check_memory, counted_twice, predict_memory
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
@@ -131,6 +131,8 @@ class PlannedRun:
     spec: ModelSpec
     predicted_samples_per_s: float
     predicted_memory: tuple[int, ...] = ()
+    #: Per rank, what the sum of its stages' predictions counts twice (several stages).
+    counted_twice: tuple[int, ...] = ()
 
 
 def plan_train(
@@ -177,9 +179,10 @@ def plan_train(
     run = opts.with_plan(plan, steps)
     check_run(run, spec, run.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
+    twice: tuple[int, ...] = ()
     predicted = 0.0
     if graph is not None:
-        memory = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
+        memory, twice = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
                                           machine, nodes=nodes, zero=opts.config.zero)
         if req.memory_bytes is not None and plan.has_splits:
@@ -195,7 +198,7 @@ def plan_train(
         talk(f"{opts.config.schedule}: {v} stages per worker, {rule}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.config.schedule}, {steps} updates of "
          f"{opts.minibatch_size} samples)")
-    return PlannedRun(run, spec, predicted, memory)
+    return PlannedRun(run, spec, predicted, memory, twice)
 
 
 def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
@@ -244,16 +247,18 @@ def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
 
 
 def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
-            opts: TrainOptions, limit: int | None) -> tuple[int, ...]:
+            opts: TrainOptions, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each stage's predicted tensor bytes (what a rank's meter measures), the stage's
-    whole need (the compute library's kernels too) checked against ``limit``."""
+    whole need (the compute library's kernels too) checked against ``limit``; and per rank
+    what the sum of its stages counts twice (:func:`~dreampipe.runtime.memory.counted_twice`)."""
     # long enough to fill the pipeline and the runtime's kept sends
     fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
     horizon = min(steps, SENDS_KEPT + 2 * fill)
     schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight,
                             virtual_stages=plan.virtual_stages)
     check_memory(plan, predict_memory(graph, plan, schedule, opts.memory_choices()), limit)
-    return predict_memory(graph, plan, schedule, opts.memory_choices(), library=False)
+    return (predict_memory(graph, plan, schedule, opts.memory_choices(), library=False),
+            counted_twice(graph, plan, schedule, opts.memory_choices(), library=False))
 
 
 def _quiet(_line: str) -> None:

@@ -71,12 +71,15 @@ class TrainReport:
     predicted_memory: tuple[int, ...] = ()
     #: The config that ran (with the schedule ``--schedule auto`` chose).
     config: TrainConfig = TrainConfig()
+    #: Per rank, what the sum of its stages' predictions counts twice (several stages).
+    counted_twice: tuple[int, ...] = ()
 
     def memory_rows(self) -> list[dict[str, Any]]:
         """Per rank: stage, predicted and measured bytes (peak less baseline), their ratio."""
         rows = []
         for m in self.result.memory:
-            predicted = sum(self.predicted_memory[s] for s in self._stages_of(m)) \
+            predicted = sum(self.predicted_memory[s] for s in self._stages_of(m)) - (
+                self.counted_twice[m.rank] if self.counted_twice else 0) \
                 if self.predicted_memory else None
             rows.append({
                 "rank": m.rank, "stage": m.stage, "device": m.kind,
@@ -169,7 +172,7 @@ def run_train(
     if result is None:
         return None
     return TrainReport(run.plan, run.steps, planned.predicted_samples_per_s, result,
-                       planned.predicted_memory, run.config)
+                       planned.predicted_memory, run.config, planned.counted_twice)
 
 
 def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResult:

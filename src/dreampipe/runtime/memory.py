@@ -27,8 +27,8 @@ from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 
-__all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "optimizer_copies",
-           "predict_memory"]
+__all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "counted_twice",
+           "optimizer_copies", "predict_memory"]
 
 _log = logging.getLogger(__name__)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -180,6 +180,46 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                            gradients, buckets - _working(costs, st, flight[s],
                                                                          saved, each), s)
                           for acts in ranks[s]) if walked else 0))
+    return tuple(out)
+
+
+def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: TrainingChoices,
+                  *, library: bool = True) -> tuple[int, ...]:
+    """Per rank, what the sum of its stages' :func:`predict_memory` counts that the rank
+    never holds at once (0 for a rank of one stage): it runs one backward at a time, so
+    it holds one stage's working set, the largest; and its stages' microbatches in flight
+    peak together only as its actions hold them, walked along them (docs/memory.md)."""
+    if not library:
+        graph = graph.without_library()
+    costs = RangeCosts.of(graph)
+    flight = [0] * plan.num_stages
+    for stage, actions in _by_stage(schedule):
+        flight[stage] = max(flight[stage], _peak_in_flight(actions))
+    out = []
+    for actions in schedule.actions:
+        mine = sorted({a.stage for a in actions})
+        if len(mine) < 2 or any(plan.stages[s].tensor_parallel > 1 for s in mine):
+            out.append(0)
+            continue
+        each, work = {}, {}
+        for s in mine:
+            st = plan.stages[s]
+            kept = float(costs.kept[st.first, st.last])
+            walked = opts.stash and not st.recompute
+            own = _walk_saved(graph, st, s, _recomputed(graph, st, opts), 1)[1] if walked else 0
+            each[s] = float(costs.cut_bytes[st.first]) + own
+            work[s] = float(costs.backward_working[st.first, st.last]) + (
+                0.0 if walked else float(costs.cut_bytes[st.first]) + kept)
+        release, held, joint = _release(actions), dict.fromkeys(mine, 0), 0.0
+        for a in actions:
+            held[a.stage] += a.kind in (ActionKind.FORWARD, ActionKind.OVERLAP)
+            if a.kind is release:
+                held[a.stage] -= 1
+            elif a.kind is ActionKind.OVERLAP and a.backward_stage in held:
+                held[a.backward_stage] -= release is ActionKind.BACKWARD
+            joint = max(joint, sum(held[s] * each[s] for s in mine))
+        apart = sum(flight[s] * each[s] for s in mine)
+        out.append(round(max(0.0, apart - joint) + sum(work.values()) - max(work.values())))
     return tuple(out)
 
 
