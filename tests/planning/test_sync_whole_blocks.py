@@ -91,3 +91,19 @@ def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:
     # with room to keep everything it recomputes nothing
     free = plan_sync(graph, topo, opts)
     assert free.recomputed_layers == ()
+
+
+def test_a_layout_says_r_only_where_every_stage_recomputes_its_blocks() -> None:
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
+    opts = SyncOptions(global_batch=8, microbatch_size=1, training=Training("bf16", "adam"),
+                       layout=parse_layout("t1-p2"), recompute=True)
+    found = plan_sync(graph, topo, opts)
+    every = replace(found.stages[0], option=replace(found.stages[0].option,
+                                                    recompute=Recompute.BLOCKS, blocks=8))
+    keeps = replace(found.stages[1], option=replace(found.stages[1].option,
+                                                    recompute=Recompute.NONE, blocks=0))
+    assert replace(found, stages=(every, replace(keeps, option=every.option))).layout == (
+        "t1-p2-r8")
+    assert replace(found, stages=(every, keeps)).layout == "t1-p2"

@@ -91,9 +91,9 @@ class SyncPlan:
         parts += [f"v{self.virtual_stages}"] if self.virtual_stages > 1 else []
         levels = {st.option.zero for st in self.stages}
         parts += [f"z{levels.pop()}"] if len(levels) == 1 and self.zero else []
-        blocks = {st.option.blocks for st in self.stages
-                  if st.option.recompute is Recompute.BLOCKS}
-        parts += [f"r{blocks.pop()}"] if len(blocks) == 1 else []
+        blocks = {st.option.blocks if st.option.recompute is Recompute.BLOCKS else None
+                  for st in self.stages}  # -rK where every stage recomputes its first K
+        parts += [f"r{blocks.pop()}"] if len(blocks) == 1 and None not in blocks else []
         return "-".join(parts)
 
     @property
