@@ -96,6 +96,13 @@ def test_an_interleaved_rank_s_row_sums_the_predictions_of_its_stages() -> None:
     rows = TrainReport(plan, 3, 100.0, _result(uses),
                        predicted_memory=(1000, 2000, 3000, 4000)).memory_rows()
     assert [r["predicted_bytes"] for r in rows] == [1000 + 3000, 2000 + 4000]
+    less = TrainReport(plan, 3, 100.0, _result(uses), predicted_memory=(1000, 2000, 3000, 4000),
+                       counted_twice=(500, 700)).memory_rows()
+    assert [r["predicted_bytes"] for r in less] == [4000 - 500, 6000 - 700]
+    # a rank of one stage has nothing counted twice, whatever the ranks beyond the schedule's
+    one = TrainReport(_plan((2, 1)), 3, 100.0, _result(_MEMORY), predicted_memory=(8000, 0),
+                      counted_twice=(0,)).memory_rows()
+    assert [r["predicted_bytes"] for r in one] == [8000, 8000, 0]
 
 
 def test_the_summary_says_what_ran_what_was_predicted_and_what_was_measured() -> None:

@@ -79,8 +79,7 @@ class TrainReport:
         rows = []
         for m in self.result.memory:
             predicted = sum(self.predicted_memory[s] for s in self._stages_of(m)) - (
-                self.counted_twice[m.rank] if self.counted_twice else 0) \
-                if self.predicted_memory else None
+                self._twice(m)) if self.predicted_memory else None
             rows.append({
                 "rank": m.rank, "stage": m.stage, "device": m.kind,
                 "predicted_bytes": predicted, "measured_bytes": m.used,
@@ -88,6 +87,12 @@ class TrainReport:
                 "ratio": m.used / predicted if predicted else None,
             })
         return rows
+
+    def _twice(self, m: MemoryUse) -> int:
+        """What the sum of rank ``m.rank``'s stages counts twice: only a rank of several
+        stages has any, and then no stage is split (a rank is the schedule's)."""
+        several = self.plan.virtual_stages > 1 and self.counted_twice
+        return self.counted_twice[m.rank] if several else 0
 
     def _stages_of(self, m: MemoryUse) -> list[int]:
         """The stages rank ``m.rank`` runs: its one, or an interleaved rank's several."""
