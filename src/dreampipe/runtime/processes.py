@@ -25,7 +25,6 @@ import multiprocessing as mp
 import os
 import pickle
 import signal
-import socket
 import sys
 import threading
 import time
@@ -41,6 +40,7 @@ import torch
 
 from dreampipe.errors import TRACEBACK_HEADER, DreampipeError, PeerTimeoutError, WorkerError
 from dreampipe.profiling.heap import glibc
+from dreampipe.runtime.ports import free_port
 
 __all__ = [
     "HeapPolicy",
@@ -135,13 +135,6 @@ def prepare_process(threads: int | None = None, heap: HeapPolicy = HeapPolicy.KE
         _log.debug("cannot tune the allocator: %s", exc)
 
 
-def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago (for a local rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_processes(
     fn: RankFn,
     world: int,
@@ -165,6 +158,25 @@ def run_processes(
     :class:`~dreampipe.errors.WorkerError`. ``where(rank)`` names a rank's
     part in the message (e.g. its stage).
     """
+    for _ in range(_PORT_TRIES - 1):
+        try:
+            return _launch(fn, world, arg, (threads, heap), deadline_s, where, error)
+        except DreampipeError as exc:  # rank 0 could not listen: the port went meanwhile
+            if "EADDRINUSE" not in str(exc):
+                raise
+            _log.warning("the rendezvous port was taken before rank 0 listened on it; "
+                         "starting the %d ranks again on another", world)
+    return _launch(fn, world, arg, (threads, heap), deadline_s, where, error)
+
+
+#: Launches :func:`run_processes` tries when another process takes its port first.
+_PORT_TRIES = 3
+
+
+def _launch(fn: RankFn, world: int, arg: Any, setup: tuple[int | None, HeapPolicy],
+            deadline_s: float | None, where: Callable[[int], str] | None,
+            error: type[DreampipeError] | None) -> list[Any]:
+    """One launch of :func:`run_processes` on a fresh :func:`free_port`."""
     ctx = _context()
     port = free_port()
     procs, conns = [], []
@@ -173,8 +185,7 @@ def run_processes(
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(fn, arg, rank, world, port, (threads, heap), send, os.getpid(),
-                      _Inherited()),
+                args=(fn, arg, rank, world, port, setup, send, os.getpid(), _Inherited()),
                 name=f"dreampipe-rank{rank}", daemon=True,
             )
             p.start()
