@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,8 +74,10 @@ def test_train_rejects_bad_arguments(
                                     "<= MIN <= MAX"),
         (["--seq-lengths", "8:64"], "--seq-lengths 8:64 cuts token sequences of [batch, tokens] "
                                     "integers, 64 tokens at most; model mlp takes torch.float32"),
-        (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--config", "2"],
-         "itself; leave out --config '2', or give a plan"),
+        (["--schedule", "interleaved-1f1b", "--virtual-stages", "2", "--stages", "0,2"],
+         "itself; leave out --stages '0,2', or give a plan"),
+        (["--schedule", "zbv", "--virtual-stages", "2", "--config", "2"],
+         "the V places its stages otherwise: leave out --config '2'"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(
@@ -163,6 +166,20 @@ def test_the_newer_schedules_train_end_to_end(
     data = json.loads(capsys.readouterr().out)
     assert data["samples_per_s"] > 0 and data["predicted_samples_per_s"] > 0
     assert len(data["losses"]) == 3
+
+
+def test_interleaving_on_positions_replicated_2_1_trains_end_to_end(
+    capsys: pytest.CaptureFixture[str], mlp_profile: Callable[[int], Path],
+) -> None:
+    argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
+            "--workers", "3", "--config", "2-1", "--virtual-stages", "2", "--schedule",
+            "interleaved-1f1b", "--microbatches", "4", "--steps", "2", "--batch-size", "16",
+            "--json", "--no-progress", "--timeout", "60", "--profile", str(mlp_profile(4))]
+    assert main(argv) == 0, capsys.readouterr().err
+    data = json.loads(capsys.readouterr().out)
+    assert data["partition"] == "2-1-2-1" and data["virtual_stages"] == 2
+    assert [replicas for *_, replicas in data["stages"]] == [2, 1, 2, 1]
+    assert len(data["losses"]) == 2 and all(math.isfinite(x) for x in data["losses"])
 
 
 def _interleaved_plan_file(tmp_path: Path) -> Path:

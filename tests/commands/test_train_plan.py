@@ -68,13 +68,17 @@ def test_schedule_auto_chooses_a_schedule_of_its_semantics(profiled: list[int]) 
     assert any(line.startswith("schedule auto (sync)") for line in said)
 
 
-def test_a_forced_config_with_virtual_stages_is_refused_before_profiling(
+def test_forced_stages_or_a_v_s_config_with_virtual_stages_are_refused_before_profiling(
     profiled: list[int]
 ) -> None:
     run = dataclasses.replace(_RUN, config=TrainConfig(schedule="interleaved-1f1b",
                                                        microbatches=2, virtual_stages=2))
-    with pytest.raises(ConfigError, match="leave out config='2'"):
-        plan_train(TrainRequest(run=run, plan=PlanSource(config="2"), workers=2))
+    with pytest.raises(ConfigError, match="leave out stages='0,2'"):
+        plan_train(TrainRequest(run=run, plan=PlanSource(stages="0,2"), workers=2))
+    v_shape = dataclasses.replace(_RUN, config=TrainConfig(schedule="zbv", microbatches=2,
+                                                           virtual_stages=2))
+    with pytest.raises(ConfigError, match="the V places its stages otherwise"):
+        plan_train(TrainRequest(run=v_shape, plan=PlanSource(config="2"), workers=2))
     assert profiled == []
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from dreampipe.errors import ScheduleError
@@ -81,3 +83,23 @@ def test_interleaved_plan_balances_the_chain() -> None:
     assert sum(st.compute_s for st in plan.stages) == pytest.approx(12e-3)
     with pytest.raises(ScheduleError, match="at most one stage per layer"):
         interleaved_plan(graph, 4, 3)
+
+
+def test_a_replicated_position_takes_its_replicas_share_of_the_layers() -> None:
+    """Positions replicated 2-1 on 3 workers: the replicated position's stages run on
+    ranks 0 and 1 and hold about twice the work of the others, each stage's work over its
+    replicas balanced (brute force over the cuts)."""
+    times = [1.0] * 12
+    graph = LayerGraph.chain([Layer(f"l{i}", t / 3, 2 * t / 3, 10, 10)
+                              for i, t in enumerate(times)])
+    plan = interleaved_plan(graph, 3, 2, positions=[2, 1])
+    assert [st.replicas for st in plan.stages] == [2, 1, 2, 1]
+    assert [st.ranks for st in plan.stages] == [(0, 1), (2,), (0, 1), (2,)]
+    assert plan.workers_used == 3 and plan.virtual_stages == 2
+    per = [st.compute_s / st.replicas for st in plan.stages]
+    best = min(max(a / 2, (b - a), (c - b) / 2, 12 - c)
+               for a, b, c in itertools.combinations(range(1, 12), 3))
+    assert max(per) == pytest.approx(best * 1e-3)
+    assert [st.last - st.first + 1 for st in plan.stages] == [4, 2, 4, 2]
+    with pytest.raises(ScheduleError, match="positions \\[2, 2\\] for 3 workers"):
+        interleaved_plan(graph, 3, 2, positions=[2, 2])

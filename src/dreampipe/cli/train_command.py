@@ -103,8 +103,10 @@ def _register_train(sub: argparse._SubParsersAction[Any]) -> None:
                         "study measured (docs/design.md §12)")
     g.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="interleaved-1f1b: V stages per worker, stage s on worker s mod "
-                        "workers, cut for balanced compute (default: a --plan file's own, "
-                        "which V may only repeat, else 1)")
+                        "workers, cut for balanced compute; with --config 2-1, positions "
+                        "replicated so (stage s on position s mod 2), each stage's compute "
+                        "over its replicas balanced (default: a --plan file's own, which V "
+                        "may only repeat, else 1)")
     g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="fp32 (default); bf16-mixed, fp16-mixed: forwards under autocast, "
                         "32-bit weights (fp16 with a loss scale all stages share: an "

@@ -193,8 +193,11 @@ def plan_train(
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
     talk(str(plan))
     if v > 1:
+        p = plan.num_stages // v
         rule = (f"stage s and {2 * plan.workers_used - 1}-s on one worker"
-                if plan.placement is Placement.V else f"stage s on worker s mod {workers}")
+                if plan.placement is Placement.V else f"stage s on worker s mod {workers}"
+                if p == workers else f"stage s on position s mod {p}, replicated "
+                + "-".join(str(st.replicas) for st in plan.stages[:p]))
         talk(f"{opts.config.schedule}: {v} stages per worker, {rule}")
     talk(f"predicted: {predicted:.1f} samples/s ({opts.config.schedule}, {steps} updates of "
          f"{opts.minibatch_size} samples)")

@@ -71,13 +71,17 @@ class PlanAsk:
     def __post_init__(self) -> None:
         # a plan file with a partition is refused where the file is named (train's flags)
         assert self.given is None or not (self.config or self.stages)
-        if self.virtual_stages > 1 and (self.config or self.stages):
-            forced = " and ".join(f"{k}={v!r}" for k, v in (("config", self.config),
-                                                             ("stages", self.stages)) if v)
+        if self.virtual_stages > 1 and self.stages:
             raise ConfigError(
-                f"virtual_stages={self.virtual_stages} cuts the model into workers x "
-                f"{self.virtual_stages} stages itself; leave out {forced}, or give a plan",
-                "virtual_stages", "config", "stages")
+                f"virtual_stages={self.virtual_stages} cuts the model into positions x "
+                f"{self.virtual_stages} stages itself; leave out stages={self.stages!r}, "
+                "or give a plan", "virtual_stages", "stages")
+        if self.virtual_stages > 1 and self.config and self.placement is not Placement.LOOP:
+            raise ConfigError(
+                f"config={self.config!r} with virtual_stages={self.virtual_stages} replicates "
+                "positions of interleaved 1F1B's loop; the V places its stages otherwise: "
+                f"leave out config={self.config!r}, or use the interleaved-1f1b schedule",
+                "virtual_stages", "config")
 
     @property
     def planner_free(self) -> bool:
@@ -162,8 +166,10 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
 
     if ask.given is not None:
         return ask.given
-    if ask.virtual_stages > 1:
-        return interleaved_plan(graph, ask.workers, ask.virtual_stages).placed(ask.placement)
+    if ask.virtual_stages > 1:  # ``config``: each position's replicas
+        positions = None if ask.config is None else stages_from_config(ask.config, ask.workers)
+        return interleaved_plan(graph, ask.workers, ask.virtual_stages,
+                                positions).placed(ask.placement)
     forced = forced_partition(len(graph.layers), ask.workers, ask.config, ask.stages)
     if forced is None:
         return planner.plan_pipeline(graph, topology, PlanOptions(

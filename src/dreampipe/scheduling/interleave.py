@@ -19,6 +19,8 @@ balanced compute for it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dreampipe.errors import ScheduleError
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.profiling.graph import LayerGraph
@@ -56,23 +58,33 @@ def interleaved_compute(
                     microbatches_per_update, v)
 
 
-def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int) -> Plan:
-    """``graph``'s layers cut into ``workers * virtual_stages`` contiguous stages whose
-    largest forward+backward time is least (one worker each; costs left at
-    zero but ``compute_s`` and ``forward_s``). Stage ``s`` runs on worker
-    :func:`virtual_worker`, as its ranks and the plan's ``virtual_stages`` say."""
-    stages = workers * virtual_stages
+def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int,
+                     positions: Sequence[int] | None = None) -> Plan:
+    """``graph``'s layers cut into ``p * virtual_stages`` contiguous stages whose
+    largest forward+backward time per replica is least (costs left at zero but
+    ``compute_s`` and ``forward_s``). Stage ``s`` runs at position ``s mod p`` of the loop,
+    on that position's ``positions[s mod p]`` replicas (default: ``workers`` positions of
+    one), its ranks numbered position by position, as its ranks and the plan's
+    ``virtual_stages`` say."""
+    reps = [1] * workers if positions is None else list(positions)
+    if sum(reps) != workers or min(reps, default=0) < 1:
+        raise ScheduleError(f"positions {reps} for {workers} workers; give each position "
+                            f"at least 1 replica, {workers} in all")
+    p = len(reps)
+    stages = p * virtual_stages
     if workers < 1 or virtual_stages < 1 or stages > len(graph):
         raise ScheduleError(
-            f"{workers} workers x {virtual_stages} virtual stages = {stages} stages for "
+            f"{p} positions x {virtual_stages} virtual stages = {stages} stages for "
             f"{len(graph)} layers; give at most one stage per layer"
         )
     work = [0.0 if x.is_input else x.compute_ms / 1e3 for x in graph.layers]
     fwd = [0.0 if x.is_input else x.forward_ms / 1e3 for x in graph.layers]
-    bounds = _balanced_cuts(work, stages)
+    bounds = _balanced_cuts(work, [reps[s % p] for s in range(stages)])
     edges = [*bounds, len(work)]
+    firsts = [sum(reps[:q]) for q in range(p)]
     out = tuple(
-        Stage(first=edges[s], last=edges[s + 1] - 1, replicas=1, ranks=(s % workers,),
+        Stage(first=edges[s], last=edges[s + 1] - 1, replicas=reps[s % p],
+              ranks=tuple(range(firsts[s % p], firsts[s % p] + reps[s % p])),
               compute_s=sum(work[edges[s]:edges[s + 1]]),
               forward_s=sum(fwd[edges[s]:edges[s + 1]]))
         for s in range(stages))
@@ -81,9 +93,10 @@ def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int) -> Pl
                 virtual_stages=virtual_stages)
 
 
-def _balanced_cuts(work: list[float], parts: int) -> list[int]:
-    """First layers of ``parts`` contiguous non-empty pieces minimising the largest sum."""
-    n = len(work)
+def _balanced_cuts(work: list[float], shares: list[int]) -> list[int]:
+    """First layers of ``len(shares)`` contiguous non-empty pieces minimising the largest
+    sum over its share (piece ``k``'s replicas)."""
+    n, parts = len(work), len(shares)
     prefix = [0.0]
     for x in work:
         prefix.append(prefix[-1] + x)
@@ -95,7 +108,7 @@ def _balanced_cuts(work: list[float], parts: int) -> list[int]:
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                value = max(best[k - 1][j], (prefix[i] - prefix[j]) / shares[k - 1])
                 if value < best[k][i]:
                     best[k][i], cut[k][i] = value, j
     bounds, i = [], n
