@@ -18,6 +18,7 @@ from dreampipe.planning.sync_stage_option import Recompute, layer_blocks
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.gpt_shapes import GptShape, blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
+from dreampipe.profiling.graph import LayerGraph
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,seq=256,vocab=4096"
 
@@ -67,15 +68,22 @@ def test_the_count_follows_the_blocks_recomputed() -> None:
         shape.update_flops(b, 25)
 
 
+def _fixed(layout: str) -> tuple[LayerGraph, Topology, SyncOptions]:
+    """``SPEC`` on one server, 8 microbatches of 1 an update, ``layout`` fixed, recomputing
+    where only that fits."""
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
+    return graph, topo, SyncOptions(global_batch=8, microbatch_size=1,
+                                    training=Training("bf16", "adam"),
+                                    layout=parse_layout(layout), recompute=True)
+
+
 def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:
     """One stage whose whole forward, recomputed at once, does not fit, but block by block
     does: a layout without ``-r`` then recomputes every block (Megatron-LM's full
     recomputation), and without recomputation it does not fit at all."""
-    topo = Topology.parse("dgx-a100:1")
-    assert topo.device is not None
-    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
-    opts = SyncOptions(global_batch=8, microbatch_size=1, training=Training("bf16", "adam"),
-                       layout=parse_layout("t1-p1"), recompute=True)
+    graph, topo, opts = _fixed("t1-p1")
     search = SyncSearch(graph, topo, opts)
     tables = search.tables(1, 8, 1, False)
     last = len(graph) - 1
@@ -94,12 +102,7 @@ def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:
 
 
 def test_a_layout_says_r_only_where_every_stage_recomputes_its_blocks() -> None:
-    topo = Topology.parse("dgx-a100:1")
-    assert topo.device is not None
-    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
-    opts = SyncOptions(global_batch=8, microbatch_size=1, training=Training("bf16", "adam"),
-                       layout=parse_layout("t1-p2"), recompute=True)
-    found = plan_sync(graph, topo, opts)
+    found = plan_sync(*_fixed("t1-p2"))
     every = replace(found.stages[0], option=replace(found.stages[0].option,
                                                     recompute=Recompute.BLOCKS, blocks=8))
     keeps = replace(found.stages[1], option=replace(found.stages[1].option,

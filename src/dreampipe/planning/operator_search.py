@@ -198,20 +198,11 @@ _ROUNDING = 1e-9
 
 def _near_least(points: list[_Point], key: Callable[[_Point], tuple[float, float]]
                 ) -> list[_Point]:
-    """The points whose first term of ``key`` is within :data:`_ROUNDING` of the least,
-    none beaten on both terms by another (ties: the first kept)."""
-    ordered = sorted(points, key=key)
-    least = key(ordered[0])[0]
-    kept: list[_Point] = []
-    second = math.inf
-    for p in ordered:
-        first, other = key(p)
-        if first > least + _ROUNDING * abs(least):
-            break
-        if other < second:
-            kept.append(p)
-            second = other
-    return kept
+    """The points of the (time, memory) front (:func:`_pareto`, the same whichever term
+    leads) whose first term of ``key`` is within :data:`_ROUNDING` of the least."""
+    front = _pareto(points)
+    least = min(key(p)[0] for p in front)
+    return [p for p in front if key(p)[0] <= least + _ROUNDING * abs(least)]
 
 
 def _finals(graph: LayerGraph, t: int, link: Link, limit: float) -> list[_Point]:

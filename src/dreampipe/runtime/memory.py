@@ -136,11 +136,10 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     if not library:
         graph = graph.without_library()
     costs = RangeCosts.of(graph)
-    flight, sends = [0] * plan.num_stages, [0] * plan.num_stages
+    flight, sends = _flight(schedule, plan.num_stages), [0] * plan.num_stages
     ranks: dict[int, list[tuple[Action, ...]]] = {}
     for stage, actions in _by_stage(schedule):
         ranks.setdefault(stage, []).append(actions)
-        flight[stage] = max(flight[stage], _peak_in_flight(actions))
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
     delays = (stage_delays(schedule, opts.vertical_sync)
@@ -191,10 +190,7 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
     peak together only as its actions hold them, walked along them (docs/memory.md)."""
     if not library:
         graph = graph.without_library()
-    costs = RangeCosts.of(graph)
-    flight = [0] * plan.num_stages
-    for stage, actions in _by_stage(schedule):
-        flight[stage] = max(flight[stage], _peak_in_flight(actions))
+    costs, flight = RangeCosts.of(graph), _flight(schedule, plan.num_stages)
     out = []
     for actions in schedule.actions:
         mine = sorted({a.stage for a in actions})
@@ -356,6 +352,14 @@ def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> 
     return max(round(split_cost(graph.layers[i], op_kind(graph.layers[i]), split,
                                 st.tensor_parallel).weight_bytes)
                for i, split in zip(range(st.first, st.last + 1), st.splits, strict=True))
+
+
+def _flight(schedule: Schedule, stages: int) -> list[int]:
+    """Each stage's most microbatches in flight on any of its ranks."""
+    flight = [0] * stages
+    for stage, actions in _by_stage(schedule):
+        flight[stage] = max(flight[stage], _peak_in_flight(actions))
+    return flight
 
 
 def _peak_in_flight(actions: tuple[Action, ...]) -> int:

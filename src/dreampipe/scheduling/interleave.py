@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.placement import position_firsts
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
@@ -79,9 +80,10 @@ def interleaved_plan(graph: LayerGraph, workers: int, virtual_stages: int,
         )
     work = [0.0 if x.is_input else x.compute_ms / 1e3 for x in graph.layers]
     fwd = [0.0 if x.is_input else x.forward_ms / 1e3 for x in graph.layers]
-    bounds = _balanced_cuts(work, [reps[s % p] for s in range(stages)])
+    replicas = [reps[s % p] for s in range(stages)]
+    bounds = _balanced_cuts(work, replicas)
     edges = [*bounds, len(work)]
-    firsts = [sum(reps[:q]) for q in range(p)]
+    firsts = position_firsts(replicas, virtual_stages)
     out = tuple(
         Stage(first=edges[s], last=edges[s + 1] - 1, replicas=reps[s % p],
               ranks=tuple(range(firsts[s % p], firsts[s % p] + reps[s % p])),
