@@ -63,6 +63,26 @@ def test_stages_rebuild_the_same_weights(name: str) -> None:
         assert torch.equal(tail(head(x)), full(x))
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_a_rank_of_far_apart_stages_builds_those_layers_alone(name: str) -> None:
+    """``build_only``: the chosen layers as the whole model has them, every other on
+    ``meta`` (an interleaved rank's first and last layer, say)."""
+    spec = get_model(name)
+    n = spec.num_layers
+    real = {0, n - 1}
+    full, part = spec.build(seed=5), spec.build_only(real, seed=5)
+    assert [key for key, _ in part.named_children()] == spec.layer_names
+    for i, (layer, whole) in enumerate(zip(part, full, strict=True)):
+        for (key, value), (_, expected) in zip(layer.state_dict().items(),
+                                               whole.state_dict().items(), strict=True):
+            if i in real:
+                assert torch.equal(value, expected), (i, key)
+            else:
+                assert value.is_meta, (i, key)
+    with pytest.raises(ValueError, match=rf"layers \[{n}\] are outside 0..{n - 1}"):
+        spec.build_only({0, n}, seed=5)
+
+
 @pytest.mark.parametrize(
     ("name", "kwargs", "needle"),
     [

@@ -69,6 +69,8 @@ def test_a_replicated_position_numbers_the_ranks_position_by_position(
     assert plan.workers_used == 3
     assert [plan.stages_of_rank(r) for r in range(3)] == [
         tuple(s for s in range(4) if home[s] == (0, 0, 1)[r]) for r in range(3)]
+    assert [plan.layers_of_rank(r) for r in range(3)] == [
+        tuple(i for s in plan.stages_of_rank(r) for i in (2 * s, 2 * s + 1)) for r in range(3)]
     assert Plan.from_dict(json.loads(plan.to_json())) == plan
     check_stages_per_rank(4, 2, 3, replicas=replicas)
     with pytest.raises(ConfigError, match=r"needs stages whose replicas add up to 8, not the "

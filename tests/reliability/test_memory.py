@@ -91,3 +91,25 @@ def test_memory_that_no_stage_fits_is_an_error_before_training(
 ) -> None:
     with pytest.raises(ConfigError, match=r"stage 0 \(layers 0..3\) needs about .* MB"):
         run_train(_request("mlp", True, profiles["mlp"], memory_bytes=10**6))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_an_interleaved_rank_holds_its_own_stages_and_no_other_layer() -> None:
+    """Interleaved 1F1B on 3 ranks, 2 stages each, far apart (stage s on rank s mod 3): each
+    rank builds and keeps only its two stages' weights, so its peak is the sum of theirs,
+    less what the rank never holds at once, within 15%. A rank that kept the whole model
+    would hold three times its weights."""
+    run = TrainOptions(
+        model="mlp", model_kwargs=(("width", 1024), ("layers", 6)), minibatch_size=12,
+        steps=4, config=TrainConfig(schedule="interleaved-1f1b", virtual_stages=2,
+                                    microbatches=3, timeout_s=120.0, measure_memory=True),
+        progress=False)
+    report = run_train(TrainRequest(run=run, plan=PlanSource(config="straight"), workers=3,
+                                    exact_steps=True))
+    assert report is not None
+    rows = report.memory_rows()
+    assert [r["rank"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert r["predicted_bytes"] > 8e6, r  # a 1024x1024 layer and its gradient at least
+        assert 0.85 <= r["ratio"] <= 1.15, rows

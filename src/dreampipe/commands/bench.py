@@ -70,9 +70,8 @@ def _rank(rank: int, world: int, arg: tuple[DreampipeRun, Workload]) -> float:
         model, plan = work.model(), work.split_points(v)
     else:
         spec = work.spec()
-        model = spec.build_partly(*work.stage_range(rank), work.seed) if v == 1 else \
-            spec.build(seed=work.seed)
         plan = work.plan(v, run.kind.placement)
+        model = spec.build_only(plan.layers_of_rank(rank), work.seed)
     pipe = Pipeline(model, example=(x, y), loss_fn=work.loss_fn,
                     optimizer=lambda params: torch.optim.SGD(params, lr=work.lr), plan=plan,
                     config=config)

@@ -259,11 +259,8 @@ def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
         if split:  # the Pipeline builds each worker's share only
             with torch.device("meta"):
                 model = spec.build(seed=run.config.seed)
-        elif run.plan.virtual_stages > 1:  # the rank's stages are far apart
-            model = spec.build(seed=run.config.seed)
-        else:
-            st = run.plan.stages[run.plan.stage_of_rank(rank)]
-            model = spec.build_partly(st.first, st.last, run.config.seed)
+        else:  # the rank's stages only (far apart under interleaving)
+            model = spec.build_only(run.plan.layers_of_rank(rank), run.config.seed)
         config = dataclasses.replace(run.config, virtual_stages=run.plan.virtual_stages,
                                      resume=job.resume_from)
         pipe = Pipeline(model, example=data.batch(0, run.minibatch_size), loss_fn=spec.loss_fn,

@@ -10,7 +10,7 @@ weights as building 0..7 and keeping 4..7.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +63,25 @@ class ModelSpec:
     def build_partly(self, first: int, last: int, seed: int = 0) -> nn.Sequential:
         """The whole model with only layers ``first..last`` real (as :meth:`build` makes
         them) and every other layer on the ``meta`` device: what one pipeline rank needs."""
-        real = self.build(first, last, seed)
+        return self.build_only(range(first, last + 1), seed)
+
+    def build_only(self, real: Collection[int], seed: int = 0) -> nn.Sequential:
+        """The whole model with only the layers ``real`` real (as :meth:`build` makes
+        them) and every other layer on the ``meta`` device: what a rank of several stages
+        (interleaving) needs, whose layers are far apart."""
+        unknown = sorted(i for i in real if not 0 <= i < self.num_layers)
+        if unknown:
+            raise ValueError(
+                f"layers {unknown} are outside 0..{self.num_layers - 1} of {self.name}")
         layers: OrderedDict[str, nn.Module] = OrderedDict()
-        for i, (name, factory) in enumerate(self.layer_factories):
-            if first <= i <= last:
-                layers[name] = real.get_submodule(name)
-            else:
-                with torch.device("meta"):
+        with torch.random.fork_rng(devices=[]):
+            for i, (name, factory) in enumerate(self.layer_factories):
+                if i in real:
+                    torch.manual_seed(seed + i)
                     layers[name] = factory()
+                else:
+                    with torch.device("meta"):
+                        layers[name] = factory()
         return nn.Sequential(layers)
 
 

@@ -265,6 +265,11 @@ class Plan:
             return (first,)
         return rank_stages(first, self.num_stages, self.virtual_stages, self.placement)
 
+    def layers_of_rank(self, rank: int) -> tuple[int, ...]:
+        """Every layer worker ``rank`` runs (the layers of :meth:`stages_of_rank`)."""
+        return tuple(i for s in self.stages_of_rank(rank)
+                     for i in range(self.stages[s].first, self.stages[s].last + 1))
+
     def speedup_over(self, baseline: str) -> float:
         """Predicted speedup of this plan over ``baseline`` (``dp``, ``straight``, ``gpipe``)."""
         if baseline not in self.baselines_s:
