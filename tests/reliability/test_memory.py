@@ -113,3 +113,25 @@ def test_an_interleaved_rank_holds_its_own_stages_and_no_other_layer() -> None:
     for r in rows:
         assert r["predicted_bytes"] > 8e6, r  # a 1024x1024 layer and its gradient at least
         assert 0.85 <= r["ratio"] <= 1.15, rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_2bw_stage_holds_its_two_weight_versions() -> None:
+    """PipeDream-2BW runs a minibatch on the weights before the live ones: once an update
+    has run, every stage holds two copies of its weights, and the prediction counts both;
+    a step lets the version before them go (a third copy held to the next forward read
+    1.29 and 1.32)."""
+    run = TrainOptions(
+        model="mlp", model_kwargs=(("width", 1024), ("layers", 4)), minibatch_size=12,
+        steps=4, config=TrainConfig(schedule="2bw", microbatches=2, timeout_s=120.0,
+                                    measure_memory=True),
+        progress=False)
+    report = run_train(TrainRequest(run=run, plan=PlanSource(config="straight",
+                                                             stages="0,2"),
+                                    workers=2, exact_steps=True))
+    assert report is not None
+    rows = report.memory_rows()
+    for r in rows:
+        assert r["predicted_bytes"] > 12e6, r  # 1024x1024 weights, twice, their gradient
+        assert 0.85 <= r["ratio"] <= 1.15, rows

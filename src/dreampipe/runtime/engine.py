@@ -311,6 +311,8 @@ class RankRunner:
         self._updates.allreduce(a, self.schedule, self.module, self.buckets)
 
     def _step(self, a: Action) -> None:
+        if self.two_bw is not None:  # the next minibatch runs on the live weights: older go
+            self.module.note_version(self.module.version)
         self._updates.step(a, self.schedule, self.first_microbatch, self.module, self.comm)
 
     # ---- loop ----------------------------------------------------------------

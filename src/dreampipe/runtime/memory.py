@@ -26,6 +26,7 @@ from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
+from dreampipe.scheduling.weight_versions import peak_versions
 
 __all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "counted_twice",
            "optimizer_copies", "predict_memory"]
@@ -119,7 +120,9 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the stage
     reaches: the microbatches in flight, the weight versions they pin (one per microbatch in flight
     under PipeDream with stashing, plus the ``s`` updates stage ``s`` may be ahead with vertical
-    sync; else one) and the sent tensors it keeps (all of a run's sends up to ``SENDS_KEPT``), and
+    sync; else those its microbatches run on beside the live ones, two under 2bw,
+    :mod:`~dreampipe.scheduling.weight_versions`) and the sent tensors it keeps (all of a
+    run's sends up to ``SENDS_KEPT``), and
     with staleness compensation :data:`PREDICTION_COPIES` more on a stage that predicts its weights
     (Adam's); a recomputing stage keeps its microbatches' inputs only. A stage split over ``t``
     workers holds its share of each layer
@@ -146,9 +149,11 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
               if opts.compensate and opts.stash and not schedule.kind.synchronous
               else (0,) * plan.num_stages)
     hyper = Hyper(0.0, opts.momentum, adaptive=opts.optimizer is OptimizerKind.ADAM)
+    held = [max((peak_versions(acts, schedule.kind, schedule.microbatches_per_update)
+                 for acts in ranks.get(s, ())), default=1) for s in range(plan.num_stages)]
     out = []
     for s, st in enumerate(plan.stages):
-        versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else 1
+        versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else held[s]
         versions += PREDICTION_COPIES if predicts(hyper, delays[s]) else 0
         if st.tensor_parallel > 1:
             need = split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,

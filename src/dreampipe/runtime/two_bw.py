@@ -18,6 +18,7 @@ import math
 from dreampipe.errors import ScheduleError
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
+from dreampipe.scheduling.weight_versions import runs_on
 
 __all__ = ["TwoVersions", "check_two_versions", "fewest_microbatches"]
 
@@ -41,7 +42,8 @@ class TwoVersions:
         version now (its updates so far), the base at the segment's first forward."""
         if self._base is None:
             self._base = current
-        return self._base + max(microbatch // self.microbatches_per_update - 1, 0)
+        return self._base + runs_on(ScheduleKind.TWO_BW, microbatch,
+                                    self.microbatches_per_update, current)
 
 
 def _runs_on_two_versions(schedule: Schedule) -> bool:

@@ -31,6 +31,7 @@ from dreampipe.planning.config_string import config_string
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.stepping import Span, Stepper
+from dreampipe.scheduling.weight_versions import runs_on
 from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_from_profile
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
@@ -181,7 +182,8 @@ class _Run(Stepper):
         held = action.microbatch * len(c.forward_s) + st
         if k is _F:
             dur = self._jittered(c.forward_s[st])
-            mem.forward(held)
+            mem.forward(held, runs_on(self.schedule.kind, action.microbatch,
+                                      self.schedule.microbatches_per_update, mem.version))
         elif k is _B:
             dur = self._jittered(self.input_grad_s[st] if self.split else c.backward_s[st])
             self.last_b_start[rank] = clock
@@ -292,9 +294,11 @@ class _Memory:
         self.peak_versions = 1
         self.samples: set[tuple[int, int, bool]] = {(1, 0, self.sharded)}
 
-    def forward(self, microbatch: int) -> None:
-        self.microbatch_version[microbatch] = self.version
-        self.counts[self.version] += 1
+    def forward(self, microbatch: int, version: int) -> None:
+        """A forward that runs on ``version`` (:func:`~dreampipe.scheduling.weight_versions.
+        runs_on`) pins it until its backward."""
+        self.microbatch_version[microbatch] = version
+        self.counts[version] += 1
         self._sample()
 
     def backward(self, microbatch: int) -> None:
