@@ -32,6 +32,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.memory import TrainingChoices, counted_twice, predict_memory
 from dreampipe.runtime.memory_meter import MemoryUse, Meter, current_meter, start_measuring
+from dreampipe.runtime.optimizer_step import StepBytes, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Schedule
@@ -66,9 +67,11 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
     hold: its state tensors counted in copies of what it steps (the weights, their
     32-bit masters, or this replica's chunks under ZeRO)."""
     state = weights = 0
+    step = StepBytes()
     for m in modules:
         if m.optimizer is None:
             continue
+        step = _step_bytes(m.optimizer)
         weights += sum(p.numel() * p.element_size()  # a chunk may view a whole weight
                        for g in m.optimizer.param_groups for p in g["params"])
         state += sum(v.numel() * v.element_size() for per in m.optimizer.state.values()
@@ -77,7 +80,17 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
                            vertical_sync=config.vertical_sync, compensate=config.compensate,
                            precision=config.number_formats,
                            recompute_blocks=config.recompute_blocks, zero=config.zero,
-                           state_copies=round(state / weights) if weights else 0)
+                           state_copies=round(state / weights) if weights else 0,
+                           step_bytes=step)
+
+
+def _step_bytes(optimizer: torch.optim.Optimizer) -> StepBytes:
+    """The step temporaries of ``optimizer``'s kind and settings, stepped on the device of
+    its parameters (:func:`~dreampipe.runtime.optimizer_step.measure_step_bytes`)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    device = params[0].device if params else torch.device("cpu")
+    kind, settings = type(optimizer), dict(optimizer.defaults)
+    return measure_step_bytes(lambda ps: kind(ps, **settings), device)
 
 
 def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Schedule,

@@ -31,6 +31,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.memory import TrainingChoices
+from dreampipe.runtime.optimizer_step import measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
@@ -79,12 +80,15 @@ class TrainOptions:
         """Whether each rank measures its peak memory (the config's ``measure_memory``)."""
         return self.config.measure_memory
 
-    def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
-        """What each stage calls with its own parameters to build its optimizer."""
+    def optimizer_factory(self, foreach: bool | None = None
+                          ) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        """What each stage calls with its own parameters to build its optimizer
+        (``foreach``: PyTorch's multi-tensor form; None: its default for the device)."""
         def build(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             if self.optimizer is OptimizerKind.ADAM:
-                return torch.optim.Adam(params, lr=self.lr)
-            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum)
+                return torch.optim.Adam(params, lr=self.lr, foreach=foreach)
+            return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                                   foreach=foreach)
 
         return build
 
@@ -96,7 +100,10 @@ class TrainOptions:
                                precision=self.config.number_formats,
                                recompute_blocks=self.config.recompute_blocks,
                                zero=self.config.zero,
-                               block=self._block())
+                               block=self._block(),
+                               # on the CPU, in the form the ranks' device defaults to
+                               step_bytes=measure_step_bytes(self.optimizer_factory(
+                                   foreach=True if torch.cuda.is_available() else None)))
 
     def _block(self) -> str | None:
         """The model's block class, where its blocks are recomputed (its layers on meta)."""

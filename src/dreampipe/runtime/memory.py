@@ -21,12 +21,13 @@ from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import BUCKET_CAP_MB, round_ends
+from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
-from dreampipe.scheduling.weight_versions import peak_versions
+from dreampipe.scheduling.weight_versions import peak_in_flight, peak_versions, release_kind
 
 __all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "counted_twice",
            "optimizer_copies", "predict_memory"]
@@ -53,6 +54,7 @@ class TrainingChoices:
     block: str | None = None  # the block class's name (the profile's layer description)
     zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
     state_copies: int | None = None  # the optimizer's, counted (None: from its kind)
+    step_bytes: StepBytes = NO_STEP_BYTES  # its step's temporaries (:mod:`.optimizer_step`)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -172,10 +174,20 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                        if walked else (0, 0))
         # all-reduce buckets (:mod:`.buckets`): flat copies of the gradients
         buckets = weights if st.replicas > 1 and level < 2 else 0
-        out.append(costs.memory(st.first, st.last, versions, flight[s],
-                                optimizer_copies=optimizer_copies(opts), stash=opts.stash,
-                                sends_kept=min(sends[s], SENDS_KEPT),
-                                recompute=st.recompute) - saved
+        at_once = costs.memory(st.first, st.last, versions, flight[s],
+                               optimizer_copies=optimizer_copies(opts), stash=opts.stash,
+                               sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute)
+        # the step's temporaries, beside the microbatches still in flight at a step: none
+        # after a flush, all but the one just done under an asynchronous schedule
+        stepping = costs.memory(
+            st.first, st.last, versions, 0 if schedule.kind.synchronous else
+            max(flight[s] - 1, 0), optimizer_copies=optimizer_copies(opts), stash=opts.stash,
+            sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute,
+        ) - int(costs.backward_working[st.first, st.last])
+        step = stage_step_bytes(opts.step_bytes, sizes,
+                                master_weights=opts.precision.master_weights,
+                                shards=st.replicas if level >= 1 else 1)
+        out.append(at_once - saved + max(0, round(step) - max(0, at_once - saved - stepping))
                    + (0 if walked else buckets)
                    - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
                    + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
@@ -211,7 +223,7 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
             each[s] = float(costs.cut_bytes[st.first]) + own
             work[s] = float(costs.backward_working[st.first, st.last]) + (
                 0.0 if walked else float(costs.cut_bytes[st.first]) + kept)
-        release, held, joint = _release(actions), dict.fromkeys(mine, 0), 0.0
+        release, held, joint = release_kind(actions), dict.fromkeys(mine, 0), 0.0
         for a in actions:
             held[a.stage] += a.kind in (ActionKind.FORWARD, ActionKind.OVERLAP)
             if a.kind is release:
@@ -298,7 +310,7 @@ def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
     flat copies, made as the last gradients are, once that microbatch's tensors are
     freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`).
     Negative where the buckets raise the peak beyond the formula's."""
-    release = _release(actions)
+    release = release_kind(actions)
     holds = release is ActionKind.WEIGHT and stage > 0
     ends = round_ends(actions) if buckets else frozenset()
     flight = most_flight = peak = 0
@@ -327,7 +339,7 @@ def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) ->
     tensors (and input) of those in flight and what ``B`` recorded for those waiting
     (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
     most."""
-    if _release(actions) is not ActionKind.WEIGHT:
+    if release_kind(actions) is not ActionKind.WEIGHT:
         return 0
     layers = graph.layers[st.first : st.last + 1]
     kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
@@ -338,14 +350,6 @@ def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) ->
         waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
         most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
     return max(0, most - kept * top)
-
-
-def _release(actions: tuple[Action, ...]) -> ActionKind:
-    """The action that frees a microbatch's kept tensors on a rank: its ``W`` where the
-    rank splits the backward (``B`` keeps the graph for it,
-    :mod:`~dreampipe.runtime.split_backward`), else its backward."""
-    return ActionKind.WEIGHT if any(a.kind is ActionKind.WEIGHT for a in actions) \
-        else ActionKind.BACKWARD
 
 
 def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
@@ -363,22 +367,8 @@ def _flight(schedule: Schedule, stages: int) -> list[int]:
     """Each stage's most microbatches in flight on any of its ranks."""
     flight = [0] * stages
     for stage, actions in _by_stage(schedule):
-        flight[stage] = max(flight[stage], _peak_in_flight(actions))
+        flight[stage] = max(flight[stage], peak_in_flight(actions))
     return flight
-
-
-def _peak_in_flight(actions: tuple[Action, ...]) -> int:
-    """The most microbatches whose forward ran and whose kept tensors are not freed yet
-    (:func:`_release`), along one rank's actions."""
-    release = _release(actions)
-    now = peak = 0
-    for a in actions:
-        if a.kind is ActionKind.FORWARD:
-            now += 1
-            peak = max(peak, now)
-        elif a.kind is release:
-            now -= 1
-    return peak
 
 
 def check_memory(plan: Plan, predicted: tuple[int, ...], limit: int | None) -> None:

@@ -1,4 +1,4 @@
-"""Which weight version a forward runs on, and how many versions a rank holds at once.
+"""What one rank's actions hold at once: its microbatches in flight and weight versions.
 
 A version is the weights after some number of a stage's updates, counted from the
 schedule's start. PipeDream-2BW runs every microbatch of minibatch ``k`` on the weights
@@ -6,18 +6,20 @@ of update ``k - 1`` (none for ``k = 0``), so once an update has run a rank holds
 version the next minibatch runs on beside the live weights the update changes: two
 copies, not one (Narayanan et al., ICML 2021). Every other schedule runs a forward on
 the live weights; PipeDream's stashing pins the version each microbatch in flight ran on.
-The runtime (:mod:`dreampipe.runtime.two_bw`), the simulator's memory and the memory
-prediction (:mod:`dreampipe.runtime.memory`) read the rule here.
+A microbatch is in flight from its forward to the action that frees what it keeps: its
+``W`` where the rank splits the backward (``B`` keeps the graph for it), else its
+backward. The runtime (:mod:`dreampipe.runtime.two_bw`), the simulator's memory and the
+memory prediction (:mod:`dreampipe.runtime.memory`) read the rules here.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
 
-__all__ = ["peak_versions", "runs_on"]
+__all__ = ["peak_in_flight", "peak_versions", "release_kind", "runs_on"]
 
 
 def runs_on(kind: ScheduleKind, microbatch: int, microbatches_per_update: int,
@@ -29,14 +31,33 @@ def runs_on(kind: ScheduleKind, microbatch: int, microbatches_per_update: int,
     return live
 
 
+def release_kind(actions: Sequence[Action]) -> ActionKind:
+    """The action that frees a microbatch's kept tensors on a rank (module doc)."""
+    return ActionKind.WEIGHT if any(a.kind is ActionKind.WEIGHT for a in actions) \
+        else ActionKind.BACKWARD
+
+
+def peak_in_flight(actions: Sequence[Action]) -> int:
+    """The most microbatches whose forward ran and whose kept tensors are not freed yet,
+    along one rank's ``actions``."""
+    release = release_kind(actions)
+    now = peak = 0
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            now += 1
+            peak = max(peak, now)
+        elif a.kind is release:
+            now -= 1
+    return peak
+
+
 def peak_versions(actions: Iterable[Action], kind: ScheduleKind,
                   microbatches_per_update: int) -> int:
     """The most weight versions one stage's ``actions`` (one rank's) hold at once: those
     its microbatches in flight run on (until their backward, or ``W`` where the backward
     is split) and the live one."""
     acts = tuple(actions)
-    release = ActionKind.WEIGHT if any(a.kind is ActionKind.WEIGHT for a in acts) \
-        else ActionKind.BACKWARD
+    release = release_kind(acts)
     live, peak = 0, 1
     pinned: Counter[int] = Counter()
     of: dict[int, int] = {}
