@@ -208,3 +208,15 @@ def test_weight_gradient_time_round_trips_and_defaults_to_half() -> None:
     assert plain.weight_grad_share == 0.5
     with pytest.raises(ProfileError, match=r"weight_grad_ms=4\.0 above backward_ms=3\.0"):
         Layer("fc", 1.0, 3.0, 8, 8, weight_grad_ms=4.0)
+
+
+def test_a_layers_largest_parameter_round_trips_and_defaults_to_the_layer() -> None:
+    """What a step or a gradient cast holds a parameter at a time: measured, else the whole
+    layer's bytes, and never more than them."""
+    measured = Layer("block", 1.0, 2.0, 8, 1000, largest_parameter_bytes=400)
+    unknown = Layer("fc", 1.0, 2.0, 8, 1000)
+    graph = LayerGraph.chain([measured, unknown])
+    assert LayerGraph.from_json(graph.to_json()).layers == (measured, unknown)
+    assert "largest_parameter_bytes" not in json.loads(graph.to_json())["layers"][1]
+    assert (measured.largest_parameter, unknown.largest_parameter) == (400, 1000)
+    assert Layer("x", 1.0, 2.0, 8, 100, largest_parameter_bytes=400).largest_parameter == 100

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ProfileError
 from dreampipe.models import get_model
+from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.profiler import profile_model, profile_spec
 
 F = nn.functional
@@ -87,7 +88,11 @@ def test_sequential_profile() -> None:
         assert layer.backward_ms > 0
         assert layer.activation_bytes == _nbytes(out)
         assert layer.parameter_bytes == sum(_nbytes(p) for p in child.parameters())
+        assert layer.largest_parameter_bytes == max(
+            (_nbytes(p) for p in child.parameters()), default=0)
+        assert layer.largest_parameter == layer.largest_parameter_bytes
     assert calls == [(i, 4) for i in range(1, 5)]  # warmup + repeats passes
+    assert LayerGraph.from_json(graph.to_json()) == graph
 
 
 def test_a_minimum_time_times_more_passes_until_it_is_reached() -> None:
@@ -175,6 +180,7 @@ def test_shared_module_parameters_counted_once() -> None:
     assert [x.name for x in graph.layers] == ["a", "act", "b"]
     assert [x.parameter_bytes for x in graph.layers] == [_nbytes(shared.weight)
                                                          + _nbytes(shared.bias), 0, 0]
+    assert [x.largest_parameter_bytes for x in graph.layers] == [_nbytes(shared.weight), 0, 0]
 
 
 def test_first_layer_backward_without_parameters_is_zero() -> None:

@@ -81,5 +81,5 @@ def test_an_optimizer_that_cannot_step_the_probes_counts_nothing(
 def test_a_stage_steps_its_masters_and_its_shard() -> None:
     rule = StepBytes(largest=2.0, second=1.0)
     assert stage_step_bytes(rule, [400, 100, 300], master_weights=False) == 1100
-    assert stage_step_bytes(rule, [400, 100, 300], master_weights=True) == 2200
+    assert stage_step_bytes(rule, [400, 100, 300], master_weights=True) == 2200 + 1600
     assert stage_step_bytes(rule, [400, 100, 300], master_weights=False, shards=2) == 550

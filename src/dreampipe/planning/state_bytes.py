@@ -97,8 +97,10 @@ class Training:
         scale = self.param_bytes(profiled) / profiled
         if scale == 1:
             return graph
-        return replace(graph, layers=tuple(replace(x, parameter_bytes=round(
-            x.parameter_bytes * scale)) for x in graph.layers))
+        return replace(graph, layers=tuple(replace(
+            x, parameter_bytes=round(x.parameter_bytes * scale),
+            largest_parameter_bytes=None if x.largest_parameter_bytes is None
+            else round(x.largest_parameter_bytes * scale)) for x in graph.layers))
 
     def param_bytes(self, profiled: float) -> float:
         """Bytes a weight takes as trained; ``profiled``: as the profile counts it."""

@@ -24,7 +24,7 @@ FORMAT_VERSION = 1
 
 #: The figures a profile may leave out.
 _OPTIONAL = ("saved_bytes", "weight_grad_ms", "backward_bytes", "deferred_bytes",
-             "recorded_bytes", "library_bytes")
+             "recorded_bytes", "library_bytes", "largest_parameter_bytes")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ class Layer:
     tensors (its Linear outputs' gradients), and ``library_bytes`` what the compute
     library keeps for its kernels once it ran (:mod:`.layer_memory`); None where not
     measured, and then the backward counts ``stash_bytes``, the deferred, the recorded
-    and the library nothing.
+    and the library nothing. ``largest_parameter_bytes`` is the layer's largest parameter
+    (an optimizer's step and a weight's gradient come a parameter at a time); None where
+    not measured, and then :attr:`largest_parameter` is the whole layer's.
     """
 
     name: str
@@ -70,6 +72,7 @@ class Layer:
     deferred_bytes: int | None = None
     library_bytes: int | None = None
     recorded_bytes: int | None = None
+    largest_parameter_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
@@ -104,6 +107,14 @@ class Layer:
     def stash_bytes(self) -> int:
         """Bytes a minibatch in flight keeps of this layer: ``saved_bytes``, else the output."""
         return self.activation_bytes if self.saved_bytes is None else self.saved_bytes
+
+    @property
+    def largest_parameter(self) -> int:
+        """Bytes of the layer's largest parameter: measured, else the whole layer's (a
+        bound), at most the layer's."""
+        measured = self.largest_parameter_bytes
+        return self.parameter_bytes if measured is None else min(measured,
+                                                                 self.parameter_bytes)
 
     @property
     def working_bytes(self) -> int:

@@ -288,6 +288,8 @@ def _time_layers(
             backward_ms=backward_ms,
             weight_grad_ms=min(backward_ms, statistics.median(weight)),
             activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
+            largest_parameter_bytes=max((p.numel() * p.element_size() for p in params
+                                         if id(p) not in counted), default=0),
             parameter_bytes=new_parameter_bytes(params, counted),
             description=step.description,
         ))

@@ -184,10 +184,13 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             max(flight[s] - 1, 0), optimizer_copies=optimizer_copies(opts), stash=opts.stash,
             sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute,
         ) - int(costs.backward_working[st.first, st.last])
-        step = stage_step_bytes(opts.step_bytes, sizes,
+        step = stage_step_bytes(opts.step_bytes, _parameters(graph, st),
                                 master_weights=opts.precision.master_weights,
                                 shards=st.replicas if level >= 1 else 1)
         out.append(at_once - saved + max(0, round(step) - max(0, at_once - saved - stepping))
+                   + max(0, _cast_gradient(_parameters(graph, st, autocast=True),
+                                           opts.precision, schedule.round_microbatches(s))
+                         - int(costs.backward_working[st.first, st.last]))
                    + (0 if walked else buckets)
                    - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
                    + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
@@ -361,6 +364,30 @@ def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> 
     return max(round(split_cost(graph.layers[i], op_kind(graph.layers[i]), split,
                                 st.tensor_parallel).weight_bytes)
                for i, split in zip(range(st.first, st.last + 1), st.splits, strict=True))
+
+
+def _parameters(graph: LayerGraph, st: Stage, *, autocast: bool = False) -> list[int]:
+    """Parameter sizes of stage ``st`` as far as its profile knows them: each layer's
+    largest, and the rest of the layer as one more (a bound on its second largest); with
+    ``autocast``, those of layers autocast computes in 16 bits (not an ``Embedding``'s)."""
+    layers = [x for x in graph.layers[st.first : st.last + 1]
+              if not (autocast and x.description.startswith("Embedding"))]
+    return [b for x in layers for b in (x.largest_parameter,
+                                         x.parameter_bytes - x.largest_parameter) if b]
+
+
+def _cast_gradient(sizes: list[int], precision: Precision, microbatches: int) -> int:
+    """Under autocast a weight's gradient is made in the compute dtype and cast to its
+    32-bit parameter's before it joins the update's sum: the largest parameter's 16-bit
+    gradient beside the sum it becomes, where an update has one microbatch; its 32-bit
+    copy beside the sum, where it has more (docs/memory.md). It is made in the backward
+    of its layer, whose working set the stage counts already: the larger counts."""
+    cast = precision.autocast
+    if cast is None or not sizes:
+        return 0
+    if microbatches > 1:
+        return max(sizes)
+    return max(sizes) * cast.itemsize // precision.param_dtype.itemsize
 
 
 def _flight(schedule: Schedule, stages: int) -> list[int]:

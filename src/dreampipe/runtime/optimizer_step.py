@@ -48,13 +48,16 @@ class StepBytes:
 NO_STEP_BYTES = StepBytes()
 
 
-def stage_step_bytes(step: StepBytes, layer_bytes: list[int], *, master_weights: bool,
+def stage_step_bytes(step: StepBytes, parameter_bytes: list[int], *, master_weights: bool,
                      shards: int = 1) -> float:
-    """The temporaries of a stage's step over layers of ``layer_bytes``: each layer taken
-    as one parameter (a bound: a profile has no finer sizes), the 32-bit masters where
-    ``master_weights`` (twice the 16-bit weights), ``1 / shards`` of each under ZeRO."""
+    """The temporaries of a stage's step over parameters of ``parameter_bytes`` (as far as
+    its profile knows them), ``1 / shards`` of each under ZeRO; where ``master_weights``,
+    the optimizer's over the 32-bit masters (twice the 16-bit weights) and the 32-bit
+    copies of the gradients it steps them with
+    (:class:`~dreampipe.runtime.precision.MasterWeights`)."""
     scale = (2.0 if master_weights else 1.0) / shards
-    return step.of([round(b * scale) for b in layer_bytes])
+    masters = [round(b * scale) for b in parameter_bytes]
+    return step.of(masters) + (sum(masters) if master_weights else 0)
 
 
 def _temporaries(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
