@@ -421,6 +421,9 @@ def test_chunks_cover_each_parameter_once_and_scatter_rank_major() -> None:
             assert torch.equal(buf[k, off:off + n], other.shard(i, params[i].view(-1)))
     for k, i in enumerate(bucket.indices):
         assert torch.equal(lay.whole(i, buf.reshape(-1), bucket, k), params[i].view(-1))
+        dest = torch.full((params[i].numel(),), -1.0)  # written in place, row by row
+        lay.copy_whole(i, buf.reshape(-1), bucket, k, dest)
+        assert torch.equal(dest, params[i].view(-1))
 
 
 def test_the_memory_model_keeps_what_the_paper_says() -> None:

@@ -146,6 +146,17 @@ class _Layout:
         lie: a single parameter that splits evenly into the replicas' chunks."""
         return len(b.indices) == 1 and self.numel[b.indices[0]] == self.replicas * b.size
 
+    def copy_whole(self, i: int, out: Tensor, b: _Bucket, k: int, dest: Tensor) -> None:
+        """Write parameter ``i``'s full values from its bucket's gathered ``out`` into
+        ``dest`` (1-D), row by row of the replicas' chunks: no whole copy between."""
+        c, off, n = self.chunk[i], b.offsets[k], self.numel[i]
+        rows = out.view(self.replicas, b.size)[:, off:off + c]
+        full, rest = divmod(n, c) if c else (0, 0)
+        if full:
+            dest[:full * c].view(full, c).copy_(rows[:full])
+        if rest:
+            dest[full * c:].copy_(rows[full, :rest])
+
     def whole(self, i: int, out: Tensor, b: _Bucket, k: int) -> Tensor:
         """Parameter ``i``'s full values (1-D) from its bucket's gathered ``out``; ``k`` is
         its place in ``b``."""
@@ -296,7 +307,7 @@ class ZeroShards:
             return
         with torch.no_grad():
             for k, i in enumerate(b.indices):
-                self._params[i].view(-1).copy_(self.layout.whole(i, out, b, k))
+                self.layout.copy_whole(i, out, b, k, self._params[i].view(-1))
 
     def _waited(self, work: Any, action: Action) -> None:
         if self._wait is None:

@@ -121,9 +121,10 @@ class ZeroParams(ZeroShards):
         missing = [i for i in ix if not self._whole[i]]
         if self._pinned or not missing or not self.per_use:
             return
+        out, b = self._gather_out(missing)  # before the weights' storage: no copy beside both
         self.allocate(whole=True, only=missing)
-        for i, full in zip(missing, self._gather(missing), strict=True):
-            self._params[i].detach().view(-1).copy_(full)
+        for k, i in enumerate(missing):
+            self.layout.copy_whole(i, out, b, k, self._params[i].detach().view(-1))
 
     def _used(self, ix: Sequence[int]) -> None:
         """After a module's forward: its weights freed (not while pinned whole, nor in a
@@ -131,14 +132,20 @@ class ZeroParams(ZeroShards):
         if self.per_use and not (self._pinned or self._in_backward):
             self.allocate(whole=False, only=[i for i in ix if self._whole[i]])
 
-    def _gather(self, ix: Sequence[int]) -> list[Tensor]:
-        """Weights ``ix`` whole (1-D, fresh tensors) from every replica's chunks: one
-        all-gather (a collective over the replicas, which all make the same ones)."""
-        lay = self.layout
-        b = lay.unit(ix, self._params[ix[0]].dtype)
-        out, work = lay.gather(b, [self.masters[i].detach() for i in ix], self.group)
+    def _gather_out(self, ix: Sequence[int]) -> tuple[Tensor, Any]:
+        """Every replica's chunks of weights ``ix`` and their bucket: one all-gather (a
+        collective over the replicas, which all make the same ones), its send buffer
+        freed once done."""
+        b = self.layout.unit(ix, self._params[ix[0]].dtype)
+        out, work = self.layout.gather(b, [self.masters[i].detach() for i in ix], self.group)
         self._waited(work, Action(ActionKind.UNSHARD, self._stage, 0))
-        return [lay.whole(i, out, b, k) for k, i in enumerate(ix)]
+        del work
+        return out, b
+
+    def _gather(self, ix: Sequence[int]) -> list[Tensor]:
+        """Weights ``ix`` whole (1-D, fresh tensors) from every replica's chunks."""
+        out, b = self._gather_out(ix)
+        return [self.layout.whole(i, out, b, k) for k, i in enumerate(ix)]
 
     def _pack(self, t: Tensor) -> Any:
         """A tensor autograd saves: a view of a weight is kept as which one (gathered
