@@ -78,6 +78,24 @@ def _state_copies(opts: TrainingChoices) -> int:
     return 2 if opts.optimizer is OptimizerKind.ADAM else 1 if opts.momentum else 0
 
 
+def _zero_states(st: Stage, level: int, weights: int, opts: TrainingChoices, *,
+                 whole: bool = False) -> int:
+    """What stage ``st``'s ZeRO ``level`` shards away between computations: the
+    optimizer's state and master weights, from level 2 the gradients, at 3 the weights
+    unless ``whole`` (gathered for the update, not per use)
+    (:func:`~dreampipe.planning.state_bytes.zero_bytes`)."""
+    if level == 0 or st.replicas == 1:
+        return 0
+    if whole and level >= SHARDED_LEVEL:
+        return _zero_states(st, level, weights, opts) - weights
+
+    def held(at: int) -> float:
+        return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
+                          master_weights=opts.precision.master_weights).total
+
+    return round(held(0) - held(level))
+
+
 def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: TrainingChoices,
                 per_use: bool) -> int:
     """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
@@ -96,12 +114,7 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     :mod:`.zero_params`)."""
     if level == 0 or st.replicas == 1:
         return 0
-
-    def held(at: int) -> float:
-        return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
-                          master_weights=opts.precision.master_weights).total
-
-    saved = held(0) - held(level)
+    saved: float = _zero_states(st, level, weights, opts)
     if level >= 2:
         bucket = min(weights, largest, max(BUCKET_CAP_MB * 1e6, largest / 2))
         whole = (weights if weights <= BUCKET_CAP_MB * 1e6
@@ -177,28 +190,33 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         at_once = costs.memory(st.first, st.last, versions, flight[s],
                                optimizer_copies=optimizer_copies(opts), stash=opts.stash,
                                sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute)
-        # the step's temporaries, beside the microbatches still in flight at a step: none
-        # after a flush, all but the one just done under an asynchronous schedule
+        main = (at_once - saved + (0 if walked else buckets)
+                - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
+                + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
+                - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
+                                        gradients, buckets - _working(costs, st, flight[s],
+                                                                      saved, each), s)
+                       for acts in ranks[s]) if walked else 0)
+                + max(0, _cast_gradient(_parameters(graph, st, autocast=True), opts.precision,
+                                        schedule.round_microbatches(s))
+                      - int(costs.backward_working[st.first, st.last])))
+        # the step: weights, gradients, state and the microbatches still in flight (none
+        # after a flush, all but the one just done when asynchronous), no backward's working
+        # set; with its temporaries, the larger of the two peaks after a flush (the
+        # all-reduce's buckets gone), beside the other's activations when asynchronous
         stepping = costs.memory(
             st.first, st.last, versions, 0 if schedule.kind.synchronous else
             max(flight[s] - 1, 0), optimizer_copies=optimizer_copies(opts), stash=opts.stash,
             sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute,
         ) - int(costs.backward_working[st.first, st.last])
-        step = stage_step_bytes(opts.step_bytes, _parameters(graph, st),
-                                master_weights=opts.precision.master_weights,
-                                shards=st.replicas if level >= 1 else 1)
-        out.append(at_once - saved + max(0, round(step) - max(0, at_once - saved - stepping))
-                   + max(0, _cast_gradient(_parameters(graph, st, autocast=True),
-                                           opts.precision, schedule.round_microbatches(s))
-                         - int(costs.backward_working[st.first, st.last]))
-                   + (0 if walked else buckets)
-                   - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
-                   + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s])
-                      if s > 0 else 0)
-                   - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
-                                           gradients, buckets - _working(costs, st, flight[s],
-                                                                         saved, each), s)
-                          for acts in ranks[s]) if walked else 0))
+        step = round(stage_step_bytes(opts.step_bytes, _parameters(graph, st),
+                                      master_weights=opts.precision.master_weights,
+                                      shards=st.replicas if level >= 1 else 1))
+        if schedule.kind.synchronous:
+            out.append(max(main, stepping + step - _zero_states(
+                st, level, weights, opts, whole=not (per_use and not st.recompute))))
+        else:
+            out.append(main + max(0, step - max(0, at_once - saved - stepping)))
     return tuple(out)
 
 
