@@ -32,7 +32,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.memory import TrainingChoices, counted_twice, predict_memory
 from dreampipe.runtime.memory_meter import MemoryUse, Meter, current_meter, start_measuring
-from dreampipe.runtime.optimizer_step import StepBytes, measure_step_bytes
+from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.scheduling.actions import Schedule
@@ -67,11 +67,12 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
     hold: its state tensors counted in copies of what it steps (the weights, their
     32-bit masters, or this replica's chunks under ZeRO)."""
     state = weights = 0
-    step = StepBytes()
+    step = NO_STEP_BYTES
     for m in modules:
         if m.optimizer is None:
             continue
-        step = _step_bytes(m.optimizer)
+        if step is NO_STEP_BYTES:  # a rank's stages build theirs with one factory
+            step = _step_bytes(m.optimizer)
         weights += sum(p.numel() * p.element_size()  # a chunk may view a whole weight
                        for g in m.optimizer.param_groups for p in g["params"])
         state += sum(v.numel() * v.element_size() for per in m.optimizer.state.values()

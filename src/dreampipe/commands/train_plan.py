@@ -259,9 +259,10 @@ def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
     horizon = min(steps, SENDS_KEPT + 2 * fill)
     schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight,
                             virtual_stages=plan.virtual_stages)
-    check_memory(plan, predict_memory(graph, plan, schedule, opts.memory_choices()), limit)
-    return (predict_memory(graph, plan, schedule, opts.memory_choices(), library=False),
-            counted_twice(graph, plan, schedule, opts.memory_choices(), library=False))
+    choices = opts.memory_choices()  # once: it steps the optimizer on probes
+    check_memory(plan, predict_memory(graph, plan, schedule, choices), limit)
+    return (predict_memory(graph, plan, schedule, choices, library=False),
+            counted_twice(graph, plan, schedule, choices, library=False))
 
 
 def _quiet(_line: str) -> None:

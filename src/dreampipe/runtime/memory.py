@@ -9,6 +9,7 @@ docs/memory.md). :func:`check_memory` holds a plan to a memory limit.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -86,14 +87,13 @@ def _zero_states(st: Stage, level: int, weights: int, opts: TrainingChoices, *,
     (:func:`~dreampipe.planning.state_bytes.zero_bytes`)."""
     if level == 0 or st.replicas == 1:
         return 0
-    if whole and level >= SHARDED_LEVEL:
-        return _zero_states(st, level, weights, opts) - weights
 
     def held(at: int) -> float:
         return zero_bytes(at, st.replicas, weights, optimizer_copies=_state_copies(opts),
                           master_weights=opts.precision.master_weights).total
 
-    return round(held(0) - held(level))
+    gathered = weights if whole and level >= SHARDED_LEVEL else 0
+    return round(held(0) - held(level)) - gathered
 
 
 def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: TrainingChoices,
@@ -114,14 +114,13 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     :mod:`.zero_params`)."""
     if level == 0 or st.replicas == 1:
         return 0
-    saved: float = _zero_states(st, level, weights, opts)
+    saved: float = _zero_states(st, level, weights, opts,
+                                whole=not (per_use and not st.recompute))
     if level >= 2:
         bucket = min(weights, largest, max(BUCKET_CAP_MB * 1e6, largest / 2))
         whole = (weights if weights <= BUCKET_CAP_MB * 1e6
                  else min(weights, 2 * bucket) + bucket / st.replicas)
         saved -= whole + largest / 2
-    if level >= SHARDED_LEVEL and not (per_use and not st.recompute):
-        saved -= weights
     return round(saved)
 
 
@@ -187,9 +186,11 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                        if walked else (0, 0))
         # all-reduce buckets (:mod:`.buckets`): flat copies of the gradients
         buckets = weights if st.replicas > 1 and level < 2 else 0
-        at_once = costs.memory(st.first, st.last, versions, flight[s],
-                               optimizer_copies=optimizer_copies(opts), stash=opts.stash,
-                               sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute)
+        holding = functools.partial(  # the formula's bytes with so many in flight
+            costs.memory, st.first, st.last, versions, optimizer_copies=optimizer_copies(opts),
+            stash=opts.stash, sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute)
+        working = int(costs.backward_working[st.first, st.last])
+        at_once = holding(flight[s])
         main = (at_once - saved + (0 if walked else buckets)
                 - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
                 + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
@@ -199,16 +200,12 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                        for acts in ranks[s]) if walked else 0)
                 + max(0, _cast_gradient(_parameters(graph, st, autocast=True), opts.precision,
                                         schedule.round_microbatches(s))
-                      - int(costs.backward_working[st.first, st.last])))
+                      - working))
         # the step: weights, gradients, state and the microbatches still in flight (none
         # after a flush, all but the one just done when asynchronous), no backward's working
         # set; with its temporaries, the larger of the two peaks after a flush (the
         # all-reduce's buckets gone), beside the other's activations when asynchronous
-        stepping = costs.memory(
-            st.first, st.last, versions, 0 if schedule.kind.synchronous else
-            max(flight[s] - 1, 0), optimizer_copies=optimizer_copies(opts), stash=opts.stash,
-            sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute,
-        ) - int(costs.backward_working[st.first, st.last])
+        stepping = holding(0 if schedule.kind.synchronous else max(flight[s] - 1, 0)) - working
         step = round(stage_step_bytes(opts.step_bytes, _parameters(graph, st),
                                       master_weights=opts.precision.master_weights,
                                       shards=st.replicas if level >= 1 else 1))
