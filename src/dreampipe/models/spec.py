@@ -60,15 +60,10 @@ class ModelSpec:
                 layers[name] = factory()
         return nn.Sequential(layers)
 
-    def build_partly(self, first: int, last: int, seed: int = 0) -> nn.Sequential:
-        """The whole model with only layers ``first..last`` real (as :meth:`build` makes
-        them) and every other layer on the ``meta`` device: what one pipeline rank needs."""
-        return self.build_only(range(first, last + 1), seed)
-
     def build_only(self, real: Collection[int], seed: int = 0) -> nn.Sequential:
         """The whole model with only the layers ``real`` real (as :meth:`build` makes
-        them) and every other layer on the ``meta`` device: what a rank of several stages
-        (interleaving) needs, whose layers are far apart."""
+        them) and every other layer on the ``meta`` device: what one pipeline rank needs,
+        its stages' layers (far apart under interleaving)."""
         unknown = sorted(i for i in real if not 0 <= i < self.num_layers)
         if unknown:
             raise ValueError(
