@@ -36,7 +36,7 @@ from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import plan_sync
 from dreampipe.profiling.devices import A100_80GB
-from dreampipe.profiling.gpt_shapes import blocks_recomputed
+from dreampipe.profiling.gpt_shapes import ATTENTION_BYTES, OPERAND_BYTES, blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.simulation.sync_copy import simulate_copy
@@ -275,6 +275,16 @@ def findings(priced: Sequence[Priced]) -> list[str]:
     return out
 
 
+def _attention_waits(rate: float, head: int, seq: int = 2048) -> float:
+    """How many times its work's time attention's batched products take over heads
+    ``head`` wide at ``rate`` (:func:`~dreampipe.profiling.gpt_shapes.gpt_profile`'s
+    roofline: bytes per score and per head element against FLOPs per score)."""
+    work = 4 * seq * head / rate
+    moved = (ATTENTION_BYTES[0] * seq + 4 * OPERAND_BYTES * head) \
+        / A100_80GB.sustained_bandwidth(rate)
+    return max(1.0, moved / work)
+
+
 def render_section(priced: Sequence[Priced], own: Sequence[dict[str, Any]], rate: float,
                    limit_s: float, table_2: Sequence[Priced] = ()) -> str:
     misses = findings([*priced, *table_2]) or ["- none: every row is within 15%."]
@@ -318,13 +328,20 @@ bandwidth beside a fitted product rate: the framework's kernels fall short
 of both alike, and a full-bandwidth rule prices the small models' bytes, a
 fifth of the 1.7B row's update, too cheaply, so the fit pushes the products'
 rate down and every larger model (whose bytes weigh less) below its
-published figure. Everything
+published figure. A product waits on memory where its 16-bit operands take
+longer at that bandwidth than its work at that rate (the roofline): the
+weights' products never do here, attention's batched products always do, the
+more the narrower the heads ({_attention_waits(rate, 96):.2f} times their work's time over heads of
+96, the 1.7B row's; {_attention_waits(rate, 160):.2f} over 160, the 1008B row's). Priced as
+work alone, the narrow heads' wait would be fitted into the products' rate,
+slowing every wider model's products to match. Everything
 else is the cost model's: tensor collectives
 over NVSwitch (a recomputed forward's again), pipeline cuts, the bubble, the
 data-parallel all-reduce, recomputation, memory.
 "Megatron FLOPs at the fitted rate" is the share of the update the model's
 FLOPs take at that rate; "the rest" is what the bubble leaves: tensor
-collectives, cuts, the all-reduce's tail, the bytes moved.
+collectives, cuts, the all-reduce's tail, the bytes moved (products waiting on
+memory included).
 
 {render_tables(priced, own)}
 

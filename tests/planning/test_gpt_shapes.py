@@ -11,9 +11,11 @@ from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.gpt_shapes import (
+    ATTENTION_BYTES,
     GELU_BYTES,
     GPT3_1_3B,
     MEGATRON_8_3B,
+    OPERAND_BYTES,
     SCORE_BYTES,
     GptShape,
     gpt_profile,
@@ -39,9 +41,31 @@ def test_the_profile_holds_the_models_parameters_and_megatrons_activations(
     assert block[4].weight_grad_ms == pytest.approx(4 * block[2].weight_grad_ms)
     assert block[4].forward_ms - block[4].weight_grad_ms == pytest.approx(
         GELU_BYTES[0] * s * b * h * ms_per_byte)
+    # attention's batched products take the longer of their work and their bytes
+    scores, sbh = a * s * s * b, s * b * h
+    core = max(8 * s * sbh / 100e12 * 1e3,
+               (ATTENTION_BYTES[1] * scores + 8 * OPERAND_BYTES * sbh) * ms_per_byte)
     assert block[1].backward_ms - 2 * block[1].weight_grad_ms == pytest.approx(
-        SCORE_BYTES[1] * a * s * s * b * ms_per_byte)
+        SCORE_BYTES[1] * scores * ms_per_byte + core)
     assert block[2].forward_ms == pytest.approx(2 * s * b * h * h / 100e12 * 1e3)
+
+
+@pytest.mark.parametrize(("head_width", "bound_by_bytes"), [(64, True), (512, False)])
+def test_attentions_products_are_priced_by_the_roofline(head_width: int,
+                                                         bound_by_bytes: bool) -> None:
+    # 2 s^2 d flops a head against 2 s^2 bytes of scores written (and read): below the
+    # device's flops per byte (here 100e12 / 0.5e12 = 200) narrow heads wait on memory
+    s, b, a = 1024, 2, 8
+    h = a * head_width
+    graph = gpt_profile(GptShape("g", 1, h, a, s, 64, b), 100e12, memory_bandwidth=0.5e12)
+    attn_in = graph.layers[2]
+    work = 4 * s * s * b * h / 100e12 * 1e3
+    moved = (ATTENTION_BYTES[0] * a * s * s * b + 4 * OPERAND_BYTES * s * b * h) / 0.5e9
+    assert (moved > work) is bound_by_bytes
+    assert attn_in.forward_ms - attn_in.weight_grad_ms == pytest.approx(
+        max(work, moved) + SCORE_BYTES[0] * a * s * s * b / 0.5e9)
+    # the weights' products are bound by their work at these sizes, their gradient too
+    assert attn_in.weight_grad_ms == pytest.approx(2 * s * b * h * 3 * h / 100e12 * 1e3)
 
 
 def test_a_memory_bound_transformer_on_4x8_mixes_split_replicated_and_recomputing_stages(

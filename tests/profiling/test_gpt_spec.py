@@ -73,10 +73,13 @@ def test_the_device_times_the_layers() -> None:
     fc1 = graph.layers[5]
     assert fc1.name == "b0.fc1"
     # fc1 is a (s b, h) x (h, 4h) product: 2 s b h 4h flops at the A100's sustained share of
-    # the peak, and its bias-GELU's bytes at that share of the memory bandwidth; the
-    # product's backward is twice
-    product = 2 * s * b * h * 4 * h / (312e12 * A100_SUSTAINED_FRACTION) * 1e3
+    # the peak or its 16-bit operands at that share of the memory bandwidth, whichever is
+    # longer (here the bytes: a product this small is below the A100's flops per byte),
+    # and its bias-GELU's bytes; the product's backward is twice
     per_byte = 1e3 / (2039e9 * A100_SUSTAINED_FRACTION)
+    work = 2 * s * b * h * 4 * h / (312e12 * A100_SUSTAINED_FRACTION) * 1e3
+    product = 2 * (s * b * h + h * 4 * h + s * b * 4 * h) * per_byte
+    assert product > work
     assert fc1.weight_grad_ms == pytest.approx(product)
     assert fc1.forward_ms == pytest.approx(product + GELU_BYTES[0] * s * b * h * per_byte)
     assert fc1.backward_ms == pytest.approx(2 * product + GELU_BYTES[1] * s * b * h * per_byte)
@@ -85,11 +88,15 @@ def test_the_device_times_the_layers() -> None:
     assert ln1.forward_ms == pytest.approx(NORM_BYTES[0] * s * b * h * per_byte)
     # the same shape on a V100, at Megatron-LM's 39 of its 125 TFLOP/s; 16-bit weights halve
     v100 = load_graph(SMALL + ",batch=2,param_bytes=2", V100_32GB)
-    assert v100.layers[5].weight_grad_ms == pytest.approx(2 * s * b * h * 4 * h / 39e12 * 1e3)
+    operands = 2 * (s * b * h + h * 4 * h + s * b * 4 * h)
+    assert v100.layers[5].weight_grad_ms == pytest.approx(operands * 1e3 / (900e9 * 39 / 125))
     assert v100.layers[5].parameter_bytes == fc1.parameter_bytes // 2
     # a fitted rate replaces the device's share of both peaks
     fitted = gpt_spec_profile(parse_gpt_spec(SMALL + ",batch=2"), A100_80GB, flops=100e12)
-    assert fitted.layers[5].weight_grad_ms == pytest.approx(2 * s * b * h * 4 * h / 100e12 * 1e3)
+    assert fitted.layers[5].weight_grad_ms == pytest.approx(operands * 1e3 / (2039e9 * 100 / 312))
+    wide = gpt_spec_profile(parse_gpt_spec(SMALL + ",batch=64"), A100_80GB, flops=100e12)
+    assert wide.layers[5].weight_grad_ms == pytest.approx(  # 64 sequences: bound by the work
+        2 * s * 64 * h * 4 * h / 100e12 * 1e3)
     assert fitted.layers[1].forward_ms == pytest.approx(
         NORM_BYTES[0] * s * b * h * 1e3 / (2039e9 * 100 / 312))
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["GELU_BYTES", "GPT3_1_3B", "MEGATRON_8_3B", "NORM_BYTES", "SCORE_BYTES", "GptShape",
-           "block_index", "blocks_recomputed", "gpt_profile"]
+__all__ = ["ATTENTION_BYTES", "GELU_BYTES", "GPT3_1_3B", "MEGATRON_8_3B", "NORM_BYTES",
+           "OPERAND_BYTES", "SCORE_BYTES", "GptShape", "block_index", "blocks_recomputed",
+           "gpt_profile"]
 
 #: Bytes moved (forward, backward) per attention score: the fused scale-mask-softmax reads
 #: and writes it (2 + 2, 16-bit), the dropout reads it, writes it and its 1-byte mask; back,
@@ -32,6 +33,12 @@ GELU_BYTES = (16, 24)
 #: and residual in, output and 1-byte mask out; back: gradient and mask in, gradient out)
 #: and by the LayerNorm itself (in and out; back twice that).
 NORM_BYTES = (7 + 4, 5 + 8)
+#: Bytes of a matrix product's operand element: Megatron-LM multiplies in 16 bits.
+OPERAND_BYTES = 2
+#: Bytes moved per attention score by its batched products, 16-bit (forward: Q K^T writes
+#: it, the product with V reads it; backward: the probabilities' gradient is written, the
+#: probabilities read for V's gradient, the scores' gradient read for Q's and for K's).
+ATTENTION_BYTES = (4, 8)
 #: A block's layer, ``b<k>.<part>``.
 _BLOCK_LAYER = re.compile(r"b(\d+)\.")
 
@@ -83,8 +90,10 @@ MEGATRON_8_3B = GptShape("megatron-8.3b", 72, 3072, 32, 1024, 51200, 8)
 
 def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4,
                 memory_bandwidth: float = 900e9) -> LayerGraph:
-    """The profile of ``shape``: matrix products at ``flops_per_s`` sustained, each
-    backward twice its forward; what moves rather than multiplies at ``memory_bandwidth``
+    """The profile of ``shape``: matrix products at ``flops_per_s`` sustained, or at
+    ``memory_bandwidth`` for their 16-bit operands where those take longer (the roofline:
+    attention's batched products over narrow heads), each backward twice its forward;
+    what moves rather than multiplies at ``memory_bandwidth``
     bytes/s (Megatron-LM's fused kernels, Narayanan et al. 2021, §4.2): the embedding, each
     LayerNorm with the bias-dropout-add before it (:data:`NORM_BYTES`), the bias-GELU
     (:data:`GELU_BYTES`) and the softmax, mask and dropout over the ``a s^2 b`` attention
@@ -109,12 +118,19 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
     scores = a * s * s * b
     p = parameter_bytes
 
-    def dense(name: str, flops: float, out: int, weights: int, what: str, kept: int,
-              moved: tuple[float, float]) -> Layer:
-        ms = flops / flops_per_s * 1e3
+    def product(flops: float, operands: float) -> float:
+        """A product's milliseconds: its work at the product rate or its operands' bytes
+        at the memory rate, whichever takes longer (the roofline)."""
+        return max(flops / flops_per_s, operands / memory_bandwidth) * 1e3
+
+    def dense(name: str, features: tuple[int, int], out: int, weights: int, what: str,
+              kept: int, moved: tuple[float, float], core: tuple[float, float] = (0, 0)
+              ) -> Layer:
+        k, n = features  # a (s b, k) x (k, n) product; backward, dX and dW alike
+        ms = product(2 * s * b * k * n, OPERAND_BYTES * (s * b * k + k * n + s * b * n))
         forward, backward = (x / memory_bandwidth * 1e3 for x in moved)
-        return Layer(name, ms + forward, 2 * ms + backward, out, weights * p, what,
-                     saved_bytes=kept, weight_grad_ms=ms)
+        return Layer(name, ms + core[0] + forward, 2 * ms + core[1] + backward, out,
+                     weights * p, what, saved_bytes=kept, weight_grad_ms=ms)
 
     def moving(name: str, moved: tuple[float, float], out: int, weights: int,
                what: str) -> Layer:
@@ -125,25 +141,29 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
         return table[0] * unit, table[1] * unit
 
     norm = per(sbh, NORM_BYTES)
+    # attention's batched products, Q K^T and the scores times V: 2 s^2 (h / a) b flops a
+    # head each, reading and writing 16-bit scores and s b h-sized operands; back, four
+    attention = (product(4 * s * sbh, ATTENTION_BYTES[0] * scores + 4 * OPERAND_BYTES * sbh),
+                 product(8 * s * sbh, ATTENTION_BYTES[1] * scores + 8 * OPERAND_BYTES * sbh))
     layers = [moving("embed", (4 * sbh, 8 * sbh), 2 * sbh, v * h + s * h,
                      f"Embedding({v}, {h})")]
     for k in range(shape.layers):
         layers += [
             moving(f"b{k}.ln1", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
-            dense(f"b{k}.attn_in", 2 * 3 * sbh * h + 4 * s * sbh, 2 * sbh, 3 * h * h + 3 * h,
+            dense(f"b{k}.attn_in", (h, 3 * h), 2 * sbh, 3 * h * h + 3 * h,
                   f"Linear({h}, {3 * h}) + attention({a} heads)", 8 * sbh + 5 * scores,
-                  per(scores, SCORE_BYTES)),
-            dense(f"b{k}.attn_out", 2 * sbh * h, 2 * sbh, h * h + h, f"Linear({h}, {h})",
+                  per(scores, SCORE_BYTES), attention),
+            dense(f"b{k}.attn_out", (h, h), 2 * sbh, h * h + h, f"Linear({h}, {h})",
                   3 * sbh, (0.0, 0.0)),
             moving(f"b{k}.ln2", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
-            dense(f"b{k}.fc1", 2 * 4 * sbh * h, 8 * sbh, 4 * h * h + 4 * h,
+            dense(f"b{k}.fc1", (h, 4 * h), 8 * sbh, 4 * h * h + 4 * h,
                   f"Linear({h}, {4 * h}) + GELU()", 16 * sbh, per(sbh, GELU_BYTES)),
-            dense(f"b{k}.fc2", 2 * 4 * sbh * h, 2 * sbh, 4 * h * h + h,
+            dense(f"b{k}.fc2", (4 * h, h), 2 * sbh, 4 * h * h + h,
                   f"Linear({4 * h}, {h})", 3 * sbh, (0.0, 0.0)),
         ]
     layers += [
         moving("final_ln", norm, 2 * sbh, 2 * h, f"LayerNorm({h})"),
-        dense("head", 2 * sbh * v, 2 * s * b * v, h * v, f"Linear({h}, {v})", 2 * s * b * v,
+        dense("head", (h, v), 2 * s * b * v, h * v, f"Linear({h}, {v})", 2 * s * b * v,
               (0.0, 0.0)),
     ]
     return LayerGraph.chain(layers, batch_size=b, model=shape.name)
