@@ -17,7 +17,13 @@ from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.pricing import contiguous_cut_shares, cut_seconds, price_stages, slowest
-from dreampipe.planning.ranges import RANGES_GRID, RANGES_MAX_WORKERS, best_ranges, range_points
+from dreampipe.planning.ranges import (
+    RANGES_GRID,
+    RANGES_MAX_WORKERS,
+    best_ranges,
+    range_points,
+    ranges_layers,
+)
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
 from dreampipe.planning.topology import PRESETS, Level, Topology
 from dreampipe.profiling.bundled import bundled_profiles
@@ -159,10 +165,13 @@ def test_ranges_on_a_grid_equal_brute_force_on_it(
 
 def test_range_points() -> None:
     assert range_points(RANGES_MAX_WORKERS) == tuple(range(RANGES_MAX_WORKERS + 1))
-    # beyond, every boundary while the layers fit the budgets (AlexNet, VGG-16 on 64)
+    # beyond, every boundary while the layers fit the exact search's budgets (AlexNet,
+    # VGG-16 and GNMT on 128), and then every layer too
     assert range_points(64, 41) == tuple(range(65))
+    assert range_points(128, 48) == tuple(range(129))
+    assert ranges_layers(128, 48) == 48 and ranges_layers(128) < 48
     assert range_points(1024, 2) != tuple(range(1025))
-    for workers, layers in [(33, 0), (64, 200), (100, 50), (1024, 2)]:
+    for workers, layers in [(33, 0), (64, 300), (100, 80), (1024, 2)]:
         points = range_points(workers, layers)
         assert points[0] == 0 and points[-1] == workers
         assert len(points) - 1 <= RANGES_GRID

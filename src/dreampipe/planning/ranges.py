@@ -29,7 +29,7 @@ from dreampipe.planning.split_ranges import StageSplit, fits_servers
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "best_ranges", "range_points",
+__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "best_ranges", "exact_fits", "range_points",
            "ranges_layers"]
 
 IntArray = npt.NDArray[np.int64]
@@ -39,28 +39,45 @@ IntArray = npt.NDArray[np.int64]
 RANGES_MAX_WORKERS = 32
 #: Beyond :data:`RANGES_MAX_WORKERS`, the most ranges of the grid :func:`range_points` lays.
 RANGES_GRID = 16
-#: The most ``layers^2 x (ranges + 1)^3`` one search may take (it weighs about a sixth).
+#: The most ``layers^2 x (ranges + 1)^3`` a search on a grid, or on blocks of layers, may
+#: take (it weighs about a sixth).
 _CANDIDATES = 600_000_000
-#: The most ``layers x (ranges + 1)^3`` entries its cut table may hold (8 bytes each).
+#: The most a search on every layer and every worker boundary may take: it is exact, so it
+#: states no gap and may find a plan far from the grid's (a few seconds at the most).
+_EXACT_CANDIDATES = 5_000_000_000
+#: The most ``(ranges + 1)^3`` entries per level its table of cut shares may hold (8 bytes
+#: each).
 _CUT_ENTRIES = 32_000_000
 
 
-def range_points(workers: int, layers: int = 0) -> tuple[int, ...]:
-    """The worker boundaries a stage may start or end at: all of ``0..workers`` up to
-    :data:`RANGES_MAX_WORKERS` workers, or beyond when ``layers`` fit both budgets of a
-    search on every range (the search is then exact); else the multiples of the least
-    ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
+def exact_fits(layers: int, workers: int, runs: int = 1) -> bool:
+    """Whether a search of ``layers`` layers on every range of ``workers`` workers, run
+    ``runs`` times (under a memory limit, once per count of workers used), fits the
+    budgets: the grid's, or the exact search's (AlexNet, VGG-16 and GNMT on 128 workers
+    without a memory limit)."""
     every = (workers + 1) ** 3
-    if workers <= RANGES_MAX_WORKERS or (
-            layers > 0 and layers**2 * every <= _CANDIDATES and layers * every <= _CUT_ENTRIES):
+    work = layers**2 * every
+    return (layers > 0 and every <= _CUT_ENTRIES
+            and (work <= _CANDIDATES or work * runs <= _EXACT_CANDIDATES))
+
+
+def range_points(workers: int, layers: int = 0, runs: int = 1) -> tuple[int, ...]:
+    """The worker boundaries a stage may start or end at: all of ``0..workers`` up to
+    :data:`RANGES_MAX_WORKERS` workers, or beyond when ``layers`` fit a search on every
+    range (:func:`exact_fits`; the search is then exact); else the multiples of the least
+    ``g`` that leaves at most :data:`RANGES_GRID` ranges, and ``workers``."""
+    if workers <= RANGES_MAX_WORKERS or exact_fits(layers, workers, runs):
         return tuple(range(workers + 1))
     step = -(-workers // RANGES_GRID)
     return (*range(0, workers, step), workers)
 
 
-def ranges_layers(ranges: int) -> int:
+def ranges_layers(ranges: int, layers: int = 0, runs: int = 1) -> int:
     """The most layers :func:`best_ranges` searches on ``ranges`` ranges (workers, or grid
-    ranges) within its budget: 129 layers on 32, 349 on 16."""
+    ranges) within its budget: 129 layers on 32, 349 on 16; all ``layers`` where a search
+    of every layer on that many workers is exact (:func:`exact_fits`)."""
+    if exact_fits(layers, ranges, runs):
+        return layers
     return max(2, math.isqrt(_CANDIDATES // (ranges + 1) ** 3))
 
 
@@ -116,17 +133,35 @@ def _option(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray,
                    index, replicas)
 
 
-def _cut_times(prof: RangeCosts, topo: Topology, points: IntArray) -> FloatArray:
-    """``[a, b, c, t]``: the cut before layer ``t`` between the ranges ``[points[a],
-    points[b])`` and ``[points[b], points[c])``."""
-    k, n = len(points), prof.n
-    shares = contiguous_cut_shares(topo, points.tolist())  # [a, b, c, level]
-    out = np.zeros((k, k, k, n))
-    for x, level in enumerate(topo.levels):
-        phi = shares[..., x, None]
-        term = 2 * (level.latency + phi * prof.cut_bytes[None, None, None, :n] / level.bandwidth)
-        np.maximum(out, np.where(phi > 0, term, 0.0), out=out)
-    return out
+@dataclass(frozen=True)
+class _Cuts:
+    """The cuts between ranges: ``shares [a, b, c, level]`` of the pairs of workers of
+    ``[points[a], points[b])`` and ``[points[b], points[c])`` that meet at each level, and
+    per level its latency and seconds per cut byte; :meth:`at` prices a slice of them."""
+
+    shares: FloatArray
+    latency: tuple[float, ...]
+    per_byte: tuple[float, ...]
+    cut_bytes: FloatArray
+
+    @classmethod
+    def of(cls, prof: RangeCosts, topo: Topology, points: IntArray) -> _Cuts:
+        return cls(contiguous_cut_shares(topo, points.tolist()),
+                   tuple(lv.latency for lv in topo.levels),
+                   tuple(1.0 / lv.bandwidth for lv in topo.levels),
+                   np.asarray(prof.cut_bytes[:prof.n], dtype=np.float64))
+
+    def at(self, a: slice, b: int, c: slice, t: slice) -> FloatArray:
+        """``[a, c, t]``: the cut before layer ``t`` between ``[a, b)`` and ``[b, c)``,
+        its slowest level's ``2 (latency + share x bytes / bandwidth)``."""
+        phi = self.shares[a, b, c]
+        data = self.cut_bytes[t]
+        out = np.zeros((*phi.shape[:2], len(data)))
+        for x, (lat, per) in enumerate(zip(self.latency, self.per_byte, strict=True)):
+            share = phi[..., x, None]
+            term = 2 * (lat + share * data * per)
+            np.maximum(out, np.where(share > 0, term, 0.0), out=out)
+        return out
 
 
 def best_ranges(
@@ -157,7 +192,7 @@ def best_ranges(
     k = len(at) - 1
     options = [_option(prof, topo, sync, at, None)] + [
         _option(prof, topo, sync, at, x) for x in sorted(splits, key=lambda x: x.t)]
-    cut = _cut_times(prof, topo, at)
+    cut = _Cuts.of(prof, topo, at)
     if memory_bytes is None:
         return _placed(_best(options, cut, k if not allow_fewer else None, None), at)
     rooms = [_rooms(prof if o.split is None else o.split.costs, memory_bytes, recompute)
@@ -237,7 +272,7 @@ def _stage(options: Sequence[_Option], memory: Sequence[_Memory] | None, s: int 
 
 
 def _best(
-    options: Sequence[_Option], cut: FloatArray, end: int | None,
+    options: Sequence[_Option], cut: _Cuts, end: int | None,
     memory: Sequence[_Memory] | None,
 ) -> tuple[float, list[FlatStage]]:
     """:func:`best_ranges` over grid indices (stage workers ``range(s, e)`` of the grid),
@@ -260,7 +295,8 @@ def _best(
         for e in range(1, w if end is None else end):
             # candidates [s, t, f]: first stage i..t on [s, e), then the rest on [e, f), f > e
             first, _ = _stage(options, memory, slice(0, e), e, i, slice(i, n - 1))
-            link = cut[:e, e, e + 1:, i + 1:n].transpose(0, 2, 1)
+            link = cut.at(slice(0, e), e, slice(e + 1, None), slice(i + 1, n)
+                          ).transpose(0, 2, 1)
             rest = best[i + 1:n, e, e + 1:][None]
             cand = np.maximum(np.maximum(first[:, :, None], link), rest)
             flat = cand.transpose(0, 2, 1).reshape(e, -1)  # [s, (f, t)]: fewer workers first

@@ -129,9 +129,12 @@ def with_ranges(
         return stages, ()
     if opts.limited:
         return stages, (Heuristic.WHOLE_SERVERS,)
-    points = range_points(topology.num_workers, search.costs.n)
+    n = search.costs.n
+    # under a memory limit the program runs once per count of workers used
+    runs = topology.num_workers if opts.memory_bytes is not None and opts.allow_fewer else 1
+    points = range_points(topology.num_workers, n, runs)
     grid = len(points) < topology.num_workers + 1
-    layers = search.costs.n if exact else min(search.costs.n, ranges_layers(len(points) - 1))
+    layers = n if exact else min(n, ranges_layers(len(points) - 1, 0 if grid else n, runs))
     ranged_search = _blocks(search.fine, layers)
     coarse = ranged_search.coarse_splits(splits)
     found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,
