@@ -134,14 +134,16 @@ class _Slots:
         pick = np.zeros(self.last.shape, dtype=np.int64)
         for x in range(len(self.tables.options)):
             tau, tail = self._band(x, sl.blocks[c])
-            value = sl.factor * (tau + after)
-            ok = self.inside & (tail < tail_below)
+            value = tau + after
+            value *= sl.factor
+            ok = tail < tail_below
+            ok &= self.inside
             if self.memory is not None:
                 ok &= self._room(x) >= sl.in_flight[c]
-            value = np.where(ok, value, np.inf)
             better = value < best
-            best = np.where(better, value, best)
-            pick = np.where(better, x, pick)
+            better &= ok  # options in order win ties
+            best[better] = value[better]
+            pick[better] = x
         return best, pick
 
     def terms(self, c: int, chosen: Chosen) -> StageTerms:

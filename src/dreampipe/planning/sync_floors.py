@@ -26,7 +26,7 @@ __all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut", 
            "least_sum", "scaled_computes"]
 
 #: Bisection stops within this share of its upper end, and keeps the lower.
-_PRECISION = 1e-4
+_PRECISION = 1e-3
 
 
 def scaled_computes(whole: RangeCosts, splits: Iterable[StageSplit | None]
