@@ -17,7 +17,7 @@ from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
-from dreampipe.planning.sync import Sync, SyncKind
+from dreampipe.planning.sync import Sync, SyncKind, allreduce_terms
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 
@@ -86,3 +86,19 @@ def test_no_plan_beats_the_bound_and_a_rough_plan_is_within_its_gap(
     exact = limit is None or len(shape) < 2
     assert (best if exact else bound) * (1 - 1e-9) <= rough.time_per_minibatch_s
     assert rough.time_per_minibatch_s <= best * (1 + rough.optimality_gap) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("sync", [Sync(SyncKind.HIERARCHICAL), Sync(SyncKind.RING)])
+def test_a_split_stages_replicas_are_priced_one_server_each_at_most(sync: Sync) -> None:
+    # replicas of a split as wide as a server sit one to a server, so two of them meet only
+    # over the slow outer link; unsplit, two replicas may share a server's fast link
+    levels = (Level(4, 100e9, 1e-6), Level(8, 10e9, 1e-5))
+    topo = Topology(levels)
+    inside = bounds_module._cheapest_terms(topo, sync)
+    whole = bounds_module._cheapest_terms(topo, sync, width=4)
+    assert whole[1][2] == pytest.approx(allreduce_terms((1, 2), levels, sync, 2)[1])
+    assert whole[1][2] > 2 * inside[1][2]
+    # half a server: two replicas to a server, as unsplit workers may be
+    half = bounds_module._cheapest_terms(topo, sync, width=2)
+    assert half[1][2] == pytest.approx(inside[1][2])
+    assert whole[1][8] == pytest.approx(allreduce_terms((1, 8), levels, sync, 8)[1])

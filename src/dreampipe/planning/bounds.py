@@ -41,18 +41,22 @@ _ROOM_MAX = 16
 _PRECISION = 1e-3
 
 
-def _cheapest_terms(topo: Topology, sync: Sync, span: int | None = None
+def _cheapest_terms(topo: Topology, sync: Sync, span: int | None = None, width: int = 1
                     ) -> tuple[FloatArray, FloatArray]:
     """``(latency, per byte)`` of index ``r``: each at most its value on every layout of
     ``r' >= r`` replicas (0 for ``r <= 1``), so non-decreasing in ``r``; with ``span``,
-    only of replicas inside one level-``span`` unit and not one level-``span - 1`` unit.
+    only of replicas inside one level-``span`` unit and not one level-``span - 1`` unit;
+    with ``width`` ``t``, of replicas of ``t`` workers each inside one server.
 
     ``replica_groups`` of ``r`` workers has ``g_k <= count_k`` and ``prod(g) >= r``, and
-    ``span`` means ``g_k = 1`` above it and ``g_span >= 2`` (for ``span >= 1``), so the
-    least over those tuples is at most any real layout's; the hierarchical ring's terms
-    read ``g`` only, the others' ``r`` and the outermost level with ``g_k >= 2``.
+    ``span`` means ``g_k = 1`` above it and ``g_span >= 2`` (for ``span >= 1``); a
+    server holds at most ``count_0 // t`` replicas of ``t`` workers, so ``g_0`` is at most
+    that; the least over those tuples is at most any real layout's; the hierarchical
+    ring's terms read ``g`` only, the others' ``r`` and the outermost level with ``g_k >=
+    2``.
     """
     levels, counts = topo.levels, [lv.count for lv in topo.levels]
+    counts[0] = max(1, counts[0] // width)
     most = topo.num_workers
     lat, per = np.full(most + 1, np.inf), np.full(most + 1, np.inf)
     lat[:2] = per[:2] = 0.0
@@ -84,15 +88,16 @@ class _States:
     def __init__(self, topo: Topology, sync: Sync, widths: Sequence[int]) -> None:
         w = topo.num_workers
         self.sizes = [int(x) for x in np.cumprod([lv.count for lv in topo.levels])]
-        self.any_terms = _cheapest_terms(topo, sync)
+        #: per split width, the cheapest terms of its replicas at any span
+        self.any_terms = {t: _cheapest_terms(topo, sync, width=t) for t in widths if t > 1}
         self.span_terms = [_cheapest_terms(topo, sync, k) for k in range(len(topo.levels))]
         change = {1, *self.sizes, *(x + 1 for x in self.sizes)}
-        for lat, per in [self.any_terms, *self.span_terms]:
-            for t in widths:
-                r = np.arange(2, w // t + 1)
-                moved = (lat[r] != lat[r - 1]) | (per[r] != per[r - 1])
-                change.update((t * r[moved]).tolist())
-                change.add(t)
+        for (lat, per), t in [*((x, 1) for x in self.span_terms),
+                              *((x, t) for t, x in self.any_terms.items())]:
+            r = np.arange(2, w // t + 1)
+            moved = (lat[r] != lat[r - 1]) | (per[r] != per[r - 1])
+            change.update((t * r[moved]).tolist())
+            change.add(t)
         firsts: list[int] = []
         for x in sorted(c for c in change | set(range(1, _EXACT_WORKERS + 1)) if c <= w):
             if not firsts or x <= _EXACT_WORKERS or x >= firsts[-1] * _RATIO:
@@ -125,7 +130,7 @@ class _States:
             lat = np.array([self.span_terms[k][0][r] for k, r in zip(self.span, reps, strict=True)])
             per = np.array([self.span_terms[k][1][r] for k, r in zip(self.span, reps, strict=True)])
         else:
-            lat, per = self.any_terms[0][reps], self.any_terms[1][reps]
+            lat, per = self.any_terms[t][0][reps], self.any_terms[t][1][reps]
         end = costs.allreduce_ends(lat, per, overlap=overlap)
         end[reps <= 1] = 0.0
         c = costs.compute_s[None]
