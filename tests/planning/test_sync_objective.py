@@ -142,6 +142,14 @@ def _block_graphs(draw: st.DrawFn) -> LayerGraph:
        st.sampled_from([None, 10**8, 4 * 10**8]), st.sampled_from([1, 2]),
        st.sampled_from([0, 1, 2, 3]), st.sampled_from([None, 1, 2]),
        st.sampled_from([None, 2]), st.booleans())
+@example(LayerGraph.chain([  # the best plan has a larger pipeline term and smaller tails
+    Layer("embed", 0.1, 0.2, 10**6, 10**6, "Embedding"),
+    Layer("b0.attn", 1.0, 2.0, 10**6, 10**6, "Linear(1)"),
+    Layer("b0.mlp", 0.5, 1.0, 10**6, 10**6, "Linear(1)"),
+    Layer("b1.attn", 1.0, 2.0, 10**6, 10**7, "Linear(1)"),
+    Layer("b1.mlp", 1.0, 2.0, 10**6, 10**6, "Linear(1)"),
+    Layer("head", 1.0, 2.0, 10**6, 10**7, "Linear(2)")], batch_size=4, model="blocks"),
+    "4", 4, None, 2, 2, None, 2, False)
 def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
         graph: LayerGraph, shape: str, batch: int, memory: int | None, p: int, zero: int,
         blocks: int | None, v: int | None, whole: bool) -> None:

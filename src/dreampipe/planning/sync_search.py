@@ -271,8 +271,9 @@ class SyncSearch:
 
     def run(self, choice: _Choice, beat: float = math.inf) -> tuple[float, SyncPlan] | None:
         """The best plan of ``choice``, or None where none fits; exact where it is faster
-        than ``beat`` (stages whose floor is at least ``beat`` are left out), or where
-        :meth:`covers` says no stage was."""
+        than ``beat`` (stages whose floor is at least ``beat`` are left out, and the
+        tails stop narrowing there); a None is final where :meth:`covers` says no stage
+        was left out."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
@@ -290,8 +291,9 @@ class SyncSearch:
         return value, self._plan(c, sl, tables, value, terms, m)
 
     def covers(self, choice: _Choice, beat: float) -> bool:
-        """Whether :meth:`run` with ``beat`` reads every stage, so that what it finds is
-        ``choice``'s best plan whatever its time (None: none fits)."""
+        """Whether :meth:`run` with ``beat`` reads every stage, so that when it finds
+        nothing no plan of ``choice`` fits. (A plan it finds at ``beat`` or above may still
+        not be the best: the tails stop narrowing at ``beat``.)"""
         return self.opts.whole_blocks or self._band(choice, beat) >= self.inputs.costs.n
 
     def _band(self, c: _Choice, beat: float) -> int:
@@ -375,7 +377,7 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
         found = search.run(choice, beat)  # exact below beat; any plan it finds is a plan
         if found is not None and (best is None or found[0] < best[0]):
             best = found
-        settled = (found is not None and found[0] < beat) or search.covers(choice, beat)
+        settled = found[0] < beat if found is not None else search.covers(choice, beat)
         if not settled and (best is None or beat < best[0] * (1 - _MARGIN)):
             heapq.heappush(queue, (beat, 2, k, choice, family))  # none below beat
     if best is None:
