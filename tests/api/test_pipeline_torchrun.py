@@ -50,8 +50,11 @@ def test_user_script_with_1f1b_flush_equals_a_single_process_run(tmp_path: Path)
 
 @pytest.mark.timeout(120)
 def test_user_script_with_pipedream_and_an_auto_plan_learns(tmp_path: Path) -> None:
-    got = _torchrun("pipedream", tmp_path / "w.pt")
+    # the plan is measured, so its cuts, and the delays they give, vary from run to run;
+    # twice the steps of the equivalence test let any of them show that it learns
+    steps = 2 * us.STEPS
+    got = _torchrun("pipedream", tmp_path / "w.pt", "--steps", str(steps))
     losses = got["losses"]
-    assert isinstance(losses, list) and len(losses) == us.STEPS
+    assert isinstance(losses, list) and len(losses) == steps
     assert sum(losses[-3:]) < 0.9 * sum(losses[:3])
     assert sorted(torch.load(tmp_path / "w.pt")) == sorted(us.build_model().state_dict())

@@ -58,7 +58,8 @@ def main() -> None:
         plan=plan, config=dreampipe.TrainConfig(
             schedule=schedule, microbatches=1 if schedule == "pipedream" else MICRO),
     )
-    for x, y in batches(STEPS):
+    steps = int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else STEPS
+    for x, y in batches(steps):
         pipe.step(x, y)
     losses = pipe.finish()
     state = pipe.full_state_dict()
