@@ -36,7 +36,7 @@ from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import plan_sync
 from dreampipe.profiling.devices import A100_80GB
-from dreampipe.profiling.gpt_shapes import ATTENTION_BYTES, OPERAND_BYTES, blocks_recomputed
+from dreampipe.profiling.gpt_shapes import attention_products_ms, blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.simulation.sync_copy import simulate_copy
@@ -276,13 +276,10 @@ def findings(priced: Sequence[Priced]) -> list[str]:
 
 
 def _attention_waits(rate: float, head: int, seq: int = 2048) -> float:
-    """How many times its work's time attention's batched products take over heads
-    ``head`` wide at ``rate`` (:func:`~dreampipe.profiling.gpt_shapes.gpt_profile`'s
-    roofline: bytes per score and per head element against FLOPs per score)."""
-    work = 4 * seq * head / rate
-    moved = (ATTENTION_BYTES[0] * seq + 4 * OPERAND_BYTES * head) \
-        / A100_80GB.sustained_bandwidth(rate)
-    return max(1.0, moved / work)
+    """How many times its work's time attention's batched products take over one head
+    ``head`` wide at ``rate``, as the profile prices them (its roofline)."""
+    took, _ = attention_products_ms(seq, 1, head, 1, rate, A100_80GB.sustained_bandwidth(rate))
+    return took / (4 * seq * seq * head / rate * 1e3)
 
 
 def render_section(priced: Sequence[Priced], own: Sequence[dict[str, Any]], rate: float,

@@ -21,6 +21,7 @@ from dreampipe.planning.ranges import (
     RANGES_GRID,
     RANGES_MAX_WORKERS,
     best_ranges,
+    exact_fits,
     range_points,
     ranges_layers,
 )
@@ -169,7 +170,7 @@ def test_range_points() -> None:
     # VGG-16 and GNMT on 128), and then every layer too
     assert range_points(64, 41) == tuple(range(65))
     assert range_points(128, 48) == tuple(range(129))
-    assert ranges_layers(128, 48) == 48 and ranges_layers(128) < 48
+    assert exact_fits(48, 128) and ranges_layers(128) < 48
     assert range_points(1024, 2) != tuple(range(1025))
     for workers, layers in [(33, 0), (64, 300), (100, 80), (1024, 2)]:
         points = range_points(workers, layers)

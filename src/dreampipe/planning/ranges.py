@@ -72,12 +72,9 @@ def range_points(workers: int, layers: int = 0, runs: int = 1) -> tuple[int, ...
     return (*range(0, workers, step), workers)
 
 
-def ranges_layers(ranges: int, layers: int = 0, runs: int = 1) -> int:
+def ranges_layers(ranges: int) -> int:
     """The most layers :func:`best_ranges` searches on ``ranges`` ranges (workers, or grid
-    ranges) within its budget: 129 layers on 32, 349 on 16; all ``layers`` where a search
-    of every layer on that many workers is exact (:func:`exact_fits`)."""
-    if exact_fits(layers, ranges, runs):
-        return layers
+    ranges) within its budget: 129 layers on 32, 349 on 16."""
     return max(2, math.isqrt(_CANDIDATES // (ranges + 1) ** 3))
 
 

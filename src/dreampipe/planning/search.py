@@ -25,7 +25,7 @@ from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.dp import FlatStage, Options, best_plan
 from dreampipe.planning.plan import Heuristic, Stage
 from dreampipe.planning.pricing import price_stages, slowest
-from dreampipe.planning.ranges import best_ranges, range_points, ranges_layers
+from dreampipe.planning.ranges import best_ranges, exact_fits, range_points, ranges_layers
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.topology import Topology
 
@@ -134,7 +134,9 @@ def with_ranges(
     runs = topology.num_workers if opts.memory_bytes is not None and opts.allow_fewer else 1
     points = range_points(topology.num_workers, n, runs)
     grid = len(points) < topology.num_workers + 1
-    layers = n if exact else min(n, ranges_layers(len(points) - 1, 0 if grid else n, runs))
+    # every layer where the search is exact anyway (every range, within the exact budget)
+    every = exact or (not grid and exact_fits(n, topology.num_workers, runs))
+    layers = n if every else min(n, ranges_layers(len(points) - 1))
     ranged_search = _blocks(search.fine, layers)
     coarse = ranged_search.coarse_splits(splits)
     found = best_ranges(ranged_search.costs, topology, opts.sync, opts.allow_fewer,

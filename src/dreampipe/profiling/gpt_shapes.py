@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from dreampipe.profiling.graph import Layer, LayerGraph
 
 __all__ = ["ATTENTION_BYTES", "GELU_BYTES", "GPT3_1_3B", "MEGATRON_8_3B", "NORM_BYTES",
-           "OPERAND_BYTES", "SCORE_BYTES", "GptShape", "block_index", "blocks_recomputed",
-           "gpt_profile"]
+           "OPERAND_BYTES", "SCORE_BYTES", "GptShape", "attention_products_ms", "block_index",
+           "blocks_recomputed", "gpt_profile"]
 
 #: Bytes moved (forward, backward) per attention score: the fused scale-mask-softmax reads
 #: and writes it (2 + 2, 16-bit), the dropout reads it, writes it and its 1-byte mask; back,
@@ -119,9 +119,7 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
     p = parameter_bytes
 
     def product(flops: float, operands: float) -> float:
-        """A product's milliseconds: its work at the product rate or its operands' bytes
-        at the memory rate, whichever takes longer (the roofline)."""
-        return max(flops / flops_per_s, operands / memory_bandwidth) * 1e3
+        return _product_ms(flops, operands, flops_per_s, memory_bandwidth)
 
     def dense(name: str, features: tuple[int, int], out: int, weights: int, what: str,
               kept: int, moved: tuple[float, float], core: tuple[float, float] = (0, 0)
@@ -141,10 +139,7 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
         return table[0] * unit, table[1] * unit
 
     norm = per(sbh, NORM_BYTES)
-    # attention's batched products, Q K^T and the scores times V: 2 s^2 (h / a) b flops a
-    # head each, reading and writing 16-bit scores and s b h-sized operands; back, four
-    attention = (product(4 * s * sbh, ATTENTION_BYTES[0] * scores + 4 * OPERAND_BYTES * sbh),
-                 product(8 * s * sbh, ATTENTION_BYTES[1] * scores + 8 * OPERAND_BYTES * sbh))
+    attention = attention_products_ms(s, b, h, a, flops_per_s, memory_bandwidth)
     layers = [moving("embed", (4 * sbh, 8 * sbh), 2 * sbh, v * h + s * h,
                      f"Embedding({v}, {h})")]
     for k in range(shape.layers):
@@ -167,6 +162,26 @@ def gpt_profile(shape: GptShape, flops_per_s: float, *, parameter_bytes: int = 4
               (0.0, 0.0)),
     ]
     return LayerGraph.chain(layers, batch_size=b, model=shape.name)
+
+
+def attention_products_ms(seq: int, batch: int, hidden: int, heads: int, flops_per_s: float,
+                          memory_bandwidth: float) -> tuple[float, float]:
+    """Forward and backward milliseconds of attention's batched products, Q K^T and the
+    scores times V: ``2 s^2 (h / a) b`` FLOPs a head each, reading and writing 16-bit
+    scores (:data:`ATTENTION_BYTES`) and ``s b h``-sized operands; back, four such
+    products. Each at the roofline (:func:`gpt_profile`)."""
+    sbh, scores = seq * batch * hidden, heads * seq * seq * batch
+    return (_product_ms(4 * seq * sbh, ATTENTION_BYTES[0] * scores + 4 * OPERAND_BYTES * sbh,
+                        flops_per_s, memory_bandwidth),
+            _product_ms(8 * seq * sbh, ATTENTION_BYTES[1] * scores + 8 * OPERAND_BYTES * sbh,
+                        flops_per_s, memory_bandwidth))
+
+
+def _product_ms(flops: float, operands: float, flops_per_s: float,
+                memory_bandwidth: float) -> float:
+    """A product's milliseconds: its work at the product rate or its operands' bytes at
+    the memory rate, whichever takes longer (the roofline)."""
+    return max(flops / flops_per_s, operands / memory_bandwidth) * 1e3
 
 
 def block_index(name: str) -> int | None:
