@@ -97,7 +97,7 @@ def _zero_states(st: Stage, level: int, weights: int, opts: TrainingChoices, *,
 
 
 def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: TrainingChoices,
-                per_use: bool) -> int:
+                whole: bool) -> int:
     """What stage ``st``'s ZeRO ``level`` saves each replica at its peak
     (:func:`~dreampipe.planning.state_bytes.zero_bytes`): the optimizer's state and master
     weights sharded; from level 2 the gradients too, but for a microbatch's gradient
@@ -108,19 +108,18 @@ def _zero_saved(st: Stage, level: int, weights: int, largest: int, opts: Trainin
     or of one larger parameter, a layer's largest taken as half its bytes, at most the
     stage's largest layer, ``largest``); and one module's transient during the backward's
     peak rather than after it: the fresh gradient of its parameter going into its bucket,
-    or at level 3 its weights gathered ``per_use`` (half the largest layer's). At level 3
-    beside the chunks, unless gathered per use, the weights gathered for the update's
-    computations, or a recomputing stage's in its backward (all of them;
+    or at level 3 its weights gathered per use (half the largest layer's). At level 3
+    beside the chunks, where ``whole`` (not gathered per use), the weights gathered for
+    the update's computations, or a recomputing stage's in its backward (all of them;
     :mod:`.zero_params`)."""
     if level == 0 or st.replicas == 1:
         return 0
-    saved: float = _zero_states(st, level, weights, opts,
-                                whole=not (per_use and not st.recompute))
+    saved: float = _zero_states(st, level, weights, opts, whole=whole)
     if level >= 2:
         bucket = min(weights, largest, max(BUCKET_CAP_MB * 1e6, largest / 2))
-        whole = (weights if weights <= BUCKET_CAP_MB * 1e6
-                 else min(weights, 2 * bucket) + bucket / st.replicas)
-        saved -= whole + largest / 2
+        in_buckets = (weights if weights <= BUCKET_CAP_MB * 1e6
+                      else min(weights, 2 * bucket) + bucket / st.replicas)
+        saved -= in_buckets + largest / 2
     return round(saved)
 
 
@@ -178,7 +177,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
         weights, level = sum(sizes), plan.zero_levels(opts.zero)[s]
         walked = opts.stash and not st.recompute
-        per_use = pairs_per_use(schedule, s)
+        # ZeRO-3 gathers the weights whole for the update unless per use without recompute
+        whole = not (pairs_per_use(schedule, s) and not st.recompute)
         # the gradients made in an update's first backward and freed at its step: from
         # ZeRO-2 on, this replica's chunks (the buckets come and go in every backward)
         gradients = weights // st.replicas if level >= 2 else weights
@@ -192,7 +192,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         working = int(costs.backward_working[st.first, st.last])
         at_once = holding(flight[s])
         main = (at_once - saved + (0 if walked else buckets)
-                - _zero_saved(st, level, weights, max(sizes, default=0), opts, per_use)
+                - _zero_saved(st, level, weights, max(sizes, default=0), opts, whole)
                 + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
                 - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
                                         gradients, buckets - _working(costs, st, flight[s],
@@ -210,8 +210,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                                       master_weights=opts.precision.master_weights,
                                       shards=st.replicas if level >= 1 else 1))
         if schedule.kind.synchronous:
-            out.append(max(main, stepping + step - _zero_states(
-                st, level, weights, opts, whole=not (per_use and not st.recompute))))
+            out.append(max(main, stepping + step
+                           - _zero_states(st, level, weights, opts, whole=whole)))
         else:
             out.append(main + max(0, step - max(0, at_once - saved - stepping)))
     return tuple(out)
