@@ -56,6 +56,18 @@ def test_bandwidth_between() -> None:
     assert topo.bandwidth_between(15, 0) == 1e9
 
 
+def test_links_between_are_a_pairs_own_inside_a_server_and_its_servers_across() -> None:
+    topo = Topology((Level(4, 1e10), Level(2, 1e9), Level(2, 1e8)))  # 2 x 2 servers of 4
+    assert topo.links_between(1, 2) == ((0, 1, 2),)
+    assert topo.links_between(2, 1) == ((0, 2, 1),)
+    # servers 0 and 1 meet at level 1: server 0's link out, server 1's link in
+    assert topo.links_between(1, 6) == ((1, 0, 0), (1, 1, 1))
+    assert topo.links_between(3, 5) == topo.links_between(1, 6)
+    # level 2 joins pairs of servers: the units are the level-1 groups 0 and 1
+    assert topo.links_between(6, 9) == ((2, 0, 0), (2, 1, 1))
+    assert topo.links_between(9, 6) == ((2, 0, 1), (2, 1, 0))
+
+
 def test_flat_takes_the_slowest_link() -> None:
     flat = Topology.parse("cluster-a").flat()
     assert len(flat.levels) == 1 and flat.num_workers == 16

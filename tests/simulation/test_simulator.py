@@ -21,6 +21,7 @@ from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.validator import validate_schedule
+from dreampipe.simulation.action_costs import PlacedTopology
 from dreampipe.simulation.simulator import (
     SimCosts,
     costs_from_plan,
@@ -141,6 +142,36 @@ def test_topology_bandwidth_between_ranks() -> None:
     result = simulate_schedule(build_schedule([1] * 4, S.NAIVE, 1, 1), costs)
     hops = {e.rank: e.duration_s for e in result.events if e.kind is K.SEND_F}
     assert hops == pytest.approx({0: 0.1, 1: 10.0, 2: 0.1})
+
+
+def test_replicas_of_one_server_share_its_link_to_another() -> None:
+    # 2x2: two replicas on server 0 send to two on server 1; each transfer takes 1 s on
+    # the level's link. Across servers they share server 0's link out (one at a time);
+    # on one level of four workers each pair has its own link (side by side)
+    costs = dict(forward_s=(0.0, 0.0), backward_s=(0.0, 0.0), activation_bytes=(10.0,))
+    schedule = build_schedule([2, 2], S.GPIPE, 2, 2)
+    shared = simulate_schedule(schedule, SimCosts(**costs, bandwidth=Topology(
+        (Level(2, 1e9), Level(2, 10.0)))))
+    sends = sorted(x for e in shared.events if e.kind is K.SEND_F for x in (e.start_s, e.end_s))
+    assert sends == pytest.approx([0.0, 1.0, 1.0, 2.0])
+    apart = simulate_schedule(schedule, SimCosts(**costs, bandwidth=Topology((Level(4, 10.0),))))
+    sends = sorted(x for e in apart.events if e.kind is K.SEND_F for x in (e.start_s, e.end_s))
+    assert sends == pytest.approx([0.0, 0.0, 1.0, 1.0])
+
+
+def test_a_shared_link_serves_transfers_in_the_order_they_are_posted() -> None:
+    # 2x2, stages on workers 0, 2, 1, 3: the forwards of stages 0 and 2 both leave
+    # server 0. Stage 0 posts its third at 3 s, queued behind its first two (3 s each);
+    # stage 2 posts its first at 7 s, and waits for that third, not the other way round
+    topo = Topology((Level(2, 1e9), Level(2, 10.0)))
+    costs = SimCosts(forward_s=(1.0, 1.0, 1.0, 0.0), backward_s=(0.0,) * 4,
+                     activation_bytes=(30.0, 10.0, 10.0),
+                     bandwidth=PlacedTopology(topo, (0, 2, 1, 3)))
+    result = simulate_schedule(build_schedule([1] * 4, S.GPIPE, 3, 3), costs)
+    sends = {r: [x for e in result.events if e.kind is K.SEND_F and e.rank == r
+                 for x in (e.start_s, e.end_s)] for r in (0, 2)}
+    assert sends[0] == pytest.approx([1.0, 4.0, 4.0, 7.0, 7.0, 10.0])
+    assert sends[2][:2] == pytest.approx([10.0, 11.0])
 
 
 def test_allreduce_overlaps_the_backward_it_follows() -> None:

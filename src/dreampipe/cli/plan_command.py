@@ -74,6 +74,8 @@ _HEURISTICS = {
     Heuristic.LAYER_BLOCKS: "the layers were searched in blocks",
     Heuristic.WORKER_GRID: "stage ranges were searched on a grid of workers",
     Heuristic.WHOLE_SERVERS: "with --max-stages, outer stages were placed on whole servers",
+    Heuristic.SHARED_LINKS: "the search priced each cut on its own, and its plan's cuts "
+    "share a server's link",
 }
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
 

@@ -53,6 +53,8 @@ class Heuristic(Enum):
     LAYER_BLOCKS = "layer-blocks"  #: stages cut only between blocks of layers
     WORKER_GRID = "worker-grid"  #: stage ranges start and end only on a grid of workers
     WHOLE_SERVERS = "whole-servers"  #: with a stage cap, outer stages on whole servers only
+    #: the program's plan shares a server's link between cuts, priced after the search
+    SHARED_LINKS = "shared-links"
 
 
 @dataclass(frozen=True, kw_only=True)

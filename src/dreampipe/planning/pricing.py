@@ -16,18 +16,22 @@ hand, the baselines and the simulator's all-reduce all read the same terms
       4x4, stage A on workers {0, 1, 4, 5}, stage B on {2, 3, 6, 7}:
       A and B meet inside servers 0 and 1 (level 0, 2 copies):
       cut = 2 (alpha_0 + a / B_0) / 2
+
+  and at least the busiest server link it shares (:mod:`~dreampipe.planning.shared_links`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
 from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
 from dreampipe.planning.plan import Stage
+from dreampipe.planning.shared_links import shared_link_seconds
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
@@ -140,6 +144,7 @@ def price_stages(
     memory_bytes: int | None = None,
     recompute: Sequence[bool] = (),
     splits: Sequence[StageSplit | None] = (),
+    shared_links: bool = True,
 ) -> tuple[Stage, ...]:
     """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
 
@@ -153,7 +158,9 @@ def price_stages(
     consecutive workers of its placement, priced by the split's own table
     (:mod:`dreampipe.planning.split_ranges`): its replicas all-reduce among their
     first workers (``Stage.workers``), and its cuts are priced over all its workers,
-    which all hold its replicated input and output.
+    which all hold its replicated input and output. A cut is priced no faster than the
+    busiest server link it shares with other cuts (:mod:`~dreampipe.planning.shared_links`)
+    unless ``shared_links`` is off (the range program's own price of the plan).
     """
     how = tuple(splits) or (None,) * len(spans)
     widths = [1 if x is None else x.t for x in how]
@@ -189,7 +196,12 @@ def price_stages(
             splits=() if split is None else split.layers(first, last),
         ))
         rank += r
-    return tuple(stages)
+    if not shared_links:
+        return tuple(stages)
+    shared = shared_link_seconds([float(prof.cut_bytes[last + 1]) for _, last in spans[:-1]],
+                                 [st.workers for st in stages], topology)
+    return tuple(replace(st, comm_s=max(st.comm_s, shared[s])) if s < len(shared) else st
+                 for s, st in enumerate(stages))
 
 
 def slowest(stages: Sequence[Stage]) -> float:

@@ -122,6 +122,20 @@ class Topology:
                 return k
         return len(self.levels) - 1
 
+    def links_between(self, a: int, b: int) -> tuple[tuple[int, int, int], ...]:
+        """The links a transfer from worker ``a`` to worker ``b != a`` holds.
+
+        Inside a server (level 0) the pair's own directed link, ``(0, a, b)``.
+        Across an outer level ``k`` the sending unit's link out, ``(k, 0, unit)``,
+        and the receiving unit's link in, ``(k, 1, unit)``, which every transfer
+        of those units across level ``k`` shares (§3.1 of docs/design.md).
+        """
+        k = self.level_between(a, b)
+        if k == 0:
+            return ((0, a, b),)
+        size = math.prod(level.count for level in self.levels[:k])
+        return (k, 0, a // size), (k, 1, b // size)
+
     def flat(self) -> Topology:
         """One level of all workers at the slowest bandwidth and the largest latency."""
         bw = min(level.bandwidth for level in self.levels)

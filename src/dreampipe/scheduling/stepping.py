@@ -76,6 +76,11 @@ class Stepper:
         """A receive at ``clock`` whose ``transfer`` was posted; the clock after it."""
         return clock
 
+    def hold(self, rank: int, clock: float) -> bool:
+        """Whether ``rank`` stops before posting a send at ``clock`` (to be advanced
+        again later); never, by default."""
+        return False
+
     def allreduce(self, stage: int, members: Sequence[int]) -> Span:
         """Once per round, when the last replica joins: the all-reduce's span.
         ``self.clock[m]`` is each member's arrival."""
@@ -105,6 +110,8 @@ class Stepper:
             if k is _F or k is _B or k is _W or k is _STEP or k is _OVERLAP:
                 clock = compute(rank, a, clock)
             elif k is _SEND_F or k is _SEND_B:
+                if self.hold(rank, clock):
+                    break
                 key = a.transfer_key
                 assert key is not None
                 clock, posted[key] = send(rank, a, clock)

@@ -21,9 +21,18 @@ from dreampipe.profiling.graph import LayerGraph
 if TYPE_CHECKING:
     from dreampipe.planning.sync import Sync
 
-__all__ = ["Bandwidth", "SimCosts", "costs_from_plan", "costs_from_profile"]
+__all__ = ["Bandwidth", "PlacedTopology", "SimCosts", "costs_from_plan", "costs_from_profile"]
 
-Bandwidth = Topology | tuple[tuple[float, ...], ...] | float
+
+@dataclass(frozen=True)
+class PlacedTopology:
+    """A topology whose schedule rank ``r`` sits on worker ``workers[r]``."""
+
+    topology: Topology
+    workers: tuple[int, ...]
+
+
+Bandwidth = Topology | PlacedTopology | tuple[tuple[float, ...], ...] | float
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +46,12 @@ class SimCosts:
     its ``B``); empty: half of each backward, the split a profile without
     one is taken to have.
     ``bandwidth`` (bytes/s) between two ranks is a :class:`Topology` (rank i
-    is worker i), a rank-by-rank table, or one figure for every link
-    (``math.inf``: free communication). Empty per-stage tuples mean zeros.
+    is worker i), a :class:`PlacedTopology`, a rank-by-rank table, or one
+    figure for every link (``math.inf``: free communication). With a topology,
+    transfers across an outer level share their units' links
+    (:meth:`~dreampipe.planning.topology.Topology.links_between`); otherwise
+    each directed pair of ranks has a link of its own. Empty per-stage tuples
+    mean zeros.
     ``microbatch_fraction`` is the microbatch's share of a profiled minibatch; throughput
     is reported in profiled minibatches. ``send_overhead_s`` and
     ``send_copy_bandwidth`` give the sender's own time to post one message.
@@ -132,11 +145,23 @@ class SimCosts:
         return len(self.forward_s)
 
     def bandwidth_between(self, a: int, b: int) -> float:
-        if isinstance(self.bandwidth, Topology):
-            return self.bandwidth.bandwidth_between(a, b)
-        if isinstance(self.bandwidth, tuple):
-            return self.bandwidth[a][b]
-        return float(self.bandwidth)
+        links = self.bandwidth
+        if isinstance(links, PlacedTopology):
+            return links.topology.bandwidth_between(links.workers[a], links.workers[b])
+        if isinstance(links, Topology):
+            return links.bandwidth_between(a, b)
+        if isinstance(links, tuple):
+            return links[a][b]
+        return float(links)
+
+    def links_between(self, a: int, b: int) -> tuple[tuple[int, int, int], ...]:
+        """The links a transfer from rank ``a`` to rank ``b != a`` holds (class doc)."""
+        links = self.bandwidth
+        if isinstance(links, PlacedTopology):
+            return links.topology.links_between(links.workers[a], links.workers[b])
+        if isinstance(links, Topology):
+            return links.links_between(a, b)
+        return ((0, a, b),)
 
 
 def costs_from_profile(
@@ -254,14 +279,12 @@ def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float =
 
 
 def _links(plan: Plan, topology: Topology, ranks: int) -> Bandwidth:
-    """Bandwidth between the first ``ranks`` schedule ranks: the topology itself when rank
-    i sits on worker i, else a table through the plan's placement (a split rank at
+    """The links between the first ``ranks`` schedule ranks: the topology itself when rank
+    i sits on worker i, else the topology through the plan's placement (a split rank at
     the first of its workers)."""
     where = {r: w for s, st in enumerate(plan.stages)
              for r, w in zip(st.ranks, plan.stage_workers(s)[::st.tensor_parallel], strict=True)
              if r < ranks}
     if all(r == w for r, w in where.items()):
         return topology
-    n = len(where)
-    return tuple(tuple(topology.bandwidth_between(where[a], where[b]) for b in range(n))
-                 for a in range(n))
+    return PlacedTopology(topology, tuple(where[r] for r in range(len(where))))

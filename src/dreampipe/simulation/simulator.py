@@ -4,8 +4,10 @@ Each rank runs its action list in order, exactly as the runtime does, on the
 one stepping core the validator dry-runs
 (:class:`dreampipe.scheduling.stepping.Stepper`); this module only puts times
 on its steps. Compute occupies the rank for the stage's cost per microbatch; a
-``SEND`` holds its directed link for ``bytes / bandwidth`` while the sender
-computes on; a ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
+``SEND`` holds its links for ``bytes / bandwidth`` while the sender computes on
+(its directed link inside a server; across servers, its server's link out and
+the receiver's server's link in, which the servers' other transfers share); a
+``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
 ``allreduce_s`` later; a ZeRO-3 ``UNSHARD`` starts when the last replica joins and
 takes ``gather_s``. Each rank's peak memory is the planner's
@@ -19,6 +21,7 @@ after the other; a hand-off between two stages of one rank costs nothing.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import random
 from collections import Counter
@@ -33,6 +36,7 @@ from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.stepping import Span, Stepper
 from dreampipe.scheduling.weight_versions import runs_on
 from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_from_profile
+from dreampipe.simulation.link_calendar import LinkCalendar
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
@@ -126,7 +130,10 @@ class _Run(Stepper):
         self.last_b_start = [0.0] * ranks
         self.finished: list[float] = []
         self.events: list[Event] = []
-        self.link_free: dict[tuple[int, int], float] = {}
+        self.calendar = LinkCalendar()
+        self._queue: list[tuple[float, int]] = []
+        self._held = False
+        self.links: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
         self.bandwidth: dict[tuple[int, int], float] = {}
         self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
             a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
@@ -134,6 +141,26 @@ class _Run(Stepper):
         self.split = schedule.kind.splits_backward
         self.input_grad_s = tuple(b - w for b, w in zip(costs.backward_s, costs.weight_grad_s,
                                                           strict=True))
+
+    def run(self) -> list[int]:
+        """Step the ranks in time order where it matters: a rank posts a send only when
+        no rank that can move is earlier, so shared links are booked as time runs."""
+        self._queue = [(0.0, r) for r in range(self.schedule.num_ranks)]
+        while self._queue:
+            _, rank = heapq.heappop(self._queue)
+            woken: list[int] = []
+            self._held = False
+            self._advance(rank, woken)
+            if self._held:
+                heapq.heappush(self._queue, (self.clock[rank], rank))
+            for r in woken:
+                heapq.heappush(self._queue, (self.clock[r], r))
+        acts = self.schedule.actions
+        return [r for r, i in enumerate(self.position) if i < len(acts[r])]
+
+    def hold(self, rank: int, clock: float) -> bool:
+        self._held = bool(self._queue) and self._queue[0][0] < clock
+        return self._held
 
     def result(self) -> SimResult:
         s = self.schedule
@@ -212,9 +239,10 @@ class _Run(Stepper):
             return clock, (clock, clock)
         size = c.activation_bytes[st] if action.kind is _SEND_F else c.gradient_bytes[st - 1]
         clock += c.send_overhead_s + size / c.send_copy_bandwidth
-        start = max(clock, self.link_free.get((rank, dst), 0.0))
-        end = start + self._transfer_s(rank, dst, size)
-        self.link_free[(rank, dst)] = end
+        links = self.links.get((rank, dst))
+        if links is None:
+            links = self.links[(rank, dst)] = self.c.links_between(rank, dst)
+        start, end = self.calendar.transfer(links, clock, self._transfer_s(rank, dst, size))
         if self.record:
             self.events.append(Event(rank, st, action.kind, action.microbatch, start, end))
         return clock, (start, end)
