@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.plan import Plan
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.shared_links import shared_link_seconds
 from dreampipe.planning.sync import DEFAULT_SYNC
@@ -70,8 +71,17 @@ def test_three_cuts_through_one_server_are_priced_at_their_sum() -> None:
     alone = price_stages(prof, topo, spans, placed, DEFAULT_SYNC, shared_links=False)
     shared = price_stages(prof, topo, spans, placed, DEFAULT_SYNC)
     assert [s.comm_s for s in alone] == pytest.approx([2.0, 2.0, 2.0, 0.0])
-    assert [s.comm_s for s in shared] == pytest.approx([3.0, 3.0, 3.0, 0.0])
+    assert [s.shared_link_s for s in alone] == [0.0] * 4
+    # each cut keeps its own price, and is no faster than the link it shares
+    assert [s.comm_s for s in shared] == pytest.approx([2.0, 2.0, 2.0, 0.0])
+    assert [s.shared_link_s for s in shared] == pytest.approx([3.0, 3.0, 3.0, 0.0])
     assert slowest(shared) == pytest.approx(3.0)
-    # laid in order, each server link carries one cut's two directions at most: no change
+    plan = Plan(stages=shared, num_layers=4, time_per_minibatch_s=slowest(shared))
+    assert Plan.from_dict(plan.to_dict()) == plan
+    # laid in order, each server link carries one cut's two directions at most: the
+    # pipeline's time does not change
     in_order = price_stages(prof, topo, spans, [[0], [1], [2], [3]], DEFAULT_SYNC)
     assert [s.comm_s for s in in_order] == pytest.approx([2e-3, 2.0, 2e-3, 0.0])
+    assert [s.shared_link_s for s in in_order] == pytest.approx([0.0, 1.0, 0.0, 0.0])
+    assert slowest(in_order) == slowest(price_stages(prof, topo, spans, [[0], [1], [2], [3]],
+                                                     DEFAULT_SYNC, shared_links=False))

@@ -160,18 +160,25 @@ def test_replicas_of_one_server_share_its_link_to_another() -> None:
 
 
 def test_a_shared_link_serves_transfers_in_the_order_they_are_posted() -> None:
-    # 2x2, stages on workers 0, 2, 1, 3: the forwards of stages 0 and 2 both leave
-    # server 0. Stage 0 posts its third at 3 s, queued behind its first two (3 s each);
-    # stage 2 posts its first at 7 s, and waits for that third, not the other way round
+    # 2x2, stages on workers 0, 2, 1, 3: the forwards of stages 0 (1 s each, one every
+    # 2 s) and 2 (1.5 s each) both leave server 0. Stage 2 posts its first at 3 s, before
+    # stage 0 posts its second at 4 s, so it goes first; stage 0's second waits for it
     topo = Topology((Level(2, 1e9), Level(2, 10.0)))
-    costs = SimCosts(forward_s=(1.0, 1.0, 1.0, 0.0), backward_s=(0.0,) * 4,
-                     activation_bytes=(30.0, 10.0, 10.0),
+    costs = SimCosts(forward_s=(2.0, 0.0, 0.0, 0.0), backward_s=(0.0,) * 4,
+                     activation_bytes=(10.0, 0.0, 15.0),
                      bandwidth=PlacedTopology(topo, (0, 2, 1, 3)))
-    result = simulate_schedule(build_schedule([1] * 4, S.GPIPE, 3, 3), costs)
-    sends = {r: [x for e in result.events if e.kind is K.SEND_F and e.rank == r
-                 for x in (e.start_s, e.end_s)] for r in (0, 2)}
-    assert sends[0] == pytest.approx([1.0, 4.0, 4.0, 7.0, 7.0, 10.0])
-    assert sends[2][:2] == pytest.approx([10.0, 11.0])
+    result = simulate_schedule(build_schedule([1] * 4, S.GPIPE, 4, 4), costs)
+    sends = {r: [x for e in sorted(result.events, key=lambda e: e.start_s)
+                 if e.kind is K.SEND_F and e.rank == r for x in (e.start_s, e.end_s)]
+             for r in (0, 2)}
+    assert sends[2][:2] == pytest.approx([3.0, 4.5])
+    assert sends[0][:4] == pytest.approx([2.0, 3.0, 4.5, 5.5])
+    for link in (sends[0], sends[2]):
+        assert all(b >= a for a, b in itertools.pairwise(link))
+    merged = sorted(zip(sends[0][::2] + sends[2][::2], sends[0][1::2] + sends[2][1::2],
+                        strict=True))
+    for (_, end), (start, _) in itertools.pairwise(merged):
+        assert start >= end - 1e-12  # one at a time on server 0's link out
 
 
 def test_allreduce_overlaps_the_backward_it_follows() -> None:
@@ -275,6 +282,16 @@ def test_costs_from_plan_uses_the_plan_predictions() -> None:
     costs = costs_from_plan(plan, Topology.parse("2", bandwidths=["100B/s"]))
     assert costs.forward_s == pytest.approx((0.1, 0.1))
     assert costs.backward_s == pytest.approx((0.2, 0.2))
+    result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
+    assert result.makespan_s == pytest.approx(0.6 + 0.2)
+    # stages placed on workers 0 and 2 of 2x2: the cut's bytes and links are those
+    # between the two servers, not between ranks 0 and 1 (one server)
+    placed = Plan(stages=tuple(replace(st, workers=(w,)) for st, w in zip(stages, (0, 2),
+                                                                          strict=True)),
+                  num_layers=4)
+    costs = costs_from_plan(placed, Topology((Level(2, 1e6), Level(2, 100.0))))
+    assert costs.activation_bytes == pytest.approx((10.0,))
+    assert costs.links_between(0, 1) == ((1, 0, 0), (1, 1, 1))
     result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(0.6 + 0.2)
 

@@ -323,7 +323,8 @@ def format_plan(
                   else str(st.replicas)) + ("r" if st.recompute else "")
         lines.append(
             f"{s:>5} {f'{st.first}..{st.last}':>9}  {names:<56} {copies:>3} "
-            f"{st.compute_s * 1e3:>9.2f} {st.comm_s * 1e3:>8.2f} {st.allreduce_s * 1e3:>8.2f} "
+            f"{st.compute_s * 1e3:>9.2f} {max(st.comm_s, st.shared_link_s) * 1e3:>8.2f} "
+            f"{st.allreduce_s * 1e3:>8.2f} "
             f"{st.time_s * 1e3:>8.2f} {format_bytes(st.memory_bytes):>9}"
         )
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)

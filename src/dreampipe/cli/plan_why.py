@@ -2,9 +2,9 @@
 
 ``dreampipe plan`` prints one line per stage from the plan's own terms: the
 slowest of a stage's terms (its compute over its replicas, its round with
-the all-reduce, the cut after it) against the pipeline's time, what one
-replica fewer would take, and its memory per worker, with and without
-recomputation, against ``--memory``.
+the all-reduce, the cut after it, the server link that cut shares) against
+the pipeline's time, what one replica fewer would take, and its memory per
+worker, with and without recomputation, against ``--memory``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def _terms(stage: Stage) -> dict[str, float]:
         "compute": stage.compute_s / r,
         "all-reduce": (stage.forward_s + stage.allreduce_delay_s + stage.allreduce_s) / r,
         "cut": stage.comm_s,
+        "shared server link": stage.shared_link_s,
     }
 
 

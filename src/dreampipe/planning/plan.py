@@ -315,6 +315,7 @@ class Plan:
                     "in_flight": st.in_flight,
                     "recompute": st.recompute,
                     **({} if st.zero is None else {"zero": st.zero}),
+                    **({"shared_link_s": st.shared_link_s} if st.shared_link_s else {}),
                 }
                 for st in self.stages
             ],
@@ -341,6 +342,7 @@ class Plan:
                     in_flight=int(s.get("in_flight", 0)),
                     recompute=bool(s.get("recompute", False)),
                     zero=None if s.get("zero") is None else int(s["zero"]),
+                    shared_link_s=float(s.get("shared_link_s", 0.0)),
                 )
                 for s in data["stages"]
             )

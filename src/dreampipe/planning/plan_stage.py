@@ -35,6 +35,8 @@ class Stage:
     the stage's forward again (counted in ``compute_s``) instead of keeping
     what its layers keep for every minibatch in flight. ``zero``: the ZeRO level its
     replicas shard at (docs/design.md §5.6); None takes the run's (``TrainConfig.zero``).
+    ``shared_link_s``: the busiest server link the cut after it uses, with what the
+    other cuts put on it (docs/design.md §3.4); the cut takes at least that.
     """
 
     first: int
@@ -53,6 +55,7 @@ class Stage:
     in_flight: int = 0
     recompute: bool = False
     zero: int | None = None
+    shared_link_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -82,7 +85,7 @@ class Stage:
                 f"split per layer ({self.num_layers}), one over 1 worker none"
             )
         for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s",
-                     "allreduce_delay_s"):
+                     "allreduce_delay_s", "shared_link_s"):
             check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
         if self.forward_s > self.compute_s:
             raise PlanError(
@@ -101,14 +104,15 @@ class Stage:
 
     @property
     def time_s(self) -> float:
-        """Time per minibatch in steady state: ``max(C, F + delay + allreduce) / r``, or the cut.
+        """Time per minibatch in steady state: ``max(C, F + delay + allreduce) / r``, or the
+        cut (its own time, or the server link it shares).
 
         Each replica runs one minibatch per round; the round's all-reduce
         overlaps the backward (``C - F``) after its delay, never the forward.
         """
         round_s = max(self.compute_s,
                       self.forward_s + self.allreduce_delay_s + self.allreduce_s)
-        return max(round_s / self.replicas, self.comm_s)
+        return max(round_s / self.replicas, self.comm_s, self.shared_link_s)
 
 
 def check_figure(owner: str, what: str, value: float) -> None:

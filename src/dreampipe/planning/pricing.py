@@ -200,7 +200,7 @@ def price_stages(
         return tuple(stages)
     shared = shared_link_seconds([float(prof.cut_bytes[last + 1]) for _, last in spans[:-1]],
                                  [st.workers for st in stages], topology)
-    return tuple(replace(st, comm_s=max(st.comm_s, shared[s])) if s < len(shared) else st
+    return tuple(replace(st, shared_link_s=shared[s]) if s < len(shared) else st
                  for s, st in enumerate(stages))
 
 

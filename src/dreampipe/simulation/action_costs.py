@@ -267,11 +267,13 @@ def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float =
     fwd = tuple(st.compute_s / 3 * microbatch_fraction for st in plan.stages)
     bwd = tuple(2 * st.compute_s / 3 * microbatch_fraction for st in plan.stages)
     act = []
-    for a, b in zip(plan.stages, plan.stages[1:], strict=False):
-        bw = min(topology.bandwidth_between(x, y) for x in a.ranks for y in b.ranks)
+    for s, a in enumerate(plan.stages[:-1]):
+        bw = min(topology.bandwidth_between(x, y) for x in plan.stage_workers(s)
+                 for y in plan.stage_workers(s + 1))
         act.append(a.comm_s / 2 * bw * microbatch_fraction if math.isfinite(bw) else 0.0)
     return SimCosts(
-        forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act), bandwidth=topology,
+        forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act),
+        bandwidth=_links(plan, topology, plan.workers_used),
         allreduce_s=tuple(st.allreduce_s for st in plan.stages),
         allreduce_delay_s=tuple(st.allreduce_delay_s * microbatch_fraction for st in plan.stages),
         microbatch_fraction=microbatch_fraction,

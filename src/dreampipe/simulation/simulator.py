@@ -25,7 +25,7 @@ import heapq
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,22 @@ def simulate_schedule(
     return run.result()
 
 
+class _Woken(list[int]):
+    """Ranks the stepping core wakes go straight onto the run's time-ordered queue, at the
+    clock each blocked at, so a rank still running holds its next send for them."""
+
+    def __init__(self, queue: list[tuple[float, int]], clock: list[float]) -> None:
+        super().__init__()
+        self._queue, self._clock = queue, clock
+
+    def append(self, rank: int) -> None:
+        heapq.heappush(self._queue, (self._clock[rank], rank))
+
+    def extend(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            self.append(rank)
+
+
 class _Run(Stepper):
     """The stepping core with times: compute, links, all-reduces, memory, events."""
 
@@ -146,15 +162,13 @@ class _Run(Stepper):
         """Step the ranks in time order where it matters: a rank posts a send only when
         no rank that can move is earlier, so shared links are booked as time runs."""
         self._queue = [(0.0, r) for r in range(self.schedule.num_ranks)]
+        woken = _Woken(self._queue, self.clock)
         while self._queue:
             _, rank = heapq.heappop(self._queue)
-            woken: list[int] = []
             self._held = False
             self._advance(rank, woken)
             if self._held:
                 heapq.heappush(self._queue, (self.clock[rank], rank))
-            for r in woken:
-                heapq.heappush(self._queue, (self.clock[r], r))
         acts = self.schedule.actions
         return [r for r, i in enumerate(self.position) if i < len(acts[r])]
 
