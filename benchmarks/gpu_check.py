@@ -5,8 +5,9 @@ Steps, each with a hard limit, printing its own table:
 1. ``cuda``: one GPU. Profile the zoo mlp on ``cuda:0`` (layers timed by CUDA
    events) and measure the peak the CUDA allocator saw over it.
 2. ``pipeline``: one GPU. The single-process ``Pipeline`` tests (a group of
-   one on NCCL, the model on ``cuda:0``) against plain PyTorch loops, and
-   checkpoints that resume bit for bit (the CUDA generator included).
+   one on NCCL, the model on ``cuda:0``) against plain PyTorch loops,
+   checkpoints that resume bit for bit (the CUDA generator included), and every
+   precision on one rank against one process in it.
 3. ``equivalence``: the multi-process equivalence tests (Pipeline and
    runtime against single-process references), one GPU per rank on NCCL
    (``LOCAL_RANK``). NCCL refuses two ranks on one GPU, so they need 2 GPUs.
@@ -50,7 +51,7 @@ _PY = sys.executable
 _EQUIVALENCE = ("tests/api/test_pipeline_equivalence.py", "tests/runtime/test_equivalence.py",
                 "tests/api/test_pipeline_schedules.py")
 _ONE_GPU = ("tests/api/test_pipeline_local.py", "tests/api/test_checkpoint.py",
-            "tests/api/test_materialise.py")
+            "tests/api/test_materialise.py", "tests/api/test_pipeline_precision_one_rank.py")
 _BENCH_RUNS = ("pipedream", "1f1b-flush", "1f1b-flush-unfused", "torch-1f1b",
                "torch-1f1b-stock", "ddp")
 STEPS = ("cuda", "pipeline", "equivalence", "bench", "train", "memory")

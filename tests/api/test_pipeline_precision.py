@@ -102,21 +102,24 @@ _COPIES_CLIPPED = "zbv"
 
 def _reference(name: str, precision: str, optimizer: str, loss_scale: float = 2.0**16,
                skip: tuple[int, ...] = (), schedule: str = "",
-               sizes: tuple[int, int] | None = None) -> FormatsRun:
+               sizes: tuple[int, int] | None = None, device: str = "cpu") -> FormatsRun:
     minibatch, micro = sizes or _SIZES.get(schedule, (_MINIBATCH, _MICRO))
-    return _one_process(name, precision, optimizer, loss_scale, tuple(skip), minibatch, micro)
+    return _one_process(name, precision, optimizer, loss_scale, tuple(skip), minibatch, micro,
+                        device)
 
 
 @cache
 def _one_process(name: str, precision: str, optimizer: str, loss_scale: float,
-                 skip: tuple[int, ...], minibatch: int, micro: int) -> FormatsRun:
+                 skip: tuple[int, ...], minibatch: int, micro: int,
+                 device: str = "cpu") -> FormatsRun:
     """:func:`_reference`'s run, computed once a module: the tests only read it, and most
     16-bit jobs compare against the same fp32 run."""
     factory = adam if optimizer == "adam" else sgd
     return reference_formats(CaseSpec(CASES[name], SEED), CaseData(CASES[name]),  # type: ignore[arg-type]
                              steps=_STEPS, minibatch=minibatch, seed=SEED,
                              opt=factory(_LR[optimizer]), microbatches=micro,
-                             precision=precision, loss_scale=loss_scale, skip=skip)
+                             precision=precision, loss_scale=loss_scale, skip=skip,
+                             device=device)
 
 
 @cache
@@ -133,15 +136,16 @@ def _clipped(name: str, minibatch: int, micro: int
 
 
 @cache
-def _overflowing_scale(name: str) -> float:
+def _overflowing_scale(name: str, device: str = "cpu") -> float:
     """A loss scale about sqrt(2) times the least at which the first update overflows in
-    fp16 (bisected on the reference's first update), so it overflows once and its half
-    does not."""
+    fp16 (bisected on the reference's first update on ``device``), so it overflows once
+    and its half does not."""
     def skips(scale: float) -> bool:
         return bool(reference_formats(
             CaseSpec(CASES[name], SEED), CaseData(CASES[name]),  # type: ignore[arg-type]
             steps=1, minibatch=_MINIBATCH, seed=SEED, opt=sgd(_LR["sgd"]),
-            microbatches=_MICRO, precision="fp16-mixed", loss_scale=scale).skipped)
+            microbatches=_MICRO, precision="fp16-mixed", loss_scale=scale,
+            device=device).skipped)
 
     low, high = 8.0, 40.0  # log2 of scales that do not and do overflow
     assert not skips(2.0**low) and skips(2.0**high)

@@ -55,8 +55,8 @@ class Formats:
     """A precision's rules for the references' modules (the module docstring): forwards
     under autocast (the mixed ones), or a module in bf16 stepped through fp32 masters."""
 
-    def __init__(self, precision: str = "fp32") -> None:
-        self.precision = precision
+    def __init__(self, precision: str = "fp32", device: str = "cpu") -> None:
+        self.precision, self.device = precision, device
         self.pure = precision == "bf16"
         self._masters: dict[int, tuple[list[nn.Parameter], list[nn.Parameter]]] = {}
 
@@ -74,7 +74,8 @@ class Formats:
     @contextmanager
     def forwards(self) -> Iterator[None]:
         cast = _AUTOCAST.get(self.precision)
-        with torch.autocast("cpu", cast or torch.bfloat16, enabled=cast is not None):
+        with torch.autocast(torch.device(self.device).type, cast or torch.bfloat16,
+                            enabled=cast is not None):
             yield
 
     def inputs(self, x: Any) -> Any:
@@ -100,28 +101,33 @@ class Formats:
         """``module``'s state, its parameters the masters' values."""
         params, masters = self._masters.get(id(module), ([], []))
         full = {id(p): m for p, m in zip(params, masters, strict=True)}
-        return {k: full.get(id(v), v).detach().clone()
+        return {k: full.get(id(v), v).detach().to("cpu", copy=True)
                 for k, v in module.state_dict(keep_vars=True).items()}
 
 
 def reference_formats(spec: ModelSpec, data: Dataset, *, steps: int, minibatch: int, seed: int,
                       opt: OptFactory, microbatches: int, precision: str,
                       loss_scale: float = 2.0**16, window: int = 2000,
-                      skip: tuple[int, ...] = ()) -> FormatsRun:
-    """``steps`` updates of ``spec``'s model in ``precision`` (module docstring); the
-    updates ``skip`` lists are dropped (as a GradScaler drops one that overflowed)."""
+                      skip: tuple[int, ...] = (), device: str = "cpu") -> FormatsRun:
+    """``steps`` updates of ``spec``'s model in ``precision`` (module docstring) on
+    ``device``, whose kernels and autocast rules a run on it meets too; the updates
+    ``skip`` lists are dropped (as a GradScaler drops one that overflowed). The state
+    returned is on the CPU."""
     size = minibatch // microbatches
-    model = spec.build(0, spec.num_layers - 1, seed)
-    formats = Formats(precision)
+    model = spec.build(0, spec.num_layers - 1, seed).to(device)
+    formats = Formats(precision, device)
     optimizer = formats.optimizer(model, opt)
-    scaler = (torch.amp.GradScaler("cpu", init_scale=loss_scale, growth_interval=window)
+    scaler = (torch.amp.GradScaler(torch.device(device).type, init_scale=loss_scale,
+                                   growth_interval=window)
               if precision == "fp16-mixed" else None)
     losses, skipped = [], []
     for k in range(steps):
         model.zero_grad(set_to_none=True)
         total = 0.0
         for m in range(microbatches):
-            x, y = data.batch(k * microbatches + m, size)
+            x, y = pytree.tree_map(
+                lambda v: v.to(device) if isinstance(v, Tensor) else v,
+                data.batch(k * microbatches + m, size))
             with formats.forwards():
                 loss = spec.loss_fn(formats.output(model(formats.inputs(x))), y)
             share = loss * (1.0 / microbatches)

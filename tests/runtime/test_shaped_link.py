@@ -284,7 +284,8 @@ def _simulate(graph: LayerGraph, plan: Plan, machine: LocalCalibration, steps: i
 
     costs = dataclasses.replace(
         costs, forward_s=scaled(costs.forward_s), backward_s=scaled(costs.backward_s),
-        step_s=scaled(costs.step_s), allreduce_delay_s=scaled(costs.allreduce_delay_s))
+        weight_grad_s=scaled(costs.weight_grad_s), step_s=scaled(costs.step_s),
+        allreduce_delay_s=scaled(costs.allreduce_delay_s))
     schedule = layout.build([st.replicas for st in plan.stages], steps)
     return list(simulate_schedule(schedule, costs).events)
 
