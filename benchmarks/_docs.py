@@ -72,6 +72,8 @@ SECTIONS: tuple[Section, ...] = (
     Section("scale", "Planning at 1024 workers", "python benchmarks/bench_scale.py --write-docs"),
     Section("simulator", "Schedule building and simulation",
             "python benchmarks/bench_simulator.py --write-docs"),
+    Section("plan-vs-simulated", "The planner's prediction against the simulator",
+            "python benchmarks/plan_vs_simulated.py --write-docs"),
     Section("schedule-efficiency", "How much of the planner's bound 1F1B-RR reaches",
             "python benchmarks/schedule_efficiency.py --write-docs"),
     Section("operator-search", "Operator search time",

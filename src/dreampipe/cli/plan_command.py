@@ -38,6 +38,7 @@ from dreampipe.cli.links import (
     sync_from,
     topology_from,
 )
+from dreampipe.cli.plan_check import check_warning, format_check
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
     runs_several,
@@ -188,12 +189,16 @@ def _run(args: argparse.Namespace) -> int:
         summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_microbatches
         summary["simulated_minibatches_per_s"] = (
             None if sim is None else sim.steady_throughput_minibatches_per_s)
+        summary["check_warning"] = None if sim is None else check_warning(result, sim)
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
         print(format_plan(result, graph, topo, seconds, limit))
         if sim is not None:
-            print(_format_confirmation(result, sim))
+            print(format_check(result, sim))
+            warning = check_warning(result, sim)
+            if warning:
+                print(warning)
         print("\n".join(schedule_lines))
         if args.cost_model == CostModel.PIPEDREAM:
             print(f"pipedream model: pipeline {result.time_per_minibatch_s * 1e3:.2f} ms, "
@@ -267,18 +272,6 @@ def confirm_by_simulation(
     schedule = build_schedule([st.replicas for st in result.stages], ScheduleKind.PIPEDREAM,
                               check_minibatches(result, cap), in_flight=result.in_flight)
     return simulate_schedule(schedule, costs_from_profile(graph, result, topo), record_events=False)
-
-
-def _format_confirmation(result: Plan, sim: SimResult) -> str:
-    predicted = result.throughput_minibatches_per_s
-    rate = sim.steady_throughput_minibatches_per_s
-    ratio = rate / predicted if predicted > 0 else 0.0
-    window = (f"{sim.steady_microbatches} in the steady state" if sim.steady_microbatches
-              else "too few for a steady state: start-up and drain included")
-    return (
-        f"simulated: {rate:.2f} minibatches/s over {sim.num_microbatches} minibatches ({window}; "
-        f"{ratio:.0%} of the prediction; {sim.bubble_fraction:.0%} of worker time idle)"
-    )
 
 
 def plan_summary(result: Plan, plan_time_s: float | None = None) -> dict[str, Any]:
