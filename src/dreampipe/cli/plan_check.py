@@ -50,12 +50,15 @@ def check_warning(result: Plan, sim: SimResult) -> str | None:
         widths = [st.tensor_parallel for st in result.stages]
         wanted = in_flight_counts(replicas, JOIN_BUFFERS[0], widths)
         short = [s for s, (st, n) in enumerate(zip(result.stages, wanted, strict=True))
-                 if st.replicas > 1 and st.in_flight < n]
+                 if st.replicas > 1 and st.in_flight < max(n, 2)]
         if short:
+            held = [result.stages[s].in_flight for s in short]
             return head + (
-                f"Replicated stages {short} hold fewer minibatches in flight than their "
-                "join buffer (the memory limit), so their replicas wait for each other at "
-                "each all-reduce, which the planner's steady state does not price.")
+                f"Replicated stages {short} hold {held} minibatches in flight, too few to "
+                "work on while their replicas wait for each other at each all-reduce (the "
+                "memory limit leaves them short of the join buffer, or the stage is the "
+                "last, which holds one), and the planner's steady state does not price "
+                "that wait.")
         return head + ("The schedule waits where the planner's steady state does not "
                        "(replicas or stages waiting for each other).")
     return head + ("A cut is priced with both its directions, and all the pairs that cross "
