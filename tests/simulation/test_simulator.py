@@ -181,6 +181,28 @@ def test_a_shared_link_serves_transfers_in_the_order_they_are_posted() -> None:
         assert start >= end - 1e-12  # one at a time on server 0's link out
 
 
+def test_without_a_shared_link_the_order_of_stepping_changes_nothing() -> None:
+    topo = Topology((Level(2, 1e9), Level(2, 10.0)))
+    costs = SimCosts(forward_s=(2.0, 0.5, 1.0, 0.2), backward_s=(1.0, 3.0, 0.5, 0.4),
+                     activation_bytes=(10.0, 5.0, 15.0), bandwidth=topo)
+    assert costs.shares_links(4) and not costs.shares_links(2)
+    assert replace(costs, bandwidth=PlacedTopology(topo, (0, 2))).shares_links(2)
+    assert not replace(costs, bandwidth=100.0).shares_links(4)
+    assert not replace(costs, bandwidth=Topology((Level(4, 10.0),))).shares_links(4)
+    # on one level each pair's link is its own: stepping in time order books the same spans
+    flat = replace(costs, bandwidth=Topology((Level(4, 10.0),)))
+    schedule = build_schedule([1, 2, 1, 1], S.PIPEDREAM, 12)
+    free = simulate_schedule(schedule, flat)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SimCosts, "shares_links", lambda self, ranks: True)
+        ordered = simulate_schedule(schedule, flat)
+    def key(e: Any) -> tuple[Any, ...]:
+        return (e.rank, e.start_s, e.kind.value, e.microbatch)
+
+    assert sorted(free.events, key=key) == sorted(ordered.events, key=key)
+    assert free.makespan_s == ordered.makespan_s
+
+
 def test_allreduce_overlaps_the_backward_it_follows() -> None:
     dp = build_schedule((2,), S.DP, 2, 2)
     slow = simulate_schedule(dp, SimCosts(forward_s=(1.0,), backward_s=(2.0,), allreduce_s=(5.0,)))

@@ -154,6 +154,19 @@ class SimCosts:
             return links[a][b]
         return float(links)
 
+    def shares_links(self, ranks: int) -> bool:
+        """Whether transfers among ranks ``0..ranks-1`` can share a server's link: the
+        topology has an outer level and the ranks sit on more than one server."""
+        links = self.bandwidth
+        if isinstance(links, PlacedTopology):
+            topology, workers = links.topology, links.workers[:ranks]
+        elif isinstance(links, Topology):
+            topology, workers = links, tuple(range(ranks))
+        else:
+            return False
+        server = topology.levels[0].count
+        return len(topology.levels) > 1 and len({w // server for w in workers}) > 1
+
     def links_between(self, a: int, b: int) -> tuple[tuple[int, int, int], ...]:
         """The links a transfer from rank ``a`` to rank ``b != a`` holds (class doc)."""
         links = self.bandwidth

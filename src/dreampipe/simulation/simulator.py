@@ -160,7 +160,10 @@ class _Run(Stepper):
 
     def run(self) -> list[int]:
         """Step the ranks in time order where it matters: a rank posts a send only when
-        no rank that can move is earlier, so shared links are booked as time runs."""
+        no rank that can move is earlier, so shared links are booked as time runs. Where
+        no link is shared, each rank runs as far as it can, which books the same spans."""
+        if not self.c.shares_links(self.schedule.num_ranks):
+            return super().run()
         self._queue = [(0.0, r) for r in range(self.schedule.num_ranks)]
         woken = _Woken(self._queue, self.clock)
         while self._queue:
