@@ -85,12 +85,12 @@ def cost_models(topo: Topology, also_flat: bool) -> list[Topology]:
     return [topo]
 
 
-def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts: Options,
-            shared_links: bool = True) -> tuple[Stage, ...]:
+def _priced(search: Search, topology: Topology, flat: Sequence[FlatStage], opts: Options
+            ) -> tuple[Stage, ...]:
     fine = search.refine(flat)
     return price_stages(search.fine, topology, [(f.first, f.last) for f in fine],
                         [f.workers for f in fine], opts.sync, opts.memory_bytes,
-                        [f.recompute for f in fine], [f.split for f in fine], shared_links)
+                        [f.recompute for f in fine], [f.split for f in fine])
 
 
 def fastest(
@@ -149,7 +149,8 @@ def with_ranges(
     flat = [replace(f, split=None if f.split is None else fine_of[id(f.split)])
             for f in found[1]]
     ranged = _priced(ranged_search, topology, flat, opts)
-    if slowest(ranged) > slowest(_priced(ranged_search, topology, flat, opts, False)):
+    # slower than the program's own price of it (its cuts on their own): shared links bind
+    if slowest(ranged) > slowest([replace(st, shared_link_s=0.0) for st in ranged]):
         heuristic += (Heuristic.SHARED_LINKS,)
     if stages is None or slowest(ranged) < slowest(stages):
         stages = ranged

@@ -17,7 +17,7 @@ all-reduces carry a ``(start, end)`` span.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, TransferKey
 
@@ -58,6 +58,10 @@ class Stepper:
         ready = list(range(self.schedule.num_ranks))
         while ready:
             self._advance(ready.pop(), ready)
+        return self.blocked()
+
+    def blocked(self) -> list[int]:
+        """The ranks with actions left (after :meth:`run`: those that could not move)."""
         acts = self.schedule.actions
         return [r for r, i in enumerate(self.position) if i < len(acts[r])]
 
@@ -80,6 +84,10 @@ class Stepper:
         """Whether ``rank`` stops before posting a send at ``clock`` (to be advanced
         again later); never, by default."""
         return False
+
+    def wake(self, ranks: Iterable[int], ready: list[int]) -> None:
+        """Ranks that were parked can move again; by default they join ``ready``."""
+        ready.extend(ranks)
 
     def allreduce(self, stage: int, members: Sequence[int]) -> Span:
         """Once per round, when the last replica joins: the all-reduce's span.
@@ -117,7 +125,7 @@ class Stepper:
                 clock, posted[key] = send(rank, a, clock)
                 woken = parked.pop(key, None)
                 if woken:
-                    ready.extend(woken)
+                    self.wake(woken, ready)
             elif k is _RECV_F or k is _RECV_B:
                 key = a.transfer_key
                 assert key is not None
@@ -150,7 +158,7 @@ class Stepper:
         if len(members) < self.schedule.replicas[action.stage]:
             self._parked.setdefault(group, []).append(rank)
             return None
-        ready.extend(self._parked.pop(group, ()))
+        self.wake(self._parked.pop(group, ()), ready)
         span = self._rounds[group] = (self.gather if gathers else self.allreduce)(
             action.stage, members)
         del self._joined[group]

@@ -26,10 +26,14 @@ __all__ = ["Bandwidth", "PlacedTopology", "SimCosts", "costs_from_plan", "costs_
 
 @dataclass(frozen=True)
 class PlacedTopology:
-    """A topology whose schedule rank ``r`` sits on worker ``workers[r]``."""
+    """A topology whose schedule rank ``r`` sits on worker ``workers[r]`` (no workers: on
+    worker ``r``)."""
 
     topology: Topology
-    workers: tuple[int, ...]
+    workers: tuple[int, ...] = ()
+
+    def worker(self, rank: int) -> int:
+        return self.workers[rank] if self.workers else rank
 
 
 Bandwidth = Topology | PlacedTopology | tuple[tuple[float, ...], ...] | float
@@ -146,35 +150,37 @@ class SimCosts:
 
     def bandwidth_between(self, a: int, b: int) -> float:
         links = self.bandwidth
-        if isinstance(links, PlacedTopology):
-            return links.topology.bandwidth_between(links.workers[a], links.workers[b])
-        if isinstance(links, Topology):
-            return links.bandwidth_between(a, b)
         if isinstance(links, tuple):
             return links[a][b]
-        return float(links)
+        if isinstance(links, int | float):
+            return float(links)
+        placed = self._placed()
+        assert placed is not None
+        return placed.topology.bandwidth_between(placed.worker(a), placed.worker(b))
 
     def shares_links(self, ranks: int) -> bool:
         """Whether transfers among ranks ``0..ranks-1`` can share a server's link: the
         topology has an outer level and the ranks sit on more than one server."""
-        links = self.bandwidth
-        if isinstance(links, PlacedTopology):
-            topology, workers = links.topology, links.workers[:ranks]
-        elif isinstance(links, Topology):
-            topology, workers = links, tuple(range(ranks))
-        else:
+        placed = self._placed()
+        if placed is None or len(placed.topology.levels) < 2:
             return False
-        server = topology.levels[0].count
-        return len(topology.levels) > 1 and len({w // server for w in workers}) > 1
+        server = placed.topology.levels[0].count
+        return len({placed.worker(r) // server for r in range(ranks)}) > 1
 
     def links_between(self, a: int, b: int) -> tuple[tuple[int, int, int], ...]:
         """The links a transfer from rank ``a`` to rank ``b != a`` holds (class doc)."""
+        placed = self._placed()
+        if placed is None:
+            return ((0, a, b),)
+        return placed.topology.links_between(placed.worker(a), placed.worker(b))
+
+    def _placed(self) -> PlacedTopology | None:
+        """The bandwidth as a topology and where each rank sits; None for a table of
+        rank-to-rank figures or one figure."""
         links = self.bandwidth
-        if isinstance(links, PlacedTopology):
-            return links.topology.links_between(links.workers[a], links.workers[b])
         if isinstance(links, Topology):
-            return links.links_between(a, b)
-        return ((0, a, b),)
+            return PlacedTopology(links)
+        return links if isinstance(links, PlacedTopology) else None
 
 
 def costs_from_profile(

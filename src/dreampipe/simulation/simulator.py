@@ -119,22 +119,6 @@ def simulate_schedule(
     return run.result()
 
 
-class _Woken(list[int]):
-    """Ranks the stepping core wakes go straight onto the run's time-ordered queue, at the
-    clock each blocked at, so a rank still running holds its next send for them."""
-
-    def __init__(self, queue: list[tuple[float, int]], clock: list[float]) -> None:
-        super().__init__()
-        self._queue, self._clock = queue, clock
-
-    def append(self, rank: int) -> None:
-        heapq.heappush(self._queue, (self._clock[rank], rank))
-
-    def extend(self, ranks: Iterable[int]) -> None:
-        for rank in ranks:
-            self.append(rank)
-
-
 class _Run(Stepper):
     """The stepping core with times: compute, links, all-reduces, memory, events."""
 
@@ -148,9 +132,9 @@ class _Run(Stepper):
         self.events: list[Event] = []
         self.calendar = LinkCalendar()
         self._queue: list[tuple[float, int]] = []
-        self._held = False
-        self.links: dict[tuple[int, int], tuple[tuple[int, int, int], ...]] = {}
-        self.bandwidth: dict[tuple[int, int], float] = {}
+        self._held = self._ordered = False
+        #: (src, dst): the links a transfer holds and their bandwidth
+        self.paths: dict[tuple[int, int], tuple[tuple[tuple[int, int, int], ...], float]] = {}
         self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
             a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
         self.draws = random.Random(0)
@@ -162,22 +146,31 @@ class _Run(Stepper):
         """Step the ranks in time order where it matters: a rank posts a send only when
         no rank that can move is earlier, so shared links are booked as time runs. Where
         no link is shared, each rank runs as far as it can, which books the same spans."""
-        if not self.c.shares_links(self.schedule.num_ranks):
+        self._ordered = self.c.shares_links(self.schedule.num_ranks)
+        if not self._ordered:
             return super().run()
         self._queue = [(0.0, r) for r in range(self.schedule.num_ranks)]
-        woken = _Woken(self._queue, self.clock)
         while self._queue:
             _, rank = heapq.heappop(self._queue)
             self._held = False
-            self._advance(rank, woken)
+            self._advance(rank, [])
             if self._held:
                 heapq.heappush(self._queue, (self.clock[rank], rank))
-        acts = self.schedule.actions
-        return [r for r, i in enumerate(self.position) if i < len(acts[r])]
+        return self.blocked()
 
     def hold(self, rank: int, clock: float) -> bool:
         self._held = bool(self._queue) and self._queue[0][0] < clock
         return self._held
+
+    def wake(self, ranks: Iterable[int], ready: list[int]) -> None:
+        """Woken ranks go straight onto the time-ordered queue, at the clock each blocked
+        at, so a rank still running holds its next send for them (in depth-first
+        stepping, where no link is shared, they join ``ready``)."""
+        if not self._ordered:
+            ready.extend(ranks)
+            return
+        for r in ranks:
+            heapq.heappush(self._queue, (self.clock[r], r))
 
     def result(self) -> SimResult:
         s = self.schedule
@@ -256,10 +249,12 @@ class _Run(Stepper):
             return clock, (clock, clock)
         size = c.activation_bytes[st] if action.kind is _SEND_F else c.gradient_bytes[st - 1]
         clock += c.send_overhead_s + size / c.send_copy_bandwidth
-        links = self.links.get((rank, dst))
-        if links is None:
-            links = self.links[(rank, dst)] = self.c.links_between(rank, dst)
-        start, end = self.calendar.transfer(links, clock, self._transfer_s(rank, dst, size))
+        path = self.paths.get((rank, dst))
+        if path is None:
+            path = self.paths[(rank, dst)] = (self.c.links_between(rank, dst),
+                                              self.c.bandwidth_between(rank, dst))
+        links, bandwidth = path
+        start, end = self.calendar.transfer(links, clock, size / bandwidth if size > 0 else 0.0)
         if self.record:
             self.events.append(Event(rank, st, action.kind, action.microbatch, start, end))
         return clock, (start, end)
@@ -301,13 +296,6 @@ class _Run(Stepper):
         jitter = self.c.jitter
         return cost * jitter[self.draws.randrange(len(jitter))] if jitter else cost
 
-    def _transfer_s(self, src: int, dst: int, size: float) -> float:
-        if size <= 0:
-            return 0.0
-        bw = self.bandwidth.get((src, dst))
-        if bw is None:
-            bw = self.bandwidth[(src, dst)] = self.c.bandwidth_between(src, dst)
-        return size / bw
 
 
 def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[float | None, int]:
