@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,11 +20,16 @@ def _groups() -> int:
     return len(dist.distributed_c10d._world.pg_map)
 
 
+def _threads() -> int:
+    """The process's threads, C++ ones included (a gloo group runs its own)."""
+    return len(os.listdir("/proc/self/task"))
+
+
 def test_close_destroys_the_subgroups_it_made_and_keeps_the_users_group() -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
-        before = _groups()
+        before, threads = _groups(), []
         for _ in range(2):  # a second Pipeline in the same group starts from the same state
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
@@ -31,9 +39,19 @@ def test_close_destroys_the_subgroups_it_made_and_keeps_the_users_group() -> Non
                                       config=dreampipe.TrainConfig(schedule="1f1b-flush",
                                                                    max_grad_norm=1.0))
             assert _groups() > before  # its links and the clipping group
+            during = _threads()
             pipe.step(x, y)
             assert len(pipe.finish()) == 1
             pipe.close()
             assert dist.is_initialized() and _groups() == before
+            threads.append((during, _threads()))
+            with pytest.raises(dreampipe.ConfigError, match="closed"):
+                pipe.step(x, y)
+            assert pipe.skipped == [] and pipe.events == []  # still readable
+        # the groups' threads end at close(), not at the interpreter's exit, where a gloo
+        # worker finishing a collective aborts the process (the first Pipeline may start
+        # torch's own pools, so the second is the one compared)
+        (_, first_after), (during, after) = threads
+        assert after < during and after == first_after, threads
     finally:
         dist.destroy_process_group()

@@ -55,9 +55,12 @@ class _PipelineState(Protocol):
     kind: ScheduleKind
     plan: Plan
     state_keys: StateKeys
-    runner: RankRunner
     schedulers: dict[int, Any]
     compensations: dict[int, Applied]
+
+    @property
+    def runner(self) -> RankRunner: ...
+
 
 __all__ = [
     "MARKER",

@@ -17,6 +17,7 @@ microbatches. How steps, drains and segments train: docs/design.md §8.5.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import math
 import time
@@ -193,7 +194,7 @@ class Pipeline:
             self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
             self._reserved_to = 0
             self._horizon = min(_HORIZON, self._cap)
-            self.runner = RankRunner(
+            self._runner: RankRunner | None = RankRunner(
                 self._schedule(self._horizon), self.srank, self.device,
                 self.module, self._opts, groups=groups, links=self._links,
                 clip_group=clip_group, after_step=self._after_step, others=modules[1:],
@@ -204,6 +205,14 @@ class Pipeline:
             self._feed = self._new_feed()
             if found is not None:
                 self.minibatches = checkpoint.load(found, self)
+
+    @property
+    def runner(self) -> RankRunner:
+        """What runs this rank's schedule; gone once :meth:`close` ended the run."""
+        if self._runner is None:
+            raise ConfigError("this Pipeline is closed: close() ended its process groups; "
+                              "build a new Pipeline to train again")
+        return self._runner
 
     # ---- training ----------------------------------------------------------
     def memory(self) -> MemoryReport:
@@ -318,12 +327,12 @@ class Pipeline:
     @counted
     def _drain(self) -> None:
         """Run the segment's exact schedule to its end and collect its losses."""
-        n = self._segment
+        runner, n = self.runner, self._segment
         if n == 0:
             return
-        self.runner.switch(self._schedule(n))
-        self.runner.advance()
-        self.runner.drain()
+        runner.switch(self._schedule(n))
+        runner.advance()
+        runner.drain()
         per = self.layout.microbatches_per_update
         microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
         for u, loss in self.runner.losses.items():
@@ -355,12 +364,12 @@ class Pipeline:
     @property
     def skipped(self) -> list[int]:
         """The minibatches whose update was skipped for a non-finite value (``on_nonfinite``)."""
-        return list(self.runner.guard.skipped)
+        return list(self._kept[1] if self._runner is None else self.runner.guard.skipped)
 
     @property
     def events(self) -> list[Event]:
         """What this rank did, with times from :meth:`start_clock` (``record_events``)."""
-        return self.runner.events
+        return self._kept[0] if self._runner is None else self.runner.events
 
     def start_clock(self) -> float:
         """Time :attr:`events` from now (``time.perf_counter()``, returned); called on every
@@ -390,8 +399,12 @@ class Pipeline:
         return checkpoint.save(Path(directory), self)
 
     def close(self) -> None:
-        """Drain, and end the process group if this Pipeline started it, else the subgroups
-        it made in the user's group (each holds connections)."""
+        """Drain; end the process group if this Pipeline started it, else the subgroups it
+        made; drop the runner and collect its cycles now, so that no ended group's gloo
+        threads live on to the interpreter's exit, where they abort it (docs/design.md
+        §8.5). :attr:`events` and :attr:`skipped` stay readable."""
+        if self._runner is None:
+            return
         self._drain()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -401,4 +414,8 @@ class Pipeline:
                 if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
                     dist.destroy_process_group(group)
         self._groups = []
+        self._kept = (self.events, self.skipped)  # what may still be read
+        self._runner = None
+        del self._links
+        gc.collect()
 
