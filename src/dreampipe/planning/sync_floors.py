@@ -22,8 +22,8 @@ import numpy as np
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
 
-__all__ = ["band_width", "envelope", "least_largest", "least_largest_with_cut", "least_layers",
-           "least_sum", "scaled_computes"]
+__all__ = ["Reach", "band_width", "envelope", "least_largest", "least_largest_with_cut",
+           "least_layers", "least_sum", "scaled_computes"]
 
 #: Bisection stops within this share of its upper end, and keeps the lower.
 _PRECISION = 1e-3
@@ -73,13 +73,47 @@ def envelope(computes: Sequence[FloatArray]) -> FloatArray:
     return np.asarray(np.where(np.triu(np.ones_like(out, dtype=bool)), out, np.inf))
 
 
-def least_largest(env: FloatArray, count: int, lo: float) -> float:
+class Reach:
+    """How many layers a stage from each layer may hold while its :func:`envelope` entry
+    stays within a bound, for every layer at once. The entries become their exact ranks
+    among the envelope's values, each row's after the row before in one sorted array, so
+    one ``searchsorted`` answers every row, with no rounding."""
+
+    def __init__(self, env: FloatArray) -> None:
+        n = env.shape[0]
+        self.env = env
+        self._values = np.unique(env[np.isfinite(env)])
+        codes = np.searchsorted(self._values, env, side="left")  # inf: past every value
+        codes[np.tril_indices(n, -1)] = -1  # before the stage's first layer: below any bound
+        rows = np.arange(n, dtype=np.int64)
+        self._offsets = rows * (len(self._values) + 2)  # rows apart, each in its own span
+        self._flat = (codes + 1 + self._offsets[:, None]).ravel()
+        self._before = rows * n + rows  # flat entries before row i, and row i's left part
+
+    def stages_within(self, theta: float, most: int) -> float:
+        """The fewest stages, each of :func:`envelope` at most ``theta``, that cover the
+        layers (inf: a layer alone is above it), or ``most + 1`` when more than ``most``."""
+        ranked = int(np.searchsorted(self._values, theta, side="right"))  # values <= theta
+        ends = np.searchsorted(self._flat, self._offsets + ranked, side="right")
+        reach = (ends - self._before).tolist()
+        n, i, count = len(reach), 0, 0
+        while i < n:  # greedy: no stages reach further
+            if count == most:
+                return most + 1
+            if reach[i] == 0:
+                return math.inf
+            i, count = i + reach[i], count + 1
+        return count
+
+
+def least_largest(reach: Reach, count: int, lo: float) -> float:
     """A floor on the largest :func:`envelope` entry of ``count`` stages covering the
     layers, given a floor ``lo`` on it."""
+    env = reach.env
     hi = lo + float(np.max(np.diag(env)))  # enough for sums; checked, else all layers
-    if not _stages_within(env, hi, count) <= count:
+    if not reach.stages_within(hi, count) <= count:
         hi = float(env[0, -1])
-    return _bisect(lo, hi, lambda theta: _stages_within(env, theta, count) <= count)
+    return _bisect(lo, hi, lambda theta: reach.stages_within(theta, count) <= count)
 
 
 def least_largest_with_cut(env: FloatArray, fraction: float, cut: float, count: int,
@@ -121,20 +155,6 @@ def _bisect(lo: float, hi: float, fits: Callable[[float], bool]) -> float:
         else:
             lo = mid
     return lo
-
-
-def _stages_within(env: FloatArray, theta: float, most: int) -> float:
-    """The fewest stages, each of :func:`envelope` at most ``theta``, that cover the
-    layers (inf: a layer alone is above it), or ``most + 1`` when more than ``most``."""
-    n, i, count = env.shape[0], 0, 0
-    while i < n:
-        if count == most:
-            return most + 1
-        k = int(env[i, i:].searchsorted(theta, side="right"))
-        if k == 0:
-            return math.inf
-        i, count = i + k, count + 1
-    return count
 
 
 def _latencies(split: StageSplit) -> FloatArray:

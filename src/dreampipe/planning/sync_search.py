@@ -36,6 +36,7 @@ from dreampipe.planning.state_bytes import profiled_param_bytes
 from dreampipe.planning.sync_choices import SyncOptions, copies_tried, divisors, stage_counts
 from dreampipe.planning.sync_dp import StageTerms, best_stages, whole_block_starts
 from dreampipe.planning.sync_floors import (
+    Reach,
     band_width,
     envelope,
     least_largest,
@@ -158,7 +159,12 @@ class SyncSearch:
     @functools.cache  # noqa: B019 - one search, dropped with it
     def least_stage(self, t: int, count: int) -> float:
         """A floor on the largest ``tau`` of ``count`` stages, for a profiled minibatch."""
-        return least_largest(self.envelope(t), count, self.least_compute(t) / count)
+        return least_largest(self.reach(t), count, self.least_compute(t) / count)
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def reach(self, t: int) -> Reach:
+        """:meth:`envelope`'s stages' reach, for :meth:`least_stage`."""
+        return Reach(self.envelope(t))
 
     def width(self, t: int, theta: float) -> int:
         """The most layers a stage of ``t`` workers a replica may hold while its floor
