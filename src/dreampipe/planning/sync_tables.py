@@ -151,11 +151,17 @@ class StageTables:
 
     @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def _cut(self, block: int, after: int) -> FloatArray:
-        sent = self.inputs.costs.cut_bytes[1:] * self.fraction
-        sizes, at = np.unique(sent, return_inverse=True)  # a profile by shape repeats its cuts
-        priced = copy_cut_seconds(sizes, self.workers(block), self.workers(after), self.t,
-                                  self.inputs.topology)
+        sizes, at = self._cut_sizes
+        priced = copy_cut_seconds(sizes * self.fraction, self.workers(block),
+                                  self.workers(after), self.t, self.inputs.topology)
         return np.append(priced[at], 0.0)
+
+    @functools.cached_property
+    def _cut_sizes(self) -> tuple[FloatArray, IntArray]:
+        """The profile's distinct cut sizes, and each cut's (a profile by shape repeats its
+        cuts, so each size is priced once)."""
+        sizes, at = np.unique(self.inputs.costs.cut_bytes[1:], return_inverse=True)
+        return sizes, at
 
     def allreduce(self, x: int, block: int, first: int, last: int) -> float:
         """One all-reduce of the weights of a stage ``first..last`` run as option ``x`` over
