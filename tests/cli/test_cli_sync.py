@@ -93,6 +93,11 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--layout", "t1-p3", "--whole-blocks"],
      ["4 blocks into 3 stages", "drop --whole-blocks"]),
     (["--whole-blocks"], ["--whole-blocks", "--global-batch"]),
+    (["--global-batch", "64", "--zero-levels", "0,4"], ["zero_levels=(0, 4)", "0 to 3"]),
+    (["--global-batch", "64", "--zero-levels", "one"], ["--zero-levels one"]),
+    (["--global-batch", "64", "--layout", "t1-p2-z1", "--zero-levels", "0,1"],
+     ["fixes level 1", "drop z from the layout"]),
+    (["--zero-levels", "0,1"], ["--zero-levels", "--global-batch"]),
 ])
 def test_bad_sync_flags_are_one_line_naming_them(
     capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str],
@@ -126,3 +131,23 @@ def test_whole_blocks_on_a_profile_without_blocks_says_so(
                  "--whole-blocks"]) == 2
     err = capsys.readouterr().err
     assert "has no blocks" in err and "drop --whole-blocks" in err and err.count("\n") == 1
+
+
+def test_zero_levels_let_each_stage_shard_as_it_fits(capsys: pytest.CaptureFixture[str]
+                                                     ) -> None:
+    """Under a limit that only sharding meets, the search with every ZeRO level finds a
+    plan where level 0 alone finds none, each stage at its own level; under a looser one
+    its plan is no slower than level 0's."""
+    argv = ["plan", "gpt:layers=8,hidden=1024,heads=16,seq=1024,vocab=8192", "-t",
+            "dgx-a100:1", "--global-batch", "64", "--precision", "bf16", "--optimizer",
+            "adam", "--no-recompute", "--no-mixed-splits"]
+    assert main([*argv, "--memory", "1GB"]) == 2
+    assert "no synchronous plan" in capsys.readouterr().err
+    data = _json(capsys, *argv, "--memory", "1GB", "--zero-levels", "0,1,2,3", "--json")
+    levels = [stage["zero"] for stage in data["stages"]]
+    assert len(set(levels)) > 1 and data["data_parallel"] > 1, data["layout"]
+    assert main([*argv, "--memory", "1GB", "--zero-levels", "0,1,2,3"]) == 0
+    assert "ZeRO levels by stage " + "-".join(map(str, levels)) in capsys.readouterr().out
+    loose = [*argv, "--memory", "1.5GB", "--json"]
+    alone = _json(capsys, *loose)["time_per_update_s"]
+    assert _json(capsys, *loose, "--zero-levels", "0,1,2,3")["time_per_update_s"] <= alone

@@ -21,6 +21,7 @@ from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time, whole_block_starts
 from dreampipe.planning.sync_objective import PipelineKind, slots
+from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import MAX_VIRTUAL_STAGES, SyncSearch, plan_sync
 from dreampipe.planning.sync_stage_option import layer_blocks
 from dreampipe.planning.topology import Topology
@@ -91,6 +92,19 @@ def _brute(graph: LayerGraph, topo: Topology, opts: SyncOptions) -> float:
     return best
 
 
+def _as_brute_force(graph: LayerGraph, topo: Topology, opts: SyncOptions) -> SyncPlan | None:
+    """The program's plan, checked against :func:`_brute`'s time; None where brute force
+    finds no plan (and the program says so)."""
+    expect = _brute(graph, topo, opts)
+    if not math.isfinite(expect):
+        with pytest.raises(PlanError, match="no synchronous plan"):
+            plan_sync(graph, topo, opts)
+        return None
+    found = plan_sync(graph, topo, opts)
+    assert found.time_per_update_s == pytest.approx(expect, rel=1e-9)
+    return found
+
+
 _KINDS = st.sampled_from([tuple(PipelineKind), (PipelineKind.FLUSH,),
                           (PipelineKind.ZB_H1, PipelineKind.INTERLEAVED)])
 
@@ -111,15 +125,43 @@ def test_the_program_finds_what_brute_force_finds(
                        kinds=kinds,
                        recompute=recompute, tensor_split=False,
                        training=Training(precision, "adam"))
-    expect = _brute(graph, topo, opts)
-    if not math.isfinite(expect):
-        with pytest.raises(PlanError, match="no synchronous plan"):
-            plan_sync(graph, topo, opts)
+    found = _as_brute_force(graph, topo, opts)
+    if found is None:
         return
-    found = plan_sync(graph, topo, opts)
-    assert found.time_per_update_s == pytest.approx(expect, rel=1e-9)
     assert found.global_batch == found.data_parallel * found.microbatches * \
         found.microbatch_size
+
+
+@st.composite
+def _heavy_graphs(draw: st.DrawFn) -> LayerGraph:
+    """Chains whose weights' state, not their activations, fills the memory: where
+    sharding it is what fits."""
+    n = draw(st.integers(1, 5))
+    return _chain([draw(st.floats(0.1, 10.0)) for _ in range(n)],
+                  [draw(st.sampled_from([10**6, 10**7])) for _ in range(n)],
+                  [draw(st.sampled_from([10**7, 10**8])) for _ in range(n)])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_heavy_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
+       st.sampled_from([None, 3 * 10**8, 10**9]), st.booleans())
+def test_brute_force_agrees_when_each_stage_chooses_its_zero_level(
+        graph: LayerGraph, shape: str, batch: int, memory: int | None, recompute: bool) -> None:
+    """With every ZeRO level offered, each replicated stage picks its own: the program
+    finds what brute force finds over every choice, cut and per-stage option, and never a
+    slower plan than level 0 alone."""
+    topo = Topology.parse(shape, ["1e9B/s"] * len(shape.split("x")))
+    opts = SyncOptions(global_batch=batch, memory_bytes=memory, kinds=(PipelineKind.FLUSH,),
+                       recompute=recompute, tensor_split=False,
+                       training=Training("bf16", "adam"), zero_levels=(0, 1, 2, 3))
+    found = _as_brute_force(graph, topo, opts)
+    if found is None:
+        return
+    try:
+        alone = plan_sync(graph, topo, replace(opts, zero_levels=(0,))).time_per_update_s
+    except PlanError:
+        return
+    assert found.time_per_update_s <= alone * (1 + 1e-9)
 
 
 @st.composite

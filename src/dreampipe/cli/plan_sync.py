@@ -41,7 +41,7 @@ _UPDATES = 2
 
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--global-batch``, ``--microbatch-size``, ``--layout``, ``--precision``,
-    ``--optimizer`` and ``--whole-blocks``."""
+    ``--optimizer``, ``--zero-levels`` and ``--whole-blocks``."""
     flags: dict[str, dict[str, Any]] = {
         "--global-batch": dict(type=int, metavar="B", help=(
             "samples an update: plan the synchronous objective, each update priced as its "
@@ -59,6 +59,10 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
         "--optimizer": dict(choices=list(OPTIMIZER_COPIES), default="sgd", help=(
             "the optimizer whose state the synchronous objective counts (default sgd: none; "
             "adam: two 32-bit moments a weight)")),
+        "--zero-levels": dict(metavar="LEVELS", help=(
+            "ZeRO levels each replicated stage may choose among where --layout names none, "
+            "e.g. 0,1,2,3 (default 0: no sharding; each level offered makes the search "
+            "slower, several times on large models)")),
         "--whole-blocks": dict(action="store_true", help=(
             "cut only between whole blocks, the same number a stage, as Megatron-LM places "
             "them (the embedding on the first stage, the head on the last); default: the "
@@ -75,7 +79,8 @@ def wants_sync(args: argparse.Namespace) -> bool:
                                       ("--layout", args.layout),
                                       ("--precision", args.precision),
                                       ("--optimizer", args.optimizer != "sgd" or None),
-                                      ("--whole-blocks", args.whole_blocks or None))
+                                      ("--whole-blocks", args.whole_blocks or None),
+                                      ("--zero-levels", args.zero_levels))
              if value is not None]
     if args.global_batch is None:
         if extra:
@@ -98,6 +103,24 @@ def _kinds(args: argparse.Namespace) -> tuple[PipelineKind, ...]:
     return (PipelineKind(args.schedule),)
 
 
+def _mixed_levels(result: SyncPlan) -> str:
+    """Where stages shard at different ZeRO levels (the layout names none then), which."""
+    levels = [st.option.zero for st in result.stages]
+    if len(set(levels)) < 2:
+        return ""
+    return "; ZeRO levels by stage " + "-".join(str(z) for z in levels)
+
+
+def _zero_levels(text: str | None) -> tuple[int, ...]:
+    if text is None:
+        return (0,)
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--zero-levels {text}: give ZeRO levels from 0 to 3, separated by "
+                          "commas, e.g. 0,1,2,3") from None
+
+
 def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
     """Plan, check and report the synchronous objective (module doc)."""
     layout = parse_layout(args.layout) if args.layout else None
@@ -110,7 +133,8 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         memory_bytes=memory_limit(args.memory, graph, topo),
         training=Training(args.precision, args.optimizer), sync=sync_from(args),
         kinds=_kinds(args), layout=layout, recompute=args.recompute,
-        tensor_split=args.mixed_splits, whole_blocks=args.whole_blocks)
+        tensor_split=args.mixed_splits, whole_blocks=args.whole_blocks,
+        zero_levels=_zero_levels(args.zero_levels))
     start = time.perf_counter()
     result = plan_sync(graph, topo, options)
     seconds = time.perf_counter() - start
@@ -186,7 +210,8 @@ def _lines(result: SyncPlan, graph: LayerGraph, topo: Topology, tflops: float | 
         "",
         f"layout {result.layout}: {d} copies x {p} stages x {t} workers a replica = "
         f"{result.workers_used} of {topo.num_workers} workers; {result.schedule.value}"
-        + (f", {result.virtual_stages} virtual stages" if result.virtual_stages > 1 else ""),
+        + (f", {result.virtual_stages} virtual stages" if result.virtual_stages > 1 else "")
+        + _mixed_levels(result),
         f"  global batch {result.global_batch}: {result.microbatches} microbatches of "
         f"{result.microbatch_size} a copy; {result.time_per_update_s:.4g} s per update, "
         f"bubble {100 * result.bubble_fraction:.1f}%",

@@ -30,7 +30,10 @@ class SyncOptions:
     where only that fits; ``tensor_split`` lets replicas split over a server's workers;
     ``whole_blocks`` gives every stage the same number of whole blocks, as Megatron-LM
     places them (:func:`~dreampipe.planning.sync_dp.whole_block_starts`), instead of the
-    best cuts."""
+    best cuts; ``zero_levels`` the ZeRO levels each replicated stage chooses among where
+    the layout names none (level 0 alone by default: every level offered multiplies a
+    stage's options, and the floors cannot skip what sharding makes fit;
+    docs/planner.md)."""
 
     global_batch: int
     microbatch_size: int | None = None
@@ -42,8 +45,18 @@ class SyncOptions:
     recompute: bool = False
     tensor_split: bool = True
     whole_blocks: bool = False
+    zero_levels: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
+        if not self.zero_levels or len(set(self.zero_levels)) < len(self.zero_levels) or \
+                not set(self.zero_levels) <= {0, 1, 2, 3}:
+            raise ConfigError(f"zero_levels={self.zero_levels}; give distinct ZeRO levels "
+                              "from 0 to 3, e.g. (0, 1, 2, 3) to search them all",
+                              "zero_levels")
+        if self.layout is not None and self.layout.zero and self.zero_levels != (0,):
+            raise ConfigError(f"zero_levels={self.zero_levels} with layout "
+                              f"{self.layout.text}, which fixes level {self.layout.zero}: "
+                              "drop z from the layout, or the levels", "zero_levels")
         if self.global_batch < 1:
             raise ConfigError(f"global_batch={self.global_batch}; give the samples of one "
                               "update, a whole number >= 1, e.g. 512", "global_batch")

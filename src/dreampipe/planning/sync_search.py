@@ -171,17 +171,19 @@ class SyncSearch:
         (:meth:`envelope`, per profiled minibatch) stays below ``theta``."""
         return band_width(self.envelope(t), theta)
 
-    @property
-    def zero(self) -> int:
-        """The ZeRO level replicated stages shard at: the layout's, else 0. Each stage's
-        level is its option's, so the program could choose it per stage, but four levels
-        make the search on GPT-3's shape three times slower than its budget
-        (docs/planner.md, "The synchronous objective")."""
-        return self.opts.layout.zero if self.opts.layout is not None else 0
+    def zero_levels(self, d: int) -> tuple[int, ...]:
+        """The ZeRO levels a stage on ``d`` replicas may shard at, each stage choosing its
+        own as one more option: the layout's level where it names one, else the
+        options' ``zero_levels`` (level 0 alone by default; docs/planner.md, "The
+        synchronous objective"); on one replica every level is level 0."""
+        layout = self.opts.layout
+        if layout is not None and layout.zero:
+            return (layout.zero,)
+        return self.opts.zero_levels if d > 1 else (0,)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
-        options = [replace(o, zero=self.zero) for o in self.options(t)]
+        options = [replace(o, zero=z) for o in self.options(t) for z in self.zero_levels(d)]
         return StageTables(self.inputs, options, t, d, b / self.base, splits_backward)
 
     def choices(self, fit: bool = True) -> Iterator[_Choice]:
@@ -227,8 +229,8 @@ class SyncSearch:
         limit = self.opts.memory_bytes
         if limit is None:
             return 1
-        state = self.least_weights(t) * self.opts.training.state_per_byte(
-            self.inputs.profiled_param_bytes, self.zero, d)
+        state = self.least_weights(t) * min(self.opts.training.state_per_byte(
+            self.inputs.profiled_param_bytes, z, d) for z in self.zero_levels(d))
         return max(1, math.ceil((state + self.least_kept(t) * b / self.base) / limit - 1e-9))
 
     @functools.cache  # noqa: B019 - one search, dropped with it
