@@ -29,8 +29,9 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
+from dreampipe.planning.sync_bands import band
 from dreampipe.planning.sync_objective import Slots
-from dreampipe.planning.sync_tables import StageTables, band
+from dreampipe.planning.sync_tables import StageTables
 
 __all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time",
            "whole_block_starts"]

@@ -33,13 +33,14 @@ from dreampipe.planning.costs import (
 from dreampipe.planning.held import range_max
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync, replica_groups
+from dreampipe.planning.sync_bands import band, band_allreduce_ends, capacity_of, row_sums
 from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
 from dreampipe.planning.sync_stage_option import Recompute, StageOption
 from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["StageTables", "TableInputs", "band"]
+__all__ = ["StageTables", "TableInputs"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -72,6 +73,10 @@ class StageTables:
         self.inputs, self.options, self.t, self.d = inputs, tuple(options), t, d
         self.fraction, self.splits_backward = fraction, splits_backward
         self.n = inputs.costs.n
+        #: each option's first twin but for its ZeRO level: what does not depend on the
+        #: level (compute, activations, the all-reduce's end) is made once for all twins
+        self._base = _bases(self.options)
+        self._twins = len(set(self._base)) < len(self._base)
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -102,13 +107,25 @@ class StageTables:
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray]:
+        if not self._twins:  # nothing to share: keep no copy
+            return self._at_level(x, self._terms(x, groups, *band(self.n, width)))
+        return self._at_level(x, self._band_terms(self._base[x], groups, width))
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
+    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None) -> _Terms:
         rows, last = band(self.n, width)
-        return self._priced(x, groups, rows, last)
+        return self._terms(x, groups, rows, last)
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
                 ) -> tuple[FloatArray, FloatArray]:
         """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape) at
         option ``x``'s ZeRO level."""
+        return self._at_level(x, self._terms(self._base[x], groups, rows, last))
+
+    def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
+               ) -> _Terms:
+        """What option ``x``'s stages ``rows..last`` cost at any ZeRO level: ``(forward,
+        compute, again, end, all-reduce, weight gradients)``."""
         costs = self._costs(self.options[x])
         full_compute, full_forward = self._at_fraction(x)
         forward = full_forward[rows, last]
@@ -119,11 +136,17 @@ class StageTables:
                                            self.inputs.sync, self.d)
         backward, weighed, made = self._prefix_sums(x)
         if self.d > 1:
-            end = _ends(backward, weighed, lat, per, self.inputs.topology.overlap, rows, last)
+            end = band_allreduce_ends(backward, weighed, lat, per,
+                                      self.inputs.topology.overlap, rows, last)
             ar = np.where(weights > 0, lat + per * weights, 0.0)
         else:
             end = ar = np.zeros_like(compute)
         wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
+        return forward, compute, again, end, ar, wgrad
+
+    def _at_level(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray]:
+        """``(tau, tail)`` of :meth:`_terms` at option ``x``'s ZeRO level."""
+        forward, compute, again, end, ar, wgrad = terms
         level = self.options[x].zero
         z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
                        weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
@@ -137,6 +160,8 @@ class StageTables:
     def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Option ``x``'s sums over its first layers (0 before the first) of the backward,
         the weights and the weight gradients' backward, at the microbatch."""
+        if self._base[x] != x:
+            return self._prefix_sums(self._base[x])
         costs, f = self._costs(self.options[x]), self.fraction
         backward = np.asarray(costs.layer_backward_s) * f
         share = np.asarray(self.inputs.weight_grad_share)
@@ -199,40 +224,63 @@ class StageTables:
         option ``x`` holds within ``room`` bytes per worker (-1 where not even none fit, inf
         where they cost nothing): a stage fits holding ``held`` exactly where
         ``held <= capacity``."""
-        return _capacity(*self._band_memory(x, width), room)
+        return capacity_of(*self._band_memory(x, width), room)
 
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
         ``held`` microbatches (:meth:`capacity`, for one stage)."""
         fixed, per = (float(a) for a in self._memory(x, first, last))
-        if fixed > room:  # :func:`_capacity` on one stage, in plain floats
+        if fixed > room:  # :func:`capacity_of` on one stage, in plain floats
             return False
         return per <= 0 or math.floor((room - fixed) / per) >= held
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _band_memory(self, x: int, width: int | None) -> tuple[FloatArray, FloatArray]:
-        return self._memory(x, *band(self.n, width))
+        if not self._twins:  # nothing to share: keep no copy
+            return self._memory(x, *band(self.n, width))
+        return self._at_zero(x, *self._band_parts(self._base[x], width))
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
+    def _band_parts(self, x: int, width: int | None) -> _MemoryParts:
+        return self._parts(x, *band(self.n, width))
 
     def _memory(self, x: int, rows: IntArray | int, last: IntArray | int
                 ) -> tuple[FloatArray, FloatArray]:
         """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last`` (index
         arrays of one shape, or one stage's first and last layer): ``fixed + held * per``
         bytes, its ZeRO level's state on its activations."""
-        inp, o = self.inputs, self.options[x]
-        state = self._costs(o).weights[rows, last] * inp.training.state_per_byte(
-            inp.profiled_param_bytes, o.zero, self.d)
-        if o.zero >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
-            state = state + self._largest_layer(x)[rows, last]
+        return self._at_zero(x, *self._parts(x, rows, last))
+
+    def _parts(self, x: int, rows: IntArray | int, last: IntArray | int) -> _MemoryParts:
+        """What :meth:`_memory` reads at any ZeRO level: ``(fixed, per)`` of the
+        activations, the weights' bytes and the largest layer's (0 where no option
+        shards at level 3)."""
         fixed, per = self._activations(x)
-        return fixed[rows, last] + state, per[rows, last]
+        weights = self._costs(self.options[x]).weights[rows, last]
+        largest = self._largest_layer(x)[rows, last] if self.d > 1 and any(
+            o.zero >= SHARDED_LEVEL for o in self.options) else 0.0
+        return fixed[rows, last], per[rows, last], weights, largest
+
+    def _at_zero(self, x: int, fixed: FloatArray, per: FloatArray, weights: FloatArray,
+                 largest: FloatArray | float) -> tuple[FloatArray, FloatArray]:
+        """:meth:`_memory` from :meth:`_parts`, at option ``x``'s ZeRO level."""
+        inp, level = self.inputs, self.options[x].zero
+        state = weights * inp.training.state_per_byte(inp.profiled_param_bytes, level, self.d)
+        if level >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
+            state = state + largest
+        return fixed + state, per
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _largest_layer(self, x: int) -> FloatArray:
+        if self._base[x] != x:
+            return self._largest_layer(self._base[x])
         return range_max(list(np.asarray(self._costs(self.options[x]).layer_weights)))
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
         """Option ``x``'s memory terms ``[i, j]`` without its weights' state."""
+        if self._base[x] != x:
+            return self._activations(self._base[x])
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
         fixed = (costs.backward_working + SENDS_KEPT * costs.sent) * f
@@ -244,13 +292,13 @@ class StageTables:
         mask = self._block_mask(o.blocks)
         layer_kept = np.diag(costs.kept) * f
         later = np.triu(np.ones((self.n, self.n), dtype=bool))
-        rest = _row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
+        rest = row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
         starts = np.zeros(self.n, dtype=bool)
         starts[1:] = np.asarray([b is not None and b != a for a, b in
                                  zip(inp.blocks, inp.blocks[1:], strict=False)])
         entry = np.where(mask & starts[None, :] & np.triu(later, 1),
                          inp.costs.cut_bytes[None, :] * f, 0.0)
-        return fixed + self._largest_block(layer_kept), first + rest + _row_sums(entry)
+        return fixed + self._largest_block(layer_kept), first + rest + row_sums(entry)
 
     # ---- helpers -----------------------------------------------------------------
     def _costs(self, o: StageOption) -> RangeCosts:
@@ -287,6 +335,8 @@ class StageTables:
     def _at_fraction(self, x: int) -> tuple[FloatArray, FloatArray]:
         """``(compute, forward)`` ``[i, j]`` of option ``x`` at the microbatch: scaled by its
         fraction, or a split stage's own (its collectives' latency once a microbatch)."""
+        if self._base[x] != x:
+            return self._at_fraction(self._base[x])
         o, f = self.options[x], self.fraction
         costs = self._costs(o)
         if o.split is None:
@@ -318,44 +368,13 @@ class StageTables:
         return max(sums.values(), default=0.0)
 
 
-def _capacity(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
-    """:meth:`StageTables.capacity` of memory terms ``fixed + held * per``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        most = np.where(per > 0, np.floor((room - fixed) / per), np.inf)
-    return np.asarray(np.where(fixed > room, -1.0, most))
+_Terms = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
+_MemoryParts = tuple[FloatArray, FloatArray, FloatArray, FloatArray | float]
 
 
-@functools.cache
-def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
-    """Index arrays ``(first, last)`` of stages over ``n`` layers: every ``[i, j]`` (None),
-    or ``[i, k]`` the stage of layers ``i..i + k`` for ``k < width``, past the last layer
-    clipped to it."""
-    rows = np.arange(n)[:, None]
-    if width is None:
-        return np.broadcast_to(rows, (n, n)), np.broadcast_to(np.arange(n)[None, :], (n, n))
-    last = np.minimum(rows + np.arange(width)[None, :], n - 1)
-    last.flags.writeable = False
-    return np.broadcast_to(rows, last.shape), last
-
-
-def _ends(pb: FloatArray, pw: FloatArray, lat: float, per: float, overlap: bool,
-          rows: IntArray, last: IntArray) -> FloatArray:
-    """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only
-    (index arrays whose ``last`` grows by one along the second axis from ``rows``), so
-    that a band of stages costs its own size, not the square; ``pb`` and ``pw`` sum the
-    backward and the weights over the first layers."""
-    later = last >= rows
-    if overlap:
-        h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
-        end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
-        end = end + lat + pb[last + 1] - per * pw[rows]
-    else:
-        end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
-    return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
-
-
-def _row_sums(masked: FloatArray) -> FloatArray:
-    """``[i, j]``: row ``i``'s entries ``i..j`` summed (entries left of ``i`` must be 0)."""
-    n = masked.shape[0]
-    return np.asarray(np.where(np.triu(np.ones((n, n), dtype=bool)),
-                               np.cumsum(masked, axis=1), 0.0))
+def _bases(options: Sequence[StageOption]) -> tuple[int, ...]:
+    """Each option's first twin: the same split, recomputation and blocks, at any ZeRO
+    level."""
+    first: dict[tuple[object, ...], int] = {}
+    return tuple(first.setdefault((id(o.split), o.recompute, o.blocks), x)
+                 for x, o in enumerate(options))

@@ -1,0 +1,63 @@
+"""Bands of layer ranges, and the array helpers the synchronous tables read.
+
+A band holds, for each first layer ``i``, the stages ``i..i + k`` for ``k`` below a
+width, so that a table of stages no longer than that costs ``n x width``, not ``n^2``
+(:mod:`dreampipe.planning.sync_tables`, docs/planner.md, "The synchronous objective").
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import numpy.typing as npt
+
+from dreampipe.planning.costs import FloatArray
+
+__all__ = ["band", "band_allreduce_ends", "capacity_of", "row_sums"]
+
+IntArray = npt.NDArray[np.int64]
+
+
+def capacity_of(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
+    """:meth:`~dreampipe.planning.sync_tables.StageTables.capacity` of memory terms
+    ``fixed + held * per``."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        most = np.where(per > 0, np.floor((room - fixed) / per), np.inf)
+    return np.asarray(np.where(fixed > room, -1.0, most))
+
+
+@functools.cache
+def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
+    """Index arrays ``(first, last)`` of stages over ``n`` layers: every ``[i, j]`` (None),
+    or ``[i, k]`` the stage of layers ``i..i + k`` for ``k < width``, past the last layer
+    clipped to it."""
+    rows = np.arange(n)[:, None]
+    if width is None:
+        return np.broadcast_to(rows, (n, n)), np.broadcast_to(np.arange(n)[None, :], (n, n))
+    last = np.minimum(rows + np.arange(width)[None, :], n - 1)
+    last.flags.writeable = False
+    return np.broadcast_to(rows, last.shape), last
+
+
+def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float, overlap: bool,
+          rows: IntArray, last: IntArray) -> FloatArray:
+    """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only
+    (index arrays whose ``last`` grows by one along the second axis from ``rows``), so
+    that a band of stages costs its own size, not the square; ``pb`` and ``pw`` sum the
+    backward and the weights over the first layers."""
+    later = last >= rows
+    if overlap:
+        h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
+        end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
+        end = end + lat + pb[last + 1] - per * pw[rows]
+    else:
+        end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
+    return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
+
+
+def row_sums(masked: FloatArray) -> FloatArray:
+    """``[i, j]``: row ``i``'s entries ``i..j`` summed (entries left of ``i`` must be 0)."""
+    n = masked.shape[0]
+    return np.asarray(np.where(np.triu(np.ones((n, n), dtype=bool)),
+                               np.cumsum(masked, axis=1), 0.0))
