@@ -77,6 +77,7 @@ class StageTables:
         #: level (compute, activations, the all-reduce's end) is made once for all twins
         self._base = _bases(self.options)
         self._twins = len(set(self._base)) < len(self._base)
+        self._sharded = d > 1 and any(o.zero >= SHARDED_LEVEL for o in self.options)
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -257,8 +258,7 @@ class StageTables:
         shards at level 3)."""
         fixed, per = self._activations(x)
         weights = self._costs(self.options[x]).weights[rows, last]
-        largest = self._largest_layer(x)[rows, last] if self.d > 1 and any(
-            o.zero >= SHARDED_LEVEL for o in self.options) else 0.0
+        largest = self._largest_layer(x)[rows, last] if self._sharded else 0.0
         return fixed[rows, last], per[rows, last], weights, largest
 
     def _at_zero(self, x: int, fixed: FloatArray, per: FloatArray, weights: FloatArray,
