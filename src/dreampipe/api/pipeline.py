@@ -335,7 +335,7 @@ class Pipeline:
         runner.drain()
         per = self.layout.microbatches_per_update
         microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
-        for u, loss in self.runner.losses.items():
+        for u, loss in runner.losses.items():
             microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
         microbatch_losses = all_reduced(microbatch_losses, self.device)
         values = [v * self._feed.share(u) for u, v in enumerate(microbatch_losses.tolist())]

@@ -40,8 +40,8 @@ def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
     return np.broadcast_to(rows, last.shape), last
 
 
-def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float, overlap: bool,
-          rows: IntArray, last: IntArray) -> FloatArray:
+def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
+                        overlap: bool, rows: IntArray, last: IntArray) -> FloatArray:
     """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only
     (index arrays whose ``last`` grows by one along the second axis from ``rows``), so
     that a band of stages costs its own size, not the square; ``pb`` and ``pw`` sum the

@@ -109,7 +109,7 @@ class StageTables:
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray]:
         if not self._twins:  # nothing to share: keep no copy
-            return self._at_level(x, self._terms(x, groups, *band(self.n, width)))
+            return self._at_level(x, self._terms(self._base[x], groups, *band(self.n, width)))
         return self._at_level(x, self._band_terms(self._base[x], groups, width))
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
@@ -126,7 +126,8 @@ class StageTables:
     def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
                ) -> _Terms:
         """What option ``x``'s stages ``rows..last`` cost at any ZeRO level: ``(forward,
-        compute, again, end, all-reduce, weight gradients)``."""
+        compute, again, end, all-reduce, weight gradients)``; ``x`` is the first of its
+        twins, so that the level-free helpers it reads are made once for them."""
         costs = self._costs(self.options[x])
         full_compute, full_forward = self._at_fraction(x)
         forward = full_forward[rows, last]
@@ -161,8 +162,6 @@ class StageTables:
     def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Option ``x``'s sums over its first layers (0 before the first) of the backward,
         the weights and the weight gradients' backward, at the microbatch."""
-        if self._base[x] != x:
-            return self._prefix_sums(self._base[x])
         costs, f = self._costs(self.options[x]), self.fraction
         backward = np.asarray(costs.layer_backward_s) * f
         share = np.asarray(self.inputs.weight_grad_share)
@@ -250,12 +249,12 @@ class StageTables:
         """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last`` (index
         arrays of one shape, or one stage's first and last layer): ``fixed + held * per``
         bytes, its ZeRO level's state on its activations."""
-        return self._at_zero(x, *self._parts(x, rows, last))
+        return self._at_zero(x, *self._parts(self._base[x], rows, last))
 
     def _parts(self, x: int, rows: IntArray | int, last: IntArray | int) -> _MemoryParts:
         """What :meth:`_memory` reads at any ZeRO level: ``(fixed, per)`` of the
         activations, the weights' bytes and the largest layer's (0 where no option
-        shards at level 3)."""
+        shards at level 3); ``x`` is an option's first twin, as for :meth:`_terms`."""
         fixed, per = self._activations(x)
         weights = self._costs(self.options[x]).weights[rows, last]
         largest = self._largest_layer(x)[rows, last] if self._sharded else 0.0
@@ -272,15 +271,11 @@ class StageTables:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _largest_layer(self, x: int) -> FloatArray:
-        if self._base[x] != x:
-            return self._largest_layer(self._base[x])
         return range_max(list(np.asarray(self._costs(self.options[x]).layer_weights)))
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
         """Option ``x``'s memory terms ``[i, j]`` without its weights' state."""
-        if self._base[x] != x:
-            return self._activations(self._base[x])
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
         fixed = (costs.backward_working + SENDS_KEPT * costs.sent) * f
@@ -335,8 +330,6 @@ class StageTables:
     def _at_fraction(self, x: int) -> tuple[FloatArray, FloatArray]:
         """``(compute, forward)`` ``[i, j]`` of option ``x`` at the microbatch: scaled by its
         fraction, or a split stage's own (its collectives' latency once a microbatch)."""
-        if self._base[x] != x:
-            return self._at_fraction(self._base[x])
         o, f = self.options[x], self.fraction
         costs = self._costs(o)
         if o.split is None:
