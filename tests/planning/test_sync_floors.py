@@ -1,15 +1,16 @@
-"""The synchronous search's floors: the stages' reach answers as a plain greedy does."""
+"""The synchronous search's floors: the stages' reach answers as a plain greedy does, and
+the memory's floor stays below every choice of options that fits."""
 
 from __future__ import annotations
 
 import math
-from itertools import combinations
+from itertools import combinations, product
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dreampipe.planning.sync_floors import Reach, envelope, least_largest
+from dreampipe.planning.sync_floors import Reach, envelope, least_largest, least_within
 
 __all__: list[str] = []
 
@@ -65,3 +66,30 @@ def test_least_largest_is_the_least_largest_stage_of_any_cut(times: list[float],
     best = min(max(env[a, b - 1] for a, b in zip((0, *cuts), (*cuts, n), strict=True))
                for k in range(min(count, n)) for cuts in combinations(range(1, n), k))
     assert best - 1e-3 * env[0, -1] - 1e-12 <= floor <= best + 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.data())
+def test_least_within_is_below_every_choice_that_fits_and_tight_where_the_fastest_fits(
+        rows: int, layers: int, data: st.DataObject) -> None:
+    """Brute force over every row of each layer: no choice whose memory fits sums less
+    time than the floor, the floor is infinite only where none fits, and it is the least
+    sum where the fastest rows fit."""
+    values = st.floats(0.0, 10.0, allow_nan=False)
+    times = np.array(data.draw(st.lists(st.lists(values, min_size=layers, max_size=layers),
+                                        min_size=rows, max_size=rows)))
+    memory = np.array(data.draw(st.lists(st.lists(values, min_size=layers, max_size=layers),
+                                         min_size=rows, max_size=rows)))
+    room = data.draw(st.floats(0.0, 10.0 * layers))
+    fitting = [sum(times[o, k] for k, o in enumerate(pick))
+               for pick in product(range(rows), repeat=layers)
+               if sum(memory[o, k] for k, o in enumerate(pick)) <= room]
+    floor = least_within(times, memory, room)
+    if not fitting:
+        assert floor == math.inf
+        return
+    best = min(fitting)
+    assert floor <= best * (1 + 1e-9) + 1e-12
+    if sum(memory[np.argmin(times, axis=0), np.arange(layers)]) <= room:
+        assert floor == float(np.sum(np.min(times, axis=0)))
+

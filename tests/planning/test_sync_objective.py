@@ -48,6 +48,16 @@ def _graphs(draw: st.DrawFn) -> LayerGraph:
                   [draw(st.sampled_from([0, 10**6, 10**7])) for _ in range(n)])
 
 
+@st.composite
+def _heavy_graphs(draw: st.DrawFn) -> LayerGraph:
+    """Chains whose weights' state, not their activations, fills the memory: where
+    sharding it is what fits."""
+    n = draw(st.integers(1, 5))
+    return _chain([draw(st.floats(0.1, 10.0)) for _ in range(n)],
+                  [draw(st.sampled_from([10**6, 10**7])) for _ in range(n)],
+                  [draw(st.sampled_from([10**7, 10**8])) for _ in range(n)])
+
+
 def _compositions(n: int, parts: int) -> Iterator[list[tuple[int, int]]]:
     for cuts in itertools.combinations(range(1, n), parts - 1):
         edges = [0, *cuts, n]
@@ -132,16 +142,6 @@ def test_the_program_finds_what_brute_force_finds(
         found.microbatch_size
 
 
-@st.composite
-def _heavy_graphs(draw: st.DrawFn) -> LayerGraph:
-    """Chains whose weights' state, not their activations, fills the memory: where
-    sharding it is what fits."""
-    n = draw(st.integers(1, 5))
-    return _chain([draw(st.floats(0.1, 10.0)) for _ in range(n)],
-                  [draw(st.sampled_from([10**6, 10**7])) for _ in range(n)],
-                  [draw(st.sampled_from([10**7, 10**8])) for _ in range(n)])
-
-
 @settings(max_examples=60, deadline=None)
 @given(_heavy_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
        st.sampled_from([None, 3 * 10**8, 10**9]), st.booleans())
@@ -220,18 +220,21 @@ def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
         assert free.time_per_update_s <= found.time_per_update_s * (1 + 1e-9)
 
 
-@settings(max_examples=8, deadline=None)
-@given(_graphs(), st.sampled_from(["2x2", "4"]), st.sampled_from([1e8, 1e10]),
-       st.sampled_from([4, 8]), st.sampled_from([None, 3 * 10**7, 3 * 10**8]))
+@settings(max_examples=20, deadline=None)
+@given(st.one_of(_graphs(), _heavy_graphs()), st.sampled_from(["2x2", "4"]),
+       st.sampled_from([1e8, 1e10]), st.sampled_from([4, 8]),
+       st.sampled_from([None, 3 * 10**7, 3 * 10**8, 10**9]),
+       st.sampled_from([(0,), (0, 1, 2, 3), (2, 3)]))
 def test_each_choice_takes_at_least_its_floor_and_the_band_keeps_its_optimum(
-        graph: LayerGraph, shape: str, bandwidth: float, batch: int, memory: int | None
-) -> None:
-    """The search skips a choice by its floors, a choice that cannot hold the weights'
-    state, and stages longer than the band: each must lose nothing."""
+        graph: LayerGraph, shape: str, bandwidth: float, batch: int, memory: int | None,
+        levels: tuple[int, ...]) -> None:
+    """The search skips a choice by its floors (its memory's among them), a choice that
+    cannot hold the weights' state, and stages longer than the band: each must lose
+    nothing, at every ZeRO level offered."""
     topo = Topology.parse(shape, [f"{bandwidth}B/s"] * len(shape.split("x")))
     search = SyncSearch(graph, topo, SyncOptions(
         global_batch=batch, memory_bytes=memory, recompute=True,
-        training=Training("bf16", "adam")))
+        training=Training("bf16", "adam"), zero_levels=levels))
     kept = set(search.choices())
     for choice in search.choices(fit=False):
         found = search.run(choice)

@@ -15,6 +15,7 @@ the inputs of these terms for any candidate stage.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -23,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.held import held_bytes
+from dreampipe.planning.held import held_bytes, range_max
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -334,6 +335,17 @@ class RangeCosts:
         assert self.layer_backward_s is not None and self.layer_weights is not None
         return allreduce_ends(self.layer_backward_s, self.layer_weights, latency, per_byte,
                               overlap=overlap)
+
+    @functools.cached_property
+    def held_besides(self) -> FloatArray:
+        """``[i, j]``: a stage's backward working set and the sends it keeps, made once."""
+        return np.asarray(self.backward_working + SENDS_KEPT * self.sent)
+
+    @functools.cached_property
+    def largest_weights(self) -> FloatArray:
+        """``[i, j]``: the largest one layer's weights in ``i..j``, made once."""
+        assert self.layer_weights is not None
+        return range_max(list(np.asarray(self.layer_weights)))
 
     @property
     def forward(self) -> FloatArray:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.operator_search import Link, layer_costs, split_front
@@ -27,6 +28,10 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["StageSplit", "fits_servers", "split_costs", "split_latencies", "split_options"]
+
+IntArray = npt.NDArray[np.int64]
+#: Every range of a table, as an index.
+_ALL = slice(None)
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,15 +44,17 @@ class StageSplit:
     costs: RangeCosts
     latencies: tuple[FloatArray, FloatArray] | None = None
 
-    def at_fraction(self, fraction: float) -> tuple[FloatArray, FloatArray]:
-        """``(compute, forward)`` of a microbatch ``fraction`` of the profiled one: the
+    def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
+                    last: IntArray | slice = _ALL) -> tuple[FloatArray, FloatArray]:
+        """``(compute, forward)`` of a microbatch ``fraction`` of the profiled one, of the
+        stages ``rows..last`` (index arrays of one shape; every range by default): the
         times scale, their collectives' message latencies (``latencies``) do not."""
         c = self.costs
         if self.latencies is None:
-            return c.compute_s * fraction, c.forward * fraction
-        fixed, fixed_forward = self.latencies
-        return ((c.compute_s - fixed) * fraction + fixed,
-                (c.forward - fixed_forward) * fraction + fixed_forward)
+            return c.compute_s[rows, last] * fraction, c.forward[rows, last] * fraction
+        fixed, fixed_forward = (x[rows, last] for x in self.latencies)
+        return ((c.compute_s[rows, last] - fixed) * fraction + fixed,
+                (c.forward[rows, last] - fixed_forward) * fraction + fixed_forward)
 
     def layers(self, first: int, last: int) -> tuple[Split, ...]:
         """The splits of a stage of layers ``first..last``."""

@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 
-__all__ = ["band", "band_allreduce_ends", "capacity_of", "row_sums"]
+__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "row_sums"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -41,19 +41,38 @@ def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
 
 
 def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
-                        overlap: bool, rows: IntArray, last: IntArray) -> FloatArray:
-    """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only
-    (index arrays whose ``last`` grows by one along the second axis from ``rows``), so
-    that a band of stages costs its own size, not the square; ``pb`` and ``pw`` sum the
-    backward and the weights over the first layers."""
+                        overlap: bool, rows: IntArray, last: IntArray, is_column: bool = False
+                        ) -> FloatArray:
+    """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only,
+    so that a band of stages costs its own size, not the square: index arrays whose
+    ``last`` grows by one along the second axis from ``rows`` (a band), or, with
+    ``is_column``, stages that all end at the profile's last layer (:func:`edge`);
+    ``pb`` and ``pw`` sum the backward and the weights over the first layers."""
     later = last >= rows
     if overlap:
         h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
-        end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
+        if is_column:  # the maximum from the last layer back
+            end = np.maximum.accumulate(h[::-1])[::-1][rows]
+        else:
+            end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
         end = end + lat + pb[last + 1] - per * pw[rows]
     else:
         end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
     return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
+
+
+@functools.cache
+def edge(n: int, width: int, last_slot: bool) -> tuple[IntArray, IntArray, tuple[IntArray, ...]]:
+    """The stages of at most ``width`` layers over ``n`` that a pipeline's first slot may
+    take (they start at layer 0: the band's first row) or, with ``last_slot``, its last
+    (they end at layer ``n - 1``: a column, one stage a row): index arrays ``(first,
+    last)`` and where each stage sits in the band (:func:`band`)."""
+    if not last_slot:
+        k = np.arange(width)[None, :]
+        return np.zeros_like(k), np.minimum(k, n - 1), (np.zeros_like(k), k)
+    first = np.arange(max(0, n - width), n)[:, None]
+    last = np.full_like(first, n - 1)
+    return first, last, (first, last - first)
 
 
 def row_sums(masked: FloatArray) -> FloatArray:

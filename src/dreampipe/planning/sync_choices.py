@@ -3,7 +3,7 @@
 :class:`SyncOptions` is the search's input; :func:`copies_tried`, :func:`divisors` and
 :func:`stage_counts` list the copies of the pipeline, the microbatch sizes and the stage
 counts that :mod:`dreampipe.planning.sync_search` tries (docs/planner.md, "The
-synchronous objective").
+synchronous objective"); :func:`check_whole_blocks` checks a search of whole blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.sync_objective import PipelineKind
 
-__all__ = ["SyncOptions", "copies_tried", "divisors", "stage_counts"]
+__all__ = ["SyncOptions", "check_whole_blocks", "copies_tried", "divisors", "stage_counts"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,3 +103,20 @@ def stage_counts(kind: PipelineKind, v: int, m: int, n: int, stages: list[int]
 def divisors(k: int) -> list[int]:
     """Every whole number that divides ``k``."""
     return [x for x in range(1, k + 1) if k % x == 0]
+
+
+def check_whole_blocks(blocks: tuple[int | None, ...], layout: Layout | None,
+                       model: str) -> None:
+    """Whole blocks need blocks, and a layout's stages must share them evenly."""
+    count = len({b for b in blocks if b is not None})
+    if not count:
+        raise PlanError(f"whole blocks a stage, but profile {model} has no blocks (a gpt: "
+                        "profile's transformer layers); drop --whole-blocks")
+    if layout is None:
+        return
+    chunks = layout.p * (layout.v or 1)  # without v, p must divide them at least
+    if count % chunks:
+        raise PlanError(f"layout {layout.text} cuts {count} blocks into {chunks} stages of "
+                        "whole blocks, which do not divide them; give "
+                        f"{'p v' if layout.v else 'p'} dividing {count}, or drop "
+                        "--whole-blocks")

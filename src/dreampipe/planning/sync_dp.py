@@ -30,6 +30,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 from dreampipe.planning.sync_bands import band
+from dreampipe.planning.sync_bands import edge as stage_edge
 from dreampipe.planning.sync_objective import Slots
 from dreampipe.planning.sync_tables import StageTables
 
@@ -97,7 +98,6 @@ class _Slots:
             edge[[*starts, n]] = True
             self.inside &= edge[self.rows] & edge[np.minimum(self.last + 1, n)]
         self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
-        self._rooms: dict[int, FloatArray] = {}
         self._cuts: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
@@ -107,53 +107,68 @@ class _Slots:
                 self.slots.blocks[c], self.slots.blocks[c + 1])
         return self._cuts[c]
 
-    def _band(self, x: int, block: int) -> tuple[FloatArray, FloatArray]:
-        return self.tables.times(x, block, self.width)
-
-    def _room(self, x: int) -> FloatArray:
-        if x not in self._rooms:
-            assert self.memory is not None
-            self._rooms[x] = self.tables.capacity(x, self.memory * self.slots.memory_share,
-                                                  self.width)
-        return self._rooms[x]
+    @staticmethod
+    def _edge(c: int, count: int) -> bool | None:
+        """Which stages slot ``c`` may take: those from layer 0 (False: the first slot,
+        which holds the last's where there is one slot), those to the last layer (True:
+        the last slot), or the whole band (None)."""
+        return False if c == 0 else True if c == count - 1 else None
 
     def values(self, c: int, tail_below: float = math.inf) -> tuple[FloatArray, IntArray]:
         """``[i, k]``: slot ``c``'s best value over the options whose tail is below
-        ``tail_below``, and which option."""
+        ``tail_below``, and which option (the first of those with the least value)."""
         sl = self.slots
         cut = self._cut(c)
-        key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below)
+        edge = self._edge(c, sl.count)
+        key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below,
+               edge)
         if key not in self._seen:
-            self._seen[key] = self._values(c, cut, tail_below)
+            self._seen[key] = self._values(c, cut, tail_below, edge)
         return self._seen[key]
 
-    def _values(self, c: int, cut: FloatArray, tail_below: float
+    def _values(self, c: int, cut: FloatArray, tail_below: float, edge: bool | None
                 ) -> tuple[FloatArray, IntArray]:
-        sl = self.slots
-        after = cut[self.last]
-        best = np.full(self.last.shape, np.inf)
-        pick = np.zeros(self.last.shape, dtype=np.int64)
-        for x in range(len(self.tables.options)):
-            tau, tail = self._band(x, sl.blocks[c])
+        sl, tables, block, width = self.slots, self.tables, self.slots.blocks[c], self.width
+        # the first slot starts at layer 0 and the last ends at the last layer: each reads
+        # only those stages
+        last, at = self.last, None
+        if edge is not None:
+            _, last, at = stage_edge(tables.n, width, edge)
+        after = cut[last]
+        inside = self.inside if at is None else self.inside[at]
+        room = None if self.memory is None else self.memory * sl.memory_share
+        best = np.full(last.shape, np.inf)
+        pick = np.zeros(last.shape, dtype=np.int64)
+        for x in range(len(tables.options)):
+            ok = inside
+            if room is not None:  # first: an option that fits no stage costs no times
+                ok = (tables.capacity(x, room, width) if edge is None else
+                      tables.edge_capacity(x, room, width, edge)) >= sl.in_flight[c]
+                ok &= inside
+                if not ok.any():
+                    continue
+            tau, tail = tables.times(x, block, width) if edge is None else \
+                tables.edge_times(x, block, width, edge)
             value = tau + after
             value *= sl.factor
-            ok = tail < tail_below
-            ok &= self.inside
-            if self.memory is not None:
-                ok &= self._room(x) >= sl.in_flight[c]
-            better = value < best
-            better &= ok  # options in order win ties
-            best[better] = value[better]
-            pick[better] = x
-        return best, pick
+            better = tail < tail_below
+            better &= ok
+            better &= value < best  # options in order win ties
+            np.copyto(best, value, where=better)
+            np.copyto(pick, x, where=better)
+        if at is None:
+            return best, pick
+        full, chosen = np.full(self.last.shape, np.inf), np.zeros(self.last.shape, np.int64)
+        full[at], chosen[at] = best, pick
+        return full, chosen
 
     def terms(self, c: int, chosen: Chosen) -> StageTerms:
         """Slot ``c``'s terms for ``chosen``."""
         sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
-        if j - i < self.width:  # the band the program read
-            taus, tails = self._band(x, sl.blocks[c])
+        if self._edge(c, sl.count) is None and j - i < self.width:  # the band it read
+            taus, tails = self.tables.times(x, sl.blocks[c], self.width)
             tau, tail = float(taus[i, j - i]), float(tails[i, j - i])
-        else:
+        else:  # an edge's stage, priced as its edge prices it
             tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
         cut = float(self._cut(c)[j])
         memory = self.tables.memory_at(x, sl.in_flight[c], i, j)

@@ -21,12 +21,26 @@ import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
+from dreampipe.planning.sync_stage_option import Recompute, StageOption
+from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
-__all__ = ["Reach", "band_width", "envelope", "least_largest", "least_largest_with_cut",
-           "least_layers", "least_sum", "scaled_computes"]
+__all__ = [
+    "Reach",
+    "band_width",
+    "envelope",
+    "layer_floors",
+    "least_largest",
+    "least_largest_with_cut",
+    "least_layers",
+    "least_sum",
+    "least_within",
+    "scaled_computes",
+]
 
 #: Bisection stops within this share of its upper end, and keeps the lower.
 _PRECISION = 1e-3
+#: Bisection steps of :func:`least_within`'s multiplier, over decades.
+_DUAL_STEPS = 14
 
 
 def scaled_computes(whole: RangeCosts, splits: Iterable[StageSplit | None]
@@ -41,18 +55,78 @@ def scaled_computes(whole: RangeCosts, splits: Iterable[StageSplit | None]
 def least_layers(whole: RangeCosts, splits: Iterable[StageSplit | None]) -> float:
     """A floor on the sum of a pipeline's stages' compute for a profiled minibatch: each
     layer's least over the options (``whole``'s, or a split's), which every stage sums at
-    least. A split layer alone pays its stage's entry and exit collectives, which a longer
-    stage shares: its share of the unsplit layer is its floor then."""
-    alone = np.diag(whole.forward) + np.asarray(whole.layer_backward_s)
-    per_layer = []
-    for split in splits:
-        if split is None:
-            per_layer.append(alone)
-            continue
-        c = split.costs
-        own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - np.diag(_latencies(split))
-        per_layer.append(np.minimum(np.maximum(0.0, own), alone / split.t))
-    return float(np.sum(np.min(np.stack(per_layer), axis=0)))
+    least (:func:`layer_floors`)."""
+    return float(np.sum(np.min(np.stack([layer_floors(whole, s)[0] for s in splits]),
+                               axis=0)))
+
+
+def layer_floors(whole: RangeCosts, split: StageSplit | None) -> tuple[FloatArray, FloatArray]:
+    """Each layer's floor on its compute and on its forward for a profiled minibatch, run
+    unsplit (``whole``'s) or as ``split``: a stage's sums at least these over its layers.
+    A split layer alone pays its stage's entry and exit collectives, which a longer stage
+    shares: its share of the unsplit layer is its floor then."""
+    forward = np.diag(whole.forward)
+    alone = forward + np.asarray(whole.layer_backward_s)
+    if split is None:
+        return alone, forward
+    c = split.costs
+    latency = np.diag(_latencies(split))
+    own_forward = np.diag(c.forward) - np.diag(_forward_latencies(split))
+    own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - latency
+    return (np.minimum(np.maximum(0.0, own), alone / split.t),
+            np.minimum(np.maximum(0.0, own_forward), forward / split.t))
+
+
+def least_stage_sum(whole: RangeCosts, options: Sequence[StageOption],
+                    state: dict[int, float], per: float, fraction: float, held: int,
+                    room: float) -> float:
+    """A floor on the sum of the ``tau`` of a pipeline's stages, microbatches ``fraction``
+    of the profiled one, each stage holding ``held`` or more, whose memory sums to at most
+    ``room``: each layer runs as one of ``options`` at one ZeRO level ``z`` (``state``:
+    bytes of state a byte of weights keeps there), which adds to the sum at least its
+    compute (:func:`layer_floors`), its forward again where it recomputes and, at level 3,
+    its gathers (``per`` seconds a byte, an all-reduce's bytes), and to the memory at
+    least its weights' state and what it keeps of the microbatches it holds (of one
+    where it recomputes, none block by block); :func:`least_within` bounds the least."""
+    times, memory = [], []
+    for o in options:
+        costs = whole if o.split is None else o.split.costs
+        compute, forward = layer_floors(whole, o.split)
+        weights, kept = np.diag(costs.weights), np.diag(costs.kept) * fraction
+        again = forward if o.recompute is Recompute.STAGE else 0.0
+        kept = kept * {Recompute.NONE: held, Recompute.STAGE: 1}.get(o.recompute, 0)
+        for z, per_byte in state.items():
+            times.append((compute + again) * fraction
+                         + (per * weights if z >= SHARDED_LEVEL else 0.0))
+            memory.append(weights * per_byte + kept)
+    return least_within(np.stack(times), np.stack(memory), room)
+
+
+def least_within(times: FloatArray, memory: FloatArray, room: float) -> float:
+    """A floor on ``sum_l times[o_l, l]`` over every choice of a row ``o_l`` for each layer
+    ``l`` whose ``sum_l memory[o_l, l]`` is at most ``room``: the Lagrangian dual
+    ``max over y >= 0 of sum_l min_o (times + y memory) - y room``, which any ``y`` bounds
+    from below (weak duality); ``inf`` where even the leanest rows exceed ``room``."""
+    leanest = float(np.sum(np.min(memory, axis=0)))
+    if leanest > room:
+        return math.inf
+    best = float(np.sum(np.min(times, axis=0)))
+    if float(np.sum(memory[np.argmin(times, axis=0), np.arange(times.shape[1])])) <= room:
+        return best  # the fastest rows fit
+    cols = np.arange(times.shape[1])
+    lo, hi = -20.0, 0.0  # log10 of y: bisect where the rows' memory crosses room
+    while float(np.sum(memory[np.argmin(times + 10.0 ** hi * memory, axis=0), cols])) > room:
+        lo, hi = hi, hi + 10.0
+    for _ in range(_DUAL_STEPS):
+        y = 10.0 ** ((lo + hi) / 2)
+        priced = times + y * memory
+        pick = np.argmin(priced, axis=0)
+        best = max(best, float(np.sum(priced[pick, cols])) - y * room)
+        if float(np.sum(memory[pick, cols])) > room:
+            lo = (lo + hi) / 2
+        else:
+            hi = (lo + hi) / 2
+    return best
 
 
 def least_sum(whole: RangeCosts, splits: Iterable[StageSplit | None],
@@ -161,3 +235,9 @@ def _latencies(split: StageSplit) -> FloatArray:
     """A split's collectives' message latencies ``[i, j]`` (zeros without)."""
     return (np.zeros_like(split.costs.compute_s) if split.latencies is None
             else split.latencies[0])
+
+
+def _forward_latencies(split: StageSplit) -> FloatArray:
+    """The forward's part of :func:`_latencies`."""
+    return (np.zeros_like(split.costs.compute_s) if split.latencies is None
+            else split.latencies[1])

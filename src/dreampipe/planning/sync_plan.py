@@ -19,6 +19,7 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.sync_dp import StageTerms
 from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_stage_option import Recompute, StageOption
+from dreampipe.planning.sync_tables import StageTables
 from dreampipe.profiling.gpt_shapes import blocks_recomputed
 from dreampipe.profiling.gpt_spec import BY_SHAPE, parse_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
@@ -53,6 +54,18 @@ class SyncStage:
         c = terms.chosen
         return cls(c.first, c.last, option, terms.tau_s, forward_s, terms.cut_s, terms.tail_s,
                    allreduce_s, terms.memory_bytes, terms.held, block, recomputed)
+
+    @classmethod
+    def priced(cls, terms: StageTerms, tables: StageTables, block: int, b: int, base: int
+               ) -> SyncStage:
+        """The stage ``terms`` chose on worker ``block``, its forward and all-reduce read
+        from ``tables`` at microbatches of ``b`` samples of the profiled ``base``."""
+        c = terms.chosen
+        option = tables.options[c.option]
+        costs = tables.inputs.costs if option.split is None else option.split.costs
+        return cls.of(terms, option, float(costs.forward[c.first, c.last]) * b / base,
+                      tables.allreduce(c.option, block, c.first, c.last), block,
+                      tables.recomputed(c.option, c.first, c.last))
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,17 @@ import numpy as np
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import FloatArray, RangeCosts
-from dreampipe.planning.layout import Layout
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import profiled_param_bytes
-from dreampipe.planning.sync_choices import SyncOptions, copies_tried, divisors, stage_counts
+from dreampipe.planning.sync import replica_groups
+from dreampipe.planning.sync_choices import (
+    SyncOptions,
+    check_whole_blocks,
+    copies_tried,
+    divisors,
+    stage_counts,
+)
 from dreampipe.planning.sync_dp import StageTerms, best_stages, whole_block_starts
 from dreampipe.planning.sync_floors import (
     Reach,
@@ -42,9 +48,11 @@ from dreampipe.planning.sync_floors import (
     least_largest,
     least_largest_with_cut,
     least_layers,
+    least_stage_sum,
     least_sum,
     scaled_computes,
 )
+from dreampipe.planning.sync_links import replica_allreduce_terms
 from dreampipe.planning.sync_objective import (
     PipelineKind,
     Slots,
@@ -56,6 +64,7 @@ from dreampipe.planning.sync_plan import SyncPlan, SyncStage
 from dreampipe.planning.sync_stage_option import Recompute, StageOption, layer_blocks
 from dreampipe.planning.sync_tables import StageTables, TableInputs
 from dreampipe.planning.topology import Topology
+from dreampipe.planning.zero_terms import SHARDED_LEVEL
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["MAX_VIRTUAL_STAGES", "SyncSearch", "plan_sync"]
@@ -111,7 +120,7 @@ class SyncSearch:
                             f"a stage, but profile {graph.model or 'model'} has no blocks (a "
                             "gpt: profile's transformer layers); drop -r")
         if opts.whole_blocks:
-            _check_whole_blocks(blocks, layout, graph.model or "model")
+            check_whole_blocks(blocks, layout, graph.model or "model")
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def options(self, t: int) -> tuple[StageOption, ...]:
@@ -251,18 +260,39 @@ class SyncSearch:
         phi = factor(c.kind, c.p, m, c.v, self.rho)
         return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def least_taus(self, t: int, d: int, b: int, held: int, p: int) -> float:
+        """A floor on the sum of the ``tau`` of a pipeline's stages on ``p`` workers, ``d``
+        replicas of ``t`` workers, microbatches of ``b``, each stage holding ``held`` or
+        more, within the memory limit
+        (:func:`~dreampipe.planning.sync_floors.least_stage_sum`); level-3 gathers at the
+        cheapest rate of the ``p`` worker blocks."""
+        limit, levels, size = self.opts.memory_bytes, self.zero_levels(d), d * t
+        if limit is None:
+            return self.least_compute(t) * b / self.base
+        state = [self.opts.training.state_per_byte(self.inputs.profiled_param_bytes, z, d)
+                 for z in levels]
+        per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
+            replica_groups(tuple(range(k * size, (k + 1) * size, t)), self.topology), t,
+            self.topology, self.opts.sync, d)[1] for k in range(p))
+        return least_stage_sum(self.inputs.costs, self.options(t), dict(zip(levels, state,
+                               strict=True)), per, b / self.base, held, p * limit)
+
     def floor_with_cuts(self, c: _Choice, floor: float) -> float:
         """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last
         adds its cut, at least the least cut between its worker blocks, to its ``tau``;
         :func:`~dreampipe.planning.sync_floors.least_largest_with_cut` at the
-        microbatch."""
-        if c.p * c.v < 2:
-            return floor
+        microbatch; and by the memory: ``phi`` times the mean stage's :meth:`least_taus`
+        and cut."""
         m = self.opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
+        taus = self.least_taus(c.t, c.d, c.b, min(sl.in_flight), c.p)
+        if sl.count < 2:
+            return max(floor, sl.factor * taus)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
         cut = min(float(np.min(tables.cut(a, b)[:-1]))
                   for a, b in set(itertools.pairwise(sl.blocks)))
+        floor = max(floor, sl.factor * (taus + (sl.count - 1) * cut) / sl.count)
         lo = least_largest_with_cut(self.envelope(c.t), c.b / self.base, cut, sl.count,
                                     floor / sl.factor)
         return max(floor, sl.factor * lo)
@@ -311,38 +341,14 @@ class SyncSearch:
 
     def _plan(self, c: _Choice, sl: Slots, tables: StageTables, value: float,
               terms: list[StageTerms], m: int) -> SyncPlan:
-        stages = []
-        for k, x in enumerate(terms):
-            ch = x.chosen
-            option = tables.options[ch.option]
-            costs = self.inputs.costs if option.split is None else option.split.costs
-            forward = float(costs.forward[ch.first, ch.last]) * c.b / self.base
-            ar = tables.allreduce(ch.option, sl.blocks[k], ch.first, ch.last)
-            stages.append(SyncStage.of(x, option, forward, ar, sl.blocks[k],
-                                       tables.recomputed(ch.option, ch.first, ch.last)))
         return SyncPlan(
-            stages=tuple(stages), schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
+            stages=tuple(SyncStage.priced(x, tables, sl.blocks[k], c.b, self.base)
+                         for k, x in enumerate(terms)),
+            schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
             pipeline=c.p, virtual_stages=c.v, microbatch_size=c.b, microbatches=m,
             global_batch=self.opts.global_batch, time_per_update_s=value,
             profile_batch=self.base, num_layers=tables.n, model=self.graph.model,
             topology=self.topology.describe())
-
-
-def _check_whole_blocks(blocks: tuple[int | None, ...], layout: Layout | None,
-                        model: str) -> None:
-    """Whole blocks need blocks, and a layout's stages must share them evenly."""
-    count = len({b for b in blocks if b is not None})
-    if not count:
-        raise PlanError(f"whole blocks a stage, but profile {model} has no blocks (a gpt: "
-                        "profile's transformer layers); drop --whole-blocks")
-    if layout is None:
-        return
-    chunks = layout.p * (layout.v or 1)  # without v, p must divide them at least
-    if count % chunks:
-        raise PlanError(f"layout {layout.text} cuts {count} blocks into {chunks} stages of "
-                        "whole blocks, which do not divide them; give "
-                        f"{'p v' if layout.v else 'p'} dividing {count}, or drop "
-                        "--whole-blocks")
 
 
 def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> SyncPlan:

@@ -25,15 +25,19 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import (
-    SENDS_KEPT,
     BoolArray,
     FloatArray,
     RangeCosts,
 )
-from dreampipe.planning.held import range_max
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync, replica_groups
-from dreampipe.planning.sync_bands import band, band_allreduce_ends, capacity_of, row_sums
+from dreampipe.planning.sync_bands import (
+    band,
+    band_allreduce_ends,
+    capacity_of,
+    edge,
+    row_sums,
+)
 from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
 from dreampipe.planning.sync_stage_option import Recompute, StageOption
 from dreampipe.planning.topology import Topology
@@ -105,6 +109,31 @@ class StageTables:
         tau, tail = self._priced(x, self.groups(block), np.full_like(ends, first), ends)
         return float(tau[0, -1]), float(tail[0, -1])
 
+    def edge_times(self, x: int, block: int, width: int, last_slot: bool
+                   ) -> tuple[FloatArray, FloatArray]:
+        """:meth:`times` of the stages a pipeline's first slot (or ``last_slot``) may take
+        alone (:func:`~dreampipe.planning.sync_bands.edge`): a slot that reads no more
+        makes no band."""
+        return self._at_level(x, self._edge_terms(self._base[x], self.groups(block), width,
+                                                  last_slot))
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _edge_terms(self, x: int, groups: tuple[int, ...], width: int, last_slot: bool
+                    ) -> _Terms:
+        rows, last, _ = edge(self.n, width, last_slot)
+        return self._terms(x, groups, rows, last, last_slot)
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
+    def edge_capacity(self, x: int, room: float, width: int, last_slot: bool) -> FloatArray:
+        """:meth:`capacity` of the stages of :meth:`edge_times`."""
+        return capacity_of(*self._at_zero(x, *self._edge_parts(self._base[x], width,
+                                                               last_slot)), room)
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
+    def _edge_parts(self, x: int, width: int, last_slot: bool) -> _MemoryParts:
+        rows, last, _ = edge(self.n, width, last_slot)
+        return self._parts(x, rows, last)
+
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray]:
@@ -117,21 +146,19 @@ class StageTables:
         rows, last = band(self.n, width)
         return self._terms(x, groups, rows, last)
 
-    def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
-                ) -> tuple[FloatArray, FloatArray]:
+    def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
+                is_column: bool = False) -> tuple[FloatArray, FloatArray]:
         """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape) at
         option ``x``'s ZeRO level."""
-        return self._at_level(x, self._terms(self._base[x], groups, rows, last))
+        return self._at_level(x, self._terms(self._base[x], groups, rows, last, is_column))
 
-    def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray
-               ) -> _Terms:
+    def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
+               is_column: bool = False) -> _Terms:
         """What option ``x``'s stages ``rows..last`` cost at any ZeRO level: ``(forward,
         compute, again, end, all-reduce, weight gradients)``; ``x`` is the first of its
         twins, so that the level-free helpers it reads are made once for them."""
         costs = self._costs(self.options[x])
-        full_compute, full_forward = self._at_fraction(x)
-        forward = full_forward[rows, last]
-        compute = full_compute[rows, last]
+        compute, forward = self._at_fraction(x, rows, last)
         weights = costs.weights[rows, last]
         again = self._again(x, rows, last, forward)
         lat, per = replica_allreduce_terms(groups, self.t, self.inputs.topology,
@@ -139,7 +166,7 @@ class StageTables:
         backward, weighed, made = self._prefix_sums(x)
         if self.d > 1:
             end = band_allreduce_ends(backward, weighed, lat, per,
-                                      self.inputs.topology.overlap, rows, last)
+                                      self.inputs.topology.overlap, rows, last, is_column)
             ar = np.where(weights > 0, lat + per * weights, 0.0)
         else:
             end = ar = np.zeros_like(compute)
@@ -255,10 +282,19 @@ class StageTables:
         """What :meth:`_memory` reads at any ZeRO level: ``(fixed, per)`` of the
         activations, the weights' bytes and the largest layer's (0 where no option
         shards at level 3); ``x`` is an option's first twin, as for :meth:`_terms`."""
-        fixed, per = self._activations(x)
-        weights = self._costs(self.options[x]).weights[rows, last]
-        largest = self._largest_layer(x)[rows, last] if self._sharded else 0.0
-        return fixed[rows, last], per[rows, last], weights, largest
+        o = self.options[x]
+        costs = self._costs(o)
+        weights = costs.weights[rows, last]
+        largest = costs.largest_weights[rows, last] if self._sharded else 0.0
+        if o.recompute is Recompute.BLOCKS:
+            fixed, per = self._activations(x)
+            return fixed[rows, last], per[rows, last], weights, largest
+        f = self.fraction  # indexed before scaled, as :meth:`_activations` would scale them
+        fixed = costs.held_besides[rows, last] * f
+        kept, first = costs.kept[rows, last] * f, costs.inputs[rows, last] * f
+        if o.recompute is Recompute.NONE:
+            return fixed, first + kept, weights, largest
+        return fixed + first + kept, first, weights, largest
 
     def _at_zero(self, x: int, fixed: FloatArray, per: FloatArray, weights: FloatArray,
                  largest: FloatArray | float) -> tuple[FloatArray, FloatArray]:
@@ -270,20 +306,12 @@ class StageTables:
         return fixed + state, per
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _largest_layer(self, x: int) -> FloatArray:
-        return range_max(list(np.asarray(self._costs(self.options[x]).layer_weights)))
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms ``[i, j]`` without its weights' state."""
+        """Option ``x``'s memory terms ``[i, j]`` without its weights' state, where it
+        recomputes block by block (:meth:`_parts` makes the others' for the stages read)."""
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
-        fixed = (costs.backward_working + SENDS_KEPT * costs.sent) * f
-        kept, first = costs.kept * f, costs.inputs * f
-        if o.recompute is Recompute.NONE:
-            return fixed, first + kept
-        if o.recompute is Recompute.STAGE:
-            return fixed + first + kept, first
+        fixed, first = costs.held_besides * f, costs.inputs * f
         mask = self._block_mask(o.blocks)
         layer_kept = np.diag(costs.kept) * f
         later = np.triu(np.ones((self.n, self.n), dtype=bool))
@@ -313,8 +341,8 @@ class StageTables:
         start, stop = self._block_span(o.blocks)
         first, end = start[rows], np.minimum(last, stop[rows])
         safe = np.minimum(first, self.n - 1)
-        full = self._at_fraction(x)[1]
-        return np.asarray(np.where(end >= first, full[safe, np.maximum(end, safe)], 0.0))
+        again = self._at_fraction(x, safe, np.maximum(end, safe))[1]
+        return np.asarray(np.where(end >= first, again, 0.0))
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
     def _block_span(self, k: int) -> tuple[IntArray, IntArray]:
@@ -326,15 +354,16 @@ class StageTables:
         stop = np.where(mask, cols[None, :], -1).max(axis=1)
         return start, stop
 
-    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
-    def _at_fraction(self, x: int) -> tuple[FloatArray, FloatArray]:
-        """``(compute, forward)`` ``[i, j]`` of option ``x`` at the microbatch: scaled by its
-        fraction, or a split stage's own (its collectives' latency once a microbatch)."""
+    def _at_fraction(self, x: int, rows: IntArray, last: IntArray
+                     ) -> tuple[FloatArray, FloatArray]:
+        """``(compute, forward)`` of option ``x``'s stages ``rows..last`` at the microbatch:
+        scaled by its fraction, or a split stage's own (its collectives' latency once a
+        microbatch); indexed before scaled, so no square table is made."""
         o, f = self.options[x], self.fraction
         costs = self._costs(o)
         if o.split is None:
-            return costs.compute_s * f, costs.forward * f
-        return o.split.at_fraction(f)
+            return costs.compute_s[rows, last] * f, costs.forward[rows, last] * f
+        return o.split.at_fraction(f, rows, last)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
     def _block_mask(self, k: int) -> BoolArray:
