@@ -37,12 +37,16 @@ _ALL = slice(None)
 @dataclass(frozen=True, eq=False)
 class StageSplit:
     """Every layer of a model split as ``splits`` over ``t`` workers of one server, and
-    what a stage of any layer range costs one replica so (``costs``, docs/design.md §10.3)."""
+    what a stage of any layer range costs one replica so (``costs``, docs/design.md §10.3);
+    ``latencies``: the part of its times that its collectives' message latencies make;
+    ``own``: each layer's time inside a stage, its own collectives included but not the
+    reshards around it, and that time's latencies (a stage takes at least its layers')."""
 
     t: int
     splits: tuple[Split, ...]
     costs: RangeCosts
     latencies: tuple[FloatArray, FloatArray] | None = None
+    own: tuple[FloatArray, FloatArray] | None = None
 
     def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
                     last: IntArray | slice = _ALL) -> tuple[FloatArray, FloatArray]:
@@ -126,6 +130,25 @@ def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
     again); the collectives alone unless ``timed``."""
     layers = graph.layers
     n = len(layers)
+    own, fwd, own_fwd, needs, gives = _layer_times(graph, t, link, splits, timed)
+    act = [float(x.activation_bytes) for x in layers]
+    enter, inner, leave = _edge_moves(gives, needs, act, t, link)
+    upper = np.triu(np.ones((n, n), dtype=bool))
+    body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
+    compute = np.where(upper, enter[:, None] + body + leave[None, :], np.inf)
+    ahead = _edge_moves(gives, needs, act, t, link, forward_only=True)
+    forward = np.where(upper, ahead[0][:, None] + _sums(fwd + own_fwd + ahead[1], 0.0)
+                       - ahead[1][:, None] + ahead[2][None, :], 0.0)
+    return compute, forward
+
+
+def _layer_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split], timed: bool
+                 ) -> tuple[FloatArray, FloatArray, FloatArray, list[Layout], list[Layout]]:
+    """Each layer's time inside a stage (its own collectives included, the collectives
+    alone unless ``timed``), its forward's compute and its forward's own collectives, and
+    the layouts it needs and gives."""
+    layers = graph.layers
+    n = len(layers)
     own, fwd, own_fwd = (np.zeros(n) for _ in range(3))
     needs: list[Layout] = []
     gives: list[Layout] = []
@@ -140,15 +163,7 @@ def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
         own_fwd[i] = _own_forward(split, c.collectives, t, link) * work
         needs.append(c.needs)
         gives.append(c.gives)
-    act = [float(x.activation_bytes) for x in layers]
-    enter, inner, leave = _edge_moves(gives, needs, act, t, link)
-    upper = np.triu(np.ones((n, n), dtype=bool))
-    body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
-    compute = np.where(upper, enter[:, None] + body + leave[None, :], np.inf)
-    ahead = _edge_moves(gives, needs, act, t, link, forward_only=True)
-    forward = np.where(upper, ahead[0][:, None] + _sums(fwd + own_fwd + ahead[1], 0.0)
-                       - ahead[1][:, None] + ahead[2][None, :], 0.0)
-    return compute, forward
+    return own, fwd, own_fwd, needs, gives
 
 
 def _edge_moves(gives: Sequence[Layout], needs: Sequence[Layout], act: Sequence[float], t: int,
@@ -195,6 +210,9 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
         for plan in found:
             if plan.splits not in seen:
                 seen.add(plan.splits)
+                own = (_layer_times(graph, t, link, plan.splits, True)[0],
+                       _layer_times(graph, t, Link(math.inf, link.latency_s), plan.splits,
+                                    False)[0])
                 out.append(StageSplit(t, plan.splits, split_costs(graph, t, link, plan.splits),
-                                      split_latencies(graph, t, link, plan.splits)))
+                                      split_latencies(graph, t, link, plan.splits), own))
     return tuple(out)

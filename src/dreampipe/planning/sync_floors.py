@@ -60,21 +60,29 @@ def least_layers(whole: RangeCosts, splits: Iterable[StageSplit | None]) -> floa
                                axis=0)))
 
 
-def layer_floors(whole: RangeCosts, split: StageSplit | None) -> tuple[FloatArray, FloatArray]:
+def layer_floors(whole: RangeCosts, split: StageSplit | None
+                 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Each layer's floor on its compute and on its forward for a profiled minibatch, run
-    unsplit (``whole``'s) or as ``split``: a stage's sums at least these over its layers.
-    A split layer alone pays its stage's entry and exit collectives, which a longer stage
-    shares: its share of the unsplit layer is its floor then."""
+    unsplit (``whole``'s) or as ``split``, its collectives' message latencies left out,
+    and those latencies (a stage's compute at any microbatch sums at least its layers'
+    floors at that microbatch and their latencies). A split layer inside a stage takes its
+    own time (:attr:`StageSplit.own`; the reshards around it only add); a layer alone
+    also pays its stage's entry and exit, which a longer stage shares: its share of the
+    unsplit layer is a floor then."""
     forward = np.diag(whole.forward)
     alone = forward + np.asarray(whole.layer_backward_s)
     if split is None:
-        return alone, forward
+        return alone, forward, np.zeros_like(alone)
     c = split.costs
     latency = np.diag(_latencies(split))
     own_forward = np.diag(c.forward) - np.diag(_forward_latencies(split))
     own = np.diag(c.forward) + np.asarray(c.layer_backward_s) - latency
-    return (np.minimum(np.maximum(0.0, own), alone / split.t),
-            np.minimum(np.maximum(0.0, own_forward), forward / split.t))
+    compute = np.minimum(np.maximum(0.0, own), alone / split.t)
+    inside = np.zeros_like(alone)
+    if split.own is not None:
+        timed, inside = split.own
+        compute = np.maximum(compute, timed - inside)
+    return compute, np.minimum(np.maximum(0.0, own_forward), forward / split.t), inside
 
 
 def least_stage_sum(whole: RangeCosts, options: Sequence[StageOption],
@@ -91,12 +99,12 @@ def least_stage_sum(whole: RangeCosts, options: Sequence[StageOption],
     times, memory = [], []
     for o in options:
         costs = whole if o.split is None else o.split.costs
-        compute, forward = layer_floors(whole, o.split)
+        compute, forward, latency = layer_floors(whole, o.split)
         weights, kept = np.diag(costs.weights), np.diag(costs.kept) * fraction
         again = forward if o.recompute is Recompute.STAGE else 0.0
         kept = kept * {Recompute.NONE: held, Recompute.STAGE: 1}.get(o.recompute, 0)
         for z, per_byte in state.items():
-            times.append((compute + again) * fraction
+            times.append((compute + again) * fraction + latency
                          + (per * weights if z >= SHARDED_LEVEL else 0.0))
             memory.append(weights * per_byte + kept)
     return least_within(np.stack(times), np.stack(memory), room)

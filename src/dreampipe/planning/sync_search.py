@@ -261,22 +261,36 @@ class SyncSearch:
         return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
     @functools.cache  # noqa: B019 - one search, dropped with it
-    def least_taus(self, t: int, d: int, b: int, held: int, p: int) -> float:
-        """A floor on the sum of the ``tau`` of a pipeline's stages on ``p`` workers, ``d``
-        replicas of ``t`` workers, microbatches of ``b``, each stage holding ``held`` or
-        more, within the memory limit
-        (:func:`~dreampipe.planning.sync_floors.least_stage_sum`); level-3 gathers at the
-        cheapest rate of the ``p`` worker blocks."""
+    def least_taus(self, t: int, d: int, b: int, held: int, p: int, count: int) -> float:
+        """A floor on the sum of the ``tau`` of a pipeline's ``count`` stages on ``p``
+        workers, ``d`` replicas of ``t`` workers, microbatches of ``b``, each stage holding
+        ``held`` or more, within the memory limit
+        (:func:`~dreampipe.planning.sync_floors.least_stage_sum`): less the least each
+        stage holds besides its layers' (:attr:`least_besides`) and every stage's but the
+        first's inputs; level-3 gathers at the cheapest rate of the ``p`` worker blocks."""
         limit, levels, size = self.opts.memory_bytes, self.zero_levels(d), d * t
+        f = b / self.base
         if limit is None:
-            return self.least_compute(t) * b / self.base
+            return self.least_compute(t) * f
+        besides, entry = self.least_besides
+        room = p * limit - count * besides * f - (count - 1) * held * entry * f
         state = [self.opts.training.state_per_byte(self.inputs.profiled_param_bytes, z, d)
                  for z in levels]
         per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
             replica_groups(tuple(range(k * size, (k + 1) * size, t)), self.topology), t,
             self.topology, self.opts.sync, d)[1] for k in range(p))
         return least_stage_sum(self.inputs.costs, self.options(t), dict(zip(levels, state,
-                               strict=True)), per, b / self.base, held, p * limit)
+                               strict=True)), per, f, held, room)
+
+    @functools.cached_property
+    def least_besides(self) -> tuple[float, float]:
+        """The least a stage holds besides its weights' state and its microbatches' tensors
+        (its backward's working set and its sends), and the least input of a stage after
+        the first, for a profiled minibatch: every option's are the profile's."""
+        costs = self.inputs.costs
+        upper = np.triu(np.ones((costs.n, costs.n), dtype=bool))
+        entry = float(np.min(costs.cut_bytes[1:])) if costs.n > 1 else 0.0
+        return float(np.min(costs.held_besides[upper])), entry
 
     def floor_with_cuts(self, c: _Choice, floor: float) -> float:
         """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last
@@ -286,7 +300,7 @@ class SyncSearch:
         and cut."""
         m = self.opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v, self.rho)
-        taus = self.least_taus(c.t, c.d, c.b, min(sl.in_flight), c.p)
+        taus = self.least_taus(c.t, c.d, c.b, min(sl.in_flight), c.p, sl.count)
         if sl.count < 2:
             return max(floor, sl.factor * taus)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
