@@ -10,7 +10,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dreampipe.planning.layout import Layout
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_floors import Reach, envelope, least_largest, least_within
+from dreampipe.planning.sync_objective import PipelineKind, slots
+from dreampipe.planning.sync_search import SyncSearch
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+
+from .block_graphs import block_graphs
 
 __all__: list[str] = []
 
@@ -92,4 +101,38 @@ def test_least_within_is_below_every_choice_that_fits_and_tight_where_the_fastes
     assert floor <= best * (1 + 1e-9) + 1e-12
     if sum(memory[np.argmin(times, axis=0), np.arange(layers)]) <= room:
         assert floor == float(np.sum(np.min(times, axis=0)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(block_graphs(3, (10**6, 10**8)), st.sampled_from(["4", "2x4"]),
+       st.sampled_from([1, 1, 2, 3]), st.sampled_from([1, 2]), st.sampled_from([None, 1, 3]),
+       st.sampled_from([(0,), (0, 1, 2, 3)]), st.data())
+def test_the_memory_floor_is_below_every_plan_that_fits(
+        graph: LayerGraph, shape: str, p: int, b: int, blocks: int | None,
+        levels: tuple[int, ...], data: st.DataObject) -> None:
+    """Any cuts, stage options and ZeRO levels whose every stage fits a memory limit sum
+    at least :meth:`SyncSearch.least_taus` under that limit: stages that keep or recompute
+    whole or block by block (a layout's ``-r``), sharded or not (one stage most often,
+    where the limit is the stage's own need)."""
+    topo = Topology.parse(shape, ["1e9B/s"] * len(shape.split("x")))
+    d = topo.num_workers // p
+    opts = SyncOptions(global_batch=8 * d, microbatch_size=b, tensor_split=False,
+                       layout=Layout(1, p, None, 0, blocks), training=Training("bf16", "adam"),
+                       zero_levels=levels, memory_bytes=10**12)
+    search = SyncSearch(graph, topo, opts)
+    tables = search.tables(1, d, b, False)
+    n, m = len(graph), 8 // b
+    sl = slots(PipelineKind.FLUSH, p, m)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=p - 1, max_size=p - 1)))
+    edges = [0, *cuts, n]
+    taus, needs = 0.0, 0.0
+    for c in range(p):
+        x = data.draw(st.integers(0, len(tables.options) - 1))
+        taus += tables.time_at(x, sl.blocks[c], edges[c], edges[c + 1] - 1)[0]
+        needs = max(needs, tables.memory_at(x, sl.in_flight[c], edges[c], edges[c + 1] - 1))
+    tight = SyncSearch(graph, topo, SyncOptions(
+        global_batch=8 * d, microbatch_size=b, tensor_split=False,
+        layout=Layout(1, p, None, 0, blocks), training=Training("bf16", "adam"),
+        zero_levels=levels, memory_bytes=math.ceil(needs)))
+    assert tight.least_taus(1, d, b, min(sl.in_flight), p, p) <= taus * (1 + 1e-9)
 

@@ -32,6 +32,8 @@ from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
+from .block_graphs import block_graphs
+
 
 def _chain(times: list[float], acts: list[int], weights: list[int], batch: int = 4
            ) -> LayerGraph:
@@ -164,23 +166,8 @@ def test_brute_force_agrees_when_each_stage_chooses_its_zero_level(
     assert found.time_per_update_s <= alone * (1 + 1e-9)
 
 
-@st.composite
-def _block_graphs(draw: st.DrawFn) -> LayerGraph:
-    """An embedding, two to four blocks of two layers each (named as a profile by shape
-    names them, ``b<k>.``) and a head."""
-    blocks = draw(st.integers(2, 4))
-    layers = [Layer("embed", 0.1, 0.2, 10**6, 10**6, "Embedding")]
-    for k in range(blocks):
-        for part in ("attn", "mlp"):
-            t = draw(st.floats(0.5, 5.0))
-            layers.append(Layer(f"b{k}.{part}", t, 2 * t, draw(st.sampled_from([10**6, 10**8])),
-                                draw(st.sampled_from([10**6, 10**7])), "Linear(1)"))
-    layers.append(Layer("head", 1.0, 2.0, 10**6, 10**7, "Linear(2)"))
-    return LayerGraph.chain(layers, batch_size=4, model="blocks")
-
-
 @settings(max_examples=80, deadline=None)
-@given(_block_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
+@given(block_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
        st.sampled_from([None, 10**8, 4 * 10**8]), st.sampled_from([1, 2]),
        st.sampled_from([0, 1, 2, 3]), st.sampled_from([None, 1, 2]),
        st.sampled_from([None, 2]), st.booleans())

@@ -86,23 +86,37 @@ def layer_floors(whole: RangeCosts, split: StageSplit | None
 
 
 def least_stage_sum(whole: RangeCosts, options: Sequence[StageOption],
-                    state: dict[int, float], per: float, fraction: float, held: int,
-                    room: float) -> float:
+                    blocks: Sequence[int | None], state: dict[int, float], per: float,
+                    fraction: float, held: int, room: float) -> float:
     """A floor on the sum of the ``tau`` of a pipeline's stages, microbatches ``fraction``
     of the profiled one, each stage holding ``held`` or more, whose memory sums to at most
     ``room``: each layer runs as one of ``options`` at one ZeRO level ``z`` (``state``:
     bytes of state a byte of weights keeps there), which adds to the sum at least its
     compute (:func:`layer_floors`), its forward again where it recomputes and, at level 3,
     its gathers (``per`` seconds a byte, an all-reduce's bytes), and to the memory at
-    least its weights' state and what it keeps of the microbatches it holds (of one
-    where it recomputes, none block by block); :func:`least_within` bounds the least."""
+    least its weights' state and what it keeps of the microbatches it holds: of one where
+    its stage recomputes whole; block by block, a block's input at its first layer (of
+    ``blocks``, each layer's block or None), what the layers outside blocks keep, and the
+    forward again of every block where each is recomputed; :func:`least_within` bounds
+    the least."""
+    in_block = np.array([b is not None for b in blocks])
+    first = in_block & np.array([b is not None and (k == 0 or blocks[k - 1] != b)
+                                 for k, b in enumerate(blocks)])
+    every = len({b for b in blocks if b is not None})
     times, memory = [], []
     for o in options:
         costs = whole if o.split is None else o.split.costs
         compute, forward, latency = layer_floors(whole, o.split)
         weights, kept = np.diag(costs.weights), np.diag(costs.kept) * fraction
-        again = forward if o.recompute is Recompute.STAGE else 0.0
-        kept = kept * {Recompute.NONE: held, Recompute.STAGE: 1}.get(o.recompute, 0)
+        again: FloatArray | float = forward if o.recompute is Recompute.STAGE else 0.0
+        if o.recompute is Recompute.BLOCKS:
+            entry = np.where(first, whole.cut_bytes * fraction, 0.0)
+            kept = np.where(in_block, np.minimum(kept, entry), kept) * held
+            if o.blocks >= every:  # every block recomputes: its input is all it keeps
+                again, kept = np.where(in_block, forward, 0.0), np.where(
+                    in_block, entry, np.diag(costs.kept) * fraction) * held
+        else:
+            kept = kept * (held if o.recompute is Recompute.NONE else 1)
         for z, per_byte in state.items():
             times.append((compute + again) * fraction + latency
                          + (per * weights if z >= SHARDED_LEVEL else 0.0))

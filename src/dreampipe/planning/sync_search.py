@@ -273,14 +273,16 @@ class SyncSearch:
         if limit is None:
             return self.least_compute(t) * f
         besides, entry = self.least_besides
+        if any(o.recompute is Recompute.BLOCKS for o in self.options(t)):
+            entry = 0.0  # its floor counts a block's input at the block, a stage's first too
         room = p * limit - count * besides * f - (count - 1) * held * entry * f
         state = [self.opts.training.state_per_byte(self.inputs.profiled_param_bytes, z, d)
                  for z in levels]
         per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
             replica_groups(tuple(range(k * size, (k + 1) * size, t)), self.topology), t,
             self.topology, self.opts.sync, d)[1] for k in range(p))
-        return least_stage_sum(self.inputs.costs, self.options(t), dict(zip(levels, state,
-                               strict=True)), per, f, held, room)
+        return least_stage_sum(self.inputs.costs, self.options(t), self.inputs.blocks,
+                               dict(zip(levels, state, strict=True)), per, f, held, room)
 
     @functools.cached_property
     def least_besides(self) -> tuple[float, float]:
