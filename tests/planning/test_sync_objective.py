@@ -189,7 +189,8 @@ def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
     kinds = (PipelineKind.INTERLEAVED,) if v else (PipelineKind.FLUSH, PipelineKind.ZB_H1)
     opts = SyncOptions(global_batch=batch, memory_bytes=memory, kinds=kinds,
                        layout=Layout(1, p, v, zero, blocks), tensor_split=False,
-                       training=Training("bf16", "adam"), whole_blocks=whole)
+                       training=Training("bf16", "adam"), whole_blocks=whole,
+                       zero_levels=None if zero else (0,))
     try:
         found = plan_sync(graph, topo, opts)
     except PlanError as err:
@@ -266,18 +267,18 @@ def test_equal_stages_take_the_simulators_time(kind: PipelineKind) -> None:
 def test_a_memory_bound_sync_plan_cuts_elsewhere_and_runs_1f1b_flush_faster() -> None:
     """Under 100 MB no worker holds the whole model: the asynchronous objective stashes
     weights and holds whole minibatches, the synchronous one microbatches of the global
-    batch, so it balances the pipeline where the other cannot."""
+    batch, so it balances the pipeline where the other cannot (both unsharded)."""
     graph = _chain([1.0] * 8, [8 * 10**6] * 2 + [2 * 10**6] * 2 + [10**6] * 4,
                    [10**6] * 2 + [4 * 10**6] * 2 + [10**7] * 4, batch=8)
     topo, limit, batch = Topology.parse("4", ["10GB/s"]), 10**8, 32
     with pytest.raises(PlanError):  # memory-bound: data parallelism does not fit
         plan_sync(graph, topo, SyncOptions(global_batch=batch, memory_bytes=limit,
-                                           layout=Layout(1, 1)))
+                                           layout=Layout(1, 1), zero_levels=(0,)))
     async_plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit,
                                                         tensor_split=False))
     found = plan_sync(graph, topo, SyncOptions(global_batch=batch, memory_bytes=limit,
                                                kinds=(PipelineKind.FLUSH,),
-                                               tensor_split=False))
+                                               tensor_split=False, zero_levels=(0,)))
     sync_plan = found.plan()
     assert sync_plan is not None
     spans = [(s.first, s.last) for s in sync_plan.stages]

@@ -70,13 +70,14 @@ def test_the_count_follows_the_blocks_recomputed() -> None:
 
 def _fixed(layout: str) -> tuple[LayerGraph, Topology, SyncOptions]:
     """``SPEC`` on one server, 8 microbatches of 1 an update, ``layout`` fixed, recomputing
-    where only that fits."""
+    where only that fits, unsharded where the layout names no ZeRO level."""
     topo = Topology.parse("dgx-a100:1")
     assert topo.device is not None
     graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
     return graph, topo, SyncOptions(global_batch=8, microbatch_size=1,
                                     training=Training("bf16", "adam"),
-                                    layout=parse_layout(layout), recompute=True)
+                                    layout=parse_layout(layout), recompute=True,
+                                    zero_levels=None if parse_layout(layout).zero else (0,))
 
 
 def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:

@@ -61,8 +61,8 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
             "adam: two 32-bit moments a weight)")),
         "--zero-levels": dict(metavar="LEVELS", help=(
             "ZeRO levels each replicated stage may choose among where --layout names none, "
-            "e.g. 0,1,2,3 (default 0: no sharding; each level offered makes the search "
-            "slower, several times on large models)")),
+            "e.g. 0,1 to shard at most the optimizer's state (default: every level, 0 to "
+            "3, each stage its own)")),
         "--whole-blocks": dict(action="store_true", help=(
             "cut only between whole blocks, the same number a stage, as Megatron-LM places "
             "them (the embedding on the first stage, the head on the last); default: the "
@@ -111,9 +111,9 @@ def _mixed_levels(result: SyncPlan) -> str:
     return "; ZeRO levels by stage " + "-".join(str(z) for z in levels)
 
 
-def _zero_levels(text: str | None) -> tuple[int, ...]:
+def _zero_levels(text: str | None) -> tuple[int, ...] | None:
     if text is None:
-        return (0,)
+        return None
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:

@@ -32,6 +32,9 @@ __all__ = ["StageSplit", "fits_servers", "split_costs", "split_latencies", "spli
 IntArray = npt.NDArray[np.int64]
 #: Every range of a table, as an index.
 _ALL = slice(None)
+#: Each layer's time inside a stage, its forward's compute and own collectives, and the
+#: layouts it needs and gives (:func:`_layer_times`).
+_LayerTimes = tuple[FloatArray, FloatArray, FloatArray, list[Layout], list[Layout]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,10 +92,11 @@ def _sums(values: FloatArray, empty: float) -> FloatArray:
                     empty)
 
 
-def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) -> RangeCosts:
+def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
+                times: _LayerTimes | None = None) -> RangeCosts:
     """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
     workers as ``splits`` says, on ``link`` (docs/design.md §10.3). ``Input`` layers cost
-    no time."""
+    no time. ``times``: its layers' (:func:`_layer_times`), where made already."""
     layers = graph.layers
     n = len(layers)
     bwd, weights, kept = (np.zeros(n) for _ in range(3))
@@ -104,7 +108,7 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) 
         weights[i] = c.weight_bytes
         whole = float(layer.activation_bytes)
         kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
-    compute, forward = _range_times(graph, t, link, splits)
+    compute, forward = _range_times(graph, t, link, splits, times=times)
     whole_costs = RangeCosts.of(graph)
     return RangeCosts(
         compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
@@ -114,23 +118,25 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]) 
     )
 
 
-def split_latencies(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split]
-                    ) -> tuple[FloatArray, FloatArray]:
+def split_latencies(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
+                    times: _LayerTimes | None = None) -> tuple[FloatArray, FloatArray]:
     """``(compute, forward)``: the parts of :func:`split_costs`' times that are its
-    collectives' message latencies, which a smaller microbatch does not shrink."""
+    collectives' message latencies, which a smaller microbatch does not shrink
+    (``times``: its layers', where made already)."""
     compute, forward = _range_times(graph, t, Link(math.inf, link.latency_s), splits,
-                                    timed=False)
+                                    timed=False, times=times)
     return np.where(np.isfinite(compute), compute, 0.0), forward
 
 
 def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                 timed: bool = True) -> tuple[FloatArray, FloatArray]:
+                 timed: bool = True, times: _LayerTimes | None = None
+                 ) -> tuple[FloatArray, FloatArray]:
     """``[i, j]``: a replica's forward and backward and its forward alone, collectives and
     reshards at the range's edges included (a recomputed forward runs its own collectives
     again); the collectives alone unless ``timed``."""
     layers = graph.layers
     n = len(layers)
-    own, fwd, own_fwd, needs, gives = _layer_times(graph, t, link, splits, timed)
+    own, fwd, own_fwd, needs, gives = times or _layer_times(graph, t, link, splits, timed)
     act = [float(x.activation_bytes) for x in layers]
     enter, inner, leave = _edge_moves(gives, needs, act, t, link)
     upper = np.triu(np.ones((n, n), dtype=bool))
@@ -143,7 +149,7 @@ def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
 
 
 def _layer_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split], timed: bool
-                 ) -> tuple[FloatArray, FloatArray, FloatArray, list[Layout], list[Layout]]:
+                 ) -> _LayerTimes:
     """Each layer's time inside a stage (its own collectives included, the collectives
     alone unless ``timed``), its forward's compute and its forward's own collectives, and
     the layouts it needs and gives."""
@@ -210,9 +216,10 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
         for plan in found:
             if plan.splits not in seen:
                 seen.add(plan.splits)
-                own = (_layer_times(graph, t, link, plan.splits, True)[0],
-                       _layer_times(graph, t, Link(math.inf, link.latency_s), plan.splits,
-                                    False)[0])
-                out.append(StageSplit(t, plan.splits, split_costs(graph, t, link, plan.splits),
-                                      split_latencies(graph, t, link, plan.splits), own))
+                timed = _layer_times(graph, t, link, plan.splits, True)
+                alone = _layer_times(graph, t, Link(math.inf, link.latency_s), plan.splits,
+                                     False)
+                out.append(StageSplit(
+                    t, plan.splits, split_costs(graph, t, link, plan.splits, timed),
+                    split_latencies(graph, t, link, plan.splits, alone), (timed[0], alone[0])))
     return tuple(out)

@@ -17,7 +17,11 @@ from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.sync_objective import PipelineKind
 
-__all__ = ["SyncOptions", "check_whole_blocks", "copies_tried", "divisors", "stage_counts"]
+__all__ = ["ZERO_LEVELS", "SyncOptions", "check_whole_blocks", "copies_tried", "divisors",
+           "stage_counts"]
+
+#: The ZeRO levels a search offers each replicated stage by default.
+ZERO_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,10 +34,8 @@ class SyncOptions:
     where only that fits; ``tensor_split`` lets replicas split over a server's workers;
     ``whole_blocks`` gives every stage the same number of whole blocks, as Megatron-LM
     places them (:func:`~dreampipe.planning.sync_dp.whole_block_starts`), instead of the
-    best cuts; ``zero_levels`` the ZeRO levels each replicated stage chooses among where
-    the layout names none (level 0 alone by default: every level offered multiplies a
-    stage's options, and the floors cannot skip what sharding makes fit;
-    docs/planner.md)."""
+    best cuts; ``zero_levels`` the ZeRO levels each replicated stage chooses among (None:
+    every level, or the one the layout names; docs/planner.md)."""
 
     global_batch: int
     microbatch_size: int | None = None
@@ -45,15 +47,16 @@ class SyncOptions:
     recompute: bool = False
     tensor_split: bool = True
     whole_blocks: bool = False
-    zero_levels: tuple[int, ...] = (0,)
+    zero_levels: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not self.zero_levels or len(set(self.zero_levels)) < len(self.zero_levels) or \
-                not set(self.zero_levels) <= {0, 1, 2, 3}:
+        levels = self.zero_levels
+        if levels is not None and (not levels or len(set(levels)) < len(levels)
+                                   or not set(levels) <= set(ZERO_LEVELS)):
             raise ConfigError(f"zero_levels={self.zero_levels}; give distinct ZeRO levels "
-                              "from 0 to 3, e.g. (0, 1, 2, 3) to search them all",
-                              "zero_levels")
-        if self.layout is not None and self.layout.zero and self.zero_levels != (0,):
+                              "from 0 to 3, e.g. (0, 1) to shard no more than the "
+                              "optimizer's state, or None for every level", "zero_levels")
+        if self.layout is not None and self.layout.zero and levels is not None:
             raise ConfigError(f"zero_levels={self.zero_levels} with layout "
                               f"{self.layout.text}, which fixes level {self.layout.zero}: "
                               "drop z from the layout, or the levels", "zero_levels")

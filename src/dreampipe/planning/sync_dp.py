@@ -121,7 +121,7 @@ class _Slots:
         cut = self._cut(c)
         edge = self._edge(c, sl.count)
         key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below,
-               edge)
+               edge, self._window(c) if edge is None else None)
         if key not in self._seen:
             self._seen[key] = self._values(c, cut, tail_below, edge)
         return self._seen[key]
@@ -131,24 +131,28 @@ class _Slots:
         sl, tables, block, width = self.slots, self.tables, self.slots.blocks[c], self.width
         # the first slot starts at layer 0 and the last ends at the last layer: each reads
         # only those stages
-        last, at = self.last, None
+        last, at, rows = self.last, None, slice(None)
         if edge is not None:
             _, last, at = stage_edge(tables.n, width, edge)
+        else:  # a middle slot: only the first layers the slots around it may leave it
+            lo, hi = self._window(c)
+            rows = slice(lo, max(lo, hi + 1))
+            last = last[rows]
         after = cut[last]
-        inside = self.inside if at is None else self.inside[at]
+        inside = self.inside[rows] if at is None else self.inside[at]
         room = None if self.memory is None else self.memory * sl.memory_share
         best = np.full(last.shape, np.inf)
         pick = np.zeros(last.shape, dtype=np.int64)
         for x in range(len(tables.options)):
             ok = inside
             if room is not None:  # first: an option that fits no stage costs no times
-                ok = (tables.capacity(x, room, width) if edge is None else
+                ok = (tables.capacity(x, room, width)[rows] if edge is None else
                       tables.edge_capacity(x, room, width, edge)) >= sl.in_flight[c]
                 ok &= inside
                 if not ok.any():
                     continue
-            tau, tail = tables.times(x, block, width) if edge is None else \
-                tables.edge_times(x, block, width, edge)
+            tau, tail = (a[rows] for a in tables.times(x, block, width)) if edge is None \
+                else tables.edge_times(x, block, width, edge)
             value = tau + after
             value *= sl.factor
             better = tail < tail_below
@@ -156,11 +160,19 @@ class _Slots:
             better &= value < best  # options in order win ties
             np.copyto(best, value, where=better)
             np.copyto(pick, x, where=better)
-        if at is None:
-            return best, pick
         full, chosen = np.full(self.last.shape, np.inf), np.zeros(self.last.shape, np.int64)
-        full[at], chosen[at] = best, pick
+        if at is None:
+            full[rows], chosen[rows] = best, pick
+        else:
+            full[at], chosen[at] = best, pick
         return full, chosen
+
+    def _window(self, c: int) -> tuple[int, int]:
+        """The first layers a middle slot ``c``'s stage may start at: after ``c`` stages of
+        one to ``width`` layers, with the slots after it covering the rest (an empty
+        window where ``lo > hi``)."""
+        n, w, after = self.tables.n, self.width, self.slots.count - c
+        return max(c, n - after * w), min(c * w, n - after)
 
     def terms(self, c: int, chosen: Chosen) -> StageTerms:
         """Slot ``c``'s terms for ``chosen``."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -85,42 +86,61 @@ def layer_floors(whole: RangeCosts, split: StageSplit | None
     return compute, np.minimum(np.maximum(0.0, own_forward), forward / split.t), inside
 
 
-def least_stage_sum(whole: RangeCosts, options: Sequence[StageOption],
-                    blocks: Sequence[int | None], state: dict[int, float], per: float,
+@dataclass(frozen=True)
+class OptionFloors:
+    """One stage option's floors, layer by layer, for a profiled minibatch: its compute
+    and the forward it runs again (:func:`layer_floors`), their collectives' latencies,
+    its weights, and what it keeps per microbatch it holds and once."""
+
+    compute: FloatArray
+    again: FloatArray
+    latency: FloatArray
+    weights: FloatArray
+    per_held: FloatArray
+    once: FloatArray
+
+
+def option_floors(whole: RangeCosts, option: StageOption, blocks: Sequence[int | None]
+                  ) -> OptionFloors:
+    """:class:`OptionFloors` of ``option``: a stage that recomputes whole runs each
+    layer's forward again and keeps its tensors once; block by block, it keeps a block's
+    input at its first layer (of ``blocks``, each layer's block or None) and what the
+    layers outside blocks keep, and where every block is recomputed, runs each block
+    layer's forward again (the lesser of a block layer's tensors and input where fewer
+    are); otherwise a stage keeps its tensors per microbatch."""
+    costs = whole if option.split is None else option.split.costs
+    compute, forward, latency = layer_floors(whole, option.split)
+    kept, none = np.diag(costs.kept), np.zeros_like(compute)
+    if option.recompute is Recompute.NONE:
+        return OptionFloors(compute, none, latency, np.diag(costs.weights), kept, none)
+    if option.recompute is Recompute.STAGE:
+        return OptionFloors(compute, forward, latency, np.diag(costs.weights), none, kept)
+    inside = np.array([b is not None for b in blocks])
+    first = inside & np.array([k == 0 or blocks[k - 1] != b for k, b in enumerate(blocks)])
+    entry = np.where(first, whole.cut_bytes, 0.0)
+    if option.blocks >= len({b for b in blocks if b is not None}):
+        return OptionFloors(compute, np.where(inside, forward, 0.0), latency,
+                            np.diag(costs.weights), np.where(inside, entry, kept), none)
+    return OptionFloors(compute, none, latency, np.diag(costs.weights),
+                        np.where(inside, np.minimum(kept, entry), kept), none)
+
+
+def least_stage_sum(floors: Sequence[OptionFloors], state: dict[int, float], per: float,
                     fraction: float, held: int, room: float) -> float:
     """A floor on the sum of the ``tau`` of a pipeline's stages, microbatches ``fraction``
     of the profiled one, each stage holding ``held`` or more, whose memory sums to at most
-    ``room``: each layer runs as one of ``options`` at one ZeRO level ``z`` (``state``:
-    bytes of state a byte of weights keeps there), which adds to the sum at least its
-    compute (:func:`layer_floors`), its forward again where it recomputes and, at level 3,
-    its gathers (``per`` seconds a byte, an all-reduce's bytes), and to the memory at
-    least its weights' state and what it keeps of the microbatches it holds: of one where
-    its stage recomputes whole; block by block, a block's input at its first layer (of
-    ``blocks``, each layer's block or None), what the layers outside blocks keep, and the
-    forward again of every block where each is recomputed; :func:`least_within` bounds
-    the least."""
-    in_block = np.array([b is not None for b in blocks])
-    first = in_block & np.array([b is not None and (k == 0 or blocks[k - 1] != b)
-                                 for k, b in enumerate(blocks)])
-    every = len({b for b in blocks if b is not None})
+    ``room``: each layer runs as one of the options (their ``floors``) at one ZeRO level
+    ``z`` (``state``: bytes of state a byte of weights keeps there), which adds to the sum
+    at least its compute, its forward again and, at level 3, its gathers (``per`` seconds
+    a byte, an all-reduce's bytes), and to the memory at least its weights' state and what
+    it keeps; :func:`least_within` bounds the least."""
     times, memory = [], []
-    for o in options:
-        costs = whole if o.split is None else o.split.costs
-        compute, forward, latency = layer_floors(whole, o.split)
-        weights, kept = np.diag(costs.weights), np.diag(costs.kept) * fraction
-        again: FloatArray | float = forward if o.recompute is Recompute.STAGE else 0.0
-        if o.recompute is Recompute.BLOCKS:
-            entry = np.where(first, whole.cut_bytes * fraction, 0.0)
-            kept = np.where(in_block, np.minimum(kept, entry), kept) * held
-            if o.blocks >= every:  # every block recomputes: its input is all it keeps
-                again, kept = np.where(in_block, forward, 0.0), np.where(
-                    in_block, entry, np.diag(costs.kept) * fraction) * held
-        else:
-            kept = kept * (held if o.recompute is Recompute.NONE else 1)
+    for o in floors:
+        work = (o.compute + o.again) * fraction + o.latency
+        kept = (o.per_held * held + o.once) * fraction
         for z, per_byte in state.items():
-            times.append((compute + again) * fraction + latency
-                         + (per * weights if z >= SHARDED_LEVEL else 0.0))
-            memory.append(weights * per_byte + kept)
+            times.append(work + (per * o.weights if z >= SHARDED_LEVEL else 0.0))
+            memory.append(o.weights * per_byte + kept)
     return least_within(np.stack(times), np.stack(memory), room)
 
 

@@ -34,6 +34,7 @@ from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.state_bytes import profiled_param_bytes
 from dreampipe.planning.sync import replica_groups
 from dreampipe.planning.sync_choices import (
+    ZERO_LEVELS,
     SyncOptions,
     check_whole_blocks,
     copies_tried,
@@ -42,6 +43,7 @@ from dreampipe.planning.sync_choices import (
 )
 from dreampipe.planning.sync_dp import StageTerms, best_stages, whole_block_starts
 from dreampipe.planning.sync_floors import (
+    OptionFloors,
     Reach,
     band_width,
     envelope,
@@ -50,6 +52,7 @@ from dreampipe.planning.sync_floors import (
     least_layers,
     least_stage_sum,
     least_sum,
+    option_floors,
     scaled_computes,
 )
 from dreampipe.planning.sync_links import replica_allreduce_terms
@@ -183,12 +186,14 @@ class SyncSearch:
     def zero_levels(self, d: int) -> tuple[int, ...]:
         """The ZeRO levels a stage on ``d`` replicas may shard at, each stage choosing its
         own as one more option: the layout's level where it names one, else the
-        options' ``zero_levels`` (level 0 alone by default; docs/planner.md, "The
-        synchronous objective"); on one replica every level is level 0."""
+        options' ``zero_levels`` (every level by default); on one replica every level is
+        level 0."""
         layout = self.opts.layout
         if layout is not None and layout.zero:
             return (layout.zero,)
-        return self.opts.zero_levels if d > 1 else (0,)
+        if d < 2:
+            return (0,)
+        return self.opts.zero_levels if self.opts.zero_levels is not None else ZERO_LEVELS
 
     @functools.lru_cache(maxsize=8)  # noqa: B019 - one search, dropped with it
     def tables(self, t: int, d: int, b: int, splits_backward: bool) -> StageTables:
@@ -281,8 +286,15 @@ class SyncSearch:
         per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
             replica_groups(tuple(range(k * size, (k + 1) * size, t)), self.topology), t,
             self.topology, self.opts.sync, d)[1] for k in range(p))
-        return least_stage_sum(self.inputs.costs, self.options(t), self.inputs.blocks,
-                               dict(zip(levels, state, strict=True)), per, f, held, room)
+        return least_stage_sum(self.option_floors(t), dict(zip(levels, state, strict=True)),
+                               per, f, held, room)
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def option_floors(self, t: int) -> tuple[OptionFloors, ...]:
+        """Each option's floors on ``t`` workers a replica, layer by layer
+        (:func:`~dreampipe.planning.sync_floors.option_floors`)."""
+        return tuple(option_floors(self.inputs.costs, o, self.inputs.blocks)
+                     for o in self.options(t))
 
     @functools.cached_property
     def least_besides(self) -> tuple[float, float]:
