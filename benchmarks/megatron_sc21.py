@@ -132,13 +132,15 @@ class Priced:
 def price(row: Sc21Row, rate: float) -> Priced:
     """``row``'s published layout, matrix products at ``rate`` FLOP/s, its cuts chosen to
     fit 80 GB as the run did; interleaved rows, and rows no cuts fit, without the limit
-    (the objective holds an interleaved chunk to a bound, :attr:`Priced.fits`)."""
+    (the objective holds an interleaved chunk to a bound, :attr:`Priced.fits`); sharded
+    only where the layout names a ZeRO level, as the runs were."""
     graph = gpt_spec_profile(row.spec, A100_80GB, flops=rate)
     kind = PipelineKind.INTERLEAVED if row.v > 1 else PipelineKind.FLUSH
     start = time.perf_counter()
     opts = SyncOptions(global_batch=row.batch, microbatch_size=row.microbatch,
                        training=_TRAINING, kinds=(kind,), layout=row.layout,
-                       memory_bytes=MEMORY if row.v == 1 else None, whole_blocks=True)
+                       memory_bytes=MEMORY if row.v == 1 else None, whole_blocks=True,
+                       zero_levels=None if row.layout.zero else (0,))
     try:
         plan = plan_sync(graph, row.topology, opts)
     except PlanError:
@@ -343,25 +345,29 @@ memory included).
 {render_tables(priced, own)}
 
 The planner's own plan searches every layout (t, p, d, b, the schedule,
-virtual stages, whole-stage recomputation) under 80 GB, with the same fitted
+virtual stages, whole-stage recomputation, each stage's ZeRO level) under
+80 GB, with the same fitted
 rate; a search still running after {limit_s:.0f} s is stopped and so
 marked. Its TFLOP/s count the blocks it recomputes, as above, so a plan that
 keeps its activations does less work at a like rate; "speed-up" is the
 published layout's simulated time over the plan's, both priced by dreampipe.
 Its stages: `-` keeps the activations, `r` recomputes the whole stage, `rK`
-its first K blocks, `tN` splits it N ways. Where it differs from
+its first K blocks, `tN` splits it N ways, `zN` shards it at ZeRO level N.
+Where it differs from
 Megatron-LM's choice (computed):
 
 {chr(10).join(differences(priced, own)) or "- (not searched in this run)"}
 
 Why, in the terms above: the planner recomputes only what 80 GB forces,
 where Megatron-LM's runs recompute every block, a forward again of each,
-whether or not its activations fit; and it weighs tensor ranks, stages and
-the microbatch by the same terms, trading tensor collectives for pipeline
-stages and their bubble where those cost less. A larger microbatch buys
-nothing under one rate for every product size, a term the fit cannot see,
-so the planner's small microbatches are its model's choice, not a
-measured one.
+whether or not its activations fit; it shards the optimizer's state and the
+gradients over the replicas (ZeRO levels 1 and 2) where that frees the
+memory to keep activations, which those runs did not; and it weighs tensor
+ranks, stages and the microbatch by the same terms, trading tensor
+collectives for pipeline stages and their bubble where those cost less. A
+larger microbatch buys nothing under one rate for every product size, a term
+the fit cannot see, so the planner's small microbatches are its model's
+choice, not a measured one.
 
 Table 2 of the same paper: PTD-P against ZeRO-3 without model parallelism
 (DeepSpeed's, every GPU a replica of the whole model, `z3`), the global batch

@@ -9,7 +9,10 @@ long as it may be, greedily; bisecting that bound gives a floor on the largest s
 any ``count`` stages (:func:`least_largest`), and with the least cut added to every
 stage but the last (:func:`least_largest_with_cut`). A stage whose ``E`` reaches the
 time to beat is in no faster plan: :func:`band_width` is the most layers one may hold.
-docs/planner.md, "The synchronous objective".
+What memory forces bounds the stages' summed ``tau`` from below: each layer's option
+and ZeRO level pays time and memory (:func:`option_floors`), and the least time whose
+memory fits is bounded by its Lagrangian dual (:func:`least_stage_sum`,
+:func:`least_within`). docs/planner.md, "The synchronous objective".
 """
 
 from __future__ import annotations
