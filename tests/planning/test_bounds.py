@@ -3,6 +3,7 @@ a plan states is never below its true gap."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -15,6 +16,7 @@ from dreampipe.planning.bounds import lower_bound
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.pricing import cut_seconds
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.sync import Sync, SyncKind, allreduce_terms
@@ -102,3 +104,42 @@ def test_a_split_stages_replicas_are_priced_one_server_each_at_most(sync: Sync) 
     half = bounds_module._cheapest_terms(topo, sync, width=2)
     assert half[1][2] == pytest.approx(inside[1][2])
     assert whole[1][8] == pytest.approx(allreduce_terms((1, 8), levels, sync, 8)[1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([(2, 2), (4, 2), (2, 3), (2, 2, 2)]), st.lists(
+    st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3]), min_size=3, max_size=3), st.data())
+def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
+        shape: tuple[int, ...], latencies: list[float], data: st.DataObject) -> None:
+    """The relaxed cuts allow two stages' states at any time at least what the planner
+    prices their cut at, on any workers (:func:`pricing.cut_seconds`), with each level's
+    latency its own: a cut that crosses a level pays one of the latencies at or above it."""
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), latencies[k])
+                          for k, c in enumerate(shape)))
+    w = topo.num_workers
+    order = data.draw(st.permutations(range(w)))
+    x = data.draw(st.integers(1, w - 1))
+    y = data.draw(st.integers(1, w - x))
+    senders, receivers = sorted(order[:x]), sorted(order[x:x + y])
+    size = 10.0 ** data.draw(st.integers(3, 9))
+    price = cut_seconds(size, senders, receivers, topo)
+    states = bounds_module._States(topo, Sync(SyncKind.HIERARCHICAL), [1])
+    cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
+
+    def state(workers: list[int]) -> int:
+        unit = np.cumprod([lv.count for lv in topo.levels])
+        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+        return next(q for q in range(len(states.first)) if states.span[q] == span
+                    and states.first[q] <= len(workers) <= states.last[q])
+
+    need = np.full(len(states.first), np.inf)
+    need[state(receivers)] = 0.0
+    room = None  # a server's room, where tracked: the receivers' state with any room left
+    if states.room is not None:
+        room = np.full((int(np.sum(states.span == 0)), states.room + 1), np.inf)
+        if state(receivers) < room.shape[0]:
+            room[state(receivers)] = 0.0
+    fresh, after = cuts.cont(1, need, room, price * (1 + 1e-9))
+    q = state(senders)
+    assert fresh[q] == 0.0 or (after is not None and q < after.shape[0]
+                               and float(np.min(after[q])) == 0.0)

@@ -160,7 +160,8 @@ class _Cuts:
     meets): at most ``S_j / max(x, y)`` of the pairs meet inside level-``j`` units (a
     unit's ``s_u`` senders meet at most ``S_j`` receivers each), and at most ``(z - 1) /
     z`` for ``j < m`` if a stage of span ``m`` has ``z`` workers, so levels ``j+1..m``
-    carry the rest and one at least that over their summed bandwidth (:attr:`spread`).
+    carry the rest, one at least that over their summed bandwidth, and pays one of
+    their latencies (:attr:`spread`).
     """
 
     def __init__(self, topo: Topology, cut_bytes: FloatArray, states: _States) -> None:
@@ -171,14 +172,18 @@ class _Cuts:
         # spread[m, t, q]: the pairs meet inside the level-m unit holding both (m >= 1)
         self.spread = np.full((len(levels), len(cut_bytes), len(first)), np.inf)
         for m in range(1, len(levels)):
-            worst = np.zeros(len(first))
+            worst = np.zeros((len(cut_bytes), len(first)))
             # the wider stage, z workers, has one outside any level-(m-1) unit
             outside = np.where(span == m, (last - 1) / last, 1.0)
             for j in range(-1, m):
                 held = 0.0 if j < 0 else np.minimum(sizes[j] / first, outside)
                 links = float(np.sum(bandwidths[j + 1:m + 1]))
-                worst = np.maximum(worst, np.maximum(0.0, 1.0 - held) / links)
-            self.spread[m] = 2 * (alpha + cut_bytes[:, None] * worst[None, :])
+                away = np.maximum(0.0, 1.0 - held) * np.ones(len(first))
+                # what crosses above level j pays one of those levels' latencies
+                above = min(lv.latency for lv in levels[j + 1:m + 1])
+                worst = np.maximum(worst, np.where(away > 0, above, alpha)[None, :]
+                                   + cut_bytes[:, None] * (away / links)[None, :])
+            self.spread[m] = 2 * worst
         wider = np.maximum(span[:, None], span[None, :])
         self.wider = [wider == m for m in range(len(levels))]
         self.one = np.array([2 * (lv.latency + cut_bytes / lv.bandwidth) for lv in levels])
