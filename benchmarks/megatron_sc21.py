@@ -300,16 +300,17 @@ priced with its published layout: t, p, GPUs and batch from the table; the
 microbatch size (b), the interleaving (`--num-layers-per-virtual-pipeline-stage`)
 and `--recompute-method uniform` (every block recomputed) from Megatron-LM's
 `examples/sc21/run_table_1.sh`. dreampipe prices it with
-`plan_sync(..., SyncOptions(layout=..., microbatch_size=b))` on
+`plan_sync(..., SyncOptions(layout=..., microbatch_size=b, zero_levels=(0,)))` on
 `dgx-a100:N`, bf16 weights with Adam's state, each stage (chunk) holding
 the same number of whole blocks as Megatron-LM places them (`whole_blocks`,
 `--whole-blocks`), and the update's time is one copy of the pipeline simulated action by
 action from those terms (`dreampipe.simulation.sync_copy`), which the
 objective's closed form bounds ("the objective's bound": its ratio). `dreampipe
 plan gpt:... -t dgx-a100:N --global-batch B --microbatch-size b --precision
-bf16 --optimizer adam --layout tT-pP-vV-rK --whole-blocks` prices the same
-layout the same way (the preset's A100 runs at the fitted share below); without
-`--microbatch-size`, `-v`, `-r` and `--whole-blocks` the planner chooses them. The count follows
+bf16 --optimizer adam --layout tT-pP-vV-z0-rK --whole-blocks` prices the same
+layout the same way (unsharded, as the runs were; the preset's A100 runs at the
+fitted share below); without `--microbatch-size`, `-v`, `-z`, `-r` and
+`--whole-blocks` the planner chooses them. The count follows
 what a plan runs: `72 B s l h^2 (1 + s/6h)` for the blocks, `24 B s h^2 (1 +
 s/6h)` more for each recomputed block, `6 B s h V` for the head; a published
 row recomputes every block, so its count is the paper's.

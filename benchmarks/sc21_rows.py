@@ -58,7 +58,8 @@ class Sc21Row:
     def layout(self) -> Layout:
         """t, p, v and the ZeRO level as published; every block of a stage (a chunk)
         recomputed."""
-        return Layout(self.t, self.p, self.v, self.zero, self.layers // (self.p * self.v))
+        return Layout(self.t, self.p, self.v, self.zero or None,
+                      self.layers // (self.p * self.v))
 
     @property
     def topology(self) -> Topology:

@@ -143,6 +143,9 @@ def test_zero_levels_let_each_stage_shard_as_it_fits(capsys: pytest.CaptureFixtu
             "adam", "--no-recompute", "--no-mixed-splits"]
     assert main([*argv, "--memory", "1GB", "--zero-levels", "0"]) == 2
     assert "no synchronous plan" in capsys.readouterr().err
+    # a layout's z0 fixes level 0 as its z1 fixes level 1; without z the levels are free
+    assert main([*argv, "--memory", "1GB", "--layout", "t1-p1-z0"]) == 2
+    assert "as layout t1-p1-z0" in capsys.readouterr().err
     data = _json(capsys, *argv, "--memory", "1GB", "--json")
     levels = [stage["zero"] for stage in data["stages"]]
     assert len(set(levels)) > 1 and data["data_parallel"] > 1, data["layout"]

@@ -117,7 +117,7 @@ def test_the_memory_floor_is_below_every_plan_that_fits(
     topo = Topology.parse(shape, ["1e9B/s"] * len(shape.split("x")))
     d = topo.num_workers // p
     opts = SyncOptions(global_batch=8 * d, microbatch_size=b, tensor_split=False,
-                       layout=Layout(1, p, None, 0, blocks), training=Training("bf16", "adam"),
+                       layout=Layout(1, p, None, None, blocks), training=Training("bf16", "adam"),
                        zero_levels=levels, memory_bytes=10**12)
     search = SyncSearch(graph, topo, opts)
     tables = search.tables(1, d, b, False)
@@ -132,7 +132,7 @@ def test_the_memory_floor_is_below_every_plan_that_fits(
         needs = max(needs, tables.memory_at(x, sl.in_flight[c], edges[c], edges[c + 1] - 1))
     tight = SyncSearch(graph, topo, SyncOptions(
         global_batch=8 * d, microbatch_size=b, tensor_split=False,
-        layout=Layout(1, p, None, 0, blocks), training=Training("bf16", "adam"),
+        layout=Layout(1, p, None, None, blocks), training=Training("bf16", "adam"),
         zero_levels=levels, memory_bytes=math.ceil(needs)))
     assert tight.least_taus(1, d, b, min(sl.in_flight), p, p) <= taus * (1 + 1e-9)
 

@@ -189,8 +189,7 @@ def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
     kinds = (PipelineKind.INTERLEAVED,) if v else (PipelineKind.FLUSH, PipelineKind.ZB_H1)
     opts = SyncOptions(global_batch=batch, memory_bytes=memory, kinds=kinds,
                        layout=Layout(1, p, v, zero, blocks), tensor_split=False,
-                       training=Training("bf16", "adam"), whole_blocks=whole,
-                       zero_levels=None if zero else (0,))
+                       training=Training("bf16", "adam"), whole_blocks=whole)
     try:
         found = plan_sync(graph, topo, opts)
     except PlanError as err:

@@ -77,7 +77,8 @@ def _fixed(layout: str) -> tuple[LayerGraph, Topology, SyncOptions]:
     return graph, topo, SyncOptions(global_batch=8, microbatch_size=1,
                                     training=Training("bf16", "adam"),
                                     layout=parse_layout(layout), recompute=True,
-                                    zero_levels=None if parse_layout(layout).zero else (0,))
+                                    zero_levels=None if parse_layout(layout).zero is not None
+                                    else (0,))
 
 
 def test_a_fixed_layout_may_recompute_every_block_one_at_a_time() -> None:

@@ -32,7 +32,7 @@ class Layout:
     t: int
     p: int
     v: int | None = None
-    zero: int = 0
+    zero: int | None = None
     recompute_blocks: int | None = None
 
     @property
@@ -40,7 +40,7 @@ class Layout:
         """The layout as written; :func:`parse_layout` reads it back to an equal one."""
         parts = [f"t{self.t}", f"p{self.p}"]
         parts += [f"v{self.v}"] if self.v is not None else []
-        parts += [f"z{self.zero}"] if self.zero else []
+        parts += [f"z{self.zero}"] if self.zero is not None else []
         parts += [f"r{self.recompute_blocks}"] if self.recompute_blocks is not None else []
         return "-".join(parts)
 
@@ -77,5 +77,5 @@ def parse_layout(text: str) -> Layout:
         raise ConfigError(f"{where} misses {' and '.join(missing)}; a layout names at least "
                           "the tensor-parallel workers and the pipeline stages, e.g. t8-p8 "
                           "(t1-p1: data parallelism only)", "layout")
-    return Layout(values["t"], values["p"], values.get("v"), values.get("z", 0),
+    return Layout(values["t"], values["p"], values.get("v"), values.get("z"),
                   values.get("r"))

@@ -56,7 +56,7 @@ class SyncOptions:
             raise ConfigError(f"zero_levels={self.zero_levels}; give distinct ZeRO levels "
                               "from 0 to 3, e.g. (0, 1) to shard no more than the "
                               "optimizer's state, or None for every level", "zero_levels")
-        if self.layout is not None and self.layout.zero and levels is not None:
+        if self.layout is not None and self.layout.zero is not None and levels is not None:
             raise ConfigError(f"zero_levels={self.zero_levels} with layout "
                               f"{self.layout.text}, which fixes level {self.layout.zero}: "
                               "drop z from the layout, or the levels", "zero_levels")

@@ -84,7 +84,7 @@ class SearchInputs:
         options' ``zero_levels`` (every level by default); on one replica every level is
         level 0."""
         layout = self.opts.layout
-        if layout is not None and layout.zero:
+        if layout is not None and layout.zero is not None:
             return (layout.zero,)
         if d < 2:
             return (0,)
