@@ -178,7 +178,7 @@ class _Cuts:
             for j in range(-1, m):
                 held = 0.0 if j < 0 else np.minimum(sizes[j] / first, outside)
                 links = float(np.sum(bandwidths[j + 1:m + 1]))
-                away = np.maximum(0.0, 1.0 - held) * np.ones(len(first))
+                away = np.broadcast_to(np.maximum(0.0, 1.0 - held), first.shape)
                 # what crosses above level j pays one of those levels' latencies
                 above = min(lv.latency for lv in levels[j + 1:m + 1])
                 worst = np.maximum(worst, np.where(away > 0, above, alpha)[None, :]

@@ -17,7 +17,6 @@ from typing import NamedTuple
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray
-from dreampipe.planning.sync import replica_groups
 from dreampipe.planning.sync_floors import (
     OptionFloors,
     Reach,
@@ -35,6 +34,7 @@ from dreampipe.planning.sync_inputs import SearchInputs
 from dreampipe.planning.sync_links import replica_allreduce_terms
 from dreampipe.planning.sync_objective import PipelineKind, factor, slots
 from dreampipe.planning.sync_stage_option import Recompute
+from dreampipe.planning.sync_tables import block_groups
 from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
 __all__ = ["Choice", "ChoiceFloors"]
@@ -100,8 +100,7 @@ class ChoiceFloors(SearchInputs):
         limit = self.opts.memory_bytes
         if limit is None:
             return 1
-        state = self.least_weights(t) * min(self.opts.training.state_per_byte(
-            self.inputs.profiled_param_bytes, z, d) for z in self.zero_levels(d))
+        state = self.least_weights(t) * min(self._state(z, d) for z in self.zero_levels(d))
         return max(1, math.ceil((state + self.least_kept(t) * b / self.base) / limit - 1e-9))
 
     @functools.cache  # noqa: B019 - one search, dropped with it
@@ -109,10 +108,18 @@ class ChoiceFloors(SearchInputs):
         """A floor on the bytes a pipeline's stages keep together for a profiled minibatch
         on a replica of ``t`` workers: each layer's least over the options, none where a
         stage may recompute block by block (it keeps one block's)."""
-        options = self.options(t)
-        if any(o.recompute is Recompute.BLOCKS for o in options):
+        if self._by_blocks(t):
             return 0.0
-        return least_sum(self.inputs.costs, {o.split for o in options}, lambda c: c.kept)
+        return least_sum(self.inputs.costs, {o.split for o in self.options(t)},
+                         lambda c: c.kept)
+
+    def _by_blocks(self, t: int) -> bool:
+        """Whether a stage on ``t`` workers a replica may recompute block by block."""
+        return any(o.recompute is Recompute.BLOCKS for o in self.options(t))
+
+    def _state(self, level: int, d: int) -> float:
+        """Bytes of state a byte of weights keeps at ZeRO ``level`` over ``d`` replicas."""
+        return self.opts.training.state_per_byte(self.inputs.profiled_param_bytes, level, d)
 
     def floor(self, c: Choice) -> float:
         """A floor on the update time of choice ``c`` (the update takes at least its
@@ -130,20 +137,18 @@ class ChoiceFloors(SearchInputs):
         (:func:`~dreampipe.planning.sync_floors.least_stage_sum`): less the least each
         stage holds besides its layers' (:attr:`least_besides`) and every stage's but the
         first's inputs; level-3 gathers at the cheapest rate of the ``p`` worker blocks."""
-        limit, levels, size = self.opts.memory_bytes, self.zero_levels(d), d * t
+        limit, levels = self.opts.memory_bytes, self.zero_levels(d)
         f = b / self.base
         if limit is None:
             return self.least_compute(t) * f
         besides, entry = self.least_besides
-        if any(o.recompute is Recompute.BLOCKS for o in self.options(t)):
+        if self._by_blocks(t):
             entry = 0.0  # its floor counts a block's input at the block, a stage's first too
         room = p * limit - count * besides * f - (count - 1) * held * entry * f
-        state = [self.opts.training.state_per_byte(self.inputs.profiled_param_bytes, z, d)
-                 for z in levels]
         per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
-            replica_groups(tuple(range(k * size, (k + 1) * size, t)), self.topology), t,
-            self.topology, self.opts.sync, d)[1] for k in range(p))
-        return least_stage_sum(self.option_floors(t), dict(zip(levels, state, strict=True)),
+            block_groups(k, d, t, self.topology), t, self.topology, self.opts.sync, d)[1]
+            for k in range(p))
+        return least_stage_sum(self.option_floors(t), {z: self._state(z, d) for z in levels},
                                per, f, held, room)
 
     @functools.cache  # noqa: B019 - one search, dropped with it

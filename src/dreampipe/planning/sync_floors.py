@@ -29,6 +29,7 @@ from dreampipe.planning.sync_stage_option import Recompute, StageOption
 from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
 __all__ = [
+    "OptionFloors",
     "Reach",
     "band_width",
     "envelope",
@@ -36,8 +37,10 @@ __all__ = [
     "least_largest",
     "least_largest_with_cut",
     "least_layers",
+    "least_stage_sum",
     "least_sum",
     "least_within",
+    "option_floors",
     "scaled_computes",
 ]
 

@@ -44,7 +44,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["StageTables", "TableInputs"]
+__all__ = ["StageTables", "TableInputs", "block_groups"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -93,7 +93,7 @@ class StageTables:
     def groups(self, block: int) -> tuple[int, ...]:
         """How the replicas of the stage on ``block`` sit in the topology: blocks with the
         same groups have the same times."""
-        return replica_groups(self.workers(block)[::self.t], self.inputs.topology)
+        return block_groups(block, self.d, self.t, self.inputs.topology)
 
     # ---- time --------------------------------------------------------------------
     def times(self, x: int, block: int, width: int | None = None
@@ -392,6 +392,14 @@ class StageTables:
 
 _Terms = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
 _MemoryParts = tuple[FloatArray, FloatArray, FloatArray, FloatArray | float]
+
+
+def block_groups(block: int, d: int, t: int, topology: Topology) -> tuple[int, ...]:
+    """How the ``d`` replicas of ``t`` workers of the stage on worker block ``block`` sit
+    in ``topology`` (:func:`~dreampipe.planning.sync.replica_groups` of their first
+    workers, block ``k`` holding workers ``k d t .. (k + 1) d t - 1``)."""
+    size = d * t
+    return replica_groups(tuple(range(block * size, (block + 1) * size, t)), topology)
 
 
 def _bases(options: Sequence[StageOption]) -> tuple[int, ...]:
