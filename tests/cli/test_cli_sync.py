@@ -98,6 +98,9 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--layout", "t1-p2-z1", "--zero-levels", "0,1"],
      ["fixes level 1", "drop z from the layout"]),
     (["--zero-levels", "0,1"], ["--zero-levels", "--global-batch"]),
+    (["--recompute-blocks"], ["--recompute-blocks", "--global-batch"]),
+    (["--global-batch", "64", "--recompute-blocks", "--no-recompute"],
+     ["recompute_blocks=True with recompute=False", "drop --no-recompute"]),
 ])
 def test_bad_sync_flags_are_one_line_naming_them(
     capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str],
@@ -124,13 +127,14 @@ def test_plan_says_why_each_stage_runs_as_it_does(capsys: pytest.CaptureFixture[
     assert len(lines) == len(data["stages"]) and "needs" in out and "of 1.0 GB" in out
 
 
-def test_whole_blocks_on_a_profile_without_blocks_says_so(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize("flag", ["--whole-blocks", "--recompute-blocks"])
+def test_a_blocks_flag_on_a_profile_without_blocks_says_so(
+    capsys: pytest.CaptureFixture[str], flag: str,
 ) -> None:
     assert main(["plan", "pipedream:alexnet", "-t", "cluster-b", "--global-batch", "64",
-                 "--whole-blocks"]) == 2
+                 flag]) == 2
     err = capsys.readouterr().err
-    assert "has no blocks" in err and "drop --whole-blocks" in err and err.count("\n") == 1
+    assert "has no blocks" in err and f"drop {flag}" in err and err.count("\n") == 1
 
 
 def test_zero_levels_let_each_stage_shard_as_it_fits(capsys: pytest.CaptureFixture[str]

@@ -23,7 +23,7 @@ from dreampipe.planning.sync_dp import Chosen, stage_terms, update_time, whole_b
 from dreampipe.planning.sync_objective import PipelineKind, slots
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import MAX_VIRTUAL_STAGES, SyncSearch, plan_sync
-from dreampipe.planning.sync_stage_option import layer_blocks
+from dreampipe.planning.sync_stage_option import Recompute, layer_blocks
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind
@@ -205,6 +205,24 @@ def test_brute_force_agrees_over_zero_levels_and_recomputed_blocks(
         assert tuple(st.first for st in found.stages) == starts
         free = plan_sync(graph, topo, replace(opts, whole_blocks=False))
         assert free.time_per_update_s <= found.time_per_update_s * (1 + 1e-9)
+
+
+@settings(max_examples=15, deadline=None)
+@given(block_graphs(), st.sampled_from(["2", "4", "2x2"]), st.sampled_from([4, 8]),
+       st.sampled_from([None, 10**8, 4 * 10**8]),
+       st.sampled_from([(PipelineKind.FLUSH,), (PipelineKind.ZB_H1,)]),
+       st.sampled_from([(0,), (0, 3)]))
+def test_brute_force_agrees_when_the_free_search_recomputes_blocks(
+        graph: LayerGraph, shape: str, batch: int, memory: int | None,
+        kinds: tuple[PipelineKind, ...], zero: tuple[int, ...]) -> None:
+    """Asked to weigh block-by-block recomputation, the free search (no layout) finds
+    what brute force finds over every choice, cut and stage option, blocks included."""
+    topo = Topology.parse(shape, ["1e9B/s"] * len(shape.split("x")))
+    opts = SyncOptions(global_batch=batch, memory_bytes=memory, kinds=kinds, recompute=True,
+                       recompute_blocks=True, tensor_split=False,
+                       training=Training("bf16", "adam"), zero_levels=zero)
+    assert Recompute.BLOCKS in {o.recompute for o in SyncSearch(graph, topo, opts).options(1)}
+    _as_brute_force(graph, topo, opts)
 
 
 @settings(max_examples=20, deadline=None)

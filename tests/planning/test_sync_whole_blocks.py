@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.layout import parse_layout
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
@@ -18,7 +18,7 @@ from dreampipe.planning.sync_stage_option import Recompute, layer_blocks
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.gpt_shapes import GptShape, blocks_recomputed
 from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
-from dreampipe.profiling.graph import LayerGraph
+from dreampipe.profiling.graph import Layer, LayerGraph
 
 SPEC = "gpt:layers=8,hidden=512,heads=8,seq=256,vocab=4096"
 
@@ -112,3 +112,33 @@ def test_a_layout_says_r_only_where_every_stage_recomputes_its_blocks() -> None:
     assert replace(found, stages=(every, replace(keeps, option=every.option))).layout == (
         "t1-p2-r8")
     assert replace(found, stages=(every, keeps)).layout == "t1-p2"
+
+
+def test_the_free_search_recomputes_block_by_block_only_when_asked() -> None:
+    """Under a limit that no plan meets keeping its activations or recomputing stages
+    whole, the free search asked to weigh block-by-block recomputation finds one that
+    recomputes every block of a stage, within the limit; unasked, it says nothing fits.
+    Asked, it searches a superset, so with room it is never slower."""
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC), topo.device)
+    opts = SyncOptions(global_batch=8, training=Training("bf16", "adam"), recompute=True)
+    room = 65 * 10**6
+    with pytest.raises(PlanError, match="fits in"):
+        plan_sync(graph, topo, replace(opts, memory_bytes=room))
+    found = plan_sync(graph, topo, replace(opts, memory_bytes=room, recompute_blocks=True))
+    assert Recompute.BLOCKS in {st.option.recompute for st in found.stages}
+    assert max(st.memory_bytes for st in found.stages) <= room
+    free = plan_sync(graph, topo, opts)
+    asked = plan_sync(graph, topo, replace(opts, recompute_blocks=True))
+    assert asked.time_per_update_s <= free.time_per_update_s * (1 + 1e-12)
+
+
+def test_block_by_block_recomputation_needs_recomputation_and_blocks() -> None:
+    with pytest.raises(ConfigError, match="recompute_blocks=True with recompute=False"):
+        SyncOptions(global_batch=8, recompute_blocks=True)
+    topo = Topology.parse("4x2")
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(4)])
+    with pytest.raises(PlanError, match="no blocks"):
+        plan_sync(graph, topo, SyncOptions(global_batch=8, recompute=True,
+                                           recompute_blocks=True))

@@ -41,7 +41,7 @@ _UPDATES = 2
 
 def add_sync_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--global-batch``, ``--microbatch-size``, ``--layout``, ``--precision``,
-    ``--optimizer``, ``--zero-levels`` and ``--whole-blocks``."""
+    ``--optimizer``, ``--zero-levels``, ``--recompute-blocks`` and ``--whole-blocks``."""
     flags: dict[str, dict[str, Any]] = {
         "--global-batch": dict(type=int, metavar="B", help=(
             "samples an update: plan the synchronous objective, each update priced as its "
@@ -63,6 +63,11 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
             "ZeRO levels each replicated stage may choose among where --layout names none, "
             "e.g. 0,1 to shard at most the optimizer's state (default: every level, 0 to "
             "3, each stage its own)")),
+        "--recompute-blocks": dict(action="store_true", help=(
+            "also weigh, for every stage, recomputing each of its blocks one at a time "
+            "(Megatron-LM's full recomputation: it keeps each block's input, not its "
+            "activations), as --layout's search does; the search takes several times "
+            "longer (default: a stage keeps its activations or recomputes whole)")),
         "--whole-blocks": dict(action="store_true", help=(
             "cut only between whole blocks, the same number a stage, as Megatron-LM places "
             "them (the embedding on the first stage, the head on the last); default: the "
@@ -80,6 +85,7 @@ def wants_sync(args: argparse.Namespace) -> bool:
                                       ("--precision", args.precision),
                                       ("--optimizer", args.optimizer != "sgd" or None),
                                       ("--whole-blocks", args.whole_blocks or None),
+                                      ("--recompute-blocks", args.recompute_blocks or None),
                                       ("--zero-levels", args.zero_levels))
              if value is not None]
     if args.global_batch is None:
@@ -133,6 +139,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         memory_bytes=memory_limit(args.memory, graph, topo),
         training=Training(args.precision, args.optimizer), sync=sync_from(args),
         kinds=_kinds(args), layout=layout, recompute=args.recompute,
+        recompute_blocks=args.recompute_blocks,
         tensor_split=args.mixed_splits, whole_blocks=args.whole_blocks,
         zero_levels=_zero_levels(args.zero_levels))
     start = time.perf_counter()

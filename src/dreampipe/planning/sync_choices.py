@@ -31,7 +31,10 @@ class SyncOptions:
     ``microbatch_size`` fixes ``b``; ``memory_bytes`` per worker (None: no limit);
     ``training`` the number formats and optimizer; ``kinds`` the schedules allowed;
     ``layout`` fixes part of the layout; ``recompute`` lets a stage recompute whole
-    where only that fits; ``tensor_split`` lets replicas split over a server's workers;
+    where only that fits; ``recompute_blocks`` also lets it recompute every block one at a
+    time (Megatron-LM's full recomputation), which a layout's search always weighs and
+    the free search, several times longer, weighs only when asked; ``tensor_split``
+    lets replicas split over a server's workers;
     ``whole_blocks`` gives every stage the same number of whole blocks, as Megatron-LM
     places them (:func:`~dreampipe.planning.sync_dp.whole_block_starts`), instead of the
     best cuts; ``zero_levels`` the ZeRO levels each replicated stage chooses among (None:
@@ -45,6 +48,7 @@ class SyncOptions:
     kinds: tuple[PipelineKind, ...] = tuple(PipelineKind)
     layout: Layout | None = None
     recompute: bool = False
+    recompute_blocks: bool = False
     tensor_split: bool = True
     whole_blocks: bool = False
     zero_levels: tuple[int, ...] | None = None
@@ -60,6 +64,10 @@ class SyncOptions:
             raise ConfigError(f"zero_levels={self.zero_levels} with layout "
                               f"{self.layout.text}, which fixes level {self.layout.zero}: "
                               "drop z from the layout, or the levels", "zero_levels")
+        if self.recompute_blocks and not self.recompute:
+            raise ConfigError("recompute_blocks=True with recompute=False: block-by-block "
+                              "recomputation is recomputation; allow it (drop "
+                              "--no-recompute) or drop --recompute-blocks", "recompute_blocks")
         if self.global_batch < 1:
             raise ConfigError(f"global_batch={self.global_batch}; give the samples of one "
                               "update, a whole number >= 1, e.g. 512", "global_batch")

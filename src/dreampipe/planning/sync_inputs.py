@@ -53,6 +53,10 @@ class SearchInputs:
             raise PlanError(f"layout {layout.text} recomputes {layout.recompute_blocks} blocks "
                             f"a stage, but profile {graph.model or 'model'} has no blocks (a "
                             "gpt: profile's transformer layers); drop -r")
+        if opts.recompute_blocks and not self.block_count:
+            raise PlanError(f"recompute_blocks=True, but profile {graph.model or 'model'} has "
+                            "no blocks (a gpt: profile's transformer layers) to recompute one "
+                            "at a time; drop --recompute-blocks")
         if opts.whole_blocks:
             check_whole_blocks(blocks, layout, graph.model or "model")
 
@@ -73,7 +77,8 @@ class SearchInputs:
             out.append(base)
             if self.opts.recompute:
                 out.append(replace(base, recompute=Recompute.STAGE))
-                if layout is not None and self.block_count:  # a small search: weigh it too
+                # a layout's search is small, so it weighs it too; the free one when asked
+                if self.block_count and (layout is not None or self.opts.recompute_blocks):
                     out.append(replace(base, recompute=Recompute.BLOCKS,
                                        blocks=self.block_count))
         return tuple(out)
