@@ -21,14 +21,15 @@ from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.buckets import BUCKET_CAP_MB, round_ends
+from dreampipe.runtime.buckets import BUCKET_CAP_MB
+from dreampipe.runtime.memory_walks import by_stage, gradients_later, most_in_flight, waiting_bytes
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
-from dreampipe.scheduling.weight_versions import peak_in_flight, peak_versions, release_kind
+from dreampipe.scheduling.weight_versions import peak_versions, release_kind
 
 __all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "counted_twice",
            "optimizer_copies", "predict_memory"]
@@ -143,18 +144,18 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     plus, when an update spans several microbatches, the transient gradient of its largest layer's
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
     copies of every gradient, made as the backward that ends a round ends, alive until the
-    round's ``ALLREDUCE``; :func:`_gradients_later`). Under a split backward a
+    round's ``ALLREDUCE``; :mod:`.memory_walks`). Under a split backward a
     microbatch stays in flight until its ``W``, and after the first stage (whose ``B`` leaves
     the whole backward to ``W``) each waiting for it holds what ``B`` recorded, when that
-    raises the peak (:func:`_waiting_bytes`). ``graph`` is profiled in the run's number
+    raises the peak (:mod:`.memory_walks`). ``graph`` is profiled in the run's number
     formats at the schedule's microbatch size.
     """
     if not library:
         graph = graph.without_library()
     costs = RangeCosts.of(graph)
-    flight, sends = _flight(schedule, plan.num_stages), [0] * plan.num_stages
+    flight, sends = most_in_flight(schedule, plan.num_stages), [0] * plan.num_stages
     ranks: dict[int, list[tuple[Action, ...]]] = {}
-    for stage, actions in _by_stage(schedule):
+    for stage, actions in by_stage(schedule):
         ranks.setdefault(stage, []).append(actions)
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
@@ -193,8 +194,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         at_once = holding(flight[s])
         main = (at_once - saved + (0 if walked else buckets)
                 - _zero_saved(st, level, weights, max(sizes, default=0), opts, whole)
-                + (max(_waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
-                - (min(_gradients_later(acts, each + int(costs.cut_bytes[st.first]),
+                + (max(waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
+                - (min(gradients_later(acts, each + int(costs.cut_bytes[st.first]),
                                         gradients, buckets - _working(costs, st, flight[s],
                                                                       saved, each), s)
                        for acts in ranks[s]) if walked else 0)
@@ -225,7 +226,7 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
     peak together only as its actions hold them, walked along them (docs/memory.md)."""
     if not library:
         graph = graph.without_library()
-    costs, flight = RangeCosts.of(graph), _flight(schedule, plan.num_stages)
+    costs, flight = RangeCosts.of(graph), most_in_flight(schedule, plan.num_stages)
     out = []
     for actions in schedule.actions:
         mine = sorted({a.stage for a in actions})
@@ -302,74 +303,6 @@ def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int
                  + float(costs.backward_working[st.first, st.last]) - saved) - each * in_flight
 
 
-def _by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
-    """Each rank's actions of each of its stages (interleaved ranks run several)."""
-    out = []
-    for actions in schedule.actions:
-        mine: dict[int, list[Action]] = {}
-        for a in actions:
-            mine.setdefault(a.stage, []).append(a)
-        out += [(stage, tuple(acts)) for stage, acts in mine.items()]
-    return out
-
-
-def _gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
-                     buckets: int = 0, stage: int = 0) -> int:
-    """What the formula counts beyond one rank's peak by holding the stage's
-    ``gradients`` beside its most microbatches in flight (``kept`` bytes each): a rank
-    frees its gradients at each ``STEP`` and makes them again in the update's first
-    backward (its ``W`` under a split backward), which frees that microbatch's tensors
-    as it makes them, but for a ``W`` after the first stage, which holds the graph ``B``
-    kept until it ends (:mod:`~dreampipe.runtime.split_backward`). Along the actions:
-    after a forward, the microbatches in flight and the gradients if made; in a
-    backward, the others in flight and that microbatch's tensors beside the gradients,
-    or the larger of the two in the update's first; after a backward that ends an
-    all-reduce round, the others and the gradients beside ``buckets`` bytes more (their
-    flat copies, made as the last gradients are, once that microbatch's tensors are
-    freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`).
-    Negative where the buckets raise the peak beyond the formula's."""
-    release = release_kind(actions)
-    holds = release is ActionKind.WEIGHT and stage > 0
-    ends = round_ends(actions) if buckets else frozenset()
-    flight = most_flight = peak = 0
-    made = False
-    for a in actions:
-        if a.kind is ActionKind.FORWARD:
-            flight += 1
-            most_flight = max(most_flight, flight)
-            peak = max(peak, kept * flight + (gradients if made else 0))
-        elif a.kind is release:
-            others = kept * (flight - 1)
-            both = made or holds
-            peak = max(peak, others + (kept + gradients if both else max(kept, gradients)))
-            if a.microbatch in ends:
-                peak = max(peak, others + gradients + buckets)
-            flight -= 1
-            made = True
-        elif a.kind is ActionKind.STEP:
-            made = False
-    return kept * most_flight + gradients - peak
-
-
-def _waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
-    """What microbatches waiting for their ``W`` hold beyond the stage's kept tensors of
-    its most microbatches in flight: along one rank's actions, the most of the kept
-    tensors (and input) of those in flight and what ``B`` recorded for those waiting
-    (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
-    most."""
-    if release_kind(actions) is not ActionKind.WEIGHT:
-        return 0
-    layers = graph.layers[st.first : st.last + 1]
-    kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
-    recorded = sum(x.recorded_bytes or 0 for x in layers)
-    flight = waiting = most = top = 0
-    for a in actions:
-        flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
-        waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
-        most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
-    return max(0, most - kept * top)
-
-
 def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
     """The weight gradient autograd makes before adding it to ``.grad`` in a split stage
     whose update spans several microbatches (split layers accumulate with autograd's kernels,
@@ -403,14 +336,6 @@ def _cast_gradient(sizes: list[int], precision: Precision, microbatches: int) ->
     if microbatches > 1:
         return max(sizes)
     return max(sizes) * cast.itemsize // precision.param_dtype.itemsize
-
-
-def _flight(schedule: Schedule, stages: int) -> list[int]:
-    """Each stage's most microbatches in flight on any of its ranks."""
-    flight = [0] * stages
-    for stage, actions in _by_stage(schedule):
-        flight[stage] = max(flight[stage], peak_in_flight(actions))
-    return flight
 
 
 def check_memory(plan: Plan, predicted: tuple[int, ...], limit: int | None) -> None:

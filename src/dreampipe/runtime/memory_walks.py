@@ -1,0 +1,90 @@
+"""Walks along one rank's actions: what the schedule's order adds to, or takes from, the
+peak that :func:`~dreampipe.runtime.memory.predict_memory`'s formula counts (the most
+microbatches in flight, gradients made and freed at each step, microbatches waiting for
+their ``W``; docs/design.md §5.4)."""
+
+from __future__ import annotations
+
+from dreampipe.planning.plan import Stage
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.runtime.buckets import round_ends
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule
+from dreampipe.scheduling.weight_versions import peak_in_flight, release_kind
+
+__all__ = ["by_stage", "gradients_later", "most_in_flight", "waiting_bytes"]
+
+
+def by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
+    """Each rank's actions of each of its stages (interleaved ranks run several)."""
+    out = []
+    for actions in schedule.actions:
+        mine: dict[int, list[Action]] = {}
+        for a in actions:
+            mine.setdefault(a.stage, []).append(a)
+        out += [(stage, tuple(acts)) for stage, acts in mine.items()]
+    return out
+
+
+def gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
+                    buckets: int = 0, stage: int = 0) -> int:
+    """What the formula counts beyond one rank's peak by holding the stage's
+    ``gradients`` beside its most microbatches in flight (``kept`` bytes each): a rank
+    frees its gradients at each ``STEP`` and makes them again in the update's first
+    backward (its ``W`` under a split backward), which frees that microbatch's tensors
+    as it makes them, but for a ``W`` after the first stage, which holds the graph ``B``
+    kept until it ends (:mod:`~dreampipe.runtime.split_backward`). Along the actions:
+    after a forward, the microbatches in flight and the gradients if made; in a
+    backward, the others in flight and that microbatch's tensors beside the gradients,
+    or the larger of the two in the update's first; after a backward that ends an
+    all-reduce round, the others and the gradients beside ``buckets`` bytes more (their
+    flat copies, made as the last gradients are, once that microbatch's tensors are
+    freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`).
+    Negative where the buckets raise the peak beyond the formula's."""
+    release = release_kind(actions)
+    holds = release is ActionKind.WEIGHT and stage > 0
+    ends = round_ends(actions) if buckets else frozenset()
+    flight = most_flight = peak = 0
+    made = False
+    for a in actions:
+        if a.kind is ActionKind.FORWARD:
+            flight += 1
+            most_flight = max(most_flight, flight)
+            peak = max(peak, kept * flight + (gradients if made else 0))
+        elif a.kind is release:
+            others = kept * (flight - 1)
+            both = made or holds
+            peak = max(peak, others + (kept + gradients if both else max(kept, gradients)))
+            if a.microbatch in ends:
+                peak = max(peak, others + gradients + buckets)
+            flight -= 1
+            made = True
+        elif a.kind is ActionKind.STEP:
+            made = False
+    return kept * most_flight + gradients - peak
+
+
+def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
+    """What microbatches waiting for their ``W`` hold beyond the stage's kept tensors of
+    its most microbatches in flight: along one rank's actions, the most of the kept
+    tensors (and input) of those in flight and what ``B`` recorded for those waiting
+    (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
+    most."""
+    if release_kind(actions) is not ActionKind.WEIGHT:
+        return 0
+    layers = graph.layers[st.first : st.last + 1]
+    kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
+    recorded = sum(x.recorded_bytes or 0 for x in layers)
+    flight = waiting = most = top = 0
+    for a in actions:
+        flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
+        waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
+        most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
+    return max(0, most - kept * top)
+
+
+def most_in_flight(schedule: Schedule, stages: int) -> list[int]:
+    """Each stage's most microbatches in flight on any of its ranks."""
+    flight = [0] * stages
+    for stage, actions in by_stage(schedule):
+        flight[stage] = max(flight[stage], peak_in_flight(actions))
+    return flight
