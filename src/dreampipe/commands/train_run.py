@@ -44,8 +44,7 @@ from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.datasets import load_dataset
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.backend import backend_for_node
-from dreampipe.runtime.engine import barrier
+from dreampipe.runtime.backend import backend_for_node, barrier
 from dreampipe.runtime.memory_meter import MemoryUse, Meter, start_measuring
 from dreampipe.runtime.processes import prepare_process, run_processes
 from dreampipe.runtime.results import RankReport, sorted_events, stage_states

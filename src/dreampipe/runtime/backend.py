@@ -11,8 +11,9 @@ from __future__ import annotations
 from enum import Enum
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["Backend", "backend_for_node", "gpus_here"]
+__all__ = ["Backend", "backend_for_node", "barrier", "gpus_here"]
 
 
 class Backend(Enum):
@@ -36,3 +37,13 @@ def backend_for_node(local_ranks: int) -> Backend:
     """NCCL where each of ``local_ranks`` ranks on this node has a GPU of its own, else gloo."""
     gpus = gpus_here()
     return Backend.NCCL if gpus and gpus >= local_ranks else Backend.GLOO
+
+
+def barrier(timeout_s: float) -> None:
+    """A barrier with a deadline where the backend has one (gloo)."""
+    from datetime import timedelta
+
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()

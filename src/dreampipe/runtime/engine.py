@@ -5,7 +5,8 @@ The engine never re-derives the order: :class:`RankRunner` executes
 posts the receives of the next few actions early (:mod:`.comm`). Only the last
 backward before a rank's ``ALLREDUCE`` hands its gradients to
 :class:`~dreampipe.runtime.buckets.GradientBuckets`. The input and last
-stages read a microbatch's samples from :class:`MicrobatchData`, so only activations and
+stages read a microbatch's samples from
+:class:`~dreampipe.runtime.stage_records.MicrobatchData`, so only activations and
 gradients cross the pipeline. :meth:`RankRunner.advance` stops before the
 first action whose microbatch has not been given yet; :meth:`RankRunner.switch`
 takes a schedule that extends the prefix run so far. A rank that holds several
@@ -23,10 +24,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.runtime.buckets import GradientBuckets, round_ends
@@ -37,7 +37,7 @@ from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.overlap import OverlapHook, OverlappedPair, one_after_the_other, run_pair
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageModule
-from dreampipe.runtime.stage_records import StageInput
+from dreampipe.runtime.stage_records import MicrobatchData, StageInput
 from dreampipe.runtime.stage_ties import RankTie
 from dreampipe.runtime.tensor_split import full_state
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions
@@ -48,25 +48,12 @@ from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleK
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.unshard import pairs_per_use
 
-__all__ = ["MicrobatchData", "RankRunner", "barrier"]
+__all__ = ["RankRunner"]
 
 _log = logging.getLogger(__name__)
 
 _LOOKAHEAD = 8
 _RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
-
-
-class MicrobatchData(Protocol):
-    """The samples of a microbatch, the same on every rank that asks."""
-
-    def inputs(self, microbatch: int) -> StageInput:
-        """The input stage's input of ``microbatch``."""
-
-    def targets(self, microbatch: int) -> Tensor:
-        """The last stage's targets of ``microbatch``."""
-
-    def share(self, microbatch: int) -> float:
-        """What ``microbatch``'s loss counts beside its minibatch's others (1: equal parts)."""
 
 
 class RankRunner:
@@ -428,13 +415,3 @@ class _Lane:
     module: StageModule
     comm: Comm
     buckets: GradientBuckets | ShardBuckets
-
-
-def barrier(timeout_s: float) -> None:
-    """A barrier with a deadline where the backend has one (gloo)."""
-    from datetime import timedelta
-
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
-    else:
-        dist.barrier()

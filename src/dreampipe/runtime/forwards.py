@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.engine import MicrobatchData
 from dreampipe.runtime.precision import Precision
+from dreampipe.runtime.stage_records import MicrobatchData
 from dreampipe.scheduling.actions import ActionKind, Schedule
 
 __all__ = ["MicrobatchScore", "run_forwards"]

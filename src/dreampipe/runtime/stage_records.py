@@ -1,6 +1,7 @@
 """What a stage keeps between a microbatch's forward and its backward (:class:`InFlight`),
 and of the backward that completes a round (:class:`Round`); the one tensor a stage may
-pass on (:func:`tensor_output`). Plain records of :mod:`.stage_module` and
+pass on (:func:`tensor_output`); where the input and last stages read a microbatch's
+samples (:class:`MicrobatchData`). Plain records of :mod:`.stage_module` and
 :mod:`.gradient_harvest`.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from torch import Tensor
 
@@ -15,7 +17,7 @@ from dreampipe.errors import PlanError
 from dreampipe.runtime.recompute import Replay
 from dreampipe.runtime.versions import Version
 
-__all__ = ["InFlight", "Round", "StageInput", "tensor_output"]
+__all__ = ["InFlight", "MicrobatchData", "Round", "StageInput", "tensor_output"]
 
 
 def tensor_output(out: object, where: str) -> Tensor:
@@ -54,3 +56,16 @@ class InFlight:
     target: Tensor | None
     scale: float
     replay: Replay | None = None
+
+
+class MicrobatchData(Protocol):
+    """The samples of a microbatch, the same on every rank that asks."""
+
+    def inputs(self, microbatch: int) -> StageInput:
+        """The input stage's input of ``microbatch``."""
+
+    def targets(self, microbatch: int) -> Tensor:
+        """The last stage's targets of ``microbatch``."""
+
+    def share(self, microbatch: int) -> float:
+        """What ``microbatch``'s loss counts beside its minibatch's others (1: equal parts)."""
