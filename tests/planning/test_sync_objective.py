@@ -13,7 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ConfigError, PlanError
-from dreampipe.planning.layout import Layout
+from dreampipe.planning.layout import Layout, parse_layout
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
@@ -25,6 +25,7 @@ from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import MAX_VIRTUAL_STAGES, SyncSearch, plan_sync
 from dreampipe.planning.sync_stage_option import Recompute, layer_blocks
 from dreampipe.planning.topology import Topology
+from dreampipe.profiling.gpt_spec import gpt_spec_profile, parse_gpt_spec
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
@@ -375,3 +376,25 @@ def test_the_objective_bounds_the_simulated_1f1b_flush(
     assert plan is not None
     took, _ = _simulated(graph, plan, topo, ScheduleKind.FLUSH, batch, found.microbatch_size)
     assert took <= found.time_per_update_s * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("layout", ["t2-p1", "t4-p1", "t2-p2"])
+@pytest.mark.parametrize("b", [1, 16])
+def test_split_stages_run_in_the_simulator_as_priced(layout: str, b: int) -> None:
+    """A tensor-split stage's collectives keep their latency at any microbatch size, in
+    its forward as in its ``tau``: the plan hands the simulator the forward the objective
+    priced, so one stage simulates in its priced time and a pipeline no slower."""
+    topo = Topology.parse("p3.16xlarge:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec("gpt:layers=3,hidden=256,heads=4,seq=128,"
+                                            "vocab=51200"), topo.device)
+    found = plan_sync(graph, topo, SyncOptions(global_batch=64, microbatch_size=b,
+                                               kinds=(PipelineKind.FLUSH,),
+                                               layout=parse_layout(layout)))
+    plan = found.plan()
+    assert plan is not None and found.tensor_parallel > 1
+    assert all(0 < st.forward_s < st.compute_s for st in plan.stages)
+    took, _ = _simulated(graph, plan, topo, ScheduleKind.FLUSH, 64, b)
+    assert took <= found.time_per_update_s * (1 + 1e-9)
+    if found.pipeline == 1:
+        assert took == pytest.approx(found.time_per_update_s, rel=1e-9)

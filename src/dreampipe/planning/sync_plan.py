@@ -30,16 +30,18 @@ __all__ = ["SyncPlan", "SyncStage"]
 @dataclass(frozen=True)
 class SyncStage:
     """A stage (a chunk under interleaving) of layers ``first..last`` run as ``option``,
-    with its terms: ``tau_s`` per microbatch on a replica, ``cut_s`` the cut after it per
-    microbatch, ``tail_s`` what the update adds after its last backward, ``memory_bytes``
-    per worker holding ``held`` microbatches, on worker block ``block``; ``recomputed``:
-    the layers whose forward its backward runs again, block by block."""
+    with its terms: ``tau_s`` per microbatch on a replica (``forward_s`` and ``compute_s``
+    its forward, and forward and backward, before ZeRO's collectives), ``cut_s`` the cut
+    after it per microbatch, ``tail_s`` what the update adds after its last backward,
+    ``memory_bytes`` per worker holding ``held`` microbatches, on worker block ``block``;
+    ``recomputed``: the layers whose forward its backward runs again, block by block."""
 
     first: int
     last: int
     option: StageOption
     tau_s: float
     forward_s: float
+    compute_s: float
     cut_s: float
     tail_s: float
     allreduce_s: float
@@ -49,23 +51,14 @@ class SyncStage:
     recomputed: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, terms: StageTerms, option: StageOption, forward_s: float, allreduce_s: float,
-           block: int, recomputed: tuple[int, ...] = ()) -> SyncStage:
+    def priced(cls, terms: StageTerms, tables: StageTables, block: int) -> SyncStage:
+        """The stage ``terms`` chose on worker ``block``, its work and all-reduce read
+        from ``tables`` (at their microbatch)."""
         c = terms.chosen
-        return cls(c.first, c.last, option, terms.tau_s, forward_s, terms.cut_s, terms.tail_s,
-                   allreduce_s, terms.memory_bytes, terms.held, block, recomputed)
-
-    @classmethod
-    def priced(cls, terms: StageTerms, tables: StageTables, block: int, b: int, base: int
-               ) -> SyncStage:
-        """The stage ``terms`` chose on worker ``block``, its forward and all-reduce read
-        from ``tables`` at microbatches of ``b`` samples of the profiled ``base``."""
-        c = terms.chosen
-        option = tables.options[c.option]
-        costs = tables.inputs.costs if option.split is None else option.split.costs
-        return cls.of(terms, option, float(costs.forward[c.first, c.last]) * b / base,
-                      tables.allreduce(c.option, block, c.first, c.last), block,
-                      tables.recomputed(c.option, c.first, c.last))
+        return cls(c.first, c.last, tables.options[c.option], terms.tau_s,
+                   *tables.work(c.option, c.first, c.last), terms.cut_s, terms.tail_s,
+                   tables.allreduce(c.option, block, c.first, c.last), terms.memory_bytes,
+                   terms.held, block, tables.recomputed(c.option, c.first, c.last))
 
 
 @dataclass(frozen=True)
@@ -149,7 +142,7 @@ class SyncPlan:
             rank += 0 if v > 1 else d
             stages.append(Stage(
                 first=st.first, last=st.last, replicas=d, ranks=ranks,
-                compute_s=st.tau_s * per, forward_s=min(st.forward_s, st.tau_s) * per,
+                compute_s=st.compute_s * per, forward_s=st.forward_s * per,
                 comm_s=st.cut_s * per / d, allreduce_s=st.allreduce_s,
                 memory_bytes=round(st.memory_bytes), tensor_parallel=t,
                 splits=() if split is None else split.layers(st.first, st.last),

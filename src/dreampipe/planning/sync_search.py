@@ -141,7 +141,7 @@ class SyncSearch(ChoiceFloors):
     def _plan(self, c: Choice, sl: Slots, tables: StageTables, value: float,
               terms: list[StageTerms], m: int) -> SyncPlan:
         return SyncPlan(
-            stages=tuple(SyncStage.priced(x, tables, sl.blocks[k], c.b, self.base)
+            stages=tuple(SyncStage.priced(x, tables, sl.blocks[k])
                          for k, x in enumerate(terms)),
             schedule=c.kind, tensor_parallel=c.t, data_parallel=c.d,
             pipeline=c.p, virtual_stages=c.v, microbatch_size=c.b, microbatches=m,

@@ -215,6 +215,17 @@ class StageTables:
         sizes, at = np.unique(self.inputs.costs.cut_bytes[1:], return_inverse=True)
         return sizes, at
 
+    def work(self, x: int, first: int, last: int) -> tuple[float, float]:
+        """``(forward, compute)`` of a stage ``first..last`` run as option ``x``, at the
+        microbatch, as its ``tau`` counts them before its ZeRO level's collectives (which
+        the simulator adds, :mod:`~dreampipe.planning.zero_terms`): its forward, and its
+        forward and backward with what it recomputes (a split stage's collectives'
+        latencies unscaled)."""
+        rows, end = np.array([first]), np.array([last])
+        compute, forward = self._at_fraction(x, rows, end)
+        again = self._again(x, rows, end, forward)
+        return float(forward[0]), float(compute[0] + again[0])
+
     def allreduce(self, x: int, block: int, first: int, last: int) -> float:
         """One all-reduce of the weights of a stage ``first..last`` run as option ``x`` over
         its replicas on ``block`` (0 on one replica)."""
