@@ -63,6 +63,29 @@ class ChoiceFloors(SearchInputs):
         return least_layers(self.inputs.costs, {o.split for o in self.options(t)})
 
     @functools.cache  # noqa: B019 - one search, dropped with it
+    def zb_ratio(self, t: int) -> float:
+        """ZB-H1's floor ``rho`` on ``t`` workers a replica (:func:`~dreampipe.planning.
+        sync_objective.factor`): ``1 - 2 s``, ``s`` the largest share of a layer's compute
+        that its weight gradient is, over the options. A stage's share is at most its
+        layers' largest, and its ``tau + cut`` only adds to its compute; a split layer's
+        compute is counted without its collectives' latencies, which do not shrink with
+        the microbatch as the rest does."""
+        share = np.asarray(self.inputs.weight_grad_share)
+        most = 0.0
+        for split in {o.split for o in self.options(t)}:
+            costs = self.inputs.costs if split is None else split.costs
+            compute = np.diag(costs.compute_s).copy()
+            if split is not None and split.latencies is not None:
+                compute -= np.diag(split.latencies[0])
+            made = np.asarray(costs.layer_backward_s) * share
+            ok = np.isfinite(compute) & (compute > 0)
+            if np.any(made[~ok] > 0):
+                return 0.0
+            if ok.any():
+                most = max(most, float(np.max(made[ok] / compute[ok])))
+        return max(0.0, 1.0 - 2.0 * most)
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
     def least_weights(self, t: int) -> float:
         """A floor on the weight bytes a pipeline's stages hold together on a replica of
         ``t`` workers: each layer's least over the options (stages' weights are sums of
@@ -126,7 +149,7 @@ class ChoiceFloors(SearchInputs):
         pipeline term): ``phi`` times the largest stage's :meth:`least_stage` at the
         microbatch."""
         m = self.opts.global_batch // (c.d * c.b)
-        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        phi = factor(c.kind, c.p, m, c.v, self.zb_ratio(c.t))
         return max(c.floor, phi * self.least_stage(c.t, c.p * c.v) * c.b / self.base)
 
     @functools.cache  # noqa: B019 - one search, dropped with it
@@ -175,14 +198,14 @@ class ChoiceFloors(SearchInputs):
         microbatch; and by the memory: ``phi`` times the mean stage's :meth:`least_taus`
         and cut."""
         m = self.opts.global_batch // (c.d * c.b)
-        sl = slots(c.kind, c.p, m, c.v, self.rho)
+        sl = slots(c.kind, c.p, m, c.v, self.zb_ratio(c.t))
         taus = self.least_taus(c.t, c.d, c.b, min(sl.in_flight), c.p, sl.count)
         if sl.count < 2:
-            return max(floor, sl.factor * taus)
+            return max(floor, sl.least * taus)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
         cut = min(float(np.min(tables.cut(a, b)[:-1]))
                   for a, b in set(itertools.pairwise(sl.blocks)))
-        floor = max(floor, sl.factor * (taus + (sl.count - 1) * cut) / sl.count)
+        floor = max(floor, sl.least * (taus + (sl.count - 1) * cut) / sl.count)
         lo = least_largest_with_cut(self.envelope(c.t), c.b / self.base, cut, sl.count,
-                                    floor / sl.factor)
-        return max(floor, sl.factor * lo)
+                                    floor / sl.least)
+        return max(floor, sl.least * lo)

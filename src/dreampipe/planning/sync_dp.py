@@ -2,7 +2,7 @@
 
 For a fixed schedule, stage count, chunk count and microbatches (a
 :class:`~dreampipe.planning.sync_objective.Slots`), an update takes the pipeline's
-``A = max_c phi (tau_c + cut_c)`` and then the longest tail ``X = max_c x_c``, each
+``A = max_c g_c`` (each stage's term) and then the longest tail ``X = max_c x_c``, each
 stage's terms read from the :class:`~dreampipe.planning.sync_tables.StageTables` of its
 layers, its option and its slot. For a bound ``L`` on the tails, the least ``A`` is a
 min-max of per-stage terms, so the recursion over the first stage's layers
@@ -52,7 +52,7 @@ class Chosen:
 @dataclass(frozen=True)
 class StageTerms:
     """One stage's terms (seconds per microbatch and per update, bytes per worker) and
-    its value ``phi * (tau + cut)`` (inf where it does not fit)."""
+    its value, its term ``g`` (inf where it does not fit)."""
 
     chosen: Chosen
     tau_s: float
@@ -151,10 +151,9 @@ class _Slots:
                 ok &= inside
                 if not ok.any():
                     continue
-            tau, tail = (a[rows] for a in tables.times(x, block, width)) if edge is None \
-                else tables.edge_times(x, block, width, edge)
-            value = tau + after
-            value *= sl.factor
+            tau, tail, wgrad = (a[rows] for a in tables.times(x, block, width)) \
+                if edge is None else tables.edge_times(x, block, width, edge)
+            value = sl.value(tau + after, wgrad)
             better = tail < tail_below
             better &= ok
             better &= value < best  # options in order win ties
@@ -178,15 +177,15 @@ class _Slots:
         """Slot ``c``'s terms for ``chosen``."""
         sl, i, j, x = self.slots, chosen.first, chosen.last, chosen.option
         if self._edge(c, sl.count) is None and j - i < self.width:  # the band it read
-            taus, tails = self.tables.times(x, sl.blocks[c], self.width)
-            tau, tail = float(taus[i, j - i]), float(tails[i, j - i])
+            taus, tails, wgrads = self.tables.times(x, sl.blocks[c], self.width)
+            tau, tail, wgrad = (float(a[i, j - i]) for a in (taus, tails, wgrads))
         else:  # an edge's stage, priced as its edge prices it
-            tau, tail = self.tables.time_at(x, sl.blocks[c], i, j)
+            tau, tail, wgrad = self.tables.time_at(x, sl.blocks[c], i, j)
         cut = float(self._cut(c)[j])
         memory = self.tables.memory_at(x, sl.in_flight[c], i, j)
         fits = self.memory is None or self.tables.fits(
             x, sl.in_flight[c], self.memory * sl.memory_share, i, j)
-        value = sl.factor * (tau + cut)
+        value = sl.term(tau + cut, wgrad)
         return StageTerms(chosen, tau, cut, tail, memory,
                           sl.in_flight[c], value if fits else math.inf)
 

@@ -18,7 +18,6 @@ from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.state_bytes import profiled_param_bytes
 from dreampipe.planning.sync_choices import ZERO_LEVELS, SyncOptions, check_whole_blocks
-from dreampipe.planning.sync_objective import zero_bubble_ratio
 from dreampipe.planning.sync_stage_option import Recompute, StageOption, layer_blocks
 from dreampipe.planning.sync_tables import StageTables, TableInputs
 from dreampipe.planning.topology import Topology
@@ -41,7 +40,6 @@ class SearchInputs:
         self.base = graph.batch_size or 1
         #: the profile's blocks: recomputing its first that many, a stage recomputes all of its
         self.block_count = len({b for b in blocks if b is not None})
-        self.rho = zero_bubble_ratio(graph)
         layout = opts.layout
         n = self.inputs.costs.n
         if layout is not None and layout.p * (layout.v or 1) > n:

@@ -94,7 +94,8 @@ class SyncSearch(ChoiceFloors):
     def _family(self, t: int, d: int, b: int, m: int, floor: float, kind: PipelineKind,
                 v: int, stages: list[int]) -> Iterator[Choice]:
         for p in stages:
-            yield Choice(factor(kind, p, m, v, self.rho) * floor / (p * v), t, d, b, kind, v, p)
+            yield Choice(factor(kind, p, m, v, self.zb_ratio(t)) * floor / (p * v), t, d, b,
+                         kind, v, p)
 
     def _kinds(self, t: int) -> Iterator[tuple[PipelineKind, int]]:
         layout = self.opts.layout
@@ -113,7 +114,7 @@ class SyncSearch(ChoiceFloors):
         was left out."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
-        sl = slots(c.kind, c.p, m, c.v, self.rho)
+        sl = slots(c.kind, c.p, m, c.v)
         tables = self.tables(c.t, c.d, c.b, c.kind is PipelineKind.ZB_H1)
         width, starts = self._band(c, beat), None
         if opts.whole_blocks:
@@ -135,7 +136,7 @@ class SyncSearch(ChoiceFloors):
 
     def _band(self, c: Choice, beat: float) -> int:
         m = self.opts.global_batch // (c.d * c.b)
-        phi = factor(c.kind, c.p, m, c.v, self.rho)
+        phi = factor(c.kind, c.p, m, c.v, self.zb_ratio(c.t))
         return self.width(c.t, beat / (phi * c.b / self.base))
 
     def _plan(self, c: Choice, sl: Slots, tables: StageTables, value: float,

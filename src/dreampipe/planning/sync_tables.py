@@ -97,20 +97,22 @@ class StageTables:
 
     # ---- time --------------------------------------------------------------------
     def times(self, x: int, block: int, width: int | None = None
-              ) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` of option ``x`` on worker block ``block`` (module doc), ``[i, j]``;
+              ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """``(tau, tail, weight gradient)`` of option ``x`` on worker block ``block`` (module
+        doc), ``[i, j]``;
         with ``width``, ``[i, k]`` for the stage of layers ``i..i + k``, ``k < width``
         (:func:`band`; entries past the last layer are the last layer's)."""
         return self._times(x, self.groups(block), width)
 
-    def time_at(self, x: int, block: int, first: int, last: int) -> tuple[float, float]:
+    def time_at(self, x: int, block: int, first: int, last: int
+                ) -> tuple[float, float, float]:
         """:meth:`times` of the one stage ``first..last``."""
         ends = np.arange(first, last + 1)[None, :]  # the all-reduce's end runs over them
-        tau, tail = self._priced(x, self.groups(block), np.full_like(ends, first), ends)
-        return float(tau[0, -1]), float(tail[0, -1])
+        tau, tail, wgrad = self._priced(x, self.groups(block), np.full_like(ends, first), ends)
+        return float(tau[0, -1]), float(tail[0, -1]), float(wgrad[0, -1])
 
     def edge_times(self, x: int, block: int, width: int, last_slot: bool
-                   ) -> tuple[FloatArray, FloatArray]:
+                   ) -> tuple[FloatArray, FloatArray, FloatArray]:
         """:meth:`times` of the stages a pipeline's first slot (or ``last_slot``) may take
         alone (:func:`~dreampipe.planning.sync_bands.edge`): a slot that reads no more
         makes no band."""
@@ -136,7 +138,7 @@ class StageTables:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
-               ) -> tuple[FloatArray, FloatArray]:
+               ) -> tuple[FloatArray, FloatArray, FloatArray]:
         if not self._twins:  # nothing to share: keep no copy
             return self._at_level(x, self._terms(self._base[x], groups, *band(self.n, width)))
         return self._at_level(x, self._band_terms(self._base[x], groups, width))
@@ -147,9 +149,9 @@ class StageTables:
         return self._terms(x, groups, rows, last)
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
-                is_column: bool = False) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` of the stages ``rows..last`` (index arrays of one shape) at
-        option ``x``'s ZeRO level."""
+                is_column: bool = False) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """``(tau, tail, weight gradient)`` of the stages ``rows..last`` (index arrays of
+        one shape) at option ``x``'s ZeRO level."""
         return self._at_level(x, self._terms(self._base[x], groups, rows, last, is_column))
 
     def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
@@ -173,17 +175,20 @@ class StageTables:
         wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
         return forward, compute, again, end, ar, wgrad
 
-    def _at_level(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray]:
-        """``(tau, tail)`` of :meth:`_terms` at option ``x``'s ZeRO level."""
+    def _at_level(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray, FloatArray]:
+        """``(tau, tail, weight gradient)`` of :meth:`_terms` at option ``x``'s ZeRO level
+        (the weight gradient: what a split backward's ``W`` computes, before any wait for
+        ZeRO's reduce-scatter, which fills no bubble)."""
         forward, compute, again, end, ar, wgrad = terms
         level = self.options[x].zero
+        made = np.minimum(wgrad, compute - forward)
         z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
-                       weight_grad=np.minimum(wgrad, compute - forward), allreduce=ar,
+                       weight_grad=made, allreduce=ar,
                        delay=end - ar + again, gather=ar / 2,
                        splits_backward=self.splits_backward and level >= 2)
         tau = z.forward + z.backward
         left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)
-        return np.where(np.isfinite(compute), tau, np.inf), left + z.step
+        return np.where(np.isfinite(compute), tau, np.inf), left + z.step, made
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
     def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:

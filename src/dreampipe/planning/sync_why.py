@@ -50,8 +50,7 @@ def stage_options(graph: LayerGraph, topology: Topology, options: SyncOptions,
     """Every option of each stage of ``plan`` (module doc), as ``plan_sync(graph,
     topology, options)`` priced them."""
     search = SyncSearch(graph, topology, options)
-    sl = slots(plan.schedule, plan.pipeline, plan.microbatches, plan.virtual_stages,
-               search.rho)
+    sl = slots(plan.schedule, plan.pipeline, plan.microbatches, plan.virtual_stages)
     tables = search.tables(plan.tensor_parallel, plan.data_parallel, plan.microbatch_size,
                            plan.schedule is PipelineKind.ZB_H1)
     limit = options.memory_bytes
@@ -63,11 +62,11 @@ def stage_options(graph: LayerGraph, topology: Topology, options: SyncOptions,
             tables.cut(block, sl.blocks[c + 1])[st.last])
         prices = []
         for x, option in enumerate(tables.options):
-            tau, tail = tables.time_at(x, block, st.first, st.last)
+            tau, tail, wgrad = tables.time_at(x, block, st.first, st.last)
             fits = limit is None or tables.fits(x, sl.in_flight[c], limit * sl.memory_share,
                                                 st.first, st.last)
             prices.append(OptionPrice(
-                _label(option, variants), sl.factor * (tau + cut), tail,
+                _label(option, variants), sl.term(tau + cut, wgrad), tail,
                 tables.memory_at(x, sl.in_flight[c], st.first, st.last), fits,
                 _key(option) == _key(st.option)))
         out.append(prices)
