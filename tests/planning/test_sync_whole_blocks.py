@@ -142,3 +142,16 @@ def test_block_by_block_recomputation_needs_recomputation_and_blocks() -> None:
     with pytest.raises(PlanError, match="no blocks"):
         plan_sync(graph, topo, SyncOptions(global_batch=8, recompute=True,
                                            recompute_blocks=True))
+
+
+def test_whole_blocks_that_no_schedule_shares_evenly_say_so() -> None:
+    """7 blocks cut into whole-block chunks only as 1 or 7: interleaving (p v >= 4 on 2 or
+    more stages) has no plan, and the error says why and how to get one."""
+    topo = Topology.parse("dgx-a100:1")
+    assert topo.device is not None
+    graph = gpt_spec_profile(parse_gpt_spec(SPEC.replace("layers=8", "layers=7")),
+                             topo.device)
+    with pytest.raises(PlanError, match=r"7 blocks share evenly only into 1, 7 stages.*"
+                                        r"drop --whole-blocks"):
+        plan_sync(graph, topo, SyncOptions(global_batch=48, whole_blocks=True,
+                                           kinds=(PipelineKind.INTERLEAVED,)))

@@ -201,6 +201,7 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
             f"{options.global_batch} fits"
             + (f" in {limit / 1e9:.3g} GB per worker" if limit else "")
             + (f" as layout {options.layout.text}" if options.layout else "")
+            + (_whole_blocks_hint(search) if options.whole_blocks else "")
             + "; raise --memory, recompute (drop --no-recompute, or -r in --layout), use a "
             "smaller --microbatch-size or more pipeline stages")
     log.info("synchronous search: %d of the choices run through the program; %s",
@@ -208,3 +209,13 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     if math.isfinite(best[0]):
         return best[1]
     raise PlanError("the best synchronous plan takes no finite time; check the profile")
+
+
+def _whole_blocks_hint(search: SyncSearch) -> str:
+    """What ``--whole-blocks`` leaves: the stage counts (chunks under interleaving) that
+    share the profile's blocks evenly."""
+    count = search.block_count
+    even = [k for k in range(1, count + 1) if count % k == 0]
+    return (f" with whole blocks ({count} blocks share evenly only into "
+            f"{', '.join(map(str, even))} stages, p v under interleaving; or drop "
+            "--whole-blocks)")
