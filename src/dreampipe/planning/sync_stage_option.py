@@ -4,19 +4,27 @@
 (:mod:`dreampipe.planning.sync_tables` prices each); recomputation runs the whole
 stage's forward again, or block by block its first ``k`` blocks, the transformer layers
 :func:`layer_blocks` finds in a profile by shape (docs/planner.md, "The synchronous
-objective").
+objective"); :func:`block_mask`, :func:`block_span` and :func:`largest_block` say which
+layers those are and what the largest keeps.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
 
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.profiling.gpt_shapes import block_index
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["Recompute", "StageOption", "layer_blocks"]
+__all__ = ["Recompute", "StageOption", "block_mask", "block_span", "largest_block",
+           "layer_blocks"]
+
+_Blocks = tuple[int | None, ...]
 
 
 class Recompute(StrEnum):
@@ -49,3 +57,42 @@ def layer_blocks(graph: LayerGraph) -> tuple[int | None, ...]:
     """Each layer's block (a transformer layer ``bK.`` of a profile by shape), None for
     layers outside blocks (the embedding, the head)."""
     return tuple(block_index(x.name) for x in graph.layers)
+
+
+@functools.lru_cache(maxsize=8)
+def block_mask(blocks: _Blocks, k: int) -> npt.NDArray[np.bool_]:
+    """``[i, l]``: layer ``l >= i`` is in one of the first ``k`` blocks from layer ``i``
+    (``blocks``: each layer's, :func:`layer_blocks`)."""
+    n = len(blocks)
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    nxt = np.iinfo(np.int64).max
+    for i in reversed(range(n)):
+        b = blocks[i]
+        nxt = b if b is not None else nxt
+        first[i] = nxt
+    ids = np.array([-1 if b is None else b for b in blocks], dtype=np.int64)
+    later = np.arange(n)[None, :] >= np.arange(n)[:, None]
+    return np.asarray(later & (ids[None, :] >= 0) & (ids[None, :] >= first[:, None])
+                      & (ids[None, :] < first[:, None] + k))
+
+
+@functools.lru_cache(maxsize=8)
+def block_span(blocks: _Blocks, k: int) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``(start, stop)`` by a stage's first layer: the first and the last layer of its
+    first ``k`` blocks (``start`` n and ``stop`` -1 where it has none)."""
+    mask = block_mask(blocks, k)
+    n = len(blocks)
+    cols = np.arange(n)
+    start = np.where(mask.any(axis=1), np.argmax(mask, axis=1), n)
+    stop = np.where(mask, cols[None, :], -1).max(axis=1)
+    return start, stop
+
+
+def largest_block(blocks: _Blocks, layer_kept: npt.NDArray[np.float64]) -> float:
+    """What the largest block keeps (``layer_kept`` each layer's): held once while one
+    backward recomputes it."""
+    sums: dict[int, float] = {}
+    for b, kept in zip(blocks, layer_kept, strict=True):
+        if b is not None:
+            sums[b] = sums.get(b, 0.0) + float(kept)
+    return max(sums.values(), default=0.0)

@@ -25,7 +25,6 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import (
-    BoolArray,
     FloatArray,
     RangeCosts,
 )
@@ -39,7 +38,13 @@ from dreampipe.planning.sync_bands import (
     row_sums,
 )
 from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
-from dreampipe.planning.sync_stage_option import Recompute, StageOption
+from dreampipe.planning.sync_stage_option import (
+    Recompute,
+    StageOption,
+    block_mask,
+    block_span,
+    largest_block,
+)
 from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
@@ -247,7 +252,7 @@ class StageTables:
         o = self.options[x]
         if o.recompute is not Recompute.BLOCKS:
             return ()
-        row = self._block_mask(o.blocks)[first]
+        row = block_mask(self.inputs.blocks, o.blocks)[first]
         return tuple(int(i) for i in range(first, last + 1) if row[i])
 
     # ---- memory ------------------------------------------------------------------
@@ -328,7 +333,7 @@ class StageTables:
         inp, f, o = self.inputs, self.fraction, self.options[x]
         costs = self._costs(o)
         fixed, first = costs.held_besides * f, costs.inputs * f
-        mask = self._block_mask(o.blocks)
+        mask = block_mask(self.inputs.blocks, o.blocks)
         layer_kept = np.diag(costs.kept) * f
         later = np.triu(np.ones((self.n, self.n), dtype=bool))
         rest = row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
@@ -337,7 +342,7 @@ class StageTables:
                                  zip(inp.blocks, inp.blocks[1:], strict=False)])
         entry = np.where(mask & starts[None, :] & np.triu(later, 1),
                          inp.costs.cut_bytes[None, :] * f, 0.0)
-        return fixed + self._largest_block(layer_kept), first + rest + row_sums(entry)
+        return fixed + largest_block(self.inputs.blocks, layer_kept), first + rest + row_sums(entry)
 
     # ---- helpers -----------------------------------------------------------------
     def _costs(self, o: StageOption) -> RangeCosts:
@@ -354,21 +359,11 @@ class StageTables:
             return np.asarray(np.where(np.isfinite(forward), forward, 0.0))
         # the recomputed blocks are one run of layers from the stage's first block on:
         # their range's forward, its collectives between them included
-        start, stop = self._block_span(o.blocks)
+        start, stop = block_span(self.inputs.blocks, o.blocks)
         first, end = start[rows], np.minimum(last, stop[rows])
         safe = np.minimum(first, self.n - 1)
         again = self._at_fraction(x, safe, np.maximum(end, safe))[1]
         return np.asarray(np.where(end >= first, again, 0.0))
-
-    @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
-    def _block_span(self, k: int) -> tuple[IntArray, IntArray]:
-        """``(start, stop)`` by a stage's first layer: the first and the last layer of its
-        first ``k`` blocks (``start`` n and ``stop`` -1 where it has none)."""
-        mask = self._block_mask(k)
-        cols = np.arange(self.n)
-        start = np.where(mask.any(axis=1), np.argmax(mask, axis=1), self.n)
-        stop = np.where(mask, cols[None, :], -1).max(axis=1)
-        return start, stop
 
     def _at_fraction(self, x: int, rows: IntArray, last: IntArray
                      ) -> tuple[FloatArray, FloatArray]:
@@ -381,29 +376,6 @@ class StageTables:
             return costs.compute_s[rows, last] * f, costs.forward[rows, last] * f
         return o.split.at_fraction(f, rows, last)
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019 - per instance, dropped with it
-    def _block_mask(self, k: int) -> BoolArray:
-        """``[i, l]``: layer ``l >= i`` is in one of the first ``k`` blocks from layer ``i``."""
-        blocks = self.inputs.blocks
-        n = self.n
-        first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
-        nxt = np.iinfo(np.int64).max
-        for i in reversed(range(n)):
-            b = blocks[i]
-            nxt = b if b is not None else nxt
-            first[i] = nxt
-        ids = np.array([-1 if b is None else b for b in blocks], dtype=np.int64)
-        later = np.arange(n)[None, :] >= np.arange(n)[:, None]
-        return np.asarray(later & (ids[None, :] >= 0) & (ids[None, :] >= first[:, None])
-                          & (ids[None, :] < first[:, None] + k))
-
-    def _largest_block(self, layer_kept: FloatArray) -> float:
-        """What the largest block keeps: held once while one backward recomputes it."""
-        sums: dict[int, float] = {}
-        for b, kept in zip(self.inputs.blocks, layer_kept, strict=True):
-            if b is not None:
-                sums[b] = sums.get(b, 0.0) + float(kept)
-        return max(sums.values(), default=0.0)
 
 
 _Terms = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
