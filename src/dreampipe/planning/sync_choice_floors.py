@@ -22,6 +22,7 @@ from dreampipe.planning.sync_floors import (
     Reach,
     band_width,
     envelope,
+    layer_floors,
     least_largest,
     least_largest_with_cut,
     least_layers,
@@ -66,17 +67,16 @@ class ChoiceFloors(SearchInputs):
     def zb_ratio(self, t: int) -> float:
         """ZB-H1's floor ``rho`` on ``t`` workers a replica (:func:`~dreampipe.planning.
         sync_objective.factor`): ``1 - 2 s``, ``s`` the largest share of a layer's compute
-        that its weight gradient is, over the options. A stage's share is at most its
-        layers' largest, and its ``tau + cut`` only adds to its compute; a split layer's
-        compute is counted without its collectives' latencies, which do not shrink with
-        the microbatch as the rest does."""
+        that its weight gradient is, over the options. A stage's compute at any microbatch
+        sums at least its layers' floors (:func:`~dreampipe.planning.sync_floors.
+        layer_floors`, latencies left out) and its weight gradient their weight
+        gradients, so its share is at most its layers' largest; its ``tau + cut`` only
+        adds to its compute."""
         share = np.asarray(self.inputs.weight_grad_share)
         most = 0.0
         for split in {o.split for o in self.options(t)}:
             costs = self.inputs.costs if split is None else split.costs
-            compute = np.diag(costs.compute_s).copy()
-            if split is not None and split.latencies is not None:
-                compute -= np.diag(split.latencies[0])
+            compute = layer_floors(self.inputs.costs, split)[0]
             made = np.asarray(costs.layer_backward_s) * share
             ok = np.isfinite(compute) & (compute > 0)
             if np.any(made[~ok] > 0):
