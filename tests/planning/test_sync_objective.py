@@ -440,3 +440,19 @@ def test_split_stages_run_in_the_simulator_as_priced(layout: str, b: int) -> Non
     assert took <= found.time_per_update_s * (1 + 1e-9)
     if found.pipeline == 1:
         assert took == pytest.approx(found.time_per_update_s, rel=1e-9)
+
+
+def test_a_stage_without_a_backward_hands_on_a_forward_within_its_compute() -> None:
+    """A stage's forward and compute come from separate sums, so where its layers have no
+    backward the forward may round a unit above the compute; the plan holds it to the
+    compute, which a runtime ``Stage`` requires."""
+    layers = [Layer(f"l{i}", f, b, 10**6, 10**6 if b else 0, "Linear(4, 4)" if b else "ReLU()")
+              for i, (f, b) in enumerate([(0.005474409113284237, 0.20320185246943334),
+                                          (1 / 3, 0.0), (0.1, 0.2), (0.3, 0.0)])]
+    graph = LayerGraph.chain(layers, batch_size=16, model="chain")
+    found = plan_sync(graph, Topology.parse("dgx-a100:1"), SyncOptions(
+        global_batch=64, layout=parse_layout("t1-p4"), kinds=(PipelineKind.FLUSH,)))
+    plan = found.plan()
+    assert plan is not None
+    assert all(st.forward_s <= st.compute_s for st in plan.stages)
+    assert plan.stages[1].forward_s == pytest.approx(plan.stages[1].compute_s)

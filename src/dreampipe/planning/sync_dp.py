@@ -197,7 +197,7 @@ def update_time(terms: Sequence[StageTerms]) -> float:
 
 def _least_pipeline(program: _Slots, tail_below: float
                     ) -> tuple[float, list[StageTerms]] | None:
-    """The stages whose largest ``phi (tau + cut)`` is least with tails below
+    """The stages whose largest term ``g`` is least with tails below
     ``tail_below``."""
     slots, n = program.slots, program.tables.n
     after = np.where(program.inside, program.last + 1, n + 1)

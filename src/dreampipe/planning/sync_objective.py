@@ -48,12 +48,12 @@ class Slots:
     """Stage ``c`` of a pipeline (a chunk under interleaving) sits on worker block
     ``blocks[c]``, holds ``in_flight[c]`` microbatches at its peak and must fit
     ``memory_share`` of a worker's memory; a stage's term ``g`` (module doc) is
-    ``factor (u - credit min(W, u / 2))`` (:meth:`value`), at least ``least u``."""
+    ``scale (u - credit min(W, u / 2))`` (:meth:`value`), at least ``least u``."""
 
     blocks: tuple[int, ...]
     in_flight: tuple[int, ...]
     memory_share: float
-    factor: float
+    scale: float
     least: float
     credit: float = 0.0
 
@@ -65,12 +65,12 @@ class Slots:
         """The term ``g`` of stages whose ``tau + cut`` is ``u`` and weight gradient
         ``weight_grad`` (arrays of one shape)."""
         if not self.credit:
-            return u * self.factor
-        return (u - self.credit * np.minimum(weight_grad, u / 2)) * self.factor
+            return u * self.scale
+        return (u - self.credit * np.minimum(weight_grad, u / 2)) * self.scale
 
     def term(self, u: float, weight_grad: float) -> float:
         """:meth:`value` of one stage."""
-        return (u - self.credit * min(weight_grad, u / 2)) * self.factor
+        return (u - self.credit * min(weight_grad, u / 2)) * self.scale
 
 
 def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> Slots:

@@ -72,8 +72,10 @@ def block_mask(blocks: _Blocks, k: int) -> npt.NDArray[np.bool_]:
         first[i] = nxt
     ids = np.array([-1 if b is None else b for b in blocks], dtype=np.int64)
     later = np.arange(n)[None, :] >= np.arange(n)[:, None]
-    return np.asarray(later & (ids[None, :] >= 0) & (ids[None, :] >= first[:, None])
+    mask = np.asarray(later & (ids[None, :] >= 0) & (ids[None, :] >= first[:, None])
                       & (ids[None, :] < first[:, None] + k))
+    mask.flags.writeable = False  # cached: shared by every caller
+    return mask
 
 
 @functools.lru_cache(maxsize=8)
@@ -85,6 +87,7 @@ def block_span(blocks: _Blocks, k: int) -> tuple[npt.NDArray[np.int64], npt.NDAr
     cols = np.arange(n)
     start = np.where(mask.any(axis=1), np.argmax(mask, axis=1), n)
     stop = np.where(mask, cols[None, :], -1).max(axis=1)
+    start.flags.writeable = stop.flags.writeable = False  # cached: shared by every caller
     return start, stop
 
 

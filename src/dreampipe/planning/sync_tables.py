@@ -234,7 +234,8 @@ class StageTables:
         rows, end = np.array([first]), np.array([last])
         compute, forward = self._at_fraction(x, rows, end)
         again = self._again(x, rows, end, forward)
-        return float(forward[0]), float(compute[0] + again[0])
+        whole = float(compute[0] + again[0])  # separate sums: forward may round above it
+        return min(float(forward[0]), whole), whole
 
     def allreduce(self, x: int, block: int, first: int, last: int) -> float:
         """One all-reduce of the weights of a stage ``first..last`` run as option ``x`` over

@@ -1,12 +1,12 @@
 """Why each stage of a synchronous plan runs as it does: every option it could have taken.
 
-For each stage of a :class:`~dreampipe.planning.sync_plan.SyncPlan`, every option of
-its tables (the split variants of its ``t``, keeping or recomputing, the ZeRO level)
-priced on the same layers, slot and microbatches as the program priced them: its
-pipeline term ``phi (tau + cut)``, its tail and its memory, and whether it fits. The
-program kept the option of least term among those that fit with a tail the plan allows,
-so these say what each other choice would have cost or why it could not be taken
-(docs/planner.md, "The synchronous objective").
+For each stage of a :class:`~dreampipe.planning.sync_plan.SyncPlan`, every option of its
+tables (the split variants of its ``t``, keeping or recomputing, the ZeRO level) priced
+on the same layers, slot and microbatches as the program priced them: its pipeline term
+``g`` (:meth:`~dreampipe.planning.sync_objective.Slots.term`), its tail and its memory,
+and whether it fits. The program kept the option of least term among those that fit with
+a tail the plan allows, so these say what each other choice would have cost or why it
+could not be taken (docs/planner.md, "The synchronous objective").
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ __all__ = ["OptionPrice", "stage_options"]
 @dataclass(frozen=True)
 class OptionPrice:
     """One option of a stage on the plan's layers: ``label`` as the plan writes options,
-    its pipeline term ``value_s`` (``phi (tau + cut)``), ``tail_s``, ``memory_bytes`` per
+    its pipeline term ``value_s`` (the stage's ``g``), ``tail_s``, ``memory_bytes`` per
     worker holding the stage's microbatches, whether that fits, and whether the plan
     runs it."""
 
