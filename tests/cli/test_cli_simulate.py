@@ -338,3 +338,21 @@ def test_a_pytorch_schedule_file_simulates_as_the_schedule_it_holds(
     assert main([*argv, "--schedule-file", str(csv)]) == 2
     assert "runs 2 unreplicated stages but the plan has replicas 1-1-1-1" in (
         capsys.readouterr().err)
+
+
+def test_a_plan_on_links_of_its_own_simulates_on_them_or_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plan made with ``-b`` keeps its links only in its topology's description:
+    simulating it on the preset's own links would be another cluster's figure, so that is
+    a one-line error naming the flags, and with the plan's links it runs."""
+    plan = tmp_path / "plan.json"
+    links = ["-b", "10GB/s", "-b", "50GB/s"]
+    assert main(["plan", "pipedream:alexnet", "-t", "2x4", *links, "--no-check",
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(plan), "--minibatches", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "50.0 GB/s" in err and "-b and --latency" in err and err.count("\n") == 1
+    ran = _json(capsys, ["simulate", str(plan), "--minibatches", "16", *links, "--json"])
+    assert ran["topology"] == "2x4" and float(str(ran["throughput_minibatches_per_s"])) > 0

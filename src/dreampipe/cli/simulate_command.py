@@ -1,19 +1,21 @@
 """``dreampipe simulate``: run any schedule of a plan through the simulator.
 
-The input is a plan JSON (``dreampipe plan -o``) or a profile (ours,
-PipeDream's graph.txt, a bundled pipedream:NAME or a gpt: profile by shape),
-planned for ``--topology`` first. PipeDream runs ``--minibatches`` minibatches; the
-other pipelines run that many of ``--microbatches`` microbatches each; ``dp``
-runs the whole model on the plan's workers, one full minibatch per worker
-per update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages``
-(which may only repeat the plan's v), ``zbv`` and ``dualpipev`` one made with
-``--schedule zbv`` (2 stages per worker in a V). A plan needs as many workers as its
-ranks. ``--schedule-file`` simulates a schedule PyTorch's pipelining wrote
-(``_dump_csv``: one CSV line per rank of actions such as 0F1, 1RECV_B0, 0I0,
-0W0, 2REDUCE_GRAD), one minibatch of it repeated ``--minibatches`` times, on a
-plan of its unreplicated stages (stage s on rank s mod ranks, or in a V: several a
-rank need a plan made with --virtual-stages or --schedule zbv). The schedules:
-docs/design.md §7 (PyTorch's files: §7.11); the simulator: docs/design.md §9.
+The input is a plan JSON (``dreampipe plan -o``) or a profile (ours, PipeDream's
+graph.txt, a bundled pipedream:NAME or a gpt: profile by shape), planned for
+``--topology`` first. A plan runs on the links it was made on: its preset or shape, with
+``-b``/``--latency`` where the plan was made with them (without them that is an error
+naming them), or ``--topology`` to run it on another. PipeDream runs ``--minibatches``
+minibatches; the other pipelines run that many of ``--microbatches`` microbatches each;
+``dp`` runs the whole model on the plan's workers, one full minibatch per worker per
+update. ``interleaved-1f1b`` needs a plan made with ``--virtual-stages`` (which may only
+repeat the plan's v), ``zbv`` and ``dualpipev`` one made with ``--schedule zbv`` (2
+stages per worker in a V). A plan needs as many workers as its ranks.
+``--schedule-file`` simulates a schedule PyTorch's pipelining wrote (``_dump_csv``: one
+CSV line per rank of actions such as 0F1, 1RECV_B0, 0I0, 0W0, 2REDUCE_GRAD), one
+minibatch of it repeated ``--minibatches`` times, on a plan of its unreplicated stages
+(stage s on rank s mod ranks, or in a V: several a rank need a plan made with
+--virtual-stages or --schedule zbv). The schedules: docs/design.md §7 (PyTorch's files:
+§7.11); the simulator: docs/design.md §9.
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from dreampipe.cli.links import GPT_HELP, TOPOLOGY_HELP, memory_limit, profile_on
+from dreampipe.cli.links import (
+    GPT_HELP,
+    TOPOLOGY_HELP,
+    add_link_arguments,
+    memory_limit,
+    profile_on,
+    sync_from,
+)
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.placement import (
     Placement,
@@ -35,6 +44,7 @@ from dreampipe.planning.placement import (
     virtual_stages_of,
 )
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
+from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
 from dreampipe.profiling.gpt_spec import is_gpt_spec
@@ -71,6 +81,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         f"pipedream:NAME, or {GPT_HELP}")
     p.add_argument("--topology", "-t", metavar="T",
                    help=f"{TOPOLOGY_HELP} (default: the plan's own, else {_DEFAULT_TOPOLOGY})")
+    add_link_arguments(p)
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
                    help="schedule (default: pipedream; with --schedule-file, the file's kind: "
                         "zb-h1 if it has I and W, interleaved-1f1b if several stages a rank, "
@@ -116,8 +127,8 @@ def _run(args: argparse.Namespace) -> int:
             replicas, layout, updates = _microbatch_counts(args, kind, plan)
             levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(args.zero)
             schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
-        costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction),
-                          schedule, levels)
+        costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
+                                 sync_from(args)), schedule, levels)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
         result = simulate_schedule(schedule, costs, record_events=wants_events)
@@ -152,16 +163,16 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, 
     data = None if named_profile else _json_object(source)
     if data is not None and data.get("format") == PLAN_FORMAT:
         plan = Plan.from_dict(data)
-        topology = (Topology.parse(args.topology) if args.topology
-                    else _plan_topology(plan.topology))
         named = f"plan {args.source!r}"
+        topology = _plan_topology(plan.topology, args, named)
         check_fits(plan, topology, named)
         graph = profile_on(args.profile, topology) if args.profile is not None else None
         return plan, graph, topology, named
     if args.profile is not None:
         raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
                         "drop --profile")
-    topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY)
+    topology = Topology.parse(args.topology or _DEFAULT_TOPOLOGY, args.bandwidth,
+                              args.memory, args.latency)
     graph = profile_on(args.source, topology)
     from dreampipe.planning.options import PlanOptions
     from dreampipe.planning.planner import plan_pipeline
@@ -171,17 +182,34 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, 
     return plan, graph, topology, f"the plan of {args.source!r}"
 
 
-def _plan_topology(text: str) -> Topology:
-    """The topology a plan names: a spec (``4x4``) or a description starting with one."""
+def _plan_topology(text: str, args: argparse.Namespace, named: str) -> Topology:
+    """The topology a plan was made on (``text``, its description): ``--topology`` and
+    the link flags where given, else the preset or shape the description starts with and
+    the links the flags give. Without ``--topology``, links other than the plan's are an
+    error: a plan simulated on other links than its own would say nothing of it."""
+    flags = (args.bandwidth, args.memory, args.latency)
+    if args.topology:
+        return Topology.parse(args.topology, *flags)
+    if not text:
+        return Topology.parse(_DEFAULT_TOPOLOGY, *flags)
     for spec in (text, *text.split()[:1]):
         try:
-            return Topology.parse(spec)
+            topology = Topology.parse(spec, *flags)
         except TopologyError:
             continue
-    if not text:
-        return Topology.parse(_DEFAULT_TOPOLOGY)
+        if " @ " in text and _links(topology.describe()) != _links(text):
+            raise TopologyError(
+                f"{named} was made on {text}, but {spec} gives "
+                f"{_links(topology.describe())}; give the plan's links with -b and --latency "
+                "(one per level, innermost first), or --topology to simulate it on another")
+        return topology
     raise TopologyError(f"the plan's topology {text!r} is not a preset or shape; "
                         "pass --topology (e.g. cluster-a or 4x4)")
+
+
+def _links(described: str) -> str:
+    """A topology's description up to its levels' links, without its memory or device."""
+    return described.split("), ", 1)[0] + ")" if "), " in described else described
 
 
 def _json_object(path: Path) -> dict[str, Any] | None:
@@ -259,6 +287,7 @@ def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan, so
 
 def _costs(
     plan: Plan, graph: LayerGraph | None, topology: Topology, kind: ScheduleKind, fraction: float,
+    sync: Sync,
 ) -> SimCosts:
     if graph is None:
         if kind is ScheduleKind.DP:
@@ -267,7 +296,7 @@ def _costs(
         return costs_from_plan(plan, topology, fraction)
     if kind is ScheduleKind.DP:
         plan = Plan.from_config(len(graph), [0], [plan.workers_used], model=plan.model)
-    return costs_from_profile(graph, plan, topology, fraction)
+    return costs_from_profile(graph, plan, topology, fraction, sync)
 
 
 def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
