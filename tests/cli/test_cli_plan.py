@@ -121,6 +121,8 @@ def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None
         ([VGG, "-t", "4x4", "-b", "fast"], "is not a quantity"),
         ([VGG, "-t", "4x4", "--memory", "1GB"], "smallest needs about"),
         ([VGG, "-t", "4x4", "--max-stages", "99"], "max_stages=99"),
+        (["pipedream:resnet18", "-t", "cluster-b", "--straight", "--cost-model", "pipedream"],
+         "states that hold no layer of resnet18 not already placed"),
     ],
 )
 def test_errors_are_one_line(
@@ -321,7 +323,11 @@ def test_virtual_stages_place_stage_s_on_worker_s_mod_workers(
     plan = Plan.load(saved)
     assert [(st.first, st.last) for st in plan.stages] == [(i, i) for i in range(8)]
     code, out, _ = _run(capsys, chain, "-t", "1x4", "--virtual-stages", "2", "--json")
-    assert json.loads(out)["stage_workers"] == [0, 1, 2, 3, 0, 1, 2, 3]
+    data = json.loads(out)
+    assert data["stage_workers"] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # no closed form prices it: the plan's time is the simulated one, on the links given
+    assert data["time_per_minibatch_s"] == pytest.approx(1 / data["minibatches_per_s"])
+    assert data["topology"] == Topology.parse("1x4").describe()
 
 
 def test_auto_on_two_stages_per_worker_weighs_interleaving_zbv_and_dualpipev(

@@ -105,7 +105,7 @@ def several_report(
     its table, and its simulated bubble against 1f1b-flush on one stage per worker."""
     v, workers = _stages_per_worker(args), topo.num_workers
     m = args.microbatches or 4 * workers
-    cut = dataclasses.replace(interleaved_plan(graph, workers, v), topology=args.topology)
+    cut = dataclasses.replace(interleaved_plan(graph, workers, v), topology=topo.describe())
     lines: list[str] = []
     data: dict[str, Any] = {}
     if args.schedule == _AUTO:
@@ -122,6 +122,9 @@ def several_report(
         kind = ScheduleKind(args.schedule or ScheduleKind.INTERLEAVED.value)
     plan = cut.placed(kind.placement)
     run = _simulate(graph, plan, topo, kind, m)
+    if run.throughput_minibatches_per_s > 0:  # no closed form prices it: the simulator does
+        plan = dataclasses.replace(plan,
+                                   time_per_minibatch_s=1 / run.throughput_minibatches_per_s)
     flush = _simulate(graph, interleaved_plan(graph, workers, 1), topo, ScheduleKind.FLUSH, m)
     table = [f"{'stage':>5} {'layers':>9} {'worker':>6} {'compute ms':>10}"]
     for s, st in enumerate(plan.stages):

@@ -212,6 +212,13 @@ def _plan_pipedream(graph: LayerGraph, topology: Topology, options: PlanOptions)
         last = len(graph.layers) - 1 if s == len(flat) - 1 else states.last_layer[f.last]
         spans.append((first, last))
         first = last + 1
+    empty = [s for s, (i, j) in enumerate(spans) if j < i]
+    if empty:  # its states end where an earlier stage's do: they add no layer of their own
+        raise PlanError(
+            f"PipeDream's best plan over {len(flat)} stages puts stage {empty[0]} on "
+            f"states that hold no layer of {graph.model or 'the model'} not already "
+            "placed; allow fewer stages (--max-stages, or drop --straight) or use "
+            "--cost-model dreampipe")
     replicas = [f.replicas for f in flat]
     firsts = [0, *itertools.accumulate(replicas)]
     counts = in_flight_counts(replicas)
