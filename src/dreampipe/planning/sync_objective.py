@@ -63,10 +63,12 @@ class Slots:
 
     def value(self, u: FloatArray, weight_grad: FloatArray) -> FloatArray:
         """The term ``g`` of stages whose ``tau + cut`` is ``u`` and weight gradient
-        ``weight_grad`` (arrays of one shape)."""
-        if not self.credit:
-            return u * self.scale
-        return (u - self.credit * np.minimum(weight_grad, u / 2)) * self.scale
+        ``weight_grad`` (arrays of one shape), written over ``u``: the program's inner
+        loop makes no array it does not keep."""
+        if self.credit:
+            u -= self.credit * np.minimum(weight_grad, u / 2)
+        u *= self.scale
+        return u
 
     def term(self, u: float, weight_grad: float) -> float:
         """:meth:`value` of one stage."""

@@ -16,11 +16,12 @@ the workers. docs/planner.md, "The synchronous objective".
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.split_stage import split_widths
@@ -112,6 +113,12 @@ class SyncSearch(ChoiceFloors):
         than ``beat`` (stages whose floor is at least ``beat`` are left out, and the
         tails stop narrowing there); a None is final where :meth:`covers` says no stage
         was left out."""
+        found = self.best(choice, beat)
+        return None if found is None else (found[0], found[1]())
+
+    def best(self, choice: Choice, beat: float = math.inf
+             ) -> tuple[float, Callable[[], SyncPlan]] | None:
+        """:meth:`run`'s time, and what makes its plan: a search makes only the best's."""
         c, opts = choice, self.opts
         m = opts.global_batch // (c.d * c.b)
         sl = slots(c.kind, c.p, m, c.v)
@@ -126,7 +133,7 @@ class SyncSearch(ChoiceFloors):
         if found is None:
             return None
         value, terms = found
-        return value, self._plan(c, sl, tables, value, terms, m)
+        return value, functools.partial(self._plan, c, sl, tables, value, terms, m)
 
     def covers(self, choice: Choice, beat: float) -> bool:
         """Whether :meth:`run` with ``beat`` reads every stage, so that when it finds
@@ -155,7 +162,7 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
     """The fastest synchronous plan of ``graph`` on ``topology`` (module doc); a PlanError
     when no choice fits the memory limit."""
     search = SyncSearch(graph, topology, options)
-    best: tuple[float, SyncPlan] | None = None
+    best: tuple[float, Callable[[], SyncPlan]] | None = None
     tried = 0
     queue = []  # (floor, how refined: 0, 1 envelope, 2 cuts; family, choice, its rest)
     for k, family in enumerate(search.families()):
@@ -188,7 +195,7 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
         tried += 1
         beat = floor * _GROWTH if floor > 0 else math.inf
         beat = beat if best is None else min(beat, best[0])
-        found = search.run(choice, beat)  # exact below beat; any plan it finds is a plan
+        found = search.best(choice, beat)  # exact below beat; any plan it finds is a plan
         if found is not None and (best is None or found[0] < best[0]):
             best = found
         settled = found[0] < beat if found is not None else search.covers(choice, beat)
@@ -204,10 +211,11 @@ def plan_sync(graph: LayerGraph, topology: Topology, options: SyncOptions) -> Sy
             + (_whole_blocks_hint(search) if options.whole_blocks else "")
             + "; raise --memory, recompute (drop --no-recompute, or -r in --layout), use a "
             "smaller --microbatch-size or more pipeline stages")
+    plan = best[1]()
     log.info("synchronous search: %d of the choices run through the program; %s",
-             tried, best[1].layout)
+             tried, plan.layout)
     if math.isfinite(best[0]):
-        return best[1]
+        return plan
     raise PlanError("the best synchronous plan takes no finite time; check the profile")
 
 
