@@ -72,7 +72,7 @@ class Slots:
 
     def term(self, u: float, weight_grad: float) -> float:
         """:meth:`value` of one stage."""
-        return (u - self.credit * min(weight_grad, u / 2)) * self.scale
+        return float(self.value(np.array(u), np.array(weight_grad)))
 
 
 def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> Slots:
@@ -96,8 +96,8 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
                      1.0 / v, phi, phi)
     peak = tuple(min(p - c, m) for c in range(p))
     if kind is PipelineKind.ZB_H1 and m >= p:
-        return Slots(tuple(range(p)), peak, 1.0, float(m + p - 1), phi,
-                     2 * (p - 1) / (m + p - 1))
+        scale = factor(PipelineKind.FLUSH, p, m)  # then each stage's W is credited
+        return Slots(tuple(range(p)), peak, 1.0, scale, phi, 2 * (p - 1) / scale)
     return Slots(tuple(range(p)), peak, 1.0, phi, phi)
 
 

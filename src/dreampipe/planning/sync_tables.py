@@ -46,7 +46,7 @@ from dreampipe.planning.sync_stage_option import (
     largest_block,
 )
 from dreampipe.planning.topology import Topology
-from dreampipe.planning.zero_terms import SHARDED_LEVEL, zero_times
+from dreampipe.planning.zero_terms import HALF_ALLREDUCE, SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["StageTables", "TableInputs", "block_groups"]
@@ -189,7 +189,7 @@ class StageTables:
         made = np.minimum(wgrad, compute - forward)
         z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
                        weight_grad=made, allreduce=ar,
-                       delay=end - ar + again, gather=ar / 2,
+                       delay=end - ar + again, gather=ar * HALF_ALLREDUCE,
                        splits_backward=self.splits_backward and level >= 2)
         tau = z.forward + z.backward
         left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)

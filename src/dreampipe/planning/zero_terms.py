@@ -23,10 +23,13 @@ if TYPE_CHECKING:  # numpy loads when the times are priced: SHARDED_LEVEL stays 
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["SHARDED_LEVEL", "ZeroTimes", "zero_times"]
+__all__ = ["HALF_ALLREDUCE", "SHARDED_LEVEL", "ZeroTimes", "zero_times"]
 
 #: The ZeRO level from which a stage's weights are sharded between uses.
 SHARDED_LEVEL = 3
+#: What a reduce-scatter or an all-gather of a stage's weights takes of its all-reduce
+#: (a ring all-reduce is one of each).
+HALF_ALLREDUCE = 0.5
 
 if TYPE_CHECKING:
     FloatArray = npt.NDArray[np.float64]
@@ -64,7 +67,7 @@ def zero_times(level: int, replicas: int, *, forward: FloatArray | float,
         step = step + g
     if level < 2:
         return ZeroTimes(f, b, w, ar, g, step)
-    scatter = ar / 2
+    scatter = ar * HALF_ALLREDUCE
     if splits_backward:  # W completes the gradient; its reduce-scatter starts with it
         tail = np.maximum(0.0, scatter - w)
         w = w + tail

@@ -16,6 +16,7 @@ from dreampipe.errors import ScheduleError
 from dreampipe.planning.placement import check_fits
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
+from dreampipe.planning.zero_terms import HALF_ALLREDUCE
 from dreampipe.profiling.graph import LayerGraph
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class SimCosts:
             if len(value) != size:
                 raise ScheduleError(f"costs.{name} has {len(value)} entries; give {size}")
             object.__setattr__(self, name, value)
-        gathers = tuple(self.gather_s) or tuple(a / 2 for a in self.allreduce_s)
+        gathers = tuple(self.gather_s) or tuple(a * HALF_ALLREDUCE for a in self.allreduce_s)
         if len(gathers) != n or any(not 0 <= g < math.inf for g in gathers):
             raise ScheduleError(f"costs.gather_s={list(gathers)}; give one time >= 0 a stage")
         object.__setattr__(self, "gather_s", gathers)

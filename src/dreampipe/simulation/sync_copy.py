@@ -16,7 +16,7 @@ synchronous objective").
 from __future__ import annotations
 
 from dreampipe.planning.sync_plan import SyncPlan, SyncStage
-from dreampipe.planning.zero_terms import SHARDED_LEVEL
+from dreampipe.planning.zero_terms import HALF_ALLREDUCE, SHARDED_LEVEL
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.simulation.action_costs import SimCosts
@@ -43,4 +43,4 @@ def simulate_copy(plan: SyncPlan, updates: int = 1) -> float:
 def _gather(st: SyncStage) -> float:
     """What a stage's forward gathers at ZeRO-3 before it runs (its ``tau`` counts one
     gather for the forward and one for the backward, :mod:`~dreampipe.planning.zero_terms`)."""
-    return st.allreduce_s / 2 if st.option.zero >= SHARDED_LEVEL and st.allreduce_s > 0 else 0.0
+    return st.allreduce_s * HALF_ALLREDUCE if st.option.zero >= SHARDED_LEVEL else 0.0
