@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -34,9 +34,9 @@ from dreampipe.planning.placement import (
     stage_rank,
     stray_stage,
 )
+from dreampipe.scheduling.formats import codec
 
-__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey", "rank_firsts",
-           "register_format"]
+__all__ = ["Action", "ActionKind", "Schedule", "ScheduleKind", "TransferKey", "rank_firsts"]
 
 #: ``(0 activations / 1 gradients, sending stage, microbatch)``: equal for a send
 #: and the receive it pairs with.
@@ -347,37 +347,15 @@ class Schedule:
                        ) -> Schedule:
         """The validated schedule of one update in PyTorch pipelining's CSV file at ``path``
         (``_dump_csv``'s, either format): :func:`~dreampipe.scheduling.torch_csv.read_torch_csv`."""
-        read, _ = _format("torch-csv")
-        return read(path, kind)
+        read, _ = codec("torch-csv")
+        schedule: Schedule = read(path, kind)
+        return schedule
 
     def to_torch_csv(self, path: str | os.PathLike[str], comms: bool = True) -> None:
         """Write this schedule of one update as PyTorch pipelining's CSV, for its
         ``_load_csv``: :func:`~dreampipe.scheduling.torch_csv_write.write_torch_csv`."""
-        _, write = _format("torch-csv")
+        _, write = codec("torch-csv")
         write(self, path, comms)
-
-
-_Reader = Callable[[str | os.PathLike[str], ScheduleKind | None], Schedule]
-_Writer = Callable[[Schedule, str | os.PathLike[str], bool], None]
-#: Other projects' schedule formats, by name: each codec module registers its reader or
-#: writer here, so this plain-data module does not depend on the codecs built on it.
-_FORMATS: dict[str, tuple[_Reader | None, _Writer | None]] = {}
-
-
-def register_format(name: str, read: _Reader | None = None, write: _Writer | None = None
-                    ) -> None:
-    """Make ``read`` and/or ``write`` the codec of format ``name`` for :class:`Schedule`'s
-    ``from_``/``to_`` methods (:mod:`.torch_csv` and :mod:`.torch_csv_write` do so)."""
-    old_read, old_write = _FORMATS.get(name, (None, None))
-    _FORMATS[name] = (read or old_read, write or old_write)
-
-
-def _format(name: str) -> tuple[_Reader, _Writer]:
-    read, write = _FORMATS.get(name, (None, None))
-    if read is None or write is None:
-        raise ScheduleError(f"no codec of the {name} schedule format is loaded; import "
-                            "dreampipe (it loads them) before using it")
-    return read, write
 
 
 def rank_firsts(kind: ScheduleKind, replicas: tuple[int, ...], v: int) -> tuple[int, ...]:

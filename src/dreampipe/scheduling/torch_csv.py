@@ -33,9 +33,9 @@ from dreampipe.scheduling.actions import (
     ActionKind,
     Schedule,
     ScheduleKind,
-    register_format,
 )
 from dreampipe.scheduling.build import lower_communication, lower_updates
+from dreampipe.scheduling.formats import register_format
 
 __all__ = ["check_file_fits", "parse_torch_csv", "read_torch_csv"]
 

@@ -16,7 +16,8 @@ import io
 import os
 
 from dreampipe.errors import ScheduleError
-from dreampipe.scheduling.actions import Action, ActionKind, Schedule, register_format
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule
+from dreampipe.scheduling.formats import register_format
 
 __all__ = ["torch_csv", "write_torch_csv"]
 
