@@ -1,23 +1,28 @@
 """Time to accuracy: PipeDream's schedules against data parallelism, epoch by epoch.
 
-Trains the examples' two workloads (``examples/_workloads.py``: the digits
-CNN and the character-level transformer) with ``dreampipe.Pipeline`` under
-pipedream (with dreampipe's staleness compensation, the default, and
+Trains the examples' workloads (``examples/_workloads.py``) with
+``dreampipe.Pipeline``, 3 seeds each, and records the held-out accuracy or
+loss after every epoch with the training seconds so far. The study's two,
+the digits CNN and the character-level transformer, run on 2 and 4 workers
+under pipedream (with dreampipe's staleness compensation, the default, and
 without it; no stashing and vertical sync, uncompensated as the paper ran
-them), 2bw (with and without compensation), 1f1b-flush, gpipe and dp, on 2
-and 4 workers, 3 seeds each, and records the held-out accuracy
-(digits) or loss (characters) after every epoch with the training seconds so
-far. Each run is added to the results JSON as it ends; runs already there
-are skipped, so an interrupted study resumes where it stopped.
+them), 2bw (with and without compensation), 1f1b-flush, gpipe and dp. The
+wider groups run the defaults and their uncompensated forms beside
+1f1b-flush and dp: the digits and the transformer with 8 blocks
+(``chars8``) on 8 workers, and two workloads held out from the choice of
+the compensation on 4: a plain deep MLP trained by SGD with momentum
+(``mlp``) and a tiny Hugging Face GPT-2 with tied embeddings on another
+corpus (``gpt2``). Each run is added to the results JSON as it ends; runs
+already there are skipped, so an interrupted study resumes where it stopped.
 
     python benchmarks/convergence.py               # the study -> docs/convergence.json
     python benchmarks/convergence.py --report      # its table in docs/convergence.md, PNGs
     python benchmarks/convergence.py --quick --results /tmp/q.json --docs /tmp
 
 ``--quick`` is the CI-sized version: one seed, 2 workers, a few steps.
-The runs of one seed on one number of workers share one ``torchrun`` (one
-thread per process), the first seed on every count of workers first, so a
-study cut short still covers every schedule.
+The runs of one seed in one group share one ``torchrun`` (one thread per
+process), the first seed in every group first, so a study cut short still
+covers every schedule.
 """
 
 from __future__ import annotations
@@ -48,16 +53,22 @@ import dreampipe
 from dreampipe.runtime.processes import free_port
 from dreampipe.scheduling.actions import ScheduleKind
 
-__all__ = ["QUICK", "STUDY", "VARIANTS", "Study", "Variant", "Workload", "main"]
+__all__ = ["QUICK", "STUDY", "VARIANTS", "Group", "Study", "Variant", "Workload", "main"]
 
 _ROOT = Path(__file__).resolve().parents[1]
 _RESULTS = _ROOT / "docs" / "convergence.json"
 _Batch = tuple[Tensor, Tensor]
+#: Characters a window of the language workloads holds.
+_CONTEXT = 64
 
 
 class Workload(Enum):
     DIGITS = "digits"
     CHARS = "chars"
+    #: The character transformer with 8 blocks, for 8 workers.
+    CHARS8 = "chars8"
+    MLP = "mlp"
+    GPT2 = "gpt2"
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,18 @@ VARIANTS = (
     Variant("dp", ScheduleKind.DP),
 )
 _BY_NAME = {v.name: v for v in VARIANTS}
+#: The wider groups' variants: the defaults, uncompensated, beside the synchronous ones.
+_WIDER = ("pipedream", "pipedream-no-comp", "2bw", "2bw-no-comp", "1f1b-flush", "dp")
+
+
+@dataclass(frozen=True)
+class Group:
+    """Workloads trained on one count of workers under some variants, one ``torchrun``
+    a seed."""
+
+    workers: int
+    workloads: tuple[str, ...]
+    variants: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -97,28 +120,35 @@ class Study:
     """
 
     seeds: tuple[int, ...]
-    workers: tuple[int, ...]
-    variants: tuple[str, ...]
+    groups: tuple[Group, ...]
     epochs: dict[str, int]
     steps: dict[str, int | None]
     held_out_batches: int = 16
     batch: int = 32
     corpus_bytes: int = 3_000_000
 
-    def keys(self, workers: int, seed: int) -> list[str]:
-        """The runs of one seed on ``workers``: every schedule in turn, so they share the
+    def keys(self, group: Group, seed: int) -> list[str]:
+        """The runs of one seed in ``group``: every schedule in turn, so they share the
         machine's load drift."""
-        return [_key(w, v, workers, seed) for w in Workload for v in self.variants]
+        return [_key(Workload(w), v, group.workers, seed) for w in group.workloads
+                for v in group.variants]
 
     def header(self) -> dict[str, Any]:
         """These settings as the results file's JSON holds them."""
         return json.loads(json.dumps(asdict(self)))  # type: ignore[no-any-return]
 
 
-STUDY = Study(seeds=(0, 1, 2), workers=(2, 4), variants=tuple(_BY_NAME),
-              epochs={"digits": 10, "chars": 8}, steps={"digits": None, "chars": 30})
-QUICK = Study(seeds=(0,), workers=(2,), variants=("pipedream", "2bw", "dp"),
-              epochs={"digits": 2, "chars": 2}, steps={"digits": 4, "chars": 3},
+_PAIR = ("digits", "chars")
+STUDY = Study(
+    seeds=(0, 1, 2),
+    groups=(Group(2, _PAIR, tuple(_BY_NAME)), Group(4, _PAIR, tuple(_BY_NAME)),
+            Group(4, ("mlp", "gpt2"), _WIDER), Group(8, ("digits", "chars8"), _WIDER)),
+    epochs={"digits": 10, "chars": 8, "chars8": 8, "mlp": 8, "gpt2": 6},
+    steps={"digits": None, "chars": 30, "chars8": 30, "mlp": None, "gpt2": 40})
+QUICK = Study(seeds=(0,), groups=(Group(2, tuple(w.value for w in Workload),
+                                        ("pipedream", "2bw", "dp")),),
+              epochs={w.value: 2 for w in Workload},
+              steps={"digits": 4, "chars": 3, "chars8": 3, "mlp": 4, "gpt2": 3},
               held_out_batches=2, corpus_bytes=200_000)
 
 
@@ -147,16 +177,16 @@ class _Task:
     held_out: list[_Batch] = field(repr=False)
 
 
-def _digits(wl: ModuleType, study: Study, seed: int) -> _Task:
-    """The digits example's CNN, SGD with momentum, a seeded shuffle per epoch."""
-    train, test = wl.digits()
+def _classifier(wl: ModuleType, study: Study, seed: int, train: Any, test: Any,
+                build: Callable[[], nn.Module], steps: int | None) -> _Task:
+    """A classifier (the digits' CNN, the MLP), SGD lr 0.05 with momentum 0.9, a seeded
+    shuffle per epoch."""
     loader = torch.utils.data.DataLoader(
         train, batch_size=study.batch, shuffle=True, drop_last=True,
         generator=torch.Generator().manual_seed(seed))
-    steps = study.steps["digits"]
     torch.manual_seed(seed)
     return _Task(
-        model=wl.cnn(), example=(train.tensors[0][:study.batch], train.tensors[1][:study.batch]),
+        model=build(), example=(train.tensors[0][:study.batch], train.tensors[1][:study.batch]),
         loss_fn=F.cross_entropy, lr_scheduler=None, max_grad_norm=None,
         optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
         epoch=lambda: itertools.islice(loader, steps),
@@ -169,22 +199,48 @@ def _corpus(wl: ModuleType, max_bytes: int) -> Any:
     return wl.char_corpus(max_bytes)
 
 
-def _chars(wl: ModuleType, study: Study, seed: int) -> _Task:
-    """The character transformer example's model, AdamW with warm-up, clipping at 1."""
+def _chars(wl: ModuleType, study: Study, seed: int, blocks: int = 4) -> _Task:
+    """The character transformer example's model (``blocks`` blocks), AdamW with
+    warm-up, clipping at 1."""
     corpus = _corpus(wl, study.corpus_bytes)
-    context, steps = 64, study.steps["chars"]
-    stream = wl.windows(corpus.train, study.batch, context, seed=1000 + seed)
-    held = wl.windows(corpus.held_out, study.batch, context, seed=2)
+    return _language(wl, study, seed, corpus,
+                     lambda: wl.gpt(corpus.vocab, context=_CONTEXT, layers=blocks),
+                     study.steps["chars8" if blocks == 8 else "chars"], warmup=20)
+
+
+def _gpt2(wl: ModuleType, study: Study, seed: int) -> _Task:
+    """A tiny Hugging Face GPT-2 with tied embeddings on Python's documentation prose,
+    AdamW, clipping at 1, no warm-up."""
+    corpus = wl.docs_corpus()
+    return _language(wl, study, seed, corpus, lambda: wl.gpt2(corpus.vocab, context=_CONTEXT),
+                     study.steps["gpt2"], warmup=0)
+
+
+def _language(wl: ModuleType, study: Study, seed: int, corpus: Any,
+              build: Callable[[], nn.Module], steps: int | None, warmup: int) -> _Task:
+    """A character model on random windows of ``corpus``: AdamW 3e-3 clipped at 1, a
+    linear warm-up of ``warmup`` updates (0: none)."""
+    stream = wl.windows(corpus.train, study.batch, _CONTEXT, seed=1000 + seed)
+    held = wl.windows(corpus.held_out, study.batch, _CONTEXT, seed=2)
     torch.manual_seed(seed)
     return _Task(
-        model=wl.gpt(corpus.vocab, context=context), example=next(stream),
-        loss_fn=wl.token_loss, max_grad_norm=1.0,
+        model=build(), example=next(stream), loss_fn=wl.token_loss, max_grad_norm=1.0,
         optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(
-            o, lambda s: min(1.0, (s + 1) / 20)),
+        lr_scheduler=None if not warmup else lambda o: torch.optim.lr_scheduler.LambdaLR(
+            o, lambda s: min(1.0, (s + 1) / warmup)),
         epoch=lambda: itertools.islice(stream, steps),
         held_out=[next(held) for _ in range(study.held_out_batches)],
     )
+
+
+def _task(wl: ModuleType, study: Study, workload: Workload, seed: int) -> _Task:
+    if workload is Workload.DIGITS:
+        return _classifier(wl, study, seed, *wl.digits(), wl.cnn, study.steps["digits"])
+    if workload is Workload.MLP:
+        return _classifier(wl, study, seed, *wl.blobs(), wl.mlp, study.steps["mlp"])
+    if workload is Workload.GPT2:
+        return _gpt2(wl, study, seed)
+    return _chars(wl, study, seed, blocks=8 if workload is Workload.CHARS8 else 4)
 
 
 # ---- one run, on every rank -----------------------------------------------------
@@ -192,7 +248,7 @@ def _train(wl: ModuleType, study: Study, key: str) -> dict[str, Any]:
     """Train one run; its held-out figures after every epoch (epoch 0: the start)."""
     name, variant_name, workers, seed = key.split("/")
     workload, variant, world = Workload(name), _BY_NAME[variant_name], int(workers)
-    task = (_digits if workload is Workload.DIGITS else _chars)(wl, study, int(seed))
+    task = _task(wl, study, workload, int(seed))
     layers = len(task.model)  # type: ignore[arg-type]
     plan = (dreampipe.Plan.from_config(layers, [0], [world]) if variant.kind is ScheduleKind.DP
             else wl.straight_plan(layers, world))
@@ -284,12 +340,13 @@ def _launch(study_name: str, results: Path, workers: int, keys: list[str],
 def _run_study(study_name: str, study: Study, results: Path, timeout_s: float) -> None:
     results.parent.mkdir(parents=True, exist_ok=True)
     _save(results, _load(results, study))
-    for seed, workers in itertools.product(study.seeds, study.workers):
+    for seed, group in itertools.product(study.seeds, study.groups):
         done = _load(results, study)["runs"]
-        todo = [k for k in study.keys(workers, seed) if k not in done]
-        print(f"seed {seed} on {workers} workers: {len(todo)} runs to do", flush=True)
+        todo = [k for k in study.keys(group, seed) if k not in done]
+        print(f"seed {seed} on {group.workers} workers ({', '.join(group.workloads)}): "
+              f"{len(todo)} runs to do", flush=True)
         if todo:
-            _launch(study_name, results, workers, todo, timeout_s)
+            _launch(study_name, results, group.workers, todo, timeout_s)
 
 
 def main(argv: list[str] | None = None) -> None:

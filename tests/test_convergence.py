@@ -31,16 +31,17 @@ def test_the_quick_study_records_every_run_resumes_and_reports(
     bench.main(argv)
     data = json.loads(results.read_text())
     study = bench.QUICK
-    assert set(data["runs"]) == {f"{w.value}/{v}/{n}/{s}" for w in bench.Workload
-                                 for v in study.variants for n in study.workers
+    assert set(data["runs"]) == {f"{w}/{v}/{g.workers}/{s}" for g in study.groups
+                                 for w in g.workloads for v in g.variants
                                  for s in study.seeds}
+    assert {w for g in study.groups for w in g.workloads} == {w.value for w in bench.Workload}
     for key, run in data["runs"].items():
         evaluations = study.epochs[run["workload"]] + 1
         assert len(run["seconds"]) == len(run["test_loss"]) == evaluations, key
         assert all(b > a for a, b in itertools.pairwise(run["seconds"])), (key, run["seconds"])
         assert all(math.isfinite(x) and x > 0 for x in run["test_loss"] + run["train_loss"][1:])
         accuracy = run["test_accuracy"]
-        if run["workload"] == "digits":
+        if run["workload"] in ("digits", "mlp"):
             assert all(0 <= a <= 1 for a in accuracy), (key, accuracy)
         else:
             assert accuracy == [None] * evaluations, key

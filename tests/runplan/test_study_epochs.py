@@ -59,12 +59,15 @@ def test_an_optimizer_family_reads_its_own_workloads_where_the_study_has_them() 
 
 @pytest.mark.parametrize(("kind", "stages", "family", "warns"), [
     (S.PIPEDREAM, 4, "adam", "never reached data parallelism's target"),  # chars at 4
-    (S.TWO_BW, 4, "adam", "needed 1.50x data parallelism's epochs"),
+    (S.TWO_BW, 4, "adam", "never reached data parallelism's target (the study's gpt2 at 4"),
     (S.PIPEDREAM, 3, "adam", "never reached"),  # the 4-stage rows stand for 3
     (S.PIPEDREAM, 2, "sgd", "needed 1.50x"),  # digits at 2
     (S.PIPEDREAM, 4, "sgd", None),  # digits at 4: dp's epochs
     (S.PIPEDREAM, 2, "adam", None),  # chars at 2: 1.25x, at the bound
-    (S.PIPEDREAM, 6, "sgd", "the study's deepest pipedream run had 4 stages, not 6"),
+    (S.PIPEDREAM, 6, "sgd", "needed 2.00x"),  # the digits at 8 stand for 6
+    (S.TWO_BW, 8, "sgd", "needed 1.33x"),  # digits at 8
+    (S.PIPEDREAM, 9, "sgd", "the study's deepest pipedream run had 8 stages, not 9"),
+    (S.PIPEDREAM, 4, "adam", "never reached"),  # chars and gpt2 at 4
     (S.FLUSH, 8, "adam", None),
 ])
 def test_the_warning_follows_the_bundled_study_s_rows(kind: S, stages: int, family: str,

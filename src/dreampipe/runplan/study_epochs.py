@@ -61,10 +61,18 @@ ROWS: tuple[StudyRow, ...] = (
     StudyRow("digits", 2, "2bw", 4.0, 2.0, 3, "sgd"),
     StudyRow("digits", 4, "pipedream", 4.0, 4.0, 3, "sgd"),
     StudyRow("digits", 4, "2bw", 4.0, 4.0, 3, "sgd"),
+    StudyRow("digits", 8, "pipedream", 6.0, 3.0, 3, "sgd"),
+    StudyRow("digits", 8, "2bw", 4.0, 3.0, 3, "sgd"),
     StudyRow("chars", 2, "pipedream", 5.0, 4.0, 3, "adam"),
     StudyRow("chars", 2, "2bw", 6.0, 4.0, 3, "adam"),
     StudyRow("chars", 4, "pipedream", math.inf, 4.0, 3, "adam"),
     StudyRow("chars", 4, "2bw", 6.0, 4.0, 3, "adam"),
+    StudyRow("chars8", 8, "pipedream", math.inf, 4.0, 3, "adam"),
+    StudyRow("chars8", 8, "2bw", 7.0, 4.0, 3, "adam"),
+    StudyRow("mlp", 4, "pipedream", 4.0, 4.0, 3, "sgd"),
+    StudyRow("mlp", 4, "2bw", 3.0, 4.0, 3, "sgd"),
+    StudyRow("gpt2", 4, "pipedream", math.inf, 3.0, 3, "adam"),
+    StudyRow("gpt2", 4, "2bw", math.inf, 3.0, 3, "adam"),
 )
 # end
 
