@@ -76,6 +76,10 @@ The candidates of issue 43, each with the user's learning rate:
   delay ``d`` divided by ``d ** (1 - t / K)`` over the first epoch's ``K``
   minibatches, and its weights predicted ``k`` updates ahead along an
   exponential average of its updates (decay ``0.1 ** (1 / d)``).
+- ``default-ahead``: dreampipe's rule with its prediction one update further,
+  ``w_v + (k + 1) (w_v - w_{v-1})`` on a delayed stage: the gradient then goes
+  into the update it was taken one step beyond, a Nesterov-style look-ahead on
+  top of the delay's.
 
 The workloads, data, optimizers and epochs are :mod:`staleness_tasks`'s (the
 study's two, and the held-out ``mlp`` and ``gpt2``), seed by seed; prints one
@@ -120,8 +124,9 @@ class _Recipe:
     ``adaptive``: divided by the root mean square of the gradient), whether the
     first epoch is synchronous (the rule's settings from the first delayed update on),
     ``nesterov`` (PipeNAG's optimizer), ``feedback`` (the error-feedback step),
-    ``accumulate`` (PACI's window), ``anneal`` (PipeMare's learning rate) and
-    ``tied_owner`` (a tied weight's copies run on its first stage's version)."""
+    ``accumulate`` (PACI's window), ``anneal`` (PipeMare's learning rate),
+    ``tied_owner`` (a tied weight's copies run on its first stage's version) and
+    ``ahead`` (updates a prediction looks beyond the delay)."""
 
     settings: str = "none"
     predict: str = ""
@@ -133,6 +138,7 @@ class _Recipe:
     accumulate: bool = False
     anneal: bool = False
     tied_owner: bool = False
+    ahead: int = 0
 
 
 _RECIPES = {
@@ -156,6 +162,7 @@ _RECIPES = {
     "pipemare": _Recipe(predict="ema", anneal=True),
     "paci-default": _Recipe("dreampipe", predict="segment", accumulate=True),
     "default-tied": _Recipe("dreampipe", predict="segment", tied_owner=True),
+    "default-ahead": _Recipe("dreampipe", predict="segment", ahead=1),
 }
 CANDIDATES = tuple(_RECIPES)
 _SGD_MEAN_SQUARE_DECAY = 0.95
@@ -308,6 +315,7 @@ def simulate(workload: str, schedule: str, workers: int, candidate: str, seed: i
                          else k if recipe.predict == "every" and v > start
                          else k if recipe.predict == "segment" and v > start
                          and predicting[s] else 0)
+                ahead += recipe.ahead if ahead else 0
                 base = history[s][v - 1] if ahead else {}
                 params = {n: (w + ahead * (w - base[n]) if ahead else w.detach())
                           .requires_grad_(True) for n, w in history[s][v].items()}
