@@ -80,6 +80,7 @@ The candidates of issue 43, each with the user's learning rate:
   ``w_v + (k + 1) (w_v - w_{v-1})`` on a delayed stage: the gradient then goes
   into the update it was taken one step beyond, a Nesterov-style look-ahead on
   top of the delay's.
+- ``paci-ahead``: ``paci-default`` with that look-ahead.
 
 The workloads, data, optimizers and epochs are :mod:`staleness_tasks`'s (the
 study's two, and the held-out ``mlp`` and ``gpt2``), seed by seed; prints one
@@ -163,6 +164,7 @@ _RECIPES = {
     "paci-default": _Recipe("dreampipe", predict="segment", accumulate=True),
     "default-tied": _Recipe("dreampipe", predict="segment", tied_owner=True),
     "default-ahead": _Recipe("dreampipe", predict="segment", ahead=1),
+    "paci-ahead": _Recipe("dreampipe", predict="segment", accumulate=True, ahead=1),
 }
 CANDIDATES = tuple(_RECIPES)
 _SGD_MEAN_SQUARE_DECAY = 0.95
