@@ -112,11 +112,13 @@ class Group:
 class Study:
     """What a results file holds: its header must match to add runs to it.
 
-    ``steps`` is the minibatches per epoch (None: the digits' whole training
-    set, 44 minibatches of 32); an epoch of the characters is ``steps``
-    minibatches of fresh random windows (the corpus is too large to pass over).
-    ``held_out_batches`` of ``batch`` windows score the characters; the corpus
-    is about the standard library's first ``corpus_bytes`` characters of source.
+    ``epochs`` and ``steps`` are per workload; ``steps`` is the minibatches per
+    epoch (None: a classifier's whole training set, 44 minibatches of 32 for the
+    digits, 150 for the MLP); an epoch of a character model is ``steps``
+    minibatches of fresh random windows (its corpus is too large to pass over).
+    ``held_out_batches`` of ``batch`` windows score the character models; the
+    transformers' corpus is about the standard library's first ``corpus_bytes``
+    characters of source (GPT-2's is Python's documentation prose).
     """
 
     seeds: tuple[int, ...]
@@ -177,7 +179,7 @@ class _Task:
     held_out: list[_Batch] = field(repr=False)
 
 
-def _classifier(wl: ModuleType, study: Study, seed: int, train: Any, test: Any,
+def _classifier(study: Study, seed: int, train: Any, test: Any,
                 build: Callable[[], nn.Module], steps: int | None) -> _Task:
     """A classifier (the digits' CNN, the MLP), SGD lr 0.05 with momentum 0.9, a seeded
     shuffle per epoch."""
@@ -199,13 +201,14 @@ def _corpus(wl: ModuleType, max_bytes: int) -> Any:
     return wl.char_corpus(max_bytes)
 
 
-def _chars(wl: ModuleType, study: Study, seed: int, blocks: int = 4) -> _Task:
-    """The character transformer example's model (``blocks`` blocks), AdamW with
-    warm-up, clipping at 1."""
+def _chars(wl: ModuleType, study: Study, seed: int, workload: Workload) -> _Task:
+    """The character transformer example's model (8 blocks for ``chars8``, else 4),
+    AdamW with warm-up, clipping at 1."""
     corpus = _corpus(wl, study.corpus_bytes)
+    blocks = 8 if workload is Workload.CHARS8 else 4
     return _language(wl, study, seed, corpus,
                      lambda: wl.gpt(corpus.vocab, context=_CONTEXT, layers=blocks),
-                     study.steps["chars8" if blocks == 8 else "chars"], warmup=20)
+                     study.steps[workload.value], warmup=20)
 
 
 def _gpt2(wl: ModuleType, study: Study, seed: int) -> _Task:
@@ -235,12 +238,12 @@ def _language(wl: ModuleType, study: Study, seed: int, corpus: Any,
 
 def _task(wl: ModuleType, study: Study, workload: Workload, seed: int) -> _Task:
     if workload is Workload.DIGITS:
-        return _classifier(wl, study, seed, *wl.digits(), wl.cnn, study.steps["digits"])
+        return _classifier(study, seed, *wl.digits(), wl.cnn, study.steps["digits"])
     if workload is Workload.MLP:
-        return _classifier(wl, study, seed, *wl.blobs(), wl.mlp, study.steps["mlp"])
+        return _classifier(study, seed, *wl.blobs(), wl.mlp, study.steps["mlp"])
     if workload is Workload.GPT2:
         return _gpt2(wl, study, seed)
-    return _chars(wl, study, seed, blocks=8 if workload is Workload.CHARS8 else 4)
+    return _chars(wl, study, seed, workload)
 
 
 # ---- one run, on every rank -----------------------------------------------------

@@ -28,8 +28,6 @@ _ROWS_BEGIN = "# begin: written by `python benchmarks/convergence.py --report`\n
 _ROWS_END = "# end\n"
 #: The asynchronous schedules' variants whose rows the planner reads: the defaults.
 _WEIGHED = ("pipedream", "2bw")
-#: Each workload's optimizer family, which the rows carry (``study_epochs.StudyRow``).
-_FAMILIES = {"digits": "sgd", "chars": "adam", "chars8": "adam", "mlp": "sgd", "gpt2": "adam"}
 
 
 @dataclass(frozen=True)
@@ -42,13 +40,27 @@ class _Metric:
         return value >= target if self.higher_is_better else value <= target
 
 
+@dataclass(frozen=True)
+class _Workload:
+    """How a workload is scored and shown, and its optimizer family, which the planner's
+    rows carry (``study_epochs.StudyRow``: ``"sgd"`` or ``"adam"``)."""
+
+    metric: _Metric
+    title: str
+    family: str
+
+
 _LOSS = _Metric("test_loss", "held-out loss (nats per character)", False)
 _ACCURACY = _Metric("test_accuracy", "held-out accuracy", True)
-_METRICS = {"digits": _ACCURACY, "chars": _LOSS, "chars8": _LOSS, "mlp": _ACCURACY,
-            "gpt2": _LOSS}
-_TITLES = {"digits": "Digits CNN", "chars": "Character transformer",
-           "chars8": "Character transformer, 8 blocks", "mlp": "Deep MLP (SGD)",
-           "gpt2": "Hugging Face GPT-2, tied embeddings"}
+#: Every workload the study may hold, in the table's order.
+_WORKLOADS = {
+    "digits": _Workload(_ACCURACY, "Digits CNN", "sgd"),
+    "chars": _Workload(_LOSS, "Character transformer", "adam"),
+    "chars8": _Workload(_LOSS, "Character transformer, 8 blocks", "adam"),
+    "mlp": _Workload(_ACCURACY, "Deep MLP (SGD)", "sgd"),
+    "gpt2": _Workload(_LOSS, "Hugging Face GPT-2, tied embeddings", "adam"),
+}
+_METRICS = {name: w.metric for name, w in _WORKLOADS.items()}
 
 
 def _groups(data: dict[str, Any]) -> Iterator[tuple[str, int, str, list[dict[str, Any]]]]:
@@ -110,12 +122,9 @@ def study_rows(data: dict[str, Any]) -> str:
     for (workload, workers, variant), (mine, seeds) in epochs.items():
         dp = epochs.get((workload, workers, "dp"))
         if variant != "dp" and dp is not None:
-            if workload not in _FAMILIES:
-                raise SystemExit(f"workload {workload!r} has no optimizer family; add it to "
-                                 "convergence_report._FAMILIES ('sgd' or 'adam')")
             shown = "math.inf" if math.isinf(mine) else repr(float(mine))
             lines.append(f'    StudyRow("{workload}", {workers}, "{variant}", {shown}, '
-                         f'{float(dp[0])!r}, {seeds}, "{_FAMILIES[workload]}"),\n')
+                         f'{float(dp[0])!r}, {seeds}, "{_WORKLOADS[workload].family}"),\n')
     return "ROWS: tuple[StudyRow, ...] = (\n" + "".join(lines) + ")\n"
 
 
@@ -209,7 +218,7 @@ def _plot(data: dict[str, Any], workload: str, path: Path) -> None:
             ax.set_xlabel(xlabel)
             ax.set_ylabel(metric.label)
             ax.set_ylim(*ylim)
-            ax.set_title(f"{_TITLES[workload]}, {w} workers")
+            ax.set_title(f"{_WORKLOADS[workload].title}, {w} workers")
             ax.grid(alpha=0.3)
         row[0].legend(fontsize=8)
     fig.tight_layout()
