@@ -378,7 +378,6 @@ class StageTables:
         return o.split.at_fraction(f, rows, last)
 
 
-
 _Terms = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
 _MemoryParts = tuple[FloatArray, FloatArray, FloatArray, FloatArray | float]
 
