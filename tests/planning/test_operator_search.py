@@ -16,6 +16,7 @@ from dreampipe.planning.splits import (
     Layout,
     OpKind,
     Split,
+    layer_splits,
     op_kind,
     reshard,
     split_cost,
@@ -72,6 +73,23 @@ def test_a_block_with_a_nonlinear_tail_reduces_its_input_split_sum_inside() -> N
     assert inp.collectives == ((Collective.ALL_REDUCE, 8 * _MB),)
     plain = split_cost(_linear("fc", 64 * _MB, 8 * _MB), OpKind.WEIGHTED, Split.IN, 4)
     assert plain.gives is Layout.PARTIAL and plain.collectives == ()
+
+
+def test_attention_splits_its_output_by_whole_heads_and_never_its_input() -> None:
+    # a head's queries, keys and values meet in one softmax: its columns stay on one
+    # worker, and a partial sum of them is no input to attention
+    attn = Layer("attn_in", 1.0, 2.0, 8 * _MB, 64 * _MB,
+                 "Linear(768, 2304) + attention(12 heads)")
+    assert layer_splits(attn, 4) == (Split.REPLICA, Split.BATCH, Split.OUT)
+    assert layer_splits(attn, 8) == (Split.REPLICA, Split.BATCH)
+    for split, t in ((Split.OUT, 8), (Split.IN, 4)):
+        with pytest.raises(ValueError, match=f"cannot take split {split.value} over {t}"):
+            split_cost(attn, OpKind.WEIGHTED, split, t)
+    assert layer_splits(_linear("fc", 64 * _MB, 8 * _MB), 8) == splits_for(OpKind.WEIGHTED)
+    # the search then runs 12 heads on 8 workers by samples, never 1.5 heads a worker
+    chain = LayerGraph.chain([attn, _linear("out", 16 * _MB, 8 * _MB)])
+    found = search_splits(chain, 8, Link(100e9, 1e-6))
+    assert found.splits[0] in (Split.REPLICA, Split.BATCH)
 
 
 def test_resharding_moves_what_each_direction_needs() -> None:

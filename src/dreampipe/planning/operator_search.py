@@ -31,10 +31,10 @@ from dreampipe.planning.splits import (
     Layout,
     OpKind,
     Split,
+    layer_splits,
     op_kind,
     reshard,
     split_cost,
-    splits_for,
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
 
@@ -234,7 +234,7 @@ def _group_options(
     head, tail = layers[group[0]], [layers[i] for i in group[1:]]
     options: list[tuple[Layout, _Point]] = []
     size = _input_bytes(layers, group[0])
-    for split in splits_for(op_kind(head)):
+    for split in layer_splits(head, t):
         c = split_cost(head, op_kind(head), split, t, size)
         time, comm, memory = layer_costs(head, split, t, link, size)
         move = _reshard_seconds(src, c.needs, size, t, link)

@@ -20,8 +20,8 @@ from enum import Enum
 
 from dreampipe.profiling.graph import Layer
 
-__all__ = ["Collective", "Layout", "OpKind", "Split", "SplitCost", "op_kind", "reshard",
-           "split_cost", "splits_for"]
+__all__ = ["Collective", "Layout", "OpKind", "Split", "SplitCost", "attention_heads",
+           "layer_splits", "op_kind", "reshard", "split_cost", "splits_for"]
 
 
 class Split(Enum):
@@ -80,6 +80,8 @@ _ELEMENTWISE = re.compile(
     r"^(ReLU|ReLU6|GELU|SiLU|Tanh|Sigmoid|LeakyReLU|ELU|Dropout\d?d?|Identity|Softplus|Mish)\b"
 )
 
+_HEADS = re.compile(r"\battention\((\d+) heads\)")
+
 _SPLITS = {
     OpKind.WEIGHTED: (Split.REPLICA, Split.BATCH, Split.OUT, Split.IN),
     OpKind.ELEMENTWISE: (Split.REPLICA, Split.BATCH, Split.OUT),
@@ -101,6 +103,23 @@ def splits_for(kind: OpKind) -> tuple[Split, ...]:
     """The splits a layer of ``kind`` can run under (an elementwise ``OUT`` keeps features
     split: it passes a ``FEATURE`` activation through)."""
     return _SPLITS[kind]
+
+
+def attention_heads(layer: Layer) -> int | None:
+    """The attention heads a layer's description names (``... + attention(12 heads)``)."""
+    found = _HEADS.search(layer.description)
+    return int(found.group(1)) if found else None
+
+
+def layer_splits(layer: Layer, t: int) -> tuple[Split, ...]:
+    """The splits ``layer`` can run under over ``t`` workers: its kind's, but a layer that
+    ends in attention splits its output by whole heads (Megatron-LM's rule: ``t`` divides
+    the heads) and never its input, whose partial sums attention cannot take."""
+    heads = attention_heads(layer)
+    if heads is None:
+        return splits_for(op_kind(layer))
+    return tuple(x for x in splits_for(op_kind(layer))
+                 if x is not Split.IN and (x is not Split.OUT or heads % t == 0))
 
 
 @dataclass(frozen=True)
@@ -127,8 +146,9 @@ class SplitCost:
 def split_cost(layer: Layer, kind: OpKind, split: Split, t: int,
                input_bytes: float = 0.0) -> SplitCost:
     """What ``layer`` (whose input is ``input_bytes``) costs each of ``t`` workers."""
-    if split not in splits_for(kind):
-        raise ValueError(f"a {kind.value} layer ({layer.name!r}) cannot take split {split.value}")
+    if split not in splits_for(kind) or (t > 1 and split not in layer_splits(layer, t)):
+        raise ValueError(f"a {kind.value} layer ({layer.name!r}) cannot take split "
+                         f"{split.value} over {t} workers")
     w, a, c = float(layer.parameter_bytes), float(layer.activation_bytes), layer.compute_ms
     if split is Split.REPLICA:
         return SplitCost(split, Layout.REPLICATED, Layout.REPLICATED, c, w, a)
