@@ -17,6 +17,7 @@ from dreampipe.runplan.schedule_choice import (
 )
 from dreampipe.runplan.study_epochs import StudyRow
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.microbatch_layout import default_microbatches
 
 S = ScheduleKind
 
@@ -38,6 +39,26 @@ def test_sync_keeps_a_zero_bubble_schedule_over_1f1b_flush() -> None:
     assert rate[choice.kind] == max(rate.values()) > rate[S.FLUSH]
     assert len(choice.reasons()) == 4
     assert sum("chosen" in line for line in choice.reasons()) == 1
+
+
+def test_by_default_every_replica_of_the_widest_stage_gets_microbatches() -> None:
+    # one stage on 8 replicas, run synchronously, is data parallelism: 4 microbatches a
+    # minibatch would leave half the replicas idle
+    graph, topo = _chain(), Topology.parse("1x8")
+    plan = Plan.from_config(4, [0], [8])
+    choice = choose_schedule(graph, plan, topo, Semantics.SYNC)
+    assert choice.microbatches == default_microbatches((8,)) == 8
+    rate = {c.kind: c.minibatches_per_s for c in choice.candidates}
+    four = choose_schedule(graph, plan, topo, Semantics.SYNC, microbatches=4)
+    assert rate[S.FLUSH] > 1.9 * {c.kind: c.minibatches_per_s for c in four.candidates}[S.FLUSH]
+    assert default_microbatches((1, 1, 1)) == 12 and default_microbatches((3, 1)) == 9
+    # a schedule asked by name is the only one simulated
+    asked = choose_schedule(graph, plan, topo, Semantics.SYNC, kinds=(S.GPIPE,),
+                            memory_bytes=10**12)
+    assert [c.kind for c in asked.candidates] == [S.GPIPE] and asked.kind is S.GPIPE
+    assert asked.reasons()[0].endswith("per worker: fits")
+    # without a limit, no candidate is said to fit it
+    assert not any("fits" in line for line in choice.reasons())
 
 
 def test_a_memory_limit_drops_the_schedules_that_hold_more() -> None:

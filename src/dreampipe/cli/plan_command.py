@@ -303,7 +303,9 @@ def format_plan(
 ) -> str:
     """The human report: topology, one row per stage, why each stage is as it is (against
     ``memory_bytes``, the limit planned with), prediction and speedups."""
-    lines = [f"topology: {topo.describe()}"]
+    unheld = ("; planned without a memory limit (--memory holds the stages to it)"
+              if memory_bytes is None and topo.memory_bytes else "")
+    lines = [f"topology: {topo.describe()}{unheld}"]
     batch = f", minibatch {graph.batch_size}" if graph.batch_size else ""
     lines.append(f"model: {graph.model or 'model'}, {len(graph)} layers{batch}")
     head = (f"{'stage':>5} {'layers':>9}  {'first .. last':<56} {'x':>3} {'compute':>9} "

@@ -54,7 +54,8 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                         "chosen only where it is predicted to reach the target sooner")
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="microbatches per minibatch for the schedules that split one "
-                        "(default: 4 per stage)")
+                        "(default: 4 per stage, rounded up to whole rounds of the "
+                        "widest stage's replicas)")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="cut the layers into workers x V stages and report that plan: for "
                         "interleaved 1F1B, stage s on worker s mod workers (with --schedule "
@@ -69,15 +70,15 @@ def schedule_report(
     memory = memory_limit(args.memory, graph, topo)
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"microbatches={args.microbatches}; use 1 or more", "microbatches")
-    if args.schedule not in (None, _AUTO):
-        return [f"schedule    {args.schedule} (as asked)"], {"schedule": args.schedule}
+    asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
     choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
-                             args.microbatches)
-    limit = " the memory limit" if memory else ""
-    best = (f"the schedule soonest to the target ({EFFECTIVE})"
+                             args.microbatches, kinds=asked)
+    fits = " that fits the memory limit" if memory else ""
+    best = ("as asked" if asked else
+            f"the schedule soonest to the target ({EFFECTIVE}){fits}"
             if args.semantics == Semantics.ANY.value else
-            f"the fastest {args.semantics} schedule")
-    lines = [f"schedule    {choice.kind.value}: {best} that fits{limit}, by the simulator "
+            f"the fastest {args.semantics} schedule{fits}")
+    lines = [f"schedule    {choice.kind.value}: {best}, by the simulator "
              f"({choice.microbatches} microbatches per minibatch):"]
     lines += [f"  {line}" for line in choice.reasons()]
     data = {"schedule": choice.kind.value, "microbatches": choice.microbatches,

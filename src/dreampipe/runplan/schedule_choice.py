@@ -30,7 +30,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runplan.study_epochs import ROWS, StudyRow, epochs_factor
 from dreampipe.scheduling.actions import ScheduleKind
-from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout, default_microbatches
 from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import simulate_schedule
@@ -99,54 +99,67 @@ class Candidate:
             return self.minibatches_per_s
         return 0.0 if math.isinf(self.epochs) else self.minibatches_per_s / self.epochs
 
-    def line(self, chosen: bool) -> str:
+    def line(self, chosen: bool, lone: bool = False, limited: bool = True) -> str:
+        """Its rate, memory and verdict (``lone``: the only candidate, asked by name;
+        ``limited``: weighed against a memory limit)."""
         if self.why_not:
             return f"{self.kind.value:<16} not tried: {self.why_not}"
         weighed = self.epochs is not None
-        verdict = ("chosen: the soonest to the target that fits" if chosen and weighed else
-                   "chosen: the fastest that fits" if chosen else
-                   "fits, no sooner" if self.fits and weighed else
-                   "fits, no faster" if self.fits else "does not fit the memory limit")
+        fit = " that fits" if limited else ""
+        verdict = ("fits" if lone and self.fits else
+                   f"chosen: the soonest to the target{fit}" if chosen and weighed else
+                   f"chosen: the fastest{fit}" if chosen else
+                   ("fits, no sooner" if limited else "no sooner") if self.fits and weighed
+                   else ("fits, no faster" if limited else "no faster") if self.fits
+                   else "does not fit the memory limit")
         said = (f"{self.kind.value:<16} {self.minibatches_per_s:10.3f} minibatches/s, peak "
                 f"{format_bytes(self.peak_memory_bytes):>10} per worker")
         if self.epochs is not None:
             epochs = ("never reaches the target" if math.isinf(self.epochs) else
                       f"{self.epochs:.2f}x dp's epochs")
             said += f"; {epochs} ({self.study}): {self.to_target:.3f} effective"
-        return f"{said}: {verdict}"
+        return said if lone and not limited else f"{said}: {verdict}"
 
 
 @dataclass(frozen=True)
 class ScheduleChoice:
     """The kept schedule, the microbatches per minibatch it was simulated with (1 for
-    pipedream), and every candidate in the order tried."""
+    pipedream), every candidate in the order tried, and the memory limit they were held
+    to (None: none)."""
 
     kind: ScheduleKind
     microbatches: int
     candidates: tuple[Candidate, ...]
+    memory_bytes: int | None = None
 
     def reasons(self) -> list[str]:
-        """One line per candidate: its rate, memory, and why it was kept or dropped."""
-        return [c.line(c.kind is self.kind) for c in self.candidates]
+        """One line per candidate: its rate, memory, and why it was kept or dropped (a
+        lone candidate, a schedule asked by name: whether it fits)."""
+        limited = self.memory_bytes is not None
+        if len(self.candidates) == 1:
+            return [self.candidates[0].line(False, lone=True, limited=limited)]
+        return [c.line(c.kind is self.kind, limited=limited) for c in self.candidates]
 
 
 def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
-    study: Sequence[StudyRow] = ROWS,
+    study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
-    for the microbatched schedules; default 4 per stage (GPipe's guidance);
+    for the microbatched schedules; by default :func:`~dreampipe.scheduling.
+    microbatch_layout.default_microbatches` (GPipe's 4 per stage, whole rounds of replicas);
     2bw's rounded up to whole rounds of every stage's replicas, and not tried
     when that takes more than :data:`MAX_2BW_MICROBATCHES`; interleaved-1f1b's up to a
     multiple of the workers, dualpipev's to at least one per stage. Each is simulated with the
     stages' ZeRO levels (the run's ``zero``, or a stage's own; :mod:`~dreampipe.simulation.
     zero_costs`). Under ``semantics="any"`` each is weighed by the epochs the convergence
-    ``study`` predicts it needs (:mod:`.study_epochs`), and the soonest to the target kept."""
+    ``study`` predicts it needs (:mod:`.study_epochs`), and the soonest to the target kept.
+    ``kinds``: the candidates to try instead of the semantics' (a schedule asked by name)."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
-    m = microbatches or 4 * plan.num_stages
+    m = microbatches or default_microbatches(replicas)
     rounds = math.lcm(*replicas)
     found = []
     split = plan.has_splits
@@ -155,7 +168,7 @@ def choose_schedule(
         raise ConfigError(f"semantics={semantics.value} with a plan of {v} stages per worker; "
                           "the schedules that run several (interleaved-1f1b, zbv, dualpipev) "
                           "are synchronous: use semantics=sync", "semantics")
-    for kind in SEVERAL if v > 1 else CANDIDATES[semantics]:
+    for kind in kinds or (SEVERAL if v > 1 else CANDIDATES[semantics]):
         per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds,
                _S.INTERLEAVED: -(-m // plan.workers_used) * plan.workers_used,
                _S.DUALPIPEV: max(m, plan.num_stages)}.get(kind, m)
@@ -210,4 +223,4 @@ def choose_schedule(
     for c in fitting[1:]:  # a tie within rounding keeps the earlier candidate
         if c.to_target > best.to_target * (1 + _TIE):
             best = c
-    return ScheduleChoice(best.kind, best.microbatches, tuple(found))
+    return ScheduleChoice(best.kind, best.microbatches, tuple(found), memory_bytes)
