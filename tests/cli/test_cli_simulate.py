@@ -80,6 +80,25 @@ def test_profile_is_planned_then_drawn(tmp_path: Path, capsys: pytest.CaptureFix
     assert any(e["ph"] == "X" and e["name"] == "F0" for e in events)
 
 
+def test_memory_plans_a_profile_under_it_and_flags_a_plan_over_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    free = _json(capsys, ["simulate", "pipedream:gnmt", "-t", "4x4", "--json"])
+    limit = 2 * 10**9
+    assert max(free["peak_memory_bytes"]) > limit  # type: ignore[type-var]
+    held = _json(capsys, ["simulate", "pipedream:gnmt", "-t", "4x4", "--memory", "2GB",
+                          "--json"])
+    assert max(held["peak_memory_bytes"]) <= limit  # type: ignore[type-var]
+    assert held["over_memory_ranks"] == [] and held["memory_limit_bytes"] == limit
+    # a plan is simulated as given, and the ranks over the limit are named
+    plan, prof = _plan(tmp_path, [2, 1, 1]), _profile(tmp_path)
+    argv = ["simulate", str(plan), "--profile", str(prof), "-t", "4", "--memory", "1MB"]
+    over = _json(capsys, [*argv, "--json"])
+    assert over["over_memory_ranks"] == [0, 1, 2, 3]
+    assert main(argv) == 0
+    assert "warning: ranks [0, 1, 2, 3] peak above --memory 1.0 MB" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "match"), [
     (["--schedule", "dp"], "pass --profile"),
     (["--minibatches", "0"], "--minibatches 0"),

@@ -3,9 +3,13 @@ layout priced with ``--layout``, and the flags' mistakes as one line each."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from dreampipe.cli import main
+from dreampipe.errors import PlanError
 from dreampipe.planning.layout import parse_layout
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
@@ -13,6 +17,7 @@ from dreampipe.planning.sync_search import plan_sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.gpt_shapes import blocks_recomputed
 from dreampipe.profiling.load import load_graph
+from dreampipe.simulation.sync_run import SYNC_RUN_KEY, SyncRun
 from tests.cli.test_cli_gpt import _json
 
 #: Megatron-LM's 1.7B model of SC21's Table 1 (24 layers, 2304 wide, 24 heads).
@@ -43,6 +48,31 @@ def test_a_layout_on_dgx_a100_prices_its_update_and_teraflops(
     assert data["tflops_per_gpu"] == pytest.approx(
         flops / data["simulated_time_per_update_s"] / 32 / 1e12)
     assert 50 < data["tflops_per_gpu"] < 312  # below the A100's dense 16-bit peak
+
+
+def test_a_saved_plan_simulates_as_its_synchronous_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    """The plan file keeps the run (schedule, microbatches, blocks recomputed, formats), so
+    ``simulate`` runs what the planner checked, not a pipedream pipeline of its stages."""
+    saved = tmp_path / "plan.json"
+    data = _json(capsys, "plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "32",
+                 "--precision", "bf16", "--optimizer", "adam", "--layout", "t1-p2-r1",
+                 "--whole-blocks", "-o", str(saved), "--json")
+    run = SyncRun.from_dict(json.loads(saved.read_text())[SYNC_RUN_KEY])
+    assert run.schedule.value == data["schedule"]
+    assert run.microbatches == 32 // data["microbatch_size"]
+    assert run.recomputed and run.training == Training("bf16", "adam")
+    assert SyncRun.from_dict(run.to_dict()) == run
+    sim = _json(capsys, "simulate", str(saved), "--profile", SMALL, "--json")
+    assert sim["as_planned"] and sim["schedule"] == data["schedule"]
+    update = 32 / sim["throughput_minibatches_per_s"]
+    assert update == pytest.approx(data["simulated_time_per_update_s"], rel=1e-9)
+    other = _json(capsys, "simulate", str(saved), "--profile", SMALL, "--schedule",
+                  "pipedream", "--json")
+    assert not other["as_planned"] and other["schedule"] == "pipedream"
+    with pytest.raises(PlanError, match="malformed sync_run"):
+        SyncRun.from_dict({"schedule": "zb-h1"})
 
 
 def test_interleaved_copies_of_split_stages_are_simulated_from_their_terms(
@@ -135,6 +165,18 @@ def test_a_blocks_flag_on_a_profile_without_blocks_says_so(
                  flag]) == 2
     err = capsys.readouterr().err
     assert "has no blocks" in err and f"drop {flag}" in err and err.count("\n") == 1
+
+
+def test_fp32_on_a_profile_by_shape_says_it_is_priced_in_16_bits(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "gpt:layers=4,hidden=512,heads=8,seq=256,vocab=1024", "-t", "dgx-a100:1",
+            "--global-batch", "16", "--no-check", "--layout", "t1-p2"]
+    assert main(argv) == 0
+    # a profile by shape is timed and sized in 16 bits: fp32 would be priced as bf16
+    assert main([*argv, "--precision", "fp32"]) == 2
+    err = capsys.readouterr().err
+    assert "16-bit peak" in err and "give bf16" in err and err.count("\n") == 1
 
 
 def test_zero_levels_let_each_stage_shard_as_it_fits(capsys: pytest.CaptureFixture[str]

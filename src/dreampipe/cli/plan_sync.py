@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from dreampipe.cli.links import memory_limit, sync_from
@@ -155,7 +155,11 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
             raise ConfigError(f"-o {args.output}: layout {result.layout} interleaves stages "
                               "split or replicated over workers, which the runtime does not "
                               "run; drop -o or plan without virtual stages")
-        plan.save(args.output)
+        from dreampipe.simulation.sync_run import SYNC_RUN_KEY, SyncRun
+
+        data = plan.to_dict()
+        data[SYNC_RUN_KEY] = SyncRun.of(result, options.training).to_dict()
+        Path(args.output).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
     if args.json:
         out: dict[str, Any] = {**result.to_dict(), "model": graph.model,
                                "tflops_per_gpu": tflops, "plan_time_s": seconds,
@@ -178,28 +182,15 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
 def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions
            ) -> tuple[float | None, str]:
     """The simulated time per update of ``result``'s schedule, or None and why not."""
-    from dreampipe.scheduling.actions import ScheduleKind
-    from dreampipe.scheduling.build import build_schedule
-    from dreampipe.simulation.action_costs import costs_from_profile
-    from dreampipe.simulation.simulator import simulate_schedule
     from dreampipe.simulation.sync_copy import simulate_copy
-    from dreampipe.simulation.zero_costs import with_zero
+    from dreampipe.simulation.sync_run import SyncRun, simulate_run
 
     plan = result.plan()
     if plan is None:
         return simulate_copy(result), ""
-    trained = options.training.trained(graph)
-    again = {i for st in result.stages for i in st.recomputed}
-    layers = tuple(replace(x, backward_ms=x.backward_ms + x.forward_ms) if i in again else x
-                   for i, x in enumerate(trained.layers))
-    per_update = result.global_batch // result.microbatch_size
-    schedule = build_schedule([st.replicas for st in plan.stages],
-                              ScheduleKind(result.schedule.value), _UPDATES * per_update,
-                              per_update, virtual_stages=result.virtual_stages)
-    costs = costs_from_profile(replace(trained, layers=layers), plan, topo,
-                               result.microbatch_size / result.profile_batch, options.sync)
-    costs = with_zero(costs, schedule, [st.option.zero for st in result.stages])
-    return simulate_schedule(schedule, costs, record_events=False).makespan_s / _UPDATES, ""
+    _, run = simulate_run(SyncRun.of(result, options.training), plan, graph, topo,
+                          options.sync, _UPDATES)
+    return run.makespan_s / _UPDATES, ""
 
 
 def _lines(result: SyncPlan, graph: LayerGraph, topo: Topology, tflops: float | None,

@@ -52,7 +52,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.build import repeat_schedule
-from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout, default_microbatches
 from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.simulation.simulator import (
     SimCosts,
@@ -61,6 +61,7 @@ from dreampipe.simulation.simulator import (
     costs_from_profile,
     simulate_schedule,
 )
+from dreampipe.simulation.sync_run import SYNC_RUN_KEY, SyncRun, simulate_run
 from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["register"]
@@ -95,7 +96,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "the others; rounded up to whole all-reduce rounds)")
     p.add_argument("--microbatches", type=int, metavar="M",
                    help="microbatches per minibatch for every schedule but pipedream and dp "
-                        "(default: 4 per stage, GPipe's guidance)")
+                        "(default: 4 per stage, GPipe's guidance, rounded up to whole "
+                        "rounds of the widest stage's replicas)")
     p.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                    help="interleaved-1f1b: stages per worker; default and only value: the "
                         "plan's (dreampipe plan --virtual-stages V saves it in the plan)")
@@ -116,22 +118,33 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 def _run(args: argparse.Namespace) -> int:
     with tqdm(total=4, desc="simulate", unit="step", file=sys.stderr, disable=None,
               leave=False) as bar:
-        plan, graph, topology, source = _load(args)
-        bar.update()
-        if args.schedule_file is not None:
-            schedule, layout, updates = _file_schedule(args, plan, source)
-            kind, levels = schedule.kind, plan.zero_levels(args.zero)
-        else:
-            kind = ScheduleKind(args.schedule or ScheduleKind.PIPEDREAM.value)
-            virtual = _virtual_stages(args, kind, plan, source)
-            replicas, layout, updates = _microbatch_counts(args, kind, plan)
-            levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(args.zero)
-            schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
-        costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
-                                 sync_from(args)), schedule, levels)
+        plan, graph, topology, source, run = _load(args)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
-        result = simulate_schedule(schedule, costs, record_events=wants_events)
+        # a plan of the synchronous objective runs as planned unless the flags say otherwise
+        planned = run is not None and not (args.schedule or args.microbatches
+                                           or args.schedule_file or args.zero)
+        if run is not None and planned:
+            updates = args.minibatches or 2
+            schedule, result = simulate_run(run, plan, graph, topology, sync_from(args),
+                                            updates, wants_events)
+            kind, per_update = run.schedule, run.microbatches
+        else:
+            if args.schedule_file is not None:
+                schedule, layout, updates = _file_schedule(args, plan, source)
+                kind, levels = schedule.kind, plan.zero_levels(args.zero)
+            else:
+                kind = ScheduleKind(args.schedule or ScheduleKind.PIPEDREAM.value)
+                virtual = _virtual_stages(args, kind, plan, source)
+                replicas, layout, updates = _microbatch_counts(args, kind, plan)
+                levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(
+                    args.zero)
+                schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
+            costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
+                                     sync_from(args)), schedule, levels)
+            bar.update()
+            result = simulate_schedule(schedule, costs, record_events=wants_events)
+            per_update = layout.microbatches_per_update
         bar.update()
         title = (f"{plan.model or 'model'}: {kind.value}, config {result.config}, "
                  f"{topology.name or topology.shape}")
@@ -144,9 +157,16 @@ def _run(args: argparse.Namespace) -> int:
 
             write_chrome_trace(result.events, args.trace)
         bar.update()
+    limit = topology.memory_bytes if args.memory else None
+    dp = kind is ScheduleKind.DP
     info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
-            "minibatches": updates,
-            "microbatches_per_update": layout.microbatches_per_update,
+            "config": result.config if dp else plan.config,
+            "workers": schedule.num_ranks if dp else plan.workers_used,
+            "over_memory_ranks": [] if graph is None or limit is None else [
+                r for r, peak in enumerate(result.peak_memory_bytes) if peak > limit],
+            "memory_limit_bytes": limit, "minibatches": updates, "as_planned": planned,
+            "planned_memory_bytes": [st.memory_bytes for st in plan.stages],
+            "microbatches_per_update": per_update,
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
             "memory_known": graph is not None}
     if args.json:
@@ -156,8 +176,10 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, str]:
-    """The plan, its profile if known, the topology, and where the plan comes from."""
+def _load(args: argparse.Namespace
+          ) -> tuple[Plan, LayerGraph | None, Topology, str, SyncRun | None]:
+    """The plan, its profile if known, the topology, where the plan comes from, and the
+    synchronous run it was planned as (None: none recorded)."""
     source = Path(args.source)
     named_profile = is_bundled(args.source) or is_gpt_spec(args.source)
     data = None if named_profile else _json_object(source)
@@ -167,7 +189,8 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, 
         topology = _plan_topology(plan.topology, args, named)
         check_fits(plan, topology, named)
         graph = profile_on(args.profile, topology) if args.profile is not None else None
-        return plan, graph, topology, named
+        run = data.get(SYNC_RUN_KEY)
+        return plan, graph, topology, named, None if run is None else SyncRun.from_dict(run)
     if args.profile is not None:
         raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
                         "drop --profile")
@@ -178,8 +201,8 @@ def _load(args: argparse.Namespace) -> tuple[Plan, LayerGraph | None, Topology, 
     from dreampipe.planning.planner import plan_pipeline
 
     plan = plan_pipeline(graph, topology,
-                         PlanOptions(memory_bytes=memory_limit(None, graph, topology)))
-    return plan, graph, topology, f"the plan of {args.source!r}"
+                         PlanOptions(memory_bytes=memory_limit(args.memory, graph, topology)))
+    return plan, graph, topology, f"the plan of {args.source!r}", None
 
 
 def _plan_topology(text: str, args: argparse.Namespace, named: str) -> Topology:
@@ -267,7 +290,8 @@ def _microbatch_counts(
     if kind is ScheduleKind.DP:
         layout = MicrobatchLayout(kind=kind, workers=workers)
         return (workers,), layout, layout.updates_covering(args.minibatches or 4 * workers)
-    layout = MicrobatchLayout(kind=kind, microbatches=args.microbatches or 4 * plan.num_stages)
+    layout = MicrobatchLayout(kind=kind,
+                              microbatches=args.microbatches or default_microbatches(replicas))
     return replicas, layout, args.minibatches or 8
 
 
@@ -303,9 +327,13 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
     count = result.num_microbatches
     per = "" if count == info["minibatches"] else (
         f" ({count} microbatches, {info['microbatches_per_update']} per update)")
+    runs = f"{info['minibatches']} minibatches{per}"
+    if info["as_planned"]:
+        runs = (f"the plan's synchronous run: {info['minibatches']} updates of "
+                f"{info['microbatches_per_update']} microbatches")
     lines = [
-        f"schedule    {result.kind.value}, config {result.config} on {schedule.num_ranks} workers "
-        f"({info['topology']}), {info['minibatches']} minibatches{per}",
+        f"schedule    {result.kind.value}, config {info['config']} on {info['workers']} workers "
+        f"({info['topology']}), {runs}",
         f"throughput  {result.throughput_minibatches_per_s:.3f} minibatches/s over "
         f"{result.makespan_s:.3f} s"
         + (f" (planner predicted {info['predicted_minibatches_per_s']:.3f} for plan "
@@ -327,4 +355,13 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
             f"{memory:>12} {result.peak_versions[rank]:>8} {result.peak_in_flight[rank]:>9}")
     if not info["memory_known"]:
         lines.append("peak memory needs the profile: pass --profile with the plan JSON")
+    if info["as_planned"]:
+        lines.append("peak memory counts weights, gradients and activations; as planned, "
+                     "with the optimizer's state: " + ", ".join(
+                         f"stage {s} {format_bytes(b)}"
+                         for s, b in enumerate(info["planned_memory_bytes"])))
+    if info["over_memory_ranks"]:
+        lines.append(f"warning: ranks {info['over_memory_ranks']} peak above --memory "
+                     f"{format_bytes(info['memory_limit_bytes'])}: this schedule of the plan "
+                     "does not fit; plan it with --memory, or use a schedule that holds less")
     return "\n".join(lines)

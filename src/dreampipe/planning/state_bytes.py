@@ -92,7 +92,15 @@ class Training:
 
     def trained(self, graph: LayerGraph) -> LayerGraph:
         """``graph`` with each layer's weights in this precision's bytes (its activations
-        as profiled)."""
+        as profiled). A profile by shape is timed at its device's 16-bit peak with
+        Megatron-LM's 16-bit activations, so it does not price ``fp32``."""
+        spec = graph.meta.get(BY_SHAPE)
+        if spec and self.precision == "fp32":
+            raise ConfigError(
+                f"precision='fp32' with profile {spec}, whose layers run at the device's "
+                "16-bit peak and keep 16-bit activations; give bf16, bf16-mixed or "
+                "fp16-mixed (32-bit weights, 16-bit products), or profile the model itself",
+                "precision")
         profiled = profiled_param_bytes(graph)
         scale = self.param_bytes(profiled) / profiled
         if scale == 1:

@@ -1,0 +1,121 @@
+"""How a synchronous plan runs its updates, as data a plan file carries, and its simulation.
+
+A plan of the synchronous objective (:class:`~dreampipe.planning.sync_plan.SyncPlan`)
+is saved as a :class:`~dreampipe.planning.plan.Plan` whose figures count profiled
+minibatches; what makes it the planned run, not some pipeline of those stages, is
+:class:`SyncRun`: its schedule, the microbatches of one update, a microbatch's share of
+a profiled minibatch, the layers whose backward runs their forward again (the blocks
+recomputed), each stage's ZeRO level, and the number formats and optimizer its memory
+was priced for. ``dreampipe plan -o`` writes it beside the plan (``"sync_run"``) and
+``dreampipe simulate`` runs it unless told otherwise, so a saved plan simulates as the
+planner checked it (:func:`simulate_run`, which that check calls too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from dreampipe.errors import PlanError
+from dreampipe.planning.plan import Plan
+from dreampipe.planning.state_bytes import Training
+from dreampipe.planning.sync import Sync
+from dreampipe.planning.sync_plan import SyncPlan
+from dreampipe.planning.sync_stage_option import layer_blocks
+from dreampipe.planning.topology import Topology
+from dreampipe.profiling.graph import LayerGraph
+from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.build import build_schedule
+from dreampipe.simulation.action_costs import costs_from_profile
+from dreampipe.simulation.simulator import SimResult, costs_from_plan, simulate_schedule
+from dreampipe.simulation.zero_costs import with_zero
+
+__all__ = ["SYNC_RUN_KEY", "SyncRun", "simulate_run"]
+
+#: The plan file's key for the run (a plan without it is simulated as any plan).
+SYNC_RUN_KEY = "sync_run"
+
+
+@dataclass(frozen=True)
+class SyncRun:
+    """One synchronous update of a saved plan (module doc). ``microbatches``: all the
+    copies' microbatches in one update (global batch / microbatch size); ``fraction``:
+    a microbatch's share of a profiled minibatch."""
+
+    schedule: ScheduleKind
+    microbatches: int
+    fraction: float
+    recomputed: tuple[int, ...]
+    zero: tuple[int, ...]
+    training: Training
+    virtual_stages: int = 1
+
+    @classmethod
+    def of(cls, result: SyncPlan, training: Training) -> SyncRun:
+        """The run ``result`` plans, priced with ``training``'s formats and optimizer."""
+        return cls(ScheduleKind(result.schedule.value),
+                   result.global_batch // result.microbatch_size,
+                   result.microbatch_size / result.profile_batch,
+                   tuple(sorted({i for st in result.stages for i in st.recomputed})),
+                   tuple(st.option.zero for st in result.stages), training,
+                   result.virtual_stages)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schedule": self.schedule.value, "microbatches": self.microbatches,
+                "microbatch_fraction": self.fraction, "recomputed_layers": list(self.recomputed),
+                "zero": list(self.zero), "precision": self.training.precision,
+                "optimizer": self.training.optimizer, "virtual_stages": self.virtual_stages}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SyncRun:
+        try:
+            run = cls(ScheduleKind(data["schedule"]), int(data["microbatches"]),
+                      float(data["microbatch_fraction"]),
+                      tuple(int(i) for i in data["recomputed_layers"]),
+                      tuple(int(z) for z in data["zero"]),
+                      Training(data["precision"], str(data["optimizer"])),
+                      int(data.get("virtual_stages", 1)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"malformed {SYNC_RUN_KEY} in the plan JSON: {exc!r}") from exc
+        if run.microbatches < 1 or not run.fraction > 0:
+            raise PlanError(f"{SYNC_RUN_KEY}: microbatches={run.microbatches}, "
+                            f"microbatch_fraction={run.fraction}; give both above 0")
+        return run
+
+    def schedule_of(self, plan: Plan, updates: int) -> Schedule:
+        """``updates`` updates of ``plan``'s stages as this run schedules them."""
+        return build_schedule([st.replicas for st in plan.stages], self.schedule,
+                              updates * self.microbatches, self.microbatches,
+                              virtual_stages=self.virtual_stages)
+
+
+def simulate_run(run: SyncRun, plan: Plan, graph: LayerGraph | None, topology: Topology,
+                 sync: Sync, updates: int, record_events: bool = False,
+                 ) -> tuple[Schedule, SimResult]:
+    """``updates`` updates of ``plan`` run as ``run`` says, priced from ``graph`` (its
+    layers in the run's formats, the recomputed ones' backward running their forward
+    again) or, without it, from the plan's stage figures."""
+    schedule = run.schedule_of(plan, updates)
+    if graph is None:
+        costs = costs_from_plan(plan, topology, run.fraction)
+    else:
+        costs = costs_from_profile(_recomputing(run.training.trained(graph), run.recomputed),
+                                   plan, topology, run.fraction, sync)
+    levels: Sequence[int] = run.zero
+    return schedule, simulate_schedule(schedule, with_zero(costs, schedule, levels),
+                                       record_events=record_events)
+
+
+def _recomputing(graph: LayerGraph, recomputed: Sequence[int]) -> LayerGraph:
+    """``graph`` with the ``recomputed`` layers' backward running their forward again and
+    their block keeping only its input (the first layer of each block holds it)."""
+    again, blocks = set(recomputed), layer_blocks(graph)
+    layers = []
+    for i, x in enumerate(graph.layers):
+        if i in again:
+            first = i == 0 or blocks[i - 1] != blocks[i] or i - 1 not in again
+            kept = graph.layers[i - 1].activation_bytes if first and i > 0 else 0
+            x = replace(x, backward_ms=x.backward_ms + x.forward_ms, saved_bytes=kept)
+        layers.append(x)
+    return replace(graph, layers=tuple(layers))
