@@ -41,16 +41,20 @@ def _data() -> list[tuple[Tensor, Tensor]]:
 
 
 def _pipe(resume: Path | None = None, precision: str = "fp32") -> dreampipe.Pipeline:
+    # fp16-mixed: a scale so large that the first updates overflow and are skipped, and
+    # a window so short that it doubles again within the run: the checkpoint must keep it
+    scaling = ({"loss_scale": 2.0**18, "loss_scale_window": 2} if precision == "fp16-mixed"
+               else {})
     return dreampipe.Pipeline(
         _model(), example=_data()[0], loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)),
         config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2, resume=resume,
-                                     precision=precision),
+                                     precision=precision, **scaling),
     )
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16-mixed"])
 def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path,
                                                          precision: str) -> None:
     """bf16 too: the checkpoint holds the 32-bit master weights, not their rounding."""
@@ -59,9 +63,10 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path,
     straight = _pipe(precision=precision)
     for x, y in data:
         straight.step(x, y)
-    want = straight.full_state_dict()
+    want, skipped = straight.full_state_dict(), straight.skipped
     straight.close()
     assert all(v.dtype == torch.float32 for v in want.values())  # bf16: the masters
+    assert (len(skipped) > 0) == (precision == "fp16-mixed"), skipped
 
     torch.manual_seed(7)
     first = _pipe(precision=precision)
@@ -77,7 +82,9 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path,
     for x, y in data[4:]:
         second.step(x, y)
     got = second.full_state_dict()
-    assert second.scheduler is not None and second.scheduler.last_epoch == 8
+    assert second.scheduler is not None
+    assert second.scheduler.last_epoch == 8 - len(skipped)  # a skipped update steps none
+    assert [u for u in skipped if u >= 4] == second.skipped
     second.close()
     for k, v in want.items():
         assert torch.equal(got[k], v), k

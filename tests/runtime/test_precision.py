@@ -63,3 +63,23 @@ def test_a_parameter_without_a_gradient_is_not_stepped() -> None:
     after = list(model.parameters())
     assert not torch.equal(after[0], before[0])
     assert all(torch.equal(x, y) for x, y in zip(after[1:], before[1:], strict=True))
+
+
+def test_the_factory_picks_groups_from_the_model_s_own_parameters() -> None:
+    """Under bf16 the optimizer steps 32-bit masters; the factory still sees the model's
+    parameters, so groups chosen by identity (names) keep the masters of those."""
+    model = nn.Linear(3, 4)
+    no_decay = {id(model.bias)}
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            [{"params": [p for p in params if id(p) not in no_decay]},
+             {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}],
+            lr=0.1, weight_decay=0.1)
+
+    master = MasterWeights(model, list(model.parameters()), factory, Precision.BF16)
+    assert master.optimizer is not None
+    decayed, plain = master.optimizer.param_groups
+    assert decayed["params"] == [master.masters[0]] and plain["params"] == [master.masters[1]]
+    assert all(p.dtype == torch.float32 for p in master.masters)
+    assert model.weight.dtype == torch.bfloat16

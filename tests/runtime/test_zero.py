@@ -385,6 +385,34 @@ def test_level_3_per_use_holds_one_module_s_weights_whole_at_a_time() -> None:
         assert got["gradients_equal"], got
 
 
+def _decay_matrices(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The usual factory: weight decay on the matrices only, chosen by shape."""
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2],
+                               "weight_decay": 0.0}], lr=0.1, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("level", [1, 2, 3])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16])
+def test_the_factory_s_groups_hold_the_chunks_of_the_parameters_it_chose(
+        level: int, precision: Precision) -> None:
+    # the factory sees the model's parameters, not their flat chunks (all 1-D), so a
+    # group chosen by shape keeps the weight's chunk, and the bias's stays undecayed
+    st = StageModule(nn.Linear(3, 4), _decay_matrices, stage=0, input_grad=False,
+                     zero=ZeroPlace(level, 0, 2), precision=precision)
+    assert st.zero is not None and st.zero.optimizer is not None
+    decayed, plain = st.zero.optimizer.param_groups
+    assert (decayed["weight_decay"], plain["weight_decay"]) == (0.1, 0.0)
+    assert [p.numel() for p in decayed["params"]] == [6]  # half of the 4x3 weight
+    assert [p.numel() for p in plain["params"]] == [2]  # half of the bias
+    assert {id(p) for g in (decayed, plain) for p in g["params"]} == {
+        id(p) for p in st.optimized}
+    # a factory that builds from tensors it was not given is refused by name
+    with pytest.raises(ConfigError, match="tensors it was not given"):
+        StageModule(nn.Linear(3, 4), lambda ps: torch.optim.SGD([nn.Parameter(
+            torch.zeros(2))], lr=0.1), stage=0, input_grad=False, zero=ZeroPlace(level, 0, 2))
+
+
 def test_level_3_frees_the_weights_at_once_and_refuses_a_schedule_without_gathers() -> None:
     st = StageModule(nn.Linear(3, 4), lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
                      input_grad=False, zero=ZeroPlace(3, 1, 2))

@@ -1,7 +1,8 @@
 """Checkpoints of a Pipeline with ``torch.distributed.checkpoint`` (DCP).
 
 Keys are the original model's names (``model.<fqn>``, ``optim.<fqn>.<name>``,
-``param.<fqn>``, ``progress``, ``rng.<rank>``), so a checkpoint loads into
+``param.<fqn>``, ``progress``: the minibatches, the RNG and fp16-mixed's loss scale,
+``rng.<rank>``), so a checkpoint loads into
 any plan and into the plain model (:func:`load_model_state`). A rank writes
 and reads the entries of every stage it runs (:mod:`.stage_state`); a run
 resumed on other delays takes its own staleness compensation
@@ -229,8 +230,11 @@ def save(directory: Path, pipe: _PipelineState) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     state = stage_state(_parts(pipe))
+    scaler = pipe.runner.scaler  # fp16-mixed's loss scale, one for every rank
     state["progress"] = pickle.dumps({"minibatches": pipe.minibatches,
-                                      "rng": torch.get_rng_state()})
+                                      "rng": torch.get_rng_state(),
+                                      **({} if scaler is None else
+                                         {"loss_scale": scaler.state_dict()})})
     state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
     dcp_save(state, checkpoint_id=str(tmp))
     dist.barrier()
@@ -268,7 +272,11 @@ def load(path: Path, pipe: _PipelineState) -> int:
     objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
     load_stages(parts, state, objects)
     restore_rng(objects, dist.get_rank(), pipe.device)
-    return int(objects["progress"]["minibatches"])
+    progress = objects["progress"]
+    scaler = pipe.runner.scaler
+    if scaler is not None and "loss_scale" in progress:  # else the config's initial scale
+        scaler.load_state_dict(progress["loss_scale"])
+    return int(progress["minibatches"])
 
 
 def load_model_state(path: str | Path) -> dict[str, Tensor]:

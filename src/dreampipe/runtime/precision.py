@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["PACKED", "MasterWeights", "Precision", "cast_floating"]
+from dreampipe.errors import ConfigError
+
+__all__ = ["PACKED", "MasterWeights", "Precision", "cast_floating", "optimizer_over"]
 
 #: The attribute that marks a tensor packing several values, whose packer chose its dtype.
 PACKED = "_dreampipe_packed"
@@ -112,6 +114,28 @@ def cast_floating(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+def optimizer_over(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                   params: Sequence[nn.Parameter], steps: Sequence[nn.Parameter]
+                   ) -> torch.optim.Optimizer:
+    """The optimizer ``factory`` makes for the model's ``params``, stepping ``steps`` (one
+    each: a 32-bit master, a ZeRO chunk) in their places. The factory sees the parameters
+    as the model holds them, so parameter groups it picks by shape (no weight decay on
+    1-D tensors) or by identity stay as it meant them; a new optimizer holds no state, so
+    its groups may take other tensors. docs/design.md §5.5."""
+    made = factory(list(params))
+    if made.state:
+        raise ConfigError("the optimizer factory stepped its optimizer before returning it; "
+                          "return a fresh optimizer", "optimizer")
+    swap = {id(p): s for p, s in zip(params, steps, strict=True)}
+    for group in made.param_groups:
+        if any(id(p) not in swap for p in group["params"]):
+            raise ConfigError("the optimizer factory's groups hold tensors it was not given; "
+                              "build the optimizer from the parameters passed to it",
+                              "optimizer")
+        group["params"] = [swap[id(p)] for p in group["params"]]
+    return made
+
+
 class MasterWeights:
     """The optimizer of a stage with the parameters ``params`` of ``module``: under a
     precision with 16-bit parameters, the module moves to that dtype and the optimizer
@@ -129,7 +153,8 @@ class MasterWeights:
             if self.copies else self._params)
         if self.copies:
             module.to(precision.param_dtype)
-        self.optimizer = optimizer(self.masters) if self._params else None
+        self.optimizer = (optimizer_over(optimizer, self._params, self.masters)
+                          if self._params else None)
 
     def step(self, grads: Sequence[Tensor | None]) -> None:
         """One optimizer step with ``grads`` (None: the parameter got no gradient)."""

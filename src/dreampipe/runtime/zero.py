@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from dreampipe.errors import ConfigError
 from dreampipe.runtime import buckets as buckets_module
 from dreampipe.runtime.buckets import Wait
-from dreampipe.runtime.precision import Precision
+from dreampipe.runtime.precision import Precision, optimizer_over
 from dreampipe.scheduling.actions import Action, ActionKind
 
 __all__ = ["MAX_LEVEL", "ZeroPlace", "ZeroShards"]
@@ -196,7 +196,8 @@ class ZeroShards:
         if self.copies:
             module.to(precision.param_dtype)
         self.layout = _Layout(self._params, place, buckets_module.BUCKET_CAP_MB)
-        self.optimizer = optimizer(self.masters) if self._params else None
+        self.optimizer = (optimizer_over(optimizer, self._params, self.masters)
+                          if self._params else None)
         self.group: Any = None
         self._wait: Wait | None = None
         self._grads: list[Tensor] | None = None  # level 2: this replica's summed chunks
