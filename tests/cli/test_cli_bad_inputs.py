@@ -85,6 +85,15 @@ def test_huge_memory_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: P
     _one_line_error(code, out, err, "'1e400GB'", "finite")
 
 
+def test_parameter_server_shards_without_a_parameter_server_are_one_line(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, err = _plan(capsys, str(_profile(tmp_path)), "-t", "4", "--ps-shards", "3")
+    _one_line_error(code, out, err, "--ps-shards 3 with --sync hierarchical", "--sync ps")
+    code, _, _ = _plan(capsys, str(_profile(tmp_path)), "-t", "4", "--ps-shards", "3",
+                       "--sync", "ps")
+    assert code == 0
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan, 1e400])
 def test_non_finite_time_in_a_json_profile(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, value: float

@@ -89,4 +89,8 @@ def sync_from(args: argparse.Namespace) -> Sync:
         raise ConfigError(
             f"--ps-shards {args.ps_shards}: a parameter server needs at least 1 shard, e.g. 4"
         )
+    if args.ps_shards != 1 and args.sync != SyncKind.PARAMETER_SERVER.value:
+        raise ConfigError(f"--ps-shards {args.ps_shards} with --sync {args.sync}: shards are "
+                          f"a parameter server's; add --sync {SyncKind.PARAMETER_SERVER.value} "
+                          "or drop --ps-shards")
     return Sync(SyncKind(args.sync), args.ps_shards)
