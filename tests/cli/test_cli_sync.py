@@ -123,7 +123,7 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--layout", "t1-p3", "--whole-blocks"],
      ["4 blocks into 3 stages", "drop --whole-blocks"]),
     (["--whole-blocks"], ["--whole-blocks", "--global-batch"]),
-    (["--global-batch", "64", "--zero-levels", "0,4"], ["zero_levels=(0, 4)", "0 to 3"]),
+    (["--global-batch", "64", "--zero-levels", "0,4"], ["--zero-levels 0,4;", "0 to 3"]),
     (["--global-batch", "64", "--zero-levels", "one"], ["--zero-levels one"]),
     (["--global-batch", "64", "--layout", "t1-p2-z1", "--zero-levels", "0,1"],
      ["fixes level 1", "drop z from the layout"]),

@@ -8,7 +8,7 @@ import inspect
 import pytest
 
 import dreampipe
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.level import Options
 from dreampipe.planning.options import PlanOptions
@@ -40,11 +40,15 @@ def test_the_dynamic_programs_options_follow_from_it() -> None:
 
 
 def test_bad_options_fail_when_made_or_against_the_model() -> None:
-    with pytest.raises(PlanError, match=r"memory_bytes=0 must be positive"):
+    # option errors name the option, so the command line writes them as its flags
+    with pytest.raises(ConfigError, match=r"memory_bytes=0 must be positive") as e:
         PlanOptions(memory_bytes=0)
-    with pytest.raises(PlanError, match=r"memory_bytes=1000: the pipedream cost model"):
+    assert e.value.parameters == ("memory_bytes",)
+    with pytest.raises(ConfigError, match=r"memory_bytes=1000: the pipedream cost model"):
         PlanOptions(memory_bytes=1000, cost_model=CostModel.PIPEDREAM)
     graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(3)])
-    with pytest.raises(PlanError, match=r"max_stages=4 is impossible for a model of 3 layers"):
+    with pytest.raises(ConfigError, match=r"max_stages=4 is impossible for a model of 3 "
+                       "layers") as e:
         plan_pipeline(graph, Topology.parse("4"), PlanOptions(max_stages=4))
+    assert e.value.parameters == ("max_stages",)
     assert plan_pipeline(graph, Topology.parse("2"), PlanOptions(max_stages=1)).num_stages == 1

@@ -35,6 +35,7 @@ _FLAGS = {
     "epochs=": "--epochs ",
     "global_batch=": "--global-batch ",
     "layout=": "--layout ",
+    "max_stages=": "--max-stages ",
     "lr=": "--lr ",
     "memory_bytes=": "--memory ",
     "microbatch_size=": "--microbatch-size ",
@@ -52,6 +53,7 @@ _FLAGS = {
     "vertical_sync=True": "--vertical-sync",
     "virtual_stages=": "--virtual-stages ",
     "warmup=": "--warmup ",
+    "zero_levels=": "--zero-levels ",
     "workers=": "--workers ",
 }
 

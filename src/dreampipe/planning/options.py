@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.level import Options
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
@@ -50,13 +50,13 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None and self.memory_bytes <= 0:
-            raise PlanError(f"memory_bytes={self.memory_bytes} must be positive, e.g. 16e9 "
-                            "for 16 GB")
+            raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive, e.g. 16e9 "
+                              "for 16 GB", "memory_bytes")
         if self.memory_bytes is not None and self.cost_model is CostModel.PIPEDREAM:
-            raise PlanError(
+            raise ConfigError(
                 f"memory_bytes={self.memory_bytes}: the pipedream cost model reproduces "
                 "PipeDream's optimizer without a memory limit; drop --memory or use "
-                "--cost-model dreampipe")
+                "--cost-model dreampipe", "memory_bytes")
 
     def search(self, layers: int) -> Options:
         """The dynamic program's options for a model of ``layers`` layers."""
@@ -72,8 +72,8 @@ def _slots(max_stages: int | None, layers: int) -> int:
     if max_stages is None:
         return 1
     if not 1 <= max_stages <= layers:
-        raise PlanError(
+        raise ConfigError(
             f"max_stages={max_stages} is impossible for a model of {layers} layers; "
-            f"use 1..{layers} (a stage holds at least one layer)"
+            f"use 1..{layers} (a stage holds at least one layer)", "max_stages"
         )
     return max_stages

@@ -57,11 +57,11 @@ class SyncOptions:
         levels = self.zero_levels
         if levels is not None and (not levels or len(set(levels)) < len(levels)
                                    or not set(levels) <= set(ZERO_LEVELS)):
-            raise ConfigError(f"zero_levels={self.zero_levels}; give distinct ZeRO levels "
-                              "from 0 to 3, e.g. (0, 1) to shard no more than the "
-                              "optimizer's state, or None for every level", "zero_levels")
+            raise ConfigError(f"zero_levels={','.join(map(str, levels))}; give distinct "
+                              "ZeRO levels from 0 to 3, e.g. 0,1 to shard no more than the "
+                              "optimizer's state, or none for every level", "zero_levels")
         if self.layout is not None and self.layout.zero is not None and levels is not None:
-            raise ConfigError(f"zero_levels={self.zero_levels} with layout "
+            raise ConfigError(f"zero_levels={','.join(map(str, levels))} with layout "
                               f"{self.layout.text}, which fixes level {self.layout.zero}: "
                               "drop z from the layout, or the levels", "zero_levels")
         if self.recompute_blocks and not self.recompute:
