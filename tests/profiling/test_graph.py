@@ -220,3 +220,10 @@ def test_a_layers_largest_parameter_round_trips_and_defaults_to_the_layer() -> N
     assert "largest_parameter_bytes" not in json.loads(graph.to_json())["layers"][1]
     assert (measured.largest_parameter, unknown.largest_parameter) == (400, 1000)
     assert Layer("x", 1.0, 2.0, 8, 100, largest_parameter_bytes=400).largest_parameter == 100
+
+
+def test_a_file_that_is_no_profile_says_what_to_give() -> None:
+    with pytest.raises(ProfileError, match=r"it is a plan: simulate it"):
+        LayerGraph.from_dict({"format": "dreampipe.plan"})
+    with pytest.raises(ProfileError, match=r"give a file from `dreampipe profile`"):
+        LayerGraph.from_dict({})

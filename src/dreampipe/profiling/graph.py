@@ -284,9 +284,13 @@ class LayerGraph:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayerGraph:
         if data.get("format") != "dreampipe.layergraph":
+            plan = data.get("format") == "dreampipe.plan"
             raise ProfileError(
                 f"format={data.get('format')!r}: not a dreampipe profile "
-                "(expected 'dreampipe.layergraph'); for PipeDream's graph.txt use load_graph()"
+                "(expected 'dreampipe.layergraph'); "
+                + ("it is a plan: simulate it (`dreampipe simulate PLAN.json`), or give "
+                   "the profile it was planned from" if plan else
+                   "give a file from `dreampipe profile` or PipeDream's graph.txt")
             )
         if data.get("version") != FORMAT_VERSION:
             raise ProfileError(
