@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.errors import PlanError
+from dreampipe.planning.interleave_order import chunk_peaks
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -83,17 +84,16 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
     credits each stage twice its weight gradient on each of the ``p - 1`` bubble slots,
     but with fewer microbatches than stages it has too few weight gradients to fill its
     bubble and is priced as 1F1B-flush.
-    Interleaving's worker ``w`` runs ``2 (p - w - 1) + (v - 1) p`` chunk forwards before
-    its first backward, so it holds one more than that (at most ``v m``); each chunk is
-    held to ``1 / v`` of the memory with as many of its own microbatches, at most ``m``,
-    a bound on the worker's sum (exact when its chunks hold alike). ``rho``: as
-    :func:`factor`'s.
+    Under interleaving each chunk holds the most microbatches it holds at once in
+    Megatron-LM's order (:func:`~.interleave_order.chunk_peaks`; worker 0 of 8 with 3
+    chunks: 16, 15 and 8, where its warm-up alone runs 30 forwards), in ``1 / v`` of the
+    memory: the chunks' peaks sum to at least the worker's. ``rho``: as :func:`factor`'s.
     """
     phi = factor(kind, p, m, v, rho)
     if kind is PipelineKind.INTERLEAVED:
-        held = [min(2 * (p - w - 1) + (v - 1) * p + 1, v * m, m) for w in range(p)]
-        return Slots(tuple(c % p for c in range(p * v)), tuple(held[c % p] for c in range(p * v)),
-                     1.0 / v, phi, phi)
+        peaks = chunk_peaks(p, v, m)
+        return Slots(tuple(c % p for c in range(p * v)),
+                     tuple(peaks[c % p][c // p] for c in range(p * v)), 1.0 / v, phi, phi)
     peak = tuple(min(p - c, m) for c in range(p))
     if kind is PipelineKind.ZB_H1 and m >= p:
         scale = factor(PipelineKind.FLUSH, p, m)  # then each stage's W is credited

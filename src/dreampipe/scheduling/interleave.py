@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.interleave_order import chunk_of, warmup
 from dreampipe.planning.placement import position_firsts
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.profiling.graph import LayerGraph
@@ -127,16 +128,16 @@ def _worker_order(rank: int, p: int, v: int, m: int, first: int) -> list[Action]
         return first + (k // (p * v)) * p + k % p
 
     def forward(k: int) -> Action:
-        return Action(_F, ((k % (p * v)) // p) * p + rank, microbatch(k))
+        return Action(_F, chunk_of(k, p, v, True) * p + rank, microbatch(k))
 
     def backward(k: int) -> Action:
-        return Action(_B, (v - 1 - (k % (p * v)) // p) * p + rank, microbatch(k))
+        return Action(_B, chunk_of(k, p, v, False) * p + rank, microbatch(k))
 
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    acts = [forward(k) for k in range(warmup)]
-    for k in range(total - warmup):
-        acts += [forward(warmup + k), backward(k)]
-    acts += [backward(k) for k in range(total - warmup, total)]
+    first_backward = warmup(rank, p, v, m)
+    acts = [forward(k) for k in range(first_backward)]
+    for k in range(total - first_backward):
+        acts += [forward(first_backward + k), backward(k)]
+    acts += [backward(k) for k in range(total - first_backward, total)]
     return acts
 
 
