@@ -129,6 +129,7 @@ def _run(args: argparse.Namespace) -> int:
             schedule, result = simulate_run(run, plan, graph, topology, sync_from(args),
                                             updates, wants_events)
             kind, per_update = run.schedule, run.microbatches
+            bar.update()
         else:
             if args.schedule_file is not None:
                 schedule, layout, updates = _file_schedule(args, plan, source)
