@@ -49,6 +49,8 @@ class EvalRank:
     virtual_stages: int = 1
     #: The training schedule, whose placement of several stages per rank the forwards keep.
     kind: ScheduleKind = ScheduleKind.GPIPE
+    #: Whether every message carries its shape (``RunnerOptions.varying_shapes``).
+    varying: bool = False
 
 
 def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
@@ -64,7 +66,8 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         sched = forward_only(me.replicas, end - start, me.virtual_stages, me.kind)
         box: dict[tuple[int, int, int], Tensor] = {}
         comms = {s: Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links,
-                         evaluation=True, stage=s, mailbox=box) for s in modules}
+                         evaluation=True, stage=s, mailbox=box, varying=me.varying)
+                 for s in modules}
         for module in modules.values():
             module.eval()
         try:

@@ -62,6 +62,7 @@ from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.splitter.chain import held_keys, split_layers
+from dreampipe.splitter.segments import Segment
 from dreampipe.splitter.state_keys import state_keys
 
 __all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
@@ -181,7 +182,8 @@ class Pipeline:
             self.scheduler = self.schedulers.get(self.module.stage)
             self.loss_fn = loss_fn
             self.minibatches = 0
-            self._opts = self.config.runner_options()
+            self._opts = self.config.runner_options(
+                traced=any(isinstance(m, Segment) for _, m in self._layers))
             self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
                 else process_groups([st.ranks for st in self.plan.stages], t, made=self._groups)
             clip_group = dist.new_group(list(range(world))) \
@@ -356,7 +358,7 @@ class Pipeline:
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
                       precision=self._opts.precision, virtual_stages=self._virtual,
-                      kind=self.kind)
+                      kind=self.kind, varying=self._opts.varying_shapes)
         with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
             return evaluate([(x, y) for x, y in loader],
                             {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
