@@ -120,26 +120,27 @@ class Priced:
 
     @property
     def memory(self) -> float:
-        return max(st.memory_bytes for st in self.plan.stages)
+        """The most a worker holds: its chunks' together (each at its own peak, a bound)."""
+        p = self.plan
+        return max(sum(st.memory_bytes for st in p.stages[w::p.pipeline])
+                   for w in range(p.pipeline))
 
     @property
     def fits(self) -> bool:
-        """Whether every stage (chunk) fits its share of 80 GB as the objective holds it,
-        ``1/v`` a chunk with its worker's microbatches in flight (a bound)."""
-        return self.memory <= MEMORY / self.plan.virtual_stages
+        return self.memory <= MEMORY
 
 
 def price(row: Sc21Row, rate: float) -> Priced:
     """``row``'s published layout, matrix products at ``rate`` FLOP/s, its cuts chosen to
-    fit 80 GB as the run did; interleaved rows, and rows no cuts fit, without the limit
-    (the objective holds an interleaved chunk to a bound, :attr:`Priced.fits`); sharded
-    only where the layout names a ZeRO level, as the runs were."""
+    fit 80 GB as the run did (an interleaved chunk ``80 GB / v``); rows no cuts fit
+    without the limit (:attr:`Priced.fits`); sharded only where the layout names a ZeRO
+    level, as the runs were."""
     graph = gpt_spec_profile(row.spec, A100_80GB, flops=rate)
     kind = PipelineKind.INTERLEAVED if row.v > 1 else PipelineKind.FLUSH
     start = time.perf_counter()
     opts = SyncOptions(global_batch=row.batch, microbatch_size=row.microbatch,
                        training=_TRAINING, kinds=(kind,), layout=row.layout,
-                       memory_bytes=MEMORY if row.v == 1 else None, whole_blocks=True,
+                       memory_bytes=MEMORY, whole_blocks=True,
                        zero_levels=None if row.layout.zero else (0,))
     try:
         plan = plan_sync(graph, row.topology, opts)
@@ -404,12 +405,13 @@ Where they miss, the terms (the evidence is in the columns above):
   That is DeepSpeed's implementation of the time, not a term of dreampipe's
   runtime, and no figure is fitted to it, so these rows stay misses.
 
-Memory: the rows without interleaving are priced under 80 GB, the cuts
-chosen by the program among those that fit ("(over)" where none fits). An
-interleaved chunk is held to `80 GB / v` with every microbatch its worker
-holds (a bound that the published runs beat), so interleaved rows are priced
-without a limit, and their memory column is the bound on the cuts chosen,
-not the run's ("(over)": above `80 GB / v`).
+Memory: each row is priced under 80 GB, the cuts chosen by the program among
+those that fit, and without the limit where none fits ("(over)"). The column
+is the most a GPU holds: under interleaving, its chunks together, each
+holding the most microbatches it holds at once in Megatron-LM's order (a
+bound on the worker's peak); the program holds each chunk to `80 GB / v`, so
+an interleaved row whose chunks differ may be priced over the limit though
+its GPUs' sums fit.
 """
 
 
