@@ -184,3 +184,40 @@ def test_the_warning_offers_2bw_only_to_pipedream(caplog: pytest.LogCaptureFixtu
         assert "gradients 1 update stale" in caplog.text
         assert ("schedule='2bw'" in caplog.text) is (kind is S.PIPEDREAM)
         assert caplog.text.rstrip().endswith("a synchronous schedule (1f1b-flush)")
+
+
+def test_a_scheduler_that_cycles_momentum_is_compensated_after_each_step() -> None:
+    """OneCycleLR sets the momentum at every step, over what compensation set: the stage
+    follows it with the value the scheduler set, less the delay's implicit momentum; a
+    scheduler that leaves the momentum alone is not compensated twice."""
+    from dreampipe.api.stage_build import follow_schedulers
+    from dreampipe.runtime.stage_module import StageModule
+
+    schedule = build_schedule([1, 1, 1], S.PIPEDREAM, 6)
+    delay = stage_delays(schedule)[0]
+    assert delay == 2
+    for cycles in (True, False):
+        st = StageModule(nn.Linear(3, 3), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                         stage=0, input_grad=False)
+        assert st.optimizer is not None
+        applied = {0: compensate_stage(st.optimizer, schedule, 0, vertical_sync=False,
+                                       enabled=True, advise=False)}
+        follow = follow_schedulers(applied, schedule, False, enabled=True, uniform=False)
+        sched = (torch.optim.lr_scheduler.OneCycleLR(st.optimizer, max_lr=0.1, total_steps=10)
+                 if cycles else torch.optim.lr_scheduler.StepLR(st.optimizer, 2))
+        follow(st)
+        given_seen = []
+        for _ in range(5):
+            pair = applied[0][0]
+            assert pair is not None
+            given, used = pair
+            group = st.optimizer.param_groups[0]
+            assert group["momentum"] == used.momentum == pytest.approx(
+                max(0.0, given.momentum - 2 / 3))
+            given_seen.append(given.momentum)
+            st.optimizer.step()
+            sched.step()
+            follow(st)
+        # OneCycleLR's momentum falls from 0.95 as its rate rises; StepLR's stays the user's
+        assert given_seen[0] == pytest.approx(0.95 if cycles else 0.9)
+        assert (given_seen[-1] < given_seen[0]) == cycles

@@ -46,7 +46,7 @@ from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.plans import PlanArg, profile_layers
 from dreampipe.api.settled_plan import settle_plan
-from dreampipe.api.stage_build import build_modules, compensate_modules
+from dreampipe.api.stage_build import build_modules, compensate_modules, follow_schedulers
 from dreampipe.api.ties import tie_stages
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.engine import RankRunner
@@ -168,10 +168,12 @@ class Pipeline:
                 self._layers, self.plan, self._my_stages(), self.device,
                 mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
+            delayed = None if self.kind.synchronous else self._build_schedule(_HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
-                modules, None if self.kind.synchronous else self._build_schedule(_HORIZON),
-                config.vertical_sync, enabled=config.compensate, advise=self.rank == 0,
-                uniform=bool(ties))
+                modules, delayed, config.vertical_sync, enabled=config.compensate,
+                advise=self.rank == 0, uniform=bool(ties))
+            self._follow = follow_schedulers(applied, delayed, config.vertical_sync,
+                                             enabled=config.compensate, uniform=bool(ties))
             self.module = modules[0]
             #: What staleness compensation did to each parameter group of each stage's
             #: optimizer, by stage: ``(given, used)`` settings, None where nothing
@@ -179,6 +181,8 @@ class Pipeline:
             self.compensations: dict[int, Applied] = applied
             self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
                                if lr_scheduler is not None and m.optimizer is not None}
+            for m in modules:
+                self._follow(m)
             self.scheduler = self.schedulers.get(self.module.stage)
             self.loss_fn = loss_fn
             self.minibatches = 0
@@ -237,6 +241,7 @@ class Pipeline:
         scheduler = self.schedulers.get(module.stage)
         if scheduler is not None:
             scheduler.step()
+            self._follow(module)
 
     def _file_schedule(self, path: str) -> Schedule:
         """``schedule_file``'s one minibatch, checked against the plan and the microbatches."""

@@ -27,15 +27,17 @@ from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import (
     Applied,
     compensate_stage,
+    compensation_delay,
     hyper_of,
     predicts,
+    recompensated,
     stage_delays,
 )
 from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers, build_split_stage, build_stage, hold_apart
 
-__all__ = ["build_modules", "compensate_modules", "study_warning"]
+__all__ = ["build_modules", "compensate_modules", "follow_schedulers", "study_warning"]
 
 _log = logging.getLogger(__name__)
 
@@ -115,8 +117,14 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
               if schedule is not None and not schedule.kind.synchronous else None)
     for m in modules:
         groups = m.optimizer.param_groups if m.optimizer is not None else []
-        m.versions.predict = (enabled and m.stash and delays is not None
-                              and any(predicts(hyper_of(g), delays[m.stage]) for g in groups))
+        wants = (enabled and delays is not None
+                 and any(predicts(hyper_of(g), delays[m.stage]) for g in groups))
+        m.versions.predict = wants and m.stash
+        if wants and not m.stash and advise:
+            _log.warning("stage %d trains %d updates stale with Adam's settings uncompensated: "
+                         "weight prediction, their compensation, runs on stashed weights; "
+                         "drop stash=False (PipeDream's demonstration of no stashing)",
+                         m.stage, delays[m.stage] if delays else 0)
         if m.versions.predict:
             _log.info("stage %d runs on its weights predicted for the update its gradient goes "
                       "into (staleness compensation)", m.stage)
@@ -128,6 +136,24 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
                                       enabled=enabled, advise=advise and m is modules[0],
                                       uniform=uniform)
             for m in modules}
+
+
+def follow_schedulers(applied: dict[int, Applied], schedule: Schedule | None,
+                      vertical_sync: bool, *, enabled: bool, uniform: bool
+                      ) -> Callable[[StageModule], None]:
+    """What to call on a stage after its learning-rate scheduler was built and after each
+    of its steps: a scheduler that sets the momentum anew (OneCycleLR, CyclicLR) would undo
+    the compensation, so the value it set is compensated again, and ``applied`` (which
+    checkpoints carry) says so (:func:`~dreampipe.runtime.staleness.recompensated`)."""
+    def follow(module: StageModule) -> None:
+        if not enabled or schedule is None or schedule.kind.synchronous or \
+                module.optimizer is None:
+            return
+        delay = compensation_delay(schedule, module.stage, vertical_sync, uniform)
+        groups = module.optimizer.param_groups
+        applied[module.stage] = tuple(recompensated(g, pair, delay) for g, pair in
+                                      zip(groups, applied[module.stage], strict=True))
+    return follow
 
 
 def study_warning(optimizer: torch.optim.Optimizer, schedule: Schedule) -> str | None:

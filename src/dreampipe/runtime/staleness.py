@@ -25,7 +25,8 @@ import torch
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Applied", "Hyper", "carry_over", "compensate", "compensate_stage", "compensated",
-           "delay_advice", "hyper_of", "implicit_momentum", "predicts", "stage_delays"]
+           "compensation_delay", "delay_advice", "hyper_of", "implicit_momentum", "predicts",
+           "recompensated", "stage_delays"]
 
 _log = logging.getLogger(__name__)
 
@@ -187,6 +188,28 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
             f"rate to at most {most:.3g}")
 
 
+def compensation_delay(schedule: Schedule, stage: int, vertical_sync: bool,
+                       uniform: bool = False) -> int:
+    """The delay ``stage`` is compensated for: its own, or with ``uniform`` (weights tied
+    across stages) the deepest stage's."""
+    delays = stage_delays(schedule, vertical_sync)
+    return max(delays) if uniform else delays[stage]
+
+
+def recompensated(group: dict[str, Any], applied: tuple[Hyper, Hyper] | None, delay: int
+                  ) -> tuple[Hyper, Hyper] | None:
+    """After a learning-rate scheduler's step: where it set ``group``'s momentum anew over
+    what compensation set (OneCycleLR and CyclicLR cycle it at every step), compensate
+    that value for ``delay``, in place; the group's ``(given, used)`` settings now
+    (``applied`` where nothing moved it)."""
+    now = hyper_of(group)
+    if applied is None or now is None or now.adaptive or now.momentum == applied[1].momentum:
+        return applied
+    after = compensated(now, delay)
+    _set_momentum(group, after.momentum)
+    return now, after
+
+
 def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule | None,
                      stage: int, *,
                      vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
@@ -203,7 +226,7 @@ def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule
         return (None,) * len(optimizer.param_groups)
     delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
-    delay = max(delays) if uniform else delays[stage]
+    delay = compensation_delay(schedule, stage, vertical_sync, uniform)
     applied = compensate(optimizer, delay) if enabled else (None,) * len(optimizer.param_groups)
     for pair in applied:
         if pair is not None:
