@@ -186,6 +186,8 @@ def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> N
         out = model(x)
     assert result.loss == pytest.approx(float(F.cross_entropy(out, y)), rel=1e-5)
     assert result.accuracy == pytest.approx(float((out.argmax(1) == y).float().mean()))
+    with pytest.raises(dreampipe.ConfigError, match="no batches"):  # not a loss of 0
+        pipe.evaluate([])
     pipe.close()
 
 

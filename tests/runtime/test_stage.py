@@ -93,6 +93,39 @@ def test_without_stashing_the_backward_uses_the_newest_weights() -> None:
         torch.testing.assert_close(g, p.grad)
 
 
+@pytest.mark.parametrize("stash", [True, False])
+def test_a_backward_draws_the_forwards_dropout_and_moves_batchnorm_once(stash: bool) -> None:
+    """Without stashing the backward runs the forward again: with the forward's random
+    draws and buffers, so its gradient is the stashed one's and BatchNorm's running
+    statistics move once a microbatch."""
+    def build() -> StageModule:
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5),
+                               nn.Linear(8, 2))
+        return StageModule(module, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=1,
+                           input_grad=True, stash=stash)
+
+    st = build()
+    torch.manual_seed(5)
+    x = torch.randn(6, 4)
+    st.forward(0, x.clone())
+    torch.manual_seed(99)  # the backward must not draw anew
+    dx = st.backward(0, torch.ones(6, 2))
+    bn = st.module[1]
+    assert isinstance(bn, nn.BatchNorm1d) and int(bn.num_batches_tracked) == 1
+    # one process: the same draws, one forward, its own backward
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    torch.manual_seed(5)
+    xr = torch.randn(6, 4).requires_grad_(True)
+    ref(xr).backward(torch.ones(6, 2))
+    assert dx is not None and xr.grad is not None
+    torch.testing.assert_close(dx, xr.grad)
+    for g, p in zip(st.gradients(), ref.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad)
+    torch.testing.assert_close(bn.running_mean, ref[1].running_mean)
+
+
 def test_vertical_sync_keeps_versions_later_microbatches_name() -> None:
     st = _stage(stage=1, vertical_sync=True)
     for u in range(3):

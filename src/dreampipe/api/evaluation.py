@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from dreampipe.api.checks import Batch
 from dreampipe.api.feed import Batches
+from dreampipe.errors import ConfigError
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.forwards import run_forwards
 from dreampipe.runtime.precision import Precision
@@ -57,6 +58,9 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
              loss_fn: Callable[..., Tensor], me: EvalRank) -> EvalResult:
     """Forwards of ``batches`` through this rank's ``modules``, by stage (eval mode for
     the while). Every rank of the world calls it."""
+    if not batches:  # a mean over nothing: no loss is 0.0
+        raise ConfigError("evaluate() was given no batches; give at least one (x, y)",
+                          "loader")
     totals = torch.zeros(4, dtype=torch.float64)
     start = 0
     while start < len(batches):

@@ -30,7 +30,7 @@ from dreampipe.runtime.fused import (
 )
 from dreampipe.runtime.gradient_harvest import GradientHarvest
 from dreampipe.runtime.precision import Precision
-from dreampipe.runtime.recompute import record, replay
+from dreampipe.runtime.recompute import Replay, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, StageInput, tensor_output
@@ -173,8 +173,7 @@ class StageModule:
             x.requires_grad_(True)
         if self.stash and self.recompute:
             v = self._versions.acquire(version, update)
-            again = record(x.device if isinstance(x, Tensor) else next(
-                (p.device for p in self._params), torch.device("cpu")), self.module)
+            again = self._record(x)
             with torch.no_grad():
                 _, report = self._compute(v.tensors, x, target, scale)
             self._inflight[microbatch] = InFlight(x, None, v, target, scale, again)
@@ -184,10 +183,20 @@ class StageModule:
             out, report = self._compute(v.tensors, x, target, scale)
             self._inflight[microbatch] = InFlight(x, out, v, target, scale)
             return report
+        # no stashing: the backward runs the forward again on the live weights, with the
+        # random draws and buffers this one saw (dropout's masks, BatchNorm's running
+        # statistics moved once), as a recomputing stage does
+        again = self._record(x)
         with torch.no_grad():
             _, report = self._compute(None, x, target, scale)
-        self._inflight[microbatch] = InFlight(x, None, None, target, scale)
+        self._inflight[microbatch] = InFlight(x, None, None, target, scale, again)
         return report
+
+    def _record(self, x: StageInput) -> Replay:
+        """What a forward about to run on ``x`` reads besides it, to run it again."""
+        device = x.device if isinstance(x, Tensor) else next(
+            (p.device for p in self._params), torch.device("cpu"))
+        return record(device, self.module)
 
     def _compute(
         self, tensors: list[Tensor] | None, x: StageInput, target: Tensor | None,
@@ -234,7 +243,10 @@ class StageModule:
         st = self._inflight.pop(microbatch)
         if st.version is None:
             v = self._versions.acquire(None)
-            out, _ = self._compute(v.tensors, st.input, st.target, st.scale)
+            assert st.replay is not None
+            tensors = v.tensors
+            out = replay(st.replay, self.module,
+                         lambda: self._compute(tensors, st.input, st.target, st.scale)[0])
         elif st.replay is not None:
             v, out = st.version, self._again(st)
         else:
