@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import (
@@ -79,7 +79,7 @@ def test_input_is_zeroed_and_chain_states_are_layers() -> None:
 
 
 def test_memory_is_refused_under_pipedream() -> None:
-    with pytest.raises(PlanError, match="drop --memory"):
+    with pytest.raises(ConfigError, match="drop --memory"):  # an option's error
         plan_pipeline(load_graph("pipedream:vgg16"), _CLUSTERS["C"],
                       PlanOptions(memory_bytes=10**9, cost_model=CostModel.PIPEDREAM))
 

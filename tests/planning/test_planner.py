@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dreampipe.errors import DreampipeError, PlanError
+from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.costs import (
     allreduce_end,
     allreduce_ends,
@@ -435,9 +435,9 @@ def test_fewer_workers_when_more_would_be_slower() -> None:
 
 def test_errors_name_the_value_and_fix() -> None:
     graph, topo = _toy(3), Topology.parse("4")
-    with pytest.raises(PlanError, match=r"max_stages=4 .* 3 layers"):
+    with pytest.raises(ConfigError, match=r"max_stages=4 .* 3 layers"):
         plan_pipeline(graph, topo, PlanOptions(max_stages=4))
-    with pytest.raises(PlanError, match="max_stages=0"):
+    with pytest.raises(ConfigError, match="max_stages=0"):
         plan_pipeline(graph, topo, PlanOptions(max_stages=0))
     with pytest.raises(PlanError, match="allow fewer workers"):
         plan_pipeline(graph, topo, PlanOptions(straight=True, allow_fewer_workers=False))

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 __all__ = ["chunk_of", "chunk_peaks", "warmup"]
 
 
@@ -33,6 +31,8 @@ def chunk_of(k: int, p: int, v: int, forward: bool) -> int:
 def chunk_peaks(p: int, v: int, m: int) -> tuple[tuple[int, ...], ...]:
     """``[r][c]``: the most microbatches worker ``r``'s chunk ``c`` holds at once (forwards
     run less backwards run), over the worker's order of ``m`` microbatches."""
+    import numpy as np  # only when priced: ``import dreampipe`` stays light
+
     total, out = m * v, []
     chunks = np.arange(v)
 

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import GPIPE_MICROBATCHES_PER_STAGE
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule, whole_rounds
 
@@ -32,6 +31,8 @@ def default_microbatches(replicas: Sequence[int]) -> int:
     """The microbatches a minibatch is cut into when none are asked: GPipe's four per
     stage, rounded up to whole rounds of the widest stage's replicas, so that no replica
     of it sits out the minibatch (one stage on 8 replicas: 8, as data parallelism)."""
+    from dreampipe.planning.costs import GPIPE_MICROBATCHES_PER_STAGE  # NumPy: when used
+
     widest = max(replicas, default=1)
     return -(-GPIPE_MICROBATCHES_PER_STAGE * len(replicas) // widest) * widest
 
