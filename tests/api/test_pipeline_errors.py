@@ -176,6 +176,13 @@ def test_a_loss_that_is_not_a_scalar() -> None:
         _pipe(loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"))
 
 
+@pytest.mark.parametrize("loss_fn", [lambda out: out.sum(), lambda out, y, z: out.sum()])
+def test_a_loss_fn_that_cannot_take_output_and_target_says_so(loss_fn: Any) -> None:
+    # found before the run, on every rank, even where the dry run on meta cannot run
+    with pytest.raises(ConfigError, match=r"cannot be called as loss_fn\(output, target\)"):
+        _pipe(loss_fn=loss_fn)
+
+
 def test_an_optimizer_factory_that_returns_something_else() -> None:
     with pytest.raises(ConfigError,
                        match=r"optimizer returned a list, not a torch.optim.Optimizer"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
@@ -28,7 +29,7 @@ from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
-    "Batch", "Inputs", "check_loss", "check_optimizer", "check_plan",
+    "Batch", "Inputs", "check_loss", "check_loss_signature", "check_optimizer", "check_plan",
     "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
     "check_virtual", "map_inputs", "refuse_legacy",
 ]
@@ -90,6 +91,7 @@ def check_stages_on_meta(
     data-dependent shape) skips the check with a debug log line; the runtime
     then raises the same errors at the first forward.
     """
+    check_loss_signature(loss_fn)
     first = map_inputs(example[0], lambda t: on_meta(t[:microbatch_size]))
     x: Any = first if isinstance(first, tuple) else (first,)
     try:
@@ -105,6 +107,22 @@ def check_stages_on_meta(
         _log.debug("meta-device dry run not possible: %s", exc)
         return
     check_loss(loss)
+
+
+def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
+    """``loss_fn`` must take ``(output, target)``: a mistake is found on every rank before
+    anything runs, not as a TypeError on the last stage's rank alone."""
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without one: the run will tell
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError:
+        raise ConfigError(
+            f"loss_fn{signature} cannot be called as loss_fn(output, target), which is how "
+            "the last stage calls it; give a function of the model's output and the target",
+            "loss_fn") from None
 
 
 def check_loss(loss: Any) -> None:
