@@ -42,7 +42,7 @@ def _jobs() -> list[dict[str, Any]]:
     return [*jobs, {"case": "gpt2-packed", **_RUN, "schedule": "1f1b-flush",
                     "steps": _PACKED_STEPS, "variable_dims": [1]},
             {"case": "gpt2-unpadded", **_RUN, "schedule": "1f1b-flush",
-             "steps": _UNPADDED_STEPS, "variable_dims": [], "evaluate": 2}]
+             "steps": _UNPADDED_STEPS, "variable_dims": [1], "evaluate": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_packed_documents_with_a_mask_train_as_one_process(
 @pytest.mark.timeout(300)
 def test_microbatches_without_padding_beside_padded_ones_train_as_one_process(
         results: dict[tuple[str, str], Any]) -> None:
-    """Same shapes, no variable_dims: the all-ones mask Hugging Face drops changes what a
-    traced stage passes on, so its messages carry their shapes."""
+    """Same shapes: the all-ones mask Hugging Face drops changes what a traced stage
+    passes on, which variable_dims lets its messages say, in training and evaluation."""
     x, _ = find_case("gpt2-unpadded").example(0, 8)
     assert bool((x["attention_mask"][:4] == 0).any()) and bool(x["attention_mask"][4:].all())
     losses, state = _one_process("gpt2-unpadded", _UNPADDED_STEPS)

@@ -306,16 +306,13 @@ class TrainConfig:
             return BlockRecompute(selective=True)
         return BlockRecompute(blocks=self.recompute_blocks) if self.recompute_blocks else None
 
-    def runner_options(self, traced: bool = False) -> RunnerOptions:
-        """How every rank's runner runs its actions under this config. A ``traced`` model's
-        stages pass packs whose contents may change with the inputs (a Hugging Face model
-        drops an all-ones attention mask), so its messages carry their shapes, as under
-        ``variable_dims``."""
+    def runner_options(self) -> RunnerOptions:
+        """How every rank's runner runs its actions under this config."""
         return RunnerOptions(timeout_s=self.timeout_s, vertical_sync=self.vertical_sync,
                              record_events=self.record_events, max_grad_norm=self.max_grad_norm,
                              precision=self.number_formats, on_nonfinite=self.policy,
                              loss_scale=self.loss_scale, loss_scale_window=self.loss_scale_window,
-                             varying_shapes=bool(self.variable_dims) or traced)
+                             varying_shapes=bool(self.variable_dims))
 
     def chosen(self, kind: ScheduleKind, microbatches: int) -> TrainConfig:
         """This config with the schedule ``"auto"`` chose, checked again for it."""

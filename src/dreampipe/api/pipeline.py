@@ -62,7 +62,6 @@ from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.splitter.chain import held_keys, split_layers
-from dreampipe.splitter.segments import Segment
 from dreampipe.splitter.state_keys import state_keys
 
 __all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
@@ -186,8 +185,7 @@ class Pipeline:
             self.scheduler = self.schedulers.get(self.module.stage)
             self.loss_fn = loss_fn
             self.minibatches = 0
-            self._opts = self.config.runner_options(
-                traced=any(isinstance(m, Segment) for _, m in self._layers))
+            self._opts = self.config.runner_options()
             self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
                 else process_groups([st.ranks for st in self.plan.stages], t, made=self._groups)
             clip_group = dist.new_group(list(range(world))) \

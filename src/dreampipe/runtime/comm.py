@@ -284,7 +284,11 @@ class Comm:
                     f"{self._describe_spec(spec)} for {self._work_name} {action.microbatch} "
                     "but agreed "
                     f"on {self._describe_spec(self._out_spec)} with stage {self.stage + 1}; "
-                    "every microbatch must have the same shape"
+                    "every microbatch must have the same shape, or say which may change: "
+                    "a traced model may pass on more or fewer values for some inputs (a "
+                    "Hugging Face model drops an attention mask that is all ones), so give "
+                    "TrainConfig(variable_dims=(1,)) (any dimension) and every message "
+                    "carries its shapes"
                 )
             if peer not in self._out_links or self.varying:
                 self._isend(_encode(spec, self.device), peer, microbatch, _HDR, action)
