@@ -120,11 +120,11 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
         wants = (enabled and delays is not None
                  and any(predicts(hyper_of(g), delays[m.stage]) for g in groups))
         m.versions.predict = wants and m.stash
-        if wants and not m.stash and advise:
+        if wants and not m.stash and advise and delays is not None:
             _log.warning("stage %d trains %d updates stale with Adam's settings uncompensated: "
                          "weight prediction, their compensation, runs on stashed weights; "
                          "drop stash=False (PipeDream's demonstration of no stashing)",
-                         m.stage, delays[m.stage] if delays else 0)
+                         m.stage, delays[m.stage])
         if m.versions.predict:
             _log.info("stage %d runs on its weights predicted for the update its gradient goes "
                       "into (staleness compensation)", m.stage)
@@ -145,11 +145,13 @@ def follow_schedulers(applied: dict[int, Applied], schedule: Schedule | None,
     of its steps: a scheduler that sets the momentum anew (OneCycleLR, CyclicLR) would undo
     the compensation, so the value it set is compensated again, and ``applied`` (which
     checkpoints carry) says so (:func:`~dreampipe.runtime.staleness.recompensated`)."""
+    delays = (stage_delays(schedule, vertical_sync)
+              if enabled and schedule is not None and not schedule.kind.synchronous else None)
+
     def follow(module: StageModule) -> None:
-        if not enabled or schedule is None or schedule.kind.synchronous or \
-                module.optimizer is None:
+        if delays is None or module.optimizer is None:
             return
-        delay = compensation_delay(schedule, module.stage, vertical_sync, uniform)
+        delay = compensation_delay(delays, module.stage, uniform)
         groups = module.optimizer.param_groups
         applied[module.stage] = tuple(recompensated(g, pair, delay) for g, pair in
                                       zip(groups, applied[module.stage], strict=True))

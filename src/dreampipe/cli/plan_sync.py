@@ -17,7 +17,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from dreampipe.cli.links import memory_limit, sync_from
@@ -157,9 +156,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
                               "run; drop -o or plan without virtual stages")
         from dreampipe.simulation.sync_run import SYNC_RUN_KEY, SyncRun
 
-        data = plan.to_dict()
-        data[SYNC_RUN_KEY] = SyncRun.of(result, options.training).to_dict()
-        Path(args.output).write_text(json.dumps(data, indent=1, allow_nan=False) + "\n")
+        plan.save(args.output, {SYNC_RUN_KEY: SyncRun.of(result, options.training).to_dict()})
     if args.json:
         out: dict[str, Any] = {**result.to_dict(), "model": graph.model,
                                "tflops_per_gpu": tflops, "plan_time_s": seconds,

@@ -121,10 +121,10 @@ def _run(args: argparse.Namespace) -> int:
         plan, graph, topology, source, run = _load(args)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
-        # a plan of the synchronous objective runs as planned unless the flags say otherwise
-        planned = run is not None and not (args.schedule or args.microbatches
-                                           or args.schedule_file or args.zero)
-        if run is not None and planned:
+        if args.schedule or args.microbatches or args.schedule_file or args.zero:
+            run = None  # the flags ask for another run of the plan's stages
+        planned = run is not None  # a plan of the synchronous objective runs as planned
+        if run is not None:
             updates = args.minibatches or 2
             schedule, result = simulate_run(run, plan, graph, topology, sync_from(args),
                                             updates, wants_events)

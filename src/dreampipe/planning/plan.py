@@ -363,9 +363,10 @@ class Plan:
                 raise
             raise PlanError(f"malformed plan JSON: {exc!r}") from exc
 
-    def to_json(self) -> str:
-        """Strict JSON: no ``Infinity`` or ``NaN`` (see the class docstring)."""
-        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+    def to_json(self, extra: dict[str, Any] | None = None) -> str:
+        """Strict JSON: no ``Infinity`` or ``NaN`` (see the class docstring); ``extra``:
+        keys beside the plan's, which :meth:`from_dict` leaves to whoever wrote them."""
+        return json.dumps({**self.to_dict(), **(extra or {})}, indent=1, allow_nan=False)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -377,8 +378,8 @@ class Plan:
             ) from exc
         return cls.from_dict(data)
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
+        Path(path).write_text(self.to_json(extra) + "\n")
 
     def __str__(self) -> str:
         head = f"plan {self.config} for {self.model or 'model'} on {self.workers_used} workers"

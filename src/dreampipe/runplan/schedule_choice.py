@@ -106,12 +106,14 @@ class Candidate:
             return f"{self.kind.value:<16} not tried: {self.why_not}"
         weighed = self.epochs is not None
         fit = " that fits" if limited else ""
-        verdict = ("fits" if lone and self.fits else
-                   f"chosen: the soonest to the target{fit}" if chosen and weighed else
-                   f"chosen: the fastest{fit}" if chosen else
-                   ("fits, no sooner" if limited else "no sooner") if self.fits and weighed
-                   else ("fits, no faster" if limited else "no faster") if self.fits
-                   else "does not fit the memory limit")
+        if not self.fits:
+            verdict = "does not fit the memory limit"
+        elif lone:
+            verdict = "fits"
+        elif chosen:
+            verdict = f"chosen: the {'soonest to the target' if weighed else 'fastest'}{fit}"
+        else:
+            verdict = ("fits, " if limited else "") + ("no sooner" if weighed else "no faster")
         said = (f"{self.kind.value:<16} {self.minibatches_per_s:10.3f} minibatches/s, peak "
                 f"{format_bytes(self.peak_memory_bytes):>10} per worker")
         if self.epochs is not None:

@@ -241,14 +241,11 @@ class StageModule:
         """
         self._held.run()
         st = self._inflight.pop(microbatch)
-        if st.version is None:
+        if st.version is None:  # no stashing: again, on the live weights
             v = self._versions.acquire(None)
-            assert st.replay is not None
-            tensors = v.tensors
-            out = replay(st.replay, self.module,
-                         lambda: self._compute(tensors, st.input, st.target, st.scale)[0])
+            out = self._again(st, v.tensors)
         elif st.replay is not None:
-            v, out = st.version, self._again(st)
+            v, out = st.version, self._again(st, st.version.tensors)
         else:
             assert st.output is not None
             v, out = st.version, st.output
@@ -272,9 +269,10 @@ class StageModule:
         the weight gradients wait for :meth:`backward_weight`. A stage with no input
         gradient to send (the first) leaves the whole backward to ``W``."""
         st = self._inflight.pop(microbatch)
+        assert st.version is not None, "B/W split needs stashing"
         if st.replay is not None:
-            st.output, st.replay = self._again(st), None
-        assert st.version is not None and st.output is not None, "B/W split needs stashing"
+            st.output, st.replay = self._again(st, st.version.tensors), None
+        assert st.output is not None
         x = st.input if isinstance(st.input, Tensor) else None
         if not (self.input_grad and x is not None and x.requires_grad):
             self._weight_work[microbatch] = (st, grad, None)
@@ -297,10 +295,10 @@ class StageModule:
         weight_gradients(work, self._held, self._grads.add_grad)
         self._versions.release(st.version)
 
-    def _again(self, st: InFlight) -> Tensor:
-        """A recomputing stage's forward of ``st``, run again for its backward."""
-        assert st.version is not None and st.replay is not None
-        tensors = st.version.tensors
+    def _again(self, st: InFlight, tensors: list[Tensor]) -> Tensor:
+        """The forward of ``st`` run again on ``tensors`` for its backward (a recomputing
+        stage's, on its version; without stashing, on the live weights)."""
+        assert st.replay is not None
         out: Tensor = replay(st.replay, self.module,
                              lambda: self._compute(tensors, st.input, st.target, st.scale)[0])
         return out

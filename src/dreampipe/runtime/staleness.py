@@ -17,6 +17,7 @@ too large for the settings; :func:`compensate_stage` does all three for a stage.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,11 +189,10 @@ def delay_advice(hyper: Hyper, delay: int, compensating: bool) -> str | None:
             f"rate to at most {most:.3g}")
 
 
-def compensation_delay(schedule: Schedule, stage: int, vertical_sync: bool,
-                       uniform: bool = False) -> int:
-    """The delay ``stage`` is compensated for: its own, or with ``uniform`` (weights tied
-    across stages) the deepest stage's."""
-    delays = stage_delays(schedule, vertical_sync)
+def compensation_delay(delays: Sequence[int], stage: int, uniform: bool = False) -> int:
+    """The delay ``stage`` is compensated for, of the stages' ``delays``
+    (:func:`stage_delays`): its own, or with ``uniform`` (weights tied across stages)
+    the deepest stage's."""
     return max(delays) if uniform else delays[stage]
 
 
@@ -226,7 +226,7 @@ def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule
         return (None,) * len(optimizer.param_groups)
     delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
-    delay = compensation_delay(schedule, stage, vertical_sync, uniform)
+    delay = compensation_delay(delays, stage, uniform)
     applied = compensate(optimizer, delay) if enabled else (None,) * len(optimizer.param_groups)
     for pair in applied:
         if pair is not None:
