@@ -80,11 +80,15 @@ ROWS: tuple[StudyRow, ...] = (
 def epochs_factor(kind: ScheduleKind, stages: int, rows: Sequence[StudyRow] = ROWS,
                   optimizer: str | None = None) -> EpochsFactor:
     """The epochs ``kind`` on ``stages`` stages is predicted to need, as a multiple of
-    data parallelism's (module doc): 1 for a synchronous schedule. ``optimizer`` (a
+    data parallelism's (module doc): 1 for a synchronous schedule and for pipedream on one
+    stage (which has no delay; 2bw's one update of delay holds at any depth). ``optimizer`` (a
     family, ``"sgd"`` or ``"adam"``) reads only the study's workloads trained so, where
     it has any."""
     if kind.synchronous:
         return EpochsFactor(1.0, "synchronous")
+    if kind is ScheduleKind.PIPEDREAM and stages <= 1:
+        # one stage updates before its next forward: data parallelism, nothing stale
+        return EpochsFactor(1.0, "one stage: no delay")
     mine = [r for r in rows if r.schedule == kind.value]
     if any(r.optimizer == optimizer for r in mine):
         mine = [r for r in mine if r.optimizer == optimizer]
