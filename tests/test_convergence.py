@@ -81,3 +81,35 @@ def test_the_planner_s_study_rows_are_written_from_the_committed_results(
     copy.write_text(convergence_report.ROWS_MODULE.read_text())
     assert convergence_report.write_rows(data, copy).read_text() == \
         convergence_report.ROWS_MODULE.read_text()
+
+
+def test_the_link_section_is_written_from_the_committed_link_results(bench: ModuleType) -> None:
+    """The shaped-link study: its runs make the loopback study's updates (``section``
+    checks every held-out loss against them), at the settings it declares, and the page
+    shows what its results give."""
+    import convergence_link
+
+    loopback = json.loads((_ROOT / "docs" / "convergence.json").read_text())
+    studies = convergence_link.link_studies(_ROOT / "docs")
+    assert {d["link"] for d in studies} >= {None}, "run the study over an unshaped link too"
+    assert len(studies) >= 2, "the study needs a shaped rate beside the unshaped link"
+    for d in studies:
+        assert d["study"] == convergence_link.LINK.header()
+        assert len(d["runs"]) == len(convergence_link.LINK.seeds) * len(
+            convergence_link.LINK.groups[0].variants), d["link"]
+    doc = (_ROOT / "docs" / "convergence.md").read_text()
+    assert convergence_link.section(loopback, studies) in doc, (
+        "run python benchmarks/convergence_link.py --report")
+
+
+def test_a_link_run_whose_updates_differ_from_loopback_is_refused(bench: ModuleType) -> None:
+    import copy
+
+    import convergence_link
+
+    loopback = json.loads((_ROOT / "docs" / "convergence.json").read_text())
+    study = copy.deepcopy(convergence_link.link_studies(_ROOT / "docs")[0])
+    run = next(iter(study["runs"].values()))
+    run["test_loss"][3] *= 1.001
+    with pytest.raises(SystemExit, match="the link changed the updates"):
+        convergence_link.section(loopback, [study])

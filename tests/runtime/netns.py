@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import pytest
 
-__all__ = ["VethPair", "pair_or_skip", "unavailable", "veth_pair"]
+__all__ = ["VethPair", "pair_or_skip", "unavailable", "veth_pair", "wait_ranks"]
 
 _SUBNET = "10.77.0"
 _CMD_TIMEOUT_S = 10.0
@@ -92,6 +92,13 @@ class VethPair:
                 capture_output=True, text=True, check=True, timeout=_CMD_TIMEOUT_S,
             )
 
+    def rank_env(self, rank: int, port: int = 29500) -> dict[str, str]:
+        """The environment of rank ``rank`` (0 or 1) of a 2-rank gloo job on this link,
+        one thread a process."""
+        return {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                "MASTER_ADDR": self.addresses[0], "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": self.interfaces[rank], "OMP_NUM_THREADS": "1"}
+
     def qdiscs(self) -> list[str]:
         """``tc qdisc show`` of both ends, for messages."""
         out = []
@@ -147,6 +154,28 @@ def pair_or_skip(tag: str) -> Iterator[VethPair]:
         pytest.skip(reason)
     with veth_pair(tag) as pair:
         yield pair
+
+
+def wait_ranks(procs: list[subprocess.Popen[bytes]], limit_s: float, grace_s: float = 3.0
+               ) -> list[int | None]:
+    """Wait for every process (each in a session of its own) to exit; past ``limit_s``,
+    or ``grace_s`` after one failed, kill those left. Their exit codes."""
+    deadline = time.monotonic() + limit_s
+    failed_at: float | None = None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if any(p.returncode not in (None, 0) for p in procs):
+                failed_at = failed_at or now
+            if now > deadline or (failed_at is not None and now > failed_at + grace_s):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [p.returncode for p in procs]
 
 
 def kill_inside(namespace: str) -> None:

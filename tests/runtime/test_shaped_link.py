@@ -11,11 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -318,33 +316,15 @@ def _run_ranks(link: netns.VethPair, job: dict[str, Any], workdir: Path, limit_s
     logs: list[tuple[Path, Path]] = []
     try:
         for rank in (0, 1):
-            env = {
-                **os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
-                "MASTER_ADDR": link.addresses[0], "MASTER_PORT": "29500",
-                "GLOO_SOCKET_IFNAME": link.interfaces[rank], "OMP_NUM_THREADS": "1",
-            }
             out, err = workdir / f"rank{rank}.out", workdir / f"rank{rank}.err"
             logs.append((out, err))
             with out.open("wb") as o, err.open("wb") as e:
                 procs.append(subprocess.Popen(
                     [*link.exec_prefix(rank), sys.executable, str(WORKER), json.dumps(job)],
-                    stdout=o, stderr=e, env=env, start_new_session=True,
+                    stdout=o, stderr=e, env=link.rank_env(rank), start_new_session=True,
                 ))
-        deadline = time.monotonic() + limit_s
-        failed_at: float | None = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if any(p.returncode not in (None, 0) for p in procs):
-                failed_at = failed_at or now
-            if now > deadline or (failed_at is not None and now > failed_at + 3.0):
-                break
-            time.sleep(0.05)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    codes = [p.returncode for p in procs]
+        codes = netns.wait_ranks(procs, limit_s)
 
     def tails() -> str:
         return "\n".join(f"--- rank {r} (exit {codes[r]}) stderr ---\n"
