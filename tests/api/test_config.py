@@ -264,3 +264,16 @@ def test_the_v_schedules_take_2_stages_per_worker_and_need_them_cut() -> None:
             check_virtual(TrainConfig(schedule=schedule), "auto")
     assert TrainConfig(schedule="interleaved-1f1b").stages_per_rank == 1
     assert TrainConfig(schedule="interleaved-1f1b", virtual_stages=3).stages_per_rank == 3
+
+
+@pytest.mark.parametrize(("fields", "agree"), [
+    ({}, False), ({"max_grad_norm": 1.0}, True),
+    ({"precision": "fp16-mixed", "schedule": "1f1b-flush"}, True),
+    ({"precision": "bf16-mixed"}, False),
+    ({"on_nonfinite": "skip", "schedule": "1f1b-flush"}, True),
+])
+def test_the_runs_whose_ranks_agree_before_each_update(fields: dict[str, Any], agree: bool
+                                                      ) -> None:
+    """Clipping, a 16-bit loss scale and skipping a non-finite minibatch each make every
+    rank wait for every other before an update; the prediction prices what this says."""
+    assert TrainConfig(**fields).runner_options().steps_agree is agree

@@ -175,3 +175,19 @@ def test_any_weighs_each_rate_by_the_study_s_epochs_to_target() -> None:
     assert last.startswith("pipedream") and "never reaches the target" in last
     by_throughput = choose_schedule(graph, plan, topo, Semantics.ASYNC, microbatches=4)
     assert all(c.epochs is None for c in by_throughput.candidates)
+
+
+def test_a_run_that_agrees_before_each_update_prices_the_asynchronous_schedules_so() -> None:
+    """Clipping by the global norm holds each pipedream stage to the others' backwards: on
+    4 equal stages the asynchronous schedules lose their edge and the choice under
+    ``any`` (the study's epochs equal to dp's) moves to a synchronous schedule."""
+    graph, plan, topo = _chain(), _straight(), Topology.parse("1x4")
+    rows = [StudyRow("x", 4, k, 3.0, 3.0, 3, "sgd") for k in ("pipedream", "2bw")]
+    alone, agreed = (choose_schedule(graph, plan, topo, Semantics.ANY, microbatches=4,
+                                     study=rows, steps_agree=a) for a in (False, True))
+    rate = [{c.kind: c.minibatches_per_s for c in x.candidates} for x in (alone, agreed)]
+    for kind in (S.PIPEDREAM, S.TWO_BW):
+        assert rate[1][kind] < 0.8 * rate[0][kind]
+    for kind in (S.FLUSH, S.GPIPE):
+        assert rate[1][kind] == pytest.approx(rate[0][kind])
+    assert not alone.kind.synchronous and agreed.kind.synchronous

@@ -108,7 +108,8 @@ def resolve_plan(
             chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
-                                         allow_fewer_workers=False, zero=config.zero))
+                                         allow_fewer_workers=False, zero=config.zero,
+                                         steps_agree=config.runner_options().steps_agree))
             for line in chosen.lines:
                 _log.info("%s", line)
             planned = given or dataclasses.replace(

@@ -184,7 +184,8 @@ def plan_train(
     if graph is not None:
         memory, twice = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
-                                          machine, nodes=nodes, zero=opts.config.zero)
+                                          machine, nodes=nodes, zero=opts.config.zero,
+                                          steps_agree=opts.config.runner_options().steps_agree)
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
                     graph, workers, machine, nodes=nodes))):
@@ -216,7 +217,7 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
                    placement=opts.config.kind.placement if v > 1 else Placement.LOOP,
                    semantics=opts.config.chooses, microbatches=opts.config.microbatches,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
-                   zero=opts.config.zero)
+                   zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
 
 def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCalibration,

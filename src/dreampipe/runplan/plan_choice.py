@@ -53,7 +53,8 @@ class PlanAsk:
     interleaved 1F1B, or the V of zbv and dualpipev). ``semantics`` asks
     for the schedule too, simulated with ``microbatches`` per minibatch.
     ``memory_bytes`` is each worker's limit (None: none); ``zero`` the run's ZeRO level,
-    which the schedule's simulation prices.
+    which the schedule's simulation prices, as it prices ``steps_agree``: the ranks agree
+    before every update (a run that clips by the global norm, say).
     """
 
     workers: int
@@ -67,6 +68,7 @@ class PlanAsk:
     memory_bytes: int | None = None
     allow_fewer_workers: bool = True
     zero: int = 0
+    steps_agree: bool = False
 
     def __post_init__(self) -> None:
         # a plan file with a partition is refused where the file is named (train's flags)
@@ -115,7 +117,7 @@ def choose_plan(graph: LayerGraph, topology: Topology, ask: PlanAsk) -> RunPlan:
     if ask.semantics is None:
         return RunPlan(plan)
     choice = choose_schedule(graph, plan, topology, ask.semantics, ask.memory_bytes,
-                             ask.microbatches, zero=ask.zero)
+                             ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree)
     if plan.virtual_stages > 1:  # several stages per worker, placed for the one chosen
         plan = plan.placed(choice.kind.placement)
     return RunPlan(plan, choice, _schedule_lines(ask.semantics, choice))
@@ -218,7 +220,8 @@ def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
         try:
             tried[plan.config] = (plan, choose_schedule(graph, plan, topology, semantics,
                                                         ask.memory_bytes, ask.microbatches,
-                                                        zero=ask.zero))
+                                                        zero=ask.zero,
+                                                        steps_agree=ask.steps_agree))
         except ConfigError as exc:  # no schedule of these semantics fits its memory
             lines.append(f"{plan.config:<12} not kept: {exc}")
     if not tried:

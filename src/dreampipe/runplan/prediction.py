@@ -9,6 +9,8 @@ priced on the profile alone (docs/design.md §9.1).
 
 from __future__ import annotations
 
+import dataclasses
+
 from dreampipe.machine.calibration import (
     LocalCalibration,
     local_costs,
@@ -26,11 +28,13 @@ __all__ = ["predict_samples_per_s"]
 
 
 def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
-                          machine: LocalCalibration, *, nodes: int = 1, zero: int = 0) -> float:
+                          machine: LocalCalibration, *, nodes: int = 1, zero: int = 0,
+                          steps_agree: bool = False) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` run as ``layout``
     says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes), its
     replicated stages sharded at the run's ZeRO level ``zero`` or their own
-    (:mod:`~dreampipe.simulation.zero_costs`).
+    (:mod:`~dreampipe.simulation.zero_costs`); ``steps_agree``: the ranks agree before every
+    update (:attr:`~dreampipe.runtime.runner_options.RunnerOptions.steps_agree`).
 
     A ``graph`` profiled at the layout's microbatch gives each scheduled one
     what the profile measured; one at another batch is scaled to it in
@@ -48,6 +52,7 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
                                 zero=levels)
         costs = with_zero(local_costs(graph, plan, fraction, measured_machine(graph, machine),
                                       nodes=nodes), schedule, levels)
-    makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
+    makespan = simulate_schedule(schedule, dataclasses.replace(costs, steps_agree=steps_agree),
+                                 record_events=False).makespan_s
     samples = steps * layout.microbatches_per_update * layout.microbatch_size
     return samples / makespan if makespan > 0 else 0.0

@@ -17,6 +17,7 @@ is then the plan the chosen one runs.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
+    steps_agree: bool = False,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -158,7 +160,9 @@ def choose_schedule(
     stages' ZeRO levels (the run's ``zero``, or a stage's own; :mod:`~dreampipe.simulation.
     zero_costs`). Under ``semantics="any"`` each is weighed by the epochs the convergence
     ``study`` predicts it needs (:mod:`.study_epochs`), and the soonest to the target kept.
-    ``kinds``: the candidates to try instead of the semantics' (a schedule asked by name)."""
+    ``kinds``: the candidates to try instead of the semantics' (a schedule asked by name);
+    ``steps_agree``: the ranks agree before every update (a run that clips by the global
+    norm), which holds the asynchronous schedules' stages to each other's backwards."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
     m = microbatches or default_microbatches(replicas)
@@ -198,8 +202,10 @@ def choose_schedule(
             sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels)
         placed = plan.placed(kind.placement) if v > 1 else plan
         result = simulate_schedule(schedule, with_zero(
-            costs_from_profile(graph, placed, topology, layout.microbatch_fraction), schedule,
-            levels), record_events=False)
+            dataclasses.replace(costs_from_profile(graph, placed, topology,
+                                                   layout.microbatch_fraction),
+                                steps_agree=steps_agree), schedule, levels),
+            record_events=False)
         peak = max(result.peak_memory_bytes)
         weighed = epochs_factor(kind, plan.num_stages, study) if (
             semantics is Semantics.ANY) else None

@@ -45,3 +45,13 @@ class RunnerOptions:
     loss_scale: float = 2.0**16
     loss_scale_window: int = 2000
     varying_shapes: bool = False
+
+    @property
+    def steps_agree(self) -> bool:
+        """Whether every rank's first ``STEP`` of an update waits for every other rank's
+        (:mod:`.update_actions`): to clip by the global norm, to learn whether a scaled
+        16-bit loss overflowed anywhere, or to skip a minibatch that went non-finite
+        anywhere. Asynchronous stages then wait for each other's backwards; the simulator
+        prices it (:attr:`~dreampipe.simulation.action_costs.SimCosts.steps_agree`)."""
+        return (self.max_grad_norm is not None or self.precision.scales_loss
+                or self.on_nonfinite is OnNonFinite.SKIP)

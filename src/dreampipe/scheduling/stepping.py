@@ -4,7 +4,11 @@ Each rank executes its list in order. Compute and sends never wait; a
 receive waits until the send of the same :attr:`~Action.transfer_key` has been
 posted; an all-reduce, and a ZeRO-3 stage's ``UNSHARD`` (an all-gather), waits until
 every replica of its stage has joined the same round; a ``RESHARD`` never waits
-(docs/design.md §8.2). A blocked rank is parked under what it
+(docs/design.md §8.2). With ``agree_steps`` a rank's first ``STEP`` of each update
+also waits for every rank's (the runtime's agreement over the world before an update:
+the global gradient norm to clip by, the sums of weights tied across stages, a loss
+scale's overflow; :mod:`dreampipe.runtime.update_actions`), matched by their order on
+each rank, as collectives are. A blocked rank is parked under what it
 waits for and woken when that happens. The validator's dry run uses
 :class:`Stepper` as it is (every action takes no time; ranks left blocked are
 a deadlock). The simulator subclasses it and overrides the hooks
@@ -44,8 +48,12 @@ class Stepper:
     :meth:`allreduce` reads it).
     """
 
-    def __init__(self, schedule: Schedule) -> None:
+    def __init__(self, schedule: Schedule, agree_steps: bool = False) -> None:
         self.schedule = schedule
+        self.agree_steps = agree_steps
+        #: per rank: the agreements it has made and the microbatch of its last one
+        self._agreements = [0] * schedule.num_ranks
+        self._agreed_on: list[int | None] = [None] * schedule.num_ranks
         self.position = [0] * schedule.num_ranks
         self.clock = [0.0] * schedule.num_ranks
         self._posted: dict[TransferKey, Span] = {}
@@ -98,6 +106,11 @@ class Stepper:
         """Once per ``UNSHARD`` round, when the last replica joins: the all-gather's span."""
         return _NOTHING
 
+    def agree(self, members: Sequence[int]) -> Span:
+        """Once per update, when the last rank reaches its first ``STEP`` of it (with
+        ``agree_steps``): the agreement's span."""
+        return _NOTHING
+
     def release(self, rank: int, action: Action, clock: float) -> float:
         """A ``RESHARD`` at ``clock`` (the full weights freed); the clock after it."""
         return clock
@@ -115,6 +128,14 @@ class Stepper:
         while i < len(acts):
             a = acts[i]
             k = a.kind
+            if k is _STEP and self.agree_steps and self._agreed_on[rank] != a.microbatch:
+                self.clock[rank] = clock
+                span = self._agree(rank, ready)
+                if span is None:
+                    break
+                clock = max(clock, span[1])
+                self._agreements[rank] += 1
+                self._agreed_on[rank] = a.microbatch
             if k is _F or k is _B or k is _W or k is _STEP or k is _OVERLAP:
                 clock = compute(rank, a, clock)
             elif k is _SEND_F or k is _SEND_B:
@@ -144,6 +165,23 @@ class Stepper:
                 clock = self.joined(rank, a, span)
             i += 1
         self.position[rank], self.clock[rank] = i, clock
+
+    def _agree(self, rank: int, ready: list[int]) -> Span | None:
+        """The span of the rank's next agreement once every rank joined it, else None
+        (parked); its rounds are keyed ``(-1, n)``, apart from the stages'."""
+        group = (-1, self._agreements[rank])
+        span = self._rounds.get(group)
+        if span is not None:
+            return span
+        members = self._joined.setdefault(group, [])
+        members.append(rank)
+        if len(members) < self.schedule.num_ranks:
+            self._parked.setdefault(group, []).append(rank)
+            return None
+        self.wake(self._parked.pop(group, ()), ready)
+        span = self._rounds[group] = self.agree(members)
+        del self._joined[group]
+        return span
 
     def _join(self, rank: int, action: Action, ready: list[int]) -> Span | None:
         """The round's span once every replica of the stage joined, else None (parked).

@@ -97,6 +97,7 @@ class SimCosts:
     weight_grad_s: tuple[float, ...] = ()
     recompute_bytes: tuple[float, ...] = ()
     gather_s: tuple[float, ...] = ()
+    steps_agree: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)

@@ -10,7 +10,8 @@ the receiver's server's link in, which the servers' other transfers share); a
 ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
 ``allreduce_s`` later; a ZeRO-3 ``UNSHARD`` starts when the last replica joins and
-takes ``gather_s``. Each rank's peak memory is the planner's
+takes ``gather_s``; with ``steps_agree`` a rank's first ``STEP`` of an update waits for
+the last rank's. Each rank's peak memory is the planner's
 :func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, microbatches in
 flight, weights whole or sharded between ``RESHARD`` and ``UNSHARD``) it holds. Costs
 come from :mod:`dreampipe.simulation.action_costs`; each action's cost and what a rank
@@ -123,7 +124,7 @@ class _Run(Stepper):
     """The stepping core with times: compute, links, all-reduces, memory, events."""
 
     def __init__(self, schedule: Schedule, costs: SimCosts, record: bool) -> None:
-        super().__init__(schedule)
+        super().__init__(schedule, costs.steps_agree)
         self.c, self.record = costs, record
         ranks = schedule.num_ranks
         self.busy = [0.0] * ranks
@@ -275,6 +276,11 @@ class _Run(Stepper):
         delay = self.c.allreduce_delay_s[stage]
         start = max(self.last_b_start[m] for m in members) + delay if cost > 0 else arrived
         return start, max(arrived, start + cost)
+
+    def agree(self, members: Sequence[int]) -> Span:
+        """Ends when the last rank arrives."""
+        arrived = max(self.clock[m] for m in members)
+        return arrived, arrived
 
     def gather(self, stage: int, members: Sequence[int]) -> Span:
         """Starts when the last member arrives; takes ``gather_s``."""
