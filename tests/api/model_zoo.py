@@ -289,6 +289,28 @@ def _rows(k: int, n: int) -> tuple[Any, Tensor]:
     return _ROWS[0][w], _ROWS[2][w]
 
 
+def _rows64(k: int, n: int) -> tuple[Any, Tensor]:
+    x, y = _rows(k, n)
+    return x.double(), y
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
+                         nn.Linear(12, 4))
+
+
+def float64_mlp() -> nn.Sequential:
+    """A model in float64, which fp32 training keeps so, across the cut too."""
+    return _mlp().double()
+
+
+def frozen_first() -> nn.Sequential:
+    """An MLP whose first Linear is frozen: cut after it, the first stage trains nothing."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    return model
+
+
 def _seq2seq(k: int, n: int) -> tuple[Any, Tensor]:
     w = _window(k, n)
     return {"input_ids": _TEXT[0][w], "decoder_input_ids": _TEXT[1][w]}, _TEXT[0][w]
@@ -329,6 +351,13 @@ TIED_CASES: dict[str, Case] = {
     "tied-llama": Case(tied_llama, _text, _lm_loss,
                        ["model.layers.0", "model.layers.1", "model.norm"]),
     "twice-tied": Case(TwiceTiedNet, _tokens, F.cross_entropy, ["block0", "proj", "block1"]),
+}
+
+
+#: Models a run must take as they are: float64 weights, a stage with nothing to train.
+ODD_CASES: dict[str, Case] = {
+    "float64": Case(float64_mlp, _rows64, F.cross_entropy, ["2"]),
+    "frozen": Case(frozen_first, _rows, F.cross_entropy, ["2"]),
 }
 
 
@@ -379,8 +408,9 @@ VARLEN_CASES: dict[str, Case] = {
 
 
 def find_case(name: str) -> Case:
-    """The case ``name`` of :data:`CASES`, :data:`TIED_CASES` or :data:`VARLEN_CASES`."""
-    return CASES[name] if name in CASES else {**TIED_CASES, **VARLEN_CASES}[name]
+    """The case ``name`` of :data:`CASES`, :data:`TIED_CASES`, :data:`VARLEN_CASES` or
+    :data:`ODD_CASES`."""
+    return CASES[name] if name in CASES else {**TIED_CASES, **VARLEN_CASES, **ODD_CASES}[name]
 
 
 class CaseSpec:

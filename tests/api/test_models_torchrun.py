@@ -18,6 +18,7 @@ its own while its forward runs."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from runtime.reference import reference_pipedream, reference_sync, reference_two
 from torchrun import torchrun_json
 
 from .compare import assert_matches, distance
-from .model_zoo import CASES, CaseData, CaseSpec, find_case
+from .model_zoo import CASES, ODD_CASES, CaseData, CaseSpec, find_case
 from .test_pipeline_models import SEED, TIED_KEYS, assert_tied_equal, with_aliases
 
 __all__: list[str] = []
@@ -74,6 +75,9 @@ def _jobs(folder: Path) -> list[dict[str, Any]]:
     saved = str(folder / "counter")  # trained 2 minibatches, saved, resumed for 2 more
     jobs += [{"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "save": saved},
              {"case": "counter", "seed": SEED, **_FLUSH, "steps": 2, "resume": saved}]
+    jobs += [job for name in ODD_CASES for job in (
+        {"case": name, "seed": SEED, **_FLUSH}, {"case": name, "seed": SEED, **_PIPEDREAM,
+                                                 "steps": 4})]
     return jobs + [_tied_job(*tied) for tied in _TIED] + [
         {**_tied_job("gpt2", "dualpipev", False), "at_once": True, "evaluate": 1}]
 
@@ -98,8 +102,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], A
 
 
 def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    spec = CaseSpec(CASES[name], SEED)
-    return reference_sync(spec, CaseData(CASES[name]), steps=_FLUSH["steps"],  # type: ignore[arg-type]
+    spec = CaseSpec(find_case(name), SEED)
+    return reference_sync(spec, CaseData(find_case(name)), steps=_FLUSH["steps"],  # type: ignore[arg-type]
                           minibatch=_FLUSH["minibatch"], seed=SEED,
                           opt=sgd(_FLUSH["lr"]), microbatches=_FLUSH["microbatches"])
 
@@ -114,6 +118,28 @@ def test_1f1b_flush_split_across_the_tie_or_the_skip_equals_one_process(
     losses, state = _reference(name)
     assert_matches(got, losses, state)
     assert_tied_equal(name, got)  # the tie crosses the cut and holds
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(ODD_CASES))
+def test_a_float64_model_or_a_stage_with_nothing_to_train_runs_as_one_process(
+        results: dict[tuple[str, str], Any], name: str) -> None:
+    """fp32 keeps a float64 model's activations float64 across the cut, and a first stage
+    whose weights are all frozen runs no backward; 1f1b-flush equals one process, and
+    pipedream keeps the weights' dtype and the frozen ones as they were."""
+    got = results[name, "1f1b-flush"]
+    assert got["bounds"][1] > 0
+    losses, state = _reference(name)
+    assert_matches(got, losses, state)
+    async_run = results[name, "pipedream"]
+    assert len(async_run["losses"]) == 4 and all(map(math.isfinite, async_run["losses"]))
+    model = CaseSpec(find_case(name), SEED).model()
+    for key, value in async_run["state"].items():
+        start = model.state_dict()[key]
+        assert value.dtype == start.dtype, key
+        if name == "frozen" and key.startswith("0."):
+            assert torch.equal(value, start), key
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The number formats a run trains in: :class:`Precision`, and the 32-bit master weights
 of a 16-bit stage (:class:`MasterWeights`).
 
-- ``fp32``: everything in 32 bits.
+- ``fp32``: the model's own number formats (32 bits for most; a float64 model stays
+  float64); nothing is cast.
 - ``bf16-mixed`` and ``fp16-mixed``: forwards under ``torch.autocast`` in that dtype;
   weights, gradients and optimizer state stay 32-bit; ``fp16-mixed`` also scales the
   loss (:mod:`.loss_scaling`), as fp16's range is too narrow for small gradients.
@@ -72,10 +73,12 @@ class Precision(Enum):
         return cast_floating(x, self.param_dtype) if self.master_weights else x
 
     def sent(self, out: Tensor) -> Tensor:
-        """A stage's output as it crosses to the next stage: in the compute dtype (a
-        pack of several values as its packer chose, exact ids included)."""
+        """A stage's output as it crosses to the next stage: in a 16-bit precision, in the
+        compute dtype (a pack of several values as its packer chose, exact ids included);
+        in fp32 as the model made it."""
         dtype = self.compute_dtype
-        if not out.is_floating_point() or out.dtype == dtype or getattr(out, PACKED, False):
+        if (self is Precision.FP32 or not out.is_floating_point() or out.dtype == dtype
+                or getattr(out, PACKED, False)):
             return out
         return out.to(dtype)
 

@@ -251,13 +251,12 @@ class StageModule:
             v, out = st.version, st.output
         x = st.input if isinstance(st.input, Tensor) else None
         want_input = self.input_grad and x is not None and x.requires_grad
-        leaves = v.tensors
+        inputs = [x, *v.tensors] if want_input and x is not None else v.tensors
         self._held.holding = hold and on_ready is None
         try:
             with self._harvest.round(on_ready, v):
-                torch.autograd.backward(
-                    out, grad, inputs=[x, *leaves] if want_input and x is not None else leaves
-                )
+                if inputs:  # a frozen stage of the input's has nothing to differentiate
+                    torch.autograd.backward(out, grad, inputs=inputs)
         finally:
             self._held.holding = False
         self._harvest.touch(v)
