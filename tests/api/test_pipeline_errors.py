@@ -285,3 +285,10 @@ def test_virtual_stages_against_a_plan_of_one_stage_per_worker_names_both() -> N
                                           r"worker \(its virtual_stages is 1\).*"
                                           r"Plan.from_config\(..., virtual_stages=2\)"):
         _pipe(plan=plan, schedule="interleaved-1f1b", virtual_stages=2)
+
+
+@pytest.mark.parametrize("plan", [None, 3])
+def test_a_plan_of_another_kind_names_the_kinds_it_takes(plan: Any) -> None:
+    with pytest.raises(ConfigError, match=r"plan=(None|3): give 'auto' .* a Plan, a plan "
+                                          r"file's path, or a list of split points"):
+        _pipe(plan=plan)

@@ -11,6 +11,7 @@ is sent, so each rank raises the same error at the same point.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ def settle_plan(
     """The plan ``Pipeline(plan=...)`` runs ``layers`` of ``model`` with, checked.
 
     ``layout``: the microbatches of ``config``'s schedule, before any choice."""
+    if not isinstance(plan, Plan | str | os.PathLike | list | tuple):
+        raise ConfigError(f"plan={plan!r}: give 'auto' (the default: dreampipe profiles and "
+                          "plans), a Plan, a plan file's path, or a list of split points",
+                          "plan")
     names = [name for name, _ in layers]
     microbatch_size = layout.microbatch_size
     if isinstance(plan, list | tuple):  # split points
