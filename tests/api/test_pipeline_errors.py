@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import dreampipe
 from dreampipe.api.ties import check_ties
-from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError
+from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError, WorkerError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.splits import Split
 from dreampipe.splitter.chain import Tie, split_layers, tied_parameters
@@ -292,3 +292,22 @@ def test_a_plan_of_another_kind_names_the_kinds_it_takes(plan: Any) -> None:
     with pytest.raises(ConfigError, match=r"plan=(None|3): give 'auto' .* a Plan, a plan "
                                           r"file's path, or a list of split points"):
         _pipe(plan=plan)
+
+
+def test_a_loss_that_is_not_a_scalar_on_a_model_meta_cannot_run_is_named_at_its_step() -> None:
+    """GPT-2 cannot run on the meta device, so the loss is checked where it is made."""
+    from .model_zoo import _text, gpt2
+
+    x, y = _text(0, 4)
+    pipe = dreampipe.Pipeline(
+        gpt2(), example=(x, y), optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        loss_fn=lambda out, t: F.cross_entropy(out.logits.flatten(0, 1), t.flatten(),
+                                               reduction="none"),
+        config=dreampipe.TrainConfig(schedule="1f1b-flush"))
+    with pytest.raises(ConfigError, match=r"loss_fn returned a tensor of shape \[24\], not a "
+                                          r"scalar; .*reduction='mean'"):
+        pipe.step(x, y)
+    with pytest.raises(WorkerError, match=r"stopped at an error \(ConfigError: loss_fn "
+                                          r"returned .* make a new Pipeline, or resume"):
+        pipe.step(x, y)  # the runner stopped within its schedule: nothing runs on from there
+    pipe.close()  # ends it all the same

@@ -22,14 +22,14 @@ from torch import Tensor, nn
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
-from dreampipe.runtime.stage_records import tensor_output
+from dreampipe.runtime.stage_records import scalar_loss, tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
-    "Batch", "Inputs", "check_loss", "check_loss_signature", "check_optimizer", "check_plan",
+    "Batch", "Inputs", "check_loss_signature", "check_optimizer", "check_plan",
     "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
     "check_virtual", "map_inputs", "refuse_legacy",
 ]
@@ -106,7 +106,7 @@ def check_stages_on_meta(
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         _log.debug("meta-device dry run not possible: %s", exc)
         return
-    check_loss(loss)
+    scalar_loss(loss)
 
 
 def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
@@ -123,17 +123,6 @@ def check_loss_signature(loss_fn: Callable[..., Any]) -> None:
             f"loss_fn{signature} cannot be called as loss_fn(output, target), which is how "
             "the last stage calls it; give a function of the model's output and the target",
             "loss_fn") from None
-
-
-def check_loss(loss: Any) -> None:
-    """``loss_fn`` must return a scalar tensor (the mean over the batch, say)."""
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, Tensor) else (
-            f"a {type(loss).__name__}")
-        raise ConfigError(
-            f"loss_fn returned {what}, not a scalar; return one number per minibatch, e.g. "
-            "the mean (reduction='mean')", "loss_fn",
-        )
 
 
 def check_split(plan: Plan, config: TrainConfig) -> None:

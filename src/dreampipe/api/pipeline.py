@@ -16,12 +16,13 @@ microbatches. How steps, drains and segments train: docs/design.md §8.5.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from dreampipe.api.plans import PlanArg, profile_layers
 from dreampipe.api.settled_plan import settle_plan
 from dreampipe.api.stage_build import build_modules, compensate_modules, follow_schedulers
 from dreampipe.api.ties import tie_stages
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.overlap import model_hook
@@ -206,6 +207,7 @@ class Pipeline:
             )
             self._segment = 0
             self._pending: list[float] = []
+            self._stopped: str | None = None  # the error a step or drain stopped at
             self._feed = self._new_feed()
             if found is not None:
                 self.minibatches = checkpoint.load(found, self)
@@ -278,23 +280,24 @@ class Pipeline:
     def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         self._shapes.check(self.minibatches, (x, y))
-        if self._segment == 0 and self.runner.done:
-            self._restart(self._horizon_from(self.minibatches))
-        if self._segment == 0:
-            self.runner.start_segment(self.minibatches * self.layout.microbatches_per_update,
-                                      self.minibatches)
-        self._feed.add(self._segment, (x, y))
-        self._segment += 1
-        self.minibatches += 1
-        if 2 * self._segment > self._horizon and self._horizon < self._cap:
-            self._horizon = min(4 * self._horizon, self._cap)
-            self.runner.switch(self._schedule(self._horizon))
-        per = self.layout.microbatches_per_update
-        self.runner.advance(self._segment * per, post_until=(self._segment + 1) * per)
-        if self._segment == self._cap:
-            _log.debug("segment of %d minibatches full at minibatch %d: draining",
-                       self._cap, self.minibatches)
-            self._drain()
+        with self._running():
+            if self._segment == 0 and self.runner.done:
+                self._restart(self._horizon_from(self.minibatches))
+            if self._segment == 0:
+                self.runner.start_segment(self.minibatches * self.layout.microbatches_per_update,
+                                          self.minibatches)
+            self._feed.add(self._segment, (x, y))
+            self._segment += 1
+            self.minibatches += 1
+            if 2 * self._segment > self._horizon and self._horizon < self._cap:
+                self._horizon = min(4 * self._horizon, self._cap)
+                self.runner.switch(self._schedule(self._horizon))
+            per = self.layout.microbatches_per_update
+            self.runner.advance(self._segment * per, post_until=(self._segment + 1) * per)
+            if self._segment == self._cap:
+                _log.debug("segment of %d minibatches full at minibatch %d: draining",
+                           self._cap, self.minibatches)
+                self._drain()
 
     @counted
     def reserve(self, minibatches: int) -> None:
@@ -332,20 +335,35 @@ class Pipeline:
     @counted
     def _drain(self) -> None:
         """Run the segment's exact schedule to its end and collect its losses."""
-        runner, n = self.runner, self._segment
-        if n == 0:
-            return
-        runner.switch(self._schedule(n))
-        runner.advance()
-        runner.drain()
-        per = self.layout.microbatches_per_update
-        microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
-        for u, loss in runner.losses.items():
-            microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
-        microbatch_losses = all_reduced(microbatch_losses, self.device)
-        values = [v * self._feed.share(u) for u, v in enumerate(microbatch_losses.tolist())]
-        self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
-        self._segment = 0
+        with self._running():
+            runner, n = self.runner, self._segment
+            if n == 0:
+                return
+            runner.switch(self._schedule(n))
+            runner.advance()
+            runner.drain()
+            per = self.layout.microbatches_per_update
+            microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
+            for u, loss in runner.losses.items():
+                microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
+            microbatch_losses = all_reduced(microbatch_losses, self.device)
+            values = [v * self._feed.share(u) for u, v in enumerate(microbatch_losses.tolist())]
+            self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
+            self._segment = 0
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        """Drive the runner: an error leaves it within a schedule, so the Pipeline stops
+        there, and says so at its next use (``close()`` still ends it)."""
+        if self._stopped is not None:
+            raise WorkerError(f"this Pipeline stopped at an error ({self._stopped}) and "
+                              "cannot train on from there; make a new Pipeline, or resume "
+                              "from a checkpoint (TrainConfig(resume=...))")
+        try:
+            yield
+        except BaseException as exc:
+            self._stopped = f"{type(exc).__name__}: {exc}"
+            raise
 
     def finish(self) -> list[float]:
         """Drain the pipeline; the losses of the minibatches since the last finish, in order."""
@@ -410,7 +428,8 @@ class Pipeline:
         §8.5). :attr:`events` and :attr:`skipped` stay readable."""
         if self._runner is None:
             return
-        self._drain()
+        if self._stopped is None:
+            self._drain()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False

@@ -33,7 +33,7 @@ from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.recompute import Replay, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
-from dreampipe.runtime.stage_records import InFlight, StageInput, tensor_output
+from dreampipe.runtime.stage_records import InFlight, StageInput, scalar_loss, tensor_output
 from dreampipe.runtime.versions import WeightVersions
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
 from dreampipe.runtime.zero_params import ZeroParams, stage_optimizer, writable
@@ -213,7 +213,7 @@ class StageModule:
             return out, out
         if self.loss_fn is None:
             raise PlanError(f"stage {self.stage} got a target but has no loss function")
-        loss = self.loss_fn(self.precision.loss_input(out), target)
+        loss = scalar_loss(self.loss_fn(self.precision.loss_input(out), target))
         return (loss * scale if scale != 1.0 else loss), loss.detach()
 
     def backward(

@@ -13,11 +13,11 @@ from typing import Protocol
 
 from torch import Tensor
 
-from dreampipe.errors import PlanError
+from dreampipe.errors import ConfigError, PlanError
 from dreampipe.runtime.recompute import Replay
 from dreampipe.runtime.versions import Version
 
-__all__ = ["InFlight", "MicrobatchData", "Round", "StageInput", "tensor_output"]
+__all__ = ["InFlight", "MicrobatchData", "Round", "StageInput", "scalar_loss", "tensor_output"]
 
 
 def tensor_output(out: object, where: str) -> Tensor:
@@ -29,6 +29,19 @@ def tensor_output(out: object, where: str) -> Tensor:
             "between stages: cut the model after a layer that returns a tensor"
         )
     return out
+
+
+def scalar_loss(loss: object) -> Tensor:
+    """``loss`` if it is a scalar tensor, what ``loss_fn`` must return; else a ConfigError
+    naming what it returned and the fix."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        what = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, Tensor) else (
+            f"a {type(loss).__name__}")
+        raise ConfigError(
+            f"loss_fn returned {what}, not a scalar; return one number per minibatch, e.g. "
+            "the mean (reduction='mean')", "loss_fn",
+        )
+    return loss
 
 
 @dataclass
