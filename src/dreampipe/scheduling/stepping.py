@@ -6,9 +6,9 @@ posted; an all-reduce, and a ZeRO-3 stage's ``UNSHARD`` (an all-gather), waits u
 every replica of its stage has joined the same round; a ``RESHARD`` never waits
 (docs/design.md §8.2). With ``agree_steps`` a rank's first ``STEP`` of each update
 also waits for every rank's (the runtime's agreement over the world before an update:
-the global gradient norm to clip by, the sums of weights tied across stages, a loss
-scale's overflow; :mod:`dreampipe.runtime.update_actions`), matched by their order on
-each rank, as collectives are. A blocked rank is parked under what it
+the global gradient norm to clip by, a loss scale's overflow, whether to skip;
+:mod:`dreampipe.runtime.update_actions`), matched by their order on each rank, as
+collectives are. A blocked rank is parked under what it
 waits for and woken when that happens. The validator's dry run uses
 :class:`Stepper` as it is (every action takes no time; ranks left blocked are
 a deadlock). The simulator subclasses it and overrides the hooks
