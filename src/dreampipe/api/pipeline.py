@@ -47,7 +47,12 @@ from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.plans import PlanArg, profile_layers
 from dreampipe.api.settled_plan import settle_plan
-from dreampipe.api.stage_build import build_modules, compensate_modules, follow_schedulers
+from dreampipe.api.stage_build import (
+    agreement_note,
+    build_modules,
+    compensate_modules,
+    follow_schedulers,
+)
 from dreampipe.api.ties import tie_stages
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.runtime.engine import RankRunner
@@ -174,6 +179,9 @@ class Pipeline:
                 advise=self.rank == 0, uniform=bool(ties))
             self._follow = follow_schedulers(applied, delayed, config.vertical_sync,
                                              enabled=config.compensate, uniform=bool(ties))
+            note = agreement_note(delayed, self.config.runner_options())
+            if self.rank == 0 and note is not None:
+                _log.info("%s", note)
             self.module = modules[0]
             #: What staleness compensation did to each parameter group of each stage's
             #: optimizer, by stage: ``(given, used)`` settings, None where nothing

@@ -23,6 +23,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.runplan.study_epochs import study_advice
 from dreampipe.runtime.block_recompute import BlockRecompute, stage_blocks
 from dreampipe.runtime.fused import LinearGradients
+from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import (
     Applied,
@@ -37,7 +38,8 @@ from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers, build_split_stage, build_stage, hold_apart
 
-__all__ = ["build_modules", "compensate_modules", "follow_schedulers", "study_warning"]
+__all__ = ["agreement_note", "build_modules", "compensate_modules", "follow_schedulers",
+           "study_warning"]
 
 _log = logging.getLogger(__name__)
 
@@ -156,6 +158,18 @@ def follow_schedulers(applied: dict[int, Applied], schedule: Schedule | None,
         applied[module.stage] = tuple(recompensated(g, pair, delay) for g, pair in
                                       zip(groups, applied[module.stage], strict=True))
     return follow
+
+
+def agreement_note(schedule: Schedule | None, opts: RunnerOptions) -> str | None:
+    """What the ranks' agreement before every update (``opts.steps_agree``) costs an
+    asynchronous ``schedule`` of several stages: they wait for each other's backwards
+    (docs/design.md §9); None where it costs nothing of the kind."""
+    if schedule is None or schedule.kind.synchronous or schedule.num_stages < 2 or \
+            not opts.steps_agree:
+        return None
+    return (f"{schedule.kind.value} with max_grad_norm (or a loss scale, or skipping): every "
+            "update waits for every stage's backward of it, so the stages wait for each "
+            "other and overlap less; the run's prediction and schedule='auto' count it")
 
 
 def study_warning(optimizer: torch.optim.Optimizer, schedule: Schedule) -> str | None:
