@@ -300,7 +300,8 @@ def render(outcomes: dict[str, Outcome]) -> str:
         "rewrites it; `tests/cli/test_error_catalogue.py` fails when it is stale).",
         "`{dir}` stands for the folder holding the bad file. The `Pipeline` API raises",
         "its own (a model it cannot split, a batch unlike the example, a loss that is not",
-        "a scalar, a checkpoint from another model...) as exceptions before any send;",
+        "a scalar, a checkpoint from another model...) as exceptions before any send",
+        "(a loss on a model the meta device cannot run: where the last stage makes it);",
         "`tests/api/test_pipeline_errors.py` checks each.",
     ]
     area = ""
