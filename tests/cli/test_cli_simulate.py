@@ -58,6 +58,22 @@ def test_every_schedule_on_a_plan_with_its_profile(
     assert data["num_microbatches"] == expected_microbatches[schedule]
 
 
+@pytest.mark.parametrize(("schedule", "most"), [("pipedream", 0.9), ("2bw", 0.99),
+                                               ("1f1b-flush", None)])
+def test_a_clipped_run_holds_the_asynchronous_stages_to_each_other(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], schedule: str, most: float | None
+) -> None:
+    """--clipped: every update waits for every stage's backward of it; 2bw's 12
+    microbatches an update (4 a stage) pay it once, pipedream's one every minibatch, a
+    flushed pipeline not at all."""
+    plan, prof = _plan(tmp_path, [1, 1, 1]), _profile(tmp_path)
+    argv = ["simulate", str(plan), "--profile", str(prof), "--schedule", schedule,
+            "--minibatches", "12", "--json"]
+    alone, clipped = (float(_json(capsys, argv + extra)["throughput_minibatches_per_s"])
+                      for extra in ([], ["--clipped"]))
+    assert clipped == pytest.approx(alone) if most is None else clipped < most * alone
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ minibatch of it repeated ``--minibatches`` times, on a plan of its unreplicated 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -105,6 +106,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="shard each replicated stage over its replicas at this ZeRO level "
                         "(a plan stage's own \"zero\" wins): 2 and 3 add each microbatch's "
                         "reduce-scatter, 3 the weights' gathers (default: 0)")
+    p.add_argument("--clipped", action="store_true",
+                   help="the run clips by the global gradient norm (max_grad_norm), scales an "
+                        "fp16 loss or skips non-finite minibatches: every rank's first step "
+                        "of an update waits for every other rank's, which makes the stages "
+                        "of pipedream and 2bw wait for each other's backwards")
     p.add_argument("--profile", type=Path, metavar="FILE",
                    help="with a plan JSON: the profile it was made from, for exact costs and "
                         "memory (without it, costs come from the plan's predictions)")
@@ -127,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         if run is not None:
             updates = args.minibatches or 2
             schedule, result = simulate_run(run, plan, graph, topology, sync_from(args),
-                                            updates, wants_events)
+                                            updates, wants_events, args.clipped)
             kind, per_update = run.schedule, run.microbatches
             bar.update()
         else:
@@ -141,8 +147,9 @@ def _run(args: argparse.Namespace) -> int:
                 levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(
                     args.zero)
                 schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
-            costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
-                                     sync_from(args)), schedule, levels)
+            costs = dataclasses.replace(with_zero(_costs(
+                plan, graph, topology, kind, layout.microbatch_fraction, sync_from(args)),
+                schedule, levels), steps_agree=args.clipped)
             bar.update()
             result = simulate_schedule(schedule, costs, record_events=wants_events)
             per_update = layout.microbatches_per_update

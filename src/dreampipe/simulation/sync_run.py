@@ -92,10 +92,12 @@ class SyncRun:
 
 def simulate_run(run: SyncRun, plan: Plan, graph: LayerGraph | None, topology: Topology,
                  sync: Sync, updates: int, record_events: bool = False,
-                 ) -> tuple[Schedule, SimResult]:
+                 steps_agree: bool = False) -> tuple[Schedule, SimResult]:
     """``updates`` updates of ``plan`` run as ``run`` says, priced from ``graph`` (its
     layers in the run's formats, the recomputed ones' backward running their forward
-    again) or, without it, from the plan's stage figures."""
+    again) or, without it, from the plan's stage figures; ``steps_agree``: the ranks
+    agree before every update (:attr:`~dreampipe.simulation.action_costs.SimCosts.
+    steps_agree`)."""
     schedule = run.schedule_of(plan, updates)
     if graph is None:
         costs = costs_from_plan(plan, topology, run.fraction)
@@ -103,8 +105,8 @@ def simulate_run(run: SyncRun, plan: Plan, graph: LayerGraph | None, topology: T
         costs = costs_from_profile(_recomputing(run.training.trained(graph), run.recomputed),
                                    plan, topology, run.fraction, sync)
     levels: Sequence[int] = run.zero
-    return schedule, simulate_schedule(schedule, with_zero(costs, schedule, levels),
-                                       record_events=record_events)
+    costs = replace(with_zero(costs, schedule, levels), steps_agree=steps_agree)
+    return schedule, simulate_schedule(schedule, costs, record_events=record_events)
 
 
 def _recomputing(graph: LayerGraph, recomputed: Sequence[int]) -> LayerGraph:
