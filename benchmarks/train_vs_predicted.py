@@ -2,7 +2,9 @@
 
 Runs ``dreampipe train MODEL --json`` in fresh processes for the mlp, the cnn
 and the transformer under ``pipedream``, ``1f1b-flush`` (4 microbatches)
-and ``dp`` on 2 local workers, and a replicated ``--config 2-1`` on 3,
+and ``dp`` on 2 local workers, ``pipedream`` and ``2bw`` again clipping by the global
+norm (``max_grad_norm = 1`` from a settings file: every update then waits for every
+stage's backward of it, docs/design.md §9), and a replicated ``--config 2-1`` on 3,
 each ``--rounds`` times interleaved (every run once, then every run again),
 and prints each run's measured/predicted ratio: median with its spread,
 and PASS when the median is within ``--tolerance`` of 1. Both figures cover
@@ -31,7 +33,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import _docs
 
@@ -47,6 +51,10 @@ class _Run:
     args: tuple[str, ...]
 
 
+#: The settings file of the clipped runs (written by :func:`main`).
+_CLIPPED = Path(tempfile.gettempdir()) / "dreampipe-train-vs-predicted-clipped.toml"
+
+
 def _runs() -> tuple[_Run, ...]:
     steps = {"mlp": "300", "cnn": "300", "transformer": "120"}
     schedules = {"pipedream": (), "1f1b-flush": ("--microbatches", "4"), "dp": ()}
@@ -55,6 +63,11 @@ def _runs() -> tuple[_Run, ...]:
              (model, "--workers", "2", "--steps", n, "--schedule", kind, *extra))
         for model, n in steps.items() for kind, extra in schedules.items()
     ]
+    runs += [_Run(f"{model}-{kind}-clipped",
+                  (model, "--workers", "2", "--steps", steps[model], "--schedule", kind,
+                   "--config", "straight", *extra, "--settings", str(_CLIPPED)))
+             for model in ("mlp", "transformer")
+             for kind, extra in (("pipedream", ()), ("2bw", ("--microbatches", "2")))]
     runs += [_Run(f"{model}-2-1", (model, "--config", "2-1", "--steps", n))
              for model, n in steps.items()]
     return tuple(runs)
@@ -88,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: run at least 1 round")
+    _CLIPPED.write_text("max_grad_norm = 1.0\n")
     tee = _docs.capture(args)
     runs = [r for r in RUNS if not args.only or r.name in args.only]
     got: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runs}

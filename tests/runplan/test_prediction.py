@@ -39,3 +39,18 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
     assert rate == pytest.approx(32 / one_stage_s, rel=0.05)
 
 
+
+
+def test_a_clipped_run_steps_twice_as_long_and_agrees_before_each_update() -> None:
+    """Clipping moves each gradient's bytes as a plain SGD step moves the weights', so
+    a step takes twice its time; the agreement it needs holds the stages to each other."""
+    graph = toy_graph([6.0] * 4)
+    machine = local_machine(2)
+    plan = choose_plan(graph, local_topology(2, machine), PlanAsk(workers=2, stages="0,2")).plan
+    layout = MicrobatchLayout(kind=ScheduleKind.PIPEDREAM, minibatch_size=32, microbatches=1)
+    alone, steps_twice, clipped = (
+        predict_samples_per_s(graph, plan, layout, 200, machine, steps_agree=agree, clips=clips)
+        for agree, clips in ((False, False), (False, True), (True, True)))
+    step_s = 2 * 4 * 1024 * 1024 / DEV_MACHINE.step_bandwidth * DEV_MACHINE.corun_slowdown
+    assert 32 / steps_twice - 32 / alone == pytest.approx(step_s, rel=0.05)
+    assert clipped < 0.8 * steps_twice  # two equal stages: about B0 + F1 + B1 a minibatch
