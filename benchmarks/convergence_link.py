@@ -49,7 +49,6 @@ LINK = convergence.Study(
     epochs={"chars": 6}, steps={"chars": 30})
 BEGIN = "<!-- link: written by `python benchmarks/convergence_link.py --report` -->"
 END = "<!-- end of the link section -->"
-_PORT = 29500
 
 
 def _netns() -> ModuleType:
