@@ -21,7 +21,7 @@ all-reduces carry a ``(start, end)`` span.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, TransferKey
 
@@ -169,35 +169,31 @@ class Stepper:
     def _agree(self, rank: int, ready: list[int]) -> Span | None:
         """The span of the rank's next agreement once every rank joined it, else None
         (parked); its rounds are keyed ``(-1, n)``, apart from the stages'."""
-        group = (-1, self._agreements[rank])
-        span = self._rounds.get(group)
-        if span is not None:
-            return span
-        members = self._joined.setdefault(group, [])
-        members.append(rank)
-        if len(members) < self.schedule.num_ranks:
-            self._parked.setdefault(group, []).append(rank)
-            return None
-        self.wake(self._parked.pop(group, ()), ready)
-        span = self._rounds[group] = self.agree(members)
-        del self._joined[group]
-        return span
+        return self._round((-1, self._agreements[rank]), rank, self.schedule.num_ranks,
+                           ready, self.agree)
 
     def _join(self, rank: int, action: Action, ready: list[int]) -> Span | None:
         """The round's span once every replica of the stage joined, else None (parked).
         ``UNSHARD<k>``'s round is keyed ``-1 - k``, apart from the all-reduces'."""
         gathers = action.kind is _UNSHARD
         group = (action.stage, -1 - action.microbatch if gathers else action.allreduce_round)
+        hook = self.gather if gathers else self.allreduce
+        return self._round(group, rank, self.schedule.replicas[action.stage], ready,
+                           lambda members: hook(action.stage, members))
+
+    def _round(self, group: tuple[int, int], rank: int, size: int, ready: list[int],
+               span_of: Callable[[Sequence[int]], Span]) -> Span | None:
+        """``rank`` joins the collective ``group`` of ``size`` members: its span once the
+        last joined (``span_of`` the members, then the parked ones woken), else None."""
         span = self._rounds.get(group)
         if span is not None:
             return span
         members = self._joined.setdefault(group, [])
         members.append(rank)
-        if len(members) < self.schedule.replicas[action.stage]:
+        if len(members) < size:
             self._parked.setdefault(group, []).append(rank)
             return None
         self.wake(self._parked.pop(group, ()), ready)
-        span = self._rounds[group] = (self.gather if gathers else self.allreduce)(
-            action.stage, members)
+        span = self._rounds[group] = span_of(members)
         del self._joined[group]
         return span
