@@ -136,7 +136,7 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
             _log.warning("%s", warning)
     return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
                                       enabled=enabled, advise=advise and m is modules[0],
-                                      uniform=uniform)
+                                      uniform=uniform, delays=delays)
             for m in modules}
 
 

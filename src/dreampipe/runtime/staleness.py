@@ -212,19 +212,21 @@ def recompensated(group: dict[str, Any], applied: tuple[Hyper, Hyper] | None, de
 
 def compensate_stage(optimizer: torch.optim.Optimizer | None, schedule: Schedule | None,
                      stage: int, *,
-                     vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False
-                     ) -> Applied:
+                     vertical_sync: bool, enabled: bool, advise: bool, uniform: bool = False,
+                     delays: Sequence[int] | None = None) -> Applied:
     """Compensate ``stage``'s optimizer for its delay in ``schedule`` (if ``enabled``) and,
     if ``advise``, log :func:`delay_advice` for the deepest delay of any stage as a
     warning, with this optimizer's settings as the user gave them. ``uniform``: every
     stage takes the deepest delay's settings (weights tied across stages must take the
     same updates on each copy). What it changed, group by group. ``schedule`` None: a
-    synchronous run, which has no delays (and need not build its schedule to say so)."""
+    synchronous run, which has no delays (and need not build its schedule to say so).
+    ``delays``: :func:`stage_delays` of ``schedule``, where the caller has them."""
     if optimizer is None:
         return ()
     if schedule is None or schedule.kind.synchronous:
         return (None,) * len(optimizer.param_groups)
-    delays = stage_delays(schedule, vertical_sync)
+    if delays is None:
+        delays = stage_delays(schedule, vertical_sync)
     given = hyper_of(optimizer.param_groups[0])
     delay = compensation_delay(delays, stage, uniform)
     applied = compensate(optimizer, delay) if enabled else (None,) * len(optimizer.param_groups)
