@@ -60,15 +60,18 @@ def test_a_coarse_plan_is_within_its_gap_of_the_optimum(
 ) -> None:
     topo = Topology((Level(shape[0], bw_in, 1e-5), Level(shape[1], bw_out, 5e-5)))
     exact = plan_pipeline(graph, topo)
-    assert exact.optimality_gap == 0.0
+    # within the exact budget only a shared server link can leave the plan unproven
+    assert set(exact.heuristics) <= {Heuristic.SHARED_LINKS}
+    assert exact.heuristics or exact.optimality_gap == 0.0
     with pytest.MonkeyPatch.context() as patch:
         # no budget: the search runs on 2 blocks
         patch.setattr(coarsen_module, "TABLE_WORK", 0)
         assert exact_layers(topo) == 2
         rough = plan_pipeline(graph, topo)
-    optimum = exact.time_per_minibatch_s
-    assert optimum * (1 - 1e-9) <= rough.time_per_minibatch_s
-    assert rough.time_per_minibatch_s <= optimum * (1 + rough.optimality_gap) * (1 + 1e-9)
+    # the optimum lies in [exact / (1 + its gap), exact]; rough's gap must cover it
+    best = exact.time_per_minibatch_s
+    assert best / (1 + exact.optimality_gap) * (1 - 1e-9) <= rough.time_per_minibatch_s
+    assert rough.time_per_minibatch_s <= best * (1 + rough.optimality_gap) * (1 + 1e-9)
     again = Plan.from_dict(rough.to_dict())
     assert again.optimality_gap == rough.optimality_gap
 
