@@ -41,12 +41,31 @@ EXAMPLE = _text(4, 6)
 ])
 def test_a_batch_unlike_the_example_but_in_declared_dims_is_refused_as_before(
         batch: tuple[Any, Tensor], shown: str) -> None:
-    declared = () if batch[0]["input_ids"].shape[1] == 9 else (1,)
+    longer = batch[0]["input_ids"].shape[1] == 9
+    declared = () if longer else (1,)
     message = (f"minibatch 3's input is {shown} but example's is input_ids=torch.int64 [4, 6], "
                "mask=torch.float32 [4, 6]; give every step a minibatch shaped like example (a "
                "DataLoader with drop_last=True drops a short last batch)")
+    if longer:  # only a size differs: the error names the dimension to declare
+        message += ("; or, where dimension 1 may change from step to step (a sequence's "
+                    "length, a batch's samples), declare it: TrainConfig(variable_dims=(1,))")
     with pytest.raises(DatasetError, match=f"^{re.escape(message)}$"):
         check_batch(3, batch, EXAMPLE, declared)
+
+
+@pytest.mark.parametrize(("batch", "declared", "named", "fix"), [
+    (_text(3, 6), (), "dimension 0", "(0,)"),
+    (_text(3, 9), (1,), "dimension 0", "(0, 1)"),
+    (_text(3, 9), (), "dimension 0, 1", "(0, 1)"),
+    ((EXAMPLE[0], EXAMPLE[1][:, :2]), (), "dimension 1", "(1,)"),
+])
+def test_a_batch_unlike_the_example_only_in_sizes_names_the_dims_to_declare(
+        batch: tuple[Any, Tensor], declared: tuple[int, ...], named: str, fix: str) -> None:
+    with pytest.raises(DatasetError, match=re.escape(
+            f"; or, where {named} may change from step to step (a sequence's length, a "
+            f"batch's samples), declare it: TrainConfig(variable_dims={fix})") + "$"):
+        check_batch(3, batch, EXAMPLE, declared)
+    check_batch(3, batch, EXAMPLE, tuple(int(d) for d in fix.strip("(,)").split(", ")))
 
 
 def test_declared_dims_may_change_and_samples_only_with_dim_0() -> None:

@@ -46,17 +46,45 @@ def _fixed(x: Inputs, variable: Sequence[int]) -> list[tuple[object, ...]]:
             for name, t in zip(names, _tensors(x), strict=True)]
 
 
+def _sizes_differ(got: Batch, want: Batch, variable: Sequence[int]) -> list[int]:
+    """The dimensions outside ``variable`` whose sizes alone set ``got`` apart from
+    ``want`` (input and target); empty where names, dtypes or ranks differ too."""
+    shapes: list[tuple[torch.Size, torch.Size]] = []
+    for x, y in zip(got, want, strict=True):
+        every = range(max((t.dim() for t in _tensors(x)), default=0))
+        if _fixed(x, every) != _fixed(y, every):  # names, dtypes and ranks
+            return []
+        shapes += zip((t.shape for t in _tensors(x)), (t.shape for t in _tensors(y)),
+                      strict=True)
+    return sorted({d for m, n in shapes for d, (i, j) in enumerate(zip(m, n, strict=True))
+                   if i != j and d not in variable})
+
+
+def _fix(dims: Sequence[int], variable: Sequence[int]) -> str:
+    """What to do about a minibatch unlike the example, given the ``dims`` that differ."""
+    plain = ("give every step a minibatch shaped like example (a DataLoader with "
+             "drop_last=True drops a short last batch)")
+    if not dims:
+        return plain
+    declared = tuple(sorted({*variable, *dims}))
+    named = ", ".join(str(d) for d in dims)
+    return (f"{plain}; or, where dimension {named} may change from step to step (a "
+            f"sequence's length, a batch's samples), declare it: "
+            f"TrainConfig(variable_dims={declared!r})")
+
+
 def check_batch(index: int, batch: Batch, example: Batch, variable_dims: Sequence[int] = (),
                 microbatches: int = 1) -> None:
     """Minibatch ``index`` must have the example's shapes and dtypes (input and target)
     but in ``variable_dims``; with 0 among them, one number of samples in all its
-    tensors, at least ``microbatches``."""
+    tensors, at least ``microbatches``. Where only sizes differ, the error names the
+    dimensions to declare."""
     for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
         if _fixed(got, variable_dims) != _fixed(want, variable_dims):
             raise DatasetError(
                 f"minibatch {index}'s {what} is {', '.join(_signature(got))} but example's is "
-                f"{', '.join(_signature(want))}; give every step a minibatch shaped like "
-                "example (a DataLoader with drop_last=True drops a short last batch)"
+                f"{', '.join(_signature(want))}; "
+                f"{_fix(_sizes_differ(batch, example, variable_dims), variable_dims)}"
             )
     if 0 not in variable_dims:
         return
