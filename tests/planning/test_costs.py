@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import blocks_kept_bytes
+from dreampipe.planning.memory_terms import blocks_kept_bytes
 
 __all__: list[str] = []
 

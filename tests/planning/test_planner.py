@@ -19,11 +19,10 @@ from dreampipe.planning.costs import (
     allreduce_ends,
     cut_time,
     gpipe_time,
-    max_versions,
-    stage_memory,
     stage_time,
 )
 from dreampipe.planning.in_flight import versions_in_flight
+from dreampipe.planning.memory_terms import max_versions, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline

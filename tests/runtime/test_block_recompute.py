@@ -20,7 +20,7 @@ from transformers import T5ForConditionalGeneration as T5
 
 from dreampipe.errors import ConfigError
 from dreampipe.models.transformer import CausalAttention, TransformerBlock, transformer
-from dreampipe.planning.costs import blocks_kept_bytes
+from dreampipe.planning.memory_terms import blocks_kept_bytes
 from dreampipe.runtime.block_recompute import (
     BlockRecompute,
     attention_modules,

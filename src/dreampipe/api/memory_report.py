@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.planning.memory_terms import SENDS_KEPT
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.memory import TrainingChoices, counted_twice, predict_memory

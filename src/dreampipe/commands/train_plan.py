@@ -39,7 +39,7 @@ from dreampipe.models.datasets import load_dataset, steps_for_epochs
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.config_string import stages_from_config
-from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.planning.memory_terms import SENDS_KEPT
 from dreampipe.planning.placement import Placement, check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs

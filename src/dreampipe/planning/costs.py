@@ -6,11 +6,10 @@ all-reduce going out bucket by bucket during the backward
 (:mod:`dreampipe.planning.sync` prices the algorithm); a cut costs
 ``2 (alpha + a_k / B) / copies``. Transfers and all-reduces overlap compute,
 so a pipeline's time is the *max* of its terms, never their sum. ``Input``
-nodes cost nothing. :func:`memory_bytes` counts what the runtime holds per
-worker: weight versions, gradients, optimizer state, the inputs and kept
-tensors of the minibatches in flight, and the sends kept (docs/design.md
-§5.4). :class:`RangeCosts` holds the profile's sums over every layer range,
-the inputs of these terms for any candidate stage.
+nodes cost nothing. What a worker holds is priced by
+:mod:`dreampipe.planning.memory_terms`. :class:`RangeCosts` holds the
+profile's sums over every layer range, the inputs of these terms for any
+candidate stage.
 """
 
 from __future__ import annotations
@@ -23,25 +22,20 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from dreampipe.errors import ConfigError
 from dreampipe.planning.held import held_bytes, range_max
+from dreampipe.planning.memory_terms import SENDS_KEPT, max_versions, memory_bytes
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
     "GPIPE_MICROBATCHES_PER_STAGE",
-    "SENDS_KEPT",
     "BoolArray",
     "CostModel",
     "FloatArray",
     "RangeCosts",
     "allreduce_end",
     "allreduce_ends",
-    "blocks_kept_bytes",
     "cut_time",
     "gpipe_time",
-    "max_versions",
-    "memory_bytes",
-    "stage_memory",
     "stage_time",
 ]
 
@@ -65,11 +59,6 @@ class CostModel(StrEnum):
 #: GPipe's own guidance (Huang et al., 2019): the bubble is negligible with at
 #: least four microbatches per stage, so the GPipe baseline uses ``4 * stages``.
 GPIPE_MICROBATCHES_PER_STAGE = 4
-
-#: Sent tensors a rank keeps: :mod:`dreampipe.runtime.comm` reaps its oldest
-#: sends only once more than this many are posted, so their tensors stay alive.
-SENDS_KEPT = 16
-
 
 def stage_time(
     compute_s: FloatArray | float, forward_s: FloatArray | float,
@@ -156,107 +145,6 @@ def cut_time(
     """
     a = np.asarray(activation_bytes, dtype=np.float64)
     return np.asarray(2.0 * (latency + a / bandwidth))
-
-
-def memory_bytes(
-    weight_bytes: FloatArray | float,
-    activation_bytes: FloatArray | float,
-    versions: int,
-    in_flight: int,
-    *,
-    input_bytes: FloatArray | float = 0.0,
-    sent_bytes: FloatArray | float = 0.0,
-    working_bytes: FloatArray | float = 0.0,
-    optimizer_copies: int = 0,
-    stash: bool = True,
-    sends_kept: int = SENDS_KEPT,
-    recompute: bool = False,
-) -> FloatArray:
-    """Bytes per worker of a stage (docs/design.md §5.4)::
-
-        stash      weights * (versions + 1 + optimizer) + (input + kept) * in_flight
-                   + working + sends
-        recompute  weights * (versions + 1 + optimizer) + input * in_flight + (input + kept)
-                   + working + sends
-        no stash   weights * (1 + 1 + optimizer) + input * in_flight + (input + kept)
-                   + working + sends
-
-    ``activation_bytes`` is what the stage's layers keep for the backward of
-    one microbatch (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
-    ``input_bytes`` the microbatch's input it received, ``sent_bytes`` the larger
-    tensor it sends (activation or gradient), kept ``sends_kept`` times (a run
-    of fewer sends keeps all of them); ``working_bytes`` what the stage holds
-    besides: the largest layer's backward working set (its upstream gradient and the
-    gradients it makes) and the compute library's kernel memory (:mod:`.held`).
-    ``versions`` counts the live weights; the extra ``weights`` is the gradient
-    buffer; ``optimizer_copies`` is the optimizer's state in weights (SGD 0,
-    with momentum 1, Adam 2). Without stashing a microbatch in flight keeps its
-    input only and the backward recomputes one microbatch's graph.
-    """
-    w = np.asarray(weight_bytes, dtype=np.float64)
-    a = np.asarray(activation_bytes, dtype=np.float64)
-    x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = ((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
-             + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
-    if stash and not recompute:
-        return np.asarray(fixed + versions * w + in_flight * (x + a))
-    return np.asarray(fixed + (versions if stash else 1) * w + in_flight * x + x + a)
-
-
-def blocks_kept_bytes(kept: Sequence[float], inputs: Sequence[float], recomputed: int,
-                      in_flight: int) -> float:
-    """Activation bytes a stage of blocks holds when it recomputes its first
-    ``recomputed`` blocks (docs/design.md §4.6), with ``in_flight`` microbatches::
-
-        (inputs[:k] + kept[k:]) * in_flight + max(kept[:k])
-
-    ``kept[i]``: what block ``i`` keeps for one microbatch's backward when it does not
-    recompute; ``inputs[i]``: its input, all a recomputed block keeps. One backward at a
-    time holds a recomputed block's tensors again (the largest's, at worst).
-    """
-    n = len(kept)
-    if len(inputs) != n or not 0 <= recomputed <= n or in_flight < 0:
-        raise ConfigError(
-            f"blocks={recomputed} of {n} blocks ({len(inputs)} inputs) with "
-            f"in_flight={in_flight}: give one input per block, 0 <= blocks <= {n} and "
-            "in_flight >= 0", "blocks")
-    again = max(kept[:recomputed], default=0.0)
-    return float((sum(inputs[:recomputed]) + sum(kept[recomputed:])) * in_flight + again)
-
-
-def stage_memory(
-    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, versions: int, *,
-    input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
-    working_bytes: FloatArray | float = 0.0,
-) -> FloatArray:
-    """Bytes per worker in the planner's steady state: stashing, one version per minibatch
-    in flight, an optimizer without state (:func:`memory_bytes` with ``in_flight = versions``)."""
-    return memory_bytes(weight_bytes, activation_bytes, versions, versions,
-                        input_bytes=input_bytes, sent_bytes=sent_bytes,
-                        working_bytes=working_bytes)
-
-
-def max_versions(
-    weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float,
-    *, input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
-    working_bytes: FloatArray | float = 0.0, recompute: bool = False,
-) -> FloatArray:
-    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`,
-    or of :func:`memory_bytes` with ``recompute``, versions equal to the minibatches in flight).
-
-    0 or less means the stage does not fit at all; a stage whose versions cost
-    nothing can hold any number (``inf``) if the rest fits.
-    """
-    w = np.asarray(weight_bytes, dtype=np.float64)
-    a = np.asarray(activation_bytes, dtype=np.float64)
-    x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = stage_memory(w, 0.0, 0, sent_bytes=sent_bytes, working_bytes=working_bytes)
-    per = w + x + (0.0 if recompute else a)
-    if recompute:
-        fixed = fixed + x + a
-    with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.floor((memory_bytes - fixed) / per)
-    return np.asarray(np.where(per > 0, k, np.where(fixed <= memory_bytes, np.inf, 0.0)))
 
 
 def gpipe_time(slowest_stage_s: float, num_stages: int, microbatches: int | None = None) -> float:

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.costs import RangeCosts, memory_bytes
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import memory_bytes
 from dreampipe.planning.splits import (
     Collective,
     Layout,
@@ -263,7 +264,7 @@ def split_memory(
 ) -> int:
     """Bytes per worker of a stage of layers ``first..last`` split over ``t`` workers.
 
-    :func:`~dreampipe.planning.costs.memory_bytes` with each layer's weights
+    :func:`~dreampipe.planning.memory_terms.memory_bytes` with each layer's weights
     and kept tensors at its split's share; the stage's input, its sends and
     the backward's working space are whole (a split stage reads and returns
     replicated tensors); ``recompute`` keeps one microbatch's kept tensors only.

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.costs import CostModel, RangeCosts, stage_memory
+from dreampipe.planning.costs import CostModel, RangeCosts
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.evaluate import baselines, evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.memory_terms import stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.errors import PeerTimeoutError, StageMismatchError
-from dreampipe.planning.costs import SENDS_KEPT
+from dreampipe.planning.memory_terms import SENDS_KEPT
 from dreampipe.runtime.lanes import Links
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 

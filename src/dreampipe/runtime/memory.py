@@ -14,7 +14,8 @@ import logging
 from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import SENDS_KEPT, RangeCosts
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import SENDS_KEPT
 from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import op_kind, split_cost

@@ -12,7 +12,7 @@ the receiver's server's link in, which the servers' other transfers share); a
 ``allreduce_s`` later; a ZeRO-3 ``UNSHARD`` starts when the last replica joins and
 takes ``gather_s``; with ``steps_agree`` a rank's first ``STEP`` of an update waits for
 the last rank's. Each rank's peak memory is the planner's
-:func:`dreampipe.planning.costs.memory_bytes` at the worst (versions, microbatches in
+:func:`dreampipe.planning.memory_terms.memory_bytes` at the worst (versions, microbatches in
 flight, weights whole or sharded between ``RESHARD`` and ``UNSHARD``) it holds. Costs
 come from :mod:`dreampipe.simulation.action_costs`; each action's cost and what a rank
 holds: docs/design.md §9. An ``OVERLAP_F_B`` costs its forward and its backward, one
@@ -370,7 +370,7 @@ class _Memory:
 
     def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float
                     ) -> float:
-        from dreampipe.planning.costs import memory_bytes  # NumPy: only when used
+        from dreampipe.planning.memory_terms import memory_bytes  # NumPy: only when used
 
         freed = parameter_bytes * (1 - 1 / self.shards)
         return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes))
