@@ -2,7 +2,7 @@
 
 The engine never re-derives the order: :class:`RankRunner` executes
 ``schedule.actions[rank]`` in order, one small handler per action kind, and
-posts the receives of the next few actions early (:mod:`.comm`). Only the last
+posts the receives of the next few actions early (:mod:`.receives_ahead`). Only the last
 backward before a rank's ``ALLREDUCE`` hands its gradients to
 :class:`~dreampipe.runtime.buckets.GradientBuckets`. The input and last
 stages read a microbatch's samples from
@@ -18,7 +18,6 @@ two halves through the overlap hook (:mod:`.overlap`); a ZeRO-3 stage's ``UNSHAR
 
 from __future__ import annotations
 
-import bisect
 import functools
 import logging
 import time
@@ -35,6 +34,7 @@ from dreampipe.runtime.lanes import Links
 from dreampipe.runtime.loss_scaling import LossScale
 from dreampipe.runtime.nonfinite import NonFiniteGuard
 from dreampipe.runtime.overlap import OverlapHook, OverlappedPair, one_after_the_other, run_pair
+from dreampipe.runtime.receives_ahead import ReceivesAhead
 from dreampipe.runtime.runner_options import RunnerOptions
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_records import MicrobatchData, StageInput
@@ -51,9 +51,6 @@ from dreampipe.scheduling.unshard import pairs_per_use
 __all__ = ["RankRunner"]
 
 _log = logging.getLogger(__name__)
-
-_LOOKAHEAD = 8
-_RECVS = (ActionKind.RECV_F, ActionKind.RECV_B)
 
 
 class RankRunner:
@@ -178,12 +175,11 @@ class RankRunner:
         self.t0 = t0
 
     def _index_schedule(self) -> None:
-        """Index the receives; posting resumes at the first one not yet run (those
-        posted already, e.g. ahead of a switch, are found posted again)."""
+        """Index the receives (:mod:`.receives_ahead`: posting resumes at the first one not
+        yet run) and the rounds' last backwards."""
         actions = self.schedule.actions[self.rank]
         check_gathers(self._lanes[0].module.zero, actions, self._lanes[0].stage)
-        self._recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
-        self._posted = bisect.bisect_left(self._recv_at, self._pos)
+        self._receives = ReceivesAhead(self.schedule, self.rank, self._pos)
         self._round_ends = round_ends(actions)
 
     # ---- handlers ----------------------------------------------------------
@@ -307,25 +303,19 @@ class RankRunner:
         """Execute the next actions, up to the first that needs a microbatch ``>= given``.
 
         ``given`` None runs to the end of the schedule. Receives are posted
-        up to :data:`_LOOKAHEAD` actions ahead, never past that stop, or, where
-        the backend allows it, past the stop that ``post_until`` would give.
+        up to :data:`~dreampipe.runtime.receives_ahead.LOOKAHEAD` actions ahead, never
+        past that stop, or, where the backend allows it, past the stop that
+        ``post_until`` would give.
         """
-        actions = self.schedule.actions[self.rank]
-        stop = self._runnable_end(self._pos, given)
+        actions, receives = self.schedule.actions[self.rank], self._receives
+        stop, post_stop = receives.stops(self._pos, given,
+                                         post_until if self.comm.posts_ahead else None)
         self._stop = stop
-        if post_until is not None and self.comm.posts_ahead:
-            post_stop = self._runnable_end(stop, post_until)
-        else:
-            post_stop = stop
-        recv_at, handlers = self._recv_at, self._handlers
+        handlers = self._handlers
         post = self.comm.post if len(self._lanes) == 1 else self._post
         record = self.opts.record_events
         for i in range(self._pos, stop):
-            while (self._posted < len(recv_at) and recv_at[self._posted] <= i + _LOOKAHEAD
-                   and recv_at[self._posted] < post_stop):
-                if not post(actions[recv_at[self._posted]]):
-                    break
-                self._posted += 1
+            receives.post(i, post_stop, post)
             a = actions[i]
             if a.stage != self.stage:
                 self._use(a.stage)
@@ -335,16 +325,6 @@ class RankRunner:
                 handlers[a.kind](a)
             self._pos = i + 1
         self._use(self._lanes[0].stage)
-
-    def _runnable_end(self, start: int, given: int | None) -> int:
-        """The index of the first action from ``start`` on that needs a microbatch ``>= given``."""
-        actions = self.schedule.actions[self.rank]
-        if given is None:
-            return len(actions)
-        need, end = self.schedule.last_microbatch, start
-        while end < len(actions) and need(actions[end]) < given:
-            end += 1
-        return end
 
     @property
     def done(self) -> bool:
