@@ -11,16 +11,15 @@ Every rank runs the same script (under ``torchrun`` or alone)::
 Each rank builds its stage's layers (:mod:`.split`) and runs its actions of one
 :class:`~dreampipe.scheduling.actions.Schedule` (:class:`~dreampipe.runtime.engine.RankRunner`)
 step by step; ``finish()`` drains, and a segment holds at most :data:`SEGMENT_MICROBATCHES`
-microbatches. How steps, drains and segments train: docs/design.md §8.5.
+microbatches (:mod:`.pipeline_segments`). How steps, drains and segments train:
+docs/design.md §8.5.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -41,10 +40,10 @@ from dreampipe.api.checks import (
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.evaluation import EvalRank, EvalResult, all_reduced, evaluate
-from dreampipe.api.feed import Feed
+from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
+from dreampipe.api.pipeline_segments import HORIZON, Segments
 from dreampipe.api.plans import PlanArg, profile_layers
 from dreampipe.api.settled_plan import settle_plan
 from dreampipe.api.stage_build import (
@@ -62,22 +61,16 @@ from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
 from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.runtime.zero_params import gathered
-from dreampipe.scheduling.actions import Schedule
-from dreampipe.scheduling.build import repeat_schedule
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
-from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
 from dreampipe.splitter.chain import held_keys, split_layers
 from dreampipe.splitter.state_keys import state_keys
 
 __all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
 
 _log = logging.getLogger(__name__)
-_HORIZON = 32
 #: The most microbatches a segment holds before :meth:`Pipeline.step` drains it.
 SEGMENT_MICROBATCHES = 8192
-#: Schedules kept for reuse: the horizons a segment grows through, and its drain.
-_KEPT_SCHEDULES = 6
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
@@ -150,10 +143,8 @@ class Pipeline:
         self.config = config = settled.config
         ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
         self.replicas = [st.replicas for st in self.plan.stages]
-        #: A PyTorch schedule file's minibatch, run every minibatch (None: build the kind's).
-        self._period = None if config.schedule_file is None else self._file_schedule(
-            str(config.schedule_file))
-        self._zero = list(self.plan.zero_levels(config.zero))
+        #: The segments' schedules (a schedule file's, or the kind's), feeds and losses.
+        self._segments = Segments(self.plan, self.layout, config, SEGMENT_MICROBATCHES)
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
@@ -173,7 +164,7 @@ class Pipeline:
                 self._layers, self.plan, self._my_stages(), self.device,
                 mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
-            delayed = None if self.kind.synchronous else self._build_schedule(_HORIZON)
+            delayed = None if self.kind.synchronous else self._segments.build(HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
                 modules, delayed, config.vertical_sync, enabled=config.compensate,
                 advise=self.rank == 0, uniform=bool(ties))
@@ -201,14 +192,8 @@ class Pipeline:
                 if config.max_grad_norm is not None else None
             held, made = tie_stages(ties, self.plan, modules)
             self._groups += [clip_group, *made]
-            per_round = math.lcm(*self.replicas)
-            self._cap = max(per_round, SEGMENT_MICROBATCHES // self.layout.microbatches_per_update
-                            // per_round * per_round)
-            self._schedule = functools.lru_cache(maxsize=_KEPT_SCHEDULES)(self._build_schedule)
-            self._reserved_to = 0
-            self._horizon = min(_HORIZON, self._cap)
             self._runner: RankRunner | None = RankRunner(
-                self._schedule(self._horizon), self.srank, self.device,
+                self._segments.schedule(self._segments.horizon), self.srank, self.device,
                 self.module, self._opts, groups=groups, links=self._links,
                 clip_group=clip_group, after_step=self._after_step, others=modules[1:],
                 ties=held, overlap=model_hook(model),
@@ -216,7 +201,7 @@ class Pipeline:
             self._segment = 0
             self._pending: list[float] = []
             self._stopped: str | None = None  # the error a step or drain stopped at
-            self._feed = self._new_feed()
+            self._feed = self._segments.feed(self.runner)
             if found is not None:
                 self.minibatches = checkpoint.load(found, self)
 
@@ -235,7 +220,7 @@ class Pipeline:
         self._drain()
         largest, size = self._shapes.largest()  # the example, or longer samples met since
         return measured(self._meter, self.rank, self.runner.modules,
-                        self.config, self.plan, self._layers, self._build_schedule,
+                        self.config, self.plan, self._layers, self._segments.build,
                         lambda: profile_layers(self._layers, largest, self.loss_fn, size,
                                                self.config, timed=False),
                         self.minibatches, lambda: gathered(m.zero for m in self.runner.modules),
@@ -251,60 +236,27 @@ class Pipeline:
             scheduler.step()
             self._follow(module)
 
-    def _file_schedule(self, path: str) -> Schedule:
-        """``schedule_file``'s one minibatch, checked against the plan and the microbatches."""
-        period = read_torch_csv(path, self.kind)
-        check_file_fits(period, self.replicas, self._virtual,
-                        self.layout.microbatches_per_update, f"schedule_file={path!r}",
-                        self.plan.placement)
-        return period
-
-    def _build_schedule(self, minibatches: int) -> Schedule:
-        """The plan's schedule of ``minibatches`` updates (its own minibatches in flight), or
-        ``schedule_file``'s repeated.
-
-        :attr:`_schedule` keeps the last few built: every full segment grows
-        through the same horizons and drains on the same schedule."""
-        if self._period is not None:
-            return repeat_schedule(self._period, minibatches)
-        return self.layout.build(self.replicas, minibatches, self.plan.in_flight, self._virtual,
-                                 self._zero)
-
-    def _new_feed(self) -> Feed:
-        sched = self.runner.schedule
-        stage = sched.stage_of_rank(self.srank)
-        mine = sched.replica_of_rank(self.srank)
-        reps = self.replicas[stage]
-        last = len(self.replicas) - 1 in sched.stages_of_rank(self.srank)
-        feed = Feed(
-            microbatches_per_update=self.layout.microbatches_per_update,
-            device=self.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
-            wants_targets=lambda u: last and u % reps == mine,
-        )
-        self.runner.feed(feed)
-        return feed
-
     @counted
     def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         self._shapes.check(self.minibatches, (x, y))
         with self._running():
             if self._segment == 0 and self.runner.done:
-                self._restart(self._horizon_from(self.minibatches))
+                self._feed = self._segments.restart(
+                    self.runner, self._segments.horizon_from(self.minibatches))
             if self._segment == 0:
                 self.runner.start_segment(self.minibatches * self.layout.microbatches_per_update,
                                           self.minibatches)
             self._feed.add(self._segment, (x, y))
             self._segment += 1
             self.minibatches += 1
-            if 2 * self._segment > self._horizon and self._horizon < self._cap:
-                self._horizon = min(4 * self._horizon, self._cap)
-                self.runner.switch(self._schedule(self._horizon))
+            if (longer := self._segments.grown(self._segment)) is not None:
+                self.runner.switch(longer)
             per = self.layout.microbatches_per_update
             self.runner.advance(self._segment * per, post_until=(self._segment + 1) * per)
-            if self._segment == self._cap:
+            if self._segment == self._segments.cap:
                 _log.debug("segment of %d minibatches full at minibatch %d: draining",
-                           self._cap, self.minibatches)
+                           self._segments.cap, self.minibatches)
                 self._drain()
 
     @counted
@@ -319,26 +271,13 @@ class Pipeline:
         if minibatches < 1:
             raise ConfigError(f"reserve({minibatches}): reserve at least 1 minibatch",
                               "minibatches")
-        self._reserved_to = max(self._reserved_to, self.minibatches + minibatches)
         start = self.minibatches - self._segment
-        horizon = self._horizon_from(start)
+        horizon = self._segments.reserve(start, self.minibatches + minibatches)
         if self._segment == 0 and self.runner.done:
-            self._restart(horizon)
-        elif horizon > self._horizon:
-            self._horizon = horizon
-            self.runner.switch(self._schedule(horizon))
-        for later in range(start + self._cap, self._reserved_to, self._cap):
-            self._schedule(self._horizon_from(later))
-
-    def _horizon_from(self, start: int) -> int:
-        """The horizon of a segment from minibatch ``start``: what is reserved, within the cap."""
-        return min(self._cap, max(_HORIZON, 2 * (self._reserved_to - start)))
-
-    def _restart(self, horizon: int) -> None:
-        """A new segment on a schedule of ``horizon`` minibatches (after a drain)."""
-        self._horizon = horizon
-        self.runner.restart(self._schedule(horizon))
-        self._feed = self._new_feed()
+            self._feed = self._segments.restart(self.runner, horizon)
+        elif horizon > self._segments.horizon:
+            self.runner.switch(self._segments.move_to(horizon))
+        self._segments.build_later(start)
 
     @counted
     def _drain(self) -> None:
@@ -347,16 +286,10 @@ class Pipeline:
             runner, n = self.runner, self._segment
             if n == 0:
                 return
-            runner.switch(self._schedule(n))
+            runner.switch(self._segments.schedule(n))
             runner.advance()
             runner.drain()
-            per = self.layout.microbatches_per_update
-            microbatch_losses = torch.zeros(n * per, dtype=torch.float64)
-            for u, loss in runner.losses.items():
-                microbatch_losses[u] = float(loss) if self.member == 0 else 0.0
-            microbatch_losses = all_reduced(microbatch_losses, self.device)
-            values = [v * self._feed.share(u) for u, v in enumerate(microbatch_losses.tolist())]
-            self._pending += [sum(values[k * per : (k + 1) * per]) / per for k in range(n)]
+            self._pending += self._segments.losses(runner, self._feed, n, reports=self.member == 0)
             self._segment = 0
 
     @contextlib.contextmanager
