@@ -2,18 +2,22 @@
 
 For a fixed schedule, stage count, chunk count and microbatches (a
 :class:`~dreampipe.planning.sync_objective.Slots`), an update takes the pipeline's
-``A = max_c g_c`` (each stage's term) and then the longest tail ``X = max_c x_c``, each
-stage's terms read from the :class:`~dreampipe.planning.sync_tables.StageTables` of its
-layers, its option and its slot. For a bound ``L`` on the tails, the least ``A`` is a
-min-max of per-stage terms, so the recursion over the first stage's layers
+``A = max_c g_c`` (each stage's term), its bubble's ``Y = max_c y_c`` (ZB-H1's; else 0)
+and then the longest tail ``X = max_c x_c``, each stage's terms read from the
+:class:`~dreampipe.planning.sync_tables.StageTables` of its layers, its option and its
+slot. For bounds ``K`` on the ``y`` and ``L`` on the tails, the least ``A`` is a min-max
+of per-stage terms, so the recursion over the first stage's layers
 
-    H_c(i) = min over j >= i, options o with x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
+    H_c(i) = min over j >= i, options o with y < K, x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
 
 is exact, ``O(options n w)`` a slot on stages of at most ``w <= n`` layers (the band).
-:func:`best_stages` solves it with no bound, then with ``L`` the tail it found, and so
-on while ``A`` stays below the best ``A + X``: every plan with a longer tail has an
-``A`` at least as large, so the best ``A + X`` is the optimum (or, once ``A`` reaches a
-caller's time to beat, none beats it). :func:`stage_terms` prices given cuts with the
+:func:`best_stages` solves it with no bound on the tails, then with ``L`` the tail it
+found, and so on while ``A`` stays below the best ``A + X``: every plan with a longer
+tail has an ``A`` at least as large, so the least ``A + X`` under ``K`` is found. It
+does that with no ``K``, then with ``K`` the ``Y`` of that least ``A + X``, and so on
+while the least ``A + X`` stays below the best ``A + X + Y``, by the same argument one
+level up: the best is the optimum (or, once ``A`` reaches a caller's time to beat, none
+beats it). :func:`stage_terms` prices given cuts with the
 same tables, so a plan's reported time is the program's value. docs/planner.md, "The
 synchronous objective".
 """
@@ -38,6 +42,9 @@ __all__ = ["Chosen", "StageTerms", "best_stages", "stage_terms", "update_time",
            "whole_block_starts"]
 
 IntArray = npt.NDArray[np.int64]
+#: One option's ``(x, g, tail, y or None, fits)`` over a slot's stages (:class:`_Slots`).
+_Priced = tuple[int, FloatArray, FloatArray, FloatArray | None, npt.NDArray[np.bool_]]
+_SlotPrices = tuple[slice, tuple[IntArray, ...] | None, tuple[int, ...], list[_Priced]]
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,7 @@ class StageTerms:
     memory_bytes: float
     held: int
     value_s: float
+    lift_s: float = 0.0
 
 
 def whole_block_starts(blocks: Sequence[int | None], count: int) -> tuple[int, ...] | None:
@@ -98,6 +106,7 @@ class _Slots:
             edge[[*starts, n]] = True
             self.inside &= edge[self.rows] & edge[np.minimum(self.last + 1, n)]
         self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
+        self._options: dict[tuple[object, ...], _SlotPrices] = {}
         self._cuts: dict[int, FloatArray] = {}
 
     def _cut(self, c: int) -> FloatArray:
@@ -114,21 +123,50 @@ class _Slots:
         the last slot), or the whole band (None)."""
         return False if c == 0 else True if c == count - 1 else None
 
-    def values(self, c: int, tail_below: float = math.inf) -> tuple[FloatArray, IntArray]:
+    def values(self, c: int, tail_below: float = math.inf, lift_below: float = math.inf
+               ) -> tuple[FloatArray, IntArray]:
         """``[i, k]``: slot ``c``'s best value over the options whose tail is below
-        ``tail_below``, and which option (the first of those with the least value)."""
+        ``tail_below`` and whose ``y`` is below ``lift_below``, and which option (the first
+        of those with the least value)."""
         sl = self.slots
         cut = self._cut(c)
         edge = self._edge(c, sl.count)
         key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below,
-               edge, self._window(c) if edge is None else None)
+               lift_below, edge, self._window(c) if edge is None else None)
         if key not in self._seen:
-            self._seen[key] = self._values(c, cut, tail_below, edge)
+            self._seen[key] = self._values(c, cut, tail_below, lift_below, edge)
         return self._seen[key]
 
-    def _values(self, c: int, cut: FloatArray, tail_below: float, edge: bool | None
-                ) -> tuple[FloatArray, IntArray]:
+    def _values(self, c: int, cut: FloatArray, tail_below: float, lift_below: float,
+                edge: bool | None) -> tuple[FloatArray, IntArray]:
+        rows, at, shape, priced = self._priced(c, cut, edge)
+        best = np.full(shape, np.inf)
+        pick = np.zeros(shape, dtype=np.int64)
+        for x, value, tail, lift, ok in priced:
+            better = tail < tail_below
+            if lift is not None:
+                better &= lift < lift_below
+            better &= ok
+            better &= value < best  # options in order win ties
+            np.copyto(best, value, where=better)
+            np.copyto(pick, x, where=better)
+        full, chosen = np.full(self.last.shape, np.inf), np.zeros(self.last.shape, np.int64)
+        if at is None:
+            full[rows], chosen[rows] = best, pick
+        else:
+            full[at], chosen[at] = best, pick
+        return full, chosen
+
+    def _priced(self, c: int, cut: FloatArray, edge: bool | None
+                ) -> _SlotPrices:
+        """Slot ``c``'s rows, or edge stages (``at``), their shape, and each option's ``(x,
+        g, tail, y, fits)`` over them, made once a slot: the bounds on tails and ``y`` only
+        filter."""
         sl, tables, block, width = self.slots, self.tables, self.slots.blocks[c], self.width
+        key = (tables.groups(block), cut.tobytes(), sl.in_flight[c], edge,
+               self._window(c) if edge is None else None)
+        if key in self._options:
+            return self._options[key]
         # the first slot starts at layer 0 and the last ends at the last layer: each reads
         # only those stages
         last, at, rows = self.last, None, slice(None)
@@ -141,8 +179,7 @@ class _Slots:
         after = cut[last]
         inside = self.inside[rows] if at is None else self.inside[at]
         room = None if self.memory is None else self.memory * sl.memory_share
-        best = np.full(last.shape, np.inf)
-        pick = np.zeros(last.shape, dtype=np.int64)
+        priced: list[_Priced] = []
         for x in range(len(tables.options)):
             ok = inside
             if room is not None:  # first: an option that fits no stage costs no times
@@ -153,18 +190,10 @@ class _Slots:
                     continue
             tau, tail, wgrad = (a[rows] for a in tables.times(x, block, width)) \
                 if edge is None else tables.edge_times(x, block, width, edge)
-            value = sl.value(tau + after, wgrad)
-            better = tail < tail_below
-            better &= ok
-            better &= value < best  # options in order win ties
-            np.copyto(best, value, where=better)
-            np.copyto(pick, x, where=better)
-        full, chosen = np.full(self.last.shape, np.inf), np.zeros(self.last.shape, np.int64)
-        if at is None:
-            full[rows], chosen[rows] = best, pick
-        else:
-            full[at], chosen[at] = best, pick
-        return full, chosen
+            lift = sl.lift(tau + after, wgrad) if sl.credit else None
+            priced.append((x, sl.value(tau + after, wgrad), tail, lift, ok))
+        self._options[key] = (rows, at, last.shape, priced)
+        return self._options[key]
 
     def _window(self, c: int) -> tuple[int, int]:
         """The first layers a middle slot ``c``'s stage may start at: after ``c`` stages of
@@ -185,27 +214,31 @@ class _Slots:
         memory = self.tables.memory_at(x, sl.in_flight[c], i, j)
         fits = self.memory is None or self.tables.fits(
             x, sl.in_flight[c], self.memory * sl.memory_share, i, j)
-        value = sl.term(tau + cut, wgrad)
+        u, w = np.array([tau + cut]), np.array([wgrad])
+        lift = float(sl.lift(u, w)[0])
+        value = float(sl.value(u, w)[0])
         return StageTerms(chosen, tau, cut, tail, memory,
-                          sl.in_flight[c], value if fits else math.inf)
+                          sl.in_flight[c], value if fits else math.inf, lift)
 
 
 def update_time(terms: Sequence[StageTerms]) -> float:
-    """The update's time: the pipeline's largest term, then the longest tail."""
-    return max(x.value_s for x in terms) + max(x.tail_s for x in terms)
+    """The update's time: the pipeline's largest term, its bubble's largest ``y``, then
+    the longest tail."""
+    return (max(x.value_s for x in terms) + max(x.lift_s for x in terms)
+            + max(x.tail_s for x in terms))
 
 
-def _least_pipeline(program: _Slots, tail_below: float
+def _least_pipeline(program: _Slots, tail_below: float, lift_below: float
                     ) -> tuple[float, list[StageTerms]] | None:
-    """The stages whose largest term ``g`` is least with tails below
-    ``tail_below``."""
+    """The stages whose largest term ``g`` is least with tails below ``tail_below`` and
+    ``y`` below ``lift_below``."""
     slots, n = program.slots, program.tables.n
     after = np.where(program.inside, program.last + 1, n + 1)
     rest = np.full(n + 2, np.inf)
     rest[n] = 0.0
     cuts: list[IntArray] = []
     for c in reversed(range(slots.count)):
-        values, _ = program.values(c, tail_below)
+        values, _ = program.values(c, tail_below, lift_below)
         cand = np.maximum(values, rest[after])
         k = np.argmin(cand, axis=1)
         rest = np.full(n + 2, np.inf)
@@ -217,7 +250,7 @@ def _least_pipeline(program: _Slots, tail_below: float
     out, i = [], 0
     for c in range(slots.count):
         k = int(cuts[c][i])
-        option = int(program.values(c, tail_below)[1][i, k])
+        option = int(program.values(c, tail_below, lift_below)[1][i, k])
         out.append(program.terms(c, Chosen(i, i + k, option)))
         i += k + 1
     return float(rest[0]), out
@@ -240,17 +273,34 @@ def best_stages(tables: StageTables, slots: Slots, memory_bytes: float | None = 
         return None
     program = _Slots(tables, slots, memory_bytes, width, starts)
     best: tuple[float, list[StageTerms]] | None = None
-    bound = math.inf
+    lift_below = math.inf
     while True:
-        found = _least_pipeline(program, bound)
-        if found is None:
+        least: tuple[float, list[StageTerms]] | None = None  # the least A + X under K
+        first: float | None = None
+        bound = math.inf
+        while True:
+            found = _least_pipeline(program, bound, lift_below)
+            if found is None:
+                break
+            pipeline, terms = found
+            first = pipeline if first is None else first
+            time = update_time(terms)
+            if best is None or time < best[0]:
+                best = (time, terms)
+            rest = pipeline + max(x.tail_s for x in terms)
+            if least is None or rest < least[0]:
+                least = (rest, terms)
+            bound = max(x.tail_s for x in terms)
+            if bound <= 0 or pipeline >= min(best[0], beat):
+                break
+        if least is None or first is None or best is None:
             return best
-        pipeline, terms = found
-        time = update_time(terms)
-        if best is None or time < best[0]:
-            best = (time, terms)
-        bound = max(x.tail_s for x in terms)
-        if bound <= 0 or pipeline >= min(best[0], beat):
+        lift_below = max(x.lift_s for x in least[1])
+        # under a lower K, A + X is at least least[0] and A at least first, so the stage
+        # of the largest g = m u - (p - 1) W (W <= u / 2) has u >= first / (m - (p - 1) / 2)
+        # and y = (p - 1)(u - W) >= (p - 1) u / 2
+        floor = least[0] + slots.credit * first / (2 * slots.scale - slots.credit)
+        if lift_below <= 0 or floor >= best[0] or first >= beat:
             return best
 
 

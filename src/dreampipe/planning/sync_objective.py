@@ -5,19 +5,22 @@ flush. Stage ``c`` takes ``tau_c`` per microbatch on a replica (forward, backwar
 recomputation), ``cut_c`` to send its output and take back the gradient, and ``x_c``
 more at the update's end (the all-reduce left after its last backward, ZeRO's gather):
 
-    T = max over c of g_c  +  max over c of x_c,      u_c = tau_c + cut_c
+    T = max over c of g_c  +  max over c of y_c  +  max over c of x_c,   u_c = tau_c + cut_c
 
-    1f1b-flush         g_c = (m + p - 1) u_c                          (bubble (p - 1) / m)
-    zb-h1, m >= p      g_c = m u_c + (p - 1) max(0, u_c - 2 W_c)      (W_c: its weight gradient)
-    interleaved-1f1b   g_c = (v m + p - 1) u_c, on p v chunks         (bubble (p - 1) / (v m))
+    1f1b-flush         g_c = (m + p - 1) u_c,     y_c = 0               (bubble (p - 1) / m)
+    zb-h1, m >= p      g_c = m u_c - (p - 1) W_c, y_c = (p - 1)(u_c - W_c)
+    interleaved-1f1b   g_c = (v m + p - 1) u_c,   y_c = 0, on p v chunks (bubble (p-1)/(v m))
 
-the simulator's time for equal stages without cuts (Narayanan et al. 2021; Qi et al.
-2023 for ZB-H1, whose bubble is ``(p - 1)(F + B - W)``, ``B`` the input gradient) and
-above it otherwise (a period is at most the largest ``tau + cut``, docs/planner.md, "The
-synchronous objective"). Each ``g_c`` is one stage's own, so for a fixed ``(kind, p, v,
-m)`` the dynamic program (:mod:`.sync_dp`) minimises ``T`` exactly; ``g_c`` is at least
-:func:`factor` times ``u_c``, which the search's floors use. :func:`slots` says where each
-stage sits, what it holds and its share of the memory.
+with ``W_c`` a stage's weight gradient, at most ``u_c / 2``. These are the simulator's
+time for equal stages without cuts (Narayanan et al. 2021; Qi et al. 2023 for ZB-H1,
+whose bubble is ``(p - 1)(F + B - W)``, ``B`` the input gradient) and above it otherwise
+(a period is at most the largest ``tau + cut``; under ZB-H1 each of the ``p - 1`` bubble
+slots is at most the largest ``u - W``, a fill or a drain no stage's own ``W`` shortens,
+while a stage's ``W`` fills its own drain: docs/planner.md, "The synchronous
+objective"). Each ``g_c`` and ``y_c`` is one stage's own, so for a fixed ``(kind, p, v,
+m)`` the dynamic program (:mod:`.sync_dp`) minimises ``T`` exactly; ``g_c + y_c`` is at
+least :func:`factor` times ``u_c``, which the search's floors use. :func:`slots` says
+where each stage sits, what it holds and its share of the memory.
 """
 
 from __future__ import annotations
@@ -48,8 +51,9 @@ class PipelineKind(StrEnum):
 class Slots:
     """Stage ``c`` of a pipeline (a chunk under interleaving) sits on worker block
     ``blocks[c]``, holds ``in_flight[c]`` microbatches at its peak and must fit
-    ``memory_share`` of a worker's memory; a stage's term ``g`` (module doc) is
-    ``scale (u - credit min(W, u / 2))`` (:meth:`value`), at least ``least u``."""
+    ``memory_share`` of a worker's memory; a stage's terms (module doc) are ``g = scale u
+    - credit W`` (:meth:`value`) and ``y = credit (u - W)`` (:meth:`lift`), ``W`` at most
+    ``u / 2``; ``g + y`` is at least ``least u``."""
 
     blocks: tuple[int, ...]
     in_flight: tuple[int, ...]
@@ -67,13 +71,20 @@ class Slots:
         ``weight_grad`` (arrays of one shape), written over ``u``: the program's inner
         loop makes no array it does not keep."""
         if self.credit:
-            u -= self.credit * np.minimum(weight_grad, u / 2)
+            u -= (self.credit / self.scale) * np.minimum(weight_grad, u / 2)
         u *= self.scale
         return u
 
+    def lift(self, u: FloatArray, weight_grad: FloatArray) -> FloatArray:
+        """The term ``y`` of the same stages (a new array; zeros without a credit)."""
+        if not self.credit:
+            return np.zeros_like(u)
+        return self.credit * (u - np.minimum(weight_grad, u / 2))
+
     def term(self, u: float, weight_grad: float) -> float:
-        """:meth:`value` of one stage."""
-        return float(self.value(np.array(u), np.array(weight_grad)))
+        """One stage's own ``g + y``: its update were it the pipeline's every term."""
+        v, w = np.array(u), np.array(weight_grad)
+        return float(self.lift(v, w) + self.value(v.copy(), w))
 
 
 def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> Slots:
@@ -81,9 +92,10 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
     copy and ``v`` chunks a worker sits, and the update's factor.
 
     1F1B (flush and ZB-H1) holds ``min(p - c, m)`` microbatches on stage ``c``; ZB-H1
-    credits each stage twice its weight gradient on each of the ``p - 1`` bubble slots,
-    but with fewer microbatches than stages it has too few weight gradients to fill its
-    bubble and is priced as 1F1B-flush.
+    fills a stage's drain with its own weight gradients, one on each of the ``p - 1``
+    bubble slots, each slot at most the largest ``u - W``; with fewer microbatches than
+    stages it has too few weight gradients to fill its bubble and is priced as
+    1F1B-flush.
     Under interleaving each chunk holds the most microbatches it holds at once in
     Megatron-LM's order (:func:`~.interleave_order.chunk_peaks`; worker 0 of 8 with 3
     chunks: 16, 15 and 8, where its warm-up alone runs 30 forwards), in ``1 / v`` of the
@@ -96,8 +108,7 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
                      tuple(peaks[c % p][c // p] for c in range(p * v)), 1.0 / v, phi, phi)
     peak = tuple(min(p - c, m) for c in range(p))
     if kind is PipelineKind.ZB_H1 and m >= p:
-        scale = factor(PipelineKind.FLUSH, p, m)  # then each stage's W is credited
-        return Slots(tuple(range(p)), peak, 1.0, scale, phi, 2 * (p - 1) / scale)
+        return Slots(tuple(range(p)), peak, 1.0, float(m), phi, float(p - 1))
     return Slots(tuple(range(p)), peak, 1.0, phi, phi)
 
 
