@@ -461,3 +461,19 @@ def test_a_mixed_plan_is_printed_saved_and_says_why_a_stage_is_split(
         s.tensor_parallel for s in plan.stages]
     code, out, _ = _run(capsys, *argv, "--no-mixed-splits")
     assert code == 0 and "t4" not in out.split("config ")[-1].split(" ")[0]
+
+
+def test_a_plan_over_the_workers_memory_says_so_and_names_the_fix(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Planned without --memory on workers with a known memory, a stage above it is named."""
+    code, out, _ = _run(capsys, VGG, "-t", "4x4", "-b", "10GB/s", "-b", "10Gbps")
+    assert code == 0
+    plan = plan_pipeline(load_graph(VGG), Topology.parse("4x4", ["10GB/s", "10Gbps"]))
+    over = [s for s, st in enumerate(plan.stages) if st.memory_bytes > 16 * 10**9]
+    assert over, "the case must have a stage over 16 GB"
+    line = next(x for x in out.splitlines() if x.startswith("memory:"))
+    assert f"stage {over[0]} " in line and "above the 16.0 GB a worker has" in line
+    assert "--memory 16.0GB" in line
+    code, out, _ = _run(capsys, VGG, "-t", "4x4", "-b", "10GB/s", "-b", "10Gbps",
+                        "--memory", "16.0GB")
+    assert code == 0 and not any(x.startswith("memory:") for x in out.splitlines())

@@ -391,3 +391,16 @@ def test_a_plan_on_links_of_its_own_simulates_on_them_or_says_so(
     assert "50.0 GB/s" in err and "-b and --latency" in err and err.count("\n") == 1
     ran = _json(capsys, ["simulate", str(plan), "--minibatches", "16", *links, "--json"])
     assert ran["topology"] == "2x4" and float(str(ran["throughput_minibatches_per_s"])) > 0
+
+
+@pytest.mark.parametrize(("text", "needle"), [
+    ('{"a": 1}', "is neither a plan (its 'format' 'dreampipe.plan') nor a profile"),
+    ("not json at all", "is not a JSON object"),
+])
+def test_a_json_file_that_is_no_plan_nor_profile_names_both(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "other.json"
+    path.write_text(text)
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "'dreampipe plan -o'" in err and err.count("\n") == 1, err

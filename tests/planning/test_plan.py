@@ -121,7 +121,12 @@ def test_load_errors(tmp_path: Path) -> None:
         Plan.load(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "other"}')
-    with pytest.raises(PlanError, match="not a dreampipe plan"):
+    with pytest.raises(PlanError, match=r"^plan '.*bad\.json': format='other': not a "
+                       r"dreampipe plan \(its 'format' is 'dreampipe\.plan'\); give a plan "
+                       r"JSON from 'dreampipe plan -o'$"):
+        Plan.load(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(PlanError, match="format='list': not a dreampipe plan"):
         Plan.load(bad)
     bad.write_text('{"format": "dreampipe.plan", "version": 1}')
     with pytest.raises(PlanError, match="malformed plan JSON"):

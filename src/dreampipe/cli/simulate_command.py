@@ -199,6 +199,10 @@ def _load(args: argparse.Namespace
         graph = profile_on(args.profile, topology) if args.profile is not None else None
         run = data.get(SYNC_RUN_KEY)
         return plan, graph, topology, named, None if run is None else SyncRun.from_dict(run)
+    if data is not None and "format" not in data and "layers" not in data:
+        raise PlanError(f"{str(source)!r} is neither a plan (its 'format' {PLAN_FORMAT!r}) nor "
+                        "a profile; give a plan JSON from 'dreampipe plan -o' or a profile "
+                        "from 'dreampipe profile'")
     if args.profile is not None:
         raise PlanError(f"--profile goes with a plan JSON, but {str(source)!r} is a profile; "
                         "drop --profile")
@@ -251,6 +255,9 @@ def _json_object(path: Path) -> dict[str, Any] | None:
     except UnicodeDecodeError:
         return None  # not a plan; load_graph says what it is not
     if not text.lstrip().startswith("{"):
+        if path.suffix.lower() == ".json":
+            raise PlanError(f"{str(path)!r} is not a JSON object; give a plan JSON from "
+                            "'dreampipe plan -o' or a profile from 'dreampipe profile'")
         return None
     try:
         data = json.loads(text)

@@ -373,7 +373,7 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
             "plan it for 2 local workers, train it with PipeDream (async 1F1B, weight "
             "stashing) and, for comparison, with data parallelism for the same epochs, then "
             "print test accuracy and throughput of both and write the measured PipeDream "
-            "timeline as a PNG. A few minutes on 2 CPU cores."
+            "timeline as a PNG. Under a minute on 2 CPU cores."
         ),
     )
     p.add_argument("--epochs", type=float, default=None,

@@ -323,8 +323,10 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"format={data.get('format')!r}: not a dreampipe plan")
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PlanError(f"format={got!r}: not a dreampipe plan (its 'format' is "
+                            f"{PLAN_FORMAT!r}); give a plan JSON from 'dreampipe plan -o'")
         if data.get("version") != _VERSION:
             raise PlanError(f"plan format version {data.get('version')!r} is not {_VERSION}")
         try:
@@ -376,7 +378,10 @@ class Plan:
             raise PlanError(
                 f"cannot read plan {str(path)!r}: {exc}; give a plan JSON from 'dreampipe plan -o'"
             ) from exc
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"plan {str(path)!r}: {exc}") from exc
 
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> None:
         Path(path).write_text(self.to_json(extra) + "\n")
