@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -404,3 +405,27 @@ def test_a_json_file_that_is_no_plan_nor_profile_names_both(
     assert main(["simulate", str(path)]) == 2
     err = capsys.readouterr().err
     assert needle in err and "'dreampipe plan -o'" in err and err.count("\n") == 1, err
+
+
+def test_a_plan_for_virtual_stages_carries_its_cuts_to_a_simulation_without_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Simulated from its JSON alone, an interleaved plan pays its cuts over the slow links
+    as the profile says they cost, not nothing."""
+    saved = tmp_path / "v2.json"
+    assert main(["plan", "pipedream:alexnet", "-t", "2x2", "-b", "10GB/s", "-b", "1Gbps",
+                 "--virtual-stages", "2", "-o", str(saved)]) == 0
+    capsys.readouterr()
+    plan = Plan.load(saved)
+    assert all(st.comm_s > 0 for st in plan.stages[:-1]) and plan.stages[-1].comm_s == 0
+    argv = ["simulate", str(saved), "--schedule", "interleaved-1f1b", "--microbatches", "8",
+            "--minibatches", "2", "-b", "10GB/s", "-b", "1Gbps", "--json"]
+    bare = float(str(_json(capsys, argv)["throughput_minibatches_per_s"]))
+    profiled = float(str(_json(capsys, [*argv, "--profile", "pipedream:alexnet"])[
+        "throughput_minibatches_per_s"]))
+    assert bare == pytest.approx(profiled, rel=0.15), (bare, profiled)
+    free = dataclasses.replace(plan, stages=tuple(dataclasses.replace(st, comm_s=0.0)
+                                                  for st in plan.stages))
+    free.save(tmp_path / "free.json")
+    argv[1] = str(tmp_path / "free.json")
+    assert float(str(_json(capsys, argv)["throughput_minibatches_per_s"])) > 1.5 * profiled

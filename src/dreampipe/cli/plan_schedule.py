@@ -121,7 +121,7 @@ def several_report(
              "minibatches_per_s": c.minibatches_per_s} for c in choice.candidates]
     else:
         kind = ScheduleKind(args.schedule or ScheduleKind.INTERLEAVED.value)
-    plan = cut.placed(kind.placement)
+    plan = _with_cuts(cut.placed(kind.placement), graph, topo)
     run = _simulate(graph, plan, topo, kind, m)
     if run.throughput_minibatches_per_s > 0:  # no closed form prices it: the simulator does
         plan = dataclasses.replace(plan,
@@ -170,6 +170,21 @@ def _stages_per_worker(args: argparse.Namespace) -> int:
                           "--virtual-stages, or name one of those", "schedule",
                           "virtual_stages")
     return v
+
+
+def _with_cuts(plan: Plan, graph: LayerGraph, topo: Topology) -> Plan:
+    """``plan`` with each stage's ``comm_s``: its output and that output's gradient at the
+    slowest link to the next stage's workers, as the simulator moves them, so that a plan
+    JSON simulated without its profile still pays its cuts
+    (:func:`~dreampipe.simulation.action_costs.costs_from_plan`)."""
+    cuts = graph.cut_bytes()
+    stages = list(plan.stages)
+    for s, st in enumerate(stages[:-1]):
+        bw = min(topo.bandwidth_between(x, y) for x in plan.stage_workers(s)
+                 for y in plan.stage_workers(s + 1))
+        comm = 2 * cuts[st.last + 1] / bw if math.isfinite(bw) else 0.0
+        stages[s] = dataclasses.replace(st, comm_s=float(comm))
+    return dataclasses.replace(plan, stages=tuple(stages))
 
 
 def _simulate(graph: LayerGraph, plan: Plan, topo: Topology, kind: ScheduleKind,
