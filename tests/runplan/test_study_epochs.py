@@ -87,3 +87,17 @@ def test_the_warning_follows_the_bundled_study_s_rows(kind: S, stages: int, fami
     assert said is not None and warns in said
     assert said.startswith(f"{kind.value} on {stages} stages: ")
     assert "schedule='1f1b-flush'" in said and "semantics='any'" in said
+
+
+@pytest.mark.parametrize(("kind", "stages", "family"), [
+    (S.PIPEDREAM, 4, "adam"), (S.TWO_BW, 8, "sgd"), (S.PIPEDREAM, 9, "sgd")])
+def test_a_schedule_auto_chose_with_the_study_is_told_not_to_choose_auto(
+        kind: S, stages: int, family: str) -> None:
+    """Where schedule="auto" weighed the study's epochs and chose the schedule, the finding
+    stands and the advice to let "auto" weigh them is not given again."""
+    plain = study_advice(kind, stages, family)
+    said = study_advice(kind, stages, family, weighed=True)
+    assert plain is not None and said is not None
+    assert said.split("; ")[0] == plain.split("; ")[0]
+    assert "chose it with those epochs counted" in said and "to weigh both" not in said
+    assert study_advice(S.FLUSH, stages, family, weighed=True) is None

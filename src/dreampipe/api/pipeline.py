@@ -134,6 +134,8 @@ class Pipeline:
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
+        # "auto" weighing the study's epochs chose the schedule: its advice is already taken
+        weighed = config.schedule == "auto" and config.semantics == "any"
         settled = settle_plan(model, self._layers, plan, example=example, loss_fn=loss_fn,
                               config=config, layout=self.layout, world=world)
         self.plan, self.layout, self.kind = settled.plan, settled.layout, settled.layout.kind
@@ -167,7 +169,7 @@ class Pipeline:
             delayed = None if self.kind.synchronous else self._segments.build(HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
                 modules, delayed, config.vertical_sync, enabled=config.compensate,
-                advise=self.rank == 0, uniform=bool(ties))
+                advise=self.rank == 0, uniform=bool(ties), weighed=weighed)
             self._follow = follow_schedulers(applied, delayed, config.vertical_sync,
                                              enabled=config.compensate, uniform=bool(ties))
             note = agreement_note(delayed, self.config.runner_options())

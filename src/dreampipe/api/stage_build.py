@@ -107,14 +107,16 @@ def _stage_spec(spec: BlockRecompute | None, stage: nn.Module) -> BlockRecompute
 
 
 def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
-                       vertical_sync: bool, *, enabled: bool, advise: bool, uniform: bool
-                       ) -> dict[int, Applied]:
+                       vertical_sync: bool, *, enabled: bool, advise: bool, uniform: bool,
+                       weighed: bool = False) -> dict[int, Applied]:
     """Staleness compensation of every module's optimizer for its delay in ``schedule``
     (None: a synchronous one, which has no delays); ``advise``: warn, once, when a delay
-    is large for the settings; ``uniform``: every stage takes the deepest delay's settings
-    (weights tied across stages). What it changed, by stage. With ``enabled``, a delayed
-    stage whose optimizer compensates by prediction (Adam's) runs on predicted weights
-    (:func:`~dreampipe.runtime.staleness.predicts`, :mod:`dreampipe.runtime.versions`)."""
+    is large for the settings (``weighed``: say it, not warn, where ``schedule="auto"``
+    chose the schedule weighing those epochs); ``uniform``: every stage takes the deepest
+    delay's settings (weights tied across stages). What it changed, by stage. With
+    ``enabled``, a delayed stage whose optimizer compensates by prediction (Adam's) runs
+    on predicted weights (:func:`~dreampipe.runtime.staleness.predicts`,
+    :mod:`dreampipe.runtime.versions`)."""
     delays = (stage_delays(schedule, vertical_sync)
               if schedule is not None and not schedule.kind.synchronous else None)
     for m in modules:
@@ -131,9 +133,9 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
             _log.info("stage %d runs on its weights predicted for the update its gradient goes "
                       "into (staleness compensation)", m.stage)
     if advise and schedule is not None and modules and modules[0].optimizer is not None:
-        warning = study_warning(modules[0].optimizer, schedule)
+        warning = study_warning(modules[0].optimizer, schedule, weighed)
         if warning is not None:
-            _log.warning("%s", warning)
+            _log.log(logging.INFO if weighed else logging.WARNING, "%s", warning)
     return {m.stage: compensate_stage(m.optimizer, schedule, m.stage, vertical_sync=vertical_sync,
                                       enabled=enabled, advise=advise and m is modules[0],
                                       uniform=uniform, delays=delays)
@@ -172,12 +174,14 @@ def agreement_note(schedule: Schedule | None, opts: RunnerOptions) -> str | None
             "other and overlap less; the run's prediction and schedule='auto' count it")
 
 
-def study_warning(optimizer: torch.optim.Optimizer, schedule: Schedule) -> str | None:
+def study_warning(optimizer: torch.optim.Optimizer, schedule: Schedule,
+                  weighed: bool = False) -> str | None:
     """What the convergence study says of training with ``optimizer`` on ``schedule``, when
     it says an asynchronous schedule at that depth misses data parallelism's epochs by
-    more than its bound (:func:`~dreampipe.runplan.study_epochs.study_advice`)."""
+    more than its bound (:func:`~dreampipe.runplan.study_epochs.study_advice`;
+    ``weighed``: ``schedule="auto"`` chose it with those epochs counted)."""
     if schedule.kind.synchronous:
         return None
     hyper = hyper_of(optimizer.param_groups[0])
     family = None if hyper is None else "adam" if hyper.adaptive else "sgd"
-    return study_advice(schedule.kind, schedule.num_stages, family)
+    return study_advice(schedule.kind, schedule.num_stages, family, weighed=weighed)

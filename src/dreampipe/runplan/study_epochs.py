@@ -104,16 +104,23 @@ def epochs_factor(kind: ScheduleKind, stages: int, rows: Sequence[StudyRow] = RO
 
 
 def study_advice(kind: ScheduleKind, stages: int, optimizer: str | None,
-                 rows: Sequence[StudyRow] = ROWS) -> str | None:
+                 rows: Sequence[StudyRow] = ROWS, *, weighed: bool = False) -> str | None:
     """What to change when the study says ``kind`` on ``stages`` stages, with an optimizer
     of family ``optimizer``, needs more than :data:`WARN_FACTOR` times data parallelism's
-    epochs to the target, or never reaches it; None if it does not say so."""
+    epochs to the target, or never reaches it; None if it does not say so. ``weighed``:
+    ``schedule="auto"`` chose ``kind`` with those epochs counted, so nothing is to change
+    but what the user may prefer."""
     said = epochs_factor(kind, stages, rows, optimizer)
     if said.factor <= WARN_FACTOR:
         return None
     needs = ("never reached data parallelism's target" if math.isinf(said.factor) else
              f"needed {said.factor:.2f}x data parallelism's epochs to its target")
-    return (f"{kind.value} on {stages} stages: in dreampipe's convergence study it {needs} "
-            f"({said.why}{'' if optimizer is None else f', {optimizer}'}); train with a "
-            "synchronous schedule (schedule='1f1b-flush', which takes data parallelism's "
-            "epochs), or schedule='auto' with semantics='any' to weigh both, or fewer stages")
+    found = (f"{kind.value} on {stages} stages: in dreampipe's convergence study it {needs} "
+             f"({said.why}{'' if optimizer is None else f', {optimizer}'})")
+    if weighed:
+        return (f"{found}; schedule='auto' with semantics='any' chose it with those epochs "
+                "counted, as the soonest to the target by its throughput (semantics='sync' "
+                "keeps data parallelism's epochs)")
+    return (f"{found}; train with a synchronous schedule (schedule='1f1b-flush', which "
+            "takes data parallelism's epochs), or schedule='auto' with semantics='any' to "
+            "weigh both, or fewer stages")
