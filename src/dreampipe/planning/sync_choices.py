@@ -76,6 +76,15 @@ class SyncOptions:
             raise ConfigError(f"microbatch_size={self.microbatch_size}; give a whole number "
                               f"from 1 to the global batch {self.global_batch} that divides "
                               "its share of each copy of the pipeline", "microbatch_size")
+        b, batch = self.microbatch_size, self.global_batch
+        if b is not None and batch % b:
+            divisors = [str(k) for k in range(1, batch + 1) if batch % k == 0]
+            shown = ", ".join(divisors[:6]) + (", ..." if len(divisors) > 6 else "")
+            raise ConfigError(
+                f"microbatch_size={b} does not divide the global batch of {batch}: each copy "
+                f"of the pipeline runs whole microbatches of its share; give a divisor of "
+                f"{batch} ({shown}) or a global batch that is a multiple of {b} "
+                f"({batch - batch % b or b}, {batch - batch % b + b})", "microbatch_size")
         if not self.kinds:
             raise ConfigError("kinds=(): allow at least one schedule, e.g. 1f1b-flush",
                               "kinds")
