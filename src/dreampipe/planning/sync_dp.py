@@ -1,25 +1,21 @@
 """The dynamic program of the synchronous objective: the best cuts for one schedule's slots.
 
 For a fixed schedule, stage count, chunk count and microbatches (a
-:class:`~dreampipe.planning.sync_objective.Slots`), an update takes the pipeline's
-``A = max_c g_c`` (each stage's term), its bubble's ``Y = max_c y_c`` (ZB-H1's; else 0)
-and then the longest tail ``X = max_c x_c``, each stage's terms read from the
-:class:`~dreampipe.planning.sync_tables.StageTables` of its layers, its option and its
-slot. For bounds ``K`` on the ``y`` and ``L`` on the tails, the least ``A`` is a min-max
-of per-stage terms, so the recursion over the first stage's layers
+:class:`~dreampipe.planning.sync_objective.Slots`), an update takes ``A = max_c g_c``,
+``Y = max_c y_c`` and the longest tail ``X = max_c x_c``, each stage's terms read from
+the :class:`~dreampipe.planning.sync_tables.StageTables` of its layers, option and slot.
+For bounds ``K`` on the ``y`` and ``L`` on the tails the least ``A`` is a min-max of
+per-stage terms, so the recursion over the first stage's layers
 
-    H_c(i) = min over j >= i, options o with y < K, x < L of max( g_c(i, j, o), H_{c+1}(j + 1) )
+    H_c(i) = min over j >= i, options o with y < K, x < L of max(g_c(i, j, o), H_{c+1}(j+1))
 
 is exact, ``O(options n w)`` a slot on stages of at most ``w <= n`` layers (the band).
-:func:`best_stages` solves it with no bound on the tails, then with ``L`` the tail it
-found, and so on while ``A`` stays below the best ``A + X``: every plan with a longer
-tail has an ``A`` at least as large, so the least ``A + X`` under ``K`` is found. It
-does that with no ``K``, then with ``K`` the ``Y`` of that least ``A + X``, and so on
-while the least ``A + X`` stays below the best ``A + X + Y``, by the same argument one
-level up: the best is the optimum (or, once ``A`` reaches a caller's time to beat, none
-beats it). :func:`stage_terms` prices given cuts with the
-same tables, so a plan's reported time is the program's value. docs/planner.md, "The
-synchronous objective".
+:func:`best_stages` narrows ``L`` to the tail found while ``A`` stays below the best
+``A + X``, which finds the least ``A + X`` under ``K``; then ``K`` to that plan's ``Y``
+while it stays below the best ``A + X + Y``: the best is the optimum (or, once ``A``
+reaches a caller's time to beat, none beats it). :func:`stage_terms` prices given cuts
+with the same tables, so a plan's reported time is the program's value.
+docs/planner.md, "The synchronous objective".
 """
 
 from __future__ import annotations

@@ -1,26 +1,21 @@
 """The synchronous objective: one update of a flushed pipeline, priced from its stages.
 
 ``d`` copies of a pipeline of ``p`` stages each run ``m`` microbatches an update, then
-flush. Stage ``c`` takes ``tau_c`` per microbatch on a replica (forward, backward,
-recomputation), ``cut_c`` to send its output and take back the gradient, and ``x_c``
-more at the update's end (the all-reduce left after its last backward, ZeRO's gather):
+flush. Stage ``c`` takes ``tau_c`` per microbatch on a replica, ``cut_c`` to send its
+output and take back the gradient, and ``x_c`` more at the update's end:
 
-    T = max over c of g_c  +  max over c of y_c  +  max over c of x_c,   u_c = tau_c + cut_c
+    T = max_c g_c  +  max_c y_c  +  max_c x_c,                     u_c = tau_c + cut_c
 
-    1f1b-flush         g_c = (m + p - 1) u_c,     y_c = 0               (bubble (p - 1) / m)
-    zb-h1, m >= p      g_c = m u_c - (p - 1) W_c, y_c = (p - 1)(u_c - W_c)
-    interleaved-1f1b   g_c = (v m + p - 1) u_c,   y_c = 0, on p v chunks (bubble (p-1)/(v m))
+    1f1b-flush         g_c = (m + p - 1) u_c,      y_c = 0
+    zb-h1, m >= p      g_c = m u_c - (p - 1) W_c,  y_c = (p - 1)(u_c - W_c)   (W_c <= u_c / 2)
+    interleaved-1f1b   g_c = (v m + p - 1) u_c,    y_c = 0, on p v chunks
 
-with ``W_c`` a stage's weight gradient, at most ``u_c / 2``. These are the simulator's
-time for equal stages without cuts (Narayanan et al. 2021; Qi et al. 2023 for ZB-H1,
-whose bubble is ``(p - 1)(F + B - W)``, ``B`` the input gradient) and above it otherwise
-(a period is at most the largest ``tau + cut``; under ZB-H1 each of the ``p - 1`` bubble
-slots is at most the largest ``u - W``, a fill or a drain no stage's own ``W`` shortens,
-while a stage's ``W`` fills its own drain: docs/planner.md, "The synchronous
-objective"). Each ``g_c`` and ``y_c`` is one stage's own, so for a fixed ``(kind, p, v,
-m)`` the dynamic program (:mod:`.sync_dp`) minimises ``T`` exactly; ``g_c + y_c`` is at
-least :func:`factor` times ``u_c``, which the search's floors use. :func:`slots` says
-where each stage sits, what it holds and its share of the memory.
+``W_c``: the stage's weight gradient. The simulator's time for equal stages without cuts
+(Narayanan et al. 2021; Qi et al. 2023 for ZB-H1) and above it otherwise; why, and why
+each term is one stage's own so that :mod:`.sync_dp` minimises ``T`` exactly:
+docs/planner.md, "The synchronous objective". ``g_c + y_c`` is at least :func:`factor`
+times ``u_c``, which the search's floors use. :func:`slots` says where each stage sits,
+what it holds and its share of the memory.
 """
 
 from __future__ import annotations
