@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser(
         "simulate",
         help="simulate a schedule of a plan: throughput, bubble, memory, timeline",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", "'"),  # reST quotes read as plain
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("source", metavar="PLAN_OR_PROFILE",
