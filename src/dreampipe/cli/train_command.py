@@ -295,7 +295,7 @@ def _request(args: argparse.Namespace) -> TrainRequest:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dreampipe.commands.seq_lengths import lengths_line
+    from dreampipe.commands.seq_lengths import lengths_line, longest_note
     from dreampipe.commands.train_run import Checkpoints, run_train
     from dreampipe.commands.train_share import torchrun_world
 
@@ -329,7 +329,8 @@ def _train(args: argparse.Namespace) -> int:
         ratio = res.samples_per_s / report.predicted_samples_per_s \
             if report.predicted_samples_per_s > 0 else float("nan")
         say(f"throughput: measured {res.samples_per_s:.1f} samples/s, predicted "
-            f"{report.predicted_samples_per_s:.1f} (measured/predicted {ratio:.2f})")
+            f"{report.predicted_samples_per_s:.1f} (measured/predicted {ratio:.2f}"
+            f"{longest_note(args.seq_lengths)})")
         say(f"final loss {res.final_loss:.4f}"
             + (f", test accuracy {res.accuracy:.2%}" if res.accuracy is not None else ""))
         if "seq_lengths" in summary:

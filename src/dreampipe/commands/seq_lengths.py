@@ -25,8 +25,8 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError
 from dreampipe.models.spec import ModelSpec
 
-__all__ = ["check_token_model", "cut", "length_times", "lengths_line", "parse_lengths",
-           "step_length", "with_lengths"]
+__all__ = ["check_token_model", "cut", "length_times", "lengths_line", "longest_note",
+           "parse_lengths", "step_length", "with_lengths"]
 
 
 def parse_lengths(text: str | None) -> tuple[int, int] | None:
@@ -38,6 +38,16 @@ def parse_lengths(text: str | None) -> tuple[int, int] | None:
         return int(low), int(high)
     raise ConfigError(f"--seq-lengths {text}: write MIN:MAX, whole numbers with 1 <= MIN <= "
                       "MAX, e.g. --seq-lengths 8:64", "seq_lengths")
+
+
+def longest_note(lengths: str | None) -> str:
+    """What a throughput prediction under ``--seq-lengths MIN:MAX`` is of: the longest
+    sequences, which its profile and plan are of (module doc); "" without the flag."""
+    if lengths is None:
+        return ""
+    low, _, high = lengths.partition(":")
+    return f"; predicted for the longest sequences, {high} tokens, where the steps drew {low} " \
+        f"to {high}"
 
 
 def with_lengths(config: TrainConfig, lengths: str | None) -> TrainConfig:
