@@ -472,3 +472,23 @@ def test_the_number_format_and_recompute_flags_set_the_config() -> None:
     assert config("--recompute", "selective").recompute_attention
     with pytest.raises(SystemExit):
         config("--recompute", "selective", "--recompute-blocks", "1")
+
+
+@pytest.mark.parametrize(("argv", "needle"), [
+    (["--workers", "0"], "--workers 0; use 1 or more"),
+    (["--batch-size", "7", "--microbatches", "2", "--schedule", "1f1b-flush"],
+     "--batch-size 7 is not divisible by --microbatches 2"),
+    (["--stages", "0,99"], "--stages"),
+])
+def test_a_local_run_fails_on_a_bad_option_before_it_measures_the_machine(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str],
+        needle: str) -> None:
+    import dreampipe.commands.train_plan as train_plan
+
+    def measured(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the machine was measured before the options were checked")
+
+    monkeypatch.setattr(train_plan, "machine_for_run", measured)
+    assert main(["train", "mlp", *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err

@@ -151,13 +151,17 @@ def plan_train(
     lead = torchrun is None or torchrun[0] == 0
     nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
+    # a local job fails on a bad option before it measures the machine; under torchrun
+    # every rank measures first, together
+    early = None if torchrun is not None else _check_before_profiling(
+        req, ask, spec, workers, fixed_world=False)
     machine = machine_for_run(workers, nodes=nodes, say=talk)  # every rank: it may measure
     graph: LayerGraph | None = None
     plan: Plan | None = None
     chosen: tuple[ScheduleKind, int] | None = None
     if lead:
-        steps, given = _check_before_profiling(req, ask, spec, workers,
-                                               fixed_world=torchrun is not None)
+        steps, given = early or _check_before_profiling(req, ask, spec, workers,
+                                                        fixed_world=torchrun is not None)
         graph = _profile(req, spec, ask, machine, local=torchrun is None)
         picked = choose_plan(graph, measured_topology(graph, workers, machine, nodes=nodes),
                              dataclasses.replace(ask, given=given))
@@ -298,6 +302,9 @@ def _check_before_profiling(
     the plan file, if one was given.
     """
     check_options(req.run)
+    opts = req.run
+    MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                     microbatches=opts.config.microbatches, workers=workers)  # checks them
     if req.run.seq_lengths is not None:
         check_token_model(spec, req.run.seq_lengths)
     steps = _steps(req, _load_data(req.run, spec))
