@@ -151,3 +151,23 @@ def _set(line: str, field: str, value: str) -> str:
 
 def _refuse(token: str) -> float:
     raise AssertionError(f"JSON holds {token}")
+
+
+@pytest.mark.parametrize(("argv", "needles"), [
+    (["train", "mlp", "--schedule", "nonsense"],
+     ["dreampipe train: error: argument --schedule: invalid choice: 'nonsense'",
+      "'1f1b-flush'", "see 'dreampipe train --help'"]),
+    (["plan", "pipedream:vgg16"], ["dreampipe plan: error: the following arguments are "
+                                   "required: --topology/-t; see 'dreampipe plan --help'"]),
+    (["nonsense"], ["dreampipe: error: argument COMMAND: invalid choice: 'nonsense'",
+                    "see 'dreampipe --help'"]),
+])
+def test_an_option_argparse_refuses_is_one_line_too(
+        capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "usage:" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from dreampipe.errors import TRACEBACK_HEADER, ConfigError, DreampipeError
 
@@ -58,8 +59,16 @@ _FLAGS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one line naming the value and where the options are,
+    as dreampipe's own are (the sub-commands' parsers are of this class too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="dreampipe",
         description=(
             "PipeDream-style pipeline-parallel training for PyTorch: profile a model per "
