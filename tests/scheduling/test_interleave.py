@@ -53,8 +53,9 @@ def test_every_stage_steps_once_per_minibatch() -> None:
     ((1,) * 8, 6, 2, "multiple of 4"),
     ((2, 1, 1, 1), 4, 2, "stage 2 shares position 0's ranks with stage 0, so it needs its 2 "
                          "replicas; give every stage of a position as many"),
-    ((2, 1, 2, 1), 6, 2, r"2 positions of 2-1 replicas .* takes a multiple of the 2 positions, "
-                         r"dealt round-robin to 2 replicas alike: use 8 \(a multiple of 4\)"),
+    ((2, 1, 2, 1), 6, 2, r"2 positions of 2-1 replicas .* it needs a multiple of its 2 "
+                         r"positions, each's share a multiple of 2, so that a position's "
+                         r"replicas take equal shares round-robin: use 8 \(a multiple of 4\)"),
     ((2, 2, 2, 2), 6, 2, r"m / 2 of them, which must be a multiple of the 2 ranks a copy: "
                          r"use 8 \(a multiple of 4\)"),
     ((1,) * 4, 4, 2, None),

@@ -106,7 +106,8 @@ def test_forward_only_runs_each_copy_stage_after_stage() -> None:
     ((2, 2, 1, 1), S.INTERLEAVED, 8, r"stage 2 shares position 0's ranks with stage 0"),
     ((2, 1, 1, 2), S.DUALPIPEV, 8, r"which replicas of different counts deal apart: give "
                                    r"every stage 1 \(or 2\) replicas, or use zbv"),
-    ((3, 1, 1, 3), S.ZBV, 4, r"dealt round-robin to 3 replicas alike: use 6 \(a multiple of 3\)"),
+    ((3, 1, 1, 3), S.ZBV, 4, r"it needs a multiple of 3, so that a position's replicas take "
+                             r"equal shares round-robin: use 6 \(a multiple of 3\)"),
     ((3,) * 4, S.INTERLEAVED, 9, r"multiple of the 2 ranks a copy: use 12 \(a multiple of 6\)"),
     ((2,) * 4, S.ZBV, 5, r"must be whole: use 6 \(a multiple of 2\)"),
     ((2,) * 4, S.DUALPIPEV, 6, r"at least one per stage \(4\): use 8 \(a multiple of 2, "

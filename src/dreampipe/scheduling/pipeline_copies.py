@@ -118,9 +118,11 @@ def _check_positions(reps: Sequence[int], kind: ScheduleKind, microbatches_per_u
     each = len(counts) if kind is ScheduleKind.INTERLEAVED else 1
     m, need = microbatches_per_update, each * math.lcm(*counts)
     if m % need:
-        order = f"{kind.value} takes a multiple of the {each} positions, " if each > 1 else ""
+        lcm = math.lcm(*counts)
+        order = (f"a multiple of its {each} positions, each's share a multiple of {lcm}"
+                 if each > 1 else f"a multiple of {lcm}")
         raise ScheduleError(
             f"{kind.value} on {len(counts)} positions of {'-'.join(map(str, counts))} "
-            f"replicas (replicas {list(reps)}) with {m} microbatches per minibatch; "
-            f"{order}dealt round-robin to {math.lcm(*counts)} replicas alike: use "
+            f"replicas (replicas {list(reps)}) with {m} microbatches per minibatch; it needs "
+            f"{order}, so that a position's replicas take equal shares round-robin: use "
             f"{-(-m // need) * need} (a multiple of {need})")
