@@ -38,11 +38,17 @@ def test_a_run_stops_at_the_first_action_that_needs_a_microbatch_not_given(
     assert stop == end and post_stop == receives.runnable_end(end, given_ + 1)
 
 
-def test_receives_are_posted_in_order_within_the_lookahead_and_before_the_stop() -> None:
+def _rank(rank: int, done: int = 0) -> tuple[list[Action], list[int], ReceivesAhead]:
+    """Rank ``rank``'s actions, where its receives are, and its receives ahead after the
+    first ``done`` actions ran."""
     schedule = _schedule()
-    actions = schedule.actions[1]
-    recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
-    receives = ReceivesAhead(schedule, 1, 0)
+    actions = list(schedule.actions[rank])
+    return (actions, [i for i, a in enumerate(actions) if a.kind in _RECVS],
+            ReceivesAhead(schedule, rank, done))
+
+
+def test_receives_are_posted_in_order_within_the_lookahead_and_before_the_stop() -> None:
+    actions, recv_at, receives = _rank(1)
     posted: list[Action] = []
     stop = recv_at[3]  # the fourth receive is past the stop
     for i in range(stop):
@@ -52,10 +58,7 @@ def test_receives_are_posted_in_order_within_the_lookahead_and_before_the_stop()
 
 
 def test_a_receive_the_link_cannot_take_is_tried_again_then_posted_once() -> None:
-    schedule = _schedule()
-    actions = schedule.actions[1]
-    recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
-    receives = ReceivesAhead(schedule, 1, 0)
+    actions, recv_at, receives = _rank(1)
     posted: list[Action] = []
     receives.post(0, len(actions), lambda a: False)
     receives.post(0, len(actions), lambda a: posted.append(a) is None)
@@ -65,11 +68,9 @@ def test_a_receive_the_link_cannot_take_is_tried_again_then_posted_once() -> Non
 
 
 def test_a_new_schedule_posts_from_the_first_receive_not_yet_run() -> None:
-    schedule = _schedule()
-    actions = schedule.actions[2]
-    recv_at = [i for i, a in enumerate(actions) if a.kind in _RECVS]
+    _, recv_at, _ = _rank(2)
     done = recv_at[2] + 1  # three receives have run
-    receives = ReceivesAhead(schedule, 2, done)
+    actions, _, receives = _rank(2, done)
     posted: list[Action] = []
     receives.post(done, len(actions), lambda a: posted.append(a) is None)
     assert posted and posted[0] is actions[recv_at[3]]

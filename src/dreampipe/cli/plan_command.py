@@ -325,16 +325,15 @@ def format_plan(
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
               if st.tensor_parallel > 1]
     lines += ["", *stage_reasons(result, graph, memory_bytes)]
-    over = [s for s, st in enumerate(result.stages)
-            if memory_bytes is None and topo.memory_bytes and st.memory_bytes > topo.memory_bytes]
-    if over and topo.memory_bytes:
+    has = topo.memory_bytes if memory_bytes is None else None  # planned without the limit
+    over = [s for s, st in enumerate(result.stages) if has and st.memory_bytes > has]
+    if has and over:
         worst = max(result.stages[s].memory_bytes for s in over)
         lines.append(
             f"memory: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
             f"need{'' if len(over) > 1 else 's'} up to {format_bytes(worst)} per worker, above "
-            f"the {format_bytes(topo.memory_bytes)} a worker has: this plan does not fit; "
-            f"plan with --memory {format_bytes(topo.memory_bytes).replace(' ', '')} to hold "
-            "the stages to it")
+            f"the {format_bytes(has)} a worker has: this plan does not fit; plan with "
+            f"--memory {format_bytes(has).replace(' ', '')} to hold the stages to it")
     rate = f"{result.throughput_minibatches_per_s:.2f} minibatches/s"
     if graph.batch_size:
         rate += f" = {result.throughput_minibatches_per_s * graph.batch_size:.0f} samples/s"

@@ -30,7 +30,7 @@ from dreampipe.runplan.schedule_choice import EFFECTIVE, SEVERAL, Semantics, cho
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan
-from dreampipe.simulation.action_costs import costs_from_profile
+from dreampipe.simulation.action_costs import costs_from_profile, cut_bandwidth
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
 __all__ = ["add_schedule_arguments", "runs_several", "schedule_report", "several_report"]
@@ -180,8 +180,7 @@ def _with_cuts(plan: Plan, graph: LayerGraph, topo: Topology) -> Plan:
     cuts = graph.cut_bytes()
     stages = list(plan.stages)
     for s, st in enumerate(stages[:-1]):
-        bw = min(topo.bandwidth_between(x, y) for x in plan.stage_workers(s)
-                 for y in plan.stage_workers(s + 1))
+        bw = cut_bandwidth(plan, topo, s)
         comm = 2 * cuts[st.last + 1] / bw if math.isfinite(bw) else 0.0
         stages[s] = dataclasses.replace(st, comm_s=float(comm))
     return dataclasses.replace(plan, stages=tuple(stages))

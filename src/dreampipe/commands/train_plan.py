@@ -160,8 +160,8 @@ def plan_train(
     plan: Plan | None = None
     chosen: tuple[ScheduleKind, int] | None = None
     if lead:
-        steps, given = early or _check_before_profiling(req, ask, spec, workers,
-                                                        fixed_world=torchrun is not None)
+        steps, given = early if early is not None else _check_before_profiling(
+            req, ask, spec, workers, fixed_world=True)
         graph = _profile(req, spec, ask, machine, local=torchrun is None)
         picked = choose_plan(graph, measured_topology(graph, workers, machine, nodes=nodes),
                              dataclasses.replace(ask, given=given))

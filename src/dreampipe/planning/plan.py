@@ -323,8 +323,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
-            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        got = data.get("format") if isinstance(data, dict) else type(data).__name__
+        if got != PLAN_FORMAT:
             raise PlanError(f"format={got!r}: not a dreampipe plan (its 'format' is "
                             f"{PLAN_FORMAT!r}); give a plan JSON from 'dreampipe plan -o'")
         if data.get("version") != _VERSION:
@@ -373,13 +373,11 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path) -> Plan:
         try:
-            data = json.loads(Path(path).read_text())
+            return cls.from_dict(json.loads(Path(path).read_text()))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PlanError(
                 f"cannot read plan {str(path)!r}: {exc}; give a plan JSON from 'dreampipe plan -o'"
             ) from exc
-        try:
-            return cls.from_dict(data)
         except PlanError as exc:
             raise PlanError(f"plan {str(path)!r}: {exc}") from exc
 

@@ -127,15 +127,18 @@ class _Slots:
         sl = self.slots
         cut = self._cut(c)
         edge = self._edge(c, sl.count)
-        key = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], tail_below,
-               lift_below, edge, self._window(c) if edge is None else None)
+        slot = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], edge,
+                self._window(c) if edge is None else None)  # slots alike price alike
+        key = (*slot, tail_below, lift_below)
         if key not in self._seen:
-            self._seen[key] = self._values(c, cut, tail_below, lift_below, edge)
+            if slot not in self._options:
+                self._options[slot] = self._priced(c, cut, edge)
+            self._seen[key] = self._values(self._options[slot], tail_below, lift_below)
         return self._seen[key]
 
-    def _values(self, c: int, cut: FloatArray, tail_below: float, lift_below: float,
-                edge: bool | None) -> tuple[FloatArray, IntArray]:
-        rows, at, shape, priced = self._priced(c, cut, edge)
+    def _values(self, prices: _SlotPrices, tail_below: float, lift_below: float
+                ) -> tuple[FloatArray, IntArray]:
+        rows, at, shape, priced = prices
         best = np.full(shape, np.inf)
         pick = np.zeros(shape, dtype=np.int64)
         for x, value, tail, lift, ok in priced:
@@ -153,16 +156,11 @@ class _Slots:
             full[at], chosen[at] = best, pick
         return full, chosen
 
-    def _priced(self, c: int, cut: FloatArray, edge: bool | None
-                ) -> _SlotPrices:
+    def _priced(self, c: int, cut: FloatArray, edge: bool | None) -> _SlotPrices:
         """Slot ``c``'s rows, or edge stages (``at``), their shape, and each option's ``(x,
-        g, tail, y, fits)`` over them, made once a slot: the bounds on tails and ``y`` only
-        filter."""
+        g, tail, y, fits)`` over them, made once a slot (:meth:`values`): the bounds on
+        tails and ``y`` only filter."""
         sl, tables, block, width = self.slots, self.tables, self.slots.blocks[c], self.width
-        key = (tables.groups(block), cut.tobytes(), sl.in_flight[c], edge,
-               self._window(c) if edge is None else None)
-        if key in self._options:
-            return self._options[key]
         # the first slot starts at layer 0 and the last ends at the last layer: each reads
         # only those stages
         last, at, rows = self.last, None, slice(None)
@@ -188,8 +186,7 @@ class _Slots:
                 if edge is None else tables.edge_times(x, block, width, edge)
             lift = sl.lift(tau + after, wgrad) if sl.credit else None
             priced.append((x, sl.value(tau + after, wgrad), tail, lift, ok))
-        self._options[key] = (rows, at, last.shape, priced)
-        return self._options[key]
+        return rows, at, last.shape, priced
 
     def _window(self, c: int) -> tuple[int, int]:
         """The first layers a middle slot ``c``'s stage may start at: after ``c`` stages of

@@ -22,7 +22,8 @@ from dreampipe.profiling.graph import LayerGraph
 if TYPE_CHECKING:
     from dreampipe.planning.sync import Sync
 
-__all__ = ["Bandwidth", "PlacedTopology", "SimCosts", "costs_from_plan", "costs_from_profile"]
+__all__ = ["Bandwidth", "PlacedTopology", "SimCosts", "costs_from_plan", "costs_from_profile",
+           "cut_bandwidth"]
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,13 @@ def costs_from_profile(
     )
 
 
+def cut_bandwidth(plan: Plan, topology: Topology, s: int) -> float:
+    """The slowest link between stage ``s``'s workers and stage ``s + 1``'s: what
+    :func:`costs_from_plan` moves the cut's bytes at (``inf`` on one worker)."""
+    return min(topology.bandwidth_between(x, y) for x in plan.stage_workers(s)
+               for y in plan.stage_workers(s + 1))
+
+
 def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float = 1.0) -> SimCosts:
     """Approximate costs from a plan's own predictions, when no profile is at hand.
 
@@ -289,8 +297,7 @@ def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float =
     bwd = tuple(2 * st.compute_s / 3 * microbatch_fraction for st in plan.stages)
     act = []
     for s, a in enumerate(plan.stages[:-1]):
-        bw = min(topology.bandwidth_between(x, y) for x in plan.stage_workers(s)
-                 for y in plan.stage_workers(s + 1))
+        bw = cut_bandwidth(plan, topology, s)
         act.append(a.comm_s / 2 * bw * microbatch_fraction if math.isfinite(bw) else 0.0)
     return SimCosts(
         forward_s=fwd, backward_s=bwd, activation_bytes=tuple(act),
