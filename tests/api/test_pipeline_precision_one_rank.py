@@ -50,6 +50,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
              **({"loss_scale": _overflowing_scale("gpt2", _DEVICE)}
                 if precision == "fp16-mixed" else {})}
             for precision in _PRECISIONS]
+    # bf16 at a learning rate of 0: the 32-bit masters must stay the weights given
+    jobs.append({**jobs[_PRECISIONS.index("bf16")], "lr": 0.0, "steps": 1})
     out = tmp_path_factory.mktemp("one_rank") / "results.pt"
     got = torchrun_json(Path(__file__).with_name("models_script.py"), str(out),
                         json.dumps(jobs), nproc=1, timeout_s=200.0)
@@ -79,3 +81,22 @@ def test_a_precision_on_one_rank_trains_as_one_process_in_it(runs: list[dict[str
     if precision == "fp16-mixed":
         assert ref.skipped == [0]
         assert got["skipped"] == [0]  # the overflowing update skipped, as GradScaler does
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bf16_masters_start_from_the_weights_given_tied_ones_too(
+        runs: list[dict[str, Any]]) -> None:
+    """Under bf16 every stage keeps 32-bit master weights taken before its cast to 16
+    bits; GPT-2's embedding and head, tied across stages, start on every copy from the
+    first copy's value before that cast too, so at a learning rate of 0 the state is the
+    model's own, bit for bit (a start after the cast gave the tied copies their bf16
+    rounding, and updates smaller than it were lost)."""
+    got = runs[len(_PRECISIONS)]
+    start = CaseSpec(CASES["gpt2"], SEED).model().state_dict()
+    tied = [k for k in start if k.endswith(("wte.weight", "lm_head.weight"))]
+    assert len(tied) == 2 and not torch.equal(start[tied[0]].bfloat16().float(), start[tied[0]])
+    assert sorted(got["state"]) == sorted(start)
+    for k, v in start.items():
+        assert got["state"][k].dtype == v.dtype, k
+        assert torch.equal(got["state"][k].cpu(), v), k

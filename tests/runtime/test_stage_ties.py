@@ -12,8 +12,9 @@ from torch import nn
 
 from dreampipe.api.ties import TiePlace, tie_place
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.stage_module import StageModule
-from dreampipe.runtime.stage_ties import RankTie, TiedCopy, left_out_of_norm, start_ties, sum_ties
+from dreampipe.runtime.stage_ties import RankTie, TiedCopy, left_out_of_norm, start_values, sum_ties
 from dreampipe.splitter.chain import Tie, hold_apart
 
 __all__: list[str] = []
@@ -76,10 +77,15 @@ def world() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def _stage(stage: int, seed: int) -> StageModule:
+def _built(seed: int) -> nn.Module:
     torch.manual_seed(seed)
-    return StageModule(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
-                       lambda ps: torch.optim.SGD(ps, lr=0.5), stage=stage, input_grad=False)
+    return nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+
+def _stage(stage: int, built: nn.Module, precision: Precision = Precision.FP32
+           ) -> StageModule:
+    return StageModule(built, lambda ps: torch.optim.SGD(ps, lr=0.5), stage=stage,
+                       input_grad=False, precision=precision)
 
 
 def _gradient(st: StageModule, seed: int) -> torch.Tensor:
@@ -91,10 +97,11 @@ def _gradient(st: StageModule, seed: int) -> torch.Tensor:
 
 @pytest.mark.usefixtures("world")
 def test_two_copies_on_one_rank_start_equal_and_take_one_sum_each() -> None:
-    a, b = _stage(0, 1), _stage(2, 2)
-    assert not torch.equal(a.params[0], b.params[0])
+    first, later = _built(1), _built(2)
+    assert not torch.equal(first[0].weight, later[0].weight)
+    start_values([((first[0].weight, later[0].weight), None, 0)])
+    a, b = _stage(0, first), _stage(2, later)
     tie = RankTie((TiedCopy(a, 0, True, True), TiedCopy(b, 0, True, False)), None, 0)
-    start_ties([tie])
     torch.testing.assert_close(b.params[0], a.params[0], rtol=0, atol=0)
     total = _gradient(a, 3) + _gradient(b, 4)
     waited: list[object] = []
@@ -113,7 +120,7 @@ def test_two_copies_on_one_rank_start_equal_and_take_one_sum_each() -> None:
 
 @pytest.mark.usefixtures("world")
 def test_a_copy_that_does_not_count_adds_zeros_through_the_runners_wait() -> None:
-    st = _stage(1, 1)
+    st = _stage(1, _built(1))
     _gradient(st, 3)
     tie = RankTie((TiedCopy(st, 0, False, False),), dist.new_group([0]), 0)
     waited: list[object] = []
@@ -125,3 +132,18 @@ def test_a_copy_that_does_not_count_adds_zeros_through_the_runners_wait() -> Non
     sum_ties([tie], wait)
     assert len(waited) == 1  # the one tie's all-reduce, through the runner's wait
     torch.testing.assert_close(st.gradients()[0], torch.zeros(4, 3), rtol=0, atol=0)
+
+
+@pytest.mark.usefixtures("world")
+def test_under_bf16_the_tied_copies_masters_start_from_the_32_bit_value() -> None:
+    """The copies start before the stages cast to 16 bits: each 32-bit master weight is
+    the first copy's value itself, not its bf16 rounding (which a start after the cast
+    would give every copy, losing updates smaller than the rounding)."""
+    first, later = _built(1), _built(2)
+    value = first[0].weight.detach().clone()
+    assert not torch.equal(value.bfloat16().float(), value)  # the rounding would show
+    start_values([((first[0].weight, later[0].weight), None, 0)])
+    a, b = _stage(0, first, Precision.BF16), _stage(2, later, Precision.BF16)
+    for st in (a, b):
+        assert st.params[0].dtype == torch.bfloat16
+        torch.testing.assert_close(st.optimized[0], value, rtol=0, atol=0)

@@ -52,7 +52,7 @@ from dreampipe.api.stage_build import (
     compensate_modules,
     follow_schedulers,
 )
-from dreampipe.api.ties import tie_stages
+from dreampipe.api.ties import tie_places
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
@@ -161,11 +161,14 @@ class Pipeline:
             layer for s in self._my_stages() for _, layer in
             self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
             self.device)
+        tied = tie_places(ties, self.plan)
+        self._groups += tied.made
         with counting(self._meter):  # the stage's build counts in its peak
             modules = build_modules(
                 self._layers, self.plan, self._my_stages(), self.device,
                 mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
-                optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank)
+                optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank,
+                start=tied.start)
             delayed = None if self.kind.synchronous else self._segments.build(HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
                 modules, delayed, config.vertical_sync, enabled=config.compensate,
@@ -192,13 +195,12 @@ class Pipeline:
                 else process_groups([st.ranks for st in self.plan.stages], t, made=self._groups)
             clip_group = dist.new_group(list(range(world))) \
                 if config.max_grad_norm is not None else None
-            held, made = tie_stages(ties, self.plan, modules)
-            self._groups += [clip_group, *made]
+            self._groups.append(clip_group)
             self._runner: RankRunner | None = RankRunner(
                 self._segments.schedule(self._segments.horizon), self.srank, self.device,
                 self.module, self._opts, groups=groups, links=self._links,
                 clip_group=clip_group, after_step=self._after_step, others=modules[1:],
-                ties=held, overlap=model_hook(model),
+                ties=tied.ranks(modules), overlap=model_hook(model),
             )
             self._segment = 0
             self._pending: list[float] = []

@@ -11,7 +11,7 @@ reads them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -47,14 +47,16 @@ _log = logging.getLogger(__name__)
 def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: torch.device,
                   mesh: DeviceMesh | None, *,
                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                  loss_fn: Callable[..., Any], config: TrainConfig, rank: int = 0
+                  loss_fn: Callable[..., Any], config: TrainConfig, rank: int = 0,
+                  start: Callable[[Mapping[int, nn.Module]], None] | None = None
                   ) -> list[StageModule]:
     """One StageModule per stage in ``stages``, each with the user's ``optimizer`` and
     ``loss_fn`` and the config's weight stashing, vertical sync, gradient kernels and
     seed; a split stage's share on ``mesh``; the blocks it recomputes (a stage the plan
     recomputes whole does that instead; a stage of fewer blocks than asked recomputes
     them all); its ZeRO level (the plan's stage's, else the config's) and schedule rank
-    ``rank``'s replica of it."""
+    ``rank``'s replica of it. ``start`` sees the stages as built, before their optimizers
+    cast or shard them (where tied weights take their first stage's value)."""
     spec = config.block_recompute()
     if spec is not None:
         spec = spec.for_model(*(m for _, m in layers))
@@ -69,6 +71,8 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
         else:
             built.append(build_stage(layers, st.first, st.last, device, config.seed))
     hold_apart(built)  # interleaving: a weight tied across the rank's stages, a copy each
+    if start is not None:
+        start(dict(zip(stages, built, strict=True)))
     modules = []
     for stage, module in zip(stages, built, strict=True):
         st = plan.stages[stage]

@@ -1,39 +1,40 @@
 """Weights tied across stages: each stage holds a copy, and the copies stay equal.
 
-A parameter shared by layers of several stages (GPT-2's input embedding and
-output head, tied by ``tie_weights``) lives on each of those stages, as
-DeepSpeed's ``TiedLayerSpec`` does. The first stage's value is broadcast to
-the others before training (a model built on ``meta`` initialises each copy
-on its own), and every update first sums the copies' gradients, each stage's
-once (:mod:`~dreampipe.runtime.stage_ties`): the copies a rank holds (two of its
-virtual stages may), then over the ranks. So each copy applies the same change,
-the global norm of ``max_grad_norm`` counts the weight once, and training equals
-one process. Each stage stashes its copy with its own weight versions; the state
-dict has the parameter under every stage's name, with one value.
+A parameter shared by layers of several stages (GPT-2's input embedding and output head,
+tied by ``tie_weights``) lives on each of those stages, as DeepSpeed's ``TiedLayerSpec``
+does. The first stage's value is broadcast to the others as the stages are built, before
+any 16-bit cast (a model built on ``meta`` initialises each copy on its own), and every
+update first sums the copies' gradients, each stage's once
+(:mod:`~dreampipe.runtime.stage_ties`): the copies a rank holds (two of its virtual
+stages may), then over the ranks. So each copy applies the same change, the global norm
+of ``max_grad_norm`` counts the weight once, and training equals one process. Each stage
+stashes its copy with its own weight versions; the state dict has the parameter under
+every stage's name, with one value.
 
 A tied stage may be replicated: its replicas' gradients are summed first (its
 ``ALLREDUCE``, which the update pass puts before the rank's first ``STEP`` of the
-update, also on copies of an interleaved or V pipeline), so only its first replica
-adds its sum to the tie's, the others add zeros, and every copy takes the same
-total. Ties are honoured on any schedule, but not on a stage split over workers: a
-ConfigError before training.
+update, also on copies of an interleaved or V pipeline), so only its first replica adds
+its sum to the tie's, the others add zeros, and every copy takes the same total. Ties
+are honoured on any schedule, but not on a stage split over workers: a ConfigError
+before training.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_module import StageModule
-from dreampipe.runtime.stage_ties import RankTie, TiedCopy, start_ties
+from dreampipe.runtime.stage_ties import RankTie, TiedCopy, start_values
 from dreampipe.splitter.chain import Tie
 
-__all__ = ["TiePlace", "check_ties", "tie_place", "tie_stages"]
+__all__ = ["HeldTies", "TiePlace", "check_ties", "tie_place", "tie_places"]
 
 
 def check_ties(ties: list[Tie], plan: Plan) -> None:
@@ -70,13 +71,34 @@ def tie_place(tie: Tie, plan: Plan, rank: int) -> TiePlace:
     return TiePlace(tuple(ranks), plan.stages[tie.stages[0]].ranks[0], copies)
 
 
-def tie_stages(ties: list[Tie], plan: Plan, modules: Sequence[StageModule]
-               ) -> tuple[list[RankTie], list[Any]]:
-    """This rank's copies of ``ties`` on its stages' ``modules``, started from the first
-    stage's value, with a group for each tie held on more than one rank (every rank makes
-    them, in order); the ties this rank holds, and the groups made."""
-    rank, by_stage = dist.get_rank(), {m.stage: m for m in modules}
-    held: list[RankTie] = []
+@dataclass(frozen=True)
+class HeldTies:
+    """The ties a rank holds copies of, each with its place and group (None: held on this
+    rank alone), and every group made for them (each rank makes them all, in order)."""
+
+    held: tuple[tuple[TiePlace, Any], ...]
+    made: tuple[Any, ...]
+
+    def start(self, built: Mapping[int, nn.Module]) -> None:
+        """Start every copy on the rank's ``built`` stages (by stage, as built: before
+        their optimizers cast or shard them) from the first stage's value."""
+        start_values([([built[s].get_parameter(name) for s, name, _, _ in place.copies],
+                        group, place.src) for place, group in self.held])
+
+    def ranks(self, modules: Sequence[StageModule]) -> list[RankTie]:
+        """The ties as the rank's stage ``modules`` hold them, for the runtime's sums."""
+        by_stage = {m.stage: m for m in modules}
+        return [RankTie(tuple(TiedCopy(m, m.module_param_names.index(name), counts, normed)
+                              for s, name, counts, normed in place.copies
+                              for m in (by_stage[s],)), group, place.src)
+                for place, group in self.held]
+
+
+def tie_places(ties: list[Tie], plan: Plan) -> HeldTies:
+    """Where ``ties``' copies are on this rank of ``plan``, with a group for each tie
+    held on more than one rank (every rank makes them, in order)."""
+    rank = dist.get_rank()
+    held: list[tuple[TiePlace, Any]] = []
     made: list[Any] = []
     for tie in ties:
         place = tie_place(tie, plan, rank)
@@ -84,9 +106,5 @@ def tie_stages(ties: list[Tie], plan: Plan, modules: Sequence[StageModule]
         if group is not None:
             made.append(group)
         if place.copies:
-            held.append(RankTie(tuple(
-                TiedCopy(m, m.module_param_names.index(name), counts, normed)
-                for s, name, counts, normed in place.copies for m in (by_stage[s],)),
-                group, place.src))
-    start_ties(held)
-    return held, made
+            held.append((place, group))
+    return HeldTies(tuple(held), tuple(made))

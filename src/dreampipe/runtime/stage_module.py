@@ -363,23 +363,6 @@ class StageModule:
                    sorted(self._versions))
 
     # ---- weights tied across stages (:mod:`.stage_ties`) -----------------
-    def tied_value(self, index: int) -> Tensor:
-        """Where parameter ``index`` receives its starting value: the weight, or under
-        ZeRO-3, while the weights are freed, a tensor of its own."""
-        p = self._params[index]
-        if isinstance(self._master, ZeroParams) and not self._master.whole:
-            return torch.empty_like(p, memory_format=torch.contiguous_format)
-        return p.data
-
-    def start_tied(self, index: int, value: Tensor) -> None:
-        """Parameter ``index`` starts from ``value`` (:meth:`tied_value`'s, or another
-        stage's copy): the weight, and its master or chunk from it."""
-        p = self._params[index]
-        if p.untyped_storage().size() and value.data_ptr() != p.data_ptr():
-            with torch.no_grad():
-                p.copy_(value)
-        self._master.load({self._names[index]: value}, self._names)
-
     def tied_gradient(self, index: int) -> Tensor:
         """Parameter ``index``'s gradient of the update so far, zeros where none came;
         whole, where the replicas shard it (a collective over them, :mod:`.zero`)."""

@@ -1,15 +1,15 @@
 """A rank's copies of weights tied across stages: one value, one summed gradient.
 
 The rule (DeepSpeed's ``TiedLayerSpec``; GPT-2's embedding and head): every copy starts
-from the first stage's value, and each update, before its global norm is taken, sums the
-copies' gradients: the copies a rank holds (two under interleaving) first, then over the
-ranks holding the others, so every copy applies the same change. On a replicated stage
-one replica adds the stage's sum (the replicas hold it: the rank's ``ALLREDUCE`` of every
-stage precedes its first ``STEP``) and the others zeros.
-Where a stage's replicas shard their gradients (ZeRO level 2 and up, :mod:`.zero`), the
-replica's chunks are gathered whole for the sum and cut again after it; under level 3
-the starting value is received into a tensor of its own and taken into the chunks.
-docs/design.md §8.4.
+from the first stage's value (:func:`start_values`, before the stages cast to 16 bits or
+shard, so the 32-bit master weights start from the value itself), and each update,
+before its global norm is taken, sums the copies' gradients: the copies a rank holds
+(two under interleaving) first, then over the ranks holding the others, so every copy
+applies the same change. On a replicated stage one replica adds the stage's sum (the
+replicas hold it: the rank's ``ALLREDUCE`` of every stage precedes its first ``STEP``)
+and the others zeros. Where a stage's replicas shard their gradients (ZeRO level 2 and
+up, :mod:`.zero`), the replica's chunks are gathered whole for the sum and cut again
+after it. docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from dreampipe.runtime.stage_module import StageModule
 
-__all__ = ["RankTie", "TiedCopy", "left_out_of_norm", "start_ties", "sum_ties"]
+__all__ = ["RankTie", "TiedCopy", "left_out_of_norm", "start_values", "sum_ties"]
 
 
 @dataclass(frozen=True)
@@ -49,16 +50,21 @@ class RankTie:
     src: int
 
 
-def start_ties(ties: Sequence[RankTie]) -> None:
-    """Start every copy from the value of rank ``src``'s first copy (a broadcast over each
-    tie's group, in the order of ``ties`` on every rank)."""
-    for tie in ties:
-        first = tie.copies[0]
-        value = first.module.tied_value(first.index)
-        if tie.group is not None:
-            dist.broadcast(value, src=tie.src, group=tie.group)
-        for c in tie.copies:
-            c.module.start_tied(c.index, value)
+def start_values(ties: Sequence[tuple[Sequence[Tensor], Any, int]]) -> None:
+    """Start each tie's copies on this rank, ``(params, group, src)``: the copies as the
+    built stages hold them (in stage order, before any cast or shard), from rank ``src``'s
+    first copy's value, broadcast over ``group`` (None: this rank holds them all); every
+    rank holding a copy calls it, with the ties in one order."""
+    with torch.no_grad():
+        for params, group, src in ties:
+            value = params[0].detach()
+            if group is not None:
+                sent = value.contiguous()
+                dist.broadcast(sent, src=src, group=group)
+                if sent.data_ptr() != value.data_ptr():
+                    value.copy_(sent)
+            for p in params[1:]:
+                p.copy_(value)
 
 
 def sum_ties(ties: Sequence[RankTie], wait: Callable[[Any], None]) -> None:
