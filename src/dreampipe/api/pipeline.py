@@ -64,6 +64,7 @@ from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import held_keys, split_layers
+from dreampipe.splitter.segments import eval_refusal
 from dreampipe.splitter.state_keys import state_keys
 
 __all__ = ["SEGMENT_MICROBATCHES", "Pipeline"]
@@ -132,6 +133,9 @@ class Pipeline:
         self._shapes = BatchShapes(example, config.variable_dims,
                                    self.layout.microbatches_per_update)
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
+        refused = eval_refusal(self._layers)
+        if refused is not None and self.rank == 0:
+            _log.warning("%s: training runs it, but evaluate() will refuse", refused)
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
         # "auto" weighing the study's epochs chose the schedule: its advice is already taken
@@ -320,6 +324,12 @@ class Pipeline:
     @counted
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
+        refused = eval_refusal(self._layers)
+        if refused is not None:
+            raise ConfigError(
+                f"evaluate() cannot run the model in eval mode: {refused}; move that branch "
+                "into the forward of a submodule the forward calls (a block runs whole, in "
+                "its own mode), or evaluate full_state_dict() in one process", "model")
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,

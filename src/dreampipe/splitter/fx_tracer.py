@@ -31,6 +31,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from dreampipe.splitter.hf_hooks import Firings, prune, recording, replay
+from dreampipe.splitter.trace_effects import undone
 
 __all__ = ["call_on_meta", "on_meta", "trace_model"]
 
@@ -307,14 +308,15 @@ def _named_forward(model: nn.Module, names: list[str]) -> Iterator[None]:
 
 
 def trace_model(model: nn.Module, units: set[str], example: Any, *,
-                shapes_known: bool = False) -> tuple[fx.Graph, bool]:
+                shapes_known: bool = False, again: bool = False) -> tuple[fx.Graph, bool]:
     """``model``'s forward as a graph with ``units`` kept whole, and whether the example's
     shapes are baked into it; ``example`` is its input (a tensor, a tuple, a dict of keyword
     arguments, or None: no shapes known).
 
     A plain fx trace first, which keeps shapes symbolic (a smaller last batch still
     runs); if that fails, or at once with ``shapes_known``, a trace with the example's
-    shapes known (see the docstring)."""
+    shapes known (see the docstring). What the trace did to the model is undone
+    (:mod:`.trace_effects`), said once: not ``again``."""
     own = inspect.signature(type(model).forward).parameters
     plain = not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in own.values())
     if isinstance(example, dict):
@@ -332,7 +334,7 @@ def trace_model(model: nn.Module, units: set[str], example: Any, *,
 
     def trace(concrete: bool) -> fx.Graph:
         named = _named_forward(model, names) if rename else contextlib.nullcontext()
-        with named, _leaf_functions(model):
+        with undone(model, warn=not again), named, _leaf_functions(model):
             graph = _Tracer(units, None if example is None else inputs, concrete).trace(model)
         prune(graph)
         return graph

@@ -24,13 +24,15 @@ from torch import nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from dreampipe.errors import ConfigError, PlanError
+from dreampipe.splitter.eval_graphs import eval_graphs
 from dreampipe.splitter.fx_tracer import trace_model
 from dreampipe.splitter.hf_hooks import Interpreter
 from dreampipe.splitter.materialise import initialiser
 from dreampipe.splitter.shape_graphs import ShapeGraphs, Signature, signature
 
 __all__ = [
-    "Segment", "fetch", "place", "place_attr", "segments", "split_bounds", "unit_names",
+    "Segment", "eval_refusal", "fetch", "place", "place_attr", "segments", "split_bounds",
+    "unit_names",
 ]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
@@ -107,6 +109,11 @@ class Segment(nn.Module):
         self.targets: list[str] = []
         #: The attributes (buffers) its nodes write in place.
         self.written = _written(graph)
+        #: Its graph traced with the model in eval mode, where the forward's code between
+        #: units reads ``self.training`` (None: the same graph); :attr:`eval_refused` says
+        #: why an evaluation cannot run here, where that graph does not fit the cuts.
+        self.eval_graph: fx.Graph | None = None
+        self.eval_refused: str | None = None
         self.initialiser = initialiser(root)
         for node in graph.nodes:
             if node.op in ("call_module", "get_attr") and node.target not in self.targets:
@@ -120,7 +127,10 @@ class Segment(nn.Module):
         """The segment on ``values`` (its placeholders in order), reading from ``holder``;
         ``sig``: the signature of the model's inputs (:meth:`signature`; None: the
         example's)."""
-        graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
+        if not holder.training and self.eval_graph is not None:
+            graph = self.eval_graph
+        else:
+            graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
         return _plain(Interpreter(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
 
@@ -241,6 +251,13 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
         ) from exc
     cut = _cut(graph, units, what)
     out = [(label, Segment(model, g, label, s, len(cut))) for s, (label, g) in enumerate(cut)]
+    evals = eval_graphs(model, set(units), example, cut, baked,
+                        lambda g: _cut(g, units, what))
+    for s, (_, segment) in enumerate(out):
+        if isinstance(evals, str):
+            segment.eval_refused = f"{what}'s forward {evals}"
+        else:
+            segment.eval_graph = evals[s]
     if baked:
         first = out[0][1]
         names = [str(n.target) for n in first.inputs]
@@ -249,13 +266,21 @@ def segments(model: nn.Module, units: Sequence[str], example: Any = None
             given = dict(zip(names, values, strict=True))
             again = ({k: given[k] for k in example} if isinstance(example, dict) else
                      tuple(values[: len(example)]) if isinstance(example, tuple) else values[0])
-            return _cut(trace_model(model, set(units), again, shapes_known=True)[0], units, what)
+            return _cut(trace_model(model, set(units), again, shapes_known=True,
+                                    again=True)[0], units, what)
 
         traced = signature(first.bind(example if isinstance(example, tuple) else (example,)))
         shapes = ShapeGraphs(retrace, traced, cut)
         for _, segment in out:
             segment.shapes = shapes
     return out
+
+
+def eval_refusal(layers: Sequence[tuple[str, nn.Module]]) -> str | None:
+    """Why a model of ``layers`` cannot be evaluated in eval mode (:mod:`.eval_graphs`);
+    None where it can."""
+    return next((m.eval_refused for _, m in layers
+                 if isinstance(m, Segment) and m.eval_refused), None)
 
 
 def _cut(graph: fx.Graph, units: Sequence[str], what: str) -> list[tuple[str, fx.Graph]]:

@@ -1,0 +1,76 @@
+"""What a traced forward does to the model is undone (``splitter/trace_effects.py``): a
+buffer rebound in the forward is refused by name with the fix, a plain value it changes
+is warned of, and the user's model is left as it was either way."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dreampipe.errors import PlanError
+from dreampipe.splitter.chain import Chain, split_layers
+
+__all__: list[str] = []
+
+
+class _Net(nn.Module):
+    def __init__(self, update: Callable[[_Net], None]) -> None:
+        super().__init__()
+        self.update = update
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.steps = 0
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.update(self)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * (1 + self.calls)
+
+
+def _iadd(m: _Net) -> None:
+    m.calls += 1
+
+
+def _rebind(m: _Net) -> None:
+    m.calls = m.calls + 1
+
+
+@pytest.mark.parametrize("update", [_iadd, _rebind], ids=["+=", "= +"])
+def test_a_buffer_rebound_in_the_forward_is_refused_and_left_as_it_was(
+        update: Callable[[_Net], None]) -> None:
+    model = _Net(update)
+    calls = model.calls
+    with pytest.raises(PlanError, match=r"assigns self\.calls.*self\.calls\.add_\(1\)"):
+        split_layers(model, torch.randn(4, 6))
+    assert model.calls is calls and int(calls) == 0  # the model still runs as PyTorch's
+    model(torch.randn(4, 6))
+    assert int(model.calls) == 1
+
+
+def test_a_buffer_updated_in_place_traces_and_counts_each_call() -> None:
+    model = _Net(lambda m: m.calls.add_(1))
+    chain = Chain(split_layers(model, torch.randn(4, 6)))
+    assert int(model.calls) == 0  # the trace ran on meta values
+    x = torch.randn(4, 6)
+    chain(x)
+    chain(x)
+    assert int(chain.get_buffer("calls")) == 2
+
+
+def test_a_plain_value_the_forward_changes_is_warned_of_and_restored(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def count(m: _Net) -> None:
+        m.steps += 1
+
+    model = _Net(count)
+    with caplog.at_level(logging.WARNING):
+        split_layers(model, torch.randn(4, 6))
+    said = [r.getMessage() for r in caplog.records if "self.steps" in r.getMessage()]
+    assert len(said) == 1 and "plain Python value" in said[0] and "register_buffer" in said[0]
+    assert model.steps == 0
