@@ -90,6 +90,52 @@ def test_a_resumed_synchronous_run_continues_bit_for_bit(tmp_path: Path,
         assert torch.equal(got[k], v), k
 
 
+class _Average(nn.Module):
+    """Subtracts an average of its inputs that it keeps in a buffer a state dict leaves
+    out (``persistent=False``) and updates in training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("avg", torch.zeros(16), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training:
+            self.avg.mul_(0.5).add_(x.detach().mean(0), alpha=0.5)
+        return x - self.avg
+
+
+def test_a_buffer_the_state_dict_leaves_out_resumes_as_the_run_left_it(
+        tmp_path: Path) -> None:
+    def pipe(resume: Path | None = None) -> dreampipe.Pipeline:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), _Average(), nn.GELU(), nn.Linear(16, 3))
+        return dreampipe.Pipeline(model, example=_data()[0], loss_fn=F.cross_entropy,
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                  plan=Plan.from_config(4, [0, 2], [1, 1], virtual_stages=2),
+                                  config=dreampipe.TrainConfig(schedule="interleaved-1f1b",
+                                                               microbatches=2, resume=resume))
+
+    data = _data()
+    straight = pipe()
+    for x, y in data:
+        straight.step(x, y)
+    want = straight.full_state_dict()
+    straight.close()
+    first = pipe()
+    for x, y in data[:4]:
+        first.step(x, y)
+    first.save(tmp_path)
+    first.close()
+    second = pipe(resume=tmp_path)
+    for x, y in data[4:]:
+        second.step(x, y)
+    got = second.full_state_dict()
+    second.close()
+    assert "1.avg" not in want  # not in a state dict: the checkpoint's buffer.1.avg
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 @pytest.mark.parametrize(("saved", "resumed"), [("bf16", "fp32"), ("fp32", "bf16")])
 def test_a_checkpoint_moves_between_precisions(tmp_path: Path, saved: str,
                                                resumed: str) -> None:

@@ -1,11 +1,11 @@
 """Checkpoints of a Pipeline with ``torch.distributed.checkpoint`` (DCP).
 
-Keys are the original model's names (``model.<fqn>``, ``optim.<fqn>.<name>``,
-``param.<fqn>``, ``progress``: the minibatches, the RNG and fp16-mixed's loss scale,
-``rng.<rank>``), so a checkpoint loads into
-any plan and into the plain model (:func:`load_model_state`). A rank writes
-and reads the entries of every stage it runs (:mod:`.stage_state`); a run
-resumed on other delays takes its own staleness compensation
+Keys are the original model's names (``model.<fqn>``, ``buffer.<fqn>`` for buffers a
+state dict leaves out, ``optim.<fqn>.<name>``, ``param.<fqn>``, ``progress``: the
+minibatches, the RNG and fp16-mixed's loss scale, ``rng.<rank>``), so a checkpoint loads
+into any plan and into the plain model (:func:`load_model_state`). A rank writes and
+reads the entries of every stage it runs (:mod:`.stage_checkpoint`); a run resumed on other
+delays takes its own staleness compensation
 (:func:`~dreampipe.runtime.staleness.carry_over`).
 
 A save is atomic: a directory without the ``COMMITTED`` marker is never

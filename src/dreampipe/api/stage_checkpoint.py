@@ -9,6 +9,9 @@ whatever the reading stage holds, a whole tensor in an unsplit stage or this
 worker's share in a split one, from the shares written (resharding). A stage under
 ZeRO (:mod:`dreampipe.runtime.zero`) writes its optimizer state whole, gathered over its
 replicas, and cuts what it reads to its shard, so any plan or ZeRO level reads it.
+Buffers a state dict leaves out (``persistent=False``) are written too, as
+``buffer.<fqn>``: a forward may change them (an average it keeps), and a resumed run
+must start from them as the run went on; a checkpoint without them leaves them as built.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied, Hyper, carry_over
@@ -39,12 +42,24 @@ class StagePart:
     compensation: Applied
 
 
+def _unsaved(module: nn.Module) -> dict[str, Tensor]:
+    """``module``'s buffers that its state dict leaves out (``persistent=False``), by name."""
+    out: dict[str, Tensor] = {}
+    for name, m in module.named_modules():
+        for b in sorted(m._non_persistent_buffers_set):
+            t = m._buffers.get(b)
+            if t is not None:
+                out.setdefault(f"{name}.{b}" if name else b, t)
+    return out
+
+
 def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
-    """The ``model.``, ``optim.`` and ``param.`` entries of ``parts``."""
+    """The ``model.``, ``buffer.``, ``optim.`` and ``param.`` entries of ``parts``."""
     state: dict[str, Any] = {}
     for part in parts:
         module = part.module
         state.update({f"model.{k}": v for k, v in module.state_dict().items()})
+        state.update({f"buffer.{k}": v for k, v in _unsaved(module.module).items()})
         opt = module.optimizer
         sched = part.scheduler.state_dict() if part.scheduler is not None else None
         names = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
@@ -76,6 +91,8 @@ def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
         module = part.module
         out.update({f"model.{k}": torch.empty_like(v)
                     for k, v in module.state_dict().items()})
+        out.update({f"buffer.{k}": torch.empty_like(v) for k, v in _unsaved(module.module).items()
+                    if f"buffer.{k}" in meta and tuple(meta[f"buffer.{k}"].size) == v.shape})
         for p, fqn in zip(module.optimized, module.module_param_names, strict=True):
             out[f"param.{fqn}"] = ""
             prefix = f"optim.{fqn}."
@@ -106,6 +123,10 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
     for part in parts:
         module = part.module
         module.load_state_dict({k: state[f"model.{k}"] for k in module.state_dict()})
+        with torch.no_grad():
+            for k, v in _unsaved(module.module).items():
+                if f"buffer.{k}" in state:
+                    v.copy_(state[f"buffer.{k}"])
         opt = module.optimizer
         names = module.module_param_names
         for i, (p, fqn) in enumerate(zip(module.optimized, names, strict=True)):
