@@ -176,3 +176,24 @@ def test_the_failing_rank_comes_first_not_the_peers_it_left_waiting() -> None:
     assert all("waited more than" not in ln and "lost rank 1" in ln for ln in left), left
     assert time.monotonic() - start < 30.0
     assert mp.active_children() == []
+
+
+def test_a_peer_the_transport_lost_while_the_group_formed_comes_after_the_failing_rank(
+) -> None:
+    """Rank 1 fails at once, and rank 0's gloo set-up then loses it: gloo's own error is
+    a failure that follows rank 1's, reported after it."""
+    from dreampipe.runtime.processes import _failure
+
+    class _Proc:
+        exitcode = 1
+
+    lost = ("RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+            "[127.0.0.1]:57556")
+    failures: dict[int, tuple[Any, str, str]] = {
+        0: (None, lost, "tb0"), 1: (PlanError, "PlanError: no plan", "tb1")}
+    got = _failure([_Proc(), _Proc()], failures, [], None, None)
+    assert isinstance(got, PlanError)
+    assert str(got).splitlines()[:2] == ["rank 1 failed: PlanError: no plan",
+                                         f"rank 0 also failed: {lost}"]
+    failures[0] = (None, "RuntimeError: CUDA error: out of memory", "tb0")  # its own failure
+    assert str(_failure([_Proc(), _Proc()], failures, [], None, None)).startswith("rank 0 failed")

@@ -24,6 +24,7 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import sys
 import threading
@@ -53,6 +54,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 _GRACE_S = 1.0
+#: What gloo and NCCL say when a peer process is gone: a failure that follows another's.
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|connectFullMesh failed|Broken pipe"
+                        r"|remote process exited")
 #: What the forkserver imports once for every rank it forks: a rank's first optimizer
 #: imports ``torch._dynamo`` and DTensor (over a second), which a forked rank inherits.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.tensor",
@@ -367,9 +371,11 @@ def _failure(
         return f"rank {rank} ({where(rank)})" if where is not None else f"rank {rank}"
 
     def follows(rank: int) -> bool:
-        """A peer timeout (or lost peer) is what a failing rank leaves its peers with."""
-        kind = failures[rank][0]
-        return isinstance(kind, type) and issubclass(kind, PeerTimeoutError)
+        """A peer timeout (or lost peer) is what a failing rank leaves its peers with:
+        dreampipe's, or the transport's own (a rank that exits while the group forms)."""
+        kind, message, _ = failures[rank]
+        return (isinstance(kind, type) and issubclass(kind, PeerTimeoutError)) or (
+            kind is None and _LOST_PEER.search(message) is not None)
 
     order = sorted(failures, key=lambda r: (follows(r), r))
     first = order[0]
