@@ -300,6 +300,38 @@ def test_schedule_auto_reports_every_candidate_and_why(
     assert re.search(r"^  gpipe +[\d.]+ minibatches/s, peak .* per worker$", out, re.M)
 
 
+def test_a_synchronous_schedule_slower_than_data_parallelism_says_so(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan is PipeDream's; where the synchronous schedule chosen on it runs below data
+    parallelism's rate, the output says so in one line and names the fix, and only then."""
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--json")
+    data = json.loads(out)
+    chosen, dp = data["schedule_minibatches_per_s"], 1 / data["baselines_s"]["dp"]
+    assert code == 0 and data["schedule"] in ("zb-h1", "zb-h2", "1f1b-flush", "gpipe")
+    assert chosen < dp < data["throughput_minibatches_per_s"]
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check")
+    (note,) = [ln for ln in out.splitlines() if ln.startswith("  note: ")]
+    assert f"{chosen:.2f} minibatches/s, below data parallelism's {dp:.2f}" in note
+    assert "--global-batch" in note and "--semantics async" in note
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--semantics",
+                        "async")
+    assert code == 0 and "  note: " not in out  # pipedream: the plan's own rate
+
+
+def test_a_minibatch_splits_into_no_more_microbatches_than_it_has_samples(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    shape = "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=100"
+    code, out, _ = _run(capsys, shape, "-t", "dgx-a100:1", "--no-check", "--json")
+    assert code == 0 and json.loads(out)["microbatches"] == 1  # batch=1: one sequence
+    code, out, _ = _run(capsys, shape, "-t", "dgx-a100:1", "--no-check")
+    assert "a minibatch of 1 (the profile's) splits into at most 1 microbatches" in out
+    code, _, err = _run(capsys, shape, "-t", "dgx-a100:1", "--microbatches", "4")
+    assert code == 2 and "--microbatches 4 splits a minibatch of 1" in err
+    assert "use at most 1, or plan with --global-batch" in err
+
+
 def test_semantics_any_keeps_a_synchronous_schedule_where_the_study_says_async_loses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -30,6 +30,7 @@ from dreampipe.runplan.schedule_choice import EFFECTIVE, SEVERAL, Semantics, cho
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan
+from dreampipe.scheduling.microbatch_layout import default_microbatches
 from dreampipe.simulation.action_costs import costs_from_profile, cut_bandwidth
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
@@ -70,9 +71,17 @@ def schedule_report(
     memory = memory_limit(args.memory, graph, topo)
     if args.microbatches is not None and args.microbatches < 1:
         raise ConfigError(f"microbatches={args.microbatches}; use 1 or more", "microbatches")
+    batch = graph.batch_size
+    if args.microbatches is not None and batch and args.microbatches > batch:
+        raise ConfigError(
+            f"microbatches={args.microbatches} splits a minibatch of {batch} (the profile's) "
+            f"into more parts than it has samples; use at most {batch}, or plan with "
+            "--global-batch B for a batch of several minibatches", "microbatches")
+    replicas = [st.replicas for st in plan.stages]
+    capped = bool(batch) and args.microbatches is None and default_microbatches(replicas) > batch
     asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
     choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
-                             args.microbatches, kinds=asked)
+                             batch if capped else args.microbatches, kinds=asked)
     fits = " that fits the memory limit" if memory else ""
     best = ("as asked" if asked else
             f"the schedule soonest to the target ({EFFECTIVE}){fits}"
@@ -81,7 +90,19 @@ def schedule_report(
     lines = [f"schedule    {choice.kind.value}: {best}, by the simulator "
              f"({choice.microbatches} microbatches per minibatch):"]
     lines += [f"  {line}" for line in choice.reasons()]
+    if capped:
+        lines.append(f"  a minibatch of {batch} (the profile's) splits into at most {batch} "
+                     "microbatches: plan with --global-batch B for a batch of several")
+    chosen = next(c for c in choice.candidates if c.kind is choice.kind)
+    dp = plan.baselines_s.get("dp")
+    if choice.kind.synchronous and dp and chosen.minibatches_per_s < 1 / dp:
+        lines.append(
+            f"  note: {choice.kind.value} runs this plan at {chosen.minibatches_per_s:.2f} "
+            f"minibatches/s, below data parallelism's {1 / dp:.2f}; the plan, its times and "
+            "speed-ups above are PipeDream's asynchronous pipeline's: plan with --global-batch "
+            "B for a synchronous plan, or with --semantics async")
     data = {"schedule": choice.kind.value, "microbatches": choice.microbatches,
+            "schedule_minibatches_per_s": chosen.minibatches_per_s,
             "schedule_candidates": [
                 {"schedule": c.kind.value, "microbatches": c.microbatches,
                  "minibatches_per_s": c.minibatches_per_s, "tried": not c.why_not,
