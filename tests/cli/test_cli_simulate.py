@@ -75,6 +75,20 @@ def test_a_clipped_run_holds_the_asynchronous_stages_to_each_other(
     assert clipped == pytest.approx(alone) if most is None else clipped < most * alone
 
 
+def test_clipped_pipedream_on_unequal_replicas_is_refused_by_its_rule(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The stages would update at different rates and never agree (a Pipeline refuses the
+    same run): one line naming the flag and the fix, not a simulation left blocked."""
+    plan, prof = _plan(tmp_path, [1, 2]), _profile(tmp_path)
+    argv = ["simulate", str(plan), "--profile", str(prof), "--clipped"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--clipped with pipedream needs every stage replicated equally (got 1-2)" in err
+    assert "validate()" not in err
+    assert main([*argv, "--schedule", "2bw", "--json"]) == 0
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

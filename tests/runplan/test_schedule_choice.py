@@ -191,3 +191,16 @@ def test_a_run_that_agrees_before_each_update_prices_the_asynchronous_schedules_
     for kind in (S.FLUSH, S.GPIPE):
         assert rate[1][kind] == pytest.approx(rate[0][kind])
     assert not alone.kind.synchronous and agreed.kind.synchronous
+
+
+def test_pipedream_on_unequal_replicas_is_not_tried_where_the_ranks_must_agree() -> None:
+    """Its stages update at different rates, so no update is common to agree on: the
+    candidate says so instead of the simulation waiting forever; 2bw still runs."""
+    plan = Plan.from_config(4, [0, 1, 2], [1, 1, 2])
+    choice = choose_schedule(_chain(), plan, Topology.parse("1x4"), Semantics.ASYNC,
+                             steps_agree=True)
+    by = {c.kind: c for c in choice.candidates}
+    assert "cannot agree on each update" in by[S.PIPEDREAM].why_not
+    assert choice.kind is S.TWO_BW and by[S.TWO_BW].minibatches_per_s > 0
+    alone = choose_schedule(_chain(), plan, Topology.parse("1x4"), Semantics.ASYNC)
+    assert {c.kind: c for c in alone.candidates}[S.PIPEDREAM].why_not == ""

@@ -24,6 +24,7 @@ from dreampipe.errors import ConfigError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_records import scalar_loss, tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.agreement import check_agreement
 from dreampipe.scheduling.unshard import ASYNC_REASON, SHARDED_LEVEL
 from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
@@ -200,15 +201,9 @@ def check_schedule(config: TrainConfig, plan: Plan) -> None:
             f"zero=3 on stage {sharded[0]} with schedule={kind.value}: {ASYNC_REASON}; give the "
             "stage zero=2, or use a synchronous schedule", "zero", "schedule")
     vsync, max_grad_norm = config.vertical_sync, config.max_grad_norm
-    if kind is ScheduleKind.PIPEDREAM and len(set(replicas)) > 1 and (
-            vsync or max_grad_norm is not None):
-        what = "vertical_sync=True" if vsync else f"max_grad_norm={max_grad_norm}"
-        raise ConfigError(
-            f"{what} with pipedream needs every stage replicated equally (got "
-            f"{'-'.join(map(str, replicas))}): a stage's version counts its own updates, so "
-            "stages that update at different rates have no common update to share; use a plan "
-            "with equal replica counts", "plan",
-        )
+    if vsync or max_grad_norm is not None:
+        check_agreement(kind, replicas, "vertical_sync=True" if vsync
+                        else f"max_grad_norm={max_grad_norm}", "plan")
 
 
 def refuse_legacy(legacy: Mapping[str, object]) -> None:

@@ -37,6 +37,7 @@ from dreampipe.cli.links import (
     profile_on,
     sync_from,
 )
+from dreampipe.cli.output_paths import check_output_paths
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.placement import (
     Placement,
@@ -52,6 +53,7 @@ from dreampipe.profiling.gpt_spec import is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.scheduling.actions import Schedule, ScheduleKind
+from dreampipe.scheduling.agreement import check_agreement
 from dreampipe.scheduling.build import repeat_schedule
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout, default_microbatches
 from dreampipe.scheduling.torch_csv import check_file_fits, read_torch_csv
@@ -122,6 +124,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_output_paths(args.trace, args.timeline)
     with tqdm(total=4, desc="simulate", unit="step", file=sys.stderr, disable=None,
               leave=False) as bar:
         plan, graph, topology, source, run = _load(args)
@@ -142,6 +145,8 @@ def _run(args: argparse.Namespace) -> int:
                 kind, levels = schedule.kind, plan.zero_levels(args.zero)
             else:
                 kind = ScheduleKind(args.schedule or ScheduleKind.PIPEDREAM.value)
+                if args.clipped:
+                    check_agreement(kind, [st.replicas for st in plan.stages], "--clipped")
                 virtual = _virtual_stages(args, kind, plan, source)
                 replicas, layout, updates = _microbatch_counts(args, kind, plan)
                 levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(
@@ -192,8 +197,11 @@ def _load(args: argparse.Namespace
     named_profile = is_bundled(args.source) or is_gpt_spec(args.source)
     data = None if named_profile else _json_object(source)
     if data is not None and data.get("format") == PLAN_FORMAT:
-        plan = Plan.from_dict(data)
         named = f"plan {args.source!r}"
+        try:
+            plan = Plan.from_dict(data)
+        except PlanError as exc:
+            raise PlanError(f"{named}: {exc}") from exc
         topology = _plan_topology(plan.topology, args, named)
         check_fits(plan, topology, named)
         graph = profile_on(args.profile, topology) if args.profile is not None else None

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dreampipe.cli.output_paths import check_output_paths
 from dreampipe.errors import ConfigError
 from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.runplan.schedule_choice import Semantics
@@ -221,19 +222,6 @@ def parse_model_args(items: list[str]) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def _check_output_paths(args: argparse.Namespace) -> None:
-    """``--trace`` and ``--timeline`` name files in existing directories."""
-    for flag, path in (("--trace", args.trace), ("--timeline", args.timeline)):
-        if path and Path(path).is_dir():
-            raise ConfigError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
-                              f"{Path(path) / ('trace.json' if flag == '--trace' else 'run.png')}")
-        if path and not Path(path).resolve().parent.is_dir():
-            raise ConfigError(
-                f"{flag} {path}: directory {str(Path(path).parent)!r} does not exist; "
-                "create it or write elsewhere"
-            )
-
-
 #: ``Precision``'s values (the parser loads no torch; a test holds them equal).
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp16-mixed")
 
@@ -299,7 +287,7 @@ def _train(args: argparse.Namespace) -> int:
     from dreampipe.commands.train_run import Checkpoints, run_train
     from dreampipe.commands.train_share import torchrun_world
 
-    _check_output_paths(args)
+    check_output_paths(args.trace, args.timeline)
     checkpoints = Checkpoints(
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         every=args.checkpoint_every, resume=args.resume,

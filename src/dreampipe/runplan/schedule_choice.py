@@ -192,6 +192,11 @@ def choose_schedule(
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"zero={max(levels)}: {ASYNC_REASON}")))
             continue
+        if steps_agree and kind is _S.PIPEDREAM and len(set(replicas)) > 1:
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"its stages, replicated {plan.config}, update at different rates and cannot "
+                "agree on each update (clipping, a loss scale, skipping)")))
+            continue
         if per > MAX_2BW_MICROBATCHES:
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"its {per} microbatches per minibatch (whole rounds of replicas "

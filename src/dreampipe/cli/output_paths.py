@@ -1,0 +1,41 @@
+"""The files ``--trace`` and ``--timeline`` name, checked before any work.
+
+A run must not end in a traceback, or write elsewhere than asked, when it has
+done its work: a trace names a file in a directory that exists, and a timeline
+also one of the image formats the chart is drawn in (matplotlib's, by suffix:
+without one it would write ``NAME.png`` beside the path given).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dreampipe.errors import ConfigError
+
+__all__ = ["IMAGE_SUFFIXES", "check_output_paths"]
+
+#: The image formats a timeline is written in, by suffix (matplotlib's common ones).
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".tif", ".tiff")
+
+
+def check_output_paths(trace: str | Path | None, timeline: str | Path | None) -> None:
+    """A ConfigError naming the flag and the fix where ``trace`` or ``timeline`` (None: not
+    asked) is a directory, lies in a directory that does not exist, or, for the timeline,
+    has no image suffix."""
+    for flag, path, example in (("--trace", trace, "trace.json"),
+                                ("--timeline", timeline, "timeline.png")):
+        if path is None or str(path) == "":
+            if path is not None:
+                raise ConfigError(f"{flag} ''; name a file, e.g. {flag} {example}")
+            continue
+        p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
+                              f"{p / example}")
+        if not p.resolve().parent.is_dir():
+            raise ConfigError(f"{flag} {path}: directory {str(p.parent)!r} does not exist; "
+                              "create it or write elsewhere")
+        if flag == "--timeline" and p.suffix.lower() not in IMAGE_SUFFIXES:
+            raise ConfigError(
+                f"--timeline {path}: the chart is an image; end the name in one of "
+                f"{', '.join(IMAGE_SUFFIXES)}, e.g. --timeline {p.with_suffix('.png')}")
