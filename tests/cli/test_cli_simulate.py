@@ -89,6 +89,29 @@ def test_clipped_pipedream_on_unequal_replicas_is_refused_by_its_rule(
     assert main([*argv, "--schedule", "2bw", "--json"]) == 0
 
 
+def test_a_plan_without_its_profile_says_another_topology_does_not_price_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its costs are its own predictions: --sync would change nothing (an error naming
+    --profile), another topology only where its ranks sit (a note saying so); with the
+    profile the plan is priced anew."""
+    out = tmp_path / "g.json"
+    assert main(["plan", "pipedream:gnmt", "-t", "2x2", "--no-check", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(out), "--sync", "ring"]) == 2
+    err = capsys.readouterr().err
+    assert "--sync ring for plan" in err and "add --profile" in err
+    own = _json(capsys, ["simulate", str(out), "--json"])
+    assert main(["simulate", str(out), "-t", "64", "--json"]) == 0
+    moved, err = capsys.readouterr()
+    assert "note: --topology 64 places plan" in err and "add --profile" in err
+    assert json.loads(moved)["throughput_minibatches_per_s"] == pytest.approx(
+        own["throughput_minibatches_per_s"], rel=0.02)  # the plan's times, placed anew
+    other = _json(capsys, ["simulate", str(out), "-t", "64", "--profile", "pipedream:gnmt",
+                           "--json"])
+    assert own["throughput_minibatches_per_s"] != other["throughput_minibatches_per_s"]
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

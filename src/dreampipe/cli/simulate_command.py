@@ -46,7 +46,7 @@ from dreampipe.planning.placement import (
     virtual_stages_of,
 )
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
-from dreampipe.planning.sync import Sync
+from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
 from dreampipe.profiling.gpt_spec import is_gpt_spec
@@ -84,7 +84,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="plan JSON, or a profile to plan first: JSON, PipeDream graph.txt, "
                         f"pipedream:NAME, or {GPT_HELP}")
     p.add_argument("--topology", "-t", metavar="T",
-                   help=f"{TOPOLOGY_HELP} (default: the plan's own, else {_DEFAULT_TOPOLOGY})")
+                   help=f"{TOPOLOGY_HELP} (default: the plan's own, else {_DEFAULT_TOPOLOGY}; "
+                        "another than a plan's own needs --profile)")
     add_link_arguments(p)
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
                    help="schedule (default: pipedream; with --schedule-file, the file's kind: "
@@ -204,6 +205,8 @@ def _load(args: argparse.Namespace
             raise PlanError(f"{named}: {exc}") from exc
         topology = _plan_topology(plan.topology, args, named)
         check_fits(plan, topology, named)
+        if args.profile is None:
+            _check_unpriced(args, plan, topology, named)
         graph = profile_on(args.profile, topology) if args.profile is not None else None
         run = data.get(SYNC_RUN_KEY)
         return plan, graph, topology, named, None if run is None else SyncRun.from_dict(run)
@@ -225,6 +228,24 @@ def _load(args: argparse.Namespace
     return plan, graph, topology, f"the plan of {args.source!r}", None
 
 
+def _check_unpriced(args: argparse.Namespace, plan: Plan, topology: Topology,
+                    named: str) -> None:
+    """Without its profile a plan simulates on its own predictions, made on its own cluster
+    and all-reduce: ``--sync`` would change nothing (an error naming the fix), and another
+    topology only where its ranks sit (a note on stderr, so no run seems to answer what it
+    does not)."""
+    made = (f"the plan's own predictions (compute, all-reduce and cut times), made on "
+            f"{plan.topology or 'its cluster'}")
+    if args.sync != DEFAULT_SYNC.kind.value or args.ps_shards != 1:
+        raise ConfigError(
+            f"--sync {args.sync} for {named}, which has no profile here: its costs are {made}; "
+            "add --profile (the profile it was made from) to price another all-reduce")
+    if args.topology and plan.topology and topology.describe() != plan.topology:
+        print(f"note: --topology {args.topology} places {named}'s ranks; its costs stay {made}: "
+              "add --profile (the profile it was made from) to price it on these links",
+              file=sys.stderr)
+
+
 def _plan_topology(text: str, args: argparse.Namespace, named: str) -> Topology:
     """The topology a plan was made on (``text``, its description): ``--topology`` and
     the link flags where given, else the preset or shape the description starts with and
@@ -244,7 +265,8 @@ def _plan_topology(text: str, args: argparse.Namespace, named: str) -> Topology:
             raise TopologyError(
                 f"{named} was made on {text}, but {spec} gives "
                 f"{_links(topology.describe())}; give the plan's links with -b and --latency "
-                "(one per level, innermost first), or --topology to simulate it on another")
+                "(one per level, innermost first), or --topology and --profile to simulate "
+                "it on another")
         return topology
     raise TopologyError(f"the plan's topology {text!r} is not a preset or shape; "
                         "pass --topology (e.g. cluster-a or 4x4)")
