@@ -134,6 +134,13 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--recompute-blocks"], ["--recompute-blocks", "--global-batch"]),
     (["--global-batch", "64", "--recompute-blocks", "--no-recompute"],
      ["recompute_blocks=True with recompute=False", "drop --no-recompute"]),
+    *(([*flag, "--global-batch", "64"], [f"{flag[0]} with --global-batch", fix])
+      for flag, fix in ((["--straight"], "--layout"), (["--all-workers"], "--layout"),
+                        (["--max-stages", "2"], "--layout"),
+                        (["--microbatches", "4"], "--microbatch-size instead"),
+                        (["--exact"], "drop --exact"),
+                        (["--cost-model", "pipedream"], "asynchronous pipeline only"),
+                        (["--check-minibatches", "9"], "drop the flag"))),
 ])
 def test_bad_sync_flags_are_one_line_naming_them(
     capsys: pytest.CaptureFixture[str], argv: list[str], needles: list[str],

@@ -150,7 +150,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="do not check the prediction by simulating the plan's PipeDream "
                         "schedule afterwards (the check takes seconds at most; the JSON then "
                         "says \"check_skipped\": true)")
-    p.add_argument("--check-minibatches", type=_at_least_one, default=CHECK_MINIBATCHES,
+    p.add_argument("--check-minibatches", type=_at_least_one, default=None,
                    metavar="N",
                    help=f"simulate at most N minibatches in the check (default "
                         f"{CHECK_MINIBATCHES}): warm-up, drain and {_STEADY_PER_WORKER} per "
@@ -175,7 +175,8 @@ def _run(args: argparse.Namespace) -> int:
         cost_model=CostModel(args.cost_model), sync=sync_from(args), exact=args.exact,
         recompute=args.recompute, mixed_splits=args.mixed_splits))
     seconds = time.perf_counter() - start
-    sim = confirm_by_simulation(result, graph, topo, args.check_minibatches) if args.check else None
+    sim = confirm_by_simulation(result, graph, topo, args.check_minibatches or CHECK_MINIBATCHES
+                                ) if args.check else None
     schedule_lines, schedule_data = schedule_report(args, result, graph, topo)
     if args.output:
         result.save(args.output)

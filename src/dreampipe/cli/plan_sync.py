@@ -95,6 +95,21 @@ def wants_sync(args: argparse.Namespace) -> bool:
     if args.semantics != "sync":
         raise ConfigError("--global-batch plans the synchronous objective; drop "
                           f"--semantics {args.semantics} or --global-batch")
+    unread = [(flag, fix) for flag, given, fix in (
+        ("--straight", args.straight, "fix the stages with --layout, e.g. --layout t1-p4"),
+        ("--all-workers", args.all_workers, "fix the layout with --layout, e.g. t1-p4"),
+        ("--max-stages", args.max_stages is not None, "fix the stages with --layout, e.g. "
+                                                      "--layout t1-p4"),
+        ("--microbatches", args.microbatches is not None, "give --microbatch-size instead"),
+        ("--exact", args.exact, "its search states its own gap; drop --exact"),
+        ("--cost-model", args.cost_model != "dreampipe", "PipeDream's terms price its "
+                                                         "asynchronous pipeline only"),
+        ("--check-minibatches", args.check_minibatches is not None,
+         f"its check simulates {_UPDATES} updates; drop the flag")) if given]
+    if unread:
+        flag, fix = unread[0]
+        raise ConfigError(f"{flag} with --global-batch: the synchronous objective does not "
+                          f"read it; {fix}")
     return True
 
 
