@@ -533,3 +533,36 @@ def test_pinned_plans_on_pipedream_profiles(model: str, cluster: str) -> None:
         descs = [x.description for x in graph.layers]
         assert any("Conv2d" in d for d in descs[head.first:head.last + 1])
         assert any("Linear" in d for d in descs[tail.first:tail.last + 1])
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_one_level_topology_recomputes_to_fit_as_its_one_server_shape_does(
+        workers: int) -> None:
+    """Recomputation is a choice of the range search; a flat topology of N workers and one
+    server of N plan alike under a limit that only recomputing stages meet."""
+    from dreampipe.profiling.load import load_graph
+
+    graph = load_graph("pipedream:vgg16")
+    opts = PlanOptions(memory_bytes=16 * 10**9, recompute=True)
+    flat, one = (plan_pipeline(graph, Topology.parse(t), opts)
+                 for t in (str(workers), f"1x{workers}"))
+    assert flat.config == one.config and "r" in flat.config
+    assert flat.time_per_minibatch_s == one.time_per_minibatch_s
+    assert all(st.memory_bytes <= 16 * 10**9 for st in flat.stages)
+    with pytest.raises(PlanError, match="no plan fits"):
+        plan_pipeline(graph, Topology.parse(str(workers)),
+                      PlanOptions(memory_bytes=16 * 10**9, recompute=False))
+
+
+def test_the_least_memory_a_plan_needs_is_one_at_which_a_plan_fits() -> None:
+    """The figure an unfit plan's error gives: a plan fits in it (within the 1% it is
+    searched to), where it once reported an unchecked guess below any plan's need."""
+    from dreampipe.planning.planner import memory_needs
+    from dreampipe.profiling.load import load_graph
+
+    graph, topo = load_graph("pipedream:vgg16"), Topology.parse("1")
+    need = memory_needs(graph, topo)["pipeline"]
+    plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=need))
+    assert max(st.memory_bytes for st in plan.stages) <= need
+    with pytest.raises(PlanError, match="no plan fits"):
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=int(need * 0.98)))

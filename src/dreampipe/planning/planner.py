@@ -64,6 +64,11 @@ def _least_memory(search: Search, models: Sequence[Topology], opts: Options) -> 
     prof = search.fine
     lo = float(np.max(stage_memory(np.diag(prof.weights), np.diag(prof.kept), 1)))
     hi = float(stage_memory(prof.weights[0, -1], prof.kept[0, -1], models[0].num_workers))
+    for _ in range(64):  # the guess may be short of what a plan needs: grow it until one fits
+        if best_plan(search.costs, models, dataclasses.replace(
+                opts, memory_bytes=math.ceil(hi))) is not None:
+            break
+        lo, hi = hi, 2 * hi
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
         trial = dataclasses.replace(opts, memory_bytes=math.ceil(mid))

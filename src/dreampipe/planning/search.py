@@ -125,7 +125,8 @@ def with_ranges(
     hierarchy already places at its best) or a stage cap (the program does not count
     stages: the plan is then the hierarchy's, which puts outer stages on whole servers).
     """
-    if (len(topology.levels) < 2 and not splits) or opts.straight:
+    flat_ok = splits or (recompute and opts.memory_bytes is not None)
+    if (len(topology.levels) < 2 and not flat_ok) or opts.straight:
         return stages, ()
     if opts.limited:
         return stages, (Heuristic.WHOLE_SERVERS,)
