@@ -171,3 +171,15 @@ def test_an_option_argparse_refuses_is_one_line_too(
     assert out == "" and err.count("\n") == 1 and "usage:" not in err, err
     for needle in needles:
         assert needle in err, (needle, err)
+
+
+@pytest.mark.parametrize("command", ["plan", "simulate", "train", "profile"])
+def test_an_unknown_option_names_its_commands_help(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "pipedream:gnmt", "-t", "4", "--no-such-option"] if command == "plan"
+             else [command, "pipedream:gnmt", "--no-such-option"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"dreampipe {command}: error: unrecognized arguments: --no-such-option; "
+                   f"see 'dreampipe {command} --help'\n")

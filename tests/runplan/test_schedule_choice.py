@@ -204,3 +204,11 @@ def test_pipedream_on_unequal_replicas_is_not_tried_where_the_ranks_must_agree()
     assert choice.kind is S.TWO_BW and by[S.TWO_BW].minibatches_per_s > 0
     alone = choose_schedule(_chain(), plan, Topology.parse("1x4"), Semantics.ASYNC)
     assert {c.kind: c for c in alone.candidates}[S.PIPEDREAM].why_not == ""
+
+
+def test_where_no_schedule_of_the_semantics_runs_the_error_names_each_way_out() -> None:
+    plan = Plan.from_config(2048, [0], [2048])  # one stage on 2048 replicas: 2048 microbatches
+    with pytest.raises(ConfigError, match=r"no sync schedule can run plan 2048") as info:
+        choose_schedule(_chain(), plan, Topology.parse("256x8"), Semantics.SYNC)
+    for way in ("semantics=async", "schedule=pipedream", "fewer microbatches", "--global-batch"):
+        assert way in str(info.value)

@@ -47,6 +47,7 @@ _FLAGS = {
     "plan_path=": "--plan ",
     "resume=True": "--resume",
     "schedule=": "--schedule ",
+    "semantics=": "--semantics ",
     "stages=": "--stages ",
     "stash=False": "--no-stash",
     "steps=": "--steps ",
@@ -84,7 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the command's own options are where to look, not the top level's
+        prog = f"{parser.prog} {args.command}"
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extra)}; "
+                       f"see '{prog} --help'\n")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

@@ -224,7 +224,9 @@ def choose_schedule(
         raise ConfigError(
             f"no {semantics.value} schedule can run plan {plan.config}: "
             + "; ".join(f"{c.kind.value}: {c.why_not}" for c in found)
-            + "; choose other semantics or settings", "semantics")
+            + "; choose another: an asynchronous schedule (semantics=async or "
+            "schedule=pipedream), fewer microbatches, or a batch planned for the synchronous "
+            "objective (dreampipe plan --global-batch B)", "semantics", "schedule")
     if not fitting:
         least = min(runnable, key=lambda c: c.peak_memory_bytes)
         raise ConfigError(
