@@ -444,6 +444,24 @@ def test_a_json_file_that_is_no_plan_nor_profile_names_both(
     assert needle in err and "'dreampipe plan -o'" in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("replicas", "2", 'stages[0].replicas="2" is text; write a whole number without quotes'),
+    ("recompute", "yes", 'stages[0].recompute="yes" is text; write true or false'),
+    ("first", 0.5, "stages[0].first=0.5 is a fraction; write a whole number"),
+])
+def test_a_plan_with_a_mistyped_field_names_the_file_and_the_field(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, field: str, value: object,
+        needle: str) -> None:
+    path = _plan(tmp_path, [2, 1, 1])
+    data = json.loads(path.read_text())
+    data["stages"][0][field] = value
+    path.write_text(json.dumps(data))
+    assert main(["simulate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dreampipe simulate: error: plan {str(path)!r}: {needle}"), err
+    assert err.count("\n") == 1
+
+
 def test_a_plan_for_virtual_stages_carries_its_cuts_to_a_simulation_without_profile(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

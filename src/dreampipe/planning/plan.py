@@ -37,8 +37,8 @@ from dreampipe.planning.placement import (
     stage_ranks,
     stray_stage,
 )
+from dreampipe.planning.plan_checks import PlanFields, check_agrees, read_stages
 from dreampipe.planning.plan_stage import Stage, check_figure
-from dreampipe.planning.splits import Split
 
 __all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 
@@ -327,43 +327,30 @@ class Plan:
         if got != PLAN_FORMAT:
             raise PlanError(f"format={got!r}: not a dreampipe plan (its 'format' is "
                             f"{PLAN_FORMAT!r}); give a plan JSON from 'dreampipe plan -o'")
-        if data.get("version") != _VERSION:
-            raise PlanError(f"plan format version {data.get('version')!r} is not {_VERSION}")
+        if data.get("version") != _VERSION or isinstance(data.get("version"), bool):
+            raise PlanError(f"version={json.dumps(data.get('version'))}: this dreampipe reads "
+                            f"plan format version {_VERSION}; write the plan again with "
+                            "'dreampipe plan -o'")
+        fields = PlanFields(data)
         try:
-            stages = tuple(
-                Stage(
-                    first=int(s["first"]), last=int(s["last"]), replicas=int(s["replicas"]),
-                    ranks=tuple(int(r) for r in s["ranks"]), compute_s=float(s["compute_s"]),
-                    comm_s=float(s["comm_s"]), allreduce_s=float(s["allreduce_s"]),
-                    allreduce_delay_s=float(s.get("allreduce_delay_s", 0.0)),
-                    memory_bytes=int(s["memory_bytes"]),
-                    forward_s=float(s.get("forward_s", 0.0)),
-                    workers=tuple(int(w) for w in s.get("workers", [])),
-                    tensor_parallel=int(s.get("tensor_parallel", 1)),
-                    splits=tuple(Split(x) for x in s.get("splits", [])),
-                    in_flight=int(s.get("in_flight", 0)),
-                    recompute=bool(s.get("recompute", False)),
-                    zero=None if s.get("zero") is None else int(s["zero"]),
-                    shared_link_s=float(s.get("shared_link_s", 0.0)),
-                )
-                for s in data["stages"]
-            )
-            return cls(
-                stages=stages, num_layers=int(data["num_layers"]),
-                batch_size=int(data["batch_size"]), model=str(data["model"]),
-                topology=str(data["topology"]),
-                time_per_minibatch_s=float(data["time_per_minibatch_s"]),
-                baselines_s={str(k): float(v) for k, v in data["baselines_s"].items()},
-                layer_names=tuple(str(x) for x in data.get("layer_names", [])),
-                optimality_gap=float(data.get("optimality_gap", 0.0)),
-                heuristics=tuple(Heuristic(h) for h in data.get("heuristics", [])),
-                virtual_stages=int(data.get("virtual_stages", 1)),
-                placement=Placement(data.get("placement", Placement.LOOP.value)),
+            plan = cls(
+                stages=read_stages(fields), num_layers=fields.whole("num_layers"),
+                batch_size=fields.whole("batch_size"), model=fields.text("model"),
+                topology=fields.text("topology"),
+                time_per_minibatch_s=fields.number("time_per_minibatch_s"),
+                baselines_s=fields.numbers_by_name("baselines_s"),
+                layer_names=fields.texts("layer_names", []),
+                optimality_gap=fields.number("optimality_gap", 0.0),
+                heuristics=fields.choices("heuristics", Heuristic),
+                virtual_stages=fields.whole("virtual_stages", 1),
+                placement=fields.choice("placement", Placement, Placement.LOOP),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, PlanError):
                 raise
             raise PlanError(f"malformed plan JSON: {exc!r}") from exc
+        check_agrees(plan, fields)
+        return plan
 
     def to_json(self, extra: dict[str, Any] | None = None) -> str:
         """Strict JSON: no ``Infinity`` or ``NaN`` (see the class docstring); ``extra``:

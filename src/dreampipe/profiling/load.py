@@ -1,12 +1,14 @@
 """Load a layer profile: a file (dreampipe's JSON or PipeDream's ``graph.txt``), a
 bundled profile named ``pipedream:NAME``, or a profile by shape ``gpt:...``.
 
-A file's format is told by content, so a user never names it. A profile by
+A file's format is told by content, so a user never names it; a ``.json`` file must
+hold a JSON object (it is never read as a ``graph.txt``). A profile by
 shape is timed on the device it is given (a cluster preset's).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dreampipe.errors import ProfileError
@@ -53,6 +55,23 @@ def load_graph(path: str | Path, device: Device | None = None) -> LayerGraph:
     try:
         if text.lstrip().startswith("{"):
             return LayerGraph.from_json(text)
+        if p.suffix.lower() == ".json":
+            raise ProfileError(
+                f"holds {_json_kind(text)}, not a dreampipe profile (a JSON object); give a "
+                "profile from 'dreampipe profile -o' or a PipeDream graph.txt")
         return parse_graph_txt(text, model=p.stem)
     except ProfileError as exc:
         raise ProfileError(f"profile {str(p)!r}: {exc}") from exc
+
+
+def _json_kind(text: str) -> str:
+    """What a ``.json`` file that is no JSON object holds, in a few words."""
+    if not text.strip():
+        return "nothing"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return "no valid JSON"
+    if isinstance(data, list):
+        return "a JSON list"
+    return "JSON null" if data is None else f"the JSON value {text.strip()[:20]}"
