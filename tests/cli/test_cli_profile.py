@@ -161,6 +161,57 @@ def test_profile_user_file_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert needle in err and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("ref", [":f", "mlp:", "a..b:f"])
+def test_a_malformed_model_reference_is_one_line(
+        ref: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", ref]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"dreampipe profile: error: model {ref!r} is not a zoo name, "
+                          "'package.module:function' or 'path/to/file.py:function'")
+    assert err.count("\n") == 1
+
+
+_TORCH_OOM = ("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate "
+              "memory: you tried to allocate 25600000000 bytes. Error code 12")
+
+
+def test_a_model_too_big_for_memory_is_one_line_naming_its_arguments(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    def out_of_memory(*_: object, **__: object) -> None:
+        raise RuntimeError(_TORCH_OOM)
+
+    monkeypatch.setattr("dreampipe.profiling.profiler.profile_spec", out_of_memory)
+    assert main(["profile", "mlp", "--model-arg", "width=100000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dreampipe profile: error: model 'mlp' with width=100000000 ran out "
+                          "of memory (it asked for 25.6 GB at once); give it smaller model "
+                          "arguments (--model-arg)")
+    assert err.count("\n") == 1
+
+
+def test_another_runtime_error_while_profiling_is_not_hidden(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setattr("dreampipe.profiling.profiler.profile_spec", broken)
+    with pytest.raises(RuntimeError, match="mat1 and mat2"):
+        main(["profile", "mlp", "--model-arg", "layers=2"])
+
+
+@pytest.mark.parametrize(("text", "held"), [("[]", "a JSON list"), ("", "nothing"),
+                                            ("null", "JSON null"), ("[1", "no valid JSON")])
+def test_a_json_file_that_is_no_object_is_not_read_as_a_graph_txt(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, held: str) -> None:
+    path = tmp_path / "list.json"
+    path.write_text(text)
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"dreampipe show: error: profile {str(path)!r}: holds {held}, not a "
+                   "dreampipe profile (a JSON object); give a profile from 'dreampipe profile "
+                   "-o' or a PipeDream graph.txt\n")
+
+
 def test_show_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", str(tmp_path / "none.json")]) == 2
     assert "none.json" in capsys.readouterr().err

@@ -45,7 +45,10 @@ def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["--dataset", "mnist"], "--data-dir"),
         (["--timeout", "0"], "--timeout 0"),
         (["--model-arg", "layers"], "KEY=VALUE"),
-        (["--model-arg", "width=abc"], "model 'mlp' with {'width': 'abc'}"),
+        (["--model-arg", "width=abc"],
+         "model 'mlp': width='abc' is text, but mlp() takes a whole number (int) for width"),
+        (["--model-arg", "width=1e9"], "width=1000000000.0 is a float, but mlp() takes a whole "
+                                      "number (int) for width; give e.g. width=1000000000"),
         (["--model-arg", "width=-4"], "model 'mlp' with {'width': -4}"),
     ],
 )
@@ -92,6 +95,20 @@ def test_train_rejects_bad_options_before_profiling(
     err = _fails(["train", "mlp", "--no-progress", *argv], capsys)
     assert err.startswith("dreampipe train: error:")
     assert needle.replace("{tmp}", str(tmp_path)) in err
+
+
+def test_demo_refuses_an_empty_out_before_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_demo(*_: object, **__: object) -> None:
+        raise AssertionError("ran the demo with an empty --out")
+
+    monkeypatch.setattr("dreampipe.commands.demo.run_demo", no_demo)
+    monkeypatch.chdir(tmp_path)
+    err = _fails(["demo", "--no-progress", "--out", ""], capsys)
+    assert err == ("dreampipe demo: error: --out '': name a directory for the demo's timeline, "
+                   "trace and plan, e.g. --out out/demo")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_train_rejects_mismatched_torchrun_world(

@@ -19,7 +19,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -33,6 +33,10 @@ from dreampipe.errors import ProfileError
 from dreampipe.profiling.bundled import bundled_profiles
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
+
+if TYPE_CHECKING:
+    from dreampipe.models.resolve import ModelSample
+    from dreampipe.models.spec import ModelSpec
 
 __all__ = ["register"]
 
@@ -106,13 +110,32 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _profile(args: argparse.Namespace) -> int:
     from dreampipe.cli.train_command import parse_model_args
-    from dreampipe.models.resolve import ModelSample, resolve
-    from dreampipe.profiling.profiler import profile_model, profile_spec
+    from dreampipe.models.resolve import memory_error, resolve
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
     sized = parse_model_args(args.model_arg)
     model = resolve(args.model, sized, batch_size=args.batch_size)
+    try:
+        graph = _measure(args, model, sized)
+    except (RuntimeError, MemoryError) as exc:
+        short = memory_error(args.model, sized, exc)
+        if short is None:
+            raise
+        raise short from None
+    _print(graph)
+    if args.output is not None:
+        graph.save(args.output)
+        print(f"wrote {args.output}")
+    return 0
+
+
+def _measure(args: argparse.Namespace, model: ModelSpec | ModelSample,
+             sized: tuple[tuple[str, Any], ...]) -> LayerGraph:
+    """``model`` profiled layer by layer, with a progress bar on stderr."""
+    from dreampipe.models.resolve import ModelSample
+    from dreampipe.profiling.profiler import profile_model, profile_spec
+
     with tqdm(desc=f"profiling {args.model}", unit="pass", file=sys.stderr,
               disable=None) as bar:
         def progress(done: int, total: int) -> None:
@@ -129,11 +152,7 @@ def _profile(args: argparse.Namespace) -> int:
                                  repeats=args.repeats, progress=progress)
             graph = replace(graph, meta={**graph.meta,
                                          "model_kwargs": [[k, v] for k, v in sized]})
-    _print(graph)
-    if args.output is not None:
-        graph.save(args.output)
-        print(f"wrote {args.output}")
-    return 0
+    return graph
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -377,6 +377,9 @@ def _register_demo(sub: argparse._SubParsersAction[Any]) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from dreampipe.commands.demo import DemoOptions, run_demo
 
+    if not args.out.strip():  # Path("") is ".": the files would land in the current directory
+        raise ConfigError(f"--out {args.out!r}: name a directory for the demo's timeline, "
+                          "trace and plan, e.g. --out out/demo")
     opts = DemoOptions(seed=args.seed, out_dir=Path(args.out), progress=not args.no_progress)
     if args.epochs is not None:
         opts = opts.with_epochs(args.epochs)

@@ -18,7 +18,7 @@ from dreampipe.errors import ProfileError
 if TYPE_CHECKING:
     from dreampipe.models.spec import ModelSpec
 
-__all__ = ["ZOO", "ModelSpec", "get_model"]
+__all__ = ["ZOO", "ModelSpec", "get_model", "zoo_function"]
 
 
 def _lazy(module: str, function: str) -> Callable[..., ModelSpec]:
@@ -34,15 +34,27 @@ def _lazy(module: str, function: str) -> Callable[..., ModelSpec]:
     return build
 
 
-ZOO: dict[str, Callable[..., ModelSpec]] = {
-    "mlp": _lazy("mlp", "mlp"),
-    "cnn": _lazy("cnn", "cnn"),
-    "vgg16": _lazy("vgg", "vgg16"),
-    "alexnet": _lazy("alexnet", "alexnet"),
-    "resnet50": _lazy("resnet", "resnet50"),
-    "gnmt": _lazy("gnmt", "gnmt"),
-    "transformer": _lazy("transformer", "transformer"),
+#: Each zoo model's module and constructor.
+_TARGETS = {
+    "mlp": ("mlp", "mlp"),
+    "cnn": ("cnn", "cnn"),
+    "vgg16": ("vgg", "vgg16"),
+    "alexnet": ("alexnet", "alexnet"),
+    "resnet50": ("resnet", "resnet50"),
+    "gnmt": ("gnmt", "gnmt"),
+    "transformer": ("transformer", "transformer"),
 }
+ZOO: dict[str, Callable[..., ModelSpec]] = {
+    name: _lazy(*target) for name, target in _TARGETS.items()}
+
+
+def zoo_function(name: str) -> Callable[..., ModelSpec]:
+    """Zoo model ``name``'s own constructor (imported, with torch), whose signature says
+    what its keyword arguments are."""
+    module, function = _TARGETS[name]
+    found: Callable[..., ModelSpec] = getattr(
+        importlib.import_module(f"dreampipe.models.{module}"), function)
+    return found
 
 
 def get_model(name: str, **kwargs: Any) -> ModelSpec:
