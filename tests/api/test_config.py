@@ -79,9 +79,11 @@ __all__: list[str] = []
     ({"virtual_stages": 2}, "virtual_stages=2 with schedule=pipedream; use 1, or "
                             "schedule=interleaved-1f1b with 2 or more",
      ("virtual_stages", "schedule")),
-    ({"virtual_stages": 0, "schedule": "interleaved-1f1b"}, "virtual_stages=0 with schedule="
-                                                            "interleaved-1f1b; use 1",
-     ("virtual_stages", "schedule")),
+    ({"virtual_stages": 0, "schedule": "interleaved-1f1b"}, "virtual_stages=0; a worker runs "
+                                                            "1 stage or more",
+     ("virtual_stages",)),
+    ({"virtual_stages": -1}, "virtual_stages=-1; a worker runs 1 stage or more: use 1",
+     ("virtual_stages",)),
     ({"virtual_stages": 2, "schedule": "auto"}, "virtual_stages=2 with schedule=auto; use 1",
      ("virtual_stages", "schedule")),
     ({"variable_dims": (1, 1)}, "variable_dims=(1, 1); give the dimensions that may change "

@@ -112,6 +112,15 @@ def test_a_plan_without_its_profile_says_another_topology_does_not_price_it(
     assert own["throughput_minibatches_per_s"] != other["throughput_minibatches_per_s"]
 
 
+def test_no_stages_per_worker_is_refused_for_what_it_is(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    for schedule in ("pipedream", "interleaved-1f1b"):
+        assert main(["simulate", "pipedream:gnmt", "-t", "4", "--virtual-stages", "0",
+                     "--schedule", schedule]) == 2
+        assert "--virtual-stages 0; a worker runs 1 stage or more" in capsys.readouterr().err
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

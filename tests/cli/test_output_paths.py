@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dreampipe.cli import main
-from dreampipe.cli.output_paths import check_output_paths
+from dreampipe.cli.output_paths import check_output_paths, check_run_paths
 from dreampipe.errors import ConfigError
 
 __all__: list[str] = []
@@ -44,3 +44,16 @@ def test_each_command_refuses_before_it_runs(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "end the name in one of .png" in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_runs_data_log_and_checkpoints_are_checked_before_its_workers_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for extra, said in ((["--data-log", str(tmp_path)], "--data-log"),
+                        (["--checkpoint-dir", str(afile), "--checkpoint-every", "1"],
+                         "is a file, not a directory")):
+        assert main(["train", "mlp", "--steps", "1", "--no-progress", *extra]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "rank 0" not in err
+    check_run_paths(tmp_path / "new" / "log.jsonl", tmp_path / "new")  # made by the run

@@ -31,7 +31,7 @@ from dreampipe.api.config_values import (
     precision_of_autocast,
 )
 from dreampipe.errors import ConfigError
-from dreampipe.planning.placement import Placement
+from dreampipe.planning.placement import Placement, check_virtual_count
 from dreampipe.runplan.schedule_choice import CANDIDATES, STAND_IN, Semantics
 from dreampipe.runtime.block_recompute import BlockRecompute
 from dreampipe.runtime.nonfinite import OnNonFinite
@@ -179,6 +179,7 @@ class TrainConfig:
             raise ConfigError(f"max_grad_norm={norm}; use a positive norm, or None not to clip",
                               "max_grad_norm")
         v = self.virtual_stages
+        check_virtual_count(v)
         v_shaped = self.chooses is None and self.kind.placement is Placement.V
         if v is not None and v_shaped and v != 2:
             raise ConfigError(f"virtual_stages={v} with schedule={self.schedule}, which runs 2 "

@@ -3,7 +3,9 @@
 A run must not end in a traceback, or write elsewhere than asked, when it has
 done its work: a trace names a file in a directory that exists, and a timeline
 also one of the image formats the chart is drawn in (matplotlib's, by suffix:
-without one it would write ``NAME.png`` beside the path given).
+without one it would write ``NAME.png`` beside the path given). Nor may a
+training run find only once its workers have started that its data log is a
+directory or its checkpoint directory a file.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from dreampipe.errors import ConfigError
 
-__all__ = ["IMAGE_SUFFIXES", "check_output_paths"]
+__all__ = ["IMAGE_SUFFIXES", "check_output_paths", "check_run_paths"]
 
 #: The image formats a timeline is written in, by suffix (matplotlib's common ones).
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".tif", ".tiff")
@@ -39,3 +41,15 @@ def check_output_paths(trace: str | Path | None, timeline: str | Path | None) ->
             raise ConfigError(
                 f"--timeline {path}: the chart is an image; end the name in one of "
                 f"{', '.join(IMAGE_SUFFIXES)}, e.g. --timeline {p.with_suffix('.png')}")
+
+
+def check_run_paths(data_log: str | Path | None, checkpoint_dir: str | Path | None) -> None:
+    """A ConfigError naming the flag and the fix where ``data_log`` (None: not asked) is a
+    directory, or ``checkpoint_dir`` is a file (missing directories the run makes)."""
+    if data_log is not None and Path(data_log).is_dir():
+        raise ConfigError(f"--data-log {data_log}: is a directory; name a file in it, "
+                          f"e.g. --data-log {Path(data_log) / 'data.jsonl'}")
+    if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(
+            checkpoint_dir).is_dir():
+        raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: is a file, not a directory; "
+                          "name a directory (it is made if missing)")

@@ -43,6 +43,7 @@ from dreampipe.planning.placement import (
     Placement,
     check_fits,
     check_schedule,
+    check_virtual_count,
     virtual_stages_of,
 )
 from dreampipe.planning.plan import PLAN_FORMAT, Plan
@@ -344,6 +345,7 @@ def _virtual_stages(args: argparse.Namespace, kind: ScheduleKind, plan: Plan, so
     """The plan's stages per worker; ``--virtual-stages``, if given, must be the same, and
     more than one needs the interleaved schedule."""
     asked = args.virtual_stages
+    check_virtual_count(asked)
     several = kind is ScheduleKind.INTERLEAVED or kind.placement is Placement.V
     if asked is not None and asked != 1 and not several:
         raise ConfigError(f"virtual_stages={asked} with schedule={kind.value}; only "

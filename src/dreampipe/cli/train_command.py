@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dreampipe.cli.output_paths import check_output_paths
+from dreampipe.cli.output_paths import check_output_paths, check_run_paths
 from dreampipe.errors import ConfigError
 from dreampipe.quantities import format_bytes, parse_bytes
 from dreampipe.runplan.schedule_choice import Semantics
@@ -288,6 +288,7 @@ def _train(args: argparse.Namespace) -> int:
     from dreampipe.commands.train_share import torchrun_world
 
     check_output_paths(args.trace, args.timeline)
+    check_run_paths(args.data_log, args.checkpoint_dir)
     checkpoints = Checkpoints(
         directory=Path(args.checkpoint_dir) if args.checkpoint_dir else None,
         every=args.checkpoint_every, resume=args.resume,

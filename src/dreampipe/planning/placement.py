@@ -23,9 +23,9 @@ from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
-__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "position_firsts",
-           "position_replicas", "rank_stages", "stage_rank", "stage_ranks", "stray_stage",
-           "virtual_stages_of"]
+__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "check_virtual_count",
+           "position_firsts", "position_replicas", "rank_stages", "stage_rank", "stage_ranks",
+           "stray_stage", "virtual_stages_of"]
 
 
 class Placement(Enum):
@@ -162,6 +162,13 @@ def check_placement(stages: Sequence[Stage], virtual_stages: int,
         raise PlanError(f"stage {s} sits on workers {list(stages[s].workers)} but shares rank "
                         f"{r} with stage {r} on {list(stages[r].workers)}; give "
                         "the stages of a rank the same workers")
+
+
+def check_virtual_count(v: int | None) -> None:
+    """Stages per worker, where given (None: not), are 1 or more."""
+    if v is not None and v < 1:
+        raise ConfigError(f"virtual_stages={v}; a worker runs 1 stage or more: use 1, or "
+                          "leave it out", "virtual_stages")
 
 
 def virtual_stages_of(plan: Plan, asked: int | None, source: str = "the plan",
