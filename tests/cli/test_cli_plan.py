@@ -387,7 +387,8 @@ def test_auto_on_two_stages_per_worker_weighs_interleaving_zbv_and_dualpipev(
              if line.startswith("  ") and line.split()[0] in kinds]
     assert lines == list(kinds)
     chosen = next(line.split()[0] for line in out.splitlines() if "chosen" in line)
-    assert chosen in ("zbv", "dualpipev") and f"simulate it with --schedule {chosen}" in out
+    assert chosen in ("zbv", "dualpipev")
+    assert f"with its schedule, {chosen}, which 'dreampipe simulate' runs" in out
     plan = Plan.load(saved)
     assert [st.ranks[0] for st in plan.stages] == [0, 1, 2, 3, 3, 2, 1, 0]
     code, out, _ = _run(capsys, chain, "-t", "1x4", "--schedule", "dualpipev", "--json")

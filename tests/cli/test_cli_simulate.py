@@ -121,6 +121,28 @@ def test_no_stages_per_worker_is_refused_for_what_it_is(
         assert "--virtual-stages 0; a worker runs 1 stage or more" in capsys.readouterr().err
 
 
+def test_a_saved_plan_simulates_with_the_schedule_plan_chose_for_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "g.json"
+    assert main(["plan", "pipedream:gnmt", "-t", "4", "--no-check", "--json", "-o",
+                 str(out)]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["schedule"] not in ("pipedream", "dp")  # a synchronous one, microbatched
+    ran = _json(capsys, ["simulate", str(out), "--json"])
+    assert (ran["schedule"], ran["microbatches_per_update"]) == (
+        planned["schedule"], planned["microbatches"])
+    assert ran["throughput_minibatches_per_s"] == pytest.approx(
+        planned["schedule_minibatches_per_s"], rel=0.01)
+    other = _json(capsys, ["simulate", str(out), "--schedule", "pipedream", "--json"])
+    assert other["schedule"] == "pipedream"  # a flag still runs another
+    data = json.loads(out.read_text())
+    data["chosen_schedule"] = {"schedule": "warp", "microbatches": 4}
+    out.write_text(json.dumps(data))
+    assert main(["simulate", str(out)]) == 2
+    assert "chosen_schedule=" in capsys.readouterr().err
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -325,7 +347,8 @@ def test_a_plan_made_for_virtual_stages_simulates_them_without_the_flag(
     chain8, saved = _chain_txt(tmp_path / "chain8.txt", 8), tmp_path / "p.json"
     assert main(["plan", str(chain8), "-t", "4", "--straight", "--virtual-stages", "2",
                  "-o", str(saved)]) == 0
-    assert "simulate it with --schedule interleaved-1f1b\n" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "with its schedule, interleaved-1f1b, which 'dreampipe simulate' runs\n" in said
     plan = Plan.load(saved)
     assert plan.virtual_stages == 2 and plan.workers_used == 4
     bare = _plan_bubble(capsys, saved)

@@ -41,6 +41,7 @@ from dreampipe.cli.links import (
 from dreampipe.cli.plan_check import check_warning, format_check
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
+    chosen,
     runs_several,
     schedule_report,
     several_report,
@@ -179,7 +180,7 @@ def _run(args: argparse.Namespace) -> int:
                                 ) if args.check else None
     schedule_lines, schedule_data = schedule_report(args, result, graph, topo)
     if args.output:
-        result.save(args.output)
+        result.save(args.output, chosen(schedule_data))
     if args.json:
         summary = {**plan_summary(result, seconds), **schedule_data}
         needs = _split_needs(result, graph, topo)
@@ -217,15 +218,15 @@ def _run_several(args: argparse.Namespace, graph: LayerGraph, topo: Topology) ->
                           "virtual_stages")
     plan, lines, data = several_report(args, graph, topo)
     if args.output:
-        plan.save(args.output)
+        plan.save(args.output, chosen(data))
     if args.json:
         json.dump({**plan_summary(plan), **data}, sys.stdout)
         sys.stdout.write("\n")
         return 0
     print("\n".join(lines))
     if args.output:
-        print(f"plan saved to {args.output} ({plan.virtual_stages} stages per worker); "
-              f"simulate it with --schedule {data['schedule']}")
+        print(f"plan saved to {args.output} ({plan.virtual_stages} stages per worker), with "
+              f"its schedule, {data['schedule']}, which 'dreampipe simulate' runs")
     return 0
 
 

@@ -34,9 +34,17 @@ from dreampipe.scheduling.microbatch_layout import default_microbatches
 from dreampipe.simulation.action_costs import costs_from_profile, cut_bandwidth
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
-__all__ = ["add_schedule_arguments", "runs_several", "schedule_report", "several_report"]
+__all__ = ["CHOSEN_KEY", "add_schedule_arguments", "chosen", "runs_several", "schedule_report",
+           "several_report"]
 
 _AUTO = "auto"
+#: The plan file's record of the schedule ``dreampipe plan`` chose, which ``simulate`` runs.
+CHOSEN_KEY = "chosen_schedule"
+
+
+def chosen(data: dict[str, Any]) -> dict[str, Any]:
+    """What a plan file records of the schedule chosen for it (``data``: a report's JSON)."""
+    return {CHOSEN_KEY: {"schedule": data["schedule"], "microbatches": data["microbatches"]}}
 
 
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:

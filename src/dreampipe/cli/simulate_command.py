@@ -38,6 +38,7 @@ from dreampipe.cli.links import (
     sync_from,
 )
 from dreampipe.cli.output_paths import check_output_paths
+from dreampipe.cli.plan_schedule import CHOSEN_KEY
 from dreampipe.errors import ConfigError, PlanError, ScheduleError, TopologyError
 from dreampipe.planning.placement import (
     Placement,
@@ -209,6 +210,9 @@ def _load(args: argparse.Namespace
         if args.profile is None:
             _check_unpriced(args, plan, topology, named)
         graph = profile_on(args.profile, topology) if args.profile is not None else None
+        recorded = data.get(CHOSEN_KEY)
+        if recorded is not None:
+            _take_chosen(args, recorded, named)
         run = data.get(SYNC_RUN_KEY)
         return plan, graph, topology, named, None if run is None else SyncRun.from_dict(run)
     if data is not None and "format" not in data and "layers" not in data:
@@ -227,6 +231,22 @@ def _load(args: argparse.Namespace
     plan = plan_pipeline(graph, topology,
                          PlanOptions(memory_bytes=memory_limit(args.memory, graph, topology)))
     return plan, graph, topology, f"the plan of {args.source!r}", None
+
+
+def _take_chosen(args: argparse.Namespace, recorded: Any, named: str) -> None:
+    """The schedule and microbatches ``dreampipe plan`` chose for the plan, where the flags
+    name none: a plan simulates as it was planned to run."""
+    kinds = {k.value for k in ScheduleKind}
+    if not (isinstance(recorded, dict) and recorded.get("schedule") in kinds
+            and type(recorded.get("microbatches")) is int and recorded["microbatches"] >= 1):
+        raise PlanError(f"{named}: {CHOSEN_KEY}={recorded!r} is not a schedule and its "
+                        "microbatches; write the plan again with 'dreampipe plan -o'")
+    if args.schedule is not None or args.schedule_file is not None:
+        return
+    args.schedule = recorded["schedule"]
+    if args.microbatches is None and ScheduleKind(args.schedule) not in (
+            ScheduleKind.PIPEDREAM, ScheduleKind.DP):
+        args.microbatches = recorded["microbatches"]
 
 
 def _check_unpriced(args: argparse.Namespace, plan: Plan, topology: Topology,
