@@ -143,6 +143,18 @@ def test_a_saved_plan_simulates_with_the_schedule_plan_chose_for_it(
     assert "chosen_schedule=" in capsys.readouterr().err
 
 
+def test_a_long_simulation_says_so_before_it_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dreampipe.cli import simulate_command
+
+    monkeypatch.setattr(simulate_command, "_LONG_MINIBATCHES", 8)
+    argv = ["simulate", "pipedream:gnmt", "-t", "4", "--json", "--minibatches"]
+    assert main([*argv, "8"]) == 0 and "note: " not in capsys.readouterr().err
+    assert main([*argv, "9"]) == 0
+    assert "note: simulating 9 minibatches takes" in capsys.readouterr().err
+
+
 def test_human_report_lists_every_rank(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -338,6 +338,14 @@ def _check_counts(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"{name}={value}; use 1 or more", name)
+    if args.minibatches is not None and args.minibatches > _LONG_MINIBATCHES:
+        print(f"note: simulating {args.minibatches:,} minibatches takes about a tenth of a "
+              "millisecond each and stage (minutes, or hours); the steady state shows in a "
+              "few hundred", file=sys.stderr)
+
+
+#: ``--minibatches`` beyond this many is said to take long before it starts.
+_LONG_MINIBATCHES = 100_000
 
 
 def _microbatch_counts(
