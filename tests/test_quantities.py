@@ -110,3 +110,17 @@ def test_require_unit_still_takes_numbers_and_units() -> None:
     assert parse_bandwidth(100, require_unit=True) == 100.0
     assert parse_bandwidth("10Gbps", require_unit=True) == pytest.approx(1.25e9)
     assert parse_bandwidth("100B/s", require_unit=True) == 100.0
+
+
+@pytest.mark.parametrize(("text", "fix"), [("16Gb", "16GB"), ("1.5Mb", "1.5MB"),
+                                           ("2Tib", "2TiB")])
+def test_a_size_in_bits_is_refused_naming_the_bytes(text: str, fix: str) -> None:
+    with pytest.raises(QuantityError, match=rf"is bits \(as in 10Gbps\).*write {fix}$"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "0.0"])
+def test_a_bandwidth_of_no_bytes_is_refused_before_its_unit_is_asked(text: str) -> None:
+    with pytest.raises(QuantityError, match=r"must be positive, e\.g\. 10GB/s") as info:
+        parse_bandwidth(text, require_unit=True)
+    assert f" {text}GB/s" not in str(info.value)  # no bandwidth of none suggested

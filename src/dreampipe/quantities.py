@@ -39,6 +39,9 @@ def parse_bytes(text: str | int | float) -> int:
     m = re.fullmatch(r"(?i)([kmgt]i?)?b?", unit)
     if not m:
         raise QuantityError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")
+    if re.fullmatch(r"[KMGT]i?b", unit):  # Gb is gigabits, as bandwidths read it
+        raise QuantityError(f"{text!r}: {unit} is bits (as in 10Gbps), and a size is in "
+                            f"bytes; write {_split(str(text))[0]:g}{unit[:-1]}B")
     if math.isnan(value):
         raise QuantityError(f"{text!r} is not a finite size; give e.g. 16GB")
     if value < 0:
@@ -59,6 +62,8 @@ def parse_bandwidth(text: str | int | float, *, require_unit: bool = False) -> f
         value, unit = float(text), ""
     else:
         value, unit = _split(text)
+        if require_unit and not unit and not value > 0:
+            raise QuantityError(f"bandwidth {text!r} must be positive, e.g. 10GB/s or 10Gbps")
         if require_unit and not unit:
             raise QuantityError(
                 f"bandwidth {text!r} has no unit; write e.g. {text.strip()}GB/s (bytes) "
