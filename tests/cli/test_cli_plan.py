@@ -332,6 +332,14 @@ def test_a_minibatch_splits_into_no_more_microbatches_than_it_has_samples(
     assert "use at most 1, or plan with --global-batch" in err
 
 
+def test_a_synchronous_schedule_asked_with_async_semantics_is_refused(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--schedule",
+                        "zb-h1", "--semantics", "async")
+    assert code == 2 and "--schedule zb-h1 is synchronous, and --semantics async" in err
+
+
 def test_semantics_any_keeps_a_synchronous_schedule_where_the_study_says_async_loses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

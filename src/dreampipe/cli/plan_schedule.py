@@ -88,6 +88,9 @@ def schedule_report(
     replicas = [st.replicas for st in plan.stages]
     capped = bool(batch) and args.microbatches is None and default_microbatches(replicas) > batch
     asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
+    if asked and args.semantics == Semantics.ASYNC.value and asked[0].synchronous:
+        raise ConfigError(f"--schedule {args.schedule} is synchronous, and --semantics async "
+                          "asks for stale weights; drop one of them", "schedule", "semantics")
     choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
                              batch if capped else args.microbatches, kinds=asked)
     fits = " that fits the memory limit" if memory else ""
