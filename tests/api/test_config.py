@@ -110,7 +110,7 @@ __all__: list[str] = []
     ({"vertical_sync": True, "stash": False},
      "vertical_sync=True runs every stage on a stashed weight version, so it needs weight "
      "stashing; drop stash=False or vertical_sync=True", ("stash", "vertical_sync")),
-    ({"on_nonfinite": "skip"}, "on_nonfinite=skip needs a synchronous schedule",
+    ({"on_nonfinite": "skip"}, "on_nonfinite=skip needs every stage to update at the same step",
      ("on_nonfinite", "schedule")),
     ({"schedule": "auto", "vertical_sync": True},
      "schedule=auto with semantics=sync chooses among zb-h1, zb-h2, 1f1b-flush, gpipe, and none "
@@ -132,7 +132,7 @@ def test_a_rule_about_the_schedule_waits_for_the_one_auto_chooses() -> None:
     with pytest.raises(ConfigError, match="vertical_sync=True with schedule=2bw"):
         config.chosen(ScheduleKind.TWO_BW, 4)
     skip = TrainConfig(schedule="auto", semantics="async", on_nonfinite="skip")
-    with pytest.raises(ConfigError, match="on_nonfinite=skip needs a synchronous schedule"):
+    with pytest.raises(ConfigError, match="on_nonfinite=skip needs every stage to update"):
         skip.chosen(ScheduleKind.PIPEDREAM, 1)
     assert TrainConfig(schedule="auto").kind is ScheduleKind.FLUSH
     assert TrainConfig(schedule="gpipe").chooses is None

@@ -250,9 +250,10 @@ class TrainConfig:
                 "synchronous schedule (1f1b-flush, gpipe, zb-h1, zb-h2)", "zero", "schedule")
         if self.on_nonfinite == OnNonFinite.SKIP.value and kind is ScheduleKind.PIPEDREAM:
             raise ConfigError(
-                "on_nonfinite=skip needs a synchronous schedule (1f1b-flush, gpipe, dp, naive), "
-                "where every stage updates at the same step; pipedream updates each stage at "
-                "its own time: use on_nonfinite=stop with it", "on_nonfinite", "schedule")
+                "on_nonfinite=skip needs every stage to update at the same step, as every "
+                "schedule but pipedream does (1f1b-flush, zb-h1, 2bw, ...); pipedream updates "
+                "each stage at its own time: use on_nonfinite=stop with it", "on_nonfinite",
+                "schedule")
 
     def _check_candidates(self, semantics: Semantics) -> None:
         """Under ``auto``: some schedule it may choose must hold the schedule's rules."""
