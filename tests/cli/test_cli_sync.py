@@ -114,6 +114,7 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--layout", "t2-x2"], ["'x2'", "t8-p8-v2-z1-r4"]),
     (["--global-batch", "64", "--layout", "p2-t2"], ["order t, p, v, z, r"]),
     (["--global-batch", "64", "--layout", "t2"], ["misses p"]),
+    (["--global-batch", "64", "--layout", ""], ["--layout '' names no layout"]),
     (["--global-batch", "64", "--layout", "t2-p2-z4"], ["z4 is no ZeRO level"]),
     (["--global-batch", "64", "--layout", "t2-p8"], ["needs 16 workers"]),
     (["--global-batch", "63", "--layout", "t2-p2"], ["do not divide the global batch 63"]),

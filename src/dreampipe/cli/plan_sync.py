@@ -143,6 +143,9 @@ def _zero_levels(text: str | None) -> tuple[int, ...] | None:
 
 def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
     """Plan, check and report the synchronous objective (module doc)."""
+    if args.layout is not None and not args.layout.strip():
+        raise ConfigError(f"--layout {args.layout!r} names no layout; give one like "
+                          f"{LAYOUT_EXAMPLE}, or leave --layout out for the planner's choice")
     layout = parse_layout(args.layout) if args.layout else None
     if args.virtual_stages != 1:
         raise ConfigError(f"--virtual-stages {args.virtual_stages} with --global-batch: the "
