@@ -121,11 +121,14 @@ def with_ranges(
     ``recompute`` lets a stage that fits ``opts.memory_bytes`` only so recompute, and
     ``splits`` lets a stage run split (:mod:`dreampipe.planning.split_ranges`).
 
-    It runs on a hierarchy, without ``straight`` (each stage one worker, which the
+    It runs on a hierarchy (on one level only for splits, or to recompute where nothing fits
+    without), without ``straight`` (each stage one worker, which the
     hierarchy already places at its best) or a stage cap (the program does not count
     stages: the plan is then the hierarchy's, which puts outer stages on whole servers).
     """
-    flat_ok = splits or (recompute and opts.memory_bytes is not None)
+    # on one level the program adds only what the hierarchy lacks: splits, or recomputing
+    # stages where no plan fits without them
+    flat_ok = splits or (recompute and opts.memory_bytes is not None and stages is None)
     if (len(topology.levels) < 2 and not flat_ok) or opts.straight:
         return stages, ()
     if opts.limited:
