@@ -349,7 +349,8 @@ class Plan:
             if isinstance(exc, PlanError):
                 raise
             raise PlanError(f"malformed plan JSON: {exc!r}") from exc
-        check_agrees(plan, fields)
+        check_agrees(fields, config=plan.config, names=len(plan.layer_names),
+                     num_layers=plan.num_layers, batch_size=plan.batch_size)
         return plan
 
     def to_json(self, extra: dict[str, Any] | None = None) -> str:

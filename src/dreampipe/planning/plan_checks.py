@@ -12,14 +12,11 @@ from __future__ import annotations
 import json
 import math
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.splits import Split
-
-if TYPE_CHECKING:
-    from dreampipe.planning.plan import Plan
 
 __all__ = ["PlanFields", "check_agrees", "read_stages"]
 
@@ -127,19 +124,19 @@ def read_stages(plan: PlanFields) -> tuple[Stage, ...]:
     )
 
 
-def check_agrees(plan: Plan, fields: PlanFields) -> None:
-    """The file's ``config`` and ``layer_names`` say what its stages say; its
-    ``batch_size`` is not negative."""
-    written = fields.text("config", plan.config)
-    if written != plan.config:
+def check_agrees(fields: PlanFields, *, config: str, names: int, num_layers: int,
+                 batch_size: int) -> None:
+    """The file's ``config`` and layer names (``names`` of them) say what its stages say
+    (``config``, ``num_layers``); its ``batch_size`` is not negative."""
+    written = fields.text("config", config)
+    if written != config:
         raise PlanError(f"config={written!r} does not match the stages, which make "
-                        f"{plan.config!r}; fix config or the stages {_REWRITE}")
-    names = len(plan.layer_names)
-    if names and names != plan.num_layers:
+                        f"{config!r}; fix config or the stages {_REWRITE}")
+    if names and names != num_layers:
         raise PlanError(f"layer_names holds {names} name{'s' * (names != 1)} but num_layers="
-                        f"{plan.num_layers}; give one name per layer or none {_REWRITE}")
-    if plan.batch_size < 0:
-        raise PlanError(f"batch_size={plan.batch_size}; give the minibatch size the plan was "
+                        f"{num_layers}; give one name per layer or none {_REWRITE}")
+    if batch_size < 0:
+        raise PlanError(f"batch_size={batch_size}; give the minibatch size the plan was "
                         f"made for, or 0 for unknown {_REWRITE}")
 
 
