@@ -77,7 +77,10 @@ class SimCosts:
     action takes exactly its cost.
     ``recompute_bytes[s]`` is what stage s's backward holds once while it
     recomputes a microbatch's activations (its input and what its layers keep; 0: the
-    stage stashes them per microbatch in ``stash_bytes``).
+    stage stashes them per microbatch in ``stash_bytes``). ``held_bytes[s]`` is what it
+    holds besides its weights and microbatches, as the planner counts it: its largest
+    backward's working set and the compute library's kernels (:mod:`~dreampipe.planning.
+    held`).
     """
 
     forward_s: tuple[float, ...]
@@ -97,6 +100,7 @@ class SimCosts:
     jitter: tuple[float, ...] = ()
     weight_grad_s: tuple[float, ...] = ()
     recompute_bytes: tuple[float, ...] = ()
+    held_bytes: tuple[float, ...] = ()
     gather_s: tuple[float, ...] = ()
     steps_agree: bool = False
 
@@ -109,7 +113,7 @@ class SimCosts:
             )
         defaults = {"activation_bytes": n - 1, "allreduce_s": n, "allreduce_delay_s": n,
                     "parameter_bytes": n, "stash_bytes": n, "step_s": n,
-                    "recompute_bytes": n}
+                    "recompute_bytes": n, "held_bytes": n}
         for name, size in defaults.items():
             value = tuple(getattr(self, name)) or (0.0,) * size
             if len(value) != size:
@@ -216,6 +220,7 @@ def costs_from_profile(
     all-reduce's delay grows by as much) and a microbatch keeps only its input;
     the recomputed activations are held once (``recompute_bytes``).
     """
+    from dreampipe.planning.held import held_bytes
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
     from dreampipe.planning.sync import DEFAULT_SYNC
@@ -234,8 +239,12 @@ def costs_from_profile(
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
     wgrad: list[float] = []
     again: list[float] = []
+    held: list[float] = []
     for s, st in enumerate(plan.stages):
         span = layers[st.first:st.last + 1]
+        held.append(float(held_bytes([float(x.working_bytes) * microbatch_fraction for x in span],
+                                     [float(x.library_bytes or 0) for x in span],
+                                     [x.kernel_kind for x in span])[0, -1]))
         if st.tensor_parallel > 1:
             shares = layer_shares(span, st.splits, st.tensor_parallel)
             fwd.append(st.forward_s * microbatch_fraction)
@@ -274,6 +283,7 @@ def costs_from_profile(
         stash_bytes=tuple(stash), microbatch_fraction=microbatch_fraction,
         weight_grad_s=tuple(wgrad),
         recompute_bytes=tuple(again) if any(again) else (),
+        held_bytes=tuple(held),
     )
 
 

@@ -183,6 +183,7 @@ class _Run(Stepper):
         params = [sum(self.c.parameter_bytes[st] for st in h) for h in hosted]
         stash = [max(self.c.stash_bytes[st] for st in h) for h in hosted]
         again = [max(self.c.recompute_bytes[st] for st in h) for h in hosted]
+        kept = [max(self.c.held_bytes[st] for st in h) for h in hosted]
         sent = [max(max(cuts[st], cuts[st + 1]) for st in h) for h in hosted]
         fraction = self.c.microbatch_fraction
         throughput = s.num_microbatches * fraction / makespan if makespan > 0 else math.inf
@@ -200,7 +201,7 @@ class _Run(Stepper):
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
             peak_memory_bytes=tuple(
-                int(m.peak_memory(params[r], stash[r], sent[r]) + again[r])
+                int(m.peak_memory(params[r], stash[r], sent[r], kept[r]) + again[r])
                 for r, m in enumerate(self.memory)),
             peak_versions=tuple(m.peak_versions for m in self.memory),
             peak_in_flight=tuple(m.peak_in_flight for m in self.memory),
@@ -368,10 +369,11 @@ class _Memory:
         self.peak_versions = max(self.peak_versions, versions)
         self.samples.add((versions, flight, self.sharded))
 
-    def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float
-                    ) -> float:
+    def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float,
+                    held_bytes: float = 0.0) -> float:
         from dreampipe.planning.memory_terms import memory_bytes  # NumPy: only when used
 
         freed = parameter_bytes * (1 - 1 / self.shards)
-        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes))
+        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes,
+                                      working_bytes=held_bytes))
                    - (freed if sharded else 0.0) for v, f, sharded in self.samples)
