@@ -250,3 +250,12 @@ def test_output_into_a_closed_pipe_is_quiet(pipedream_profiles: Path) -> None:
                          text=True, timeout=60)
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
     assert out.returncode == 141
+
+
+def test_show_refuses_a_topology_for_a_profile_with_its_own_times(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """-t times a profile by shape; a measured or bundled profile would ignore it."""
+    assert main(["show", "pipedream:vgg16", "-t", "dgx-a100:1"]) == 2
+    assert "holds its own times: drop -t" in capsys.readouterr().err
+    assert main(["show", "gpt:layers=2,hidden=64,heads=4,seq=16,vocab=100", "-t",
+                 "dgx-a100:1"]) == 0

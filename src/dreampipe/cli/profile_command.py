@@ -31,6 +31,7 @@ from dreampipe.cli.profile_table import (
 )
 from dreampipe.errors import ProfileError
 from dreampipe.profiling.bundled import bundled_profiles
+from dreampipe.profiling.gpt_spec import is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
 
@@ -161,6 +162,9 @@ def _show(args: argparse.Namespace) -> int:
         return 0
     if args.topology is None:
         _print(load_graph(args.file))
+    elif not is_gpt_spec(str(args.file)):
+        raise ProfileError(f"-t {args.topology} times a profile by shape (gpt:...) on its "
+                           f"device; {str(args.file)!r} holds its own times: drop -t")
     else:
         from dreampipe.planning.topology import Topology
 
