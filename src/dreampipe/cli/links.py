@@ -42,7 +42,9 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--bandwidth``, ``--latency``, ``--memory``, ``--sync`` and ``--ps-shards``."""
     p.add_argument("--bandwidth", "-b", action="append", metavar="B",
                    help="bandwidth of one level, innermost first, e.g. 10GB/s then 10Gbps "
-                        "(repeat per level; default: the preset's, or PCIe then 10Gbps)")
+                        "(repeat per level: a shape needs one per level, a preset keeps its "
+                        "own for the levels not given; default: the preset's, or PCIe then "
+                        "10Gbps)")
     p.add_argument("--latency", action="append", metavar="T",
                    help="per-message latency of one level, innermost first, e.g. 10us then "
                         "50us (repeat per level; default 10us inside a server, 50us between)")
