@@ -30,10 +30,7 @@ def check_output_paths(trace: str | Path | None, timeline: str | Path | None) ->
             if path is not None:
                 raise ConfigError(f"{flag} ''; name a file, e.g. {flag} {example}")
             continue
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
-                              f"{p / example}")
+        p = _a_file(flag, path, example)
         if not p.resolve().parent.is_dir():
             raise ConfigError(f"{flag} {path}: directory {str(p.parent)!r} does not exist; "
                               "create it or write elsewhere")
@@ -46,10 +43,19 @@ def check_output_paths(trace: str | Path | None, timeline: str | Path | None) ->
 def check_run_paths(data_log: str | Path | None, checkpoint_dir: str | Path | None) -> None:
     """A ConfigError naming the flag and the fix where ``data_log`` (None: not asked) is a
     directory, or ``checkpoint_dir`` is a file (missing directories the run makes)."""
-    if data_log is not None and Path(data_log).is_dir():
-        raise ConfigError(f"--data-log {data_log}: is a directory; name a file in it, "
-                          f"e.g. --data-log {Path(data_log) / 'data.jsonl'}")
+    if data_log is not None:
+        _a_file("--data-log", data_log, "data.jsonl")
     if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(
             checkpoint_dir).is_dir():
         raise ConfigError(f"--checkpoint-dir {checkpoint_dir}: is a file, not a directory; "
                           "name a directory (it is made if missing)")
+
+
+def _a_file(flag: str, path: str | Path, example: str) -> Path:
+    """``path`` as given to ``flag``, which names a file: a ConfigError where it is a
+    directory, naming ``example`` in it."""
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; name a file in it, e.g. {flag} "
+                          f"{p / example}")
+    return p

@@ -51,6 +51,7 @@ from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.placement import check_virtual_count
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import memory_needs, plan_pipeline
 from dreampipe.planning.split_stage import unfit_lines
@@ -213,9 +214,7 @@ def _run(args: argparse.Namespace) -> int:
 def _run_several(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int:
     """``--virtual-stages`` (or a V schedule): the plan of several stages per worker,
     reported and saved."""
-    if args.virtual_stages < 1:
-        raise ConfigError(f"virtual_stages={args.virtual_stages}; use 1 or more",
-                          "virtual_stages")
+    check_virtual_count(args.virtual_stages)
     plan, lines, data = several_report(args, graph, topo)
     if args.output:
         plan.save(args.output, chosen(data))

@@ -104,16 +104,16 @@ def schedule_report(
     if capped:
         lines.append(f"  a minibatch of {batch} (the profile's) splits into at most {batch} "
                      "microbatches: plan with --global-batch B for a batch of several")
-    chosen = next(c for c in choice.candidates if c.kind is choice.kind)
+    picked = next(c for c in choice.candidates if c.kind is choice.kind)
     dp = plan.baselines_s.get("dp")
-    if choice.kind.synchronous and dp and chosen.minibatches_per_s < 1 / dp:
+    if choice.kind.synchronous and dp and picked.minibatches_per_s < 1 / dp:
         lines.append(
-            f"  note: {choice.kind.value} runs this plan at {chosen.minibatches_per_s:.2f} "
+            f"  note: {choice.kind.value} runs this plan at {picked.minibatches_per_s:.2f} "
             f"minibatches/s, below data parallelism's {1 / dp:.2f}; the plan, its times and "
             "speed-ups above are PipeDream's asynchronous pipeline's: plan with --global-batch "
             "B for a synchronous plan, or with --semantics async")
     data = {"schedule": choice.kind.value, "microbatches": choice.microbatches,
-            "schedule_minibatches_per_s": chosen.minibatches_per_s,
+            "schedule_minibatches_per_s": picked.minibatches_per_s,
             "schedule_candidates": [
                 {"schedule": c.kind.value, "microbatches": c.microbatches,
                  "minibatches_per_s": c.minibatches_per_s, "tried": not c.why_not,

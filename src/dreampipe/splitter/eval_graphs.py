@@ -70,12 +70,13 @@ def eval_graphs(model: nn.Module, units: set[str], example: Any, cut: Cut, baked
         _log.debug("tracing %s in eval mode failed: %s", type(model).__name__, exc)
         return (f"cannot be traced in eval mode ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0] if str(exc) else ''})")
-    if [label for label, _ in again] == [label for label, _ in cut] and all(
-            _code(a) == _code(t) for (_, t), (_, a) in zip(cut, again, strict=True)):
+    alike = [label for label, _ in again] == [label for label, _ in cut]
+    same = [_code(a) == _code(t) for (_, t), (_, a) in zip(cut, again, strict=True)
+            ] if alike else []
+    if alike and all(same):
         return [None] * len(cut)
     why = ("reads self.training between its blocks, and in eval mode it calls them in "
-           "another order" if len(again) != len(cut) or any(
-               x != y for (x, _), (y, _) in zip(cut, again, strict=True)) else
+           "another order" if not alike else
            "reads self.training between its blocks, and in eval mode its segments pass on "
            "other values or read other modules" if any(
                _passes(a) != _passes(t) or not _targets(a) <= _targets(t)
@@ -84,4 +85,4 @@ def eval_graphs(model: nn.Module, units: set[str], example: Any, cut: Cut, baked
            "shapes in, in training mode" if baked else "")
     if why:
         return why
-    return [None if _code(a) == _code(t) else a for (_, t), (_, a) in zip(cut, again, strict=True)]
+    return [None if equal else a for equal, (_, a) in zip(same, again, strict=True)]
