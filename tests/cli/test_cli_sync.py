@@ -75,6 +75,28 @@ def test_a_saved_plan_simulates_as_its_synchronous_run(
         SyncRun.from_dict({"schedule": "zb-h1"})
 
 
+def test_r0_recomputes_nothing_and_more_blocks_than_a_stage_holds_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``r0`` fixes no recomputation; ``r`` above the blocks a stage holds recomputes all
+    of them, priced as the most any stage holds, and a note says so."""
+    args = ("plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "32", "--layout")
+    none = _json(capsys, *args, "t1-p2-r0", "--json")
+    assert none["layout"] == "t1-p2" and none["notes"] == []
+    assert [s["option"] for s in none["stages"]] == ["", ""]
+    many = _json(capsys, *args, "t1-p2-v1-r100", "--json")
+    assert len(many["notes"]) == 1 and "r100" in many["notes"][0], many["notes"]
+    most = int(many["notes"][0].rsplit(" as r", 1)[1].split()[0])
+    assert 1 <= most < 4
+    same = _json(capsys, *args, f"t1-p2-v1-r{most}", "--json")
+    assert same["notes"] == []
+    assert many["time_per_update_s"] == pytest.approx(same["time_per_update_s"], rel=1e-12)
+    assert many["memory_bytes"] == same["memory_bytes"]
+    assert none["time_per_update_s"] < same["time_per_update_s"]
+    assert main([*args, "t1-p2-r100"]) == 0
+    assert "note: --layout t1-p2-r100 recomputes 100 blocks" in capsys.readouterr().out
+
+
 def test_interleaved_copies_of_split_stages_are_simulated_from_their_terms(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

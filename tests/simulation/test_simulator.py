@@ -395,6 +395,8 @@ def test_too_short_a_run_has_no_steady_window() -> None:
     result = simulate_schedule(build_schedule([1] * 4, S.PIPEDREAM, 9), _equal(4))
     assert result.steady_microbatches == 0
     assert result.steady_throughput_minibatches_per_s == result.throughput_minibatches_per_s
+    assert result.summary()["steady_throughput_minibatches_per_s"] is None, (
+        "JSON must not pass the whole run's rate off as a steady one")
 
 
 def test_jitter_scales_forwards_and_backwards_by_its_draws() -> None:

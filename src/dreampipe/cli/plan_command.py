@@ -191,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         summary["simulated_minibatches"] = None if sim is None else sim.num_microbatches
         summary["simulated_steady_minibatches"] = None if sim is None else sim.steady_microbatches
         summary["simulated_minibatches_per_s"] = (
-            None if sim is None else sim.steady_throughput_minibatches_per_s)
+            None if sim is None else sim.summary()["steady_throughput_minibatches_per_s"])
         summary["check_warning"] = None if sim is None else check_warning(result, sim)
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")

@@ -21,12 +21,13 @@ from typing import Any
 
 from dreampipe.cli.links import memory_limit, sync_from
 from dreampipe.errors import ConfigError
-from dreampipe.planning.layout import LAYOUT_EXAMPLE, parse_layout
+from dreampipe.planning.layout import LAYOUT_EXAMPLE, Layout, parse_layout
 from dreampipe.planning.state_bytes import OPTIMIZER_COPIES, PRECISION_PARAM_BYTES, Training
 from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_objective import PipelineKind
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_search import plan_sync
+from dreampipe.planning.sync_stage_option import layer_blocks
 from dreampipe.planning.sync_why import OptionPrice, stage_options
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -50,8 +51,8 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
             "per copy of the pipeline)")),
         "--layout": dict(metavar="L", help=(
             f"price this layout, e.g. {LAYOUT_EXAMPLE} or t1-p1: tensor parallel t, pipeline "
-            "stages p, virtual stages v, ZeRO level z, recomputed blocks r a stage; data "
-            "parallelism fills the workers")),
+            "stages p, virtual stages v, ZeRO level z, recomputed blocks r a stage (r0: "
+            "none); data parallelism fills the workers")),
         "--precision": dict(choices=list(PRECISION_PARAM_BYTES), help=(
             "number formats of the synchronous objective's memory: bf16 keeps 16-bit weights "
             "and gradients and 32-bit masters (default: the profile's bytes a weight)")),
@@ -165,6 +166,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
     # the simulated update where the check ran (the objective's closed form bounds it)
     tflops = result.tflops_per_gpu(graph, simulated or result.time_per_update_s)
+    notes = _layout_notes(result, graph, layout)
     choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
@@ -178,7 +180,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     if args.json:
         out: dict[str, Any] = {**result.to_dict(), "model": graph.model,
                                "tflops_per_gpu": tflops, "plan_time_s": seconds,
-                               "check_skipped": simulated is None,
+                               "check_skipped": simulated is None, "notes": notes,
                                "simulated_time_per_update_s": simulated,
                                "stage_options": [[x.to_dict() for x in stage]
                                                  for stage in choices]}
@@ -188,10 +190,26 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         sys.stdout.write("\n")
         return 0
     print("\n".join(_lines(result, graph, topo, tflops, simulated, why, seconds)))
+    print("".join(f"note: {x}\n" for x in notes), end="")
     print("\n".join(_reasons(result, choices, options.memory_bytes)))
     if args.output:
         print(f"plan saved to {args.output}")
     return 0
+
+
+def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None) -> list[str]:
+    """What the layout asked that the plan could not do as written: ``-rK`` above the
+    blocks every stage holds, where a stage recomputes all of its own."""
+    if layout is None or not layout.recompute_blocks:
+        return []
+    blocks = layer_blocks(graph)
+    most = max(len({b for b in blocks[st.first:st.last + 1] if b is not None})
+               for st in result.stages)
+    if layout.recompute_blocks <= most:
+        return []
+    return [f"--layout {layout.text} recomputes {layout.recompute_blocks} blocks a stage, "
+            f"but no stage holds more than {most}: every stage recomputes all of its "
+            f"blocks, as r{most} would"]
 
 
 def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions

@@ -3,7 +3,8 @@
 ``t``: the workers of one server each replica of a stage is split over (tensor
 parallelism); ``p``: the pipeline's stages; ``v``: virtual stages per worker
 (interleaved 1F1B); ``z``: the ZeRO level replicated stages shard at (0-3); ``r``: the
-blocks each stage recomputes, its first ``k`` (Megatron-LM's transformer layers). Data
+blocks each stage recomputes, its first ``k`` (Megatron-LM's transformer layers; ``r0``
+none, a stage holding fewer recomputes all of its own). Data
 parallelism fills the workers left: ``d = workers // (t p)``. What the text leaves out
 (``v``, the microbatch size, the cuts) the planner chooses. Parsing is strict: tokens in
 this order, each once, whole numbers; a mistake is a :class:`~dreampipe.errors.ConfigError`
@@ -68,7 +69,7 @@ def parse_layout(text: str) -> Layout:
         if key == "z" and value > 3:
             raise ConfigError(f"{where}: z{value} is no ZeRO level; give z0, z1, z2 or z3",
                               "layout")
-        if key != "z" and value < 1:
+        if key not in ("z", "r") and value < 1:
             raise ConfigError(f"{where}: {key}{value}; the {_MEANING[key]} must be a whole "
                               f"number >= 1, e.g. {key}2", "layout")
         values[key] = value

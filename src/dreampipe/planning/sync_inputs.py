@@ -46,7 +46,7 @@ class SearchInputs:
             raise PlanError(f"layout {layout.text} cuts {n} layers into "
                             f"{layout.p * (layout.v or 1)} stages; give at most one stage a "
                             "layer: a smaller p or v")
-        if layout is not None and layout.recompute_blocks is not None and not any(
+        if layout is not None and layout.recompute_blocks and not any(
                 b is not None for b in blocks):
             raise PlanError(f"layout {layout.text} recomputes {layout.recompute_blocks} blocks "
                             f"a stage, but profile {graph.model or 'model'} has no blocks (a "
@@ -70,7 +70,8 @@ class SearchInputs:
             assert base is not None
             if layout is not None and layout.recompute_blocks is not None:
                 out.append(replace(base, recompute=Recompute.BLOCKS,
-                                   blocks=layout.recompute_blocks))
+                                   blocks=layout.recompute_blocks)
+                           if layout.recompute_blocks else base)
                 continue
             out.append(base)
             if self.opts.recompute:

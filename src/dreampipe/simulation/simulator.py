@@ -63,7 +63,8 @@ class SimResult:
     number of microbatches finished in that window (after its start, up to its end);
     0 when the run is too short to have one (fewer than ``2w + 2`` microbatches, or
     all of the window's finishing at once), and the steady figure is then the
-    whole run's.
+    whole run's; :meth:`summary` writes it as ``null`` then, so that JSON never
+    passes a whole run's rate off as a steady one.
     """
 
     kind: ScheduleKind
@@ -89,7 +90,8 @@ class SimResult:
             "num_microbatches": self.num_microbatches,
             "makespan_s": self.makespan_s,
             "throughput_minibatches_per_s": self.throughput_minibatches_per_s,
-            "steady_throughput_minibatches_per_s": self.steady_throughput_minibatches_per_s,
+            "steady_throughput_minibatches_per_s": (
+                self.steady_throughput_minibatches_per_s if self.steady_microbatches else None),
             "steady_microbatches": self.steady_microbatches,
             "bubble_fraction": self.bubble_fraction,
             "busy_s": list(self.busy_s),
