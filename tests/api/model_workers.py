@@ -87,6 +87,14 @@ class _AtOnce:
             raise failed[0]
 
 
+def _optimizer(name: str, lr: float, momentum: float) -> Any:
+    """The job's optimizer factory: ``sgd`` (with ``momentum``), ``adam``, or ``adamw``
+    (weight decay 0.1)."""
+    return {"adam": lambda p: torch.optim.Adam(p, lr=lr),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=0.1),
+            "sgd": lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum)}[name]
+
+
 def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
     """Train case ``job["case"]`` (built on meta if ``job["meta"]``, resumed from the
     checkpoint directory ``job["resume"]`` if given) split at its split points (or
@@ -95,7 +103,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     or that list of each stage's)
     in ``precision`` (with ``loss_scale``) and ``virtual_stages`` (``variable_dims`` declared),
     clipped by ``max_grad_norm`` if given,
-    with ``optimizer`` ``"sgd"`` (default) or ``"adam"``, for ``steps`` minibatches of
+    with ``optimizer`` ``"sgd"`` (default), ``"adam"`` or ``"adamw"``, for ``steps`` minibatches of
     ``minibatch``
     (repeating every ``job["cycle"]`` if given), then save a checkpoint in ``job["save"]``
     if given, and evaluate ``job["evaluate"]`` held-out minibatches; rank 0 returns the
@@ -116,8 +124,7 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
         model.overlap_pair = hook  # the model's own hook
     pipe = Pipeline(
         model, example=case.example(0, job["minibatch"]), loss_fn=case.loss_fn,
-        optimizer=(lambda p: torch.optim.Adam(p, lr=lr)) if job.get("optimizer") == "adam"
-        else lambda p: torch.optim.SGD(p, lr=lr, momentum=momentum),
+        optimizer=_optimizer(job.get("optimizer", "sgd"), lr, momentum),
         config=TrainConfig(
             schedule=job["schedule"], microbatches=job.get("microbatches", 1), timeout_s=30.0,
             resume=job.get("resume"), semantics=job.get("semantics", "sync"),

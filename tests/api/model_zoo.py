@@ -299,6 +299,24 @@ def _mlp() -> nn.Sequential:
                          nn.Linear(12, 4))
 
 
+class SpareBlock(nn.Module):
+    """A Linear and a registered module its forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.spare = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def spare_blocks() -> nn.Sequential:
+    """Blocks that each hold a module their forward never calls: one process gives its
+    weights no gradient, so weight decay leaves them be."""
+    return nn.Sequential(SpareBlock(), SpareBlock(), nn.Linear(6, 4))
+
+
 def float64_mlp() -> nn.Sequential:
     """A model in float64, which fp32 training keeps so, across the cut too."""
     return _mlp().double()
@@ -360,6 +378,11 @@ ODD_CASES: dict[str, Case] = {
     "frozen": Case(frozen_first, _rows, F.cross_entropy, ["2"]),
 }
 
+#: Cases of their own tests, outside the loops over the dicts above.
+OTHER_CASES: dict[str, Case] = {
+    "spare": Case(spare_blocks, _rows, F.cross_entropy, ["1"]),
+}
+
 
 #: The step whose minibatch is short in the cases of sequences of changing length.
 SHORT_STEP, SHORT_BY = 19, 3
@@ -408,9 +431,10 @@ VARLEN_CASES: dict[str, Case] = {
 
 
 def find_case(name: str) -> Case:
-    """The case ``name`` of :data:`CASES`, :data:`TIED_CASES`, :data:`VARLEN_CASES` or
-    :data:`ODD_CASES`."""
-    return CASES[name] if name in CASES else {**TIED_CASES, **VARLEN_CASES, **ODD_CASES}[name]
+    """The case ``name`` of :data:`CASES`, :data:`TIED_CASES`, :data:`VARLEN_CASES`,
+    :data:`ODD_CASES` or :data:`OTHER_CASES`."""
+    return CASES[name] if name in CASES else {**TIED_CASES, **VARLEN_CASES, **ODD_CASES,
+                                              **OTHER_CASES}[name]
 
 
 class CaseSpec:

@@ -25,7 +25,7 @@ from dreampipe.splitter.state_keys import check_written_buffers
 
 from .compare import assert_matches
 from .model_workers import train_cases
-from .model_zoo import CASES, CaseData, CaseSpec, CounterNet
+from .model_zoo import CASES, CaseData, CaseSpec, CounterNet, find_case
 
 __all__: list[str] = []
 
@@ -191,3 +191,26 @@ def test_a_parameter_no_microbatch_uses_takes_no_step_under_clipping_and_decay(
     assert_matches({"losses": [], "state": got}, [], model.state_dict())
     torch.testing.assert_close(got["blocks.0.idle.weight"], start["blocks.0.idle.weight"],
                                rtol=0, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_replicated_stage_gives_a_module_it_never_calls_no_gradient() -> None:
+    """One process gives an uncalled module's weights no gradient, so AdamW's weight decay
+    leaves them be; on a replicated stage, at every ZeRO level, the replicas' all-reduce
+    agrees on which parameters any replica used, and the others stay as they were."""
+    case = find_case("spare")
+    jobs = [{"case": "spare", "config": "2-1", "schedule": "1f1b-flush", "seed": _SEED,
+             "steps": 3, "minibatch": _MINIBATCH, "microbatches": _MICRO, "lr": 0.05,
+             "optimizer": "adamw", "zero": zero} for zero in range(4)]
+    out = run_processes(train_cases, 3, jobs, deadline_s=200.0)[0]
+    assert out is not None
+    losses, state = reference_sync(
+        CaseSpec(case, _SEED), CaseData(case), steps=3, minibatch=_MINIBATCH,  # type: ignore[arg-type]
+        seed=_SEED, opt=lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+        microbatches=_MICRO)
+    start = CaseSpec(case, _SEED).model().state_dict()
+    for zero, got in enumerate(out):
+        assert got["replicas"] == [2, 1] and got["sharded"][0] == (zero > 0), zero
+        for key in ("0.spare.weight", "0.spare.bias", "1.spare.weight"):
+            assert torch.equal(got["state"][key], start[key]), (zero, key)
+        assert_matches(got, losses, state)

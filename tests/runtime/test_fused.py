@@ -59,19 +59,23 @@ def test_a_gradient_sum_keeps_its_first_term_and_starts_afresh_after_take(fused:
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_parameter_nothing_reached_has_no_gradient_unless_an_all_reduce_wrote_it(
-        fused: bool) -> None:
+def test_a_parameter_no_replica_reached_has_no_gradient(fused: bool) -> None:
     params = [nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))]
     sums = GradientSum(params, fused=fused)
     sums.add_grad_mm(0, torch.ones(2, 1), torch.ones(1, 2))
     sums.filled(1)  # zeros for a norm or an all-reduce: still no gradient
+    assert sums.used() == {0}
     got = sums.take()
     assert got[0] is not None and got[1] is None
+    assert sums.used() == frozenset()
     sums.filled(0)
     sums.filled(1)
-    sums.arrive_all()  # the replicas' sum: zeros count
-    assert all(g is not None for g in sums.take())
+    sums.arrive([1])  # another replica used 1: the sum's zeros count; none used 0
+    assert [g is not None for g in sums.take()] == [False, True]
     assert sums.take() == [None, None]
+    sums.add_grad(1, torch.ones(2))
+    sums.pop(1)  # ZeRO-2 hands a microbatch's gradient on: it was still used
+    assert sums.used() == {1}
 
 
 def test_layers_with_parameters_outside_the_list_keep_autograd() -> None:

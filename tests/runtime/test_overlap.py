@@ -245,9 +245,10 @@ def test_runs_with_a_bucket_per_parameter_equal_runs_with_one_bucket(
     many = ranks[0][0]
     assert isinstance(many, TrainResult)
     rounds = steps // replicas[0] if kind is ScheduleKind.PIPEDREAM else steps
-    # one all-reduce per parameter and round, and the Pipeline's one of the losses at finish()
+    # one all-reduce per parameter and round, one a round of which parameters the
+    # replicas used, and the Pipeline's one of the losses at finish()
     assert {r: n for r, (_, n) in enumerate(ranks)} == {
-        r: n * rounds + 1 for r, n in params_per_round.items()
+        r: (n + 1) * rounds + 1 if n else 1 for r, n in params_per_round.items()
     }
     assert many.losses == one.losses
     for a, b in zip(many.stage_states, one.stage_states, strict=True):

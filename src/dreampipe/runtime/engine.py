@@ -291,7 +291,7 @@ class RankRunner:
         self.module.run_held()
 
     def _allreduce(self, a: Action) -> None:
-        self._updates.allreduce(a, self.schedule, self.module, self.buckets)
+        self._updates.allreduce(a, self.schedule, self.module, self.buckets, self.comm)
 
     def _step(self, a: Action) -> None:
         if self.two_bw is not None:  # the next minibatch runs on the live weights: older go

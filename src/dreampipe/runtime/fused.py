@@ -12,7 +12,7 @@ autograd's kernels. Why and how: docs/design.md §5.3 (and §7.6).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from functools import partial
@@ -71,6 +71,8 @@ class GradientSum:
         self._fused = fused
         self._sums: list[Tensor | None] = [None] * len(params)
         self._arrived: set[int] = set()
+        #: what the update's microbatches gave a gradient term, kept across :meth:`pop`
+        self._used: set[int] = set()
 
     def __getitem__(self, index: int) -> Tensor | None:
         return self._sums[index]
@@ -80,6 +82,7 @@ class GradientSum:
         if acc is not None and self._fused:
             acc.addmm_(a, b)
             self._arrived.add(index)
+            self._used.add(index)
         else:
             self.add_grad(index, torch.mm(a, b))
 
@@ -90,10 +93,16 @@ class GradientSum:
         else:
             acc.add_(g)
         self._arrived.add(index)
+        self._used.add(index)
 
-    def arrive_all(self) -> None:
-        """Every sum counts, zeros included (an all-reduce over replicas wrote them)."""
-        self._arrived.update(range(len(self._params)))
+    def used(self) -> frozenset[int]:
+        """The parameters the update's microbatches on this replica gave a gradient."""
+        return frozenset(self._used)
+
+    def arrive(self, indices: Iterable[int]) -> None:
+        """These sums count, zeros included: an all-reduce over the replicas wrote them,
+        and some replica's microbatches used each parameter."""
+        self._arrived.update(indices)
 
     def filled(self, index: int) -> Tensor:
         """Parameter ``index``'s sum, zeros (kept) if nothing arrived; zeros that stay
@@ -108,6 +117,7 @@ class GradientSum:
         """Parameter ``index``'s sum is ``g`` (a tied weight's, summed over its copies)."""
         self._sums[index] = g
         self._arrived.add(index)
+        self._used.add(index)
 
     def pop(self, index: int) -> Tensor:
         """Parameter ``index``'s sum (zeros if nothing arrived), which starts again."""
@@ -120,7 +130,7 @@ class GradientSum:
         """Every sum (None where nothing arrived: a parameter the update never used gets
         no gradient, as in one process), starting the next update's."""
         sums = [s if i in self._arrived else None for i, s in enumerate(self._sums)]
-        self._sums, self._arrived = [None] * len(self._params), set()
+        self._sums, self._arrived, self._used = [None] * len(self._params), set(), set()
         return sums
 
 

@@ -13,7 +13,7 @@ all-reduce bucket starts during the backward (:mod:`.gradient_harvest`,
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
 import torch
@@ -339,13 +339,25 @@ class StageModule:
         self._harvest.harvest_all()
         return [self._grads.pop(i) for i in range(len(self._params))]
 
-    def reduced(self) -> None:
-        """The update's gradients were all-reduced over the replicas: each one counts,
-        even where this replica's microbatches never used the parameter."""
+    def used_mask(self) -> Tensor:
+        """1 where this replica's microbatches gave parameter ``i`` a gradient this update,
+        else 0: what the replicas sum to agree on which parameters get one."""
+        self._harvest.harvest_all()
+        used = self._grads.used()
+        device = self._params[0].device if self._params else None
+        return torch.tensor([float(i in used) for i in range(len(self._params))],
+                            dtype=torch.float32, device=device)
+
+    def reduced(self, used: Sequence[bool]) -> None:
+        """The update's gradients were all-reduced over the replicas: each counts where
+        some replica's microbatches used the parameter (``used``, the replicas'
+        :meth:`used_mask` summed), zeros included; the others get no gradient, as in
+        one process, so that weight decay and momentum leave them be."""
         if self.zero is not None and self.zero.shards_gradients:
             self._grads.take()  # ZeRO-2: the full sums go, the replica keeps its shard
+            self.zero.no_gradient(i for i, u in enumerate(used) if not u)
         else:
-            self._grads.arrive_all()
+            self._grads.arrive(i for i, u in enumerate(used) if u)
 
     def step(self, *, apply: bool = True) -> None:
         """Apply the accumulated gradient to the live weights (copy-on-write, :mod:`.versions`).

@@ -86,9 +86,14 @@ class RankUpdates:
 
     def allreduce(
         self, a: Action, schedule: Schedule, module: StageModule,
-        buckets: GradientBuckets | ShardBuckets,
+        buckets: GradientBuckets | ShardBuckets, comm: Comm,
     ) -> None:
-        """``ALLREDUCE`` ``a`` of ``module``'s stage: its buckets finished, the sum scaled."""
+        """``ALLREDUCE`` ``a`` of ``module``'s stage: its buckets finished, the sum scaled;
+        beside them the replicas sum which parameters their microbatches used, so that one
+        none used gets no gradient, as in one process (the optimizer skips it). That sum
+        follows the buckets: every replica has then issued the round's collectives, in
+        the same order, whatever microbatches it ran."""
+        used = module.used_mask()
         scale = 1.0
         if schedule.kind is ScheduleKind.PIPEDREAM:
             r = schedule.replicas[a.stage]
@@ -97,7 +102,9 @@ class RankUpdates:
             buckets.finish(a, scale)
         else:
             buckets.finish(module.gradients(), a, scale)
-        module.reduced()
+        if len(used):
+            comm.wait_allreduce(dist.all_reduce(used, group=buckets.group, async_op=True), a)
+        module.reduced([bool(u) for u in used.tolist()])
 
     def step(
         self, a: Action, schedule: Schedule, first_microbatch: int, module: StageModule, comm: Comm

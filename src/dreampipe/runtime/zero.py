@@ -22,7 +22,7 @@ moments) see a chunk instead. A chunk parameter is a view of the live 32-bit wei
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +201,7 @@ class ZeroShards:
         self.group: Any = None
         self._wait: Wait | None = None
         self._grads: list[Tensor] | None = None  # level 2: this replica's summed chunks
+        self._unused: frozenset[int] = frozenset()  # level 2: no replica's use gave these one
 
     @property
     def gathers_state(self) -> bool:
@@ -236,6 +237,11 @@ class ZeroShards:
         """This replica's chunks of the update's summed gradient, by parameter."""
         self._grads = grads
 
+    def no_gradient(self, indices: Iterable[int]) -> None:
+        """No replica's microbatches used these parameters this update: their chunks
+        (zeros) step as no gradient, as in one process (level 2)."""
+        self._unused = frozenset(indices)
+
     def gradients(self) -> list[Tensor]:
         """The gradient chunks this replica holds (level 2), by parameter; none before the
         update's ``ALLREDUCE``."""
@@ -243,7 +249,7 @@ class ZeroShards:
 
     def drop(self) -> None:
         """A skipped update: its gradient chunks go."""
-        self._grads = None
+        self._grads, self._unused = None, frozenset()
 
     def whole_gradient(self, i: int) -> Tensor:
         """Parameter ``i``'s summed gradient, whole, from every replica's chunk (level 2; a
@@ -255,6 +261,7 @@ class ZeroShards:
         """Keep this replica's chunk of ``whole``, parameter ``i``'s gradient (level 2)."""
         assert self._grads is not None
         self._grads[i] = self.layout.shard(i, whole.reshape(-1)).clone()
+        self._unused -= {i}
 
     # ---- update ----------------------------------------------------------
     def step(self, grads: Sequence[Tensor | None]) -> None:
@@ -271,7 +278,8 @@ class ZeroShards:
         chunks: Sequence[Tensor | None]
         if self.shards_gradients:
             assert self._grads is not None, "level 2 steps after the update's reduce-scatter"
-            chunks, self._grads = self._grads, None
+            chunks = [None if i in self._unused else g for i, g in enumerate(self._grads)]
+            self._grads, self._unused = None, frozenset()
         else:
             chunks = [None if g is None else lay.shard(i, g.reshape(-1))
                       for i, g in enumerate(grads)]

@@ -73,6 +73,11 @@ class ShardBuckets:
         self._round = 0  # the round's index in the schedule
         self._begin()
 
+    @property
+    def group(self) -> Any:
+        """The process group of the stage's replicas."""
+        return self._shards.group
+
     def _begin(self) -> None:
         """A microbatch's buckets, none started."""
         buckets = self._layout.buckets
