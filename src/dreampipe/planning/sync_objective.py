@@ -86,7 +86,11 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
     """Where each stage of ``kind`` with ``p`` workers in a pipeline, ``m`` microbatches a
     copy and ``v`` chunks a worker sits, and the update's factor.
 
-    1F1B (flush and ZB-H1) holds ``min(p - c, m)`` microbatches on stage ``c``; ZB-H1
+    1F1B-flush holds ``min(p - c, m)`` microbatches on stage ``c``. ZB-H1 holds
+    ``min(p, m)`` on every stage: a microbatch stays until its ``W``, and stage ``c`` runs
+    ``p - c`` forwards ahead and puts its ``W`` off by ``c``
+    (:mod:`~dreampipe.scheduling.zero_bubble`); its peak over workers is 1F1B's, not
+    each stage's. ZB-H1
     fills a stage's drain with its own weight gradients, one on each of the ``p - 1``
     bubble slots, each slot at most the largest ``u - W``; with fewer microbatches than
     stages it has too few weight gradients to fill its bubble and is priced as
@@ -101,9 +105,12 @@ def slots(kind: PipelineKind, p: int, m: int, v: int = 1, rho: float = 0.0) -> S
         peaks = chunk_peaks(p, v, m)
         return Slots(tuple(c % p for c in range(p * v)),
                      tuple(peaks[c % p][c // p] for c in range(p * v)), 1.0 / v, phi, phi)
+    if kind is PipelineKind.ZB_H1:
+        peak = (min(p, m),) * p
+        if m >= p:
+            return Slots(tuple(range(p)), peak, 1.0, float(m), phi, float(p - 1))
+        return Slots(tuple(range(p)), peak, 1.0, phi, phi)
     peak = tuple(min(p - c, m) for c in range(p))
-    if kind is PipelineKind.ZB_H1 and m >= p:
-        return Slots(tuple(range(p)), peak, 1.0, float(m), phi, float(p - 1))
     return Slots(tuple(range(p)), peak, 1.0, phi, phi)
 
 

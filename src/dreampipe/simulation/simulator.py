@@ -140,6 +140,10 @@ class _Run(Stepper):
         self.paths: dict[tuple[int, int], tuple[tuple[tuple[int, int, int], ...], float]] = {}
         self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
             a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
+        #: per rank, each hosted stage's stash over the rank's largest (several under
+        #: interleaving): what one of its microbatches in flight holds of that largest
+        self.shares = [_shares(costs.stash_bytes, schedule.stages_of_rank(r))
+                       for r in range(ranks)]
         self.draws = random.Random(0)
         self.split = schedule.kind.splits_backward
         self.input_grad_s = tuple(b - w for b, w in zip(costs.backward_s, costs.weight_grad_s,
@@ -224,7 +228,8 @@ class _Run(Stepper):
         if k is _F:
             dur = self._jittered(c.forward_s[st])
             mem.forward(held, runs_on(self.schedule.kind, action.microbatch,
-                                      self.schedule.microbatches_per_update, mem.version))
+                                      self.schedule.microbatches_per_update, mem.version),
+                        self.shares[rank].get(st, 1.0))
         elif k is _B:
             dur = self._jittered(self.input_grad_s[st] if self.split else c.backward_s[st])
             self.last_b_start[rank] = clock
@@ -331,21 +336,25 @@ class _Memory:
         self.sharded = shards > 1  # until the first UNSHARD
         self.version = 0
         self.microbatch_version: dict[int, int] = {}
+        self.share: dict[int, float] = {}  # of each microbatch in flight, :func:`_shares`
         self.counts: Counter[int] = Counter()
         self.peak_in_flight = 0
         self.peak_versions = 1
-        self.samples: set[tuple[int, int, bool]] = {(1, 0, self.sharded)}
+        self.samples: set[tuple[int, float, bool]] = {(1, 0.0, self.sharded)}
 
-    def forward(self, microbatch: int, version: int) -> None:
+    def forward(self, microbatch: int, version: int, share: float = 1.0) -> None:
         """A forward that runs on ``version`` (:func:`~dreampipe.scheduling.weight_versions.
-        runs_on`) pins it until its backward."""
+        runs_on`) pins it until its backward; it holds ``share`` of the rank's largest
+        stash."""
         self.microbatch_version[microbatch] = version
+        self.share[microbatch] = share
         self.counts[version] += 1
         self._sample()
 
     def backward(self, microbatch: int) -> None:
         self._sample()
         v = self.microbatch_version.pop(microbatch, None)
+        self.share.pop(microbatch, None)
         if v is not None:
             self.counts[v] -= 1
             if not self.counts[v]:
@@ -369,13 +378,23 @@ class _Memory:
         flight = len(self.microbatch_version)
         self.peak_in_flight = max(self.peak_in_flight, flight)
         self.peak_versions = max(self.peak_versions, versions)
-        self.samples.add((versions, flight, self.sharded))
+        self.samples.add((versions, sum(self.share.values()), self.sharded))
 
     def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float,
                     held_bytes: float = 0.0) -> float:
         from dreampipe.planning.memory_terms import memory_bytes  # NumPy: only when used
 
         freed = parameter_bytes * (1 - 1 / self.shards)
-        return max(float(memory_bytes(parameter_bytes, stash_bytes, v, f, sent_bytes=sent_bytes,
+        return max(float(memory_bytes(parameter_bytes, stash_bytes * f, v, 1,
+                                      sent_bytes=sent_bytes,
                                       working_bytes=held_bytes))
                    - (freed if sharded else 0.0) for v, f, sharded in self.samples)
+
+
+def _shares(stash_bytes: Sequence[float], stages: Iterable[int]) -> dict[int, float]:
+    """Each of ``stages``' stash over the largest of them: a rank hosting several holds,
+    at any moment, the sum of its microbatches' own stages' stashes, not as many of the
+    largest (1 where they are equal or hold nothing)."""
+    hosted = list(stages)
+    most = max((stash_bytes[st] for st in hosted), default=0.0)
+    return {st: stash_bytes[st] / most if most > 0 else 1.0 for st in hosted}
