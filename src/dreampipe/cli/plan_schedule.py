@@ -67,9 +67,9 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                         "widest stage's replicas)")
     p.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                    help="cut the layers into workers x V stages and report that plan: for "
-                        "interleaved 1F1B, stage s on worker s mod workers (with --schedule "
-                        "auto: the fastest of it, zbv and dualpipev, which place 2 a worker "
-                        "in a V)")
+                        "interleaved 1F1B, stage s on worker s mod workers (with an explicit "
+                        "--schedule auto: the fastest of it, zbv and dualpipev, which place "
+                        "2 a worker in a V)")
 
 
 def schedule_report(
