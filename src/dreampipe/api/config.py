@@ -97,7 +97,10 @@ class TrainConfig:
     from step to step, e.g. ``(1,)``: the sequence of ``[batch, sequence]`` tokens; ``0``
     in it lets a minibatch have fewer (or more) samples, one a microbatch at least. Any
     other difference from ``example`` is refused; stages then send each microbatch's
-    shapes with it (docs/design.md §8.4; docs/training.md).
+    shapes with it (docs/design.md §8.4; docs/training.md). ``ignore_index``: a target
+    value the loss ignores (``-100``, as ``F.cross_entropy(..., ignore_index=-100)``):
+    each microbatch's mean loss then counts its share of the minibatch's other targets,
+    so the update is the mean over all of them, as one process's (docs/training.md).
     """
 
     schedule: str = "pipedream"
@@ -123,6 +126,7 @@ class TrainConfig:
     resume: str | os.PathLike[str] | None = None
     schedule_file: str | os.PathLike[str] | None = None
     variable_dims: tuple[int, ...] = ()
+    ignore_index: int | None = None
     autocast: InitVar[object] = None  # moved to ``precision``: refused with the new spelling
 
     def __post_init__(self, autocast: object) -> None:
@@ -148,9 +152,9 @@ class TrainConfig:
                      "record_events", "recompute_attention", "measure_memory"):
             check_type(name, getattr(self, name), (bool,), "True or False")
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
-                     "recompute_blocks", "zero"):
+                     "recompute_blocks", "zero", "ignore_index"):
             check_type(name, getattr(self, name), (int,), "a whole number",
-                   optional=name == "virtual_stages")
+                   optional=name in ("virtual_stages", "ignore_index"))
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
             check_type(name, getattr(self, name), (int, float), "a number",
                    optional=name == "max_grad_norm")

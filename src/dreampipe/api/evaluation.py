@@ -30,7 +30,8 @@ __all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate"]
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Mean loss per sample; top-1 accuracy when the targets are class labels."""
+    """Mean loss per sample (per item a ``loss_weight`` counts); top-1 accuracy when the
+    targets are class labels."""
 
     loss: float
     accuracy: float | None
@@ -55,9 +56,11 @@ class EvalRank:
 
 
 def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
-             loss_fn: Callable[..., Tensor], me: EvalRank) -> EvalResult:
+             loss_fn: Callable[..., Tensor], me: EvalRank,
+             count: Callable[[Tensor], float] | None = None) -> EvalResult:
     """Forwards of ``batches`` through this rank's ``modules``, by stage (eval mode for
-    the while). Every rank of the world calls it."""
+    the while); each batch's loss weighed by ``count`` of its targets (its samples by
+    default). Every rank of the world calls it."""
     if not batches:  # a mean over nothing: no loss is 0.0
         raise ConfigError("evaluate() was given no batches; give at least one (x, y)",
                           "loader")
@@ -77,7 +80,7 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         try:
             scores = run_forwards(sched, me.srank, modules, loss_fn,
                                   Batches(list(batches[start:end]), me.device), comms,
-                                  me.precision)
+                                  me.precision, count)
         finally:
             for module in modules.values():
                 module.train()

@@ -7,7 +7,11 @@ another size (``variable_dims`` with 0) is cut as ``torch.tensor_split`` cuts it
 each microbatch's loss counts its share of the samples (:meth:`Feed.share`), so the
 update is the gradient of the minibatch's mean loss. A rank keeps only what it will
 read: inputs on the replica of the first stage that runs the microbatch, targets on the
-replica of the last stage; each is dropped once read.
+replica of the last stage; each is dropped once read. With a ``loss_weight`` (from
+``ignore_index``: :func:`ignoring`), a microbatch's loss counts the items it weighs of its
+targets (the tokens a token-mean loss averages over), so the update is the gradient of
+the mean over the minibatch's items, as one process taking the loss of the whole
+minibatch (docs/training.md, "The loss").
 """
 
 from __future__ import annotations
@@ -19,8 +23,35 @@ import torch
 from torch import Tensor
 
 from dreampipe.api.checks import Batch, Inputs, map_inputs
+from dreampipe.errors import ConfigError
 
-__all__ = ["Batches", "Feed"]
+__all__ = ["Batches", "Feed", "LossWeight", "counter", "ignoring", "item_count"]
+
+#: What a microbatch's loss is a mean over, counted from its targets (None: its samples).
+LossWeight = Callable[[Tensor], "float | Tensor"]
+
+
+def item_count(loss_weight: LossWeight | None, target: Tensor) -> float:
+    """The items ``target``'s mean loss averages over: ``loss_weight``'s count, else the
+    samples."""
+    if loss_weight is None:
+        return float(target.shape[0]) if target.dim() else 1.0
+    count = loss_weight(target)
+    return float(count.detach().sum()) if isinstance(count, Tensor) else float(count)
+
+
+def ignoring(ignore_index: int | None) -> LossWeight | None:
+    """The count of ``TrainConfig.ignore_index``: the targets not equal to it (None: the
+    samples count)."""
+    if ignore_index is None:
+        return None
+    return lambda target: (target != ignore_index).sum()
+
+
+def counter(loss_weight: LossWeight | None) -> Callable[[Tensor], float] | None:
+    """What an evaluated batch's loss averages over: ``loss_weight``'s count (None: its
+    samples)."""
+    return None if loss_weight is None else functools.partial(item_count, loss_weight)
 
 
 class Feed:
@@ -29,6 +60,7 @@ class Feed:
     def __init__(
         self, *, microbatches_per_update: int, device: torch.device,
         wants_inputs: Callable[[int], bool], wants_targets: Callable[[int], bool],
+        loss_weight: LossWeight | None = None,
     ) -> None:
         self.microbatches_per_update = microbatches_per_update
         self.device = device
@@ -36,6 +68,7 @@ class Feed:
         self._inputs: dict[int, Inputs] = {}
         self._targets: dict[int, Tensor] = {}
         self._shares: dict[int, float] = {}
+        self._loss_weight = loss_weight
 
     def _cut(self, t: Tensor, start: int, end: int) -> Tensor:
         # a copy: the caller may reuse its batch tensor while this microbatch is still in flight
@@ -46,10 +79,18 @@ class Feed:
         x, y = batch
         per, size = self.microbatches_per_update, int(y.shape[0])
         bounds = [_split_at(size, per, j) for j in range(per + 1)]
+        counts = [item_count(self._loss_weight, y[bounds[j]:bounds[j + 1]]) for j in range(per)]
+        total = sum(counts)
+        if self._loss_weight is not None and min(counts) <= 0:
+            j = counts.index(min(counts))
+            raise ConfigError(f"microbatch {j} of the segment's minibatch {index} has no target "
+                              "to count, every one ignored (ignore_index), so its mean loss "
+                              "is NaN; spread the ignored targets over the minibatch, or cut "
+                              "it into fewer microbatches", "ignore_index")
         for j in range(per):
             u, start, end = index * per + j, bounds[j], bounds[j + 1]
-            if (end - start) * per != size:
-                self._shares[u] = (end - start) * per / size
+            if counts[j] * per != total:
+                self._shares[u] = counts[j] * per / total
             if self._wants_inputs(u):
                 self._inputs[u] = map_inputs(x, functools.partial(self._cut, start=start,
                                                                   end=end))
@@ -58,8 +99,8 @@ class Feed:
 
     def share(self, microbatch: int) -> float:
         """What ``microbatch``'s loss counts beside the minibatch's other microbatches: its
-        samples times the microbatches per update over the minibatch's samples (1 where
-        they divide evenly)."""
+        items (samples, or ``loss_weight``'s count) times the microbatches per update over
+        the minibatch's (1 where they divide evenly)."""
         return self._shares.get(microbatch, 1.0)
 
     def inputs(self, microbatch: int) -> Inputs:

@@ -21,7 +21,7 @@ import torch
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import all_reduced
-from dreampipe.api.feed import Feed
+from dreampipe.api.feed import Feed, ignoring
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.scheduling.actions import Schedule
@@ -44,6 +44,8 @@ class Segments:
     def __init__(self, plan: Plan, layout: MicrobatchLayout, config: TrainConfig,
                  segment_microbatches: int) -> None:
         self.plan, self.layout = plan, layout
+        #: What each microbatch's loss averages over (:class:`~dreampipe.api.feed.Feed`).
+        self.loss_weight = ignoring(config.ignore_index)
         self.replicas = [st.replicas for st in plan.stages]
         #: A PyTorch schedule file's minibatch, run every minibatch (None: build the kind's).
         self.period = None if config.schedule_file is None else self._file_schedule(
@@ -115,7 +117,7 @@ class Segments:
         feed = Feed(
             microbatches_per_update=self.layout.microbatches_per_update,
             device=runner.device, wants_inputs=lambda u: stage == 0 and u % reps == mine,
-            wants_targets=lambda u: last and u % reps == mine,
+            wants_targets=lambda u: last and u % reps == mine, loss_weight=self.loss_weight,
         )
         runner.feed(feed)
         return feed

@@ -29,27 +29,31 @@ class MicrobatchScore:
     """One microbatch on the last stage: summed loss, samples, right labels, labels (0: none)."""
 
     loss_sum: float
-    samples: int
+    samples: float
     correct: int
     labels: int
 
 
-def _score(out: object, y: Tensor, loss: Tensor) -> MicrobatchScore:
-    n = int(y.shape[0]) if y.dim() else 1
+def _score(out: object, y: Tensor, loss: Tensor, count: Callable[[Tensor], float] | None
+           ) -> MicrobatchScore:
+    n: float = (int(y.shape[0]) if y.dim() else 1) if count is None else count(y)
+    total = float(loss) * n if n else 0.0  # nothing counted: its loss (NaN) is no item's
     if (isinstance(out, Tensor) and not y.is_floating_point() and out.dim() == y.dim() + 1
             and out.shape[:1] + out.shape[2:] == y.shape):
-        return MicrobatchScore(float(loss) * n, n, int((out.argmax(1) == y).sum()), y.numel())
-    return MicrobatchScore(float(loss) * n, n, 0, 0)
+        return MicrobatchScore(total, n, int((out.argmax(1) == y).sum()), y.numel())
+    return MicrobatchScore(total, n, 0, 0)
 
 
 def run_forwards(
     schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
     loss_fn: Callable[[Tensor, Tensor], Tensor], data: MicrobatchData | None,
     comms: Mapping[int, Comm], precision: Precision = Precision.FP32,
+    count: Callable[[Tensor], float] | None = None,
 ) -> dict[int, MicrobatchScore]:
     """Execute ``schedule.actions[rank]`` with the rank's module and :class:`Comm` of
     each stage it runs (several under interleaving), in the number formats of
-    ``precision`` as training runs them; the scores of the microbatches it ended."""
+    ``precision`` as training runs them; the scores of the microbatches it ended, each
+    loss weighed by ``count`` of its targets (the samples by default)."""
     last = schedule.num_stages - 1
     inputs: dict[tuple[int, int], Any] = {}
     outputs: dict[tuple[int, int], Tensor] = {}
@@ -72,7 +76,7 @@ def run_forwards(
                     assert data is not None
                     y = data.targets(a.microbatch)
                     out = precision.loss_input(out)
-                    scores[a.microbatch] = _score(out, y, loss_fn(out, y))
+                    scores[a.microbatch] = _score(out, y, loss_fn(out, y), count)
                 else:
                     outputs[key] = precision.sent(out)
     for comm in comms.values():
