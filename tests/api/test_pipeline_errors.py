@@ -30,7 +30,7 @@ def _model(width: int = 8) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, width), nn.ReLU(), nn.Linear(width, 3))
 
 
-_ARGS = ("example", "loss_fn", "optimizer", "plan")
+_ARGS = ("example", "loss_fn", "optimizer", "plan", "lr_scheduler")
 
 
 def _pipe(model: nn.Module | None = None, **kw: Any) -> dreampipe.Pipeline:
@@ -187,6 +187,34 @@ def test_an_optimizer_factory_that_returns_something_else() -> None:
     with pytest.raises(ConfigError,
                        match=r"optimizer returned a list, not a torch.optim.Optimizer"):
         _pipe(optimizer=lambda params: list(params))
+
+
+def test_a_factory_that_knows_its_parameters_by_identity_is_checked_on_them() -> None:
+    """The early check's stand-in parameter is none of the model's: a factory that looks
+    its parameters' names up is not failed by it, and still checked on the stage's."""
+    model = _model()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def grouped(params: list[nn.Parameter]) -> Any:
+        decay = [p for p in params if not names[id(p)].endswith("bias")]
+        rest = [p for p in params if names[id(p)].endswith("bias")]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+
+    pipe = dreampipe.Pipeline(model, example=EXAMPLE, loss_fn=F.cross_entropy,
+                              optimizer=grouped, plan=dreampipe.Plan.from_config(3, [0], [1]))
+    assert [len(g["params"]) for g in pipe.module.optimizer.param_groups] == [2, 2]
+    pipe.close()
+    other = _model()
+    names.update({id(p): n for n, p in other.named_parameters()})
+    with pytest.raises(ConfigError, match=r"optimizer returned a list"):
+        dreampipe.Pipeline(other, example=EXAMPLE, loss_fn=F.cross_entropy,
+                           optimizer=lambda ps: [names[id(p)] for p in ps],
+                           plan=dreampipe.Plan.from_config(3, [0], [1]))
+
+
+def test_a_scheduler_that_needs_a_metric_is_refused_with_the_way_to_step_it() -> None:
+    with pytest.raises(ConfigError, match=r"ReduceLROnPlateau.*pipe.module.optimizer"):
+        _pipe(lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau)
 
 
 def test_unknown_schedule_lists_the_names() -> None:

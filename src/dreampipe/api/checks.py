@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from dreampipe.api.config import TrainConfig
 from dreampipe.errors import ConfigError, PlanError, ScheduleError
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.precision import check_made
 from dreampipe.runtime.stage_records import scalar_loss, tensor_output
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.agreement import check_agreement
@@ -31,8 +32,8 @@ from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
     "Batch", "Inputs", "check_loss_signature", "check_optimizer", "check_plan",
-    "check_schedule", "check_split", "check_stages_on_meta", "check_stages_per_rank",
-    "check_virtual", "map_inputs", "refuse_legacy",
+    "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
+    "check_stages_per_rank", "check_virtual", "map_inputs", "refuse_legacy",
 ]
 
 _log = logging.getLogger(__name__)
@@ -51,14 +52,28 @@ def map_inputs(x: Inputs, fn: Callable[[Tensor], Tensor]) -> Inputs:
 
 
 def check_optimizer(factory: Callable[[list[nn.Parameter]], Any]) -> None:
-    """The factory must return a ``torch.optim.Optimizer`` (tried on a one-element parameter)."""
-    got = factory([nn.Parameter(torch.zeros(1))])
-    if not isinstance(got, torch.optim.Optimizer):
-        raise ConfigError(
-            f"optimizer returned a {type(got).__name__}, not a torch.optim.Optimizer; pass a "
-            "function of the parameters, e.g. optimizer=lambda params: "
-            "torch.optim.AdamW(params, lr=3e-4)", "optimizer",
-        )
+    """The factory must return a ``torch.optim.Optimizer``, tried early on a one-element
+    stand-in parameter; a factory that cannot take one (it looks its parameters up by
+    identity) is checked on each stage's own parameters instead."""
+    try:
+        got = factory([nn.Parameter(torch.zeros(1))])
+    except Exception as exc:  # the user's code, on a tensor it never saw: not its fault
+        _log.debug("the optimizer factory refused a stand-in parameter (%r); it is checked "
+                   "on each stage's parameters", exc)
+        return
+    check_made(got)
+
+
+def check_schedulers(schedulers: Mapping[int, Any]) -> None:
+    """A scheduler the Pipeline steps after every update must step without a metric."""
+    for scheduler in schedulers.values():
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise ConfigError(
+                "lr_scheduler made a ReduceLROnPlateau, whose step() needs a metric the "
+                "Pipeline, stepping it after every update, does not have; give no "
+                "lr_scheduler and step your own on the rank's optimizer: plateau = "
+                "ReduceLROnPlateau(pipe.module.optimizer), then plateau.step(pipe.evaluate("
+                "held_out).loss)", "lr_scheduler")
 
 
 def check_plan(plan: Plan, names: Sequence[str], world: int) -> None:

@@ -35,12 +35,14 @@ from dreampipe.api.checks import (
     Batch,
     Inputs,
     check_optimizer,
+    check_schedulers,
     check_virtual,
     map_inputs,
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate
+from dreampipe.api.feed import counter
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.pipeline_segments import HORIZON, Segments
@@ -86,7 +88,10 @@ class Pipeline:
     minibatch ``(input, target)``, the input a tensor, a tuple, or a dict of the
     model's keyword arguments (``model(**x)``); every step's minibatch must match
     its shapes but in ``config.variable_dims`` (:mod:`.batch_shapes`).
-    ``loss_fn(output, target)`` gets the output as the model returns it.
+    ``loss_fn(output, target)`` gets the output as the model returns it and returns
+    the mean over the microbatch's samples, or over its targets but those equal to
+    ``config.ignore_index`` (a token mean): each microbatch's loss counts its share, so
+    the update is one process's over the whole minibatch.
     ``optimizer(params)`` and ``lr_scheduler(optimizer)`` build each stage's
     own; the scheduler steps after every weight update of its stage.
     ``plan``: ``"auto"`` (rank 0 profiles and plans for the world, :mod:`.plans`),
@@ -189,6 +194,7 @@ class Pipeline:
             self.compensations: dict[int, Applied] = applied
             self.schedulers = {m.stage: lr_scheduler(m.optimizer) for m in modules
                                if lr_scheduler is not None and m.optimizer is not None}
+            check_schedulers(self.schedulers)
             for m in modules:
                 self._follow(m)
             self.scheduler = self.schedulers.get(self.module.stage)
@@ -337,7 +343,8 @@ class Pipeline:
                       kind=self.kind, varying=self._opts.varying_shapes)
         with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
             return evaluate([(x, y) for x, y in loader],
-                            {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me)
+                            {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me,
+                            counter(self._segments.loss_weight))
 
     @property
     def skipped(self) -> list[int]:

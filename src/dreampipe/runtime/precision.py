@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
 
-__all__ = ["PACKED", "MasterWeights", "Precision", "cast_floating", "optimizer_over"]
+__all__ = ["PACKED", "MasterWeights", "Precision", "cast_floating", "check_made",
+           "optimizer_over"]
 
 #: The attribute that marks a tensor packing several values, whose packer chose its dtype.
 PACKED = "_dreampipe_packed"
@@ -117,6 +118,15 @@ def cast_floating(x: Any, dtype: torch.dtype) -> Any:
     return x
 
 
+def check_made(got: object) -> None:
+    """What an optimizer factory returned must be a ``torch.optim.Optimizer``."""
+    if not isinstance(got, torch.optim.Optimizer):
+        raise ConfigError(
+            f"optimizer returned a {type(got).__name__}, not a torch.optim.Optimizer; pass a "
+            "function of the parameters, e.g. optimizer=lambda params: "
+            "torch.optim.AdamW(params, lr=3e-4)", "optimizer")
+
+
 def optimizer_over(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                    params: Sequence[nn.Parameter], steps: Sequence[nn.Parameter]
                    ) -> torch.optim.Optimizer:
@@ -126,6 +136,7 @@ def optimizer_over(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer
     1-D tensors) or by identity stay as it meant them; a new optimizer holds no state, so
     its groups may take other tensors. docs/design.md §5.5."""
     made = factory(list(params))
+    check_made(made)
     if made.state:
         raise ConfigError("the optimizer factory stepped its optimizer before returning it; "
                           "return a fresh optimizer", "optimizer")
