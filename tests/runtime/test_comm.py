@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dreampipe.errors import StageMismatchError
+from dreampipe.errors import PeerTimeoutError, StageMismatchError
 from dreampipe.runtime import comm as comm_module
 from dreampipe.runtime.comm import Comm
-from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
+from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 
 __all__: list[str] = []
@@ -209,3 +209,31 @@ def test_a_link_of_fixed_shapes_refuses_a_microbatch_of_another(wire: _Wire) -> 
                                                  r"tensors of shape \[2, 4\] .* every microbatch "
                                                  "must have the same shape"):
         sender.send(sends[1], torch.zeros(2, 4))
+
+
+class _Failed:
+    """A transfer whose peer is gone (``lost``) or never answers."""
+
+    def __init__(self, lost: bool) -> None:
+        self.lost = lost
+
+    def is_completed(self) -> bool:
+        return self.lost
+
+    def wait(self, timeout: Any = None) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+
+@pytest.mark.parametrize("lost", [True, False])
+def test_a_later_segments_failure_names_the_runs_microbatch(wire: _Wire, lost: bool) -> None:
+    """After a checkpoint the schedule counts from 0 again; the error counts as the run
+    does, so microbatch 68 of a segment that began at 300 is the run's 368."""
+    comm = _comm(build_schedule((1, 1), ScheduleKind.FLUSH, 4, 4), 0, False,
+                 (object(), object()))
+    comm.first_microbatch = 300
+    action = Action(ActionKind.RECV_B, 0, 68)
+    with pytest.raises(PeerTimeoutError) as caught:
+        comm._wait(_Failed(lost), action, "rank 1 (stage 1)")
+    said = str(caught.value)
+    assert "in RECV_B368 (microbatch 368)" in said, said
+    assert ("lost rank 1" if lost else "waited more than") in said

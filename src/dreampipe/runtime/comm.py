@@ -18,7 +18,7 @@ ordering rules: docs/design.md §8.4.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -123,10 +123,19 @@ class Comm:
         self._sends: list[tuple[Any, Action, int, Tensor]] = []
 
     # ---- waiting ---------------------------------------------------------
+    def _in_run(self, action: Action) -> str:
+        """``action`` numbered as the run counts its microbatches (a Pipeline's later
+        segments, after a checkpoint, go on counting), with the work it is on."""
+        shift = self.first_microbatch
+        shown = replace(action, microbatch=action.microbatch + shift,
+                        backward_microbatch=action.backward_microbatch + shift
+                        if action.backward_microbatch >= 0 else -1)
+        return f"{shown} ({self._work_name} {shown.microbatch})"
+
     def _describe(self, action: Action, peer: str) -> str:
         return (
             f"rank {self.rank} (stage {self.stage}) waited more than {self.timeout_s:g} s for "
-            f"{peer} in {action} ({self._work_name} {action.microbatch})"
+            f"{peer} in {self._in_run(action)}"
         )
 
     def _wait(self, work: Any, action: Action, peer: str) -> None:
@@ -145,8 +154,8 @@ class Comm:
             reason = str(exc).strip().split("\n", 1)[0] or type(exc).__name__
             if waited < self.timeout_s:
                 raise PeerTimeoutError(
-                    f"rank {self.rank} (stage {self.stage}) lost {peer} in {action} "
-                    f"({self._work_name} {action.microbatch}) after {waited:.1f} s ({reason}); "
+                    f"rank {self.rank} (stage {self.stage}) lost {peer} in "
+                    f"{self._in_run(action)} after {waited:.1f} s ({reason}); "
                     "that rank failed or exited first: see its own error"
                 ) from exc
             raise PeerTimeoutError(f"{self._describe(action, peer)} ({reason}); {_HINT}") from exc
