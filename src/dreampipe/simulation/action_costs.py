@@ -80,7 +80,10 @@ class SimCosts:
     stage stashes them per microbatch in ``stash_bytes``). ``held_bytes[s]`` is what it
     holds besides its weights and microbatches, as the planner counts it: its largest
     backward's working set and the compute library's kernels (:mod:`~dreampipe.planning.
-    held`).
+    held`). ``state_bytes[s]`` is what its weights' state takes beyond a weight and a
+    gradient a value (the optimizer's moments, 32-bit masters; less where ZeRO shards the
+    gradients and state over the replicas), as the planner's ``--precision`` and
+    ``--optimizer`` price it; 0 by default.
     """
 
     forward_s: tuple[float, ...]
@@ -101,6 +104,7 @@ class SimCosts:
     weight_grad_s: tuple[float, ...] = ()
     recompute_bytes: tuple[float, ...] = ()
     held_bytes: tuple[float, ...] = ()
+    state_bytes: tuple[float, ...] = ()
     gather_s: tuple[float, ...] = ()
     steps_agree: bool = False
 
@@ -113,7 +117,7 @@ class SimCosts:
             )
         defaults = {"activation_bytes": n - 1, "allreduce_s": n, "allreduce_delay_s": n,
                     "parameter_bytes": n, "stash_bytes": n, "step_s": n,
-                    "recompute_bytes": n, "held_bytes": n}
+                    "recompute_bytes": n, "held_bytes": n, "state_bytes": n}
         for name, size in defaults.items():
             value = tuple(getattr(self, name)) or (0.0,) * size
             if len(value) != size:

@@ -190,6 +190,7 @@ class _Run(Stepper):
         stash = [max(self.c.stash_bytes[st] for st in h) for h in hosted]
         again = [max(self.c.recompute_bytes[st] for st in h) for h in hosted]
         kept = [max(self.c.held_bytes[st] for st in h) for h in hosted]
+        state = [sum(self.c.state_bytes[st] for st in h) for h in hosted]
         sent = [max(max(cuts[st], cuts[st + 1]) for st in h) for h in hosted]
         fraction = self.c.microbatch_fraction
         throughput = s.num_microbatches * fraction / makespan if makespan > 0 else math.inf
@@ -207,7 +208,7 @@ class _Run(Stepper):
             idle_s=idle,
             bubble_fraction=sum(idle) / total if total > 0 else 0.0,
             peak_memory_bytes=tuple(
-                int(m.peak_memory(params[r], stash[r], sent[r], kept[r]) + again[r])
+                int(m.peak_memory(params[r], stash[r], sent[r], kept[r]) + again[r] + state[r])
                 for r, m in enumerate(self.memory)),
             peak_versions=tuple(m.peak_versions for m in self.memory),
             peak_in_flight=tuple(m.peak_in_flight for m in self.memory),
