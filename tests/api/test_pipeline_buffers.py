@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from dreampipe.api.checkpoint import load_model_state
 from dreampipe.errors import ConfigError
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import run_processes
 from dreampipe.splitter.chain import split_layers
 from dreampipe.splitter.state_keys import check_written_buffers
@@ -214,3 +215,27 @@ def test_a_replicated_stage_gives_a_module_it_never_calls_no_gradient() -> None:
         for key in ("0.spare.weight", "0.spare.bias", "1.spare.weight"):
             assert torch.equal(got["state"][key], start[key]), (zero, key)
         assert_matches(got, losses, state)
+
+
+@pytest.mark.timeout(240)
+def test_evaluate_on_replicas_uses_the_first_replicas_statistics() -> None:
+    """BatchNorm's running statistics differ between a stage's replicas; evaluate() runs
+    them all with the first replica's, the model full_state_dict() builds, and training
+    goes on with each replica's own (the state after it is the first replica's still)."""
+    case = find_case("resnet")
+    names = [n for n, _ in split_layers(case.build(), case.example(0, 1)[0])]
+    cut = next(i for i, n in enumerate(names) if n.startswith("layer2"))
+    job = {"case": "resnet", "plan": Plan.from_config(len(names), [0, cut], [2, 1]),
+           "schedule": "1f1b-flush", "seed": _SEED,
+           "steps": 2, "minibatch": _MINIBATCH, "microbatches": _MICRO, "lr": _LR,
+           "evaluate": 2}
+    got = run_processes(train_cases, 3, [job], deadline_s=200.0)[0]
+    assert got is not None
+    model = CaseSpec(case, _SEED).model()
+    model.load_state_dict(got[0]["state"])
+    model.eval()
+    with torch.no_grad():
+        losses = [float(case.loss_fn(model(x), y))
+                  for x, y in (case.example(100 + j, _MINIBATCH) for j in range(2))]
+    assert got[0]["replicas"] == [2, 1]
+    assert got[0]["evaluated"] == pytest.approx(sum(losses) / 2, rel=1e-5, abs=1e-6)

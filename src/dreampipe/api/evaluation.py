@@ -3,12 +3,15 @@
 Each run of batches of one shape is a forward-only schedule on the training
 stages, all of a rank's where it runs several (the links agree on one shape per
 run), scored on the last stage and summed over the world, so every rank gets
-the same :class:`EvalResult`.
+the same :class:`EvalResult`. Replicas of a stage keep their own buffers in training
+(BatchNorm's running statistics); they evaluate with the first replica's, which
+``full_state_dict`` holds, and get their own back after (:func:`first_replicas_buffers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +28,7 @@ from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
 
-__all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate"]
+__all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate", "first_replicas_buffers"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,35 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         start = end
     loss_sum, samples, correct, labels = all_reduced(totals, me.device).tolist()
     return EvalResult(loss_sum / max(samples, 1), correct / labels if labels else None)
+
+
+@contextmanager
+def first_replicas_buffers(modules: dict[int, nn.Module], *, replicated: bool, first: bool
+                           ) -> Iterator[None]:
+    """While it lasts, every replica of a stage holds its first replica's buffers (where
+    ``first``, this rank's are those); its own come back after. ``replicated``: some stage
+    of the plan has replicas, the same on every rank (a collective over the world)."""
+    if not replicated:
+        yield
+        return
+    mine = {s: {k: b.detach().cpu() for k, b in m.named_buffers()} for s, m in modules.items()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine if first else None)
+    theirs: dict[int, dict[str, Tensor]] = {}
+    for part in gathered:
+        theirs.update(part or {})
+    kept = {s: {k: b.clone() for k, b in m.named_buffers()} for s, m in modules.items()}
+    try:
+        for s, m in modules.items():
+            with torch.no_grad():
+                for k, b in m.named_buffers():
+                    b.copy_(theirs[s][k])
+        yield
+    finally:
+        for s, m in modules.items():
+            with torch.no_grad():
+                for k, b in m.named_buffers():
+                    b.copy_(kept[s][k])
 
 
 def all_reduced(values: Tensor, device: torch.device) -> Tensor:

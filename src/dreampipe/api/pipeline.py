@@ -41,7 +41,7 @@ from dreampipe.api.checks import (
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate
+from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate, first_replicas_buffers
 from dreampipe.api.feed import counter
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
@@ -341,10 +341,12 @@ class Pipeline:
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
                       precision=self._opts.precision, virtual_stages=self._virtual,
                       kind=self.kind, varying=self._opts.varying_shapes)
-        with gathered(m.zero for m in self.runner.modules):  # ZeRO-3: the weights whole
+        modules = {m.stage: m.module for m in self.runner.modules}
+        first = self.runner.schedule.replica_of_rank(self.srank) == 0 and self.member == 0
+        with gathered(m.zero for m in self.runner.modules), first_replicas_buffers(
+                modules, replicated=max(self.replicas) > 1, first=first):
             return evaluate([(x, y) for x, y in loader],
-                            {m.stage: m.module for m in self.runner.modules}, self.loss_fn, me,
-                            counter(self._segments.loss_weight))
+                            modules, self.loss_fn, me, counter(self._segments.loss_weight))
 
     @property
     def skipped(self) -> list[int]:
