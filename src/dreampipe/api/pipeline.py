@@ -276,12 +276,9 @@ class Pipeline:
     @counted
     def reserve(self, minibatches: int) -> None:
         """Build the schedule for the next ``minibatches`` steps now, so that no
-        :meth:`step` among them pauses to extend it (it grows 4-fold whenever it
-        runs short otherwise, up to a full segment: every rank pauses, longer
-        each time, e.g. 0.2 s at step 257 of 1f1b-flush with 8 microbatches).
-        Reserved steps past a full segment start the next ones on schedules
-        built here too. ``dreampipe train`` reserves its steps before it starts
-        timing."""
+        :meth:`step` among them pauses every rank to extend it (it grows 4-fold when it
+        runs short, up to a full segment; steps past one start the next segments on
+        schedules built here too). ``dreampipe train`` reserves before it times."""
         if minibatches < 1:
             raise ConfigError(f"reserve({minibatches}): reserve at least 1 minibatch",
                               "minibatches")
