@@ -191,8 +191,11 @@ def test_first_layer_backward_without_parameters_is_zero() -> None:
 
 
 def test_weight_and_input_gradients_are_timed_apart() -> None:
-    model = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 1))
-    graph = profile_model(model, torch.randn(4, 3), lambda out: out.sum(), warmup=0, repeats=2)
+    # layers large enough that the input gradient's GEMM takes time beside the weight's
+    # on a loaded host (a few-microsecond GEMM measured twice can come out the other way)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256))
+    graph = profile_model(model, torch.randn(64, 64), lambda out: out.sum(), warmup=1,
+                          repeats=5)
     first, relu, last = graph.layers
     # the first layer's input needs no gradient: its whole backward is the weight gradient
     assert first.weight_grad_ms == first.backward_ms > 0
