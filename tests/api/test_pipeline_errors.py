@@ -18,6 +18,7 @@ from dreampipe.api.ties import check_ties
 from dreampipe.errors import CheckpointError, ConfigError, DatasetError, PlanError, WorkerError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.splits import Split
+from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import Tie, split_layers, tied_parameters
 
 __all__: list[str] = []
@@ -160,6 +161,22 @@ def test_a_tie_on_a_split_stage_is_an_error_before_training() -> None:
     with pytest.raises(ConfigError, match=r"parameter 'embed.weight' is tied to 'head.weight' on "
                                           r"stages 0, 1, which plan .* splits over workers"):
         check_ties(tied_parameters(layers, [0, 2]), plan)
+
+
+@pytest.mark.parametrize("replicas", [[2, 1], [1, 2]])
+def test_a_tie_on_stages_pipedream_updates_at_different_rates_is_refused(
+        replicas: list[int]) -> None:
+    """Under pipedream a stage's updates count its own minibatches: stages replicated
+    unequally never reach one update to sum a tied weight's gradients in (it hung)."""
+    ties = tied_parameters(split_layers(_Tied()), [0, 2])
+    plan = dreampipe.Plan.from_config(3, [0, 2], replicas)
+    check_ties(ties, plan, ScheduleKind.TWO_BW)  # 2bw's updates are every stage's
+    check_ties(ties, dreampipe.Plan.from_config(3, [0, 2], [2, 2]), ScheduleKind.PIPEDREAM)
+    with pytest.raises(ConfigError, match=r"parameter 'embed.weight' tied to 'head.weight' on "
+                                          r"stages 0, 1 with pipedream needs every stage "
+                                          r"replicated equally \(got " + "-".join(
+                                              map(str, replicas))):
+        check_ties(ties, plan, ScheduleKind.PIPEDREAM)
 
 
 def test_a_batch_shaped_unlike_the_example_names_both_shapes() -> None:

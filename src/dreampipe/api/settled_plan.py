@@ -95,7 +95,7 @@ def settle_plan(
     check_plan(plan, names, world)
     ties = tied_parameters(layers, [st.first for st in plan.stages])
     check_written_buffers(layers, [st.first for st in plan.stages])
-    check_ties(ties, plan)
+    check_ties(ties, plan, config.kind)
     widths = {st.tensor_parallel for st in plan.stages}
     mixed, t = len(widths) > 1, max(widths)
     if v > 1 and t > 1:

@@ -15,8 +15,9 @@ A tied stage may be replicated: its replicas' gradients are summed first (its
 ``ALLREDUCE``, which the update pass puts before the rank's first ``STEP`` of the
 update, also on copies of an interleaved or V pipeline), so only its first replica adds
 its sum to the tie's, the others add zeros, and every copy takes the same total. Ties
-are honoured on any schedule, but not on a stage split over workers: a ConfigError
-before training.
+are honoured on any schedule, but not on a stage split over workers, nor under pipedream
+on stages replicated unequally (they update at different rates, so no update has every
+copy's gradient to sum): a ConfigError before training.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_ties import RankTie, TiedCopy, start_values
+from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.agreement import check_agreement
 from dreampipe.splitter.chain import Tie
 
 __all__ = ["HeldTies", "TiePlace", "check_ties", "tie_place", "tie_places"]
 
 
-def check_ties(ties: list[Tie], plan: Plan) -> None:
-    """The ties must be ones the Pipeline can keep equal (see the module docstring)."""
+def check_ties(ties: list[Tie], plan: Plan, kind: ScheduleKind = ScheduleKind.GPIPE) -> None:
+    """The ties must be ones the Pipeline can keep equal under ``kind`` (see the module
+    docstring)."""
     for tie in ties:
+        check_agreement(kind, [plan.stages[s].replicas for s in tie.stages],
+                        f"parameter {tie.names[0]!r} tied to "
+                        f"{', '.join(map(repr, tie.names[1:]))} on stages "
+                        f"{', '.join(map(str, tie.stages))}", "plan")
         if plan.has_splits:
             raise ConfigError(
                 f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "

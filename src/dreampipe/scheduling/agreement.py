@@ -2,7 +2,8 @@
 
 Clipping by the global norm (``max_grad_norm``), an fp16 loss scale, skipping a
 non-finite minibatch and vertical sync make the ranks agree on each update
-before its first step. Under pipedream a stage's version counts its own
+before its first step; a weight tied across stages sums its copies' gradients
+in each update of those stages. Under pipedream a stage's version counts its own
 updates, so stages replicated unequally update at different rates and have no
 common update to agree on: the run would wait forever. docs/design.md §9.
 """
