@@ -29,6 +29,7 @@ from dreampipe.api.checkpoint import load_model_state
 from dreampipe.commands.train_config import TrainOptions
 from dreampipe.commands.train_plan import PlanSource, TrainRequest
 from dreampipe.commands.train_run import Checkpoints, run_train
+from dreampipe.errors import PlanError
 from dreampipe.models import get_model
 from dreampipe.models.datasets import load_dataset
 from dreampipe.planning.plan import Plan, Stage
@@ -141,6 +142,58 @@ def test_the_reference_splits_a_stage_bit_for_bit_as_dtensor_does() -> None:
         assert sorted(r["grads"]) == sorted(n for n, _ in model.named_parameters())
         for name, p in model.named_parameters():
             assert torch.equal(p.grad, r["grads"][name]), name
+
+
+#: Activations as layers of their own, as a user's Sequential has them: the planner
+#: splits each ReLU ``out`` (features stay split through it), then the next Linear
+#: gathers them back (``out``) or reads them split (``in``).
+_SEPARATE = (Split.OUT, Split.OUT, Split.OUT, Split.OUT, Split.IN)
+
+
+def _separate_relus() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _elementwise_step(rank: int, world: int, _arg: None) -> dict[str, Any]:
+    """One forward and backward of :func:`_separate_relus` split as :data:`_SEPARATE`, and
+    the error for a layer without weights that is not elementwise split ``out``."""
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=30))
+    try:
+        mesh = tensor_mesh(world, world, "cpu")
+        stage = SplitStage(_separate_relus(), _SEPARATE, mesh)
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+        out = stage(x)
+        out.square().mean().backward()
+        grads = {name: p.grad.full_tensor() for name, p in stage.named_parameters()}
+        try:
+            SplitStage(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Softmax(-1)),
+                       (Split.OUT, Split.OUT), mesh)
+            refused = ""
+        except PlanError as exc:
+            refused = str(exc)
+        return {"out": out.detach(), "grads": grads, "refused": refused}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(90)
+def test_an_elementwise_layer_split_out_passes_split_features_through() -> None:
+    """A plan from ``dreampipe plan --memory`` splits a separate ReLU ``out``; the stage
+    runs it on the features the Linear before it split, as one process computes it.
+    A layer without weights that mixes features (softmax) split so is refused."""
+    ranks = run_processes(_elementwise_step, 2, None, deadline_s=60.0)
+    model = _separate_relus()
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    out = model(x)
+    out.square().mean().backward()
+    for r in ranks:
+        torch.testing.assert_close(r["out"], out.detach(), rtol=1e-6, atol=1e-7)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-6, atol=1e-7,
+                                       msg=name)
+        assert "layer '1' (Softmax) has 0 Linear modules" in r["refused"], r["refused"]
 
 
 def _profile(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> str:

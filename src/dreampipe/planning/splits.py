@@ -94,9 +94,15 @@ def op_kind(layer: Layer) -> OpKind:
     text = layer.description.strip()
     if _WEIGHTED.match(text) and layer.parameter_bytes > 0:
         return OpKind.WEIGHTED
-    if _ELEMENTWISE.match(text):
+    if is_elementwise(text):
         return OpKind.ELEMENTWISE
     return OpKind.OTHER
+
+
+def is_elementwise(description: str) -> bool:
+    """Whether a layer described so (its module's ``repr``) acts on each value alone, so
+    that it runs on features split over workers as on whole ones."""
+    return _ELEMENTWISE.match(description.strip()) is not None
 
 
 def splits_for(kind: OpKind) -> tuple[Split, ...]:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dreampipe.errors import PlanError
-from dreampipe.planning.splits import Split
+from dreampipe.planning.splits import Split, is_elementwise
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -35,11 +35,22 @@ _BLOCKS = 8  # blocks of rows per share that shard_linear draws at a time
 _WEIGHT_SPLITS = (Split.OUT, Split.IN)  # the splits that divide a Linear's weights
 
 
-def _input_placement(split: Split) -> Placement:
-    """The layout a layer of ``split`` reads its input in."""
+def _input_placement(split: Split, features: bool = False) -> Placement:
+    """The layout a layer of ``split`` reads its input in; ``features``: an elementwise
+    layer that the plan splits ``out`` passes features split over workers through."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return Shard(0) if split is Split.BATCH else Shard(-1) if split is Split.IN else Replicate()
+    if split is Split.BATCH:
+        return Shard(0)
+    return Shard(-1) if split is Split.IN or features else Replicate()
+
+
+def _passes_features(layer: nn.Module, split: Split) -> bool:
+    """An ``out`` split of a layer without a Linear that acts on each value alone (the
+    planner's elementwise layers, :func:`~dreampipe.planning.splits.is_elementwise`): it
+    keeps the previous layer's features split, as the planner prices it."""
+    return split is Split.OUT and not any(isinstance(m, nn.Linear) for m in layer.modules()) \
+        and is_elementwise(repr(layer))
 
 
 def _weight_placements(split: Split) -> tuple[Placement, Placement]:
@@ -73,7 +84,8 @@ class SplitStage(nn.Module):
         for name, layer in children:
             self.add_module(name, layer)
         self.mesh = mesh
-        self._inputs = [(_input_placement(s),) for s in splits]
+        self._inputs = [(_input_placement(s, _passes_features(layer, s)),)
+                        for (_, layer), s in zip(children, splits, strict=True)]
         for (name, layer), split in zip(children, splits, strict=True):
             _distribute(name, layer, split, mesh)
 
@@ -94,14 +106,14 @@ def _distribute(name: str, layer: nn.Module, split: Split, mesh: DeviceMesh) -> 
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
-    if split in _WEIGHT_SPLITS and len(linears) != 1:
+    if split in _WEIGHT_SPLITS and len(linears) != 1 and not _passes_features(layer, split):
         raise PlanError(
             f"layer {name!r} ({type(layer).__name__}) has {len(linears)} Linear modules; "
             f"split {split.value} divides the weights of exactly one, so plan it as "
             "replica or batch"
         )
     placed: dict[int, Placement] = {}
-    if split in _WEIGHT_SPLITS:
+    if split in _WEIGHT_SPLITS and linears:
         weight, bias = _weight_placements(split)
         placed[id(linears[0].weight)] = weight
         if linears[0].bias is not None:
