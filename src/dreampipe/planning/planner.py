@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.pricing import slowest
+from dreampipe.planning.ranges import RANGES_MAX_WORKERS
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
     Search,
@@ -59,30 +60,39 @@ log = logging.getLogger(__name__)
 MAX_LEVEL_UNITS = 4096
 
 
-def _least_memory(search: Search, models: Sequence[Topology], opts: Options) -> int:
-    """Smallest device memory (within 1%) at which some plan fits."""
+def _least_memory(search: Search, models: Sequence[Topology], opts: Options,
+                  ranged: Callable[[Options], bool] | None = None) -> int:
+    """Smallest device memory (within 1%) at which some plan fits; ``ranged``: whether the
+    range search finds one under those options (its recomputing stages), beside the
+    hierarchy's program."""
     prof = search.fine
+
+    def fits(memory: float) -> bool:
+        trial = dataclasses.replace(opts, memory_bytes=math.ceil(memory))
+        return best_plan(search.costs, models, trial) is not None or (
+            ranged is not None and ranged(trial))
+
     lo = float(np.max(stage_memory(np.diag(prof.weights), np.diag(prof.kept), 1)))
     hi = float(stage_memory(prof.weights[0, -1], prof.kept[0, -1], models[0].num_workers))
     for _ in range(64):  # the guess may be short of what a plan needs: grow it until one fits
-        if best_plan(search.costs, models, dataclasses.replace(
-                opts, memory_bytes=math.ceil(hi))) is not None:
+        if fits(hi):
             break
         lo, hi = hi, 2 * hi
     while hi > lo * 1.01:
         mid = math.sqrt(lo * hi)
-        trial = dataclasses.replace(opts, memory_bytes=math.ceil(mid))
-        if best_plan(search.costs, models, trial) is None:
-            lo = mid
-        else:
+        if fits(mid):
             hi = mid
+        else:
+            lo = mid
     return math.ceil(hi)
 
 
-def _needs(search: Search, models: Sequence[Topology], opts: Options) -> dict[str, int]:
+def _needs(search: Search, models: Sequence[Topology], opts: Options,
+           ranged: Callable[[Options], bool] | None = None) -> dict[str, int]:
     """Bytes per worker of data parallelism and of the least demanding layer plan (never
     above the whole model on one worker, a plan whenever workers may idle)."""
-    dp, least = search.fine.memory(0, search.fine.n - 1, 1), _least_memory(search, models, opts)
+    dp = search.fine.memory(0, search.fine.n - 1, 1)
+    least = _least_memory(search, models, opts, ranged)
     return {"dp": dp, "pipeline": min(dp, least) if opts.allow_fewer else least}
 
 
@@ -146,9 +156,11 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
                 f"with straight={opts.straight}, max_stages={opts.max_stages}; allow fewer "
                 "workers, allow replication or raise max_stages"
             )
+        recomputing = _ranged(search, topology, opts)
         if opts.tensor_split:
-            return _split_plan(graph, search, topology, models, search_opts, memory_bytes)
-        need = _needs(search, models, search_opts)["pipeline"]
+            return _split_plan(graph, search, topology, models, search_opts, memory_bytes,
+                               recomputing)
+        need = _needs(search, models, search_opts, recomputing)["pipeline"]
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
@@ -169,13 +181,26 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     return result
 
 
+def _ranged(search: Search, topology: Topology, opts: PlanOptions
+            ) -> Callable[[Options], bool] | None:
+    """Whether the range search, recomputing stages, finds a plan under some options: what
+    the least memory a plan needs weighs beside the hierarchy's program, where
+    ``opts`` lets stages recompute and the range search is quick (at most
+    :data:`~dreampipe.planning.ranges.RANGES_MAX_WORKERS` workers; beyond, the figure is
+    the hierarchy's, an upper bound)."""
+    if not (opts.also_flat and opts.recompute) or topology.num_workers > RANGES_MAX_WORKERS:
+        return None
+    return lambda trial: with_ranges(search, topology, None, trial, opts.exact, True)[0] \
+        is not None
+
+
 def _split_plan(
     graph: LayerGraph, search: Search, topology: Topology, models: Sequence[Topology],
-    opts: Options, memory_bytes: int,
+    opts: Options, memory_bytes: int, ranged: Callable[[Options], bool] | None = None,
 ) -> Plan:
     """One stage split over ``t`` workers of a server, for when no layer plan fits."""
     prof = search.fine
-    needs = _needs(search, models, opts)
+    needs = _needs(search, models, opts, ranged)
     widths = split_widths(topology, all_workers=not opts.allow_fewer)
     found = best_split(graph, topology, memory_bytes, widths)
     if found is None:
