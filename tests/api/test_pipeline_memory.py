@@ -105,3 +105,15 @@ def test_the_prediction_counts_the_optimizer_the_user_passes_and_its_shards(
 def test_memory_without_measuring_says_how() -> None:
     ranks = run_processes(_rank, 3, _job(measure=False), deadline_s=100.0)
     assert all("TrainConfig(measure_memory=True)" in r["error"] for r in ranks)
+
+
+def test_the_step_probe_rebuilds_adamw_from_its_settings() -> None:
+    """AdamW's ``defaults`` hold a flag its constructor does not take; the probe builds it
+    from the settings it takes, and finds Adam's temporaries (it was left uncounted)."""
+    from dreampipe.api.memory_report import _step_bytes
+    from dreampipe.runtime.optimizer_step import NO_STEP_BYTES
+
+    params = [torch.nn.Parameter(torch.zeros(4, 4))]
+    adamw = _step_bytes(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
+    assert adamw != NO_STEP_BYTES
+    assert adamw == measure_step_bytes(lambda p: torch.optim.AdamW(p, lr=1e-3))

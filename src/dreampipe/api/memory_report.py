@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -91,6 +92,9 @@ def _step_bytes(optimizer: torch.optim.Optimizer) -> StepBytes:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     device = params[0].device if params else torch.device("cpu")
     kind, settings = type(optimizer), dict(optimizer.defaults)
+    takes = inspect.signature(kind).parameters  # defaults may hold more (AdamW's flags)
+    if not any(p.kind is p.VAR_KEYWORD for p in takes.values()):
+        settings = {k: v for k, v in settings.items() if k in takes}
     return measure_step_bytes(lambda ps: kind(ps, **settings), device)
 
 
