@@ -114,6 +114,7 @@ def test_the_summary_says_what_ran_what_was_predicted_and_what_was_measured() ->
     assert (data["samples_per_s"], data["predicted_samples_per_s"]) == (250.0, 180.0)
     assert (data["final_loss"], data["losses"], data["elapsed_s"]) == (0.5, [0.9, 0.7, 0.5], 1.5)
     assert (data["steps"], data["schedule"], data["microbatches"]) == (3, "1f1b-flush", 4)
+    assert data["steps_trained"] == len(data["losses"])  # fewer than steps after a resume
     assert (data["partition"], data["virtual_stages"]) == ("2-1", 1)
     assert data["stages"] == [[0, 2, 2], [3, 3, 1]]
     assert data["memory"] == json.loads(json.dumps(report.memory_rows()))

@@ -109,6 +109,7 @@ class TrainReport:
             "losses": list(res.losses),
             "elapsed_s": res.elapsed_s,
             "steps": self.steps,
+            "steps_trained": len(res.losses),
             "schedule": self.config.schedule,
             "microbatches": self.config.microbatches,
             "partition": self.plan.config,
