@@ -23,7 +23,7 @@ from dreampipe.api.checks import Batch
 from dreampipe.api.feed import Batches
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.comm import Comm
-from dreampipe.runtime.forwards import run_forwards
+from dreampipe.runtime.forwards import Count, run_forwards
 from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
@@ -33,8 +33,8 @@ __all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate", "first_replicas_
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Mean loss per sample (per item a ``loss_weight`` counts); top-1 accuracy when the
-    targets are class labels."""
+    """Mean loss per sample (per target counted, with ``ignore_index``); top-1 accuracy
+    when the targets are class labels."""
 
     loss: float
     accuracy: float | None
@@ -60,7 +60,7 @@ class EvalRank:
 
 def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
              loss_fn: Callable[..., Tensor], me: EvalRank,
-             count: Callable[[Tensor], float] | None = None) -> EvalResult:
+             count: Count | None = None) -> EvalResult:
     """Forwards of ``batches`` through this rank's ``modules``, by stage (eval mode for
     the while); each batch's loss weighed by ``count`` of its targets (its samples by
     default). Every rank of the world calls it."""
@@ -104,24 +104,28 @@ def first_replicas_buffers(modules: dict[int, nn.Module], *, replicated: bool, f
     if not replicated:
         yield
         return
-    mine = {s: {k: b.detach().cpu() for k, b in m.named_buffers()} for s, m in modules.items()}
+    mine = {s: {k: b.detach().cpu() for k, b in m.named_buffers()}
+            for s, m in modules.items()} if first else None
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine if first else None)
+    dist.all_gather_object(gathered, mine)
     theirs: dict[int, dict[str, Tensor]] = {}
     for part in gathered:
         theirs.update(part or {})
     kept = {s: {k: b.clone() for k, b in m.named_buffers()} for s, m in modules.items()}
     try:
-        for s, m in modules.items():
-            with torch.no_grad():
-                for k, b in m.named_buffers():
-                    b.copy_(theirs[s][k])
+        _load_buffers(modules, theirs)
         yield
     finally:
+        _load_buffers(modules, kept)
+
+
+def _load_buffers(modules: dict[int, nn.Module], values: dict[int, dict[str, Tensor]]
+                  ) -> None:
+    """Each stage's buffers take ``values``' (by stage, then by name)."""
+    with torch.no_grad():
         for s, m in modules.items():
-            with torch.no_grad():
-                for k, b in m.named_buffers():
-                    b.copy_(kept[s][k])
+            for k, b in m.named_buffers():
+                b.copy_(values[s][k])
 
 
 def all_reduced(values: Tensor, device: torch.device) -> Tensor:

@@ -24,34 +24,16 @@ from torch import Tensor
 
 from dreampipe.api.checks import Batch, Inputs, map_inputs
 from dreampipe.errors import ConfigError
+from dreampipe.runtime.forwards import Count, item_count
 
-__all__ = ["Batches", "Feed", "LossWeight", "counter", "ignoring", "item_count"]
+__all__ = ["Batches", "Feed", "ignoring"]
 
-#: What a microbatch's loss is a mean over, counted from its targets (None: its samples).
-LossWeight = Callable[[Tensor], "float | Tensor"]
-
-
-def item_count(loss_weight: LossWeight | None, target: Tensor) -> float:
-    """The items ``target``'s mean loss averages over: ``loss_weight``'s count, else the
-    samples."""
-    if loss_weight is None:
-        return float(target.shape[0]) if target.dim() else 1.0
-    count = loss_weight(target)
-    return float(count.detach().sum()) if isinstance(count, Tensor) else float(count)
-
-
-def ignoring(ignore_index: int | None) -> LossWeight | None:
+def ignoring(ignore_index: int | None) -> Count | None:
     """The count of ``TrainConfig.ignore_index``: the targets not equal to it (None: the
     samples count)."""
     if ignore_index is None:
         return None
-    return lambda target: (target != ignore_index).sum()
-
-
-def counter(loss_weight: LossWeight | None) -> Callable[[Tensor], float] | None:
-    """What an evaluated batch's loss averages over: ``loss_weight``'s count (None: its
-    samples)."""
-    return None if loss_weight is None else functools.partial(item_count, loss_weight)
+    return lambda target: float((target != ignore_index).sum())
 
 
 class Feed:
@@ -60,7 +42,7 @@ class Feed:
     def __init__(
         self, *, microbatches_per_update: int, device: torch.device,
         wants_inputs: Callable[[int], bool], wants_targets: Callable[[int], bool],
-        loss_weight: LossWeight | None = None,
+        loss_weight: Count | None = None,
     ) -> None:
         self.microbatches_per_update = microbatches_per_update
         self.device = device

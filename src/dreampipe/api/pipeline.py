@@ -42,7 +42,6 @@ from dreampipe.api.checks import (
 )
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate, first_replicas_buffers
-from dreampipe.api.feed import counter
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.pipeline_segments import HORIZON, Segments
@@ -343,7 +342,7 @@ class Pipeline:
         with gathered(m.zero for m in self.runner.modules), first_replicas_buffers(
                 modules, replicated=max(self.replicas) > 1, first=first):
             return evaluate([(x, y) for x, y in loader],
-                            modules, self.loss_fn, me, counter(self._segments.loss_weight))
+                            modules, self.loss_fn, me, self._segments.loss_weight)
 
     @property
     def skipped(self) -> list[int]:

@@ -21,7 +21,17 @@ from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.stage_records import MicrobatchData
 from dreampipe.scheduling.actions import ActionKind, Schedule
 
-__all__ = ["MicrobatchScore", "run_forwards"]
+__all__ = ["Count", "MicrobatchScore", "item_count", "run_forwards"]
+
+#: What a microbatch's mean loss averages over, counted from its targets.
+Count = Callable[[Tensor], float]
+
+
+def item_count(count: Count | None, target: Tensor) -> float:
+    """The items ``target``'s mean loss averages over: ``count``'s, else its samples."""
+    if count is not None:
+        return count(target)
+    return float(target.shape[0]) if target.dim() else 1.0
 
 
 @dataclass(frozen=True)
@@ -34,9 +44,8 @@ class MicrobatchScore:
     labels: int
 
 
-def _score(out: object, y: Tensor, loss: Tensor, count: Callable[[Tensor], float] | None
-           ) -> MicrobatchScore:
-    n: float = (int(y.shape[0]) if y.dim() else 1) if count is None else count(y)
+def _score(out: object, y: Tensor, loss: Tensor, count: Count | None) -> MicrobatchScore:
+    n = item_count(count, y)
     total = float(loss) * n if n else 0.0  # nothing counted: its loss (NaN) is no item's
     if (isinstance(out, Tensor) and not y.is_floating_point() and out.dim() == y.dim() + 1
             and out.shape[:1] + out.shape[2:] == y.shape):
@@ -48,7 +57,7 @@ def run_forwards(
     schedule: Schedule, rank: int, modules: Mapping[int, nn.Module],
     loss_fn: Callable[[Tensor, Tensor], Tensor], data: MicrobatchData | None,
     comms: Mapping[int, Comm], precision: Precision = Precision.FP32,
-    count: Callable[[Tensor], float] | None = None,
+    count: Count | None = None,
 ) -> dict[int, MicrobatchScore]:
     """Execute ``schedule.actions[rank]`` with the rank's module and :class:`Comm` of
     each stage it runs (several under interleaving), in the number formats of
