@@ -140,8 +140,7 @@ class _Run(Stepper):
         self.paths: dict[tuple[int, int], tuple[tuple[tuple[int, int, int], ...], float]] = {}
         self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
             a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
-        #: per rank, each hosted stage's stash over the rank's largest (several under
-        #: interleaving): what one of its microbatches in flight holds of that largest
+        #: per rank, what a microbatch of each hosted stage holds of its largest stash
         self.shares = [_shares(costs.stash_bytes, schedule.stages_of_rank(r))
                        for r in range(ranks)]
         self.draws = random.Random(0)
