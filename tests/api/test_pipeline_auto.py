@@ -14,11 +14,12 @@ from runtime.reference import reference_sync, sgd
 from torch import nn
 
 from dreampipe.api import TrainConfig
-from dreampipe.api.plans import resolve_plan
+from dreampipe.api.plans import Resolved, resolve_plan
 from dreampipe.errors import ConfigError
 from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
 from dreampipe.runtime.processes import free_port, run_processes
 from dreampipe.scheduling.actions import ScheduleKind
+from dreampipe.scheduling.microbatch_layout import default_microbatches
 from dreampipe.splitter.chain import split_layers
 
 from .compare import assert_matches
@@ -65,23 +66,37 @@ def test_auto_with_what_it_cannot_choose_names_the_fix(kw: dict[str, Any], needl
         _pipe(**kw)
 
 
-@pytest.mark.parametrize("semantics", list(Semantics))
-def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Semantics
-                                                                   ) -> None:
-    """In a group of one, the profile and the choice happen here: the choice is one of the
-    semantics' candidates with its microbatches, never the stand-in left unchosen."""
+def _resolved(config: TrainConfig, microbatch_size: int) -> Resolved:
+    """In a group of one, the profile and the choice happen here."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
         x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-        layers = split_layers(model, x[:4])
-        config = TrainConfig(schedule="auto", semantics=semantics.value, microbatches=2)
-        got = resolve_plan("auto", layers=layers, example=(x, y), loss_fn=F.cross_entropy,
-                           microbatch_size=4, config=config)
+        layers = split_layers(model, x[:microbatch_size])
+        return resolve_plan("auto", layers=layers, example=(x, y), loss_fn=F.cross_entropy,
+                            microbatch_size=microbatch_size, config=config)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("semantics", list(Semantics))
+def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Semantics
+                                                                   ) -> None:
+    """The choice is one of the semantics' candidates with its microbatches, never the
+    stand-in left unchosen."""
+    config = TrainConfig(schedule="auto", semantics=semantics.value, microbatches=2)
+    got = _resolved(config, 4)
     assert got.kind in CANDIDATES[semantics]
     assert got.microbatches == (1 if got.kind is ScheduleKind.PIPEDREAM else 2)
     assert got.plan.num_stages == 1
+
+
+def test_microbatches_left_out_are_the_search_s_own_not_one() -> None:
+    """Left out, the choice cuts the minibatch as the search does by default (GPipe's 4
+    a stage, whole rounds of replicas), where 1 would leave a replica without work."""
+    got = _resolved(TrainConfig(schedule="auto", semantics="sync"), 8)
+    assert got.kind in CANDIDATES[Semantics.SYNC]
+    assert got.microbatches == default_microbatches([st.replicas for st in got.plan.stages])
+    assert got.microbatches > 1

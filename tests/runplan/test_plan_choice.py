@@ -89,3 +89,23 @@ def test_config_alone_gets_the_fastest_cuts() -> None:
     assert _choose(graph, 5, config="straight").num_stages == 5
     with pytest.raises(ConfigError, match="6 stages but the model has 5 layers"):
         _choose(graph, 6, config="straight")
+
+
+def test_a_synchronous_choice_under_a_limit_also_weighs_plans_pipedream_would_not_fit() -> None:
+    # PipeDream's steady state keeps a version and an input per minibatch in flight, and
+    # its kept sends: within 30 MB the planner only splits every layer (1t4). A
+    # synchronous schedule holds less; data parallelism on 4 fits, and runs faster.
+    layers = tuple(Layer(f"l{i}", 1.0, 2.0, 4 << 20, 4 << 10) for i in range(8))
+    graph = LayerGraph(layers, tuple((i, i + 1) for i in range(7)), 32, "toy")
+    topo, limit = _topology(), 30 << 20
+    limited = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit, recompute=True))
+    assert limited.has_splits
+    only_limited = choose_schedule(graph, limited, topo, Semantics.SYNC, limit)
+    got = choose_plan(graph, topo, PlanAsk(workers=4, semantics=Semantics.SYNC,
+                                           memory_bytes=limit))
+    assert got.schedule is not None and not got.plan.has_splits
+    kept = next(c for c in got.schedule.candidates if c.kind is got.schedule.kind)
+    assert kept.fits and kept.peak_memory_bytes <= limit
+    assert kept.minibatches_per_s > max(c.minibatches_per_s
+                                        for c in only_limited.candidates if c.fits)
+    assert any(line.lstrip().startswith(limited.config) for line in got.lines)

@@ -212,3 +212,30 @@ def test_where_no_schedule_of_the_semantics_runs_the_error_names_each_way_out() 
         choose_schedule(_chain(), plan, Topology.parse("256x8"), Semantics.SYNC)
     for way in ("semantics=async", "schedule=pipedream", "fewer microbatches", "--global-batch"):
         assert way in str(info.value)
+
+
+def _scaled_chain(batch: int, share: float) -> LayerGraph:
+    """Four layers profiled at ``batch`` samples, ``share`` of a 32-sample minibatch:
+    times and kept tensors in proportion, the same weights."""
+    return LayerGraph(tuple(Layer(f"l{i}", 10.0 * share, 20.0 * share, round(4e6 * share),
+                                  10**6) for i in range(4)),
+                      tuple((i, i + 1) for i in range(3)), batch, "toy")
+
+
+@pytest.mark.parametrize("semantics", [Semantics.SYNC, Semantics.ANY])
+def test_a_profile_of_a_microbatch_prices_each_candidate_at_its_own_size(
+        semantics: Semantics) -> None:
+    # a run with microbatches=4 profiles a quarter of its minibatch: its candidates must be
+    # what the whole minibatch's profile gives, not a quarter of it in memory and 4x in rate
+    whole, quarter = _scaled_chain(32, 1.0), _scaled_chain(8, 0.25)
+    plan, topo = _straight(), Topology.parse("1x4")
+    want = choose_schedule(whole, plan, topo, semantics, microbatches=4)
+    got = choose_schedule(quarter, plan, topo, semantics, microbatches=4, profile_share=0.25)
+    unscaled = choose_schedule(quarter, plan, topo, semantics, microbatches=4)
+    assert got.kind is want.kind
+    for g, w, u in zip(got.candidates, want.candidates, unscaled.candidates, strict=True):
+        assert g.minibatches_per_s == pytest.approx(w.minibatches_per_s, rel=1e-9)
+        assert g.peak_memory_bytes == pytest.approx(w.peak_memory_bytes, rel=1e-9)
+        if not g.why_not:  # the comparison can fail: unscaled, the figures differ
+            assert u.peak_memory_bytes < 0.5 * w.peak_memory_bytes
+            assert u.minibatches_per_s > 2 * w.minibatches_per_s

@@ -58,9 +58,10 @@ class TrainConfig:
     zb-h1, zb-h2, 1f1b-flush, gpipe, training as one process does; ``"async"``: 2bw,
     pipedream) and train with the fastest; ``"any"``: both, and train with the one
     soonest to the target, its rate over the epochs the convergence study measured
-    (:mod:`dreampipe.runplan.study_epochs`). ``microbatches`` per minibatch (1 for
-    pipedream). ``virtual_stages`` per worker, with interleaved-1f1b, or 2 with zbv and
-    dualpipev, which place them in a V (None: the plan's, or 2 for those two).
+    (:mod:`dreampipe.runplan.study_epochs`). ``microbatches`` per minibatch (None: 1, or
+    under ``"auto"`` the search's own, whole rounds of replicas; 1 for pipedream).
+    ``virtual_stages`` per worker, with interleaved-1f1b, or 2 with zbv and dualpipev,
+    which place them in a V (None: the plan's, or 2 for those two).
     ``max_grad_norm`` clips each update by the global norm over all stages (None: no
     clipping). ``precision``: ``"fp32"``, ``"bf16-mixed"`` or ``"fp16-mixed"``
     (forwards under ``torch.autocast``), or ``"bf16"`` (16-bit weights with 32-bit master
@@ -105,7 +106,7 @@ class TrainConfig:
 
     schedule: str = "pipedream"
     semantics: str = "sync"
-    microbatches: int = 1
+    microbatches: int | None = None
     virtual_stages: int | None = None
     max_grad_norm: float | None = None
     precision: str = "fp32"
@@ -154,7 +155,7 @@ class TrainConfig:
         for name in ("microbatches", "seed", "virtual_stages", "loss_scale_window",
                      "recompute_blocks", "zero", "ignore_index"):
             check_type(name, getattr(self, name), (int,), "a whole number",
-                   optional=name in ("virtual_stages", "ignore_index"))
+                   optional=name in ("microbatches", "virtual_stages", "ignore_index"))
         for name in ("timeout_s", "max_grad_norm", "loss_scale"):
             check_type(name, getattr(self, name), (int, float), "a number",
                    optional=name == "max_grad_norm")
@@ -234,7 +235,7 @@ class TrainConfig:
 
     def _check_schedule(self, kind: ScheduleKind) -> None:
         """The rules that depend on the schedule run."""
-        MicrobatchLayout(kind=kind, microbatches=self.microbatches)  # microbatches' own rules
+        MicrobatchLayout(kind=kind, microbatches=self.per_minibatch)  # microbatches' rules
         if kind is not ScheduleKind.PIPEDREAM and (self.vertical_sync or not self.stash):
             what = " and ".join(w for w, on in (("vertical_sync=True", self.vertical_sync),
                                                 ("stash=False", not self.stash)) if on)
@@ -279,6 +280,12 @@ class TrainConfig:
     def chooses(self) -> Semantics | None:
         """The semantics ``schedule="auto"`` chooses a schedule of; None when it is given."""
         return Semantics(self.semantics) if self.schedule == _AUTO else None
+
+    @property
+    def per_minibatch(self) -> int:
+        """Microbatches per minibatch: ``microbatches``, 1 where left out (under ``"auto"``
+        a profile's then, which the search cuts as it chooses)."""
+        return 1 if self.microbatches is None else self.microbatches
 
     @property
     def kind(self) -> ScheduleKind:

@@ -132,7 +132,7 @@ class Pipeline:
         self.rank, world = dist.get_rank(), dist.get_world_size()
         self.kind = config.kind  # under "auto", a stand-in until settle_plan chooses
         self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
-                                       microbatches=config.microbatches, workers=world)
+                                       microbatches=config.per_minibatch, workers=world)
         microbatch_size = self.layout.microbatch_size
         self._shapes = BatchShapes(example, config.variable_dims,
                                    self.layout.microbatches_per_update)

@@ -108,6 +108,7 @@ def resolve_plan(
             chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
+                                         minibatch_size=int(example[1].shape[0]),
                                          allow_fewer_workers=False, zero=config.zero,
                                          steps_agree=config.runner_options().steps_agree))
             for line in chosen.lines:

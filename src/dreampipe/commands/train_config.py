@@ -136,7 +136,7 @@ class TrainRun(TrainOptions):
     def layout(self) -> MicrobatchLayout:
         """How each update is cut into microbatches; raises a ConfigError if it cannot be."""
         return MicrobatchLayout(kind=self.config.kind, minibatch_size=self.minibatch_size,
-                                microbatches=self.config.microbatches, workers=self.workers)
+                                microbatches=self.config.per_minibatch, workers=self.workers)
 
 
 @dataclass(frozen=True)

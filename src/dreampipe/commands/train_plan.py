@@ -178,7 +178,7 @@ def plan_train(
     config = opts.config if chosen is None else opts.config.chosen(*chosen)
     opts = dataclasses.replace(opts, config=dataclasses.replace(config, virtual_stages=v))
     layout = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                              microbatches=opts.config.microbatches, workers=workers)
+                              microbatches=opts.config.per_minibatch, workers=workers)
     steps = _whole_rounds(req, layout, plan, steps, talk)
     run = opts.with_plan(plan, steps)
     check_run(run, spec, run.workers)  # before anything is said of the plan
@@ -221,6 +221,7 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
     return PlanAsk(workers=workers, config=config, stages=source.stages, virtual_stages=v,
                    placement=opts.config.kind.placement if v > 1 else Placement.LOOP,
                    semantics=opts.config.chooses, microbatches=opts.config.microbatches,
+                   minibatch_size=opts.minibatch_size,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
                    zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
@@ -231,7 +232,7 @@ def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCal
     when the workers are local)."""
     opts = req.run
     size = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                            microbatches=opts.config.microbatches,
+                            microbatches=opts.config.per_minibatch,
                             workers=ask.workers).microbatch_size
     if req.profile is not None:
         return saved_profile(req.profile, spec, size, ref=opts.model,
@@ -304,7 +305,7 @@ def _check_before_profiling(
     check_options(req.run)
     opts = req.run
     MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                     microbatches=opts.config.microbatches, workers=workers)  # checks them
+                     microbatches=opts.config.per_minibatch, workers=workers)  # checks them
     if req.run.seq_lengths is not None:
         check_token_model(spec, req.run.seq_lengths)
     steps = _steps(req, _load_data(req.run, spec))

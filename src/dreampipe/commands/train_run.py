@@ -111,7 +111,7 @@ class TrainReport:
             "steps": self.steps,
             "steps_trained": len(res.losses),
             "schedule": self.config.schedule,
-            "microbatches": self.config.microbatches,
+            "microbatches": self.config.per_minibatch,
             "partition": self.plan.config,
             "topology": self.plan.topology,
             "virtual_stages": self.plan.virtual_stages,

@@ -13,6 +13,7 @@ synchronous schedule pays for depth (docs/design.md §7.10).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -51,7 +52,8 @@ class PlanAsk:
     (:func:`forced_partition`). ``virtual_stages`` > 1 cuts the layers into
     ``workers x v`` balanced stages, placed as ``placement`` says (the loop of
     interleaved 1F1B, or the V of zbv and dualpipev). ``semantics`` asks
-    for the schedule too, simulated with ``microbatches`` per minibatch.
+    for the schedule too, simulated with ``microbatches`` per minibatch (None: the search's
+    own) of ``minibatch_size`` samples (None: the profile's batch).
     ``memory_bytes`` is each worker's limit (None: none); ``zero`` the run's ZeRO level,
     which the schedule's simulation prices, as it prices ``steps_agree``: the ranks agree
     before every update (a run that clips by the global norm, say).
@@ -65,6 +67,7 @@ class PlanAsk:
     placement: Placement = Placement.LOOP
     semantics: Semantics | None = None
     microbatches: int | None = None
+    minibatch_size: int | None = None
     memory_bytes: int | None = None
     allow_fewer_workers: bool = True
     zero: int = 0
@@ -116,8 +119,7 @@ def choose_plan(graph: LayerGraph, topology: Topology, ask: PlanAsk) -> RunPlan:
     plan = _plan(graph, topology, ask)
     if ask.semantics is None:
         return RunPlan(plan)
-    choice = choose_schedule(graph, plan, topology, ask.semantics, ask.memory_bytes,
-                             ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree)
+    choice = _schedule(graph, plan, topology, ask, ask.semantics)
     if plan.virtual_stages > 1:  # several stages per worker, placed for the one chosen
         plan = plan.placed(choice.kind.placement)
     return RunPlan(plan, choice, _schedule_lines(ask.semantics, choice))
@@ -202,28 +204,59 @@ def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int]) -> Pl
     return best
 
 
+def _schedule(graph: LayerGraph, plan: Plan, topology: Topology, ask: PlanAsk,
+              semantics: Semantics) -> ScheduleChoice:
+    """The fastest schedule of ``semantics`` on ``plan`` that fits, each candidate's
+    microbatch priced at its share of the profile's batch."""
+    share = 1.0 if ask.minibatch_size is None or not graph.batch_size else (
+        graph.batch_size / ask.minibatch_size)
+    return choose_schedule(graph, plan, topology, semantics, ask.memory_bytes,
+                           ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree,
+                           profile_share=share)
+
+
+def _stage_plans(graph: LayerGraph, topology: Topology, ask: PlanAsk, k: int,
+                 semantics: Semantics) -> list[Plan]:
+    """The planner's plans of at most ``k`` stages: within the memory, priced as
+    PipeDream holds it, and, where ``semantics`` allows synchronous schedules (which hold
+    less), also without the limit, for the schedule's own simulation to judge."""
+    plans, failed = [], None
+    limits = [ask] if ask.memory_bytes is None or semantics is Semantics.ASYNC else [
+        ask, dataclasses.replace(ask, memory_bytes=None)]
+    for limited in limits:
+        try:
+            plans.append(_plan(graph, topology, limited, max_stages=k))
+        except PlanError as exc:  # no plan of so few stages fits: more may
+            failed = failed or exc
+    if not plans:
+        assert failed is not None
+        raise failed
+    return plans
+
+
 def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
                   semantics: Semantics) -> RunPlan:
-    """The fastest (plan, schedule) of ``semantics`` over the planner's plan of at most
+    """The fastest (plan, schedule) of ``semantics`` over the planner's plans of at most
     ``k`` stages, ``k`` in ``1 .. workers`` (the distinct plans), that fits the memory."""
     most = min(ask.workers, len(graph.layers))
     tried: dict[str, tuple[Plan, ScheduleChoice]] = {}
+    seen: set[str] = set()
     lines: list[str] = []
     for k in range(1, most + 1):
         try:
-            plan = _plan(graph, topology, ask, max_stages=k)
-        except PlanError as exc:  # no plan of so few stages fits: more may
+            plans = _stage_plans(graph, topology, ask, k, semantics)
+        except PlanError as exc:
             lines.append(f"<= {k} stages: none fits ({exc})")
             continue
-        if plan.config in tried:
-            continue
-        try:
-            tried[plan.config] = (plan, choose_schedule(graph, plan, topology, semantics,
-                                                        ask.memory_bytes, ask.microbatches,
-                                                        zero=ask.zero,
-                                                        steps_agree=ask.steps_agree))
-        except ConfigError as exc:  # no schedule of these semantics fits its memory
-            lines.append(f"{plan.config:<12} not kept: {exc}")
+        for plan in plans:
+            name = _named(plan)
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                tried[name] = (plan, _schedule(graph, plan, topology, ask, semantics))
+            except ConfigError as exc:  # no schedule of these semantics fits its memory
+                lines.append(f"{name:<12} not kept: {exc}")
     if not tried:
         raise ConfigError(f"no plan of 1 to {most} stages has a {semantics.value} "
                           "schedule that fits: " + "; ".join(lines), "memory_bytes")
@@ -236,6 +269,13 @@ def _fastest_pair(graph: LayerGraph, topology: Topology, ask: PlanAsk,
             "each with its fastest schedule:")
     return RunPlan(best, choice, (head, *(f"  {x}" for x in lines),
                                   *_schedule_lines(semantics, choice)))
+
+
+def _named(plan: Plan) -> str:
+    """The plan's config, with its stages' first layers: two plans of one config may cut
+    the layers apart differently (within a memory limit, and without)."""
+    firsts = ",".join(str(st.first) for st in plan.stages)
+    return plan.config if len(plan.stages) == 1 else f"{plan.config} @{firsts}"
 
 
 #: How the rates of ``semantics="any"`` are weighed, said after them.

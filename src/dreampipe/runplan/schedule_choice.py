@@ -148,7 +148,7 @@ def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
-    steps_agree: bool = False,
+    steps_agree: bool = False, profile_share: float = 1.0,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -162,7 +162,10 @@ def choose_schedule(
     ``study`` predicts it needs (:mod:`.study_epochs`), and the soonest to the target kept.
     ``kinds``: the candidates to try instead of the semantics' (a schedule asked by name);
     ``steps_agree``: the ranks agree before every update (a run that clips by the global
-    norm), which holds the asynchronous schedules' stages to each other's backwards."""
+    norm), which holds the asynchronous schedules' stages to each other's backwards.
+    ``profile_share``: the share of a minibatch ``graph`` was profiled at (1/4: a quarter),
+    so that each candidate's microbatch is priced at its own size and its rate counts
+    minibatches."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
     m = microbatches or default_microbatches(replicas)
@@ -208,13 +211,16 @@ def choose_schedule(
         placed = plan.placed(kind.placement) if v > 1 else plan
         result = simulate_schedule(schedule, with_zero(
             dataclasses.replace(costs_from_profile(graph, placed, topology,
-                                                   layout.microbatch_fraction),
+                                                   layout.microbatch_fraction
+                                                   / profile_share),
                                 steps_agree=steps_agree), schedule, levels),
             record_events=False)
         peak = max(result.peak_memory_bytes)
         weighed = epochs_factor(kind, plan.num_stages, study) if (
             semantics is Semantics.ANY) else None
-        found.append(Candidate(kind, per, result.throughput_minibatches_per_s, peak,
+        # the simulator counts profiled batches: a minibatch is 1 / profile_share of them
+        found.append(Candidate(kind, per, result.throughput_minibatches_per_s * profile_share,
+                               peak,
                                memory_bytes is None or peak <= memory_bytes,
                                epochs=None if weighed is None else weighed.factor,
                                study="" if weighed is None else weighed.why))
