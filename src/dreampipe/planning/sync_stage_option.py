@@ -4,7 +4,7 @@
 (:mod:`dreampipe.planning.sync_tables` prices each); recomputation runs the whole
 stage's forward again, or block by block its first ``k`` blocks, the transformer layers
 :func:`layer_blocks` finds in a profile by shape (docs/planner.md, "The synchronous
-objective"); :func:`block_mask`, :func:`block_span` and :func:`largest_block` say which
+objective"); :func:`block_mask`, :func:`block_span` and :func:`recomputed_peak` say which
 layers those are and what the largest keeps.
 """
 
@@ -21,8 +21,8 @@ from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.profiling.gpt_shapes import block_index
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["Recompute", "StageOption", "block_mask", "block_span", "largest_block",
-           "layer_blocks"]
+__all__ = ["Recompute", "StageOption", "block_mask", "block_span", "layer_blocks",
+           "recomputed_peak"]
 
 _Blocks = tuple[int | None, ...]
 
@@ -91,11 +91,21 @@ def block_span(blocks: _Blocks, k: int) -> tuple[npt.NDArray[np.int64], npt.NDAr
     return start, stop
 
 
-def largest_block(blocks: _Blocks, layer_kept: npt.NDArray[np.float64]) -> float:
-    """What the largest block keeps (``layer_kept`` each layer's): held once while one
-    backward recomputes it."""
-    sums: dict[int, float] = {}
-    for b, kept in zip(blocks, layer_kept, strict=True):
-        if b is not None:
-            sums[b] = sums.get(b, 0.0) + float(kept)
-    return max(sums.values(), default=0.0)
+def recomputed_peak(blocks: _Blocks, layer_kept: npt.NDArray[np.float64], k: int
+                    ) -> npt.NDArray[np.float64]:
+    """``[i, j]``: what a stage of layers ``i..j`` recomputing its first ``k`` blocks holds
+    once while one backward recomputes a block: the most any of those blocks keeps of
+    its layers in ``i..j`` (``layer_kept`` each layer's; 0 where none is recomputed)."""
+    mask = block_mask(blocks, k)
+    n = len(blocks)
+    ids = np.array([-1 if b is None else b for b in blocks], dtype=np.int64)
+    starts = np.ones(n, dtype=bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    within = np.zeros(n, dtype=np.float64)  # each block's kept from its start up to l
+    for col in range(n):
+        within[col] = layer_kept[col] + (0.0 if starts[col] else within[col - 1])
+    out = np.zeros((n, n), dtype=np.float64)
+    for i in range(n):
+        sums = within - (within[i - 1] if i > 0 and not starts[i] else 0.0) * (ids == ids[i])
+        out[i] = np.maximum.accumulate(np.where(mask[i], sums, 0.0))
+    return out

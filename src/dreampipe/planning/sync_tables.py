@@ -43,7 +43,7 @@ from dreampipe.planning.sync_stage_option import (
     StageOption,
     block_mask,
     block_span,
-    largest_block,
+    recomputed_peak,
 )
 from dreampipe.planning.topology import Topology
 from dreampipe.planning.zero_terms import HALF_ALLREDUCE, SHARDED_LEVEL, zero_times
@@ -338,12 +338,15 @@ class StageTables:
         layer_kept = np.diag(costs.kept) * f
         later = np.triu(np.ones((self.n, self.n), dtype=bool))
         rest = row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
-        starts = np.zeros(self.n, dtype=bool)
-        starts[1:] = np.asarray([b is not None and b != a for a, b in
-                                 zip(inp.blocks, inp.blocks[1:], strict=False)])
-        entry = np.where(mask & starts[None, :] & np.triu(later, 1),
+        starts = np.asarray([False] + [b is not None and b != a for a, b in
+                                       zip(inp.blocks, inp.blocks[1:], strict=False)])
+        # a block's input kept for it, where the layer before is recomputed too: a layer kept
+        # whole keeps its output already (Layer.saved_bytes)
+        after = np.pad(mask[:, :-1], ((0, 0), (1, 0)))
+        entry = np.where(mask & after & starts[None, :] & np.triu(later, 1),
                          inp.costs.cut_bytes[None, :] * f, 0.0)
-        return fixed + largest_block(self.inputs.blocks, layer_kept), first + rest + row_sums(entry)
+        return (fixed + recomputed_peak(self.inputs.blocks, layer_kept, o.blocks),
+                first + rest + row_sums(entry))
 
     # ---- helpers -----------------------------------------------------------------
     def _costs(self, o: StageOption) -> RangeCosts:

@@ -102,8 +102,12 @@ def simulate_run(run: SyncRun, plan: Plan, graph: LayerGraph | None, topology: T
     if graph is None:
         costs = costs_from_plan(plan, topology, run.fraction)
     else:
-        costs = costs_from_profile(_recomputing(run.training.trained(graph), run.recomputed),
-                                   plan, topology, run.fraction, sync)
+        trained, once = _recomputing(run.training.trained(graph), run.recomputed, plan)
+        costs = costs_from_profile(trained, plan, topology, run.fraction, sync)
+        if any(once):  # a stage recomputing whole holds its own (costs_from_profile's)
+            costs = replace(costs, recompute_bytes=tuple(
+                max(b * run.fraction, whole) for b, whole in zip(
+                    once, costs.recompute_bytes or (0.0,) * len(once), strict=True)))
     levels: Sequence[int] = run.zero
     costs = replace(with_zero(costs, schedule, levels), steps_agree=steps_agree,
                     state_bytes=_state_bytes(run, costs.parameter_bytes, schedule.replicas,
@@ -121,15 +125,24 @@ def _state_bytes(run: SyncRun, weights: Sequence[float], replicas: Sequence[int]
                  for w, level, r in zip(weights, run.zero, replicas, strict=True))
 
 
-def _recomputing(graph: LayerGraph, recomputed: Sequence[int]) -> LayerGraph:
-    """``graph`` with the ``recomputed`` layers' backward running their forward again and
-    their block keeping only its input (the first layer of each block holds it)."""
+def _recomputing(graph: LayerGraph, recomputed: Sequence[int], plan: Plan
+                 ) -> tuple[LayerGraph, tuple[float, ...]]:
+    """``graph`` with the ``recomputed`` layers' backward running their forward again,
+    keeping only a block's input where the layer before it is recomputed too (a layer
+    kept whole keeps its output, a stage's input is the stage's: Layer.saved_bytes); and
+    per stage the largest recomputed block's kept tensors, which its backward holds once,
+    as the planner prices them (docs/design.md §4.6)."""
     again, blocks = set(recomputed), layer_blocks(graph)
-    layers = []
+    starts = {st.first for st in plan.stages}
+    layers, block_bytes = [], dict[object, int]()
     for i, x in enumerate(graph.layers):
         if i in again:
-            first = i == 0 or blocks[i - 1] != blocks[i] or i - 1 not in again
-            kept = graph.layers[i - 1].activation_bytes if first and i > 0 else 0
+            block_bytes[blocks[i]] = block_bytes.get(blocks[i], 0) + x.stash_bytes
+            carried = (i > 0 and i not in starts and i - 1 in again
+                       and blocks[i - 1] != blocks[i])
+            kept = graph.layers[i - 1].activation_bytes if carried else 0
             x = replace(x, backward_ms=x.backward_ms + x.forward_ms, saved_bytes=kept)
         layers.append(x)
-    return replace(graph, layers=tuple(layers))
+    once = tuple(float(max((block_bytes[blocks[i]] for i in range(st.first, st.last + 1)
+                            if i in again), default=0)) for st in plan.stages)
+    return replace(graph, layers=tuple(layers)), once
