@@ -68,6 +68,21 @@ def test_schedule_auto_chooses_a_schedule_of_its_semantics(profiled: list[int]) 
     assert any(line.startswith("schedule auto (sync)") for line in said)
 
 
+def test_schedule_auto_without_microbatches_predicts_from_the_microbatch_it_chose(
+        profiled: list[int]) -> None:
+    """Left out, the microbatches are the search's (4 a stage on one of 2 replicas, a
+    round of both): the run profiles its minibatch to choose, then the chosen microbatch,
+    whose figures its memory and rate predictions read."""
+    said: list[str] = []
+    run = dataclasses.replace(_RUN, config=TrainConfig(schedule="auto"))
+    got = plan_train(TrainRequest(run=run, workers=2), say=said.append)
+    per = got.run.config.microbatches
+    assert per is not None and per > 1
+    size = 16 // per // (2 if got.run.config.schedule == "dp" else 1)
+    assert profiled == [16, size]
+    assert f"profiling again at the chosen microbatch of {size} samples" in said
+
+
 def test_forced_stages_or_a_v_s_config_with_virtual_stages_are_refused_before_profiling(
     profiled: list[int]
 ) -> None:

@@ -180,6 +180,11 @@ def plan_train(
     layout = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
                               microbatches=opts.config.per_minibatch, workers=workers)
     steps = _whole_rounds(req, layout, plan, steps, talk)
+    if graph is not None and req.profile is None and graph.batch_size != layout.microbatch_size:
+        # the schedule chosen cuts the minibatch otherwise: predict from its own microbatch
+        talk(f"profiling again at the chosen microbatch of {layout.microbatch_size} samples")
+        graph = _profile(req, spec, ask, machine, local=torchrun is None,
+                         size=layout.microbatch_size)
     run = opts.with_plan(plan, steps)
     check_run(run, spec, run.workers)  # before anything is said of the plan
     memory: tuple[int, ...] = ()
@@ -220,20 +225,22 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
     v = opts.config.stages_per_rank  # a plan file's replaces it
     return PlanAsk(workers=workers, config=config, stages=source.stages, virtual_stages=v,
                    placement=opts.config.kind.placement if v > 1 else Placement.LOOP,
-                   semantics=opts.config.chooses, microbatches=opts.config.microbatches,
-                   minibatch_size=opts.minibatch_size,
+                   semantics=opts.config.chooses, minibatch_size=opts.minibatch_size,
+                   # a saved profile is of the config's microbatch: the choice keeps it
+                   microbatches=opts.config.microbatches if req.profile is None
+                   else opts.config.per_minibatch,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
                    zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
 
 def _profile(req: TrainRequest, spec: ModelSpec, ask: PlanAsk, machine: LocalCalibration,
-             *, local: bool) -> LayerGraph:
+             *, local: bool, size: int | None = None) -> LayerGraph:
     """The saved profile, else one taken now as each worker computes (beside busy twins
-    when the workers are local)."""
+    when the workers are local), of ``size`` samples (None: the config's microbatch)."""
     opts = req.run
-    size = MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
-                            microbatches=opts.config.per_minibatch,
-                            workers=ask.workers).microbatch_size
+    size = size or MicrobatchLayout(kind=opts.config.kind, minibatch_size=opts.minibatch_size,
+                                    microbatches=opts.config.per_minibatch,
+                                    workers=ask.workers).microbatch_size
     if req.profile is not None:
         return saved_profile(req.profile, spec, size, ref=opts.model,
                              model_kwargs=opts.model_kwargs)
