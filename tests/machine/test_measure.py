@@ -6,6 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from dreampipe.errors import ConfigError
@@ -94,6 +95,28 @@ def _in_group(rank: int, world: int, nodes: int) -> LocalCalibration:
         return machine
     finally:
         dist.destroy_process_group()
+
+
+def _draws_after_measuring(rank: int, world: int, _: None) -> tuple[list[float], list[float]]:
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(rank)
+        want = torch.rand(3).tolist()
+        torch.manual_seed(rank)
+        measure.machine_in_group()
+        return want, torch.rand(3).tolist()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_measuring_the_machine_leaves_the_ranks_random_draws_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its probes draw inputs: a run's dropout must not depend on whether a machine file
+    was there to spare the measurement."""
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "none.json"))
+    for want, got in run_processes(_draws_after_measuring, 2, None, deadline_s=60.0):
+        assert got == want
 
 
 def test_ranks_of_a_group_measure_together_when_rank_0_has_no_file(

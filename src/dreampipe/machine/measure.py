@@ -296,7 +296,15 @@ class _Level:
 
 
 def _measure(job: _Job, say: Say | None) -> MachineFile | None:
-    """Every figure, by every rank of the default group; rank 0 gets the file."""
+    """Every figure, by every rank of the default group; rank 0 gets the file. Its probes
+    draw random inputs on generators of their own: a run's draws (dropout, say) are the
+    same whether or not the machine was measured first."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=cuda):
+        return _measured(job, say)
+
+
+def _measured(job: _Job, say: Say | None) -> MachineFile | None:
     rank, per_node, world = dist.get_rank(), job.per_node, job.world
     device = _device()
     node_ranks, leaders = list(range(per_node)), list(range(0, world, per_node))
