@@ -318,7 +318,7 @@ def test_of_two_repeated_layers_the_one_holding_most_parameters_is_the_block() -
 
 
 def test_a_model_with_no_repeated_block_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"no repeated block in Sequential.*block="):
+    with pytest.raises(ConfigError, match=r"no repeated block in Sequential.*module of one class"):
         block_class(nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 3)))
 
 

@@ -96,8 +96,9 @@ def block_class(*modules: nn.Module) -> type[nn.Module]:
             f"block recomputation found no repeated block in {what}: no class of modules "
             "with parameters and submodules is listed twice in a container; leave block "
             "recomputation out (recompute_blocks, recompute_attention) and recompute whole "
-            "stages instead (a plan's 'r'), or name the block class (block=...)",
-            "block", "recompute_blocks", "recompute_attention")
+            "stages instead (a plan's 'r'), or make each block a module of one class, with its "
+            "layers as submodules, listed in a container (nn.ModuleList, nn.Sequential)",
+            "recompute_blocks", "recompute_attention")
 
     def held(c: type[nn.Module]) -> int:
         params = {id(p): p for m in repeated[c] for p in m.parameters()}
