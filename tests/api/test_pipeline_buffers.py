@@ -18,6 +18,7 @@ from runtime.reference import reference_sync, sgd
 from torch import Tensor, nn
 
 from dreampipe.api.checkpoint import load_model_state
+from dreampipe.api.checks import check_stages_on_meta
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import run_processes
@@ -101,6 +102,49 @@ def test_a_buffer_written_on_one_stage_and_read_on_another_is_refused() -> None:
     check_written_buffers(layers, [0])  # one stage holds every use
     with pytest.raises(ConfigError, match=r"buffer 'in_mean' is written .* stages 0, 1"):
         check_written_buffers(layers, [0, names.index("blocks.2.0")])
+
+
+class _Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.count += 1
+        return x * self.scale
+
+
+class _CalledTwice(nn.Module):
+    """A normalisation and a counter called before the middle blocks and again after."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.stem, self.norm, self.cnt = nn.Linear(6, 8), norm, _Counter()
+        self.mid = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.mid(self.cnt(self.norm(self.stem(x))))
+        return self.head(self.cnt(self.norm(x)))
+
+
+@pytest.mark.parametrize(("norm", "needle"), [
+    (nn.BatchNorm1d(8), r"buffer 'norm.num_batches_tracked' on stage 0, .* on stage 1"),
+    (nn.LayerNorm(8), r"buffer 'cnt.count' on stage 0, .* on stage 1 is written"),
+])
+def test_a_module_with_buffers_its_forward_writes_called_on_two_stages_is_refused(
+        norm: nn.Module, needle: str) -> None:
+    """Each stage would step its own copy of the buffers: one process's running statistics
+    and counts are lost (and evaluate() reads one stage's). Kept on one stage, it runs."""
+    layers = split_layers(_CalledTwice(norm), torch.zeros(4, 6))
+    names = [n for n, _ in layers]
+    x, y = torch.zeros(4, 6), torch.zeros(4, dtype=torch.long)
+    whole = Plan.from_config(len(layers), [0], [1])
+    check_stages_on_meta(layers, whole, (x, y), nn.functional.cross_entropy, 4)
+    cut = Plan.from_config(len(layers), [0, names.index("mid.2")], [1, 1])
+    with pytest.raises(ConfigError, match=needle):
+        check_stages_on_meta(layers, cut, (x, y), nn.functional.cross_entropy, 4)
 
 
 class _Aliased(nn.Module):

@@ -110,19 +110,56 @@ def check_stages_on_meta(
     check_loss_signature(loss_fn)
     first = map_inputs(example[0], lambda t: on_meta(t[:microbatch_size]))
     x: Any = first if isinstance(first, tuple) else (first,)
+    shared = _shared_buffers(layers, plan)
+    written: set[int] = set()
     try:
         for s, st in enumerate(plan.stages):
             stage = Chain(layers[st.first : st.last + 1])
             where = f"stage {s} (layers {st.first}..{st.last}, {layers[st.last][0]!r} last) returns"
-            out = call_on_meta(stage, x)
+            names: set[str] = set()
+            out = call_on_meta(stage, x, written=names)
+            written.update(id(b) for n, b in stage.named_buffers() if n in names)
             x = (tensor_output(out, where) if s < len(plan.stages) - 1 else out,)
         loss = loss_fn(x[0], on_meta(example[1][:microbatch_size]))
     except PlanError:
         raise
     except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         _log.debug("meta-device dry run not possible: %s", exc)
+        _refuse_written(shared, written | _running_stats(layers))
         return
+    _refuse_written(shared, written)
     scalar_loss(loss)
+
+
+def _shared_buffers(layers: Layers, plan: Plan) -> dict[int, list[tuple[int, str]]]:
+    """The buffers layers of more than one stage hold (a module called on several): by
+    buffer, each stage's name of it."""
+    held: dict[int, list[tuple[int, str]]] = {}
+    for s, st in enumerate(plan.stages):
+        for name, b in Chain(layers[st.first : st.last + 1]).named_buffers():
+            held.setdefault(id(b), []).append((s, name))
+    return {k: v for k, v in held.items() if len(v) > 1}
+
+
+def _running_stats(layers: Layers) -> set[int]:
+    """The buffers of the normalisations that track running statistics: written by every
+    forward in training, where the dry run could not show it."""
+    norms = (m for _, layer in layers for m in layer.modules()
+             if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats)
+    return {id(b) for m in norms for b in m.buffers()}
+
+
+def _refuse_written(shared: dict[int, list[tuple[int, str]]], written: set[int]) -> None:
+    """A buffer written in training and held by several stages would drift apart (each
+    stage its own copy): a ConfigError naming it and the fix."""
+    for key, uses in shared.items():
+        if key in written:
+            where = ", ".join(f"{name!r} on stage {s}" for s, name in uses)
+            raise ConfigError(
+                f"buffer {where} is written by its module's forward in training (running "
+                "statistics, a counter) and held by several stages, each of which would "
+                "keep its own copy: choose split points that keep the module's calls on one "
+                "stage", "plan")
 
 
 def check_loss_signature(loss_fn: Callable[..., Any]) -> None:

@@ -234,11 +234,17 @@ def on_meta(t: Tensor) -> Tensor:
 
 
 def call_on_meta(module: nn.Module, args: tuple[Any, ...],
-                 kwargs: dict[str, Any] | None = None) -> Any:
+                 kwargs: dict[str, Any] | None = None, *,
+                 written: set[str] | None = None) -> Any:
     """``module(*args, **kwargs)`` with its parameters and buffers on ``meta``: what it
-    returns, shapes only (the module itself is left as it is)."""
+    returns, shapes only (the module itself is left as it is); ``written`` gets the names
+    of the buffers the call wrote in place (their version moved)."""
     tensors = {k: on_meta(v) for k, v in (*module.named_parameters(), *module.named_buffers())}
-    return functional_call(module, tensors, args, kwargs)
+    versions = {k: tensors[k]._version for k, _ in module.named_buffers()}
+    out = functional_call(module, tensors, args, kwargs)
+    if written is not None:
+        written.update(k for k, v in versions.items() if tensors[k]._version != v)
+    return out
 
 
 def _on_fake(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
