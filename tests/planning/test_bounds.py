@@ -143,3 +143,66 @@ def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
     q = state(senders)
     assert fresh[q] == 0.0 or (after is not None and q < after.shape[0]
                                and float(np.min(after[q])) == 0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([(8, 2), (4, 3), (8, 3), (6, 2, 2), (3, 4)]), st.lists(
+    st.sampled_from([1e-6, 1e-5, 1e-4]), min_size=3, max_size=3), st.data())
+def test_a_spread_cut_is_never_priced_below_what_the_relaxation_allows(
+        shape: tuple[int, ...], latencies: list[float], data: st.DataObject) -> None:
+    """Pairs of stages that straddle units (the spread case): the relaxation's share held
+    inside units (``S_j / (x + y)``, ``(S_j - y) / x`` for a stage inside one unit) never
+    exceeds what a placement achieves, so every placement's cut price is allowed; the
+    stages are drawn unit by unit, so most of them meet inside some units."""
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), latencies[k])
+                          for k, c in enumerate(shape)))
+    w, server = topo.num_workers, shape[0]
+    senders: list[int] = []
+    receivers: list[int] = []
+    for u in data.draw(st.lists(st.integers(0, w // server - 1), min_size=1, max_size=3,
+                                unique=True)):
+        free = list(range(u * server, (u + 1) * server))
+        a = data.draw(st.integers(0, server))
+        b = data.draw(st.integers(0, server - a))
+        senders += free[:a]
+        receivers += free[a:a + b]
+    assume(senders and receivers)
+    size = 10.0 ** data.draw(st.integers(3, 9))
+    price = cut_seconds(size, sorted(senders), sorted(receivers), topo)
+    states = bounds_module._States(topo, Sync(SyncKind.HIERARCHICAL), [1])
+    cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
+
+    def state(workers: list[int]) -> int:
+        unit = np.cumprod([lv.count for lv in topo.levels])
+        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+        return next(q for q in range(len(states.first)) if states.span[q] == span
+                    and states.first[q] <= len(workers) <= states.last[q])
+
+    need = np.full(len(states.first), np.inf)
+    need[state(receivers)] = 0.0
+    room = None
+    if states.room is not None:
+        room = np.full((int(np.sum(states.span == 0)), states.room + 1), np.inf)
+        if state(receivers) < room.shape[0]:
+            room[state(receivers)] = 0.0
+    fresh, after = cuts.cont(1, need, room, price * (1 + 1e-9))
+    q = state(senders)
+    assert fresh[q] == 0.0 or (after is not None and q < after.shape[0]
+                               and float(np.min(after[q])) == 0.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 6), st.data())
+def test_pairs_meeting_inside_units_are_at_most_the_harmonic_share(
+        server: int, data: st.DataObject) -> None:
+    # the inequality behind the spread case: with x_u + y_u <= S in every unit,
+    # sum x_u y_u <= S x y / (x + y), and <= (S - y) x_w ... where y sits in unit w alone
+    units = data.draw(st.lists(st.tuples(st.integers(0, server), st.integers(0, server)),
+                               min_size=1, max_size=5))
+    units = [(a, min(b, server - a)) for a, b in units]
+    x, y = sum(a for a, _ in units), sum(b for _, b in units)
+    assume(x > 0 and y > 0)
+    met = sum(a * b for a, b in units)
+    assert met <= server * x * y / (x + y) * (1 + 1e-12)
+    if sum(1 for _, b in units if b) == 1:  # the second in one unit
+        assert met <= (server - y) * y * (1 + 1e-12)

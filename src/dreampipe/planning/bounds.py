@@ -157,37 +157,38 @@ class _Cuts:
     level-``k`` units of one level-``min(s, s')`` unit; mixed spans never share. Else every
     pair of their workers carries an equal share, which needs their units to overlap
     below ``m = max(s, s')`` (both then sit in one level-``m`` unit, where every pair
-    meets): at most ``S_j / max(x, y)`` of the pairs meet inside level-``j`` units (a
-    unit's ``s_u`` senders meet at most ``S_j`` receivers each), and at most ``(z - 1) /
-    z`` for ``j < m`` if a stage of span ``m`` has ``z`` workers, so levels ``j+1..m``
-    carry the rest, one at least that over their summed bandwidth, and pays one of
-    their latencies (:attr:`spread`).
+    meets): at most ``S_j / (x + y)`` of the pairs meet inside level-``j`` units, at most
+    ``(S_j - y) / x`` where the second stage sits in one of them (and the other way), and
+    at most ``(z - 1) / z`` for ``j < m`` if a stage of span ``m`` has ``z`` workers
+    (:meth:`_spread_allows`), so levels ``j+1..m`` carry the rest, one at least that over
+    their summed bandwidth, and pays one of their latencies.
     """
 
     def __init__(self, topo: Topology, cut_bytes: FloatArray, states: _States) -> None:
         levels, sizes = topo.levels, states.sizes
         first, last, span = states.first, states.last, states.span
         bandwidths = np.array([lv.bandwidth for lv in levels])
-        alpha = min(lv.latency for lv in levels)
-        # spread[m, t, q]: the pairs meet inside the level-m unit holding both (m >= 1)
-        self.spread = np.full((len(levels), len(cut_bytes), len(first)), np.inf)
+        #: the least latency of any level: what a cut whose pairs all meet inside pays
+        self.alpha = min(lv.latency for lv in levels)
+        self.cut_bytes = np.asarray(cut_bytes, dtype=np.float64)
+        # per m >= 1 and level j < m (-1: none), ``(S_j, its states' most share held
+        # alone, the summed bandwidth of levels j+1..m, their least latency)``: what
+        # :meth:`cont` needs to bound the spread case (class doc)
+        self.spread: list[list[tuple[float, FloatArray, float, float]]] = [[]]
         for m in range(1, len(levels)):
-            worst = np.zeros((len(cut_bytes), len(first)))
-            # the wider stage, z workers, has one outside any level-(m-1) unit
+            # a stage of span m, z workers, has at most z - 1 in any level-(m-1) unit
             outside = np.where(span == m, (last - 1) / last, 1.0)
-            for j in range(-1, m):
-                held = 0.0 if j < 0 else np.minimum(sizes[j] / first, outside)
-                links = float(np.sum(bandwidths[j + 1:m + 1]))
-                away = np.broadcast_to(np.maximum(0.0, 1.0 - held), first.shape)
-                # what crosses above level j pays one of those levels' latencies
-                above = min(lv.latency for lv in levels[j + 1:m + 1])
-                worst = np.maximum(worst, np.where(away > 0, above, alpha)[None, :]
-                                   + cut_bytes[:, None] * (away / links)[None, :])
-            self.spread[m] = 2 * worst
+            self.spread.append([
+                (0.0 if j < 0 else float(sizes[j]), outside,
+                 float(np.sum(bandwidths[j + 1:m + 1])),
+                 min(lv.latency for lv in levels[j + 1:m + 1]))
+                for j in range(-1, m)])
+        self.first, self.span = first, span
+        self.both = first[:, None] + first[None, :]
         wider = np.maximum(span[:, None], span[None, :])
         self.wider = [wider == m for m in range(len(levels))]
         self.one = np.array([2 * (lv.latency + cut_bytes / lv.bandwidth) for lv in levels])
-        both = first[:, None] + first[None, :]
+        both = self.both
         self.single: list[BoolArray] = []
         self.shared: list[tuple[BoolArray, np.ndarray]] = []
         for k, size in enumerate(sizes):
@@ -199,6 +200,43 @@ class _Cuts:
             self.shared.append((~inside[:, None] & ~inside[None, :] & (least <= pair_most),
                                 most))
 
+    def _spread_allows(self, m: int, size: float, p: float) -> BoolArray:
+        """``[q, q']``: whether a spread cut of ``size`` bytes between stages in states
+        ``q`` and ``q'`` (``x``, ``y`` workers), meeting inside a level-``m`` unit, may take
+        at most ``p``.
+
+        The share of pairs that meet inside level-``j`` units, ``held``, is at most each
+        stage's own share (``(z - 1) / z``, span ``m``); at most ``S_j / (x + y)``, as a
+        unit holding ``x_u`` and ``y_u`` of them has ``x_u + y_u <= S_j``, so ``x_u y_u <=
+        S_j h(x_u, y_u)`` with ``h(a, b) = a b / (a + b)``, concave and of degree 1, hence
+        superadditive: ``sum h(x_u, y_u) <= h(x, y)``; and at most ``(S_j - y) / x`` where
+        the second sits in one level-``j`` unit (span ``<= j``), which holds all its pairs
+        and at most ``S_j - y`` of the first (and the same the other way). The cut takes
+        at most ``p`` only if, for every ``j``, ``2 (latency + (1 - held) size /
+        bandwidth) <= p`` (a share of 0 away pays the least latency, which ``cont`` checks
+        first).
+        """
+        first, span, both = self.first, self.span, self.both
+        ok = np.ones(both.shape, dtype=bool)
+        for j, (unit, outside, links, above) in enumerate(self.spread[m], start=-1):
+            room = p / 2 - above
+            if size <= 0:
+                away = math.inf if room >= 0 else 0.0
+            else:
+                away = max(0.0, room) * links / size * (1 + 1e-9)
+            if away >= 1:
+                continue
+            if j < 0:  # nothing held: all of it goes away
+                return np.zeros(both.shape, dtype=bool)
+            least = (1 - away) * (1 - 1e-12)  # the share held that the cut needs
+            alone = outside >= least
+            ok &= alone[:, None] & alone[None, :] & (both * least <= unit)
+            inner = span <= j
+            x, y = first[:, None], first[None, :]
+            ok &= ~inner[None, :] | (least * x + y <= unit * (1 + 1e-12))
+            ok &= ~inner[:, None] | (x + least * y <= unit * (1 + 1e-12))
+        return ok
+
     def cont(self, t: int, need: FloatArray, room: FloatArray | None, p: float
              ) -> tuple[FloatArray, FloatArray | None]:
         """``[q]``: the fewest workers from layer ``t`` on, after a stage in state ``q``
@@ -207,9 +245,9 @@ class _Cuts:
         the states of span 0 given ``rho`` workers left in their server), also ``[q,
         rho]``: after a stage of span 0 with ``rho`` workers of its server left."""
         allowed = np.zeros(self.wider[0].shape, dtype=bool)
-        for m in range(1, len(self.wider)):
-            ok = self.spread[m, t] <= p
-            allowed |= self.wider[m] & ok[:, None] & ok[None, :]
+        if 2 * self.alpha <= p:
+            for m in range(1, len(self.wider)):
+                allowed |= self.wider[m] & self._spread_allows(m, float(self.cut_bytes[t]), p)
         for k, (single, (shared, most)) in enumerate(zip(self.single, self.shared,
                                                              strict=True)):
             if self.one[k, t] <= p and (k > 0 or room is None):
