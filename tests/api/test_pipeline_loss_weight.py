@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from dreampipe.api import TrainConfig
+from dreampipe.api.checks import check_counted_targets
 from dreampipe.api.feed import Feed, ignoring
 from dreampipe.errors import ConfigError
 from dreampipe.runtime.processes import run_processes
@@ -69,3 +71,23 @@ def test_a_microbatch_with_every_target_ignored_or_a_bad_index_is_named() -> Non
     _feed().add(0, (x, y))  # counted by samples, it is a microbatch like any other
     with pytest.raises(ConfigError, match="ignore_index='-100'"):
         TrainConfig(ignore_index="-100")  # type: ignore[arg-type]
+
+
+def test_a_causal_models_own_labels_as_the_target_are_refused_with_the_shift() -> None:
+    """A causal language model's loss shifts its labels by one and averages over
+    ``labels[:, 1:]``: counting the labels themselves weighs each microbatch by one token a
+    sequence too many. The fix the error names passes; a masked model does not shift."""
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=20, bos_token_id=0, eos_token_id=0))
+    labels = torch.randint(0, 20, (4, 6))
+    labels[:, -2:] = -100
+    x = {"input_ids": labels.clamp(min=0), "labels": labels}
+    config = TrainConfig(ignore_index=-100)
+    with pytest.raises(ConfigError, match=r"give target=labels\[:, 1:\]"):
+        check_counted_targets(gpt2, (x, labels), config)
+    check_counted_targets(gpt2, (x, labels[:, 1:]), config)  # the count the loss averages
+    check_counted_targets(gpt2, (x, labels), TrainConfig())  # a per-sample mean: no count
+    bert = transformers.BertForMaskedLM(transformers.BertConfig(
+        num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8,
+        vocab_size=20))
+    check_counted_targets(bert, (x, labels), config)

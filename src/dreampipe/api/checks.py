@@ -31,8 +31,8 @@ from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
-    "Batch", "Inputs", "check_loss_signature", "check_optimizer", "check_plan",
-    "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
+    "Batch", "Inputs", "check_counted_targets", "check_loss_signature", "check_optimizer",
+    "check_plan", "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
     "check_stages_per_rank", "check_virtual", "map_inputs", "refuse_legacy",
 ]
 
@@ -160,6 +160,28 @@ def _refuse_written(shared: dict[int, list[tuple[int, str]]], written: set[int])
                 "statistics, a counter) and held by several stages, each of which would "
                 "keep its own copy: choose split points that keep the module's calls on one "
                 "stage", "plan")
+
+
+#: The ends of the class names of causal language models, whose loss shifts the labels
+#: by one inside the model (Hugging Face's ``GPT2LMHeadModel``, ``LlamaForCausalLM``).
+_SHIFTING = ("ForCausalLM", "LMHeadModel")
+
+
+def check_counted_targets(model: nn.Module, example: Batch, config: TrainConfig) -> None:
+    """``ignore_index`` counts the targets given: where they are a causal language model's
+    own ``labels``, which its loss shifts by one and so averages one token fewer a
+    sequence over, the count would be wrong; a ConfigError naming the fix."""
+    inputs, target = example
+    labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+    if (config.ignore_index is None or not isinstance(labels, Tensor)
+            or not type(model).__name__.endswith(_SHIFTING)
+            or labels.shape != target.shape or not torch.equal(labels, target)):
+        return
+    raise ConfigError(
+        f"ignore_index={config.ignore_index} counts the targets given, here the labels "
+        f"{type(model).__name__} shifts by one inside its loss, which so averages over "
+        "labels[:, 1:]: give target=labels[:, 1:] (keep the whole labels in the inputs)",
+        "ignore_index")
 
 
 def check_loss_signature(loss_fn: Callable[..., Any]) -> None:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from dreampipe.api.checks import (
     Batch,
+    check_counted_targets,
     check_plan,
     check_schedule,
     check_split,
@@ -73,6 +74,7 @@ def settle_plan(
         raise ConfigError(f"plan={plan!r}: give 'auto' (the default: dreampipe profiles and "
                           "plans), a Plan, a plan file's path, or a list of split points",
                           "plan")
+    check_counted_targets(model, example, config)
     names = [name for name, _ in layers]
     microbatch_size = layout.microbatch_size
     if isinstance(plan, list | tuple):  # split points
