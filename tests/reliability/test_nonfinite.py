@@ -45,7 +45,8 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
         loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
         plan=Plan.from_config(spec.num_layers, job["bounds"], job["replicas"]),
         config=TrainConfig(schedule=job["schedule"], microbatches=job.get("microbatches", 1),
-                           on_nonfinite=job["on_nonfinite"], timeout_s=30.0),
+                           on_nonfinite=job["on_nonfinite"], timeout_s=30.0,
+                           precision=job.get("precision", "fp32")),
     )
     for k in range(job["steps"]):
         if k in job.get("drop", ()):
@@ -56,7 +57,9 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
             x[MINIBATCH - 1, 0] = float("nan")
         pipe.step(x, y)
     losses = pipe.finish()
-    out = {"losses": losses, "state": pipe.full_state_dict(), "skipped": pipe.skipped}
+    scaler = pipe.runner.scaler
+    out = {"losses": losses, "state": pipe.full_state_dict(), "skipped": pipe.skipped,
+           "scale": None if scaler is None else scaler.value}
     pipe.close()
     return out
 
@@ -115,6 +118,19 @@ def test_a_skipped_minibatch_leaves_the_weights_of_a_run_that_never_saw_it() -> 
     assert sorted(got["state"]) == sorted(never["state"])
     for name, value in never["state"].items():
         assert torch.equal(got["state"][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_a_skipped_fp16_update_halves_the_loss_scale_as_a_gradscaler_does() -> None:
+    """A NaN in a minibatch's forward makes its gradients NaN too: a GradScaler skips that
+    update and halves its scale, and so does every rank here (and grows it back only
+    after its window of finite updates)."""
+    job = {"schedule": "1f1b-flush", "bounds": [0, 2], "replicas": [1, 1], "steps": 4,
+           "microbatches": 2, "on_nonfinite": "skip", "precision": "fp16-mixed", "nan": 1}
+    ranks = run_processes(_train, 2, [job], deadline_s=90.0)
+    for (got,) in ranks:
+        assert got["skipped"] == [1]
+        assert got["scale"] == 2.0**15  # the initial 2**16, halved; its window is 2000
 
 
 @pytest.mark.slow

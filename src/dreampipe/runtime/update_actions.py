@@ -120,8 +120,8 @@ class RankUpdates:
                     [g for m in self._modules for g in _held(m)[0]])
             self._agreed = (*now, self._guard.skips(a, self._clip_group, comm.wait_world,
                                                     overflowed))
-            if self._scaler is not None:
-                self._scaler.update(self._guard.overflowed)
+            if self._scaler is not None:  # any update skipped: its gradients were not
+                self._scaler.update(self._agreed[2])  # finite, as a GradScaler sees them
             if not self._agreed[2]:  # every rank agreed: all sum their ties, or none
                 sum_ties(self._ties, lambda work: comm.wait_tied(work, a))
                 if self._max_grad_norm is not None:
