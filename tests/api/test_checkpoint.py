@@ -343,3 +343,38 @@ def test_checkpoints_move_between_split_and_unsplit_stages(tmp_path: Path) -> No
     flat = run_processes(train_zoo, 2, {**two, "steps": 1, "resume": str(tmp_path)},
                          deadline_s=90.0)[0]
     _assert_continues(flat, _SPLIT_JOB, 5)
+
+
+def test_a_stage_of_other_groups_resumes_each_groups_rate_and_the_schedule(
+        tmp_path: Path) -> None:
+    """Saved on one stage of two groups (weights, and the rest with no decay), resumed on
+    three stages, one holding the LayerNorm alone and so one group: each group goes on
+    from its own rate and the scheduler from the steps it took."""
+    def groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        found = [{"params": [p for p in params if p.dim() > 1]},
+                 {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0,
+                  "lr": 0.02}]
+        return torch.optim.AdamW([g for g in found if g["params"]], lr=0.05)
+
+    def pipe(resume: Path | None = None, **config: Any) -> dreampipe.Pipeline:
+        return dreampipe.Pipeline(
+            _model(), example=_data()[0], loss_fn=F.cross_entropy, optimizer=groups,
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (s + 1)),
+            plan=config.pop("plan", "auto"), config=dreampipe.TrainConfig(
+                **{"schedule": "1f1b-flush", **config}, microbatches=2, resume=resume))
+
+    first = pipe()
+    for x, y in _data()[:3]:
+        first.step(x, y)
+    first.finish()
+    first.save(tmp_path)
+    first.close()
+    second = pipe(tmp_path, schedule="interleaved-1f1b", virtual_stages=3, plan=["1", "2"])
+    schedulers = [second.schedulers[s] for s in sorted(second.schedulers)]
+    rates = [[(g["lr"], g["weight_decay"]) for g in s.optimizer.param_groups]
+             for s in schedulers]
+    steps = [s.last_epoch for s in schedulers]
+    second.close()
+    assert rates == [[(0.05 / 4, 0.01), (0.02 / 4, 0.0)], [(0.02 / 4, 0.0)],
+                     [(0.05 / 4, 0.01), (0.02 / 4, 0.0)]]
+    assert steps == [3, 3, 3]

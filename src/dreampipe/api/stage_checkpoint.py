@@ -17,6 +17,7 @@ must start from them as the run went on; a checkpoint without them leaves them a
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dreampipe.runtime.staleness import Applied, Hyper, carry_over
 __all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state", "stage_state",
            "targets"]
 
+_log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StagePart:
@@ -147,21 +149,33 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
 def _settings(part: StagePart, objects: dict[str, Any]) -> None:
     """Each parameter group takes the settings saved with its first parameter, with this
     run's staleness compensation in place of the saved one; the scheduler the first
-    parameter's state."""
+    parameter's progress, and each group's own rates (the stage that saved it may have
+    held other groups: another plan)."""
     module, opt = part.module, part.module.optimizer
     assert opt is not None
     fqns = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
-    factors = []
+    apart = set()  # what each parameter's saving stage had made of its rate and scheduler
     for group, now in zip(opt.param_groups, part.compensation, strict=True):
         saved = objects[f"param.{fqns[id(group['params'][0])]}"]
+        for p in group["params"]:
+            was = objects[f"param.{fqns[id(p)]}"]
+            apart.add((was["group"].get("lr") == saved["group"].get("lr"),
+                       (was["scheduler"] or {}).get("last_epoch")))
         group.update(saved["group"])
-        factors.append(carry_over(group, _hyper_pair(saved["compensation"]), now)
-                       if "compensation" in saved else 1.0)
+        if "compensation" in saved:  # lr and initial_lr, in place
+            carry_over(group, _hyper_pair(saved["compensation"]), now)
     first = objects[f"param.{module.module_param_names[0]}"]
-    if part.scheduler is not None and first["scheduler"] is not None:
-        part.scheduler.load_state_dict(first["scheduler"])
-        part.scheduler.base_lrs = [b * f for b, f in zip(
-            part.scheduler.base_lrs, factors, strict=True)]
+    sched = part.scheduler
+    if sched is not None and first["scheduler"] is not None:
+        sched.load_state_dict(first["scheduler"])
+        sched.base_lrs = [g.get("initial_lr", g["lr"]) for g in opt.param_groups]
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    if len(apart) > 1:
+        _log.warning(
+            "stage %d holds parameters saved at other learning rates or scheduler steps than "
+            "their group's first (pipedream's replicated stages update once a round of "
+            "replicas, and so step their schedulers): each group goes on from its first "
+            "parameter's", part.module.stage)
 
 
 def _plain(applied: tuple[Hyper, Hyper] | None) -> list[dict[str, Any]] | None:
