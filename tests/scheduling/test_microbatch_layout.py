@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dreampipe.errors import ConfigError
@@ -83,3 +85,19 @@ def test_pipedream_builds_any_number_of_steps() -> None:
     schedule = layout.build([2, 3], 7)  # 7 is not whole rounds of 2 and 3: the last is partial
     assert schedule.num_microbatches == 7
     assert layout.whole_rounds([2, 3], 7) == 12  # what training runs instead
+
+
+@pytest.mark.parametrize(("kind", "workers", "microbatches"), [(S.FLUSH, 1, 4), (S.DP, 2, 4),
+                                                               (S.DP, 3, 4)])
+def test_the_counts_an_indivisible_minibatch_suggests_divide_it(
+    kind: ScheduleKind, workers: int, microbatches: int
+) -> None:
+    """dp's count is per worker: what the message offers must be whole on every worker."""
+    with pytest.raises(ConfigError) as info:
+        MicrobatchLayout(kind=kind, minibatch_size=10, microbatches=microbatches,
+                         workers=workers)
+    said = str(info.value).split("per update")[1]
+    offered = [int(n) for n in re.findall(r"\d+", said)]
+    assert (offered != []) == (10 % workers == 0)
+    for n in offered:
+        MicrobatchLayout(kind=kind, minibatch_size=10, microbatches=n, workers=workers)

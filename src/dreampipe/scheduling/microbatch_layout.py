@@ -69,13 +69,19 @@ class MicrobatchLayout:
 
     def _indivisible(self, size: int, microbatches: int) -> str:
         what = f"microbatches={self.microbatches}"
-        if self.kind is ScheduleKind.DP:
+        # dp's knob is per worker: the counts it can take make whole microbatches on each
+        each = self.workers if self.kind is ScheduleKind.DP else 1
+        if each > 1:
             what = f"{self.workers} workers x {what} = {microbatches} microbatches"
-        divisors = [d for d in range(2, size + 1) if size % d == 0]
-        near = sorted(sorted(divisors, key=lambda d: (d < microbatches, abs(d - microbatches)))[:2])
-        hint = " or ".join(str(d) for d in near) if near else "1"
+        divisors = [d for d in range(2 if each == 1 else 1, size // each + 1)
+                    if size % (d * each) == 0]
+        near = sorted(sorted(divisors, key=lambda d: (d < self.microbatches,
+                                                      abs(d - self.microbatches)))[:2])
+        split = "" if not near else (
+            f", or microbatches={' or '.join(str(d) for d in near)}" if each > 1 else
+            f", or split it into {' or '.join(str(d) for d in near)} microbatches")
         return (f"minibatch_size={size} is not divisible by {what}; use a multiple of "
-                f"{microbatches} samples per update, or split it into {hint} microbatches")
+                f"{microbatches} samples per update{split}")
 
     @property
     def microbatches_per_update(self) -> int:
