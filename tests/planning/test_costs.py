@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.memory_terms import blocks_kept_bytes
+from dreampipe.profiling.graph import Layer, LayerGraph
 
 __all__: list[str] = []
 
@@ -57,3 +59,13 @@ def test_each_microbatch_adds_what_it_keeps_and_recomputing_costs_one_block_at_m
     step = blocks_kept_bytes(kept, inputs, k, m + 1) - blocks_kept_bytes(kept, inputs, k, m)
     assert step == sum(inputs[:k]) + sum(kept[k:])
     assert blocks_kept_bytes(kept, inputs, k, m) <= sum(kept) * m + max(kept)
+
+
+def test_a_stage_holds_a_copy_of_the_weights_it_shares_with_an_earlier_stage() -> None:
+    """A head tied to the embedding (layer 2 reuses layer 0's weight): a stage of layers
+    1..2 holds the head's copy, one of 0..2 holds it once."""
+    layers = [Layer("embed", 1, 1, 8, 400), Layer("block", 1, 1, 8, 100),
+              Layer("head", 1, 1, 8, 0, reused=((0, 0, 400),))]
+    weights = RangeCosts.of(LayerGraph.chain(layers)).weights
+    assert weights[0, 2] == 500 and weights[1, 2] == 500 and weights[2, 2] == 400
+    assert weights[1, 1] == 100 and weights[0, 0] == 400

@@ -227,3 +227,36 @@ def test_a_file_that_is_no_profile_says_what_to_give() -> None:
         LayerGraph.from_dict({"format": "dreampipe.plan"})
     with pytest.raises(ProfileError, match=r"give a file from `dreampipe profile`"):
         LayerGraph.from_dict({})
+
+
+@st.composite
+def reusing(draw: st.DrawFn) -> LayerGraph:
+    """Chains whose layers reuse parameters earlier layers counted (ties, modules called
+    twice), each parameter ``(first, k)`` of one size wherever it is reused."""
+    n = draw(st.integers(min_value=1, max_value=9))
+    sizes = {(f, k): draw(st.integers(0, 1000)) for f in range(n) for k in range(2)}
+    layers = []
+    for i in range(n):
+        keys = draw(st.lists(st.sampled_from([key for key in sizes if key[0] < i] or [None]),
+                             max_size=3, unique=True))
+        reused = tuple((f, k, sizes[f, k]) for f, k in (x for x in keys if x is not None))
+        layers.append(Layer(f"l{i}", 1.0, 1.0, 1, draw(st.integers(0, 1000)), reused=reused))
+    return LayerGraph.chain(layers)
+
+
+@settings(max_examples=80, deadline=None)
+@given(reusing())
+def test_a_range_holds_each_weight_it_shares_with_earlier_layers_once(graph: LayerGraph
+                                                                      ) -> None:
+    table = graph.reused_table()
+    n = len(graph.layers)
+    for i in range(n):
+        for j in range(n):
+            held = {(f, k): b for x in graph.layers[i:j + 1] for f, k, b in x.reused if f < i}
+            assert table[i, j] == graph.reused_bytes(i, j) == sum(held.values())
+    assert LayerGraph.from_json(graph.to_json()) == graph
+
+
+def test_a_reuse_of_a_later_layer_is_refused() -> None:
+    with pytest.raises(ProfileError, match="reuses a parameter of layer 1"):
+        LayerGraph.chain([Layer("a", 1, 1, 1, 1), Layer("b", 1, 1, 1, 1, reused=((1, 0, 4),))])

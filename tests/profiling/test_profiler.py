@@ -181,6 +181,11 @@ def test_shared_module_parameters_counted_once() -> None:
     assert [x.parameter_bytes for x in graph.layers] == [_nbytes(shared.weight)
                                                          + _nbytes(shared.bias), 0, 0]
     assert [x.largest_parameter_bytes for x in graph.layers] == [_nbytes(shared.weight), 0, 0]
+    # the second call reuses both: a stage holding it and not the first holds copies
+    assert graph.layers[2].reused == ((0, 0, _nbytes(shared.weight)),
+                                      (0, 1, _nbytes(shared.bias)))
+    assert graph.reused_bytes(1, 2) == graph.layers[0].parameter_bytes
+    assert graph.reused_bytes(0, 2) == 0 and LayerGraph.from_json(graph.to_json()) == graph
 
 
 def test_first_layer_backward_without_parameters_is_zero() -> None:

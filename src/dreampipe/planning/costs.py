@@ -204,7 +204,9 @@ class RangeCosts:
         weights = [x.parameter_bytes for x in layers]
         return cls(
             sums([x.compute_ms * k for x, k in zip(layers, work, strict=True)], np.inf),
-            sums(weights, 0.0),
+            # a stage holds its own weights and a copy of those it shares with earlier ones
+            sums(weights, 0.0) + (graph.reused_table() if any(x.reused for x in layers)
+                                  else 0.0),
             sums([x.activation_bytes for x in layers], 0.0),
             np.asarray(graph.cut_bytes(), dtype=np.float64),
             forward_s=sums([x.forward_ms * k for x, k in zip(layers, work, strict=True)], 0.0),

@@ -14,9 +14,13 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dreampipe.errors import ProfileError
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 __all__ = ["FORMAT_VERSION", "Layer", "LayerGraph"]
 
@@ -58,6 +62,11 @@ class Layer:
     and the library nothing. ``largest_parameter_bytes`` is the layer's largest parameter
     (an optimizer's step and a weight's gradient come a parameter at a time); None where
     not measured, and then :attr:`largest_parameter` is the whole layer's.
+
+    ``reused`` names the parameters the layer uses that an earlier one counted in its
+    ``parameter_bytes`` (a tied head, a module called twice), each ``(first, k, bytes)``:
+    the ``k``-th parameter layer ``first`` counted. A stage holding this layer but not
+    ``first`` holds a copy of it (:meth:`LayerGraph.reused_bytes`).
     """
 
     name: str
@@ -73,6 +82,7 @@ class Layer:
     library_bytes: int | None = None
     recorded_bytes: int | None = None
     largest_parameter_bytes: int | None = None
+    reused: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
@@ -175,6 +185,13 @@ class LayerGraph:
                     "topological order"
                 )
 
+        for index, layer in enumerate(self.layers):
+            for first, _, size in layer.reused:
+                if not 0 <= first < index or size < 0:
+                    raise ProfileError(
+                        f"layer {layer.name!r} reuses a parameter of layer {first} "
+                        f"({size} bytes); it must be an earlier layer's, of >= 0 bytes")
+
     # ---- construction -------------------------------------------------
     @classmethod
     def chain(
@@ -251,6 +268,30 @@ class LayerGraph:
     def total_parameter_bytes(self) -> int:
         return sum(layer.parameter_bytes for layer in self.layers)
 
+    def reused_bytes(self, first: int, last: int) -> int:
+        """Bytes of the parameters layers ``first..last`` use that an earlier layer counts:
+        the copies a stage of them holds beside its own ``parameter_bytes``."""
+        held = {(f, k): size for x in self.layers[first:last + 1] for f, k, size in x.reused
+                if f < first}
+        return sum(held.values())
+
+    def reused_table(self) -> npt.NDArray[np.float64]:
+        """``[i, j]``: :meth:`reused_bytes` of ``i..j`` (0 where ``i > j``)."""
+        import numpy as np  # the planner's: ``import dreampipe`` leaves NumPy out
+
+        n = len(self.layers)
+        table = np.zeros((n, n), dtype=np.float64)
+        users: dict[tuple[int, int], tuple[int, list[int]]] = {}
+        for index, x in enumerate(self.layers):
+            for f, k, size in x.reused:
+                users.setdefault((f, k), (size, []))[1].append(index)
+        for (f, _), (size, at) in users.items():
+            for i in range(f + 1, n):  # from the first user at or after i on, it is held
+                later = [u for u in at if u >= i]
+                if later:
+                    table[i, min(later):] += size
+        return table
+
     def without_library(self) -> LayerGraph:
         """The graph with no compute library's kernel memory (``library_bytes`` None):
         what the tensors alone hold."""
@@ -274,6 +315,7 @@ class LayerGraph:
                     **({} if x.saved_bytes is None else {"saved_bytes": x.saved_bytes}),
                     **({} if x.weight_grad_ms is None else {"weight_grad_ms": x.weight_grad_ms}),
                     **{k: getattr(x, k) for k in _OPTIONAL[2:] if getattr(x, k) is not None},
+                    **({"reused": [list(r) for r in x.reused]} if x.reused else {}),
                 }
                 for x in self.layers
             ],
@@ -298,7 +340,9 @@ class LayerGraph:
                 f"this dreampipe reads version {FORMAT_VERSION}: re-run `dreampipe profile`"
             )
         try:
-            layers = tuple(Layer(**x) for x in data["layers"])
+            layers = tuple(Layer(**{**x, "reused": tuple(
+                (int(f), int(k), int(b)) for f, k, b in x.get("reused", ()))})
+                for x in data["layers"])
             edges = tuple((int(a), int(b)) for a, b in data["edges"])
             return cls(
                 layers, edges, int(data.get("batch_size", 0)), str(data.get("model", "")),

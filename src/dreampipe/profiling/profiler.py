@@ -51,12 +51,18 @@ log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]
 
 
-def new_parameter_bytes(params: Iterable[Tensor], counted: set[int]) -> int:
-    """Bytes of the ``params`` not yet in ``counted`` (by identity), which are added to it:
-    a weight two layers share is counted once, in the first layer that uses it."""
-    fresh = {id(p): p for p in params if id(p) not in counted}
-    counted.update(fresh)
-    return sum(p.numel() * p.element_size() for p in fresh.values())
+def new_parameter_bytes(params: Iterable[Tensor], counted: dict[int, tuple[int, int]],
+                        layer: int = 0) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """Bytes of the ``params`` not yet in ``counted`` (by identity), which are added to it as
+    the ``k``-th of ``layer``: a weight two layers share is counted once, in the first layer
+    that uses it; the others list it as reused, ``(first, k, bytes)`` (Layer.reused)."""
+    unique = {id(p): p for p in params}
+    fresh = [p for key, p in unique.items() if key not in counted]
+    for k, p in enumerate(fresh):
+        counted[id(p)] = (layer, k)
+    reused = tuple((*counted[key], p.numel() * p.element_size())
+                   for key, p in unique.items() if counted[key][0] != layer)
+    return sum(p.numel() * p.element_size() for p in fresh), reused
 
 
 def profile_model(
@@ -278,19 +284,20 @@ def _time_layers(
         )
     times = _time_passes(layer_steps, step_params, env, grads, passes, clock, progress)
     layers: list[Layer] = []
-    counted: set[int] = set()
+    counted: dict[int, tuple[int, int]] = {}
     for step, params, (forward, backward, weight) in zip(
             layer_steps, step_params, times, strict=True):
         backward_ms = statistics.median(backward)
+        largest = max((p.numel() * p.element_size() for p in params if id(p) not in counted),
+                      default=0)
+        own, reused = new_parameter_bytes(params, counted, len(layers))
         layers.append(Layer(
             name=step.name,
             forward_ms=statistics.median(forward),
             backward_ms=backward_ms,
             weight_grad_ms=min(backward_ms, statistics.median(weight)),
             activation_bytes=sum(t.numel() * t.element_size() for t in _tensors(env[step.key])),
-            largest_parameter_bytes=max((p.numel() * p.element_size() for p in params
-                                         if id(p) not in counted), default=0),
-            parameter_bytes=new_parameter_bytes(params, counted),
+            largest_parameter_bytes=largest, parameter_bytes=own, reused=reused,
             description=step.description,
         ))
     columns = [t for forward, backward, _ in times for t in (forward, backward)]

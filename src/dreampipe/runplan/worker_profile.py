@@ -92,9 +92,9 @@ def saved_profile(path: str | Path, spec: ModelSpec, microbatch_size: int, *, re
     if recorded is not None and dict(recorded) != dict(model_kwargs):
         raise ProfileError(f"{where} is of {spec.name} sized {dict(recorded)}, and this run "
                            f"sizes it {dict(model_kwargs)}; {fix}")
-    counted: set[int] = set()
-    for layer, module in zip(graph.layers, spec.build(), strict=True):
-        size = new_parameter_bytes(module.parameters(), counted)  # as the profiler counts
+    counted: dict[int, tuple[int, int]] = {}
+    for index, (layer, module) in enumerate(zip(graph.layers, spec.build(), strict=True)):
+        size, _ = new_parameter_bytes(module.parameters(), counted, index)  # as profiled
         if size != layer.parameter_bytes:
             raise ProfileError(
                 f"{where}: layer {layer.name} holds {format_bytes(layer.parameter_bytes)} of "

@@ -177,6 +177,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
             out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
             continue
         sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
+        sizes.append(graph.reused_bytes(st.first, st.last))  # its copies of shared weights
         weights, level = sum(sizes), plan.zero_levels(opts.zero)[s]
         walked = opts.stash and not st.recompute
         # ZeRO-3 gathers the weights whole for the update unless per use without recompute

@@ -266,7 +266,8 @@ def costs_from_profile(
             bwd.append(sum(backward))
             weights = [float(x.parameter_bytes) for x in span]
             stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * microbatch_fraction)
-        params.append(sum(weights))
+        params.append(sum(weights) + (0 if st.tensor_parallel > 1
+                                      else graph.reused_bytes(st.first, st.last)))
         wgrad.append(min(bwd[-1], sum(
             b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
         if s + 1 < plan.num_stages:
