@@ -74,3 +74,57 @@ def test_a_plain_value_the_forward_changes_is_warned_of_and_restored(
     said = [r.getMessage() for r in caplog.records if "self.steps" in r.getMessage()]
     assert len(said) == 1 and "plain Python value" in said[0] and "register_buffer" in said[0]
     assert model.steps == 0
+
+
+class _Bias(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.b
+
+
+class _WritesItsInput(nn.Module):
+    """``a`` crosses a cut and the next stage writes it in place before a later one reads
+    it: valid in one process, where ``a`` is not a leaf of autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.b1, self.b2 = nn.Linear(4, 4), _Bias(), _Bias()
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = self.stem(x) * 1.0
+        h = self.b1(a)
+        a.mul_(2.0)
+        h = self.b2(h)
+        h += a
+        return self.head(h.relu_())
+
+
+def test_a_stage_writing_a_received_value_in_place_runs_as_one_process() -> None:
+    torch.manual_seed(0)
+    model, x = _WritesItsInput(), torch.randn(3, 4)
+    want = model(x)
+    want.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    layers = split_layers(model, x)
+    names = [n for n, _ in layers]
+    cuts = [0, names.index("b1"), names.index("b2"), len(layers)]
+    received, sent = [], []
+    value = x
+    for s in range(3):  # each stage receives a leaf of autograd, as the runtime unpacks it
+        if s > 0:
+            value = value.detach().requires_grad_()
+            received.append(value)
+        value = Chain(layers[cuts[s]:cuts[s + 1]])(value)
+        sent.append(value)
+    assert torch.allclose(value, want)
+    value.square().sum().backward()
+    for s in (1, 0):
+        sent[s].backward(received[s].grad)
+    for name, grad in grads.items():
+        got = dict(model.named_parameters())[name].grad
+        assert got is not None and torch.allclose(got, grad), name

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch.fx as fx
-from torch import nn
+from torch import Tensor, nn
 from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from dreampipe.errors import ConfigError, PlanError
@@ -107,8 +107,13 @@ class Segment(nn.Module):
         #: The graphs for other input shapes, when the trace baked the example's in.
         self.shapes: ShapeGraphs | None = None
         self.targets: list[str] = []
-        #: The attributes (buffers) its nodes write in place.
-        self.written = _written(graph)
+        #: The attributes (buffers) its nodes write in place, and the inputs (by position):
+        #: a value received from another stage is a leaf of autograd, which an in-place op
+        #: may not write, so :meth:`run` writes a copy of it, as one process writes the
+        #: non-leaf that stage made.
+        bases = _written(graph)
+        self.written = [str(b.target) for b in bases if b.op == "get_attr"]
+        self.mutated = {i for i, n in enumerate(self.inputs) if n in bases}
         #: Its graph traced with the model in eval mode, where the forward's code between
         #: units reads ``self.training`` (None: the same graph); :attr:`eval_refused` says
         #: why an evaluation cannot run here, where that graph does not fit the cuts.
@@ -131,6 +136,8 @@ class Segment(nn.Module):
             graph = self.eval_graph
         else:
             graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
+        values = [v.clone() if i in self.mutated and isinstance(v, Tensor) else v
+                  for i, v in enumerate(values)]
         return _plain(Interpreter(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
 
@@ -187,9 +194,10 @@ _IN_PLACE_FUNCTIONS = (operator.setitem, operator.iadd, operator.isub, operator.
                        operator.itruediv)
 
 
-def _written(graph: fx.Graph) -> list[str]:
-    """The attributes ``graph`` writes in place (``buf.mul_(0.9).add_(x)``, ``buf[0] = x``)."""
-    out: list[str] = []
+def _written(graph: fx.Graph) -> list[fx.Node]:
+    """The attributes and inputs ``graph`` writes in place (``buf.mul_(0.9).add_(x)``,
+    ``buf[0] = x``)."""
+    out: list[fx.Node] = []
     for node in graph.nodes:
         if not ((node.op == "call_method" and node.target.endswith("_")
                  and not node.target.endswith("__"))
@@ -199,8 +207,9 @@ def _written(graph: fx.Graph) -> list[str]:
         while isinstance(base, fx.Node) and base.op == "call_method" and str(
                 base.target).endswith("_") and base.args:
             base = base.args[0]
-        if isinstance(base, fx.Node) and base.op == "get_attr" and base.target not in out:
-            out.append(str(base.target))
+        if (isinstance(base, fx.Node) and base.op in ("get_attr", "placeholder")
+                and base not in out):
+            out.append(base)
     return out
 
 
