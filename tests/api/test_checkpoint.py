@@ -378,3 +378,16 @@ def test_a_stage_of_other_groups_resumes_each_groups_rate_and_the_schedule(
     assert rates == [[(0.05 / 4, 0.01), (0.02 / 4, 0.0)], [(0.02 / 4, 0.0)],
                      [(0.05 / 4, 0.01), (0.02 / 4, 0.0)]]
     assert steps == [3, 3, 3]
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(tmp_path: Path) -> None:
+    first = _pipe()
+    first.step(*_data()[0])
+    first.save(tmp_path)
+    first.close()
+    with pytest.raises(dreampipe.CheckpointError, match=r"trained with AdamW, and this run's "
+                                                        r"optimizer factory makes SGD"):
+        dreampipe.Pipeline(_model(), example=_data()[0], loss_fn=F.cross_entropy,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                           config=dreampipe.TrainConfig(schedule="1f1b-flush",
+                                                        microbatches=2, resume=tmp_path))

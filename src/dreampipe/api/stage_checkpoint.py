@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dreampipe.errors import CheckpointError
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied, Hyper, carry_over
 
@@ -78,6 +79,7 @@ def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
                               if isinstance(v, Tensor)})
                 state[f"param.{fqn}"] = pickle.dumps({
                     "group": hyper, "scheduler": sched, "version": module.version,
+                    "optimizer": type(opt).__name__,
                     "state": {k: v for k, v in per.items() if not isinstance(v, Tensor)},
                     "compensation": _plain(applied),
                 })
@@ -133,6 +135,13 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
         names = module.module_param_names
         for i, (p, fqn) in enumerate(zip(module.optimized, names, strict=True)):
             info = objects[f"param.{fqn}"]
+            made = type(opt).__name__
+            if opt is not None and info.get("optimizer", made) != made:
+                raise CheckpointError(
+                    f"the checkpoint's {fqn} was trained with {info['optimizer']}, and this "
+                    f"run's optimizer factory makes {made}: its state and settings do not "
+                    "carry over; resume with the same optimizer, or load the weights alone "
+                    "(dreampipe.load_model_state) and train with a new one")
             per: dict[str, Any] = dict(info["state"])
             prefix = f"optim.{fqn}."
             per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
