@@ -239,3 +239,20 @@ def test_a_profile_of_a_microbatch_prices_each_candidate_at_its_own_size(
         if not g.why_not:  # the comparison can fail: unscaled, the figures differ
             assert u.peak_memory_bytes < 0.5 * w.peak_memory_bytes
             assert u.minibatches_per_s > 2 * w.minibatches_per_s
+
+
+def test_each_candidate_holds_the_optimizers_state_a_replica_its_share_from_zero_1() -> None:
+    """Adam's two moments a weight: each worker's peak grows by twice its stage's
+    weights, or, sharded at ZeRO level 1 over 2 replicas, by its half of that."""
+    graph, topo = _chain(), Topology.parse("1x4")
+    straight = choose_schedule(graph, _straight(), topo, Semantics.SYNC, microbatches=4)
+    adam = choose_schedule(graph, _straight(), topo, Semantics.SYNC, microbatches=4,
+                           state_copies=2)
+    for plain, with_state in zip(straight.candidates, adam.candidates, strict=True):
+        assert with_state.peak_memory_bytes == plain.peak_memory_bytes + 2 * 10**6
+    replicated = Plan.from_config(4, [0, 2], [2, 2])
+    base = choose_schedule(graph, replicated, topo, Semantics.SYNC, microbatches=4, zero=1)
+    sharded = choose_schedule(graph, replicated, topo, Semantics.SYNC, microbatches=4, zero=1,
+                              state_copies=2)
+    for plain, with_state in zip(base.candidates, sharded.candidates, strict=True):
+        assert with_state.peak_memory_bytes == plain.peak_memory_bytes + 2 * 2 * 10**6 / 2

@@ -31,7 +31,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.memory import TrainingChoices
-from dreampipe.runtime.optimizer_step import measure_step_bytes
+from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
@@ -92,8 +92,9 @@ class TrainOptions:
 
         return build
 
-    def memory_choices(self) -> TrainingChoices:
-        """What the memory a stage takes depends on among these options."""
+    def memory_choices(self, *, step: bool = True) -> TrainingChoices:
+        """What the memory a stage takes depends on among these options (without ``step``,
+        the optimizer step's temporaries, which stepping probes measures, left out)."""
         return TrainingChoices(optimizer=self.optimizer, momentum=self.momentum,
                                stash=self.config.stash, vertical_sync=self.config.vertical_sync,
                                compensate=self.config.compensate,
@@ -103,7 +104,8 @@ class TrainOptions:
                                block=self._block(),
                                # on the CPU, in the form the ranks' device defaults to
                                step_bytes=measure_step_bytes(self.optimizer_factory(
-                                   foreach=True if torch.cuda.is_available() else None)))
+                                   foreach=True if torch.cuda.is_available() else None))
+                               if step else NO_STEP_BYTES)
 
     def _block(self) -> str | None:
         """The model's block class, where its blocks are recomputed (its layers on meta)."""

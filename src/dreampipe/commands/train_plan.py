@@ -48,7 +48,12 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
-from dreampipe.runtime.memory import check_memory, counted_twice, predict_memory
+from dreampipe.runtime.memory import (
+    check_memory,
+    counted_twice,
+    optimizer_copies,
+    predict_memory,
+)
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
@@ -230,6 +235,7 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
                    microbatches=opts.config.microbatches if req.profile is None
                    else opts.config.per_minibatch,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
+                   state_copies=optimizer_copies(opts.memory_choices(step=False)),
                    zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
 

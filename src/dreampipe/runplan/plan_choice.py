@@ -54,7 +54,8 @@ class PlanAsk:
     interleaved 1F1B, or the V of zbv and dualpipev). ``semantics`` asks
     for the schedule too, simulated with ``microbatches`` per minibatch (None: the search's
     own) of ``minibatch_size`` samples (None: the profile's batch).
-    ``memory_bytes`` is each worker's limit (None: none); ``zero`` the run's ZeRO level,
+    ``memory_bytes`` is each worker's limit (None: none), within which the schedules hold
+    the optimizer's ``state_copies`` of the weights; ``zero`` the run's ZeRO level,
     which the schedule's simulation prices, as it prices ``steps_agree``: the ranks agree
     before every update (a run that clips by the global norm, say).
     """
@@ -69,6 +70,7 @@ class PlanAsk:
     microbatches: int | None = None
     minibatch_size: int | None = None
     memory_bytes: int | None = None
+    state_copies: float = 0.0
     allow_fewer_workers: bool = True
     zero: int = 0
     steps_agree: bool = False
@@ -212,7 +214,7 @@ def _schedule(graph: LayerGraph, plan: Plan, topology: Topology, ask: PlanAsk,
         graph.batch_size / ask.minibatch_size)
     return choose_schedule(graph, plan, topology, semantics, ask.memory_bytes,
                            ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree,
-                           profile_share=share)
+                           profile_share=share, state_copies=ask.state_copies)
 
 
 def _stage_plans(graph: LayerGraph, topology: Topology, ask: PlanAsk, k: int,

@@ -148,7 +148,7 @@ def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
-    steps_agree: bool = False, profile_share: float = 1.0,
+    steps_agree: bool = False, profile_share: float = 1.0, state_copies: float = 0.0,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -165,7 +165,8 @@ def choose_schedule(
     norm), which holds the asynchronous schedules' stages to each other's backwards.
     ``profile_share``: the share of a minibatch ``graph`` was profiled at (1/4: a quarter),
     so that each candidate's microbatch is priced at its own size and its rate counts
-    minibatches."""
+    minibatches; ``state_copies``: the optimizer's state in copies of the weights (Adam 2),
+    which each candidate's memory holds (a replica its share, from ZeRO level 1)."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
     m = microbatches or default_microbatches(replicas)
@@ -209,12 +210,13 @@ def choose_schedule(
         schedule = layout.build(replicas, _MINIBATCHES * (
             sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels)
         placed = plan.placed(kind.placement) if v > 1 else plan
+        costs = costs_from_profile(graph, placed, topology,
+                                   layout.microbatch_fraction / profile_share)
+        state = tuple(state_copies * w / (r if lv >= 1 else 1) for w, lv, r in zip(
+            costs.parameter_bytes, levels, schedule.replicas, strict=True))
         result = simulate_schedule(schedule, with_zero(
-            dataclasses.replace(costs_from_profile(graph, placed, topology,
-                                                   layout.microbatch_fraction
-                                                   / profile_share),
-                                steps_agree=steps_agree), schedule, levels),
-            record_events=False)
+            dataclasses.replace(costs, steps_agree=steps_agree, state_bytes=state),
+            schedule, levels), record_events=False)
         peak = max(result.peak_memory_bytes)
         weighed = epochs_factor(kind, plan.num_stages, study) if (
             semantics is Semantics.ANY) else None
