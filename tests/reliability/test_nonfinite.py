@@ -74,6 +74,9 @@ def test_the_check_sees_nan_and_inf_but_not_a_sum_that_overflows() -> None:
                        "its input was finite"):
         guard.check(Action(ActionKind.FORWARD, 0, 3),
                     torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0]]), x, False)
+    # a float16 output (fp16-mixed's autocast) that left float16's range says so
+    with pytest.raises(NonFiniteError, match=r"in float16, whose largest value is 65504"):
+        guard.check(Action(ActionKind.FORWARD, 0, 3), x.half() * 7e4, x, False)
 
 
 @pytest.mark.timeout(90)

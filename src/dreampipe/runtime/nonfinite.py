@@ -97,8 +97,11 @@ class NonFiniteGuard:
             cause = (f"its input was not finite already: check minibatch {mb} of the data"
                      if self.stage == 0 else "its input from the previous stage was not finite")
         else:
-            cause = (f"its input was finite, so the layers of stage {self.stage} made it: "
-                     "lower the learning rate or check those layers")
+            cause = (f"its input was finite, so the layers of stage {self.stage} made it: " + (
+                "in float16, whose largest value is 65504, so a larger one is inf; train in "
+                "bf16-mixed, or keep those layers' values smaller"
+                if out.dtype == torch.float16 else
+                "lower the learning rate or check those layers"))
         raise NonFiniteError(
             f"minibatch {mb}{part}: the {what} of {where} is not finite ({_what(out)}); "
             f"{cause}, or skip such minibatches with on_nonfinite=skip "
