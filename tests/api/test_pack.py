@@ -72,3 +72,17 @@ def test_a_value_no_gradient_reached_where_packed_is_unpacked_without_one() -> N
     torch.testing.assert_close(received.grad, want, rtol=0, atol=0)
     plain = unpack(pack((h.detach(), cos), "the cut").requires_grad_(True))
     assert plain[0].requires_grad and plain[1].requires_grad
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_a_float_beyond_the_16_bit_range_keeps_the_pack_in_float32(half: torch.dtype) -> None:
+    """A float32 attention mask of finfo.min, added to the scores, stays finite in one
+    process: rounded into 16 bits it would arrive as -inf, which a run stops on."""
+    h = torch.randn(2, 3)
+    mask = torch.full((2, 4), torch.finfo(torch.float32).min)
+    packed = pack((h, mask), "the cut", half=half)
+    assert packed.dtype == torch.float32
+    back = unpack(packed)
+    assert torch.equal(back[1], mask) and bool(torch.isfinite(back[1]).all())
+    in_range = pack((h, torch.full((2, 4), torch.finfo(half).min)), "the cut", half=half)
+    assert in_range.dtype == half

@@ -16,8 +16,9 @@ or ``float64`` when a tensor is), so the gradient of every floating-point value
 that had one flows back through the one gradient the runtime returns. Integer
 and boolean tensors (masks, ids) travel as exact floats: a value too large to be
 exact in the pack's dtype is a PlanError. A 16-bit run packs in its compute
-dtype (``half``) where every integer and header byte is exact in it, else in
-float32. Every tensor sent is in the pack: the byte counts cover them all.
+dtype (``half``) where every integer and header byte is exact in it and no
+float beyond its range, else in float32. Every tensor sent is in the pack: the
+byte counts cover them all.
 """
 
 from __future__ import annotations
@@ -98,10 +99,14 @@ def _read(header: bytes) -> tuple[Any, pytree.TreeSpec]:
 
 def _exact(t: Tensor, dtype: torch.dtype) -> bool:
     """Whether ``t`` travels exactly in ``dtype``: floating values are rounded on purpose,
-    integers must be whole numbers it holds."""
-    if t.is_floating_point() or t.is_meta or t.dtype == torch.bool:
+    but not past its largest into inf (a float32 mask's ``finfo.min`` is beyond
+    bfloat16's); integers must be whole numbers it holds."""
+    if t.is_meta or t.dtype == torch.bool or not t.numel():
         return True
-    return not t.numel() or int(t.abs().max()) <= 2 ** _EXACT_BITS[dtype]
+    if t.is_floating_point():
+        return (t.element_size() <= 2
+                or float(t.detach().abs().amax()) <= torch.finfo(dtype).max)
+    return int(t.abs().max()) <= 2 ** _EXACT_BITS[dtype]
 
 
 def _check_exact(t: Tensor, dtype: torch.dtype, where: str) -> None:
