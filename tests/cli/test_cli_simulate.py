@@ -424,6 +424,24 @@ def test_zero_levels_price_the_reduce_scatters_and_gathers(
     assert "use zero=2, or a synchronous schedule" in capsys.readouterr().err
 
 
+def test_zero_levels_shard_what_a_replicated_stage_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Stage 0 on 2 replicas holds 8 MB of weights: from level 2 each keeps half of their
+    gradients (plain SGD keeps no state for level 1 to shard); stage 1, unreplicated,
+    holds the same at every level."""
+    profile, plan = tmp_path / "chain.json", tmp_path / "plan.json"
+    LayerGraph.chain([Layer(f"l{i}", 10.0, 20.0, 1000, 4 * 10**6) for i in range(4)]
+                     ).save(profile)
+    Plan.from_config(4, [0, 2], [2, 1]).save(plan)
+    peak = {z: _json(capsys, ["simulate", str(plan), "--profile", str(profile), "--topology",
+                              "3", "--schedule", "1f1b-flush", "--microbatches", "4",
+                              "--zero", str(z), "--json"])["peak_memory_bytes"]
+            for z in (0, 1, 2, 3)}
+    assert peak[1] == peak[0]
+    assert peak[2] == peak[3] == [p - 4 * 10**6 for p in peak[0][:2]] + [peak[0][2]]
+
+
 def test_a_pytorch_schedule_file_simulates_as_the_schedule_it_holds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -47,6 +47,7 @@ from dreampipe.planning.placement import (
     virtual_stages_of,
 )
 from dreampipe.planning.plan import Plan
+from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -64,7 +65,7 @@ from dreampipe.simulation.simulator import (
     simulate_schedule,
 )
 from dreampipe.simulation.sync_run import simulate_run
-from dreampipe.simulation.zero_costs import with_zero
+from dreampipe.simulation.zero_costs import state_bytes, with_zero
 
 __all__ = ["register"]
 
@@ -152,9 +153,10 @@ def _run(args: argparse.Namespace) -> int:
                 levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(
                     args.zero)
                 schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
-            costs = dataclasses.replace(with_zero(_costs(
-                plan, graph, topology, kind, layout.microbatch_fraction, sync_from(args)),
-                schedule, levels), steps_agree=args.clipped)
+            costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
+                                     sync_from(args)), schedule, levels)
+            costs = dataclasses.replace(costs, steps_agree=args.clipped, state_bytes=state_bytes(
+                Training(), costs.parameter_bytes, levels, schedule.replicas, graph))
             bar.update()
             result = simulate_schedule(schedule, costs, record_events=wants_events)
             per_update = layout.microbatches_per_update

@@ -19,7 +19,7 @@ from typing import Any
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.plan import Plan
-from dreampipe.planning.state_bytes import Training, profiled_param_bytes
+from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync
 from dreampipe.planning.sync_plan import SyncPlan
 from dreampipe.planning.sync_stage_option import layer_blocks
@@ -29,7 +29,7 @@ from dreampipe.scheduling.actions import Schedule, ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.simulation.action_costs import costs_from_profile
 from dreampipe.simulation.simulator import SimResult, costs_from_plan, simulate_schedule
-from dreampipe.simulation.zero_costs import with_zero
+from dreampipe.simulation.zero_costs import state_bytes, with_zero
 
 __all__ = ["SYNC_RUN_KEY", "SyncRun", "simulate_run"]
 
@@ -110,19 +110,9 @@ def simulate_run(run: SyncRun, plan: Plan, graph: LayerGraph | None, topology: T
                     once, costs.recompute_bytes or (0.0,) * len(once), strict=True)))
     levels: Sequence[int] = run.zero
     costs = replace(with_zero(costs, schedule, levels), steps_agree=steps_agree,
-                    state_bytes=_state_bytes(run, costs.parameter_bytes, schedule.replicas,
-                                             graph))
+                    state_bytes=state_bytes(run.training, costs.parameter_bytes, run.zero,
+                                            schedule.replicas, graph))
     return schedule, simulate_schedule(schedule, costs, record_events=record_events)
-
-
-def _state_bytes(run: SyncRun, weights: Sequence[float], replicas: Sequence[int],
-                 graph: LayerGraph | None) -> tuple[float, ...]:
-    """Each stage's weights' state beyond the weight and gradient the simulator counts, as
-    the planner prices it (:meth:`~dreampipe.planning.state_bytes.Training.state_per_byte`);
-    level 3 as level 2, since the simulator frees the weights between uses itself."""
-    profiled = profiled_param_bytes(graph) if graph is not None else 4
-    return tuple(w * (run.training.state_per_byte(profiled, min(level, 2), r) - 2.0)
-                 for w, level, r in zip(weights, run.zero, replicas, strict=True))
 
 
 def _recomputing(graph: LayerGraph, recomputed: Sequence[int], plan: Plan

@@ -13,12 +13,14 @@ import dataclasses
 from collections.abc import Sequence
 
 from dreampipe.errors import ScheduleError
+from dreampipe.planning.state_bytes import Training, profiled_param_bytes
 from dreampipe.planning.zero_terms import zero_times
+from dreampipe.profiling.graph import LayerGraph
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 from dreampipe.simulation.action_costs import SimCosts
 
-__all__ = ["with_zero"]
+__all__ = ["state_bytes", "with_zero"]
 
 
 def with_zero(costs: SimCosts, schedule: Schedule, levels: Sequence[int]) -> SimCosts:
@@ -40,3 +42,15 @@ def with_zero(costs: SimCosts, schedule: Schedule, levels: Sequence[int]) -> Sim
     return dataclasses.replace(costs, forward_s=tuple(fwd), backward_s=tuple(bwd),
                                weight_grad_s=tuple(wgrad), allreduce_s=tuple(ar),
                                gather_s=tuple(gather), step_s=tuple(step))
+
+
+def state_bytes(training: Training, weights: Sequence[float], levels: Sequence[int],
+                replicas: Sequence[int], graph: LayerGraph | None) -> tuple[float, ...]:
+    """Each stage's weights' state beyond the weight and gradient the simulator counts, as
+    the planner prices it (:meth:`~dreampipe.planning.state_bytes.Training.state_per_byte`):
+    the optimizer's, less the shards ZeRO keeps elsewhere (negative where only the
+    gradients are sharded); level 3 as level 2, since the simulator frees the weights
+    between uses itself."""
+    profiled = profiled_param_bytes(graph) if graph is not None else 4
+    return tuple(w * (training.state_per_byte(profiled, min(level, 2), r) - 2.0)
+                 for w, level, r in zip(weights, levels, replicas, strict=True))

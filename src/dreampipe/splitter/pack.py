@@ -105,8 +105,8 @@ def _exact(t: Tensor, dtype: torch.dtype) -> bool:
         return True
     if t.is_floating_point():
         return (t.element_size() <= 2
-                or float(t.detach().abs().amax()) <= torch.finfo(dtype).max)
-    return int(t.abs().max()) <= 2 ** _EXACT_BITS[dtype]
+                or float(t.detach().abs().amax()) <= float(torch.finfo(dtype).max))
+    return bool(int(t.abs().max()) <= 2 ** _EXACT_BITS[dtype])
 
 
 def _check_exact(t: Tensor, dtype: torch.dtype, where: str) -> None:
