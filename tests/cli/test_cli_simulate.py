@@ -424,6 +424,21 @@ def test_zero_levels_price_the_reduce_scatters_and_gathers(
     assert "use zero=2, or a synchronous schedule" in capsys.readouterr().err
 
 
+def test_without_the_profile_no_peak_or_fit_is_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A plan alone says its stages' times, not what its layers keep: the peaks are
+    unknown (null), and so is whether they exceed --memory."""
+    plan = _plan(tmp_path, [2, 1, 1])
+    base = ["simulate", str(plan), "--schedule", "1f1b-flush", "--microbatches", "4"]
+    data = _json(capsys, [*base, "--json", "--memory", "16GB"])
+    assert data["memory_known"] is False and data["peak_memory_bytes"] is None
+    assert data["over_memory_ranks"] is None
+    assert _json(capsys, [*base, "--json"])["over_memory_ranks"] == []
+    assert main([*base, "--memory", "16GB"]) == 0
+    assert "--memory is checked against it" in capsys.readouterr().out
+
+
 def test_zero_levels_shard_what_a_replicated_stage_holds(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:

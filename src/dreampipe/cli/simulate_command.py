@@ -177,15 +177,18 @@ def _run(args: argparse.Namespace) -> int:
     info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
             "config": result.config if dp else plan.config,
             "workers": schedule.num_ranks if dp else plan.workers_used,
-            "over_memory_ranks": [] if graph is None or limit is None else [
-                r for r, peak in enumerate(result.peak_memory_bytes) if peak > limit],
+            # without the profile the peaks are not known, nor what exceeds the limit
+            "over_memory_ranks": ([] if limit is None else None) if graph is None else [
+                r for r, peak in enumerate(result.peak_memory_bytes)
+                if limit is not None and peak > limit],
             "memory_limit_bytes": limit, "minibatches": updates, "as_planned": planned,
             "planned_memory_bytes": [st.memory_bytes for st in plan.stages],
             "microbatches_per_update": per_update,
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
             "memory_known": graph is not None}
     if args.json:
-        print(json.dumps({**result.summary(), **info}))
+        known = {} if graph is not None else {"peak_memory_bytes": None}
+        print(json.dumps({**result.summary(), **info, **known}))
     else:
         print(_report(result, info, schedule))
     return 0
@@ -303,7 +306,9 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
             f"{100 * idle / result.makespan_s if result.makespan_s else 0:>5.1f}% "
             f"{memory:>12} {result.peak_versions[rank]:>8} {result.peak_in_flight[rank]:>9}")
     if not info["memory_known"]:
-        lines.append("peak memory needs the profile: pass --profile with the plan JSON")
+        lines.append("peak memory needs the profile: pass --profile with the plan JSON"
+                     + ("; --memory is checked against it" if info["memory_limit_bytes"]
+                        else ""))
     if info["as_planned"]:
         lines.append("peak memory counts weights, gradients and activations; as planned, "
                      "with the optimizer's state: " + ", ".join(
