@@ -280,6 +280,9 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
     per = "" if count == info["minibatches"] else (
         f" ({count} microbatches, {info['microbatches_per_update']} per update)")
     runs = f"{info['minibatches']} minibatches{per}"
+    if result.kind is ScheduleKind.DP:  # each worker computes a profiled minibatch an update
+        runs = (f"{info['minibatches']} updates, each a minibatch on each of the "
+                f"{info['workers']} workers{per}")
     if info["as_planned"]:
         runs = (f"the plan's synchronous run: {info['minibatches']} updates of "
                 f"{info['microbatches_per_update']} microbatches")
