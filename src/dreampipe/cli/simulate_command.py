@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "another than a plan's own needs --profile)")
     add_link_arguments(p)
     p.add_argument("--schedule", choices=[k.value for k in ScheduleKind],
-                   help="schedule (default: pipedream; with --schedule-file, the file's kind: "
+                   help="schedule (default: the one a saved plan was chosen with, else "
+                        "pipedream; with --schedule-file, the file's kind: "
                         "zb-h1 if it has I and W, interleaved-1f1b if several stages a rank, "
                         "else 1f1b-flush)")
     p.add_argument("--schedule-file", type=Path, metavar="FILE.csv",
