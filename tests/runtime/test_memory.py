@@ -17,6 +17,7 @@ from dreampipe.runtime.memory import (
     counted_twice,
     predict_memory,
 )
+from dreampipe.runtime.optimizer_step import StepBytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import Action, ActionKind, ScheduleKind
@@ -181,6 +182,26 @@ def test_a_rank_of_two_stages_holds_one_working_set_and_their_joint_flight() -> 
     straight = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1])
     one = MicrobatchLayout(kind=ScheduleKind.FLUSH, microbatches=4).build([1] * 4, 2)
     assert counted_twice(graph, straight, one, _choices()) == (0, 0, 0, 0)
+
+
+def test_a_rank_of_two_stages_holds_one_stages_step_temporaries() -> None:
+    """Its stages step one after the other: where the step's temporaries set each stage's
+    peak, the sum of the stages counts the smaller stage's a second time."""
+    layers = tuple(dataclasses.replace(x, parameter_bytes=p) for x, p in zip(
+        _graph().layers, (1000, 3000, 2000, 500), strict=True))
+    graph = dataclasses.replace(_graph(), layers=layers)
+    plan = Plan.from_config(4, [0, 1, 2, 3], [1, 1, 1, 1], virtual_stages=2)
+    sched = MicrobatchLayout(kind=ScheduleKind.INTERLEAVED, microbatches=4).build(
+        [1] * 4, 2, plan.in_flight, virtual_stages=2)
+    plain = _choices()
+    stepping = _choices(step_bytes=StepBytes(total=4.0))  # 4 bytes a weight byte
+    raised = [a - b for a, b in zip(predict_memory(graph, plan, sched, stepping),
+                                    predict_memory(graph, plan, sched, plain), strict=True)]
+    assert min(raised) > 0  # the step sets every stage's peak here
+    extra = [a - b for a, b in zip(counted_twice(graph, plan, sched, stepping),
+                                   counted_twice(graph, plan, sched, plain), strict=True)]
+    # rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    assert extra == [min(raised[0], raised[2]), min(raised[1], raised[3])]
 
 
 def test_from_zero_2_a_replica_makes_its_gradient_chunks_only(

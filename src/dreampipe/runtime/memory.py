@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import RangeCosts
@@ -225,9 +225,15 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
     """Per rank, what the sum of its stages' :func:`predict_memory` counts that the rank
     never holds at once (0 for a rank of one stage): it runs one backward at a time, so
     it holds one stage's working set, the largest; and its stages' microbatches in flight
-    peak together only as its actions hold them, walked along them (docs/memory.md)."""
+    peak together only as its actions hold them, walked along them; and it steps its
+    stages one at a time, so it holds one stage's step temporaries, the most that raise
+    a stage's peak (docs/memory.md)."""
     if not library:
         graph = graph.without_library()
+    steps = [with_step - without for with_step, without in zip(
+        predict_memory(graph, plan, schedule, opts, library=library),
+        predict_memory(graph, plan, schedule, replace(opts, step_bytes=NO_STEP_BYTES),
+                       library=library), strict=True)]
     costs, flight = RangeCosts.of(graph), most_in_flight(schedule, plan.num_stages)
     out = []
     for actions in schedule.actions:
@@ -253,7 +259,8 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
                 held[a.backward_stage] -= release is ActionKind.BACKWARD
             joint = max(joint, sum(held[s] * each[s] for s in mine))
         apart = sum(flight[s] * each[s] for s in mine)
-        out.append(round(max(0.0, apart - joint) + sum(work.values()) - max(work.values())))
+        out.append(round(max(0.0, apart - joint) + sum(work.values()) - max(work.values())
+                         + sum(steps[s] for s in mine) - max(steps[s] for s in mine)))
     return tuple(out)
 
 
