@@ -35,6 +35,7 @@ __all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state"
 
 _log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class StagePart:
     """One stage of a rank: its module, its learning-rate scheduler (or None), and what
@@ -133,9 +134,9 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
                     v.copy_(state[f"buffer.{k}"])
         opt = module.optimizer
         names = module.module_param_names
+        made = type(opt).__name__
         for i, (p, fqn) in enumerate(zip(module.optimized, names, strict=True)):
             info = objects[f"param.{fqn}"]
-            made = type(opt).__name__
             if opt is not None and info.get("optimizer", made) != made:
                 raise CheckpointError(
                     f"the checkpoint's {fqn} was trained with {info['optimizer']}, and this "

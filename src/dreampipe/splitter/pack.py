@@ -15,10 +15,9 @@ the signature of the model's inputs when the next stage's graph depends on it
 or ``float64`` when a tensor is), so the gradient of every floating-point value
 that had one flows back through the one gradient the runtime returns. Integer
 and boolean tensors (masks, ids) travel as exact floats: a value too large to be
-exact in the pack's dtype is a PlanError. A 16-bit run packs in its compute
-dtype (``half``) where every integer and header byte is exact in it and no
-float beyond its range, else in float32. Every tensor sent is in the pack: the
-byte counts cover them all.
+exact in the pack's dtype is a PlanError. A 16-bit run packs in its compute dtype
+(``half``) where every integer and header byte is exact in it and no float beyond
+its range, else in float32. The byte counts cover every tensor sent.
 """
 
 from __future__ import annotations
