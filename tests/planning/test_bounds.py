@@ -121,7 +121,13 @@ def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
     x = data.draw(st.integers(1, w - 1))
     y = data.draw(st.integers(1, w - x))
     senders, receivers = sorted(order[:x]), sorted(order[x:x + y])
-    size = 10.0 ** data.draw(st.integers(3, 9))
+    _assert_allowed(topo, senders, receivers, 10.0 ** data.draw(st.integers(3, 9)))
+
+
+def _assert_allowed(topo: Topology, senders: list[int], receivers: list[int],
+                    size: float) -> None:
+    """The relaxed cuts let the senders' state reach the receivers' within what the
+    planner prices the cut of ``size`` bytes between those workers at."""
     price = cut_seconds(size, senders, receivers, topo)
     states = bounds_module._States(topo, Sync(SyncKind.HIERARCHICAL), [1])
     cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
@@ -167,28 +173,8 @@ def test_a_spread_cut_is_never_priced_below_what_the_relaxation_allows(
         senders += free[:a]
         receivers += free[a:a + b]
     assume(senders and receivers)
-    size = 10.0 ** data.draw(st.integers(3, 9))
-    price = cut_seconds(size, sorted(senders), sorted(receivers), topo)
-    states = bounds_module._States(topo, Sync(SyncKind.HIERARCHICAL), [1])
-    cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
-
-    def state(workers: list[int]) -> int:
-        unit = np.cumprod([lv.count for lv in topo.levels])
-        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
-        return next(q for q in range(len(states.first)) if states.span[q] == span
-                    and states.first[q] <= len(workers) <= states.last[q])
-
-    need = np.full(len(states.first), np.inf)
-    need[state(receivers)] = 0.0
-    room = None
-    if states.room is not None:
-        room = np.full((int(np.sum(states.span == 0)), states.room + 1), np.inf)
-        if state(receivers) < room.shape[0]:
-            room[state(receivers)] = 0.0
-    fresh, after = cuts.cont(1, need, room, price * (1 + 1e-9))
-    q = state(senders)
-    assert fresh[q] == 0.0 or (after is not None and q < after.shape[0]
-                               and float(np.min(after[q])) == 0.0)
+    _assert_allowed(topo, sorted(senders), sorted(receivers),
+                    10.0 ** data.draw(st.integers(3, 9)))
 
 
 @settings(max_examples=300, deadline=None)
