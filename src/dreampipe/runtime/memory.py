@@ -230,10 +230,11 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
     a stage's peak (docs/memory.md)."""
     if not library:
         graph = graph.without_library()
+    several = any(len({a.stage for a in actions}) > 1 for actions in schedule.actions)
     steps = [with_step - without for with_step, without in zip(
         predict_memory(graph, plan, schedule, opts, library=library),
         predict_memory(graph, plan, schedule, replace(opts, step_bytes=NO_STEP_BYTES),
-                       library=library), strict=True)]
+                       library=library), strict=True)] if several else []
     costs, flight = RangeCosts.of(graph), most_in_flight(schedule, plan.num_stages)
     out = []
     for actions in schedule.actions:
