@@ -119,6 +119,22 @@ def test_pytorchs_interleaved_1f1b_is_dreampipes(tmp_path: Path, comms: bool) ->
     assert simulate_schedule(loaded, costs).summary() == simulate_schedule(ours, costs).summary()
 
 
+@pytest.mark.parametrize("comms", [True, False])
+def test_a_file_of_gpipes_order_reads_as_gpipe_and_one_of_1f1bs_as_1f1b_flush(
+    comms: bool,
+) -> None:
+    """Left unnamed, a file whose ranks each run all their forwards first is GPipe (as
+    written from dreampipe's own), 1F1B's order is 1f1b-flush, one microbatch is either
+    (1f1b-flush), and a kind the user names is kept."""
+    for kind in (S.GPIPE, S.FLUSH):
+        built = build_schedule([1] * 3, kind, 6, 6)
+        assert parse_torch_csv(torch_csv(built, comms=comms), "x.csv") == built
+    one = build_schedule([1] * 3, S.GPIPE, 1, 1)
+    assert parse_torch_csv(torch_csv(one, comms=comms), "x.csv").kind is S.FLUSH
+    gpipe = torch_csv(build_schedule([1] * 2, S.GPIPE, 4, 4), comms=comms)
+    assert parse_torch_csv(gpipe, "x.csv", S.FLUSH).kind is S.FLUSH
+
+
 def test_pytorchs_interleaved_zero_bubble_loads_and_fills_the_bubble(tmp_path: Path) -> None:
     """I and W make it zero-bubble's split backward; its W fill what 1F1B leaves idle."""
     zb = read_torch_csv(

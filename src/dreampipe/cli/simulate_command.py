@@ -91,7 +91,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    help="schedule (default: the one a saved plan was chosen with, else "
                         "pipedream; with --schedule-file, the file's kind: "
                         "zb-h1 if it has I and W, interleaved-1f1b if several stages a rank, "
-                        "else 1f1b-flush)")
+                        "gpipe if each rank runs all its forwards first, else 1f1b-flush; zbv, "
+                        "or dualpipev if it overlaps pairs, in a V)")
     p.add_argument("--schedule-file", type=Path, metavar="FILE.csv",
                    help="simulate this PyTorch pipelining schedule (its _dump_csv: a line of "
                         "actions per rank, compute only or with sends and receives) instead of "

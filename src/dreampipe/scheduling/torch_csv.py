@@ -85,8 +85,9 @@ def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) ->
 
     ``kind``: the synchronous schedule the file is (None: ``zb-h1`` if it splits its
     backwards into ``I`` and ``W``, else ``interleaved-1f1b`` with several stages per
-    rank, else ``1f1b-flush``; in the V placement ``dualpipev`` if it overlaps pairs,
-    else ``zbv``). Its microbatches make one update.
+    rank, else ``gpipe`` where every rank runs all its forwards before its first backward
+    on more than one microbatch, else ``1f1b-flush``; in the V placement ``dualpipev``
+    if it overlaps pairs, else ``zbv``). Its microbatches make one update.
     """
     rows = list(_rows(text, source))
     if not rows:
@@ -99,7 +100,10 @@ def parse_torch_csv(text: str, source: str, kind: ScheduleKind | None = None) ->
                             "give every rank the same number of stages")
     split = _splits(cells, source)
     pairs = any(c.paired for c in cells)
+    named = kind
     kind = _kind(kind, split, stages // ranks, placements, pairs, source)
+    if named is None and kind is ScheduleKind.FLUSH and _forwards_first(rows):
+        kind = ScheduleKind.GPIPE
     _check_reduce_grads(rows, split, source)
     lists = [_actions(row, source, kind is ScheduleKind.DUALPIPEV) for row in rows]
     microbatches = 1 + max((c.microbatch for c in cells if c.name in _COMPUTE), default=-1)
@@ -210,6 +214,15 @@ def _splits(cells: list[_Cell], source: str) -> bool:
                           f"runs all backwards whole or all split: write {whole.stage}I"
                           f"{whole.microbatch} {whole.stage}W{whole.microbatch}")
     return split is not None
+
+
+def _forwards_first(rows: list[list[_Cell]]) -> bool:
+    """Whether the file is GPipe's order: more than one microbatch, and on every rank
+    all forwards before the first backward (1F1B's last rank alternates them)."""
+    if max((c.microbatch for row in rows for c in row if c.name in _COMPUTE), default=0) < 1:
+        return False
+    names = [[c.name for c in row if c.name in _COMPUTE] for row in rows]
+    return all("B" not in row or "F" not in row[row.index("B"):] for row in names)
 
 
 def _kind(kind: ScheduleKind | None, split: bool, virtual: int,
