@@ -139,6 +139,8 @@ def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str])
     (["--global-batch", "64", "--layout", ""], ["--layout '' names no layout"]),
     (["--global-batch", "64", "--layout", "t2-p2-z4"], ["z4 is no ZeRO level"]),
     (["--global-batch", "64", "--layout", "t2-p8"], ["needs 16 workers"]),
+    (["--global-batch", "64", "--layout", "t16-p1", "-t", "dgx-a100:2"],
+     ["t = 16 runs inside one server", "has 8 workers: give t at most 8"]),
     (["--global-batch", "63", "--layout", "t2-p2"], ["do not divide the global batch 63"]),
     (["--global-batch", "64", "--microbatch-size", "65"], ["--microbatch-size 65"]),
     (["--global-batch", "0"], ["--global-batch 0"]),

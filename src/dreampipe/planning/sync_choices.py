@@ -90,11 +90,17 @@ class SyncOptions:
                               "kinds")
 
 
-def copies_tried(batch: int, workers: int, t: int, layout: Layout | None) -> list[int]:
+def copies_tried(batch: int, workers: int, t: int, layout: Layout | None,
+                 server: int | None = None) -> list[int]:
     """The copies of the pipeline tried: those that divide ``batch`` on ``t`` workers a
-    replica; a layout's fill the workers."""
+    replica; a layout's fill the workers, its ``t`` inside one ``server`` of that many
+    workers (a split's collectives are priced on the server's link)."""
     if layout is None:
         return [d for d in range(1, workers // t + 1) if batch % d == 0]
+    if server is not None and layout.t > server:
+        raise PlanError(f"layout {layout.text}: a tensor split of t = {layout.t} runs inside "
+                        f"one server, whose link its collectives cross each layer, and a "
+                        f"server here has {server} workers: give t at most {server}")
     d = workers // (layout.t * layout.p)
     if d < 1:
         raise PlanError(f"layout {layout.text} needs {layout.t * layout.p} workers; the "

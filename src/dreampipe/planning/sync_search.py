@@ -81,7 +81,8 @@ class SyncSearch(ChoiceFloors):
             if not self.options(t):
                 continue
             least = self.least_compute(t)
-            for d in copies_tried(opts.global_batch, workers, t, layout):
+            for d in copies_tried(opts.global_batch, workers, t, layout,
+                                  self.topology.levels[0].count):
                 per_copy = opts.global_batch // d
                 sizes = [opts.microbatch_size] if opts.microbatch_size else divisors(per_copy)
                 for b in (x for x in sizes if x is not None and per_copy % x == 0):
