@@ -84,31 +84,35 @@ def test_pipedream_through_the_api_matches_the_delayed_update_rule(
     assert_matches(got, losses, state)
 
 
-TWO_BW = [([0, 2], [1, 1], "sgd", False), ([0, 1, 3], [1, 1, 1], "momentum", False),
-          ([0, 2], [2, 1], "adamw", False), ([0, 1, 3], [1, 1, 1], "momentum", True),
-          ([0, 2], [2, 1], "adamw", True)]
+TWO_BW = [([0, 2], [1, 1], "sgd", False, 2), ([0, 1, 3], [1, 1, 1], "momentum", False, 2),
+          ([0, 2], [2, 1], "adamw", False, 2), ([0, 1, 3], [1, 1, 1], "momentum", True, 2),
+          ([0, 2], [2, 1], "adamw", True, 2), ([0, 2], [1, 2], "momentum", False, 4),
+          ([0, 2], [2, 1], "adamw", True, 4)]
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("bounds", "replicas", "optimizer", "compensate"), TWO_BW,
+@pytest.mark.parametrize(("bounds", "replicas", "optimizer", "compensate", "micro"), TWO_BW,
                          ids=["straight-2-sgd", "straight-3-momentum", "replicated-2-1-adamw",
                               "straight-3-momentum-compensated",
-                              "replicated-2-1-adamw-compensated"])
+                              "replicated-2-1-adamw-compensated",
+                              "replicated-1-2-momentum-steps-deferred",
+                              "replicated-2-1-adamw-compensated-steps-deferred"])
 def test_2bw_through_the_api_matches_its_update_rule(
-    bounds: list[int], replicas: list[int], optimizer: str, compensate: bool
+    bounds: list[int], replicas: list[int], optimizer: str, compensate: bool, micro: int
 ) -> None:
     """W(t+1) = W(t) - lr * grad f(W(t-1)) with the user's optimizer (its momentum lowered
     by 1/2 when compensated), a replicated stage summing its replicas' microbatches into
-    the one update of every minibatch."""
+    the one update of every minibatch; with 2 microbatches a replica, its step deferred
+    past backwards of the next minibatch, whose gradients stay the next update's."""
     lr = 0.01 if optimizer == "adamw" else 0.3
     momentum = 0.9 if optimizer == "momentum" else 0.0
     got = _run(sum(replicas), schedule="2bw", bounds=bounds, replicas=replicas, steps=6,
-               minibatch=16, microbatches=2, lr=lr, momentum=momentum, optimizer=optimizer,
+               minibatch=16, microbatches=micro, lr=lr, momentum=momentum, optimizer=optimizer,
                compensate=compensate)
     spec = get_model("mlp", layers=4, width=16)
     opt = adamw(lr) if optimizer == "adamw" else sgd(lr, momentum)
     losses, state = reference_two_bw(spec, load_dataset("synthetic", spec, seed=SEED), steps=6,
-                                     minibatch=16, seed=SEED, opt=opt, microbatches=2,
+                                     minibatch=16, seed=SEED, opt=opt, microbatches=micro,
                                      compensate=compensate)
     assert_matches(got, losses, state)
 

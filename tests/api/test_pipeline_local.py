@@ -149,9 +149,9 @@ def test_a_long_stream_drains_full_segments_on_reserved_schedules_and_trains_ali
 
     def counted(layout: MicrobatchLayout, replicas: list[int], steps: int,
                 in_flight: list[int] | None = None, virtual_stages: int = 1,
-                zero: list[int] | None = None) -> Schedule:
+                zero: list[int] | None = None, steps_agree: bool = False) -> Schedule:
         built.append(steps)
-        return build(layout, replicas, steps, in_flight, virtual_stages, zero)
+        return build(layout, replicas, steps, in_flight, virtual_stages, zero, steps_agree)
 
     monkeypatch.setattr(MicrobatchLayout, "build", counted)
     data = _data(115)

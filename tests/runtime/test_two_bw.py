@@ -4,9 +4,11 @@ two versions can hold."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dreampipe.errors import ScheduleError
 from dreampipe.runtime.two_bw import TwoVersions, check_two_versions, fewest_microbatches
+from dreampipe.runtime.update_actions import RankUpdates
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 
@@ -37,3 +39,17 @@ def test_fewest_microbatches_is_the_first_whose_schedule_two_versions_hold(
 
 def test_other_schedules_are_not_checked() -> None:
     check_two_versions(build_schedule((1, 1, 1, 1), ScheduleKind.PIPEDREAM, 8))
+
+
+def test_a_rank_that_agrees_at_each_update_refuses_a_deferred_step() -> None:
+    """A schedule built for ranks that do not agree defers 2bw's steps on a replicated
+    stage; a run whose ranks agree (clipping, a loss scale, skipping) would meet the next
+    minibatch's gradients at a changed loss scale, so its rank refuses that schedule."""
+    deferred = build_schedule([1, 2], ScheduleKind.TWO_BW, 16, 4)
+    kept = build_schedule([1, 2], ScheduleKind.TWO_BW, 16, 4, steps_agree=True)
+    updates = RankUpdates(1, torch.device("cpu"), None,  # type: ignore[arg-type]
+                          [], max_grad_norm=None, clip_group=None, after_step=None)
+    updates.expect(deferred.actions[1], steps_agree=False)
+    updates.expect(kept.actions[1], steps_agree=True)
+    with pytest.raises(ScheduleError, match=r"defers a STEP past its ALLREDUCE.*steps_agree"):
+        updates.expect(deferred.actions[1], steps_agree=True)

@@ -27,6 +27,8 @@ CASES = [
     (ScheduleKind.ZB_H1, (1, 1, 1), 4),
     (ScheduleKind.ZB_H2, (2, 1), 4),
     (ScheduleKind.TWO_BW, (1, 1, 1), 2),
+    (ScheduleKind.TWO_BW, (1, 2), 4),  # deferred steps
+    (ScheduleKind.TWO_BW, (2, 1, 2), 8),
 ]
 
 

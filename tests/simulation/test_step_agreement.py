@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.stepping import Stepper
+from dreampipe.simulation.rank_memory import RankMemory
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
 
 __all__: list[str] = []
@@ -71,3 +72,28 @@ def test_agreeing_never_speeds_a_run_and_never_deadlocks(
     assert agreed >= alone - 1e-9
     if kind in (S.FLUSH, S.GPIPE) or stages * replicas == 1:
         assert agreed == pytest.approx(alone)
+
+
+def test_2bw_overlaps_a_replicated_stage_s_all_reduce_with_the_next_minibatch() -> None:
+    """A second stage on 2 replicas, each with 2 microbatches a minibatch of forward 1 and
+    backward 2 (6), and an all-reduce of 3: with its step deferred past the next
+    minibatch's forwards, 2bw hides the all-reduce behind that work; built as for ranks
+    that agree (each step right after its all-reduce) it waits for it, as a flushed
+    pipeline does. While in flight, the rank holds the next update's gradients beside
+    it, one copy of the weights more than one version of them alone."""
+    def run(kind: S, agree: bool) -> tuple[float, int]:
+        schedule = build_schedule([1, 2], kind, 40 * 4, 4, steps_agree=agree)
+        costs = SimCosts(forward_s=(0.25, 1.0), backward_s=(0.5, 2.0), allreduce_s=(0.0, 3.0),
+                         parameter_bytes=(0.0, 1e6))
+        result = simulate_schedule(schedule, costs, record_events=False)
+        return result.makespan_s / 40, result.peak_memory_bytes[1]
+
+    (deferred, _), (kept, _) = run(S.TWO_BW, False), run(S.TWO_BW, True)
+    flushed, _ = run(S.FLUSH, False)
+    assert deferred == pytest.approx(6.0, rel=0.03)
+    assert kept == pytest.approx(6.0 + 3.0 * 0.6, rel=0.1) and kept == pytest.approx(flushed)
+    one, launched = RankMemory(), RankMemory()
+    launched.launch()
+    for memory in (one, launched):
+        memory.forward(0, 0)
+    assert launched.peak_memory(1e6, 0.0, 0.0) - one.peak_memory(1e6, 0.0, 0.0) == 1e6

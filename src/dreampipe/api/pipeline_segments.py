@@ -51,6 +51,7 @@ class Segments:
         self.period = None if config.schedule_file is None else self._file_schedule(
             str(config.schedule_file))
         self.zero = list(plan.zero_levels(config.zero))
+        self.steps_agree = config.runner_options().steps_agree
         per_round = math.lcm(*self.replicas)
         #: The most minibatches a segment holds: whole rounds of every stage's replicas.
         self.cap = max(per_round, segment_microbatches // layout.microbatches_per_update
@@ -76,7 +77,7 @@ class Segments:
         if self.period is not None:
             return repeat_schedule(self.period, minibatches)
         return self.layout.build(self.replicas, minibatches, self.plan.in_flight,
-                                 self.plan.virtual_stages, self.zero)
+                                 self.plan.virtual_stages, self.zero, self.steps_agree)
 
     def horizon_from(self, start: int) -> int:
         """The horizon of a segment from minibatch ``start``: what is reserved, within the cap."""

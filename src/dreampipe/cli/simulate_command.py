@@ -154,7 +154,8 @@ def _run(args: argparse.Namespace) -> int:
                 replicas, layout, updates = _microbatch_counts(args, kind, plan)
                 levels = (args.zero,) if kind is ScheduleKind.DP else plan.zero_levels(
                     args.zero)
-                schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels)
+                schedule = layout.build(replicas, updates, plan.in_flight, virtual, zero=levels,
+                                        steps_agree=args.clipped)
             costs = with_zero(_costs(plan, graph, topology, kind, layout.microbatch_fraction,
                                      sync_from(args)), schedule, levels)
             costs = dataclasses.replace(costs, steps_agree=args.clipped, state_bytes=state_bytes(

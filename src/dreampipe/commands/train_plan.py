@@ -278,7 +278,9 @@ def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
     fill = max(plan.workers_used, plan.stages[0].replicas * plan.in_flight[0])
     horizon = min(steps, SENDS_KEPT + 2 * fill)
     schedule = layout.build([st.replicas for st in plan.stages], horizon, plan.in_flight,
-                            virtual_stages=plan.virtual_stages)
+                            virtual_stages=plan.virtual_stages,
+                            zero=plan.zero_levels(opts.config.zero),
+                            steps_agree=opts.config.runner_options().steps_agree)
     choices = opts.memory_choices()  # once: it steps the optimizer on probes
     check_memory(plan, predict_memory(graph, plan, schedule, choices), limit)
     return (predict_memory(graph, plan, schedule, choices, library=False),

@@ -47,13 +47,14 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
     v = plan.virtual_stages
     fraction = layout.microbatch_size / graph.batch_size if graph.batch_size else 1.0
     if v > 1:
-        schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v)
+        schedule = layout.build([1] * plan.num_stages, steps, virtual_stages=v,
+                                steps_agree=steps_agree)
         topology = measured_topology(graph, plan.workers_used, machine, nodes=nodes)
         costs = costs_from_profile(graph, plan, topology, fraction)
     else:
         levels = plan.zero_levels(zero)
         schedule = layout.build([st.replicas for st in plan.stages], steps, plan.in_flight,
-                                zero=levels)
+                                zero=levels, steps_agree=steps_agree)
         costs = with_zero(local_costs(graph, plan, fraction, measured_machine(graph, machine),
                                       nodes=nodes), schedule, levels)
     costs = dataclasses.replace(costs, steps_agree=steps_agree, step_s=tuple(

@@ -208,7 +208,8 @@ def choose_schedule(
             continue
         layout = MicrobatchLayout(kind=kind, microbatches=per)
         schedule = layout.build(replicas, _MINIBATCHES * (
-            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels)
+            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels,
+            steps_agree=steps_agree)
         placed = plan.placed(kind.placement) if v > 1 else plan
         costs = costs_from_profile(graph, placed, topology,
                                    layout.microbatch_fraction / profile_share)

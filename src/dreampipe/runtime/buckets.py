@@ -108,18 +108,23 @@ class GradientBuckets:
             bucket.flat, bucket.shared = torch.cat([g.reshape(-1) for g in grads]), False
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
 
+    def launch(self, grads: Sequence[Tensor]) -> None:
+        """Start every bucket not started yet: ``grads`` are the stage's gradients by
+        index, those not yet reported ready taken from here (all of them on a replica
+        that ran no backward in the round)."""
+        for i, g in enumerate(grads):
+            b, k = self._where[i]
+            if self._buckets[b].grads[k] is None:
+                self.ready(i, g)
+
     def finish(self, grads: Sequence[Tensor], action: Action, scale: float) -> None:
         """Sum every gradient over the replicas in place, then multiply by ``scale``.
 
-        ``grads`` are the stage's gradients by index; those not yet reported
-        ready are taken from here (all of them on a replica that ran no
-        backward in the round). Waits name ``action``.
+        ``grads`` as :meth:`launch` takes them (empty once launched). Waits name
+        ``action``.
         """
         try:
-            for i, g in enumerate(grads):
-                b, k = self._where[i]
-                if self._buckets[b].grads[k] is None:
-                    self.ready(i, g)
+            self.launch(grads)
             for bucket in self._buckets:
                 self._wait(bucket.work, action)
                 assert bucket.flat is not None

@@ -181,6 +181,7 @@ class RankRunner:
         check_gathers(self._lanes[0].module.zero, actions, self._lanes[0].stage)
         self._receives = ReceivesAhead(self.schedule, self.rank, self._pos)
         self._round_ends = round_ends(actions)
+        self._updates.expect(actions, self.opts.steps_agree)
 
     # ---- handlers ----------------------------------------------------------
     def _recv_f(self, a: Action) -> None:

@@ -63,7 +63,8 @@ class GradientSum:
 
     A :class:`GradientSink`: with ``fused``, a Linear weight's GEMM adds into
     the buffer (``addmm_``); without, it is a GEMM and an add, as autograd
-    makes it. A microbatch's first term becomes the buffer, with no copy.
+    makes it. A microbatch's first term becomes the buffer, with no copy. After
+    :meth:`close` new terms go to the next update's sums, which :meth:`take` starts from.
     """
 
     def __init__(self, params: list[nn.Parameter], *, fused: bool) -> None:
@@ -73,11 +74,21 @@ class GradientSum:
         self._arrived: set[int] = set()
         #: what the update's microbatches gave a gradient term, kept across :meth:`pop`
         self._used: set[int] = set()
+        #: the next update's, while this one's is closed (all-reduced in flight)
+        self._next: GradientSum | None = None
+
+    def close(self) -> None:
+        """The update's sums are whole: later terms are the next update's (a deferred
+        step's all-reduce is in flight, :mod:`dreampipe.scheduling.updates`)."""
+        self._next = GradientSum(self._params, fused=self._fused)
 
     def __getitem__(self, index: int) -> Tensor | None:
         return self._sums[index]
 
     def add_grad_mm(self, index: int, a: Tensor, b: Tensor) -> None:
+        if self._next is not None:
+            self._next.add_grad_mm(index, a, b)
+            return
         acc = self._sums[index]
         if acc is not None and self._fused:
             acc.addmm_(a, b)
@@ -87,6 +98,9 @@ class GradientSum:
             self.add_grad(index, torch.mm(a, b))
 
     def add_grad(self, index: int, g: Tensor) -> None:
+        if self._next is not None:
+            self._next.add_grad(index, g)
+            return
         acc = self._sums[index]
         if acc is None:
             self._sums[index] = g
@@ -128,9 +142,14 @@ class GradientSum:
 
     def take(self) -> list[Tensor | None]:
         """Every sum (None where nothing arrived: a parameter the update never used gets
-        no gradient, as in one process), starting the next update's."""
+        no gradient, as in one process), starting the next update's (from what came
+        since :meth:`close`)."""
         sums = [s if i in self._arrived else None for i, s in enumerate(self._sums)]
-        self._sums, self._arrived, self._used = [None] * len(self._params), set(), set()
+        nxt, self._next = self._next, None
+        if nxt is None:
+            self._sums, self._arrived, self._used = [None] * len(self._params), set(), set()
+        else:
+            self._sums, self._arrived, self._used = nxt._sums, nxt._arrived, nxt._used
         return sums
 
 

@@ -9,6 +9,7 @@ from dreampipe.planning.plan import Stage
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.buckets import round_ends
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule
+from dreampipe.scheduling.updates import launched_rounds
 from dreampipe.scheduling.weight_versions import peak_in_flight, release_kind
 
 __all__ = ["by_stage", "gradients_later", "most_in_flight", "waiting_bytes"]
@@ -38,28 +39,36 @@ def gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
     or the larger of the two in the update's first; after a backward that ends an
     all-reduce round, the others and the gradients beside ``buckets`` bytes more (their
     flat copies, made as the last gradients are, once that microbatch's tensors are
-    freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`).
+    freed, less what the formula's peak holds besides; :mod:`~dreampipe.runtime.buckets`);
+    from an all-reduce a deferred ``STEP`` leaves in flight to that step, its gradients
+    and buckets beside all of that, the next update's gradients made anew.
     Negative where the buckets raise the peak beyond the formula's."""
     release = release_kind(actions)
     holds = release is ActionKind.WEIGHT and stage > 0
     ends = round_ends(actions) if buckets else frozenset()
-    flight = most_flight = peak = 0
+    launched = launched_rounds(actions)
+    flight = most_flight = peak = away = 0
     made = False
     for a in actions:
         if a.kind is ActionKind.FORWARD:
             flight += 1
             most_flight = max(most_flight, flight)
-            peak = max(peak, kept * flight + (gradients if made else 0))
+            peak = max(peak, away + kept * flight + (gradients if made else 0))
         elif a.kind is release:
-            others = kept * (flight - 1)
+            others = away + kept * (flight - 1)
             both = made or holds
             peak = max(peak, others + (kept + gradients if both else max(kept, gradients)))
             if a.microbatch in ends:
                 peak = max(peak, others + gradients + buckets)
             flight -= 1
             made = True
+        elif a.kind is ActionKind.ALLREDUCE and (a.stage, a.microbatch) in launched:
+            away, made = gradients + buckets, False
         elif a.kind is ActionKind.STEP:
-            made = False
+            if (a.stage, a.microbatch) in launched:
+                away = 0
+            else:
+                made = False
     return kept * most_flight + gradients - peak
 
 

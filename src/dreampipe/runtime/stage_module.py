@@ -348,6 +348,12 @@ class StageModule:
         return torch.tensor([float(i in used) for i in range(len(self._params))],
                             dtype=torch.float32, device=device)
 
+    def close_update(self) -> None:
+        """The update's gradients are whole: later backwards add to the next update's
+        (a deferred ``STEP``'s all-reduce in flight, :mod:`dreampipe.scheduling.updates`)."""
+        self._harvest.harvest_all()
+        self._grads.close()
+
     def reduced(self, used: Sequence[bool]) -> None:
         """The update's gradients were all-reduced over the replicas: each counts where
         some replica's microbatches used the parameter (``used``, the replicas'

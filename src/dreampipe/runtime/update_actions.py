@@ -1,15 +1,15 @@
 """A rank's weight updates: what its ``ALLREDUCE`` and ``STEP`` actions do.
 
-``ALLREDUCE<k>`` waits for the round's gradient buckets (:mod:`.buckets`) and
-applies the scale. ``STEP<k>`` applies the update to the live weights
-(:meth:`~dreampipe.runtime.stage_module.StageModule.step`) after two all-reduces
-over every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`,
-the update skipped) and, with ``max_grad_norm``, the global gradient norm to
-clip by, which the sums of the weights tied across stages (:mod:`.stage_ties`)
-precede. Those run once per update on each rank, at its first ``STEP`` of the
-update, for all its stages (several under interleaving): the schedules that
-interleave flush every minibatch, and the update pass puts every ``ALLREDUCE`` of
-the rank's update before that ``STEP``, so its gradients are whole sums by then.
+``ALLREDUCE<k>`` waits for the round's gradient buckets (:mod:`.buckets`) and applies
+the scale; where the schedule defers ``STEP<k>`` (2bw,
+:func:`~dreampipe.scheduling.updates.launched_rounds`) it launches them and the ``STEP``
+waits. ``STEP<k>`` applies the update to the live weights
+(:meth:`~dreampipe.runtime.stage_module.StageModule.step`) after two all-reduces over
+every rank: whether any stage saw a non-finite value (:mod:`.nonfinite`, the update
+skipped) and, with ``max_grad_norm``, the global gradient norm to clip by, which the sums
+of the weights tied across stages (:mod:`.stage_ties`) precede. Those run once per
+update on each rank, at its first ``STEP`` of the update, for all its stages (several
+under interleaving, whose update pass puts every ``ALLREDUCE`` before that ``STEP``).
 
 Loss scaling: in the synchronous schedules each microbatch's mean loss is
 multiplied by ``1 / microbatches_per_update`` (:func:`loss_scale`), so the sum of the
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dreampipe.errors import ScheduleError
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.runtime.comm import Comm
 from dreampipe.runtime.loss_scaling import LossScale
@@ -36,6 +37,7 @@ from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_ties import RankTie, left_out_of_norm, sum_ties
 from dreampipe.runtime.zero_buckets import ShardBuckets
 from dreampipe.scheduling.actions import Action, Schedule, ScheduleKind
+from dreampipe.scheduling.updates import launched_rounds
 
 __all__ = ["RankUpdates", "loss_scale"]
 
@@ -83,6 +85,19 @@ class RankUpdates:
         self._ties = list(ties)
         self._left_out = left_out_of_norm(ties)
         self._agreed: tuple[int, int, bool] | None = None
+        self._launched: frozenset[tuple[int, int]] = frozenset()
+        #: per stage, what its deferred ``STEP`` waits for before it steps
+        self._landing: dict[int, Callable[[], None]] = {}
+
+    def expect(self, actions: Sequence[Action], steps_agree: bool) -> None:
+        """The rank runs ``actions``: note the all-reduces its steps leave in flight, which
+        a run whose ranks agree at each update must not have (``steps_agree``)."""
+        self._launched = launched_rounds(actions)
+        if self._launched and steps_agree:
+            raise ScheduleError(
+                f"rank {self._rank}'s schedule defers a STEP past its ALLREDUCE, but its "
+                "ranks agree at each update (clipping, a loss scale, skipping): build it "
+                "with steps_agree=True")
 
     def allreduce(
         self, a: Action, schedule: Schedule, module: StageModule,
@@ -92,26 +107,47 @@ class RankUpdates:
         beside them the replicas sum which parameters their microbatches used, so that one
         none used gets no gradient, as in one process (the optimizer skips it). That sum
         follows the buckets: every replica has then issued the round's collectives, in
-        the same order, whatever microbatches it ran."""
+        the same order, whatever microbatches it ran. A deferred step's round is left in
+        flight, the stage's later gradients going to its next update."""
         used = module.used_mask()
         scale = 1.0
         if schedule.kind is ScheduleKind.PIPEDREAM:
             r = schedule.replicas[a.stage]
             scale = 1.0 / min(r, schedule.num_microbatches - a.microbatch * r)
+        deferred = (a.stage, a.microbatch) in self._launched
         if isinstance(buckets, ShardBuckets):  # the microbatches' reduce-scatters summed
+            if deferred:
+                raise ScheduleError(f"{a} of a stage at ZeRO 2 or 3 is left in flight past "
+                                    "its STEP; its shards are the next update's: build the "
+                                    "schedule with the stage's ZeRO level")
             buckets.finish(a, scale)
         else:
-            buckets.finish(module.gradients(), a, scale)
-        if len(used):
-            comm.wait_allreduce(dist.all_reduce(used, group=buckets.group, async_op=True), a)
-        module.reduced([bool(u) for u in used.tolist()])
+            buckets.launch(module.gradients())
+        work = dist.all_reduce(used, group=buckets.group, async_op=True) if len(used) else None
+
+        def land() -> None:
+            if not isinstance(buckets, ShardBuckets):
+                buckets.finish((), a, scale)
+            if work is not None:
+                comm.wait_allreduce(work, a)
+            module.reduced([bool(u) for u in used.tolist()])
+
+        if deferred:
+            module.close_update()
+            self._landing[a.stage] = land
+        else:
+            land()
 
     def step(
         self, a: Action, schedule: Schedule, first_microbatch: int, module: StageModule, comm: Comm
     ) -> None:
         """``STEP`` ``a`` of ``module``'s stage; ``first_microbatch`` numbers the schedule's
         microbatches
-        in the run, so that the rank's stages agree once per update."""
+        in the run, so that the rank's stages agree once per update; a deferred step
+        first waits for its all-reduce."""
+        land = self._landing.pop(a.stage, None)
+        if land is not None:
+            land()
         now = (first_microbatch, a.microbatch)
         if self._agreed is None or self._agreed[:2] != now:
             overflowed = None

@@ -49,7 +49,7 @@ def build_schedule(
     replicas: Sequence[int], kind: ScheduleKind, num_microbatches: int,
     microbatches_per_update: int = 1,
     in_flight: Sequence[int] | None = None, virtual_stages: int = 1,
-    zero: Sequence[int] | None = None,
+    zero: Sequence[int] | None = None, steps_agree: bool = False,
 ) -> Schedule:
     """The validated schedule of ``kind`` for stages replicated ``replicas`` ways.
 
@@ -61,7 +61,9 @@ def build_schedule(
     ``virtual_stages`` (interleaved-1f1b, zbv, dualpipev) puts that many stages on each
     worker, the stages of a position on as many replicas (docs/design.md §7.7). ``zero``: each
     stage's ZeRO level (None: 0); a replicated stage at level 3 gathers and frees its weights where
-    :func:`~dreampipe.scheduling.unshard.place_unshards` says.
+    :func:`~dreampipe.scheduling.unshard.place_unshards` says. ``steps_agree``: every
+    rank waits for every other at each update (clipping, a loss scale, skipping), which
+    keeps 2bw's steps where they are (:func:`~dreampipe.scheduling.updates.defers_steps`).
 
     A synchronous schedule is its period (:func:`_period` updates), built and
     validated once, repeated with shifted microbatches: no microbatch crosses an update, so
@@ -84,20 +86,22 @@ def build_schedule(
                                                  levels),
                                    num_microbatches // block)
     return _built(tuple(replicas), kind, num_microbatches, microbatches_per_update,
-                  None if in_flight is None else tuple(in_flight), virtual_stages, levels)
+                  None if in_flight is None else tuple(in_flight), virtual_stages, levels,
+                  steps_agree)
 
 
 def _built(
     replicas: tuple[int, ...], kind: ScheduleKind, num_microbatches: int,
     microbatches_per_update: int,
     in_flight: tuple[int, ...] | None = None, virtual_stages: int = 1,
-    zero: tuple[int, ...] | None = None,
+    zero: tuple[int, ...] | None = None, steps_agree: bool = False,
 ) -> Schedule:
     """The passes, then the validator."""
     from dreampipe.scheduling.validator import validate_schedule
 
     schedule = lower_updates(lower_communication(compute_schedule(
-        replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)))
+        replicas, kind, num_microbatches, microbatches_per_update, in_flight, virtual_stages)),
+        zero, steps_agree)
     if zero is not None:
         schedule = place_unshards(schedule, zero)
     validate_schedule(schedule)

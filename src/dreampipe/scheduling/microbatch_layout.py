@@ -130,7 +130,7 @@ class MicrobatchLayout:
 
     def build(
         self, replicas: Sequence[int], steps: int, in_flight: Sequence[int] | None = None,
-        virtual_stages: int = 1, zero: Sequence[int] | None = None,
+        virtual_stages: int = 1, zero: Sequence[int] | None = None, steps_agree: bool = False,
     ) -> Schedule:
         """The validated schedule of ``steps`` updates over stages replicated ``replicas`` ways.
 
@@ -138,8 +138,11 @@ class MicrobatchLayout:
         sets the pipedream schedule's warm-up; the synchronous ones have their own.
         ``virtual_stages``: stages per worker, for interleaved-1f1b. ``zero``: each stage's
         ZeRO level (level 3 gathers and frees a replicated stage's weights, :mod:`.unshard`).
+        ``steps_agree``: every rank waits for every other at each update (2bw then keeps
+        its steps after each minibatch, :func:`~dreampipe.scheduling.updates.defers_steps`).
         """
         pipedream = self.kind is ScheduleKind.PIPEDREAM
         return build_schedule(replicas, self.kind, self.num_microbatches(steps),
                               self.microbatches_per_update,
-                              in_flight if pipedream else None, virtual_stages, zero)
+                              in_flight if pipedream else None, virtual_stages, zero,
+                              steps_agree)

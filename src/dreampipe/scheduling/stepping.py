@@ -1,22 +1,21 @@
 """The one stepping core: run every rank through its action list as the runtime would.
 
-Each rank executes its list in order. Compute and sends never wait; a
-receive waits until the send of the same :attr:`~Action.transfer_key` has been
-posted; an all-reduce, and a ZeRO-3 stage's ``UNSHARD`` (an all-gather), waits until
-every replica of its stage has joined the same round; a ``RESHARD`` never waits
-(docs/design.md §8.2). With ``agree_steps`` a rank's first ``STEP`` of each update
-also waits for every rank's (the runtime's agreement over the world before an update:
-the global gradient norm to clip by, a loss scale's overflow, whether to skip;
-:mod:`dreampipe.runtime.update_actions`), matched by their order on each rank, as
-collectives are. A blocked rank is parked under what it
-waits for and woken when that happens. The validator's dry run uses
-:class:`Stepper` as it is (every action takes no time; ranks left blocked are
-a deadlock). The simulator subclasses it and overrides the hooks
-(:meth:`~Stepper.compute`, :meth:`~Stepper.send`, :meth:`~Stepper.receive`,
-:meth:`~Stepper.allreduce`, :meth:`~Stepper.gather`, :meth:`~Stepper.release`,
-:meth:`~Stepper.joined`) to put times on the same
-steps: each rank carries a clock that the hooks advance, and transfers and
-all-reduces carry a ``(start, end)`` span.
+Each rank executes its list in order. Compute and sends never wait; a receive waits
+until the send of the same :attr:`~Action.transfer_key` has been posted; an
+all-reduce, and a ZeRO-3 stage's ``UNSHARD`` (an all-gather), waits until every
+replica of its stage has joined the same round (one a deferred ``STEP`` leaves in
+flight, :func:`~dreampipe.scheduling.updates.launched_rounds`, joins without waiting
+and its ``STEP`` waits instead); a ``RESHARD`` never waits (docs/design.md §8.2). With
+``agree_steps`` a rank's first ``STEP`` of each update also waits for every rank's
+(the runtime's agreement before an update: :mod:`dreampipe.runtime.update_actions`),
+matched by their order on each rank, as collectives are. A blocked rank is parked
+under what it waits for and woken when that happens. The validator's dry run uses
+:class:`Stepper` as it is (every action takes no time; ranks left blocked are a
+deadlock). The simulator subclasses it and overrides the hooks (:meth:`~Stepper.compute`,
+:meth:`~Stepper.send`, :meth:`~Stepper.receive`, :meth:`~Stepper.allreduce`,
+:meth:`~Stepper.launch`, :meth:`~Stepper.gather`, :meth:`~Stepper.release`,
+:meth:`~Stepper.joined`) to put times on the same steps: each rank carries a clock
+that the hooks advance, and transfers and all-reduces carry a ``(start, end)`` span.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, TransferKey
+from dreampipe.scheduling.updates import launched_rounds
 
 __all__ = ["Span", "Stepper"]
 
@@ -37,6 +37,7 @@ _OVERLAP = ActionKind.OVERLAP
 _SEND_F, _SEND_B = ActionKind.SEND_F, ActionKind.SEND_B
 _UNSHARD, _RESHARD = ActionKind.UNSHARD, ActionKind.RESHARD
 _RECV_F, _RECV_B = ActionKind.RECV_F, ActionKind.RECV_B
+_ALLREDUCE = ActionKind.ALLREDUCE
 _NOTHING: Span = (0.0, 0.0)
 
 
@@ -60,6 +61,8 @@ class Stepper:
         self._parked: dict[TransferKey | tuple[int, int], list[int]] = {}
         self._joined: dict[tuple[int, int], list[int]] = {}
         self._rounds: dict[tuple[int, int], Span] = {}
+        #: per rank, the all-reduces its deferred steps leave in flight
+        self._launched = [launched_rounds(acts) for acts in schedule.actions]
 
     def run(self) -> list[int]:
         """Step until no rank can move; the ranks left blocked (empty: all finished)."""
@@ -115,6 +118,10 @@ class Stepper:
         """A ``RESHARD`` at ``clock`` (the full weights freed); the clock after it."""
         return clock
 
+    def launch(self, rank: int, action: Action, clock: float) -> None:
+        """``rank`` joins the all-reduce ``action`` at ``clock`` and goes on (its ``STEP``
+        waits for it), before :meth:`allreduce` may read its arrival."""
+
     def joined(self, rank: int, action: Action, span: Span) -> float:
         """A member leaves the all-reduce (or all-gather) ``span``; its clock after it."""
         return span[1]
@@ -136,6 +143,14 @@ class Stepper:
                 clock = max(clock, span[1])
                 self._agreements[rank] += 1
                 self._agreed_on[rank] = a.microbatch
+            if k is _STEP and (a.stage, a.microbatch) in self._launched[rank]:
+                span = self._rounds.get((a.stage, a.microbatch))
+                if span is None:  # parked until the last replica launches it
+                    self.clock[rank] = clock
+                    self._parked.setdefault((a.stage, a.microbatch), []).append(rank)
+                    break
+                clock = max(clock, self.joined(rank, Action(_ALLREDUCE, a.stage, a.microbatch),
+                                               span))
             if k is _F or k is _B or k is _W or k is _STEP or k is _OVERLAP:
                 clock = compute(rank, a, clock)
             elif k is _SEND_F or k is _SEND_B:
@@ -157,6 +172,10 @@ class Stepper:
                 clock = receive(rank, a, clock, got)
             elif k is _RESHARD:
                 clock = self.release(rank, a, clock)
+            elif k is _ALLREDUCE and (a.stage, a.microbatch) in self._launched[rank]:
+                self.clock[rank] = clock
+                self.launch(rank, a, clock)
+                self._launch(rank, a, ready)
             else:
                 self.clock[rank] = clock
                 span = self._join(rank, a, ready)
@@ -165,6 +184,17 @@ class Stepper:
                 clock = self.joined(rank, a, span)
             i += 1
         self.position[rank], self.clock[rank] = i, clock
+
+    def _launch(self, rank: int, action: Action, ready: list[int]) -> None:
+        """``rank`` joins the round of ``action`` without waiting; the last to join sets
+        its span and wakes the replicas whose ``STEP`` waits for it."""
+        group = (action.stage, action.allreduce_round)
+        members = self._joined.setdefault(group, [])
+        members.append(rank)
+        if len(members) == self.schedule.replicas[action.stage]:
+            self._rounds[group] = self.allreduce(action.stage, members)
+            del self._joined[group]
+            self.wake(self._parked.pop(group, ()), ready)
 
     def _agree(self, rank: int, ready: list[int]) -> Span | None:
         """The span of the rank's next agreement once every rank joined it, else None

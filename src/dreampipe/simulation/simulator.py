@@ -9,14 +9,13 @@ on its steps. Compute occupies the rank for the stage's cost per microbatch; a
 the receiver's server's link in, which the servers' other transfers share); a
 ``RECV`` waits for the transfer's end; an ``ALLREDUCE`` starts
 ``allreduce_delay_s`` into the replicas' latest backward and ends
-``allreduce_s`` later; a ZeRO-3 ``UNSHARD`` starts when the last replica joins and
-takes ``gather_s``; with ``steps_agree`` a rank's first ``STEP`` of an update waits for
-the last rank's. Each rank's peak memory is the planner's
-:func:`dreampipe.planning.memory_terms.memory_bytes` at the worst (versions, microbatches in
-flight, weights whole or sharded between ``RESHARD`` and ``UNSHARD``) it holds. Costs
-come from :mod:`dreampipe.simulation.action_costs`; each action's cost and what a rank
-holds: docs/design.md §9. An ``OVERLAP_F_B`` costs its forward and its backward, one
-after the other; a hand-off between two stages of one rank costs nothing.
+``allreduce_s`` later (a deferred step's waits at its ``STEP``); a ZeRO-3 ``UNSHARD``
+starts when the last replica joins and takes ``gather_s``; with ``steps_agree`` a rank's
+first ``STEP`` of an update waits for the last rank's. Each rank's peak memory is
+:mod:`.rank_memory`'s. Costs come from :mod:`dreampipe.simulation.action_costs`; each
+action's cost and what a rank holds: docs/design.md §9. An ``OVERLAP_F_B`` costs its
+forward and its backward, one after the other; a hand-off between two stages of one
+rank costs nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import bisect
 import heapq
 import math
 import random
-from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +36,7 @@ from dreampipe.scheduling.stepping import Span, Stepper
 from dreampipe.scheduling.weight_versions import runs_on
 from dreampipe.simulation.action_costs import SimCosts, costs_from_plan, costs_from_profile
 from dreampipe.simulation.link_calendar import LinkCalendar
+from dreampipe.simulation.rank_memory import RankMemory, stash_shares
 
 __all__ = ["SimCosts", "SimResult", "costs_from_plan", "costs_from_profile", "simulate_schedule"]
 
@@ -138,12 +137,14 @@ class _Run(Stepper):
         self._held = self._ordered = False
         #: (src, dst): the links a transfer holds and their bandwidth
         self.paths: dict[tuple[int, int], tuple[tuple[tuple[int, int, int], ...], float]] = {}
-        self.memory = [_Memory(schedule.replicas[schedule.stage_of_rank(r)] if any(
+        self.memory = [RankMemory(schedule.replicas[schedule.stage_of_rank(r)] if any(
             a.kind is _UNSHARD for a in acts) else 1) for r, acts in enumerate(schedule.actions)]
         #: per rank, what a microbatch of each hosted stage holds of its largest stash
-        self.shares = [_shares(costs.stash_bytes, schedule.stages_of_rank(r))
+        self.shares = [stash_shares(costs.stash_bytes, schedule.stages_of_rank(r))
                        for r in range(ranks)]
         self.draws = random.Random(0)
+        #: per rank, its arrival at a launched all-reduce and its backward's start then
+        self._launched_at: dict[int, tuple[float, float]] = {}
         self.split = schedule.kind.splits_backward
         self.input_grad_s = tuple(b - w for b, w in zip(costs.backward_s, costs.weight_grad_s,
                                                           strict=True))
@@ -275,14 +276,21 @@ class _Run(Stepper):
                                      end))
         return max(clock, end)
 
+    def launch(self, rank: int, action: Action, clock: float) -> None:
+        """A deferred step's all-reduce: the rank's arrival and its backward then, for
+        :meth:`allreduce`; the next update's gradients are made beside this one's."""
+        self._launched_at[rank] = (clock, self.last_b_start[rank])
+        self.memory[rank].launch()
+
     def allreduce(self, stage: int, members: Sequence[int]) -> Span:
         """Starts ``allreduce_delay_s`` into the latest of the members' preceding
         backwards (gradients go out as they are produced); ends ``allreduce_s``
-        later or when the last member arrives."""
-        arrived = max(self.clock[m] for m in members)
+        later or when the last member arrives (launched, :meth:`launch`)."""
+        at = [self._launched_at.pop(m, (self.clock[m], self.last_b_start[m])) for m in members]
+        arrived = max(c for c, _ in at)
         cost = self.c.allreduce_s[stage]
         delay = self.c.allreduce_delay_s[stage]
-        start = max(self.last_b_start[m] for m in members) + delay if cost > 0 else arrived
+        start = max(b for _, b in at) + delay if cost > 0 else arrived
         return start, max(arrived, start + cost)
 
     def agree(self, members: Sequence[int]) -> Span:
@@ -325,76 +333,3 @@ def _steady_rate(finished: list[float], warm: int, fraction: float) -> tuple[flo
     t0, t1 = finished[lo], finished[hi]
     microbatches = bisect.bisect_right(finished, t1) - bisect.bisect_right(finished, t0)
     return microbatches * fraction / (t1 - t0), microbatches
-
-
-class _Memory:
-    """Microbatches in flight on one rank and the weight versions they pin; a ZeRO-3 rank
-    (``shards`` replicas) holds ``1 / shards`` of the live weights while they are sharded."""
-
-    def __init__(self, shards: int = 1) -> None:
-        self.shards = shards
-        self.sharded = shards > 1  # until the first UNSHARD
-        self.version = 0
-        self.microbatch_version: dict[int, int] = {}
-        self.share: dict[int, float] = {}  # of each microbatch in flight, :func:`_shares`
-        self.counts: Counter[int] = Counter()
-        self.peak_in_flight = 0
-        self.peak_versions = 1
-        self.samples: set[tuple[int, float, bool]] = {(1, 0.0, self.sharded)}
-
-    def forward(self, microbatch: int, version: int, share: float = 1.0) -> None:
-        """A forward that runs on ``version`` (:func:`~dreampipe.scheduling.weight_versions.
-        runs_on`) pins it until its backward; it holds ``share`` of the rank's largest
-        stash."""
-        self.microbatch_version[microbatch] = version
-        self.share[microbatch] = share
-        self.counts[version] += 1
-        self._sample()
-
-    def backward(self, microbatch: int) -> None:
-        self._sample()
-        v = self.microbatch_version.pop(microbatch, None)
-        self.share.pop(microbatch, None)
-        if v is not None:
-            self.counts[v] -= 1
-            if not self.counts[v]:
-                del self.counts[v]
-
-    def step(self) -> None:
-        self.version += 1
-        self._sample()
-
-    def shard(self, sharded: bool) -> None:
-        """The live weights are freed (``RESHARD``) or gathered whole (``UNSHARD``)."""
-        self.sharded = sharded
-        self._sample()
-
-    def pins_live(self) -> bool:
-        """Whether a microbatch in flight holds the live version, which a step then keeps."""
-        return self.version in self.counts
-
-    def _sample(self) -> None:
-        versions = len(self.counts) + (self.version not in self.counts)
-        flight = len(self.microbatch_version)
-        self.peak_in_flight = max(self.peak_in_flight, flight)
-        self.peak_versions = max(self.peak_versions, versions)
-        self.samples.add((versions, sum(self.share.values()), self.sharded))
-
-    def peak_memory(self, parameter_bytes: float, stash_bytes: float, sent_bytes: float,
-                    held_bytes: float = 0.0) -> float:
-        from dreampipe.planning.memory_terms import memory_bytes  # NumPy: only when used
-
-        freed = parameter_bytes * (1 - 1 / self.shards)
-        return max(float(memory_bytes(parameter_bytes, stash_bytes * f, v, 1,
-                                      sent_bytes=sent_bytes,
-                                      working_bytes=held_bytes))
-                   - (freed if sharded else 0.0) for v, f, sharded in self.samples)
-
-
-def _shares(stash_bytes: Sequence[float], stages: Iterable[int]) -> dict[int, float]:
-    """Each of ``stages``' stash over the largest of them: a rank hosting several holds,
-    at any moment, the sum of its microbatches' own stages' stashes, not as many of the
-    largest (1 where they are equal or hold nothing)."""
-    hosted = list(stages)
-    most = max((stash_bytes[st] for st in hosted), default=0.0)
-    return {st: stash_bytes[st] / most if most > 0 else 1.0 for st in hosted}
