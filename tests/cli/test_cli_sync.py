@@ -50,6 +50,18 @@ def test_a_layout_on_dgx_a100_prices_its_update_and_teraflops(
     assert 50 < data["tflops_per_gpu"] < 312  # below the A100's dense 16-bit peak
 
 
+def test_a_layout_that_leaves_workers_idle_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """``t1-p3`` on 8 workers runs 2 copies of 3 and leaves 2 idle: a note says so, and
+    that the TFLOP/s count the 6 used; a layout that fills them has no such note."""
+    argv = ["plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "64", "--layout"]
+    data = _json(capsys, *argv, "t1-p3", "--json")
+    assert data["workers_used"] == 6
+    (note,) = [x for x in data["notes"] if "idle" in x]
+    assert "runs 2 copies of its 3 workers: 2 of the 8 stay idle" in note
+    assert "count the 6 used" in note and "divides 8" in note
+    assert not _json(capsys, *argv, "t1-p2", "--json")["notes"]
+
+
 def test_a_saved_plan_simulates_as_its_synchronous_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:

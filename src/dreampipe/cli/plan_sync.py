@@ -166,7 +166,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     simulated, why = _check(result, graph, topo, options) if args.check else (None, "--no-check")
     # the simulated update where the check ran (the objective's closed form bounds it)
     tflops = result.tflops_per_gpu(graph, simulated or result.time_per_update_s)
-    notes = _layout_notes(result, graph, layout)
+    notes = _layout_notes(result, graph, layout, topo.num_workers)
     choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
@@ -197,19 +197,31 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     return 0
 
 
-def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None) -> list[str]:
-    """What the layout asked that the plan could not do as written: ``-rK`` above the
-    blocks every stage holds, where a stage recomputes all of its own."""
-    if layout is None or not layout.recompute_blocks:
+def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None, workers: int
+                  ) -> list[str]:
+    """What the layout asked that the plan could not do as written: workers that no copy
+    of its pipeline fills (they stay idle, and the TFLOP/s count the others only), and
+    ``-rK`` above the blocks every stage holds, where a stage recomputes all of its own."""
+    if layout is None:
         return []
+    notes = []
+    idle = workers - result.workers_used
+    if idle > 0:
+        t, p, d = layout.t, layout.p, result.data_parallel
+        notes.append(f"--layout {layout.text} runs {d} {'copy' if d == 1 else 'copies'} of "
+                     f"its {t * p} workers: {idle} of the {workers} stay idle, and the TFLOP/s "
+                     f"count the {result.workers_used} used; give t and p whose product "
+                     f"divides {workers}")
+    if not layout.recompute_blocks:
+        return notes
     blocks = layer_blocks(graph)
     most = max(len({b for b in blocks[st.first:st.last + 1] if b is not None})
                for st in result.stages)
-    if layout.recompute_blocks <= most:
-        return []
-    return [f"--layout {layout.text} recomputes {layout.recompute_blocks} blocks a stage, "
-            f"but no stage holds more than {most}: every stage recomputes all of its "
-            f"blocks, as r{most} would"]
+    if layout.recompute_blocks > most:
+        notes.append(f"--layout {layout.text} recomputes {layout.recompute_blocks} blocks a "
+                     f"stage, but no stage holds more than {most}: every stage recomputes "
+                     f"all of its blocks, as r{most} would")
+    return notes
 
 
 def _check(result: SyncPlan, graph: LayerGraph, topo: Topology, options: SyncOptions
