@@ -62,6 +62,17 @@ def test_a_layout_that_leaves_workers_idle_says_so(capsys: pytest.CaptureFixture
     assert not _json(capsys, *argv, "t1-p2", "--json")["notes"]
 
 
+def test_a_layout_whose_t_does_not_divide_the_heads_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SMALL's 4 heads split over t = 8 cannot go by whole heads: a note names the heads
+    and the fix; t = 4 divides them and has none."""
+    argv = ["plan", SMALL, "-t", "dgx-a100:1", "--global-batch", "64", "--layout"]
+    (note,) = _json(capsys, *argv, "t8-p1", "--json")["notes"]
+    assert "t = 8 does not divide attention's 4 heads" in note and "divides the heads" in note
+    assert not _json(capsys, *argv, "t4-p1", "--json")["notes"]
+
+
 def test_a_saved_plan_simulates_as_its_synchronous_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Path,
 ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from dreampipe.cli.links import memory_limit, sync_from
 from dreampipe.errors import ConfigError
 from dreampipe.planning.layout import LAYOUT_EXAMPLE, Layout, parse_layout
+from dreampipe.planning.splits import attention_heads
 from dreampipe.planning.state_bytes import OPTIMIZER_COPIES, PRECISION_PARAM_BYTES, Training
 from dreampipe.planning.sync_choices import SyncOptions
 from dreampipe.planning.sync_objective import PipelineKind
@@ -200,11 +201,20 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
 def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None, workers: int
                   ) -> list[str]:
     """What the layout asked that the plan could not do as written: workers that no copy
-    of its pipeline fills (they stay idle, and the TFLOP/s count the others only), and
-    ``-rK`` above the blocks every stage holds, where a stage recomputes all of its own."""
+    of its pipeline fills (they stay idle, and the TFLOP/s count the others only), a
+    ``t`` that does not divide attention's heads (no split by heads: Megatron-LM's rule),
+    and ``-rK`` above the blocks every stage holds, where a stage recomputes all of its
+    own."""
     if layout is None:
         return []
     notes = []
+    heads = sorted({a for x in graph.layers if (a := attention_heads(x)) is not None
+                    and a % layout.t})
+    if layout.t > 1 and heads:
+        notes.append(f"--layout {layout.text}: t = {layout.t} does not divide attention's "
+                     f"{', '.join(map(str, heads))} heads, so those layers are not split by "
+                     "heads (as Megatron-LM splits them) but by batch or not at all; give a "
+                     "t that divides the heads")
     idle = workers - result.workers_used
     if idle > 0:
         t, p, d = layout.t, layout.p, result.data_parallel
