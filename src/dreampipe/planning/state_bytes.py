@@ -10,7 +10,8 @@ the optimizer's own 32-bit tensors (``optimizer_copies`` of them a parameter: 2 
 (``precision="bf16"``), the 32-bit master copies of the 16-bit weights, which the
 optimizer steps and so are sharded with its state. A 32-bit stage with Adam on 2
 replicas keeps 16 bytes a parameter at level 0, 12 at level 1, 10 at level 2 and 8 at
-level 3; a ``bf16`` one 16 at level 0, as Megatron-LM counts. Padding is left out. The
+level 3; a ``bf16`` one 16 at level 0 (dreampipe's 16-bit gradients; Megatron-LM
+accumulates 32-bit ones, 18). Padding is left out. The
 runtime's memory prediction and the planner's synchronous objective read these terms;
 docs/design.md §5.6.
 """
