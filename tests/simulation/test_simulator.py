@@ -304,6 +304,13 @@ def test_costs_from_plan_uses_the_plan_predictions() -> None:
     costs = costs_from_plan(plan, Topology.parse("2", bandwidths=["100B/s"]))
     assert costs.forward_s == pytest.approx((0.1, 0.1))
     assert costs.backward_s == pytest.approx((0.2, 0.2))
+    # a plan that says its stages' forwards splits compute_s at them
+    timed = Plan(stages=tuple(replace(st, forward_s=f) for st, f in zip(stages, (0.05, 0.15),
+                                                                         strict=True)),
+                 num_layers=4)
+    costs = costs_from_plan(timed, Topology.parse("2", bandwidths=["100B/s"]))
+    assert costs.forward_s == pytest.approx((0.05, 0.15))
+    assert costs.backward_s == pytest.approx((0.25, 0.15))
     result = simulate_schedule(build_schedule([1, 1], S.NAIVE, 1, 1), costs)
     assert result.makespan_s == pytest.approx(0.6 + 0.2)
     # stages placed on workers 0 and 2 of 2x2: the cut's bytes and links are those

@@ -187,7 +187,9 @@ def _run(args: argparse.Namespace) -> int:
             "memory_limit_bytes": limit, "minibatches": updates, "as_planned": planned,
             "planned_memory_bytes": [st.memory_bytes for st in plan.stages],
             "microbatches_per_update": per_update,
+            # the planner's objective is PipeDream's steady state, whatever the schedule
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
+            "predicted_schedule": ScheduleKind.PIPEDREAM.value,
             "memory_known": graph is not None}
     if args.json:
         known = {} if graph is not None else {"peak_memory_bytes": None}
@@ -295,7 +297,8 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
         f"throughput  {result.throughput_minibatches_per_s:.3f} minibatches/s over "
         f"{result.makespan_s:.3f} s"
         + (f" (planner predicted {info['predicted_minibatches_per_s']:.3f} for plan "
-           f"{info['plan_config']} in steady state)"
+           f"{info['plan_config']} in steady state"
+           + ("" if result.kind is ScheduleKind.PIPEDREAM else " under pipedream") + ")"
            if info["predicted_minibatches_per_s"] > 0 else ""),
         f"bubble      {100 * result.bubble_fraction:.1f}% of rank time idle",
         "",
@@ -312,6 +315,9 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
             f"{100 * idle / result.makespan_s if result.makespan_s else 0:>5.1f}% "
             f"{memory:>12} {result.peak_versions[rank]:>8} {result.peak_in_flight[rank]:>9}")
     if not info["memory_known"]:
+        if result.kind.splits_backward:
+            lines.append("without --profile a backward's weight-gradient part (W) is taken "
+                         "as half of it: pass --profile for each stage's own")
         lines.append("peak memory needs the profile: pass --profile with the plan JSON"
                      + ("; --memory is checked against it" if info["memory_limit_bytes"]
                         else ""))

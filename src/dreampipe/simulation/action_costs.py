@@ -302,14 +302,17 @@ def cut_bandwidth(plan: Plan, topology: Topology, s: int) -> float:
 def costs_from_plan(plan: Plan, topology: Topology, microbatch_fraction: float = 1.0) -> SimCosts:
     """Approximate costs from a plan's own predictions, when no profile is at hand.
 
-    Forward takes a third of ``compute_s`` and backward two thirds (the usual
-    ratio); each direction of the cut moves ``comm_s / 2`` worth of bytes at
+    Forward takes the stage's ``forward_s`` and backward the rest of ``compute_s``
+    (a plan saved without ``forward_s``: a third and two thirds, the usual ratio);
+    each direction of the cut moves ``comm_s / 2`` worth of bytes at
     the slowest link across it; memory is unknown (zero). A plan whose workers the
     topology lacks is a ScheduleError, as for :func:`costs_from_profile`.
     """
     check_fits(plan, topology, error=ScheduleError)
-    fwd = tuple(st.compute_s / 3 * microbatch_fraction for st in plan.stages)
-    bwd = tuple(2 * st.compute_s / 3 * microbatch_fraction for st in plan.stages)
+    forward = [st.forward_s if st.forward_s > 0 else st.compute_s / 3 for st in plan.stages]
+    fwd = tuple(f * microbatch_fraction for f in forward)
+    bwd = tuple((st.compute_s - f) * microbatch_fraction
+                for st, f in zip(plan.stages, forward, strict=True))
     act = []
     for s, a in enumerate(plan.stages[:-1]):
         bw = cut_bandwidth(plan, topology, s)
