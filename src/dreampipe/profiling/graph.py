@@ -28,7 +28,7 @@ FORMAT_VERSION = 1
 
 #: The figures a profile may leave out.
 _OPTIONAL = ("saved_bytes", "weight_grad_ms", "backward_bytes", "deferred_bytes",
-             "recorded_bytes", "library_bytes", "largest_parameter_bytes")
+             "recorded_bytes", "library_bytes", "largest_parameter_bytes", "loss_bytes")
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,9 @@ class Layer:
     measured, and then the backward counts ``stash_bytes``, the deferred, the recorded
     and the library nothing. ``largest_parameter_bytes`` is the layer's largest parameter
     (an optimizer's step and a weight's gradient come a parameter at a time); None where
-    not measured, and then :attr:`largest_parameter` is the whole layer's.
+    not measured, and then :attr:`largest_parameter` is the whole layer's. ``loss_bytes``,
+    on the last layer, is the part of its kept tensors the loss saved (cross-entropy's
+    log-probabilities), which a split backward's ``B`` frees with the loss; None: none.
 
     ``reused`` names the parameters the layer uses that an earlier one counted in its
     ``parameter_bytes`` (a tied head, a module called twice), each ``(first, k, bytes)``:
@@ -82,6 +84,7 @@ class Layer:
     library_bytes: int | None = None
     recorded_bytes: int | None = None
     largest_parameter_bytes: int | None = None
+    loss_bytes: int | None = None
     reused: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:

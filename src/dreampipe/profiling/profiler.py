@@ -125,6 +125,9 @@ def profile_model(
             recorded = recorded_bytes(operands, kept)
             layers = [replace(x, saved_bytes=_saved_bytes(
                 saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None),
+                loss_bytes=_saved_bytes({}, s, env, {
+                    ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
+                }) if s is kept[-1] else None,
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
                 activation_bytes=(sent_bytes(env[s.key], autocast)
                                   if sent is None or s.key == output_key else sent(env[s.key])))

@@ -182,24 +182,21 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         walked = opts.stash and not st.recompute
         # ZeRO-3 gathers the weights whole for the update unless per use without recompute
         whole = not (pairs_per_use(schedule, s) and not st.recompute)
-        # the gradients made in an update's first backward and freed at its step: from
-        # ZeRO-2 on, this replica's chunks (the buckets come and go in every backward)
-        gradients = weights // st.replicas if level >= 2 else weights
+        gradients, buckets = _gradient_terms(st, weights, level)
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
-        # all-reduce buckets (:mod:`.buckets`): flat copies of the gradients
-        buckets = weights if st.replicas > 1 and level < 2 else 0
         holding = functools.partial(  # the formula's bytes with so many in flight
             costs.memory, st.first, st.last, versions, optimizer_copies=optimizer_copies(opts),
             stash=opts.stash, sends_kept=min(sends[s], SENDS_KEPT), recompute=st.recompute)
         working = int(costs.backward_working[st.first, st.last])
         at_once = holding(flight[s])
+        beside = _working(costs, st, flight[s], saved, each) if walked else 0
         main = (at_once - saved + (0 if walked else buckets)
                 - _zero_saved(st, level, weights, max(sizes, default=0), opts, whole)
-                + (max(waiting_bytes(acts, graph, st) for acts in ranks[s]) if s > 0 else 0)
+                + (max(waiting_bytes(acts, graph, st, beside) for acts in ranks[s])
+                   if s > 0 else 0)
                 - (min(gradients_later(acts, each + int(costs.cut_bytes[st.first]),
-                                        gradients, buckets - _working(costs, st, flight[s],
-                                                                      saved, each), s)
+                                        gradients, buckets - beside, s)
                        for acts in ranks[s]) if walked else 0)
                 + max(0, _cast_gradient(_parameters(graph, st, autocast=True), opts.precision,
                                         schedule.round_microbatches(s))
@@ -224,10 +221,12 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
                   *, library: bool = True) -> tuple[int, ...]:
     """Per rank, what the sum of its stages' :func:`predict_memory` counts that the rank
     never holds at once (0 for a rank of one stage): it runs one backward at a time, so
-    it holds one stage's working set, the largest; and its stages' microbatches in flight
-    peak together only as its actions hold them, walked along them; and it steps its
-    stages one at a time, so it holds one stage's step temporaries, the most that raise
-    a stage's peak (docs/memory.md)."""
+    it holds one stage's working set (as its prediction counts it, walked), the largest;
+    and its stages' microbatches in flight peak together only as its actions hold them,
+    walked along them, less what each stage's prediction took off already as its
+    gradients are not made yet at its own peak (:func:`.gradients_later`); and it steps
+    its stages one at a time, so it holds one stage's step temporaries, the most that
+    raise a stage's peak (docs/memory.md)."""
     if not library:
         graph = graph.without_library()
     several = any(len({a.stage for a in actions}) > 1 for actions in schedule.actions)
@@ -242,15 +241,23 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
         if len(mine) < 2 or any(plan.stages[s].tensor_parallel > 1 for s in mine):
             out.append(0)
             continue
-        each, work = {}, {}
+        each, work, later = {}, {}, 0
         for s in mine:
             st = plan.stages[s]
             kept = float(costs.kept[st.first, st.last])
             walked = opts.stash and not st.recompute
-            own = _walk_saved(graph, st, s, _recomputed(graph, st, opts), 1)[1] if walked else 0
+            saved, own = _walk_saved(graph, st, s, _recomputed(graph, st, opts), 1) \
+                if walked else (0, 0)
             each[s] = float(costs.cut_bytes[st.first]) + own
-            work[s] = float(costs.backward_working[st.first, st.last]) + (
-                0.0 if walked else float(costs.cut_bytes[st.first]) + kept)
+            beside = _working(costs, st, 1, saved, own)  # walked, as predict_memory's
+            work[s] = float(beside) if walked else float(
+                costs.backward_working[st.first, st.last] + costs.cut_bytes[st.first]) + kept
+            if walked:  # as predict_memory takes it off the stage's peak
+                weights = (sum(x.parameter_bytes for x in graph.layers[st.first : st.last + 1])
+                           + graph.reused_bytes(st.first, st.last))
+                gradients, buckets = _gradient_terms(st, weights, plan.zero_levels(opts.zero)[s])
+                later += gradients_later(tuple(a for a in actions if a.stage == s),
+                                         round(each[s]), gradients, buckets - beside, s)
         release, held, joint = release_kind(actions), dict.fromkeys(mine, 0), 0.0
         for a in actions:
             held[a.stage] += a.kind in (ActionKind.FORWARD, ActionKind.OVERLAP)
@@ -260,7 +267,7 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
                 held[a.backward_stage] -= release is ActionKind.BACKWARD
             joint = max(joint, sum(held[s] * each[s] for s in mine))
         apart = sum(flight[s] * each[s] for s in mine)
-        out.append(round(max(0.0, apart - joint) + sum(work.values()) - max(work.values())
+        out.append(round(max(0.0, apart - joint - later) + sum(work.values()) - max(work.values())
                          + sum(steps[s] for s in mine) - max(steps[s] for s in mine)))
     return tuple(out)
 
@@ -303,6 +310,14 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
                + max(work[n], outputs[n]) for n in range(len(layers)))
     formula = sum(kept) * in_flight + max(work)
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
+
+
+def _gradient_terms(st: Stage, weights: int, level: int) -> tuple[int, int]:
+    """The gradients made in an update's first backward and freed at its step (from
+    ZeRO-2 on, this replica's chunks: the buckets come and go in every backward), and a
+    replicated stage's all-reduce buckets (:mod:`.buckets`: flat copies of them)."""
+    return (weights // st.replicas if level >= 2 else weights,
+            weights if st.replicas > 1 and level < 2 else 0)
 
 
 def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int) -> int:

@@ -72,23 +72,32 @@ def gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
     return kept * most_flight + gradients - peak
 
 
-def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage) -> int:
-    """What microbatches waiting for their ``W`` hold beyond the stage's kept tensors of
-    its most microbatches in flight: along one rank's actions, the most of the kept
-    tensors (and input) of those in flight and what ``B`` recorded for those waiting
-    (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), less the first at its
-    most."""
+def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
+                  working: int = 0) -> int:
+    """What microbatches waiting for their ``W`` hold beyond the formula's peak: the
+    stage's kept tensors of its most microbatches in flight and one backward's
+    ``working`` set. Along one rank's actions, the kept tensors (and input) of those in
+    flight and what ``B`` recorded for those waiting
+    (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`), and in a ``B`` its working
+    set beside the others waiting: it makes its recorded gradients, which the working
+    set holds until it ends. ``B`` drops the stage's output, and on the last stage the
+    loss with it: one waiting there no longer holds what the loss saved
+    (:attr:`~dreampipe.profiling.graph.Layer.loss_bytes`)."""
     if release_kind(actions) is not ActionKind.WEIGHT:
         return 0
     layers = graph.layers[st.first : st.last + 1]
     kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
     recorded = sum(x.recorded_bytes or 0 for x in layers)
+    if st.last == len(graph.layers) - 1:
+        recorded -= graph.layers[-1].loss_bytes or 0
     flight = waiting = most = top = 0
     for a in actions:
+        if a.kind is ActionKind.BACKWARD:
+            most = max(most, kept * flight + recorded * waiting + working)
         flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
         waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
         most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
-    return max(0, most - kept * top)
+    return max(0, most - kept * top - working)
 
 
 def most_in_flight(schedule: Schedule, stages: int) -> list[int]:
