@@ -39,17 +39,14 @@ class Layer:
     backward: its output and every tensor autograd saves inside it (a ReLU's
     result, a max-pool's indices), but not its inputs or parameters; None
     where unknown (PipeDream's graph.txt), and then the output alone counts
-    (:attr:`stash_bytes`). Each figure must be a finite number >= 0: ``inf`` or
-    ``nan`` is a broken measurement and would surface later as a baffling
-    planner error.
+    (:attr:`stash_bytes`). Each figure must be a finite number >= 0 (``inf`` or ``nan``
+    is a broken measurement, which would surface later as a baffling planner error).
 
-    ``weight_grad_ms`` is the part of ``backward_ms`` spent on the weight
-    gradient, timed apart from the input gradient (the profiler does); a
-    zero-bubble schedule runs the two as separate actions. None where not
-    measured (PipeDream's graph.txt, profiles written before the split), and
-    then half of the backward counts as weight gradient
-    (:attr:`weight_grad_share`): the two are matrix products of the same
-    size in a linear or convolution layer.
+    ``weight_grad_ms`` is the part of ``backward_ms`` spent on the weight gradient, timed
+    apart from the input gradient; a zero-bubble schedule runs the two as separate
+    actions. None where not measured (PipeDream's graph.txt, older profiles): then half
+    of the backward counts (:attr:`weight_grad_share`), the two being matrix products of
+    the same size in a linear or convolution layer.
 
     ``backward_bytes`` is the most the layer's backward holds at once besides what
     the forward kept (its upstream gradient, the gradients and temporaries it makes,

@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from functools import partial
@@ -41,6 +41,7 @@ __all__ = [
     "deferred_bytes",
     "library_bytes",
     "linear_operands",
+    "new_parameter_bytes",
     "recorded_bytes",
     "sent_bytes",
     "with_library",
@@ -241,3 +242,17 @@ def _anonymous() -> int:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def new_parameter_bytes(params: Iterable[Tensor], counted: dict[int, tuple[int, int]],
+                        layer: int = 0) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+    """Bytes of the ``params`` not yet in ``counted`` (by identity), which are added to it as
+    the ``k``-th of ``layer``: a weight two layers share is counted once, in the first layer
+    that uses it; the others list it as reused, ``(first, k, bytes)`` (Layer.reused)."""
+    unique = {id(p): p for p in params}
+    fresh = [p for key, p in unique.items() if key not in counted]
+    for k, p in enumerate(fresh):
+        counted[id(p)] = (layer, k)
+    reused = tuple((*counted[key], p.numel() * p.element_size())
+                   for key, p in unique.items() if counted[key][0] != layer)
+    return sum(p.numel() * p.element_size() for p in fresh), reused

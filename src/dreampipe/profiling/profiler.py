@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -33,6 +33,7 @@ from dreampipe.profiling.layer_memory import (
     deferred_bytes,
     library_bytes,
     linear_operands,
+    new_parameter_bytes,
     recorded_bytes,
     sent_bytes,
     with_library,
@@ -44,25 +45,11 @@ from dreampipe.profiling.tensor_trees import fresh as _fresh
 from dreampipe.profiling.tensor_trees import storages as _storages
 from dreampipe.profiling.tensor_trees import tensors as _tensors
 
-__all__ = ["new_parameter_bytes", "profile_model", "profile_spec"]
+__all__ = ["profile_model", "profile_spec"]
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
-
-
-def new_parameter_bytes(params: Iterable[Tensor], counted: dict[int, tuple[int, int]],
-                        layer: int = 0) -> tuple[int, tuple[tuple[int, int, int], ...]]:
-    """Bytes of the ``params`` not yet in ``counted`` (by identity), which are added to it as
-    the ``k``-th of ``layer``: a weight two layers share is counted once, in the first layer
-    that uses it; the others list it as reused, ``(first, k, bytes)`` (Layer.reused)."""
-    unique = {id(p): p for p in params}
-    fresh = [p for key, p in unique.items() if key not in counted]
-    for k, p in enumerate(fresh):
-        counted[id(p)] = (layer, k)
-    reused = tuple((*counted[key], p.numel() * p.element_size())
-                   for key, p in unique.items() if counted[key][0] != layer)
-    return sum(p.numel() * p.element_size() for p in fresh), reused
 
 
 def profile_model(

@@ -65,8 +65,8 @@ def saved_profile(path: str | Path, spec: ModelSpec, microbatch_size: int, *, re
     recorded them (``meta["model_kwargs"]``, as ``dreampipe profile`` does).
     """
     from dreampipe.profiling.gpt_spec import is_gpt_spec
+    from dreampipe.profiling.layer_memory import new_parameter_bytes
     from dreampipe.profiling.load import load_graph
-    from dreampipe.profiling.profiler import new_parameter_bytes
     from dreampipe.runplan.runtime_overhead import with_runtime_overhead
 
     args = "".join(f" --model-arg {k}={v}" for k, v in model_kwargs)
