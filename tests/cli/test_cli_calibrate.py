@@ -44,11 +44,15 @@ def test_calibrate_writes_the_default_path(
     assert "wrote" in err
 
 
-def test_calibrate_refuses_a_directory_and_one_worker(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_calibrate_refuses_a_directory_an_empty_name_and_one_worker(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert main(["calibrate", "-o", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "default.json"))
+    assert main(["calibrate", "-o", ""]) == 2  # not the default file
+    assert "--output '' names no file" in capsys.readouterr().err
+    assert not (tmp_path / "default.json").exists()
     assert main(["calibrate", "--workers", "1", "-o", str(tmp_path / "m.json")]) == 2
     err = capsys.readouterr().err
     assert "--workers 1" in err and "2 workers or more" in err

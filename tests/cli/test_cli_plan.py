@@ -340,6 +340,25 @@ def test_a_synchronous_schedule_asked_with_async_semantics_is_refused(
     assert code == 2 and "--schedule zb-h1 is synchronous, and --semantics async" in err
 
 
+def test_the_pipedream_cost_model_refuses_an_all_reduce_it_would_not_price(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--cost-model",
+                        "pipedream", "--sync", "ps", "--ps-shards", "2")
+    assert code == 2 and "--sync ps: the pipedream cost model prices PipeDream's own" in err
+
+
+def test_microbatches_asked_of_pipedream_are_refused_as_train_refuses_them(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--schedule",
+                        "pipedream", "--microbatches", "4")
+    assert code == 2 and "--microbatches 4 with --schedule pipedream" in err
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--schedule",
+                        "1f1b-flush", "--microbatches", "4", "--json")
+    assert code == 0 and json.loads(out)["microbatches"] == 4
+
+
 def test_semantics_any_keeps_a_synchronous_schedule_where_the_study_says_async_loses(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -518,3 +537,28 @@ def test_a_plan_over_the_workers_memory_says_so_and_names_the_fix(
     code, out, _ = _run(capsys, VGG, "-t", "4x4", "-b", "10GB/s", "-b", "10Gbps",
                         "--memory", "16.0GB")
     assert code == 0 and not any(x.startswith("memory:") for x in out.splitlines())
+
+
+def test_an_output_file_is_checked_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``plan -o`` naming the profile it reads would overwrite it with a plan, and one in
+    a missing directory would fail only once planned: both are one line before planning;
+    ``profile -o`` in a missing directory is refused before profiling."""
+    profile = tmp_path / "chain.json"
+    LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 100, 100) for i in range(4)]).save(profile)
+    kept = profile.read_text()
+
+    def no_planning(*_: object, **__: object) -> None:
+        raise AssertionError("planned before checking -o")
+
+    monkeypatch.setattr("dreampipe.cli.plan_command.plan_pipeline", no_planning)
+    for out, needle in ((profile, "is the command's own input, which it would overwrite"),
+                        (tmp_path / "no" / "plan.json", "does not exist")):
+        assert main(["plan", str(profile), "-t", "2", "-o", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert profile.read_text() == kept
+    monkeypatch.setattr("dreampipe.cli.profile_command._measure", no_planning)
+    assert main(["profile", "mlp", "-o", str(tmp_path / "no" / "p.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err

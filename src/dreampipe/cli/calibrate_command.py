@@ -65,7 +65,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     from dreampipe.machine.torchrun import in_torchrun
     from dreampipe.runtime.backend import gpus_here
 
-    target = Path(args.output) if args.output else default_path()
+    if args.output is not None and not args.output.strip():
+        raise ConfigError(f"--output {args.output!r} names no file; give one, e.g. --output "
+                          "machine.json, or leave --output out for the default path")
+    target = Path(args.output) if args.output is not None else default_path()
     if target.is_dir():
         raise ConfigError(f"--output {target}: is a directory; name a file in it, e.g. "
                           f"--output {target / 'machine.json'}")

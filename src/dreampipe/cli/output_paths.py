@@ -1,4 +1,4 @@
-"""The files ``--trace`` and ``--timeline`` name, checked before any work.
+"""The files ``--trace``, ``--timeline`` and ``-o`` name, checked before any work.
 
 A run must not end in a traceback, or write elsewhere than asked, when it has
 done its work: a trace names a file in a directory that exists, and a timeline
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from dreampipe.errors import ConfigError
 
-__all__ = ["IMAGE_SUFFIXES", "check_output_paths", "check_run_paths"]
+__all__ = ["IMAGE_SUFFIXES", "check_output_file", "check_output_paths", "check_run_paths"]
 
 #: The image formats a timeline is written in, by suffix (matplotlib's common ones).
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".eps", ".tif", ".tiff")
@@ -38,6 +38,25 @@ def check_output_paths(trace: str | Path | None, timeline: str | Path | None) ->
             raise ConfigError(
                 f"--timeline {path}: the chart is an image; end the name in one of "
                 f"{', '.join(IMAGE_SUFFIXES)}, e.g. --timeline {p.with_suffix('.png')}")
+
+
+def check_output_file(flag: str, path: str | Path | None, example: str,
+                      inputs: tuple[str | Path, ...] = ()) -> None:
+    """A ConfigError naming ``flag`` and the fix where the file it writes (None: not
+    asked) has no name, is a directory, lies in a directory that does not exist, or is
+    one of the command's ``inputs``, which it would overwrite."""
+    if path is None:
+        return
+    if not str(path).strip():
+        raise ConfigError(f"{flag} {str(path)!r} names no file; name one, e.g. {flag} "
+                          f"{example}")
+    p = _a_file(flag, path, example)
+    if not p.resolve().parent.is_dir():
+        raise ConfigError(f"{flag} {path}: directory {str(p.parent)!r} does not exist; "
+                          "create it or write elsewhere")
+    if any(Path(x).is_file() and Path(x).resolve() == p.resolve() for x in inputs):
+        raise ConfigError(f"{flag} {path} is the command's own input, which it would "
+                          f"overwrite; write elsewhere, e.g. {flag} {example}")
 
 
 def check_run_paths(data_log: str | Path | None, checkpoint_dir: str | Path | None) -> None:

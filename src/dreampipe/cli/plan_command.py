@@ -38,6 +38,7 @@ from dreampipe.cli.links import (
     sync_from,
     topology_from,
 )
+from dreampipe.cli.output_paths import check_output_file
 from dreampipe.cli.plan_check import check_warning, format_check
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
@@ -163,6 +164,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_output_file("-o", args.output, "plan.json", inputs=(args.profile,))
     topo = topology_from(args)
     graph = profile_on(args.profile, topo)
     if wants_sync(args):

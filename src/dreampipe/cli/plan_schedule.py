@@ -30,7 +30,7 @@ from dreampipe.runplan.schedule_choice import EFFECTIVE, SEVERAL, Semantics, cho
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan
-from dreampipe.scheduling.microbatch_layout import default_microbatches
+from dreampipe.scheduling.microbatch_layout import MicrobatchLayout, default_microbatches
 from dreampipe.simulation.action_costs import costs_from_profile, cut_bandwidth
 from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
@@ -88,6 +88,8 @@ def schedule_report(
     replicas = [st.replicas for st in plan.stages]
     capped = bool(batch) and args.microbatches is None and default_microbatches(replicas) > batch
     asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
+    if asked and args.microbatches is not None:  # its rules: pipedream takes one
+        MicrobatchLayout(kind=asked[0], microbatches=args.microbatches)
     if asked and args.semantics == Semantics.ASYNC.value and asked[0].synchronous:
         raise ConfigError(f"--schedule {args.schedule} is synchronous, and --semantics async "
                           "asks for stale weights; drop one of them", "schedule", "semantics")

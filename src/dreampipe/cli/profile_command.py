@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from dreampipe.cli.links import GPT_HELP, TOPOLOGY_HELP, profile_on
+from dreampipe.cli.output_paths import check_output_file
 from dreampipe.cli.profile_table import (
     format_bundled_list,
     format_profile_summary,
@@ -115,6 +116,7 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
+    check_output_file("-o", args.output, "profile.json")
     sized = parse_model_args(args.model_arg)
     model = resolve(args.model, sized, batch_size=args.batch_size)
     try:

@@ -57,6 +57,11 @@ class PlanOptions:
                 f"memory_bytes={self.memory_bytes}: the pipedream cost model reproduces "
                 "PipeDream's optimizer without a memory limit; drop --memory or use "
                 "--cost-model dreampipe", "memory_bytes")
+        if self.sync != DEFAULT_SYNC and self.cost_model is CostModel.PIPEDREAM:
+            raise ConfigError(
+                f"sync={self.sync.kind.value}: the pipedream cost model prices PipeDream's "
+                "own all-reduce, whatever the algorithm; drop --sync and --ps-shards or use "
+                "--cost-model dreampipe", "sync")
 
     def search(self, layers: int) -> Options:
         """The dynamic program's options for a model of ``layers`` layers."""
