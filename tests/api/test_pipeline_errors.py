@@ -356,3 +356,21 @@ def test_a_loss_that_is_not_a_scalar_on_a_model_meta_cannot_run_is_named_at_its_
                                           r"returned .* make a new Pipeline, or resume"):
         pipe.step(x, y)  # the runner stopped within its schedule: nothing runs on from there
     pipe.close()  # ends it all the same
+
+
+@pytest.mark.parametrize(("kw", "needle"), [
+    ({"example": None}, "example=NoneType: give one minibatch as (inputs, target)"),
+    ({"example": (torch.randn(4, 6),)}, "example=tuple: give one minibatch"),
+    ({"example": (torch.randn(4, 6), 3)}, "example=tuple: give one minibatch"),
+    ({"optimizer": None}, "optimizer=None: give a function of a stage's parameters"),
+    ({"variable_dims": (5,)}, "variable_dims=(5,): the example's tensors have dimensions "
+                              "0..1, none 5"),
+])
+def test_a_missing_example_or_optimizer_or_a_dimension_it_lacks_is_one_error(
+    kw: dict[str, Any], needle: str
+) -> None:
+    """Each names the argument and the fix before anything runs (no traceback from deep
+    inside), and a variable dimension the example does not have is not a silent no-op."""
+    with pytest.raises(ConfigError) as info:
+        _pipe(**kw)
+    assert needle in str(info.value)

@@ -66,6 +66,7 @@ def test_train_rejects_bad_arguments(
         (["--vertical-sync", "--no-stash"], "drop --no-stash or --vertical-sync"),
         (["--schedule", "gpipe", "--vertical-sync"], "apply to the pipedream schedule only"),
         (["--lr", "0"], "--lr 0.0: the learning rate must be positive"),
+        (["--momentum=-1"], "--momentum -1.0: SGD's momentum must be 0 or more"),
         (["--dataset", "mnist", "--data-dir", "{tmp}"], "train-images-idx3-ubyte"),
         (["--plan", "{tmp}/missing.json"], "missing.json"),
         (["--workers", "3", "--config", "2-1", "--stages", "0,9"], "--stages '0,9'"),

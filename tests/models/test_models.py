@@ -94,6 +94,9 @@ def test_a_rank_of_far_apart_stages_builds_those_layers_alone(name: str) -> None
         ("gnmt", {"hidden": 33}, "hidden=33"),
         ("gnmt", {"layers": 1}, "layers=1"),
         ("transformer", {"dim": 30, "heads": 4}, "dim=30"),
+        ("transformer", {"heads": 0}, "heads=0: use at least 1"),
+        ("transformer", {"vocab": 0}, "vocab=0: use at least 1"),
+        ("transformer", {"seq_len": 0}, "seq_len=0: use at least 1"),
         ("mlp", {"layers": 0}, "layers=0"),
     ],
 )

@@ -31,7 +31,8 @@ from dreampipe.splitter.chain import Chain, Layers
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 
 __all__ = [
-    "Batch", "Inputs", "check_counted_targets", "check_loss_signature", "check_optimizer",
+    "Batch", "Inputs", "check_arguments", "check_counted_targets", "check_example",
+    "check_loss_signature", "check_optimizer",
     "check_plan", "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
     "check_stages_per_rank", "check_virtual", "map_inputs", "refuse_legacy",
 ]
@@ -51,10 +52,46 @@ def map_inputs(x: Inputs, fn: Callable[[Tensor], Tensor]) -> Inputs:
     return tuple(fn(t) for t in x) if isinstance(x, tuple) else fn(x)
 
 
+def check_arguments(config: TrainConfig, plan: object, example: object,
+                    optimizer: Callable[[list[nn.Parameter]], Any]) -> None:
+    """A Pipeline's arguments, before anything runs: :func:`check_virtual`,
+    :func:`check_example` and :func:`check_optimizer`."""
+    check_virtual(config, plan)
+    check_example(example, config.variable_dims)
+    check_optimizer(optimizer)
+
+
+def check_example(example: object, variable_dims: Sequence[int]) -> None:
+    """``example`` must be one minibatch, ``(inputs, target)``: the inputs a tensor, or a
+    tuple or dict of them, and the target a tensor with a batch dimension; each of
+    ``variable_dims`` a dimension one of them has (a typo would declare nothing)."""
+    pair = example if isinstance(example, tuple | list) and len(example) == 2 else (None, None)
+    inputs, target = pair
+    parts = (list(inputs.values()) if isinstance(inputs, dict) else list(inputs)
+             if isinstance(inputs, tuple) else [inputs])
+    tensors = [t for t in (*parts, target) if isinstance(t, Tensor)]
+    if not (isinstance(target, Tensor) and target.dim() >= 1 and parts
+            and len(tensors) == len(parts) + 1):
+        raise ConfigError(f"example={type(example).__name__}: give one minibatch as "
+                          "(inputs, target), tensors with the batch first, e.g. "
+                          "example=next(iter(loader))", "example")
+    most = max(t.dim() for t in tensors)
+    beyond = [d for d in variable_dims if d >= most]
+    if beyond:
+        raise ConfigError(f"variable_dims={tuple(variable_dims)}: the example's tensors have "
+                          f"dimensions 0..{most - 1}, none {beyond[0]}; give dimensions they "
+                          "have, e.g. (1,) for the sequence of [batch, sequence] tokens",
+                          "variable_dims")
+
+
 def check_optimizer(factory: Callable[[list[nn.Parameter]], Any]) -> None:
     """The factory must return a ``torch.optim.Optimizer``, tried early on a one-element
     stand-in parameter; a factory that cannot take one (it looks its parameters up by
     identity) is checked on each stage's own parameters instead."""
+    if not callable(factory):
+        raise ConfigError(f"optimizer={factory!r}: give a function of a stage's parameters "
+                          "that returns its optimizer, e.g. optimizer=lambda params: "
+                          "torch.optim.AdamW(params, lr=3e-4)", "optimizer")
     try:
         got = factory([nn.Parameter(torch.zeros(1))])
     except Exception as exc:  # the user's code, on a tensor it never saw: not its fault

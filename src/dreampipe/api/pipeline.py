@@ -34,9 +34,8 @@ from dreampipe.api.batch_shapes import BatchShapes
 from dreampipe.api.checks import (
     Batch,
     Inputs,
-    check_optimizer,
+    check_arguments,
     check_schedulers,
-    check_virtual,
     map_inputs,
     refuse_legacy,
 )
@@ -125,8 +124,7 @@ class Pipeline:
         if not isinstance(config, TrainConfig):
             raise ConfigError(f"config={config!r}; give a TrainConfig, e.g. "
                               "config=TrainConfig(schedule='1f1b-flush')", "config")
-        check_virtual(config, plan)
-        check_optimizer(optimizer)
+        check_arguments(config, plan, example, optimizer)
         self._owns_group = init_process_group(config.timeout_s)
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()

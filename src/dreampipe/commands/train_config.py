@@ -177,6 +177,9 @@ def check_options(opts: TrainOptions) -> None:
     if not (math.isfinite(opts.lr) and opts.lr > 0):  # NaN fails every comparison
         raise ConfigError(f"lr={opts.lr}: the learning rate must be positive, such as 0.01",
                           "lr")
+    if not (math.isfinite(opts.momentum) and opts.momentum >= 0):
+        raise ConfigError(f"momentum={opts.momentum}: SGD's momentum must be 0 or more, such "
+                          "as 0.9 (0: none)", "momentum")
     if opts.dataset not in DATASETS:
         raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
     if opts.config.resume is not None:

@@ -86,10 +86,12 @@ def transformer(
     dropout: float = 0.0,
 ) -> ModelSpec:
     """``layers`` blocks of width ``dim`` over sequences of ``seq_len`` tokens."""
+    for name, value in (("vocab", vocab), ("dim", dim), ("heads", heads), ("layers", layers),
+                        ("seq_len", seq_len)):
+        if value < 1:
+            raise ProfileError(f"transformer {name}={value}: use at least 1")
     if dim % heads:
         raise ProfileError(f"transformer dim={dim} is not divisible by heads={heads}")
-    if layers < 1:
-        raise ProfileError(f"transformer layers={layers}: use at least 1")
     factories: list[tuple[str, LayerFactory]] = [("embed", lambda: _Embed(vocab, dim, seq_len))]
     factories += [
         (f"block{i}", lambda: TransformerBlock(dim, heads, dropout)) for i in range(layers)
