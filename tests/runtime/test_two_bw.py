@@ -53,3 +53,30 @@ def test_a_rank_that_agrees_at_each_update_refuses_a_deferred_step() -> None:
     updates.expect(kept.actions[1], steps_agree=True)
     with pytest.raises(ScheduleError, match=r"defers a STEP past its ALLREDUCE.*steps_agree"):
         updates.expect(deferred.actions[1], steps_agree=True)
+
+
+def test_a_pipeline_with_weights_tied_across_stages_keeps_its_steps() -> None:
+    """Summing a tie's gradients at each step makes its ranks wait for each other, as
+    clipping does: a deferred step on one of them would leave the other waiting for
+    traffic sent only after that step (a hang), so such a run builds its steps in place,
+    and a rank holding a tie refuses a deferred schedule."""
+    from dreampipe.api.config import TrainConfig
+    from dreampipe.api.pipeline_segments import Segments
+    from dreampipe.planning.plan import Plan
+    from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
+    from dreampipe.scheduling.stepping import Stepper
+    from dreampipe.scheduling.updates import launched_rounds
+
+    plan = Plan.from_config(4, [0, 2], [1, 2])
+    layout = MicrobatchLayout(kind=ScheduleKind.TWO_BW, minibatch_size=16, microbatches=4)
+    config = TrainConfig(schedule="2bw", microbatches=4)
+    for tied in (False, True):
+        schedule = Segments(plan, layout, config, 96, tied=tied).build(6)
+        assert any(launched_rounds(acts) for acts in schedule.actions) is not tied
+        assert (Stepper(schedule, agree_steps=True).run() == []) is tied
+    updates = RankUpdates(1, torch.device("cpu"), None,  # type: ignore[arg-type]
+                          [], max_grad_norm=None, clip_group=None, after_step=None)
+    updates._ties = [object()]  # type: ignore[list-item]  # a rank holding a tie's copy
+    deferred = Segments(plan, layout, config, 96).build(6)
+    with pytest.raises(ScheduleError, match="weights tied across stages"):
+        updates.expect(deferred.actions[1], steps_agree=False)

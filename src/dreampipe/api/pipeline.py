@@ -152,7 +152,8 @@ class Pipeline:
         ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
         self.replicas = [st.replicas for st in self.plan.stages]
         #: The segments' schedules (a schedule file's, or the kind's), feeds and losses.
-        self._segments = Segments(self.plan, self.layout, config, SEGMENT_MICROBATCHES)
+        self._segments = Segments(self.plan, self.layout, config, SEGMENT_MICROBATCHES,
+                                  tied=bool(ties))
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)

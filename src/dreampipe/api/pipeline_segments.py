@@ -42,7 +42,7 @@ class Segments:
     ``segment_microbatches`` microbatches; see the module docstring."""
 
     def __init__(self, plan: Plan, layout: MicrobatchLayout, config: TrainConfig,
-                 segment_microbatches: int) -> None:
+                 segment_microbatches: int, *, tied: bool = False) -> None:
         self.plan, self.layout = plan, layout
         #: What each microbatch's loss averages over (:class:`~dreampipe.api.feed.Feed`).
         self.loss_weight = ignoring(config.ignore_index)
@@ -51,7 +51,8 @@ class Segments:
         self.period = None if config.schedule_file is None else self._file_schedule(
             str(config.schedule_file))
         self.zero = list(plan.zero_levels(config.zero))
-        self.steps_agree = config.runner_options().steps_agree
+        # ranks that sum tied weights' gradients at each step wait for each other there
+        self.steps_agree = config.runner_options().steps_agree or tied
         per_round = math.lcm(*self.replicas)
         #: The most minibatches a segment holds: whole rounds of every stage's replicas.
         self.cap = max(per_round, segment_microbatches // layout.microbatches_per_update

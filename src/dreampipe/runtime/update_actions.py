@@ -93,11 +93,11 @@ class RankUpdates:
         """The rank runs ``actions``: note the all-reduces its steps leave in flight, which
         a run whose ranks agree at each update must not have (``steps_agree``)."""
         self._launched = launched_rounds(actions)
-        if self._launched and steps_agree:
+        if self._launched and (steps_agree or self._ties):
             raise ScheduleError(
                 f"rank {self._rank}'s schedule defers a STEP past its ALLREDUCE, but its "
-                "ranks agree at each update (clipping, a loss scale, skipping): build it "
-                "with steps_agree=True")
+                "ranks agree at each update (clipping, a loss scale, skipping, or summing "
+                "weights tied across stages): build it with steps_agree=True")
 
     def allreduce(
         self, a: Action, schedule: Schedule, module: StageModule,
