@@ -43,13 +43,10 @@ def check_output_paths(trace: str | Path | None, timeline: str | Path | None) ->
 def check_output_file(flag: str, path: str | Path | None, example: str,
                       inputs: tuple[str | Path, ...] = ()) -> None:
     """A ConfigError naming ``flag`` and the fix where the file it writes (None: not
-    asked) has no name, is a directory, lies in a directory that does not exist, or is
-    one of the command's ``inputs``, which it would overwrite."""
+    asked) is a directory (``''`` is ``.``), lies in a directory that does not exist, or
+    is one of the command's ``inputs``, which it would overwrite."""
     if path is None:
         return
-    if not str(path).strip():
-        raise ConfigError(f"{flag} {str(path)!r} names no file; name one, e.g. {flag} "
-                          f"{example}")
     p = _a_file(flag, path, example)
     if not p.resolve().parent.is_dir():
         raise ConfigError(f"{flag} {path}: directory {str(p.parent)!r} does not exist; "

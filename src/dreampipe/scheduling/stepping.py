@@ -188,13 +188,9 @@ class Stepper:
     def _launch(self, rank: int, action: Action, ready: list[int]) -> None:
         """``rank`` joins the round of ``action`` without waiting; the last to join sets
         its span and wakes the replicas whose ``STEP`` waits for it."""
-        group = (action.stage, action.allreduce_round)
-        members = self._joined.setdefault(group, [])
-        members.append(rank)
-        if len(members) == self.schedule.replicas[action.stage]:
-            self._rounds[group] = self.allreduce(action.stage, members)
-            del self._joined[group]
-            self.wake(self._parked.pop(group, ()), ready)
+        self._round((action.stage, action.allreduce_round), rank,
+                    self.schedule.replicas[action.stage], ready,
+                    lambda members: self.allreduce(action.stage, members), wait=False)
 
     def _agree(self, rank: int, ready: list[int]) -> Span | None:
         """The span of the rank's next agreement once every rank joined it, else None
@@ -212,16 +208,18 @@ class Stepper:
                            lambda members: hook(action.stage, members))
 
     def _round(self, group: tuple[int, int], rank: int, size: int, ready: list[int],
-               span_of: Callable[[Sequence[int]], Span]) -> Span | None:
+               span_of: Callable[[Sequence[int]], Span], wait: bool = True) -> Span | None:
         """``rank`` joins the collective ``group`` of ``size`` members: its span once the
-        last joined (``span_of`` the members, then the parked ones woken), else None."""
+        last joined (``span_of`` the members, then the parked ones woken), else None, the
+        rank parked unless it goes on without waiting (``wait`` False)."""
         span = self._rounds.get(group)
         if span is not None:
             return span
         members = self._joined.setdefault(group, [])
         members.append(rank)
         if len(members) < size:
-            self._parked.setdefault(group, []).append(rank)
+            if wait:
+                self._parked.setdefault(group, []).append(rank)
             return None
         self.wake(self._parked.pop(group, ()), ready)
         span = self._rounds[group] = span_of(members)
