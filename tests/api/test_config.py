@@ -47,8 +47,8 @@ __all__: list[str] = []
     ({"recompute_blocks": 2, "recompute_attention": True}, "recompute_blocks=2 with "
      "recompute_attention=True; recompute either each stage's first k >= 1 blocks or every "
      "block's attention, not both", ("recompute_blocks", "recompute_attention")),
-    ({"recompute_blocks": -1}, "recompute_blocks=-1 with recompute_attention=False",
-     ("recompute_blocks", "recompute_attention")),
+    ({"recompute_blocks": -1}, "recompute_blocks=-1: the blocks each stage recomputes, from "
+     "its first; use 0 (none) or more", ("recompute_blocks",)),
     ({"precision": "fp16-mixed", "schedule": "2bw"}, "precision=fp16-mixed with schedule=2bw: "
      "a loss scale shared by all stages needs every stage to update at the same step",
      ("precision", "schedule")),
@@ -222,7 +222,7 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         max_grad_norm=draw(st.none() | st.floats(1e-6, 1e6)),
         precision=draw(st.sampled_from([p.value for p in Precision if p is not
                                         Precision.FP16_MIXED or synchronous])),
-        compensate=draw(st.booleans()), stash=stash,
+        compensate=True if synchronous else draw(st.booleans()), stash=stash,
         vertical_sync=draw(st.booleans()) if pipedream and stash else False,
         fused_accumulation=draw(st.booleans()), seed=draw(st.integers(0, 2**63 - 1)),
         timeout_s=draw(st.floats(1e-3, 1e6) | st.just(float("inf"))),
@@ -244,6 +244,15 @@ def test_every_valid_config_round_trips_through_json(config: TrainConfig) -> Non
     assert TrainConfig.from_json(config.to_json()) == config
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     assert dataclasses.replace(config) == config
+
+
+def test_compensation_turned_off_on_a_synchronous_schedule_is_refused() -> None:
+    """Nothing is stale there: the flag would change nothing, so it is a mistake."""
+    with pytest.raises(ConfigError, match="compensate=False with schedule=gpipe, which trains "
+                                          "on no stale weights"):
+        TrainConfig(schedule="gpipe", compensate=False)
+    for schedule in ("pipedream", "2bw", "auto"):
+        assert not TrainConfig(schedule=schedule, compensate=False).compensate
 
 
 def test_recomputation_of_blocks_is_one_spec() -> None:

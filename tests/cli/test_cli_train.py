@@ -82,6 +82,14 @@ def test_train_rejects_bad_arguments(
          "itself; leave out --stages '0,2', or give a plan"),
         (["--schedule", "zbv", "--virtual-stages", "2", "--config", "2"],
          "the V places its stages otherwise: leave out --config '2'"),
+        (["--schedule", "pipedream", "--semantics", "sync"],
+         "--schedule pipedream is asynchronous (stale weights), and --semantics sync asks "
+         "for the other; drop one of them"),
+        (["--schedule", "gpipe", "--semantics", "async"], "--schedule gpipe is synchronous"),
+        (["--schedule", "gpipe", "--no-compensation"],
+         "--no-compensation with --schedule gpipe, which trains on no stale weights"),
+        (["--data-dir", "{tmp}"], "--data-dir '{tmp}' with --dataset synthetic, which reads no "
+                                  "files; give --dataset mnist to read MNIST from it"),
     ],
 )
 def test_train_rejects_bad_options_before_profiling(

@@ -45,6 +45,25 @@ def test_links_need_two_workers() -> None:
         measure.calibrate_local(1)
 
 
+@pytest.mark.parametrize(("gpus", "cores", "workers", "says"), [
+    (8, 64, 16, "8 GPUs.*workers=8 or fewer"), (0, 2, 64, "2 cores.*workers=2 or fewer"),
+    (0, 1, 3, "2 cores")])
+def test_more_workers_than_the_machine_runs_apart_are_refused(
+        monkeypatch: pytest.MonkeyPatch, gpus: int, cores: int, workers: int,
+        says: str) -> None:
+    """Beyond the GPUs, workers would fall back to gloo and measure the CPU's links as the
+    GPUs'; beyond the cores (2 at least), their own contention. Refused before any starts."""
+    monkeypatch.setattr(measure, "gpus_here", lambda: gpus)
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: cores)
+
+    def started(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("processes started")
+
+    monkeypatch.setattr(measure, "run_processes", started)
+    with pytest.raises(ConfigError, match=f"workers={workers}: this machine has {says}"):
+        measure.calibrate_local(workers)
+
+
 def test_a_job_plans_with_the_file_without_measuring(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

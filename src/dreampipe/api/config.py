@@ -205,6 +205,12 @@ class TrainConfig:
                 "with I and W actions)", "schedule_file", "schedule")
         if self.chooses is None:
             self._check_schedule(self.kind)
+            if not self.compensate and self.kind.synchronous:
+                raise ConfigError(
+                    f"compensate=False with schedule={self.kind.value}, which trains on no "
+                    "stale weights, so there is nothing to compensate; drop compensate=False, "
+                    "or use an asynchronous schedule (pipedream, 2bw)", "compensate",
+                    "schedule")
         else:
             self._check_candidates(self.chooses)
         if (self.loss_scale, self.loss_scale_window) != (2.0**16, 2000):
@@ -222,7 +228,11 @@ class TrainConfig:
             raise ConfigError(
                 f"zero={self.zero}; give 0 (no sharding), 1 (optimizer state), 2 (also "
                 f"gradients) or {MAX_LEVEL} (also the weights between uses)", "zero")
-        if self.recompute_blocks < 0 or (self.recompute_blocks and self.recompute_attention):
+        if self.recompute_blocks < 0:
+            raise ConfigError(f"recompute_blocks={self.recompute_blocks}: the blocks each stage "
+                              "recomputes, from its first; use 0 (none) or more",
+                              "recompute_blocks")
+        if self.recompute_blocks and self.recompute_attention:
             raise ConfigError(
                 f"recompute_blocks={self.recompute_blocks} with recompute_attention="
                 f"{self.recompute_attention}; recompute either each stage's first k >= 1 "

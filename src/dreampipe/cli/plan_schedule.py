@@ -26,7 +26,13 @@ from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
-from dreampipe.runplan.schedule_choice import EFFECTIVE, SEVERAL, Semantics, choose_schedule
+from dreampipe.runplan.schedule_choice import (
+    EFFECTIVE,
+    SEVERAL,
+    Semantics,
+    check_semantics,
+    choose_schedule,
+)
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.scheduling.interleave import interleaved_plan
@@ -47,6 +53,11 @@ def chosen(data: dict[str, Any]) -> dict[str, Any]:
     return {CHOSEN_KEY: {"schedule": data["schedule"], "microbatches": data["microbatches"]}}
 
 
+def _semantics(args: argparse.Namespace) -> Semantics:
+    """``--semantics``, sync where not given."""
+    return Semantics(args.semantics or Semantics.SYNC.value)
+
+
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--schedule``, ``--semantics``, ``--microbatches`` and ``--virtual-stages``."""
     p.add_argument("--schedule", default=None,
@@ -54,8 +65,7 @@ def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
                    help="schedule to report for the plan; auto (default): the fastest of "
                         "--semantics that fits --memory, simulated, with the reasons; zbv "
                         "and dualpipev plan 2 stages per worker in a V")
-    p.add_argument("--semantics", choices=[s.value for s in Semantics],
-                   default=Semantics.SYNC.value,
+    p.add_argument("--semantics", choices=[s.value for s in Semantics], default=None,
                    help="sync (default): updates as one process makes them (zb-h1, zb-h2, "
                         "1f1b-flush, gpipe); async: stale weights (2bw, pipedream); any: "
                         "both, each rate divided by the epochs to target dreampipe's "
@@ -90,16 +100,16 @@ def schedule_report(
     asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
     if asked and args.microbatches is not None:  # its rules: pipedream takes one
         MicrobatchLayout(kind=asked[0], microbatches=args.microbatches)
-    if asked and args.semantics == Semantics.ASYNC.value and asked[0].synchronous:
-        raise ConfigError(f"--schedule {args.schedule} is synchronous, and --semantics async "
-                          "asks for stale weights; drop one of them", "schedule", "semantics")
-    choice = choose_schedule(graph, plan, topo, Semantics(args.semantics), memory,
+    if asked and args.semantics is not None:
+        check_semantics(asked[0], Semantics(args.semantics))
+    semantics = _semantics(args)
+    choice = choose_schedule(graph, plan, topo, semantics, memory,
                              batch if capped else args.microbatches, kinds=asked)
     fits = " that fits the memory limit" if memory else ""
     best = ("as asked" if asked else
             f"the schedule soonest to the target ({EFFECTIVE}){fits}"
-            if args.semantics == Semantics.ANY.value else
-            f"the fastest {args.semantics} schedule{fits}")
+            if semantics is Semantics.ANY else
+            f"the fastest {semantics.value} schedule{fits}")
     lines = [f"schedule    {choice.kind.value}: {best}, by the simulator "
              f"({choice.microbatches} microbatches per minibatch):"]
     lines += [f"  {line}" for line in choice.reasons()]
@@ -144,7 +154,7 @@ def several_report(
     lines: list[str] = []
     data: dict[str, Any] = {}
     if args.schedule == _AUTO:
-        choice = choose_schedule(graph, cut, topo, Semantics(args.semantics),
+        choice = choose_schedule(graph, cut, topo, _semantics(args),
                                  memory_limit(args.memory, graph, topo), m)
         kind, m = choice.kind, choice.microbatches
         lines = [f"schedule    {kind.value}: the fastest of {', '.join(k.value for k in SEVERAL)}"

@@ -94,7 +94,7 @@ def wants_sync(args: argparse.Namespace) -> bool:
             raise ConfigError(f"{extra[0]} prices a synchronous update, which needs its "
                               "global batch: add --global-batch B, e.g. --global-batch 512")
         return False
-    if args.semantics != "sync":
+    if args.semantics not in (None, "sync"):
         raise ConfigError("--global-batch plans the synchronous objective; drop "
                           f"--semantics {args.semantics} or --global-batch")
     unread = [(flag, fix) for flag, given, fix in (

@@ -245,6 +245,11 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     def made(given: dict[str, Any]) -> TrainConfig:
         return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
 
+    if args.semantics is not None and args.schedule not in (None, "auto"):
+        from dreampipe.runplan.schedule_choice import Semantics, check_semantics
+        from dreampipe.scheduling.actions import ScheduleKind
+
+        check_semantics(ScheduleKind(args.schedule), Semantics(args.semantics))
     try:
         return with_lengths(made(given), args.seq_lengths)
     except ConfigError as exc:  # the default schedule (pipedream) keeps versions in flight

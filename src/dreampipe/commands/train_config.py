@@ -182,6 +182,10 @@ def check_options(opts: TrainOptions) -> None:
                           "as 0.9 (0: none)", "momentum")
     if opts.dataset not in DATASETS:
         raise DatasetError(f"unknown dataset {opts.dataset!r}; use one of {', '.join(DATASETS)}")
+    if opts.data_dir is not None and opts.dataset != "mnist":
+        raise ConfigError(f"data_dir={opts.data_dir!r} with dataset={opts.dataset}, which reads "
+                          "no files; give dataset=mnist to read MNIST from it, or drop "
+                          "data_dir", "data_dir", "dataset")
     if opts.config.resume is not None:
         raise ConfigError(f"a train run resumes from checkpoint_dir=DIR with resume=True, not "
                           f"from its config's resume={opts.config.resume!r}: drop that",

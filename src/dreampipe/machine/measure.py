@@ -103,6 +103,7 @@ def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -
     if workers < 2:
         raise ConfigError(f"workers={workers}: links are measured between 2 workers or more",
                           "workers")
+    _check_fits(workers)
     backend = backend_for_node(workers)
     job = _Job(workers, workers, probe, backend)
     _tell(say, f"measuring {workers} local workers ({job.backend.value}): co-run slowdown, "
@@ -159,6 +160,21 @@ def machine_for_run(workers: int, *, nodes: int = 1, say: Say | None = None
     finally:
         if owns:
             dist.destroy_process_group()
+
+
+def _check_fits(workers: int) -> None:
+    """Refuse more workers than this machine runs apart: past its GPUs they would fall
+    back to gloo on the CPU and measure the CPU's links for the GPUs'; past its cores
+    (at least 2) they time-share and measure their own contention."""
+    gpus, cores = gpus_here(), max(2, os.cpu_count() or 1)
+    if gpus and workers > gpus:
+        raise ConfigError(f"workers={workers}: this machine has {gpus} GPUs, and workers "
+                          "beyond them would be measured over gloo on the CPU, not between "
+                          f"the GPUs; give workers={gpus} or fewer", "workers")
+    if not gpus and workers > cores:
+        raise ConfigError(f"workers={workers}: this machine has {cores} cores, and more "
+                          "processes than cores measure their own contention, not the links; "
+                          f"give workers={cores} or fewer", "workers")
 
 
 def local_machine(workers: int, *, say: Say | None = None) -> LocalCalibration:

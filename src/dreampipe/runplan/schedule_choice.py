@@ -38,7 +38,7 @@ from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["CANDIDATES", "EFFECTIVE", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
-           "ScheduleChoice", "Semantics", "choose_schedule"]
+           "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule"]
 
 
 class Semantics(Enum):
@@ -46,6 +46,15 @@ class Semantics(Enum):
     ASYNC = "async"
     #: Both, weighed by their predicted time to target (:mod:`.study_epochs`).
     ANY = "any"
+
+
+def check_semantics(kind: ScheduleKind, semantics: Semantics) -> None:
+    """Refuse a named schedule beside the semantics of the other kind: one of the two is
+    a mistake, and which one only the user knows."""
+    if semantics is not Semantics.ANY and kind.synchronous != (semantics is Semantics.SYNC):
+        runs = "synchronous" if kind.synchronous else "asynchronous (stale weights)"
+        raise ConfigError(f"schedule={kind.value} is {runs}, and semantics={semantics.value} "
+                          "asks for the other; drop one of them", "schedule", "semantics")
 
 
 _S = ScheduleKind
