@@ -96,19 +96,38 @@ def test_memory_that_no_stage_fits_is_an_error_before_training(
 
 
 def _wide_mlp(layers: int, workers: int, stages: str | None, config: TrainConfig,
-              optimizer: OptimizerKind = OptimizerKind.SGD) -> list[dict[str, Any]]:
+              optimizer: OptimizerKind = OptimizerKind.SGD,
+              replicas: str = "straight") -> list[dict[str, Any]]:
     """Each rank's memory row of ``dreampipe train`` on an mlp of 1024-wide layers, whose
-    weights outweigh its activations, in a straight pipeline cut at ``stages``."""
+    weights outweigh its activations, in a pipeline of ``replicas`` (a config) cut at
+    ``stages``."""
     run = TrainOptions(
         model="mlp", model_kwargs=(("width", 1024), ("layers", layers)), minibatch_size=12,
         steps=4, optimizer=optimizer, lr=1e-3,
         config=dataclasses.replace(config, timeout_s=120.0, measure_memory=True),
         progress=False)
-    report = run_train(TrainRequest(run=run, plan=PlanSource(config="straight", stages=stages),
+    report = run_train(TrainRequest(run=run, plan=PlanSource(config=replicas, stages=stages),
                                     workers=workers, exact_steps=True))
     assert report is not None
     rows: list[dict[str, Any]] = report.memory_rows()
     return rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_replicated_stage_sums_its_large_gradients_in_place() -> None:
+    """Stage 0 (two 1024x1024 layers, 8.4 MB of weights) alone and on 2 replicas: the
+    replicas' all-reduce adds only the biases' packed copy to the peak, not a copy of
+    every gradient as packing all of them did (8.4 MB more), and the prediction
+    counts that."""
+    config = TrainConfig(schedule="1f1b-flush", microbatches=2)
+    alone = _wide_mlp(4, 2, "0,2", config)[0]
+    replicated = _wide_mlp(4, 3, "0,2", config, replicas="2-1")
+    assert [r["stage"] for r in replicated] == [0, 0, 1]
+    weights = 2 * 1024 * 1024 * 4
+    for r in replicated[:2]:
+        assert r["measured_bytes"] - alone["measured_bytes"] < weights / 8, (r, alone)
+        assert 0.85 <= r["ratio"] <= 1.15, replicated
 
 
 @pytest.mark.slow

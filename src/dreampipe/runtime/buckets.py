@@ -6,8 +6,11 @@ about :data:`BUCKET_CAP_MB` each, and a bucket's all-reduce starts
 of the late layers overlaps the backward of the early ones. Buckets start
 strictly in reverse registration order, each once it and every bucket before
 it is ready, so every replica issues the same collectives in the same order.
+A gradient of half a bucket or more is a bucket of its own, all-reduced where
+it lies; only the smaller ones are packed into flat copies (DDP copies every
+gradient), so a replicated stage holds no second copy of its large gradients.
 The ``ALLREDUCE`` action starts what is left, waits, scales and copies the
-sums back: the result of one all-reduce over all the gradients
+packed sums back: the result of one all-reduce over all the gradients
 (docs/design.md §5.3).
 """
 
@@ -23,7 +26,7 @@ from torch import Tensor
 
 from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["BUCKET_CAP_MB", "GradientBuckets", "round_ends"]
+__all__ = ["BUCKET_CAP_MB", "GradientBuckets", "in_place", "round_ends"]
 
 #: Bucket size in MB (1e6 bytes), as DDP's ``bucket_cap_mb``. Below DDP's
 #: 25: the planner prices each layer's gradient as going out once that
@@ -52,7 +55,9 @@ class GradientBuckets:
     once per index as its gradient becomes final, then :meth:`finish` at the
     ``ALLREDUCE`` action. ``cap_mb`` None takes :data:`BUCKET_CAP_MB` as it
     is at the call (tests shrink it to get many buckets out of a small model). A
-    bucket closes once it holds ``cap_mb`` or more, or at a change of dtype.
+    gradient :func:`in_place` is a bucket of its own; the others are packed in
+    reverse order into a bucket that closes once it holds ``cap_mb`` or more, or at a
+    change of dtype, and starts in that order as its last gradient comes.
     """
 
     def __init__(
@@ -61,19 +66,30 @@ class GradientBuckets:
         self.group = group
         self._wait = wait
         self._buckets: list[_Bucket] = []
-        self._where: list[tuple[int, int]] = [(0, 0)] * len(params)
         cap = (BUCKET_CAP_MB if cap_mb is None else cap_mb) * 1e6
+        packing: _Bucket | None = None  # the bucket small gradients are packed into
         size = 0.0
         for i in reversed(range(len(params))):
             p = params[i]
-            last = self._buckets[-1] if self._buckets else None
-            if last is None or size >= cap or params[last.indices[0]].dtype != p.dtype:
-                last = _Bucket([], [])
-                self._buckets.append(last)
-                size = 0.0
-            self._where[i] = (len(self._buckets) - 1, len(last.indices))
-            last.indices.append(i)
+            if in_place(p.numel() * p.element_size(), cap):
+                self._buckets.append(_Bucket([i], []))
+                continue
+            if packing is not None and params[packing.indices[0]].dtype != p.dtype:
+                self._buckets.append(packing)
+                packing = None
+            if packing is None:
+                packing, size = _Bucket([], []), 0.0
+            packing.indices.append(i)
             size += p.numel() * p.element_size()
+            if size >= cap:
+                self._buckets.append(packing)
+                packing = None
+        if packing is not None:
+            self._buckets.append(packing)
+        self._where = [(0, 0)] * len(params)
+        for b, bucket in enumerate(self._buckets):
+            for k, i in enumerate(bucket.indices):
+                self._where[i] = (b, k)
         self._next = 0  # the first bucket not started yet
         self._reset()
 
@@ -140,6 +156,13 @@ class GradientBuckets:
                     offset += n
         finally:
             self._reset()
+
+
+def in_place(nbytes: float, cap_bytes: float | None = None) -> bool:
+    """Whether a gradient of ``nbytes`` is a bucket of its own, all-reduced where it lies:
+    half a bucket or more (``cap_bytes``, default :data:`BUCKET_CAP_MB`), which packing
+    would copy for at most one neighbour's company. Smaller ones are packed, a copy."""
+    return nbytes >= (BUCKET_CAP_MB * 1e6 if cap_bytes is None else cap_bytes) / 2
 
 
 def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:

@@ -22,7 +22,7 @@ from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.buckets import BUCKET_CAP_MB
+from dreampipe.runtime.buckets import BUCKET_CAP_MB, in_place
 from dreampipe.runtime.memory_walks import by_stage, gradients_later, most_in_flight, waiting_bytes
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
@@ -144,7 +144,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     (:func:`~dreampipe.planning.operator_search.split_memory`), whatever the other stages' widths,
     plus, when an update spans several microbatches, the transient gradient of its largest layer's
     share. A replicated stage also holds its gradients' all-reduce buckets (:mod:`.buckets`: flat
-    copies of every gradient, made as the backward that ends a round ends, alive until the
+    copies of its small gradients, made as the backward that ends a round ends, alive until the
     round's ``ALLREDUCE``; :mod:`.memory_walks`). Under a split backward a
     microbatch stays in flight until its ``W``, and after the first stage (whose ``B`` leaves
     the whole backward to ``W``) each waiting for it holds what ``B`` recorded, when that
@@ -182,7 +182,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         walked = opts.stash and not st.recompute
         # ZeRO-3 gathers the weights whole for the update unless per use without recompute
         whole = not (pairs_per_use(schedule, s) and not st.recompute)
-        gradients, buckets = _gradient_terms(st, weights, level)
+        gradients, buckets = _gradient_terms(graph, st, weights, level)
         saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
         holding = functools.partial(  # the formula's bytes with so many in flight
@@ -255,7 +255,8 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
             if walked:  # as predict_memory takes it off the stage's peak
                 weights = (sum(x.parameter_bytes for x in graph.layers[st.first : st.last + 1])
                            + graph.reused_bytes(st.first, st.last))
-                gradients, buckets = _gradient_terms(st, weights, plan.zero_levels(opts.zero)[s])
+                gradients, buckets = _gradient_terms(graph, st, weights,
+                                                      plan.zero_levels(opts.zero)[s])
                 later += gradients_later(tuple(a for a in actions if a.stage == s),
                                          round(each[s]), gradients, buckets - beside, s)
         release, held, joint = release_kind(actions), dict.fromkeys(mine, 0), 0.0
@@ -312,12 +313,20 @@ def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
     return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 
 
-def _gradient_terms(st: Stage, weights: int, level: int) -> tuple[int, int]:
+def _gradient_terms(graph: LayerGraph, st: Stage, weights: int, level: int
+                    ) -> tuple[int, int]:
     """The gradients made in an update's first backward and freed at its step (from
     ZeRO-2 on, this replica's chunks: the buckets come and go in every backward), and a
-    replicated stage's all-reduce buckets (:mod:`.buckets`: flat copies of them)."""
-    return (weights // st.replicas if level >= 2 else weights,
-            weights if st.replicas > 1 and level < 2 else 0)
+    replicated stage's all-reduce buckets (:mod:`.buckets`: flat copies of the gradients
+    not :func:`.in_place`; a layer's largest parameter, where measured, is its one such
+    gradient, and its others are counted as packed, a bound)."""
+    if st.replicas == 1 or level >= 2:
+        return (weights // st.replicas if level >= 2 else weights), 0
+    packed = graph.reused_bytes(st.first, st.last)  # tied copies: counted as packed
+    for x in graph.layers[st.first : st.last + 1]:
+        big = x.largest_parameter_bytes is not None and in_place(x.largest_parameter)
+        packed += x.parameter_bytes - (x.largest_parameter if big else 0)
+    return weights, min(weights, packed)
 
 
 def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int) -> int:
