@@ -105,6 +105,17 @@ def test_a_bandwidth_text_without_a_unit_can_be_refused(text: str) -> None:
     assert f"{text.strip()}GB/s" in message and f"{text.strip()}Gbps" in message
 
 
+@pytest.mark.parametrize("text", ["80", " 16 ", "1e9"])
+def test_a_size_text_without_a_unit_can_be_refused(text: str) -> None:
+    """``--memory 80`` is 80 GB mistyped far more often than 80 bytes."""
+    with pytest.raises(QuantityError, match=f"size {text!r} has no unit; write e.g. "
+                                            f"{text.strip()}GB"):
+        parse_bytes(text, require_unit=True)
+    assert parse_bytes(text) == round(float(text))
+    assert parse_bytes(80, require_unit=True) == 80
+    assert parse_bytes("80GB", require_unit=True) == 80e9
+
+
 def test_require_unit_still_takes_numbers_and_units() -> None:
     assert parse_bandwidth(5e8, require_unit=True) == 5e8
     assert parse_bandwidth(100, require_unit=True) == 100.0

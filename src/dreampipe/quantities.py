@@ -30,12 +30,19 @@ def _split(text: str) -> tuple[float, str]:
     return float(m.group(1)), m.group(2)
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """``"16GB"`` -> 16e9, ``"16GiB"`` -> 16*2**30, a bare number is bytes."""
+def parse_bytes(text: str | int | float, *, require_unit: bool = False) -> int:
+    """``"16GB"`` -> 16e9, ``"16GiB"`` -> 16*2**30, a bare number is bytes.
+
+    With ``require_unit`` a string without a unit (``"80"``) is an error: a memory
+    of 80 bytes is far likelier to be 80 GB mistyped; a Python number is still bytes.
+    """
     if isinstance(text, int | float):
         value, unit = float(text), ""
     else:
         value, unit = _split(text)
+        if require_unit and not unit:
+            raise QuantityError(f"size {text!r} has no unit; write e.g. {text.strip()}GB, "
+                                f"{text.strip()}GiB or {text.strip()}B")
     m = re.fullmatch(r"(?i)([kmgt]i?)?b?", unit)
     if not m:
         raise QuantityError(f"{text!r}: unknown size unit {unit!r}; use B, KB, MB, GB, GiB ...")

@@ -121,6 +121,7 @@ def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None
         ([VGG, "-t", "cluster-z"], "unknown topology 'cluster-z'"),
         ([VGG, "-t", "4x4", "-b", "fast"], "is not a quantity"),
         ([VGG, "-t", "4x4", "--memory", "1GB"], "smallest needs about"),
+        ([VGG, "-t", "4x4", "--memory", "16"], "size '16' has no unit; write e.g. 16GB"),
         ([VGG, "-t", "4x4", "--max-stages", "99"], "--max-stages 99 is impossible"),
         (["pipedream:resnet18", "-t", "cluster-b", "--straight", "--cost-model", "pipedream"],
          "states that hold no layer of resnet18 not already placed"),

@@ -88,6 +88,7 @@ def test_train_rejects_bad_arguments(
         (["--schedule", "gpipe", "--semantics", "async"], "--schedule gpipe is synchronous"),
         (["--schedule", "gpipe", "--no-compensation"],
          "--no-compensation with --schedule gpipe, which trains on no stale weights"),
+        (["--memory", "80"], "size '80' has no unit; write e.g. 80GB, 80GiB or 80B"),
         (["--data-dir", "{tmp}"], "--data-dir '{tmp}' with --dataset synthetic, which reads no "
                                   "files; give --dataset mnist to read MNIST from it"),
     ],

@@ -283,7 +283,8 @@ def _request(args: argparse.Namespace) -> TrainRequest:
         workers=args.workers,
         epochs=args.epochs,
         exact_steps=args.steps is not None,
-        memory_bytes=None if args.memory is None else parse_bytes(args.memory),
+        memory_bytes=None if args.memory is None else parse_bytes(args.memory,
+                                                                  require_unit=True),
     )
 
 

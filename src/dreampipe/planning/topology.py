@@ -215,7 +215,7 @@ class Topology:
                                                                       strict=True)))
         if memory is not None:
             try:
-                mem = parse_bytes(memory)
+                mem = parse_bytes(memory, require_unit=True)
             except ValueError as exc:
                 raise TopologyError(str(exc)) from None
             topo = dataclasses.replace(topo, memory_bytes=mem)
