@@ -222,7 +222,7 @@ def _valid(draw: st.DrawFn) -> TrainConfig:
         max_grad_norm=draw(st.none() | st.floats(1e-6, 1e6)),
         precision=draw(st.sampled_from([p.value for p in Precision if p is not
                                         Precision.FP16_MIXED or synchronous])),
-        compensate=True if synchronous else draw(st.booleans()), stash=stash,
+        compensate=draw(st.booleans()), stash=stash,
         vertical_sync=draw(st.booleans()) if pipedream and stash else False,
         fused_accumulation=draw(st.booleans()), seed=draw(st.integers(0, 2**63 - 1)),
         timeout_s=draw(st.floats(1e-3, 1e6) | st.just(float("inf"))),
@@ -244,15 +244,6 @@ def test_every_valid_config_round_trips_through_json(config: TrainConfig) -> Non
     assert TrainConfig.from_json(config.to_json()) == config
     assert TrainConfig.from_dict(json.loads(json.dumps(config.to_dict()))) == config
     assert dataclasses.replace(config) == config
-
-
-def test_compensation_turned_off_on_a_synchronous_schedule_is_refused() -> None:
-    """Nothing is stale there: the flag would change nothing, so it is a mistake."""
-    with pytest.raises(ConfigError, match="compensate=False with schedule=gpipe, which trains "
-                                          "on no stale weights"):
-        TrainConfig(schedule="gpipe", compensate=False)
-    for schedule in ("pipedream", "2bw", "auto"):
-        assert not TrainConfig(schedule=schedule, compensate=False).compensate
 
 
 def test_recomputation_of_blocks_is_one_spec() -> None:

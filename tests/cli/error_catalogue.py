@@ -182,6 +182,9 @@ CASES: tuple[Case, ...] = (
     Case("memory-unreadable", "topology", "a memory size that is not a size",
          ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s", "--memory", "lots"), ("'lots'",),
          (_G,)),
+    Case("memory-no-unit", "topology", "a memory size without a unit",
+         ("plan", "{dir}/g.txt", "-t", "2", "-b", "1GB/s", "--memory", "80"),
+         ("'80'", "no unit", "80GB"), (_G,)),
     # ---- plans and simulation ------------------------------------------------------
     Case("plan-not-json", "plan", "a plan file that is not JSON",
          ("simulate", "{dir}/plan.json"), ("plan.json",), (("plan.json", _PLAN),)),
@@ -253,6 +256,9 @@ CASES: tuple[Case, ...] = (
     Case("train-zero-3-async", "train", "ZeRO level 3 with an asynchronous schedule",
          ("train", "mlp", "--zero", "3", "--schedule", "pipedream"),
          ("zero=3", "--schedule pipedream", "use zero=2")),
+    Case("train-semantics-contradicted", "train", "a named schedule beside the other "
+         "semantics", ("train", "mlp", "--schedule", "pipedream", "--semantics", "sync"),
+         ("--schedule pipedream is asynchronous", "--semantics sync", "drop one of them")),
     Case("train-stages-range", "train", "a stage that starts past the last layer",
          ("train", "mlp", "--stages", "0,99"), ("99",)),
     Case("train-mnist-missing", "train", "MNIST from a folder without it",
@@ -268,7 +274,7 @@ CASES: tuple[Case, ...] = (
          (_P,)),
     Case("train-memory-stage", "train", "a forced partition whose stage does not fit --memory",
          ("train", "mlp", "--config", "straight", "--stages", "0,4", "--memory", "8MB"),
-         ("--memory 8000000", "stage 0 (layers 0..3) needs about", "raise the limit")),
+         ("--memory 8000000B", "stage 0 (layers 0..3) needs about", "raise the limit")),
     # ---- checkpoints --------------------------------------------------------------
     Case("resume-without-dir", "checkpoint", "--resume without a checkpoint folder",
          ("train", "mlp", "--resume"), ("--resume needs --checkpoint-dir",)),

@@ -343,6 +343,9 @@ def test_a_synchronous_schedule_asked_with_async_semantics_is_refused(
                         "2bw", "--semantics", "sync")
     assert code == 2 and "--schedule 2bw is asynchronous (stale weights), and --semantics sync" \
         " asks for the other; drop one of them" in err
+    code, _, err = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--schedule",
+                        "zbv", "--semantics", "async")  # several stages per worker: the same
+    assert code == 2 and "--schedule zbv is synchronous, and --semantics async" in err
 
 
 def test_the_pipedream_cost_model_refuses_an_all_reduce_it_would_not_price(

@@ -194,6 +194,9 @@ def test_memory_plans_a_profile_under_it_and_flags_a_plan_over_it(
     assert over["over_memory_ranks"] == [0, 1, 2, 3]
     assert main(argv) == 0
     assert "warning: ranks [0, 1, 2, 3] peak above --memory 1.0 MB" in capsys.readouterr().out
+    # a plan file taken on its own topology: a size without a unit is named as such
+    assert main(["simulate", str(plan), "--memory", "16"]) == 2
+    assert "size '16' has no unit; write e.g. 16GB" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("argv", "match"), [

@@ -47,7 +47,7 @@ def test_links_need_two_workers() -> None:
 
 @pytest.mark.parametrize(("gpus", "cores", "workers", "says"), [
     (8, 64, 16, "8 GPUs.*workers=8 or fewer"), (0, 2, 64, "2 cores.*workers=2 or fewer"),
-    (0, 1, 3, "2 cores")])
+    (0, 1, 3, "2 cores"), (1, 2, 3, "2 cores")])
 def test_more_workers_than_the_machine_runs_apart_are_refused(
         monkeypatch: pytest.MonkeyPatch, gpus: int, cores: int, workers: int,
         says: str) -> None:
@@ -62,6 +62,23 @@ def test_more_workers_than_the_machine_runs_apart_are_refused(
     monkeypatch.setattr(measure, "run_processes", started)
     with pytest.raises(ConfigError, match=f"workers={workers}: this machine has {says}"):
         measure.calibrate_local(workers)
+
+
+def test_one_gpu_calibrates_two_workers_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU has no link to another: its quick calibration runs 2 workers over gloo, as
+    every job without a machine file does there."""
+    monkeypatch.setattr(measure, "gpus_here", lambda: 1)
+    monkeypatch.setattr(measure.os, "cpu_count", lambda: 16)
+
+    class Started(Exception):
+        pass
+
+    def started(*_args: object, **_kwargs: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(measure, "run_processes", started)
+    with pytest.raises(Started):
+        measure.calibrate_local(2)
 
 
 def test_a_job_plans_with_the_file_without_measuring(

@@ -205,12 +205,6 @@ class TrainConfig:
                 "with I and W actions)", "schedule_file", "schedule")
         if self.chooses is None:
             self._check_schedule(self.kind)
-            if not self.compensate and self.kind.synchronous:
-                raise ConfigError(
-                    f"compensate=False with schedule={self.kind.value}, which trains on no "
-                    "stale weights, so there is nothing to compensate; drop compensate=False, "
-                    "or use an asynchronous schedule (pipedream, 2bw)", "compensate",
-                    "schedule")
         else:
             self._check_candidates(self.chooses)
         if (self.loss_scale, self.loss_scale_window) != (2.0**16, 2000):

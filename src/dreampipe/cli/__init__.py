@@ -13,6 +13,7 @@ file name). A :class:`ConfigError` names the library's parameters
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import logging
 import os
@@ -62,6 +63,15 @@ _FLAGS = {
     "zero_levels=": "--zero-levels ",
     "workers=": "--workers ",
 }
+
+
+#: The unit a flag needs after a bare number the library wrote (sizes are refused without).
+_UNITS = {"memory_bytes=": "B"}
+
+
+def _as_flag(flag: str, unit: str, found: re.Match[str]) -> str:
+    """``flag`` with the number written after the parameter, and ``unit`` after it."""
+    return flag + found[1] + (unit if found[1] else "")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -139,5 +149,6 @@ def _as_flags(exc: DreampipeError) -> str:
         return message
     for written, flag in _FLAGS.items():
         if written.partition("=")[0] in exc.parameters:
-            message = re.sub(rf"\b{re.escape(written)}", flag, message)
+            message = re.sub(rf"\b{re.escape(written)}(\d*)",
+                             functools.partial(_as_flag, flag, _UNITS.get(written, "")), message)
     return message

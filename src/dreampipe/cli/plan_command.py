@@ -42,6 +42,7 @@ from dreampipe.cli.output_paths import check_output_file
 from dreampipe.cli.plan_check import check_warning, format_check
 from dreampipe.cli.plan_schedule import (
     add_schedule_arguments,
+    check_schedule_flags,
     chosen,
     runs_several,
     schedule_report,
@@ -165,6 +166,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     check_output_file("-o", args.output, "plan.json", inputs=(args.profile,))
+    check_schedule_flags(args)
     topo = topology_from(args)
     graph = profile_on(args.profile, topo)
     if wants_sync(args):

@@ -58,6 +58,13 @@ def _semantics(args: argparse.Namespace) -> Semantics:
     return Semantics(args.semantics or Semantics.SYNC.value)
 
 
+def check_schedule_flags(args: argparse.Namespace) -> None:
+    """Before any planning: a named ``--schedule`` beside ``--semantics`` of the other
+    kind is refused (:func:`~dreampipe.runplan.schedule_choice.check_semantics`)."""
+    if args.schedule not in (None, _AUTO) and args.semantics is not None:
+        check_semantics(ScheduleKind(args.schedule), Semantics(args.semantics))
+
+
 def add_schedule_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--schedule``, ``--semantics``, ``--microbatches`` and ``--virtual-stages``."""
     p.add_argument("--schedule", default=None,
@@ -100,8 +107,6 @@ def schedule_report(
     asked = () if args.schedule in (None, _AUTO) else (ScheduleKind(args.schedule),)
     if asked and args.microbatches is not None:  # its rules: pipedream takes one
         MicrobatchLayout(kind=asked[0], microbatches=args.microbatches)
-    if asked and args.semantics is not None:
-        check_semantics(asked[0], Semantics(args.semantics))
     semantics = _semantics(args)
     choice = choose_schedule(graph, plan, topo, semantics, memory,
                              batch if capped else args.microbatches, kinds=asked)

@@ -25,6 +25,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.bundled import is_bundled
 from dreampipe.profiling.gpt_spec import is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
+from dreampipe.quantities import parse_bytes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.simulation.sync_run import SYNC_RUN_KEY, SyncRun
 
@@ -113,6 +114,8 @@ def _plan_topology(text: str, args: argparse.Namespace, named: str,
     the links the flags give. Without ``--topology``, links other than the plan's are an
     error: a plan simulated on other links than its own would say nothing of it."""
     flags = (args.bandwidth, args.memory, args.latency)
+    if args.memory is not None:  # its own error, not the description's below
+        parse_bytes(args.memory, require_unit=True)
     if args.topology:
         return Topology.parse(args.topology, *flags)
     if not text:

@@ -245,11 +245,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     def made(given: dict[str, Any]) -> TrainConfig:
         return TrainConfig.load(args.settings, given) if args.settings else TrainConfig(**given)
 
-    if args.semantics is not None and args.schedule not in (None, "auto"):
-        from dreampipe.runplan.schedule_choice import Semantics, check_semantics
-        from dreampipe.scheduling.actions import ScheduleKind
-
-        check_semantics(ScheduleKind(args.schedule), Semantics(args.semantics))
+    if args.schedule not in (None, "auto"):
+        _check_named_schedule(args)
     try:
         return with_lengths(made(given), args.seq_lengths)
     except ConfigError as exc:  # the default schedule (pipedream) keeps versions in flight
@@ -259,6 +256,21 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     print("dreampipe train: --zero 3 needs a synchronous schedule; training with "
           "--schedule 1f1b-flush", file=sys.stderr)
     return with_lengths(made({**given, "schedule": "1f1b-flush"}), args.seq_lengths)
+
+
+def _check_named_schedule(args: argparse.Namespace) -> None:
+    """Refuse flags given beside ``--schedule`` that ask for the other kind of schedule or
+    that change nothing under it (a settings file's fields are left to it)."""
+    from dreampipe.runplan.schedule_choice import Semantics, check_semantics
+    from dreampipe.scheduling.actions import ScheduleKind
+
+    kind = ScheduleKind(args.schedule)
+    if args.semantics is not None:
+        check_semantics(kind, Semantics(args.semantics))
+    if args.compensate is False and kind.synchronous:
+        raise ConfigError(f"--no-compensation with --schedule {kind.value}, which trains on no "
+                          "stale weights, so there is nothing to compensate; drop "
+                          "--no-compensation, or use an asynchronous schedule (pipedream, 2bw)")
 
 
 def _request(args: argparse.Namespace) -> TrainRequest:

@@ -163,15 +163,16 @@ def machine_for_run(workers: int, *, nodes: int = 1, say: Say | None = None
 
 
 def _check_fits(workers: int) -> None:
-    """Refuse more workers than this machine runs apart: past its GPUs they would fall
-    back to gloo on the CPU and measure the CPU's links for the GPUs'; past its cores
-    (at least 2) they time-share and measure their own contention."""
+    """Refuse more workers than this machine runs apart: past its GPUs (2 or more: one
+    GPU has no link to measure, and its workers measure the CPU's) they would fall back
+    to gloo on the CPU and measure the CPU's links for the GPUs'; past its cores (at
+    least 2) they time-share and measure their own contention."""
     gpus, cores = gpus_here(), max(2, os.cpu_count() or 1)
-    if gpus and workers > gpus:
+    if gpus >= 2 and workers > gpus:
         raise ConfigError(f"workers={workers}: this machine has {gpus} GPUs, and workers "
                           "beyond them would be measured over gloo on the CPU, not between "
                           f"the GPUs; give workers={gpus} or fewer", "workers")
-    if not gpus and workers > cores:
+    if gpus < 2 and workers > cores:
         raise ConfigError(f"workers={workers}: this machine has {cores} cores, and more "
                           "processes than cores measure their own contention, not the links; "
                           f"give workers={cores} or fewer", "workers")

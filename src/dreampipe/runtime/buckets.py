@@ -4,8 +4,9 @@ What DDP does: the replicas of a stage sum their gradients in *buckets* of
 about :data:`BUCKET_CAP_MB` each, and a bucket's all-reduce starts
 (``async_op=True``) as soon as its gradients are final, so the communication
 of the late layers overlaps the backward of the early ones. Buckets start
-strictly in reverse registration order, each once it and every bucket before
-it is ready, so every replica issues the same collectives in the same order.
+strictly in one order fixed by the parameters (about their reverse registration
+order), each once it and every bucket before it is ready, so every replica
+issues the same collectives in the same order.
 A gradient of half a bucket or more is a bucket of its own, all-reduced where
 it lies; only the smaller ones are packed into flat copies (DDP copies every
 gradient), so a replicated stage holds no second copy of its large gradients.

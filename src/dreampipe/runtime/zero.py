@@ -77,10 +77,9 @@ class _Bucket:
 
 
 class _Layout:
-    """Where each parameter's chunks lie (module docstring), and the buckets, as
-    :class:`~.buckets.GradientBuckets` makes them (reverse order, a cap, one dtype), but a
-    parameter of the cap or more alone (its reduce-scatter then reads its gradient as it
-    lies)."""
+    """Where each parameter's chunks lie (module docstring), and the buckets: consecutive
+    parameters in reverse order up to a cap, of one dtype, a parameter of the cap or more
+    alone (its reduce-scatter then reads its gradient as it lies)."""
 
     def __init__(self, params: Sequence[Tensor], place: ZeroPlace, cap_mb: float) -> None:
         r, k = place.replicas, place.replica
