@@ -14,6 +14,7 @@ from dreampipe.machine import measure
 from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.machine.machine_file import ENV_VAR, MachineFile, here
 from dreampipe.quantities import parse_bandwidth
+from dreampipe.runtime import backend
 from dreampipe.runtime.backend import Backend
 from dreampipe.runtime.processes import run_processes
 from machine.fixtures import DEV_FILE, DEV_MACHINE, here_file
@@ -53,8 +54,8 @@ def test_more_workers_than_the_machine_runs_apart_are_refused(
         says: str) -> None:
     """Beyond the GPUs, workers would fall back to gloo and measure the CPU's links as the
     GPUs'; beyond the cores (2 at least), their own contention. Refused before any starts."""
-    monkeypatch.setattr(measure, "gpus_here", lambda: gpus)
-    monkeypatch.setattr(measure.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(backend, "gpus_here", lambda: gpus)
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: cores)
 
     def started(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("processes started")
@@ -67,8 +68,8 @@ def test_more_workers_than_the_machine_runs_apart_are_refused(
 def test_one_gpu_calibrates_two_workers_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """One GPU has no link to another: its quick calibration runs 2 workers over gloo, as
     every job without a machine file does there."""
-    monkeypatch.setattr(measure, "gpus_here", lambda: 1)
-    monkeypatch.setattr(measure.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(backend, "gpus_here", lambda: 1)
+    monkeypatch.setattr(backend.os, "cpu_count", lambda: 16)
 
     class Started(Exception):
         pass

@@ -33,7 +33,6 @@ _FLAGS = {
     "checkpoint_every=": "--checkpoint-every ",
     "checkpoint_dir=": "--checkpoint-dir ",
     "config=": "--config ",
-    "compensate=False": "--no-compensation",
     "data_dir=": "--data-dir ",
     "dataset=": "--dataset ",
     "epochs=": "--epochs ",

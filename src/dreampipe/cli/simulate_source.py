@@ -113,9 +113,9 @@ def _plan_topology(text: str, args: argparse.Namespace, named: str,
     the link flags where given, else the preset or shape the description starts with and
     the links the flags give. Without ``--topology``, links other than the plan's are an
     error: a plan simulated on other links than its own would say nothing of it."""
-    flags = (args.bandwidth, args.memory, args.latency)
-    if args.memory is not None:  # its own error, not the description's below
-        parse_bytes(args.memory, require_unit=True)
+    # parsed here: its error is its own, not a description's that the loop below skips
+    memory = None if args.memory is None else parse_bytes(args.memory, require_unit=True)
+    flags = (args.bandwidth, memory, args.latency)
     if args.topology:
         return Topology.parse(args.topology, *flags)
     if not text:

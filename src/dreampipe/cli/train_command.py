@@ -261,12 +261,11 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 def _check_named_schedule(args: argparse.Namespace) -> None:
     """Refuse flags given beside ``--schedule`` that ask for the other kind of schedule or
     that change nothing under it (a settings file's fields are left to it)."""
-    from dreampipe.runplan.schedule_choice import Semantics, check_semantics
+    from dreampipe.cli.plan_schedule import check_schedule_flags
     from dreampipe.scheduling.actions import ScheduleKind
 
+    check_schedule_flags(args)
     kind = ScheduleKind(args.schedule)
-    if args.semantics is not None:
-        check_semantics(kind, Semantics(args.semantics))
     if args.compensate is False and kind.synchronous:
         raise ConfigError(f"--no-compensation with --schedule {kind.value}, which trains on no "
                           "stale weights, so there is nothing to compensate; drop "

@@ -44,7 +44,7 @@ from dreampipe.machine.rates import HostRates, measure_rates
 from dreampipe.machine.timers import timer_for
 from dreampipe.machine.torchrun import in_torchrun
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.backend import Backend, backend_for_node, gpus_here
+from dreampipe.runtime.backend import Backend, backend_for_node, check_measurable, gpus_here
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["FULL", "QUICK", "Probe", "calibrate_local", "calibrate_torchrun", "describe",
@@ -103,7 +103,7 @@ def calibrate_local(workers: int, probe: Probe = FULL, say: Say | None = None) -
     if workers < 2:
         raise ConfigError(f"workers={workers}: links are measured between 2 workers or more",
                           "workers")
-    _check_fits(workers)
+    check_measurable(workers)
     backend = backend_for_node(workers)
     job = _Job(workers, workers, probe, backend)
     _tell(say, f"measuring {workers} local workers ({job.backend.value}): co-run slowdown, "
@@ -160,22 +160,6 @@ def machine_for_run(workers: int, *, nodes: int = 1, say: Say | None = None
     finally:
         if owns:
             dist.destroy_process_group()
-
-
-def _check_fits(workers: int) -> None:
-    """Refuse more workers than this machine runs apart: past its GPUs (2 or more: one
-    GPU has no link to measure, and its workers measure the CPU's) they would fall back
-    to gloo on the CPU and measure the CPU's links for the GPUs'; past its cores (at
-    least 2) they time-share and measure their own contention."""
-    gpus, cores = gpus_here(), max(2, os.cpu_count() or 1)
-    if gpus >= 2 and workers > gpus:
-        raise ConfigError(f"workers={workers}: this machine has {gpus} GPUs, and workers "
-                          "beyond them would be measured over gloo on the CPU, not between "
-                          f"the GPUs; give workers={gpus} or fewer", "workers")
-    if gpus < 2 and workers > cores:
-        raise ConfigError(f"workers={workers}: this machine has {cores} cores, and more "
-                          "processes than cores measure their own contention, not the links; "
-                          f"give workers={cores} or fewer", "workers")
 
 
 def local_machine(workers: int, *, say: Say | None = None) -> LocalCalibration:

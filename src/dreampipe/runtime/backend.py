@@ -8,12 +8,15 @@ among the ranks); with a GPU per rank, rank ``LOCAL_RANK`` uses
 
 from __future__ import annotations
 
+import os
 from enum import Enum
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Backend", "backend_for_node", "barrier", "gpus_here"]
+from dreampipe.errors import ConfigError
+
+__all__ = ["Backend", "backend_for_node", "barrier", "check_measurable", "gpus_here"]
 
 
 class Backend(Enum):
@@ -37,6 +40,21 @@ def backend_for_node(local_ranks: int) -> Backend:
     """NCCL where each of ``local_ranks`` ranks on this node has a GPU of its own, else gloo."""
     gpus = gpus_here()
     return Backend.NCCL if gpus and gpus >= local_ranks else Backend.GLOO
+
+
+def check_measurable(workers: int) -> None:
+    """Refuse to measure links between more local workers than this node runs apart: past
+    its GPUs (2 or more: one GPU has no link to measure, and its workers measure the
+    CPU's) they would fall back to gloo on the CPU and measure the CPU's links for the
+    GPUs'; past its cores (at least 2) they time-share and measure their own contention."""
+    gpus = gpus_here()
+    most, what, why = ((gpus, "GPUs", "workers beyond them would be measured over gloo on the "
+                        "CPU, not between the GPUs") if gpus >= 2 else
+                       (max(2, os.cpu_count() or 1), "cores", "more processes than cores "
+                        "measure their own contention, not the links"))
+    if workers > most:
+        raise ConfigError(f"workers={workers}: this machine has {most} {what}, and {why}; "
+                          f"give workers={most} or fewer", "workers")
 
 
 def barrier(timeout_s: float) -> None:

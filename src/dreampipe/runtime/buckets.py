@@ -72,7 +72,8 @@ class GradientBuckets:
         size = 0.0
         for i in reversed(range(len(params))):
             p = params[i]
-            if in_place(p.numel() * p.element_size(), cap):
+            nbytes = p.numel() * p.element_size()
+            if in_place(nbytes, cap):
                 self._buckets.append(_Bucket([i], []))
                 continue
             if packing is not None and params[packing.indices[0]].dtype != p.dtype:
@@ -81,7 +82,7 @@ class GradientBuckets:
             if packing is None:
                 packing, size = _Bucket([], []), 0.0
             packing.indices.append(i)
-            size += p.numel() * p.element_size()
+            size += nbytes
             if size >= cap:
                 self._buckets.append(packing)
                 packing = None
