@@ -40,7 +40,7 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 
 def _expected(
     profile: str, topology: str, bandwidths: list[str] | None = None, memory: str | None = None,
-    **options: bool,
+    **options: Any,
 ) -> tuple[Plan, Topology]:
     """What the library plans for the same profile and topology: the figures the CLI must show."""
     topo = Topology.parse(topology, bandwidths, memory)
@@ -112,6 +112,22 @@ def test_straight_and_memory_options(capsys: pytest.CaptureFixture[str]) -> None
     assert code == 0 and all(s["memory_bytes"] <= 40e9 for s in data["stages"])
     assert _spans(data["stages"]) == _spans(plan.stages)
     assert [s["memory_bytes"] for s in data["stages"]] == [s.memory_bytes for s in plan.stages]
+
+
+def test_the_optimizers_state_counts_in_the_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    # Adam's two moments a weight: every stage holds them, within the limit as planned
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--memory", "40GB", "--optimizer",
+                        "adam", "--json")
+    data = json.loads(out)
+    plan, _ = _expected(VGG, "cluster-b", memory="40GB", state_copies=2.0)
+    assert code == 0 and all(s["memory_bytes"] <= 40e9 for s in data["stages"])
+    assert _spans(data["stages"]) == _spans(plan.stages)
+    assert [s["memory_bytes"] for s in data["stages"]] == [s.memory_bytes for s in plan.stages]
+    plain, _ = _expected(VGG, "cluster-b", memory="40GB")
+    assert [s.memory_bytes for s in plan.stages] != [s.memory_bytes for s in plain.stages]
+    code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--memory", "40GB", "--optimizer",
+                        "adam")
+    assert code == 0 and format_bytes(plan.stages[0].memory_bytes) in out
 
 
 @pytest.mark.parametrize(

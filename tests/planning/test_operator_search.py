@@ -106,9 +106,11 @@ def test_coarsening_groups_each_layer_with_the_elementwise_layers_after_it() -> 
     assert coarsen(LayerGraph.chain(list(layers), batch_size=8)) == [[0], [1, 2, 3], [4], [5]]
 
 
-def _brute_force(graph: LayerGraph, t: int, link: Link) -> list[tuple[float, float]]:
+def _brute_force(graph: LayerGraph, t: int, link: Link, state: float = 0.0
+                 ) -> list[tuple[float, float]]:
     """(time, memory) of every split of every layer on its own (no coarsening), resharding
-    between each pair."""
+    between each pair; each worker holds its weights, their gradient and ``state`` copies
+    of them for the optimizer, and what its layers keep."""
     layers = graph.layers
     found: list[tuple[float, float]] = []
     choices = [splits_for(op_kind(x)) for x in layers]
@@ -119,9 +121,9 @@ def _brute_force(graph: LayerGraph, t: int, link: Link) -> list[tuple[float, flo
                 size = float(layers[max(i - 1, 0)].activation_bytes)
                 c = split_cost(layer, op_kind(layer), split, t, size)
                 fwd, bwd = reshard(layout, c.needs)
-                secs, _, mem = layer_costs(layer, split, t, link, size)
+                secs, _, _ = layer_costs(layer, split, t, link, size)
                 time += link.seconds(fwd, size, t) + link.seconds(bwd, size, t) + secs
-                memory += mem
+                memory += (2 + state) * c.weight_bytes + c.activation_bytes
                 layout = c.gives
             if layout is Layout.PARTIAL:
                 time += link.seconds(Collective.ALL_REDUCE, float(layers[-1].activation_bytes), t)
@@ -150,18 +152,20 @@ def _chains(draw: st.DrawFn) -> LayerGraph:
 @settings(max_examples=100, deadline=None)
 @given(graph=_chains(), t=st.sampled_from([2, 4, 8]),
        bandwidth=st.sampled_from([1e9, 1e10, 1e11]), latency=st.sampled_from([0.0, 1e-5]),
-       limit_share=st.sampled_from([None, 0.0, 0.3, 0.7]))
+       limit_share=st.sampled_from([None, 0.0, 0.3, 0.7]), state=st.sampled_from([0.0, 2.0]))
 def test_the_search_equals_brute_force(
-    graph: LayerGraph, t: int, bandwidth: float, latency: float, limit_share: float | None
+    graph: LayerGraph, t: int, bandwidth: float, latency: float, limit_share: float | None,
+    state: float,
 ) -> None:
-    # the limit lies between the smallest plan and the fastest, so it binds
+    # the limit lies between the smallest plan and the fastest, so it binds; an optimizer's
+    # state weighs the weights more against what the layers keep
     link = Link(bandwidth, latency)
-    every = _brute_force(graph, t, link)
+    every = _brute_force(graph, t, link, state)
     smallest, fastest = min(m for _, m in every), min(every)[1]
     limit = math.inf if limit_share is None else (
         smallest * (1 + 1e-9) + limit_share * (fastest - smallest))
     time = min(x for x, m in every if m <= limit)
-    plan = search_splits(graph, t, link, None if limit_share is None else limit)
+    plan = search_splits(graph, t, link, None if limit_share is None else limit, state)
     assert plan.time_s == pytest.approx(time, rel=1e-9, abs=1e-12)
     assert plan.memory_bytes <= limit * (1 + 1e-12)
     assert len(plan.splits) == len(graph)

@@ -46,6 +46,9 @@ def test_bad_options_fail_when_made_or_against_the_model() -> None:
     assert e.value.parameters == ("memory_bytes",)
     with pytest.raises(ConfigError, match=r"memory_bytes=1000: the pipedream cost model"):
         PlanOptions(memory_bytes=1000, cost_model=CostModel.PIPEDREAM)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=r"state_copies=.* must be 0 or more"):
+            PlanOptions(state_copies=bad)
     graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(3)])
     with pytest.raises(ConfigError, match=r"max_stages=4 is impossible for a model of 3 "
                        "layers") as e:

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.costs import (
+    RangeCosts,
     allreduce_end,
     allreduce_ends,
     cut_time,
@@ -327,14 +328,16 @@ def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(_graphs(5), st.integers(1, 4), _BW, st.floats(0.2, 1.0), st.integers(1, 5))
+@given(_graphs(5), st.integers(1, 4), _BW, st.floats(0.2, 1.0), st.integers(1, 5),
+       st.sampled_from([0.0, 1.0, 2.0]))
 def test_memory_and_max_stages_equal_brute_force(
-    graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int
+    graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int, state: float
 ) -> None:
+    # ``state``: the optimizer's state in copies of the weights, which every stage holds
     n = len(graph)
     max_stages = min(max_stages, n)
     topo = Topology((Level(workers, bw),))
-    free = plan_pipeline(graph, topo, PlanOptions(max_stages=max_stages))
+    free = plan_pipeline(graph, topo, PlanOptions(max_stages=max_stages, state_copies=state))
     assert free.num_stages <= max_stages
     memory = max(1, int(frac * max(s.memory_bytes for s in free.stages)))  # usually binds
     best = math.inf
@@ -342,15 +345,19 @@ def test_memory_and_max_stages_equal_brute_force(
         if len(stages) > max_stages:
             continue
         cand = evaluate_plan(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages],
-                             memory_bytes=memory)
+                             memory_bytes=memory, state_copies=state)
+        held = [RangeCosts.of(graph).memory(s.first, s.last, s.in_flight,
+                                            optimizer_copies=state) for s in cand.stages]
+        assert [s.memory_bytes for s in cand.stages] == held
         if all(s.memory_bytes <= memory for s in cand.stages):
             best = min(best, cand.time_per_minibatch_s)
     if math.isinf(best):
         with pytest.raises(PlanError, match="smallest needs about"):
             plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
-                                                   tensor_split=False))
+                                                   tensor_split=False, state_copies=state))
         return
-    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages))
+    got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
+                                                 state_copies=state))
     assert got.time_per_minibatch_s == pytest.approx(best, rel=1e-9)
     assert got.num_stages <= max_stages
     assert all(s.memory_bytes <= memory for s in got.stages)

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 from dreampipe.cli.links import memory_limit
+from dreampipe.cli.plan_sync import state_copies
 from dreampipe.errors import ConfigError
 from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
@@ -109,7 +110,8 @@ def schedule_report(
         MicrobatchLayout(kind=asked[0], microbatches=args.microbatches)
     semantics = _semantics(args)
     choice = choose_schedule(graph, plan, topo, semantics, memory,
-                             batch if capped else args.microbatches, kinds=asked)
+                             batch if capped else args.microbatches, kinds=asked,
+                             state_copies=state_copies(args))
     fits = " that fits the memory limit" if memory else ""
     best = ("as asked" if asked else
             f"the schedule soonest to the target ({EFFECTIVE}){fits}"
@@ -160,7 +162,8 @@ def several_report(
     data: dict[str, Any] = {}
     if args.schedule == _AUTO:
         choice = choose_schedule(graph, cut, topo, _semantics(args),
-                                 memory_limit(args.memory, graph, topo), m)
+                                 memory_limit(args.memory, graph, topo), m,
+                                 state_copies=state_copies(args))
         kind, m = choice.kind, choice.microbatches
         lines = [f"schedule    {kind.value}: the fastest of {', '.join(k.value for k in SEVERAL)}"
                  f" on {v} stages per worker, by the simulator:"]

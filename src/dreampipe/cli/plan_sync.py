@@ -34,7 +34,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["add_sync_arguments", "run_sync", "wants_sync"]
+__all__ = ["add_sync_arguments", "run_sync", "state_copies", "wants_sync"]
 
 #: Updates the check simulates.
 _UPDATES = 2
@@ -58,8 +58,8 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
             "number formats of the synchronous objective's memory: bf16 keeps 16-bit weights "
             "and gradients and 32-bit masters (default: the profile's bytes a weight)")),
         "--optimizer": dict(choices=list(OPTIMIZER_COPIES), default="sgd", help=(
-            "the optimizer whose state the synchronous objective counts (default sgd: none; "
-            "adam: two 32-bit moments a weight)")),
+            "the optimizer whose state every stage holds beside its weights, which the "
+            "plan's memory counts (default sgd: none; adam: two 32-bit moments a weight)")),
         "--zero-levels": dict(metavar="LEVELS", help=(
             "ZeRO levels each replicated stage may choose among where --layout names none, "
             "e.g. 0,1 to shard at most the optimizer's state (default: every level, 0 to "
@@ -78,13 +78,17 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, **how)
 
 
+def state_copies(args: argparse.Namespace) -> float:
+    """``--optimizer``'s state in copies of the weights, which every stage holds."""
+    return float(OPTIMIZER_COPIES[args.optimizer])
+
+
 def wants_sync(args: argparse.Namespace) -> bool:
     """Whether the flags ask for the synchronous objective; its flags without a global
     batch, or under ``--semantics async``, are errors naming the fix."""
     extra = [flag for flag, value in (("--microbatch-size", args.microbatch_size),
                                       ("--layout", args.layout),
                                       ("--precision", args.precision),
-                                      ("--optimizer", args.optimizer != "sgd" or None),
                                       ("--whole-blocks", args.whole_blocks or None),
                                       ("--recompute-blocks", args.recompute_blocks or None),
                                       ("--zero-levels", args.zero_levels))

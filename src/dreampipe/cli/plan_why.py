@@ -71,9 +71,11 @@ def _split(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
             "the all-reduce of whole weights on top")
 
 
-def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None) -> list[str]:
-    """One line per stage: its slowest term, its replicas, split, recomputation and memory."""
-    costs = RangeCosts.of(graph)
+def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None,
+                  state: float = 0.0) -> list[str]:
+    """One line per stage: its slowest term, its replicas, split, recomputation and memory
+    (beside an optimizer's ``state`` copies of the weights)."""
+    costs = RangeCosts.of(graph, state)
     pipeline_s = result.time_per_minibatch_s
     lines = []
     for s, stage in enumerate(result.stages):

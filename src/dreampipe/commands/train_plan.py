@@ -203,7 +203,7 @@ def plan_train(
                                           clips=opts.config.max_grad_norm is not None)
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
-                    graph, workers, machine, nodes=nodes))):
+                    graph, workers, machine, nodes=nodes), ask.state_copies)):
                 talk(line)
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")

@@ -176,7 +176,9 @@ class RangeCosts:
     ``stashed`` sums what a microbatch in flight keeps of each layer
     (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`; None: ``activations``)
     and ``working`` what the range holds besides (:mod:`.held`: the largest layer's
-    backward working set and the library's kernel memory; None: 0).
+    backward working set and the library's kernel memory; None: 0). ``state_copies``
+    is the optimizer's state in copies of the weights (Adam 2), which every memory
+    term of the range counts.
     """
 
     compute_s: FloatArray
@@ -189,10 +191,12 @@ class RangeCosts:
     layer_weights: FloatArray | None = None
     stashed: FloatArray | None = None
     working: FloatArray | None = None
+    state_copies: float = 0.0
 
     @classmethod
-    def of(cls, graph: LayerGraph) -> RangeCosts:
-        """The sums of ``graph``, ``Input`` nodes' times zeroed (docs/design.md §2)."""
+    def of(cls, graph: LayerGraph, state_copies: float = 0.0) -> RangeCosts:
+        """The sums of ``graph``, ``Input`` nodes' times zeroed (docs/design.md §2), under
+        an optimizer holding ``state_copies`` of the weights."""
         def sums(values: Sequence[float], empty: float) -> FloatArray:
             prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
             table = prefix[None, 1:] - prefix[:-1, None]
@@ -217,6 +221,7 @@ class RangeCosts:
             working=held_bytes([float(x.working_bytes) for x in layers],
                                [float(x.library_bytes or 0) for x in layers],
                                [x.kernel_kind for x in layers]),
+            state_copies=state_copies,
         )
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
@@ -274,12 +279,13 @@ class RangeCosts:
         """:func:`max_versions` of every layer range in ``memory_bytes``."""
         return max_versions(self.weights, self.kept, memory_bytes, input_bytes=self.inputs,
                             sent_bytes=self.sent, working_bytes=self.backward_working,
-                            recompute=recompute)
+                            recompute=recompute, optimizer_copies=self.state_copies)
 
     def memory(self, first: int, last: int, versions: int, in_flight: int | None = None, *,
-               optimizer_copies: int = 0, stash: bool = True, sends_kept: int = SENDS_KEPT,
-               recompute: bool = False) -> int:
-        """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``)."""
+               optimizer_copies: float | None = None, stash: bool = True,
+               sends_kept: int = SENDS_KEPT, recompute: bool = False) -> int:
+        """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``;
+        optimizer state: ``optimizer_copies``, None for the range's own)."""
         after = float(self.cut_bytes[last + 1]) if last + 1 < self.n else 0.0
         return round(float(memory_bytes(
             self.weights[first, last], self.kept[first, last], versions,
@@ -287,8 +293,8 @@ class RangeCosts:
             input_bytes=self.cut_bytes[first],
             sent_bytes=max(float(self.cut_bytes[first]), after),  # one entry of sent
             working_bytes=self.backward_working[first, last],
-            optimizer_copies=optimizer_copies, stash=stash, sends_kept=sends_kept,
-            recompute=recompute,
+            optimizer_copies=self.state_copies if optimizer_copies is None else optimizer_copies,
+            stash=stash, sends_kept=sends_kept, recompute=recompute,
         )))
 
     def memories(self, spans: Sequence[tuple[int, int]], in_flight: Sequence[int],

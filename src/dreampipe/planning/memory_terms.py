@@ -33,7 +33,7 @@ def memory_bytes(
     input_bytes: FloatArray | float = 0.0,
     sent_bytes: FloatArray | float = 0.0,
     working_bytes: FloatArray | float = 0.0,
-    optimizer_copies: int = 0,
+    optimizer_copies: float = 0.0,
     stash: bool = True,
     sends_kept: int = SENDS_KEPT,
     recompute: bool = False,
@@ -62,11 +62,18 @@ def memory_bytes(
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
     x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = ((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
-             + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
+    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, sends_kept)
     if stash and not recompute:
         return np.asarray(fixed + versions * w + in_flight * (x + a))
     return np.asarray(fixed + (versions if stash else 1) * w + in_flight * x + x + a)
+
+
+def _fixed(w: FloatArray, working_bytes: FloatArray | float, sent_bytes: FloatArray | float,
+           optimizer_copies: float, sends_kept: int) -> FloatArray:
+    """What a stage holds whatever its minibatches in flight: a gradient and the optimizer's
+    state beside its weights, its working set and the sends it keeps."""
+    return np.asarray((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
+                      + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
 
 
 def blocks_kept_bytes(kept: Sequence[float], inputs: Sequence[float], recomputed: int,
@@ -106,9 +113,11 @@ def max_versions(
     weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float,
     *, input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
     working_bytes: FloatArray | float = 0.0, recompute: bool = False,
+    optimizer_copies: float = 0.0,
 ) -> FloatArray:
-    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`stage_memory`,
-    or of :func:`memory_bytes` with ``recompute``, versions equal to the minibatches in flight).
+    """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`memory_bytes`
+    stashing, or recomputing with ``recompute``, versions equal to the minibatches in flight),
+    beside ``optimizer_copies`` of its weights for the optimizer's state.
 
     0 or less means the stage does not fit at all; a stage whose versions cost
     nothing can hold any number (``inf``) if the rest fits.
@@ -116,7 +125,7 @@ def max_versions(
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
     x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = stage_memory(w, 0.0, 0, sent_bytes=sent_bytes, working_bytes=working_bytes)
+    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, SENDS_KEPT)
     per = w + x + (0.0 if recompute else a)
     if recompute:
         fixed = fixed + x + a

@@ -33,7 +33,9 @@ class PlanOptions:
     ``tensor_split`` lets a model no layer plan fits run as one stage split over
     workers of a server; ``exact`` searches every layer however long it takes;
     ``recompute`` lets a stage recompute its activations where only that fits;
-    ``mixed_splits`` makes a tensor split a per-stage choice of the range search.
+    ``mixed_splits`` makes a tensor split a per-stage choice of the range search;
+    ``state_copies`` is the optimizer's state in copies of the weights (SGD 0, with
+    momentum 1, Adam 2), which every stage holds beside them.
     """
 
     memory_bytes: int | None = None
@@ -47,11 +49,16 @@ class PlanOptions:
     exact: bool = False
     recompute: bool = False
     mixed_splits: bool = False
+    state_copies: float = 0.0
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive, e.g. 16e9 "
                               "for 16 GB", "memory_bytes")
+        if not 0 <= self.state_copies < float("inf"):
+            raise ConfigError(f"state_copies={self.state_copies} must be 0 or more: the "
+                              "optimizer's state in copies of the weights (Adam 2, SGD 0)",
+                              "state_copies")
         if self.memory_bytes is not None and self.cost_model is CostModel.PIPEDREAM:
             raise ConfigError(
                 f"memory_bytes={self.memory_bytes}: the pipedream cost model reproduces "

@@ -93,10 +93,11 @@ def _sums(values: FloatArray, empty: float) -> FloatArray:
 
 
 def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                times: _LayerTimes | None = None) -> RangeCosts:
+                times: _LayerTimes | None = None, state_copies: float = 0.0) -> RangeCosts:
     """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
     workers as ``splits`` says, on ``link`` (docs/design.md §10.3). ``Input`` layers cost
-    no time. ``times``: its layers' (:func:`_layer_times`), where made already."""
+    no time. ``times``: its layers' (:func:`_layer_times`), where made already;
+    ``state_copies``: the optimizer's state in copies of the weights."""
     layers = graph.layers
     n = len(layers)
     bwd, weights, kept = (np.zeros(n) for _ in range(3))
@@ -109,12 +110,12 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
         whole = float(layer.activation_bytes)
         kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
     compute, forward = _range_times(graph, t, link, splits, times=times)
-    whole_costs = RangeCosts.of(graph)
+    whole_costs = RangeCosts.of(graph, state_copies)
     return RangeCosts(
         compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
         forward_s=np.minimum(forward, np.where(np.isfinite(compute), compute, 0.0)),
         layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
-        working=whole_costs.working,
+        working=whole_costs.working, state_copies=state_copies,
     )
 
 
@@ -201,17 +202,18 @@ def fits_servers(start: int, stop: int, t: int, topology: Topology) -> bool:
     return all(w // size == (w + t - 1) // size for w in range(start, stop, t))
 
 
-def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
-                  ) -> tuple[StageSplit, ...]:
+def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
+                  state_copies: float = 0.0) -> tuple[StageSplit, ...]:
     """For each ``t`` of ``widths``, the fastest and the leanest split of ``graph`` (one when
-    they agree), priced on the link inside a server; none when ``graph`` is not a chain."""
+    they agree), priced on the link inside a server, beside an optimizer's ``state_copies``
+    of the weights; none when ``graph`` is not a chain."""
     if not graph.is_chain or len(graph) < 1:
         return ()
     inner = topology.levels[0]
     link = Link(inner.bandwidth, inner.latency)
     out: list[StageSplit] = []
     for t in sorted(set(widths)):
-        found = split_front(graph, t, link)
+        found = split_front(graph, t, link, state_copies)
         seen: set[tuple[Split, ...]] = set()
         for plan in found:
             if plan.splits not in seen:
@@ -220,6 +222,7 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int]
                 alone = _layer_times(graph, t, Link(math.inf, link.latency_s), plan.splits,
                                      False)
                 out.append(StageSplit(
-                    t, plan.splits, split_costs(graph, t, link, plan.splits, timed),
+                    t, plan.splits, split_costs(graph, t, link, plan.splits, timed,
+                                                state_copies),
                     split_latencies(graph, t, link, plan.splits, alone), (timed[0], alone[0])))
     return tuple(out)

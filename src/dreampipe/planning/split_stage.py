@@ -42,39 +42,43 @@ def server_link(topology: Topology) -> Link:
 
 
 def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
-               widths: Sequence[int]) -> SplitPlan | None:
+               widths: Sequence[int], state_copies: float = 0.0) -> SplitPlan | None:
     """The fastest split over any of ``widths`` that fits ``memory_bytes`` per worker
-    (ties: fewer workers); None when none fits or ``graph`` is not a chain."""
+    beside an optimizer's ``state_copies`` of the weights (ties: fewer workers); None when
+    none fits or ``graph`` is not a chain."""
     if not graph.is_chain:
         return None
     best: SplitPlan | None = None
     for t in sorted(widths):
         try:
-            found = search_splits(graph, t, server_link(topology), memory_bytes)
+            found = search_splits(graph, t, server_link(topology), memory_bytes, state_copies)
         except PlanError:
             continue
-        if _memory(graph, found) > memory_bytes:  # the search leaves out the stage's I/O
+        if _memory(graph, found, state_copies) > memory_bytes:  # the search leaves out its I/O
             continue
         if best is None or found.time_s < best.time_s:
             best = found
     return best
 
 
-def smallest_split_bytes(graph: LayerGraph, topology: Topology, t: int) -> int:
-    """Bytes per worker (within 1%) of the least demanding split of ``graph`` over ``t``."""
+def smallest_split_bytes(graph: LayerGraph, topology: Topology, t: int,
+                         state_copies: float = 0.0) -> int:
+    """Bytes per worker (within 1%) of the least demanding split of ``graph`` over ``t``
+    (optimizer state: ``state_copies`` of the weights)."""
     link = server_link(topology)
-    hi = search_splits(graph, t, link).memory_bytes
+    hi = search_splits(graph, t, link, None, state_copies).memory_bytes
     lo = 0.0  # a split always holds something, so a limit of 0 fits none
     while hi - lo > 0.005 * hi:
         mid = (lo + hi) / 2
         try:
-            hi = search_splits(graph, t, link, mid).memory_bytes
+            hi = search_splits(graph, t, link, mid, state_copies).memory_bytes
         except PlanError:
             lo = mid
     return round(hi)
 
 
-def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int]) -> str:
+def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int],
+                    state_copies: float = 0.0) -> str:
     """Why no tensor split fits: what the smallest over the largest of ``widths`` needs,
     or why there is none."""
     if not graph.is_chain:
@@ -85,7 +89,7 @@ def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int]
                 f"{topology.num_workers} of them when idle workers are not allowed")
     t = max(widths)
     return (f"the smallest tensor split (over {t} workers) needs about "
-            f"{format_bytes(smallest_split_bytes(graph, topology, t))}")
+            f"{format_bytes(smallest_split_bytes(graph, topology, t, state_copies))}")
 
 
 def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> list[SplitCost]:
@@ -94,8 +98,9 @@ def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> li
             for layer, split in zip(layers, splits, strict=True)]
 
 
-def split_stage(graph: LayerGraph, found: SplitPlan) -> Stage:
-    """One stage over every layer of ``graph``, run as ``found`` says on its workers.
+def split_stage(graph: LayerGraph, found: SplitPlan, state_copies: float = 0.0) -> Stage:
+    """One stage over every layer of ``graph``, run as ``found`` says on its workers
+    (its memory beside an optimizer's ``state_copies`` of the weights).
 
     Forward+backward is the search's time, collectives included; the forward
     part is each layer's forward divided as its split divides its compute
@@ -108,15 +113,16 @@ def split_stage(graph: LayerGraph, found: SplitPlan) -> Stage:
             forward += layer.forward_ms / 1e3 * share.compute_ms / layer.compute_ms
     return Stage(
         first=0, last=len(graph) - 1, replicas=1, ranks=(0,), compute_s=found.time_s,
-        memory_bytes=_memory(graph, found), forward_s=min(forward, found.time_s),
+        memory_bytes=_memory(graph, found, state_copies), forward_s=min(forward, found.time_s),
         tensor_parallel=found.workers, splits=found.splits,
     )
 
 
-def _memory(graph: LayerGraph, found: SplitPlan) -> int:
+def _memory(graph: LayerGraph, found: SplitPlan, state_copies: float) -> int:
     """Bytes per worker of the one split stage ``found``, one minibatch in flight, as the
     runtime's prediction counts them (:func:`~dreampipe.planning.operator_search.split_memory`)."""
-    return split_memory(graph, 0, len(graph) - 1, found.splits, found.workers, 1, 1)
+    return split_memory(graph, 0, len(graph) - 1, found.splits, found.workers, 1, 1,
+                        optimizer_copies=state_copies)
 
 
 def unfit_lines(needs: dict[str, int]) -> list[str]:

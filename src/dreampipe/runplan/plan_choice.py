@@ -180,15 +180,19 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
     if forced is None:
         return planner.plan_pipeline(graph, topology, PlanOptions(
             allow_fewer_workers=ask.allow_fewer_workers, memory_bytes=ask.memory_bytes,
-            max_stages=max_stages, recompute=ask.memory_bytes is not None))
+            max_stages=max_stages, recompute=ask.memory_bytes is not None,
+            state_copies=ask.state_copies))
     bounds, replicas = forced
     if bounds is not None:
-        return planner.evaluate_plan(graph, topology, bounds, replicas)
-    return _best_cuts(graph, topology, replicas)
+        return planner.evaluate_plan(graph, topology, bounds, replicas,
+                                     state_copies=ask.state_copies)
+    return _best_cuts(graph, topology, replicas, ask.state_copies)
 
 
-def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int]) -> Plan:
-    """The fastest partition into ``len(replicas)`` stages with these replica counts."""
+def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
+               state_copies: float) -> Plan:
+    """The fastest partition into ``len(replicas)`` stages with these replica counts
+    (memory beside an optimizer's ``state_copies`` of the weights)."""
     from dreampipe.planning import planner
 
     n, k = len(graph.layers), len(replicas)
@@ -198,7 +202,8 @@ def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int]) -> Pl
             f"{math.comb(n - 1, k - 1)} ways to cut; give the first layer of each stage "
             "with stages (e.g. 0,4)", "stages",
         )
-    plans = (planner.evaluate_plan(graph, topology, [0, *cuts], replicas)
+    plans = (planner.evaluate_plan(graph, topology, [0, *cuts], replicas,
+                                   state_copies=state_copies)
              for cuts in itertools.combinations(range(1, n), k - 1))
     best = min(plans, key=lambda plan: plan.time_per_minibatch_s)
     log.info("config %s: the fastest cuts start stages at %s", best.config,

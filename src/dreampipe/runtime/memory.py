@@ -16,13 +16,12 @@ from dataclasses import dataclass, replace
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.memory_terms import SENDS_KEPT
-from dreampipe.planning.operator_search import split_memory
 from dreampipe.planning.plan import Plan, Stage
-from dreampipe.planning.splits import op_kind, split_cost
 from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import BUCKET_CAP_MB, in_place
+from dreampipe.runtime.memory_split import split_peak, with_step
 from dreampipe.runtime.memory_walks import by_stage, gradients_later, most_in_flight, waiting_bytes
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
@@ -171,10 +170,12 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else held[s]
         versions += PREDICTION_COPIES if predicts(hyper, delays[s]) else 0
         if st.tensor_parallel > 1:
-            need = split_memory(graph, st.first, st.last, st.splits, st.tensor_parallel,
-                                versions, flight[s], optimizer_copies=optimizer_copies(opts),
-                                stash=opts.stash, recompute=st.recompute)
-            out.append(need + _accumulated(graph, st, schedule.microbatches_per_update))
+            out.append(split_peak(
+                graph, st, versions=versions, in_flight=flight[s],
+                optimizer_copies=optimizer_copies(opts), stash=opts.stash,
+                synchronous=schedule.kind.synchronous,
+                microbatches_per_update=schedule.microbatches_per_update,
+                step=opts.step_bytes, master_weights=opts.precision.master_weights))
             continue
         sizes = [layer.parameter_bytes for layer in graph.layers[st.first : st.last + 1]]
         sizes.append(graph.reused_bytes(st.first, st.last))  # its copies of shared weights
@@ -209,11 +210,10 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         step = round(stage_step_bytes(opts.step_bytes, _parameters(graph, st),
                                       master_weights=opts.precision.master_weights,
                                       shards=st.replicas if level >= 1 else 1))
-        if schedule.kind.synchronous:
-            out.append(max(main, stepping + step
-                           - _zero_states(st, level, weights, opts, whole=whole)))
-        else:
-            out.append(main + max(0, step - max(0, at_once - saved - stepping)))
+        zero_states = (_zero_states(st, level, weights, opts, whole=whole)
+                       if schedule.kind.synchronous else 0)
+        out.append(with_step(main, at_once - saved, stepping, step - zero_states,
+                             schedule.kind.synchronous))
     return tuple(out)
 
 
@@ -335,17 +335,6 @@ def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int
     backward ends."""
     return round(float(costs.kept[st.first, st.last]) * in_flight
                  + float(costs.backward_working[st.first, st.last]) - saved) - each * in_flight
-
-
-def _accumulated(graph: LayerGraph, st: Stage, microbatches_per_update: int) -> int:
-    """The weight gradient autograd makes before adding it to ``.grad`` in a split stage
-    whose update spans several microbatches (split layers accumulate with autograd's kernels,
-    not in place): the largest layer's share."""
-    if microbatches_per_update == 1:
-        return 0
-    return max(round(split_cost(graph.layers[i], op_kind(graph.layers[i]), split,
-                                st.tensor_parallel).weight_bytes)
-               for i, split in zip(range(st.first, st.last + 1), st.splits, strict=True))
 
 
 def _parameters(graph: LayerGraph, st: Stage, *, autocast: bool = False) -> list[int]:
