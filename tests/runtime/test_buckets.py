@@ -83,3 +83,27 @@ def test_a_change_of_dtype_closes_the_packed_bucket(reduced: list[Tensor]) -> No
 def test_in_place_is_half_a_bucket_or_more(nbytes: float, cap: float | None,
                                            alone: bool) -> None:
     assert in_place(nbytes, cap) is alone
+
+
+@pytest.mark.parametrize("layout", ["channels-last", "transposed", "strided"])
+def test_a_dense_gradient_in_any_order_is_summed_where_it_lies(
+        reduced: list[Tensor], layout: str) -> None:
+    """A channels-last convolution's weight gradient, or a transposed one, fills its
+    storage in another order of its dimensions: it is summed where it lies all the same.
+    One with gaps (every other element) is summed through a copy, and copied back."""
+    if layout == "channels-last":
+        grad = torch.arange(300.0).reshape(5, 6, 2, 5).to(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        grad = torch.arange(300.0).reshape(20, 15).t()
+    else:
+        grad = torch.arange(600.0).reshape(20, 30)[:, ::2]
+    expect = grad * 2 * 0.25
+    buckets = GradientBuckets([torch.zeros_like(grad)], None, lambda work, _a: work.wait(),
+                              cap_mb=_CAP_MB)
+    buckets.ready(0, grad)
+    assert len(reduced) == 1
+    shared = reduced[0].data_ptr() == grad.data_ptr()
+    assert shared == (layout != "strided")
+    buckets.finish([], _ACTION, 0.25)
+    assert torch.equal(grad, expect)
+    assert grad.stride() == expect.stride() or layout == "strided"

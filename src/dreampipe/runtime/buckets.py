@@ -120,8 +120,9 @@ class GradientBuckets:
 
     def _launch(self, bucket: _Bucket) -> None:
         grads = [g for g in bucket.grads if g is not None]  # all of them: none is missing
-        if len(grads) == 1 and grads[0].is_contiguous():
-            bucket.flat, bucket.shared = grads[0].view(-1), True
+        whole = _dense_view(grads[0]) if len(grads) == 1 else None
+        if whole is not None:
+            bucket.flat, bucket.shared = whole, True
         else:
             bucket.flat, bucket.shared = torch.cat([g.reshape(-1) for g in grads]), False
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
@@ -165,6 +166,17 @@ def in_place(nbytes: float, cap_bytes: float | None = None) -> bool:
     half a bucket or more (``cap_bytes``, default :data:`BUCKET_CAP_MB`), which packing
     would copy for at most one neighbour's company. Smaller ones are packed, a copy."""
     return nbytes >= (BUCKET_CAP_MB * 1e6 if cap_bytes is None else cap_bytes) / 2
+
+
+def _dense_view(grad: Tensor) -> Tensor | None:
+    """A flat view of every element of ``grad`` where its elements fill their storage
+    span without gaps or overlaps in some order of its dimensions (contiguous, or
+    channels-last, or transposed); None otherwise. The sum over replicas is elementwise,
+    so the order the view reads them in does not matter."""
+    order = sorted(range(grad.dim()), key=lambda d: (grad.stride(d), grad.size(d)),
+                   reverse=True)
+    laid = grad.permute(order)
+    return laid.view(-1) if laid.is_contiguous() else None
 
 
 def round_ends(actions: tuple[Action, ...]) -> frozenset[int]:
