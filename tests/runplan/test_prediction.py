@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from machine.fixtures import DEV_MACHINE
 
@@ -41,16 +43,37 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
 
 
 
-def test_a_clipped_run_steps_twice_as_long_and_agrees_before_each_update() -> None:
-    """Clipping moves each gradient's bytes as a plain SGD step moves the weights', so
-    a step takes twice its time; the agreement it needs holds the stages to each other."""
+#: A plain SGD step of a stage of the toy pipeline below (2 layers of 4 MiB), slowed as
+#: its neighbour computes.
+_STEP_S = 2 * 4 * 1024 * 1024 / DEV_MACHINE.step_bandwidth * DEV_MACHINE.corun_slowdown
+
+
+def _two_stages(**options: Any) -> float:
+    """Samples/s predicted for 200 minibatches of 32 through two equal stages of 6 ms layers,
+    under PipeDream's schedule, with ``options`` for the prediction."""
     graph = toy_graph([6.0] * 4)
     machine = local_machine(2)
     plan = choose_plan(graph, local_topology(2, machine), PlanAsk(workers=2, stages="0,2")).plan
     layout = MicrobatchLayout(kind=ScheduleKind.PIPEDREAM, minibatch_size=32, microbatches=1)
-    alone, steps_twice, clipped = (
-        predict_samples_per_s(graph, plan, layout, 200, machine, steps_agree=agree, clips=clips)
-        for agree, clips in ((False, False), (False, True), (True, True)))
-    step_s = 2 * 4 * 1024 * 1024 / DEV_MACHINE.step_bandwidth * DEV_MACHINE.corun_slowdown
+    return predict_samples_per_s(graph, plan, layout, 200, machine, **options)
+
+
+def test_a_clipped_run_steps_twice_as_long_and_agrees_before_each_update() -> None:
+    """Clipping moves each gradient's bytes as a plain SGD step moves the weights', so
+    a step takes twice its time; the agreement it needs holds the stages to each other."""
+    alone, steps_twice, clipped = (_two_stages(steps_agree=agree, clips=clips)
+                                   for agree, clips in ((False, False), (False, True),
+                                                        (True, True)))
+    step_s = _STEP_S
     assert 32 / steps_twice - 32 / alone == pytest.approx(step_s, rel=0.05)
     assert clipped < 0.8 * steps_twice  # two equal stages: about B0 + F1 + B1 a minibatch
+
+
+def test_an_optimizer_that_steps_k_plain_steps_adds_k_minus_one_step_times() -> None:
+    """The prediction prices a step by a plain SGD step's traffic; an optimizer measured at
+    ``k`` times that (Adam's moments, momentum's buffer) takes ``k`` of them, and clipping
+    one more."""
+    plain, adam, clipped = (_two_stages(step_factor=k, clips=clips)
+                            for k, clips in ((1.0, False), (4.0, False), (4.0, True)))
+    assert 32 / adam - 32 / plain == pytest.approx(3 * _STEP_S, rel=0.05)
+    assert 32 / clipped - 32 / adam == pytest.approx(_STEP_S, rel=0.05)

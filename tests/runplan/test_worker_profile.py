@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from dreampipe.runplan import worker_profile as local
 from dreampipe.runplan.prediction import predict_samples_per_s
 from dreampipe.runplan.worker_profile import saved_profile
 from dreampipe.runtime.processes import pinned_threads
+from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
@@ -118,6 +120,11 @@ def test_train_with_a_saved_profile_plans_and_predicts_with_it_without_profiling
         load_graph(measured), planned.run.plan,
         MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=32, microbatches=2), 6,
         local_machine(2))
+    # Adam's step moves its moments too: the same plan is predicted slower
+    adam = plan_train(TrainRequest(
+        run=dataclasses.replace(run, optimizer=OptimizerKind.ADAM), plan=PlanSource(config="1-1"),
+        workers=2, profile=str(measured)))
+    assert adam.predicted_samples_per_s < planned.predicted_samples_per_s
 
 
 def test_a_profile_by_shape_is_refused_as_a_runs_profile() -> None:

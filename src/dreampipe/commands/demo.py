@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from dreampipe.errors import ConfigError
 from dreampipe.machine.calibration import LocalCalibration, local_topology
 from dreampipe.machine.measure import local_machine
+from dreampipe.machine.step_time import step_factor
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.graph import LayerGraph
@@ -102,6 +103,15 @@ def _pipeline_plan(graph: LayerGraph, workers: int, machine: LocalCalibration,
     return straight
 
 
+def _step_factor(lr: float, momentum: float) -> float:
+    """The demo's SGD step in plain SGD steps: more than one with momentum."""
+    if not momentum:
+        return 1.0
+    import torch  # with the training, not at import
+
+    return step_factor(lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum))
+
+
 def timeline_window(events: tuple[Event, ...], first: int, microbatches: int) -> list[Event]:
     """The events of microbatches ``first .. first+microbatches-1``: a readable slice of a
     long run."""
@@ -130,7 +140,7 @@ def run_demo(opts: DemoOptions, say: Callable[[str], None]) -> DemoResult:
     steps = steps_for_epochs(opts.epochs, train_n, opts.minibatch_size)
     predicted = predict_samples_per_s(graph, plan, MicrobatchLayout(
         kind=ScheduleKind.PIPEDREAM, minibatch_size=opts.minibatch_size, microbatches=1),
-        steps, machine)
+        steps, machine, step_factor=_step_factor(opts.lr, opts.momentum))
     base = TrainRun(
         model=_MODEL, plan=plan, config=TrainConfig(schedule="pipedream", seed=opts.seed),
         minibatch_size=opts.minibatch_size, steps=steps, lr=opts.lr, momentum=opts.momentum,

@@ -25,6 +25,7 @@ from dreampipe.api.checks import check_schedule as check_plan_schedule
 from dreampipe.api.config import TrainConfig
 from dreampipe.commands.seq_lengths import check_token_model
 from dreampipe.errors import ConfigError, DatasetError, PlanError
+from dreampipe.machine.step_time import step_factor
 from dreampipe.models.datasets import DATASETS
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
@@ -91,6 +92,16 @@ class TrainOptions:
                                    foreach=foreach)
 
         return build
+
+    def step_factor(self) -> float:
+        """How many plain SGD steps' time a step of this run's optimizer takes, on the
+        ranks' device (:func:`~dreampipe.machine.step_time.step_factor`): 1 for plain SGD,
+        the step the machine's rates time."""
+        if self.optimizer is OptimizerKind.SGD and not self.momentum:
+            return 1.0
+        cuda = torch.cuda.is_available()
+        return step_factor(self.optimizer_factory(foreach=True if cuda else None),
+                           torch.device("cuda") if cuda else None)
 
     def memory_choices(self, *, step: bool = True) -> TrainingChoices:
         """What the memory a stage takes depends on among these options (without ``step``,

@@ -200,7 +200,8 @@ def plan_train(
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
                                           machine, nodes=nodes, zero=opts.config.zero,
                                           steps_agree=opts.config.runner_options().steps_agree,
-                                          clips=opts.config.max_grad_norm is not None)
+                                          clips=opts.config.max_grad_norm is not None,
+                                          step_factor=opts.step_factor())
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
                     graph, workers, machine, nodes=nodes), ask.state_copies)):

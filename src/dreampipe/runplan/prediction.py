@@ -29,16 +29,18 @@ __all__ = ["predict_samples_per_s"]
 
 def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
                           machine: LocalCalibration, *, nodes: int = 1, zero: int = 0,
-                          steps_agree: bool = False, clips: bool = False) -> float:
+                          steps_agree: bool = False, clips: bool = False,
+                          step_factor: float = 1.0) -> float:
     """Samples/s the simulator predicts for ``steps`` updates of ``plan`` run as ``layout``
     says on ``machine``'s workers (``nodes`` > 1: a torchrun job over several nodes), its
     replicated stages sharded at the run's ZeRO level ``zero`` or their own
     (:mod:`~dreampipe.simulation.zero_costs`); ``steps_agree``: the ranks agree before every
     update (:attr:`~dreampipe.runtime.runner_options.RunnerOptions.steps_agree`);
-    ``clips``: each update clips its gradients by their global norm, which reads every
-    gradient twice and writes it once, the traffic of the plain SGD step that prices
-    ``step_s`` (:func:`~dreampipe.machine.calibration.local_costs`), so a step takes twice
-    its time.
+    ``step_factor``: the run's optimizer's step in plain SGD steps, whose traffic prices
+    ``step_s`` (:func:`~dreampipe.machine.calibration.local_costs`;
+    :func:`~dreampipe.machine.step_time.step_factor`); ``clips``: each update clips its
+    gradients by their global norm, which reads every gradient twice and writes it once,
+    one plain SGD step's traffic more.
 
     A ``graph`` profiled at the layout's microbatch gives each scheduled one
     what the profile measured; one at another batch is scaled to it in
@@ -58,7 +60,7 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
         costs = with_zero(local_costs(graph, plan, fraction, measured_machine(graph, machine),
                                       nodes=nodes), schedule, levels)
     costs = dataclasses.replace(costs, steps_agree=steps_agree, step_s=tuple(
-        (2.0 if clips else 1.0) * s for s in costs.step_s))
+        (step_factor + (1.0 if clips else 0.0)) * s for s in costs.step_s))
     makespan = simulate_schedule(schedule, costs, record_events=False).makespan_s
     samples = steps * layout.microbatches_per_update * layout.microbatch_size
     return samples / makespan if makespan > 0 else 0.0
