@@ -20,6 +20,7 @@ from dreampipe.cli.plan_command import (
     confirm_by_simulation,
     layer_label,
 )
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -119,7 +120,8 @@ def test_the_optimizers_state_counts_in_the_memory(capsys: pytest.CaptureFixture
     code, out, _ = _run(capsys, VGG, "-t", "cluster-b", "--memory", "40GB", "--optimizer",
                         "adam", "--json")
     data = json.loads(out)
-    plan, _ = _expected(VGG, "cluster-b", memory="40GB", state_copies=2.0)
+    plan, _ = _expected(VGG, "cluster-b", memory="40GB",
+                        optimizer=OptimizerTerms(state_copies=2.0))
     assert code == 0 and all(s["memory_bytes"] <= 40e9 for s in data["stages"])
     assert _spans(data["stages"]) == _spans(plan.stages)
     assert [s["memory_bytes"] for s in data["stages"]] == [s.memory_bytes for s in plan.stages]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import PlanError
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.operator_search import Link, coarsen, layer_costs, search_splits
 from dreampipe.planning.splits import (
     Collective,
@@ -165,7 +166,8 @@ def test_the_search_equals_brute_force(
     limit = math.inf if limit_share is None else (
         smallest * (1 + 1e-9) + limit_share * (fastest - smallest))
     time = min(x for x, m in every if m <= limit)
-    plan = search_splits(graph, t, link, None if limit_share is None else limit, state)
+    plan = search_splits(graph, t, link, None if limit_share is None else limit,
+                         OptimizerTerms(state_copies=state))
     assert plan.time_s == pytest.approx(time, rel=1e-9, abs=1e-12)
     assert plan.memory_bytes <= limit * (1 + 1e-12)
     assert len(plan.splits) == len(graph)

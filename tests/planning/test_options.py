@@ -11,6 +11,7 @@ import dreampipe
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.level import Options
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
@@ -48,7 +49,9 @@ def test_bad_options_fail_when_made_or_against_the_model() -> None:
         PlanOptions(memory_bytes=1000, cost_model=CostModel.PIPEDREAM)
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=r"state_copies=.* must be 0 or more"):
-            PlanOptions(state_copies=bad)
+            PlanOptions(optimizer=OptimizerTerms(state_copies=bad))
+        with pytest.raises(ConfigError, match=r"per_largest=.* must be 0 or more"):
+            OptimizerTerms(per_largest=bad)
     graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(3)])
     with pytest.raises(ConfigError, match=r"max_stages=4 is impossible for a model of 3 "
                        "layers") as e:

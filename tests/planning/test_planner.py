@@ -23,7 +23,7 @@ from dreampipe.planning.costs import (
     stage_time,
 )
 from dreampipe.planning.in_flight import versions_in_flight
-from dreampipe.planning.memory_terms import max_versions, stage_memory
+from dreampipe.planning.memory_terms import OptimizerTerms, max_versions, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import evaluate_plan, plan_pipeline
@@ -320,6 +320,12 @@ def test_the_floor_prunes_no_part_of_an_optimal_plan(
         (s.first, s.placement) for s in want.stages]
 
 
+def _step_bound(graph: LayerGraph, first: int, last: int, terms: OptimizerTerms) -> float:
+    """The optimizer step's temporaries the planner counts for layers ``first..last``."""
+    sizes = [x.parameter_bytes for x in graph.layers[first : last + 1]]
+    return terms.per_largest * max(sizes) + terms.per_byte * sum(sizes)
+
+
 def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
     for part in _partitions(0, n - 1):
         for budget in range(len(part), workers + 1):
@@ -329,15 +335,18 @@ def _flat_plans(n: int, workers: int) -> Iterator[list[tuple[int, int, int]]]:
 
 @settings(max_examples=200, deadline=None)
 @given(_graphs(5), st.integers(1, 4), _BW, st.floats(0.2, 1.0), st.integers(1, 5),
-       st.sampled_from([0.0, 1.0, 2.0]))
+       st.sampled_from([OptimizerTerms(), OptimizerTerms(1.0), OptimizerTerms(2.0, 3.0),
+                        OptimizerTerms(2.0, 0.0, 1.0)]))
 def test_memory_and_max_stages_equal_brute_force(
-    graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int, state: float
+    graph: LayerGraph, workers: int, bw: float, frac: float, max_stages: int,
+    terms: OptimizerTerms,
 ) -> None:
-    # ``state``: the optimizer's state in copies of the weights, which every stage holds
+    # ``terms``: the optimizer's state in copies of the weights, which every stage holds, and
+    # its step's temporaries, per byte of the stage's largest layer and of all its weights
     n = len(graph)
     max_stages = min(max_stages, n)
     topo = Topology((Level(workers, bw),))
-    free = plan_pipeline(graph, topo, PlanOptions(max_stages=max_stages, state_copies=state))
+    free = plan_pipeline(graph, topo, PlanOptions(max_stages=max_stages, optimizer=terms))
     assert free.num_stages <= max_stages
     memory = max(1, int(frac * max(s.memory_bytes for s in free.stages)))  # usually binds
     best = math.inf
@@ -345,19 +354,20 @@ def test_memory_and_max_stages_equal_brute_force(
         if len(stages) > max_stages:
             continue
         cand = evaluate_plan(graph, topo, [a for a, _, _ in stages], [r for _, _, r in stages],
-                             memory_bytes=memory, state_copies=state)
+                             memory_bytes=memory, optimizer=terms)
         held = [RangeCosts.of(graph).memory(s.first, s.last, s.in_flight,
-                                            optimizer_copies=state) for s in cand.stages]
-        assert [s.memory_bytes for s in cand.stages] == held
+                                            optimizer_copies=terms.state_copies)
+                + round(_step_bound(graph, s.first, s.last, terms)) for s in cand.stages]
+        assert [s.memory_bytes for s in cand.stages] == pytest.approx(held, abs=1)
         if all(s.memory_bytes <= memory for s in cand.stages):
             best = min(best, cand.time_per_minibatch_s)
     if math.isinf(best):
         with pytest.raises(PlanError, match="smallest needs about"):
             plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
-                                                   tensor_split=False, state_copies=state))
+                                                   tensor_split=False, optimizer=terms))
         return
     got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
-                                                 state_copies=state))
+                                                 optimizer=terms))
     assert got.time_per_minibatch_s == pytest.approx(best, rel=1e-9)
     assert got.num_stages <= max_stages
     assert all(s.memory_bytes <= memory for s in got.stages)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from dreampipe.planning import ranges as ranges_module
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic
 from dreampipe.planning.planner import plan_pipeline
@@ -126,14 +127,14 @@ def test_ranges_dp_equals_brute_force(
 
 @settings(max_examples=40, deadline=None)
 @given(_graphs(), _SHAPES, _BW, st.floats(0.3, 1.5), st.booleans(),
-       st.sampled_from([0.0, 2.0]))
+       st.sampled_from([OptimizerTerms(), OptimizerTerms(2.0, 3.0, 0.5)]))
 def test_ranges_dp_equals_brute_force_under_memory(
     graph: LayerGraph, shape: tuple[int, int], bw: float, share: float, fewer: bool,
-    state: float,
+    terms: OptimizerTerms,
 ) -> None:
-    # ``state``: an optimizer's, in copies of the weights, held by every stage
+    # ``terms``: an optimizer's state and step temporaries, held by every stage
     topo = Topology((Level(shape[0], bw * 10, 1e-6), Level(shape[1], bw, 1e-5)))
-    prof = RangeCosts.of(graph, state)
+    prof = RangeCosts.of(graph, terms)
     # about ``share`` of the whole model held twice: some layouts fit, some do not
     memory = max(1, int(share * prof.memory(0, prof.n - 1, 2)))
     expect = _brute(prof, topo, DEFAULT_SYNC, fewer, memory)
@@ -148,7 +149,7 @@ def test_ranges_dp_equals_brute_force_under_memory(
                           DEFAULT_SYNC, memory)
     assert all(s.memory_bytes <= memory for s in stages)
     got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, allow_fewer_workers=fewer,
-                                                 tensor_split=False, state_copies=state))
+                                                 tensor_split=False, optimizer=terms))
     assert got.time_per_minibatch_s <= slowest(stages) * (1 + 1e-9)
     assert all(s.memory_bytes <= memory for s in got.stages)
 

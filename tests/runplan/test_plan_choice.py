@@ -12,6 +12,7 @@ from dreampipe.errors import ConfigError, PlanError
 from dreampipe.machine.calibration import local_topology
 from dreampipe.machine.measure import local_machine
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import plan_pipeline
@@ -112,6 +113,9 @@ def test_a_synchronous_choice_under_a_limit_also_weighs_plans_pipedream_would_no
     assert any(line.lstrip().startswith(limited.config) for line in got.lines)
 
 
+_ADAM = OptimizerTerms(state_copies=2.0)
+
+
 def test_the_optimizers_state_counts_in_the_plans_memory() -> None:
     # 8 layers of 4 MiB of weights on 3 workers: data parallelism holds 32 MiB and its
     # gradient, which fits 100 MiB; with Adam's two more copies (128 MiB) it does not, and
@@ -121,14 +125,14 @@ def test_the_optimizers_state_counts_in_the_plans_memory() -> None:
     plain = choose_plan(graph, topo, PlanAsk(workers=3, memory_bytes=limit)).plan
     assert plain.config == "3"
     got = choose_plan(graph, topo, PlanAsk(workers=3, memory_bytes=limit,
-                                           state_copies=2)).plan
+                                           optimizer=_ADAM)).plan
     assert got.config != "3"
     held = [costs.memory(s.first, s.last, s.in_flight, optimizer_copies=2) for s in got.stages]
     assert [s.memory_bytes for s in got.stages] == held
     assert max(held) <= limit
     # a forced partition is priced with the state too
-    forced = choose_plan(graph, topo, PlanAsk(workers=3, stages="0,3,6", state_copies=2)).plan
+    forced = choose_plan(graph, topo, PlanAsk(workers=3, stages="0,3,6", optimizer=_ADAM)).plan
     assert [s.memory_bytes for s in forced.stages] == [
         costs.memory(s.first, s.last, s.in_flight, optimizer_copies=2) for s in forced.stages]
     with pytest.raises(PlanError, match=r"smallest needs about 63\.3 MB as a layer pipeline"):
-        choose_plan(graph, topo, PlanAsk(workers=3, memory_bytes=60 << 20, state_copies=2))
+        choose_plan(graph, topo, PlanAsk(workers=3, memory_bytes=60 << 20, optimizer=_ADAM))

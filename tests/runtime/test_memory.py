@@ -15,6 +15,7 @@ from dreampipe.runtime import memory
 from dreampipe.runtime.memory import (
     TrainingChoices,
     counted_twice,
+    planner_terms,
     predict_memory,
 )
 from dreampipe.runtime.optimizer_step import StepBytes
@@ -243,3 +244,43 @@ def test_from_zero_2_a_replica_makes_its_gradient_chunks_only(
     weights = [16, 16]  # each stage's two layers of 8 bytes
     assert seen == {0: {weights[0], weights[1]}, 1: {weights[0], weights[1]},
                     2: {weights[0] // 2, weights[1]}, 3: {weights[0] // 2, weights[1]}}
+
+
+@pytest.mark.parametrize("step", [StepBytes(largest=2.0, second=1.0), StepBytes(total=1.0)],
+                         ids=["single-tensor", "foreach"])
+@pytest.mark.parametrize("precision", [Precision.FP32, Precision.BF16_MIXED])
+def test_a_plan_the_planner_fits_in_a_limit_the_runs_own_check_accepts(
+        step: StepBytes, precision: Precision) -> None:
+    """Eight 1024x1024 Linears with ReLUs on 2 workers under Adam, at every limit from too
+    little to plenty: whatever the planner picks (pipelines, replicas, a split over both
+    workers) holds, as the run predicts it under 1f1b-flush, within the limit. Adam's state,
+    its step's temporaries (single-tensor: two of the largest parameter and one of the
+    second; foreach: one of every parameter) and 16-bit weights' masters are what the
+    planner's terms must count (:func:`~dreampipe.runtime.memory.planner_terms`)."""
+    from dreampipe.errors import PlanError
+    from dreampipe.planning.options import PlanOptions
+    from dreampipe.planning.planner import plan_pipeline
+    from dreampipe.planning.topology import Level, Topology
+
+    w = 4 << 20
+    layers: list[Layer] = []
+    for i in range(8):
+        layers += [Layer(f"fc{i}", 0.3, 0.6, 64 << 10, w + 4096, "Linear(1024, 1024)",
+                         largest_parameter_bytes=w),
+                   Layer(f"r{i}", 0.01, 0.02, 64 << 10, 0, "ReLU()")]
+    graph = LayerGraph.chain(layers)
+    topo = Topology((Level(2, 10e9),))
+    choices = _choices(step_bytes=step, precision=precision)
+    planned = 0
+    for limit in range(30_000_000, 160_000_000, 4_000_000):
+        try:
+            plan = plan_pipeline(graph, topo, PlanOptions(
+                memory_bytes=limit, optimizer=planner_terms(choices), recompute=True))
+        except PlanError:
+            continue
+        planned += 1
+        schedule = MicrobatchLayout(kind=ScheduleKind.FLUSH, microbatches=1).build(
+            [st.replicas for st in plan.stages], 4, plan.in_flight)
+        need = predict_memory(graph, plan, schedule, choices)
+        assert max(need) <= limit, (limit, plan.config, need)
+    assert planned >= 10

@@ -48,10 +48,11 @@ from dreampipe.cli.plan_schedule import (
     schedule_report,
     several_report,
 )
-from dreampipe.cli.plan_sync import add_sync_arguments, run_sync, state_copies, wants_sync
+from dreampipe.cli.plan_sync import add_sync_arguments, optimizer_terms, run_sync, wants_sync
 from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.placement import check_virtual_count
 from dreampipe.planning.plan import Heuristic, Plan, Stage
@@ -180,7 +181,7 @@ def _run(args: argparse.Namespace) -> int:
         allow_fewer_workers=not args.all_workers, max_stages=args.max_stages,
         cost_model=CostModel(args.cost_model), sync=sync_from(args), exact=args.exact,
         recompute=args.recompute, mixed_splits=args.mixed_splits,
-        state_copies=state_copies(args)))
+        optimizer=optimizer_terms(args)))
     seconds = time.perf_counter() - start
     sim = confirm_by_simulation(result, graph, topo, args.check_minibatches or CHECK_MINIBATCHES
                                 ) if args.check else None
@@ -189,7 +190,7 @@ def _run(args: argparse.Namespace) -> int:
         result.save(args.output, chosen(schedule_data))
     if args.json:
         summary = {**plan_summary(result, seconds), **schedule_data}
-        needs = _split_needs(result, graph, topo, state_copies(args))
+        needs = _split_needs(result, graph, topo, optimizer_terms(args))
         if needs is not None:
             summary["memory_needs_bytes"] = needs
         summary["check_skipped"] = sim is None
@@ -201,7 +202,7 @@ def _run(args: argparse.Namespace) -> int:
         json.dump(summary, sys.stdout)
         sys.stdout.write("\n")
     else:
-        print(format_plan(result, graph, topo, seconds, limit, state_copies(args)))
+        print(format_plan(result, graph, topo, seconds, limit, optimizer_terms(args)))
         if sim is not None:
             print(format_check(result, sim))
             warning = check_warning(result, sim)
@@ -305,11 +306,11 @@ def layer_label(graph: LayerGraph, index: int, width: int = 26) -> str:
 
 def format_plan(
     result: Plan, graph: LayerGraph, topo: Topology, plan_time_s: float | None = None,
-    memory_bytes: int | None = None, state: float = 0.0,
+    memory_bytes: int | None = None, optimizer: OptimizerTerms = STATELESS,
 ) -> str:
     """The human report: topology, one row per stage, why each stage is as it is (against
-    ``memory_bytes``, the limit planned with, beside an optimizer's ``state`` copies of the
-    weights), prediction and speedups."""
+    ``memory_bytes``, the limit planned with, beside what ``optimizer`` holds), prediction
+    and speedups."""
     unheld = ("; planned without a memory limit (--memory holds the stages to it)"
               if memory_bytes is None and topo.memory_bytes else "")
     lines = [f"topology: {topo.describe()}{unheld}"]
@@ -331,7 +332,7 @@ def format_plan(
         )
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
               if st.tensor_parallel > 1]
-    lines += ["", *stage_reasons(result, graph, memory_bytes, state)]
+    lines += ["", *stage_reasons(result, graph, memory_bytes, optimizer)]
     has = topo.memory_bytes if memory_bytes is None else None  # planned without the limit
     over = [s for s, st in enumerate(result.stages) if has and st.memory_bytes > has]
     if has and over:
@@ -355,7 +356,7 @@ def format_plan(
                      f"{100 * result.optimality_gap:.1f}% slower than the optimum")
     else:
         lines.append("  exact: the fastest plan the search holds (no shortcut taken)")
-    needs = _split_needs(result, graph, topo, state)
+    needs = _split_needs(result, graph, topo, optimizer)
     for key, label in _BASELINES:
         if key in result.baselines_s:
             lines.append(f"  {result.speedup_over(key):6.2f}x over {label} "
@@ -369,13 +370,14 @@ def format_plan(
     return "\n".join(lines)
 
 
-def _split_needs(result: Plan, graph: LayerGraph, topo: Topology, state: float
+def _split_needs(result: Plan, graph: LayerGraph, topo: Topology, optimizer: OptimizerTerms
                  ) -> dict[str, int] | None:
-    """What data parallelism and the smallest layer pipeline need per worker, beside an
-    optimizer's ``state`` copies of the weights, for a plan split over workers as a whole
-    because neither fits; None otherwise."""
+    """What data parallelism and the smallest layer pipeline need per worker, beside what
+    ``optimizer`` holds, for a plan split over workers as a whole because neither fits;
+    None otherwise."""
     whole = result.num_stages == 1 and result.stages[0].tensor_parallel > 1
-    return memory_needs(graph, topo, state) if whole and "dp" not in result.baselines_s else None
+    return (memory_needs(graph, topo, optimizer) if whole and "dp" not in result.baselines_s
+            else None)
 
 
 def _format_splits(index: int, stage: Stage) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 from dreampipe.cli.links import memory_limit, sync_from
 from dreampipe.errors import ConfigError
 from dreampipe.planning.layout import LAYOUT_EXAMPLE, Layout, parse_layout
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.splits import attention_heads
 from dreampipe.planning.state_bytes import OPTIMIZER_COPIES, PRECISION_PARAM_BYTES, Training
 from dreampipe.planning.sync_choices import SyncOptions
@@ -34,7 +35,7 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["add_sync_arguments", "run_sync", "state_copies", "wants_sync"]
+__all__ = ["add_sync_arguments", "optimizer_terms", "run_sync", "wants_sync"]
 
 #: Updates the check simulates.
 _UPDATES = 2
@@ -78,9 +79,11 @@ def add_sync_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, **how)
 
 
-def state_copies(args: argparse.Namespace) -> float:
-    """``--optimizer``'s state in copies of the weights, which every stage holds."""
-    return float(OPTIMIZER_COPIES[args.optimizer])
+def optimizer_terms(args: argparse.Namespace) -> OptimizerTerms:
+    """What ``--optimizer`` holds beside every stage's weights: its state (its step's
+    temporaries depend on the run's form of it, which a plan for any cluster does not
+    know: ``dreampipe train`` counts them)."""
+    return OptimizerTerms(state_copies=float(OPTIMIZER_COPIES[args.optimizer]))
 
 
 def wants_sync(args: argparse.Namespace) -> bool:

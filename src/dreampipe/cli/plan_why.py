@@ -10,6 +10,7 @@ worker, with and without recomputation, against ``--memory``.
 from __future__ import annotations
 
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
@@ -72,10 +73,10 @@ def _split(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
 
 
 def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None,
-                  state: float = 0.0) -> list[str]:
+                  optimizer: OptimizerTerms = STATELESS) -> list[str]:
     """One line per stage: its slowest term, its replicas, split, recomputation and memory
-    (beside an optimizer's ``state`` copies of the weights)."""
-    costs = RangeCosts.of(graph, state)
+    (beside what ``optimizer`` holds)."""
+    costs = RangeCosts.of(graph, optimizer)
     pipeline_s = result.time_per_minibatch_s
     lines = []
     for s, stage in enumerate(result.stages):

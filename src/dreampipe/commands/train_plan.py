@@ -51,7 +51,7 @@ from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
 from dreampipe.runtime.memory import (
     check_memory,
     counted_twice,
-    optimizer_copies,
+    planner_terms,
     predict_memory,
 )
 from dreampipe.scheduling.actions import ScheduleKind
@@ -204,7 +204,7 @@ def plan_train(
                                           step_factor=opts.step_factor())
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
-                    graph, workers, machine, nodes=nodes), ask.state_copies)):
+                    graph, workers, machine, nodes=nodes), ask.optimizer)):
                 talk(line)
     if plan.workers_used < workers:
         talk(f"the planner uses {plan.workers_used} of {workers} workers (faster than all)")
@@ -236,7 +236,7 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
                    microbatches=opts.config.microbatches if req.profile is None
                    else opts.config.per_minibatch,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
-                   state_copies=optimizer_copies(opts.memory_choices(step=False)),
+                   optimizer=planner_terms(opts.memory_choices()),
                    zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
 

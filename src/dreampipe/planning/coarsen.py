@@ -95,5 +95,5 @@ def coarsen(prof: RangeCosts, starts: Sequence[int]) -> RangeCosts:
         compute, np.asarray(pick(prof.weights)), np.asarray(pick(prof.activations)),
         np.asarray(prof.cut_bytes[first]), forward_s=pick(prof.forward_s),
         layer_backward_s=sums(backward), layer_weights=sums(weights),
-        stashed=pick(prof.stashed), working=pick(prof.working), state_copies=prof.state_copies,
+        stashed=pick(prof.stashed), working=pick(prof.working), optimizer=prof.optimizer,
     )

@@ -23,7 +23,13 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.held import held_bytes, range_max
-from dreampipe.planning.memory_terms import SENDS_KEPT, max_versions, memory_bytes
+from dreampipe.planning.memory_terms import (
+    SENDS_KEPT,
+    STATELESS,
+    OptimizerTerms,
+    max_versions,
+    memory_bytes,
+)
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -176,9 +182,9 @@ class RangeCosts:
     ``stashed`` sums what a microbatch in flight keeps of each layer
     (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`; None: ``activations``)
     and ``working`` what the range holds besides (:mod:`.held`: the largest layer's
-    backward working set and the library's kernel memory; None: 0). ``state_copies``
-    is the optimizer's state in copies of the weights (Adam 2), which every memory
-    term of the range counts.
+    backward working set and the library's kernel memory; None: 0). ``optimizer``
+    is what the optimizer holds beside the weights (:class:`OptimizerTerms`: its state
+    and its step's temporaries), which every memory term of the range counts.
     """
 
     compute_s: FloatArray
@@ -191,12 +197,12 @@ class RangeCosts:
     layer_weights: FloatArray | None = None
     stashed: FloatArray | None = None
     working: FloatArray | None = None
-    state_copies: float = 0.0
+    optimizer: OptimizerTerms = STATELESS
 
     @classmethod
-    def of(cls, graph: LayerGraph, state_copies: float = 0.0) -> RangeCosts:
+    def of(cls, graph: LayerGraph, optimizer: OptimizerTerms = STATELESS) -> RangeCosts:
         """The sums of ``graph``, ``Input`` nodes' times zeroed (docs/design.md §2), under
-        an optimizer holding ``state_copies`` of the weights."""
+        ``optimizer``'s terms."""
         def sums(values: Sequence[float], empty: float) -> FloatArray:
             prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
             table = prefix[None, 1:] - prefix[:-1, None]
@@ -221,7 +227,7 @@ class RangeCosts:
             working=held_bytes([float(x.working_bytes) for x in layers],
                                [float(x.library_bytes or 0) for x in layers],
                                [x.kernel_kind for x in layers]),
-            state_copies=state_copies,
+            optimizer=optimizer,
         )
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
@@ -235,6 +241,16 @@ class RangeCosts:
     def held_besides(self) -> FloatArray:
         """``[i, j]``: a stage's backward working set and the sends it keeps, made once."""
         return np.asarray(self.backward_working + SENDS_KEPT * self.sent)
+
+    @functools.cached_property
+    def step_held(self) -> FloatArray:
+        """``[i, j]``: the bound on the optimizer step's temporaries of a stage of layers
+        ``i..j`` (:class:`OptimizerTerms`), made once; 0 without an optimizer's terms."""
+        opt = self.optimizer
+        if opt.per_largest == 0 and opt.per_byte == 0:
+            return np.zeros_like(self.weights)
+        largest = self.largest_weights if self.layer_weights is not None else self.weights
+        return np.asarray(opt.per_largest * largest + opt.per_byte * self.weights)
 
     @functools.cached_property
     def largest_weights(self) -> FloatArray:
@@ -279,13 +295,15 @@ class RangeCosts:
         """:func:`max_versions` of every layer range in ``memory_bytes``."""
         return max_versions(self.weights, self.kept, memory_bytes, input_bytes=self.inputs,
                             sent_bytes=self.sent, working_bytes=self.backward_working,
-                            recompute=recompute, optimizer_copies=self.state_copies)
+                            recompute=recompute, optimizer_copies=self.optimizer.state_copies,
+                            step_bytes=self.step_held)
 
     def memory(self, first: int, last: int, versions: int, in_flight: int | None = None, *,
                optimizer_copies: float | None = None, stash: bool = True,
                sends_kept: int = SENDS_KEPT, recompute: bool = False) -> int:
         """:func:`memory_bytes` of a stage of layers ``first..last`` (in flight: ``versions``;
-        optimizer state: ``optimizer_copies``, None for the range's own)."""
+        optimizer state: ``optimizer_copies``, None for the range's own; with its step's
+        temporaries, the range's own: none for a profile's plain ranges)."""
         after = float(self.cut_bytes[last + 1]) if last + 1 < self.n else 0.0
         return round(float(memory_bytes(
             self.weights[first, last], self.kept[first, last], versions,
@@ -293,7 +311,9 @@ class RangeCosts:
             input_bytes=self.cut_bytes[first],
             sent_bytes=max(float(self.cut_bytes[first]), after),  # one entry of sent
             working_bytes=self.backward_working[first, last],
-            optimizer_copies=self.state_copies if optimizer_copies is None else optimizer_copies,
+            optimizer_copies=(self.optimizer.state_copies if optimizer_copies is None
+                              else optimizer_copies),
+            step_bytes=float(self.step_held[first, last]),
             stash=stash, sends_kept=sends_kept, recompute=recompute,
         )))
 

@@ -17,6 +17,7 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.config_string import config_string
 from dreampipe.planning.costs import CostModel, RangeCosts, gpipe_time
 from dreampipe.planning.dp import Options, best_plan
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.operator_search import Link
 from dreampipe.planning.pipedream_costs import (
     pipedream_dp_time,
@@ -67,7 +68,7 @@ def evaluate_plan(
     workers: Sequence[Sequence[int]] | None = None, sync: Sync = DEFAULT_SYNC,
     memory_bytes: int | None = None, recompute: Sequence[bool] = (),
     tensor_parallel: Sequence[int] = (), splits: Sequence[Sequence[Split]] = (),
-    state_copies: float = 0.0,
+    optimizer: OptimizerTerms = STATELESS,
 ) -> Plan:
     """Cost a GIVEN partition: stage s is ``bounds[s]..bounds[s+1]-1`` on ``replicas[s]`` ranks.
 
@@ -83,9 +84,9 @@ def evaluate_plan(
     ``workers[s]`` then lists each replica's first worker (empty: no split).
     Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
     ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it. Every stage
-    holds an optimizer's ``state_copies`` of its weights beside them.
+    holds what ``optimizer`` holds beside its weights beside them.
     """
-    prof = RangeCosts.of(graph, state_copies)
+    prof = RangeCosts.of(graph, optimizer)
     n = prof.n
     if len(bounds) > n:
         raise PlanError(f"{len(bounds)} stages forced on {n} layers; a stage needs a layer")
@@ -127,9 +128,9 @@ def evaluate_plan(
     if splits and len(splits) != len(replicas):
         raise PlanError(f"splits: need one entry per stage of bounds {list(bounds)} (empty "
                         "for an unsplit stage)")
-    how = _stage_splits(graph, topology, widths, placed, state_copies)
+    how = _stage_splits(graph, topology, widths, placed, optimizer)
     if splits:
-        how = [_given(graph, topology, x, spans[s], split, state_copies)
+        how = [_given(graph, topology, x, spans[s], split, optimizer)
                if x is not None and split else x
                for s, (x, split) in enumerate(zip(how, splits, strict=True))]
     stages = price_stages(prof, topology, spans, placed, sync, memory_bytes, recompute, how)
@@ -145,12 +146,12 @@ def evaluate_plan(
 
 
 def _stage_splits(graph: LayerGraph, topology: Topology, widths: Sequence[int],
-                  placed: Sequence[Sequence[int]], state_copies: float
+                  placed: Sequence[Sequence[int]], optimizer: OptimizerTerms
                   ) -> list[StageSplit | None]:
     """The fastest split of each stage's width (None: unsplit), checked to sit in servers."""
     options = {x.t: x for x in reversed(split_options(graph, topology,
                                                       [t for t in widths if t > 1],
-                                                      state_copies))}
+                                                      optimizer))}
     out: list[StageSplit | None] = []
     for t, workers in zip(widths, placed, strict=True):
         if t == 1:
@@ -170,7 +171,7 @@ def _stage_splits(graph: LayerGraph, topology: Topology, widths: Sequence[int],
 
 
 def _given(graph: LayerGraph, topology: Topology, split: StageSplit, span: tuple[int, int],
-           layers: Sequence[Split], state_copies: float) -> StageSplit:
+           layers: Sequence[Split], optimizer: OptimizerTerms) -> StageSplit:
     """``split``'s width with ``layers`` as the splits of the stage's layers ``span``."""
     first, last = span
     if len(layers) != last - first + 1:
@@ -179,7 +180,7 @@ def _given(graph: LayerGraph, topology: Topology, split: StageSplit, span: tuple
     chosen = (*split.splits[:first], *layers, *split.splits[last + 1:])
     inner = topology.levels[0]
     costs = split_costs(graph, split.t, Link(inner.bandwidth, inner.latency), chosen,
-                        state_copies=state_copies)
+                        optimizer=optimizer)
     return StageSplit(split.t, chosen, costs)
 
 

@@ -8,20 +8,54 @@ stage's working set and the sends it keeps (docs/design.md §5.4).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
 from dreampipe.errors import ConfigError
 
-__all__ = ["SENDS_KEPT", "blocks_kept_bytes", "max_versions", "memory_bytes", "stage_memory"]
+__all__ = ["SENDS_KEPT", "STATELESS", "OptimizerTerms", "blocks_kept_bytes", "max_versions",
+           "memory_bytes", "stage_memory"]
 
 FloatArray = npt.NDArray[np.float64]
 
 #: Sent tensors a rank keeps: :mod:`dreampipe.runtime.comm` reaps its oldest
 #: sends only once more than this many are posted, so their tensors stay alive.
 SENDS_KEPT = 16
+
+
+@dataclass(frozen=True)
+class OptimizerTerms:
+    """What the optimizer holds beside a stage's weights and their gradient, in bytes per
+    byte of weights: its state (``state_copies``: SGD 0, with momentum 1, Adam 2) and a
+    bound on its step's temporaries, ``per_largest`` per byte of the stage's largest layer
+    and ``per_byte`` per byte of all its weights (docs/design.md §5.4). The planner counts
+    the temporaries beside everything else the stage holds, which bounds a peak that holds
+    them only while it steps."""
+
+    state_copies: float = 0.0
+    per_largest: float = 0.0
+    per_byte: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("state_copies", "per_largest", "per_byte"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name}={value} must be 0 or more: the optimizer's bytes "
+                                  "per byte of weights (Adam's state_copies 2, SGD's 0)", name)
+
+    @property
+    def per_layer(self) -> float:
+        """What it holds per byte of each layer, a sum over layers: its state and the
+        temporaries of every byte (not those of the largest layer)."""
+        return self.state_copies + self.per_byte
+
+
+#: An optimizer that holds nothing beside the weights and their gradient: plain SGD.
+STATELESS = OptimizerTerms()
 
 
 def memory_bytes(
@@ -37,6 +71,7 @@ def memory_bytes(
     stash: bool = True,
     sends_kept: int = SENDS_KEPT,
     recompute: bool = False,
+    step_bytes: FloatArray | float = 0.0,
 ) -> FloatArray:
     """Bytes per worker of a stage (docs/design.md §5.4)::
 
@@ -56,13 +91,14 @@ def memory_bytes(
     gradients it makes) and the compute library's kernel memory (:mod:`.held`).
     ``versions`` counts the live weights; the extra ``weights`` is the gradient
     buffer; ``optimizer_copies`` is the optimizer's state in weights (SGD 0,
-    with momentum 1, Adam 2). Without stashing a microbatch in flight keeps its
+    with momentum 1, Adam 2) and ``step_bytes`` its step's temporaries (a bound,
+    :class:`OptimizerTerms`). Without stashing a microbatch in flight keeps its
     input only and the backward recomputes one microbatch's graph.
     """
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
     x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, sends_kept)
+    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, sends_kept) + step_bytes
     if stash and not recompute:
         return np.asarray(fixed + versions * w + in_flight * (x + a))
     return np.asarray(fixed + (versions if stash else 1) * w + in_flight * x + x + a)
@@ -113,11 +149,12 @@ def max_versions(
     weight_bytes: FloatArray | float, activation_bytes: FloatArray | float, memory_bytes: float,
     *, input_bytes: FloatArray | float = 0.0, sent_bytes: FloatArray | float = 0.0,
     working_bytes: FloatArray | float = 0.0, recompute: bool = False,
-    optimizer_copies: float = 0.0,
+    optimizer_copies: float = 0.0, step_bytes: FloatArray | float = 0.0,
 ) -> FloatArray:
     """The most versions a stage can hold in ``memory_bytes`` (inverse of :func:`memory_bytes`
     stashing, or recomputing with ``recompute``, versions equal to the minibatches in flight),
-    beside ``optimizer_copies`` of its weights for the optimizer's state.
+    beside ``optimizer_copies`` of its weights for the optimizer's state and ``step_bytes``
+    for its step.
 
     0 or less means the stage does not fit at all; a stage whose versions cost
     nothing can hold any number (``inf``) if the rest fits.
@@ -125,7 +162,7 @@ def max_versions(
     w = np.asarray(weight_bytes, dtype=np.float64)
     a = np.asarray(activation_bytes, dtype=np.float64)
     x = np.asarray(input_bytes, dtype=np.float64)
-    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, SENDS_KEPT)
+    fixed = _fixed(w, working_bytes, sent_bytes, optimizer_copies, SENDS_KEPT) + step_bytes
     per = w + x + (0.0 if recompute else a)
     if recompute:
         fixed = fixed + x + a

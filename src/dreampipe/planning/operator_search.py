@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts
-from dreampipe.planning.memory_terms import memory_bytes
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, memory_bytes
 from dreampipe.planning.splits import (
     Collective,
     Layout,
@@ -118,19 +118,23 @@ def coarsen(graph: LayerGraph) -> list[list[int]]:
 
 
 def layer_costs(layer: Layer, split: Split, t: int, link: Link,
-                input_bytes: float, state_copies: float = 0.0) -> tuple[float, float, float]:
+                input_bytes: float, optimizer: OptimizerTerms = STATELESS
+                ) -> tuple[float, float, float]:
     """``(seconds, collective seconds, bytes per worker)`` of one layer under ``split``: its
-    weights, their gradient and ``state_copies`` of them for the optimizer, and what it keeps."""
+    weights, their gradient, what ``optimizer`` holds per byte of a layer
+    (:attr:`~.memory_terms.OptimizerTerms.per_layer`) and what the layer keeps."""
     c = split_cost(layer, op_kind(layer), split, t, input_bytes)
     comm = sum(link.seconds(what, size, t) for what, size in c.collectives)
     return (c.compute_ms / 1e3 + comm, comm,
-            (2 + state_copies) * c.weight_bytes + c.activation_bytes)
+            (2 + optimizer.per_layer) * c.weight_bytes + c.activation_bytes)
 
 
 def search_splits(graph: LayerGraph, workers: int, link: Link,
-                  memory_bytes: float | None = None, state_copies: float = 0.0) -> SplitPlan:
+                  memory_bytes: float | None = None, optimizer: OptimizerTerms = STATELESS
+                  ) -> SplitPlan:
     """The fastest split of ``graph`` (a chain) over ``workers`` that fits ``memory_bytes``
-    beside an optimizer's ``state_copies`` of the weights.
+    beside what ``optimizer`` holds per byte of a layer (a stage's check adds its largest
+    layer's step temporaries, :func:`~.split_stage.best_split`).
 
     Exact over the coarsened chain: the dynamic program keeps, per layout of
     the activation between groups, every (time, memory) pair not beaten on
@@ -140,9 +144,9 @@ def search_splits(graph: LayerGraph, workers: int, link: Link,
     if workers < 1:
         raise PlanError(f"workers={workers}; split over at least 1 worker")
     limit = math.inf if memory_bytes is None else memory_bytes
-    finals = _finals(graph, workers, link, limit, state_copies)
+    finals = _finals(graph, workers, link, limit, optimizer)
     if not finals:
-        smallest = min(p.memory for p in _finals(graph, workers, link, math.inf, state_copies))
+        smallest = min(p.memory for p in _finals(graph, workers, link, math.inf, optimizer))
         raise PlanError(
             f"no split of {graph.model or 'the model'} over {workers} workers fits "
             f"{limit:.4g} bytes per worker; the smallest needs {smallest:.4g}: add workers "
@@ -151,16 +155,16 @@ def search_splits(graph: LayerGraph, workers: int, link: Link,
     return min(finals, key=lambda p: (p.time, p.memory)).plan(workers)
 
 
-def split_front(graph: LayerGraph, workers: int, link: Link, state_copies: float = 0.0
-                ) -> tuple[SplitPlan, SplitPlan]:
+def split_front(graph: LayerGraph, workers: int, link: Link,
+                optimizer: OptimizerTerms = STATELESS) -> tuple[SplitPlan, SplitPlan]:
     """The two ends of the search's (time, memory) front over ``workers``: the fastest
     split of ``graph`` (:func:`search_splits` without a limit) and the one that holds the
-    least per worker (ties: the faster), beside ``state_copies`` of the weights."""
-    fastest, leanest = _ends(graph, workers, link, state_copies)
+    least per worker (ties: the faster), beside what ``optimizer`` holds per layer."""
+    fastest, leanest = _ends(graph, workers, link, optimizer)
     return fastest.plan(workers), leanest.plan(workers)
 
 
-def _ends(graph: LayerGraph, t: int, link: Link, state_copies: float
+def _ends(graph: LayerGraph, t: int, link: Link, optimizer: OptimizerTerms
           ) -> tuple[_Point, _Point]:
     """The least of :func:`_finals` by (time, memory) and by (memory, time), without the
     whole front: in a lexicographic order of sums a few points a layout suffice (adding
@@ -178,7 +182,7 @@ def _ends(graph: LayerGraph, t: int, link: Link, state_copies: float
         options = {}
         for src in set(fronts[0]) | set(fronts[1]):
             if (alike, src) not in seen:
-                seen[alike, src] = _group_options(layers, group, src, t, link, state_copies)
+                seen[alike, src] = _group_options(layers, group, src, t, link, optimizer)
             options[src] = seen[alike, src]
         for k, key in enumerate(keys):
             grown: dict[Layout, list[_Point]] = {}
@@ -211,7 +215,7 @@ def _near_least(points: list[_Point], key: Callable[[_Point], tuple[float, float
     return [p for p in front if key(p)[0] <= least + _ROUNDING * abs(least)]
 
 
-def _finals(graph: LayerGraph, t: int, link: Link, limit: float, state_copies: float
+def _finals(graph: LayerGraph, t: int, link: Link, limit: float, optimizer: OptimizerTerms
             ) -> list[_Point]:
     """Every (time, memory)-optimal way to run the whole chain within ``limit``."""
     layers = graph.layers
@@ -220,7 +224,7 @@ def _finals(graph: LayerGraph, t: int, link: Link, limit: float, state_copies: f
     for group in coarsen(graph):
         grown: dict[Layout, list[_Point]] = {}
         for src, points in frontier.items():
-            for out, extra in _group_options(layers, group, src, t, link, state_copies):
+            for out, extra in _group_options(layers, group, src, t, link, optimizer):
                 into = grown.setdefault(out, [])
                 for p in points:
                     if p.memory + extra.memory <= limit:
@@ -236,7 +240,7 @@ def _finals(graph: LayerGraph, t: int, link: Link, limit: float, state_copies: f
 
 def _group_options(
     layers: tuple[Layer, ...], group: list[int], src: Layout, t: int, link: Link,
-    state_copies: float,
+    optimizer: OptimizerTerms,
 ) -> list[tuple[Layout, _Point]]:
     """Each way to run ``group`` from an input in ``src``: its output layout and costs."""
     head, tail = layers[group[0]], [layers[i] for i in group[1:]]
@@ -244,7 +248,7 @@ def _group_options(
     size = _input_bytes(layers, group[0])
     for split in layer_splits(head, t):
         c = split_cost(head, op_kind(head), split, t, size)
-        time, comm, memory = layer_costs(head, split, t, link, size, state_copies)
+        time, comm, memory = layer_costs(head, split, t, link, size, optimizer)
         move = _reshard_seconds(src, c.needs, size, t, link)
         base = _Point(time + move, comm + move, memory, (split,), (c.gives,))
         if not tail:
@@ -253,7 +257,7 @@ def _group_options(
         for lay, tail_split in _TAIL_LAYOUTS.items():
             reduce = _reshard_seconds(c.gives, lay, float(head.activation_bytes), t, link)
             costs = [layer_costs(x, tail_split, t, link, float(head.activation_bytes),
-                                 state_copies) for x in tail]
+                                 optimizer) for x in tail]
             options.append((lay, _Point(
                 base.time + reduce + sum(x[0] for x in costs),
                 base.comm + reduce + sum(x[1] for x in costs),
@@ -267,7 +271,7 @@ def _group_options(
 def split_memory(
     graph: LayerGraph, first: int, last: int, splits: tuple[Split, ...], t: int,
     versions: int, in_flight: int, *, optimizer_copies: float = 0.0, stash: bool = True,
-    recompute: bool = False,
+    recompute: bool = False, step_bytes: float = 0.0,
 ) -> int:
     """Bytes per worker of a stage of layers ``first..last`` split over ``t`` workers.
 
@@ -288,6 +292,7 @@ def split_memory(
         weights, kept, versions, in_flight, input_bytes=costs.inputs[first, last],
         sent_bytes=costs.sent[first, last], working_bytes=costs.backward_working[first, last],
         optimizer_copies=optimizer_copies, stash=stash, recompute=recompute,
+        step_bytes=step_bytes,
     )))
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import CostModel
 from dreampipe.planning.level import Options
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync
 
 __all__ = ["PlanOptions"]
@@ -34,8 +35,9 @@ class PlanOptions:
     workers of a server; ``exact`` searches every layer however long it takes;
     ``recompute`` lets a stage recompute its activations where only that fits;
     ``mixed_splits`` makes a tensor split a per-stage choice of the range search;
-    ``state_copies`` is the optimizer's state in copies of the weights (SGD 0, with
-    momentum 1, Adam 2), which every stage holds beside them.
+    ``optimizer`` is what the optimizer holds beside every stage's weights and gradient
+    (:class:`~dreampipe.planning.memory_terms.OptimizerTerms`: its state, its step's
+    temporaries).
     """
 
     memory_bytes: int | None = None
@@ -49,16 +51,12 @@ class PlanOptions:
     exact: bool = False
     recompute: bool = False
     mixed_splits: bool = False
-    state_copies: float = 0.0
+    optimizer: OptimizerTerms = STATELESS
 
     def __post_init__(self) -> None:
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ConfigError(f"memory_bytes={self.memory_bytes} must be positive, e.g. 16e9 "
                               "for 16 GB", "memory_bytes")
-        if not 0 <= self.state_copies < float("inf"):
-            raise ConfigError(f"state_copies={self.state_copies} must be 0 or more: the "
-                              "optimizer's state in copies of the weights (Adam 2, SGD 0)",
-                              "state_copies")
         if self.memory_bytes is not None and self.cost_model is CostModel.PIPEDREAM:
             raise ConfigError(
                 f"memory_bytes={self.memory_bytes}: the pipedream cost model reproduces "

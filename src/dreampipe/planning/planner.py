@@ -29,7 +29,7 @@ from dreampipe.planning.costs import CostModel, RangeCosts
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.evaluate import baselines, evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
-from dreampipe.planning.memory_terms import stage_memory
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage
@@ -96,12 +96,12 @@ def _needs(search: Search, models: Sequence[Topology], opts: Options,
     return {"dp": dp, "pipeline": min(dp, least) if opts.allow_fewer else least}
 
 
-def memory_needs(graph: LayerGraph, topology: Topology, state_copies: float = 0.0
-                 ) -> dict[str, int]:
+def memory_needs(graph: LayerGraph, topology: Topology,
+                 optimizer: OptimizerTerms = STATELESS) -> dict[str, int]:
     """Per-worker bytes of data parallelism (``"dp"``: the whole model on each worker)
     and of the least demanding layer plan (``"pipeline"``, within 1%) on ``topology``,
-    under an optimizer holding ``state_copies`` of the weights."""
-    prof = RangeCosts.of(graph, state_copies)
+    under ``optimizer``'s terms."""
+    prof = RangeCosts.of(graph, optimizer)
     return _needs(search_for(prof, topology), cost_models(topology, True),
                   PlanOptions().search(prof.n))
 
@@ -121,7 +121,7 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     by default too, so a plan keeps every stage's activations unless asked.
     """
     opts = options
-    prof = RangeCosts.of(graph, opts.state_copies)
+    prof = RangeCosts.of(graph, opts.optimizer)
     if graph.total_ms() <= 0 or float(prof.compute_s[0, -1]) <= 0:
         raise PlanError(
             "every layer of the profile takes 0 ms forward and backward (Input nodes, which "
@@ -140,7 +140,7 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             )
     search_opts = opts.search(prof.n)
     search = Search(prof, prof) if opts.exact else search_for(prof, topology)
-    splits = (split_options(graph, topology, split_widths(topology), opts.state_copies)
+    splits = (split_options(graph, topology, split_widths(topology), opts.optimizer)
               if opts.also_flat and opts.mixed_splits and opts.tensor_split else ())
     models = cost_models(topology, opts.also_flat)
     stages = fastest(search, topology, models, search_opts)
@@ -161,7 +161,7 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
         recomputing = _ranged(search, topology, opts)
         if opts.tensor_split:
             return _split_plan(graph, search, topology, models, search_opts, memory_bytes,
-                               recomputing, opts.state_copies)
+                               recomputing, opts.optimizer)
         need = _needs(search, models, search_opts, recomputing)["pipeline"]
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
@@ -199,20 +199,20 @@ def _ranged(search: Search, topology: Topology, opts: PlanOptions
 def _split_plan(
     graph: LayerGraph, search: Search, topology: Topology, models: Sequence[Topology],
     opts: Options, memory_bytes: int, ranged: Callable[[Options], bool] | None = None,
-    state_copies: float = 0.0,
+    optimizer: OptimizerTerms = STATELESS,
 ) -> Plan:
     """One stage split over ``t`` workers of a server, for when no layer plan fits
-    (``state_copies``: the optimizer's state in copies of the weights)."""
+    (``optimizer``: what the optimizer holds beside the weights)."""
     prof = search.fine
     needs = _needs(search, models, opts, ranged)
     widths = split_widths(topology, all_workers=not opts.allow_fewer)
-    found = best_split(graph, topology, memory_bytes, widths, state_copies)
+    found = best_split(graph, topology, memory_bytes, widths, optimizer)
     if found is None:
         raise PlanError(
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(needs['pipeline'])} as a layer pipeline, data parallelism "
             f"needs {format_bytes(needs['dp'])} per worker and "
-            f"{no_split_reason(graph, topology, widths, state_copies)}: raise --memory, use "
+            f"{no_split_reason(graph, topology, widths, optimizer)}: raise --memory, use "
             "servers with more workers (a split stays inside one) or profile a smaller "
             "minibatch"
         )
@@ -220,7 +220,7 @@ def _split_plan(
              "more than %s: splitting every layer over %d workers",
              format_bytes(needs["dp"]), format_bytes(needs["pipeline"]),
              format_bytes(memory_bytes), found.workers)
-    stage = split_stage(graph, found, state_copies)
+    stage = split_stage(graph, found, optimizer)
     result = Plan(
         stages=(stage,), num_layers=prof.n, batch_size=graph.batch_size, model=graph.model,
         topology=topology.describe(), time_per_minibatch_s=stage.compute_s,
@@ -258,7 +258,7 @@ def _plan_pipedream(graph: LayerGraph, topology: Topology, options: PlanOptions)
     replicas = [f.replicas for f in flat]
     firsts = [0, *itertools.accumulate(replicas)]
     counts = in_flight_counts(replicas)
-    memories = RangeCosts.of(graph, options.state_copies).memories(spans, counts)
+    memories = RangeCosts.of(graph, options.optimizer).memories(spans, counts)
     stages = [
         Stage(first=first, last=last, replicas=f.replicas,
               ranks=tuple(range(firsts[s], firsts[s + 1])),

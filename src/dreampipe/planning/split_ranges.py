@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.operator_search import Link, layer_costs, split_front
 from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshard, split_cost
 from dreampipe.planning.topology import Topology
@@ -93,11 +94,12 @@ def _sums(values: FloatArray, empty: float) -> FloatArray:
 
 
 def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                times: _LayerTimes | None = None, state_copies: float = 0.0) -> RangeCosts:
+                times: _LayerTimes | None = None, optimizer: OptimizerTerms = STATELESS
+                ) -> RangeCosts:
     """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
     workers as ``splits`` says, on ``link`` (docs/design.md §10.3). ``Input`` layers cost
     no time. ``times``: its layers' (:func:`_layer_times`), where made already;
-    ``state_copies``: the optimizer's state in copies of the weights."""
+    ``optimizer``: what the optimizer holds beside the weights."""
     layers = graph.layers
     n = len(layers)
     bwd, weights, kept = (np.zeros(n) for _ in range(3))
@@ -110,12 +112,12 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
         whole = float(layer.activation_bytes)
         kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
     compute, forward = _range_times(graph, t, link, splits, times=times)
-    whole_costs = RangeCosts.of(graph, state_copies)
+    whole_costs = RangeCosts.of(graph, optimizer)
     return RangeCosts(
         compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
         forward_s=np.minimum(forward, np.where(np.isfinite(compute), compute, 0.0)),
         layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
-        working=whole_costs.working, state_copies=state_copies,
+        working=whole_costs.working, optimizer=optimizer,
     )
 
 
@@ -203,9 +205,9 @@ def fits_servers(start: int, stop: int, t: int, topology: Topology) -> bool:
 
 
 def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
-                  state_copies: float = 0.0) -> tuple[StageSplit, ...]:
+                  optimizer: OptimizerTerms = STATELESS) -> tuple[StageSplit, ...]:
     """For each ``t`` of ``widths``, the fastest and the leanest split of ``graph`` (one when
-    they agree), priced on the link inside a server, beside an optimizer's ``state_copies``
+    they agree), priced on the link inside a server, beside an optimizer's ``optimizer``
     of the weights; none when ``graph`` is not a chain."""
     if not graph.is_chain or len(graph) < 1:
         return ()
@@ -213,7 +215,7 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
     link = Link(inner.bandwidth, inner.latency)
     out: list[StageSplit] = []
     for t in sorted(set(widths)):
-        found = split_front(graph, t, link, state_copies)
+        found = split_front(graph, t, link, optimizer)
         seen: set[tuple[Split, ...]] = set()
         for plan in found:
             if plan.splits not in seen:
@@ -223,6 +225,6 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
                                      False)
                 out.append(StageSplit(
                     t, plan.splits, split_costs(graph, t, link, plan.splits, timed,
-                                                state_copies),
+                                                optimizer),
                     split_latencies(graph, t, link, plan.splits, alone), (timed[0], alone[0])))
     return tuple(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.operator_search import Link, SplitPlan, search_splits, split_memory
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.splits import Split, SplitCost, op_kind, split_cost
@@ -42,19 +43,20 @@ def server_link(topology: Topology) -> Link:
 
 
 def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
-               widths: Sequence[int], state_copies: float = 0.0) -> SplitPlan | None:
+               widths: Sequence[int], optimizer: OptimizerTerms = STATELESS
+               ) -> SplitPlan | None:
     """The fastest split over any of ``widths`` that fits ``memory_bytes`` per worker
-    beside an optimizer's ``state_copies`` of the weights (ties: fewer workers); None when
+    beside what ``optimizer`` holds beside the weights (ties: fewer workers); None when
     none fits or ``graph`` is not a chain."""
     if not graph.is_chain:
         return None
     best: SplitPlan | None = None
     for t in sorted(widths):
         try:
-            found = search_splits(graph, t, server_link(topology), memory_bytes, state_copies)
+            found = search_splits(graph, t, server_link(topology), memory_bytes, optimizer)
         except PlanError:
             continue
-        if _memory(graph, found, state_copies) > memory_bytes:  # the search leaves out its I/O
+        if _memory(graph, found, optimizer) > memory_bytes:  # the search leaves out its I/O
             continue
         if best is None or found.time_s < best.time_s:
             best = found
@@ -62,23 +64,23 @@ def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
 
 
 def smallest_split_bytes(graph: LayerGraph, topology: Topology, t: int,
-                         state_copies: float = 0.0) -> int:
+                         optimizer: OptimizerTerms = STATELESS) -> int:
     """Bytes per worker (within 1%) of the least demanding split of ``graph`` over ``t``
-    (optimizer state: ``state_copies`` of the weights)."""
+    (beside what ``optimizer`` holds)."""
     link = server_link(topology)
-    hi = search_splits(graph, t, link, None, state_copies).memory_bytes
+    hi = search_splits(graph, t, link, None, optimizer).memory_bytes
     lo = 0.0  # a split always holds something, so a limit of 0 fits none
     while hi - lo > 0.005 * hi:
         mid = (lo + hi) / 2
         try:
-            hi = search_splits(graph, t, link, mid, state_copies).memory_bytes
+            hi = search_splits(graph, t, link, mid, optimizer).memory_bytes
         except PlanError:
             lo = mid
     return round(hi)
 
 
 def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int],
-                    state_copies: float = 0.0) -> str:
+                    optimizer: OptimizerTerms = STATELESS) -> str:
     """Why no tensor split fits: what the smallest over the largest of ``widths`` needs,
     or why there is none."""
     if not graph.is_chain:
@@ -89,7 +91,7 @@ def no_split_reason(graph: LayerGraph, topology: Topology, widths: Sequence[int]
                 f"{topology.num_workers} of them when idle workers are not allowed")
     t = max(widths)
     return (f"the smallest tensor split (over {t} workers) needs about "
-            f"{format_bytes(smallest_split_bytes(graph, topology, t, state_copies))}")
+            f"{format_bytes(smallest_split_bytes(graph, topology, t, optimizer))}")
 
 
 def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> list[SplitCost]:
@@ -98,9 +100,10 @@ def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> li
             for layer, split in zip(layers, splits, strict=True)]
 
 
-def split_stage(graph: LayerGraph, found: SplitPlan, state_copies: float = 0.0) -> Stage:
+def split_stage(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms = STATELESS
+                ) -> Stage:
     """One stage over every layer of ``graph``, run as ``found`` says on its workers
-    (its memory beside an optimizer's ``state_copies`` of the weights).
+    (its memory beside what ``optimizer`` holds beside the weights).
 
     Forward+backward is the search's time, collectives included; the forward
     part is each layer's forward divided as its split divides its compute
@@ -113,16 +116,24 @@ def split_stage(graph: LayerGraph, found: SplitPlan, state_copies: float = 0.0) 
             forward += layer.forward_ms / 1e3 * share.compute_ms / layer.compute_ms
     return Stage(
         first=0, last=len(graph) - 1, replicas=1, ranks=(0,), compute_s=found.time_s,
-        memory_bytes=_memory(graph, found, state_copies), forward_s=min(forward, found.time_s),
+        memory_bytes=_memory(graph, found, optimizer), forward_s=min(forward, found.time_s),
         tensor_parallel=found.workers, splits=found.splits,
     )
 
 
-def _memory(graph: LayerGraph, found: SplitPlan, state_copies: float) -> int:
+def _memory(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms) -> int:
     """Bytes per worker of the one split stage ``found``, one minibatch in flight, as the
     runtime's prediction counts them (:func:`~dreampipe.planning.operator_search.split_memory`)."""
     return split_memory(graph, 0, len(graph) - 1, found.splits, found.workers, 1, 1,
-                        optimizer_copies=state_copies)
+                        optimizer_copies=optimizer.state_copies,
+                        step_bytes=_step_bytes(graph, found, optimizer))
+
+
+def _step_bytes(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms) -> float:
+    """``optimizer``'s bound on the step temporaries of split stage ``found``, over each
+    worker's share of its layers."""
+    shares = [x.weight_bytes for x in layer_shares(graph.layers, found.splits, found.workers)]
+    return optimizer.per_largest * max(shares, default=0.0) + optimizer.per_byte * sum(shares)
 
 
 def unfit_lines(needs: dict[str, int]) -> list[str]:

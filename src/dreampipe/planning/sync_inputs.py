@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.state_bytes import profiled_param_bytes
 from dreampipe.planning.sync_choices import ZERO_LEVELS, SyncOptions, check_whole_blocks
@@ -58,12 +59,20 @@ class SearchInputs:
         if opts.whole_blocks:
             check_whole_blocks(blocks, layout, graph.model or "model")
 
+    @functools.cached_property
+    def _split_state(self) -> OptimizerTerms:
+        """The optimizer's state (and 16-bit weights' masters) per byte of weights as
+        trained, beside the weights and their gradient: what picks a split's leanest."""
+        kept = self.opts.training.state_per_byte(profiled_param_bytes(self.graph))
+        return OptimizerTerms(state_copies=max(0.0, kept - 2.0))
+
     @functools.cache  # noqa: B019 - one search, dropped with it
     def options(self, t: int) -> tuple[StageOption, ...]:
         """Every way a stage may run on replicas of ``t`` workers: the one place that
         lists a stage's choices."""
         splits: list[StageOption | None] = [StageOption()] if t == 1 else [
-            StageOption(split=x) for x in split_options(self.trained, self.topology, [t])]
+            StageOption(split=x) for x in split_options(self.trained, self.topology, [t],
+                                                        self._split_state)]
         layout = self.opts.layout
         out: list[StageOption] = []
         for base in splits:

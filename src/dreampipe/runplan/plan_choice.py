@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.config_string import parse_stage_bounds, stages_from_config
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
@@ -55,7 +56,7 @@ class PlanAsk:
     for the schedule too, simulated with ``microbatches`` per minibatch (None: the search's
     own) of ``minibatch_size`` samples (None: the profile's batch).
     ``memory_bytes`` is each worker's limit (None: none), within which the schedules hold
-    the optimizer's ``state_copies`` of the weights; ``zero`` the run's ZeRO level,
+    what ``optimizer`` holds beside the weights; ``zero`` the run's ZeRO level,
     which the schedule's simulation prices, as it prices ``steps_agree``: the ranks agree
     before every update (a run that clips by the global norm, say).
     """
@@ -70,7 +71,7 @@ class PlanAsk:
     microbatches: int | None = None
     minibatch_size: int | None = None
     memory_bytes: int | None = None
-    state_copies: float = 0.0
+    optimizer: OptimizerTerms = STATELESS
     allow_fewer_workers: bool = True
     zero: int = 0
     steps_agree: bool = False
@@ -181,18 +182,18 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
         return planner.plan_pipeline(graph, topology, PlanOptions(
             allow_fewer_workers=ask.allow_fewer_workers, memory_bytes=ask.memory_bytes,
             max_stages=max_stages, recompute=ask.memory_bytes is not None,
-            state_copies=ask.state_copies))
+            optimizer=ask.optimizer))
     bounds, replicas = forced
     if bounds is not None:
         return planner.evaluate_plan(graph, topology, bounds, replicas,
-                                     state_copies=ask.state_copies)
-    return _best_cuts(graph, topology, replicas, ask.state_copies)
+                                     optimizer=ask.optimizer)
+    return _best_cuts(graph, topology, replicas, ask.optimizer)
 
 
 def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
-               state_copies: float) -> Plan:
+               optimizer: OptimizerTerms) -> Plan:
     """The fastest partition into ``len(replicas)`` stages with these replica counts
-    (memory beside an optimizer's ``state_copies`` of the weights)."""
+    (memory beside what ``optimizer`` holds beside the weights)."""
     from dreampipe.planning import planner
 
     n, k = len(graph.layers), len(replicas)
@@ -203,7 +204,7 @@ def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
             "with stages (e.g. 0,4)", "stages",
         )
     plans = (planner.evaluate_plan(graph, topology, [0, *cuts], replicas,
-                                   state_copies=state_copies)
+                                   optimizer=optimizer)
              for cuts in itertools.combinations(range(1, n), k - 1))
     best = min(plans, key=lambda plan: plan.time_per_minibatch_s)
     log.info("config %s: the fastest cuts start stages at %s", best.config,
@@ -219,7 +220,8 @@ def _schedule(graph: LayerGraph, plan: Plan, topology: Topology, ask: PlanAsk,
         graph.batch_size / ask.minibatch_size)
     return choose_schedule(graph, plan, topology, semantics, ask.memory_bytes,
                            ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree,
-                           profile_share=share, state_copies=ask.state_copies)
+                           profile_share=share,
+                           state_copies=ask.optimizer.state_copies)
 
 
 def _stage_plans(graph: LayerGraph, topology: Topology, ask: PlanAsk, k: int,

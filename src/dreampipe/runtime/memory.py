@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.costs import RangeCosts
-from dreampipe.planning.memory_terms import SENDS_KEPT
+from dreampipe.planning.memory_terms import SENDS_KEPT, OptimizerTerms
 from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.state_bytes import zero_bytes
 from dreampipe.profiling.graph import LayerGraph
@@ -32,7 +32,7 @@ from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 from dreampipe.scheduling.weight_versions import peak_versions, release_kind
 
 __all__ = ["PREDICTION_COPIES", "TrainingChoices", "check_memory", "counted_twice",
-           "optimizer_copies", "predict_memory"]
+           "optimizer_copies", "planner_terms", "predict_memory"]
 
 _log = logging.getLogger(__name__)
 _SENDS = (ActionKind.SEND_F, ActionKind.SEND_B)
@@ -70,6 +70,19 @@ def optimizer_copies(opts: TrainingChoices) -> int:
     (twice a 16-bit copy)."""
     state = _state_copies(opts)
     return (state + 1) * 2 if opts.precision.master_weights else state
+
+
+def planner_terms(opts: TrainingChoices) -> OptimizerTerms:
+    """What the planner counts of the run's optimizer beside a stage's weights
+    (:class:`~dreampipe.planning.memory_terms.OptimizerTerms`): its state as
+    :func:`optimizer_copies` counts it, and a bound on its step's temporaries
+    (:func:`~.optimizer_step.stage_step_bytes`: the second largest parameter taken as large
+    as the largest, every parameter at most its layer)."""
+    step, scale = opts.step_bytes, 2.0 if opts.precision.master_weights else 1.0
+    return OptimizerTerms(state_copies=float(optimizer_copies(opts)),
+                          per_largest=(step.largest + step.second) * scale,
+                          per_byte=step.total * scale
+                          + (scale if opts.precision.master_weights else 0.0))
 
 
 def _state_copies(opts: TrainingChoices) -> int:
