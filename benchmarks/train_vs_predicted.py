@@ -4,7 +4,9 @@ Runs ``dreampipe train MODEL --json`` in fresh processes for the mlp, the cnn
 and the transformer under ``pipedream``, ``1f1b-flush`` (4 microbatches)
 and ``dp`` on 2 local workers, ``pipedream`` and ``2bw`` again clipping by the global
 norm (``max_grad_norm = 1`` from a settings file: every update then waits for every
-stage's backward of it, docs/design.md §9), and a replicated ``--config 2-1`` on 3,
+stage's backward of it, docs/design.md §9), a replicated ``--config 2-1`` on 3, and
+the mlp and the transformer under ``pipedream`` and ``1f1b-flush`` with Adam (whose
+step moves several times a plain SGD step's bytes, docs/design.md §9.1),
 each ``--rounds`` times interleaved (every run once, then every run again),
 and prints each run's measured/predicted ratio: median with its spread,
 and PASS when the median is within ``--tolerance`` of 1. Both figures cover
@@ -70,6 +72,11 @@ def _runs() -> tuple[_Run, ...]:
              for kind, extra in (("pipedream", ()), ("2bw", ("--microbatches", "2")))]
     runs += [_Run(f"{model}-2-1", (model, "--config", "2-1", "--steps", n))
              for model, n in steps.items()]
+    runs += [_Run(f"{model}-{kind}-adam",
+                  (model, "--workers", "2", "--steps", steps[model], "--schedule", kind, *extra,
+                   "--optimizer", "adam"))
+             for model in ("mlp", "transformer")
+             for kind, extra in (("pipedream", ()), ("1f1b-flush", ("--microbatches", "4")))]
     return tuple(runs)
 
 
