@@ -1,12 +1,14 @@
-"""How long the run's own optimizer steps, against the plain SGD step the machine is timed on.
+"""How many plain SGD steps' time the run's own optimizer takes to step.
 
-A prediction prices a stage's update by the traffic of a plain SGD step
-(read the weight and its gradient, write the weight; :mod:`.rates`'
-``step_bandwidth``). Other optimizers move more: momentum reads and writes its
-buffer, Adam its two moments and its temporaries, so their step takes a
-multiple of that time (docs/design.md §9.1). :func:`step_factor` steps the
-run's optimizer and plain SGD on the same probe parameters, on the ranks'
-device, and gives the ratio of their medians.
+A prediction prices a stage's update by a plain SGD step (read the weight and its
+gradient, write the weight), timed with the caches emptied and beside the other ranks'
+work (:mod:`.rates`' ``step_bandwidth``). Other optimizers take longer: momentum reads
+and writes its buffer, and Adam runs a dozen elementwise kernels over its two moments.
+:func:`step_factor` times the run's optimizer and plain SGD on the same probe
+parameters on the ranks' device, the caches emptied before each step as the rates do,
+and gives the ratio of their medians; the prediction prices a step at that many plain
+ones, so the rates' own conditions (a busy neighbour, a cold cache) carry over
+(docs/design.md §9.1).
 """
 
 from __future__ import annotations
@@ -24,39 +26,46 @@ __all__ = ["step_factor"]
 
 _log = logging.getLogger(__name__)
 
-#: The probe parameters: four of 4 MB, beyond a core's caches as a stage's weights are.
+#: The probe parameters: four of 4 MB, beyond a core's own caches as a stage's weights are.
 _PROBES, _PROBE_ELEMENTS = 4, 1 << 20
+#: Floats written before each timed step, which empties the caches of the last one's bytes.
+_EVICT_ELEMENTS = 16 << 20
 #: Timed steps of each optimizer, after two untimed ones (the first makes its state).
 _ROUNDS = 5
 
+Make = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
-def step_factor(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                device: torch.device | None = None) -> float:
-    """The time of a step of ``make``'s optimizer over the time of a plain SGD step on the
-    same parameters (on ``device``, default the CPU): 1 for plain SGD, more for one that
-    keeps state. 1 where ``make`` cannot step the probes (an optimizer that wants named
-    groups, say), which is logged."""
+
+def step_factor(make: Make, device: torch.device | None = None) -> float:
+    """The time of a step of ``make``'s optimizer over a plain SGD step's on the same
+    parameters (on ``device``, default the CPU), each from cold caches; 1 where ``make``
+    cannot step the probes (an optimizer that wants named groups, say), which is logged."""
     device = torch.device("cpu") if device is None else device
+    cold = torch.empty(_EVICT_ELEMENTS, device=device)
     try:
-        own = _step_s(make, device)
+        own = _step_s(make, device, cold)
     except Exception as exc:  # a user's factory may want other arguments
         _log.info("the optimizer's step is priced as a plain SGD step: stepping probes "
                   "failed (%s: %s)", type(exc).__name__, exc)
         return 1.0
-    plain = _step_s(lambda params: torch.optim.SGD(params, lr=1e-6), device)
+    plain = _step_s(lambda params: torch.optim.SGD(params, lr=1e-6), device, cold)
     return own / plain if plain > 0 and own > 0 else 1.0
 
 
-def _step_s(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-            device: torch.device) -> float:
-    """Median seconds of a step of ``make``'s optimizer over the probes."""
+def _step_s(make: Make, device: torch.device, cold: torch.Tensor) -> float:
+    """Median seconds of a step of ``make``'s optimizer over the probes, each after
+    writing ``cold``."""
     params = [nn.Parameter(torch.zeros(_PROBE_ELEMENTS, device=device))
               for _ in range(_PROBES)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = make(params)
     timer = timer_for(device)
+    took = []
     with torch.no_grad():
         for _ in range(2):
             optimizer.step()
-        return statistics.median(timer(optimizer.step) for _ in range(_ROUNDS))
+        for k in range(_ROUNDS):
+            cold.fill_(k)
+            took.append(timer(optimizer.step))
+    return statistics.median(took)

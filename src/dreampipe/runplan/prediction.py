@@ -36,9 +36,9 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
     replicated stages sharded at the run's ZeRO level ``zero`` or their own
     (:mod:`~dreampipe.simulation.zero_costs`); ``steps_agree``: the ranks agree before every
     update (:attr:`~dreampipe.runtime.runner_options.RunnerOptions.steps_agree`);
-    ``step_factor``: the run's optimizer's step in plain SGD steps, whose traffic prices
-    ``step_s`` (:func:`~dreampipe.machine.calibration.local_costs`;
-    :func:`~dreampipe.machine.step_time.step_factor`); ``clips``: each update clips its
+    ``step_factor``: the run's optimizer's step in plain SGD steps
+    (:func:`~dreampipe.machine.step_time.step_factor`), whose traffic prices ``step_s``
+    (:func:`~dreampipe.machine.calibration.local_costs`); ``clips``: each update clips its
     gradients by their global norm, which reads every gradient twice and writes it once,
     one plain SGD step's traffic more.
 
