@@ -250,7 +250,7 @@ class RangeCosts:
         if opt.per_largest == 0 and opt.per_byte == 0:
             return np.zeros_like(self.weights)
         largest = self.largest_weights if self.layer_weights is not None else self.weights
-        return np.asarray(opt.per_largest * largest + opt.per_byte * self.weights)
+        return opt.step_bytes(largest, self.weights)
 
     @functools.cached_property
     def largest_weights(self) -> FloatArray:

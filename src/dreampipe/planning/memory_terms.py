@@ -47,6 +47,13 @@ class OptimizerTerms:
                 raise ConfigError(f"{name}={value} must be 0 or more: the optimizer's bytes "
                                   "per byte of weights (Adam's state_copies 2, SGD's 0)", name)
 
+    def step_bytes(self, largest: FloatArray | float, weights: FloatArray | float
+                   ) -> FloatArray:
+        """The bound on the step's temporaries of a stage whose largest layer holds
+        ``largest`` bytes of weights and whose layers ``weights`` in all."""
+        return np.asarray(self.per_largest * np.asarray(largest, dtype=np.float64)
+                          + self.per_byte * np.asarray(weights, dtype=np.float64))
+
     @property
     def per_layer(self) -> float:
         """What it holds per byte of each layer, a sum over layers: its state and the

@@ -133,7 +133,7 @@ def _step_bytes(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms) 
     """``optimizer``'s bound on the step temporaries of split stage ``found``, over each
     worker's share of its layers."""
     shares = [x.weight_bytes for x in layer_shares(graph.layers, found.splits, found.workers)]
-    return optimizer.per_largest * max(shares, default=0.0) + optimizer.per_byte * sum(shares)
+    return float(optimizer.step_bytes(max(shares, default=0.0), sum(shares)))
 
 
 def unfit_lines(needs: dict[str, int]) -> list[str]:
