@@ -32,7 +32,7 @@ from dreampipe.models.spec import ModelSpec
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.runtime.memory import TrainingChoices
-from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, measure_step_bytes
+from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
@@ -113,10 +113,13 @@ class TrainOptions:
                                recompute_blocks=self.config.recompute_blocks,
                                zero=self.config.zero,
                                block=self._block(),
-                               # on the CPU, in the form the ranks' device defaults to
-                               step_bytes=measure_step_bytes(self.optimizer_factory(
-                                   foreach=True if torch.cuda.is_available() else None))
-                               if step else NO_STEP_BYTES)
+                               step_bytes=self.step_bytes() if step else NO_STEP_BYTES)
+
+    def step_bytes(self) -> StepBytes:
+        """The optimizer step's temporaries, measured by stepping probes on the CPU, in the
+        form the ranks' device defaults to (:func:`~.optimizer_step.measure_step_bytes`)."""
+        return measure_step_bytes(self.optimizer_factory(
+            foreach=True if torch.cuda.is_available() else None))
 
     def _block(self) -> str | None:
         """The model's block class, where its blocks are recomputed (its layers on meta)."""

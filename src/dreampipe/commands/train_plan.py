@@ -54,6 +54,7 @@ from dreampipe.runtime.memory import (
     planner_terms,
     predict_memory,
 )
+from dreampipe.runtime.optimizer_step import StepBytes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 
@@ -152,7 +153,8 @@ def plan_train(
     opts = req.run
     spec = resolve_spec(opts.model, opts.model_kwargs)
     workers = _workers(req, torchrun)
-    ask = _plan_ask(req, workers, local=torchrun is None)
+    step_bytes = opts.step_bytes()  # once: it steps the optimizer on probes
+    ask = _plan_ask(req, workers, step_bytes, local=torchrun is None)
     lead = torchrun is None or torchrun[0] == 0
     nodes = 1 if torchrun is None else torchrun_nodes(workers)
     talk = say if say is not None and lead else _quiet
@@ -196,7 +198,8 @@ def plan_train(
     twice: tuple[int, ...] = ()
     predicted = 0.0
     if graph is not None:
-        memory, twice = _memory(graph, plan, layout, steps, opts, req.memory_bytes)
+        memory, twice = _memory(graph, plan, layout, steps, opts, step_bytes,
+                                req.memory_bytes)
         predicted = predict_samples_per_s(graph, plan, layout, min(steps, 8) if v > 1 else steps,
                                           machine, nodes=nodes, zero=opts.config.zero,
                                           steps_agree=opts.config.runner_options().steps_agree,
@@ -221,9 +224,11 @@ def plan_train(
     return PlannedRun(run, spec, predicted, memory, twice)
 
 
-def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
-    """What the job asks of its plan (a plan file is read later, on the ranks that need it);
-    the ``dp`` schedule is one stage on every worker."""
+def _plan_ask(req: TrainRequest, workers: int, step_bytes: StepBytes, *, local: bool
+              ) -> PlanAsk:
+    """What the job asks of its plan (a plan file is read later, on the ranks that need it),
+    its optimizer's step temporaries ``step_bytes``; the ``dp`` schedule is one stage on
+    every worker."""
     opts, source = req.run, req.plan
     config = source.config
     if opts.config.kind is ScheduleKind.DP and source.path is None and config is None:
@@ -236,7 +241,8 @@ def _plan_ask(req: TrainRequest, workers: int, *, local: bool) -> PlanAsk:
                    microbatches=opts.config.microbatches if req.profile is None
                    else opts.config.per_minibatch,
                    memory_bytes=req.memory_bytes, allow_fewer_workers=local,
-                   optimizer=planner_terms(opts.memory_choices()),
+                   optimizer=planner_terms(dataclasses.replace(
+                       opts.memory_choices(step=False), step_bytes=step_bytes)),
                    zero=opts.config.zero, steps_agree=opts.config.runner_options().steps_agree)
 
 
@@ -271,7 +277,8 @@ def _plan_without_profile(req: TrainRequest, ask: PlanAsk, spec: ModelSpec,
 
 
 def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
-            opts: TrainOptions, limit: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+            opts: TrainOptions, step_bytes: StepBytes, limit: int | None
+            ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each stage's predicted tensor bytes (what a rank's meter measures), the stage's
     whole need (the compute library's kernels too) checked against ``limit``; and per rank
     what the sum of its stages counts twice (:func:`~dreampipe.runtime.memory.counted_twice`)."""
@@ -282,7 +289,7 @@ def _memory(graph: LayerGraph, plan: Plan, layout: MicrobatchLayout, steps: int,
                             virtual_stages=plan.virtual_stages,
                             zero=plan.zero_levels(opts.config.zero),
                             steps_agree=opts.config.runner_options().steps_agree)
-    choices = opts.memory_choices()  # once: it steps the optimizer on probes
+    choices = dataclasses.replace(opts.memory_choices(step=False), step_bytes=step_bytes)
     check_memory(plan, predict_memory(graph, plan, schedule, choices), limit)
     return (predict_memory(graph, plan, schedule, choices, library=False),
             counted_twice(graph, plan, schedule, choices, library=False))
