@@ -31,7 +31,8 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["HostRates", "compute_until_joined", "measure_rates", "with_host_rates"]
+__all__ = ["EVICT_BYTES", "HostRates", "compute_until_joined", "measure_rates", "timed_cold",
+           "with_host_rates"]
 
 _ACTION = Action(ActionKind.ALLREDUCE, 0, 0)
 
@@ -42,7 +43,7 @@ _MAX_ROUNDS = 100
 #: cache: in a run the forward and backward pass between two steps, so a step finds
 #: its weights and gradients in memory, not in cache (steps timed back to back find
 #: them in cache and run about twice as fast as in a run).
-_EVICT_BYTES = 64 << 20
+EVICT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -115,8 +116,8 @@ def measure_rates(
         n = _agreed_rounds(reduce_s[0], rounds, min_time_s, group, device)
         reduce_s += [_allreduce_once(buckets, grads, clock) for _ in range(n - 1)]
     # floats written between rounds, as compute would, where the weights are
-    cold = torch.empty(_EVICT_BYTES // 4, device=device)
-    step_s = _until(optimizer.step, rounds, min_time_s, cold, clock)
+    cold = torch.empty(EVICT_BYTES // 4, device=device)
+    step_s = timed_cold(optimizer.step, rounds, min_time_s, cold, clock)
     turns = world if beside is not None else 1
     if turns > 1:  # the turns start together: every copy is timed beside the others' work
         dist.barrier(group)
@@ -124,7 +125,7 @@ def measure_rates(
     for turn in range(turns):
         mine = turns == 1 or dist.get_rank(group) == turn
         if mine:
-            copy_s = _until(lambda: _copy(weights), rounds, min_time_s, cold, clock)
+            copy_s = timed_cold(lambda: _copy(weights), rounds, min_time_s, cold, clock)
         if beside is not None and turns > 1:
             compute_until_joined(beside, not mine, group, device)
     return HostRates(nbytes, world, tuple(reduce_s), step_s, copy_s)
@@ -164,7 +165,7 @@ def _rounds_for(one_s: float, rounds: int, min_time_s: float) -> int:
     return max(rounds, min(_MAX_ROUNDS, wanted))
 
 
-def _until(
+def timed_cold(
     work: Callable[[], Any], rounds: int, min_time_s: float, cold: Tensor, timer: Timer
 ) -> tuple[float, ...]:
     """Seconds of each timed call of ``work``, after an untimed one: at least ``rounds``,

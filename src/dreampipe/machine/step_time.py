@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dreampipe.machine.rates import EVICT_BYTES, timed_cold
 from dreampipe.machine.timers import timer_for
 
 __all__ = ["step_factor"]
@@ -28,8 +29,6 @@ _log = logging.getLogger(__name__)
 
 #: The probe parameters: four of 4 MB, beyond a core's own caches as a stage's weights are.
 _PROBES, _PROBE_ELEMENTS = 4, 1 << 20
-#: Floats written before each timed step, which empties the caches of the last one's bytes.
-_EVICT_ELEMENTS = 16 << 20
 #: Timed steps of each optimizer, after two untimed ones (the first makes its state).
 _ROUNDS = 5
 
@@ -41,7 +40,7 @@ def step_factor(make: Make, device: torch.device | None = None) -> float:
     parameters (on ``device``, default the CPU), each from cold caches; 1 where ``make``
     cannot step the probes (an optimizer that wants named groups, say), which is logged."""
     device = torch.device("cpu") if device is None else device
-    cold = torch.empty(_EVICT_ELEMENTS, device=device)
+    cold = torch.empty(EVICT_BYTES // 4, device=device)
     try:
         own = _step_s(make, device, cold)
     except Exception as exc:  # a user's factory may want other arguments
@@ -54,18 +53,13 @@ def step_factor(make: Make, device: torch.device | None = None) -> float:
 
 def _step_s(make: Make, device: torch.device, cold: torch.Tensor) -> float:
     """Median seconds of a step of ``make``'s optimizer over the probes, each after
-    writing ``cold``."""
+    writing ``cold`` (:func:`~.rates.timed_cold`)."""
     params = [nn.Parameter(torch.zeros(_PROBE_ELEMENTS, device=device))
               for _ in range(_PROBES)]
     for p in params:
         p.grad = torch.full_like(p, 1e-3)
     optimizer = make(params)
-    timer = timer_for(device)
-    took = []
     with torch.no_grad():
-        for _ in range(2):
-            optimizer.step()
-        for k in range(_ROUNDS):
-            cold.fill_(k)
-            took.append(timer(optimizer.step))
+        optimizer.step()  # makes its state; timed_cold steps once more untimed
+        took = timed_cold(optimizer.step, _ROUNDS, 0.0, cold, timer_for(device))
     return statistics.median(took)
