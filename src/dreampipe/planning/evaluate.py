@@ -84,7 +84,7 @@ def evaluate_plan(
     ``workers[s]`` then lists each replica's first worker (empty: no split).
     Under ``CostModel.PIPEDREAM`` each stage costs PipeDream's additive term,
     ``Input`` layers zeroed, and a cut ``2a/(B r)`` on the stage after it. Every stage
-    holds what ``optimizer`` holds beside its weights beside them.
+    holds, beside its weights, what ``optimizer`` holds.
     """
     prof = RangeCosts.of(graph, optimizer)
     n = prof.n

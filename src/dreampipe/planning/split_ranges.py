@@ -207,8 +207,8 @@ def fits_servers(start: int, stop: int, t: int, topology: Topology) -> bool:
 def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
                   optimizer: OptimizerTerms = STATELESS) -> tuple[StageSplit, ...]:
     """For each ``t`` of ``widths``, the fastest and the leanest split of ``graph`` (one when
-    they agree), priced on the link inside a server, beside an optimizer's ``optimizer``
-    of the weights; none when ``graph`` is not a chain."""
+    they agree), priced on the link inside a server, with what ``optimizer`` holds beside
+    the weights; none when ``graph`` is not a chain."""
     if not graph.is_chain or len(graph) < 1:
         return ()
     inner = topology.levels[0]

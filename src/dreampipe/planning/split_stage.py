@@ -46,7 +46,7 @@ def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
                widths: Sequence[int], optimizer: OptimizerTerms = STATELESS
                ) -> SplitPlan | None:
     """The fastest split over any of ``widths`` that fits ``memory_bytes`` per worker
-    beside what ``optimizer`` holds beside the weights (ties: fewer workers); None when
+    with what ``optimizer`` holds beside the weights (ties: fewer workers); None when
     none fits or ``graph`` is not a chain."""
     if not graph.is_chain:
         return None
@@ -103,7 +103,7 @@ def layer_shares(layers: Sequence[Layer], splits: Sequence[Split], t: int) -> li
 def split_stage(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms = STATELESS
                 ) -> Stage:
     """One stage over every layer of ``graph``, run as ``found`` says on its workers
-    (its memory beside what ``optimizer`` holds beside the weights).
+    (its memory with what ``optimizer`` holds beside the weights).
 
     Forward+backward is the search's time, collectives included; the forward
     part is each layer's forward divided as its split divides its compute

@@ -193,7 +193,7 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
 def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
                optimizer: OptimizerTerms) -> Plan:
     """The fastest partition into ``len(replicas)`` stages with these replica counts
-    (memory beside what ``optimizer`` holds beside the weights)."""
+    (memory with what ``optimizer`` holds beside the weights)."""
     from dreampipe.planning import planner
 
     n, k = len(graph.layers), len(replicas)
