@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from dreampipe.machine.step_time import step_factor
+from dreampipe.machine.step_time import prediction_factor, step_factor
 
 __all__: list[str] = []
 
@@ -30,3 +30,11 @@ def test_a_factory_that_cannot_step_the_probes_is_priced_as_plain_sgd(
     with caplog.at_level("INFO"):
         assert step_factor(named) == 1.0
     assert "stepping probes failed (TypeError: wants named parameter groups)" in caplog.text
+
+
+def test_weight_prediction_costs_more_than_a_plain_step() -> None:
+    """A delayed stage's prediction copies its weights before the step, takes their change
+    after it (two passes) and extrapolates a new version (reads two, writes one): over
+    twice a plain step's traffic. Priced at 0, as a probe that never predicted would be,
+    it fails."""
+    assert prediction_factor() > 1.5

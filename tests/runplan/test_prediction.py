@@ -48,10 +48,11 @@ def test_prediction_matches_a_balanced_pipeline() -> None:
 _STEP_S = 2 * 4 * 1024 * 1024 / DEV_MACHINE.step_bandwidth * DEV_MACHINE.corun_slowdown
 
 
-def _two_stages(**options: Any) -> float:
-    """Samples/s predicted for 200 minibatches of 32 through two equal stages of 6 ms layers,
-    under PipeDream's schedule, with ``options`` for the prediction."""
-    graph = toy_graph([6.0] * 4)
+def _two_stages(last_ms: float = 6.0, **options: Any) -> float:
+    """Samples/s predicted for 200 minibatches of 32 through two stages of two layers, of
+    6 ms on the first and ``last_ms`` on the last, under PipeDream's schedule, with
+    ``options`` for the prediction."""
+    graph = toy_graph([6.0, 6.0, last_ms, last_ms])
     machine = local_machine(2)
     plan = choose_plan(graph, local_topology(2, machine), PlanAsk(workers=2, stages="0,2")).plan
     layout = MicrobatchLayout(kind=ScheduleKind.PIPEDREAM, minibatch_size=32, microbatches=1)
@@ -77,3 +78,28 @@ def test_an_optimizer_that_steps_k_plain_steps_adds_k_minus_one_step_times() -> 
                             for k, clips in ((1.0, False), (4.0, False), (4.0, True)))
     assert 32 / adam - 32 / plain == pytest.approx(3 * _STEP_S, rel=0.05)
     assert 32 / clipped - 32 / adam == pytest.approx(_STEP_S, rel=0.05)
+
+
+def test_weight_prediction_is_priced_on_the_delayed_stages_only() -> None:
+    """Under PipeDream the first of two stages runs one update stale and predicts its
+    weights; the last is not delayed and does not. ``k`` plain steps of prediction on the
+    first stage, the bottleneck once it predicts, add ``k`` step times a minibatch. Where
+    the last stage is the slower by more than that, prediction changes nothing, unless
+    vertical sync delays the last stage too."""
+    plain, predicted = (_two_stages(step_factor=4.0, prediction_factor=k) for k in (0.0, 3.0))
+    assert 32 / predicted - 32 / plain == pytest.approx(3 * _STEP_S, rel=0.05)
+    plain, first, both = (_two_stages(12.0, prediction_factor=k, vertical_sync=sync)
+                          for k, sync in ((0.0, False), (3.0, False), (3.0, True)))
+    assert first == pytest.approx(plain, rel=0.01)
+    assert 32 / both - 32 / plain == pytest.approx(3 * _STEP_S, rel=0.05)
+
+
+def test_a_synchronous_schedule_predicts_nothing() -> None:
+    graph = toy_graph([6.0] * 4)
+    machine = local_machine(2)
+    plan = choose_plan(graph, local_topology(2, machine), PlanAsk(workers=2, stages="0,2")).plan
+    layout = MicrobatchLayout(kind=ScheduleKind.FLUSH, minibatch_size=32,
+                              microbatches=4)
+    rates = [predict_samples_per_s(graph, plan, layout, 50, machine, prediction_factor=k)
+             for k in (0.0, 5.0)]
+    assert rates[0] == rates[1]

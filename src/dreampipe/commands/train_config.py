@@ -25,7 +25,7 @@ from dreampipe.api.checks import check_schedule as check_plan_schedule
 from dreampipe.api.config import TrainConfig
 from dreampipe.commands.seq_lengths import check_token_model
 from dreampipe.errors import ConfigError, DatasetError, PlanError
-from dreampipe.machine.step_time import step_factor
+from dreampipe.machine.step_time import prediction_factor, step_factor
 from dreampipe.models.datasets import DATASETS
 from dreampipe.models.resolve import resolve_spec
 from dreampipe.models.spec import ModelSpec
@@ -102,6 +102,18 @@ class TrainOptions:
         cuda = torch.cuda.is_available()
         return step_factor(self.optimizer_factory(foreach=True if cuda else None),
                            torch.device("cuda") if cuda else None)
+
+    def prediction_factor(self) -> float:
+        """The work weight prediction adds to a delayed stage's update, in plain SGD steps
+        (:func:`~dreampipe.machine.step_time.prediction_factor`), on the ranks' device; 0
+        where no stage predicts: a synchronous schedule, compensation or stashing off, or
+        an optimizer other than Adam (:func:`~dreampipe.runtime.staleness.predicts`)."""
+        config = self.config
+        if (config.kind.synchronous or not (config.compensate and config.stash)
+                or self.optimizer is not OptimizerKind.ADAM):
+            return 0.0
+        cuda = torch.cuda.is_available()
+        return prediction_factor(torch.device("cuda") if cuda else None)
 
     def memory_choices(self, *, step: bool = True) -> TrainingChoices:
         """What the memory a stage takes depends on among these options (without ``step``,

@@ -204,7 +204,9 @@ def plan_train(
                                           machine, nodes=nodes, zero=opts.config.zero,
                                           steps_agree=opts.config.runner_options().steps_agree,
                                           clips=opts.config.max_grad_norm is not None,
-                                          step_factor=opts.step_factor())
+                                          step_factor=opts.step_factor(),
+                                          prediction_factor=opts.prediction_factor(),
+                                          vertical_sync=opts.config.vertical_sync)
         if req.memory_bytes is not None and plan.has_splits:
             for line in unfit_lines(memory_needs(graph, measured_topology(
                     graph, workers, machine, nodes=nodes), ask.optimizer)):
