@@ -283,6 +283,26 @@ def test_a_run_resumed_on_other_delays_compensates_for_its_own(tmp_path: Path,
     assert deeper["hyper"] == [settings(compensated(given, 2))]  # now 2 updates stale
 
 
+def test_a_momentum_a_scheduler_cycles_resumes_compensated_as_it_went_on(tmp_path: Path
+                                                                         ) -> None:
+    """SGD built without momentum, to which OneCycleLR gives 0.95 falling as its rate
+    rises: stage 0 of a pipedream pipeline (1 update stale) trains with what it sets less
+    1/2, and a run resumed halfway makes the updates of one that went on."""
+    job: dict[str, Any] = {"seed": SEED, "minibatch": 16, "lr": 0.05, "momentum": 0.0,
+                           "one_cycle": 8, "schedule": "pipedream", "bounds": [0, 2],
+                           "replicas": [1, 1]}
+    straight = run_processes(train_zoo, 2, {**job, "steps": 6, "finish_every": 3},
+                             deadline_s=90.0)[0]
+    assert straight["hyper"][0]["momentum"] == pytest.approx(0.95 - 0.5)
+    run_processes(train_zoo, 2, {**job, "steps": 3, "save": str(tmp_path)}, deadline_s=90.0)
+    resumed = run_processes(train_zoo, 2, {**job, "steps": 3, "resume": str(tmp_path)},
+                            deadline_s=90.0)[0]
+    assert resumed["hyper"][0]["momentum"] < 0.95 - 0.5  # what it had fallen to, less 1/2
+    assert resumed["losses"] == straight["losses"][3:]
+    for k, v in straight["state"].items():
+        assert torch.equal(resumed["state"][k], v), k
+
+
 def test_each_parameter_group_resumes_its_own_settings(tmp_path: Path) -> None:
     def two_groups(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1]},

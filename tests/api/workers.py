@@ -54,7 +54,8 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         example=data.batch(0, job["minibatch"]), loss_fn=spec.loss_fn,
         optimizer=optimizer, plan=plan,
         lr_scheduler=(lambda o: torch.optim.lr_scheduler.ExponentialLR(o, job["gamma"]))
-        if "gamma" in job else None,
+        if "gamma" in job else (lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=lr, total_steps=job["one_cycle"])) if "one_cycle" in job else None,
         config=TrainConfig(
             schedule=job["schedule"], virtual_stages=job.get("virtual_stages", 1),
             compensate=job.get("compensate", True), microbatches=job.get("microbatches", 1),

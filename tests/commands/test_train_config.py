@@ -285,3 +285,22 @@ def test_check_options_refuses_a_learning_rate_that_is_not_a_positive_number(lr:
     with pytest.raises(ConfigError) as info:
         check_options(TrainOptions(model="mlp", lr=lr))
     assert info.value.parameters == ("lr",)
+
+
+@pytest.mark.parametrize(("config", "optimizer"), [
+    (TrainConfig(schedule="1f1b-flush"), OptimizerKind.ADAM),
+    (TrainConfig(schedule="pipedream", compensate=False), OptimizerKind.ADAM),
+    (TrainConfig(schedule="pipedream", stash=False), OptimizerKind.ADAM),
+    (TrainConfig(schedule="2bw"), OptimizerKind.SGD),
+])
+def test_a_run_in_which_no_stage_predicts_its_weights_prices_no_prediction(
+        config: TrainConfig, optimizer: OptimizerKind) -> None:
+    """Only Adam's compensation on an asynchronous schedule with stashing predicts."""
+    assert _options(config=config, optimizer=optimizer, momentum=0.9).prediction_factor() == 0
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_adam_compensated_on_an_asynchronous_schedule_prices_its_prediction(schedule: str
+                                                                            ) -> None:
+    options = _options(config=TrainConfig(schedule=schedule), optimizer=OptimizerKind.ADAM)
+    assert options.prediction_factor() > 1

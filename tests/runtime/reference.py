@@ -246,8 +246,11 @@ def reference_pipedream(
             split_like(stage, split_as, spec.layer_names)
     fm = formats or Formats()
     optims = [fm.optimizer(m, opt) for m in stages]
+    # each stage's delay; under vertical sync the input stage's, with ties the deepest
+    delays = [admitted(replicas, s) - 1 for s in range(n)]
     predicting = [compensate and _compensate(
-        o, admitted(replicas, 0 if vertical_sync or ties else s) - 1) for s, o in enumerate(optims)]
+        o, delays[0] if vertical_sync else max(delays) if ties else delays[s])
+        for s, o in enumerate(optims)]
     history: list[list[dict[str, Tensor]]] = [[_snapshot(m)] for m in stages]
     pending: list[list[list[Tensor]]] = [[] for _ in range(n)]
 

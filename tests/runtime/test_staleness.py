@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from dreampipe.runtime.staleness import (
     delay_advice,
     hyper_of,
     predicts,
+    recompensated,
     stage_delays,
 )
 from dreampipe.scheduling.actions import ScheduleKind as S
@@ -88,28 +90,67 @@ def _optimizer(adaptive: bool, lr: float, momentum: float) -> torch.optim.Optimi
 
 
 @given(adaptive=st.booleans(), lr=st.floats(1e-4, 1.0), momentum=st.floats(0.0, 0.99),
-       saved_delay=st.integers(0, 4), delay=st.integers(0, 4), scheduled=st.floats(0.0, 1.0))
+       saved_delay=st.integers(0, 4), delay=st.integers(0, 4), scheduled=st.floats(0.0, 1.0),
+       cycled=st.floats(0.0, 0.99))
 def test_a_group_carried_over_to_another_delay_is_compensated_as_if_built_for_it(
-    adaptive: bool, lr: float, momentum: float, saved_delay: int, delay: int, scheduled: float
+    adaptive: bool, lr: float, momentum: float, saved_delay: int, delay: int, scheduled: float,
+    cycled: float
 ) -> None:
+    """The rate keeps what a scheduler did to it; the momentum is what a scheduler last
+    set (``cycled``, as OneCycleLR does), compensated for the new delay, as the run that
+    went on without a stop has it; and the record says so."""
     old, new = _optimizer(adaptive, lr, momentum), _optimizer(adaptive, lr, momentum)
-    saved = compensate(old, saved_delay)[0]
+    compensate(old, saved_delay)
     now = compensate(new, delay)[0]
-    want = {k: v for k, v in new.param_groups[0].items() if k != "params"}
     group = {k: v for k, v in old.param_groups[0].items() if k != "params"}
     group["lr"] *= scheduled  # what a scheduler did to the saving run's rate carries over
-    factor = carry_over(group, saved, now)
-    assert group["lr"] == pytest.approx(want["lr"] * scheduled, rel=1e-9, abs=1e-15)
-    assert factor == pytest.approx(want["lr"] / old.param_groups[0]["lr"], rel=1e-9)
-    for k, v in want.items():
-        if k != "lr":
-            assert group[k] == (pytest.approx(v) if k in ("momentum", "betas") else v), k
+    saved = recompensated(_with_momentum(group, cycled), None, saved_delay)
+    went_on = recompensated(_with_momentum(dict(group), cycled), None, delay)
+    record = carry_over(group, saved, now, delay)
+    assert group["lr"] == pytest.approx(lr * scheduled, rel=1e-9, abs=1e-15)
+    got = group["betas"][0] if adaptive else group["momentum"]
+    assert got == pytest.approx(cycled if went_on is None else went_on[1].momentum)
+    assert record == went_on
+
+
+def _with_momentum(group: dict[str, Any], momentum: float) -> dict[str, Any]:
+    """``group`` with its momentum (SGD's, or Adam's ``beta1``) set to ``momentum``."""
+    if "betas" in group:
+        group["betas"] = (momentum, *group["betas"][1:])
+    else:
+        group["momentum"] = momentum
+    return group
 
 
 def test_a_group_without_compensation_carries_over_unchanged() -> None:
     group = {"lr": 0.3, "momentum": 0.7, "initial_lr": 0.5}
-    assert carry_over(group, None, None) == 1.0
+    assert carry_over(group, None, None, None) is None
     assert group == {"lr": 0.3, "momentum": 0.7, "initial_lr": 0.5}
+
+
+def test_a_scheduler_that_gives_momentum_to_a_group_built_without_it_is_compensated() -> None:
+    """SGD built with momentum 0 is left as it is; when OneCycleLR then sets 0.95, a
+    stage 3 updates stale trains with 0.95 - 3/4."""
+    group = {"lr": 0.1, "momentum": 0.0}
+    assert recompensated(group, None, 3) is None
+    group["momentum"] = 0.95
+    record = recompensated(group, None, 3)
+    assert group["momentum"] == pytest.approx(0.2)
+    assert record == (Hyper(0.1, 0.95), Hyper(0.1, group["momentum"]))
+    assert recompensated(group, record, 3) == record  # nothing moved it since
+
+
+def test_a_one_element_tensor_rate_is_read_as_its_value() -> None:
+    """A capturable optimizer's tensor learning rate: compensation still applies, and
+    leaves the user's tensor in place."""
+    lr = torch.tensor(0.125)  # exact in float32
+    group = {"lr": lr, "momentum": 0.9}
+    assert hyper_of(group) == Hyper(0.125, 0.9)
+    param = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([param], lr=lr, momentum=0.9)
+    assert compensate(sgd, 1)[0] is not None
+    assert sgd.param_groups[0]["lr"] is lr
+    assert sgd.param_groups[0]["momentum"] == pytest.approx(0.4)
 
 
 def test_delays_follow_the_schedule() -> None:
@@ -190,7 +231,7 @@ def test_a_scheduler_that_cycles_momentum_is_compensated_after_each_step() -> No
     """OneCycleLR sets the momentum at every step, over what compensation set: the stage
     follows it with the value the scheduler set, less the delay's implicit momentum; a
     scheduler that leaves the momentum alone is not compensated twice."""
-    from dreampipe.api.stage_build import follow_schedulers
+    from dreampipe.api.stage_build import compensation_delays, follow_schedulers
     from dreampipe.runtime.stage_module import StageModule
 
     schedule = build_schedule([1, 1, 1], S.PIPEDREAM, 6)
@@ -202,7 +243,8 @@ def test_a_scheduler_that_cycles_momentum_is_compensated_after_each_step() -> No
         assert st.optimizer is not None
         applied = {0: compensate_stage(st.optimizer, schedule, 0, vertical_sync=False,
                                        enabled=True, advise=False)}
-        follow = follow_schedulers(applied, schedule, False, enabled=True, uniform=False)
+        follow = follow_schedulers(applied, compensation_delays(
+            schedule, [0], False, enabled=True, uniform=False))
         sched = (torch.optim.lr_scheduler.OneCycleLR(st.optimizer, max_lr=0.1, total_steps=10)
                  if cycles else torch.optim.lr_scheduler.StepLR(st.optimizer, 2))
         follow(st)

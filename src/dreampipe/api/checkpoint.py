@@ -58,6 +58,7 @@ class _PipelineState(Protocol):
     state_keys: StateKeys
     schedulers: dict[int, Any]
     compensations: dict[int, Applied]
+    compensation_delays: dict[int, int | None]
 
     @property
     def runner(self) -> RankRunner: ...
@@ -215,7 +216,8 @@ def check_keys(path: Path, layers: Layers) -> None:
 
 def _parts(pipe: _PipelineState) -> list[StagePart]:
     """Every stage this rank runs, with its scheduler and compensation."""
-    return [StagePart(m, pipe.schedulers.get(m.stage), pipe.compensations[m.stage])
+    return [StagePart(m, pipe.schedulers.get(m.stage), pipe.compensations[m.stage],
+                      pipe.compensation_delays.get(m.stage))
             for m in pipe.runner.modules]
 
 
@@ -270,7 +272,7 @@ def load(path: Path, pipe: _PipelineState) -> int:
         raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: "
                               f"{str(exc)[:300]}; resume from another one") from exc
     objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
-    load_stages(parts, state, objects)
+    pipe.compensations.update(load_stages(parts, state, objects))
     restore_rng(objects, dist.get_rank(), pipe.device)
     progress = objects["progress"]
     scaler = pipe.runner.scaler

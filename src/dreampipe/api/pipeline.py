@@ -50,6 +50,7 @@ from dreampipe.api.stage_build import (
     agreement_note,
     build_modules,
     compensate_modules,
+    compensation_delays,
     follow_schedulers,
 )
 from dreampipe.api.ties import tie_places
@@ -180,8 +181,11 @@ class Pipeline:
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
                 modules, delayed, config.vertical_sync, enabled=config.compensate,
                 advise=self.rank == 0, uniform=bool(ties), weighed=weighed)
-            self._follow = follow_schedulers(applied, delayed, config.vertical_sync,
-                                             enabled=config.compensate, uniform=bool(ties))
+            #: The delay each of this rank's stages is compensated for, None for none.
+            self.compensation_delays = compensation_delays(
+                delayed, [m.stage for m in modules], config.vertical_sync,
+                enabled=config.compensate, uniform=bool(ties))
+            self._follow = follow_schedulers(applied, self.compensation_delays)
             note = agreement_note(delayed, self.config.runner_options())
             if self.rank == 0 and note is not None:
                 _log.info("%s", note)

@@ -11,7 +11,7 @@ reads them.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,8 +38,8 @@ from dreampipe.runtime.zero import ZeroPlace
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers, build_split_stage, build_stage, hold_apart
 
-__all__ = ["agreement_note", "build_modules", "compensate_modules", "follow_schedulers",
-           "study_warning"]
+__all__ = ["agreement_note", "build_modules", "compensate_modules", "compensation_delays",
+           "follow_schedulers", "study_warning"]
 
 _log = logging.getLogger(__name__)
 
@@ -146,20 +146,28 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
             for m in modules}
 
 
-def follow_schedulers(applied: dict[int, Applied], schedule: Schedule | None,
-                      vertical_sync: bool, *, enabled: bool, uniform: bool
+def compensation_delays(schedule: Schedule | None, stages: Sequence[int], vertical_sync: bool,
+                        *, enabled: bool, uniform: bool) -> dict[int, int | None]:
+    """The delay each of ``stages`` is compensated for in ``schedule`` (None: a synchronous
+    one), None for every stage where the run compensates none
+    (:func:`~dreampipe.runtime.staleness.compensation_delay`)."""
+    if not enabled or schedule is None or schedule.kind.synchronous:
+        return dict.fromkeys(stages)
+    delays = stage_delays(schedule, vertical_sync)
+    return {s: compensation_delay(delays, s, uniform) for s in stages}
+
+
+def follow_schedulers(applied: dict[int, Applied], delays: dict[int, int | None]
                       ) -> Callable[[StageModule], None]:
     """What to call on a stage after its learning-rate scheduler was built and after each
     of its steps: a scheduler that sets the momentum anew (OneCycleLR, CyclicLR) would undo
-    the compensation, so the value it set is compensated again, and ``applied`` (which
-    checkpoints carry) says so (:func:`~dreampipe.runtime.staleness.recompensated`)."""
-    delays = (stage_delays(schedule, vertical_sync)
-              if enabled and schedule is not None and not schedule.kind.synchronous else None)
-
+    the compensation for the stage's delay (``delays``, :func:`compensation_delays`), so the
+    value it set is compensated again, and ``applied`` (which checkpoints carry) says so
+    (:func:`~dreampipe.runtime.staleness.recompensated`)."""
     def follow(module: StageModule) -> None:
-        if delays is None or module.optimizer is None:
+        delay = delays.get(module.stage)
+        if delay is None or module.optimizer is None:
             return
-        delay = compensation_delay(delays, module.stage, uniform)
         groups = module.optimizer.param_groups
         applied[module.stage] = tuple(recompensated(g, pair, delay) for g, pair in
                                       zip(groups, applied[module.stage], strict=True))

@@ -38,12 +38,14 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StagePart:
-    """One stage of a rank: its module, its learning-rate scheduler (or None), and what
-    staleness compensation did to each parameter group of its optimizer."""
+    """One stage of a rank: its module, its learning-rate scheduler (or None), what
+    staleness compensation did to each parameter group of its optimizer, and the delay
+    it compensates for (None: none)."""
 
     module: StageModule
     scheduler: Any
     compensation: Applied
+    delay: int | None = None
 
 
 def _unsaved(module: nn.Module) -> dict[str, Tensor]:
@@ -122,9 +124,11 @@ def _like(md: Any, param: Tensor) -> Any:
 
 
 def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
-                objects: dict[str, Any]) -> None:
+                objects: dict[str, Any]) -> dict[int, Applied]:
     """Put the loaded ``state`` (``objects``: its pickled entries, unpickled) into each
-    stage of ``parts``: weights, optimizer state and settings, version, scheduler."""
+    stage of ``parts``: weights, optimizer state and settings, version, scheduler; what
+    staleness compensation did to each stage's groups now, by stage."""
+    applied = {part.module.stage: part.compensation for part in parts}
     for part in parts:
         module = part.module
         module.load_state_dict({k: state[f"model.{k}"] for k in module.state_dict()})
@@ -153,10 +157,11 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
                 opt.state[p] = per
             module.resume_at(int(info["version"]))
         if opt is not None and names:
-            _settings(part, objects)
+            applied[module.stage] = _settings(part, objects)
+    return applied
 
 
-def _settings(part: StagePart, objects: dict[str, Any]) -> None:
+def _settings(part: StagePart, objects: dict[str, Any]) -> Applied:
     """Each parameter group takes the settings saved with its first parameter, with this
     run's staleness compensation in place of the saved one; the scheduler the first
     parameter's progress, and each group's own rates (the stage that saved it may have
@@ -165,6 +170,7 @@ def _settings(part: StagePart, objects: dict[str, Any]) -> None:
     assert opt is not None
     fqns = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
     apart = set()  # what each parameter's saving stage had made of its rate and scheduler
+    applied = []
     for group, now in zip(opt.param_groups, part.compensation, strict=True):
         saved = objects[f"param.{fqns[id(group['params'][0])]}"]
         for p in group["params"]:
@@ -172,8 +178,9 @@ def _settings(part: StagePart, objects: dict[str, Any]) -> None:
             apart.add((was["group"].get("lr") == saved["group"].get("lr"),
                        (was["scheduler"] or {}).get("last_epoch")))
         group.update(saved["group"])
-        if "compensation" in saved:  # lr and initial_lr, in place
-            carry_over(group, _hyper_pair(saved["compensation"]), now)
+        if "compensation" in saved:  # in place: lr, initial_lr, the momentum
+            now = carry_over(group, _hyper_pair(saved["compensation"]), now, part.delay)
+        applied.append(now)
     first = objects[f"param.{module.module_param_names[0]}"]
     sched = part.scheduler
     if sched is not None and first["scheduler"] is not None:
@@ -186,6 +193,7 @@ def _settings(part: StagePart, objects: dict[str, Any]) -> None:
             "their group's first (pipedream's replicated stages update once a round of "
             "replicas, and so step their schedulers): each group goes on from its first "
             "parameter's", part.module.stage)
+    return tuple(applied)
 
 
 def _plain(applied: tuple[Hyper, Hyper] | None) -> list[dict[str, Any]] | None:

@@ -68,17 +68,24 @@ def predicts(hyper: Hyper | None, delay: int) -> bool:
 
 def hyper_of(group: dict[str, object]) -> Hyper | None:
     """A parameter group's :class:`Hyper`, None for an optimizer with neither
-    ``momentum`` nor ``betas`` (compensation leaves it as it is)."""
-    lr = group.get("lr")
-    if not isinstance(lr, (int, float)):
+    ``momentum`` nor ``betas`` (compensation leaves it as it is). A one-element tensor
+    (a capturable optimizer's learning rate or betas) reads as its value."""
+    lr = _number(group.get("lr"))
+    if lr is None:
         return None
-    momentum = group.get("momentum")
+    momentum = _number(group.get("momentum"))
     betas = group.get("betas")
-    if isinstance(momentum, (int, float)):
-        return Hyper(float(lr), float(momentum))
-    if isinstance(betas, tuple) and betas and isinstance(betas[0], (int, float)):
-        return Hyper(float(lr), float(betas[0]), adaptive=True)
-    return None
+    if momentum is not None:
+        return Hyper(lr, momentum)
+    beta1 = _number(betas[0]) if isinstance(betas, tuple | list) and betas else None
+    return None if beta1 is None else Hyper(lr, beta1, adaptive=True)
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float if it is a number or a one-element tensor, else None."""
+    if isinstance(value, torch.Tensor):
+        return float(value.item()) if value.numel() == 1 else None
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 #: What compensation did to each parameter group of one optimizer: ``(given, used)``
@@ -96,7 +103,8 @@ def compensate(optimizer: torch.optim.Optimizer, delay: int) -> Applied:
         if before is None or after is None or after == before:
             applied.append(None)
             continue
-        group["lr"] = after.lr
+        if after.lr != before.lr:  # the rule keeps it: a tensor stays the user's tensor
+            group["lr"] = after.lr
         _set_momentum(group, after.momentum)
         applied.append((before, after))
     return tuple(applied)
@@ -116,25 +124,31 @@ def _lr_factor(applied: tuple[Hyper, Hyper] | None) -> float:
 
 
 def carry_over(group: dict[str, Any], saved: tuple[Hyper, Hyper] | None,
-               now: tuple[Hyper, Hyper] | None) -> float:
+               now: tuple[Hyper, Hyper] | None, delay: int | None
+               ) -> tuple[Hyper, Hyper] | None:
     """Turn ``group``, as a run compensated by ``saved`` left it, into this run's
-    settings under ``now``, in place; the factor it put on the learning rate.
+    settings, in place; its ``(given, used)`` settings now (None where compensation
+    leaves it as it is).
 
     A checkpoint holds the settings a stage trained with; a run resumed on
     another plan or schedule has other delays. The learning rate (and a
     scheduler's ``initial_lr``) keeps what the scheduler or the user did to it,
-    with the old compensation's factor replaced by the new one's; the momentum
-    is the user's, compensated for the new delay.
+    with the old compensation's factor replaced by ``now``'s; the momentum is the
+    user's as the saving run last had it (a scheduler may cycle it), compensated for
+    this run's ``delay`` (None: this run compensates nothing).
     """
     factor = _lr_factor(now) / _lr_factor(saved)
     for key in ("lr", "initial_lr"):
         if isinstance(group.get(key), int | float):
             group[key] *= factor
-    if now is not None:
-        _set_momentum(group, now[1].momentum)
-    elif saved is not None:
+    if saved is not None:
         _set_momentum(group, saved[0].momentum)
-    return factor
+    given = hyper_of(group)
+    after = None if given is None or delay is None else compensated(given, delay)
+    if given is None or after is None or after == given:
+        return None
+    _set_momentum(group, after.momentum)
+    return given, after
 
 
 def stage_delays(schedule: Schedule, vertical_sync: bool = False) -> tuple[int, ...]:
@@ -201,11 +215,15 @@ def recompensated(group: dict[str, Any], applied: tuple[Hyper, Hyper] | None, de
     """After a learning-rate scheduler's step: where it set ``group``'s momentum anew over
     what compensation set (OneCycleLR and CyclicLR cycle it at every step), compensate
     that value for ``delay``, in place; the group's ``(given, used)`` settings now
-    (``applied`` where nothing moved it)."""
+    (``applied`` where nothing moved it). A group compensation left as it was (``applied``
+    None: built with momentum 0, say) is compensated once a scheduler gives it momentum."""
     now = hyper_of(group)
-    if applied is None or now is None or now.adaptive or now.momentum == applied[1].momentum:
+    if now is None or now.adaptive or (applied is not None
+                                       and now.momentum == applied[1].momentum):
         return applied
     after = compensated(now, delay)
+    if applied is None and after == now:
+        return None
     _set_momentum(group, after.momentum)
     return now, after
 
