@@ -43,7 +43,14 @@ from dreampipe.scheduling.build import build_schedule
 from .reference import adam, adamw, reference_pipedream, reference_sync, reference_two_bw, sgd
 from .reference_formats import reference_formats
 from .runs import train_run
-from .zero_workers import per_use_rank, scatter_rank, zero_rank, zero_zoo
+from .zero_workers import (
+    branch_rank,
+    mixed_dtype_rank,
+    per_use_rank,
+    scatter_rank,
+    zero_rank,
+    zero_zoo,
+)
 
 __all__: list[str] = []
 
@@ -385,6 +392,29 @@ def test_level_3_per_use_holds_one_module_s_weights_whole_at_a_time() -> None:
         assert got["gradients_equal"], got
 
 
+@pytest.mark.timeout(120)
+def test_level_3_per_use_gathers_a_module_s_weights_each_in_its_own_dtype() -> None:
+    """A module's bf16 weight and fp32 bias arrive whole in their own dtypes: one gather
+    of both in the first's would round the bias to bf16."""
+    for got in run_processes(mixed_dtype_rank, 2, None, deadline_s=60.0):
+        assert got == {"weight": True, "bias": True}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("apart", [True, False])
+def test_replicas_whose_data_picks_other_weights_stop_before_the_update(apart: bool) -> None:
+    """Gathers per use pair up by their order: where replica 0's microbatch runs one
+    expert and replica 1's another of the same shape, each would run on rows of both.
+    The gathers carry their first weight's index, and ``RESHARD`` (before the update's
+    reduce-scatter and step) stops every replica, naming the fix; the same expert on
+    both passes."""
+    for got in run_processes(branch_rank, 2, apart, deadline_s=60.0):
+        if apart:
+            assert "gathered different weights for one use" in got and "zero=2" in got
+        else:
+            assert got == ""
+
+
 def _decay_matrices(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """The usual factory: weight decay on the matrices only, chosen by shape."""
     return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
@@ -464,3 +494,25 @@ def test_the_memory_model_keeps_what_the_paper_says() -> None:
     three = zero_bytes(3, 2, 2.0, optimizer_copies=2, master_weights=True)
     assert (three.weights, three.gradients, three.optimizer) == (0, 1, 6)  # masters gather
     assert zero_bytes(3, 1, 2.0, optimizer_copies=2, master_weights=True).weights == 2
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_0_dim_parameter_s_saved_adam_state_resumes_as_its_chunk(replica: int) -> None:
+    """A learnable scalar's Adam moments are 0-dim in a checkpoint, as its step count is:
+    the moments are cut to the replica's chunk (one value, or none), the count kept, and
+    the optimizer steps on."""
+    from dreampipe.runtime.zero_params import stage_optimizer
+
+    module = nn.Module()
+    module.scale = nn.Parameter(torch.tensor(0.5))
+    shards = stage_optimizer(module, [module.scale], lambda ps: torch.optim.Adam(ps, lr=0.1),
+                             Precision.FP32, ZeroPlace(1, replica, 2), 0)
+    chunk = shards.masters[0]
+    whole = {"step": torch.tensor(3.0), "exp_avg": torch.tensor(0.25),
+             "exp_avg_sq": torch.tensor(0.5)}
+    state = shards.sharded_state(0, whole)
+    assert state["step"].shape == () and state["exp_avg"].shape == chunk.shape
+    shards.optimizer.state[chunk] = state
+    chunk.grad = torch.ones_like(chunk)
+    shards.optimizer.step()
+    assert float(state["step"]) == 4.0

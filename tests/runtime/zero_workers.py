@@ -20,8 +20,8 @@ from dreampipe.commands.train_config import TrainResult
 from dreampipe.commands.train_run import TrainJob, train_rank
 from dreampipe.runtime.stage_module import StageModule
 
-__all__ = ["count_bytes", "held_bytes", "per_use_rank", "scatter_rank", "zero_rank",
-           "zero_zoo"]
+__all__ = ["branch_rank", "count_bytes", "held_bytes", "mixed_dtype_rank", "per_use_rank",
+           "scatter_rank", "zero_rank", "zero_zoo"]
 
 #: Each STEP's bytes of the stages this process built: (stage, held_bytes()).
 RECORDS: list[tuple[int, dict[str, int]]] = []
@@ -91,6 +91,25 @@ def zero_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | Non
     return train_zoo(rank, world, job)
 
 
+def _per_use_stage(model: torch.nn.Module, rank: int, world: int, level: int = 3
+                   ) -> tuple[StageModule, Any]:
+    """``model`` as a stage at ZeRO ``level`` (3) on ``world`` replicas, its weights
+    gathered per use (the process group already up): the stage and its shards."""
+    import torch.distributed as dist
+
+    from dreampipe.runtime.zero import ZeroPlace
+    from dreampipe.runtime.zero_params import ZeroParams
+
+    st = StageModule(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
+                     input_grad=False, zero=ZeroPlace(level, rank, world),
+                     loss_fn=torch.nn.functional.mse_loss)
+    zero = st.zero
+    assert isinstance(zero, ZeroParams)
+    zero.bind(dist.group.WORLD, lambda work, _a: work.wait())
+    zero.per_use = True
+    return st, zero
+
+
 def per_use_rank(rank: int, world: int, level: int) -> dict[str, Any]:
     """A stage of three Linears at ZeRO ``level`` on ``world`` replicas (per use at 3),
     one microbatch forward and backward: the weights whole during each Linear's forward,
@@ -101,21 +120,12 @@ def per_use_rank(rank: int, world: int, level: int) -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
 
-    from dreampipe.runtime.zero import ZeroPlace
-    from dreampipe.runtime.zero_params import ZeroParams
-
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                           nn.Linear(8, 3))
     whole = copy.deepcopy(model)
-    st = StageModule(model, lambda ps: torch.optim.SGD(ps, lr=0.1), stage=0,
-                     input_grad=False, zero=ZeroPlace(level, rank, world),
-                     loss_fn=torch.nn.functional.mse_loss)
-    zero = st.zero
-    assert isinstance(zero, ZeroParams)
-    zero.bind(dist.group.WORLD, lambda work, _a: work.wait())
-    zero.per_use = True
+    st, _ = _per_use_stage(model, rank, world, level)
 
     def live() -> int:
         return sum(p.untyped_storage().nbytes() > 0 for p in st.params)
@@ -137,6 +147,79 @@ def per_use_rank(rank: int, world: int, level: int) -> dict[str, Any]:
     dist.destroy_process_group()
     return {"during": during, "after_forward": after_forward,
             "after_backward": after_backward, "gradients_equal": ok}
+
+
+class _MixedLinear(torch.nn.Module):
+    """A 16-bit weight registered before a 32-bit bias that bf16 cannot hold exactly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4).bfloat16())
+        self.bias = torch.nn.Parameter(torch.randn(3) / 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.bfloat16() @ self.weight.t() + self.bias
+
+
+def mixed_dtype_rank(rank: int, world: int, _: None) -> dict[str, Any]:
+    """One module holding weights of two dtypes at ZeRO level 3 per use, on ``world``
+    replicas: whether its forward ran on each weight exactly as it was given."""
+    import copy
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = _MixedLinear()
+    given = copy.deepcopy(model)
+    st, _ = _per_use_stage(model, rank, world)
+    seen: dict[str, Tensor] = {}
+
+    def grab(module: torch.nn.Module, *_: Any) -> None:
+        seen.update({k: v.detach().clone() for k, v in module.named_parameters()})
+
+    model.register_forward_hook(grab, prepend=True)  # before the weights are freed
+    st.forward(0, torch.randn(2, 4), target=torch.randn(2, 3))
+    dist.destroy_process_group()
+    return {k: torch.equal(seen[k], v.detach()) and seen[k].dtype == v.dtype
+            for k, v in given.named_parameters()}
+
+
+class _TwoExperts(torch.nn.Module):
+    """Two Linears of one shape, of which the data picks one (as a router would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.pick = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.experts[self.pick](x)
+
+
+def branch_rank(rank: int, world: int, apart: bool) -> str:
+    """A stage of :class:`_TwoExperts` at ZeRO level 3 per use on ``world`` replicas, whose
+    microbatch picks expert ``rank`` (``apart``) or 0 on every replica, one forward and
+    backward, then ``RESHARD``: what it raised, "" for nothing."""
+    import torch.distributed as dist
+
+    from dreampipe.errors import ScheduleError
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = _TwoExperts()
+    model.pick = rank if apart else 0
+    st, zero = _per_use_stage(model, rank, world)
+    st.forward(0, torch.randn(2, 4), target=torch.randn(2, 4))
+    with st.backward_scope():
+        st.backward(0)
+    try:
+        zero.reshard()
+    except ScheduleError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return ""
 
 
 def scatter_rank(rank: int, world: int, _: None) -> dict[str, Any]:

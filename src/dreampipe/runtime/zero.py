@@ -68,12 +68,19 @@ class ZeroPlace:
 @dataclass
 class _Bucket:
     """Parameters collected together, each holding ``chunk[i]`` values per replica at
-    ``offset[i]`` of the bucket's per-replica stretch of ``size`` values."""
+    ``offset[i]`` of the bucket's per-replica stretch of ``size`` values; a ``tagged`` one
+    ends each stretch with :data:`_TAG` values naming its first parameter."""
 
     indices: list[int]
     offsets: list[int]
     size: int
     dtype: torch.dtype
+    tagged: bool = False
+
+
+#: Values at the end of each replica's stretch of a gather per use: its first parameter's
+#: index, base 256 (exact in every float format), which every replica's must match.
+_TAG = 2
 
 
 class _Layout:
@@ -128,22 +135,32 @@ class _Layout:
         send = torch.zeros(b.size, dtype=b.dtype, device=shards[0].device if shards else None)
         for off, s in zip(b.offsets, shards, strict=True):
             send[off:off + s.numel()] = s
+        if b.tagged:
+            send[-_TAG:] = torch.tensor(_tag(b), dtype=b.dtype)
         if out is None:
             out = torch.empty(self.replicas * b.size, dtype=b.dtype, device=send.device)
         return out, dist.all_gather_single(out, send, group=group, async_op=True)
 
     def unit(self, indices: Sequence[int], dtype: torch.dtype) -> _Bucket:
-        """A bucket of parameters ``indices`` alone, in that order (one collective for
-        weights gathered together, :mod:`.zero_params`)."""
+        """A bucket of parameters ``indices`` alone, in that order, tagged (one collective
+        for weights gathered together, :mod:`.zero_params`)."""
         offsets = [0]
         for i in indices:
             offsets.append(offsets[-1] + self.chunk[i])
-        return _Bucket(list(indices), offsets[:-1], offsets[-1], dtype)
+        return _Bucket(list(indices), offsets[:-1], offsets[-1] + _TAG, dtype, tagged=True)
+
+    def tags_differ(self, out: Tensor, b: _Bucket) -> Tensor:
+        """For a tagged bucket's gathered ``out``: whether some replica gathered other
+        weights than the others, as a tensor on ``out``'s device (read it once an update:
+        reading it at each gather would wait for the device)."""
+        tags = out.view(self.replicas, b.size)[:, -_TAG:]
+        return (tags != tags[:1]).any()
 
     def lies_whole(self, b: _Bucket) -> bool:
         """Whether bucket ``b``'s gathered output is its one parameter's values as they
         lie: a single parameter that splits evenly into the replicas' chunks."""
-        return len(b.indices) == 1 and self.numel[b.indices[0]] == self.replicas * b.size
+        return (len(b.indices) == 1 and not b.tagged
+                and self.numel[b.indices[0]] == self.replicas * b.size)
 
     def copy_whole(self, i: int, out: Tensor, b: _Bucket, k: int, dest: Tensor) -> None:
         """Write parameter ``i``'s full values from its bucket's gathered ``out`` into
@@ -161,6 +178,12 @@ class _Layout:
         its place in ``b``."""
         c, off = self.chunk[i], b.offsets[k]
         return out.view(self.replicas, b.size)[:, off:off + c].reshape(-1)[:self.numel[i]]
+
+
+def _tag(b: _Bucket) -> tuple[float, float]:
+    """Bucket ``b``'s tag: its first parameter's index, base 256 (module ``_TAG``)."""
+    high, low = divmod(b.indices[0] % 65536, 256)
+    return float(high), float(low)
 
 
 class ZeroShards:
@@ -363,8 +386,9 @@ class ZeroShards:
 
     def sharded_state(self, i: int, per: Mapping[str, Any]) -> dict[str, Any]:
         """Parameter ``i``'s whole optimizer state (a checkpoint's) as this replica keeps
-        it: each parameter-shaped tensor cut to its chunk."""
+        it: each parameter-shaped tensor cut to its chunk. A 0-dim parameter's state is
+        0-dim too, as its step count is: every such tensor but ``step`` is cut."""
         shape, m = self._params[i].shape, self.masters[i]
         return {k: self.layout.shard(i, v.reshape(-1)).to(m.dtype).clone()
-                if isinstance(v, Tensor) and v.dim() >= 1 and v.shape == shape else v
-                for k, v in per.items()}
+                if isinstance(v, Tensor) and v.shape == shape and (v.dim() >= 1 or k != "step")
+                else v for k, v in per.items()}

@@ -65,6 +65,7 @@ class ZeroParams(ZeroShards):
         self._whole = [True] * len(self._params)
         self._at: dict[int, int] = {}  # a whole weight's storage address: its index
         self._pinned = self._in_backward = False
+        self._differ: Tensor | None = None  # some gather per use paired other weights
         #: Whether the weights are gathered per use (else per update, at ``UNSHARD``):
         #: where the replicas run as many microbatches in every update, so that their
         #: per-use gathers pair up (:func:`~dreampipe.scheduling.unshard.pairs_per_use`).
@@ -102,8 +103,17 @@ class ZeroParams(ZeroShards):
         self._all_gather(action)
 
     def reshard(self) -> None:
-        """``RESHARD``: the full weights' storage freed; the chunks stay."""
+        """``RESHARD``: the full weights' storage freed; the chunks stay. Before the update,
+        the gathers per use are checked: replicas that gathered different weights for one
+        use (a forward that takes another path on other data) stop it here."""
         self.allocate(whole=False)
+        differ, self._differ = self._differ, None
+        if differ is not None and bool(differ):
+            raise ScheduleError(
+                f"stage {self._stage}'s replicas gathered different weights for one use: its "
+                "forward takes another path on other data (routing, a branch, layer drop), "
+                "which ZeRO level 3's gathers per use cannot follow; shard this stage at "
+                "zero=2 or below")
 
     def allocate(self, *, whole: bool, only: Sequence[int] | None = None) -> None:
         """Give the weights (``only`` those) their storage (values undefined) or free it."""
@@ -121,10 +131,19 @@ class ZeroParams(ZeroShards):
         missing = [i for i in ix if not self._whole[i]]
         if self._pinned or not missing or not self.per_use:
             return
-        out, b = self._gather_out(missing)  # before the weights' storage: no copy beside both
-        self.allocate(whole=True, only=missing)
-        for k, i in enumerate(missing):
-            self.layout.copy_whole(i, out, b, k, self._params[i].detach().view(-1))
+        for same in self._by_dtype(missing):
+            out, b = self._gather_out(same)  # before the weights' storage: no copy beside both
+            self.allocate(whole=True, only=same)
+            for k, i in enumerate(same):
+                self.layout.copy_whole(i, out, b, k, self._params[i].detach().view(-1))
+
+    def _by_dtype(self, ix: Sequence[int]) -> list[list[int]]:
+        """Weights ``ix`` in groups of one dtype, in order of first appearance: one
+        gather each, so that no weight is cast to another's dtype on the way."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for i in ix:
+            groups.setdefault(self._params[i].dtype, []).append(i)
+        return list(groups.values())
 
     def _used(self, ix: Sequence[int]) -> None:
         """After a module's forward: its weights freed (not while pinned whole, nor in a
@@ -133,19 +152,24 @@ class ZeroParams(ZeroShards):
             self.allocate(whole=False, only=[i for i in ix if self._whole[i]])
 
     def _gather_out(self, ix: Sequence[int]) -> tuple[Tensor, Any]:
-        """Every replica's chunks of weights ``ix`` and their bucket: one all-gather (a
-        collective over the replicas, which all make the same ones), its send buffer
-        freed once done."""
+        """Every replica's chunks of weights ``ix`` (of one dtype, :meth:`_by_dtype`) and
+        their bucket: one all-gather (a collective over the replicas, which all make the
+        same ones), its send buffer freed once done."""
         b = self.layout.unit(ix, self._params[ix[0]].dtype)
         out, work = self.layout.gather(b, [self.masters[i].detach() for i in ix], self.group)
         self._waited(work, Action(ActionKind.UNSHARD, self._stage, 0))
         del work
+        differ = self.layout.tags_differ(out, b)
+        self._differ = differ if self._differ is None else self._differ | differ
         return out, b
 
     def _gather(self, ix: Sequence[int]) -> list[Tensor]:
         """Weights ``ix`` whole (1-D, fresh tensors) from every replica's chunks."""
-        out, b = self._gather_out(ix)
-        return [self.layout.whole(i, out, b, k) for k, i in enumerate(ix)]
+        whole: dict[int, Tensor] = {}
+        for same in self._by_dtype(ix):
+            out, b = self._gather_out(same)
+            whole.update((i, self.layout.whole(i, out, b, k)) for k, i in enumerate(same))
+        return [whole[i] for i in ix]
 
     def _pack(self, t: Tensor) -> Any:
         """A tensor autograd saves: a view of a weight is kept as which one (gathered
