@@ -40,18 +40,30 @@ def _train(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, 
 def _train_one(job: dict[str, Any]) -> dict[str, Any]:
     spec = get_model("mlp", layers=4, width=16)
     data = load_dataset("synthetic", spec, seed=SEED)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The model's loss; a label below 0 (``job["nan_backward"]``) adds a finite 0
+        whose gradient is NaN (the slope of sqrt at 0, times 0)."""
+        bad = y < 0
+        loss = spec.loss_fn(out, torch.where(bad, -1 - y, y))
+        return loss + torch.sqrt(out.abs().sum() * 0) if bool(bad.any()) else loss
+
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, SEED), example=data.batch(0, MINIBATCH),
-        loss_fn=spec.loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
+        loss_fn=loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
         plan=Plan.from_config(spec.num_layers, job["bounds"], job["replicas"]),
         config=TrainConfig(schedule=job["schedule"], microbatches=job.get("microbatches", 1),
                            on_nonfinite=job["on_nonfinite"], timeout_s=30.0,
-                           precision=job.get("precision", "fp32")),
+                           precision=job.get("precision", "fp32"),
+                           max_grad_norm=job.get("max_grad_norm")),
     )
     for k in range(job["steps"]):
         if k in job.get("drop", ()):
             continue
         x, y = data.batch(k, MINIBATCH)
+        if k == job.get("nan_backward"):
+            y = y.clone()
+            y[0] = -1 - y[0]
         if k == job.get("nan"):
             x = x.clone()
             x[MINIBATCH - 1, 0] = float("nan")
@@ -121,6 +133,26 @@ def test_a_skipped_minibatch_leaves_the_weights_of_a_run_that_never_saw_it() -> 
     assert sorted(got["state"]) == sorted(never["state"])
     for name, value in never["state"].items():
         assert torch.equal(got["state"][name], value), name
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_only_a_backward_makes_stops_a_clipped_run_or_skips_its_update() -> None:
+    """Every forward is finite, but minibatch 2's gradients are NaN. Their global norm is
+    NaN on every rank: ``clip_grad_norm_`` would make every gradient NaN, and a clip
+    coefficient of ``min(1, max_norm / nan)`` would apply them unclipped. ``skip`` drops
+    the update on every stage, as if the run never saw it; ``stop`` names the cause."""
+    job = {"schedule": "1f1b-flush", "bounds": [0, 2], "replicas": [1, 1], "steps": 4,
+           "microbatches": 2, "on_nonfinite": "skip", "max_grad_norm": 1.0}
+    ranks = run_processes(_train, 2, [{**job, "nan_backward": 2}, {**job, "drop": (2,)}],
+                          deadline_s=90.0)
+    got, never = ranks[0]
+    assert got["skipped"] == [2] and never["skipped"] == []
+    assert got["losses"][:2] + got["losses"][3:] == never["losses"]
+    for name, value in never["state"].items():
+        assert torch.equal(got["state"][name], value), name
+    with pytest.raises(NonFiniteError, match="minibatch 2: the gradients' global norm is nan"):
+        run_processes(_train, 2, [{**job, "nan_backward": 2, "on_nonfinite": "stop"}],
+                      deadline_s=60.0)
 
 
 @pytest.mark.timeout(120)

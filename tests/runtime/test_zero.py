@@ -516,3 +516,20 @@ def test_a_0_dim_parameter_s_saved_adam_state_resumes_as_its_chunk(replica: int)
     chunk.grad = torch.ones_like(chunk)
     shards.optimizer.step()
     assert float(state["step"]) == 4.0
+
+
+@pytest.mark.parametrize(("make", "warns"), [
+    (lambda ps: torch.optim.Adafactor(ps, lr=0.01), True),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01), False),
+])
+def test_an_optimizer_not_known_to_step_each_value_alone_is_warned_of_under_zero(
+        make: Any, warns: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Adafactor's factored moments of a chunk are not those of the whole weight: the
+    update differs from one without ZeRO, which the run says, naming the fix."""
+    from dreampipe.runtime.zero_params import stage_optimizer
+
+    with caplog.at_level("WARNING"):
+        stage_optimizer(nn.Linear(4, 4), list(nn.Linear(4, 4).parameters()), make,
+                        Precision.FP32, ZeroPlace(1, 0, 2), 0)
+    assert ("Adafactor steps each replica's 1-D chunk" in caplog.text) is warns
+    assert ("use zero=0 for it" in caplog.text) is warns

@@ -140,3 +140,22 @@ class NonFiniteGuard:
             _log.warning("skipped minibatch %d: a non-finite value first appeared at stage %d; "
                          "no stage updated its weights with it", mb, found)
         return True
+
+    def norm_not_finite(self, a: Action, norm: float) -> None:
+        """At ``STEP`` ``a`` of a clipped run: the gradients' global norm, the same on every
+        rank (an all-reduce), is ``norm``, not finite, though no forward's output was. A
+        gradient made it in the backward. ``SKIP``: the update is skipped (every rank reads
+        the same norm, so every rank skips it); ``STOP``: a :class:`NonFiniteError`."""
+        mb = self.first_minibatch + a.microbatch
+        if self.policy is OnNonFinite.SKIP:
+            self.skipped.append(mb)
+            if self.rank == 0:
+                _log.warning("skipped minibatch %d: its gradients' global norm is %s (a "
+                             "backward made a non-finite gradient); no stage updated its "
+                             "weights with it", mb, norm)
+            return
+        raise NonFiniteError(
+            f"minibatch {mb}: the gradients' global norm is {norm} though every forward's "
+            "output was finite, so a backward made a non-finite gradient; lower the learning "
+            "rate or check the layers' backward, or skip such minibatches with "
+            "on_nonfinite=skip (--on-nonfinite skip)")

@@ -160,8 +160,9 @@ class RankUpdates:
                 self._scaler.update(self._agreed[2])  # finite, as a GradScaler sees them
             if not self._agreed[2]:  # every rank agreed: all sum their ties, or none
                 sum_ties(self._ties, lambda work: comm.wait_tied(work, a))
-                if self._max_grad_norm is not None:
-                    self._clip(a, schedule, comm, self._max_grad_norm)
+                if (self._max_grad_norm is not None
+                        and not self._clip(a, schedule, comm, self._max_grad_norm)):
+                    self._agreed = (*now, True)
         if self._agreed[2]:
             module.step(apply=False)
             if module.zero is not None:
@@ -171,13 +172,15 @@ class RankUpdates:
         if self._after_step is not None:
             self._after_step(module)
 
-    def _clip(self, a: Action, schedule: Schedule, comm: Comm, max_norm: float) -> None:
+    def _clip(self, a: Action, schedule: Schedule, comm: Comm, max_norm: float) -> bool:
         """Scale this update's gradient by ``max_norm / global norm`` (at most 1), as
         ``torch.nn.utils.clip_grad_norm_`` does; the norm spans every stage, each
         stage counted once (its replicas hold the same all-reduced gradient, or under
         ZeRO-2 each its shard) and each tied weight once (its copies hold the same sum);
         under interleaving a rank clips all its stages at its first ``STEP`` of the
-        update."""
+        update. False where the norm is not finite: the update is then skipped, or the run
+        stops, as the run's ``on_nonfinite`` says (:meth:`~.nonfinite.NonFiniteGuard.
+        norm_not_finite`), where ``clip_grad_norm_`` would make every gradient NaN."""
         held = [(m.stage, *_held(m)) for m in self._modules]
         grads = [g for _, gs, _ in held for g in gs]
         sq = torch.zeros((), dtype=torch.float64, device=self._device)
@@ -190,9 +193,14 @@ class RankUpdates:
                     sq += torch.linalg.vector_norm(g, 2, dtype=wide).double() ** 2
         work = dist.all_reduce(sq, group=self._clip_group, async_op=True)
         comm.wait_world(work, a)
-        coef = min(1.0, max_norm / (math.sqrt(float(sq)) + 1e-6))
+        norm = math.sqrt(float(sq))
+        if not math.isfinite(norm):
+            self._guard.norm_not_finite(a, norm)
+            return False
+        coef = min(1.0, max_norm / (norm + 1e-6))
         for g in grads:
             g.mul_(coef)
+        return True
 
 
 _NARROW = (torch.bfloat16, torch.float16)

@@ -21,6 +21,7 @@ moments) see a chunk instead. A chunk parameter is a view of the live 32-bit wei
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ __all__ = ["MAX_LEVEL", "ZeroPlace", "ZeroShards"]
 
 #: The highest level: 3, parameters sharded between uses (:mod:`.zero_params`).
 MAX_LEVEL = 3
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,14 @@ def _tag(b: _Bucket) -> tuple[float, float]:
     return float(high), float(low)
 
 
+#: Optimizers that step each value on its own, so that stepping a chunk steps those
+#: values as stepping the whole tensor would (module docstring).
+_ELEMENTWISE = frozenset(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+    "Rprop", "ASGD"))
+_ELEMENTWISE_NAMES = ", ".join(sorted(t.__name__ for t in _ELEMENTWISE))
+
+
 class ZeroShards:
     """The optimizer of a replicated stage under ZeRO ``place`` (module docstring); in
     the place of :class:`~.precision.MasterWeights`, with its interface: ``optimizer``,
@@ -220,6 +231,12 @@ class ZeroShards:
         self.layout = _Layout(self._params, place, buckets_module.BUCKET_CAP_MB)
         self.optimizer = (optimizer_over(optimizer, self._params, self.masters)
                           if self._params else None)
+        if self.optimizer is not None and type(self.optimizer) not in _ELEMENTWISE:
+            _log.warning("zero=%d on stage %d: %s steps each replica's 1-D chunk of a "
+                         "parameter and is not known to step each value alone (as %s); one "
+                         "that looks across a tensor (LAMB, Adafactor, Muon) then makes "
+                         "another update than without ZeRO: use zero=0 for it", self.level,
+                         stage, type(self.optimizer).__name__, _ELEMENTWISE_NAMES)
         self.group: Any = None
         self._wait: Wait | None = None
         self._grads: list[Tensor] | None = None  # level 2: this replica's summed chunks
