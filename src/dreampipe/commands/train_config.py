@@ -99,9 +99,9 @@ class TrainOptions:
         the step the machine's rates time."""
         if self.optimizer is OptimizerKind.SGD and not self.momentum:
             return 1.0
-        cuda = torch.cuda.is_available()
-        return step_factor(self.optimizer_factory(foreach=True if cuda else None),
-                           torch.device("cuda") if cuda else None)
+        device = _ranks_device()
+        return step_factor(self.optimizer_factory(
+            foreach=True if device is not None else None), device)
 
     def prediction_factor(self) -> float:
         """The work weight prediction adds to a delayed stage's update, in plain SGD steps
@@ -112,8 +112,7 @@ class TrainOptions:
         if (config.kind.synchronous or not (config.compensate and config.stash)
                 or self.optimizer is not OptimizerKind.ADAM):
             return 0.0
-        cuda = torch.cuda.is_available()
-        return prediction_factor(torch.device("cuda") if cuda else None)
+        return prediction_factor(_ranks_device())
 
     def memory_choices(self, *, step: bool = True) -> TrainingChoices:
         """What the memory a stage takes depends on among these options (without ``step``,
@@ -131,7 +130,7 @@ class TrainOptions:
         """The optimizer step's temporaries, measured by stepping probes on the CPU, in the
         form the ranks' device defaults to (:func:`~.optimizer_step.measure_step_bytes`)."""
         return measure_step_bytes(self.optimizer_factory(
-            foreach=True if torch.cuda.is_available() else None))
+            foreach=True if _ranks_device() is not None else None))
 
     def _block(self) -> str | None:
         """The model's block class, where its blocks are recomputed (its layers on meta)."""
@@ -146,6 +145,12 @@ class TrainOptions:
         """These options run as ``steps`` updates of ``plan``."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainOptions)}
         return TrainRun(**{**fields, "steps": steps}, plan=plan)
+
+
+def _ranks_device() -> torch.device | None:
+    """The device the ranks train on, where the probes run: the GPU, None for the CPU
+    (where the optimizer's default form is its single-tensor one)."""
+    return torch.device("cuda") if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -31,7 +31,7 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.buckets import GradientBuckets
 from dreampipe.scheduling.actions import Action, ActionKind
 
-__all__ = ["EVICT_BYTES", "HostRates", "compute_until_joined", "measure_rates", "timed_cold",
+__all__ = ["EVICT_BYTES", "HostRates", "compute_until_joined", "measure_rates",
            "with_host_rates"]
 
 _ACTION = Action(ActionKind.ALLREDUCE, 0, 0)
@@ -117,7 +117,7 @@ def measure_rates(
         reduce_s += [_allreduce_once(buckets, grads, clock) for _ in range(n - 1)]
     # floats written between rounds, as compute would, where the weights are
     cold = torch.empty(EVICT_BYTES // 4, device=device)
-    step_s = timed_cold(optimizer.step, rounds, min_time_s, cold, clock)
+    step_s = _timed_cold(optimizer.step, rounds, min_time_s, cold, clock)
     turns = world if beside is not None else 1
     if turns > 1:  # the turns start together: every copy is timed beside the others' work
         dist.barrier(group)
@@ -125,7 +125,7 @@ def measure_rates(
     for turn in range(turns):
         mine = turns == 1 or dist.get_rank(group) == turn
         if mine:
-            copy_s = timed_cold(lambda: _copy(weights), rounds, min_time_s, cold, clock)
+            copy_s = _timed_cold(lambda: _copy(weights), rounds, min_time_s, cold, clock)
         if beside is not None and turns > 1:
             compute_until_joined(beside, not mine, group, device)
     return HostRates(nbytes, world, tuple(reduce_s), step_s, copy_s)
@@ -165,7 +165,7 @@ def _rounds_for(one_s: float, rounds: int, min_time_s: float) -> int:
     return max(rounds, min(_MAX_ROUNDS, wanted))
 
 
-def timed_cold(
+def _timed_cold(
     work: Callable[[], Any], rounds: int, min_time_s: float, cold: Tensor, timer: Timer
 ) -> tuple[float, ...]:
     """Seconds of each timed call of ``work``, after an untimed one: at least ``rounds``,
