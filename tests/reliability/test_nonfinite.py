@@ -51,6 +51,7 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
     pipe = Pipeline(
         spec.build(0, spec.num_layers - 1, SEED), example=data.batch(0, MINIBATCH),
         loss_fn=loss_fn, optimizer=lambda p: torch.optim.SGD(p, lr=0.2),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda k: 1 / (1 + k)),
         plan=Plan.from_config(spec.num_layers, job["bounds"], job["replicas"]),
         config=TrainConfig(schedule=job["schedule"], microbatches=job.get("microbatches", 1),
                            on_nonfinite=job["on_nonfinite"], timeout_s=30.0,
@@ -71,7 +72,8 @@ def _train_one(job: dict[str, Any]) -> dict[str, Any]:
     losses = pipe.finish()
     scaler = pipe.runner.scaler
     out = {"losses": losses, "state": pipe.full_state_dict(), "skipped": pipe.skipped,
-           "scale": None if scaler is None else scaler.value}
+           "scale": None if scaler is None else scaler.value,
+           "scheduled": None if pipe.scheduler is None else pipe.scheduler.last_epoch}
     pipe.close()
     return out
 
@@ -147,6 +149,7 @@ def test_a_nan_only_a_backward_makes_stops_a_clipped_run_or_skips_its_update() -
                           deadline_s=90.0)
     got, never = ranks[0]
     assert got["skipped"] == [2] and never["skipped"] == []
+    assert got["scheduled"] == never["scheduled"] == 3  # the rates of a run without it
     assert got["losses"][:2] + got["losses"][3:] == never["losses"]
     for name, value in never["state"].items():
         assert torch.equal(got["state"][name], value), name
@@ -166,6 +169,7 @@ def test_a_skipped_fp16_update_halves_the_loss_scale_as_a_gradscaler_does() -> N
     for (got,) in ranks:
         assert got["skipped"] == [1]
         assert got["scale"] == 2.0**15  # the initial 2**16, halved; its window is 2000
+        assert got["scheduled"] == 3  # the scheduler steps with the 3 updates made only
 
 
 @pytest.mark.slow

@@ -130,7 +130,7 @@ def test_a_copy_that_does_not_count_adds_zeros_through_the_runners_wait() -> Non
         work.wait()  # type: ignore[attr-defined]
 
     sum_ties([tie], wait)
-    assert len(waited) == 1  # the one tie's all-reduce, through the runner's wait
+    assert len(waited) == 2  # the tie's sum and flag of use, through the runner's wait
     torch.testing.assert_close(st.gradients()[0], torch.zeros(4, 3), rtol=0, atol=0)
 
 
@@ -147,3 +147,74 @@ def test_under_bf16_the_tied_copies_masters_start_from_the_32_bit_value() -> Non
     for st in (a, b):
         assert st.params[0].dtype == torch.bfloat16
         torch.testing.assert_close(st.optimized[0], value, rtol=0, atol=0)
+
+
+class _Spare(nn.Module):
+    """A layer whose forward uses ``used`` only: ``spare``'s weight gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x)
+
+
+def _decaying(stage: int, built: nn.Module) -> StageModule:
+    return StageModule(built, lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.9,
+                                                         weight_decay=0.1),
+                       stage=stage, input_grad=False)
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_tied_weight_no_copy_used_takes_no_gradient_so_decay_leaves_it(grouped: bool) -> None:
+    """One process gives a weight its update never used no gradient, and SGD's weight
+    decay and momentum skip it; the copies' sum must say so too, not hand them zeros."""
+    torch.manual_seed(0)
+    a, b = _decaying(0, _Spare()), _decaying(2, _Spare())
+    index = [n for n, _ in a.module.named_parameters()].index("spare.weight")
+    start_values([((a.params[index], b.params[index]), None, 0)])
+    before = a.params[index].detach().clone()
+    for st, seed in ((a, 3), (b, 4)):
+        torch.manual_seed(seed)
+        st.forward(0, torch.randn(5, 3))
+        st.backward(0, torch.randn(5, 2))
+    group = dist.new_group([0]) if grouped else None
+    waited: list[object] = []
+
+    def wait(work: object) -> None:
+        waited.append(work)
+        work.wait()  # type: ignore[attr-defined]
+
+    tie = RankTie((TiedCopy(a, index, True, True), TiedCopy(b, index, True, False)), group, 0)
+    sum_ties([tie], wait)
+    assert len(waited) == (2 if grouped else 0)  # the sum and the flag of use
+    assert not a.tied_used(index) and not b.tied_used(index)
+    used = [n for n, _ in a.module.named_parameters()].index("used.weight")
+    moved = a.params[used].detach().clone()
+    a.step()
+    b.step()
+    for st in (a, b):
+        torch.testing.assert_close(st.params[index], before, rtol=0, atol=0)
+    assert not torch.equal(a.params[used], moved)  # the used weight decays and steps
+
+
+@pytest.mark.usefixtures("world")
+def test_a_tied_weight_one_copy_used_gives_every_copy_that_gradient() -> None:
+    torch.manual_seed(0)
+    a, b = _decaying(0, _Spare()), _decaying(2, _Spare())
+    index = [n for n, _ in a.module.named_parameters()].index("used.weight")
+    start_values([((a.params[index], b.params[index]), None, 0)])
+    torch.manual_seed(3)
+    a.forward(0, torch.randn(5, 3))
+    a.backward(0, torch.randn(5, 2))  # b runs nothing this update
+    assert not b.tied_used(index)
+    tie = RankTie((TiedCopy(a, index, True, True), TiedCopy(b, index, True, False)), None, 0)
+    sum_ties([tie], lambda work: None)
+    assert b.tied_used(index)
+    before = b.params[index].detach().clone()
+    a.step()
+    b.step()
+    torch.testing.assert_close(b.params[index], a.params[index], rtol=0, atol=0)
+    assert not torch.equal(b.params[index], before)

@@ -127,9 +127,18 @@ class GradientSum:
             self._sums[index] = acc
         return acc
 
-    def keep(self, index: int, g: Tensor) -> None:
-        """Parameter ``index``'s sum is ``g`` (a tied weight's, summed over its copies)."""
+    def has(self, index: int) -> bool:
+        """Whether parameter ``index``'s sum counts: a term arrived, or an all-reduce over
+        the replicas said some replica used it."""
+        return index in self._arrived
+
+    def keep(self, index: int, g: Tensor | None) -> None:
+        """Parameter ``index``'s sum is ``g`` (a tied weight's, summed over its copies);
+        None: no copy used it, so it gets no gradient."""
         self._sums[index] = g
+        if g is None:
+            self._arrived.discard(index)
+            return
         self._arrived.add(index)
         self._used.add(index)
 

@@ -390,9 +390,18 @@ class StageModule:
             return self.zero.whole_gradient(index)
         return self._grads.filled(index)
 
-    def keep_tied(self, index: int, total: Tensor) -> None:
-        """Parameter ``index``'s gradient of the update is ``total`` (its tie's sum); a
-        replica that shards its gradients keeps its chunk."""
+    def tied_used(self, index: int) -> bool:
+        """Whether some replica's microbatches gave parameter ``index`` a gradient this
+        update (asked after the replicas' ``ALLREDUCE``)."""
+        self._harvest.harvest_all()
+        if self._sharded:
+            assert self.zero is not None
+            return self.zero.has_gradient(index)
+        return self._grads.has(index)
+
+    def keep_tied(self, index: int, total: Tensor | None) -> None:
+        """Parameter ``index``'s gradient of the update is ``total`` (its tie's sum; None:
+        no copy used it, so none); a replica that shards its gradients keeps its chunk."""
         if self._sharded:
             assert self.zero is not None
             self.zero.keep_gradient(index, total)

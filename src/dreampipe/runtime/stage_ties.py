@@ -5,11 +5,11 @@ from the first stage's value (:func:`start_values`, before the stages cast to 16
 shard, so the 32-bit master weights start from the value itself), and each update,
 before its global norm is taken, sums the copies' gradients: the copies a rank holds
 (two under interleaving) first, then over the ranks holding the others, so every copy
-applies the same change. On a replicated stage one replica adds the stage's sum (the
-replicas hold it: the rank's ``ALLREDUCE`` of every stage precedes its first ``STEP``)
-and the others zeros. Where a stage's replicas shard their gradients (ZeRO level 2 and
-up, :mod:`.zero`), the replica's chunks are gathered whole for the sum and cut again
-after it. docs/design.md §8.4.
+applies the same change (where no copy was used, none takes a gradient). On a replicated
+stage one replica adds the stage's sum (the replicas hold it: the rank's ``ALLREDUCE``
+of every stage precedes its first ``STEP``) and the others zeros. Where a stage's
+replicas shard their gradients (ZeRO level 2 and up, :mod:`.zero`), the replica's chunks
+are gathered whole for the sum and cut again after it. docs/design.md §8.4.
 """
 
 from __future__ import annotations
@@ -69,18 +69,25 @@ def start_values(ties: Sequence[tuple[Sequence[Tensor], Any, int]]) -> None:
 
 def sum_ties(ties: Sequence[RankTie], wait: Callable[[Any], None]) -> None:
     """Give every copy its tie's gradient summed over the copies (each stage's once): this
-    rank's counting copies added, then all-reduced over the group. ``wait`` waits for an
-    all-reduce (the runner's, with the run's deadline)."""
+    rank's counting copies added, then all-reduced over the group, with a flag of whether
+    any copy was used; where none was, no copy gets a gradient, so weight decay and
+    momentum leave the weight be, as in one process. ``wait`` waits for an all-reduce
+    (the runner's, with the run's deadline)."""
     for tie in ties:
+        used = any(c.module.tied_used(c.index) for c in tie.copies if c.counts)
         grads = [c.module.tied_gradient(c.index) for c in tie.copies]
         counted = [g for g, c in zip(grads, tie.copies, strict=True) if c.counts]
         total = torch.zeros_like(grads[0]) if not counted else counted[0]
         for g in counted[1:]:
             total = total + g
         if tie.group is not None:
-            wait(dist.all_reduce(total, group=tie.group, async_op=True))
+            flag = torch.tensor([float(used)], device=total.device)
+            works = [dist.all_reduce(t, group=tie.group, async_op=True) for t in (total, flag)]
+            for work in works:
+                wait(work)
+            used = bool(flag.item() > 0)
         for k, c in enumerate(tie.copies):  # each its own tensor: clipping scales each once
-            c.module.keep_tied(c.index, total if k == 0 else total.clone())
+            c.module.keep_tied(c.index, None if not used else total if k == 0 else total.clone())
 
 
 def left_out_of_norm(ties: Sequence[RankTie]) -> set[tuple[int, int]]:

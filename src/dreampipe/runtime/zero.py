@@ -290,15 +290,23 @@ class ZeroShards:
         """A skipped update: its gradient chunks go."""
         self._grads, self._unused = None, frozenset()
 
+    def has_gradient(self, i: int) -> bool:
+        """Whether some replica's microbatches gave parameter ``i`` a gradient (level 2)."""
+        return i not in self._unused
+
     def whole_gradient(self, i: int) -> Tensor:
         """Parameter ``i``'s summed gradient, whole, from every replica's chunk (level 2; a
         collective over the replicas): what a weight tied across stages adds up."""
         assert self._grads is not None, "a tie sums the gradient after the ALLREDUCE"
         return self._gather_one(i, self._grads[i])
 
-    def keep_gradient(self, i: int, whole: Tensor) -> None:
-        """Keep this replica's chunk of ``whole``, parameter ``i``'s gradient (level 2)."""
+    def keep_gradient(self, i: int, whole: Tensor | None) -> None:
+        """Keep this replica's chunk of ``whole``, parameter ``i``'s gradient (level 2;
+        None: no gradient, its chunk of zeros steps as none)."""
         assert self._grads is not None
+        if whole is None:
+            self._unused |= {i}
+            return
         self._grads[i] = self.layout.shard(i, whole.reshape(-1)).clone()
         self._unused -= {i}
 
