@@ -19,6 +19,7 @@ from dreampipe.runtime.staleness import (
     compensated,
     delay_advice,
     hyper_of,
+    prediction_delays,
     predicts,
     recompensated,
     stage_delays,
@@ -160,6 +161,20 @@ def test_delays_follow_the_schedule() -> None:
     assert stage_delays(build_schedule([1] * 4, S.FLUSH, 12, 3)) == (0,) * 4
     # a replicated stage counts its own updates (one per round of its 2 replicas)
     assert stage_delays(build_schedule([2, 1], S.PIPEDREAM, 16)) == (2, 0)
+
+
+def test_only_a_delayed_stage_of_an_asynchronous_stashed_compensated_adam_run_predicts() -> None:
+    adam, sgd = Hyper(1e-3, 0.9, adaptive=True), Hyper(0.05, 0.9)
+    pipedream = build_schedule([1] * 4, S.PIPEDREAM, 16)
+    on = {"vertical_sync": False, "compensate": True, "stash": True}
+    assert prediction_delays(pipedream, adam, **on) == (3, 2, 1, 0)
+    assert prediction_delays(pipedream, adam, **{**on, "vertical_sync": True}) == (3,) * 4
+    assert prediction_delays(build_schedule([1] * 4, S.TWO_BW, 12, 3), adam, **on) == (1,) * 4
+    for schedule, hyper, off in [(pipedream, sgd, {}), (pipedream, None, {}),
+                                 (pipedream, adam, {"compensate": False}),
+                                 (pipedream, adam, {"stash": False}),
+                                 (build_schedule([1] * 4, S.FLUSH, 12, 3), adam, {})]:
+        assert prediction_delays(schedule, hyper, **{**on, **off}) == (0,) * 4
 
 
 def test_advice_names_the_fix_for_the_studys_settings() -> None:

@@ -30,7 +30,7 @@ from dreampipe.runtime.staleness import (
     compensate_stage,
     compensation_delay,
     hyper_of,
-    predicts,
+    predicting,
     recompensated,
     stage_delays,
 )
@@ -119,14 +119,15 @@ def compensate_modules(modules: list[StageModule], schedule: Schedule | None,
     chose the schedule weighing those epochs); ``uniform``: every stage takes the deepest
     delay's settings (weights tied across stages). What it changed, by stage. With
     ``enabled``, a delayed stage whose optimizer compensates by prediction (Adam's) runs
-    on predicted weights (:func:`~dreampipe.runtime.staleness.predicts`,
+    on predicted weights (:func:`~dreampipe.runtime.staleness.predicting`,
     :mod:`dreampipe.runtime.versions`)."""
     delays = (stage_delays(schedule, vertical_sync)
               if schedule is not None and not schedule.kind.synchronous else None)
     for m in modules:
         groups = m.optimizer.param_groups if m.optimizer is not None else []
-        wants = (enabled and delays is not None
-                 and any(predicts(hyper_of(g), delays[m.stage]) for g in groups))
+        wants = (schedule is not None and delays is not None and delays[m.stage] > 0
+                 and any(predicting(schedule.kind, hyper_of(g), compensate=enabled, stash=True)
+                         for g in groups))
         m.versions.predict = wants and m.stash
         if wants and not m.stash and advise and delays is not None:
             _log.warning("stage %d trains %d updates stale with Adam's settings uncompensated: "

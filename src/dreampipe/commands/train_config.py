@@ -34,6 +34,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.runtime.memory import TrainingChoices
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
+from dreampipe.runtime.staleness import predicting
 from dreampipe.runtime.two_bw import check_two_versions
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.events import Event
@@ -107,10 +108,10 @@ class TrainOptions:
         """The work weight prediction adds to a delayed stage's update, in plain SGD steps
         (:func:`~dreampipe.machine.step_time.prediction_factor`), on the ranks' device; 0
         where no stage predicts: a synchronous schedule, compensation or stashing off, or
-        an optimizer other than Adam (:func:`~dreampipe.runtime.staleness.predicts`)."""
+        an optimizer other than Adam (:func:`~dreampipe.runtime.staleness.predicting`)."""
         config = self.config
-        if (config.kind.synchronous or not (config.compensate and config.stash)
-                or self.optimizer is not OptimizerKind.ADAM):
+        if not predicting(config.kind, self.memory_choices(step=False).hyper,
+                          compensate=config.compensate, stash=config.stash):
             return 0.0
         return prediction_factor(_ranks_device())
 

@@ -45,8 +45,8 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
     one plain SGD step's traffic more; ``prediction_factor``: the work weight prediction adds
     to a delayed stage's update, in plain SGD steps of its weights
     (:func:`~dreampipe.machine.step_time.prediction_factor`; 0 where the run does not
-    predict), booked on every stage whose delay (``vertical_sync``: the input stage's) is
-    above 0 (:func:`~dreampipe.runtime.staleness.stage_delays`).
+    predict, :func:`~dreampipe.runtime.staleness.predicting` decides), booked on every
+    stage whose delay (``vertical_sync``: the input stage's) is above 0.
 
     A ``graph`` profiled at the layout's microbatch gives each scheduled one
     what the profile measured; one at another batch is scaled to it in
@@ -66,8 +66,7 @@ def predict_samples_per_s(graph: LayerGraph, plan: Plan, layout: MicrobatchLayou
                                 zero=levels, steps_agree=steps_agree)
         local = local_costs(graph, plan, fraction, measured_machine(graph, machine), nodes=nodes)
         plain, costs = local.step_s, with_zero(local, schedule, levels)
-    delays = ((0,) * plan.num_stages if schedule.kind.synchronous or not prediction_factor
-              else stage_delays(schedule, vertical_sync))
+    delays = stage_delays(schedule, vertical_sync) if prediction_factor else (0,) * plan.num_stages
     costs = dataclasses.replace(costs, steps_agree=steps_agree, step_s=tuple(
         (step_factor + (1.0 if clips else 0.0)) * s + (prediction_factor * p if d else 0.0)
         for s, p, d in zip(costs.step_s, plain, delays, strict=True)))

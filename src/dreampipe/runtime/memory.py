@@ -26,7 +26,7 @@ from dreampipe.runtime.memory_walks import by_stage, gradients_later, most_in_fl
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
-from dreampipe.runtime.staleness import Hyper, predicts, stage_delays
+from dreampipe.runtime.staleness import Hyper, prediction_delays
 from dreampipe.scheduling.actions import Action, ActionKind, Schedule, ScheduleKind
 from dreampipe.scheduling.unshard import SHARDED_LEVEL, pairs_per_use
 from dreampipe.scheduling.weight_versions import peak_versions, release_kind
@@ -57,6 +57,11 @@ class TrainingChoices:
     zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
     state_copies: int | None = None  # the optimizer's, counted (None: from its kind)
     step_bytes: StepBytes = NO_STEP_BYTES  # its step's temporaries (:mod:`.optimizer_step`)
+
+    @property
+    def hyper(self) -> Hyper:
+        """The settings staleness compensation reads (the learning rate aside)."""
+        return Hyper(0.0, self.momentum, adaptive=self.optimizer is OptimizerKind.ADAM)
 
 
 #: Weight prediction's extra copies of a delayed stage's weights (:mod:`.versions`): the
@@ -172,16 +177,14 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         ranks.setdefault(stage, []).append(actions)
         sends[stage] = max(sends[stage], sum(a.kind in _SENDS for a in actions))
     stashing = opts.stash and schedule.kind is ScheduleKind.PIPEDREAM
-    delays = (stage_delays(schedule, opts.vertical_sync)
-              if opts.compensate and opts.stash and not schedule.kind.synchronous
-              else (0,) * plan.num_stages)
-    hyper = Hyper(0.0, opts.momentum, adaptive=opts.optimizer is OptimizerKind.ADAM)
+    predicted = prediction_delays(schedule, opts.hyper, vertical_sync=opts.vertical_sync,
+                                  compensate=opts.compensate, stash=opts.stash)
     held = [max((peak_versions(acts, schedule.kind, schedule.microbatches_per_update)
                  for acts in ranks.get(s, ())), default=1) for s in range(plan.num_stages)]
     out = []
     for s, st in enumerate(plan.stages):
         versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else held[s]
-        versions += PREDICTION_COPIES if predicts(hyper, delays[s]) else 0
+        versions += PREDICTION_COPIES if predicted[s] else 0
         if st.tensor_parallel > 1:
             out.append(split_peak(
                 graph, st, versions=versions, in_flight=flight[s],

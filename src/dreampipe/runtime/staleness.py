@@ -26,8 +26,8 @@ import torch
 from dreampipe.scheduling.actions import ActionKind, Schedule, ScheduleKind
 
 __all__ = ["Applied", "Hyper", "carry_over", "compensate", "compensate_stage", "compensated",
-           "compensation_delay", "delay_advice", "hyper_of", "implicit_momentum", "predicts",
-           "recompensated", "stage_delays"]
+           "compensation_delay", "delay_advice", "hyper_of", "implicit_momentum",
+           "predicting", "prediction_delays", "predicts", "recompensated", "stage_delays"]
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +64,24 @@ def predicts(hyper: Hyper | None, delay: int) -> bool:
     """Whether a stage with settings ``hyper`` (None: an optimizer with neither momentum
     nor ``betas``) and ``delay`` compensates by weight prediction (Adam's way)."""
     return delay > 0 and hyper is not None and hyper.adaptive
+
+
+def predicting(kind: ScheduleKind, hyper: Hyper | None, *, compensate: bool,
+               stash: bool) -> bool:
+    """Whether a run's delayed stages run on weights predicted for the update their
+    gradient goes into: the one rule the runtime, the memory and the throughput
+    predictions read. They do under an asynchronous schedule ``kind`` with compensation
+    and stashing on (prediction runs on the stashed versions), with an optimizer that
+    compensates by prediction (:func:`predicts`)."""
+    return not kind.synchronous and compensate and stash and predicts(hyper, 1)
+
+
+def prediction_delays(schedule: Schedule, hyper: Hyper | None, *, vertical_sync: bool,
+                      compensate: bool, stash: bool) -> tuple[int, ...]:
+    """Each stage's delay where it runs on predicted weights (:func:`predicting`), else 0."""
+    if not predicting(schedule.kind, hyper, compensate=compensate, stash=stash):
+        return (0,) * schedule.num_stages
+    return stage_delays(schedule, vertical_sync)
 
 
 def hyper_of(group: dict[str, object]) -> Hyper | None:
