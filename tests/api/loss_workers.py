@@ -56,7 +56,8 @@ def train_tokens(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] |
     held_out = pipe.evaluate([batch(100 + j, job["minibatch"]) for j in range(job["held_out"])])
     state = pipe.full_state_dict()
     pipe.close()
-    return {"losses": losses, "state": state, "held_out": held_out.loss} if rank == 0 else None
+    return ({"losses": losses, "state": state, "held_out": held_out.loss,
+             "accuracy": held_out.accuracy} if rank == 0 else None)
 
 
 def reference(job: dict[str, Any]) -> dict[str, Any]:
@@ -76,4 +77,7 @@ def reference(job: dict[str, Any]) -> dict[str, Any]:
         ys = torch.cat([y for _, y in held])
         outs = torch.cat([net(x) for x, _ in held])
         held_out = float(token_loss(outs, ys))
-    return {"losses": losses, "state": net.state_dict(), "held_out": held_out}
+        labelled = ys != -100
+        accuracy = float(((outs.argmax(-1) == ys) & labelled).sum() / labelled.sum())
+    return {"losses": losses, "state": net.state_dict(), "held_out": held_out,
+            "accuracy": accuracy}

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from runtime.reference import reference_sync, sgd
 from torch import nn
 
-from dreampipe.api import TrainConfig
+from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.plans import Resolved, resolve_plan
-from dreampipe.errors import ConfigError
+from dreampipe.errors import ConfigError, DatasetError
 from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
 from dreampipe.runtime.processes import free_port, run_processes
 from dreampipe.scheduling.actions import ScheduleKind
@@ -100,3 +100,24 @@ def test_microbatches_left_out_are_the_search_s_own_not_one() -> None:
     assert got.kind in CANDIDATES[Semantics.SYNC]
     assert got.microbatches == default_microbatches([st.replicas for st in got.plan.stages])
     assert got.microbatches > 1
+
+
+def test_a_minibatch_shorter_than_the_microbatches_auto_chose_is_refused() -> None:
+    """The samples a minibatch needs are the chosen microbatches', not the stand-in's
+    (1) before the choice: fewer would leave a microbatch empty, whose mean is NaN."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        pipe = Pipeline(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+                        example=(torch.randn(8, 6), torch.randint(0, 3, (8,))),
+                        loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                        plan="auto", config=TrainConfig(schedule="auto", semantics="sync",
+                                                        variable_dims=(0,), timeout_s=30.0))
+        chosen = pipe.layout.microbatches_per_update
+        assert chosen > 1
+        with pytest.raises(DatasetError, match=f"fewer than its {chosen} microbatches"):
+            pipe.step(torch.randn(chosen - 1, 6), torch.randint(0, 3, (chosen - 1,)))
+        pipe.close()
+    finally:
+        dist.destroy_process_group()

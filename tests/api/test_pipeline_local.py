@@ -191,6 +191,44 @@ def test_evaluate_gives_the_mean_loss_and_accuracy_of_the_current_weights() -> N
     pipe.close()
 
 
+def test_a_batchnorm_left_in_eval_mode_stays_frozen_through_training_and_evaluate() -> None:
+    """Fine-tuning with frozen BatchNorm statistics: the module keeps the mode the user
+    gave it, in training and after an evaluation, as in one process."""
+    def frozen() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 3))
+        with torch.no_grad():
+            model[1].running_mean.fill_(0.5)
+        model[1].eval()
+        return model
+
+    data = _data()
+    want_losses, want = _reference(frozen(), data, micro=1)
+    pipe = _pipe(frozen(), data, plan=Plan.from_config(4, [0], [1]), schedule="1f1b-flush")
+    for x, y in data[:4]:
+        pipe.step(x, y)
+    losses = pipe.finish()
+    pipe.evaluate(data[:1])
+    for x, y in data[4:]:
+        pipe.step(x, y)
+    losses += pipe.finish()
+    _assert_trained_like(pipe, losses, (want_losses, want))
+    assert torch.equal(pipe.full_state_dict()["1.running_mean"], torch.full((16,), 0.5))
+    pipe.close()
+
+
+def test_a_model_wholly_in_eval_mode_draws_a_warning_naming_model_train() -> None:
+    from dreampipe.api.checks import mode_warning
+
+    model = _model()
+    assert mode_warning(model) is None
+    model[1].eval()  # a part frozen on purpose: nothing to say
+    assert mode_warning(model) is None
+    said = mode_warning(model.eval())
+    assert said is not None and "Sequential is in eval mode" in said
+    assert "model.train()" in said
+
+
 def test_autocast_trains_in_bfloat16() -> None:
     data = _data()
     pipe = _pipe(_model(), data, schedule="pipedream", precision="bf16-mixed")

@@ -39,6 +39,8 @@ def test_a_token_mean_loss_trains_as_one_process_over_the_minibatch(
     assert weighted is not None and plain is not None
     assert_matches(weighted, want["losses"], want["state"])
     assert weighted["held_out"] == pytest.approx(want["held_out"], rel=1e-5)
+    # over the labelled tokens only, as the loss: an ignored one is neither right nor wrong
+    assert weighted["accuracy"] == pytest.approx(want["accuracy"], rel=1e-6)
     # per sample, the microbatches' token means are another update, well past rounding
     assert max(distance(plain["state"], want["state"]).values()) > 1e-3
     assert plain["held_out"] != pytest.approx(want["held_out"], rel=1e-5)
@@ -91,3 +93,16 @@ def test_a_causal_models_own_labels_as_the_target_are_refused_with_the_shift() -
         num_hidden_layers=1, hidden_size=8, num_attention_heads=2, intermediate_size=8,
         vocab_size=20))
     check_counted_targets(bert, (x, labels), config)
+
+
+def test_targets_holding_torchs_ignored_index_without_ignore_index_draw_a_warning(
+        caplog: pytest.LogCaptureFixture) -> None:
+    x, y = batch(0, 8)
+    model = torch.nn.Linear(2, 2)
+    with caplog.at_level("WARNING", logger="dreampipe.api.checks"):
+        check_counted_targets(model, (x, y), TrainConfig(ignore_index=-100))
+        check_counted_targets(model, (x, y.clamp(min=0)), TrainConfig())
+        assert not caplog.records
+        check_counted_targets(model, (x, y), TrainConfig())
+    assert len(caplog.records) == 1
+    assert "give TrainConfig(ignore_index=-100)" in caplog.records[0].getMessage()

@@ -34,7 +34,7 @@ __all__ = [
     "Batch", "Inputs", "check_arguments", "check_counted_targets", "check_example",
     "check_loss_signature", "check_optimizer",
     "check_plan", "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
-    "check_stages_per_rank", "check_virtual", "map_inputs", "refuse_legacy",
+    "check_stages_per_rank", "check_virtual", "map_inputs", "mode_warning", "refuse_legacy",
 ]
 
 _log = logging.getLogger(__name__)
@@ -82,6 +82,18 @@ def check_example(example: object, variable_dims: Sequence[int]) -> None:
                           f"dimensions 0..{most - 1}, none {beyond[0]}; give dimensions they "
                           "have, e.g. (1,) for the sequence of [batch, sequence] tokens",
                           "variable_dims")
+
+
+def mode_warning(model: nn.Module) -> str | None:
+    """What to say where no module of ``model`` is in training mode: it trains in the
+    modes the user left, as one process would (a BatchNorm put in eval mode on purpose
+    stays frozen), and a whole model in eval mode is more likely an oversight."""
+    if any(m.training for m in model.modules()):
+        return None
+    return (f"{type(model).__name__} is in eval mode (Hugging Face's from_pretrained "
+            "returns models so), and trains in it, as one process would: dropout off, "
+            "BatchNorm's running statistics frozen; call model.train() before "
+            "Pipeline(...) to train in training mode")
 
 
 def check_optimizer(factory: Callable[[list[nn.Parameter]], Any]) -> None:
@@ -204,11 +216,28 @@ def _refuse_written(shared: dict[int, list[tuple[int, str]]], written: set[int])
 _SHIFTING = ("ForCausalLM", "LMHeadModel")
 
 
+#: The target ``F.cross_entropy`` and ``F.nll_loss`` ignore unless told otherwise.
+_TORCH_IGNORED = -100
+
+
+def _rank_zero() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def check_counted_targets(model: nn.Module, example: Batch, config: TrainConfig) -> None:
     """``ignore_index`` counts the targets given: where they are a causal language model's
     own ``labels``, which its loss shifts by one and so averages one token fewer a
-    sequence over, the count would be wrong; a ConfigError naming the fix."""
+    sequence over, the count would be wrong; a ConfigError naming the fix. Targets that
+    hold PyTorch's ignored -100 without ``ignore_index`` draw a warning."""
     inputs, target = example
+    if (config.ignore_index is None and not target.is_floating_point()
+            and bool((target == _TORCH_IGNORED).any()) and _rank_zero()):
+        _log.warning(
+            "the example's target holds %d, the index F.cross_entropy ignores by default: "
+            "each microbatch's mean then counts its own labelled targets, and the "
+            "microbatches are averaged per sample, not one process's mean over the "
+            "minibatch; give TrainConfig(ignore_index=%d) to count them as one process",
+            _TORCH_IGNORED, _TORCH_IGNORED)
     labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
     if (config.ignore_index is None or not isinstance(labels, Tensor)
             or not type(model).__name__.endswith(_SHIFTING)

@@ -78,6 +78,7 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
         comms = {s: Comm(sched, me.srank, me.device, me.timeout_s, groups=me.links,
                          evaluation=True, stage=s, mailbox=box, varying=me.varying)
                  for s in modules}
+        modes = [(sub, sub.training) for module in modules.values() for sub in module.modules()]
         for module in modules.values():
             module.eval()
         try:
@@ -85,8 +86,8 @@ def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],
                                   Batches(list(batches[start:end]), me.device), comms,
                                   me.precision, count)
         finally:
-            for module in modules.values():
-                module.train()
+            for sub, training in modes:  # as the user left each: a frozen BatchNorm stays so
+                sub.training = training
         for s in scores.values() if me.reports else ():
             totals += torch.tensor([s.loss_sum, s.samples, s.correct, s.labels],
                                    dtype=torch.float64)

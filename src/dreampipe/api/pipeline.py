@@ -37,6 +37,7 @@ from dreampipe.api.checks import (
     check_arguments,
     check_schedulers,
     map_inputs,
+    mode_warning,
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
@@ -133,12 +134,12 @@ class Pipeline:
         self.layout = MicrobatchLayout(kind=self.kind, minibatch_size=int(example[1].shape[0]),
                                        microbatches=config.per_minibatch, workers=world)
         microbatch_size = self.layout.microbatch_size
-        self._shapes = BatchShapes(example, config.variable_dims,
-                                   self.layout.microbatches_per_update)
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
-        refused = eval_refusal(self._layers)
+        refused, mode = eval_refusal(self._layers), mode_warning(model)
         if refused is not None and self.rank == 0:
             _log.warning("%s: training runs it, but evaluate() will refuse", refused)
+        if mode is not None and self.rank == 0:
+            _log.warning("%s", mode)
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
         # "auto" weighing the study's epochs chose the schedule: its advice is already taken
@@ -146,6 +147,8 @@ class Pipeline:
         settled = settle_plan(model, self._layers, plan, example=example, loss_fn=loss_fn,
                               config=config, layout=self.layout, world=world)
         self.plan, self.layout, self.kind = settled.plan, settled.layout, settled.layout.kind
+        self._shapes = BatchShapes(example, config.variable_dims,  # the microbatches chosen
+                                   self.layout.microbatches_per_update)
         self._virtual = self.plan.virtual_stages
         #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
         #: stages per worker.

@@ -23,14 +23,15 @@ from dreampipe.scheduling.actions import ActionKind, Schedule
 
 __all__ = ["Count", "MicrobatchScore", "item_count", "run_forwards"]
 
-#: What a microbatch's mean loss averages over, counted from its targets.
-Count = Callable[[Tensor], float]
+#: What a microbatch's mean loss averages over: a mask of its targets, True where counted
+#: (the targets not ``ignore_index``).
+Count = Callable[[Tensor], Tensor]
 
 
 def item_count(count: Count | None, target: Tensor) -> float:
     """The items ``target``'s mean loss averages over: ``count``'s, else its samples."""
     if count is not None:
-        return count(target)
+        return float(count(target).sum())
     return float(target.shape[0]) if target.dim() else 1.0
 
 
@@ -44,13 +45,27 @@ class MicrobatchScore:
     labels: int
 
 
+def _predicted(out: object, y: Tensor) -> Tensor | None:
+    """The class ``out`` picks for each label of ``y``: scores ``[B, C, ...]`` (the layout
+    ``cross_entropy`` takes) or ``[..., C]`` (a token classifier's); None where neither
+    fits, or both do (``[B, T, C]`` with ``T == C``), so the class axis is unknown."""
+    if not isinstance(out, Tensor) or y.is_floating_point() or out.dim() != y.dim() + 1:
+        return None
+    first = out.shape[:1] + out.shape[2:] == y.shape
+    last = out.dim() > 2 and out.shape[:-1] == y.shape
+    if first == last:
+        return None
+    return out.argmax(1) if first else out.argmax(-1)
+
+
 def _score(out: object, y: Tensor, loss: Tensor, count: Count | None) -> MicrobatchScore:
     n = item_count(count, y)
     total = float(loss) * n if n else 0.0  # nothing counted: its loss (NaN) is no item's
-    if (isinstance(out, Tensor) and not y.is_floating_point() and out.dim() == y.dim() + 1
-            and out.shape[:1] + out.shape[2:] == y.shape):
-        return MicrobatchScore(total, n, int((out.argmax(1) == y).sum()), y.numel())
-    return MicrobatchScore(total, n, 0, 0)
+    picked = _predicted(out, y)
+    if picked is None:
+        return MicrobatchScore(total, n, 0, 0)
+    kept = torch.ones_like(y, dtype=torch.bool) if count is None else count(y)
+    return MicrobatchScore(total, n, int(((picked == y) & kept).sum()), int(kept.sum()))
 
 
 def run_forwards(

@@ -187,11 +187,13 @@ def build_stage(
     layers: Layers, first: int, last: int, device: torch.device, seed: int = 0
 ) -> Chain:
     """Layers ``first..last`` on ``device``, materialised from meta by the model's own
-    initialisation under per-layer seeds (:mod:`.materialise`)."""
+    initialisation under per-layer seeds (:mod:`.materialise`). Each module keeps the
+    mode the model gave it, as one process trains it: a BatchNorm the user put in eval
+    mode keeps its running statistics frozen."""
     stage = Chain(layers[first : last + 1])
     if is_meta(stage):
         materialise(stage, layers[first : last + 1], first, device, seed)
-    return stage.to(device).train()
+    return stage.to(device)
 
 
 def initialise(model: nn.Module, example: Any = None, seed: int = 0) -> nn.Module:
