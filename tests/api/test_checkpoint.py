@@ -156,7 +156,7 @@ def test_a_checkpoint_moves_between_precisions(tmp_path: Path, saved: str,
     second.close()
 
 
-def test_a_rank_resumes_its_own_generators_or_else_rank_0s_cpu_state() -> None:
+def test_a_rank_resumes_its_own_generators_or_else_a_stream_of_rank_0s_state() -> None:
     cpu = torch.device("cpu")
     torch.manual_seed(1)
     own = rng_state(cpu)
@@ -169,10 +169,40 @@ def test_a_rank_resumes_its_own_generators_or_else_rank_0s_cpu_state() -> None:
     # a GPU-saved state resumed on a CPU rank: the CUDA part is not applied
     restore_rng({"progress": progress, "rng.1": {**own, "cuda": rank0}}, 1, cpu)
     assert torch.equal(torch.rand(4), want)
-    restore_rng({"progress": progress, "rng.0": own}, 1, cpu)  # rank 1 was not saved
-    assert torch.equal(torch.rand(4), other)
-    restore_rng({"progress": progress}, 0, cpu)  # a checkpoint before per-rank states
-    assert torch.equal(torch.rand(4), other)
+    draws = []
+    for rank in (1, 2, 1):  # not saved: a stream from rank 0's state, each rank its own
+        restore_rng({"progress": progress, "rng.0": own}, rank, cpu)
+        draws.append(torch.rand(4))
+    assert torch.equal(draws[0], draws[2]) and not torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[0], other) and not torch.equal(draws[0], want)
+
+
+def _batchnorm_replicas(rank: int, world: int, path: str) -> dict[str, Any] | None:
+    """A BatchNorm on stage 0's two replicas, whose statistics differ (each sees its own
+    samples): rank 0 reports what the Pipeline calls the model's state, and what it saved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    pipe = dreampipe.Pipeline(model, example=_data()[0], loss_fn=F.cross_entropy,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              plan=Plan.from_config(4, [0, 3], [2, 1]),
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush",
+                                                           microbatches=2, timeout_s=30.0))
+    for x, y in _data()[:3]:
+        pipe.step(x, y)
+    pipe.finish()
+    saved, state = pipe.save(path), pipe.full_state_dict()
+    pipe.close()
+    return {"saved": str(saved), "state": state} if rank == 0 else None
+
+
+@pytest.mark.timeout(120)
+def test_a_replicated_stage_saves_its_first_replicas_buffers(tmp_path: Path) -> None:
+    """As full_state_dict() and evaluate() take them, whichever rank DCP would balance
+    the write of a key every replica holds onto."""
+    got = run_processes(_batchnorm_replicas, 3, str(tmp_path), deadline_s=90.0)[0]
+    saved = dreampipe.load_model_state(got["saved"])
+    for k, v in got["state"].items():
+        assert torch.equal(saved[k], v), k
 
 
 def test_a_two_stage_checkpoint_resumes_on_three_workers_and_loads_into_a_plain_module(
@@ -411,3 +441,22 @@ def test_a_checkpoint_of_another_optimizer_is_refused_naming_both(tmp_path: Path
                            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
                            config=dreampipe.TrainConfig(schedule="1f1b-flush",
                                                         microbatches=2, resume=tmp_path))
+
+
+def test_a_parameter_the_saving_run_froze_is_named_with_the_fix(tmp_path: Path) -> None:
+    def pipe(frozen: bool, resume: Path | None = None) -> dreampipe.Pipeline:
+        model = _model()
+        model[0].weight.requires_grad_(not frozen)
+        return dreampipe.Pipeline(model, example=_data()[0], loss_fn=F.cross_entropy,
+                                  optimizer=lambda p: torch.optim.AdamW(p, lr=0.01),
+                                  config=dreampipe.TrainConfig(schedule="1f1b-flush",
+                                                               microbatches=2, resume=resume))
+
+    first = pipe(True)
+    for x, y in _data()[:2]:
+        first.step(x, y)
+    first.save(tmp_path)
+    first.close()
+    with pytest.raises(dreampipe.CheckpointError, match=r"no optimizer entry for parameter "
+                                                        r"'0\.weight'.*load_model_state"):
+        pipe(False, resume=tmp_path)

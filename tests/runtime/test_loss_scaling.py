@@ -44,3 +44,13 @@ def test_the_state_round_trips() -> None:
     again = LossScale(1.0, 3)
     again.load_state_dict(scale.state_dict())
     assert again.state_dict() == scale.state_dict() == {"scale": 512.0, "good": 1}
+
+
+def test_a_resume_with_a_shorter_window_past_its_count_grows_at_the_next_update() -> None:
+    saved = LossScale(1.0, 8)
+    for _ in range(5):
+        saved.update(False)
+    shorter = LossScale(1.0, 4)
+    shorter.load_state_dict(saved.state_dict())
+    shorter.update(False)  # 6 finite updates in a row: past the window of 4
+    assert shorter.state_dict() == {"scale": 2.0, "good": 0}

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dreampipe.api.stage_checkpoint import (
     StagePart,
@@ -171,7 +172,7 @@ def _metadata(path: Path) -> dict[str, Any]:
 
     try:
         return dict(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}; "
                               "it is damaged: resume from another one") from exc
 
@@ -223,6 +224,7 @@ def _parts(pipe: _PipelineState) -> list[StagePart]:
 
 def save(directory: Path, pipe: _PipelineState) -> Path:
     """Write ``directory/step-N`` atomically (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     final = directory / f"step-{pipe.minibatches}"
@@ -238,7 +240,11 @@ def save(directory: Path, pipe: _PipelineState) -> Path:
                                       **({} if scaler is None else
                                          {"loss_scale": scaler.state_dict()})})
     state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
-    dcp_save(state, checkpoint_id=str(tmp))
+    # a key several ranks hold is written by the lowest: a stage's first replica, whose
+    # buffers (BatchNorm's statistics) full_state_dict and evaluate() take, and rank 0's
+    # progress, not whichever rank DCP's balancing of the writes would pick
+    dcp_save(state, checkpoint_id=str(tmp),
+             planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -268,7 +274,7 @@ def load(path: Path, pipe: _PipelineState) -> int:
     state.update({mine: ""} if mine in meta else {})
     try:
         dcp_load(state, checkpoint_id=str(path))
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: "
                               f"{str(exc)[:300]}; resume from another one") from exc
     objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}

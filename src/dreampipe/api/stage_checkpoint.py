@@ -101,6 +101,13 @@ def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
         out.update({f"buffer.{k}": torch.empty_like(v) for k, v in _unsaved(module.module).items()
                     if f"buffer.{k}" in meta and tuple(meta[f"buffer.{k}"].size) == v.shape})
         for p, fqn in zip(module.optimized, module.module_param_names, strict=True):
+            if f"param.{fqn}" not in meta:
+                raise CheckpointError(
+                    f"the checkpoint holds no optimizer entry for parameter {fqn!r}: the "
+                    "run that saved it froze it, or held it tied to another parameter on "
+                    "one stage, under that one's name; resume with it frozen and the ties "
+                    "on one stage as then, or load the weights alone "
+                    "(dreampipe.load_model_state) and train with a new optimizer")
             out[f"param.{fqn}"] = ""
             prefix = f"optim.{fqn}."
             out.update({k: _like(md, p.detach()) for k, md in meta.items()
@@ -215,9 +222,17 @@ def rng_state(device: torch.device) -> dict[str, Tensor | None]:
 
 def restore_rng(objects: dict[str, Any], rank: int, device: torch.device) -> None:
     """Set this rank's generators from a checkpoint's unpickled ``objects``: its own
-    ``rng.<rank>`` if saved, else rank 0's CPU state in ``progress``
-    (:mod:`.checkpoint`'s docstring)."""
-    saved = objects.get(f"rng.{rank}") or {"cpu": objects["progress"]["rng"], "cuda": None}
+    ``rng.<rank>`` if saved, else seeded by a number drawn from rank 0's CPU state in
+    ``progress`` plus the rank, so that ranks the saving run did not have (a resume on
+    more replicas) draw streams of their own, not one shared (their dropout masks would
+    repeat each other's). (:mod:`.checkpoint`'s docstring.)"""
+    saved = objects.get(f"rng.{rank}")
+    if saved is None:
+        drawn = torch.Generator()
+        drawn.set_state(objects["progress"]["rng"])
+        seed = int(torch.randint(0, 2**62, (1,), generator=drawn)) + rank
+        torch.manual_seed(seed)  # the CUDA generators too
+        return
     torch.set_rng_state(saved["cpu"])
     if device.type == "cuda" and saved["cuda"] is not None:
         torch.cuda.set_rng_state(saved["cuda"], device)

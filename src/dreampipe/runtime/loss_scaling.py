@@ -54,7 +54,7 @@ class LossScale:
             self._good = 0
             return
         self._good += 1
-        if self._good == self._window:
+        if self._good >= self._window:  # a resume with a shorter window may start past it
             self._scale *= 2.0
             self._good = 0
 
