@@ -82,6 +82,20 @@ def test_vertical_sync_keeps_versions_from_the_floor_on() -> None:
         r.versions.acquire(1)
 
 
+def test_a_new_segment_drops_the_versions_vertical_sync_kept() -> None:
+    r = _Recorded()
+    r.versions.note(0)
+    r.versions.release(r.versions.acquire(0))
+    r.update()
+    r.versions.note(1)
+    r.versions.release(r.versions.acquire(1))
+    r.update()
+    assert sorted(r.versions) == [1]  # kept from the floor on, for microbatches to come
+    r.versions.restart()  # drained: none will come
+    assert len(r.versions) == 0 and r.dropped == [0, 1]
+    assert r.versions.acquire(None).number == 2
+
+
 def test_a_version_held_by_a_microbatch_outlives_the_floor() -> None:
     r = _Recorded()
     r.versions.note(0)

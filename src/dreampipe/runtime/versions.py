@@ -88,9 +88,14 @@ class WeightVersions(Mapping[int, Version]):
         self.version = version
 
     def restart(self) -> None:
-        """A new segment (the pipeline filled again): predictions start afresh."""
+        """A new segment (the pipeline filled again): predictions start afresh, and the
+        versions vertical sync kept for microbatches to come go, as no microbatch of the
+        drained segment is left to run on them."""
         self._base = None
         self._deltas.clear()
+        self._floor = None
+        for v in [v for v in self._held.values() if v.refs == 0]:
+            self._drop(v)
 
     def note(self, number: int) -> None:
         """Vertical sync: the newest received microbatch runs on ``number``; older ones may go."""
