@@ -460,3 +460,49 @@ def test_a_parameter_the_saving_run_froze_is_named_with_the_fix(tmp_path: Path) 
     with pytest.raises(dreampipe.CheckpointError, match=r"no optimizer entry for parameter "
                                                         r"'0\.weight'.*load_model_state"):
         pipe(False, resume=tmp_path)
+
+
+def _tied_run(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | None:
+    """An embedding tied to the head, on ``job["bounds"]``: one stage holds the weight
+    under its first name, two stages each a copy under its own."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), head)
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randint(0, 10, (8,), generator=gen), torch.randint(0, 10, (8,), generator=gen))
+            for _ in range(5)]
+    pipe = dreampipe.Pipeline(
+        model, example=data[0], loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=0.05),
+        plan=Plan.from_config(6, job["bounds"], [1] * len(job["bounds"])),
+        config=dreampipe.TrainConfig(schedule="1f1b-flush", microbatches=2, timeout_s=30.0,
+                                     resume=job.get("resume")))
+    start = pipe.minibatches
+    for x, y in data[start:start + job["steps"]]:
+        pipe.step(x, y)
+    losses = pipe.finish()
+    if "save" in job:
+        pipe.save(job["save"])
+    state = pipe.full_state_dict()
+    pipe.close()
+    return {"losses": losses, "state": state} if rank == 0 else None
+
+
+@pytest.mark.timeout(150)
+def test_a_weight_tied_on_one_stage_resumes_tied_across_two(tmp_path: Path) -> None:
+    """The saving run held the tie on one stage, under the embedding's name: each copy of
+    the two-stage run takes that weight's optimizer state, so the copies stay equal and
+    train on as the one-stage run does."""
+    one, two = {"bounds": [0]}, {"bounds": [0, 3]}
+    run_processes(_tied_run, 1, {**one, "steps": 3, "save": str(tmp_path)}, deadline_s=60.0)
+    got = run_processes(_tied_run, 2, {**two, "steps": 2, "resume": str(tmp_path)},
+                        deadline_s=90.0)[0]
+    again = run_processes(_tied_run, 1, {**one, "steps": 2, "resume": str(tmp_path)},
+                          deadline_s=60.0)[0]
+    assert got is not None and again is not None
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(again["losses"]),
+                               rtol=1e-6, atol=1e-6)
+    for k, v in again["state"].items():
+        torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+    assert torch.equal(got["state"]["0.weight"], got["state"]["5.weight"])

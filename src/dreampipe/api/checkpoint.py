@@ -36,6 +36,7 @@ from dreampipe.api.stage_checkpoint import (
     placeholder,
     restore_rng,
     rng_state,
+    saved_names,
     stage_state,
     targets,
 )
@@ -60,6 +61,7 @@ class _PipelineState(Protocol):
     schedulers: dict[int, Any]
     compensations: dict[int, Applied]
     compensation_delays: dict[int, int | None]
+    tie_names: tuple[tuple[str, ...], ...]
 
     @property
     def runner(self) -> RankRunner: ...
@@ -268,7 +270,8 @@ def load(path: Path, pipe: _PipelineState) -> int:
     _log.info("%s", resume_note(path, pipe.plan))
     meta = _metadata(path)
     parts = _parts(pipe)
-    state = targets(parts, meta)
+    names = saved_names(parts, meta, pipe.tie_names)
+    state = targets(parts, meta, names)
     state["progress"] = ""
     mine = f"rng.{dist.get_rank()}"
     state.update({mine: ""} if mine in meta else {})
@@ -278,7 +281,7 @@ def load(path: Path, pipe: _PipelineState) -> int:
         raise CheckpointError(f"cannot load checkpoint {path}: {type(exc).__name__}: "
                               f"{str(exc)[:300]}; resume from another one") from exc
     objects = {k: pickle.loads(v) for k, v in state.items() if isinstance(v, bytes)}
-    pipe.compensations.update(load_stages(parts, state, objects))
+    pipe.compensations.update(load_stages(parts, state, objects, names))
     restore_rng(objects, dist.get_rank(), pipe.device)
     progress = objects["progress"]
     scaler = pipe.runner.scaler

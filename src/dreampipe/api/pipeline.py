@@ -154,6 +154,9 @@ class Pipeline:
         #: stages per worker.
         self.config = config = settled.config
         ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
+        #: Each weight tied across stages, by its names on them (a checkpoint may hold it
+        #: under any one of them).
+        self.tie_names = tuple(tie.names for tie in ties)
         self.replicas = [st.replicas for st in self.plan.stages]
         #: The segments' schedules (a schedule file's, or the kind's), feeds and losses.
         self._segments = Segments(self.plan, self.layout, config, SEGMENT_MICROBATCHES,

@@ -30,8 +30,8 @@ from dreampipe.errors import CheckpointError
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied, Hyper, carry_over
 
-__all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state", "stage_state",
-           "targets"]
+__all__ = ["StagePart", "load_stages", "placeholder", "restore_rng", "rng_state", "saved_names",
+           "stage_state", "targets"]
 
 _log = logging.getLogger(__name__)
 
@@ -89,10 +89,32 @@ def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
     return state
 
 
-def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
-    """Where DCP loads the saved entries (``meta``: the checkpoint's metadata) of
-    ``parts``: a tensor like the stage's own (a DTensor holds this worker's share), an
-    empty string for a pickled entry."""
+def saved_names(parts: Sequence[StagePart], meta: dict[str, Any],
+                tie_names: Sequence[Sequence[str]]) -> dict[str, str]:
+    """The name each trainable parameter of ``parts`` has its optimizer entries under in
+    the checkpoint (``meta``: its metadata): its own, or, for a weight tied across stages
+    (``tie_names``: each tie's names) that the saving run held on one stage, the name it
+    saved the weight under; a CheckpointError naming the fix where there is none."""
+    ties = {name: names for names in tie_names for name in names}
+    out: dict[str, str] = {}
+    for part in parts:
+        for fqn in part.module.module_param_names:
+            found = [n for n in (fqn, *ties.get(fqn, ())) if f"param.{n}" in meta]
+            if not found:
+                raise CheckpointError(
+                    f"the checkpoint holds no optimizer entry for parameter {fqn!r}: the "
+                    "run that saved it froze it; resume with it frozen, or load the "
+                    "weights alone (dreampipe.load_model_state) and train with a new "
+                    "optimizer")
+            out[fqn] = found[0]
+    return out
+
+
+def targets(parts: Sequence[StagePart], meta: dict[str, Any],
+            names: dict[str, str]) -> dict[str, Any]:
+    """Where DCP loads the saved entries (``meta``: the checkpoint's metadata; ``names``:
+    :func:`saved_names`) of ``parts``: a tensor like the stage's own (a DTensor holds
+    this worker's share), an empty string for a pickled entry."""
     out: dict[str, Any] = {}
     for part in parts:
         module = part.module
@@ -101,15 +123,8 @@ def targets(parts: Sequence[StagePart], meta: dict[str, Any]) -> dict[str, Any]:
         out.update({f"buffer.{k}": torch.empty_like(v) for k, v in _unsaved(module.module).items()
                     if f"buffer.{k}" in meta and tuple(meta[f"buffer.{k}"].size) == v.shape})
         for p, fqn in zip(module.optimized, module.module_param_names, strict=True):
-            if f"param.{fqn}" not in meta:
-                raise CheckpointError(
-                    f"the checkpoint holds no optimizer entry for parameter {fqn!r}: the "
-                    "run that saved it froze it, or held it tied to another parameter on "
-                    "one stage, under that one's name; resume with it frozen and the ties "
-                    "on one stage as then, or load the weights alone "
-                    "(dreampipe.load_model_state) and train with a new optimizer")
-            out[f"param.{fqn}"] = ""
-            prefix = f"optim.{fqn}."
+            out[f"param.{names[fqn]}"] = ""
+            prefix = f"optim.{names[fqn]}."
             out.update({k: _like(md, p.detach()) for k, md in meta.items()
                         if k.startswith(prefix)})
     return out
@@ -131,10 +146,11 @@ def _like(md: Any, param: Tensor) -> Any:
 
 
 def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
-                objects: dict[str, Any]) -> dict[int, Applied]:
-    """Put the loaded ``state`` (``objects``: its pickled entries, unpickled) into each
-    stage of ``parts``: weights, optimizer state and settings, version, scheduler; what
-    staleness compensation did to each stage's groups now, by stage."""
+                objects: dict[str, Any], names: dict[str, str]) -> dict[int, Applied]:
+    """Put the loaded ``state`` (``objects``: its pickled entries, unpickled; ``names``:
+    :func:`saved_names`) into each stage of ``parts``: weights, optimizer state and
+    settings, version, scheduler; what staleness compensation did to each stage's groups
+    now, by stage."""
     applied = {part.module.stage: part.compensation for part in parts}
     for part in parts:
         module = part.module
@@ -144,10 +160,10 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
                 if f"buffer.{k}" in state:
                     v.copy_(state[f"buffer.{k}"])
         opt = module.optimizer
-        names = module.module_param_names
         made = type(opt).__name__
-        for i, (p, fqn) in enumerate(zip(module.optimized, names, strict=True)):
-            info = objects[f"param.{fqn}"]
+        for i, (p, fqn) in enumerate(zip(module.optimized, module.module_param_names,
+                                         strict=True)):
+            info = objects[f"param.{names[fqn]}"]
             if opt is not None and info.get("optimizer", made) != made:
                 raise CheckpointError(
                     f"the checkpoint's {fqn} was trained with {info['optimizer']}, and this "
@@ -155,7 +171,7 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
                     "carry over; resume with the same optimizer, or load the weights alone "
                     "(dreampipe.load_model_state) and train with a new one")
             per: dict[str, Any] = dict(info["state"])
-            prefix = f"optim.{fqn}."
+            prefix = f"optim.{names[fqn]}."
             per.update({k[len(prefix):]: v.to(p.device) for k, v in state.items()
                         if k.startswith(prefix)})
             if module.zero is not None:  # this replica's chunks of the whole tensors
@@ -163,19 +179,20 @@ def load_stages(parts: Sequence[StagePart], state: dict[str, Any],
             if opt is not None and per:
                 opt.state[p] = per
             module.resume_at(int(info["version"]))
-        if opt is not None and names:
-            applied[module.stage] = _settings(part, objects)
+        if opt is not None and module.module_param_names:
+            applied[module.stage] = _settings(part, objects, names)
     return applied
 
 
-def _settings(part: StagePart, objects: dict[str, Any]) -> Applied:
+def _settings(part: StagePart, objects: dict[str, Any], names: dict[str, str]) -> Applied:
     """Each parameter group takes the settings saved with its first parameter, with this
     run's staleness compensation in place of the saved one; the scheduler the first
     parameter's progress, and each group's own rates (the stage that saved it may have
     held other groups: another plan)."""
     module, opt = part.module, part.module.optimizer
     assert opt is not None
-    fqns = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))
+    fqns = {id(p): names[n] for p, n in zip(module.optimized, module.module_param_names,
+                                            strict=True)}
     apart = set()  # what each parameter's saving stage had made of its rate and scheduler
     applied = []
     for group, now in zip(opt.param_groups, part.compensation, strict=True):
@@ -188,7 +205,7 @@ def _settings(part: StagePart, objects: dict[str, Any]) -> Applied:
         if "compensation" in saved:  # in place: lr, initial_lr, the momentum
             now = carry_over(group, _hyper_pair(saved["compensation"]), now, part.delay)
         applied.append(now)
-    first = objects[f"param.{module.module_param_names[0]}"]
+    first = objects[f"param.{names[module.module_param_names[0]]}"]
     sched = part.scheduler
     if sched is not None and first["scheduler"] is not None:
         sched.load_state_dict(first["scheduler"])
