@@ -46,16 +46,16 @@ class MicrobatchScore:
 
 
 def _predicted(out: object, y: Tensor) -> Tensor | None:
-    """The class ``out`` picks for each label of ``y``: scores ``[B, C, ...]`` (the layout
-    ``cross_entropy`` takes) or ``[..., C]`` (a token classifier's); None where neither
-    fits, or both do (``[B, T, C]`` with ``T == C``), so the class axis is unknown."""
+    """The class ``out`` picks for each label of ``y``: scores ``[B, C, ...]``, the layout
+    ``cross_entropy`` takes; None where ``[..., C]`` fits too (``[B, T, C]`` with ``T ==
+    C``: the class axis is unknown). ``[B, T, C]`` itself scores nothing: a loss that
+    reshapes it may also shift the labels (a causal language model's), which the
+    output's shape does not say."""
     if not isinstance(out, Tensor) or y.is_floating_point() or out.dim() != y.dim() + 1:
         return None
     first = out.shape[:1] + out.shape[2:] == y.shape
     last = out.dim() > 2 and out.shape[:-1] == y.shape
-    if first == last:
-        return None
-    return out.argmax(1) if first else out.argmax(-1)
+    return out.argmax(1) if first and not last else None
 
 
 def _score(out: object, y: Tensor, loss: Tensor, count: Count | None) -> MicrobatchScore:
