@@ -287,3 +287,80 @@ def test_a_plan_of_two_stages_per_worker_runs_them_so_without_being_told(
         pipe.step(x, y)
     _assert_trained_like(pipe, pipe.finish(), want)
     pipe.close()
+
+
+class _Aliased(nn.Module):
+    """A layer holding one Linear under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = self.a
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.b(torch.tanh(self.a(x))))
+
+
+def _shared() -> dict[str, nn.Sequential]:
+    torch.manual_seed(0)
+    act, block = nn.Tanh(), nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    return {"aliased": nn.Sequential(nn.Linear(6, 16), _Aliased(), nn.Linear(16, 3)),
+            "act-twice": nn.Sequential(nn.Linear(6, 16), act, nn.Linear(16, 16), act,
+                                       nn.Linear(16, 3)),
+            "block-twice": nn.Sequential(nn.Linear(6, 16), block, block, nn.Linear(16, 3))}
+
+
+@pytest.mark.parametrize("name", ["aliased", "act-twice", "block-twice"])
+@pytest.mark.parametrize("cut", [None, 2])
+def test_a_module_used_twice_trains_as_one_process_on_one_stage_or_two(
+        name: str, cut: int | None) -> None:
+    """A module under two names in a layer (the checks' meta run put it back whole, not
+    its meta stand-ins, which would have had the stage drawn anew and that module frozen);
+    a Sequential listing one module twice (its second call kept, not dropped); split
+    between the two uses, the module's weights are a tie."""
+    data = _data(3)
+    want = _reference(_shared()[name], data, micro=2)
+    model = _shared()[name]
+    layers = len(model._modules)
+    plan = (Plan.from_config(layers, [0], [1]) if cut is None else
+            Plan.from_config(layers, [0, cut], [1, 1], virtual_stages=2))
+    pipe = _pipe(model, data, plan=plan, microbatches=2,
+                 schedule="1f1b-flush" if cut is None else "interleaved-1f1b")
+    assert all(p.requires_grad for p in pipe.module.module.parameters())
+    for x, y in data:
+        pipe.step(x, y)
+    _assert_trained_like(pipe, pipe.finish(), want)
+    pipe.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_adagrad_whose_state_is_made_with_it_trains_as_one_process(precision: str) -> None:
+    """Adagrad makes its sums as it is built, for the parameters it is given: the stage's
+    optimizer is made again for the tensors it steps (32-bit masters under bf16)."""
+    def adagrad(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adagrad(params, lr=0.05, initial_accumulator_value=0.1)
+
+    data = _data(3)
+    model = _model()
+    opt = adagrad(model.parameters())
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = sum(F.cross_entropy(model(xm), ym) / 2
+                   for xm, ym in zip(x.chunk(2), y.chunk(2), strict=True))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.detach()))
+    pipe = dreampipe.Pipeline(_model(), example=data[0], loss_fn=F.cross_entropy,
+                              optimizer=adagrad, plan=Plan.from_config(4, [0], [1]),
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush",
+                                                           microbatches=2, precision=precision))
+    for x, y in data:
+        pipe.step(x, y)
+    losses = pipe.finish()
+    tol = {"rtol": RTOL, "atol": ATOL} if precision == "fp32" else {"rtol": 0.02, "atol": 0.02}
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), **tol)
+    got = pipe.full_state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(got[k].float(), v, **tol, msg=k)
+    pipe.close()

@@ -104,7 +104,9 @@ def split_layers(model: nn.Module, example: Any = None) -> Layers:
     input (a tensor, tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError
     saying why not."""
     if isinstance(model, nn.Sequential):
-        layers = list(model.named_children())
+        # every entry, as the Sequential calls them: named_children() would drop a
+        # module listed twice (a reused activation, Sequential(block, block)), and its call
+        layers = [(name, child) for name, child in model._modules.items() if child is not None]
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         if passes_one_tensor(model, example):

@@ -241,7 +241,15 @@ def call_on_meta(module: nn.Module, args: tuple[Any, ...],
     of the buffers the call wrote in place (their version moved)."""
     tensors = {k: on_meta(v) for k, v in (*module.named_parameters(), *module.named_buffers())}
     versions = {k: tensors[k]._version for k, _ in module.named_buffers()}
-    out = functional_call(module, tensors, args, kwargs)
+    # functional_call puts its tensors back by name; a submodule held under two names
+    # would keep the meta stand-ins (torch's tie_weights), so every slot is put back here
+    slots = [(m, dict(m._parameters), dict(m._buffers)) for m in module.modules()]
+    try:
+        out = functional_call(module, tensors, args, kwargs)
+    finally:
+        for m, params, buffers in slots:
+            m._parameters.update(params)
+            m._buffers.update(buffers)
     if written is not None:
         written.update(k for k, v in versions.items() if tensors[k]._version != v)
     return out

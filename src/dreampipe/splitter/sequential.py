@@ -38,7 +38,7 @@ def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
     x: Any = on_meta(example)
     crossed = False
     try:
-        for i, child in enumerate(model.children()):
+        for i, child in enumerate(model._modules.values()):  # a child listed twice, twice
             crossed = crossed or (i > 0 and not isinstance(x, Tensor))
             x = call_on_meta(child, (x,))
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
@@ -50,7 +50,7 @@ def sequential_segments(model: nn.Sequential, example: Any) -> list[tuple[str, S
     """One segment per child of ``model``: the first calls its child with the model's input
     as it is (``model(x)``: a tensor, a tuple or a dict, as ``example``), each other with
     what the previous child returned."""
-    names = [name for name, _ in model.named_children()]
+    names = list(model._modules)  # a child listed twice under both its names
     out: list[tuple[str, Segment]] = []
     for i, name in enumerate(names):
         g = fx.Graph()
