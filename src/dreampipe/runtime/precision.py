@@ -137,7 +137,8 @@ def optimizer_over(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer
     its groups may take other tensors. docs/design.md §5.5."""
     made = factory(list(params))
     check_made(made)
-    if made.state:
+    if any(float(v) != 0 for state in made.state.values() for k, v in state.items()
+           if k == "step"):
         raise ConfigError("the optimizer factory stepped its optimizer before returning it; "
                           "return a fresh optimizer", "optimizer")
     swap = {id(p): s for p, s in zip(params, steps, strict=True)}
@@ -147,6 +148,14 @@ def optimizer_over(factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer
                               "build the optimizer from the parameters passed to it",
                               "optimizer")
         group["params"] = [swap[id(p)] for p in group["params"]]
+    if made.state:  # made with the optimizer (Adagrad's sums): made again for ``steps``
+        try:
+            made = type(made)(made.param_groups, **made.defaults)
+        except TypeError as exc:
+            raise ConfigError(
+                f"{type(made).__name__} makes its state as it is built, for the parameters "
+                f"given, and cannot be built again from its groups ({exc}); build it with "
+                "defaults for its arguments, as torch's optimizers do", "optimizer") from exc
     return made
 
 
