@@ -364,3 +364,28 @@ def test_adagrad_whose_state_is_made_with_it_trains_as_one_process(precision: st
     for k, v in model.state_dict().items():
         torch.testing.assert_close(got[k].float(), v, **tol, msg=k)
     pipe.close()
+
+
+def test_copies_of_a_tied_weight_in_groups_that_differ_are_refused_naming_both() -> None:
+    """A factory that picks groups by name (no weight decay on the embedding) finds the
+    head's copy under the head's name: stepped with other settings, the copies would
+    drift apart, where one process steps the one tensor in its first name's group."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(10, 8), nn.Linear(8, 10, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, nn.Linear(8, 8), nn.GELU(), head)
+
+    def by_name(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        plain = [p for p in params if names.get(id(p)) == "0.weight"]
+        decayed = [p for p in params if names.get(id(p)) != "0.weight"]
+        return torch.optim.AdamW([{"params": decayed, "weight_decay": 0.5},
+                                  {"params": plain, "weight_decay": 0.0}], lr=0.01)
+
+    x, y = torch.randint(0, 10, (8,)), torch.randint(0, 10, (8,))
+    with pytest.raises(dreampipe.ConfigError, match=r"parameter '0\.weight' is tied to "
+                                                    r"'3\.weight'.*weight_decay=0\.0 against 0\.5"):
+        dreampipe.Pipeline(model, example=(x, y), loss_fn=F.cross_entropy, optimizer=by_name,
+                           plan=Plan.from_config(4, [0, 2], [1, 1], virtual_stages=2),
+                           config=dreampipe.TrainConfig(schedule="interleaved-1f1b",
+                                                        microbatches=2))

@@ -105,3 +105,22 @@ def test_targets_holding_torchs_ignored_index_without_ignore_index_draw_a_warnin
         check_counted_targets(model, (x, y), TrainConfig())
     assert len(caplog.records) == 1
     assert "give TrainConfig(ignore_index=-100)" in caplog.records[0].getMessage()
+
+
+def test_a_models_own_labels_holding_ignored_tokens_warn_unless_the_target_counts_them(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The model's loss averages over its labelled tokens: a target that is not those
+    labels (a dummy, or no ignore_index) weighs the microbatches otherwise."""
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=20))
+    labels = torch.randint(0, 20, (4, 6))
+    labels[:, -2:] = -100
+    x = {"input_ids": labels.clamp(min=0), "labels": labels}
+    with caplog.at_level("WARNING", logger="dreampipe.api.checks"):
+        check_counted_targets(llama, (x, labels[:, 1:]), TrainConfig(ignore_index=-100))
+        assert not caplog.records
+        check_counted_targets(llama, (x, x["input_ids"]), TrainConfig(ignore_index=-100))
+        check_counted_targets(llama, (x, labels[:, 1:]), TrainConfig())
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 3 and sum("the inputs' labels hold -100" in m for m in said) == 2

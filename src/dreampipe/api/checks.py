@@ -34,7 +34,8 @@ __all__ = [
     "Batch", "Inputs", "check_arguments", "check_counted_targets", "check_example",
     "check_loss_signature", "check_optimizer",
     "check_plan", "check_schedule", "check_schedulers", "check_split", "check_stages_on_meta",
-    "check_stages_per_rank", "check_virtual", "map_inputs", "mode_warning", "refuse_legacy",
+    "check_stages_per_rank", "check_virtual", "map_inputs", "mode_warning", "packing_warning",
+    "refuse_legacy",
 ]
 
 _log = logging.getLogger(__name__)
@@ -224,11 +225,35 @@ def _rank_zero() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _the_labels(labels: Tensor, target: Tensor) -> bool:
+    """Whether ``target`` is ``labels``, or ``labels[:, 1:]`` (a causal model's shift)."""
+    return any(t.shape == target.shape and torch.equal(t, target)
+               for t in (labels, labels[:, 1:] if labels.dim() > 1 else labels))
+
+
+def packing_warning(model: nn.Module, inputs: object) -> str | None:
+    """What to say where ``inputs`` pack documents by their ``position_ids`` without an
+    ``attention_mask`` into a Hugging Face model whose config keeps ``use_cache``: in
+    training one process then makes a cache, beside which Hugging Face's masks do not
+    see the packing and attend across documents, where the Pipeline, which runs the
+    model with ``use_cache=False``, keeps each document to itself."""
+    config = getattr(model, "config", None)
+    if (not isinstance(inputs, Mapping) or "position_ids" not in inputs
+            or "attention_mask" in inputs or not getattr(config, "use_cache", False)):
+        return None
+    return (f"{type(model).__name__} is given position_ids without an attention_mask and "
+            "its config has use_cache=True: the Pipeline runs it with use_cache=False, "
+            "where Hugging Face's masks keep packed documents apart, while one process "
+            "with the cache attends across them; set model.config.use_cache = False so "
+            "that both keep them apart")
+
+
 def check_counted_targets(model: nn.Module, example: Batch, config: TrainConfig) -> None:
     """``ignore_index`` counts the targets given: where they are a causal language model's
     own ``labels``, which its loss shifts by one and so averages one token fewer a
-    sequence over, the count would be wrong; a ConfigError naming the fix. Targets that
-    hold PyTorch's ignored -100 without ``ignore_index`` draw a warning."""
+    sequence over, the count would be wrong; a ConfigError naming the fix. Targets, or a
+    model's own labels, that hold PyTorch's ignored -100 where the count does not read
+    them draw a warning."""
     inputs, target = example
     if (config.ignore_index is None and not target.is_floating_point()
             and bool((target == _TORCH_IGNORED).any()) and _rank_zero()):
@@ -239,6 +264,16 @@ def check_counted_targets(model: nn.Module, example: Batch, config: TrainConfig)
             "minibatch; give TrainConfig(ignore_index=%d) to count them as one process",
             _TORCH_IGNORED, _TORCH_IGNORED)
     labels = inputs.get("labels") if isinstance(inputs, Mapping) else None
+    if (isinstance(labels, Tensor) and not labels.is_floating_point()
+            and bool((labels == _TORCH_IGNORED).any()) and _rank_zero()
+            and not (config.ignore_index is not None and _the_labels(labels, target))):
+        _log.warning(
+            "the inputs' labels hold %d, which the model's own loss ignores: each "
+            "microbatch's loss is then a mean over its own labelled tokens, and the "
+            "microbatches are weighed by what the target given counts, not as one process "
+            "weighs them; give the labels the loss averages over as the target "
+            "(labels[:, 1:] for a causal language model, which shifts them) with "
+            "TrainConfig(ignore_index=%d)", _TORCH_IGNORED, _TORCH_IGNORED)
     if (config.ignore_index is None or not isinstance(labels, Tensor)
             or not type(model).__name__.endswith(_SHIFTING)
             or labels.shape != target.shape or not torch.equal(labels, target)):

@@ -38,6 +38,7 @@ from dreampipe.api.checks import (
     check_schedulers,
     map_inputs,
     mode_warning,
+    packing_warning,
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
@@ -54,7 +55,7 @@ from dreampipe.api.stage_build import (
     compensation_delays,
     follow_schedulers,
 )
-from dreampipe.api.ties import tie_places
+from dreampipe.api.ties import check_tie_groups, tie_places
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.runtime.engine import RankRunner
 from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
@@ -135,11 +136,12 @@ class Pipeline:
                                        microbatches=config.per_minibatch, workers=world)
         microbatch_size = self.layout.microbatch_size
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
-        refused, mode = eval_refusal(self._layers), mode_warning(model)
+        refused = eval_refusal(self._layers)
         if refused is not None and self.rank == 0:
             _log.warning("%s: training runs it, but evaluate() will refuse", refused)
-        if mode is not None and self.rank == 0:
-            _log.warning("%s", mode)
+        for said in (mode_warning(model), packing_warning(model, example[0])):
+            if said is not None and self.rank == 0:
+                _log.warning("%s", said)
         #: Every key of the model's state dict, for full_state_dict and checkpoints.
         self.state_keys = state_keys(model, held_keys(self._layers))
         # "auto" weighing the study's epochs chose the schedule: its advice is already taken
@@ -183,6 +185,7 @@ class Pipeline:
                 mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank,
                 start=tied.start)
+            check_tie_groups(ties, modules)
             delayed = None if self.kind.synchronous else self._segments.build(HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see
                 modules, delayed, config.vertical_sync, enabled=config.compensate,

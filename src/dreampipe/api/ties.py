@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
@@ -37,7 +37,7 @@ from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.agreement import check_agreement
 from dreampipe.splitter.chain import Tie
 
-__all__ = ["HeldTies", "TiePlace", "check_ties", "tie_place", "tie_places"]
+__all__ = ["HeldTies", "TiePlace", "check_tie_groups", "check_ties", "tie_place", "tie_places"]
 
 
 def check_ties(ties: list[Tie], plan: Plan, kind: ScheduleKind = ScheduleKind.GPIPE) -> None:
@@ -54,6 +54,53 @@ def check_ties(ties: list[Tie], plan: Plan, kind: ScheduleKind = ScheduleKind.GP
                 f"on stages {', '.join(map(str, tie.stages))}, which plan {plan.config} splits "
                 "over workers; a tied weight is kept on stages with no split: use such a plan, "
                 "or split points that put the tied layers on one stage", "plan")
+
+
+def check_tie_groups(ties: Sequence[Tie], modules: Sequence[StageModule]) -> None:
+    """Every copy of a tied weight must train with the same optimizer settings, as the one
+    tensor does in one process; a factory that picks groups by name may put a copy, named
+    as its stage holds it (``lm_head.weight``), in another group than the first (no
+    weight decay on ``embed``): the copies would drift apart. A ConfigError on every rank
+    naming both names (a collective over the world: every rank calls it)."""
+    if not ties:
+        return
+    by_stage = {m.stage: m for m in modules}
+    mine = {(k, name): _group_settings(by_stage[s], name)
+            for k, tie in enumerate(ties) for s, name in zip(tie.stages, tie.names, strict=True)
+            if s in by_stage}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    named: dict[int, dict[str, Any]] = {}
+    for part in gathered:
+        for (k, name), settings in part.items():
+            named.setdefault(k, {})[name] = settings
+    for k in sorted(named):
+        known = [(n, v) for n, v in named[k].items() if v is not None]
+        if not known:
+            continue
+        (first, want), *rest = known
+        for name, got in rest:
+            if got != want:
+                apart = sorted(key for key in {*want, *got} if want.get(key) != got.get(key))
+                raise ConfigError(
+                    f"parameter {first!r} is tied to {name!r}, and the optimizer factory "
+                    f"puts the two in groups that differ in {', '.join(apart)} "
+                    f"({', '.join(f'{k}={want.get(k)!r} against {got.get(k)!r}' for k in apart)})"
+                    ": the copies would drift apart; give every name of a tied weight the "
+                    "same group (one process steps it once, in its first name's)", "optimizer")
+
+
+def _group_settings(module: StageModule, name: str) -> dict[str, Any] | None:
+    """The settings of the optimizer group stepping ``module``'s parameter ``name`` (None:
+    no group holds it as the stage steps it)."""
+    opt = module.optimizer
+    stepped = module.optimized[module.module_param_names.index(name)]
+    group = next((g for g in opt.param_groups if any(p is stepped for p in g["params"])),
+                 None) if opt is not None else None
+    if group is None:
+        return None
+    return {k: (float(v.item()) if v.numel() == 1 else v.tolist()) if isinstance(v, Tensor)
+            else v for k, v in group.items() if k != "params"}
 
 
 @dataclass(frozen=True)
