@@ -115,6 +115,18 @@ def _wide_mlp(layers: int, workers: int, stages: str | None, config: TrainConfig
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+def test_vertical_sync_keeps_the_live_weights_beside_the_versions_ahead() -> None:
+    """Under vertical sync stage ``s`` keeps ``s`` versions beside those of its microbatches
+    in flight, and, after the first stage, the live weights beside them: a copy of the
+    stage's weights that the prediction left out (1.24 to 1.32 of it on later stages)."""
+    rows = _wide_mlp(6, 3, "0,2,4", TrainConfig(schedule="pipedream", vertical_sync=True))
+    assert [r["stage"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert 0.85 <= r["ratio"] <= 1.15, rows
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
 def test_a_replicated_stage_sums_its_large_gradients_in_place() -> None:
     """Stage 0 (two 1024x1024 layers, 8.4 MB of weights) alone and on 2 replicas: the
     replicas' all-reduce adds only the biases' packed copy to the peak, not a copy of

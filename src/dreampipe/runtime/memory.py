@@ -183,7 +183,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                  for acts in ranks.get(s, ())), default=1) for s in range(plan.num_stages)]
     out = []
     for s, st in enumerate(plan.stages):
-        versions = flight[s] + (s if opts.vertical_sync else 0) if stashing else held[s]
+        versions = flight[s] + _vertical_versions(s, opts) if stashing else held[s]
         versions += PREDICTION_COPIES if predicted[s] else 0
         if st.tensor_parallel > 1:
             out.append(split_peak(
@@ -353,14 +353,26 @@ def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int
                  + float(costs.backward_working[st.first, st.last]) - saved) - each * in_flight
 
 
+def _vertical_versions(s: int, opts: TrainingChoices) -> int:
+    """The versions vertical sync keeps on stage ``s`` beside one per microbatch in flight:
+    the ``s`` updates the stage may be ahead of the input stage's version, and, after the
+    first stage, the live weights beside them (the version a microbatch will run on is
+    kept, :meth:`~.versions.WeightVersions.retire`, so an update moves the live weights to
+    a copy of their own)."""
+    return (s + 1 if s > 0 else 0) if opts.vertical_sync else 0
+
+
 def _parameters(graph: LayerGraph, st: Stage, *, autocast: bool = False) -> list[int]:
     """Parameter sizes of stage ``st`` as far as its profile knows them: each layer's
-    largest, and the rest of the layer as one more (a bound on its second largest); with
+    largest, and the rest of the layer as one more (a bound on its second largest), and
+    each copy it holds of a weight an earlier stage counts (a tied head); with
     ``autocast``, those of layers autocast computes in 16 bits (not an ``Embedding``'s)."""
     layers = [x for x in graph.layers[st.first : st.last + 1]
               if not (autocast and x.description.startswith("Embedding"))]
+    copies = {(f, k): size for x in layers for f, k, size in x.reused if f < st.first}
     return [b for x in layers for b in (x.largest_parameter,
-                                         x.parameter_bytes - x.largest_parameter) if b]
+                                         x.parameter_bytes - x.largest_parameter) if b
+            ] + [b for b in copies.values() if b]
 
 
 def _cast_gradient(sizes: list[int], precision: Precision, microbatches: int) -> int:
