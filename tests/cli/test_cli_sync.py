@@ -3,6 +3,7 @@ layout priced with ``--layout``, and the flags' mistakes as one line each."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -147,10 +148,27 @@ def test_global_batch_plans_and_microbatch_size_fixes_b(
     assert "TFLOP/s per GPU" in out and "simulated:" in out
 
 
-def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str]) -> None:
-    data = _json(capsys, "plan", "pipedream:alexnet", "-t", "cluster-b", "--global-batch",
+def _measured(tmp_path: Path) -> str:
+    """PipeDream's AlexNet profile, with a batch it was measured at."""
+    path = tmp_path / "alexnet.json"
+    dataclasses.replace(load_graph("pipedream:alexnet"), batch_size=128).save(path)
+    return str(path)
+
+
+def test_a_measured_profile_has_no_teraflops(capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    data = _json(capsys, "plan", _measured(tmp_path), "-t", "cluster-b", "--global-batch",
                  "64", "--json")
     assert data["tflops_per_gpu"] is None and data["time_per_update_s"] > 0
+
+
+def test_a_profile_without_its_batch_is_refused_a_global_batch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """PipeDream's bundled profiles do not say the batch they were measured at: priced as
+    one sample each, every time and activation came out that many times too large."""
+    assert main(["plan", "pipedream:vgg16", "-t", "4x4", "--global-batch", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "does not say the batch it was measured at" in err and "dreampipe profile" in err
 
 
 @pytest.mark.parametrize(("argv", "needles"), [
@@ -217,9 +235,9 @@ def test_plan_says_why_each_stage_runs_as_it_does(capsys: pytest.CaptureFixture[
 
 @pytest.mark.parametrize("flag", ["--whole-blocks", "--recompute-blocks"])
 def test_a_blocks_flag_on_a_profile_without_blocks_says_so(
-    capsys: pytest.CaptureFixture[str], flag: str,
+    capsys: pytest.CaptureFixture[str], flag: str, tmp_path: Path,
 ) -> None:
-    assert main(["plan", "pipedream:alexnet", "-t", "cluster-b", "--global-batch", "64",
+    assert main(["plan", _measured(tmp_path), "-t", "cluster-b", "--global-batch", "64",
                  flag]) == 2
     err = capsys.readouterr().err
     assert "has no blocks" in err and f"drop {flag}" in err and err.count("\n") == 1

@@ -156,6 +156,12 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
         raise ConfigError(f"--layout {args.layout!r} names no layout; give one like "
                           f"{LAYOUT_EXAMPLE}, or leave --layout out for the planner's choice")
     layout = parse_layout(args.layout) if args.layout else None
+    if not graph.batch_size:
+        raise ConfigError(
+            f"--global-batch {args.global_batch} with profile {graph.model or 'model'!r}, "
+            "which does not say the batch it was measured at (dreampipe show: 'batch "
+            "unknown'): its times and activations cannot be priced per sample; profile the "
+            "model again (dreampipe profile), or name a shape (gpt:layers=L,...)")
     if args.virtual_stages != 1:
         raise ConfigError(f"--virtual-stages {args.virtual_stages} with --global-batch: the "
                           "synchronous objective chooses them, or give them in --layout "
@@ -175,6 +181,7 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     # the simulated update where the check ran (the objective's closed form bounds it)
     tflops = result.tflops_per_gpu(graph, simulated or result.time_per_update_s)
     notes = _layout_notes(result, graph, layout, topo.num_workers)
+    notes += _unfit_notes(result, topo, options.memory_bytes)
     choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
@@ -203,6 +210,21 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     if args.output:
         print(f"plan saved to {args.output}")
     return 0
+
+
+def _unfit_notes(result: SyncPlan, topo: Topology, limit: int | None) -> list[str]:
+    """Where the plan was made without ``--memory`` (``limit`` None) and a stage needs more
+    than a worker of ``topo`` has: that it does not fit, and the option that holds it to
+    that memory."""
+    has = topo.memory_bytes if limit is None else None
+    over = [s for s, st in enumerate(result.stages) if has and st.memory_bytes > has]
+    if not has or not over:
+        return []
+    worst = max(result.stages[s].memory_bytes for s in over)
+    return [f"stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
+            f"need{'' if len(over) > 1 else 's'} up to {format_bytes(worst)} per worker, above "
+            f"the {format_bytes(has)} a worker has: this plan does not fit; plan with "
+            f"--memory {format_bytes(has).replace(' ', '')} to hold the stages to it"]
 
 
 def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None, workers: int
