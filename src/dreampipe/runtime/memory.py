@@ -152,7 +152,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
     :meth:`RangeCosts.memory` of the stage, with what the schedule's busiest rank of the stage
     reaches: the microbatches in flight, the weight versions they pin (one per microbatch in flight
     under PipeDream with stashing, plus the ``s`` updates stage ``s`` may be ahead with vertical
-    sync; else those its microbatches run on beside the live ones, two under 2bw,
+    sync and the live weights beside them after the first stage; else those its
+    microbatches run on beside the live ones, two under 2bw,
     :mod:`~dreampipe.scheduling.weight_versions`) and the sent tensors it keeps (all of a
     run's sends up to ``SENDS_KEPT``), and
     with staleness compensation :data:`PREDICTION_COPIES` more on a stage that predicts its weights
