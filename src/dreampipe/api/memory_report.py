@@ -99,17 +99,27 @@ def _step_bytes(optimizer: torch.optim.Optimizer) -> StepBytes:
 
 
 def predicted_memory(profile: Callable[[], LayerGraph], plan: Plan, schedule: Schedule,
-                     choices: TrainingChoices, block: str | None) -> tuple[int, ...]:
-    """Each rank's predicted bytes, its stages' less what their sum counts twice
-    (:func:`~dreampipe.runtime.memory.counted_twice`): rank 0 profiles (``profile``) and
-    predicts, every rank gets them (a collective)."""
+                     choices: TrainingChoices, block: str | None, at: int) -> tuple[int, ...]:
+    """Each schedule rank's predicted bytes, its stages' less what their sum counts twice
+    (:func:`~dreampipe.runtime.memory.counted_twice`), each with its own optimizer's
+    ``choices`` (gathered from every rank, ``at`` its schedule rank: a frozen stage has
+    none, a factory may give stages others): rank 0 profiles (``profile``) and predicts,
+    every rank gets them (a collective)."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (at, choices))
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        graph, chosen = profile(), dataclasses.replace(choices, block=block)
-        stages = predict_memory(graph, plan, schedule, chosen, library=False)
-        twice = counted_twice(graph, plan, schedule, chosen, library=False)
-        box[0] = tuple(sum(stages[s] for s in schedule.stages_of_rank(rank)) - twice[rank]
-                       for rank in range(schedule.num_ranks))
+        graph = profile()
+        mine = {r: dataclasses.replace(c, block=block) for r, c in gathered}
+        priced: dict[TrainingChoices, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for chosen in set(mine.values()):
+            priced[chosen] = (predict_memory(graph, plan, schedule, chosen, library=False),
+                              counted_twice(graph, plan, schedule, chosen, library=False))
+        out_ = []
+        for rank in range(schedule.num_ranks):
+            stages, twice = priced[mine[rank]]
+            out_.append(sum(stages[s] for s in schedule.stages_of_rank(rank)) - twice[rank])
+        box[0] = tuple(out_)
     dist.broadcast_object_list(box, src=0)
     out: tuple[int, ...] = box[0]
     return out
@@ -164,8 +174,8 @@ def measured(meter: Meter | None, rank: int, modules: Sequence[StageModule],
     horizon = min(max(minibatches, 1), SENDS_KEPT + 2 * fill)
     spec = config.block_recompute()
     block = spec.for_model(*(m for _, m in layers)).block if spec is not None else None
+    at = rank if schedule_rank is None else schedule_rank
     with whole():
         predicted = predicted_memory(profile, plan, schedule(horizon),
-                                     training_choices(config, modules), block)
-    at = rank if schedule_rank is None else schedule_rank
+                                     training_choices(config, modules), block, at)
     return MemoryReport(rank, stage, use.used, predicted[at], use)
