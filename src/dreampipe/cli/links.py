@@ -12,6 +12,7 @@ measured profile's, whose limit stays opt-in (docs/planner.md).
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from dreampipe.errors import ConfigError, TopologyError
@@ -20,9 +21,10 @@ from dreampipe.planning.topology import PRESETS, SERVERS, Topology
 from dreampipe.profiling.gpt_spec import OPTIONAL, by_shape, is_gpt_spec
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.profiling.load import load_graph
+from dreampipe.quantities import format_bytes
 
 __all__ = ["GPT_HELP", "TOPOLOGY_HELP", "add_link_arguments", "memory_limit", "profile_on",
-           "sync_from", "topology_from"]
+           "sync_from", "topology_from", "unfit_note"]
 
 _SERVER_NAMES = ", ".join(f"{name}:N" for name in SERVERS)
 #: What ``--topology`` takes, for every command's help.
@@ -83,6 +85,21 @@ def memory_limit(memory: str | None, graph: LayerGraph, topo: Topology) -> int |
     """The memory per worker stages must fit: ``topo``'s where ``--memory`` gave it or
     ``graph`` is by shape (its device's), else none, as PipeDream's optimizer plans."""
     return topo.memory_bytes if memory or by_shape(graph) else None
+
+
+def unfit_note(memory_bytes: Sequence[float], topo: Topology, limit: int | None) -> str | None:
+    """Where a plan was made without ``--memory`` (``limit`` None) and some of its stages,
+    needing ``memory_bytes`` each, need more than a worker of ``topo`` has: that it does
+    not fit, and the option that holds it to that memory; None otherwise."""
+    has = topo.memory_bytes if limit is None else None
+    over = [s for s, need in enumerate(memory_bytes) if has and need > has]
+    if not has or not over:
+        return None
+    worst = max(memory_bytes[s] for s in over)
+    return (f"stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
+            f"need{'' if len(over) > 1 else 's'} up to {format_bytes(worst)} per worker, above "
+            f"the {format_bytes(has)} a worker has: this plan does not fit; plan with "
+            f"--memory {format_bytes(has).replace(' ', '')} to hold the stages to it")
 
 
 def sync_from(args: argparse.Namespace) -> Sync:

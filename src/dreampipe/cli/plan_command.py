@@ -37,6 +37,7 @@ from dreampipe.cli.links import (
     profile_on,
     sync_from,
     topology_from,
+    unfit_note,
 )
 from dreampipe.cli.output_paths import check_output_file
 from dreampipe.cli.plan_check import check_warning, format_check
@@ -333,15 +334,9 @@ def format_plan(
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
               if st.tensor_parallel > 1]
     lines += ["", *stage_reasons(result, graph, memory_bytes, optimizer)]
-    has = topo.memory_bytes if memory_bytes is None else None  # planned without the limit
-    over = [s for s, st in enumerate(result.stages) if has and st.memory_bytes > has]
-    if has and over:
-        worst = max(result.stages[s].memory_bytes for s in over)
-        lines.append(
-            f"memory: stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
-            f"need{'' if len(over) > 1 else 's'} up to {format_bytes(worst)} per worker, above "
-            f"the {format_bytes(has)} a worker has: this plan does not fit; plan with "
-            f"--memory {format_bytes(has).replace(' ', '')} to hold the stages to it")
+    unfit = unfit_note([st.memory_bytes for st in result.stages], topo, memory_bytes)
+    if unfit is not None:
+        lines.append(f"memory: {unfit}")
     rate = f"{result.throughput_minibatches_per_s:.2f} minibatches/s"
     if graph.batch_size:
         rate += f" = {result.throughput_minibatches_per_s * graph.batch_size:.0f} samples/s"

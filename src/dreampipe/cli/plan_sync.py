@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any
 
-from dreampipe.cli.links import memory_limit, sync_from
+from dreampipe.cli.links import memory_limit, sync_from, unfit_note
 from dreampipe.errors import ConfigError
 from dreampipe.planning.layout import LAYOUT_EXAMPLE, Layout, parse_layout
 from dreampipe.planning.memory_terms import OptimizerTerms
@@ -181,7 +181,8 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     # the simulated update where the check ran (the objective's closed form bounds it)
     tflops = result.tflops_per_gpu(graph, simulated or result.time_per_update_s)
     notes = _layout_notes(result, graph, layout, topo.num_workers)
-    notes += _unfit_notes(result, topo, options.memory_bytes)
+    unfit = unfit_note([st.memory_bytes for st in result.stages], topo, options.memory_bytes)
+    notes += [] if unfit is None else [unfit]
     choices = stage_options(graph, topo, options, result)
     plan = result.plan()
     if args.output:
@@ -210,21 +211,6 @@ def run_sync(args: argparse.Namespace, graph: LayerGraph, topo: Topology) -> int
     if args.output:
         print(f"plan saved to {args.output}")
     return 0
-
-
-def _unfit_notes(result: SyncPlan, topo: Topology, limit: int | None) -> list[str]:
-    """Where the plan was made without ``--memory`` (``limit`` None) and a stage needs more
-    than a worker of ``topo`` has: that it does not fit, and the option that holds it to
-    that memory."""
-    has = topo.memory_bytes if limit is None else None
-    over = [s for s, st in enumerate(result.stages) if has and st.memory_bytes > has]
-    if not has or not over:
-        return []
-    worst = max(result.stages[s].memory_bytes for s in over)
-    return [f"stage{'s' if len(over) > 1 else ''} {', '.join(map(str, over))} "
-            f"need{'' if len(over) > 1 else 's'} up to {format_bytes(worst)} per worker, above "
-            f"the {format_bytes(has)} a worker has: this plan does not fit; plan with "
-            f"--memory {format_bytes(has).replace(' ', '')} to hold the stages to it"]
 
 
 def _layout_notes(result: SyncPlan, graph: LayerGraph, layout: Layout | None, workers: int
