@@ -225,10 +225,13 @@ def _rank_zero() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a, b)
+
+
 def _the_labels(labels: Tensor, target: Tensor) -> bool:
     """Whether ``target`` is ``labels``, or ``labels[:, 1:]`` (a causal model's shift)."""
-    return any(t.shape == target.shape and torch.equal(t, target)
-               for t in (labels, labels[:, 1:] if labels.dim() > 1 else labels))
+    return _same(labels, target) or (labels.dim() > 1 and _same(labels[:, 1:], target))
 
 
 def packing_warning(model: nn.Module, inputs: object) -> str | None:
@@ -275,8 +278,7 @@ def check_counted_targets(model: nn.Module, example: Batch, config: TrainConfig)
             "(labels[:, 1:] for a causal language model, which shifts them) with "
             "TrainConfig(ignore_index=%d)", _TORCH_IGNORED, _TORCH_IGNORED)
     if (config.ignore_index is None or not isinstance(labels, Tensor)
-            or not type(model).__name__.endswith(_SHIFTING)
-            or labels.shape != target.shape or not torch.equal(labels, target)):
+            or not type(model).__name__.endswith(_SHIFTING) or not _same(labels, target)):
         return
     raise ConfigError(
         f"ignore_index={config.ignore_index} counts the targets given, here the labels "

@@ -28,7 +28,7 @@ from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 from dreampipe.splitter.materialise import initialise_layers, materialise
 from dreampipe.splitter.pack import pack, unpack_signed
 from dreampipe.splitter.segments import Segment, fetch, place, place_attr, segments, unit_names
-from dreampipe.splitter.sequential import passes_one_tensor, sequential_segments
+from dreampipe.splitter.sequential import passes_one_tensor, sequential_entries, sequential_segments
 from dreampipe.splitter.state_keys import adopt_orphans
 
 __all__ = [
@@ -104,9 +104,7 @@ def split_layers(model: nn.Module, example: Any = None) -> Layers:
     input (a tensor, tuple or dict; None: no shapes known) (:mod:`.trace`); a PlanError
     saying why not."""
     if isinstance(model, nn.Sequential):
-        # every entry, as the Sequential calls them: named_children() would drop a
-        # module listed twice (a reused activation, Sequential(block, block)), and its call
-        layers = [(name, child) for name, child in model._modules.items() if child is not None]
+        layers = sequential_entries(model)
         if not layers:
             raise PlanError("the nn.Sequential model is empty; give it at least one layer")
         if passes_one_tensor(model, example):

@@ -23,7 +23,14 @@ from torch import Tensor, nn
 from dreampipe.splitter.fx_tracer import call_on_meta, on_meta
 from dreampipe.splitter.segments import Segment
 
-__all__ = ["passes_one_tensor", "sequential_segments"]
+__all__ = ["passes_one_tensor", "sequential_entries", "sequential_segments"]
+
+
+def sequential_entries(model: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    """``model``'s entries as it calls them, each under its name: a module listed twice (a
+    reused activation, ``Sequential(block, block)``) is two entries, where
+    ``named_children()`` keeps one and drops the second call."""
+    return [(name, child) for name, child in model._modules.items() if child is not None]
 
 
 def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
@@ -38,7 +45,7 @@ def passes_one_tensor(model: nn.Sequential, example: Any) -> bool:
     x: Any = on_meta(example)
     crossed = False
     try:
-        for i, child in enumerate(model._modules.values()):  # a child listed twice, twice
+        for i, (_, child) in enumerate(sequential_entries(model)):
             crossed = crossed or (i > 0 and not isinstance(x, Tensor))
             x = call_on_meta(child, (x,))
     except (RuntimeError, NotImplementedError, TypeError, ValueError, AttributeError):
@@ -50,7 +57,7 @@ def sequential_segments(model: nn.Sequential, example: Any) -> list[tuple[str, S
     """One segment per child of ``model``: the first calls its child with the model's input
     as it is (``model(x)``: a tensor, a tuple or a dict, as ``example``), each other with
     what the previous child returned."""
-    names = list(model._modules)  # a child listed twice under both its names
+    names = [name for name, _ in sequential_entries(model)]
     out: list[tuple[str, Segment]] = []
     for i, name in enumerate(names):
         g = fx.Graph()
