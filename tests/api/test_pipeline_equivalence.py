@@ -157,6 +157,22 @@ def test_sync_segments_drained_by_the_cap_train_as_one() -> None:
     assert_matches(got, losses, state)
 
 
+@pytest.mark.timeout(150)
+def test_a_receive_posted_ahead_for_another_replica_holds_back_no_link() -> None:
+    """2 then 3 replicas, 4 microbatches an update, ``finish()`` after the first step: on
+    gloo stage 1's second replica posts the second update's receives ahead, one from a
+    stage-0 replica it has not heard from yet (a header's receive); the next segment deals
+    that microbatch round-robin to another replica, so the receive is never taken, and
+    must not hold back the link's next header (in the segment's second update). Trains
+    as gradient accumulation."""
+    got = _run(5, schedule="1f1b-flush", bounds=[0, 2], replicas=[2, 3], steps=3,
+               minibatch=16, microbatches=4, lr=0.2, finish_after=[1])
+    spec = get_model("mlp", layers=4, width=16)
+    losses, state = reference_sync(spec, load_dataset("synthetic", spec, seed=SEED), steps=3,
+                                   minibatch=16, seed=SEED, opt=sgd(0.2), microbatches=4)
+    assert_matches(got, losses, state)
+
+
 AHEAD = [([0, 2], [1, 1], False, 2), ([0, 2], [2, 1], False, 3), ([0, 1, 3], [1, 1, 1], True, 2)]
 
 

@@ -26,8 +26,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
     exponential learning-rate decay per update), ``compensate``
     (staleness compensation, on by default), ``save``
     (a directory) and ``resume``,
-    ``segment_microbatches`` (the Pipeline's segment cap) and ``finish_every`` (call
-    ``finish()`` every that many steps), ``record_events``, ``evaluate`` (so
+    ``segment_microbatches`` (the Pipeline's segment cap), ``finish_every`` (call
+    ``finish()`` every that many steps) and ``finish_after`` (after those numbers of
+    steps), ``record_events``, ``evaluate`` (so
     many held-out batches after every ``finish()``), ``post_ahead`` (False:
     post no receive ahead, as on NCCL). Rank 0 also reports the most microbatches its
     schedule ever held, and the numbers of its ``STEP`` events; the last rank
@@ -77,7 +78,9 @@ def train_zoo(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | No
         pipe.step(*data.batch(k, job["minibatch"]))
         longest = max(longest, pipe.runner.schedule.num_microbatches)
         ahead.append((ActionKind.RECV_F, k + 1) in pipe.runner.comm.pending_receives)
-        if (k + 1 - start) % job.get("finish_every", job["steps"] + 1) == 0:
+        done = k + 1 - start
+        if done % job.get("finish_every", job["steps"] + 1) == 0 or done in job.get(
+                "finish_after", ()):
             losses += pipe.finish()
             if held_out:
                 evals.append(pipe.evaluate(held_out).loss)

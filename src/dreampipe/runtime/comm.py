@@ -229,6 +229,17 @@ class Comm:
         self._recvs[key] = r
         return True
 
+    def set_aside_unclaimed(self) -> None:
+        """At a new segment's start (schedule and :attr:`first_microbatch` set): set aside the
+        receives posted ahead that the new schedule does not make from the same peer, such as
+        a microbatch round-robin now gives another replica; one left posted would hold back its
+        link's next header for ever (docs/design.md §8.4)."""
+        wanted = {self._key(a): self.schedule.peer(self.rank, a)
+                  for a in self.schedule.actions[self.rank]
+                  if a.stage == self.stage and a.kind in (ActionKind.RECV_F, ActionKind.RECV_B)}
+        for key in [k for k, r in self._recvs.items() if wanted.get(k) != r.peer]:
+            self._set_aside.append(self._recvs.pop(key))
+
     def _post_data(self, r: _Recv, spec: Spec, kind: int) -> None:
         r.buf = torch.empty(spec[0], dtype=spec[1], device=self.device)
         group = self._fwd if kind == _ACT else self._bwd

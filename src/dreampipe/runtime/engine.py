@@ -157,6 +157,7 @@ class RankRunner:
         ``first_minibatch`` in the run (events, message tags, skipped updates)."""
         for lane in self._lanes:
             lane.comm.first_microbatch = first_microbatch
+            lane.comm.set_aside_unclaimed()
         self.guard.first_minibatch = first_minibatch
 
     def _use(self, stage: int) -> None:
