@@ -30,7 +30,8 @@ from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import format_bytes
 
 VGG = "pipedream:vgg16"
-_LABELS = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
+_LABELS = (("dp", "data parallelism"), ("straight", "a straight pipeline"),
+           ("gpipe", "GPipe at 4 microbatches a stage"))
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -322,8 +323,8 @@ def test_schedule_auto_reports_every_candidate_and_why(
 def test_a_synchronous_schedule_slower_than_data_parallelism_says_so(
     capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The plan is PipeDream's; where the synchronous schedule chosen on it runs below data
-    parallelism's rate, the output says so in one line and names the fix, and only then."""
+    """The plan is PipeDream's; the synchronous schedule chosen on it says its own rate in
+    one line, and names the fix, with data parallelism's rate where it runs below it."""
     code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--json")
     data = json.loads(out)
     chosen, dp = data["schedule_minibatches_per_s"], 1 / data["baselines_s"]["dp"]
@@ -333,6 +334,13 @@ def test_a_synchronous_schedule_slower_than_data_parallelism_says_so(
     (note,) = [ln for ln in out.splitlines() if ln.startswith("  note: ")]
     assert f"{chosen:.2f} minibatches/s, below data parallelism's {dp:.2f}" in note
     assert "--global-batch" in note and "--semantics async" in note
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "2x4", "--no-check", "--json")
+    data = json.loads(out)
+    chosen, dp = data["schedule_minibatches_per_s"], 1 / data["baselines_s"]["dp"]
+    assert code == 0 and data["schedule"] != "pipedream" and chosen > dp
+    code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "2x4", "--no-check")
+    (note,) = [ln for ln in out.splitlines() if ln.startswith("  note: ")]
+    assert f"{chosen:.2f} minibatches/s; the plan" in note and "below" not in note
     code, out, _ = _run(capsys, "pipedream:gnmt", "-t", "4", "--no-check", "--semantics",
                         "async")
     assert code == 0 and "  note: " not in out  # pipedream: the plan's own rate

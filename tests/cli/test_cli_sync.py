@@ -95,6 +95,15 @@ def test_a_saved_plan_simulates_as_its_synchronous_run(
     other = _json(capsys, "simulate", str(saved), "--profile", SMALL, "--schedule",
                   "pipedream", "--json")
     assert not other["as_planned"] and other["schedule"] == "pipedream"
+    # the prediction is the synchronous run's, and the rates say their units
+    assert sim["predicted_schedule"] == other["predicted_schedule"] == data["schedule"]
+    assert sim["global_batch"] == 32 and sim["batch_size"] == 1
+    assert main(["simulate", str(saved), "--profile", SMALL]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines()
+                if ln.startswith("throughput"))
+    samples = sim["throughput_minibatches_per_s"]
+    assert f"{samples:.1f} samples/s = {samples / 32:.3f} updates/s" in line
+    assert f"its {data['schedule']} run)" in line and "pipedream" not in line
     with pytest.raises(PlanError, match="malformed sync_run"):
         SyncRun.from_dict({"schedule": "zb-h1"})
 

@@ -93,7 +93,10 @@ def test_json_round_trip(tmp_path: Path) -> None:
 
 def test_str_lists_stages() -> None:
     text = str(_plan())
-    assert "plan 3-1 for toy on 4 workers: 500.00 ms/minibatch" in text
+    assert ("plan 3-1 for toy on 4 workers: 500.00 ms per profiled batch of 32 samples, "
+            "64.0 samples/s by the planner's objective") in text
+    unsized = str(dataclasses.replace(_plan(), batch_size=0))
+    assert "500.00 ms per profiled batch, 2.00 batches/s by the planner" in unsized
     assert "stage 1: layers 5..7 (l5 .. l7) x1 ranks [3]" in text
 
 

@@ -52,7 +52,7 @@ from dreampipe.cli.plan_schedule import (
 from dreampipe.cli.plan_sync import add_sync_arguments, optimizer_terms, run_sync, wants_sync
 from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.errors import ConfigError
-from dreampipe.planning.costs import CostModel
+from dreampipe.planning.costs import GPIPE_MICROBATCHES_PER_STAGE, CostModel
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.placement import check_virtual_count
@@ -84,7 +84,8 @@ _HEURISTICS = {
     Heuristic.SHARED_LINKS: "the search priced each cut on its own, and its plan's cuts "
     "share a server's link",
 }
-_BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"), ("gpipe", "GPipe"))
+_BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"),
+              ("gpipe", f"GPipe at {GPIPE_MICROBATCHES_PER_STAGE} microbatches a stage"))
 
 #: The check simulates at most this many minibatches unless ``--check-minibatches`` says.
 CHECK_MINIBATCHES = 8192

@@ -125,10 +125,12 @@ def schedule_report(
                      "microbatches: plan with --global-batch B for a batch of several")
     picked = next(c for c in choice.candidates if c.kind is choice.kind)
     dp = plan.baselines_s.get("dp")
-    if choice.kind.synchronous and dp and picked.minibatches_per_s < 1 / dp:
+    if choice.kind.synchronous:
+        below = (f", below data parallelism's {1 / dp:.2f}"
+                 if dp and picked.minibatches_per_s < 1 / dp else "")
         lines.append(
             f"  note: {choice.kind.value} runs this plan at {picked.minibatches_per_s:.2f} "
-            f"minibatches/s, below data parallelism's {1 / dp:.2f}; the plan, its times and "
+            f"minibatches/s{below}; the plan, its times and "
             "speed-ups above are PipeDream's asynchronous pipeline's: plan with --global-batch "
             "B for a synchronous plan, or with --semantics async")
     data = {"schedule": choice.kind.value, "microbatches": choice.microbatches,

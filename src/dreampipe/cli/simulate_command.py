@@ -133,6 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         plan, graph, topology, source, run = load_source(args, _DEFAULT_TOPOLOGY)
         bar.update()
         wants_events = args.timeline is not None or args.trace is not None
+        recorded = run  # the synchronous run the plan's prediction is of, if any
         if args.schedule or args.microbatches or args.schedule_file or args.zero:
             run = None  # the flags ask for another run of the plan's stages
         planned = run is not None  # a plan of the synchronous objective runs as planned
@@ -177,6 +178,7 @@ def _run(args: argparse.Namespace) -> int:
         bar.update()
     limit = topology.memory_bytes if args.memory else None
     dp = kind is ScheduleKind.DP
+    batch = plan.batch_size or (graph.batch_size if graph is not None else 0)
     info = {"topology": topology.name or topology.shape, "plan_config": plan.config,
             "config": result.config if dp else plan.config,
             "workers": schedule.num_ranks if dp else plan.workers_used,
@@ -187,9 +189,14 @@ def _run(args: argparse.Namespace) -> int:
             "memory_limit_bytes": limit, "minibatches": updates, "as_planned": planned,
             "planned_memory_bytes": [st.memory_bytes for st in plan.stages],
             "microbatches_per_update": per_update,
-            # the planner's objective is PipeDream's steady state, whatever the schedule
+            # a plan of the synchronous objective predicts its run; any other, PipeDream's
+            # steady state, whatever the schedule simulated
             "predicted_minibatches_per_s": plan.throughput_minibatches_per_s,
-            "predicted_schedule": ScheduleKind.PIPEDREAM.value,
+            "predicted_schedule": (ScheduleKind.PIPEDREAM if recorded is None
+                                   else recorded.schedule).value,
+            "batch_size": batch,
+            # samples an update of the plan's synchronous run (0: not known, or not that run)
+            "global_batch": batch * per_update * run.fraction if run is not None else 0,
             "memory_known": graph is not None}
     if args.json:
         known = {} if graph is not None else {"peak_memory_bytes": None}
@@ -280,6 +287,32 @@ def _costs(
     return costs_from_profile(graph, plan, topology, fraction, sync)
 
 
+def _rate(minibatches_per_s: float, info: dict[str, Any]) -> str:
+    """A rate of profiled minibatches: in samples a second where the profile's batch is
+    known, and a synchronous plan's run in updates a second too."""
+    batch = info["batch_size"]
+    if not batch:
+        return f"{minibatches_per_s:.3f} minibatches/s (of the profile's batch)"
+    samples = minibatches_per_s * batch
+    if info["global_batch"]:
+        return f"{samples:.1f} samples/s = {samples / info['global_batch']:.3f} updates/s"
+    return f"{minibatches_per_s:.3f} minibatches/s of {batch} = {samples:.1f} samples/s"
+
+
+def _predicted(kind: ScheduleKind, info: dict[str, Any]) -> str:
+    """What the planner predicted for the plan, in the simulated rate's units, and for which
+    run: a synchronous plan's own, or PipeDream's steady state."""
+    predicted = info["predicted_minibatches_per_s"]
+    if predicted <= 0:
+        return ""
+    batch, schedule = info["batch_size"], info["predicted_schedule"]
+    rate = f"{predicted * batch:.1f} samples/s" if batch else f"{predicted:.3f}"
+    run = (f"its {schedule} run" if schedule != ScheduleKind.PIPEDREAM.value
+           else "in steady state" + ("" if kind is ScheduleKind.PIPEDREAM
+                                     else " under pipedream"))
+    return f" (planner predicted {rate} for plan {info['plan_config']}, {run})"
+
+
 def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
     count = result.num_microbatches
     per = "" if count == info["minibatches"] else (
@@ -294,12 +327,8 @@ def _report(result: SimResult, info: dict[str, Any], schedule: Schedule) -> str:
     lines = [
         f"schedule    {result.kind.value}, config {info['config']} on {info['workers']} workers "
         f"({info['topology']}), {runs}",
-        f"throughput  {result.throughput_minibatches_per_s:.3f} minibatches/s over "
-        f"{result.makespan_s:.3f} s"
-        + (f" (planner predicted {info['predicted_minibatches_per_s']:.3f} for plan "
-           f"{info['plan_config']} in steady state"
-           + ("" if result.kind is ScheduleKind.PIPEDREAM else " under pipedream") + ")"
-           if info["predicted_minibatches_per_s"] > 0 else ""),
+        f"throughput  {_rate(result.throughput_minibatches_per_s, info)} over "
+        f"{result.makespan_s:.3f} s" + _predicted(result.kind, info),
         f"bubble      {100 * result.bubble_fraction:.1f}% of rank time idle",
         "",
         f"{'rank':>4} {'stage':>5} {'busy s':>9} {'idle s':>9} {'idle %':>6} "

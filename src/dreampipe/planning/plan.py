@@ -377,11 +377,15 @@ class Plan:
         if self.virtual_stages > 1:
             head += f", {self.virtual_stages} stages per worker"
             head += " in a V" if self.placement is Placement.V else ""
-        if self.time_per_minibatch_s > 0:
+        if self.time_per_minibatch_s > 0:  # a minibatch here is the profile's batch
+            rate = self.throughput_minibatches_per_s
             head += (
-                f": {self.time_per_minibatch_s * 1e3:.2f} ms/minibatch, "
-                f"{self.throughput_minibatches_per_s:.2f} minibatches/s"
-            )
+                f": {self.time_per_minibatch_s * 1e3:.2f} ms per profiled batch of "
+                f"{self.batch_size} samples, {rate * self.batch_size:.1f} samples/s"
+                if self.batch_size else
+                f": {self.time_per_minibatch_s * 1e3:.2f} ms per profiled batch, "
+                f"{rate:.2f} batches/s"
+            ) + " by the planner's objective"
         lines = [head]
         for s, st in enumerate(self.stages):
             names = ""
