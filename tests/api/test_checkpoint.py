@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -506,3 +507,21 @@ def test_a_weight_tied_on_one_stage_resumes_tied_across_two(tmp_path: Path) -> N
     for k, v in again["state"].items():
         torch.testing.assert_close(got["state"][k], v, rtol=1e-5, atol=1e-6, msg=k)
     assert torch.equal(got["state"]["0.weight"], got["state"]["5.weight"])
+
+
+def test_a_save_below_a_newer_committed_step_warns_that_a_resume_takes_the_newer(
+    tmp_path: Path,
+) -> None:
+    """A folder holding another run's later step: a resume from it would take that one."""
+    from dreampipe.api.checkpoint import MARKER, _warn_newer
+
+    for n in (4, 8):
+        (tmp_path / f"step-{n}").mkdir()
+        (tmp_path / f"step-{n}" / MARKER).write_text("{}")
+    (tmp_path / "step-12").mkdir()  # never committed: not a checkpoint
+    with pytest.warns(UserWarning, match=r"saving step-6 into .* holds step-8 from another"):
+        _warn_newer(tmp_path, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_newer(tmp_path, 8)  # the run's own step again, or a later one: nothing to say
+        _warn_newer(tmp_path, 10)

@@ -201,10 +201,12 @@ def test_interleaving_on_positions_replicated_2_1_trains_end_to_end(
     argv = ["train", "mlp", "--model-arg", "layers=4", "--model-arg", "width=32",
             "--workers", "3", "--config", "2-1", "--virtual-stages", "2", "--schedule",
             "interleaved-1f1b", "--microbatches", "4", "--steps", "2", "--batch-size", "16",
-            "--json", "--no-progress", "--timeout", "60", "--profile", str(mlp_profile(4))]
+            "--json", "--no-progress", "--timeout", "60", "--profile", str(mlp_profile(4)),
+            "--dataset", "digits"]
     assert main(argv) == 0, capsys.readouterr().err
     data = json.loads(capsys.readouterr().out)
     assert data["partition"] == "2-1-2-1" and data["virtual_stages"] == 2
+    assert 0 <= data["accuracy"] <= 1  # a data set with a test split is evaluated
     assert [replicas for *_, replicas in data["stages"]] == [2, 1, 2, 1]
     assert len(data["losses"]) == 2 and all(math.isfinite(x) for x in data["losses"])
 
@@ -445,6 +447,15 @@ def test_a_run_split_by_a_checkpoint_ends_with_the_same_loss(
     assert "--steps 3 but the checkpoint is at 4 minibatches" in err, err
     err = _fails([*base, "--steps", "4", "--resume"], capsys)
     assert "--resume needs --checkpoint-dir DIR" in err, err
+    # the data position counts minibatches of the saved run's data: other data is refused
+    err = _fails([*base, "--steps", "8", *ckpt, "--resume", "--batch-size", "8", "--seed",
+                  "1"], capsys)
+    assert "--batch-size 8 (saved at 16), --seed 1 (saved at 0)" in err, err
+    # a run that does not resume would mix its saves with the earlier run's
+    err = _fails([*base, "--steps", "8", *ckpt, "--checkpoint-every", "2"], capsys)
+    assert "already holds step-4, committed by an earlier run" in err, err
+    assert "--resume" in err and sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-4", "train-data.json"]
 
 
 @pytest.mark.parametrize(("argv", "compensate"), [([], True), (["--no-compensation"], False)])

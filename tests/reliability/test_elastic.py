@@ -46,7 +46,7 @@ def test_a_smaller_group_re_plans_and_carries_on_from_the_checkpoint(
     # two stages forced: for a model this small the planner may rightly find one worker
     # faster than two (it prices the host's measured all-reduce), and the group is what
     # this test shrinks; the planner still cuts the layers for the new group
-    with caplog.at_level(logging.INFO, logger="dreampipe.commands.train_run"):
+    with caplog.at_level(logging.INFO, logger="dreampipe.commands.train_resume"):
         assert main(train_argv(ck, "--workers", "2", "--config", "1-1", *_DIGITS, steps=40,
                                every=10, profile=mlp_profile(32))) == 0
     captured = capsys.readouterr()

@@ -70,6 +70,7 @@ class _PipelineState(Protocol):
 __all__ = [
     "MARKER",
     "check_keys",
+    "committed",
     "find",
     "latest",
     "load",
@@ -91,7 +92,7 @@ _PARTIAL = re.compile(r"^step-(\d+)(\.tmp)?$")
 _LIST = 6
 
 
-def _complete(directory: Path) -> list[Path]:
+def committed(directory: Path) -> list[Path]:
     """The committed ``step-N`` checkpoints in ``directory``, oldest first."""
     if not directory.is_dir():
         return []
@@ -102,7 +103,7 @@ def _complete(directory: Path) -> list[Path]:
 
 def latest(directory: Path) -> Path | None:
     """The newest committed checkpoint in ``directory`` (checked whole), or None if none is."""
-    done = _complete(directory)
+    done = committed(directory)
     if not done:
         return None
     _verify(done[-1])
@@ -124,13 +125,13 @@ def find(path: Path) -> Path:
     if (path / MARKER).is_file() and not temporary:
         _verify(path)
         return path
-    parent_done = _complete(path.parent) if path.parent != path else []
+    parent_done = committed(path.parent) if path.parent != path else []
     if path.is_dir() and (_STEP.match(path.name) or temporary):
         last = f"the last complete one is {parent_done[-1]}" if parent_done else (
             "there is no complete one beside it")
         raise CheckpointError(f"checkpoint {path} was never committed (no {MARKER} marker: the "
                               f"save did not finish); {last}")
-    done = _complete(path)
+    done = committed(path)
     if not done:
         raise CheckpointError(f"no complete checkpoint in {path}; save one with pipe.save(DIR) "
                               "(or --checkpoint-dir) first")
@@ -161,7 +162,7 @@ def _verify(path: Path) -> None:
         f = path / name
         got = f.stat().st_size if f.is_file() else None
         if got != size:
-            older = [p for p in _complete(path.parent) if p != path]
+            older = [p for p in committed(path.parent) if p != path]
             hint = f"resume from {older[-1]}" if older else "save a new one"
             raise CheckpointError(
                 f"checkpoint {path} is damaged: {name} is "
@@ -224,6 +225,18 @@ def _parts(pipe: _PipelineState) -> list[StagePart]:
             for m in pipe.runner.modules]
 
 
+def _warn_newer(directory: Path, minibatches: int) -> None:
+    """Warn where ``directory`` holds a committed checkpoint past ``minibatches``: another
+    run's, most likely, which a resume from the folder would take over this save."""
+    newer = [p.name for p in committed(directory) if int(p.name.split("-")[1]) > minibatches]
+    if newer:
+        message = (f"saving step-{minibatches} into {directory}, which holds {newer[-1]} "
+                   "from another run: resuming from the folder takes the newest, so save "
+                   "this run into a folder of its own")
+        _log.warning("%s", message)
+        warnings.warn(message, stacklevel=4)
+
+
 def save(directory: Path, pipe: _PipelineState) -> Path:
     """Write ``directory/step-N`` atomically (a collective: every rank calls it)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -232,6 +245,7 @@ def save(directory: Path, pipe: _PipelineState) -> Path:
     final = directory / f"step-{pipe.minibatches}"
     tmp = directory / f"{final.name}.tmp"
     if dist.get_rank() == 0:
+        _warn_newer(directory, pipe.minibatches)
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()

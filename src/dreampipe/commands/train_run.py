@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
 import sys
 import threading
 import time
@@ -32,7 +31,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dreampipe.api import checkpoint
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.datalog import DataLog
 from dreampipe.api.memory_report import counting
@@ -40,6 +38,7 @@ from dreampipe.api.pipeline import Pipeline
 from dreampipe.commands.seq_lengths import cut, length_times, step_length
 from dreampipe.commands.train_config import TrainResult, TrainRun, check_run
 from dreampipe.commands.train_plan import Say, TrainRequest, plan_train
+from dreampipe.commands.train_resume import check_folder, nothing_left, resume_point, tidy
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.models.datasets import load_dataset
 from dreampipe.models.resolve import resolve_spec
@@ -162,16 +161,19 @@ def run_train(
 ) -> TrainReport | None:
     """Plan, then train; the report (None on torchrun ranks other than 0)."""
     ckpt = checkpoints or Checkpoints()
-    if req.epochs is None and _nothing_left(  # before profiling
-            _resume_point(ckpt, req.run.steps), req.run.steps, say):
+    folder, resume = ckpt.directory, ckpt.resume
+    lead = torchrun is None or torchrun[0] == 0
+    check_folder(folder, resume, req.run, lead=lead)
+    if req.epochs is None and nothing_left(  # before profiling
+            resume_point(folder, resume, req.run.steps), req.run.steps, say):
         return None
     planned = plan_train(req, torchrun=torchrun, say=say)
     run = planned.run
-    found = _resume_point(ckpt, run.steps)
-    if _nothing_left(found, run.steps, say):
+    found = resume_point(folder, resume, run.steps)
+    if nothing_left(found, run.steps, say):
         return None
-    if torchrun is None or torchrun[0] == 0:
-        _tidy(ckpt, found, run, say)
+    if lead:
+        tidy(folder, found, resume, run.plan, say)
     job = TrainJob(run, ckpt, found)
     result = train_rank(*torchrun, job) if torchrun is not None else train_local(job)
     if result is None:
@@ -199,51 +201,6 @@ def train_local(job: TrainJob, *, deadline_s: float | None = None) -> TrainResul
     if not isinstance(results[0], TrainResult):
         raise WorkerError("rank 0 finished without a result")
     return results[0]
-
-
-def _nothing_left(found: Path | None, steps: int, say: Say | None) -> bool:
-    """Whether the checkpoint a run resumes from, ``found``, already holds all ``steps``.
-
-    A run killed after its last save (evaluating, or exiting) comes back under
-    torchrun with the same command: it has nothing left to train, which is
-    not an error (exit 0), and saying so is all there is to do.
-    """
-    if found is None or checkpoint.minibatches_of(found) != steps:
-        return False
-    line = f"{found} already holds all {steps} minibatches: nothing left to train"
-    _log.info("%s", line)
-    if say is not None:
-        say(line)
-    return True
-
-
-def _resume_point(ckpt: Checkpoints, steps: int) -> Path | None:
-    """The checkpoint a resumed run continues from (None: none yet), not past ``steps``."""
-    if not ckpt.resume or ckpt.directory is None:
-        return None
-    found = checkpoint.latest(ckpt.directory)
-    if found is not None and (done := checkpoint.minibatches_of(found)) > steps:
-        raise ConfigError(f"steps={steps} but the checkpoint is at {done} minibatches; "
-                          f"steps is the total: use more than {done}", "steps")
-    return found
-
-
-def _tidy(ckpt: Checkpoints, found: Path | None, run: TrainRun, say: Say | None) -> None:
-    """Remove the saves that never committed, and say where the run starts (the lead only)."""
-    if ckpt.directory is None:
-        return
-    lines = []
-    for stale in checkpoint.partial(ckpt.directory):
-        shutil.rmtree(stale, ignore_errors=True)
-        lines.append(f"removed {stale}: its save never committed")
-    if found is not None:
-        lines.append(checkpoint.resume_note(found, run.plan))
-    elif ckpt.resume:
-        lines.append(f"no committed checkpoint in {ckpt.directory} yet: starting at minibatch 0")
-    for line in lines:
-        _log.info("%s", line)
-        if say is not None:
-            say(line)
 
 
 def train_rank(rank: int, world: int, job: TrainJob) -> TrainResult | None:
@@ -307,7 +264,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
     if bar is not None:
         bar.close()
     accuracy = None
-    if run.evaluate and data.has_test and run.plan.virtual_stages == 1:
+    if run.evaluate and data.has_test:
         n = len(data.test_y)
         batches = [(data.test_x[i : i + _EVAL_BATCH], data.test_y[i : i + _EVAL_BATCH])
                    for i in range(0, n, _EVAL_BATCH)]
