@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dreampipe.api import TrainConfig
 from dreampipe.api.checkpoint import load_model_state
@@ -36,7 +37,7 @@ from dreampipe.planning.plan import Plan, Stage
 from dreampipe.planning.splits import Split
 from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.runtime.processes import run_processes
-from dreampipe.runtime.tensor_split import SplitStage, tensor_mesh
+from dreampipe.runtime.tensor_split import SplitStage, check_split_layers, tensor_mesh
 
 from .reference import reference_pipedream, reference_sync, sgd, split_like
 
@@ -193,7 +194,8 @@ def test_an_elementwise_layer_split_out_passes_split_features_through() -> None:
         for name, p in model.named_parameters():
             torch.testing.assert_close(r["grads"][name], p.grad, rtol=1e-6, atol=1e-7,
                                        msg=name)
-        assert "layer '1' (Softmax) has 0 Linear modules" in r["refused"], r["refused"]
+        refused = r["refused"]
+        assert "layer '1' (Softmax) of a split stage has 0 Linear modules" in refused, refused
 
 
 def _profile(tmp_path: Path, kwargs: tuple[tuple[str, int], ...]) -> str:
@@ -229,7 +231,8 @@ def test_dreampipe_train_checkpoints_split_stages(tmp_path: Path) -> None:
                                     profile=_profile(tmp_path, kwargs)),
                        checkpoints=Checkpoints(directory=tmp_path / "ck", every=2))
     assert report is not None and report.plan.config == "1t2-1t2"
-    assert [p.name for p in sorted((tmp_path / "ck").iterdir())] == ["step-2", "step-4"]
+    assert [p.name for p in sorted((tmp_path / "ck").iterdir())] == [
+        "step-2", "step-4", "train-data.json"]
     saved = load_model_state(tmp_path / "ck")  # step-4: each stage's two shares, whole
     got = {k: v for part in report.result.stage_states for k, v in part.items()}
     assert sorted(saved) == sorted(got)
@@ -264,3 +267,26 @@ def test_two_split_stages_run_pipedream_with_stashing_like_one_process(tmp_path:
     for name, value in state.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=4e-5, msg=name)
     assert report.result.losses == pytest.approx(losses, rel=1e-5, abs=4e-5)
+
+
+def test_a_split_stage_refuses_what_it_cannot_hold_before_anything_is_split() -> None:
+    """A tie inside the stage (each name would become a tensor of its own: the copies
+    come apart under ``out``/``in``, and are stepped twice under ``replica``), a buffer
+    (DTensor ops refuse a plain tensor beside split ones), a weight split of no Linear."""
+    def named(*mods: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(str(i), m) for i, m in enumerate(mods)]
+
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    check_split_layers(named(a, nn.ReLU(), b), [Split.OUT, Split.OUT, Split.IN], 1)
+    b.weight = a.weight
+    for splits in ([Split.OUT, Split.OUT, Split.IN], [Split.REPLICA] * 3):
+        with pytest.raises(PlanError, match=r"parameter '0.weight' is tied to '2.weight' "
+                                            r"on split stage 1; .* on a stage with no split"):
+            check_split_layers(named(a, nn.ReLU(), b), splits, 1)
+    with pytest.raises(PlanError, match=r"layer '1' \(BatchNorm1d\) of split stage 0 holds the "
+                                        r"buffer 'running_mean'"):
+        check_split_layers(named(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+                           [Split.BATCH, Split.BATCH], 0)
+    with pytest.raises(PlanError, match=r"layer '0' \(Conv1d\) of a split stage has 0 Linear "
+                                        r"modules; split out"):
+        check_split_layers(named(nn.Conv1d(4, 4, 1)), [Split.OUT])

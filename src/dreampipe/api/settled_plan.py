@@ -105,7 +105,12 @@ def settle_plan(
                           "supported yet; use virtual_stages=1", "virtual_stages")
     check_schedule(config, plan)
     if t > 1:
+        from dreampipe.runtime.tensor_split import check_split_layers  # DTensor's: on use
+
         check_split(plan, config)
+        for s, st in enumerate(plan.stages):
+            if st.tensor_parallel > 1:
+                check_split_layers(layers[st.first : st.last + 1], st.splits, s)
         layout = dataclasses.replace(layout, workers=sum(st.replicas for st in plan.stages))
     check_stages_on_meta(layers, plan, example, loss_fn, microbatch_size)
     return SettledPlan(plan=plan, config=config, layout=layout, ties=ties, mixed=mixed,

@@ -53,7 +53,7 @@ def check_ties(ties: list[Tie], plan: Plan, kind: ScheduleKind = ScheduleKind.GP
                 f"parameter {tie.names[0]!r} is tied to {', '.join(map(repr, tie.names[1:]))} "
                 f"on stages {', '.join(map(str, tie.stages))}, which plan {plan.config} splits "
                 "over workers; a tied weight is kept on stages with no split: use such a plan, "
-                "or split points that put the tied layers on one stage", "plan")
+                "or split points that put the tied layers on one stage with no split", "plan")
 
 
 def check_tie_groups(ties: Sequence[Tie], modules: Sequence[StageModule]) -> None:

@@ -29,7 +29,7 @@ from dreampipe.planning.splits import Split, is_elementwise
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
-__all__ = ["SplitStage", "full_state", "shard_linear", "tensor_mesh"]
+__all__ = ["SplitStage", "check_split_layers", "full_state", "shard_linear", "tensor_mesh"]
 
 _BLOCKS = 8  # blocks of rows per share that shard_linear draws at a time
 _WEIGHT_SPLITS = (Split.OUT, Split.IN)  # the splits that divide a Linear's weights
@@ -81,6 +81,7 @@ class SplitStage(nn.Module):
                 f"a split stage of {len(children)} layers got {len(splits)} splits; the plan "
                 "must give one split per layer"
             )
+        check_split_layers(children, splits)
         for name, layer in children:
             self.add_module(name, layer)
         self.mesh = mesh
@@ -101,17 +102,45 @@ class SplitStage(nn.Module):
         return out
 
 
+def check_split_layers(layers: Sequence[tuple[str, nn.Module]], splits: Sequence[Split],
+                       stage: int | None = None) -> None:
+    """What a split stage of ``layers`` cannot hold, each a PlanError naming the fix: a
+    weight split of a layer that is not one Linear (nor elementwise), a buffer (DTensor
+    ops refuse plain tensors beside split ones, and a ``batch`` split would keep
+    statistics of part of each microbatch), a tensor held under two names (each name
+    would become a tensor of its own: the tie comes apart, or is stepped twice)."""
+    names: dict[int, str] = {}
+    where = "a split stage" if stage is None else f"split stage {stage}"
+    for (name, layer), split in zip(layers, splits, strict=True):
+        linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
+        if split in _WEIGHT_SPLITS and len(linears) != 1 and not _passes_features(layer, split):
+            raise PlanError(
+                f"layer {name!r} ({type(layer).__name__}) of {where} has "
+                f"{len(linears)} Linear modules; split {split.value} divides the weights of "
+                "exactly one, so plan it as replica or batch, or on a stage with no split")
+        buffer = next((b for b, _ in layer.named_buffers()), None)
+        if buffer is not None:
+            raise PlanError(
+                f"layer {name!r} ({type(layer).__name__}) of {where} holds the "
+                f"buffer {buffer!r}, which a split stage cannot keep yet; plan that layer on "
+                "a stage with no split")
+        for module_name, module in layer.named_modules():
+            for key, p in module.named_parameters(recurse=False):
+                full = ".".join(x for x in (name, module_name, key) if x)
+                first = names.setdefault(id(p), full)
+                if first != full:
+                    raise PlanError(
+                        f"parameter {first!r} is tied to {full!r} on {where}; a "
+                        "split stage keeps no tie yet: plan the tied layers on a stage with "
+                        "no split")
+
+
 def _distribute(name: str, layer: nn.Module, split: Split, mesh: DeviceMesh) -> None:
-    """Turn ``layer``'s parameters into DTensors placed for ``split``."""
+    """Turn ``layer``'s parameters into DTensors placed for ``split``
+    (:func:`check_split_layers` holds)."""
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     linears = [m for m in layer.modules() if isinstance(m, nn.Linear)]
-    if split in _WEIGHT_SPLITS and len(linears) != 1 and not _passes_features(layer, split):
-        raise PlanError(
-            f"layer {name!r} ({type(layer).__name__}) has {len(linears)} Linear modules; "
-            f"split {split.value} divides the weights of exactly one, so plan it as "
-            "replica or batch"
-        )
     placed: dict[int, Placement] = {}
     if split in _WEIGHT_SPLITS and linears:
         weight, bias = _weight_placements(split)
