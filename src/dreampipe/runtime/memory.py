@@ -211,7 +211,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         beside = _working(costs, st, flight[s], saved, each) if walked else 0
         main = (at_once - saved + (0 if walked else buckets)
                 - _zero_saved(st, level, weights, max(sizes, default=0), opts, whole)
-                + (max(waiting_bytes(acts, graph, st, beside) for acts in ranks[s])
+                + (max(waiting_bytes(acts, graph, st, beside, each if walked else None)
+                       for acts in ranks[s])
                    if s > 0 else 0)
                 - (min(gradients_later(acts, each + int(costs.cut_bytes[st.first]),
                                         gradients, buckets - beside, s)

@@ -73,7 +73,7 @@ def gradients_later(actions: tuple[Action, ...], kept: int, gradients: int,
 
 
 def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
-                  working: int = 0) -> int:
+                  working: int = 0, own: int | None = None) -> int:
     """What microbatches waiting for their ``W`` hold beyond the formula's peak: the
     stage's kept tensors of its most microbatches in flight and one backward's
     ``working`` set. Along one rank's actions, the kept tensors (and input) of those in
@@ -82,7 +82,9 @@ def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
     set beside the others waiting: it makes its recorded gradients, which the working
     set holds until it ends. ``B`` drops the stage's output, and on the last stage the
     loss with it: one waiting there no longer holds what the loss saved
-    (:attr:`~dreampipe.profiling.graph.Layer.loss_bytes`)."""
+    (:attr:`~dreampipe.profiling.graph.Layer.loss_bytes`). ``own``: what a microbatch
+    keeps until its ``B`` where blocks are recomputed (their inputs only), the stage's
+    input aside; its ``B`` computes them again, and they stay, for its ``W``, until then."""
     if release_kind(actions) is not ActionKind.WEIGHT:
         return 0
     layers = graph.layers[st.first : st.last + 1]
@@ -90,14 +92,17 @@ def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
     recorded = sum(x.recorded_bytes or 0 for x in layers)
     if st.last == len(graph.layers) - 1:
         recorded -= graph.layers[-1].loss_bytes or 0
+    before = kept if own is None else own + graph.cut_bytes()[st.first]  # until its B
     flight = waiting = most = top = 0
     for a in actions:
+        held = before * (flight - waiting) + (kept + recorded) * waiting
         if a.kind is ActionKind.BACKWARD:
-            most = max(most, kept * flight + recorded * waiting + working)
+            most = max(most, held + working)
         flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
         waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
-        most, top = max(most, kept * flight + recorded * waiting), max(top, flight)
-    return max(0, most - kept * top - working)
+        held = before * (flight - waiting) + (kept + recorded) * waiting
+        most, top = max(most, held), max(top, flight)
+    return max(0, most - before * top - working)
 
 
 def most_in_flight(schedule: Schedule, stages: int) -> list[int]:
