@@ -223,3 +223,21 @@ def test_the_step_probe_rebuilds_adamw_from_its_settings() -> None:
     adamw = _step_bytes(torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1))
     assert adamw != NO_STEP_BYTES
     assert adamw == measure_step_bytes(lambda p: torch.optim.AdamW(p, lr=1e-3))
+
+
+def test_an_optimizer_s_state_on_part_of_its_weights_counts_as_that_part() -> None:
+    """Momentum on half a stage's weights (another group has none, as SGD makes no buffer
+    at momentum 0) is half a copy of them, not rounded to none (or to one)."""
+    from types import SimpleNamespace
+
+    from dreampipe.api.memory_report import training_choices
+
+    a, b = nn.Linear(16, 16), nn.Linear(16, 16)
+    optimizer = torch.optim.SGD([{"params": a.parameters(), "momentum": 0.9},
+                                 {"params": b.parameters(), "momentum": 0.0}], lr=0.1)
+    for layer in (a, b):
+        layer(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    stage = SimpleNamespace(optimizer=optimizer)
+    got = training_choices(TrainConfig(), [stage])  # type: ignore[list-item]
+    assert got.state_copies == pytest.approx(0.5)

@@ -82,7 +82,7 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
                            vertical_sync=config.vertical_sync, compensate=config.compensate,
                            precision=config.number_formats,
                            recompute_blocks=config.recompute_blocks, zero=config.zero,
-                           state_copies=round(state / weights) if weights else 0,
+                           state_copies=state / weights if weights else 0.0,
                            step_bytes=step)
 
 

@@ -50,7 +50,7 @@ class ZeroBytes:
         return self.weights + self.gradients + self.optimizer
 
 
-def zero_bytes(level: int, replicas: int, param_bytes: float, *, optimizer_copies: int,
+def zero_bytes(level: int, replicas: int, param_bytes: float, *, optimizer_copies: float,
                master_weights: bool = False) -> ZeroBytes:
     """One replica's bytes for a stage whose parameters take ``param_bytes`` (in their dtype:
     4 a value in 32 bits, 2 under ``bf16``) at ZeRO ``level`` over ``replicas``.

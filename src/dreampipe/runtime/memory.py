@@ -55,7 +55,7 @@ class TrainingChoices:
     recompute_blocks: int = 0
     block: str | None = None  # the block class's name (the profile's layer description)
     zero: int = 0  # the run's ZeRO level (a plan's stage may set its own)
-    state_copies: int | None = None  # the optimizer's, counted (None: from its kind)
+    state_copies: float | None = None  # the optimizer's, counted (None: from its kind)
     step_bytes: StepBytes = NO_STEP_BYTES  # its step's temporaries (:mod:`.optimizer_step`)
 
     @property
@@ -69,7 +69,7 @@ class TrainingChoices:
 PREDICTION_COPIES = 2
 
 
-def optimizer_copies(opts: TrainingChoices) -> int:
+def optimizer_copies(opts: TrainingChoices) -> float:
     """The optimizer's state in copies of the weights as the run holds them: SGD 0, with
     momentum 1, Adam 2; with 16-bit weights, those and the master weights, each 32-bit
     (twice a 16-bit copy)."""
@@ -90,7 +90,7 @@ def planner_terms(opts: TrainingChoices) -> OptimizerTerms:
                           + (scale if opts.precision.master_weights else 0.0))
 
 
-def _state_copies(opts: TrainingChoices) -> int:
+def _state_copies(opts: TrainingChoices) -> float:
     """The optimizer's 32-bit state tensors a parameter: SGD 0, with momentum 1, Adam 2
     (or as counted on the optimizer a run holds)."""
     if opts.state_copies is not None:

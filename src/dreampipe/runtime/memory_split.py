@@ -32,7 +32,7 @@ def with_step(main: int, before: int, stepping: int, step: int, synchronous: boo
 
 
 def split_peak(graph: LayerGraph, st: Stage, *, versions: int, in_flight: int,
-               optimizer_copies: int, stash: bool, synchronous: bool,
+               optimizer_copies: float, stash: bool, synchronous: bool,
                microbatches_per_update: int, step: StepBytes, master_weights: bool) -> int:
     """Bytes a worker of split stage ``st`` holds at most, with ``versions`` of its weights,
     ``in_flight`` microbatches, ``optimizer_copies`` of its weights as state and its step's
