@@ -304,3 +304,20 @@ def test_adam_compensated_on_an_asynchronous_schedule_prices_its_prediction(sche
                                                                             ) -> None:
     options = _options(config=TrainConfig(schedule=schedule), optimizer=OptimizerKind.ADAM)
     assert options.prediction_factor() > 1
+
+
+def test_a_split_stage_s_layers_are_checked_before_any_rank_starts() -> None:
+    """A weight split of a layer that is not one Linear (the planner prices a Conv's
+    ``out``) is refused in the parent, naming the layer, not by every rank after start."""
+    from dreampipe.planning.plan import Stage
+    from dreampipe.planning.splits import Split
+
+    cnn = get_model("cnn")
+    plan = Plan(stages=(Stage(first=0, last=cnn.num_layers - 1, replicas=1, ranks=(0,),
+                              tensor_parallel=2,
+                              splits=(Split.OUT,) + (Split.BATCH,) * (cnn.num_layers - 1)),),
+                num_layers=cnn.num_layers, layer_names=tuple(cnn.layer_names))
+    run = TrainRun(model="cnn", plan=plan, config=TrainConfig(schedule="1f1b-flush"))
+    with pytest.raises(PlanError, match=rf"layer '{cnn.layer_names[0]}' \(.*\) of split stage "
+                                        r"0 has 0 Linear modules"):
+        check_run(run, cnn)
