@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
 from dreampipe.api.checks import packing_warning
+from dreampipe.errors import ConfigError
 
 __all__: list[str] = []
 
@@ -23,3 +25,28 @@ def test_packed_documents_without_a_mask_beside_a_cache_name_use_cache() -> None
     llama.config.use_cache = False
     assert packing_warning(llama, packed) is None
     assert packing_warning(torch.nn.Linear(2, 2), packed) is None
+
+
+def test_a_split_stage_of_a_traced_model_is_refused_for_what_it_is() -> None:
+    """A traced model's layers are segments that pass packs of values, which a split stage
+    (layers each taking one tensor) cannot run: said so, not as a count of splits."""
+    from torch import nn
+
+    from dreampipe.api.settled_plan import _check_sequential
+    from dreampipe.planning.plan import Plan
+    from dreampipe.splitter.chain import split_layers
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x) + x)
+
+    layers = split_layers(Net(), torch.randn(2, 4))
+    plan = Plan.from_config(len(layers), [0], [1])
+    with pytest.raises(ConfigError, match=r"plan .* splits stage 0 over workers, but its layer "
+                                          r"'a' is a segment of a traced model"):
+        _check_sequential(layers, 0, plan)
+    _check_sequential(split_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), 0, plan)

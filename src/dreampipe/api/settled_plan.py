@@ -34,7 +34,7 @@ from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import Layers, Tie, tied_parameters
-from dreampipe.splitter.segments import split_bounds
+from dreampipe.splitter.segments import Segment, split_bounds
 from dreampipe.splitter.state_keys import check_written_buffers
 
 __all__ = ["SettledPlan", "settle_plan"]
@@ -110,8 +110,20 @@ def settle_plan(
         check_split(plan, config)
         for s, st in enumerate(plan.stages):
             if st.tensor_parallel > 1:
+                _check_sequential(layers[st.first : st.last + 1], s, plan)
                 check_split_layers(layers[st.first : st.last + 1], st.splits, s)
         layout = dataclasses.replace(layout, workers=sum(st.replicas for st in plan.stages))
     check_stages_on_meta(layers, plan, example, loss_fn, microbatch_size)
     return SettledPlan(plan=plan, config=config, layout=layout, ties=ties, mixed=mixed,
                        tensor_parallel=t)
+
+
+def _check_sequential(layers: Layers, stage: int, plan: Plan) -> None:
+    """A split stage runs layers that each take and give one tensor (an ``nn.Sequential``'s
+    children): not the segments of a traced model, which pass packs of values."""
+    traced = next((name for name, layer in layers if isinstance(layer, Segment)), None)
+    if traced is not None:
+        raise ConfigError(
+            f"plan {plan.config} splits stage {stage} over workers, but its layer {traced!r} "
+            "is a segment of a traced model (not an nn.Sequential of modules each taking one "
+            "tensor), which a split stage cannot run yet; use a plan with no split", "plan")
