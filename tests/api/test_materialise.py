@@ -185,3 +185,54 @@ def test_an_initialisation_that_sets_new_tensors_is_kept() -> None:
     state = build_stage(layers, 0, 1, CPU).state_dict()
     assert torch.equal(state["1.index"], torch.arange(4))
     assert torch.equal(state["1.gain"], torch.full((4,), 2.0))
+
+
+class _Positions(nn.Module):
+    """Integer and bool buffers no initialisation writes: a position table and a mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.arange(5))
+        self.register_buffer("keep", torch.tensor([True, True, False, True, True]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.keep[self.pos[: x.shape[-1]]].float()
+
+
+def test_integer_buffers_keep_their_values_and_on_meta_are_refused() -> None:
+    """``initialise`` redraws the weights but keeps what nothing resets (``pos``, ``keep``);
+    on meta their values are unknown, which is said, not left as whatever memory held."""
+    model = dreampipe.initialise(nn.Sequential(_Positions()), seed=3)
+    assert torch.equal(model[0].pos, torch.arange(5))
+    assert model[0].keep.tolist() == [True, True, False, True, True]
+    layers = split_layers(_on_meta(lambda: nn.Sequential(_Positions())))
+    with pytest.raises(PlanError, match=r"module '0' \(_Positions\) was built on meta and has "
+                                        r"no way to initialise 'pos' \(torch.int64\)"):
+        build_stage(layers, 0, 0, CPU)
+
+
+class _OwnInit(nn.Module):
+    """A model of its own (no ``config``) with nanoGPT's ``_init_weights(module)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 4)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_model_s_own_init_weights_initialises_it_on_meta() -> None:
+    layers = split_layers(_on_meta(_OwnInit), torch.randn(2, 64))
+    stage = build_stage(layers, 0, len(layers) - 1, CPU)
+    weight = stage.state_dict()["a.weight"]
+    assert 0.015 < float(weight.std()) < 0.025  # not nn.Linear's own, about 0.072
+    assert not any(float(v.abs().max()) for k, v in stage.state_dict().items()
+                   if k.endswith("bias"))

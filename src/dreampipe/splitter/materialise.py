@@ -10,6 +10,7 @@ stage stay shared. The rule and why: docs/design.md §2.1.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,9 +42,16 @@ class Initialiser:
 
 
 def initialiser(model: nn.Module) -> Initialiser | None:
-    """``model``'s own initialisation, if it has one (a Hugging Face ``PreTrainedModel``)."""
+    """``model``'s own initialisation, if it has one: an ``_init_weights(module)`` that
+    ``model.apply`` would call (a Hugging Face ``PreTrainedModel``'s, nanoGPT's)."""
     init = getattr(model, "_init_weights", None)
-    return Initialiser(init) if callable(init) and hasattr(model, "config") else None
+    if not callable(init):
+        return None
+    try:
+        inspect.signature(init).bind(model)
+    except (TypeError, ValueError):  # not one module at a time
+        return None
+    return Initialiser(init)
 
 
 def _own(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -81,11 +89,17 @@ def _initialise(layer: nn.Module, seed: int, names: dict[int, str],
     slots = [(sub, n, t) for sub in layer.modules() for n, t in _own(sub)]
     fresh: dict[int, Tensor] = {}
     held: dict[int, Tensor] = {}
+    blank: dict[int, int] = {}  # a meta tensor's stand-in, not NaN-able: its version
     for sub, n, t in slots:
         if id(t) not in fresh:
-            cpu = torch.empty(t.shape, dtype=t.dtype)
-            if cpu.is_floating_point():
-                cpu.fill_(math.nan)
+            if t.device.type != "meta":  # its values are known: kept where nothing resets them
+                cpu = t.detach().to("cpu", copy=True)
+            else:
+                cpu = torch.empty(t.shape, dtype=t.dtype)
+                if cpu.is_floating_point():
+                    cpu.fill_(math.nan)
+                else:
+                    blank[id(cpu)] = cpu._version
             fresh[id(t)] = cpu
             held[id(t)] = nn.Parameter(cpu, t.requires_grad) if isinstance(
                 t, nn.Parameter) else cpu
@@ -105,12 +119,16 @@ def _initialise(layer: nn.Module, seed: int, names: dict[int, str],
     for sub, n, t in slots:
         if id(t) not in done:
             cpu = fresh[id(t)]
-            if cpu.is_floating_point() and bool(cpu.isnan().any()):
+            unset = blank.get(id(cpu)) == cpu._version  # an integer or bool nobody wrote
+            if unset or (cpu.is_floating_point() and bool(cpu.isnan().any())):
+                where = names.get(id(sub), "")
+                holder = (f"module {where!r} ({type(sub).__name__})" if where else
+                          "the model (its own tensor, outside its submodules)")
                 raise PlanError(
-                    f"module {names.get(id(sub), '')!r} ({type(sub).__name__}) was built on "
-                    f"meta and has no way to initialise {n!r}: give it reset_parameters() (or "
-                    "_init_weights in a Hugging Face model), or build the model on a real "
-                    "device")
+                    f"{holder} was built on meta and has no way to initialise {n!r}"
+                    f"{'' if cpu.is_floating_point() else f' ({cpu.dtype})'}: give it "
+                    "reset_parameters() (or the model an _init_weights(module)), or build the "
+                    "model on a real device")
             done[id(t)] = landed = land(t, cpu)
             done[id(landed)] = landed
         _put(sub, n, done[id(t)])
