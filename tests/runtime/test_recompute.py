@@ -62,3 +62,28 @@ def test_a_recomputing_stage_keeps_no_graph_between_forward_and_backward() -> No
     out = stage.forward(0, torch.randn(4, 6))
     assert out.grad_fn is None and not out.requires_grad
     assert stage.backward(0, torch.ones(4, 6)) is not None
+
+
+class _Shift(nn.Module):
+    """Writes its input in place first thing, as a stage starting with an in-place op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x.sub_(0.25))
+
+
+@pytest.mark.parametrize("stage", [0, 1], ids=["model-input", "received"])
+def test_a_forward_that_writes_its_input_is_refused_where_it_runs_again(stage: int) -> None:
+    """Run again in the backward on its kept input, the forward would read the written one
+    (gradients off by 6e-3 in a 3-step run): refused by name, on the first microbatch."""
+    from dreampipe.errors import ConfigError
+
+    again = StageModule(_Shift(), _sgd, stage=stage, input_grad=stage > 0, recompute=True)
+    with pytest.raises(ConfigError, match=rf"stage {stage}'s forward writes its input in place"):
+        again.forward(0, torch.randn(4, 6))
+    unstashed = StageModule(_Shift(), _sgd, stage=stage, input_grad=stage > 0, stash=False)
+    with pytest.raises(ConfigError, match=r"make that op out of place"):
+        unstashed.forward(0, torch.randn(4, 6))

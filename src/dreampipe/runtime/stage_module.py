@@ -30,7 +30,7 @@ from dreampipe.runtime.fused import (
 )
 from dreampipe.runtime.gradient_harvest import GradientHarvest
 from dreampipe.runtime.precision import Precision
-from dreampipe.runtime.recompute import Replay, record, replay
+from dreampipe.runtime.recompute import Replay, check_inputs_kept, record, replay
 from dreampipe.runtime.slots import ParameterSlots
 from dreampipe.runtime.split_backward import WeightWork, input_gradient, weight_gradients
 from dreampipe.runtime.stage_records import InFlight, StageInput, scalar_loss, tensor_output
@@ -176,6 +176,7 @@ class StageModule:
             again = self._record(x)
             with torch.no_grad():
                 _, report = self._compute(v.tensors, x, target, scale)
+            check_inputs_kept(again, self.stage)
             self._inflight[microbatch] = InFlight(x, None, v, target, scale, again)
             return report
         if self.stash:
@@ -189,6 +190,7 @@ class StageModule:
         again = self._record(x)
         with torch.no_grad():
             _, report = self._compute(None, x, target, scale)
+        check_inputs_kept(again, self.stage)
         self._inflight[microbatch] = InFlight(x, None, None, target, scale, again)
         return report
 
@@ -196,7 +198,7 @@ class StageModule:
         """What a forward about to run on ``x`` reads besides it, to run it again."""
         device = x.device if isinstance(x, Tensor) else next(
             (p.device for p in self._params), torch.device("cpu"))
-        return record(device, self.module)
+        return record(device, self.module, x)
 
     def _compute(
         self, tensors: list[Tensor] | None, x: StageInput, target: Tensor | None,
