@@ -171,3 +171,28 @@ def test_a_held_backward_returns_the_input_gradient_before_the_weight_gemms(
         assert torch.equal(a, b)
     for a, b in zip(stages[0].module.parameters(), stages[1].module.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_linear_output_of_a_3d_input_may_be_written_in_place() -> None:
+    """A transformer's feed-forward, ``Linear`` then ``ReLU(inplace=True)`` on ``[B, T, D]``:
+    the fused layer's output is no view made inside its Function, so the in-place ReLU
+    runs, and every way of making the gradients makes autograd's update."""
+    def ffn() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 4))
+
+    modes = list(LinearGradients)
+    stages = [StageModule(ffn(), _sgd, stage=1, input_grad=True, linear=m) for m in modes]
+    torch.manual_seed(2)
+    x, g = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    grads = []
+    for st in stages:
+        st.forward(0, x.clone())
+        grads.append(st.backward(0, g))
+        st.step()
+    want = stages[modes.index(LinearGradients.AUTOGRAD)]
+    for mode, st, grad in zip(modes, stages, grads, strict=True):
+        torch.testing.assert_close(grad, grads[modes.index(LinearGradients.AUTOGRAD)],
+                                   msg=str(mode))
+        for a, b in zip(st.module.parameters(), want.module.parameters(), strict=True):
+            torch.testing.assert_close(a, b, msg=str(mode))

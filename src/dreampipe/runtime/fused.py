@@ -240,10 +240,12 @@ def _forward(layer: nn.Linear, sink: GradientSink, w_index: int, b_index: int | 
     weight, bias = layer.weight, layer.bias
     if (torch.is_grad_enabled() and weight.requires_grad and x.dim() >= 2
             and not torch.is_autocast_enabled(x.device.type)):
+        # on 2-D rows, its output shaped outside the Function: F.linear of a 3-D input
+        # returns a view, which a Function may not return if the model writes it in place
         out: Tensor = _LinearAccumulate.apply(  # type: ignore[no-untyped-call]
-            x, weight, bias, sink, w_index, b_index
+            x.reshape(-1, x.shape[-1]), weight, bias, sink, w_index, b_index
         )
-        return out
+        return out.view(*x.shape[:-1], out.shape[-1])
     return F.linear(x, weight, bias)
 
 
