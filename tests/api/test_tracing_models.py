@@ -83,3 +83,28 @@ def test_a_default_tensor_argument_is_used_unless_given_and_pipe_split_is_no_nod
     assert not hasattr(model, "_tensor_constant0")
     torch.testing.assert_close(Chain(layers)(x), model(x), rtol=0, atol=0)
     torch.testing.assert_close(Chain(layers)(x, y), model(x, y), rtol=0, atol=0)
+
+
+class _Llamaish(torch.nn.Module):
+    """Its blocks in a top-level ``layers`` list, as Meta's reference Llama and
+    torchtitan's hold them: a name the stage's own container must not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return self.head(h)
+
+
+def test_a_model_whose_blocks_are_called_layers_splits_into_stages() -> None:
+    model, x = _Llamaish(), torch.randn(3, 4)
+    layers = split_layers(model, x)
+    assert [name for name, _ in layers] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    first, second = Chain(layers[:2]), Chain(layers[2:])
+    torch.testing.assert_close(second(first(x)), model(x))

@@ -151,7 +151,7 @@ def profile_layers(
             layers = [(name, m.at(sig) if isinstance(m, Segment) else m) for name, m in layers]
     chain = build_stage(copy.deepcopy(layers), 0, len(layers) - 1, torch.device("cpu"),
                         config.seed)
-    model = nn.Sequential(*chain.layers)
+    model = nn.Sequential(*chain.stage_layers)
     if isinstance(x, tuple):  # the first layer is a segment (a tuple input makes one)
         assert isinstance(first, Segment)
         x = dict(zip((str(n.target) for n in first.inputs), x, strict=False))

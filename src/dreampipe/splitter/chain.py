@@ -62,16 +62,22 @@ class Chain(nn.Module):
                         place_attr(module, target, self, fetch(module, target))
             else:
                 place(name, self, module)
-        self.layers = tuple(module for _, module in layers)
+        # a private name: a model's own top-level module may be called ``layers`` (Llama's)
+        self._stage_layers = tuple(module for _, module in layers)
         #: The 16-bit dtype a run sends in, which a pack takes where it is exact (:mod:`.pack`).
         self.message_dtype: torch.dtype | None = None
 
+    @property
+    def stage_layers(self) -> tuple[nn.Module, ...]:
+        """The chain's layers, in call order."""
+        return self._stage_layers
+
     def forward(self, *args: Any) -> Any:
         """The first layer on the inputs, then each next layer on the previous output."""
-        first = self.layers[0]
+        first = self._stage_layers[0]
         if not isinstance(first, Segment):
             out = first(*args)
-            for layer in self.layers[1:]:
+            for layer in self._stage_layers[1:]:
                 out = layer(out)
             return out
         if first.index > 0:
@@ -79,10 +85,10 @@ class Chain(nn.Module):
         else:
             values = first.bind(args)
             sig = first.signature(values)
-        for seg in self.layers:
+        for seg in self._stage_layers:
             assert isinstance(seg, Segment)
             values = seg.run(self, values, sig)
-        last = self.layers[-1]
+        last = self._stage_layers[-1]
         assert isinstance(last, Segment)
         if last.index < last.count - 1:
             return pack(values, f"the cut after {last.name!r}", sig, self.message_dtype)
