@@ -305,3 +305,20 @@ def test_a_plan_the_planner_fits_in_a_limit_the_runs_own_check_accepts(
         need = predict_memory(graph, plan, schedule, choices)
         assert max(need) <= limit, (limit, plan.config, need)
     assert planned >= 10
+
+
+@pytest.mark.parametrize(("kind", "microbatches", "copies"),
+                         [(ScheduleKind.PIPEDREAM, 1, (2, 0)), (ScheduleKind.TWO_BW, 2, (2, 2))],
+                         ids=["pipedream", "2bw"])
+def test_weight_prediction_holds_copies_of_a_delayed_stage_s_weights(
+        kind: ScheduleKind, microbatches: int, copies: tuple[int, int]) -> None:
+    """Adam's compensation predicts a delayed stage's weights: the last update's change and
+    the live weights (2 copies; none on pipedream's last stage, which is not delayed)."""
+    graph = _graph()  # each stage's weights: 8 + 8 bytes
+    plan = Plan.from_config(4, [0, 2], [1, 1])
+    sched = MicrobatchLayout(kind=kind, microbatches=microbatches).build([1, 1], 4,
+                                                                        plan.in_flight)
+    plain = predict_memory(graph, plan, sched, _choices())
+    predicted = predict_memory(graph, plan, sched, dataclasses.replace(_choices(),
+                                                                       compensate=True))
+    assert [b - a for a, b in zip(plain, predicted, strict=True)] == [16 * c for c in copies]

@@ -36,6 +36,7 @@ from dreampipe.runtime.memory_meter import MemoryUse, Meter, current_meter, star
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, measure_step_bytes
 from dreampipe.runtime.runner_options import OptimizerKind
 from dreampipe.runtime.stage_module import StageModule
+from dreampipe.runtime.staleness import hyper_of
 from dreampipe.scheduling.actions import Schedule
 from dreampipe.splitter.chain import Layers
 
@@ -69,16 +70,22 @@ def training_choices(config: TrainConfig, modules: Sequence[StageModule]) -> Tra
     32-bit masters, or this replica's chunks under ZeRO)."""
     state = weights = 0
     step = NO_STEP_BYTES
+    hyper = None
     for m in modules:
         if m.optimizer is None:
             continue
         if step is NO_STEP_BYTES:  # a rank's stages build theirs with one factory
             step = _step_bytes(m.optimizer)
+            # how the runtime compensates (weight prediction keeps copies): as it reads it
+            hyper = hyper_of(m.optimizer.param_groups[0]) if m.optimizer.param_groups else None
         weights += sum(p.numel() * p.element_size()  # a chunk may view a whole weight
                        for g in m.optimizer.param_groups for p in g["params"])
         state += sum(v.numel() * v.element_size() for per in m.optimizer.state.values()
                      for v in per.values() if isinstance(v, Tensor) and v.dim() > 0)
-    return TrainingChoices(optimizer=OptimizerKind.SGD, momentum=0.0, stash=config.stash,
+    adaptive = hyper is not None and hyper.adaptive
+    return TrainingChoices(optimizer=OptimizerKind.ADAM if adaptive else OptimizerKind.SGD,
+                           momentum=0.0 if hyper is None or adaptive else hyper.momentum,
+                           stash=config.stash,
                            vertical_sync=config.vertical_sync, compensate=config.compensate,
                            precision=config.number_formats,
                            recompute_blocks=config.recompute_blocks, zero=config.zero,
