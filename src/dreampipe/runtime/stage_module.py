@@ -29,6 +29,7 @@ from dreampipe.runtime.fused import (
     fused_indices,
 )
 from dreampipe.runtime.gradient_harvest import GradientHarvest
+from dreampipe.runtime.input_writes import InputWrites
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.recompute import Replay, check_inputs_kept, record, replay
 from dreampipe.runtime.slots import ParameterSlots
@@ -98,6 +99,7 @@ class StageModule:
         self._sharded = self.zero is not None and self.zero.shards_gradients
         self._harvest = GradientHarvest(self._grads, self._held, sharded=self._sharded)
         self._fused: frozenset[int] = frozenset()
+        self._writes = InputWrites(module, stage, applies=input_grad)
         if linear is not LinearGradients.AUTOGRAD:
             fuse_linear_gradients(module, self._names, self._held)
             self._fused = fused_indices(module, self._names)
@@ -181,7 +183,8 @@ class StageModule:
             return report
         if self.stash:
             v = self._versions.acquire(version, update)
-            out, report = self._compute(v.tensors, x, target, scale)
+            out, report = self._writes.run(lambda: self._compute(v.tensors, x, target, scale),
+                                           x)
             self._inflight[microbatch] = InFlight(x, out, v, target, scale)
             return report
         # no stashing: the backward runs the forward again on the live weights, with the
@@ -207,6 +210,7 @@ class StageModule:
         """(tensor to differentiate, what forward reports: output or unscaled loss)."""
         if self.stage == 0:
             x = self.precision.model_inputs(x)
+        x = self._writes.input(x)  # type: ignore[assignment]
         args = x if isinstance(x, tuple) else (x,)
         with self._saving():
             out = self.module(*args) if tensors is None else self._slots.call(tensors, args)
