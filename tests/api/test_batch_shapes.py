@@ -160,3 +160,15 @@ def test_the_memory_prediction_profiles_the_longest_sequence_met() -> None:
     short, long = predicted(text(8), 64, 16)
     assert long > 2 * short  # activations 8 times longer, attention 64 times larger
     assert long == predicted(text(64))[0]
+
+
+def test_an_input_that_is_no_tensor_is_named() -> None:
+    """A step that passes None (or a number) where the example had a tensor is refused by
+    its position or name, not as an attribute error of None."""
+    example = ((torch.zeros(4, 3), torch.ones(4, dtype=torch.bool)), torch.zeros(4))
+    with pytest.raises(DatasetError, match=r"minibatch 2's input 1 is NoneType None, not a "
+                                           r"tensor"):
+        check_batch(2, ((torch.zeros(4, 3), None), torch.zeros(4)), example)  # type: ignore[arg-type]
+    with pytest.raises(DatasetError, match=r"minibatch 0's input 'mask' is float 0.5"):
+        check_batch(0, ({"x": torch.zeros(4, 3), "mask": 0.5}, torch.zeros(4)),  # type: ignore[dict-item]
+                    ({"x": torch.zeros(4, 3), "mask": torch.ones(4)}, torch.zeros(4)))

@@ -80,6 +80,13 @@ def check_batch(index: int, batch: Batch, example: Batch, variable_dims: Sequenc
     tensors, at least ``microbatches``. Where only sizes differ, the error names the
     dimensions to declare."""
     for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
+        names = list(got) if isinstance(got, dict) else range(len(_tensors(got)))
+        for name, t in zip(names, _tensors(got), strict=True):
+            if not isinstance(t, Tensor):
+                raise DatasetError(
+                    f"minibatch {index}'s {what} {name!r} is {type(t).__name__} {t!r:.40}, "
+                    "not a tensor; give every input a tensor with the samples first, as the "
+                    "example's")
         if _fixed(got, variable_dims) != _fixed(want, variable_dims):
             raise DatasetError(
                 f"minibatch {index}'s {what} is {', '.join(_signature(got))} but example's is "
