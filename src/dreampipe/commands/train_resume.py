@@ -34,6 +34,7 @@ _log = logging.getLogger(__name__)
 #: The file in a checkpoint folder that records what the run's data position counts.
 DATA_FILE = "train-data.json"
 
+
 def _data(run: TrainOptions) -> dict[str, Any]:
     """What a minibatch number means for ``run``: its data, by the names of the flags."""
     return {"dataset": run.dataset, "batch_size": run.minibatch_size, "seed": run.config.seed,
