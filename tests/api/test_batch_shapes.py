@@ -172,3 +172,21 @@ def test_an_input_that_is_no_tensor_is_named() -> None:
     with pytest.raises(DatasetError, match=r"minibatch 0's input 'mask' is float 0.5"):
         check_batch(0, ({"x": torch.zeros(4, 3), "mask": 0.5}, torch.zeros(4)),  # type: ignore[dict-item]
                     ({"x": torch.zeros(4, 3), "mask": torch.ones(4)}, torch.zeros(4)))
+
+
+def test_a_held_out_batch_needs_the_example_s_inputs_at_any_size() -> None:
+    """evaluate() runs the graph traced from the example: another set of inputs is named on
+    every rank before anything is sent (the trace's own message blamed the model's
+    signature), while other sizes pass."""
+    from dreampipe.api.batch_shapes import check_held_out
+
+    example = ({"input_ids": torch.zeros(4, 8, dtype=torch.long)}, torch.zeros(4, 8))
+    check_held_out(0, ({"input_ids": torch.zeros(3, 5, dtype=torch.long)}, torch.zeros(3, 5)),
+                   example)
+    masked = {"input_ids": torch.zeros(4, 8, dtype=torch.long),
+              "attention_mask": torch.ones(4, 8, dtype=torch.long)}
+    with pytest.raises(DatasetError, match=r"held-out batch 1's input is input_ids=.*, "
+                                           r"attention_mask=.* but the example's is input_ids"):
+        check_held_out(1, (masked, torch.zeros(4, 8)), example)
+    with pytest.raises(DatasetError, match=r"held-out batch 0's target is torch.int64"):
+        check_held_out(0, (example[0], torch.zeros(4, 8, dtype=torch.long)), example)

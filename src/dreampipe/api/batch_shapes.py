@@ -20,7 +20,7 @@ from torch import Tensor
 from dreampipe.api.checks import Batch, Inputs, map_inputs
 from dreampipe.errors import DatasetError
 
-__all__ = ["BatchShapes", "check_batch"]
+__all__ = ["BatchShapes", "check_batch", "check_held_out"]
 
 
 def _describe(t: Tensor) -> str:
@@ -103,6 +103,23 @@ def check_batch(index: int, batch: Batch, example: Batch, variable_dims: Sequenc
         raise DatasetError(f"minibatch {index} has {sizes[0]} samples, fewer than its "
                            f"{microbatches} microbatches; give it {microbatches} at least, or "
                            "drop it (a DataLoader with drop_last=True drops a short last batch)")
+
+
+def check_held_out(index: int, batch: Batch, example: Batch) -> None:
+    """Held-out batch ``index`` must have the example's inputs, their names, dtypes and
+    dimensions (and its target's), at any sizes: the graph traced from the example runs
+    it (a DatasetError naming both, before anything is sent)."""
+    for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
+        values = _tensors(got)
+        if any(not isinstance(t, Tensor) for t in values):
+            check_batch(index, batch, example)  # names the value that is no tensor
+        every = range(max((t.dim() for t in (*values, *_tensors(want))), default=0))
+        if _fixed(got, every) != _fixed(want, every):
+            raise DatasetError(
+                f"held-out batch {index}'s {what} is {', '.join(_signature(got))} but the "
+                f"example's is {', '.join(_signature(want))}; give every batch evaluate() "
+                "takes the example's inputs, by the same names, dtypes and dimensions (their "
+                "sizes may differ)")
 
 
 def _samples(batch: Batch) -> int:

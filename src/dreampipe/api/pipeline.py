@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from dreampipe.api import checkpoint
-from dreampipe.api.batch_shapes import BatchShapes
+from dreampipe.api.batch_shapes import BatchShapes, check_held_out
 from dreampipe.api.checks import (
     Batch,
     Inputs,
@@ -344,6 +344,9 @@ class Pipeline:
                 f"evaluate() cannot run the model in eval mode: {refused}; move that branch "
                 "into the forward of a submodule the forward calls (a block runs whole, in "
                 "its own mode), or evaluate full_state_dict() in one process", "model")
+        batches = [(x, y) for x, y in loader]
+        for k, batch in enumerate(batches):
+            check_held_out(k, batch, self._shapes.example)
         self._drain()
         me = EvalRank(replicas=self.replicas, srank=self.srank, reports=self.member == 0,
                       device=self.device, timeout_s=self._opts.timeout_s, links=self._links,
@@ -353,8 +356,7 @@ class Pipeline:
         first = self.runner.schedule.replica_of_rank(self.srank) == 0 and self.member == 0
         with gathered(m.zero for m in self.runner.modules), first_replicas_buffers(
                 modules, replicated=max(self.replicas) > 1, first=first):
-            return evaluate([(x, y) for x, y in loader],
-                            modules, self.loss_fn, me, self._segments.loss_weight)
+            return evaluate(batches, modules, self.loss_fn, me, self._segments.loss_weight)
 
     @property
     def skipped(self) -> list[int]:
