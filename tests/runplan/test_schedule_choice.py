@@ -256,3 +256,20 @@ def test_each_candidate_holds_the_optimizers_state_a_replica_its_share_from_zero
                               state_copies=2)
     for plain, with_state in zip(base.candidates, sharded.candidates, strict=True):
         assert with_state.peak_memory_bytes == plain.peak_memory_bytes + 2 * 2 * 10**6 / 2
+
+
+def test_the_default_microbatches_divide_the_minibatch() -> None:
+    """Four stages' 16 microbatches do not divide a minibatch of 24: the nearest count
+    below that does (12) is tried; one stage on 3 replicas takes whole rounds of 3, which
+    no count dividing 16 is, so a candidate whose count does not divide it is not tried,
+    and the refusal says so."""
+    graph, topo = _chain(), Topology.parse("1x4")
+    choice = choose_schedule(graph, _straight(), topo, Semantics.SYNC, minibatch_size=24)
+    assert choice.microbatches == 12 and default_microbatches((1, 1, 1, 1)) == 16
+    assert choose_schedule(graph, _straight(), topo, Semantics.SYNC,
+                           minibatch_size=5).microbatches == 5  # one sample each
+    dp = Plan.from_config(4, [0], [3])
+    with pytest.raises(ConfigError, match=r"1f1b-flush: its 6 microbatches do not divide a "
+                                          r"minibatch of 16"):
+        choose_schedule(graph, dp, Topology.parse("1x3"), Semantics.SYNC, minibatch_size=16,
+                        kinds=(S.FLUSH,))

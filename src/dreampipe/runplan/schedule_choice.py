@@ -153,11 +153,23 @@ class ScheduleChoice:
         return [c.line(c.kind is self.kind, limited=limited) for c in self.candidates]
 
 
+def _dividing(m: int, widest: int, batch: int | None) -> int:
+    """``m`` microbatches, or where they do not divide ``batch`` samples the nearest count,
+    whole rounds of ``widest`` replicas, that does: the most below ``m``, else the fewest
+    above it (``m`` itself where none does: the run then says why)."""
+    if not batch or batch % m == 0:
+        return m
+    whole = [d for d in range(widest, batch + 1, widest) if batch % d == 0]
+    below = [d for d in whole if d <= m]
+    return max(below) if below else min(whole, default=m)
+
+
 def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
     steps_agree: bool = False, profile_share: float = 1.0, state_copies: float = 0.0,
+    minibatch_size: int | None = None,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -175,10 +187,13 @@ def choose_schedule(
     ``profile_share``: the share of a minibatch ``graph`` was profiled at (1/4: a quarter),
     so that each candidate's microbatch is priced at its own size and its rate counts
     minibatches; ``state_copies``: the optimizer's state in copies of the weights (Adam 2),
-    which each candidate's memory holds (a replica its share, from ZeRO level 1)."""
+    which each candidate's memory holds (a replica its share, from ZeRO level 1);
+    ``minibatch_size``: the samples a minibatch has, which the default count divides (the
+    nearest whole rounds that do), and a candidate's own count must divide."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
-    m = microbatches or default_microbatches(replicas)
+    m = microbatches or _dividing(default_microbatches(replicas), max(replicas),
+                                  minibatch_size)
     rounds = math.lcm(*replicas)
     found = []
     split = plan.has_splits
@@ -209,6 +224,10 @@ def choose_schedule(
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
                 f"its stages, replicated {plan.config}, update at different rates and cannot "
                 "agree on each update (clipping, a loss scale, skipping)")))
+            continue
+        if minibatch_size and minibatch_size % per:
+            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
+                f"its {per} microbatches do not divide a minibatch of {minibatch_size}")))
             continue
         if per > MAX_2BW_MICROBATCHES:
             found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
