@@ -32,8 +32,9 @@ def test_a_split_stage_of_a_traced_model_is_refused_for_what_it_is() -> None:
     (layers each taking one tensor) cannot run: said so, not as a count of splits."""
     from torch import nn
 
-    from dreampipe.api.settled_plan import _check_sequential
-    from dreampipe.planning.plan import Plan
+    from dreampipe.api.settled_plan import check_split_stages
+    from dreampipe.planning.plan import Plan, Stage
+    from dreampipe.planning.splits import Split
     from dreampipe.splitter.chain import split_layers
 
     class Net(nn.Module):
@@ -44,9 +45,13 @@ def test_a_split_stage_of_a_traced_model_is_refused_for_what_it_is() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.b(self.a(x) + x)
 
+    def split(n: int) -> Plan:  # one stage of n layers over 2 workers, each kept whole
+        return Plan(stages=(Stage(first=0, last=n - 1, replicas=1, ranks=(0,),
+                                  tensor_parallel=2, splits=(Split.REPLICA,) * n),),
+                    num_layers=n)
+
     layers = split_layers(Net(), torch.randn(2, 4))
-    plan = Plan.from_config(len(layers), [0], [1])
     with pytest.raises(ConfigError, match=r"plan .* splits stage 0 over workers, but its layer "
                                           r"'a' is a segment of a traced model"):
-        _check_sequential(layers, 0, plan)
-    _check_sequential(split_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), 0, plan)
+        check_split_stages(layers, split(len(layers)))
+    check_split_stages(split_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU())), split(2))

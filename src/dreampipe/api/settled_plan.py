@@ -37,7 +37,7 @@ from dreampipe.splitter.chain import Layers, Tie, tied_parameters
 from dreampipe.splitter.segments import Segment, split_bounds
 from dreampipe.splitter.state_keys import check_written_buffers
 
-__all__ = ["SettledPlan", "settle_plan"]
+__all__ = ["SettledPlan", "check_split_stages", "settle_plan"]
 
 
 @dataclass(frozen=True)
@@ -105,25 +105,30 @@ def settle_plan(
                           "supported yet; use virtual_stages=1", "virtual_stages")
     check_schedule(config, plan)
     if t > 1:
-        from dreampipe.runtime.tensor_split import check_split_layers  # DTensor's: on use
-
         check_split(plan, config)
-        for s, st in enumerate(plan.stages):
-            if st.tensor_parallel > 1:
-                _check_sequential(layers[st.first : st.last + 1], s, plan)
-                check_split_layers(layers[st.first : st.last + 1], st.splits, s)
+        check_split_stages(layers, plan)
         layout = dataclasses.replace(layout, workers=sum(st.replicas for st in plan.stages))
     check_stages_on_meta(layers, plan, example, loss_fn, microbatch_size)
     return SettledPlan(plan=plan, config=config, layout=layout, ties=ties, mixed=mixed,
                        tensor_parallel=t)
 
 
-def _check_sequential(layers: Layers, stage: int, plan: Plan) -> None:
-    """A split stage runs layers that each take and give one tensor (an ``nn.Sequential``'s
-    children): not the segments of a traced model, which pass packs of values."""
-    traced = next((name for name, layer in layers if isinstance(layer, Segment)), None)
-    if traced is not None:
-        raise ConfigError(
-            f"plan {plan.config} splits stage {stage} over workers, but its layer {traced!r} "
-            "is a segment of a traced model (not an nn.Sequential of modules each taking one "
-            "tensor), which a split stage cannot run yet; use a plan with no split", "plan")
+def check_split_stages(layers: Layers, plan: Plan) -> None:
+    """What each stage ``plan`` splits over workers can hold of ``layers``
+    (:func:`~dreampipe.runtime.tensor_split.check_split_layers`), and that they each take
+    and give one tensor (an ``nn.Sequential``'s children): not the segments of a traced
+    model, which pass packs of values."""
+    from dreampipe.runtime.tensor_split import check_split_layers  # DTensor's: on use
+
+    for s, st in enumerate(plan.stages):
+        if st.tensor_parallel == 1:
+            continue
+        held = layers[st.first : st.last + 1]
+        traced = next((name for name, layer in held if isinstance(layer, Segment)), None)
+        if traced is not None:
+            raise ConfigError(
+                f"plan {plan.config} splits stage {s} over workers, but its layer {traced!r} "
+                "is a segment of a traced model (not an nn.Sequential of modules each taking "
+                "one tensor), which a split stage cannot run yet; use a plan with no split",
+                "plan")
+        check_split_layers(held, st.splits, s)

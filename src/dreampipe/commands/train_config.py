@@ -265,11 +265,8 @@ def check_run(run: TrainRun, spec: ModelSpec, world: int | None = None) -> None:
     if run.config.kind is ScheduleKind.TWO_BW:
         check_two_versions(run.layout.build([st.replicas for st in plan.stages], 3))
     if plan.has_splits:  # what each split stage's layers can run, before any rank starts
-        from dreampipe.runtime.tensor_split import check_split_layers
+        from dreampipe.api.settled_plan import check_split_stages
         from dreampipe.splitter.sequential import sequential_entries
 
         with torch.device("meta"):
-            layers = sequential_entries(spec.build(seed=run.config.seed))
-        for s, st in enumerate(plan.stages):
-            if st.tensor_parallel > 1:
-                check_split_layers(layers[st.first : st.last + 1], st.splits, s)
+            check_split_stages(sequential_entries(spec.build(seed=run.config.seed)), plan)
