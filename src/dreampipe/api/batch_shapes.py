@@ -73,6 +73,17 @@ def _fix(dims: Sequence[int], variable: Sequence[int]) -> str:
             f"TrainConfig(variable_dims={declared!r})")
 
 
+def _refuse_no_tensors(label: str, x: Inputs) -> None:
+    """Every value of ``x`` (``label``: whose it is) must be a tensor (a DatasetError naming
+    the first that is not, by position or key)."""
+    names = list(x) if isinstance(x, dict) else range(len(_tensors(x)))
+    for name, t in zip(names, _tensors(x), strict=True):
+        if not isinstance(t, Tensor):
+            raise DatasetError(
+                f"{label} {name!r} is {type(t).__name__} {t!r:.40}, not a tensor; give every "
+                "input a tensor with the samples first, as the example's")
+
+
 def check_batch(index: int, batch: Batch, example: Batch, variable_dims: Sequence[int] = (),
                 microbatches: int = 1) -> None:
     """Minibatch ``index`` must have the example's shapes and dtypes (input and target)
@@ -80,13 +91,7 @@ def check_batch(index: int, batch: Batch, example: Batch, variable_dims: Sequenc
     tensors, at least ``microbatches``. Where only sizes differ, the error names the
     dimensions to declare."""
     for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
-        names = list(got) if isinstance(got, dict) else range(len(_tensors(got)))
-        for name, t in zip(names, _tensors(got), strict=True):
-            if not isinstance(t, Tensor):
-                raise DatasetError(
-                    f"minibatch {index}'s {what} {name!r} is {type(t).__name__} {t!r:.40}, "
-                    "not a tensor; give every input a tensor with the samples first, as the "
-                    "example's")
+        _refuse_no_tensors(f"minibatch {index}'s {what}", got)
         if _fixed(got, variable_dims) != _fixed(want, variable_dims):
             raise DatasetError(
                 f"minibatch {index}'s {what} is {', '.join(_signature(got))} but example's is "
@@ -110,10 +115,8 @@ def check_held_out(index: int, batch: Batch, example: Batch) -> None:
     dimensions (and its target's), at any sizes: the graph traced from the example runs
     it (a DatasetError naming both, before anything is sent)."""
     for what, got, want in (("input", batch[0], example[0]), ("target", batch[1], example[1])):
-        values = _tensors(got)
-        if any(not isinstance(t, Tensor) for t in values):
-            check_batch(index, batch, example)  # names the value that is no tensor
-        every = range(max((t.dim() for t in (*values, *_tensors(want))), default=0))
+        _refuse_no_tensors(f"held-out batch {index}'s {what}", got)
+        every = range(max((t.dim() for t in (*_tensors(got), *_tensors(want))), default=0))
         if _fixed(got, every) != _fixed(want, every):
             raise DatasetError(
                 f"held-out batch {index}'s {what} is {', '.join(_signature(got))} but the "

@@ -93,15 +93,17 @@ def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
     if st.last == len(graph.layers) - 1:
         recorded -= graph.layers[-1].loss_bytes or 0
     before = kept if own is None else own + graph.cut_bytes()[st.first]  # until its B
+
+    def held(flight: int, waiting: int) -> int:
+        return before * (flight - waiting) + (kept + recorded) * waiting
+
     flight = waiting = most = top = 0
     for a in actions:
-        held = before * (flight - waiting) + (kept + recorded) * waiting
         if a.kind is ActionKind.BACKWARD:
-            most = max(most, held + working)
+            most = max(most, held(flight, waiting) + working)
         flight += (a.kind is ActionKind.FORWARD) - (a.kind is ActionKind.WEIGHT)
         waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
-        held = before * (flight - waiting) + (kept + recorded) * waiting
-        most, top = max(most, held), max(top, flight)
+        most, top = max(most, held(flight, waiting)), max(top, flight)
     return max(0, most - before * top - working)
 
 
