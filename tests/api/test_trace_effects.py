@@ -41,10 +41,8 @@ def _rebind(m: _Net) -> None:
     m.calls = m.calls + 1
 
 
-@pytest.mark.parametrize("update", [_iadd, _rebind], ids=["+=", "= +"])
-def test_a_buffer_rebound_in_the_forward_is_refused_and_left_as_it_was(
-        update: Callable[[_Net], None]) -> None:
-    model = _Net(update)
+def test_a_buffer_rebound_in_the_forward_is_refused_and_left_as_it_was() -> None:
+    model = _Net(_rebind)
     calls = model.calls
     with pytest.raises(PlanError, match=r"assigns self\.calls.*self\.calls\.add_\(1\)"):
         split_layers(model, torch.randn(4, 6))
@@ -53,8 +51,10 @@ def test_a_buffer_rebound_in_the_forward_is_refused_and_left_as_it_was(
     assert int(model.calls) == 1
 
 
-def test_a_buffer_updated_in_place_traces_and_counts_each_call() -> None:
-    model = _Net(lambda m: m.calls.add_(1))
+@pytest.mark.parametrize("update", [lambda m: m.calls.add_(1), _iadd], ids=["add_", "+="])
+def test_a_buffer_updated_in_place_traces_and_counts_each_call(
+        update: Callable[[_Net], None]) -> None:
+    model = _Net(update)
     chain = Chain(split_layers(model, torch.randn(4, 6)))
     assert int(model.calls) == 0  # the trace ran on meta values
     x = torch.randn(4, 6)

@@ -31,6 +31,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from dreampipe.splitter.hf_hooks import Firings, prune, recording, replay
+from dreampipe.splitter.in_place import IN_PLACE_OPERATORS, note, versions
 from dreampipe.splitter.trace_effects import undone
 
 __all__ = ["call_on_meta", "on_meta", "trace_model"]
@@ -109,6 +110,17 @@ class _MetaProxy(fx.Proxy):
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
 
 
+def _in_place(op: Callable[[Any, Any], Any]) -> Callable[[fx.Proxy, Any], fx.Proxy]:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _name, _op in IN_PLACE_OPERATORS.items():  # ``h += s`` writes h, as the forward does
+    setattr(_MetaProxy, _name, _in_place(_op))
+
+
 class _Tracer(fx.Tracer):
     """Units kept whole, every node's meta value alongside (from ``inputs``, the meta
     values of the forward's arguments by name; None: none known); ``concrete``: shapes
@@ -183,10 +195,13 @@ class _Tracer(fx.Tracer):
         if self.inputs is None:
             return p
         try:
-            value = self._meta_value(kind, target, *pytree.tree_map(
-                _value, (args, kwargs), is_leaf=_is_proxy))
+            metas = pytree.tree_map(_value, (args, kwargs), is_leaf=_is_proxy)
+            before = versions(metas)
+            value = self._meta_value(kind, target, *metas)
         except Exception:  # unknown: only what reads it fails the trace
             value = _UNKNOWN
+        else:
+            note(p.node, value, metas, before)
         p.__dict__[_VALUE] = value
         return p
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import difflib
 import itertools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +26,7 @@ from dreampipe.errors import ConfigError, PlanError
 from dreampipe.splitter.eval_graphs import eval_graphs
 from dreampipe.splitter.fx_tracer import trace_model
 from dreampipe.splitter.hf_hooks import Interpreter
+from dreampipe.splitter.in_place import carry, live_values, rejoin_views, written
 from dreampipe.splitter.materialise import initialiser
 from dreampipe.splitter.shape_graphs import ShapeGraphs, Signature, signature
 
@@ -111,7 +111,7 @@ class Segment(nn.Module):
         #: a value received from another stage is a leaf of autograd, which an in-place op
         #: may not write, so :meth:`run` writes a copy of it, as one process writes the
         #: non-leaf that stage made.
-        bases = _written(graph)
+        bases = written(graph)
         self.written = [str(b.target) for b in bases if b.op == "get_attr"]
         self.mutated = {i for i, n in enumerate(self.inputs) if n in bases}
         #: Its graph traced with the model in eval mode, where the forward's code between
@@ -188,29 +188,6 @@ class Segment(nn.Module):
             return self.run(self, args[0])
         values = self.bind(args)
         return self.run(self, values, self.signature(values))
-
-
-_IN_PLACE_FUNCTIONS = (operator.setitem, operator.iadd, operator.isub, operator.imul,
-                       operator.itruediv)
-
-
-def _written(graph: fx.Graph) -> list[fx.Node]:
-    """The attributes and inputs ``graph`` writes in place (``buf.mul_(0.9).add_(x)``,
-    ``buf[0] = x``)."""
-    out: list[fx.Node] = []
-    for node in graph.nodes:
-        if not ((node.op == "call_method" and node.target.endswith("_")
-                 and not node.target.endswith("__"))
-                or (node.op == "call_function" and node.target in _IN_PLACE_FUNCTIONS)):
-            continue
-        base = node.args[0] if node.args else None
-        while isinstance(base, fx.Node) and base.op == "call_method" and str(
-                base.target).endswith("_") and base.args:
-            base = base.args[0]
-        if (isinstance(base, fx.Node) and base.op in ("get_attr", "placeholder")
-                and base not in out):
-            out.append(base)
-    return out
 
 
 def _plain(value: Any) -> Any:
@@ -299,17 +276,16 @@ def _cut(graph: fx.Graph, units: Sequence[str], what: str) -> list[tuple[str, fx
     if not calls:
         raise PlanError(f"cannot split {what}: its forward calls none of its submodules")
     bounds = [0, *calls[1:], len(nodes)]
-    groups = [nodes[a:b] for a, b in itertools.pairwise(bounds)]
-    seg_of = {n: s for s, group in enumerate(groups) for n in group}
+    seg_of = {n: s for s, (a, b) in enumerate(itertools.pairwise(bounds)) for n in nodes[a:b]}
     for n in graph.nodes:
         if n.op == "placeholder":
             seg_of[n] = 0
     output = next(n for n in graph.nodes if n.op == "output")
-    seg_of[output] = len(groups)
-    live: list[list[fx.Node]] = []
-    for s in range(len(groups)):
-        live.append([n for n in graph.nodes if n.op != "get_attr" and n in seg_of
-                     and seg_of[n] <= s and any(seg_of.get(u, 0) > s for u in n.users)])
+    seg_of[output] = len(calls)
+    rejoin_views(graph, seg_of, [nodes[c] for c in calls], what)
+    groups = [[n for n in graph.nodes if seg_of.get(n) == s and n.op != "placeholder"]
+              for s in range(len(calls))]
+    live = [live_values(graph, seg_of, s) for s in range(len(calls))]
     out: list[tuple[str, fx.Graph]] = []
     seen: dict[str, int] = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -330,6 +306,7 @@ def _segment_graph(inputs: list[fx.Node], first: bool, group: list[fx.Node],
     env: dict[fx.Node, fx.Node] = {}
     for i, n in enumerate(inputs):
         env[n] = g.node_copy(n) if first else g.placeholder(f"in_{i}_{n.name}")
+        carry(n, env[n])
 
     def copy(n: fx.Node) -> None:
         for arg in n.all_input_nodes:

@@ -1,8 +1,9 @@
 """What tracing a forward did to the model, undone.
 
-fx runs the forward's Python once, on proxies: ``self.count += 1`` on a buffer
-rebinds the buffer to a proxy (the model is then broken for PyTorch too), and
-on a plain number it runs once, at the trace, so the graph keeps the traced
+fx runs the forward's Python once, on proxies: ``self.count = self.count + 1``
+on a buffer rebinds the buffer to a proxy (the model is then broken for
+PyTorch too; ``self.count += 1`` only seems to, as the graph writes the buffer
+in place), and on a plain number it runs once, at the trace, so the graph keeps the traced
 value for good. :func:`undone` puts every module's parameters, buffers and
 plain values back as they were and reports what the forward changed; the
 tracer refuses a rebound tensor (update it in place, which the graph keeps)
@@ -15,15 +16,27 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import torch.fx as fx
 from torch import nn
 
 from dreampipe.errors import PlanError
+from dreampipe.splitter.in_place import IN_PLACE_OPERATORS
 
 __all__ = ["undone"]
 
 _log = logging.getLogger(__name__)
 
 _PLAIN = (bool, int, float, str, type(None))
+
+
+def _written_in_place(value: object, target: str) -> bool:
+    """Whether ``value`` is a traced in-place operator's result on attribute ``target``
+    (``self.count += 1``): the graph writes the attribute, so it is not rebound."""
+    node = getattr(value, "node", None)
+    return (isinstance(node, fx.Node) and node.op == "call_function"
+            and node.target in IN_PLACE_OPERATORS.values() and bool(node.args)
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+            and node.args[0].target == target)
 
 
 @contextlib.contextmanager
@@ -47,7 +60,8 @@ def undone(model: nn.Module, warn: bool = True) -> Iterator[None]:
             for own, was in ((m._parameters, params), (m._buffers, buffers)):
                 for k, v in was.items():
                     if own.get(k) is not v:
-                        rebound.append(f"self.{prefix}{k}")
+                        if not _written_in_place(own.get(k), f"{prefix}{k}"):
+                            rebound.append(f"self.{prefix}{k}")
                         own[k] = v
             for k, v in plain.items():
                 now = vars(m).get(k, v)
