@@ -166,3 +166,24 @@ def test_the_cli_prints_the_split_and_what_does_not_fit(
     assert "does not fit" not in chosen
     assert ("unsplit, each of its 4 workers would hold 1.1 GB and its compute alone would "
             "take") in chosen
+
+
+def test_the_smallest_split_s_figure_is_a_limit_that_fits() -> None:
+    """The figure counts what the check adds to the search's bytes (the stage's input,
+    sends and working set, large beside the weights here): a limit 1% above it plans a
+    split, one 3% below it plans none."""
+    graph = LayerGraph.chain([
+        _linear("fc1", 8 * _MB, 60 * _MB, 2.0), _relu("r1", 60 * _MB),
+        _linear("huge", 512 * _MB, 60 * _MB, 30.0), _relu("r2", 60 * _MB),
+        _linear("fc3", 4 * _MB, 60 * _MB, 1.0)], model="wide")
+    topo = Topology.parse("4")
+    with pytest.raises(PlanError) as info:
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=100 * _MB))
+    found = re.search(r"smallest tensor split \(over 4 workers\) needs about ([\d.]+) MB",
+                      str(info.value))
+    assert found is not None
+    figure = float(found[1]) * _MB
+    plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=round(figure * 1.01)))
+    assert plan.stages[0].tensor_parallel == 4
+    with pytest.raises(PlanError):
+        plan_pipeline(graph, topo, PlanOptions(memory_bytes=round(figure * 0.97)))

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
-from dreampipe.planning.operator_search import Link, SplitPlan, search_splits, split_memory
+from dreampipe.planning.operator_search import (
+    Link,
+    SplitPlan,
+    search_splits,
+    split_front,
+    split_memory,
+)
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.splits import Split, SplitCost, op_kind, split_cost
 from dreampipe.planning.topology import Topology
@@ -42,7 +48,7 @@ def server_link(topology: Topology) -> Link:
     return Link(inner.bandwidth, inner.latency)
 
 
-def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
+def best_split(graph: LayerGraph, topology: Topology, memory_bytes: float,
                widths: Sequence[int], optimizer: OptimizerTerms = STATELESS
                ) -> SplitPlan | None:
     """The fastest split over any of ``widths`` that fits ``memory_bytes`` per worker
@@ -52,30 +58,52 @@ def best_split(graph: LayerGraph, topology: Topology, memory_bytes: int,
         return None
     best: SplitPlan | None = None
     for t in sorted(widths):
-        try:
-            found = search_splits(graph, t, server_link(topology), memory_bytes, optimizer)
-        except PlanError:
-            continue
-        if _memory(graph, found, optimizer) > memory_bytes:  # the search leaves out its I/O
-            continue
-        if best is None or found.time_s < best.time_s:
+        found = _fitting(graph, t, server_link(topology), memory_bytes, optimizer)
+        if found is not None and (best is None or found.time_s < best.time_s):
             best = found
     return best
+
+
+#: Searches :func:`_fitting` runs at most, each under a tighter limit.
+_TIGHTENINGS = 8
+
+
+def _fitting(graph: LayerGraph, t: int, link: Link, memory_bytes: float,
+             optimizer: OptimizerTerms) -> SplitPlan | None:
+    """The fastest split over ``t`` whose whole need (:func:`_memory`) fits ``memory_bytes``.
+
+    The search counts weights, gradients, state and kept tensors but not the stage's
+    input, sends, working set and step temporaries, which the check adds; so where the
+    split found needs more, the search runs again under a limit lower by the excess,
+    until a split fits or none is left (the added terms barely depend on the split)."""
+    limit = memory_bytes
+    for _ in range(_TIGHTENINGS):
+        try:
+            found = search_splits(graph, t, link, limit, optimizer)
+        except PlanError:
+            return None
+        excess = _memory(graph, found, optimizer) - memory_bytes
+        if excess <= 0:
+            return found
+        limit = min(limit - excess, found.memory_bytes * (1 - 1e-9))
+    return None
 
 
 def smallest_split_bytes(graph: LayerGraph, topology: Topology, t: int,
                          optimizer: OptimizerTerms = STATELESS) -> int:
     """Bytes per worker (within 1%) of the least demanding split of ``graph`` over ``t``
-    (beside what ``optimizer`` holds)."""
+    (beside what ``optimizer`` holds), as :func:`best_split` checks a split against a
+    limit: with the stage's input, sends, working set and step temporaries."""
     link = server_link(topology)
-    hi = search_splits(graph, t, link, None, optimizer).memory_bytes
-    lo = 0.0  # a split always holds something, so a limit of 0 fits none
+    leanest = split_front(graph, t, link, optimizer)[1]
+    lo, hi = 0.0, float(_memory(graph, leanest, optimizer))  # a limit of 0 fits none
     while hi - lo > 0.005 * hi:
         mid = (lo + hi) / 2
-        try:
-            hi = search_splits(graph, t, link, mid, optimizer).memory_bytes
-        except PlanError:
+        found = _fitting(graph, t, link, mid, optimizer)
+        if found is None:
             lo = mid
+        else:
+            hi = float(_memory(graph, found, optimizer))
     return round(hi)
 
 
