@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -247,13 +248,13 @@ def test_each_candidate_holds_the_optimizers_state_a_replica_its_share_from_zero
     graph, topo = _chain(), Topology.parse("1x4")
     straight = choose_schedule(graph, _straight(), topo, Semantics.SYNC, microbatches=4)
     adam = choose_schedule(graph, _straight(), topo, Semantics.SYNC, microbatches=4,
-                           state_copies=2)
+                           optimizer=OptimizerTerms(state_copies=2))
     for plain, with_state in zip(straight.candidates, adam.candidates, strict=True):
         assert with_state.peak_memory_bytes == plain.peak_memory_bytes + 2 * 10**6
     replicated = Plan.from_config(4, [0, 2], [2, 2])
     base = choose_schedule(graph, replicated, topo, Semantics.SYNC, microbatches=4, zero=1)
     sharded = choose_schedule(graph, replicated, topo, Semantics.SYNC, microbatches=4, zero=1,
-                              state_copies=2)
+                              optimizer=OptimizerTerms(state_copies=2))
     for plain, with_state in zip(base.candidates, sharded.candidates, strict=True):
         assert with_state.peak_memory_bytes == plain.peak_memory_bytes + 2 * 2 * 10**6 / 2
 
@@ -273,3 +274,24 @@ def test_the_default_microbatches_divide_the_minibatch() -> None:
                                           r"minibatch of 16"):
         choose_schedule(graph, dp, Topology.parse("1x3"), Semantics.SYNC, minibatch_size=16,
                         kinds=(S.FLUSH,))
+
+
+def test_each_candidate_holds_the_optimizers_step_temporaries() -> None:
+    """Adam's step makes temporaries beside its state (two of the largest layer's size, a
+    single-tensor step): a candidate's peak holds the planner's bound on them, as the run's
+    own check counts the step, so a schedule said to fit is not refused by the run."""
+    graph, topo = _chain(), Topology.parse("1x4")
+    two = Plan.from_config(4, [0, 2], [1, 1])
+    plain = choose_schedule(graph, two, topo, Semantics.SYNC, microbatches=4,
+                            optimizer=OptimizerTerms(state_copies=2))
+    stepped = choose_schedule(graph, two, topo, Semantics.SYNC, microbatches=4,
+                              optimizer=OptimizerTerms(state_copies=2, per_largest=2.0,
+                                                       per_byte=0.5))
+    for without, with_step in zip(plain.candidates, stepped.candidates, strict=True):
+        # each stage: 2 layers of 1 MB, the largest 1 MB
+        assert with_step.peak_memory_bytes == without.peak_memory_bytes + 2 * 10**6 + 10**6
+    limit = max(c.peak_memory_bytes for c in plain.candidates)
+    with pytest.raises(ConfigError, match="no sync schedule"):
+        choose_schedule(graph, two, topo, Semantics.SYNC, limit, microbatches=4,
+                        optimizer=OptimizerTerms(state_copies=2, per_largest=2.0,
+                                                 per_byte=0.5))

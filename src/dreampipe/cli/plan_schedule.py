@@ -111,7 +111,7 @@ def schedule_report(
     semantics = _semantics(args)
     choice = choose_schedule(graph, plan, topo, semantics, memory,
                              batch if capped else args.microbatches, kinds=asked,
-                             state_copies=optimizer_terms(args).state_copies)
+                             optimizer=optimizer_terms(args))
     fits = " that fits the memory limit" if memory else ""
     best = ("as asked" if asked else
             f"the schedule soonest to the target ({EFFECTIVE}){fits}"
@@ -165,7 +165,7 @@ def several_report(
     if args.schedule == _AUTO:
         choice = choose_schedule(graph, cut, topo, _semantics(args),
                                  memory_limit(args.memory, graph, topo), m,
-                                 state_copies=optimizer_terms(args).state_copies)
+                                 optimizer=optimizer_terms(args))
         kind, m = choice.kind, choice.microbatches
         lines = [f"schedule    {kind.value}: the fastest of {', '.join(k.value for k in SEVERAL)}"
                  f" on {v} stages per worker, by the simulator:"]

@@ -28,7 +28,8 @@ from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.quantities import format_bytes
 
 __all__ = ["best_split", "layer_shares", "no_split_reason", "server_link",
-           "smallest_split_bytes", "split_stage", "split_widths", "unfit_lines"]
+           "smallest_split_bytes", "split_stage", "split_step_bytes", "split_widths",
+           "unfit_lines"]
 
 
 def split_widths(topology: Topology, all_workers: bool = False) -> list[int]:
@@ -158,9 +159,14 @@ def _memory(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms) -> i
 
 
 def _step_bytes(graph: LayerGraph, found: SplitPlan, optimizer: OptimizerTerms) -> float:
-    """``optimizer``'s bound on the step temporaries of split stage ``found``, over each
-    worker's share of its layers."""
-    shares = [x.weight_bytes for x in layer_shares(graph.layers, found.splits, found.workers)]
+    return split_step_bytes(graph.layers, found.splits, found.workers, optimizer)
+
+
+def split_step_bytes(layers: Sequence[Layer], splits: Sequence[Split], t: int,
+                     optimizer: OptimizerTerms) -> float:
+    """``optimizer``'s bound on the step temporaries of a stage of ``layers`` split as
+    ``splits`` over ``t`` workers, over each worker's share of its layers."""
+    shares = [x.weight_bytes for x in layer_shares(layers, splits, t)]
     return float(optimizer.step_bytes(max(shares, default=0.0), sum(shares)))
 
 

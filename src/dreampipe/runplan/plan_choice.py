@@ -221,7 +221,7 @@ def _schedule(graph: LayerGraph, plan: Plan, topology: Topology, ask: PlanAsk,
     return choose_schedule(graph, plan, topology, semantics, ask.memory_bytes,
                            ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree,
                            profile_share=share,
-                           state_copies=ask.optimizer.state_copies,
+                           optimizer=ask.optimizer,
                            minibatch_size=ask.minibatch_size)
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dreampipe.errors import ConfigError
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.topology import Topology
@@ -38,7 +40,7 @@ from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["CANDIDATES", "EFFECTIVE", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
-           "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule"]
+           "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule", "held_by_optimizer"]
 
 
 class Semantics(Enum):
@@ -153,6 +155,23 @@ class ScheduleChoice:
         return [c.line(c.kind is self.kind, limited=limited) for c in self.candidates]
 
 
+def held_by_optimizer(graph: LayerGraph, plan: Plan, optimizer: OptimizerTerms,
+                      weights: Sequence[float]) -> tuple[float, ...]:
+    """What each stage of ``plan`` (``weights`` bytes of weights on a worker) holds for
+    ``optimizer`` beside its weights and their gradient: its state, and the bound on its
+    step's temporaries the planner counts (:attr:`~dreampipe.planning.costs.RangeCosts.
+    step_held`; a split stage's over each worker's share of its layers), so that a schedule
+    said to fit also passes the run's own check, which counts the step too."""
+    from dreampipe.planning.split_stage import split_step_bytes
+
+    step = RangeCosts.of(graph, optimizer).step_held
+    return tuple(optimizer.state_copies * w + (
+        split_step_bytes(graph.layers[st.first:st.last + 1], st.splits,
+                         st.tensor_parallel, optimizer)
+        if st.tensor_parallel > 1 else float(step[st.first, st.last]))
+        for st, w in zip(plan.stages, weights, strict=True))
+
+
 def _dividing(m: int, widest: int, batch: int | None) -> int:
     """``m`` microbatches, or where they do not divide ``batch`` samples the nearest count,
     whole rounds of ``widest`` replicas, that does: the most below ``m``, else the fewest
@@ -168,7 +187,8 @@ def choose_schedule(
     graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
     memory_bytes: int | None = None, microbatches: int | None = None, *, zero: int = 0,
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
-    steps_agree: bool = False, profile_share: float = 1.0, state_copies: float = 0.0,
+    steps_agree: bool = False, profile_share: float = 1.0,
+    optimizer: OptimizerTerms = STATELESS,
     minibatch_size: int | None = None,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
@@ -186,8 +206,10 @@ def choose_schedule(
     norm), which holds the asynchronous schedules' stages to each other's backwards.
     ``profile_share``: the share of a minibatch ``graph`` was profiled at (1/4: a quarter),
     so that each candidate's microbatch is priced at its own size and its rate counts
-    minibatches; ``state_copies``: the optimizer's state in copies of the weights (Adam 2),
-    which each candidate's memory holds (a replica its share, from ZeRO level 1);
+    minibatches; ``optimizer``: what the optimizer holds beside the weights, its state (Adam
+    2 copies of them) and the bound on its step's temporaries, as the planner counts them
+    (:func:`held_by_optimizer`), which each candidate's memory holds (a replica its share,
+    from ZeRO level 1);
     ``minibatch_size``: the samples a minibatch has, which the default count divides (the
     nearest whole rounds that do), and a candidate's own count must divide."""
     replicas = tuple(st.replicas for st in plan.stages)
@@ -241,8 +263,9 @@ def choose_schedule(
         placed = plan.placed(kind.placement) if v > 1 else plan
         costs = costs_from_profile(graph, placed, topology,
                                    layout.microbatch_fraction / profile_share)
-        state = tuple(state_copies * w / (r if lv >= 1 else 1) for w, lv, r in zip(
-            costs.parameter_bytes, levels, schedule.replicas, strict=True))
+        state = tuple(b / (r if lv >= 1 else 1) for b, lv, r in zip(
+            held_by_optimizer(graph, placed, optimizer, costs.parameter_bytes), levels,
+            schedule.replicas, strict=True))
         result = simulate_schedule(schedule, with_zero(
             dataclasses.replace(costs, steps_agree=steps_agree, state_bytes=state),
             schedule, levels), record_events=False)
