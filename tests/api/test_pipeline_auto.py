@@ -16,7 +16,8 @@ from torch import nn
 from dreampipe.api import Pipeline, TrainConfig
 from dreampipe.api.plans import Resolved, resolve_plan
 from dreampipe.errors import ConfigError, DatasetError
-from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics
+from dreampipe.runplan import schedule_choice
+from dreampipe.runplan.schedule_choice import CANDIDATES, Semantics, microbatch_counts
 from dreampipe.runtime.processes import free_port, run_processes
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.microbatch_layout import default_microbatches
@@ -93,18 +94,23 @@ def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Se
     assert got.plan.num_stages == 1
 
 
-def test_microbatches_left_out_are_the_search_s_own_not_one() -> None:
-    """Left out, the choice cuts the minibatch as the search does by default (GPipe's 4
-    a stage, whole rounds of replicas), where 1 would leave a replica without work."""
+def test_microbatches_left_out_are_the_search_s_own() -> None:
+    """Left out, the choice simulates each count that divides the minibatch in whole rounds
+    of replicas, up to GPipe's 4 a stage, and keeps the fastest (on one worker, one
+    microbatch: more only add each one's fixed costs)."""
     got = _resolved(TrainConfig(schedule="auto", semantics="sync"), 8)
     assert got.kind in CANDIDATES[Semantics.SYNC]
-    assert got.microbatches == default_microbatches([st.replicas for st in got.plan.stages])
-    assert got.microbatches > 1
+    replicas = [st.replicas for st in got.plan.stages]
+    assert got.microbatches in microbatch_counts(replicas, 8)
+    assert max(microbatch_counts(replicas, 8)) == default_microbatches(replicas)
 
 
-def test_a_minibatch_shorter_than_the_microbatches_auto_chose_is_refused() -> None:
+def test_a_minibatch_shorter_than_the_microbatches_auto_chose_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The samples a minibatch needs are the chosen microbatches', not the stand-in's
-    (1) before the choice: fewer would leave a microbatch empty, whose mean is NaN."""
+    (1) before the choice: fewer would leave a microbatch empty, whose mean is NaN. (The
+    search is held to 4 microbatches, which one worker would not choose itself.)"""
+    monkeypatch.setattr(schedule_choice, "microbatch_counts", lambda replicas, batch: (4,))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:

@@ -28,12 +28,14 @@ _RUN = TrainOptions(model="mlp", model_kwargs=_KWARGS, steps=4, minibatch_size=1
 
 @pytest.fixture
 def profiled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Profiles become a fixed 4-layer graph at the asked batch; returns the batches asked."""
+    """Profiles become a 4-layer graph at the asked batch, its times in proportion to it (no
+    fixed part a call); returns the batches asked."""
     asked: list[int] = []
 
     def fake(_spec: object, batch: int, **_: Any) -> LayerGraph:
         asked.append(batch)
-        layers = tuple(Layer(f"fc{i}", 1.0, 2.0, 4 * 16 * batch, 1 << 12) for i in range(4))
+        layers = tuple(Layer(f"fc{i}", batch / 16, batch / 8, 4 * 16 * batch, 1 << 12)
+                       for i in range(4))
         return LayerGraph(layers, tuple((i, i + 1) for i in range(3)), batch, "mlp")
 
     monkeypatch.setattr(train_plan, "profile_as_worker", fake)
@@ -70,16 +72,17 @@ def test_schedule_auto_chooses_a_schedule_of_its_semantics(profiled: list[int]) 
 
 def test_schedule_auto_without_microbatches_predicts_from_the_microbatch_it_chose(
         profiled: list[int]) -> None:
-    """Left out, the microbatches are the search's (4 a stage on one of 2 replicas, a
-    round of both): the run profiles its minibatch to choose, then the chosen microbatch,
-    whose figures its memory and rate predictions read."""
+    """Left out, the microbatches are the search's (in proportion, the most it tries: 4 a
+    stage on one of 2 replicas, a round of both): the run profiles its minibatch and the
+    smallest microbatch a choice prices (16 over 4 a stage on 2 workers) to choose, then the
+    chosen microbatch, whose figures its memory and rate predictions read."""
     said: list[str] = []
     run = dataclasses.replace(_RUN, config=TrainConfig(schedule="auto"))
     got = plan_train(TrainRequest(run=run, workers=2), say=said.append)
     per = got.run.config.microbatches
     assert per is not None and per > 1
     size = 16 // per // (2 if got.run.config.schedule == "dp" else 1)
-    assert profiled == [16, size]
+    assert profiled == [16, 2, size]
     assert f"profiling again at the chosen microbatch of {size} samples" in said
 
 

@@ -43,6 +43,7 @@ from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
+from dreampipe.profiling.fixed_costs import small_profile_batch, with_small_batch
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
 from dreampipe.runtime.processes import pinned_threads
@@ -105,12 +106,18 @@ def resolve_plan(
     if dist.get_rank() == 0:
         try:
             graph = profile_layers(layers, example, loss_fn, microbatch_size, config)
+            minibatch = int(example[1].shape[0])
+            small = small_profile_batch(world, minibatch, graph.batch_size)
+            if semantics is not None and small:  # microbatches of other sizes are priced
+                graph = with_small_batch(graph, profile_layers(layers, example, loss_fn, small,
+                                                               config))
             chosen = choose_plan(graph, measured_topology(graph, world, machine, nodes=nodes),
                                  PlanAsk(workers=world, given=given, semantics=semantics,
                                          microbatches=config.microbatches,
-                                         minibatch_size=int(example[1].shape[0]),
+                                         minibatch_size=minibatch,
                                          allow_fewer_workers=False, zero=config.zero,
-                                         steps_agree=config.runner_options().steps_agree))
+                                         steps_agree=config.runner_options().steps_agree,
+                                         machine=machine, nodes=nodes))
             for line in chosen.lines:
                 _log.info("%s", line)
             planned = given or dataclasses.replace(

@@ -44,6 +44,7 @@ from dreampipe.planning.placement import Placement, check_schedule, virtual_stag
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
+from dreampipe.profiling.fixed_costs import small_profile_batch, with_small_batch
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
 from dreampipe.runplan.prediction import predict_samples_per_s
@@ -170,8 +171,14 @@ def plan_train(
         steps, given = early if early is not None else _check_before_profiling(
             req, ask, spec, workers, fixed_world=True)
         graph = _profile(req, spec, ask, machine, local=torchrun is None)
+        small = small_profile_batch(workers, opts.minibatch_size, graph.batch_size)
+        if ask.semantics is not None and req.profile is None and small:
+            # the choice prices microbatches of other sizes: the fixed part of each call too
+            graph = with_small_batch(graph, _profile(req, spec, ask, machine,
+                                                     local=torchrun is None, size=small))
         picked = choose_plan(graph, measured_topology(graph, workers, machine, nodes=nodes),
-                             dataclasses.replace(ask, given=given))
+                             dataclasses.replace(ask, given=given, machine=machine,
+                                                 nodes=nodes))
         for line in picked.lines:
             talk(line)
         plan, chosen = picked.plan, picked.chosen

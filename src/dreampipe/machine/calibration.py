@@ -183,7 +183,9 @@ def local_costs(
     The profile's layer times plus the host time the runtime spends around
     them: posting each send, in each forward and backward the stage's own
     overhead (the factors in ``graph.meta`` that :mod:`~dreampipe.runplan.runtime_overhead`
-    measured with the profile, else the machine's ``stage_forward_s``), loading
+    measured with the profile, as at the microbatch's size where the profile was also timed
+    at a small batch, :mod:`~dreampipe.profiling.fixed_costs`; else the machine's
+    ``stage_forward_s``), loading
     the microbatch's data, the loss (its forward and backward as measured with the
     profile, else the machine's ``loss_s``), and each weight update (with the
     copy weight stashing makes where a microbatch in flight needs the old weights).
@@ -198,19 +200,21 @@ def local_costs(
     median (``SimCosts.jitter``), so replicas wait for the slower one and
     stages for each other as on the host. ``nodes``: see :func:`local_topology`.
     """
+    from dreampipe.profiling.fixed_costs import meta_at_fraction
     from dreampipe.simulation.simulator import costs_from_profile
 
     topology = local_topology(plan.workers_used, machine, nodes=nodes)
     costs = costs_from_profile(graph, plan, topology, microbatch_fraction)
-    runtime_backward = float(graph.meta.get("runtime_backward", 1.0))
-    if "runtime_forward" in graph.meta:  # the stage's own overhead is in the factor
-        forward = [f * float(graph.meta["runtime_forward"]) for f in costs.forward_s]
+    meta = meta_at_fraction(graph, microbatch_fraction)  # as at the microbatch's size
+    runtime_backward = meta.get("runtime_backward", 1.0)
+    if "runtime_forward" in meta:  # the stage's own overhead is in the factor
+        forward = [f * meta["runtime_forward"] for f in costs.forward_s]
     else:
         forward = [f + machine.stage_forward_s for f in costs.forward_s]
     backward = [b * runtime_backward for b in costs.backward_s]
-    if "loss_forward_ms" in graph.meta:  # measured with the profile
-        forward[-1] += float(graph.meta["loss_forward_ms"]) / 1e3 * microbatch_fraction
-        backward[-1] += float(graph.meta["loss_backward_ms"]) / 1e3 * microbatch_fraction
+    if "loss_forward_ms" in meta:  # measured with the profile
+        forward[-1] += meta["loss_forward_ms"] / 1e3
+        backward[-1] += meta["loss_backward_ms"] / 1e3
     else:
         forward[-1] += machine.loss_s
     forward[0] += machine.batch_load_s

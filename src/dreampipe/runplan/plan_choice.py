@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from dreampipe.errors import ConfigError, PlanError
+from dreampipe.machine.calibration import LocalCalibration
 from dreampipe.planning.config_string import parse_stage_bounds, stages_from_config
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.options import PlanOptions
@@ -58,7 +59,10 @@ class PlanAsk:
     ``memory_bytes`` is each worker's limit (None: none), within which the schedules hold
     what ``optimizer`` holds beside the weights; ``zero`` the run's ZeRO level,
     which the schedule's simulation prices, as it prices ``steps_agree``: the ranks agree
-    before every update (a run that clips by the global norm, say).
+    before every update (a run that clips by the global norm, say). ``machine`` (on
+    ``nodes`` nodes) is the calibration of the workers that run it, whose costs around the
+    layers the schedules' simulation prices as the run's prediction does (None: the
+    profile's alone).
     """
 
     workers: int
@@ -75,6 +79,8 @@ class PlanAsk:
     allow_fewer_workers: bool = True
     zero: int = 0
     steps_agree: bool = False
+    machine: LocalCalibration | None = None
+    nodes: int = 1
 
     def __post_init__(self) -> None:
         # a plan file with a partition is refused where the file is named (train's flags)
@@ -222,7 +228,8 @@ def _schedule(graph: LayerGraph, plan: Plan, topology: Topology, ask: PlanAsk,
                            ask.microbatches, zero=ask.zero, steps_agree=ask.steps_agree,
                            profile_share=share,
                            optimizer=ask.optimizer,
-                           minibatch_size=ask.minibatch_size)
+                           minibatch_size=ask.minibatch_size, machine=ask.machine,
+                           nodes=ask.nodes)
 
 
 def _stage_plans(graph: LayerGraph, topology: Topology, ask: PlanAsk, k: int,

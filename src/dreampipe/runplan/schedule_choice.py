@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from dreampipe.errors import ConfigError
+from dreampipe.machine.calibration import LocalCalibration, local_costs, measured_machine
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.placement import Placement
@@ -40,7 +41,8 @@ from dreampipe.simulation.simulator import simulate_schedule
 from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["CANDIDATES", "EFFECTIVE", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
-           "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule", "held_by_optimizer"]
+           "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule", "held_by_optimizer",
+           "microbatch_counts"]
 
 
 class Semantics(Enum):
@@ -189,7 +191,7 @@ def choose_schedule(
     study: Sequence[StudyRow] = ROWS, kinds: Sequence[ScheduleKind] = (),
     steps_agree: bool = False, profile_share: float = 1.0,
     optimizer: OptimizerTerms = STATELESS,
-    minibatch_size: int | None = None,
+    minibatch_size: int | None = None, machine: LocalCalibration | None = None, nodes: int = 1,
 ) -> ScheduleChoice:
     """The fastest candidate of ``semantics`` (module doc) on ``plan`` that fits
     ``memory_bytes`` per worker (None: no limit). ``microbatches`` per minibatch
@@ -210,74 +212,127 @@ def choose_schedule(
     2 copies of them) and the bound on its step's temporaries, as the planner counts them
     (:func:`held_by_optimizer`), which each candidate's memory holds (a replica its share,
     from ZeRO level 1);
-    ``minibatch_size``: the samples a minibatch has, which the default count divides (the
-    nearest whole rounds that do), and a candidate's own count must divide."""
+    ``minibatch_size``: the samples a minibatch has, which a candidate's count must divide;
+    with it and no ``microbatches`` each candidate is simulated at every count
+    :func:`microbatch_counts` gives and keeps its fastest. ``machine``: the workers' own
+    calibration (``nodes`` of them), whose costs around the layers (the runtime's overhead,
+    sends, loss, data, updates: :func:`~dreampipe.machine.calibration.local_costs`) each
+    candidate pays as a run's prediction does; without it, the profile's alone."""
     replicas = tuple(st.replicas for st in plan.stages)
     levels = plan.zero_levels(zero)
-    m = microbatches or _dividing(default_microbatches(replicas), max(replicas),
-                                  minibatch_size)
+    counts = ((microbatches,) if microbatches else
+              microbatch_counts(replicas, minibatch_size) if minibatch_size else
+              (default_microbatches(replicas),))
     rounds = math.lcm(*replicas)
     found = []
-    split = plan.has_splits
     v = plan.virtual_stages
     if v > 1 and semantics is Semantics.ASYNC:
         raise ConfigError(f"semantics={semantics.value} with a plan of {v} stages per worker; "
                           "the schedules that run several (interleaved-1f1b, zbv, dualpipev) "
                           "are synchronous: use semantics=sync", "semantics")
     for kind in kinds or (SEVERAL if v > 1 else CANDIDATES[semantics]):
-        per = {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds,
-               _S.INTERLEAVED: -(-m // plan.workers_used) * plan.workers_used,
-               _S.DUALPIPEV: max(m, plan.num_stages)}.get(kind, m)
-        if kind.placement is Placement.V and v != 2:
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"it runs 2 stages per worker, the plan {v}")))
-            continue
-        if split and kind in _NOT_ON_SPLITS:
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"plan {plan.config} splits stages over workers, where the runtime runs "
-                "1f1b-flush, gpipe and pipedream")))
-            continue
-        if not kind.synchronous and any(lv >= SHARDED_LEVEL and r > 1
-                                        for lv, r in zip(levels, replicas, strict=True)):
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"zero={max(levels)}: {ASYNC_REASON}")))
-            continue
-        if steps_agree and kind is _S.PIPEDREAM and len(set(replicas)) > 1:
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"its stages, replicated {plan.config}, update at different rates and cannot "
-                "agree on each update (clipping, a loss scale, skipping)")))
-            continue
-        if minibatch_size and minibatch_size % per:
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"its {per} microbatches do not divide a minibatch of {minibatch_size}")))
-            continue
-        if per > MAX_2BW_MICROBATCHES:
-            found.append(Candidate(kind, per, 0.0, 0, False, why_not=(
-                f"its {per} microbatches per minibatch (whole rounds of replicas "
-                f"{plan.config}) are too many to simulate")))
-            continue
-        layout = MicrobatchLayout(kind=kind, microbatches=per)
-        schedule = layout.build(replicas, _MINIBATCHES * (
-            sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels,
-            steps_agree=steps_agree)
-        placed = plan.placed(kind.placement) if v > 1 else plan
-        costs = costs_from_profile(graph, placed, topology,
-                                   layout.microbatch_fraction / profile_share)
-        state = tuple(b / (r if lv >= 1 else 1) for b, lv, r in zip(
-            held_by_optimizer(graph, placed, optimizer, costs.parameter_bytes), levels,
-            schedule.replicas, strict=True))
-        result = simulate_schedule(schedule, with_zero(
-            dataclasses.replace(costs, steps_agree=steps_agree, state_bytes=state),
-            schedule, levels), record_events=False)
-        peak = max(result.peak_memory_bytes)
-        weighed = epochs_factor(kind, plan.num_stages, study) if (
-            semantics is Semantics.ANY) else None
-        # the simulator counts profiled batches: a minibatch is 1 / profile_share of them
-        found.append(Candidate(kind, per, result.throughput_minibatches_per_s * profile_share,
-                               peak,
-                               memory_bytes is None or peak <= memory_bytes,
-                               epochs=None if weighed is None else weighed.factor,
-                               study="" if weighed is None else weighed.why))
+        tried = [_candidate(graph, plan, topology, semantics, kind, n, memory_bytes, levels,
+                            replicas, optimizer, study, steps_agree, profile_share,
+                            minibatch_size, machine, nodes)
+                 for n in dict.fromkeys(_kind_count(kind, c, rounds, plan) for c in counts)]
+        found.append(_fastest_count(tried))
+    return _chosen(found, semantics, plan, memory_bytes)
+
+
+def microbatch_counts(replicas: Sequence[int], minibatch_size: int) -> tuple[int, ...]:
+    """The microbatches per minibatch a candidate is simulated at, fewest first: every count
+    that divides ``minibatch_size`` in whole rounds of the widest stage's replicas, up to
+    :func:`~dreampipe.scheduling.microbatch_layout.default_microbatches` (GPipe's 4 a stage);
+    none such: the nearest whole rounds that divide it (:func:`_dividing`). A count of 1
+    may be the fastest once each microbatch's fixed costs are priced (the layers' own,
+    timed at two batches, :mod:`~dreampipe.profiling.fixed_costs`, and the runtime's)."""
+    widest, most = max(replicas), default_microbatches(replicas)
+    found = tuple(d for d in range(widest, min(most, minibatch_size) + 1, widest)
+                  if minibatch_size % d == 0)
+    return found or (_dividing(most, widest, minibatch_size),)
+
+
+def _fastest_count(tried: list[Candidate]) -> Candidate:
+    """Of one schedule at several counts: the fastest that fits (a tie within rounding keeps
+    the fewer microbatches), else the least memory, else the last count's reason not to
+    run."""
+    fit = [c for c in tried if c.fits and not c.why_not]
+    if not fit:
+        ran = [c for c in tried if not c.why_not]
+        return min(ran, key=lambda c: c.peak_memory_bytes) if ran else tried[-1]
+    best = fit[0]
+    for c in fit[1:]:
+        if c.to_target > best.to_target * (1 + _TIE):
+            best = c
+    return best
+
+
+def _kind_count(kind: ScheduleKind, m: int, rounds: int, plan: Plan) -> int:
+    """The microbatches ``kind`` runs a minibatch in where others run ``m`` (module doc)."""
+    return {_S.PIPEDREAM: 1, _S.TWO_BW: -(-m // rounds) * rounds,
+            _S.INTERLEAVED: -(-m // plan.workers_used) * plan.workers_used,
+            _S.DUALPIPEV: max(m, plan.num_stages)}.get(kind, m)
+
+
+def _candidate(graph: LayerGraph, plan: Plan, topology: Topology, semantics: Semantics,
+               kind: ScheduleKind, per: int, memory_bytes: int | None, levels: tuple[int, ...],
+               replicas: tuple[int, ...], optimizer: OptimizerTerms,
+               study: Sequence[StudyRow], steps_agree: bool, profile_share: float,
+               minibatch_size: int | None, machine: LocalCalibration | None, nodes: int
+               ) -> Candidate:
+    """``kind`` at ``per`` microbatches a minibatch, simulated, or why it is not tried."""
+    v, split = plan.virtual_stages, plan.has_splits
+    if kind.placement is Placement.V and v != 2:
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"it runs 2 stages per worker, the plan {v}"))
+    if split and kind in _NOT_ON_SPLITS:
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"plan {plan.config} splits stages over workers, where the runtime runs "
+            "1f1b-flush, gpipe and pipedream"))
+    if not kind.synchronous and any(lv >= SHARDED_LEVEL and r > 1
+                                    for lv, r in zip(levels, replicas, strict=True)):
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"zero={max(levels)}: {ASYNC_REASON}"))
+    if steps_agree and kind is _S.PIPEDREAM and len(set(replicas)) > 1:
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"its stages, replicated {plan.config}, update at different rates and cannot "
+            "agree on each update (clipping, a loss scale, skipping)"))
+    if minibatch_size and minibatch_size % per:
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"its {per} microbatches do not divide a minibatch of {minibatch_size}"))
+    if per > MAX_2BW_MICROBATCHES:
+        return Candidate(kind, per, 0.0, 0, False, why_not=(
+            f"its {per} microbatches per minibatch (whole rounds of replicas "
+            f"{plan.config}) are too many to simulate"))
+    layout = MicrobatchLayout(kind=kind, microbatches=per)
+    schedule = layout.build(replicas, _MINIBATCHES * (
+        sum(replicas) if kind is _S.PIPEDREAM else 1), plan.in_flight, v, zero=levels,
+        steps_agree=steps_agree)
+    placed = plan.placed(kind.placement) if v > 1 else plan
+    fraction = layout.microbatch_fraction / profile_share
+    costs = (costs_from_profile(graph, placed, topology, fraction)
+             if machine is None or v > 1 else  # interleaved: as its prediction prices it
+             local_costs(graph, placed, fraction, measured_machine(graph, machine),
+                         nodes=nodes))
+    state = tuple(b / (r if lv >= 1 else 1) for b, lv, r in zip(
+        held_by_optimizer(graph, placed, optimizer, costs.parameter_bytes), levels,
+        schedule.replicas, strict=True))
+    result = simulate_schedule(schedule, with_zero(
+        dataclasses.replace(costs, steps_agree=steps_agree, state_bytes=state),
+        schedule, levels), record_events=False)
+    peak = max(result.peak_memory_bytes)
+    weighed = epochs_factor(kind, plan.num_stages, study) if (
+        semantics is Semantics.ANY) else None
+    # the simulator counts profiled batches: a minibatch is 1 / profile_share of them
+    return Candidate(kind, per, result.throughput_minibatches_per_s * profile_share, peak,
+                     memory_bytes is None or peak <= memory_bytes,
+                     epochs=None if weighed is None else weighed.factor,
+                     study="" if weighed is None else weighed.why)
+
+
+def _chosen(found: list[Candidate], semantics: Semantics, plan: Plan,
+            memory_bytes: int | None) -> ScheduleChoice:
+    """The fastest candidate that fits (ties: the earlier), or an error naming why none."""
     fitting = [c for c in found if c.fits]
     runnable = [c for c in found if not c.why_not]
     if not runnable:

@@ -200,8 +200,10 @@ def costs_from_profile(
 ) -> SimCosts:
     """Per-microbatch costs of ``plan``'s stages from the layer profile.
 
-    Compute, activations and stashed bytes scale linearly with
-    ``microbatch_fraction`` (microbatch size / profiled minibatch). A replicated stage's
+    Activations and stashed bytes scale linearly with ``microbatch_fraction`` (microbatch
+    size / profiled minibatch), and compute too, but for a profile timed at a small batch
+    as well, whose layers pay their fixed part whole (:mod:`~dreampipe.profiling.
+    fixed_costs`). A replicated stage's
     all-reduce and its delay are the planner's (:func:`dreampipe.planning.
     pricing.stage_allreduce` on the microbatch's backward, ``sync`` over the workers
     that hold it, default :data:`~dreampipe.planning.sync.DEFAULT_SYNC`), and a
@@ -228,6 +230,7 @@ def costs_from_profile(
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
     from dreampipe.planning.sync import DEFAULT_SYNC
+    from dreampipe.profiling.fixed_costs import layer_times
 
     how = DEFAULT_SYNC if sync is None else sync
 
@@ -240,6 +243,7 @@ def costs_from_profile(
     workers = plan.workers_used
     cuts = graph.cut_bytes()
     layers = graph.layers
+    times = layer_times(graph, microbatch_fraction)
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
     wgrad: list[float] = []
     again: list[float] = []
@@ -258,18 +262,19 @@ def costs_from_profile(
                         if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
             weights = [c.weight_bytes for c in shares]
             stash.append(sum(c.activation_bytes for c in shares) * microbatch_fraction)
+            weight_s = [b * x.weight_grad_share for b, x in zip(backward, span, strict=True)]
         else:
-            work = [x for x in span if not x.is_input]
-            fwd.append(sum(x.forward_ms for x in work) / 1e3 * microbatch_fraction)
-            backward = [0.0 if x.is_input else x.backward_ms / 1e3 * microbatch_fraction
-                        for x in span]
+            timed = [(0.0, 0.0, 0.0) if x.is_input else t for x, t in
+                     zip(span, times[st.first:st.last + 1], strict=True)]
+            fwd.append(sum(f for f, _, _ in timed) / 1e3)
+            backward = [b / 1e3 for _, b, _ in timed]
+            weight_s = [w / 1e3 for _, _, w in timed]
             bwd.append(sum(backward))
             weights = [float(x.parameter_bytes) for x in span]
             stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * microbatch_fraction)
         params.append(sum(weights) + (0 if st.tensor_parallel > 1
                                       else graph.reused_bytes(st.first, st.last)))
-        wgrad.append(min(bwd[-1], sum(
-            b * x.weight_grad_share for b, x in zip(backward, span, strict=True))))
+        wgrad.append(min(bwd[-1], sum(weight_s)))
         if s + 1 < plan.num_stages:
             act.append(cuts[st.last + 1] * microbatch_fraction)
         placed = plan.stage_workers(s)[::st.tensor_parallel]

@@ -1,0 +1,121 @@
+"""What a layer costs per call whatever its batch: a profile timed at two batch sizes.
+
+A layer's time is not in proportion to its batch: each call pays a fixed part
+(kernel launches, the framework's dispatch, the runtime's bookkeeping) beside
+the part that grows with the samples. A microbatch of a quarter of the profiled
+batch takes more than a quarter of its time, and on a small model far more, so
+a schedule of many small microbatches is slower than proportion says. The
+profile is therefore taken again at a small batch and kept in the graph's meta
+(:func:`with_small_batch`); :func:`at_fraction` reads a time at any batch on
+the line through the two (docs/design.md §9.1). A profile without it scales in
+proportion, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["SMALL_BATCH", "at_fraction", "layer_times", "meta_at_fraction", "small_batch_of",
+           "small_profile_batch", "with_small_batch"]
+
+#: The graph meta key of the profile at the small batch.
+SMALL_BATCH = "small_batch"
+#: The whole-model figures of the meta read on the line too (the runtime's overhead
+#: factors are turned into milliseconds first).
+_LOSS = ("loss_forward_ms", "loss_backward_ms")
+
+
+#: Microbatches a stage the smallest microbatch is priced for (GPipe's 4, the most a
+#: schedule=auto candidate runs).
+_MOST_PER_WORKER = 4
+
+
+def small_profile_batch(workers: int, minibatch_size: int, profiled: int) -> int:
+    """The small batch to profile again at for a choice among microbatch counts on up to
+    ``workers`` stages: the smallest microbatch one is priced at (GPipe's 4 a stage), 0
+    where it is not below the ``profiled`` batch (nothing to add)."""
+    small = max(1, minibatch_size // (_MOST_PER_WORKER * max(1, workers)))
+    return small if small < profiled else 0
+
+
+def with_small_batch(graph: LayerGraph, small: LayerGraph) -> LayerGraph:
+    """``graph`` with ``small`` (the same model profiled at fewer samples) kept in its meta:
+    each layer's times, the runtime's overhead and the loss's, as ``small`` measured them."""
+    if len(small.layers) != len(graph.layers) or not 0 < small.batch_size < graph.batch_size:
+        return graph
+    kept: dict[str, Any] = {
+        "batch_size": small.batch_size,
+        "forward_ms": [round(x.forward_ms, 5) for x in small.layers],
+        "backward_ms": [round(x.backward_ms, 5) for x in small.layers],
+        "weight_grad_ms": [round(x.weight_grad_ms if x.weight_grad_ms is not None
+                                 else x.backward_ms / 2, 5) for x in small.layers]}
+    kept |= {k: small.meta[k] for k in ("runtime_forward", "runtime_backward", *_LOSS)
+             if k in small.meta}
+    return replace(graph, meta={**graph.meta, SMALL_BATCH: kept})
+
+
+def small_batch_of(graph: LayerGraph) -> dict[str, Any] | None:
+    """The small batch's figures :func:`with_small_batch` kept, None where there are none."""
+    found = graph.meta.get(SMALL_BATCH)
+    return found if isinstance(found, dict) and found.get("batch_size") else None
+
+
+def at_fraction(big_ms: float, small_ms: float, big: int, small: int, fraction: float
+                ) -> float:
+    """A time at ``fraction`` of batch ``big`` on the line through ``(small, small_ms)`` and
+    ``(big, big_ms)``: the fixed part (where the line meets batch 0, between 0 and
+    ``small_ms``) plus the rest in proportion."""
+    slope = (big_ms - small_ms) / (big - small)
+    fixed = min(max(small_ms - slope * small, 0.0), small_ms, big_ms)
+    return fixed + (big_ms - fixed) * fraction
+
+
+def layer_times(graph: LayerGraph, fraction: float) -> list[tuple[float, float, float]]:
+    """Each layer's (forward, backward, weight gradient) milliseconds at ``fraction`` of the
+    profiled batch: on the line through the small batch where the profile has one, else in
+    proportion."""
+    small = small_batch_of(graph)
+    out = []
+    for i, x in enumerate(graph.layers):
+        weight = x.weight_grad_ms if x.weight_grad_ms is not None else x.backward_ms / 2
+        if small is None:
+            out.append((x.forward_ms * fraction, x.backward_ms * fraction, weight * fraction))
+            continue
+        b, s = graph.batch_size, int(small["batch_size"])
+        out.append(tuple(at_fraction(big, float(small[key][i]), b, s, fraction)
+                         for big, key in ((x.forward_ms, "forward_ms"),
+                                          (x.backward_ms, "backward_ms"),
+                                          (weight, "weight_grad_ms"))))  # type: ignore[arg-type]
+    return out
+
+
+def meta_at_fraction(graph: LayerGraph, fraction: float) -> dict[str, float]:
+    """The runtime's overhead factors and the loss's milliseconds of ``graph.meta`` as at
+    ``fraction`` of the profiled batch: the overhead, in milliseconds over the layers' time,
+    and the loss on the line through the small batch (in proportion without one; the
+    factors then as measured)."""
+    meta, small = graph.meta, small_batch_of(graph)
+    out: dict[str, float] = {}
+    for key in _LOSS:
+        if key in meta:
+            big_ms = float(meta[key])
+            out[key] = (big_ms * fraction if small is None or key not in small else at_fraction(
+                big_ms, float(small[key]), graph.batch_size, int(small["batch_size"]),
+                fraction))
+    for key, column in (("runtime_forward", "forward_ms"), ("runtime_backward", "backward_ms")):
+        if key not in meta:
+            continue
+        if small is None or key not in small:
+            out[key] = float(meta[key])
+            continue
+        layers_b = sum(getattr(x, column) for x in graph.layers)
+        layers_s = sum(float(t) for t in small[column])
+        layers_f = sum(t[0 if column == "forward_ms" else 1]
+                       for t in layer_times(graph, fraction))
+        over = at_fraction((float(meta[key]) - 1) * layers_b, (float(small[key]) - 1) * layers_s,
+                           graph.batch_size, int(small["batch_size"]), fraction)
+        out[key] = 1.0 + over / layers_f if layers_f > 0 else float(meta[key])
+    return out
