@@ -16,6 +16,7 @@ from dreampipe.splitter.chain import Chain, split_layers
 from dreampipe.splitter.segments import split_bounds, unit_names
 
 from .model_zoo import CASES, ResNet
+from .test_in_place import _Block
 from .test_pipeline_errors import _Branchy
 
 __all__: list[str] = []
@@ -162,3 +163,34 @@ def test_a_branch_on_a_tensor_value_is_never_taken_silently() -> None:
     # traced with the example's shapes known too: the branch still cannot be traced
     with pytest.raises(PlanError, match=r"cannot split _Branchy: torch.fx cannot trace"):
         split_layers(_Branchy(), torch.randn(4, 6))
+
+
+class _NamedLikeSegments(nn.Module):
+    """Top-level modules and a buffer named as a segment's own fields; its forward branches
+    on a shape, so the trace bakes the shapes in and re-traces for other ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inputs = nn.Linear(6, 6)
+        self.graph, self.index, self.count, self.name = _Block(), _Block(), _Block(), _Block()
+        self.register_buffer("shapes", torch.linspace(0.5, 1.5, 6))
+        self.targets = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inputs(x) * self.shapes
+        h = self.name(self.count(self.index(self.graph(h))))
+        h = h + self.graph.fc.bias  # an attribute of one read between the units
+        return self.targets(h if x.shape[0] > 1 else h * 2)
+
+
+def test_modules_named_as_a_segment_s_fields_split_and_compute_the_model() -> None:
+    torch.manual_seed(0)
+    model = _NamedLikeSegments()
+    layers = split_layers(model, torch.randn(4, 6))
+    assert [n for n, _ in layers] == ["inputs", "graph", "index", "count", "name", "targets"]
+    chain = Chain(layers)
+    assert list(chain.state_dict()) == list(model.state_dict())
+    for batch in (4, 3, 1):  # the example's shapes, then re-traced ones
+        x = torch.randn(batch, 6)
+        first, rest = Chain(layers[:2]), Chain(layers[2:])
+        assert torch.allclose(rest(first(x)), model(x)), batch

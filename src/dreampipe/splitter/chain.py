@@ -27,7 +27,8 @@ from dreampipe.planning.splits import Split
 from dreampipe.runtime.tensor_split import SplitStage, shard_linear
 from dreampipe.splitter.materialise import initialise_layers, materialise
 from dreampipe.splitter.pack import pack, unpack_signed
-from dreampipe.splitter.segments import Segment, fetch, place, place_attr, segments, unit_names
+from dreampipe.splitter.placing import fetch, place, place_attr
+from dreampipe.splitter.segments import Segment, segments, unit_names
 from dreampipe.splitter.sequential import passes_one_tensor, sequential_entries, sequential_segments
 from dreampipe.splitter.state_keys import adopt_orphans
 

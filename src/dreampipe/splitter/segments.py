@@ -28,12 +28,10 @@ from dreampipe.splitter.fx_tracer import trace_model
 from dreampipe.splitter.hf_hooks import Interpreter
 from dreampipe.splitter.in_place import carry, live_values, rejoin_views, written
 from dreampipe.splitter.materialise import initialiser
+from dreampipe.splitter.placing import fetch, place_attr
 from dreampipe.splitter.shape_graphs import ShapeGraphs, Signature, signature
 
-__all__ = [
-    "Segment", "eval_refusal", "fetch", "place", "place_attr", "segments", "split_bounds",
-    "unit_names",
-]
+__all__ = ["Segment", "eval_refusal", "segments", "split_bounds", "unit_names"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
@@ -64,25 +62,10 @@ def unit_names(model: nn.Module) -> list[str]:
     return out
 
 
-def place(target: str, holder: nn.Module, value: Any, *, buffer: bool | None = None) -> None:
-    """Register ``value`` at FQN ``target`` of ``holder`` (empty parent modules made as
-    needed): a module, a parameter, a buffer (``buffer``: persistent or not) or a tensor."""
-    parent = holder
-    *path, leaf = target.split(".")
-    for part in path:
-        child = parent._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            parent.add_module(part, child)
-        parent = child
-    if isinstance(value, nn.Module):
-        parent.add_module(leaf, value)
-    elif isinstance(value, nn.Parameter):
-        parent.register_parameter(leaf, value)
-    elif buffer is not None:
-        parent.register_buffer(leaf, value, persistent=buffer)
-    else:
-        setattr(parent, leaf, value)
+#: A :class:`Segment`'s own fields (not its units).
+_FIELDS = frozenset({"graph", "name", "index", "count", "inputs", "tuple_input", "shapes",
+                     "targets", "written", "mutated", "eval_graph", "eval_refused",
+                     "initialiser"})
 
 
 class Segment(nn.Module):
@@ -127,6 +110,14 @@ class Segment(nn.Module):
                 value = fetch(root, target)
                 place_attr(root, target, self, value)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # its own fields stay plain attributes beside a model's module or buffer of that
+        # name (``self.graph``, ``self.inputs``), which :func:`place` registers all the same
+        if name in _FIELDS:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def run(self, holder: nn.Module, values: Sequence[Any], sig: Signature | None = None
             ) -> Any:
         """The segment on ``values`` (its placeholders in order), reading from ``holder``;
@@ -138,7 +129,7 @@ class Segment(nn.Module):
             graph = self.graph if self.shapes is None else self.shapes.graph(self.index, sig)
         values = [v.clone() if i in self.mutated and isinstance(v, Tensor) else v
                   for i, v in enumerate(values)]
-        return _plain(Interpreter(holder, graph=graph, garbage_collect_values=True).run(
+        return _plain(_Runner(holder, graph=graph, garbage_collect_values=True).run(
             *values, enable_io_processing=False))
 
     def at(self, sig: Signature | None) -> Segment:
@@ -190,6 +181,13 @@ class Segment(nn.Module):
         return self.run(self, values, self.signature(values))
 
 
+class _Runner(Interpreter):
+    """The interpreter, reading units and attributes as :func:`fetch` does."""
+
+    def fetch_attr(self, target: str) -> Any:
+        return fetch(self.module, target)
+
+
 def _plain(value: Any) -> Any:
     """``value`` with fx's immutable dicts and lists (what a graph builds) as plain ones, as
     the model's own forward returns them."""
@@ -200,22 +198,6 @@ def _plain(value: Any) -> Any:
     if type(value) is tuple:
         return tuple(_plain(v) for v in value)
     return value
-
-
-def fetch(root: nn.Module, target: str) -> Any:
-    """Attribute ``target`` (an FQN) of ``root``."""
-    value: Any = root
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def place_attr(root: nn.Module, target: str, holder: nn.Module, value: Any) -> None:
-    """Register attribute ``target`` of ``root`` on ``holder`` as what it is there."""
-    *path, leaf = target.split(".")
-    parent = root.get_submodule(".".join(path))
-    persistent = leaf not in parent._non_persistent_buffers_set
-    place(target, holder, value, buffer=persistent if leaf in parent._buffers else None)
 
 
 def segments(model: nn.Module, units: Sequence[str], example: Any = None

@@ -26,7 +26,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
-from dreampipe.splitter.segments import Segment, fetch, place_attr
+from dreampipe.splitter.placing import fetch, place_attr
+from dreampipe.splitter.segments import Segment
 
 __all__ = ["StateKeys", "adopt_orphans", "check_written_buffers", "state_keys"]
 
