@@ -29,7 +29,11 @@ NVLINK_MACHINE: LocalCalibration = MachineFile.load(NVLINK_FILE).calibration()
 
 
 def here_file(source: Path, target: Path) -> Path:
-    """``source``'s figures written to ``target`` as if measured on this host now."""
+    """``source``'s figures written to ``target`` as if measured on this host now (a file
+    made now holds every figure: those ``source`` predates are 0, as it is priced)."""
     found = MachineFile.load(source)
-    dataclasses.replace(found, identity=here()).save(target)
+    dataclasses.replace(
+        found, identity=here(),
+        split_layer_forward_s=found.split_layer_forward_s or 0.0,
+        split_layer_backward_s=found.split_layer_backward_s or 0.0).save(target)
     return target

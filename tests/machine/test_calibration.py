@@ -6,8 +6,14 @@ import dataclasses
 
 import pytest
 
-from dreampipe.machine.calibration import corun_crowd, local_costs, local_topology
-from dreampipe.planning.plan import Plan
+from dreampipe.machine.calibration import (
+    corun_crowd,
+    local_costs,
+    local_topology,
+    split_layer_seconds,
+)
+from dreampipe.planning.plan import Plan, Stage
+from dreampipe.planning.splits import Split
 from dreampipe.profiling.graph import Layer, LayerGraph
 from machine.fixtures import DEV_MACHINE
 
@@ -145,3 +151,27 @@ def test_the_loss_measured_with_the_profile_replaces_the_fixed_figure() -> None:
     assert costs.backward_s[0] == fixed.backward_s[0]
     assert costs.forward_s[1] == pytest.approx(fixed.forward_s[1] - quiet.loss_s + 1.5e-3)
     assert costs.backward_s[1] == pytest.approx(fixed.backward_s[1] + 2.5e-3)
+
+
+def _split_plan(recompute: bool = False) -> Plan:
+    """A tensor-split stage of layers 0-1 over 2 workers, then a plain stage of 2-3."""
+    split = Stage(first=0, last=1, replicas=1, ranks=(0,), compute_s=0.012, forward_s=0.004,
+                  tensor_parallel=2, splits=(Split.BATCH, Split.BATCH), recompute=recompute)
+    plain = Stage(first=2, last=3, replicas=1, ranks=(1,), compute_s=0.012)
+    return Plan(stages=(split, plain), num_layers=4)
+
+
+def test_each_layer_of_a_split_stage_pays_the_machines_split_layer_cost() -> None:
+    quiet = dataclasses.replace(DEV_MACHINE, cores=4, corun_slowdown=1.0)
+    measured = dataclasses.replace(quiet, split_layer_forward_s=1e-3,
+                                   split_layer_backward_s=2e-3)
+    assert split_layer_seconds(_GRAPH, _split_plan(), measured) == [(2e-3, 4e-3), (0.0, 0.0)]
+    without, priced = (local_costs(_GRAPH, _split_plan(), 0.5, m) for m in (quiet, measured))
+    # whatever the microbatch: the fixed part of each operator DTensor runs
+    assert priced.forward_s[0] - without.forward_s[0] == pytest.approx(2e-3)
+    assert priced.backward_s[0] - without.backward_s[0] == pytest.approx(4e-3)
+    assert priced.forward_s[1:] == without.forward_s[1:]
+    assert priced.backward_s[1:] == without.backward_s[1:]
+    # a recomputing split stage runs its split forward again in its backward
+    assert split_layer_seconds(_GRAPH, _split_plan(recompute=True), measured)[0] == (
+        pytest.approx(2e-3), pytest.approx(6e-3))

@@ -38,6 +38,23 @@ def test_a_machine_file_round_trips_through_json(tmp_path: Path) -> None:
     assert json.loads(two_level.to_json())["nodes"]["allreduce_bandwidth"] == 40e9
     assert json.loads(two_level.to_json())["nodes"]["backend"] == "nccl"  # plain JSON
     assert dict(found.how)["corun_slowdown"].startswith("one GPU per worker")
+    split = dataclasses.replace(found, split_layer_forward_s=1e-4, split_layer_backward_s=2e-4)
+    assert MachineFile.from_dict(json.loads(split.to_json())) == split
+    assert split.calibration().split_layer_backward_s == 2e-4
+
+
+def test_a_file_without_the_split_layer_cost_loads_and_says_to_measure_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = json.loads(MachineFile.load(DEV_FILE).to_json())
+    for key in ("split_layer_forward_s", "split_layer_backward_s"):
+        data.pop(key, None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({**data, "identity": here().__dict__}))
+    with caplog.at_level(logging.WARNING):
+        found = load_machine_file(old)
+    assert found is not None and found.split_layer_forward_s is None
+    assert found.calibration().split_layer_forward_s == 0.0  # priced as before
+    assert "tensor-split layer" in caplog.text and "dreampipe calibrate" in caplog.text
 
 
 def test_the_calibration_holds_the_files_figures_per_level() -> None:

@@ -33,10 +33,12 @@ def test_a_quick_calibration_measures_every_figure_of_one_node() -> None:
         assert 1e6 < figure < 1e14
     assert 0 <= found.node.latency_s < 0.1 and 0 <= found.send_overhead_s < 0.1
     assert found.corun_slowdown >= 1.0
+    assert found.split_layer_forward_s is not None and found.split_layer_backward_s is not None
+    assert 0 <= found.split_layer_forward_s < 0.1 and 0 <= found.split_layer_backward_s < 0.1
     how = dict(found.how)
     assert "beside a busy twin" in how["corun_slowdown"] and "ping-pong" in found.node.how
     assert set(how) >= {"step_bandwidth", "stash_copy_bandwidth", "corun_slowdown",
-                        "send_overhead_s", "loss_s"}
+                        "send_overhead_s", "loss_s", "split_layer_forward_s"}
     assert MachineFile.from_dict(found.to_dict()) == found
     assert any("all-reduce" in line for line in measure.describe(found))
 

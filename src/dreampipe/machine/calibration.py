@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from dreampipe.simulation.simulator import SimCosts
 
 __all__ = ["LocalCalibration", "corun_crowd", "corun_twins", "local_costs",
-           "local_topology", "measured_machine", "measured_topology"]
+           "local_topology", "measured_machine", "measured_topology", "split_layer_seconds"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +87,12 @@ class LocalCalibration:
     #: started during the backward slows it as much as it hides. NCCL moves
     #: them on the GPUs' copy engines, beside the compute.
     overlap: bool = False
+    #: What one layer of a tensor-split stage spends beyond its compute share and its
+    #: collectives, per forward and per backward: DTensor's host work on each operator
+    #: (:mod:`~dreampipe.machine.split_layers`). 0 for a machine file measured before
+    #: dreampipe measured it.
+    split_layer_forward_s: float = 0.0
+    split_layer_backward_s: float = 0.0
     #: Cores the workers share. More workers than cores take turns on them
     #: (a gloo wait sleeps: it takes no core), at the pace measured with the
     #: profile (``profile_beside``'s crowd), else evenly.
@@ -187,7 +193,8 @@ def local_costs(
     at a small batch, :mod:`~dreampipe.profiling.fixed_costs`; else the machine's
     ``stage_forward_s``), loading
     the microbatch's data, the loss (its forward and backward as measured with the
-    profile, else the machine's ``loss_s``), and each weight update (with the
+    profile, else the machine's ``loss_s``), each tensor-split layer's fixed cost
+    (:func:`split_layer_seconds`), and each weight update (with the
     copy weight stashing makes where a microbatch in flight needs the old weights).
     Compute and updates run ``machine.corun_slowdown`` slower when workers run side
     by side, and with more workers than ``machine.cores`` every host-side
@@ -217,6 +224,9 @@ def local_costs(
         backward[-1] += meta["loss_backward_ms"] / 1e3
     else:
         forward[-1] += machine.loss_s
+    for s, (fixed_forward, fixed_backward) in enumerate(split_layer_seconds(graph, plan, machine)):
+        forward[s] += fixed_forward
+        backward[s] += fixed_backward
     forward[0] += machine.batch_load_s
     if len(forward) > 1:
         forward[-1] += machine.batch_load_s
@@ -234,6 +244,27 @@ def local_costs(
         stash_copy_bandwidth=machine.stash_copy_bandwidth / busy,
         jitter=_jitter(graph),
     )
+
+
+def split_layer_seconds(graph: LayerGraph, plan: Plan, machine: LocalCalibration
+                        ) -> list[tuple[float, float]]:
+    """Per stage of ``plan``, the seconds (forward, backward) its tensor split adds per
+    microbatch beyond the operator search's compute share and collectives: each layer
+    of a split stage (``Input`` layers aside) runs through DTensor, whose host work per
+    operator the machine measured per layer (``split_layer_forward_s``,
+    ``split_layer_backward_s``), whatever the microbatch's size; a recomputing stage
+    pays its forward's again in its backward. (0, 0) for an unsplit stage. docs/design.md
+    §9.1."""
+    found = []
+    for st in plan.stages:
+        if st.tensor_parallel <= 1:
+            found.append((0.0, 0.0))
+            continue
+        layers = sum(1 for x in graph.layers[st.first:st.last + 1] if not x.is_input)
+        forward = layers * machine.split_layer_forward_s
+        backward = layers * machine.split_layer_backward_s + (forward if st.recompute else 0.0)
+        found.append((forward, backward))
+    return found
 
 
 def _jitter(graph: LayerGraph) -> tuple[float, ...]:

@@ -100,6 +100,10 @@ class MachineFile:
     send_overhead_s: float
     send_copy_bandwidth: float
     cores: int
+    #: A tensor-split layer's fixed cost per forward and backward (inside one node); None
+    #: in a file measured before dreampipe measured it.
+    split_layer_forward_s: float | None = None
+    split_layer_backward_s: float | None = None
     how: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -119,7 +123,9 @@ class MachineFile:
             step_bandwidth=self.step_bandwidth, stash_copy_bandwidth=self.stash_copy_bandwidth,
             corun_slowdown=self.corun_slowdown, send_overhead_s=self.send_overhead_s,
             send_copy_bandwidth=self.send_copy_bandwidth, cores=self.cores,
-            overlap=self.backend is Backend.NCCL, **TYPICAL_HOST)
+            overlap=self.backend is Backend.NCCL,
+            split_layer_forward_s=self.split_layer_forward_s or 0.0,
+            split_layer_backward_s=self.split_layer_backward_s or 0.0, **TYPICAL_HOST)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -188,7 +194,8 @@ def load_machine_file(path: str | Path | None = None) -> MachineFile | None:
     """The machine file at ``path`` (default :func:`default_path`), None if there is none.
 
     A file another machine made (another host, devices or torch) is
-    returned with a warning to calibrate this one.
+    returned with a warning to calibrate this one, as is a file without the split
+    layers' figure (its tensor-split plans are priced without it).
     """
     where = default_path() if path is None else Path(path)
     if not where.is_file():
@@ -198,6 +205,10 @@ def load_machine_file(path: str | Path | None = None) -> MachineFile | None:
     if differs:
         log.warning("machine file %s was made on another machine: %s; measure this one with "
                     "'dreampipe calibrate'", where, ", ".join(differs))
+    if found.node is not None and found.split_layer_forward_s is None:
+        log.warning("machine file %s holds no fixed cost of a tensor-split layer: split plans "
+                    "are priced without it and look faster than they run; measure it with "
+                    "'dreampipe calibrate'", where)
     return found
 
 

@@ -41,6 +41,7 @@ from dreampipe.machine.machine_file import (
 )
 from dreampipe.machine.pingpong import LineFit, ping_pong
 from dreampipe.machine.rates import HostRates, measure_rates
+from dreampipe.machine.split_layers import SplitLayerCost, measure_split_chains, split_layer_cost
 from dreampipe.machine.timers import timer_for
 from dreampipe.machine.torchrun import in_torchrun
 from dreampipe.quantities import format_bytes
@@ -59,7 +60,8 @@ Say = Callable[[str], None]
 class Probe:
     """How much to measure: ping-pong sizes (bytes, ascending) and seconds per size, the
     longest round trip before larger sizes are skipped, the all-reduce's target seconds per
-    round and most bytes, timed rounds (at least) and seconds, co-run repeats."""
+    round and most bytes, timed rounds (at least) and seconds, co-run repeats, timed rounds
+    of each chain of split layers."""
 
     sizes: tuple[int, ...]
     pingpong_s: float
@@ -69,16 +71,17 @@ class Probe:
     rounds: int
     min_time_s: float
     corun_repeats: int
+    split_rounds: int
 
 
 #: ``dreampipe calibrate``: seconds on two CPU cores.
 FULL = Probe((4 << 10, 64 << 10, 1 << 20, 8 << 20), pingpong_s=0.2, budget_s=0.5,
              allreduce_target_s=0.2, allreduce_max_bytes=64 << 20, rounds=3, min_time_s=0.5,
-             corun_repeats=5)
+             corun_repeats=5, split_rounds=15)
 #: At start-up, without a machine file.
 QUICK = Probe((4 << 10, 256 << 10, 2 << 20), pingpong_s=0.0, budget_s=0.5,
               allreduce_target_s=0.1, allreduce_max_bytes=16 << 20, rounds=2, min_time_s=0.0,
-              corun_repeats=3)
+              corun_repeats=3, split_rounds=5)
 
 #: The co-run slowdown's workload: the zoo mlp at the train command's default batch.
 _CORUN_MODEL, _CORUN_BATCH = "mlp", 32
@@ -209,6 +212,9 @@ def describe(found: MachineFile) -> list[str]:
                  f"{format_bytes(found.stash_copy_bandwidth)}/s, co-run slowdown "
                  f"x{found.corun_slowdown:.3f}, send post {found.send_overhead_s * 1e6:.0f} us "
                  f"+ {format_bytes(found.send_copy_bandwidth)}/s")
+    if found.split_layer_forward_s is not None and found.split_layer_backward_s is not None:
+        lines.append(f"tensor-split layer: forward {found.split_layer_forward_s * 1e3:.3f} ms, "
+                     f"backward {found.split_layer_backward_s * 1e3:.3f} ms beyond its compute")
     return lines
 
 
@@ -294,6 +300,7 @@ class _Level:
     figures: LinkFigures
     rates: HostRates
     send: LineFit
+    split: SplitLayerCost | None
 
 
 def _measure(job: _Job, say: Say | None) -> MachineFile | None:
@@ -332,6 +339,7 @@ def _measured(job: _Job, say: Say | None) -> MachineFile | None:
     measured = levels["node"] or levels["nodes"]
     assert measured is not None
     rates, send = measured.rates, measured.send
+    split = levels["node"].split if levels["node"] is not None else None
     alone = ("one GPU per worker: none computes beside another" if device.type == "cuda"
              else "one worker per node: none computes beside another")
     how = {
@@ -344,6 +352,7 @@ def _measured(job: _Job, say: Say | None) -> MachineFile | None:
         f"beside a busy twin over median alone ({len(corun.alone_s)} rounds each)",
         "send_overhead_s": _SEND_HOW, "send_copy_bandwidth": _SEND_HOW,
         "cores": "CPUs this process may run on",
+        **({} if split is None else dict.fromkeys(_SPLIT_FIGURES, _split_how(job))),
         **typical_how(),
     }
     found = MachineFile(
@@ -353,7 +362,10 @@ def _measured(job: _Job, say: Say | None) -> MachineFile | None:
         step_bandwidth=rates.step_bandwidth, stash_copy_bandwidth=rates.stash_copy_bandwidth,
         corun_slowdown=1.0 if corun is None else corun.slowdown,
         send_overhead_s=send.fixed_s, send_copy_bandwidth=send.bandwidth,
-        cores=len(os.sched_getaffinity(0)), how=tuple(sorted(how.items())))
+        cores=len(os.sched_getaffinity(0)),
+        split_layer_forward_s=None if split is None else split.forward_s,
+        split_layer_backward_s=None if split is None else split.backward_s,
+        how=tuple(sorted(how.items())))
     _tell(say, describe(found)[-1])
     return found
 
@@ -378,6 +390,8 @@ def _level(name: str, members: list[int], group: Any, job: _Job, device: torch.d
               for start in range(0, floats, _FLOATS_PER_TENSOR)]
     rates = measure_rates(params, rounds=probe.rounds, min_time_s=probe.min_time_s,
                           group=group, timer=timer)
+    chains = (measure_split_chains(group, device, timer, probe.split_rounds)
+              if name == "node" else None)  # a split stage lies inside one node
     if pong is None:
         return None
     pair = (f"2 of the node's {len(members)} workers" if name == "node" else
@@ -390,4 +404,14 @@ def _level(name: str, members: list[int], group: Any, job: _Job, device: torch.d
     figures = LinkFigures(workers=len(members), backend=job.backend,
                           allreduce_bandwidth=rates.allreduce_bandwidth,
                           p2p_bandwidth=pong.link.bandwidth, latency_s=pong.link.fixed_s, how=how)
-    return _Level(figures, rates, pong.send)
+    split = None if chains is None else split_layer_cost(chains[0], chains[-1])
+    return _Level(figures, rates, pong.send, split)
+
+
+_SPLIT_FIGURES = ("split_layer_forward_s", "split_layer_backward_s")
+
+
+def _split_how(job: _Job) -> str:
+    return (f"chains of 2 and 8 Linear+ReLU layers (width 16) split out/in over the node's "
+            f"workers, and plain, in turns, forward and backward timed apart, median of "
+            f"{job.probe.split_rounds} rounds; per layer, the split chain's extra time")
