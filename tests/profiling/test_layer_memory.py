@@ -125,3 +125,25 @@ def test_recorded_bytes_are_each_linear_s_output() -> None:
     normed = profile_model(nn.Sequential(nn.Linear(8, 12), nn.LayerNorm(12)), torch.randn(5, 8),
                            lambda y: y.sum(), repeats=1, warmup=0)
     assert [x.recorded_bytes for x in normed.layers] == [5 * 12 * 4] * 2
+
+
+class _Masked(nn.Module):
+    """Multiplies by a mask buffer, which autograd saves for the backward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("mask", torch.tril(torch.ones(n, n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.mask
+
+
+def test_a_buffer_autograd_saves_is_not_kept_per_microbatch() -> None:
+    """A minibatch in flight keeps the layer's output, not the model's mask: every
+    microbatch shares that one tensor."""
+    n = 64
+    model = nn.Sequential(_Masked(n), nn.Flatten(), nn.Linear(n * n, 2))
+    graph = profile_model(model, torch.randn(2, n, n), nn.functional.cross_entropy,
+                          torch.tensor([0, 1]), warmup=0, repeats=1)
+    assert graph.layers[0].saved_bytes == 2 * n * n * 4  # the output alone

@@ -86,7 +86,7 @@ def resolve(
     if batch_size is not None and not passes_batch:
         raise ConfigError(
             f"{ref} takes no batch_size argument but batch_size={batch_size} was given; "
-            "add a batch_size parameter or drop batch_size", "batch_size",
+            f"add a batch_size parameter or drop batch_size={batch_size}", "batch_size",
         )
     return sample
 

@@ -110,9 +110,10 @@ def profile_model(
             working = backward_bytes(kept, env, grads, bound)
             deferred = deferred_bytes(operands, kept, env)
             recorded = recorded_bytes(operands, kept)
+            held = [b for b, _ in saved_buffers]
             layers = [replace(x, saved_bytes=_saved_bytes(
-                saved[s.key], s, env, saved[_LOSS] if s is kept[-1] else None),
-                loss_bytes=_saved_bytes({}, s, env, {
+                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None),
+                loss_bytes=_saved_bytes({}, s, env, held, {
                     ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
                 }) if s is kept[-1] else None,
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
@@ -226,14 +227,16 @@ def _unpack(t: Tensor) -> Tensor:
     return t
 
 
-def _saved_bytes(saved: _Storages, step: Step, env: Env, loss: _Storages | None = None) -> int:
+def _saved_bytes(saved: _Storages, step: Step, env: Env, buffers: list[Tensor],
+                 loss: _Storages | None = None) -> int:
     """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
-    backward and its output, less its inputs' and parameters' (other layers' or weights).
+    backward and its output, less its inputs', parameters' and the model's ``buffers``
+    (other layers', weights, or a mask every microbatch shares).
     The last layer's output goes to the loss, not to a next stage: it keeps what the loss
     saved instead (``loss``), the output where the loss keeps it (a 16-bit output that a
     loss takes in 32 bits keeps the 32-bit copy)."""
     held = {**saved, **(_storages(env[step.key]) if loss is None else loss)}
-    for ptr in _storages([*(env[d] for d in step.deps), *step.params]):
+    for ptr in _storages([*(env[d] for d in step.deps), *step.params, *buffers]):
         held.pop(ptr, None)
     return sum(held.values())
 
