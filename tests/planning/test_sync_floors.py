@@ -103,6 +103,14 @@ def test_least_within_is_below_every_choice_that_fits_and_tight_where_the_fastes
         assert floor == float(np.sum(np.min(times, axis=0)))
 
 
+def test_least_within_stays_below_where_large_dual_terms_cancel() -> None:
+    """Only the second layer's lean row fits beside the first layer's 2 of 2, so the dual
+    climbs to a large price, whose terms cancel: their rounding must not lift the floor."""
+    times = np.array([[0.0, 1.5549839333308824], [0.0, 0.0]])
+    memory = np.array([[2.0, 0.0], [2.0, 1.192092896e-07]])
+    assert least_within(times, memory, 2.0) <= 1.5549839333308824
+
+
 @settings(max_examples=80, deadline=None)
 @given(block_graphs(3, (10**6, 10**8)), st.sampled_from(["4", "2x4"]),
        st.sampled_from([1, 1, 2, 3]), st.sampled_from([1, 2]), st.sampled_from([None, 1, 3]),

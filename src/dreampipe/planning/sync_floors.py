@@ -150,6 +150,9 @@ def least_stage_sum(floors: Sequence[OptionFloors], state: dict[int, float], per
     return least_within(np.stack(times), np.stack(memory), room)
 
 
+_EPS = float(np.finfo(np.float64).eps)
+
+
 def least_within(times: FloatArray, memory: FloatArray, room: float) -> float:
     """A floor on ``sum_l times[o_l, l]`` over every choice of a row ``o_l`` for each layer
     ``l`` whose ``sum_l memory[o_l, l]`` is at most ``room``: the Lagrangian dual
@@ -169,7 +172,10 @@ def least_within(times: FloatArray, memory: FloatArray, room: float) -> float:
         y = 10.0 ** ((lo + hi) / 2)
         priced = times + y * memory
         pick = np.argmin(priced, axis=0)
-        best = max(best, float(np.sum(priced[pick, cols])) - y * room)
+        took = priced[pick, cols]
+        # less the rounding of a sum of large terms that cancel (weak duality holds exactly)
+        slack = (len(cols) + 2) * _EPS * (float(np.sum(np.abs(took))) + y * room)
+        best = max(best, float(np.sum(took)) - y * room - slack)
         if float(np.sum(memory[pick, cols])) > room:
             lo = (lo + hi) / 2
         else:
