@@ -3,12 +3,16 @@ a plan states is never below its true gap."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import PlanError
+from dreampipe.planning import bound_states
 from dreampipe.planning import bounds as bounds_module
 from dreampipe.planning import coarsen as coarsen_module
 from dreampipe.planning import ranges as ranges_module
@@ -16,17 +20,17 @@ from dreampipe.planning.bounds import lower_bound
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
-from dreampipe.planning.pricing import cut_seconds
+from dreampipe.planning.pricing import cut_seconds, price_stages, slowest
 from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import split_widths
-from dreampipe.planning.sync import Sync, SyncKind, allreduce_terms
+from dreampipe.planning.sync import Sync, SyncKind, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
 
 
 @st.composite
-def _chains(draw: st.DrawFn) -> LayerGraph:
-    n = draw(st.integers(1, 6))
+def _chains(draw: st.DrawFn, most: int = 6) -> LayerGraph:
+    n = draw(st.integers(1, most))
     return LayerGraph.chain([
         Layer(f"l{i}", draw(st.floats(0.1, 20.0)), draw(st.floats(0.1, 40.0)),
               draw(st.sampled_from([0, 10**5, 10**7, 10**8])),
@@ -66,8 +70,8 @@ def test_no_plan_beats_the_bound_and_a_rough_plan_is_within_its_gap(
     best = optimum.time_per_minibatch_s
     with pytest.MonkeyPatch.context() as patch:
         if coarse_states:  # worker counts merged into intervals, as on large clusters
-            patch.setattr(bounds_module, "_EXACT_WORKERS", 1)
-            patch.setattr(bounds_module, "_RATIO", 1.7)
+            patch.setattr(bound_states, "EXACT_WORKERS", 1)
+            patch.setattr(bound_states, "RATIO", 1.7)
         bound = lower_bound(fine, topo, sync, 4 * best, options, limit, True)
         assert bound <= best * (1 + 1e-9)
         patch.setattr(coarsen_module, "TABLE_WORK", 0)  # blocks of layers
@@ -96,18 +100,43 @@ def test_a_split_stages_replicas_are_priced_one_server_each_at_most(sync: Sync) 
     # over the slow outer link; unsplit, two replicas may share a server's fast link
     levels = (Level(4, 100e9, 1e-6), Level(8, 10e9, 1e-5))
     topo = Topology(levels)
-    inside = bounds_module._cheapest_terms(topo, sync)
-    whole = bounds_module._cheapest_terms(topo, sync, width=4)
+    inside = bound_states.cheapest_terms(topo, sync)
+    whole = bound_states.cheapest_terms(topo, sync, width=4)
     assert whole[1][2] == pytest.approx(allreduce_terms((1, 2), levels, sync, 2)[1])
     assert whole[1][2] > 2 * inside[1][2]
     # half a server: two replicas to a server, as unsplit workers may be
-    half = bounds_module._cheapest_terms(topo, sync, width=2)
+    half = bound_states.cheapest_terms(topo, sync, width=2)
     assert half[1][2] == pytest.approx(inside[1][2])
     assert whole[1][8] == pytest.approx(allreduce_terms((1, 8), levels, sync, 8)[1])
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([(2, 2), (4, 2), (2, 3), (2, 2, 2), (2, 8), (4, 6), (2, 3, 3)]),
+       _SYNC, st.booleans(), st.data())
+def test_a_stage_on_some_servers_all_reduces_at_least_at_their_cheapest_terms(
+        shape: tuple[int, ...], sync: Sync, split: bool, data: st.DataObject) -> None:
+    # any stage's replicas, split or not, on any servers: its all-reduce's terms are at
+    # least the cheapest of its span and of at least as many servers as it holds, which
+    # the relaxed states price a stage at (a stage that shares its servers with the next
+    # all-reduces over all of them)
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), 1e-6 * 10 ** k)
+                          for k, c in enumerate(shape)))
+    t = 2 if split and shape[0] % 2 == 0 else 1
+    slots = data.draw(st.lists(st.integers(0, topo.num_workers // t - 1), min_size=1,
+                               max_size=topo.num_workers // t, unique=True))
+    firsts = sorted(t * x for x in slots)  # each replica's first worker
+    workers = [f + i for f in firsts for i in range(t)]
+    unit = np.cumprod([lv.count for lv in topo.levels])
+    span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+    held = len({v // shape[0] for v in workers})
+    lat, per = allreduce_terms(replica_groups(firsts, topo), topo.levels, sync, len(firsts))
+    least = bound_states.cheapest_terms(topo, sync, None if t > 1 else span, t, held)
+    assert least[0][len(firsts)] <= lat * (1 + 1e-12)
+    assert least[1][len(firsts)] <= per * (1 + 1e-12)
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from([(2, 2), (4, 2), (2, 3), (2, 2, 2)]), st.lists(
+@given(st.sampled_from([(2, 2), (4, 2), (2, 3), (2, 2, 2), (2, 8), (3, 5)]), st.lists(
     st.sampled_from([1e-6, 1e-5, 1e-4, 1e-3]), min_size=3, max_size=3), st.data())
 def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
         shape: tuple[int, ...], latencies: list[float], data: st.DataObject) -> None:
@@ -129,14 +158,16 @@ def _assert_allowed(topo: Topology, senders: list[int], receivers: list[int],
     """The relaxed cuts let the senders' state reach the receivers' within what the
     planner prices the cut of ``size`` bytes between those workers at."""
     price = cut_seconds(size, senders, receivers, topo)
-    states = bounds_module._States(topo, Sync(SyncKind.HIERARCHICAL), [1])
+    states = bound_states.BoundStates(topo, Sync(SyncKind.HIERARCHICAL), [1])
     cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
 
     def state(workers: list[int]) -> int:
         unit = np.cumprod([lv.count for lv in topo.levels])
         span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+        servers = len({v // unit[0] for v in workers})
         return next(q for q in range(len(states.first)) if states.span[q] == span
-                    and states.first[q] <= len(workers) <= states.last[q])
+                    and states.first[q] <= len(workers) <= states.last[q]
+                    and states.units_lo[q] <= servers <= states.units_hi[q])
 
     need = np.full(len(states.first), np.inf)
     need[state(receivers)] = 0.0
@@ -192,3 +223,70 @@ def test_pairs_meeting_inside_units_are_at_most_the_harmonic_share(
     assert met <= server * x * y / (x + y) * (1 + 1e-12)
     if sum(1 for _, b in units if b) == 1:  # the second in one unit
         assert met <= (server - y) * y * (1 + 1e-12)
+
+
+def _every_plan(n: int, workers: int) -> Iterator[tuple[list[tuple[int, int]], list[list[int]]]]:
+    """Every plan of ``n`` layers on up to ``workers`` workers: contiguous layer ranges in
+    order, each on its own nonempty set of workers (idle workers allowed)."""
+    for stages in range(1, n + 1):
+        for cuts in itertools.combinations(range(1, n), stages - 1):
+            edges = [0, *cuts, n]
+            spans = [(a, b - 1) for a, b in itertools.pairwise(edges)]
+            for owner in itertools.product(range(stages + 1), repeat=workers):
+                placed = [[w for w in range(workers) if owner[w] == s] for s in range(stages)]
+                if all(placed):
+                    yield spans, placed
+
+
+@settings(max_examples=20, deadline=None)
+@given(_chains(3), st.sampled_from([(1, 4), (2, 2), (1, 2, 2)]),
+       st.sampled_from([1e-6, 1e-4]), _SYNC, st.sampled_from([None, 0.3, 0.6, 1.0]))
+def test_no_placement_of_any_plan_beats_the_bound(
+        graph: LayerGraph, shape: tuple[int, ...], lat: float, sync: Sync,
+        memory: float | None) -> None:
+    # brute force over every partition and placement, recomputing the stages that fit
+    # only so, shared server links included: stages on servers of one worker each spread
+    # or share as many servers as they have workers, which the relaxation's bands of
+    # servers tie to their all-reduces
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), lat * 10 ** k)
+                          for k, c in enumerate(shape)))
+    fine = RangeCosts.of(graph)
+    limit = None if memory is None else max(1, int(memory * fine.memory(0, fine.n - 1, 2)))
+    times = []
+    for spans, placed in _every_plan(fine.n, topo.num_workers):
+        stages = price_stages(fine, topo, spans, placed, sync, limit)
+        if limit is not None:  # recomputing is never faster: only the stages that must
+            again = [x.memory_bytes > limit for x in stages]
+            stages = price_stages(fine, topo, spans, placed, sync, limit, again)
+        if limit is None or max(x.memory_bytes for x in stages) <= limit:
+            times.append(slowest(stages))
+    assume(times)
+    best = min(times)
+    assert lower_bound(fine, topo, sync, 4 * best, (), limit, True) <= best * (1 + 1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_chains(), st.sampled_from([(2, 2), (2, 8), (4, 6), (1, 9), (2, 3, 3)]), _SYNC,
+       st.booleans(), st.data())
+def test_a_placed_stage_takes_at_least_its_states_work(
+        graph: LayerGraph, shape: tuple[int, ...], sync: Sync, overlap: bool,
+        data: st.DataObject) -> None:
+    # a stage on any workers takes at least its state's work over its workers: the state
+    # of its span, worker count and servers (the relaxed program's per-stage term)
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), 1e-6 * 10 ** k)
+                          for k, c in enumerate(shape)), overlap=overlap)
+    fine = RangeCosts.of(graph)
+    i = data.draw(st.integers(0, fine.n - 1))
+    j = data.draw(st.integers(i, fine.n - 1))
+    workers = sorted(data.draw(st.lists(st.integers(0, topo.num_workers - 1), min_size=1,
+                                        max_size=topo.num_workers, unique=True)))
+    (stage,) = price_stages(fine, topo, [(i, j)], [workers], sync)
+    states = bound_states.BoundStates(topo, sync, [1])
+    unit = np.cumprod([lv.count for lv in topo.levels])
+    span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+    held = len({v // shape[0] for v in workers})
+    (q,) = [q for q in range(len(states.first)) if states.span[q] == span
+            and states.first[q] <= len(workers) <= states.last[q]
+            and states.units_lo[q] <= held <= states.units_hi[q]]
+    work = states.work(fine, 1, topo.overlap, None, False)
+    assert work[i, j, q] / len(workers) <= stage.time_s * (1 + 1e-9)

@@ -3,10 +3,11 @@
 :func:`lower_bound` relaxes every plan of contiguous-layer stages on disjoint
 workers, priced as :func:`~dreampipe.planning.pricing.price_stages` prices it
 (the hierarchy's plans and the range program's alike), to optimistic terms
-of a stage's layers, worker count and span (:class:`_States`): its
-all-reduce at the cheapest layout of as many replicas, the cuts around it at
-the cheapest level and sharing the two stages' counts and spans allow
-(:class:`_Cuts`), its memory with one minibatch in flight. A plan of time
+of a stage's layers, worker count, span and servers (:class:`BoundStates`):
+its all-reduce at the cheapest layout of as many replicas on as many servers,
+the cuts around it at the cheapest level and sharing the two stages' counts,
+spans and servers allow (:class:`_Cuts`), its memory with one minibatch in
+flight. A plan of time
 ``P`` gives each stage at least the workers these terms need to reach ``P``,
 so when the fewest workers a partition of the layers needs
 (:func:`_workers_needed`, a dynamic program over layers and states) exceed
@@ -16,145 +17,38 @@ the topology's, no plan reaches ``P``; a bisection finds the largest such
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
+from dreampipe.planning.bound_states import BoundStates
 from dreampipe.planning.costs import BoolArray, FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
-from dreampipe.planning.sync import Sync, SyncKind, allreduce_terms
+from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
 
 __all__ = ["BOUND_ENTRIES", "lower_bound", "work_bound"]
 
-#: The most ``layers^2 x worker intervals`` the relaxed program tabulates; beyond it the
-#: bound falls back on :func:`work_bound`.
+#: The most ``layers^2 x states`` the relaxed program tabulates; beyond it the bound falls
+#: back on :func:`work_bound`.
 BOUND_ENTRIES = 8_000_000
-#: Worker counts up to this are their own interval; beyond, intervals grow by ``_RATIO``.
-_EXACT_WORKERS = 32
-_RATIO = 1.02
-#: Servers of at most this many workers have their room tracked (:func:`_workers_needed`).
-_ROOM_MAX = 16
 #: The bisection stops when its bracket is this narrow (the stated gap is that much loose).
 _PRECISION = 1e-3
 
 
-def _cheapest_terms(topo: Topology, sync: Sync, span: int | None = None, width: int = 1
-                    ) -> tuple[FloatArray, FloatArray]:
-    """``(latency, per byte)`` of index ``r``: each at most its value on every layout of
-    ``r' >= r`` replicas (0 for ``r <= 1``), so non-decreasing in ``r``; with ``span``,
-    only of replicas inside one level-``span`` unit and not one level-``span - 1`` unit;
-    with ``width`` ``t``, of replicas of ``t`` workers each inside one server.
-
-    ``replica_groups`` of ``r`` workers has ``g_k <= count_k`` and ``prod(g) >= r``, and
-    ``span`` means ``g_k = 1`` above it and ``g_span >= 2`` (for ``span >= 1``); a
-    server holds at most ``count_0 // t`` replicas of ``t`` workers, so ``g_0`` is at most
-    that; the least over those tuples is at most any real layout's; the hierarchical
-    ring's terms read ``g`` only, the others' ``r`` and the outermost level with ``g_k >=
-    2``.
-    """
-    levels, counts = topo.levels, [lv.count for lv in topo.levels]
-    counts[0] = max(1, counts[0] // width)
-    most = topo.num_workers
-    lat, per = np.full(most + 1, np.inf), np.full(most + 1, np.inf)
-    lat[:2] = per[:2] = 0.0
-    for h in range(len(levels)) if span is None else [span]:
-        if sync.kind is SyncKind.HIERARCHICAL:
-            for g in itertools.product(*(range(1, c + 1) if k < h else range(2, c + 1)
-                                         if k == h else range(1, 2)
-                                         for k, c in enumerate(counts))):
-                x, y = allreduce_terms(g, levels, sync, 2)
-                p = math.prod(g)
-                lat[p], per[p] = min(lat[p], x), min(per[p], y)
-            continue
-        g = tuple(2 if k == h else 1 for k in range(len(levels)))
-        for p in range(2, math.prod(counts[:h + 1]) + 1):
-            x, y = allreduce_terms(g, levels, sync, p)
-            lat[p], per[p] = min(lat[p], x), min(per[p], y)
-    # suffix minima: a count beyond r may be laid out more cheaply than r itself
-    lat[1:] = np.minimum.accumulate(lat[1:][::-1])[::-1]
-    per[1:] = np.minimum.accumulate(per[1:][::-1])[::-1]
-    return lat, per
-
-
-class _States:
-    """What the relaxed program knows of a stage: its span (the innermost level one of
-    whose units holds all its workers) and an interval of worker counts, ``[first,
-    last]``; counts up to :data:`_EXACT_WORKERS` are their own interval, larger ones
-    merge while the last is at most ``_RATIO`` times the first."""
-
-    def __init__(self, topo: Topology, sync: Sync, widths: Sequence[int]) -> None:
-        w = topo.num_workers
-        self.sizes = [int(x) for x in np.cumprod([lv.count for lv in topo.levels])]
-        #: per split width, the cheapest terms of its replicas at any span
-        self.any_terms = {t: _cheapest_terms(topo, sync, width=t) for t in widths if t > 1}
-        self.span_terms = [_cheapest_terms(topo, sync, k) for k in range(len(topo.levels))]
-        change = {1, *self.sizes, *(x + 1 for x in self.sizes)}
-        for (lat, per), t in [*((x, 1) for x in self.span_terms),
-                              *((x, t) for t, x in self.any_terms.items())]:
-            r = np.arange(2, w // t + 1)
-            moved = (lat[r] != lat[r - 1]) | (per[r] != per[r - 1])
-            change.update((t * r[moved]).tolist())
-            change.add(t)
-        firsts: list[int] = []
-        for x in sorted(c for c in change | set(range(1, _EXACT_WORKERS + 1)) if c <= w):
-            if not firsts or x <= _EXACT_WORKERS or x >= firsts[-1] * _RATIO:
-                firsts.append(x)
-        lasts = [*(x - 1 for x in firsts[1:]), w]
-        span, first, last = [], [], []
-        for k, size in enumerate(self.sizes):
-            low = 1 if k == 0 else 2
-            for a, b in zip(firsts, lasts, strict=True):
-                if a <= size and b >= low:
-                    span.append(k)
-                    first.append(max(a, low))
-                    last.append(min(b, size))
-        self.span = np.array(span, dtype=np.int64)
-        #: Workers of one server, tracked by the program where servers are small (else None).
-        self.room = self.sizes[0] if len(self.sizes) > 1 and self.sizes[0] <= _ROOM_MAX else None
-        self.first = np.array(first, dtype=np.int64)
-        self.last = np.array(last, dtype=np.int64)
-
-    def work(self, costs: RangeCosts, t: int, overlap: bool, memory_bytes: int | None,
-             recompute: bool) -> FloatArray:
-        """``[i, j, state]``: ``t max(C, F + end)`` of layers ``i..j`` run by ``t``-worker
-        replicas in the state (the cheapest terms of its least replica count: of its span
-        unsplit, of any layout split), so that the stage takes at least this over its
-        workers; ``inf`` where no replica fits ``memory_bytes`` with one minibatch in
-        flight, and the recomputing stage's ``max(C + F, 2F + end)`` where only that
-        fits."""
-        reps = np.maximum(1, -(-self.first // t))
-        if t == 1:
-            lat = np.array([self.span_terms[k][0][r] for k, r in zip(self.span, reps, strict=True)])
-            per = np.array([self.span_terms[k][1][r] for k, r in zip(self.span, reps, strict=True)])
-        else:
-            lat, per = self.any_terms[t][0][reps], self.any_terms[t][1][reps]
-        end = costs.allreduce_ends(lat, per, overlap=overlap)
-        end[reps <= 1] = 0.0
-        c = costs.compute_s[None]
-        f = np.minimum(costs.forward, np.where(np.isfinite(costs.compute_s), costs.compute_s,
-                                               0.0))[None]
-        plain = np.maximum(c, f + end)
-        if memory_bytes is not None:
-            again = np.maximum(c + f, 2 * f + end)
-            fits = costs.max_versions(memory_bytes) >= 1
-            fits_again = (costs.max_versions(memory_bytes, recompute=True) >= 1) & recompute
-            plain = np.where(fits[None], plain, np.where(fits_again[None], again, np.inf))
-        plain[t > self.last] = np.inf
-        return np.asarray(t * plain.transpose(1, 2, 0))
-
-
 class _Cuts:
     """What any cut before layer ``t`` costs at least, between a stage in state ``q``
-    (:class:`_States`: ``x`` workers, span ``s``) and the next in ``q'`` (``y``, ``s'``),
+    (:class:`BoundStates`: ``x`` workers, span ``s``) and the next in ``q'`` (``y``, ``s'``),
     in ``cut_seconds``' two cases.
 
     Both stages hold the same ``c`` level-``k`` units: ``2 (alpha_k + a / B_k) / c``. With
     ``s, s' <= k`` each sits in one unit, so ``c = 1`` and ``x + y <= S_k`` (its workers);
     with ``s, s' > k``, ``c >= 2``, ``c >= ceil((x + y) / S_k)``, and ``c <= x, y`` and the
-    level-``k`` units of one level-``min(s, s')`` unit; mixed spans never share. Else every
+    level-``k`` units of one level-``min(s, s')`` unit, and at most each state's most
+    servers; at ``k = 0`` both hold exactly those ``c`` servers, so ``c`` lies in both
+    states' bands of servers (what ties a shared cut to the all-reduces,
+    :class:`BoundStates`); mixed spans never share. Else every
     pair of their workers carries an equal share, which needs their units to overlap
     below ``m = max(s, s')`` (both then sit in one level-``m`` unit, where every pair
     meets): at most ``S_j / (x + y)`` of the pairs meet inside level-``j`` units, at most
@@ -164,9 +58,13 @@ class _Cuts:
     their summed bandwidth, and pays one of their latencies.
     """
 
-    def __init__(self, topo: Topology, cut_bytes: FloatArray, states: _States) -> None:
+    def __init__(self, topo: Topology, cut_bytes: FloatArray, states: BoundStates) -> None:
         levels, sizes = topo.levels, states.sizes
-        first, last, span = states.first, states.last, states.span
+        # the single and spread cases read no servers: they are tabulated once per span and
+        # interval (``bases``, each the first of its bands) and read through ``group``
+        self.bases = np.unique(states.base)
+        self.group = np.searchsorted(self.bases, states.base)
+        first, last, span = (x[self.bases] for x in (states.first, states.last, states.span))
         bandwidths = np.array([lv.bandwidth for lv in levels])
         #: the least latency of any level: what a cut whose pairs all meet inside pays
         self.alpha = min(lv.latency for lv in levels)
@@ -188,17 +86,25 @@ class _Cuts:
         wider = np.maximum(span[:, None], span[None, :])
         self.wider = [wider == m for m in range(len(levels))]
         self.one = np.array([2 * (lv.latency + cut_bytes / lv.bandwidth) for lv in levels])
-        both = self.both
-        self.single: list[BoolArray] = []
-        self.shared: list[tuple[BoolArray, np.ndarray]] = []
+        self.single = [(span <= k)[:, None] & (span <= k)[None, :] & (self.both <= size)
+                       for k, size in enumerate(sizes)]
+        # the shared case, over every state of span 1 or more (``wide`` of them, the last)
+        self.wide = int(np.sum(states.span > 0))
+        tail = slice(len(states.span) - self.wide, None)
+        span, last = states.span[tail], states.last[tail]
+        lo, hi = states.units_lo[tail], states.units_hi[tail]
+        both = states.first[tail, None] + states.first[None, tail]
+        #: per level, 0 where two states may share its units, else inf; and their most units
+        self.shared: list[tuple[FloatArray, np.ndarray]] = []
         for k, size in enumerate(sizes):
-            inside = span <= k
-            self.single.append(inside[:, None] & inside[None, :] & (both <= size))
-            most = np.minimum(last, np.array([sizes[s] // size for s in span]))
-            pair_most = np.minimum(most[:, None], most[None, :])
+            outer = span > k
+            most = np.minimum(np.minimum(last, hi), np.array([sizes[s] // size for s in span]))
             least = np.maximum(2, -(-both // size))
-            self.shared.append((~inside[:, None] & ~inside[None, :] & (least <= pair_most),
-                                most))
+            if k == 0:  # the same servers: at least each state's fewest
+                least = np.maximum(least, np.maximum(lo[:, None], lo[None, :]))
+            allowed = (outer[:, None] & outer[None, :]
+                       & (least <= np.minimum(most[:, None], most[None, :])))
+            self.shared.append((np.where(allowed, 0.0, np.inf), most))
 
     def _spread_allows(self, m: int, size: float, p: float) -> BoolArray:
         """``[q, q']``: whether a spread cut of ``size`` bytes between stages in states
@@ -248,13 +154,19 @@ class _Cuts:
         if 2 * self.alpha <= p:
             for m in range(1, len(self.wider)):
                 allowed |= self.wider[m] & self._spread_allows(m, float(self.cut_bytes[t]), p)
-        for k, (single, (shared, most)) in enumerate(zip(self.single, self.shared,
-                                                             strict=True)):
+        for k, single in enumerate(self.single):
             if self.one[k, t] <= p and (k > 0 or room is None):
                 allowed |= single
+        fresh = np.min(np.where(allowed, np.minimum.reduceat(need, self.bases)[None, :],
+                                np.inf), axis=1)[self.group]
+        tail = need[len(need) - self.wide:]
+        for k, (shared, most) in enumerate(self.shared):
             copies = most >= math.ceil(self.one[k, t] / p * (1 - 1e-12))
-            allowed |= shared & copies[:, None] & copies[None, :]
-        fresh = np.min(np.where(allowed, need[None, :], np.inf), axis=1)
+            if np.any(copies):
+                got = np.min(shared + np.where(copies, tail, np.inf)[None, :], axis=1)
+                got[~copies] = np.inf
+                np.minimum(fresh[len(need) - self.wide:], got,
+                           out=fresh[len(need) - self.wide:])
         if room is None:
             return fresh, None
         s = room.shape[0]
@@ -266,7 +178,7 @@ class _Cuts:
         return fresh, after
 
 
-def _workers_needed(work: FloatArray, states: _States, cuts: _Cuts, p: float,
+def _workers_needed(work: FloatArray, states: BoundStates, cuts: _Cuts, p: float,
                     workers: int) -> float:
     """The fewest workers any plan of time at most ``p`` uses, relaxed (module doc): stage
     ``i..j`` on ``x`` workers in state ``q`` takes at least ``work[i, j, q] / x``, and
@@ -283,6 +195,7 @@ def _workers_needed(work: FloatArray, states: _States, cuts: _Cuts, p: float,
     need = np.full(k, np.inf)
     room = None if r is None else np.full((s, r + 1), np.inf)
     cap = workers + 1.0
+    rhos = np.arange((r or 0) + 1)
     for i in range(n - 1, -1, -1):
         if i + 1 < n:
             fresh[i + 1], got = cuts.cont(i + 1, need, room, p)
@@ -292,12 +205,11 @@ def _workers_needed(work: FloatArray, states: _States, cuts: _Cuts, p: float,
         x[x > states.last[None, :]] = np.inf
         need = np.minimum(cap, np.min(x + fresh[i + 1:], axis=0))
         if room is not None and r is not None:
-            xs = x[:, :s]
-            for rho in range(r + 1):
-                fit = xs <= rho
-                left = np.where(fit, rho - xs, 0).astype(np.int64)
-                rest = np.take_along_axis(after[i + 1:], left[..., None], axis=2)[..., 0]
-                room[:, rho] = np.minimum(cap, np.min(np.where(fit, xs + rest, np.inf), axis=0))
+            xs = x[:, :s, None]  # [last layer, state, rho]: every room at once
+            fit = xs <= rhos
+            left = np.where(fit, rhos - xs, 0).astype(np.int64)
+            rest = np.take_along_axis(after[i + 1:], left, axis=2)
+            room = np.minimum(cap, np.min(np.where(fit, xs + rest, np.inf), axis=0))
             need[:s] = room[:, r]
     return float(np.min(need))
 
@@ -333,7 +245,7 @@ def lower_bound(fine: RangeCosts, topo: Topology, sync: Sync, above: float,
     """
     w = topo.num_workers
     floor = work_bound(fine, w, splits, memory_bytes, recompute)
-    states = _States(topo, sync, [1, *(s.t for s in splits)])
+    states = BoundStates(topo, sync, [1, *(s.t for s in splits)])
     if fine.n ** 2 * len(states.first) > BOUND_ENTRIES or not floor < above:
         return min(floor, above)
     work = states.work(fine, 1, topo.overlap, memory_bytes, recompute)
