@@ -42,6 +42,7 @@ from dreampipe.planning.search import (
     fastest,
     gap_bound,
     search_for,
+    with_copies,
     with_ranges,
 )
 from dreampipe.planning.split_ranges import split_options
@@ -148,6 +149,7 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     if opts.also_flat:
         stages, ranged = with_ranges(search, topology, stages, search_opts, opts.exact,
                                      opts.recompute, splits)
+        stages = with_copies(search, topology, stages, search_opts, opts.recompute)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         memory_bytes = opts.memory_bytes

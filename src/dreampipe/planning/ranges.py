@@ -29,8 +29,8 @@ from dreampipe.planning.split_ranges import StageSplit, fits_servers
 from dreampipe.planning.sync import Sync, allreduce_terms, replica_groups
 from dreampipe.planning.topology import Topology
 
-__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "best_ranges", "exact_fits", "range_points",
-           "ranges_layers"]
+__all__ = ["RANGES_GRID", "RANGES_MAX_WORKERS", "Copies", "best_ranges", "exact_fits",
+           "range_points", "ranges_layers"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -79,6 +79,20 @@ def ranges_layers(ranges: int) -> int:
 
 
 @dataclass(frozen=True)
+class Copies:
+    """One server's pipeline run on the same workers of the first ``servers`` servers of
+    ``topology`` (:func:`best_ranges`)."""
+
+    topology: Topology
+    servers: int
+
+    def place(self, workers: Sequence[int]) -> list[int]:
+        """``workers`` of one server, on every server of the copies, in rank order."""
+        size = self.topology.levels[0].count
+        return [u * size + w for u in range(self.servers) for w in workers]
+
+
+@dataclass(frozen=True)
 class _Option:
     """One way to run a stage: unsplit (``split`` None) or split as ``split`` says.
 
@@ -97,9 +111,11 @@ class _Option:
 
 
 def _option(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray,
-            split: StageSplit | None) -> _Option:
-    """:class:`_Option` of ``split`` on the grid ``points``."""
+            split: StageSplit | None, copies: Copies | None = None) -> _Option:
+    """:class:`_Option` of ``split`` on the grid ``points`` (with ``copies``, each range
+    on the same workers of that many servers of the whole topology)."""
     t = 1 if split is None else split.t
+    whole = topo if copies is None else copies.topology
     costs = prof if split is None else split.costs
     k, n = len(points), prof.n
     layouts: dict[tuple[tuple[int, ...], int], int] = {}
@@ -110,14 +126,16 @@ def _option(prof: RangeCosts, topo: Topology, sync: Sync, points: IntArray,
             s, e = int(points[a]), int(points[b])
             if t > 1 and not fits_servers(s, e, t, topo):
                 continue
-            key = (replica_groups(range(s, e, t), topo), (e - s) // t)
+            firsts = range(s, e, t) if copies is None else copies.place(range(s, e, t))
+            key = (replica_groups(firsts, whole),
+                   (e - s) // t * (1 if copies is None else copies.servers))
             index[a, b] = layouts.setdefault(key, len(layouts))
             replicas[a, b] = (e - s) // t
     index[index < 0] = len(layouts)
     never = np.full((1, n, n), np.inf)
     if not layouts:
         return _Option(split, never, never, index, replicas)
-    terms = np.array([allreduce_terms(g, topo.levels, sync, p) for g, p in layouts])
+    terms = np.array([allreduce_terms(g, whole.levels, sync, p) for g, p in layouts])
     ends = costs.allreduce_ends(terms[:, 0], terms[:, 1], overlap=topo.overlap)
     ends[(terms == 0.0).all(axis=1)] = 0.0
     count = np.array([p for _, p in layouts], dtype=np.float64)
@@ -140,13 +158,15 @@ class _Cuts:
     latency: tuple[float, ...]
     per_byte: tuple[float, ...]
     cut_bytes: FloatArray
+    copies: int = 1
+    points: IntArray | None = None
 
     @classmethod
-    def of(cls, prof: RangeCosts, topo: Topology, points: IntArray) -> _Cuts:
+    def of(cls, prof: RangeCosts, topo: Topology, points: IntArray, copies: int = 1) -> _Cuts:
         return cls(contiguous_cut_shares(topo, points.tolist()),
                    tuple(lv.latency for lv in topo.levels),
                    tuple(1.0 / lv.bandwidth for lv in topo.levels),
-                   np.asarray(prof.cut_bytes[:prof.n], dtype=np.float64))
+                   np.asarray(prof.cut_bytes[:prof.n], dtype=np.float64), copies, points)
 
     def at(self, a: slice, b: int, c: slice, t: slice) -> FloatArray:
         """``[a, c, t]``: the cut before layer ``t`` between ``[a, b)`` and ``[b, c)``,
@@ -158,13 +178,20 @@ class _Cuts:
             share = phi[..., x, None]
             term = 2 * (lat + share * data * per)
             np.maximum(out, np.where(share > 0, term, 0.0), out=out)
-        return out
+        if self.copies == 1 or self.points is None:
+            return out
+        # copies: minibatch m goes from replica m % r to m % r', which stay in one server
+        # only where both stages hold as many workers of each server
+        at = self.points
+        wide = (at[b] - at[a])[:, None] != (at[c] - at[b])[None, :]
+        out[wide] = np.inf
+        return out / self.copies
 
 
 def best_ranges(
     prof: RangeCosts, topo: Topology, sync: Sync, allow_fewer: bool,
     memory_bytes: int | None = None, points: Sequence[int] | None = None,
-    recompute: bool = False, splits: Sequence[StageSplit] = (),
+    recompute: bool = False, splits: Sequence[StageSplit] = (), copies: Copies | None = None,
 ) -> tuple[float, list[FlatStage]] | None:
     """The fastest pipeline of stages on contiguous worker ranges laid in order (module doc),
     each starting and ending at one of ``points`` (default: :func:`range_points`), or None
@@ -182,14 +209,19 @@ def best_ranges(
     stage, then to the narrower split, to one stage over a split, then to the next stage
     on fewer workers, then to the shorter first stage, and overall to fewer workers in
     the first stage (to fewer in all under a memory limit).
+
+    With ``copies`` the program lays one server's pipeline, ``topo`` that server, and
+    prices it run on the same workers of ``copies.servers`` servers of
+    ``copies.topology`` (:class:`Copies`): each stage all-reduces over all its copies,
+    and each cut, inside the servers, carries ``1 / servers`` of the minibatches.
     """
     at = np.asarray(range_points(topo.num_workers) if points is None else points,
                     dtype=np.int64)
     assert at[0] == 0 and at[-1] == topo.num_workers and (np.diff(at) > 0).all()
     k = len(at) - 1
-    options = [_option(prof, topo, sync, at, None)] + [
-        _option(prof, topo, sync, at, x) for x in sorted(splits, key=lambda x: x.t)]
-    cut = _Cuts.of(prof, topo, at)
+    options = [_option(prof, topo, sync, at, None, copies)] + [
+        _option(prof, topo, sync, at, x, copies) for x in sorted(splits, key=lambda x: x.t)]
+    cut = _Cuts.of(prof, topo, at, 1 if copies is None else copies.servers)
     if memory_bytes is None:
         return _placed(_best(options, cut, k if not allow_fewer else None, None), at)
     rooms = [_rooms(prof if o.split is None else o.split.costs, memory_bytes, recompute)

@@ -25,13 +25,19 @@ from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.dp import FlatStage, Options, best_plan
 from dreampipe.planning.plan import Heuristic, Stage
 from dreampipe.planning.pricing import price_stages, slowest
-from dreampipe.planning.ranges import best_ranges, exact_fits, range_points, ranges_layers
+from dreampipe.planning.ranges import (
+    Copies,
+    best_ranges,
+    exact_fits,
+    range_points,
+    ranges_layers,
+)
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.topology import Topology
 
 __all__ = [
     "FLAT_MAX_WORKERS", "Search", "cost_models", "fastest", "gap_bound", "search_for",
-    "with_ranges",
+    "with_copies", "with_ranges",
 ]
 
 #: :func:`fastest` also tries the flat model up to this many workers; beyond, a
@@ -159,6 +165,47 @@ def with_ranges(
     if stages is None or slowest(ranged) < slowest(stages):
         stages = ranged
     return stages, heuristic
+
+
+def with_copies(search: Search, topology: Topology, stages: tuple[Stage, ...] | None,
+                opts: Options, recompute: bool = True) -> tuple[Stage, ...] | None:
+    """``stages``, or one server's pipeline with recomputing stages run on the same workers
+    of every server where that is strictly faster (or ``stages`` is None): under a
+    memory limit with ``recompute``, the hierarchy's replicated inner pipelines, which do
+    not recompute. Searched only where ``stages`` recompute or are None: where the
+    fastest plan found fits without, so do the copies the hierarchy holds.
+
+    The range program lays the server's pipeline
+    (:class:`~dreampipe.planning.ranges.Copies`: each stage all-reduces over all its
+    copies; a cut, inside the servers, carries ``1 / k`` of the minibatches on ``k``
+    servers, and joins stages of as many workers, whose replicas pass minibatches within
+    a server), on as many layers and grid points as :func:`with_ranges` would on that
+    server.
+    """
+    levels = topology.levels
+    limit = opts.memory_bytes
+    if limit is None or not recompute or len(levels) < 2 or opts.straight or opts.limited:
+        return stages
+    if stages is not None and not any(x.recompute for x in stages):
+        return stages  # the plan found needs no recomputing: the hierarchy's copies hold it
+    inner = replace(topology, levels=levels[:1])
+    size, n = levels[0].count, search.costs.n
+    runs = size if opts.allow_fewer else 1
+    points = range_points(size, n, runs)
+    every = len(points) == size + 1 and exact_fits(n, size, runs)
+    layered = _blocks(search.fine, n if every else min(n, ranges_layers(len(points) - 1)))
+    copies = Copies(topology, topology.num_workers // size)
+    found = best_ranges(layered.costs, inner, opts.sync, opts.allow_fewer, limit, points,
+                        True, (), copies)
+    if found is None:
+        return stages
+    flat = [replace(f, workers=tuple(copies.place(f.workers)))
+            for f in layered.refine(found[1])]
+    priced = price_stages(search.fine, topology, [(f.first, f.last) for f in flat],
+                          [f.workers for f in flat], opts.sync, limit,
+                          [f.recompute for f in flat])
+    fits = max(x.memory_bytes for x in priced) <= limit
+    return priced if fits and (stages is None or slowest(priced) < slowest(stages)) else stages
 
 
 def gap_bound(stages: Sequence[Stage], fine: RangeCosts, topology: Topology, opts: Options,

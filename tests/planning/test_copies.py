@@ -1,0 +1,129 @@
+"""One server's pipeline run on the same workers of several servers, recomputing where only
+that fits: the range program's price of it against the full price and every such plan, and
+the planner on VGG-16 under its memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dreampipe.cli.links import memory_limit, profile_on
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.evaluate import evaluate_plan
+from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.ranges import Copies, best_ranges
+from dreampipe.planning.sync import Sync, SyncKind
+from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+
+_SYNC = st.sampled_from([Sync(SyncKind.HIERARCHICAL), Sync(SyncKind.RING)])
+
+
+@st.composite
+def _chains(draw: st.DrawFn, most: int = 4) -> LayerGraph:
+    """Chains whose activations may outgrow a worker unless a stage recomputes them."""
+    return LayerGraph.chain([
+        Layer(f"l{i}", draw(st.floats(0.1, 20.0)), draw(st.floats(0.1, 40.0)),
+              draw(st.sampled_from([10**5, 10**8, 10**9])),
+              draw(st.sampled_from([0, 10**5, 10**7, 10**8])))
+        for i in range(draw(st.integers(1, most)))])
+
+
+def _topology(shape: tuple[int, ...], lat: float) -> Topology:
+    return Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), lat * 10 ** k)
+                          for k, c in enumerate(shape)))
+
+
+def _limit(fine: RangeCosts, fraction: float) -> int:
+    """A share of what the whole model takes on one worker."""
+    return max(1, int(fraction * fine.memory(0, fine.n - 1, 1)))
+
+
+def _priced(fine: RangeCosts, topo: Topology, copies: Copies, spans: list[tuple[int, int]],
+            inner: list[tuple[int, ...]], sync: Sync, limit: int) -> float | None:
+    """The full price of ``inner`` placed on ``copies``, recomputing the stages that fit
+    only so (recomputing is never faster); None where it does not fit."""
+    placed = [copies.place(w) for w in inner]
+    stages = price_stages(fine, topo, spans, placed, sync, limit)
+    again = [x.memory_bytes > limit for x in stages]
+    stages = price_stages(fine, topo, spans, placed, sync, limit, again)
+    return slowest(stages) if max(x.memory_bytes for x in stages) <= limit else None
+
+
+@settings(max_examples=60, deadline=None)
+@given(_chains(), st.sampled_from([(2, 2), (4, 2), (2, 4), (3, 2), (2, 2, 2)]),
+       st.sampled_from([1e-6, 1e-4]), _SYNC, st.sampled_from([0.8, 1.0, 1.5]), st.data())
+def test_the_program_prices_a_server_pipeline_on_its_copies_as_priced_in_full(
+        graph: LayerGraph, shape: tuple[int, ...], lat: float, sync: Sync, fraction: float,
+        data: st.DataObject) -> None:
+    # each stage all-reduces over every copy, each cut stays inside the servers and carries
+    # 1 / k of the minibatches, and no server link is shared: the program's optimum is the
+    # plan's full price, and no plan of stages as wide on every server beats it
+    topo = _topology(shape, lat)
+    fine = RangeCosts.of(graph)
+    limit = _limit(fine, fraction)
+    size = shape[0]
+    copies = Copies(topo, data.draw(st.integers(1, topo.num_workers // size)))
+    inner = dataclasses.replace(topo, levels=topo.levels[:1])
+    found = best_ranges(fine, inner, sync, True, limit, None, True, (), copies)
+    best = None
+    for stages in range(1, fine.n + 1):
+        for cuts in itertools.combinations(range(1, fine.n), stages - 1):
+            edges = (0, *cuts, fine.n)
+            spans = [(a, b - 1) for a, b in itertools.pairwise(edges)]
+            for width in range(1, size // stages + 1):
+                ranges = [tuple(range(s * width, (s + 1) * width)) for s in range(stages)]
+                got = _priced(fine, topo, copies, spans, ranges, sync, limit)
+                if got is not None and (best is None or got < best):
+                    best = got
+    assert (found is None) == (best is None)
+    if found is None or best is None:
+        return
+    placed = [copies.place(f.workers) for f in found[1]]
+    full = slowest(price_stages(fine, topo, [(f.first, f.last) for f in found[1]], placed,
+                                sync, limit, [f.recompute for f in found[1]]))
+    assert full == found[0] or abs(full - found[0]) <= 1e-9 * full
+    assert found[0] <= best * (1 + 1e-9)
+
+
+def test_vgg16_under_its_memory_runs_one_recomputing_server_pipeline_on_every_server() -> None:
+    # VGG-16's first layers fit 16 GB only recomputing; the hierarchy, which replicates a
+    # server's pipeline, never recomputes, and contiguous ranges cross the servers' slow
+    # links: one server's 2r-2 on both servers of 2x4 beats both
+    topo = Topology.parse("2x4")
+    graph = profile_on("pipedream:vgg16", topo)
+    limit = memory_limit("yes", graph, topo)
+    assert limit is not None
+    plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit, recompute=True))
+    copies = Copies(topo, 2)
+    hand = evaluate_plan(graph, topo, [0, 11], [4, 4], workers=[copies.place((0, 1)),
+                                                                copies.place((2, 3))],
+                         memory_bytes=limit, recompute=[True, False])
+    assert max(x.memory_bytes for x in hand.stages) <= limit
+    assert plan.time_per_minibatch_s <= hand.time_per_minibatch_s * (1 + 1e-9)
+
+
+def test_stages_on_copies_are_as_wide_on_every_server() -> None:
+    # 1 + 3 workers a server: minibatch m goes from replica m % 2 to m % 6, so most cross
+    # the servers' shared links, which the program cannot see; it joins only stages as wide
+    graph = LayerGraph.chain([Layer("a", 5, 2, 3 * 10**7, 10**7), Layer("b", 40, 10, 10**6, 0)])
+    topo = Topology((Level(4, 1e10, 1e-6), Level(2, 1e9, 1e-5)))
+    fine = RangeCosts.of(graph)
+    copies = Copies(topo, 2)
+    inner = dataclasses.replace(topo, levels=topo.levels[:1])
+    found = best_ranges(fine, inner, Sync(), True, None, None, False, (), copies)
+    assert found is not None
+    assert len({len(f.workers) for f in found[1]}) == 1
+    placed = [copies.place(f.workers) for f in found[1]]
+    full = slowest(price_stages(fine, topo, [(f.first, f.last) for f in found[1]], placed,
+                                Sync()))
+    assert full == pytest.approx(found[0], rel=1e-9)
+    uneven = slowest(price_stages(fine, topo, [(0, 0), (1, 1)],
+                                  [copies.place((0,)), copies.place((1, 2, 3))], Sync()))
+    assert uneven > found[0]
