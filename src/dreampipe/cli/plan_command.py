@@ -83,6 +83,8 @@ _HEURISTICS = {
     Heuristic.WHOLE_SERVERS: "with --max-stages, outer stages were placed on whole servers",
     Heuristic.SHARED_LINKS: "the search priced each cut on its own, and its plan's cuts "
     "share a server's link",
+    Heuristic.SERVER_COPIES: "under --memory, stages that recompute were replicated over "
+    "servers only as one server's pipeline copied on each",
 }
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"),
               ("gpipe", f"GPipe at {GPIPE_MICROBATCHES_PER_STAGE} microbatches a stage"))

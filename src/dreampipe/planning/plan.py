@@ -55,6 +55,9 @@ class Heuristic(Enum):
     WHOLE_SERVERS = "whole-servers"  #: with a stage cap, outer stages on whole servers only
     #: the program's plan shares a server's link between cuts, priced after the search
     SHARED_LINKS = "shared-links"
+    #: under a memory limit, stages that recompute replicated over servers only as one
+    #: server's pipeline on every server
+    SERVER_COPIES = "server-copies"
 
 
 @dataclass(frozen=True, kw_only=True)

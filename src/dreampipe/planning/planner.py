@@ -38,6 +38,7 @@ from dreampipe.planning.ranges import RANGES_MAX_WORKERS
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
     Search,
+    copies_searched,
     cost_models,
     fastest,
     gap_bound,
@@ -150,6 +151,8 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
         stages, ranged = with_ranges(search, topology, stages, search_opts, opts.exact,
                                      opts.recompute, splits)
         stages = with_copies(search, topology, stages, search_opts, opts.recompute)
+        if copies_searched(topology, search_opts, opts.recompute):
+            ranged = (*ranged, Heuristic.SERVER_COPIES)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         memory_bytes = opts.memory_bytes

@@ -36,8 +36,8 @@ from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.topology import Topology
 
 __all__ = [
-    "FLAT_MAX_WORKERS", "Search", "cost_models", "fastest", "gap_bound", "search_for",
-    "with_copies", "with_ranges",
+    "FLAT_MAX_WORKERS", "Search", "copies_searched", "cost_models", "fastest", "gap_bound",
+    "search_for", "with_copies", "with_ranges",
 ]
 
 #: :func:`fastest` also tries the flat model up to this many workers; beyond, a
@@ -167,6 +167,14 @@ def with_ranges(
     return stages, heuristic
 
 
+def copies_searched(topology: Topology, opts: Options, recompute: bool) -> bool:
+    """Whether :func:`with_copies` searches: then the plan is no proven optimum, as
+    recomputing stages replicated over servers otherwise than as one server's pipeline on
+    each are searched nowhere (:attr:`~dreampipe.planning.plan.Heuristic.SERVER_COPIES`)."""
+    return (opts.memory_bytes is not None and recompute and len(topology.levels) >= 2
+            and not opts.straight and not opts.limited)
+
+
 def with_copies(search: Search, topology: Topology, stages: tuple[Stage, ...] | None,
                 opts: Options, recompute: bool = True) -> tuple[Stage, ...] | None:
     """``stages``, or one server's pipeline with recomputing stages run on the same workers
@@ -184,7 +192,7 @@ def with_copies(search: Search, topology: Topology, stages: tuple[Stage, ...] | 
     """
     levels = topology.levels
     limit = opts.memory_bytes
-    if limit is None or not recompute or len(levels) < 2 or opts.straight or opts.limited:
+    if limit is None or not copies_searched(topology, opts, recompute):
         return stages
     if stages is not None and not any(x.recompute for x in stages):
         return stages  # the plan found needs no recomputing: the hierarchy's copies hold it
