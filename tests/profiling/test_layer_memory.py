@@ -147,3 +147,21 @@ def test_a_buffer_autograd_saves_is_not_kept_per_microbatch() -> None:
     graph = profile_model(model, torch.randn(2, n, n), nn.functional.cross_entropy,
                           torch.tensor([0, 1]), warmup=0, repeats=1)
     assert graph.layers[0].saved_bytes == 2 * n * n * 4  # the output alone
+
+
+class _Attends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(x, x, x)[0]).mean(1)
+
+
+def test_a_layer_sends_the_items_of_its_output_that_later_layers_read() -> None:
+    """Attention returns its output and its averaged weights; only the output crosses."""
+    graph = profile_model(_Attends(), torch.randn(4, 5, 8), nn.functional.cross_entropy,
+                          torch.tensor([0, 1, 2, 0]), warmup=0, repeats=1)
+    attn = next(x for x in graph.layers if x.name == "attn")
+    assert attn.activation_bytes == 4 * 5 * 8 * 4  # not the 4 x 5 x 5 weights beside it

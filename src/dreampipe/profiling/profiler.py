@@ -117,7 +117,7 @@ def profile_model(
                     ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
                 }) if s is kept[-1] else None,
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
-                activation_bytes=(sent_bytes(env[s.key], autocast)
+                activation_bytes=(sent_bytes(_read_later(s, steps, env, output_key), autocast)
                                   if sent is None or s.key == output_key else sent(env[s.key])))
                 for x, s, w, d, r in zip(layers, kept, working, deferred, recorded,
                                          strict=True)]
@@ -239,6 +239,20 @@ def _saved_bytes(saved: _Storages, step: Step, env: Env, buffers: list[Tensor],
     for ptr in _storages([*(env[d] for d in step.deps), *step.params, *buffers]):
         held.pop(ptr, None)
     return sum(held.values())
+
+
+def _read_later(step: Step, steps: list[Step], env: Env, output_key: str) -> Any:
+    """What of ``step``'s output the steps after it read: where it is a container and
+    only items are taken from it (``attn(x, x, x)[0]``, an LSTM's ``out, (h, c)``), those
+    items; else the whole output (docs/design.md §2)."""
+    out = env[step.key]
+    if isinstance(out, Tensor) or step.key == output_key:
+        return out
+    readers = [x for x in steps if step.key in x.deps]
+    if not readers or any(x.may_be_layer or x.key == output_key or x.deps != (step.key,)
+                          for x in readers):
+        return out
+    return [env[x.key] for x in readers]
 
 
 def _loss_of(loss_fn: Callable[..., Tensor], target: Tensor | None, output: Any) -> Tensor:
