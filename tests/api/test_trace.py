@@ -194,3 +194,23 @@ def test_modules_named_as_a_segment_s_fields_split_and_compute_the_model() -> No
         x = torch.randn(batch, 6)
         first, rest = Chain(layers[:2]), Chain(layers[2:])
         assert torch.allclose(rest(first(x)), model(x)), batch
+
+
+class _PlainIndex(nn.Module):
+    """A plain tensor attribute, not registered, named as a segment's ``index``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.index = torch.tensor([2.0])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x) * self.index)
+
+
+def test_a_plain_tensor_named_as_a_segment_s_field_leaves_the_field_be() -> None:
+    torch.manual_seed(0)
+    model, x = _PlainIndex(), torch.randn(2, 4)
+    layers = split_layers(model, x)
+    assert [m.index for _, m in layers] == [0, 1]  # type: ignore[attr-defined]
+    assert torch.allclose(Chain(layers[1:])(Chain(layers[:1])(x)), model(x))

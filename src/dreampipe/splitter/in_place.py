@@ -160,6 +160,7 @@ def rejoin_views(graph: fx.Graph, seg_of: dict[fx.Node, int], starts: list[fx.No
     """Rebuild, after each cut, the crossing views of a crossing value that a later node
     writes in place (module doc); ``seg_of`` (each node's segment) takes the new nodes,
     ``starts`` are the segments' unit calls, ``what`` names the model in an error."""
+    left: list[fx.Node] = []  # the views whose readers now rebuild them, and the copies
     for s in range(len(starts) - 1):
         later = [n for n, k in seg_of.items() if k > s]
         groups: dict[int, tuple[list[fx.Node], list[fx.Node]]] = {}
@@ -177,23 +178,20 @@ def rejoin_views(graph: fx.Graph, seg_of: dict[fx.Node, int], starts: list[fx.No
             for view, chain in found[1].items():
                 made = _copied(graph, chain, starts[s + 1])
                 seg_of.update((node, s + 1) for node in made.values())
+                left += [*chain, *made.values()]
                 for user in list(view.users):
                     if seg_of.get(user, 0) > s and user not in made.values():
                         user.replace_input_with(view, made[view])
-    _drop_unused_views(graph, seg_of)
+    _drop_unused(graph, seg_of, left)
 
 
-def _drop_unused_views(graph: fx.Graph, seg_of: dict[fx.Node, int]) -> None:
-    """Erase the view ops nothing reads any more (their readers now rebuild them)."""
-    unused = [n for n in graph.nodes if not n.users and getattr(_alias(n), "view", False)
-              and n.op in ("call_function", "call_method")]
-    while unused:
-        node = unused.pop()
-        args = [a for a in node.all_input_nodes if a is not node]
-        graph.erase_node(node)
-        seg_of.pop(node, None)
-        unused.extend(a for a in args if not a.users and getattr(_alias(a), "view", False)
-                      and a.op in ("call_function", "call_method") and a not in unused)
+def _drop_unused(graph: fx.Graph, seg_of: dict[fx.Node, int], views: list[fx.Node]) -> None:
+    """Erase those of ``views`` (view ops :func:`rejoin_views` moved or copied) nothing
+    reads any more, last first, so that a chain goes whole."""
+    for node in reversed(list(dict.fromkeys(views))):
+        if not node.users:
+            graph.erase_node(node)
+            seg_of.pop(node, None)
 
 
 def _copied(graph: fx.Graph, chain: list[fx.Node], before: fx.Node) -> dict[fx.Node, fx.Node]:

@@ -38,8 +38,15 @@ def place(target: str, holder: nn.Module, value: Any, *, buffer: bool | None = N
         _register(parent, leaf, value, parent._buffers)
         if not buffer:
             parent._non_persistent_buffers_set.add(leaf)
+    elif hasattr(parent, leaf) and not any(leaf in r for r in _registries(parent)):
+        parent.__dict__.setdefault(_VALUES, {})[leaf] = value  # not over the holder's own
     else:
         setattr(parent, leaf, value)
+
+
+#: Where :func:`place` keeps a plain value (a tensor the model holds unregistered) whose
+#: name the holder already uses for itself.
+_VALUES = "_placed_values"
 
 
 def _register(parent: nn.Module, name: str, value: Any, registry: dict[str, Any]) -> None:
@@ -72,7 +79,7 @@ _MISSING = object()
 def _registries(value: Any) -> tuple[dict[str, Any], ...]:
     if not isinstance(value, nn.Module):
         return ()
-    return value._modules, value._parameters, value._buffers
+    return value._modules, value._parameters, value._buffers, value.__dict__.get(_VALUES, {})
 
 
 def place_attr(root: nn.Module, target: str, holder: nn.Module, value: Any) -> None:
