@@ -10,11 +10,15 @@ from dreampipe.profiling.fixed_costs import (
     at_fraction,
     layer_times,
     meta_at_fraction,
-    small_profile_batch,
     with_small_batch,
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
-from dreampipe.runplan.schedule_choice import Semantics, choose_schedule, microbatch_counts
+from dreampipe.runplan.schedule_choice import (
+    Semantics,
+    choose_schedule,
+    microbatch_counts,
+    small_profile_batch,
+)
 from dreampipe.scheduling.microbatch_layout import default_microbatches
 from dreampipe.simulation.action_costs import costs_from_profile
 

@@ -43,9 +43,10 @@ from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
 from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
-from dreampipe.profiling.fixed_costs import small_profile_batch, with_small_batch
+from dreampipe.profiling.fixed_costs import with_small_batch
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan
+from dreampipe.runplan.schedule_choice import small_profile_batch
 from dreampipe.runtime.processes import pinned_threads
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.splitter.chain import Layers, build_stage

@@ -44,10 +44,11 @@ from dreampipe.planning.placement import Placement, check_schedule, virtual_stag
 from dreampipe.planning.plan import Plan
 from dreampipe.planning.planner import memory_needs
 from dreampipe.planning.split_stage import unfit_lines
-from dreampipe.profiling.fixed_costs import small_profile_batch, with_small_batch
+from dreampipe.profiling.fixed_costs import with_small_batch
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runplan.plan_choice import PlanAsk, choose_plan, forced_partition
 from dreampipe.runplan.prediction import predict_samples_per_s
+from dreampipe.runplan.schedule_choice import small_profile_batch
 from dreampipe.runplan.worker_profile import profile_as_worker, saved_profile
 from dreampipe.runtime.memory import (
     check_memory,

@@ -19,26 +19,13 @@ from typing import Any
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["SMALL_BATCH", "at_fraction", "layer_times", "meta_at_fraction", "small_batch_of",
-           "small_profile_batch", "with_small_batch"]
+           "with_small_batch"]
 
 #: The graph meta key of the profile at the small batch.
 SMALL_BATCH = "small_batch"
 #: The whole-model figures of the meta read on the line too (the runtime's overhead
 #: factors are turned into milliseconds first).
 _LOSS = ("loss_forward_ms", "loss_backward_ms")
-
-
-#: Microbatches a stage the smallest microbatch is priced for (GPipe's 4, the most a
-#: schedule=auto candidate runs).
-_MOST_PER_WORKER = 4
-
-
-def small_profile_batch(workers: int, minibatch_size: int, profiled: int) -> int:
-    """The small batch to profile again at for a choice among microbatch counts on up to
-    ``workers`` stages: the smallest microbatch one is priced at (GPipe's 4 a stage), 0
-    where it is not below the ``profiled`` batch (nothing to add)."""
-    small = max(1, minibatch_size // (_MOST_PER_WORKER * max(1, workers)))
-    return small if small < profiled else 0
 
 
 def with_small_batch(graph: LayerGraph, small: LayerGraph) -> LayerGraph:

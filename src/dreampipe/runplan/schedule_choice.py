@@ -25,7 +25,7 @@ from enum import Enum
 
 from dreampipe.errors import ConfigError
 from dreampipe.machine.calibration import LocalCalibration, local_costs, measured_machine
-from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.costs import GPIPE_MICROBATCHES_PER_STAGE, RangeCosts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
@@ -42,7 +42,7 @@ from dreampipe.simulation.zero_costs import with_zero
 
 __all__ = ["CANDIDATES", "EFFECTIVE", "MAX_2BW_MICROBATCHES", "SEVERAL", "STAND_IN", "Candidate",
            "ScheduleChoice", "Semantics", "check_semantics", "choose_schedule", "held_by_optimizer",
-           "microbatch_counts"]
+           "microbatch_counts", "small_profile_batch"]
 
 
 class Semantics(Enum):
@@ -237,6 +237,15 @@ def choose_schedule(
                  for n in dict.fromkeys(_kind_count(kind, c, rounds, plan) for c in counts)]
         found.append(_fastest_count(tried))
     return _chosen(found, semantics, plan, memory_bytes)
+
+
+def small_profile_batch(workers: int, minibatch_size: int, profiled: int) -> int:
+    """The small batch to profile again at for a choice among microbatch counts on up to
+    ``workers`` stages (:mod:`~dreampipe.profiling.fixed_costs`): the smallest microbatch
+    :func:`microbatch_counts` prices, GPipe's 4 a stage; 0 where it is not below the
+    ``profiled`` batch (nothing to add)."""
+    small = max(1, minibatch_size // (GPIPE_MICROBATCHES_PER_STAGE * max(1, workers)))
+    return small if small < profiled else 0
 
 
 def microbatch_counts(replicas: Sequence[int], minibatch_size: int) -> tuple[int, ...]:
