@@ -11,6 +11,7 @@ import pytest
 
 from dreampipe.cli import main
 from dreampipe.models import get_model
+from dreampipe.profiling.fixed_costs import small_batch_of
 from dreampipe.profiling.load import load_graph
 
 _ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(\d+\.\d{3})\s+(\d+\.\d{3})\s")
@@ -86,11 +87,57 @@ def test_profile_then_show(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert f"wrote {out_file}" in printed
     graph = load_graph(out_file)
     assert graph.batch_size == 8 and [x.name for x in graph.layers] == names
+    small = small_batch_of(graph)  # an eighth of the batch, timed again
+    assert small is not None and small["batch_size"] == 1
+    assert len(small["forward_ms"]) == len(names) and all(t > 0 for t in small["backward_ms"])
 
     assert main(["show", str(out_file)]) == 0
     shown = capsys.readouterr().out
     assert [name for _, name in _rows(shown)] == names
-    assert "batch 8" in shown and "chain, 4 edges" in shown
+    assert "batch 8 (also timed at 1)" in shown and "chain, 4 edges" in shown
+
+
+@pytest.mark.parametrize(("small", "kept"), [("0", None), ("3", 3)])
+def test_small_batch_names_the_second_timing_or_turns_it_off(
+        tmp_path: Path, small: str, kept: int | None) -> None:
+    out_file = tmp_path / "mlp.json"
+    assert main(["profile", "mlp", "--model-arg", "layers=2", "--batch-size", "8",
+                 "--small-batch", small, "--repeats", "1", "-o", str(out_file)]) == 0
+    found = small_batch_of(load_graph(out_file))
+    assert (None if found is None else found["batch_size"]) == kept
+
+
+@pytest.mark.parametrize("small", ["8", "-1"])
+def test_a_small_batch_not_below_the_batch_is_refused(
+        small: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["profile", "mlp", "--model-arg", "layers=2", "--batch-size", "8",
+                 "--small-batch", small, "--repeats", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--small-batch {small}" in err and "or 0 to time one batch only" in err
+
+
+_BATCH_NORM_MODEL = '''
+import torch
+from torch import nn
+
+def build():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    return model, torch.randn(4, 3), lambda out: out.square().mean()
+'''
+
+
+def test_a_model_that_refuses_the_small_batch_keeps_one_timing_and_says_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """BatchNorm1d trains on no fewer than 2 samples; the default small batch of 4 is 1."""
+    source, out_file = tmp_path / "bn.py", tmp_path / "bn.json"
+    source.write_text(_BATCH_NORM_MODEL)
+    assert main(["profile", f"{source}:build", "--repeats", "1", "-o", str(out_file)]) == 0
+    assert "note: timing at a batch of 1 failed" in capsys.readouterr().err
+    assert small_batch_of(load_graph(out_file)) is None
+    assert main(["profile", f"{source}:build", "--repeats", "1", "--small-batch", "2",
+                 "-o", str(out_file)]) == 0
+    found = small_batch_of(load_graph(out_file))
+    assert found is not None and found["batch_size"] == 2
 
 
 def test_a_profile_sized_by_model_args_is_one_train_accepts(tmp_path: Path) -> None:
@@ -141,7 +188,7 @@ def test_profile_user_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert [name for _, name in _rows(capsys.readouterr().out)] == ["0", "1", "2"]
     assert load_graph(out_file).batch_size == 5
     assert main(["profile", f"{source}:with_target", "--repeats", "1"]) == 0
-    assert "batch 6" in capsys.readouterr().out
+    assert "batch 6 (also timed at 1)" in capsys.readouterr().out  # a sample's first
 
 
 @pytest.mark.parametrize(
@@ -219,7 +266,8 @@ def test_show_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize(
     ("command", "options"),
-    [("profile", ["MODEL", "--batch-size", "--output", "--repeats", "--warmup", "file.py"]),
+    [("profile", ["MODEL", "--batch-size", "--small-batch", "--output", "--repeats",
+                  "--warmup", "file.py"]),
      ("show", ["FILE", "graph.txt"])],
 )
 def test_help(command: str, options: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,6 +11,10 @@ with ``batch_size=N`` when ``--batch-size`` is given and it takes one) and
 returns a ModelSpec, or ``(model, sample_input, loss_fn)`` or
 ``(model, sample_input, loss_fn, target)``: with a target the loss is
 ``loss_fn(output, target)``, without one ``loss_fn(output)``.
+
+The model is timed again at a small batch (``--small-batch``, by default an
+eighth), so that a plan of many small microbatches is priced with what each
+call pays whatever its batch (:mod:`dreampipe.profiling.fixed_costs`).
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
         help="minibatch size to measure at (default: the zoo model's own default)",
     )
     profile.add_argument(
+        "--small-batch", type=int, metavar="N",
+        help="also time the layers at N samples, so that plans price what a microbatch pays "
+             "whatever its size (default: an eighth of the batch; 0: do not)",
+    )
+    profile.add_argument(
         "-o", "--output", type=Path, metavar="FILE.json",
         help="write the profile here as JSON (read it back with 'dreampipe show')",
     )
@@ -116,6 +125,9 @@ def _profile(args: argparse.Namespace) -> int:
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ProfileError(f"--batch-size {args.batch_size}: give a positive minibatch size")
+    if args.small_batch is not None and args.small_batch < 0:
+        raise ProfileError(f"--small-batch {args.small_batch}: give a positive batch, or 0 to "
+                           f"time one batch only")
     check_output_file("-o", args.output, "profile.json")
     sized = parse_model_args(args.model_arg)
     model = resolve(args.model, sized, batch_size=args.batch_size)
@@ -135,27 +147,61 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, model: ModelSpec | ModelSample,
              sized: tuple[tuple[str, Any], ...]) -> LayerGraph:
-    """``model`` profiled layer by layer, with a progress bar on stderr."""
+    """``model`` profiled layer by layer, and again at the small batch, with progress
+    bars on stderr."""
+    from dreampipe.models.resolve import ModelSample
+    from dreampipe.profiling.fixed_costs import default_small_batch, with_small_batch
+
+    graph = _measure_at(args, model, None)
+    if not isinstance(model, ModelSample):
+        graph = replace(graph, meta={**graph.meta,
+                                     "model_kwargs": [[k, v] for k, v in sized]})
+    small = (default_small_batch(graph.batch_size) if args.small_batch is None
+             else args.small_batch)
+    if small and args.small_batch is not None and small >= graph.batch_size:
+        raise ProfileError(f"--small-batch {small}: give fewer samples than the batch "
+                           f"profiled, {graph.batch_size}, or 0 to time one batch only")
+    if small:
+        try:
+            graph = with_small_batch(graph, _measure_at(args, model, small))
+        except (RuntimeError, ValueError) as exc:  # a layer refusing so few samples
+            print(f"note: timing at a batch of {small} failed ({exc}); plans scale this "
+                  f"profile's times in proportion to the microbatch (--small-batch N sets "
+                  f"another size)", file=sys.stderr)
+    return graph
+
+
+def _measure_at(args: argparse.Namespace, model: ModelSpec | ModelSample, small: int | None
+                ) -> LayerGraph:
+    """``model`` profiled at its batch, or at ``small`` samples (a sample's first ones)."""
     from dreampipe.models.resolve import ModelSample
     from dreampipe.profiling.profiler import profile_model, profile_spec
 
-    with tqdm(desc=f"profiling {args.model}", unit="pass", file=sys.stderr,
-              disable=None) as bar:
+    what = f"profiling {args.model}" + ("" if small is None else f" at batch {small}")
+    with tqdm(desc=what, unit="pass", file=sys.stderr, disable=None) as bar:
         def progress(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
 
         if isinstance(model, ModelSample):
-            graph = profile_model(
-                model.module, model.sample_input, model.loss_fn, model.target,
-                warmup=args.warmup, repeats=args.repeats, progress=progress, name=model.name,
+            sample, target = model.sample_input, model.target
+            if small is not None:
+                sample, target = _first(sample, small), _first(target, small)
+            return profile_model(
+                model.module, sample, model.loss_fn, target, warmup=args.warmup,
+                repeats=args.repeats, progress=progress, name=model.name,
             )
-        else:
-            graph = profile_spec(model, args.batch_size, warmup=args.warmup,
-                                 repeats=args.repeats, progress=progress)
-            graph = replace(graph, meta={**graph.meta,
-                                         "model_kwargs": [[k, v] for k, v in sized]})
-    return graph
+        return profile_spec(model, small or args.batch_size, warmup=args.warmup,
+                            repeats=args.repeats, progress=progress)
+
+
+def _first(value: Any, count: int) -> Any:
+    """``value``'s tensors cut to their first ``count`` samples (the batch is the first
+    dimension, as the profiler reads it)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    return pytree.tree_map_only(torch.Tensor, lambda t: t[:count] if t.dim() else t, value)
 
 
 def _show(args: argparse.Namespace) -> int:

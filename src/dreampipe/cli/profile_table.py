@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from dreampipe.profiling.fixed_costs import small_batch_of
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
@@ -20,8 +21,12 @@ _DESCRIPTION_WIDTH = 48
 
 
 def format_profile_summary(graph: LayerGraph) -> str:
-    """One line: model, batch size, layer count, chain or DAG and the edge count."""
+    """One line: model, batch size (and the small one it was timed at too), layer count,
+    chain or DAG and the edge count."""
     batch = str(graph.batch_size) if graph.batch_size else "unknown"
+    small = small_batch_of(graph)
+    if small is not None:
+        batch += f" (also timed at {small['batch_size']})"
     shape = "chain" if graph.is_chain else "DAG"
     return (
         f"model {graph.model or '(unnamed)'} · batch {batch} · {len(graph)} layers · "

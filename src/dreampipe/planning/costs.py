@@ -30,6 +30,7 @@ from dreampipe.planning.memory_terms import (
     max_versions,
     memory_bytes,
 )
+from dreampipe.profiling.fixed_costs import fixed_parts
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -47,6 +48,9 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
+IntArray = npt.NDArray[np.int64]
+#: Every range of a table, as an index.
+_ALL = slice(None)
 
 
 class CostModel(StrEnum):
@@ -185,6 +189,9 @@ class RangeCosts:
     backward working set and the library's kernel memory; None: 0). ``optimizer``
     is what the optimizer holds beside the weights (:class:`OptimizerTerms`: its state
     and its step's temporaries), which every memory term of the range counts.
+    ``fixed_s``, ``fixed_forward_s`` and ``layer_fixed_backward_s`` are the parts of
+    ``compute_s``, ``forward_s`` and ``layer_backward_s`` a call pays whatever its batch,
+    where the profile was timed at a small batch too (None: none; :meth:`at_fraction`).
     """
 
     compute_s: FloatArray
@@ -198,6 +205,9 @@ class RangeCosts:
     stashed: FloatArray | None = None
     working: FloatArray | None = None
     optimizer: OptimizerTerms = STATELESS
+    fixed_s: FloatArray | None = None
+    fixed_forward_s: FloatArray | None = None
+    layer_fixed_backward_s: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph, optimizer: OptimizerTerms = STATELESS) -> RangeCosts:
@@ -212,6 +222,7 @@ class RangeCosts:
         layers = graph.layers
         work = [0.0 if x.is_input else 1e-3 for x in layers]
         weights = [x.parameter_bytes for x in layers]
+        fixed = fixed_parts(graph)
         return cls(
             sums([x.compute_ms * k for x, k in zip(layers, work, strict=True)], np.inf),
             # a stage holds its own weights and a copy of those it shares with earlier ones
@@ -228,7 +239,37 @@ class RangeCosts:
                                [float(x.library_bytes or 0) for x in layers],
                                [x.kernel_kind for x in layers]),
             optimizer=optimizer,
+            fixed_s=None if fixed is None else sums(
+                [(f + b) * k for (f, b, _), k in zip(fixed, work, strict=True)], 0.0),
+            fixed_forward_s=None if fixed is None else sums(
+                [f * k for (f, _, _), k in zip(fixed, work, strict=True)], 0.0),
+            layer_fixed_backward_s=None if fixed is None else np.asarray(
+                [b * k for (_, b, _), k in zip(fixed, work, strict=True)], dtype=np.float64),
         )
+
+    def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
+                    last: IntArray | slice = _ALL) -> tuple[FloatArray, FloatArray]:
+        """``(compute, forward)`` of the ranges ``rows..last`` (index arrays of one shape;
+        every range by default) for a microbatch ``fraction`` of the profiled batch: in
+        proportion, plus the fixed part the profile's small batch measured at batches below
+        the profiled one (:func:`~dreampipe.profiling.fixed_costs.at_fraction`)."""
+        compute = self.compute_s[rows, last] * fraction
+        forward = self.forward[rows, last] * fraction
+        keep = 1.0 - fraction
+        if self.fixed_s is None or keep <= 0:
+            return compute, forward
+        assert self.fixed_forward_s is not None
+        return (compute + self.fixed_s[rows, last] * keep,
+                forward + self.fixed_forward_s[rows, last] * keep)
+
+    def layer_backward_at(self, fraction: float) -> FloatArray:
+        """Each layer's backward for a microbatch ``fraction`` of the profiled batch, as
+        :meth:`at_fraction` reads times."""
+        assert self.layer_backward_s is not None
+        backward = np.asarray(self.layer_backward_s) * fraction
+        if self.layer_fixed_backward_s is None or fraction >= 1:
+            return backward
+        return np.asarray(backward + self.layer_fixed_backward_s * (1.0 - fraction))
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
                        ) -> FloatArray:

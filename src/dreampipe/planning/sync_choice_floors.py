@@ -70,19 +70,24 @@ class ChoiceFloors(SearchInputs):
         that its weight gradient is, over the options. A stage's compute at any microbatch
         sums at least its layers' floors (:func:`~dreampipe.planning.sync_floors.
         layer_floors`, latencies left out) and its weight gradient their weight
-        gradients, so its share is at most its layers' largest; its ``tau + cut`` only
-        adds to its compute."""
+        gradients, so its share is at most its layers' largest, of their proportional
+        and of their fixed parts (a microbatch's time mixes the two); its ``tau + cut``
+        only adds to its compute."""
         share = np.asarray(self.inputs.weight_grad_share)
         most = 0.0
         for split in {o.split for o in self.options(t)}:
             costs = self.inputs.costs if split is None else split.costs
             compute = layer_floors(self.inputs.costs, split)[0]
-            made = np.asarray(costs.layer_backward_s) * share
-            ok = np.isfinite(compute) & (compute > 0)
-            if np.any(made[~ok] > 0):
-                return 0.0
-            if ok.any():
-                most = max(most, float(np.max(made[ok] / compute[ok])))
+            pairs = [(np.asarray(costs.layer_backward_s) * share, compute)]
+            if costs.layer_fixed_backward_s is not None and costs.fixed_s is not None:
+                # a microbatch's part is a mix of the proportional and the fixed parts
+                pairs.append((costs.layer_fixed_backward_s * share, np.diag(costs.fixed_s)))
+            for made, whole in pairs:
+                ok = np.isfinite(whole) & (whole > 0)
+                if np.any(made[~ok] > 0):
+                    return 0.0
+                if ok.any():
+                    most = max(most, float(np.max(made[ok] / whole[ok])))
         return max(0.0, 1.0 - 2.0 * most)
 
     @functools.cache  # noqa: B019 - one search, dropped with it

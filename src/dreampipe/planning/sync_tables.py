@@ -7,7 +7,8 @@ each gets tables over layer ranges ``[i, j]`` for a microbatch of ``b`` samples 
 replicas (:class:`StageTables`): ``tau`` the microbatch's forward and backward
 (recomputation and ZeRO's per-microbatch collectives included), ``tail`` what the update
 adds after its last backward, and memory as ``fixed + held * per``. The terms are the
-planner's (:mod:`dreampipe.planning.costs`): times scale with the microbatch, the
+planner's (:mod:`dreampipe.planning.costs`): times scale with the microbatch (less
+than in proportion where the profile measured a fixed part a call), the
 all-reduce is :func:`~dreampipe.planning.costs.allreduce_end` on its replicas' layout,
 ZeRO's times :func:`~dreampipe.planning.zero_terms.zero_times` and its bytes
 :class:`~dreampipe.planning.state_bytes.Training`'s. docs/planner.md, "The synchronous
@@ -199,8 +200,8 @@ class StageTables:
     def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:
         """Option ``x``'s sums over its first layers (0 before the first) of the backward,
         the weights and the weight gradients' backward, at the microbatch."""
-        costs, f = self._costs(self.options[x]), self.fraction
-        backward = np.asarray(costs.layer_backward_s) * f
+        costs = self._costs(self.options[x])
+        backward = costs.layer_backward_at(self.fraction)
         share = np.asarray(self.inputs.weight_grad_share)
         return tuple(np.concatenate([[0.0], np.cumsum(v)]) for v in (  # type: ignore[return-value]
             backward, np.asarray(costs.layer_weights), backward * share))
@@ -372,12 +373,13 @@ class StageTables:
     def _at_fraction(self, x: int, rows: IntArray, last: IntArray
                      ) -> tuple[FloatArray, FloatArray]:
         """``(compute, forward)`` of option ``x``'s stages ``rows..last`` at the microbatch:
-        scaled by its fraction, or a split stage's own (its collectives' latency once a
-        microbatch); indexed before scaled, so no square table is made."""
+        scaled by its fraction with the profile's fixed part
+        (:meth:`~dreampipe.planning.costs.RangeCosts.at_fraction`), or a split stage's own
+        (its collectives' latency once a microbatch); indexed before scaled, so no square
+        table is made."""
         o, f = self.options[x], self.fraction
-        costs = self._costs(o)
         if o.split is None:
-            return costs.compute_s[rows, last] * f, costs.forward[rows, last] * f
+            return self._costs(o).at_fraction(f, rows, last)
         return o.split.at_fraction(f, rows, last)
 
 
