@@ -165,3 +165,21 @@ def test_a_layer_sends_the_items_of_its_output_that_later_layers_read() -> None:
                           torch.tensor([0, 1, 2, 0]), warmup=0, repeats=1)
     attn = next(x for x in graph.layers if x.name == "attn")
     assert attn.activation_bytes == 4 * 5 * 8 * 4  # not the 4 x 5 x 5 weights beside it
+
+
+class _ReadsWeights(_Attends):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attn(x, x, x)
+        return self.head(out).mean(1) + weights.sum((1, 2))[:, None]
+
+
+def test_a_minibatch_in_flight_keeps_no_item_of_an_output_nothing_reads() -> None:
+    """Attention's averaged weights are dropped once its output is taken from beside them
+    (autograd saves none of them): a minibatch in flight keeps them only where a later
+    step reads them."""
+    kept = []
+    for model in (_Attends(), _ReadsWeights()):
+        graph = profile_model(model, torch.randn(4, 5, 8), nn.functional.cross_entropy,
+                              torch.tensor([0, 1, 2, 0]), warmup=0, repeats=1)
+        kept.append(next(x for x in graph.layers if x.name == "attn").saved_bytes)
+    assert kept[1] - kept[0] == 4 * 5 * 5 * 4

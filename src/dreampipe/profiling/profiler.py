@@ -112,7 +112,8 @@ def profile_model(
             recorded = recorded_bytes(operands, kept)
             held = [b for b, _ in saved_buffers]
             layers = [replace(x, saved_bytes=_saved_bytes(
-                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None),
+                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None,
+                _read_later(s, steps, env, output_key)),
                 loss_bytes=_saved_bytes({}, s, env, held, {
                     ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
                 }) if s is kept[-1] else None,
@@ -228,14 +229,16 @@ def _unpack(t: Tensor) -> Tensor:
 
 
 def _saved_bytes(saved: _Storages, step: Step, env: Env, buffers: list[Tensor],
-                 loss: _Storages | None = None) -> int:
+                 loss: _Storages | None = None, read: Any = None) -> int:
     """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
-    backward and its output, less its inputs', parameters' and the model's ``buffers``
-    (other layers', weights, or a mask every microbatch shares).
+    backward and its output (``read``, where given: the items of it later steps take,
+    :func:`_read_later`; the rest is dropped), less its inputs', parameters' and the
+    model's ``buffers`` (other layers', weights, or a mask every microbatch shares).
     The last layer's output goes to the loss, not to a next stage: it keeps what the loss
     saved instead (``loss``), the output where the loss keeps it (a 16-bit output that a
     loss takes in 32 bits keeps the 32-bit copy)."""
-    held = {**saved, **(_storages(env[step.key]) if loss is None else loss)}
+    output = env[step.key] if read is None else read
+    held = {**saved, **(_storages(output) if loss is None else loss)}
     for ptr in _storages([*(env[d] for d in step.deps), *step.params, *buffers]):
         held.pop(ptr, None)
     return sum(held.values())
