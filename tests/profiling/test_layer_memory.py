@@ -127,6 +127,28 @@ def test_recorded_bytes_are_each_linear_s_output() -> None:
     assert [x.recorded_bytes for x in normed.layers] == [5 * 12 * 4] * 2
 
 
+class _Tied(nn.Module):
+    """An embedding, a block and a head that shares the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.block = nn.Embedding(10, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
+def test_a_tied_weights_modules_record_on_the_layers_calling_them() -> None:
+    """The embedding's output is recorded on the embedding's layer, the head's on the
+    head's, though both hold the one weight."""
+    graph = profile_model(_Tied(), torch.randint(0, 10, (3, 5)),
+                          lambda y: y.float().pow(2).mean(), repeats=1, warmup=0)
+    got = {x.name: x.recorded_bytes for x in graph.layers}
+    assert got == {"embed": 3 * 5 * 6 * 4, "block": 3 * 5 * 6 * 4, "head": 3 * 5 * 10 * 4}
+
+
 class _Masked(nn.Module):
     """Multiplies by a mask buffer, which autograd saves for the backward."""
 

@@ -93,24 +93,32 @@ def backward_bytes(layers: Sequence[Step], env: Env, grads: dict[str, list[Tenso
 
 
 @contextmanager
-def linear_operands(model: nn.Module, layers: Sequence[Step]
+def linear_operands(model: nn.Module, layers: Sequence[Step],
+                    running: Callable[[], str] | None = None
                     ) -> Iterator[dict[str, dict[int, int]]]:
     """Within, each forward of ``model`` notes, by layer key, the storages (address: bytes)
     of its ``nn.Linear`` modules' inputs and outputs, for :func:`deferred_bytes`, and under
     ``key + OUTPUTS`` the outputs of every module holding weights of its own (a Linear, a
-    norm, Hugging Face's ``Conv1D``), for :func:`recorded_bytes`."""
-    owner = {id(p): s for s in layers for p in s.params}
+    norm, Hugging Face's ``Conv1D``), for :func:`recorded_bytes`. A module whose weight
+    several layers use (a tied embedding and head) is noted under the layer ``running``
+    names, the one calling it."""
+    owners: dict[int, list[str]] = {}
+    for s in layers:
+        for p in s.params:
+            owners.setdefault(id(p), []).append(s.key)
     noted: dict[str, dict[int, int]] = {}
 
-    def hook(step: Step, m: nn.Module, args: Any, out: Any) -> None:
+    def hook(keys: list[str], m: nn.Module, args: Any, out: Any) -> None:
+        now = running() if running is not None and len(keys) > 1 else ""
+        key = now if now in keys else keys[-1]
         if isinstance(m, nn.Linear):
-            noted.setdefault(step.key, {}).update({**storages(args), **storages(out)})
-        noted.setdefault(step.key + OUTPUTS, {}).update(storages(out))
+            noted.setdefault(key, {}).update({**storages(args), **storages(out)})
+        noted.setdefault(key + OUTPUTS, {}).update(storages(out))
 
-    handles = [m.register_forward_hook(partial(hook, owner[id(own[0])]))
+    handles = [m.register_forward_hook(partial(hook, owners[id(own[0])]))
                for m in model.modules()
                if (own := [p for p in m.parameters(recurse=False) if p.requires_grad])
-               and id(own[0]) in owner]
+               and id(own[0]) in owners]
     try:
         yield noted
     finally:

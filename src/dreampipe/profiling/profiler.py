@@ -101,8 +101,9 @@ def profile_model(
             loss = loss_in_fp32(loss_fn, param_dtype)
             bound = partial(_loss_of, loss, target)
             first_use = library_bytes(model, steps, output_key, sample, bound)  # cold: first of all
-            with linear_operands(model, steps) as operands:
-                env, grads, saved = _record(steps, output_key, sample, loss, target)
+            running = [""]
+            with linear_operands(model, steps, lambda: running[0]) as operands:
+                env, grads, saved = _record(steps, output_key, sample, loss, target, running)
             layers, edges, pass_ms = _time_layers(steps, env, grads,
                                                   _Passes(warmup, repeats, min_time_s), clock,
                                                   progress)
@@ -179,12 +180,16 @@ def _record(
     sample_input: Tensor | dict[str, Tensor],
     loss_fn: Callable[..., Tensor],
     target: Tensor | None,
+    running: list[str] | None = None,
 ) -> tuple[Env, dict[str, list[Tensor | None]], dict[str, _Storages]]:
     """One real forward + loss; return detached values, d(loss)/d(each output tensor) and
-    the storages autograd saved for the backward in each step."""
+    the storages autograd saved for the backward in each step (whose key ``running[0]``
+    holds while it runs)."""
     env: Env = {INPUT: sample_input}
     saved: dict[str, _Storages] = {}
     for step in steps:
+        if running is not None:
+            running[0] = step.key
         noted: _Storages = {}
         with torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, noted), _unpack):
             env[step.key] = step.run(env)
