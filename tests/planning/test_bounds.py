@@ -71,7 +71,7 @@ def test_no_plan_beats_the_bound_and_a_rough_plan_is_within_its_gap(
     with pytest.MonkeyPatch.context() as patch:
         if coarse_states:  # worker counts merged into intervals, as on large clusters
             patch.setattr(bound_states, "EXACT_WORKERS", 1)
-            patch.setattr(bound_states, "RATIO", 1.7)
+            patch.setattr(bound_states, "GRIDS", ((1.7, 2.0),))
         bound = lower_bound(fine, topo, sync, 4 * best, options, limit, True)
         assert bound <= best * (1 + 1e-9)
         patch.setattr(coarsen_module, "TABLE_WORK", 0)  # blocks of layers
@@ -156,9 +156,16 @@ def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
 def _assert_allowed(topo: Topology, senders: list[int], receivers: list[int],
                     size: float) -> None:
     """The relaxed cuts let the senders' state reach the receivers' within what the
-    planner prices the cut of ``size`` bytes between those workers at."""
+    planner prices the cut of ``size`` bytes between those workers at, on every grid of
+    states."""
+    for grid in bound_states.GRIDS:
+        _assert_allowed_on(topo, senders, receivers, size, grid)
+
+
+def _assert_allowed_on(topo: Topology, senders: list[int], receivers: list[int],
+                       size: float, grid: tuple[float, float]) -> None:
     price = cut_seconds(size, senders, receivers, topo)
-    states = bound_states.BoundStates(topo, Sync(SyncKind.HIERARCHICAL), [1])
+    states = bound_states.BoundStates(topo, Sync(SyncKind.HIERARCHICAL), [1], grid)
     cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
 
     def state(workers: list[int]) -> int:
@@ -262,7 +269,11 @@ def test_no_placement_of_any_plan_beats_the_bound(
             times.append(slowest(stages))
     assume(times)
     best = min(times)
-    assert lower_bound(fine, topo, sync, 4 * best, (), limit, True) <= best * (1 + 1e-9)
+    for grid in bound_states.GRIDS:  # on every grid of states
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bound_states, "GRIDS", (grid,))
+            bound = lower_bound(fine, topo, sync, 4 * best, (), limit, True)
+        assert bound <= best * (1 + 1e-9)
 
 
 @settings(max_examples=200, deadline=None)
@@ -281,12 +292,28 @@ def test_a_placed_stage_takes_at_least_its_states_work(
     workers = sorted(data.draw(st.lists(st.integers(0, topo.num_workers - 1), min_size=1,
                                         max_size=topo.num_workers, unique=True)))
     (stage,) = price_stages(fine, topo, [(i, j)], [workers], sync)
-    states = bound_states.BoundStates(topo, sync, [1])
     unit = np.cumprod([lv.count for lv in topo.levels])
     span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
     held = len({v // shape[0] for v in workers})
-    (q,) = [q for q in range(len(states.first)) if states.span[q] == span
-            and states.first[q] <= len(workers) <= states.last[q]
-            and states.units_lo[q] <= held <= states.units_hi[q]]
-    work = states.work(fine, 1, topo.overlap, None, False)
-    assert work[i, j, q] / len(workers) <= stage.time_s * (1 + 1e-9)
+    for grid in bound_states.GRIDS:  # on every grid of states
+        states = bound_states.BoundStates(topo, sync, [1], grid)
+        (q,) = [q for q in range(len(states.first)) if states.span[q] == span
+                and states.first[q] <= len(workers) <= states.last[q]
+                and states.units_lo[q] <= held <= states.units_hi[q]]
+        work = states.work(fine, 1, topo.overlap, None, False)
+        assert work[i, j, q] / len(workers) <= stage.time_s * (1 + 1e-9)
+
+
+def test_a_long_profile_keeps_a_bound_on_coarser_states() -> None:
+    # the finest grid that fits the budget, coarser as the profile grows, each with fewer
+    # states; none fits: the coarsest, on which the bound falls back to the compute alone
+    topo = Topology.parse("16x8")
+    sync = Sync(SyncKind.HIERARCHICAL)
+    counts = [len(bound_states.BoundStates(topo, sync, [1], g).first)
+              for g in bound_states.GRIDS]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1]
+    for layers in (10, 200, 300, 10_000):
+        states = bound_states.BoundStates.within(topo, sync, [1], layers, 8_000_000)
+        fits = [g for g, k in zip(bound_states.GRIDS, counts, strict=True)
+                if layers**2 * k <= 8_000_000]
+        assert states.grid == (fits[0] if fits else bound_states.GRIDS[-1])

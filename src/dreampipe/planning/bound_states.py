@@ -22,11 +22,11 @@ from dreampipe.planning.topology import Topology
 
 __all__ = ["BoundStates", "cheapest_terms"]
 
-#: Worker counts up to this are their own interval; beyond, intervals grow by ``RATIO``.
+#: Worker counts up to this are their own interval; beyond, intervals grow by a ratio.
 EXACT_WORKERS = 16
-RATIO = 1.06
-#: Bands of the servers a stage sits in grow by this ratio (:func:`_unit_bands`).
-UNITS_RATIO = 2.0
+#: ``(worker interval ratio, server band ratio)`` of the states, finest first
+#: (:meth:`BoundStates.within`); the finer, the tighter the bound and the more states.
+GRIDS = ((1.06, 1.1), (1.06, 1.25), (1.15, 1.25), (1.15, 1.5), (1.3, 2.0), (1.6, 3.0))
 #: Servers of at most this many workers have their room tracked (docs/design.md §4.7).
 ROOM_MAX = 16
 
@@ -113,12 +113,12 @@ def cheapest_terms(topo: Topology, sync: Sync, span: int | None = None, width: i
     return _Layouts(topo, sync, span, width).terms(units)
 
 
-def _unit_bands(lo: int, hi: int) -> list[tuple[int, int]]:
-    """``[lo, hi]`` cut into bands of server counts, each to below :data:`UNITS_RATIO`
-    times its first."""
+def _unit_bands(lo: int, hi: int, ratio: float) -> list[tuple[int, int]]:
+    """``[lo, hi]`` cut into bands of server counts, each to below ``ratio`` times its
+    first."""
     out = []
     while lo <= hi:
-        end = min(hi, max(lo, math.ceil(lo * UNITS_RATIO) - 1))
+        end = min(hi, max(lo, math.ceil(lo * ratio) - 1))
         out.append((lo, end))
         lo = end + 1
     return out
@@ -128,11 +128,18 @@ class BoundStates:
     """The relaxed program's states (module doc): per state ``q``, its span, its worker
     counts ``[first, last]`` and the servers ``[units_lo, units_hi]`` its workers sit in;
     counts up to :data:`EXACT_WORKERS` are their own interval, larger ones merge while
-    the last is at most :data:`RATIO` times the first. States of span 0 come first, and
-    the bands of one span and interval are consecutive (``base[q]``: the first of them).
-    Servers are banded under the hierarchical ring only, whose terms read them."""
+    the last is at most ``grid[0]`` times the first. States of span 0 come first, and the
+    bands of one span and interval are consecutive (``base[q]``: the first of them).
+    Servers are banded under the hierarchical ring only, whose terms read them, each band
+    below ``grid[1]`` times its first: a state prices its all-reduce at its band's fewest
+    servers while a shared cut lets its stage hold up to the most, so narrow bands tie
+    the two (docs/design.md §4.7)."""
 
-    def __init__(self, topo: Topology, sync: Sync, widths: Sequence[int]) -> None:
+    def __init__(self, topo: Topology, sync: Sync, widths: Sequence[int],
+                 grid: tuple[float, float] = GRIDS[0]) -> None:
+        ratio, units_ratio = grid
+        #: the grid the states were laid on (:data:`GRIDS`)
+        self.grid = grid
         w = topo.num_workers
         self.sizes = [int(x) for x in np.cumprod([lv.count for lv in topo.levels])]
         #: per split width, the layouts of its replicas at any span
@@ -147,7 +154,7 @@ class BoundStates:
             change.add(t)
         firsts: list[int] = []
         for x in sorted(c for c in change | set(range(1, EXACT_WORKERS + 1)) if c <= w):
-            if not firsts or x <= EXACT_WORKERS or x >= firsts[-1] * RATIO:
+            if not firsts or x <= EXACT_WORKERS or x >= firsts[-1] * ratio:
                 firsts.append(x)
         lasts = [*(x - 1 for x in firsts[1:]), w]
         banded = sync.kind is SyncKind.HIERARCHICAL and len(self.sizes) > 1
@@ -162,7 +169,8 @@ class BoundStates:
                                                     min(b, size // server))
                     base = len(rows)
                     rows += [(k, a, b, c, d, base)
-                             for c, d in (_unit_bands(lo, hi) if banded else [(lo, hi)])]
+                             for c, d in (_unit_bands(lo, hi, units_ratio) if banded
+                                                 else [(lo, hi)])]
         span, first, last, units_lo, units_hi, bases = (np.array(x, dtype=np.int64)
                                                         for x in zip(*rows, strict=True))
         self.span, self.first, self.last, self.base = span, first, last, bases
@@ -170,6 +178,18 @@ class BoundStates:
         self.units_lo, self.units_hi = units_lo, units_hi
         #: Workers of one server, tracked by the program where servers are small (else None).
         self.room = self.sizes[0] if len(self.sizes) > 1 and self.sizes[0] <= ROOM_MAX else None
+
+    @classmethod
+    def within(cls, topo: Topology, sync: Sync, widths: Sequence[int], layers: int,
+               entries: int) -> BoundStates:
+        """The finest of :data:`GRIDS` whose ``layers^2 x states`` is at most ``entries``
+        (the coarsest where none is): a long profile keeps a bound of the all-reduces and
+        cuts on fewer states, each looser, rather than lose them."""
+        for grid in GRIDS:
+            states = cls(topo, sync, widths, grid)
+            if layers ** 2 * len(states.first) <= entries:
+                break
+        return states
 
     def work(self, costs: RangeCosts, t: int, overlap: bool, memory_bytes: int | None,
              recompute: bool) -> FloatArray:

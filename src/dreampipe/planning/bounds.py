@@ -245,7 +245,8 @@ def lower_bound(fine: RangeCosts, topo: Topology, sync: Sync, above: float,
     """
     w = topo.num_workers
     floor = work_bound(fine, w, splits, memory_bytes, recompute)
-    states = BoundStates(topo, sync, [1, *(s.t for s in splits)])
+    states = BoundStates.within(topo, sync, [1, *(s.t for s in splits)], fine.n,
+                                BOUND_ENTRIES)
     if fine.n ** 2 * len(states.first) > BOUND_ENTRIES or not floor < above:
         return min(floor, above)
     work = states.work(fine, 1, topo.overlap, memory_bytes, recompute)
