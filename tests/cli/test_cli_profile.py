@@ -300,6 +300,16 @@ def test_output_into_a_closed_pipe_is_quiet(pipedream_profiles: Path) -> None:
     assert out.returncode == 141
 
 
+def test_a_profile_piped_into_a_reader_that_stops_is_still_written(tmp_path: Path) -> None:
+    out_file = tmp_path / "mlp.json"
+    script = (f"{sys.executable} -m dreampipe profile mlp --model-arg layers=2 --repeats 1 "
+              f"--small-batch 0 -o {out_file} | true")
+    out = subprocess.run(["bash", "-o", "pipefail", "-c", script], capture_output=True,
+                         text=True, timeout=120)
+    assert "Traceback" not in out.stderr
+    assert [x.name for x in load_graph(out_file).layers] == ["fc0", "fc1"]
+
+
 def test_show_refuses_a_topology_for_a_profile_with_its_own_times(
         capsys: pytest.CaptureFixture[str]) -> None:
     """-t times a profile by shape; a measured or bundled profile would ignore it."""

@@ -138,9 +138,10 @@ def _profile(args: argparse.Namespace) -> int:
         if short is None:
             raise
         raise short from None
+    if args.output is not None:  # before printing: a reader that stops early loses nothing
+        graph.save(args.output)
     _print(graph)
     if args.output is not None:
-        graph.save(args.output)
         print(f"wrote {args.output}")
     return 0
 
