@@ -25,9 +25,12 @@ from .test_sync_objective import _as_brute_force, _chain, _graphs, _simulated
 __all__: list[str] = []
 
 
-def _timed_small(graph: LayerGraph, share: float, small: int = 1) -> LayerGraph:
-    """``graph`` with a profile at ``small`` samples taking ``share`` of each time."""
-    layers = tuple(replace(x, forward_ms=x.forward_ms * share, backward_ms=x.backward_ms * share)
+def _timed_small(graph: LayerGraph, share: float, small: int = 1, weight: float = 0.5
+                 ) -> LayerGraph:
+    """``graph`` with a profile at ``small`` samples taking ``share`` of each time, its
+    weight gradient ``weight`` of its backward (the profiled batch's: half)."""
+    layers = tuple(replace(x, forward_ms=x.forward_ms * share, backward_ms=x.backward_ms * share,
+                           weight_grad_ms=x.backward_ms * share * weight)
                    for x in graph.layers)
     return with_small_batch(graph, replace(graph, layers=layers, batch_size=small))
 
@@ -53,8 +56,9 @@ def test_brute_force_agrees_with_fixed_parts(graph: LayerGraph, shape: str, band
     (PipelineKind.FLUSH, 16)])
 def test_fixed_parts_take_the_simulators_time(kind: PipelineKind, b: int) -> None:
     """At microbatches below, at and above the profiled batch (8), as the simulator reads
-    the two batches' line (one microbatch of 16: ZB-H1's objective is a bound there)."""
-    graph = _timed_small(_chain([3.0] * 8, [0] * 8, [0] * 8, batch=8), 0.5)
+    the two batches' line, the weight gradient on its own line (one microbatch of 16:
+    ZB-H1's objective is a bound there)."""
+    graph = _timed_small(_chain([3.0] * 8, [0] * 8, [0] * 8, batch=8), 0.5, weight=0.2)
     interleaved = kind is PipelineKind.INTERLEAVED
     topo = Topology.parse("2" if interleaved else "4", ["10GB/s"], None, ["0us"])
     opts = SyncOptions(global_batch=16, microbatch_size=b, kinds=(kind,),

@@ -191,7 +191,8 @@ class RangeCosts:
     and its step's temporaries), which every memory term of the range counts.
     ``fixed_s``, ``fixed_forward_s`` and ``layer_fixed_backward_s`` are the parts of
     ``compute_s``, ``forward_s`` and ``layer_backward_s`` a call pays whatever its batch,
-    where the profile was timed at a small batch too (None: none; :meth:`at_fraction`).
+    and ``layer_fixed_weight_s`` that of each layer's weight gradient, where the profile
+    was timed at a small batch too (None: none; :meth:`at_fraction`).
     """
 
     compute_s: FloatArray
@@ -208,6 +209,7 @@ class RangeCosts:
     fixed_s: FloatArray | None = None
     fixed_forward_s: FloatArray | None = None
     layer_fixed_backward_s: FloatArray | None = None
+    layer_fixed_weight_s: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph, optimizer: OptimizerTerms = STATELESS) -> RangeCosts:
@@ -245,6 +247,8 @@ class RangeCosts:
                 [f * k for (f, _, _), k in zip(fixed, work, strict=True)], 0.0),
             layer_fixed_backward_s=None if fixed is None else np.asarray(
                 [b * k for (_, b, _), k in zip(fixed, work, strict=True)], dtype=np.float64),
+            layer_fixed_weight_s=None if fixed is None else np.asarray(
+                [w * k for (_, _, w), k in zip(fixed, work, strict=True)], dtype=np.float64),
         )
 
     def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
@@ -262,14 +266,20 @@ class RangeCosts:
         return (compute + self.fixed_s[rows, last] * keep,
                 forward + self.fixed_forward_s[rows, last] * keep)
 
-    def layer_backward_at(self, fraction: float) -> FloatArray:
-        """Each layer's backward for a microbatch ``fraction`` of the profiled batch, as
+    def layer_backward_at(self, fraction: float, weight_share: Sequence[float]
+                          ) -> tuple[FloatArray, FloatArray]:
+        """Each layer's backward and its weight gradient (``weight_share`` of the profiled
+        backward) for a microbatch ``fraction`` of the profiled batch, as
         :meth:`at_fraction` reads times."""
         assert self.layer_backward_s is not None
         backward = np.asarray(self.layer_backward_s) * fraction
-        if self.layer_fixed_backward_s is None or fraction >= 1:
-            return backward
-        return np.asarray(backward + self.layer_fixed_backward_s * (1.0 - fraction))
+        weight = backward * np.asarray(weight_share, dtype=np.float64)
+        if self.layer_fixed_backward_s is None or self.layer_fixed_weight_s is None \
+                or fraction >= 1:
+            return backward, weight
+        keep = 1.0 - fraction
+        return (np.asarray(backward + self.layer_fixed_backward_s * keep),
+                np.asarray(weight + self.layer_fixed_weight_s * keep))
 
     def allreduce_ends(self, latency: FloatArray, per_byte: FloatArray, *, overlap: bool = True
                        ) -> FloatArray:

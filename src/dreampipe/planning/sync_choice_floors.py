@@ -79,9 +79,9 @@ class ChoiceFloors(SearchInputs):
             costs = self.inputs.costs if split is None else split.costs
             compute = layer_floors(self.inputs.costs, split)[0]
             pairs = [(np.asarray(costs.layer_backward_s) * share, compute)]
-            if costs.layer_fixed_backward_s is not None and costs.fixed_s is not None:
+            if costs.layer_fixed_weight_s is not None and costs.fixed_s is not None:
                 # a microbatch's part is a mix of the proportional and the fixed parts
-                pairs.append((costs.layer_fixed_backward_s * share, np.diag(costs.fixed_s)))
+                pairs.append((costs.layer_fixed_weight_s, np.diag(costs.fixed_s)))
             for made, whole in pairs:
                 ok = np.isfinite(whole) & (whole > 0)
                 if np.any(made[~ok] > 0):

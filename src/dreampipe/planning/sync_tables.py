@@ -201,10 +201,9 @@ class StageTables:
         """Option ``x``'s sums over its first layers (0 before the first) of the backward,
         the weights and the weight gradients' backward, at the microbatch."""
         costs = self._costs(self.options[x])
-        backward = costs.layer_backward_at(self.fraction)
-        share = np.asarray(self.inputs.weight_grad_share)
+        backward, made = costs.layer_backward_at(self.fraction, self.inputs.weight_grad_share)
         return tuple(np.concatenate([[0.0], np.cumsum(v)]) for v in (  # type: ignore[return-value]
-            backward, np.asarray(costs.layer_weights), backward * share))
+            backward, np.asarray(costs.layer_weights), made))
 
     def cut(self, block: int, after: int) -> FloatArray:
         """``[j]``: one microbatch's cut after layer ``j`` from the stage on ``block`` to
