@@ -28,10 +28,14 @@ __all__ = ["run_ranks", "timed_rate"]
 
 
 def _in_group(rank: int, world: int, arg: tuple[RankFn, Any]) -> Any:
-    """``fn(rank, world, arg)`` inside a gloo process group of the ``world`` ranks (if > 1)."""
+    """``fn(rank, world, arg)`` inside a gloo process group of the ``world`` ranks (if > 1).
+    Every rank is connected before any runs ``fn``: a rank that returns or fails at once
+    would otherwise leave the group while a peer still connects, which then fails with
+    gloo's error instead of its own."""
     fn, inner = arg
     if world > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.barrier()
     try:
         return fn(rank, world, inner)
     finally:
