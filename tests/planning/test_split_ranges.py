@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dreampipe.errors import PlanError
+from dreampipe.planning import pricing
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.operator_search import Link, search_splits, split_front, split_memory
 from dreampipe.planning.options import PlanOptions
@@ -49,16 +55,54 @@ def _brute(prof: RangeCosts, topo: Topology, sync: Sync, fewer: bool, memory: in
     sits in servers, recomputing or not, whose stages all fit ``memory``."""
     best = math.inf
     marks = [False, True] if recompute else [False]
-    for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer):
-        choices = [[None, *(x for x in splits if fits_servers(r.start, r.stop, x.t, topo))]
-                   for r in placed]
-        for how in itertools.product(*choices):
-            for flags in itertools.product(marks, repeat=len(spans)):
-                stages = price_stages(prof, topo, spans, placed, sync, memory, flags, how,
-                                      shared_links=False)
-                if memory is None or all(s.memory_bytes <= memory for s in stages):
-                    best = min(best, slowest(stages))
+    with _pricing_memoised():
+        for spans, placed in _laid_in_order(prof.n, topo.num_workers, fewer):
+            choices = [[None, *(x for x in splits if fits_servers(r.start, r.stop, x.t, topo))]
+                       for r in placed]
+            for how in itertools.product(*choices):
+                for flags in itertools.product(marks, repeat=len(spans)):
+                    stages = price_stages(prof, topo, spans, placed, sync, memory, flags, how,
+                                          shared_links=False)
+                    if memory is None or all(s.memory_bytes <= memory for s in stages):
+                        best = min(best, slowest(stages))
     return best
+
+
+@contextmanager
+def _pricing_memoised() -> Iterator[None]:
+    """Inside the block, the pure functions ``price_stages`` calls per stage answer from a
+    cache: brute force prices the same stage (a span of one table, in flight so many, on
+    the same workers) in thousands of layouts, and recomputing it took most of the test's
+    time. Each layout is still priced by ``price_stages``, with the same answers."""
+    with ExitStack() as stack:
+        for name in ("stage_allreduce", "cut_seconds", "in_flight_counts"):
+            stack.enter_context(mock.patch.object(pricing, name, _memo(getattr(pricing, name))))
+        stack.enter_context(mock.patch.object(RangeCosts, "memory", _memo(RangeCosts.memory)))
+        yield
+
+
+def _memo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its answers kept by its arguments' values (arrays by type, shape and bytes,
+    sequences as tuples); a table (``RangeCosts``, unhashable) by identity, as the tables
+    priced outlive the block."""
+    seen: dict[Any, Any] = {}
+
+    def cached(*args: Any, **kw: Any) -> Any:
+        key = (*map(_key, args), *kw.items())
+        if key not in seen:
+            seen[key] = fn(*args, **kw)
+        return seen[key]
+
+    return cached
+
+
+def _key(value: Any) -> Any:
+    kind = type(value)  # by exact type: a test of isinstance per argument cost a third
+    if kind is np.ndarray:
+        return value.dtype.char, value.shape, value.tobytes()
+    if kind is list or kind is tuple or kind is range:
+        return tuple(value)
+    return id(value) if kind is RangeCosts else value
 
 
 _SHAPES = st.sampled_from([(2, 2), (4, 2), (2, 3)])  # innermost first: 2x2, 2x4, 3x2
