@@ -43,11 +43,15 @@ setup: $(BIN)/dreampipe
 demo: setup
 	$(BIN)/dreampipe demo
 
-# The tests under 10 s run on two processes (one a core); the slow ones, multi-process
-# runs and timings among them, one at a time, so that no two of them share the cores.
+# Every test but the timings runs on two processes (one a core), slow and multi-process
+# ones too: each takes its own free port and temporary folders. Whole files go to a
+# process (--dist loadfile), so that a file's shared run is made once, in the order
+# tests/conftest.py gives (files with slow tests first). Then the tests that assert on
+# measured seconds, rates or bandwidths (marker `timing`) run one at a time, alone.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" -n 2 --durations=10
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m slow --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not timing" -n 2 --dist loadfile \
+	  --no-loadscope-reorder --durations=15
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m timing --durations=10
 
 test-kernels: setup
 	@failed=; for set in $(KERNEL_SETS); do \

@@ -17,6 +17,16 @@ from dreampipe.profiling.bundled import bundled_profile
 from dreampipe.runplan.worker_profile import profile_as_worker
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files that hold a slow test first, each file whole and in its own order.
+
+    ``make test`` hands whole files to two pytest-xdist processes in this order
+    (``--dist loadfile``), so the long runs start first and the many short files fill
+    the gaps at the end, instead of a long file starting last and running alone."""
+    heavy = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in heavy)
+
+
 @pytest.fixture(scope="session")
 def pipedream_profiles() -> Iterator[Path]:
     """The bundled PipeDream profiles' folder on disk, for tests that hand a file path on

@@ -92,7 +92,7 @@ def _uneven(rank: int, world: int, arg: None) -> float:
     return timed_rate(step, steps=2, warmup=1, samples_per_step=10)
 
 
-@pytest.mark.slow  # a timing: alone on the cores (make test)
+@pytest.mark.timing  # measured seconds: alone on the cores (make test)
 def test_the_clock_starts_and_stops_at_barriers_on_all_ranks() -> None:
     """Rank 0's clock leaves out its peer's warm-up and waits for its peer's timed steps."""
     rate = run_ranks(_uneven, 2, None, timeout_s=60)

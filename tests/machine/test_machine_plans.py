@@ -87,6 +87,7 @@ def _planned(source: Path, tmp_path: Path) -> tuple[Plan, LocalCalibration]:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # plans from a profile it measures: alone on the cores (make test)
 @pytest.mark.timeout(180)
 def test_pipeline_auto_plans_with_the_machine_file(tmp_path: Path) -> None:
     fast, fast_machine = _planned(NVLINK_FILE, tmp_path)

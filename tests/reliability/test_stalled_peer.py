@@ -115,6 +115,7 @@ def test_a_rank_stopped_past_the_timeout_fails_every_rank_naming_it(
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # the stop must land in a run of well under a second: alone
 @pytest.mark.timeout(240)
 def test_a_rank_stopped_for_a_moment_trains_as_if_never_stopped(
     tmp_path: Path, profile: Path

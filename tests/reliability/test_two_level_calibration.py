@@ -112,6 +112,7 @@ def _shape(stages: list[list[int]]) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # measured bandwidths: alone on the cores (make test)
 @pytest.mark.timeout(170)
 def test_train_on_two_nodes_measures_both_levels_and_plans_for_them(
     link: netns.VethPair, tmp_path: Path

@@ -28,7 +28,7 @@ def test_a_profile_beside_a_twin_times_every_layer_and_says_so() -> None:
     assert all(layer.forward_ms > 0 and layer.backward_ms > 0 for layer in graph.layers)
 
 
-@pytest.mark.slow  # a timing: alone on the cores (make test)
+@pytest.mark.timing  # measured seconds: alone on the cores (make test)
 def test_a_crowd_beyond_the_cores_waits_then_measures_how_they_are_shared() -> None:
     graph = profile_beside("mlp", 8, 1, crowd=1, model_kwargs=(("width", 64),), repeats=2,
                            deadline_s=60.0)
@@ -41,7 +41,7 @@ def test_a_crowd_beyond_the_cores_waits_then_measures_how_they_are_shared() -> N
         profile_beside("mlp", 8, 1, crowd=-1)
 
 
-@pytest.mark.slow  # a timing: alone on the cores (make test)
+@pytest.mark.timing  # measured seconds: alone on the cores (make test)
 def test_a_pace_counts_the_passes_that_end_by_the_deadline() -> None:
     from dreampipe.runplan.profile_beside import _mean_pass_s
 

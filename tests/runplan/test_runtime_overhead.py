@@ -17,7 +17,7 @@ from dreampipe.runplan.runtime_overhead import with_runtime_overhead
 from dreampipe.runplan.worker_profile import profile_as_worker
 
 
-@pytest.mark.slow  # a timing: alone on the cores (make test)
+@pytest.mark.timing  # measured seconds: alone on the cores (make test)
 def test_the_profile_carries_the_runtimes_forward_and_backward_over_plain_pytorch() -> None:
     spec = get_model("mlp", layers=3, width=64)
     profile = profile_spec(spec, batch_size=8, repeats=2)

@@ -125,6 +125,7 @@ def graph() -> LayerGraph:
 
 
 @pytest.mark.slow
+@pytest.mark.timing  # measured throughput: alone on the cores (make test)
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("bandwidth", "winner"), [(FAST, "2"), (SLOW, "1-1")])
 def test_planner_choice_and_throughput_on_a_shaped_link(
