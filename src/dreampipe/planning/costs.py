@@ -15,9 +15,10 @@ candidate stage.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +52,12 @@ BoolArray = npt.NDArray[np.bool_]
 IntArray = npt.NDArray[np.int64]
 #: Every range of a table, as an index.
 _ALL = slice(None)
+#: Reads ``table[rows, last]`` (:meth:`RangeCosts.at_fraction`).
+_Read = Callable[[FloatArray, Any, Any], FloatArray]
+
+
+def _index(table: FloatArray, rows: Any, last: Any) -> FloatArray:
+    return np.asarray(table[rows, last])
 
 
 class CostModel(StrEnum):
@@ -252,19 +259,22 @@ class RangeCosts:
         )
 
     def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
-                    last: IntArray | slice = _ALL) -> tuple[FloatArray, FloatArray]:
+                    last: IntArray | slice = _ALL, read: _Read | None = None
+                    ) -> tuple[FloatArray, FloatArray]:
         """``(compute, forward)`` of the ranges ``rows..last`` (index arrays of one shape;
-        every range by default) for a microbatch ``fraction`` of the profiled batch: in
-        proportion, plus the fixed part the profile's small batch measured at batches below
-        the profiled one (:func:`~dreampipe.profiling.fixed_costs.at_fraction`)."""
-        compute = self.compute_s[rows, last] * fraction
-        forward = self.forward[rows, last] * fraction
+        every range by default; ``read(table, rows, last)`` reads them, NumPy's indexing
+        by default) for a microbatch ``fraction`` of the profiled batch: in proportion,
+        plus the fixed part the profile's small batch measured at batches below the
+        profiled one (:func:`~dreampipe.profiling.fixed_costs.at_fraction`)."""
+        at = read or _index
+        compute = at(self.compute_s, rows, last) * fraction
+        forward = at(self.forward, rows, last) * fraction
         keep = 1.0 - fraction
         if self.fixed_s is None or keep <= 0:
             return compute, forward
         assert self.fixed_forward_s is not None
-        return (compute + self.fixed_s[rows, last] * keep,
-                forward + self.fixed_forward_s[rows, last] * keep)
+        return (compute + at(self.fixed_s, rows, last) * keep,
+                forward + at(self.fixed_forward_s, rows, last) * keep)
 
     def layer_backward_at(self, fraction: float, weight_share: Sequence[float]
                           ) -> tuple[FloatArray, FloatArray]:

@@ -25,6 +25,7 @@ from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
 from dreampipe.planning.operator_search import Link, layer_costs, split_front
 from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshard, split_cost
+from dreampipe.planning.sync_bands import pick
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 
@@ -58,11 +59,17 @@ class StageSplit:
         stages ``rows..last`` (index arrays of one shape; every range by default): the
         times scale, their collectives' message latencies (``latencies``) do not."""
         c = self.costs
+
+        def at(table: FloatArray) -> FloatArray:
+            if isinstance(rows, slice) or isinstance(last, slice):
+                return table[rows, last]
+            return pick(table, rows, last)
+
         if self.latencies is None:
-            return c.compute_s[rows, last] * fraction, c.forward[rows, last] * fraction
-        fixed, fixed_forward = (x[rows, last] for x in self.latencies)
-        return ((c.compute_s[rows, last] - fixed) * fraction + fixed,
-                (c.forward[rows, last] - fixed_forward) * fraction + fixed_forward)
+            return at(c.compute_s) * fraction, at(c.forward) * fraction
+        fixed, fixed_forward = (at(x) for x in self.latencies)
+        return ((at(c.compute_s) - fixed) * fraction + fixed,
+                (at(c.forward) - fixed_forward) * fraction + fixed_forward)
 
     def layers(self, first: int, last: int) -> tuple[Split, ...]:
         """The splits of a stage of layers ``first..last``."""

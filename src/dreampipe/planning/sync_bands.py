@@ -14,7 +14,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 
-__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "row_sums"]
+__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -73,6 +73,16 @@ def edge(n: int, width: int, last_slot: bool) -> tuple[IntArray, IntArray, tuple
     first = np.arange(max(0, n - width), n)[:, None]
     last = np.full_like(first, n - 1)
     return first, last, (first, last - first)
+
+
+def pick(table: FloatArray, rows: IntArray | int, last: IntArray | int) -> FloatArray:
+    """``table[rows, last]`` for index arrays of one shape (or one entry): read through one
+    flat index, which NumPy gathers many times faster than a pair of (broadcast) index
+    arrays, the same entries. ``rows`` and ``last`` must lie in the table (no negative
+    indices)."""
+    if isinstance(rows, int) or isinstance(last, int) or not table.flags.c_contiguous:
+        return np.asarray(table[rows, last])  # one entry; or a broadcast table, not copied
+    return np.asarray(table.reshape(-1)[rows * table.shape[1] + last])
 
 
 def row_sums(masked: FloatArray) -> FloatArray:

@@ -11,6 +11,7 @@ layers those are and what the largest keeps.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -22,7 +23,7 @@ from dreampipe.profiling.gpt_shapes import block_index
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["Recompute", "StageOption", "block_mask", "block_span", "layer_blocks",
-           "recomputed_peak"]
+           "recomputed_peak", "twin_bases"]
 
 _Blocks = tuple[int | None, ...]
 
@@ -109,3 +110,12 @@ def recomputed_peak(blocks: _Blocks, layer_kept: npt.NDArray[np.float64], k: int
         sums = within - (within[i - 1] if i > 0 and not starts[i] else 0.0) * (ids == ids[i])
         out[i] = np.maximum.accumulate(np.where(mask[i], sums, 0.0))
     return out
+
+
+def twin_bases(options: Sequence[StageOption], by_split: bool = False) -> tuple[int, ...]:
+    """Each option's first twin: the same split, recomputation and blocks, at any ZeRO
+    level (``by_split``: the same split, any way it recomputes)."""
+    first: dict[tuple[object, ...], int] = {}
+    return tuple(first.setdefault((id(o.split),) if by_split else
+                                  (id(o.split), o.recompute, o.blocks), x)
+                 for x, o in enumerate(options))

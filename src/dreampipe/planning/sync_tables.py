@@ -6,19 +6,19 @@ first ``k`` blocks. These options are the one place where a stage's choices are 
 each gets tables over layer ranges ``[i, j]`` for a microbatch of ``b`` samples on ``d``
 replicas (:class:`StageTables`): ``tau`` the microbatch's forward and backward
 (recomputation and ZeRO's per-microbatch collectives included), ``tail`` what the update
-adds after its last backward, and memory as ``fixed + held * per``. The terms are the
-planner's (:mod:`dreampipe.planning.costs`): times scale with the microbatch (less
-than in proportion where the profile measured a fixed part a call), the
-all-reduce is :func:`~dreampipe.planning.costs.allreduce_end` on its replicas' layout,
-ZeRO's times :func:`~dreampipe.planning.zero_terms.zero_times` and its bytes
-:class:`~dreampipe.planning.state_bytes.Training`'s. docs/planner.md, "The synchronous
-objective".
+adds after its last backward, and memory as ``fixed + held * per``
+(:mod:`~dreampipe.planning.sync_memory`). The terms are the planner's
+(:mod:`dreampipe.planning.costs`): times scale with the microbatch (less than in
+proportion where the profile measured a fixed part a call), the all-reduce is
+:func:`~dreampipe.planning.costs.allreduce_end` on its replicas' layout, ZeRO's times
+:func:`~dreampipe.planning.zero_terms.zero_times` (:mod:`~dreampipe.planning.sync_levels`)
+and its bytes :class:`~dreampipe.planning.state_bytes.Training`'s. docs/planner.md, "The
+synchronous objective".
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,20 +34,20 @@ from dreampipe.planning.sync import Sync, replica_groups
 from dreampipe.planning.sync_bands import (
     band,
     band_allreduce_ends,
-    capacity_of,
     edge,
-    row_sums,
+    pick,
 )
+from dreampipe.planning.sync_levels import LevelFree, at_level
 from dreampipe.planning.sync_links import copy_cut_seconds, replica_allreduce_terms
+from dreampipe.planning.sync_memory import StageMemory
 from dreampipe.planning.sync_stage_option import (
     Recompute,
     StageOption,
     block_mask,
     block_span,
-    recomputed_peak,
+    twin_bases,
 )
 from dreampipe.planning.topology import Topology
-from dreampipe.planning.zero_terms import HALF_ALLREDUCE, SHARDED_LEVEL, zero_times
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["StageTables", "TableInputs", "block_groups"]
@@ -84,10 +84,13 @@ class StageTables:
         self.fraction, self.splits_backward = fraction, splits_backward
         self.n = inputs.costs.n
         #: each option's first twin but for its ZeRO level: what does not depend on the
-        #: level (compute, activations, the all-reduce's end) is made once for all twins
-        self._base = _bases(self.options)
-        self._twins = len(set(self._base)) < len(self._base)
-        self._sharded = d > 1 and any(o.zero >= SHARDED_LEVEL for o in self.options)
+        #: level (compute, activations, the all-reduce's end) is made once for all twins;
+        #: and its first option of the same split, which reads the same ranges' costs
+        self._base = twin_bases(self.options)
+        self._split = twin_bases(self.options, by_split=True)
+        self._twins = len(set(self._split)) < len(self._split)
+        self._memory = StageMemory(inputs.costs, inputs.training, inputs.profiled_param_bytes,
+                                   inputs.blocks, self.options, d, fraction)
 
     # ---- layout ------------------------------------------------------------------
     def workers(self, block: int) -> tuple[int, ...]:
@@ -127,20 +130,9 @@ class StageTables:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _edge_terms(self, x: int, groups: tuple[int, ...], width: int, last_slot: bool
-                    ) -> _Terms:
+                    ) -> LevelFree:
         rows, last, _ = edge(self.n, width, last_slot)
         return self._terms(x, groups, rows, last, last_slot)
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
-    def edge_capacity(self, x: int, room: float, width: int, last_slot: bool) -> FloatArray:
-        """:meth:`capacity` of the stages of :meth:`edge_times`."""
-        return capacity_of(*self._at_zero(x, *self._edge_parts(self._base[x], width,
-                                                               last_slot)), room)
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _edge_parts(self, x: int, width: int, last_slot: bool) -> _MemoryParts:
-        rows, last, _ = edge(self.n, width, last_slot)
-        return self._parts(x, rows, last)
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
@@ -150,9 +142,14 @@ class StageTables:
         return self._at_level(x, self._band_terms(self._base[x], groups, width))
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
-    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None) -> _Terms:
+    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None) -> LevelFree:
         rows, last = band(self.n, width)
-        return self._terms(x, groups, rows, last)
+        return self._terms(x, groups, rows, last,
+                           common=self._band_common(self._split[x], groups, width))
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - a split's options are read one after another
+    def _band_common(self, x: int, groups: tuple[int, ...], width: int | None) -> _Common:
+        return self._common(x, groups, *band(self.n, width))
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
                 is_column: bool = False) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -161,14 +158,24 @@ class StageTables:
         return self._at_level(x, self._terms(self._base[x], groups, rows, last, is_column))
 
     def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
-               is_column: bool = False) -> _Terms:
-        """What option ``x``'s stages ``rows..last`` cost at any ZeRO level: ``(forward,
-        compute, again, end, all-reduce, weight gradients)``; ``x`` is the first of its
-        twins, so that the level-free helpers it reads are made once for them."""
+               is_column: bool = False, common: _Common | None = None) -> LevelFree:
+        """What option ``x``'s stages ``rows..last`` cost at any ZeRO level
+        (:class:`~dreampipe.planning.sync_levels.LevelFree`); ``x`` is the first of its
+        twins, so that what no level changes is made once for them; ``common``:
+        :meth:`_common`, where made already."""
+        forward, compute, end, ar, wgrad = common or self._common(x, groups, rows, last,
+                                                                  is_column)
+        again = self._again(x, rows, last, forward)
+        return LevelFree.of(forward, compute, again, end, ar, wgrad)
+
+    def _common(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
+                is_column: bool = False) -> _Common:
+        """What :meth:`_terms` reads that depends only on option ``x``'s split, the same for
+        every way it recomputes: ``(forward, compute, all-reduce end, all-reduce, weight
+        gradients)``."""
         costs = self._costs(self.options[x])
         compute, forward = self._at_fraction(x, rows, last)
-        weights = costs.weights[rows, last]
-        again = self._again(x, rows, last, forward)
+        weights = pick(costs.weights, rows, last)
         lat, per = replica_allreduce_terms(groups, self.t, self.inputs.topology,
                                            self.inputs.sync, self.d)
         backward, weighed, made = self._prefix_sums(x)
@@ -179,22 +186,12 @@ class StageTables:
         else:
             end = ar = np.zeros_like(compute)
         wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
-        return forward, compute, again, end, ar, wgrad
+        return forward, compute, end, ar, wgrad
 
-    def _at_level(self, x: int, terms: _Terms) -> tuple[FloatArray, FloatArray, FloatArray]:
+    def _at_level(self, x: int, terms: LevelFree) -> tuple[FloatArray, FloatArray, FloatArray]:
         """``(tau, tail, weight gradient)`` of :meth:`_terms` at option ``x``'s ZeRO level
-        (the weight gradient: what a split backward's ``W`` computes, before any wait for
-        ZeRO's reduce-scatter, which fills no bubble)."""
-        forward, compute, again, end, ar, wgrad = terms
-        level = self.options[x].zero
-        made = np.minimum(wgrad, compute - forward)
-        z = zero_times(level, self.d, forward=forward, backward=compute - forward + again,
-                       weight_grad=made, allreduce=ar,
-                       delay=end - ar + again, gather=ar * HALF_ALLREDUCE,
-                       splits_backward=self.splits_backward and level >= 2)
-        tau = z.forward + z.backward
-        left = np.where(z.allreduce > 0, np.maximum(0.0, end + again - z.backward), 0.0)
-        return np.where(np.isfinite(compute), tau, np.inf), left + z.step, made
+        (:func:`~dreampipe.planning.sync_levels.at_level`)."""
+        return at_level(terms, self.options[x].zero, self.d, self.splits_backward)
 
     @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
     def _prefix_sums(self, x: int) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -256,97 +253,28 @@ class StageTables:
         row = block_mask(self.inputs.blocks, o.blocks)[first]
         return tuple(int(i) for i in range(first, last + 1) if row[i])
 
-    # ---- memory ------------------------------------------------------------------
+    # ---- memory (:class:`~dreampipe.planning.sync_memory.StageMemory`) -----------
     def memory(self, x: int, held: float) -> FloatArray:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
-        fixed, per = self._memory(x, *band(self.n, None))
-        return np.asarray(fixed + held * per)
+        return self._memory.memory(x, held)
 
     def memory_at(self, x: int, held: float, first: int, last: int) -> float:
         """:meth:`memory` of the one stage ``first..last``."""
-        fixed, per = self._memory(x, first, last)
-        return float(fixed + held * per)
+        return self._memory.memory_at(x, held, first, last)
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def capacity(self, x: int, room: float, width: int | None = None) -> FloatArray:
-        """``[i, j]`` (with ``width``, ``[i, k]`` as :meth:`times`): the most microbatches
-        option ``x`` holds within ``room`` bytes per worker (-1 where not even none fit, inf
-        where they cost nothing): a stage fits holding ``held`` exactly where
-        ``held <= capacity``."""
-        return capacity_of(*self._band_memory(x, width), room)
+        """The most microbatches option ``x`` holds within ``room`` bytes per worker, over
+        the stages of :meth:`times` (:meth:`StageMemory.capacity`)."""
+        return self._memory.capacity(x, room, width)
+
+    def edge_capacity(self, x: int, room: float, width: int, last_slot: bool) -> FloatArray:
+        """:meth:`capacity` of the stages of :meth:`edge_times`."""
+        return self._memory.edge_capacity(x, room, width, last_slot)
 
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
         ``held`` microbatches (:meth:`capacity`, for one stage)."""
-        fixed, per = (float(a) for a in self._memory(x, first, last))
-        if fixed > room:  # :func:`capacity_of` on one stage, in plain floats
-            return False
-        return per <= 0 or math.floor((room - fixed) / per) >= held
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _band_memory(self, x: int, width: int | None) -> tuple[FloatArray, FloatArray]:
-        if not self._twins:  # nothing to share: keep no copy
-            return self._memory(x, *band(self.n, width))
-        return self._at_zero(x, *self._band_parts(self._base[x], width))
-
-    @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
-    def _band_parts(self, x: int, width: int | None) -> _MemoryParts:
-        return self._parts(x, *band(self.n, width))
-
-    def _memory(self, x: int, rows: IntArray | int, last: IntArray | int
-                ) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms ``(fixed, per)`` of the stages ``rows..last`` (index
-        arrays of one shape, or one stage's first and last layer): ``fixed + held * per``
-        bytes, its ZeRO level's state on its activations."""
-        return self._at_zero(x, *self._parts(self._base[x], rows, last))
-
-    def _parts(self, x: int, rows: IntArray | int, last: IntArray | int) -> _MemoryParts:
-        """What :meth:`_memory` reads at any ZeRO level: ``(fixed, per)`` of the
-        activations, the weights' bytes and the largest layer's (0 where no option
-        shards at level 3); ``x`` is an option's first twin, as for :meth:`_terms`."""
-        o = self.options[x]
-        costs = self._costs(o)
-        weights = costs.weights[rows, last]
-        largest = costs.largest_weights[rows, last] if self._sharded else 0.0
-        if o.recompute is Recompute.BLOCKS:
-            fixed, per = self._activations(x)
-            return fixed[rows, last], per[rows, last], weights, largest
-        f = self.fraction  # indexed before scaled, as :meth:`_activations` would scale them
-        fixed = costs.held_besides[rows, last] * f
-        kept, first = costs.kept[rows, last] * f, costs.inputs[rows, last] * f
-        if o.recompute is Recompute.NONE:
-            return fixed, first + kept, weights, largest
-        return fixed + first + kept, first, weights, largest
-
-    def _at_zero(self, x: int, fixed: FloatArray, per: FloatArray, weights: FloatArray,
-                 largest: FloatArray | float) -> tuple[FloatArray, FloatArray]:
-        """:meth:`_memory` from :meth:`_parts`, at option ``x``'s ZeRO level."""
-        inp, level = self.inputs, self.options[x].zero
-        state = weights * inp.training.state_per_byte(inp.profiled_param_bytes, level, self.d)
-        if level >= SHARDED_LEVEL and self.d > 1:  # one layer gathered whole at a time
-            state = state + largest
-        return fixed + state, per
-
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _activations(self, x: int) -> tuple[FloatArray, FloatArray]:
-        """Option ``x``'s memory terms ``[i, j]`` without its weights' state, where it
-        recomputes block by block (:meth:`_parts` makes the others' for the stages read)."""
-        inp, f, o = self.inputs, self.fraction, self.options[x]
-        costs = self._costs(o)
-        fixed, first = costs.held_besides * f, costs.inputs * f
-        mask = block_mask(self.inputs.blocks, o.blocks)
-        layer_kept = np.diag(costs.kept) * f
-        later = np.triu(np.ones((self.n, self.n), dtype=bool))
-        rest = row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
-        starts = np.asarray([False] + [b is not None and b != a for a, b in
-                                       zip(inp.blocks, inp.blocks[1:], strict=False)])
-        # a block's input kept for it, where the layer before is recomputed too: a layer kept
-        # whole keeps its output already (Layer.saved_bytes)
-        after = np.pad(mask[:, :-1], ((0, 0), (1, 0)))
-        entry = np.where(mask & after & starts[None, :] & np.triu(later, 1),
-                         inp.costs.cut_bytes[None, :] * f, 0.0)
-        return (fixed + recomputed_peak(self.inputs.blocks, layer_kept, o.blocks),
-                first + rest + row_sums(entry))
+        return self._memory.fits(x, held, room, first, last)
 
     # ---- helpers -----------------------------------------------------------------
     def _costs(self, o: StageOption) -> RangeCosts:
@@ -378,12 +306,11 @@ class StageTables:
         table is made."""
         o, f = self.options[x], self.fraction
         if o.split is None:
-            return self._costs(o).at_fraction(f, rows, last)
+            return self._costs(o).at_fraction(f, rows, last, read=pick)
         return o.split.at_fraction(f, rows, last)
 
 
-_Terms = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
-_MemoryParts = tuple[FloatArray, FloatArray, FloatArray, FloatArray | float]
+_Common = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
 
 
 def block_groups(block: int, d: int, t: int, topology: Topology) -> tuple[int, ...]:
@@ -392,11 +319,3 @@ def block_groups(block: int, d: int, t: int, topology: Topology) -> tuple[int, .
     workers, block ``k`` holding workers ``k d t .. (k + 1) d t - 1``)."""
     size = d * t
     return replica_groups(tuple(range(block * size, (block + 1) * size, t)), topology)
-
-
-def _bases(options: Sequence[StageOption]) -> tuple[int, ...]:
-    """Each option's first twin: the same split, recomputation and blocks, at any ZeRO
-    level."""
-    first: dict[tuple[object, ...], int] = {}
-    return tuple(first.setdefault((id(o.split), o.recompute, o.blocks), x)
-                 for x, o in enumerate(options))
