@@ -8,13 +8,14 @@ width, so that a table of stages no longer than that costs ``n x width``, not ``
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 
 import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 
-__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
+__all__ = ["Widest", "band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -36,8 +37,9 @@ def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
     if width is None:
         return np.broadcast_to(rows, (n, n)), np.broadcast_to(np.arange(n)[None, :], (n, n))
     last = np.minimum(rows + np.arange(width)[None, :], n - 1)
-    last.flags.writeable = False
-    return np.broadcast_to(rows, last.shape), last
+    first = np.ascontiguousarray(np.broadcast_to(rows, last.shape))  # gathers by it run fast
+    first.flags.writeable = last.flags.writeable = False
+    return first, last
 
 
 def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
@@ -59,6 +61,28 @@ def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
     else:
         end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
     return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
+
+
+class Widest:
+    """Band tables kept at the widest width made so far, a key each: a band's first ``w``
+    columns are the band of width ``w`` (:func:`band`: stage ``i..i + k`` at ``[i, k]``),
+    and every table over a band is made entry by entry, or as a running maximum along a
+    row (:func:`band_allreduce_ends`), so a narrower width reads the wider tables'
+    columns, the same values, and only a wider one makes new tables."""
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, tuple[int, tuple[FloatArray, ...]]] = {}
+
+    def get(self, key: Hashable, width: int | None,
+            make: Callable[[int | None], tuple[FloatArray, ...]]) -> tuple[FloatArray, ...]:
+        """``make(width)``, or the columns of the tables kept for ``key`` where they are at
+        least as wide (None: every ``[i, j]``, made and kept as they are)."""
+        kept = self._kept.get((key, width is None))
+        if kept is not None and (width is None or kept[0] >= width):
+            return kept[1] if width is None else tuple(a[:, :width] for a in kept[1])
+        tables = make(width)
+        self._kept[key, width is None] = (0 if width is None else width, tables)
+        return tables
 
 
 @functools.cache
