@@ -175,10 +175,11 @@ def _ends(graph: LayerGraph, t: int, link: Link, optimizer: OptimizerTerms
     layers = graph.layers
     start = {lay: [_Point(0.0, 0.0, 0.0, (), ())] for lay in _SOURCES}
     fronts: list[dict[Layout, list[_Point]]] = [dict(start), dict(start)]
-    seen: dict[tuple[object, ...], list[tuple[Layout, _Point]]] = {}
+    seen: dict[tuple[int, Layout], list[tuple[Layout, _Point]]] = {}
+    kinds: dict[tuple[object, ...], int] = {}  # each group's kind, hashed once a group
     for group in coarsen(graph):  # a profile by shape repeats its blocks: price each once
-        alike = (tuple(replace(layers[i], name="") for i in group),
-                 _input_bytes(layers, group[0]))
+        alike = kinds.setdefault((tuple(replace(layers[i], name="") for i in group),
+                                  _input_bytes(layers, group[0])), len(kinds))
         options = {}
         for src in set(fronts[0]) | set(fronts[1]):
             if (alike, src) not in seen:

@@ -173,11 +173,17 @@ class ChoiceFloors(SearchInputs):
         if self._by_blocks(t):
             entry = 0.0  # its floor counts a block's input at the block, a stage's first too
         room = p * limit - count * besides * f - (count - 1) * held * entry * f
-        per = 0.0 if SHARDED_LEVEL not in levels else min(replica_allreduce_terms(
-            block_groups(k, d, t, self.topology), t, self.topology, self.opts.sync, d)[1]
-            for k in range(p))
+        per = 0.0 if SHARDED_LEVEL not in levels else self._cheapest_rate(t, d, p)
         return least_stage_sum(self.option_floors(t), {z: self._state(z, d) for z in levels},
                                per, f, held, room)
+
+    @functools.cache  # noqa: B019 - one search, dropped with it
+    def _cheapest_rate(self, t: int, d: int, p: int) -> float:
+        """The least seconds a byte of the ``p`` worker blocks' all-reduces over ``d``
+        replicas of ``t`` workers, made once for every microbatch and count of stages."""
+        return min(replica_allreduce_terms(block_groups(k, d, t, self.topology), t,
+                                           self.topology, self.opts.sync, d)[1]
+                   for k in range(p))
 
     @functools.cache  # noqa: B019 - one search, dropped with it
     def option_floors(self, t: int) -> tuple[OptionFloors, ...]:
