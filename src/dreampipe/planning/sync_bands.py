@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -71,18 +72,28 @@ class Widest:
     columns, the same values, and only a wider one makes new tables."""
 
     def __init__(self) -> None:
-        self._kept: dict[Hashable, tuple[int, tuple[FloatArray, ...]]] = {}
+        #: by key: the width made, its tables, and the views read of them by width
+        self._kept: dict[Hashable, tuple[int, _Tables, dict[int | None, _Tables]]] = {}
 
     def get(self, key: Hashable, width: int | None,
-            make: Callable[[int | None], tuple[FloatArray, ...]]) -> tuple[FloatArray, ...]:
+            make: Callable[[int | None], _Tables]) -> _Tables:
         """``make(width)``, or the columns of the tables kept for ``key`` where they are at
         least as wide (None: every ``[i, j]``, made and kept as they are)."""
         kept = self._kept.get((key, width is None))
-        if kept is not None and (width is None or kept[0] >= width):
-            return kept[1] if width is None else tuple(a[:, :width] for a in kept[1])
+        if kept is not None:
+            read = kept[2].get(width)
+            if read is not None:
+                return read
+            if width is not None and kept[0] >= width:
+                read = kept[2][width] = tuple(a[:, :width] for a in kept[1])
+                return read
         tables = make(width)
-        self._kept[key, width is None] = (0 if width is None else width, tables)
+        self._kept[key, width is None] = (0 if width is None else width, tables,
+                                          {width: tables})
         return tables
+
+
+_Tables = tuple[FloatArray, ...]
 
 
 @functools.cache
@@ -104,8 +115,10 @@ def pick(table: FloatArray, rows: IntArray | int, last: IntArray | int) -> Float
     flat index, which NumPy gathers many times faster than a pair of (broadcast) index
     arrays, the same entries. ``rows`` and ``last`` must lie in the table (no negative
     indices)."""
-    if isinstance(rows, int) or isinstance(last, int) or not table.flags.c_contiguous:
-        return np.asarray(table[rows, last])  # one entry; or a broadcast table, not copied
+    if isinstance(rows, int) or isinstance(last, int):  # one entry, as NumPy reads it
+        return cast(FloatArray, table[rows, last])
+    if not table.flags.c_contiguous:  # a broadcast table: flattening it would copy it
+        return np.asarray(table[rows, last])
     return np.asarray(table.reshape(-1)[rows * table.shape[1] + last])
 
 
