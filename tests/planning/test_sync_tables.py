@@ -1,4 +1,4 @@
-"""The synchronous tables share work between options and widths, and read the same values."""
+"""The synchronous tables share work between options and read the same values as each alone."""
 
 from __future__ import annotations
 
@@ -73,13 +73,13 @@ def _alone(tables: StageTables, x: int) -> StageTables:
 
 
 @pytest.mark.parametrize(("t", "d"), [(1, 4), (2, 8)])
-def test_options_sharing_twins_and_narrower_bands_read_what_each_alone_reads(t: int, d: int
+def test_options_sharing_twins_read_what_each_alone_reads_at_any_width(t: int, d: int
                                                                             ) -> None:
     search = _search()
     tables = search.tables(t, d, 2, False)
     assert len(tables.options) > 4  # ZeRO twins and ways to recompute share their split
     n = tables.n
-    for width in (3, 7, n, 5):  # a narrower band after a wider one reads its columns
+    for width in (3, 7, n, 5):  # widths in any order read the same entries
         for x in range(len(tables.options)):
             alone = _alone(tables, x)
             for a, b in zip(tables.times(x, 0, width), alone.times(0, 0, width), strict=True):

@@ -8,7 +8,6 @@ width, so that a table of stages no longer than that costs ``n x width``, not ``
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable
 from typing import cast
 
 import numpy as np
@@ -16,7 +15,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
 
-__all__ = ["Widest", "band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
+__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -62,38 +61,6 @@ def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
     else:
         end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
     return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
-
-
-class Widest:
-    """Band tables kept at the widest width made so far, a key each: a band's first ``w``
-    columns are the band of width ``w`` (:func:`band`: stage ``i..i + k`` at ``[i, k]``),
-    and every table over a band is made entry by entry, or as a running maximum along a
-    row (:func:`band_allreduce_ends`), so a narrower width reads the wider tables'
-    columns, the same values, and only a wider one makes new tables."""
-
-    def __init__(self) -> None:
-        #: by key: the width made, its tables, and the views read of them by width
-        self._kept: dict[Hashable, tuple[int, _Tables, dict[int | None, _Tables]]] = {}
-
-    def get(self, key: Hashable, width: int | None,
-            make: Callable[[int | None], _Tables]) -> _Tables:
-        """``make(width)``, or the columns of the tables kept for ``key`` where they are at
-        least as wide (None: every ``[i, j]``, made and kept as they are)."""
-        kept = self._kept.get((key, width is None))
-        if kept is not None:
-            read = kept[2].get(width)
-            if read is not None:
-                return read
-            if width is not None and kept[0] >= width:
-                read = kept[2][width] = tuple(a[:, :width] for a in kept[1])
-                return read
-        tables = make(width)
-        self._kept[key, width is None] = (0 if width is None else width, tables,
-                                          {width: tables})
-        return tables
-
-
-_Tables = tuple[FloatArray, ...]
 
 
 @functools.cache

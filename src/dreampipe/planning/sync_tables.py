@@ -32,7 +32,6 @@ from dreampipe.planning.costs import (
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync import Sync, replica_groups
 from dreampipe.planning.sync_bands import (
-    Widest,
     band,
     band_allreduce_ends,
     edge,
@@ -90,8 +89,6 @@ class StageTables:
         self._base = twin_bases(self.options)
         self._split = twin_bases(self.options, by_split=True)
         self._twins = len(set(self._split)) < len(self._split)
-        #: each option's times at the widest band read so far (a narrower band reads them)
-        self._widest = Widest()
         self._memory = StageMemory(inputs.costs, inputs.training, inputs.profiled_param_bytes,
                                    inputs.blocks, self.options, d, fraction)
 
@@ -137,14 +134,9 @@ class StageTables:
         rows, last, _ = edge(self.n, width, last_slot)
         return self._terms(x, groups, rows, last, last_slot)
 
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray, FloatArray]:
-        tau, tail, made = self._widest.get(
-            (x, groups), width, lambda w: self._band_times(x, groups, w))
-        return tau, tail, made
-
-    def _band_times(self, x: int, groups: tuple[int, ...], width: int | None
-                    ) -> tuple[FloatArray, FloatArray, FloatArray]:
         if not self._twins:  # nothing to share: keep no copy
             return self._at_level(x, self._terms(self._base[x], groups, *band(self.n, width)))
         return self._at_level(x, self._band_terms(self._base[x], groups, width))
