@@ -4,7 +4,7 @@ a plan states is never below its true gap."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pytest
@@ -153,6 +153,16 @@ def test_every_placement_of_a_cut_is_one_the_relaxation_allows(
     _assert_allowed(topo, senders, receivers, 10.0 ** data.draw(st.integers(3, 9)))
 
 
+def _state(topo: Topology, states: bound_states.BoundStates, workers: Sequence[int]) -> int:
+    """The state of a stage on ``workers``: its span, worker count and servers."""
+    unit = np.cumprod([lv.count for lv in topo.levels])
+    span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+    servers = len({v // unit[0] for v in workers})
+    return next(q for q in range(len(states.first)) if states.span[q] == span
+                and states.first[q] <= len(workers) <= states.last[q]
+                and states.units_lo[q] <= servers <= states.units_hi[q])
+
+
 def _assert_allowed(topo: Topology, senders: list[int], receivers: list[int],
                     size: float) -> None:
     """The relaxed cuts let the senders' state reach the receivers' within what the
@@ -169,24 +179,29 @@ def _assert_allowed_on(topo: Topology, senders: list[int], receivers: list[int],
     cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
 
     def state(workers: list[int]) -> int:
-        unit = np.cumprod([lv.count for lv in topo.levels])
-        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
-        servers = len({v // unit[0] for v in workers})
-        return next(q for q in range(len(states.first)) if states.span[q] == span
-                    and states.first[q] <= len(workers) <= states.last[q]
-                    and states.units_lo[q] <= servers <= states.units_hi[q])
+        return _state(topo, states, workers)
 
     need = np.full(len(states.first), np.inf)
     need[state(receivers)] = 0.0
-    room = None  # a server's room, where tracked: the receivers' state with any room left
+    # a server's room, where tracked: receivers of span 0 after senders across servers get
+    # no more than the senders leave them in their server, after senders of span 0 just
+    # what they hold; senders of span 0 leave no more than the receivers take of theirs
+    room, server = None, topo.levels[0].count
+    q, r = state(senders), state(receivers)
     if states.room is not None:
-        room = np.full((int(np.sum(states.span == 0)), states.room + 1), np.inf)
-        if state(receivers) < room.shape[0]:
-            room[state(receivers)] = 0.0
+        s = int(np.sum(states.span == 0))
+        room = np.full((s, states.room + 1), np.inf)
+        if r < s:
+            home = {v // server for v in receivers}
+            taken = sum(1 for v in senders if v // server in home)
+            room[r, len(receivers) if q < s else server - taken:] = 0.0
     fresh, after = cuts.cont(1, need, room, price * (1 + 1e-9))
-    q = state(senders)
-    assert fresh[q] == 0.0 or (after is not None and q < after.shape[0]
-                               and float(np.min(after[q])) == 0.0)
+    if after is None or q >= after.shape[0]:
+        assert fresh[q] == 0.0
+    else:
+        home = {v // server for v in senders}
+        left = sum(1 for v in receivers if v // server in home)
+        assert after[q, left] == 0.0
 
 
 @settings(max_examples=300, deadline=None)
@@ -230,6 +245,76 @@ def test_pairs_meeting_inside_units_are_at_most_the_harmonic_share(
     assert met <= server * x * y / (x + y) * (1 + 1e-12)
     if sum(1 for _, b in units if b) == 1:  # the second in one unit
         assert met <= (server - y) * y * (1 + 1e-12)
+
+
+def test_a_spread_cut_leaves_a_servers_stages_the_room_the_other_stage_does_not_hold() -> None:
+    # a cut between a stage on one worker of each of two servers and a stage inside one
+    # of them, at half the price of a cut that all crosses the servers' link: half the
+    # pairs meet inside the server, so the stage across servers holds one of its workers
+    topo = Topology((Level(4, 1e10, 0.0), Level(2, 1e9, 0.0)))
+    states = bound_states.BoundStates(topo, Sync(SyncKind.HIERARCHICAL), [1])
+    size = 1e6
+    cuts = bounds_module._Cuts(topo, np.array([0.0, size]), states)
+    p = size / 1e9 * (1 + 1e-9)
+    across, inside = _state(topo, states, [3, 4]), _state(topo, states, [5])
+    s = int(np.sum(states.span == 0))
+    need = np.full(len(states.first), np.inf)
+    room = np.full((s, 5), np.inf)
+    need[inside] = room[inside, 4] = 0.0  # the stages inside need the whole server
+    fresh, _ = cuts.cont(1, need, room, p)
+    assert fresh[across] == np.inf
+    room[inside, 3] = 0.0  # three workers of it are enough
+    fresh, _ = cuts.cont(1, need, room, p)
+    assert fresh[across] == 0.0
+    # the other way, the stage across servers holds one of the server's workers left
+    need[:] = np.inf
+    need[across] = 0.0
+    _, after = cuts.cont(1, need, np.full((s, 5), np.inf), p)
+    assert after is not None
+    assert after[_state(topo, states, [3]), 0] == np.inf
+    assert after[_state(topo, states, [3]), 1] == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from([(3, 2), (4, 2), (2, 3), (3, 3), (4, 3), (2, 2, 2)]),
+       st.integers(2, 4), st.data())
+def test_every_placed_plan_is_a_path_of_the_relaxed_program(
+        shape: tuple[int, ...], n: int, data: st.DataObject) -> None:
+    """A plan on any workers, stages inside one server beside stages across servers
+    included, priced with its shared server links, is one the relaxed program holds at its
+    time, on its own layer ranges and states: every cut between them, with the room each
+    leaves the stages inside a server (the whole plan, not one cut at a time)."""
+    topo = Topology(tuple(Level(c, data.draw(st.sampled_from([1e8, 1e9, 1e10])) * 10 ** -k,
+                                data.draw(st.sampled_from([1e-6, 1e-4])))
+                          for k, c in enumerate(shape)))
+    graph = LayerGraph.chain([
+        Layer(f"l{i}", data.draw(st.floats(0.1, 20.0)), data.draw(st.floats(0.1, 40.0)),
+              data.draw(st.sampled_from([0, 0, 10**7])),
+              data.draw(st.sampled_from([10**5, 10**7, 10**8, 10**9])))
+        for i in range(n)])
+    fine = RangeCosts.of(graph)
+    count = data.draw(st.integers(2, n))
+    edges = [0, *sorted(data.draw(st.sets(st.integers(1, n - 1), min_size=count - 1,
+                                          max_size=count - 1))), n]
+    spans = [(a, b - 1) for a, b in itertools.pairwise(edges)]
+    idle = data.draw(st.booleans())  # some workers idle, or every one a stage's
+    owner = data.draw(st.lists(st.integers(0, count if idle else count - 1),
+                               min_size=topo.num_workers, max_size=topo.num_workers))
+    placed = [[w for w, o in enumerate(owner) if o == s] for s in range(count)]
+    assume(all(placed))
+    sync = Sync(SyncKind.HIERARCHICAL)
+    time = slowest(price_stages(fine, topo, spans, placed, sync))
+    for grid in (bound_states.GRIDS[0], bound_states.GRIDS[-1]):  # finest and coarsest
+        states = bound_states.BoundStates(topo, sync, [1], grid)
+        work = states.work(fine, 1, topo.overlap, None, False)
+        own = np.full_like(work, np.inf)
+        for (a, b), workers in zip(spans, placed, strict=True):
+            q = _state(topo, states, workers)
+            own[a, b, q] = work[a, b, q]
+        cuts = bounds_module._Cuts(topo, fine.cut_bytes, states)
+        used = sum(len(x) for x in placed)
+        assert bounds_module._workers_needed(own, states, cuts, time * (1 + 1e-9),
+                                             topo.num_workers) <= used
 
 
 def _every_plan(n: int, workers: int) -> Iterator[tuple[list[tuple[int, int]], list[list[int]]]]:

@@ -6,8 +6,9 @@ workers, priced as :func:`~dreampipe.planning.pricing.price_stages` prices it
 of a stage's layers, worker count, span and servers (:class:`BoundStates`):
 its all-reduce at the cheapest layout of as many replicas on as many servers,
 the cuts around it at the cheapest level and sharing the two stages' counts,
-spans and servers allow (:class:`_Cuts`), its memory with one minibatch in
-flight. A plan of time
+spans and servers allow (:class:`_Cuts`; where a stage across servers meets
+stages inside one, the workers it holds in that server leave them less room),
+its memory with one minibatch in flight. A plan of time
 ``P`` gives each stage at least the workers these terms need to reach ``P``,
 so when the fewest workers a partition of the layers needs
 (:func:`_workers_needed`, a dynamic program over layers and states) exceed
@@ -106,7 +107,7 @@ class _Cuts:
                        & (least <= np.minimum(most[:, None], most[None, :])))
             self.shared.append((np.where(allowed, 0.0, np.inf), most))
 
-    def _spread_allows(self, m: int, size: float, p: float) -> BoolArray:
+    def _spread_allows(self, m: int, size: float, p: float) -> tuple[BoolArray, float]:
         """``[q, q']``: whether a spread cut of ``size`` bytes between stages in states
         ``q`` and ``q'`` (``x``, ``y`` workers), meeting inside a level-``m`` unit, may take
         at most ``p``.
@@ -120,10 +121,12 @@ class _Cuts:
         and at most ``S_j - y`` of the first (and the same the other way). The cut takes
         at most ``p`` only if, for every ``j``, ``2 (latency + (1 - held) size /
         bandwidth) <= p`` (a share of 0 away pays the least latency, which ``cont`` checks
-        first).
+        first). Also the least share held inside servers the cut needs (0: none), which
+        :meth:`cont` ties to the room a server has left (:meth:`_rooms`).
         """
         first, span, both = self.first, self.span, self.both
         ok = np.ones(both.shape, dtype=bool)
+        held = 0.0
         for j, (unit, outside, links, above) in enumerate(self.spread[m], start=-1):
             room = p / 2 - above
             if size <= 0:
@@ -133,15 +136,17 @@ class _Cuts:
             if away >= 1:
                 continue
             if j < 0:  # nothing held: all of it goes away
-                return np.zeros(both.shape, dtype=bool)
+                return np.zeros(both.shape, dtype=bool), 1.0
             least = (1 - away) * (1 - 1e-12)  # the share held that the cut needs
+            if j == 0:
+                held = least
             alone = outside >= least
             ok &= alone[:, None] & alone[None, :] & (both * least <= unit)
             inner = span <= j
             x, y = first[:, None], first[None, :]
             ok &= ~inner[None, :] | (least * x + y <= unit * (1 + 1e-12))
             ok &= ~inner[:, None] | (x + least * y <= unit * (1 + 1e-12))
-        return ok
+        return ok, held
 
     def cont(self, t: int, need: FloatArray, room: FloatArray | None, p: float
              ) -> tuple[FloatArray, FloatArray | None]:
@@ -149,16 +154,27 @@ class _Cuts:
         whose cut before ``t`` takes at most ``p``, given ``need[q']``, the fewest from
         ``t`` on with a first stage in ``q'``; with ``room`` (``[q', rho]``, the same for
         the states of span 0 given ``rho`` workers left in their server), also ``[q,
-        rho]``: after a stage of span 0 with ``rho`` workers of its server left."""
-        allowed = np.zeros(self.wider[0].shape, dtype=bool)
+        rho]``: after a stage of span 0 with ``rho`` workers of its server left.
+
+        A spread cut between a stage of span 0 and one across servers reads the room
+        (:meth:`_rooms`)."""
+        size = float(self.cut_bytes[t])
+        s = 0 if room is None else room.shape[0]
+        spread: list[tuple[BoolArray, float]] = []
         if 2 * self.alpha <= p:
-            for m in range(1, len(self.wider)):
-                allowed |= self.wider[m] & self._spread_allows(m, float(self.cut_bytes[t]), p)
+            spread = [(self.wider[m] & ok, held) for m in range(1, len(self.wider))
+                      for ok, held in [self._spread_allows(m, size, p)]]
+        allowed = np.zeros(self.wider[0].shape, dtype=bool)
+        for ok, _ in spread:
+            allowed[s:, s:] |= ok[s:, s:]
         for k, single in enumerate(self.single):
             if self.one[k, t] <= p and (k > 0 or room is None):
                 allowed |= single
-        fresh = np.min(np.where(allowed, np.minimum.reduceat(need, self.bases)[None, :],
-                                np.inf), axis=1)[self.group]
+        least = np.minimum.reduceat(need, self.bases)
+        fresh = np.min(np.where(allowed, least[None, :], np.inf), axis=1)
+        into, out = self._rooms(spread, least, room)
+        np.minimum(fresh, into, out=fresh)
+        fresh = fresh[self.group]
         tail = need[len(need) - self.wide:]
         for k, (shared, most) in enumerate(self.shared):
             copies = most >= math.ceil(self.one[k, t] / p * (1 - 1e-12))
@@ -167,15 +183,46 @@ class _Cuts:
                 got[~copies] = np.inf
                 np.minimum(fresh[len(need) - self.wide:], got,
                            out=fresh[len(need) - self.wide:])
-        if room is None:
+        if room is None or out is None:
             return fresh, None
-        s = room.shape[0]
-        after = np.broadcast_to(fresh[:s, None], room.shape).copy()
+        after = np.minimum(fresh[:s, None], out)
         if self.one[0, t] <= p:
             inside = self.single[0][:s, :s]
             same = np.min(np.where(inside[:, :, None], room[None], np.inf), axis=1)
             np.minimum(after, same, out=after)
         return fresh, after
+
+    def _rooms(self, spread: list[tuple[BoolArray, float]], least: FloatArray,
+               room: FloatArray | None) -> tuple[FloatArray, FloatArray | None]:
+        """The spread cuts between a stage of span 0 and one across servers, where rooms
+        are tracked: ``[q]``, after a stage across servers into one of span 0, and ``[q,
+        rho]``, after a stage of span 0 with ``rho`` workers of its server left.
+
+        Every pair that meets inside a server meets in the server ``u`` of the span-0
+        stage, so a cut that needs a share ``h`` of the pairs held there needs at least
+        ``h y`` of the other stage's ``y`` workers in ``u``. Into ``u``, the span-0 stages
+        from there on in ``u`` then have at most ``S_0 - h y`` of its workers: the least
+        of ``room`` at that ``rho`` or below counts every such plan. Out of ``u``, those
+        workers fit in the ``rho`` the span-0 stages left, which the program counts at
+        no less than a plan's own (each stage at no more workers than it holds). The
+        argument: docs/design.md §4.7."""
+        into = np.full(len(least), np.inf)
+        if room is None:
+            return into, None
+        s, server = room.shape[0], room.shape[1] - 1
+        lower = np.minimum.accumulate(room, axis=1)  # the fewest with at most rho left
+        rhos = np.arange(server + 1)
+        out = np.full((s, server + 1), np.inf)
+        for ok, held in spread:
+            most = np.floor(server - held * self.first + 1e-9)
+            got = lower[:, np.clip(most, 0, server).astype(np.int64)].T  # [q, q']
+            got = np.where(ok[:, :s] & (most >= 0)[:, None], got, np.inf)
+            np.minimum(into, np.min(got, axis=1), out=into)
+            fits = held * self.first[None, :] <= rhos[:, None] + 1e-9  # [rho, q']
+            reach = ok[:s, None, :] & fits[None]
+            np.minimum(out, np.min(np.where(reach, least[None, None, :], np.inf), axis=2),
+                       out=out)
+        return into, out
 
 
 def _workers_needed(work: FloatArray, states: BoundStates, cuts: _Cuts, p: float,
