@@ -110,15 +110,25 @@ def test_a_split_stages_replicas_are_priced_one_server_each_at_most(sync: Sync) 
     assert whole[1][8] == pytest.approx(allreduce_terms((1, 8), levels, sync, 8)[1])
 
 
+def test_replicas_on_two_whole_servers_all_reduce_as_two_servers_do() -> None:
+    # sixteen replicas on two servers of eight: the ring crosses the servers' link between
+    # two of them, not sixteen, which at least two servers alone would allow
+    levels = (Level(8, 300e9, 1e-5), Level(16, 200e9, 5e-5))
+    topo, sync = Topology(levels), Sync(SyncKind.HIERARCHICAL)
+    lat, per = bound_states.cheapest_terms(topo, sync, 1, 1, 2, 2)
+    assert (lat[16], per[16]) == pytest.approx(allreduce_terms((8, 2), levels, sync, 16))
+    assert bound_states.cheapest_terms(topo, sync, 1, 1, 2)[1][16] < 0.9 * per[16]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.sampled_from([(2, 2), (4, 2), (2, 3), (2, 2, 2), (2, 8), (4, 6), (2, 3, 3)]),
        _SYNC, st.booleans(), st.data())
 def test_a_stage_on_some_servers_all_reduces_at_least_at_their_cheapest_terms(
         shape: tuple[int, ...], sync: Sync, split: bool, data: st.DataObject) -> None:
     # any stage's replicas, split or not, on any servers: its all-reduce's terms are at
-    # least the cheapest of its span and of at least as many servers as it holds, which
-    # the relaxed states price a stage at (a stage that shares its servers with the next
-    # all-reduces over all of them)
+    # least the cheapest of its span and of as many servers as it holds, at least and at
+    # most, which the relaxed states price a stage at (a stage that shares its servers
+    # with the next all-reduces over all of them)
     topo = Topology(tuple(Level(c, 1e9 * 10 ** (len(shape) - k), 1e-6 * 10 ** k)
                           for k, c in enumerate(shape)))
     t = 2 if split and shape[0] % 2 == 0 else 1
@@ -130,7 +140,7 @@ def test_a_stage_on_some_servers_all_reduces_at_least_at_their_cheapest_terms(
     span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
     held = len({v // shape[0] for v in workers})
     lat, per = allreduce_terms(replica_groups(firsts, topo), topo.levels, sync, len(firsts))
-    least = bound_states.cheapest_terms(topo, sync, None if t > 1 else span, t, held)
+    least = bound_states.cheapest_terms(topo, sync, None if t > 1 else span, t, held, held)
     assert least[0][len(firsts)] <= lat * (1 + 1e-12)
     assert least[1][len(firsts)] <= per * (1 + 1e-12)
 

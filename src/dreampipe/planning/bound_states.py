@@ -32,12 +32,12 @@ ROOM_MAX = 16
 
 
 def _hierarchical(topo: Topology, span: int | None, width: int
-                  ) -> tuple[FloatArray, FloatArray, np.ndarray, np.ndarray]:
+                  ) -> tuple[FloatArray, FloatArray, np.ndarray, np.ndarray, np.ndarray]:
     """Every ``groups`` tuple the hierarchical ring may lay ``width``-worker replicas on
-    (of ``span``, or any): its ``(latency, per byte, prod(g), prod(g[1:]))``."""
+    (of ``span``, or any): its ``(latency, per byte, prod(g), prod(g[1:]), max(g[1:]))``."""
     levels, counts = topo.levels, [lv.count for lv in topo.levels]
     counts[0] = max(1, counts[0] // width)
-    lats, pers, ps, cs = [], [], [], []
+    lats, pers, ps, cs, ms = [], [], [], [], []
     for h in range(len(levels)) if span is None else [span]:
         ranges = [np.arange(1, c + 1) if k < h else np.arange(2, c + 1) if k == h
                   else np.ones(1, dtype=np.int64) for k, c in enumerate(counts)]
@@ -47,8 +47,9 @@ def _hierarchical(topo: Topology, span: int | None, width: int
                         for g, lv in zip(grid, levels, strict=True)))
         ps.append(np.prod(grid, axis=0))
         cs.append(np.prod(grid[1:], axis=0) if len(grid) > 1 else np.ones_like(grid[0]))
+        ms.append(np.max(grid[1:], axis=0) if len(grid) > 1 else np.ones_like(grid[0]))
     return (np.concatenate(lats).astype(np.float64), np.concatenate(pers).astype(np.float64),
-            np.concatenate(ps), np.concatenate(cs))
+            np.concatenate(ps), np.concatenate(cs), np.concatenate(ms))
 
 
 class _Layouts:
@@ -58,9 +59,9 @@ class _Layouts:
     def __init__(self, topo: Topology, sync: Sync, span: int | None, width: int) -> None:
         self.most = topo.num_workers
         self.tied = sync.kind is SyncKind.HIERARCHICAL
-        self._cache: dict[int, tuple[FloatArray, FloatArray]] = {}
+        self._cache: dict[tuple[int, int], tuple[FloatArray, FloatArray]] = {}
         if self.tied:
-            self.lat, self.per, self.p, self.c = _hierarchical(topo, span, width)
+            self.lat, self.per, self.p, self.c, self.m = _hierarchical(topo, span, width)
             return
         levels, counts = topo.levels, [lv.count for lv in topo.levels]
         counts[0] = max(1, counts[0] // width)
@@ -70,19 +71,19 @@ class _Layouts:
             for p in range(2, math.prod(counts[:h + 1]) + 1):
                 x, y = allreduce_terms(g, levels, sync, p)
                 lat[p], per[p] = min(lat[p], x), min(per[p], y)
-        self._cache[1] = _suffix_minima(lat, per)
+        self._cache[1, 0] = _suffix_minima(lat, per)
 
-    def terms(self, units: int = 1) -> tuple[FloatArray, FloatArray]:
-        """Of replicas on at least ``units`` servers (the ring's and the others' read
-        none)."""
-        units = units if self.tied else 1
-        if units not in self._cache:
+    def terms(self, units: int = 1, most: int = 0) -> tuple[FloatArray, FloatArray]:
+        """Of replicas on at least ``units`` servers and, where ``most`` is positive, at
+        most that many (the ring's and the others' read neither)."""
+        key = (units, most) if self.tied else (1, 0)
+        if key not in self._cache:
             lat, per = np.full(self.most + 1, np.inf), np.full(self.most + 1, np.inf)
-            keep = self.c >= units
+            keep = (self.c >= units) & ((self.m <= most) | (most <= 0))
             np.minimum.at(lat, self.p[keep], self.lat[keep])
             np.minimum.at(per, self.p[keep], self.per[keep])
-            self._cache[units] = _suffix_minima(lat, per)
-        return self._cache[units]
+            self._cache[key] = _suffix_minima(lat, per)
+        return self._cache[key]
 
 
 def _suffix_minima(lat: FloatArray, per: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -95,22 +96,24 @@ def _suffix_minima(lat: FloatArray, per: FloatArray) -> tuple[FloatArray, FloatA
 
 
 def cheapest_terms(topo: Topology, sync: Sync, span: int | None = None, width: int = 1,
-                   units: int = 1) -> tuple[FloatArray, FloatArray]:
+                   units: int = 1, most: int = 0) -> tuple[FloatArray, FloatArray]:
     """``(latency, per byte)`` of index ``r``: each at most its value on every layout of
     ``r' >= r`` replicas (0 for ``r <= 1``), so non-decreasing in ``r``; with ``span``,
     only of replicas inside one level-``span`` unit and not one level-``span - 1`` unit;
     with ``width`` ``t``, of replicas of ``t`` workers each inside one server; with
-    ``units``, of replicas on at least that many servers.
+    ``units``, of replicas on at least that many servers; with ``most``, on at most that
+    many.
 
     ``replica_groups`` of ``r`` workers has ``g_k <= count_k`` and ``prod(g) >= r``, and
     ``span`` means ``g_k = 1`` above it and ``g_span >= 2`` (for ``span >= 1``); a
     server holds at most ``count_0 // t`` replicas of ``t`` workers, so ``g_0`` is at most
     that; replicas on ``c`` servers have ``prod(g[1:]) >= c`` (each level's group is its
-    largest); the least over those tuples is at most any real layout's. The
-    hierarchical ring's terms read ``g`` only, the others' ``r`` and the outermost level
-    with ``g_k >= 2``, so ``units`` leaves theirs as they are.
+    largest) and ``g_k <= c`` above servers (a level's group counts units that each hold
+    one of those servers at least); the least over those tuples is at most any real
+    layout's. The hierarchical ring's terms read ``g`` only, the others' ``r`` and the
+    outermost level with ``g_k >= 2``, so ``units`` and ``most`` leave theirs as they are.
     """
-    return _Layouts(topo, sync, span, width).terms(units)
+    return _Layouts(topo, sync, span, width).terms(units, most)
 
 
 def _unit_bands(lo: int, hi: int, ratio: float) -> list[tuple[int, int]]:
@@ -195,15 +198,16 @@ class BoundStates:
              recompute: bool) -> FloatArray:
         """``[i, j, state]``: ``t max(C, F + end)`` of layers ``i..j`` run by ``t``-worker
         replicas in the state (the cheapest terms of its least replica count on its
-        fewest servers: of its span unsplit, of any layout split), so that the stage
+        band of servers: of its span unsplit, of any layout split), so that the stage
         takes at least this over its workers; ``inf`` where no replica fits
         ``memory_bytes`` with one minibatch in flight, and the recomputing stage's
         ``max(C + F, 2F + end)`` where only that fits."""
         reps = np.maximum(1, -(-self.first // t))
         lat, per = np.empty(len(reps)), np.empty(len(reps))
-        for q, (k, r, c) in enumerate(zip(self.span, reps, self.units_lo, strict=True)):
+        for q, (k, r, c, d) in enumerate(zip(self.span, reps, self.units_lo, self.units_hi,
+                                             strict=True)):
             layouts = self.span_terms[k] if t == 1 else self.any_terms[t]
-            x, y = layouts.terms(int(c))
+            x, y = layouts.terms(int(c), int(d))
             lat[q], per[q] = x[r], y[r]
         # one pass per distinct pair of terms (bands of one interval often share theirs):
         # -1 marks one replica (no all-reduce), -2 no layout at all
