@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         opts = PlanOptions(memory_bytes=memory_limit("yes" if args.memory else None, graph,
                                                      topo),
                            recompute=True, mixed_splits=True)
-        name = spec.split(",seq")[0]
+        name = spec.split(",vocab")[0]
         seconds = []
         try:
             for _ in range(args.repeat):
