@@ -364,11 +364,13 @@ def test_no_placement_of_any_plan_beats_the_bound(
             times.append(slowest(stages))
     assume(times)
     best = min(times)
-    for grid in bound_states.GRIDS:  # on every grid of states
+    for grid in (bound_states.FIRST_GRID, *bound_states.GRIDS):  # on every grid of states
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(bound_states, "GRIDS", (grid,))
+            patch.setattr(bound_states, "FIRST_GRID", grid)
             bound = lower_bound(fine, topo, sync, 4 * best, (), limit, True)
         assert bound <= best * (1 + 1e-9)
+    assert lower_bound(fine, topo, sync, 4 * best, (), limit, True) <= best * (1 + 1e-9)
 
 
 @settings(max_examples=200, deadline=None)
@@ -412,3 +414,35 @@ def test_a_long_profile_keeps_a_bound_on_coarser_states() -> None:
         fits = [g for g, k in zip(bound_states.GRIDS, counts, strict=True)
                 if layers**2 * k <= 8_000_000]
         assert states.grid == (fits[0] if fits else bound_states.GRIDS[-1])
+
+
+def test_finer_states_are_tried_only_while_the_bound_is_not_close_enough() -> None:
+    # coarse states first, then the finest that fit; the bound is the larger of the two,
+    # and a plan within 2% of the first never pays for the finer
+    topo = Topology.parse("4x8")
+    sync = Sync(SyncKind.HIERARCHICAL)
+    grids = [s.grid for s in bound_states.BoundStates.coarse_to_fine(topo, sync, [1], 10,
+                                                                      8_000_000)]
+    assert grids == [bound_states.FIRST_GRID, bound_states.GRIDS[0]]
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0 + i % 3, 2.0, 10**6, 4 * 10**6, "Linear")
+                              for i in range(10)], batch_size=8)
+    fine = RangeCosts.of(graph)
+    alone = []
+    for grid in grids:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(bound_states, "GRIDS", (grid,))
+            patch.setattr(bound_states, "FIRST_GRID", grid)
+            alone.append(lower_bound(fine, topo, sync, 1.0))
+    both = lower_bound(fine, topo, sync, 1.0)
+    assert both == pytest.approx(max(alone), rel=2e-3)
+    tried: list[tuple[float, float]] = []
+    real = bounds_module._relaxed
+
+    def counted(*args: object, **kwargs: object) -> float:
+        tried.append(args[2].grid)  # type: ignore[attr-defined]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bounds_module, "_relaxed", counted)
+        lower_bound(fine, topo, sync, alone[0] * 1.01)
+    assert tried == [bound_states.FIRST_GRID]

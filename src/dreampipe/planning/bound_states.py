@@ -12,7 +12,7 @@ its servers with the next (both on the same ``c`` servers) all-reduces over
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -27,6 +27,9 @@ EXACT_WORKERS = 16
 #: ``(worker interval ratio, server band ratio)`` of the states, finest first
 #: (:meth:`BoundStates.within`); the finer, the tighter the bound and the more states.
 GRIDS = ((1.06, 1.1), (1.06, 1.25), (1.15, 1.25), (1.15, 1.5), (1.3, 2.0), (1.6, 3.0))
+#: The grid tried first where it fits (:meth:`BoundStates.coarse_to_fine`): few states,
+#: and a bound close to the plan on most profiles.
+FIRST_GRID = (1.06, 2.0)
 #: Servers of at most this many workers have their room tracked (docs/design.md §4.7).
 ROOM_MAX = 16
 
@@ -193,6 +196,23 @@ class BoundStates:
             if layers ** 2 * len(states.first) <= entries:
                 break
         return states
+
+    @classmethod
+    def coarse_to_fine(cls, topo: Topology, sync: Sync, widths: Sequence[int], layers: int,
+                       entries: int) -> Iterator[BoundStates]:
+        """:data:`FIRST_GRID`'s states where they fit ``entries`` (else :meth:`within`'s),
+        then the finest of :data:`GRIDS` that fits, where it is another: the caller stops
+        once a bound is close enough, so most plans pay for few states."""
+        first = cls(topo, sync, widths, FIRST_GRID)
+        if layers ** 2 * len(first.first) > entries:
+            first = cls.within(topo, sync, widths, layers, entries)
+            if layers ** 2 * len(first.first) > entries:
+                return
+        yield first
+        finest = cls.within(topo, sync, widths, layers, entries)
+        if (finest.grid != first.grid and len(finest.first) > len(first.first)
+                and layers ** 2 * len(finest.first) <= entries):
+            yield finest
 
     def work(self, costs: RangeCosts, t: int, overlap: bool, memory_bytes: int | None,
              recompute: bool) -> FloatArray:

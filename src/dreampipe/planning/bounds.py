@@ -36,6 +36,8 @@ __all__ = ["BOUND_ENTRIES", "lower_bound", "work_bound"]
 BOUND_ENTRIES = 8_000_000
 #: The bisection stops when its bracket is this narrow (the stated gap is that much loose).
 _PRECISION = 1e-3
+#: A bound within this share of the plan's time says enough: finer states are not tried.
+_CLOSE_ENOUGH = 0.02
 
 
 class _Cuts:
@@ -288,14 +290,30 @@ def lower_bound(fine: RangeCosts, topo: Topology, sync: Sync, above: float,
     :data:`_PRECISION` of the relaxation's optimum, at most ``above`` (a plan's time).
 
     ``splits`` are the tensor splits a stage may run as, ``memory_bytes`` the limit
-    every stage must fit and ``recompute`` whether a stage may recompute to fit.
+    every stage must fit and ``recompute`` whether a stage may recompute to fit. The
+    relaxation runs on coarse states first (:meth:`BoundStates.coarse_to_fine`) and on
+    finer ones only while the bound is more than :data:`_CLOSE_ENOUGH` below ``above``:
+    each is a bound, so the largest is, and a plan already known near its optimum costs
+    no more than the coarse states' program.
     """
     w = topo.num_workers
-    floor = work_bound(fine, w, splits, memory_bytes, recompute)
-    states = BoundStates.within(topo, sync, [1, *(s.t for s in splits)], fine.n,
-                                BOUND_ENTRIES)
-    if fine.n ** 2 * len(states.first) > BOUND_ENTRIES or not floor < above:
-        return min(floor, above)
+    best = work_bound(fine, w, splits, memory_bytes, recompute)
+    if not best < above:
+        return min(best, above)
+    for states in BoundStates.coarse_to_fine(topo, sync, [1, *(s.t for s in splits)], fine.n,
+                                             BOUND_ENTRIES):
+        best = _relaxed(fine, topo, states, splits, memory_bytes, recompute, best, above)
+        if above <= best * (1 + _CLOSE_ENOUGH):
+            break
+    return best
+
+
+def _relaxed(fine: RangeCosts, topo: Topology, states: BoundStates,
+             splits: Sequence[StageSplit], memory_bytes: int | None, recompute: bool,
+             lo: float, hi: float) -> float:
+    """The relaxed program's least time on ``states``, found by bisection between ``lo``
+    (a bound already) and ``hi``; ``lo`` where it is no more."""
+    w = topo.num_workers
     work = states.work(fine, 1, topo.overlap, memory_bytes, recompute)
     for s in splits:
         np.minimum(work, states.work(s.costs, s.t, topo.overlap, memory_bytes, recompute),
@@ -305,7 +323,6 @@ def lower_bound(fine: RangeCosts, topo: Topology, sync: Sync, above: float,
     def reaches(p: float) -> bool:
         return _workers_needed(work, states, cuts, p, w) <= w
 
-    lo, hi = floor, above
     while hi > lo * (1 + _PRECISION):
         mid = math.sqrt(lo * hi)
         if reaches(mid):
