@@ -31,7 +31,7 @@ from dreampipe.planning.memory_terms import (
     max_versions,
     memory_bytes,
 )
-from dreampipe.profiling.fixed_costs import fixed_parts
+from dreampipe.profiling.fixed_costs import fixed_parts, fixed_share
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = [
@@ -231,7 +231,9 @@ class RangeCosts:
         layers = graph.layers
         work = [0.0 if x.is_input else 1e-3 for x in layers]
         weights = [x.parameter_bytes for x in layers]
-        fixed = fixed_parts(graph)
+        parts = fixed_parts(graph)
+        fixed = None if parts is None else np.asarray(parts, dtype=np.float64) * np.asarray(
+            work)[:, None]  # [layer, (forward, backward, weight gradient)], in seconds
         return cls(
             sums([x.compute_ms * k for x, k in zip(layers, work, strict=True)], np.inf),
             # a stage holds its own weights and a copy of those it shares with earlier ones
@@ -248,14 +250,10 @@ class RangeCosts:
                                [float(x.library_bytes or 0) for x in layers],
                                [x.kernel_kind for x in layers]),
             optimizer=optimizer,
-            fixed_s=None if fixed is None else sums(
-                [(f + b) * k for (f, b, _), k in zip(fixed, work, strict=True)], 0.0),
-            fixed_forward_s=None if fixed is None else sums(
-                [f * k for (f, _, _), k in zip(fixed, work, strict=True)], 0.0),
-            layer_fixed_backward_s=None if fixed is None else np.asarray(
-                [b * k for (_, b, _), k in zip(fixed, work, strict=True)], dtype=np.float64),
-            layer_fixed_weight_s=None if fixed is None else np.asarray(
-                [w * k for (_, _, w), k in zip(fixed, work, strict=True)], dtype=np.float64),
+            fixed_s=None if fixed is None else sums(list(fixed[:, 0] + fixed[:, 1]), 0.0),
+            fixed_forward_s=None if fixed is None else sums(list(fixed[:, 0]), 0.0),
+            layer_fixed_backward_s=None if fixed is None else fixed[:, 1],
+            layer_fixed_weight_s=None if fixed is None else fixed[:, 2],
         )
 
     def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
@@ -269,8 +267,8 @@ class RangeCosts:
         at = read or _index
         compute = at(self.compute_s, rows, last) * fraction
         forward = at(self.forward, rows, last) * fraction
-        keep = 1.0 - fraction
-        if self.fixed_s is None or keep <= 0:
+        keep = fixed_share(fraction)
+        if self.fixed_s is None or keep == 0:
             return compute, forward
         assert self.fixed_forward_s is not None
         return (compute + at(self.fixed_s, rows, last) * keep,
@@ -284,10 +282,10 @@ class RangeCosts:
         assert self.layer_backward_s is not None
         backward = np.asarray(self.layer_backward_s) * fraction
         weight = backward * np.asarray(weight_share, dtype=np.float64)
+        keep = fixed_share(fraction)
         if self.layer_fixed_backward_s is None or self.layer_fixed_weight_s is None \
-                or fraction >= 1:
+                or keep == 0:
             return backward, weight
-        keep = 1.0 - fraction
         return (np.asarray(backward + self.layer_fixed_backward_s * keep),
                 np.asarray(weight + self.layer_fixed_weight_s * keep))
 

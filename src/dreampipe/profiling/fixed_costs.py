@@ -20,8 +20,8 @@ from typing import Any
 
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["SMALL_BATCH", "at_fraction", "default_small_batch", "fixed_parts", "layer_times",
-           "meta_at_fraction", "small_batch_of", "with_small_batch"]
+__all__ = ["SMALL_BATCH", "at_fraction", "default_small_batch", "fixed_parts", "fixed_share",
+           "layer_times", "meta_at_fraction", "small_batch_of", "with_small_batch"]
 
 #: The graph meta key of the profile at the small batch.
 SMALL_BATCH = "small_batch"
@@ -73,7 +73,14 @@ def at_fraction(big_ms: float, small_ms: float, big: int, small: int, fraction: 
     ``(small, small_ms)`` and ``(big, big_ms)``, the fixed part (where the line meets batch
     0, between 0 and ``small_ms``) plus the rest in proportion; above it, in proportion
     (module doc)."""
-    return big_ms * fraction + _fixed(big_ms, small_ms, big, small) * max(0.0, 1.0 - fraction)
+    return big_ms * fraction + _fixed(big_ms, small_ms, big, small) * fixed_share(fraction)
+
+
+def fixed_share(fraction: float) -> float:
+    """How much of a call's fixed part a microbatch ``fraction`` of the profiled batch
+    pays beyond its share in proportion: ``1 - fraction`` up to the profiled batch, none
+    above it (module doc)."""
+    return max(0.0, 1.0 - fraction)
 
 
 def fixed_parts(graph: LayerGraph) -> list[tuple[float, float, float]] | None:
@@ -98,7 +105,7 @@ def layer_times(graph: LayerGraph, fraction: float) -> list[tuple[float, float, 
     profiled batch: with its fixed part where the profile has a small batch
     (:func:`at_fraction`), else in proportion."""
     fixed = fixed_parts(graph)
-    keep = max(0.0, 1.0 - fraction)
+    keep = fixed_share(fraction)
     return [(x.forward_ms * fraction + (fixed[i][0] * keep if fixed else 0.0),
              x.backward_ms * fraction + (fixed[i][1] * keep if fixed else 0.0),
              _weight_ms(x) * fraction + (fixed[i][2] * keep if fixed else 0.0))
