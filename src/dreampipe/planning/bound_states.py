@@ -185,15 +185,20 @@ class BoundStates:
         #: Workers of one server, tracked by the program where servers are small (else None).
         self.room = self.sizes[0] if len(self.sizes) > 1 and self.sizes[0] <= ROOM_MAX else None
 
+    def fits(self, layers: int, entries: int) -> bool:
+        """Whether the program's tables over ``layers`` and these states hold at most
+        ``entries`` entries."""
+        return layers ** 2 * len(self.first) <= entries
+
     @classmethod
     def within(cls, topo: Topology, sync: Sync, widths: Sequence[int], layers: int,
                entries: int) -> BoundStates:
-        """The finest of :data:`GRIDS` whose ``layers^2 x states`` is at most ``entries``
-        (the coarsest where none is): a long profile keeps a bound of the all-reduces and
-        cuts on fewer states, each looser, rather than lose them."""
+        """The finest of :data:`GRIDS` whose states :meth:`fits` ``entries`` (the coarsest
+        where none does): a long profile keeps a bound of the all-reduces and cuts on fewer
+        states, each looser, rather than lose them."""
         for grid in GRIDS:
             states = cls(topo, sync, widths, grid)
-            if layers ** 2 * len(states.first) <= entries:
+            if states.fits(layers, entries):
                 break
         return states
 
@@ -204,15 +209,15 @@ class BoundStates:
         then the finest of :data:`GRIDS` that fits, where it is another: the caller stops
         once a bound is close enough, so most plans pay for few states."""
         first = cls(topo, sync, widths, FIRST_GRID)
-        if layers ** 2 * len(first.first) > entries:
-            first = cls.within(topo, sync, widths, layers, entries)
-            if layers ** 2 * len(first.first) > entries:
-                return
-        yield first
-        finest = cls.within(topo, sync, widths, layers, entries)
-        if (finest.grid != first.grid and len(finest.first) > len(first.first)
-                and layers ** 2 * len(finest.first) <= entries):
-            yield finest
+        if first.fits(layers, entries):
+            yield first
+            finest = cls.within(topo, sync, widths, layers, entries)
+            if len(finest.first) > len(first.first) and finest.fits(layers, entries):
+                yield finest
+            return
+        first = cls.within(topo, sync, widths, layers, entries)
+        if first.fits(layers, entries):
+            yield first
 
     def work(self, costs: RangeCosts, t: int, overlap: bool, memory_bytes: int | None,
              recompute: bool) -> FloatArray:
