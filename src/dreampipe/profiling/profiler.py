@@ -112,17 +112,17 @@ def profile_model(
             deferred = deferred_bytes(operands, kept, env)
             recorded = recorded_bytes(operands, kept)
             held = [b for b, _ in saved_buffers]
+            reads = [_read_later(s, steps, env, output_key) for s in kept]
             layers = [replace(x, saved_bytes=_saved_bytes(
-                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None,
-                _read_later(s, steps, env, output_key)),
+                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None, read),
                 loss_bytes=_saved_bytes({}, s, env, held, {
                     ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
                 }) if s is kept[-1] else None,
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
-                activation_bytes=(sent_bytes(_read_later(s, steps, env, output_key), autocast)
+                activation_bytes=(sent_bytes(read, autocast)
                                   if sent is None or s.key == output_key else sent(env[s.key])))
-                for x, s, w, d, r in zip(layers, kept, working, deferred, recorded,
-                                         strict=True)]
+                for x, s, w, d, r, read in zip(layers, kept, working, deferred, recorded,
+                                               reads, strict=True)]
             layers = with_library(layers, [first_use.get(s.key) for s in kept])
     finally:
         with torch.no_grad():
