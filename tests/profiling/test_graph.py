@@ -222,6 +222,18 @@ def test_a_layers_largest_parameter_round_trips_and_defaults_to_the_layer() -> N
     assert Layer("x", 1.0, 2.0, 8, 100, largest_parameter_bytes=400).largest_parameter == 100
 
 
+def test_a_layer_that_writes_its_input_round_trips_and_older_profiles_write_none() -> None:
+    """The flag is written only where set, so a profile written before it loads as one
+    whose layers write nothing."""
+    writes, plain = Layer("relu", 1.0, 1.0, 8, 0, writes_input=True), Layer("fc", 1.0, 2.0, 8, 8)
+    graph = LayerGraph.chain([plain, writes])
+    data = json.loads(graph.to_json())
+    assert data["layers"][1]["writes_input"] is True and "writes_input" not in data["layers"][0]
+    assert LayerGraph.from_json(graph.to_json()).layers == (plain, writes)
+    del data["layers"][1]["writes_input"]
+    assert [x.writes_input for x in LayerGraph.from_dict(data).layers] == [False, False]
+
+
 def test_a_file_that_is_no_profile_says_what_to_give() -> None:
     with pytest.raises(ProfileError, match=r"it is a plan: simulate it"):
         LayerGraph.from_dict({"format": "dreampipe.plan"})

@@ -169,6 +169,41 @@ def test_residual_fx_profile() -> None:
     assert graph.total_parameter_bytes() == sum(_nbytes(p) for p in model.parameters())
 
 
+class _WritesInPlace(nn.Module):
+    """A traced graph whose ``relu_`` and ``relu(..., inplace=True)`` write their inputs,
+    whose ``add`` writes a new tensor, and whose running mean, a buffer, moves in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(5, 8), nn.Linear(8, 2)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        h.relu_()
+        y = F.relu(self.bn(h) + h, inplace=True)
+        out: Tensor = self.fc2(y)
+        return out
+
+
+def test_a_layer_that_writes_its_input_in_place_is_marked_and_no_other() -> None:
+    """The runtime runs a stage that such a layer begins on a copy of its input
+    (``runtime/input_writes.py``); one process writes the layer before's output."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(inplace=True), nn.Linear(16, 12),
+                          nn.ReLU(), nn.BatchNorm1d(12), nn.Linear(12, 3))
+    x, target = torch.randn(10, 6), torch.randint(0, 3, (10,))
+    graph = profile_model(model, x, F.cross_entropy, target, warmup=0, repeats=1)
+    # the batch norm writes its running statistics in place, not its input
+    assert [x.writes_input for x in graph.layers] == [False, True, False, False, False, False]
+    assert LayerGraph.from_json(graph.to_json()) == graph
+
+    graph = profile_model(_WritesInPlace(), torch.randn(7, 5), F.cross_entropy,
+                          torch.randint(0, 2, (7,)), warmup=0, repeats=1)
+    assert {x.name: x.writes_input for x in graph.layers} == {
+        "fc1": False, "relu_": True, "bn": False, "add": False, "relu": True, "fc2": False}
+
+
 def test_shared_module_parameters_counted_once() -> None:
     shared = nn.Linear(4, 4)
     model = nn.Sequential()

@@ -66,6 +66,10 @@ class Layer:
     ``parameter_bytes`` (a tied head, a module called twice), each ``(first, k, bytes)``:
     the ``k``-th parameter layer ``first`` counted. A stage holding this layer but not
     ``first`` holds a copy of it (:meth:`LayerGraph.reused_bytes`).
+
+    ``writes_input``: the layer's forward writes a floating input in place (``ReLU(inplace=
+    True)``), so a stage it begins runs on a copy of its input, which one process never
+    makes (:func:`~dreampipe.planning.memory_terms.input_copies`).
     """
 
     name: str
@@ -83,6 +87,7 @@ class Layer:
     largest_parameter_bytes: int | None = None
     loss_bytes: int | None = None
     reused: tuple[tuple[int, int, int], ...] = ()
+    writes_input: bool = False
 
     def __post_init__(self) -> None:
         for what in ("forward_ms", "backward_ms", "activation_bytes", "parameter_bytes",
@@ -194,21 +199,14 @@ class LayerGraph:
 
     # ---- construction -------------------------------------------------
     @classmethod
-    def chain(
-        cls, layers: Sequence[Layer], batch_size: int = 0, model: str = ""
-    ) -> LayerGraph:
+    def chain(cls, layers: Sequence[Layer], batch_size: int = 0, model: str = "") -> LayerGraph:
         """A straight pipeline of ``layers``: each feeds the next."""
         edges = tuple((i, i + 1) for i in range(len(layers) - 1))
         return cls(tuple(layers), edges, batch_size, model)
 
     @classmethod
-    def from_named_edges(
-        cls,
-        layers: Sequence[Layer],
-        edges: Iterable[tuple[str, str]],
-        batch_size: int = 0,
-        model: str = "",
-    ) -> LayerGraph:
+    def from_named_edges(cls, layers: Sequence[Layer], edges: Iterable[tuple[str, str]],
+                         batch_size: int = 0, model: str = "") -> LayerGraph:
         """Build from edges given by layer name, sorting layers topologically.
 
         The sort is stable: among ready layers the earliest in ``layers`` goes
@@ -316,6 +314,7 @@ class LayerGraph:
                     **({} if x.weight_grad_ms is None else {"weight_grad_ms": x.weight_grad_ms}),
                     **{k: getattr(x, k) for k in _OPTIONAL[2:] if getattr(x, k) is not None},
                     **({"reused": [list(r) for r in x.reused]} if x.reused else {}),
+                    **({"writes_input": True} if x.writes_input else {}),
                 }
                 for x in self.layers
             ],

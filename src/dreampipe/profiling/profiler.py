@@ -3,12 +3,13 @@
 A layer is a step of :mod:`dreampipe.profiling.model_steps` (a child of an
 ``nn.Sequential``, or a torch.fx node) whose output holds a tensor; edges come
 from the steps' data flow (through glue), so a residual ``x + f(x)`` is a DAG.
-One real pass records every layer's inputs, outputs and upstream gradient;
-then each timed pass runs every layer's forward in model order and its
-backward in reverse, on fresh leaf copies, with a second call for the weight
-gradient alone (``weight_grad_ms``). Each figure is the median over the
-timed passes; ``meta["pass_ms"]`` keeps every pass's total. The user's model,
-its buffers and the RNG are left as they were (docs/design.md §2.2).
+One real pass records every layer's inputs, outputs and upstream gradient, and
+whether it writes its input in place (:mod:`.record_pass`); then each timed pass
+runs every layer's forward in model order and its backward in reverse, on fresh
+leaf copies, with a second call for the weight gradient alone (``weight_grad_ms``).
+Each figure is the median over the timed passes; ``meta["pass_ms"]`` keeps every
+pass's total. The user's model, its buffers and the RNG are left as they were
+(docs/design.md §2.2).
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ from dreampipe.profiling.layer_memory import (
     sent_bytes,
     with_library,
 )
-from dreampipe.profiling.model_steps import INPUT, Env, Step, model_steps
+from dreampipe.profiling.model_steps import Env, Step, model_steps
 from dreampipe.profiling.number_formats import in_formats, loss_in_fp32
-from dreampipe.profiling.tensor_trees import detach as _detach
+from dreampipe.profiling.record_pass import LOSS, read_later, record, saved_bytes
 from dreampipe.profiling.tensor_trees import fresh as _fresh
-from dreampipe.profiling.tensor_trees import storages as _storages
 from dreampipe.profiling.tensor_trees import tensors as _tensors
 
 __all__ = ["profile_model", "profile_spec"]
@@ -103,7 +103,9 @@ def profile_model(
             first_use = library_bytes(model, steps, output_key, sample, bound)  # cold: first of all
             running = [""]
             with linear_operands(model, steps, lambda: running[0]) as operands:
-                env, grads, saved = _record(steps, output_key, sample, loss, target, running)
+                env, grads, saved, written = record(steps, output_key, sample, loss, target,
+                                                    running, [*model.parameters(),
+                                                              *model.buffers()])
             layers, edges, pass_ms = _time_layers(steps, env, grads,
                                                   _Passes(warmup, repeats, min_time_s), clock,
                                                   progress)
@@ -112,12 +114,12 @@ def profile_model(
             deferred = deferred_bytes(operands, kept, env)
             recorded = recorded_bytes(operands, kept)
             held = [b for b, _ in saved_buffers]
-            reads = [_read_later(s, steps, env, output_key) for s in kept]
-            layers = [replace(x, saved_bytes=_saved_bytes(
-                saved[s.key], s, env, held, saved[_LOSS] if s is kept[-1] else None, read),
-                loss_bytes=_saved_bytes({}, s, env, held, {
-                    ptr: n for ptr, n in saved[_LOSS].items() if ptr not in saved[s.key]
-                }) if s is kept[-1] else None,
+            reads = [read_later(s, steps, env, output_key) for s in kept]
+            layers = [replace(x, saved_bytes=saved_bytes(
+                saved[s.key], s, env, held, saved[LOSS] if s is kept[-1] else None, read),
+                loss_bytes=saved_bytes({}, s, env, held, {
+                    ptr: n for ptr, n in saved[LOSS].items() if ptr not in saved[s.key]
+                }) if s is kept[-1] else None, writes_input=s.key in written,
                 backward_bytes=w, deferred_bytes=d, recorded_bytes=r,
                 activation_bytes=(sent_bytes(read, autocast)
                                   if sent is None or s.key == output_key else sent(env[s.key])))
@@ -172,95 +174,6 @@ def profile_spec(
         warmup=warmup, repeats=repeats, min_time_s=min_time_s, progress=progress,
         name=spec.name, autocast=autocast, param_dtype=param_dtype,
     )
-
-
-def _record(
-    steps: list[Step],
-    output_key: str,
-    sample_input: Tensor | dict[str, Tensor],
-    loss_fn: Callable[..., Tensor],
-    target: Tensor | None,
-    running: list[str] | None = None,
-) -> tuple[Env, dict[str, list[Tensor | None]], dict[str, _Storages]]:
-    """One real forward + loss; return detached values, d(loss)/d(each output tensor) and
-    the storages autograd saved for the backward in each step (whose key ``running[0]``
-    holds while it runs)."""
-    env: Env = {INPUT: sample_input}
-    saved: dict[str, _Storages] = {}
-    for step in steps:
-        if running is not None:
-            running[0] = step.key
-        noted: _Storages = {}
-        with torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, noted), _unpack):
-            env[step.key] = step.run(env)
-        saved[step.key] = noted
-    output = env[output_key]
-    noted = {}
-    with torch.autograd.graph.saved_tensors_hooks(partial(_note_saved, noted), _unpack):
-        loss = loss_fn(output) if target is None else loss_fn(output, target)
-    saved[_LOSS] = noted
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise ProfileError(
-            f"the loss function returned {type(loss).__name__} "
-            f"{tuple(loss.shape) if isinstance(loss, Tensor) else ''}; it must return a scalar"
-        )
-    wanted = [(s.key, i, t) for s in steps if s.may_be_layer
-              for i, t in enumerate(_tensors(env[s.key])) if t.requires_grad]
-    grads: dict[str, list[Tensor | None]] = {
-        s.key: [None] * len(list(_tensors(env[s.key]))) for s in steps
-    }
-    if wanted and loss.requires_grad:
-        found = torch.autograd.grad(loss, [t for _, _, t in wanted], allow_unused=True)
-        for (key, i, _), grad in zip(wanted, found, strict=True):
-            grads[key][i] = grad
-    return {k: _detach(v) for k, v in env.items()}, grads, saved
-
-
-#: The key of what the loss saved among the steps' saved storages.
-_LOSS = "<loss>"
-
-#: Storages by address: their size in bytes.
-_Storages = dict[int, int]
-
-
-def _note_saved(found: _Storages, t: Tensor) -> Tensor:
-    """Pack hook: note the storage of a tensor autograd saves, keep the tensor as it is."""
-    found.update(_storages([t]))
-    return t
-
-
-def _unpack(t: Tensor) -> Tensor:
-    return t
-
-
-def _saved_bytes(saved: _Storages, step: Step, env: Env, buffers: list[Tensor],
-                 loss: _Storages | None = None, read: Any = None) -> int:
-    """What a minibatch in flight keeps of ``step``'s layer: the storages it saved for the
-    backward and its output (``read``, where given: the items of it later steps take,
-    :func:`_read_later`; the rest is dropped), less its inputs', parameters' and the
-    model's ``buffers`` (other layers', weights, or a mask every microbatch shares).
-    The last layer's output goes to the loss, not to a next stage: it keeps what the loss
-    saved instead (``loss``), the output where the loss keeps it (a 16-bit output that a
-    loss takes in 32 bits keeps the 32-bit copy)."""
-    output = env[step.key] if read is None else read
-    held = {**saved, **(_storages(output) if loss is None else loss)}
-    for ptr in _storages([*(env[d] for d in step.deps), *step.params, *buffers]):
-        held.pop(ptr, None)
-    return sum(held.values())
-
-
-def _read_later(step: Step, steps: list[Step], env: Env, output_key: str) -> Any:
-    """What of ``step``'s output the steps after it read: where it is a container and
-    only items are taken from it (``attn(x, x, x)[0]``, an LSTM's ``out, (h, c)``), those
-    items; else the whole output (docs/design.md §2)."""
-    out = env[step.key]
-    if isinstance(out, Tensor) or step.key == output_key:
-        return out
-    readers = [x for x in steps if step.key in x.deps]
-    if not readers or any(x.may_be_layer or x.key == output_key or x.deps != (step.key,)
-                          for x in readers):
-        return out
-    return [env[x.key] for x in readers]
 
 
 def _loss_of(loss_fn: Callable[..., Tensor], target: Tensor | None, output: Any) -> Tensor:
