@@ -186,6 +186,42 @@ def test_adams_step_counts_the_copy_of_a_weight_tied_across_stages(precision: st
         assert 0.85 <= r["measured"] / r["predicted"] <= 1.15, r
 
 
+def _in_place_rank(rank: int, world: int, writes: bool) -> dict[str, Any]:
+    """A Linear, then a ``ReLU(inplace=True)`` (``writes``) or an ``Identity`` and a
+    Linear, cut before the second layer, on two ranks: the ReLU's stage runs on a copy of
+    each microbatch's input, which the ReLU writes (one process writes the Linear's
+    output, a copy it never makes)."""
+    init_process_group(60.0)
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    batch = [(torch.randn(256, 64, generator=gen), torch.randint(0, 16, (256,), generator=gen))
+             for _ in range(2)]
+    model = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(inplace=True) if writes
+                          else nn.Identity(), nn.Linear(2048, 16))
+    pipe = Pipeline(model, example=batch[0], loss_fn=nn.functional.cross_entropy,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=1e-3),
+                    plan=Plan.from_config(3, [0, 1], [1, 1]),
+                    config=TrainConfig(schedule="1f1b-flush", microbatches=4, timeout_s=60.0,
+                                       measure_memory=True))
+    return _peaks(pipe, batch)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stage_that_writes_its_input_is_predicted_to_hold_what_its_rank_measures() -> None:
+    """The later stage beginning with the ReLU holds the copy it runs on (a microbatch's
+    input, 512 KiB) and the ReLU's backward beside what it holds beginning with the
+    Identity: its prediction grows by what its rank measures (by half as much, 0.5 MiB
+    short, where it left the copy out)."""
+    runs = [{r["stage"]: r for r in run_processes(_in_place_rank, 2, writes, deadline_s=100.0)}
+            for writes in (True, False)]
+    measured = runs[0][1]["measured"] - runs[1][1]["measured"]
+    predicted = runs[0][1]["predicted"] - runs[1][1]["predicted"]
+    copy = 64 * 2048 * 4  # a microbatch of 64 samples, 2048 floats each
+    assert measured >= copy and abs(predicted - measured) < copy / 4, runs
+    assert runs[0][0] == runs[1][0]  # the first stage is the same
+
+
 def _frozen_first_rank(rank: int, world: int, _: None) -> dict[str, Any]:
     spec = get_model("mlp", layers=4, width=1024)
     data = load_dataset("synthetic", spec, seed=0)

@@ -10,7 +10,8 @@ lower_bound`).
 
 The coarse profile's range sums are the fine profile's sums over the blocks'
 layers (compute, forward, weights, activations, what a minibatch keeps, the
-largest working set) and its cut before a block is the fine cut there, so a
+largest working set) and its cut before a block (and the copy of its input a
+stage there runs on) is the fine one there, so a
 coarse plan's stages cost what the same stages cost on the fine profile,
 except their all-reduce's overlap with the backward, which the coarse
 profile sees bucket by block rather than by layer. The planner prices the
@@ -96,4 +97,5 @@ def coarsen(prof: RangeCosts, starts: Sequence[int]) -> RangeCosts:
         np.asarray(prof.cut_bytes[first]), forward_s=pick(prof.forward_s),
         layer_backward_s=sums(backward), layer_weights=sums(weights),
         stashed=pick(prof.stashed), working=pick(prof.working), optimizer=prof.optimizer,
+        copied=None if prof.copied is None else np.asarray(prof.copied[first]),
     )

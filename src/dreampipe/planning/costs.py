@@ -28,24 +28,15 @@ from dreampipe.planning.memory_terms import (
     SENDS_KEPT,
     STATELESS,
     OptimizerTerms,
+    input_copies,
     max_versions,
     memory_bytes,
 )
 from dreampipe.profiling.fixed_costs import fixed_parts, fixed_share
 from dreampipe.profiling.graph import LayerGraph
 
-__all__ = [
-    "GPIPE_MICROBATCHES_PER_STAGE",
-    "BoolArray",
-    "CostModel",
-    "FloatArray",
-    "RangeCosts",
-    "allreduce_end",
-    "allreduce_ends",
-    "cut_time",
-    "gpipe_time",
-    "stage_time",
-]
+__all__ = ["GPIPE_MICROBATCHES_PER_STAGE", "BoolArray", "CostModel", "FloatArray", "RangeCosts",
+           "allreduce_end", "allreduce_ends", "cut_time", "gpipe_time", "stage_time"]
 
 FloatArray = npt.NDArray[np.float64]
 BoolArray = npt.NDArray[np.bool_]
@@ -196,6 +187,8 @@ class RangeCosts:
     backward working set and the library's kernel memory; None: 0). ``optimizer``
     is what the optimizer holds beside the weights (:class:`OptimizerTerms`: its state
     and its step's temporaries), which every memory term of the range counts.
+    ``copied[k]`` is what a stage that begins at layer ``k`` keeps per microbatch beside
+    its input where layer ``k`` writes that input in place (:func:`.input_copies`; None: 0).
     ``fixed_s``, ``fixed_forward_s`` and ``layer_fixed_backward_s`` are the parts of
     ``compute_s``, ``forward_s`` and ``layer_backward_s`` a call pays whatever its batch,
     and ``layer_fixed_weight_s`` that of each layer's weight gradient, where the profile
@@ -217,6 +210,7 @@ class RangeCosts:
     fixed_forward_s: FloatArray | None = None
     layer_fixed_backward_s: FloatArray | None = None
     layer_fixed_weight_s: FloatArray | None = None
+    copied: FloatArray | None = None
 
     @classmethod
     def of(cls, graph: LayerGraph, optimizer: OptimizerTerms = STATELESS) -> RangeCosts:
@@ -254,6 +248,7 @@ class RangeCosts:
             fixed_forward_s=None if fixed is None else sums(list(fixed[:, 0]), 0.0),
             layer_fixed_backward_s=None if fixed is None else fixed[:, 1],
             layer_fixed_weight_s=None if fixed is None else fixed[:, 2],
+            copied=np.asarray(input_copies(graph), dtype=np.float64),
         )
 
     def at_fraction(self, fraction: float, rows: IntArray | slice = _ALL,
@@ -332,6 +327,17 @@ class RangeCosts:
         return self.stashed if self.stashed is not None else self.activations
 
     @property
+    def copies(self) -> FloatArray:
+        """``[k]``: :attr:`copied`, zeros where not given."""
+        return self.copied if self.copied is not None else np.zeros(self.n)
+
+    @functools.cached_property
+    def stage_kept(self) -> FloatArray:
+        """``[i, j]``: what one microbatch in flight keeps of a stage of layers ``i..j`` beside
+        its input: its layers' :attr:`kept` tensors and the copy of its input (:attr:`copies`)."""
+        return np.asarray(self.kept + np.triu(np.outer(self.copies, np.ones(self.n))))
+
+    @property
     def inputs(self) -> FloatArray:
         """``[i, j]``: one microbatch's input to a stage that starts at layer ``i`` (the cut
         before)."""
@@ -352,7 +358,7 @@ class RangeCosts:
 
     def max_versions(self, memory_bytes: float, recompute: bool = False) -> FloatArray:
         """:func:`max_versions` of every layer range in ``memory_bytes``."""
-        return max_versions(self.weights, self.kept, memory_bytes, input_bytes=self.inputs,
+        return max_versions(self.weights, self.stage_kept, memory_bytes, input_bytes=self.inputs,
                             sent_bytes=self.sent, working_bytes=self.backward_working,
                             recompute=recompute, optimizer_copies=self.optimizer.state_copies,
                             step_bytes=self.step_held)
@@ -365,7 +371,7 @@ class RangeCosts:
         temporaries, the range's own: none for a profile's plain ranges)."""
         after = float(self.cut_bytes[last + 1]) if last + 1 < self.n else 0.0
         return round(float(memory_bytes(
-            self.weights[first, last], self.kept[first, last], versions,
+            self.weights[first, last], self.stage_kept[first, last], versions,
             versions if in_flight is None else in_flight,
             input_bytes=self.cut_bytes[first],
             sent_bytes=max(float(self.cut_bytes[first]), after),  # one entry of sent

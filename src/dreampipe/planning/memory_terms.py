@@ -2,7 +2,8 @@
 
 One rule serves the planner (``dreampipe plan``'s memory column and ``--memory``),
 the simulator and the runtime's memory report: weight versions, the gradient,
-optimizer state, the inputs and kept tensors of the minibatches in flight, the
+optimizer state, the inputs and kept tensors of the minibatches in flight (with the copy
+of its input a stage runs on where its first layer writes it, :func:`input_copies`), the
 stage's working set and the sends it keeps (docs/design.md §5.4).
 """
 
@@ -16,9 +17,10 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.errors import ConfigError
+from dreampipe.profiling.graph import LayerGraph
 
-__all__ = ["SENDS_KEPT", "STATELESS", "OptimizerTerms", "blocks_kept_bytes", "max_versions",
-           "memory_bytes", "stage_memory"]
+__all__ = ["SENDS_KEPT", "STATELESS", "OptimizerTerms", "blocks_kept_bytes", "input_copies",
+           "max_versions", "memory_bytes", "stage_memory"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -90,7 +92,8 @@ def memory_bytes(
                    + working + sends
 
     ``activation_bytes`` is what the stage's layers keep for the backward of
-    one microbatch (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`),
+    one microbatch (:attr:`~dreampipe.profiling.graph.Layer.stash_bytes`), and the
+    copy of its input its graph holds where it writes it (:func:`input_copies`),
     ``input_bytes`` the microbatch's input it received, ``sent_bytes`` the larger
     tensor it sends (activation or gradient), kept ``sends_kept`` times (a run
     of fewer sends keeps all of them); ``working_bytes`` what the stage holds
@@ -117,6 +120,23 @@ def _fixed(w: FloatArray, working_bytes: FloatArray | float, sent_bytes: FloatAr
     state beside its weights, its working set and the sends it keeps."""
     return np.asarray((1 + optimizer_copies) * w + np.asarray(working_bytes, dtype=np.float64)
                       + sends_kept * np.asarray(sent_bytes, dtype=np.float64))
+
+
+def input_copies(graph: LayerGraph) -> list[int]:
+    """``[k]``: what a stage that begins at layer ``k`` keeps per microbatch beside its input
+    and its layers' kept tensors: where layer ``k`` writes its input in place
+    (:attr:`~dreampipe.profiling.graph.Layer.writes_input`), the copy of that input its
+    forward runs on (:mod:`dreampipe.runtime.input_writes`), which its graph holds until
+    the backward, as it holds the layers' kept tensors. The copy is of layer ``k``'s own
+    inputs as they cross a cut (their :attr:`~dreampipe.profiling.graph.Layer.
+    activation_bytes`, in the run's compute dtype): the whole cut on a chain. The first
+    stage writes the data it is given, and one process the layer before's output, which
+    the profile counts already: 0 at ``k = 0`` and where layer ``k`` writes nothing."""
+    into: dict[int, set[int]] = {}
+    for src, dst in graph.edges:
+        into.setdefault(dst, set()).add(src)
+    return [sum(graph.layers[i].activation_bytes for i in into.get(k, ()))
+            if k > 0 and x.writes_input else 0 for k, x in enumerate(graph.layers)]
 
 
 def blocks_kept_bytes(kept: Sequence[float], inputs: Sequence[float], recomputed: int,

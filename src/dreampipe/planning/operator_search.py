@@ -279,10 +279,11 @@ def split_memory(
     :func:`~dreampipe.planning.memory_terms.memory_bytes` with each layer's weights
     and kept tensors at its split's share; the stage's input, its sends and
     the backward's working space are whole (a split stage reads and returns
-    replicated tensors); ``recompute`` keeps one microbatch's kept tensors only.
+    replicated tensors), and so is the copy of its input it runs on where its first layer
+    writes it; ``recompute`` keeps one microbatch's kept tensors only.
     """
     costs = RangeCosts.of(graph)
-    weights = kept = 0.0
+    weights, kept = 0.0, float(costs.copies[first])
     for i, split in zip(range(first, last + 1), splits, strict=True):
         layer = graph.layers[i]
         c = split_cost(layer, op_kind(layer), split, t, _input_bytes(graph.layers, i))

@@ -124,7 +124,7 @@ def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
         compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
         forward_s=np.minimum(forward, np.where(np.isfinite(compute), compute, 0.0)),
         layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
-        working=whole_costs.working, optimizer=optimizer,
+        working=whole_costs.working, optimizer=optimizer, copied=whole_costs.copied,
     )
 
 

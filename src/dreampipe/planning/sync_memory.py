@@ -133,7 +133,7 @@ class StageMemory:
         f = self.fraction  # indexed before scaled, as :meth:`_activations` would scale them
         fixed = pick(costs.held_besides, rows, last) * f
         # a stage's input is the cut before its first layer (``rows`` has ``last``'s shape)
-        return _Reads(weights, largest, fixed, pick(costs.kept, rows, last) * f,
+        return _Reads(weights, largest, fixed, pick(costs.stage_kept, rows, last) * f,
                       costs.cut_bytes[np.asarray(rows)] * f)
 
     def _at_zero(self, x: int, fixed: FloatArray, per: FloatArray, weights: FloatArray,
@@ -151,7 +151,9 @@ class StageMemory:
         recomputes block by block (:meth:`_parts` makes the others' for the stages read)."""
         f, o = self.fraction, self.options[x]
         costs = self._costs(o)
-        fixed, first = costs.held_besides * f, costs.inputs * f
+        # a microbatch keeps its input, and the copy of it a first layer that writes it
+        # runs on (:func:`~dreampipe.planning.memory_terms.input_copies`)
+        fixed, first = costs.held_besides * f, (costs.inputs + costs.copies[:, None]) * f
         mask = block_mask(self.blocks, o.blocks)
         layer_kept = np.diag(costs.kept) * f
         later = np.triu(np.ones((self.n, self.n), dtype=bool))

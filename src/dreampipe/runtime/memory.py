@@ -22,7 +22,13 @@ from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 from dreampipe.runtime.buckets import BUCKET_CAP_MB, in_place
 from dreampipe.runtime.memory_split import split_peak, with_step
-from dreampipe.runtime.memory_walks import by_stage, gradients_later, most_in_flight, waiting_bytes
+from dreampipe.runtime.memory_walks import (
+    by_stage,
+    gradients_later,
+    most_in_flight,
+    waiting_bytes,
+    walk_saved,
+)
 from dreampipe.runtime.optimizer_step import NO_STEP_BYTES, StepBytes, stage_step_bytes
 from dreampipe.runtime.precision import Precision
 from dreampipe.runtime.runner_options import OptimizerKind
@@ -201,7 +207,7 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
         # ZeRO-3 gathers the weights whole for the update unless per use without recompute
         whole = not (pairs_per_use(schedule, s) and not st.recompute)
         gradients, buckets = _gradient_terms(graph, st, weights, level)
-        saved, each = (_walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
+        saved, each = (walk_saved(graph, st, s, _recomputed(graph, st, opts), flight[s])
                        if walked else (0, 0))
         holding = functools.partial(  # the formula's bytes with so many in flight
             costs.memory, st.first, st.last, versions, optimizer_copies=optimizer_copies(opts),
@@ -214,8 +220,8 @@ def predict_memory(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Trai
                 + (max(waiting_bytes(acts, graph, st, beside, each if walked else None)
                        for acts in ranks[s])
                    if s > 0 else 0)
-                - (min(gradients_later(acts, each + int(costs.cut_bytes[st.first]),
-                                        gradients, buckets - beside, s)
+                - (min(gradients_later(acts, each + _received(costs, st), gradients,
+                                        buckets - beside, s)
                        for acts in ranks[s]) if walked else 0)
                 + max(0, _cast_gradient(_parameters(graph, st, autocast=True), opts.precision,
                                         schedule.round_microbatches(s))
@@ -264,12 +270,12 @@ def counted_twice(graph: LayerGraph, plan: Plan, schedule: Schedule, opts: Train
             st = plan.stages[s]
             kept = float(costs.kept[st.first, st.last])
             walked = opts.stash and not st.recompute
-            saved, own = _walk_saved(graph, st, s, _recomputed(graph, st, opts), 1) \
+            saved, own = walk_saved(graph, st, s, _recomputed(graph, st, opts), 1) \
                 if walked else (0, 0)
-            each[s] = float(costs.cut_bytes[st.first]) + own
+            each[s] = _received(costs, st) + own
             beside = _working(costs, st, 1, saved, own)  # walked, as predict_memory's
             work[s] = float(beside) if walked else float(
-                costs.backward_working[st.first, st.last] + costs.cut_bytes[st.first]) + kept
+                costs.backward_working[st.first, st.last]) + _received(costs, st) + kept
             if walked:  # as predict_memory takes it off the stage's peak
                 weights = (sum(x.parameter_bytes for x in graph.layers[st.first : st.last + 1])
                            + graph.reused_bytes(st.first, st.last))
@@ -299,38 +305,6 @@ def _recomputed(graph: LayerGraph, st: Stage, opts: TrainingChoices) -> list[int
             if graph.layers[i].description == opts.block][: opts.recompute_blocks]
 
 
-def _walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
-                in_flight: int) -> tuple[int, int]:
-    """What :meth:`RangeCosts.memory` counts beyond the stage's backward walked layer by
-    layer, last first (docs/design.md §5.4).
-
-    The formula holds every layer's kept tensors of each microbatch in flight and the
-    largest layer's working set. A recomputed block keeps its input only (none of its own
-    when it is the stage's first layer: the stage's input), and its backward holds its
-    tensors again. Walking one backward, at layer ``l`` the layers up to ``l`` still keep
-    theirs, ``l`` holds its working set, and each later layer has freed its tensors but,
-    after the first stage, what its deferred Linear weight gradients hold until the
-    stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`);
-    ``l`` itself holds its working set or, where more, the output gradients its Linears'
-    deferred weight gradients keep (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`:
-    its backward makes them; their inputs are its kept tensors). The
-    peak of that walk replaces the formula's one backward. Returns the difference and
-    what one microbatch in flight keeps."""
-    span = range(st.first, st.last + 1)
-    layers = [graph.layers[i] for i in span]
-    kept = [float(x.stash_bytes) for x in layers]
-    cuts = graph.cut_bytes()
-    own = [(0.0 if i == st.first else float(cuts[i])) if i in recomputed else k
-           for i, k in zip(span, kept, strict=True)]
-    after = [float(x.deferred_bytes or 0) if stage > 0 else 0.0 for x in layers]
-    outputs = [float(x.recorded_bytes or 0) if stage > 0 else 0.0 for x in layers]
-    work = [float(x.working_bytes) for x in layers]
-    walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:])
-               + max(work[n], outputs[n]) for n in range(len(layers)))
-    formula = sum(kept) * in_flight + max(work)
-    return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
-
-
 def _gradient_terms(graph: LayerGraph, st: Stage, weights: int, level: int
                     ) -> tuple[int, int]:
     """The gradients made in an update's first backward and freed at its step (from
@@ -345,6 +319,12 @@ def _gradient_terms(graph: LayerGraph, st: Stage, weights: int, level: int
         big = x.largest_parameter_bytes is not None and in_place(x.largest_parameter)
         packed += x.parameter_bytes - (x.largest_parameter if big else 0)
     return weights, min(weights, packed)
+
+
+def _received(costs: RangeCosts, st: Stage) -> int:
+    """What a microbatch in flight holds of stage ``st``'s input: the input, and the copy
+    its forward runs on where its first layer writes it (:attr:`RangeCosts.copies`)."""
+    return round(float(costs.cut_bytes[st.first] + costs.copies[st.first]))
 
 
 def _working(costs: RangeCosts, st: Stage, in_flight: int, saved: int, each: int) -> int:

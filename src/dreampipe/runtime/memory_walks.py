@@ -1,10 +1,12 @@
-"""Walks along one rank's actions: what the schedule's order adds to, or takes from, the
-peak that :func:`~dreampipe.runtime.memory.predict_memory`'s formula counts (the most
-microbatches in flight, gradients made and freed at each step, microbatches waiting for
-their ``W``; docs/design.md §5.4)."""
+"""Walks along one rank's actions, and along a stage's backward: what the schedule's
+order and the layers' order add to, or take from, the peak that
+:func:`~dreampipe.runtime.memory.predict_memory`'s formula counts (the most microbatches
+in flight, gradients made and freed at each step, microbatches waiting for their ``W``,
+one backward's tensors layer by layer; docs/design.md §5.4)."""
 
 from __future__ import annotations
 
+from dreampipe.planning.memory_terms import input_copies
 from dreampipe.planning.plan import Stage
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.runtime.buckets import round_ends
@@ -12,7 +14,7 @@ from dreampipe.scheduling.actions import Action, ActionKind, Schedule
 from dreampipe.scheduling.updates import launched_rounds
 from dreampipe.scheduling.weight_versions import peak_in_flight, release_kind
 
-__all__ = ["by_stage", "gradients_later", "most_in_flight", "waiting_bytes"]
+__all__ = ["by_stage", "gradients_later", "most_in_flight", "waiting_bytes", "walk_saved"]
 
 
 def by_stage(schedule: Schedule) -> list[tuple[int, tuple[Action, ...]]]:
@@ -88,11 +90,12 @@ def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
     if release_kind(actions) is not ActionKind.WEIGHT:
         return 0
     layers = graph.layers[st.first : st.last + 1]
-    kept = sum(x.stash_bytes for x in layers) + graph.cut_bytes()[st.first]
+    received = graph.cut_bytes()[st.first] + input_copies(graph)[st.first]  # and its copy
+    kept = sum(x.stash_bytes for x in layers) + received
     recorded = sum(x.recorded_bytes or 0 for x in layers)
     if st.last == len(graph.layers) - 1:
         recorded -= graph.layers[-1].loss_bytes or 0
-    before = kept if own is None else own + graph.cut_bytes()[st.first]  # until its B
+    before = kept if own is None else own + received  # until its B
 
     def held(flight: int, waiting: int) -> int:
         return before * (flight - waiting) + (kept + recorded) * waiting
@@ -105,6 +108,38 @@ def waiting_bytes(actions: tuple[Action, ...], graph: LayerGraph, st: Stage,
         waiting += (a.kind is ActionKind.BACKWARD) - (a.kind is ActionKind.WEIGHT)
         most, top = max(most, held(flight, waiting)), max(top, flight)
     return max(0, most - before * top - working)
+
+
+def walk_saved(graph: LayerGraph, st: Stage, stage: int, recomputed: list[int],
+               in_flight: int) -> tuple[int, int]:
+    """What :meth:`~dreampipe.planning.costs.RangeCosts.memory` counts beyond the stage's
+    backward walked layer by layer, last first (docs/design.md §5.4).
+
+    The formula holds every layer's kept tensors of each microbatch in flight and the
+    largest layer's working set. A recomputed block keeps its input only (none of its own
+    when it is the stage's first layer: the stage's input), and its backward holds its
+    tensors again. Walking one backward, at layer ``l`` the layers up to ``l`` still keep
+    theirs, ``l`` holds its working set, and each later layer has freed its tensors but,
+    after the first stage, what its deferred Linear weight gradients hold until the
+    stage's backward ends (:attr:`~dreampipe.profiling.graph.Layer.deferred_bytes`);
+    ``l`` itself holds its working set or, where more, the output gradients its Linears'
+    deferred weight gradients keep (:attr:`~dreampipe.profiling.graph.Layer.recorded_bytes`:
+    its backward makes them; their inputs are its kept tensors). The
+    peak of that walk replaces the formula's one backward. Returns the difference and
+    what one microbatch in flight keeps."""
+    span = range(st.first, st.last + 1)
+    layers = [graph.layers[i] for i in span]
+    kept = [float(x.stash_bytes) for x in layers]
+    cuts = graph.cut_bytes()
+    own = [(0.0 if i == st.first else float(cuts[i])) if i in recomputed else k
+           for i, k in zip(span, kept, strict=True)]
+    after = [float(x.deferred_bytes or 0) if stage > 0 else 0.0 for x in layers]
+    outputs = [float(x.recorded_bytes or 0) if stage > 0 else 0.0 for x in layers]
+    work = [float(x.working_bytes) for x in layers]
+    walk = max(sum(own[: n + 1]) + (kept[n] - own[n]) + sum(after[n + 1:])
+               + max(work[n], outputs[n]) for n in range(len(layers)))
+    formula = sum(kept) * in_flight + max(work)
+    return round(formula - (sum(own) * (in_flight - 1) + walk)), round(sum(own))
 
 
 def most_in_flight(schedule: Schedule, stages: int) -> list[int]:

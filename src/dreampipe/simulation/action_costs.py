@@ -210,7 +210,8 @@ def costs_from_profile(
     transfer runs at the link between the workers of its two ranks.
     ``Input`` layers cost nothing (data loading, as the planner counts them).
     Stashed bytes per microbatch are the stage's input and what its layers keep
-    for the backward, as the planner counts them.
+    for the backward, with the copy of its input it runs on where its first layer writes
+    it, as the planner counts them (:func:`~dreampipe.planning.memory_terms.input_copies`).
 
     A tensor-split stage (``tensor_parallel > 1``) runs as its plan says:
     forward+backward is its ``compute_s`` (the operator search's time, its
@@ -227,6 +228,7 @@ def costs_from_profile(
     the recomputed activations are held once (``recompute_bytes``).
     """
     from dreampipe.planning.held import held_bytes
+    from dreampipe.planning.memory_terms import input_copies
     from dreampipe.planning.pricing import stage_allreduce  # NumPy: only when used
     from dreampipe.planning.split_stage import layer_shares
     from dreampipe.planning.sync import DEFAULT_SYNC
@@ -241,7 +243,7 @@ def costs_from_profile(
         )
     check_fits(plan, topology, error=ScheduleError)
     workers = plan.workers_used
-    cuts = graph.cut_bytes()
+    cuts, copies = graph.cut_bytes(), input_copies(graph)
     layers = graph.layers
     times = layer_times(graph, microbatch_fraction)
     fwd, bwd, act, params, stash, allreduce, delay = [], [], [], [], [], [], []
@@ -261,7 +263,8 @@ def costs_from_profile(
             backward = [x.backward_ms / 1e3 * microbatch_fraction * c.compute_ms / x.compute_ms
                         if x.compute_ms > 0 else 0.0 for x, c in zip(span, shares, strict=True)]
             weights = [c.weight_bytes for c in shares]
-            stash.append(sum(c.activation_bytes for c in shares) * microbatch_fraction)
+            stash.append((copies[st.first] + sum(c.activation_bytes for c in shares))
+                         * microbatch_fraction)
             weight_s = [b * x.weight_grad_share for b, x in zip(backward, span, strict=True)]
         else:
             timed = [(0.0, 0.0, 0.0) if x.is_input else t for x, t in
@@ -271,7 +274,8 @@ def costs_from_profile(
             weight_s = [w / 1e3 for _, _, w in timed]
             bwd.append(sum(backward))
             weights = [float(x.parameter_bytes) for x in span]
-            stash.append((cuts[st.first] + sum(x.stash_bytes for x in span)) * microbatch_fraction)
+            stash.append((cuts[st.first] + copies[st.first] + sum(x.stash_bytes for x in span))
+                         * microbatch_fraction)
         params.append(sum(weights) + (0 if st.tensor_parallel > 1
                                       else graph.reused_bytes(st.first, st.last)))
         wgrad.append(min(bwd[-1], sum(weight_s)))
