@@ -75,15 +75,46 @@ class _Shift(nn.Module):
         return self.fc(x.sub_(0.25))
 
 
-@pytest.mark.parametrize("stage", [0, 1], ids=["model-input", "received"])
-def test_a_forward_that_writes_its_input_is_refused_where_it_runs_again(stage: int) -> None:
-    """Run again in the backward on its kept input, the forward would read the written one
-    (gradients off by 6e-3 in a 3-step run): refused by name, on the first microbatch."""
+def test_a_forward_that_writes_the_model_input_is_refused_where_it_runs_again() -> None:
+    """Run again in the backward on its kept input, the first stage's forward would read
+    the written one (gradients off by 6e-3 in a 3-step run): refused by name, on the first
+    microbatch."""
     from dreampipe.errors import ConfigError
 
-    again = StageModule(_Shift(), _sgd, stage=stage, input_grad=stage > 0, recompute=True)
-    with pytest.raises(ConfigError, match=rf"stage {stage}'s forward writes its input in place"):
+    again = StageModule(_Shift(), _sgd, stage=0, input_grad=False, recompute=True)
+    with pytest.raises(ConfigError, match=r"stage 0's forward writes its input in place"):
         again.forward(0, torch.randn(4, 6))
-    unstashed = StageModule(_Shift(), _sgd, stage=stage, input_grad=stage > 0, stash=False)
+    unstashed = StageModule(_Shift(), _sgd, stage=0, input_grad=False, stash=False)
     with pytest.raises(ConfigError, match=r"make that op out of place"):
         unstashed.forward(0, torch.randn(4, 6))
+
+
+@pytest.mark.parametrize("how", ["recompute", "no-stash"])
+def test_a_later_stage_that_writes_its_input_runs_again_on_a_copy(how: str) -> None:
+    """A later stage's forward without autograd would write the input it receives, which
+    its backward's second run reads: it runs on a copy, found by its first forward, and
+    trains as one process, where the forward writes the layer before's output."""
+    torch.manual_seed(1)
+    xs, gs = [torch.randn(4, 6) for _ in range(3)], [torch.randn(4, 6) for _ in range(3)]
+    torch.manual_seed(0)
+    stage = StageModule(_Shift(), _sgd, stage=1, input_grad=True,
+                        **({"recompute": True} if how == "recompute" else {"stash": False}))
+    torch.manual_seed(0)
+    ref = _Shift()
+    got, want = [], []
+    for u, x in enumerate(xs):
+        kept = x.clone()
+        stage.forward(u, kept)
+        assert torch.equal(kept, x)  # the input it keeps is the input it got
+    for u, g in enumerate(gs):
+        got.append(stage.backward(u, g))
+    stage.step()
+    for x, g in zip(xs, gs, strict=True):
+        leaf = x.clone().requires_grad_(True)
+        ref(leaf * 1.0).backward(g)
+        want.append(leaf.grad)
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(stage.module.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -6,14 +6,16 @@ a cut before a torchvision-style model's in-place ReLU gives); in one process th
 same op writes the non-leaf output of the layer before. So a stage's first forward
 runs on the input itself, and if autograd refuses that write before anything else
 moved (the random state, a buffer), it runs again on a copy, as every forward after
-it does: the copy is the non-leaf, and its gradient flows back to the input.
+it does: the copy is the non-leaf, and its gradient flows back to the input. A forward
+without autograd (a recomputing stage's) writes its input unseen, and the backward runs
+it again on that input: its first one runs on a copy, which tells.
 docs/design.md §8.4.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +25,7 @@ from dreampipe.errors import ConfigError
 __all__ = ["InputWrites"]
 
 _T = TypeVar("_T")
+_X = TypeVar("_X")
 _LEAF_WRITE = "leaf Variable that requires grad is being used in an in-place operation"
 
 
@@ -61,4 +64,17 @@ class InputWrites:
             self.copies = True
             return forward()
         self.copies = False
+        return out
+
+    def run_without_grad(self, forward: Callable[[_X], _T], x: _X) -> _T:
+        """``forward(x)`` without autograd, which lets it write ``x`` unseen, where the stage
+        runs it again in its backward (recomputing, or not stashing) on ``x`` as it was: the
+        first one, while unknown, runs on a copy, and whether the copy was written says
+        whether every later one must (:meth:`input`)."""
+        if self.copies is not None or not isinstance(x, Tensor):
+            return forward(x)
+        copy = x.detach().clone()
+        version = copy._version
+        out = forward(cast(_X, copy))
+        self.copies = copy._version != version
         return out

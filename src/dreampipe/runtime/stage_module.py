@@ -177,7 +177,8 @@ class StageModule:
             v = self._versions.acquire(version, update)
             again = self._record(x)
             with torch.no_grad():
-                _, report = self._compute(v.tensors, x, target, scale)
+                _, report = self._writes.run_without_grad(
+                    lambda y: self._compute(v.tensors, y, target, scale), x)
             check_inputs_kept(again, self.stage)
             self._inflight[microbatch] = InFlight(x, None, v, target, scale, again)
             return report
@@ -192,7 +193,8 @@ class StageModule:
         # statistics moved once), as a recomputing stage does
         again = self._record(x)
         with torch.no_grad():
-            _, report = self._compute(None, x, target, scale)
+            _, report = self._writes.run_without_grad(
+                lambda y: self._compute(None, y, target, scale), x)
         check_inputs_kept(again, self.stage)
         self._inflight[microbatch] = InFlight(x, None, None, target, scale, again)
         return report
