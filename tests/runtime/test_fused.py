@@ -196,3 +196,22 @@ def test_a_linear_output_of_a_3d_input_may_be_written_in_place() -> None:
                                    msg=str(mode))
         for a, b in zip(st.module.parameters(), want.module.parameters(), strict=True):
             torch.testing.assert_close(a, b, msg=str(mode))
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (2, 3, 4)], ids=["2d", "3d"])
+def test_an_in_place_write_of_a_fused_output_is_no_copy_around_a_view(
+        shape: tuple[int, ...]) -> None:
+    """The fused layer's output is a tensor of its own, not a view of one: an in-place
+    ReLU after it then is a ReLU's backward, as in one process, not autograd's
+    ``CopySlices`` around a view, whose backward holds activation-sized copies that no
+    memory prediction counts."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=True))
+    names = [n for n, _ in model.named_parameters()]
+    assert fuse_linear_gradients(model, names, GradientSum(list(model.parameters()),
+                                                            fused=True)) == 1
+    x = torch.randn(*shape, requires_grad=True)
+    out = model[0](x)
+    assert out._base is None and out.shape == (*shape[:-1], 8)
+    want = nn.functional.linear(x, model[0].weight, model[0].bias)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # F.linear's kernel, bit for bit
+    assert type(model[1](out).grad_fn).__name__ == "ReluBackward0"

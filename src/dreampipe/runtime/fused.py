@@ -216,7 +216,15 @@ class _LinearAccumulate(torch.autograd.Function):
     ) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.sink, ctx.w_index, ctx.b_index = sink, w_index, b_index
-        return F.linear(x, weight, bias)
+        # rows of any batch shape, into an output of its own (not a view, which the model
+        # may not write in place without autograd copying it around the write)
+        out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+        rows, into = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])
+        if bias is None:
+            torch.mm(rows, weight.t(), out=into)
+        else:
+            torch.addmm(bias, rows, weight.t(), out=into)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:
@@ -240,12 +248,10 @@ def _forward(layer: nn.Linear, sink: GradientSink, w_index: int, b_index: int | 
     weight, bias = layer.weight, layer.bias
     if (torch.is_grad_enabled() and weight.requires_grad and x.dim() >= 2
             and not torch.is_autocast_enabled(x.device.type)):
-        # on 2-D rows, its output shaped outside the Function: F.linear of a 3-D input
-        # returns a view, which a Function may not return if the model writes it in place
         out: Tensor = _LinearAccumulate.apply(  # type: ignore[no-untyped-call]
-            x.reshape(-1, x.shape[-1]), weight, bias, sink, w_index, b_index
+            x, weight, bias, sink, w_index, b_index
         )
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out
     return F.linear(x, weight, bias)
 
 
