@@ -89,3 +89,28 @@ def test_options_sharing_twins_read_what_each_alone_reads_at_any_width(t: int, d
                 assert np.array_equal(tables.edge_capacity(x, 3e9, width, last),
                                       alone.edge_capacity(0, 3e9, width, last))
             assert tables.memory_at(x, 2, 1, n - 2) == alone.memory_at(0, 2, 1, n - 2)
+
+
+def test_a_band_from_a_column_on_is_the_bands_columns_from_it_on() -> None:
+    for width, start in ((4, 1), (9, 3), (12, 11)):
+        rows, last = band(9, width)
+        part = band(9, width, start)
+        assert np.array_equal(part[0], rows[:, start:])
+        assert np.array_equal(part[1], last[:, start:])
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_widened_band_reads_what_a_band_made_at_that_width_reads(alone: bool) -> None:
+    search = _search()
+    tables = search.tables(2, 8, 2, False)
+    if alone:  # no twins: each option's band is made without sharing
+        tables = _alone(tables, 5)
+    n = tables.n
+    for width in (2, 3, 7, 5, n, 4):  # wider, then narrower: the new columns, then a view
+        fresh = StageTables(tables.inputs, tables.options, tables.t, tables.d, tables.fraction,
+                            tables.splits_backward)
+        for x in range(len(tables.options)):
+            for a, b in zip(tables.times(x, 0, width), fresh.times(x, 0, width), strict=True):
+                assert a.shape == (n, width)
+                assert np.array_equal(a, b)
+            assert np.array_equal(tables.capacity(x, 3e9, width), fresh.capacity(x, 3e9, width))

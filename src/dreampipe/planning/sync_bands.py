@@ -28,28 +28,30 @@ def capacity_of(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
     return np.asarray(np.where(fixed > room, -1.0, most))
 
 
-@functools.cache
-def band(n: int, width: int | None) -> tuple[IntArray, IntArray]:
+@functools.lru_cache(maxsize=256)
+def band(n: int, width: int | None, start: int = 0) -> tuple[IntArray, IntArray]:
     """Index arrays ``(first, last)`` of stages over ``n`` layers: every ``[i, j]`` (None),
     or ``[i, k]`` the stage of layers ``i..i + k`` for ``k < width``, past the last layer
-    clipped to it."""
+    clipped to it; with ``start``, only the columns ``k >= start`` (what widening a band
+    from ``start`` layers adds: each entry depends on its stage alone)."""
     rows = np.arange(n)[:, None]
     if width is None:
         return np.broadcast_to(rows, (n, n)), np.broadcast_to(np.arange(n)[None, :], (n, n))
-    last = np.minimum(rows + np.arange(width)[None, :], n - 1)
+    last = np.minimum(rows + np.arange(start, width)[None, :], n - 1)
     first = np.ascontiguousarray(np.broadcast_to(rows, last.shape))  # gathers by it run fast
     first.flags.writeable = last.flags.writeable = False
     return first, last
 
 
 def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
-                        overlap: bool, rows: IntArray, last: IntArray, is_column: bool = False
-                        ) -> FloatArray:
+                        overlap: bool, rows: IntArray, last: IntArray, is_column: bool = False,
+                        start: int = 0) -> FloatArray:
     """:func:`~dreampipe.planning.costs.allreduce_end` of the stages ``rows..last`` only,
     so that a band of stages costs its own size, not the square: index arrays whose
-    ``last`` grows by one along the second axis from ``rows`` (a band), or, with
-    ``is_column``, stages that all end at the profile's last layer (:func:`edge`);
-    ``pb`` and ``pw`` sum the backward and the weights over the first layers."""
+    ``last`` grows by one along the second axis from ``rows`` (a band; with ``start``,
+    its columns from ``start`` on, :func:`band`), or, with ``is_column``, stages that all
+    end at the profile's last layer (:func:`edge`); ``pb`` and ``pw`` sum the backward
+    and the weights over the first layers."""
     later = last >= rows
     if overlap:
         h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
@@ -57,10 +59,18 @@ def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
             end = np.maximum.accumulate(h[::-1])[::-1][rows]
         else:
             end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
+            if start:  # the maximum over the band's first ``start`` columns too
+                end = np.maximum(end, _window_max(h, start)[rows[:, :1]])
         end = end + lat + pb[last + 1] - per * pw[rows]
     else:
         end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
     return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
+
+
+def _window_max(h: FloatArray, k: int) -> FloatArray:
+    """``[i]``: the largest of ``h[i..i + k - 1]`` (to the last entry)."""
+    padded = np.concatenate([h, np.full(k - 1, -np.inf)])
+    return np.asarray(np.lib.stride_tricks.sliding_window_view(padded, k).max(axis=1))
 
 
 @functools.cache

@@ -53,6 +53,8 @@ class StageMemory:
         self._split = twin_bases(self.options, by_split=True)
         self._twins = len(set(self._split)) < len(self._split)
         self._sharded = d > 1 and any(o.zero >= SHARDED_LEVEL for o in self.options)
+        #: each option's band capacity within each room, as wide as read so far
+        self._capacities: dict[tuple[int, float], FloatArray] = {}
 
     def memory(self, x: int, held: float) -> FloatArray:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
@@ -64,13 +66,25 @@ class StageMemory:
         fixed, per = self._memory(x, first, last)
         return float(fixed + held * per)
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def capacity(self, x: int, room: float, width: int | None = None) -> FloatArray:
         """``[i, j]`` (with ``width``, ``[i, k]`` as :func:`~dreampipe.planning.sync_bands.
         band`): the most microbatches option ``x`` holds within ``room`` bytes per worker
         (-1 where not even none fit, inf where they cost nothing): a stage fits holding
         ``held`` exactly where ``held <= capacity``."""
-        return capacity_of(*self._band_memory(x, width), room)
+        if width is None:
+            return self._square_capacity(x, room)
+        # a band's entries do not depend on its width: a wider one adds only its new columns
+        have = self._capacities.get((x, room))
+        if have is None or have.shape[1] < width:
+            done = 0 if have is None else have.shape[1]
+            new = capacity_of(*self._band_memory(x, width, done), room)
+            have = new if have is None else np.concatenate((have, new), axis=1)
+            self._capacities[x, room] = have
+        return have if have.shape[1] == width else have[:, :width]
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _square_capacity(self, x: int, room: float) -> FloatArray:
+        return capacity_of(*self._band_memory(x, None), room)
 
     def fits(self, x: int, held: int, room: float, first: int, last: int) -> bool:
         """Whether a stage ``first..last`` run as option ``x`` fits ``room`` holding
@@ -80,21 +94,22 @@ class StageMemory:
             return False
         return per <= 0 or math.floor((room - fixed) / per) >= held
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _band_memory(self, x: int, width: int | None) -> tuple[FloatArray, FloatArray]:
+    def _band_memory(self, x: int, width: int | None, start: int = 0
+                     ) -> tuple[FloatArray, FloatArray]:
+        """:meth:`_memory` of a band's columns from ``start`` (:func:`band`)."""
         if not self._twins:  # nothing to share: keep no copy
-            return self._memory(x, *band(self.n, width))
-        return self._at_zero(x, *self._band_parts(self._base[x], width))
+            return self._memory(x, *band(self.n, width, start))
+        return self._at_zero(x, *self._band_parts(self._base[x], width, start))
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
-    def _band_parts(self, x: int, width: int | None) -> _MemoryParts:
+    def _band_parts(self, x: int, width: int | None, start: int) -> _MemoryParts:
         kept = self.options[x].recompute is not Recompute.BLOCKS
-        return self._parts(x, *band(self.n, width),
-                           reads=self._band_reads(self._split[x], width, kept))
+        return self._parts(x, *band(self.n, width, start),
+                           reads=self._band_reads(self._split[x], width, start, kept))
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - a split's options are read one after another
-    def _band_reads(self, x: int, width: int | None, kept: bool) -> _Reads:
-        return self._reads(x, *band(self.n, width), kept)
+    def _band_reads(self, x: int, width: int | None, start: int, kept: bool) -> _Reads:
+        return self._reads(x, *band(self.n, width, start), kept)
 
     def _memory(self, x: int, rows: IntArray | int, last: IntArray | int
                 ) -> tuple[FloatArray, FloatArray]:

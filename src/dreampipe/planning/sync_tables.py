@@ -89,6 +89,8 @@ class StageTables:
         self._base = twin_bases(self.options)
         self._split = twin_bases(self.options, by_split=True)
         self._twins = len(set(self._split)) < len(self._split)
+        #: each option's band times on each replica layout, as wide as read so far
+        self._bands: dict[tuple[int, tuple[int, ...]], _Times] = {}
         self._memory = StageMemory(inputs.costs, inputs.training, inputs.profiled_param_bytes,
                                    inputs.blocks, self.options, d, fraction)
 
@@ -134,22 +136,44 @@ class StageTables:
         rows, last, _ = edge(self.n, width, last_slot)
         return self._terms(x, groups, rows, last, last_slot)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray, FloatArray]:
-        if not self._twins:  # nothing to share: keep no copy
-            return self._at_level(x, self._terms(self._base[x], groups, *band(self.n, width)))
-        return self._at_level(x, self._band_terms(self._base[x], groups, width))
+        if width is None:
+            return self._square_times(x, groups)
+        # a band's entries do not depend on its width: a wider one adds only its new columns
+        have = self._bands.get((x, groups))
+        if have is None or have[0].shape[1] < width:
+            done = 0 if have is None else have[0].shape[1]
+            new = self._at_level(x, self._band_terms(self._base[x], groups, width, done)
+                                 if self._twins else  # nothing to share: keep no copy
+                                 self._terms(self._base[x], groups, *band(self.n, width, done),
+                                            start=done))
+            have = new if have is None else _joined(have, new)
+            self._bands[x, groups] = have
+        if have[0].shape[1] == width:
+            return have
+        return have[0][:, :width], have[1][:, :width], have[2][:, :width]
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _square_times(self, x: int, groups: tuple[int, ...]
+                      ) -> tuple[FloatArray, FloatArray, FloatArray]:
+        if not self._twins:
+            return self._at_level(x, self._terms(self._base[x], groups, *band(self.n, None)))
+        return self._at_level(x, self._band_terms(self._base[x], groups, None))
 
     @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
-    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None) -> LevelFree:
-        rows, last = band(self.n, width)
+    def _band_terms(self, x: int, groups: tuple[int, ...], width: int | None, start: int = 0
+                    ) -> LevelFree:
+        """:meth:`_terms` of a band's columns from ``start`` (:func:`band`), made once for
+        ``x``'s twins."""
+        rows, last = band(self.n, width, start)
         return self._terms(x, groups, rows, last,
-                           common=self._band_common(self._split[x], groups, width))
+                           common=self._band_common(self._split[x], groups, width, start))
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 - a split's options are read one after another
-    def _band_common(self, x: int, groups: tuple[int, ...], width: int | None) -> _Common:
-        return self._common(x, groups, *band(self.n, width))
+    def _band_common(self, x: int, groups: tuple[int, ...], width: int | None, start: int
+                     ) -> _Common:
+        return self._common(x, groups, *band(self.n, width, start), start=start)
 
     def _priced(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
                 is_column: bool = False) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -158,21 +182,22 @@ class StageTables:
         return self._at_level(x, self._terms(self._base[x], groups, rows, last, is_column))
 
     def _terms(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
-               is_column: bool = False, common: _Common | None = None) -> LevelFree:
+               is_column: bool = False, common: _Common | None = None, start: int = 0
+               ) -> LevelFree:
         """What option ``x``'s stages ``rows..last`` cost at any ZeRO level
         (:class:`~dreampipe.planning.sync_levels.LevelFree`); ``x`` is the first of its
         twins, so that what no level changes is made once for them; ``common``:
-        :meth:`_common`, where made already."""
+        :meth:`_common`, where made already; ``start``: :meth:`_common`'s."""
         forward, compute, end, ar, wgrad = common or self._common(x, groups, rows, last,
-                                                                  is_column)
+                                                                  is_column, start)
         again = self._again(x, rows, last, forward)
         return LevelFree.of(forward, compute, again, end, ar, wgrad)
 
     def _common(self, x: int, groups: tuple[int, ...], rows: IntArray, last: IntArray,
-                is_column: bool = False) -> _Common:
+                is_column: bool = False, start: int = 0) -> _Common:
         """What :meth:`_terms` reads that depends only on option ``x``'s split, the same for
         every way it recomputes: ``(forward, compute, all-reduce end, all-reduce, weight
-        gradients)``."""
+        gradients)``; ``start``: the stages are a band's columns from ``start`` on."""
         costs = self._costs(self.options[x])
         compute, forward = self._at_fraction(x, rows, last)
         weights = pick(costs.weights, rows, last)
@@ -181,7 +206,8 @@ class StageTables:
         backward, weighed, made = self._prefix_sums(x)
         if self.d > 1:
             end = band_allreduce_ends(backward, weighed, lat, per,
-                                      self.inputs.topology.overlap, rows, last, is_column)
+                                      self.inputs.topology.overlap, rows, last, is_column,
+                                      start)
             ar = np.where(weights > 0, lat + per * weights, 0.0)
         else:
             end = ar = np.zeros_like(compute)
@@ -311,6 +337,13 @@ class StageTables:
 
 
 _Common = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
+_Times = tuple[FloatArray, FloatArray, FloatArray]
+
+
+def _joined(have: _Times, new: _Times) -> _Times:
+    """A band's times widened by the columns ``new``."""
+    return (np.concatenate((have[0], new[0]), axis=1), np.concatenate((have[1], new[1]), axis=1),
+            np.concatenate((have[2], new[2]), axis=1))
 
 
 def block_groups(block: int, d: int, t: int, topology: Topology) -> tuple[int, ...]:
