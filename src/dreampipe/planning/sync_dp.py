@@ -101,9 +101,11 @@ class _Slots:
             edge = np.zeros(n + 1, dtype=bool)
             edge[[*starts, n]] = True
             self.inside &= edge[self.rows] & edge[np.minimum(self.last + 1, n)]
-        self._seen: dict[tuple[object, ...], tuple[FloatArray, IntArray]] = {}
+        self._seen: dict[tuple[object, ...], tuple[int, FloatArray, IntArray]] = {}
         self._options: dict[tuple[object, ...], _SlotPrices] = {}
         self._cuts: dict[int, FloatArray] = {}
+        #: each stage's next first layer (``n + 1``, past any, where it is left out)
+        self.after = np.where(self.inside, self.last + 1, n + 1)
 
     def _cut(self, c: int) -> FloatArray:
         if c not in self._cuts:
@@ -120,10 +122,12 @@ class _Slots:
         return False if c == 0 else True if c == count - 1 else None
 
     def values(self, c: int, tail_below: float = math.inf, lift_below: float = math.inf
-               ) -> tuple[FloatArray, IntArray]:
-        """``[i, k]``: slot ``c``'s best value over the options whose tail is below
-        ``tail_below`` and whose ``y`` is below ``lift_below``, and which option (the first
-        of those with the least value)."""
+               ) -> tuple[int, FloatArray, IntArray]:
+        """``[i - lo, k]`` for the first layers ``i`` from ``lo`` on that slot ``c`` may
+        start at: its best value over the options whose tail is below ``tail_below`` and
+        whose ``y`` is below ``lift_below``, and which option (the first of those with the
+        least value); ``lo`` and the two (inf and 0 for the stages it may not take, and
+        every stage of the rows not given)."""
         sl = self.slots
         cut = self._cut(c)
         edge = self._edge(c, sl.count)
@@ -137,7 +141,7 @@ class _Slots:
         return self._seen[key]
 
     def _values(self, prices: _SlotPrices, tail_below: float, lift_below: float
-                ) -> tuple[FloatArray, IntArray]:
+                ) -> tuple[int, FloatArray, IntArray]:
         rows, at, shape, priced = prices
         best = np.full(shape, np.inf)
         pick = np.zeros(shape, dtype=np.int64)
@@ -149,12 +153,13 @@ class _Slots:
             better &= value < best  # options in order win ties
             np.copyto(best, value, where=better)
             np.copyto(pick, x, where=better)
-        full, chosen = np.full(self.last.shape, np.inf), np.zeros(self.last.shape, np.int64)
-        if at is None:
-            full[rows], chosen[rows] = best, pick
-        else:
-            full[at], chosen[at] = best, pick
-        return full, chosen
+        if at is None:  # a middle slot's rows, as priced
+            return rows.start, best, pick
+        lo = int(at[0].min())  # an edge slot's stages, in the rows they start at
+        full = np.full((int(at[0].max()) + 1 - lo, self.width), np.inf)
+        chosen = np.zeros(full.shape, np.int64)
+        full[at[0] - lo, at[1]], chosen[at[0] - lo, at[1]] = best, pick
+        return lo, full, chosen
 
     def _priced(self, c: int, cut: FloatArray, edge: bool | None) -> _SlotPrices:
         """Slot ``c``'s rows, or edge stages (``at``), their shape, and each option's ``(x,
@@ -226,24 +231,26 @@ def _least_pipeline(program: _Slots, tail_below: float, lift_below: float
     """The stages whose largest term ``g`` is least with tails below ``tail_below`` and
     ``y`` below ``lift_below``."""
     slots, n = program.slots, program.tables.n
-    after = np.where(program.inside, program.last + 1, n + 1)
     rest = np.full(n + 2, np.inf)
     rest[n] = 0.0
-    cuts: list[IntArray] = []
+    cuts: list[tuple[int, IntArray]] = []
     for c in reversed(range(slots.count)):
-        values, _ = program.values(c, tail_below, lift_below)
-        cand = np.maximum(values, rest[after])
+        # the rows the slot may start at: no other row has a finite value
+        lo, values, _ = program.values(c, tail_below, lift_below)
+        hi = lo + len(values)
+        cand = np.maximum(values, rest[program.after[lo:hi]])
         k = np.argmin(cand, axis=1)
         rest = np.full(n + 2, np.inf)
-        rest[:n] = cand[np.arange(n), k]
-        cuts.append(k)
+        rest[lo:hi] = cand[np.arange(hi - lo), k]
+        cuts.append((lo, k))
     cuts.reverse()
     if not math.isfinite(float(rest[0])):
         return None
     out, i = [], 0
     for c in range(slots.count):
-        k = int(cuts[c][i])
-        option = int(program.values(c, tail_below, lift_below)[1][i, k])
+        lo, ks = cuts[c]
+        k = int(ks[i - lo])
+        option = int(program.values(c, tail_below, lift_below)[2][i - lo, k])
         out.append(program.terms(c, Chosen(i, i + k, option)))
         i += k + 1
     return float(rest[0]), out
