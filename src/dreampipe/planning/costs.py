@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from dreampipe.planning.held import held_bytes, range_max
+from dreampipe.planning.held import held_table, range_max
 from dreampipe.planning.memory_terms import (
     SENDS_KEPT,
     STATELESS,
@@ -240,9 +240,7 @@ class RangeCosts:
                 [x.backward_ms * k for x, k in zip(layers, work, strict=True)], dtype=np.float64),
             layer_weights=np.asarray(weights, dtype=np.float64),
             stashed=sums([x.stash_bytes for x in layers], 0.0),
-            working=held_bytes([float(x.working_bytes) for x in layers],
-                               [float(x.library_bytes or 0) for x in layers],
-                               [x.kernel_kind for x in layers]),
+            working=held_table(graph),
             optimizer=optimizer,
             fixed_s=None if fixed is None else sums(list(fixed[:, 0] + fixed[:, 1]), 0.0),
             fixed_forward_s=None if fixed is None else sums(list(fixed[:, 0]), 0.0),

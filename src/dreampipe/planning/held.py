@@ -15,7 +15,9 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["held_bytes", "kinds_sum", "range_max"]
+from dreampipe.profiling.graph import LayerGraph
+
+__all__ = ["held_bytes", "held_table", "kinds_sum", "range_max"]
 
 FloatArray = npt.NDArray[np.float64]
 
@@ -53,3 +55,11 @@ def held_bytes(working: Sequence[float], library: Sequence[float],
                kinds: Sequence[Hashable]) -> FloatArray:
     """The module docstring's ``held`` table."""
     return np.asarray(range_max(working) + kinds_sum(library, kinds))
+
+
+def held_table(graph: LayerGraph) -> FloatArray:
+    """:func:`held_bytes` of ``graph``'s layers."""
+    layers = graph.layers
+    return held_bytes([float(x.working_bytes) for x in layers],
+                      [float(x.library_bytes or 0) for x in layers],
+                      [x.kernel_kind for x in layers])

@@ -32,6 +32,7 @@ from dreampipe.planning.splits import (
     Layout,
     OpKind,
     Split,
+    SplitCost,
     layer_splits,
     op_kind,
     reshard,
@@ -39,8 +40,8 @@ from dreampipe.planning.splits import (
 )
 from dreampipe.profiling.graph import Layer, LayerGraph
 
-__all__ = ["Link", "SplitPlan", "coarsen", "layer_costs", "search_splits", "split_front",
-           "split_memory"]
+__all__ = ["Link", "SplitPlan", "coarsen", "cost_seconds", "layer_costs", "search_splits",
+           "split_front", "split_memory"]
 
 _TAIL_LAYOUTS = {Layout.REPLICATED: Split.REPLICA, Layout.BATCH: Split.BATCH,
                  Layout.FEATURE: Split.OUT}
@@ -124,9 +125,15 @@ def layer_costs(layer: Layer, split: Split, t: int, link: Link,
     weights, their gradient, what ``optimizer`` holds per byte of a layer
     (:attr:`~.memory_terms.OptimizerTerms.per_layer`) and what the layer keeps."""
     c = split_cost(layer, op_kind(layer), split, t, input_bytes)
+    seconds, comm = cost_seconds(c, t, link)
+    return seconds, comm, (2 + optimizer.per_layer) * c.weight_bytes + c.activation_bytes
+
+
+def cost_seconds(c: SplitCost, t: int, link: Link) -> tuple[float, float]:
+    """``(seconds, collective seconds)`` of a layer whose split costs ``c`` (its compute and
+    its own collectives over ``t`` workers on ``link``): :func:`layer_costs`' times."""
     comm = sum(link.seconds(what, size, t) for what, size in c.collectives)
-    return (c.compute_ms / 1e3 + comm, comm,
-            (2 + optimizer.per_layer) * c.weight_bytes + c.activation_bytes)
+    return c.compute_ms / 1e3 + comm, comm
 
 
 def search_splits(graph: LayerGraph, workers: int, link: Link,

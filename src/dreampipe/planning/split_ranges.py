@@ -22,9 +22,18 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
-from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
-from dreampipe.planning.operator_search import Link, layer_costs, split_front
-from dreampipe.planning.splits import Collective, Layout, Split, op_kind, reshard, split_cost
+from dreampipe.planning.held import held_table
+from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, input_copies
+from dreampipe.planning.operator_search import Link, cost_seconds, split_front
+from dreampipe.planning.splits import (
+    Collective,
+    Layout,
+    Split,
+    SplitCost,
+    op_kind,
+    reshard,
+    split_cost,
+)
 from dreampipe.planning.sync_bands import pick
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
@@ -101,52 +110,64 @@ def _sums(values: FloatArray, empty: float) -> FloatArray:
 
 
 def split_costs(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                times: _LayerTimes | None = None, optimizer: OptimizerTerms = STATELESS
+                times: _LayerTimes | None = None, optimizer: OptimizerTerms = STATELESS,
+                costs: Sequence[SplitCost] | None = None, working: FloatArray | None = None
                 ) -> RangeCosts:
     """What every layer range of ``graph`` (a chain) costs one replica split over ``t``
     workers as ``splits`` says, on ``link`` (docs/design.md §10.3). ``Input`` layers cost
-    no time. ``times``: its layers' (:func:`_layer_times`), where made already;
-    ``optimizer``: what the optimizer holds beside the weights."""
+    no time. ``times``: its layers' (:func:`_layer_times`), ``costs``: each layer's split
+    (:func:`_layer_costs`), ``working``: :func:`~dreampipe.planning.held.held_table`,
+    where made already; ``optimizer``: what the optimizer holds beside the weights."""
     layers = graph.layers
     n = len(layers)
     bwd, weights, kept = (np.zeros(n) for _ in range(3))
-    for i, (layer, split) in enumerate(zip(layers, splits, strict=True)):
-        c = split_cost(layer, op_kind(layer), split, t,
-                       float(layers[max(i - 1, 0)].activation_bytes))
+    costs = costs or _layer_costs(graph, t, splits)
+    for i, (layer, c) in enumerate(zip(layers, costs, strict=True)):
         share = c.compute_ms / layer.compute_ms if layer.compute_ms > 0 else 0.0
         bwd[i] = layer.backward_ms / 1e3 * share * (0.0 if layer.is_input else 1.0)
         weights[i] = c.weight_bytes
         whole = float(layer.activation_bytes)
         kept[i] = layer.stash_bytes * (c.activation_bytes / whole if whole else 1.0)
-    compute, forward = _range_times(graph, t, link, splits, times=times)
-    whole_costs = RangeCosts.of(graph, optimizer)
+    compute, forward = _range_times(graph, t, link, splits, times=times, costs=costs)
+    stashed = _sums(kept, 0.0)
     return RangeCosts(
-        compute, _sums(weights, 0.0), _sums(kept, 0.0), whole_costs.cut_bytes,
+        compute, _sums(weights, 0.0), stashed, np.asarray(graph.cut_bytes(), dtype=np.float64),
         forward_s=np.minimum(forward, np.where(np.isfinite(compute), compute, 0.0)),
-        layer_backward_s=bwd, layer_weights=weights, stashed=_sums(kept, 0.0),
-        working=whole_costs.working, optimizer=optimizer, copied=whole_costs.copied,
+        layer_backward_s=bwd, layer_weights=weights, stashed=stashed,
+        working=held_table(graph) if working is None else working, optimizer=optimizer,
+        copied=np.asarray(input_copies(graph), dtype=np.float64),
     )
 
 
+def _layer_costs(graph: LayerGraph, t: int, splits: Sequence[Split]) -> list[SplitCost]:
+    """What each layer of ``graph`` costs each of ``t`` workers split as ``splits`` says."""
+    layers = graph.layers
+    return [split_cost(layer, op_kind(layer), split, t,
+                       float(layers[max(i - 1, 0)].activation_bytes))
+            for i, (layer, split) in enumerate(zip(layers, splits, strict=True))]
+
+
 def split_latencies(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                    times: _LayerTimes | None = None) -> tuple[FloatArray, FloatArray]:
+                    times: _LayerTimes | None = None, costs: Sequence[SplitCost] | None = None
+                    ) -> tuple[FloatArray, FloatArray]:
     """``(compute, forward)``: the parts of :func:`split_costs`' times that are its
     collectives' message latencies, which a smaller microbatch does not shrink
-    (``times``: its layers', where made already)."""
+    (``times``: its layers', ``costs``: each layer's split, where made already)."""
     compute, forward = _range_times(graph, t, Link(math.inf, link.latency_s), splits,
-                                    timed=False, times=times)
+                                    timed=False, times=times, costs=costs)
     return np.where(np.isfinite(compute), compute, 0.0), forward
 
 
 def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
-                 timed: bool = True, times: _LayerTimes | None = None
-                 ) -> tuple[FloatArray, FloatArray]:
+                 timed: bool = True, times: _LayerTimes | None = None,
+                 costs: Sequence[SplitCost] | None = None) -> tuple[FloatArray, FloatArray]:
     """``[i, j]``: a replica's forward and backward and its forward alone, collectives and
     reshards at the range's edges included (a recomputed forward runs its own collectives
     again); the collectives alone unless ``timed``."""
     layers = graph.layers
     n = len(layers)
-    own, fwd, own_fwd, needs, gives = times or _layer_times(graph, t, link, splits, timed)
+    own, fwd, own_fwd, needs, gives = times or _layer_times(graph, t, link, splits, timed,
+                                                            costs)
     act = [float(x.activation_bytes) for x in layers]
     enter, inner, leave = _edge_moves(gives, needs, act, t, link)
     upper = np.triu(np.ones((n, n), dtype=bool))
@@ -158,20 +179,19 @@ def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
     return compute, forward
 
 
-def _layer_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split], timed: bool
-                 ) -> _LayerTimes:
+def _layer_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split], timed: bool,
+                 costs: Sequence[SplitCost] | None = None) -> _LayerTimes:
     """Each layer's time inside a stage (its own collectives included, the collectives
     alone unless ``timed``), its forward's compute and its forward's own collectives, and
-    the layouts it needs and gives."""
+    the layouts it needs and gives (``costs``: each layer's split, where made already)."""
     layers = graph.layers
     n = len(layers)
     own, fwd, own_fwd = (np.zeros(n) for _ in range(3))
     needs: list[Layout] = []
     gives: list[Layout] = []
-    for i, (layer, split) in enumerate(zip(layers, splits, strict=True)):
-        size = float(layers[max(i - 1, 0)].activation_bytes)
-        c = split_cost(layer, op_kind(layer), split, t, size)
-        seconds, comm, _ = layer_costs(layer, split, t, link, size)
+    costs = costs or _layer_costs(graph, t, splits)
+    for i, (layer, split, c) in enumerate(zip(layers, splits, costs, strict=True)):
+        seconds, comm = cost_seconds(c, t, link)
         share = c.compute_ms / layer.compute_ms if layer.compute_ms > 0 else 0.0
         work = 0.0 if layer.is_input else 1.0
         own[i] = seconds - c.compute_ms / 1e3 * (1 - work) if timed else comm
@@ -221,17 +241,20 @@ def split_options(graph: LayerGraph, topology: Topology, widths: Sequence[int],
     inner = topology.levels[0]
     link = Link(inner.bandwidth, inner.latency)
     out: list[StageSplit] = []
+    working = held_table(graph)  # the same for every split
     for t in sorted(set(widths)):
         found = split_front(graph, t, link, optimizer)
         seen: set[tuple[Split, ...]] = set()
         for plan in found:
             if plan.splits not in seen:
                 seen.add(plan.splits)
-                timed = _layer_times(graph, t, link, plan.splits, True)
+                costs = _layer_costs(graph, t, plan.splits)
+                timed = _layer_times(graph, t, link, plan.splits, True, costs)
                 alone = _layer_times(graph, t, Link(math.inf, link.latency_s), plan.splits,
-                                     False)
+                                     False, costs)
                 out.append(StageSplit(
                     t, plan.splits, split_costs(graph, t, link, plan.splits, timed,
-                                                optimizer),
-                    split_latencies(graph, t, link, plan.splits, alone), (timed[0], alone[0])))
+                                                optimizer, costs, working),
+                    split_latencies(graph, t, link, plan.splits, alone, costs),
+                    (timed[0], alone[0])))
     return tuple(out)
