@@ -32,6 +32,7 @@ from dreampipe.planning.memory_terms import (
     max_versions,
     memory_bytes,
 )
+from dreampipe.planning.triangle import upper
 from dreampipe.profiling.fixed_costs import fixed_parts, fixed_share
 from dreampipe.profiling.graph import LayerGraph
 
@@ -129,7 +130,7 @@ def allreduce_ends(
     pb = np.concatenate([[0.0], np.cumsum(b)])
     pw = np.concatenate([[0.0], np.cumsum(w)])
     n = len(b)
-    later = np.triu(np.ones((n, n), dtype=bool))
+    later = upper(n)
     if overlap:  # in place on one [p, i, j] array: the planner passes thousands of layouts
         h = np.where(w > 0, per * pw[1:] - pb[:-1], -np.inf)  # [p, 1, k]
         end = np.where(later, h, -np.inf)
@@ -220,7 +221,7 @@ class RangeCosts:
             prefix = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=np.float64))])
             table = prefix[None, 1:] - prefix[:-1, None]
             n = len(values)
-            return np.where(np.triu(np.ones((n, n), dtype=bool)), table, empty)
+            return np.where(upper(n), table, empty)
 
         layers = graph.layers
         work = [0.0 if x.is_input else 1e-3 for x in layers]

@@ -15,6 +15,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from dreampipe.planning.triangle import upper
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["held_bytes", "held_table", "kinds_sum", "range_max"]
@@ -26,7 +27,7 @@ def range_max(values: Sequence[float]) -> FloatArray:
     """``[i, j]``: the largest of ``values[i..j]`` (0 where ``i > j``)."""
     v = np.asarray(values, dtype=np.float64)
     n = len(v)
-    table = np.where(np.triu(np.ones((n, n), dtype=bool)), v[None, :], 0.0)
+    table = np.where(upper(n), v[None, :], 0.0)
     return np.asarray(np.maximum.accumulate(table, axis=1))
 
 
@@ -48,7 +49,7 @@ def kinds_sum(values: Sequence[float], kinds: Sequence[Hashable]) -> FloatArray:
         for k in reversed(range(n)):
             nxt[k] = k if k in mine else (nxt[k + 1] if k + 1 < n else n)
         table += np.where(cols[None, :] >= nxt[:, None], value, 0.0)
-    return np.asarray(np.where(np.triu(np.ones((n, n), dtype=bool)), table, 0.0))
+    return np.asarray(np.where(upper(n), table, 0.0))
 
 
 def held_bytes(working: Sequence[float], library: Sequence[float],

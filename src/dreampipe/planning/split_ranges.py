@@ -36,6 +36,7 @@ from dreampipe.planning.splits import (
 )
 from dreampipe.planning.sync_bands import pick
 from dreampipe.planning.topology import Topology
+from dreampipe.planning.triangle import upper
 from dreampipe.profiling.graph import LayerGraph
 
 __all__ = ["StageSplit", "fits_servers", "split_costs", "split_latencies", "split_options"]
@@ -105,7 +106,7 @@ def _own_forward(split: Split, collectives: Sequence[tuple[Collective, float]], 
 def _sums(values: FloatArray, empty: float) -> FloatArray:
     prefix = np.concatenate([[0.0], np.cumsum(values)])
     n = len(values)
-    return np.where(np.triu(np.ones((n, n), dtype=bool)), prefix[None, 1:] - prefix[:-1, None],
+    return np.where(upper(n), prefix[None, 1:] - prefix[:-1, None],
                     empty)
 
 
@@ -170,11 +171,11 @@ def _range_times(graph: LayerGraph, t: int, link: Link, splits: Sequence[Split],
                                                             costs)
     act = [float(x.activation_bytes) for x in layers]
     enter, inner, leave = _edge_moves(gives, needs, act, t, link)
-    upper = np.triu(np.ones((n, n), dtype=bool))
+    inside = upper(n)
     body = _sums(own, 0.0) + _sums(inner, 0.0) - inner[:, None]
-    compute = np.where(upper, enter[:, None] + body + leave[None, :], np.inf)
+    compute = np.where(inside, enter[:, None] + body + leave[None, :], np.inf)
     ahead = _edge_moves(gives, needs, act, t, link, forward_only=True)
-    forward = np.where(upper, ahead[0][:, None] + _sums(fwd + own_fwd + ahead[1], 0.0)
+    forward = np.where(inside, ahead[0][:, None] + _sums(fwd + own_fwd + ahead[1], 0.0)
                        - ahead[1][:, None] + ahead[2][None, :], 0.0)
     return compute, forward
 

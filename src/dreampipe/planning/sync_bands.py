@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray
+from dreampipe.planning.triangle import upper
 
 __all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
 
@@ -102,5 +103,4 @@ def pick(table: FloatArray, rows: IntArray | int, last: IntArray | int) -> Float
 def row_sums(masked: FloatArray) -> FloatArray:
     """``[i, j]``: row ``i``'s entries ``i..j`` summed (entries left of ``i`` must be 0)."""
     n = masked.shape[0]
-    return np.asarray(np.where(np.triu(np.ones((n, n), dtype=bool)),
-                               np.cumsum(masked, axis=1), 0.0))
+    return np.asarray(np.where(upper(n), np.cumsum(masked, axis=1), 0.0))

@@ -36,6 +36,7 @@ from dreampipe.planning.sync_links import replica_allreduce_terms
 from dreampipe.planning.sync_objective import PipelineKind, factor, slots
 from dreampipe.planning.sync_stage_option import Recompute
 from dreampipe.planning.sync_tables import block_groups
+from dreampipe.planning.triangle import upper
 from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
 __all__ = ["Choice", "ChoiceFloors"]
@@ -198,9 +199,8 @@ class ChoiceFloors(SearchInputs):
         (its backward's working set and its sends), and the least input of a stage after
         the first, for a profiled minibatch: every option's are the profile's."""
         costs = self.inputs.costs
-        upper = np.triu(np.ones((costs.n, costs.n), dtype=bool))
         entry = float(np.min(costs.cut_bytes[1:])) if costs.n > 1 else 0.0
-        return float(np.min(costs.held_besides[upper])), entry
+        return float(np.min(costs.held_besides[upper(costs.n)])), entry
 
     def floor_with_cuts(self, c: Choice, floor: float) -> float:
         """:meth:`floor` (given as ``floor``) raised by the cuts: every stage but the last

@@ -26,6 +26,7 @@ import numpy as np
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync_stage_option import Recompute, StageOption
+from dreampipe.planning.triangle import upper
 from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
 __all__ = [
@@ -198,7 +199,7 @@ def envelope(computes: Sequence[FloatArray]) -> FloatArray:
     least = np.min(np.stack(list(computes)), axis=0)
     above = np.minimum.accumulate(least[:, ::-1], axis=1)[:, ::-1]
     out = np.minimum.accumulate(above, axis=0)
-    return np.asarray(np.where(np.triu(np.ones_like(out, dtype=bool)), out, np.inf))
+    return np.asarray(np.where(upper(out.shape[0]), out, np.inf))
 
 
 class Reach:

@@ -30,6 +30,7 @@ from dreampipe.planning.sync_stage_option import (
     recomputed_peak,
     twin_bases,
 )
+from dreampipe.planning.triangle import upper
 from dreampipe.planning.zero_terms import SHARDED_LEVEL
 
 __all__ = ["StageMemory"]
@@ -171,14 +172,14 @@ class StageMemory:
         fixed, first = costs.held_besides * f, (costs.inputs + costs.copies[:, None]) * f
         mask = block_mask(self.blocks, o.blocks)
         layer_kept = np.diag(costs.kept) * f
-        later = np.triu(np.ones((self.n, self.n), dtype=bool))
+        later = upper(self.n)
         rest = row_sums(np.where(later & ~mask, layer_kept[None, :], 0.0))
         starts = np.asarray([False] + [b is not None and b != a for a, b in
                                        zip(self.blocks, self.blocks[1:], strict=False)])
         # a block's input kept for it, where the layer before is recomputed too: a layer kept
         # whole keeps its output already (Layer.saved_bytes)
         after = np.pad(mask[:, :-1], ((0, 0), (1, 0)))
-        entry = np.where(mask & after & starts[None, :] & np.triu(later, 1),
+        entry = np.where(mask & after & starts[None, :] & upper(self.n, 1),
                          self.costs.cut_bytes[None, :] * f, 0.0)
         return (fixed + recomputed_peak(self.blocks, layer_kept, o.blocks),
                 first + rest + row_sums(entry))
