@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 
 from dreampipe.errors import PlanError
 from dreampipe.planning.costs import RangeCosts
@@ -185,7 +185,7 @@ def _ends(graph: LayerGraph, t: int, link: Link, optimizer: OptimizerTerms
     seen: dict[tuple[int, Layout], list[tuple[Layout, _Point]]] = {}
     kinds: dict[tuple[object, ...], int] = {}  # each group's kind, hashed once a group
     for group in coarsen(graph):  # a profile by shape repeats its blocks: price each once
-        alike = kinds.setdefault((tuple(replace(layers[i], name="") for i in group),
+        alike = kinds.setdefault((tuple(_shape(layers[i]) for i in group),
                                   _input_bytes(layers, group[0])), len(kinds))
         options = {}
         for src in set(fronts[0]) | set(fronts[1]):
@@ -308,6 +308,15 @@ def split_memory(
 def _reshard_seconds(src: Layout, dst: Layout, size: float, t: int, link: Link) -> float:
     forward, backward = reshard(src, dst)
     return link.seconds(forward, size, t) + link.seconds(backward, size, t)
+
+
+#: Every field of a layer but its name: what its costs read.
+_SHAPE_FIELDS = tuple(f.name for f in fields(Layer) if f.name != "name")
+
+
+def _shape(layer: Layer) -> tuple[object, ...]:
+    """``layer`` but its name: layers alike but for it cost the same."""
+    return tuple(getattr(layer, f) for f in _SHAPE_FIELDS)
 
 
 def _input_bytes(layers: tuple[Layer, ...], index: int) -> float:

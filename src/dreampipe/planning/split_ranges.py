@@ -210,14 +210,19 @@ def _edge_moves(gives: Sequence[Layout], needs: Sequence[Layout], act: Sequence[
     stage's first (``enter``), between layers (``inner``, into layer ``i``), and out of
     each as a stage's last (``leave``)."""
     n, only = len(needs), forward_only
-    enter = np.array([min(_moves(src, needs[0], act[0], t, link, only)
+    priced: dict[tuple[Layout, Layout, float], float] = {}  # a profile repeats its moves
+
+    def moves(src: Layout, dst: Layout, size: float) -> float:
+        key = (src, dst, size)
+        if key not in priced:
+            priced[key] = _moves(src, dst, size, t, link, only)
+        return priced[key]
+
+    enter = np.array([min(moves(src, needs[0], act[0])
                           for src in (Layout.REPLICATED, Layout.BATCH))]
-                     + [_moves(Layout.REPLICATED, needs[i], act[i - 1], t, link, only)
-                        for i in range(1, n)])
-    inner = np.array([0.0] + [_moves(gives[i - 1], needs[i], act[i - 1], t, link, only)
-                              for i in range(1, n)])
-    leave = np.array([_moves(gives[j], Layout.REPLICATED, act[j], t, link, only)
-                      for j in range(n - 1)]
+                     + [moves(Layout.REPLICATED, needs[i], act[i - 1]) for i in range(1, n)])
+    inner = np.array([0.0] + [moves(gives[i - 1], needs[i], act[i - 1]) for i in range(1, n)])
+    leave = np.array([moves(gives[j], Layout.REPLICATED, act[j]) for j in range(n - 1)]
                      + [link.seconds(Collective.ALL_REDUCE, act[-1], t)
                         if gives[-1] is Layout.PARTIAL else 0.0])
     return enter, inner, leave
