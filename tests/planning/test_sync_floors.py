@@ -13,7 +13,14 @@ from hypothesis import strategies as st
 from dreampipe.planning.layout import Layout
 from dreampipe.planning.state_bytes import Training
 from dreampipe.planning.sync_choices import SyncOptions
-from dreampipe.planning.sync_floors import Reach, envelope, least_largest, least_within
+from dreampipe.planning.sync_floors import (
+    Reach,
+    _bisect,
+    envelope,
+    least_largest,
+    least_largest_with_cut,
+    least_within,
+)
 from dreampipe.planning.sync_objective import PipelineKind, slots
 from dreampipe.planning.sync_search import SyncSearch
 from dreampipe.planning.topology import Topology
@@ -61,6 +68,49 @@ def test_reach_counts_the_stages_as_a_plain_greedy(times: list[float], ties: boo
     assert reach.stages_within(theta, most) == _greedy(env, theta, most)
     for value in np.unique(env[np.isfinite(env)])[:8]:  # exactly at an entry: it counts
         assert reach.stages_within(float(value), most) == _greedy(env, float(value), most)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(0.0, 5.0), min_size=1, max_size=30), st.booleans(),
+       st.floats(0.0, 40.0))
+def test_reach_of_each_row_is_how_many_of_its_entries_are_within(times: list[float],
+                                                                  ties: bool, theta: float
+                                                                  ) -> None:
+    env = _env(times, ties)
+    n = env.shape[0]
+    assert Reach(env).reach(theta) == [int(np.sum(env[i, i:] <= theta)) for i in range(n)]
+
+
+def _with_cut(env: np.ndarray, fraction: float, cut: float, count: int, lo: float) -> float:
+    """least_largest_with_cut's bisection, each stage's reach read from its row."""
+    n = env.shape[0]
+
+    def fits(theta: float) -> bool:
+        i = 0
+        for _ in range(count - 1):
+            if i >= n:
+                return True
+            k = 0
+            while i + k < n and env[i, i + k] <= (theta - cut) / fraction:
+                k += 1
+            if k == 0:
+                break
+            i += k
+        return i >= n or float(env[i, n - 1]) * fraction <= theta
+
+    return _bisect(lo, float(env[0, -1]) * fraction + cut, fits)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.floats(0.0, 5.0), min_size=1, max_size=30), st.booleans(),
+       st.sampled_from([0.5, 1.0, 3.0]), st.floats(0.0, 2.0), st.integers(1, 24))
+def test_the_floor_with_cuts_reads_each_rows_reach_as_its_row_says(
+        times: list[float], ties: bool, fraction: float, cut: float, count: int) -> None:
+    """The same floor, bit for bit, whether the rows' reach is read all at once (many
+    stages) or row by row (a few)."""
+    env = _env(times, ties)
+    assert least_largest_with_cut(Reach(env), fraction, cut, count, 0.0) == _with_cut(
+        env, fraction, cut, count, 0.0)
 
 
 @settings(max_examples=60, deadline=None)

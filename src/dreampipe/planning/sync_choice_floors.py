@@ -217,6 +217,6 @@ class ChoiceFloors(SearchInputs):
         cut = min(float(np.min(tables.cut(a, b)[:-1]))
                   for a, b in set(itertools.pairwise(sl.blocks)))
         floor = max(floor, sl.least * (taus + (sl.count - 1) * cut) / sl.count)
-        lo = least_largest_with_cut(self.envelope(c.t), c.b / self.base, cut, sl.count,
+        lo = least_largest_with_cut(self.reach(c.t), c.b / self.base, cut, sl.count,
                                     floor / sl.least)
         return max(floor, sl.least * lo)

@@ -49,6 +49,9 @@ __all__ = [
 _PRECISION = 1e-3
 #: Bisection steps of :func:`least_within`'s multiplier, over decades.
 _DUAL_STEPS = 14
+#: Up to this many stages, a greedy cover reads its rows' reach one by one; past it,
+#: :meth:`Reach.reach` reads every row's at once.
+_ROW_BY_ROW = 8
 
 
 def scaled_computes(whole: RangeCosts, splits: Iterable[StageSplit | None]
@@ -211,20 +214,27 @@ class Reach:
     def __init__(self, env: FloatArray) -> None:
         n = env.shape[0]
         self.env = env
-        self._values = np.unique(env[np.isfinite(env)])
-        codes = np.searchsorted(self._values, env, side="left")  # inf: past every value
-        codes[np.tril_indices(n, -1)] = -1  # before the stage's first layer: below any bound
+        finite = np.isfinite(env)
+        self._values, ranks = np.unique(env[finite], return_inverse=True)
+        codes = np.full(env.shape, len(self._values), dtype=np.int64)  # inf: past every value
+        codes[finite] = ranks
+        codes[~upper(n)] = -1  # before the stage's first layer: below any bound
         rows = np.arange(n, dtype=np.int64)
         self._offsets = rows * (len(self._values) + 2)  # rows apart, each in its own span
         self._flat = (codes + 1 + self._offsets[:, None]).ravel()
         self._before = rows * n + rows  # flat entries before row i, and row i's left part
 
+    def reach(self, theta: float) -> list[int]:
+        """``[i]``: how many layers from layer ``i`` on a stage may hold while its
+        :func:`envelope` entry is at most ``theta``."""
+        ranked = int(np.searchsorted(self._values, theta, side="right"))  # values <= theta
+        ends = np.searchsorted(self._flat, self._offsets + ranked, side="right")
+        return list((ends - self._before).tolist())
+
     def stages_within(self, theta: float, most: int) -> float:
         """The fewest stages, each of :func:`envelope` at most ``theta``, that cover the
         layers (inf: a layer alone is above it), or ``most + 1`` when more than ``most``."""
-        ranked = int(np.searchsorted(self._values, theta, side="right"))  # values <= theta
-        ends = np.searchsorted(self._flat, self._offsets + ranked, side="right")
-        reach = (ends - self._before).tolist()
+        reach = self.reach(theta)
         n, i, count = len(reach), 0, 0
         while i < n:  # greedy: no stages reach further
             if count == most:
@@ -245,18 +255,22 @@ def least_largest(reach: Reach, count: int, lo: float) -> float:
     return _bisect(lo, hi, lambda theta: reach.stages_within(theta, count) <= count)
 
 
-def least_largest_with_cut(env: FloatArray, fraction: float, cut: float, count: int,
+def least_largest_with_cut(reach: Reach, fraction: float, cut: float, count: int,
                            lo: float) -> float:
     """A floor on the largest ``fraction * E + cut`` of ``count`` stages covering the
     layers (the last without its cut), given a floor ``lo`` on it."""
+    env = reach.env
     n = env.shape[0]
 
     def fits(theta: float) -> bool:
+        bound = (theta - cut) / fraction
+        ahead = reach.reach(bound) if count > _ROW_BY_ROW else None  # else row by row
         i = 0
         for _ in range(count - 1):  # greedy: no stages reach further
             if i >= n:
                 return True
-            k = int(env[i, i:].searchsorted((theta - cut) / fraction, side="right"))
+            k = ahead[i] if ahead is not None else int(
+                env[i, i:].searchsorted(bound, side="right"))
             if k == 0:
                 break
             i += k
