@@ -106,7 +106,7 @@ def test_a_widened_band_reads_what_a_band_made_at_that_width_reads(alone: bool) 
     if alone:  # no twins: each option's band is made without sharing
         tables = _alone(tables, 5)
     n = tables.n
-    for width in (2, 3, 7, 5, n, 4):  # wider, then narrower: the new columns, then a view
+    for width in (2, 3, 7, 5, n, n + 2, 4):  # wider, then narrower: new stages, then a view
         fresh = StageTables(tables.inputs, tables.options, tables.t, tables.d, tables.fraction,
                             tables.splits_backward)
         for x in range(len(tables.options)):
@@ -114,3 +114,10 @@ def test_a_widened_band_reads_what_a_band_made_at_that_width_reads(alone: bool) 
                 assert a.shape == (n, width)
                 assert np.array_equal(a, b)
             assert np.array_equal(tables.capacity(x, 3e9, width), fresh.capacity(x, 3e9, width))
+            for last in (False, True):  # the edges widen too: columns after, rows before
+                for a, b in zip(tables.edge_times(x, 0, width, last),
+                                fresh.edge_times(x, 0, width, last), strict=True):
+                    assert a.shape == b.shape == ((min(width, n), 1) if last else (1, width))
+                    assert np.array_equal(a, b)
+                assert np.array_equal(tables.edge_capacity(x, 3e9, width, last),
+                                      fresh.edge_capacity(x, 3e9, width, last))

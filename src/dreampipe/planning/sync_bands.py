@@ -16,7 +16,7 @@ import numpy.typing as npt
 from dreampipe.planning.costs import FloatArray
 from dreampipe.planning.triangle import upper
 
-__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "pick", "row_sums"]
+__all__ = ["band", "band_allreduce_ends", "capacity_of", "edge", "edge_size", "pick", "row_sums"]
 
 IntArray = npt.NDArray[np.int64]
 
@@ -74,18 +74,26 @@ def _window_max(h: FloatArray, k: int) -> FloatArray:
     return np.asarray(np.lib.stride_tricks.sliding_window_view(padded, k).max(axis=1))
 
 
-@functools.cache
-def edge(n: int, width: int, last_slot: bool) -> tuple[IntArray, IntArray, tuple[IntArray, ...]]:
+@functools.lru_cache(maxsize=256)
+def edge(n: int, width: int, last_slot: bool, start: int = 0
+         ) -> tuple[IntArray, IntArray, tuple[IntArray, ...]]:
     """The stages of at most ``width`` layers over ``n`` that a pipeline's first slot may
     take (they start at layer 0: the band's first row) or, with ``last_slot``, its last
     (they end at layer ``n - 1``: a column, one stage a row): index arrays ``(first,
-    last)`` and where each stage sits in the band (:func:`band`)."""
+    last)`` and where each stage sits in the band (:func:`band`); with ``start``, only
+    those of more than ``start`` layers (what widening the edge from ``start`` adds: the
+    first slot's later columns, the last slot's earlier rows)."""
     if not last_slot:
-        k = np.arange(width)[None, :]
+        k = np.arange(start, width)[None, :]
         return np.zeros_like(k), np.minimum(k, n - 1), (np.zeros_like(k), k)
-    first = np.arange(max(0, n - width), n)[:, None]
+    first = np.arange(max(0, n - width), max(0, n - start))[:, None]
     last = np.full_like(first, n - 1)
     return first, last, (first, last - first)
+
+
+def edge_size(n: int, width: int, last_slot: bool) -> int:
+    """How many stages :func:`edge` gives: a column holds at most the ``n`` layers."""
+    return min(width, n) if last_slot else width
 
 
 def pick(table: FloatArray, rows: IntArray | int, last: IntArray | int) -> FloatArray:

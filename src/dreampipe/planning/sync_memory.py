@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
 from dreampipe.planning.state_bytes import Training
-from dreampipe.planning.sync_bands import band, capacity_of, edge, pick, row_sums
+from dreampipe.planning.sync_bands import band, capacity_of, edge, edge_size, pick, row_sums
 from dreampipe.planning.sync_stage_option import (
     Recompute,
     StageOption,
@@ -54,8 +54,10 @@ class StageMemory:
         self._split = twin_bases(self.options, by_split=True)
         self._twins = len(set(self._split)) < len(self._split)
         self._sharded = d > 1 and any(o.zero >= SHARDED_LEVEL for o in self.options)
-        #: each option's band capacity within each room, as wide as read so far
+        #: each option's band capacity within each room, as wide as read so far, and its
+        #: edges' (:meth:`edge_capacity`)
         self._capacities: dict[tuple[int, float], FloatArray] = {}
+        self._edge_capacities: dict[tuple[int, float, bool], FloatArray] = {}
 
     def memory(self, x: int, held: float) -> FloatArray:
         """``[i, j]``: bytes per worker of option ``x`` holding ``held`` microbatches."""
@@ -184,16 +186,25 @@ class StageMemory:
         return (fixed + recomputed_peak(self.blocks, layer_kept, o.blocks),
                 first + rest + row_sums(entry))
 
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
     def edge_capacity(self, x: int, room: float, width: int, last_slot: bool) -> FloatArray:
         """:meth:`capacity` of the stages a pipeline's first slot (or ``last_slot``) may take
-        alone (:func:`~dreampipe.planning.sync_bands.edge`)."""
-        return capacity_of(*self._at_zero(x, *self._edge_parts(self._base[x], width,
-                                                               last_slot)), room)
+        alone (:func:`~dreampipe.planning.sync_bands.edge`), widened as a band is."""
+        size, axis = edge_size(self.n, width, last_slot), 0 if last_slot else 1
+        have = self._edge_capacities.get((x, room, last_slot))
+        if have is None or have.shape[axis] < size:
+            done = 0 if have is None else have.shape[axis]
+            new = capacity_of(*self._at_zero(x, *self._edge_parts(self._base[x], size,
+                                                                  last_slot, done)), room)
+            have = new if have is None else np.concatenate(
+                (new, have) if last_slot else (have, new), axis=axis)
+            self._edge_capacities[x, room, last_slot] = have
+        if have.shape[axis] == size:
+            return have
+        return have[-size:] if last_slot else have[:, :size]
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _edge_parts(self, x: int, width: int, last_slot: bool) -> _MemoryParts:
-        rows, last, _ = edge(self.n, width, last_slot)
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - per instance, dropped with it
+    def _edge_parts(self, x: int, width: int, last_slot: bool, start: int) -> _MemoryParts:
+        rows, last, _ = edge(self.n, width, last_slot, start)
         return self._parts(x, rows, last)
 
     def _costs(self, o: StageOption) -> RangeCosts:

@@ -35,6 +35,7 @@ from dreampipe.planning.sync_bands import (
     band,
     band_allreduce_ends,
     edge,
+    edge_size,
     pick,
 )
 from dreampipe.planning.sync_levels import LevelFree, at_level
@@ -89,8 +90,10 @@ class StageTables:
         self._base = twin_bases(self.options)
         self._split = twin_bases(self.options, by_split=True)
         self._twins = len(set(self._split)) < len(self._split)
-        #: each option's band times on each replica layout, as wide as read so far
+        #: each option's band times on each replica layout, as wide as read so far, and
+        #: its edges' (:meth:`edge_times`)
         self._bands: dict[tuple[int, tuple[int, ...]], _Times] = {}
+        self._edges: dict[tuple[int, tuple[int, ...], bool], _Times] = {}
         self._memory = StageMemory(inputs.costs, inputs.training, inputs.profiled_param_bytes,
                                    inputs.blocks, self.options, d, fraction)
 
@@ -127,14 +130,29 @@ class StageTables:
         """:meth:`times` of the stages a pipeline's first slot (or ``last_slot``) may take
         alone (:func:`~dreampipe.planning.sync_bands.edge`): a slot that reads no more
         makes no band."""
-        return self._at_level(x, self._edge_terms(self._base[x], self.groups(block), width,
-                                                  last_slot))
+        # as a band: each stage's entry is its own, so a wider edge adds only its new stages
+        # (the first slot's columns after, the last slot's rows before)
+        groups, size = self.groups(block), edge_size(self.n, width, last_slot)
+        have = self._edges.get((x, groups, last_slot))
+        axis = 0 if last_slot else 1
+        if have is None or have[0].shape[axis] < size:
+            done = 0 if have is None else have[0].shape[axis]
+            new = self._at_level(x, self._edge_terms(self._base[x], groups, size, last_slot,
+                                                     done))
+            have = new if have is None else _joined(*((new, have) if last_slot else
+                                                      (have, new)), axis=axis)
+            self._edges[x, groups, last_slot] = have
+        if have[0].shape[axis] == size:
+            return have
+        if last_slot:
+            return have[0][-size:], have[1][-size:], have[2][-size:]
+        return have[0][:, :size], have[1][:, :size], have[2][:, :size]
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - per instance, dropped with it
-    def _edge_terms(self, x: int, groups: tuple[int, ...], width: int, last_slot: bool
-                    ) -> LevelFree:
-        rows, last, _ = edge(self.n, width, last_slot)
-        return self._terms(x, groups, rows, last, last_slot)
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - twins are read one after another
+    def _edge_terms(self, x: int, groups: tuple[int, ...], width: int, last_slot: bool,
+                    start: int) -> LevelFree:
+        rows, last, _ = edge(self.n, width, last_slot, start)
+        return self._terms(x, groups, rows, last, last_slot, start=0 if last_slot else start)
 
     def _times(self, x: int, groups: tuple[int, ...], width: int | None
                ) -> tuple[FloatArray, FloatArray, FloatArray]:
@@ -340,10 +358,12 @@ _Common = tuple[FloatArray, FloatArray, FloatArray, FloatArray, FloatArray]
 _Times = tuple[FloatArray, FloatArray, FloatArray]
 
 
-def _joined(have: _Times, new: _Times) -> _Times:
-    """A band's times widened by the columns ``new``."""
-    return (np.concatenate((have[0], new[0]), axis=1), np.concatenate((have[1], new[1]), axis=1),
-            np.concatenate((have[2], new[2]), axis=1))
+def _joined(first: _Times, then: _Times, axis: int = 1) -> _Times:
+    """Times of stages ``first`` and ``then`` side by side along ``axis`` (a band's
+    columns, an edge's columns or rows)."""
+    return (np.concatenate((first[0], then[0]), axis=axis),
+            np.concatenate((first[1], then[1]), axis=axis),
+            np.concatenate((first[2], then[2]), axis=axis))
 
 
 def block_groups(block: int, d: int, t: int, topology: Topology) -> tuple[int, ...]:
