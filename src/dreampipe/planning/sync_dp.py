@@ -104,6 +104,7 @@ class _Slots:
         self._seen: dict[tuple[object, ...], tuple[int, FloatArray, IntArray]] = {}
         self._options: dict[tuple[object, ...], _SlotPrices] = {}
         self._cuts: dict[int, FloatArray] = {}
+        self._span: dict[tuple[object, ...], tuple[int, int]] | None = None
         #: each stage's next first layer (``n + 1``, past any, where it is left out)
         self.after = np.where(self.inside, self.last + 1, n + 1)
 
@@ -128,17 +129,43 @@ class _Slots:
         whose ``y`` is below ``lift_below``, and which option (the first of those with the
         least value); ``lo`` and the two (inf and 0 for the stages it may not take, and
         every stage of the rows not given)."""
-        sl = self.slots
-        cut = self._cut(c)
-        edge = self._edge(c, sl.count)
-        slot = (self.tables.groups(sl.blocks[c]), cut.tobytes(), sl.in_flight[c], edge,
-                self._window(c) if edge is None else None)  # slots alike price alike
+        edge = self._edge(c, self.slots.count)
+        slot = self._slot(c)  # slots alike price alike: a middle slot's, on all their rows
         key = (*slot, tail_below, lift_below)
         if key not in self._seen:
             if slot not in self._options:
-                self._options[slot] = self._priced(c, cut, edge)
+                self._options[slot] = self._priced(c, self._cut(c), edge,
+                                                   None if edge is not None else
+                                                   self._spans()[slot])
             self._seen[key] = self._values(self._options[slot], tail_below, lift_below)
-        return self._seen[key]
+        lo, best, pick = self._seen[key]
+        if edge is not None:
+            return lo, best, pick
+        first, last = self._window(c)  # the slot's own rows of those
+        a, b = first - lo, max(first, last + 1) - lo
+        return first, best[a:b], pick[a:b]
+
+    def _slot(self, c: int) -> tuple[object, ...]:
+        """What slot ``c``'s prices depend on: its replicas' layout, its cut, what it holds
+        and which stages it may take."""
+        sl = self.slots
+        return (self.tables.groups(sl.blocks[c]), self._cut(c).tobytes(), sl.in_flight[c],
+                self._edge(c, sl.count))
+
+    def _spans(self) -> dict[tuple[object, ...], tuple[int, int]]:
+        """Each middle slot's first layers (:meth:`_window`) joined over the slots alike."""
+        if self._span is None:
+            self._span = {}
+            for c in range(1, self.slots.count - 1):
+                lo, hi = self._window(c)
+                key = self._slot(c)
+                if key not in self._span:
+                    self._span[key] = (lo, hi)
+                elif lo <= hi:
+                    was = self._span[key]
+                    self._span[key] = (lo, hi) if was[0] > was[1] else (
+                        min(was[0], lo), max(was[1], hi))
+        return self._span
 
     def _values(self, prices: _SlotPrices, tail_below: float, lift_below: float
                 ) -> tuple[int, FloatArray, IntArray]:
@@ -161,7 +188,8 @@ class _Slots:
         full[at[0] - lo, at[1]], chosen[at[0] - lo, at[1]] = best, pick
         return lo, full, chosen
 
-    def _priced(self, c: int, cut: FloatArray, edge: bool | None) -> _SlotPrices:
+    def _priced(self, c: int, cut: FloatArray, edge: bool | None,
+                span: tuple[int, int] | None) -> _SlotPrices:
         """Slot ``c``'s rows, or edge stages (``at``), their shape, and each option's ``(x,
         g, tail, y, fits)`` over them, made once a slot (:meth:`values`): the bounds on
         tails and ``y`` only filter."""
@@ -172,7 +200,8 @@ class _Slots:
         if edge is not None:
             _, last, at = stage_edge(tables.n, width, edge)
         else:  # a middle slot: only the first layers the slots around it may leave it
-            lo, hi = self._window(c)
+            assert span is not None
+            lo, hi = span
             rows = slice(lo, max(lo, hi + 1))
             last = last[rows]
         after = cut[last]
