@@ -23,10 +23,16 @@ IntArray = npt.NDArray[np.int64]
 
 def capacity_of(fixed: FloatArray, per: FloatArray, room: float) -> FloatArray:
     """:meth:`~dreampipe.planning.sync_tables.StageTables.capacity` of memory terms
-    ``fixed + held * per``."""
+    ``fixed + held * per``: ``floor((room - fixed) / per)``, inf where ``per`` is not
+    positive, -1 where ``fixed`` is over ``room`` (made in place: a masked copy over a
+    band's runs of stages is faster than a select)."""
+    most = np.subtract(room, fixed)
     with np.errstate(divide="ignore", invalid="ignore"):
-        most = np.where(per > 0, np.floor((room - fixed) / per), np.inf)
-    return np.asarray(np.where(fixed > room, -1.0, most))
+        np.divide(most, per, out=most)
+    np.floor(most, out=most)
+    np.copyto(most, np.inf, where=~(per > 0))
+    np.copyto(most, -1.0, where=fixed > room)
+    return most
 
 
 @functools.lru_cache(maxsize=256)
@@ -54,18 +60,26 @@ def band_allreduce_ends(pb: FloatArray, pw: FloatArray, lat: float, per: float,
     end at the profile's last layer (:func:`edge`); ``pb`` and ``pw`` sum the backward
     and the weights over the first layers."""
     later = last >= rows
+    after, before = last + 1, pw[rows]
     if overlap:
         h = np.where(pw[1:] > pw[:-1], per * pw[1:] - pb[:-1], -np.inf)
         if is_column:  # the maximum from the last layer back
             end = np.maximum.accumulate(h[::-1])[::-1][rows]
         else:
-            end = np.maximum.accumulate(np.where(later, h[last], -np.inf), axis=1)
+            end = h[last]
+            if not later.all():
+                np.copyto(end, -np.inf, where=~later)
+            np.maximum.accumulate(end, axis=1, out=end)
             if start:  # the maximum over the band's first ``start`` columns too
-                end = np.maximum(end, _window_max(h, start)[rows[:, :1]])
-        end = end + lat + pb[last + 1] - per * pw[rows]
+                np.maximum(end, _window_max(h, start)[rows[:, :1]], out=end)
+        end += lat  # in place, in the order end + lat + pb[last + 1] - per * pw[rows]
+        end += pb[after]
+        end -= per * before
     else:
-        end = lat + (pb[last + 1] - pb[rows]) + per * (pw[last + 1] - pw[rows])
-    return np.asarray(np.where(later & (pw[last + 1] - pw[rows] > 0), end, 0.0))
+        end = lat + (pb[after] - pb[rows]) + per * (pw[after] - before)
+    later &= pw[after] - before > 0
+    np.copyto(end, 0.0, where=~later)
+    return np.asarray(end)
 
 
 def _window_max(h: FloatArray, k: int) -> FloatArray:
@@ -85,10 +99,14 @@ def edge(n: int, width: int, last_slot: bool, start: int = 0
     first slot's later columns, the last slot's earlier rows)."""
     if not last_slot:
         k = np.arange(start, width)[None, :]
-        return np.zeros_like(k), np.minimum(k, n - 1), (np.zeros_like(k), k)
-    first = np.arange(max(0, n - width), max(0, n - start))[:, None]
-    last = np.full_like(first, n - 1)
-    return first, last, (first, last - first)
+        first, last, at = np.zeros_like(k), np.minimum(k, n - 1), (np.zeros_like(k), k)
+    else:
+        first = np.arange(max(0, n - width), max(0, n - start))[:, None]
+        last = np.full_like(first, n - 1)
+        at = (first, last - first)
+    for a in (first, last, *at):  # cached: read-only, as pick may keep their flat index
+        a.flags.writeable = False
+    return first, last, at
 
 
 def edge_size(n: int, width: int, last_slot: bool) -> int:
@@ -105,7 +123,26 @@ def pick(table: FloatArray, rows: IntArray | int, last: IntArray | int) -> Float
         return cast(FloatArray, table[rows, last])
     if not table.flags.c_contiguous:  # a broadcast table: flattening it would copy it
         return np.asarray(table[rows, last])
-    return np.asarray(table.reshape(-1)[rows * table.shape[1] + last])
+    return np.asarray(table.reshape(-1)[_flat(rows, last, table.shape[1])])
+
+
+#: The flat indices of the last index arrays :func:`pick` read (each with them): a
+#: table's terms read several tables through one band's.
+_FLATS: list[tuple[IntArray, IntArray, int, IntArray]] = []
+
+
+def _flat(rows: IntArray, last: IntArray, cols: int) -> IntArray:
+    """``rows * cols + last``, kept for read-only index arrays (:func:`band`'s and
+    :func:`edge`'s), which no one changes while it keeps them."""
+    if rows.flags.writeable or last.flags.writeable:
+        return rows * cols + last
+    for r, k, c, flat in _FLATS:
+        if r is rows and k is last and c == cols:
+            return flat
+    flat = rows * cols + last
+    _FLATS.insert(0, (rows, last, cols, flat))
+    del _FLATS[4:]
+    return flat
 
 
 def row_sums(masked: FloatArray) -> FloatArray:

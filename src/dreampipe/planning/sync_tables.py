@@ -226,10 +226,13 @@ class StageTables:
             end = band_allreduce_ends(backward, weighed, lat, per,
                                       self.inputs.topology.overlap, rows, last, is_column,
                                       start)
-            ar = np.where(weights > 0, lat + per * weights, 0.0)
+            ar = per * weights  # lat + per * weights where there are weights, else 0
+            ar += lat
+            np.copyto(ar, 0.0, where=~(weights > 0))
         else:
             end = ar = np.zeros_like(compute)
-        wgrad = np.where(last >= rows, made[last + 1] - made[rows], 0.0)
+        wgrad = made[last + 1] - made[rows]  # 0 before a stage's first layer
+        np.copyto(wgrad, 0.0, where=~(last >= rows))
         return forward, compute, end, ar, wgrad
 
     def _at_level(self, x: int, terms: LevelFree) -> tuple[FloatArray, FloatArray, FloatArray]:
