@@ -225,8 +225,10 @@ class BoundStates:
         replicas in the state (the cheapest terms of its least replica count on its
         band of servers: of its span unsplit, of any layout split), so that the stage
         takes at least this over its workers; ``inf`` where no replica fits
-        ``memory_bytes`` with one minibatch in flight, and the recomputing stage's
-        ``max(C + F, 2F + end)`` where only that fits."""
+        ``memory_bytes`` with one minibatch in flight, even recomputing where
+        ``recompute`` allows (recomputing adds ``t F``, which
+        :mod:`~dreampipe.planning.bound_memory` counts with the memory the stage
+        needs)."""
         reps = np.maximum(1, -(-self.first // t))
         lat, per = np.empty(len(reps)), np.empty(len(reps))
         for q, (k, r, c, d) in enumerate(zip(self.span, reps, self.units_lo, self.units_hi,
@@ -248,10 +250,9 @@ class BoundStates:
                                                0.0))[None]
         plain = np.maximum(c, f + end)
         if memory_bytes is not None:
-            again = np.maximum(c + f, 2 * f + end)
             fits = costs.max_versions(memory_bytes) >= 1
-            fits_again = (costs.max_versions(memory_bytes, recompute=True) >= 1) & recompute
-            plain = np.where(fits[None], plain, np.where(fits_again[None], again, np.inf))
+            fits |= (costs.max_versions(memory_bytes, recompute=True) >= 1) & recompute
+            plain = np.where(fits[None], plain, np.inf)
         out = plain.transpose(1, 2, 0)[:, :, back.ravel()]
         out[:, :, t > self.last] = np.inf
         out *= t

@@ -8,7 +8,8 @@ its all-reduce at the cheapest layout of as many replicas on as many servers,
 the cuts around it at the cheapest level and sharing the two stages' counts,
 spans and servers allow (:class:`_Cuts`; where a stage across servers meets
 stages inside one, the workers it holds in that server leave them less room),
-its memory with one minibatch in flight. A plan of time
+its memory with PipeDream's count of minibatches in flight given the fewest
+workers after it (:mod:`~dreampipe.planning.bound_memory`). A plan of time
 ``P`` gives each stage at least the workers these terms need to reach ``P``,
 so when the fewest workers a partition of the layers needs
 (:func:`_workers_needed`, a dynamic program over layers and states) exceed
@@ -19,17 +20,18 @@ the topology's, no plan reaches ``P``; a bisection finds the largest such
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dreampipe.planning.bound_states import BoundStates
+from dreampipe.planning.bound_memory import InFlight, in_flight_terms
+from dreampipe.planning.bound_states import GRIDS, BoundStates
 from dreampipe.planning.costs import BoolArray, FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
 
-__all__ = ["BOUND_ENTRIES", "lower_bound", "work_bound"]
+__all__ = ["BOUND_ENTRIES", "fewest_workers", "lower_bound", "work_bound"]
 
 #: The most ``layers^2 x states`` the relaxed program tabulates; beyond it the bound falls
 #: back on :func:`work_bound`.
@@ -38,6 +40,10 @@ BOUND_ENTRIES = 8_000_000
 _PRECISION = 1e-3
 #: A bound within this share of the plan's time says enough: finer states are not tried.
 _CLOSE_ENOUGH = 0.02
+#: The bisection's first guess lies this share below the plan's time.
+_GUESS = 0.05
+#: The most cut sizes whose allowed pairs of states :class:`_Cuts` keeps at once.
+_PATTERNS = 8
 
 
 class _Cuts:
@@ -72,6 +78,8 @@ class _Cuts:
         #: the least latency of any level: what a cut whose pairs all meet inside pays
         self.alpha = min(lv.latency for lv in levels)
         self.cut_bytes = np.asarray(cut_bytes, dtype=np.float64)
+        self._memo: dict[tuple[float, float, int], tuple[list[tuple[BoolArray, float]],
+                                                         BoolArray]] = {}
         # per m >= 1 and level j < m (-1: none), ``(S_j, its states' most share held
         # alone, the summed bandwidth of levels j+1..m, their least latency)``: what
         # :meth:`cont` needs to bound the spread case (class doc)
@@ -160,18 +168,8 @@ class _Cuts:
 
         A spread cut between a stage of span 0 and one across servers reads the room
         (:meth:`_rooms`)."""
-        size = float(self.cut_bytes[t])
         s = 0 if room is None else room.shape[0]
-        spread: list[tuple[BoolArray, float]] = []
-        if 2 * self.alpha <= p:
-            spread = [(self.wider[m] & ok, held) for m in range(1, len(self.wider))
-                      for ok, held in [self._spread_allows(m, size, p)]]
-        allowed = np.zeros(self.wider[0].shape, dtype=bool)
-        for ok, _ in spread:
-            allowed[s:, s:] |= ok[s:, s:]
-        for k, single in enumerate(self.single):
-            if self.one[k, t] <= p and (k > 0 or room is None):
-                allowed |= single
+        spread, allowed = self._pattern(t, p, s)
         least = np.minimum.reduceat(need, self.bases)
         fresh = np.min(np.where(allowed, least[None, :], np.inf), axis=1)
         into, out = self._rooms(spread, least, room)
@@ -193,6 +191,30 @@ class _Cuts:
             same = np.min(np.where(inside[:, :, None], room[None], np.inf), axis=1)
             np.minimum(after, same, out=after)
         return fresh, after
+
+    def _pattern(self, t: int, p: float, s: int
+                 ) -> tuple[list[tuple[BoolArray, float]], BoolArray]:
+        """:meth:`cont`'s spread cuts and which pairs of states a cut before ``t`` of at
+        most ``p`` allows (``s``: the states of span 0 whose rooms are tracked, else 0),
+        kept for the cuts of the same size (a model's repeated blocks cut alike)."""
+        size = float(self.cut_bytes[t])
+        key = (p, size, s)
+        if key in self._memo:
+            return self._memo[key]
+        spread: list[tuple[BoolArray, float]] = []
+        if 2 * self.alpha <= p:
+            spread = [(self.wider[m] & ok, held) for m in range(1, len(self.wider))
+                      for ok, held in [self._spread_allows(m, size, p)]]
+        allowed = np.zeros(self.wider[0].shape, dtype=bool)
+        for ok, _ in spread:
+            allowed[s:, s:] |= ok[s:, s:]
+        for k, single in enumerate(self.single):
+            if self.one[k, t] <= p and (k > 0 or s == 0):
+                allowed |= single
+        if len(self._memo) >= _PATTERNS:
+            self._memo.clear()
+        self._memo[key] = spread, allowed
+        return spread, allowed
 
     def _rooms(self, spread: list[tuple[BoolArray, float]], least: FloatArray,
                room: FloatArray | None) -> tuple[FloatArray, FloatArray | None]:
@@ -228,10 +250,12 @@ class _Cuts:
 
 
 def _workers_needed(work: FloatArray, states: BoundStates, cuts: _Cuts, p: float,
-                    workers: int) -> float:
+                    workers: int, memory: InFlight | None = None) -> float:
     """The fewest workers any plan of time at most ``p`` uses, relaxed (module doc): stage
     ``i..j`` on ``x`` workers in state ``q`` takes at least ``work[i, j, q] / x``, and
-    ``need[i, q]`` is the fewest from layer ``i`` on with a first stage in ``q``.
+    ``need[i, q]`` is the fewest from layer ``i`` on with a first stage in ``q``; with
+    ``memory``, also what its minibatches in flight need of it, given at least the fewest
+    workers after it that the program counts (:class:`InFlight`).
 
     Where servers are small (``states.room``), ``room[i, q, rho]`` also counts, for a
     first stage of span 0, the ``rho`` workers its server has left for it and the
@@ -245,12 +269,21 @@ def _workers_needed(work: FloatArray, states: BoundStates, cuts: _Cuts, p: float
     room = None if r is None else np.full((s, r + 1), np.inf)
     cap = workers + 1.0
     rhos = np.arange((r or 0) + 1)
+    lowest = np.zeros((n + 1, k))  # [t, q]: the fewest workers after a stage in q to t - 1
+    scale = (1 - 1e-12) / p
     for i in range(n - 1, -1, -1):
         if i + 1 < n:
             fresh[i + 1], got = cuts.cont(i + 1, need, room, p)
             if got is not None:
                 after[i + 1] = got
-        x = np.maximum(states.first[None, :], np.ceil(work[i, i:] / p * (1 - 1e-12)))
+            if memory is not None:
+                np.minimum(fresh[i + 1], cap, out=lowest[i + 1])
+                if got is not None:
+                    np.minimum(lowest[i + 1, :s], np.min(got, axis=1), out=lowest[i + 1, :s])
+        x = np.ceil(work[i, i:] * scale)
+        np.maximum(x, states.first[None, :], out=x)
+        if memory is not None:
+            x = memory.fewest(i, x, work, lowest[i + 1:], states.first, scale)
         x[x > states.last[None, :]] = np.inf
         need = np.minimum(cap, np.min(x + fresh[i + 1:], axis=0))
         if room is not None and r is not None:
@@ -308,23 +341,49 @@ def lower_bound(fine: RangeCosts, topo: Topology, sync: Sync, above: float,
     return best
 
 
-def _relaxed(fine: RangeCosts, topo: Topology, states: BoundStates,
-             splits: Sequence[StageSplit], memory_bytes: int | None, recompute: bool,
-             lo: float, hi: float) -> float:
-    """The relaxed program's least time on ``states``, found by bisection between ``lo``
-    (a bound already) and ``hi``; ``lo`` where it is no more."""
+def fewest_workers(costs: RangeCosts, topo: Topology, sync: Sync, p: float,
+                   splits: Sequence[StageSplit] = (), memory_bytes: int | None = None,
+                   recompute: bool = False) -> float:
+    """At most the fewest workers that any plan of ``costs``' layers on ``topo`` taking at
+    most ``p`` uses (the relaxed program on the coarsest states, 0 beyond their budget):
+    a search may skip the plans on fewer."""
+    states = BoundStates(topo, sync, [1, *(s.t for s in splits)], GRIDS[-1])
+    if not states.fits(costs.n, BOUND_ENTRIES):
+        return 0.0
+    return _program(costs, topo, states, splits, memory_bytes, recompute)(p)
+
+
+def _program(fine: RangeCosts, topo: Topology, states: BoundStates,
+             splits: Sequence[StageSplit], memory_bytes: int | None, recompute: bool
+             ) -> Callable[[float], float]:
+    """The relaxed program's fewest workers for a time ``p``, its tables made once."""
     w = topo.num_workers
     work = states.work(fine, 1, topo.overlap, memory_bytes, recompute)
     for s in splits:
         np.minimum(work, states.work(s.costs, s.t, topo.overlap, memory_bytes, recompute),
                    out=work)
     cuts = _Cuts(topo, fine.cut_bytes, states)
+    memory = None if memory_bytes is None else in_flight_terms(
+        [(fine, 1), *((s.costs, s.t) for s in splits)], memory_bytes, recompute)
+    return lambda p: _workers_needed(work, states, cuts, p, w, memory)
+
+
+def _relaxed(fine: RangeCosts, topo: Topology, states: BoundStates,
+             splits: Sequence[StageSplit], memory_bytes: int | None, recompute: bool,
+             lo: float, hi: float) -> float:
+    """The relaxed program's least time on ``states``, found by bisection between ``lo``
+    (a bound already) and ``hi``; ``lo`` where it is no more. The first guess is
+    :data:`_GUESS` below ``hi``: most plans lie that close to their bound, which then
+    takes fewer steps."""
+    needed = _program(fine, topo, states, splits, memory_bytes, recompute)
 
     def reaches(p: float) -> bool:
-        return _workers_needed(work, states, cuts, p, w) <= w
+        return needed(p) <= topo.num_workers
 
+    first = True
     while hi > lo * (1 + _PRECISION):
-        mid = math.sqrt(lo * hi)
+        mid = max(hi / (1 + _GUESS), math.sqrt(lo * hi)) if first else math.sqrt(lo * hi)
+        first = False
         if reaches(mid):
             hi = mid
         else:

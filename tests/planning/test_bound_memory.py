@@ -1,0 +1,129 @@
+"""The lower bound's in-flight terms: a stage holding its minibatches in flight needs at
+least the workers they say, given at most the workers after it, on any placement."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from dreampipe.planning import bound_states
+from dreampipe.planning import bounds as bounds_module
+from dreampipe.planning.bound_memory import in_flight_terms
+from dreampipe.planning.bounds import lower_bound
+from dreampipe.planning.costs import RangeCosts
+from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.sync import Sync, SyncKind
+from dreampipe.planning.topology import Level, Topology
+from dreampipe.profiling.graph import Layer, LayerGraph
+
+
+def _chain(data: st.DataObject, n: int) -> LayerGraph:
+    return LayerGraph.chain([
+        Layer(f"l{i}", data.draw(st.floats(0.1, 20.0)), data.draw(st.floats(0.1, 40.0)),
+              data.draw(st.sampled_from([10**5, 10**7, 10**8])),
+              data.draw(st.sampled_from([10**5, 10**7, 10**8, 10**9])))
+        for i in range(n)])
+
+
+def _placed(data: st.DataObject, n: int, workers: int
+            ) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """A partition of ``n`` layers, each stage on its own workers (some may idle)."""
+    count = data.draw(st.integers(1, min(n, workers)))
+    cuts = data.draw(st.sets(st.integers(1, n - 1), min_size=count - 1,
+                             max_size=count - 1)) if count > 1 else set()
+    edges = [0, *sorted(cuts), n]
+    owner = data.draw(st.lists(st.integers(0, count), min_size=workers, max_size=workers))
+    placed = [[w for w, o in enumerate(owner) if o == s] for s in range(count)]
+    assume(all(placed))
+    return [(a, b - 1) for a, b in itertools.pairwise(edges)], placed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 8), st.booleans(), st.data())
+def test_a_stage_that_fits_has_the_workers_its_minibatches_in_flight_need(
+        n: int, workers: int, again: bool, data: st.DataObject) -> None:
+    # any stage of any plan that fits at PipeDream's count in flight, as it is or
+    # recomputing, has at least the workers the in-flight terms ask of it with the
+    # workers after it; the limit holds one stage's minibatches in flight just so
+    fine = RangeCosts.of(_chain(data, n))
+    spans, placed = _placed(data, n, workers)
+    counts = [len(x) for x in placed]
+    tight = data.draw(st.integers(0, len(spans) - 1))
+    limit = fine.memory(*spans[tight], in_flight_counts(counts, 0)[tight], recompute=again)
+    terms = in_flight_terms([(fine, 1)], limit, True)
+    for k, ((i, j), v) in enumerate(zip(spans, in_flight_counts(counts, 0), strict=True)):
+        if fine.memory(i, j, v) > limit and fine.memory(i, j, v, recompute=True) > limit:
+            continue
+        after = np.ones((n - i, 1))
+        after[j - i] = sum(counts[k + 1:])
+        need = terms.fewest(i, np.zeros((n - i, 1)), np.zeros((n, n, 1)), after,
+                            np.ones(1), 1.0)
+        assert need[j - i, 0] <= counts[k]
+
+
+@pytest.mark.parametrize("sync", [Sync(SyncKind.HIERARCHICAL), Sync(SyncKind.RING)])
+def test_the_first_stage_of_a_deep_pipeline_pays_for_its_minibatches_in_flight(
+        sync: Sync) -> None:
+    # a light layer of heavy weights, then a heavy one of none, on four workers under a
+    # limit that holds two versions of the first: before three replicas of the second
+    # it holds four minibatches, and replicating it costs more than the second alone,
+    # so the best plan leaves workers idle; the bound knows it (and stays at most the
+    # optimum, every plan searched exactly), the same program blind to it does not
+    graph = LayerGraph.chain([Layer("a", 0.1, 0.2, 10**6, 10**10),
+                              Layer("b", 10.0, 20.0, 10**6, 0)])
+    topo = Topology((Level(4, 1e11, 1e-6),))
+    fine = RangeCosts.of(graph)
+    limit = int(fine.memory(0, 0, 2))
+    assert fine.max_versions(limit)[0, 0] == 2
+    best = plan_pipeline(graph, topo, PlanOptions(memory_bytes=limit, sync=sync,
+                                                  exact=True)).time_per_minibatch_s
+    bound = lower_bound(fine, topo, sync, 4 * best, (), limit, False)
+    with pytest.MonkeyPatch.context() as patch:  # the same program blind to them
+        patch.setattr(bounds_module, "in_flight_terms", lambda *args: None)
+        blind = lower_bound(fine, topo, sync, 4 * best, (), limit, False)
+    assert blind < bound <= best * (1 + 1e-9)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.sampled_from([(2, 2), (3, 2), (4,)]), st.floats(0.05, 1.0), st.booleans(),
+       st.data())
+def test_every_placed_plan_that_fits_is_a_path_of_the_relaxed_program(
+        shape: tuple[int, ...], share: float, recompute: bool, data: st.DataObject) -> None:
+    # a plan on any workers that fits its memory at PipeDream's count in flight is one
+    # the relaxed program holds at its time with its in-flight terms, on its own ranges
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** -k, 1e-5) for k, c in enumerate(shape)))
+    n = data.draw(st.integers(2, 4))
+    fine = RangeCosts.of(_chain(data, n))
+    limit = max(1, int(share * fine.memory(0, n - 1, 2)))
+    spans, placed = _placed(data, n, topo.num_workers)
+    sync = Sync(SyncKind.HIERARCHICAL)
+    stages = price_stages(fine, topo, spans, placed, sync, limit)
+    again = [recompute and x.memory_bytes > limit for x in stages]
+    stages = price_stages(fine, topo, spans, placed, sync, limit, again)
+    counts = in_flight_counts([len(x) for x in placed], 0)
+    assume(all(fine.memory(i, j, v, recompute=a) <= limit
+               for (i, j), v, a in zip(spans, counts, again, strict=True)))
+    time = slowest(stages)
+    states = bound_states.BoundStates(topo, sync, [1], bound_states.GRIDS[0])
+    work = states.work(fine, 1, topo.overlap, limit, recompute)
+    own = np.full_like(work, np.inf)
+    for (a, b), workers in zip(spans, placed, strict=True):
+        unit = np.cumprod([lv.count for lv in topo.levels])
+        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+        held = len({v // shape[0] for v in workers})
+        (q,) = [q for q in range(len(states.first)) if states.span[q] == span
+                and states.first[q] <= len(workers) <= states.last[q]
+                and states.units_lo[q] <= held <= states.units_hi[q]]
+        own[a, b, q] = work[a, b, q]
+    cuts = bounds_module._Cuts(topo, fine.cut_bytes, states)
+    memory = in_flight_terms([(fine, 1)], limit, recompute)
+    used = sum(len(x) for x in placed)
+    assert bounds_module._workers_needed(own, states, cuts, time * (1 + 1e-9),
+                                         topo.num_workers, memory) <= used
