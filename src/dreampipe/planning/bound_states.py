@@ -26,7 +26,7 @@ __all__ = ["BoundStates", "cheapest_terms"]
 EXACT_WORKERS = 16
 #: ``(worker interval ratio, server band ratio)`` of the states, finest first
 #: (:meth:`BoundStates.within`); the finer, the tighter the bound and the more states.
-GRIDS = ((1.06, 1.1), (1.06, 1.25), (1.15, 1.25), (1.15, 1.5), (1.3, 2.0), (1.6, 3.0))
+GRIDS = ((1.06, 1.1), (1.06, 1.25), (1.15, 1.25), (1.15, 1.5), (1.3, 1.5), (1.3, 2.0), (1.6, 3.0))
 #: The grid tried first where it fits (:meth:`BoundStates.coarse_to_fine`): few states,
 #: and a bound close to the plan on most profiles.
 FIRST_GRID = (1.06, 2.0)
