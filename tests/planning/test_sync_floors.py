@@ -102,12 +102,14 @@ def _with_cut(env: np.ndarray, fraction: float, cut: float, count: int, lo: floa
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.floats(0.0, 5.0), min_size=1, max_size=30), st.booleans(),
-       st.sampled_from([0.5, 1.0, 3.0]), st.floats(0.0, 2.0), st.integers(1, 24))
+@given(st.lists(st.floats(0.0, 5.0, allow_subnormal=False), min_size=1, max_size=30),
+       st.booleans(), st.sampled_from([0.5, 1.0, 3.0]),
+       st.floats(0.0, 2.0, allow_subnormal=False), st.integers(1, 24))
 def test_the_floor_with_cuts_reads_each_rows_reach_as_its_row_says(
         times: list[float], ties: bool, fraction: float, cut: float, count: int) -> None:
     """The same floor, bit for bit, whether the rows' reach is read all at once (many
-    stages) or row by row (a few)."""
+    stages) or row by row (a few). (No subnormal figures: the bisection's relative
+    precision does not end below the least normal number.)"""
     env = _env(times, ties)
     assert least_largest_with_cut(Reach(env), fraction, cut, count, 0.0) == _with_cut(
         env, fraction, cut, count, 0.0)

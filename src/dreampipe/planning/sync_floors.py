@@ -223,13 +223,18 @@ class Reach:
         self._offsets = rows * (len(self._values) + 2)  # rows apart, each in its own span
         self._flat = (codes + 1 + self._offsets[:, None]).ravel()
         self._before = rows * n + rows  # flat entries before row i, and row i's left part
+        self._reach: dict[int, list[int]] = {}
 
     def reach(self, theta: float) -> list[int]:
         """``[i]``: how many layers from layer ``i`` on a stage may hold while its
-        :func:`envelope` entry is at most ``theta``."""
+        :func:`envelope` entry is at most ``theta`` (shared: read only). Bounds between the
+        same two values reach alike, so each rank's is made once (the floors' bisections
+        come back to a few)."""
         ranked = int(np.searchsorted(self._values, theta, side="right"))  # values <= theta
-        ends = np.searchsorted(self._flat, self._offsets + ranked, side="right")
-        return list((ends - self._before).tolist())
+        if ranked not in self._reach:
+            ends = np.searchsorted(self._flat, self._offsets + ranked, side="right")
+            self._reach[ranked] = list((ends - self._before).tolist())
+        return self._reach[ranked]
 
     def stages_within(self, theta: float, most: int) -> float:
         """The fewest stages, each of :func:`envelope` at most ``theta``, that cover the
