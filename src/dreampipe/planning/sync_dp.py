@@ -105,6 +105,8 @@ class _Slots:
         self._options: dict[tuple[object, ...], _SlotPrices] = {}
         self._cuts: dict[int, FloatArray] = {}
         self._span: dict[tuple[object, ...], tuple[int, int]] | None = None
+        self._shared: dict[tuple[object, ...],
+                           tuple[int, FloatArray, FloatArray, FloatArray | None]] = {}
         #: each stage's next first layer (``n + 1``, past any, where it is left out)
         self.after = np.where(self.inside, self.last + 1, n + 1)
 
@@ -153,19 +155,35 @@ class _Slots:
                 self._edge(c, sl.count))
 
     def _spans(self) -> dict[tuple[object, ...], tuple[int, int]]:
-        """Each middle slot's first layers (:meth:`_window`) joined over the slots alike."""
+        """Each middle slot's first layers (:meth:`_window`) joined over the slots alike,
+        and over those alike but for the microbatches they hold (their terms')."""
         if self._span is None:
             self._span = {}
             for c in range(1, self.slots.count - 1):
                 lo, hi = self._window(c)
-                key = self._slot(c)
-                if key not in self._span:
-                    self._span[key] = (lo, hi)
-                elif lo <= hi:
-                    was = self._span[key]
-                    self._span[key] = (lo, hi) if was[0] > was[1] else (
-                        min(was[0], lo), max(was[1], hi))
+                slot = self._slot(c)
+                for key in (slot, slot[:2]):
+                    was = self._span.get(key)
+                    if was is None or was[0] > was[1]:
+                        self._span[key] = (lo, hi)
+                    elif lo <= hi:
+                        self._span[key] = (min(was[0], lo), max(was[1], hi))
         return self._span
+
+    def _middle_terms(self, c: int, x: int, key: tuple[object, ...]
+                      ) -> tuple[int, FloatArray, FloatArray, FloatArray | None]:
+        """Option ``x``'s ``g``, tail and ``y`` (None without a credit) on middle slot
+        ``c``'s replicas and cut ``key``, made once over the rows of every slot alike but
+        for the microbatches it holds, and the first of those rows."""
+        if (*key, x) not in self._shared:
+            sl = self.slots
+            lo, hi = self._spans()[key]
+            rows = slice(lo, max(lo, hi + 1))
+            tau, tail, wgrad = (a[rows] for a in self.tables.times(x, sl.blocks[c], self.width))
+            u = tau + self._cut(c)[self.last[rows]]
+            lift = sl.lift(u, wgrad) if sl.credit else None
+            self._shared[*key, x] = (lo, sl.value(u, wgrad), tail, lift)
+        return self._shared[*key, x]
 
     def _values(self, prices: _SlotPrices, tail_below: float, lift_below: float
                 ) -> tuple[int, FloatArray, IntArray]:
@@ -204,8 +222,9 @@ class _Slots:
             lo, hi = span
             rows = slice(lo, max(lo, hi + 1))
             last = last[rows]
-        after = cut[last]
+            key = self._slot(c)[:2]
         inside = self.inside[rows] if at is None else self.inside[at]
+        after = None if at is None else cut[last]  # a middle slot's are shared
         room = None if self.memory is None else self.memory * sl.memory_share
         priced: list[_Priced] = []
         for x in range(len(tables.options)):
@@ -216,8 +235,14 @@ class _Slots:
                 ok &= inside
                 if not ok.any():
                     continue
-            tau, tail, wgrad = (a[rows] for a in tables.times(x, block, width)) \
-                if edge is None else tables.edge_times(x, block, width, edge)
+            if edge is None:  # the terms the slots alike share, on this slot's rows
+                first, value, tail, lift = self._middle_terms(c, x, key)
+                a, b = rows.start - first, rows.stop - first
+                priced.append((x, value[a:b], tail[a:b], None if lift is None else lift[a:b],
+                               ok))
+                continue
+            tau, tail, wgrad = tables.edge_times(x, block, width, edge)
+            assert after is not None
             lift = sl.lift(tau + after, wgrad) if sl.credit else None
             priced.append((x, sl.value(tau + after, wgrad), tail, lift, ok))
         return rows, at, last.shape, priced
