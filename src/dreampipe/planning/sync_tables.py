@@ -93,6 +93,10 @@ class StageTables:
         #: each option's band times on each replica layout, as wide as read so far, and
         #: its edges' (:meth:`edge_times`)
         self._bands: dict[tuple[int, tuple[int, ...]], _Times] = {}
+        #: what :meth:`groups` and :meth:`cut` made, kept with the tables (a cache on the
+        #: method would keep the tables alive)
+        self._groups: dict[int, tuple[int, ...]] = {}
+        self._cuts: dict[tuple[int, int], FloatArray] = {}
         self._edges: dict[tuple[int, tuple[int, ...], bool], _Times] = {}
         self._memory = StageMemory(inputs.costs, inputs.training, inputs.profiled_param_bytes,
                                    inputs.blocks, self.options, d, fraction)
@@ -103,11 +107,12 @@ class StageTables:
         size = self.d * self.t
         return tuple(range(block * size, (block + 1) * size))
 
-    @functools.lru_cache(maxsize=1024)  # noqa: B019 - per instance, dropped with it
     def groups(self, block: int) -> tuple[int, ...]:
         """How the replicas of the stage on ``block`` sit in the topology: blocks with the
         same groups have the same times."""
-        return block_groups(block, self.d, self.t, self.inputs.topology)
+        if block not in self._groups:
+            self._groups[block] = block_groups(block, self.d, self.t, self.inputs.topology)
+        return self._groups[block]
 
     # ---- time --------------------------------------------------------------------
     def times(self, x: int, block: int, width: int | None = None
@@ -253,14 +258,12 @@ class StageTables:
         """``[j]``: one microbatch's cut after layer ``j`` from the stage on ``block`` to
         the one on ``after``, each copy of the pipeline on its own links
         (:func:`~dreampipe.planning.sync_links.copy_cut_seconds`; 0 after the last)."""
-        return self._cut(block, after)
-
-    @functools.lru_cache(maxsize=256)  # noqa: B019 - per instance, dropped with it
-    def _cut(self, block: int, after: int) -> FloatArray:
-        sizes, at = self._cut_sizes
-        priced = copy_cut_seconds(sizes * self.fraction, self.workers(block),
-                                  self.workers(after), self.t, self.inputs.topology)
-        return np.append(priced[at], 0.0)
+        if (block, after) not in self._cuts:
+            sizes, at = self._cut_sizes
+            priced = copy_cut_seconds(sizes * self.fraction, self.workers(block),
+                                      self.workers(after), self.t, self.inputs.topology)
+            self._cuts[block, after] = np.append(priced[at], 0.0)
+        return self._cuts[block, after]
 
     @functools.cached_property
     def _cut_sizes(self) -> tuple[FloatArray, IntArray]:
