@@ -40,10 +40,10 @@ def test_a_cut_priced_on_one_link_runs_faster_and_says_so() -> None:
     assert warning is not None and f"{ratio:.0%}" in warning and "one link" in warning
 
 
-def test_replicas_short_of_their_join_buffer_run_slower_and_say_so() -> None:
-    # a GPT's 24 layers on cluster-b (16 GB): the memory leaves the replicated stages
-    # PipeDream's count, and their replicas wait for each other at each all-reduce
+def test_stages_short_of_whole_rounds_in_flight_run_slower_and_say_so() -> None:
+    # a GPT's 24 layers on cluster-b (16 GB): the memory leaves the stages PipeDream's
+    # count, short of whole rounds, and replicas wait for each other at each all-reduce
     ratio, warning = _checked("gpt:layers=24,hidden=2048,heads=16,seq=1024,vocab=50257",
                               "cluster-b", memory=True)
     assert ratio < 1 - CHECK_TOLERANCE
-    assert warning is not None and "join buffer" in warning
+    assert warning is not None and "rounds whole" in warning

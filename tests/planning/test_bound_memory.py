@@ -58,10 +58,11 @@ def test_a_stage_that_fits_has_the_workers_its_minibatches_in_flight_need(
     fine = RangeCosts.of(_chain(data, n))
     spans, placed = _placed(data, n, workers)
     counts = [len(x) for x in placed]
+    pipedream = in_flight_counts(counts, 0, aligned=False)
     tight = data.draw(st.integers(0, len(spans) - 1))
-    limit = fine.memory(*spans[tight], in_flight_counts(counts, 0)[tight], recompute=again)
+    limit = fine.memory(*spans[tight], pipedream[tight], recompute=again)
     terms = in_flight_terms([(fine, 1)], limit, True)
-    for k, ((i, j), v) in enumerate(zip(spans, in_flight_counts(counts, 0), strict=True)):
+    for k, ((i, j), v) in enumerate(zip(spans, pipedream, strict=True)):
         if fine.memory(i, j, v) > limit and fine.memory(i, j, v, recompute=True) > limit:
             continue
         after = np.ones((n - i, 1))
@@ -110,7 +111,7 @@ def test_every_placed_plan_that_fits_is_a_path_of_the_relaxed_program(
     stages = price_stages(fine, topo, spans, placed, sync, limit)
     again = [recompute and x.memory_bytes > limit for x in stages]
     stages = price_stages(fine, topo, spans, placed, sync, limit, again)
-    counts = in_flight_counts([len(x) for x in placed], 0)
+    counts = in_flight_counts([len(x) for x in placed], 0, aligned=False)
     assume(all(fine.memory(i, j, v, recompute=a) <= limit
                for (i, j), v, a in zip(spans, counts, again, strict=True)))
     time = slowest(stages)

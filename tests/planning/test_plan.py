@@ -207,7 +207,9 @@ def _refuse(token: str) -> float:
 
 
 def test_in_flight_is_the_stages_own_else_the_default(tmp_path: Path) -> None:
-    assert _plan().in_flight == (3, 1)  # (4 + 2 x 2) / 3: the join buffer
+    # ceil(4 / 3) = 2 per replica, raised to lead the last stage's 1 by max(lcm(3, 1), 2 x 3):
+    # 7, in whole minibatches per replica 9
+    assert _plan().in_flight == (3, 1)
     stages = (Stage(first=0, last=4, replicas=3, ranks=(0, 1, 2), in_flight=2),
               Stage(first=5, last=7, replicas=1, ranks=(3,), in_flight=1))
     plan = Plan(stages=stages, num_layers=8)
@@ -223,14 +225,15 @@ def test_in_flight_is_all_or_nothing() -> None:
         Plan(stages=stages, num_layers=8)
 
 
-def test_a_memory_limit_keeps_the_deepest_join_buffer_that_fits() -> None:
+def test_a_memory_limit_keeps_the_first_in_flight_choice_that_fits() -> None:
     layers = [Layer(f"l{i}", 1.0, 2.0, 10**6, 10**6) for i in range(4)]
     graph, topo = LayerGraph.chain(layers), Topology.parse("4")
     free = evaluate_plan(graph, topo, [0, 2], [3, 1])
     assert free.in_flight == in_flight_counts([3, 1]) == (3, 1)
     need = max(s.memory_bytes for s in free.stages)
     tight = evaluate_plan(graph, topo, [0, 2], [3, 1], memory_bytes=need - 1)
-    assert tight.in_flight == in_flight_counts([3, 1], 1) == (2, 1)
+    # aligned (3, 1) and the unaligned join buffer of 2, (3, 1), do not fit; 1 does
+    assert tight.in_flight == in_flight_counts([3, 1], 1, aligned=False) == (2, 1)
     assert all(s.memory_bytes <= need - 1 for s in tight.stages)
     assert tight.time_per_minibatch_s == free.time_per_minibatch_s
 

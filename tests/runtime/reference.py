@@ -201,9 +201,20 @@ def reference_two_bw(
 def admitted(replicas: Sequence[int], stage: int) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
     ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, two per replica beyond one of
-    this and later stages, except at the last stage (``docs/design.md`` §5.2)."""
-    joins = 0 if stage == len(replicas) - 1 else sum(r - 1 for r in replicas[stage:])
-    return math.ceil((sum(replicas[stage:]) + 2 * joins) / replicas[stage])
+    this and later stages, except at the last stage; then, from the last stage up, each
+    stage's total over its replicas raised until it leads the next stage's by ``r`` when
+    both have ``r`` replicas, else by ``max(lcm, 2 max)`` of the two (§5.2)."""
+    n = len(replicas)
+    total = []
+    for s, r in enumerate(replicas):
+        joins = 0 if s == n - 1 else sum(m - 1 for m in replicas[s:])
+        total.append(math.ceil((sum(replicas[s:]) + 2 * joins) / r) * r)
+    for s in reversed(range(n - 1)):
+        a, b = replicas[s], replicas[s + 1]
+        lead = a if a == b else max(math.lcm(a, b), 2 * max(a, b))
+        while total[s] < total[s + 1] + lead:
+            total[s] += a
+    return total[stage] // replicas[stage]
 
 
 def reference_pipedream(

@@ -54,22 +54,25 @@ def test_pipedream_straight_order_is_one_forward_one_backward() -> None:
 def test_pipedream_input_stage_admits_noam_with_no_join_buffer(replicas: tuple[int, ...]) -> None:
     microbatches = 3 * math.lcm(*replicas) * max(replicas)
     sched = build_schedule(replicas, S.PIPEDREAM, microbatches,
-                           in_flight=in_flight_counts(replicas, 0))
+                           in_flight=in_flight_counts(replicas, 0, aligned=False))
     noam = math.ceil(sum(replicas) / replicas[0])
     for rank in range(replicas[0]):
         assert _forwards_before_first_backward(sched.actions[rank]) == noam
 
 
 # (replicas, minibatches in flight per stage by default): ceil((W_s + 2 E_s) / r_s) with
-# E_s the replicas beyond one of stages s.. (0 at the last stage), worked by hand
+# E_s the replicas beyond one of stages s.. (0 at the last stage), then each stage's total
+# over its replicas raised, last stage up, to the next stage's plus r when both have r
+# replicas, else max(lcm(r_s, r_s+1), 2 max(r_s, r_s+1)), in whole minibatches per
+# replica; worked by hand
 _JOINED = [
     ((1, 1, 1), (3, 2, 1)),  # straight: PipeDream's n - s
     ((4,), (1,)),  # data parallelism
-    ((3, 1), (3, 1)),  # (4 + 4) / 3
-    ((15, 1), (3, 1)),  # (16 + 28) / 15
-    ((1, 2), (5, 1)),  # (3 + 2) / 1
-    ((2, 3, 1), (6, 3, 1)),  # (6 + 6) / 2, (4 + 4) / 3
-    ((4, 4, 4, 4), (10, 8, 5, 1)),  # (16 + 24) / 4, (12 + 18) / 4, (8 + 12) / 4
+    ((3, 1), (3, 1)),  # (4 + 4) / 3; 9 >= 1 + 6
+    ((15, 1), (3, 1)),  # (16 + 28) / 15; 45 >= 1 + 30
+    ((1, 2), (6, 1)),  # (3 + 2) / 1 = 5 < 2 + 4
+    ((2, 3, 1), (8, 3, 1)),  # (6 + 6) / 2, (4 + 4) / 3; 9 >= 1 + 6, 12 < 9 + 6 -> 16
+    ((4, 4, 4, 4), (10, 8, 5, 1)),  # (16 + 24) / 4, (12 + 18) / 4, (8 + 12) / 4: 40, 32, 20, 4
 ]
 
 
@@ -84,10 +87,20 @@ def test_pipedream_default_warmup_covers_the_all_reduce_joins(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(0, 3))
-def test_every_join_buffer_gives_a_valid_schedule(replicas: list[int], join: int) -> None:
-    counts = in_flight_counts(replicas, join)
-    assert all(c >= p for c, p in zip(counts, in_flight_counts(replicas, 0), strict=True))
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=5), st.integers(0, 3), st.booleans())
+def test_every_join_buffer_gives_a_valid_schedule(replicas: list[int], join: int,
+                                                  aligned: bool) -> None:
+    counts = in_flight_counts(replicas, join, aligned=aligned)
+    pipedream = in_flight_counts(replicas, 0, aligned=False)
+    joined = in_flight_counts(replicas, join, aligned=False)
+    assert all(c >= j >= p for c, j, p in zip(counts, joined, pipedream, strict=True))
+    if aligned:  # each stage's total leads the next's by a whole exchange of rounds
+        totals = [c * r for c, r in zip(counts, replicas, strict=True)]
+        for s in range(len(replicas) - 1):
+            a, b = replicas[s], replicas[s + 1]
+            lead = a if a == b else max(math.lcm(a, b), 2 * max(a, b))
+            assert totals[s] >= totals[s + 1] + lead
+            assert (counts[s] - 1) * a < max(joined[s] * a, totals[s + 1] + lead)  # no more
     microbatches = 2 * sum(replicas) + 3
     sched = build_schedule(replicas, S.PIPEDREAM, microbatches, in_flight=counts)  # validated
     for rank, acts in enumerate(sched.actions):

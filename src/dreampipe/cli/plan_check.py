@@ -9,7 +9,7 @@ likely cause (docs/planner.md, "Where the planner and the simulator part").
 
 from __future__ import annotations
 
-from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.plan import Plan
 from dreampipe.simulation.simulator import SimResult
 
@@ -48,17 +48,17 @@ def check_warning(result: Plan, sim: SimResult) -> str | None:
     if ratio < 1.0:
         replicas = [st.replicas for st in result.stages]
         widths = [st.tensor_parallel for st in result.stages]
-        wanted = in_flight_counts(replicas, JOIN_BUFFERS[0], widths)
+        wanted = in_flight_counts(replicas, widths=widths)
         short = [s for s, (st, n) in enumerate(zip(result.stages, wanted, strict=True))
-                 if st.replicas > 1 and st.in_flight < max(n, 2)]
+                 if st.in_flight < n]
         if short:
             held = [result.stages[s].in_flight for s in short]
             return head + (
-                f"Replicated stages {short} hold {held} minibatches in flight, too few to "
-                "work on while their replicas wait for each other at each all-reduce (the "
-                "memory limit leaves them short of the join buffer, or the stage is the "
-                "last, which holds one), and the planner's steady state does not price "
-                "that wait.")
+                f"Stages {short} hold {held} minibatches in flight, fewer than the "
+                f"{[wanted[s] for s in short]} that keep the replicated stages' rounds "
+                "whole (the memory limit leaves them short), so replicas wait for each "
+                "other at each all-reduce, and the planner's steady state does not "
+                "price that wait.")
         return head + ("The schedule waits where the planner's steady state does not "
                        "(replicas or stages waiting for each other).")
     return head + ("A cut is priced with both its directions, and all the pairs that cross "

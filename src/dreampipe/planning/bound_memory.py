@@ -2,7 +2,7 @@
 
 A stage of ``r`` replicas of ``t`` workers holds at least ``ceil((r + A) / r)``
 minibatches in flight, ``A`` the workers of the stages after it (PipeDream's
-count, :mod:`dreampipe.planning.in_flight`; a join buffer only adds to it). Its
+count, :mod:`dreampipe.planning.in_flight`; a join buffer or whole rounds only add). Its
 layers hold at most ``R`` of them in memory (``RangeCosts.max_versions``), so it
 fits only with ``r >= A / (R - 1)``: at least ``t A / (R - 1)`` workers, or none
 after it where ``R < 2``. The relaxed program (:mod:`dreampipe.planning.bounds`)

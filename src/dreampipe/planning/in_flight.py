@@ -3,29 +3,37 @@
 A replica of stage ``s`` runs that many forwards before its first backward
 (1F1B's warm-up) and stashes that many weight versions, so the count sets
 both throughput and memory. PipeDream's rule gives each worker from the stage
-to the end one minibatch, shared by the stage's replicas; dreampipe adds a
-join buffer for the waits of replicated stages at their all-reduce::
+to the end one minibatch, shared by the stage's replicas; a join buffer adds
+``join`` per replica beyond one of the stages after::
 
     in_flight(s) = ceil((W_s + join * E_s) / r_s),
     E_s = sum of (r_i - 1) over stages i >= s      (0 for the last stage)
 
-``join = 0`` is PipeDream's rule, ``join = 2`` the default; a plan under a
-memory limit keeps the deepest buffer of :data:`JOIN_BUFFERS` that fits.
-The reasoning, and the count before split stages: docs/design.md §5.2, §10.3.
+*Aligned*, each stage's minibatches in flight over all its replicas also lead the
+next stage's by a whole exchange of their rounds (:func:`_lead`), so a round of the
+next stage's backwards frees whole rounds of this stage's forwards and no replica
+waits at its all-reduce for inputs freed a round late. The default is aligned, with
+a join buffer of 2; a plan keeps the first of :data:`IN_FLIGHT_CHOICES` that fits its
+memory, and the last, PipeDream's own rule, is what the planner's search checks.
+The reasoning and its evidence, and the count before split stages: docs/design.md
+§5.2, §10.3.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
 
-__all__ = ["JOIN_BUFFERS", "in_flight_counts", "versions_in_flight"]
+__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "versions_in_flight"]
 
-#: The join buffers a planner tries, deepest first: a plan with a memory limit
-#: keeps the deepest whose stages all fit (0, PipeDream's rule, is what the
-#: planner's search checks, so one always fits).
-JOIN_BUFFERS = (2, 1, 0)
+#: ``(join, aligned)`` as a plan tries them, best first: the first whose stages all
+#: fit in memory is kept. Whole rounds matter more than the join buffer's depth
+#: (docs/design.md §5.2), so every aligned choice comes first; PipeDream's own rule,
+#: last, is what the planner's search checks, so one always fits.
+IN_FLIGHT_CHOICES: tuple[tuple[int, bool], ...] = (
+    (2, True), (1, True), (0, True), (2, False), (1, False), (0, False))
 
 
 def versions_in_flight(workers_to_end: int, replicas: int) -> int:
@@ -33,10 +41,11 @@ def versions_in_flight(workers_to_end: int, replicas: int) -> int:
     return -(-workers_to_end // replicas)
 
 
-def in_flight_counts(replicas: Sequence[int], join: int = JOIN_BUFFERS[0],
-                     widths: Sequence[int] = ()) -> tuple[int, ...]:
-    """Minibatches per replica of each stage in flight (module doc), ``join`` as given;
-    ``widths[s]`` the workers of each replica of stage ``s`` (empty: 1 each)."""
+def in_flight_counts(replicas: Sequence[int], join: int = IN_FLIGHT_CHOICES[0][0],
+                     widths: Sequence[int] = (), aligned: bool = True) -> tuple[int, ...]:
+    """Minibatches per replica of each stage in flight (module doc), ``join`` as given,
+    rounded to whole rounds if ``aligned``; ``widths[s]`` the workers of each replica
+    of stage ``s`` (empty: 1 each)."""
     if join < 0:
         raise PlanError(f"join={join}; use 0 (PipeDream's rule) or more")
     t = list(widths) or [1] * len(replicas)
@@ -45,4 +54,23 @@ def in_flight_counts(replicas: Sequence[int], join: int = JOIN_BUFFERS[0],
         extra = sum(m - 1 for m in replicas[s:]) if s < len(replicas) - 1 else 0
         after = sum(m * w for m, w in zip(replicas[s + 1:], t[s + 1:], strict=True))
         out.append(versions_in_flight(r + after + join * extra, r))
-    return tuple(out)
+    return _aligned(replicas, out) if aligned else tuple(out)
+
+
+def _lead(upstream: int, downstream: int) -> int:
+    """How many more minibatches a stage of ``upstream`` replicas holds in flight, over
+    all of them, than the next stage of ``downstream`` replicas: one round when they are
+    as many, else ``max(lcm, 2 max)`` of the two (docs/design.md §5.2)."""
+    if upstream == downstream:
+        return upstream
+    return max(math.lcm(upstream, downstream), 2 * max(upstream, downstream))
+
+
+def _aligned(replicas: Sequence[int], counts: Sequence[int]) -> tuple[int, ...]:
+    """``counts`` with each stage's total in flight raised, from the last stage up, to at
+    least the next stage's total and its :func:`_lead`, in whole minibatches per replica."""
+    total = [n * r for n, r in zip(counts, replicas, strict=True)]
+    for s in range(len(total) - 2, -1, -1):
+        need = max(total[s], total[s + 1] + _lead(replicas[s], replicas[s + 1]))
+        total[s] = -(-need // replicas[s]) * replicas[s]
+    return tuple(n // r for n, r in zip(total, replicas, strict=True))

@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
-from dreampipe.planning.in_flight import JOIN_BUFFERS, in_flight_counts
+from dreampipe.planning.in_flight import IN_FLIGHT_CHOICES, in_flight_counts
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.shared_links import shared_link_seconds
 from dreampipe.planning.split_ranges import StageSplit
@@ -148,9 +148,9 @@ def price_stages(
 ) -> tuple[Stage, ...]:
     """Stages ``first..last`` on the given workers, ranks numbered stage by stage, priced.
 
-    Each stage holds the deepest join buffer of
-    :data:`~dreampipe.planning.in_flight.JOIN_BUFFERS` whose stages all fit in
-    ``memory_bytes`` (PipeDream's count when none deeper does; None: no limit).
+    Each stage holds the minibatches in flight of the first of
+    :data:`~dreampipe.planning.in_flight.IN_FLIGHT_CHOICES` whose stages all fit in
+    ``memory_bytes`` (PipeDream's count when no other does; None: no limit).
     A stage marked in ``recompute`` (empty: none) runs its forward once more in the
     backward, before the gradients its all-reduce sends (``compute_s`` and the
     all-reduce's delay grow by ``F``), and keeps only its inputs per minibatch.
@@ -167,8 +167,8 @@ def price_stages(
     tables = [prof if x is None else x.costs for x in how]
     replicas = [len(p) // t for p, t in zip(placements, widths, strict=True)]
     flags = tuple(recompute) or (False,) * len(spans)
-    for join in JOIN_BUFFERS:
-        counts = in_flight_counts(replicas, join, widths)
+    for join, aligned in IN_FLIGHT_CHOICES:
+        counts = in_flight_counts(replicas, join, widths, aligned)
         memories = [c.memory(first, last, v, recompute=rc)
                     for c, (first, last), v, rc in zip(tables, spans, counts, flags, strict=True)]
         if memory_bytes is None or max(memories) <= memory_bytes:

@@ -189,7 +189,7 @@ def compute_schedule(
                   else microbatches_per_update)
     order = _ORDERS[kind]
     warmup = (tuple(in_flight) if in_flight is not None else in_flight_counts(reps)
-              ) if kind is ScheduleKind.PIPEDREAM else in_flight_counts(reps, 0)
+              ) if kind is ScheduleKind.PIPEDREAM else in_flight_counts(reps, 0, aligned=False)
     if kind.splits_backward:
         warmup, defer = zero_bubble_counts(kind, warmup)
         order = functools.partial(_zero_bubble, defer)
