@@ -108,3 +108,31 @@ def test_evaluate_refuses_what_it_cannot_run_in_eval_mode() -> None:
             pipe.evaluate(data)
     finally:
         pipe.close()
+
+
+def test_a_step_refuses_a_model_switched_after_its_trace() -> None:
+    """The code between the blocks keeps the mode it was traced in while the blocks
+    follow a switch: a step after ``model.train()`` on a model traced in eval mode would
+    train with the dropout between the blocks off, so it is refused by name; switched
+    back, the step runs as one process in eval mode."""
+    gen = torch.Generator().manual_seed(2)
+    data = [(torch.randn(8, 6, generator=gen), torch.randint(0, 3, (8,), generator=gen))]
+    model = _net("dropout").eval()
+    pipe = dreampipe.Pipeline(model, example=data[0], loss_fn=F.cross_entropy,
+                              optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                              config=dreampipe.TrainConfig(schedule="1f1b-flush"))
+    try:
+        model.train()
+        with pytest.raises(dreampipe.ConfigError, match=r"_Net was in eval mode when "
+                           r"Pipeline\(...\) traced .* call model.train\(\) before"):
+            pipe.step(*data[0])
+        model.eval()
+        model.stem.train()  # a block follows its own mode: nothing to refuse
+        pipe.step(*data[0])
+        losses = pipe.finish()
+    finally:
+        pipe.close()
+    want = _net("dropout").eval()
+    with torch.no_grad():
+        assert losses == [pytest.approx(float(F.cross_entropy(want(data[0][0]), data[0][1])),
+                                        rel=1e-6)]

@@ -43,6 +43,7 @@ from dreampipe.api.checks import (
 )
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate, first_replicas_buffers
+from dreampipe.api.glue_modes import GlueModes
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.pipeline_segments import HORIZON, Segments
@@ -136,6 +137,7 @@ class Pipeline:
                                        microbatches=config.per_minibatch, workers=world)
         microbatch_size = self.layout.microbatch_size
         self._layers = split_layers(model, map_inputs(example[0], lambda t: t[:microbatch_size]))
+        self._glue = GlueModes.of(model, self._layers)
         refused = eval_refusal(self._layers)
         if refused is not None and self.rank == 0:
             _log.warning("%s: training runs it, but evaluate() will refuse", refused)
@@ -265,6 +267,7 @@ class Pipeline:
     def step(self, x: Inputs, y: Tensor) -> None:
         """Train on one more minibatch (the same on every rank); see the module docstring."""
         self._shapes.check(self.minibatches, (x, y))
+        self._glue.check()
         with self._running():
             if self._segment == 0 and self.runner.done:
                 self._feed = self._segments.restart(
