@@ -45,6 +45,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate, first_replicas_buffers
 from dreampipe.api.glue_modes import GlueModes
 from dreampipe.api.group import init_process_group, rank_device
+from dreampipe.api.hf_checkpointing import check_hf_checkpointing
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.pipeline_segments import HORIZON, Segments
 from dreampipe.api.plans import PlanArg, profile_layers
@@ -129,6 +130,7 @@ class Pipeline:
             raise ConfigError(f"config={config!r}; give a TrainConfig, e.g. "
                               "config=TrainConfig(schedule='1f1b-flush')", "config")
         check_arguments(config, plan, example, optimizer)
+        check_hf_checkpointing(model)
         self._owns_group = init_process_group(config.timeout_s)
         self.device = rank_device()  # current before plan="auto" measures on it
         self.rank, world = dist.get_rank(), dist.get_world_size()
