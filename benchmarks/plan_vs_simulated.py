@@ -36,7 +36,7 @@ CASES: tuple[tuple[str, str, bool], ...] = (
     *((_GPT, t, True) for t in ("cluster-a", "cluster-b", "dgx-a100:4")),
 )
 #: The warning's cause, in a word or two, by a phrase of its text.
-_CAUSES = {"join buffer": "join buffer", "one link": "cut on one link",
+_CAUSES = {"rounds whole": "short rounds", "one link": "cut on one link",
            "waits where": "waits"}
 
 
