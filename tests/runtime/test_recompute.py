@@ -116,5 +116,7 @@ def test_a_later_stage_that_writes_its_input_runs_again_on_a_copy(how: str) -> N
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # the stage adds each microbatch's weight gradient by one fused GEMM (runtime/fused.py),
+    # autograd by a product and a sum: float32 equal, bit for bit on some kernel sets only
     for a, b in zip(stage.module.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b)
