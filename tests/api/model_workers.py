@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 from functools import cache
 from typing import Any
@@ -156,6 +157,11 @@ def train_case(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any] | N
     sharded: list[bool] = [False] * world  # each rank's: does its stage shard?
     torch.distributed.all_gather_object(sharded, pipe.module.zero is not None)
     pipe.close()
+    # A process runs many jobs (models_script.py, train_cases): close's full collection
+    # would walk every object the earlier jobs left alive (torch's and transformers' lazy
+    # imports, trace caches), about 0.4 s a job, as long as a small job trains. Its
+    # survivors go out of the collector's reach (as prepare_process does at start).
+    gc.freeze()
     out = {"losses": losses, "state": state, "bounds": bounds, "replicas": replicas,
            "saved": saved, "evaluated": evaluated, "recomputes": recomputes,
            "schedule": pipe.kind.value, "skipped": skipped, "sharded": sharded,
