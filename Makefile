@@ -48,10 +48,14 @@ demo: setup
 # process (--dist loadfile), so that a file's shared run is made once, in the order
 # tests/conftest.py gives (files with slow tests first). Then the tests that assert on
 # measured seconds, rates or bandwidths (marker `timing`) run one at a time, alone.
+# Bytecode is written even where the environment says not to: pytest keeps each test
+# module's rewritten asserts (most of a 20 s collection) for the next session, and the
+# workers' processes the tests' helpers, compiled once.
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not timing" -n 2 --dist loadfile \
-	  --no-loadscope-reorder --durations=15
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m timing --durations=10
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not timing" \
+	  -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m timing \
+	  --durations=10
 
 test-kernels: setup
 	@failed=; for set in $(KERNEL_SETS); do \
