@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits, make_classification
 from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 
@@ -37,6 +36,8 @@ def digits() -> tuple[TensorDataset, TensorDataset]:
     other writers than the rest, and a test set from them alone plateaus near
     95% accuracy whatever the training does.
     """
+    from sklearn.datasets import load_digits  # 4 s to import: only the workloads that use it
+
     bunch = load_digits()
     order = torch.randperm(len(bunch.target), generator=torch.Generator().manual_seed(0))
     x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1)[order] / 16.0
@@ -59,6 +60,8 @@ _BLOBS = 6000  # samples; the last fifth held out
 def blobs() -> tuple[TensorDataset, TensorDataset]:
     """A synthetic but learnable 10-class task (``make_classification``: 32 features, 16
     informative, 2 clusters per class, fixed seed), standardised; training and test sets."""
+    from sklearn.datasets import make_classification  # as load_digits (digits())
+
     x, y = make_classification(n_samples=_BLOBS, n_features=32, n_informative=16,
                                n_redundant=8, n_classes=10, n_clusters_per_class=2,
                                class_sep=1.5, flip_y=0.02, random_state=0)
