@@ -12,13 +12,15 @@ from hypothesis import strategies as st
 
 from dreampipe.planning import bound_states
 from dreampipe.planning import bounds as bounds_module
-from dreampipe.planning.bound_memory import in_flight_terms
+from dreampipe.planning.bound_memory import Ways, in_flight_terms
 from dreampipe.planning.bounds import lower_bound
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.planner import plan_pipeline
 from dreampipe.planning.pricing import price_stages, slowest
+from dreampipe.planning.split_ranges import split_options
+from dreampipe.planning.split_stage import split_widths
 from dreampipe.planning.sync import Sync, SyncKind
 from dreampipe.planning.topology import Level, Topology
 from dreampipe.profiling.graph import Layer, LayerGraph
@@ -130,4 +132,89 @@ def test_every_placed_plan_that_fits_is_a_path_of_the_relaxed_program(
     memory = in_flight_terms([(fine, 1)], limit, recompute)
     used = sum(len(x) for x in placed)
     assert bounds_module._workers_needed(own, states, cuts, time * (1 + 1e-9),
+                                         topo.num_workers, memory) <= used
+
+
+def _split_placed(data: st.DataObject, n: int, topo: Topology, widths: list[int]
+                  ) -> tuple[list[tuple[int, int]], list[list[int]], list[int]]:
+    """A partition of ``n`` layers, each stage of some replicas of a width of ``widths``,
+    each replica on consecutive free workers of one server."""
+    size, servers = topo.levels[0].count, topo.num_workers // topo.levels[0].count
+    count = data.draw(st.integers(1, n))
+    cuts = data.draw(st.sets(st.integers(1, n - 1), min_size=count - 1,
+                             max_size=count - 1)) if count > 1 else set()
+    edges = [0, *sorted(cuts), n]
+    free = [list(range(u * size, (u + 1) * size)) for u in range(servers)]
+    placed, chosen = [], []
+    for _ in range(count):
+        t = data.draw(st.sampled_from(widths))
+        workers: list[int] = []
+        for _ in range(data.draw(st.integers(1, topo.num_workers // t))):
+            room = [u for u in range(servers)
+                    if any(free[u][k:k + t] == list(range(free[u][k], free[u][k] + t))
+                           for k in range(len(free[u]) - t + 1))]
+            if not room:
+                break
+            u = data.draw(st.sampled_from(room))
+            k = next(k for k in range(len(free[u]) - t + 1)
+                     if free[u][k:k + t] == list(range(free[u][k], free[u][k] + t)))
+            workers += free[u][k:k + t]
+            del free[u][k:k + t]
+        assume(workers)
+        placed.append(sorted(workers))
+        chosen.append(t)
+    return [(a, b - 1) for a, b in itertools.pairwise(edges)], placed, chosen
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(st.sampled_from([(2, 2), (4, 2), (4,)]), st.floats(0.05, 1.0), st.booleans(),
+       st.data())
+def test_every_placed_plan_of_split_stages_that_fits_is_a_path_of_the_relaxed_program(
+        shape: tuple[int, ...], share: float, recompute: bool, data: st.DataObject) -> None:
+    # a plan whose stages run unsplit or split over consecutive workers of a server, on any
+    # servers, that fits its memory at PipeDream's count in flight, is one the relaxed
+    # program holds at its time when each width's work is read with that width's own
+    # in-flight terms (bound_memory.Ways), each stage on its own way and state only
+    topo = Topology(tuple(Level(c, 1e9 * 10 ** -k, 1e-5) for k, c in enumerate(shape)))
+    n = data.draw(st.integers(2, 4))
+    graph = _chain(data, n)
+    fine = RangeCosts.of(graph)
+    options = split_options(graph, topo, split_widths(topo))
+    by_width: dict[int, list[RangeCosts]] = {1: [fine]}
+    for x in options:
+        by_width.setdefault(x.t, []).append(x.costs)
+    limit = max(1, int(share * fine.memory(0, n - 1, 2)))
+    spans, placed, widths = _split_placed(data, n, topo, sorted(by_width))
+    # each stage runs as the way of its width that fits best at its count in flight
+    sync = Sync(SyncKind.HIERARCHICAL)
+    counts = in_flight_counts([len(x) // t for x, t in zip(placed, widths, strict=True)], 0,
+                              widths, aligned=False)
+    ways, again = [], []
+    for (i, j), v, t in zip(spans, counts, widths, strict=True):
+        fits = [(c.memory(i, j, v) > limit, x) for x, c in enumerate(by_width[t])
+                if c.memory(i, j, v, recompute=recompute) <= limit]
+        assume(fits)
+        late, x = min(fits)
+        ways.append(None if t == 1 else next(s for s in options if s.costs is by_width[t][x]))
+        again.append(late)
+    stages = price_stages(fine, topo, spans, placed, sync, limit, again, ways)
+    time = slowest(stages)
+    states = bound_states.BoundStates(topo, sync, sorted(by_width), bound_states.GRIDS[0])
+    unit = np.cumprod([lv.count for lv in topo.levels])
+    own = {t: np.full((n, n, len(states.first)), np.inf) for t in by_width}
+    for (a, b), workers, t in zip(spans, placed, widths, strict=True):
+        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+        held = len({v // shape[0] for v in workers})
+        (q,) = [q for q in range(len(states.first)) if states.span[q] == span
+                and states.first[q] <= len(workers) <= states.last[q]
+                and states.units_lo[q] <= held <= states.units_hi[q]]
+        table = np.min([states.work(c, t, topo.overlap, limit, recompute)
+                        for c in by_width[t]], axis=0)
+        own[t][a, b, q] = table[a, b, q]
+    work = np.min(list(own.values()), axis=0)
+    memory = Ways(tuple((own[t], in_flight_terms([(c, t) for c in by_width[t]], limit,
+                                                 recompute)) for t in by_width))
+    cuts = bounds_module._Cuts(topo, fine.cut_bytes, states)
+    used = sum(len(x) for x in placed)
+    assert bounds_module._workers_needed(work, states, cuts, time * (1 + 1e-9),
                                          topo.num_workers, memory) <= used

@@ -11,7 +11,10 @@ the stage needs; as fewer workers after a stage never ask more of it, the
 fewest a stage needs at that bound is at most what it needs in any plan
 (docs/design.md §4.7). Each stage term is the least over the ways to run the
 stage (unsplit or a split, as it is or recomputing): recomputing adds its
-forward, ``t F``, to the work and raises ``R``.
+forward, ``t F``, to the work and raises ``R``. :class:`Ways` takes each split
+width's work and in-flight terms together: a stage runs one way, which must
+both reach the time and hold its minibatches, so the least over the ways of
+the larger need is at least the larger of the two leasts taken apart.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts
 
-__all__ = ["InFlight", "in_flight_terms"]
+__all__ = ["InFlight", "Ways", "in_flight_terms"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,32 @@ class InFlight:
         assert self.rate_again is not None and self.alone_again is not None
         np.maximum(again, _need(self.rate_again, self.alone_again, i, after), out=again)
         return np.minimum(out, again, out=out)
+
+
+@dataclass(frozen=True)
+class Ways:
+    """Per split width ``t``, the work table of its ways (``[i, j, q]``, as
+    :meth:`~dreampipe.planning.bound_states.BoundStates.work`) and their
+    :class:`InFlight` terms: :meth:`fewest` couples each width's work to its own
+    minibatches in flight, where :class:`InFlight` alone pairs the least work of any
+    way with the least memory of any (module doc)."""
+
+    ways: tuple[tuple[FloatArray, InFlight], ...]
+
+    def fewest(self, i: int, x: FloatArray, work: FloatArray, after: FloatArray,
+               first: np.ndarray, scale: float) -> FloatArray:
+        """:meth:`InFlight.fewest` of the stages ``i..j``, the least over the widths of
+        each width's own (``x`` and ``work``, the least of every way's, are read only
+        as a floor)."""
+        out = np.full_like(x, np.inf)
+        for table, terms in self.ways:
+            own = table[i, i:] * scale
+            np.ceil(own, out=own)
+            np.maximum(own, first[None, :], out=own)
+            if not np.any(own < out):  # its needs are at least its work: none is lower
+                continue
+            np.minimum(out, terms.fewest(i, own, table, after, first, scale), out=out)
+        return np.maximum(out, x, out=out)
 
 
 def _need(rate: FloatArray, alone: FloatArray, i: int, after: FloatArray) -> FloatArray:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from dreampipe.planning.bound_memory import InFlight, in_flight_terms
+from dreampipe.planning.bound_memory import InFlight, Ways, in_flight_terms
 from dreampipe.planning.bound_states import GRIDS, BoundStates
 from dreampipe.planning.costs import BoolArray, FloatArray, RangeCosts
 from dreampipe.planning.split_ranges import StageSplit
@@ -250,7 +250,7 @@ class _Cuts:
 
 
 def _workers_needed(work: FloatArray, states: BoundStates, cuts: _Cuts, p: float,
-                    workers: int, memory: InFlight | None = None) -> float:
+                    workers: int, memory: InFlight | Ways | None = None) -> float:
     """The fewest workers any plan of time at most ``p`` uses, relaxed (module doc): stage
     ``i..j`` on ``x`` workers in state ``q`` takes at least ``work[i, j, q] / x``, and
     ``need[i, q]`` is the fewest from layer ``i`` on with a first stage in ``q``; with
@@ -358,13 +358,30 @@ def _program(fine: RangeCosts, topo: Topology, states: BoundStates,
              ) -> Callable[[float], float]:
     """The relaxed program's fewest workers for a time ``p``, its tables made once."""
     w = topo.num_workers
-    work = states.work(fine, 1, topo.overlap, memory_bytes, recompute)
+    widths: dict[int, list[RangeCosts]] = {1: [fine]}
     for s in splits:
-        np.minimum(work, states.work(s.costs, s.t, topo.overlap, memory_bytes, recompute),
-                   out=work)
+        widths.setdefault(s.t, []).append(s.costs)
+    work: FloatArray | None = None
+    tables = []  # per width, kept only where the memory terms read them
+    for t, ways in widths.items():
+        table = states.work(ways[0], t, topo.overlap, memory_bytes, recompute)
+        for costs in ways[1:]:
+            np.minimum(table, states.work(costs, t, topo.overlap, memory_bytes, recompute),
+                       out=table)
+        if memory_bytes is None:
+            work = table if work is None else np.minimum(work, table, out=work)
+            continue
+        tables.append(table)
+        work = table.copy() if work is None else np.minimum(work, table, out=work)
+    assert work is not None
     cuts = _Cuts(topo, fine.cut_bytes, states)
-    memory = None if memory_bytes is None else in_flight_terms(
-        [(fine, 1), *((s.costs, s.t) for s in splits)], memory_bytes, recompute)
+    memory: InFlight | Ways | None = None
+    if memory_bytes is not None:
+        # each width's work with its own minibatches in flight (bound_memory.Ways)
+        terms = [in_flight_terms([(c, t) for c in ways], memory_bytes, recompute)
+                 for t, ways in widths.items()]
+        if all(x is not None for x in terms):
+            memory = Ways(tuple(zip(tables, terms, strict=True)))
     return lambda p: _workers_needed(work, states, cuts, p, w, memory)
 
 
