@@ -31,6 +31,7 @@ from dreampipe.planning.evaluate import baselines, evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, stage_memory
 from dreampipe.planning.options import PlanOptions
+from dreampipe.planning.packed import with_packed
 from dreampipe.planning.pipedream_costs import pipedream_states
 from dreampipe.planning.plan import Heuristic, Plan, Stage
 from dreampipe.planning.pricing import slowest
@@ -53,13 +54,17 @@ from dreampipe.planning.topology import Topology
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "evaluate_plan", "memory_needs",
+__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "PACK_ABOVE", "evaluate_plan", "memory_needs",
            "plan_pipeline"]  # evaluate_plan lives in dreampipe.planning.evaluate
 
 log = logging.getLogger(__name__)
 
 #: The DP's work grows with the square of a level's unit count (seconds at 1024).
 MAX_LEVEL_UNITS = 4096
+#: A heuristic plan that states a larger gap also tries a pipeline laid server by server
+#: (:mod:`dreampipe.planning.packed`), which costs a few tenths of a second per layer
+#: hundred; a plan this close to its bound rarely gains from it.
+PACK_ABOVE = 0.02
 
 
 def _least_memory(search: Search, models: Sequence[Topology], opts: Options,
@@ -174,6 +179,11 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
         )
     gap = (gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
            if heuristics else 0.0)
+    if gap > PACK_ABOVE and opts.also_flat:  # a loose plan: try one laid server by server
+        packed = with_packed(prof, topology, stages, search_opts, splits)
+        if packed is not stages:
+            stages = packed
+            gap = gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
     if heuristics:
         log.info("%d layers planned with %s: the plan is at most %.1f%% slower than the "
                  "optimum", prof.n, ", ".join(h.value for h in heuristics), 100 * gap)
