@@ -33,8 +33,10 @@ __all__ = ["with_packed"]
 
 #: Bisection steps on the time: the bracket narrows to about 0.5% of the plan's time.
 _STEPS = 8
-#: The longest profile searched: its tables hold a few dozen ways of every layer range.
-_MOST_LAYERS = 400
+#: The most ``layers^2 x ways x (server slots + 1)`` one pass of :func:`_fewest` may take
+#: (GPT-2 large's 219 layers, 22 ways on servers of 8: 9.5 million, a few tenths of a
+#: second); beyond, the search is skipped.
+_MOST_WORK = 12_000_000
 #: What the search multiplies PipeDream's count in flight by, in turn, until the plan holds
 #: whole rounds in its memory (:func:`_whole_rounds`; about three times as many, on GPT-2
 #: large's narrow stages).
@@ -186,14 +188,16 @@ def with_packed(fine: RangeCosts, topo: Topology, stages: tuple[Stage, ...], opt
     or run as any of ``splits``, where it fits and is strictly faster.
 
     Searched only with workers allowed to idle, on two levels or more, without
-    ``straight`` or a stage cap, on profiles of at most :data:`_MOST_LAYERS` layers;
-    ``stages``' time tops the bisection."""
-    if (len(topo.levels) < 2 or not opts.allow_fewer or opts.straight
-            or opts.limited or fine.n > _MOST_LAYERS):
+    ``straight`` or a stage cap, within :data:`_MOST_WORK`; ``stages``' time tops the
+    bisection."""
+    size = topo.levels[0].count
+    count = size + sum(size // x.t for x in splits)  # the ways of a stage in one server
+    if (len(topo.levels) < 2 or not opts.allow_fewer or opts.straight or opts.limited
+            or fine.n ** 2 * count * (size + 1) > _MOST_WORK):
         return stages
     ways = _ways(fine, topo, opts, splits)
     cuts = _cuts(fine, topo)
-    size, servers = topo.levels[0].count, topo.num_workers // topo.levels[0].count
+    servers = topo.num_workers // size
     best = slowest(stages)
     lo, hi = best / 2, best
     found = stages
