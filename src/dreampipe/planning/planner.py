@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 #: The DP's work grows with the square of a level's unit count (seconds at 1024).
 MAX_LEVEL_UNITS = 4096
 #: A heuristic plan that states a larger gap also tries a pipeline laid server by server
-#: (:mod:`dreampipe.planning.packed`), which costs a few tenths of a second per layer
-#: hundred; a plan this close to its bound rarely gains from it.
-PACK_ABOVE = 0.02
+#: (:mod:`dreampipe.planning.packed`), which takes seconds on a few hundred layers; a
+#: gap this small already says the plan is near the optimum.
+PACK_ABOVE = 0.05
 
 
 def _least_memory(search: Search, models: Sequence[Topology], opts: Options,
@@ -179,11 +179,11 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
         )
     gap = (gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
            if heuristics else 0.0)
-    if gap > PACK_ABOVE and opts.also_flat:  # a loose plan: try one laid server by server
+    if PACK_ABOVE < gap < math.inf and opts.also_flat:  # loose: try one laid server by server
         packed = with_packed(prof, topology, stages, search_opts, splits)
-        if packed is not stages:
+        if packed is not stages:  # the bound holds for every plan: the faster states it too
+            gap = max(0.0, slowest(packed) * (1 + gap) / slowest(stages) - 1)
             stages = packed
-            gap = gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
     if heuristics:
         log.info("%d layers planned with %s: the plan is at most %.1f%% slower than the "
                  "optimum", prof.n, ", ".join(h.value for h in heuristics), 100 * gap)
