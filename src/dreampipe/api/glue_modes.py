@@ -40,8 +40,8 @@ class GlueModes:
         """The modules ``layers``' segments traced through: strict ancestors of what they
         read, not read whole themselves."""
         read = {t for _, layer in layers if isinstance(layer, Segment) for t in layer.targets}
-        above = {t.rsplit(".", k)[0] if k < t.count(".") + 1 else ""
-                 for t in read for k in range(1, t.count(".") + 2)}
+        above = {".".join(parts[:k]) for parts in (t.split(".") for t in read)
+                 for k in range(len(parts))}  # every strict prefix, "" the model itself
         modules = tuple((name, m) for name, m in model.named_modules()
                         if name in above and name not in read)
         return cls(type(model).__name__, modules, tuple(m.training for _, m in modules))
