@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import _docs
 
 from dreampipe.errors import ScheduleError
-from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.in_flight import in_flight_counts, round_lead
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import build_schedule
 from dreampipe.simulation.simulator import SimCosts, simulate_schedule
@@ -117,8 +117,7 @@ def _leads() -> None:
             if sim <= 1.02 * planned:
                 need = a * n0 - held
                 break
-        lead = a if a == b else max(math.lcm(a, b), 2 * max(a, b))
-        rule = -(-(held + lead) // a) * a - held  # in whole minibatches per replica
+        rule = -(-(held + round_lead(a, b)) // a) * a - held  # whole minibatches a replica
         print(f"{a}-{b:<4}  {need if need is not None else '-':>8}  {rule:>5}")
 
 

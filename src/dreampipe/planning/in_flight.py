@@ -10,7 +10,7 @@ to the end one minibatch, shared by the stage's replicas; a join buffer adds
     E_s = sum of (r_i - 1) over stages i >= s      (0 for the last stage)
 
 *Aligned*, each stage's minibatches in flight over all its replicas also lead the
-next stage's by a whole exchange of their rounds (:func:`_lead`), so a round of the
+next stage's by a whole exchange of their rounds (:func:`round_lead`), so a round of the
 next stage's backwards frees whole rounds of this stage's forwards and no replica
 waits at its all-reduce for inputs freed a round late. The default is aligned, with
 a join buffer of 2; a plan keeps the first of :data:`IN_FLIGHT_CHOICES` that fits its
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
 
-__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "versions_in_flight"]
+__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "round_lead", "versions_in_flight"]
 
 #: ``(join, aligned)`` as a plan tries them, best first: the first whose stages all
 #: fit in memory is kept. Whole rounds matter more than the join buffer's depth
@@ -57,7 +57,7 @@ def in_flight_counts(replicas: Sequence[int], join: int = IN_FLIGHT_CHOICES[0][0
     return _aligned(replicas, out) if aligned else tuple(out)
 
 
-def _lead(upstream: int, downstream: int) -> int:
+def round_lead(upstream: int, downstream: int) -> int:
     """How many more minibatches a stage of ``upstream`` replicas holds in flight, over
     all of them, than the next stage of ``downstream`` replicas: one round when they are
     as many, else ``max(lcm, 2 max)`` of the two (docs/design.md §5.2)."""
@@ -68,9 +68,9 @@ def _lead(upstream: int, downstream: int) -> int:
 
 def _aligned(replicas: Sequence[int], counts: Sequence[int]) -> tuple[int, ...]:
     """``counts`` with each stage's total in flight raised, from the last stage up, to at
-    least the next stage's total and its :func:`_lead`, in whole minibatches per replica."""
+    least the next stage's total and its :func:`round_lead`, in whole minibatches per replica."""
     total = [n * r for n, r in zip(counts, replicas, strict=True)]
     for s in range(len(total) - 2, -1, -1):
-        need = max(total[s], total[s + 1] + _lead(replicas[s], replicas[s + 1]))
+        need = max(total[s], total[s + 1] + round_lead(replicas[s], replicas[s + 1]))
         total[s] = -(-need // replicas[s]) * replicas[s]
     return tuple(n // r for n, r in zip(total, replicas, strict=True))
