@@ -97,6 +97,18 @@ def test_the_first_stage_of_a_deep_pipeline_pays_for_its_minibatches_in_flight(
     assert blind < bound <= best * (1 + 1e-9)
 
 
+def _state_of(states: bound_states.BoundStates, topo: Topology, workers: list[int]) -> int:
+    """The one bound state a stage on ``workers`` lies in: its span (the lowest level whose
+    unit holds them all), its worker count and its count of servers."""
+    unit = np.cumprod([lv.count for lv in topo.levels])
+    span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
+    held = len({v // topo.levels[0].count for v in workers})
+    (q,) = [q for q in range(len(states.first)) if states.span[q] == span
+            and states.first[q] <= len(workers) <= states.last[q]
+            and states.units_lo[q] <= held <= states.units_hi[q]]
+    return q
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(st.sampled_from([(2, 2), (3, 2), (4,)]), st.floats(0.05, 1.0), st.booleans(),
        st.data())
@@ -121,12 +133,7 @@ def test_every_placed_plan_that_fits_is_a_path_of_the_relaxed_program(
     work = states.work(fine, 1, topo.overlap, limit, recompute)
     own = np.full_like(work, np.inf)
     for (a, b), workers in zip(spans, placed, strict=True):
-        unit = np.cumprod([lv.count for lv in topo.levels])
-        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
-        held = len({v // shape[0] for v in workers})
-        (q,) = [q for q in range(len(states.first)) if states.span[q] == span
-                and states.first[q] <= len(workers) <= states.last[q]
-                and states.units_lo[q] <= held <= states.units_hi[q]]
+        q = _state_of(states, topo, workers)
         own[a, b, q] = work[a, b, q]
     cuts = bounds_module._Cuts(topo, fine.cut_bytes, states)
     memory = in_flight_terms([(fine, 1)], limit, recompute)
@@ -200,14 +207,9 @@ def test_every_placed_plan_of_split_stages_that_fits_is_a_path_of_the_relaxed_pr
     stages = price_stages(fine, topo, spans, placed, sync, limit, again, ways)
     time = slowest(stages)
     states = bound_states.BoundStates(topo, sync, sorted(by_width), bound_states.GRIDS[0])
-    unit = np.cumprod([lv.count for lv in topo.levels])
     own = {t: np.full((n, n, len(states.first)), np.inf) for t in by_width}
     for (a, b), workers, t in zip(spans, placed, widths, strict=True):
-        span = next(k for k, u in enumerate(unit) if len({v // u for v in workers}) == 1)
-        held = len({v // shape[0] for v in workers})
-        (q,) = [q for q in range(len(states.first)) if states.span[q] == span
-                and states.first[q] <= len(workers) <= states.last[q]
-                and states.units_lo[q] <= held <= states.units_hi[q]]
+        q = _state_of(states, topo, workers)
         table = np.min([states.work(c, t, topo.overlap, limit, recompute)
                         for c in by_width[t]], axis=0)
         own[t][a, b, q] = table[a, b, q]
