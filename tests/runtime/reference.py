@@ -198,17 +198,17 @@ def reference_two_bw(
     return losses, fm.state(model)
 
 
-def admitted(replicas: Sequence[int], stage: int) -> int:
+def admitted(replicas: Sequence[int], stage: int, join: int = 2) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
-    ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, two per replica beyond one of
-    this and later stages, except at the last stage; then, from the last stage up, each
+    ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, ``join`` per replica beyond
+    one of this and later stages, except at the last stage; then, from the last stage up, each
     stage's total over its replicas raised until it leads the next stage's by ``r`` when
     both have ``r`` replicas, else by ``max(lcm, 2 max)`` of the two (§5.2)."""
     n = len(replicas)
     total = []
     for s, r in enumerate(replicas):
         joins = 0 if s == n - 1 else sum(m - 1 for m in replicas[s:])
-        total.append(math.ceil((sum(replicas[s:]) + 2 * joins) / r) * r)
+        total.append(math.ceil((sum(replicas[s:]) + join * joins) / r) * r)
     for s in reversed(range(n - 1)):
         a, b = replicas[s], replicas[s + 1]
         lead = a if a == b else max(math.lcm(a, b), 2 * max(a, b))

@@ -9,7 +9,7 @@ likely cause (docs/planner.md, "Where the planner and the simulator part").
 
 from __future__ import annotations
 
-from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.in_flight import in_flight_counts, short_of_rounds
 from dreampipe.planning.plan import Plan
 from dreampipe.simulation.simulator import SimResult
 
@@ -48,13 +48,12 @@ def check_warning(result: Plan, sim: SimResult) -> str | None:
     if ratio < 1.0:
         replicas = [st.replicas for st in result.stages]
         widths = [st.tensor_parallel for st in result.stages]
-        wanted = in_flight_counts(replicas, widths=widths)
-        short = [s for s, (st, n) in enumerate(zip(result.stages, wanted, strict=True))
-                 if st.in_flight < n]
+        short = short_of_rounds(replicas, widths, [st.in_flight for st in result.stages])
         if short:
+            wanted = in_flight_counts(replicas, 0, widths)
             held = [result.stages[s].in_flight for s in short]
             return head + (
-                f"Stages {short} hold {held} minibatches in flight, fewer than the "
+                f"Stages {list(short)} hold {held} minibatches in flight, fewer than the "
                 f"{[wanted[s] for s in short]} that keep the replicated stages' rounds "
                 "whole (the memory limit leaves them short), so replicas wait for each "
                 "other at each all-reduce, and the planner's steady state does not "

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
 
-__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "round_lead", "versions_in_flight"]
+__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "round_lead", "short_of_rounds",
+           "versions_in_flight"]
 
 #: ``(join, aligned)`` as a plan tries them, best first: the first whose stages all
 #: fit in memory is kept. Whole rounds matter more than the join buffer's depth
@@ -64,6 +65,15 @@ def round_lead(upstream: int, downstream: int) -> int:
     if upstream == downstream:
         return upstream
     return max(math.lcm(upstream, downstream), 2 * max(upstream, downstream))
+
+
+def short_of_rounds(replicas: Sequence[int], widths: Sequence[int],
+                    held: Sequence[int]) -> tuple[int, ...]:
+    """The stages that hold fewer minibatches in flight (``held``, per replica) than whole
+    rounds need without a join buffer: where the planner's steady state does not hold,
+    as replicas wait for each other at each all-reduce (docs/design.md §5.2)."""
+    need = in_flight_counts(replicas, 0, widths)
+    return tuple(s for s, (h, n) in enumerate(zip(held, need, strict=True)) if h < n)
 
 
 def _aligned(replicas: Sequence[int], counts: Sequence[int]) -> tuple[int, ...]:

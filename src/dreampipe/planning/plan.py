@@ -58,6 +58,10 @@ class Heuristic(Enum):
     #: under a memory limit, stages that recompute replicated over servers only as one
     #: server's pipeline on every server
     SERVER_COPIES = "server-copies"
+    #: under a memory limit, the fastest plan found held too few minibatches for whole
+    #: rounds, so the best straight pipeline stands in; replicated plans whose whole
+    #: rounds fit are searched nowhere
+    WHOLE_ROUNDS = "whole-rounds"
 
 
 @dataclass(frozen=True, kw_only=True)

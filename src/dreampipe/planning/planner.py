@@ -28,7 +28,7 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.costs import CostModel, RangeCosts
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.evaluate import baselines, evaluate_plan
-from dreampipe.planning.in_flight import in_flight_counts
+from dreampipe.planning.in_flight import in_flight_counts, short_of_rounds
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.packed import with_packed
@@ -177,8 +177,16 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    gap = (gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
-           if heuristics else 0.0)
+    optimum = None if heuristics else slowest(stages)  # the search's exact optimum
+    whole = _with_whole_rounds(search, topology, models, search_opts, stages)
+    if whole is not stages:
+        heuristics = tuple(h for h in Heuristic if h in {*heuristics, Heuristic.WHOLE_ROUNDS})
+        stages = whole
+    if optimum is not None and heuristics:  # the optimum bounds every plan holding whole rounds
+        gap = slowest(stages) / optimum - 1.0
+    else:
+        gap = (gap_bound(stages, prof, topology, search_opts, splits, opts.recompute)
+               if heuristics else 0.0)
     if PACK_ABOVE < gap < math.inf and opts.also_flat:  # loose: try one laid server by server
         packed = with_packed(prof, topology, stages, search_opts, splits)
         if packed is not stages:  # the bound holds for every plan: the faster states it too
@@ -196,6 +204,37 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result
+
+
+def _with_whole_rounds(search: Search, topology: Topology, models: Sequence[Topology],
+                       opts: Options, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
+    """``stages``, or the best straight pipeline where ``stages`` are short of whole rounds.
+
+    The search checks memory at PipeDream's count, so under a memory limit its plan may
+    fit only with fewer minibatches in flight than whole rounds need. Its replicas then
+    wait for each other at each all-reduce, which the steady state it was priced by does
+    not hold: its price is no prediction (by simulation, a GPT plan of 24 layers on
+    16 GB devices ran at 30% of it). A straight pipeline's rounds are one minibatch,
+    always whole, so its price holds; a plan short of whole rounds is kept only where no
+    straight pipeline fits (docs/design.md §5.2).
+    """
+    def short(found: Sequence[Stage]) -> bool:
+        return bool(short_of_rounds([x.replicas for x in found],
+                                    [x.tensor_parallel for x in found],
+                                    [x.in_flight for x in found]))
+
+    if opts.memory_bytes is None or opts.straight or not short(stages):
+        return stages
+    straight = fastest(search, topology, models, dataclasses.replace(opts, straight=True))
+    if straight is None or short(straight):
+        log.warning("the plan found holds too few minibatches in flight for whole rounds "
+                    "in %s, and no straight pipeline fits: its replicas will wait for each "
+                    "other, slower than predicted", format_bytes(opts.memory_bytes))
+        return stages
+    log.info("the fastest plan found, %.3f ms, is short of whole rounds in %s: keeping the "
+             "best straight pipeline, %.3f ms", 1e3 * slowest(stages),
+             format_bytes(opts.memory_bytes), 1e3 * slowest(straight))
+    return straight
 
 
 def _ranged(search: Search, topology: Topology, opts: PlanOptions
