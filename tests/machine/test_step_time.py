@@ -11,6 +11,7 @@ from dreampipe.machine.step_time import prediction_factor, step_factor
 __all__: list[str] = []
 
 
+@pytest.mark.timing  # measured step times: alone on the cores (make test)
 def test_adams_step_is_several_plain_steps_and_sgds_about_one() -> None:
     """A plain SGD step reads a weight and its gradient and writes the weight; Adam also
     reads and writes two moments and makes temporaries: several times the traffic (on a
@@ -32,6 +33,7 @@ def test_a_factory_that_cannot_step_the_probes_is_priced_as_plain_sgd(
     assert "stepping probes failed (TypeError: wants named parameter groups)" in caplog.text
 
 
+@pytest.mark.timing  # measured step times: alone on the cores (make test)
 def test_weight_prediction_costs_more_than_a_plain_step() -> None:
     """A delayed stage's prediction copies its weights before the step, takes their change
     after it (two passes) and extrapolates a new version (reads two, writes one): over
