@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, cut_time, stage_time
-from dreampipe.planning.in_flight import IN_FLIGHT_CHOICES, in_flight_counts
+from dreampipe.planning.in_flight import short_of_rounds
 from dreampipe.planning.level import Options
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.pricing import price_stages, slowest
@@ -171,15 +171,12 @@ def _placed(layout: Sequence[tuple[int, int, int, bool]], ways: Sequence[_Way], 
 
 
 def _whole_rounds(stages: Sequence[Stage]) -> bool:
-    """Whether ``stages`` hold whole rounds in flight (an aligned choice of
-    :data:`~dreampipe.planning.in_flight.IN_FLIGHT_CHOICES` fits): else replicas wait for
-    each other at each all-reduce, a wait the steady state does not price, and narrow
-    stages of uneven widths, this search's, hold many."""
-    replicas = [x.replicas for x in stages]
-    widths = [x.tensor_parallel for x in stages]
-    held = tuple(x.in_flight for x in stages)
-    return any(held == in_flight_counts(replicas, join, widths, aligned)
-               for join, aligned in IN_FLIGHT_CHOICES if aligned)
+    """Whether ``stages`` hold whole rounds in flight: else replicas wait for each other
+    at each all-reduce, a wait the steady state does not price, and narrow stages of
+    uneven widths, this search's, hold many."""
+    return not short_of_rounds([x.replicas for x in stages],
+                               [x.tensor_parallel for x in stages],
+                               [x.in_flight for x in stages])
 
 
 def with_packed(fine: RangeCosts, topo: Topology, stages: tuple[Stage, ...], opts: Options,
