@@ -21,7 +21,7 @@ from dreampipe.planning.evaluate import evaluate_plan
 from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic
-from dreampipe.planning.planner import plan_pipeline
+from dreampipe.planning.planner import STAND_IN_WITHIN, plan_pipeline
 from dreampipe.planning.topology import Topology
 from dreampipe.profiling.load import load_graph
 from dreampipe.scheduling.actions import ScheduleKind
@@ -92,6 +92,25 @@ def test_a_memory_limit_short_of_whole_rounds_keeps_a_plan_that_runs_as_predicte
     assert short.time_per_minibatch_s < plan.time_per_minibatch_s  # the search's own choice
     # the gap states how far the plan may be from the search's: its time bounds every plan
     assert plan.time_per_minibatch_s <= (1 + plan.optimality_gap) * short.time_per_minibatch_s
+
+
+def test_a_short_plan_far_faster_than_any_straight_pipeline_is_kept_and_warned_of(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # 24 layers of hidden 2048 on 16 DGX A100 servers in 80 GB: the search's 1-7-120 fits
+    # only short of whole rounds, but a straight pipeline on 24 of 128 GPUs is three times
+    # its price, and slower than the short plan runs
+    topo = Topology.parse("dgx-a100:16")
+    graph = profile_on("gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200", topo)
+    with caplog.at_level("WARNING"):
+        plan = plan_pipeline(graph, topo, PlanOptions(memory_bytes=topo.memory_bytes,
+                                                      recompute=True))
+    assert Heuristic.WHOLE_ROUNDS not in plan.heuristics
+    assert "too few minibatches in flight for whole rounds" in caplog.text
+    straight = plan_pipeline(graph, topo, PlanOptions(memory_bytes=topo.memory_bytes,
+                                                      straight=True))
+    assert straight.time_per_minibatch_s > (1 + STAND_IN_WITHIN) * plan.time_per_minibatch_s
+    sim = confirm_by_simulation(plan, graph, topo)
+    assert 1 / sim.steady_throughput_minibatches_per_s < straight.time_per_minibatch_s
 
 
 @settings(max_examples=25, deadline=None)
