@@ -45,6 +45,7 @@ from dreampipe.planning.search import (
     gap_bound,
     search_for,
     with_copies,
+    with_fewer_servers,
     with_ranges,
 )
 from dreampipe.planning.split_ranges import split_options
@@ -161,6 +162,9 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
         stages = with_copies(search, topology, stages, search_opts, opts.recompute)
         if copies_searched(topology, search_opts, opts.recompute):
             ranged = (*ranged, Heuristic.SERVER_COPIES)
+        if stages is not None and Heuristic.SHARED_LINKS in ranged:
+            stages = with_fewer_servers(search, topology, stages, search_opts, True,
+                                        opts.exact, opts.recompute, splits)
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
     if stages is None:
         memory_bytes = opts.memory_bytes
