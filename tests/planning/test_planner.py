@@ -27,9 +27,10 @@ from dreampipe.planning.in_flight import versions_in_flight
 from dreampipe.planning.memory_terms import OptimizerTerms, max_versions, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan
-from dreampipe.planning.planner import STAND_IN_WITHIN, evaluate_plan, plan_pipeline
+from dreampipe.planning.planner import evaluate_plan, plan_pipeline
 from dreampipe.planning.sync import DEFAULT_SYNC, Sync, SyncKind
 from dreampipe.planning.topology import Level, Topology
+from dreampipe.planning.whole_rounds import STAND_IN_WITHIN
 from dreampipe.profiling.graph import Layer, LayerGraph
 from dreampipe.profiling.load import load_graph
 from dreampipe.quantities import parse_bytes

@@ -148,9 +148,10 @@ def test_split_choices_in_the_program_equal_brute_force(
                                                  sync=sync, recompute=recompute,
                                                  mixed_splits=True))
     if Heuristic.WHOLE_ROUNDS in got.heuristics:
-        # the search's plan fits only short of whole rounds: a straight pipeline stands in,
-        # as slow as the gap it states at most
-        assert all(s.replicas == 1 for s in got.stages)
+        # the search's plan fits only short of whole rounds: a plan of stages all as
+        # replicated stands in (a straight pipeline, or one copied on every server), as slow
+        # as the gap it states at most
+        assert len({s.replicas for s in got.stages}) == 1
         assert got.time_per_minibatch_s <= (1 + got.optimality_gap) * full * (1 + 1e-9)
     else:
         assert got.time_per_minibatch_s <= full * (1 + 1e-9)

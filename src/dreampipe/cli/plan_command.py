@@ -86,7 +86,7 @@ _HEURISTICS = {
     Heuristic.SERVER_COPIES: "under --memory, stages that recompute were replicated over "
     "servers only as one server's pipeline copied on each",
     Heuristic.WHOLE_ROUNDS: "under --memory, the fastest plan found was short of whole "
-    "rounds in flight, so the best straight pipeline stands in",
+    "rounds in flight, so a plan of stages all as replicated stands in",
 }
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"),
               ("gpipe", f"GPipe at {GPIPE_MICROBATCHES_PER_STAGE} microbatches a stage"))

@@ -59,7 +59,7 @@ class Heuristic(Enum):
     #: server's pipeline on every server
     SERVER_COPIES = "server-copies"
     #: under a memory limit, the fastest plan found held too few minibatches for whole
-    #: rounds, so the best straight pipeline stands in; replicated plans whose whole
+    #: rounds, so a plan of stages all as replicated stands in; other plans whose whole
     #: rounds fit are searched nowhere
     WHOLE_ROUNDS = "whole-rounds"
 

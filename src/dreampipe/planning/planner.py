@@ -28,7 +28,7 @@ from dreampipe.errors import PlanError
 from dreampipe.planning.costs import CostModel, RangeCosts
 from dreampipe.planning.dp import Options, best_plan
 from dreampipe.planning.evaluate import baselines, evaluate_plan
-from dreampipe.planning.in_flight import in_flight_counts, short_of_rounds
+from dreampipe.planning.in_flight import in_flight_counts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms, stage_memory
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.packed import with_packed
@@ -52,11 +52,12 @@ from dreampipe.planning.split_ranges import split_options
 from dreampipe.planning.split_stage import best_split, no_split_reason, split_stage, split_widths
 from dreampipe.planning.sync import Sync
 from dreampipe.planning.topology import Topology
+from dreampipe.planning.whole_rounds import with_whole_rounds
 from dreampipe.profiling.graph import LayerGraph
 from dreampipe.quantities import format_bytes
 
-__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "PACK_ABOVE", "STAND_IN_WITHIN", "evaluate_plan",
-           "memory_needs", "plan_pipeline"]  # evaluate_plan lives in dreampipe.planning.evaluate
+__all__ = ["FLAT_MAX_WORKERS", "MAX_LEVEL_UNITS", "PACK_ABOVE", "evaluate_plan", "memory_needs",
+           "plan_pipeline"]  # evaluate_plan lives in dreampipe.planning.evaluate
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,6 @@ MAX_LEVEL_UNITS = 4096
 #: (:mod:`dreampipe.planning.packed`), which takes seconds on a few hundred layers; a
 #: gap this small already says the plan is near the optimum.
 PACK_ABOVE = 0.05
-#: A plan short of whole rounds gives way to the best straight pipeline where that is at
-#: most this much slower than its price (:func:`_with_whole_rounds`).
-STAND_IN_WITHIN = 0.10
 
 
 def _least_memory(search: Search, models: Sequence[Topology], opts: Options,
@@ -185,7 +183,7 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
     optimum = None if heuristics else slowest(stages)  # the search's exact optimum
-    whole = _with_whole_rounds(search, topology, models, search_opts, stages)
+    whole = with_whole_rounds(search, topology, search_opts, stages, opts.also_flat)
     if whole is not stages:
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, Heuristic.WHOLE_ROUNDS})
         stages = whole
@@ -211,43 +209,6 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     )
     log.info("planned %s: %s", graph.model or "model", result.config)
     return result
-
-
-def _with_whole_rounds(search: Search, topology: Topology, models: Sequence[Topology],
-                       opts: Options, stages: tuple[Stage, ...]) -> tuple[Stage, ...]:
-    """``stages``, or the best straight pipeline where ``stages`` are short of whole rounds
-    and it is at most :data:`STAND_IN_WITHIN` slower than their price.
-
-    The search checks memory at PipeDream's count, so under a memory limit its plan may
-    fit only with fewer minibatches in flight than whole rounds need. Its replicas then
-    wait for each other at each all-reduce, which the steady state it was priced by does
-    not hold: it runs no faster than its price, and often far slower (a GPT plan of 24
-    layers on 16 GB devices, by simulation, at 30% of it). A straight pipeline's rounds
-    are one minibatch, always whole, so its price holds; within the tolerance it is the
-    safer plan. Beyond, the short plan is kept with a warning: a straight pipeline on many
-    servers may be many times slower than even a short plan runs (docs/design.md §5.2).
-    """
-    def short(found: Sequence[Stage]) -> bool:
-        return bool(short_of_rounds([x.replicas for x in found],
-                                    [x.tensor_parallel for x in found],
-                                    [x.in_flight for x in found]))
-
-    if opts.memory_bytes is None or opts.straight or not short(stages):
-        return stages
-    straight = fastest(search, topology, models, dataclasses.replace(opts, straight=True))
-    if (straight is None or short(straight)
-            or slowest(straight) > (1 + STAND_IN_WITHIN) * slowest(stages)):
-        log.warning("the plan found holds too few minibatches in flight for whole rounds in "
-                    "%s, so its replicas wait for each other at each all-reduce and it runs "
-                    "slower than its %.3f ms a minibatch (no straight pipeline within %.0f%% "
-                    "of it fits); check it by simulation ('dreampipe plan')",
-                    format_bytes(opts.memory_bytes), 1e3 * slowest(stages),
-                    100 * STAND_IN_WITHIN)
-        return stages
-    log.info("the fastest plan found, %.3f ms, is short of whole rounds in %s: keeping the "
-             "best straight pipeline, %.3f ms", 1e3 * slowest(stages),
-             format_bytes(opts.memory_bytes), 1e3 * slowest(straight))
-    return straight
 
 
 def _ranged(search: Search, topology: Topology, opts: PlanOptions
