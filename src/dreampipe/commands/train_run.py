@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from dreampipe.api.config import TrainConfig
 from dreampipe.api.datalog import DataLog
@@ -46,7 +45,7 @@ from dreampipe.planning.plan import Plan
 from dreampipe.runtime.backend import backend_for_node, barrier
 from dreampipe.runtime.memory_meter import MemoryUse, Meter, start_measuring
 from dreampipe.runtime.processes import prepare_process, run_processes
-from dreampipe.runtime.results import RankReport, sorted_events, stage_states
+from dreampipe.runtime.results import RankReport, gather_on_first, sorted_events, stage_states
 
 __all__ = ["Checkpoints", "TrainJob", "TrainReport", "run_train", "train_local", "train_rank"]
 
@@ -277,8 +276,7 @@ def _train(pipe: Pipeline, job: TrainJob, data: Any, rank: int, world: int,
                        events=pipe.events if k == 0 else [], state=states.get(m.stage),
                        memory=memory if k == 0 else None)
             for k, m in enumerate(pipe.runner.modules)]  # one per stage of the rank
-    gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
+    gathered = gather_on_first(mine)
     if gathered is None:
         return None
     reports = [r for rs in gathered for r in rs if isinstance(r, RankReport)]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dreampipe.scheduling.events import Event
@@ -12,7 +15,7 @@ from dreampipe.scheduling.events import Event
 if TYPE_CHECKING:
     from dreampipe.runtime.memory_meter import MemoryUse
 
-__all__ = ["RankReport", "sorted_events", "stage_states"]
+__all__ = ["RankReport", "gather_on_first", "sorted_events", "stage_states"]
 
 
 @dataclass
@@ -41,3 +44,28 @@ def sorted_events(reports: list[RankReport]) -> tuple[Event, ...]:
     """Every rank's events on the one time line, in start order."""
     return tuple(sorted((e for rep in reports for e in rep.events),
                         key=lambda e: (e.start_s, e.rank)))
+
+
+def gather_on_first(mine: Any) -> list[Any] | None:
+    """Every rank's ``mine`` on rank 0, in rank order (None on the others), each rank's
+    pickled bytes sent at their own size.
+
+    ``dist.gather_object`` pads every rank's bytes to the largest, so ranks holding no
+    state would send as many bytes as the one holding the largest stage's: seconds of
+    zeros over a slow link between nodes, at the end of every run.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8).to(device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
+    if rank != 0:
+        dist.send(data, 0)
+        return None
+    gathered = [mine]
+    for src in range(1, world):
+        buf = torch.empty(int(sizes[src].item()), dtype=torch.uint8, device=device)
+        dist.recv(buf, src)
+        gathered.append(pickle.loads(buf.cpu().numpy().tobytes()))
+    return gathered
