@@ -51,11 +51,14 @@ demo: setup
 # Bytecode is written even where the environment says not to: pytest keeps each test
 # module's rewritten asserts (most of a 20 s collection) for the next session, and the
 # workers' processes the tests' helpers, compiled once.
+# The timings' run collects only the files that mark a test so (tests/conftest.py refuses
+# a timing test whose file does not say ``mark.timing``), not all 2,500 tests again.
+TIMING_FILES = $(shell grep -rl --include='test_*.py' 'mark\.timing' tests)
 test: setup
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not timing" \
 	  -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m timing \
-	  --durations=10
+	  --durations=10 $(TIMING_FILES)
 
 test-kernels: setup
 	@failed=; for set in $(KERNEL_SETS); do \

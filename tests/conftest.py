@@ -22,9 +22,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     ``make test`` hands whole files to two pytest-xdist processes in this order
     (``--dist loadfile``), so the long runs start first and the many short files fill
-    the gaps at the end, instead of a long file starting last and running alone."""
+    the gaps at the end, instead of a long file starting last and running alone. A
+    timing test's file must say ``mark.timing``: ``make test`` runs the timings from the
+    files that do."""
     heavy = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in heavy)
+    timed = {item.path for item in items if item.get_closest_marker("timing")}
+    hidden = sorted(str(path) for path in timed if "mark.timing" not in path.read_text())
+    if hidden:  # make test's timings run collects the files that say so, and no other
+        raise pytest.UsageError(f"{hidden}: mark a timing test with pytest.mark.timing in "
+                                "its own file (the Makefile finds them so)")
 
 
 @pytest.fixture(scope="session")
