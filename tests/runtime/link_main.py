@@ -6,11 +6,13 @@ MASTER_PORT) plus GLOO_SOCKET_IFNAME; ``argv[1]`` is a JSON job:
 - ``"probe": {"bytes": n, "repeats": k}`` (optional): first, in a process
   group of its own on ``MASTER_PORT + 1``, gloo ``send``s ``n`` bytes from
   rank 1 to rank 0 ``k`` times and times each (the link's real throughput);
-- ``"train"``: :class:`~dreampipe.commands.train_config.TrainRun` and its
-  TrainConfig's fields (``plan`` as a plan's JSON object), trained as
-  ``dreampipe train`` trains a torchrun rank (one Pipeline).
+- ``"runs"``: a list of :class:`~dreampipe.commands.train_config.TrainRun`'s and
+  its TrainConfig's fields (``plan`` as a plan's JSON object), each trained in
+  turn as ``dreampipe train`` trains a torchrun rank (one Pipeline, its process
+  group on ``MASTER_PORT + 2 k`` for the ``k``-th run, so that no rank meets the
+  previous run's store). The runs share the processes: Python and torch start once.
 
-Rank 0 prints one line ``RESULT <json>``: the probe's MB/s, the run's
+Rank 0 prints one line ``RESULT <json>``: the probe's MB/s, and per run its
 throughput and its recorded events.
 """
 
@@ -81,12 +83,15 @@ def train(fields: dict[str, Any]) -> dict[str, Any] | None:
 def main() -> None:
     torch.set_num_threads(1)
     job = json.loads(sys.argv[1])
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"runs": []}
     if "probe" in job:
         out["probe_mb_per_s"] = probe(int(job["probe"]["bytes"]), int(job["probe"]["repeats"]))
-    result = train(job["train"])
-    if result is not None:
-        print(MARK + json.dumps({**out, **result}), flush=True)
+    port = int(os.environ["MASTER_PORT"])
+    for k, fields in enumerate(job["runs"]):
+        os.environ["MASTER_PORT"] = str(port + 2 * k)
+        out["runs"].append(train(fields))
+    if out["runs"][0] is not None:
+        print(MARK + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

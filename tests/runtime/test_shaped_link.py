@@ -33,7 +33,7 @@ from dreampipe.runplan.worker_profile import profile_as_worker
 from dreampipe.scheduling.actions import ActionKind, ScheduleKind
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
-from dreampipe.simulation.simulator import simulate_schedule
+from dreampipe.simulation.simulator import SimResult, simulate_schedule
 
 from . import netns
 
@@ -180,11 +180,8 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
         "1-1": plan_pipeline(graph, topology,
                              PlanOptions(straight=True, allow_fewer_workers=False)),
     }
-    outcomes = [
-        _measure(link, graph, name, plan, machine, tmp_path / name.replace("-", "_"),
-                 probe_bytes=int(min(64 * 2**20, rate * 0.3)) if i == 0 else 0)
-        for i, (name, plan) in enumerate(plans.items())
-    ]
+    outcomes = _measure(link, graph, plans, machine, tmp_path,
+                        probe_bytes=int(min(64 * 2**20, rate * 0.3)))
     probe = outcomes[0].probe_mb_per_s
     lines = [f"link {bandwidth}: gloo send/recv measured {statistics.median(probe):.1f} MB/s "
              f"(each {', '.join(f'{p:.1f}' for p in probe)}) against {rate / 1e6:g} MB/s shaped",
@@ -209,10 +206,30 @@ def test_planner_choice_and_throughput_on_a_shaped_link(
 
 
 def _measure(
-    link: netns.VethPair, graph: LayerGraph, name: str, plan: Plan, machine: LocalCalibration,
+    link: netns.VethPair, graph: LayerGraph, plans: dict[str, Plan], machine: LocalCalibration,
     workdir: Path, *, probe_bytes: int,
-) -> Outcome:
-    """Predict ``plan``'s steady throughput, run it across the link, read the same windows."""
+) -> list[Outcome]:
+    """Predict each plan's steady throughput, run them in turn across the link, read the
+    same windows. One pair of processes runs the probe, then every plan: each run's
+    figures are its own, and Python and torch start once."""
+    prepared = [_prepare(graph, plan, machine) for plan in plans.values()]
+    job: dict[str, Any] = {"probe": {"bytes": probe_bytes, "repeats": 3}, "runs": [{
+        "model": MODEL, "model_kwargs": [list(kv) for kv in KWARGS],
+        "plan": json.loads(plan.to_json()), "schedule": SCHEDULE.value,
+        "minibatch_size": MINIBATCH, "steps": steps, "seed": 0, "lr": 1e-3,
+        "timeout_s": 60.0, "record_events": True, "evaluate": False,
+    } for plan, (steps, _) in zip(plans.values(), prepared, strict=True)]}
+    out = _run_ranks(link, job, workdir,
+                     limit_s=sum(RUN_SLACK_S + 3 * sim.makespan_s for _, sim in prepared))
+    return [_outcome(name, plan, graph, machine, steps, list(sim.events), run,
+                     tuple(out["probe_mb_per_s"]) if i == 0 else ())
+            for i, ((name, plan), (steps, sim), run)
+            in enumerate(zip(plans.items(), prepared, out["runs"], strict=True))]
+
+
+def _prepare(graph: LayerGraph, plan: Plan, machine: LocalCalibration) -> tuple[int, SimResult]:
+    """The steps that give ``plan``'s run a steady state of about :data:`TARGET_S`, and
+    its simulation of that many."""
     per_round = round_microbatches(plan)
     assert SKIP_MICROBATCHES % per_round == 0 and WINDOW_MICROBATCHES % per_round == 0
     trial = simulate_on(graph, plan, SCHEDULE, minibatch_size=MINIBATCH, machine=machine,
@@ -223,26 +240,21 @@ def _measure(
     windows = min(MAX_WINDOWS, max(MIN_WINDOWS, round(TARGET_S / window_s)))
     steps = SKIP_MICROBATCHES + windows * WINDOW_MICROBATCHES + 1
     steps += -steps % per_round
-    sim = simulate_on(graph, plan, SCHEDULE, minibatch_size=MINIBATCH, machine=machine,
-                      steps=steps)
-    job: dict[str, Any] = {"train": {
-        "model": MODEL, "model_kwargs": [list(kv) for kv in KWARGS],
-        "plan": json.loads(plan.to_json()), "schedule": SCHEDULE.value,
-        "minibatch_size": MINIBATCH, "steps": steps, "seed": 0, "lr": 1e-3,
-        "timeout_s": 60.0, "record_events": True, "evaluate": False,
-    }}
-    if probe_bytes:
-        job["probe"] = {"bytes": probe_bytes, "repeats": 3}
-    out = _run_ranks(link, job, workdir, limit_s=RUN_SLACK_S + 3 * sim.makespan_s)
-    events = [Event.from_dict(d) for d in out["events"]]
+    return steps, simulate_on(graph, plan, SCHEDULE, minibatch_size=MINIBATCH,
+                              machine=machine, steps=steps)
+
+
+def _outcome(name: str, plan: Plan, graph: LayerGraph, machine: LocalCalibration, steps: int,
+             simulated: list[Event], run: dict[str, Any], probe: tuple[float, ...]) -> Outcome:
+    """What one run measured, against its simulation at the profile's and at its own speed."""
+    events = [Event.from_dict(d) for d in run["events"]]
     measured = window_rates(events, microbatch_size=MINIBATCH, skip_microbatches=SKIP_MICROBATCHES,
                             window_microbatches=WINDOW_MICROBATCHES)
-    speeds = _compute_ratios(events, sim.events, len(plan.stages))
+    speeds = _compute_ratios(events, simulated, len(plan.stages))
     at_speed = _simulate(graph, plan, machine, steps, speeds)
-    return Outcome(name, plan, _steady(sim.events), _steady(at_speed), speeds,
+    return Outcome(name, plan, _steady(simulated), _steady(at_speed), speeds,
                    statistics.harmonic_mean(measured), tuple(measured),
-                   float(out["samples_per_s"]), tuple(out.get("probe_mb_per_s", ())),
-                   _phases(events, at_speed))
+                   float(run["samples_per_s"]), probe, _phases(events, at_speed))
 
 
 def _steady(events: list[Event]) -> float:
