@@ -248,6 +248,8 @@ def _outcome(name: str, plan: Plan, graph: LayerGraph, machine: LocalCalibration
              simulated: list[Event], run: dict[str, Any], probe: tuple[float, ...]) -> Outcome:
     """What one run measured, against its simulation at the profile's and at its own speed."""
     events = [Event.from_dict(d) for d in run["events"]]
+    ran = sorted({(e.rank, e.stage) for e in events})
+    assert ran == [(r, plan.stage_of_rank(r)) for r in range(plan.workers_used)], (name, ran)
     measured = window_rates(events, microbatch_size=MINIBATCH, skip_microbatches=SKIP_MICROBATCHES,
                             window_microbatches=WINDOW_MICROBATCHES)
     speeds = _compute_ratios(events, simulated, len(plan.stages))
