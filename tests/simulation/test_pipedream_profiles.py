@@ -98,9 +98,8 @@ def test_a_memory_limit_short_of_whole_rounds_keeps_a_plan_that_runs_as_predicte
 def test_a_plan_short_of_whole_rounds_gives_way_only_to_a_stand_in_near_its_price(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     # 24 layers of hidden 2048 on 16 DGX A100 servers in 80 GB: the search's 1-7-120 fits
-    # only short of whole rounds and runs at about a third of its price; one server's
-    # straight pipeline on every server is priced 14% above it, and the plan kept runs at
-    # its price
+    # only short of whole rounds and runs at about a third of its price; data parallelism,
+    # a stand-in of whole rounds, is priced 3% above it and runs at its price
     topo = Topology.parse("dgx-a100:16")
     graph = profile_on("gpt:layers=24,hidden=2048,heads=16,seq=2048,vocab=51200", topo)
     options = PlanOptions(memory_bytes=topo.memory_bytes, recompute=True)

@@ -6,7 +6,8 @@ fit only with fewer minibatches in flight than whole rounds need
 each other at each all-reduce, which the steady state it was priced by does not hold:
 it runs no faster than its price, and often far slower. Plans whose stages all have as
 many replicas hold whole rounds at PipeDream's count, so their price holds: the best
-straight pipeline, and one server's straight pipeline copied on every server. The
+straight pipeline, and one server's best straight pipeline of stages 1, 2, 4, ...
+workers wide (each width that divides the server) copied on every server. The
 fastest of them stands in where it is at most :data:`STAND_IN_WITHIN` slower than the
 short plan's price; beyond, the short plan is kept with a warning, as a stand-in on
 many servers may be far slower than even a short plan runs (docs/design.md §5.2).
@@ -44,23 +45,28 @@ def short(stages: Sequence[Stage]) -> bool:
                                 [x.in_flight for x in stages]))
 
 
-def _copied(search: Search, topology: Topology, opts: Options, also_flat: bool
+def _copied(search: Search, topology: Topology, opts: Options, also_flat: bool, width: int
             ) -> tuple[Stage, ...] | None:
-    """One server's best straight pipeline, run on the same workers of every server: each
-    stage all-reduces over the servers (None on one level, or where none fits)."""
+    """One server's best straight pipeline of stages ``width`` workers wide, run on the
+    same workers of every server: each stage has ``width`` times the servers' count of
+    replicas (None where none fits)."""
     levels = topology.levels
-    if len(levels) < 2:
-        return None
-    one = dataclasses.replace(topology, levels=(*levels[:-1], dataclasses.replace(
-        levels[-1], count=1)))
+    narrow = dataclasses.replace(levels[0], count=levels[0].count // width)
+    one = dataclasses.replace(topology, levels=(narrow, *levels[1:-1], *(
+        (dataclasses.replace(levels[-1], count=1),) if len(levels) > 1 else ())))
     found = fastest(search, one, cost_models(one, also_flat), opts)
     if found is None:
         return None
-    per, copies = one.num_workers, levels[-1].count
+    copies = topology.num_workers // (one.num_workers * width)
+    per = topology.num_workers // copies
+
+    def workers(w: int) -> list[int]:  # a worker of ``one`` on the whole topology's
+        first = w // narrow.count * levels[0].count + w % narrow.count * width
+        return [c * per + first + k for c in range(copies) for k in range(width)]
+
     return price_stages(search.fine, topology, [(x.first, x.last) for x in found],
-                        [[c * per + w for c in range(copies) for w in x.workers]
-                         for x in found], opts.sync, opts.memory_bytes,
-                        [x.recompute for x in found])
+                        [[v for w in x.workers for v in workers(w)] for x in found],
+                        opts.sync, opts.memory_bytes, [x.recompute for x in found])
 
 
 def with_whole_rounds(search: Search, topology: Topology, opts: Options,
@@ -71,9 +77,11 @@ def with_whole_rounds(search: Search, topology: Topology, opts: Options,
     if opts.memory_bytes is None or opts.straight or not short(stages):
         return stages
     straight = dataclasses.replace(opts, straight=True)
-    found = [x for x in (fastest(search, topology, cost_models(topology, also_flat), straight),
-                         _copied(search, topology, straight, also_flat))
-             if x is not None and not short(x)
+    size = topology.levels[0].count
+    tried = [fastest(search, topology, cost_models(topology, also_flat), straight),
+             *(_copied(search, topology, straight, also_flat, width)
+               for width in range(1, size + 1) if size % width == 0)]
+    found = [x for x in tried if x is not None and not short(x)
              and max(st.memory_bytes for st in x) <= opts.memory_bytes]
     best = min(found, key=slowest, default=None)
     if best is None or slowest(best) > (1 + STAND_IN_WITHIN) * slowest(stages):
