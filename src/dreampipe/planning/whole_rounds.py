@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 #: A plan short of whole rounds gives way to a stand-in at most this much slower than
 #: its price. The short plans measured ran at 19% to 91% of their price, all but one at
-#: 72% or less, so a stand-in this close is the faster plan but in rare cases
+#: 71% or less, so a stand-in this close is the faster plan but in rare cases
 #: (docs/design.md §5.2).
 STAND_IN_WITHIN = 0.25
 
@@ -93,8 +93,7 @@ def with_whole_rounds(search: Search, topology: Topology, opts: Options,
                     100 * STAND_IN_WITHIN)
         return stages
     log.info("the fastest plan found, %.3f ms, is short of whole rounds in %s: keeping "
-             "%s of whole rounds, %.3f ms", 1e3 * slowest(stages),
-             format_bytes(opts.memory_bytes),
-             "a straight pipeline" if all(x.replicas == 1 for x in best)
-             else "one server's straight pipeline on every server", 1e3 * slowest(best))
+             "%d stages of %d replicas each, %.3f ms", 1e3 * slowest(stages),
+             format_bytes(opts.memory_bytes), len(best), best[0].replicas,
+             1e3 * slowest(best))
     return best
