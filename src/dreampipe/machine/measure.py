@@ -45,7 +45,13 @@ from dreampipe.machine.split_layers import SplitLayerCost, measure_split_chains,
 from dreampipe.machine.timers import timer_for
 from dreampipe.machine.torchrun import in_torchrun
 from dreampipe.quantities import format_bytes
-from dreampipe.runtime.backend import Backend, backend_for_node, check_measurable, gpus_here
+from dreampipe.runtime.backend import (
+    Backend,
+    backend_for_node,
+    check_measurable,
+    gpus_here,
+    group_device,
+)
 from dreampipe.runtime.processes import run_processes
 
 __all__ = ["FULL", "QUICK", "Probe", "calibrate_local", "calibrate_torchrun", "describe",
@@ -289,12 +295,6 @@ def _local_rank(rank: int, world: int, job: _Job) -> MachineFile | None:
         dist.destroy_process_group()
 
 
-def _device() -> torch.device:
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 @dataclass(frozen=True)
 class _Level:
     figures: LinkFigures
@@ -314,7 +314,7 @@ def _measure(job: _Job, say: Say | None) -> MachineFile | None:
 
 def _measured(job: _Job, say: Say | None) -> MachineFile | None:
     rank, per_node, world = dist.get_rank(), job.per_node, job.world
-    device = _device()
+    device = group_device()
     node_ranks, leaders = list(range(per_node)), list(range(0, world, per_node))
     node_group = dist.new_group(node_ranks) if per_node > 1 else None
     nodes_group = dist.new_group(leaders) if len(leaders) > 1 else None

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from dreampipe.errors import ConfigError
 
-__all__ = ["Backend", "backend_for_node", "barrier", "check_measurable", "gpus_here"]
+__all__ = ["Backend", "backend_for_node", "barrier", "check_measurable", "gpus_here",
+           "group_device"]
 
 
 class Backend(Enum):
@@ -34,6 +35,14 @@ class Backend(Enum):
 def gpus_here() -> int:
     """CUDA devices this process sees (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def group_device() -> torch.device:
+    """Where the default group's collectives take their tensors: this rank's GPU under
+    NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def backend_for_node(local_ranks: int) -> Backend:

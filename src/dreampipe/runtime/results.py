@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dreampipe.runtime.backend import group_device
 from dreampipe.scheduling.events import Event
 
 if TYPE_CHECKING:
@@ -55,8 +56,7 @@ def gather_on_first(mine: Any) -> list[Any] | None:
     zeros over a slow link between nodes, at the end of every run.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend() == "nccl" else torch.device("cpu"))
+    device = group_device()
     data = torch.frombuffer(bytearray(pickle.dumps(mine)), dtype=torch.uint8).to(device)
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
     dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device))
