@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, cut_time, stage_time
-from dreampipe.planning.in_flight import short_of_rounds
 from dreampipe.planning.level import Options
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.pricing import price_stages, slowest
 from dreampipe.planning.split_ranges import StageSplit
 from dreampipe.planning.sync import allreduce_terms
 from dreampipe.planning.topology import Topology
+from dreampipe.planning.whole_rounds import short
 
 __all__ = ["with_packed"]
 
@@ -38,8 +38,8 @@ _STEPS = 8
 #: second); beyond, the search is skipped.
 _MOST_WORK = 12_000_000
 #: What the search multiplies PipeDream's count in flight by, in turn, until the plan holds
-#: whole rounds in its memory (:func:`_whole_rounds`; about three times as many, on GPT-2
-#: large's narrow stages).
+#: whole rounds in its memory (:func:`~dreampipe.planning.whole_rounds.short` says where
+#: it does not; about three times as many, on GPT-2 large's narrow stages).
 _HEADROOM = (1.0, 4.0)
 
 
@@ -93,7 +93,7 @@ def _fewest(ways: Sequence[_Way], cuts: tuple[FloatArray, FloatArray], p: float,
     of a pipeline laid server by server in order (``opens``: the stage starts a server),
     whose stages and cuts take at most ``p``, each stage holding its minibatches at
     PipeDream's count with the workers after it counted as every slot left, times
-    ``headroom`` (whole rounds in flight hold more, :func:`_whole_rounds`).
+    ``headroom`` (whole rounds in flight hold more: :data:`_HEADROOM`).
 
     ``g[i, rho]``: the servers still to open for layers ``i..`` with ``rho`` slots left
     in the current one. A cut into a new server is priced across servers, one inside a
@@ -170,15 +170,6 @@ def _placed(layout: Sequence[tuple[int, int, int, bool]], ways: Sequence[_Way], 
     return out
 
 
-def _whole_rounds(stages: Sequence[Stage]) -> bool:
-    """Whether ``stages`` hold whole rounds in flight: else replicas wait for each other
-    at each all-reduce, a wait the steady state does not price, and narrow stages of
-    uneven widths, this search's, hold many."""
-    return not short_of_rounds([x.replicas for x in stages],
-                               [x.tensor_parallel for x in stages],
-                               [x.in_flight for x in stages])
-
-
 def with_packed(fine: RangeCosts, topo: Topology, stages: tuple[Stage, ...], opts: Options,
                 splits: Sequence[StageSplit] = ()) -> tuple[Stage, ...]:
     """``stages``, or the pipeline laid server by server (module doc), its stages unsplit
@@ -210,7 +201,7 @@ def with_packed(fine: RangeCosts, topo: Topology, stages: tuple[Stage, ...], opt
                                   (), [ways[w].split for _, _, w, _ in layout])
             if (opts.memory_bytes is None
                     or max(x.memory_bytes for x in priced) <= opts.memory_bytes) \
-                    and _whole_rounds(priced):
+                    and not short(priced):  # else replicas wait at each all-reduce
                 plan = priced
                 break
         if plan is None:
