@@ -39,12 +39,10 @@ from dreampipe.planning.ranges import RANGES_MAX_WORKERS
 from dreampipe.planning.search import (
     FLAT_MAX_WORKERS,
     Search,
-    copies_searched,
     cost_models,
-    fastest,
     gap_bound,
     search_for,
-    with_copies,
+    searched,
     with_fewer_servers,
     with_ranges,
 )
@@ -152,18 +150,13 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
     splits = (split_options(graph, topology, split_widths(topology), opts.optimizer)
               if opts.also_flat and opts.mixed_splits and opts.tensor_split else ())
     models = cost_models(topology, opts.also_flat)
-    stages = fastest(search, topology, models, search_opts)
-    heuristics: tuple[Heuristic, ...] = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
-    if opts.also_flat:
-        stages, ranged = with_ranges(search, topology, stages, search_opts, opts.exact,
-                                     opts.recompute, splits)
-        stages = with_copies(search, topology, stages, search_opts, opts.recompute)
-        if copies_searched(topology, search_opts, opts.recompute):
-            ranged = (*ranged, Heuristic.SERVER_COPIES)
-        if stages is not None and Heuristic.SHARED_LINKS in ranged:
-            stages = with_fewer_servers(search, topology, stages, search_opts, True,
-                                        opts.exact, opts.recompute, splits)
-        heuristics = tuple(h for h in Heuristic if h in {*heuristics, *ranged})
+    stages, ranged = searched(search, topology, search_opts, opts.also_flat, opts.exact,
+                              opts.recompute, splits)
+    if stages is not None and Heuristic.SHARED_LINKS in ranged:
+        stages = with_fewer_servers(search, topology, stages, search_opts, True,
+                                    opts.exact, opts.recompute, splits)
+    coarse = (Heuristic.LAYER_BLOCKS,) if search.coarse else ()
+    heuristics = tuple(h for h in Heuristic if h in {*coarse, *ranged})
     if stages is None:
         memory_bytes = opts.memory_bytes
         free = dataclasses.replace(search_opts, memory_bytes=None)

@@ -37,7 +37,7 @@ from dreampipe.planning.topology import Topology
 
 __all__ = [
     "FLAT_MAX_WORKERS", "Search", "copies_searched", "cost_models", "fastest", "gap_bound",
-    "search_for", "with_copies", "with_fewer_servers", "with_ranges",
+    "search_for", "searched", "with_copies", "with_fewer_servers", "with_ranges",
 ]
 
 #: :func:`fastest` also tries the flat model up to this many workers; beyond, a
@@ -216,6 +216,22 @@ def with_copies(search: Search, topology: Topology, stages: tuple[Stage, ...] | 
     return priced if fits and (stages is None or slowest(priced) < slowest(stages)) else stages
 
 
+def searched(search: Search, topology: Topology, opts: Options, also_flat: bool = True,
+             exact: bool = False, recompute: bool = False, splits: Sequence[StageSplit] = ()
+             ) -> tuple[tuple[Stage, ...] | None, tuple[Heuristic, ...]]:
+    """The dynamic program's best plan over the :func:`cost_models`, then, ``also_flat``,
+    :func:`with_ranges`' and :func:`with_copies`' where faster; and how the searches past
+    the program were cut short (None: no plan fits)."""
+    stages = fastest(search, topology, cost_models(topology, also_flat), opts)
+    if not also_flat:
+        return stages, ()
+    stages, cut = with_ranges(search, topology, stages, opts, exact, recompute, splits)
+    stages = with_copies(search, topology, stages, opts, recompute)
+    if copies_searched(topology, opts, recompute):
+        cut = (*cut, Heuristic.SERVER_COPIES)
+    return stages, cut
+
+
 def with_fewer_servers(search: Search, topology: Topology, stages: tuple[Stage, ...],
                        opts: Options, also_flat: bool = True, exact: bool = False,
                        recompute: bool = False, splits: Sequence[StageSplit] = ()
@@ -235,10 +251,7 @@ def with_fewer_servers(search: Search, topology: Topology, stages: tuple[Stage, 
     k = 1
     while k < levels[-1].count:
         sub = replace(topology, levels=(*levels[:-1], replace(levels[-1], count=k)))
-        found = fastest(search, sub, cost_models(sub, also_flat), opts)
-        if also_flat:
-            found, _ = with_ranges(search, sub, found, opts, exact, recompute, splits)
-            found = with_copies(search, sub, found, opts, recompute)
+        found, _ = searched(search, sub, opts, also_flat, exact, recompute, splits)
         if found is not None and slowest(found) < slowest(stages):
             stages = found
         k *= 2
