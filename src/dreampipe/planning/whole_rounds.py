@@ -78,9 +78,11 @@ def with_whole_rounds(search: Search, topology: Topology, opts: Options,
         return stages
     straight = dataclasses.replace(opts, straight=True)
     size = topology.levels[0].count
+    # on one level, one server's pipeline of single workers is the straight pipeline itself
+    first = 1 if len(topology.levels) > 1 else 2
     tried = [fastest(search, topology, cost_models(topology, also_flat), straight),
              *(_copied(search, topology, straight, also_flat, width)
-               for width in range(1, size + 1) if size % width == 0)]
+               for width in range(first, size + 1) if size % width == 0)]
     found = [x for x in tried if x is not None and not short(x)
              and max(st.memory_bytes for st in x) <= opts.memory_bytes]
     best = min(found, key=slowest, default=None)
