@@ -373,10 +373,10 @@ def test_memory_and_max_stages_equal_brute_force(
     got = plan_pipeline(graph, topo, PlanOptions(memory_bytes=memory, max_stages=max_stages,
                                                  optimizer=terms))
     if Heuristic.WHOLE_ROUNDS in got.heuristics:
-        # the search's plan fits only short of whole rounds: a plan of stages all as
-        # replicated stands in, no slower than the best straight pipeline (one of the
-        # stand-ins), as slow as the gap it states at most
-        assert len({s.replicas for s in got.stages}) == 1 and _whole_rounds(got)
+        # the search's plan fits only short of whole rounds: a plan of whole rounds stands
+        # in, no slower than the best straight pipeline (one of the stand-ins), as slow as
+        # the gap it states at most
+        assert _whole_rounds(got)
         assert got.time_per_minibatch_s <= best_straight * (1 + 1e-9)
         assert best * (1 - 1e-9) <= got.time_per_minibatch_s
         assert got.time_per_minibatch_s <= (1 + STAND_IN_WITHIN) * best * (1 + 1e-9)

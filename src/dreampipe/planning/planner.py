@@ -176,7 +176,8 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
     optimum = None if heuristics else slowest(stages)  # the search's exact optimum
-    whole = with_whole_rounds(search, topology, search_opts, stages, opts.also_flat)
+    whole = with_whole_rounds(search, topology, search_opts, stages, opts.also_flat, splits,
+                              opts.recompute)
     if whole is not stages:
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, Heuristic.WHOLE_ROUNDS})
         stages = whole
