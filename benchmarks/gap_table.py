@@ -2,7 +2,8 @@
 
 Every bundled profile on ``16x8`` and ``128x8`` (the default links) and five
 ``gpt:`` shapes (GPT-2 small and large, Megatron-LM's 1.3B, a 9.7B and GPT-3 175B)
-on ``dgx-a100:16`` and ``dgx-a100:128`` (their device's memory), under the options
+on 16 and 128 servers of 8 GPUs, ``dgx-a100`` and ``p3.16xlarge`` (A100s on 200 Gbps
+a GPU, V100s on 25 Gbps a server; their device's memory), under the options
 ``dreampipe plan`` passes by default (recompute and mixed splits on); ``--memory``
 adds the topology's memory to the bundled profiles. Each row: the layers, the plan's
 time, the bound, the gap it states, the gap the whole compute over the workers alone
@@ -39,7 +40,8 @@ GPT_SHAPES = ("gpt:layers=12,hidden=768,heads=12,seq=1024,vocab=50257",
 def cases() -> list[tuple[str, str]]:
     """``(profile, topology)`` of every row."""
     out = [(b.spec, t) for b in bundled_profiles() for t in ("16x8", "128x8")]
-    return out + [(g, t) for g in GPT_SHAPES for t in ("dgx-a100:16", "dgx-a100:128")]
+    return out + [(g, f"{server}:{n}") for server in ("dgx-a100", "p3.16xlarge")
+                  for g in GPT_SHAPES for n in (16, 128)]
 
 
 def main(argv: list[str] | None = None) -> None:
