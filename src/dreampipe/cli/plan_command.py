@@ -86,7 +86,9 @@ _HEURISTICS = {
     Heuristic.SERVER_COPIES: "under --memory, stages that recompute were replicated over "
     "servers only as one server's pipeline copied on each",
     Heuristic.WHOLE_ROUNDS: "under --memory, the fastest plan found was short of whole "
-    "rounds in flight, so a plan of stages all as replicated stands in",
+    "rounds in flight, so a plan of whole rounds stands in",
+    Heuristic.LOOPS: "under --memory, neighbouring stages hold too few minibatches in "
+    "flight for their 1F1B loop across a slow cut, which the search did not price",
 }
 _BASELINES = (("dp", "data parallelism"), ("straight", "a straight pipeline"),
               ("gpipe", f"GPipe at {GPIPE_MICROBATCHES_PER_STAGE} microbatches a stage"))

@@ -26,6 +26,7 @@ def _terms(stage: Stage) -> dict[str, float]:
         "all-reduce": (stage.forward_s + stage.allreduce_delay_s + stage.allreduce_s) / r,
         "cut": stage.comm_s,
         "shared server link": stage.shared_link_s,
+        "1F1B loop with the stages after it": stage.loop_s,
     }
 
 

@@ -15,7 +15,8 @@ next stage's backwards frees whole rounds of this stage's forwards and no replic
 waits at its all-reduce for inputs freed a round late. The default is aligned, with
 a join buffer of 2; a plan keeps the first of :data:`IN_FLIGHT_CHOICES` that fits its
 memory, and the last, PipeDream's own rule, is what the planner's search checks.
-The reasoning and its evidence, and the count before split stages: docs/design.md
+Unreplicated neighbours also need leads for their 1F1B loops across slow cuts
+(:func:`loop_seconds`, :func:`loop_counts`). Why, and the evidence: docs/design.md
 §5.2, §10.3.
 """
 
@@ -26,8 +27,8 @@ from collections.abc import Sequence
 
 from dreampipe.errors import PlanError
 
-__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "round_lead", "short_of_rounds",
-           "versions_in_flight"]
+__all__ = ["IN_FLIGHT_CHOICES", "in_flight_counts", "loop_counts", "loop_seconds",
+           "round_lead", "short_of_rounds", "versions_in_flight"]
 
 #: ``(join, aligned)`` as a plan tries them, best first: the first whose stages all
 #: fit in memory is kept. Whole rounds matter more than the join buffer's depth
@@ -74,6 +75,48 @@ def short_of_rounds(replicas: Sequence[int], widths: Sequence[int],
     as replicas wait for each other at each all-reduce (docs/design.md §5.2)."""
     need = in_flight_counts(replicas, 0, widths)
     return tuple(s for s, (h, n) in enumerate(zip(held, need, strict=True)) if h < n)
+
+
+def loop_seconds(counts: Sequence[int], replicas: Sequence[int], compute: Sequence[float],
+                 cuts: Sequence[float]) -> tuple[float, ...]:
+    """Per stage, its slowest 1F1B loop per minibatch with the unreplicated stages after
+    it (0 where it or the next is replicated).
+
+    Under 1F1B a stage's next forward waits for a backward that waits, stage by stage
+    down to stage ``u``, for the forwards before it, so unreplicated stages ``s..u``,
+    their compute ``C`` and their cuts (``cuts[t]``: both ways) take
+    ``sum C + sum cut`` per ``n_s - n_u + 1`` minibatches in flight: PipeDream's leads of
+    one hold only where the cuts are short beside the stages (docs/design.md §5.2)."""
+    out = []
+    for s in range(len(counts)):
+        worst, total = 0.0, compute[s]
+        for u in range(s + 1, len(counts)):
+            if replicas[u - 1] > 1 or replicas[u] > 1:
+                break
+            total += compute[u] + cuts[u - 1]
+            worst = max(worst, total / max(1, counts[s] - counts[u] + 1))
+        out.append(worst)
+    return tuple(out)
+
+
+def loop_counts(counts: Sequence[int], replicas: Sequence[int], compute: Sequence[float],
+                cuts: Sequence[float], period: float) -> tuple[int, ...]:
+    """``counts`` raised, from the last stage up, until every loop of
+    :func:`loop_seconds` takes at most ``period``; each stage's total in flight keeps at
+    least its lead over the next stage's, in whole minibatches per replica."""
+    total = [n * r for n, r in zip(counts, replicas, strict=True)]
+    out = list(counts)
+    for s in range(len(counts) - 2, -1, -1):
+        lead = total[s] - total[s + 1]
+        need = -(-(out[s + 1] * replicas[s + 1] + lead) // replicas[s])
+        run = compute[s]
+        for u in range(s + 1, len(counts)):
+            if replicas[u - 1] > 1 or replicas[u] > 1 or period <= 0:
+                break
+            run += compute[u] + cuts[u - 1]
+            need = max(need, out[u] + math.ceil(run / period * (1 - 1e-12)) - 1)
+        out[s] = max(out[s], need)
+    return tuple(out)
 
 
 def _aligned(replicas: Sequence[int], counts: Sequence[int]) -> tuple[int, ...]:

@@ -62,6 +62,9 @@ class Heuristic(Enum):
     #: rounds, so a plan of stages all as replicated stands in; other plans whose whole
     #: rounds fit are searched nowhere
     WHOLE_ROUNDS = "whole-rounds"
+    #: under a memory limit, unreplicated neighbours hold too few minibatches in flight
+    #: for their 1F1B loop, which the searches do not price
+    LOOPS = "loops"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,6 +326,7 @@ class Plan:
                     "recompute": st.recompute,
                     **({} if st.zero is None else {"zero": st.zero}),
                     **({"shared_link_s": st.shared_link_s} if st.shared_link_s else {}),
+                    **({"loop_s": st.loop_s} if st.loop_s else {}),
                 }
                 for st in self.stages
             ],

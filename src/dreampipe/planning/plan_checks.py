@@ -118,7 +118,7 @@ def read_stages(plan: PlanFields) -> tuple[Stage, ...]:
             workers=s.wholes("workers", []), tensor_parallel=s.whole("tensor_parallel", 1),
             splits=s.choices("splits", Split), in_flight=s.whole("in_flight", 0),
             recompute=s.flag("recompute", False), zero=s.maybe_whole("zero"),
-            shared_link_s=s.number("shared_link_s", 0.0),
+            shared_link_s=s.number("shared_link_s", 0.0), loop_s=s.number("loop_s", 0.0),
         )
         for s in plan.objects("stages")
     )

@@ -37,6 +37,8 @@ class Stage:
     replicas shard at (docs/design.md §5.6); None takes the run's (``TrainConfig.zero``).
     ``shared_link_s``: the busiest server link the cut after it uses, with what the
     other cuts put on it (docs/design.md §3.4); the cut takes at least that.
+    ``loop_s``: its slowest 1F1B loop per minibatch with the unreplicated stages after it
+    (:func:`~dreampipe.planning.in_flight.loop_seconds`); the stage takes at least that.
     """
 
     first: int
@@ -56,6 +58,7 @@ class Stage:
     recompute: bool = False
     zero: int | None = None
     shared_link_s: float = 0.0
+    loop_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.first < 0 or self.last < self.first:
@@ -85,7 +88,7 @@ class Stage:
                 f"split per layer ({self.num_layers}), one over 1 worker none"
             )
         for what in ("compute_s", "comm_s", "allreduce_s", "memory_bytes", "forward_s",
-                     "allreduce_delay_s", "shared_link_s"):
+                     "allreduce_delay_s", "shared_link_s", "loop_s"):
             check_figure(f"stage {self.first}..{self.last}", what, getattr(self, what))
         if self.forward_s > self.compute_s:
             raise PlanError(
@@ -105,14 +108,14 @@ class Stage:
     @property
     def time_s(self) -> float:
         """Time per minibatch in steady state: ``max(C, F + delay + allreduce) / r``, or the
-        cut (its own time, or the server link it shares).
+        cut (its own time, or the server link it shares), or its loop with the next stage.
 
         Each replica runs one minibatch per round; the round's all-reduce
         overlaps the backward (``C - F``) after its delay, never the forward.
         """
         round_s = max(self.compute_s,
                       self.forward_s + self.allreduce_delay_s + self.allreduce_s)
-        return max(round_s / self.replicas, self.comm_s, self.shared_link_s)
+        return max(round_s / self.replicas, self.comm_s, self.shared_link_s, self.loop_s)
 
 
 def check_figure(owner: str, what: str, value: float) -> None:

@@ -175,12 +175,15 @@ def plan_pipeline(graph: LayerGraph, topology: Topology,
             f"no plan fits in {format_bytes(memory_bytes)} per device; the smallest needs "
             f"about {format_bytes(need)}: raise --memory or profile a smaller minibatch"
         )
-    optimum = None if heuristics else slowest(stages)  # the search's exact optimum
+    # the search's exact optimum, without the 1F1B loops that only add
+    optimum = None if heuristics else slowest(stages, loops=False)
     whole = with_whole_rounds(search, topology, search_opts, stages, opts.also_flat, splits,
                               opts.recompute)
     if whole is not stages:
         heuristics = tuple(h for h in Heuristic if h in {*heuristics, Heuristic.WHOLE_ROUNDS})
         stages = whole
+    if slowest(stages) > slowest(stages, loops=False) * (1 + 1e-9):
+        heuristics = tuple(h for h in Heuristic if h in {*heuristics, Heuristic.LOOPS})
     if optimum is not None and heuristics:  # the optimum bounds every plan holding whole rounds
         gap = slowest(stages) / optimum - 1.0
     else:

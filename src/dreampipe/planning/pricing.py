@@ -29,7 +29,12 @@ from dataclasses import replace
 import numpy as np
 
 from dreampipe.planning.costs import FloatArray, RangeCosts, allreduce_end, cut_time
-from dreampipe.planning.in_flight import IN_FLIGHT_CHOICES, in_flight_counts
+from dreampipe.planning.in_flight import (
+    IN_FLIGHT_CHOICES,
+    in_flight_counts,
+    loop_counts,
+    loop_seconds,
+)
 from dreampipe.planning.plan import Stage
 from dreampipe.planning.shared_links import shared_link_seconds
 from dreampipe.planning.split_ranges import StageSplit
@@ -161,6 +166,10 @@ def price_stages(
     which all hold its replicated input and output. A cut is priced no faster than the
     busiest server link it shares with other cuts (:mod:`~dreampipe.planning.shared_links`)
     unless ``shared_links`` is off (the range program's own price of the plan).
+    With them, unreplicated neighbours also hold the minibatches in flight their 1F1B
+    loops need for the stages' own period, or the least period the memory allows, and a
+    stage takes at least its slowest loop (:func:`~dreampipe.planning.in_flight.
+    loop_seconds`).
     """
     how = tuple(splits) or (None,) * len(spans)
     widths = [1 if x is None else x.t for x in how]
@@ -200,10 +209,61 @@ def price_stages(
         return tuple(stages)
     shared = shared_link_seconds([float(prof.cut_bytes[last + 1]) for _, last in spans[:-1]],
                                  [st.workers for st in stages], topology)
-    return tuple(replace(st, shared_link_s=shared[s]) if s < len(shared) else st
+    stages = [replace(st, shared_link_s=shared[s]) if s < len(shared) else st
+              for s, st in enumerate(stages)]
+    return _looped(tables, spans, flags, stages, memory_bytes)
+
+
+#: Bisection steps on the period whose loops a memory-bound plan holds (about 0.02% of
+#: the loops' excess over the stages' period).
+_LOOP_STEPS = 12
+
+
+def _looped(tables: Sequence[RangeCosts], spans: Sequence[tuple[int, int]],
+            flags: Sequence[bool], stages: Sequence[Stage], memory_bytes: int | None
+            ) -> tuple[Stage, ...]:
+    """``stages`` holding the minibatches in flight their 1F1B loops ask for the stages'
+    own period, or, where the memory does not allow it, for the least period it allows
+    (a bisection), each stage with its slowest loop's time (:func:`price_stages`)."""
+    replicas = [st.replicas for st in stages]
+    counts = tuple(st.in_flight for st in stages)
+    compute = [st.compute_s for st in stages]
+    cuts = [st.comm_s for st in stages]
+    period = slowest(stages, loops=False)
+
+    def memories(held: Sequence[int]) -> list[int]:
+        return [c.memory(first, last, v, recompute=rc)
+                for c, (first, last), v, rc in zip(tables, spans, held, flags, strict=True)]
+
+    def fitted(target: float) -> tuple[int, ...] | None:
+        held = loop_counts(counts, replicas, compute, cuts, target)
+        fits = memory_bytes is None or held == counts or max(memories(held)) <= memory_bytes
+        return held if fits else None
+
+    held = counts
+    worst = max(loop_seconds(counts, replicas, compute, cuts), default=0.0)
+    if worst > period:
+        got = fitted(period)
+        if got is None:
+            lo, hi = period, worst
+            for _ in range(_LOOP_STEPS):
+                mid = (lo + hi) / 2
+                trial = fitted(mid)
+                if trial is None:
+                    lo = mid
+                else:
+                    hi, held = mid, trial
+        else:
+            held = got
+    room = memories(held) if held != counts else [st.memory_bytes for st in stages]
+    loops = loop_seconds(held, replicas, compute, cuts)
+    return tuple(replace(st, in_flight=held[s], memory_bytes=room[s], loop_s=loops[s])
                  for s, st in enumerate(stages))
 
 
-def slowest(stages: Sequence[Stage]) -> float:
-    """The pipeline's time per minibatch: its slowest stage or cut."""
+def slowest(stages: Sequence[Stage], loops: bool = True) -> float:
+    """The pipeline's time per minibatch: its slowest stage or cut; without the stages'
+    1F1B loops where not ``loops`` (what the searches price)."""
+    if not loops:
+        stages = [replace(st, loop_s=0.0) for st in stages]
     return max((st.time_s for st in stages), default=math.inf)
