@@ -23,7 +23,7 @@ Unreplicated neighbours also need leads for their 1F1B loops across slow cuts
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from dreampipe.errors import PlanError
 
@@ -87,16 +87,9 @@ def loop_seconds(counts: Sequence[int], replicas: Sequence[int], compute: Sequen
     their compute ``C`` and their cuts (``cuts[t]``: both ways) take
     ``sum C + sum cut`` per ``n_s - n_u + 1`` minibatches in flight: PipeDream's leads of
     one hold only where the cuts are short beside the stages (docs/design.md §5.2)."""
-    out = []
-    for s in range(len(counts)):
-        worst, total = 0.0, compute[s]
-        for u in range(s + 1, len(counts)):
-            if replicas[u - 1] > 1 or replicas[u] > 1:
-                break
-            total += compute[u] + cuts[u - 1]
-            worst = max(worst, total / max(1, counts[s] - counts[u] + 1))
-        out.append(worst)
-    return tuple(out)
+    return tuple(max((total / max(1, counts[s] - counts[u] + 1)
+                      for u, total in _runs(s, replicas, compute, cuts)), default=0.0)
+                 for s in range(len(counts)))
 
 
 def loop_counts(counts: Sequence[int], replicas: Sequence[int], compute: Sequence[float],
@@ -109,14 +102,23 @@ def loop_counts(counts: Sequence[int], replicas: Sequence[int], compute: Sequenc
     for s in range(len(counts) - 2, -1, -1):
         lead = total[s] - total[s + 1]
         need = -(-(out[s + 1] * replicas[s + 1] + lead) // replicas[s])
-        run = compute[s]
-        for u in range(s + 1, len(counts)):
-            if replicas[u - 1] > 1 or replicas[u] > 1 or period <= 0:
-                break
-            run += compute[u] + cuts[u - 1]
-            need = max(need, out[u] + math.ceil(run / period * (1 - 1e-12)) - 1)
+        if period > 0:
+            for u, run in _runs(s, replicas, compute, cuts):
+                need = max(need, out[u] + math.ceil(run / period * (1 - 1e-12)) - 1)
         out[s] = max(out[s], need)
     return tuple(out)
+
+
+def _runs(s: int, replicas: Sequence[int], compute: Sequence[float], cuts: Sequence[float]
+          ) -> Iterator[tuple[int, float]]:
+    """Each stage ``u`` after ``s`` while ``s..u`` are unreplicated, with their loop's
+    ``sum C + sum cut`` (:func:`loop_seconds`)."""
+    total = compute[s]
+    for u in range(s + 1, len(replicas)):
+        if replicas[u - 1] > 1 or replicas[u] > 1:
+            return
+        total += compute[u] + cuts[u - 1]
+        yield u, total
 
 
 def _aligned(replicas: Sequence[int], counts: Sequence[int]) -> tuple[int, ...]:
