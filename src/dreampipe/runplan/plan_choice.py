@@ -192,14 +192,15 @@ def _plan(graph: LayerGraph, topology: Topology, ask: PlanAsk,
     bounds, replicas = forced
     if bounds is not None:
         return planner.evaluate_plan(graph, topology, bounds, replicas,
-                                     optimizer=ask.optimizer)
-    return _best_cuts(graph, topology, replicas, ask.optimizer)
+                                     memory_bytes=ask.memory_bytes, optimizer=ask.optimizer)
+    return _best_cuts(graph, topology, replicas, ask.optimizer, ask.memory_bytes)
 
 
 def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
-               optimizer: OptimizerTerms) -> Plan:
+               optimizer: OptimizerTerms, memory_bytes: int | None = None) -> Plan:
     """The fastest partition into ``len(replicas)`` stages with these replica counts
-    (memory with what ``optimizer`` holds beside the weights)."""
+    (memory with what ``optimizer`` holds beside the weights; ``memory_bytes``: the limit
+    the stages' minibatches in flight are chosen for, as the planner chooses them)."""
     from dreampipe.planning import planner
 
     n, k = len(graph.layers), len(replicas)
@@ -210,7 +211,7 @@ def _best_cuts(graph: LayerGraph, topology: Topology, replicas: list[int],
             "with stages (e.g. 0,4)", "stages",
         )
     plans = (planner.evaluate_plan(graph, topology, [0, *cuts], replicas,
-                                   optimizer=optimizer)
+                                   memory_bytes=memory_bytes, optimizer=optimizer)
              for cuts in itertools.combinations(range(1, n), k - 1))
     best = min(plans, key=lambda plan: plan.time_per_minibatch_s)
     log.info("config %s: the fastest cuts start stages at %s", best.config,
