@@ -64,7 +64,9 @@ def _cases(draw: st.DrawFn) -> _Case:
 def _whole(stages: tuple[Stage, ...]) -> bool:
     """Every stage holds what whole rounds need, counted by the runtime's reference."""
     replicas = [x.replicas for x in stages]
-    return all(x.in_flight >= admitted(replicas, i, join=0) for i, x in enumerate(stages))
+    widths = [x.tensor_parallel for x in stages]
+    return all(x.in_flight >= admitted(replicas, i, join=0, widths=widths)
+               for i, x in enumerate(stages))
 
 
 @settings(max_examples=120, deadline=None)

@@ -198,17 +198,21 @@ def reference_two_bw(
     return losses, fm.state(model)
 
 
-def admitted(replicas: Sequence[int], stage: int, join: int = 2) -> int:
+def admitted(replicas: Sequence[int], stage: int, join: int = 2,
+             widths: Sequence[int] = ()) -> int:
     """Minibatches a replica of ``stage`` starts before its first backward: PipeDream's
     ``ceil(W / r)`` (docs/design.md §5) plus the join buffer, ``join`` per replica beyond
     one of this and later stages, except at the last stage; then, from the last stage up, each
     stage's total over its replicas raised until it leads the next stage's by ``r`` when
-    both have ``r`` replicas, else by ``max(lcm, 2 max)`` of the two (§5.2)."""
+    both have ``r`` replicas, else by ``max(lcm, 2 max)`` of the two (§5.2). ``W`` counts
+    every worker of the later stages, ``widths[s]`` for each replica of a split stage."""
     n = len(replicas)
+    t = list(widths) or [1] * n
     total = []
     for s, r in enumerate(replicas):
         joins = 0 if s == n - 1 else sum(m - 1 for m in replicas[s:])
-        total.append(math.ceil((sum(replicas[s:]) + join * joins) / r) * r)
+        later = sum(m * w for m, w in zip(replicas[s + 1:], t[s + 1:], strict=True))
+        total.append(math.ceil((r + later + join * joins) / r) * r)
     for s in reversed(range(n - 1)):
         a, b = replicas[s], replicas[s + 1]
         lead = a if a == b else max(math.lcm(a, b), 2 * max(a, b))

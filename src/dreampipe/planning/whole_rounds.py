@@ -11,7 +11,8 @@ first ``k`` servers (each ``w`` dividing a server and ``k`` the servers' count) 
 on the others. So may the short plan itself with runs of its neighbouring stages
 merged, each on the workers of its run (unsplit, or split as one of its stages was),
 or none: fewer stages of uneven replicas need fewer minibatches in flight for whole
-rounds, each stage recomputing only where it must to hold them. The fastest of them
+rounds, each stage recomputing where it must to hold them or where that frees the
+memory a binding 1F1B loop needs. The fastest of them
 stands in where it is at most :data:`STAND_IN_WITHIN` slower than the short plan's
 price; beyond, the short plan is kept with a warning, as a stand-in on many servers
 may be far slower than even a short plan runs (docs/design.md §5.2).
@@ -99,8 +100,8 @@ def _merged(fine: RangeCosts, topology: Topology, opts: Options, stages: Sequenc
             splits: Sequence[StageSplit], recompute: bool) -> Iterator[tuple[Stage, ...]]:
     """``stages`` with runs of neighbours merged (module doc) on their stages' workers: a
     run of one as it was, a longer one unsplit or split as one of its stages is (where its
-    workers pair up so, :func:`_tiles`), at most :data:`_WAYS` ways a grouping; each stage
-    recomputing where whole rounds fit it only so (:func:`_fitted`)."""
+    workers pair up so, :func:`_tiles`), at most :data:`_WAYS` ways a grouping; each at
+    its fastest recompute choice (:func:`_fitted`)."""
     assert opts.memory_bytes is not None
     how: list[StageSplit | None] = []
     for x in stages:
@@ -149,25 +150,48 @@ def _tiles(workers: Sequence[int], t: int, size: int) -> bool:
 def _fitted(fine: RangeCosts, topology: Topology, opts: Options,
             spans: Sequence[tuple[int, int]], places: Sequence[Sequence[int]],
             ways: Sequence[StageSplit | None], recompute: bool) -> tuple[Stage, ...] | None:
-    """Stages ``spans`` on ``places``, run ``ways``, each recomputing only where it holds
-    the minibatches whole rounds need only so (``recompute`` allowing); None where one
-    fits neither way. Recomputing only adds time, and a stage's memory at that count does
-    not depend on the others' choices."""
+    """Stages ``spans`` on ``places``, run ``ways``, the fastest of their recompute choices
+    (``recompute`` allowing; None where a stage fits neither way): each stage recomputes
+    where it holds the minibatches whole rounds need only so, and, where a 1F1B loop
+    binds, others may too, as the memory they free lets the loop's stages hold more
+    minibatches in flight (:func:`_extra`). Otherwise recomputing only adds time."""
     assert opts.memory_bytes is not None
     widths = [1 if sp is None else sp.t for sp in ways]
     need = in_flight_counts([len(p) // t for p, t in zip(places, widths, strict=True)],
                             0, widths)
-    flags = []
+    must, may = [], []
     for (first, last), sp, v in zip(spans, ways, need, strict=True):
         costs = fine if sp is None else sp.costs
-        if costs.memory(first, last, v) <= opts.memory_bytes:
-            flags.append(False)
-        elif recompute and costs.memory(first, last, v, recompute=True) <= opts.memory_bytes:
-            flags.append(True)
-        else:
+        plain = costs.memory(first, last, v) <= opts.memory_bytes
+        again = recompute and costs.memory(first, last, v, recompute=True) <= opts.memory_bytes
+        if not plain and not again:
             return None
-    return price_stages(fine, topology, spans, places, opts.sync, opts.memory_bytes,
-                        flags, ways)
+        must.append(not plain)
+        may.append(plain and again)
+
+    def priced(flags: Sequence[bool]) -> tuple[Stage, ...]:
+        return price_stages(fine, topology, spans, places, opts.sync, opts.memory_bytes,
+                            flags, ways)
+
+    best = priced(must)
+    if slowest(best) > slowest(best, loops=False):
+        for flags in _extra(must, may):
+            best = min(best, priced(flags), key=slowest)
+    return best
+
+
+#: The most recompute choices beyond the needed ones :func:`_fitted` prices for a plan
+#: whose 1F1B loop binds: every one where at most 6 stages may choose.
+_EXTRA_CHOICES = 63
+
+
+def _extra(must: Sequence[bool], may: Sequence[bool]) -> Iterator[list[bool]]:
+    """``must`` with more stages of ``may`` recomputing, fewest first, at most
+    :data:`_EXTRA_CHOICES`."""
+    free = [i for i, m in enumerate(may) if m]
+    more = (c for k in range(1, len(free) + 1) for c in itertools.combinations(free, k))
+    for chosen in itertools.islice(more, _EXTRA_CHOICES):
+        yield [m or i in chosen for i, m in enumerate(must)]
 
 
 def with_whole_rounds(search: Search, topology: Topology, opts: Options,
