@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dreampipe.cli.links import memory_limit, profile_on
+from dreampipe.cli.plan_command import confirm_by_simulation
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.evaluate import evaluate_plan
 from dreampipe.planning.options import PlanOptions
@@ -113,9 +114,10 @@ def test_vgg16_under_its_memory_runs_one_recomputing_server_pipeline_on_every_se
     assert Heuristic.SERVER_COPIES in plan.heuristics and plan.optimality_gap > 0
 
 
-def test_stages_on_copies_are_as_wide_on_every_server() -> None:
-    # 1 + 3 workers a server: minibatch m goes from replica m % 2 to m % 6, so most cross
-    # the servers' shared links, which the program cannot see; it joins only stages as wide
+def test_stages_on_copies_of_any_widths_cut_inside_each_server() -> None:
+    # 1 + 3 workers a server: replicas dealt server by server, minibatch m goes from the
+    # replica of the first stage on server m % 2 to one of the second's there, so the
+    # program's price of uneven stages is their full price and the simulator's
     graph = LayerGraph.chain([Layer("a", 5, 2, 3 * 10**7, 10**7), Layer("b", 40, 10, 10**6, 0)])
     topo = Topology((Level(4, 1e10, 1e-6), Level(2, 1e9, 1e-5)))
     fine = RangeCosts.of(graph)
@@ -123,11 +125,35 @@ def test_stages_on_copies_are_as_wide_on_every_server() -> None:
     inner = dataclasses.replace(topo, levels=topo.levels[:1])
     found = best_ranges(fine, inner, Sync(), True, None, None, False, (), copies)
     assert found is not None
-    assert len({len(f.workers) for f in found[1]}) == 1
+    assert [len(f.workers) for f in found[1]] == [1, 3]
     placed = [copies.place(f.workers) for f in found[1]]
-    full = slowest(price_stages(fine, topo, [(f.first, f.last) for f in found[1]], placed,
-                                Sync()))
-    assert full == pytest.approx(found[0], rel=1e-9)
-    uneven = slowest(price_stages(fine, topo, [(0, 0), (1, 1)],
-                                  [copies.place((0,)), copies.place((1, 2, 3))], Sync()))
-    assert uneven > found[0]
+    stages = price_stages(fine, topo, [(f.first, f.last) for f in found[1]], placed, Sync())
+    assert slowest(stages) == pytest.approx(found[0], rel=1e-9)
+    assert [x.workers for x in stages] == [(0, 4), (1, 5, 2, 6, 3, 7)]
+    assert all(x.shared_link_s == 0 for x in stages)
+    plan = evaluate_plan(graph, topo, [0, 1], [2, 6], workers=placed)
+    sim = confirm_by_simulation(plan, graph, topo)
+    assert 1 / sim.steady_throughput_minibatches_per_s == pytest.approx(found[0], rel=1e-6)
+    # as wide on every server, it is slower
+    even = price_stages(fine, topo, [(0, 0), (1, 1)], [copies.place((0, 1)),
+                                                       copies.place((2, 3))], Sync())
+    assert slowest(even) > found[0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=2, max_size=4), st.integers(2, 4))
+def test_copied_stages_of_any_widths_share_no_server_link(widths: list[int], servers: int
+                                                          ) -> None:
+    """Replicas dealt server by server: each minibatch stays in the server it starts on,
+    whatever each stage's workers a server, so no cut loads a server's shared link."""
+    size = sum(widths)
+    graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 2.0, 10**7, 10**5) for i in range(len(widths))])
+    topo = Topology((Level(size, 1e10, 1e-6), Level(servers, 1e8, 1e-5)))
+    copies = Copies(topo, servers)
+    starts = list(itertools.accumulate(widths, initial=0))
+    placed = [copies.place(range(a, b)) for a, b in itertools.pairwise(starts)]
+    stages = price_stages(RangeCosts.of(graph), topo, [(i, i) for i in range(len(widths))],
+                          placed, Sync())
+    assert all(x.shared_link_s == 0 for x in stages)
+    for x in stages:  # replica j on server j % servers
+        assert [w // size for w in x.workers] == [j % servers for j in range(len(x.workers))]

@@ -14,6 +14,7 @@ from dreampipe.planning.placement import (
     Placement,
     check_fits,
     check_schedule,
+    moved_stages,
     stage_ranks,
     virtual_stages_of,
 )
@@ -218,3 +219,22 @@ def test_a_v_plan_runs_only_the_v_schedules_and_they_only_it() -> None:
 def test_a_v_that_cannot_run_names_the_fix(build: object, needle: str) -> None:
     with pytest.raises(PlanError, match=needle):
         build()  # type: ignore[operator]
+
+
+def test_stages_copied_onto_other_servers_are_moved_from_rank_order() -> None:
+    """The runtime runs rank r on worker r in order: a plan whose inner pipeline is copied
+    on both servers (stage 0 on workers 0 and 2) runs elsewhere than priced; plans in rank
+    order, or given by their config, do not."""
+    from dreampipe.planning.evaluate import evaluate_plan
+    from dreampipe.planning.topology import Level
+    from dreampipe.profiling.graph import Layer, LayerGraph
+
+    graph = LayerGraph.chain([Layer("a", 16.0, 24.0, 30 * 10**6, 10**8),
+                              Layer("b", 16.0, 24.0, 1, 10**8)])
+    topo = Topology((Level(2, 1e9), Level(2, 1e12)))
+    copied = evaluate_plan(graph, topo, [0, 1], [2, 2], workers=[[0, 2], [1, 3]])
+    assert moved_stages(copied) == (0, 1)
+    half = evaluate_plan(graph, topo, [0, 1], [2, 2], workers=[[0, 1], [3, 2]])
+    assert moved_stages(half) == ()
+    assert moved_stages(evaluate_plan(graph, topo, [0, 1], [1, 3])) == ()
+    assert moved_stages(Plan.from_config(2, [0, 1], [2, 2])) == ()

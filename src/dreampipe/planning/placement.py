@@ -24,8 +24,8 @@ from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
 __all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "check_virtual_count",
-           "position_firsts", "position_replicas", "rank_stages", "stage_rank", "stage_ranks",
-           "stray_stage", "virtual_stages_of"]
+           "moved_stages", "position_firsts", "position_replicas", "rank_stages", "stage_rank",
+           "stage_ranks", "stray_stage", "virtual_stages_of"]
 
 
 class Placement(Enum):
@@ -52,6 +52,8 @@ class Plan(Protocol):
     def stages(self) -> Sequence[Stage]: ...
 
     def stage_workers(self, s: int) -> tuple[int, ...]: ...
+
+    def rank_first_worker(self, rank: int) -> int: ...
 
 
 #: The schedules that run several stages per rank, by placement.
@@ -225,6 +227,21 @@ def check_fits(plan: Plan, topology: Topology, source: str = "the plan",
     raise error(
         f"{source} needs {placed} workers (a rank at position {placed - 1}) but topology "
         f"{name} has {have}; pick a larger --topology, of {placed} workers or more{hint}")
+
+
+def moved_stages(plan: Plan) -> tuple[int, ...]:
+    """The stages whose workers, where the plan was priced, are not where a run puts
+    them: the runtime runs schedule rank ``r`` as process rank ``r``, its workers in rank
+    order (:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`). A plan that copies
+    one server's stages onto others lays them elsewhere, so across servers its cuts and
+    all-reduces run on other links than it was priced on (docs/design.md §4.6)."""
+    out = []
+    for s, st in enumerate(plan.stages):
+        ordered = tuple(plan.rank_first_worker(r) + k for r in st.ranks
+                        for k in range(st.tensor_parallel))
+        if sorted(plan.stage_workers(s)) != sorted(ordered):
+            out.append(s)
+    return tuple(out)
 
 
 def _per_rank(v: int) -> str:

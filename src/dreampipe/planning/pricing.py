@@ -189,7 +189,7 @@ def price_stages(
             comm = cut_seconds(float(prof.cut_bytes[last + 1]), workers, placements[s + 1],
                                topology)
         r, t, costs, split = replicas[s], widths[s], tables[s], how[s]
-        firsts = sorted(workers)[::t]
+        firsts = _dealt(sorted(workers)[::t], topology.levels[0].count)
         assert costs.layer_backward_s is not None and costs.layer_weights is not None
         ar, delay = stage_allreduce(costs.layer_backward_s[first:last + 1],
                                     costs.layer_weights[first:last + 1], firsts, topology, sync)
@@ -212,6 +212,21 @@ def price_stages(
     stages = [replace(st, shared_link_s=shared[s]) if s < len(shared) else st
               for s, st in enumerate(stages)]
     return _looped(tables, spans, flags, stages, memory_bytes)
+
+
+def _dealt(firsts: Sequence[int], size: int) -> list[int]:
+    """Replicas on sorted ``firsts`` in the order minibatches are dealt to them: each
+    server's first, then each server's second, and so on (``size`` workers a server).
+    Stages beside each other with as many replicas a server then pass every minibatch
+    inside one, as :func:`cut_seconds` prices them; in worker order, a stage of one
+    replica a server would send most minibatches to another server's replicas of a
+    stage of two a server (docs/design.md §4.6)."""
+    seen: dict[int, int] = {}
+    nth = []
+    for w in firsts:
+        nth.append(seen.get(w // size, 0))
+        seen[w // size] = nth[-1] + 1
+    return [w for _, w in sorted(zip(nth, firsts, strict=True))]
 
 
 #: Bisection steps on the period whose loops a memory-bound plan holds (about 0.02% of

@@ -159,14 +159,13 @@ class _Cuts:
     per_byte: tuple[float, ...]
     cut_bytes: FloatArray
     copies: int = 1
-    points: IntArray | None = None
 
     @classmethod
     def of(cls, prof: RangeCosts, topo: Topology, points: IntArray, copies: int = 1) -> _Cuts:
         return cls(contiguous_cut_shares(topo, points.tolist()),
                    tuple(lv.latency for lv in topo.levels),
                    tuple(1.0 / lv.bandwidth for lv in topo.levels),
-                   np.asarray(prof.cut_bytes[:prof.n], dtype=np.float64), copies, points)
+                   np.asarray(prof.cut_bytes[:prof.n], dtype=np.float64), copies)
 
     def at(self, a: slice, b: int, c: slice, t: slice) -> FloatArray:
         """``[a, c, t]``: the cut before layer ``t`` between ``[a, b)`` and ``[b, c)``,
@@ -178,14 +177,9 @@ class _Cuts:
             share = phi[..., x, None]
             term = 2 * (lat + share * data * per)
             np.maximum(out, np.where(share > 0, term, 0.0), out=out)
-        if self.copies == 1 or self.points is None:
-            return out
-        # copies: minibatch m goes from replica m % r to m % r', which stay in one server
-        # only where both stages hold as many workers of each server
-        at = self.points
-        wide = (at[b] - at[a])[:, None] != (at[c] - at[b])[None, :]
-        out[wide] = np.inf
-        return out / self.copies
+        # copies: replicas are dealt server by server (``pricing.price_stages``), so
+        # minibatch m goes from a stage's replica on server m % k to the next's there
+        return out / self.copies if self.copies > 1 else out
 
 
 def best_ranges(
