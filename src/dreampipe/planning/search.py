@@ -186,9 +186,8 @@ def with_copies(search: Search, topology: Topology, stages: tuple[Stage, ...] | 
     The range program lays the server's pipeline
     (:class:`~dreampipe.planning.ranges.Copies`: each stage all-reduces over all its
     copies; a cut, inside the servers, carries ``1 / k`` of the minibatches on ``k``
-    servers, and joins stages of as many workers, whose replicas pass minibatches within
-    a server), on as many layers and grid points as :func:`with_ranges` would on that
-    server.
+    servers, as replicas dealt server by server pass each minibatch within one), on as
+    many layers and grid points as :func:`with_ranges` would on that server.
     """
     levels = topology.levels
     limit = opts.memory_bytes
