@@ -157,3 +157,17 @@ def test_copied_stages_of_any_widths_share_no_server_link(widths: list[int], ser
     assert all(x.shared_link_s == 0 for x in stages)
     for x in stages:  # replica j on server j % servers
         assert [w // size for w in x.workers] == [j % servers for j in range(len(x.workers))]
+
+
+def test_a_stage_on_a_range_of_workers_keeps_worker_order() -> None:
+    """A range of workers across servers is how the runtime's ranks hold a stage, rank
+    ``r`` on worker ``r``: its replicas stay in that order, and the shared links are
+    priced by it; only other layouts are dealt server by server."""
+    graph = LayerGraph.chain([Layer("a", 1.0, 2.0, 10**7, 10**5), Layer("b", 1.0, 2.0, 1, 0)])
+    topo = Topology((Level(8, 1e10, 1e-6), Level(2, 1e8, 1e-5)))
+    stages = price_stages(RangeCosts.of(graph), topo, [(0, 0), (1, 1)],
+                          [range(2, 10), range(10, 16)], Sync())
+    assert [x.workers for x in stages] == [tuple(range(2, 10)), tuple(range(10, 16))]
+    apart = price_stages(RangeCosts.of(graph), topo, [(0, 0), (1, 1)],
+                         [[0, 1, 8, 9], [2, 3, 10, 11]], Sync())
+    assert [x.workers for x in apart] == [(0, 8, 1, 9), (2, 10, 3, 11)]

@@ -189,7 +189,7 @@ def price_stages(
             comm = cut_seconds(float(prof.cut_bytes[last + 1]), workers, placements[s + 1],
                                topology)
         r, t, costs, split = replicas[s], widths[s], tables[s], how[s]
-        firsts = _dealt(sorted(workers)[::t], topology.levels[0].count)
+        firsts = _dealt(sorted(workers), t, topology.levels[0].count)
         assert costs.layer_backward_s is not None and costs.layer_weights is not None
         ar, delay = stage_allreduce(costs.layer_backward_s[first:last + 1],
                                     costs.layer_weights[first:last + 1], firsts, topology, sync)
@@ -214,13 +214,18 @@ def price_stages(
     return _looped(tables, spans, flags, stages, memory_bytes)
 
 
-def _dealt(firsts: Sequence[int], size: int) -> list[int]:
-    """Replicas on sorted ``firsts`` in the order minibatches are dealt to them: each
-    server's first, then each server's second, and so on (``size`` workers a server).
-    Stages beside each other with as many replicas a server then pass every minibatch
-    inside one, as :func:`cut_seconds` prices them; in worker order, a stage of one
-    replica a server would send most minibatches to another server's replicas of a
-    stage of two a server (docs/design.md §4.6)."""
+def _dealt(workers: Sequence[int], t: int, size: int) -> list[int]:
+    """The first workers of a stage's replicas (``t`` workers each) on sorted ``workers``,
+    in the order minibatches are dealt to them. A range of workers, as the runtime's ranks
+    hold a stage, keeps worker order. Any other layout (copies of one server's stages on
+    others, ``size`` workers a server) deals each server's first replica, then each
+    server's second, and so on: stages beside each other on the same servers then pass
+    every minibatch inside one, as :func:`cut_seconds` prices them, where worker order
+    would send most to another server when their counts a server differ (docs/design.md
+    §4.6)."""
+    firsts = list(workers[::t])
+    if not workers or workers[-1] - workers[0] == len(workers) - 1:
+        return firsts
     seen: dict[int, int] = {}
     nth = []
     for w in firsts:
