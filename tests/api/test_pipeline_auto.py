@@ -94,37 +94,6 @@ def test_the_plan_comes_back_with_the_schedule_the_simulator_chose(semantics: Se
     assert got.plan.num_stages == 1
 
 
-def test_a_plan_laid_on_other_workers_than_its_ranks_is_warned_of(
-        caplog: pytest.LogCaptureFixture) -> None:
-    """Ranks run in rank order: a plan priced with its stages copied on two servers is
-    said to run on other links (planning.placement.moved_stages), a plan in order is not."""
-    from dreampipe.planning.evaluate import evaluate_plan
-    from dreampipe.planning.topology import Level, Topology
-    from dreampipe.profiling.graph import Layer, LayerGraph
-
-    graph = LayerGraph.chain([Layer(f"l{i}", 1.0, 1.0, 10**6, 10**4) for i in range(3)])
-    topo = Topology((Level(2, 1e10), Level(2, 1e9)))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
-    try:
-        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
-        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
-        layers = split_layers(model, x[:4])
-        said = []
-        for workers in ([[0, 2], [1, 3]], [[0, 1], [2, 3]]):
-            plan = evaluate_plan(graph, topo, [0, 2], [2, 2], workers=workers)
-            caplog.clear()
-            with caplog.at_level("WARNING", logger="dreampipe.api.plans"):
-                resolve_plan(plan, layers=layers, example=(x, y), loss_fn=F.cross_entropy,
-                             microbatch_size=4, config=TrainConfig())
-            said.append(caplog.text)
-    finally:
-        dist.destroy_process_group()
-    assert "priced with stage 0 on workers 0, 2" in said[0]
-    assert "stage 0 on ranks 0, 1" in said[0]
-    assert said[1] == ""
-
-
 def test_microbatches_left_out_are_the_search_s_own() -> None:
     """Left out, the choice simulates each count that divides the minibatch in whole rounds
     of replicas, up to GPipe's 4 a stage, and keeps the fastest (on one worker, one

@@ -10,6 +10,8 @@ trained for 2 more, its buffers move as one process moves them and every key of 
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -262,19 +264,30 @@ def test_a_replicated_stage_gives_a_module_it_never_calls_no_gradient() -> None:
 
 
 @pytest.mark.timeout(240)
-def test_evaluate_on_replicas_uses_the_first_replicas_statistics() -> None:
+@pytest.mark.parametrize("laid", [None, ((2, 0), (1,))])
+def test_evaluate_on_replicas_uses_the_first_replicas_statistics(
+        laid: tuple[tuple[int, ...], ...] | None, tmp_path: Path) -> None:
     """BatchNorm's running statistics differ between a stage's replicas; evaluate() runs
     them all with the first replica's, the model full_state_dict() builds, and training
-    goes on with each replica's own (the state after it is the first replica's still)."""
+    goes on with each replica's own (the state after it is the first replica's still).
+    A checkpoint holds the same, also where the plan lays the first replica on a later
+    worker than the second (``laid``: each stage's workers)."""
     case = find_case("resnet")
     names = [n for n, _ in split_layers(case.build(), case.example(0, 1)[0])]
     cut = next(i for i, n in enumerate(names) if n.startswith("layer2"))
-    job = {"case": "resnet", "plan": Plan.from_config(len(names), [0, cut], [2, 1]),
-           "schedule": "1f1b-flush", "seed": _SEED,
+    plan = Plan.from_config(len(names), [0, cut], [2, 1])
+    if laid is not None:
+        plan = dataclasses.replace(plan, stages=tuple(
+            dataclasses.replace(st, workers=w) for st, w in zip(plan.stages, laid, strict=True)))
+    job = {"case": "resnet", "plan": plan, "schedule": "1f1b-flush", "seed": _SEED,
            "steps": 2, "minibatch": _MINIBATCH, "microbatches": _MICRO, "lr": _LR,
-           "evaluate": 2}
+           "evaluate": 2, "save": str(tmp_path)}
     got = run_processes(train_cases, 3, [job], deadline_s=200.0)[0]
     assert got is not None
+    saved = load_model_state(tmp_path)
+    assert sorted(saved) == sorted(got[0]["state"])
+    for name, value in got[0]["state"].items():
+        assert torch.equal(saved[name], value), name
     model = CaseSpec(case, _SEED).model()
     model.load_state_dict(got[0]["state"])
     model.eval()

@@ -14,6 +14,7 @@ AVX-512 kernels, past :data:`~api.compare.ATOL`, with no update wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,28 @@ def test_mixed_plans_train_and_evaluate_as_one_process(config: str,
         want = [float(spec.loss_fn(model(x), y)) for x, y in
                 (data.batch(100 + j, 16) for j in range(2))]
     assert [o["evaluated"] for o in out] == pytest.approx([sum(want) / 2] * 4, rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("config", "workers", "stages"), [
+    ("2-2", ((0, 2), (1, 3)), [0, 1, 0, 1]),  # each server of 2 holds a copy of the pipeline
+    ("1t2r-2", ((2,), (0, 1)), [1, 1, 0, 0]),
+])
+def test_a_plan_runs_its_stages_on_the_workers_it_lays_them_on(
+        config: str, workers: tuple[tuple[int, ...], ...], stages: list[int]) -> None:
+    """Schedule ranks start on the workers the plan's stages name (where it was priced),
+    not in rank order, and train as one process does."""
+    base = _plan("2-1t2", 64) if config == "2-2" else _plan(config, 64)
+    if config == "2-2":
+        base = dataclasses.replace(base, stages=(
+            base.stages[0], Stage(first=2, last=3, replicas=2, ranks=(2, 3))))
+    plan = dataclasses.replace(base, stages=tuple(
+        dataclasses.replace(st, workers=w) for st, w in zip(base.stages, workers, strict=True)))
+    assert plan.config == config
+    out = _train(plan, 64, ScheduleKind.GPIPE, 16, 2, evaluate=1)
+    assert [o["stage"] for o in out] == stages
+    assert_matches(out[0], *_sync_reference(plan, 64, 16, 2))
+    assert len({o["evaluated"] for o in out}) == 1
 
 
 @pytest.mark.timeout(120)

@@ -4,6 +4,7 @@ the delayed-update rule (tests/runtime/reference.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import torch
 from runtime.reference import reference_pipedream, reference_sync, sgd
 
 from dreampipe.api.checkpoint import load_model_state
+from dreampipe.planning.plan import Plan
 from dreampipe.runtime.processes import run_processes
+from dreampipe.splitter.chain import split_layers
 
 from .compare import assert_matches
 from .model_workers import train_case
@@ -89,6 +92,22 @@ def test_pipedream_of_a_model_split_at_its_modules_follows_the_delayed_updates(
         ties=[[(0, a), (1, b)] for a, b in TIED_KEYS.get(name, [])])
     assert_matches(got, losses, with_aliases(name, state))
     assert_tied_equal(name, got)
+
+
+@pytest.mark.timeout(120)
+def test_a_tied_model_laid_in_reverse_keeps_its_copies_tied() -> None:
+    """Stage 0 on worker 1 and stage 1 on worker 0: the tie's group and the copy every
+    copy starts from (built on meta, each copy draws its own) follow the workers the plan
+    lays the stages on, so the run equals the one in rank order."""
+    case = find_case("tied")
+    names = [n for n, _ in split_layers(case.build(), case.example(0, 1)[0])]
+    plan = Plan.from_config(len(names), [0, names.index(case.split_points[0])], [1, 1])
+    laid = dataclasses.replace(plan, stages=tuple(
+        dataclasses.replace(st, workers=(1 - s,)) for s, st in enumerate(plan.stages)))
+    got, want = (_run(case="tied", plan=p, meta=True, schedule="1f1b-flush", steps=3,
+                      minibatch=8, microbatches=2, lr=0.1) for p in (laid, plan))
+    assert_matches(got, want["losses"], want["state"])
+    assert_tied_equal("tied", got)
 
 
 @pytest.mark.timeout(120)

@@ -3,6 +3,7 @@ that asks for another count, or a topology too small for its ranks, is an error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,8 +14,10 @@ from dreampipe.errors import ConfigError, PlanError
 from dreampipe.planning.placement import (
     Placement,
     check_fits,
+    check_laid,
     check_schedule,
     moved_stages,
+    rank_workers,
     stage_ranks,
     virtual_stages_of,
 )
@@ -222,9 +225,10 @@ def test_a_v_that_cannot_run_names_the_fix(build: object, needle: str) -> None:
 
 
 def test_stages_copied_onto_other_servers_are_moved_from_rank_order() -> None:
-    """The runtime runs rank r on worker r in order: a plan whose inner pipeline is copied
-    on both servers (stage 0 on workers 0 and 2) runs elsewhere than priced; plans in rank
-    order, or given by their config, do not."""
+    """A plan whose inner pipeline is copied on both servers (stage 0 on workers 0 and 2)
+    lays its ranks out of rank order, and its ranks start there (``rank_workers``, a
+    stage's replicas on its workers in the order it lists them); plans in rank order, or
+    given by their config, are not moved. A plan laid beyond the run's processes is refused."""
     from dreampipe.planning.evaluate import evaluate_plan
     from dreampipe.planning.topology import Level
     from dreampipe.profiling.graph import Layer, LayerGraph
@@ -234,7 +238,23 @@ def test_stages_copied_onto_other_servers_are_moved_from_rank_order() -> None:
     topo = Topology((Level(2, 1e9), Level(2, 1e12)))
     copied = evaluate_plan(graph, topo, [0, 1], [2, 2], workers=[[0, 2], [1, 3]])
     assert moved_stages(copied) == (0, 1)
-    half = evaluate_plan(graph, topo, [0, 1], [2, 2], workers=[[0, 1], [3, 2]])
+    half = evaluate_plan(graph, topo, [0, 1], [2, 2], workers=[[0, 1], [2, 3]])
     assert moved_stages(half) == ()
+    swapped = dataclasses.replace(half, stages=(
+        half.stages[0], dataclasses.replace(half.stages[1], workers=(3, 2))))
+    assert moved_stages(swapped) == (1,)  # minibatch 0 goes to worker 3
+    assert rank_workers(swapped) == ((0, 1), (1, 1), (3, 1), (2, 1))
     assert moved_stages(evaluate_plan(graph, topo, [0, 1], [1, 3])) == ()
     assert moved_stages(Plan.from_config(2, [0, 1], [2, 2])) == ()
+    assert rank_workers(copied) == ((0, 1), (2, 1), (1, 1), (3, 1))
+    assert [copied.stage_of_rank(w) for w in range(4)] == [0, 1, 0, 1]
+    assert rank_workers(half) == ((0, 1), (1, 1), (2, 1), (3, 1))
+    assert rank_workers(Plan.from_config(2, [0, 1], [2, 2])) == rank_workers(half)
+    check_laid(copied, 4)
+    with pytest.raises(PlanError, match=r"plan 2-2 lays its ranks on workers \[0, 1, 2, 3\], "
+                                        r"not on each of the 5 processes .* worker 4"):
+        check_laid(copied, 5)
+    far = dataclasses.replace(copied, stages=(
+        copied.stages[0], dataclasses.replace(copied.stages[1], workers=(1, 5))))
+    with pytest.raises(PlanError, match=r"workers \[0, 1, 2, 5\].* worker 5 is the first"):
+        check_laid(far, 4)

@@ -220,8 +220,9 @@ def check_keys(path: Path, layers: Layers) -> None:
 
 def _parts(pipe: _PipelineState) -> list[StagePart]:
     """Every stage this rank runs, with its scheduler and compensation."""
+    first = pipe.runner.schedule.replica_of_rank(pipe.runner.rank) == 0
     return [StagePart(m, pipe.schedulers.get(m.stage), pipe.compensations[m.stage],
-                      pipe.compensation_delays.get(m.stage))
+                      pipe.compensation_delays.get(m.stage), buffers=first)
             for m in pipe.runner.modules]
 
 
@@ -256,9 +257,9 @@ def save(directory: Path, pipe: _PipelineState) -> Path:
                                       **({} if scaler is None else
                                          {"loss_scale": scaler.state_dict()})})
     state[f"rng.{dist.get_rank()}"] = pickle.dumps(rng_state(pipe.device))
-    # a key several ranks hold is written by the lowest: a stage's first replica, whose
-    # buffers (BatchNorm's statistics) full_state_dict and evaluate() take, and rank 0's
-    # progress, not whichever rank DCP's balancing of the writes would pick
+    # a key several ranks hold is written by the lowest (rank 0's progress), not whichever
+    # rank DCP's balancing of the writes would pick; a stage's buffers (BatchNorm's
+    # statistics) only its first replica writes (StagePart.buffers)
     dcp_save(state, checkpoint_id=str(tmp),
              planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True))
     dist.barrier()

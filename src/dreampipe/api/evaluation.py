@@ -27,8 +27,10 @@ from dreampipe.runtime.forwards import Count, run_forwards
 from dreampipe.runtime.precision import Precision
 from dreampipe.scheduling.actions import ScheduleKind
 from dreampipe.scheduling.build import forward_only
+from dreampipe.splitter.segments import eval_refusal
 
-__all__ = ["EvalRank", "EvalResult", "all_reduced", "evaluate", "first_replicas_buffers"]
+__all__ = ["EvalRank", "EvalResult", "all_reduced", "check_evaluable", "evaluate",
+           "first_replicas_buffers"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,16 @@ class EvalRank:
     kind: ScheduleKind = ScheduleKind.GPIPE
     #: Whether every message carries its shape (``RunnerOptions.varying_shapes``).
     varying: bool = False
+
+
+def check_evaluable(layers: Sequence[tuple[str, nn.Module]]) -> None:
+    """A model of ``layers`` must run in eval mode for evaluate() (:func:`eval_refusal`)."""
+    refused = eval_refusal(layers)
+    if refused is not None:
+        raise ConfigError(
+            f"evaluate() cannot run the model in eval mode: {refused}; move that branch "
+            "into the forward of a submodule the forward calls (a block runs whole, in "
+            "its own mode), or evaluate full_state_dict() in one process", "model")
 
 
 def evaluate(batches: Sequence[Batch], modules: dict[int, nn.Module],

@@ -42,13 +42,20 @@ from dreampipe.api.checks import (
     refuse_legacy,
 )
 from dreampipe.api.config import TrainConfig
-from dreampipe.api.evaluation import EvalRank, EvalResult, evaluate, first_replicas_buffers
+from dreampipe.api.evaluation import (
+    EvalRank,
+    EvalResult,
+    check_evaluable,
+    evaluate,
+    first_replicas_buffers,
+)
 from dreampipe.api.glue_modes import GlueModes
 from dreampipe.api.group import init_process_group, rank_device
 from dreampipe.api.hf_checkpointing import check_hf_checkpointing
 from dreampipe.api.memory_report import MemoryReport, counted, counting, measured, start
 from dreampipe.api.pipeline_segments import HORIZON, Segments
 from dreampipe.api.plans import PlanArg, profile_layers
+from dreampipe.api.rank_groups import end_groups, rank_groups
 from dreampipe.api.settled_plan import settle_plan
 from dreampipe.api.stage_build import (
     agreement_note,
@@ -60,11 +67,9 @@ from dreampipe.api.stage_build import (
 from dreampipe.api.ties import check_tie_groups, tie_places
 from dreampipe.errors import ConfigError, WorkerError
 from dreampipe.runtime.engine import RankRunner
-from dreampipe.runtime.lanes import Routes, process_groups, routed_groups, split_mesh
 from dreampipe.runtime.overlap import model_hook
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.staleness import Applied
-from dreampipe.runtime.tensor_split import tensor_mesh
 from dreampipe.runtime.zero_params import gathered
 from dreampipe.scheduling.events import Event
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
@@ -159,7 +164,7 @@ class Pipeline:
         #: The config this Pipeline runs: the schedule ``"auto"`` chose, the plan's
         #: stages per worker.
         self.config = config = settled.config
-        ties, mixed, t = settled.ties, settled.mixed, settled.tensor_parallel
+        ties = settled.ties
         #: Each weight tied across stages, by its names on them (a checkpoint may hold it
         #: under any one of them).
         self.tie_names = tuple(tie.names for tie in ties)
@@ -170,23 +175,22 @@ class Pipeline:
         found = checkpoint.find(Path(config.resume)) if config.resume is not None else None
         if found is not None:
             checkpoint.check_keys(found, self._layers)
+        talk = rank_groups(self.plan, self.rank, self.device.type,
+                           clip=config.max_grad_norm is not None)
         #: The rank in the schedule (one per replica) and, in a split stage, the
         #: worker's place among its replica's t workers (only place 0 reports).
-        place = Routes.of(self.plan, self.rank)
-        self.srank, self.member = place.rank, place.member
-        self._groups: list[Any] = []  # every subgroup this Pipeline made, for close()
-        mesh = split_mesh(self.plan, self.rank, self.device.type, made=self._groups) \
-            if mixed else None
+        self.srank, self.member = talk.routes.rank, talk.routes.member
+        self._groups: list[Any] = list(talk.made)  # every subgroup made here, for close()
+        self._links = talk.links
         self._meter = start(self.config, [
             layer for s in self._my_stages() for _, layer in
             self._layers[self.plan.stages[s].first : self.plan.stages[s].last + 1]],
             self.device)
-        tied = tie_places(ties, self.plan)
+        tied = tie_places(ties, self.plan, talk.routes)
         self._groups += tied.made
         with counting(self._meter):  # the stage's build counts in its peak
             modules = build_modules(
-                self._layers, self.plan, self._my_stages(), self.device,
-                mesh if mixed else tensor_mesh(world, t, self.device.type) if t > 1 else None,
+                self._layers, self.plan, self._my_stages(), self.device, talk.mesh,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank,
                 start=tied.start)
             check_tie_groups(ties, modules)
@@ -216,15 +220,10 @@ class Pipeline:
             self.loss_fn = loss_fn
             self.minibatches = 0
             self._opts = self.config.runner_options()
-            self._links, groups = routed_groups(self.plan, self.rank, made=self._groups) if mixed \
-                else process_groups([st.ranks for st in self.plan.stages], t, made=self._groups)
-            clip_group = dist.new_group(list(range(world))) \
-                if config.max_grad_norm is not None else None
-            self._groups.append(clip_group)
             self._runner: RankRunner | None = RankRunner(
                 self._segments.schedule(self._segments.horizon), self.srank, self.device,
-                self.module, self._opts, groups=groups, links=self._links,
-                clip_group=clip_group, after_step=self._after_step, others=modules[1:],
+                self.module, self._opts, groups=talk.stage_groups, links=self._links,
+                clip_group=talk.clip_group, after_step=self._after_step, others=modules[1:],
                 ties=tied.ranks(modules), overlap=model_hook(model),
             )
             self._segment = 0
@@ -343,12 +342,7 @@ class Pipeline:
     @counted
     def evaluate(self, loader: Iterable[Batch]) -> EvalResult:
         """Forwards of every batch with the current weights (drains first); same on every rank."""
-        refused = eval_refusal(self._layers)
-        if refused is not None:
-            raise ConfigError(
-                f"evaluate() cannot run the model in eval mode: {refused}; move that branch "
-                "into the forward of a submodule the forward calls (a block runs whole, in "
-                "its own mode), or evaluate full_state_dict() in one process", "model")
+        check_evaluable(self._layers)
         batches = [(x, y) for x, y in loader]
         for k, batch in enumerate(batches):
             check_held_out(k, batch, self._shapes.example)
@@ -413,9 +407,7 @@ class Pipeline:
             dist.destroy_process_group()
             self._owns_group = False
         elif dist.is_initialized():
-            for group in self._groups:
-                if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
-                    dist.destroy_process_group(group)
+            end_groups(self._groups)
         self._groups = []
         self._kept = (self.events, self.skipped)  # what may still be read
         self._runner = None

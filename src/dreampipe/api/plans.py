@@ -41,7 +41,7 @@ from dreampipe.errors import DreampipeError, PlanError
 from dreampipe.machine.calibration import measured_topology
 from dreampipe.machine.measure import machine_in_group
 from dreampipe.machine.torchrun import in_torchrun, torchrun_nodes
-from dreampipe.planning.placement import check_schedule, moved_stages, virtual_stages_of
+from dreampipe.planning.placement import check_schedule, virtual_stages_of
 from dreampipe.planning.plan import Plan
 from dreampipe.profiling.fixed_costs import with_small_batch
 from dreampipe.profiling.graph import LayerGraph
@@ -100,8 +100,6 @@ def resolve_plan(
                           "--virtual-stages {v}")
         check_schedule(given, "auto" if semantics is not None else kind.value, source)
     if given is not None and semantics is None:
-        if dist.get_rank() == 0:
-            _say_moved(given)
         return Resolved(given)
     nodes = torchrun_nodes(world) if in_torchrun() else 1
     machine = machine_in_group(nodes=nodes)  # every rank: without a machine file all measure
@@ -126,7 +124,6 @@ def resolve_plan(
             planned = given or dataclasses.replace(
                 chosen.plan, layer_names=tuple(name for name, _ in layers))
             _log.info("planned %s", planned.config)
-            _say_moved(planned)
             pick = chosen.chosen
             box[0] = (planned.to_json(), None if pick is None else pick[0].value,
                       0 if pick is None else pick[1])
@@ -138,21 +135,6 @@ def resolve_plan(
     text, chosen_kind, per = box[0]
     return Resolved(Plan.from_dict(json.loads(text)),
                     None if chosen_kind is None else ScheduleKind(chosen_kind), per)
-
-
-def _say_moved(plan: Plan) -> None:
-    """Warn where the plan was priced with stages on other workers than this run's ranks
-    hold (:func:`~dreampipe.planning.placement.moved_stages`)."""
-    moved = moved_stages(plan)
-    if moved:
-        s = moved[0]
-        _log.warning(
-            "the plan %s was priced with stage %d on workers %s, but ranks run the stages in "
-            "rank order (stage %d on ranks %s): across servers its cuts and all-reduces then "
-            "take other links than its prediction assumes, and it may run slower; dreampipe "
-            "does not yet start ranks where a plan lays them", plan.config, s,
-            ", ".join(map(str, plan.stage_workers(s))), s,
-            ", ".join(map(str, plan.stages[s].ranks)))
 
 
 def profile_layers(

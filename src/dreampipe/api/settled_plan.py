@@ -30,7 +30,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.ties import check_ties
 from dreampipe.errors import ConfigError
-from dreampipe.planning.placement import Placement
+from dreampipe.planning.placement import Placement, check_laid
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import Layers, Tie, tied_parameters
@@ -50,10 +50,6 @@ class SettledPlan:
     #: The microbatches of that schedule, over every worker of a split stage.
     layout: MicrobatchLayout
     ties: list[Tie]
-    #: Whether the stages are split over different numbers of workers.
-    mixed: bool
-    #: The most workers a stage is split over.
-    tensor_parallel: int
 
 
 def settle_plan(
@@ -95,11 +91,11 @@ def settle_plan(
     config = dataclasses.replace(config, virtual_stages=v)
     check_stages_per_rank(plan.num_stages, v, world, [st.replicas for st in plan.stages])
     check_plan(plan, names, world)
+    check_laid(plan, world)
     ties = tied_parameters(layers, [st.first for st in plan.stages])
     check_written_buffers(layers, [st.first for st in plan.stages])
     check_ties(ties, plan, config.kind)
-    widths = {st.tensor_parallel for st in plan.stages}
-    mixed, t = len(widths) > 1, max(widths)
+    t = max(st.tensor_parallel for st in plan.stages)
     if v > 1 and t > 1:
         raise ConfigError(f"virtual_stages={v} with stages split over workers is not "
                           "supported yet; use virtual_stages=1", "virtual_stages")
@@ -109,8 +105,7 @@ def settle_plan(
         check_split_stages(layers, plan)
         layout = dataclasses.replace(layout, workers=sum(st.replicas for st in plan.stages))
     check_stages_on_meta(layers, plan, example, loss_fn, microbatch_size)
-    return SettledPlan(plan=plan, config=config, layout=layout, ties=ties, mixed=mixed,
-                       tensor_parallel=t)
+    return SettledPlan(plan=plan, config=config, layout=layout, ties=ties)
 
 
 def check_split_stages(layers: Layers, plan: Plan) -> None:

@@ -46,6 +46,9 @@ class StagePart:
     scheduler: Any
     compensation: Applied
     delay: int | None = None
+    #: Whether this rank writes the stage's buffers: its first replica does, whose
+    #: statistics full_state_dict and evaluate() take, wherever the plan lays it.
+    buffers: bool = True
 
 
 def _unsaved(module: nn.Module) -> dict[str, Tensor]:
@@ -64,8 +67,11 @@ def stage_state(parts: Sequence[StagePart]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for part in parts:
         module = part.module
-        state.update({f"model.{k}": v for k, v in module.state_dict().items()})
-        state.update({f"buffer.{k}": v for k, v in _unsaved(module.module).items()})
+        dropped = set() if part.buffers else {k for k, _ in module.module.named_buffers()}
+        state.update({f"model.{k}": v for k, v in module.state_dict().items()
+                      if k not in dropped})
+        if part.buffers:
+            state.update({f"buffer.{k}": v for k, v in _unsaved(module.module).items()})
         opt = module.optimizer
         sched = part.scheduler.state_dict() if part.scheduler is not None else None
         names = dict(zip(map(id, module.optimized), module.module_param_names, strict=True))

@@ -22,6 +22,7 @@ copy's gradient to sum): a ConfigError before training.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from dreampipe.errors import ConfigError
 from dreampipe.planning.plan import Plan
+from dreampipe.runtime.lanes import Routes
 from dreampipe.runtime.stage_module import StageModule
 from dreampipe.runtime.stage_ties import RankTie, TiedCopy, start_values
 from dreampipe.scheduling.actions import ScheduleKind
@@ -149,14 +151,17 @@ class HeldTies:
                 for place, group in self.held]
 
 
-def tie_places(ties: list[Tie], plan: Plan) -> HeldTies:
-    """Where ``ties``' copies are on this rank of ``plan``, with a group for each tie
-    held on more than one rank (every rank makes them, in order)."""
-    rank = dist.get_rank()
+def tie_places(ties: list[Tie], plan: Plan, routes: Routes) -> HeldTies:
+    """Where ``ties``' copies are on this rank of ``plan`` (schedule rank ``routes.rank``),
+    with a group for each tie held on more than one rank (every rank makes them, in
+    order). A tie's stages are not split, so its ranks' processes are their first
+    workers: the place's ranks and source are process ranks."""
     held: list[tuple[TiePlace, Any]] = []
     made: list[Any] = []
     for tie in ties:
-        place = tie_place(tie, plan, rank)
+        at = tie_place(tie, plan, routes.rank)
+        place = dataclasses.replace(at, ranks=tuple(sorted(routes.first(r) for r in at.ranks)),
+                                    src=routes.first(at.src))
         group = dist.new_group(list(place.ranks)) if len(place.ranks) > 1 else None
         if group is not None:
             made.append(group)

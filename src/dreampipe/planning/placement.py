@@ -23,9 +23,10 @@ from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
-__all__ = ["Placement", "check_fits", "check_placement", "check_schedule", "check_virtual_count",
-           "moved_stages", "position_firsts", "position_replicas", "rank_stages", "stage_rank",
-           "stage_ranks", "stray_stage", "virtual_stages_of"]
+__all__ = ["Placement", "check_fits", "check_laid", "check_placement", "check_schedule",
+           "check_virtual_count", "moved_stages", "position_firsts", "position_replicas",
+           "rank_stages", "rank_workers", "stage_rank", "stage_ranks", "stray_stage",
+           "virtual_stages_of"]
 
 
 class Placement(Enum):
@@ -47,6 +48,9 @@ class Plan(Protocol):
 
     @property
     def num_stages(self) -> int: ...
+
+    @property
+    def config(self) -> str: ...
 
     @property
     def stages(self) -> Sequence[Stage]: ...
@@ -229,17 +233,42 @@ def check_fits(plan: Plan, topology: Topology, source: str = "the plan",
         f"{name} has {have}; pick a larger --topology, of {placed} workers or more{hint}")
 
 
+def rank_workers(plan: Plan) -> tuple[tuple[int, int], ...]:
+    """Each schedule rank's first worker and its count of workers, in rank order, where the
+    plan lays them: a stage's ``i``-th rank on its ``i``-th replica's first worker, the
+    order minibatches are dealt in. The runtime starts schedule rank ``r`` on these
+    process ranks, so a plan runs on the links it was priced on (docs/design.md §4.6)."""
+    out: dict[int, tuple[int, int]] = {}
+    for s, st in enumerate(plan.stages):
+        t = st.tensor_parallel
+        firsts = plan.stage_workers(s)[::t]
+        for r, w in zip(st.ranks, firsts, strict=True):
+            out.setdefault(r, (w, t))  # under interleaving a rank's first stage says
+    return tuple(out[r] for r in sorted(out))
+
+
+def check_laid(plan: Plan, world: int) -> None:
+    """The workers ``plan`` lays its ranks on must be the run's ``world`` processes, each
+    once (:func:`rank_workers`)."""
+    laid = sorted(f + k for f, t in rank_workers(plan) for k in range(t))
+    if laid != list(range(world)):
+        stray = sorted(set(laid) - set(range(world))) or sorted(set(range(world)) - set(laid))
+        raise PlanError(
+            f"plan {plan.config} lays its ranks on workers {laid}, not on each of the "
+            f"{world} processes started (0 to {world - 1}; worker {stray[0]} is the first "
+            "to differ): plan for this world, or start one process per worker it lays")
+
+
 def moved_stages(plan: Plan) -> tuple[int, ...]:
-    """The stages whose workers, where the plan was priced, are not where a run puts
-    them: the runtime runs schedule rank ``r`` as process rank ``r``, its workers in rank
-    order (:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`). A plan that copies
-    one server's stages onto others lays them elsewhere, so across servers its cuts and
-    all-reduces run on other links than it was priced on (docs/design.md §4.6)."""
+    """The stages whose replicas are not on the workers of their ranks in rank order
+    (:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`), in that order: a plan that
+    copies one server's stages onto others lays them so. The runtime then talks on routes
+    between the workers :func:`rank_workers` gives (docs/design.md §4.6)."""
     out = []
     for s, st in enumerate(plan.stages):
         ordered = tuple(plan.rank_first_worker(r) + k for r in st.ranks
                         for k in range(st.tensor_parallel))
-        if sorted(plan.stage_workers(s)) != sorted(ordered):
+        if plan.stage_workers(s) != ordered:
             out.append(s)
     return tuple(out)
 

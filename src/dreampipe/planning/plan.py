@@ -245,12 +245,10 @@ class Plan:
         return tuple(run if st.zero is None else st.zero for st in self.stages)
 
     def stage_of_rank(self, rank: int) -> int:
-        """The stage of worker ``rank`` (the workers of a split replica are adjacent); its
-        first where it runs several (:meth:`stages_of_rank`)."""
-        first = 0
-        for s, st in enumerate(self._rank_stages):
-            first += st.replicas * st.tensor_parallel
-            if 0 <= rank < first:
+        """The stage of worker ``rank`` where the plan lays it (:meth:`stage_workers`): the
+        process that runs it; its first where it runs several (:meth:`stages_of_rank`)."""
+        for s in range(len(self._rank_stages)):
+            if rank in self.stage_workers(s):
                 return s
         raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
 

@@ -2,12 +2,13 @@
 
 The schedule names one rank per replica of a stage (a *schedule rank*); a
 stage split over ``t`` workers runs each of its schedule ranks on ``t``
-adjacent workers, the ranks' workers following one another in order
-(:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`). With one split
-width, worker ``k`` of every schedule rank talks to worker ``k`` of its peers,
-on the groups of lane ``k``. In a plan that mixes widths (``"1t2-2"``),
-receiving worker ``k`` takes the tensor from sending worker ``k mod ts``, on
-two world groups (docs/design.md §10.4).
+adjacent workers, where the plan lays them
+(:func:`~dreampipe.planning.placement.rank_workers`; in rank order unless its
+stages say other workers). With one split width and ranks in order, worker
+``k`` of every schedule rank talks to worker ``k`` of its peers, on the groups
+of lane ``k``. In a plan that mixes widths (``"1t2-2"``) or lays ranks out of
+order, receiving worker ``k`` takes the tensor from sending worker ``k mod
+ts``, on two world groups (docs/design.md §10.4).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, NamedTuple
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from dreampipe.planning.placement import rank_workers
 from dreampipe.planning.plan import Plan
 
 __all__ = ["Links", "Routes", "process_groups", "routed_groups", "split_mesh"]
@@ -26,27 +28,27 @@ __all__ = ["Links", "Routes", "process_groups", "routed_groups", "split_mesh"]
 
 @dataclass(frozen=True)
 class Routes:
-    """The workers behind each schedule rank (``widths``), and this worker's place:
-    schedule rank ``rank``, worker ``member`` of its ``widths[rank]``."""
+    """The workers behind each schedule rank (``widths``, from ``firsts``), and this
+    worker's place: schedule rank ``rank``, worker ``member`` of its ``widths[rank]``."""
 
     widths: tuple[int, ...]
     rank: int
     member: int
+    firsts: tuple[int, ...]
 
     @classmethod
     def of(cls, plan: Plan, worker: int) -> Routes:
-        """Worker ``worker``'s routes in ``plan`` (its ranks numbered stage by stage)."""
-        widths = tuple(st.tensor_parallel for st in plan.stages for _ in st.ranks)
-        first = 0
-        for rank, width in enumerate(widths):
+        """Worker ``worker``'s routes in ``plan``, its ranks where the plan lays them."""
+        placed = rank_workers(plan)
+        firsts, widths = (tuple(x) for x in zip(*placed, strict=True))
+        for rank, (first, width) in enumerate(placed):
             if first <= worker < first + width:
-                return cls(widths, rank, worker - first)
-            first += width
+                return cls(widths, rank, worker - first, firsts)
         raise ValueError(f"worker {worker} is not in plan {plan.config}")
 
     def first(self, rank: int) -> int:
         """The first worker of schedule rank ``rank``."""
-        return sum(self.widths[:rank])
+        return self.firsts[rank]
 
     def source(self, peer: int) -> int:
         """The worker of schedule rank ``peer`` this worker receives from."""
@@ -100,11 +102,13 @@ def process_groups(
 
 def routed_groups(plan: Plan, worker: int, *, made: list[Any] | None = None
                   ) -> tuple[Links, dict[int, Any]]:
-    """The groups of a run of ``plan`` whose stages mix split widths (docs/design.md §10.4):
-    two world link groups with ``worker``'s routes, and per replicated stage the
-    all-reduce group of ``worker``'s place. Every rank creates all, in this order."""
+    """The groups of a run of ``plan`` whose stages mix split widths or sit out of rank
+    order (docs/design.md §10.4): two world link groups with ``worker``'s routes, and per
+    replicated stage the all-reduce group of ``worker``'s place. Every rank creates all,
+    in this order."""
     routes = Routes.of(plan, worker)
-    world = list(range(plan.workers_used))
+    world = sorted(f + k for f, w in zip(routes.firsts, routes.widths, strict=True)
+                   for k in range(w))
     links = Links(dist.new_group(world), dist.new_group(world), routes)
     made_here = [links.fwd, links.bwd]
     groups = {}
