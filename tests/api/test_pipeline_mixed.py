@@ -132,6 +132,7 @@ def test_mixed_plans_train_and_evaluate_as_one_process(config: str,
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("config", "workers", "stages"), [
     ("2-2", ((0, 2), (1, 3)), [0, 1, 0, 1]),  # each server of 2 holds a copy of the pipeline
+    ("2-2", ((0, 4), (1, 5)), [0, 1, 0, 1]),  # two of each server of 4: 4 processes
     ("1t2r-2", ((2,), (0, 1)), [1, 1, 0, 0]),
 ])
 def test_a_plan_runs_its_stages_on_the_workers_it_lays_them_on(
@@ -152,9 +153,15 @@ def test_a_plan_runs_its_stages_on_the_workers_it_lays_them_on(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("laid", [None, ((2,), (1, 0))])
 def test_a_mixed_plan_under_pipedream_follows_the_delayed_updates_and_saves_checkpoints(
-        tmp_path: Path) -> None:
+        laid: tuple[tuple[int, ...], ...] | None, tmp_path: Path) -> None:
+    """Also laid out of rank order (``laid``: each stage's workers), its second stage's
+    first replica on the later worker."""
     plan = _plan("1t2-2r", 64)
+    if laid is not None:
+        plan = dataclasses.replace(plan, stages=tuple(
+            dataclasses.replace(st, workers=w) for st, w in zip(plan.stages, laid, strict=True)))
     out = _train(plan, 64, ScheduleKind.PIPEDREAM, 16, 1, save=str(tmp_path / "ck"))
     spec = get_model("mlp", layers=4, width=64)
     losses, state = reference_pipedream(

@@ -30,7 +30,7 @@ from dreampipe.api.config import TrainConfig
 from dreampipe.api.plans import PlanArg, resolve_plan
 from dreampipe.api.ties import check_ties
 from dreampipe.errors import ConfigError
-from dreampipe.planning.placement import Placement, check_laid
+from dreampipe.planning.placement import Placement
 from dreampipe.planning.plan import Plan
 from dreampipe.scheduling.microbatch_layout import MicrobatchLayout
 from dreampipe.splitter.chain import Layers, Tie, tied_parameters
@@ -91,7 +91,6 @@ def settle_plan(
     config = dataclasses.replace(config, virtual_stages=v)
     check_stages_per_rank(plan.num_stages, v, world, [st.replicas for st in plan.stages])
     check_plan(plan, names, world)
-    check_laid(plan, world)
     ties = tied_parameters(layers, [st.first for st in plan.stages])
     check_written_buffers(layers, [st.first for st in plan.stages])
     check_ties(ties, plan, config.kind)

@@ -23,7 +23,7 @@ from dreampipe.errors import ConfigError, DreampipeError, PlanError
 from dreampipe.planning.plan_stage import Stage
 from dreampipe.planning.topology import Topology
 
-__all__ = ["Placement", "check_fits", "check_laid", "check_placement", "check_schedule",
+__all__ = ["Placement", "check_fits", "check_placement", "check_schedule",
            "check_virtual_count", "moved_stages", "position_firsts", "position_replicas",
            "rank_stages", "rank_workers", "stage_rank", "stage_ranks", "stray_stage",
            "virtual_stages_of"]
@@ -234,43 +234,31 @@ def check_fits(plan: Plan, topology: Topology, source: str = "the plan",
 
 
 def rank_workers(plan: Plan) -> tuple[tuple[int, int], ...]:
-    """Each schedule rank's first worker and its count of workers, in rank order, where the
-    plan lays them: a stage's ``i``-th rank on its ``i``-th replica's first worker, the
-    order minibatches are dealt in. The runtime starts schedule rank ``r`` on these
-    process ranks, so a plan runs on the links it was priced on (docs/design.md §4.6)."""
+    """Each schedule rank's first process and its count of workers, in rank order: a
+    stage's ``i``-th rank on its ``i``-th replica's first worker (the order minibatches
+    are dealt in), each worker the plan lays numbered by its place among them all (a plan
+    on workers 0-2 and 8-10 of two servers runs on processes 0-5, three a node). The
+    runtime starts schedule rank ``r`` there, so a plan runs on the links it was priced
+    on (docs/design.md §4.6)."""
     out: dict[int, tuple[int, int]] = {}
     for s, st in enumerate(plan.stages):
         t = st.tensor_parallel
         firsts = plan.stage_workers(s)[::t]
         for r, w in zip(st.ranks, firsts, strict=True):
             out.setdefault(r, (w, t))  # under interleaving a rank's first stage says
-    return tuple(out[r] for r in sorted(out))
-
-
-def check_laid(plan: Plan, world: int) -> None:
-    """The workers ``plan`` lays its ranks on must be the run's ``world`` processes, each
-    once (:func:`rank_workers`)."""
-    laid = sorted(f + k for f, t in rank_workers(plan) for k in range(t))
-    if laid != list(range(world)):
-        stray = sorted(set(laid) - set(range(world))) or sorted(set(range(world)) - set(laid))
-        raise PlanError(
-            f"plan {plan.config} lays its ranks on workers {laid}, not on each of the "
-            f"{world} processes started (0 to {world - 1}; worker {stray[0]} is the first "
-            "to differ): plan for this world, or start one process per worker it lays")
+    laid = sorted(w + k for w, t in out.values() for k in range(t))
+    place = {w: i for i, w in enumerate(laid)}
+    return tuple((place[out[r][0]], out[r][1]) for r in sorted(out))
 
 
 def moved_stages(plan: Plan) -> tuple[int, ...]:
-    """The stages whose replicas are not on the workers of their ranks in rank order
-    (:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`), in that order: a plan that
-    copies one server's stages onto others lays them so. The runtime then talks on routes
-    between the workers :func:`rank_workers` gives (docs/design.md §4.6)."""
-    out = []
-    for s, st in enumerate(plan.stages):
-        ordered = tuple(plan.rank_first_worker(r) + k for r in st.ranks
-                        for k in range(st.tensor_parallel))
-        if plan.stage_workers(s) != ordered:
-            out.append(s)
-    return tuple(out)
+    """The stages whose ranks :func:`rank_workers` starts on other processes than rank
+    order gives them (:meth:`~dreampipe.planning.plan.Plan.rank_first_worker`): a plan
+    that copies one server's stages onto others lays them so. The runtime then talks on
+    routes between those processes (docs/design.md §4.6)."""
+    placed = rank_workers(plan)
+    return tuple(s for s, st in enumerate(plan.stages)
+                 if any(placed[r][0] != plan.rank_first_worker(r) for r in st.ranks))
 
 
 def _per_rank(v: int) -> str:

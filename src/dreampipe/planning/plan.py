@@ -245,12 +245,14 @@ class Plan:
         return tuple(run if st.zero is None else st.zero for st in self.stages)
 
     def stage_of_rank(self, rank: int) -> int:
-        """The stage of worker ``rank`` where the plan lays it (:meth:`stage_workers`): the
-        process that runs it; its first where it runs several (:meth:`stages_of_rank`)."""
-        for s in range(len(self._rank_stages)):
-            if rank in self.stage_workers(s):
-                return s
-        raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
+        """The stage process ``rank`` runs: that of the ``rank``-th of the workers the plan
+        lays its stages on (:meth:`stage_workers`, ``placement.rank_workers``); its first
+        where it runs several (:meth:`stages_of_rank`)."""
+        laid = [self.stage_workers(s) for s in range(len(self._rank_stages))]
+        ordered = sorted(w for ws in laid for w in ws)
+        if not 0 <= rank < len(ordered):
+            raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
+        return next(s for s, ws in enumerate(laid) if ordered[rank] in ws)
 
     def placed(self, placement: Placement) -> Plan:
         """This plan of several stages per rank in ``placement``: each stage on the rank
