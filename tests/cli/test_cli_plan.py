@@ -20,6 +20,7 @@ from dreampipe.cli.plan_command import (
     confirm_by_simulation,
     layer_label,
 )
+from dreampipe.cli.plan_why import stage_reasons
 from dreampipe.planning.memory_terms import OptimizerTerms
 from dreampipe.planning.options import PlanOptions
 from dreampipe.planning.plan import Heuristic, Plan, Stage
@@ -516,10 +517,30 @@ def test_plan_recomputes_a_stage_only_memory_makes_fit_and_says_why(
     lines = out.splitlines()
     first = next(x for x in lines if x.startswith("stage 0: "))
     stage = got.stages[0]
-    assert first.startswith("stage 0: 15 replicas (on 14 its round would take")
+    assert first.startswith("stage 0: on workers 0-14; 15 replicas (on 14 its round would take")
     assert f"slowest term all-reduce {stage.time_s * 1e3:.2f} ms (100% of" in first
     assert f"memory {format_bytes(stage.memory_bytes)} of 18.0 GB; recomputes:" in first
-    assert any(x.startswith("stage 1: 1 replica; slowest term ") for x in lines)
+    assert any(x.startswith("stage 1: on worker 15; 1 replica; slowest term ") for x in lines)
+
+
+def test_plan_says_where_each_stage_s_workers_sit_on_the_servers() -> None:
+    """A stage copied on the same workers of every server is said so; one laid otherwise
+    lists its workers in runs, the first four of them."""
+    graph = LayerGraph.chain([Layer("a", 16.0, 24.0, 10**6, 10**6),
+                              Layer("b", 16.0, 24.0, 10**6, 10**6)])
+    topo = Topology.parse("4x4")
+    copied = evaluate_plan(graph, topo, [0, 1], [8, 8], workers=[
+        [k * 4 + i for k in range(4) for i in (0, 1)],
+        [k * 4 + i for k in range(4) for i in (2, 3)]])
+    lines = stage_reasons(copied, graph, None, per_server=4)
+    assert lines[0].startswith("stage 0: on workers 0-1 of servers 0-3; 8 replicas")
+    assert lines[1].startswith("stage 1: on workers 2-3 of servers 0-3; 8 replicas")
+    uneven = evaluate_plan(graph, topo, [0, 1], [6, 10], workers=[
+        [0, 2, 4, 8, 12, 14], [1, 3, 5, 6, 7, 9, 10, 11, 13, 15]])
+    lines = stage_reasons(uneven, graph, None, per_server=4)
+    assert lines[0].startswith("stage 0: on workers 0, 2, 4, 8 and 2 more runs; 6 replicas")
+    assert lines[1].startswith("stage 1: on workers 1, 3, 5-7, 9-11 and 2 more runs;")
+    assert stage_reasons(uneven, graph, None)[0].startswith("stage 0: 6 replicas")
 
 
 def test_a_mixed_plan_is_printed_saved_and_says_why_a_stage_is_split(

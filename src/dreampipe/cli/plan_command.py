@@ -340,7 +340,8 @@ def format_plan(
         )
     lines += [_format_splits(s, st) for s, st in enumerate(result.stages)
               if st.tensor_parallel > 1]
-    lines += ["", *stage_reasons(result, graph, memory_bytes, optimizer)]
+    per_server = topo.levels[0].count if len(topo.levels) > 1 else None
+    lines += ["", *stage_reasons(result, graph, memory_bytes, optimizer, per_server)]
     unfit = unfit_note([st.memory_bytes for st in result.stages], topo, memory_bytes)
     if unfit is not None:
         lines.append(f"memory: {unfit}")

@@ -4,10 +4,13 @@
 slowest of a stage's terms (its compute over its replicas, its round with
 the all-reduce, the cut after it, the server link that cut shares) against
 the pipeline's time, what one replica fewer would take, and its memory per
-worker, with and without recomputation, against ``--memory``.
+worker, with and without recomputation, against ``--memory``; on a topology of
+several servers, also where its workers sit, where its ranks start.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from dreampipe.planning.costs import RangeCosts
 from dreampipe.planning.memory_terms import STATELESS, OptimizerTerms
@@ -73,10 +76,39 @@ def _split(stage: Stage, costs: RangeCosts, memory_bytes: int | None) -> str:
             "the all-reduce of whole weights on top")
 
 
+#: The most runs of workers a stage's place lists before it only counts the rest.
+_RUNS = 4
+
+
+def _runs(values: Sequence[int]) -> str:
+    """Sorted ``values`` as runs (``0-2, 8-10``), the first :data:`_RUNS` of them."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:_RUNS])
+    return text if len(runs) <= _RUNS else f"{text} and {len(runs) - _RUNS} more runs"
+
+
+def _place(workers: Sequence[int], per_server: int) -> str:
+    """Where a stage's ``workers`` sit on servers of ``per_server``: the same workers of
+    each of its servers where they are, else the workers themselves."""
+    servers = sorted({w // per_server for w in workers})
+    local = {tuple(sorted(w % per_server for w in workers if w // per_server == k))
+             for k in servers}
+    if len(servers) > 1 and len(local) == 1:
+        return f"workers {_runs(next(iter(local)))} of servers {_runs(servers)}"
+    return f"worker{'s' if len(workers) > 1 else ''} {_runs(sorted(workers))}"
+
+
 def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None,
-                  optimizer: OptimizerTerms = STATELESS) -> list[str]:
-    """One line per stage: its slowest term, its replicas, split, recomputation and memory
-    (beside what ``optimizer`` holds)."""
+                  optimizer: OptimizerTerms = STATELESS, per_server: int | None = None
+                  ) -> list[str]:
+    """One line per stage: where it sits on servers of ``per_server`` workers (None: one
+    server), its slowest term, its replicas, split, recomputation and memory (beside what
+    ``optimizer`` holds)."""
     costs = RangeCosts.of(graph, optimizer)
     pipeline_s = result.time_per_minibatch_s
     lines = []
@@ -84,8 +116,9 @@ def stage_reasons(result: Plan, graph: LayerGraph, memory_bytes: int | None,
         terms = _terms(stage)
         name = max(terms, key=lambda k: terms[k])
         share = terms[name] / pipeline_s if pipeline_s > 0 else 0.0
+        where = "" if per_server is None else f"on {_place(result.stage_workers(s), per_server)}; "
         lines.append(
-            f"stage {s}: {_replicas(stage, pipeline_s)}; slowest term {name} "
+            f"stage {s}: {where}{_replicas(stage, pipeline_s)}; slowest term {name} "
             f"{terms[name] * 1e3:.2f} ms ({share:.0%} of the pipeline's time); "
             f"{_memory(stage, costs, memory_bytes)}"
         )
