@@ -74,6 +74,8 @@ SECTIONS: tuple[Section, ...] = (
             "python benchmarks/bench_simulator.py --write-docs"),
     Section("plan-vs-simulated", "The planner's prediction against the simulator",
             "python benchmarks/plan_vs_simulated.py --write-docs"),
+    Section("placement-link", "A plan's placement on two nodes: measured against predicted",
+            "python benchmarks/placement_link.py --write-docs"),
     Section("schedule-efficiency", "How much of the planner's bound 1F1B-RR reaches",
             "python benchmarks/schedule_efficiency.py --write-docs"),
     Section("operator-search", "Operator search time",

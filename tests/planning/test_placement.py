@@ -249,6 +249,8 @@ def test_stages_copied_onto_other_servers_are_moved_from_rank_order() -> None:
     assert moved_stages(Plan.from_config(2, [0, 1], [2, 2])) == ()
     assert rank_workers(copied) == ((0, 1), (2, 1), (1, 1), (3, 1))
     assert [copied.stage_of_rank(w) for w in range(4)] == [0, 1, 0, 1]
+    assert "x2 ranks [0, 1] on workers [0, 2]" in str(copied)
+    assert "on workers" not in str(Plan.from_config(2, [0, 1], [2, 2]))
     assert rank_workers(half) == ((0, 1), (1, 1), (2, 1), (3, 1))
     assert rank_workers(Plan.from_config(2, [0, 1], [2, 2])) == rank_workers(half)
     far = dataclasses.replace(copied, stages=(

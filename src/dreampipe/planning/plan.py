@@ -406,8 +406,7 @@ class Plan:
             if st.tensor_parallel > 1:
                 split = (f" split over {st.tensor_parallel} workers "
                          f"({' '.join(x.value for x in st.splits)})")
-            lines.append(
-                f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas}{split} "
-                f"ranks {list(st.ranks)}"
-            )
+            laid = f" on workers {list(self.stage_workers(s))}" if st.workers else ""
+            lines.append(f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas}"
+                         f"{split} ranks {list(st.ranks)}{laid}")
         return "\n".join(lines)
