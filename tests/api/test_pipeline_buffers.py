@@ -264,6 +264,31 @@ def test_a_replicated_stage_gives_a_module_it_never_calls_no_gradient() -> None:
 
 
 @pytest.mark.timeout(240)
+def test_zero_shards_by_process_where_a_plan_lays_replicas_out_of_order() -> None:
+    """Stage 0's first replica on worker 2 and its second on worker 0: its replica group
+    numbers them by process, and so do its ZeRO shards, so every level trains as the
+    plan in rank order does, bit for bit."""
+    case = find_case("spare")
+    names = [n for n, _ in split_layers(case.build(), case.example(0, 1)[0])]
+    plan = Plan.from_config(len(names), [0, names.index(case.split_points[0])], [2, 1])
+    laid = dataclasses.replace(plan, stages=(
+        dataclasses.replace(plan.stages[0], workers=(2, 0)),
+        dataclasses.replace(plan.stages[1], workers=(1,))))
+    jobs = [{"case": "spare", "plan": p, "schedule": schedule, "seed": _SEED, "steps": 3,
+             "minibatch": _MINIBATCH, "microbatches": 1 if schedule == "pipedream" else _MICRO,
+             "lr": 0.05, "optimizer": "adamw", "zero": zero}
+            for zero, schedule in ((1, "1f1b-flush"), (2, "pipedream"), (3, "1f1b-flush"))
+            for p in (plan, laid)]
+    out = run_processes(train_cases, 3, jobs, deadline_s=200.0)[0]
+    assert out is not None
+    for k in range(0, len(jobs), 2):
+        want, got = out[k], out[k + 1]
+        assert got["sharded"][2] and got["losses"] == want["losses"], jobs[k]
+        for key, value in want["state"].items():
+            assert torch.equal(got["state"][key], value), (jobs[k]["zero"], key)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("laid", [None, ((2, 0), (1,))])
 def test_evaluate_on_replicas_uses_the_first_replicas_statistics(
         laid: tuple[tuple[int, ...], ...] | None, tmp_path: Path) -> None:

@@ -192,7 +192,7 @@ class Pipeline:
             modules = build_modules(
                 self._layers, self.plan, self._my_stages(), self.device, talk.mesh,
                 optimizer=optimizer, loss_fn=loss_fn, config=self.config, rank=self.srank,
-                start=tied.start)
+                start=tied.start, firsts=talk.routes.firsts)
             check_tie_groups(ties, modules)
             delayed = None if self.kind.synchronous else self._segments.build(HORIZON)
             applied = compensate_modules(  # before the schedulers: they keep the rates they see

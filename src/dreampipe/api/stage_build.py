@@ -48,15 +48,16 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
                   mesh: DeviceMesh | None, *,
                   optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
                   loss_fn: Callable[..., Any], config: TrainConfig, rank: int = 0,
-                  start: Callable[[Mapping[int, nn.Module]], None] | None = None
-                  ) -> list[StageModule]:
+                  start: Callable[[Mapping[int, nn.Module]], None] | None = None,
+                  firsts: Sequence[int] = ()) -> list[StageModule]:
     """One StageModule per stage in ``stages``, each with the user's ``optimizer`` and
     ``loss_fn`` and the config's weight stashing, vertical sync, gradient kernels and
     seed; a split stage's share on ``mesh``; the blocks it recomputes (a stage the plan
     recomputes whole does that instead; a stage of fewer blocks than asked recomputes
     them all); its ZeRO level (the plan's stage's, else the config's) and schedule rank
-    ``rank``'s replica of it. ``start`` sees the stages as built, before their optimizers
-    cast or shard them (where tied weights take their first stage's value)."""
+    ``rank``'s shard of it (``firsts``: each schedule rank's first process, rank order
+    where empty). ``start`` sees the stages as built, before their optimizers cast or
+    shard them (where tied weights take their first stage's value)."""
     spec = config.block_recompute()
     if spec is not None:
         spec = spec.for_model(*(m for _, m in layers))
@@ -84,18 +85,22 @@ def build_modules(layers: Layers, plan: Plan, stages: Iterable[int], device: tor
             else LinearGradients.of(config.fused_accumulation), recompute=st.recompute,
             precision=config.number_formats,
             blocks=None if st.recompute else _stage_spec(spec, module),
-            zero=_zero_place(plan, stage, rank, config.zero),
+            zero=_zero_place(plan, stage, rank, config.zero, firsts),
         ))
     return modules
 
 
-def _zero_place(plan: Plan, stage: int, rank: int, level: int) -> ZeroPlace | None:
-    """Stage ``stage``'s ZeRO level and ``rank``'s replica of it; None at level 0 or when
-    the stage is not replicated (interleaving, one replica)."""
+def _zero_place(plan: Plan, stage: int, rank: int, level: int, firsts: Sequence[int]
+                ) -> ZeroPlace | None:
+    """Stage ``stage``'s ZeRO level and ``rank``'s shard of it: its place among the
+    stage's replicas by process (``firsts``: each schedule rank's first; rank order where
+    empty), as its all-reduce group numbers them; None at level 0 or when the stage is
+    not replicated (interleaving, one replica)."""
     st, level = plan.stages[stage], plan.zero_levels(level)[stage]
     if level == 0 or st.replicas == 1 or rank not in st.ranks:
         return None
-    return ZeroPlace(level, st.ranks.index(rank), st.replicas)
+    order = sorted(st.ranks, key=lambda r: firsts[r]) if firsts else list(st.ranks)
+    return ZeroPlace(level, order.index(rank), st.replicas)
 
 
 def _stage_spec(spec: BlockRecompute | None, stage: nn.Module) -> BlockRecompute | None:
