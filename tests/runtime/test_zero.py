@@ -45,6 +45,7 @@ from .reference_formats import reference_formats
 from .runs import train_run
 from .zero_workers import (
     branch_rank,
+    child_weight_rank,
     mixed_dtype_rank,
     per_use_rank,
     scatter_rank,
@@ -413,6 +414,16 @@ def test_replicas_whose_data_picks_other_weights_stop_before_the_update(apart: b
             assert "gathered different weights for one use" in got and "zero=2" in got
         else:
             assert got == ""
+
+
+@pytest.mark.timeout(120)
+def test_a_weight_read_without_calling_its_module_is_refused_with_the_fix() -> None:
+    """Per use, a module's weights are gathered as it runs: a parent's F.linear of its
+    child's weight reads the shard's empty storage, which stops with the fix named, not
+    torch's message about a storage of size 0."""
+    for got in run_processes(child_weight_rank, 2, None, deadline_s=60.0):
+        assert "zero=3 on stage 0: its forward read a weight whose module it did not call" \
+            in got and "call the module (self.fc(x)), or shard this stage at zero=2" in got
 
 
 def _decay_matrices(params: list[nn.Parameter]) -> torch.optim.Optimizer:

@@ -222,6 +222,36 @@ def branch_rank(rank: int, world: int, apart: bool) -> str:
     return ""
 
 
+class _ReadsChildWeight(torch.nn.Module):
+    """A block that reads its child's weight with ``F.linear`` without calling the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.linear(x, self.fc.weight, self.fc.bias)
+
+
+def child_weight_rank(rank: int, world: int, _: None) -> str:
+    """A stage of :class:`_ReadsChildWeight` at ZeRO level 3 per use on ``world``
+    replicas, one forward: what it raised, "" for nothing."""
+    import torch.distributed as dist
+
+    from dreampipe.errors import ConfigError
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    st, _zero = _per_use_stage(_ReadsChildWeight(), rank, world)
+    try:
+        st.forward(0, torch.randn(2, 4), target=torch.randn(2, 4))
+    except ConfigError as exc:
+        return str(exc)
+    finally:
+        dist.destroy_process_group()
+    return ""
+
+
 def scatter_rank(rank: int, world: int, _: None) -> dict[str, Any]:
     """A stage of five Linears at ZeRO level 2 on ``world`` replicas, a bucket per
     parameter, two microbatches a round: the most gradient bytes alive at once in the

@@ -19,14 +19,14 @@ checkpoint's weights gather them for the while
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
-from dreampipe.errors import ScheduleError
+from dreampipe.errors import ConfigError, ScheduleError
 from dreampipe.profiling.heap import glibc
 from dreampipe.runtime.precision import MasterWeights, Precision
 from dreampipe.runtime.zero import ZeroPlace, ZeroShards
@@ -192,9 +192,23 @@ class ZeroParams(ZeroShards):
                 else self._gather([i])[0])
         return full.as_strided(saved.size, saved.stride, saved.offset)
 
-    def saving(self) -> AbstractContextManager[None]:
-        """Around a forward: the weights it saves for its backward kept as references."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around a forward: the weights it saves for its backward kept as references. A
+        weight read while sharded, whose module the forward did not call
+        (``F.linear(x, self.fc.weight)`` in its parent's forward), stops it with the fix."""
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        except RuntimeError as exc:
+            if not self.per_use or "storage of size 0" not in str(exc):
+                raise
+            raise ConfigError(
+                f"zero=3 on stage {self._stage}: its forward read a weight whose module it "
+                "did not call (such as F.linear(x, self.fc.weight) in the parent's "
+                "forward), which ZeRO level 3 had not gathered: it gathers a module's "
+                "weights as that module runs; call the module (self.fc(x)), or shard this "
+                "stage at zero=2 or below", "zero") from exc
 
     @contextmanager
     def backward(self) -> Iterator[None]:
