@@ -384,29 +384,6 @@ class Plan:
         Path(path).write_text(self.to_json(extra) + "\n")
 
     def __str__(self) -> str:
-        head = f"plan {self.config} for {self.model or 'model'} on {self.workers_used} workers"
-        if self.virtual_stages > 1:
-            head += f", {self.virtual_stages} stages per worker"
-            head += " in a V" if self.placement is Placement.V else ""
-        if self.time_per_minibatch_s > 0:  # a minibatch here is the profile's batch
-            rate = self.throughput_minibatches_per_s
-            head += (
-                f": {self.time_per_minibatch_s * 1e3:.2f} ms per profiled batch of "
-                f"{self.batch_size} samples, {rate * self.batch_size:.1f} samples/s"
-                if self.batch_size else
-                f": {self.time_per_minibatch_s * 1e3:.2f} ms per profiled batch, "
-                f"{rate:.2f} batches/s"
-            ) + " by the planner's objective"
-        lines = [head]
-        for s, st in enumerate(self.stages):
-            names = ""
-            if self.layer_names:
-                names = f" ({self.layer_names[st.first]} .. {self.layer_names[st.last]})"
-            split = ""
-            if st.tensor_parallel > 1:
-                split = (f" split over {st.tensor_parallel} workers "
-                         f"({' '.join(x.value for x in st.splits)})")
-            laid = f" on workers {list(self.stage_workers(s))}" if st.workers else ""
-            lines.append(f"  stage {s}: layers {st.first}..{st.last}{names} x{st.replicas}"
-                         f"{split} ranks {list(st.ranks)}{laid}")
-        return "\n".join(lines)
+        from dreampipe.planning.plan_text import plan_text  # it reads this class
+
+        return plan_text(self)
