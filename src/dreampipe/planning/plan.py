@@ -39,6 +39,7 @@ from dreampipe.planning.placement import (
 )
 from dreampipe.planning.plan_checks import PlanFields, check_agrees, read_stages
 from dreampipe.planning.plan_stage import Stage, check_figure
+from dreampipe.planning.plan_text import plan_text
 
 __all__ = ["PLAN_FORMAT", "Heuristic", "Plan", "Stage"]
 
@@ -384,6 +385,4 @@ class Plan:
         Path(path).write_text(self.to_json(extra) + "\n")
 
     def __str__(self) -> str:
-        from dreampipe.planning.plan_text import plan_text  # it reads this class
-
         return plan_text(self)

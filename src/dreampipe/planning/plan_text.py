@@ -8,14 +8,49 @@ ranks and, where the plan names them, the workers it lays the stage on (docs/des
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from dreampipe.planning.placement import Placement
-
-if TYPE_CHECKING:
-    from dreampipe.planning.plan import Plan
+from dreampipe.planning.plan_stage import Stage
 
 __all__ = ["plan_text"]
+
+
+class Plan(Protocol):
+    """What the text reads of a :class:`~dreampipe.planning.plan.Plan` (which prints itself
+    with this module, so it is not imported here)."""
+
+    @property
+    def model(self) -> str: ...
+
+    @property
+    def virtual_stages(self) -> int: ...
+
+    @property
+    def placement(self) -> Placement: ...
+
+    @property
+    def time_per_minibatch_s(self) -> float: ...
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def stages(self) -> tuple[Stage, ...]: ...
+
+    @property
+    def layer_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def config(self) -> str: ...
+
+    @property
+    def workers_used(self) -> int: ...
+
+    @property
+    def throughput_minibatches_per_s(self) -> float: ...
+
+    def stage_workers(self, s: int) -> tuple[int, ...]: ...
 
 
 def plan_text(plan: Plan) -> str:
