@@ -34,6 +34,7 @@ from dreampipe.planning.placement import (
     check_placement,
     position_firsts,
     rank_stages,
+    rank_workers,
     stage_ranks,
     stray_stage,
 )
@@ -246,14 +247,14 @@ class Plan:
         return tuple(run if st.zero is None else st.zero for st in self.stages)
 
     def stage_of_rank(self, rank: int) -> int:
-        """The stage process ``rank`` runs: that of the ``rank``-th of the workers the plan
-        lays its stages on (:meth:`stage_workers`, ``placement.rank_workers``); its first
-        where it runs several (:meth:`stages_of_rank`)."""
-        laid = [self.stage_workers(s) for s in range(len(self._rank_stages))]
-        ordered = sorted(w for ws in laid for w in ws)
-        if not 0 <= rank < len(ordered):
+        """The stage process ``rank`` runs, where ``placement.rank_workers`` starts its
+        schedule rank; its first where it runs several (:meth:`stages_of_rank`)."""
+        placed = rank_workers(self)
+        held = next((r for r, (first, t) in enumerate(placed) if first <= rank < first + t),
+                    None)
+        if held is None:
             raise PlanError(f"rank {rank} is not in this plan of {self.workers_used} workers")
-        return next(s for s, ws in enumerate(laid) if ordered[rank] in ws)
+        return next(s for s, st in enumerate(self._rank_stages) if held in st.ranks)
 
     def placed(self, placement: Placement) -> Plan:
         """This plan of several stages per rank in ``placement``: each stage on the rank

@@ -107,8 +107,7 @@ def routed_groups(plan: Plan, worker: int, *, made: list[Any] | None = None
     replicated stage the all-reduce group of ``worker``'s place. Every rank creates all,
     in this order."""
     routes = Routes.of(plan, worker)
-    world = sorted(f + k for f, w in zip(routes.firsts, routes.widths, strict=True)
-                   for k in range(w))
+    world = list(range(plan.workers_used))
     links = Links(dist.new_group(world), dist.new_group(world), routes)
     made_here = [links.fwd, links.bwd]
     groups = {}
